@@ -1,0 +1,142 @@
+"""Process lifecycle shared by every rlbus component: set up, report ready, run, close.
+
+A component is a subclass of :class:`Component` (its logic lives in a separate, socket-free
+class) started by ``busctl`` as ``python -m <module> --run-dir DIR --name NAME --index I``.
+:func:`component_main` gives every component the same fixed lifecycle:
+
+1. load the resolved ``config.yaml`` of the run, log to stderr (busctl sends it to
+   ``logs/NAME.log``), die with the supervisor (``PR_SET_PDEATHSIG``), turn SIGTERM/SIGINT into a
+   stop request;
+2. serve Prometheus metrics; ``setup()``; send :class:`bus.messages.ComponentReady` to the
+   supervisor (the startup handshake);
+3. ``run()`` until done or stopped; ``close()`` in a ``finally``; exit 0, or 1 after logging
+   the exception (the broad ``except`` lives only here, at the process boundary).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import zmq
+
+from bus.messages import ComponentReady, Message, new_id
+from bus.metrics import serve_metrics
+from bus.sockets import BusSocket
+from bus.topics import Endpoints
+from configs.schema import RunConfig, load_config
+
+log = logging.getLogger(__name__)
+
+READY_SEND_TIMEOUT_S = 10.0
+"""How long a component tries to deliver its ready handshake, seconds."""
+
+
+class Component:
+    """Base of a component process: owns the zmq context, its sockets and the stop event.
+
+    Args:
+        cfg: the run's resolved config. name: e.g. ``"rewards-1"``. index: replica index.
+    """
+
+    def __init__(self, cfg: RunConfig, name: str, index: int) -> None:
+        self.cfg = cfg
+        self.name = name
+        self.index = index
+        self.run_dir = Path(cfg.run_dir)
+        self.stop = threading.Event()
+        self.ctx = zmq.Context()
+        self.endpoints = Endpoints(cfg.bus.transport, self.run_dir, cfg.bus.host, cfg.bus.base_port)
+        self._sockets: list[BusSocket] = []
+
+    def socket(
+        self,
+        topic: str,
+        direction: str,
+        endpoint: str | list[str],
+        *,
+        bind: bool,
+        accept: tuple[type[Message], ...] | None = None,
+    ) -> BusSocket:
+        """Open a :class:`BusSocket` (see its arguments) that :meth:`close` will close."""
+        sock = BusSocket(self.ctx, topic, direction, endpoint, bind=bind, stop=self.stop, accept=accept)
+        self._sockets.append(sock)
+        return sock
+
+    def control_publisher(self) -> BusSocket:
+        """A PUB socket connected to the control hub."""
+        return self.socket("control_pub", "send", self.endpoints.address("control_pub"), bind=False)
+
+    def control_subscriber(self) -> BusSocket:
+        """A SUB socket connected to the control hub (subscribed to everything)."""
+        return self.socket("control_sub", "recv", self.endpoints.address("control_sub"), bind=False)
+
+    def setup(self) -> None:
+        """Open sockets and load what the component needs; called before the ready handshake."""
+
+    def run(self) -> None:
+        """The component's main loop; returns when done or when ``self.stop`` is set."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release everything; always called, also after a failure."""
+        for sock in self._sockets:
+            sock.close()
+        self.ctx.term()
+
+    def report_ready(self, metrics_port: int) -> None:
+        """Send the startup handshake to the supervisor (best effort when run standalone)."""
+        sock = BusSocket(self.ctx, "supervisor", "send", self.endpoints.address("supervisor"), bind=False, stop=self.stop)
+        try:
+            msg: Message = ComponentReady(id=new_id(), name=self.name, pid=os.getpid(), metrics_port=metrics_port)
+            if not sock.send(msg, timeout_s=READY_SEND_TIMEOUT_S):
+                log.warning("no supervisor took the ready handshake; running standalone")
+        finally:
+            sock.close()
+
+
+def die_with_parent() -> None:
+    """Ask Linux to send SIGTERM to this process when its parent (the supervisor) dies."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def component_main(cls: type[Component], argv: list[str] | None = None) -> int:
+    """Run a component through its lifecycle; returns the process exit code."""
+    parser = argparse.ArgumentParser(description=f"rlbus component {cls.__name__}")
+    parser.add_argument("--run-dir", required=True, help="run directory holding config.yaml")
+    parser.add_argument("--name", required=True, help="component name, e.g. rewards-0")
+    parser.add_argument("--index", type=int, default=0, help="replica index")
+    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: any free port)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s {args.name} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+    die_with_parent()
+    cfg = load_config(Path(args.run_dir) / "config.yaml")
+    comp = cls(cfg, args.name, args.index)
+    signal.signal(signal.SIGTERM, lambda *_: comp.stop.set())
+    signal.signal(signal.SIGINT, lambda *_: comp.stop.set())
+    try:
+        port = serve_metrics(args.metrics_port)
+        comp.setup()
+        comp.report_ready(port)
+        log.info("ready (pid %d, metrics on :%d)", os.getpid(), port)
+        comp.run()
+        log.info("finished")
+        return 0
+    except Exception:
+        log.exception("%s failed", args.name)
+        return 1
+    finally:
+        comp.close()

@@ -1,0 +1,409 @@
+"""Every message type that travels on the rlbus bus, in one module.
+
+Each type is a frozen dataclass with a ``TYPE`` string; scalar fields travel in the msgpack
+header, fields declared with :func:`array_field` travel as raw frames (see :mod:`bus.wire`).
+``encode(msg) -> frames`` and ``decode(frames) -> msg`` round-trip exactly, and ``decode``
+validates every field (type, dtype, rank, size, cross-field consistency) and raises
+:class:`bus.wire.WireError` on anything else. Unknown types raise too.
+
+Data topics carry one *group* per message on ``rollouts`` and ``scored`` so that any reward
+worker can compute a group's advantages alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from bus.wire import (
+    SCHEMA_VERSION,
+    ArraySpec,
+    WireError,
+    array_descriptor,
+    decode_arrays,
+    pack_header,
+    unpack_header,
+)
+
+
+def array_field(dtype: str, ndim: int = 1) -> Any:
+    """Declare a dataclass field that travels as a raw array frame of ``dtype`` and rank ``ndim``."""
+    return field(metadata={"array": ArraySpec(dtype, ndim)})
+
+
+def new_id() -> str:
+    """A fresh message id (uuid4 hex, 32 chars)."""
+    return uuid.uuid4().hex
+
+
+_SCALAR_CHECKS: dict[Any, Any] = {
+    int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+    float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    str: lambda v: isinstance(v, str),
+    bool: lambda v: isinstance(v, bool),
+    dict: lambda v: isinstance(v, dict),
+    list: lambda v: isinstance(v, list),
+    list[str]: lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    dict[str, float]: lambda v: isinstance(v, dict)
+    and all(isinstance(k, str) and isinstance(x, (int, float)) for k, x in v.items()),
+}
+
+
+@dataclass(frozen=True, eq=False)
+class Message:
+    """Base of all message types.
+
+    Fields:
+        id: unique id of this message (a group id on data topics; consumers dedupe by it).
+    """
+
+    TYPE: ClassVar[str] = ""
+    id: str
+
+    def check(self) -> None:
+        """Cross-field consistency checks of a decoded message; raises ``WireError('inconsistent')``."""
+
+    @classmethod
+    def array_specs(cls) -> dict[str, ArraySpec]:
+        return {f.name: f.metadata["array"] for f in dataclasses.fields(cls) if "array" in f.metadata}
+
+
+# ------------------------------------------------------------------------------------------------
+# Data topics
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class Prompt(Message):
+    """One prompt, from the prompt source to a rollout producer (topic ``prompts``).
+
+    Fields:
+        index: position of the prompt in the issue order (0, 1, 2, ...).
+        step: the optimizer step this prompt was issued for (gating: issued only while
+            ``trainer_version >= step - max_async_level``).
+        task: task name, selects the reward function downstream.
+        messages: chat messages ``[{"role": str, "content": str}, ...]`` to render with the
+            policy's chat template.
+        info: task data for the verifier (e.g. ``{"target": "cba"}``); JSON-like values only.
+    """
+
+    TYPE: ClassVar[str] = "prompt"
+    index: int
+    step: int
+    task: str
+    messages: list
+    info: dict
+
+
+@dataclass(frozen=True, eq=False)
+class RolloutGroup(Message):
+    """The G completions of one prompt, from a producer to a reward worker (topic ``rollouts``).
+
+    ``id`` is the prompt id. Sample ``j`` owns ``completion_ids[offsets[j]:offsets[j+1]]`` where
+    ``offsets = [0, *cumsum(completion_lens)]``.
+
+    Fields:
+        prompt_index, step, task, info: copied from the :class:`Prompt`.
+        producer: name of the producer that sampled the group.
+        completion_texts: ``[G]`` decoded completions.
+        finish_reasons: ``[G]`` vLLM finish reasons (``"stop"``, ``"length"``, ...).
+        prompt_ids: ``[P] int32`` prompt token ids (chat template applied).
+        completion_ids: ``[N] int32`` all completions' token ids, concatenated (N = sum of lens).
+        completion_lens: ``[G] int32`` tokens per completion.
+        logprobs: ``[N] float32`` log-probability of each sampled token under the sampling policy
+            (nats, after temperature scaling if the sampler used one).
+        version_start: ``[G] int64`` policy version in effect at the sample's first token.
+        version_end: ``[G] int64`` policy version in effect at the sample's last token.
+        gen_time_s: wall time the producer spent generating the group, seconds.
+    """
+
+    TYPE: ClassVar[str] = "rollout"
+    prompt_index: int
+    step: int
+    task: str
+    info: dict
+    producer: str
+    completion_texts: list[str]
+    finish_reasons: list[str]
+    gen_time_s: float
+    prompt_ids: np.ndarray = array_field("int32")
+    completion_ids: np.ndarray = array_field("int32")
+    completion_lens: np.ndarray = array_field("int32")
+    logprobs: np.ndarray = array_field("float32")
+    version_start: np.ndarray = array_field("int64")
+    version_end: np.ndarray = array_field("int64")
+
+    @property
+    def group_size(self) -> int:
+        return len(self.completion_lens)
+
+    def check(self) -> None:
+        g = len(self.completion_lens)
+        if g == 0:
+            raise WireError("inconsistent", "a group needs at least one completion")
+        if (self.completion_lens < 0).any() or int(self.completion_lens.sum()) != len(self.completion_ids):
+            raise WireError("inconsistent", "completion_lens must be >= 0 and sum to len(completion_ids)")
+        if len(self.logprobs) != len(self.completion_ids):
+            raise WireError("inconsistent", "logprobs and completion_ids differ in length")
+        for name in ("version_start", "version_end", "completion_texts", "finish_reasons"):
+            if len(getattr(self, name)) != g:
+                raise WireError("inconsistent", f"{name} must have one entry per completion ({g})")
+        if (self.version_end < self.version_start).any() or (self.version_start < 0).any():
+            raise WireError("inconsistent", "need 0 <= version_start <= version_end")
+
+    def completion(self, j: int) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids ``[L_j] int32`` and logprobs ``[L_j] float32`` of sample ``j``."""
+        offsets = np.concatenate([[0], np.cumsum(self.completion_lens)])
+        return (
+            self.completion_ids[offsets[j] : offsets[j + 1]],
+            self.logprobs[offsets[j] : offsets[j + 1]],
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class ScoredGroup(RolloutGroup):
+    """A :class:`RolloutGroup` with rewards and advantages, from a reward worker to the packer
+    (topic ``scored``).
+
+    Fields:
+        reward_worker: name of the worker that scored the group.
+        rewards: ``[G] float32`` reward of each completion.
+        advantages: ``[G] float32`` group-relative advantage of each completion.
+    """
+
+    TYPE: ClassVar[str] = "scored"
+    reward_worker: str
+    rewards: np.ndarray = array_field("float32")
+    advantages: np.ndarray = array_field("float32")
+
+    def check(self) -> None:
+        super().check()
+        if len(self.rewards) != self.group_size or len(self.advantages) != self.group_size:
+            raise WireError("inconsistent", "rewards and advantages need one entry per completion")
+        if not (np.isfinite(self.rewards).all() and np.isfinite(self.advantages).all()):
+            raise WireError("inconsistent", "rewards and advantages must be finite")
+
+
+@dataclass(frozen=True, eq=False)
+class MicroBatch(Message):
+    """One packed, padding-free micro-batch, from the packer to the trainer (topic ``batches``).
+
+    The ``S`` samples are concatenated into one row of ``T`` tokens; sample ``k`` is
+    ``prompt + completion`` and its positions restart at 0. ``id`` is ``"{step}:{micro_index}"``.
+
+    Fields:
+        step: optimizer step this micro-batch belongs to (0-based).
+        micro_index: index of this micro-batch within the step.
+        num_micro_batches: micro-batches in the step; the trainer steps after the last one.
+        step_loss_tokens: loss tokens in the whole step (normalizer of the token-mean loss).
+        sample_ids: ``[S]`` ``"{group_id}/{j}"`` ids of the packed samples.
+        input_ids: ``[T] int32`` packed token ids.
+        seq_lens: ``[S] int32`` tokens per sample (sum = T).
+        loss_mask: ``[T] bool`` True on completion tokens that the loss uses.
+        inference_logprobs: ``[T] float32`` sampler logprob of each completion token (0 elsewhere).
+        advantages: ``[T] float32`` the sample's advantage on each of its tokens.
+        rewards: ``[S] float32`` reward of each sample.
+        versions: ``[S] int64`` oldest policy version each sample was generated under.
+    """
+
+    TYPE: ClassVar[str] = "micro_batch"
+    step: int
+    micro_index: int
+    num_micro_batches: int
+    step_loss_tokens: int
+    sample_ids: list[str]
+    input_ids: np.ndarray = array_field("int32")
+    seq_lens: np.ndarray = array_field("int32")
+    loss_mask: np.ndarray = array_field("bool")
+    inference_logprobs: np.ndarray = array_field("float32")
+    advantages: np.ndarray = array_field("float32")
+    rewards: np.ndarray = array_field("float32")
+    versions: np.ndarray = array_field("int64")
+
+    def check(self) -> None:
+        t, s = len(self.input_ids), len(self.seq_lens)
+        if not 0 <= self.micro_index < self.num_micro_batches or self.step < 0:
+            raise WireError("inconsistent", "need step >= 0 and 0 <= micro_index < num_micro_batches")
+        if (self.seq_lens <= 0).any() or int(self.seq_lens.sum()) != t:
+            raise WireError("inconsistent", "seq_lens must be positive and sum to len(input_ids)")
+        for name in ("loss_mask", "inference_logprobs", "advantages"):
+            if len(getattr(self, name)) != t:
+                raise WireError("inconsistent", f"{name} must have one entry per token ({t})")
+        for name in ("rewards", "versions", "sample_ids"):
+            if len(getattr(self, name)) != s:
+                raise WireError("inconsistent", f"{name} must have one entry per sample ({s})")
+
+
+# ------------------------------------------------------------------------------------------------
+# Control channel (PUB/SUB through the hub) and supervisor handshake
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class WeightsReady(Message):
+    """Announces new policy weights (broadcaster -> producers, control channel).
+
+    Fields:
+        version: the new policy version (= optimizer steps taken).
+        method: ``"broadcast"`` (torch.distributed, tensors follow in ``manifest`` order) or
+            ``"filesystem"`` (a safetensors directory at ``path`` with a READY marker).
+        manifest: ``[[name, dtype, shape], ...]`` tensors in broadcast order (HF names).
+        path: directory of the weights for ``filesystem``; ``""`` otherwise.
+        num_bytes: payload size, bytes.
+    """
+
+    TYPE: ClassVar[str] = "weights.ready"
+    version: int
+    method: str
+    manifest: list
+    path: str
+    num_bytes: int
+
+
+@dataclass(frozen=True, eq=False)
+class WeightsApplied(Message):
+    """A producer has loaded ``version`` and tags later tokens with it (control channel).
+
+    Fields:
+        producer: producer name. version: the version now in effect.
+        apply_time_s: pause + receive + load + resume, seconds.
+    """
+
+    TYPE: ClassVar[str] = "weights.applied"
+    producer: str
+    version: int
+    apply_time_s: float
+
+
+@dataclass(frozen=True, eq=False)
+class TrainerStep(Message):
+    """The trainer finished optimizer step ``step`` and is now at policy ``version``.
+
+    Fields:
+        metrics: the step's flat metrics (``reward_mean``, ``loss``, ``kl``, ...; floats).
+    """
+
+    TYPE: ClassVar[str] = "trainer.step"
+    step: int
+    version: int
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True, eq=False)
+class GroupsDropped(Message):
+    """The packer dropped groups (never trained); the prompt source issues replacements.
+
+    Fields:
+        group_ids: ids of the dropped groups. reason: e.g. ``"stale"``.
+    """
+
+    TYPE: ClassVar[str] = "groups.dropped"
+    group_ids: list[str]
+    reason: str
+
+
+@dataclass(frozen=True, eq=False)
+class RunDone(Message):
+    """The trainer reached ``max_steps`` (or stopped); components drain and exit.
+
+    Fields:
+        step: last step trained. reason: ``"max_steps"`` or a failure description.
+    """
+
+    TYPE: ClassVar[str] = "run.done"
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True, eq=False)
+class ComponentReady(Message):
+    """Startup handshake, component -> supervisor: set up and serving.
+
+    Fields:
+        name: component name (e.g. ``"rewards-1"``). pid: process id.
+        metrics_port: TCP port of its Prometheus ``/metrics`` endpoint.
+    """
+
+    TYPE: ClassVar[str] = "component.ready"
+    name: str
+    pid: int
+    metrics_port: int
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (
+        Prompt,
+        RolloutGroup,
+        ScoredGroup,
+        MicroBatch,
+        WeightsReady,
+        WeightsApplied,
+        TrainerStep,
+        GroupsDropped,
+        RunDone,
+        ComponentReady,
+    )
+}
+
+
+def _scalar_fields(cls: type[Message]) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if "array" not in f.metadata}
+
+
+def encode(msg: Message) -> list[Any]:
+    """Encode a message to frames ``[header, *array buffers]`` (arrays made C-contiguous).
+
+    Raises:
+        TypeError: ``msg`` is not a registered message type, or an array has the wrong dtype.
+    """
+    cls = type(msg)
+    if MESSAGE_TYPES.get(cls.TYPE) is not cls:
+        raise TypeError(f"{cls.__name__} is not a registered message type")
+    header: dict[str, Any] = {"type": cls.TYPE, "schema": SCHEMA_VERSION}
+    header.update({name: getattr(msg, name) for name in _scalar_fields(cls)})
+    frames: list[Any] = []
+    descriptors = []
+    for name, spec in cls.array_specs().items():
+        arr = np.ascontiguousarray(getattr(msg, name))
+        if not arr.dtype.isnative:  # dtype.name ignores byte order: '>i4' is also "int32"
+            arr = arr.astype(arr.dtype.newbyteorder("="))
+        if arr.dtype.name != spec.dtype or arr.ndim != spec.ndim:
+            raise TypeError(f"{cls.__name__}.{name} must be {spec.dtype} of rank {spec.ndim}, got {arr.dtype}{arr.shape}")
+        descriptors.append(array_descriptor(name, arr))
+        frames.append(arr.data)
+    header["arrays"] = descriptors
+    return [pack_header(header), *frames]
+
+
+def decode(frames: list[Any]) -> Message:
+    """Decode and validate frames into a message.
+
+    Args:
+        frames: ``[header, *array frames]`` as ``zmq.Frame``, ``bytes`` or ``memoryview``.
+
+    Raises:
+        WireError: the message is malformed; ``reason`` says how (see :class:`bus.wire.WireError`).
+    """
+    if not frames:
+        raise WireError("frames", "empty message")
+    head = frames[0]
+    header = unpack_header(head.buffer if hasattr(head, "buffer") else head)
+    cls = MESSAGE_TYPES.get(header["type"])
+    if cls is None:
+        raise WireError("unknown_type", f"unknown message type {header['type']!r}")
+    values: dict[str, Any] = {}
+    for name, hint in _scalar_fields(cls).items():
+        if name not in header or not _SCALAR_CHECKS[hint](header[name]):
+            raise WireError("field", f"{cls.TYPE}.{name} missing or not {hint}")
+        values[name] = header[name]
+    values.update(decode_arrays(header.get("arrays"), frames[1:], cls.array_specs()))
+    msg = cls(**values)
+    msg.check()
+    return msg

@@ -1,0 +1,180 @@
+"""The one socket factory of rlbus and the typed socket wrapper every component uses.
+
+:func:`open_socket` creates every data and control socket with the topic's high-water mark
+(:mod:`bus.topics`), a bounded linger and ``IMMEDIATE`` on senders (no queueing towards peers
+that have not connected yet). :class:`BusSocket` sends and receives typed messages
+(:mod:`bus.messages`), counts messages and bytes per topic and direction, and turns malformed
+input into a counted, logged-once reject instead of an exception.
+
+Backpressure: a blocking topic's ``send`` waits at the HWM (polling so that a stop request is
+honoured) and accounts the wait in ``rlbus_bus_blocked_seconds_total``; PUB never blocks and
+drops at the HWM.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from bus.messages import Message, decode, encode
+from bus.metrics import BUS_BLOCKED_SECONDS, BUS_BYTES, BUS_MESSAGES, BUS_REJECTED
+from bus.topics import TOPICS
+from bus.wire import WireError
+
+log = logging.getLogger(__name__)
+
+LINGER_MS = 500
+"""How long close() may wait to flush unsent messages, milliseconds (never forever)."""
+
+POLL_SLICE_S = 0.1
+"""Blocking sends and receives wake this often to check for a stop request, seconds."""
+
+
+def _frame_bytes(frames: list[Any]) -> int:
+    return sum(f.nbytes if hasattr(f, "nbytes") else len(f) for f in frames)
+
+
+class BusSocket:
+    """A ZeroMQ socket bound to one topic and direction, speaking :mod:`bus.messages`.
+
+    Args:
+        ctx: the process's ``zmq.Context``.
+        topic: a key of :data:`bus.topics.TOPICS`.
+        direction: ``"send"`` or ``"recv"``: which side of the topic this socket is.
+        endpoint: ZeroMQ endpoint string.
+        bind: bind (True) or connect (False).
+        stop: optional event; blocking calls return early once it is set.
+        accept: message types this socket takes; any other decoded type is rejected
+            (reason ``unexpected_type``). None accepts every registered type.
+
+    Raises:
+        ValueError: unknown topic or direction.
+        zmq.ZMQError: the endpoint cannot be bound or connected.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        topic: str,
+        direction: str,
+        endpoint: str | list[str],
+        *,
+        bind: bool,
+        stop: threading.Event | None = None,
+        accept: tuple[type[Message], ...] | None = None,
+    ) -> None:
+        spec = TOPICS.get(topic)
+        if spec is None:
+            raise ValueError(f"unknown topic {topic!r}; known: {sorted(TOPICS)}")
+        if direction not in ("send", "recv"):
+            raise ValueError(f"direction must be 'send' or 'recv', got {direction!r}")
+        self.topic = "control" if spec.name.startswith("control") else spec.name
+        self.direction = direction
+        self.blocks = spec.blocks
+        self._stop = stop or threading.Event()
+        self.accept = accept
+        self._rejected_reasons: set[str] = set()
+        self.sock = ctx.socket(spec.send_type if direction == "send" else spec.recv_type)
+        self.sock.setsockopt(zmq.LINGER, LINGER_MS)
+        self.sock.setsockopt(zmq.SNDHWM if direction == "send" else zmq.RCVHWM, spec.hwm)
+        if self.sock.socket_type in (zmq.PUSH, zmq.DEALER):
+            self.sock.setsockopt(zmq.IMMEDIATE, 1)
+        if self.sock.socket_type == zmq.SUB:
+            self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        for ep in [endpoint] if isinstance(endpoint, str) else endpoint:
+            (self.sock.bind if bind else self.sock.connect)(ep)
+
+    # -- sending ---------------------------------------------------------------------------------
+
+    def send(self, msg: Message, timeout_s: float | None = None) -> bool:
+        """Send ``msg``; on a blocking topic wait at the HWM until there is room.
+
+        Args:
+            msg: the message. timeout_s: give up after this many seconds (None: wait until sent
+                or stopped).
+
+        Returns:
+            True if the message was queued; False on timeout or stop (nothing was sent).
+        """
+        frames = encode(msg)
+        if not self.blocks:
+            try:
+                self.sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return False  # PUB/XPUB at HWM: dropped, by design
+            self._count_sent(frames)
+            return True
+        started = time.monotonic()
+        deadline = None if timeout_s is None else started + timeout_s
+        while not self.sock.poll(int(POLL_SLICE_S * 1000), zmq.POLLOUT):
+            if self._stop.is_set() or (deadline is not None and time.monotonic() >= deadline):
+                BUS_BLOCKED_SECONDS.labels(self.topic).inc(time.monotonic() - started)
+                return False
+        waited = time.monotonic() - started
+        if waited > POLL_SLICE_S / 10:
+            BUS_BLOCKED_SECONDS.labels(self.topic).inc(waited)
+        self.sock.send_multipart(frames, copy=False)
+        self._count_sent(frames)
+        return True
+
+    def _count_sent(self, frames: list[Any]) -> None:
+        BUS_MESSAGES.labels(self.topic, "send").inc()
+        BUS_BYTES.labels(self.topic, "send").inc(_frame_bytes(frames))
+
+    # -- receiving -------------------------------------------------------------------------------
+
+    def recv(self, timeout_s: float | None = None) -> Message | None:
+        """Receive the next valid message.
+
+        Malformed messages are counted in ``rlbus_bus_rejected_total{topic, reason}``, logged
+        once per reason, and skipped.
+
+        Args:
+            timeout_s: wait at most this long, seconds (0: do not wait; None: until stopped).
+
+        Returns:
+            The message, or None on timeout or stop.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            remaining = POLL_SLICE_S if deadline is None else min(POLL_SLICE_S, deadline - time.monotonic())
+            if self.sock.poll(max(0, int(remaining * 1000)), zmq.POLLIN):
+                msg = self.recv_ready()
+                if msg is not None:
+                    return msg
+                continue
+            if self._stop.is_set() or (deadline is not None and time.monotonic() >= deadline):
+                return None
+
+    def recv_ready(self) -> Message | None:
+        """Receive one message that a poller reported ready; None if it was malformed."""
+        frames = self.sock.recv_multipart(copy=False)
+        BUS_MESSAGES.labels(self.topic, "recv").inc()
+        BUS_BYTES.labels(self.topic, "recv").inc(sum(len(f) for f in frames))
+        try:
+            msg = decode(frames)
+        except WireError as exc:
+            self.reject(exc.reason, str(exc))
+            return None
+        except Exception as exc:  # any decoder bug on hostile input is still just a reject
+            self.reject("decode", f"{type(exc).__name__}: {exc}")
+            return None
+        if self.accept is not None and type(msg) not in self.accept:
+            self.reject("unexpected_type", f"{msg.TYPE} is not accepted on {self.topic}")
+            return None
+        return msg
+
+    def reject(self, reason: str, detail: str) -> None:
+        """Count a dropped message and log the first one of each reason."""
+        BUS_REJECTED.labels(self.topic, reason).inc()
+        if reason not in self._rejected_reasons:
+            self._rejected_reasons.add(reason)
+            log.warning("rejected a message on %s (%s); further ones are only counted", self.topic, detail)
+
+    def close(self) -> None:
+        """Close the socket with the bounded linger."""
+        self.sock.close(linger=LINGER_MS)

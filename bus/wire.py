@@ -1,0 +1,160 @@
+"""The rlbus wire format: one msgpack header frame followed by raw array frames.
+
+A message on any rlbus socket is a ZeroMQ multipart message::
+
+    frame 0     msgpack map {"type": str, "schema": int, "id": str, ...fields,
+                             "arrays": [{"name": str, "dtype": str, "shape": [int, ...]}, ...]}
+    frame 1..n  the raw bytes of each array named in "arrays", in that order (C order)
+
+Array frames are sent with ``copy=False`` and received as ``zmq.Frame`` buffers that numpy views
+without copying (pyzmq's zero-copy threshold is 64 KiB; below it copying is cheaper anyway).
+
+Invariants:
+- No pickle and no code execution: the header is plain msgpack (no ext types), arrays are raw
+  numeric buffers of an allowed dtype.
+- Every received frame is validated against hard limits before anything is allocated from it;
+  a bad message raises :class:`WireError` whose ``reason`` is a short label used as the
+  ``reason`` of the ``rlbus_bus_rejected_total`` counter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import msgpack
+import numpy as np
+
+SCHEMA_VERSION = 1
+"""Wire schema version; a receiver rejects any other value (reason ``schema``)."""
+
+ALLOWED_DTYPES = ("bool", "uint8", "int32", "int64", "float32", "float64")
+"""The only array dtypes accepted on the bus (numpy names, little-endian native)."""
+
+MAX_HEADER_BYTES = 4 << 20
+"""Largest accepted header frame, bytes."""
+
+MAX_ARRAYS = 64
+"""Largest number of array frames in one message."""
+
+MAX_ARRAY_BYTES = 1 << 30
+"""Largest accepted array frame, bytes (1 GiB)."""
+
+MAX_NDIM = 4
+"""Largest accepted number of array dimensions."""
+
+# Bounds handed to the msgpack unpacker so a hostile header cannot make it allocate much.
+_UNPACK_LIMITS = dict(
+    max_str_len=1 << 20,
+    max_bin_len=1 << 20,
+    max_array_len=1 << 20,
+    max_map_len=1 << 16,
+    max_ext_len=0,
+)
+
+
+class WireError(ValueError):
+    """A received message violates the wire format.
+
+    Attributes:
+        reason: a short, bounded label (``"header"``, ``"schema"``, ``"unknown_type"``,
+            ``"frames"``, ``"dtype"``, ``"shape"``, ``"size"``, ``"field"``, ``"inconsistent"``)
+            used as the Prometheus label of the reject counter.
+    """
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """Declared dtype and number of dimensions of one array field of a message type."""
+
+    dtype: str
+    ndim: int
+
+
+def pack_header(header: dict[str, Any]) -> bytes:
+    """Serialize a header map with msgpack (``use_bin_type=True``; no ext types).
+
+    Raises:
+        TypeError: a value is not msgpack-serializable (e.g. a numpy scalar or an object).
+    """
+    return msgpack.packb(header, use_bin_type=True)
+
+
+def unpack_header(buf: bytes | memoryview) -> dict[str, Any]:
+    """Parse and bound-check a header frame.
+
+    Raises:
+        WireError: ``header`` when the frame is too large, not msgpack, or not a map with a
+            string ``type``; ``schema`` when ``schema`` differs from :data:`SCHEMA_VERSION`.
+    """
+    if len(buf) > MAX_HEADER_BYTES:
+        raise WireError("header", f"header frame of {len(buf)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(buf, raw=False, strict_map_key=True, **_UNPACK_LIMITS)
+    except Exception as exc:  # msgpack raises several unrelated exception types
+        raise WireError("header", f"not a msgpack map: {type(exc).__name__}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("type"), str):
+        raise WireError("header", "header must be a map with a string 'type'")
+    if header.get("schema") != SCHEMA_VERSION:
+        raise WireError("schema", f"schema {header.get('schema')!r} != {SCHEMA_VERSION}")
+    return header
+
+
+def array_descriptor(name: str, arr: np.ndarray) -> dict[str, Any]:
+    """The ``arrays`` entry for one array: ``{"name", "dtype", "shape"}``."""
+    return {"name": name, "dtype": arr.dtype.name, "shape": list(arr.shape)}
+
+
+def decode_arrays(
+    descriptors: Any, frames: Sequence[Any], specs: dict[str, ArraySpec]
+) -> dict[str, np.ndarray]:
+    """Turn the array frames of a message into numpy arrays, validating every one.
+
+    Args:
+        descriptors: the header's ``arrays`` list.
+        frames: frames 1..n of the message (``zmq.Frame``, ``bytes`` or ``memoryview``).
+        specs: the message type's declared arrays, by field name.
+
+    Returns:
+        One read-only array per declared field; arrays view the frame buffers (zero-copy).
+
+    Raises:
+        WireError: ``frames`` (count or names differ from the declaration), ``dtype``,
+            ``shape`` (bad rank, negative or non-integer dims), ``size`` (frame bytes differ
+            from dtype x shape, or exceed :data:`MAX_ARRAY_BYTES`).
+    """
+    if not isinstance(descriptors, list) or len(descriptors) > MAX_ARRAYS:
+        raise WireError("frames", "'arrays' must be a list of at most %d entries" % MAX_ARRAYS)
+    if len(descriptors) != len(frames):
+        raise WireError("frames", f"{len(descriptors)} arrays declared, {len(frames)} frames sent")
+    out: dict[str, np.ndarray] = {}
+    for desc, frame in zip(descriptors, frames):
+        if not isinstance(desc, dict) or set(desc) != {"name", "dtype", "shape"}:
+            raise WireError("frames", "array descriptor must be {name, dtype, shape}")
+        name, dtype, shape = desc["name"], desc["dtype"], desc["shape"]
+        spec = specs.get(name) if isinstance(name, str) else None
+        if spec is None or name in out:
+            raise WireError("frames", f"unexpected or repeated array {name!r}")
+        if dtype != spec.dtype or dtype not in ALLOWED_DTYPES:
+            raise WireError("dtype", f"array {name!r} has dtype {dtype!r}, expected {spec.dtype}")
+        if (
+            not isinstance(shape, list)
+            or len(shape) != spec.ndim
+            or len(shape) > MAX_NDIM
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        ):
+            raise WireError("shape", f"array {name!r} has shape {shape!r}, expected rank {spec.ndim}")
+        itemsize = np.dtype(dtype).itemsize
+        expected = math.prod(shape) * itemsize
+        buf = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+        if expected > MAX_ARRAY_BYTES or buf.nbytes != expected:
+            raise WireError("size", f"array {name!r}: {buf.nbytes} bytes for {dtype}{shape}")
+        out[name] = np.frombuffer(buf, dtype=dtype).reshape(shape)
+    if set(out) != set(specs):
+        raise WireError("frames", f"missing arrays {sorted(set(specs) - set(out))}")
+    return out

@@ -1,0 +1,168 @@
+"""The rollout producer process: prompts in, one :class:`bus.messages.RolloutGroup` per prompt out.
+
+Each producer owns one vLLM engine (:class:`producers.engine.RolloutEngine`) and runs three kinds
+of asyncio tasks on one event loop:
+
+- the prompt loop PULLs ``prompts`` while fewer than ``max_concurrent_groups`` groups are in
+  flight (so an idle producer takes work and a busy one pushes back);
+- one generation task per prompt samples ``group_size`` completions with per-token logprobs and
+  PUSHes the group on this producer's own ``rollouts`` endpoint (blocking at its HWM);
+- the control loop applies ``weights.ready`` announcements in version order: the engine pauses
+  with in-flight requests kept, receives the weights (torch.distributed broadcast or a
+  safetensors directory), resumes, tags later tokens with the new version, and the producer
+  announces ``weights.applied``.
+
+Socket calls run in worker threads (``asyncio.to_thread``); each socket is only ever used by one
+task at a time (sends on ``rollouts`` are serialized by a lock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import numpy as np
+from prometheus_client import Counter, Histogram
+
+from bus.component import Component, component_main
+from bus.messages import Prompt, RolloutGroup, RunDone, WeightsApplied, WeightsReady, new_id
+from bus.metrics import POLICY_VERSION
+from producers.engine import RolloutEngine
+
+log = logging.getLogger(__name__)
+
+GROUPS_OUT = Counter("rlbus_producer_groups_total", "Groups generated")
+TOKENS_OUT = Counter("rlbus_producer_completion_tokens_total", "Completion tokens generated")
+GEN_SECONDS = Histogram("rlbus_producer_group_seconds", "Time to generate one group, seconds")
+UPDATE_SECONDS = Histogram("rlbus_producer_weight_update_seconds", "Pause + load + resume per weight update, seconds")
+
+
+def group_from_samples(prompt: Prompt, prompt_ids: list[int], samples: list, *, producer: str, gen_time_s: float) -> RolloutGroup:
+    """Assemble a :class:`RolloutGroup` from the engine's samples (see :class:`producers.engine.Sample`)."""
+    return RolloutGroup(
+        id=prompt.id,
+        prompt_index=prompt.index,
+        step=prompt.step,
+        task=prompt.task,
+        info=prompt.info,
+        producer=producer,
+        completion_texts=[s.text for s in samples],
+        finish_reasons=[str(s.finish_reason) for s in samples],
+        gen_time_s=gen_time_s,
+        prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
+        completion_ids=np.asarray([t for s in samples for t in s.token_ids], dtype=np.int32),
+        completion_lens=np.asarray([len(s.token_ids) for s in samples], dtype=np.int32),
+        logprobs=np.asarray([lp for s in samples for lp in s.logprobs], dtype=np.float32),
+        version_start=np.asarray([s.version_start for s in samples], dtype=np.int64),
+        version_end=np.asarray([s.version_end for s in samples], dtype=np.int64),
+    )
+
+
+class ProducerProc(Component):
+    """A rollout producer process (PULL ``prompts``, PUSH ``rollouts/i``, control SUB + PUB)."""
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.loop = asyncio.new_event_loop()
+        self.engine = RolloutEngine(
+            cfg.model.path,
+            max_model_len=cfg.model.max_model_len,
+            kv_cache_bytes=int(cfg.producers.kv_cache_gib * 2**30),
+            seed=cfg.producers.seed + self.index,
+            # post-temperature logprobs: the trainer scores with the same temperature
+            engine_kwargs={"logprobs_mode": "processed_logprobs"},
+        )
+        self.loop.run_until_complete(self.engine.start())
+        self.tokenizer = self.engine.tokenizer
+        self.prompts = self.socket("prompts", "recv", self.endpoints.address("prompts"), bind=False, accept=(Prompt,))
+        self.rollouts = self.socket("rollouts", "send", self.endpoints.address("rollouts", self.index), bind=True)
+        self.control_in = self.control_subscriber()
+        self.control_out = self.control_publisher()
+        if cfg.broadcast.method == "broadcast":
+            self.loop.run_until_complete(
+                self.engine.init_weight_group(
+                    cfg.broadcast.host,
+                    cfg.broadcast.port,
+                    rank=1 + self.index,
+                    world_size=1 + cfg.producers.replicas,
+                    backend=cfg.broadcast.backend,
+                )
+            )
+
+    def run(self) -> None:
+        self.loop.run_until_complete(self._run())
+
+    async def _run(self) -> None:
+        self.send_lock = asyncio.Lock()
+        self.inflight: set[asyncio.Task] = set()
+        tasks = [asyncio.create_task(self._control_loop()), asyncio.create_task(self._prompt_loop())]
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        self.stop.set()
+        for task in [*tasks, *self.inflight]:
+            task.cancel()
+        await asyncio.gather(*tasks, *self.inflight, return_exceptions=True)
+
+    async def _prompt_loop(self) -> None:
+        limit = self.cfg.producers.max_concurrent_groups
+        while not self.stop.is_set():
+            if len(self.inflight) >= limit:
+                await asyncio.sleep(0.01)
+                continue
+            prompt = await asyncio.to_thread(self.prompts.recv, 0.2)
+            if prompt is None:
+                continue
+            task = asyncio.create_task(self._generate(prompt))
+            self.inflight.add(task)
+            task.add_done_callback(self.inflight.discard)
+
+    async def _generate(self, prompt: Prompt) -> None:
+        text = self.tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
+        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        sampling = self.cfg.sampling
+        started = time.perf_counter()
+        samples = await self.engine.generate_group(
+            prompt_ids,
+            n=self.cfg.producers.group_size,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=sampling.max_tokens,
+            request_id=f"{self.name}-{prompt.id}",
+        )
+        elapsed = time.perf_counter() - started
+        group = group_from_samples(prompt, prompt_ids, samples, producer=self.name, gen_time_s=elapsed)
+        GEN_SECONDS.observe(elapsed)
+        GROUPS_OUT.inc()
+        TOKENS_OUT.inc(int(group.completion_lens.sum()))
+        async with self.send_lock:
+            await asyncio.to_thread(self.rollouts.send, group)
+
+    async def _control_loop(self) -> None:
+        while not self.stop.is_set():
+            msg = await asyncio.to_thread(self.control_in.recv, 0.2)
+            if isinstance(msg, RunDone):
+                return
+            if isinstance(msg, WeightsReady) and msg.version > self.engine.version:
+                await self._apply(msg)
+
+    async def _apply(self, msg: WeightsReady) -> None:
+        started = time.perf_counter()
+        if msg.method == "broadcast":
+            await self.engine.update_weights(msg.version, msg.manifest)
+        else:
+            await self.engine.load_weights_from_path(msg.version, msg.path)
+        elapsed = time.perf_counter() - started
+        UPDATE_SECONDS.observe(elapsed)
+        POLICY_VERSION.set(msg.version)
+        self.control_out.send(WeightsApplied(id=new_id(), producer=self.name, version=msg.version, apply_time_s=elapsed))
+        log.info("applied policy version %d in %.3f s", msg.version, elapsed)
+
+    def close(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            self.loop.run_until_complete(engine.close())
+        super().close()
+
+
+if __name__ == "__main__":
+    raise SystemExit(component_main(ProducerProc))
