@@ -81,9 +81,9 @@ class BusSocket:
         self.sock = ctx.socket(spec.send_type if direction == "send" else spec.recv_type)
         self.sock.setsockopt(zmq.LINGER, LINGER_MS)
         self.sock.setsockopt(zmq.SNDHWM if direction == "send" else zmq.RCVHWM, spec.hwm)
-        if self.sock.socket_type in (zmq.PUSH, zmq.DEALER):
+        if self.sock.type in (zmq.PUSH, zmq.DEALER):
             self.sock.setsockopt(zmq.IMMEDIATE, 1)
-        if self.sock.socket_type == zmq.SUB:
+        if self.sock.type == zmq.SUB:
             self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         for ep in [endpoint] if isinstance(endpoint, str) else endpoint:
             (self.sock.bind if bind else self.sock.connect)(ep)

@@ -154,7 +154,9 @@ def decode_arrays(
         buf = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
         if expected > MAX_ARRAY_BYTES or buf.nbytes != expected:
             raise WireError("size", f"array {name!r}: {buf.nbytes} bytes for {dtype}{shape}")
-        out[name] = np.frombuffer(buf, dtype=dtype).reshape(shape)
+        arr = np.frombuffer(buf, dtype=dtype).reshape(shape)
+        arr.flags.writeable = False  # zmq frames are writable; messages must not be mutated
+        out[name] = arr
     if set(out) != set(specs):
         raise WireError("frames", f"missing arrays {sorted(set(specs) - set(out))}")
     return out

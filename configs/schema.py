@@ -123,6 +123,7 @@ class TrainerConfig(Section):
     max_steps: int = Field(60, ge=1, description="Optimizer steps of the run.")
     batch_size: int = Field(64, ge=1, description="Samples per optimizer step (a multiple of producers.group_size).")
     seed: int = Field(0, description="torch seed.")
+    num_threads: int = Field(0, ge=0, le=1024, description="torch CPU threads of the trainer; 0 keeps torch's default. On a small CPU host leave cores to vLLM.")
     eval_num_samples: int = Field(1, ge=1, description="Samples per eval prompt.")
     loss: LossConfig = Field(default_factory=LossConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)

@@ -25,6 +25,7 @@ import time
 import numpy as np
 from prometheus_client import Counter, Histogram
 
+from broadcaster.broadcaster import resolve_backend
 from bus.component import Component, component_main
 from bus.messages import Prompt, RolloutGroup, RunDone, WeightsApplied, WeightsReady, new_id
 from bus.metrics import POLICY_VERSION
@@ -86,7 +87,7 @@ class ProducerProc(Component):
                     cfg.broadcast.port,
                     rank=1 + self.index,
                     world_size=1 + cfg.producers.replicas,
-                    backend=cfg.broadcast.backend,
+                    backend=resolve_backend(cfg.broadcast.backend),
                 )
             )
 
