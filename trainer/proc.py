@@ -6,7 +6,8 @@ Per step ``s`` (0-based; the weights in use have policy version ``s``):
 2. clip and step AdamW (:class:`trainer.trainer.Trainer`); the policy is now version ``s + 1``;
 3. announce ``weights.ready(s + 1)`` and send the weights (broadcast: announce first, since the
    collective blocks until every producer joins; filesystem: write, then announce);
-4. publish ``trainer.step`` and append one line to ``metrics.jsonl``.
+4. publish ``trainer.step``, append one line to ``metrics.jsonl`` and the step's sample ids and
+   versions to ``trained_samples.jsonl`` (the record that every sample trained exactly once).
 
 ``eval_reward_mean`` is measured before the first step and after the last; then ``run.done`` is
 published and the process exits 0, which ends the run.
@@ -170,6 +171,11 @@ class TrainerProc(Component):
                 if key in metrics:
                     gauge.set(metrics[key])
             append_jsonl(self.metrics_path, {"step": step, **metrics})
+            append_jsonl(self.run_dir / "trained_samples.jsonl", {
+                "step": step - 1,
+                "sample_ids": [i for mb in micro_batches for i in mb.sample_ids],
+                "versions": versions.tolist(),
+            })
             self.control.send(TrainerStep(id=new_id(), step=step, version=step, metrics=metrics))
         final = self.evaluate(step)
         self.control.send(RunDone(id=new_id(), step=step, reason="max_steps"))

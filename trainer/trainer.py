@@ -53,20 +53,33 @@ class Trainer:
         )
 
     def micro_step(self, mb: MicroBatch) -> tuple[float, dict[str, float]]:
-        """Forward + backward of one micro-batch; returns its loss contribution and loss stats."""
+        """Forward + backward of one micro-batch; returns its loss contribution and loss stats.
+
+        Besides the loss stats, reports ``onpolicy_tokens`` and ``onpolicy_lp_diff_max``: the
+        largest ``|lp_train - lp_infer|`` over loss tokens of samples generated under exactly
+        the weights being trained (version == step). Those must agree up to numerics; a large
+        value means the producers do not run the trainer's weights.
+        """
         input_ids = torch.from_numpy(np.array(mb.input_ids, dtype=np.int64))
         seq_lens = torch.from_numpy(np.array(mb.seq_lens, dtype=np.int64))
+        lp_infer = torch.from_numpy(np.array(mb.inference_logprobs))
+        loss_mask = torch.from_numpy(np.array(mb.loss_mask))
         lp_train = packed_token_logprobs(self.model, input_ids, seq_lens, temperature=self.temperature)
         loss, stats = aipo_loss(
             lp_train,
-            torch.from_numpy(np.array(mb.inference_logprobs)),
+            lp_infer,
             torch.from_numpy(np.array(mb.advantages)),
-            torch.from_numpy(np.array(mb.loss_mask)),
+            loss_mask,
             seq_lens,
             mb.step_loss_tokens,
             self.loss_cfg,
         )
         loss.backward()
+        token_version = torch.from_numpy(np.array(mb.versions)).repeat_interleave(seq_lens)
+        on_policy = loss_mask & (token_version == mb.step)
+        diff = (lp_train.detach() - lp_infer)[on_policy].abs()
+        stats["onpolicy_tokens"] = float(on_policy.sum())
+        stats["onpolicy_lp_diff_max"] = float(diff.max()) if len(diff) else 0.0
         return float(loss.detach()), stats
 
     def step(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
@@ -76,7 +89,8 @@ class Trainer:
             Step metrics: ``loss``, ``kl`` (mean k3 estimate, nats), ``masked_frac``,
             ``importance_ratio_mean/min/max``, ``grad_norm`` (before clipping), ``num_tokens``,
             ``num_loss_tokens``, ``num_samples``, ``num_micro_batches``, ``reward_mean``,
-            ``reward_std``, ``train_time_s``.
+            ``reward_std``, ``onpolicy_tokens``, ``onpolicy_lp_diff_max`` (see :meth:`micro_step`),
+            ``train_time_s``.
 
         Raises:
             ValueError: ``micro_batches`` is empty or mixes steps.
@@ -88,11 +102,14 @@ class Trainer:
         loss = 0.0
         totals: dict[str, float] = {"loss_tokens": 0.0, "masked_tokens": 0.0, "kl_sum": 0.0, "ratio_sum": 0.0}
         ratio_min, ratio_max = math.inf, -math.inf
+        onpolicy_tokens, onpolicy_diff = 0.0, 0.0
         for mb in micro_batches:
             mb_loss, stats = self.micro_step(mb)
             loss += mb_loss
             for key in totals:
                 totals[key] += stats[key]
+            onpolicy_tokens += stats["onpolicy_tokens"]
+            onpolicy_diff = max(onpolicy_diff, stats["onpolicy_lp_diff_max"])
             ratio_min = min(ratio_min, stats["ratio_min"])
             ratio_max = max(ratio_max, stats["ratio_max"])
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -114,5 +131,7 @@ class Trainer:
             "num_micro_batches": float(len(micro_batches)),
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
+            "onpolicy_tokens": onpolicy_tokens,
+            "onpolicy_lp_diff_max": onpolicy_diff,
             "train_time_s": time.perf_counter() - started,
         }

