@@ -108,7 +108,7 @@ class Supervisor:
 
     def prepare(self) -> None:
         """Resolve the config and write the run directory (see module docstring)."""
-        for stale in ("metrics.jsonl", "logs", "weights", "sock", "status.json"):
+        for stale in ("metrics.jsonl", "trained_samples.jsonl", "logs", "weights", "sock", "status.json"):
             target = self.run_dir / stale
             if target.is_dir():
                 shutil.rmtree(target)

@@ -1,0 +1,260 @@
+"""Fixtures for bus tests over a real ZeroMQ bus (pyzmq-style).
+
+Every socket a test opens goes through a tracking factory and is closed with ``linger=0`` at
+teardown; endpoints are ``ipc://`` files under the short :func:`bus.topics.socket_dir` of the
+test's ``tmp_path`` (or ``tcp://127.0.0.1:*`` random ports); receives always have a timeout.
+``example(type_name)`` builds one valid instance of every registered message type.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import zmq
+from prometheus_client import REGISTRY
+
+from bus.hub import ControlHub
+from bus.messages import (
+    ComponentReady,
+    GroupsDropped,
+    Message,
+    MicroBatch,
+    Prompt,
+    RolloutGroup,
+    RunDone,
+    ScoredGroup,
+    TrainerStep,
+    WeightsApplied,
+    WeightsReady,
+)
+from bus.sockets import BusSocket
+from bus.topics import socket_dir
+
+RECV_TIMEOUT_S = 2.0
+"""Longest any test waits for a message that should arrive, seconds."""
+
+
+# -- example messages ------------------------------------------------------------------------------
+
+
+def _rollout_fields() -> dict[str, Any]:
+    # G = 3 completions of lengths 2, 0, 3 (an empty completion is legal): N = 5 tokens.
+    return dict(
+        prompt_index=7,
+        step=2,
+        task="reverse_text",
+        info={"target": "cba", "nested": [1, 2.5, None, True]},
+        producer="producer-0",
+        completion_texts=["cb", "", "cba"],
+        finish_reasons=["stop", "length", "stop"],
+        gen_time_s=1.25,
+        prompt_ids=np.array([101, 102, 103, 104], dtype=np.int32),
+        completion_ids=np.array([5, 6, 7, 8, 9], dtype=np.int32),
+        completion_lens=np.array([2, 0, 3], dtype=np.int32),
+        logprobs=np.array([-0.5, -1.25, -0.125, -2.0, -0.0625], dtype=np.float32),
+        version_start=np.array([1, 2, 2], dtype=np.int64),
+        version_end=np.array([2, 2, 3], dtype=np.int64),
+    )
+
+
+def _micro_batch(num_tokens: int = 7, micro_index: int = 1, step: int = 4) -> MicroBatch:
+    # Two samples of lengths 3 and num_tokens - 3 packed into one row.
+    seq_lens = np.array([3, num_tokens - 3], dtype=np.int32)
+    return MicroBatch(
+        id=f"{step}:{micro_index}",
+        step=step,
+        micro_index=micro_index,
+        num_micro_batches=max(3, micro_index + 1),
+        step_loss_tokens=11,
+        sample_ids=["g1/0", "g2/1"],
+        input_ids=(np.arange(num_tokens, dtype=np.int32) * 3 + 1),
+        seq_lens=seq_lens,
+        loss_mask=(np.arange(num_tokens) % 3 != 0),
+        inference_logprobs=-np.linspace(0, 1, num_tokens, dtype=np.float32),
+        advantages=np.linspace(-1, 1, num_tokens, dtype=np.float32),
+        rewards=np.array([1.0, 0.0], dtype=np.float32),
+        versions=np.array([3, 4], dtype=np.int64),
+    )
+
+
+EXAMPLES: dict[str, Callable[[], Message]] = {
+    "prompt": lambda: Prompt(
+        id="p-1",
+        index=3,
+        step=1,
+        task="reverse_text",
+        messages=[{"role": "system", "content": "Reverse."}, {"role": "user", "content": "abc"}],
+        info={"target": "cba", "len": 3},
+    ),
+    "rollout": lambda: RolloutGroup(id="g-1", **_rollout_fields()),
+    "scored": lambda: ScoredGroup(
+        id="g-1",
+        **_rollout_fields(),
+        reward_worker="rewards-1",
+        rewards=np.array([1.0, 0.0, 0.5], dtype=np.float32),
+        advantages=np.array([0.75, -1.0, 0.25], dtype=np.float32),
+    ),
+    "micro_batch": _micro_batch,
+    "weights.ready": lambda: WeightsReady(
+        id="w-3",
+        version=3,
+        method="broadcast",
+        manifest=[["model.embed_tokens.weight", "bfloat16", [32, 8]], ["lm_head.weight", "bfloat16", [32, 8]]],
+        path="",
+        num_bytes=1024,
+    ),
+    "weights.applied": lambda: WeightsApplied(id="a-3", producer="producer-1", version=3, apply_time_s=0.5),
+    "trainer.step": lambda: TrainerStep(id="s-3", step=3, version=3, metrics={"loss": 0.25, "reward_mean": 0.5}),
+    "groups.dropped": lambda: GroupsDropped(id="d-1", group_ids=["g-1", "g-2"], reason="stale"),
+    "run.done": lambda: RunDone(id="r-1", step=10, reason="max_steps"),
+    "component.ready": lambda: ComponentReady(id="c-1", name="rewards-1", pid=1234, metrics_port=9100),
+}
+
+
+def make_example(type_name: str) -> Message:
+    """One valid message of ``type_name``; fails the test if no example exists for it."""
+    if type_name not in EXAMPLES:
+        pytest.fail(f"no example for message type {type_name!r}: add one to EXAMPLES in tests/bus/conftest.py")
+    return EXAMPLES[type_name]()
+
+
+@pytest.fixture
+def example() -> Callable[[str], Message]:
+    return make_example
+
+
+@pytest.fixture
+def micro_batch() -> Callable[..., MicroBatch]:
+    return _micro_batch
+
+
+# -- metrics ---------------------------------------------------------------------------------------
+
+
+def sample(name: str, **labels: str) -> float:
+    """Current value of a sample in the default Prometheus registry (0 if never set)."""
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+@pytest.fixture
+def metric() -> Callable[..., float]:
+    return sample
+
+
+# -- sockets ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def ctx():
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)  # closes anything a test leaked; never blocks
+
+
+@pytest.fixture
+def endpoint(tmp_path: Path):
+    """``endpoint(name)`` -> a fresh ``ipc://`` endpoint in the short socket dir of ``tmp_path``."""
+    sock_dir = socket_dir(tmp_path)
+    sock_dir.mkdir(parents=True, exist_ok=True)
+    yield lambda name: f"ipc://{sock_dir / name}"
+    if not sock_dir.is_relative_to(tmp_path.resolve()):
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+class Sockets:
+    """Tracks raw and bus sockets of one test and closes them all with ``linger=0``."""
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        self.ctx = ctx
+        self.raw: list[zmq.Socket] = []
+
+    def socket(self, socket_type: int) -> zmq.Socket:
+        sock = self.ctx.socket(socket_type)
+        sock.setsockopt(zmq.LINGER, 0)
+        self.raw.append(sock)
+        return sock
+
+    def bus(self, topic: str, direction: str, endpoint: str, *, bind: bool, **kw: Any) -> BusSocket:
+        bs = BusSocket(self.ctx, topic, direction, endpoint, bind=bind, **kw)
+        self.raw.append(bs.sock)
+        return bs
+
+    def close(self) -> None:
+        for sock in self.raw:
+            sock.close(linger=0)
+
+
+@pytest.fixture
+def sockets(ctx):
+    tracker = Sockets(ctx)
+    yield tracker
+    tracker.close()
+
+
+def _recv_frames(sock: zmq.Socket, timeout_s: float = RECV_TIMEOUT_S) -> list[zmq.Frame]:
+    """Receive one multipart message (zero-copy frames) or fail after ``timeout_s``."""
+    if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+        pytest.fail(f"no message within {timeout_s} s")
+    return sock.recv_multipart(copy=False)
+
+
+@pytest.fixture
+def recv_frames() -> Callable[..., list[zmq.Frame]]:
+    return _recv_frames
+
+
+# -- control hub -----------------------------------------------------------------------------------
+
+
+class RunningHub:
+    """A :class:`bus.hub.ControlHub` forwarding in a thread, with its two endpoints."""
+
+    def __init__(self, ctx: zmq.Context, pub_endpoint: str, sub_endpoint: str) -> None:
+        self.pub_endpoint, self.sub_endpoint = pub_endpoint, sub_endpoint
+        self.stop = threading.Event()
+        self.hub = ControlHub(ctx, pub_endpoint, sub_endpoint, self.stop)
+        self.thread = threading.Thread(target=self.hub.run, name="control-hub", daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+        assert not self.thread.is_alive(), "hub did not stop within 5 s"
+        self.hub.inbound.sock.close(linger=0)
+        self.hub.outbound.sock.close(linger=0)
+
+
+@pytest.fixture
+def hub(ctx, endpoint):
+    running = RunningHub(ctx, endpoint("control_pub"), endpoint("control_sub"))
+    yield running
+    running.close()
+
+
+def _sync_control(publish: Callable[[int], None], sub_recv: Callable[[], Any], timeout_s: float = 5.0) -> None:
+    """Slow-joiner sync (zguide ``syncpub``): publish probes until the subscriber sees one.
+
+    ``publish(n)`` sends probe ``n``; ``sub_recv()`` returns a received probe or None (short wait).
+    Leftover probes are drained so the test starts from an empty subscriber.
+    """
+    deadline = time.monotonic() + timeout_s
+    n = 0
+    while time.monotonic() < deadline:
+        publish(n)
+        n += 1
+        if sub_recv() is not None:
+            while sub_recv() is not None:
+                pass
+            return
+    pytest.fail(f"control channel not connected within {timeout_s} s")
+
+
+@pytest.fixture
+def sync_control() -> Callable[..., None]:
+    return _sync_control
