@@ -81,7 +81,9 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def test_pipeline_trains_every_sample_once(tmp_path: Path, policy: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = busctl(run_dir, policy, f"trainer.max_steps={MAX_STEPS}")
+    # async level 0: every step trains on samples from exactly the weights being trained, so
+    # each step checks that the broadcast weights reached the producer
+    proc = busctl(run_dir, policy, f"trainer.max_steps={MAX_STEPS}", "max_async_level=0")
     recorder = ControlRecorder(run_dir)
     try:
         out, _ = proc.communicate(timeout=600)
@@ -101,8 +103,8 @@ def test_pipeline_trains_every_sample_once(tmp_path: Path, policy: Path) -> None
         group, _, j = sid.partition("/")
         groups.setdefault(group, set()).add(j)
     assert all(members == {str(j) for j in range(GROUP_SIZE)} for members in groups.values())
-    for r in trained:  # lag = step - version never above the bound (default 2)
-        assert all(0 <= r["step"] - v <= 2 for v in r["versions"])
+    for r in trained:  # synchronous: lag 0, version = step
+        assert r["versions"] == [r["step"]] * BATCH_SIZE
 
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     steps = [m for m in metrics if "loss" in m]
@@ -114,9 +116,8 @@ def test_pipeline_trains_every_sample_once(tmp_path: Path, policy: Path) -> None
                     "policy_lag_mean", "policy_lag_max", "step_time_s"):
             assert key in m
     # producers' logprobs under version v equal the trainer's at version v (weights arrived)
-    checked = [m for m in steps if m["onpolicy_tokens"] > 0]
-    assert len(checked) >= MAX_STEPS - 1, steps
-    assert max(m["onpolicy_lp_diff_max"] for m in checked) < 1e-3
+    assert all(m["onpolicy_tokens"] == m["num_loss_tokens"] > 0 for m in steps)
+    assert max(m["onpolicy_lp_diff_max"] for m in steps) < 1e-3
 
     # versions increase on the control channel, and the producer applied every one
     ready = [m.version for m in recorder.messages if isinstance(m, WeightsReady)]
@@ -157,6 +158,7 @@ def _descendants(root: int) -> set[int]:
 
 
 def test_sigint_stops_every_process(tmp_path: Path, policy: Path) -> None:
+    """An asynchronous run (default async level 1) interrupted mid-way: every process exits."""
     run_dir = tmp_path / "run"
     proc = busctl(run_dir, policy, "trainer.max_steps=1000")
     recorder = ControlRecorder(run_dir)

