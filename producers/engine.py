@@ -1,0 +1,286 @@
+"""RolloutEngine: the only place in a producer process that touches vLLM.
+
+It wraps one `vllm.v1.engine.async_llm.AsyncLLM` (an EngineCore process and a Worker process,
+both spawned) whose workers carry `producers.weight_sync.WeightSyncExtension`, and offers three
+things: generate a group of samples for one prompt, apply new policy weights, report the version.
+
+Policy versions and spans:
+- The engine holds one integer policy `version` (`initial_version` at start). vLLM labels every
+  engine step's output with its current weight version (`AsyncLLM.update_weight_version`), and a
+  finished completion reports `weight_versions`: contiguous `[start, end)` token spans per
+  version. `Sample.version_start` / `version_end` are the versions of the first and last span,
+  i.e. of the weights that produced the first and the last token. Only when vLLM reports no
+  spans (no output token) do they fall back to the engine's version when the request was issued
+  and when it finished.
+- `update_weights` pauses the scheduler with `mode="keep", clear_cache=True`: in-flight requests
+  are frozen, not aborted; the KV and prefix caches are dropped, so on resume those requests are
+  recomputed (prefill of prompt + tokens so far) under the NEW weights and continue from there.
+  Tokens sampled before the pause keep their old-version logprobs; later tokens carry the new
+  version. So a sample with `version_start != version_end` is a partial rollout (off-policy for
+  its early tokens). Requests submitted during the update wait and start under the new version.
+- Updates are serialized (one at a time); a failed update leaves the engine paused and marked
+  broken (tokens from half-loaded weights must never be tagged with a version); `close()` it.
+
+Tokenizer: none is rendered here; callers pass token ids. `tokenizer` exposes vLLM's (Hugging
+Face) tokenizer of the model for decoding/EOS ids; `AutoTokenizer.from_pretrained(model_path)` gives
+the same one.
+
+Logprobs are vLLM's "raw_logprobs" by default: log-softmax of the unmodified logits (before
+temperature and top-p), i.e. `log_softmax(model(ids).logits)` on the trainer side. Pass
+`engine_kwargs={"logprobs_mode": "processed_logprobs"}` for post-temperature/top-p values; the
+trainer must then compute the same quantity.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: The worker extension class, importable in vLLM's spawned children (repo root on PYTHONPATH).
+WORKER_EXTENSION_CLS = "producers.weight_sync.WeightSyncExtension"
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One completion of a group.
+
+    token_ids: [num_tokens] generated token ids (prompt excluded).
+    logprobs: [num_tokens] logprob of each sampled token under the policy that sampled it
+        (per the engine's logprobs_mode; raw = before temperature / top-p by default).
+    text: detokenized completion.
+    finish_reason: "stop" (EOS / stop token) or "length" (max_tokens reached) or "abort".
+    version_start / version_end: policy versions that produced the first / last token.
+    version_spans: [(version, start, end), ...] tokens `[start, end)` came from `version`, in
+        order (one span unless weights changed mid-sample); empty when vLLM reported none.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+    version_start: int
+    version_end: int
+    version_spans: tuple[tuple[int, int, int], ...] = ()
+
+
+class RolloutEngine:
+    """Async wrapper of vLLM's AsyncLLM for GRPO rollouts with in-place weight updates.
+
+    Args:
+        model_path: HF model directory (config, safetensors, tokenizer).
+        max_model_len: prompt + completion limit in tokens.
+        seed: engine sampling seed.
+        kv_cache_bytes: KV cache size (vLLM otherwise reserves most of RAM on CPU).
+        initial_version: policy version of the weights at `model_path`.
+        max_num_seqs: most sequences in one engine step.
+        warmup: send one short request in `start()` so the first real batch does not pay
+            the eager-mode first-batch cost (~3 s on CPU).
+        engine_kwargs: extra `AsyncEngineArgs` fields (override the defaults above).
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        max_model_len: int = 1024,
+        seed: int = 0,
+        kv_cache_bytes: int = 512 * 1024**2,
+        initial_version: int = 0,
+        max_num_seqs: int = 256,
+        warmup: bool = True,
+        engine_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        self.model_path = str(model_path)
+        self._engine_kwargs = dict(
+            model=self.model_path,
+            dtype="float32",
+            max_model_len=max_model_len,
+            enforce_eager=True,
+            worker_extension_cls=WORKER_EXTENSION_CLS,
+            kv_cache_memory_bytes=kv_cache_bytes,
+            logprobs_mode="raw_logprobs",
+            seed=seed,
+            max_num_seqs=max_num_seqs,
+            disable_log_stats=True,
+        )
+        self._engine_kwargs.update(engine_kwargs or {})
+        self._version = initial_version
+        self._warmup = warmup
+        self._llm = None
+        self._update_lock = None
+        self._broken: str | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> float:
+        """Start the engine processes (blocks the event loop ~15-20 s on CPU); returns seconds."""
+        import asyncio
+
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if self._llm is not None:
+            raise RuntimeError("RolloutEngine already started")
+        start = time.perf_counter()
+        _ensure_repo_on_pythonpath()
+        self._update_lock = asyncio.Lock()
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_kwargs))
+        try:
+            await self._llm.update_weight_version(str(self._version))
+            if self._warmup:
+                await self.generate_group([0], n=1, temperature=1.0, top_p=1.0, max_tokens=2,
+                                          request_id="rlbus-warmup")
+        except BaseException:
+            await self.close()
+            raise
+        elapsed = time.perf_counter() - start
+        logger.info("vLLM engine up in %.1f s", elapsed)
+        return elapsed
+
+    async def close(self) -> None:
+        """Shut the engine down and wait for its processes to exit (idempotent)."""
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.shutdown()
+
+    async def __aenter__(self) -> RolloutEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def version(self) -> int:
+        """Policy version of the weights currently in the engine."""
+        return self._version
+
+    @property
+    def tokenizer(self):
+        """vLLM's Hugging Face tokenizer of the model (for decoding and EOS ids)."""
+        return self._require().get_tokenizer()
+
+    # -- generation ------------------------------------------------------------------------------
+
+    async def generate_group(
+        self,
+        prompt_token_ids: list[int],
+        *,
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_tokens: int,
+        request_id: str,
+    ) -> list[Sample]:
+        """Sample `n` completions of one prompt; returns them in sample-index order.
+
+        `request_id` must be unique among in-flight requests. Only the final output is streamed
+        back (FINAL_ONLY), which is markedly faster than per-token deltas.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if n < 1 or max_tokens < 1:
+            raise ValueError(f"n and max_tokens must be >= 1, got n={n}, max_tokens={max_tokens}")
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids is empty")
+        llm = self._require()
+        params = SamplingParams(
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            logprobs=0,  # the sampled token's logprob only
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        version_issued = self._version
+        final = None
+        async for output in llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)),
+                                         params, request_id):
+            final = output
+        if final is None or not final.finished:
+            raise RuntimeError(f"request {request_id} ended without a final output")
+        version_done = self._version
+        samples = []
+        for completion in sorted(final.outputs, key=lambda c: c.index):
+            token_ids = list(completion.token_ids)
+            logprobs = [completion.logprobs[i][tok].logprob for i, tok in enumerate(token_ids)]
+            spans = tuple((int(span.version), span.start, span.end)
+                          for span in completion.weight_versions or ())
+            start_v, end_v = (spans[0][0], spans[-1][0]) if spans else (version_issued, version_done)
+            samples.append(Sample(token_ids, logprobs, completion.text,
+                                  str(completion.finish_reason), start_v, end_v, spans))
+        return samples
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    async def init_weight_group(self, host: str, port: int, rank: int, world_size: int,
+                                backend: str, timeout_s: float | None = None) -> None:
+        """Join the trainer's broadcast group as `rank` (>= 1); blocks until all ranks joined.
+
+        Must run concurrently with the trainer's `WeightBroadcaster.init_group()` (either may
+        start first; both block in the rendezvous until all `world_size` ranks are there).
+        """
+        await self._require().collective_rpc(
+            "init_weight_group", args=(host, port, rank, world_size, backend, timeout_s))
+
+    async def update_weights(self, version: int, manifest: list[list],
+                             bucket_bytes: int | None = None) -> float:
+        """Receive a broadcast of `manifest` as policy `version`; returns seconds spent paused.
+
+        Must run concurrently with the trainer's `WeightBroadcaster.send(state_dict, version)`;
+        `bucket_bytes` must match the broadcaster's (None: the shared default).
+        Raises ValueError, receiving nothing, if `version <= self.version`: a re-announced
+        version is not being sent again, so joining the collective would block forever.
+        """
+        kwargs = {"manifest": manifest}
+        if bucket_bytes is not None:
+            kwargs["bucket_bytes"] = bucket_bytes
+        return await self._apply(version, "receive_weights", kwargs)
+
+    async def load_weights_from_path(self, version: int, path: str | Path) -> float:
+        """Load a safetensors directory/file as policy `version`; returns seconds spent paused."""
+        return await self._apply(version, "load_weights_from_path", {"path": str(path)})
+
+    async def _apply(self, version: int, method: str, kwargs: dict) -> float:
+        llm = self._require()
+        async with self._update_lock:
+            if version <= self._version:
+                raise ValueError(f"new version {version} must exceed current {self._version}")
+            start = time.perf_counter()
+            # keep: in-flight requests are frozen, resumed (recomputed) under the new weights;
+            # clear_cache: no KV computed by the old weights survives, prefix cache included.
+            await llm.pause_generation(mode="keep", clear_cache=True)
+            try:
+                await llm.collective_rpc(method, kwargs=kwargs)
+                await llm.update_weight_version(str(version))
+            except BaseException as e:
+                self._broken = f"weight update to version {version} failed: {e!r}"
+                raise
+            self._version = version
+            await llm.resume_generation()
+            return time.perf_counter() - start
+
+    def _require(self):
+        if self._broken is not None:
+            raise RuntimeError(f"RolloutEngine is broken ({self._broken}); close it")
+        if self._llm is None:
+            raise RuntimeError("RolloutEngine not started")
+        return self._llm
+
+
+def _ensure_repo_on_pythonpath() -> None:
+    """vLLM's spawned workers import WORKER_EXTENSION_CLS: put the repo root on PYTHONPATH."""
+    root = str(Path(__file__).resolve().parents[1])
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([root, *parts])
