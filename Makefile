@@ -25,7 +25,7 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 bench: setup
-	$(BIN)/python -m bench.step_time
+	$(BIN)/python -m bench.pipeline_report runs/reverse_text
 
 clean:
 	rm -rf runs .cache/rlbus

@@ -9,7 +9,8 @@ Lifecycle of a run:
    group; stdout/stderr to ``logs/NAME.log``) and wait for each one's
    :class:`bus.messages.ComponentReady` handshake on the ``supervisor`` socket, never a sleep.
    A component that exits before it is ready fails the start (its log is named).
-3. ``watch``: print one progress line per ``trainer.step`` on the control channel; the run ends
+3. ``watch``: print one progress line per ``trainer.step`` on the control channel; at the last
+   step save every component's metrics to ``metrics_final/`` (for ``bench/``); the run ends
    when the trainer exits 0 after ``run.done``. Any other component exit fails the run.
 4. ``shutdown`` (always, also on SIGINT/SIGTERM): SIGTERM to every process group in reverse
    start order, SIGKILL to whatever is left after ``STOP_TIMEOUT_S``; no process is left behind.
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,7 +110,7 @@ class Supervisor:
 
     def prepare(self) -> None:
         """Resolve the config and write the run directory (see module docstring)."""
-        for stale in ("metrics.jsonl", "trained_samples.jsonl", "logs", "weights", "sock", "status.json"):
+        for stale in ("metrics.jsonl", "trained_samples.jsonl", "metrics_final", "logs", "weights", "sock", "status.json"):
             target = self.run_dir / stale
             if target.is_dir():
                 shutil.rmtree(target)
@@ -199,6 +201,8 @@ class Supervisor:
                 if isinstance(msg, TrainerStep) and (self.last_step is None or msg.step > self.last_step.step):
                     self.last_step = msg
                     self.console.print(self.progress_line(msg), soft_wrap=True)
+                    if msg.step == self.cfg.trainer.max_steps:
+                        self.snapshot_metrics()
                 elif isinstance(msg, WeightsApplied):
                     log.debug("%s applied version %d", msg.producer, msg.version)
                 elif isinstance(msg, RunDone):
@@ -230,6 +234,19 @@ class Supervisor:
         tmp = self.run_dir / "status.json.tmp"
         tmp.write_text(json.dumps(status, indent=1))
         tmp.replace(self.run_dir / "status.json")
+
+    def snapshot_metrics(self) -> None:
+        """Save every component's ``/metrics`` text to ``metrics_final/NAME.prom`` (end of run)."""
+        out = self.run_dir / "metrics_final"
+        out.mkdir(exist_ok=True)
+        for spec in self.table:
+            if not spec.metrics_port:
+                continue
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{spec.metrics_port}/metrics", timeout=2) as resp:
+                    (out / f"{spec.name}.prom").write_bytes(resp.read())
+            except OSError as exc:
+                log.warning("could not scrape %s: %s", spec.name, exc)
 
     def write_scrape_config(self) -> None:
         """Write ``prometheus.yml``: one scrape target per component's metrics port."""
