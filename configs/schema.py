@@ -137,6 +137,7 @@ class BroadcastConfig(Section):
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend; auto: nccl with CUDA, else gloo.")
     host: str = Field("127.0.0.1", description="Rendezvous host of the broadcast group (the trainer's address).")
     port: int = Field(0, ge=0, le=65535, description="Rendezvous port; 0 picks a free one at start-up.")
+    timeout_s: float = Field(300.0, gt=0, description="Bound on the group rendezvous and on each broadcast, seconds.")
 
 
 class BusConfig(Section):

@@ -115,12 +115,14 @@ class Packer:
 
         Returns:
             ``(accepted, reason)``; reason is ``""``, ``"duplicate"`` (id already taken; drop
-            silently), ``"stale"`` (lag above the bound at the next step) or ``"too_long"``
-            (a sample exceeds the micro-batch budget).
+            silently), ``"empty_prompt"``, ``"stale"`` (lag above the bound at the next step) or
+            ``"too_long"`` (a sample exceeds the micro-batch budget).
         """
         if group.id in self.seen:
             return False, "duplicate"
         self.seen.add(group.id)
+        if len(group.prompt_ids) == 0:
+            return False, "empty_prompt"
         if self.lag(group, self.next_step) > self.max_off_policy_steps:
             return False, "stale"
         if int(len(group.prompt_ids) + group.completion_lens.max()) > self.micro_batch_tokens:

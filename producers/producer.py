@@ -88,6 +88,7 @@ class ProducerProc(Component):
                     rank=1 + self.index,
                     world_size=1 + cfg.producers.replicas,
                     backend=resolve_backend(cfg.broadcast.backend),
+                    timeout_s=cfg.broadcast.timeout_s,
                 )
             )
 

@@ -27,6 +27,7 @@ from prometheus_client import Gauge, Histogram
 from transformers import AutoTokenizer
 
 from broadcaster.broadcaster import WeightBroadcaster
+from broadcaster.manifest import manifest_num_bytes
 from bus.component import Component, component_main
 from bus.messages import MicroBatch, RunDone, TrainerStep, WeightsReady, new_id
 from bus.metrics import POLICY_VERSION
@@ -85,6 +86,7 @@ class TrainerProc(Component):
             port=b.port,
             world_size=1 + cfg.producers.replicas,
             out_dir=self.run_dir / "weights",
+            timeout_s=b.timeout_s,
         )
         if b.method == "broadcast":
             self.broadcaster.init_group()
@@ -129,7 +131,7 @@ class TrainerProc(Component):
         state = policy_state_dict(self.model)
         if self.broadcaster.method == "broadcast":
             manifest = self.broadcaster.manifest(state)
-            num_bytes = sum(int(t.numel() * t.element_size()) for t in state.values())
+            num_bytes = manifest_num_bytes(manifest)
             self.control.send(WeightsReady(id=new_id(), version=version, method="broadcast", manifest=manifest, path="", num_bytes=num_bytes))
             self.broadcaster.send(state, version)
         else:

@@ -1,0 +1,310 @@
+"""Tests for packer.packer: staleness filter, whole-step accounting and padding-free packing.
+
+Groups are built by hand with traceable values: token ids, logprobs and advantages are chosen so
+that every packed token can be checked against the sample it must come from.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bus.messages import MicroBatch, ScoredGroup, decode, encode
+from packer.packer import PackedSample, Packer, build_micro_batch, group_samples
+
+
+def scored(
+    gid: str,
+    prompt_ids: list[int],
+    completions: list[list[int]],
+    *,
+    version: int | list[int] = 0,
+    advantages: list[float] | None = None,
+    rewards: list[float] | None = None,
+) -> ScoredGroup:
+    """A ScoredGroup whose token j of any completion has logprob ``-token_id / 1000``."""
+    g = len(completions)
+    versions = [version] * g if isinstance(version, int) else list(version)
+    flat = [t for c in completions for t in c]
+    return ScoredGroup(
+        id=gid,
+        prompt_index=0,
+        step=0,
+        task="reverse_text",
+        info={"target": "x"},
+        producer="p0",
+        completion_texts=["c"] * g,
+        finish_reasons=["stop"] * g,
+        gen_time_s=0.0,
+        prompt_ids=np.array(prompt_ids, np.int32),
+        completion_ids=np.array(flat, np.int32),
+        completion_lens=np.array([len(c) for c in completions], np.int32),
+        logprobs=np.array([-t / 1000 for t in flat], np.float32),
+        version_start=np.array(versions, np.int64),
+        version_end=np.array(versions, np.int64),
+        reward_worker="r0",
+        rewards=np.array(rewards if rewards is not None else [0.5] * g, np.float32),
+        advantages=np.array(advantages if advantages is not None else [0.0] * g, np.float32),
+    )
+
+
+def simple(gid: str, version: int = 0, prompt_len: int = 2, comp_len: int = 2, g: int = 2) -> ScoredGroup:
+    return scored(gid, list(range(1, prompt_len + 1)), [[50 + j] * comp_len for j in range(g)], version=version)
+
+
+def split_samples(mb: MicroBatch) -> dict[str, dict[str, np.ndarray]]:
+    """Per-sample slices of a micro-batch, keyed by sample id (positions restart per sample)."""
+    out = {}
+    ends = np.cumsum(mb.seq_lens)
+    starts = ends - mb.seq_lens
+    for sid, s, e in zip(mb.sample_ids, starts, ends):
+        out[sid] = {
+            "input_ids": mb.input_ids[s:e],
+            "loss_mask": mb.loss_mask[s:e],
+            "inference_logprobs": mb.inference_logprobs[s:e],
+            "advantages": mb.advantages[s:e],
+        }
+    return out
+
+
+def check_step(batches: list[MicroBatch], budget: int, step: int) -> list[str]:
+    """Structural invariants of one emitted step; returns all sample ids in packing order."""
+    assert batches, "a step has at least one micro-batch"
+    n = len(batches)
+    ids = []
+    for k, mb in enumerate(batches):
+        assert mb.step == step and mb.micro_index == k and mb.num_micro_batches == n
+        assert mb.id == f"{step}:{k}"
+        assert len(mb.input_ids) <= budget
+        assert int(mb.seq_lens.sum()) == len(mb.input_ids)
+        assert len(mb.sample_ids) == len(mb.seq_lens) == len(mb.rewards) == len(mb.versions)
+        assert len(mb.loss_mask) == len(mb.inference_logprobs) == len(mb.advantages) == len(mb.input_ids)
+        assert mb.step_loss_tokens == batches[0].step_loss_tokens
+        ids.extend(mb.sample_ids)
+    assert len(ids) == len(set(ids)), "no sample twice"
+    assert sum(int(mb.loss_mask.sum()) for mb in batches) == batches[0].step_loss_tokens
+    return ids
+
+
+# ------------------------------------------------------------------------------------------------
+# group_samples / build_micro_batch
+# ------------------------------------------------------------------------------------------------
+
+
+def test_group_samples_by_hand():
+    g = scored("g", [7, 8], [[10, 11, 12], [20]], version=[3, 2], advantages=[1.5, -1.5], rewards=[1.0, 0.0])
+    s0, s1 = group_samples(g)
+    assert s0.sample_id == "g/0" and s1.sample_id == "g/1"
+    assert s0.input_ids.tolist() == [7, 8, 10, 11, 12] and s0.input_ids.dtype == np.int32
+    assert s0.loss_mask.tolist() == [False, False, True, True, True]
+    np.testing.assert_array_equal(s0.inference_logprobs, np.float32([0, 0, -0.010, -0.011, -0.012]))
+    assert s1.input_ids.tolist() == [7, 8, 20]
+    assert s1.loss_mask.tolist() == [False, False, True]
+    np.testing.assert_array_equal(s1.inference_logprobs, np.float32([0, 0, -0.020]))
+    assert (s0.advantage, s0.reward, s0.version) == (1.5, 1.0, 3)
+    assert (s1.advantage, s1.reward, s1.version) == (-1.5, 0.0, 2)
+
+
+def test_group_samples_zero_length_completion():
+    g = scored("g", [7, 8], [[], [30, 31]])
+    s0, s1 = group_samples(g)
+    assert s0.input_ids.tolist() == [7, 8] and s0.loss_mask.tolist() == [False, False]
+    assert s0.inference_logprobs.tolist() == [0.0, 0.0] and s0.inference_logprobs.dtype == np.float32
+    assert s1.input_ids.tolist() == [7, 8, 30, 31]
+
+
+def test_build_micro_batch_by_hand():
+    a = PackedSample("a/0", np.int32([1, 2, 3]), np.array([False, True, True]), np.float32([0, -0.5, -0.25]), 2.0, 1.0, 4)
+    b = PackedSample("b/1", np.int32([9, 8]), np.array([False, True]), np.float32([0, -1.0]), -1.0, 0.0, 5)
+    mb = build_micro_batch([a, b], step=6, micro_index=1, num_micro_batches=3, step_loss_tokens=10)
+    assert mb.id == "6:1" and mb.step == 6 and mb.micro_index == 1 and mb.num_micro_batches == 3
+    assert mb.step_loss_tokens == 10 and mb.sample_ids == ["a/0", "b/1"]
+    assert mb.input_ids.tolist() == [1, 2, 3, 9, 8]
+    assert mb.seq_lens.tolist() == [3, 2]
+    assert mb.loss_mask.tolist() == [False, True, True, False, True]
+    assert mb.inference_logprobs.tolist() == [0, -0.5, -0.25, 0, -1.0]
+    assert mb.advantages.tolist() == [2.0, 2.0, 2.0, -1.0, -1.0]  # advantage on every token of its sample
+    assert mb.rewards.tolist() == [1.0, 0.0] and mb.versions.tolist() == [4, 5]
+    assert decode(encode(mb)).input_ids.tolist() == mb.input_ids.tolist()  # validates (check())
+
+
+# ------------------------------------------------------------------------------------------------
+# Packer
+# ------------------------------------------------------------------------------------------------
+
+
+def test_constructor_rejects_bad_bounds():
+    for args in ((0, 1, 10), (1, -1, 10), (1, 1, 0)):
+        with pytest.raises(ValueError):
+            Packer(*args)
+
+
+def test_step_only_when_full_and_in_arrival_order():
+    p = Packer(prompts_per_step=2, max_off_policy_steps=5, micro_batch_tokens=100)
+    assert p.add(simple("g0")) == (True, "")
+    assert p.pop_step() == ([], [])  # one group of two: not ready
+    for gid in ("g1", "g2", "g3", "g4"):
+        assert p.add(simple(gid)) == (True, "")
+    b0, d0 = p.pop_step()
+    b1, d1 = p.pop_step()
+    b2, d2 = p.pop_step()
+    assert d0 == d1 == d2 == []
+    ids0 = check_step(b0, 100, step=0)
+    ids1 = check_step(b1, 100, step=1)
+    assert sorted(ids0) == ["g0/0", "g0/1", "g1/0", "g1/1"]
+    assert sorted(ids1) == ["g2/0", "g2/1", "g3/0", "g3/1"]
+    assert b2 == [] and [g.id for g in p.buffer] == ["g4"] and p.next_step == 2
+
+
+def test_packing_by_hand_and_token_alignment():
+    # A: prompt [1, 2], completions [10,11,12] (len 5) and [13] (len 3)
+    # B: prompt [3],    completions [20,21,22,23] (len 5) and [] (len 1, zero-length completion)
+    # FFD, budget 6, samples in order [A0=5, A1=3, B0=5, B1=1]; visit by decreasing length
+    # (ties by index): A0 -> bin0 (room 1); B0 -> bin1 (room 1); A1 -> bin2 (room 3); B1 -> bin0 (room 0)
+    # => bins [[A0, B1], [B0], [A1]]; loss tokens = 3 + 1 + 4 + 0 = 8.
+    a = scored("A", [1, 2], [[10, 11, 12], [13]], version=0, advantages=[0.7, -0.7], rewards=[0.9, 0.1])
+    b = scored("B", [3], [[20, 21, 22, 23], []], version=1, advantages=[1.0, -1.0], rewards=[1.0, 0.0])
+    p = Packer(prompts_per_step=2, max_off_policy_steps=1, micro_batch_tokens=6, first_step=1)
+    assert p.add(a) == (True, "") and p.add(b) == (True, "")
+    batches, dropped = p.pop_step()
+    assert dropped == []
+    check_step(batches, 6, step=1)
+    assert [mb.sample_ids for mb in batches] == [["A/0", "B/1"], ["B/0"], ["A/1"]]
+    assert [mb.seq_lens.tolist() for mb in batches] == [[5, 1], [5], [3]]
+    assert all(mb.step_loss_tokens == 8 for mb in batches)
+    assert batches[0].input_ids.tolist() == [1, 2, 10, 11, 12, 3]
+    assert batches[0].loss_mask.tolist() == [False, False, True, True, True, False]
+    np.testing.assert_array_equal(batches[0].inference_logprobs, np.float32([0, 0, -0.010, -0.011, -0.012, 0]))
+    np.testing.assert_array_equal(batches[0].advantages, np.float32([0.7] * 5 + [-1.0]))
+    np.testing.assert_array_equal(batches[0].rewards, np.float32([0.9, 0.0]))
+    assert batches[0].versions.tolist() == [0, 1]
+    assert batches[1].input_ids.tolist() == [3, 20, 21, 22, 23]
+    assert batches[1].loss_mask.tolist() == [False, True, True, True, True]
+    np.testing.assert_array_equal(batches[1].inference_logprobs, np.float32([0, -0.020, -0.021, -0.022, -0.023]))
+    assert batches[2].input_ids.tolist() == [1, 2, 13]
+    np.testing.assert_array_equal(batches[2].advantages, np.float32([-0.7] * 3))
+    for mb in batches:  # every message survives the wire and validates
+        back = decode(encode(mb))
+        assert isinstance(back, MicroBatch) and back.sample_ids == mb.sample_ids
+        for name in ("input_ids", "seq_lens", "loss_mask", "inference_logprobs", "advantages", "rewards", "versions"):
+            np.testing.assert_array_equal(getattr(back, name), getattr(mb, name))
+        assert (back.step, back.micro_index, back.num_micro_batches, back.step_loss_tokens) == (
+            mb.step, mb.micro_index, mb.num_micro_batches, mb.step_loss_tokens)
+
+
+def test_many_groups_every_sample_once_and_aligned():
+    rng = np.random.default_rng(0)
+    groups = []
+    for i in range(4):
+        prompt = rng.integers(1, 100, size=int(rng.integers(1, 6))).tolist()
+        comps = [rng.integers(100, 999, size=int(rng.integers(0, 9))).tolist() for _ in range(3)]
+        groups.append(scored(f"g{i}", prompt, comps, advantages=list(rng.normal(size=3)), rewards=[0.1, 0.2, 0.3]))
+    budget = 16
+    p = Packer(prompts_per_step=4, max_off_policy_steps=0, micro_batch_tokens=budget)
+    for g in groups:
+        assert p.add(g) == (True, "")
+    batches, _ = p.pop_step()
+    ids = check_step(batches, budget, step=0)
+    assert sorted(ids) == sorted(f"g{i}/{j}" for i in range(4) for j in range(3))
+    expected_loss = sum(int(g.completion_lens.sum()) for g in groups)
+    assert batches[0].step_loss_tokens == expected_loss
+    by_id = {sid: v for mb in batches for sid, v in split_samples(mb).items()}
+    for g in groups:
+        for j in range(3):
+            comp, lps = g.completion(j)
+            got = by_id[f"{g.id}/{j}"]
+            n_p = len(g.prompt_ids)
+            assert got["input_ids"].tolist() == g.prompt_ids.tolist() + comp.tolist()
+            assert got["loss_mask"].tolist() == [False] * n_p + [True] * len(comp)
+            np.testing.assert_array_equal(got["inference_logprobs"][n_p:], lps)
+            assert (got["inference_logprobs"][:n_p] == 0).all()
+            assert (got["advantages"] == g.advantages[j]).all()
+
+
+def test_stale_on_add_boundary_uses_oldest_version():
+    # next_step 3, max lag 1: version 2 is lag 1 (ok), version 1 is lag 2 (stale); min over samples.
+    p = Packer(prompts_per_step=1, max_off_policy_steps=1, micro_batch_tokens=100, first_step=3)
+    assert p.add(simple("ok", version=2)) == (True, "")
+    assert p.add(scored("mixed", [1], [[5], [6]], version=[3, 1])) == (False, "stale")
+    assert p.add(simple("old", version=0)) == (False, "stale")
+    assert [g.id for g in p.buffer] == ["ok"]
+    # a stale group sent again is a duplicate, so it is never reported twice
+    assert p.add(simple("old", version=0)) == (False, "duplicate")
+
+
+def test_buffered_group_goes_stale_and_is_never_emitted():
+    # max lag 0: a version-0 group may train only at step 0.
+    p = Packer(prompts_per_step=2, max_off_policy_steps=0, micro_batch_tokens=100)
+    for gid in ("A", "B", "C"):
+        assert p.add(simple(gid, version=0)) == (True, "")
+    b0, d0 = p.pop_step()
+    assert sorted(check_step(b0, 100, step=0)) == ["A/0", "A/1", "B/0", "B/1"] and d0 == []
+    # now next_step = 1 and C (version 0) has lag 1 > 0 while waiting
+    batches, dropped = p.pop_step()
+    assert batches == [] and [g.id for g in dropped] == ["C"]
+    assert len(p.buffer) == 0
+    assert p.pop_step() == ([], [])  # reported once
+    assert p.add(simple("D", version=1)) == (True, "")
+    assert p.pop_step() == ([], [])  # C no longer counts toward the step
+    assert p.add(simple("E", version=1)) == (True, "")
+    b1, d1 = p.pop_step()
+    assert d1 == [] and sorted(check_step(b1, 100, step=1)) == ["D/0", "D/1", "E/0", "E/1"]
+
+
+def test_stale_dropped_and_step_emitted_in_same_pop():
+    p = Packer(prompts_per_step=1, max_off_policy_steps=0, micro_batch_tokens=100)
+    assert p.add(simple("A", version=0)) == (True, "")
+    assert p.add(simple("B", version=0)) == (True, "")
+    assert p.add(simple("C", version=1)) == (True, "")  # version ahead of step: lag -1 is fine
+    b0, _ = p.pop_step()
+    assert {s.split("/")[0] for s in check_step(b0, 100, 0)} == {"A"}
+    b1, d1 = p.pop_step()  # step 1: B (lag 1) dropped, C emitted
+    assert [g.id for g in d1] == ["B"]
+    assert {s.split("/")[0] for s in check_step(b1, 100, 1)} == {"C"}
+
+
+def test_duplicate_refused_even_after_emission():
+    p = Packer(prompts_per_step=1, max_off_policy_steps=0, micro_batch_tokens=100)
+    g = simple("A")
+    assert p.add(g) == (True, "")
+    assert p.add(simple("A")) == (False, "duplicate")
+    assert len(p.buffer) == 1
+    p.pop_step()
+    assert p.add(g) == (False, "duplicate")
+    assert p.pop_step() == ([], [])
+
+
+def test_too_long_boundary():
+    # budget 10: prompt 4 + completion 6 = 10 fits exactly; prompt 4 + 7 = 11 does not
+    p = Packer(prompts_per_step=1, max_off_policy_steps=0, micro_batch_tokens=10)
+    assert p.add(scored("long", [1, 2, 3, 4], [[5] * 6, [6] * 7])) == (False, "too_long")
+    assert p.add(scored("fit", [1, 2, 3, 4], [[5] * 6, [6] * 1])) == (True, "")
+    batches, _ = p.pop_step()
+    check_step(batches, 10, 0)
+    assert [mb.seq_lens.tolist() for mb in batches] == [[10], [5]]
+
+
+def test_all_zero_length_completions():
+    p = Packer(prompts_per_step=1, max_off_policy_steps=0, micro_batch_tokens=8)
+    assert p.add(scored("z", [1, 2, 3], [[], []])) == (True, "")
+    batches, _ = p.pop_step()
+    check_step(batches, 8, 0)
+    # two 3-token samples fit one bin: [1,2,3,1,2,3], no loss token at all
+    assert len(batches) == 1 and batches[0].input_ids.tolist() == [1, 2, 3, 1, 2, 3]
+    assert batches[0].step_loss_tokens == 0 and not batches[0].loss_mask.any()
+    assert decode(encode(batches[0])).step_loss_tokens == 0
+
+
+def test_scored_group_input_survives_wire():
+    g = scored("A", [1, 2], [[10, 11], []], version=[1, 2], advantages=[1.0, -1.0], rewards=[1.0, 0.0])
+    back = decode(encode(g))
+    assert isinstance(back, ScoredGroup)
+    p1 = Packer(prompts_per_step=1, max_off_policy_steps=2, micro_batch_tokens=50, first_step=2)
+    p2 = Packer(prompts_per_step=1, max_off_policy_steps=2, micro_batch_tokens=50, first_step=2)
+    assert p1.add(g) == p2.add(back) == (True, "")
+    (m1,), _ = p1.pop_step()
+    (m2,), _ = p2.pop_step()
+    assert m1.sample_ids == m2.sample_ids
+    np.testing.assert_array_equal(m1.input_ids, m2.input_ids)
+    np.testing.assert_array_equal(m1.inference_logprobs, m2.inference_logprobs)
+    np.testing.assert_array_equal(m1.versions, np.int64([1, 2]))

@@ -1,0 +1,214 @@
+"""Tests for trainer.trainer.Trainer: one optimizer step over packed micro-batches, on a tiny real
+Qwen2 model (full fine-tuning and LoRA).
+
+Samples carry the model's own logprobs as ``inference_logprobs`` (computed with
+``packed_token_logprobs`` under no_grad), so the importance ratio is exactly 1 up to numerics and
+the loss reduces to ``-sum_t A_t * lp_t / N`` over loss tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from configs.schema import LoraSection, OptimConfig, TrainerConfig
+from packer.packer import PackedSample, build_micro_batch
+from trainer.model import load_policy
+from trainer.packed import packed_token_logprobs
+from trainer.trainer import Trainer
+
+# (prompt tokens, completion tokens, advantage, reward)
+SPECS = [
+    ([1, 2, 3], [40, 41, 42, 43], 1.0, 1.0),
+    ([4, 5], [60, 61, 62], -1.0, 0.0),
+    ([7, 8, 9, 10], [80, 81], 0.5, 0.75),
+    ([11], [100, 101, 102, 103, 104], -0.5, 0.25),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny tensors: one thread is fastest, and avoids OpenMP spin-waits on a shared 2-core host."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def policy(model_dir: str, lora: bool) -> torch.nn.Module:
+    torch.manual_seed(1)  # peft's lora_A init
+    return load_policy(model_dir, LoraSection(enabled=lora, rank=4, alpha=8.0))
+
+
+def trainer_cfg(lr: float = 1e-3) -> TrainerConfig:
+    return TrainerConfig(optim=OptimConfig(lr=lr, max_grad_norm=1e9))
+
+
+def own_logprobs(model: torch.nn.Module, ids: list[int], temperature: float = 1.0) -> np.ndarray:
+    """The model's logprob of each token of one unpacked sample (0 on the first)."""
+    with torch.no_grad():
+        lp = packed_token_logprobs(model, torch.tensor(ids), torch.tensor([len(ids)]), temperature=temperature)
+    return lp.numpy().astype(np.float32)
+
+
+def samples(model, specs=SPECS, version: int = 0, temperature: float = 1.0) -> list[PackedSample]:
+    out = []
+    for k, (prompt, comp, adv, rew) in enumerate(specs):
+        ids = prompt + comp
+        mask = np.array([False] * len(prompt) + [True] * len(comp))
+        lps = np.where(mask, own_logprobs(model, ids, temperature), 0.0).astype(np.float32)
+        out.append(PackedSample(f"g{k}/0", np.int32(ids), mask, lps, adv, rew, version))
+    return out
+
+
+def micro_batches(ss: list[PackedSample], split: list[list[int]], step: int = 0):
+    loss_tokens = int(sum(s.loss_mask.sum() for s in ss))
+    return [
+        build_micro_batch([ss[i] for i in idx], step=step, micro_index=k, num_micro_batches=len(split), step_loss_tokens=loss_tokens)
+        for k, idx in enumerate(split)
+    ]
+
+
+def completion_logprob(model, s: PackedSample) -> float:
+    return float(own_logprobs(model, s.input_ids.tolist())[s.loss_mask].sum())
+
+
+def trainable(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_on_policy_step_metrics_and_update(model_dir, lora):
+    model = policy(model_dir, lora)
+    ss = samples(model)
+    mbs = micro_batches(ss, [[0, 1], [2, 3]])
+    trainer = Trainer(model, trainer_cfg(), temperature=1.0)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    before = trainable(model)
+    # by hand: ratio 1 -> loss = -sum_samples A_k * sum_completion lp / N, N = 4 + 3 + 2 + 5 = 14
+    n_loss = 14
+    loss_by_hand = -sum(s.advantage * float(s.inference_logprobs[s.loss_mask].sum()) for s in ss) / n_loss
+    m = trainer.step(mbs)
+    assert m["loss"] == pytest.approx(loss_by_hand, rel=1e-5)
+    assert abs(m["kl"]) < 1e-9
+    assert m["masked_frac"] == 0.0
+    assert m["importance_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert m["importance_ratio_min"] == pytest.approx(1.0, abs=1e-5)
+    assert m["importance_ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    assert m["onpolicy_tokens"] == n_loss and m["onpolicy_lp_diff_max"] < 1e-5
+    assert m["num_loss_tokens"] == n_loss and m["num_tokens"] == 3 + 4 + 2 + 3 + 4 + 2 + 1 + 5
+    assert m["num_samples"] == 4 and m["num_micro_batches"] == 2
+    # rewards [1, 0, 0.75, 0.25]: mean 0.5, population std sqrt((0.25+0.25+0.0625+0.0625)/4) = sqrt(0.15625)
+    assert m["reward_mean"] == pytest.approx(0.5) and m["reward_std"] == pytest.approx(0.15625 ** 0.5)
+    assert m["grad_norm"] > 0
+    after = trainable(model)
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+    if lora:
+        assert all("lora_" in n for n in before)
+        assert all(not torch.equal(before[n], after[n]) for n in before if "lora_B" in n)
+    for n, p in model.named_parameters():  # frozen base weights stay frozen
+        if not p.requires_grad:
+            assert torch.equal(p, frozen[n]), n
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_step_moves_logprobs_in_the_advantage_direction(model_dir, lora):
+    base = policy(model_dir, lora)
+    for k, sign in ((0, +1), (1, -1)):  # sample 0 has A = +1, sample 1 has A = -1
+        model = copy.deepcopy(base)
+        (s,) = samples(model, [SPECS[k]])
+        lp_before = completion_logprob(model, s)
+        Trainer(model, trainer_cfg(lr=1e-4), temperature=1.0).step(micro_batches([s], [[0]]))
+        delta = completion_logprob(model, s) - lp_before
+        assert sign * delta > 1e-5, (k, delta)
+    # both in one step: the A-weighted sum of completion logprobs (the objective) goes up
+    model = copy.deepcopy(base)
+    ss = samples(model, SPECS[:2])
+    objective = lambda: sum(s.advantage * completion_logprob(model, s) for s in ss)  # noqa: E731
+    before = objective()
+    Trainer(model, trainer_cfg(lr=1e-4), temperature=1.0).step(micro_batches(ss, [[0, 1]]))
+    assert objective() > before
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_one_or_two_micro_batches_give_the_same_gradient(model_dir, lora):
+    model = policy(model_dir, lora)
+    ss = samples(model)
+    trainer = Trainer(model, trainer_cfg(), temperature=1.0)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+    def grads(split):
+        trainer.optimizer.zero_grad(set_to_none=True)
+        total = sum(trainer.micro_step(mb)[0] for mb in micro_batches(ss, split))
+        return total, {n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None}
+
+    loss1, g1 = grads([[0, 1, 2, 3]])
+    loss2, g2 = grads([[3, 0], [2, 1]])
+    loss4, g4 = grads([[0], [1], [2], [3]])
+    assert loss1 == pytest.approx(loss2, rel=1e-5) and loss1 == pytest.approx(loss4, rel=1e-5)
+    assert set(g1) == set(g2) == set(g4) and g1
+    assert sum(float(g.abs().sum()) for g in g1.values()) > 0
+    for n in g1:
+        torch.testing.assert_close(g2[n], g1[n], rtol=1e-5, atol=1e-7, msg=n)
+        torch.testing.assert_close(g4[n], g1[n], rtol=1e-5, atol=1e-7, msg=n)
+    # and whole steps agree on loss and (pre-clip) gradient norm. Parameters after AdamW are not
+    # compared: its first update is ~lr * sign(g), which amplifies float noise where g ~ 0.
+    s1 = Trainer(copy.deepcopy(model), trainer_cfg(), temperature=1.0).step(micro_batches(ss, [[0, 1, 2, 3]]))
+    s2 = Trainer(copy.deepcopy(model), trainer_cfg(), temperature=1.0).step(micro_batches(ss, [[3, 0], [2, 1]]))
+    assert s2["loss"] == pytest.approx(s1["loss"], rel=1e-5)
+    assert s2["grad_norm"] == pytest.approx(s1["grad_norm"], rel=1e-5)
+    norm_by_hand = sum(float((g ** 2).sum()) for g in g1.values()) ** 0.5
+    assert s1["grad_norm"] == pytest.approx(norm_by_hand, rel=1e-5)
+
+
+def test_temperature_is_applied_to_trainer_logprobs(model_dir):
+    model = policy(model_dir, lora=False)
+    ss = samples(model, temperature=0.7)  # sampler at T = 0.7
+    m = Trainer(copy.deepcopy(model), trainer_cfg(), temperature=0.7).step(micro_batches(ss, [[0, 1, 2, 3]]))
+    assert m["onpolicy_lp_diff_max"] < 1e-5 and abs(m["kl"]) < 1e-9
+    wrong = Trainer(copy.deepcopy(model), trainer_cfg(), temperature=1.0).step(micro_batches(ss, [[0, 1, 2, 3]]))
+    assert wrong["onpolicy_lp_diff_max"] > 1e-3 and wrong["kl"] > 1e-6
+
+
+def test_off_policy_samples_are_not_counted_as_on_policy(model_dir):
+    model = policy(model_dir, lora=False)
+    ss = samples(model, version=0)
+    m = Trainer(model, trainer_cfg(), temperature=1.0).step(micro_batches(ss, [[0, 1, 2, 3]], step=1))
+    assert m["onpolicy_tokens"] == 0 and m["onpolicy_lp_diff_max"] == 0.0
+    assert m["num_loss_tokens"] == 14
+
+
+def test_zero_length_completion_contributes_nothing(model_dir):
+    model = policy(model_dir, lora=False)
+    ss = samples(model, SPECS[:1]) + [
+        PackedSample("empty/0", np.int32([5, 6, 7]), np.zeros(3, bool), np.zeros(3, np.float32), 3.0, 0.0, 0)
+    ]
+    m = Trainer(model, trainer_cfg(), temperature=1.0).step(micro_batches(ss, [[0, 1]]))
+    lp = float(ss[0].inference_logprobs[ss[0].loss_mask].sum())
+    assert m["loss"] == pytest.approx(-1.0 * lp / 4, rel=1e-5)  # only sample 0's 4 tokens count
+    assert m["num_loss_tokens"] == 4 and m["num_samples"] == 2
+
+
+def test_step_rejects_empty_or_mixed_steps(model_dir):
+    model = policy(model_dir, lora=False)
+    trainer = Trainer(model, trainer_cfg(), temperature=1.0)
+    ss = samples(model, SPECS[:2])
+    with pytest.raises(ValueError):
+        trainer.step([])
+    mixed = micro_batches(ss, [[0]], step=0) + micro_batches(ss, [[1]], step=1)
+    with pytest.raises(ValueError):
+        trainer.step(mixed)
