@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.packed import validated_seq_lens
+
 __all__ = ["AipoLossConfig", "aipo_loss", "k3_kl", "keep_mask", "sample_ids"]
 
 
@@ -112,13 +114,7 @@ def sample_ids(seq_lens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     Raises:
         ValueError: seq_lens is not a non-empty 1-D integer tensor of values >= 1, or does not sum to T.
     """
-    if not isinstance(seq_lens, torch.Tensor) or seq_lens.ndim != 1 or seq_lens.numel() == 0:
-        raise ValueError("seq_lens must be a non-empty 1-D tensor [num_samples] of sample lengths")
-    if seq_lens.dtype.is_floating_point or seq_lens.dtype == torch.bool or seq_lens.is_complex():
-        raise ValueError(f"seq_lens must be an integer tensor, got {seq_lens.dtype}; use .long()")
-    lens = seq_lens.to(torch.int64)
-    if bool((lens < 1).any()):
-        raise ValueError(f"seq_lens must all be >= 1, got {lens.tolist()}; drop empty samples before packing")
+    lens = validated_seq_lens(seq_lens)
     total = int(lens.sum())
     if total != num_tokens:
         raise ValueError(f"seq_lens must sum to the packed length {num_tokens}, got sum {total}")

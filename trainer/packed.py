@@ -58,7 +58,7 @@ def block_causal_mask(seq_lens: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
         ValueError: seq_lens is not a non-empty 1-D integer tensor of values >= 1, or dtype is not
             a floating dtype.
     """
-    lens = _validated_seq_lens(seq_lens)
+    lens = validated_seq_lens(seq_lens)
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating torch.dtype (the model's dtype), got {dtype!r}")
     ids = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
@@ -81,7 +81,7 @@ def packed_position_ids(seq_lens: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: seq_lens is not a non-empty 1-D integer tensor of values >= 1.
     """
-    lens = _validated_seq_lens(seq_lens)
+    lens = validated_seq_lens(seq_lens)
     starts = torch.cumsum(lens, 0) - lens
     pos = torch.arange(int(lens.sum()), device=lens.device)
     return (pos - torch.repeat_interleave(starts, lens))[None]
@@ -119,7 +119,7 @@ def packed_token_logprobs(
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 1 or input_ids.dtype.is_floating_point:
         raise ValueError("input_ids must be a 1-D integer tensor [num_tokens] of packed token ids")
-    lens = _validated_seq_lens(seq_lens).to(input_ids.device)
+    lens = validated_seq_lens(seq_lens).to(input_ids.device)
     if int(lens.sum()) != input_ids.numel():
         raise ValueError(f"seq_lens must sum to len(input_ids)={input_ids.numel()}, got {int(lens.sum())}")
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
@@ -158,7 +158,7 @@ def _compute_dtype(model: torch.nn.Module) -> torch.dtype:
     return embeddings.weight.dtype
 
 
-def _validated_seq_lens(seq_lens: torch.Tensor) -> torch.Tensor:
+def validated_seq_lens(seq_lens: torch.Tensor) -> torch.Tensor:
     """seq_lens as int64 after checking it is a non-empty 1-D integer tensor of values >= 1."""
     if not isinstance(seq_lens, torch.Tensor) or seq_lens.ndim != 1 or seq_lens.numel() == 0:
         raise ValueError("seq_lens must be a non-empty 1-D tensor [num_samples] of sample lengths")

@@ -8,31 +8,12 @@ import copy
 import pytest
 import torch
 from peft import PeftModel
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM
 
 from configs.schema import LoraSection
 from trainer.model import base_model, load_policy, policy_state_dict
 
 RANK, ALPHA = 4, 8.0  # LoRA scaling = alpha / r = 2
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny tensors: one thread is fastest, and avoids OpenMP spin-waits on a shared 2-core host."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=False)
-    path = tmp_path_factory.mktemp("tiny_qwen2")
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
-    return str(path)
 
 
 def hf_reference(model_dir: str) -> dict[str, torch.Tensor]:

@@ -13,7 +13,6 @@ import copy
 import numpy as np
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from configs.schema import LoraSection, OptimConfig, TrainerConfig
 from packer.packer import PackedSample, build_micro_batch
@@ -28,25 +27,6 @@ SPECS = [
     ([7, 8, 9, 10], [80, 81], 0.5, 0.75),
     ([11], [100, 101, 102, 103, 104], -0.5, 0.25),
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny tensors: one thread is fastest, and avoids OpenMP spin-waits on a shared 2-core host."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=False)
-    path = tmp_path_factory.mktemp("tiny_qwen2")
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
-    return str(path)
 
 
 def policy(model_dir: str, lora: bool) -> torch.nn.Module:
