@@ -122,7 +122,8 @@ class Supervisor:
             from trainer.tiny_model import ensure_policy  # torch: imported only when needed
 
             self.console.print("building / loading the tiny reverse-text policy ...")
-            path = ensure_policy(Path(self.cfg.model.cache_dir), sft_steps=self.cfg.model.sft_steps, seed=self.cfg.trainer.seed)
+            m = self.cfg.model
+            path = ensure_policy(Path(m.cache_dir), sft_steps=m.sft_steps, sft_target_loss=m.sft_target_loss, seed=self.cfg.trainer.seed)
             self.cfg.model.path = str(Path(path).resolve())
         if self.cfg.broadcast.method == "broadcast" and self.cfg.broadcast.port == 0:
             self.cfg.broadcast.port = free_port(self.cfg.broadcast.host)

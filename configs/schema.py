@@ -29,7 +29,8 @@ class ModelConfig(Section):
 
     path: str = Field("", description="Local HF model directory. Empty: build (or reuse from the cache) rlbus's tiny reverse-text policy.")
     cache_dir: str = Field(".cache/rlbus", description="Where the tiny policy is built and cached (relative to the working directory).")
-    sft_steps: int = Field(150, ge=0, le=100_000, description="Supervised warm-start steps of the tiny policy (deliberately partial).")
+    sft_steps: int = Field(300, ge=0, le=100_000, description="Most supervised warm-start steps of the tiny policy.")
+    sft_target_loss: float = Field(1.7, ge=0, description="The warm start stops once its training loss (nats/token) falls below this: deliberately partial, so that RL has room.")
     max_model_len: int = Field(256, ge=16, le=131_072, description="Longest prompt + completion, tokens.")
 
 
