@@ -40,7 +40,8 @@ class TaskConfig(Section):
     name: str = Field("reverse_text", description="Task name; selects dataset and reward function.")
     num_train_examples: int = Field(20_000, ge=1, description="Training prompts available (cycled if exhausted).")
     num_eval_examples: int = Field(128, ge=1, description="Held-out prompts for eval_reward_mean.")
-    seed: int = Field(0, description="Seed of the dataset generator / shuffle.")
+    seed: int = Field(0, description="Seed of the training prompts.")
+    eval_seed: int = Field(1234, description="Seed of the held-out eval prompts (fixed, so runs compare on the same set).")
 
 
 class SamplingConfig(Section):

@@ -39,8 +39,11 @@ GEN_SECONDS = Histogram("rlbus_producer_group_seconds", "Time to generate one gr
 UPDATE_SECONDS = Histogram("rlbus_producer_weight_update_seconds", "Pause + load + resume per weight update, seconds")
 
 
-def group_from_samples(prompt: Prompt, prompt_ids: list[int], samples: list, *, producer: str, gen_time_s: float) -> RolloutGroup:
-    """Assemble a :class:`RolloutGroup` from the engine's samples (see :class:`producers.engine.Sample`)."""
+def group_from_samples(
+    prompt: Prompt, prompt_ids: list[int], samples: list, texts: list[str], *, producer: str, gen_time_s: float
+) -> RolloutGroup:
+    """Assemble a :class:`RolloutGroup` from the engine's samples (see :class:`producers.engine.Sample`)
+    and their decoded ``texts``."""
     return RolloutGroup(
         id=prompt.id,
         prompt_index=prompt.index,
@@ -48,7 +51,7 @@ def group_from_samples(prompt: Prompt, prompt_ids: list[int], samples: list, *, 
         task=prompt.task,
         info=prompt.info,
         producer=producer,
-        completion_texts=[s.text for s in samples],
+        completion_texts=texts,
         finish_reasons=[str(s.finish_reason) for s in samples],
         gen_time_s=gen_time_s,
         prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
@@ -132,7 +135,9 @@ class ProducerProc(Component):
             request_id=f"{self.name}-{prompt.id}",
         )
         elapsed = time.perf_counter() - started
-        group = group_from_samples(prompt, prompt_ids, samples, producer=self.name, gen_time_s=elapsed)
+        # decode with the HF tokenizer, as the eval does (vLLM's own text drops invalid UTF-8 bytes)
+        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+        group = group_from_samples(prompt, prompt_ids, samples, texts, producer=self.name, gen_time_s=elapsed)
         GEN_SECONDS.observe(elapsed)
         GROUPS_OUT.inc()
         TOKENS_OUT.inc(int(group.completion_lens.sum()))

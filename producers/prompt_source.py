@@ -2,8 +2,12 @@
 
 Each optimizer step consumes ``prompts_per_step`` groups. The k-th *counted* prompt belongs to
 step ``s = k // prompts_per_step``, and it is issued only while
-``trainer_version >= s - max_async_level`` (the async level bounds how far generation runs
-ahead of training). A group the packer drops (e.g. stale) is announced on the control channel;
+``policy_version >= s - max_async_level``, where ``policy_version`` is the version that every
+producer runs: the minimum over the producers' ``weights.applied`` announcements (the trainer's
+version as the producers see it). Gating on what the producers have *applied*, not on what the
+trainer has announced, makes the async level a real bound: a prompt of step ``s`` is sampled
+under a version ``>= s - max_async_level``, so its off-policy lag at step ``s`` is at most
+``max_async_level``. A group the packer drops (e.g. stale) is announced on the control channel;
 it no longer counts towards a step, so a replacement is issued for it. Issuing stops once the
 prompts for the last step (``max_steps - 1``) are out.
 
@@ -18,7 +22,7 @@ from typing import Any
 from prometheus_client import Counter, Gauge
 
 from bus.component import Component, component_main
-from bus.messages import GroupsDropped, Prompt, RunDone, TrainerStep, WeightsReady
+from bus.messages import GroupsDropped, Prompt, RunDone, WeightsApplied
 from bus.metrics import POLICY_VERSION
 from producers.tasks import load_task_examples, render_messages
 
@@ -37,24 +41,42 @@ class PromptSource:
         task: task name stamped on each prompt.
         prompts_per_step: groups per optimizer step. max_async_level: see module docstring.
         max_steps: steps of the run; no prompt is issued for step >= max_steps.
+        num_producers: producers whose applied version is tracked (the minimum gates).
 
     Raises:
         ValueError: no examples, or non-positive counts.
     """
 
-    def __init__(self, examples: list[dict[str, Any]], *, task: str, prompts_per_step: int, max_async_level: int, max_steps: int) -> None:
+    def __init__(
+        self,
+        examples: list[dict[str, Any]],
+        *,
+        task: str,
+        prompts_per_step: int,
+        max_async_level: int,
+        max_steps: int,
+        num_producers: int = 1,
+    ) -> None:
         if not examples:
             raise ValueError("the task has no training examples")
-        if prompts_per_step < 1 or max_steps < 1 or max_async_level < 0:
-            raise ValueError("prompts_per_step and max_steps must be >= 1, max_async_level >= 0")
+        if prompts_per_step < 1 or max_steps < 1 or max_async_level < 0 or num_producers < 1:
+            raise ValueError("prompts_per_step, max_steps and num_producers must be >= 1, max_async_level >= 0")
         self.examples = examples
         self.task = task
         self.prompts_per_step = prompts_per_step
         self.max_async_level = max_async_level
         self.max_steps = max_steps
-        self.trainer_version = 0
+        self.num_producers = num_producers
+        self.applied: dict[str, int] = {}
         self.num_issued = 0
         self.num_dropped = 0
+
+    @property
+    def policy_version(self) -> int:
+        """The version every producer runs: min of their applied versions (0 until all reported)."""
+        if len(self.applied) < self.num_producers:
+            return 0
+        return min(self.applied.values())
 
     @property
     def next_step(self) -> int:
@@ -64,7 +86,7 @@ class PromptSource:
     def may_issue(self) -> bool:
         """True if the next prompt's step is within the async level and the run."""
         step = self.next_step
-        return step < self.max_steps and self.trainer_version >= step - self.max_async_level
+        return step < self.max_steps and self.policy_version >= step - self.max_async_level
 
     def issue(self) -> Prompt:
         """Build the next prompt (call only when :meth:`may_issue`)."""
@@ -81,9 +103,9 @@ class PromptSource:
         self.num_issued += 1
         return prompt
 
-    def on_trainer_version(self, version: int) -> None:
-        """The trainer reached ``version`` (older announcements are ignored)."""
-        self.trainer_version = max(self.trainer_version, version)
+    def on_weights_applied(self, producer: str, version: int) -> None:
+        """``producer`` now runs ``version`` (older announcements are ignored)."""
+        self.applied[producer] = max(self.applied.get(producer, 0), version)
 
     def on_dropped(self, num_groups: int) -> None:
         """``num_groups`` issued prompts will never train: issue replacements."""
@@ -102,6 +124,7 @@ class PromptSourceProc(Component):
             prompts_per_step=cfg.prompts_per_step,
             max_async_level=cfg.max_async_level,
             max_steps=cfg.trainer.max_steps,
+            num_producers=cfg.producers.replicas,
         )
         self.prompts = self.socket("prompts", "send", self.endpoints.address("prompts"), bind=True)
         self.control = self.control_subscriber()
@@ -111,9 +134,9 @@ class PromptSourceProc(Component):
         """Apply control messages; False once the run is done."""
         msg = self.control.recv(timeout_s=timeout_s)
         while msg is not None:
-            if isinstance(msg, (TrainerStep, WeightsReady)):
-                self.source.on_trainer_version(msg.version)
-                POLICY_VERSION.set(self.source.trainer_version)
+            if isinstance(msg, WeightsApplied):
+                self.source.on_weights_applied(msg.producer, msg.version)
+                POLICY_VERSION.set(self.source.policy_version)
             elif isinstance(msg, GroupsDropped):
                 self.source.on_dropped(len(msg.group_ids))
                 PROMPTS_REPLACED.inc(len(msg.group_ids))

@@ -93,7 +93,9 @@ def load_task_examples(
     return _reverse_text_examples(split, num_examples, seed)
 
 
-def render_messages(example: dict[str, Any], system_prompt: str | None = None) -> list[dict[str, str]]:
+def render_messages(
+    example: dict[str, Any], system_prompt: str | None = None
+) -> list[dict[str, str]]:
     """Chat messages for one example: an optional system turn, then the user turn.
 
     The default job uses no system prompt: the tiny policy learns the task from the data, and

@@ -1,6 +1,7 @@
 """Reward of the ``reverse_text`` task: similarity of the completion to the reversed input.
 
-    r = difflib.SequenceMatcher(None, completion, target).ratio() = 2 * M / (len(completion) + len(target))
+    r = difflib.SequenceMatcher(None, completion, target).ratio()
+      = 2 * M / (len(completion) + len(target))
 
 where M is the number of characters in the matching blocks difflib finds (greedy longest common
 substring, recursively on both sides). r is in [0, 1]; 1.0 iff the completion equals the target.

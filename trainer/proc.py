@@ -76,7 +76,7 @@ class TrainerProc(Component):
         self.batches = self.socket("batches", "recv", self.endpoints.address("batches"), bind=False, accept=(MicroBatch,))
         self.control = self.control_publisher()
         self.metrics_path = self.run_dir / "metrics.jsonl"
-        self.eval_examples = load_task_examples(cfg.task.name, "eval", cfg.task.num_eval_examples, cfg.task.seed)
+        self.eval_examples = load_task_examples(cfg.task.name, "eval", cfg.task.num_eval_examples, cfg.task.eval_seed)
         self.reward_fn = get_reward_fn(cfg.rewards.reward_fn or cfg.task.name)
         b = cfg.broadcast
         self.broadcaster = WeightBroadcaster(

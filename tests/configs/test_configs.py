@@ -42,8 +42,8 @@ def test_every_shipped_config_loads(path):
 
 def test_default_path_is_reverse_text():
     assert load_config() == load_config(CONFIG_DIR / DEFAULT)
-    # reverse_text.yaml: batch_size 64, group_size 8 -> 8 prompts per step
-    assert load_config().prompts_per_step == 64 // 8
+    # reverse_text.yaml: batch_size 128, group_size 8 -> 16 prompts per step
+    assert load_config().prompts_per_step == 128 // 8
 
 
 def test_dotted_overrides_apply_and_are_typed():
@@ -56,7 +56,7 @@ def test_dotted_overrides_apply_and_are_typed():
     assert cfg.trainer.lora.target_modules == ["q_proj", "v_proj"]
     assert cfg.broadcast.method == "filesystem" and cfg.name == "other"
     # the rest is untouched
-    assert cfg.trainer.batch_size == 64 and cfg.packer.max_off_policy_steps == 2
+    assert cfg.trainer.batch_size == 128 and cfg.packer.max_off_policy_steps == 2
 
 
 def test_later_override_wins_and_changes_derived_value():

@@ -34,18 +34,18 @@ def test_gating_by_async_level(examples):
     first = drain(src)
     assert [p.step for p in first] == [0, 0, 1, 1]
     assert not src.may_issue()
-    src.on_trainer_version(1)  # now step 2 too
+    src.on_weights_applied("producer-0", 1)  # now step 2 too
     second = drain(src)
     assert [p.step for p in second] == [2, 2]
     assert not src.may_issue()
-    src.on_trainer_version(3)  # steps 3 and 4
+    src.on_weights_applied("producer-0", 3)  # steps 3 and 4
     assert [p.step for p in drain(src)] == [3, 3, 4, 4]
 
 
 def test_async_level_zero_is_synchronous(examples):
     src = make(examples, pps=3, level=0)
     assert [p.step for p in drain(src)] == [0, 0, 0]
-    src.on_trainer_version(1)
+    src.on_weights_applied("producer-0", 1)
     assert [p.step for p in drain(src)] == [1, 1, 1]
 
 
@@ -65,7 +65,7 @@ def test_nothing_issued_for_step_at_or_beyond_max_steps(examples):
     src = make(examples, pps=2, level=10, max_steps=2)
     prompts = drain(src)  # steps 0 and 1 only, whatever the async level
     assert [p.step for p in prompts] == [0, 0, 1, 1]
-    src.on_trainer_version(50)
+    src.on_weights_applied("producer-0", 50)
     assert not src.may_issue()
     src.on_dropped(1)  # a dropped group of the last step is still replaced
     assert [p.step for p in drain(src)] == [1]
@@ -93,9 +93,9 @@ def test_ids_indices_and_cycling(examples):
 
 def test_older_versions_are_ignored(examples):
     src = make(examples, pps=1, level=0)
-    src.on_trainer_version(3)
-    src.on_trainer_version(1)
-    assert src.trainer_version == 3
+    src.on_weights_applied("producer-0", 3)
+    src.on_weights_applied("producer-0", 1)
+    assert src.policy_version == 3
     assert [p.step for p in drain(src)] == [0, 1, 2, 3]
 
 
@@ -114,3 +114,15 @@ def test_bad_arguments(examples):
     for pps, level, steps in ((0, 0, 1), (1, -1, 1), (1, 0, 0)):
         with pytest.raises(ValueError):
             make(examples, pps=pps, level=level, max_steps=steps)
+
+
+def test_gate_is_the_slowest_producer(examples):
+    src = PromptSource(examples, task="reverse_text", prompts_per_step=1, max_async_level=0, max_steps=10, num_producers=2)
+    assert [p.step for p in drain(src)] == [0]
+    src.on_weights_applied("producer-0", 2)  # producer-1 has reported nothing: still version 0
+    assert src.policy_version == 0 and not src.may_issue()
+    src.on_weights_applied("producer-1", 1)  # min(2, 1) = 1: step 1 may go out, not step 2
+    assert src.policy_version == 1
+    assert [p.step for p in drain(src)] == [1]
+    src.on_weights_applied("producer-1", 2)
+    assert [p.step for p in drain(src)] == [2]
