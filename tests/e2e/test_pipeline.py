@@ -4,7 +4,8 @@ The test listens on the run's real control channel while the run goes on, then c
 records: every sample reached the trainer exactly once, policy versions only increase, no
 sample trained above the lag bound, and the producers' logprobs of samples generated under the
 trainer's current version equal the trainer's own logprobs (the broadcast delivered the weights).
-A second test interrupts a run with SIGINT and checks that every process it started is gone.
+A second test interrupts a run with SIGINT and checks that every process it started is gone; a
+third trains a LoRA adapter and sends the merged weights through the filesystem method.
 """
 
 from __future__ import annotations
@@ -182,3 +183,23 @@ def test_sigint_stops_every_process(tmp_path: Path, policy: Path) -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert not [p for p in pids if _alive(p)]
+
+
+def test_lora_with_filesystem_weights(tmp_path: Path, policy: Path) -> None:
+    """LoRA training, weights to the producer through safetensors directories + READY markers:
+    the merged adapter reaches vLLM (on-policy logprobs match) and only the adapter trains."""
+    run_dir = tmp_path / "run"
+    proc = busctl(run_dir, policy, "trainer.max_steps=3", "max_async_level=0", "trainer.lora.enabled=true",
+                  "trainer.lora.rank=4", "trainer.optim.lr=0.01", "broadcast.method=filesystem")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert all(m["onpolicy_tokens"] == m["num_loss_tokens"] > 0 for m in steps)
+    assert max(m["onpolicy_lp_diff_max"] for m in steps) < 1e-3
+    # versions 2 and 3 are kept (older ones pruned), each complete with its READY marker
+    kept = sorted(p.name for p in (run_dir / "weights").iterdir())
+    assert kept == ["v2", "v3"]
+    assert all((run_dir / "weights" / v / "READY").is_file() for v in kept)
+    log = (run_dir / "logs" / "producer-0.log").read_text()
+    assert "applied policy version 3" in log
