@@ -179,11 +179,13 @@ class RolloutEngine:
         top_p: float,
         max_tokens: int,
         request_id: str,
+        ignore_eos: bool = False,
     ) -> list[Sample]:
         """Sample `n` completions of one prompt; returns them in sample-index order.
 
         `request_id` must be unique among in-flight requests. Only the final output is streamed
-        back (FINAL_ONLY), which is markedly faster than per-token deltas.
+        back (FINAL_ONLY), which is markedly faster than per-token deltas. `ignore_eos` keeps
+        sampling past the end-of-sequence token up to `max_tokens` (benchmarks, tests).
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -199,6 +201,7 @@ class RolloutEngine:
             temperature=temperature,
             top_p=top_p,
             max_tokens=max_tokens,
+            ignore_eos=ignore_eos,
             logprobs=0,  # the sampled token's logprob only
             output_kind=RequestOutputKind.FINAL_ONLY,
         )

@@ -113,9 +113,9 @@ class Harness:
         await sent
         return paused_s
 
-    async def generate(self, n: int = 4, max_tokens: int = 24, request_id: str = "g"):
-        return await self.engine.generate_group(PROMPT, n=n, temperature=1.0, top_p=1.0,
-                                                max_tokens=max_tokens, request_id=request_id)
+    async def generate(self, n: int = 4, max_tokens: int = 24, request_id: str = "g", ignore_eos: bool = False):
+        return await self.engine.generate_group(PROMPT, n=n, temperature=1.0, top_p=1.0, max_tokens=max_tokens,
+                                                request_id=request_id, ignore_eos=ignore_eos)
 
     def close(self) -> None:
         try:
@@ -223,7 +223,8 @@ def test_update_during_generation_keeps_requests(harness):
     harness.run(harness.broadcast(old, v_old))
 
     async def scenario():
-        task = asyncio.create_task(harness.generate(n=4, max_tokens=400, request_id="mid"))
+        # ignore_eos: a random policy may end a sample early, and the group must still be running
+        task = asyncio.create_task(harness.generate(n=4, max_tokens=480, request_id="mid", ignore_eos=True))
         # Wait until tokens are flowing, then update while the group is mid-generation.
         await asyncio.sleep(0.3)
         assert not task.done()
