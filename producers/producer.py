@@ -6,7 +6,9 @@ of asyncio tasks on one event loop:
 - the prompt loop PULLs ``prompts`` while fewer than ``max_concurrent_groups`` groups are in
   flight (so an idle producer takes work and a busy one pushes back);
 - one generation task per prompt samples ``group_size`` completions with per-token logprobs and
-  PUSHes the group on this producer's own ``rollouts`` endpoint (blocking at its HWM);
+  PUSHes the group on this producer's own ``rollouts`` endpoint (blocking at its HWM); a
+  generation that raises (e.g. a prompt longer than ``max_model_len``) is counted and announced
+  as ``groups.dropped`` so the prompt source issues a replacement instead of the step stalling;
 - the control loop applies ``weights.ready`` announcements in version order: the engine pauses
   with in-flight requests kept, receives the weights (torch.distributed broadcast or a
   safetensors directory), resumes, tags later tokens with the new version, and the producer
@@ -27,13 +29,14 @@ from prometheus_client import Counter, Histogram
 
 from broadcaster.broadcaster import resolve_backend
 from bus.component import Component, component_main
-from bus.messages import Prompt, RolloutGroup, RunDone, WeightsApplied, WeightsReady, new_id
+from bus.messages import GroupsDropped, Prompt, RolloutGroup, RunDone, WeightsApplied, WeightsReady, new_id
 from bus.metrics import POLICY_VERSION
 from producers.engine import RolloutEngine
 
 log = logging.getLogger(__name__)
 
 GROUPS_OUT = Counter("rlbus_producer_groups_total", "Groups generated")
+GROUPS_FAILED = Counter("rlbus_producer_groups_failed_total", "Groups whose generation raised, by error type", ["error"])
 TOKENS_OUT = Counter("rlbus_producer_completion_tokens_total", "Completion tokens generated")
 GEN_SECONDS = Histogram("rlbus_producer_group_seconds", "Time to generate one group, seconds")
 UPDATE_SECONDS = Histogram("rlbus_producer_weight_update_seconds", "Pause + load + resume per weight update, seconds")
@@ -122,6 +125,17 @@ class ProducerProc(Component):
             task.add_done_callback(self.inflight.discard)
 
     async def _generate(self, prompt: Prompt) -> None:
+        """Generate one group; a failure is counted and announced (the prompt is replaced)."""
+        try:
+            await self._generate_group(prompt)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            GROUPS_FAILED.labels(type(exc).__name__).inc()
+            log.error("group %s failed: %s: %s; announcing it so a replacement is issued", prompt.id, type(exc).__name__, exc)
+            self.control_out.send(GroupsDropped(id=new_id(), group_ids=[prompt.id], reason=f"failed: {type(exc).__name__}"))
+
+    async def _generate_group(self, prompt: Prompt) -> None:
         text = self.tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
         sampling = self.cfg.sampling

