@@ -227,3 +227,31 @@ def test_failed_generations_are_replaced(tmp_path: Path, policy: Path) -> None:
     assert not failed_ids & trained_groups
     failed_total = (run_dir / "metrics_final" / "producer-0.prom").read_text()
     assert "rlbus_producer_groups_failed_total" in failed_total
+
+
+def test_components_die_with_the_supervisor(tmp_path: Path, policy: Path) -> None:
+    """SIGKILL to busctl (no chance to clean up): every component, and vLLM's engine processes,
+    still exit, since each component asked the kernel for SIGTERM when its parent dies."""
+    run_dir = tmp_path / "run"
+    proc = busctl(run_dir, policy, "trainer.max_steps=1000")
+    recorder = ControlRecorder(run_dir)
+    pids: set[int] = set()
+    try:
+        deadline = time.monotonic() + 400
+        while not any(isinstance(m, TrainerStep) for m in recorder.messages):
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "no trainer step within 400 s"
+            time.sleep(0.5)
+        pids = _descendants(proc.pid)
+        assert len(pids) > 7
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while [p for p in pids if _alive(p)] and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        recorder.close()
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert not [p for p in pids if _alive(p)]
