@@ -76,6 +76,15 @@ class ControlRecorder:
         self.ctx.term()
 
 
+def wait_for_first_step(proc: subprocess.Popen, recorder: ControlRecorder, timeout_s: float = 400) -> None:
+    """Block until the run has trained one step (heard on the control channel)."""
+    deadline = time.monotonic() + timeout_s
+    while not any(isinstance(m, TrainerStep) for m in recorder.messages):
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, f"no trainer step within {timeout_s} s"
+        time.sleep(0.5)
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -164,11 +173,7 @@ def test_sigint_stops_every_process(tmp_path: Path, policy: Path) -> None:
     proc = busctl(run_dir, policy, "trainer.max_steps=1000")
     recorder = ControlRecorder(run_dir)
     try:
-        deadline = time.monotonic() + 400
-        while not any(isinstance(m, TrainerStep) for m in recorder.messages):
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "no trainer step within 400 s"
-            time.sleep(0.5)
+        wait_for_first_step(proc, recorder)
         status = json.loads((run_dir / "status.json").read_text())
         pids = {c["pid"] for c in status["components"]} | _descendants(proc.pid)
         assert all(_alive(p) for p in {c["pid"] for c in status["components"]})
@@ -237,11 +242,7 @@ def test_components_die_with_the_supervisor(tmp_path: Path, policy: Path) -> Non
     recorder = ControlRecorder(run_dir)
     pids: set[int] = set()
     try:
-        deadline = time.monotonic() + 400
-        while not any(isinstance(m, TrainerStep) for m in recorder.messages):
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "no trainer step within 400 s"
-            time.sleep(0.5)
+        wait_for_first_step(proc, recorder)
         pids = _descendants(proc.pid)
         assert len(pids) > 7
         proc.kill()
