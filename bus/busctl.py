@@ -4,6 +4,7 @@
     busctl status RUN_DIR                               components of a run: state, pid, metrics port
     busctl logs RUN_DIR COMPONENT [-f]                  a component's log
     busctl down RUN_DIR                                 stop a running ``busctl up`` (SIGTERM; it drains)
+    busctl keys DIR [--clients N]                       make CurveZMQ keys for an authenticated tcp:// bus
 
 Exit codes of ``up``: 0 when the trainer reached ``max_steps``; 1 when a component failed;
 2 for a bad config; 130 when interrupted (SIGINT/SIGTERM), after every process has stopped.
@@ -130,6 +131,27 @@ def cmd_down(ns: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def cmd_keys(ns: argparse.Namespace, console: Console) -> int:
+    from bus.auth import CLIENTS_DIR, create_keys  # zmq only
+
+    keys_dir = Path(ns.dir).resolve()
+    try:
+        created = create_keys(keys_dir, ns.clients)
+    except ValueError as err:
+        console.print(f"[red]{err}[/red]")
+        return 1
+    print(f"CurveZMQ keys in {keys_dir} (mode 0700; *.key_secret files are secret):")
+    for path in created:
+        print(f"  {path}")
+    print(f"allow-list: {keys_dir / CLIENTS_DIR}/*.key (every public key there may connect)")
+    print(f"use:        busctl up CONFIG bus.transport=tcp bus.curve_keys_dir={keys_dir}")
+    print("multi-host: copy the whole directory to the same path on every host, keeping it private, e.g.")
+    print(f"            rsync -a {keys_dir}/ HOST:{keys_dir}/")
+    print("            a host with its own client keypair sets bus.curve_client=NAME; to revoke one,")
+    print(f"            delete {CLIENTS_DIR}/NAME.key on every host and restart the processes that bind")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="busctl", description="Run and inspect rlbus pipelines.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -144,9 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     lg.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
     dn = sub.add_parser("down", help="stop a running job")
     dn.add_argument("run_dir")
+    ks = sub.add_parser("keys", help="create CurveZMQ keys (server + client keypairs, allow-list)")
+    ks.add_argument("dir", help="new key directory (must not hold keys yet)")
+    ks.add_argument("--clients", type=int, default=1,
+                    help="client keypairs: 'components' (shared by every process), then client-1 ... (default 1)")
     ns = parser.parse_args(argv)
     console = Console(highlight=False)
-    handler = {"up": cmd_up, "status": cmd_status, "logs": cmd_logs, "down": cmd_down}[ns.command]
+    handler = {"up": cmd_up, "status": cmd_status, "logs": cmd_logs, "down": cmd_down, "keys": cmd_keys}[ns.command]
     return handler(ns, console)
 
 

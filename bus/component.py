@@ -26,6 +26,7 @@ from pathlib import Path
 
 import zmq
 
+from bus import auth
 from bus.messages import ComponentReady, Message, new_id
 from bus.metrics import serve_metrics
 from bus.sockets import BusSocket
@@ -52,6 +53,8 @@ class Component:
         self.run_dir = Path(cfg.run_dir)
         self.stop = threading.Event()
         self.ctx = zmq.Context()
+        # CURVE (tcp:// with bus.curve_keys_dir) secures every socket made from self.ctx
+        auth.enable(self.ctx, auth.keys_from_config(cfg.bus))
         self.endpoints = Endpoints(cfg.bus.transport, self.run_dir, cfg.bus.host, cfg.bus.base_port)
         self._sockets: list[BusSocket] = []
 
@@ -88,6 +91,7 @@ class Component:
         """Release everything; always called, also after a failure."""
         for sock in self._sockets:
             sock.close()
+        auth.disable(self.ctx)  # stops the ZAP authenticator, which would keep term() waiting
         self.ctx.term()
 
     def report_ready(self, metrics_port: int) -> None:

@@ -4,7 +4,9 @@
 (:mod:`bus.topics`), a bounded linger and ``IMMEDIATE`` on senders (no queueing towards peers
 that have not connected yet). :class:`BusSocket` sends and receives typed messages
 (:mod:`bus.messages`), counts messages and bytes per topic and direction, and turns malformed
-input into a counted, logged-once reject instead of an exception.
+input into a counted, logged-once reject instead of an exception. When CURVE is enabled on the
+context (:func:`bus.auth.enable`), a binding socket is a CURVE server and a connecting one a
+CURVE client, so no unauthenticated peer reaches any rlbus socket.
 
 Backpressure: a blocking topic's ``send`` waits at the HWM (polling so that a stop request is
 honoured) and accounts the wait in ``rlbus_bus_blocked_seconds_total``; PUB never blocks and
@@ -20,6 +22,7 @@ from typing import Any
 
 import zmq
 
+from bus import auth
 from bus.messages import Message, decode, encode
 from bus.metrics import BUS_BLOCKED_SECONDS, BUS_BYTES, BUS_MESSAGES, BUS_REJECTED
 from bus.topics import TOPICS
@@ -42,7 +45,7 @@ class BusSocket:
     """A ZeroMQ socket bound to one topic and direction, speaking :mod:`bus.messages`.
 
     Args:
-        ctx: the process's ``zmq.Context``.
+        ctx: the process's ``zmq.Context``; its CURVE settings, if any, secure the socket.
         topic: a key of :data:`bus.topics.TOPICS`.
         direction: ``"send"`` or ``"recv"``: which side of the topic this socket is.
         endpoint: ZeroMQ endpoint string.
@@ -85,6 +88,9 @@ class BusSocket:
             self.sock.setsockopt(zmq.IMMEDIATE, 1)
         if self.sock.type == zmq.SUB:
             self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        curve = auth.for_context(ctx)
+        if curve is not None:
+            curve.secure(self.sock, server=bind)
         for ep in [endpoint] if isinstance(endpoint, str) else endpoint:
             (self.sock.bind if bind else self.sock.connect)(ep)
 

@@ -37,6 +37,7 @@ from pathlib import Path
 import zmq
 from rich.console import Console
 
+from bus import auth
 from bus.messages import ComponentReady, RunDone, TrainerStep, WeightsApplied
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
@@ -103,6 +104,7 @@ class Supervisor:
         self.table = component_table(cfg)
         self.stop = threading.Event()
         self.ctx = zmq.Context()
+        auth.enable(self.ctx, auth.keys_from_config(cfg.bus))
         self.endpoints = Endpoints(cfg.bus.transport, self.run_dir, cfg.bus.host, cfg.bus.base_port)
         self.last_step: TrainerStep | None = None
 
@@ -110,7 +112,7 @@ class Supervisor:
 
     def prepare(self) -> None:
         """Resolve the config and write the run directory (see module docstring)."""
-        for stale in ("metrics.jsonl", "trained_samples.jsonl", "metrics_final", "logs", "weights", "sock", "status.json"):
+        for stale in ("metrics.jsonl", "trained_samples.jsonl", "metrics_final", "checkpoints", "logs", "weights", "sock", "status.json"):
             target = self.run_dir / stale
             if target.is_dir():
                 shutil.rmtree(target)
@@ -279,6 +281,7 @@ class Supervisor:
             if not spec.state.startswith("exited"):
                 spec.state = f"exited({spec.proc.returncode})"
         self.write_status()
+        auth.disable(self.ctx)
         self.ctx.term()
 
 

@@ -66,9 +66,24 @@ class RewardsConfig(Section):
     """Reward/advantage workers."""
 
     replicas: int = Field(2, ge=1, le=256, description="Number of reward worker processes.")
-    reward_fn: str = Field("", description="Reward function name; empty: the task's own.")
+    reward_fn: str = Field(
+        "",
+        description="Reward function: a registered name, or an import path 'package.module:function' (runs the code it "
+        "names: configs are trusted); empty: the task's own.",
+    )
     std_normalize: bool = Field(True, description="Divide advantages by the group std (GRPO); False: mean-centred only (Dr. GRPO).")
     eps: float = Field(1e-6, gt=0, description="Added to the std in the advantage denominator.")
+    isolate: bool = Field(
+        True,
+        description="Run the reward function in child processes: one that raises, hangs past timeout_s, crashes or returns "
+        "NaN scores that sample 0 (counted by error) and the worker goes on. False: call it in-process (tests, benchmarks).",
+    )
+    timeout_s: float = Field(
+        5.0, gt=0, le=3600, description="Most seconds one reward call may take (isolate only); past it the child is killed and replaced, the sample scores 0."
+    )
+    num_procs: int = Field(
+        2, ge=1, le=64, description="Child processes per reward worker (isolate only); the samples of a group are scored across them in parallel."
+    )
 
 
 class PackerConfig(Section):
@@ -127,6 +142,10 @@ class TrainerConfig(Section):
     seed: int = Field(0, description="torch seed.")
     num_threads: int = Field(0, ge=0, le=1024, description="torch CPU threads of the trainer; 0 keeps torch's default. On a small CPU host leave cores to vLLM.")
     eval_num_samples: int = Field(1, ge=1, description="Samples per eval prompt.")
+    checkpoint_interval: int = Field(
+        0, ge=0, description="Save a resumable checkpoint (weights, optimizer, RNG, data position) every this many optimizer steps; 0: never."
+    )
+    checkpoint_keep: int = Field(2, ge=1, le=1000, description="Complete checkpoints kept on disk; older ones are deleted after each save.")
     loss: LossConfig = Field(default_factory=LossConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     lora: LoraSection = Field(default_factory=LoraSection)
@@ -149,6 +168,25 @@ class BusConfig(Section):
     host: str = Field("127.0.0.1", description="tcp host to bind and connect.")
     base_port: int = Field(5550, ge=1024, le=65000, description="First tcp port (topics use fixed offsets).")
     ready_timeout_s: float = Field(300.0, gt=0, description="How long busctl waits for a component's ready handshake, seconds.")
+    curve_keys_dir: str = Field(
+        "",
+        description="CurveZMQ key directory made by `busctl keys DIR` (relative to the working directory). Empty: no "
+        "authentication. With transport tcp every socket runs CURVE and only client keys in DIR/clients/*.key get in; "
+        "with ipc it is checked but not used (ipc:// is guarded by the socket directory's file permissions).",
+    )
+    curve_client: str = Field(
+        "components",
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="Client keypair this host's processes use: DIR/clients/NAME.key_secret.",
+    )
+
+    @model_validator(mode="after")
+    def _curve_keys_exist(self) -> "BusConfig":
+        if self.curve_keys_dir:
+            from bus.auth import CurveKeys  # zmq, only when CURVE is configured
+
+            CurveKeys.load(self.curve_keys_dir, self.curve_client)  # ValueError names the missing path
+        return self
 
 
 class MetricsConfig(Section):

@@ -1,12 +1,15 @@
-"""Reward functions by name.
+"""Reward functions by name or by import path.
 
-A reward function maps ``(completion text, example info) -> float``; it is pure and cheap, so a
-reward worker can call it on every sample of a group. The name is the task name of
-``producers.tasks``.
+A reward function maps ``(completion text, example info) -> float``; a reward worker calls it on
+every sample of a group (in child processes when ``rewards.isolate``, see :mod:`rewards.isolation`).
+A reference is either a registered name (the task name of ``producers.tasks``) or an import path
+``"package.module:function"`` for a custom function. An import path executes the code it names, so
+references come only from the run config (trusted), never from the bus.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Callable
 
 from rewards.reverse_text import reverse_text_reward
@@ -24,14 +27,38 @@ def known_reward_names() -> list[str]:
 
 
 def get_reward_fn(name: str) -> RewardFn:
-    """The reward function registered as ``name``.
+    """The reward function registered as ``name``, or the one at import path ``"package.module:function"``
+    (imported here, so in the calling process; ``function`` may be dotted, ``Class.method``).
 
     Raises:
-        ValueError: for an unknown name, listing the known ones.
+        ValueError: for an unknown name (listing the known ones), or an import path whose module or
+            attribute cannot be found or is not callable.
     """
+    if ":" in name:
+        return _import_reward_fn(name)
     try:
         return _REWARD_FNS[name]
     except KeyError:
         raise ValueError(
-            f"unknown reward name={name!r}; known: {', '.join(known_reward_names())}"
+            f"unknown reward name={name!r}; known: {', '.join(known_reward_names())}, "
+            "or an import path 'package.module:function'"
         ) from None
+
+
+def _import_reward_fn(path: str) -> RewardFn:
+    """Resolve ``"package.module:function"`` with importlib (see :func:`get_reward_fn`)."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"reward import path={path!r} must look like 'package.module:function'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"reward import path={path!r}: cannot import {module_name!r} ({exc}); check the path and sys.path") from exc
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"reward import path={path!r}: {module_name!r} has no attribute {attr!r}") from None
+    if not callable(obj):
+        raise ValueError(f"reward import path={path!r} names a {type(obj).__name__}, not a function")
+    return obj

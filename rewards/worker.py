@@ -5,6 +5,10 @@
 every producer's ``rollouts`` endpoint (fair-queued) and PUSHes to the packer's ``scored``
 endpoint, so any number of workers can run side by side; one message is one whole group, so a
 worker needs no state shared with the others.
+
+The reward function runs in child processes by default (``rewards.isolate``, see
+:mod:`rewards.isolation`): one that raises, hangs past ``rewards.timeout_s``, crashes or returns NaN
+scores that sample 0, counted in ``rlbus_rewards_errors_total{error=...}``, and the worker goes on.
 """
 
 from __future__ import annotations
@@ -19,50 +23,70 @@ from prometheus_client import Counter, Histogram
 from bus.component import Component, component_main
 from bus.messages import RolloutGroup, RunDone, ScoredGroup
 from rewards.advantages import group_advantages
-from rewards.registry import get_reward_fn
+from rewards.isolation import InProcessScorer, IsolatedScorer
 
 log = logging.getLogger(__name__)
 
 GROUPS_SCORED = Counter("rlbus_rewards_groups_total", "Groups scored")
 REWARD = Histogram("rlbus_rewards_reward", "Reward per sample", buckets=[i / 10 for i in range(11)])
 SCORE_SECONDS = Histogram("rlbus_rewards_score_seconds", "Time to score one group, seconds")
-REWARD_ERRORS = Counter("rlbus_rewards_errors_total", "Reward function calls that raised (reward set to 0)", ["error"])
+REWARD_ERRORS = Counter(
+    "rlbus_rewards_errors_total",
+    "Reward function calls that failed (reward set to 0), by error: the exception type, timeout, crash or non_finite",
+    ["error"],
+)
 
 
 class RewardWorker:
     """Scores groups with one reward function and computes their advantages.
 
     Args:
-        reward_fn_name: a name known to :func:`rewards.registry.get_reward_fn`.
+        reward_fn_name: a registry name or import path, see :func:`rewards.registry.get_reward_fn`.
         std_normalize, eps: see :func:`rewards.advantages.group_advantages`.
         name: this worker's name, recorded in each scored group.
+        isolate: run the reward function in child processes (:class:`rewards.isolation.IsolatedScorer`;
+            call :meth:`close`); False: in this process, without timeout or crash protection.
+        timeout_s, num_procs: see :class:`rewards.isolation.IsolatedScorer` (``isolate`` only).
 
     Raises:
         ValueError: unknown reward function.
     """
 
-    def __init__(self, reward_fn_name: str, *, std_normalize: bool, eps: float, name: str) -> None:
-        self.reward_fn = get_reward_fn(reward_fn_name)
+    def __init__(
+        self,
+        reward_fn_name: str,
+        *,
+        std_normalize: bool,
+        eps: float,
+        name: str,
+        isolate: bool = True,
+        timeout_s: float = 5.0,
+        num_procs: int = 2,
+    ) -> None:
+        self.scorer: InProcessScorer | IsolatedScorer = (
+            IsolatedScorer(reward_fn_name, timeout_s=timeout_s, num_procs=num_procs) if isolate else InProcessScorer(reward_fn_name)
+        )
         self.std_normalize = std_normalize
         self.eps = eps
         self.name = name
 
     def score(self, group: RolloutGroup) -> ScoredGroup:
-        """Rewards ``[G] float32`` from the verifier and advantages ``[G] float32`` of one group."""
-        rewards = np.array([self._reward(text, group.info) for text in group.completion_texts], dtype=np.float32)
+        """Rewards ``[G] float32`` from the verifier and advantages ``[G] float32`` of one group.
+
+        A sample whose reward call failed scores 0 and is counted by error label; never raises for it.
+        """
+        result = self.scorer.score(group.completion_texts, group.info)
+        for error in result.errors:
+            if error is not None:
+                REWARD_ERRORS.labels(error).inc()
+        rewards = np.array(result.rewards, dtype=np.float32)
         advantages = group_advantages(rewards, std_normalize=self.std_normalize, eps=self.eps)
         fields = {f.name: getattr(group, f.name) for f in dataclasses.fields(RolloutGroup)}
         return ScoredGroup(**fields, reward_worker=self.name, rewards=rewards, advantages=advantages.astype(np.float32))
 
-    def _reward(self, completion: str, info: dict) -> float:
-        """One verifier call; a verifier that raises scores 0 and is counted, never fatal."""
-        try:
-            reward = float(self.reward_fn(completion, info))
-        except Exception as exc:
-            REWARD_ERRORS.labels(type(exc).__name__).inc()
-            log.warning("reward function raised %s: %s; reward set to 0", type(exc).__name__, exc)
-            return 0.0
-        return reward if np.isfinite(reward) else 0.0
+    def close(self) -> None:
+        """Stop the reward function's child processes (if isolated); idempotent."""
+        self.scorer.close()
 
 
 class RewardWorkerProc(Component):
@@ -75,6 +99,9 @@ class RewardWorkerProc(Component):
             std_normalize=cfg.rewards.std_normalize,
             eps=cfg.rewards.eps,
             name=self.name,
+            isolate=cfg.rewards.isolate,
+            timeout_s=cfg.rewards.timeout_s,
+            num_procs=cfg.rewards.num_procs,
         )
         producers = [self.endpoints.address("rollouts", i) for i in range(cfg.producers.replicas)]
         self.rollouts = self.socket("rollouts", "recv", producers, bind=False, accept=(RolloutGroup,))
@@ -96,6 +123,12 @@ class RewardWorkerProc(Component):
                 REWARD.observe(float(r))
             GROUPS_SCORED.inc()
             self.scored.send(scored)
+
+    def close(self) -> None:
+        worker = getattr(self, "worker", None)  # None when setup() failed before making it
+        if worker is not None:
+            worker.close()
+        super().close()
 
 
 if __name__ == "__main__":

@@ -7,7 +7,10 @@ Per step ``s`` (0-based; the weights in use have policy version ``s``):
 3. announce ``weights.ready(s + 1)`` and send the weights (broadcast: announce first, since the
    collective blocks until every producer joins; filesystem: write, then announce);
 4. publish ``trainer.step``, append one line to ``metrics.jsonl`` and the step's sample ids and
-   versions to ``trained_samples.jsonl`` (the record that every sample trained exactly once).
+   versions to ``trained_samples.jsonl`` (the record that every sample trained exactly once);
+   checkpoint to ``checkpoints/step_N`` every ``checkpoint_interval`` steps and after the last
+   step (the trained policy of the run). Resuming from a checkpoint is not wired yet: it needs
+   the packer to re-send unacknowledged steps (see docs/DELIVERY.md).
 
 ``eval_reward_mean`` is measured before the first step and after the last; then ``run.done`` is
 published and the process exits 0, which ends the run.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +37,7 @@ from bus.messages import MicroBatch, RunDone, TrainerStep, WeightsReady, new_id
 from bus.metrics import POLICY_VERSION
 from producers.tasks import load_task_examples, render_messages
 from rewards.registry import get_reward_fn
+from trainer.checkpoint import save_checkpoint
 from trainer.evaluate import eval_reward_mean
 from trainer.model import load_policy, policy_state_dict
 from trainer.trainer import Trainer
@@ -57,9 +62,11 @@ TRAINER_GAUGES = {
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    """Append one JSON object as a line to ``path`` (flushed: readers see whole lines)."""
+    """Append one JSON object as a line to ``path``; non-finite floats (a skipped step's loss)
+    become ``null`` so the file stays strict JSON."""
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
     with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write(json.dumps(clean, allow_nan=False) + "\n")
 
 
 class TrainerProc(Component):
@@ -143,6 +150,18 @@ class TrainerProc(Component):
         BROADCAST_SECONDS.observe(elapsed)
         return elapsed
 
+    def save(self, step: int) -> None:
+        """Checkpoint after ``step`` optimizer steps (weights or adapter, optimizer, RNG)."""
+        path = save_checkpoint(
+            self.run_dir / "checkpoints",
+            step=step,
+            model=self.model,
+            optimizer=self.trainer.optimizer,
+            extra={"policy_version": step},
+            keep=self.cfg.trainer.checkpoint_keep,
+        )
+        log.info("checkpoint of step %d in %s", step, path)
+
     def run(self) -> None:
         max_steps = self.cfg.trainer.max_steps
         self.evaluate(0)
@@ -173,6 +192,9 @@ class TrainerProc(Component):
                 if key in metrics:
                     gauge.set(metrics[key])
             append_jsonl(self.metrics_path, {"step": step, **metrics})
+            interval = self.cfg.trainer.checkpoint_interval
+            if step == max_steps or (interval and step % interval == 0):
+                self.save(step)
             append_jsonl(self.run_dir / "trained_samples.jsonl", {
                 "step": step - 1,
                 "sample_ids": [i for mb in micro_batches for i in mb.sample_ids],

@@ -4,20 +4,41 @@ Gradients are accumulated over the step's micro-batches; each micro-batch loss i
 normalized by the loss tokens of the whole step (``MicroBatch.step_loss_tokens``), so their sum
 is the token-mean AIPO loss of the step (see :mod:`trainer.loss`). Then the gradient norm is
 clipped and AdamW steps with a constant learning rate. No sockets here (see :mod:`trainer.proc`).
+
+Non-finite guard: if any micro-batch loss or the gradient norm is NaN/inf, the optimizer step is
+skipped: gradients are dropped, weights and AdamW state (moments, step count) stay bit-identical,
+``rlbus_trainer_skipped_steps_total{reason}`` grows, and the metrics say ``skipped: 1.0``. The
+caller still advances the policy version and broadcasts the (unchanged) weights: every step of
+the pipeline then means one version, so the prompt source's gating, the packer's staleness check
+and the producers stay in lockstep with no "step without a version" case to handle anywhere.
+The micro-batches of a skipped step count as trained (they were consumed, not lost).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
 import numpy as np
 import torch
+from prometheus_client import Counter
 
 from bus.messages import MicroBatch
 from configs.schema import TrainerConfig
 from trainer.loss import AipoLossConfig, aipo_loss
 from trainer.packed import packed_token_logprobs
+
+log = logging.getLogger(__name__)
+
+SKIPPED_STEPS = Counter(
+    "rlbus_trainer_skipped_steps_total",
+    "Optimizer steps skipped because the loss or gradient norm was NaN/inf, by reason",
+    ["reason"],
+)
+SKIP_REASONS = ("non_finite_loss", "non_finite_grad")
+for _reason in SKIP_REASONS:  # export both series from the start, at 0
+    SKIPPED_STEPS.labels(reason=_reason)
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig) -> torch.optim.Optimizer:
@@ -90,7 +111,9 @@ class Trainer:
             ``importance_ratio_mean/min/max``, ``grad_norm`` (before clipping), ``num_tokens``,
             ``num_loss_tokens``, ``num_samples``, ``num_micro_batches``, ``reward_mean``,
             ``reward_std``, ``onpolicy_tokens``, ``onpolicy_lp_diff_max`` (see :meth:`micro_step`),
-            ``train_time_s``.
+            ``train_time_s``, ``skipped`` (1.0 if the non-finite guard skipped the optimizer
+            step, else 0.0; see the module docstring). On a skipped step ``loss`` and
+            ``grad_norm`` may be NaN/inf.
 
         Raises:
             ValueError: ``micro_batches`` is empty or mixes steps.
@@ -100,12 +123,14 @@ class Trainer:
         started = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         loss = 0.0
+        finite_losses = True
         totals: dict[str, float] = {"loss_tokens": 0.0, "masked_tokens": 0.0, "kl_sum": 0.0, "ratio_sum": 0.0}
         ratio_min, ratio_max = math.inf, -math.inf
         onpolicy_tokens, onpolicy_diff = 0.0, 0.0
         for mb in micro_batches:
             mb_loss, stats = self.micro_step(mb)
             loss += mb_loss
+            finite_losses &= math.isfinite(mb_loss)
             for key in totals:
                 totals[key] += stats[key]
             onpolicy_tokens += stats["onpolicy_tokens"]
@@ -114,7 +139,18 @@ class Trainer:
             ratio_max = max(ratio_max, stats["ratio_max"])
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.max_grad_norm))
-        self.optimizer.step()
+        reason = None if finite_losses else "non_finite_loss"
+        if reason is None and not math.isfinite(grad_norm):
+            reason = "non_finite_grad"
+        if reason is None:
+            self.optimizer.step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            SKIPPED_STEPS.labels(reason=reason).inc()
+            log.warning(
+                "step %d: skipped the optimizer step (%s: loss %s, grad norm %s); weights unchanged",
+                micro_batches[0].step, reason, loss, grad_norm,
+            )
         n_loss = max(totals["loss_tokens"], 1.0)
         rewards = np.concatenate([mb.rewards for mb in micro_batches])
         return {
@@ -134,4 +170,5 @@ class Trainer:
             "onpolicy_tokens": onpolicy_tokens,
             "onpolicy_lp_diff_max": onpolicy_diff,
             "train_time_s": time.perf_counter() - started,
+            "skipped": 0.0 if reason is None else 1.0,
         }

@@ -137,6 +137,7 @@ def test_pipeline_trains_every_sample_once(tmp_path: Path, policy: Path) -> None
     assert applied == sorted(applied) and set(applied) >= set(range(1, MAX_STEPS))
     assert step_versions == sorted(step_versions) and step_versions[-1] == MAX_STEPS
     assert "step    4/4" in out
+    assert (run_dir / "checkpoints" / f"step_{MAX_STEPS:06d}" / "DONE").is_file()  # the trained policy
 
 
 def _alive(pid: int) -> bool:

@@ -4,15 +4,22 @@ Qwen2 model (full fine-tuning and LoRA).
 Samples carry the model's own logprobs as ``inference_logprobs`` (computed with
 ``packed_token_logprobs`` under no_grad), so the importance ratio is exactly 1 up to numerics and
 the loss reduces to ``-sum_t A_t * lp_t / N`` over loss tokens.
+
+The non-finite guard tests poison one sample: a huge (finite) advantage overflows the float32 loss
+to inf; a gradient hook injects NaN into one weight's gradient with a finite loss.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import logging
+import math
 
 import numpy as np
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from configs.schema import LoraSection, OptimConfig, TrainerConfig
 from packer.packer import PackedSample, build_micro_batch
@@ -192,3 +199,80 @@ def test_step_rejects_empty_or_mixed_steps(model_dir):
     mixed = micro_batches(ss, [[0]], step=0) + micro_batches(ss, [[1]], step=1)
     with pytest.raises(ValueError):
         trainer.step(mixed)
+
+
+def skipped_count(reason: str) -> float:
+    return REGISTRY.get_sample_value("rlbus_trainer_skipped_steps_total", {"reason": reason}) or 0.0
+
+
+def all_weights(model) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for n in a:
+        assert torch.equal(a[n], b[n]), n
+
+
+def test_huge_inference_logprobs_are_masked_not_skipped(model_dir):
+    """An absurd lp_infer makes the ratio 0 or inf; the loss masks those tokens, so the step is
+    finite and taken (the guard is for what the masks cannot catch)."""
+    model = policy(model_dir, lora=False)
+    ss = samples(model)
+    ss[1] = dataclasses.replace(ss[1], inference_logprobs=np.where(ss[1].loss_mask, 1e30, 0.0).astype(np.float32))
+    before = skipped_count("non_finite_loss") + skipped_count("non_finite_grad")
+    m = Trainer(model, trainer_cfg(), temperature=1.0).step(micro_batches(ss, [[0, 1], [2, 3]]))
+    assert m["skipped"] == 0.0 and m["masked_frac"] > 0
+    assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
+    assert skipped_count("non_finite_loss") + skipped_count("non_finite_grad") == before
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_non_finite_loss_skips_the_step(model_dir, lora, caplog):
+    model = policy(model_dir, lora)
+    ss = samples(model)
+    # a finite but huge advantage (valid on the wire) overflows coeff * lp_train to inf in float32
+    bad = ss[:1] + [dataclasses.replace(ss[1], advantage=3e38)] + ss[2:]
+    trainer = Trainer(model, trainer_cfg(), temperature=1.0)
+    weights, before = all_weights(model), skipped_count("non_finite_loss")
+    with caplog.at_level(logging.WARNING, logger="trainer.trainer"):
+        m = trainer.step(micro_batches(bad, [[0, 1], [2, 3]]))
+    assert m["skipped"] == 1.0 and not math.isfinite(m["loss"])
+    assert "non_finite_loss" in caplog.text
+    assert skipped_count("non_finite_loss") == before + 1
+    assert_bit_identical(weights, all_weights(model))
+    assert not trainer.optimizer.state  # AdamW never stepped: no moments, no step count
+    assert all(p.grad is None for p in model.parameters())
+    # the next, healthy step is taken and matches a trainer that never saw the bad step
+    m = trainer.step(micro_batches(ss, [[0, 1], [2, 3]]))
+    assert m["skipped"] == 0.0 and math.isfinite(m["loss"])
+    reference = policy(model_dir, lora)
+    Trainer(reference, trainer_cfg(), temperature=1.0).step(micro_batches(ss, [[0, 1], [2, 3]]))
+    assert_bit_identical(all_weights(reference), all_weights(model))
+
+
+def test_non_finite_gradient_skips_the_step(model_dir, caplog):
+    model = policy(model_dir, lora=False)
+    ss = samples(model)
+    trainer = Trainer(model, trainer_cfg(), temperature=1.0)
+    trainer.step(micro_batches(ss, [[0, 1, 2, 3]]))  # AdamW has state now: it must not change either
+    opt_state = copy.deepcopy(trainer.optimizer.state_dict())
+    weights, before = all_weights(model), skipped_count("non_finite_grad")
+    param = model.get_submodule("model.layers.1.mlp.down_proj").weight
+    hook = param.register_hook(lambda g: torch.full_like(g, math.nan))  # finite loss, NaN gradient
+    with caplog.at_level(logging.WARNING, logger="trainer.trainer"):
+        m = trainer.step(micro_batches(ss, [[0, 1], [2, 3]]))
+    hook.remove()
+    assert m["skipped"] == 1.0 and math.isfinite(m["loss"]) and math.isnan(m["grad_norm"])
+    assert "non_finite_grad" in caplog.text
+    assert skipped_count("non_finite_grad") == before + 1
+    assert_bit_identical(weights, all_weights(model))
+    after = trainer.optimizer.state_dict()
+    assert after["state"].keys() == opt_state["state"].keys()
+    for k, st in opt_state["state"].items():
+        for name, value in st.items():
+            assert torch.equal(torch.as_tensor(after["state"][k][name]), torch.as_tensor(value)), (k, name)
+    m = trainer.step(micro_batches(ss, [[0, 1, 2, 3]]))
+    assert m["skipped"] == 0.0 and math.isfinite(m["grad_norm"])
+    assert any(not torch.equal(weights[n], t) for n, t in all_weights(model).items())

@@ -1,0 +1,199 @@
+"""Tests for trainer.checkpoint: a resumed trainer continues bit-identically (full fine-tuning and
+LoRA), incomplete checkpoints are ignored, old ones are pruned, mismatches are refused.
+
+The resume test trains an uninterrupted run for k + 2 steps with a checkpoint at step k, then
+loads that checkpoint into a FRESH model and optimizer and replays the same 2 steps with the same
+micro-batches: float32 weights and AdamW state must be bit-identical. The LoRA case uses adapter
+dropout, so it also fails unless the torch RNG state is restored.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from configs.schema import LoraSection, OptimConfig, TrainerConfig
+from packer.packer import PackedSample, build_micro_batch
+from trainer.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from trainer.model import load_policy
+from trainer.packed import packed_token_logprobs
+from trainer.trainer import Trainer, build_optimizer
+
+# (prompt tokens, completion tokens, advantage, reward)
+SPECS = [
+    ([1, 2, 3], [40, 41, 42, 43], 1.0, 1.0),
+    ([4, 5], [60, 61, 62], -1.0, 0.0),
+    ([7, 8, 9, 10], [80, 81], 0.5, 0.75),
+    ([11], [100, 101, 102, 103, 104], -0.5, 0.25),
+]
+CFG = TrainerConfig(optim=OptimConfig(lr=1e-3, max_grad_norm=1.0))
+SAVE_AT = 2  # checkpoint after this many steps, then 2 more
+
+
+def policy(model_dir: str, lora: bool) -> torch.nn.Module:
+    torch.manual_seed(1)  # peft's lora_A init; overwritten by a load anyway
+    return load_policy(model_dir, LoraSection(enabled=lora, rank=4, alpha=8.0, dropout=0.3 if lora else 0.0))
+
+
+def step_batches(model: torch.nn.Module, num_steps: int):
+    """Micro-batches of ``num_steps`` steps (a different split and sign per step), with the
+    initial model's logprobs as inference logprobs."""
+    samples = []
+    with torch.no_grad():
+        for k, (prompt, comp, adv, rew) in enumerate(SPECS):
+            ids = prompt + comp
+            mask = np.array([False] * len(prompt) + [True] * len(comp))
+            lp = packed_token_logprobs(model, torch.tensor(ids), torch.tensor([len(ids)]), temperature=1.0)
+            lps = np.where(mask, lp.numpy(), 0.0).astype(np.float32)
+            samples.append(PackedSample(f"g{k}/0", np.int32(ids), mask, lps, adv, rew, 0))
+    loss_tokens = int(sum(s.loss_mask.sum() for s in samples))
+    splits = [[[0, 1], [2, 3]], [[3], [0, 2, 1]], [[1, 2, 3, 0]], [[2], [1], [0, 3]], [[0, 3], [1, 2]]]
+    out = []
+    for step in range(num_steps):
+        sign = 1.0 if step % 2 == 0 else -0.5
+        ss = [PackedSample(s.sample_id, s.input_ids, s.loss_mask, s.inference_logprobs, sign * s.advantage, s.reward, 0) for s in samples]
+        split = splits[step % len(splits)]
+        out.append([
+            build_micro_batch([ss[i] for i in idx], step=step, micro_index=m, num_micro_batches=len(split), step_loss_tokens=loss_tokens)
+            for m, idx in enumerate(split)
+        ])
+    return out
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+def assert_same_optimizer_state(a: dict, b: dict) -> None:
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys() and a["state"]
+    for k in a["state"]:
+        for name, value in a["state"][k].items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(b["state"][k][name])), (k, name)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_resume_is_bit_identical_to_the_uninterrupted_run(model_dir, tmp_path, lora):
+    model = policy(model_dir, lora)
+    batches = step_batches(model, SAVE_AT + 2)
+    trainer = Trainer(model, CFG, temperature=1.0)
+    torch.manual_seed(7)
+    for mbs in batches[:SAVE_AT]:
+        assert trainer.step(mbs)["skipped"] == 0.0
+    path = save_checkpoint(tmp_path, step=SAVE_AT, model=model, optimizer=trainer.optimizer,
+                           extra={"policy_version": SAVE_AT, "data_position": {"prompts_issued": 12}})
+    assert path == tmp_path / f"step_{SAVE_AT:06d}" and (path / "DONE").is_file()
+    assert (path / ("adapter_model.safetensors" if lora else "model.safetensors")).is_file()
+    saved = weights(model)
+    for mbs in batches[SAVE_AT:]:
+        trainer.step(mbs)
+    reference, reference_opt = weights(model), trainer.optimizer.state_dict()
+    assert any(not torch.equal(saved[n], reference[n]) for n in saved)
+
+    def resume(reseed: int | None = None) -> Trainer:
+        fresh = policy(model_dir, lora)
+        resumed = Trainer(fresh, CFG, temperature=1.0)
+        state = load_checkpoint(latest_checkpoint(tmp_path), model=fresh, optimizer=resumed.optimizer)
+        assert state == {"step": SAVE_AT, "policy_version": SAVE_AT, "data_position": {"prompts_issued": 12}}
+        for n, t in weights(fresh).items():
+            assert torch.equal(t, saved[n]), n
+        if reseed is not None:
+            torch.manual_seed(reseed)
+        for mbs in batches[state["step"]:]:
+            resumed.step(mbs)
+        return resumed
+
+    resumed = resume()
+    after = weights(resumed.model)
+    for n in reference:
+        assert after[n].dtype == torch.float32
+        assert torch.equal(after[n], reference[n]), n
+    assert_same_optimizer_state(resumed.optimizer.state_dict(), reference_opt)
+    if lora:  # adapter dropout draws from the torch RNG: without its restored state, no match
+        other = weights(resume(reseed=123).model)
+        assert any(not torch.equal(other[n], reference[n]) for n in reference)
+
+
+def test_rng_states_are_restored(model_dir, tmp_path):
+    model = policy(model_dir, lora=False)
+    optimizer = build_optimizer(model, CFG)
+    torch.manual_seed(3), np.random.seed(3), random.seed(3)
+    path = save_checkpoint(tmp_path, step=0, model=model, optimizer=optimizer, extra={})
+    draws = (torch.rand(4), np.random.rand(4), [random.random() for _ in range(4)], np.random.randn(3))
+    torch.manual_seed(99), np.random.seed(99), random.seed(99)
+    assert load_checkpoint(path, model=model, optimizer=optimizer) == {"step": 0}
+    again = (torch.rand(4), np.random.rand(4), [random.random() for _ in range(4)], np.random.randn(3))
+    assert torch.equal(draws[0], again[0])
+    assert np.array_equal(draws[1], again[1]) and draws[2] == again[2] and np.array_equal(draws[3], again[3])
+
+
+def test_incomplete_checkpoints_are_ignored(model_dir, tmp_path):
+    model = policy(model_dir, lora=False)
+    optimizer = build_optimizer(model, CFG)
+    assert latest_checkpoint(tmp_path / "none") is None and latest_checkpoint(tmp_path) is None
+    done = save_checkpoint(tmp_path, step=4, model=model, optimizer=optimizer, extra={}, keep=5)
+    # a save killed before DONE: all files but the marker, under a final name and under a temp name
+    crashed = save_checkpoint(tmp_path / "scratch", step=5, model=model, optimizer=optimizer, extra={})
+    (crashed / "DONE").unlink()
+    crashed.rename(tmp_path / "step_000005")
+    (tmp_path / ".tmp_step_000006.123").mkdir()
+    (tmp_path / "step_000007").mkdir()
+    (tmp_path / "notes").mkdir()
+    assert latest_checkpoint(tmp_path) == done
+    assert list_checkpoints(tmp_path) == [done]
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        load_checkpoint(tmp_path / "step_000005", model=model, optimizer=optimizer)
+    # the next save cleans the leftovers up (one trainer owns the directory) and keeps other files
+    save_checkpoint(tmp_path, step=8, model=model, optimizer=optimizer, extra={}, keep=5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "scratch", "step_000004", "step_000008"]
+
+
+def test_only_the_last_checkpoints_are_kept(model_dir, tmp_path):
+    model = policy(model_dir, lora=True)
+    optimizer = build_optimizer(model, CFG)
+    for step in (1, 2, 3, 10, 11):
+        save_checkpoint(tmp_path, step=step, model=model, optimizer=optimizer, extra={"v": step}, keep=2)
+        assert len(list_checkpoints(tmp_path)) == min(2, step)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000010", "step_000011"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000010", "step_000011"]
+    # saving an existing step again replaces it
+    again = save_checkpoint(tmp_path, step=11, model=model, optimizer=optimizer, extra={"v": -1}, keep=2)
+    assert load_checkpoint(again, model=model, optimizer=optimizer) == {"step": 11, "v": -1}
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000010", "step_000011"]
+
+
+def test_mismatches_and_bad_arguments_are_refused(model_dir, tmp_path):
+    full, lora = policy(model_dir, lora=False), policy(model_dir, lora=True)
+    full_opt, lora_opt = build_optimizer(full, CFG), build_optimizer(lora, CFG)
+    path = save_checkpoint(tmp_path, step=1, model=lora, optimizer=lora_opt, extra={})
+    with pytest.raises(ValueError, match="lora checkpoint but the model is full"):
+        load_checkpoint(path, model=full, optimizer=full_opt)
+    for bad in ({"step": 3}, {"x": object()}, {"x": float("nan")}):
+        with pytest.raises(ValueError):
+            save_checkpoint(tmp_path, step=2, model=full, optimizer=full_opt, extra=bad)
+    with pytest.raises(ValueError):
+        save_checkpoint(tmp_path, step=-1, model=full, optimizer=full_opt, extra={})
+    with pytest.raises(ValueError):
+        save_checkpoint(tmp_path, step=2, model=full, optimizer=full_opt, extra={}, keep=0)
+    assert list_checkpoints(tmp_path) == [path]
+
+
+def test_tied_embeddings_round_trip(tmp_path):
+    """save_pretrained leaves out lm_head when it is tied to embed_tokens; loading must accept that."""
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, intermediate_size=64, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    a = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        a.model.embed_tokens.weight.add_(1.0)
+    path = save_checkpoint(tmp_path, step=0, model=a, optimizer=build_optimizer(a, CFG), extra={})
+    torch.manual_seed(1)
+    b = Qwen2ForCausalLM(cfg)
+    load_checkpoint(path, model=b, optimizer=build_optimizer(b, CFG))
+    assert b.lm_head.weight.data_ptr() == b.model.embed_tokens.weight.data_ptr()
+    for n, t in a.state_dict().items():
+        assert torch.equal(t, b.state_dict()[n]), n

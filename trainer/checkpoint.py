@@ -1,0 +1,269 @@
+"""Trainer checkpoints: everything needed to resume training bit-identically after a kill.
+
+Layout of one checkpoint, ``DIR/step_{N:06d}/`` (``N`` = optimizer steps completed = the policy
+version of the saved weights; a resumed trainer trains step ``N`` next)::
+
+    model.safetensors ...      full fine-tuning: the model's ``save_pretrained`` (safetensors)
+    adapter_model.safetensors  LoRA: the peft adapter only (``save_pretrained``); the frozen base
+    adapter_config.json          comes from ``model.path`` again on resume
+    optimizer.pt               ``torch.save(optimizer.state_dict())`` (AdamW moments, step counts)
+    rng.json                   torch (CPU + every CUDA device), numpy and python RNG states
+    meta.json                  {"format", "step", "kind": "full"|"lora", "extra": {...}}
+    DONE                       written last: the checkpoint is complete
+
+Invariants:
+- Atomic: a checkpoint is written into a hidden temp directory next to it and renamed into place
+  only after ``DONE`` and every file are fsynced, so a kill at any moment leaves either the whole
+  checkpoint or nothing under a ``step_*`` name. :func:`latest_checkpoint` also ignores any
+  ``step_*`` directory without ``DONE``.
+- ``optimizer.pt`` is the only pickle-based file. It is our own file, written by this trainer into
+  its own run directory and never received from the bus; it is still loaded with
+  ``weights_only=True`` (tensors and plain containers only, no code). Everything else is
+  safetensors or JSON.
+- The last ``keep`` complete checkpoints are kept; older ones and leftovers of interrupted saves
+  are deleted after each save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from peft import PeftModel, set_peft_model_state_dict
+from safetensors.torch import load_file
+
+__all__ = ["latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint"]
+
+FORMAT = 1
+DONE = "DONE"
+_NAME = re.compile(r"^step_(\d{6,})$")
+_TMP_PREFIX = ".tmp_step_"
+
+
+def _kind(model: torch.nn.Module) -> str:
+    return "lora" if isinstance(model, PeftModel) else "full"
+
+
+def _fsync_tree(path: Path) -> None:
+    """fsync every file under ``path`` and the directories themselves."""
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(root))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rng_state() -> dict[str, Any]:
+    """All RNG states as JSON-able values (byte tensors become lists of ints)."""
+    np_state = np.random.get_state(legacy=True)
+    assert isinstance(np_state, tuple) and np_state[0] == "MT19937"
+    py_version, py_state, py_gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state().tolist(),
+        "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "python": [py_version, list(py_state), py_gauss],
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if state["cuda"] and torch.cuda.is_available():
+        if len(state["cuda"]) != torch.cuda.device_count():
+            raise ValueError(
+                f"the checkpoint has RNG states of {len(state['cuda'])} CUDA devices, this process sees "
+                f"{torch.cuda.device_count()}; resume with the same CUDA_VISIBLE_DEVICES"
+            )
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+def _checkpoint_step(path: Path) -> int | None:
+    """Step of a complete checkpoint directory, else None."""
+    m = _NAME.match(path.name)
+    if m is None or not path.is_dir() or not (path / DONE).is_file():
+        return None
+    return int(m.group(1))
+
+
+def list_checkpoints(directory: str | os.PathLike[str]) -> list[Path]:
+    """Complete checkpoints under ``directory``, oldest first (by step); [] if it does not exist."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    found = [(step, p) for p in root.iterdir() if (step := _checkpoint_step(p)) is not None]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
+    """The complete checkpoint with the highest step under ``directory``, or None.
+
+    Directories without ``DONE`` (a save killed before completing) are ignored.
+    """
+    found = list_checkpoints(directory)
+    return found[-1] if found else None
+
+
+def save_checkpoint(
+    directory: str | os.PathLike[str],
+    *,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict[str, Any],
+    keep: int = 2,
+) -> Path:
+    """Write ``directory/step_{step:06d}/`` atomically and prune to the last ``keep`` checkpoints.
+
+    Args:
+        directory: checkpoint root (created if missing); one trainer writes into it.
+        step: optimizer steps completed (the policy version of ``model``'s weights), >= 0.
+        model: the training model; a peft model saves its adapter only.
+        optimizer: its ``state_dict()`` is saved.
+        extra: JSON-able caller state (data position, policy version, ...), returned by
+            :func:`load_checkpoint`; must not use the key ``"step"``.
+        keep: complete checkpoints to keep, >= 1 (this one included).
+
+    Returns:
+        The checkpoint directory. An existing checkpoint of the same step is replaced.
+
+    Raises:
+        ValueError: ``step`` < 0, ``keep`` < 1, or ``extra`` has ``"step"`` or is not JSON-able.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1 (the checkpoint just written), got {keep}")
+    if "step" in extra:
+        raise ValueError("extra must not contain 'step': load_checkpoint returns the step under that key")
+    meta = {"format": FORMAT, "step": step, "kind": _kind(model), "extra": extra}
+    try:
+        meta_text = json.dumps(meta, indent=1, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"extra must be JSON-able (str keys, finite numbers, lists, dicts): {e}") from e
+
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:06d}"
+    tmp = root / f"{_TMP_PREFIX}{step:06d}.{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    model.save_pretrained(tmp, safe_serialization=True)
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    (tmp / "rng.json").write_text(json.dumps(_rng_state()))
+    (tmp / "meta.json").write_text(meta_text)
+    _fsync_tree(tmp)
+    (tmp / DONE).write_text(f"{step}\n")
+    _fsync_tree(tmp)
+    if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
+        old = root / f"{_TMP_PREFIX}{step:06d}.old.{os.getpid()}"
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
+    _fsync_dir(root)
+    _prune(root, keep, final)
+    return final
+
+
+def _prune(root: Path, keep: int, current: Path) -> None:
+    """Delete all but the last ``keep`` complete checkpoints, and leftovers of killed saves."""
+    for p in list_checkpoints(root)[:-keep]:
+        if p != current:
+            shutil.rmtree(p)
+    for p in root.iterdir():
+        incomplete = _NAME.match(p.name) is not None and _checkpoint_step(p) is None
+        if p.is_dir() and (p.name.startswith(_TMP_PREFIX) or incomplete):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str], *, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """Restore weights, optimizer state and RNG states from a checkpoint saved by :func:`save_checkpoint`.
+
+    Args:
+        path: a complete checkpoint directory (e.g. from :func:`latest_checkpoint`).
+        model: a freshly built model of the same architecture and kind (for LoRA: the base model
+            from ``model.path`` wrapped with the same adapter config); weights are copied in place.
+        optimizer: built over ``model``'s trainable parameters in the same order
+            (:func:`trainer.trainer.build_optimizer`); its state is replaced.
+
+    Returns:
+        ``{"step": N, **extra}``.
+
+    Raises:
+        ValueError: ``path`` is not a complete checkpoint, was written by another format, or
+            does not match ``model`` (full vs LoRA, missing or unexpected weights).
+    """
+    path = Path(path)
+    if not (path / DONE).is_file():
+        raise ValueError(f"{path} is not a complete checkpoint (no {DONE} marker); use latest_checkpoint()")
+    meta = json.loads((path / "meta.json").read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, this code reads {FORMAT}")
+    if meta["kind"] != _kind(model):
+        raise ValueError(
+            f"{path} holds a {meta['kind']} checkpoint but the model is {_kind(model)}; "
+            "set trainer.lora.enabled as in the run that wrote it"
+        )
+    if isinstance(model, PeftModel):
+        _load_adapter(path, model)
+    else:
+        _load_full(path, model)
+    state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    optimizer.load_state_dict(state)
+    _set_rng_state(json.loads((path / "rng.json").read_text()))
+    return {"step": int(meta["step"]), **meta["extra"]}
+
+
+def _load_full(path: Path, model: torch.nn.Module) -> None:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:  # one file, or the shards of a large model
+        state.update(load_file(f))
+    result = model.load_state_dict(state, strict=False)
+    if result.unexpected_keys:
+        raise ValueError(f"{path}: weights the model does not have: {result.unexpected_keys[:5]}")
+    # save_pretrained leaves out tied weights (e.g. lm_head = embed_tokens); those are loaded
+    # through the tensor they share storage with. Anything else missing is an error.
+    params = model.state_dict()
+    loaded_ptrs = {params[k].data_ptr() for k in state}
+    missing = [k for k in result.missing_keys if params[k].data_ptr() not in loaded_ptrs]
+    if missing:
+        raise ValueError(f"{path}: weights missing from the checkpoint: {missing[:5]}")
+
+
+def _load_adapter(path: Path, model: PeftModel) -> None:
+    file = path / "adapter_model.safetensors"
+    if not file.is_file():
+        raise ValueError(f"{path}: no adapter_model.safetensors")
+    adapter = load_file(file)
+    result = set_peft_model_state_dict(model, adapter)
+    if result.unexpected_keys:
+        raise ValueError(f"{path}: adapter weights the model does not have: {result.unexpected_keys[:5]}")
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing:
+        raise ValueError(f"{path}: adapter weights missing from the checkpoint: {missing[:5]}")
