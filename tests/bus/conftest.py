@@ -213,12 +213,14 @@ def recv_frames() -> Callable[..., list[zmq.Frame]]:
 
 
 class RunningHub:
-    """A :class:`bus.hub.ControlHub` forwarding in a thread, with its two endpoints."""
+    """A :class:`bus.hub.ControlHub` forwarding in a thread, with the two endpoints it bound
+    (``tcp://127.0.0.1:*`` binds a random port; the attributes give the real one)."""
 
     def __init__(self, ctx: zmq.Context, pub_endpoint: str, sub_endpoint: str) -> None:
-        self.pub_endpoint, self.sub_endpoint = pub_endpoint, sub_endpoint
         self.stop = threading.Event()
         self.hub = ControlHub(ctx, pub_endpoint, sub_endpoint, self.stop)
+        self.pub_endpoint = self.hub.inbound.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.sub_endpoint = self.hub.outbound.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.thread = threading.Thread(target=self.hub.run, name="control-hub", daemon=True)
         self.thread.start()
 
@@ -231,10 +233,22 @@ class RunningHub:
 
 
 @pytest.fixture
-def hub(ctx, endpoint):
-    running = RunningHub(ctx, endpoint("control_pub"), endpoint("control_sub"))
-    yield running
-    running.close()
+def make_hub():
+    """Factory of :class:`RunningHub` (ctx, pub_endpoint, sub_endpoint); stops them all at teardown."""
+    hubs: list[RunningHub] = []
+
+    def make(ctx: zmq.Context, pub_endpoint: str, sub_endpoint: str) -> RunningHub:
+        hubs.append(RunningHub(ctx, pub_endpoint, sub_endpoint))
+        return hubs[-1]
+
+    yield make
+    for running in hubs:
+        running.close()
+
+
+@pytest.fixture
+def hub(ctx, endpoint, make_hub):
+    return make_hub(ctx, endpoint("control_pub"), endpoint("control_sub"))
 
 
 def _sync_control(publish: Callable[[int], None], sub_recv: Callable[[], Any], timeout_s: float = 5.0) -> None:

@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import random
 import socket
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,6 @@ import zmq
 
 from bus import auth, busctl
 from bus.component import Component
-from bus.hub import ControlHub
 from bus.messages import ComponentReady, GroupsDropped, Prompt, TrainerStep, new_id
 from bus.sockets import BusSocket
 from bus.supervisor import Supervisor
@@ -84,30 +82,9 @@ def peers():
     tracker.close()
 
 
-class Hub:
-    """A :class:`ControlHub` forwarding in a thread, bound to random tcp ports of ``ctx``."""
-
-    def __init__(self, ctx: zmq.Context) -> None:
-        self.stop = threading.Event()
-        self.hub = ControlHub(ctx, ANY_PORT, ANY_PORT, self.stop)
-        self.pub_endpoint = bound(self.hub.inbound)
-        self.sub_endpoint = bound(self.hub.outbound)
-        self.thread = threading.Thread(target=self.hub.run, name="control-hub", daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(timeout=5)
-        assert not self.thread.is_alive(), "hub did not stop within 5 s"
-        self.hub.inbound.sock.close(linger=0)
-        self.hub.outbound.sock.close(linger=0)
-
-
 @pytest.fixture
-def curve_hub(peers, keys):
-    running = Hub(peers.context(keys))
-    yield running
-    running.close()
+def curve_hub(peers, keys, make_hub):
+    return make_hub(peers.context(keys), ANY_PORT, ANY_PORT)
 
 
 def bound(bs: BusSocket) -> str:
