@@ -12,7 +12,7 @@ only this module and the registry (~30 ms to start, ~15 MB). Not ``multiprocessi
 numpy, prometheus; ~0.2 s and ~50 MB per child, paid again on every restart) and leave a forkserver
 / resource-tracker process behind; not ``ProcessPoolExecutor``: it cannot kill one stuck worker.
 
-Protocol (parent -> child, child -> parent), pickled:
+Protocol (parent -> child, child -> parent), one JSON document per message (no pickle):
 
     child start:  ("ready", pid) | ("error", "ValueError: unknown reward ...")   # resolve handshake
     per sample:   (completion, info)  ->  ("ok", float) | ("error", exc_type, message)
@@ -181,7 +181,7 @@ class IsolatedScorer:
                     self._replace(slot)
                 i = pending.popleft()
                 try:
-                    self._children[slot].conn.send((completions[i], info))
+                    _send(self._children[slot].conn, (completions[i], info))
                 except OSError:  # died between poll() and send()
                     errors[i] = self._fail(slot, i, "crash")
                     continue
@@ -196,7 +196,7 @@ class IsolatedScorer:
                 if conn.poll(0):  # a reply or EOF; a reply that beat a late check is still taken
                     del running[slot]
                     try:
-                        reply = conn.recv()
+                        reply = _recv(conn)
                     except (EOFError, OSError):
                         errors[i] = self._fail(slot, i, "crash")
                         continue
@@ -215,7 +215,7 @@ class IsolatedScorer:
         children, self._children = self._children, []
         for child in children:
             try:
-                child.conn.send(None)
+                _send(child.conn, None)
             except OSError:
                 pass
         deadline = time.monotonic() + STOP_TIMEOUT_S
@@ -266,7 +266,7 @@ class IsolatedScorer:
             if not child.conn.poll(START_TIMEOUT_S):
                 raise RuntimeError(f"reward child pid {proc.pid} did not start within {START_TIMEOUT_S:g} s")
             try:
-                kind, detail = child.conn.recv()
+                kind, detail = _recv(child.conn)
             except (EOFError, OSError):
                 raise RuntimeError(f"reward child pid {proc.pid} exited during startup (rc {proc.wait()})") from None
             if kind != "ready":
@@ -288,6 +288,16 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def _send(conn: Connection, obj: Any) -> None:
+    """Send one JSON message (tuples arrive as lists)."""
+    conn.send_bytes(json.dumps(obj).encode())
+
+
+def _recv(conn: Connection) -> Any:
+    """Receive one JSON message; raises EOFError when the other end is gone."""
+    return json.loads(conn.recv_bytes())
+
+
 def child_main(fd: int, reward_fn: str) -> None:
     """A child's loop: resolve ``reward_fn``, handshake, then score one sample per message until
     ``None`` or EOF. Runs in the child only (started by :meth:`IsolatedScorer._start_child`)."""
@@ -297,12 +307,12 @@ def child_main(fd: int, reward_fn: str) -> None:
     try:
         fn = get_reward_fn(reward_fn)
     except Exception as exc:
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        _send(conn, ("error", f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(("ready", os.getpid()))
+    _send(conn, ("ready", os.getpid()))
     while True:
         try:
-            task = conn.recv()
+            task = _recv(conn)
         except EOFError:
             return
         if task is None:
@@ -312,4 +322,4 @@ def child_main(fd: int, reward_fn: str) -> None:
             reply: tuple = ("ok", float(fn(completion, info)))
         except Exception as exc:  # the process boundary: the parent logs and counts it
             reply = ("error", type(exc).__name__, str(exc)[:MAX_MESSAGE_CHARS])
-        conn.send(reply)
+        _send(conn, reply)
