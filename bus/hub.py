@@ -7,24 +7,30 @@ subscription arrives, so a component that joins late learns the current policy v
 weights announcement (the "slow joiner" fix of the ZeroMQ guide). Receivers therefore must treat
 control messages idempotently (ignore versions they already have).
 
-Malformed control messages are counted and dropped here, never forwarded.
+Malformed control messages, and well-formed messages of a type that is not a control type
+(:data:`bus.messages.CONTROL_TYPES`), are counted and dropped here, never forwarded.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 
 import zmq
 
 from bus.component import Component, component_main
-from bus.messages import Message
+from bus.messages import CONTROL_TYPES, Message
 from bus.sockets import POLL_SLICE_S, BusSocket
 
 log = logging.getLogger(__name__)
 
 LAST_VALUE_TYPES = ("weights.ready", "trainer.step", "run.done")
 """Control message types whose latest value is re-announced to every new subscriber."""
+
+REANNOUNCE_INTERVAL_S = 0.05
+"""Shortest time between two re-announcements of the cache to new subscribers, seconds."""
 
 
 class ControlHub:
@@ -37,19 +43,29 @@ class ControlHub:
 
     def __init__(self, ctx: zmq.Context, pub_endpoint: str, sub_endpoint: str, stop: threading.Event) -> None:
         self.stop = stop
-        self.inbound = BusSocket(ctx, "control_pub", "recv", pub_endpoint, bind=True, stop=stop)
+        self.inbound = BusSocket(ctx, "control_pub", "recv", pub_endpoint, bind=True, stop=stop, accept=CONTROL_TYPES)
         self.inbound.sock.send(b"\x01")  # XSUB: subscribe to everything upstream
         self.outbound = BusSocket(ctx, "control_sub", "send", sub_endpoint, bind=True, stop=stop)
         self.outbound.sock.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.last: dict[str, Message] = {}
 
     def run(self) -> None:
-        """Forward until ``stop`` is set."""
+        """Forward until ``stop`` is set.
+
+        New subscriptions are coalesced: the cache is re-sent at most once per
+        :data:`REANNOUNCE_INTERVAL_S`, so a peer flooding subscription messages cannot make the
+        hub flood every subscriber.
+        """
         poller = zmq.Poller()
         poller.register(self.inbound.sock, zmq.POLLIN)
         poller.register(self.outbound.sock, zmq.POLLIN)
+        catch_up_due = False
+        last_catch_up = -math.inf
         while not self.stop.is_set():
-            events = dict(poller.poll(int(POLL_SLICE_S * 1000)))
+            wait_s = POLL_SLICE_S
+            if catch_up_due:
+                wait_s = max(0.0, min(wait_s, last_catch_up + REANNOUNCE_INTERVAL_S - time.monotonic()))
+            events = dict(poller.poll(int(wait_s * 1000)))
             if self.inbound.sock in events:
                 msg = self.inbound.recv_ready()
                 if msg is not None:
@@ -58,9 +74,11 @@ class ControlHub:
                     self.outbound.send(msg)
             if self.outbound.sock in events:
                 event = self.outbound.sock.recv()
-                if event[:1] == b"\x01":  # a new subscription: catch the joiner up
-                    for msg in list(self.last.values()):
-                        self.outbound.send(msg)
+                catch_up_due |= event[:1] == b"\x01"  # a new subscription: catch the joiner up
+            if catch_up_due and time.monotonic() - last_catch_up >= REANNOUNCE_INTERVAL_S:
+                for msg in list(self.last.values()):
+                    self.outbound.send(msg)
+                catch_up_due, last_catch_up = False, time.monotonic()
 
     def close(self) -> None:
         self.inbound.close()

@@ -20,6 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -52,6 +53,21 @@ _UNPACK_LIMITS = dict(
     max_map_len=1 << 16,
     max_ext_len=0,
 )
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    # max_ext_len=0 still lets zero-length ext values through; refuse every ext type
+    raise ValueError(f"msgpack ext type {code} is not allowed")
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
+
+
+def show(value: Any) -> str:
+    """A short repr of an untrusted value for error messages (bounded depth and length, so a
+    deeply nested or huge value cannot raise ``RecursionError`` or flood the log)."""
+    return _REPR.repr(value)
 
 
 class WireError(ValueError):
@@ -95,13 +111,14 @@ def unpack_header(buf: bytes | memoryview) -> dict[str, Any]:
     if len(buf) > MAX_HEADER_BYTES:
         raise WireError("header", f"header frame of {len(buf)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
-        header = msgpack.unpackb(buf, raw=False, strict_map_key=True, **_UNPACK_LIMITS)
+        header = msgpack.unpackb(buf, raw=False, strict_map_key=True, ext_hook=_no_ext, **_UNPACK_LIMITS)
     except Exception as exc:  # msgpack raises several unrelated exception types
         raise WireError("header", f"not a msgpack map: {type(exc).__name__}") from None
     if not isinstance(header, dict) or not isinstance(header.get("type"), str):
         raise WireError("header", "header must be a map with a string 'type'")
-    if header.get("schema") != SCHEMA_VERSION:
-        raise WireError("schema", f"schema {header.get('schema')!r} != {SCHEMA_VERSION}")
+    schema = header.get("schema")
+    if type(schema) is not int or schema != SCHEMA_VERSION:  # not True, not 1.0
+        raise WireError("schema", f"schema {show(header.get('schema'))} != {SCHEMA_VERSION}")
     return header
 
 
@@ -139,16 +156,16 @@ def decode_arrays(
         name, dtype, shape = desc["name"], desc["dtype"], desc["shape"]
         spec = specs.get(name) if isinstance(name, str) else None
         if spec is None or name in out:
-            raise WireError("frames", f"unexpected or repeated array {name!r}")
+            raise WireError("frames", f"unexpected or repeated array {show(name)}")
         if dtype != spec.dtype or dtype not in ALLOWED_DTYPES:
-            raise WireError("dtype", f"array {name!r} has dtype {dtype!r}, expected {spec.dtype}")
+            raise WireError("dtype", f"array {name!r} has dtype {show(dtype)}, expected {spec.dtype}")
         if (
             not isinstance(shape, list)
             or len(shape) != spec.ndim
             or len(shape) > MAX_NDIM
             or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
         ):
-            raise WireError("shape", f"array {name!r} has shape {shape!r}, expected rank {spec.ndim}")
+            raise WireError("shape", f"array {name!r} has shape {show(shape)}, expected rank {spec.ndim}")
         itemsize = np.dtype(dtype).itemsize
         expected = math.prod(shape) * itemsize
         buf = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)

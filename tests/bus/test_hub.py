@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from bus.messages import GroupsDropped, TrainerStep, WeightsReady, new_id
+from prometheus_client import REGISTRY
+
+from bus.messages import GroupsDropped, Prompt, TrainerStep, WeightsReady, new_id
 
 
 def connect(hub, sockets, sync_control):
@@ -54,3 +56,15 @@ def test_late_subscriber_gets_last_values(hub, sockets, sync_control):
     # The late joiner is live from then on.
     assert pub.send(TrainerStep(id="s-4", step=4, version=4, metrics={}))
     assert [m.id for m in recv_all(late)] == ["s-4"]
+
+
+def test_hub_forwards_control_types_only(hub, sockets, sync_control):
+    """A well-formed data message published on the control channel is counted and dropped."""
+    pub, live = connect(hub, sockets, sync_control)
+    before = REGISTRY.get_sample_value("rlbus_bus_rejected_total", {"topic": "control", "reason": "unexpected_type"}) or 0.0
+    data = Prompt(id="p-1", index=0, step=0, task="reverse_text", messages=[], info={})
+    assert pub.send(data)
+    assert pub.send(TrainerStep(id="s-1", step=1, version=1, metrics={}))
+    assert [m.id for m in recv_all(live)] == ["s-1"]
+    after = REGISTRY.get_sample_value("rlbus_bus_rejected_total", {"topic": "control", "reason": "unexpected_type"})
+    assert after == before + 1
