@@ -3,7 +3,7 @@
 Usage: ``python -m bench.pipeline_report RUN_DIR``
 
 Reads ``metrics.jsonl`` (trainer steps and evals) and ``metrics_final/*.prom`` (every
-component's Prometheus metrics, saved by ``busctl up`` at the last step). Step times are medians
+component's Prometheus metrics, saved by ``busctl up`` at the end of the run). Step times are medians
 over the run's steps (the first step, which includes warm-up, is left out when there are more
 than two); rates of the producers and reward workers are totals over the wall time of the
 training steps.

@@ -9,8 +9,10 @@ class) started by ``busctl`` as ``python -m <module> --run-dir DIR --name NAME -
    stop request;
 2. serve Prometheus metrics; ``setup()``; send :class:`bus.messages.ComponentReady` to the
    supervisor (the startup handshake);
-3. ``run()`` until done or stopped; ``close()`` in a ``finally``; exit 0, or 1 after logging
-   the exception (the broad ``except`` lives only here, at the process boundary).
+3. ``run()`` until done or stopped; a component whose work is done (``run.done``) then keeps
+   serving its metrics until the supervisor stops it, so the final metrics can be read from
+   every component; ``close()`` in a ``finally``; exit 0, or 1 after logging the exception (the
+   broad ``except`` lives only here, at the process boundary).
 """
 
 from __future__ import annotations
@@ -138,6 +140,7 @@ def component_main(cls: type[Component], argv: list[str] | None = None) -> int:
         log.info("ready (pid %d, metrics on :%d)", os.getpid(), port)
         comp.run()
         log.info("finished")
+        comp.stop.wait()  # keep serving metrics until the supervisor stops us
         return 0
     except Exception:
         log.exception("%s failed", args.name)

@@ -9,9 +9,10 @@ Lifecycle of a run:
    group; stdout/stderr to ``logs/NAME.log``) and wait for each one's
    :class:`bus.messages.ComponentReady` handshake on the ``supervisor`` socket, never a sleep.
    A component that exits before it is ready fails the start (its log is named).
-3. ``watch``: print one progress line per ``trainer.step`` on the control channel; at the last
-   step save every component's metrics to ``metrics_final/`` (for ``bench/``); the run ends
-   when the trainer exits 0 after ``run.done``. Any other component exit fails the run.
+3. ``watch``: print one progress line per ``trainer.step`` on the control channel; the run ends
+   when the trainer announces ``run.done`` after its last step and final eval. Components stop
+   working then but keep serving metrics, which are saved to ``metrics_final/`` (for
+   ``bench/``). A component that exits before ``run.done`` fails the run.
 4. ``shutdown`` (always, also on SIGINT/SIGTERM): SIGTERM to every process group in reverse
    start order, SIGKILL to whatever is left after ``STOP_TIMEOUT_S``; no process is left behind.
 
@@ -38,7 +39,7 @@ import zmq
 from rich.console import Console
 
 from bus import auth
-from bus.messages import ComponentReady, RunDone, TrainerStep, WeightsApplied
+from bus.messages import ComponentReady, RunDone, TrainerStep
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
 from configs.schema import RunConfig, dump_config
@@ -107,6 +108,7 @@ class Supervisor:
         auth.enable(self.ctx, auth.keys_from_config(cfg.bus))
         self.endpoints = Endpoints(cfg.bus.transport, self.run_dir, cfg.bus.host, cfg.bus.base_port)
         self.last_step: TrainerStep | None = None
+        self.run_done = False
 
     # -- prepare ---------------------------------------------------------------------------------
 
@@ -176,47 +178,46 @@ class Supervisor:
             inbox.close()
         self.write_scrape_config()
 
-    def check_alive(self, allow_exit: tuple[str, ...] = ()) -> None:
-        """Raise :class:`RunFailed` if a component exited (``allow_exit`` may exit with 0)."""
+    def check_alive(self) -> None:
+        """Raise :class:`RunFailed` if a component exited (before the run was done)."""
         for spec in self.table:
             code = spec.proc.poll() if spec.proc else None
             if code is None or spec.state.startswith("exited"):
                 continue
             spec.state = f"exited({code})"
             self.write_status()
-            if not (code == 0 and spec.name in allow_exit):
-                raise RunFailed(f"{spec.name} exited with code {code}; see {self.run_dir / 'logs' / (spec.name + '.log')}")
+            raise RunFailed(f"{spec.name} exited with code {code}; see {self.run_dir / 'logs' / (spec.name + '.log')}")
 
     # -- watch -----------------------------------------------------------------------------------
 
     def watch(self) -> None:
-        """Print progress until the trainer finishes.
+        """Print progress until the trainer announces ``run.done``, then save every component's
+        metrics (they keep serving them until shutdown).
 
         Raises:
-            RunFailed: a component died, or the trainer exited without finishing.
+            RunFailed: a component exited before the run was done.
         """
         control = BusSocket(self.ctx, "control_sub", "recv", self.endpoints.address("control_sub"), bind=False, stop=self.stop)
-        trainer = next(s for s in self.table if s.name == "trainer")
-        done = False
         try:
-            while not self.stop.is_set():
-                msg = control.recv(timeout_s=0.5)
-                if isinstance(msg, TrainerStep) and (self.last_step is None or msg.step > self.last_step.step):
-                    self.last_step = msg
-                    self.console.print(self.progress_line(msg), soft_wrap=True)
-                    if msg.step == self.cfg.trainer.max_steps:
-                        self.snapshot_metrics()
-                elif isinstance(msg, WeightsApplied):
-                    log.debug("%s applied version %d", msg.producer, msg.version)
-                elif isinstance(msg, RunDone):
-                    done = True
-                finished = done or (trainer.proc is not None and trainer.proc.poll() == 0)
-                # after run.done every component drains and may exit 0
-                self.check_alive(allow_exit=tuple(s.name for s in self.table) if finished else ())
-                if trainer.proc is not None and trainer.proc.poll() == 0:
-                    return
+            while not self.stop.is_set() and not self.run_done:
+                self._drain(control, first_timeout_s=0.5)
+                if not self.run_done:
+                    self.check_alive()
+            if self.run_done:
+                self.snapshot_metrics()
         finally:
             control.close()
+
+    def _drain(self, control: BusSocket, first_timeout_s: float) -> None:
+        """Handle every pending control message (waiting up to ``first_timeout_s`` for the first)."""
+        msg = control.recv(timeout_s=first_timeout_s)
+        while msg is not None:
+            if isinstance(msg, TrainerStep) and (self.last_step is None or msg.step > self.last_step.step):
+                self.last_step = msg
+                self.console.print(self.progress_line(msg), soft_wrap=True)
+            elif isinstance(msg, RunDone):
+                self.run_done = True
+            msg = control.recv(timeout_s=0)
 
     def progress_line(self, msg: TrainerStep) -> str:
         """``step 12/60 | reward 0.512 | loss ... | tokens/s ... | lag mean/max``."""

@@ -106,7 +106,6 @@ class ProducerProc(Component):
         self.inflight: set[asyncio.Task] = set()
         tasks = [asyncio.create_task(self._control_loop()), asyncio.create_task(self._prompt_loop())]
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        self.stop.set()
         for task in [*tasks, *self.inflight]:
             task.cancel()
         await asyncio.gather(*tasks, *self.inflight, return_exceptions=True)

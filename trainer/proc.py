@@ -13,7 +13,7 @@ Per step ``s`` (0-based; the weights in use have policy version ``s``):
    the packer to re-send unacknowledged steps (see docs/DELIVERY.md).
 
 ``eval_reward_mean`` is measured before the first step and after the last; then ``run.done`` is
-published and the process exits 0, which ends the run.
+published, which ends the run.
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
 
 
 class TrainerProc(Component):
-    """Process wrapper of :class:`Trainer` with the weight broadcaster."""
+    """Process wrapper of :class:`Trainer` with the weight broadcaster; its ``run.done`` after
+    the last step is what ends the run."""
 
     def setup(self) -> None:
         cfg = self.cfg
