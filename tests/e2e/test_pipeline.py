@@ -86,6 +86,22 @@ def wait_for_first_step(proc: subprocess.Popen, recorder: ControlRecorder, timeo
         time.sleep(0.5)
 
 
+def assert_every_sample_trained_once(run_dir: Path, max_steps: int) -> None:
+    """Every step trained BATCH_SIZE samples of whole groups, no sample twice, and (synchronous
+    runs, async level 0) each sample's version equals its step: lag 0."""
+    trained = read_jsonl(run_dir / "trained_samples.jsonl")
+    assert [r["step"] for r in trained] == list(range(max_steps))
+    sample_ids = [sid for r in trained for sid in r["sample_ids"]]
+    assert len(sample_ids) == len(set(sample_ids)) == max_steps * BATCH_SIZE
+    groups: dict[str, set[str]] = {}
+    for sid in sample_ids:
+        group, _, j = sid.partition("/")
+        groups.setdefault(group, set()).add(j)
+    assert all(members == {str(j) for j in range(GROUP_SIZE)} for members in groups.values())
+    for r in trained:
+        assert r["versions"] == [r["step"]] * BATCH_SIZE
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -104,18 +120,7 @@ def test_pipeline_trains_every_sample_once(tmp_path: Path, policy: Path) -> None
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out
 
-    # every sample reached the trainer exactly once, in whole groups, with known versions
-    trained = read_jsonl(run_dir / "trained_samples.jsonl")
-    assert [r["step"] for r in trained] == list(range(MAX_STEPS))
-    sample_ids = [sid for r in trained for sid in r["sample_ids"]]
-    assert len(sample_ids) == len(set(sample_ids)) == MAX_STEPS * BATCH_SIZE
-    groups: dict[str, set[str]] = {}
-    for sid in sample_ids:
-        group, _, j = sid.partition("/")
-        groups.setdefault(group, set()).add(j)
-    assert all(members == {str(j) for j in range(GROUP_SIZE)} for members in groups.values())
-    for r in trained:  # synchronous: lag 0, version = step
-        assert r["versions"] == [r["step"]] * BATCH_SIZE
+    assert_every_sample_trained_once(run_dir, MAX_STEPS)
 
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     steps = [m for m in metrics if "loss" in m]
