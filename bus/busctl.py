@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ks.add_argument("--clients", type=int, default=1,
                     help="client keypairs: 'components' (shared by every process), then client-1 ... (default 1)")
     ns = parser.parse_args(argv)
-    console = Console(highlight=False)
+    console = Console(highlight=False, soft_wrap=True)  # never break paths or messages mid-line
     handler = {"up": cmd_up, "status": cmd_status, "logs": cmd_logs, "down": cmd_down, "keys": cmd_keys}[ns.command]
     return handler(ns, console)
 

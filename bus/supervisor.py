@@ -100,7 +100,7 @@ class Supervisor:
 
     def __init__(self, cfg: RunConfig, console: Console | None = None) -> None:
         self.cfg = cfg
-        self.console = console or Console()
+        self.console = console or Console(soft_wrap=True)
         self.run_dir = Path(cfg.run_dir).resolve()
         self.table = component_table(cfg)
         self.stop = threading.Event()
@@ -214,7 +214,7 @@ class Supervisor:
         while msg is not None:
             if isinstance(msg, TrainerStep) and (self.last_step is None or msg.step > self.last_step.step):
                 self.last_step = msg
-                self.console.print(self.progress_line(msg), soft_wrap=True)
+                self.console.print(self.progress_line(msg))
             elif isinstance(msg, RunDone):
                 self.run_done = True
             msg = control.recv(timeout_s=0)
