@@ -8,7 +8,9 @@ class) started by ``busctl`` as ``python -m <module> --run-dir DIR --name NAME -
    ``logs/NAME.log``), die with the supervisor (``PR_SET_PDEATHSIG``), turn SIGTERM/SIGINT into a
    stop request;
 2. serve Prometheus metrics; ``setup()``; send :class:`bus.messages.ComponentReady` to the
-   supervisor (the startup handshake);
+   supervisor (the startup handshake); start the heartbeat thread
+   (:class:`bus.messages.ComponentHeartbeat` every ``bus.heartbeat_s``, state ``running``, then
+   ``done`` once ``run()`` returned), by which the supervisor tells a hung process from a live one;
 3. ``run()`` until done or stopped; a component whose work is done (``run.done``) then keeps
    serving its metrics until the supervisor stops it, so the final metrics can be read from
    every component; ``close()`` in a ``finally``; exit 0, or 1 after logging the exception (the
@@ -29,7 +31,7 @@ from pathlib import Path
 import zmq
 
 from bus import auth
-from bus.messages import ComponentReady, Message, new_id
+from bus.messages import ComponentHeartbeat, ComponentReady, Message, new_id
 from bus.metrics import serve_metrics
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
@@ -59,6 +61,11 @@ class Component:
         auth.enable(self.ctx, auth.keys_from_config(cfg.bus))
         self.endpoints = Endpoints(cfg.bus.transport, self.run_dir, cfg.bus.host, cfg.bus.base_port)
         self._sockets: list[BusSocket] = []
+        self._courier: Courier | None = None
+        self.heartbeat_state = "running"
+        """What the next heartbeat reports: ``"running"``, or ``"done"`` once ``run()`` returned."""
+        self._heartbeat_stop = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
 
     def socket(
         self,
@@ -73,6 +80,26 @@ class Component:
         sock = BusSocket(self.ctx, topic, direction, endpoint, bind=bind, stop=self.stop, accept=accept)
         self._sockets.append(sock)
         return sock
+
+    @property
+    def courier(self) -> Courier:
+        """This process's :class:`bus.reliable.Courier` (started on first use)."""
+        if self._courier is None:
+            b = self.cfg.bus
+            self._courier = Courier(
+                self.ctx, heartbeat_s=b.heartbeat_s, dead_after_s=b.dead_after_s, ack_timeout_s=b.ack_timeout_s, stop=self.stop
+            )
+        return self._courier
+
+    def reliable_receiver(
+        self, topic: str, endpoint: str | list[str], *, bind: bool, accept: tuple[type[Message], ...]
+    ) -> Inbox:
+        """The receiving side of data topic ``topic`` (see :meth:`bus.reliable.Courier.receiver`)."""
+        return self.courier.receiver(topic, endpoint, bind=bind, accept=accept)
+
+    def reliable_sender(self, topic: str, endpoint: str | list[str], *, bind: bool) -> Outbox:
+        """The sending side of data topic ``topic`` (see :meth:`bus.reliable.Courier.sender`)."""
+        return self.courier.sender(topic, endpoint, bind=bind)
 
     def control_publisher(self) -> BusSocket:
         """A PUB socket connected to the control hub."""
@@ -91,6 +118,9 @@ class Component:
 
     def close(self) -> None:
         """Release everything; always called, also after a failure."""
+        self.stop_heartbeat()
+        if self._courier is not None:
+            self._courier.close()
         for sock in self._sockets:
             sock.close()
         auth.disable(self.ctx)  # stops the ZAP authenticator, which would keep term() waiting
@@ -105,6 +135,37 @@ class Component:
                 log.warning("no supervisor took the ready handshake; running standalone")
         finally:
             sock.close()
+
+
+    def start_heartbeat(self) -> None:
+        """Send :class:`bus.messages.ComponentHeartbeat` to the supervisor every ``bus.heartbeat_s``
+        seconds from a daemon thread, until :meth:`stop_heartbeat` (called by :meth:`close`).
+
+        The thread owns its own PUSH socket (zmq sockets are not thread-safe); a heartbeat that
+        cannot be delivered within one period (no supervisor, e.g. run standalone) is skipped.
+        """
+        if self._heartbeat_thread is not None:
+            return
+        period_s = self.cfg.bus.heartbeat_s
+
+        def beat() -> None:
+            sock = BusSocket(self.ctx, "supervisor", "send", self.endpoints.address("supervisor"), bind=False, stop=self._heartbeat_stop)
+            try:
+                while not self._heartbeat_stop.is_set():
+                    sock.send(ComponentHeartbeat(id=new_id(), name=self.name, pid=os.getpid(), state=self.heartbeat_state), timeout_s=period_s)
+                    self._heartbeat_stop.wait(period_s)
+            finally:
+                sock.close()
+
+        self._heartbeat_thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
+        self._heartbeat_thread.start()
+
+    def stop_heartbeat(self) -> None:
+        """Stop the heartbeat thread and close its socket (before ``ctx.term()``); idempotent."""
+        self._heartbeat_stop.set()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(timeout=5.0)
+            self._heartbeat_thread = None
 
 
 def die_with_parent() -> None:
@@ -137,8 +198,10 @@ def component_main(cls: type[Component], argv: list[str] | None = None) -> int:
         port = serve_metrics(args.metrics_port)
         comp.setup()
         comp.report_ready(port)
+        comp.start_heartbeat()
         log.info("ready (pid %d, metrics on :%d)", os.getpid(), port)
         comp.run()
+        comp.heartbeat_state = "done"
         log.info("finished")
         comp.stop.wait()  # keep serving metrics until the supervisor stops us
         return 0

@@ -310,6 +310,21 @@ class GroupsDropped(Message):
 
 
 @dataclass(frozen=True, eq=False)
+class GroupsTrained(Message):
+    """The trainer's checkpoint now covers step ``step``: its groups are durably trained
+    (outcome ``trained``; announced once per step when the checkpoint is written, so a trainer
+    that dies and resumes never reports a group twice).
+
+    Fields:
+        step: the 0-based optimizer step. group_ids: ids of the groups trained in it.
+    """
+
+    TYPE: ClassVar[str] = "groups.trained"
+    step: int
+    group_ids: list[str]
+
+
+@dataclass(frozen=True, eq=False)
 class RunDone(Message):
     """The trainer reached ``max_steps`` (or stopped); components drain and exit.
 
@@ -337,7 +352,21 @@ class ComponentReady(Message):
     metrics_port: int
 
 
-CONTROL_TYPES: tuple[type[Message], ...] = (WeightsReady, WeightsApplied, TrainerStep, GroupsDropped, RunDone)
+@dataclass(frozen=True, eq=False)
+class ComponentHeartbeat(Message):
+    """Liveness, component -> supervisor, every ``bus.heartbeat_s``.
+
+    Fields:
+        name: component name. pid: process id. state: ``"running"`` or ``"done"``.
+    """
+
+    TYPE: ClassVar[str] = "component.heartbeat"
+    name: str
+    pid: int
+    state: str
+
+
+CONTROL_TYPES: tuple[type[Message], ...] = (WeightsReady, WeightsApplied, TrainerStep, GroupsDropped, GroupsTrained, RunDone)
 """The message types the control channel carries (the hub forwards nothing else)."""
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
@@ -351,8 +380,10 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         WeightsApplied,
         TrainerStep,
         GroupsDropped,
+        GroupsTrained,
         RunDone,
         ComponentReady,
+        ComponentHeartbeat,
     )
 }
 

@@ -21,6 +21,20 @@ BUS_REJECTED = Counter(
 BUS_BLOCKED_SECONDS = Counter(
     "rlbus_bus_blocked_seconds_total", "Seconds a sender waited at the high-water mark, per topic", ["topic"]
 )
+BUS_REDELIVERED = Counter(
+    "rlbus_bus_redelivered_total",
+    "Data messages re-sent, per topic and reason (silent / unreachable / goodbye / restarted peer, ack_timeout)",
+    ["topic", "reason"],
+)
+BUS_DUPLICATES = Counter("rlbus_bus_duplicates_total", "Data messages received again and dropped by id, per topic", ["topic"])
+BUS_PEER_DEATHS = Counter(
+    "rlbus_bus_peer_deaths_total", "Peers of a data topic declared dead or gone, per topic and reason", ["topic", "reason"]
+)
+BUS_QUEUED = Gauge(
+    "rlbus_bus_queued_messages",
+    "Data messages waiting: inbox (received, not yet taken by the component), outbox_not_taken, outbox_unfinished (not done downstream)",
+    ["topic", "queue"],
+)
 POLICY_VERSION = Gauge("rlbus_policy_version", "Policy version this component last saw or uses")
 
 

@@ -41,6 +41,20 @@ def _frame_bytes(frames: list[Any]) -> int:
     return sum(f.nbytes if hasattr(f, "nbytes") else len(f) for f in frames)
 
 
+def configure_socket(sock: zmq.Socket, ctx: zmq.Context, *, hwm: int, bind: bool) -> None:
+    """Apply rlbus's socket options: HWM both ways, bounded linger, ``IMMEDIATE`` on PUSH and
+    DEALER (nothing queues towards a peer that has not connected), CURVE when the context has it
+    (a binding socket is the server)."""
+    sock.setsockopt(zmq.LINGER, LINGER_MS)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    if sock.type in (zmq.PUSH, zmq.DEALER):
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+    curve = auth.for_context(ctx)
+    if curve is not None:
+        curve.secure(sock, server=bind)
+
+
 class BusSocket:
     """A ZeroMQ socket bound to one topic and direction, speaking :mod:`bus.messages`.
 
@@ -73,6 +87,8 @@ class BusSocket:
         spec = TOPICS.get(topic)
         if spec is None:
             raise ValueError(f"unknown topic {topic!r}; known: {sorted(TOPICS)}")
+        if spec.reliable:
+            raise ValueError(f"{topic!r} is a data topic with at-least-once delivery: use bus.reliable.Courier")
         if direction not in ("send", "recv"):
             raise ValueError(f"direction must be 'send' or 'recv', got {direction!r}")
         self.topic = "control" if spec.name.startswith("control") else spec.name
@@ -82,15 +98,9 @@ class BusSocket:
         self.accept = accept
         self._rejected_reasons: set[str] = set()
         self.sock = ctx.socket(spec.send_type if direction == "send" else spec.recv_type)
-        self.sock.setsockopt(zmq.LINGER, LINGER_MS)
-        self.sock.setsockopt(zmq.SNDHWM if direction == "send" else zmq.RCVHWM, spec.hwm)
-        if self.sock.type in (zmq.PUSH, zmq.DEALER):
-            self.sock.setsockopt(zmq.IMMEDIATE, 1)
+        configure_socket(self.sock, ctx, hwm=spec.hwm, bind=bind)
         if self.sock.type == zmq.SUB:
             self.sock.setsockopt(zmq.SUBSCRIBE, b"")
-        curve = auth.for_context(ctx)
-        if curve is not None:
-            curve.secure(self.sock, server=bind)
         for ep in [endpoint] if isinstance(endpoint, str) else endpoint:
             (self.sock.bind if bind else self.sock.connect)(ep)
 

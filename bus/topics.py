@@ -1,19 +1,22 @@
-"""The topic and endpoint table of rlbus: who binds, who connects, socket types and HWMs.
+"""The topic and endpoint table of rlbus: who binds, who connects, socket types and bounds.
 
-Data flows PUSH -> PULL; ZeroMQ load-balances a PUSH over its connected PULL peers and
-fair-queues a PULL over its connected PUSH peers, so each topic has one fixed binder:
+Data topics carry at-least-once delivery with custody (:mod:`bus.reliable`): the side that binds
+is a ROUTER, the side that connects one DEALER per endpoint; credit bounds what waits anywhere:
 
-| topic      | binder (socket)                 | connectors (socket)         | HWM at full                |
-|------------|---------------------------------|-----------------------------|----------------------------|
-| prompts    | prompt source (PUSH)            | every producer (PULL)       | blocks the prompt source   |
-| rollouts/i | producer i (PUSH), one per prod | every reward worker (PULL)  | blocks producer i          |
-| scored     | packer (PULL)                   | every reward worker (PUSH)  | blocks the reward worker   |
-| batches    | packer (PUSH)                   | trainer (PULL)              | blocks the packer          |
-| control    | hub XSUB (pub side), XPUB (sub) | everyone PUB / SUB          | PUB drops (never blocks)   |
-| supervisor | busctl (PULL)                   | every component (PUSH)      | blocks (tiny traffic)      |
+| topic      | binder (socket)                      | connectors (socket)                     | bound (credit / outbox)  |
+|------------|--------------------------------------|-----------------------------------------|--------------------------|
+| prompts    | prompt source, sender (ROUTER)       | every producer, receiver (DEALER)       | 4                        |
+| rollouts/i | producer i, sender (ROUTER), one each| every reward worker, receiver (DEALER)  | 8                        |
+| scored     | packer, receiver (ROUTER)            | every reward worker, sender (DEALER)    | 8                        |
+| batches    | packer, sender (ROUTER)              | trainer, receiver (DEALER)              | 2                        |
+| control    | hub XSUB (pub side), XPUB (sub)      | everyone PUB / SUB                      | PUB drops (never blocks) |
+| supervisor | busctl (PULL)                        | every component (PUSH)                  | blocks (tiny traffic)    |
 
-Small HWMs on ``batches`` and ``scored`` make the trainer's pace propagate back to the prompt
-source (invariant 1: no unbounded queue). HWMs count messages, not bytes.
+The bound is the credit a receiver grants each sender and the number of messages a sender's
+outbox holds before ``send`` blocks; small bounds on ``batches`` and ``scored`` make the trainer's
+pace propagate back to the prompt source (invariant 1: no unbounded queue). They count messages,
+not bytes. Reward workers connect to ``producers.max_replicas`` rollouts endpoints, so
+producers added by ``busctl scale`` are reached without a restart.
 
 Endpoints are ``ipc://`` files under the run's socket directory by default, or ``tcp://host:port``
 with ports at fixed offsets from ``bus.base_port``.
@@ -38,9 +41,10 @@ class TopicSpec:
     Attributes:
         name: topic name (also the metrics label).
         send_type / recv_type: ZeroMQ socket types of the sending and the receiving side.
-        hwm: high-water mark (messages) set on both sides.
+        hwm: high-water mark (messages); on a data topic the credit and outbox bound instead.
         blocks: True if a sender blocks at the HWM; False if messages are dropped (PUB).
         port_offset: offset from ``bus.base_port`` for tcp:// (producers add their index).
+        reliable: a data topic with at-least-once delivery (:mod:`bus.reliable`).
     """
 
     name: str
@@ -49,18 +53,19 @@ class TopicSpec:
     hwm: int
     blocks: bool
     port_offset: int
+    reliable: bool = False
 
 
 TOPICS: dict[str, TopicSpec] = {
     t.name: t
     for t in (
-        TopicSpec("prompts", zmq.PUSH, zmq.PULL, hwm=4, blocks=True, port_offset=0),
-        TopicSpec("scored", zmq.PUSH, zmq.PULL, hwm=8, blocks=True, port_offset=1),
-        TopicSpec("batches", zmq.PUSH, zmq.PULL, hwm=2, blocks=True, port_offset=2),
+        TopicSpec("prompts", zmq.ROUTER, zmq.DEALER, hwm=4, blocks=True, port_offset=0, reliable=True),
+        TopicSpec("scored", zmq.DEALER, zmq.ROUTER, hwm=8, blocks=True, port_offset=1, reliable=True),
+        TopicSpec("batches", zmq.ROUTER, zmq.DEALER, hwm=2, blocks=True, port_offset=2, reliable=True),
         TopicSpec("control_pub", zmq.PUB, zmq.XSUB, hwm=10_000, blocks=False, port_offset=3),
         TopicSpec("control_sub", zmq.XPUB, zmq.SUB, hwm=10_000, blocks=False, port_offset=4),
         TopicSpec("supervisor", zmq.PUSH, zmq.PULL, hwm=1000, blocks=True, port_offset=5),
-        TopicSpec("rollouts", zmq.PUSH, zmq.PULL, hwm=8, blocks=True, port_offset=10),
+        TopicSpec("rollouts", zmq.ROUTER, zmq.DEALER, hwm=8, blocks=True, port_offset=10, reliable=True),
     )
 }
 

@@ -60,6 +60,15 @@ class ProducersConfig(Section):
     max_concurrent_groups: int = Field(8, ge=1, le=4096, description="Groups a producer generates at once.")
     kv_cache_gib: float = Field(1.0, gt=0, le=1024, description="vLLM KV-cache size per engine, GiB.")
     seed: int = Field(0, description="vLLM sampling seed (producer i uses seed + i).")
+    max_replicas: int = Field(
+        8, ge=1, le=64, description="Most producers the run can have (`busctl scale producers=N` up to this): reward workers connect to this many rollouts endpoints."
+    )
+
+    @model_validator(mode="after")
+    def _room_for_replicas(self) -> "ProducersConfig":
+        if self.replicas > self.max_replicas:
+            raise ValueError(f"replicas ({self.replicas}) > max_replicas ({self.max_replicas}); raise max_replicas")
+        return self
 
 
 class RewardsConfig(Section):
@@ -91,6 +100,9 @@ class PackerConfig(Section):
 
     max_off_policy_steps: int = Field(2, ge=0, le=1000, description="Drop groups whose lag (step - oldest policy version) exceeds this.")
     micro_batch_tokens: int = Field(4096, ge=16, le=1 << 22, description="Token budget of one packed micro-batch.")
+    filter_equal_rewards: bool = Field(
+        False, description="Drop (outcome 'filtered') groups whose rewards are all equal: zero advantage, no policy gradient (DAPO dynamic sampling); a replacement is issued."
+    )
 
 
 class LossConfig(Section):
@@ -168,6 +180,11 @@ class BusConfig(Section):
     host: str = Field("127.0.0.1", description="tcp host to bind and connect.")
     base_port: int = Field(5550, ge=1024, le=65000, description="First tcp port (topics use fixed offsets).")
     ready_timeout_s: float = Field(300.0, gt=0, description="How long busctl waits for a component's ready handshake, seconds.")
+    heartbeat_s: float = Field(0.5, gt=0, le=60, description="Every peer of a data topic, and every component towards busctl, sends a heartbeat this often, seconds.")
+    dead_after_s: float = Field(
+        10.0, gt=0, le=3600, description="A peer silent this long is declared dead: the messages it held are re-sent to live peers (and busctl restarts a silent component), seconds."
+    )
+    ack_timeout_s: float = Field(5.0, gt=0, le=3600, description="A data message not acknowledged as received within this is re-sent, seconds.")
     curve_keys_dir: str = Field(
         "",
         description="CurveZMQ key directory made by `busctl keys DIR` (relative to the working directory). Empty: no "
@@ -187,6 +204,16 @@ class BusConfig(Section):
 
             CurveKeys.load(self.curve_keys_dir, self.curve_client)  # ValueError names the missing path
         return self
+
+
+class SupervisorConfig(Section):
+    """How `busctl up` heals: restarts with exponential backoff and a restart budget."""
+
+    restart: bool = Field(True, description="Restart a component that exits or goes silent before the run is done; False: such an exit fails the run.")
+    max_restarts: int = Field(20, ge=0, le=10_000, description="Restart budget per component; one more crash fails the run.")
+    backoff_initial_s: float = Field(0.5, ge=0, le=600, description="Delay before the first restart of a component, seconds; doubles per consecutive crash.")
+    backoff_max_s: float = Field(30.0, ge=0, le=3600, description="Longest delay between restarts, seconds.")
+    backoff_reset_s: float = Field(60.0, gt=0, description="A component that stayed up this long gets its backoff reset, seconds.")
 
 
 class MetricsConfig(Section):
@@ -211,6 +238,7 @@ class RunConfig(Section):
     broadcast: BroadcastConfig = Field(default_factory=BroadcastConfig)
     bus: BusConfig = Field(default_factory=BusConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
@@ -219,6 +247,8 @@ class RunConfig(Section):
             raise ValueError(
                 f"trainer.batch_size ({self.trainer.batch_size}) must be a multiple of producers.group_size ({g})"
             )
+        if self.bus.dead_after_s <= 2 * self.bus.heartbeat_s:
+            raise ValueError(f"bus.dead_after_s ({self.bus.dead_after_s}) must exceed 2 x bus.heartbeat_s ({self.bus.heartbeat_s})")
         if self.max_async_level > self.packer.max_off_policy_steps:
             raise ValueError(
                 f"max_async_level ({self.max_async_level}) > packer.max_off_policy_steps "
