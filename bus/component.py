@@ -33,6 +33,7 @@ import zmq
 from bus import auth
 from bus.messages import ComponentHeartbeat, ComponentReady, Message, new_id
 from bus.metrics import serve_metrics
+from bus.reliable import Courier, Inbox, Outbox
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
 from configs.schema import RunConfig, load_config

@@ -312,8 +312,9 @@ class GroupsDropped(Message):
 @dataclass(frozen=True, eq=False)
 class GroupsTrained(Message):
     """The trainer's checkpoint now covers step ``step``: its groups are durably trained
-    (outcome ``trained``; announced once per step when the checkpoint is written, so a trainer
-    that dies and resumes never reports a group twice).
+    (outcome ``trained``). Announced when a checkpoint covers the step; a resumed trainer
+    announces the steps released with its checkpoint again, with the same id
+    ``trained-step-{step}``, so receivers treat repeats idempotently.
 
     Fields:
         step: the 0-based optimizer step. group_ids: ids of the groups trained in it.

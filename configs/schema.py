@@ -155,7 +155,12 @@ class TrainerConfig(Section):
     num_threads: int = Field(0, ge=0, le=1024, description="torch CPU threads of the trainer; 0 keeps torch's default. On a small CPU host leave cores to vLLM.")
     eval_num_samples: int = Field(1, ge=1, description="Samples per eval prompt.")
     checkpoint_interval: int = Field(
-        0, ge=0, description="Save a resumable checkpoint (weights, optimizer, RNG, data position) every this many optimizer steps; 0: never."
+        10,
+        ge=0,
+        description="Save a resumable checkpoint (weights or adapter, optimizer, RNG, step, policy version) every this many optimizer "
+        "steps and after the last one. The trainer releases a step's micro-batches and announces its groups as trained only once a "
+        "checkpoint covers it, so the packer holds up to this many steps of micro-batches. 0: no periodic checkpoints; steps are "
+        "released right after training and a restarted trainer cannot resume (it refuses to start).",
     )
     checkpoint_keep: int = Field(2, ge=1, le=1000, description="Complete checkpoints kept on disk; older ones are deleted after each save.")
     loss: LossConfig = Field(default_factory=LossConfig)

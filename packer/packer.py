@@ -8,6 +8,14 @@ can issue a replacement and every prompt is accounted for. A step takes ``prompt
 whole groups (``batch_size`` samples) in arrival order; its samples are packed first-fit
 decreasing into micro-batches of at most ``micro_batch_tokens`` tokens, with no padding.
 
+Every group id gets at most one decision for the whole run: taken into the buffer (and later
+emitted or dropped stale), or dropped at once with a reason (``"empty_prompt"``, ``"too_long"``,
+``"filtered: equal_rewards"``, ``"stale"``). Delivery is at-least-once, so the same group can
+arrive again at any later time (re-sent by a reward worker, or scored twice by two workers); the
+seen-id set therefore covers the whole run, never trimmed, so no group trains twice and no group
+gets two outcomes. Its size is bounded by the run's prompt count (one short string per issued
+prompt: ~100 bytes each, ~100 MB per million prompts).
+
 No sockets here: :mod:`packer.proc` moves the messages.
 """
 
@@ -20,6 +28,12 @@ import numpy as np
 
 from bus.messages import MicroBatch, ScoredGroup
 from packer.packing import pack_first_fit_decreasing
+
+
+def rewards_all_equal(rewards: np.ndarray) -> bool:
+    """True if every reward of a group (``[G] float32``) equals the first (exactly; G=1 counts as
+    equal): the group-relative advantage ``r - mean(r)`` is then 0 for every sample."""
+    return bool(np.all(rewards == rewards[0])) if len(rewards) else True
 
 
 @dataclass(frozen=True)
@@ -91,20 +105,32 @@ class Packer:
         max_off_policy_steps: largest lag a trained sample may have.
         micro_batch_tokens: token budget of one micro-batch.
         first_step: step index of the first step to emit (for resumed runs).
+        filter_equal_rewards: drop groups whose rewards are all equal (reason
+            ``"filtered: equal_rewards"``): their advantages are all zero, so they carry no policy
+            gradient (DAPO's dynamic sampling, Yu et al. 2025, arXiv:2503.14476).
 
     Raises:
         ValueError: a bound is not positive.
     """
 
-    def __init__(self, prompts_per_step: int, max_off_policy_steps: int, micro_batch_tokens: int, first_step: int = 0) -> None:
+    def __init__(
+        self,
+        prompts_per_step: int,
+        max_off_policy_steps: int,
+        micro_batch_tokens: int,
+        first_step: int = 0,
+        *,
+        filter_equal_rewards: bool = False,
+    ) -> None:
         if prompts_per_step < 1 or micro_batch_tokens < 1 or max_off_policy_steps < 0:
             raise ValueError("prompts_per_step and micro_batch_tokens must be >= 1, max_off_policy_steps >= 0")
         self.prompts_per_step = prompts_per_step
         self.max_off_policy_steps = max_off_policy_steps
         self.micro_batch_tokens = micro_batch_tokens
+        self.filter_equal_rewards = filter_equal_rewards
         self.next_step = first_step
         self.buffer: deque[ScoredGroup] = deque()
-        self.seen: set[str] = set()
+        self.seen: set[str] = set()  # every group id ever decided on (whole run; see module docstring)
 
     def lag(self, group: ScoredGroup, step: int) -> int:
         """Off-policy lag of ``group`` if trained at ``step``: ``step - min(version_start)``."""
@@ -113,20 +139,25 @@ class Packer:
     def add(self, group: ScoredGroup) -> tuple[bool, str]:
         """Take a scored group.
 
+        Checks run in this order: content first (the verdict cannot change), timing last.
+
         Returns:
-            ``(accepted, reason)``; reason is ``""``, ``"duplicate"`` (id already taken; drop
-            silently), ``"empty_prompt"``, ``"stale"`` (lag above the bound at the next step) or
-            ``"too_long"`` (a sample exceeds the micro-batch budget).
+            ``(accepted, reason)``; reason is ``""``, ``"duplicate"`` (id seen before in this
+            run: drop silently, it already has its decision), ``"empty_prompt"``, ``"too_long"``
+            (a sample exceeds the micro-batch budget), ``"filtered: equal_rewards"`` (with
+            ``filter_equal_rewards``) or ``"stale"`` (lag above the bound at the next step).
         """
         if group.id in self.seen:
             return False, "duplicate"
         self.seen.add(group.id)
         if len(group.prompt_ids) == 0:
             return False, "empty_prompt"
-        if self.lag(group, self.next_step) > self.max_off_policy_steps:
-            return False, "stale"
         if int(len(group.prompt_ids) + group.completion_lens.max()) > self.micro_batch_tokens:
             return False, "too_long"
+        if self.filter_equal_rewards and rewards_all_equal(group.rewards):
+            return False, "filtered: equal_rewards"
+        if self.lag(group, self.next_step) > self.max_off_policy_steps:
+            return False, "stale"
         self.buffer.append(group)
         return True, ""
 

@@ -1,9 +1,25 @@
-"""The packer process: PULL ``scored`` (bound) -> :class:`packer.packer.Packer` -> PUSH ``batches``.
+"""The packer process: reliable ``scored`` (receiver, bound) -> :class:`packer.packer.Packer` ->
+reliable ``batches`` (sender, bound).
 
-Dropped groups are announced on the control channel (:class:`bus.messages.GroupsDropped`) so the
-prompt source issues replacements. Sending a step blocks at the small ``batches`` HWM, which
-stops this loop from pulling ``scored``, which in turn blocks the reward workers: the trainer's
-pace propagates upstream.
+Custody (:mod:`bus.reliable`): the packer calls ``scored.done(group_id)`` once it has decided on a
+group: taken into its buffer, or dropped for any reason (duplicates included). A drop is announced
+on the control channel (:class:`bus.messages.GroupsDropped`, outcome for the prompt source's
+ledger) *before* ``done``, so a packer killed in between gets the group re-sent rather than lost;
+the ledger treats a repeated announcement as a repeat. The inbox already drops re-sent ids it
+remembers as done (``bus.reliable.DONE_MEMORY`` of them); :class:`Packer`'s seen-id set is the
+run-wide guard behind it. Micro-batches stay in the ``batches`` outbox until the trainer marks
+them done, which it does only once a checkpoint covers their step: up to
+``trainer.checkpoint_interval`` steps of micro-batches wait there (the outbox's capacity bounds
+only micro-batches not yet *taken* by the trainer), and the courier re-sends them to a restarted
+trainer. Steps are numbered from 0 as before.
+
+Backpressure: ``batches.send`` blocks while the trainer has not taken the previous micro-batches
+(the topic's bound); meanwhile this loop takes no more ``scored`` groups, so the reward workers'
+outboxes fill and they block in turn: the trainer's pace propagates upstream.
+
+Not covered yet: a killed packer loses its buffer (groups already marked done upstream) and its
+outbox of micro-batches not yet covered by a checkpoint, and a restarted one starts with an empty
+seen-id set; the durable spool of ``docs/DELIVERY.md`` is the planned fix.
 """
 
 from __future__ import annotations
@@ -18,10 +34,11 @@ from packer.packer import Packer
 
 log = logging.getLogger(__name__)
 
-GROUPS_IN = Counter("rlbus_packer_groups_total", "Scored groups received, by outcome", ["outcome"])
+GROUPS_IN = Counter("rlbus_packer_groups_total", "Scored groups received, by decision (accepted, duplicate or drop reason)", ["outcome"])
 STEPS_OUT = Counter("rlbus_packer_steps_total", "Optimizer steps emitted")
 MICRO_BATCHES = Gauge("rlbus_packer_micro_batches", "Micro-batches in the last emitted step")
 BUFFERED = Gauge("rlbus_packer_buffered_groups", "Groups waiting for the next step")
+UNFINISHED = Gauge("rlbus_packer_unfinished_micro_batches", "Micro-batches sent and not yet done by the trainer (checkpoint)")
 
 
 class PackerProc(Component):
@@ -29,9 +46,14 @@ class PackerProc(Component):
 
     def setup(self) -> None:
         cfg = self.cfg
-        self.packer = Packer(cfg.prompts_per_step, cfg.packer.max_off_policy_steps, cfg.packer.micro_batch_tokens)
-        self.scored = self.socket("scored", "recv", self.endpoints.address("scored"), bind=True, accept=(ScoredGroup,))
-        self.batches = self.socket("batches", "send", self.endpoints.address("batches"), bind=True)
+        self.packer = Packer(
+            cfg.prompts_per_step,
+            cfg.packer.max_off_policy_steps,
+            cfg.packer.micro_batch_tokens,
+            filter_equal_rewards=cfg.packer.filter_equal_rewards,
+        )
+        self.scored = self.reliable_receiver("scored", self.endpoints.address("scored"), bind=True, accept=(ScoredGroup,))
+        self.batches = self.reliable_sender("batches", self.endpoints.address("batches"), bind=True)
         self.control_out = self.control_publisher()
         self.control_in = self.control_subscriber()
 
@@ -41,25 +63,43 @@ class PackerProc(Component):
             log.info("dropped %d group(s) as %s", len(groups), reason)
             self.control_out.send(GroupsDropped(id=new_id(), group_ids=[g.id for g in groups], reason=reason))
 
+    def _take(self, group: ScoredGroup) -> None:
+        """Decide on one received group, announce a drop, then release custody upstream."""
+        accepted, reason = self.packer.add(group)
+        if accepted:
+            GROUPS_IN.labels("accepted").inc()
+        elif reason == "duplicate":
+            GROUPS_IN.labels("duplicate").inc()  # already decided on: no second outcome
+        else:
+            self._announce_dropped([group], reason)
+        self.scored.done(group.id)
+
+    def _run_done(self) -> bool:
+        """Drain the control channel; True once the run is done."""
+        msg = self.control_in.recv(timeout_s=0)
+        while msg is not None:
+            if isinstance(msg, RunDone):
+                return True
+            msg = self.control_in.recv(timeout_s=0)
+        return False
+
     def run(self) -> None:
         while not self.stop.is_set():
-            if isinstance(self.control_in.recv(timeout_s=0), RunDone):
+            if self._run_done():
                 return
             group = self.scored.recv(timeout_s=0.2)
             if group is not None:
-                accepted, reason = self.packer.add(group)
-                if accepted:
-                    GROUPS_IN.labels("accepted").inc()
-                elif reason != "duplicate":
-                    self._announce_dropped([group], reason)
+                assert isinstance(group, ScoredGroup)
+                self._take(group)
             batches, dropped = self.packer.pop_step()
             self._announce_dropped(dropped, "stale")
             BUFFERED.set(len(self.packer.buffer))
+            UNFINISHED.set(self.batches.unfinished())
             if batches:
                 MICRO_BATCHES.set(len(batches))
                 for mb in batches:
                     if not self.batches.send(mb):
-                        return  # stopped while blocked at the HWM
+                        return  # stopped while blocked
                 STEPS_OUT.inc()
                 log.info("step %d: %d micro-batch(es), %d loss tokens", batches[0].step, len(batches), batches[0].step_loss_tokens)
 

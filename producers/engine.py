@@ -55,7 +55,8 @@ class Sample:
         (per the engine's logprobs_mode; raw = before temperature / top-p by default).
     text: detokenized completion.
     finish_reason: "stop" (EOS / stop token) or "length" (max_tokens reached) or "abort".
-    version_start / version_end: policy versions that produced the first / last token.
+    version_start / version_end: oldest / newest policy version that produced a token (the first /
+        last token's, unless a rollback made later tokens older).
     version_spans: [(version, start, end), ...] tokens `[start, end)` came from `version`, in
         order (one span unless weights changed mid-sample); empty when vLLM reported none.
     """
@@ -219,7 +220,9 @@ class RolloutEngine:
             logprobs = [completion.logprobs[i][tok].logprob for i, tok in enumerate(token_ids)]
             spans = tuple((int(span.version), span.start, span.end)
                           for span in completion.weight_versions or ())
-            start_v, end_v = (spans[0][0], spans[-1][0]) if spans else (version_issued, version_done)
+            # min/max, not first/last: after a rollback (a resumed trainer) later spans can be older
+            versions = [v for v, _, _ in spans] or [version_issued, version_done]
+            start_v, end_v = min(versions), max(versions)
             samples.append(Sample(token_ids, logprobs, completion.text,
                                   str(completion.finish_reason), start_v, end_v, spans))
         return samples
@@ -251,14 +254,18 @@ class RolloutEngine:
         return await self._apply(version, "receive_weights", kwargs)
 
     async def load_weights_from_path(self, version: int, path: str | Path) -> float:
-        """Load a safetensors directory/file as policy `version`; returns seconds spent paused."""
+        """Load a safetensors directory/file as policy `version`; returns seconds spent paused.
+
+        `version` may be lower than the current one (a trainer resumed from a checkpoint rolls the
+        policy back); raises ValueError if it equals the current version.
+        """
         return await self._apply(version, "load_weights_from_path", {"path": str(path)})
 
     async def _apply(self, version: int, method: str, kwargs: dict) -> float:
         llm = self._require()
         async with self._update_lock:
-            if version <= self._version:
-                raise ValueError(f"new version {version} must exceed current {self._version}")
+            if version == self._version or (method == "receive_weights" and version < self._version):
+                raise ValueError(f"version {version} cannot replace current {self._version} by {method}")
             start = time.perf_counter()
             # keep: in-flight requests are frozen, resumed (recomputed) under the new weights;
             # clear_cache: no KV computed by the old weights survives, prefix cache included.

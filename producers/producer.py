@@ -3,25 +3,34 @@
 Each producer owns one vLLM engine (:class:`producers.engine.RolloutEngine`) and runs three kinds
 of asyncio tasks on one event loop:
 
-- the prompt loop PULLs ``prompts`` while fewer than ``max_concurrent_groups`` groups are in
+- the prompt loop takes ``prompts`` while fewer than ``max_concurrent_groups`` groups are in
   flight (so an idle producer takes work and a busy one pushes back);
 - one generation task per prompt samples ``group_size`` completions with per-token logprobs and
-  PUSHes the group on this producer's own ``rollouts`` endpoint (blocking at its HWM); a
-  generation that raises (e.g. a prompt longer than ``max_model_len``) is counted and announced
-  as ``groups.dropped`` so the prompt source issues a replacement instead of the step stalling;
+  sends the group on this producer's own ``rollouts`` endpoint (blocking while its outbox is
+  full). Custody (:mod:`bus.reliable`): the prompt is released upstream only once a reward
+  worker is done with the group, so a producer killed at any moment loses nothing: the prompt
+  source re-sends what it held. A generation that raises (e.g. a prompt longer than
+  ``max_model_len``) is counted and announced as ``groups.dropped`` (outcome ``failed``) so the
+  prompt source issues a replacement instead of the step stalling;
 - the control loop applies ``weights.ready`` announcements in version order: the engine pauses
   with in-flight requests kept, receives the weights (torch.distributed broadcast or a
   safetensors directory), resumes, tags later tokens with the new version, and the producer
-  announces ``weights.applied``.
+  announces ``weights.applied``. A version lower than the current one (a trainer resumed from
+  its checkpoint) is applied too. A producer that was restarted or added later
+  (``RLBUS_RESTARTS`` / ``RLBUS_LATE_JOIN`` / ``RLBUS_RESUME``) cannot join the torch.distributed
+  group formed at start: it takes filesystem announcements only (the trainer falls back to them
+  once a broadcast fails); a failed broadcast receive breaks the engine and the process exits, so
+  the supervisor restarts it as such a late joiner.
 
-Socket calls run in worker threads (``asyncio.to_thread``); each socket is only ever used by one
-task at a time (sends on ``rollouts`` are serialized by a lock).
+Blocking bus calls run in worker threads (``asyncio.to_thread``); the control sockets are only
+ever used by one task at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 import numpy as np
@@ -82,11 +91,12 @@ class ProducerProc(Component):
         )
         self.loop.run_until_complete(self.engine.start())
         self.tokenizer = self.engine.tokenizer
-        self.prompts = self.socket("prompts", "recv", self.endpoints.address("prompts"), bind=False, accept=(Prompt,))
-        self.rollouts = self.socket("rollouts", "send", self.endpoints.address("rollouts", self.index), bind=True)
+        self.prompts = self.reliable_receiver("prompts", self.endpoints.address("prompts"), bind=False, accept=(Prompt,))
+        self.rollouts = self.reliable_sender("rollouts", self.endpoints.address("rollouts", self.index), bind=True)
         self.control_in = self.control_subscriber()
         self.control_out = self.control_publisher()
-        if cfg.broadcast.method == "broadcast":
+        self.late_joiner = any(os.environ.get(v) for v in ("RLBUS_RESTARTS", "RLBUS_LATE_JOIN", "RLBUS_RESUME"))
+        if cfg.broadcast.method == "broadcast" and not self.late_joiner:
             self.loop.run_until_complete(
                 self.engine.init_weight_group(
                     cfg.broadcast.host,
@@ -102,13 +112,15 @@ class ProducerProc(Component):
         self.loop.run_until_complete(self._run())
 
     async def _run(self) -> None:
-        self.send_lock = asyncio.Lock()
         self.inflight: set[asyncio.Task] = set()
         tasks = [asyncio.create_task(self._control_loop()), asyncio.create_task(self._prompt_loop())]
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finished, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         for task in [*tasks, *self.inflight]:
             task.cancel()
         await asyncio.gather(*tasks, *self.inflight, return_exceptions=True)
+        for task in finished:
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # e.g. a broken engine: exit, the supervisor restarts us
 
     async def _prompt_loop(self) -> None:
         limit = self.cfg.producers.max_concurrent_groups
@@ -133,6 +145,7 @@ class ProducerProc(Component):
             GROUPS_FAILED.labels(type(exc).__name__).inc()
             log.error("group %s failed: %s: %s; announcing it so a replacement is issued", prompt.id, type(exc).__name__, exc)
             self.control_out.send(GroupsDropped(id=new_id(), group_ids=[prompt.id], reason=f"failed: {type(exc).__name__}"))
+            self.prompts.done(prompt.id)  # its outcome is announced: custody ends here
 
     async def _generate_group(self, prompt: Prompt) -> None:
         text = self.tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
@@ -154,15 +167,17 @@ class ProducerProc(Component):
         GEN_SECONDS.observe(elapsed)
         GROUPS_OUT.inc()
         TOKENS_OUT.inc(int(group.completion_lens.sum()))
-        async with self.send_lock:
-            await asyncio.to_thread(self.rollouts.send, group)
+        await asyncio.to_thread(self.rollouts.send, group, upstream=(self.prompts, prompt.id))
 
     async def _control_loop(self) -> None:
         while not self.stop.is_set():
             msg = await asyncio.to_thread(self.control_in.recv, 0.2)
             if isinstance(msg, RunDone):
                 return
-            if isinstance(msg, WeightsReady) and msg.version > self.engine.version:
+            if isinstance(msg, WeightsReady) and msg.version != self.engine.version:
+                if msg.method == "broadcast" and (self.late_joiner or msg.version < self.engine.version):
+                    log.info("skipping broadcast of version %d (not in the weight group); waiting for a filesystem one", msg.version)
+                    continue
                 await self._apply(msg)
 
     async def _apply(self, msg: WeightsReady) -> None:

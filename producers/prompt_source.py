@@ -1,15 +1,40 @@
-"""The prompt source: issues the dataset's prompts onto ``prompts``, gated by the trainer's pace.
+"""The prompt source: issues the dataset's prompts onto ``prompts``, gated by the trainer's pace,
+and keeps the run's accounting ledger (:mod:`producers.ledger`).
 
-Each optimizer step consumes ``prompts_per_step`` groups. The k-th *counted* prompt belongs to
-step ``s = k // prompts_per_step``, and it is issued only while
+Pacing. Each optimizer step consumes ``prompts_per_step`` groups. The k-th *counted* prompt
+belongs to step ``s = k // prompts_per_step``, and it is issued only while
 ``policy_version >= s - max_async_level``, where ``policy_version`` is the version that every
 producer runs: the minimum over the producers' ``weights.applied`` announcements (the trainer's
 version as the producers see it). Gating on what the producers have *applied*, not on what the
 trainer has announced, makes the async level a real bound: a prompt of step ``s`` is sampled
 under a version ``>= s - max_async_level``, so its off-policy lag at step ``s`` is at most
-``max_async_level``. A group the packer drops (e.g. stale) is announced on the control channel;
-it no longer counts towards a step, so a replacement is issued for it. Issuing stops once the
-prompts for the last step (``max_steps - 1``) are out.
+``max_async_level``. A prompt whose outcome is not ``trained`` (stale, filtered, failed) no longer
+counts towards a step, so one replacement is issued for it. Issuing stops once the prompts for the
+last step (``max_steps - 1``) are out.
+
+Producers come and go (restarts, ``busctl scale``), so the gate (:class:`AppliedVersions`)
+follows these rules:
+
+- the newest announcement of a producer wins, also when it is *lower* (a trainer that resumed
+  from its checkpoint announces an older version; the gate follows it down);
+- until the ``num_producers`` initial producers have each announced once the version is 0, unless
+  ``dead_after_s`` has passed since the first announcement (an initial producer that died before
+  announcing must not hold the gate forever);
+- a producer is *departed*, and ignored, once another producer announced a version different from
+  its own more than ``dead_after_s`` ago and it has not caught up since: a live producer applies a
+  broadcast within seconds of the others, a dead or removed one never does. It counts again as
+  soon as it announces (a restarted producer with the same name, which re-applies the weights).
+
+Accounting. Every issue and every outcome (``groups.trained`` from the trainer, ``groups.dropped``
+from the packer and producers) goes through the :class:`producers.ledger.Ledger`, journaled to
+``RUN_DIR/ledger.jsonl``. A restarted prompt source (``RLBUS_RESTARTS >= 1``) or a resumed run
+(``RLBUS_RESUME=1``, or simply an existing journal: a fresh run starts in an empty run dir)
+rebuilds the ledger, re-issues the prompts still without outcome first (same id and content: a
+prompt is a pure function of its issue index; downstream dedupe by id makes a copy harmless), then
+goes on issuing. A restarted source also restores the producers' applied versions journaled since
+the run (re)started, because ``weights.applied`` is not re-announced by the hub; a resumed run
+does not (its producers are new and announce again). ``accounting.json`` is written at most every
+``Ledger.write_interval_s`` while running, on ``run.done`` and on close.
 
 :class:`PromptSource` is the socket-free logic; :class:`PromptSourceProc` the process.
 """
@@ -17,31 +42,105 @@ prompts for the last step (``max_steps - 1``) are out.
 from __future__ import annotations
 
 import logging
-from typing import Any
+import os
+import time
+from collections import deque
+from typing import Any, Callable
 
 from prometheus_client import Counter, Gauge
 
 from bus.component import Component, component_main
-from bus.messages import GroupsDropped, Prompt, RunDone, WeightsApplied
+from bus.messages import GroupsDropped, GroupsTrained, Prompt, RunDone, WeightsApplied
 from bus.metrics import POLICY_VERSION
+from producers.ledger import OUTCOMES, Ledger
 from producers.tasks import load_task_examples, render_messages
 
 log = logging.getLogger(__name__)
 
-PROMPTS_ISSUED = Counter("rlbus_prompt_source_prompts_total", "Prompts issued")
-PROMPTS_REPLACED = Counter("rlbus_prompt_source_replaced_total", "Prompts re-issued for dropped groups")
+PROMPTS_SENT = Counter("rlbus_prompt_source_prompts_total", "Prompts sent (re-issues included)")
+PROMPTS_REPLACED = Counter("rlbus_prompt_source_replaced_total", "Replacements owed for prompts that did not train")
+PROMPTS_REISSUED = Counter("rlbus_prompt_source_reissued_total", "Prompts re-sent with the same id after a restart")
 GATED = Gauge("rlbus_prompt_source_gated", "1 while issuing waits for the trainer (async level reached)")
+ACCOUNTING_ISSUED = Counter("rlbus_accounting_issued_total", "Distinct prompts issued in the run")
+ACCOUNTING_OUTCOMES = Counter("rlbus_accounting_outcomes_total", "Prompts that reached an outcome", ["outcome"])
+ACCOUNTING_UNRESOLVED = Gauge("rlbus_accounting_unresolved", "Issued prompts without an outcome yet")
+for _outcome in OUTCOMES:
+    ACCOUNTING_OUTCOMES.labels(_outcome)  # every outcome shows in /metrics from the start, at 0
+# A restarted source starts these counters at the journal's totals (a counter reset to Prometheus).
+
+RESTARTS_ENV = "RLBUS_RESTARTS"
+RESUME_ENV = "RLBUS_RESUME"
+
+
+def prompt_id(index: int) -> str:
+    """The id of the prompt issued at ``index`` (``"p00000042"``)."""
+    return f"p{index:08d}"
+
+
+class AppliedVersions:
+    """The producers' applied policy versions, and the version the gate may rely on.
+
+    Args:
+        num_producers: producers started with the run (the gate waits for each once).
+        dead_after_s: how long a producer may stay behind an announcement before it is ignored,
+            seconds (``bus.dead_after_s``).
+
+    Times are ``clock()`` seconds (monotonic) passed by the caller. Rules: module docstring.
+    """
+
+    def __init__(self, num_producers: int, dead_after_s: float) -> None:
+        if num_producers < 1 or dead_after_s <= 0:
+            raise ValueError(f"num_producers must be >= 1 and dead_after_s > 0, got {num_producers}, {dead_after_s}")
+        self.num_producers = num_producers
+        self.dead_after_s = dead_after_s
+        self.version: dict[str, int] = {}  # producer -> its newest announced version
+        self.behind_since: dict[str, float] = {}  # producer -> when another announced a different version
+        self.first_announcement: float | None = None
+
+    def announce(self, producer: str, version: int, now: float) -> None:
+        """``producer`` now runs ``version`` (its newest announcement wins, lower or not)."""
+        if self.first_announcement is None:
+            self.first_announcement = now
+        self.version[producer] = version
+        self.behind_since.pop(producer, None)
+        for other, v in self.version.items():
+            if v == version:
+                self.behind_since.pop(other, None)  # agrees with the newest announcement
+            else:
+                self.behind_since.setdefault(other, now)
+
+    def departed(self, now: float) -> list[str]:
+        """Producers ignored at ``now``: behind an announcement for more than ``dead_after_s``."""
+        return sorted(p for p, t in self.behind_since.items() if now - t > self.dead_after_s)
+
+    def policy_version(self, now: float) -> int:
+        """The version every live producer runs: min over non-departed producers (0 while the
+        initial producers have not all announced and ``dead_after_s`` has not passed)."""
+        if not self.version:
+            return 0
+        assert self.first_announcement is not None
+        if len(self.version) < self.num_producers and now - self.first_announcement <= self.dead_after_s:
+            return 0
+        gone = set(self.departed(now))
+        live = [v for p, v in self.version.items() if p not in gone]
+        assert live, "the newest announcer is never departed"
+        return min(live)
 
 
 class PromptSource:
-    """Decides which prompt to issue next and when.
+    """Decides which prompt to issue next and when, and records outcomes in the ledger.
 
     Args:
         examples: task examples ``{"id", "prompt", "info"}`` (cycled when exhausted).
         task: task name stamped on each prompt.
         prompts_per_step: groups per optimizer step. max_async_level: see module docstring.
-        max_steps: steps of the run; no prompt is issued for step >= max_steps.
-        num_producers: producers whose applied version is tracked (the minimum gates).
+        max_steps: steps of the run; no new prompt is issued for step >= max_steps.
+        num_producers: producers started with the run (see :class:`AppliedVersions`).
+        dead_after_s: see :class:`AppliedVersions`, seconds.
+        ledger: the accounting ledger (default: a fresh in-memory one). A replayed ledger's
+            unresolved prompts are re-issued first, ungated (they were admitted once; their step
+            is unchanged and the packer's staleness filter still bounds their lag).
+        clock: monotonic time in seconds (tests pass their own).
 
     Raises:
         ValueError: no examples, or non-positive counts.
@@ -56,6 +155,9 @@ class PromptSource:
         max_async_level: int,
         max_steps: int,
         num_producers: int = 1,
+        dead_after_s: float = 10.0,
+        ledger: Ledger | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not examples:
             raise ValueError("the task has no training examples")
@@ -66,58 +168,135 @@ class PromptSource:
         self.prompts_per_step = prompts_per_step
         self.max_async_level = max_async_level
         self.max_steps = max_steps
-        self.num_producers = num_producers
-        self.applied: dict[str, int] = {}
-        self.num_issued = 0
-        self.num_dropped = 0
+        self.clock = clock
+        self.applied = AppliedVersions(num_producers, dead_after_s)
+        self.ledger = ledger if ledger is not None else Ledger()
+        self.reissue: deque[str] = deque(self.ledger.unresolved())
+        self.num_reissued = 0
 
     @property
     def policy_version(self) -> int:
-        """The version every producer runs: min of their applied versions (0 until all reported)."""
-        if len(self.applied) < self.num_producers:
-            return 0
-        return min(self.applied.values())
+        """The version every live producer runs (see :class:`AppliedVersions`)."""
+        return self.applied.policy_version(self.clock())
+
+    @property
+    def num_issued(self) -> int:
+        """Distinct prompts issued (re-issues not counted)."""
+        return self.ledger.num_issued
 
     @property
     def next_step(self) -> int:
-        """The step the next prompt would belong to."""
-        return (self.num_issued - self.num_dropped) // self.prompts_per_step
+        """The step the next new prompt would belong to: ``(issued - not trained) // prompts_per_step``."""
+        return (self.ledger.num_issued - self.ledger.num_not_trained) // self.prompts_per_step
+
+    def _pending_reissue(self) -> str | None:
+        """The next id to re-issue, skipping ids that reached an outcome meanwhile."""
+        while self.reissue and self.reissue[0] in self.ledger.outcomes:
+            self.reissue.popleft()
+        return self.reissue[0] if self.reissue else None
 
     def may_issue(self) -> bool:
-        """True if the next prompt's step is within the async level and the run."""
+        """True if a re-issue is pending, or the next step is within the async level and the run."""
+        if self._pending_reissue() is not None:
+            return True
         step = self.next_step
         return step < self.max_steps and self.policy_version >= step - self.max_async_level
 
     def issue(self) -> Prompt:
-        """Build the next prompt (call only when :meth:`may_issue`)."""
+        """The next prompt: a pending re-issue, else a new one recorded in the ledger (call only
+        when :meth:`may_issue`)."""
         assert self.may_issue()
-        ex = self.examples[self.num_issued % len(self.examples)]
-        prompt = Prompt(
-            id=f"p{self.num_issued:08d}",
-            index=self.num_issued,
-            step=self.next_step,
+        pid = self._pending_reissue()
+        if pid is not None:
+            self.reissue.popleft()
+            self.num_reissued += 1
+            rec = self.ledger.issued[pid]
+            return self._build(rec.index, rec.step)
+        index, step = self.ledger.num_issued, self.next_step
+        self.ledger.issue(prompt_id(index), index, step)  # journaled before it can be sent
+        return self._build(index, step)
+
+    def _build(self, index: int, step: int) -> Prompt:
+        ex = self.examples[index % len(self.examples)]
+        return Prompt(
+            id=prompt_id(index),
+            index=index,
+            step=step,
             task=self.task,
             messages=render_messages(ex),
             info=dict(ex["info"]),
         )
-        self.num_issued += 1
-        return prompt
 
     def on_weights_applied(self, producer: str, version: int) -> None:
-        """``producer`` now runs ``version`` (older announcements are ignored)."""
-        self.applied[producer] = max(self.applied.get(producer, 0), version)
+        """``producer`` now runs ``version`` (its newest announcement wins, also a lower one)."""
+        self.applied.announce(producer, version, self.clock())
+        self.ledger.note("applied", producer=producer, version=version)
 
-    def on_dropped(self, num_groups: int) -> None:
-        """``num_groups`` issued prompts will never train: issue replacements."""
-        self.num_dropped += num_groups
+    def restore_applied(self, announcements: list[tuple[str, int]]) -> None:
+        """Replay ``announcements`` (``(producer, version)``, oldest first) as if made now: a
+        restarted source, so a producer that was behind before the restart is behind again."""
+        now = self.clock()
+        for producer, version in announcements:
+            self.applied.announce(producer, version, now)
+
+    def on_trained(self, group_ids: list[str]) -> int:
+        """Outcome ``trained`` for ``group_ids``; returns how many were newly resolved."""
+        return len(self.ledger.on_trained(group_ids))
+
+    def on_dropped(self, group_ids: list[str], reason: str) -> int:
+        """``group_ids`` will never train (``reason``: ``"stale"``, ``"filtered: ..."``, ``"failed:
+        ..."``, ...). Returns the replacements owed: one per newly resolved issued id (repeats,
+        conflicts and unknown ids owe none)."""
+        return len(self.ledger.on_dropped(group_ids, reason))
+
+
+def applied_since_start(notes: list[dict[str, Any]]) -> list[tuple[str, int]]:
+    """The producers' last applied announcements journaled since the run last started fresh or resumed.
+
+    Args:
+        notes: the ledger's replayed notes: ``{"event": "start", "restarts": n, ...}`` at every
+            start of the prompt source, ``{"event": "applied", "producer": name, "version": v}``
+            per announcement.
+
+    Returns:
+        ``[(producer, version)]``: each producer's last ``applied`` note after the last ``start``
+        with ``restarts == 0`` (a new producer set began there), ordered by when it was made.
+    """
+    last: dict[str, int] = {}
+    for note in notes:
+        if note.get("event") == "start" and note.get("restarts") == 0:
+            last.clear()
+        elif note.get("event") == "applied" and isinstance(note.get("producer"), str) and isinstance(note.get("version"), int):
+            last.pop(note["producer"], None)  # re-insert: dict order = order of each producer's last note
+            last[note["producer"]] = note["version"]
+    return list(last.items())
+
+
+def _env_int(name: str) -> int:
+    """The int value of environment variable ``name`` (0 if unset). Raises ValueError if not an int >= 0."""
+    raw = os.environ.get(name, "").strip() or "0"
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} must be an integer >= 0") from None
+    if value < 0:
+        raise ValueError(f"environment variable {name}={raw!r} must be an integer >= 0")
+    return value
 
 
 class PromptSourceProc(Component):
-    """Process wrapper of :class:`PromptSource` (PUSH ``prompts``, bound; SUB control)."""
+    """Process wrapper of :class:`PromptSource`: reliable sender ``prompts`` (bound), control SUB.
+
+    ``prompts`` is at-least-once (:mod:`bus.reliable`): ``send`` blocks while the outbox holds its
+    bound of prompts not yet taken by a producer; a prompt held by a producer that dies is re-sent
+    to another one by the courier.
+    """
 
     def setup(self) -> None:
         cfg = self.cfg
+        restarts, resume = _env_int(RESTARTS_ENV), _env_int(RESUME_ENV) >= 1
         examples = load_task_examples(cfg.task.name, "train", cfg.task.num_train_examples, cfg.task.seed)
+        self.ledger = Ledger(self.run_dir)
         self.source = PromptSource(
             examples,
             task=cfg.task.name,
@@ -125,10 +304,36 @@ class PromptSourceProc(Component):
             max_async_level=cfg.max_async_level,
             max_steps=cfg.trainer.max_steps,
             num_producers=cfg.producers.replicas,
+            dead_after_s=cfg.bus.dead_after_s,
+            ledger=self.ledger,
         )
-        self.prompts = self.socket("prompts", "send", self.endpoints.address("prompts"), bind=True)
+        if self.ledger.replayed:
+            log.info(
+                "rebuilt from the journal (restarts=%d, resume=%s): %d issued, %d to re-issue, next step %d",
+                restarts, resume, self.ledger.num_issued, len(self.source.reissue), self.source.next_step,
+            )
+            if restarts >= 1:
+                self.source.restore_applied(applied_since_start(self.ledger.notes))
+        elif resume or restarts:
+            log.warning("%s/%s set but no ledger journal in %s: starting from scratch", RESTARTS_ENV, RESUME_ENV, self.run_dir)
+        self.ledger.note("start", restarts=restarts, resume=resume)
+        self._synced = {"issued": 0, "reissued": 0, **dict.fromkeys(OUTCOMES, 0)}
+        self._sync_metrics()
+        self.prompts = self.reliable_sender("prompts", self.endpoints.address("prompts"), bind=True)
         self.control = self.control_subscriber()
         self.pending: Prompt | None = None
+
+    def _sync_metrics(self) -> None:
+        """Bring the accounting metrics up to the ledger (counters by their increase since the last sync)."""
+        now = {"issued": self.ledger.num_issued, "reissued": self.source.num_reissued, **self.ledger.counts}
+        counters = {"issued": ACCOUNTING_ISSUED, "reissued": PROMPTS_REISSUED}
+        for key, value in now.items():
+            delta = value - self._synced[key]
+            if delta:
+                (counters[key] if key in counters else ACCOUNTING_OUTCOMES.labels(key)).inc(delta)
+        self._synced = now
+        ACCOUNTING_UNRESOLVED.set(len(self.ledger.open))
+        POLICY_VERSION.set(self.source.policy_version)
 
     def _handle_control(self, timeout_s: float) -> bool:
         """Apply control messages; False once the run is done."""
@@ -136,29 +341,38 @@ class PromptSourceProc(Component):
         while msg is not None:
             if isinstance(msg, WeightsApplied):
                 self.source.on_weights_applied(msg.producer, msg.version)
-                POLICY_VERSION.set(self.source.policy_version)
+            elif isinstance(msg, GroupsTrained):
+                self.source.on_trained(msg.group_ids)
             elif isinstance(msg, GroupsDropped):
-                self.source.on_dropped(len(msg.group_ids))
-                PROMPTS_REPLACED.inc(len(msg.group_ids))
+                PROMPTS_REPLACED.inc(self.source.on_dropped(msg.group_ids, msg.reason))
             elif isinstance(msg, RunDone):
                 return False
             msg = self.control.recv(timeout_s=0)
         return True
 
     def run(self) -> None:
-        while not self.stop.is_set():
-            if self.pending is None and self.source.may_issue():
-                self.pending = self.source.issue()
-            GATED.set(self.pending is None)
-            if self.pending is None:
-                if not self._handle_control(timeout_s=0.2):
+        try:
+            while not self.stop.is_set():
+                if self.pending is None and self.source.may_issue():
+                    self.pending = self.source.issue()
+                GATED.set(self.pending is None)
+                if self.pending is not None and self.prompts.send(self.pending, timeout_s=0.2):
+                    PROMPTS_SENT.inc()
+                    self.pending = None
+                running = self._handle_control(timeout_s=0.2 if self.pending is None and not self.source.may_issue() else 0)
+                self._sync_metrics()
+                self.ledger.maybe_write_accounting()
+                if not running:
+                    log.info("run done: accounting %s", {k: v for k, v in self.ledger.accounting().items() if k in ("issued", "outcomes")})
                     return
-                continue
-            if self.prompts.send(self.pending, timeout_s=0.2):
-                PROMPTS_ISSUED.inc()
-                self.pending = None
-            if not self._handle_control(timeout_s=0):
-                return
+        finally:
+            self.ledger.write_accounting()
+
+    def close(self) -> None:
+        ledger = getattr(self, "ledger", None)
+        if ledger is not None:
+            ledger.close()
+        super().close()
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """Reward/advantage workers: score a whole group, compute its group-relative advantages.
 
 :class:`RewardWorker` is the socket-free logic (one :class:`bus.messages.RolloutGroup` in, one
-:class:`bus.messages.ScoredGroup` out). :class:`RewardWorkerProc` is the process: it PULLs from
-every producer's ``rollouts`` endpoint (fair-queued) and PUSHes to the packer's ``scored``
-endpoint, so any number of workers can run side by side; one message is one whole group, so a
-worker needs no state shared with the others.
+:class:`bus.messages.ScoredGroup` out). :class:`RewardWorkerProc` is the process: it receives from
+every producer's ``rollouts`` endpoint (all ``producers.max_replicas`` of them, so producers added
+later are reached) and sends to the packer's ``scored`` endpoint, so any number of workers can run
+side by side; one message is one whole group, so a worker needs no state shared with the others.
+Custody (:mod:`bus.reliable`): a rollout is released to its producer only once the packer is done
+with its scored group; a worker killed at any moment loses nothing.
 
 The reward function runs in child processes by default (``rewards.isolate``, see
 :mod:`rewards.isolation`): one that raises, hangs past ``rewards.timeout_s``, crashes or returns NaN
@@ -90,7 +92,7 @@ class RewardWorker:
 
 
 class RewardWorkerProc(Component):
-    """Process wrapper of :class:`RewardWorker` (PULL ``rollouts`` -> PUSH ``scored``)."""
+    """Process wrapper of :class:`RewardWorker` (``rollouts`` in, ``scored`` out)."""
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -103,9 +105,9 @@ class RewardWorkerProc(Component):
             timeout_s=cfg.rewards.timeout_s,
             num_procs=cfg.rewards.num_procs,
         )
-        producers = [self.endpoints.address("rollouts", i) for i in range(cfg.producers.replicas)]
-        self.rollouts = self.socket("rollouts", "recv", producers, bind=False, accept=(RolloutGroup,))
-        self.scored = self.socket("scored", "send", self.endpoints.address("scored"), bind=False)
+        producers = [self.endpoints.address("rollouts", i) for i in range(cfg.producers.max_replicas)]
+        self.rollouts = self.reliable_receiver("rollouts", producers, bind=False, accept=(RolloutGroup,))
+        self.scored = self.reliable_sender("scored", self.endpoints.address("scored"), bind=False)
         self.control = self.control_subscriber()
 
     def run(self) -> None:
@@ -122,7 +124,7 @@ class RewardWorkerProc(Component):
             for r in scored.rewards:
                 REWARD.observe(float(r))
             GROUPS_SCORED.inc()
-            self.scored.send(scored)
+            self.scored.send(scored, upstream=(self.rollouts, group.id))
 
     def close(self) -> None:
         worker = getattr(self, "worker", None)  # None when setup() failed before making it

@@ -6,9 +6,15 @@ version of the saved weights; a resumed trainer trains step ``N`` next)::
     model.safetensors ...      full fine-tuning: the model's ``save_pretrained`` (safetensors)
     adapter_model.safetensors  LoRA: the peft adapter only (``save_pretrained``); the frozen base
     adapter_config.json          comes from ``model.path`` again on resume
-    optimizer.pt               ``torch.save(optimizer.state_dict())`` (AdamW moments, step counts)
+    optimizer.pt               ``torch.save(optimizer.state_dict())`` (AdamW moments, step counts,
+                                 the learning rate of each param group)
+    scheduler.pt               ``torch.save(scheduler.state_dict())``, only when an LR scheduler is
+                                 passed (rlbus trains with a constant LR: none, the LR is in
+                                 optimizer.pt)
     rng.json                   torch (CPU + every CUDA device), numpy and python RNG states
-    meta.json                  {"format", "step", "kind": "full"|"lora", "extra": {...}}
+    meta.json                  {"format", "step", "kind": "full"|"lora", "scheduler": bool,
+                                  "extra": {...}} (``extra``: the caller's resume state, e.g. the
+                                  trainer's policy version and weight method)
     DONE                       written last: the checkpoint is complete
 
 Invariants:
@@ -16,10 +22,10 @@ Invariants:
   only after ``DONE`` and every file are fsynced, so a kill at any moment leaves either the whole
   checkpoint or nothing under a ``step_*`` name. :func:`latest_checkpoint` also ignores any
   ``step_*`` directory without ``DONE``.
-- ``optimizer.pt`` is the only pickle-based file. It is our own file, written by this trainer into
-  its own run directory and never received from the bus; it is still loaded with
-  ``weights_only=True`` (tensors and plain containers only, no code). Everything else is
-  safetensors or JSON.
+- ``optimizer.pt`` and ``scheduler.pt`` are the only pickle-based files. They are our own files,
+  written by this trainer into its own run directory and never received from the bus; they are
+  still loaded with ``weights_only=True`` (tensors and plain containers only, no code).
+  Everything else is safetensors or JSON.
 - The last ``keep`` complete checkpoints are kept; older ones and leftovers of interrupted saves
   are deleted after each save.
 """
@@ -130,6 +136,7 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     extra: dict[str, Any],
     keep: int = 2,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
 ) -> Path:
     """Write ``directory/step_{step:06d}/`` atomically and prune to the last ``keep`` checkpoints.
 
@@ -141,6 +148,7 @@ def save_checkpoint(
         extra: JSON-able caller state (data position, policy version, ...), returned by
             :func:`load_checkpoint`; must not use the key ``"step"``.
         keep: complete checkpoints to keep, >= 1 (this one included).
+        scheduler: the LR scheduler, if the trainer uses one; its ``state_dict()`` is saved.
 
     Returns:
         The checkpoint directory. An existing checkpoint of the same step is replaced.
@@ -154,7 +162,7 @@ def save_checkpoint(
         raise ValueError(f"keep must be >= 1 (the checkpoint just written), got {keep}")
     if "step" in extra:
         raise ValueError("extra must not contain 'step': load_checkpoint returns the step under that key")
-    meta = {"format": FORMAT, "step": step, "kind": _kind(model), "extra": extra}
+    meta = {"format": FORMAT, "step": step, "kind": _kind(model), "scheduler": scheduler is not None, "extra": extra}
     try:
         meta_text = json.dumps(meta, indent=1, allow_nan=False)
     except (TypeError, ValueError) as e:
@@ -169,6 +177,8 @@ def save_checkpoint(
     tmp.mkdir()
     model.save_pretrained(tmp, safe_serialization=True)
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    if scheduler is not None:
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     (tmp / "rng.json").write_text(json.dumps(_rng_state()))
     (tmp / "meta.json").write_text(meta_text)
     _fsync_tree(tmp)
@@ -198,9 +208,14 @@ def _prune(root: Path, keep: int, current: Path) -> None:
 
 
 def load_checkpoint(
-    path: str | os.PathLike[str], *, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    path: str | os.PathLike[str],
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
 ) -> dict[str, Any]:
-    """Restore weights, optimizer state and RNG states from a checkpoint saved by :func:`save_checkpoint`.
+    """Restore weights, optimizer (and LR scheduler) state and RNG states from a checkpoint saved
+    by :func:`save_checkpoint`.
 
     Args:
         path: a complete checkpoint directory (e.g. from :func:`latest_checkpoint`).
@@ -208,13 +223,15 @@ def load_checkpoint(
             from ``model.path`` wrapped with the same adapter config); weights are copied in place.
         optimizer: built over ``model``'s trainable parameters in the same order
             (:func:`trainer.trainer.build_optimizer`); its state is replaced.
+        scheduler: the LR scheduler over ``optimizer``, exactly when the checkpoint has one.
 
     Returns:
         ``{"step": N, **extra}``.
 
     Raises:
         ValueError: ``path`` is not a complete checkpoint, was written by another format, or
-            does not match ``model`` (full vs LoRA, missing or unexpected weights).
+            does not match ``model`` (full vs LoRA, missing or unexpected weights) or
+            ``scheduler`` (one passed but none saved, or the other way round).
     """
     path = Path(path)
     if not (path / DONE).is_file():
@@ -227,12 +244,20 @@ def load_checkpoint(
             f"{path} holds a {meta['kind']} checkpoint but the model is {_kind(model)}; "
             "set trainer.lora.enabled as in the run that wrote it"
         )
+    saved_scheduler = bool(meta.get("scheduler", False))
+    if saved_scheduler != (scheduler is not None):
+        raise ValueError(
+            f"{path} {'has' if saved_scheduler else 'has no'} LR scheduler state but "
+            f"{'none' if scheduler is None else 'a scheduler'} was passed; build the trainer as in the run that wrote it"
+        )
     if isinstance(model, PeftModel):
         _load_adapter(path, model)
     else:
         _load_full(path, model)
     state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
     optimizer.load_state_dict(state)
+    if scheduler is not None:
+        scheduler.load_state_dict(torch.load(path / "scheduler.pt", map_location="cpu", weights_only=True))
     _set_rng_state(json.loads((path / "rng.json").read_text()))
     return {"step": int(meta["step"]), **meta["extra"]}
 

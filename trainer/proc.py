@@ -1,51 +1,109 @@
-"""The trainer process: PULL ``batches`` -> optimizer step -> weights to the producers.
+"""The trainer process: ``batches`` -> optimizer step -> weights to the producers; checkpoints,
+custody of the micro-batches, and resume after a restart.
 
 Per step ``s`` (0-based; the weights in use have policy version ``s``):
 
-1. receive the step's ``num_micro_batches`` micro-batches (forward/backward as each arrives);
+1. collect the step's ``num_micro_batches`` micro-batches from the reliable ``batches`` inbox
+   (:class:`trainer.ledger.StepLedger` buffers them by step: they may come in any order and
+   ahead of the step being trained);
 2. clip and step AdamW (:class:`trainer.trainer.Trainer`); the policy is now version ``s + 1``;
 3. announce ``weights.ready(s + 1)`` and send the weights (broadcast: announce first, since the
    collective blocks until every producer joins; filesystem: write, then announce);
-4. publish ``trainer.step``, append one line to ``metrics.jsonl`` and the step's sample ids and
-   versions to ``trained_samples.jsonl`` (the record that every sample trained exactly once);
-   checkpoint to ``checkpoints/step_N`` every ``checkpoint_interval`` steps and after the last
-   step (the trained policy of the run). Resuming from a checkpoint is not wired yet: it needs
-   the packer to re-send unacknowledged steps (see docs/DELIVERY.md).
+4. append one line to ``metrics.jsonl`` and the step's sample ids and versions to
+   ``trained_samples.jsonl`` (the record that every sample trained exactly once);
+5. checkpoint to ``checkpoints/step_N`` every ``checkpoint_interval`` steps and after the last
+   step, then release custody: ``batches.done`` for the micro-batches of every step the
+   checkpoint newly covers and one ``groups.trained(step, group_ids)`` per such step (outcome
+   ``trained``); then publish ``trainer.step``.
 
-``eval_reward_mean`` is measured before the first step and after the last; then ``run.done`` is
-published, which ends the run.
+Custody. The packer keeps every micro-batch until the trainer calls ``done`` on it, and re-sends
+the unreleased ones, in their original order, to a restarted trainer. So the trainer releases a
+step only once a checkpoint covers it; in between it keeps only the step's ids (the payloads wait
+in the packer's outbox: up to ``checkpoint_interval`` steps of micro-batches). With
+``checkpoint_interval: 0`` every step is released right after it trained and only the last one is
+checkpointed: a restarted trainer then cannot resume (it refuses to start, see below).
+
+Resume. At start, if ``RUN_DIR/checkpoints`` holds a complete checkpoint (``busctl up`` clears
+the run directory of a fresh run, so one exists only after a restart by the supervisor,
+``RLBUS_RESTARTS >= 1``, or with ``busctl up --resume``, ``RLBUS_RESUME=1``), the trainer loads
+it (weights or adapter, AdamW state, RNG states: training continues bit-identically) and goes on
+at step ``N`` = the checkpoint's step:
+
+- ``metrics.jsonl`` and ``trained_samples.jsonl`` are cut back to the steps the checkpoint
+  covers (the surviving lineage; the records are appended before each checkpoint, so nothing
+  covered is missing), and the step-0 eval is not repeated;
+- the checkpoint's weights are published as version ``N`` before training, and weight
+  directories of versions ``>= N`` (the lost lineage) are deleted: producers drop the lost
+  lineage's newer weights;
+- ``groups.trained`` of the steps released with the checkpoint is announced again, with the
+  same message ids (``trained-step-{s}``), since the trainer may have died between the save and
+  those announcements; receivers dedupe by id;
+- micro-batches the packer re-sends for steps below ``N`` are released without training.
+
+A restart with no checkpoint starts again at step 0 (the packer still holds every step when
+``checkpoint_interval > 0``); with ``checkpoint_interval: 0`` and steps already trained it raises
+instead, since those steps were released and cannot come back.
+
+Weights after a restart. The broadcast group (``broadcast.method: broadcast``) is formed once, at
+start, with a fixed world size; a restarted trainer cannot re-form it with the producers still in
+it. A restarted or resumed trainer therefore sends weights with the filesystem method for the
+rest of the run, and so does a running trainer whose broadcast raises (a producer died, a
+gloo/nccl error): it logs the error, counts ``rlbus_trainer_broadcast_fallbacks_total``, and
+re-publishes that version through the filesystem.
+
+``eval_reward_mean`` is measured before the first step (not after a resume) and after the last;
+then ``run.done`` is published, which ends the run.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
+import os
+import shutil
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
-from prometheus_client import Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 from transformers import AutoTokenizer
 
 from broadcaster.broadcaster import WeightBroadcaster
 from broadcaster.manifest import manifest_num_bytes
 from bus.component import Component, component_main
-from bus.messages import MicroBatch, RunDone, TrainerStep, WeightsReady, new_id
+from bus.messages import GroupsTrained, MicroBatch, RunDone, TrainerStep, WeightsReady, new_id
 from bus.metrics import POLICY_VERSION
 from producers.tasks import load_task_examples, render_messages
 from rewards.registry import get_reward_fn
-from trainer.checkpoint import save_checkpoint
+from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.evaluate import eval_reward_mean
+from trainer.ledger import StepLedger, append_jsonl, group_id, keep_jsonl_records
 from trainer.model import load_policy, policy_state_dict
 from trainer.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
+RESTARTS_ENV = "RLBUS_RESTARTS"
+"""Set by the supervisor to n >= 1 when it restarts the trainer for the n-th time."""
+RESUME_ENV = "RLBUS_RESUME"
+"""``1`` in every component of a ``busctl up --resume`` run."""
+RECV_SLICE_S = 0.5
+"""Longest wait for one micro-batch before checking the stop request again, seconds."""
+
 STEP_SECONDS = Histogram("rlbus_trainer_step_seconds", "Wall time per optimizer step incl. waiting for data, seconds")
 BROADCAST_SECONDS = Histogram("rlbus_trainer_weight_broadcast_seconds", "Time to send new weights, seconds")
+BROADCAST_FALLBACKS = Counter(
+    "rlbus_trainer_broadcast_fallbacks_total",
+    "Weight broadcasts that raised (a producer died, a gloo/nccl error); the trainer then uses the filesystem method",
+)
+RELEASED_MICRO_BATCHES = Counter(
+    "rlbus_trainer_released_micro_batches_total",
+    "Micro-batches released to the packer (done), by why: covered by a checkpoint after training, or re-sent for a covered step",
+    ["why"],
+)
+for _why in ("checkpoint", "already_covered"):
+    RELEASED_MICRO_BATCHES.labels(why=_why)
 TRAINER_GAUGES = {
     key: Gauge(f"rlbus_trainer_{key}", doc)
     for key, doc in {
@@ -61,43 +119,150 @@ TRAINER_GAUGES = {
 }
 
 
-def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    """Append one JSON object as a line to ``path``; non-finite floats (a skipped step's loss)
-    become ``null`` so the file stays strict JSON."""
-    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-    with path.open("a") as f:
-        f.write(json.dumps(clean, allow_nan=False) + "\n")
+def restart_count() -> int:
+    """How often the supervisor restarted this trainer (``RLBUS_RESTARTS``; 0 when unset).
+
+    Raises:
+        ValueError: the variable is set but not an int >= 0.
+    """
+    raw = os.environ.get(RESTARTS_ENV, "").strip()
+    if not raw:
+        return 0
+    if not raw.isdigit():
+        raise ValueError(f"{RESTARTS_ENV}={raw!r}: expected an int >= 0")
+    return int(raw)
+
+
+def resume_requested() -> bool:
+    """Whether this run was started with ``busctl up --resume`` (``RLBUS_RESUME=1``)."""
+    return os.environ.get(RESUME_ENV, "").strip() == "1"
+
+
+def trained_message_id(step: int) -> str:
+    """Message id of step ``step``'s ``groups.trained``: the same in every announcement of the
+    step (also after a resume), so receivers can drop repeats by id."""
+    return f"trained-step-{step}"
+
+
+def drop_weight_versions(out_dir: Path, first: int) -> list[Path]:
+    """Delete the filesystem weight directories ``out_dir/v{N}`` with ``N >= first`` (a lost
+    lineage); returns them."""
+    gone = []
+    for p in sorted(out_dir.glob("v*")) if out_dir.is_dir() else []:
+        if p.is_dir() and p.name[1:].isdigit() and int(p.name[1:]) >= first:
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(p)
+    return gone
 
 
 class TrainerProc(Component):
-    """Process wrapper of :class:`Trainer` with the weight broadcaster; its ``run.done`` after
-    the last step is what ends the run."""
+    """Process wrapper of :class:`Trainer` with the weight broadcaster, checkpoints and custody of
+    the micro-batches (see the module docstring); its ``run.done`` after the last step is what
+    ends the run."""
 
     def setup(self) -> None:
         cfg = self.cfg
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
         torch.manual_seed(cfg.trainer.seed)
+        # open first: by the time anything is announced, the PUB has long joined the hub
+        self.control = self.control_publisher()
         self.model = load_policy(cfg.model.path, cfg.trainer.lora)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.trainer = Trainer(self.model, cfg.trainer, cfg.sampling.temperature)
-        self.batches = self.socket("batches", "recv", self.endpoints.address("batches"), bind=False, accept=(MicroBatch,))
-        self.control = self.control_publisher()
         self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.samples_path = self.run_dir / "trained_samples.jsonl"
+        self.checkpoint_dir = self.run_dir / "checkpoints"
+        self.weights_dir = self.run_dir / "weights"
         self.eval_examples = load_task_examples(cfg.task.name, "eval", cfg.task.num_eval_examples, cfg.task.eval_seed)
         self.reward_fn = get_reward_fn(cfg.rewards.reward_fn or cfg.task.name)
+        self.resumed = False
+        """True after a restart or with a checkpoint: weights go by the filesystem method."""
+        self.start_step = 0
+        self.reannounce_from = 0
+        """Steps ``[reannounce_from, start_step)`` get their ``groups.trained`` announced again."""
+        self.restore()
+        self.ledger = StepLedger(self.start_step)
+        self.batches = self.reliable_receiver("batches", self.endpoints.address("batches"), bind=False, accept=(MicroBatch,))
         b = cfg.broadcast
-        self.broadcaster = WeightBroadcaster(
-            method=b.method,
-            backend=b.backend,
-            host=b.host,
-            port=b.port,
-            world_size=1 + cfg.producers.replicas,
-            out_dir=self.run_dir / "weights",
-            timeout_s=b.timeout_s,
-        )
-        if b.method == "broadcast":
+        if self.resumed or b.method == "filesystem":
+            self.broadcaster = self.filesystem_broadcaster()
+        else:
+            self.broadcaster = WeightBroadcaster(
+                method=b.method,
+                backend=b.backend,
+                host=b.host,
+                port=b.port,
+                world_size=1 + cfg.producers.replicas,
+                out_dir=self.weights_dir,
+                timeout_s=b.timeout_s,
+            )
             self.broadcaster.init_group()
+
+    def filesystem_broadcaster(self) -> WeightBroadcaster:
+        """A broadcaster that writes ``RUN_DIR/weights/v{N}`` (the method after a restart)."""
+        return WeightBroadcaster(method="filesystem", out_dir=self.weights_dir)
+
+    # -- resume -----------------------------------------------------------------------------------
+
+    def restore(self) -> None:
+        """Load the latest complete checkpoint, if any, and cut the run's records back to it.
+
+        Sets ``start_step``, ``reannounce_from`` and ``resumed`` (see the module docstring).
+
+        Raises:
+            ValueError: the checkpoint does not match the config (full vs LoRA, beyond
+                ``max_steps``), or the trainer restarted without a checkpoint after steps were
+                released (``checkpoint_interval: 0``).
+        """
+        restarts, resume = restart_count(), resume_requested()
+        path = latest_checkpoint(self.checkpoint_dir)
+        if path is None:
+            if not (restarts or resume):
+                return  # a fresh run
+            trained = sum(1 for line in self.samples_path.open() if line.strip()) if self.samples_path.is_file() else 0
+            if trained and self.cfg.trainer.checkpoint_interval == 0:
+                raise ValueError(
+                    f"the trainer restarted (restart {restarts}, resume {resume}) after {trained} trained steps with "
+                    f"no checkpoint in {self.checkpoint_dir}: with trainer.checkpoint_interval 0 those steps were "
+                    "released after training and cannot be re-sent; set trainer.checkpoint_interval > 0 to make "
+                    "the trainer restartable"
+                )
+            log.warning("restarted (restart %d, resume %s) with no checkpoint in %s: starting again at step 0",
+                        restarts, resume, self.checkpoint_dir)
+        else:
+            state = load_checkpoint(path, model=self.model, optimizer=self.trainer.optimizer)
+            step = state["step"]
+            if step > self.cfg.trainer.max_steps:
+                raise ValueError(f"{path} is at step {step}, beyond trainer.max_steps ({self.cfg.trainer.max_steps})")
+            self.start_step = step
+            self.reannounce_from = int(state.get("released_steps", 0))
+            log.info("resumed from %s at step %d (restart %d, resume %s; weights written with %s before, the "
+                     "filesystem method from now on)", path, step, restarts, resume, state.get("weight_method", "?"))
+        self.resumed = True
+        n = self.start_step
+        # metrics: training records are {"step": s + 1}, evals {"step": s}; the eval at n is redone
+        cut = keep_jsonl_records(self.metrics_path, lambda r: r["step"] < n or (r["step"] == n and "eval_reward_mean" not in r))
+        cut += keep_jsonl_records(self.samples_path, lambda r: r["step"] < n)
+        if cut:
+            log.info("dropped %d records of steps after the checkpoint from metrics.jsonl and trained_samples.jsonl", cut)
+
+    def announce_resume(self) -> None:
+        """Publish the restored weights as version ``start_step`` and re-announce the groups of
+        the steps released with the checkpoint (see the module docstring)."""
+        step = self.start_step
+        gone = drop_weight_versions(self.weights_dir, step)
+        if gone:
+            log.info("deleted %d weight versions of the lost lineage (v%d and newer)", len(gone), step)
+        self.publish_weights(step)
+        POLICY_VERSION.set(step)
+        if self.reannounce_from < step and self.samples_path.is_file():
+            for record in map(json.loads, self.samples_path.read_text().splitlines()):
+                if self.reannounce_from <= record["step"] < step:
+                    groups = list(dict.fromkeys(group_id(s) for s in record["sample_ids"]))
+                    self.control.send(GroupsTrained(id=trained_message_id(record["step"]), step=record["step"], group_ids=groups))
+
+    # -- per step ---------------------------------------------------------------------------------
 
     def evaluate(self, step: int) -> dict[str, float]:
         s = self.cfg.sampling
@@ -119,30 +284,37 @@ class TrainerProc(Component):
         return result
 
     def receive_step(self, step: int) -> list[MicroBatch] | None:
-        """Collect step ``step``'s micro-batches; None if stopped first."""
-        got: dict[int, MicroBatch] = {}
-        expected = None
-        while expected is None or len(got) < expected:
-            mb = self.batches.recv(timeout_s=None)
-            if mb is None:
+        """Collect step ``step``'s micro-batches (buffering other steps' in the ledger, releasing
+        re-sent ones of covered steps); None if stopped first."""
+        while (micro_batches := self.ledger.take(step)) is None:
+            if self.stop.is_set():
                 return None
-            if mb.step != step:
-                self.batches.reject("wrong_step", f"micro-batch of step {mb.step} while training step {step}")
+            mb = self.batches.recv(timeout_s=RECV_SLICE_S)
+            if mb is None:
                 continue
-            got.setdefault(mb.micro_index, mb)
-            expected = mb.num_micro_batches
-        return [got[i] for i in range(expected)]
+            release = self.ledger.offer(mb)
+            if release:
+                self.batches.done(*release)
+                RELEASED_MICRO_BATCHES.labels(why="already_covered").inc(len(release))
+        return micro_batches
 
     def publish_weights(self, version: int) -> float:
-        """Announce and send the weights of ``version``; returns seconds spent."""
+        """Announce and send the weights of ``version``; returns seconds spent.
+
+        A broadcast that raises switches the trainer to the filesystem method for good and
+        sends ``version`` again that way (see the module docstring).
+        """
         started = time.perf_counter()
         state = policy_state_dict(self.model)
         if self.broadcaster.method == "broadcast":
             manifest = self.broadcaster.manifest(state)
             num_bytes = manifest_num_bytes(manifest)
             self.control.send(WeightsReady(id=new_id(), version=version, method="broadcast", manifest=manifest, path="", num_bytes=num_bytes))
-            self.broadcaster.send(state, version)
-        else:
+            try:
+                self.broadcaster.send(state, version)
+            except RuntimeError as exc:  # torch.distributed errors (DistBackendError, timeouts) are RuntimeErrors
+                self.fall_back_to_filesystem(version, exc)
+        if self.broadcaster.method == "filesystem":
             info = self.broadcaster.send(state, version)
             self.control.send(
                 WeightsReady(id=new_id(), version=version, method="filesystem", manifest=info["manifest"], path=info["path"], num_bytes=info["num_bytes"])
@@ -151,23 +323,58 @@ class TrainerProc(Component):
         BROADCAST_SECONDS.observe(elapsed)
         return elapsed
 
+    def fall_back_to_filesystem(self, version: int, exc: BaseException) -> None:
+        """Replace the broken broadcast group by the filesystem method, for the rest of the run."""
+        BROADCAST_FALLBACKS.inc()
+        log.error("broadcast of weights version %d failed (%s: %s); sending weights through %s from now on",
+                  version, type(exc).__name__, exc, self.weights_dir)
+        broken, self.broadcaster = self.broadcaster, self.filesystem_broadcaster()
+        broken.close()
+
     def save(self, step: int) -> None:
-        """Checkpoint after ``step`` optimizer steps (weights or adapter, optimizer, RNG)."""
+        """Checkpoint after ``step`` optimizer steps (weights or adapter, optimizer, RNG) with
+        what a resumed trainer needs (``extra``): the policy version, the weight method in use,
+        the LR schedule, and ``released_steps`` (steps below it were released before this save)."""
         path = save_checkpoint(
-            self.run_dir / "checkpoints",
+            self.checkpoint_dir,
             step=step,
             model=self.model,
             optimizer=self.trainer.optimizer,
-            extra={"policy_version": step},
+            extra={
+                "policy_version": step,
+                "weight_method": self.broadcaster.method,
+                "lr_schedule": "constant",
+                "released_steps": self.ledger.covered,
+            },
             keep=self.cfg.trainer.checkpoint_keep,
         )
         log.info("checkpoint of step %d in %s", step, path)
 
+    def release(self, num_steps: int) -> None:
+        """Steps below ``num_steps`` are durable: release their micro-batches and announce their
+        groups as trained, one ``groups.trained`` per step."""
+        for covered in self.ledger.cover(num_steps):
+            self.batches.done(*covered.message_ids)
+            RELEASED_MICRO_BATCHES.labels(why="checkpoint").inc(len(covered.message_ids))
+            self.control.send(GroupsTrained(id=trained_message_id(covered.step), step=covered.step, group_ids=covered.group_ids))
+
+    def commit(self, step: int) -> None:
+        """After ``step`` optimizer steps: checkpoint if due, and release what is now durable."""
+        interval = self.cfg.trainer.checkpoint_interval
+        if step == self.cfg.trainer.max_steps or (interval and step % interval == 0):
+            self.save(step)
+            self.release(step)
+        elif interval == 0:  # no periodic checkpoints: release at once (not restartable)
+            self.release(step)
+
     def run(self) -> None:
         max_steps = self.cfg.trainer.max_steps
-        self.evaluate(0)
+        step = self.start_step
+        if step == 0:
+            self.evaluate(0)
+        if self.resumed:
+            self.announce_resume()
         last = time.perf_counter()
-        step = 0
         while step < max_steps:
             micro_batches = self.receive_step(step)
             if micro_batches is None:
@@ -192,15 +399,14 @@ class TrainerProc(Component):
             for key, gauge in TRAINER_GAUGES.items():
                 if key in metrics:
                     gauge.set(metrics[key])
+            # records first, checkpoint second: a resume cuts records back to its checkpoint
             append_jsonl(self.metrics_path, {"step": step, **metrics})
-            interval = self.cfg.trainer.checkpoint_interval
-            if step == max_steps or (interval and step % interval == 0):
-                self.save(step)
-            append_jsonl(self.run_dir / "trained_samples.jsonl", {
+            append_jsonl(self.samples_path, {
                 "step": step - 1,
                 "sample_ids": [i for mb in micro_batches for i in mb.sample_ids],
                 "versions": versions.tolist(),
             })
+            self.commit(step)
             self.control.send(TrainerStep(id=new_id(), step=step, version=step, metrics=metrics))
         final = self.evaluate(step)
         self.control.send(RunDone(id=new_id(), step=step, reason="max_steps"))

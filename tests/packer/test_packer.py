@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from bus.messages import MicroBatch, ScoredGroup, decode, encode
-from packer.packer import PackedSample, Packer, build_micro_batch, group_samples
+from packer.packer import PackedSample, Packer, build_micro_batch, group_samples, rewards_all_equal
 
 
 def scored(
@@ -49,7 +49,9 @@ def scored(
 
 
 def simple(gid: str, version: int = 0, prompt_len: int = 2, comp_len: int = 2, g: int = 2) -> ScoredGroup:
-    return scored(gid, list(range(1, prompt_len + 1)), [[50 + j] * comp_len for j in range(g)], version=version)
+    """A group that passes every check at step ``version`` (rewards differ: not filtered)."""
+    rewards = [j / g for j in range(g)]
+    return scored(gid, list(range(1, prompt_len + 1)), [[50 + j] * comp_len for j in range(g)], version=version, rewards=rewards)
 
 
 def split_samples(mb: MicroBatch) -> dict[str, dict[str, np.ndarray]]:
@@ -308,3 +310,67 @@ def test_scored_group_input_survives_wire():
     np.testing.assert_array_equal(m1.input_ids, m2.input_ids)
     np.testing.assert_array_equal(m1.inference_logprobs, m2.inference_logprobs)
     np.testing.assert_array_equal(m1.versions, np.int64([1, 2]))
+
+
+# ------------------------------------------------------------------------------------------------
+# filtering and run-wide dedupe (at-least-once delivery upstream)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_rewards_all_equal():
+    assert rewards_all_equal(np.float32([1.0, 1.0, 1.0]))
+    assert rewards_all_equal(np.float32([0.0, 0.0]))
+    assert rewards_all_equal(np.float32([0.25]))  # G = 1: no group-relative signal at all
+    assert not rewards_all_equal(np.float32([1.0, 1.0, 0.999]))
+    assert not rewards_all_equal(np.float32([0.0, 1.0]))
+
+
+def test_filter_equal_rewards_drops_with_its_reason_only_when_enabled():
+    same = scored("same", [1], [[5], [6]], rewards=[1.0, 1.0])
+    mixed = scored("mixed", [1], [[5], [6]], rewards=[1.0, 0.0], advantages=[1.0, -1.0])
+    on = Packer(prompts_per_step=1, max_off_policy_steps=0, micro_batch_tokens=100, filter_equal_rewards=True)
+    assert on.add(same) == (False, "filtered: equal_rewards")
+    assert on.add(mixed) == (True, "")
+    assert [g.id for g in on.buffer] == ["mixed"]
+    off = Packer(prompts_per_step=1, max_off_policy_steps=0, micro_batch_tokens=100)
+    assert off.add(same) == (True, "")
+
+
+def test_content_verdicts_come_before_staleness():
+    # a stale group that is also filtered / too long / empty gets the verdict that cannot change
+    p = Packer(prompts_per_step=1, max_off_policy_steps=0, micro_batch_tokens=8, first_step=5, filter_equal_rewards=True)
+    assert p.add(scored("eq", [1], [[5], [6]], version=0, rewards=[0.0, 0.0])) == (False, "filtered: equal_rewards")
+    assert p.add(scored("long", [1], [[5] * 8, [6]], version=0, rewards=[0.0, 1.0])) == (False, "too_long")
+    assert p.add(scored("empty", [], [[5], [6]], version=0, rewards=[0.0, 1.0])) == (False, "empty_prompt")
+    assert p.add(scored("old", [1], [[5], [6]], version=0, rewards=[0.0, 1.0])) == (False, "stale")
+
+
+def test_every_group_id_gets_one_decision_for_the_whole_run():
+    """Redelivery can bring a group back at any later time, whatever happened to it: it must
+    never train twice nor get a second verdict (the seen-id set is never trimmed)."""
+    p = Packer(prompts_per_step=2, max_off_policy_steps=0, micro_batch_tokens=100, filter_equal_rewards=True)
+    first = {
+        "t0": simple("t0"), "t1": simple("t1"),  # trained in step 0
+        "eq": scored("eq", [1], [[5], [6]], rewards=[1.0, 1.0]),  # filtered
+        "big": scored("big", [1], [[5] * 200, [6]], rewards=[0.0, 1.0]),  # too long
+        "late": simple("late"),  # buffered, then stale at step 1
+    }
+    verdicts = {gid: p.add(g) for gid, g in first.items()}
+    assert verdicts == {
+        "t0": (True, ""), "t1": (True, ""), "eq": (False, "filtered: equal_rewards"),
+        "big": (False, "too_long"), "late": (True, ""),
+    }
+    b0, _ = p.pop_step()
+    assert {s.split("/")[0] for s in check_step(b0, 100, 0)} == {"t0", "t1"}
+    b1, dropped = p.pop_step()
+    assert b1 == [] and [g.id for g in dropped] == ["late"]
+    # many steps later every one of them arrives again (a reward worker re-sends after a restart),
+    # now with rewards that would pass the filter and fresh versions that would not be stale
+    for _ in range(3):
+        assert p.add(simple("x%d" % p.next_step, version=p.next_step))[0]
+        assert p.add(simple("y%d" % p.next_step, version=p.next_step))[0]
+        batches, _ = p.pop_step()
+        check_step(batches, 100, p.next_step - 1)
+    for gid in first:
+        assert p.add(simple(gid, version=p.next_step)) == (False, "duplicate")
+    assert len(p.buffer) == 0 and p.pop_step() == ([], [])

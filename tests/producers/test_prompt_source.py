@@ -1,13 +1,37 @@
-"""Tests for producers.prompt_source.PromptSource (the socket-free logic): gating by the trainer's
-version and the async level, replacements for dropped groups, the end of the run, ids and cycling."""
+"""Tests for producers.prompt_source.PromptSource (the socket-free logic): gating by the producers'
+applied versions and the async level (also with producers that depart, return or go back to an
+older version), replacements for prompts that did not train, the end of the run, ids and cycling,
+and the rebuild of a restarted source from its ledger journal."""
 
 from __future__ import annotations
 
-import pytest
+import json
+import shutil
+import threading
+import time
 
-from bus.messages import Prompt, decode, encode
-from producers.prompt_source import PromptSource
+import pytest
+import zmq
+from prometheus_client import REGISTRY
+
+from bus.messages import GroupsDropped, GroupsTrained, Prompt, RunDone, WeightsApplied, decode, encode, new_id
+from bus.reliable import Courier
+from bus.sockets import BusSocket
+from bus.topics import Endpoints, socket_dir
+from configs.schema import load_config
+from producers.ledger import Ledger
+from producers.prompt_source import AppliedVersions, PromptSource, PromptSourceProc, applied_since_start
 from producers.tasks import load_task_examples
+
+
+class Clock:
+    """Monotonic time that a test moves by hand, seconds."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +48,18 @@ def drain(src: PromptSource, limit: int = 1000) -> list[Prompt]:
     return out
 
 
-def make(examples, *, pps=2, level=1, max_steps=100) -> PromptSource:
-    return PromptSource(examples, task="reverse_text", prompts_per_step=pps, max_async_level=level, max_steps=max_steps)
+def make(examples, *, pps=2, level=1, max_steps=100, producers=1, dead_after_s=10.0, ledger=None, clock=None) -> PromptSource:
+    return PromptSource(
+        examples,
+        task="reverse_text",
+        prompts_per_step=pps,
+        max_async_level=level,
+        max_steps=max_steps,
+        num_producers=producers,
+        dead_after_s=dead_after_s,
+        ledger=ledger,
+        clock=clock or Clock(),
+    )
 
 
 def test_gating_by_async_level(examples):
@@ -51,14 +85,31 @@ def test_async_level_zero_is_synchronous(examples):
 
 def test_dropped_groups_are_replaced_for_the_same_step(examples):
     src = make(examples, pps=2, level=1)
-    drain(src)  # 4 prompts: steps 0, 0, 1, 1
-    src.on_dropped(1)  # (4 - 1) // 2 = 1: one replacement for step 1
+    first = drain(src)  # 4 prompts: steps 0, 0, 1, 1
+    assert src.on_dropped([first[3].id], "stale") == 1  # (4 - 1) // 2 = 1: one replacement for step 1
     repl = drain(src)
     assert [p.step for p in repl] == [1]
     assert repl[0].index == 4 and repl[0].id == "p00000004"
-    src.on_dropped(3)  # counted = 5 - 4 = 1: step 0 needs one more, step 1 two
+    # counted = 5 - 4 = 1: step 0 needs one more, step 1 two
+    assert src.on_dropped([first[0].id], "filtered: equal_rewards") == 1
+    assert src.on_dropped([first[1].id, repl[0].id], "failed: RuntimeError") == 2
     assert [p.step for p in drain(src)] == [0, 1, 1]
     assert not src.may_issue()
+
+
+def test_repeats_conflicts_and_unknown_ids_owe_no_replacement(examples):
+    src = make(examples, pps=2, level=0)
+    a, b = drain(src)
+    assert src.on_dropped([a.id], "stale") == 1
+    assert src.on_dropped([a.id], "stale") == 0  # the same announcement again (at-least-once)
+    assert src.on_trained([a.id]) == 0  # a conflict: the first outcome stands
+    assert src.on_dropped(["p99999999", "junk"], "too_long") == 0  # never issued
+    assert [p.id for p in drain(src)] == ["p00000002"]  # exactly one replacement
+    assert src.on_trained([b.id, "p00000002"]) == 2
+    assert not src.may_issue()  # step 0 is complete; step 1 waits for version 1
+    acc = src.ledger.accounting()
+    assert acc["num_conflicts"] == 1 and acc["num_unknown"] == 2 and acc["num_repeats"] == 1
+    assert acc["outcomes"] == {"trained": 2, "dropped_stale": 1, "filtered": 0, "failed": 0}
 
 
 def test_nothing_issued_for_step_at_or_beyond_max_steps(examples):
@@ -67,7 +118,7 @@ def test_nothing_issued_for_step_at_or_beyond_max_steps(examples):
     assert [p.step for p in prompts] == [0, 0, 1, 1]
     src.on_weights_applied("producer-0", 50)
     assert not src.may_issue()
-    src.on_dropped(1)  # a dropped group of the last step is still replaced
+    src.on_dropped([prompts[3].id], "stale")  # a dropped group of the last step is still replaced
     assert [p.step for p in drain(src)] == [1]
     assert not src.may_issue()
     with pytest.raises(AssertionError):
@@ -91,12 +142,17 @@ def test_ids_indices_and_cycling(examples):
     assert prompts[0].info is not examples[0]["info"]  # a copy: downstream cannot mutate the dataset
 
 
-def test_older_versions_are_ignored(examples):
+def test_newest_announcement_wins_also_when_lower(examples):
+    # a trainer that resumed from its checkpoint announces an older version: the gate follows it
     src = make(examples, pps=1, level=0)
     src.on_weights_applied("producer-0", 3)
-    src.on_weights_applied("producer-0", 1)
-    assert src.policy_version == 3
     assert [p.step for p in drain(src)] == [0, 1, 2, 3]
+    src.on_weights_applied("producer-0", 1)
+    assert src.policy_version == 1
+    src.on_dropped(["p00000003"], "stale")  # the step-3 prompt is replaced ...
+    assert not src.may_issue()  # ... but only once version 3 is back
+    src.on_weights_applied("producer-0", 3)
+    assert [p.step for p in drain(src)] == [3]
 
 
 def test_prompts_validate_on_the_wire(examples):
@@ -117,7 +173,7 @@ def test_bad_arguments(examples):
 
 
 def test_gate_is_the_slowest_producer(examples):
-    src = PromptSource(examples, task="reverse_text", prompts_per_step=1, max_async_level=0, max_steps=10, num_producers=2)
+    src = make(examples, pps=1, level=0, max_steps=10, producers=2)
     assert [p.step for p in drain(src)] == [0]
     src.on_weights_applied("producer-0", 2)  # producer-1 has reported nothing: still version 0
     assert src.policy_version == 0 and not src.may_issue()
@@ -126,3 +182,278 @@ def test_gate_is_the_slowest_producer(examples):
     assert [p.step for p in drain(src)] == [1]
     src.on_weights_applied("producer-1", 2)
     assert [p.step for p in drain(src)] == [2]
+
+
+# ------------------------------------------------------------------------------------------------
+# producers that depart, return, or never report
+# ------------------------------------------------------------------------------------------------
+
+
+def test_departed_producer_stops_holding_the_gate_after_dead_after_s(examples):
+    clock = Clock()
+    src = make(examples, pps=1, level=0, producers=2, dead_after_s=10.0, clock=clock)
+    src.on_weights_applied("producer-0", 1)
+    src.on_weights_applied("producer-1", 1)
+    assert [p.step for p in drain(src)] == [0, 1]
+    src.on_weights_applied("producer-0", 2)  # producer-1 died before applying version 2
+    clock.t += 10.0
+    assert src.policy_version == 1 and not src.may_issue()  # not yet: it may just be slow
+    assert src.applied.departed(clock.t) == []
+    clock.t += 0.5  # behind for more than dead_after_s, with no further announcement at all
+    assert src.applied.departed(clock.t) == ["producer-1"]
+    assert src.policy_version == 2
+    assert [p.step for p in drain(src)] == [2]
+    # it returns (a restart with the same name) and re-applies the current weights: counted again
+    src.on_weights_applied("producer-1", 2)
+    assert src.applied.departed(clock.t) == []
+    src.on_weights_applied("producer-0", 3)
+    assert src.policy_version == 2  # the returned producer is the slowest again
+    src.on_weights_applied("producer-1", 3)
+    assert [p.step for p in drain(src)] == [3]
+
+
+def test_slow_producer_that_catches_up_is_never_ignored(examples):
+    clock = Clock()
+    src = make(examples, pps=1, level=0, producers=2, dead_after_s=5.0, clock=clock)
+    for version in range(1, 6):
+        src.on_weights_applied("producer-0", version)
+        clock.t += 4.0  # always behind for 4 s < dead_after_s, over 20 s in all
+        assert src.policy_version == version - 1
+        src.on_weights_applied("producer-1", version)
+        assert src.policy_version == version
+        clock.t += 30.0  # a long step: nobody announces, nobody is behind
+        assert src.policy_version == version and src.applied.departed(clock.t) == []
+
+
+def test_removed_producer_at_a_higher_version_never_holds_the_gate_back(examples):
+    # producer-1 applied version 5 and was removed; the trainer resumed from its checkpoint at 3
+    clock = Clock()
+    src = make(examples, pps=1, level=0, producers=2, clock=clock)
+    src.on_weights_applied("producer-0", 5)
+    src.on_weights_applied("producer-1", 5)
+    src.on_weights_applied("producer-0", 3)
+    assert src.policy_version == 3  # min(3, 5): the lower, newest announcement counts at once
+    clock.t += 9.0
+    src.on_weights_applied("producer-0", 4)
+    src.on_weights_applied("producer-0", 6)
+    assert src.policy_version == 5  # producer-1 differs since the announcement of 3, 9 s ago
+    clock.t += 1.5
+    assert src.applied.departed(clock.t) == ["producer-1"]
+    assert src.policy_version == 6
+
+
+def test_initial_producer_that_never_reports_stops_holding_the_gate(examples):
+    clock = Clock()
+    src = make(examples, pps=1, level=0, producers=3, dead_after_s=10.0, clock=clock)
+    src.on_weights_applied("producer-0", 2)
+    src.on_weights_applied("producer-1", 2)
+    clock.t += 10.0
+    assert src.policy_version == 0  # waiting for producer-2's first announcement
+    clock.t += 0.5
+    assert src.policy_version == 2  # it died before announcing: go on with the ones we have
+    src.on_weights_applied("producer-2", 1)  # it shows up after all, behind: it gates again
+    assert src.policy_version == 1
+
+
+def test_scaled_up_producer_joins_the_gate_when_it_announces(examples):
+    clock = Clock()
+    src = make(examples, pps=1, level=0, producers=1, clock=clock)
+    src.on_weights_applied("producer-0", 4)
+    assert src.policy_version == 4
+    src.on_weights_applied("producer-1", 3)  # `busctl scale producers=2`: loaded an older version first
+    assert src.policy_version == 3
+
+
+def test_applied_versions_rejects_bad_arguments():
+    for args in ((0, 1.0), (1, 0.0)):
+        with pytest.raises(ValueError):
+            AppliedVersions(*args)
+
+
+# ------------------------------------------------------------------------------------------------
+# restart / resume from the ledger journal
+# ------------------------------------------------------------------------------------------------
+
+
+def test_restarted_source_reissues_unresolved_prompts_first_with_same_id_and_content(examples, tmp_path):
+    src = make(examples, pps=2, level=1, ledger=Ledger(tmp_path))
+    first = drain(src)  # p0..p3, steps 0, 0, 1, 1
+    src.on_trained([first[0].id])
+    src.on_dropped([first[1].id], "stale")
+    repl = drain(src)  # one replacement: p4, step 1 (counted prompts 0, 2, 3, 4)
+    assert [(p.id, p.step) for p in repl] == [("p00000004", 1)]
+    # killed here (no close); a new process rebuilds from the journal
+    again = make(examples, pps=2, level=1, ledger=Ledger(tmp_path))
+    assert again.next_step == src.next_step == 2 and again.num_issued == 5
+    reissued = drain(again)  # gated at version 0: only the re-issues may go, ungated
+    by_id = {p.id: p for p in first + repl}
+    assert [p.id for p in reissued] == ["p00000002", "p00000003", "p00000004"]
+    for p in reissued:
+        orig = by_id[p.id]
+        assert (p.index, p.step, p.task, p.messages, p.info) == (orig.index, orig.step, orig.task, orig.messages, orig.info)
+    assert again.num_reissued == 3 and again.num_issued == 5  # re-issues are not new prompts
+    again.on_weights_applied("producer-0", 1)
+    new = drain(again)
+    assert [(p.id, p.step) for p in new] == [("p00000005", 2), ("p00000006", 2)]
+    assert new[0].messages == [{"role": "user", "content": examples[5 % 3]["prompt"]}]
+
+
+def test_reissue_skips_prompts_resolved_meanwhile(examples, tmp_path):
+    src = make(examples, pps=3, level=0, ledger=Ledger(tmp_path))
+    drain(src)
+    again = make(examples, pps=3, level=0, ledger=Ledger(tmp_path))
+    assert list(again.reissue) == ["p00000000", "p00000001", "p00000002"]
+    again.on_trained(["p00000001"])  # the original reached its outcome before the copy went out
+    assert [p.id for p in drain(again)] == ["p00000000", "p00000002"]
+    acc = again.ledger.accounting()
+    assert acc["issued"] == 3 and acc["unresolved"] == ["p00000000", "p00000002"]
+
+
+def test_restart_restores_applied_versions_since_the_run_started(examples, tmp_path):
+    clock = Clock()
+    led = Ledger(tmp_path)
+    led.note("start", restarts=0, resume=False)
+    src = make(examples, pps=1, level=0, producers=2, ledger=led, clock=clock)
+    src.on_weights_applied("producer-0", 1)
+    src.on_weights_applied("producer-1", 1)
+    src.on_weights_applied("producer-1", 2)  # producer-0 dies before applying 2
+    replayed = Ledger(tmp_path)
+    announcements = applied_since_start(replayed.notes)
+    assert announcements == [("producer-0", 1), ("producer-1", 2)]
+    again = make(examples, pps=1, level=0, producers=2, ledger=replayed, clock=clock)
+    again.restore_applied(announcements)
+    assert again.policy_version == 1
+    clock.t += 10.5
+    assert again.policy_version == 2  # producer-0 was behind before the restart and still is
+    # a resumed run starts a new producer set: nothing from before its start is restored
+    replayed.note("start", restarts=0, resume=True)
+    replayed.note("applied", producer="producer-0", version=7)
+    assert applied_since_start(Ledger(tmp_path).notes) == [("producer-0", 7)]
+
+
+# ------------------------------------------------------------------------------------------------
+# PromptSourceProc on real sockets: reliable ``prompts``, control messages, journal, restart
+# ------------------------------------------------------------------------------------------------
+
+WAIT_S = 10.0
+"""Longest a socket test waits for something that must happen, seconds."""
+TIMINGS = dict(heartbeat_s=0.05, dead_after_s=0.6, ack_timeout_s=3.0)
+
+
+class ProcHarness:
+    """A run dir and config; the test plays the control hub (an XPUB bound at ``control_sub``) and
+    the producers (a :class:`bus.reliable.Courier` receiver of ``prompts`` per simulated process)."""
+
+    def __init__(self, tmp_path, overrides: list[str]) -> None:
+        bus = [f"bus.{k}={v}" for k, v in TIMINGS.items()]
+        self.cfg = load_config(None, [f"run_dir={tmp_path}", "task.num_train_examples=5", *bus, *overrides])
+        self.endpoints = Endpoints("ipc", tmp_path)
+        self.endpoints.ensure_dirs()
+        self.ctx = zmq.Context()
+        self.control = BusSocket(self.ctx, "control_sub", "send", self.endpoints.address("control_sub"), bind=True)
+        self.control.sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, also a repeated one
+        self.couriers: list[Courier] = []
+        self.procs: list[tuple[PromptSourceProc, threading.Thread]] = []
+
+    def start(self) -> PromptSourceProc:
+        proc = PromptSourceProc(self.cfg, "prompt-source", 0)
+        proc.setup()
+        while True:  # its SUB is connected once its subscription arrives: nothing published is lost
+            assert self.control.sock.poll(int(WAIT_S * 1000)), "the prompt source never subscribed"
+            if self.control.sock.recv()[:1] == b"\x01":
+                break
+        thread = threading.Thread(target=proc.run, daemon=True)
+        thread.start()
+        self.procs.append((proc, thread))
+        return proc
+
+    def kill(self, proc: PromptSourceProc) -> None:
+        """Stop and close ``proc`` without run.done (as close to a kill as a thread allows)."""
+        for entry in list(self.procs):
+            if entry[0] is proc:
+                self.procs.remove(entry)
+                proc.stop.set()
+                entry[1].join(timeout=WAIT_S)
+                proc.close()
+
+    def producer(self):
+        self.couriers.append(Courier(zmq.Context(), **TIMINGS))
+        return self.couriers[-1].receiver("prompts", self.endpoints.address("prompts"), bind=False, accept=(Prompt,))
+
+    def publish(self, msg) -> None:
+        assert self.control.send(msg)
+
+    def close(self) -> None:
+        for proc, _ in list(self.procs):
+            self.kill(proc)
+        for c in self.couriers:
+            c.stop.set()
+            c.close()
+            c.ctx.destroy(linger=0)
+        self.control.close()
+        self.ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def harness(tmp_path):
+    # 2 prompts per step, synchronous (async level 0), 3 steps
+    h = ProcHarness(tmp_path, ["trainer.batch_size=4", "producers.group_size=2", "max_async_level=0", "trainer.max_steps=3"])
+    yield h
+    h.close()
+    sock_dir = socket_dir(tmp_path)
+    if not sock_dir.is_relative_to(tmp_path.resolve()):
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def take(inbox, n: int) -> list[Prompt]:
+    """Receive exactly ``n`` prompts (marking each done), then make sure no more come."""
+    got = []
+    deadline = time.monotonic() + WAIT_S
+    while len(got) < n:
+        assert time.monotonic() < deadline, f"got {[p.id for p in got]}, expected {n}"
+        msg = inbox.recv(timeout_s=0.1)
+        if msg is not None:
+            got.append(msg)
+            inbox.done(msg.id)
+    assert inbox.recv(timeout_s=0.3) is None
+    return got
+
+
+def test_proc_issues_accounts_and_rebuilds_after_a_restart(harness, monkeypatch, tmp_path):
+    monkeypatch.delenv("RLBUS_RESUME", raising=False)
+    monkeypatch.delenv("RLBUS_RESTARTS", raising=False)
+    source = harness.start()
+    producer = harness.producer()
+    first = take(producer, 2)  # version 0, level 0: step 0 only
+    assert [(p.id, p.step) for p in first] == [("p00000000", 0), ("p00000001", 0)]
+    harness.publish(WeightsApplied(id=new_id(), producer="producer-0", version=1, apply_time_s=0.1))
+    second = take(producer, 2)
+    assert [(p.id, p.step) for p in second] == [("p00000002", 1), ("p00000003", 1)]
+    harness.publish(GroupsTrained(id=new_id(), step=0, group_ids=["p00000000", "p00000001"]))
+    time.sleep(0.3)  # let it apply the outcome before it is killed (the journal flushes per line)
+    harness.kill(source)
+    acc = json.loads((tmp_path / "accounting.json").read_text())
+    assert acc["issued"] == 4 and acc["outcomes"]["trained"] == 2
+    assert acc["unresolved"] == ["p00000002", "p00000003"]
+
+    # restarted: re-issues the unresolved prompts first (same id and content), to a new producer
+    monkeypatch.setenv("RLBUS_RESTARTS", "1")
+    harness.start()
+    producer2 = harness.producer()
+    again = take(producer2, 2)
+    assert [(p.id, p.index, p.step, p.messages, p.info) for p in again] == [
+        (p.id, p.index, p.step, p.messages, p.info) for p in second]
+    # the applied version (1) was restored from the journal: a step-1 replacement may go out at once
+    harness.publish(GroupsDropped(id=new_id(), group_ids=["p00000003"], reason="failed: RuntimeError"))
+    (repl,) = take(producer2, 1)
+    assert (repl.id, repl.step) == ("p00000004", 1)
+    harness.publish(GroupsTrained(id=new_id(), step=1, group_ids=["p00000002", "p00000004"]))
+    harness.publish(RunDone(id=new_id(), step=1, reason="max_steps"))
+    proc, thread = harness.procs[-1]
+    thread.join(timeout=WAIT_S)
+    assert not thread.is_alive(), "run.done did not end the prompt source's loop"
+    acc = json.loads((tmp_path / "accounting.json").read_text())
+    assert acc["issued"] == 5 and acc["unresolved"] == []
+    assert acc["outcomes"] == {"trained": 4, "dropped_stale": 0, "filtered": 0, "failed": 1}
+    assert acc["failed"] == {"p00000003": "failed: RuntimeError"}
+    assert REGISTRY.get_sample_value("rlbus_accounting_unresolved") == 0

@@ -1,10 +1,6 @@
-"""Tests for trainer.checkpoint: a resumed trainer continues bit-identically (full fine-tuning and
-LoRA), incomplete checkpoints are ignored, old ones are pruned, mismatches are refused.
-
-The resume test trains an uninterrupted run for k + 2 steps with a checkpoint at step k, then
-loads that checkpoint into a FRESH model and optimizer and replays the same 2 steps with the same
-micro-batches: float32 weights and AdamW state must be bit-identical. The LoRA case uses adapter
-dropout, so it also fails unless the torch RNG state is restored.
+"""Tests for trainer.checkpoint: RNG and LR-scheduler states round-trip, incomplete checkpoints
+are ignored, old ones are pruned, mismatches are refused. The bit-exact resume of training (full
+fine-tuning and LoRA) is in test_resume.py, with the helpers here (``policy``, ``step_batches``).
 """
 
 from __future__ import annotations
@@ -21,7 +17,7 @@ from packer.packer import PackedSample, build_micro_batch
 from trainer.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from trainer.model import load_policy
 from trainer.packed import packed_token_logprobs
-from trainer.trainer import Trainer, build_optimizer
+from trainer.trainer import build_optimizer
 
 # (prompt tokens, completion tokens, advantage, reward)
 SPECS = [
@@ -31,7 +27,6 @@ SPECS = [
     ([11], [100, 101, 102, 103, 104], -0.5, 0.25),
 ]
 CFG = TrainerConfig(optim=OptimConfig(lr=1e-3, max_grad_norm=1.0))
-SAVE_AT = 2  # checkpoint after this many steps, then 2 more
 
 
 def policy(model_dir: str, lora: bool) -> torch.nn.Module:
@@ -76,48 +71,6 @@ def assert_same_optimizer_state(a: dict, b: dict) -> None:
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(b["state"][k][name])), (k, name)
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_resume_is_bit_identical_to_the_uninterrupted_run(model_dir, tmp_path, lora):
-    model = policy(model_dir, lora)
-    batches = step_batches(model, SAVE_AT + 2)
-    trainer = Trainer(model, CFG, temperature=1.0)
-    torch.manual_seed(7)
-    for mbs in batches[:SAVE_AT]:
-        assert trainer.step(mbs)["skipped"] == 0.0
-    path = save_checkpoint(tmp_path, step=SAVE_AT, model=model, optimizer=trainer.optimizer,
-                           extra={"policy_version": SAVE_AT, "data_position": {"prompts_issued": 12}})
-    assert path == tmp_path / f"step_{SAVE_AT:06d}" and (path / "DONE").is_file()
-    assert (path / ("adapter_model.safetensors" if lora else "model.safetensors")).is_file()
-    saved = weights(model)
-    for mbs in batches[SAVE_AT:]:
-        trainer.step(mbs)
-    reference, reference_opt = weights(model), trainer.optimizer.state_dict()
-    assert any(not torch.equal(saved[n], reference[n]) for n in saved)
-
-    def resume(reseed: int | None = None) -> Trainer:
-        fresh = policy(model_dir, lora)
-        resumed = Trainer(fresh, CFG, temperature=1.0)
-        state = load_checkpoint(latest_checkpoint(tmp_path), model=fresh, optimizer=resumed.optimizer)
-        assert state == {"step": SAVE_AT, "policy_version": SAVE_AT, "data_position": {"prompts_issued": 12}}
-        for n, t in weights(fresh).items():
-            assert torch.equal(t, saved[n]), n
-        if reseed is not None:
-            torch.manual_seed(reseed)
-        for mbs in batches[state["step"]:]:
-            resumed.step(mbs)
-        return resumed
-
-    resumed = resume()
-    after = weights(resumed.model)
-    for n in reference:
-        assert after[n].dtype == torch.float32
-        assert torch.equal(after[n], reference[n]), n
-    assert_same_optimizer_state(resumed.optimizer.state_dict(), reference_opt)
-    if lora:  # adapter dropout draws from the torch RNG: without its restored state, no match
-        other = weights(resume(reseed=123).model)
-        assert any(not torch.equal(other[n], reference[n]) for n in reference)
-
-
 def test_rng_states_are_restored(model_dir, tmp_path):
     model = policy(model_dir, lora=False)
     optimizer = build_optimizer(model, CFG)
@@ -129,6 +82,33 @@ def test_rng_states_are_restored(model_dir, tmp_path):
     again = (torch.rand(4), np.random.rand(4), [random.random() for _ in range(4)], np.random.randn(3))
     assert torch.equal(draws[0], again[0])
     assert np.array_equal(draws[1], again[1]) and draws[2] == again[2] and np.array_equal(draws[3], again[3])
+
+
+def test_lr_scheduler_state_round_trips(model_dir, tmp_path):
+    """rlbus trains with a constant LR (no scheduler); a trainer that adds one gets it checkpointed."""
+    def build():
+        optimizer = build_optimizer(model, CFG)
+        return optimizer, torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=10)
+
+    model = policy(model_dir, lora=False)
+    optimizer, scheduler = build()
+    for _ in range(3):
+        optimizer.step()  # no gradients: parameters untouched, only the schedule moves
+        scheduler.step()
+    path = save_checkpoint(tmp_path, step=3, model=model, optimizer=optimizer, extra={}, scheduler=scheduler)
+    assert (path / "scheduler.pt").is_file()
+    fresh_optimizer, fresh = build()
+    load_checkpoint(path, model=model, optimizer=fresh_optimizer, scheduler=fresh)
+    assert fresh.state_dict() == scheduler.state_dict()
+    assert fresh_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"] != CFG.optim.lr * 0.5
+    fresh.step(), scheduler.step()
+    assert fresh.get_last_lr() == scheduler.get_last_lr()
+    with pytest.raises(ValueError, match="has LR scheduler state but none was passed"):
+        load_checkpoint(path, model=model, optimizer=fresh_optimizer)
+    plain = save_checkpoint(tmp_path, step=4, model=model, optimizer=optimizer, extra={})
+    assert not (plain / "scheduler.pt").exists()
+    with pytest.raises(ValueError, match="has no LR scheduler state but a scheduler was passed"):
+        load_checkpoint(plain, model=model, optimizer=fresh_optimizer, scheduler=fresh)
 
 
 def test_incomplete_checkpoints_are_ignored(model_dir, tmp_path):

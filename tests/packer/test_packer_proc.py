@@ -1,0 +1,203 @@
+"""PackerProc on a real bus: reliable ``scored`` in, reliable ``batches`` out, drops announced on
+a real control hub. Reward workers and the trainer are real :class:`bus.reliable.Courier` peers.
+
+Checked: custody is released for every group (taken, filtered or duplicate); a group re-sent at any
+later time (by another reward worker, after its step went out) never trains twice nor gets a
+second announcement; micro-batches stay with the packer until the trainer marks them done, and a
+restarted trainer gets them again; ``run.done`` ends the loop.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import zmq
+
+import bus.reliable
+from bus.hub import ControlHub
+from bus.messages import GroupsDropped, Message, MicroBatch, RunDone, ScoredGroup, new_id
+from bus.reliable import Courier, Inbox
+from bus.sockets import BusSocket
+from bus.topics import Endpoints, socket_dir
+from configs.schema import load_config
+from packer.proc import PackerProc
+
+TIMINGS = dict(heartbeat_s=0.05, dead_after_s=0.6, ack_timeout_s=3.0)
+WAIT_S = 10.0
+"""Longest any step of these tests waits for something that must happen, seconds."""
+
+
+def wait_until(predicate: Callable[[], Any], what: str, timeout_s: float = WAIT_S) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        if time.monotonic() >= deadline:
+            pytest.fail(f"{what}: not within {timeout_s} s")
+        time.sleep(0.01)
+    return value
+
+
+def group(gid: str, rewards: list[float], version: int = 0) -> ScoredGroup:
+    """Two samples of 7 tokens (prompt [1, 2], completions [10..14] and [20..24]); rewards as given.
+    With a 16-token budget a step of two groups packs into two micro-batches."""
+    return ScoredGroup(
+        id=gid, prompt_index=0, step=0, task="reverse_text", info={"target": "x"}, producer="producer-0",
+        completion_texts=["a", "b"], finish_reasons=["stop", "stop"], gen_time_s=0.0,
+        prompt_ids=np.int32([1, 2]), completion_ids=np.int32([*range(10, 15), *range(20, 25)]),
+        completion_lens=np.int32([5, 5]), logprobs=np.full(10, -0.5, np.float32), version_start=np.int64([version] * 2),
+        version_end=np.int64([version] * 2), reward_worker="rewards-0",
+        rewards=np.float32(rewards), advantages=np.float32([r - np.mean(rewards) for r in rewards]),
+    )
+
+
+class LiveBus:
+    """A run dir with a config, a control hub thread, a test publisher and observer on it, and
+    couriers for the peers; everything closed at teardown."""
+
+    def __init__(self, tmp_path, overrides: list[str]) -> None:
+        bus = [f"bus.{k}={v}" for k, v in TIMINGS.items()]
+        self.cfg = load_config(None, [f"run_dir={tmp_path}", *bus, *overrides])
+        self.endpoints = Endpoints("ipc", tmp_path)
+        self.endpoints.ensure_dirs()
+        self.ctx = zmq.Context()
+        self.stop = threading.Event()
+        self.hub = ControlHub(self.ctx, self.endpoints.address("control_pub"), self.endpoints.address("control_sub"), self.stop)
+        self.hub_thread = threading.Thread(target=self.hub.run, daemon=True)
+        self.hub_thread.start()
+        self.pub = BusSocket(self.ctx, "control_pub", "send", self.endpoints.address("control_pub"), bind=False)
+        self.observer = BusSocket(self.ctx, "control_sub", "recv", self.endpoints.address("control_sub"), bind=False)
+        self.couriers: list[Courier] = []
+        self.sync(self.pub)
+
+    def sync(self, pub: BusSocket) -> None:
+        """Publish probes on ``pub`` until the observer gets one (no slow-joiner loss after this)."""
+        for n in range(500):
+            pub.send(GroupsDropped(id=f"sync-{n}", group_ids=[], reason="sync"))
+            if self.observer.recv(timeout_s=0.02) is not None:
+                while self.observer.recv(timeout_s=0.05) is not None:
+                    pass
+                return
+        pytest.fail("control hub not reachable")
+
+    def announcements(self, quiet_s: float = 0.3) -> list[Message]:
+        """Control messages seen since the last call (until ``quiet_s`` of silence), probes left out."""
+        out = []
+        while (msg := self.observer.recv(timeout_s=quiet_s)) is not None:
+            if not (isinstance(msg, GroupsDropped) and msg.reason == "sync"):
+                out.append(msg)
+        return out
+
+    def courier(self) -> Courier:
+        """A courier on its own context: one simulated process."""
+        self.couriers.append(Courier(zmq.Context(), **TIMINGS))
+        return self.couriers[-1]
+
+    def close_courier(self, courier: Courier) -> None:
+        """Close one simulated process's courier (goodbye to its peers) and its context."""
+        if courier in self.couriers:
+            self.couriers.remove(courier)
+            courier.stop.set()
+            courier.close()
+            courier.ctx.destroy(linger=0)
+
+    def close(self) -> None:
+        for c in list(self.couriers):
+            self.close_courier(c)
+        self.stop.set()
+        self.hub_thread.join(timeout=5)
+        for sock in (self.pub, self.observer, self.hub.inbound, self.hub.outbound):
+            sock.close()
+        self.ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def live(tmp_path):
+    # prompts_per_step = 4 / 2 = 2 groups; 16 tokens per micro-batch
+    bus = LiveBus(tmp_path, ["trainer.batch_size=4", "producers.group_size=2", "packer.micro_batch_tokens=16",
+                             "packer.max_off_policy_steps=1", "max_async_level=1", "packer.filter_equal_rewards=true"])
+    yield bus
+    bus.close()
+    sock_dir = socket_dir(tmp_path)
+    if not sock_dir.is_relative_to(tmp_path.resolve()):
+        import shutil
+
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def packer(live):
+    proc = PackerProc(live.cfg, "packer", 0)
+    proc.setup()
+    live.sync(proc.control_out)  # its announcements reach the hub from now on (run() not started yet)
+    thread = threading.Thread(target=proc.run, daemon=True)
+    thread.start()
+    yield proc, thread
+    proc.stop.set()
+    thread.join(timeout=5)
+    proc.close()
+
+
+def receive_step(inbox: Inbox, step: int) -> list[MicroBatch]:
+    """All micro-batches of ``step`` (fails on a micro-batch of another step)."""
+    got: dict[int, MicroBatch] = {}
+    deadline = time.monotonic() + WAIT_S
+    while not got or len(got) < next(iter(got.values())).num_micro_batches:
+        assert time.monotonic() < deadline, f"step {step} incomplete: {sorted(got)}"
+        mb = inbox.recv(timeout_s=0.1)
+        if mb is not None:
+            assert isinstance(mb, MicroBatch) and mb.step == step, (mb.id, step)
+            got[mb.micro_index] = mb
+    return [got[k] for k in sorted(got)]
+
+
+def groups_of(batches: list[MicroBatch]) -> list[str]:
+    return sorted(sid for mb in batches for sid in mb.sample_ids)
+
+
+def test_custody_dedupe_filter_and_redelivery_to_a_restarted_trainer(live, packer, monkeypatch):
+    # the packer's inbox drops re-sent ids it remembers as done (bus.reliable.DONE_MEMORY of them);
+    # remember just one, so re-sends reach the packer's own run-wide dedupe, as they do in a long run
+    monkeypatch.setattr(bus.reliable, "DONE_MEMORY", 1)
+    proc, thread = packer
+    addr_scored, addr_batches = live.endpoints.address("scored"), live.endpoints.address("batches")
+    worker_a = live.courier().sender("scored", addr_scored, bind=False)
+    worker_b = live.courier().sender("scored", addr_scored, bind=False)
+    trainer = live.courier().receiver("batches", addr_batches, bind=False, accept=(MicroBatch,))
+
+    for msg in (group("g0", [1, 0]), group("g1", [0, 1]), group("eq", [1, 1]), group("g2", [0.5, 0])):
+        assert worker_a.send(msg, timeout_s=WAIT_S)
+    assert worker_b.send(group("g0", [1, 0]), timeout_s=WAIT_S)  # scored twice (two workers)
+
+    step0 = receive_step(trainer, 0)
+    assert groups_of(step0) == ["g0/0", "g0/1", "g1/0", "g1/1"]
+    # custody released for everything: taken (g0, g1 in the step; g2 buffered), filtered, duplicate
+    wait_until(lambda: worker_a.unfinished() == 0 and worker_b.unfinished() == 0, "scored groups done")
+    dropped = [m for m in live.announcements() if isinstance(m, GroupsDropped)]
+    assert [(m.group_ids, m.reason) for m in dropped] == [(["eq"], "filtered: equal_rewards")]
+
+    # the trainer holds step 0 until a checkpoint: the packer keeps it; a restarted trainer gets it again
+    assert proc.batches.unfinished() == len(step0)
+    live.close_courier(trainer.courier)  # goodbye without done: the packer must re-send step 0
+    trainer2 = live.courier().receiver("batches", addr_batches, bind=False, accept=(MicroBatch,))
+    again = receive_step(trainer2, 0)
+    assert [mb.id for mb in again] == [mb.id for mb in step0]
+    trainer2.done(*[mb.id for mb in again])  # a checkpoint covers step 0
+    wait_until(lambda: proc.batches.unfinished() == 0, "step 0 done")
+
+    # much later every one of them comes back (a reward worker re-sends after a restart): nothing trains twice
+    for gid in ("g0", "g1", "eq", "g2"):
+        assert worker_b.send(group(gid, [0, 1], version=1), timeout_s=WAIT_S)
+    wait_until(lambda: worker_b.unfinished() == 0, "re-sent groups done")
+    assert trainer2.recv(timeout_s=0.3) is None
+    assert live.announcements() == []
+
+    assert worker_a.send(group("g3", [0, 1], version=1), timeout_s=WAIT_S)
+    step1 = receive_step(trainer2, 1)
+    assert groups_of(step1) == ["g2/0", "g2/1", "g3/0", "g3/1"]
+
+    live.pub.send(RunDone(id=new_id(), step=1, reason="max_steps"))
+    thread.join(timeout=WAIT_S)
+    assert not thread.is_alive(), "run.done did not end the packer's loop"

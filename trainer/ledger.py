@@ -1,0 +1,201 @@
+"""The trainer's custody bookkeeping: which micro-batches it holds, trained, and may release.
+
+Custody rule (``docs/DELIVERY.md``): the trainer releases a micro-batch (``Inbox.done``) only once
+a checkpoint covers its step, so the packer keeps every step a restarted trainer might have to
+train again. :class:`StepLedger` is that rule without sockets; :mod:`trainer.proc` feeds it what
+``batches`` delivers and acts on what it returns.
+
+Steps (0-based) fall into three ranges, with ``covered <= next_step``::
+
+    [0, covered)          covered by the last checkpoint: a micro-batch of these steps that
+                          arrives again (the packer re-sends what was never released) is
+                          released at once and not trained;
+    [covered, next_step)  trained, not yet covered: only their message ids and group ids are
+                          kept (no tensors) until :meth:`StepLedger.cover`;
+    [next_step, ...)      buffered until complete; a step's micro-batches may arrive in any
+                          order and ahead of the step being trained.
+
+Memory: at most ``checkpoint_interval`` steps of ids wait in the middle range here; their
+payloads wait in the packer's outbox (``Outbox.unfinished``), so the packer holds up to
+``checkpoint_interval`` steps of micro-batches plus those not yet trained.
+
+Duplicates by message id are dropped by ``bus.reliable.Inbox`` already; the ledger still takes
+a repeated id without double counting (its ids are sets), so it does not depend on that.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bus.messages import MicroBatch
+
+__all__ = ["CoveredStep", "StepLedger", "append_jsonl", "group_id", "keep_jsonl_records"]
+
+
+def group_id(sample_id: str) -> str:
+    """The group of a sample id ``"{group_id}/{j}"``: everything before the last ``/`` (a sample
+    id without ``/`` is its own group)."""
+    return sample_id.rsplit("/", 1)[0]
+
+
+def _group_ids(sample_ids: list[str]) -> list[str]:
+    """Distinct group ids of ``sample_ids`` in first-seen order."""
+    return list(dict.fromkeys(group_id(s) for s in sample_ids))
+
+
+@dataclass
+class CoveredStep:
+    """A trained step that a checkpoint now covers: release ``message_ids``, announce ``group_ids``.
+
+    Fields:
+        step: 0-based optimizer step. message_ids: ids of its micro-batches (``"{step}:{i}"``),
+        every id received for it. group_ids: distinct group ids of its samples, first-seen order.
+    """
+
+    step: int
+    message_ids: list[str]
+    group_ids: list[str]
+
+
+@dataclass
+class _Pending:
+    num_micro_batches: int
+    parts: dict[int, MicroBatch] = field(default_factory=dict)
+    ids: set[str] = field(default_factory=set)
+
+
+class StepLedger:
+    """Buffers micro-batches by step and says when their custody may be released.
+
+    Args:
+        start_step: the step a (resumed) trainer trains next; steps below it are covered by its
+            checkpoint (0 for a fresh run).
+
+    Raises:
+        ValueError: ``start_step`` < 0.
+    """
+
+    def __init__(self, start_step: int = 0) -> None:
+        if start_step < 0:
+            raise ValueError(f"start_step must be >= 0, got {start_step}")
+        self.covered = start_step
+        """Steps below this are covered by a checkpoint."""
+        self.next_step = start_step
+        """The step to train next; steps in ``[covered, next_step)`` are trained, not covered."""
+        self._pending: dict[int, _Pending] = {}
+        self._uncovered: dict[int, tuple[set[str], list[str]]] = {}
+
+    def offer(self, mb: MicroBatch) -> list[str]:
+        """Take one received micro-batch; returns the message ids to release now (``[mb.id]``
+        for a step already covered by a checkpoint, else ``[]``).
+
+        Raises:
+            ValueError: ``mb`` says its step has a different number of micro-batches than an
+                earlier micro-batch of the same step did (the packer re-packed a step).
+        """
+        if mb.step < self.covered:
+            return [mb.id]
+        if mb.step < self.next_step:  # trained, not covered: release with its step
+            self._uncovered[mb.step][0].add(mb.id)
+            return []
+        pending = self._pending.setdefault(mb.step, _Pending(mb.num_micro_batches))
+        if mb.num_micro_batches != pending.num_micro_batches:
+            raise ValueError(
+                f"micro-batch {mb.id!r} of step {mb.step} says {mb.num_micro_batches} micro-batches, "
+                f"earlier ones of that step said {pending.num_micro_batches}"
+            )
+        pending.parts.setdefault(mb.micro_index, mb)
+        pending.ids.add(mb.id)
+        return []
+
+    def take(self, step: int) -> list[MicroBatch] | None:
+        """Step ``step``'s micro-batches in ``micro_index`` order once all arrived, else None.
+
+        Taking a step means training it: its payloads leave the ledger, its ids and group ids
+        wait for :meth:`cover`, and ``next_step`` becomes ``step + 1``.
+
+        Raises:
+            ValueError: ``step`` is not ``next_step`` (steps train in order).
+        """
+        if step != self.next_step:
+            raise ValueError(f"steps train in order: asked for step {step}, the next one is {self.next_step}")
+        pending = self._pending.get(step)
+        if pending is None or len(pending.parts) < pending.num_micro_batches:
+            return None
+        del self._pending[step]
+        parts = [pending.parts[i] for i in range(pending.num_micro_batches)]
+        self._uncovered[step] = (pending.ids, _group_ids([s for mb in parts for s in mb.sample_ids]))
+        self.next_step = step + 1
+        return parts
+
+    def cover(self, num_steps: int) -> list[CoveredStep]:
+        """A checkpoint now covers steps ``< num_steps``: returns the trained steps it newly
+        covers, oldest first (release their ids, announce their groups).
+
+        Raises:
+            ValueError: ``num_steps`` is beyond the trained steps (> ``next_step``) or below the
+                current coverage.
+        """
+        if not self.covered <= num_steps <= self.next_step:
+            raise ValueError(
+                f"cannot cover {num_steps} steps: {self.covered} are covered and {self.next_step} trained"
+            )
+        out = []
+        for step in sorted(s for s in self._uncovered if s < num_steps):
+            ids, groups = self._uncovered.pop(step)
+            out.append(CoveredStep(step, sorted(ids), groups))
+        self.covered = num_steps
+        return out
+
+    def buffered_steps(self) -> list[int]:
+        """Steps with micro-batches waiting to be trained (complete or not), ascending."""
+        return sorted(self._pending)
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """Append one JSON object as a line to ``path``; non-finite floats (a skipped step's loss)
+    become ``null`` so the file stays strict JSON."""
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+    with path.open("a") as f:
+        f.write(json.dumps(clean, allow_nan=False) + "\n")
+
+
+def keep_jsonl_records(path: Path, keep: Callable[[dict[str, Any]], bool]) -> int:
+    """Rewrite the JSON-lines file ``path`` keeping only the records for which ``keep`` is true;
+    returns how many were dropped (0 if ``path`` does not exist).
+
+    The file is replaced atomically (temp file + ``os.replace``), so a kill leaves either the old
+    or the new content. A torn last line (a kill in the middle of an append) is dropped too.
+
+    Raises:
+        ValueError: a line other than the last is not a JSON object.
+    """
+    if not path.is_file():
+        return 0
+    lines = path.read_text().splitlines()
+    kept, dropped = [], 0
+    for n, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if n == len(lines) - 1:
+                dropped += 1
+                continue
+            raise ValueError(f"{path}:{n + 1} is not JSON: {line[:80]!r}") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{n + 1} is not a JSON object")
+        if keep(record):
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        os.replace(tmp, path)
+    return dropped
