@@ -63,6 +63,7 @@ class Component:
         self.endpoints = Endpoints(cfg.bus.transport, self.run_dir, cfg.bus.host, cfg.bus.base_port)
         self._sockets: list[BusSocket] = []
         self._courier: Courier | None = None
+        self._outcomes: Outbox | None = None
         self.heartbeat_state = "running"
         """What the next heartbeat reports: ``"running"``, or ``"done"`` once ``run()`` returned."""
         self._heartbeat_stop = threading.Event()
@@ -101,6 +102,14 @@ class Component:
     def reliable_sender(self, topic: str, endpoint: str | list[str], *, bind: bool) -> Outbox:
         """The sending side of data topic ``topic`` (see :meth:`bus.reliable.Courier.sender`)."""
         return self.courier.sender(topic, endpoint, bind=bind)
+
+    @property
+    def outcomes(self) -> Outbox:
+        """Reliable sender of outcome reports (``groups.trained`` / ``groups.dropped``) to the
+        prompt source's ledger; opened on first use (do that in :meth:`setup`: not thread-safe)."""
+        if self._outcomes is None:
+            self._outcomes = self.reliable_sender("outcomes", self.endpoints.address("outcomes"), bind=False)
+        return self._outcomes
 
     def control_publisher(self) -> BusSocket:
         """A PUB socket connected to the control hub."""

@@ -9,10 +9,13 @@ is a ROUTER, the side that connects one DEALER per endpoint; credit bounds what 
 | rollouts/i | producer i, sender (ROUTER), one each| every reward worker, receiver (DEALER)  | 8                        |
 | scored     | packer, receiver (ROUTER)            | every reward worker, sender (DEALER)    | 8                        |
 | batches    | packer, sender (ROUTER)              | trainer, receiver (DEALER)              | 2                        |
+| outcomes   | prompt source, receiver (ROUTER)     | trainer, packer, producers (DEALER)     | 64                       |
 | control    | hub XSUB (pub side), XPUB (sub)      | everyone PUB / SUB                      | PUB drops (never blocks) |
 | supervisor | busctl (PULL)                        | every component (PUSH)                  | blocks (tiny traffic)    |
 
-The bound is the credit a receiver grants each sender and the number of messages a sender's
+``outcomes`` carries ``groups.trained`` / ``groups.dropped`` to the prompt source's ledger, so no
+outcome is lost while the prompt source restarts (they are also published on the control channel
+for observers). The bound is the credit a receiver grants each sender and the number of messages a sender's
 outbox holds before ``send`` blocks; small bounds on ``batches`` and ``scored`` make the trainer's
 pace propagate back to the prompt source (invariant 1: no unbounded queue). They count messages,
 not bytes. Reward workers connect to ``producers.max_replicas`` rollouts endpoints, so
@@ -62,6 +65,7 @@ TOPICS: dict[str, TopicSpec] = {
         TopicSpec("prompts", zmq.ROUTER, zmq.DEALER, hwm=4, blocks=True, port_offset=0, reliable=True),
         TopicSpec("scored", zmq.DEALER, zmq.ROUTER, hwm=8, blocks=True, port_offset=1, reliable=True),
         TopicSpec("batches", zmq.ROUTER, zmq.DEALER, hwm=2, blocks=True, port_offset=2, reliable=True),
+        TopicSpec("outcomes", zmq.DEALER, zmq.ROUTER, hwm=64, blocks=True, port_offset=6, reliable=True),
         TopicSpec("control_pub", zmq.PUB, zmq.XSUB, hwm=10_000, blocks=False, port_offset=3),
         TopicSpec("control_sub", zmq.XPUB, zmq.SUB, hwm=10_000, blocks=False, port_offset=4),
         TopicSpec("supervisor", zmq.PUSH, zmq.PULL, hwm=1000, blocks=True, port_offset=5),

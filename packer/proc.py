@@ -56,23 +56,26 @@ class PackerProc(Component):
         self.batches = self.reliable_sender("batches", self.endpoints.address("batches"), bind=True)
         self.control_out = self.control_publisher()
         self.control_in = self.control_subscriber()
+        self.outcomes  # noqa: B018 - the reliable outcome reports to the prompt source's ledger
 
-    def _announce_dropped(self, groups: list[ScoredGroup], reason: str) -> None:
+    def _announce_dropped(self, groups: list[ScoredGroup], reason: str, upstream: tuple | None = None) -> None:
+        """Report a drop to the ledger (reliable; ``upstream`` is released once it is recorded)
+        and publish it on the control channel for observers."""
         if groups:
             GROUPS_IN.labels(reason).inc(len(groups))
             log.info("dropped %d group(s) as %s", len(groups), reason)
-            self.control_out.send(GroupsDropped(id=new_id(), group_ids=[g.id for g in groups], reason=reason))
+            msg = GroupsDropped(id=new_id(), group_ids=[g.id for g in groups], reason=reason)
+            self.outcomes.send(msg, upstream=upstream)
+            self.control_out.send(msg)
 
     def _take(self, group: ScoredGroup) -> None:
         """Decide on one received group, announce a drop, then release custody upstream."""
         accepted, reason = self.packer.add(group)
-        if accepted:
-            GROUPS_IN.labels("accepted").inc()
-        elif reason == "duplicate":
-            GROUPS_IN.labels("duplicate").inc()  # already decided on: no second outcome
-        else:
-            self._announce_dropped([group], reason)
-        self.scored.done(group.id)
+        if accepted or reason == "duplicate":
+            GROUPS_IN.labels("accepted" if accepted else "duplicate").inc()  # a duplicate: no second outcome
+            self.scored.done(group.id)
+        else:  # released upstream once the ledger has recorded the drop
+            self._announce_dropped([group], reason, upstream=(self.scored, group.id))
 
     def _run_done(self) -> bool:
         """Drain the control channel; True once the run is done."""

@@ -95,6 +95,7 @@ class ProducerProc(Component):
         self.rollouts = self.reliable_sender("rollouts", self.endpoints.address("rollouts", self.index), bind=True)
         self.control_in = self.control_subscriber()
         self.control_out = self.control_publisher()
+        self.outcomes  # noqa: B018 - the reliable outcome reports to the prompt source's ledger
         self.late_joiner = any(os.environ.get(v) for v in ("RLBUS_RESTARTS", "RLBUS_LATE_JOIN", "RLBUS_RESUME"))
         if cfg.broadcast.method == "broadcast" and not self.late_joiner:
             self.loop.run_until_complete(
@@ -144,8 +145,10 @@ class ProducerProc(Component):
         except Exception as exc:
             GROUPS_FAILED.labels(type(exc).__name__).inc()
             log.error("group %s failed: %s: %s; announcing it so a replacement is issued", prompt.id, type(exc).__name__, exc)
-            self.control_out.send(GroupsDropped(id=new_id(), group_ids=[prompt.id], reason=f"failed: {type(exc).__name__}"))
-            self.prompts.done(prompt.id)  # its outcome is announced: custody ends here
+            msg = GroupsDropped(id=new_id(), group_ids=[prompt.id], reason=f"failed: {type(exc).__name__}")
+            self.control_out.send(msg)
+            # custody of the prompt ends once the ledger has recorded its outcome
+            await asyncio.to_thread(self.outcomes.send, msg, upstream=(self.prompts, prompt.id))
 
     async def _generate_group(self, prompt: Prompt) -> None:
         text = self.tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)

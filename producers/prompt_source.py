@@ -320,6 +320,9 @@ class PromptSourceProc(Component):
         self._synced = {"issued": 0, "reissued": 0, **dict.fromkeys(OUTCOMES, 0)}
         self._sync_metrics()
         self.prompts = self.reliable_sender("prompts", self.endpoints.address("prompts"), bind=True)
+        self.outcomes_in = self.reliable_receiver(
+            "outcomes", self.endpoints.address("outcomes"), bind=True, accept=(GroupsDropped, GroupsTrained)
+        )
         self.control = self.control_subscriber()
         self.pending: Prompt | None = None
 
@@ -341,14 +344,22 @@ class PromptSourceProc(Component):
         while msg is not None:
             if isinstance(msg, WeightsApplied):
                 self.source.on_weights_applied(msg.producer, msg.version)
-            elif isinstance(msg, GroupsTrained):
-                self.source.on_trained(msg.group_ids)
-            elif isinstance(msg, GroupsDropped):
-                PROMPTS_REPLACED.inc(self.source.on_dropped(msg.group_ids, msg.reason))
             elif isinstance(msg, RunDone):
+                self._handle_outcomes()  # the trainer sent run.done once its outcomes were recorded
                 return False
             msg = self.control.recv(timeout_s=0)
         return True
+
+    def _handle_outcomes(self) -> None:
+        """Record every outcome report waiting on ``outcomes`` (journal first, then release it)."""
+        msg = self.outcomes_in.recv(timeout_s=0)
+        while msg is not None:
+            if isinstance(msg, GroupsTrained):
+                self.source.on_trained(msg.group_ids)
+            elif isinstance(msg, GroupsDropped):
+                PROMPTS_REPLACED.inc(self.source.on_dropped(msg.group_ids, msg.reason))
+            self.outcomes_in.done(msg.id)
+            msg = self.outcomes_in.recv(timeout_s=0)
 
     def run(self) -> None:
         try:
@@ -359,6 +370,7 @@ class PromptSourceProc(Component):
                 if self.pending is not None and self.prompts.send(self.pending, timeout_s=0.2):
                     PROMPTS_SENT.inc()
                     self.pending = None
+                self._handle_outcomes()
                 running = self._handle_control(timeout_s=0.2 if self.pending is None and not self.source.may_issue() else 0)
                 self._sync_metrics()
                 self.ledger.maybe_write_accounting()

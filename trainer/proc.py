@@ -119,6 +119,9 @@ TRAINER_GAUGES = {
 }
 
 
+OUTCOMES_DRAIN_S = 60.0
+"""How long the trainer waits at the end for the prompt source to record its outcomes, seconds."""
+
 def restart_count() -> int:
     """How often the supervisor restarted this trainer (``RLBUS_RESTARTS``; 0 when unset).
 
@@ -167,6 +170,7 @@ class TrainerProc(Component):
         torch.manual_seed(cfg.trainer.seed)
         # open first: by the time anything is announced, the PUB has long joined the hub
         self.control = self.control_publisher()
+        self.outcomes  # noqa: B018 - opened here, before any thread could race to open it
         self.model = load_policy(cfg.model.path, cfg.trainer.lora)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.trainer = Trainer(self.model, cfg.trainer, cfg.sampling.temperature)
@@ -260,7 +264,7 @@ class TrainerProc(Component):
             for record in map(json.loads, self.samples_path.read_text().splitlines()):
                 if self.reannounce_from <= record["step"] < step:
                     groups = list(dict.fromkeys(group_id(s) for s in record["sample_ids"]))
-                    self.control.send(GroupsTrained(id=trained_message_id(record["step"]), step=record["step"], group_ids=groups))
+                    self.announce_trained(record["step"], groups)
 
     # -- per step ---------------------------------------------------------------------------------
 
@@ -356,7 +360,14 @@ class TrainerProc(Component):
         for covered in self.ledger.cover(num_steps):
             self.batches.done(*covered.message_ids)
             RELEASED_MICRO_BATCHES.labels(why="checkpoint").inc(len(covered.message_ids))
-            self.control.send(GroupsTrained(id=trained_message_id(covered.step), step=covered.step, group_ids=covered.group_ids))
+            self.announce_trained(covered.step, covered.group_ids)
+
+    def announce_trained(self, step: int, group_ids: list[str]) -> None:
+        """Outcome ``trained`` for ``group_ids``: to the prompt source's ledger (reliable, blocks
+        while its outbox is full) and on the control channel for observers."""
+        msg = GroupsTrained(id=trained_message_id(step), step=step, group_ids=group_ids)
+        self.outcomes.send(msg)
+        self.control.send(msg)
 
     def commit(self, step: int) -> None:
         """After ``step`` optimizer steps: checkpoint if due, and release what is now durable."""
@@ -409,6 +420,11 @@ class TrainerProc(Component):
             self.commit(step)
             self.control.send(TrainerStep(id=new_id(), step=step, version=step, metrics=metrics))
         final = self.evaluate(step)
+        deadline = time.monotonic() + OUTCOMES_DRAIN_S
+        while self.outcomes.unfinished() and time.monotonic() < deadline and not self.stop.is_set():
+            time.sleep(0.05)  # run.done only once the ledger has every trained outcome
+        if self.outcomes.unfinished():
+            log.warning("%d trained outcome(s) not yet recorded by the prompt source at the end", self.outcomes.unfinished())
         self.control.send(RunDone(id=new_id(), step=step, reason="max_steps"))
         log.info("done: %d steps, eval reward %.4f", step, final["eval_reward_mean"])
 

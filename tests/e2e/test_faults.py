@@ -120,7 +120,7 @@ def prom_total(run_dir: Path, metric: str) -> float:
 
 def test_sigkill_nemesis(tmp_path: Path, policy: Path) -> None:  # noqa: F811
     run_dir = tmp_path / "run"
-    max_steps = 60
+    max_steps = 200
     rng = random.Random(int(os.environ.get("RLBUS_NEMESIS_SEED", "20261121")))
     proc = busctl(
         run_dir, policy, f"trainer.max_steps={max_steps}", "rewards.replicas=3", "producers.replicas=1",
