@@ -77,6 +77,9 @@ def prompt_id(index: int) -> str:
     return f"p{index:08d}"
 
 
+END_QUIET_S = 0.5
+"""At run.done, outcome reports are drained until none arrived for this long, seconds."""
+
 class AppliedVersions:
     """The producers' applied policy versions, and the version the gate may rely on.
 
@@ -345,21 +348,24 @@ class PromptSourceProc(Component):
             if isinstance(msg, WeightsApplied):
                 self.source.on_weights_applied(msg.producer, msg.version)
             elif isinstance(msg, RunDone):
-                self._handle_outcomes()  # the trainer sent run.done once its outcomes were recorded
+                # the trainer sent run.done once its own outcomes were recorded; wait briefly for
+                # reports of the other senders still on their way
+                self._handle_outcomes(quiet_s=END_QUIET_S)
                 return False
             msg = self.control.recv(timeout_s=0)
         return True
 
-    def _handle_outcomes(self) -> None:
-        """Record every outcome report waiting on ``outcomes`` (journal first, then release it)."""
-        msg = self.outcomes_in.recv(timeout_s=0)
+    def _handle_outcomes(self, quiet_s: float = 0.0) -> None:
+        """Record every outcome report waiting on ``outcomes`` (journal first, then release it),
+        until none has arrived for ``quiet_s`` seconds."""
+        msg = self.outcomes_in.recv(timeout_s=quiet_s)
         while msg is not None:
             if isinstance(msg, GroupsTrained):
                 self.source.on_trained(msg.group_ids)
             elif isinstance(msg, GroupsDropped):
                 PROMPTS_REPLACED.inc(self.source.on_dropped(msg.group_ids, msg.reason))
             self.outcomes_in.done(msg.id)
-            msg = self.outcomes_in.recv(timeout_s=0)
+            msg = self.outcomes_in.recv(timeout_s=quiet_s)
 
     def run(self) -> None:
         try:

@@ -1,10 +1,13 @@
-"""PackerProc on a real bus: reliable ``scored`` in, reliable ``batches`` out, drops announced on
-a real control hub. Reward workers and the trainer are real :class:`bus.reliable.Courier` peers.
+"""PackerProc on a real bus: reliable ``scored`` in, reliable ``batches`` out, drops reported on
+the reliable ``outcomes`` topic and published on a real control hub. Reward workers, the trainer
+and the prompt source's ledger (:class:`tests.outcomes_sink.OutcomesSink`) are real
+:class:`bus.reliable.Courier` peers.
 
-Checked: custody is released for every group (taken, filtered or duplicate); a group re-sent at any
-later time (by another reward worker, after its step went out) never trains twice nor gets a
-second announcement; micro-batches stay with the packer until the trainer marks them done, and a
-restarted trainer gets them again; ``run.done`` ends the loop.
+Checked: custody is released for every group: at once for a taken or duplicate group, for a
+filtered one only once the ledger has recorded its drop; a group re-sent at any later time (by
+another reward worker, after its step went out) never trains twice nor gets a second outcome;
+micro-batches stay with the packer until the trainer marks them done, and a restarted trainer
+gets them again; ``run.done`` ends the loop.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from bus.sockets import BusSocket
 from bus.topics import Endpoints, socket_dir
 from configs.schema import load_config
 from packer.proc import PackerProc
+from tests.outcomes_sink import OutcomesSink
 
 TIMINGS = dict(heartbeat_s=0.05, dead_after_s=0.6, ack_timeout_s=3.0)
 WAIT_S = 10.0
@@ -163,6 +167,7 @@ def test_custody_dedupe_filter_and_redelivery_to_a_restarted_trainer(live, packe
     monkeypatch.setattr(bus.reliable, "DONE_MEMORY", 1)
     proc, thread = packer
     addr_scored, addr_batches = live.endpoints.address("scored"), live.endpoints.address("batches")
+    ledger = OutcomesSink(live.courier(), live.endpoints.address("outcomes"), hold=True)  # records, does not release yet
     worker_a = live.courier().sender("scored", addr_scored, bind=False)
     worker_b = live.courier().sender("scored", addr_scored, bind=False)
     trainer = live.courier().receiver("batches", addr_batches, bind=False, accept=(MicroBatch,))
@@ -173,10 +178,13 @@ def test_custody_dedupe_filter_and_redelivery_to_a_restarted_trainer(live, packe
 
     step0 = receive_step(trainer, 0)
     assert groups_of(step0) == ["g0/0", "g0/1", "g1/0", "g1/1"]
-    # custody released for everything: taken (g0, g1 in the step; g2 buffered), filtered, duplicate
-    wait_until(lambda: worker_a.unfinished() == 0 and worker_b.unfinished() == 0, "scored groups done")
+    # custody released at once for what was taken (g0, g1 in the step; g2 buffered) and the duplicate
+    wait_until(lambda: worker_a.unfinished() == 1 and worker_b.unfinished() == 0, "taken and duplicate groups done")
+    # the filtered group's drop reaches the ledger (reliable) and observers (control), the same message
+    (drop,) = ledger.wait_for(lambda s: s.received(), "the drop of the filtered group")
+    assert (type(drop), drop.group_ids, drop.reason) == (GroupsDropped, ["eq"], "filtered: equal_rewards")
     dropped = [m for m in live.announcements() if isinstance(m, GroupsDropped)]
-    assert [(m.group_ids, m.reason) for m in dropped] == [(["eq"], "filtered: equal_rewards")]
+    assert [(m.id, m.group_ids, m.reason) for m in dropped] == [(drop.id, ["eq"], "filtered: equal_rewards")]
 
     # the trainer holds step 0 until a checkpoint: the packer keeps it; a restarted trainer gets it again
     assert proc.batches.unfinished() == len(step0)
@@ -187,12 +195,19 @@ def test_custody_dedupe_filter_and_redelivery_to_a_restarted_trainer(live, packe
     trainer2.done(*[mb.id for mb in again])  # a checkpoint covers step 0
     wait_until(lambda: proc.batches.unfinished() == 0, "step 0 done")
 
+    # all this while the ledger had not recorded the drop: the filtered group stayed with its worker
+    assert worker_a.unfinished() == 1 and proc.outcomes.unfinished() == 1
+    assert ledger.release() == [drop.id]  # recorded now (and later outcomes are released at once)
+    wait_until(lambda: worker_a.unfinished() == 0, "the filtered group released once its drop was recorded")
+    wait_until(lambda: proc.outcomes.unfinished() == 0, "the drop report done")
+
     # much later every one of them comes back (a reward worker re-sends after a restart): nothing trains twice
     for gid in ("g0", "g1", "eq", "g2"):
         assert worker_b.send(group(gid, [0, 1], version=1), timeout_s=WAIT_S)
     wait_until(lambda: worker_b.unfinished() == 0, "re-sent groups done")
     assert trainer2.recv(timeout_s=0.3) is None
     assert live.announcements() == []
+    assert ledger.ids() == [drop.id]  # no second outcome for the re-sent filtered group
 
     assert worker_a.send(group("g3", [0, 1], version=1), timeout_s=WAIT_S)
     step1 = receive_step(trainer2, 1)
@@ -201,3 +216,4 @@ def test_custody_dedupe_filter_and_redelivery_to_a_restarted_trainer(live, packe
     live.pub.send(RunDone(id=new_id(), step=1, reason="max_steps"))
     thread.join(timeout=WAIT_S)
     assert not thread.is_alive(), "run.done did not end the packer's loop"
+    ledger.close()

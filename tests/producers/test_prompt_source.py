@@ -1,7 +1,8 @@
 """Tests for producers.prompt_source.PromptSource (the socket-free logic): gating by the producers'
 applied versions and the async level (also with producers that depart, return or go back to an
 older version), replacements for prompts that did not train, the end of the run, ids and cycling,
-and the rebuild of a restarted source from its ledger journal."""
+and the rebuild of a restarted source from its ledger journal; then :class:`PromptSourceProc` on
+real sockets (prompts out, outcome reports in on the reliable ``outcomes`` topic, a restart)."""
 
 from __future__ import annotations
 
@@ -332,7 +333,8 @@ def test_restart_restores_applied_versions_since_the_run_started(examples, tmp_p
 
 
 # ------------------------------------------------------------------------------------------------
-# PromptSourceProc on real sockets: reliable ``prompts``, control messages, journal, restart
+# PromptSourceProc on real sockets: reliable ``prompts`` out, reliable ``outcomes`` in, control
+# messages, journal, restart
 # ------------------------------------------------------------------------------------------------
 
 WAIT_S = 10.0
@@ -341,8 +343,10 @@ TIMINGS = dict(heartbeat_s=0.05, dead_after_s=0.6, ack_timeout_s=3.0)
 
 
 class ProcHarness:
-    """A run dir and config; the test plays the control hub (an XPUB bound at ``control_sub``) and
-    the producers (a :class:`bus.reliable.Courier` receiver of ``prompts`` per simulated process)."""
+    """A run dir and config; the test plays the control hub (an XPUB bound at ``control_sub``),
+    the producers (a :class:`bus.reliable.Courier` receiver of ``prompts`` per simulated process)
+    and the senders of outcome reports (one reliable ``outcomes`` sender, as the trainer and the
+    packer connect theirs; it outlives prompt-source restarts)."""
 
     def __init__(self, tmp_path, overrides: list[str]) -> None:
         bus = [f"bus.{k}={v}" for k, v in TIMINGS.items()]
@@ -352,7 +356,8 @@ class ProcHarness:
         self.ctx = zmq.Context()
         self.control = BusSocket(self.ctx, "control_sub", "send", self.endpoints.address("control_sub"), bind=True)
         self.control.sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, also a repeated one
-        self.couriers: list[Courier] = []
+        self.couriers: list[Courier] = [Courier(zmq.Context(), **TIMINGS)]
+        self.outcomes = self.couriers[0].sender("outcomes", self.endpoints.address("outcomes"), bind=False)
         self.procs: list[tuple[PromptSourceProc, threading.Thread]] = []
 
     def start(self) -> PromptSourceProc:
@@ -382,6 +387,15 @@ class ProcHarness:
 
     def publish(self, msg) -> None:
         assert self.control.send(msg)
+
+    def report(self, msg: GroupsTrained | GroupsDropped) -> None:
+        """Send an outcome on ``outcomes`` and wait until the prompt source marked it done, i.e.
+        recorded it in its ledger (it journals before it releases)."""
+        assert self.outcomes.send(msg, timeout_s=WAIT_S)
+        deadline = time.monotonic() + WAIT_S
+        while self.outcomes.unfinished():
+            assert time.monotonic() < deadline, f"the prompt source did not record {msg.TYPE} {msg.id}"
+            time.sleep(0.01)
 
     def close(self) -> None:
         for proc, _ in list(self.procs):
@@ -429,9 +443,8 @@ def test_proc_issues_accounts_and_rebuilds_after_a_restart(harness, monkeypatch,
     harness.publish(WeightsApplied(id=new_id(), producer="producer-0", version=1, apply_time_s=0.1))
     second = take(producer, 2)
     assert [(p.id, p.step) for p in second] == [("p00000002", 1), ("p00000003", 1)]
-    harness.publish(GroupsTrained(id=new_id(), step=0, group_ids=["p00000000", "p00000001"]))
-    time.sleep(0.3)  # let it apply the outcome before it is killed (the journal flushes per line)
-    harness.kill(source)
+    harness.report(GroupsTrained(id=new_id(), step=0, group_ids=["p00000000", "p00000001"]))
+    harness.kill(source)  # it recorded the outcome (done): the journal has it
     acc = json.loads((tmp_path / "accounting.json").read_text())
     assert acc["issued"] == 4 and acc["outcomes"]["trained"] == 2
     assert acc["unresolved"] == ["p00000002", "p00000003"]
@@ -444,10 +457,11 @@ def test_proc_issues_accounts_and_rebuilds_after_a_restart(harness, monkeypatch,
     assert [(p.id, p.index, p.step, p.messages, p.info) for p in again] == [
         (p.id, p.index, p.step, p.messages, p.info) for p in second]
     # the applied version (1) was restored from the journal: a step-1 replacement may go out at once
-    harness.publish(GroupsDropped(id=new_id(), group_ids=["p00000003"], reason="failed: RuntimeError"))
+    harness.report(GroupsDropped(id=new_id(), group_ids=["p00000003"], reason="failed: RuntimeError"))
     (repl,) = take(producer2, 1)
     assert (repl.id, repl.step) == ("p00000004", 1)
-    harness.publish(GroupsTrained(id=new_id(), step=1, group_ids=["p00000002", "p00000004"]))
+    # as the trainer does: run.done only once its outcomes are recorded
+    harness.report(GroupsTrained(id=new_id(), step=1, group_ids=["p00000002", "p00000004"]))
     harness.publish(RunDone(id=new_id(), step=1, reason="max_steps"))
     proc, thread = harness.procs[-1]
     thread.join(timeout=WAIT_S)

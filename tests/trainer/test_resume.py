@@ -1,6 +1,8 @@
 """Resuming the trainer: bit-exact training after a checkpoint load, the custody bookkeeping
 (:class:`trainer.ledger.StepLedger`), the run records cut back to a checkpoint, and the trainer
-process itself resuming against a real ``batches`` outbox and control channel.
+process itself resuming against a real ``batches`` outbox, a real ``outcomes`` receiver (the
+prompt source's ledger: every ``groups.trained`` recorded once, before ``run.done``) and a
+control channel.
 
 Exact resume: an uninterrupted run trains k + 2 steps with a checkpoint at step k; a FRESH model
 and optimizer load that checkpoint and replay the same 2 steps with the same micro-batches:
@@ -33,6 +35,7 @@ from bus.sockets import BusSocket
 from bus.topics import Endpoints
 from configs.schema import RunConfig, dump_config
 from packer.packer import PackedSample, build_micro_batch
+from tests.outcomes_sink import OutcomesSink
 from tests.trainer.test_checkpoint import CFG, assert_same_optimizer_state, policy, step_batches, weights
 from trainer.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from trainer.ledger import StepLedger, group_id, keep_jsonl_records
@@ -196,7 +199,7 @@ def test_drop_weight_versions(tmp_path):
     assert drop_weight_versions(tmp_path / "missing", 0) == []
 
 
-# -- the trainer process against a real outbox and control channel --------------------------------------
+# -- the trainer process against a real outbox, outcomes receiver and control channel --------------------
 
 
 @pytest.fixture(scope="module")
@@ -232,9 +235,11 @@ def run_config(run_dir: Path, policy_dir: str, **trainer) -> RunConfig:
 
 
 class Packer:
-    """The trainer's peers: the packer's ``batches`` outbox (bound), the hub's XSUB (bound), which
-    collects everything the trainer announces on the control channel, and the supervisor's
-    handshake socket (bound, so a trainer process finds it)."""
+    """The trainer's peers: the packer's ``batches`` outbox (bound), the prompt source's ledger
+    (an :class:`OutcomesSink` bound at ``outcomes``, releasing at once: no test waits for the
+    trainer's end-of-run drain), the hub's XSUB (bound), which collects everything the trainer
+    announces on the control channel, and the supervisor's handshake socket (bound, so a trainer
+    process finds it)."""
 
     def __init__(self, cfg: RunConfig) -> None:
         endpoints = Endpoints(cfg.bus.transport, Path(cfg.run_dir), cfg.bus.host, cfg.bus.base_port)
@@ -244,6 +249,7 @@ class Packer:
         b = cfg.bus
         self.courier = Courier(self.ctx, heartbeat_s=b.heartbeat_s, dead_after_s=b.dead_after_s, ack_timeout_s=b.ack_timeout_s, stop=self.stop)
         self.outbox = self.courier.sender("batches", endpoints.address("batches"), bind=True, capacity=64)
+        self.ledger = OutcomesSink(self.courier, endpoints.address("outcomes"))
         self.control = BusSocket(self.ctx, "control_pub", "recv", endpoints.address("control_pub"), bind=True, stop=self.stop, accept=CONTROL_TYPES)
         self.control.sock.send(b"\x01")  # XSUB: subscribe to everything, as the hub does
         self.supervisor = BusSocket(self.ctx, "supervisor", "recv", endpoints.address("supervisor"), bind=True, stop=self.stop)
@@ -269,8 +275,13 @@ class Packer:
     def of_type(self, cls) -> list:
         return [m for m in self.seen if isinstance(m, cls)]
 
+    def recorded(self) -> list[tuple[str, int, list[str]]]:
+        """(id, step, sorted group ids) of every ``groups.trained`` the ledger recorded, in order."""
+        return [(m.id, m.step, sorted(m.group_ids)) for m in self.ledger.received(GroupsTrained)]
+
     def close(self) -> None:
         self.stop.set()
+        self.ledger.close()
         self.courier.close()
         self.control.close()
         self.supervisor.close()
@@ -335,6 +346,13 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def has_eval_at(metrics_path: Path, step: int) -> bool:
+    """Whether ``metrics.jsonl`` holds the eval record of ``step`` (complete lines only: the
+    trainer may be appending)."""
+    lines = metrics_path.read_text().split("\n")[:-1] if metrics_path.is_file() else []
+    return any('"eval_reward_mean"' in line and json.loads(line)["step"] == step for line in lines)
+
+
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(latest_checkpoint(run_dir / "checkpoints") / "model.safetensors")
 
@@ -352,6 +370,9 @@ def reference(tiny_policy, batches, tmp_path_factory) -> Path:
             for mbs in batches:
                 packer.send(mbs)
             packer.wait_for("run.done", lambda p: p.of_type(RunDone), trainer)
+            # run.done comes only once the ledger has recorded (done) every step's outcome
+            assert [r[:2] for r in packer.recorded()] == [(f"trained-step-{s}", s) for s in range(4)]
+            assert trainer.proc.outcomes.unfinished() == 0
             packer.wait_for("every step released", lambda p: p.outbox.unfinished() == 0, trainer)
             trainer.stop()
         finally:
@@ -390,6 +411,9 @@ def test_trainer_releases_at_checkpoints_and_resumes_after_a_restart(tiny_policy
         assert [(m.id, m.step, sorted(m.group_ids)) for m in packer.of_type(GroupsTrained)] == [
             ("trained-step-0", 0, groups[0]), ("trained-step-1", 1, groups[1])
         ]
+        # the same outcomes reach the prompt source's ledger on the reliable topic
+        packer.ledger.wait_for(lambda s: len(s.received()) >= 2, "the outcomes of steps 0 and 1")
+        assert packer.recorded() == [("trained-step-0", 0, groups[0]), ("trained-step-1", 1, groups[1])]
         packer.wait_for("steps 0 and 1 released", lambda p: p.outbox.unfinished() <= per_step[2], trainer)
         assert packer.outbox.unfinished() == per_step[2]
         assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_000002"]
@@ -406,15 +430,29 @@ def test_trainer_releases_at_checkpoints_and_resumes_after_a_restart(tiny_policy
         published = load_file(Path(ready.path) / "model.safetensors")
         saved = load_file(tmp_path / "checkpoints" / "step_000002" / "model.safetensors")
         assert all(torch.equal(published[n], saved[n]) for n in saved)
+        packer.ledger.hold()  # from now on the ledger is slow to record (and release) outcomes
         packer.send([batches[0][0]])  # a covered step again: released at once, not trained
         packer.send(batches[3])
+        # steps 2 and 3 trained, checkpointed, reported; the final eval written: the trainer waits
+        # for the ledger to record its outcomes before it ends the run
+        packer.ledger.wait_for(lambda s: len(s.received()) == 4, "the outcomes of steps 2 and 3")
+        packer.wait_for("the final eval", lambda p: has_eval_at(tmp_path / "metrics.jsonl", 4), trainer)
+        until = time.monotonic() + 0.3
+        packer.wait_for("0.3 s more of control messages", lambda p: time.monotonic() > until, trainer)
+        assert not packer.of_type(RunDone), "run.done before the ledger recorded the trained outcomes"
+        assert trainer.proc.outcomes.unfinished() == 2
+        assert packer.ledger.release() == ["trained-step-2", "trained-step-3"]
         packer.wait_for("run.done", lambda p: p.of_type(RunDone), trainer)
+        # recorded before run.done, each step once: the re-announced steps 0 and 1 carry the same
+        # ids, and the ledger's inbox drops them as duplicates
+        assert packer.recorded() == [(f"trained-step-{s}", s, groups[s]) for s in range(4)]
+        assert trainer.proc.outcomes.unfinished() == 0
         packer.wait_for("every micro-batch released", lambda p: p.outbox.unfinished() == 0, trainer)
         trainer.stop()
     finally:
         packer.close()
-    # steps 0 and 1 again (a trainer may die between a save and those announcements; same ids),
-    # then 2 and 3 with the final checkpoint
+    # on the control channel: steps 0 and 1 again (a trainer may die between a save and those
+    # announcements; same ids), then 2 and 3 with the final checkpoint
     assert [(m.id, m.step) for m in packer.of_type(GroupsTrained)] == [(f"trained-step-{s}", s) for s in range(4)]
     assert [m.step for m in packer.of_type(TrainerStep)] == [3, 4]
     assert_same_outcome(tmp_path, reference)
@@ -438,6 +476,8 @@ def test_a_killed_trainer_process_resumes_from_its_checkpoint(tiny_policy, batch
         trainer = TrainerProcess(tmp_path, tmp_path / "trainer.log", **{RESTARTS_ENV: "1"})
         packer.send(batches[3])
         packer.wait_for("run.done", lambda p: p.of_type(RunDone), trainer)
+        # every step's outcome recorded once before run.done, whichever trainer's report arrived
+        assert [r[:2] for r in packer.recorded()] == [(f"trained-step-{s}", s) for s in range(4)]
         packer.wait_for("every micro-batch released", lambda p: p.outbox.unfinished() == 0, trainer)
         trainer.kill(signal.SIGTERM)
         assert trainer.popen.returncode == 0, (tmp_path / "trainer.log").read_text()[-3000:]
@@ -500,6 +540,7 @@ def test_a_failed_broadcast_switches_the_trainer_to_the_filesystem_method(tiny_p
         for mbs in batches:
             packer.send(mbs)
         packer.wait_for("run.done", lambda p: p.of_type(RunDone), trainer)
+        assert [r[:2] for r in packer.recorded()] == [(f"trained-step-{s}", s) for s in range(4)]
         trainer.stop()
     finally:
         packer.close()
