@@ -206,3 +206,30 @@ def test_scale_rewards_mid_run(tmp_path: Path, policy: Path) -> None:  # noqa: F
         assert "ready" in (run_dir / "logs" / f"{name}.log").read_text()
     assert (run_dir / "metrics_final" / "rewards-0.prom").is_file()
     assert prom_total(run_dir, "rlbus_rewards_groups_total") < acc["issued"]
+
+
+def test_producer_killed_under_broadcast_weights(tmp_path: Path, policy: Path) -> None:  # noqa: F811
+    """The default weight method (torch.distributed broadcast, gloo): a killed producer leaves the
+    fixed group, the trainer's next broadcast fails, and it switches to the filesystem method;
+    the restarted producer (a late joiner) loads weights from there, and nothing is lost."""
+    run_dir = tmp_path / "run"
+    max_steps = 30
+    proc = busctl(run_dir, policy, f"trainer.max_steps={max_steps}", "broadcast.timeout_s=60", *FAST_FAILURE_DETECTION)
+    try:
+        deadline = time.monotonic() + 400
+        while trained_steps(run_dir) < 3:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "no trainer step"
+            time.sleep(0.3)
+        pid = kill(run_dir, "producer-0")
+        wait_ready(run_dir, "producer-0", pid, proc)
+        assert trained_steps(run_dir) < max_steps, "the run ended before the producer came back: raise max_steps"
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    check_accounting(run_dir, max_steps)
+    assert "sending weights through" in (run_dir / "logs" / "trainer.log").read_text()
+    assert "late join" in (run_dir / "logs" / "producer-0.log").read_text()
+    assert prom_total(run_dir, "rlbus_trainer_broadcast_fallbacks_total") == 1
