@@ -29,7 +29,8 @@ frame set starts with a msgpack list ``[PROTOCOL, kind, session, payload]``:
 
 ``session`` is a random id per :class:`Courier`: a peer whose session changes has restarted, so
 its predecessor is treated as dead. Malformed frames are counted in
-``rlbus_bus_rejected_total{topic, reason}`` and dropped.
+``rlbus_bus_rejected_total{topic, reason}`` and dropped; so is a ``done`` for a message from a
+peer it was never sent to (``foreign_ack``: only a holder releases a message).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ import zmq
 
 from bus.messages import Message, decode, encode
 from bus.metrics import (
+    BUS_BLOCKED_SECONDS,
     BUS_BYTES,
     BUS_DUPLICATES,
     BUS_MESSAGES,
@@ -157,6 +159,7 @@ class _Entry:
     peer: PeerKey | None = None
     sent_at: float = 0.0
     taken: bool = False
+    sent_to: set[PeerKey] = field(default_factory=set)  # every peer it went to: only they may release it
 
 
 class _Box:
@@ -216,7 +219,7 @@ class Inbox(_Box):
             raise ValueError(f"window must be >= 1, got {window}")
         self.accept = accept
         self.window = window
-        self._queue: queue.Queue[tuple[PeerKey, Message]] = queue.Queue()
+        self._queue: queue.Queue[tuple[PeerKey, _Peer, Message]] = queue.Queue()
         self.held: dict[str, set[PeerKey]] = {}  # I/O thread: ids taken and not done -> who sent them
         self.done_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
 
@@ -231,12 +234,12 @@ class Inbox(_Box):
         while True:
             remaining = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
             try:
-                key, msg = self._queue.get(timeout=max(remaining, 0)) if remaining > 0 else self._queue.get_nowait()
+                key, peer, msg = self._queue.get(timeout=max(remaining, 0)) if remaining > 0 else self._queue.get_nowait()
             except queue.Empty:
                 if self.courier.stop.is_set() or (deadline is not None and time.monotonic() >= deadline):
                     return None
                 continue
-            self.courier.command(self._consumed, key)
+            self.courier.command(self._consumed, key, peer)
             return msg
 
     def done(self, *ids: str) -> None:
@@ -246,9 +249,10 @@ class Inbox(_Box):
 
     # -- I/O thread -------------------------------------------------------------------------------
 
-    def _consumed(self, key: PeerKey) -> None:
-        peer = self.peers.get(key)
-        if peer is not None:
+    def _consumed(self, key: PeerKey, peer: _Peer) -> None:
+        # only the peer that sent it gets the credit back: not a successor under the same key
+        # (a restarted sender), whose credit would otherwise grow past the window for good
+        if self.peers.get(key) is peer:
             peer.queued -= 1
             peer.dirty = True
 
@@ -306,17 +310,18 @@ class Inbox(_Box):
         self.held[msg_id] = {key}
         peer.queued += 1
         peer.acks_taken.append(msg_id)
-        self._queue.put((key, msg))
+        self._queue.put((key, peer, msg))
 
     def flush(self, now: float, heartbeat_due: bool) -> None:
         """Send pending acknowledgements and credit (and heartbeats when due)."""
         for key, peer in list(self.peers.items()):
-            while peer.acks_taken or peer.acks_done or peer.dirty or heartbeat_due:
+            beat = heartbeat_due  # every peer gets its heartbeat (not only the first one)
+            while peer.acks_taken or peer.acks_done or peer.dirty or beat:
                 taken, done = peer.acks_taken[:MAX_IDS_PER_ACK], peer.acks_done[:MAX_IDS_PER_ACK]
                 del peer.acks_taken[: len(taken)], peer.acks_done[: len(done)]
                 free = max(self.window - peer.queued, 0)
                 self.courier.transmit(self, key, [_envelope("A", self.courier.session, [free, taken, done])])
-                peer.dirty = heartbeat_due = False
+                peer.dirty = beat = False
         for link in self.links:
             if not link.router and (link.number, b"") not in self.peers and heartbeat_due:
                 # say hello on an endpoint whose sender we have not heard yet (credit starts there)
@@ -359,7 +364,8 @@ class Outbox(_Box):
     # -- component side ---------------------------------------------------------------------------
 
     def send(self, msg: Message, *, upstream: tuple[Inbox, str] | None = None, timeout_s: float | None = None) -> bool:
-        """Keep ``msg`` until it is done downstream; block while the outbox is full.
+        """Keep ``msg`` until it is done downstream; block while the outbox is full (the wait is
+        counted in ``rlbus_bus_blocked_seconds_total{topic}``).
 
         Args:
             msg: a data message (its ``id`` identifies it end to end).
@@ -373,15 +379,19 @@ class Outbox(_Box):
             TypeError: ``msg`` is not a registered message type (see :func:`bus.messages.encode`).
         """
         frames = encode(msg)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline = None if timeout_s is None else started + timeout_s
         stop = self.courier.stop
         with self._cond:
             while self._not_taken >= self.capacity:
                 if stop.is_set() or (deadline is not None and time.monotonic() >= deadline):
+                    BUS_BLOCKED_SECONDS.labels(self.topic).inc(time.monotonic() - started)
                     return False
                 self._cond.wait(0.1)
             self._not_taken += 1
             self._unfinished += 1
+        if (waited := time.monotonic() - started) > 0.01:  # backpressure: counted like BusSocket's waits
+            BUS_BLOCKED_SECONDS.labels(self.topic).inc(waited)
         nbytes = sum(f.nbytes if hasattr(f, "nbytes") else len(f) for f in frames)
         self.courier.command(self._add, msg.id, frames, nbytes, upstream)
         return True
@@ -447,8 +457,15 @@ class Outbox(_Box):
                 entry.taken = True
                 peer.untaken.discard(msg_id)
                 self._count(not_taken=-1)
+        foreign = False
         for msg_id in done:
+            entry = self.entries.get(msg_id)
+            if entry is not None and key not in entry.sent_to:
+                foreign = True  # a peer that never got it cannot release it (forged or misrouted ack)
+                continue
             self._finish(msg_id)
+        if foreign:
+            self.reject("foreign_ack", "done for a message this peer was never sent")
 
     def _finish(self, msg_id: str) -> None:
         entry = self.entries.pop(msg_id, None)
@@ -479,6 +496,7 @@ class Outbox(_Box):
             heapq.heappop(self._pending)
             peer = self.peers[key]
             entry.peer, entry.sent_at = key, now
+            entry.sent_to.add(key)
             peer.untaken.add(msg_id)
             peer.holding.add(msg_id)
             BUS_MESSAGES.labels(self.topic, "send").inc()
@@ -614,16 +632,21 @@ class Courier:
         return box
 
     def close(self) -> None:
-        """Say goodbye to senders (they re-send what this process held), close every socket."""
+        """Say goodbye to senders (they re-send what this process held), close every socket.
+
+        Idempotent: a second call closes nothing (its wake-up pipe's descriptors may be reused).
+        """
         if self._thread.is_alive():
             self._closing = True
             self.command(lambda: None)
             self._thread.join(timeout=10)
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+        for fd in fds:  # once only: a descriptor number closed twice may belong to someone else by then
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
     # -- I/O thread -------------------------------------------------------------------------------
 

@@ -1,13 +1,15 @@
 """Fixtures for bus tests over a real ZeroMQ bus (pyzmq-style).
 
 Every socket a test opens goes through a tracking factory and is closed with ``linger=0`` at
-teardown; endpoints are ``ipc://`` files under the short :func:`bus.topics.socket_dir` of the
-test's ``tmp_path`` (or ``tcp://127.0.0.1:*`` random ports); receives always have a timeout.
+teardown, every :class:`bus.reliable.Courier` through ``couriers`` (closed before the context);
+endpoints are ``ipc://`` files under the short :func:`bus.topics.socket_dir` of the test's
+``tmp_path`` (or ``tcp://127.0.0.1:*`` random ports); receives always have a timeout.
 ``example(type_name)`` builds one valid instance of every registered message type.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import threading
 import time
@@ -21,8 +23,10 @@ from prometheus_client import REGISTRY
 
 from bus.hub import ControlHub
 from bus.messages import (
+    ComponentHeartbeat,
     ComponentReady,
     GroupsDropped,
+    GroupsTrained,
     Message,
     MicroBatch,
     Prompt,
@@ -33,8 +37,10 @@ from bus.messages import (
     WeightsApplied,
     WeightsReady,
 )
+from bus.reliable import Courier
 from bus.sockets import BusSocket
 from bus.topics import socket_dir
+from reliable_peer import FAST
 
 RECV_TIMEOUT_S = 2.0
 """Longest any test waits for a message that should arrive, seconds."""
@@ -112,8 +118,10 @@ EXAMPLES: dict[str, Callable[[], Message]] = {
     "weights.applied": lambda: WeightsApplied(id="a-3", producer="producer-1", version=3, apply_time_s=0.5),
     "trainer.step": lambda: TrainerStep(id="s-3", step=3, version=3, metrics={"loss": 0.25, "reward_mean": 0.5}),
     "groups.dropped": lambda: GroupsDropped(id="d-1", group_ids=["g-1", "g-2"], reason="stale"),
+    "groups.trained": lambda: GroupsTrained(id="t-3", step=3, group_ids=["g-1", "g-2", "g-3"]),
     "run.done": lambda: RunDone(id="r-1", step=10, reason="max_steps"),
     "component.ready": lambda: ComponentReady(id="c-1", name="rewards-1", pid=1234, metrics_port=9100),
+    "component.heartbeat": lambda: ComponentHeartbeat(id="h-1", name="rewards-1", pid=1234, state="running"),
 }
 
 
@@ -132,6 +140,26 @@ def example() -> Callable[[str], Message]:
 @pytest.fixture
 def micro_batch() -> Callable[..., MicroBatch]:
     return _micro_batch
+
+
+def _assert_same_message(got: Message, want: Message) -> None:
+    """``got`` equals ``want`` field by field: same types, arrays of the same native dtype,
+    shape and values."""
+    assert type(got) is type(want)
+    for f in dataclasses.fields(want):
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        if isinstance(b, np.ndarray):
+            assert isinstance(a, np.ndarray), f.name
+            assert a.dtype == b.dtype and a.dtype.isnative, (f.name, a.dtype, b.dtype)
+            assert a.shape == b.shape, (f.name, a.shape, b.shape)
+            np.testing.assert_array_equal(a, b, err_msg=f.name)
+        else:
+            assert type(a) is type(b) and a == b, (f.name, a, b)
+
+
+@pytest.fixture
+def assert_same_message() -> Callable[[Message, Message], None]:
+    return _assert_same_message
 
 
 # -- metrics ---------------------------------------------------------------------------------------
@@ -195,6 +223,38 @@ def sockets(ctx):
     tracker = Sockets(ctx)
     yield tracker
     tracker.close()
+
+
+@pytest.fixture
+def couriers(ctx):
+    """``couriers(ctx=None, **timings)`` -> a new :class:`bus.reliable.Courier` (one per simulated
+    process; on the test's ``ctx`` unless given), with :data:`reliable_peer.FAST` unless overridden.
+    All are closed at teardown, before any context is destroyed."""
+    made: list[Courier] = []
+
+    def make(context: zmq.Context | None = None, **timings: float) -> Courier:
+        made.append(Courier(context or ctx, **{**FAST, **timings}))
+        return made[-1]
+
+    yield make
+    for courier in made:
+        courier.stop.set()
+        courier.close()
+
+
+def _wait_until(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """Poll ``predicate`` every 10 ms until it is truthy (returns its value) or fail naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        if time.monotonic() >= deadline:
+            pytest.fail(f"{what}: not within {timeout_s} s")
+        time.sleep(0.01)
+    return value
+
+
+@pytest.fixture
+def wait_until() -> Callable[..., Any]:
+    return _wait_until
 
 
 def _recv_frames(sock: zmq.Socket, timeout_s: float = RECV_TIMEOUT_S) -> list[zmq.Frame]:

@@ -1,4 +1,8 @@
-"""A seeded generator of hostile rlbus messages: every one is invalid for the receiver under test.
+"""Seeded generators of hostile rlbus messages: every one is invalid for the receiver under test.
+
+Two layers: :class:`HostileMessages` (message frames, for any receiver of :mod:`bus.messages`) and
+:class:`HostileEnvelopes` (whole frame sets of the delivery protocol, :mod:`bus.reliable`, for a
+data topic's inbox or outbox socket; see its docstring).
 
 ``HostileMessages(seed, accept)`` yields multipart messages (lists of ``bytes`` frames) built
 from realistic valid encodings of every type in :data:`bus.messages.MESSAGE_TYPES`, broken in
@@ -37,8 +41,10 @@ import numpy as np
 
 from bus.messages import (
     MESSAGE_TYPES,
+    ComponentHeartbeat,
     ComponentReady,
     GroupsDropped,
+    GroupsTrained,
     Message,
     MicroBatch,
     Prompt,
@@ -51,6 +57,7 @@ from bus.messages import (
     decode,
     encode,
 )
+from bus.reliable import MAX_ENVELOPE_BYTES, MAX_ID_CHARS, MAX_IDS_PER_ACK, _parse_envelope
 from bus.wire import MAX_ARRAYS, MAX_HEADER_BYTES, SCHEMA_VERSION, WireError
 
 Frames = list[bytes]
@@ -134,8 +141,10 @@ def realistic_examples() -> dict[str, Message]:
         WeightsApplied(id="a4", producer="producer-0", version=4, apply_time_s=0.031),
         TrainerStep(id="s4", step=4, version=4, metrics={"loss": -0.012, "reward_mean": 0.44, "kl": 0.0003}),
         GroupsDropped(id="d1", group_ids=["5f0c2a", "77aa01"], reason="stale"),
+        GroupsTrained(id="t4", step=4, group_ids=["5f0c2a", "9b1e44", "c03d7f"]),
         RunDone(id="r1", step=4, reason="max_steps"),
         ComponentReady(id="c1", name="rewards-1", pid=41_213, metrics_port=38_117),
+        ComponentHeartbeat(id="h1", name="rewards-1", pid=41_213, state="running"),
     ]
     out = {m.TYPE: m for m in examples}
     missing = set(MESSAGE_TYPES) - set(out)
@@ -730,3 +739,234 @@ MUTATIONS: dict[str, float] = {
     "foreign_type": 5,
 }
 """Every mutation and its relative frequency (``foreign_type`` only when ``accept`` is given)."""
+
+
+# -- the delivery layer (bus.reliable) -------------------------------------------------------------
+
+
+def classify_delivery(frames: Frames, role: str, accept: tuple[type[Message], ...], held: frozenset[str] = frozenset()) -> str | None:
+    """The reject reason a box of :mod:`bus.reliable` gives the frame set ``frames`` (as received,
+    without a routing id), or None if it takes it.
+
+    The envelope is judged by the box's own parser (as :func:`classify` uses ``decode``; the
+    named cases in ``tests/bus/test_reliable.py`` pin the parser down), the rest by the protocol:
+
+    Args:
+        role: ``"inbox"`` (takes ``D`` and ``H``) or ``"outbox"`` (takes ``A`` and ``B``).
+        accept: the inbox's ``accept`` tuple.
+        held: ids the outbox holds at a *real* receiver: an ack releasing any of them from the
+            fuzzing peer is refused (``foreign_ack``).
+    """
+    if not frames:
+        return "frames"
+    try:
+        kind, _session, payload = _parse_envelope(frames[0])
+    except WireError as exc:
+        return exc.reason
+    if role == "inbox":
+        if kind in ("A", "B"):
+            return "wrong_direction"
+        if kind == "H":
+            return None
+        reason = classify(frames[1:], accept)
+        if reason is not None:
+            return reason
+        return "id_mismatch" if decode(frames[1:]).id != payload else None
+    if kind in ("D", "H"):
+        return "wrong_direction"
+    if kind == "A" and any(i in held for i in payload[2]):
+        return "foreign_ack"
+    return None
+
+
+def envelope(kind: Any, session: Any, payload: Any, protocol: Any = 1) -> bytes:
+    """A delivery envelope ``[protocol, kind, session, payload]`` in msgpack, built independently
+    of :mod:`bus.reliable` (what the wire table in its docstring says)."""
+    return _pack([protocol, kind, session, payload])
+
+
+class HostileEnvelopes:
+    """An endless, seeded stream of delivery-protocol frame sets that a box must reject.
+
+    For an inbox (``role="inbox"``) about half are well-formed ``D`` envelopes carrying a message
+    of :class:`HostileMessages`, the rest broken envelopes: random bytes, truncated, bit-flipped,
+    over-long or oversized frames, wrong protocol / kind / session, bad payloads of every kind
+    (negative, huge, bool or float credit, non-string or too many ids, ext / bin / map values,
+    deep nesting, huge length prefixes), envelopes of the other direction, a valid message under
+    another id, a ``D`` without a message. For an outbox (``role="outbox"``), the same broken
+    envelopes and wrong directions, plus forged acks: a well-formed ``A`` (no credit) releasing
+    ids in ``held`` (messages a real receiver holds). Every candidate is checked with
+    :func:`classify_delivery` and kept only if it must be rejected.
+
+    Args:
+        seed: seeds a private ``random.Random``. role: ``"inbox"`` or ``"outbox"``.
+        accept: the inbox's ``accept`` tuple (also picks the messages of valid ``D`` envelopes).
+        held: see :func:`classify_delivery`.
+        session: the session string of envelopes that are not broken there.
+
+    Attributes:
+        reasons / mutations: ``Counter`` of the expected reject reason / the mutation of every
+        yielded frame set.
+    """
+
+    def __init__(self, seed: int, role: str, accept: tuple[type[Message], ...], held: list[str] = (),
+                 session: str = "fuzzer") -> None:
+        if role not in ("inbox", "outbox"):
+            raise ValueError(f"role must be 'inbox' or 'outbox', got {role!r}")
+        self.rng = random.Random(seed)
+        self.role, self.accept, self.session = role, accept, session
+        self.held = frozenset(held)
+        self.held_list = list(held)
+        self.messages = HostileMessages(seed + 1, accept)
+        examples = realistic_examples()
+        self.valid = [bytes(memoryview(f)) for f in encode(examples[accept[0].TYPE])]
+        self.valid_id = examples[accept[0].TYPE].id
+        self.reasons: Counter[str] = Counter()
+        self.mutations: Counter[str] = Counter()
+        table = ENVELOPE_MUTATIONS | (INBOX_MUTATIONS if role == "inbox" else OUTBOX_MUTATIONS)
+        if not self.held:
+            table = {k: v for k, v in table.items() if k != "forged_ack"}
+        self._names = list(table)
+        self._weights = list(table.values())
+
+    def next(self) -> Frames:
+        """The next hostile frame set."""
+        rng = self.rng
+        while True:
+            name = rng.choices(self._names, self._weights)[0]
+            frames = getattr(self, "_" + name)(rng)
+            reason = classify_delivery(frames, self.role, self.accept, self.held)
+            if reason is not None:
+                self.reasons[reason] += 1
+                self.mutations[name] += 1
+                return frames
+
+    def take(self, n: int) -> list[Frames]:
+        """The next ``n`` hostile frame sets."""
+        return [self.next() for _ in range(n)]
+
+    # -- well-formed material ----------------------------------------------------------------------
+
+    def _id(self, rng: random.Random) -> str:
+        return "%032x" % rng.getrandbits(128)
+
+    def _good(self, rng: random.Random, kind: str | None = None) -> Frames:
+        """A well-formed frame set of ``kind`` (random kind if None)."""
+        kind = kind or rng.choice("DAHB")
+        if kind == "D":
+            msg_id = self._id(rng)
+            return [envelope("D", self.session, msg_id), *self.valid]
+        if kind == "A":
+            ids = [self._id(rng) for _ in range(rng.randint(0, 3))]
+            return [envelope("A", self.session, [rng.randint(0, 8), ids, list(ids)])]
+        return [envelope(kind, self.session, None)]
+
+    def _junk(self, rng: random.Random) -> Any:
+        return rng.choice(_junk_values(rng) + [b"", {"k": 1}, msgpack.ExtType(3, b""), "x" * (MAX_ID_CHARS + 1)])
+
+    # -- mutations of any box ------------------------------------------------------------------------
+
+    def _random_bytes(self, rng: random.Random) -> Frames:
+        return [rng.randbytes(rng.choice((0, 1, 2, 3, 7, 64, 300, 4096))) for _ in range(rng.randint(1, 3))]
+
+    def _random_msgpack(self, rng: random.Random) -> Frames:
+        return [_pack(self._junk(rng)), *[rng.randbytes(rng.randint(0, 16)) for _ in range(rng.randint(0, 2))]]
+
+    def _truncated(self, rng: random.Random) -> Frames:
+        frames = self._good(rng)
+        return [frames[0][: rng.randrange(len(frames[0]))], *frames[1:]]
+
+    def _trailing_bytes(self, rng: random.Random) -> Frames:
+        frames = self._good(rng)
+        return [frames[0] + rng.randbytes(rng.randint(1, 8)), *frames[1:]]
+
+    def _bitflip(self, rng: random.Random) -> Frames:
+        frames = self._good(rng)
+        head = bytearray(frames[0])
+        for _ in range(rng.randint(1, 4)):
+            head[rng.randrange(len(head))] ^= 1 << rng.randrange(8)
+        return [bytes(head), *frames[1:]]
+
+    def _oversized(self, rng: random.Random) -> Frames:
+        return [envelope("H", self.session, "x" * MAX_ENVELOPE_BYTES)]
+
+    def _field_edit(self, rng: random.Random) -> Frames:
+        """One of protocol, kind or session replaced (or the list's length changed)."""
+        frames = self._good(rng)
+        env = msgpack.unpackb(frames[0], raw=False)
+        what = rng.randrange(4)
+        if what == 0:
+            env[0] = rng.choice([0, 2, -1, 2**64 - 1, "1", None, [1], 1.5, self._junk(rng)])
+        elif what == 1:
+            env[1] = rng.choice(["X", "", "d", "DA", "A ", "\x00", 1, None, b"D", ["D"], self._junk(rng)])
+        elif what == 2:
+            env[2] = rng.choice(["", 1, None, [], b"s", "s" * (MAX_ID_CHARS + 1), self._junk(rng)])
+        else:
+            env = env[: rng.randrange(4)] if rng.random() < 0.5 else [*env, self._junk(rng)]
+        return [_pack(env), *frames[1:]]
+
+    def _payload_edit(self, rng: random.Random) -> Frames:
+        """A kind with a payload it cannot have."""
+        if rng.random() < 0.4:  # data: the message id
+            bad_id = rng.choice([None, "", 7, ["id"], b"id", "i" * (MAX_ID_CHARS + 1), self._junk(rng)])
+            return [envelope("D", self.session, bad_id), *self.valid]
+        ids = [self._id(rng)]
+        payload = rng.choice([
+            [-1, [], []], [1_000_001, [], []], [2**63, [], []], [True, [], []], [1.5, [], []], ["1", [], []],
+            [None, [], []], [1, []], [1, [], [], []], [], None, "ack", [1, ids, "x"], [1, "x", ids], [1, [3], []],
+            [1, [], [None]], [1, [ids], []], [1, [b"id"], []], {"free": 1}, [0, ["i"] * (MAX_IDS_PER_ACK + 1), []],
+            [0, [], ["i" * (MAX_ID_CHARS + 1)]], [self._junk(rng), ids, ids],
+        ])
+        return [envelope("A", self.session, payload)]
+
+    def _huge_length_prefix(self, rng: random.Random) -> Frames:
+        head = b"\x94\x01" + rng.choice([b"\xa1D", b"\xa1A"]) + rng.choice([b"", _pack(self.session)])
+        return [head + _huge_prefix(rng)]
+
+    def _deep_nesting(self, rng: random.Random) -> Frames:
+        depth = rng.choice((100, 1000, 1100, 5000))
+        opener = rng.choice((b"\x91", b"\x81\xa1k"))
+        return [b"\x94\x01\xa1A" + _pack(self.session) + opener * depth + b"\xc0"]
+
+    def _wrong_direction(self, rng: random.Random) -> Frames:
+        return self._good(rng, rng.choice("AB" if self.role == "inbox" else "DH"))
+
+    # -- inbox only ----------------------------------------------------------------------------------
+
+    def _message(self, rng: random.Random) -> Frames:
+        """A well-formed data envelope around a hostile message."""
+        return [envelope("D", self.session, self._id(rng)), *self.messages.next()]
+
+    def _id_mismatch(self, rng: random.Random) -> Frames:
+        return [envelope("D", self.session, self._id(rng)), *self.valid]
+
+    def _no_message(self, rng: random.Random) -> Frames:
+        return [envelope("D", self.session, self._id(rng))]
+
+    # -- outbox only ---------------------------------------------------------------------------------
+
+    def _forged_ack(self, rng: random.Random) -> Frames:
+        """A well-formed ack without credit that releases messages a real receiver holds."""
+        done = rng.sample(self.held_list, rng.randint(1, len(self.held_list))) + [self._id(rng)] * rng.randint(0, 2)
+        rng.shuffle(done)
+        session = rng.choice([self.session, self._id(rng)[:16]])
+        return [envelope("A", session, [0, rng.sample(done, rng.randint(0, len(done))), done])]
+
+
+ENVELOPE_MUTATIONS: dict[str, float] = {
+    "random_bytes": 6,
+    "random_msgpack": 4,
+    "truncated": 5,
+    "trailing_bytes": 2,
+    "bitflip": 6,
+    "oversized": 0.05,
+    "field_edit": 14,
+    "payload_edit": 10,
+    "huge_length_prefix": 4,
+    "deep_nesting": 1,
+    "wrong_direction": 5,
+}
+"""Mutations of any box's frame sets and their relative frequency."""
+
+INBOX_MUTATIONS: dict[str, float] = {"message": 50, "id_mismatch": 2, "no_message": 1}
+OUTBOX_MUTATIONS: dict[str, float] = {"forged_ack": 8}

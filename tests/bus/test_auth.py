@@ -1,9 +1,10 @@
 """CurveZMQ on tcp://: allowed clients talk, unknown keys and plaintext peers get nothing through.
 
-Every peer has its own ``zmq.Context`` (as a separate process would), CURVE-enabled or not;
-endpoints are ``tcp://127.0.0.1:*`` random ports; every socket is closed with ``linger=0`` and
-every authenticator stopped at teardown; "nothing arrives" is checked with a bounded wait after
-a positive control shows the same receiver working.
+Every peer has its own ``zmq.Context`` (as a separate process would), CURVE-enabled or not, and
+its own :class:`bus.reliable.Courier` for the data topics (ROUTER/DEALER); endpoints are random
+tcp ports on 127.0.0.1; every courier and socket is closed and every authenticator stopped at
+teardown; "nothing arrives" is checked with a bounded wait after a positive control shows the
+same receiver working.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import zmq
 
 from bus import auth, busctl
 from bus.component import Component
-from bus.messages import ComponentReady, GroupsDropped, Prompt, TrainerStep, new_id
+from bus.messages import ComponentReady, GroupsDropped, Prompt, ScoredGroup, TrainerStep, new_id
+from bus.reliable import Courier
 from bus.sockets import BusSocket
 from bus.supervisor import Supervisor
 from configs.schema import ConfigError, load_config
+from reliable_peer import FAST, RawPeer, data_message, envelope
 
 ANY_PORT = "tcp://127.0.0.1:*"
 SILENCE_S = 1.0
@@ -50,10 +53,11 @@ def intruder_keys(keys) -> auth.CurveKeys:
 
 
 class Peers:
-    """Contexts (one per simulated process) and their sockets; closes all of it at teardown."""
+    """Contexts (one per simulated process), their couriers and sockets; closes all of it at teardown."""
 
     def __init__(self) -> None:
         self.contexts: list[zmq.Context] = []
+        self.couriers: list[Courier] = []
         self.sockets: list[zmq.Socket] = []
 
     def context(self, keys: auth.CurveKeys | None) -> zmq.Context:
@@ -62,12 +66,25 @@ class Peers:
         self.contexts.append(ctx)
         return ctx
 
+    def courier(self, ctx: zmq.Context) -> Courier:
+        """The data-topic courier of the process that ``ctx`` stands for."""
+        self.couriers.append(Courier(ctx, **FAST))
+        return self.couriers[-1]
+
     def bus(self, ctx: zmq.Context, topic: str, direction: str, endpoint: str, *, bind: bool) -> BusSocket:
         bs = BusSocket(ctx, topic, direction, endpoint, bind=bind)
         self.sockets.append(bs.sock)
         return bs
 
+    def raw(self, ctx: zmq.Context, sock_type: int, endpoint: str) -> RawPeer:
+        """A raw DEALER/ROUTER speaking the delivery protocol by hand (CURVE as ``ctx`` has it)."""
+        peer = RawPeer(ctx, sock_type, endpoint, session="intruder")
+        self.sockets.append(peer.sock)
+        return peer
+
     def close(self) -> None:
+        for courier in self.couriers:
+            courier.close()
         for sock in self.sockets:
             sock.close(linger=0)
         for ctx in self.contexts:
@@ -96,6 +113,26 @@ def prompt(tag: str) -> Prompt:
     return Prompt(id=f"{tag}-{new_id()}", index=0, step=0, task="reverse_text", messages=[], info={})
 
 
+def scored(tag: str) -> ScoredGroup:
+    return data_message("scored", f"{tag}-{new_id()}")
+
+
+def free_endpoint() -> str:
+    """A tcp endpoint on a port that was free a moment ago (a courier binds it; no ``:*`` there)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+
+
+def received_ids(inbox, timeout_s: float = SILENCE_S) -> list[str]:
+    out = []
+    while (msg := inbox.recv(timeout_s=timeout_s)) is not None:
+        out.append(msg.id)
+        inbox.done(msg.id)
+        timeout_s = 0.3
+    return out
+
+
 def drain(sub: BusSocket, timeout_s: float = SILENCE_S) -> list[Any]:
     out = []
     while (msg := sub.recv(timeout_s=timeout_s)) is not None:
@@ -112,23 +149,36 @@ def intruder_ctx(request, peers, intruder_keys) -> zmq.Context:
 # -- (1) allowed clients -------------------------------------------------------------------------
 
 
-def test_allowed_client_push_pull_both_ways(peers, keys):
+def test_allowed_client_data_topics_both_ways(peers, keys):
     server, client = peers.context(keys), peers.context(keys)
-    pull = peers.bus(server, "prompts", "recv", ANY_PORT, bind=True)
-    push = peers.bus(client, "prompts", "send", bound(pull), bind=False)
-    sent = prompt("up")
-    assert push.send(sent, timeout_s=5)
-    got = pull.recv(timeout_s=5)
+    # prompts: the binder sends (ROUTER), the connector receives (DEALER)
+    ep = free_endpoint()
+    outbox = peers.courier(server).sender("prompts", ep, bind=True)
+    inbox = peers.courier(client).receiver("prompts", ep, bind=False, accept=(Prompt,))
+    sent = prompt("down")
+    assert outbox.send(sent, timeout_s=5)
+    got = inbox.recv(timeout_s=5)
     assert got is not None and got.id == sent.id
     assert auth.for_context(server).authenticator is not None  # the binder authenticates
     assert auth.for_context(client).authenticator is None  # a pure connector needs no ZAP handler
 
-    push_b = peers.bus(server, "batches", "send", ANY_PORT, bind=True)
-    pull_b = peers.bus(client, "batches", "recv", bound(push_b), bind=False)
-    down = prompt("down")
-    assert push_b.send(down, timeout_s=5)
-    got = pull_b.recv(timeout_s=5)
-    assert got is not None and got.id == down.id
+    # scored: the binder receives (ROUTER), the connector sends (DEALER)
+    ep = free_endpoint()
+    inbox_s = peers.courier(server).receiver("scored", ep, bind=True, accept=(ScoredGroup,))
+    outbox_s = peers.courier(client).sender("scored", ep, bind=False)
+    up = scored("up")
+    assert outbox_s.send(up, timeout_s=5)
+    got = inbox_s.recv(timeout_s=5)
+    assert got is not None and got.id == up.id
+
+
+def test_allowed_client_supervisor_push_pull(peers, keys):
+    pull = peers.bus(peers.context(keys), "supervisor", "recv", ANY_PORT, bind=True)
+    push = peers.bus(peers.context(keys), "supervisor", "send", bound(pull), bind=False)
+    sent = ComponentReady(id=new_id(), name="packer", pid=1, metrics_port=2)
+    assert push.send(sent, timeout_s=5)
+    got = pull.recv(timeout_s=5)
+    assert got is not None and got.id == sent.id
 
 
 def test_allowed_client_through_control_hub(peers, keys, curve_hub, sync_control):
@@ -147,30 +197,57 @@ def test_allowed_client_through_control_hub(peers, keys, curve_hub, sync_control
 
 
 def test_intruder_push_never_arrives(peers, keys, intruder_ctx):
-    pull = peers.bus(peers.context(keys), "prompts", "recv", ANY_PORT, bind=True)
-    intruder = peers.bus(intruder_ctx, "prompts", "send", bound(pull), bind=False)
+    pull = peers.bus(peers.context(keys), "supervisor", "recv", ANY_PORT, bind=True)
+    intruder = peers.bus(intruder_ctx, "supervisor", "send", bound(pull), bind=False)
     for _ in range(3):
-        intruder.send(prompt("intruder"), timeout_s=0.2)  # IMMEDIATE: usually refused outright
+        intruder.send(ComponentReady(id=new_id(), name="x", pid=1, metrics_port=1), timeout_s=0.2)  # IMMEDIATE: refused
     assert pull.recv(timeout_s=SILENCE_S) is None
     # Positive control: the same receiver takes an allowed peer's message, and only that one.
-    friend = peers.bus(peers.context(keys), "prompts", "send", bound(pull), bind=False)
-    ok = prompt("friend")
+    friend = peers.bus(peers.context(keys), "supervisor", "send", bound(pull), bind=False)
+    ok = ComponentReady(id=new_id(), name="packer", pid=1, metrics_port=2)
     assert friend.send(ok, timeout_s=5)
     assert [m.id for m in drain(pull, timeout_s=0.5)] == [ok.id]
 
 
-def test_intruder_pull_receives_nothing(peers, keys, intruder_ctx):
-    push = peers.bus(peers.context(keys), "prompts", "send", ANY_PORT, bind=True)
-    intruder = peers.bus(intruder_ctx, "prompts", "recv", bound(push), bind=False)
-    # With only the intruder connected the PUSH has no peer at all: nothing leaves.
-    assert not push.send(prompt("lost"), timeout_s=SILENCE_S)
-    friend = peers.bus(peers.context(keys), "prompts", "recv", bound(push), bind=False)
-    sent = [prompt("friend") for _ in range(10)]
+def test_intruder_sender_gets_nothing_into_a_reliable_receiver(peers, keys, intruder_ctx, metric):
+    ep = free_endpoint()
+    inbox = peers.courier(peers.context(keys)).receiver("scored", ep, bind=True, accept=(ScoredGroup,))
+    rejected_before = sum(metric("rlbus_bus_rejected_total", topic="scored", reason=r)
+                          for r in ("envelope", "header", "wrong_direction"))
+    # a real outbox with the intruder's credentials, and a raw DEALER speaking the protocol by hand
+    outbox = peers.courier(intruder_ctx).sender("scored", ep, bind=False)
+    assert outbox.send(scored("intruder"), timeout_s=1)  # taken into its own outbox, never delivered
+    raw = peers.raw(intruder_ctx, zmq.DEALER, ep)
+    raw.send([envelope("H", "intruder", None)])
+    raw.send_data(scored("raw-intruder"))
+    raw.send([b"\xc1garbage"])
+    assert inbox.recv(timeout_s=SILENCE_S) is None
+    assert raw.recv(timeout_s=0.2) is None  # no credit, no ack: the receiver never heard of it
+    assert outbox.unfinished() == 1
+    assert sum(metric("rlbus_bus_rejected_total", topic="scored", reason=r)
+               for r in ("envelope", "header", "wrong_direction")) == rejected_before  # nothing even reached it
+    # Positive control: an allowed sender gets through, and only its message arrives.
+    friend = peers.courier(peers.context(keys)).sender("scored", ep, bind=False)
+    ok = scored("friend")
+    assert friend.send(ok, timeout_s=5)
+    assert received_ids(inbox, timeout_s=5) == [ok.id]
+
+
+def test_intruder_receiver_gets_nothing_from_a_reliable_sender(peers, keys, intruder_ctx):
+    ep = free_endpoint()
+    outbox = peers.courier(peers.context(keys)).sender("prompts", ep, bind=True)
+    intruder = peers.courier(intruder_ctx).receiver("prompts", ep, bind=False, accept=(Prompt,))
+    raw = peers.raw(intruder_ctx, zmq.DEALER, ep)
+    raw.send_ack(100)  # a hello with plenty of credit: if it got through, messages would come to it
+    sent = [prompt("for-friend") for _ in range(outbox.capacity)]
     for msg in sent:
-        assert push.send(msg, timeout_s=5)
-    got = [friend.recv(timeout_s=5) for _ in sent]
-    assert [m.id if m else None for m in got] == [m.id for m in sent]  # none load-balanced away
-    assert intruder.recv(timeout_s=0.5) is None
+        assert outbox.send(msg, timeout_s=5)
+    assert intruder.recv(timeout_s=SILENCE_S) is None
+    assert raw.recv(timeout_s=0.2) is None
+    assert outbox.unfinished() == len(sent)  # nothing left the sender: no peer ever completed a handshake
+    friend = peers.courier(peers.context(keys)).receiver("prompts", ep, bind=False, accept=(Prompt,))
+    assert received_ids(friend, timeout_s=5) == [m.id for m in sent]  # every one, in order, none held elsewhere
+    assert intruder.recv(timeout_s=0.3) is None
 
 
 def test_intruder_gets_nothing_through_control_hub(peers, keys, curve_hub, intruder_ctx, sync_control):
@@ -224,28 +301,27 @@ def test_busctl_keys_feed_the_config(tmp_path, capsys):
 
     sup = Supervisor(cfg)
     packer, trainer = Component(cfg, "packer", 0), Component(cfg, "trainer", 0)
-    inbox = None
+    handshake = None
     try:
         # Supervisor handshake: bound by the supervisor, sent by a component.
-        inbox = BusSocket(sup.ctx, "supervisor", "recv", sup.endpoints.address("supervisor"), bind=True,
-                          accept=(ComponentReady,))
+        handshake = BusSocket(sup.ctx, "supervisor", "recv", sup.endpoints.address("supervisor"), bind=True,
+                              accept=(ComponentReady,))
         packer.report_ready(metrics_port=9100)
-        ready = inbox.recv(timeout_s=5)
+        ready = handshake.recv(timeout_s=5)
         assert isinstance(ready, ComponentReady) and ready.name == "packer"
         # A data topic between two components.
         batches = packer.endpoints.address("batches")
-        push = packer.socket("batches", "send", batches, bind=True)
-        pull = trainer.socket("batches", "recv", batches, bind=False)
-        assert push.send(prompt("batch"), timeout_s=5)
-        assert pull.recv(timeout_s=5) is not None
+        outbox = packer.reliable_sender("batches", batches, bind=True)
+        inbox = trainer.reliable_receiver("batches", batches, bind=False, accept=(Prompt,))
+        assert outbox.send(prompt("batch"), timeout_s=5)
+        assert inbox.recv(timeout_s=5) is not None
         assert auth.for_context(packer.ctx).authenticator is not None
     finally:
         for comp in (packer, trainer):
-            for bs in comp._sockets:
-                bs.sock.close(linger=0)
-            comp.close()  # stops the authenticator, terms the context
-        if inbox is not None:
-            inbox.sock.close(linger=0)
+            comp.stop.set()
+            comp.close()  # closes its courier and sockets, stops the authenticator, terms the context
+        if handshake is not None:
+            handshake.sock.close(linger=0)
         sup.shutdown()
     assert auth.for_context(packer.ctx) is None and auth.for_context(sup.ctx) is None
 

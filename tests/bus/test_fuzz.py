@@ -1,11 +1,16 @@
 """Fuzz: >= 10,000 hostile messages into every kind of receiving socket rlbus uses.
 
-Each test sends :class:`fuzz.HostileMessages` (every one invalid for the receiver under test)
+The receiving sockets: a data topic's inbox, a ROUTER (the packer's ``scored``) or a DEALER
+(``prompts``, ``rollouts``, ``batches``); a data topic's outbox socket, ROUTER or DEALER, which
+receives acknowledgements; the control SUB and the hub's XSUB (and its XPUB, which hears from
+subscribers); the supervisor's PULL. Each test sends :class:`fuzz.HostileEnvelopes` (data topics)
+or :class:`fuzz.HostileMessages` (the others), every one invalid for the receiver under test,
 over real ZeroMQ sockets, with valid messages in between, and checks that the receiver keeps
 working, that the valid messages arrive in order, and that ``rlbus_bus_rejected_total`` of the
 topic grew by exactly the number of hostile messages, reason by reason, with no ``decode``
-reject (the decoder never raised anything but ``WireError``). PUB/XPUB peers drop at the HWM,
-so their senders wait for the receiver's counter after every chunk: nothing is lost unseen.
+reject (the decoder never raised anything but ``WireError``). An outbox must also keep every
+message a real receiver holds, whatever acks it is sent. PUB/XPUB peers drop at the HWM, so
+their senders wait for the receiver's counter after every chunk: nothing is lost unseen.
 """
 
 from __future__ import annotations
@@ -22,19 +27,29 @@ from prometheus_client import REGISTRY
 
 from bus.messages import (
     MESSAGE_TYPES,
+    ComponentHeartbeat,
     ComponentReady,
     GroupsDropped,
     Message,
-    MicroBatch,
-    Prompt,
-    RolloutGroup,
     RunDone,
     ScoredGroup,
     TrainerStep,
     decode,
     encode,
 )
-from fuzz import MUTATIONS, HostileMessages, classify, realistic_examples
+from bus.topics import TOPICS
+from fuzz import (
+    ENVELOPE_MUTATIONS,
+    INBOX_MUTATIONS,
+    MUTATIONS,
+    OUTBOX_MUTATIONS,
+    HostileEnvelopes,
+    HostileMessages,
+    classify,
+    classify_delivery,
+    realistic_examples,
+)
+from reliable_peer import ACCEPT, RawPeer, data_message, envelope
 
 N_HOSTILE = 10_000
 VALID_EVERY = 2_000
@@ -141,24 +156,135 @@ def test_cases_found_by_fuzzing(case, reason):
     assert classify(frames, None) == reason
 
 
-# -- PULL: every data-topic / supervisor receiver, with its real accept tuple ------------------------
+def test_envelope_generator_is_seeded_invalid_and_covers_every_mutation():
+    accept = (ScoredGroup,)
+    a, b = HostileEnvelopes(5, "inbox", accept), HostileEnvelopes(5, "inbox", accept)
+    msgs = a.take(N_HOSTILE)
+    assert msgs == b.take(N_HOSTILE)  # same seed, same stream
+    assert msgs[:1000] != HostileEnvelopes(6, "inbox", accept).take(1000)
+    reasons = Counter(classify_delivery(m, "inbox", accept) for m in msgs)
+    assert None not in reasons and reasons == a.reasons and "decode" not in reasons
+    assert set(reasons) >= {"envelope", "too_large", "wrong_direction", "id_mismatch", "frames", "header",
+                            "unexpected_type", "field", "inconsistent"}
+    assert set(a.mutations) == set(ENVELOPE_MUTATIONS) | set(INBOX_MUTATIONS)
 
-PULL_RECEIVERS = {
-    "scored": (ScoredGroup,),  # packer
-    "batches": (MicroBatch,),  # trainer
-    "rollouts": (RolloutGroup,),  # reward workers
-    "prompts": (Prompt,),  # producers
-    "supervisor": (ComponentReady,),  # busctl's handshake inbox
-}
+    held = ["held-0", "held-1"]
+    acks = HostileEnvelopes(5, "outbox", accept, held=held)
+    msgs = acks.take(N_HOSTILE)
+    assert Counter(classify_delivery(m, "outbox", accept, frozenset(held)) for m in msgs) == acks.reasons
+    assert set(acks.reasons) == {"envelope", "too_large", "wrong_direction", "foreign_ack"}
+    assert set(acks.mutations) == set(ENVELOPE_MUTATIONS) | set(OUTBOX_MUTATIONS)
 
 
-@pytest.mark.parametrize("topic", list(PULL_RECEIVERS))
-def test_pull_receiver_rejects_fuzz(topic, sockets, endpoint):
-    accept = PULL_RECEIVERS[topic]
+# -- data topics: inboxes (ROUTER and DEALER) --------------------------------------------------------
+
+INBOXES = {topic: ACCEPT[topic] for topic in TOPICS if TOPICS[topic].reliable}
+"""Every data topic's inbox with its real accept tuple: ROUTERs (the packer's ``scored``, the
+prompt source's ``outcomes``) and DEALERs (producers' ``prompts``, reward workers' ``rollouts``,
+the trainer's ``batches``)."""
+
+
+def wait_counted(topic: str, before: Counter[str], n: int) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while (counted := sum(delta(rejected(topic), before).values())) < n:
+        assert time.monotonic() < deadline, f"{topic}: {counted} of {n} hostile messages counted"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("topic", list(INBOXES))
+def test_reliable_inbox_rejects_fuzz(topic, couriers, ctx, endpoint):
+    accept = INBOXES[topic]
+    binds = TOPICS[topic].recv_type == zmq.ROUTER
+    inbox = couriers().receiver(topic, endpoint(topic), bind=binds, accept=accept)
+    raw = RawPeer(ctx, zmq.DEALER if binds else zmq.ROUTER, endpoint(topic), session="fuzzer")
+    try:
+        if not binds:
+            raw.wait_peer()  # the inbox's DEALER says hello to its sender
+        gen = HostileEnvelopes(100 + list(INBOXES).index(topic), "inbox", accept, session="fuzzer")
+        valid = renamed(realistic_examples()[accept[0].TYPE])
+        before = rejected(topic)
+        want: list[str] = []
+        for frames, valid_id in stream(gen, valid):
+            if valid_id:  # a valid message in a valid envelope, from the same peer
+                want.append(valid_id)
+                frames = [envelope("D", "fuzzer", valid_id), *frames]
+            raw.send(frames, timeout_s=DEADLINE_S)
+        wait_counted(topic, before, N_HOSTILE)
+        got = []
+        while (msg := inbox.recv(timeout_s=0.5)) is not None:
+            got.append(msg.id)
+        still = couriers().sender(topic, endpoint(topic), bind=not binds) if binds else None
+    finally:
+        raw.close()
+
+    assert got == want  # every valid message arrived, in order, and nothing hostile did
+    assert len(want) == N_HOSTILE // VALID_EVERY
+    assert delta(rejected(topic), before) == gen.reasons  # each hostile one counted once, by reason
+    assert sum(gen.reasons.values()) == N_HOSTILE and "decode" not in gen.reasons
+    if still is not None:  # and a real sender still gets through
+        assert still.send(data_message(topic, "after-fuzz"), timeout_s=5)
+        assert (msg := inbox.recv(timeout_s=5)) is not None and msg.id == "after-fuzz"
+
+
+# -- data topics: outboxes (ROUTER and DEALER) receive acks -------------------------------------------
+
+
+@pytest.mark.parametrize("binds", [True, False], ids=["router_outbox", "dealer_outbox"])
+def test_outbox_rejects_fuzzed_acks_and_keeps_what_it_holds(binds, couriers, ctx, endpoint):
+    topic = "prompts" if binds else "scored"  # the prompt source's ROUTER, a reward worker's DEALER
+    accept = INBOXES[topic]
+    real_ep, fuzz_ep = endpoint(topic), endpoint("fuzzer")
+    if binds:  # the fuzzer connects to the outbox's ROUTER like a receiver
+        outbox = couriers().sender(topic, real_ep, bind=True)
+        raw = RawPeer(ctx, zmq.DEALER, real_ep, session="fuzzer")
+    else:  # the outbox connects to the real receiver and to the fuzzer's ROUTER
+        raw = RawPeer(ctx, zmq.ROUTER, fuzz_ep, session="fuzzer")
+        outbox = couriers().sender(topic, [real_ep, fuzz_ep], bind=False)
+    holder = couriers().receiver(topic, real_ep, bind=not binds, accept=accept)
+    try:
+        if not binds:
+            raw.wait_peer()  # the outbox's heartbeat
+        held = [f"held-{i}" for i in range(10)]
+        for msg_id in held:
+            assert outbox.send(data_message(topic, msg_id), timeout_s=5)
+            assert (msg := holder.recv(timeout_s=5)) is not None and msg.id == msg_id  # taken, not done
+        gen = HostileEnvelopes(200 + binds, "outbox", accept, held=held, session="fuzzer")
+        before = rejected(topic)
+        want: list[str] = []
+        for frames, valid_id in stream(gen, lambda k: data_message(topic, f"valid-{k}")):
+            if valid_id:  # meanwhile the outbox keeps delivering to the real receiver
+                want.append(valid_id)
+                assert outbox.send(data_message(topic, valid_id), timeout_s=5)
+            else:
+                raw.send(frames, timeout_s=DEADLINE_S)
+        wait_counted(topic, before, N_HOSTILE)
+        got = []
+        while len(got) < len(want) and (msg := holder.recv(timeout_s=5)) is not None:
+            got.append(msg.id)
+        assert holder.recv(timeout_s=0.3) is None  # no message came twice
+        assert outbox.unfinished() == len(held) + len(want)  # nothing released by a forged ack
+    finally:
+        raw.close()
+
+    assert got == want
+    assert delta(rejected(topic), before) == gen.reasons  # each hostile ack counted once, by reason
+    assert sum(gen.reasons.values()) == N_HOSTILE and gen.reasons["foreign_ack"] > 0
+    holder.done(*held, *want)  # only the real holder releases them
+    deadline = time.monotonic() + 5
+    while outbox.unfinished():
+        assert time.monotonic() < deadline, f"{outbox.unfinished()} messages not released by their holder"
+        time.sleep(0.01)
+
+
+# -- PULL: the supervisor's inbox -----------------------------------------------------------------------
+
+
+def test_pull_receiver_rejects_fuzz(sockets, endpoint):
+    topic, accept = "supervisor", (ComponentReady, ComponentHeartbeat)  # busctl's inbox
     receiver = sockets.bus(topic, "recv", endpoint(topic), bind=True, accept=accept)
     push = sockets.socket(zmq.PUSH)
     push.connect(endpoint(topic))
-    gen = HostileMessages(list(PULL_RECEIVERS).index(topic), accept)
+    gen = HostileMessages(4, accept)
     valid = renamed(realistic_examples()[accept[0].TYPE])
     before = rejected(topic)
 

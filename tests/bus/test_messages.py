@@ -1,4 +1,5 @@
-"""Every message type round-trips exactly over a real PUSH/PULL pair, arrays arrive zero-copy."""
+"""Every message type round-trips exactly over a real PUSH/PULL pair, arrays arrive zero-copy;
+data messages round-trip through the delivery layer (:mod:`bus.reliable`) and are counted."""
 
 from __future__ import annotations
 
@@ -9,19 +10,6 @@ import pytest
 import zmq
 
 from bus.messages import MESSAGE_TYPES, Message, decode, encode
-
-
-def assert_same_message(got: Message, want: Message) -> None:
-    assert type(got) is type(want)
-    for f in dataclasses.fields(want):
-        a, b = getattr(got, f.name), getattr(want, f.name)
-        if isinstance(b, np.ndarray):
-            assert isinstance(a, np.ndarray), f.name
-            assert a.dtype == b.dtype and a.dtype.isnative, (f.name, a.dtype, b.dtype)
-            assert a.shape == b.shape, (f.name, a.shape, b.shape)
-            np.testing.assert_array_equal(a, b, err_msg=f.name)
-        else:
-            assert type(a) is type(b) and a == b, (f.name, a, b)
 
 
 @pytest.fixture
@@ -42,7 +30,7 @@ def transfer(pipe, recv_frames, msg: Message) -> tuple[Message, list[zmq.Frame]]
 
 
 @pytest.mark.parametrize("type_name", sorted(MESSAGE_TYPES))
-def test_round_trip_every_type(type_name, example, pipe, recv_frames):
+def test_round_trip_every_type(type_name, example, pipe, recv_frames, assert_same_message):
     msg = example(type_name)
     assert type(msg) is MESSAGE_TYPES[type_name]
     got, frames = transfer(pipe, recv_frames, msg)
@@ -50,7 +38,7 @@ def test_round_trip_every_type(type_name, example, pipe, recv_frames):
     assert_same_message(got, msg)
 
 
-def test_non_contiguous_and_big_endian_arrays_round_trip(micro_batch, pipe, recv_frames):
+def test_non_contiguous_and_big_endian_arrays_round_trip(micro_batch, pipe, recv_frames, assert_same_message):
     base = micro_batch(num_tokens=20)
     strided = np.repeat(base.input_ids, 2)[::2]  # non-contiguous view
     big_endian = base.advantages.astype(">f4")  # its dtype.name is also "float32"
@@ -60,7 +48,7 @@ def test_non_contiguous_and_big_endian_arrays_round_trip(micro_batch, pipe, recv
     assert_same_message(got, base)
 
 
-def test_large_arrays_are_views_of_received_frames(micro_batch, pipe, recv_frames):
+def test_large_arrays_are_views_of_received_frames(micro_batch, pipe, recv_frames, assert_same_message):
     msg = micro_batch(num_tokens=100_000)  # input_ids: 400 KB, well above pyzmq's 64 KiB
     got, frames = transfer(pipe, recv_frames, msg)
     assert_same_message(got, msg)
@@ -74,18 +62,20 @@ def test_large_arrays_are_views_of_received_frames(micro_batch, pipe, recv_frame
         assert not arr.flags.owndata
 
 
-def test_bus_socket_round_trip_counts_traffic(sockets, endpoint, example, metric):
-    recv = sockets.bus("scored", "recv", endpoint("scored"), bind=True)
-    send = sockets.bus("scored", "send", endpoint("scored"), bind=False)
-    before = {d: metric("rlbus_bus_messages_total", topic="scored", direction=d) for d in ("send", "recv")}
-    msg = example("scored")
-    assert send.send(msg, timeout_s=2.0)
-    got = recv.recv(timeout_s=2.0)
+@pytest.mark.parametrize("topic, type_name", [("scored", "scored"), ("batches", "micro_batch")])
+def test_reliable_round_trip_counts_traffic(topic, type_name, couriers, endpoint, example, metric, assert_same_message):
+    receiver_binds = topic == "scored"  # scored: the packer binds a ROUTER; batches: the packer sends from one
+    inbox = couriers().receiver(topic, endpoint(topic), bind=receiver_binds, accept=(type(example(type_name)),))
+    outbox = couriers().sender(topic, endpoint(topic), bind=not receiver_binds)
+    before = {d: metric("rlbus_bus_messages_total", topic=topic, direction=d) for d in ("send", "recv")}
+    msg = example(type_name)
+    assert outbox.send(msg, timeout_s=2.0)
+    got = inbox.recv(timeout_s=2.0)
     assert got is not None
     assert_same_message(got, msg)
     for d in ("send", "recv"):
-        assert metric("rlbus_bus_messages_total", topic="scored", direction=d) == before[d] + 1
-    assert recv.recv(timeout_s=0) is None
+        assert metric("rlbus_bus_messages_total", topic=topic, direction=d) == before[d] + 1
+    assert inbox.recv(timeout_s=0) is None
 
 
 def test_unregistered_type_does_not_encode():

@@ -1,8 +1,10 @@
 """Malformed input is counted per reason and dropped; receivers and the hub keep working.
 
-Each case sends hostile raw frames to a receiving :class:`bus.sockets.BusSocket`, then a valid
-message: the valid one arrives and ``rlbus_bus_rejected_total{topic, reason}`` grew by exactly
-one for the expected reason.
+Each case sends hostile message frames in a well-formed delivery envelope (:mod:`bus.reliable`)
+to the packer's ``scored`` inbox from a raw DEALER speaking the protocol by hand, then a valid
+message: the valid one arrives and is acknowledged, the hostile one never is (so a real sender
+would re-send it), and ``rlbus_bus_rejected_total{topic, reason}`` grew by exactly one for the
+expected reason. (Broken envelopes themselves: ``test_reliable.py``.)
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import numpy as np
 import pytest
 import zmq
 
-from bus.messages import GroupsDropped, RunDone, decode, encode
+from bus.messages import GroupsDropped, RunDone, ScoredGroup, decode, encode
 from bus.wire import MAX_HEADER_BYTES, SCHEMA_VERSION
+from reliable_peer import RawPeer
 
 REJECTED = "rlbus_bus_rejected_total"
 
@@ -131,35 +134,48 @@ CASES: dict[str, tuple[str, Callable[[Any], list[bytes]]]] = {
 
 
 @pytest.fixture
-def scored_pair(sockets, endpoint):
-    """A raw PUSH sender and a receiving BusSocket on ``scored``, as reward worker -> packer."""
-    receiver = sockets.bus("scored", "recv", endpoint("scored"), bind=True)
-    push = sockets.socket(zmq.PUSH)
-    push.connect(endpoint("scored"))
-    return push, receiver
+def scored_pair(couriers, ctx, endpoint):
+    """A raw DEALER sender and the packer's ``scored`` inbox (a ROUTER), as reward worker -> packer."""
+    receiver = couriers().receiver("scored", endpoint("scored"), bind=True, accept=(ScoredGroup,))
+    raw = RawPeer(ctx, zmq.DEALER, endpoint("scored"))
+    yield raw, receiver
+    raw.close()
+
+
+def acknowledged(raw: RawPeer, until_id: str) -> list[str]:
+    """Every id the receiver acknowledged as taken, up to and including ``until_id``."""
+    taken: list[str] = []
+
+    def collect(payload) -> bool:  # payload of an ack: [free, taken_ids, done_ids]
+        taken.extend(payload[1])
+        return until_id in taken
+
+    raw.wait_for("A", 2.0, collect)
+    return taken
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_malformed_is_counted_and_skipped(case, scored_pair, example, metric):
     reason, build = CASES[case]
-    push, receiver = scored_pair
+    raw, receiver = scored_pair
     frames = build(example)
     with pytest.raises(ValueError) as info:  # WireError is a ValueError
         decode(frames)
     assert getattr(info.value, "reason", None) == reason, info.value
     before = metric(REJECTED, topic="scored", reason=reason)
 
-    push.send_multipart(frames)
-    push.send_multipart(encode(example("scored")), copy=False)
+    raw.send_data(frames, msg_id=f"bad-{case}")
+    raw.send_data(example("scored"))
     got = receiver.recv(timeout_s=2.0)
 
     assert got is not None and got.id == example("scored").id
     assert metric(REJECTED, topic="scored", reason=reason) == before + 1
     assert receiver.recv(timeout_s=0) is None
+    assert acknowledged(raw, got.id) == [got.id]  # the hostile one was never acknowledged
 
 
 def test_receiver_survives_a_burst_of_every_bad_message(scored_pair, example, metric):
-    push, receiver = scored_pair
+    raw, receiver = scored_pair
     expected: dict[str, int] = {}
     for reason, build in CASES.values():
         expected[reason] = expected.get(reason, 0) + 1
@@ -167,15 +183,16 @@ def test_receiver_survives_a_burst_of_every_bad_message(scored_pair, example, me
     before_decode = metric(REJECTED, topic="scored", reason="decode")
 
     for i in range(3):
-        for _reason, build in CASES.values():
-            push.send_multipart(build(example))
-        push.send_multipart(encode(dataclasses.replace(example("scored"), id=f"ok-{i}")), copy=False)
+        for k, (_reason, build) in enumerate(CASES.values()):
+            raw.send_data(build(example), msg_id=f"bad-{i}-{k}")
+        raw.send_data(dataclasses.replace(example("scored"), id=f"ok-{i}"))
     got = [receiver.recv(timeout_s=2.0) for _ in range(3)]
 
     assert [m.id if m else None for m in got] == ["ok-0", "ok-1", "ok-2"]
     for reason, n in expected.items():
         assert metric(REJECTED, topic="scored", reason=reason) == before[reason] + 3 * n, reason
     assert metric(REJECTED, topic="scored", reason="decode") == before_decode  # no decoder crash
+    assert acknowledged(raw, "ok-2") == ["ok-0", "ok-1", "ok-2"]
 
 
 def test_hub_does_not_forward_malformed_control(hub, sockets, recv_frames, sync_control, example, metric):

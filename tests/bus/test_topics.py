@@ -1,7 +1,9 @@
-"""Endpoint resolution: ipc paths in a short socket dir, tcp ports at fixed offsets, bad input raises."""
+"""The topic table and endpoint resolution: socket types per topic, ipc paths in a short socket
+dir, tcp ports at fixed offsets; bad input raises; BusSocket refuses the data topics."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ from bus.sockets import BusSocket
 from bus.topics import IPC_PATH_MAX, TOPICS, Endpoints, socket_dir
 
 ALL_ADDRESSES = [(t, 0) for t in TOPICS] + [("rollouts", 3), ("rollouts", 15)]
+DATA_TOPICS = sorted(t for t, spec in TOPICS.items() if spec.reliable)
 
 
 def test_ipc_addresses_in_run_socket_dir():
@@ -88,13 +91,46 @@ def test_bus_socket_rejects_bad_topic_or_direction(ctx):
     with pytest.raises(ValueError, match="unknown topic"):
         BusSocket(ctx, "nope", "send", "tcp://127.0.0.1:1", bind=False)
     with pytest.raises(ValueError, match="direction"):
-        BusSocket(ctx, "batches", "both", "tcp://127.0.0.1:1", bind=False)
+        BusSocket(ctx, "supervisor", "both", "tcp://127.0.0.1:1", bind=False)
+
+
+@pytest.mark.parametrize("topic", DATA_TOPICS)
+@pytest.mark.parametrize("direction", ["send", "recv"])
+def test_bus_socket_refuses_data_topics(topic, direction, ctx):
+    with pytest.raises(ValueError, match="bus.reliable.Courier"):
+        BusSocket(ctx, topic, direction, "tcp://127.0.0.1:1", bind=False)
+
+
+def test_topic_table_socket_types():
+    # data topics: the binder is a ROUTER, connectors one DEALER per endpoint (bus.reliable)
+    binder_sends = {"prompts": True, "rollouts": True, "batches": True, "scored": False, "outcomes": False}
+    assert set(DATA_TOPICS) == set(binder_sends)
+    for topic, sends in binder_sends.items():
+        spec = TOPICS[topic]
+        assert spec.reliable and spec.blocks, topic
+        assert (spec.send_type, spec.recv_type) == ((zmq.ROUTER, zmq.DEALER) if sends else (zmq.DEALER, zmq.ROUTER)), topic
+    assert (TOPICS["supervisor"].send_type, TOPICS["supervisor"].recv_type) == (zmq.PUSH, zmq.PULL)
+    assert TOPICS["supervisor"].blocks and not TOPICS["control_pub"].blocks
+    assert (TOPICS["control_pub"].send_type, TOPICS["control_sub"].recv_type) == (zmq.PUB, zmq.SUB)
 
 
 def test_bus_socket_over_tcp_random_port(sockets, example):
-    recv = sockets.bus("prompts", "recv", "tcp://127.0.0.1:*", bind=True)
+    recv = sockets.bus("supervisor", "recv", "tcp://127.0.0.1:*", bind=True)
     addr = recv.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    send = sockets.bus("prompts", "send", addr, bind=False)
-    assert send.send(example("prompt"), timeout_s=2.0)
+    send = sockets.bus("supervisor", "send", addr, bind=False)
+    assert send.send(example("component.ready"), timeout_s=2.0)
     got = recv.recv(timeout_s=2.0)
-    assert got is not None and got.id == example("prompt").id
+    assert got is not None and got.id == example("component.ready").id
+
+
+def test_data_topics_over_tcp_at_their_addresses(couriers, example):
+    # a free base port: the addresses of every data topic are bindable and carry traffic
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        base = probe.getsockname()[1]
+    eps = Endpoints("tcp", Path("/unused"), base_port=base - TOPICS["scored"].port_offset)
+    inbox = couriers().receiver("scored", eps.address("scored"), bind=True, accept=(type(example("scored")),))
+    outbox = couriers().sender("scored", eps.address("scored"), bind=False)
+    assert outbox.send(example("scored"), timeout_s=2.0)
+    got = inbox.recv(timeout_s=2.0)
+    assert got is not None and got.id == example("scored").id
