@@ -19,6 +19,7 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 import zmq
+
 from prometheus_client import REGISTRY
 
 from bus.hub import ControlHub
@@ -41,6 +42,7 @@ from bus.reliable import Courier
 from bus.sockets import BusSocket
 from bus.topics import socket_dir
 from reliable_peer import FAST
+from tests import waiting
 
 RECV_TIMEOUT_S = 2.0
 """Longest any test waits for a message that should arrive, seconds."""
@@ -243,13 +245,7 @@ def couriers(ctx):
 
 
 def _wait_until(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    """Poll ``predicate`` every 10 ms until it is truthy (returns its value) or fail naming ``what``."""
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        if time.monotonic() >= deadline:
-            pytest.fail(f"{what}: not within {timeout_s} s")
-        time.sleep(0.01)
-    return value
+    return waiting.wait_until(predicate, what, timeout_s)
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ checker.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -60,6 +62,25 @@ def trained_steps(run_dir: Path) -> int:
     if not path.is_file():
         return 0
     return max((r["step"] for r in read_jsonl(path) if "loss" in r), default=0)
+
+
+def wait_for_steps(run_dir: Path, proc: subprocess.Popen, steps: int, timeout_s: float = 400) -> None:
+    """Until the trainer has recorded ``steps`` steps (the run must stay up meanwhile)."""
+    deadline = time.monotonic() + timeout_s
+    while trained_steps(run_dir) < steps:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, f"fewer than {steps} trainer steps within {timeout_s} s"
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def supervised(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """The ``busctl up`` process; killed with everything it started if the test fails early."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def wait_ready(run_dir: Path, name: str, old_pid: int, proc: subprocess.Popen, timeout_s: float = 180) -> None:
@@ -130,21 +151,15 @@ def test_sigkill_nemesis(tmp_path: Path, policy: Path) -> None:  # noqa: F811
     victims = ["producer-0", "rewards-0", "rewards-1", "rewards-2"]
     kills: list[tuple[str, int, int]] = []  # (name, pid, trained steps at the kill)
     trainer_killed_at = None
-    try:
-        deadline = time.monotonic() + 400
-        while trained_steps(run_dir) < 1:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "no trainer step"
-            time.sleep(0.3)
+    with supervised(proc):
+        wait_for_steps(run_dir, proc, 1)
         while len(kills) < 10:
             time.sleep(rng.uniform(0.2, 2.0))
             name = rng.choice(victims)
             pid = kill(run_dir, name)
             kills.append((name, pid, trained_steps(run_dir)))
             if len(kills) == 5:  # the trainer once, once a checkpoint covers some steps
-                while trained_steps(run_dir) < 6:
-                    assert proc.poll() is None, proc.stdout.read()
-                    time.sleep(0.2)
+                wait_for_steps(run_dir, proc, 6)
                 trainer_killed_at = trained_steps(run_dir)
                 wait_ready(run_dir, name, pid, proc)
                 trainer_pid = kill(run_dir, "trainer")
@@ -153,9 +168,6 @@ def test_sigkill_nemesis(tmp_path: Path, policy: Path) -> None:  # noqa: F811
                 wait_ready(run_dir, name, pid, proc)
         assert trained_steps(run_dir) < max_steps, "the run ended before the nemesis was done: raise max_steps"
         out, _ = proc.communicate(timeout=900)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out
     print("kills:", kills, "trainer killed at step", trainer_killed_at)
 
@@ -177,26 +189,16 @@ def test_scale_rewards_mid_run(tmp_path: Path, policy: Path) -> None:  # noqa: F
     run_dir = tmp_path / "run"
     max_steps = 40
     proc = busctl(run_dir, policy, f"trainer.max_steps={max_steps}", "rewards.replicas=1", *FAST_FAILURE_DETECTION)
-    try:
-        deadline = time.monotonic() + 400
-        while trained_steps(run_dir) < 2:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "no trainer step"
-            time.sleep(0.3)
+    with supervised(proc):
+        wait_for_steps(run_dir, proc, 2)
         up = busctl_cmd("scale", str(run_dir), "rewards=3")
         assert up.returncode == 0, up.stdout + up.stderr
         assert {"rewards-0", "rewards-1", "rewards-2"} <= set(components(run_dir))
-        at_scale_up = trained_steps(run_dir)
-        while trained_steps(run_dir) < at_scale_up + 3:  # the new workers take part
-            assert proc.poll() is None, proc.stdout.read()
-            time.sleep(0.3)
+        wait_for_steps(run_dir, proc, trained_steps(run_dir) + 3)  # the new workers take part
         down = busctl_cmd("scale", str(run_dir), "rewards=1")
         assert down.returncode == 0, down.stdout + down.stderr
         assert trained_steps(run_dir) < max_steps, "the run ended before scaling down: raise max_steps"
         out, _ = proc.communicate(timeout=900)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out
     acc = check_accounting(run_dir, max_steps)
     # rewards-1 and rewards-2 came and went (their logs remain); the one left scored only part of
@@ -215,19 +217,12 @@ def test_producer_killed_under_broadcast_weights(tmp_path: Path, policy: Path) -
     run_dir = tmp_path / "run"
     max_steps = 30
     proc = busctl(run_dir, policy, f"trainer.max_steps={max_steps}", "broadcast.timeout_s=60", *FAST_FAILURE_DETECTION)
-    try:
-        deadline = time.monotonic() + 400
-        while trained_steps(run_dir) < 3:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "no trainer step"
-            time.sleep(0.3)
+    with supervised(proc):
+        wait_for_steps(run_dir, proc, 3)
         pid = kill(run_dir, "producer-0")
         wait_ready(run_dir, "producer-0", pid, proc)
         assert trained_steps(run_dir) < max_steps, "the run ended before the producer came back: raise max_steps"
         out, _ = proc.communicate(timeout=900)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out
     check_accounting(run_dir, max_steps)
     assert "sending weights through" in (run_dir / "logs" / "trainer.log").read_text()

@@ -28,6 +28,7 @@ from bus.sockets import BusSocket
 from bus.topics import Endpoints, socket_dir
 from configs.schema import load_config
 from packer.proc import PackerProc
+from tests import waiting
 from tests.outcomes_sink import OutcomesSink
 
 TIMINGS = dict(heartbeat_s=0.05, dead_after_s=0.6, ack_timeout_s=3.0)
@@ -36,12 +37,7 @@ WAIT_S = 10.0
 
 
 def wait_until(predicate: Callable[[], Any], what: str, timeout_s: float = WAIT_S) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        if time.monotonic() >= deadline:
-            pytest.fail(f"{what}: not within {timeout_s} s")
-        time.sleep(0.01)
-    return value
+    return waiting.wait_until(predicate, what, timeout_s)
 
 
 def group(gid: str, rewards: list[float], version: int = 0) -> ScoredGroup:
