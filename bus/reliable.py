@@ -320,7 +320,11 @@ class Inbox(_Box):
                 taken, done = peer.acks_taken[:MAX_IDS_PER_ACK], peer.acks_done[:MAX_IDS_PER_ACK]
                 del peer.acks_taken[: len(taken)], peer.acks_done[: len(done)]
                 free = max(self.window - peer.queued, 0)
-                self.courier.transmit(self, key, [_envelope("A", self.courier.session, [free, taken, done])])
+                if not self.courier.transmit(self, key, [_envelope("A", self.courier.session, [free, taken, done])]):
+                    # could not go out now: keep the releases (and the credit update) for the next
+                    # flush; a lost receipt ack only makes the sender re-send, which is acked again
+                    peer.acks_done[:0] = done
+                    break
                 peer.dirty = beat = False
         for link in self.links:
             if not link.router and (link.number, b"") not in self.peers and heartbeat_due:
