@@ -168,3 +168,25 @@ def validated_seq_lens(seq_lens: torch.Tensor) -> torch.Tensor:
     if bool((lens < 1).any()):
         raise ValueError(f"seq_lens must all be >= 1, got {lens.tolist()}; drop empty samples before packing")
     return lens
+
+
+class PackedLogprobs(torch.nn.Module):
+    """`nn.Module` face of the packed forward, so a data-parallel wrapper (DDP) can own the call.
+
+    Args:
+        model: the policy (see `packed_token_logprobs`); registered as the submodule `model`.
+        temperature: finite float > 0, the sampler's temperature.
+
+    `forward(input_ids [T], seq_lens [S])` returns `(logprobs [T] float32 with grad, entropy [T]
+    float32 detached)`: entropy of the tempered next-token distribution at each token's position
+    (0 at sample starts), nats.
+    """
+
+    def __init__(self, model: torch.nn.Module, temperature: float = 1.0) -> None:
+        super().__init__()
+        self.model = model
+        self.temperature = temperature
+
+    def forward(self, input_ids: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logprobs = packed_token_logprobs(self.model, input_ids, seq_lens, temperature=self.temperature)
+        return logprobs, torch.zeros_like(logprobs.detach())
