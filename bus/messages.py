@@ -203,6 +203,8 @@ class MicroBatch(Message):
         micro_index: index of this micro-batch within the step.
         num_micro_batches: micro-batches in the step; the trainer steps after the last one.
         step_loss_tokens: loss tokens in the whole step (normalizer of the token-mean loss).
+        step_samples: samples of the whole step with at least one loss token (normalizer of the
+            sequence-mean aggregations, see :mod:`trainer.loss`).
         sample_ids: ``[S]`` ``"{group_id}/{j}"`` ids of the packed samples.
         input_ids: ``[T] int32`` packed token ids.
         seq_lens: ``[S] int32`` tokens per sample (sum = T).
@@ -211,6 +213,8 @@ class MicroBatch(Message):
         advantages: ``[T] float32`` the sample's advantage on each of its tokens.
         rewards: ``[S] float32`` reward of each sample.
         versions: ``[S] int64`` oldest policy version each sample was generated under.
+        teacher_logprobs: ``[T] float32`` logprob of each completion token under a teacher model
+            (on-policy distillation), or ``[0]`` when the samples carry none.
     """
 
     TYPE: ClassVar[str] = "micro_batch"
@@ -218,6 +222,7 @@ class MicroBatch(Message):
     micro_index: int
     num_micro_batches: int
     step_loss_tokens: int
+    step_samples: int
     sample_ids: list[str]
     input_ids: np.ndarray = array_field("int32")
     seq_lens: np.ndarray = array_field("int32")
@@ -226,6 +231,7 @@ class MicroBatch(Message):
     advantages: np.ndarray = array_field("float32")
     rewards: np.ndarray = array_field("float32")
     versions: np.ndarray = array_field("int64")
+    teacher_logprobs: np.ndarray = array_field("float32")
 
     def check(self) -> None:
         t, s = len(self.input_ids), len(self.seq_lens)
@@ -236,6 +242,10 @@ class MicroBatch(Message):
         for name in ("loss_mask", "inference_logprobs", "advantages"):
             if len(getattr(self, name)) != t:
                 raise WireError("inconsistent", f"{name} must have one entry per token ({t})")
+        if len(self.teacher_logprobs) not in (0, t):
+            raise WireError("inconsistent", f"teacher_logprobs must be empty or have one entry per token ({t})")
+        if self.step_samples < 0 or self.step_loss_tokens < 0:
+            raise WireError("inconsistent", "step_samples and step_loss_tokens must be >= 0")
         for name in ("rewards", "versions", "sample_ids"):
             if len(getattr(self, name)) != s:
                 raise WireError("inconsistent", f"{name} must have one entry per sample ({s})")

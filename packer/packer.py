@@ -77,15 +77,27 @@ def group_samples(group: ScoredGroup) -> list[PackedSample]:
 
 
 def build_micro_batch(
-    samples: list[PackedSample], *, step: int, micro_index: int, num_micro_batches: int, step_loss_tokens: int
+    samples: list[PackedSample],
+    *,
+    step: int,
+    micro_index: int,
+    num_micro_batches: int,
+    step_loss_tokens: int,
+    step_samples: int,
 ) -> MicroBatch:
-    """Concatenate ``samples`` into one padding-free :class:`MicroBatch` row."""
+    """Concatenate ``samples`` into one padding-free :class:`MicroBatch` row.
+
+    ``step_loss_tokens`` and ``step_samples`` (samples with >= 1 loss token) count the WHOLE step,
+    so the trainer's loss normalizers do not depend on how the step was split (micro-batch
+    invariance, see :mod:`trainer.loss`).
+    """
     return MicroBatch(
         id=f"{step}:{micro_index}",
         step=step,
         micro_index=micro_index,
         num_micro_batches=num_micro_batches,
         step_loss_tokens=step_loss_tokens,
+        step_samples=step_samples,
         sample_ids=[s.sample_id for s in samples],
         input_ids=np.concatenate([s.input_ids for s in samples]),
         seq_lens=np.array([len(s.input_ids) for s in samples], dtype=np.int32),
@@ -94,6 +106,7 @@ def build_micro_batch(
         advantages=np.concatenate([np.full(len(s.input_ids), s.advantage, np.float32) for s in samples]),
         rewards=np.array([s.reward for s in samples], dtype=np.float32),
         versions=np.array([s.version for s in samples], dtype=np.int64),
+        teacher_logprobs=np.zeros(0, dtype=np.float32),
     )
 
 
@@ -177,6 +190,7 @@ class Packer:
         samples = [s for g in groups for s in group_samples(g)]
         bins = pack_first_fit_decreasing([len(s.input_ids) for s in samples], self.micro_batch_tokens)
         loss_tokens = int(sum(s.loss_mask.sum() for s in samples))
+        loss_samples = sum(1 for s in samples if s.loss_mask.any())
         step = self.next_step
         self.next_step += 1
         batches = [
@@ -186,6 +200,7 @@ class Packer:
                 micro_index=k,
                 num_micro_batches=len(bins),
                 step_loss_tokens=loss_tokens,
+                step_samples=loss_samples,
             )
             for k, idx in enumerate(bins)
         ]

@@ -80,6 +80,7 @@ def _micro_batch(num_tokens: int = 7, micro_index: int = 1, step: int = 4) -> Mi
         micro_index=micro_index,
         num_micro_batches=max(3, micro_index + 1),
         step_loss_tokens=11,
+        step_samples=2,
         sample_ids=["g1/0", "g2/1"],
         input_ids=(np.arange(num_tokens, dtype=np.int32) * 3 + 1),
         seq_lens=seq_lens,
@@ -88,6 +89,7 @@ def _micro_batch(num_tokens: int = 7, micro_index: int = 1, step: int = 4) -> Mi
         advantages=np.linspace(-1, 1, num_tokens, dtype=np.float32),
         rewards=np.array([1.0, 0.0], dtype=np.float32),
         versions=np.array([3, 4], dtype=np.int64),
+        teacher_logprobs=-np.linspace(0.5, 2, num_tokens, dtype=np.float32),
     )
 
 

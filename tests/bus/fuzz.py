@@ -117,6 +117,7 @@ def realistic_examples() -> dict[str, Message]:
             micro_index=0,
             num_micro_batches=2,
             step_loss_tokens=92,
+            step_samples=4,
             sample_ids=["5f0c2a/0", "5f0c2a/1", "5f0c2a/2", "5f0c2a/3"],
             input_ids=rng.integers(0, 32_000, t, dtype=np.int32),
             seq_lens=seq,
@@ -125,6 +126,7 @@ def realistic_examples() -> dict[str, Message]:
             advantages=np.repeat(np.array([-0.4, 1.4, -0.9, -0.1], np.float32), seq),
             rewards=np.array([0.25, 1.0, 0.0, 0.5], np.float32),
             versions=np.array([2, 2, 3, 3], np.int64),
+            teacher_logprobs=np.zeros(0, np.float32),
         ),
         WeightsReady(
             id="w4",

@@ -118,9 +118,10 @@ def test_group_samples_zero_length_completion():
 def test_build_micro_batch_by_hand():
     a = PackedSample("a/0", np.int32([1, 2, 3]), np.array([False, True, True]), np.float32([0, -0.5, -0.25]), 2.0, 1.0, 4)
     b = PackedSample("b/1", np.int32([9, 8]), np.array([False, True]), np.float32([0, -1.0]), -1.0, 0.0, 5)
-    mb = build_micro_batch([a, b], step=6, micro_index=1, num_micro_batches=3, step_loss_tokens=10)
+    mb = build_micro_batch([a, b], step=6, micro_index=1, num_micro_batches=3, step_loss_tokens=10, step_samples=5)
     assert mb.id == "6:1" and mb.step == 6 and mb.micro_index == 1 and mb.num_micro_batches == 3
-    assert mb.step_loss_tokens == 10 and mb.sample_ids == ["a/0", "b/1"]
+    assert mb.step_loss_tokens == 10 and mb.step_samples == 5 and mb.sample_ids == ["a/0", "b/1"]
+    assert mb.teacher_logprobs.shape == (0,)  # no teacher
     assert mb.input_ids.tolist() == [1, 2, 3, 9, 8]
     assert mb.seq_lens.tolist() == [3, 2]
     assert mb.loss_mask.tolist() == [False, True, True, False, True]
@@ -174,6 +175,7 @@ def test_packing_by_hand_and_token_alignment():
     assert [mb.sample_ids for mb in batches] == [["A/0", "B/1"], ["B/0"], ["A/1"]]
     assert [mb.seq_lens.tolist() for mb in batches] == [[5, 1], [5], [3]]
     assert all(mb.step_loss_tokens == 8 for mb in batches)
+    assert all(mb.step_samples == 3 for mb in batches)  # B/1 has no completion token: not counted
     assert batches[0].input_ids.tolist() == [1, 2, 10, 11, 12, 3]
     assert batches[0].loss_mask.tolist() == [False, False, True, True, True, False]
     np.testing.assert_array_equal(batches[0].inference_logprobs, np.float32([0, 0, -0.010, -0.011, -0.012, 0]))
@@ -293,7 +295,7 @@ def test_all_zero_length_completions():
     check_step(batches, 8, 0)
     # two 3-token samples fit one bin: [1,2,3,1,2,3], no loss token at all
     assert len(batches) == 1 and batches[0].input_ids.tolist() == [1, 2, 3, 1, 2, 3]
-    assert batches[0].step_loss_tokens == 0 and not batches[0].loss_mask.any()
+    assert batches[0].step_loss_tokens == 0 and batches[0].step_samples == 0 and not batches[0].loss_mask.any()
     assert decode(encode(batches[0])).step_loss_tokens == 0
 
 
