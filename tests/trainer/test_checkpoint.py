@@ -53,7 +53,7 @@ def step_batches(model: torch.nn.Module, num_steps: int):
         ss = [PackedSample(s.sample_id, s.input_ids, s.loss_mask, s.inference_logprobs, sign * s.advantage, s.reward, 0) for s in samples]
         split = splits[step % len(splits)]
         out.append([
-            build_micro_batch([ss[i] for i in idx], step=step, micro_index=m, num_micro_batches=len(split), step_loss_tokens=loss_tokens)
+            build_micro_batch([ss[i] for i in idx], step=step, micro_index=m, num_micro_batches=len(split), step_loss_tokens=loss_tokens, step_samples=len(ss))
             for m, idx in enumerate(split)
         ])
     return out

@@ -100,7 +100,7 @@ def mb(step: int, index: int, count: int, groups: list[str]) -> MicroBatch:
         PackedSample(f"{g}/{index}", np.array([1, 2], np.int32), np.array([False, True]), np.zeros(2, np.float32), 1.0, 1.0, step)
         for g in groups
     ]
-    return build_micro_batch(samples, step=step, micro_index=index, num_micro_batches=count, step_loss_tokens=len(groups) * count)
+    return build_micro_batch(samples, step=step, micro_index=index, num_micro_batches=count, step_loss_tokens=len(groups) * count, step_samples=len(groups) * count)
 
 
 def test_ledger_buffers_steps_and_releases_only_what_a_checkpoint_covers():

@@ -64,8 +64,12 @@ def samples(model, specs=SPECS, version: int = 0, temperature: float = 1.0) -> l
 
 def micro_batches(ss: list[PackedSample], split: list[list[int]], step: int = 0):
     loss_tokens = int(sum(s.loss_mask.sum() for s in ss))
+    loss_samples = sum(1 for s in ss if s.loss_mask.any())
     return [
-        build_micro_batch([ss[i] for i in idx], step=step, micro_index=k, num_micro_batches=len(split), step_loss_tokens=loss_tokens)
+        build_micro_batch(
+            [ss[i] for i in idx], step=step, micro_index=k, num_micro_batches=len(split),
+            step_loss_tokens=loss_tokens, step_samples=loss_samples,
+        )
         for k, idx in enumerate(split)
     ]
 
