@@ -2,7 +2,10 @@
 
 Layout written by `write_version(out_dir, version, state_dict)`:
 
-    out_dir/v{version}/model.safetensors   # merged HF weights, aliases (tied lm_head) dropped
+    out_dir/v{version}/model.safetensors   # the payload's tensors: merged HF weights (aliases such
+                                           # as a tied lm_head dropped), or a LoRA adapter payload
+                                           # (`broadcaster.manifest`) when the trainer re-publishes a
+                                           # failed background broadcast from its send buffers
     out_dir/v{version}/READY               # written last, atomically: the directory is complete
 
 Readers (`producers.weight_sync.WeightSyncExtension.load_weights_from_path`) must only open a

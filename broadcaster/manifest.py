@@ -8,6 +8,16 @@ travels in a msgpack header or a `collective_rpc` argument unchanged:
 
 `dtype` is the torch dtype's name without the `torch.` prefix ("float32", "bfloat16", ...).
 
+Two kinds of payload (`payload_kind(manifest)` says which, from the names alone):
+- "full": every entry is a whole weight under its Hugging Face checkpoint name.
+- "lora": a LoRA adapter, per adapted linear module `M` (HF module name, e.g.
+  `model.layers.0.self_attn.q_proj`) three entries `M.lora_A.weight` `[r, in]`,
+  `M.lora_B.weight` `[out, r]` and `M.lora_scaling` `[]` (peft's `scaling`, alpha / r), from which
+  the receiver rebuilds `M.weight = W_base + (B @ A) * scaling` on top of the base weights it
+  loaded at start (`broadcaster.lora`); any other entry is a whole weight that replaces its base
+  tensor (e.g. noisy RMSNorm weights, `broadcaster.noise`). Always absolute, never a diff of the
+  previous version, so a missed version costs nothing.
+
 Invariants:
 - Names are Hugging Face checkpoint names (`model.layers.0.self_attn.q_proj.weight`), i.e. what
   `save_pretrained` would write. vLLM's `load_weights` maps them to its own fused layout.
@@ -21,17 +31,28 @@ Invariants:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
 
 import torch
 
-#: Default bucket size; both sides must use the same value (it is not sent on the wire).
-DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+#: Default bucket size; both sides must use the same value (it is not sent on the wire). 32 MiB:
+#: small enough that copying bucket k+1 into its buffer overlaps sending bucket k (a 400 MB model
+#: went from ~1.4x to ~1x a raw gloo broadcast of the same bytes going from 256 MiB to 32 MiB,
+#: bench/broadcast.py), large enough that the per-collective overhead stays negligible.
+DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
 
-#: Name fragments that mean an unmerged PEFT model was passed instead of merged HF weights.
-_PEFT_MARKERS = ("lora_A", "lora_B", "lora_embedding", "base_model.model.", ".base_layer.")
+#: Suffixes of the three entries of one adapted module in a "lora" payload (see the docstring).
+LORA_A_SUFFIX = ".lora_A.weight"
+LORA_B_SUFFIX = ".lora_B.weight"
+LORA_SCALING_SUFFIX = ".lora_scaling"
+_LORA_SUFFIXES = (LORA_A_SUFFIX, LORA_B_SUFFIX, LORA_SCALING_SUFFIX)
+
+#: Name fragments that mean a raw PEFT state dict was passed (adapter names with an adapter
+#: segment such as `lora_A.default.weight`, the `base_model.model.` prefix, wrapped base layers).
+_PEFT_MARKERS = re.compile(r"lora_A|lora_B|lora_embedding|base_model\.model\.|\.base_layer\.")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -47,31 +68,74 @@ def parse_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def build_manifest(state_dict: Mapping[str, torch.Tensor]) -> list[list]:
-    """The manifest of an HF `state_dict()`, in its iteration order, aliases dropped.
+def is_lora_entry(name: str) -> bool:
+    """Whether `name` is one of the three entries of an adapted module in a "lora" payload."""
+    return name.endswith(_LORA_SUFFIXES) and "base_model.model." not in name
 
-    Raises ValueError for PEFT adapter names: pass the MERGED full weights with HF names
-    (e.g. `peft_model.merge_and_unload().state_dict()` on a copy, or an equivalent merge) so vLLM
-    receives plain weights.
+
+def build_manifest(state_dict: Mapping[str, torch.Tensor]) -> list[list]:
+    """The manifest of an HF `state_dict()` or of a "lora" payload, in iteration order, aliases dropped.
+
+    Raises:
+        ValueError: a raw PEFT name (`...lora_A.default.weight`, `base_model.model.`,
+            `.base_layer.`): pass the merged full weights with HF names
+            (`trainer.model.policy_state_dict`) or the adapter payload
+            (`trainer.model.lora_adapter_state_dict`); or a "lora" payload whose modules lack
+            one of their three entries (`lora_modules`).
+        TypeError: a value is not a Tensor.
     """
     manifest: list[list] = []
-    seen: set[tuple[int, int, tuple[int, ...], torch.dtype]] = set()
+    seen: set[tuple[int, tuple[int, ...], torch.dtype]] = set()
     for name, tensor in state_dict.items():
-        if any(marker in name for marker in _PEFT_MARKERS):
+        if _PEFT_MARKERS.search(name) and not is_lora_entry(name):
             raise ValueError(
                 f"state dict entry {name!r} looks like an unmerged PEFT/LoRA parameter; "
-                "pass the merged full weights with Hugging Face names instead"
+                "pass the merged full weights with Hugging Face names, or the adapter payload of "
+                "trainer.model.lora_adapter_state_dict, instead"
             )
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"state dict entry {name!r} is {type(tensor).__name__}, not a Tensor")
-        # Same storage, offset, shape and dtype == the same parameter (tied embeddings).
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
-               tuple(tensor.shape), tensor.dtype)
+        # Same first element, shape and dtype == the same parameter (tied embeddings).
+        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
         if tensor.numel() and key in seen:
             continue
         seen.add(key)
         manifest.append([name, dtype_name(tensor.dtype), list(tensor.shape)])
+    if payload_kind(manifest) == "lora":
+        lora_modules(manifest)  # validates the adapter entries
     return manifest
+
+
+def payload_kind(manifest: Sequence[Sequence]) -> str:
+    """"lora" if the manifest carries adapter entries (see the module docstring), else "full"."""
+    return "lora" if any(is_lora_entry(str(item[0])) for item in manifest) else "full"
+
+
+def lora_modules(manifest: Sequence[Sequence]) -> dict[str, tuple[int, int, int]]:
+    """`{hf_module_name: (out_features, rank, in_features)}` of every adapted module of a payload.
+
+    Raises:
+        ValueError: a module lacks one of `.lora_A.weight` `[r, in]`, `.lora_B.weight` `[out, r]`,
+            `.lora_scaling` `[]`, or their shapes disagree (naming the module and the fix).
+    """
+    shapes: dict[str, dict[str, tuple[int, ...]]] = {}
+    for name, _, shape in manifest:
+        for suffix in _LORA_SUFFIXES:
+            if is_lora_entry(name) and name.endswith(suffix):
+                shapes.setdefault(name[: -len(suffix)], {})[suffix] = tuple(int(s) for s in shape)
+    modules: dict[str, tuple[int, int, int]] = {}
+    for module, parts in shapes.items():
+        if set(parts) != set(_LORA_SUFFIXES):
+            missing = sorted(set(_LORA_SUFFIXES) - set(parts))
+            raise ValueError(f"LoRA payload: module {module!r} lacks {missing}; send all three entries per module")
+        a, b, scaling = parts[LORA_A_SUFFIX], parts[LORA_B_SUFFIX], parts[LORA_SCALING_SUFFIX]
+        if len(a) != 2 or len(b) != 2 or b[1] != a[0] or scaling != ():
+            raise ValueError(
+                f"LoRA payload: module {module!r} has lora_A {list(a)}, lora_B {list(b)}, scaling {list(scaling)}; "
+                "need lora_A [r, in], lora_B [out, r] and a 0-dim scaling"
+            )
+        modules[module] = (b[0], a[0], a[1])
+    return modules
 
 
 @dataclass(frozen=True)
@@ -120,7 +184,7 @@ def plan_buckets(manifest: Sequence[Sequence], bucket_bytes: int = DEFAULT_BUCKE
             raise ValueError(f"negative dimension in manifest entry {item!r}")
         dtype = parse_dtype(dtype_str)
         numel = prod(shape)
-        item_size = torch.empty((), dtype=dtype).element_size()
+        item_size = dtype.itemsize
         if dtype != current_dtype or (current_numel + numel) * item_size > bucket_bytes:
             flush()
             current_dtype = dtype
@@ -139,6 +203,6 @@ def bucket_views(bucket: Bucket, flat: torch.Tensor) -> list[tuple[str, torch.Te
 def manifest_num_bytes(manifest: Sequence[Sequence]) -> int:
     """Total payload size of the manifest in bytes."""
     return sum(
-        prod(int(s) for s in shape) * torch.empty((), dtype=parse_dtype(dtype)).element_size()
+        prod(int(s) for s in shape) * parse_dtype(dtype).itemsize
         for _, dtype, shape in manifest
     )

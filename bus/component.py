@@ -136,11 +136,17 @@ class Component:
         auth.disable(self.ctx)  # stops the ZAP authenticator, which would keep term() waiting
         self.ctx.term()
 
+    def supervised_pid(self) -> int:
+        """The pid the supervisor spawned for this component, sent in the handshake and every
+        heartbeat (it matches them against its process table): this process, unless a launcher
+        (torchrun) stands between them."""
+        return os.getpid()
+
     def report_ready(self, metrics_port: int) -> None:
         """Send the startup handshake to the supervisor (best effort when run standalone)."""
         sock = BusSocket(self.ctx, "supervisor", "send", self.endpoints.address("supervisor"), bind=False, stop=self.stop)
         try:
-            msg: Message = ComponentReady(id=new_id(), name=self.name, pid=os.getpid(), metrics_port=metrics_port)
+            msg: Message = ComponentReady(id=new_id(), name=self.name, pid=self.supervised_pid(), metrics_port=metrics_port)
             if not sock.send(msg, timeout_s=READY_SEND_TIMEOUT_S):
                 log.warning("no supervisor took the ready handshake; running standalone")
         finally:
@@ -157,12 +163,13 @@ class Component:
         if self._heartbeat_thread is not None:
             return
         period_s = self.cfg.bus.heartbeat_s
+        pid = self.supervised_pid()
 
         def beat() -> None:
             sock = BusSocket(self.ctx, "supervisor", "send", self.endpoints.address("supervisor"), bind=False, stop=self._heartbeat_stop)
             try:
                 while not self._heartbeat_stop.is_set():
-                    sock.send(ComponentHeartbeat(id=new_id(), name=self.name, pid=os.getpid(), state=self.heartbeat_state), timeout_s=period_s)
+                    sock.send(ComponentHeartbeat(id=new_id(), name=self.name, pid=pid, state=self.heartbeat_state), timeout_s=period_s)
                     self._heartbeat_stop.wait(period_s)
             finally:
                 sock.close()

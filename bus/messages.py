@@ -264,7 +264,10 @@ class WeightsReady(Message):
         version: the new policy version (= optimizer steps taken).
         method: ``"broadcast"`` (torch.distributed, tensors follow in ``manifest`` order) or
             ``"filesystem"`` (a safetensors directory at ``path`` with a READY marker).
-        manifest: ``[[name, dtype, shape], ...]`` tensors in broadcast order (HF names).
+        manifest: ``[[name, dtype, shape], ...]`` tensors in broadcast order (HF names): full
+            weights, or a LoRA adapter (``M.lora_A.weight``, ``M.lora_B.weight``,
+            ``M.lora_scaling`` per adapted module, plus whole RMSNorm weights when QeRL noise is
+            on) that the producer merges into its base weights; see :mod:`broadcaster.manifest`.
         path: directory of the weights for ``filesystem``; ``""`` otherwise.
         num_bytes: payload size, bytes.
     """

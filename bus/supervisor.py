@@ -180,6 +180,22 @@ def component_table(cfg: RunConfig) -> list[ComponentSpec]:
     return table
 
 
+def launch_prefix(cfg: RunConfig, spec: ComponentSpec) -> list[str]:
+    """The start of a component's command line: ``python -m MODULE``; for the trainer with
+    ``trainer.data_parallel`` N > 1, ``python -m torch.distributed.run --standalone
+    --nproc-per-node N -m MODULE`` (torchrun: every rank runs MODULE with the same arguments).
+
+    The whole torchrun group is one component: the supervisor watches (and kills, restarts) the
+    torchrun agent; its ranks run in their own sessions and die with it (``PR_SET_PDEATHSIG``),
+    and rank 0 sends the ready handshake and heartbeats in the agent's name
+    (:func:`trainer.distributed.launcher_pid`). ``--standalone`` picks a free local rendezvous port.
+    """
+    n = cfg.trainer.data_parallel
+    if spec.role != "trainer" or n == 1:
+        return [sys.executable, "-m", spec.module]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), "-m", spec.module]
+
+
 def backoff_s(consecutive_crashes: int, sup: SupervisorConfig) -> float:
     """Delay before restarting a component after its ``consecutive_crashes``-th crash in a row
     (>= 1): ``min(backoff_max_s, backoff_initial_s * 2**(consecutive_crashes - 1))``, seconds."""
@@ -335,7 +351,7 @@ class Supervisor:
             env[ENV_RESTARTS] = str(spec.restarts)
         if spec.late_join:
             env[ENV_LATE_JOIN] = "1"
-        cmd = [sys.executable, "-m", spec.module, "--run-dir", str(self.run_dir), "--name", spec.name,
+        cmd = [*launch_prefix(self.cfg, spec), "--run-dir", str(self.run_dir), "--name", spec.name,
                "--index", str(spec.index), "--metrics-port", str(spec.port_request)]
         notes = [f"restart {spec.restarts}"] if spec.restarts else []
         notes += ["resume"] * self.resume + ["late join"] * spec.late_join

@@ -80,8 +80,13 @@ class RewardsConfig(Section):
         description="Reward function: a registered name, or an import path 'package.module:function' (runs the code it "
         "names: configs are trusted); empty: the task's own.",
     )
-    std_normalize: bool = Field(True, description="Divide advantages by the group std (GRPO); False: mean-centred only (Dr. GRPO).")
-    eps: float = Field(1e-6, gt=0, description="Added to the std in the advantage denominator.")
+    advantage: str = Field(
+        "grpo",
+        description="Group advantage estimator (rewards/advantages.py): 'grpo' (r - mean) / (std + eps); 'drgrpo' r - mean; "
+        "'rloo' r_i - mean of the others; 'length_weighted' r - token-weighted mean reward; or an import path "
+        "'package.module:function' to fn(rewards [G] float64, completion_lengths [G] int64) -> [G] (imported at worker start).",
+    )
+    eps: float = Field(1e-6, gt=0, description="Added to the std in the 'grpo' advantage denominator.")
     isolate: bool = Field(
         True,
         description="Run the reward function in child processes: one that raises, hangs past timeout_s, crashes or returns "
@@ -93,6 +98,18 @@ class RewardsConfig(Section):
     num_procs: int = Field(
         2, ge=1, le=64, description="Child processes per reward worker (isolate only); the samples of a group are scored across them in parallel."
     )
+
+    @model_validator(mode="after")
+    def _advantage_known(self) -> "RewardsConfig":
+        # The names of rewards.advantages.ADVANTAGE_NAMES (not imported: this module stays numpy-free).
+        names = ("grpo", "drgrpo", "rloo", "length_weighted")
+        module, _, attr = self.advantage.partition(":")
+        if self.advantage not in names and not (module and attr):
+            raise ValueError(
+                f"rewards.advantage={self.advantage!r} is unknown; use one of {', '.join(names)} "
+                "or an import path 'package.module:function'"
+            )
+        return self
 
 
 class PackerConfig(Section):
@@ -106,21 +123,77 @@ class PackerConfig(Section):
 
 
 class LossConfig(Section):
-    """Token-level AIPO-style GRPO loss (see trainer/loss.py)."""
+    """The policy loss and its options (trainer/losses/; field for field the same as its LossSpec).
 
-    adv_tau: float = Field(1.0, ge=0, description="Weight of the advantage term.")
-    kl_tau: float = Field(0.0, ge=0, description="Weight of the -log_ratio (KL-like) term.")
-    token_mask_low: float = Field(0.125, gt=0, description="Tokens with importance ratio below this are masked.")
-    token_mask_high: float = Field(8.0, gt=0, description="Tokens with importance ratio above this are masked.")
-    geo_mask_low: float = Field(0.1, gt=0, description="Samples whose geometric-mean ratio is below this are masked.")
-    geo_mask_high: float = Field(10.0, gt=0, description="Samples whose geometric-mean ratio is above this are masked.")
+    Ratios: pi_rollout sampled the token, pi_train is the trainer now, pi_old the trainer at the
+    start of the step. "mismatch ratio" = pi_train / pi_rollout.
+    """
+
+    type: Literal["aipo", "ppo_clip", "importance_sampling", "gspo"] = Field(
+        "aipo",
+        description="aipo: masked importance-weighted policy gradient -sg(r*A)*log pi (prime-rl); ppo_clip: "
+        "max(-A*r, -A*clip(r, 1-eps_clip, 1+eps_clip_high)); importance_sampling: -(r*A), no clip; gspo: "
+        "sequence-level geometric-mean ratio with clipping (arXiv:2507.18071).",
+    )
+    adv_tau: float = Field(1.0, ge=0, allow_inf_nan=False, description="Weight of the advantage (every type).")
+    ratio_type: Literal["token", "sequence"] = Field(
+        "token", description="aipo only: weight each token by its own ratio, or by its sample's product of ratios clipped at sequence_clip_high."
+    )
+    token_mask_low: float = Field(0.125, ge=0, le=1, allow_inf_nan=False, description="aipo only: loss tokens with mismatch ratio below this get zero gradient.")
+    token_mask_high: float = Field(8.0, ge=1, allow_inf_nan=False, description="aipo only: loss tokens with mismatch ratio above this get zero gradient.")
+    geo_mask_low: float = Field(0.1, ge=0, le=1, allow_inf_nan=False, description="aipo only: samples whose geometric-mean mismatch ratio is below this get zero gradient.")
+    geo_mask_high: float = Field(10.0, ge=1, allow_inf_nan=False, description="aipo only: samples whose geometric-mean mismatch ratio is above this get zero gradient.")
+    sequence_mask_low: float | None = Field(
+        None, ge=0, le=1, allow_inf_nan=False, description="aipo only, null = off: samples with any loss token's mismatch ratio below this get zero gradient."
+    )
+    sequence_mask_high: float | None = Field(
+        None, ge=1, allow_inf_nan=False, description="aipo only, null = off: samples with any loss token's mismatch ratio above this get zero gradient."
+    )
+    sequence_clip_high: float = Field(10.0, ge=1, allow_inf_nan=False, description="aipo with ratio_type sequence: upper clip of the sample's ratio.")
+    eps_clip: float = Field(0.2, gt=0, lt=1, allow_inf_nan=False, description="ppo_clip and gspo: lower clip 1 - eps_clip of the ratio (GSPO paper: 3e-4).")
+    eps_clip_high: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="ppo_clip and gspo: upper clip 1 + eps_clip_high (DAPO clip-higher: 0.28; GSPO paper: 4e-4); null = eps_clip."
+    )
+    eps_clip_c: float | None = Field(
+        None, gt=1, allow_inf_nan=False, description="ppo_clip only, null = off: dual clip, a negative-advantage token's loss is at most -A * eps_clip_c (verl default 3)."
+    )
+    icepop_beta: float | None = Field(
+        None, gt=1, allow_inf_nan=False, description="Any type, null = off: IcePop, loss tokens whose mismatch ratio is outside [1/beta, beta] get zero gradient."
+    )
+    use_tis: bool = Field(
+        False,
+        description="Any type: truncated importance sampling; the ratio becomes pi_train/pi_old and each token's loss is weighted "
+        "by clip(pi_old/pi_rollout, tis_clip_low, tis_clip_high).",
+    )
+    tis_clip_low: float = Field(0.0, ge=0, le=1, allow_inf_nan=False, description="Lower bound of the TIS weight.")
+    tis_clip_high: float = Field(2.0, ge=1, allow_inf_nan=False, description="Upper bound of the TIS weight (the TIS blog's C = 2).")
+    kl_tau: float = Field(0.0, ge=0, allow_inf_nan=False, description="Any type: weight of the per-token KL(pi_train || reference) penalty; 0 = off.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="KL penalty estimator (Schulman): k1 = log(pi/ref), k2 = log(pi/ref)^2 / 2, k3 = ref/pi - 1 - log(ref/pi)."
+    )
+    kl_reference: Literal["rollout", "reference"] = Field(
+        "rollout", description="KL penalty against the sampler's logprobs, or a frozen reference model's (samples must carry them)."
+    )
+    teacher_tau: float = Field(
+        0.0, ge=0, allow_inf_nan=False, description="Any type: on-policy distillation, advantage += teacher_tau * (lp_teacher - lp_train); needs teacher logprobs."
+    )
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = Field(
+        "token_mean",
+        description="token_mean: over every loss token of the step; seq_mean_token_mean: mean over samples of each sample's "
+        "token mean; seq_mean_token_sum_norm: sum over tokens / sampling.max_tokens, mean over samples (Dr. GRPO).",
+    )
 
     @model_validator(mode="after")
     def _bounds_ordered(self) -> "LossConfig":
-        if not self.token_mask_low < 1.0 < self.token_mask_high:
-            raise ValueError("need token_mask_low < 1 < token_mask_high")
-        if not self.geo_mask_low < 1.0 < self.geo_mask_high:
-            raise ValueError("need geo_mask_low < 1 < geo_mask_high")
+        if not self.tis_clip_low < self.tis_clip_high:
+            raise ValueError(f"need tis_clip_low < tis_clip_high, got {self.tis_clip_low} and {self.tis_clip_high}")
+        if self.type != "aipo":
+            aipo_only = [k for k in ("sequence_mask_low", "sequence_mask_high") if getattr(self, k) is not None]
+            aipo_only += ["ratio_type"] if self.ratio_type != "token" else []
+            if aipo_only:
+                raise ValueError(f"{', '.join(aipo_only)} only apply to type aipo (type is {self.type}): remove them or set type: aipo")
+        if self.type != "ppo_clip" and self.eps_clip_c is not None:
+            raise ValueError(f"eps_clip_c (dual clip) only applies to type ppo_clip (type is {self.type}): remove it")
         return self
 
 
@@ -163,9 +236,42 @@ class TrainerConfig(Section):
         "released right after training and a restarted trainer cannot resume (it refuses to start).",
     )
     checkpoint_keep: int = Field(2, ge=1, le=1000, description="Complete checkpoints kept on disk; older ones are deleted after each save.")
+    data_parallel: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Data-parallel trainer ranks on this host. > 1: busctl launches the trainer under torchrun "
+        "(`torch.distributed.run --standalone --nproc-per-node N`) as one supervised component; rank 0 talks to the bus "
+        "and sends every other rank its share of each step's micro-batches; gradients are summed over ranks (DDP).",
+    )
+    dp_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed backend of the data-parallel gradients; auto: nccl with CUDA (rank r on cuda:r), else gloo."
+    )
+    dp_timeout_s: float = Field(
+        3600.0,
+        gt=0,
+        description="Bound on each collective of the data-parallel group, seconds; ranks > 0 wait up to this long for "
+        "rank 0's next step (which waits for the bus), so keep it above the slowest step.",
+    )
     loss: LossConfig = Field(default_factory=LossConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     lora: LoraSection = Field(default_factory=LoraSection)
+
+
+class NoiseSchedulerConfig(Section):
+    """QeRL adaptive noise on the RMSNorm weights sent to the producers (broadcaster/noise.py)."""
+
+    enabled: bool = Field(False, description="Add N(0, sigma^2) to the input/post-attention/final RMSNorm weights the producers receive; the trainer's stay clean.")
+    sigma_start: float = Field(5e-2, gt=0, le=1.0, description="Sigma of the first noisy stage (QeRL Sec. 4.1 uses 5e-2 to 5e-4).")
+    sigma_end: float = Field(5e-4, gt=0, le=1.0, description="Sigma of the last stage; geometric decay from sigma_start (QeRL eq. 8).")
+    num_stages: int = Field(10, ge=2, le=10_000, description="Equal stages over trainer.max_steps; the first has no noise, the other num_stages - 1 decay from sigma_start to sigma_end.")
+    seed: int = Field(0, ge=0, description="Noise seed; version v's noise is drawn from seed * 1000003 + v.")
+
+    @model_validator(mode="after")
+    def _decays(self) -> "NoiseSchedulerConfig":
+        if self.sigma_end > self.sigma_start:
+            raise ValueError(f"noise_scheduler.sigma_end ({self.sigma_end}) > sigma_start ({self.sigma_start}); the noise decays: swap them")
+        return self
 
 
 class BroadcastConfig(Section):
@@ -176,6 +282,12 @@ class BroadcastConfig(Section):
     host: str = Field("127.0.0.1", description="Rendezvous host of the broadcast group (the trainer's address).")
     port: int = Field(0, ge=0, le=65535, description="Rendezvous port; 0 picks a free one at start-up.")
     timeout_s: float = Field(300.0, gt=0, description="Bound on the group rendezvous and on each broadcast, seconds.")
+    lora_payload: Literal["adapter", "merged"] = Field(
+        "adapter",
+        description="With trainer.lora and method broadcast: send only the adapter (producers merge it into the base weights they keep), "
+        "or the merged full weights. The filesystem method always writes merged weights.",
+    )
+    noise_scheduler: NoiseSchedulerConfig = Field(default_factory=NoiseSchedulerConfig)
 
 
 class BusConfig(Section):

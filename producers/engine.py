@@ -243,8 +243,10 @@ class RolloutEngine:
                              bucket_bytes: int | None = None) -> float:
         """Receive a broadcast of `manifest` as policy `version`; returns seconds spent paused.
 
-        Must run concurrently with the trainer's `WeightBroadcaster.send(state_dict, version)`;
-        `bucket_bytes` must match the broadcaster's (None: the shared default).
+        Must run concurrently with the trainer's `WeightBroadcaster.start_send(state_dict,
+        version)`; `bucket_bytes` must match the broadcaster's (None: the shared default). A
+        "lora" manifest (an adapter, `broadcaster.manifest`) is merged into the checkpoint's base
+        weights in the worker (`producers.weight_sync`).
         Raises ValueError, receiving nothing, if `version <= self.version`: a re-announced
         version is not being sent again, so joining the collective would block forever.
         """
@@ -254,7 +256,8 @@ class RolloutEngine:
         return await self._apply(version, "receive_weights", kwargs)
 
     async def load_weights_from_path(self, version: int, path: str | Path) -> float:
-        """Load a safetensors directory/file as policy `version`; returns seconds spent paused.
+        """Load a safetensors directory/file (merged weights, or a LoRA adapter payload) as policy
+        `version`; returns seconds spent paused.
 
         `version` may be lower than the current one (a trainer resumed from a checkpoint rolls the
         policy back); raises ValueError if it equals the current version.

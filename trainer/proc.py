@@ -7,8 +7,10 @@ Per step ``s`` (0-based; the weights in use have policy version ``s``):
    (:class:`trainer.ledger.StepLedger` buffers them by step: they may come in any order and
    ahead of the step being trained);
 2. clip and step AdamW (:class:`trainer.trainer.Trainer`); the policy is now version ``s + 1``;
-3. announce ``weights.ready(s + 1)`` and send the weights (broadcast: announce first, since the
-   collective blocks until every producer joins; filesystem: write, then announce);
+3. announce ``weights.ready(s + 1)`` and send the weights (broadcast: wait for the previous
+   version's transfer, announce, copy the weights into the send buffers and let the backend move
+   them while the trainer goes on with the next step; with LoRA only the adapter travels and the
+   producers merge it; filesystem: write, then announce);
 4. append one line to ``metrics.jsonl`` and the step's sample ids and versions to
    ``trained_samples.jsonl`` (the record that every sample trained exactly once);
 5. checkpoint to ``checkpoints/step_N`` every ``checkpoint_interval`` steps and after the last
@@ -53,6 +55,13 @@ re-publishes that version through the filesystem.
 
 ``eval_reward_mean`` is measured before the first step (not after a resume) and after the last;
 then ``run.done`` is published, which ends the run.
+
+Data parallelism (``trainer.data_parallel`` N > 1): ``busctl up`` starts this module under
+torchrun with N ranks (:func:`main`). Rank 0 is this component and does all of the above; it
+names the checkpoint it resumed from (or none) to the other ranks, wraps the forward in DDP, and
+sends each rank its share of every step (:mod:`trainer.distributed`); ranks > 0 run
+:mod:`trainer.follower` (no bus). Rank 0's metrics cover the whole step. Its ready handshake and
+heartbeats carry the torchrun agent's pid, the process the supervisor watches.
 """
 
 from __future__ import annotations
@@ -69,18 +78,21 @@ import torch
 from prometheus_client import Counter, Gauge, Histogram
 from transformers import AutoTokenizer
 
-from broadcaster.broadcaster import WeightBroadcaster
+from broadcaster.broadcaster import SendFailed, WeightBroadcaster
 from broadcaster.manifest import manifest_num_bytes
+from broadcaster.noise import is_rmsnorm_weight, qerl_noise_sigma, with_rmsnorm_noise
 from bus.component import Component, component_main
 from bus.messages import GroupsTrained, MicroBatch, RunDone, TrainerStep, WeightsReady, new_id
 from bus.metrics import POLICY_VERSION
 from producers.tasks import load_task_examples, render_messages
 from rewards.registry import get_reward_fn
-from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.checkpoint import latest_checkpoint, save_checkpoint
+from trainer.distributed import launcher_pid
+from trainer.follower import follower_main, join_data_parallel, load_trainer_checkpoint
 from trainer.evaluate import eval_reward_mean
 from trainer.ledger import StepLedger, append_jsonl, group_id, keep_jsonl_records
-from trainer.model import load_policy, policy_state_dict
-from trainer.trainer import Trainer
+from trainer.model import lora_adapter_state_dict, load_policy, policy_state_dict
+from trainer.trainer import build_trainer
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +104,13 @@ RECV_SLICE_S = 0.5
 """Longest wait for one micro-batch before checking the stop request again, seconds."""
 
 STEP_SECONDS = Histogram("rlbus_trainer_step_seconds", "Wall time per optimizer step incl. waiting for data, seconds")
-BROADCAST_SECONDS = Histogram("rlbus_trainer_weight_broadcast_seconds", "Time to send new weights, seconds")
+BROADCAST_SECONDS = Histogram(
+    "rlbus_trainer_weight_broadcast_seconds",
+    "Time the trainer thread spends publishing new weights (a broadcast's bytes then move in the background), seconds",
+)
+TRANSFER_SECONDS = Histogram(
+    "rlbus_trainer_weight_transfer_seconds", "Duration of a background weight broadcast, start to every producer received, seconds"
+)
 BROADCAST_FALLBACKS = Counter(
     "rlbus_trainer_broadcast_fallbacks_total",
     "Weight broadcasts that raised (a producer died, a gloo/nccl error); the trainer then uses the filesystem method",
@@ -110,7 +128,15 @@ TRAINER_GAUGES = {
         "reward_mean": "Mean reward of the last step's samples",
         "loss": "Loss of the last step",
         "kl": "Mean k3 KL(infer || train) estimate of the last step, nats",
-        "masked_frac": "Fraction of loss tokens masked by the importance-ratio bounds",
+        "masked_frac": "Fraction of the last step's loss tokens given zero gradient by a mask (token, sequence, IcePop)",
+        "clipfrac": "Fraction of the last step's loss tokens whose gradient a clip removed (PPO/GSPO clip, dual clip)",
+        "entropy": "Mean entropy of the tempered policy over the last step's loss tokens, nats",
+        "importance_ratio_mean": "Mean importance ratio pi_train / pi_rollout over the last step's loss tokens",
+        "importance_ratio_min": "Smallest importance ratio pi_train / pi_rollout of the last step",
+        "importance_ratio_max": "Largest importance ratio pi_train / pi_rollout of the last step",
+        "num_loss_tokens": "Loss tokens of the last step, tokens",
+        "kl_penalty": "Mean KL-penalty estimator (trainer.loss.kl_estimator) of the last step, nats (when kl_tau > 0)",
+        "teacher_kl": "Mean lp_train - lp_teacher over the last step's loss tokens, nats (with teacher logprobs)",
         "grad_norm": "Gradient norm before clipping",
         "policy_lag_mean": "Mean off-policy lag of the last step's samples, steps",
         "tokens_per_s": "Trained tokens per second of wall time",
@@ -171,9 +197,11 @@ class TrainerProc(Component):
         # open first: by the time anything is announced, the PUB has long joined the hub
         self.control = self.control_publisher()
         self.outcomes  # noqa: B018 - opened here, before any thread could race to open it
-        self.model = load_policy(cfg.model.path, cfg.trainer.lora)
+        self.dp = join_data_parallel(cfg)
+        """This rank 0's data-parallel group (``trainer.data_parallel > 1``), else None."""
+        self.model = load_policy(cfg.model.path, cfg.trainer.lora).to(self.dp.device if self.dp else "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        self.trainer = Trainer(self.model, cfg.trainer, cfg.sampling.temperature)
+        self.trainer = build_trainer(self.model, cfg)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.samples_path = self.run_dir / "trained_samples.jsonl"
         self.checkpoint_dir = self.run_dir / "checkpoints"
@@ -185,7 +213,12 @@ class TrainerProc(Component):
         self.start_step = 0
         self.reannounce_from = 0
         """Steps ``[reannounce_from, start_step)`` get their ``groups.trained`` announced again."""
+        self.restored_from: Path | None = None
+        """The checkpoint this trainer resumed from (every data-parallel rank loads it too)."""
         self.restore()
+        if self.dp is not None:  # every rank from the same checkpoint, then DDP
+            self.dp.send_text(str(self.restored_from or ""))
+            self.trainer.enable_data_parallel(self.dp)
         self.ledger = StepLedger(self.start_step)
         self.batches = self.reliable_receiver("batches", self.endpoints.address("batches"), bind=False, accept=(MicroBatch,))
         b = cfg.broadcast
@@ -235,7 +268,8 @@ class TrainerProc(Component):
             log.warning("restarted (restart %d, resume %s) with no checkpoint in %s: starting again at step 0",
                         restarts, resume, self.checkpoint_dir)
         else:
-            state = load_checkpoint(path, model=self.model, optimizer=self.trainer.optimizer)
+            state = load_trainer_checkpoint(path, self.trainer)
+            self.restored_from = path
             step = state["step"]
             if step > self.cfg.trainer.max_steps:
                 raise ValueError(f"{path} is at step {step}, beyond trainer.max_steps ({self.cfg.trainer.max_steps})")
@@ -303,32 +337,80 @@ class TrainerProc(Component):
         return micro_batches
 
     def publish_weights(self, version: int) -> float:
-        """Announce and send the weights of ``version``; returns seconds spent.
+        """Announce and send the weights of ``version``; returns the seconds the trainer thread
+        spent here (a broadcast's bytes move in the background).
 
-        A broadcast that raises switches the trainer to the filesystem method for good and
-        sends ``version`` again that way (see the module docstring).
+        Broadcast: wait for the previous version's transfer (normally done long ago), announce
+        ``weights.ready``, then copy :meth:`weights_payload` into the broadcaster's send buffers and
+        hand it to the backend (``WeightBroadcaster.start_send``): the trainer goes on with the next
+        step while the producers receive. A transfer that fails (at once, or seen by the next
+        publish's wait) switches the trainer to the filesystem method for good and re-publishes the
+        failed version that way: a background one from its send buffers (so in the payload it was
+        broadcast in, an adapter with LoRA: producers load both kinds), one that failed at once
+        from the current weights (see the module docstring). Filesystem: merged weights, written,
+        then announced.
         """
         started = time.perf_counter()
-        state = policy_state_dict(self.model)
+        self.settle_weights()
         if self.broadcaster.method == "broadcast":
+            adapter = self.cfg.trainer.lora.enabled and self.cfg.broadcast.lora_payload == "adapter"
+            state = self.weights_payload(version, adapter=adapter)
             manifest = self.broadcaster.manifest(state)
             num_bytes = manifest_num_bytes(manifest)
             self.control.send(WeightsReady(id=new_id(), version=version, method="broadcast", manifest=manifest, path="", num_bytes=num_bytes))
             try:
-                self.broadcaster.send(state, version)
+                self.broadcaster.start_send(state, version, manifest)
             except RuntimeError as exc:  # torch.distributed errors (DistBackendError, timeouts) are RuntimeErrors
                 self.fall_back_to_filesystem(version, exc)
         if self.broadcaster.method == "filesystem":
-            info = self.broadcaster.send(state, version)
-            self.control.send(
-                WeightsReady(id=new_id(), version=version, method="filesystem", manifest=info["manifest"], path=info["path"], num_bytes=info["num_bytes"])
-            )
+            self.write_weights(version, self.weights_payload(version, adapter=False))
         elapsed = time.perf_counter() - started
         BROADCAST_SECONDS.observe(elapsed)
         return elapsed
 
+    def settle_weights(self) -> None:
+        """Wait for the broadcast in flight (if any) to reach every producer; if it failed, switch
+        to the filesystem method and re-publish its version from its send buffers. Records the
+        transfer's duration (``rlbus_trainer_weight_transfer_seconds``)."""
+        if self.broadcaster.method != "broadcast":
+            return
+        try:
+            done = self.broadcaster.wait()
+        except SendFailed as exc:
+            self.fall_back_to_filesystem(exc.version, exc)
+            self.write_weights(exc.version, exc.payload)
+            return
+        if done and done.get("transfer_s") is not None:
+            TRANSFER_SECONDS.observe(done["transfer_s"])
+
+    def write_weights(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        """Filesystem method: write ``state`` as ``version`` and announce it."""
+        info = self.broadcaster.send(state, version)
+        self.control.send(
+            WeightsReady(id=new_id(), version=version, method="filesystem", manifest=info["manifest"], path=info["path"], num_bytes=info["num_bytes"])
+        )
+
+    def weights_payload(self, version: int, *, adapter: bool) -> dict[str, torch.Tensor]:
+        """What the producers get as ``version``: the merged full weights
+        (:func:`trainer.model.policy_state_dict`), or with ``adapter`` only the LoRA adapter
+        (:func:`trainer.model.lora_adapter_state_dict`; with the noise scheduler on, the RMSNorm
+        weights travel whole alongside it). With ``broadcast.noise_scheduler.enabled`` the RMSNorm
+        weights in it are fresh noisy copies (QeRL, :mod:`broadcaster.noise`, stage of ``version``
+        over ``trainer.max_steps``); the trainer's own weights stay clean."""
+        noise = self.cfg.broadcast.noise_scheduler
+        if adapter:
+            state = lora_adapter_state_dict(self.model, include=is_rmsnorm_weight if noise.enabled else None)
+        else:
+            state = policy_state_dict(self.model)
+        if not noise.enabled:
+            return state
+        sigma = qerl_noise_sigma(version, self.cfg.trainer.max_steps, sigma_start=noise.sigma_start,
+                                 sigma_end=noise.sigma_end, num_stages=noise.num_stages)
+        return with_rmsnorm_noise(state, sigma, seed=noise.seed, version=version)
+
     def fall_back_to_filesystem(self, version: int, exc: BaseException) -> None:
-        """Replace the broken broadcast group by the filesystem method, for the rest of the run."""
+        """Replace the broken broadcast group by the filesystem method, for the rest of the run
+        (``version``: the version whose transfer failed, for the log)."""
         BROADCAST_FALLBACKS.inc()
         log.error("broadcast of weights version %d failed (%s: %s); sending weights through %s from now on",
                   version, type(exc).__name__, exc, self.weights_dir)
@@ -391,7 +473,8 @@ class TrainerProc(Component):
             if micro_batches is None:
                 log.info("stopped before step %d", step)
                 return
-            metrics = self.trainer.step(micro_batches)
+            share = self.dp.send_step(micro_batches) if self.dp is not None else micro_batches
+            metrics = self.trainer.step(share)
             versions = np.concatenate([mb.versions for mb in micro_batches])
             lags = step - versions
             assert lags.max() <= self.cfg.packer.max_off_policy_steps, "the packer let a stale sample through"
@@ -419,6 +502,9 @@ class TrainerProc(Component):
             })
             self.commit(step)
             self.control.send(TrainerStep(id=new_id(), step=step, version=step, metrics=metrics))
+        if self.dp is not None:
+            self.dp.send_stop()  # the other ranks are done; rank 0 goes on (eval, outcomes, run.done)
+        self.settle_weights()  # the last version reaches the producers before run.done
         final = self.evaluate(step)
         deadline = time.monotonic() + OUTCOMES_DRAIN_S
         while self.outcomes.unfinished() and time.monotonic() < deadline and not self.stop.is_set():
@@ -432,8 +518,28 @@ class TrainerProc(Component):
         broadcaster = getattr(self, "broadcaster", None)
         if broadcaster is not None:
             broadcaster.close()
+        dp = getattr(self, "dp", None)
+        if dp is not None:
+            if getattr(self, "trainer", None) is not None:
+                self.trainer.disable_data_parallel()  # before the group goes
+            dp.close()
         super().close()
+
+    # -- the supervisor knows torchrun's agent, not rank 0 -----------------------------------------
+
+    def supervised_pid(self) -> int:
+        """:func:`launcher_pid`: under torchrun the supervisor spawned (and matches handshakes and
+        heartbeats against) the agent, whose child this rank 0 is."""
+        return launcher_pid()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trainer.proc``: rank 0 (or the only rank) is the :class:`TrainerProc`
+    component; ranks > 0 under torchrun run :func:`follower_main`."""
+    if int(os.environ.get("RANK", "0")) > 0:
+        return follower_main(argv)
+    return component_main(TrainerProc, argv)
 
 
 if __name__ == "__main__":
-    raise SystemExit(component_main(TrainerProc))
+    raise SystemExit(main())

@@ -1,9 +1,11 @@
 """The trainer's logic: one optimizer step from a list of packed micro-batches.
 
 Gradients are accumulated over the step's micro-batches; each micro-batch loss is already
-normalized by the loss tokens of the whole step (``MicroBatch.step_loss_tokens``), so their sum
-is the token-mean AIPO loss of the step (see :mod:`trainer.loss`). Then the gradient norm is
-clipped and AdamW steps with a constant learning rate. No sockets here (see :mod:`trainer.proc`).
+normalized by step-wide totals (``MicroBatch.step_loss_tokens`` and ``step_samples``), so their
+sum is the step's loss under the configured aggregation whatever the split into micro-batches
+and data-parallel ranks (see :mod:`trainer.loss`; tested in float64 by
+``tests/trainer/test_invariance.py``). Then the gradient norm is clipped and AdamW steps with a
+constant learning rate. No sockets here (see :mod:`trainer.proc`).
 
 Non-finite guard: if any micro-batch loss or the gradient norm is NaN/inf, the optimizer step is
 skipped: gradients are dropped, weights and AdamW state (moments, step count) stay bit-identical,
@@ -16,18 +18,22 @@ The micro-batches of a skipped step count as trained (they were consumed, not lo
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from prometheus_client import Counter
 
 from bus.messages import MicroBatch
-from configs.schema import TrainerConfig
-from trainer.loss import AipoLossConfig, aipo_loss
-from trainer.packed import packed_token_logprobs
+from configs.schema import RunConfig, TrainerConfig
+from trainer.loss import LossBatch, LossSpec, StepNorm, policy_loss
+from trainer.distributed import DataParallel
+from trainer.packed import PackedLogprobs
+from trainer.reference import ReferencePolicy
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +54,12 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig) -> torch.optim.O
     return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
 
 
+def build_trainer(model: torch.nn.Module, cfg: RunConfig) -> "Trainer":
+    """The run's :class:`Trainer`: the trainer section, the sampler's temperature (the trainer's
+    logprobs must be the sampler's quantity) and its ``max_tokens`` (Dr. GRPO's normalizer)."""
+    return Trainer(model, cfg.trainer, cfg.sampling.temperature, max_tokens=cfg.sampling.max_tokens)
+
+
 class Trainer:
     """Takes optimizer steps on the policy.
 
@@ -58,89 +70,179 @@ class Trainer:
             the trainer's logprobs are the same quantity as the producers'.
     """
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, temperature: float) -> None:
+    def __init__(
+        self, model: torch.nn.Module, cfg: TrainerConfig, temperature: float, *, max_tokens: int | None = None
+    ) -> None:
         self.model = model
         self.cfg = cfg
         self.temperature = temperature
         self.optimizer = build_optimizer(model, cfg)
-        lc = cfg.loss
-        self.loss_cfg = AipoLossConfig(
-            adv_tau=lc.adv_tau,
-            kl_tau=lc.kl_tau,
-            token_mask_low=lc.token_mask_low,
-            token_mask_high=lc.token_mask_high,
-            geo_mask_low=lc.geo_mask_low,
-            geo_mask_high=lc.geo_mask_high,
-        )
+        self.logprobs: torch.nn.Module = PackedLogprobs(model, temperature)
+        """The packed forward (wrapped in DDP by :meth:`enable_data_parallel`)."""
+        self.loss_spec = LossSpec.from_config(cfg.loss)
+        if self.loss_spec.aggregation == "seq_mean_token_sum_norm" and max_tokens is None:
+            raise ValueError("aggregation seq_mean_token_sum_norm needs max_tokens (the sampler's sampling.max_tokens)")
+        self.max_tokens = max_tokens if max_tokens is not None else 1
+        """Dr. GRPO's constant normalizer (tokens); only seq_mean_token_sum_norm uses it."""
+        needs_reference = self.loss_spec.kl_tau > 0 and self.loss_spec.kl_reference == "reference"
+        self.reference = ReferencePolicy(model, temperature) if needs_reference else None
+        """The frozen start policy of the KL penalty, built before any step (None: not used)."""
 
     def micro_step(self, mb: MicroBatch) -> tuple[float, dict[str, float]]:
         """Forward + backward of one micro-batch; returns its loss contribution and loss stats.
+
+        The loss is :func:`trainer.loss.policy_loss` with the step-wide normalizers the packer
+        wrote into every micro-batch of the step (``step_loss_tokens``, ``step_samples``), so the
+        step's gradient does not depend on how its samples were split into micro-batches or ranks.
+        Inputs besides the policy's own logprobs: the sampler's (``inference_logprobs``), the
+        old policy's when ``use_tis`` (rlbus takes ONE optimizer step per batch, so the old policy
+        is the weights at the start of this step: ``lp_train.detach()`` exactly), the frozen
+        reference's when ``kl_reference: reference``, and the teacher's when the samples carry them.
 
         Besides the loss stats, reports ``onpolicy_tokens`` and ``onpolicy_lp_diff_max``: the
         largest ``|lp_train - lp_infer|`` over loss tokens of samples generated under exactly
         the weights being trained (version == step). Those must agree up to numerics; a large
         value means the producers do not run the trainer's weights.
         """
-        input_ids = torch.from_numpy(np.array(mb.input_ids, dtype=np.int64))
-        seq_lens = torch.from_numpy(np.array(mb.seq_lens, dtype=np.int64))
-        lp_infer = torch.from_numpy(np.array(mb.inference_logprobs))
-        loss_mask = torch.from_numpy(np.array(mb.loss_mask))
-        lp_train = packed_token_logprobs(self.model, input_ids, seq_lens, temperature=self.temperature)
-        loss, stats = aipo_loss(
-            lp_train,
-            lp_infer,
-            torch.from_numpy(np.array(mb.advantages)),
-            loss_mask,
-            seq_lens,
-            mb.step_loss_tokens,
-            self.loss_cfg,
+        device = next(self.model.parameters()).device
+
+        def tensor(array: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
+            return torch.from_numpy(np.array(array)).to(device=device, dtype=dtype)
+
+        input_ids = tensor(mb.input_ids, torch.int64)
+        seq_lens = tensor(mb.seq_lens, torch.int64)
+        loss_mask = tensor(mb.loss_mask)
+        lp_train, entropy = self.logprobs(input_ids, seq_lens)
+        lp_infer = tensor(mb.inference_logprobs, lp_train.dtype)
+        spec = self.loss_spec
+        batch = LossBatch(
+            lp_train=lp_train,
+            lp_rollout=lp_infer,
+            advantages=tensor(mb.advantages, lp_train.dtype),
+            loss_mask=loss_mask,
+            seq_lens=seq_lens,
+            lp_old=lp_train.detach() if spec.use_tis else None,
+            lp_ref=self.reference.logprobs(input_ids, seq_lens).to(lp_train.dtype) if self.reference else None,
+            lp_teacher=tensor(mb.teacher_logprobs, lp_train.dtype) if len(mb.teacher_logprobs) else None,
+            entropy=entropy.to(lp_train.dtype),
         )
+        norm = StepNorm(loss_tokens=mb.step_loss_tokens, num_samples=mb.step_samples, max_tokens=self.max_tokens)
+        loss, stats = policy_loss(batch, norm, spec)
         loss.backward()
-        token_version = torch.from_numpy(np.array(mb.versions)).repeat_interleave(seq_lens)
+        token_version = tensor(mb.versions).repeat_interleave(seq_lens)
         on_policy = loss_mask & (token_version == mb.step)
         diff = (lp_train.detach() - lp_infer)[on_policy].abs()
         stats["onpolicy_tokens"] = float(on_policy.sum())
         stats["onpolicy_lp_diff_max"] = float(diff.max()) if len(diff) else 0.0
         return float(loss.detach()), stats
 
-    def step(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
-        """One optimizer step over all micro-batches of a step.
+    dp: DataParallel | None = None
+    """This rank's data-parallel group, set by :meth:`enable_data_parallel` (None: one rank)."""
+
+    def enable_data_parallel(self, dp: DataParallel) -> None:
+        """Train as one rank of ``dp``: the packed forward runs in DDP (gradients summed over
+        ranks, see :mod:`trainer.distributed`) and :meth:`step` reduces its stats over ranks.
+
+        A collective: call it on every rank, each with the same weights and optimizer state (DDP's
+        constructor also broadcasts rank 0's parameters).
+        """
+        self.dp = dp
+        self.logprobs = dp.wrap(self.logprobs)
+
+    def disable_data_parallel(self) -> None:
+        """Back to one rank: unwrap the DDP module and free its reducer (idempotent).
+
+        Call it before ``DataParallel.close``: a reducer that outlives the group frees the group's
+        last reference from C++ with the GIL held, and gloo's destructor then waits for worker
+        threads that need the GIL (a deadlock at exit, pytorch/pytorch#56297).
+        """
+        if self.dp is None:
+            return
+        assert isinstance(self.logprobs, torch.nn.parallel.DistributedDataParallel)
+        self.logprobs = self.logprobs.module
+        self.dp = None
+        gc.collect()  # the reducer goes now, not at some later collection
+
+    def padding_micro_step(self) -> None:
+        """Forward + backward with zero loss, for a padding slot of a data-parallel step.
+
+        Every trainable parameter gets a zero gradient through the same DDP module, so this rank
+        runs as many forwards and backwards as the others and joins the gradient all-reduce; its
+        accumulated gradient is unchanged (``0 * logprobs``; a non-finite forward would still
+        poison it, and then the step is skipped on every rank anyway).
+        """
+        device = next(self.model.parameters()).device
+        input_ids = torch.zeros(2, dtype=torch.int64, device=device)
+        seq_lens = torch.tensor([2], dtype=torch.int64, device=device)
+        lp, _entropy = self.logprobs(input_ids, seq_lens)
+        (lp.sum() * 0.0).backward()
+
+    def step(self, micro_batches: Sequence[MicroBatch | None]) -> dict[str, float]:
+        """One optimizer step over all micro-batches of a step (with data parallelism: this
+        rank's share of them, padded with ``None`` slots; see :mod:`trainer.distributed`).
+
+        Gradients of the micro-batches accumulate (under DDP ``no_sync`` but for the last slot,
+        whose backward all-reduces them). The micro-batch stats are merged with
+        :func:`merge_stats` over micro-batches and then over ranks, so every rank's metrics cover
+        the whole step. The gradient norm is clipped on the synchronized gradient (the same on
+        every rank), and whether the non-finite guard skips the step is decided on the merged
+        stats, so every rank skips or steps alike.
 
         Returns:
             Step metrics: ``loss``, ``kl`` (mean k3 estimate, nats), ``masked_frac``,
-            ``importance_ratio_mean/min/max``, ``grad_norm`` (before clipping), ``num_tokens``,
+            ``importance_ratio_mean/min/max``, ``clipfrac`` (loss tokens whose gradient a clip
+            removed), ``entropy`` (mean entropy of the tempered policy, nats), and when their
+            option is on ``kl_penalty`` (mean penalty estimator, nats), ``teacher_kl`` (mean
+            lp_train - lp_teacher, nats), ``tis_clipfrac``; ``grad_norm`` (before clipping), ``num_tokens``,
             ``num_loss_tokens``, ``num_samples``, ``num_micro_batches``, ``reward_mean``,
             ``reward_std``, ``onpolicy_tokens``, ``onpolicy_lp_diff_max`` (see :meth:`micro_step`),
-            ``train_time_s``, ``skipped`` (1.0 if the non-finite guard skipped the optimizer
-            step, else 0.0; see the module docstring). On a skipped step ``loss`` and
-            ``grad_norm`` may be NaN/inf.
+            ``train_time_s`` (this rank's), ``skipped`` (1.0 if the non-finite guard skipped the
+            optimizer step, else 0.0; see the module docstring), and every other micro-batch
+            stat as its step total (sum, or min/max for ``*_min``/``*_max``). On a skipped step
+            ``loss`` and ``grad_norm`` may be NaN/inf.
 
         Raises:
-            ValueError: ``micro_batches`` is empty or mixes steps.
+            ValueError: no slots, micro-batches of several steps, padding slots without data
+                parallelism, or (one rank) no micro-batch at all.
         """
-        if not micro_batches or len({mb.step for mb in micro_batches}) != 1:
+        real = [mb for mb in micro_batches if mb is not None]
+        if not micro_batches or len({mb.step for mb in real}) > 1 or (self.dp is None and not real):
             raise ValueError("a step needs its micro-batches, all of one step")
+        if self.dp is None and len(real) < len(micro_batches):
+            raise ValueError("padding slots (None) are for data-parallel steps; call enable_data_parallel first")
         started = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = 0.0
-        finite_losses = True
-        totals: dict[str, float] = {"loss_tokens": 0.0, "masked_tokens": 0.0, "kl_sum": 0.0, "ratio_sum": 0.0}
-        ratio_min, ratio_max = math.inf, -math.inf
-        onpolicy_tokens, onpolicy_diff = 0.0, 0.0
-        for mb in micro_batches:
-            mb_loss, stats = self.micro_step(mb)
-            loss += mb_loss
-            finite_losses &= math.isfinite(mb_loss)
-            for key in totals:
-                totals[key] += stats[key]
-            onpolicy_tokens += stats["onpolicy_tokens"]
-            onpolicy_diff = max(onpolicy_diff, stats["onpolicy_lp_diff_max"])
-            ratio_min = min(ratio_min, stats["ratio_min"])
-            ratio_max = max(ratio_max, stats["ratio_max"])
+        totals: dict[str, float] = {}
+        last = len(micro_batches) - 1
+        for k, mb in enumerate(micro_batches):
+            with DataParallel.grad_sync(self.logprobs, sync=k == last):
+                if mb is None:
+                    self.padding_micro_step()
+                    continue
+                mb_loss, stats = self.micro_step(mb)
+            rewards = np.asarray(mb.rewards, dtype=np.float64)
+            stats.update(
+                loss=mb_loss,
+                non_finite_losses=float(not math.isfinite(mb_loss)),
+                num_tokens=float(len(mb.input_ids)),
+                num_micro_batches=1.0,
+                num_samples=float(len(rewards)),
+                reward_sum=float(rewards.sum()),
+                reward_sq_sum=float((rewards**2).sum()),
+            )
+            totals = merge_stats(totals, stats)
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.max_grad_norm))
-        reason = None if finite_losses else "non_finite_loss"
-        if reason is None and not math.isfinite(grad_norm):
+        totals["non_finite_grad_max"] = float(not math.isfinite(grad_norm))
+        if self.dp is not None:  # the whole step's stats, merged in rank order: identical on every rank
+            merged: dict[str, float] = {}
+            for rank_totals in self.dp.all_gather_stats(totals):
+                merged = merge_stats(merged, rank_totals)
+            totals = merged
+        reason = None
+        if totals.get("non_finite_losses", 0.0):
+            reason = "non_finite_loss"
+        elif totals["non_finite_grad_max"]:
             reason = "non_finite_grad"
         if reason is None:
             self.optimizer.step()
@@ -148,27 +250,69 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             SKIPPED_STEPS.labels(reason=reason).inc()
             log.warning(
-                "step %d: skipped the optimizer step (%s: loss %s, grad norm %s); weights unchanged",
-                micro_batches[0].step, reason, loss, grad_norm,
+                "step %s: skipped the optimizer step (%s: loss %s, grad norm %s); weights unchanged",
+                real[0].step if real else "?", reason, totals.get("loss"), grad_norm,
             )
-        n_loss = max(totals["loss_tokens"], 1.0)
-        rewards = np.concatenate([mb.rewards for mb in micro_batches])
-        return {
-            "loss": loss,
-            "kl": totals["kl_sum"] / n_loss,
-            "masked_frac": totals["masked_tokens"] / n_loss,
-            "importance_ratio_mean": totals["ratio_sum"] / n_loss,
-            "importance_ratio_min": ratio_min,
-            "importance_ratio_max": ratio_max,
-            "grad_norm": grad_norm,
-            "num_tokens": float(sum(len(mb.input_ids) for mb in micro_batches)),
-            "num_loss_tokens": totals["loss_tokens"],
-            "num_samples": float(len(rewards)),
-            "num_micro_batches": float(len(micro_batches)),
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()),
-            "onpolicy_tokens": onpolicy_tokens,
-            "onpolicy_lp_diff_max": onpolicy_diff,
-            "train_time_s": time.perf_counter() - started,
-            "skipped": 0.0 if reason is None else 1.0,
-        }
+        return step_metrics(totals, grad_norm, time.perf_counter() - started, skipped=reason is not None)
+
+
+def merge_stats(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    """Merge two sets of micro-batch (or rank) stats: keys ending in ``_min`` take the minimum,
+    ``_max`` the maximum, every other key is a sum (the loss stats contract: sums, min, max per
+    micro-batch). A key missing on one side takes the other side's value. Returns a new dict."""
+    out = dict(a)
+    for key, value in b.items():
+        if key not in out:
+            out[key] = value
+        elif key.endswith("_min"):
+            out[key] = min(out[key], value)
+        elif key.endswith("_max"):
+            out[key] = max(out[key], value)
+        else:
+            out[key] = out[key] + value
+    return out
+
+
+def step_metrics(totals: dict[str, float], grad_norm: float, train_time_s: float, *, skipped: bool) -> dict[str, float]:
+    """The metrics of :meth:`Trainer.step` from the step's merged stats (see its docstring).
+
+    Per-token means divide by the step's loss tokens (at least 1). Rewards: ``mean = S1 / n``,
+    ``std = sqrt(max(S2 / n - mean**2, 0))`` from float64 sums over micro-batches and ranks (the
+    clamp absorbs rounding; for rewards of order 1 the one-pass error is ~1e-16, negligible for a
+    metric); NaN when the step has no samples.
+    """
+    t = dict(totals)
+    n_loss = max(t.get("loss_tokens", 0.0), 1.0)
+    n = t.pop("num_samples", 0.0)
+    s1, s2 = t.pop("reward_sum", 0.0), t.pop("reward_sq_sum", 0.0)
+    reward_mean = s1 / n if n else math.nan
+    reward_std = math.sqrt(max(s2 / n - reward_mean**2, 0.0)) if n else math.nan
+    metrics = {
+        "loss": t.pop("loss", 0.0),
+        "kl": t.pop("kl_sum", 0.0) / n_loss,
+        "masked_frac": t.pop("masked_tokens", 0.0) / n_loss,
+        "importance_ratio_mean": t.pop("ratio_sum", 0.0) / n_loss,
+        "importance_ratio_min": t.pop("ratio_min", math.inf),
+        "importance_ratio_max": t.pop("ratio_max", -math.inf),
+        "clipfrac": t.pop("clipped_tokens", 0.0) / n_loss,
+        "entropy": t.pop("entropy_sum", 0.0) / n_loss,
+        "grad_norm": grad_norm,
+        "num_tokens": t.pop("num_tokens", 0.0),
+        "num_loss_tokens": t.pop("loss_tokens", 0.0),
+        "num_samples": n,
+        "num_micro_batches": t.pop("num_micro_batches", 0.0),
+        "reward_mean": reward_mean,
+        "reward_std": reward_std,
+        "onpolicy_tokens": t.pop("onpolicy_tokens", 0.0),
+        "onpolicy_lp_diff_max": t.pop("onpolicy_lp_diff_max", 0.0),
+        "train_time_s": train_time_s,
+        "skipped": 1.0 if skipped else 0.0,
+    }
+    for key, total in (("kl_penalty", "kl_penalty_sum"), ("teacher_kl", "teacher_kl_sum"), ("tis_clipfrac", "tis_clipped_tokens")):
+        if total in t:  # reported only when the option is on
+            metrics[key] = t.pop(total) / n_loss
+    t.pop("non_finite_losses", None)
+    t.pop("non_finite_grad_max", None)
+    for key, value in t.items():  # further loss stats, as step totals
+        metrics.setdefault(key, value)
+    return metrics

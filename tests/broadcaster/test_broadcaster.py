@@ -1,5 +1,7 @@
-"""WeightBroadcaster and the manifest: pure planning, the filesystem layout, and a real gloo
-broadcast to a receiver thread that decodes buckets exactly as the vLLM worker extension does."""
+"""WeightBroadcaster and the manifest: pure planning, the filesystem layout, and real gloo
+broadcasts to a receiver thread that decodes buckets with the vLLM worker extension's own
+`BucketReceiver`: bytes arrive intact, the trainer thread is not held by a slow producer, and a
+failed background transfer comes back as `SendFailed` with its payload."""
 
 from __future__ import annotations
 
@@ -9,15 +11,17 @@ import threading
 import pytest
 import torch
 
-from broadcaster.broadcaster import WeightBroadcaster, resolve_backend
+from broadcaster.broadcaster import SendFailed, WeightBroadcaster, resolve_backend
 from broadcaster.filesystem import is_ready, prune_versions, write_version
 from broadcaster.manifest import (
     build_manifest,
-    bucket_views,
+    lora_modules,
     manifest_num_bytes,
     parse_dtype,
+    payload_kind,
     plan_buckets,
 )
+from broadcaster.receiver import BucketReceiver
 
 
 def _state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -53,6 +57,23 @@ def test_manifest_keeps_equal_but_distinct_tensors():
 def test_manifest_rejects_unmerged_peft_names(name):
     with pytest.raises(ValueError, match="merged"):
         build_manifest({name: torch.zeros(2)})
+
+
+def test_lora_payload_manifest_says_its_kind():
+    sd = {
+        "model.layers.0.mlp.up_proj.lora_A.weight": torch.zeros(2, 4),
+        "model.layers.0.mlp.up_proj.lora_B.weight": torch.zeros(8, 2),
+        "model.layers.0.mlp.up_proj.lora_scaling": torch.tensor(2.0),
+        "model.norm.weight": torch.ones(4),
+    }
+    manifest = build_manifest(sd)
+    assert payload_kind(manifest) == "lora" and payload_kind(build_manifest(_state_dict())) == "full"
+    assert lora_modules(manifest) == {"model.layers.0.mlp.up_proj": (8, 2, 4)}
+    assert manifest[2] == ["model.layers.0.mlp.up_proj.lora_scaling", "float32", []]
+    with pytest.raises(ValueError, match="lacks"):
+        build_manifest({k: v for k, v in sd.items() if "lora_B" not in k})
+    with pytest.raises(ValueError, match=r"need lora_A \[r, in\]"):
+        build_manifest({**sd, "model.layers.0.mlp.up_proj.lora_B.weight": torch.zeros(8, 3)})
 
 
 def test_plan_buckets_splits_on_dtype_and_size():
@@ -112,37 +133,50 @@ def test_config_errors_say_the_fix():
         WeightBroadcaster("broadcast", backend="gloo").send(_state_dict(), 1)
 
 
-def test_gloo_broadcast_to_a_receiver_thread():
-    """Rank 0 = WeightBroadcaster; rank 1 decodes buckets like WeightSyncExtension does."""
-    pytest.importorskip("vllm", reason="the stateless group helper comes from vLLM")
-    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def _group(port: int):
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+    return stateless_init_torch_distributed_process_group("127.0.0.1", port, 1, 2, backend="gloo")
+
+
+def _in_thread(fn) -> tuple[threading.Thread, list[BaseException]]:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - surfaced by the callers' asserts
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, errors
+
+
+def test_gloo_broadcast_to_a_receiver_thread():
+    """Rank 0 = WeightBroadcaster; rank 1 decodes buckets with BucketReceiver, as the producers do."""
+    pytest.importorskip("vllm", reason="the stateless group helper comes from vLLM")
+    port = _free_port()
     bucket_bytes = 150  # forces several buckets
     sender = WeightBroadcaster("broadcast", "gloo", "127.0.0.1", port, 2,
                                bucket_bytes=bucket_bytes, timeout_s=30)
     received: list[dict[str, torch.Tensor]] = []
-    errors: list[BaseException] = []
     manifest = build_manifest(_state_dict())
 
     def receiver() -> None:
-        try:
-            group = stateless_init_torch_distributed_process_group(
-                "127.0.0.1", port, 1, 2, backend="gloo")
-            buckets = plan_buckets(manifest, bucket_bytes)
-            flats = [torch.empty(b.numel, dtype=b.dtype) for b in buckets]  # allocated once
-            for _ in range(2):
-                for flat in flats:
-                    group.broadcast(flat, 0).wait()
-                received.append({name: view.clone() for b, f in zip(buckets, flats)
-                                 for name, view in bucket_views(b, f)})
-        except BaseException as e:  # noqa: BLE001 - surfaced by the assert below
-            errors.append(e)
+        group = _group(port)
+        buffers = BucketReceiver(manifest, bucket_bytes)  # allocated once
+        assert len(buffers.buckets) == 4
+        for _ in range(2):
+            received.append({name: view.clone() for name, view in buffers.receive(group).items()})
 
-    thread = threading.Thread(target=receiver)
-    thread.start()
+    thread, errors = _in_thread(receiver)
     try:
         sender.init_group()
         sds = [_state_dict(0), _state_dict(1)]
@@ -150,12 +184,83 @@ def test_gloo_broadcast_to_a_receiver_thread():
             info = sender.send(sd, version)
             assert info["method"] == "broadcast" and info["path"] is None
             assert info["num_bytes"] == manifest_num_bytes(manifest)
+            assert 0 <= info["blocked_s"] <= info["send_time_s"] and info["transfer_s"] >= 0
         thread.join(timeout=30)
     finally:
         sender.close()
     assert not errors, errors
     assert len(received) == 2
     for got, sd in zip(received, sds):
-        assert set(got) == {name for name, _, _ in manifest}
+        assert list(got) == [name for name, _, _ in manifest]
         for name, tensor in got.items():
             assert torch.equal(tensor, sd[name]), name
+
+
+def test_start_send_does_not_wait_for_the_producer():
+    """start_send returns while the producer has not even posted its receive (it waits for an
+    event set only after start_send returned); the trainer may then change its weights: the
+    producer still gets the version as it was, and wait() reports the transfer."""
+    pytest.importorskip("vllm", reason="the stateless group helper comes from vLLM")
+    port = _free_port()
+    sd = _state_dict(0)
+    sent = {name: t.clone() for name, t in sd.items()}
+    manifest = build_manifest(sd)
+    go = threading.Event()
+    received: list[dict[str, torch.Tensor]] = []
+
+    def producer() -> None:
+        group = _group(port)
+        assert go.wait(30)
+        received.append({n: v.clone() for n, v in BucketReceiver(manifest).receive(group).items()})
+
+    thread, errors = _in_thread(producer)
+    sender = WeightBroadcaster("broadcast", "gloo", "127.0.0.1", port, 2, timeout_s=30)
+    try:
+        sender.init_group()
+        info = sender.start_send(sd, 1)
+        assert sender.in_flight and "transfer_s" not in info
+        for tensor in sd.values():
+            tensor.zero_()  # the next optimizer step
+        go.set()
+        done = sender.wait()
+        assert not sender.in_flight and sender.wait() is None
+        assert done["version"] == 1 and done["transfer_s"] >= 0 and sender.last_transfer == done
+        thread.join(timeout=30)
+    finally:
+        sender.close()
+    assert not errors, errors
+    for name, tensor in received[0].items():
+        assert torch.equal(tensor, sent[name]), name
+
+
+def test_a_failed_background_transfer_raises_send_failed_with_its_payload():
+    """The producer leaves the group without receiving: the transfer fails in the background and
+    the next wait() raises SendFailed naming the version and holding what was sent."""
+    pytest.importorskip("vllm", reason="the stateless group helper comes from vLLM")
+    from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+
+    port = _free_port()
+    left = threading.Event()
+
+    def producer() -> None:
+        stateless_destroy_torch_distributed_process_group(_group(port))
+        left.set()
+
+    thread, errors = _in_thread(producer)
+    sender = WeightBroadcaster("broadcast", "gloo", "127.0.0.1", port, 2, timeout_s=20)
+    sd = _state_dict(0)
+    try:
+        sender.init_group()
+        assert left.wait(30)
+        sender.start_send(sd, 5)
+        with pytest.raises(SendFailed) as failed:
+            sender.wait()
+        assert not sender.in_flight
+    finally:
+        sender.close()
+    thread.join(timeout=30)
+    assert not errors, errors
+    assert failed.value.version == 5 and isinstance(failed.value, RuntimeError)
+    assert set(failed.value.payload) == {name for name, _, _ in build_manifest(sd)}
+    for name, tensor in failed.value.payload.items():
+        assert torch.equal(tensor, sd[name]), name

@@ -47,12 +47,12 @@ def test_default_path_is_reverse_text():
 
 
 def test_dotted_overrides_apply_and_are_typed():
-    cfg = load_config(None, ["trainer.max_steps=5", "trainer.optim.lr=0.003", "rewards.std_normalize=false",
+    cfg = load_config(None, ["trainer.max_steps=5", "trainer.optim.lr=0.003", "rewards.isolate=false",
                              "trainer.lora.target_modules=[q_proj, v_proj]", "broadcast.method=filesystem",
                              "name=other"])
     assert cfg.trainer.max_steps == 5 and type(cfg.trainer.max_steps) is int
     assert cfg.trainer.optim.lr == 0.003 and type(cfg.trainer.optim.lr) is float
-    assert cfg.rewards.std_normalize is False
+    assert cfg.rewards.isolate is False
     assert cfg.trainer.lora.target_modules == ["q_proj", "v_proj"]
     assert cfg.broadcast.method == "filesystem" and cfg.name == "other"
     # the rest is untouched

@@ -6,6 +6,10 @@ checks that the engine's samples report the new version and that their sampled-t
 equal the perturbed model's log-softmax on the same prompt + completion tokens (float32; measured
 max abs error about 1e-5, tolerance 1e-4) and differ clearly (> 0.1 nats) from the old model's.
 
+LoRA: the trainer side is a real peft policy with random adapters; only the adapter (plus the
+RMSNorm weights, with QeRL noise) travels, by broadcast or as a safetensors directory, and the
+engine's samples must match the trainer's merged (+ noisy norms) weights at the same tolerance.
+
 One engine per model variant (module-scoped): the default untied tiny policy, and the same
 architecture with tied embeddings (on CPU a tied lm_head stays stale after a reload unless it is
 re-dispatched; this variant catches that). All engine calls run on one event loop owned by the
@@ -31,7 +35,11 @@ except ImportError as exc:  # pragma: no cover - environment without vLLM
                 allow_module_level=True)
 
 from broadcaster.broadcaster import WeightBroadcaster
+from broadcaster.manifest import payload_kind
+from broadcaster.noise import is_rmsnorm_weight, with_rmsnorm_noise
 from producers.engine import RolloutEngine
+from tests.broadcaster.policies import lora_policy
+from trainer.model import lora_adapter_state_dict, policy_state_dict
 from trainer.tiny_model import build_random_policy
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -104,8 +112,9 @@ class Harness:
         assert not joined.is_alive()
 
     async def broadcast(self, model, version: int) -> float:
-        """Send `model` as `version` from a thread while the engine receives; returns seconds."""
-        state_dict = model.state_dict()
+        """Send `model` (or a payload dict) as `version` from a thread while the engine receives;
+        returns seconds."""
+        state_dict = model.state_dict() if isinstance(model, torch.nn.Module) else model
         manifest = self.broadcaster.manifest(state_dict)
         sent = asyncio.get_running_loop().run_in_executor(
             None, self.broadcaster.send, state_dict, version)
@@ -239,3 +248,43 @@ def test_update_during_generation_keeps_requests(harness):
         assert s.version_spans[0][1] == 0 and s.version_spans[-1][2] == len(s.token_ids)
         for version, lo, hi in s.version_spans:
             assert _max_err(models[version], s, lo, hi) < LOGPROB_ATOL
+
+
+def _with_weights(path: Path, state: dict[str, torch.Tensor]):
+    """The HF model at `path` holding `state` (the trainer's merged weights)."""
+    model = _load_hf(path)
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def _lora_case(harness, seed: int):
+    """(payload to send, HF model with the weights the engine must end up with): a LoRA policy
+    with random adapters, its adapter + RMSNorm weights with QeRL noise (sigma 0.05)."""
+    peft = lora_policy(harness.policy, rank=4, alpha=8.0, seed=seed, scale=0.05)
+    version = harness.engine.version + 1
+    payload = with_rmsnorm_noise(lora_adapter_state_dict(peft, include=is_rmsnorm_weight), 0.05, seed=seed, version=version)
+    merged = with_rmsnorm_noise(policy_state_dict(peft), 0.05, seed=seed, version=version)
+    return version, payload, _with_weights(harness.policy, merged)
+
+
+def test_lora_adapter_broadcast_matches_the_trainers_merged_weights(harness):
+    base = _load_hf(harness.policy)
+    version, payload, expected = _lora_case(harness, seed=44)
+    assert payload_kind(WeightBroadcaster.manifest(payload)) == "lora"
+    harness.run(harness.broadcast(payload, version))
+    assert harness.engine.version == version
+    for s in harness.run(harness.generate(request_id=f"lora{version}")):
+        assert (s.version_start, s.version_end) == (version, version)
+        assert _max_err(expected, s) < LOGPROB_ATOL
+        assert _max_err(base, s) > MIN_CHANGE_NATS
+
+
+def test_lora_adapter_from_a_directory_matches_too(harness):
+    """The trainer's fallback re-publishes a failed broadcast from its send buffers: a LoRA
+    payload written as a version directory; the engine merges it the same way."""
+    version, payload, expected = _lora_case(harness, seed=55)
+    info = WeightBroadcaster("filesystem", out_dir=harness.tmp / "lora_weights").send(payload, version)
+    harness.run(harness.engine.load_weights_from_path(version, info["path"]))
+    for s in harness.run(harness.generate(request_id=f"lorafs{version}")):
+        assert (s.version_start, s.version_end) == (version, version)
+        assert _max_err(expected, s) < LOGPROB_ATOL

@@ -1,16 +1,26 @@
-"""Tests for trainer.packed: packed forward == per-sample unpacked forward, on a tiny random Qwen2."""
+"""Tests for trainer.packed: packed forward == per-sample unpacked forward, on a tiny random Qwen2.
+
+The packed path applies the LM head chunk by chunk (trainer.logprobs); every reference here computes
+the full `[T, V]` logits with the model's own forward, so the tests also check chunked == naive.
+"""
 
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from trainer.packed import block_causal_mask, packed_position_ids, packed_token_logprobs
+from trainer.packed import (
+    PackedLogprobs,
+    block_causal_mask,
+    packed_logprobs_and_entropy,
+    packed_position_ids,
+    packed_token_logprobs,
+)
 
 SEQ_LENS = [5, 9, 1, 7]  # includes a 1-token sample (its only logprob is 0)
 VOCAB = 300
 
 
-def _tiny_qwen2(attn_implementation: str) -> Qwen2ForCausalLM:
+def _tiny_qwen2(attn_implementation: str, tie_word_embeddings: bool = False) -> Qwen2ForCausalLM:
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=VOCAB,
@@ -20,7 +30,7 @@ def _tiny_qwen2(attn_implementation: str) -> Qwen2ForCausalLM:
         num_attention_heads=4,
         num_key_value_heads=2,  # GQA, as in real Qwen2 checkpoints
         max_position_embeddings=64,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         attn_implementation=attn_implementation,
     )
     model = Qwen2ForCausalLM(config).to(torch.float32).eval()
@@ -42,6 +52,16 @@ def _unpacked_reference(model, input_ids, temperature=1.0):
         logp = torch.log_softmax(logits, dim=-1)
         per_token = [torch.zeros(())] + [logp[t - 1, sample[t]] for t in range(1, len(sample))]
         pieces.append(torch.stack(per_token))
+    return torch.cat(pieces)
+
+
+def _unpacked_entropy(model, input_ids, temperature=1.0):
+    """Each sample alone: entropy[0] = 0, entropy[t] = -sum_v p log p with p = softmax(z[t-1]/T)."""
+    pieces = []
+    for sample in input_ids.split(SEQ_LENS):
+        logp = torch.log_softmax(model(input_ids=sample[None]).logits[0].float() / temperature, dim=-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        pieces.append(torch.cat([torch.zeros(1), entropy[:-1]]))
     return torch.cat(pieces)
 
 
@@ -142,3 +162,126 @@ def test_bad_inputs_raise():
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="attention implementation 'flash_attention_2' is not supported"):
         packed_token_logprobs(model, input_ids, seq_lens)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 7, 64])  # 22 tokens: 64 > T, 7 and 4 do not divide T - 1
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_logprobs_and_entropy_match_unpacked(attn_implementation, chunk_size):
+    model = _tiny_qwen2(attn_implementation)
+    input_ids, seq_lens = _packed_inputs()
+    with torch.no_grad():
+        logprobs, entropy = packed_logprobs_and_entropy(
+            model, input_ids, seq_lens, temperature=0.7, chunk_size=chunk_size
+        )
+        ref_logprobs = _unpacked_reference(model, input_ids, temperature=0.7)
+        ref_entropy = _unpacked_entropy(model, input_ids, temperature=0.7)
+    assert logprobs.dtype == entropy.dtype == torch.float32 and entropy.shape == (sum(SEQ_LENS),)
+    torch.testing.assert_close(logprobs, ref_logprobs, rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy, ref_entropy, rtol=0, atol=1e-5)
+    starts = [0, 5, 14, 15]
+    assert entropy[starts].tolist() == [0.0] * 4
+    assert (entropy[[t for t in range(sum(SEQ_LENS)) if t not in starts]] > 0).all()
+
+
+def _naive_packed(model, input_ids, seq_lens, temperature):
+    """The full-logits packed path: model(...).logits [T, V] -> log_softmax -> gather, entropy, shift."""
+    logits = model(
+        input_ids=input_ids[None],
+        attention_mask=block_causal_mask(seq_lens, torch.float32),
+        position_ids=packed_position_ids(seq_lens),
+        use_cache=False,
+    ).logits[0].float() / temperature
+    logp = torch.log_softmax(logits[:-1], dim=-1)
+    lp = torch.cat([torch.zeros(1), logp.gather(1, input_ids[1:, None]).squeeze(1)])
+    entropy = torch.cat([torch.zeros(1), -(logp.exp() * logp).sum(-1)])
+    is_first = torch.zeros(len(input_ids), dtype=torch.bool)
+    is_first[torch.cumsum(seq_lens, 0) - seq_lens] = True
+    return torch.where(is_first, 0.0, lp), torch.where(is_first, 0.0, entropy).detach()
+
+
+def _assert_chunked_equals_naive(model, input_ids, seq_lens, temperature, chunk_size):
+    """Values and the gradients of sum(w * logprobs) w.r.t. every trainable parameter, to 1e-5."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    weights = torch.randn(len(input_ids), generator=torch.Generator().manual_seed(3))
+    lp, ent = packed_logprobs_and_entropy(model, input_ids, seq_lens, temperature=temperature, chunk_size=chunk_size)
+    grads = torch.autograd.grad((weights * lp).sum(), params)
+    ref_lp, ref_ent = _naive_packed(model, input_ids, seq_lens, temperature)
+    ref_grads = torch.autograd.grad((weights * ref_lp).sum(), params)
+    assert not ent.requires_grad
+    torch.testing.assert_close(lp.detach(), ref_lp.detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, rtol=0, atol=1e-5)
+    for grad, ref in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_fixture_model_chunked_equals_naive(model_dir):
+    model = Qwen2ForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32)
+    input_ids, seq_lens = _packed_inputs()
+    _assert_chunked_equals_naive(model.train(), input_ids, seq_lens, temperature=0.9, chunk_size=5)
+
+
+@pytest.mark.parametrize("chunk_size", [3, 64])
+def test_tied_embeddings_chunked_equals_naive(chunk_size):
+    model = _tiny_qwen2("sdpa", tie_word_embeddings=True)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    input_ids, seq_lens = _packed_inputs()
+    _assert_chunked_equals_naive(model, input_ids, seq_lens, temperature=1.2, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("tie_word_embeddings", [False, True])
+def test_lora_chunked_equals_naive(tie_word_embeddings):
+    peft = pytest.importorskip("peft")
+    model = _tiny_qwen2("sdpa", tie_word_embeddings=tie_word_embeddings)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, param in lora.named_parameters():
+            if "lora_B" in name:  # zero at init: make the adapter matter, and its gradients differ
+                param.normal_(0.0, 0.5)
+    assert all("lora_" in name for name, p in lora.named_parameters() if p.requires_grad)
+    input_ids, seq_lens = _packed_inputs()
+    _assert_chunked_equals_naive(lora, input_ids, seq_lens, temperature=0.8, chunk_size=6)
+
+
+def test_lora_on_lm_head_is_refused():
+    peft = pytest.importorskip("peft")
+    model = _tiny_qwen2("sdpa")
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
+    input_ids, seq_lens = _packed_inputs()
+    with pytest.raises(ValueError, match="keep lm_head out of the peft target_modules"):
+        packed_logprobs_and_entropy(lora, input_ids, seq_lens)
+
+
+def test_logit_rescaling_config_is_refused():
+    model = _tiny_qwen2("sdpa")
+    model.config.final_logit_softcapping = 30.0
+    input_ids, seq_lens = _packed_inputs()
+    with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
+        packed_logprobs_and_entropy(model, input_ids, seq_lens)
+
+
+def test_packed_logprobs_module():
+    model = _tiny_qwen2("sdpa")
+    input_ids, seq_lens = _packed_inputs()
+    module = PackedLogprobs(model, temperature=0.7, chunk_size=4)
+    assert module.model is model and dict(module.named_parameters()).keys() == {
+        f"model.{name}" for name, _ in model.named_parameters()
+    }
+    logprobs, entropy = module(input_ids, seq_lens)
+    ref_logprobs, ref_entropy = packed_logprobs_and_entropy(model, input_ids, seq_lens, temperature=0.7)
+    torch.testing.assert_close(logprobs, ref_logprobs, rtol=0, atol=1e-6)
+    torch.testing.assert_close(entropy, ref_entropy, rtol=0, atol=1e-6)
+    assert logprobs.requires_grad and not entropy.requires_grad
+    with pytest.raises(ValueError, match="temperature must be"):
+        PackedLogprobs(model, temperature=-1.0)
+    with pytest.raises(ValueError, match="chunk_size must be an int >= 1"):
+        PackedLogprobs(model, chunk_size=0)
+
+
+def test_single_one_token_sample():
+    """T = 1: no next-token prediction at all; outputs are [0.0] and the backward still runs."""
+    model = _tiny_qwen2("sdpa")
+    logprobs, entropy = packed_logprobs_and_entropy(model, torch.tensor([7]), torch.tensor([1]), chunk_size=4)
+    assert logprobs.tolist() == [0.0] and entropy.tolist() == [0.0]
+    logprobs.sum().backward()
+    assert model.lm_head.weight.grad is not None and not model.lm_head.weight.grad.any()

@@ -1,0 +1,210 @@
+"""Weight broadcast speed: `WeightBroadcaster` vs a raw gloo broadcast of the same bytes.
+
+Usage: ``python -m bench.broadcast [--runs 7] [--models default,qwen2-100m] [--bucket-mb 256]
+[--out FILE.json]``
+
+Two processes on this host, gloo over 127.0.0.1. Rank 0 plays the trainer, rank 1 a producer that
+receives exactly as the producers' vLLM worker extension does (`broadcaster.receiver.BucketReceiver`
+on the same manifest and bucket plan; no vLLM engine: nothing is loaded into a model). Per model,
+interleaved, after one warm-up each, `--runs` times (medians reported):
+
+- raw: `torch.distributed.broadcast` of ONE flat float32 tensor with the payload's byte count over
+  a default process group (`init_process_group("gloo")`): the floor for these bytes;
+- ours: `WeightBroadcaster.send(state_dict, v)` (the state dict's tensors copied into the flat
+  send buffers allocated once, bucket by bucket, each bucket broadcast as soon as it is filled);
+  split into `blocked` (what the trainer thread spends in `start_send`: copies + handing buckets
+  to gloo) and `transfer` (first bucket handed over -> last bucket done, in the background);
+  `payload` is the time the trainer takes to build the dict it sends, with its own functions
+  (`trainer.model.policy_state_dict`, `lora_adapter_state_dict`), also on the trainer thread;
+- lora: the same for the LoRA adapter payload of the default LoRA config (`LoraSection()`: rank
+  8, alpha 16, q/k/v/o/gate/up/down), plus its byte count against the full weights.
+
+Each measurement starts right after a barrier on the default group (so the receiver has posted
+or is about to post its receive) and ends when rank 0's collective is complete. The ratio is the
+median over runs of `send / raw` of the same run (paired: the host is shared and its load
+drifts between runs).
+
+Models: "default" is the default job's policy architecture (`trainer.tiny_model`, Qwen3 128 wide,
+4 layers, 1.1M parameters); "qwen2-100m" a random Qwen2 (hidden 768, 12 layers, MLP 2048, 12
+heads / 4 KV heads, vocab 32000, tied embeddings): 100.3M parameters, 401 MB in float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from broadcaster.broadcaster import WeightBroadcaster
+from broadcaster.manifest import DEFAULT_BUCKET_BYTES, build_manifest, manifest_num_bytes
+from broadcaster.receiver import BucketReceiver
+
+MODELS = ("default", "qwen2-100m")
+TIMEOUT = timedelta(seconds=600)
+
+
+def build_model(name: str) -> torch.nn.Module:
+    """The random HF model of a benchmark row (float32, eval mode)."""
+    if name == "default":
+        from trainer.tiny_model import build_random_policy
+        from transformers import AutoModelForCausalLM
+
+        path = build_random_policy(tempfile.mkdtemp(prefix="bench_broadcast_"))
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if name == "qwen2-100m":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        torch.manual_seed(0)
+        config = Qwen2Config(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                             num_attention_heads=12, num_key_value_heads=4, tie_word_embeddings=True)
+        return Qwen2ForCausalLM(config).eval()
+    raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
+
+
+def lora_model(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with the default LoRA config's adapters (B randomised: non-zero bytes)."""
+    from peft import LoraConfig, get_peft_model
+
+    from configs.schema import LoraSection
+
+    section = LoraSection()
+    peft = get_peft_model(model, LoraConfig(r=section.rank, lora_alpha=section.alpha, lora_dropout=section.dropout,
+                                            target_modules=list(section.target_modules), task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.01)
+    return peft
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def receiver(raw_port: int, weights_port: int, plan: list[tuple[str, list, int]], runs: int, bucket_bytes: int) -> None:
+    """Rank 1: mirror every measurement of rank 0 (see the module docstring)."""
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{raw_port}", rank=1, world_size=2, timeout=TIMEOUT)
+    group = stateless_init_torch_distributed_process_group("127.0.0.1", weights_port, 1, 2, backend="gloo",
+                                                           timeout=TIMEOUT)
+    for _, manifest, num_bytes in plan:
+        buffers = BucketReceiver(manifest, bucket_bytes)
+        flat = torch.empty(num_bytes // 4, dtype=torch.float32)
+        for _ in range(runs + 1):
+            dist.barrier()
+            dist.broadcast(flat, 0)
+            dist.barrier()
+            buffers.receive(group)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(runs: int, models: list[str], bucket_bytes: int) -> list[dict]:
+    """Rank 0: build the payloads, start the receiver, time everything; one dict per payload."""
+    from trainer.model import lora_adapter_state_dict, policy_state_dict
+
+    torch.set_num_threads(1)
+    payloads = []
+    for name in models:
+        model = build_model(name)
+        num_params = sum(p.numel() for p in model.parameters())
+        payloads.append((name, "full", lambda m=model: policy_state_dict(m), num_params))
+        payloads.append((name, "lora", lambda m=lora_model(copy.deepcopy(model)): lora_adapter_state_dict(m), None))
+    plan = [(f"{m}/{kind}", build_manifest(build()), manifest_num_bytes(build_manifest(build())))
+            for m, kind, build, _ in payloads]
+    raw_port, weights_port = free_port(), free_port()
+    ctx = mp.get_context("spawn")
+    peer = ctx.Process(target=receiver, args=(raw_port, weights_port, plan, runs, bucket_bytes))
+    peer.start()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{raw_port}", rank=0, world_size=2, timeout=TIMEOUT)
+    sender = WeightBroadcaster("broadcast", "gloo", "127.0.0.1", weights_port, 2, bucket_bytes=bucket_bytes,
+                               timeout_s=TIMEOUT.total_seconds())
+    sender.init_group()
+    rows = []
+    try:
+        for (model, kind, build, num_params), (_, manifest, num_bytes) in zip(payloads, plan, strict=True):
+            flat = torch.randn(num_bytes // 4)
+            raw, send, blocked, transfer, built = [], [], [], [], []
+            for run in range(runs + 1):  # run 0: warm-up (buffers, connections)
+                dist.barrier()
+                start = time.perf_counter()
+                dist.broadcast(flat, 0)
+                raw_s = time.perf_counter() - start
+                start = time.perf_counter()
+                sd = build()
+                built_s = time.perf_counter() - start
+                dist.barrier()
+                info = sender.send(sd, run + 1)
+                if run:
+                    raw.append(raw_s)
+                    built.append(built_s)
+                    send.append(info["send_time_s"])
+                    blocked.append(info["blocked_s"])
+                    transfer.append(info["transfer_s"])
+            rows.append({
+                "model": model, "payload": kind, "num_params": num_params, "num_bytes": num_bytes,
+                "num_tensors": len(manifest), "num_buckets": len(BucketReceiver(manifest, bucket_bytes).buckets),
+                "raw_s": statistics.median(raw), "send_s": statistics.median(send),
+                "blocked_s": statistics.median(blocked), "transfer_s": statistics.median(transfer),
+                "payload_s": statistics.median(built),
+                "ratio": statistics.median(s / r for s, r in zip(send, raw)), "runs": runs,
+            })
+        dist.barrier()
+    finally:
+        sender.close()
+        dist.destroy_process_group()
+        peer.join(timeout=60)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """The rows as the markdown table of bench/README.md."""
+    full_bytes = {r["model"]: r["num_bytes"] for r in rows if r["payload"] == "full"}
+    out = ["| model | payload | bytes | tensors / buckets | raw gloo broadcast | WeightBroadcaster.send | ratio "
+           "| trainer thread: payload + start_send | background transfer |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        size = f"{r['num_bytes'] / 1e6:.2f} MB"
+        if r["payload"] == "lora":
+            size += f" ({100 * r['num_bytes'] / full_bytes[r['model']]:.1f}% of full)"
+        name = r["model"] + (f" ({r['num_params'] / 1e6:.1f}M params)" if r["num_params"] else "")
+        out.append(f"| {name} | {r['payload']} | {size} | {r['num_tensors']} / {r['num_buckets']} | "
+                   f"{1e3 * r['raw_s']:.1f} ms | {1e3 * r['send_s']:.1f} ms | {r['ratio']:.2f}x | "
+                   f"{1e3 * r['payload_s']:.2f} + {1e3 * r['blocked_s']:.1f} ms | {1e3 * r['transfer_s']:.1f} ms |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=7, help="timed runs per payload (medians), >= 5 recommended")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {MODELS}")
+    parser.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2**20, help="bucket size, MiB")
+    parser.add_argument("--out", help="also write the rows as JSON here")
+    args = parser.parse_args(argv)
+    if args.runs < 1:
+        raise SystemExit("--runs must be >= 1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    rows = measure(args.runs, [m for m in args.models.split(",") if m], int(args.bucket_mb * 2**20))
+    print(table(rows))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

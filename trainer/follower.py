@@ -1,0 +1,104 @@
+"""The ranks > 0 of a data-parallel trainer (``trainer.data_parallel > 1``, under torchrun).
+
+A follower opens no bus socket, writes no checkpoint and sends no weights: it builds the policy
+and :class:`trainer.trainer.Trainer` exactly like rank 0 (:class:`trainer.proc.TrainerProc`),
+loads the checkpoint rank 0 names (so weights, optimizer and RNG states are identical on every
+rank), then trains the share of each step that rank 0 sends until rank 0 sends ``stop`` (protocol:
+:mod:`trainer.distributed`). It dies with the torchrun agent (``PR_SET_PDEATHSIG``) and keeps
+the default SIGTERM action: it holds nothing that needs a clean shutdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from bus.component import die_with_parent
+from configs.schema import RunConfig, load_config
+from trainer.checkpoint import load_checkpoint
+from trainer.distributed import DataParallel
+from trainer.model import load_policy
+from trainer.trainer import Trainer, build_trainer
+
+log = logging.getLogger(__name__)
+
+__all__ = ["follow", "follower_main", "join_data_parallel", "load_trainer_checkpoint"]
+
+
+def join_data_parallel(cfg: RunConfig) -> DataParallel | None:
+    """Join the trainer's data-parallel group when ``trainer.data_parallel > 1`` (under torchrun,
+    backend ``trainer.dp_backend``, timeout ``trainer.dp_timeout_s``); None with one rank.
+
+    Raises:
+        ValueError: see :meth:`DataParallel.from_env` (not under torchrun, wrong world size).
+    """
+    t = cfg.trainer
+    if t.data_parallel == 1:
+        return None
+    return DataParallel.from_env(t.dp_backend, t.dp_timeout_s, world_size=t.data_parallel)
+
+
+def load_trainer_checkpoint(path: Path, trainer: Trainer) -> dict:
+    """Restore ``trainer``'s model, optimizer and RNG states from checkpoint ``path`` (the same
+    call on every data-parallel rank, so all of them continue identically); returns its state."""
+    return load_checkpoint(path, model=trainer.model, optimizer=trainer.optimizer)
+
+
+def follow(cfg: RunConfig, dp: DataParallel) -> Trainer:
+    """A rank > 0 of the data-parallel trainer: no bus, no checkpoints, no weights out.
+
+    Builds the policy and :class:`Trainer` like rank 0, loads the checkpoint rank 0 names (or
+    none), wraps the forward in DDP, then trains each share rank 0 sends until it sends ``stop``
+    (see :mod:`trainer.distributed`). Returns the trainer (its weights equal rank 0's).
+    """
+    if cfg.trainer.num_threads:
+        torch.set_num_threads(cfg.trainer.num_threads)
+    torch.manual_seed(cfg.trainer.seed)
+    model = load_policy(cfg.model.path, cfg.trainer.lora).to(dp.device)
+    trainer = build_trainer(model, cfg)
+    checkpoint = dp.recv_text()
+    if checkpoint:
+        load_trainer_checkpoint(Path(checkpoint), trainer)
+        log.info("rank %d resumed from %s", dp.rank, checkpoint)
+    trainer.enable_data_parallel(dp)
+    steps = 0
+    while (share := dp.recv_step()) is not None:
+        trainer.step(share)  # the metrics are rank 0's to report (reduced over every rank there)
+        steps += 1
+    log.info("rank %d: stopped by rank 0 after %d steps", dp.rank, steps)
+    trainer.disable_data_parallel()  # before the group goes (see Trainer.disable_data_parallel)
+    return trainer
+
+
+def follower_main(argv: list[str] | None = None) -> int:
+    """Entry of a rank > 0 (``RANK`` set by torchrun): log, die with the torchrun agent, join
+    the group and :func:`follow`; returns 0 once rank 0 sent ``stop``. On an exception it logs
+    it and ends the process at once with exit code 1 (see below)."""
+    parser = argparse.ArgumentParser(description="rlbus trainer, data-parallel rank > 0")
+    parser.add_argument("--run-dir", required=True, help="run directory holding config.yaml")
+    parser.add_argument("--name", default="trainer", help="component name")
+    args, _ = parser.parse_known_args(argv)  # --index / --metrics-port are rank 0's
+    rank = os.environ.get("RANK", "?")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
+                        format=f"%(asctime)s {args.name}[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    die_with_parent()
+    dp = None
+    try:
+        cfg = load_config(Path(args.run_dir) / "config.yaml")
+        dp = join_data_parallel(cfg)
+        if dp is None:
+            raise ValueError(f"RANK={rank} but trainer.data_parallel is 1; launch one trainer process")
+        follow(cfg, dp)
+    except Exception:
+        # exit at once, without finalizers: a rank hung at exit would keep rank 0 waiting in its
+        # next collective for trainer.dp_timeout_s, while a dead one makes torchrun end the group
+        log.exception("%s rank %s failed", args.name, rank)
+        logging.shutdown()
+        os._exit(1)
+    dp.close()
+    return 0

@@ -1,0 +1,215 @@
+"""`policy_loss`: one packed micro-batch's share of the step's policy loss, and its loss statistics.
+
+Per token t of sample i (all ratios detached unless said otherwise):
+
+    m_t   = pi_train / pi_rollout                          mismatch ratio: masks and the ratio stats
+    keep  = loss_mask & masks(m)                           `trainer.losses.masks.keep_mask`
+    b     = old if spec.use_tis else rollout               behaviour policy of the policy ratio
+    r_t   = pi_train / pi_b                                policy ratio (grad flows, except in aipo)
+    A'_t  = adv_tau * A_t + teacher_tau * (lp_teacher - lp_train)           (on-policy distillation)
+    w_t   = clip(pi_old / pi_rollout, tis_clip_low, tis_clip_high) if use_tis else 1       (TIS)
+    l_t   = w_t * surrogate_type(r, A')_t + kl_tau * k(lp_train, lp_ref)_t   on kept tokens, else 0
+    loss  = sum_t weight_t * l_t                            `trainer.losses.aggregation`
+
+surrogate_type: aipo -sg(r A') lp_train (r: token ratio, or the sample's product of ratios clipped
+at sequence_clip_high); ppo_clip max(-A' r, -A' clip(r)) (+ dual clip); importance_sampling -(r A');
+gspo the clipped surrogate of s_i = exp(mean of log r over the sample's kept tokens), token form.
+The surrogates are in `trainer.losses.objectives`; the KL estimators k1/k2/k3 in
+`trainer.losses.estimators` (the penalty is not TIS-weighted, as in verl's KL loss).
+
+Invariants:
+- A token outside `keep` gets exactly zero gradient, even if its ratio or logprob is inf/NaN:
+  every input is replaced by a neutral value there (`where`) before any non-linear op.
+- Normalizers are step-wide (`StepNorm`), so summing micro-batch losses over micro-batches and
+  ranks gives the step loss whatever the split.
+- Stats are python floats: SUMS (counts, sums) or min/max over this micro-batch's loss tokens, so
+  the trainer adds them over micro-batches and ranks and divides by step totals.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from trainer.losses.aggregation import aggregate_token_loss
+from trainer.losses.estimators import (
+    LOG_RATIO_BOUND,
+    kl_penalty,
+    mismatch_kl,
+    sample_ids,
+    sequence_mean_log_ratio,
+    sequence_sum_log_ratio,
+    tis_weight,
+)
+from trainer.losses.masks import keep_mask
+from trainer.losses.objectives import aipo_token_loss, gspo_token_loss, importance_sampling_token_loss, ppo_clip_token_loss
+from trainer.losses.spec import LossBatch, LossSpec, StepNorm
+
+__all__ = ["policy_loss"]
+
+
+def policy_loss(batch: LossBatch, norm: StepNorm, spec: LossSpec) -> tuple[torch.Tensor, dict[str, float]]:
+    """This micro-batch's share of the step's policy loss (formula in the module docstring).
+
+    Args:
+        batch: the packed micro-batch (`[T]` tensors; lp_train requires grad).
+        norm: step-wide normalizers; must cover this micro-batch's counts.
+        spec: the loss choice.
+
+    Returns:
+        loss: 0-dim tensor, dtype of lp_train, differentiable w.r.t. lp_train.
+        stats: python floats over this micro-batch's loss tokens:
+            `loss_tokens` (count), `masked_tokens` (loss tokens given zero gradient by a mask),
+            `clipped_tokens` (kept loss tokens whose policy gradient a clip removed: PPO/GSPO clip,
+            dual clip, aipo's sequence_clip_high; clipfrac = clipped_tokens / loss_tokens),
+            `kl_sum` (k3 estimate of KL(pi_rollout || pi_train), nats), `ratio_sum`, `ratio_min`,
+            `ratio_max` (m = pi_train / pi_rollout; min/max are +inf/-inf with no loss token);
+            when kl_tau > 0: `kl_penalty_sum` (the penalty estimator over kept tokens, nats);
+            when use_tis: `tis_clipped_tokens` (kept tokens whose TIS weight was truncated);
+            when lp_teacher is given: `teacher_kl_sum` (sum of lp_train - lp_teacher, nats);
+            when entropy is given: `entropy_sum` (nats).
+
+    Raises:
+        ValueError: seq_lens do not split T; norm is below this micro-batch's counts; an input the
+            spec needs is missing (lp_old with use_tis, lp_ref with kl_reference "reference",
+            lp_teacher with teacher_tau > 0); or lp_rollout, advantages or a used optional input is
+            not finite on a loss token (the message names the token index).
+    """
+    seq_ids = sample_ids(batch.seq_lens, batch.num_tokens)
+    num_samples = int(batch.seq_lens.numel())
+    loss_mask = batch.loss_mask
+    _check_norm(norm, loss_mask, seq_ids, num_samples)
+    _check_inputs(batch, spec)
+
+    lp_train = batch.lp_train
+    dtype, zero = lp_train.dtype, torch.zeros((), dtype=lp_train.dtype, device=lp_train.device)
+    mismatch = lp_train.detach() - batch.lp_rollout.to(dtype)
+    keep = keep_mask(mismatch, loss_mask, seq_ids, num_samples, spec)
+
+    lp_behaviour = (batch.lp_old if spec.use_tis else batch.lp_rollout).detach().to(dtype)
+    log_ratio = torch.where(keep, lp_train - lp_behaviour, zero)  # grad flows; 0 where not kept
+    lp_kept = torch.where(keep, lp_train, zero)
+    adv = spec.adv_tau * batch.advantages.to(dtype)
+    if spec.teacher_tau > 0:
+        adv = adv + spec.teacher_tau * (batch.lp_teacher.to(dtype) - lp_train.detach())
+    adv = torch.where(keep, adv, zero).detach()
+
+    if spec.type == "aipo":
+        raw = lp_train.detach() - lp_behaviour
+        token_loss, clipped = _aipo(spec, lp_kept, raw, adv, loss_mask, keep, seq_ids, num_samples)
+    elif spec.type == "ppo_clip":
+        token_loss, clipped = ppo_clip_token_loss(log_ratio, adv, spec.eps_clip, spec.clip_high, spec.eps_clip_c)
+    elif spec.type == "importance_sampling":
+        token_loss, clipped = importance_sampling_token_loss(log_ratio, adv)
+    else:  # gspo: the sample's geometric-mean ratio over its kept tokens
+        seq_lr = sequence_mean_log_ratio(log_ratio.detach(), keep, seq_ids, num_samples)[seq_ids]
+        token_loss, clipped = gspo_token_loss(lp_kept, torch.where(keep, seq_lr, zero), adv, spec.eps_clip, spec.clip_high)
+
+    extra: dict[str, torch.Tensor] = {}
+    if spec.use_tis:
+        weight = tis_weight(batch.lp_old.to(dtype), batch.lp_rollout, spec.tis_clip_low, spec.tis_clip_high)
+        token_loss = torch.where(keep, weight, zero) * token_loss
+        raw_weight = torch.exp(batch.lp_old.double() - batch.lp_rollout.double())
+        extra["tis_clipped_tokens"] = (keep & ((raw_weight < spec.tis_clip_low) | (raw_weight > spec.tis_clip_high))).sum()
+    if spec.kl_tau > 0:
+        lp_ref = batch.lp_rollout if spec.kl_reference == "rollout" else batch.lp_ref
+        penalty = kl_penalty(lp_kept, torch.where(keep, lp_ref.to(dtype), zero), spec.kl_estimator)
+        penalty = torch.where(keep, penalty, zero)
+        token_loss = token_loss + spec.kl_tau * penalty
+        extra["kl_penalty_sum"] = penalty.detach().double().sum()
+    if batch.lp_teacher is not None:
+        extra["teacher_kl_sum"] = (lp_train.detach().double() - batch.lp_teacher.double())[loss_mask].sum()
+    if batch.entropy is not None:
+        extra["entropy_sum"] = batch.entropy.detach().double()[loss_mask].sum()
+
+    loss = aggregate_token_loss(token_loss, loss_mask, seq_ids, num_samples, norm, spec.aggregation)
+    return loss, _stats(mismatch, loss_mask, keep, clipped, extra)
+
+
+def _aipo(
+    spec: LossSpec,
+    lp_kept: torch.Tensor,
+    raw_log_ratio: torch.Tensor,
+    adv: torch.Tensor,
+    loss_mask: torch.Tensor,
+    keep: torch.Tensor,
+    seq_ids: torch.Tensor,
+    num_samples: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """aipo's detached weight (token ratio, or the sample's product ratio clipped at sequence_clip_high), then its loss.
+
+    The sequence ratio sums log ratios over the sample's loss tokens (prime-rl: over loss_mask,
+    masked tokens included) and is clipped above: exp(min(sum, log sequence_clip_high)).
+    """
+    zero = torch.zeros((), dtype=lp_kept.dtype, device=lp_kept.device)
+    if spec.ratio_type == "token":
+        ratio = torch.exp(torch.where(keep, raw_log_ratio, zero).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+        return aipo_token_loss(lp_kept, torch.where(keep, ratio, zero), adv), torch.zeros_like(keep)
+    seq_lr = sequence_sum_log_ratio(raw_log_ratio, loss_mask, seq_ids, num_samples)
+    cap = math.log(spec.sequence_clip_high)
+    clipped = (seq_lr > cap)[seq_ids] & keep
+    ratio = torch.exp(seq_lr.clamp(max=cap))[seq_ids]
+    return aipo_token_loss(lp_kept, torch.where(keep, ratio, zero), adv), clipped
+
+
+def _check_norm(norm: StepNorm, loss_mask: torch.Tensor, seq_ids: torch.Tensor, num_samples: int) -> None:
+    """The step normalizers must cover this micro-batch (else the step loss is mis-scaled)."""
+    if not isinstance(norm, StepNorm):
+        raise ValueError(f"norm must be a StepNorm, got {type(norm).__name__}")
+    local_tokens = int(loss_mask.sum())
+    per_sample = torch.zeros(num_samples, dtype=torch.int64, device=seq_ids.device).index_add(0, seq_ids, loss_mask.long())
+    local_samples = int((per_sample > 0).sum())
+    if norm.loss_tokens < local_tokens or norm.num_samples < local_samples:
+        raise ValueError(
+            f"StepNorm(loss_tokens={norm.loss_tokens}, num_samples={norm.num_samples}) is below this micro-batch's "
+            f"{local_tokens} loss tokens / {local_samples} samples with loss tokens; pass the counts of the WHOLE "
+            "optimizer step (all micro-batches, all ranks)"
+        )
+
+
+def _check_inputs(batch: LossBatch, spec: LossSpec) -> None:
+    """Inputs the spec reads must be present and finite on loss tokens."""
+    needed = {"lp_rollout": batch.lp_rollout, "advantages": batch.advantages}
+    requirements = (
+        ("lp_old", spec.use_tis, "use_tis needs the old-policy logprobs (lp_old = lp_train.detach() for one step per batch)"),
+        ("lp_ref", spec.kl_tau > 0 and spec.kl_reference == "reference",
+         "kl_reference='reference' needs the reference model's logprobs"),
+        ("lp_teacher", spec.teacher_tau > 0,
+         "teacher_tau > 0 needs the samples' teacher logprobs; set teacher_tau=0 or fetch them"),
+    )
+    for name, required, why in requirements:
+        tensor = getattr(batch, name)
+        if required and tensor is None:
+            raise ValueError(f"LossBatch.{name} is None: {why}")
+        if tensor is not None and (required or name == "lp_teacher"):
+            needed[name] = tensor
+    for name, tensor in needed.items():
+        bad = batch.loss_mask & ~torch.isfinite(tensor)
+        if bool(bad.any()):
+            index = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"{name} must be finite on loss tokens, got {float(tensor[index])} at token {index}; "
+                "fix the producer/reward worker output or set loss_mask False there"
+            )
+
+
+def _stats(
+    mismatch: torch.Tensor, loss_mask: torch.Tensor, keep: torch.Tensor, clipped: torch.Tensor, extra: dict[str, torch.Tensor]
+) -> dict[str, float]:
+    """Sums/min/max over loss tokens in float64, with one host sync; keys in `policy_loss`."""
+    lr = mismatch.double()[loss_mask]
+    ratio = torch.exp(lr)
+    inf = torch.tensor(math.inf, dtype=torch.float64, device=lr.device)
+    base = {
+        "loss_tokens": loss_mask.sum(),
+        "masked_tokens": (loss_mask & ~keep).sum(),
+        "clipped_tokens": (clipped & keep).sum(),
+        "kl_sum": mismatch_kl(lr).sum(),
+        "ratio_sum": ratio.sum(),
+        "ratio_min": ratio.min() if lr.numel() else inf,
+        "ratio_max": ratio.max() if lr.numel() else -inf,
+    }
+    base.update(extra)
+    values = torch.stack([v.double().to(lr.device).reshape(()) for v in base.values()]).tolist()
+    return dict(zip(base.keys(), values))

@@ -1,0 +1,61 @@
+"""The frozen reference policy of the KL penalty (`trainer.loss.kl_reference: reference`).
+
+The reference is the policy the run STARTED from (the model at `model.path`), never updated:
+- LoRA: the base model with the adapter switched off (peft's `disable_adapter()` context), so the
+  reference costs no memory at all;
+- full fine-tuning: a deep copy of the policy taken when the trainer is built, before any step
+  and before a resume loads trained weights (the trainer process builds its `Trainer` first and
+  restores the checkpoint afterwards), frozen (`requires_grad=False`, eval mode).
+
+Invariants: reference logprobs carry no gradient and are computed with the same packed forward
+(`trainer.packed.packed_logprobs_and_entropy`) and the same sampling temperature as the policy's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+from peft import PeftModel
+
+from trainer.packed import packed_logprobs_and_entropy
+
+__all__ = ["ReferencePolicy"]
+
+
+class ReferencePolicy:
+    """Per-token logprobs of packed samples under the frozen reference policy.
+
+    Args:
+        policy: the policy being trained (HF causal LM, possibly a peft `PeftModel`), still at its
+            initial weights.
+        temperature: finite float > 0, the sampler's temperature.
+
+    Raises:
+        ValueError: temperature is not a finite number > 0 (raised by the packed forward).
+    """
+
+    def __init__(self, policy: torch.nn.Module, temperature: float) -> None:
+        self.temperature = temperature
+        if isinstance(policy, PeftModel):
+            self.model = policy
+            self.shares_policy = True
+            """True: the reference is the policy with its adapter disabled (LoRA)."""
+        else:
+            self.model = copy.deepcopy(policy).eval().requires_grad_(False)
+            self.shares_policy = False
+
+    @torch.no_grad()
+    def logprobs(self, input_ids: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """`[T]` float32 reference logprobs (nats, 0 at each sample's first token), no grad.
+
+        Args:
+            input_ids: `[T]` integer packed token ids. seq_lens: `[S]` integer sample lengths.
+        """
+        context = self.model.disable_adapter() if self.shares_policy else contextlib.nullcontext()
+        with context:
+            logprobs, _entropy = packed_logprobs_and_entropy(
+                self.model, input_ids, seq_lens, temperature=self.temperature
+            )
+        return logprobs.detach()
