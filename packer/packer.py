@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from bus.messages import MicroBatch, ScoredGroup
-from packer.packing import pack_first_fit_decreasing
+from packer.packing import pack_micro_batches
 
 
 def rewards_all_equal(rewards: np.ndarray) -> bool:
@@ -188,7 +188,7 @@ class Packer:
             return [], dropped
         groups = [self.buffer.popleft() for _ in range(self.prompts_per_step)]
         samples = [s for g in groups for s in group_samples(g)]
-        bins = pack_first_fit_decreasing([len(s.input_ids) for s in samples], self.micro_batch_tokens)
+        bins = pack_micro_batches([len(s.input_ids) for s in samples], self.micro_batch_tokens)
         loss_tokens = int(sum(s.loss_mask.sum() for s in samples))
         loss_samples = sum(1 for s in samples if s.loss_mask.any())
         step = self.next_step

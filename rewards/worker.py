@@ -24,7 +24,7 @@ from prometheus_client import Counter, Histogram
 
 from bus.component import Component, component_main
 from bus.messages import RolloutGroup, RunDone, ScoredGroup
-from rewards.advantages import group_advantages
+from rewards.advantages import compute_advantages, resolve_advantage_fn
 from rewards.isolation import InProcessScorer, IsolatedScorer
 
 log = logging.getLogger(__name__)
@@ -44,31 +44,35 @@ class RewardWorker:
 
     Args:
         reward_fn_name: a registry name or import path, see :func:`rewards.registry.get_reward_fn`.
-        std_normalize, eps: see :func:`rewards.advantages.group_advantages`.
+        advantage: the advantage estimator, a built-in name or an import path
+            ``"package.module:function"``, resolved once here (see
+            :func:`rewards.advantages.resolve_advantage_fn`).
+        eps: added to the std by ``"grpo"``, see :func:`rewards.advantages.compute_advantages`.
         name: this worker's name, recorded in each scored group.
         isolate: run the reward function in child processes (:class:`rewards.isolation.IsolatedScorer`;
             call :meth:`close`); False: in this process, without timeout or crash protection.
         timeout_s, num_procs: see :class:`rewards.isolation.IsolatedScorer` (``isolate`` only).
 
     Raises:
-        ValueError: unknown reward function.
+        ValueError: unknown reward function or advantage estimator, or an import path that does
+            not import or is not callable.
     """
 
     def __init__(
         self,
         reward_fn_name: str,
         *,
-        std_normalize: bool,
-        eps: float,
+        advantage: str = "grpo",
+        eps: float = 1e-6,
         name: str,
         isolate: bool = True,
         timeout_s: float = 5.0,
         num_procs: int = 2,
     ) -> None:
+        self.advantage = resolve_advantage_fn(advantage)  # before the scorer: fail fast, no children left
         self.scorer: InProcessScorer | IsolatedScorer = (
             IsolatedScorer(reward_fn_name, timeout_s=timeout_s, num_procs=num_procs) if isolate else InProcessScorer(reward_fn_name)
         )
-        self.std_normalize = std_normalize
         self.eps = eps
         self.name = name
 
@@ -76,15 +80,19 @@ class RewardWorker:
         """Rewards ``[G] float32`` from the verifier and advantages ``[G] float32`` of one group.
 
         A sample whose reward call failed scores 0 and is counted by error label; never raises for it.
+
+        Raises:
+            ValueError: a custom advantage function returned a wrong shape or non-finite values (a
+                bug in that function, not in the data: the process boundary reports it).
         """
         result = self.scorer.score(group.completion_texts, group.info)
         for error in result.errors:
             if error is not None:
                 REWARD_ERRORS.labels(error).inc()
         rewards = np.array(result.rewards, dtype=np.float32)
-        advantages = group_advantages(rewards, std_normalize=self.std_normalize, eps=self.eps)
+        advantages = compute_advantages(self.advantage, rewards, np.asarray(group.completion_lens, np.int64), self.eps)
         fields = {f.name: getattr(group, f.name) for f in dataclasses.fields(RolloutGroup)}
-        return ScoredGroup(**fields, reward_worker=self.name, rewards=rewards, advantages=advantages.astype(np.float32))
+        return ScoredGroup(**fields, reward_worker=self.name, rewards=rewards, advantages=advantages)
 
     def close(self) -> None:
         """Stop the reward function's child processes (if isolated); idempotent."""
@@ -98,7 +106,7 @@ class RewardWorkerProc(Component):
         cfg = self.cfg
         self.worker = RewardWorker(
             cfg.rewards.reward_fn or cfg.task.name,
-            std_normalize=cfg.rewards.std_normalize,
+            advantage=cfg.rewards.advantage,
             eps=cfg.rewards.eps,
             name=self.name,
             isolate=cfg.rewards.isolate,

@@ -4,24 +4,15 @@ Several samples are concatenated into ONE row of T tokens (`input_ids [T]`, spli
 `seq_lens [S]`), and the forward must give every sample exactly what an unpacked forward of that
 sample alone would give. Two things make that true:
 - position ids restart at 0 at each sample (`packed_position_ids`), so RoPE sees local positions;
-- attention is block-diagonal and causal (`block_causal_mask`): a query attends only to keys of
-  its own sample at positions <= its own.
+- attention is block-diagonal and causal: a query attends only to keys of its own sample at
+  positions <= its own. `trainer.packed_attention` runs causal sdpa on each sample's slice of the
+  row (varlen attention: O(sum L_i^2), no `[T, T]` mask), switched on for the forward through
+  transformers' `AttentionInterface`.
 
-Why an explicit mask (transformers 5.19, read from `masking_utils.py` and `modeling_qwen2.py`):
-- `create_causal_mask` returns any 4-D `attention_mask` tensor unchanged (early exit in
-  `_preprocess_mask_arguments`), and Qwen2's attention adds it to the scores: eager does
-  `scores + mask` (so the mask MUST be additive float, a bool mask would be added as 0/1), sdpa
-  passes it as `attn_mask` (float masks are added). Its dtype must be the model's compute dtype.
-- transformers can infer packing from position ids alone (`find_packed_sequence_indices`), but
-  only when `attention_mask is None and past_key_values is None`. Qwen2's forward creates a
-  `DynamicCache` whenever `use_cache` is true (the config default, also in train mode), which
-  silently disables that detection: sample 2.. then attend across samples (measured error ~0.5 in
-  logits). We therefore pass the 4-D mask AND `use_cache=False`, and do not rely on detection.
-- Passing a dict `{"full_attention": mask}` would skip mask creation too, but must then name every
-  layer type the model uses; the 4-D tensor is simpler and also covers sliding-window layers
-  (without applying the window: fine while samples are shorter than the window).
-The mask costs O(T^2) memory (T = 8192 in float32: 256 MiB); the GPU path (flash-attention
-varlen with cu_seqlens) is not implemented here, so only "sdpa" and "eager" are accepted.
+`use_cache=False` matters: Qwen2's forward otherwise creates a `DynamicCache` even in train mode.
+`block_causal_mask` (the equivalent dense additive mask, O(T^2) memory) is kept as the reference
+the tests compare the varlen path against. Only "sdpa" and "eager" models are accepted (the
+implementation is switched for the packed forward and restored after).
 
 Full-vocabulary logits are never materialized: the decoder body gives the last hidden states
 `[T, H]`, and the LM head is applied chunk by chunk by `trainer.logprobs` (forward AND backward),
@@ -40,6 +31,7 @@ import math
 import torch
 
 from trainer.logprobs import DEFAULT_CHUNK_SIZE, linear_logprobs_and_entropy
+from trainer.packed_attention import MASK_PLACEHOLDER, packed_attention
 
 __all__ = [
     "PackedLogprobs",
@@ -204,12 +196,14 @@ def _decoder_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, lens
     already hold the LoRA modules, so the adapters apply.
     """
     decoder = model.get_decoder()
-    out = decoder(
-        input_ids=input_ids[None].long(),
-        attention_mask=block_causal_mask(lens, _compute_dtype(model)),
-        position_ids=packed_position_ids(lens),
-        use_cache=False,
-    )
+    with packed_attention(model):
+        out = decoder(
+            input_ids=input_ids[None].long(),
+            attention_mask=MASK_PLACEHOLDER.to(device=input_ids.device, dtype=_compute_dtype(model)),
+            position_ids=packed_position_ids(lens),
+            use_cache=False,
+            rlbus_seq_lens=lens.tolist(),
+        )
     return out.last_hidden_state[0]
 
 

@@ -124,7 +124,7 @@ def test_timeout_costs_about_timeout_s_and_zeroes_only_its_sample(make_scorer):
 def test_worker_counts_every_failure_by_label_and_goes_on():
     labels = ["timeout", "ValueError", "crash", "non_finite"]
     before = {label: errors(label) for label in labels}
-    worker = RewardWorker(ref("by_text"), std_normalize=False, eps=1e-6, name="rw", timeout_s=TIMEOUT_S, num_procs=2)
+    worker = RewardWorker(ref("by_text"), advantage="drgrpo", eps=1e-6, name="rw", timeout_s=TIMEOUT_S, num_procs=2)
     try:
         scored = worker.score(group(["ab", "sleep", "raise", "exit", "nan", "segv", "abcd", "abc"]))
         assert scored.rewards.tolist() == [2.0, 0, 0, 0, 0, 0, 4.0, 3.0]

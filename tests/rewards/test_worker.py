@@ -51,7 +51,7 @@ def errors(name: str) -> float:
 
 def test_rewards_and_grpo_advantages_by_hand():
     eps = 1e-6
-    scored = RewardWorker("reverse_text", std_normalize=True, eps=eps, name="rw-0", isolate=False).score(rollout(TEXTS))
+    scored = RewardWorker("reverse_text", advantage="grpo", eps=eps, name="rw-0", isolate=False).score(rollout(TEXTS))
     np.testing.assert_allclose(scored.rewards, REWARDS, rtol=0, atol=1e-7)
     assert scored.rewards.dtype == np.float32 and scored.advantages.dtype == np.float32
     # mean = (1 + 0 + 0.75 + 10/11) / 4 ; population std = sqrt(sum (r - mean)^2 / 4)
@@ -65,7 +65,7 @@ def test_rewards_and_grpo_advantages_by_hand():
 
 
 def test_mean_centred_advantages_without_std():
-    scored = RewardWorker("reverse_text", std_normalize=False, eps=1e-6, name="rw-0", isolate=False).score(rollout(TEXTS))
+    scored = RewardWorker("reverse_text", advantage="drgrpo", eps=1e-6, name="rw-0", isolate=False).score(rollout(TEXTS))
     r = [float(np.float32(x)) for x in REWARDS]
     mean = sum(r) / 4  # ~0.664773
     np.testing.assert_allclose(scored.advantages, [x - mean for x in r], rtol=0, atol=1e-6)
@@ -73,14 +73,14 @@ def test_mean_centred_advantages_without_std():
 
 
 def test_equal_rewards_give_zero_advantages():
-    scored = RewardWorker("reverse_text", std_normalize=True, eps=1e-6, name="w", isolate=False).score(rollout(["olleh", "olleh<|endoftext|>"]))
+    scored = RewardWorker("reverse_text", advantage="grpo", eps=1e-6, name="w", isolate=False).score(rollout(["olleh", "olleh<|endoftext|>"]))
     assert scored.rewards.tolist() == [1.0, 1.0]
     assert scored.advantages.tolist() == [0.0, 0.0]
 
 
 def test_scored_group_keeps_rollout_fields_and_validates():
     group = rollout(TEXTS)
-    scored = RewardWorker("reverse_text", std_normalize=True, eps=1e-6, name="rw-3", isolate=False).score(group)
+    scored = RewardWorker("reverse_text", advantage="grpo", eps=1e-6, name="rw-3", isolate=False).score(group)
     assert isinstance(scored, ScoredGroup) and scored.reward_worker == "rw-3"
     for name in ("id", "prompt_index", "step", "task", "info", "producer", "completion_texts", "finish_reasons", "gen_time_s"):
         assert getattr(scored, name) == getattr(group, name)
@@ -92,13 +92,13 @@ def test_scored_group_keeps_rollout_fields_and_validates():
     np.testing.assert_array_equal(back.advantages, scored.advantages)
     # a RolloutGroup on the wire also decodes to what the worker can score
     np.testing.assert_array_equal(
-        RewardWorker("reverse_text", std_normalize=True, eps=1e-6, name="w", isolate=False).score(decode(encode(group))).rewards, scored.rewards)
+        RewardWorker("reverse_text", advantage="grpo", eps=1e-6, name="w", isolate=False).score(decode(encode(group))).rewards, scored.rewards)
 
 
 def test_raising_reward_function_scores_zero_and_is_counted():
     # reverse_text_reward raises TypeError when info has no str "target"
     before = errors("TypeError")
-    worker = RewardWorker("reverse_text", std_normalize=True, eps=1e-6, name="w", isolate=False)
+    worker = RewardWorker("reverse_text", advantage="grpo", eps=1e-6, name="w", isolate=False)
     scored = worker.score(rollout(["olleh", "x", "oll"], info={"answer": "olleh"}))
     assert scored.rewards.tolist() == [0.0, 0.0, 0.0]
     assert scored.advantages.tolist() == [0.0, 0.0, 0.0]
@@ -109,7 +109,7 @@ def test_raising_reward_function_scores_zero_and_is_counted():
 @pytest.mark.parametrize("isolate", [False, True])
 def test_some_samples_raise_others_score(isolate):
     # reward_fns.by_text: raises on "raise", NaN on "nan", else the text's length
-    worker = RewardWorker(f"{reward_fns.__name__}:by_text", std_normalize=False, eps=1e-6, name="w", isolate=isolate)
+    worker = RewardWorker(f"{reward_fns.__name__}:by_text", advantage="drgrpo", eps=1e-6, name="w", isolate=isolate)
     before = errors("ValueError"), errors("non_finite")
     try:
         scored = worker.score(rollout(["abcd", "raise", "nan", "ab"]))
@@ -122,12 +122,12 @@ def test_some_samples_raise_others_score(isolate):
 
 
 def test_isolated_worker_scores_like_in_process():
-    worker = RewardWorker("reverse_text", std_normalize=True, eps=1e-6, name="w", isolate=True, num_procs=2)
+    worker = RewardWorker("reverse_text", advantage="grpo", eps=1e-6, name="w", isolate=True, num_procs=2)
     try:
         isolated = worker.score(rollout(TEXTS))
     finally:
         worker.close()
-    in_process = RewardWorker("reverse_text", std_normalize=True, eps=1e-6, name="w", isolate=False).score(rollout(TEXTS))
+    in_process = RewardWorker("reverse_text", advantage="grpo", eps=1e-6, name="w", isolate=False).score(rollout(TEXTS))
     np.testing.assert_array_equal(isolated.rewards, in_process.rewards)
     np.testing.assert_array_equal(isolated.advantages, in_process.advantages)
 
@@ -135,4 +135,4 @@ def test_isolated_worker_scores_like_in_process():
 @pytest.mark.parametrize("isolate", [False, True])
 def test_unknown_reward_name(isolate):
     with pytest.raises(ValueError, match="reverse_text"):
-        RewardWorker("no_such_task", std_normalize=True, eps=1e-6, name="w", isolate=isolate)
+        RewardWorker("no_such_task", advantage="grpo", eps=1e-6, name="w", isolate=isolate)

@@ -285,3 +285,34 @@ def test_single_one_token_sample():
     assert logprobs.tolist() == [0.0] and entropy.tolist() == [0.0]
     logprobs.sum().backward()
     assert model.lm_head.weight.grad is not None and not model.lm_head.weight.grad.any()
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_varlen_attention_equals_the_dense_block_causal_mask(attn_implementation):
+    """The per-sample (varlen) attention of the packed forward gives the logits of one dense
+    forward with the block-diagonal causal mask, and leaves the model's implementation as it was."""
+    model = _tiny_qwen2(attn_implementation)
+    input_ids, seq_lens = _packed_inputs()
+    with torch.no_grad():
+        dense = model(
+            input_ids=input_ids[None],
+            attention_mask=block_causal_mask(seq_lens, torch.float32),
+            position_ids=packed_position_ids(seq_lens),
+            use_cache=False,
+        ).logits[0]
+        logp = torch.log_softmax(dense, dim=-1)
+        next_lp = logp[:-1].gather(1, input_ids[1:, None]).squeeze(1)
+        expected = torch.cat([torch.zeros(1), next_lp])
+        expected[torch.cumsum(seq_lens, 0) - seq_lens] = 0.0
+        varlen = packed_token_logprobs(model, input_ids, seq_lens)
+    assert (varlen - expected).abs().max().item() <= 1e-5
+    assert model.config._attn_implementation == attn_implementation  # restored after the forward
+
+
+def test_varlen_attention_rejects_lengths_that_do_not_cover_the_row():
+    from trainer.packed_attention import packed_sdpa_attention
+
+    q = torch.zeros(1, 4, 6, 8)
+    kv = torch.zeros(1, 2, 6, 8)
+    with pytest.raises(ValueError, match="sum to 5, the packed row has 6 tokens"):
+        packed_sdpa_attention(torch.nn.Module(), q, kv, kv, None, rlbus_seq_lens=[2, 3])

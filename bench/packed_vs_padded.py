@@ -1,0 +1,262 @@
+"""Training throughput: the trainer's packed forward against a right-padded batch.
+
+Run: `python -m bench.packed_vs_padded` (options: `--help`). Prints a markdown table of training
+tokens/s (forward + backward, REAL tokens only, pad tokens do not count) for one mixed-length batch:
+
+- packed: the packer's micro-batches (`packer.packing.plan_step_micro_batches`, padding-free rows
+  of at most `--budget` tokens), each one `trainer.packed.packed_token_logprobs` forward (block-causal
+  4-D mask, positions restarting per sample) and a backward of the summed logprobs;
+- padded (arrival order): consecutive samples, right-padded to the longest sample of their
+  micro-batch, as many as fit `rows * longest <= --budget` PADDED tokens, Hugging Face 2-D
+  `attention_mask` (sdpa); the per-token logprobs of EVERY position (pads included, as a padded
+  trainer pays for them) with the trainer's own LM-head code (`trainer.logprobs.
+  linear_logprobs_and_entropy`, the one `packed_token_logprobs` uses), pads masked out, backward;
+- padded (sorted by length): the same after sorting the samples longest first, so similar lengths
+  share a micro-batch: the strongest padded baseline, reported for honesty;
+- packed, per-sample attention: a PROTOTYPE, not in the trainer: the packed rows of `packed` with
+  the block-causal 4-D mask replaced by an attention function (registered with transformers'
+  `AttentionInterface`) that runs causal sdpa on each sample's slice of the row: attention cost
+  O(sum_i L_i^2) instead of O(T^2), what a varlen kernel (flash-attention `cu_seqlens`) would give.
+
+The model is a Qwen2ForCausalLM built from a config with random weights (no download), in train mode.
+Each repeat runs the three variants back to back (same order), so the ratios are taken within one
+repeat on the same machine state; the table reports medians over repeats. As a check that all
+variants compute the same thing, the summed logprob of the batch must agree (rtol 1e-3).
+
+The packed path's attention is dense over the whole packed row: its mask and scores cost
+O(T^2) for T = tokens in the row, against O(rows * L_max^2) for a padded micro-batch; the last
+column estimates the share of forward FLOPs in attention scores (see bench/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, Qwen2Config, Qwen2ForCausalLM
+
+from packer.packing import plan_step_micro_batches
+from trainer.logprobs import linear_logprobs_and_entropy
+from trainer.packed import packed_position_ids, packed_token_logprobs
+
+PER_SAMPLE_ATTENTION = "rlbus_bench_per_sample"
+
+
+def mixed_lengths(num_samples: int, rng: np.random.Generator, low: int = 16, high: int = 1024) -> list[int]:
+    """`[num_samples]` long-tailed sample lengths: exp(N(log 128, 1)) rounded, clipped to [low, high]."""
+    x = np.exp(rng.normal(np.log(128), 1.0, num_samples))
+    return np.clip(np.round(x), low, high).astype(int).tolist()
+
+
+def padded_micro_batches(lengths: list[int], order: list[int], budget: int) -> list[list[int]]:
+    """Greedy padded micro-batches: take samples in `order` while `rows * longest <= budget` padded tokens."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in order:
+        if current and (len(current) + 1) * max(longest, lengths[i]) > budget:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, lengths[i])
+    if current:
+        batches.append(current)
+    return batches
+
+
+def build_model(hidden: int, layers: int, vocab: int, max_len: int, seed: int) -> Qwen2ForCausalLM:
+    """A Qwen2 causal LM with random weights: head dim 64, 2 KV heads (GQA), MLP 4x hidden, sdpa."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=2,
+        max_position_embeddings=max_len,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    return Qwen2ForCausalLM(config).train()
+
+
+def packed_step(model, samples: list[torch.Tensor], plan: list[list[int]]) -> float:
+    """Forward + backward of every packed micro-batch; returns the summed logprob (a check value)."""
+    total = 0.0
+    for micro_batch in plan:
+        ids = torch.cat([samples[i] for i in micro_batch])
+        seq_lens = torch.tensor([len(samples[i]) for i in micro_batch])
+        logprobs = packed_token_logprobs(model, ids, seq_lens)
+        loss = -logprobs.sum()
+        loss.backward()
+        total += float(logprobs.detach().sum())
+    return total
+
+
+def padded_step(model, samples: list[torch.Tensor], batches: list[list[int]], pad_id: int = 0) -> float:
+    """Forward + backward of every right-padded micro-batch; returns the summed logprob of real tokens."""
+    head = model.get_output_embeddings()
+    total = 0.0
+    for micro_batch in batches:
+        longest = max(len(samples[i]) for i in micro_batch)
+        ids = torch.full((len(micro_batch), longest), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(micro_batch), longest), dtype=torch.long)
+        for row, i in enumerate(micro_batch):
+            ids[row, : len(samples[i])] = samples[i]
+            attention_mask[row, : len(samples[i])] = 1
+        hidden = model.get_decoder()(input_ids=ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        logprobs, _entropy = linear_logprobs_and_entropy(
+            hidden[:, :-1].reshape(-1, hidden.shape[-1]), head.weight, head.bias, ids[:, 1:].reshape(-1)
+        )
+        logprobs = logprobs * attention_mask[:, 1:].reshape(-1)  # pad positions (and their gradient) get 0
+        loss = -logprobs.sum()
+        loss.backward()
+        total += float(logprobs.detach().sum())
+    return total
+
+
+def per_sample_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Causal sdpa on each packed sample's slice (`kwargs["rlbus_seq_lens"]`, a list of lengths).
+
+    query `[1, heads, T, head_dim]`, key/value `[1, kv_heads, T, head_dim]` -> (`[1, T, heads, head_dim]`, None),
+    the contract of transformers' attention functions (`integrations/sdpa_attention.py`); the 4-D
+    mask argument is ignored (the slices are the block-diagonal structure).
+    """
+    lens = kwargs["rlbus_seq_lens"]
+    repeats = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(repeats, 1), value.repeat_interleave(repeats, 1)
+    outs = [
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
+        for q, k, v in zip(query.split(lens, 2), key.split(lens, 2), value.split(lens, 2))
+    ]
+    return torch.cat(outs, 2).transpose(1, 2).contiguous(), None
+
+
+def per_sample_packed_step(model, samples: list[torch.Tensor], plan: list[list[int]]) -> float:
+    """`packed_step` with `per_sample_attention` instead of the dense block-causal mask (prototype)."""
+    head = model.get_output_embeddings()
+    total = 0.0
+    model.set_attn_implementation(PER_SAMPLE_ATTENTION)
+    try:
+        for micro_batch in plan:
+            ids = torch.cat([samples[i] for i in micro_batch])
+            lens = [len(samples[i]) for i in micro_batch]
+            hidden = model.get_decoder()(
+                input_ids=ids[None],
+                attention_mask=torch.zeros(1, 1, 1, 1),  # a 4-D placeholder: transformers builds no mask
+                position_ids=packed_position_ids(torch.tensor(lens)),
+                use_cache=False,
+                rlbus_seq_lens=lens,
+            ).last_hidden_state[0]
+            logprobs, _entropy = linear_logprobs_and_entropy(hidden[:-1], head.weight, head.bias, ids[1:])
+            starts = np.cumsum(lens)[:-1] - 1  # row t predicts token t+1: drop predictions of sample starts
+            keep = torch.ones(len(ids) - 1, dtype=torch.bool)
+            keep[torch.from_numpy(starts)] = False
+            logprobs = logprobs[keep]
+            loss = -logprobs.sum()
+            loss.backward()
+            total += float(logprobs.detach().sum())
+    finally:
+        model.set_attn_implementation("sdpa")
+    return total
+
+
+def timed(fn, *args) -> tuple[float, float]:
+    """(seconds, return value) of one call."""
+    started = time.perf_counter()
+    value = fn(*args)
+    return time.perf_counter() - started, value
+
+
+def attention_share(lengths: list[int], packed_rows: list[list[int]], padded_rows: list[list[int]], hidden: int,
+                    layers: int, vocab: int) -> tuple[float, float]:
+    """Estimated share of forward FLOPs spent in attention scores (QK^T and AV: 4 * T_q * T_k * hidden per layer),
+    against the dense matmuls (per token: 2 * (4 hidden^2 + 3 hidden * 4 hidden) per layer + 2 * hidden * vocab),
+    for the packed rows (T_q = T_k = row tokens) and the padded rows (rows * longest^2)."""
+    per_token = layers * 2 * (4 * hidden * hidden + 12 * hidden * hidden) + 2 * hidden * vocab
+
+    def share(attn: float, tokens: int) -> float:
+        return attn / (attn + tokens * per_token)
+
+    packed_attn = sum(4 * sum(lengths[i] for i in row) ** 2 * hidden * layers for row in packed_rows)
+    padded_attn = sum(4 * len(row) * max(lengths[i] for i in row) ** 2 * hidden * layers for row in padded_rows)
+    padded_tokens = sum(len(row) * max(lengths[i] for i in row) for row in padded_rows)
+    return share(packed_attn, sum(lengths)), share(padded_attn, padded_tokens)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-samples", type=int, default=48)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[1024, 2048, 4096], help="tokens per micro-batch")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=32_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    AttentionInterface.register(PER_SAMPLE_ATTENTION, per_sample_attention)
+
+    rng = np.random.default_rng(args.seed)
+    lengths = mixed_lengths(args.num_samples, rng)
+    samples = [torch.from_numpy(rng.integers(1, args.vocab, n)).long() for n in lengths]
+    model = build_model(args.hidden, args.layers, args.vocab, max(args.budgets), args.seed)
+    total = sum(lengths)
+    print(
+        f"batch: {len(lengths)} samples, {total} tokens, lengths min/median/max {min(lengths)}/"
+        f"{int(np.median(lengths))}/{max(lengths)}; model: Qwen2 hidden {args.hidden}, {args.layers} layers, "
+        f"vocab {args.vocab}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params; torch threads {args.threads}, "
+        f"{args.repeats} repeats"
+    )
+    header = (
+        "| budget | variant | micro-batches | padded tokens | pad share | tokens/s (median) | packed speed-up over this (median) "
+        "| est. attention share of FLOPs |"
+    )
+    lines = [header, "|---|---|---|---|---|---|---|---|"]
+    arrival = list(range(len(lengths)))
+    by_length = sorted(arrival, key=lambda i: (-lengths[i], i))
+    for budget in args.budgets:
+        plan = plan_step_micro_batches(lengths, budget)[0]
+        variants = {
+            "packed": plan,
+            "padded (arrival order)": padded_micro_batches(lengths, arrival, budget),
+            "padded (sorted by length)": padded_micro_batches(lengths, by_length, budget),
+            "packed, per-sample attention (prototype)": plan,
+        }
+        steps = {"packed": packed_step, "packed, per-sample attention (prototype)": per_sample_packed_step}
+        seconds: dict[str, list[float]] = {name: [] for name in variants}
+        checks: dict[str, float] = {}
+        for repeat in range(args.repeats + 1):  # repeat 0 warms up (allocator, kernels), not timed
+            for name, rows in variants.items():
+                step = steps.get(name, padded_step)
+                elapsed, checks[name] = timed(step, model, samples, rows)
+                model.zero_grad(set_to_none=True)
+                if repeat:
+                    seconds[name].append(elapsed)
+        reference = checks["packed"]
+        for name, value in checks.items():
+            assert abs(value - reference) <= 1e-3 * abs(reference), f"{name} logprob sum {value} != packed {reference}"
+        for name, rows in variants.items():
+            packed_rows = name in steps
+            padded_tokens = total if packed_rows else sum(len(r) * max(lengths[i] for i in r) for r in rows)
+            ratios = [p / s for p, s in zip(seconds[name], seconds["packed"])]
+            attn_packed, attn_padded = attention_share(lengths, plan, rows, args.hidden, args.layers, args.vocab)
+            if name != "packed":
+                attn_packed = attention_share(lengths, [[i] for i in range(len(lengths))], rows, args.hidden,
+                                              args.layers, args.vocab)[0]  # per sample: sum_i L_i^2
+            lines.append(
+                f"| {budget} | {name} | {len(rows)} | {padded_tokens} | {1 - total / padded_tokens:.1%} "
+                f"| {total / statistics.median(seconds[name]):,.0f} | {statistics.median(ratios):.2f}x "
+                f"| {attn_packed if packed_rows else attn_padded:.1%} |"
+            )
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
