@@ -4,8 +4,9 @@ Run: `python -m bench.packed_vs_padded` (options: `--help`). Prints a markdown t
 tokens/s (forward + backward, REAL tokens only, pad tokens do not count) for one mixed-length batch:
 
 - packed: the packer's micro-batches (`packer.packing.plan_step_micro_batches`, padding-free rows
-  of at most `--budget` tokens), each one `trainer.packed.packed_token_logprobs` forward (block-causal
-  4-D mask, positions restarting per sample) and a backward of the summed logprobs;
+  of at most `--budget` tokens), each one `trainer.packed.packed_token_logprobs` forward (varlen
+  attention: causal sdpa per sample, positions restarting per sample) and a backward of the summed
+  logprobs;
 - padded (arrival order): consecutive samples, right-padded to the longest sample of their
   micro-batch, as many as fit `rows * longest <= --budget` PADDED tokens, Hugging Face 2-D
   `attention_mask` (sdpa); the per-token logprobs of EVERY position (pads included, as a padded
@@ -13,19 +14,14 @@ tokens/s (forward + backward, REAL tokens only, pad tokens do not count) for one
   linear_logprobs_and_entropy`, the one `packed_token_logprobs` uses), pads masked out, backward;
 - padded (sorted by length): the same after sorting the samples longest first, so similar lengths
   share a micro-batch: the strongest padded baseline, reported for honesty;
-- packed, per-sample attention: a PROTOTYPE, not in the trainer: the packed rows of `packed` with
-  the block-causal 4-D mask replaced by an attention function (registered with transformers'
-  `AttentionInterface`) that runs causal sdpa on each sample's slice of the row: attention cost
-  O(sum_i L_i^2) instead of O(T^2), what a varlen kernel (flash-attention `cu_seqlens`) would give.
-
 The model is a Qwen2ForCausalLM built from a config with random weights (no download), in train mode.
 Each repeat runs the three variants back to back (same order), so the ratios are taken within one
 repeat on the same machine state; the table reports medians over repeats. As a check that all
 variants compute the same thing, the summed logprob of the batch must agree (rtol 1e-3).
 
-The packed path's attention is dense over the whole packed row: its mask and scores cost
-O(T^2) for T = tokens in the row, against O(rows * L_max^2) for a padded micro-batch; the last
-column estimates the share of forward FLOPs in attention scores (see bench/README.md).
+The packed path's attention costs O(sum_i L_i^2) (per sample, `trainer.packed_attention`), against
+O(rows * L_max^2) for a padded micro-batch; the last column estimates the share of forward FLOPs in
+attention scores (see bench/README.md).
 """
 
 from __future__ import annotations
@@ -36,15 +32,11 @@ import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from transformers import AttentionInterface, Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from packer.packing import plan_step_micro_batches
 from trainer.logprobs import linear_logprobs_and_entropy
-from trainer.packed import packed_position_ids, packed_token_logprobs
-
-PER_SAMPLE_ATTENTION = "rlbus_bench_per_sample"
-
+from trainer.packed import packed_token_logprobs
 
 def mixed_lengths(num_samples: int, rng: np.random.Generator, low: int = 16, high: int = 1024) -> list[int]:
     """`[num_samples]` long-tailed sample lengths: exp(N(log 128, 1)) rounded, clipped to [low, high]."""
@@ -120,52 +112,6 @@ def padded_step(model, samples: list[torch.Tensor], batches: list[list[int]], pa
     return total
 
 
-def per_sample_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Causal sdpa on each packed sample's slice (`kwargs["rlbus_seq_lens"]`, a list of lengths).
-
-    query `[1, heads, T, head_dim]`, key/value `[1, kv_heads, T, head_dim]` -> (`[1, T, heads, head_dim]`, None),
-    the contract of transformers' attention functions (`integrations/sdpa_attention.py`); the 4-D
-    mask argument is ignored (the slices are the block-diagonal structure).
-    """
-    lens = kwargs["rlbus_seq_lens"]
-    repeats = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(repeats, 1), value.repeat_interleave(repeats, 1)
-    outs = [
-        F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
-        for q, k, v in zip(query.split(lens, 2), key.split(lens, 2), value.split(lens, 2))
-    ]
-    return torch.cat(outs, 2).transpose(1, 2).contiguous(), None
-
-
-def per_sample_packed_step(model, samples: list[torch.Tensor], plan: list[list[int]]) -> float:
-    """`packed_step` with `per_sample_attention` instead of the dense block-causal mask (prototype)."""
-    head = model.get_output_embeddings()
-    total = 0.0
-    model.set_attn_implementation(PER_SAMPLE_ATTENTION)
-    try:
-        for micro_batch in plan:
-            ids = torch.cat([samples[i] for i in micro_batch])
-            lens = [len(samples[i]) for i in micro_batch]
-            hidden = model.get_decoder()(
-                input_ids=ids[None],
-                attention_mask=torch.zeros(1, 1, 1, 1),  # a 4-D placeholder: transformers builds no mask
-                position_ids=packed_position_ids(torch.tensor(lens)),
-                use_cache=False,
-                rlbus_seq_lens=lens,
-            ).last_hidden_state[0]
-            logprobs, _entropy = linear_logprobs_and_entropy(hidden[:-1], head.weight, head.bias, ids[1:])
-            starts = np.cumsum(lens)[:-1] - 1  # row t predicts token t+1: drop predictions of sample starts
-            keep = torch.ones(len(ids) - 1, dtype=torch.bool)
-            keep[torch.from_numpy(starts)] = False
-            logprobs = logprobs[keep]
-            loss = -logprobs.sum()
-            loss.backward()
-            total += float(logprobs.detach().sum())
-    finally:
-        model.set_attn_implementation("sdpa")
-    return total
-
-
 def timed(fn, *args) -> tuple[float, float]:
     """(seconds, return value) of one call."""
     started = time.perf_counter()
@@ -177,13 +123,13 @@ def attention_share(lengths: list[int], packed_rows: list[list[int]], padded_row
                     layers: int, vocab: int) -> tuple[float, float]:
     """Estimated share of forward FLOPs spent in attention scores (QK^T and AV: 4 * T_q * T_k * hidden per layer),
     against the dense matmuls (per token: 2 * (4 hidden^2 + 3 hidden * 4 hidden) per layer + 2 * hidden * vocab),
-    for the packed rows (T_q = T_k = row tokens) and the padded rows (rows * longest^2)."""
+    for the packed rows (varlen attention: T_q = T_k = each sample's length) and the padded rows (rows * longest^2)."""
     per_token = layers * 2 * (4 * hidden * hidden + 12 * hidden * hidden) + 2 * hidden * vocab
 
     def share(attn: float, tokens: int) -> float:
         return attn / (attn + tokens * per_token)
 
-    packed_attn = sum(4 * sum(lengths[i] for i in row) ** 2 * hidden * layers for row in packed_rows)
+    packed_attn = sum(4 * lengths[i] ** 2 * hidden * layers for row in packed_rows for i in row)
     padded_attn = sum(4 * len(row) * max(lengths[i] for i in row) ** 2 * hidden * layers for row in padded_rows)
     padded_tokens = sum(len(row) * max(lengths[i] for i in row) for row in padded_rows)
     return share(packed_attn, sum(lengths)), share(padded_attn, padded_tokens)
@@ -201,7 +147,6 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    AttentionInterface.register(PER_SAMPLE_ATTENTION, per_sample_attention)
 
     rng = np.random.default_rng(args.seed)
     lengths = mixed_lengths(args.num_samples, rng)
@@ -227,9 +172,8 @@ def main() -> None:
             "packed": plan,
             "padded (arrival order)": padded_micro_batches(lengths, arrival, budget),
             "padded (sorted by length)": padded_micro_batches(lengths, by_length, budget),
-            "packed, per-sample attention (prototype)": plan,
         }
-        steps = {"packed": packed_step, "packed, per-sample attention (prototype)": per_sample_packed_step}
+        steps = {"packed": packed_step}
         seconds: dict[str, list[float]] = {name: [] for name in variants}
         checks: dict[str, float] = {}
         for repeat in range(args.repeats + 1):  # repeat 0 warms up (allocator, kernels), not timed
@@ -247,9 +191,6 @@ def main() -> None:
             padded_tokens = total if packed_rows else sum(len(r) * max(lengths[i] for i in r) for r in rows)
             ratios = [p / s for p, s in zip(seconds[name], seconds["packed"])]
             attn_packed, attn_padded = attention_share(lengths, plan, rows, args.hidden, args.layers, args.vocab)
-            if name != "packed":
-                attn_packed = attention_share(lengths, [[i] for i in range(len(lengths))], rows, args.hidden,
-                                              args.layers, args.vocab)[0]  # per sample: sum_i L_i^2
             lines.append(
                 f"| {budget} | {name} | {len(rows)} | {padded_tokens} | {1 - total / padded_tokens:.1%} "
                 f"| {total / statistics.median(seconds[name]):,.0f} | {statistics.median(ratios):.2f}x "

@@ -23,10 +23,11 @@ Invariants:
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Callable, Union
 
 import numpy as np
+
+from rewards.registry import import_callable
 
 __all__ = [
     "ADVANTAGE_NAMES",
@@ -171,21 +172,7 @@ def resolve_advantage_fn(name: str) -> Union[str, AdvantageFn]:
             f"unknown advantage estimator {name!r}; use one of {', '.join(ADVANTAGE_NAMES)} "
             "or an import path 'package.module:function'"
         )
-    module_name, _, attr = name.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"advantage import path {name!r} must look like 'package.module:function'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"advantage import path {name!r}: cannot import {module_name!r} ({exc}); check the path and sys.path") from exc
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ValueError(f"advantage import path {name!r}: {module_name!r} has no attribute {attr!r}") from None
-    if not callable(obj):
-        raise ValueError(f"advantage import path {name!r} names a {type(obj).__name__}, not a function")
-    return obj
+    return import_callable(name, "advantage")
 
 
 def compute_advantages(

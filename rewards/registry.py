@@ -35,7 +35,7 @@ def get_reward_fn(name: str) -> RewardFn:
             attribute cannot be found or is not callable.
     """
     if ":" in name:
-        return _import_reward_fn(name)
+        return import_callable(name, "reward")
     try:
         return _REWARD_FNS[name]
     except KeyError:
@@ -45,20 +45,29 @@ def get_reward_fn(name: str) -> RewardFn:
         ) from None
 
 
-def _import_reward_fn(path: str) -> RewardFn:
-    """Resolve ``"package.module:function"`` with importlib (see :func:`get_reward_fn`)."""
+def import_callable(path: str, what: str) -> Callable[..., Any]:
+    """Resolve ``"package.module:function"`` (dotted attributes allowed after the colon) with importlib.
+
+    Args:
+        path: the import path from the config.
+        what: what it names, for the error message (e.g. ``"reward"``, ``"advantage"``).
+
+    Raises:
+        ValueError: the path is malformed, the module does not import, the attribute is missing,
+            or the object is not callable; the message names the path.
+    """
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
-        raise ValueError(f"reward import path={path!r} must look like 'package.module:function'")
+        raise ValueError(f"{what} import path={path!r} must look like 'package.module:function'")
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"reward import path={path!r}: cannot import {module_name!r} ({exc}); check the path and sys.path") from exc
+        raise ValueError(f"{what} import path={path!r}: cannot import {module_name!r} ({exc}); check the path and sys.path") from exc
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise ValueError(f"reward import path={path!r}: {module_name!r} has no attribute {attr!r}") from None
+            raise ValueError(f"{what} import path={path!r}: {module_name!r} has no attribute {attr!r}") from None
     if not callable(obj):
-        raise ValueError(f"reward import path={path!r} names a {type(obj).__name__}, not a function")
+        raise ValueError(f"{what} import path={path!r} names a {type(obj).__name__}, not a function")
     return obj

@@ -213,7 +213,7 @@ def test_custom_output_validated(fn, match):
 @pytest.mark.parametrize(
     "path, match",
     [
-        ("no_such_module_xyz:fn", r"advantage import path 'no_such_module_xyz:fn': cannot import 'no_such_module_xyz'"),
+        ("no_such_module_xyz:fn", r"advantage import path='no_such_module_xyz:fn': cannot import 'no_such_module_xyz'"),
         (f"{__name__}:missing", "has no attribute 'missing'"),
         (f"{__name__}:NOT_CALLABLE", "names a int, not a function"),
         (":fn", "must look like 'package.module:function'"),

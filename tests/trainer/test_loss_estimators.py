@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from trainer.loss import (
+from trainer.losses import (
     LossSpec,
     StepNorm,
     aggregation_weights,
