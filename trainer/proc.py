@@ -78,11 +78,9 @@ import torch
 from prometheus_client import Counter, Gauge, Histogram
 from transformers import AutoTokenizer
 
-from broadcaster.broadcaster import SendFailed, WeightBroadcaster
-from broadcaster.manifest import manifest_num_bytes
-from broadcaster.noise import is_rmsnorm_weight, qerl_noise_sigma, with_rmsnorm_noise
+from broadcaster.broadcaster import WeightBroadcaster
 from bus.component import Component, component_main
-from bus.messages import GroupsTrained, MicroBatch, RunDone, TrainerStep, WeightsReady, new_id
+from bus.messages import GroupsTrained, MicroBatch, RunDone, TrainerStep, new_id
 from bus.metrics import POLICY_VERSION
 from producers.tasks import load_task_examples, render_messages
 from rewards.registry import get_reward_fn
@@ -91,7 +89,8 @@ from trainer.distributed import launcher_pid
 from trainer.follower import follower_main, join_data_parallel, load_trainer_checkpoint
 from trainer.evaluate import eval_reward_mean
 from trainer.ledger import StepLedger, append_jsonl, group_id, keep_jsonl_records
-from trainer.model import lora_adapter_state_dict, load_policy, policy_state_dict
+from trainer.model import load_policy
+from trainer.publish import WeightPublishing
 from trainer.trainer import build_trainer
 
 log = logging.getLogger(__name__)
@@ -104,17 +103,6 @@ RECV_SLICE_S = 0.5
 """Longest wait for one micro-batch before checking the stop request again, seconds."""
 
 STEP_SECONDS = Histogram("rlbus_trainer_step_seconds", "Wall time per optimizer step incl. waiting for data, seconds")
-BROADCAST_SECONDS = Histogram(
-    "rlbus_trainer_weight_broadcast_seconds",
-    "Time the trainer thread spends publishing new weights (a broadcast's bytes then move in the background), seconds",
-)
-TRANSFER_SECONDS = Histogram(
-    "rlbus_trainer_weight_transfer_seconds", "Duration of a background weight broadcast, start to every producer received, seconds"
-)
-BROADCAST_FALLBACKS = Counter(
-    "rlbus_trainer_broadcast_fallbacks_total",
-    "Weight broadcasts that raised (a producer died, a gloo/nccl error); the trainer then uses the filesystem method",
-)
 RELEASED_MICRO_BATCHES = Counter(
     "rlbus_trainer_released_micro_batches_total",
     "Micro-batches released to the packer (done), by why: covered by a checkpoint after training, or re-sent for a covered step",
@@ -184,7 +172,7 @@ def drop_weight_versions(out_dir: Path, first: int) -> list[Path]:
     return gone
 
 
-class TrainerProc(Component):
+class TrainerProc(WeightPublishing, Component):
     """Process wrapper of :class:`Trainer` with the weight broadcaster, checkpoints and custody of
     the micro-batches (see the module docstring); its ``run.done`` after the last step is what
     ends the run."""
@@ -235,10 +223,6 @@ class TrainerProc(Component):
                 timeout_s=b.timeout_s,
             )
             self.broadcaster.init_group()
-
-    def filesystem_broadcaster(self) -> WeightBroadcaster:
-        """A broadcaster that writes ``RUN_DIR/weights/v{N}`` (the method after a restart)."""
-        return WeightBroadcaster(method="filesystem", out_dir=self.weights_dir)
 
     # -- resume -----------------------------------------------------------------------------------
 
@@ -335,87 +319,6 @@ class TrainerProc(Component):
                 self.batches.done(*release)
                 RELEASED_MICRO_BATCHES.labels(why="already_covered").inc(len(release))
         return micro_batches
-
-    def publish_weights(self, version: int) -> float:
-        """Announce and send the weights of ``version``; returns the seconds the trainer thread
-        spent here (a broadcast's bytes move in the background).
-
-        Broadcast: wait for the previous version's transfer (normally done long ago), announce
-        ``weights.ready``, then copy :meth:`weights_payload` into the broadcaster's send buffers and
-        hand it to the backend (``WeightBroadcaster.start_send``): the trainer goes on with the next
-        step while the producers receive. A transfer that fails (at once, or seen by the next
-        publish's wait) switches the trainer to the filesystem method for good and re-publishes the
-        failed version that way: a background one from its send buffers (so in the payload it was
-        broadcast in, an adapter with LoRA: producers load both kinds), one that failed at once
-        from the current weights (see the module docstring). Filesystem: merged weights, written,
-        then announced.
-        """
-        started = time.perf_counter()
-        self.settle_weights()
-        if self.broadcaster.method == "broadcast":
-            adapter = self.cfg.trainer.lora.enabled and self.cfg.broadcast.lora_payload == "adapter"
-            state = self.weights_payload(version, adapter=adapter)
-            manifest = self.broadcaster.manifest(state)
-            num_bytes = manifest_num_bytes(manifest)
-            self.control.send(WeightsReady(id=new_id(), version=version, method="broadcast", manifest=manifest, path="", num_bytes=num_bytes))
-            try:
-                self.broadcaster.start_send(state, version, manifest)
-            except RuntimeError as exc:  # torch.distributed errors (DistBackendError, timeouts) are RuntimeErrors
-                self.fall_back_to_filesystem(version, exc)
-        if self.broadcaster.method == "filesystem":
-            self.write_weights(version, self.weights_payload(version, adapter=False))
-        elapsed = time.perf_counter() - started
-        BROADCAST_SECONDS.observe(elapsed)
-        return elapsed
-
-    def settle_weights(self) -> None:
-        """Wait for the broadcast in flight (if any) to reach every producer; if it failed, switch
-        to the filesystem method and re-publish its version from its send buffers. Records the
-        transfer's duration (``rlbus_trainer_weight_transfer_seconds``)."""
-        if self.broadcaster.method != "broadcast":
-            return
-        try:
-            done = self.broadcaster.wait()
-        except SendFailed as exc:
-            self.fall_back_to_filesystem(exc.version, exc)
-            self.write_weights(exc.version, exc.payload)
-            return
-        if done and done.get("transfer_s") is not None:
-            TRANSFER_SECONDS.observe(done["transfer_s"])
-
-    def write_weights(self, version: int, state: dict[str, torch.Tensor]) -> None:
-        """Filesystem method: write ``state`` as ``version`` and announce it."""
-        info = self.broadcaster.send(state, version)
-        self.control.send(
-            WeightsReady(id=new_id(), version=version, method="filesystem", manifest=info["manifest"], path=info["path"], num_bytes=info["num_bytes"])
-        )
-
-    def weights_payload(self, version: int, *, adapter: bool) -> dict[str, torch.Tensor]:
-        """What the producers get as ``version``: the merged full weights
-        (:func:`trainer.model.policy_state_dict`), or with ``adapter`` only the LoRA adapter
-        (:func:`trainer.model.lora_adapter_state_dict`; with the noise scheduler on, the RMSNorm
-        weights travel whole alongside it). With ``broadcast.noise_scheduler.enabled`` the RMSNorm
-        weights in it are fresh noisy copies (QeRL, :mod:`broadcaster.noise`, stage of ``version``
-        over ``trainer.max_steps``); the trainer's own weights stay clean."""
-        noise = self.cfg.broadcast.noise_scheduler
-        if adapter:
-            state = lora_adapter_state_dict(self.model, include=is_rmsnorm_weight if noise.enabled else None)
-        else:
-            state = policy_state_dict(self.model)
-        if not noise.enabled:
-            return state
-        sigma = qerl_noise_sigma(version, self.cfg.trainer.max_steps, sigma_start=noise.sigma_start,
-                                 sigma_end=noise.sigma_end, num_stages=noise.num_stages)
-        return with_rmsnorm_noise(state, sigma, seed=noise.seed, version=version)
-
-    def fall_back_to_filesystem(self, version: int, exc: BaseException) -> None:
-        """Replace the broken broadcast group by the filesystem method, for the rest of the run
-        (``version``: the version whose transfer failed, for the log)."""
-        BROADCAST_FALLBACKS.inc()
-        log.error("broadcast of weights version %d failed (%s: %s); sending weights through %s from now on",
-                  version, type(exc).__name__, exc, self.weights_dir)
-        broken, self.broadcaster = self.broadcaster, self.filesystem_broadcaster()
-        broken.close()
 
     def save(self, step: int) -> None:
         """Checkpoint after ``step`` optimizer steps (weights or adapter, optimizer, RNG) with
