@@ -247,6 +247,12 @@ class WeightBroadcaster:
         """Whether a transfer was started and not yet waited for."""
         return self._pending is not None
 
+    def transfer_finished(self) -> bool:
+        """True if a transfer is in flight and the backend has finished it (successfully or not):
+        `wait` then returns (or raises `SendFailed`) at once. Does not block."""
+        transfer = self._pending
+        return transfer is not None and all(w.is_completed() for w in transfer.works)
+
     @torch.no_grad()
     def start_send(self, state_dict: Mapping[str, torch.Tensor], version: int,
                    manifest: list[list] | None = None) -> dict:

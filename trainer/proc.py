@@ -311,6 +311,10 @@ class TrainerProc(WeightPublishing, Component):
         while (micro_batches := self.ledger.take(step)) is None:
             if self.stop.is_set():
                 return None
+            if self.broadcaster.method == "broadcast" and self.broadcaster.transfer_finished():
+                # a transfer that failed (a producer died) must fall back NOW: a restarted producer
+                # waits for these weights by the filesystem before it samples this step's data
+                self.settle_weights()
             mb = self.batches.recv(timeout_s=RECV_SLICE_S)
             if mb is None:
                 continue
