@@ -312,9 +312,7 @@ class TrainerProc(WeightPublishing, Component):
             if self.stop.is_set():
                 return None
             if self.broadcaster.method == "broadcast" and self.broadcaster.transfer_finished():
-                # a transfer that failed (a producer died) must fall back NOW: a restarted producer
-                # waits for these weights by the filesystem before it samples this step's data
-                self.settle_weights()
+                self.settle_weights()  # a failed send falls back NOW: a restarted producer waits for it
             mb = self.batches.recv(timeout_s=RECV_SLICE_S)
             if mb is None:
                 continue
