@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from trainer.packed import validated_seq_lens
+
 __all__ = [
     "LOG_RATIO_BOUND",
     "kl_k1",
@@ -128,13 +130,7 @@ def sample_ids(seq_lens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     Raises:
         ValueError: seq_lens is not a non-empty 1-D integer tensor of values >= 1 summing to T.
     """
-    if not isinstance(seq_lens, torch.Tensor) or seq_lens.ndim != 1 or seq_lens.numel() == 0:
-        raise ValueError("seq_lens must be a non-empty 1-D tensor [num_samples] of sample lengths")
-    if seq_lens.dtype.is_floating_point or seq_lens.dtype == torch.bool or seq_lens.is_complex():
-        raise ValueError(f"seq_lens must be an integer tensor, got {seq_lens.dtype}; use .long()")
-    lens = seq_lens.to(torch.int64)
-    if bool((lens < 1).any()):
-        raise ValueError(f"seq_lens must all be >= 1, got {lens.tolist()}; drop empty samples before packing")
+    lens = validated_seq_lens(seq_lens)
     if int(lens.sum()) != num_tokens:
         raise ValueError(f"seq_lens must sum to the packed length {num_tokens}, got sum {int(lens.sum())}")
     return torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
