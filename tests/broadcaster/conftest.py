@@ -4,18 +4,9 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
+from tests.torch_threads import one_torch_thread  # noqa: F401 - autouse fixture
 from trainer.tiny_model import build_random_policy
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny tensors: one thread is fastest, and avoids OpenMP spin-waits on a shared 2-core host."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -4,14 +4,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny tensors: one thread is fastest, and avoids OpenMP spin-waits on a shared 2-core host."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from tests.torch_threads import one_torch_thread  # noqa: F401 - autouse fixture
 
 
 @pytest.fixture(scope="module")
