@@ -33,9 +33,23 @@ from bus.wire import (
 )
 
 
-def array_field(dtype: str, ndim: int = 1) -> Any:
-    """Declare a dataclass field that travels as a raw array frame of ``dtype`` and rank ``ndim``."""
-    return field(metadata={"array": ArraySpec(dtype, ndim)})
+def array_field(dtype: str, ndim: int = 1, *, optional: bool = False) -> Any:
+    """Declare a dataclass field that travels as a raw array frame of ``dtype`` and rank ``ndim``.
+
+    ``optional``: a keyword-only field that defaults to an empty array (shape ``[0] * ndim``), for
+    data that only some runs carry (e.g. teacher logprobs); it still travels on every message.
+    """
+    metadata = {"array": ArraySpec(dtype, ndim)}
+    if not optional:
+        return field(metadata=metadata)
+    return field(metadata=metadata, kw_only=True, default_factory=lambda: np.zeros((0,) * ndim, dtype=dtype))
+
+
+def optional_field(default: Any) -> Any:
+    """A keyword-only header field with a default (a copy of ``default`` for dicts and lists)."""
+    if isinstance(default, (dict, list)):
+        return field(kw_only=True, default_factory=lambda: type(default)(default))
+    return field(kw_only=True, default=default)
 
 
 def new_id() -> str:
@@ -92,6 +106,11 @@ class Prompt(Message):
         messages: chat messages ``[{"role": str, "content": str}, ...]`` to render with the
             policy's chat template.
         info: task data for the verifier (e.g. ``{"target": "cba"}``); JSON-like values only.
+        temperature: sampling temperature for this prompt (``sampling.temperature`` or the
+            ``sampling.temp_scheduler`` value at ``step``; the eval temperature for eval prompts).
+        eval_round: ``-1`` for a training prompt; else the policy version whose online evaluation
+            this prompt belongs to (see :mod:`producers.evaluation`). Eval prompts never train.
+        eval_size: groups in the whole eval round (every eval task), ``0`` for a training prompt.
     """
 
     TYPE: ClassVar[str] = "prompt"
@@ -100,6 +119,19 @@ class Prompt(Message):
     task: str
     messages: list
     info: dict
+    temperature: float = optional_field(1.0)
+    eval_round: int = optional_field(-1)
+    eval_size: int = optional_field(0)
+
+    @property
+    def is_eval(self) -> bool:
+        return self.eval_round >= 0
+
+    def check(self) -> None:
+        if not self.temperature > 0:
+            raise WireError("inconsistent", "temperature must be > 0")
+        if (self.eval_round >= 0) != (self.eval_size > 0):
+            raise WireError("inconsistent", "an eval prompt needs eval_round >= 0 and eval_size > 0, a training prompt neither")
 
 
 @dataclass(frozen=True, eq=False)
@@ -122,6 +154,9 @@ class RolloutGroup(Message):
         version_start: ``[G] int64`` policy version in effect at the sample's first token.
         version_end: ``[G] int64`` policy version in effect at the sample's last token.
         gen_time_s: wall time the producer spent generating the group, seconds.
+        temperature, eval_round, eval_size: copied from the :class:`Prompt`.
+        teacher_logprobs: ``[N] float32`` logprob of each completion token under the teacher model
+            (nats, temperature 1), or ``[0]`` without a teacher.
     """
 
     TYPE: ClassVar[str] = "rollout"
@@ -139,10 +174,18 @@ class RolloutGroup(Message):
     logprobs: np.ndarray = array_field("float32")
     version_start: np.ndarray = array_field("int64")
     version_end: np.ndarray = array_field("int64")
+    temperature: float = optional_field(1.0)
+    eval_round: int = optional_field(-1)
+    eval_size: int = optional_field(0)
+    teacher_logprobs: np.ndarray = array_field("float32", optional=True)
 
     @property
     def group_size(self) -> int:
         return len(self.completion_lens)
+
+    @property
+    def is_eval(self) -> bool:
+        return self.eval_round >= 0
 
     def check(self) -> None:
         g = len(self.completion_lens)
@@ -157,6 +200,10 @@ class RolloutGroup(Message):
                 raise WireError("inconsistent", f"{name} must have one entry per completion ({g})")
         if (self.version_end < self.version_start).any() or (self.version_start < 0).any():
             raise WireError("inconsistent", "need 0 <= version_start <= version_end")
+        if len(self.teacher_logprobs) not in (0, len(self.completion_ids)):
+            raise WireError("inconsistent", "teacher_logprobs must be empty or have one entry per completion token")
+        if not self.temperature > 0:
+            raise WireError("inconsistent", "temperature must be > 0")
 
     def completion(self, j: int) -> tuple[np.ndarray, np.ndarray]:
         """Token ids ``[L_j] int32`` and logprobs ``[L_j] float32`` of sample ``j``."""
@@ -174,21 +221,34 @@ class ScoredGroup(RolloutGroup):
 
     Fields:
         reward_worker: name of the worker that scored the group.
-        rewards: ``[G] float32`` reward of each completion.
+        rewards: ``[G] float32`` reward of each completion (the weighted sum of the task's reward
+            functions).
         advantages: ``[G] float32`` group-relative advantage of each completion.
+        reward_terms: ``{reward function name: [G] floats}`` each function's own (unweighted) score.
+        flags: ``[G]`` comma-separated names of the filters that flagged each sample (``""`` when
+            none), or ``[]`` when no filter ran.
+        masked: ``[G] bool`` True for a sample the loss must not use (flagged by an enforced
+            filter), or ``[0]`` for none.
     """
 
     TYPE: ClassVar[str] = "scored"
     reward_worker: str
     rewards: np.ndarray = array_field("float32")
     advantages: np.ndarray = array_field("float32")
+    reward_terms: dict = optional_field({})
+    flags: list[str] = optional_field([])
+    masked: np.ndarray = array_field("bool", optional=True)
 
     def check(self) -> None:
         super().check()
-        if len(self.rewards) != self.group_size or len(self.advantages) != self.group_size:
+        g = self.group_size
+        if len(self.rewards) != g or len(self.advantages) != g:
             raise WireError("inconsistent", "rewards and advantages need one entry per completion")
         if not (np.isfinite(self.rewards).all() and np.isfinite(self.advantages).all()):
             raise WireError("inconsistent", "rewards and advantages must be finite")
+        check_terms(self.reward_terms, g)
+        if len(self.flags) not in (0, g) or len(self.masked) not in (0, g):
+            raise WireError("inconsistent", f"flags and masked must be empty or have one entry per completion ({g})")
 
 
 @dataclass(frozen=True, eq=False)
@@ -215,6 +275,9 @@ class MicroBatch(Message):
         versions: ``[S] int64`` oldest policy version each sample was generated under.
         teacher_logprobs: ``[T] float32`` logprob of each completion token under a teacher model
             (on-policy distillation), or ``[0]`` when the samples carry none.
+        temperature: the sampling temperature of every sample here (the packer never mixes two);
+            the trainer divides the logits by it.
+        reward_terms: ``{reward function name: [S] floats}`` each sample's per-function score.
     """
 
     TYPE: ClassVar[str] = "micro_batch"
@@ -232,9 +295,14 @@ class MicroBatch(Message):
     rewards: np.ndarray = array_field("float32")
     versions: np.ndarray = array_field("int64")
     teacher_logprobs: np.ndarray = array_field("float32")
+    temperature: float = optional_field(1.0)
+    reward_terms: dict = optional_field({})
 
     def check(self) -> None:
         t, s = len(self.input_ids), len(self.seq_lens)
+        if not self.temperature > 0:
+            raise WireError("inconsistent", "temperature must be > 0")
+        check_terms(self.reward_terms, s)
         if not 0 <= self.micro_index < self.num_micro_batches or self.step < 0:
             raise WireError("inconsistent", "need step >= 0 and 0 <= micro_index < num_micro_batches")
         if (self.seq_lens <= 0).any() or int(self.seq_lens.sum()) != t:
@@ -380,7 +448,45 @@ class ComponentHeartbeat(Message):
     state: str
 
 
-CONTROL_TYPES: tuple[type[Message], ...] = (WeightsReady, WeightsApplied, TrainerStep, GroupsDropped, GroupsTrained, RunDone)
+@dataclass(frozen=True, eq=False)
+class EvalResult(Message):
+    """One eval task's result in one online-evaluation round, packer -> trainer (control channel).
+
+    Fields:
+        round: the policy version the round evaluates (0: the base model).
+        task: eval task name.
+        version_min, version_max: oldest / newest policy version that actually produced a token of
+            the round's samples (equal to ``round`` unless the producers were already ahead).
+        num_samples: completions scored. num_failed: groups whose generation failed (no samples).
+        metrics: ``reward_mean``, ``reward_std``, ``completion_len_mean``, ``pass_at_1`` ... (floats).
+    """
+
+    TYPE: ClassVar[str] = "eval.result"
+    round: int
+    task: str
+    version_min: int
+    version_max: int
+    num_samples: int
+    num_failed: int
+    metrics: dict[str, float]
+
+
+def check_terms(terms: dict, n: int) -> None:
+    """Validate a ``reward_terms`` mapping: str keys, each a list of ``n`` finite numbers.
+
+    Raises:
+        WireError: ``"inconsistent"``, naming the bad key.
+    """
+    for key, values in terms.items():
+        if not isinstance(key, str) or not isinstance(values, list) or len(values) != n:
+            raise WireError("inconsistent", f"reward_terms[{show(key)}] must be a list of {n} numbers")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) for v in values):
+            raise WireError("inconsistent", f"reward_terms[{show(key)}] must hold finite numbers")
+
+
+CONTROL_TYPES: tuple[type[Message], ...] = (
+    WeightsReady, WeightsApplied, TrainerStep, GroupsDropped, GroupsTrained, RunDone, EvalResult,
+)
 """The message types the control channel carries (the hub forwards nothing else)."""
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
@@ -396,6 +502,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         GroupsDropped,
         GroupsTrained,
         RunDone,
+        EvalResult,
         ComponentReady,
         ComponentHeartbeat,
     )

@@ -33,6 +33,7 @@ from bus.messages import (
     Prompt,
     RolloutGroup,
     RunDone,
+    EvalResult,
     ScoredGroup,
     TrainerStep,
     WeightsApplied,
@@ -68,6 +69,8 @@ def _rollout_fields() -> dict[str, Any]:
         logprobs=np.array([-0.5, -1.25, -0.125, -2.0, -0.0625], dtype=np.float32),
         version_start=np.array([1, 2, 2], dtype=np.int64),
         version_end=np.array([2, 2, 3], dtype=np.int64),
+        temperature=0.75,
+        teacher_logprobs=np.array([-0.25, -1.0, -0.5, -3.0, -0.125], dtype=np.float32),
     )
 
 
@@ -90,6 +93,8 @@ def _micro_batch(num_tokens: int = 7, micro_index: int = 1, step: int = 4) -> Mi
         rewards=np.array([1.0, 0.0], dtype=np.float32),
         versions=np.array([3, 4], dtype=np.int64),
         teacher_logprobs=-np.linspace(0.5, 2, num_tokens, dtype=np.float32),
+        temperature=0.9,
+        reward_terms={"correct": [1.0, 0.0], "format": [0.5, 1.0]},
     )
 
 
@@ -101,6 +106,7 @@ EXAMPLES: dict[str, Callable[[], Message]] = {
         task="reverse_text",
         messages=[{"role": "system", "content": "Reverse."}, {"role": "user", "content": "abc"}],
         info={"target": "cba", "len": 3},
+        temperature=0.7,
     ),
     "rollout": lambda: RolloutGroup(id="g-1", **_rollout_fields()),
     "scored": lambda: ScoredGroup(
@@ -109,6 +115,9 @@ EXAMPLES: dict[str, Callable[[], Message]] = {
         reward_worker="rewards-1",
         rewards=np.array([1.0, 0.0, 0.5], dtype=np.float32),
         advantages=np.array([0.75, -1.0, 0.25], dtype=np.float32),
+        reward_terms={"correct": [1.0, 0.0, 0.0], "format": [0.0, 0.0, 1.0]},
+        flags=["", "repetition", "gibberish,repetition"],
+        masked=np.array([False, True, True]),
     ),
     "micro_batch": _micro_batch,
     "weights.ready": lambda: WeightsReady(
@@ -124,6 +133,10 @@ EXAMPLES: dict[str, Callable[[], Message]] = {
     "groups.dropped": lambda: GroupsDropped(id="d-1", group_ids=["g-1", "g-2"], reason="stale"),
     "groups.trained": lambda: GroupsTrained(id="t-3", step=3, group_ids=["g-1", "g-2", "g-3"]),
     "run.done": lambda: RunDone(id="r-1", step=10, reason="max_steps"),
+    "eval.result": lambda: EvalResult(
+        id="e-1", round=10, task="gsm8k", version_min=10, version_max=10, num_samples=64, num_failed=1,
+        metrics={"reward_mean": 0.25, "reward_std": 0.433, "completion_len_mean": 112.5},
+    ),
     "component.ready": lambda: ComponentReady(id="c-1", name="rewards-1", pid=1234, metrics_port=9100),
     "component.heartbeat": lambda: ComponentHeartbeat(id="h-1", name="rewards-1", pid=1234, state="running"),
 }

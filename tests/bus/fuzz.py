@@ -50,6 +50,7 @@ from bus.messages import (
     Prompt,
     RolloutGroup,
     RunDone,
+    EvalResult,
     ScoredGroup,
     TrainerStep,
     WeightsApplied,
@@ -145,6 +146,8 @@ def realistic_examples() -> dict[str, Message]:
         GroupsDropped(id="d1", group_ids=["5f0c2a", "77aa01"], reason="stale"),
         GroupsTrained(id="t4", step=4, group_ids=["5f0c2a", "9b1e44", "c03d7f"]),
         RunDone(id="r1", step=4, reason="max_steps"),
+        EvalResult(id="e1", round=4, task="gsm8k", version_min=4, version_max=5, num_samples=32, num_failed=0,
+                   metrics={"reward_mean": 0.125, "pass_at_1": 0.125}),
         ComponentReady(id="c1", name="rewards-1", pid=41_213, metrics_port=38_117),
         ComponentHeartbeat(id="h1", name="rewards-1", pid=41_213, state="running"),
     ]
@@ -382,7 +385,7 @@ class HostileMessages:
     def _random_array_frame(self, rng: random.Random) -> Frames:
         """An array frame replaced by random bytes of the same length (only invalid ones are kept:
         nonsense lengths, negative versions, NaN rewards, ...)."""
-        base = self._base(rng, self.checked)
+        base = self._base(rng, [b for b in self.checked if b.arrays])
         frames = list(base.frames)
         i = rng.randrange(1, len(frames))
         frames[i] = rng.randbytes(len(frames[i]))
@@ -504,6 +507,8 @@ class HostileMessages:
         msg = base.msg
         if isinstance(msg, MicroBatch):
             changes = _inconsistent_micro_batch(rng, msg)
+        elif isinstance(msg, Prompt):
+            changes = rng.choice([{"temperature": rng.choice([0.0, -1.0])}, {"eval_round": 3, "eval_size": 0}, {"eval_size": 5}])
         else:
             changes = _inconsistent_group(rng, msg)
         return [bytes(memoryview(f)) for f in encode(dataclasses.replace(msg, **changes))]

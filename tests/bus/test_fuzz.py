@@ -115,8 +115,9 @@ def test_generator_is_seeded_invalid_and_covers_every_mutation():
 
 
 def _raw_map(d: dict, key: str, raw_value: bytes) -> bytes:
-    """msgpack of map ``d`` (< 16 keys) with the value of ``key`` replaced by raw bytes."""
-    return bytes([0x80 | len(d)]) + b"".join(
+    """msgpack of map ``d`` (< 65536 keys) with the value of ``key`` replaced by raw bytes."""
+    prefix = bytes([0x80 | len(d)]) if len(d) < 16 else b"\xde" + len(d).to_bytes(2, "big")
+    return prefix + b"".join(
         msgpack.packb(k) + (raw_value if k == key else msgpack.packb(v)) for k, v in d.items())
 
 
