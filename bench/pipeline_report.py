@@ -41,7 +41,7 @@ def report(run_dir: Path) -> str:
     """The markdown table of one run."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
-    evals = [r for r in records if "eval_reward_mean" in r]
+    eval_keys = sorted({k for r in records for k in r if k.startswith("eval/") and k.endswith("/reward_mean")})
     steady = steps[1:] if len(steps) > 2 else steps
     wall_s = sum(r["step_time_s"] for r in steps)
     med = lambda key: statistics.median(r[key] for r in steady)  # noqa: E731
@@ -62,8 +62,9 @@ def report(run_dir: Path) -> str:
         ("reward workers: time per group (mean)", f"{rew.get('rlbus_rewards_score_seconds_sum', 0) / max(rew.get('rlbus_rewards_score_seconds_count', 0), 1) * 1000:.1f} ms"),
         ("policy lag mean / max", f"{statistics.mean(r['policy_lag_mean'] for r in steps):.2f} / {max(r['policy_lag_max'] for r in steps):.0f}"),
     ]
-    if evals:
-        rows.append(("eval_reward_mean first -> last", f"{evals[0]['eval_reward_mean']:.3f} -> {evals[-1]['eval_reward_mean']:.3f}"))
+    for key in eval_keys:  # eval/<task>/reward_mean at each eval round (step = policy version)
+        evals = [r for r in records if key in r]
+        rows.append((f"{key} step {evals[0]['step']} -> {evals[-1]['step']}", f"{evals[0][key]:.3f} -> {evals[-1][key]:.3f}"))
     return "| measure | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
 
 

@@ -8,9 +8,19 @@ side by side; one message is one whole group, so a worker needs no state shared 
 Custody (:mod:`bus.reliable`): a rollout is released to its producer only once the packer is done
 with its scored group; a worker killed at any moment loses nothing.
 
-The reward function runs in child processes by default (``rewards.isolate``, see
-:mod:`rewards.isolation`): one that raises, hangs past ``rewards.timeout_s``, crashes or returns NaN
-scores that sample 0, counted in ``rlbus_rewards_errors_total{error=...}``, and the worker goes on.
+Rewards: a group is scored with the reward functions of its task (``group.task``, looked up in the
+reward spec :func:`producers.tasks.reward_spec`: the training task and every eval task). Each
+function's raw score goes to ``reward_terms[name]`` (``name`` from :func:`rewards.registry.reward_name`)
+and the reward is ``sum_k weight_k * score_k``. The functions run in child processes by default
+(``rewards.isolate``, see :mod:`rewards.isolation`): a call that raises, hangs past
+``rewards.timeout_s``, crashes or returns NaN scores 0 for that term only, counted in
+``rlbus_rewards_errors_total{error=...}``, and the worker goes on. A group of a task the worker does
+not know scores 0 everywhere (error ``"unknown_task"``, one count per sample); with
+``filters.skip_verification`` no function is called and every reward is 0.
+
+Filters (:mod:`rewards.filters`) then flag degenerate samples (``flags``; ``masked`` when enforced,
+counted in ``rlbus_rewards_filtered_total{filter}``). Advantages are computed on the rewards of the
+whole group, flagged samples included (their reward is kept for the baseline).
 """
 
 from __future__ import annotations
@@ -18,14 +28,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from prometheus_client import Counter, Histogram
 
 from bus.component import Component, component_main
 from bus.messages import RolloutGroup, RunDone, ScoredGroup
+from configs.schema import FiltersConfig
+from producers.tasks import reward_spec
 from rewards.advantages import compute_advantages, resolve_advantage_fn
+from rewards.filters import FILTER_NAMES, apply_filters
 from rewards.isolation import InProcessScorer, IsolatedScorer
+from rewards.registry import reward_name
 
 log = logging.getLogger(__name__)
 
@@ -34,33 +49,46 @@ REWARD = Histogram("rlbus_rewards_reward", "Reward per sample", buckets=[i / 10 
 SCORE_SECONDS = Histogram("rlbus_rewards_score_seconds", "Time to score one group, seconds")
 REWARD_ERRORS = Counter(
     "rlbus_rewards_errors_total",
-    "Reward function calls that failed (reward set to 0), by error: the exception type, timeout, crash or non_finite",
+    "Reward function calls that failed (reward set to 0), by error: the exception type, timeout, crash, "
+    "non_finite, or unknown_task (one per sample of a group whose task has no rewards here)",
     ["error"],
 )
+FILTERED = Counter("rlbus_rewards_filtered_total", "Samples flagged by a filter (masked if it is enforced), by filter", ["filter"])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Term:
+    fn: int  # index in the scorer's list of reward functions
+    name: str  # reward_terms key
+    weight: float
 
 
 class RewardWorker:
-    """Scores groups with one reward function and computes their advantages.
+    """Scores groups with their task's weighted reward functions, runs the filters, computes advantages.
 
     Args:
-        reward_fn_name: a registry name or import path, see :func:`rewards.registry.get_reward_fn`.
+        rewards: the reward spec ``{task name: ((reward ref, weight), ...)}`` (see
+            :func:`producers.tasks.reward_spec`); refs are registry names or import paths, see
+            :func:`rewards.registry.get_reward_fn`. Every distinct ref is resolved at start.
         advantage: the advantage estimator, a built-in name or an import path
             ``"package.module:function"``, resolved once here (see
             :func:`rewards.advantages.resolve_advantage_fn`).
         eps: added to the std by ``"grpo"``, see :func:`rewards.advantages.compute_advantages`.
         name: this worker's name, recorded in each scored group.
-        isolate: run the reward function in child processes (:class:`rewards.isolation.IsolatedScorer`;
+        isolate: run the reward functions in child processes (:class:`rewards.isolation.IsolatedScorer`;
             call :meth:`close`); False: in this process, without timeout or crash protection.
         timeout_s, num_procs: see :class:`rewards.isolation.IsolatedScorer` (``isolate`` only).
+        filters: the ``filters`` config section (default: all off).
 
     Raises:
-        ValueError: unknown reward function or advantage estimator, or an import path that does
-            not import or is not callable.
+        ValueError: unknown reward function or advantage estimator, an import path that does
+            not import or is not callable, or two reward functions of one task with the same name
+            (their ``reward_terms`` would collide).
     """
 
     def __init__(
         self,
-        reward_fn_name: str,
+        rewards: Mapping[str, Sequence[tuple[str, float]]],
         *,
         advantage: str = "grpo",
         eps: float = 1e-6,
@@ -68,35 +96,78 @@ class RewardWorker:
         isolate: bool = True,
         timeout_s: float = 5.0,
         num_procs: int = 2,
+        filters: FiltersConfig | None = None,
     ) -> None:
         self.advantage = resolve_advantage_fn(advantage)  # before the scorer: fail fast, no children left
-        self.scorer: InProcessScorer | IsolatedScorer = (
-            IsolatedScorer(reward_fn_name, timeout_s=timeout_s, num_procs=num_procs) if isolate else InProcessScorer(reward_fn_name)
-        )
+        self.filters = filters or FiltersConfig()
+        refs: list[str] = []
+        self.tasks: dict[str, list[_Term]] = {}
+        for task, terms in rewards.items():
+            self.tasks[task] = []
+            for ref, weight in terms:
+                if ref not in refs:  # each distinct function once in the children, whatever tasks share it
+                    refs.append(ref)
+                term = _Term(refs.index(ref), reward_name(ref), float(weight))
+                if term.name in {t.name for t in self.tasks[task]}:
+                    raise ValueError(f"task {task!r}: two reward functions are named {term.name!r}; reward_terms needs distinct names")
+                self.tasks[task].append(term)
+        self.scorer: InProcessScorer | IsolatedScorer | None = None
+        if refs and not self.filters.skip_verification:
+            self.scorer = IsolatedScorer(refs, timeout_s=timeout_s, num_procs=num_procs) if isolate else InProcessScorer(refs)
+        for filter_name in FILTER_NAMES:  # export the enabled filters' counters at 0
+            if getattr(self.filters, filter_name).enabled:
+                FILTERED.labels(filter_name)
         self.eps = eps
         self.name = name
 
     def score(self, group: RolloutGroup) -> ScoredGroup:
-        """Rewards ``[G] float32`` from the verifier and advantages ``[G] float32`` of one group.
+        """Rewards ``[G] float32`` (weighted sum of the task's reward functions), ``reward_terms``
+        (each function's ``[G]`` scores), filter ``flags``/``masked`` and advantages ``[G] float32``.
 
-        A sample whose reward call failed scores 0 and is counted by error label; never raises for it.
+        A failed reward call scores 0 for its term and is counted by error label; a group of an
+        unknown task scores 0; never raises for either.
 
         Raises:
             ValueError: a custom advantage function returned a wrong shape or non-finite values (a
                 bug in that function, not in the data: the process boundary reports it).
         """
-        result = self.scorer.score(group.completion_texts, group.info)
-        for error in result.errors:
-            if error is not None:
-                REWARD_ERRORS.labels(error).inc()
-        rewards = np.array(result.rewards, dtype=np.float32)
+        g = group.group_size
+        total = np.zeros(g, np.float64)
+        reward_terms: dict[str, list[float]] = {}
+        terms = self.tasks.get(group.task)
+        if self.filters.skip_verification:
+            pass
+        elif terms is None:
+            log.warning("group %s has task %r, which this worker has no rewards for (known: %s); rewards set to 0",
+                        group.id, group.task, ", ".join(self.tasks))
+            REWARD_ERRORS.labels("unknown_task").inc(g)
+        elif terms:
+            assert self.scorer is not None
+            for term, result in zip(terms, self.scorer.score(group.completion_texts, group.info, [t.fn for t in terms])):
+                for error in result.errors:
+                    if error is not None:
+                        REWARD_ERRORS.labels(error).inc()
+                reward_terms[term.name] = result.rewards
+                total += term.weight * np.asarray(result.rewards, np.float64)
+        rewards = total.astype(np.float32)
+        overflow = ~np.isfinite(rewards)  # finite scores times finite weights can still overflow float32
+        if overflow.any():
+            REWARD_ERRORS.labels("non_finite").inc(int(overflow.sum()))
+            rewards[overflow] = 0.0
+        found = apply_filters(self.filters, group.completion_ids, group.logprobs, group.completion_lens)
+        for filter_name, count in found.counts.items():
+            FILTERED.labels(filter_name).inc(count)
         advantages = compute_advantages(self.advantage, rewards, np.asarray(group.completion_lens, np.int64), self.eps)
         fields = {f.name: getattr(group, f.name) for f in dataclasses.fields(RolloutGroup)}
-        return ScoredGroup(**fields, reward_worker=self.name, rewards=rewards, advantages=advantages)
+        return ScoredGroup(
+            **fields, reward_worker=self.name, rewards=rewards, advantages=advantages,
+            reward_terms=reward_terms, flags=found.flags, masked=found.masked,
+        )
 
     def close(self) -> None:
-        """Stop the reward function's child processes (if isolated); idempotent."""
-        self.scorer.close()
+        """Stop the reward functions' child processes (if isolated); idempotent."""
+        if self.scorer is not None:
+            self.scorer.close()
 
 
 class RewardWorkerProc(Component):
@@ -105,13 +176,14 @@ class RewardWorkerProc(Component):
     def setup(self) -> None:
         cfg = self.cfg
         self.worker = RewardWorker(
-            cfg.rewards.reward_fn or cfg.task.name,
+            reward_spec(cfg),
             advantage=cfg.rewards.advantage,
             eps=cfg.rewards.eps,
             name=self.name,
             isolate=cfg.rewards.isolate,
             timeout_s=cfg.rewards.timeout_s,
             num_procs=cfg.rewards.num_procs,
+            filters=cfg.filters,
         )
         producers = [self.endpoints.address("rollouts", i) for i in range(cfg.producers.max_replicas)]
         self.rollouts = self.reliable_receiver("rollouts", producers, bind=False, accept=(RolloutGroup,))

@@ -30,10 +30,13 @@ def test_every_shipped_config_loads(path):
     # what the file says is what the model holds (spot-check every top-level scalar and section key)
     for key, value in raw.items():
         if isinstance(value, dict):
-            section = getattr(cfg, key)
+            section = getattr(cfg, key).model_dump(mode="json")
             for sub, sub_value in value.items():
-                if not isinstance(sub_value, dict):
-                    assert getattr(section, sub) == sub_value, f"{key}.{sub}"
+                if isinstance(sub_value, list) and sub_value and isinstance(sub_value[0], dict):
+                    # a list of sections: every key given in the file holds its value
+                    assert [{k: item[k] for k in given} for item, given in zip(section[sub], sub_value)] == sub_value, f"{key}.{sub}"
+                elif not isinstance(sub_value, dict):
+                    assert section[sub] == sub_value, f"{key}.{sub}"
         else:
             assert getattr(cfg, key) == value, key
     assert cfg.trainer.batch_size % cfg.producers.group_size == 0

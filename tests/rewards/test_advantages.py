@@ -289,7 +289,7 @@ def scored_by(advantage: str, texts: list[str], lens: list[int]):
         completion_lens=np.array(lens, np.int32), logprobs=np.zeros(n, np.float32),
         version_start=np.zeros(g, np.int64), version_end=np.zeros(g, np.int64),
     )
-    return RewardWorker("reverse_text", advantage=advantage, name="rw", isolate=False).score(group)
+    return RewardWorker({"reverse_text": (("reverse_text", 1.0),)}, advantage=advantage, name="rw", isolate=False).score(group)
 
 
 def test_worker_uses_completion_lengths_of_the_group():
@@ -308,4 +308,4 @@ def test_worker_uses_completion_lengths_of_the_group():
 
 def test_worker_rejects_a_bad_advantage_at_start():
     with pytest.raises(ValueError, match="cannot import 'no_such_module_xyz'"):
-        RewardWorker("reverse_text", advantage="no_such_module_xyz:fn", name="rw", isolate=True)
+        RewardWorker({"reverse_text": (("reverse_text", 1.0),)}, advantage="no_such_module_xyz:fn", name="rw", isolate=True)

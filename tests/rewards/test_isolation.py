@@ -1,6 +1,6 @@
 """Tests for rewards.isolation: a reward function that raises, hangs, crashes or returns NaN costs
-one sample (reward 0, counted by label), never the scorer. Real child processes, no mocks; the
-misbehaving functions live in reward_fns.py and are referenced by import path."""
+one call (reward 0 for that function on that sample, counted by label), never the scorer. Real child
+processes, no mocks; the misbehaving functions live in reward_fns.py and are referenced by import path."""
 
 from __future__ import annotations
 
@@ -65,8 +65,8 @@ def make_scorer():
     """IsolatedScorer factory; every scorer is closed after the test and must leave no child behind."""
     made: list[IsolatedScorer] = []
 
-    def make(reward_fn: str = ref("by_text"), *, num_procs: int = 1, timeout_s: float = TIMEOUT_S) -> IsolatedScorer:
-        made.append(IsolatedScorer(reward_fn, timeout_s=timeout_s, num_procs=num_procs))
+    def make(*reward_fns: str, num_procs: int = 1, timeout_s: float = TIMEOUT_S) -> IsolatedScorer:
+        made.append(IsolatedScorer(list(reward_fns or [ref("by_text")]), timeout_s=timeout_s, num_procs=num_procs))
         return made[-1]
 
     yield make
@@ -79,8 +79,9 @@ def make_scorer():
 def test_registry_name_scores_like_in_process(make_scorer):
     texts = ["olleh", "", "oll", " xolleh <|im_end|>"]
     info = {"target": "olleh"}
-    got = make_scorer("reverse_text", num_procs=2).score(texts, info)
-    assert got.rewards == InProcessScorer("reverse_text").score(texts, info).rewards == [1.0, 0.0, 0.75, 10 / 11]
+    [got] = make_scorer("reverse_text", num_procs=2).score(texts, info)
+    [in_process] = InProcessScorer(["reverse_text"]).score(texts, info)
+    assert got.rewards == in_process.rewards == [1.0, 0.0, 0.75, 10 / 11]
     assert got.errors == [None] * 4
 
 
@@ -94,37 +95,58 @@ def test_registry_name_scores_like_in_process(make_scorer):
 def test_failure_scores_zero_and_scorer_recovers(make_scorer, text, label, replaced):
     scorer = make_scorer()
     [pid] = scorer.pids()
-    got = scorer.score([text], {})
+    [got] = scorer.score([text], {})
     assert (got.rewards, got.errors) == ([0.0], [label])
     [new_pid] = scorer.pids()
     assert (new_pid != pid) == replaced and alive(new_pid)
     assert not replaced or gone_within([pid], 1.0)  # the hung or dead child is reaped, not left behind
-    got = scorer.score(["abc", "de"], {})  # the same scorer still works
+    [got] = scorer.score(["abc", "de"], {})  # the same scorer still works
     assert (got.rewards, got.errors) == ([3.0, 2.0], [None, None])
 
 
 def test_non_numeric_result_is_an_error_of_its_type(make_scorer):
-    got = make_scorer(ref("returns_text")).score(["x"], {})
+    [got] = make_scorer(ref("returns_text")).score(["x"], {})
     assert (got.rewards, got.errors) == ([0.0], ["ValueError"])
 
 
 def test_timeout_costs_about_timeout_s_and_zeroes_only_its_sample(make_scorer):
     scorer = make_scorer(num_procs=2)
     started = time.monotonic()
-    got = scorer.score(["sleep", "a", "bb", "ccc"], {})
+    [got] = scorer.score(["sleep", "a", "bb", "ccc"], {})
     elapsed = time.monotonic() - started
     assert got.rewards == [0.0, 1.0, 2.0, 3.0] and got.errors == ["timeout", None, None, None]
     assert TIMEOUT_S <= elapsed < TIMEOUT_S + SLACK_S
     # two hung samples on two children: their deadlines run side by side
     started = time.monotonic()
-    assert scorer.score(["sleep", "sleep"], {}).errors == ["timeout", "timeout"]
+    assert scorer.score(["sleep", "sleep"], {})[0].errors == ["timeout", "timeout"]
     assert TIMEOUT_S <= time.monotonic() - started < TIMEOUT_S + SLACK_S
+
+
+def test_several_functions_in_one_child_named_by_index(make_scorer):
+    scorer = make_scorer(ref("by_text"), "reverse_text", ref("length"), num_procs=2)
+    texts = ["olleh", "sleep", "raise", "oll"]
+    by_text, length = scorer.score(texts, {"target": "olleh"}, [0, 2])  # any subset, in the order asked
+    assert (by_text.rewards, by_text.errors) == ([5.0, 0.0, 0.0, 3.0], [None, "timeout", "ValueError", None])
+    assert (length.rewards, length.errors) == ([5.0, 5.0, 5.0, 3.0], [None] * 4)  # the failing calls cost only their term
+    [reverse] = scorer.score(texts, {"target": "olleh"}, [1])
+    assert reverse.rewards[0] == 1.0 and reverse.errors == [None] * 4
+    with pytest.raises(ValueError, match="out of range"):
+        scorer.score(texts, {}, [3])
+
+
+def test_bare_string_is_not_a_list_of_functions():
+    with pytest.raises(TypeError, match="list"):
+        IsolatedScorer("reverse_text")
+    with pytest.raises(TypeError, match="list"):
+        InProcessScorer("reverse_text")
+    with pytest.raises(ValueError, match="empty"):
+        IsolatedScorer([])
 
 
 def test_worker_counts_every_failure_by_label_and_goes_on():
     labels = ["timeout", "ValueError", "crash", "non_finite"]
     before = {label: errors(label) for label in labels}
-    worker = RewardWorker(ref("by_text"), advantage="drgrpo", eps=1e-6, name="rw", timeout_s=TIMEOUT_S, num_procs=2)
+    worker = RewardWorker({"t": ((ref("by_text"), 1.0),)}, advantage="drgrpo", eps=1e-6, name="rw", timeout_s=TIMEOUT_S, num_procs=2)
     try:
         scored = worker.score(group(["ab", "sleep", "raise", "exit", "nan", "segv", "abcd", "abc"]))
         assert scored.rewards.tolist() == [2.0, 0, 0, 0, 0, 0, 4.0, 3.0]
@@ -142,7 +164,7 @@ def test_child_killed_while_idle_is_replaced_without_blame(make_scorer):
     [pid] = scorer.pids()
     os.kill(pid, signal.SIGKILL)
     assert gone_within([pid], 2.0)
-    got = scorer.score(["abc"], {})
+    [got] = scorer.score(["abc"], {})
     assert (got.rewards, got.errors) == ([3.0], [None])
     assert scorer.pids() != [pid]
 
@@ -150,13 +172,13 @@ def test_child_killed_while_idle_is_replaced_without_blame(make_scorer):
 @pytest.mark.parametrize("reward_fn", ["no_such_reward", ref("no_such_fn"), "no_such_module_xyz:f", ":f", ref("BY_TEXT")])
 def test_unresolvable_reference_fails_at_start_and_leaves_no_child(reward_fn):
     before = {p.pid for p in psutil.Process().children()}
-    with pytest.raises(ValueError, match="reward"):
-        IsolatedScorer(reward_fn, num_procs=2)
+    with pytest.raises(ValueError, match=f"reward.*{reward_fn}"):  # names the bad one, after a good one
+        IsolatedScorer(["reverse_text", reward_fn], num_procs=2)
     assert {p.pid for p in psutil.Process().children() if p.status() != psutil.STATUS_ZOMBIE} <= before
 
 
 def test_close_stops_every_child_and_is_idempotent():
-    scorer = IsolatedScorer(ref("by_text"), timeout_s=TIMEOUT_S, num_procs=3)
+    scorer = IsolatedScorer([ref("by_text")], timeout_s=TIMEOUT_S, num_procs=3)
     scorer.score(["sleep", "a"], {})  # one child replaced on the way
     pids = scorer.pids()
     assert len(pids) == 3 and all(alive(p) for p in pids)
@@ -171,7 +193,7 @@ def test_killed_worker_takes_its_hung_children_along():
     # nothing runs its close(), so PR_SET_PDEATHSIG must end them.
     script = (
         "import json, sys; sys.path[:] = json.loads(sys.argv[1]); from rewards.isolation import IsolatedScorer; "
-        "s = IsolatedScorer(sys.argv[2], timeout_s=60, num_procs=2); print(json.dumps(s.pids()), flush=True); "
+        "s = IsolatedScorer([sys.argv[2]], timeout_s=60, num_procs=2); print(json.dumps(s.pids()), flush=True); "
         "s.score(['sleep', 'sleep'], {})"
     )
     worker = subprocess.Popen([sys.executable, "-c", script, json.dumps(sys.path), ref("by_text")], stdout=subprocess.PIPE, text=True)

@@ -1,12 +1,16 @@
-"""reverse_text reward and the reward registry, against hand-computed difflib ratios.
+"""reverse_text reward (against hand-computed difflib ratios) and the reward registry.
 
 ratio = 2 * M / (len(completion) + len(target)), M = characters in difflib's matching blocks
 (longest common substring first, then recursively on the left and right remainders).
 """
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from rewards.registry import get_reward_fn, known_reward_names
+from rewards.registry import get_reward_fn, known_reward_names, reward_name
 from rewards.reverse_text import reverse_text_reward, strip_end_of_turn
 
 INFO = {"target": "olleh"}  # the prompt was "hello"
@@ -63,3 +67,27 @@ def test_registry_returns_reverse_text():
 def test_registry_unknown_name_lists_known():
     with pytest.raises(ValueError, match="reverse_text"):
         get_reward_fn("nope")
+
+
+def test_registry_knows_every_shipped_task():
+    assert {"reverse_text", "gsm8k", "countdown"} <= set(known_reward_names())
+    assert get_reward_fn("gsm8k")("The answer is 18.", {"answer": "18"}) == 1.0
+
+
+def test_reward_names_for_terms_and_logs():
+    assert reward_name("gsm8k") == "gsm8k"
+    assert reward_name("my_pkg.scoring:brevity") == "brevity"
+    assert reward_name("my_pkg.scoring:Judge.score") == "score"
+    with pytest.raises(ValueError, match="reverse_text"):
+        reward_name("nope")
+    with pytest.raises(ValueError, match="package.module:function"):
+        reward_name("my_pkg:")
+
+
+def test_registry_imports_verifiers_only_when_asked():
+    # a reward child that runs only reverse_text must not pay math-verify's import (~0.25 s)
+    code = (
+        "import sys; from rewards.registry import get_reward_fn; get_reward_fn('reverse_text'); "
+        "assert 'math_verify' not in sys.modules; get_reward_fn('gsm8k'); assert 'math_verify' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])

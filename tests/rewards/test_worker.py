@@ -1,7 +1,9 @@
-"""Tests for rewards.worker.RewardWorker.score: verifier rewards, group advantages, error policy."""
+"""Tests for rewards.worker.RewardWorker.score: weighted verifier rewards per task, filters, group
+advantages, error policy (real reward functions, real child processes when isolated)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -10,7 +12,11 @@ import reward_fns
 from prometheus_client import REGISTRY
 
 from bus.messages import RolloutGroup, ScoredGroup, decode, encode
+from configs.schema import FiltersConfig
 from rewards.worker import RewardWorker
+
+REVERSE = {"reverse_text": (("reverse_text", 1.0),)}
+TIMEOUT_S = 0.5
 
 # prompt "hello" -> target "olleh" (5 chars); reward = 2 * M / (len(completion) + len(target))
 TEXTS = [
@@ -22,7 +28,11 @@ TEXTS = [
 REWARDS = [1.0, 0.0, 0.75, 10 / 11]
 
 
-def rollout(texts: list[str], info: dict | None = None) -> RolloutGroup:
+def ref(fn: str) -> str:
+    return f"{reward_fns.__name__}:{fn}"
+
+
+def rollout(texts: list[str], info: dict | None = None, task: str = "reverse_text", logprobs: np.ndarray | None = None) -> RolloutGroup:
     g = len(texts)
     lens = [max(len(t), 1) for t in texts]  # token counts are irrelevant to scoring
     n = sum(lens)
@@ -30,7 +40,7 @@ def rollout(texts: list[str], info: dict | None = None) -> RolloutGroup:
         id="grp-1",
         prompt_index=7,
         step=3,
-        task="reverse_text",
+        task=task,
         info={"target": "olleh"} if info is None else info,
         producer="producer-0",
         completion_texts=list(texts),
@@ -39,7 +49,7 @@ def rollout(texts: list[str], info: dict | None = None) -> RolloutGroup:
         prompt_ids=np.arange(4, dtype=np.int32),
         completion_ids=np.arange(n, dtype=np.int32),
         completion_lens=np.array(lens, np.int32),
-        logprobs=-np.linspace(0.1, 1.0, n, dtype=np.float32),
+        logprobs=-np.linspace(0.1, 1.0, n, dtype=np.float32) if logprobs is None else logprobs,
         version_start=np.array([1] * g, np.int64),
         version_end=np.array([2] * g, np.int64),
     )
@@ -49,9 +59,13 @@ def errors(name: str) -> float:
     return REGISTRY.get_sample_value("rlbus_rewards_errors_total", {"error": name}) or 0.0
 
 
+def filtered(name: str) -> float:
+    return REGISTRY.get_sample_value("rlbus_rewards_filtered_total", {"filter": name}) or 0.0
+
+
 def test_rewards_and_grpo_advantages_by_hand():
     eps = 1e-6
-    scored = RewardWorker("reverse_text", advantage="grpo", eps=eps, name="rw-0", isolate=False).score(rollout(TEXTS))
+    scored = RewardWorker(REVERSE, advantage="grpo", eps=eps, name="rw-0", isolate=False).score(rollout(TEXTS))
     np.testing.assert_allclose(scored.rewards, REWARDS, rtol=0, atol=1e-7)
     assert scored.rewards.dtype == np.float32 and scored.advantages.dtype == np.float32
     # mean = (1 + 0 + 0.75 + 10/11) / 4 ; population std = sqrt(sum (r - mean)^2 / 4)
@@ -65,7 +79,7 @@ def test_rewards_and_grpo_advantages_by_hand():
 
 
 def test_mean_centred_advantages_without_std():
-    scored = RewardWorker("reverse_text", advantage="drgrpo", eps=1e-6, name="rw-0", isolate=False).score(rollout(TEXTS))
+    scored = RewardWorker(REVERSE, advantage="drgrpo", eps=1e-6, name="rw-0", isolate=False).score(rollout(TEXTS))
     r = [float(np.float32(x)) for x in REWARDS]
     mean = sum(r) / 4  # ~0.664773
     np.testing.assert_allclose(scored.advantages, [x - mean for x in r], rtol=0, atol=1e-6)
@@ -73,14 +87,14 @@ def test_mean_centred_advantages_without_std():
 
 
 def test_equal_rewards_give_zero_advantages():
-    scored = RewardWorker("reverse_text", advantage="grpo", eps=1e-6, name="w", isolate=False).score(rollout(["olleh", "olleh<|endoftext|>"]))
+    scored = RewardWorker(REVERSE, advantage="grpo", eps=1e-6, name="w", isolate=False).score(rollout(["olleh", "olleh<|endoftext|>"]))
     assert scored.rewards.tolist() == [1.0, 1.0]
     assert scored.advantages.tolist() == [0.0, 0.0]
 
 
 def test_scored_group_keeps_rollout_fields_and_validates():
     group = rollout(TEXTS)
-    scored = RewardWorker("reverse_text", advantage="grpo", eps=1e-6, name="rw-3", isolate=False).score(group)
+    scored = RewardWorker(REVERSE, advantage="grpo", eps=1e-6, name="rw-3", isolate=False).score(group)
     assert isinstance(scored, ScoredGroup) and scored.reward_worker == "rw-3"
     for name in ("id", "prompt_index", "step", "task", "info", "producer", "completion_texts", "finish_reasons", "gen_time_s"):
         assert getattr(scored, name) == getattr(group, name)
@@ -92,13 +106,13 @@ def test_scored_group_keeps_rollout_fields_and_validates():
     np.testing.assert_array_equal(back.advantages, scored.advantages)
     # a RolloutGroup on the wire also decodes to what the worker can score
     np.testing.assert_array_equal(
-        RewardWorker("reverse_text", advantage="grpo", eps=1e-6, name="w", isolate=False).score(decode(encode(group))).rewards, scored.rewards)
+        RewardWorker(REVERSE, advantage="grpo", eps=1e-6, name="w", isolate=False).score(decode(encode(group))).rewards, scored.rewards)
 
 
 def test_raising_reward_function_scores_zero_and_is_counted():
     # reverse_text_reward raises TypeError when info has no str "target"
     before = errors("TypeError")
-    worker = RewardWorker("reverse_text", advantage="grpo", eps=1e-6, name="w", isolate=False)
+    worker = RewardWorker(REVERSE, advantage="grpo", eps=1e-6, name="w", isolate=False)
     scored = worker.score(rollout(["olleh", "x", "oll"], info={"answer": "olleh"}))
     assert scored.rewards.tolist() == [0.0, 0.0, 0.0]
     assert scored.advantages.tolist() == [0.0, 0.0, 0.0]
@@ -109,7 +123,7 @@ def test_raising_reward_function_scores_zero_and_is_counted():
 @pytest.mark.parametrize("isolate", [False, True])
 def test_some_samples_raise_others_score(isolate):
     # reward_fns.by_text: raises on "raise", NaN on "nan", else the text's length
-    worker = RewardWorker(f"{reward_fns.__name__}:by_text", advantage="drgrpo", eps=1e-6, name="w", isolate=isolate)
+    worker = RewardWorker({"reverse_text": ((ref("by_text"), 1.0),)}, advantage="drgrpo", eps=1e-6, name="w", isolate=isolate)
     before = errors("ValueError"), errors("non_finite")
     try:
         scored = worker.score(rollout(["abcd", "raise", "nan", "ab"]))
@@ -122,12 +136,12 @@ def test_some_samples_raise_others_score(isolate):
 
 
 def test_isolated_worker_scores_like_in_process():
-    worker = RewardWorker("reverse_text", advantage="grpo", eps=1e-6, name="w", isolate=True, num_procs=2)
+    worker = RewardWorker(REVERSE, advantage="grpo", eps=1e-6, name="w", isolate=True, num_procs=2)
     try:
         isolated = worker.score(rollout(TEXTS))
     finally:
         worker.close()
-    in_process = RewardWorker("reverse_text", advantage="grpo", eps=1e-6, name="w", isolate=False).score(rollout(TEXTS))
+    in_process = RewardWorker(REVERSE, advantage="grpo", eps=1e-6, name="w", isolate=False).score(rollout(TEXTS))
     np.testing.assert_array_equal(isolated.rewards, in_process.rewards)
     np.testing.assert_array_equal(isolated.advantages, in_process.advantages)
 
@@ -135,4 +149,95 @@ def test_isolated_worker_scores_like_in_process():
 @pytest.mark.parametrize("isolate", [False, True])
 def test_unknown_reward_name(isolate):
     with pytest.raises(ValueError, match="reverse_text"):
-        RewardWorker("no_such_task", advantage="grpo", eps=1e-6, name="w", isolate=isolate)
+        RewardWorker({"t": (("no_such_reward", 1.0),)}, advantage="grpo", eps=1e-6, name="w", isolate=isolate)
+
+
+def test_reward_is_the_weighted_sum_of_the_terms():
+    # reward = 2 * reverse_text - 0.1 * length; reverse_text scores REWARDS, length = len(text)
+    spec = {"reverse_text": (("reverse_text", 2.0), (ref("length"), -0.1))}
+    scored = RewardWorker(spec, advantage="drgrpo", name="w", isolate=False).score(rollout(TEXTS))
+    lengths = [float(len(t)) for t in TEXTS]
+    assert scored.reward_terms == {"reverse_text": REWARDS, "length": lengths}
+    np.testing.assert_allclose(scored.rewards, [2 * r - 0.1 * n for r, n in zip(REWARDS, lengths)], rtol=1e-6)
+    np.testing.assert_allclose(scored.advantages, scored.rewards - scored.rewards.mean(), atol=1e-6)
+    back = decode(encode(scored))
+    assert back.reward_terms == scored.reward_terms and back.flags == [] and back.masked.shape == (0,)
+
+
+def test_each_task_is_scored_with_its_own_rewards():
+    # one worker for the training task and an eval task with another reward
+    spec = {**REVERSE, "lengths": ((ref("length"), 1.0),)}
+    worker = RewardWorker(spec, advantage="drgrpo", name="w", isolate=False)
+    assert worker.score(rollout(["olleh", "ol"], task="lengths")).rewards.tolist() == [5.0, 2.0]
+    assert worker.score(rollout(["olleh", "ol"])).rewards.tolist() == [1.0, pytest.approx(4 / 7)]
+
+
+def test_unknown_task_scores_zero_and_is_counted():
+    before = errors("unknown_task")
+    worker = RewardWorker(REVERSE, advantage="grpo", name="w", isolate=False)
+    scored = worker.score(rollout(["olleh", "x", "oll"], task="gsm8k"))
+    assert scored.rewards.tolist() == [0.0] * 3 and scored.advantages.tolist() == [0.0] * 3
+    assert scored.reward_terms == {}
+    assert errors("unknown_task") - before == 3
+
+
+def test_skip_verification_calls_no_reward_function():
+    # by_text would raise on "raise" and hang on "sleep": with skip_verification nothing runs
+    before = errors("ValueError"), errors("timeout")
+    worker = RewardWorker({"reverse_text": ((ref("by_text"), 1.0),)}, advantage="grpo", name="w",
+                          timeout_s=TIMEOUT_S, filters=FiltersConfig(skip_verification=True))
+    try:
+        assert worker.scorer is None  # no child process started at all
+        scored = worker.score(rollout(["raise", "sleep", "ab"]))
+    finally:
+        worker.close()
+    assert scored.rewards.tolist() == [0.0] * 3 and scored.reward_terms == {}
+    assert (errors("ValueError"), errors("timeout")) == before
+
+
+def test_filters_flag_and_mask_without_moving_rewards():
+    # three 5-token samples: a loop (all near-certain), a rare improbable token, a normal one
+    sure, unsure = -0.001, -3.0
+    logprobs = np.array([sure] * 5 + [unsure, -30.0, unsure, unsure, unsure] + [unsure] * 5, np.float32)
+    group = rollout(["olleh", "xxxxx", "oll.."], logprobs=logprobs)
+    group = dataclasses.replace(group, completion_ids=np.array([1] * 6 + [258] + [1] * 8, np.int32))
+    cfg = FiltersConfig.model_validate({
+        "gibberish": {"enabled": True, "enforce": False, "token_id_threshold": 256, "logprob_threshold": -12.0},
+        "repetition": {"enabled": True, "enforce": True, "window": 4, "prob_threshold": 0.99},
+    })
+    before = filtered("gibberish"), filtered("repetition")
+    scored = RewardWorker(REVERSE, advantage="drgrpo", name="w", isolate=False, filters=cfg).score(group)
+    unfiltered = RewardWorker(REVERSE, advantage="drgrpo", name="w", isolate=False).score(group)
+    assert scored.flags == ["repetition", "gibberish", ""]
+    assert scored.masked.tolist() == [True, False, False]  # gibberish is not enforced: counted only
+    assert (filtered("gibberish") - before[0], filtered("repetition") - before[1]) == (1, 1)
+    np.testing.assert_array_equal(scored.rewards, unfiltered.rewards)  # the baseline keeps every reward
+    np.testing.assert_array_equal(scored.advantages, unfiltered.advantages)
+    assert unfiltered.flags == [] and unfiltered.masked.shape == (0,)
+    back = decode(encode(scored))
+    assert back.flags == scored.flags and back.masked.tolist() == [True, False, False]
+
+
+def test_two_functions_of_one_task_need_distinct_names():
+    with pytest.raises(ValueError, match="length"):
+        RewardWorker({"t": ((ref("length"), 1.0), ("other_module:length", 1.0))}, name="w", isolate=False)
+
+
+def test_hung_and_raising_terms_are_zeroed_alone_and_counted():
+    """The issue's test: a reward function that sleeps past its timeout and one that raises, in a
+    group scored by a real isolated worker with several weighted functions: the worker survives,
+    only the failing terms score 0, and the reasons are counted."""
+    # by_text hangs on "sleep", raises on "raise", else len(text); length never fails
+    spec = {"t": ((ref("by_text"), 1.0), (ref("length"), 0.5))}
+    before = errors("timeout"), errors("ValueError")
+    worker = RewardWorker(spec, advantage="drgrpo", name="w", timeout_s=TIMEOUT_S, num_procs=2)
+    try:
+        scored = worker.score(rollout(["sleep", "raise", "ab"], task="t"))
+        assert scored.reward_terms == {"by_text": [0.0, 0.0, 2.0], "length": [5.0, 5.0, 2.0]}
+        assert scored.rewards.tolist() == [2.5, 2.5, 3.0]  # 1.0 * by_text + 0.5 * length
+        assert (errors("timeout") - before[0], errors("ValueError") - before[1]) == (1, 1)
+        # the worker lives on, with every child alive
+        assert worker.score(rollout(["abc"], task="t")).rewards.tolist() == [4.5]
+        assert len(worker.scorer.pids()) == 2
+    finally:
+        worker.close()
