@@ -8,9 +8,28 @@ can issue a replacement and every prompt is accounted for. A step takes ``prompt
 whole groups (``batch_size`` samples) in arrival order; its samples are packed first-fit
 decreasing into micro-batches of at most ``micro_batch_tokens`` tokens, with no padding.
 
+Temperature bins: every sample records the temperature it was sampled at (``Prompt.temperature``,
+e.g. from a ``sampling.temp_scheduler``), and the trainer divides the logits of a whole
+micro-batch by ONE temperature (``MicroBatch.temperature``). So a step's samples are grouped by
+temperature and each bin is packed separately; the step's micro-batches are the union (lowest
+temperature first), and ``step_loss_tokens`` / ``step_samples`` still count the whole step.
+
+Per-sample fields carried to the trainer: teacher logprobs (``RolloutGroup.teacher_logprobs``, on
+the completion tokens, 0 elsewhere), the reward function scores (``ScoredGroup.reward_terms``),
+and the loss mask: a sample with ``ScoredGroup.masked[j]`` (flagged by an enforced filter) keeps
+its tokens in the row but gets ``loss_mask`` False everywhere, so it trains nothing and counts in
+neither ``step_loss_tokens`` nor ``step_samples``.
+
+Teacher logprobs are all or nothing within a micro-batch (a loss term cannot be half defined).
+With ``teacher=True`` (``teacher.model_path`` set) a group that arrives without them (a producer
+whose teacher failed, or one started without a teacher) is dropped with reason ``"no_teacher"``,
+like any other drop: the prompt source issues a replacement, so the step still trains the
+distillation term on every sample. With ``teacher=False`` teacher logprobs are never packed.
+
 Every group id gets at most one decision for the whole run: taken into the buffer (and later
 emitted or dropped stale), or dropped at once with a reason (``"empty_prompt"``, ``"too_long"``,
-``"filtered: equal_rewards"``, ``"stale"``). Delivery is at-least-once, so the same group can
+``"no_teacher"``, ``"filtered: equal_rewards"``, ``"filtered: online_difficulty"``, ``"stale"``).
+Eval groups (``is_eval``) never come here: :mod:`packer.evaluation` aggregates them. Delivery is at-least-once, so the same group can
 arrive again at any later time (re-sent by a reward worker, or scored twice by two workers); the
 seen-id set therefore covers the whole run, never trimmed, so no group trains twice and no group
 gets two outcomes. Its size is bounded by the run's prompt count (one short string per issued
@@ -22,7 +41,7 @@ No sockets here: :mod:`packer.proc` moves the messages.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -36,6 +55,14 @@ def rewards_all_equal(rewards: np.ndarray) -> bool:
     return bool(np.all(rewards == rewards[0])) if len(rewards) else True
 
 
+def rewards_all_zero_or_all_one(rewards: np.ndarray) -> bool:
+    """True if a group's rewards (``[G] float32``) are all exactly 0 or all exactly 1: the task
+    is too hard or too easy for the policy and the group carries no learning signal (Surogate's
+    ``online_difficulty_filtering``; the same idea as DAPO's dynamic sampling, Yu et al. 2025,
+    arXiv:2503.14476). An empty group counts as such."""
+    return bool(np.all(rewards == 0.0) or np.all(rewards == 1.0))
+
+
 @dataclass(frozen=True)
 class PackedSample:
     """One training sample: ``prompt + completion`` with per-token training fields.
@@ -45,6 +72,10 @@ class PackedSample:
         input_ids: ``[L] int32``. loss_mask: ``[L] bool`` (completion tokens).
         inference_logprobs: ``[L] float32`` (0 on prompt tokens).
         advantage, reward: the sample's scalars. version: oldest policy version (lag source).
+        temperature: the sampling temperature (> 0).
+        teacher_logprobs: ``[L] float32`` teacher logprob of each completion token (0 on prompt
+            tokens), or None without a teacher.
+        reward_terms: ``{reward function name: score}`` of this sample.
     """
 
     sample_id: str
@@ -54,26 +85,57 @@ class PackedSample:
     advantage: float
     reward: float
     version: int
+    temperature: float = 1.0
+    teacher_logprobs: np.ndarray | None = None
+    reward_terms: dict[str, float] = field(default_factory=dict)
 
 
-def group_samples(group: ScoredGroup) -> list[PackedSample]:
-    """Split a scored group into its ``G`` training samples."""
+def group_samples(group: ScoredGroup, *, teacher: bool = False) -> list[PackedSample]:
+    """Split a scored group into its ``G`` training samples.
+
+    Args:
+        group: the scored group. teacher: copy its teacher logprobs (which it must carry: one
+            per completion token) into the samples.
+
+    Sample ``j`` with ``group.masked[j]`` True gets ``loss_mask`` False on every token.
+
+    Raises:
+        ValueError: ``teacher`` and the group carries no teacher logprobs (the packer drops such
+            groups first, see :meth:`Packer.add`).
+    """
     prompt = np.asarray(group.prompt_ids, dtype=np.int32)
+    if teacher and not has_teacher_logprobs(group):
+        raise ValueError(f"group {group.id} carries no teacher logprobs; drop it (reason 'no_teacher') before packing")
+    offsets = np.concatenate([[0], np.cumsum(group.completion_lens)])
+    no_prompt = np.zeros(len(prompt), np.float32)
     samples = []
     for j in range(group.group_size):
         ids, lps = group.completion(j)
+        masked = len(group.masked) > 0 and bool(group.masked[j])
         samples.append(
             PackedSample(
                 sample_id=f"{group.id}/{j}",
                 input_ids=np.concatenate([prompt, ids]).astype(np.int32),
-                loss_mask=np.concatenate([np.zeros(len(prompt), bool), np.ones(len(ids), bool)]),
-                inference_logprobs=np.concatenate([np.zeros(len(prompt), np.float32), lps]).astype(np.float32),
+                loss_mask=np.concatenate([np.zeros(len(prompt), bool), np.full(len(ids), not masked)]),
+                inference_logprobs=np.concatenate([no_prompt, lps]).astype(np.float32),
                 advantage=float(group.advantages[j]),
                 reward=float(group.rewards[j]),
                 version=int(group.version_start[j]),
+                temperature=float(group.temperature),
+                teacher_logprobs=(
+                    np.concatenate([no_prompt, group.teacher_logprobs[offsets[j] : offsets[j + 1]]]).astype(np.float32)
+                    if teacher else None
+                ),
+                reward_terms={name: float(scores[j]) for name, scores in group.reward_terms.items()},
             )
         )
     return samples
+
+
+def has_teacher_logprobs(group: ScoredGroup) -> bool:
+    """Whether ``group`` carries one teacher logprob per completion token (a group without
+    completion tokens trivially does)."""
+    return len(group.teacher_logprobs) == len(group.completion_ids)
 
 
 def build_micro_batch(
@@ -89,8 +151,22 @@ def build_micro_batch(
 
     ``step_loss_tokens`` and ``step_samples`` (samples with >= 1 loss token) count the WHOLE step,
     so the trainer's loss normalizers do not depend on how the step was split (micro-batch
-    invariance, see :mod:`trainer.loss`).
+    invariance, see :mod:`trainer.loss`). ``teacher_logprobs`` is ``[T]`` when every sample
+    carries them, ``[0]`` when none does; ``reward_terms`` holds the names every sample has.
+
+    Raises:
+        ValueError: no samples, samples of different temperatures, or some with and some without
+            teacher logprobs.
     """
+    if not samples:
+        raise ValueError("a micro-batch needs at least one sample")
+    temperatures = {s.temperature for s in samples}
+    if len(temperatures) > 1:
+        raise ValueError(f"samples of one micro-batch must share a temperature, got {sorted(temperatures)}; pack each temperature separately")
+    with_teacher = [s.teacher_logprobs is not None for s in samples]
+    if any(with_teacher) and not all(with_teacher):
+        raise ValueError("some samples carry teacher logprobs and some do not; drop the groups without them first")
+    names = set.intersection(*(set(s.reward_terms) for s in samples))
     return MicroBatch(
         id=f"{step}:{micro_index}",
         step=step,
@@ -106,7 +182,11 @@ def build_micro_batch(
         advantages=np.concatenate([np.full(len(s.input_ids), s.advantage, np.float32) for s in samples]),
         rewards=np.array([s.reward for s in samples], dtype=np.float32),
         versions=np.array([s.version for s in samples], dtype=np.int64),
-        teacher_logprobs=np.zeros(0, dtype=np.float32),
+        teacher_logprobs=(
+            np.concatenate([s.teacher_logprobs for s in samples]) if all(with_teacher) else np.zeros(0, dtype=np.float32)
+        ),
+        temperature=temperatures.pop(),
+        reward_terms={name: [s.reward_terms[name] for s in samples] for name in sorted(names)},
     )
 
 
@@ -121,6 +201,10 @@ class Packer:
         filter_equal_rewards: drop groups whose rewards are all equal (reason
             ``"filtered: equal_rewards"``): their advantages are all zero, so they carry no policy
             gradient (DAPO's dynamic sampling, Yu et al. 2025, arXiv:2503.14476).
+        online_difficulty_filtering: drop groups whose rewards are all 0 or all 1 (reason
+            ``"filtered: online_difficulty"``, see :func:`rewards_all_zero_or_all_one`).
+        teacher: the run has a teacher (``teacher.model_path``): pack teacher logprobs and drop
+            groups without them (reason ``"no_teacher"``, see the module docstring).
 
     Raises:
         ValueError: a bound is not positive.
@@ -134,6 +218,8 @@ class Packer:
         first_step: int = 0,
         *,
         filter_equal_rewards: bool = False,
+        online_difficulty_filtering: bool = False,
+        teacher: bool = False,
     ) -> None:
         if prompts_per_step < 1 or micro_batch_tokens < 1 or max_off_policy_steps < 0:
             raise ValueError("prompts_per_step and micro_batch_tokens must be >= 1, max_off_policy_steps >= 0")
@@ -141,6 +227,8 @@ class Packer:
         self.max_off_policy_steps = max_off_policy_steps
         self.micro_batch_tokens = micro_batch_tokens
         self.filter_equal_rewards = filter_equal_rewards
+        self.online_difficulty_filtering = online_difficulty_filtering
+        self.teacher = teacher
         self.next_step = first_step
         self.buffer: deque[ScoredGroup] = deque()
         self.seen: set[str] = set()  # every group id ever decided on (whole run; see module docstring)
@@ -157,9 +245,16 @@ class Packer:
         Returns:
             ``(accepted, reason)``; reason is ``""``, ``"duplicate"`` (id seen before in this
             run: drop silently, it already has its decision), ``"empty_prompt"``, ``"too_long"``
-            (a sample exceeds the micro-batch budget), ``"filtered: equal_rewards"`` (with
-            ``filter_equal_rewards``) or ``"stale"`` (lag above the bound at the next step).
+            (a sample exceeds the micro-batch budget), ``"no_teacher"`` (with ``teacher``, the
+            group has no teacher logprobs), ``"filtered: equal_rewards"`` (with
+            ``filter_equal_rewards``), ``"filtered: online_difficulty"`` (with
+            ``online_difficulty_filtering``) or ``"stale"`` (lag above the bound at the next step).
+
+        Raises:
+            ValueError: an eval group (those go to :class:`packer.evaluation.EvalAggregator`).
         """
+        if group.is_eval:
+            raise ValueError(f"group {group.id} is an eval group (eval_round {group.eval_round}); eval groups are never trained")
         if group.id in self.seen:
             return False, "duplicate"
         self.seen.add(group.id)
@@ -167,8 +262,12 @@ class Packer:
             return False, "empty_prompt"
         if int(len(group.prompt_ids) + group.completion_lens.max()) > self.micro_batch_tokens:
             return False, "too_long"
+        if self.teacher and not has_teacher_logprobs(group):
+            return False, "no_teacher"
         if self.filter_equal_rewards and rewards_all_equal(group.rewards):
             return False, "filtered: equal_rewards"
+        if self.online_difficulty_filtering and rewards_all_zero_or_all_one(group.rewards):
+            return False, "filtered: online_difficulty"
         if self.lag(group, self.next_step) > self.max_off_policy_steps:
             return False, "stale"
         self.buffer.append(group)
@@ -187,21 +286,32 @@ class Packer:
         if len(self.buffer) < self.prompts_per_step:
             return [], dropped
         groups = [self.buffer.popleft() for _ in range(self.prompts_per_step)]
-        samples = [s for g in groups for s in group_samples(g)]
-        bins = pack_micro_batches([len(s.input_ids) for s in samples], self.micro_batch_tokens)
-        loss_tokens = int(sum(s.loss_mask.sum() for s in samples))
-        loss_samples = sum(1 for s in samples if s.loss_mask.any())
+        samples = [s for g in groups for s in group_samples(g, teacher=self.teacher)]
         step = self.next_step
         self.next_step += 1
-        batches = [
-            build_micro_batch(
-                [samples[i] for i in idx],
-                step=step,
-                micro_index=k,
-                num_micro_batches=len(bins),
-                step_loss_tokens=loss_tokens,
-                step_samples=loss_samples,
-            )
-            for k, idx in enumerate(bins)
-        ]
-        return batches, dropped
+        return pack_step(samples, step, self.micro_batch_tokens), dropped
+
+
+def pack_step(samples: list[PackedSample], step: int, micro_batch_tokens: int) -> list[MicroBatch]:
+    """Pack one step's samples into micro-batches, one temperature per micro-batch.
+
+    The samples are binned by temperature (exact float equality; ascending), each bin is packed
+    with :func:`packer.packing.pack_micro_batches`, and the micro-batches are numbered across the
+    whole step. ``step_loss_tokens`` and ``step_samples`` count the whole step.
+
+    Raises:
+        ValueError: as :func:`packer.packing.pack_micro_batches` (a sample over the budget) or
+            :func:`build_micro_batch`.
+    """
+    loss_tokens = int(sum(s.loss_mask.sum() for s in samples))
+    loss_samples = sum(1 for s in samples if s.loss_mask.any())
+    bins: list[list[PackedSample]] = []
+    for temperature in sorted({s.temperature for s in samples}):
+        same = [s for s in samples if s.temperature == temperature]
+        bins += [[same[i] for i in idx] for idx in pack_micro_batches([len(s.input_ids) for s in same], micro_batch_tokens)]
+    return [
+        build_micro_batch(
+            b, step=step, micro_index=k, num_micro_batches=len(bins), step_loss_tokens=loss_tokens, step_samples=loss_samples
+        )
+        for k, b in enumerate(bins)
+    ]

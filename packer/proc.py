@@ -14,6 +14,13 @@ them done, which it does only once a checkpoint covers their step: up to
 only micro-batches not yet *taken* by the trainer), and the courier re-sends them to a restarted
 trainer. Steps are numbered from 0 as before.
 
+Eval groups (``is_eval``) never reach :class:`Packer`: :class:`packer.evaluation.EvalAggregator`
+collects them per round, counting the failed ones announced (by any component) in a
+``groups.dropped`` on the control channel; when a round is complete the packer publishes one
+``eval.result`` per task on the control channel and only then calls ``scored.done`` on the
+round's groups, so a packer that dies before that gets them re-sent. A group of a round already
+published is released at once. Eval groups get no outcome: they are not in the ledger.
+
 Backpressure: ``batches.send`` blocks while the trainer has not taken the previous micro-batches
 (the topic's bound); meanwhile this loop takes no more ``scored`` groups, so the reward workers'
 outboxes fill and they block in turn: the trainer's pace propagates upstream.
@@ -31,6 +38,7 @@ from prometheus_client import Counter, Gauge
 
 from bus.component import Component, component_main
 from bus.messages import GroupsDropped, RunDone, ScoredGroup, new_id
+from packer.evaluation import EvalAggregator, RoundResult
 from packer.packer import Packer
 
 log = logging.getLogger(__name__)
@@ -39,6 +47,8 @@ GROUPS_IN = Counter("rlbus_packer_groups_total", "Scored groups received, by dec
 STEPS_OUT = Counter("rlbus_packer_steps_total", "Optimizer steps emitted")
 MICRO_BATCHES = Gauge("rlbus_packer_micro_batches", "Micro-batches in the last emitted step")
 BUFFERED = Gauge("rlbus_packer_buffered_groups", "Groups waiting for the next step")
+EVAL_GROUPS = Counter("rlbus_packer_eval_groups_total", "Scored eval groups received, by decision (taken, duplicate, late, invalid)", ["outcome"])
+EVAL_RESULTS = Counter("rlbus_packer_eval_results_total", "EvalResults published (one per eval task per round)")
 UNFINISHED = Gauge("rlbus_packer_unfinished_micro_batches", "Micro-batches sent and not yet done by the trainer (checkpoint)")
 
 
@@ -52,7 +62,10 @@ class PackerProc(Component):
             cfg.packer.max_off_policy_steps,
             cfg.packer.micro_batch_tokens,
             filter_equal_rewards=cfg.packer.filter_equal_rewards,
+            online_difficulty_filtering=cfg.filters.online_difficulty_filtering,
+            teacher=bool(cfg.teacher.model_path),
         )
+        self.evaluation = EvalAggregator()
         self.scored = self.reliable_receiver("scored", self.endpoints.address("scored"), bind=True, accept=(ScoredGroup,))
         self.batches = self.reliable_sender("batches", self.endpoints.address("batches"), bind=True)
         self.control_out = self.control_publisher()
@@ -69,8 +82,30 @@ class PackerProc(Component):
             self.outcomes.send(msg, upstream=upstream)
             self.control_out.send(msg)
 
+    def _publish_eval(self, closed: RoundResult | None) -> None:
+        """Publish a closed eval round's results, then release its groups upstream."""
+        if closed is None:
+            return
+        for result in closed.results:
+            self.control_out.send(result)
+            EVAL_RESULTS.inc()
+            log.info("eval round %d, %s: %d samples, %d failed groups, %s", result.round, result.task,
+                     result.num_samples, result.num_failed, result.metrics)
+        self.scored.done(*closed.group_ids)
+
     def _take(self, group: ScoredGroup) -> None:
         """Decide on one received group, announce a drop, then release custody upstream."""
+        if group.is_eval:
+            try:
+                decision, closed = self.evaluation.add(group)
+            except ValueError as exc:  # a malformed eval group must not stop training (nor loop on re-sends)
+                log.error("eval group %s ignored: %s", group.id, exc)
+                decision, closed = "invalid", None
+            EVAL_GROUPS.labels(decision).inc()
+            if decision in ("late", "invalid"):
+                self.scored.done(group.id)
+            self._publish_eval(closed)
+            return
         accepted, reason = self.packer.add(group)
         if accepted or reason == "duplicate":
             GROUPS_IN.labels("accepted" if accepted else "duplicate").inc()  # a duplicate: no second outcome
@@ -79,11 +114,14 @@ class PackerProc(Component):
             self._announce_dropped([group], reason, upstream=(self.scored, group.id))
 
     def _run_done(self) -> bool:
-        """Drain the control channel; True once the run is done."""
+        """Drain the control channel (counting failed eval groups); True once the run is done."""
         msg = self.control_in.recv(timeout_s=0)
         while msg is not None:
             if isinstance(msg, RunDone):
                 return True
+            if isinstance(msg, GroupsDropped):
+                for closed in self.evaluation.add_failed(msg.group_ids):
+                    self._publish_eval(closed)
             msg = self.control_in.recv(timeout_s=0)
         return False
 

@@ -33,7 +33,7 @@ at step ``N`` = the checkpoint's step:
 
 - ``metrics.jsonl`` and ``trained_samples.jsonl`` are cut back to the steps the checkpoint
   covers (the surviving lineage; the records are appended before each checkpoint, so nothing
-  covered is missing), and the step-0 eval is not repeated;
+  covered is missing), eval records to the rounds ``<=`` its step (:mod:`trainer.eval_log`);
 - the checkpoint's weights are published as version ``N`` before training, and weight
   directories of versions ``>= N`` (the lost lineage) are deleted: producers drop the lost
   lineage's newer weights;
@@ -53,8 +53,12 @@ rest of the run, and so does a running trainer whose broadcast raises (a produce
 gloo/nccl error): it logs the error, counts ``rlbus_trainer_broadcast_fallbacks_total``, and
 re-publishes that version through the filesystem.
 
-``eval_reward_mean`` is measured before the first step (not after a resume) and after the last;
-then ``run.done`` is published, which ends the run.
+Online evaluation runs in the producers and reward workers; the packer publishes one
+``eval.result`` per task and round on the control channel, and :class:`trainer.eval_log.EvalLog`
+writes them to ``metrics.jsonl`` and Prometheus while the trainer waits for micro-batches. After
+the last step (with ``eval.enabled``) the trainer waits up to ``eval.timeout_s`` for the final
+round's result of every eval task, then for the outcomes, then publishes ``run.done``, which ends
+the run.
 
 Data parallelism (``trainer.data_parallel`` N > 1): ``busctl up`` starts this module under
 torchrun with N ranks (:func:`main`). Rank 0 is this component and does all of the above; it
@@ -76,18 +80,15 @@ from pathlib import Path
 import numpy as np
 import torch
 from prometheus_client import Counter, Gauge, Histogram
-from transformers import AutoTokenizer
 
 from broadcaster.broadcaster import WeightBroadcaster
 from bus.component import Component, component_main
 from bus.messages import GroupsTrained, MicroBatch, RunDone, TrainerStep, new_id
 from bus.metrics import POLICY_VERSION
-from producers.tasks import load_task_examples, render_messages
-from rewards.registry import get_reward_fn
 from trainer.checkpoint import latest_checkpoint, save_checkpoint
 from trainer.distributed import launcher_pid
+from trainer.eval_log import EvalLog, keep_metrics_record
 from trainer.follower import follower_main, join_data_parallel, load_trainer_checkpoint
-from trainer.evaluate import eval_reward_mean
 from trainer.ledger import StepLedger, append_jsonl, group_id, keep_jsonl_records
 from trainer.model import load_policy
 from trainer.publish import WeightPublishing
@@ -128,9 +129,9 @@ TRAINER_GAUGES = {
         "grad_norm": "Gradient norm before clipping",
         "policy_lag_mean": "Mean off-policy lag of the last step's samples, steps",
         "tokens_per_s": "Trained tokens per second of wall time",
-        "eval_reward_mean": "Mean reward on the held-out eval prompts",
     }.items()
 }
+REWARD_TERMS = Gauge("rlbus_trainer_reward_term_mean", "Mean score of one reward function over the last step's samples", ["reward"])
 
 
 OUTCOMES_DRAIN_S = 60.0
@@ -188,14 +189,11 @@ class TrainerProc(WeightPublishing, Component):
         self.dp = join_data_parallel(cfg)
         """This rank 0's data-parallel group (``trainer.data_parallel > 1``), else None."""
         self.model = load_policy(cfg.model.path, cfg.trainer.lora).to(self.dp.device if self.dp else "cpu")
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.trainer = build_trainer(self.model, cfg)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.samples_path = self.run_dir / "trained_samples.jsonl"
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.weights_dir = self.run_dir / "weights"
-        self.eval_examples = load_task_examples(cfg.task.name, "eval", cfg.task.num_eval_examples, cfg.task.eval_seed)
-        self.reward_fn = get_reward_fn(cfg.rewards.reward_fn or cfg.task.name)
         self.resumed = False
         """True after a restart or with a checkpoint: weights go by the filesystem method."""
         self.start_step = 0
@@ -204,6 +202,7 @@ class TrainerProc(WeightPublishing, Component):
         self.restored_from: Path | None = None
         """The checkpoint this trainer resumed from (every data-parallel rank loads it too)."""
         self.restore()
+        self.eval_log = EvalLog(self.control_subscriber(), self.metrics_path)
         if self.dp is not None:  # every rank from the same checkpoint, then DDP
             self.dp.send_text(str(self.restored_from or ""))
             self.trainer.enable_data_parallel(self.dp)
@@ -263,8 +262,8 @@ class TrainerProc(WeightPublishing, Component):
                      "filesystem method from now on)", path, step, restarts, resume, state.get("weight_method", "?"))
         self.resumed = True
         n = self.start_step
-        # metrics: training records are {"step": s + 1}, evals {"step": s}; the eval at n is redone
-        cut = keep_jsonl_records(self.metrics_path, lambda r: r["step"] < n or (r["step"] == n and "eval_reward_mean" not in r))
+        # metrics: training records are {"step": s + 1}, evals {"step": round} (trainer.eval_log)
+        cut = keep_jsonl_records(self.metrics_path, lambda r: keep_metrics_record(r, n))
         cut += keep_jsonl_records(self.samples_path, lambda r: r["step"] < n)
         if cut:
             log.info("dropped %d records of steps after the checkpoint from metrics.jsonl and trained_samples.jsonl", cut)
@@ -286,25 +285,6 @@ class TrainerProc(WeightPublishing, Component):
 
     # -- per step ---------------------------------------------------------------------------------
 
-    def evaluate(self, step: int) -> dict[str, float]:
-        s = self.cfg.sampling
-        result = eval_reward_mean(
-            self.model,
-            self.tokenizer,
-            self.eval_examples,
-            render_messages,
-            self.reward_fn,
-            max_tokens=s.max_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            num_samples=self.cfg.trainer.eval_num_samples,
-            seed=self.cfg.trainer.seed,
-        )
-        TRAINER_GAUGES["eval_reward_mean"].set(result["eval_reward_mean"])
-        append_jsonl(self.metrics_path, {"step": step, **result})
-        log.info("eval at step %d: reward %.4f", step, result["eval_reward_mean"])
-        return result
-
     def receive_step(self, step: int) -> list[MicroBatch] | None:
         """Collect step ``step``'s micro-batches (buffering other steps' in the ledger, releasing
         re-sent ones of covered steps); None if stopped first."""
@@ -313,6 +293,7 @@ class TrainerProc(WeightPublishing, Component):
                 return None
             if self.broadcaster.method == "broadcast" and self.broadcaster.transfer_finished():
                 self.settle_weights()  # a failed send falls back NOW: a restarted producer waits for it
+            self.eval_log.poll()
             mb = self.batches.recv(timeout_s=RECV_SLICE_S)
             if mb is None:
                 continue
@@ -368,8 +349,6 @@ class TrainerProc(WeightPublishing, Component):
     def run(self) -> None:
         max_steps = self.cfg.trainer.max_steps
         step = self.start_step
-        if step == 0:
-            self.evaluate(0)
         if self.resumed:
             self.announce_resume()
         last = time.perf_counter()
@@ -398,6 +377,9 @@ class TrainerProc(WeightPublishing, Component):
             for key, gauge in TRAINER_GAUGES.items():
                 if key in metrics:
                     gauge.set(metrics[key])
+            for key in metrics:
+                if key.startswith("reward/"):
+                    REWARD_TERMS.labels(reward=key[len("reward/"):]).set(metrics[key])
             # records first, checkpoint second: a resume cuts records back to its checkpoint
             append_jsonl(self.metrics_path, {"step": step, **metrics})
             append_jsonl(self.samples_path, {
@@ -410,14 +392,22 @@ class TrainerProc(WeightPublishing, Component):
         if self.dp is not None:
             self.dp.send_stop()  # the other ranks are done; rank 0 goes on (eval, outcomes, run.done)
         self.settle_weights()  # the last version reaches the producers before run.done
-        final = self.evaluate(step)
+        self.wait_for_final_eval(step)
         deadline = time.monotonic() + OUTCOMES_DRAIN_S
         while self.outcomes.unfinished() and time.monotonic() < deadline and not self.stop.is_set():
             time.sleep(0.05)  # run.done only once the ledger has every trained outcome
         if self.outcomes.unfinished():
             log.warning("%d trained outcome(s) not yet recorded by the prompt source at the end", self.outcomes.unfinished())
         self.control.send(RunDone(id=new_id(), step=step, reason="max_steps"))
-        log.info("done: %d steps, eval reward %.4f", step, final["eval_reward_mean"])
+        log.info("done: %d steps", step)
+
+    def wait_for_final_eval(self, step: int) -> None:
+        """With ``eval.enabled``: wait up to ``eval.timeout_s`` for round ``step``'s result of
+        every eval task (``eval.tasks``, or the training task); warn about the missing ones."""
+        e = self.cfg.eval
+        if e.enabled:
+            tasks = [t.name for t in e.tasks] or [self.cfg.task.name]
+            self.eval_log.wait_for_round(step, tasks, e.timeout_s, self.stop)
 
     def close(self) -> None:
         broadcaster = getattr(self, "broadcaster", None)

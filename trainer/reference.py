@@ -8,7 +8,8 @@ The reference is the policy the run STARTED from (the model at `model.path`), ne
   restores the checkpoint afterwards), frozen (`requires_grad=False`, eval mode).
 
 Invariants: reference logprobs carry no gradient and are computed with the same packed forward
-(`trainer.packed.packed_logprobs_and_entropy`) and the same sampling temperature as the policy's.
+(`trainer.packed.packed_logprobs_and_entropy`) and the same sampling temperature as the policy's
+(the micro-batch's `MicroBatch.temperature`, given per call).
 """
 
 from __future__ import annotations
@@ -30,14 +31,9 @@ class ReferencePolicy:
     Args:
         policy: the policy being trained (HF causal LM, possibly a peft `PeftModel`), still at its
             initial weights.
-        temperature: finite float > 0, the sampler's temperature.
-
-    Raises:
-        ValueError: temperature is not a finite number > 0 (raised by the packed forward).
     """
 
-    def __init__(self, policy: torch.nn.Module, temperature: float) -> None:
-        self.temperature = temperature
+    def __init__(self, policy: torch.nn.Module) -> None:
         if isinstance(policy, PeftModel):
             self.model = policy
             self.shares_policy = True
@@ -47,15 +43,20 @@ class ReferencePolicy:
             self.shares_policy = False
 
     @torch.no_grad()
-    def logprobs(self, input_ids: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """`[T]` float32 reference logprobs (nats, 0 at each sample's first token), no grad.
+    def logprobs(self, input_ids: torch.Tensor, seq_lens: torch.Tensor, temperature: float) -> torch.Tensor:
+        """`[T]` float32 reference logprobs (nats, 0 at each sample's first token), no grad:
+        `log softmax(logits / temperature)` at each token (`packed_logprobs_and_entropy`).
 
         Args:
             input_ids: `[T]` integer packed token ids. seq_lens: `[S]` integer sample lengths.
+            temperature: finite float > 0, the samples' sampling temperature.
+
+        Raises:
+            ValueError: temperature is not a finite number > 0 (raised by the packed forward).
         """
         context = self.model.disable_adapter() if self.shares_policy else contextlib.nullcontext()
         with context:
             logprobs, _entropy = packed_logprobs_and_entropy(
-                self.model, input_ids, seq_lens, temperature=self.temperature
+                self.model, input_ids, seq_lens, temperature=temperature
             )
         return logprobs.detach()

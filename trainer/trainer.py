@@ -7,6 +7,11 @@ and data-parallel ranks (see :mod:`trainer.loss`; tested in float64 by
 ``tests/trainer/test_invariance.py``). Then the gradient norm is clipped and AdamW steps with a
 constant learning rate. No sockets here (see :mod:`trainer.proc`).
 
+Temperature: each micro-batch carries the temperature its samples were sampled at
+(``MicroBatch.temperature``; the packer never mixes two), and the policy's and the reference's
+logprobs of that micro-batch divide the logits by it, so they are the quantity the sampler
+reported (vLLM ``processed_logprobs``), whatever the temperature schedule.
+
 Non-finite guard: if any micro-batch loss or the gradient norm is NaN/inf, the optimizer step is
 skipped: gradients are dropped, weights and AdamW state (moments, step count) stay bit-identical,
 ``rlbus_trainer_skipped_steps_total{reason}`` grows, and the metrics say ``skipped: 1.0``. The
@@ -55,9 +60,9 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig) -> torch.optim.O
 
 
 def build_trainer(model: torch.nn.Module, cfg: RunConfig) -> "Trainer":
-    """The run's :class:`Trainer`: the trainer section, the sampler's temperature (the trainer's
-    logprobs must be the sampler's quantity) and its ``max_tokens`` (Dr. GRPO's normalizer)."""
-    return Trainer(model, cfg.trainer, cfg.sampling.temperature, max_tokens=cfg.sampling.max_tokens)
+    """The run's :class:`Trainer`: the trainer section and the sampler's ``max_tokens`` (Dr.
+    GRPO's normalizer); the temperature comes with each micro-batch."""
+    return Trainer(model, cfg.trainer, max_tokens=cfg.sampling.max_tokens)
 
 
 class Trainer:
@@ -66,26 +71,29 @@ class Trainer:
     Args:
         model: HF causal LM (possibly peft-wrapped), float32, in train mode.
         cfg: the trainer section of the run config.
-        temperature: the sampler's temperature; logits are divided by it before log-softmax so
-            the trainer's logprobs are the same quantity as the producers'.
+        max_tokens: the sampler's ``max_tokens`` (needed by ``seq_mean_token_sum_norm`` only).
+
+    Each micro-batch's logits are divided by its ``MicroBatch.temperature`` before log-softmax
+    (see the module docstring).
+
+    Raises:
+        ValueError: aggregation ``seq_mean_token_sum_norm`` without ``max_tokens``.
     """
 
-    def __init__(
-        self, model: torch.nn.Module, cfg: TrainerConfig, temperature: float, *, max_tokens: int | None = None
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, *, max_tokens: int | None = None) -> None:
         self.model = model
         self.cfg = cfg
-        self.temperature = temperature
         self.optimizer = build_optimizer(model, cfg)
-        self.logprobs: torch.nn.Module = PackedLogprobs(model, temperature)
-        """The packed forward (wrapped in DDP by :meth:`enable_data_parallel`)."""
+        self.logprobs: torch.nn.Module = PackedLogprobs(model)
+        """The packed forward (wrapped in DDP by :meth:`enable_data_parallel`); its temperature
+        is set per micro-batch (:meth:`set_temperature`)."""
         self.loss_spec = LossSpec.from_config(cfg.loss)
         if self.loss_spec.aggregation == "seq_mean_token_sum_norm" and max_tokens is None:
             raise ValueError("aggregation seq_mean_token_sum_norm needs max_tokens (the sampler's sampling.max_tokens)")
         self.max_tokens = max_tokens if max_tokens is not None else 1
         """Dr. GRPO's constant normalizer (tokens); only seq_mean_token_sum_norm uses it."""
         needs_reference = self.loss_spec.kl_tau > 0 and self.loss_spec.kl_reference == "reference"
-        self.reference = ReferencePolicy(model, temperature) if needs_reference else None
+        self.reference = ReferencePolicy(model) if needs_reference else None
         """The frozen start policy of the KL penalty, built before any step (None: not used)."""
 
     def micro_step(self, mb: MicroBatch) -> tuple[float, dict[str, float]]:
@@ -112,6 +120,7 @@ class Trainer:
         input_ids = tensor(mb.input_ids, torch.int64)
         seq_lens = tensor(mb.seq_lens, torch.int64)
         loss_mask = tensor(mb.loss_mask)
+        self.set_temperature(mb.temperature)
         lp_train, entropy = self.logprobs(input_ids, seq_lens)
         lp_infer = tensor(mb.inference_logprobs, lp_train.dtype)
         spec = self.loss_spec
@@ -122,7 +131,9 @@ class Trainer:
             loss_mask=loss_mask,
             seq_lens=seq_lens,
             lp_old=lp_train.detach() if spec.use_tis else None,
-            lp_ref=self.reference.logprobs(input_ids, seq_lens).to(lp_train.dtype) if self.reference else None,
+            lp_ref=(
+                self.reference.logprobs(input_ids, seq_lens, mb.temperature).to(lp_train.dtype) if self.reference else None
+            ),
             lp_teacher=tensor(mb.teacher_logprobs, lp_train.dtype) if len(mb.teacher_logprobs) else None,
             entropy=entropy.to(lp_train.dtype),
         )
@@ -135,6 +146,17 @@ class Trainer:
         stats["onpolicy_tokens"] = float(on_policy.sum())
         stats["onpolicy_lp_diff_max"] = float(diff.max()) if len(diff) else 0.0
         return float(loss.detach()), stats
+
+    def set_temperature(self, temperature: float) -> None:
+        """Divide the logits of the next packed forwards by ``temperature`` (> 0).
+
+        Raises:
+            ValueError: temperature is not a finite number > 0.
+        """
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"micro-batch temperature must be a finite number > 0, got {temperature!r}")
+        packed = self.logprobs.module if isinstance(self.logprobs, torch.nn.parallel.DistributedDataParallel) else self.logprobs
+        packed.temperature = float(temperature)
 
     dp: DataParallel | None = None
     """This rank's data-parallel group, set by :meth:`enable_data_parallel` (None: one rank)."""
@@ -195,7 +217,7 @@ class Trainer:
             option is on ``kl_penalty`` (mean penalty estimator, nats), ``teacher_kl`` (mean
             lp_train - lp_teacher, nats), ``tis_clipfrac``; ``grad_norm`` (before clipping), ``num_tokens``,
             ``num_loss_tokens``, ``num_samples``, ``num_micro_batches``, ``reward_mean``,
-            ``reward_std``, ``onpolicy_tokens``, ``onpolicy_lp_diff_max`` (see :meth:`micro_step`),
+            ``reward_std``, ``reward/<name>`` (each reward function's mean score), ``onpolicy_tokens``, ``onpolicy_lp_diff_max`` (see :meth:`micro_step`),
             ``train_time_s`` (this rank's), ``skipped`` (1.0 if the non-finite guard skipped the
             optimizer step, else 0.0; see the module docstring), and every other micro-batch
             stat as its step total (sum, or min/max for ``*_min``/``*_max``). On a skipped step
@@ -229,6 +251,7 @@ class Trainer:
                 num_samples=float(len(rewards)),
                 reward_sum=float(rewards.sum()),
                 reward_sq_sum=float((rewards**2).sum()),
+                **reward_term_stats(mb.reward_terms),
             )
             totals = merge_stats(totals, stats)
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -256,6 +279,20 @@ class Trainer:
         return step_metrics(totals, grad_norm, time.perf_counter() - started, skipped=reason is not None)
 
 
+REWARD_TERM_PREFIX = "reward_terms/"
+"""Stats keys ``reward_terms/<name>/sum`` and ``/count`` (not ending in ``_min``/``_max``, so
+:func:`merge_stats` sums them whatever the reward function's name)."""
+
+
+def reward_term_stats(reward_terms: dict[str, list[float]]) -> dict[str, float]:
+    """Per-function sums and counts of one micro-batch's ``reward_terms`` ({name: [S] scores})."""
+    stats = {}
+    for name, scores in reward_terms.items():
+        stats[f"{REWARD_TERM_PREFIX}{name}/sum"] = float(np.sum(np.asarray(scores, np.float64)))
+        stats[f"{REWARD_TERM_PREFIX}{name}/count"] = float(len(scores))
+    return stats
+
+
 def merge_stats(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     """Merge two sets of micro-batch (or rank) stats: keys ending in ``_min`` take the minimum,
     ``_max`` the maximum, every other key is a sum (the loss stats contract: sums, min, max per
@@ -279,7 +316,8 @@ def step_metrics(totals: dict[str, float], grad_norm: float, train_time_s: float
     Per-token means divide by the step's loss tokens (at least 1). Rewards: ``mean = S1 / n``,
     ``std = sqrt(max(S2 / n - mean**2, 0))`` from float64 sums over micro-batches and ranks (the
     clamp absorbs rounding; for rewards of order 1 the one-pass error is ~1e-16, negligible for a
-    metric); NaN when the step has no samples.
+    metric); NaN when the step has no samples. ``reward/<name>`` = the mean of reward function
+    ``name``'s own score over the step's samples that carry it (``MicroBatch.reward_terms``).
     """
     t = dict(totals)
     n_loss = max(t.get("loss_tokens", 0.0), 1.0)
@@ -311,6 +349,10 @@ def step_metrics(totals: dict[str, float], grad_norm: float, train_time_s: float
     for key, total in (("kl_penalty", "kl_penalty_sum"), ("teacher_kl", "teacher_kl_sum"), ("tis_clipfrac", "tis_clipped_tokens")):
         if total in t:  # reported only when the option is on
             metrics[key] = t.pop(total) / n_loss
+    for key in sorted(k for k in t if k.startswith(REWARD_TERM_PREFIX) and k.endswith("/sum")):
+        name = key[len(REWARD_TERM_PREFIX) : -len("/sum")]
+        count = t.pop(f"{REWARD_TERM_PREFIX}{name}/count", 0.0)
+        metrics[f"reward/{name}"] = t.pop(key) / count if count else math.nan
     t.pop("non_finite_losses", None)
     t.pop("non_finite_grad_max", None)
     for key, value in t.items():  # further loss stats, as step totals

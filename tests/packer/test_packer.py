@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 from bus.messages import MicroBatch, ScoredGroup, decode, encode
-from packer.packer import PackedSample, Packer, build_micro_batch, group_samples, rewards_all_equal
+from packer.packer import (
+    PackedSample,
+    Packer,
+    build_micro_batch,
+    group_samples,
+    rewards_all_equal,
+    rewards_all_zero_or_all_one,
+)
 
 
 def scored(
@@ -21,8 +28,10 @@ def scored(
     version: int | list[int] = 0,
     advantages: list[float] | None = None,
     rewards: list[float] | None = None,
+    **fields,
 ) -> ScoredGroup:
-    """A ScoredGroup whose token j of any completion has logprob ``-token_id / 1000``."""
+    """A ScoredGroup whose token j of any completion has logprob ``-token_id / 1000``; ``fields``
+    sets the optional ones (temperature, teacher_logprobs, masked, reward_terms, ...)."""
     g = len(completions)
     versions = [version] * g if isinstance(version, int) else list(version)
     flat = [t for c in completions for t in c]
@@ -45,6 +54,7 @@ def scored(
         reward_worker="r0",
         rewards=np.array(rewards if rewards is not None else [0.5] * g, np.float32),
         advantages=np.array(advantages if advantages is not None else [0.0] * g, np.float32),
+        **fields,
     )
 
 
@@ -376,3 +386,139 @@ def test_every_group_id_gets_one_decision_for_the_whole_run():
     for gid in first:
         assert p.add(simple(gid, version=p.next_step)) == (False, "duplicate")
     assert len(p.buffer) == 0 and p.pop_step() == ([], [])
+
+
+# ------------------------------------------------------------------------------------------------
+# temperature bins, teacher logprobs, masked samples, reward terms, difficulty filter, eval groups
+# ------------------------------------------------------------------------------------------------
+
+
+def test_temperatures_are_never_mixed_in_a_micro_batch():
+    # 4 groups of 2 samples of 4 tokens at T = 1.0, 0.7, 1.0, 0.7 (a temp_scheduler straddling a
+    # step); budget 16 holds 4 samples: one micro-batch per temperature, never 2 full mixed ones
+    temps = [1.0, 0.7, 1.0, 0.7]
+    groups = [scored(f"g{i}", [1, 2], [[10 + i] * 2, [20 + i] * 2], rewards=[0.0, 1.0], temperature=t) for i, t in enumerate(temps)]
+    p = Packer(prompts_per_step=4, max_off_policy_steps=0, micro_batch_tokens=16)
+    for g in groups:
+        assert p.add(g) == (True, "")
+    batches, _ = p.pop_step()
+    check_step(batches, 16, step=0)
+    assert [mb.temperature for mb in batches] == [0.7, 1.0]  # ascending
+    assert [sorted(mb.sample_ids) for mb in batches] == [["g1/0", "g1/1", "g3/0", "g3/1"], ["g0/0", "g0/1", "g2/0", "g2/1"]]
+    assert all(mb.step_loss_tokens == 16 and mb.step_samples == 8 for mb in batches)  # the whole step
+    assert [decode(encode(mb)).temperature for mb in batches] == [0.7, 1.0]
+    # unbalanced bins: 3 samples at 0.7 and 1 at 1.0, budget 8 (2 samples): 0.7 needs 2 bins
+    q = Packer(prompts_per_step=2, max_off_policy_steps=0, micro_batch_tokens=8)
+    q.add(scored("a", [1, 2], [[5, 5], [6, 6], [7, 7]], rewards=[0, 1, 0], temperature=0.7))
+    q.add(scored("b", [1, 2], [[8, 8]], rewards=[1.0], temperature=1.0))
+    batches, _ = q.pop_step()
+    check_step(batches, 8, step=0)
+    assert [(mb.temperature, len(mb.sample_ids)) for mb in batches] == [(0.7, 2), (0.7, 1), (1.0, 1)]
+    assert all(mb.num_micro_batches == 3 for mb in batches)
+
+
+def test_build_micro_batch_refuses_mixed_temperatures_or_teacher():
+    a = PackedSample("a/0", np.int32([1, 2]), np.array([False, True]), np.float32([0, -0.5]), 1.0, 1.0, 0, 0.7)
+    b = PackedSample("b/0", np.int32([1, 2]), np.array([False, True]), np.float32([0, -0.5]), 1.0, 1.0, 0, 1.0)
+    kw = dict(step=0, micro_index=0, num_micro_batches=1, step_loss_tokens=2, step_samples=2)
+    with pytest.raises(ValueError, match="share a temperature"):
+        build_micro_batch([a, b], **kw)
+    t = PackedSample("t/0", np.int32([1, 2]), np.array([False, True]), np.float32([0, -0.5]), 1.0, 1.0, 0, 0.7,
+                     teacher_logprobs=np.float32([0, -0.1]))
+    with pytest.raises(ValueError, match="teacher logprobs"):
+        build_micro_batch([a, t], **kw)
+    with pytest.raises(ValueError, match="at least one sample"):
+        build_micro_batch([], **kw)
+
+
+def teacher_lps(completions: list[list[int]]) -> np.ndarray:
+    """Teacher logprob of completion token t: ``-t / 100`` (traceable, unlike the sampler's /1000)."""
+    return np.float32([-t / 100 for c in completions for t in c])
+
+
+def test_teacher_logprobs_sit_on_their_completion_tokens():
+    comps_a, comps_b = [[10, 11, 12], [13]], [[20, 21], []]
+    a = scored("A", [1, 2], comps_a, rewards=[1.0, 0.0], teacher_logprobs=teacher_lps(comps_a))
+    b = scored("B", [3], comps_b, rewards=[1.0, 0.0], teacher_logprobs=teacher_lps(comps_b))
+    p = Packer(prompts_per_step=2, max_off_policy_steps=0, micro_batch_tokens=8, teacher=True)
+    assert p.add(a) == (True, "") and p.add(b) == (True, "")
+    batches, _ = p.pop_step()
+    check_step(batches, 8, step=0)
+    for mb in batches:
+        back = decode(encode(mb))
+        assert back.teacher_logprobs.shape == back.input_ids.shape and back.teacher_logprobs.dtype == np.float32
+        expected = np.where(mb.loss_mask, -mb.input_ids / 100, 0.0).astype(np.float32)
+        np.testing.assert_array_equal(back.teacher_logprobs, expected)  # 0 on prompt tokens
+    assert sum(int((mb.teacher_logprobs != 0).sum()) for mb in batches) == 6  # every completion token
+
+
+def test_a_group_without_teacher_logprobs_is_dropped_when_the_run_has_a_teacher():
+    comps = [[10, 11], [12]]
+    without = scored("without", [1], comps, rewards=[1.0, 0.0])
+    with_ = scored("with", [1], comps, rewards=[1.0, 0.0], teacher_logprobs=teacher_lps(comps))
+    p = Packer(prompts_per_step=1, max_off_policy_steps=0, micro_batch_tokens=8, teacher=True)
+    assert p.add(without) == (False, "no_teacher")
+    assert p.add(with_) == (True, "")
+    with pytest.raises(ValueError, match="no teacher logprobs"):
+        group_samples(without, teacher=True)
+    # no teacher in the run: teacher logprobs a group happens to carry are not packed
+    q = Packer(prompts_per_step=2, max_off_policy_steps=0, micro_batch_tokens=8)
+    assert q.add(scored("w2", [1], comps, rewards=[1.0, 0.0], teacher_logprobs=teacher_lps(comps))) == (True, "")
+    assert q.add(scored("wo2", [1], comps, rewards=[1.0, 0.0])) == (True, "")
+    batches, _ = q.pop_step()
+    assert all(mb.teacher_logprobs.shape == (0,) for mb in batches)
+
+
+def test_masked_samples_train_nothing_and_are_not_counted():
+    g = scored("m", [1, 2], [[10, 11, 12], [20, 21], [30]], rewards=[1.0, 0.0, 0.5], advantages=[1.0, -1.0, 0.0],
+               masked=np.array([False, True, False]), flags=["", "repetition", ""])
+    s0, s1, s2 = group_samples(g)
+    assert s0.loss_mask.tolist() == [False, False, True, True, True]
+    assert s1.loss_mask.tolist() == [False] * 4  # masked: still in the row, no loss token
+    assert s2.loss_mask.tolist() == [False, False, True]
+    p = Packer(prompts_per_step=1, max_off_policy_steps=0, micro_batch_tokens=16)
+    assert p.add(g) == (True, "")
+    batches, _ = p.pop_step()
+    ids = check_step(batches, 16, step=0)
+    assert sorted(ids) == ["m/0", "m/1", "m/2"]
+    assert batches[0].step_loss_tokens == 4 and batches[0].step_samples == 2
+
+
+def test_reward_terms_travel_per_sample():
+    g = scored("r", [1], [[10], [11], [12]], rewards=[1.5, 0.5, 0.0],
+               reward_terms={"gsm8k": [1.0, 0.0, 0.0], "format": [1.0, 1.0, 0.0]})
+    s0, s1, s2 = group_samples(g)
+    assert s1.reward_terms == {"gsm8k": 0.0, "format": 1.0}
+    p = Packer(prompts_per_step=1, max_off_policy_steps=0, micro_batch_tokens=16)
+    p.add(g)
+    (mb,), _ = p.pop_step()
+    by_sample = {sid: {k: v[i] for k, v in mb.reward_terms.items()} for i, sid in enumerate(mb.sample_ids)}
+    assert by_sample == {"r/0": {"format": 1.0, "gsm8k": 1.0}, "r/1": {"format": 1.0, "gsm8k": 0.0}, "r/2": {"format": 0.0, "gsm8k": 0.0}}
+    assert decode(encode(mb)).reward_terms == mb.reward_terms
+    # a micro-batch keeps only the names every one of its samples carries
+    other = PackedSample("o/0", np.int32([1, 2]), np.array([False, True]), np.float32([0, -0.5]), 0.0, 1.0, 0,
+                         reward_terms={"gsm8k": 1.0})
+    mixed = build_micro_batch([s0, other], step=0, micro_index=0, num_micro_batches=1, step_loss_tokens=2, step_samples=2)
+    assert mixed.reward_terms == {"gsm8k": [1.0, 1.0]}
+
+
+def test_online_difficulty_filtering():
+    assert rewards_all_zero_or_all_one(np.float32([0.0, 0.0, 0.0]))
+    assert rewards_all_zero_or_all_one(np.float32([1.0, 1.0]))
+    assert not rewards_all_zero_or_all_one(np.float32([0.5, 0.5]))  # equal, but neither 0 nor 1
+    assert not rewards_all_zero_or_all_one(np.float32([0.0, 1.0]))
+    p = Packer(prompts_per_step=1, max_off_policy_steps=0, micro_batch_tokens=100, online_difficulty_filtering=True)
+    assert p.add(scored("zeros", [1], [[5], [6]], rewards=[0.0, 0.0])) == (False, "filtered: online_difficulty")
+    assert p.add(scored("ones", [1], [[5], [6]], rewards=[1.0, 1.0])) == (False, "filtered: online_difficulty")
+    assert p.add(scored("halves", [1], [[5], [6]], rewards=[0.5, 0.5])) == (True, "")
+    assert p.add(scored("mixed", [1], [[5], [6]], rewards=[0.0, 1.0])) == (True, "")
+    off = Packer(prompts_per_step=1, max_off_policy_steps=0, micro_batch_tokens=100)
+    assert off.add(scored("zeros", [1], [[5], [6]], rewards=[0.0, 0.0])) == (True, "")
+
+
+def test_eval_groups_are_refused():
+    p = Packer(prompts_per_step=1, max_off_policy_steps=0, micro_batch_tokens=100)
+    g = scored("e000000-reverse_text-00000", [1], [[5], [6]], rewards=[0.0, 1.0], eval_round=0, eval_size=1)
+    with pytest.raises(ValueError, match="eval group"):
+        p.add(g)
+    assert p.seen == set() and not p.buffer

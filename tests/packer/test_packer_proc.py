@@ -7,11 +7,14 @@ Checked: custody is released for every group: at once for a taken or duplicate g
 filtered one only once the ledger has recorded its drop; a group re-sent at any later time (by
 another reward worker, after its step went out) never trains twice nor gets a second outcome;
 micro-batches stay with the packer until the trainer marks them done, and a restarted trainer
-gets them again; ``run.done`` ends the loop.
+gets them again; ``run.done`` ends the loop. Eval groups are never packed: the packer publishes
+one ``eval.result`` per task once a round's groups (received + announced failed) are all in, and
+only then releases them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Any, Callable
@@ -22,7 +25,7 @@ import zmq
 
 import bus.reliable
 from bus.hub import ControlHub
-from bus.messages import GroupsDropped, Message, MicroBatch, RunDone, ScoredGroup, new_id
+from bus.messages import EvalResult, GroupsDropped, Message, MicroBatch, RunDone, ScoredGroup, new_id
 from bus.reliable import Courier, Inbox
 from bus.sockets import BusSocket
 from bus.topics import Endpoints, socket_dir
@@ -212,4 +215,48 @@ def test_custody_dedupe_filter_and_redelivery_to_a_restarted_trainer(live, packe
     live.pub.send(RunDone(id=new_id(), step=1, reason="max_steps"))
     thread.join(timeout=WAIT_S)
     assert not thread.is_alive(), "run.done did not end the packer's loop"
+    ledger.close()
+
+
+def eval_group(rnd: int, task: str, i: int, rewards: list[float], size: int) -> ScoredGroup:
+    """Eval group ``i`` of ``task`` in round ``rnd`` (of ``size`` groups), ids as the prompt source makes them."""
+    return dataclasses.replace(group(f"e{rnd:06d}-{task}-{i:05d}", rewards), task=task, eval_round=rnd, eval_size=size,
+                               reward_terms={"reverse_text": list(rewards)})
+
+
+def test_eval_groups_are_aggregated_published_and_then_released(live, packer, monkeypatch):
+    monkeypatch.setattr(bus.reliable, "DONE_MEMORY", 1)  # so a late re-send reaches the packer
+    proc, thread = packer
+    ledger = OutcomesSink(live.courier(), live.endpoints.address("outcomes"))
+    worker = live.courier().sender("scored", live.endpoints.address("scored"), bind=False)
+    trainer = live.courier().receiver("batches", live.endpoints.address("batches"), bind=False, accept=(MicroBatch,))
+    # round 3: 2 reverse_text groups (equal rewards: an eval group is never filtered) + 1 countdown group
+    for msg in (eval_group(3, "reverse_text", 0, [1, 1], 3), eval_group(3, "reverse_text", 1, [0, 1], 3)):
+        assert worker.send(msg, timeout_s=WAIT_S)
+    wait_until(lambda: 3 in proc.evaluation.rounds and len(proc.evaluation.rounds[3].received) == 2, "both eval groups taken")
+    assert live.announcements() == [] and worker.unfinished() == 2  # held: the round is not complete
+
+    failed = GroupsDropped(id=new_id(), group_ids=["e000003-countdown-00000"], reason="generation_failed")
+    results: list[EvalResult] = []
+
+    def published() -> bool:
+        live.pub.send(failed)  # the producer's report; repeated until the packer's SUB has joined
+        results.extend(m for m in live.announcements(quiet_s=0.1) if isinstance(m, EvalResult))
+        return len(results) >= 2
+
+    wait_until(published, "the round's eval results")
+    by_task = {r.task: r for r in results}
+    assert sorted(by_task) == ["countdown", "reverse_text"] and len(results) == 2
+    rt = by_task["reverse_text"]
+    assert (rt.round, rt.num_samples, rt.num_failed, rt.version_min, rt.version_max) == (3, 4, 0, 0, 0)
+    assert rt.metrics == {"reward_mean": 0.75, "reward_std": pytest.approx(0.4330127), "completion_len_mean": 5.0,
+                          "reward/reverse_text": 0.75, "pass_at_2": 1.0}
+    assert (by_task["countdown"].num_samples, by_task["countdown"].num_failed, by_task["countdown"].metrics) == (0, 1, {})
+    wait_until(lambda: worker.unfinished() == 0, "the eval groups released after publication")
+    # a late re-send is released at once and publishes nothing; eval groups never train nor get outcomes
+    assert worker.send(eval_group(3, "reverse_text", 0, [1, 1], 3), timeout_s=WAIT_S)
+    wait_until(lambda: worker.unfinished() == 0, "the late eval group released")
+    assert [m for m in live.announcements() if isinstance(m, EvalResult)] == []
+    assert trainer.recv(timeout_s=0.3) is None and ledger.ids() == []
+    assert proc.packer.seen == set() and not proc.packer.buffer
     ledger.close()

@@ -89,7 +89,7 @@ def make_micro_batches(model: torch.nn.Module, step: int) -> list:
             with torch.no_grad():
                 lp = packed_token_logprobs(model, torch.tensor(ids), torch.tensor([len(ids)]), temperature=TEMPERATURE).numpy()
             lp = np.where(mask, lp + rng.normal(0.0, 0.05, len(ids)), 0.0).astype(np.float32)
-            samples.append(PackedSample(f"s{step}-{m}-{k}/0", np.int32(ids), mask, lp, advantage, reward, step))
+            samples.append(PackedSample(f"s{step}-{m}-{k}/0", np.int32(ids), mask, lp, advantage, reward, step, TEMPERATURE))
         packed.append(samples)
     loss_tokens = sum(int(s.loss_mask.sum()) for ss in packed for s in ss)
     num_samples = sum(len(ss) for ss in packed)
@@ -150,7 +150,7 @@ def test_merge_stats_sums_and_takes_min_and_max():
 
 def test_padding_slots_need_data_parallel(model_dir):
     model = load_policy(model_dir, LoraSection())
-    trainer = Trainer(model, trainer_cfg(), TEMPERATURE)
+    trainer = Trainer(model, trainer_cfg())
     with pytest.raises(ValueError, match="data-parallel"):
         trainer.step([*make_micro_batches(model, 3), None])
     with pytest.raises(ValueError, match="all of one step"):
@@ -184,7 +184,7 @@ def test_two_gloo_ranks_give_the_one_rank_update(model_dir, tmp_path, lora):
     torch.manual_seed(tcfg.seed)
     model = load_policy(model_dir, tcfg.lora)
     steps = [make_micro_batches(model, s) for s in range(len(STEPS))]
-    trainer = Trainer(model, tcfg, TEMPERATURE)
+    trainer = Trainer(model, tcfg)
     skipped_before = skipped_total("non_finite_loss")
     reference = [trainer.step(steps[0])]
     checkpoint = save_checkpoint(tmp_path / "checkpoints", step=1, model=model, optimizer=trainer.optimizer, extra={})
@@ -264,7 +264,7 @@ def rank_main(run_dir: str, checkpoint: str, num_steps: int, out: str) -> int:
         # rank 0 as TrainerProc.setup: same seed, policy, trainer, checkpoint; names it; DDP
         torch.manual_seed(cfg.trainer.seed)
         model = load_policy(cfg.model.path, cfg.trainer.lora)
-        trainer = Trainer(model, cfg.trainer, cfg.sampling.temperature)
+        trainer = Trainer(model, cfg.trainer)
         load_trainer_checkpoint(Path(checkpoint), trainer)
         dp.send_text(checkpoint)
         trainer.enable_data_parallel(dp)

@@ -93,7 +93,7 @@ def step_gradient(model, loss_kwargs, mbs) -> tuple[dict[str, torch.Tensor], dic
     """Gradient of one `Trainer.step` (read after the step: clipping is off, max_grad_norm=1e9)."""
     cfg = TrainerConfig(loss=LossConfig(**loss_kwargs), optim=OptimConfig(lr=1e-3, max_grad_norm=1e9))
     policy = copy.deepcopy(model)
-    metrics = Trainer(policy, cfg, temperature=1.0, max_tokens=MAX_TOKENS).step(mbs)
+    metrics = Trainer(policy, cfg, max_tokens=MAX_TOKENS).step(mbs)
     return {n: p.grad.detach().clone() for n, p in policy.named_parameters() if p.grad is not None}, metrics
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import signal
 import socket
@@ -29,7 +30,7 @@ import torch
 import zmq
 from safetensors.torch import load_file
 
-from bus.messages import CONTROL_TYPES, GroupsTrained, MicroBatch, RunDone, TrainerStep, WeightsReady
+from bus.messages import CONTROL_TYPES, EvalResult, GroupsTrained, MicroBatch, RunDone, TrainerStep, WeightsReady, new_id
 from bus.reliable import Courier
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
@@ -53,7 +54,7 @@ WAIT_S = 120.0  # bound on waiting for a process event (a hang fails instead of 
 def test_resume_is_bit_identical_to_the_uninterrupted_run(model_dir, tmp_path, lora):
     model = policy(model_dir, lora)
     batches = step_batches(model, SAVE_AT + 2)
-    trainer = Trainer(model, CFG, temperature=1.0)
+    trainer = Trainer(model, CFG)
     torch.manual_seed(7)
     for mbs in batches[:SAVE_AT]:
         assert trainer.step(mbs)["skipped"] == 0.0
@@ -69,7 +70,7 @@ def test_resume_is_bit_identical_to_the_uninterrupted_run(model_dir, tmp_path, l
 
     def resume(reseed: int | None = None) -> Trainer:
         fresh = policy(model_dir, lora)
-        resumed = Trainer(fresh, CFG, temperature=1.0)
+        resumed = Trainer(fresh, CFG)
         state = load_checkpoint(latest_checkpoint(tmp_path), model=fresh, optimizer=resumed.optimizer)
         assert state == {"step": SAVE_AT, "policy_version": SAVE_AT, "weight_method": "filesystem"}
         for n, t in weights(fresh).items():
@@ -220,12 +221,13 @@ def batches(tiny_policy) -> list[list[MicroBatch]]:
     ]
 
 
-def run_config(run_dir: Path, policy_dir: str, **trainer) -> RunConfig:
+def run_config(run_dir: Path, policy_dir: str, eval: dict | None = None, **trainer) -> RunConfig:
+    """A 4-step run; online eval off unless ``eval`` says otherwise (no producers here)."""
     run_dir.mkdir(exist_ok=True)  # busctl makes it (and writes config.yaml there)
     return RunConfig.model_validate({
         "run_dir": str(run_dir),
         "model": {"path": policy_dir},
-        "task": {"num_eval_examples": 2},
+        "eval": eval or {"enabled": False},
         "sampling": {"max_tokens": 4},
         "trainer": {"max_steps": 4, "checkpoint_interval": 2, "num_threads": 1, **trainer},
         "packer": {"max_off_policy_steps": 8},
@@ -238,8 +240,9 @@ class Packer:
     """The trainer's peers: the packer's ``batches`` outbox (bound), the prompt source's ledger
     (an :class:`OutcomesSink` bound at ``outcomes``, releasing at once: no test waits for the
     trainer's end-of-run drain), the hub's XSUB (bound), which collects everything the trainer
-    announces on the control channel, and the supervisor's handshake socket (bound, so a trainer
-    process finds it)."""
+    announces on the control channel, the hub's XPUB (bound), on which the test publishes what
+    the packer would (``eval.result``), and the supervisor's handshake socket (bound, so a
+    trainer process finds it)."""
 
     def __init__(self, cfg: RunConfig) -> None:
         endpoints = Endpoints(cfg.bus.transport, Path(cfg.run_dir), cfg.bus.host, cfg.bus.base_port)
@@ -252,6 +255,7 @@ class Packer:
         self.ledger = OutcomesSink(self.courier, endpoints.address("outcomes"))
         self.control = BusSocket(self.ctx, "control_pub", "recv", endpoints.address("control_pub"), bind=True, stop=self.stop, accept=CONTROL_TYPES)
         self.control.sock.send(b"\x01")  # XSUB: subscribe to everything, as the hub does
+        self.publish = BusSocket(self.ctx, "control_sub", "send", endpoints.address("control_sub"), bind=True, stop=self.stop)
         self.supervisor = BusSocket(self.ctx, "supervisor", "recv", endpoints.address("supervisor"), bind=True, stop=self.stop)
         self.seen: list = []
 
@@ -284,6 +288,7 @@ class Packer:
         self.ledger.close()
         self.courier.close()
         self.control.close()
+        self.publish.close()
         self.supervisor.close()
         self.ctx.term()
 
@@ -346,11 +351,10 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def has_eval_at(metrics_path: Path, step: int) -> bool:
-    """Whether ``metrics.jsonl`` holds the eval record of ``step`` (complete lines only: the
-    trainer may be appending)."""
+def complete_records(metrics_path: Path) -> list[dict]:
+    """The complete lines of ``metrics.jsonl`` (the trainer may be appending)."""
     lines = metrics_path.read_text().split("\n")[:-1] if metrics_path.is_file() else []
-    return any('"eval_reward_mean"' in line and json.loads(line)["step"] == step for line in lines)
+    return [json.loads(line) for line in lines]
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -383,12 +387,12 @@ def reference(tiny_policy, batches, tmp_path_factory) -> Path:
 
 
 def assert_same_outcome(run_dir: Path, reference: Path) -> None:
-    """The surviving lineage's records are those of the uninterrupted run (every step once, the
-    step-0 eval once), and its final weights are bit-identical."""
+    """The surviving lineage's records are those of the uninterrupted run (every step once), and
+    its final weights are bit-identical."""
     assert read_jsonl(run_dir / "trained_samples.jsonl") == read_jsonl(reference / "trained_samples.jsonl")
     assert [r["step"] for r in read_jsonl(run_dir / "trained_samples.jsonl")] == [0, 1, 2, 3]
     metrics = read_jsonl(run_dir / "metrics.jsonl")
-    assert [(r["step"], "eval_reward_mean" in r) for r in metrics] == [(0, True), (1, False), (2, False), (3, False), (4, False), (4, True)]
+    assert [r["step"] for r in metrics] == [1, 2, 3, 4]
     resumed, expected = final_weights(run_dir), final_weights(reference)
     assert resumed.keys() == expected.keys()
     for name in expected:
@@ -433,10 +437,10 @@ def test_trainer_releases_at_checkpoints_and_resumes_after_a_restart(tiny_policy
         packer.ledger.hold()  # from now on the ledger is slow to record (and release) outcomes
         packer.send([batches[0][0]])  # a covered step again: released at once, not trained
         packer.send(batches[3])
-        # steps 2 and 3 trained, checkpointed, reported; the final eval written: the trainer waits
-        # for the ledger to record its outcomes before it ends the run
+        # steps 2 and 3 trained, checkpointed, reported: the trainer waits for the ledger to
+        # record its outcomes before it ends the run
         packer.ledger.wait_for(lambda s: len(s.received()) == 4, "the outcomes of steps 2 and 3")
-        packer.wait_for("the final eval", lambda p: has_eval_at(tmp_path / "metrics.jsonl", 4), trainer)
+        packer.wait_for("trainer.step 4", lambda p: any(m.step == 4 for m in p.of_type(TrainerStep)), trainer)
         until = time.monotonic() + 0.3
         packer.wait_for("0.3 s more of control messages", lambda p: time.monotonic() > until, trainer)
         assert not packer.of_type(RunDone), "run.done before the ledger recorded the trained outcomes"
@@ -456,6 +460,67 @@ def test_trainer_releases_at_checkpoints_and_resumes_after_a_restart(tiny_policy
     assert [(m.id, m.step) for m in packer.of_type(GroupsTrained)] == [(f"trained-step-{s}", s) for s in range(4)]
     assert [m.step for m in packer.of_type(TrainerStep)] == [3, 4]
     assert_same_outcome(tmp_path, reference)
+
+
+def test_the_trainer_writes_eval_results_and_waits_for_the_final_round(tiny_policy, batches, tmp_path, monkeypatch, caplog):
+    """Eval results published on the control channel (as the packer does) land in metrics.jsonl
+    once per (round, task) and in the gauges; after its last step the trainer waits up to
+    ``eval.timeout_s`` for round ``max_steps`` of every eval task, and warns about the missing one."""
+    from prometheus_client import REGISTRY
+
+    monkeypatch.delenv(RESTARTS_ENV, raising=False)
+    monkeypatch.delenv(RESUME_ENV, raising=False)
+    timeout_s = 3.0
+    tasks = [{"name": "reverse_text"}, {"name": "countdown", "rollouts_per_example": 4}]
+    cfg = run_config(tmp_path, tiny_policy, eval={"enabled": True, "interval": 2, "tasks": tasks, "timeout_s": timeout_s})
+
+    def result(rnd: int, task: str, reward: float) -> EvalResult:
+        return EvalResult(id=new_id(), round=rnd, task=task, version_min=rnd, version_max=rnd, num_samples=8, num_failed=0,
+                          metrics={"reward_mean": reward, "reward_std": 0.1, "completion_len_mean": 3.0, "reward/countdown": reward})
+
+    def evals(rnd: int) -> set[str]:
+        return {k for r in complete_records(tmp_path / "metrics.jsonl") if r["step"] == rnd for k in r if k.startswith("eval/")}
+
+    packer = Packer(cfg)
+    try:
+        with caplog.at_level(logging.WARNING, logger="trainer.eval_log"):
+            trainer = RunningTrainer(cfg)
+
+            def published(rnd: int, results: list[EvalResult], keys: int):
+                def check(p: Packer) -> bool:
+                    for r in results:  # repeated until the trainer's SUB has joined; written once
+                        p.publish.send(r)
+                    return len(evals(rnd)) >= keys
+                return check
+
+            base = [result(0, "reverse_text", 0.25), result(0, "countdown", 0.5)]
+            packer.wait_for("round 0 written", published(0, base, 2 * 8), trainer)
+            for mbs in batches:
+                packer.send(mbs)
+            packer.wait_for("trainer.step 4", lambda p: any(m.step == 4 for m in p.of_type(TrainerStep)), trainer)
+            final = [result(4, "reverse_text", 0.75)]  # countdown's never comes
+            packer.wait_for("round 4 of reverse_text written", published(4, final, 8), trainer)
+            started = time.monotonic()
+            assert not packer.of_type(RunDone), "run.done before the final eval round"
+            packer.wait_for("run.done", lambda p: p.of_type(RunDone), trainer)
+            assert time.monotonic() - started > 0.5  # it waited for countdown's result
+            trainer.stop()
+    finally:
+        packer.close()
+    assert "round 4 for task(s) countdown" in caplog.text
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    eval_records = [r for r in records if any(k.startswith("eval/") for k in r)]
+    assert [(r["step"], next(k for k in r if k.startswith("eval/")).split("/")[1]) for r in eval_records] == [
+        (0, "reverse_text"), (0, "countdown"), (4, "reverse_text")
+    ]  # each once, though published many times
+    assert eval_records[1] == {"step": 0, "eval/countdown/num_samples": 8, "eval/countdown/num_failed": 0,
+                               "eval/countdown/version_min": 0, "eval/countdown/version_max": 0,
+                               "eval/countdown/reward_mean": 0.5, "eval/countdown/reward_std": 0.1,
+                               "eval/countdown/completion_len_mean": 3.0, "eval/countdown/reward/countdown": 0.5}
+    assert sorted(r["step"] for r in records if r not in eval_records) == [1, 2, 3, 4]
+    assert REGISTRY.get_sample_value("rlbus_eval_reward_mean", {"task": "reverse_text"}) == 0.75
+    assert REGISTRY.get_sample_value("rlbus_eval_round", {"task": "reverse_text"}) == 4.0
+    assert REGISTRY.get_sample_value("rlbus_eval_reward_term_mean", {"task": "countdown", "reward": "countdown"}) == 0.5
 
 
 def test_a_killed_trainer_process_resumes_from_its_checkpoint(tiny_policy, batches, reference, tmp_path):

@@ -58,7 +58,7 @@ def samples(model, specs=SPECS, version: int = 0, temperature: float = 1.0) -> l
         ids = prompt + comp
         mask = np.array([False] * len(prompt) + [True] * len(comp))
         lps = np.where(mask, own_logprobs(model, ids, temperature), 0.0).astype(np.float32)
-        out.append(PackedSample(f"g{k}/0", np.int32(ids), mask, lps, adv, rew, version))
+        out.append(PackedSample(f"g{k}/0", np.int32(ids), mask, lps, adv, rew, version, temperature))
     return out
 
 
@@ -87,7 +87,7 @@ def test_on_policy_step_metrics_and_update(model_dir, lora):
     model = policy(model_dir, lora)
     ss = samples(model)
     mbs = micro_batches(ss, [[0, 1], [2, 3]])
-    trainer = Trainer(model, trainer_cfg(), temperature=1.0)
+    trainer = Trainer(model, trainer_cfg())
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     before = trainable(model)
     # by hand: ratio 1 -> loss = -sum_samples A_k * sum_completion lp / N, N = 4 + 3 + 2 + 5 = 14
@@ -123,7 +123,7 @@ def test_step_moves_logprobs_in_the_advantage_direction(model_dir, lora):
         model = copy.deepcopy(base)
         (s,) = samples(model, [SPECS[k]])
         lp_before = completion_logprob(model, s)
-        Trainer(model, trainer_cfg(lr=1e-4), temperature=1.0).step(micro_batches([s], [[0]]))
+        Trainer(model, trainer_cfg(lr=1e-4)).step(micro_batches([s], [[0]]))
         delta = completion_logprob(model, s) - lp_before
         assert sign * delta > 1e-5, (k, delta)
     # both in one step: the A-weighted sum of completion logprobs (the objective) goes up
@@ -131,7 +131,7 @@ def test_step_moves_logprobs_in_the_advantage_direction(model_dir, lora):
     ss = samples(model, SPECS[:2])
     objective = lambda: sum(s.advantage * completion_logprob(model, s) for s in ss)  # noqa: E731
     before = objective()
-    Trainer(model, trainer_cfg(lr=1e-4), temperature=1.0).step(micro_batches(ss, [[0, 1]]))
+    Trainer(model, trainer_cfg(lr=1e-4)).step(micro_batches(ss, [[0, 1]]))
     assert objective() > before
 
 
@@ -139,7 +139,7 @@ def test_step_moves_logprobs_in_the_advantage_direction(model_dir, lora):
 def test_one_or_two_micro_batches_give_the_same_gradient(model_dir, lora):
     model = policy(model_dir, lora)
     ss = samples(model)
-    trainer = Trainer(model, trainer_cfg(), temperature=1.0)
+    trainer = Trainer(model, trainer_cfg())
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
 
     def grads(split):
@@ -158,8 +158,8 @@ def test_one_or_two_micro_batches_give_the_same_gradient(model_dir, lora):
         torch.testing.assert_close(g4[n], g1[n], rtol=1e-5, atol=1e-7, msg=n)
     # and whole steps agree on loss and (pre-clip) gradient norm. Parameters after AdamW are not
     # compared: its first update is ~lr * sign(g), which amplifies float noise where g ~ 0.
-    s1 = Trainer(copy.deepcopy(model), trainer_cfg(), temperature=1.0).step(micro_batches(ss, [[0, 1, 2, 3]]))
-    s2 = Trainer(copy.deepcopy(model), trainer_cfg(), temperature=1.0).step(micro_batches(ss, [[3, 0], [2, 1]]))
+    s1 = Trainer(copy.deepcopy(model), trainer_cfg()).step(micro_batches(ss, [[0, 1, 2, 3]]))
+    s2 = Trainer(copy.deepcopy(model), trainer_cfg()).step(micro_batches(ss, [[3, 0], [2, 1]]))
     assert s2["loss"] == pytest.approx(s1["loss"], rel=1e-5)
     assert s2["grad_norm"] == pytest.approx(s1["grad_norm"], rel=1e-5)
     norm_by_hand = sum(float((g ** 2).sum()) for g in g1.values()) ** 0.5
@@ -168,17 +168,66 @@ def test_one_or_two_micro_batches_give_the_same_gradient(model_dir, lora):
 
 def test_temperature_is_applied_to_trainer_logprobs(model_dir):
     model = policy(model_dir, lora=False)
-    ss = samples(model, temperature=0.7)  # sampler at T = 0.7
-    m = Trainer(copy.deepcopy(model), trainer_cfg(), temperature=0.7).step(micro_batches(ss, [[0, 1, 2, 3]]))
+    ss = samples(model, temperature=0.7)  # sampler at T = 0.7, recorded in the micro-batch
+    m = Trainer(copy.deepcopy(model), trainer_cfg()).step(micro_batches(ss, [[0, 1, 2, 3]]))
     assert m["onpolicy_lp_diff_max"] < 1e-5 and abs(m["kl"]) < 1e-9
-    wrong = Trainer(copy.deepcopy(model), trainer_cfg(), temperature=1.0).step(micro_batches(ss, [[0, 1, 2, 3]]))
-    assert wrong["onpolicy_lp_diff_max"] > 1e-3 and wrong["kl"] > 1e-6
+    # the same logprobs labelled T = 1: the trainer's logprobs no longer match the sampler's
+    wrong = [dataclasses.replace(s, temperature=1.0) for s in ss]
+    m = Trainer(copy.deepcopy(model), trainer_cfg()).step(micro_batches(wrong, [[0, 1, 2, 3]]))
+    assert m["onpolicy_lp_diff_max"] > 1e-3 and m["kl"] > 1e-6
+
+
+@pytest.mark.parametrize("with_reference", [False, True], ids=["policy", "policy_and_reference"])
+def test_each_micro_batch_uses_its_own_temperature(model_dir, with_reference):
+    """Two micro-batches of one step sampled at T = 0.5 and T = 1.5: the trainer's logprobs of
+    each sample are log_softmax(logits / T) of its micro-batch's T (against an unpacked
+    full-vocabulary forward here), and so are the frozen reference policy's."""
+    model = policy(model_dir, lora=False)
+    cold, hot = samples(model, SPECS[:2], temperature=0.5), samples(model, SPECS[2:], temperature=1.5)
+    mbs = micro_batches(cold + hot, [[0, 1], [2, 3]])
+    assert [mb.temperature for mb in mbs] == [0.5, 1.5]
+    cfg = trainer_cfg()
+    if with_reference:
+        cfg = cfg.model_copy(update={"loss": cfg.loss.model_copy(update={"kl_tau": 0.1, "kl_reference": "reference"})})
+    trainer = Trainer(model, cfg)
+    assert (trainer.reference is not None) == with_reference
+    for mb, temperature in zip(mbs, (0.5, 1.5)):
+        input_ids, seq_lens = torch.tensor(mb.input_ids, dtype=torch.int64), torch.tensor(mb.seq_lens, dtype=torch.int64)
+        trainer.set_temperature(mb.temperature)
+        lp = trainer.logprobs(input_ids, seq_lens)[0].detach()
+        start = 0
+        for n in mb.seq_lens.tolist():
+            ids = input_ids[start : start + n]
+            with torch.no_grad():
+                logits = model(input_ids=ids[None]).logits[0].float()
+            expected = torch.log_softmax(logits[:-1] / temperature, dim=-1).gather(1, ids[1:, None])[:, 0]
+            torch.testing.assert_close(lp[start + 1 : start + n], expected, rtol=1e-5, atol=1e-5)
+            start += n
+        if with_reference:
+            ref = trainer.reference.logprobs(input_ids, seq_lens, mb.temperature)
+            torch.testing.assert_close(ref, lp, rtol=1e-5, atol=1e-6)
+    m = trainer.step(mbs)  # a whole step: every micro-batch matches its sampler's logprobs
+    assert m["onpolicy_lp_diff_max"] < 1e-5 and abs(m["kl"]) < 1e-9
+    if with_reference:
+        assert abs(m["kl_penalty"]) < 1e-9  # the reference (= the start policy) at the same T
+
+
+def test_reward_terms_step_means(model_dir):
+    model = policy(model_dir, lora=False)
+    terms = [{"gsm8k": 1.0, "format": 0.5}, {"gsm8k": 0.0, "format": 1.0}, {"gsm8k": 1.0, "format": 0.0}, {"gsm8k": 0.0}]
+    ss = [dataclasses.replace(s, reward_terms=t) for s, t in zip(samples(model), terms)]
+    mbs = micro_batches(ss, [[0, 1, 2], [3]])
+    assert mbs[0].reward_terms == {"format": [0.5, 1.0, 0.0], "gsm8k": [1.0, 0.0, 1.0]}
+    assert mbs[1].reward_terms == {"gsm8k": [0.0]}
+    m = Trainer(model, trainer_cfg()).step(mbs)
+    assert m["reward/gsm8k"] == pytest.approx(0.5)  # 2 of 4
+    assert m["reward/format"] == pytest.approx(0.5)  # over the 3 samples that carry it
 
 
 def test_off_policy_samples_are_not_counted_as_on_policy(model_dir):
     model = policy(model_dir, lora=False)
     ss = samples(model, version=0)
-    m = Trainer(model, trainer_cfg(), temperature=1.0).step(micro_batches(ss, [[0, 1, 2, 3]], step=1))
+    m = Trainer(model, trainer_cfg()).step(micro_batches(ss, [[0, 1, 2, 3]], step=1))
     assert m["onpolicy_tokens"] == 0 and m["onpolicy_lp_diff_max"] == 0.0
     assert m["num_loss_tokens"] == 14
 
@@ -188,7 +237,7 @@ def test_zero_length_completion_contributes_nothing(model_dir):
     ss = samples(model, SPECS[:1]) + [
         PackedSample("empty/0", np.int32([5, 6, 7]), np.zeros(3, bool), np.zeros(3, np.float32), 3.0, 0.0, 0)
     ]
-    m = Trainer(model, trainer_cfg(), temperature=1.0).step(micro_batches(ss, [[0, 1]]))
+    m = Trainer(model, trainer_cfg()).step(micro_batches(ss, [[0, 1]]))
     lp = float(ss[0].inference_logprobs[ss[0].loss_mask].sum())
     assert m["loss"] == pytest.approx(-1.0 * lp / 4, rel=1e-5)  # only sample 0's 4 tokens count
     assert m["num_loss_tokens"] == 4 and m["num_samples"] == 2
@@ -196,7 +245,7 @@ def test_zero_length_completion_contributes_nothing(model_dir):
 
 def test_step_rejects_empty_or_mixed_steps(model_dir):
     model = policy(model_dir, lora=False)
-    trainer = Trainer(model, trainer_cfg(), temperature=1.0)
+    trainer = Trainer(model, trainer_cfg())
     ss = samples(model, SPECS[:2])
     with pytest.raises(ValueError):
         trainer.step([])
@@ -226,7 +275,7 @@ def test_huge_inference_logprobs_are_masked_not_skipped(model_dir):
     ss = samples(model)
     ss[1] = dataclasses.replace(ss[1], inference_logprobs=np.where(ss[1].loss_mask, 1e30, 0.0).astype(np.float32))
     before = skipped_count("non_finite_loss") + skipped_count("non_finite_grad")
-    m = Trainer(model, trainer_cfg(), temperature=1.0).step(micro_batches(ss, [[0, 1], [2, 3]]))
+    m = Trainer(model, trainer_cfg()).step(micro_batches(ss, [[0, 1], [2, 3]]))
     assert m["skipped"] == 0.0 and m["masked_frac"] > 0
     assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
     assert skipped_count("non_finite_loss") + skipped_count("non_finite_grad") == before
@@ -238,7 +287,7 @@ def test_non_finite_loss_skips_the_step(model_dir, lora, caplog):
     ss = samples(model)
     # a finite but huge advantage (valid on the wire) overflows coeff * lp_train to inf in float32
     bad = ss[:1] + [dataclasses.replace(ss[1], advantage=3e38)] + ss[2:]
-    trainer = Trainer(model, trainer_cfg(), temperature=1.0)
+    trainer = Trainer(model, trainer_cfg())
     weights, before = all_weights(model), skipped_count("non_finite_loss")
     with caplog.at_level(logging.WARNING, logger="trainer.trainer"):
         m = trainer.step(micro_batches(bad, [[0, 1], [2, 3]]))
@@ -252,14 +301,14 @@ def test_non_finite_loss_skips_the_step(model_dir, lora, caplog):
     m = trainer.step(micro_batches(ss, [[0, 1], [2, 3]]))
     assert m["skipped"] == 0.0 and math.isfinite(m["loss"])
     reference = policy(model_dir, lora)
-    Trainer(reference, trainer_cfg(), temperature=1.0).step(micro_batches(ss, [[0, 1], [2, 3]]))
+    Trainer(reference, trainer_cfg()).step(micro_batches(ss, [[0, 1], [2, 3]]))
     assert_bit_identical(all_weights(reference), all_weights(model))
 
 
 def test_non_finite_gradient_skips_the_step(model_dir, caplog):
     model = policy(model_dir, lora=False)
     ss = samples(model)
-    trainer = Trainer(model, trainer_cfg(), temperature=1.0)
+    trainer = Trainer(model, trainer_cfg())
     trainer.step(micro_batches(ss, [[0, 1, 2, 3]]))  # AdamW has state now: it must not change either
     opt_state = copy.deepcopy(trainer.optimizer.state_dict())
     weights, before = all_weights(model), skipped_count("non_finite_grad")

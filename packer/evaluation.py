@@ -1,0 +1,183 @@
+"""Online evaluation results: aggregate scored eval groups per (round, task) into EvalResults.
+
+Eval groups (``ScoredGroup.is_eval``: ``eval_round >= 0``) are sampled by the producers and scored
+by the reward workers like training groups, but never trained. Round ``r`` evaluates policy
+version ``r``; it holds ``eval_size`` groups over all eval tasks (one group per held-out example,
+``rollouts_per_example`` completions each). A group either arrives scored or its generation
+failed, which is announced in a ``groups.dropped`` on the control channel with its id (eval ids
+read ``e{round:06d}-{task}-{i:05d}``, :func:`parse_eval_id`). Once the received plus failed groups
+of a round reach ``eval_size``, :class:`EvalAggregator` closes the round: one
+:class:`bus.messages.EvalResult` per task with :func:`eval_metrics`, and the ids of the received
+groups, whose custody the packer then releases (:mod:`packer.proc`).
+
+Invariants: a round is closed at most once; a group counts once (by id), also when it is
+re-delivered or announced failed as well as received (received wins); a group of a closed round
+is reported ``"late"`` (release it at once, it changes nothing). A round whose groups all failed
+never learns its ``eval_size`` and is never closed (the trainer's wait for it times out).
+No sockets here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from bus.messages import EvalResult, ScoredGroup, new_id
+
+__all__ = ["EvalAggregator", "EvalGroup", "RoundResult", "eval_metrics", "parse_eval_id"]
+
+EVAL_ID = re.compile(r"^e(\d{6,})-(.+)-(\d{5,})$")
+"""Eval prompt ids ``e{round:06d}-{task}-{i:05d}`` (task names may hold ``-``: matched greedily)."""
+
+
+def parse_eval_id(group_id: str) -> tuple[int, str] | None:
+    """``(round, task)`` of an eval prompt id ``e{round:06d}-{task}-{i:05d}``; None for any other id."""
+    match = EVAL_ID.match(group_id)
+    return (int(match.group(1)), match.group(2)) if match else None
+
+
+@dataclass(frozen=True)
+class EvalGroup:
+    """What the metrics need of one scored eval group (``G`` completions).
+
+    Attributes:
+        rewards: ``[G] float64`` total rewards. completion_lens: ``[G] int64`` tokens.
+        reward_terms: ``{reward function name: G scores}``.
+        version_min, version_max: oldest first-token / newest last-token policy version.
+    """
+
+    rewards: np.ndarray
+    completion_lens: np.ndarray
+    reward_terms: dict[str, list[float]]
+    version_min: int
+    version_max: int
+
+
+def eval_metrics(groups: list[EvalGroup]) -> dict[str, float]:
+    """The metrics of one task in one round, over its ``n`` scored completions (float64).
+
+    - ``reward_mean`` = sum_i r_i / n; ``reward_std`` = sqrt(sum_i (r_i - mean)^2 / n) (population);
+    - ``completion_len_mean`` = mean completion length, tokens;
+    - ``reward/<name>`` = mean of reward function ``name``'s own score over the completions that
+      carry it;
+    - ``pass_at_<k>`` for every group size ``k > 1``: the fraction of examples (groups of that
+      size) with at least one completion of reward >= 1. With ``n = k`` samples per example this
+      is the unbiased pass@k estimator ``1 - C(n - c, k) / C(n, k)`` of Chen et al. 2021
+      (arXiv:2107.03374), which is 1 if ``c > 0`` correct samples else 0.
+
+    Returns ``{}`` for no completions.
+    """
+    rewards = np.concatenate([g.rewards for g in groups]) if groups else np.zeros(0)
+    if not len(rewards):
+        return {}
+    metrics = {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "completion_len_mean": float(np.concatenate([g.completion_lens for g in groups]).mean()),
+    }
+    for name in sorted({n for g in groups for n in g.reward_terms}):
+        scores = [s for g in groups for s in g.reward_terms.get(name, [])]
+        metrics[f"reward/{name}"] = float(np.mean(scores))
+    for k in sorted({len(g.rewards) for g in groups if len(g.rewards) > 1}):
+        solved = [bool((g.rewards >= 1.0).any()) for g in groups if len(g.rewards) == k]
+        metrics[f"pass_at_{k}"] = float(np.mean(solved))
+    return metrics
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """A closed eval round: one result per task, and the received group ids to release."""
+
+    round: int
+    results: list[EvalResult]
+    group_ids: list[str]
+
+
+@dataclass
+class _Round:
+    size: int = 0  # eval_size, 0 while no group of the round has arrived
+    received: dict[str, tuple[str, EvalGroup]] = field(default_factory=dict)  # id -> (task, summary)
+    failed: dict[str, str] = field(default_factory=dict)  # id -> task
+
+    def complete(self) -> bool:
+        return self.size > 0 and len(self.received) + len(self.failed) >= self.size
+
+
+class EvalAggregator:
+    """Collects eval groups and failures per round; closes a round when all its groups are in."""
+
+    def __init__(self) -> None:
+        self.rounds: dict[int, _Round] = {}
+        self.closed: set[int] = set()
+
+    def add(self, group: ScoredGroup) -> tuple[str, RoundResult | None]:
+        """Take one scored eval group.
+
+        Returns:
+            ``(decision, closed)``: decision ``"taken"`` (hold its custody until the round
+            closes), ``"duplicate"`` (its id is already held: the round's release covers it) or
+            ``"late"`` (its round is closed: release it now); ``closed`` is the round this group
+            completed, else None.
+
+        Raises:
+            ValueError: not an eval group, or its ``eval_size`` disagrees with the round's.
+        """
+        if not group.is_eval or group.eval_size < 1:
+            raise ValueError(f"group {group.id} is not an eval group (eval_round {group.eval_round}, eval_size {group.eval_size})")
+        r = group.eval_round
+        if r in self.closed:
+            return "late", None
+        state = self.rounds.setdefault(r, _Round())
+        if state.size and state.size != group.eval_size:
+            raise ValueError(f"eval group {group.id} says round {r} has {group.eval_size} groups, earlier ones said {state.size}")
+        state.size = group.eval_size
+        if group.id in state.received:
+            return "duplicate", None
+        state.failed.pop(group.id, None)
+        state.received[group.id] = (group.task, EvalGroup(
+            rewards=np.asarray(group.rewards, np.float64),
+            completion_lens=np.asarray(group.completion_lens, np.int64),
+            reward_terms={name: list(map(float, scores)) for name, scores in group.reward_terms.items()},
+            version_min=int(group.version_start.min()),
+            version_max=int(group.version_end.max()),
+        ))
+        return "taken", self._close_if_complete(r)
+
+    def add_failed(self, group_ids: list[str]) -> list[RoundResult]:
+        """Count the eval groups among ``group_ids`` (a ``groups.dropped``) as failed; other ids
+        are ignored. Returns the rounds this completed."""
+        touched = set()
+        for gid in group_ids:
+            parsed = parse_eval_id(gid)
+            if parsed is None or parsed[0] in self.closed:
+                continue
+            r, task = parsed
+            state = self.rounds.setdefault(r, _Round())
+            if gid not in state.received:
+                state.failed[gid] = task
+                touched.add(r)
+        return [res for r in sorted(touched) if (res := self._close_if_complete(r)) is not None]
+
+    def _close_if_complete(self, r: int) -> RoundResult | None:
+        state = self.rounds[r]
+        if not state.complete():
+            return None
+        del self.rounds[r]
+        self.closed.add(r)
+        tasks = sorted({task for task, _ in state.received.values()} | set(state.failed.values()))
+        results = []
+        for task in tasks:
+            groups = [g for t, g in state.received.values() if t == task]
+            results.append(EvalResult(
+                id=new_id(),
+                round=r,
+                task=task,
+                version_min=min((g.version_min for g in groups), default=r),
+                version_max=max((g.version_max for g in groups), default=r),
+                num_samples=int(sum(len(g.rewards) for g in groups)),
+                num_failed=sum(1 for t in state.failed.values() if t == task),
+                metrics=eval_metrics(groups),
+            ))
+        return RoundResult(round=r, results=results, group_ids=sorted(state.received))
