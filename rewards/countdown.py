@@ -1,0 +1,173 @@
+"""Reward of the ``countdown`` task: 1.0 iff the answer expression reaches the target exactly.
+
+Countdown (the numbers round of the TV game; the RL task of TinyZero / "Countdown-Tasks-3to4"): given
+``info = {"numbers": [int, ...], "target": int}``, write an arithmetic expression over some of the
+numbers with ``+ - * /`` and parentheses, each given number used at most once (a number given twice
+may be used twice; a subset is allowed), whose value is the target.
+
+Answer format: the expression inside the LAST ``<answer>...</answer>`` of the completion; with no
+such tag, the last non-empty line (after removing trailing end-of-turn tokens). A trailing
+``= <target>`` (the model restating the target) is removed; any other ``=`` makes it malformed.
+
+The expression is never handed to ``eval``/``compile``: a hand-written tokenizer and
+recursive-descent parser accept only
+
+    expr   := term (("+" | "-") term)*
+    term   := factor (("*" | "/") factor)*
+    factor := "-" factor | "(" expr ")" | INTEGER        (INTEGER: ASCII digits 0-9)
+
+(``×`` and ``÷`` are read as ``*`` and ``/``), evaluated exactly with ``fractions.Fraction``.
+Anything else scores 0.0: names, calls, attributes, ``**``, ``=`` elsewhere, unicode digits,
+decimals, an expression longer than ``MAX_EXPRESSION_CHARS`` or nested (parentheses and unary
+minus) deeper than ``MAX_DEPTH``, a literal that is not among the numbers (or used more often than
+given), division by zero. The bounds keep each call to O(``MAX_EXPRESSION_CHARS``) work, so a
+hostile completion (``9**9**9**9``, ``((((...`` 10^4 deep) costs microseconds and never raises.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from fractions import Fraction
+from typing import Any
+
+from rewards.reverse_text import strip_end_of_turn
+
+MAX_EXPRESSION_CHARS = 200
+MAX_DEPTH = 32
+
+_TRAILING_RESULT = re.compile(r"=\s*(-?[0-9]+)\s*$")
+_TOKEN = re.compile(r"\s*(?:([0-9]+)|([-+*/()]))")
+_ALIASES = str.maketrans({"×": "*", "÷": "/", "−": "-"})
+
+
+class ExpressionError(ValueError):
+    """The answer is not a valid countdown expression (reason in the message)."""
+
+
+def answer_expression(completion: str, target: int) -> str:
+    """The expression the completion submits: the last ``<answer>`` tag's content, else its last
+    non-empty line; a trailing ``= <target>`` is removed. ``""`` when there is none."""
+    end = completion.rfind("</answer>")
+    start = completion.rfind("<answer>", 0, end) if end >= 0 else -1
+    if start >= 0:  # rfind, not a regex: linear even on "<answer>" * 10**5
+        text = completion[start + len("<answer>") : end]
+    else:
+        lines = [line for line in strip_end_of_turn(completion).splitlines() if line.strip()]
+        text = lines[-1] if lines else ""
+    text = text.strip()
+    restated = _TRAILING_RESULT.search(text)
+    if restated and int(restated.group(1)) == target:
+        text = text[: restated.start()]
+    return text.strip()
+
+
+def _tokenize(expression: str) -> list[str]:
+    tokens: list[str] = []
+    position = 0
+    expression = expression.translate(_ALIASES).rstrip()
+    while position < len(expression):
+        match = _TOKEN.match(expression, position)
+        if match is None:
+            raise ExpressionError(f"unexpected {expression[position:position + 10]!r} at {position}")
+        tokens.append(match.group(1) or match.group(2))
+        position = match.end()
+    return tokens
+
+
+class _Parser:
+    """Recursive-descent parser + evaluator over a token list; depth bounded by ``MAX_DEPTH``."""
+
+    def __init__(self, tokens: list[str]) -> None:
+        self.tokens = tokens
+        self.position = 0
+        self.literals: list[int] = []
+
+    def peek(self) -> str | None:
+        return self.tokens[self.position] if self.position < len(self.tokens) else None
+
+    def take(self) -> str | None:
+        token = self.peek()
+        self.position += 1
+        return token
+
+    def expr(self, depth: int) -> Fraction:
+        value = self.term(depth)
+        while self.peek() in ("+", "-"):
+            op = self.take()
+            right = self.term(depth)
+            value = value + right if op == "+" else value - right
+        return value
+
+    def term(self, depth: int) -> Fraction:
+        value = self.factor(depth)
+        while self.peek() in ("*", "/"):
+            op = self.take()
+            right = self.factor(depth)
+            if op == "*":
+                value *= right
+            elif right == 0:
+                raise ExpressionError("division by zero")
+            else:
+                value /= right
+        return value
+
+    def factor(self, depth: int) -> Fraction:
+        if depth >= MAX_DEPTH:
+            raise ExpressionError(f"nested deeper than MAX_DEPTH={MAX_DEPTH}")
+        token = self.take()
+        if token == "-":
+            return -self.factor(depth + 1)
+        if token == "(":
+            value = self.expr(depth + 1)
+            if self.take() != ")":
+                raise ExpressionError("unbalanced parentheses")
+            return value
+        if token is not None and token.isdigit():
+            self.literals.append(int(token))
+            return Fraction(int(token))
+        raise ExpressionError(f"expected a number, '(' or '-', got {token!r}")
+
+
+def evaluate_expression(expression: str, numbers: list[int]) -> Fraction:
+    """Exact value of a countdown ``expression`` that uses each of ``numbers`` at most once.
+
+    Raises:
+        ExpressionError: (a ValueError) naming why the expression is not allowed (see module doc).
+    """
+    if not expression:
+        raise ExpressionError("empty expression")
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        raise ExpressionError(f"expression longer than MAX_EXPRESSION_CHARS={MAX_EXPRESSION_CHARS}")
+    parser = _Parser(_tokenize(expression))
+    value = parser.expr(0)
+    if parser.peek() is not None:
+        raise ExpressionError(f"unexpected {parser.peek()!r} after the expression")
+    overused = Counter(parser.literals) - Counter(numbers)
+    if overused:
+        raise ExpressionError(f"numbers not given or used too often: {sorted(overused.elements())}")
+    return value
+
+
+def countdown_reward(completion: str, info: dict[str, Any]) -> float:
+    """1.0 iff the submitted expression (``answer_expression``) is valid and equals
+    ``info["target"]`` exactly, else 0.0; never raises for a str completion.
+
+    Raises:
+        TypeError: when ``info`` lacks ``"numbers"`` (list of int) or ``"target"`` (int).
+    """
+    numbers = info.get("numbers") if isinstance(info, dict) else None
+    target = info.get("target") if isinstance(info, dict) else None
+    if not (
+        isinstance(numbers, list)
+        and all(isinstance(n, int) for n in numbers)
+        and isinstance(target, int)
+    ):
+        raise TypeError(f"countdown needs info={{'numbers': [int], 'target': int}}, got {info!r}")
+    if not isinstance(completion, str):
+        raise TypeError(f"countdown needs the completion as str, got {type(completion).__name__}")
+    try:
+        value = evaluate_expression(answer_expression(completion, target), numbers)
+    except ExpressionError:
+        return 0.0
+    return 1.0 if value == target else 0.0
