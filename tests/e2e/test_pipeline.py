@@ -42,11 +42,11 @@ def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_random_policy(tmp_path_factory.mktemp("policy") / "tiny", seed=0)
 
 
-def busctl(run_dir: Path, policy: Path, *overrides: str) -> subprocess.Popen:
+def busctl(run_dir: Path, policy: Path, *overrides: str, config: Path | None = None) -> subprocess.Popen:
     cmd = [
-        sys.executable, "-m", "bus.busctl", "up",
+        sys.executable, "-m", "bus.busctl", "up", *([str(config)] if config else []),
         f"run_dir={run_dir}", f"model.path={policy}", f"trainer.batch_size={BATCH_SIZE}",
-        f"producers.group_size={GROUP_SIZE}", "task.num_eval_examples=16", "sampling.max_tokens=16",
+        f"producers.group_size={GROUP_SIZE}", "eval.tasks=[{name: reverse_text, num_examples: 16}]", "sampling.max_tokens=16",
         "rewards.replicas=2", "broadcast.method=broadcast", "broadcast.backend=gloo", *overrides,
     ]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -125,8 +125,9 @@ def test_pipeline_trains_every_sample_once(tmp_path: Path, policy: Path) -> None
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     steps = [m for m in metrics if "loss" in m]
     assert [m["step"] for m in steps] == list(range(1, MAX_STEPS + 1))
-    evals = [m for m in metrics if "eval_reward_mean" in m]
-    assert [e["step"] for e in evals] == [0, MAX_STEPS]
+    evals = [m for m in metrics if "eval/reverse_text/reward_mean" in m]
+    assert [e["step"] for e in evals] == [0, MAX_STEPS]  # the base model, and the trained policy
+    assert all(e["eval/reverse_text/num_samples"] == 16 for e in evals)
     for m in steps:
         for key in ("reward_mean", "loss", "kl", "masked_frac", "grad_norm", "num_tokens",
                     "policy_lag_mean", "policy_lag_max", "step_time_s"):
