@@ -88,7 +88,7 @@ class SamplingConfig(Section):
         1.0, gt=0.0, le=10.0, description="vLLM repetition penalty (1 = off). The sampler's logprobs include it, the trainer's do not: it adds to the mismatch ratio."
     )
     seed: int | None = Field(
-        None, description="Per-request sampling seed: the group of prompt index i is sampled with seed + i (reproducible whatever the batching). null: the engine's seed stream."
+        None, description="Per-request sampling seed: the group of prompt index i (n samples) is sampled with seed + i * n (vLLM seeds sample j with seed + j, so groups never share random numbers; reproducible whatever the batching). null: the engine's seed stream."
     )
 
     @model_validator(mode="after")

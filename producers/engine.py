@@ -181,19 +181,29 @@ class RolloutEngine:
         max_tokens: int,
         request_id: str,
         ignore_eos: bool = False,
+        min_tokens: int = 0,
+        repetition_penalty: float = 1.0,
+        seed: int | None = None,
     ) -> list[Sample]:
         """Sample `n` completions of one prompt; returns them in sample-index order.
 
         `request_id` must be unique among in-flight requests. Only the final output is streamed
         back (FINAL_ONLY), which is markedly faster than per-token deltas. `ignore_eos` keeps
         sampling past the end-of-sequence token up to `max_tokens` (benchmarks, tests).
+        `min_tokens`: EOS and stop tokens are masked until a sample has this many tokens.
+        `repetition_penalty`: vLLM's (CTRL, arXiv:1909.05858: logits of tokens already in the
+        prompt or completion divided by it if > 0, else multiplied; 1 = off).
+        `seed`: sample `j` draws from a generator seeded with `seed + j`, so the group is
+        reproducible whatever else is batched with it; None: the engine's seed stream.
+        Raises ValueError for n, max_tokens < 1, min_tokens > max_tokens or an empty prompt.
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        if n < 1 or max_tokens < 1:
-            raise ValueError(f"n and max_tokens must be >= 1, got n={n}, max_tokens={max_tokens}")
+        if n < 1 or max_tokens < 1 or not 0 <= min_tokens <= max_tokens:
+            raise ValueError(f"need n >= 1, max_tokens >= 1 and 0 <= min_tokens <= max_tokens, "
+                             f"got n={n}, max_tokens={max_tokens}, min_tokens={min_tokens}")
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids is empty")
         llm = self._require()
@@ -203,6 +213,9 @@ class RolloutEngine:
             top_p=top_p,
             max_tokens=max_tokens,
             ignore_eos=ignore_eos,
+            min_tokens=min_tokens,
+            repetition_penalty=repetition_penalty,
+            seed=seed,
             logprobs=0,  # the sampled token's logprob only
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
@@ -226,6 +239,38 @@ class RolloutEngine:
             samples.append(Sample(token_ids, logprobs, completion.text,
                                   str(completion.finish_reason), start_v, end_v, spans))
         return samples
+
+    async def score_completion(self, prompt_token_ids: list[int], completion_token_ids: list[int], *,
+                               request_id: str) -> list[float]:
+        """Logprob of each completion token under this engine's model, given the prompt.
+
+        One request on `prompt_token_ids + completion_token_ids` with `max_tokens=1,
+        prompt_logprobs=0`: vLLM then returns, for every position p >= 1 of the sequence, the
+        logprob of the token actually there given the tokens before it (plus its top-0 = none
+        others; position 0 has no context and is None). Returns `[len(completion)]` floats (nats)
+        in the engine's logprobs_mode (raw: `log_softmax(logits)`, temperature 1); `[]` for an
+        empty completion (no request is made). The one sampled token is discarded.
+        Raises ValueError for an empty prompt, RuntimeError if vLLM returns no prompt logprobs.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids is empty")
+        if not completion_token_ids:
+            return []
+        llm = self._require()
+        ids = [*prompt_token_ids, *completion_token_ids]
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        final = None
+        async for output in llm.generate(TokensPrompt(prompt_token_ids=ids), params, request_id):
+            final = output
+        if final is None or final.prompt_logprobs is None or len(final.prompt_logprobs) != len(ids):
+            raise RuntimeError(f"request {request_id} returned no prompt logprobs for its {len(ids)} tokens")
+        start = len(prompt_token_ids)
+        return [final.prompt_logprobs[p][ids[p]].logprob for p in range(start, len(ids))]
 
     # -- weights ---------------------------------------------------------------------------------
 

@@ -5,9 +5,12 @@ of asyncio tasks on one event loop:
 
 - the prompt loop takes ``prompts`` while fewer than ``max_concurrent_groups`` groups are in
   flight (so an idle producer takes work and a busy one pushes back);
-- one generation task per prompt samples ``group_size`` completions with per-token logprobs and
-  sends the group on this producer's own ``rollouts`` endpoint (blocking while its outbox is
-  full). Custody (:mod:`bus.reliable`): the prompt is released upstream only once a reward
+- one generation task per prompt samples ``group_size`` completions (an eval prompt: its eval
+  task's ``rollouts_per_example``) with per-token logprobs at the prompt's temperature and the
+  ``sampling`` parameters (:func:`producers.sampling.request_kwargs`), scores them under the
+  teacher when ``teacher.model_path`` is set (a second vLLM engine, :mod:`producers.teacher`;
+  training groups only: eval groups are never trained), and sends the group on this producer's
+  own ``rollouts`` endpoint (blocking while its outbox is full). Custody (:mod:`bus.reliable`): the prompt is released upstream only once a reward
   worker is done with the group, so a producer killed at any moment loses nothing: the prompt
   source re-sends what it held. A generation that raises (e.g. a prompt longer than
   ``max_model_len``) is counted and announced as ``groups.dropped`` (outcome ``failed``) so the
@@ -22,6 +25,12 @@ of asyncio tasks on one event loop:
   once a broadcast fails); a failed broadcast receive breaks the engine and the process exits, so
   the supervisor restarts it as such a late joiner.
 
+Eval groups are exact: an update waits until the eval groups being generated are done, and no
+eval generation starts while an update is pending (:class:`producers.eval_rounds.EvalUpdateGate`),
+so every sample of an eval group comes from one policy version. Training generations do not wait:
+they are paused with their requests kept and resumed under the new weights (partial rollouts; each
+sample records its version spans, :mod:`producers.engine`).
+
 Blocking bus calls run in worker threads (``asyncio.to_thread``); the control sockets are only
 ever used by one task at a time.
 """
@@ -29,6 +38,7 @@ ever used by one task at a time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -41,6 +51,9 @@ from bus.component import Component, component_main
 from bus.messages import GroupsDropped, Prompt, RolloutGroup, RunDone, WeightsApplied, WeightsReady, new_id
 from bus.metrics import POLICY_VERSION
 from producers.engine import RolloutEngine
+from producers.eval_rounds import EvalUpdateGate
+from producers.sampling import request_kwargs
+from producers.teacher import Teacher
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +62,23 @@ GROUPS_FAILED = Counter("rlbus_producer_groups_failed_total", "Groups whose gene
 TOKENS_OUT = Counter("rlbus_producer_completion_tokens_total", "Completion tokens generated")
 GEN_SECONDS = Histogram("rlbus_producer_group_seconds", "Time to generate one group, seconds")
 UPDATE_SECONDS = Histogram("rlbus_producer_weight_update_seconds", "Pause + load + resume per weight update, seconds")
+UPDATE_WAIT_SECONDS = Histogram("rlbus_producer_update_eval_wait_seconds", "Time a weight update waited for in-flight eval groups, seconds")
+TEACHER_SECONDS = Histogram("rlbus_producer_teacher_seconds", "Time to score one group under the teacher, seconds")
 
 
 def group_from_samples(
-    prompt: Prompt, prompt_ids: list[int], samples: list, texts: list[str], *, producer: str, gen_time_s: float
+    prompt: Prompt,
+    prompt_ids: list[int],
+    samples: list,
+    texts: list[str],
+    *,
+    producer: str,
+    gen_time_s: float,
+    teacher_logprobs: np.ndarray | None = None,
 ) -> RolloutGroup:
     """Assemble a :class:`RolloutGroup` from the engine's samples (see :class:`producers.engine.Sample`)
-    and their decoded ``texts``."""
+    and their decoded ``texts``; temperature, eval round and size come from ``prompt``;
+    ``teacher_logprobs`` is ``[N] float32`` (N = completion tokens of the group) or None."""
     return RolloutGroup(
         id=prompt.id,
         prompt_index=prompt.index,
@@ -72,6 +95,10 @@ def group_from_samples(
         logprobs=np.asarray([lp for s in samples for lp in s.logprobs], dtype=np.float32),
         version_start=np.asarray([s.version_start for s in samples], dtype=np.int64),
         version_end=np.asarray([s.version_end for s in samples], dtype=np.int64),
+        temperature=prompt.temperature,
+        eval_round=prompt.eval_round,
+        eval_size=prompt.eval_size,
+        teacher_logprobs=np.asarray([] if teacher_logprobs is None else teacher_logprobs, dtype=np.float32),
     )
 
 
@@ -91,6 +118,16 @@ class ProducerProc(Component):
         )
         self.loop.run_until_complete(self.engine.start())
         self.tokenizer = self.engine.tokenizer
+        self.teacher: Teacher | None = None
+        if cfg.teacher.model_path:
+            self.teacher = Teacher(
+                cfg.teacher.model_path,
+                max_model_len=cfg.model.max_model_len,
+                kv_cache_bytes=int(cfg.teacher.kv_cache_gib * 2**30),
+                seed=cfg.producers.seed + self.index,
+            )
+            self.loop.run_until_complete(self.teacher.start())
+        self.gate = EvalUpdateGate()
         self.prompts = self.reliable_receiver("prompts", self.endpoints.address("prompts"), bind=False, accept=(Prompt,))
         self.rollouts = self.reliable_sender("rollouts", self.endpoints.address("rollouts", self.index), bind=True)
         self.control_in = self.control_subscriber()
@@ -153,20 +190,21 @@ class ProducerProc(Component):
     async def _generate_group(self, prompt: Prompt) -> None:
         text = self.tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
-        sampling = self.cfg.sampling
+        request_id = f"{self.name}-{prompt.id}"
         started = time.perf_counter()
-        samples = await self.engine.generate_group(
-            prompt_ids,
-            n=self.cfg.producers.group_size,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            max_tokens=sampling.max_tokens,
-            request_id=f"{self.name}-{prompt.id}",
-        )
+        # an eval group is sampled under one policy version; a training group may span an update
+        async with self.gate.eval_request() if prompt.is_eval else contextlib.nullcontext():
+            samples = await self.engine.generate_group(prompt_ids, request_id=request_id, **request_kwargs(self.cfg, prompt))
         elapsed = time.perf_counter() - started
-        # decode with the HF tokenizer, as the eval does (vLLM's own text drops invalid UTF-8 bytes)
+        teacher_logprobs = None
+        if self.teacher is not None and not prompt.is_eval:
+            teacher_started = time.perf_counter()
+            teacher_logprobs = await self.teacher.score_group(prompt_ids, [s.token_ids for s in samples], request_id=request_id)
+            TEACHER_SECONDS.observe(time.perf_counter() - teacher_started)
+        # decode with the HF tokenizer (vLLM's own text drops invalid UTF-8 bytes)
         texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-        group = group_from_samples(prompt, prompt_ids, samples, texts, producer=self.name, gen_time_s=elapsed)
+        group = group_from_samples(prompt, prompt_ids, samples, texts, producer=self.name, gen_time_s=elapsed,
+                                   teacher_logprobs=teacher_logprobs)
         GEN_SECONDS.observe(elapsed)
         GROUPS_OUT.inc()
         TOKENS_OUT.inc(int(group.completion_lens.sum()))
@@ -184,21 +222,24 @@ class ProducerProc(Component):
                 await self._apply(msg)
 
     async def _apply(self, msg: WeightsReady) -> None:
-        started = time.perf_counter()
-        if msg.method == "broadcast":
-            await self.engine.update_weights(msg.version, msg.manifest)
-        else:
-            await self.engine.load_weights_from_path(msg.version, msg.path)
-        elapsed = time.perf_counter() - started
+        waited = time.perf_counter()
+        async with self.gate.update():  # in-flight eval groups finish under the old version first
+            started = time.perf_counter()
+            UPDATE_WAIT_SECONDS.observe(started - waited)
+            if msg.method == "broadcast":
+                await self.engine.update_weights(msg.version, msg.manifest)
+            else:
+                await self.engine.load_weights_from_path(msg.version, msg.path)
+            elapsed = time.perf_counter() - started
         UPDATE_SECONDS.observe(elapsed)
         POLICY_VERSION.set(msg.version)
         self.control_out.send(WeightsApplied(id=new_id(), producer=self.name, version=msg.version, apply_time_s=elapsed))
         log.info("applied policy version %d in %.3f s", msg.version, elapsed)
 
     def close(self) -> None:
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            self.loop.run_until_complete(engine.close())
+        for engine in (getattr(self, "teacher", None), getattr(self, "engine", None)):
+            if engine is not None:
+                self.loop.run_until_complete(engine.close())
         super().close()
 
 

@@ -10,20 +10,21 @@ trainer has announced, makes the async level a real bound: a prompt of step ``s`
 under a version ``>= s - max_async_level``, so its off-policy lag at step ``s`` is at most
 ``max_async_level``. A prompt whose outcome is not ``trained`` (stale, filtered, failed) no longer
 counts towards a step, so one replacement is issued for it. Issuing stops once the prompts for the
-last step (``max_steps - 1``) are out.
+last step (``max_steps - 1``) are out; the source keeps running until ``run.done`` (the final
+evaluation round is issued only once the producers run the last policy version).
 
-Producers come and go (restarts, ``busctl scale``), so the gate (:class:`AppliedVersions`)
-follows these rules:
+Sampling temperature: each training prompt carries the temperature of its step
+(:func:`producers.sampling.temperature_at`: constant, or the ``sampling.temp_scheduler``
+schedule), a pure function of the step, so a re-issued prompt keeps its temperature.
 
-- the newest announcement of a producer wins, also when it is *lower* (a trainer that resumed
-  from its checkpoint announces an older version; the gate follows it down);
-- until the ``num_producers`` initial producers have each announced once the version is 0, unless
-  ``dead_after_s`` has passed since the first announcement (an initial producer that died before
-  announcing must not hold the gate forever);
-- a producer is *departed*, and ignored, once another producer announced a version different from
-  its own more than ``dead_after_s`` ago and it has not caught up since: a live producer applies a
-  broadcast within seconds of the others, a dead or removed one never does. It counts again as
-  soon as it announces (a restarted producer with the same name, which re-applies the weights).
+Online evaluation (:mod:`producers.eval_rounds`): eval round ``r``'s prompts are queued, all at
+once, as soon as ``policy_version >= r``, and go out before new training prompts (after pending
+re-issues). They are not ledger prompts: no step, no replacement, no accounting; an outcome report
+for an eval id is ignored. Each queued round is journaled as a ledger note, so a restarted or
+resumed source never issues it again.
+
+The gate's rules for producers that come and go (restarts, ``busctl scale``) are in
+:mod:`producers.applied_versions`.
 
 Accounting. Every issue and every outcome (``groups.trained`` from the trainer, ``groups.dropped``
 from the packer and producers) goes through the :class:`producers.ledger.Ledger`, journaled to
@@ -52,14 +53,18 @@ from prometheus_client import Counter, Gauge
 from bus.component import Component, component_main
 from bus.messages import GroupsDropped, GroupsTrained, Prompt, RunDone, WeightsApplied
 from bus.metrics import POLICY_VERSION
+from producers.applied_versions import AppliedVersions, applied_since_start
+from producers.eval_rounds import EvalRounds, build_eval_rounds, is_eval_id
 from producers.ledger import OUTCOMES, Ledger
-from producers.tasks import load_task_examples, render_messages
+from producers.sampling import temperature_at
+from producers.tasks import get_task, load_task_examples, render_messages
 
 log = logging.getLogger(__name__)
 
 PROMPTS_SENT = Counter("rlbus_prompt_source_prompts_total", "Prompts sent (re-issues included)")
 PROMPTS_REPLACED = Counter("rlbus_prompt_source_replaced_total", "Replacements owed for prompts that did not train")
 PROMPTS_REISSUED = Counter("rlbus_prompt_source_reissued_total", "Prompts re-sent with the same id after a restart")
+EVAL_ROUNDS_ISSUED = Counter("rlbus_prompt_source_eval_rounds_total", "Online evaluation rounds issued")
 GATED = Gauge("rlbus_prompt_source_gated", "1 while issuing waits for the trainer (async level reached)")
 ACCOUNTING_ISSUED = Counter("rlbus_accounting_issued_total", "Distinct prompts issued in the run")
 ACCOUNTING_OUTCOMES = Counter("rlbus_accounting_outcomes_total", "Prompts that reached an outcome", ["outcome"])
@@ -80,56 +85,6 @@ def prompt_id(index: int) -> str:
 END_QUIET_S = 0.5
 """At run.done, outcome reports are drained until none arrived for this long, seconds."""
 
-class AppliedVersions:
-    """The producers' applied policy versions, and the version the gate may rely on.
-
-    Args:
-        num_producers: producers started with the run (the gate waits for each once).
-        dead_after_s: how long a producer may stay behind an announcement before it is ignored,
-            seconds (``bus.dead_after_s``).
-
-    Times are ``clock()`` seconds (monotonic) passed by the caller. Rules: module docstring.
-    """
-
-    def __init__(self, num_producers: int, dead_after_s: float) -> None:
-        if num_producers < 1 or dead_after_s <= 0:
-            raise ValueError(f"num_producers must be >= 1 and dead_after_s > 0, got {num_producers}, {dead_after_s}")
-        self.num_producers = num_producers
-        self.dead_after_s = dead_after_s
-        self.version: dict[str, int] = {}  # producer -> its newest announced version
-        self.behind_since: dict[str, float] = {}  # producer -> when another announced a different version
-        self.first_announcement: float | None = None
-
-    def announce(self, producer: str, version: int, now: float) -> None:
-        """``producer`` now runs ``version`` (its newest announcement wins, lower or not)."""
-        if self.first_announcement is None:
-            self.first_announcement = now
-        self.version[producer] = version
-        self.behind_since.pop(producer, None)
-        for other, v in self.version.items():
-            if v == version:
-                self.behind_since.pop(other, None)  # agrees with the newest announcement
-            else:
-                self.behind_since.setdefault(other, now)
-
-    def departed(self, now: float) -> list[str]:
-        """Producers ignored at ``now``: behind an announcement for more than ``dead_after_s``."""
-        return sorted(p for p, t in self.behind_since.items() if now - t > self.dead_after_s)
-
-    def policy_version(self, now: float) -> int:
-        """The version every live producer runs: min over non-departed producers (0 while the
-        initial producers have not all announced and ``dead_after_s`` has not passed)."""
-        if not self.version:
-            return 0
-        assert self.first_announcement is not None
-        if len(self.version) < self.num_producers and now - self.first_announcement <= self.dead_after_s:
-            return 0
-        gone = set(self.departed(now))
-        live = [v for p, v in self.version.items() if p not in gone]
-        assert live, "the newest announcer is never departed"
-        return min(live)
-
-
 class PromptSource:
     """Decides which prompt to issue next and when, and records outcomes in the ledger.
 
@@ -144,6 +99,10 @@ class PromptSource:
             unresolved prompts are re-issued first, ungated (they were admitted once; their step
             is unchanged and the packer's staleness filter still bounds their lag).
         clock: monotonic time in seconds (tests pass their own).
+        system_prompt: system message of every training prompt (the task's), or None.
+        temperature: ``step -> sampling temperature`` of training prompts (default: 1.0).
+        eval_rounds: online evaluation rounds (default: none). Rounds the ledger journal lists
+            as issued are marked issued.
 
     Raises:
         ValueError: no examples, or non-positive counts.
@@ -161,6 +120,9 @@ class PromptSource:
         dead_after_s: float = 10.0,
         ledger: Ledger | None = None,
         clock: Callable[[], float] = time.monotonic,
+        system_prompt: str | None = None,
+        temperature: Callable[[int], float] | None = None,
+        eval_rounds: EvalRounds | None = None,
     ) -> None:
         if not examples:
             raise ValueError("the task has no training examples")
@@ -176,6 +138,12 @@ class PromptSource:
         self.ledger = ledger if ledger is not None else Ledger()
         self.reissue: deque[str] = deque(self.ledger.unresolved())
         self.num_reissued = 0
+        self.system_prompt = system_prompt
+        self.temperature = temperature or (lambda step: 1.0)
+        self.eval_rounds = eval_rounds
+        if eval_rounds is not None:
+            eval_rounds.issued.update(n["round"] for n in self.ledger.notes if n.get("event") == "eval_round")
+        self.eval_queue: deque[Prompt] = deque()
 
     @property
     def policy_version(self) -> int:
@@ -198,16 +166,31 @@ class PromptSource:
             self.reissue.popleft()
         return self.reissue[0] if self.reissue else None
 
+    def _queue_due_eval_rounds(self) -> None:
+        """Queue the prompts of every eval round the producers' version has reached (journaled)."""
+        if self.eval_rounds is None:
+            return
+        for r in self.eval_rounds.due(self.policy_version):
+            self.ledger.note("eval_round", round=r)
+            prompts = self.eval_rounds.issue(r)
+            self.eval_queue.extend(prompts)
+            EVAL_ROUNDS_ISSUED.inc()
+            log.info("eval round %d: %d prompts queued (policy version %d)", r, len(prompts), self.policy_version)
+
     def may_issue(self) -> bool:
-        """True if a re-issue is pending, or the next step is within the async level and the run."""
+        """True if a re-issue or an eval prompt is pending, or the next step is within the async
+        level and the run."""
         if self._pending_reissue() is not None:
+            return True
+        self._queue_due_eval_rounds()
+        if self.eval_queue:
             return True
         step = self.next_step
         return step < self.max_steps and self.policy_version >= step - self.max_async_level
 
     def issue(self) -> Prompt:
-        """The next prompt: a pending re-issue, else a new one recorded in the ledger (call only
-        when :meth:`may_issue`)."""
+        """The next prompt: a pending re-issue, else an eval prompt, else a new one recorded in the
+        ledger (call only when :meth:`may_issue`)."""
         assert self.may_issue()
         pid = self._pending_reissue()
         if pid is not None:
@@ -215,6 +198,8 @@ class PromptSource:
             self.num_reissued += 1
             rec = self.ledger.issued[pid]
             return self._build(rec.index, rec.step)
+        if self.eval_queue:
+            return self.eval_queue.popleft()
         index, step = self.ledger.num_issued, self.next_step
         self.ledger.issue(prompt_id(index), index, step)  # journaled before it can be sent
         return self._build(index, step)
@@ -226,8 +211,9 @@ class PromptSource:
             index=index,
             step=step,
             task=self.task,
-            messages=render_messages(ex),
+            messages=render_messages(ex, self.system_prompt),
             info=dict(ex["info"]),
+            temperature=self.temperature(step),
         )
 
     def on_weights_applied(self, producer: str, version: int) -> None:
@@ -243,36 +229,15 @@ class PromptSource:
             self.applied.announce(producer, version, now)
 
     def on_trained(self, group_ids: list[str]) -> int:
-        """Outcome ``trained`` for ``group_ids``; returns how many were newly resolved."""
-        return len(self.ledger.on_trained(group_ids))
+        """Outcome ``trained`` for ``group_ids``; returns how many were newly resolved (eval ids
+        are ignored)."""
+        return len(self.ledger.on_trained([g for g in group_ids if not is_eval_id(g)]))
 
     def on_dropped(self, group_ids: list[str], reason: str) -> int:
         """``group_ids`` will never train (``reason``: ``"stale"``, ``"filtered: ..."``, ``"failed:
         ..."``, ...). Returns the replacements owed: one per newly resolved issued id (repeats,
-        conflicts and unknown ids owe none)."""
-        return len(self.ledger.on_dropped(group_ids, reason))
-
-
-def applied_since_start(notes: list[dict[str, Any]]) -> list[tuple[str, int]]:
-    """The producers' last applied announcements journaled since the run last started fresh or resumed.
-
-    Args:
-        notes: the ledger's replayed notes: ``{"event": "start", "restarts": n, ...}`` at every
-            start of the prompt source, ``{"event": "applied", "producer": name, "version": v}``
-            per announcement.
-
-    Returns:
-        ``[(producer, version)]``: each producer's last ``applied`` note after the last ``start``
-        with ``restarts == 0`` (a new producer set began there), ordered by when it was made.
-    """
-    last: dict[str, int] = {}
-    for note in notes:
-        if note.get("event") == "start" and note.get("restarts") == 0:
-            last.clear()
-        elif note.get("event") == "applied" and isinstance(note.get("producer"), str) and isinstance(note.get("version"), int):
-            last.pop(note["producer"], None)  # re-insert: dict order = order of each producer's last note
-            last[note["producer"]] = note["version"]
-    return list(last.items())
+        conflicts and unknown ids owe none; eval ids are ignored: the packer counts them)."""
+        return len(self.ledger.on_dropped([g for g in group_ids if not is_eval_id(g)], reason))
 
 
 def _env_int(name: str) -> int:
@@ -298,17 +263,22 @@ class PromptSourceProc(Component):
     def setup(self) -> None:
         cfg = self.cfg
         restarts, resume = _env_int(RESTARTS_ENV), _env_int(RESUME_ENV) >= 1
-        examples = load_task_examples(cfg.task.name, "train", cfg.task.num_train_examples, cfg.task.seed)
+        task = get_task(cfg.task.name, cfg.task)
+        examples = load_task_examples(task, "train", cfg.task.num_train_examples, cfg.task.seed)
+        max_steps = cfg.trainer.max_steps
         self.ledger = Ledger(self.run_dir)
         self.source = PromptSource(
             examples,
             task=cfg.task.name,
             prompts_per_step=cfg.prompts_per_step,
             max_async_level=cfg.max_async_level,
-            max_steps=cfg.trainer.max_steps,
+            max_steps=max_steps,
             num_producers=cfg.producers.replicas,
             dead_after_s=cfg.bus.dead_after_s,
             ledger=self.ledger,
+            system_prompt=task.system_prompt,
+            temperature=lambda step: temperature_at(cfg.sampling, step, max_steps),
+            eval_rounds=build_eval_rounds(cfg),
         )
         if self.ledger.replayed:
             log.info(

@@ -20,8 +20,11 @@ from bus.reliable import Courier
 from bus.sockets import BusSocket
 from bus.topics import Endpoints, socket_dir
 from configs.schema import load_config
+from producers.applied_versions import AppliedVersions, applied_since_start
+from producers.eval_rounds import EvalRounds, EvalSet, is_eval_id
 from producers.ledger import Ledger
-from producers.prompt_source import AppliedVersions, PromptSource, PromptSourceProc, applied_since_start
+from producers.prompt_source import PromptSource, PromptSourceProc
+from producers.sampling import temperature_at
 from producers.tasks import load_task_examples
 
 
@@ -49,7 +52,8 @@ def drain(src: PromptSource, limit: int = 1000) -> list[Prompt]:
     return out
 
 
-def make(examples, *, pps=2, level=1, max_steps=100, producers=1, dead_after_s=10.0, ledger=None, clock=None) -> PromptSource:
+def make(examples, *, pps=2, level=1, max_steps=100, producers=1, dead_after_s=10.0, ledger=None, clock=None,
+         **kwargs) -> PromptSource:
     return PromptSource(
         examples,
         task="reverse_text",
@@ -60,6 +64,7 @@ def make(examples, *, pps=2, level=1, max_steps=100, producers=1, dead_after_s=1
         dead_after_s=dead_after_s,
         ledger=ledger,
         clock=clock or Clock(),
+        **kwargs,
     )
 
 
@@ -183,6 +188,65 @@ def test_gate_is_the_slowest_producer(examples):
     assert [p.step for p in drain(src)] == [1]
     src.on_weights_applied("producer-1", 2)
     assert [p.step for p in drain(src)] == [2]
+
+
+def test_prompts_carry_the_temperature_of_their_step(examples, tmp_path):
+    sampling = load_config(None, ["sampling.temp_scheduler={type: linear, start_temperature: 1.0, end_temperature: 0.5}"]).sampling
+    schedule = lambda step: temperature_at(sampling, step, 6)  # noqa: E731
+    src = make(examples, pps=2, level=10, max_steps=6, ledger=Ledger(tmp_path), temperature=schedule,
+               system_prompt="Reverse it.")
+    prompts = drain(src)
+    assert [p.temperature for p in prompts] == pytest.approx([1.0, 1.0, 0.9, 0.9, 0.8, 0.8, 0.7, 0.7, 0.6, 0.6, 0.5, 0.5])
+    assert all(p.messages[0] == {"role": "system", "content": "Reverse it."} for p in prompts)
+    # a restarted source re-issues a prompt with its step's temperature, not the current one
+    src.on_trained([p.id for p in prompts[:9]])
+    again = make(examples, pps=2, level=10, max_steps=6, ledger=Ledger(tmp_path), temperature=schedule)
+    assert [(p.id, p.temperature) for p in drain(again)] == [
+        ("p00000009", pytest.approx(0.6)), ("p00000010", pytest.approx(0.5)), ("p00000011", pytest.approx(0.5))]
+    assert make(examples).issue().temperature == 1.0  # the default
+
+
+def _eval_rounds(rounds) -> EvalRounds:
+    sets = [EvalSet("reverse_text", None, load_task_examples("reverse_text", "eval", 2, 1234)),
+            EvalSet("other", None, load_task_examples("reverse_text", "eval", 1, 5))]
+    return EvalRounds(rounds, sets, temperature=0.5)
+
+
+def test_eval_rounds_are_issued_at_their_version_once_and_outside_the_ledger(examples):
+    src = make(examples, pps=1, level=0, max_steps=4, eval_rounds=_eval_rounds([0, 2, 4]))
+    first = drain(src)  # version 0: round 0 (3 prompts) before the step-0 prompt
+    assert [p.id for p in first] == ["e000000-reverse_text-00000", "e000000-reverse_text-00001", "e000000-other-00000",
+                                     "p00000000"]
+    assert [(p.eval_round, p.eval_size, p.temperature) for p in first[:3]] == [(0, 3, 0.5)] * 3
+    assert not first[3].is_eval and first[3].eval_size == 0
+    src.on_weights_applied("producer-0", 1)
+    assert [p.id for p in drain(src)] == ["p00000001"]
+    src.on_weights_applied("producer-0", 3)  # jumps past round 2: it is issued late rather than lost
+    assert [p.id for p in drain(src)] == ["e000002-reverse_text-00000", "e000002-reverse_text-00001",
+                                          "e000002-other-00000", "p00000002", "p00000003"]
+    src.on_weights_applied("producer-0", 4)  # the last step's prompts are out: only the final round
+    final = drain(src)
+    assert [p.eval_round for p in final] == [4, 4, 4] and all(is_eval_id(p.id) for p in final)
+    src.on_weights_applied("producer-0", 4)
+    src.on_weights_applied("producer-0", 5)
+    assert drain(src) == []  # every round once
+    # eval prompts are not the ledger's: no issue records, and their outcomes are ignored
+    assert src.num_issued == 4 and src.next_step == 4
+    assert src.on_dropped([first[0].id], "failed: RuntimeError") == 0
+    assert src.on_trained([first[1].id]) == 0
+    acc = src.ledger.accounting()
+    assert acc["issued"] == 4 and acc["num_unknown"] == 0 and sum(acc["outcomes"].values()) == 0
+
+
+def test_restarted_source_does_not_reissue_eval_rounds(examples, tmp_path):
+    src = make(examples, pps=1, level=0, max_steps=4, ledger=Ledger(tmp_path), eval_rounds=_eval_rounds([0, 2, 4]))
+    src.on_weights_applied("producer-0", 2)
+    assert sum(p.is_eval for p in drain(src)) == 6  # rounds 0 and 2
+    again = make(examples, pps=1, level=0, max_steps=4, ledger=Ledger(tmp_path), eval_rounds=_eval_rounds([0, 2, 4]))
+    again.restore_applied([("producer-0", 2)])
+    assert not any(p.is_eval for p in drain(again))
+    again.on_weights_applied("producer-0", 4)
+    assert [p.eval_round for p in drain(again) if p.is_eval] == [4, 4, 4]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -409,14 +473,27 @@ class ProcHarness:
 
 
 @pytest.fixture
-def harness(tmp_path):
-    # 2 prompts per step, synchronous (async level 0), 3 steps
-    h = ProcHarness(tmp_path, ["trainer.batch_size=4", "producers.group_size=2", "max_async_level=0", "trainer.max_steps=3"])
-    yield h
-    h.close()
+def new_harness(tmp_path):
+    """``new_harness(overrides)``: a :class:`ProcHarness` in ``tmp_path``, closed after the test."""
+    made = []
+
+    def new(overrides: list[str]) -> ProcHarness:
+        made.append(ProcHarness(tmp_path, overrides))
+        return made[-1]
+
+    yield new
+    for h in made:
+        h.close()
     sock_dir = socket_dir(tmp_path)
     if not sock_dir.is_relative_to(tmp_path.resolve()):
         shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def harness(new_harness):
+    # 2 prompts per step, synchronous (async level 0), 3 steps, no online evaluation
+    return new_harness(["trainer.batch_size=4", "producers.group_size=2", "max_async_level=0", "trainer.max_steps=3",
+                        "eval.enabled=false"])
 
 
 def take(inbox, n: int) -> list[Prompt]:
@@ -471,3 +548,34 @@ def test_proc_issues_accounts_and_rebuilds_after_a_restart(harness, monkeypatch,
     assert acc["outcomes"] == {"trained": 4, "dropped_stale": 0, "filtered": 0, "failed": 1}
     assert acc["failed"] == {"p00000003": "failed: RuntimeError"}
     assert REGISTRY.get_sample_value("rlbus_accounting_unresolved") == 0
+
+
+def test_proc_issues_eval_rounds_and_runs_until_run_done(new_harness, tmp_path, monkeypatch):
+    monkeypatch.delenv("RLBUS_RESUME", raising=False)
+    monkeypatch.delenv("RLBUS_RESTARTS", raising=False)
+    h = new_harness(["trainer.batch_size=2", "producers.group_size=2", "max_async_level=0", "trainer.max_steps=2",
+                     "eval.interval=1", "eval.temperature=0.4", "eval.tasks=[{name: reverse_text, num_examples: 2}]",
+                     "sampling.temp_scheduler={type: linear, start_temperature: 1.0, end_temperature: 0.6}"])
+    h.start()
+    producer = h.producer()
+    got = take(producer, 3)  # round 0, then step 0
+    assert [(p.id, p.eval_round, p.eval_size, p.temperature) for p in got] == [
+        ("e000000-reverse_text-00000", 0, 2, 0.4), ("e000000-reverse_text-00001", 0, 2, 0.4), ("p00000000", -1, 0, 1.0)]
+    h.publish(WeightsApplied(id=new_id(), producer="producer-0", version=1, apply_time_s=0.1))
+    got = take(producer, 3)  # round 1, then step 1 (the last) at the end temperature
+    assert [(p.id, p.temperature) for p in got] == [
+        ("e000001-reverse_text-00000", 0.4), ("e000001-reverse_text-00001", 0.4), ("p00000001", pytest.approx(0.6))]
+    # an eval group that failed is announced on outcomes: ignored by the ledger, released
+    h.report(GroupsDropped(id=new_id(), group_ids=["e000001-reverse_text-00000"], reason="failed: RuntimeError"))
+    h.report(GroupsTrained(id=new_id(), step=0, group_ids=["p00000000"]))
+    h.publish(WeightsApplied(id=new_id(), producer="producer-0", version=2, apply_time_s=0.1))
+    assert [p.id for p in take(producer, 2)] == ["e000002-reverse_text-00000", "e000002-reverse_text-00001"]
+    h.report(GroupsTrained(id=new_id(), step=1, group_ids=["p00000001"]))
+    proc, thread = h.procs[-1]
+    assert thread.is_alive(), "the source must run until run.done"
+    h.publish(RunDone(id=new_id(), step=1, reason="max_steps"))
+    thread.join(timeout=WAIT_S)
+    assert not thread.is_alive()
+    acc = json.loads((tmp_path / "accounting.json").read_text())
+    assert acc["issued"] == 2 and acc["outcomes"]["trained"] == 2 and acc["outcomes"]["failed"] == 0
+    assert acc["num_unknown"] == 0

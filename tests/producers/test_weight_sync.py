@@ -72,10 +72,11 @@ def _perturbed(path: Path, seed: int):
 
 
 @torch.no_grad()
-def _hf_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
-    """[len(completion)] log p(completion[i] | prompt + completion[:i]) under `model`."""
+def _hf_logprobs(model, prompt: list[int], completion: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """[len(completion)] log p(completion[i] | prompt + completion[:i]) under `model`, from
+    log_softmax(logits / temperature)."""
     ids = torch.tensor([prompt + completion])
-    logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    logp = torch.log_softmax(model(ids).logits[0].float() / temperature, dim=-1)
     positions = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(completion))
     return logp[positions, torch.tensor(completion)]
 
@@ -151,8 +152,6 @@ def _tie(src: Path, dst: Path) -> Path:
 
 @pytest.fixture(scope="module", params=["untied", "tied"])
 def harness(request, tmp_path_factory):
-    import psutil
-
     tmp = tmp_path_factory.mktemp(f"weight_sync_{request.param}")
     policy = build_random_policy(tmp / "policy", seed=0)
     if request.param == "tied":
@@ -163,24 +162,30 @@ def harness(request, tmp_path_factory):
         yield h
     finally:
         h.close()
-        # No vLLM process may outlive close() (multiprocessing's resource tracker may).
-        def leftovers() -> list[str]:
-            alive = []
-            for child in psutil.Process().children(recursive=True):
-                try:
-                    if child.status() == psutil.STATUS_ZOMBIE:
-                        continue  # exited, not yet reaped
-                    cmdline = " ".join(child.cmdline())
-                except psutil.NoSuchProcess:
-                    continue
-                if "resource_tracker" not in cmdline:
-                    alive.append(f"{child.pid}: {cmdline}")
-            return alive
+        assert_no_leftover_processes()
 
-        deadline = time.monotonic() + 15
-        while leftovers() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not leftovers(), f"processes left after close(): {leftovers()}"
+
+def assert_no_leftover_processes(wait_s: float = 15.0) -> None:
+    """No vLLM process may outlive close() (multiprocessing's resource tracker may)."""
+    import psutil
+
+    def leftovers() -> list[str]:
+        alive = []
+        for child in psutil.Process().children(recursive=True):
+            try:
+                if child.status() == psutil.STATUS_ZOMBIE:
+                    continue  # exited, not yet reaped
+                cmdline = " ".join(child.cmdline())
+            except psutil.NoSuchProcess:
+                continue
+            if "resource_tracker" not in cmdline:
+                alive.append(f"{child.pid}: {cmdline}")
+        return alive
+
+    deadline = time.monotonic() + wait_s
+    while leftovers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not leftovers(), f"processes left after close(): {leftovers()}"
 
 
 def test_initial_weights_match_hf(harness):

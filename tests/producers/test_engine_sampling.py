@@ -1,0 +1,170 @@
+"""Sampling parameters of RolloutEngine.generate_group with a real vLLM engine on CPU.
+
+The model is the tiny random policy edited so that end-of-sequence (``<|im_end|>``) has
+probability ~0.3-0.5 at every position: hidden dimension 0 of the residual stream is a constant
+(every token embedding holds 3.0 there and no layer writes to it), and the lm_head row of EOS
+reads only that dimension. So without ``min_tokens`` most samples stop within a few tokens, which
+makes ``min_tokens`` observable. The engine runs with processed logprobs (post-temperature), as
+the producers do, so a sample's logprobs must equal ``log_softmax(logits / T)`` of a HF forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from producers.engine import RolloutEngine  # noqa: E402
+from tests.producers.test_weight_sync import (  # noqa: E402
+    LOGPROB_ATOL, PROMPT, _hf_logprobs, _load_hf, assert_no_leftover_processes)
+from trainer.tiny_model import IM_END_TOKEN_ID, build_random_policy  # noqa: E402
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+EOS_LOGIT = 5.0
+"""Logit of EOS at every position (the others are ~N(0, 0.1)): p(EOS) ~ e^5 / (e^5 + 258) ~ 0.37."""
+
+
+def _eos_prone(policy, out):
+    """Save the policy at `policy` with EOS made likely everywhere (module docstring) to `out`."""
+    from transformers import AutoTokenizer
+
+    model = _load_hf(policy)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 3.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0, :] = 0.0
+            layer.mlp.down_proj.weight[0, :] = 0.0
+        model.lm_head.weight[IM_END_TOKEN_ID, :] = 0.0
+        # the final RMSNorm maps a residual stream dominated by dimension 0 to ~sqrt(hidden) there
+        h0 = model.model.norm.weight[0].item() * model.config.hidden_size ** 0.5
+        model.lm_head.weight[IM_END_TOKEN_ID, 0] = EOS_LOGIT / h0
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(policy).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """(started RolloutEngine with processed logprobs, HF copy of its model, event loop)."""
+    tmp = tmp_path_factory.mktemp("engine_sampling")
+    model_dir = _eos_prone(build_random_policy(tmp / "policy", seed=0), tmp / "eos_prone")
+    loop = asyncio.new_event_loop()
+    eng = RolloutEngine(model_dir, max_model_len=128, kv_cache_bytes=32 * 1024**2,
+                        engine_kwargs={"logprobs_mode": "processed_logprobs"})
+    try:
+        loop.run_until_complete(eng.start())
+        yield eng, _load_hf(model_dir), loop
+    finally:
+        loop.run_until_complete(eng.close())
+        loop.close()
+        assert_no_leftover_processes()
+
+
+def _generate(engine, request_id: str, **kwargs):
+    eng, _, loop = engine
+    params = dict(n=8, temperature=1.0, top_p=1.0, max_tokens=12) | kwargs
+    return loop.run_until_complete(eng.generate_group(PROMPT, request_id=request_id, **params))
+
+
+def test_eos_is_likely_without_min_tokens(engine):
+    samples = _generate(engine, "no-min")
+    lens = [len(s.token_ids) for s in samples]
+    assert sum(n <= 4 for n in lens) >= 3, f"the edited model should stop early often: {lens}"
+    for s in samples:
+        if s.finish_reason == "stop":
+            assert s.token_ids[-1] == IM_END_TOKEN_ID
+
+
+def test_min_tokens_is_honoured(engine):
+    min_tokens = 6
+    samples = _generate(engine, "min", min_tokens=min_tokens)
+    for s in samples:
+        body = s.token_ids[:-1] if s.finish_reason == "stop" else s.token_ids
+        assert IM_END_TOKEN_ID not in body[:min_tokens], s.token_ids
+        assert len(body) >= min_tokens
+        assert s.finish_reason in ("stop", "length")
+    with pytest.raises(ValueError, match="min_tokens"):
+        _generate(engine, "bad", min_tokens=13)
+
+
+def test_seed_makes_a_group_reproducible(engine):
+    eng, _, loop = engine
+
+    async def seeded_beside_other_requests(seed: int, tag: str):
+        others = [asyncio.create_task(eng.generate_group(PROMPT[:k], n=2, temperature=1.0, top_p=1.0, max_tokens=8,
+                                                         request_id=f"{tag}-other{k}")) for k in (5, 9)]
+        group = await eng.generate_group(PROMPT, n=4, temperature=1.0, top_p=1.0, max_tokens=10,
+                                         request_id=f"{tag}-seeded", seed=seed, min_tokens=3)
+        await asyncio.gather(*others)
+        return [s.token_ids for s in group]
+
+    alone = _generate(engine, "seed-alone", n=4, max_tokens=10, seed=1234, min_tokens=3)
+    batched = loop.run_until_complete(seeded_beside_other_requests(1234, "seed-batched"))
+    assert [s.token_ids for s in alone] == batched
+    assert len({tuple(t) for t in batched}) > 1, "the samples of one group must differ from each other"
+    other_seed = loop.run_until_complete(seeded_beside_other_requests(4321, "seed-other"))
+    assert other_seed != batched
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_processed_logprobs_follow_the_temperature(engine, temperature):
+    _, model, _ = engine
+    samples = _generate(engine, f"temp{temperature}", n=4, temperature=temperature, max_tokens=16, ignore_eos=True)
+    for s in samples:
+        ref = _hf_logprobs(model, PROMPT, s.token_ids, temperature=temperature)
+        raw = _hf_logprobs(model, PROMPT, s.token_ids)
+        got = torch.tensor(s.logprobs)
+        assert (got - ref).abs().max().item() < LOGPROB_ATOL
+        assert (got - raw).abs().max().item() > 0.05, "temperature made no difference: the check is void"
+
+
+def test_repetition_penalty_changes_the_logprobs(engine):
+    """A penalty lowers the logits of tokens already seen (vLLM's logprobs include it)."""
+    _, model, _ = engine
+    samples = _generate(engine, "rep", n=2, max_tokens=16, ignore_eos=True, repetition_penalty=1.5)
+    worst = max((torch.tensor(s.logprobs) - _hf_logprobs(model, PROMPT, s.token_ids)).abs().max().item()
+                for s in samples)
+    assert worst > 0.05
+
+
+def test_eval_groups_finish_under_one_version_while_training_groups_span_the_update(engine, tmp_path):
+    """The producer's pattern (producers.producer): eval generations hold EvalUpdateGate.eval_request,
+    updates hold EvalUpdateGate.update. Runs last: it changes the engine's weights."""
+    from broadcaster.broadcaster import WeightBroadcaster
+    from producers.eval_rounds import EvalUpdateGate
+    from tests.producers.test_weight_sync import _perturbed
+
+    eng, model, loop = engine
+    gate = EvalUpdateGate()
+    version = eng.version + 1
+    new = _perturbed(eng.model_path, seed=5)
+    path = WeightBroadcaster("filesystem", out_dir=tmp_path / "weights").send(new.state_dict(), version)["path"]
+    kwargs = dict(temperature=1.0, top_p=1.0, ignore_eos=True)
+
+    async def eval_group():
+        async with gate.eval_request():
+            return await eng.generate_group(PROMPT, n=2, max_tokens=50, request_id="gate-eval", **kwargs)
+
+    async def scenario():
+        # the training group is twice as long: it is still running when the eval group ends
+        training = asyncio.create_task(eng.generate_group(PROMPT, n=2, max_tokens=100, request_id="gate-train", **kwargs))
+        evaluation = asyncio.create_task(eval_group())
+        await asyncio.sleep(0.01)
+        assert not evaluation.done() and not training.done()
+        async with gate.update():
+            assert evaluation.done(), "the update must wait for the eval group"
+            await eng.load_weights_from_path(version, path)
+        return await evaluation, await training
+
+    evaluation, training = loop.run_until_complete(scenario())
+    assert {(s.version_start, s.version_end) for s in evaluation} == {(version - 1, version - 1)}
+    for s in evaluation:
+        assert (torch.tensor(s.logprobs) - _hf_logprobs(model, PROMPT, s.token_ids)).abs().max().item() < LOGPROB_ATOL
+    # the training group started with the eval group and kept running across the update
+    assert any(s.version_end == version and s.version_start == version - 1 for s in training), \
+        [s.version_spans for s in training]

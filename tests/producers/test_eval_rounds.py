@@ -1,0 +1,153 @@
+"""Tests for producers.eval_rounds: the evaluated versions, round prompts, and the producers'
+gate that keeps every eval group under one policy version."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bus.messages import decode, encode
+from configs.schema import load_config
+from producers.eval_rounds import (
+    EvalRounds, EvalSet, EvalUpdateGate, build_eval_rounds, eval_prompt_id, eval_round_versions, is_eval_id)
+from producers.tasks import load_task_examples
+
+
+def _eval(*overrides: str):
+    return load_config(None, list(overrides)).eval
+
+
+@pytest.mark.parametrize("overrides, max_steps, expected", [
+    ([], 10, [0, 10]),
+    (["eval.interval=3"], 10, [0, 3, 6, 9, 10]),
+    (["eval.interval=5"], 10, [0, 5, 10]),  # 10 is max_steps: once
+    (["eval.interval=4", "eval.eval_base_model=false"], 8, [4, 8]),
+    (["eval.interval=20"], 10, [0, 10]),
+    (["eval.enabled=false", "eval.interval=2"], 10, []),
+])
+def test_eval_round_versions(overrides, max_steps, expected):
+    assert eval_round_versions(_eval(*overrides), max_steps) == expected
+
+
+def test_eval_round_versions_rejects_bad_max_steps():
+    with pytest.raises(ValueError, match="max_steps"):
+        eval_round_versions(_eval(), 0)
+
+
+def test_ids():
+    assert eval_prompt_id(10, "gsm8k", 3) == "e000010-gsm8k-00003"
+    assert is_eval_id("e000010-gsm8k-00003") and is_eval_id(eval_prompt_id(0, "pkg.mod:task", 12))
+    assert not is_eval_id("p00000003") and not is_eval_id("e12-x-1")
+
+
+def _sets():
+    return [EvalSet("reverse_text", None, load_task_examples("reverse_text", "eval", 3, 1234)),
+            EvalSet("other", "Be brief.", load_task_examples("reverse_text", "eval", 2, 99))]
+
+
+def test_round_prompts():
+    rounds = EvalRounds([0, 2], _sets(), temperature=0.6)
+    assert rounds.round_size == 5
+    assert rounds.due(0) == [0] and rounds.due(5) == [0, 2]
+    prompts = rounds.issue(2)
+    assert [p.id for p in prompts] == [f"e000002-reverse_text-0000{i}" for i in range(3)] + [
+        "e000002-other-00000", "e000002-other-00001"]
+    assert [p.index for p in prompts] == list(range(5))
+    assert {(p.step, p.eval_round, p.eval_size, p.temperature, p.is_eval) for p in prompts} == {(2, 2, 5, 0.6, True)}
+    assert prompts[0].messages == [{"role": "user", "content": rounds.sets[0].examples[0]["prompt"]}]
+    assert prompts[3].messages[0] == {"role": "system", "content": "Be brief."}
+    assert prompts[3].task == "other" and prompts[3].info == rounds.sets[1].examples[0]["info"]
+    assert decode(encode(prompts[4])).eval_size == 5
+    assert rounds.due(5) == [0]  # once only
+    with pytest.raises(ValueError, match="not pending"):
+        rounds.issue(2)
+    with pytest.raises(ValueError, match="not pending"):
+        rounds.issue(1)
+
+
+def test_rounds_need_examples_and_a_temperature():
+    with pytest.raises(ValueError, match="held-out"):
+        EvalRounds([0], [EvalSet("t", None, [])], temperature=1.0)
+    with pytest.raises(ValueError, match="temperature"):
+        EvalRounds([0], _sets(), temperature=0.0)
+    assert EvalRounds([], [], temperature=1.0).due(10) == []
+
+
+def test_build_eval_rounds_from_config():
+    cfg = load_config(None, ["trainer.max_steps=4", "eval.interval=2", "eval.temperature=0.5",
+                             "eval.tasks=[{name: reverse_text, num_examples: 3, seed: 7}]"])
+    rounds = build_eval_rounds(cfg)
+    assert rounds.rounds == [0, 2, 4] and rounds.temperature == 0.5
+    assert [ex["prompt"] for ex in rounds.sets[0].examples] == [
+        ex["prompt"] for ex in load_task_examples("reverse_text", "eval", 3, 7)]
+    assert build_eval_rounds(load_config(None, ["eval.enabled=false"])).rounds == []
+
+
+# ------------------------------------------------------------------------------------------------
+# EvalUpdateGate
+# ------------------------------------------------------------------------------------------------
+
+
+def test_update_waits_for_in_flight_evals_and_blocks_new_ones():
+    async def scenario():
+        gate, log = EvalUpdateGate(), []
+        eval_may_finish = asyncio.Event()
+
+        async def eval_group(name, hold=None):
+            async with gate.eval_request():
+                log.append(f"{name} start")
+                if hold is not None:
+                    await hold.wait()
+                log.append(f"{name} end")
+
+        async def update():
+            async with gate.update():
+                log.append("update start")
+                await asyncio.sleep(0.01)
+                log.append("update end")
+
+        first = asyncio.create_task(eval_group("eval1", eval_may_finish))
+        await asyncio.sleep(0.01)
+        upd = asyncio.create_task(update())
+        await asyncio.sleep(0.01)
+        second = asyncio.create_task(eval_group("eval2"))  # arrives while the update is pending
+        await asyncio.sleep(0.01)
+        assert log == ["eval1 start"] and gate.updates_pending == 1
+        eval_may_finish.set()
+        await asyncio.gather(first, upd, second)
+        return log
+
+    assert asyncio.run(scenario()) == ["eval1 start", "eval1 end", "update start", "update end", "eval2 start", "eval2 end"]
+
+
+def test_update_without_evals_does_not_wait_and_a_cancelled_update_releases_the_gate():
+    async def scenario():
+        gate = EvalUpdateGate()
+        async with gate.update():
+            pass
+        hold = asyncio.Event()
+
+        async def eval_group():
+            async with gate.eval_request():
+                await hold.wait()
+
+        running = asyncio.create_task(eval_group())
+        await asyncio.sleep(0.01)
+
+        async def update():
+            async with gate.update():
+                pass
+
+        upd = asyncio.create_task(update())
+        await asyncio.sleep(0.01)
+        upd.cancel()
+        await asyncio.gather(upd, return_exceptions=True)
+        assert gate.updates_pending == 0
+        async with gate.eval_request():  # not blocked by the cancelled update
+            pass
+        hold.set()
+        await running
+        return gate.evals_in_flight, gate.updates_pending
+
+    assert asyncio.run(scenario()) == (0, 0)
