@@ -48,7 +48,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from configs.schema import DatasetConfig, EvalTaskConfig, RunConfig, TaskConfig
+from configs.rollout import DatasetConfig, EvalTaskConfig, TaskConfig
+from configs.schema import RunConfig
 from producers.datasets import load_records
 from rewards.registry import import_callable
 
