@@ -207,7 +207,10 @@ def test_scale_rewards_mid_run(tmp_path: Path, policy: Path) -> None:  # noqa: F
     for name in ("rewards-1", "rewards-2"):
         assert "ready" in (run_dir / "logs" / f"{name}.log").read_text()
     assert (run_dir / "metrics_final" / "rewards-0.prom").is_file()
-    assert prom_total(run_dir, "rlbus_rewards_groups_total") < acc["issued"]
+    # (the reward workers also scored the online-eval groups, which are not issued training prompts)
+    eval_groups = prom_total(run_dir, "rlbus_packer_eval_groups_total")
+    assert eval_groups > 0
+    assert prom_total(run_dir, "rlbus_rewards_groups_total") < acc["issued"] + eval_groups
 
 
 def test_producer_killed_under_broadcast_weights(tmp_path: Path, policy: Path) -> None:  # noqa: F811
