@@ -10,7 +10,6 @@ endpoints are ``ipc://`` files under the short :func:`bus.topics.socket_dir` of 
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -44,6 +43,7 @@ from bus.sockets import BusSocket
 from bus.topics import socket_dir
 from reliable_peer import FAST
 from tests import waiting
+from tests.socket_dirs import remove_outside_socket_dir
 
 RECV_TIMEOUT_S = 2.0
 """Longest any test waits for a message that should arrive, seconds."""
@@ -208,8 +208,7 @@ def endpoint(tmp_path: Path):
     sock_dir = socket_dir(tmp_path)
     sock_dir.mkdir(parents=True, exist_ok=True)
     yield lambda name: f"ipc://{sock_dir / name}"
-    if not sock_dir.is_relative_to(tmp_path.resolve()):
-        shutil.rmtree(sock_dir, ignore_errors=True)
+    remove_outside_socket_dir(tmp_path)
 
 
 class Sockets:

@@ -28,11 +28,12 @@ from bus.hub import ControlHub
 from bus.messages import EvalResult, GroupsDropped, Message, MicroBatch, RunDone, ScoredGroup, new_id
 from bus.reliable import Courier, Inbox
 from bus.sockets import BusSocket
-from bus.topics import Endpoints, socket_dir
+from bus.topics import Endpoints
 from configs.schema import load_config
 from packer.proc import PackerProc
 from tests import waiting
 from tests.outcomes_sink import OutcomesSink
+from tests.socket_dirs import remove_outside_socket_dir
 
 TIMINGS = dict(heartbeat_s=0.05, dead_after_s=0.6, ack_timeout_s=3.0)
 WAIT_S = 10.0
@@ -123,11 +124,7 @@ def live(tmp_path):
                              "packer.max_off_policy_steps=1", "max_async_level=1", "packer.filter_equal_rewards=true"])
     yield bus
     bus.close()
-    sock_dir = socket_dir(tmp_path)
-    if not sock_dir.is_relative_to(tmp_path.resolve()):
-        import shutil
-
-        shutil.rmtree(sock_dir, ignore_errors=True)
+    remove_outside_socket_dir(tmp_path)
 
 
 @pytest.fixture

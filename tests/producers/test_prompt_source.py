@@ -7,7 +7,6 @@ real sockets (prompts out, outcome reports in on the reliable ``outcomes`` topic
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 import time
 
@@ -18,7 +17,7 @@ from prometheus_client import REGISTRY
 from bus.messages import GroupsDropped, GroupsTrained, Prompt, RunDone, WeightsApplied, decode, encode, new_id
 from bus.reliable import Courier
 from bus.sockets import BusSocket
-from bus.topics import Endpoints, socket_dir
+from bus.topics import Endpoints
 from configs.schema import load_config
 from producers.applied_versions import AppliedVersions, applied_since_start
 from producers.eval_rounds import EvalRounds, EvalSet, is_eval_id
@@ -26,6 +25,7 @@ from producers.ledger import Ledger
 from producers.prompt_source import PromptSource, PromptSourceProc
 from producers.sampling import temperature_at
 from producers.tasks import load_task_examples
+from tests.socket_dirs import remove_outside_socket_dir
 
 
 class Clock:
@@ -484,9 +484,7 @@ def new_harness(tmp_path):
     yield new
     for h in made:
         h.close()
-    sock_dir = socket_dir(tmp_path)
-    if not sock_dir.is_relative_to(tmp_path.resolve()):
-        shutil.rmtree(sock_dir, ignore_errors=True)
+    remove_outside_socket_dir(tmp_path)
 
 
 @pytest.fixture
