@@ -32,7 +32,7 @@ import zmq
 
 from bus import auth
 from bus.messages import ComponentHeartbeat, ComponentReady, Message, new_id
-from bus.metrics import serve_metrics
+from bus.metrics import POLICY_VERSION, serve_metrics
 from bus.reliable import Courier, Inbox, Outbox
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
@@ -66,6 +66,8 @@ class Component:
         self._outcomes: Outbox | None = None
         self.heartbeat_state = "running"
         """What the next heartbeat reports: ``"running"``, or ``"done"`` once ``run()`` returned."""
+        self.phase = "starting"
+        """Shown on ``/health``: ``starting`` (in ``setup``), ``running``, ``done`` or ``failed``."""
         self._heartbeat_stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
 
@@ -135,6 +137,12 @@ class Component:
             sock.close()
         auth.disable(self.ctx)  # stops the ZAP authenticator, which would keep term() waiting
         self.ctx.term()
+
+    def health(self) -> tuple[bool, dict]:
+        """The ``/health`` answer (see :func:`bus.metrics.serve_metrics`): healthy while
+        ``running`` or ``done``; the body names the component, its phase and policy version."""
+        body = {"component": self.name, "phase": self.phase, "policy_version": int(POLICY_VERSION._value.get())}
+        return self.phase in ("running", "done"), body
 
     def supervised_pid(self) -> int:
         """The pid the supervisor spawned for this component, sent in the handshake and every
@@ -212,17 +220,19 @@ def component_main(cls: type[Component], argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: comp.stop.set())
     signal.signal(signal.SIGINT, lambda *_: comp.stop.set())
     try:
-        port = serve_metrics(args.metrics_port)
+        port = serve_metrics(args.metrics_port, health=comp.health)
         comp.setup()
+        comp.phase = "running"
         comp.report_ready(port)
         comp.start_heartbeat()
         log.info("ready (pid %d, metrics on :%d)", os.getpid(), port)
         comp.run()
-        comp.heartbeat_state = "done"
+        comp.heartbeat_state = comp.phase = "done"
         log.info("finished")
         comp.stop.wait()  # keep serving metrics until the supervisor stops us
         return 0
     except Exception:
+        comp.phase = "failed"
         log.exception("%s failed", args.name)
         return 1
     finally:

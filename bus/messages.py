@@ -157,6 +157,8 @@ class RolloutGroup(Message):
         temperature, eval_round, eval_size: copied from the :class:`Prompt`.
         teacher_logprobs: ``[N] float32`` logprob of each completion token under the teacher model
             (nats, temperature 1), or ``[0]`` without a teacher.
+        prompt_text: the rendered prompt (chat template applied) the producer sampled from, for
+            the run's ``samples.jsonl``; ``""`` from senders that do not fill it.
     """
 
     TYPE: ClassVar[str] = "rollout"
@@ -178,6 +180,7 @@ class RolloutGroup(Message):
     eval_round: int = optional_field(-1)
     eval_size: int = optional_field(0)
     teacher_logprobs: np.ndarray = array_field("float32", optional=True)
+    prompt_text: str = optional_field("")
 
     @property
     def group_size(self) -> int:

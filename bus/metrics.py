@@ -1,13 +1,32 @@
-"""Prometheus metrics shared by every component: bus traffic counters and the HTTP endpoint.
+"""Prometheus metrics shared by every component: bus traffic, stage accounting, the HTTP endpoint.
 
-Each component process serves the default prometheus-client registry on its own port
-(``/metrics``). Names follow Prometheus conventions: ``rlbus_`` prefix, base units, ``_total``
-for counters.
+Each component process has one registry (prometheus-client's default ``REGISTRY``: one per
+process) and serves it on its own port: ``/metrics`` (Prometheus text format) and ``/health``
+(JSON, see :func:`serve_metrics`). Names follow Prometheus conventions: ``rlbus_`` prefix, then
+the component (``bus`` and ``stage`` for the metrics every component shares), base units
+(seconds, bytes), ``_total`` for counters. Every labelled counter is created with its known
+label values so that its series exist (at 0) from the first scrape.
+
+Stage accounting (:class:`StageMeter`): each pipeline stage (``producer``, ``rewards``,
+``packer``, ``trainer``) counts the samples and completion tokens it finished, the latency of
+each item (a group; for the trainer a step) and its busy and idle seconds (busy: at least one
+item in work). ``rate(rlbus_stage_busy_seconds_total[1m])`` is the stage's utilisation; the
+stage with utilisation near 1 while the others idle is the bottleneck.
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, start_http_server
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 BUS_MESSAGES = Counter(
     "rlbus_bus_messages_total", "Messages sent or received, per topic and direction", ["topic", "direction"]
@@ -37,12 +56,184 @@ BUS_QUEUED = Gauge(
 )
 POLICY_VERSION = Gauge("rlbus_policy_version", "Policy version this component last saw or uses")
 
+REJECT_REASONS = (
+    "header", "schema", "dtype", "shape", "size", "frames", "field", "unknown_type", "inconsistent",  # wire/messages
+    "envelope", "too_large", "decode", "unexpected_type", "id_mismatch", "wrong_direction", "foreign_ack",  # sockets
+)
+"""Every ``reason`` of ``rlbus_bus_rejected_total`` (a test checks that the code uses no other)."""
+PEER_LOSS_REASONS = ("silent", "unreachable", "goodbye", "restarted")
+"""Every ``reason`` of ``rlbus_bus_peer_deaths_total``."""
+REDELIVER_REASONS = (*PEER_LOSS_REASONS, "ack_timeout")
+"""Every ``reason`` of ``rlbus_bus_redelivered_total``."""
+QUEUES = {"recv": ("inbox",), "send": ("outbox_not_taken", "outbox_unfinished")}
+"""The ``queue`` values of ``rlbus_bus_queued_messages`` per side of a data topic."""
 
-def serve_metrics(port: int, host: str = "127.0.0.1") -> int:
-    """Serve ``/metrics`` of the default registry on ``host:port`` in a daemon thread.
+
+def declare_topic(topic: str, direction: str, *, reliable: bool) -> None:
+    """Create (at 0) every bus series one side of ``topic`` can update, so dashboards and rates
+    see the topic from the first scrape, not from its first event.
+
+    Args:
+        topic: the topic label. direction: ``"send"`` or ``"recv"``.
+        reliable: a data topic (at-least-once: queues, redeliveries, duplicates, peer deaths).
+    """
+    BUS_MESSAGES.labels(topic, direction)
+    BUS_BYTES.labels(topic, direction)
+    for reason in REJECT_REASONS:
+        BUS_REJECTED.labels(topic, reason)
+    if direction == "send":
+        BUS_BLOCKED_SECONDS.labels(topic)
+    if not reliable:
+        return
+    for queue in QUEUES[direction]:
+        BUS_QUEUED.labels(topic, queue)
+    for reason in PEER_LOSS_REASONS:
+        BUS_PEER_DEATHS.labels(topic, reason)
+    if direction == "send":
+        for reason in REDELIVER_REASONS:
+            BUS_REDELIVERED.labels(topic, reason)
+    else:
+        BUS_DUPLICATES.labels(topic)
+
+
+STAGES = ("producer", "rewards", "packer", "trainer")
+"""The pipeline stages with :class:`StageMeter` accounting, in data-flow order."""
+STAGE_SAMPLES = Counter("rlbus_stage_samples_total", "Samples a stage finished (generated, scored, packed, trained)", ["stage"])
+STAGE_TOKENS = Counter("rlbus_stage_tokens_total", "Completion tokens of the samples a stage finished, tokens", ["stage"])
+STAGE_LATENCY = Histogram(
+    "rlbus_stage_latency_seconds",
+    "Time a stage spent on one item (producer, rewards, packer: a group; trainer: an optimizer step), seconds",
+    ["stage"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+)
+
+
+
+class StageMeter(Collector):
+    """Busy/idle time, throughput and latency of one pipeline stage in this process.
+
+    Busy time runs while at least one item is in :meth:`work` (items may overlap, as a
+    producer's concurrent groups do); idle time runs otherwise, from the meter's creation.
+    Both are exported at scrape time (``rlbus_stage_busy_seconds_total{stage}``,
+    ``rlbus_stage_idle_seconds_total{stage}``), so a long item shows as busy while it runs.
+
+    Args:
+        stage: one of :data:`STAGES`.
+
+    Raises:
+        ValueError: ``stage`` is not a known stage.
+    """
+
+    def __init__(self, stage: str, registry=REGISTRY) -> None:
+        if stage not in STAGES:
+            raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
+        self.stage = stage
+        self._lock = threading.Lock()
+        self._active = 0
+        self._since = time.monotonic()
+        self._busy_s = 0.0
+        self._idle_s = 0.0
+        self._samples = STAGE_SAMPLES.labels(stage)
+        self._tokens = STAGE_TOKENS.labels(stage)
+        self._latency = STAGE_LATENCY.labels(stage)
+        if registry is not None:
+            registry.register(self)
+
+    def _flip(self, delta: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if (self._active == 0) != (self._active + delta == 0):  # busy <-> idle
+                elapsed = now - self._since
+                if self._active == 0:
+                    self._idle_s += elapsed
+                else:
+                    self._busy_s += elapsed
+                self._since = now
+            self._active += delta
+
+    def seconds(self) -> tuple[float, float]:
+        """``(busy, idle)`` seconds since the meter was created, up to now."""
+        with self._lock:
+            elapsed = time.monotonic() - self._since
+            busy, idle = self._busy_s, self._idle_s
+            if self._active:
+                busy += elapsed
+            else:
+                idle += elapsed
+        return busy, idle
+
+    @contextlib.contextmanager
+    def work(self) -> Iterator[None]:
+        """Count the ``with`` block as busy time and observe its duration as one item's latency."""
+        started = time.perf_counter()
+        self._flip(+1)
+        try:
+            yield
+        finally:
+            self._flip(-1)
+            self._latency.observe(time.perf_counter() - started)
+
+    def finished(self, samples: int, tokens: int) -> None:
+        """Count ``samples`` finished samples holding ``tokens`` completion tokens."""
+        self._samples.inc(samples)
+        self._tokens.inc(tokens)
+
+    def collect(self):
+        busy, idle = self.seconds()
+        for name, value, doc in (("busy", busy, "with at least one item in work"), ("idle", idle, "waiting for work")):
+            family = CounterMetricFamily(f"rlbus_stage_{name}_seconds", f"Seconds a stage spent {doc}", labels=["stage"])
+            family.add_metric([self.stage], value)
+            yield family
+
+    def describe(self):
+        for name in ("busy", "idle"):
+            yield CounterMetricFamily(f"rlbus_stage_{name}_seconds", "", labels=["stage"])
+
+
+HealthFn = Callable[[], tuple[bool, dict]]
+"""Returns ``(healthy, body)``: HTTP 200 with ``body`` as JSON when healthy, else 503."""
+
+
+def _handler(registry, health: HealthFn | None) -> type[BaseHTTPRequestHandler]:
+    started = time.time()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                self._reply(200, CONTENT_TYPE_LATEST, generate_latest(registry))
+            elif path == "/health":
+                healthy, body = health() if health is not None else (True, {})
+                body = {"status": "ok" if healthy else "unhealthy", "pid": os.getpid(),
+                        "uptime_s": round(time.time() - started, 3), **body}
+                self._reply(200 if healthy else 503, "application/json", json.dumps(body).encode())
+            else:
+                self._reply(404, "text/plain; charset=utf-8", b"not found: try /metrics or /health\n")
+
+        def _reply(self, code: int, content_type: str, payload: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *_args) -> None:  # scrapes every few seconds: keep the logs quiet
+            pass
+
+    return Handler
+
+
+def serve_metrics(port: int, host: str = "127.0.0.1", *, health: HealthFn | None = None, registry=REGISTRY) -> int:
+    """Serve ``/metrics`` (Prometheus text of ``registry``) and ``/health`` on ``host:port`` from a
+    daemon thread; any other path is 404.
+
+    ``/health`` answers JSON ``{"status": "ok" | "unhealthy", "pid", "uptime_s", ...}`` with the
+    fields of ``health()`` (a component adds its name, state and policy version), HTTP 200 when
+    healthy, else 503.
 
     Args:
         port: TCP port; 0 picks a free one.
+        health: called per ``/health`` request; None: always healthy.
 
     Returns:
         The port actually bound.
@@ -50,5 +241,7 @@ def serve_metrics(port: int, host: str = "127.0.0.1") -> int:
     Raises:
         OSError: the port is taken.
     """
-    server, _thread = start_http_server(port, addr=host)
+    server = ThreadingHTTPServer((host, port), _handler(registry, health))
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return int(server.server_address[1])

@@ -61,6 +61,7 @@ from bus.metrics import (
     BUS_QUEUED,
     BUS_REDELIVERED,
     BUS_REJECTED,
+    declare_topic,
 )
 from bus.sockets import configure_socket
 from bus.topics import TOPICS
@@ -175,6 +176,7 @@ class _Box:
         self.links: list[_Link] = []
         self.peers: dict[PeerKey, _Peer] = {}
         self._rejected_reasons: set[str] = set()
+        declare_topic(topic, "recv" if self.role == "inbox" else "send", reliable=True)
 
     def reject(self, reason: str, detail: str) -> None:
         """Count a dropped frame set and log the first one of each reason."""

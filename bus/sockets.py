@@ -24,7 +24,7 @@ import zmq
 
 from bus import auth
 from bus.messages import Message, decode, encode
-from bus.metrics import BUS_BLOCKED_SECONDS, BUS_BYTES, BUS_MESSAGES, BUS_REJECTED
+from bus.metrics import BUS_BLOCKED_SECONDS, BUS_BYTES, BUS_MESSAGES, BUS_REJECTED, declare_topic
 from bus.topics import TOPICS
 from bus.wire import WireError
 
@@ -97,6 +97,7 @@ class BusSocket:
         self._stop = stop or threading.Event()
         self.accept = accept
         self._rejected_reasons: set[str] = set()
+        declare_topic(self.topic, direction, reliable=False)
         self.sock = ctx.socket(spec.send_type if direction == "send" else spec.recv_type)
         configure_socket(self.sock, ctx, hwm=spec.hwm, bind=bind)
         if self.sock.type == zmq.SUB:

@@ -44,12 +44,12 @@ import os
 import time
 
 import numpy as np
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from broadcaster.broadcaster import resolve_backend
 from bus.component import Component, component_main
 from bus.messages import GroupsDropped, Prompt, RolloutGroup, RunDone, WeightsApplied, WeightsReady, new_id
-from bus.metrics import POLICY_VERSION
+from bus.metrics import POLICY_VERSION, StageMeter
 from producers.engine import RolloutEngine
 from producers.eval_rounds import EvalUpdateGate
 from producers.sampling import request_kwargs
@@ -58,10 +58,14 @@ from producers.teacher import Teacher
 log = logging.getLogger(__name__)
 
 GROUPS_OUT = Counter("rlbus_producer_groups_total", "Groups generated")
-GROUPS_FAILED = Counter("rlbus_producer_groups_failed_total", "Groups whose generation raised, by error type", ["error"])
+GROUPS_FAILED = Counter("rlbus_producer_groups_failed_total", "Groups whose generation raised (replaced; the error is in the log)")
 TOKENS_OUT = Counter("rlbus_producer_completion_tokens_total", "Completion tokens generated")
 GEN_SECONDS = Histogram("rlbus_producer_group_seconds", "Time to generate one group, seconds")
 UPDATE_SECONDS = Histogram("rlbus_producer_weight_update_seconds", "Pause + load + resume per weight update, seconds")
+UPDATE_LAST_SECONDS = Gauge(
+    "rlbus_producer_weight_update_last_seconds",
+    "Pause + load + resume of the last weight update, seconds (its version: rlbus_policy_version)",
+)
 UPDATE_WAIT_SECONDS = Histogram("rlbus_producer_update_eval_wait_seconds", "Time a weight update waited for in-flight eval groups, seconds")
 TEACHER_SECONDS = Histogram("rlbus_producer_teacher_seconds", "Time to score one group under the teacher, seconds")
 
@@ -75,10 +79,12 @@ def group_from_samples(
     producer: str,
     gen_time_s: float,
     teacher_logprobs: np.ndarray | None = None,
+    prompt_text: str = "",
 ) -> RolloutGroup:
     """Assemble a :class:`RolloutGroup` from the engine's samples (see :class:`producers.engine.Sample`)
     and their decoded ``texts``; temperature, eval round and size come from ``prompt``;
-    ``teacher_logprobs`` is ``[N] float32`` (N = completion tokens of the group) or None."""
+    ``teacher_logprobs`` is ``[N] float32`` (N = completion tokens of the group) or None;
+    ``prompt_text`` the rendered (chat-templated) prompt."""
     return RolloutGroup(
         id=prompt.id,
         prompt_index=prompt.index,
@@ -99,6 +105,7 @@ def group_from_samples(
         eval_round=prompt.eval_round,
         eval_size=prompt.eval_size,
         teacher_logprobs=np.asarray([] if teacher_logprobs is None else teacher_logprobs, dtype=np.float32),
+        prompt_text=prompt_text,
     )
 
 
@@ -128,6 +135,7 @@ class ProducerProc(Component):
             )
             self.loop.run_until_complete(self.teacher.start())
         self.gate = EvalUpdateGate()
+        self.meter = StageMeter("producer")
         self.prompts = self.reliable_receiver("prompts", self.endpoints.address("prompts"), bind=False, accept=(Prompt,))
         self.rollouts = self.reliable_sender("rollouts", self.endpoints.address("rollouts", self.index), bind=True)
         self.control_in = self.control_subscriber()
@@ -180,7 +188,7 @@ class ProducerProc(Component):
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            GROUPS_FAILED.labels(type(exc).__name__).inc()
+            GROUPS_FAILED.inc()
             log.error("group %s failed: %s: %s; announcing it so a replacement is issued", prompt.id, type(exc).__name__, exc)
             msg = GroupsDropped(id=new_id(), group_ids=[prompt.id], reason=f"failed: {type(exc).__name__}")
             self.control_out.send(msg)
@@ -192,22 +200,25 @@ class ProducerProc(Component):
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
         request_id = f"{self.name}-{prompt.id}"
         started = time.perf_counter()
-        # an eval group is sampled under one policy version; a training group may span an update
-        async with self.gate.eval_request() if prompt.is_eval else contextlib.nullcontext():
-            samples = await self.engine.generate_group(prompt_ids, request_id=request_id, **request_kwargs(self.cfg, prompt))
-        elapsed = time.perf_counter() - started
-        teacher_logprobs = None
-        if self.teacher is not None and not prompt.is_eval:
-            teacher_started = time.perf_counter()
-            teacher_logprobs = await self.teacher.score_group(prompt_ids, [s.token_ids for s in samples], request_id=request_id)
-            TEACHER_SECONDS.observe(time.perf_counter() - teacher_started)
-        # decode with the HF tokenizer (vLLM's own text drops invalid UTF-8 bytes)
-        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-        group = group_from_samples(prompt, prompt_ids, samples, texts, producer=self.name, gen_time_s=elapsed,
-                                   teacher_logprobs=teacher_logprobs)
+        with self.meter.work():
+            # an eval group is sampled under one policy version; a training group may span an update
+            async with self.gate.eval_request() if prompt.is_eval else contextlib.nullcontext():
+                samples = await self.engine.generate_group(prompt_ids, request_id=request_id, **request_kwargs(self.cfg, prompt))
+            elapsed = time.perf_counter() - started
+            teacher_logprobs = None
+            if self.teacher is not None and not prompt.is_eval:
+                teacher_started = time.perf_counter()
+                teacher_logprobs = await self.teacher.score_group(prompt_ids, [s.token_ids for s in samples], request_id=request_id)
+                TEACHER_SECONDS.observe(time.perf_counter() - teacher_started)
+            # decode with the HF tokenizer (vLLM's own text drops invalid UTF-8 bytes)
+            texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+            group = group_from_samples(prompt, prompt_ids, samples, texts, producer=self.name, gen_time_s=elapsed,
+                                       teacher_logprobs=teacher_logprobs, prompt_text=text)
         GEN_SECONDS.observe(elapsed)
         GROUPS_OUT.inc()
-        TOKENS_OUT.inc(int(group.completion_lens.sum()))
+        tokens = int(group.completion_lens.sum())
+        TOKENS_OUT.inc(tokens)
+        self.meter.finished(group.group_size, tokens)
         await asyncio.to_thread(self.rollouts.send, group, upstream=(self.prompts, prompt.id))
 
     async def _control_loop(self) -> None:
@@ -232,6 +243,7 @@ class ProducerProc(Component):
                 await self.engine.load_weights_from_path(msg.version, msg.path)
             elapsed = time.perf_counter() - started
         UPDATE_SECONDS.observe(elapsed)
+        UPDATE_LAST_SECONDS.set(elapsed)
         POLICY_VERSION.set(msg.version)
         self.control_out.send(WeightsApplied(id=new_id(), producer=self.name, version=msg.version, apply_time_s=elapsed))
         log.info("applied policy version %d in %.3f s", msg.version, elapsed)

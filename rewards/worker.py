@@ -35,6 +35,7 @@ from prometheus_client import Counter, Histogram
 
 from bus.component import Component, component_main
 from bus.messages import RolloutGroup, RunDone, ScoredGroup
+from bus.metrics import StageMeter
 from configs.schema import FiltersConfig
 from producers.tasks import reward_spec
 from rewards.advantages import compute_advantages, resolve_advantage_fn
@@ -53,6 +54,12 @@ REWARD_ERRORS = Counter(
     "non_finite, or unknown_task (one per sample of a group whose task has no rewards here)",
     ["error"],
 )
+ADVANTAGE = Histogram(
+    "rlbus_rewards_advantage", "Group-relative advantage per sample",
+    buckets=(-4, -3, -2, -1.5, -1, -0.5, -0.25, -0.1, 0, 0.1, 0.25, 0.5, 1, 1.5, 2, 3, 4),
+)
+for _error in ("timeout", "crash", "non_finite", "unknown_task"):  # exception type names appear when raised
+    REWARD_ERRORS.labels(_error)
 FILTERED = Counter("rlbus_rewards_filtered_total", "Samples flagged by a filter (masked if it is enforced), by filter", ["filter"])
 
 
@@ -189,6 +196,7 @@ class RewardWorkerProc(Component):
         self.rollouts = self.reliable_receiver("rollouts", producers, bind=False, accept=(RolloutGroup,))
         self.scored = self.reliable_sender("scored", self.endpoints.address("scored"), bind=False)
         self.control = self.control_subscriber()
+        self.meter = StageMeter("rewards")
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -199,11 +207,14 @@ class RewardWorkerProc(Component):
             if group is None:
                 continue
             started = time.perf_counter()
-            scored = self.worker.score(group)
+            with self.meter.work():
+                scored = self.worker.score(group)
             SCORE_SECONDS.observe(time.perf_counter() - started)
-            for r in scored.rewards:
+            for r, a in zip(scored.rewards, scored.advantages):
                 REWARD.observe(float(r))
+                ADVANTAGE.observe(float(a))
             GROUPS_SCORED.inc()
+            self.meter.finished(scored.group_size, int(scored.completion_lens.sum()))
             self.scored.send(scored, upstream=(self.rollouts, group.id))
 
     def close(self) -> None:

@@ -84,7 +84,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from broadcaster.broadcaster import WeightBroadcaster
 from bus.component import Component, component_main
 from bus.messages import GroupsTrained, MicroBatch, RunDone, TrainerStep, new_id
-from bus.metrics import POLICY_VERSION
+from bus.metrics import POLICY_VERSION, StageMeter
 from trainer.checkpoint import latest_checkpoint, save_checkpoint
 from trainer.distributed import launcher_pid
 from trainer.eval_log import EvalLog, keep_metrics_record
@@ -190,6 +190,7 @@ class TrainerProc(WeightPublishing, Component):
         """This rank 0's data-parallel group (``trainer.data_parallel > 1``), else None."""
         self.model = load_policy(cfg.model.path, cfg.trainer.lora).to(self.dp.device if self.dp else "cpu")
         self.trainer = build_trainer(self.model, cfg)
+        self.meter = StageMeter("trainer")
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.samples_path = self.run_dir / "trained_samples.jsonl"
         self.checkpoint_dir = self.run_dir / "checkpoints"
@@ -357,12 +358,15 @@ class TrainerProc(WeightPublishing, Component):
             if micro_batches is None:
                 log.info("stopped before step %d", step)
                 return
-            share = self.dp.send_step(micro_batches) if self.dp is not None else micro_batches
-            metrics = self.trainer.step(share)
-            versions = np.concatenate([mb.versions for mb in micro_batches])
-            lags = step - versions
-            assert lags.max() <= self.cfg.packer.max_off_policy_steps, "the packer let a stale sample through"
-            metrics["weight_sync_s"] = self.publish_weights(step + 1)
+            with self.meter.work():  # busy: forward, backward, optimizer step, weight hand-off
+                share = self.dp.send_step(micro_batches) if self.dp is not None else micro_batches
+                metrics = self.trainer.step(share)
+                versions = np.concatenate([mb.versions for mb in micro_batches])
+                lags = step - versions
+                assert lags.max() <= self.cfg.packer.max_off_policy_steps, "the packer let a stale sample through"
+                metrics["weight_sync_s"] = self.publish_weights(step + 1)
+            self.meter.finished(sum(len(mb.sample_ids) for mb in micro_batches),
+                                sum(int(mb.loss_mask.sum()) for mb in micro_batches))
             now = time.perf_counter()
             metrics.update(
                 policy_lag_mean=float(lags.mean()),
