@@ -131,6 +131,14 @@ TRAINER_GAUGES = {
         "tokens_per_s": "Trained tokens per second of wall time",
     }.items()
 }
+PHASE_SECONDS = Counter(
+    "rlbus_trainer_phase_seconds_total",
+    "Trainer wall time by phase: wait_data (for the step's micro-batches), compute (forward, backward, "
+    "optimizer), weight_sync (handing the new weights to the broadcaster), seconds",
+    ["phase"],
+)
+for _phase in ("wait_data", "compute", "weight_sync"):
+    PHASE_SECONDS.labels(phase=_phase)
 REWARD_TERMS = Gauge("rlbus_trainer_reward_term_mean", "Mean score of one reward function over the last step's samples", ["reward"])
 
 
@@ -354,17 +362,22 @@ class TrainerProc(WeightPublishing, Component):
             self.announce_resume()
         last = time.perf_counter()
         while step < max_steps:
+            waited = time.perf_counter()
             micro_batches = self.receive_step(step)
+            PHASE_SECONDS.labels(phase="wait_data").inc(time.perf_counter() - waited)
             if micro_batches is None:
                 log.info("stopped before step %d", step)
                 return
             with self.meter.work():  # busy: forward, backward, optimizer step, weight hand-off
+                computed = time.perf_counter()
                 share = self.dp.send_step(micro_batches) if self.dp is not None else micro_batches
                 metrics = self.trainer.step(share)
+                PHASE_SECONDS.labels(phase="compute").inc(time.perf_counter() - computed)
                 versions = np.concatenate([mb.versions for mb in micro_batches])
                 lags = step - versions
                 assert lags.max() <= self.cfg.packer.max_off_policy_steps, "the packer let a stale sample through"
                 metrics["weight_sync_s"] = self.publish_weights(step + 1)
+                PHASE_SECONDS.labels(phase="weight_sync").inc(metrics["weight_sync_s"])
             self.meter.finished(sum(len(mb.sample_ids) for mb in micro_batches),
                                 sum(int(mb.loss_mask.sum()) for mb in micro_batches))
             now = time.perf_counter()
