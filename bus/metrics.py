@@ -21,6 +21,7 @@ import json
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -109,13 +110,14 @@ STAGE_LATENCY = Histogram(
 
 
 
-class StageMeter(Collector):
+class StageMeter:
     """Busy/idle time, throughput and latency of one pipeline stage in this process.
 
     Busy time runs while at least one item is in :meth:`work` (items may overlap, as a
     producer's concurrent groups do); idle time runs otherwise, from the meter's creation.
     Both are exported at scrape time (``rlbus_stage_busy_seconds_total{stage}``,
-    ``rlbus_stage_idle_seconds_total{stage}``), so a long item shows as busy while it runs.
+    ``rlbus_stage_idle_seconds_total{stage}``, summed over the process's meters of a stage), so
+    a long item shows as busy while it runs.
 
     Args:
         stage: one of :data:`STAGES`.
@@ -124,7 +126,7 @@ class StageMeter(Collector):
         ValueError: ``stage`` is not a known stage.
     """
 
-    def __init__(self, stage: str, registry=REGISTRY) -> None:
+    def __init__(self, stage: str) -> None:
         if stage not in STAGES:
             raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
         self.stage = stage
@@ -136,8 +138,7 @@ class StageMeter(Collector):
         self._samples = STAGE_SAMPLES.labels(stage)
         self._tokens = STAGE_TOKENS.labels(stage)
         self._latency = STAGE_LATENCY.labels(stage)
-        if registry is not None:
-            registry.register(self)
+        _STAGE_TIMES.meters.add(self)
 
     def _flip(self, delta: int) -> None:
         now = time.monotonic()
@@ -178,16 +179,32 @@ class StageMeter(Collector):
         self._samples.inc(samples)
         self._tokens.inc(tokens)
 
+
+class _StageTimes(Collector):
+    """Exports the busy and idle seconds of every live :class:`StageMeter`, per stage."""
+
+    def __init__(self) -> None:
+        self.meters: weakref.WeakSet[StageMeter] = weakref.WeakSet()
+
     def collect(self):
-        busy, idle = self.seconds()
-        for name, value, doc in (("busy", busy, "with at least one item in work"), ("idle", idle, "waiting for work")):
+        totals = {stage: [0.0, 0.0] for stage in {m.stage for m in list(self.meters)}}
+        for meter in list(self.meters):
+            busy, idle = meter.seconds()
+            totals[meter.stage][0] += busy
+            totals[meter.stage][1] += idle
+        for k, (name, doc) in enumerate((("busy", "with at least one item in work"), ("idle", "waiting for work"))):
             family = CounterMetricFamily(f"rlbus_stage_{name}_seconds", f"Seconds a stage spent {doc}", labels=["stage"])
-            family.add_metric([self.stage], value)
+            for stage, pair in sorted(totals.items()):
+                family.add_metric([stage], pair[k])
             yield family
 
     def describe(self):
         for name in ("busy", "idle"):
             yield CounterMetricFamily(f"rlbus_stage_{name}_seconds", "", labels=["stage"])
+
+
+_STAGE_TIMES = _StageTimes()
+REGISTRY.register(_STAGE_TIMES)
 
 
 HealthFn = Callable[[], tuple[bool, dict]]

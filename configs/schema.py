@@ -313,6 +313,18 @@ class MetricsConfig(Section):
     base_port: int = Field(0, ge=0, le=65000, description="First metrics port (component k uses base_port + k); 0: any free port.")
 
 
+class ReportConfig(Section):
+    """Run reports: examples appended to ``RUN_DIR/samples.jsonl`` for ``busctl report``."""
+
+    samples_interval: int = Field(
+        10, ge=0, le=1_000_000,
+        description="Every this many optimizer steps (steps s with s % N == 0, from step 0) the packer appends examples of the step to RUN_DIR/samples.jsonl; 0: never.",
+    )
+    samples_per_step: int = Field(
+        4, ge=1, le=64, description="Examples (prompt, completion, reward, advantage) written per sampled step: the step's first samples, whole groups first."
+    )
+
+
 class RunConfig(Section):
     """One rlbus run."""
 
@@ -333,6 +345,7 @@ class RunConfig(Section):
     bus: BusConfig = Field(default_factory=BusConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
+    report: ReportConfig = Field(default_factory=ReportConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":

@@ -48,6 +48,11 @@ import numpy as np
 from bus.messages import MicroBatch, ScoredGroup
 from packer.packing import pack_micro_batches
 
+DROP_REASONS = (
+    "empty_prompt", "too_long", "no_teacher", "filtered: equal_rewards", "filtered: online_difficulty", "stale",
+)
+"""Every reason :meth:`Packer.add` or :meth:`Packer.pop_step` drops a group for (see the module docstring)."""
+
 
 def rewards_all_equal(rewards: np.ndarray) -> bool:
     """True if every reward of a group (``[G] float32``) equals the first (exactly; G=1 counts as
@@ -232,6 +237,8 @@ class Packer:
         self.next_step = first_step
         self.buffer: deque[ScoredGroup] = deque()
         self.seen: set[str] = set()  # every group id ever decided on (whole run; see module docstring)
+        self.last_groups: list[ScoredGroup] = []
+        """The groups of the step :meth:`pop_step` last emitted, in packing order."""
 
     def lag(self, group: ScoredGroup, step: int) -> int:
         """Off-policy lag of ``group`` if trained at ``step``: ``step - min(version_start)``."""
@@ -286,10 +293,27 @@ class Packer:
         if len(self.buffer) < self.prompts_per_step:
             return [], dropped
         groups = [self.buffer.popleft() for _ in range(self.prompts_per_step)]
+        self.last_groups = groups
         samples = [s for g in groups for s in group_samples(g, teacher=self.teacher)]
         step = self.next_step
         self.next_step += 1
         return pack_step(samples, step, self.micro_batch_tokens), dropped
+
+
+def padding_ratio(micro_batches: list[MicroBatch], micro_batch_tokens: int) -> float:
+    """Unused share of a step's token budget: ``1 - T / (M * micro_batch_tokens)``, where ``T``
+    is the tokens of the ``M`` micro-batches (each a padding-free row of at most
+    ``micro_batch_tokens``). 0 for a perfect packing; 0.0 for no micro-batches.
+
+    Raises:
+        ValueError: ``micro_batch_tokens < 1``.
+    """
+    if micro_batch_tokens < 1:
+        raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
+    if not micro_batches:
+        return 0.0
+    tokens = sum(len(mb.input_ids) for mb in micro_batches)
+    return 1.0 - tokens / (len(micro_batches) * micro_batch_tokens)
 
 
 def pack_step(samples: list[PackedSample], step: int, micro_batch_tokens: int) -> list[MicroBatch]:

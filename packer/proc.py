@@ -25,6 +25,14 @@ Backpressure: ``batches.send`` blocks while the trainer has not taken the previo
 (the topic's bound); meanwhile this loop takes no more ``scored`` groups, so the reward workers'
 outboxes fill and they block in turn: the trainer's pace propagates upstream.
 
+Metrics: besides the counts below, the packer is the ``packer`` stage of
+:class:`bus.metrics.StageMeter` (busy while deciding on a received group; latency per group;
+samples and completion tokens of every accepted training group), and per emitted step it
+observes the policy lag of every sample (``step - version_start``, the lag the trainer will see),
+the number of micro-batches and the unused share of their token budget (padding ratio). Every
+``report.samples_interval`` steps it appends a few of the step's samples to
+``RUN_DIR/samples.jsonl`` (:mod:`packer.samples`).
+
 Not covered yet: a killed packer loses its buffer (groups already marked done upstream) and its
 outbox of micro-batches not yet covered by a checkpoint, and a restarted one starts with an empty
 seen-id set; the durable spool of ``docs/DELIVERY.md`` is the planned fix.
@@ -34,22 +42,48 @@ from __future__ import annotations
 
 import logging
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 from bus.component import Component, component_main
-from bus.messages import GroupsDropped, RunDone, ScoredGroup, new_id
+from bus.messages import GroupsDropped, MicroBatch, RunDone, ScoredGroup, new_id
+from bus.metrics import StageMeter
 from packer.evaluation import EvalAggregator, RoundResult
-from packer.packer import Packer
+from packer.packer import DROP_REASONS, Packer, padding_ratio
+from packer.samples import SamplesLog
 
 log = logging.getLogger(__name__)
 
 GROUPS_IN = Counter("rlbus_packer_groups_total", "Scored groups received, by decision (accepted, duplicate or drop reason)", ["outcome"])
 STEPS_OUT = Counter("rlbus_packer_steps_total", "Optimizer steps emitted")
-MICRO_BATCHES = Gauge("rlbus_packer_micro_batches", "Micro-batches in the last emitted step")
+MICRO_BATCHES = Histogram(
+    "rlbus_packer_micro_batches_per_step", "Micro-batches per emitted step",
+    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256),
+)
+POLICY_LAG = Histogram(
+    "rlbus_packer_policy_lag_steps", "Off-policy lag of each emitted sample: step - oldest policy version, steps",
+    buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32),
+)
+PADDING = Gauge("rlbus_packer_padding_ratio", "Unused share of the last emitted step's token budget: 1 - tokens / (micro-batches x micro_batch_tokens)")
 BUFFERED = Gauge("rlbus_packer_buffered_groups", "Groups waiting for the next step")
 EVAL_GROUPS = Counter("rlbus_packer_eval_groups_total", "Scored eval groups received, by decision (taken, duplicate, late, invalid)", ["outcome"])
 EVAL_RESULTS = Counter("rlbus_packer_eval_results_total", "EvalResults published (one per eval task per round)")
 UNFINISHED = Gauge("rlbus_packer_unfinished_micro_batches", "Micro-batches sent and not yet done by the trainer (checkpoint)")
+GROUP_OUTCOMES = ("accepted", "duplicate", *DROP_REASONS)
+"""Every ``outcome`` of ``rlbus_packer_groups_total``."""
+EVAL_DECISIONS = ("taken", "duplicate", "late", "invalid")
+"""Every ``outcome`` of ``rlbus_packer_eval_groups_total`` (:meth:`EvalAggregator.add`, or invalid)."""
+for _outcome in GROUP_OUTCOMES:
+    GROUPS_IN.labels(_outcome)
+for _outcome in EVAL_DECISIONS:
+    EVAL_GROUPS.labels(_outcome)
+
+def observe_step(batches: list[MicroBatch], micro_batch_tokens: int) -> None:
+    """Per emitted step: micro-batch count, padding ratio and each sample's policy lag."""
+    MICRO_BATCHES.observe(len(batches))
+    PADDING.set(padding_ratio(batches, micro_batch_tokens))
+    for mb in batches:
+        for version in mb.versions:
+            POLICY_LAG.observe(mb.step - int(version))
 
 
 class PackerProc(Component):
@@ -66,6 +100,8 @@ class PackerProc(Component):
             teacher=bool(cfg.teacher.model_path),
         )
         self.evaluation = EvalAggregator()
+        self.meter = StageMeter("packer")
+        self.samples_log = SamplesLog(self.run_dir / "samples.jsonl", cfg.report.samples_interval, cfg.report.samples_per_step)
         self.scored = self.reliable_receiver("scored", self.endpoints.address("scored"), bind=True, accept=(ScoredGroup,))
         self.batches = self.reliable_sender("batches", self.endpoints.address("batches"), bind=True)
         self.control_out = self.control_publisher()
@@ -107,6 +143,8 @@ class PackerProc(Component):
             self._publish_eval(closed)
             return
         accepted, reason = self.packer.add(group)
+        if accepted:
+            self.meter.finished(group.group_size, int(group.completion_lens.sum()))
         if accepted or reason == "duplicate":
             GROUPS_IN.labels("accepted" if accepted else "duplicate").inc()  # a duplicate: no second outcome
             self.scored.done(group.id)
@@ -132,17 +170,19 @@ class PackerProc(Component):
             group = self.scored.recv(timeout_s=0.2)
             if group is not None:
                 assert isinstance(group, ScoredGroup)
-                self._take(group)
+                with self.meter.work():
+                    self._take(group)
             batches, dropped = self.packer.pop_step()
             self._announce_dropped(dropped, "stale")
             BUFFERED.set(len(self.packer.buffer))
             UNFINISHED.set(self.batches.unfinished())
             if batches:
-                MICRO_BATCHES.set(len(batches))
+                observe_step(batches, self.packer.micro_batch_tokens)
                 for mb in batches:
                     if not self.batches.send(mb):
                         return  # stopped while blocked
                 STEPS_OUT.inc()
+                self.samples_log.write(batches[0].step, self.packer.last_groups)
                 log.info("step %d: %d micro-batch(es), %d loss tokens", batches[0].step, len(batches), batches[0].step_loss_tokens)
 
 
