@@ -2,11 +2,12 @@
 
     busctl up [CONFIG] [key.sub=value ...] [--dry-run]    run a job (default: configs/reverse_text.yaml)
     busctl up --resume [RUN_DIR | CONFIG] [key=value ...] continue a stopped run in its run directory
-    busctl status [RUN_DIR]                              components: state, pid, restarts, last heartbeat
-    busctl logs RUN_DIR COMPONENT [-f]                   a component's log
+    busctl status [RUN_DIR]                              components: state, pid, restarts, heartbeat, throughput, queues
+    busctl logs [RUN_DIR] COMPONENT [-f]                 a component's log (-f: follow)
     busctl scale [RUN_DIR] rewards=N producers=M         resize a running job (either or both)
     busctl down [RUN_DIR]                                stop a running ``busctl up`` (SIGTERM; it drains)
     busctl keys DIR [--clients N]                        make CurveZMQ keys for an authenticated tcp:// bus
+    busctl report RUN_DIR [--out DIR]                    plots (PNG) and a text summary of a run
 
 RUN_DIR defaults to the default config's ``run_dir`` (``runs/reverse_text``).
 
@@ -46,6 +47,7 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
+from bus.report import cmd_report
 from configs.schema import ConfigError, RunConfig, dump_config, load_config
 
 if TYPE_CHECKING:
@@ -126,13 +128,17 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
 
 
 def supervise(sup: "Supervisor", console: Console) -> int:
-    """Run ``sup`` through prepare, start, watch and (always) shutdown, printing to ``console``;
+    """Run ``sup`` through prepare, start, watch and (always) shutdown, printing to ``console``
+    (on a terminal, below the lines, a live display of :mod:`bus.live` during start and watch);
     ``sup.stop`` set (by a signal handler, or a test) means interrupted. Records the outcome
     (``done``, ``failed``, ``interrupted``) and error in ``sup`` for ``status.json``.
 
     Returns:
         The exit code of ``busctl up``: 0 done, 1 failed, 130 interrupted.
     """
+    from contextlib import nullcontext
+
+    from bus.live import LiveDisplay
     from bus.supervisor import RunFailed
 
     started = time.monotonic()
@@ -140,9 +146,10 @@ def supervise(sup: "Supervisor", console: Console) -> int:
     try:
         sup.prepare()
         console.print(f"run directory: {sup.run_dir}" + (" (resumed)" if sup.resume else ""))
-        sup.start()
-        console.print(f"all {len(sup.table)} components ready in {time.monotonic() - started:.1f} s; training")
-        sup.watch()
+        with LiveDisplay(console, lambda: sup.snapshot) if console.is_terminal else nullcontext():
+            sup.start()
+            console.print(f"all {len(sup.table)} components ready in {time.monotonic() - started:.1f} s; training")
+            sup.watch()
     except RunFailed as err:
         if not sup.stop.is_set():
             console.print(f"[red]run failed: {err}[/red]")
@@ -209,20 +216,27 @@ def _age(timestamp: float | None) -> str:
 def cmd_status(ns: argparse.Namespace, console: Console) -> int:
     from rich.table import Table
 
+    from bus.live import format_busy, format_queue, format_rate, trainer_text
+
     run_dir = _run_dir(ns.run_dir)
     status = _status(run_dir)
     sup_alive = _supervisor_alive(status)
     state = status.get("state", "?") if sup_alive else "not running"
     outcome = f", outcome {status['outcome']}" if status.get("outcome") else ""
-    step = f", step {status['step']}" if status.get("step") is not None else ""
-    console.print(f"{status['run_dir']}: busctl up pid {status['supervisor_pid']} {state}{outcome}{step}"
+    console.print(f"{status['run_dir']}: busctl up pid {status['supervisor_pid']} {state}{outcome}"
                   + (f", supervisor metrics :{status['metrics_port']}" if status.get("metrics_port") else ""))
+    console.print(trainer_text(status))
     table = Table()
-    for col in ("component", "state", "pid", "alive", "restarts", "heartbeat", "metrics port"):
-        table.add_column(col, no_wrap=True)
+    for col in ("component", "state", "pid", "alive", "restarts", "heartbeat", "samples/s", "tokens/s", "busy", "queue",
+                "metrics port"):
+        table.add_column(col, no_wrap=True, justify="right" if col in ("samples/s", "tokens/s", "busy", "queue") else "left")
     for row in status["components"]:
+        tp = row.get("throughput") or {}
         table.add_row(row["name"], row["state"], str(row["pid"]), "yes" if row["pid"] and _alive(row["pid"]) else "no",
-                      str(row.get("restarts", 0)), _age(row.get("last_heartbeat_at")), str(row["metrics_port"]))
+                      str(row.get("restarts", 0)), _age(row.get("last_heartbeat_at")), format_rate(tp.get("samples_per_s")),
+                      format_rate(tp.get("tokens_per_s")), format_busy(row.get("busy")), format_queue(row), str(row["metrics_port"]))
+    if not console.is_terminal:  # a pipe or file gets whole rows, not rows cut to 80 columns
+        console = Console(highlight=False, soft_wrap=True, width=max(console.width, 160))
     console.print(table)
     for row in status["components"]:
         if row.get("last_error"):
@@ -236,20 +250,27 @@ def cmd_status(ns: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_logs(ns: argparse.Namespace, console: Console) -> int:
-    path = Path(ns.run_dir) / "logs" / f"{ns.component}.log"
+    """Print a component's log; with ``-f`` keep printing what is appended (restarts append to
+    the same file) until interrupted (Ctrl-C: exit 0)."""
+    run_dir = _run_dir(ns.run_dir)
+    path = run_dir / "logs" / f"{ns.component}.log"
     if not path.is_file():
-        known = sorted(p.stem for p in (Path(ns.run_dir) / "logs").glob("*.log"))
-        console.print(f"[red]no log for {ns.component!r}; known: {known}[/red]")
+        known = sorted(p.stem for p in (run_dir / "logs").glob("*.log"))
+        console.print(f"[red]no log for {ns.component!r} in {run_dir}; known: {known}[/red]")
         return 1
     with path.open() as f:
         sys.stdout.write(f.read())
-        while ns.follow:
-            line = f.readline()
-            if line:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-            else:
-                time.sleep(0.2)
+        sys.stdout.flush()
+        try:
+            while ns.follow:
+                line = f.readline()
+                if line:
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+                else:
+                    time.sleep(0.2)
+        except KeyboardInterrupt:
+            pass
     return 0
 
 
@@ -371,11 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--resume", action="store_true",
                     help="continue the run in RUN_DIR (default: the default config's run_dir) from its config.yaml, "
                     "checkpoints and ledgers; nothing is cleared, logs are appended")
-    st = sub.add_parser("status", help="show a run's components: state, pid, restarts, last heartbeat")
+    st = sub.add_parser("status", help="show a run's step and components: state, pid, restarts, heartbeat, throughput, queue depth")
     st.add_argument("run_dir", nargs="?", help="run directory (default: the default config's run_dir)")
     lg = sub.add_parser("logs", help="print a component's log")
-    lg.add_argument("run_dir")
-    lg.add_argument("component")
+    lg.add_argument("run_dir", nargs="?", help="run directory (default: the default config's run_dir)")
+    lg.add_argument("component", help="e.g. trainer, producer-0, rewards-1")
     lg.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
     dn = sub.add_parser("down", help="stop a running job")
     dn.add_argument("run_dir", nargs="?", help="run directory (default: the default config's run_dir)")
@@ -387,9 +408,13 @@ def main(argv: list[str] | None = None) -> int:
     ks.add_argument("dir", help="new key directory (must not hold keys yet)")
     ks.add_argument("--clients", type=int, default=1,
                     help="client keypairs: 'components' (shared by every process), then client-1 ... (default 1)")
+    rp = sub.add_parser("report", help="plot a run's metrics (PNG) and print a short summary")
+    rp.add_argument("run_dir", help="run directory (holds metrics.jsonl)")
+    rp.add_argument("--out", default=None, help="where to write the plots and summary.txt (default: RUN_DIR/report)")
     ns = parser.parse_args(argv)
     console = Console(highlight=False, soft_wrap=True)  # never break paths or messages mid-line
-    handler = {"up": cmd_up, "status": cmd_status, "logs": cmd_logs, "down": cmd_down, "scale": cmd_scale, "keys": cmd_keys}[ns.command]
+    handler = {"up": cmd_up, "status": cmd_status, "logs": cmd_logs, "down": cmd_down, "scale": cmd_scale, "keys": cmd_keys,
+               "report": cmd_report}[ns.command]
     try:
         return handler(ns, console)
     except NoRun as err:

@@ -240,20 +240,18 @@ def _handler(registry, health: HealthFn | None) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def serve_metrics(port: int, host: str = "127.0.0.1", *, health: HealthFn | None = None, registry=REGISTRY) -> int:
+def start_metrics_server(port: int, host: str = "127.0.0.1", *, health: HealthFn | None = None,
+                         registry=REGISTRY) -> ThreadingHTTPServer:
     """Serve ``/metrics`` (Prometheus text of ``registry``) and ``/health`` on ``host:port`` from a
-    daemon thread; any other path is 404.
+    daemon thread; any other path is 404. Stop it with ``shutdown()`` + ``server_close()``.
 
     ``/health`` answers JSON ``{"status": "ok" | "unhealthy", "pid", "uptime_s", ...}`` with the
-    fields of ``health()`` (a component adds its name, state and policy version), HTTP 200 when
+    fields of ``health()`` (a component adds its name, phase and policy version), HTTP 200 when
     healthy, else 503.
 
     Args:
-        port: TCP port; 0 picks a free one.
+        port: TCP port; 0 picks a free one (``server.server_address[1]`` tells which).
         health: called per ``/health`` request; None: always healthy.
-
-    Returns:
-        The port actually bound.
 
     Raises:
         OSError: the port is taken.
@@ -261,4 +259,16 @@ def serve_metrics(port: int, host: str = "127.0.0.1", *, health: HealthFn | None
     server = ThreadingHTTPServer((host, port), _handler(registry, health))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
-    return int(server.server_address[1])
+    return server
+
+
+def serve_metrics(port: int, host: str = "127.0.0.1", *, health: HealthFn | None = None, registry=REGISTRY) -> int:
+    """:func:`start_metrics_server` for a process that serves until it exits.
+
+    Returns:
+        The port actually bound.
+
+    Raises:
+        OSError: the port is taken.
+    """
+    return int(start_metrics_server(port, host, health=health, registry=registry).server_address[1])

@@ -7,15 +7,18 @@ Lifecycle of a run:
    snapshot), resolve what the config leaves open (the policy path: build or reuse the tiny
    policy; a free rendezvous port for the weight broadcast), write the resolved ``config.yaml``
    that every component reads.
-2. ``start``: spawn every component of the table as its own process (own process group;
-   stdout/stderr appended to ``logs/NAME.log`` after a header line) and wait for each one's
-   :class:`bus.messages.ComponentReady` handshake on the ``supervisor`` socket, never a sleep.
-   A component that exits, or is not ready within ``bus.ready_timeout_s``, fails the start (its
-   log is named): at start-up that is a configuration or code problem, not one to retry.
+2. ``start``: spawn every component of the table (:mod:`bus.component_table`) as its own process
+   (own process group; stdout/stderr appended to ``logs/NAME.log`` after a header line) and wait
+   for each one's :class:`bus.messages.ComponentReady` handshake on the ``supervisor`` socket,
+   never a sleep. A component that exits, or is not ready within ``bus.ready_timeout_s``, fails
+   the start (its log is named): at start-up that is a configuration or code problem, not one to
+   retry. Then ``prometheus.yml`` lists every component (rewritten whenever one becomes ready or
+   is scaled away), and a :class:`bus.scrape.MetricsPoller` thread starts reading their metrics.
 3. ``watch``: print one progress line per ``trainer.step`` on the control channel; the run ends
    when the trainer announces ``run.done`` after its last step and final eval. Components stop
    working then but keep serving metrics, which are saved to ``metrics_final/`` (for
-   ``bench/``). Meanwhile the supervisor heals (below) and applies ``busctl scale`` requests.
+   ``bench/``). Meanwhile the supervisor heals (below) and applies ``busctl scale`` requests
+   (:mod:`bus.scaling`).
 4. ``shutdown`` (always, also on SIGINT/SIGTERM): SIGTERM to every process group in reverse
    start order, SIGKILL to whatever is left after ``STOP_TIMEOUT_S``; no process is left behind.
 
@@ -31,57 +34,45 @@ spawned again with ``RLBUS_RESTARTS=<n>``; the watch loop never blocks on it (ot
 keep running, progress lines keep printing). One crash past ``supervisor.max_restarts`` fails the
 run, naming the component and its log. The packer is not restartable (the groups in its buffer
 would be lost): its death fails the run with a hint to ``busctl up --resume``. Restarts are
-counted in ``rlbus_supervisor_restarts_total{component}``, served on the supervisor's own
-metrics port (in ``status.json`` and ``prometheus.yml``).
+counted in ``rlbus_supervisor_restarts_total{component}`` (a series per component from its first
+spawn), served on the supervisor's own metrics port (in ``status.json`` and ``prometheus.yml``).
 
-Scaling (``busctl scale``): the client writes ``RUN_DIR/scale.json`` atomically
-(``{"id": ..., "rewards": N, "producers": M}``); the watch loop reads it (no signal: a stale pid
-can never be hit), starts ``rewards-i`` / ``producer-i`` with the next indices (new producers
-get ``RLBUS_LATE_JOIN=1``: they cannot join a weight-broadcast group formed at start) or stops
-the highest indices (SIGTERM, so they hand back their work; SIGKILL after ``STOP_TIMEOUT_S``),
-and records the request's progress in ``status.json`` (``applying`` -> ``done`` once the new set
-is ready and the removed ones are gone, or ``failed`` with the reason).
-
-``status.json`` (rewritten atomically, tmp + rename, at least every second while running): the
-supervisor's pid and process start time, its state and outcome, its metrics port, the last step,
-the last scale request, and per component name, module, index, pid, state (``starting``,
-``ready``, ``running``, ``done``, ``restarting``, ``stopping``, ``exited``), restarts,
-consecutive crashes, last heartbeat (unix time), metrics port, exit code, last error.
-
+Component states: ``starting``, ``ready``, ``running``, ``done``, ``restarting``, ``stopping``,
+``exited``. ``status.json``: :mod:`bus.run_status`. Progress and events go to the console (a line
+each; on a terminal above the live display of :mod:`bus.live`, built from :attr:`Supervisor.snapshot`).
 Every component of a ``resume`` run gets ``RLBUS_RESUME=1``. Components also die with the
 supervisor (``PR_SET_PDEATHSIG``, see :mod:`bus.component`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import shutil
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
-import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
-from prometheus_client import REGISTRY, Counter, generate_latest, start_http_server
+from prometheus_client import REGISTRY, Counter, generate_latest
 from rich.console import Console
 
 from bus import auth
+from bus.component_table import (LIVE_STATES, RESTARTABLE_ROLES, ComponentSpec, backoff_s, component_table,  # noqa: F401
+                                  describe_exit, free_port, launch_prefix, process_start_ticks, signal_group)
 from bus.messages import ComponentHeartbeat, ComponentReady, RunDone, TrainerStep
+from bus.metrics import start_metrics_server
+from bus.live import progress_line
+from bus.run_status import (EventLog, StepClock, append_stage_record, clear_run_dir, snapshot_metrics, write_json_atomic,
+                             write_scrape_config)
+from bus.scaling import SCALABLE, STOP_TIMEOUT_S, Scaling, scale_targets  # noqa: F401  (busctl, tests import from here)
+from bus.scrape import MetricsPoller
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
-from configs.schema import RunConfig, SupervisorConfig, dump_config
+from configs.schema import RunConfig, dump_config
 
 log = logging.getLogger(__name__)
-
-STOP_TIMEOUT_S = 20.0
-"""Grace period between SIGTERM and SIGKILL at shutdown and scale-down, seconds."""
 
 KILL_WAIT_S = 5.0
 """Longest wait for a SIGKILLed process to be reaped before its replacement may start, seconds."""
@@ -97,184 +88,22 @@ MAX_DRAIN = 1000
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-RESTARTABLE_ROLES = frozenset({"hub", "trainer", "rewards", "producer", "prompt-source"})
-"""Roles the supervisor restarts. Not the packer: its buffered groups would be lost."""
-
-SCALABLE = {"rewards": "rewards", "producers": "producer"}
-"""``busctl scale`` keys and the role each one scales."""
-
-RUN_OUTPUTS = ("metrics.jsonl", "trained_samples.jsonl", "ledger.jsonl", "accounting.json", "metrics_final", "checkpoints",
-               "logs", "weights", "sock", "status.json", "scale.json", "prometheus.yml")
-"""Removed from the run directory by a fresh ``busctl up`` (files or directories): a fresh run
-starts from an empty run directory (the prompt source's ledger, the trainer's checkpoints)."""
-
-TRANSIENT_OUTPUTS = ("metrics_final", "weights", "sock", "status.json", "scale.json", "prometheus.yml")
-"""Removed by ``busctl up --resume`` too: nothing a resumed run continues from."""
-
 ENV_RESTARTS, ENV_RESUME, ENV_LATE_JOIN = "RLBUS_RESTARTS", "RLBUS_RESUME", "RLBUS_LATE_JOIN"
 """Environment variables the supervisor passes to components (see the module docstring)."""
 
 RESTARTS = Counter("rlbus_supervisor_restarts_total", "Components restarted by the supervisor, per component", ["component"])
-
-LIVE_STATES = ("ready", "running", "done")
-"""States of a component that completed its ready handshake and is alive."""
-
-
-@dataclass
-class ComponentSpec:
-    """One row of the component table, with its runtime state.
-
-    Attributes:
-        name: unique name (``"rewards-1"``); its role is the name without the ``-INDEX`` suffix.
-        module: ``python -m`` entry. index: replica index.
-        pid, state, metrics_port: runtime state (states: see the module docstring).
-        restarts: times the supervisor restarted it. consecutive_crashes: crashes since it last
-            stayed up ``backoff_reset_s``. exit_code: of its last process (negative: signal).
-        last_error: why it last crashed. late_join: spawned with ``RLBUS_LATE_JOIN=1``.
-        port_request: metrics port asked for at spawn (0: any free port).
-        spawned_at, ready_at, last_beat: ``time.monotonic()`` of the last spawn, ready handshake
-            and heartbeat (None: not yet). last_beat_wall: the heartbeat's ``time.time()``.
-        due: monotonic deadline of the current state (``starting``: ready timeout;
-            ``restarting``: respawn time; ``stopping``: SIGKILL time).
-    """
-
-    name: str
-    module: str
-    index: int = 0
-    pid: int = 0
-    state: str = "not started"
-    metrics_port: int = 0
-    restarts: int = 0
-    consecutive_crashes: int = 0
-    exit_code: int | None = None
-    last_error: str = ""
-    late_join: bool = False
-    port_request: int = 0
-    spawned_at: float = 0.0
-    ready_at: float | None = None
-    last_beat: float | None = None
-    last_beat_wall: float | None = None
-    due: float = 0.0
-    proc: subprocess.Popen | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def role(self) -> str:
-        """``"rewards"`` for ``"rewards-1"``, ``"producer"`` for ``"producer-0"``, else the name."""
-        base, _, suffix = self.name.rpartition("-")
-        return base if base and suffix.isdigit() else self.name
-
-    def status_row(self) -> dict:
-        """The JSON row of ``status.json``."""
-        return {"name": self.name, "module": self.module, "index": self.index, "pid": self.pid, "state": self.state,
-                "metrics_port": self.metrics_port, "restarts": self.restarts, "consecutive_crashes": self.consecutive_crashes,
-                "last_heartbeat_at": self.last_beat_wall, "exit_code": self.exit_code, "last_error": self.last_error,
-                "late_join": self.late_join}
-
-
-def component_table(cfg: RunConfig) -> list[ComponentSpec]:
-    """Every process of a run, in start order (the hub first, the prompt source last)."""
-    table = [ComponentSpec("hub", "bus.hub"), ComponentSpec("trainer", "trainer.proc"), ComponentSpec("packer", "packer.proc")]
-    table += [ComponentSpec(f"rewards-{i}", "rewards.worker", i) for i in range(cfg.rewards.replicas)]
-    table += [ComponentSpec(f"producer-{i}", "producers.producer", i) for i in range(cfg.producers.replicas)]
-    table.append(ComponentSpec("prompt-source", "producers.prompt_source"))
-    return table
-
-
-def launch_prefix(cfg: RunConfig, spec: ComponentSpec) -> list[str]:
-    """The start of a component's command line: ``python -m MODULE``; for the trainer with
-    ``trainer.data_parallel`` N > 1, ``python -m torch.distributed.run --standalone
-    --nproc-per-node N -m MODULE`` (torchrun: every rank runs MODULE with the same arguments).
-
-    The whole torchrun group is one component: the supervisor watches (and kills, restarts) the
-    torchrun agent; its ranks run in their own sessions and die with it (``PR_SET_PDEATHSIG``),
-    and rank 0 sends the ready handshake and heartbeats in the agent's name
-    (:func:`trainer.distributed.launcher_pid`). ``--standalone`` picks a free local rendezvous port.
-    """
-    n = cfg.trainer.data_parallel
-    if spec.role != "trainer" or n == 1:
-        return [sys.executable, "-m", spec.module]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), "-m", spec.module]
-
-
-def backoff_s(consecutive_crashes: int, sup: SupervisorConfig) -> float:
-    """Delay before restarting a component after its ``consecutive_crashes``-th crash in a row
-    (>= 1): ``min(backoff_max_s, backoff_initial_s * 2**(consecutive_crashes - 1))``, seconds."""
-    if consecutive_crashes < 1:
-        raise ValueError(f"consecutive_crashes must be >= 1, got {consecutive_crashes}")
-    return min(sup.backoff_max_s, sup.backoff_initial_s * 2.0 ** min(consecutive_crashes - 1, 60))
-
-
-def describe_exit(code: int) -> str:
-    """``"exited with code 1"`` or ``"was killed by SIGKILL"`` (Popen's negative codes)."""
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-def scale_targets(cfg: RunConfig, request: dict) -> dict[str, int]:
-    """Validate a scale request against the run's config.
-
-    Args:
-        cfg: the run's config. request: ``{"rewards": N, "producers": M}`` (either or both;
-            other keys such as ``"id"`` are ignored).
-
-    Returns:
-        ``{role: replicas}``, e.g. ``{"rewards": 3, "producer": 2}``.
-
-    Raises:
-        ValueError: no known key, a count that is not an int >= 1, or more producers than
-            ``producers.max_replicas`` (reward workers connect to that many rollouts endpoints).
-    """
-    targets = {}
-    for key, role in SCALABLE.items():
-        if key not in request:
-            continue
-        n = request[key]
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"{key}={n!r}: need a whole number >= 1 (a run never goes below one {role})")
-        targets[role] = n
-    if not targets:
-        raise ValueError(f"nothing to scale: give {' and/or '.join(k + '=N' for k in SCALABLE)}")
-    limit = cfg.producers.max_replicas
-    if targets.get("producer", 0) > limit:
-        raise ValueError(f"producers={targets['producer']} exceeds producers.max_replicas={limit} (reward workers connect to "
-                         f"that many rollouts endpoints); start the run with a larger producers.max_replicas")
-    return targets
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """Start time of process ``pid`` (clock ticks since boot, ``/proc/PID/stat`` field 22), to
-    tell a process from a later one that reuses its pid; None if unknown or not running."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    try:
-        return int(stat.rpartition(")")[2].split()[19])
-    except (IndexError, ValueError):
-        return None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host``."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class RunFailed(RuntimeError):
     """A component failed to start, died when it could not be restarted, or used up its restarts."""
 
 
-class Supervisor:
+class Supervisor(Scaling):
     """Starts, watches, heals, scales and stops the processes of one run.
 
     Args:
         cfg: the run config (``model.path`` and ``broadcast.port`` may be left open).
-        console: where progress lines go.
+        console: where progress lines and events go.
         table: the components (default :func:`component_table` of ``cfg``); tests pass their own.
         resume: continue the run in its run directory (keep its outputs, ``RLBUS_RESUME=1``).
 
@@ -282,6 +111,9 @@ class Supervisor:
         stop: set it (e.g. from a signal handler) to end ``start``/``watch`` early.
         outcome, error: set by the caller before :meth:`shutdown` (``"done"``, ``"failed"``,
             ``"interrupted"``); recorded in ``status.json``.
+        snapshot: the last ``status.json`` content (a new dict each time: safe to read from
+            another thread, e.g. the live display's).
+        poller: reads the ready components' metrics (throughput, busy, queue depth) once started.
     """
 
     def __init__(self, cfg: RunConfig, console: Console | None = None, *, table: list[ComponentSpec] | None = None,
@@ -310,23 +142,27 @@ class Supervisor:
         self._status_written = 0.0
         self._scale_seen: tuple[int, int] | None = None
         self._start_ticks = process_start_ticks(os.getpid())
+        self.snapshot: dict = {}
+        self.events = EventLog()
+        self.steps = StepClock()
+        self.poller = MetricsPoller(self._scrape_targets)
+
+    def say(self, markup: str) -> None:
+        """Print an event line (rich markup) and keep it among the recent events."""
+        self.console.print(markup)
+        self.events.add(markup)
 
     # -- prepare ---------------------------------------------------------------------------------
 
     def prepare(self) -> None:
         """Resolve the config and write the run directory (see module docstring)."""
-        for stale in TRANSIENT_OUTPUTS if self.resume else RUN_OUTPUTS:
-            target = self.run_dir / stale
-            if target.is_dir():
-                shutil.rmtree(target)
-            elif target.exists():
-                target.unlink()
+        clear_run_dir(self.run_dir, self.resume)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.endpoints.ensure_dirs()
         if not self.cfg.model.path:
             from trainer.tiny_model import ensure_policy  # torch: imported only when needed
 
-            self.console.print("building / loading the tiny reverse-text policy ...")
+            self.say("building / loading the tiny reverse-text policy ...")
             m = self.cfg.model
             path = ensure_policy(Path(m.cache_dir), sft_steps=m.sft_steps, sft_target_loss=m.sft_target_loss, seed=self.cfg.trainer.seed)
             self.cfg.model.path = str(Path(path).resolve())
@@ -361,6 +197,7 @@ class Supervisor:
             logfile.flush()
             spec.proc = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=env, cwd=os.getcwd(), start_new_session=True)
+        RESTARTS.labels(spec.name)  # the series exists (0) from the first spawn
         now = time.monotonic()
         spec.pid, spec.state, spec.exit_code = spec.proc.pid, "starting", None
         spec.spawned_at, spec.ready_at, spec.last_beat, spec.last_beat_wall = now, None, None, None
@@ -376,7 +213,7 @@ class Supervisor:
         self.state = "starting"
         self._inbox = BusSocket(self.ctx, "supervisor", "recv", self.endpoints.address("supervisor"), bind=True, stop=self.stop,
                                 accept=(ComponentReady, ComponentHeartbeat))
-        self._metrics_server, _thread = start_http_server(0, addr="127.0.0.1")
+        self._metrics_server = start_metrics_server(0, health=self.health)
         self.metrics_port = int(self._metrics_server.server_address[1])
         base = self.cfg.metrics.base_port
         for k, spec in enumerate(self.table):
@@ -388,6 +225,7 @@ class Supervisor:
                 raise RunFailed("interrupted during start-up")
             self._turn()
         self.write_scrape_config()
+        self.poller.start()
 
     # -- watch -----------------------------------------------------------------------------------
 
@@ -433,7 +271,7 @@ class Supervisor:
                 return  # a predecessor's late handshake, or a stranger
             spec.state, spec.metrics_port, spec.ready_at = "ready", msg.metrics_port, time.monotonic()
             again = f", restart {spec.restarts}" if spec.restarts else ""
-            self.console.print(f"  [green]ready[/green] {msg.name} (pid {msg.pid}, metrics :{msg.metrics_port}{again})")
+            self.say(f"  [green]ready[/green] {msg.name} (pid {msg.pid}, metrics :{msg.metrics_port}{again})")
             if self._healing:
                 self.write_scrape_config()
             self.write_status()
@@ -446,18 +284,12 @@ class Supervisor:
                 spec.state = "done" if msg.state == "done" else "running"
         elif isinstance(msg, TrainerStep) and (self.last_step is None or msg.step > self.last_step.step):
             self.last_step = msg
-            self.console.print(self.progress_line(msg))
+            self.steps.step(msg.step)
+            append_stage_record(self.run_dir / "stages.jsonl", msg.step, self.poller.stats, {s.name: s.role for s in self.table})
+            self.console.print(progress_line(msg.step, self.cfg.trainer.max_steps, msg.metrics))
+            self.write_status()  # the live display and `busctl status` show the step at once
         elif isinstance(msg, RunDone):
             self.run_done = True
-
-    def progress_line(self, msg: TrainerStep) -> str:
-        """``step 12/60 | reward 0.512 | loss ... | tokens/s ... | lag mean/max``."""
-        m = msg.metrics
-        return (
-            f"step {msg.step:>4}/{self.cfg.trainer.max_steps} | reward {m.get('reward_mean', 0):.3f}"
-            f" | loss {m.get('loss', 0):+.4f} | kl {m.get('kl', 0):.4f} | {m.get('tokens_per_s', 0):,.0f} tok/s"
-            f" | lag {m.get('policy_lag_mean', 0):.2f}/{m.get('policy_lag_max', 0):.0f} | {m.get('step_time_s', 0):.2f} s"
-        )
 
     # -- healing ---------------------------------------------------------------------------------
 
@@ -488,7 +320,7 @@ class Supervisor:
         """SIGKILL the component's whole process group and reap its leader (bounded wait)."""
         if spec.proc is None:
             return
-        _signal_group(spec.pid, signal.SIGKILL)
+        signal_group(spec.pid, signal.SIGKILL)
         try:
             spec.proc.wait(timeout=KILL_WAIT_S)
         except subprocess.TimeoutExpired:
@@ -530,7 +362,7 @@ class Supervisor:
         spec.consecutive_crashes += 1
         delay = backoff_s(spec.consecutive_crashes, self.cfg.supervisor)
         spec.state, spec.due, spec.proc = "restarting", now + delay, None
-        self.console.print(f"  [yellow]crashed[/yellow] {spec.name} (pid {spec.pid}) {reason}; restart "
+        self.say(f"  [yellow]crashed[/yellow] {spec.name} (pid {spec.pid}) {reason}; restart "
                            f"{spec.restarts + 1}/{budget} in {delay:g} s")
         self.write_status()
 
@@ -543,136 +375,46 @@ class Supervisor:
         log.info("restarted %s as pid %d (restart %d, after: %s)", spec.name, spec.pid, spec.restarts, spec.last_error)
         self.write_status()
 
-    # -- scaling ---------------------------------------------------------------------------------
-
-    def _poll_scale_request(self) -> None:
-        """Apply ``RUN_DIR/scale.json`` when it holds a new request id."""
-        path = self.run_dir / "scale.json"
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            return
-        if self._scale_seen == (st.st_mtime_ns, st.st_size):
-            return
-        self._scale_seen = (st.st_mtime_ns, st.st_size)
-        try:
-            request = json.loads(path.read_text())
-        except (OSError, ValueError) as err:
-            self.scale = {"id": None, "state": "failed", "error": f"unreadable {path}: {err}"}
-            return
-        if not isinstance(request, dict) or request.get("id") == self.scale.get("id"):
-            return
-        rid = request.get("id")
-        if self.scale.get("state") == "applying":
-            self.scale = {**self.scale, "rejected": {"id": rid, "error": "the previous scale request is still being applied"}}
-            return
-        try:
-            targets = scale_targets(self.cfg, request)
-            present = {s.role for s in self.table}
-            missing = [r for r in targets if r not in present]
-            if missing:
-                raise ValueError(f"this run has no {missing[0]} components to scale")
-        except ValueError as err:
-            self.scale = {"id": rid, "state": "failed", "error": str(err)}
-            self.console.print(f"  [red]scale request refused[/red]: {err}")
-            self.write_status()
-            return
-        added, removed = [], []
-        for role, n in targets.items():
-            a, r = self._scale_role(role, n)
-            added += a
-            removed += r
-        self.scale = {"id": rid, "state": "applying", "targets": targets, "added": added, "removed": removed, "error": ""}
-        self.console.print(f"  [cyan]scale[/cyan] {targets}: starting {added or 'none'}, stopping {removed or 'none'}")
-        self.write_status()
-
-    def _scale_role(self, role: str, n: int) -> tuple[list[str], list[str]]:
-        """Start or stop replicas of ``role`` until ``n`` remain; returns (started, stopping) names."""
-        current = sorted((s for s in self.table if s.role == role and s.state != "stopping"), key=lambda s: s.index)
-        added, removed = [], []
-        for index in range(len(current), n):
-            template = current[-1]
-            base = self.cfg.metrics.base_port
-            spec = ComponentSpec(f"{role}-{index}", template.module, index, late_join=(role == "producer"),
-                                 port_request=base + self._next_port_offset if base else 0)
-            self._next_port_offset += 1
-            last = max(k for k, s in enumerate(self.table) if s.role == role)
-            self.table.insert(last + 1, spec)
-            self._spawn(spec)
-            added.append(spec.name)
-        for spec in current[n:][::-1]:
-            removed.append(spec.name)
-            if spec.proc is None:  # waiting for a restart: nothing runs
-                self.table.remove(spec)
-                continue
-            _signal_group(spec.pid, signal.SIGTERM)
-            spec.state, spec.due = "stopping", time.monotonic() + STOP_TIMEOUT_S
-        return added, removed
-
-    def _check_stopping(self, spec: ComponentSpec, now: float) -> None:
-        """A scaled-down component: gone once its process exited; SIGKILL past its grace period."""
-        if spec.proc.poll() is not None:
-            _signal_group(spec.pid, signal.SIGKILL)  # whatever of its group is left
-            spec.exit_code = spec.proc.returncode
-            self.table.remove(spec)
-            self.console.print(f"  [cyan]stopped[/cyan] {spec.name} ({describe_exit(spec.exit_code)})")
-            self.write_scrape_config()
-        elif now > spec.due:
-            log.warning("%s did not stop in %.0f s after SIGTERM; killing it", spec.name, STOP_TIMEOUT_S)
-            _signal_group(spec.pid, signal.SIGKILL)
-
-    def _track_scale(self) -> None:
-        if self.scale.get("state") != "applying":
-            return
-        by_name = {s.name: s for s in self.table}
-        ready = all(by_name.get(n) is not None and by_name[n].state in LIVE_STATES for n in self.scale["added"])
-        if ready and not any(n in by_name for n in self.scale["removed"]):
-            self.scale["state"] = "done"
-            self.console.print(f"  [cyan]scaled[/cyan] to {self.scale['targets']}")
-            self.write_status()
-
     # -- status files ----------------------------------------------------------------------------
 
+    def health(self) -> tuple[bool, dict]:
+        """``/health`` of ``busctl up``: healthy unless the run failed; state, step, live components."""
+        return self.outcome != "failed", {"component": "supervisor", "state": self.state, "step": self.snapshot.get("step"),
+                                          "components_live": sum(s.state in LIVE_STATES for s in self.table), "components": len(self.table)}
+
+    def _scrape_targets(self) -> list[tuple[str, int]]:
+        """``(name, metrics_port)`` of every ready component (called on the poller's thread)."""
+        return [(s.name, s.metrics_port) for s in list(self.table) if s.state in LIVE_STATES and s.metrics_port]
+
     def write_status(self) -> None:
-        """Write ``status.json`` atomically (tmp + rename; fields: see the module docstring)."""
+        """Write ``status.json`` atomically and keep it as :attr:`snapshot` (fields: :mod:`bus.run_status`)."""
+        stats = self.poller.stats
+        empty = {"throughput": {"samples_per_s": None, "tokens_per_s": None}, "busy": None, "queue_depth": None, "queues": {}}
+        max_steps = self.cfg.trainer.max_steps
+        steps_per_s, eta = self.steps.rate_and_eta(max_steps)
         status = {
             "supervisor_pid": os.getpid(), "supervisor_start_ticks": self._start_ticks, "run_dir": str(self.run_dir),
-            "state": self.state, "outcome": self.outcome, "error": self.error, "resume": self.resume,
+            "name": self.cfg.name, "state": self.state, "outcome": self.outcome, "error": self.error, "resume": self.resume,
             "updated_at": time.time(), "metrics_port": self.metrics_port,
-            "step": self.last_step.step if self.last_step else None, "scale": self.scale,
-            "components": [s.status_row() for s in self.table],
+            "step": self.last_step.step if self.last_step else None, "max_steps": max_steps,
+            "trainer_metrics": dict(self.last_step.metrics) if self.last_step else {},
+            "steps_per_s": steps_per_s, "eta_s": eta, "scale": self.scale, "events": self.events.recent(),
+            "components": [{**s.status_row(), "role": s.role, **stats.get(s.name, empty)} for s in self.table],
         }
-        tmp = self.run_dir / "status.json.tmp"
-        tmp.write_text(json.dumps(status, indent=1))
-        tmp.replace(self.run_dir / "status.json")
+        write_json_atomic(self.run_dir / "status.json", status)
+        self.snapshot = status
         self._status_written = time.monotonic()
 
     def snapshot_metrics(self) -> None:
         """Save every component's ``/metrics`` text to ``metrics_final/NAME.prom`` (end of run),
         and the supervisor's own to ``metrics_final/supervisor.prom``."""
-        out = self.run_dir / "metrics_final"
-        out.mkdir(exist_ok=True)
-        (out / "supervisor.prom").write_bytes(generate_latest(REGISTRY))
-        for spec in self.table:
-            if not spec.metrics_port:
-                continue
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{spec.metrics_port}/metrics", timeout=2) as resp:
-                    (out / f"{spec.name}.prom").write_bytes(resp.read())
-            except OSError as exc:
-                log.warning("could not scrape %s: %s", spec.name, exc)
+        targets = [(s.name, s.metrics_port) for s in self.table if s.metrics_port]
+        snapshot_metrics(self.run_dir / "metrics_final", generate_latest(REGISTRY), targets)
 
     def write_scrape_config(self) -> None:
-        """Write ``prometheus.yml``: one scrape target per component's metrics port, plus the supervisor's."""
-        ports = [s.metrics_port for s in self.table if s.metrics_port] + [self.metrics_port] * bool(self.metrics_port)
-        targets = [f"127.0.0.1:{p}" for p in ports]
-        text = (
-            "scrape_configs:\n  - job_name: rlbus\n    scrape_interval: 5s\n    static_configs:\n"
-            f"      - targets: {json.dumps(targets)}\n        labels: {{run: {json.dumps(self.cfg.name)}}}\n"
-        )
-        tmp = self.run_dir / "prometheus.yml.tmp"
-        tmp.write_text(text)
-        tmp.replace(self.run_dir / "prometheus.yml")
+        """Write ``prometheus.yml``: a target per component with a metrics port, and the supervisor."""
+        targets = [(s.name, s.role, s.metrics_port) for s in self.table]
+        write_scrape_config(self.run_dir / "prometheus.yml", self.cfg.name, [*targets, ("supervisor", "supervisor", self.metrics_port)])
 
     # -- shutdown --------------------------------------------------------------------------------
 
@@ -681,9 +423,10 @@ class Supervisor:
         if self.ctx.closed:
             return
         self.state = "stopping"
+        self.poller.close()
         running = [s for s in reversed(self.table) if s.proc is not None]
         for spec in running:
-            _signal_group(spec.pid, signal.SIGTERM)
+            signal_group(spec.pid, signal.SIGTERM)
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for spec in running:
             try:
@@ -691,7 +434,7 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 log.warning("%s did not stop in %.0f s; killing it", spec.name, STOP_TIMEOUT_S)
         for spec in running:
-            _signal_group(spec.pid, signal.SIGKILL)  # also reaps children (vLLM engine processes)
+            signal_group(spec.pid, signal.SIGKILL)  # also reaps children (vLLM engine processes)
             spec.proc.wait()
             if spec.state != "exited":
                 spec.state, spec.exit_code = "exited", spec.proc.returncode
@@ -712,9 +455,3 @@ class Supervisor:
         auth.disable(self.ctx)
         self.ctx.term()
 
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

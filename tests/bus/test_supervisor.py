@@ -241,10 +241,12 @@ def test_killed_components_are_restarted_with_backoff_and_the_run_still_ends(tmp
 
     assert busctl.main(["status", str(run.run_dir)]) == 0
     shown = capsys.readouterr().out
-    rows = {cells[0]: cells for line in shown.splitlines() if len(cells := [c.strip() for c in re.split("[│┃]", line)[1:-1]]) == 7}
-    assert rows["component"] == ["component", "state", "pid", "alive", "restarts", "heartbeat", "metrics port"]
+    rows = {cells[0]: cells for line in shown.splitlines() if len(cells := [c.strip() for c in re.split("[│┃]", line)[1:-1]]) == 11}
+    assert rows["component"] == ["component", "state", "pid", "alive", "restarts", "heartbeat", "samples/s", "tokens/s", "busy",
+                                 "queue", "metrics port"]
     assert rows["rewards-0"][:5] == ["rewards-0", "running", str(comps["rewards-0"]["pid"]), "yes", "2"]
     assert rows["rewards-0"][5].endswith(" s ago")
+    assert rows["rewards-0"][10] == str(comps["rewards-0"]["metrics_port"])
     assert "rewards-0: last crash: was killed by SIGKILL" in shown
 
     publish_run_done(run)  # through the restarted hub

@@ -1,0 +1,151 @@
+"""The component table of a run and the small process facts the supervisor judges it by.
+
+:func:`component_table` lists every process of a run in start order (the hub first, the prompt
+source last); a :class:`ComponentSpec` is one row with its runtime state. The pure helpers here
+(backoff, exit descriptions, process start times, free ports) carry no supervisor state, so
+``busctl`` and tests use them without starting anything.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from configs.schema import RunConfig, SupervisorConfig
+
+RESTARTABLE_ROLES = frozenset({"hub", "trainer", "rewards", "producer", "prompt-source"})
+"""Roles the supervisor restarts. Not the packer: its buffered groups would be lost."""
+
+LIVE_STATES = ("ready", "running", "done")
+"""States of a component that completed its ready handshake and is alive."""
+
+
+@dataclass
+class ComponentSpec:
+    """One row of the component table, with its runtime state.
+
+    Attributes:
+        name: unique name (``"rewards-1"``); its role is the name without the ``-INDEX`` suffix.
+        module: ``python -m`` entry. index: replica index.
+        pid, state, metrics_port: runtime state (states: see :mod:`bus.supervisor`).
+        restarts: times the supervisor restarted it. consecutive_crashes: crashes since it last
+            stayed up ``backoff_reset_s``. exit_code: of its last process (negative: signal).
+        last_error: why it last crashed. late_join: spawned with ``RLBUS_LATE_JOIN=1``.
+        port_request: metrics port asked for at spawn (0: any free port).
+        spawned_at, ready_at, last_beat: ``time.monotonic()`` of the last spawn, ready handshake
+            and heartbeat (None: not yet). last_beat_wall: the heartbeat's ``time.time()``.
+        due: monotonic deadline of the current state (``starting``: ready timeout;
+            ``restarting``: respawn time; ``stopping``: SIGKILL time).
+    """
+
+    name: str
+    module: str
+    index: int = 0
+    pid: int = 0
+    state: str = "not started"
+    metrics_port: int = 0
+    restarts: int = 0
+    consecutive_crashes: int = 0
+    exit_code: int | None = None
+    last_error: str = ""
+    late_join: bool = False
+    port_request: int = 0
+    spawned_at: float = 0.0
+    ready_at: float | None = None
+    last_beat: float | None = None
+    last_beat_wall: float | None = None
+    due: float = 0.0
+    proc: subprocess.Popen | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def role(self) -> str:
+        """``"rewards"`` for ``"rewards-1"``, ``"producer"`` for ``"producer-0"``, else the name."""
+        base, _, suffix = self.name.rpartition("-")
+        return base if base and suffix.isdigit() else self.name
+
+    def status_row(self) -> dict:
+        """The JSON row of ``status.json``."""
+        return {"name": self.name, "module": self.module, "index": self.index, "pid": self.pid, "state": self.state,
+                "metrics_port": self.metrics_port, "restarts": self.restarts, "consecutive_crashes": self.consecutive_crashes,
+                "last_heartbeat_at": self.last_beat_wall, "exit_code": self.exit_code, "last_error": self.last_error,
+                "late_join": self.late_join}
+
+
+def component_table(cfg: RunConfig) -> list[ComponentSpec]:
+    """Every process of a run, in start order (the hub first, the prompt source last)."""
+    table = [ComponentSpec("hub", "bus.hub"), ComponentSpec("trainer", "trainer.proc"), ComponentSpec("packer", "packer.proc")]
+    table += [ComponentSpec(f"rewards-{i}", "rewards.worker", i) for i in range(cfg.rewards.replicas)]
+    table += [ComponentSpec(f"producer-{i}", "producers.producer", i) for i in range(cfg.producers.replicas)]
+    table.append(ComponentSpec("prompt-source", "producers.prompt_source"))
+    return table
+
+
+def launch_prefix(cfg: RunConfig, spec: ComponentSpec) -> list[str]:
+    """The start of a component's command line: ``python -m MODULE``; for the trainer with
+    ``trainer.data_parallel`` N > 1, ``python -m torch.distributed.run --standalone
+    --nproc-per-node N -m MODULE`` (torchrun: every rank runs MODULE with the same arguments).
+
+    The whole torchrun group is one component: the supervisor watches (and kills, restarts) the
+    torchrun agent; its ranks run in their own sessions and die with it (``PR_SET_PDEATHSIG``),
+    and rank 0 sends the ready handshake and heartbeats in the agent's name
+    (:func:`trainer.distributed.launcher_pid`). ``--standalone`` picks a free local rendezvous port.
+    """
+    n = cfg.trainer.data_parallel
+    if spec.role != "trainer" or n == 1:
+        return [sys.executable, "-m", spec.module]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), "-m", spec.module]
+
+
+
+def backoff_s(consecutive_crashes: int, sup: SupervisorConfig) -> float:
+    """Delay before restarting a component after its ``consecutive_crashes``-th crash in a row
+    (>= 1): ``min(backoff_max_s, backoff_initial_s * 2**(consecutive_crashes - 1))``, seconds."""
+    if consecutive_crashes < 1:
+        raise ValueError(f"consecutive_crashes must be >= 1, got {consecutive_crashes}")
+    return min(sup.backoff_max_s, sup.backoff_initial_s * 2.0 ** min(consecutive_crashes - 1, 60))
+
+
+def describe_exit(code: int) -> str:
+    """``"exited with code 1"`` or ``"was killed by SIGKILL"`` (Popen's negative codes)."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """Start time of process ``pid`` (clock ticks since boot, ``/proc/PID/stat`` field 22), to
+    tell a process from a later one that reuses its pid; None if unknown or not running."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    try:
+        return int(stat.rpartition(")")[2].split()[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host``."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    """Send ``sig`` to process group ``pgid``; a group that is gone (or not ours) is ignored."""
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,143 @@
+"""What ``busctl up`` shows on a terminal, and the formatting ``busctl status`` shares with it.
+
+The live display is rendered from a ``status.json`` snapshot (:attr:`bus.supervisor.Supervisor.snapshot`,
+fields in :mod:`bus.run_status`), never from the supervisor's live objects, so rendering on rich's
+refresh thread cannot race the watch loop, and :func:`render_text` shows exactly what a snapshot
+would look like (tests render real snapshots to text). Three parts:
+
+- a header: run, state, step/max_steps, reward, KL, entropy, policy lag mean/max, step time and
+  the ETA from the recent step rate;
+- a table with a row per component: state, samples/s, tokens/s, busy %, queue depth, restarts;
+- the last :data:`EVENTS_SHOWN` events (ready, crashed, scale lines).
+
+Progress and event lines keep printing as before; while the display is live rich prints them
+above it. Without a terminal (logs, CI) ``busctl up`` prints only those lines.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from typing import Callable
+
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+EVENTS_SHOWN = 5
+"""Recent events under the table."""
+
+REFRESH_PER_S = 2.0
+"""Display refreshes per second."""
+
+
+def progress_line(step: int, max_steps: int, m: dict) -> str:
+    """``step   12/60 | reward 0.512 | loss +0.0123 | kl 0.0010 | 1,234 tok/s | lag 0.50/1 | 2.31 s``
+    from a ``trainer.step`` message's metrics ``m`` (a missing key shows as 0)."""
+    return (
+        f"step {step:>4}/{max_steps} | reward {m.get('reward_mean', 0):.3f}"
+        f" | loss {m.get('loss', 0):+.4f} | kl {m.get('kl', 0):.4f} | {m.get('tokens_per_s', 0):,.0f} tok/s"
+        f" | lag {m.get('policy_lag_mean', 0):.2f}/{m.get('policy_lag_max', 0):.0f} | {m.get('step_time_s', 0):.2f} s"
+    )
+
+
+def format_duration(seconds: float | None) -> str:
+    """``"1h02m"``, ``"3m05s"``, ``"12s"``; ``"-"`` for None."""
+    if seconds is None:
+        return "-"
+    s = int(round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def format_rate(value: float | None) -> str:
+    """A per-second rate: ``"1,234"``, ``"12.5"``, ``"0.25"``; ``"-"`` when unknown."""
+    if value is None:
+        return "-"
+    return f"{value:,.0f}" if value >= 100 else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def format_busy(value: float | None) -> str:
+    """A busy fraction as a percentage (``"73%"``); ``"-"`` when unknown."""
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def format_queue(row: dict) -> str:
+    """A component's queue depth (messages, all topics and queues); ``"-"`` when unknown."""
+    depth = row.get("queue_depth")
+    return "-" if depth is None else f"{depth:.0f}"
+
+
+def trainer_text(snap: dict) -> str:
+    """``step 12/60 | reward .. | KL .. | entropy .. | lag m/M | 2.31 s/step | ETA ..`` (the trainer's
+    values once it reported a step; ``step -/60`` before)."""
+    step, max_steps = snap.get("step"), snap.get("max_steps")
+    parts = [f"step {'-' if step is None else step}/{max_steps if max_steps is not None else '?'}"]
+    m = snap.get("trainer_metrics") or {}
+    for label, key, fmt in (("reward", "reward_mean", ".3f"), ("KL", "kl", ".4f"), ("entropy", "entropy", ".3f")):
+        if key in m:
+            parts.append(f"{label} {m[key]:{fmt}}")
+    if "policy_lag_mean" in m:
+        parts.append(f"lag {m['policy_lag_mean']:.2f}/{m.get('policy_lag_max', 0):.0f}")
+    if "step_time_s" in m:
+        parts.append(f"{m['step_time_s']:.2f} s/step")
+    if step is not None:
+        parts.append(f"ETA {format_duration(snap.get('eta_s'))}")
+    return " | ".join(parts)
+
+
+def header_text(snap: dict) -> str:
+    """One line: ``NAME STATE | `` and :func:`trainer_text`."""
+    return f"{snap.get('name', '')} {snap.get('state', '?')}".strip() + " | " + trainer_text(snap)
+
+
+def components_view(snap: dict) -> Table:
+    """The per-component table of a snapshot."""
+    table = Table()
+    for col, justify in (("component", "left"), ("state", "left"), ("samples/s", "right"), ("tokens/s", "right"),
+                         ("busy", "right"), ("queue", "right"), ("restarts", "right")):
+        table.add_column(col, justify=justify, no_wrap=True)
+    for row in snap.get("components", []):
+        tp = row.get("throughput") or {}
+        table.add_row(row["name"], row.get("state", "?"), format_rate(tp.get("samples_per_s")), format_rate(tp.get("tokens_per_s")),
+                      format_busy(row.get("busy")), format_queue(row), str(row.get("restarts", 0)))
+    return table
+
+
+def render(snap: dict) -> RenderableType:
+    """The whole display of one snapshot: header, component table, recent events."""
+    parts: list[RenderableType] = [Text(header_text(snap), style="bold"), components_view(snap)]
+    for at, text in (snap.get("events") or [])[-EVENTS_SHOWN:]:
+        parts.append(Text(f"{time.strftime('%H:%M:%S', time.localtime(at))} {text}", style="dim"))
+    return Group(*parts)
+
+
+def render_text(snap: dict, width: int = 120) -> str:
+    """:func:`render` as plain text ``width`` columns wide (what a terminal shows, without colour)."""
+    out = io.StringIO()
+    Console(file=out, width=width, color_system=None, highlight=False).print(render(snap))
+    return out.getvalue()
+
+
+class LiveDisplay:
+    """A rich ``Live`` region at the bottom of ``console`` showing ``snapshot()``, refreshed
+    :data:`REFRESH_PER_S` times a second; a context manager. Lines printed on ``console`` meanwhile
+    appear above it; the last state stays on screen after exit.
+
+    Args:
+        console: a terminal console. snapshot: returns the latest snapshot (called on rich's
+            refresh thread: it must only read, e.g. return an attribute holding an immutable dict).
+    """
+
+    def __init__(self, console: Console, snapshot: Callable[[], dict]) -> None:
+        self.live = Live(console=console, get_renderable=lambda: render(snapshot()), refresh_per_second=REFRESH_PER_S,
+                         transient=False, redirect_stdout=True, redirect_stderr=True)
+
+    def __enter__(self) -> "LiveDisplay":
+        self.live.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.live.stop()

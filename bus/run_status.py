@@ -1,0 +1,176 @@
+"""The files a running ``busctl up`` keeps for others: ``status.json``, ``prometheus.yml``,
+``metrics_final/``; which of a previous run's files a new one clears; and the step clock and
+event log behind its progress display.
+
+``status.json`` (rewritten atomically, tmp + rename, at least every
+:data:`bus.supervisor.STATUS_EVERY_S` while running) holds: the supervisor's pid and process
+start time, its state and outcome, its metrics port, the last step and ``max_steps``, the last
+step's trainer metrics (``trainer_metrics``: reward_mean, kl, entropy, policy_lag_mean/max,
+step_time_s, ...), ``steps_per_s`` and ``eta_s`` from the recent step rate, the last scale
+request, the recent ``events`` (ready, crashed, restarted, scaled lines; ``[unix time, text]``),
+and per component: name, role, module, index, pid, state, restarts, consecutive crashes, last
+heartbeat (unix time), metrics port, exit code, last error, and from the metrics poller
+(:mod:`bus.scrape`) ``throughput`` (samples/s, tokens/s), ``busy`` (fraction), ``queue_depth``
+(messages) and ``queues`` (per ``topic/queue``).
+
+``prometheus.yml``: job ``rlbus``, one static config per component with a metrics port and one
+for the supervisor itself, each labelled ``run`` (``cfg.name``), ``component`` (``producer-0``)
+and ``role`` (``producer``; ``supervisor`` for the supervisor).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+import urllib.request
+from collections import deque
+from pathlib import Path
+
+import yaml
+from rich.text import Text
+
+log = logging.getLogger(__name__)
+
+SCRAPE_INTERVAL = "5s"
+"""How often the generated Prometheus config scrapes every target."""
+
+STEP_WINDOW = 10
+"""Steps the ETA's step rate is measured over (the most recent ones)."""
+
+EVENTS_KEPT = 20
+"""Recent events kept for ``status.json`` and the live display."""
+
+RUN_OUTPUTS = ("metrics.jsonl", "stages.jsonl", "trained_samples.jsonl", "ledger.jsonl", "accounting.json", "samples.jsonl", "report", "metrics_final",
+               "checkpoints", "logs", "weights", "sock", "status.json", "scale.json", "prometheus.yml")
+"""Removed from the run directory by a fresh ``busctl up`` (files or directories): a fresh run
+starts from an empty run directory (the prompt source's ledger, the trainer's checkpoints)."""
+
+TRANSIENT_OUTPUTS = ("metrics_final", "weights", "sock", "status.json", "scale.json", "prometheus.yml")
+"""Removed by ``busctl up --resume`` too: nothing a resumed run continues from."""
+
+
+def clear_run_dir(run_dir: Path, resume: bool) -> None:
+    """Remove a previous run's outputs from ``run_dir``: :data:`RUN_OUTPUTS`, or with ``resume``
+    only :data:`TRANSIENT_OUTPUTS` (files or whole directories)."""
+    for stale in TRANSIENT_OUTPUTS if resume else RUN_OUTPUTS:
+        target = run_dir / stale
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+
+
+def write_json_atomic(path: Path, obj: object) -> None:
+    """Write ``obj`` as JSON to ``path`` through ``PATH.tmp`` + rename: readers never see half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)
+
+
+def scrape_config(run: str, targets: list[tuple[str, str, int]], host: str = "127.0.0.1") -> dict:
+    """The Prometheus configuration of a run.
+
+    Args:
+        run: the run's name (``cfg.name``), label ``run`` of every target.
+        targets: ``(component, role, metrics_port)`` per process, the supervisor included.
+        host: where the processes serve their metrics.
+
+    Returns:
+        ``{"scrape_configs": [{"job_name": "rlbus", "scrape_interval": "5s", "static_configs":
+        [{"targets": ["HOST:PORT"], "labels": {"run", "component", "role"}}, ...]}]}``.
+    """
+    statics = [{"targets": [f"{host}:{port}"], "labels": {"run": run, "component": name, "role": role}}
+               for name, role, port in targets if port]
+    return {"scrape_configs": [{"job_name": "rlbus", "scrape_interval": SCRAPE_INTERVAL, "static_configs": statics}]}
+
+
+def append_stage_record(path: Path, step: int, stats: dict[str, dict], roles: dict[str, str]) -> None:
+    """Append one line to ``stages.jsonl`` (read by ``busctl report``): ``{"time": unix s,
+    "step": steps done, "components": {name: {"role", "throughput": {"samples_per_s",
+    "tokens_per_s"}, "busy", "queue_depth"}}}`` from the metrics poller's latest round.
+
+    An I/O error is logged, never raised: the record is a convenience, the run goes on.
+    """
+    components = {
+        name: {"role": roles.get(name, name), **{k: stat.get(k) for k in ("throughput", "busy", "queue_depth")}}
+        for name, stat in stats.items()
+    }
+    try:
+        with path.open("a") as f:
+            f.write(json.dumps({"time": time.time(), "step": step, "components": components}) + "\n")
+    except OSError as err:
+        log.warning("could not append to %s: %s", path, err)
+
+
+def write_scrape_config(path: Path, run: str, targets: list[tuple[str, str, int]]) -> None:
+    """Write :func:`scrape_config` as YAML to ``path`` atomically (tmp + rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(scrape_config(run, targets), sort_keys=False))
+    tmp.replace(path)
+
+
+def snapshot_metrics(out: Path, own: bytes, targets: list[tuple[str, int]], timeout_s: float = 2.0) -> None:
+    """Save each ``(name, port)``'s ``/metrics`` text to ``out/NAME.prom`` and ``own`` (the
+    supervisor's exposition) to ``out/supervisor.prom``; a component that does not answer is logged
+    and skipped."""
+    out.mkdir(exist_ok=True)
+    (out / "supervisor.prom").write_bytes(own)
+    for name, port in targets:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout_s) as resp:
+                (out / f"{name}.prom").write_bytes(resp.read())
+        except OSError as exc:
+            log.warning("could not scrape %s: %s", name, exc)
+
+
+def eta_s(history: list[tuple[float, int]], max_steps: int) -> tuple[float | None, float | None]:
+    """Step rate and time left from recent steps.
+
+    Args:
+        history: ``(time_s, step)`` of recent steps, oldest first (any clock, seconds).
+        max_steps: the step the run ends at.
+
+    Returns:
+        ``(steps_per_s, eta_s)``: ``(last step - first step) / (last time - first time)`` and
+        ``(max_steps - last step) / steps_per_s``; ``(None, None)`` with fewer than two steps or
+        no time between them.
+    """
+    if len(history) < 2:
+        return None, None
+    (t0, s0), (t1, s1) = history[0], history[-1]
+    if t1 <= t0 or s1 <= s0:
+        return None, None
+    rate = (s1 - s0) / (t1 - t0)
+    return rate, max(0, max_steps - s1) / rate
+
+
+class StepClock:
+    """Monotonic times of the last :data:`STEP_WINDOW` trainer steps, for the ETA."""
+
+    def __init__(self) -> None:
+        self.history: deque[tuple[float, int]] = deque(maxlen=STEP_WINDOW)
+
+    def step(self, step: int, now: float | None = None) -> None:
+        """Record that ``step`` finished at ``now`` (default ``time.monotonic()``)."""
+        self.history.append((time.monotonic() if now is None else now, step))
+
+    def rate_and_eta(self, max_steps: int) -> tuple[float | None, float | None]:
+        """:func:`eta_s` of the recorded steps."""
+        return eta_s(list(self.history), max_steps)
+
+
+class EventLog:
+    """The last :data:`EVENTS_KEPT` supervisor events: ``[unix time, plain text]`` (rich markup stripped)."""
+
+    def __init__(self) -> None:
+        self.events: deque[list] = deque(maxlen=EVENTS_KEPT)
+
+    def add(self, markup: str, now: float | None = None) -> None:
+        """Record one event line (rich markup allowed; stored as plain text)."""
+        self.events.append([time.time() if now is None else now, Text.from_markup(markup.strip()).plain])
+
+    def recent(self) -> list[list]:
+        """A copy of the kept events, oldest first."""
+        return [list(e) for e in self.events]

@@ -1,0 +1,155 @@
+"""``busctl scale``: how the supervisor resizes a running job.
+
+The client writes ``RUN_DIR/scale.json`` atomically (``{"id": ..., "rewards": N, "producers": M}``);
+the supervisor's watch loop reads it (no signal: a stale pid can never be hit), starts
+``rewards-i`` / ``producer-i`` with the next indices (new producers get ``RLBUS_LATE_JOIN=1``: they
+cannot join a weight-broadcast group formed at start) or stops the highest indices (SIGTERM, so
+they hand back their work; SIGKILL after ``STOP_TIMEOUT_S``), and records the request's progress in
+``status.json`` (``applying`` -> ``done`` once the new set is ready and the removed ones are gone,
+or ``failed`` with the reason). Never fewer than one of each scaled role.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+
+from bus.component_table import LIVE_STATES, ComponentSpec, describe_exit, signal_group
+from configs.schema import RunConfig
+
+log = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 20.0
+"""Grace period between SIGTERM and SIGKILL at shutdown and scale-down, seconds."""
+
+SCALABLE = {"rewards": "rewards", "producers": "producer"}
+"""``busctl scale`` keys and the role each one scales."""
+
+
+def scale_targets(cfg: RunConfig, request: dict) -> dict[str, int]:
+    """Validate a scale request against the run's config.
+
+    Args:
+        cfg: the run's config. request: ``{"rewards": N, "producers": M}`` (either or both;
+            other keys such as ``"id"`` are ignored).
+
+    Returns:
+        ``{role: replicas}``, e.g. ``{"rewards": 3, "producer": 2}``.
+
+    Raises:
+        ValueError: no known key, a count that is not an int >= 1, or more producers than
+            ``producers.max_replicas`` (reward workers connect to that many rollouts endpoints).
+    """
+    targets = {}
+    for key, role in SCALABLE.items():
+        if key not in request:
+            continue
+        n = request[key]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{key}={n!r}: need a whole number >= 1 (a run never goes below one {role})")
+        targets[role] = n
+    if not targets:
+        raise ValueError(f"nothing to scale: give {' and/or '.join(k + '=N' for k in SCALABLE)}")
+    limit = cfg.producers.max_replicas
+    if targets.get("producer", 0) > limit:
+        raise ValueError(f"producers={targets['producer']} exceeds producers.max_replicas={limit} (reward workers connect to "
+                         f"that many rollouts endpoints); start the run with a larger producers.max_replicas")
+    return targets
+
+
+class Scaling:
+    """The scaling half of :class:`bus.supervisor.Supervisor` (a mixin): it uses the
+    supervisor's ``cfg``, ``run_dir``, ``table``, ``scale`` (the request's progress, as in
+    ``status.json``), ``_scale_seen``, ``_next_port_offset``, ``_spawn``, ``say``,
+    ``write_status`` and ``write_scrape_config``."""
+
+    def _poll_scale_request(self) -> None:
+        """Apply ``RUN_DIR/scale.json`` when it holds a new request id."""
+        path = self.run_dir / "scale.json"
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return
+        if self._scale_seen == (st.st_mtime_ns, st.st_size):
+            return
+        self._scale_seen = (st.st_mtime_ns, st.st_size)
+        try:
+            request = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            self.scale = {"id": None, "state": "failed", "error": f"unreadable {path}: {err}"}
+            return
+        if not isinstance(request, dict) or request.get("id") == self.scale.get("id"):
+            return
+        rid = request.get("id")
+        if self.scale.get("state") == "applying":
+            self.scale = {**self.scale, "rejected": {"id": rid, "error": "the previous scale request is still being applied"}}
+            return
+        try:
+            targets = scale_targets(self.cfg, request)
+            present = {s.role for s in self.table}
+            missing = [r for r in targets if r not in present]
+            if missing:
+                raise ValueError(f"this run has no {missing[0]} components to scale")
+        except ValueError as err:
+            self.scale = {"id": rid, "state": "failed", "error": str(err)}
+            self.say(f"  [red]scale request refused[/red]: {err}")
+            self.write_status()
+            return
+        added, removed = [], []
+        for role, n in targets.items():
+            a, r = self._scale_role(role, n)
+            added += a
+            removed += r
+        self.scale = {"id": rid, "state": "applying", "targets": targets, "added": added, "removed": removed, "error": ""}
+        self.say(f"  [cyan]scale[/cyan] {targets}: starting {added or 'none'}, stopping {removed or 'none'}")
+        self.write_status()
+
+    def _scale_role(self, role: str, n: int) -> tuple[list[str], list[str]]:
+        """Start or stop replicas of ``role`` until ``n`` remain; returns (started, stopping) names."""
+        current = sorted((s for s in self.table if s.role == role and s.state != "stopping"), key=lambda s: s.index)
+        added, removed = [], []
+        for index in range(len(current), n):
+            template = current[-1]
+            base = self.cfg.metrics.base_port
+            spec = ComponentSpec(f"{role}-{index}", template.module, index, late_join=(role == "producer"),
+                                 port_request=base + self._next_port_offset if base else 0)
+            self._next_port_offset += 1
+            last = max(k for k, s in enumerate(self.table) if s.role == role)
+            self.table.insert(last + 1, spec)
+            self._spawn(spec)
+            added.append(spec.name)
+        for spec in current[n:][::-1]:
+            removed.append(spec.name)
+            if spec.proc is None:  # waiting for a restart: nothing runs
+                self.table.remove(spec)
+                continue
+            signal_group(spec.pid, signal.SIGTERM)
+            spec.state, spec.due = "stopping", time.monotonic() + STOP_TIMEOUT_S
+        return added, removed
+
+    def _check_stopping(self, spec: ComponentSpec, now: float) -> None:
+        """A scaled-down component: gone once its process exited; SIGKILL past its grace period."""
+        if spec.proc.poll() is not None:
+            signal_group(spec.pid, signal.SIGKILL)  # whatever of its group is left
+            spec.exit_code = spec.proc.returncode
+            self.table.remove(spec)
+            self.say(f"  [cyan]stopped[/cyan] {spec.name} ({describe_exit(spec.exit_code)})")
+            self.write_scrape_config()
+        elif now > spec.due:
+            log.warning("%s did not stop in %.0f s after SIGTERM; killing it", spec.name, STOP_TIMEOUT_S)
+            signal_group(spec.pid, signal.SIGKILL)
+
+    def _track_scale(self) -> None:
+        if self.scale.get("state") != "applying":
+            return
+        by_name = {s.name: s for s in self.table}
+        ready = all(by_name.get(n) is not None and by_name[n].state in LIVE_STATES for n in self.scale["added"])
+        if ready and not any(n in by_name for n in self.scale["removed"]):
+            self.scale["state"] = "done"
+            self.say(f"  [cyan]scaled[/cyan] to {self.scale['targets']}")
+            self.write_status()
+
+    # -- status files ----------------------------------------------------------------------------
+

@@ -1,0 +1,208 @@
+"""Read components' Prometheus metrics over HTTP and turn two readings into rates.
+
+The supervisor's :class:`MetricsPoller` scrapes every ready component's ``/metrics`` every
+:data:`POLL_INTERVAL_S` on a daemon thread of its own (a slow or dead component costs at most
+:data:`SCRAPE_TIMEOUT_S` there and never delays healing), and keeps per component what
+``status.json``, ``busctl status`` and the live display show:
+
+- ``throughput``: ``samples_per_s`` and ``tokens_per_s``, rates of ``rlbus_stage_samples_total``
+  and ``rlbus_stage_tokens_total`` (summed over the ``stage`` label; :class:`bus.metrics.StageMeter`)
+  over the last :data:`RATE_WINDOW_S` (like Prometheus' ``rate(x[20s])``: stages finish work in
+  bursts, a trainer step every few seconds, so a rate between two scrapes 2 s apart would flicker);
+- ``busy``: fraction of that window with work in hand,
+  ``d busy_seconds / (d busy_seconds + d idle_seconds)`` of ``rlbus_stage_{busy,idle}_seconds_total``;
+- ``queue_depth``: the sum of ``rlbus_bus_queued_messages`` over its topics and queues, and
+  ``queues``: each ``"topic/queue"`` on its own.
+
+Rates follow Prometheus' ``rate()`` on counter resets: a counter lower than before (the component
+restarted) counts from zero. A value that cannot be computed yet (one scrape only, no such
+counter) is ``None``, never a made-up zero.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Callable
+
+from prometheus_client.parser import text_string_to_metric_families
+
+POLL_INTERVAL_S = 2.0
+"""Seconds between two scrapes of the same component."""
+
+SCRAPE_TIMEOUT_S = 1.0
+"""Longest one scrape may take (connect + read), seconds; a slower component is skipped this round."""
+
+RATE_WINDOW_S = 20.0
+"""Rates and the busy fraction are measured over (about) this many recent seconds."""
+
+STAGE_SAMPLES, STAGE_TOKENS = "rlbus_stage_samples_total", "rlbus_stage_tokens_total"
+STAGE_BUSY, STAGE_IDLE = "rlbus_stage_busy_seconds_total", "rlbus_stage_idle_seconds_total"
+QUEUED = "rlbus_bus_queued_messages"
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """One reading of a component's ``/metrics``.
+
+    Attributes:
+        at: ``time.monotonic()`` when it was taken, seconds.
+        samples: sample name (``"rlbus_bus_queued_messages"``, ``"x_total"``, ``"h_bucket"``) ->
+            list of (labels, value).
+    """
+
+    at: float
+    samples: dict[str, list[tuple[dict[str, str], float]]] = field(default_factory=dict)
+
+    def total(self, name: str, **labels: str) -> float | None:
+        """Sum of every sample called ``name`` whose labels include ``labels``; None when the
+        component exposes no sample of that name at all."""
+        rows = self.samples.get(name)
+        if rows is None:
+            return None
+        return sum(v for got, v in rows if all(got.get(k) == want for k, want in labels.items()))
+
+
+def parse_metrics(text: str, at: float) -> Scrape:
+    """Parse Prometheus text exposition (``/metrics``) taken at monotonic time ``at``.
+
+    Raises:
+        ValueError: the text is not valid exposition format.
+    """
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
+    return Scrape(at, samples)
+
+
+def scrape(port: int, host: str = "127.0.0.1", timeout_s: float = SCRAPE_TIMEOUT_S) -> Scrape:
+    """GET ``http://HOST:PORT/metrics`` and parse it.
+
+    Raises:
+        OSError: connection refused, timeout, HTTP error. ValueError: unparsable body.
+    """
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout_s) as resp:
+        body = resp.read().decode("utf-8")
+    return parse_metrics(body, time.monotonic())
+
+
+def counter_delta(prev: float, cur: float) -> float:
+    """Increase of a counter between two readings; a lower reading means it restarted from 0
+    (Prometheus ``rate()`` semantics), so the increase is the new reading itself."""
+    return cur if cur < prev else cur - prev
+
+
+def counter_rate(prev: Scrape, cur: Scrape, name: str) -> float | None:
+    """Per-second increase of counter ``name`` (all its series summed) from ``prev`` to ``cur``,
+    1/s; None if ``cur`` does not expose it or no time passed."""
+    now, dt = cur.total(name), cur.at - prev.at
+    if now is None or dt <= 0:
+        return None
+    return counter_delta(prev.total(name) or 0.0, now) / dt
+
+
+def busy_fraction(prev: Scrape, cur: Scrape) -> float | None:
+    """``d busy / (d busy + d idle)`` of the stage busy/idle seconds counters, in [0, 1]; None
+    without those counters or when neither grew."""
+    values = [(prev.total(n), cur.total(n)) for n in (STAGE_BUSY, STAGE_IDLE)]
+    if any(c is None for _, c in values):
+        return None
+    busy, idle = (counter_delta(p or 0.0, c) for p, c in values)
+    return busy / (busy + idle) if busy + idle > 0 else None
+
+
+def queue_depths(cur: Scrape) -> dict[str, float]:
+    """``{"topic/queue": messages}`` of ``rlbus_bus_queued_messages`` (queues: inbox,
+    outbox_not_taken, outbox_unfinished)."""
+    return {f"{lab.get('topic', '?')}/{lab.get('queue', '?')}": v for lab, v in cur.samples.get(QUEUED, [])}
+
+
+def component_stats(prev: Scrape | None, cur: Scrape) -> dict:
+    """What ``status.json`` records of one component from its last two scrapes.
+
+    Returns:
+        ``{"throughput": {"samples_per_s": x, "tokens_per_s": y}, "busy": f, "queue_depth": n,
+        "queues": {"topic/queue": n}}``; rates and ``busy`` are None without ``prev``.
+    """
+    queues = queue_depths(cur)
+    samples = tokens = busy = None
+    if prev is not None:
+        samples = counter_rate(prev, cur, STAGE_SAMPLES)
+        tokens = counter_rate(prev, cur, STAGE_TOKENS)
+        busy = busy_fraction(prev, cur)
+    return {"throughput": {"samples_per_s": samples, "tokens_per_s": tokens}, "busy": busy,
+            "queue_depth": sum(queues.values()) if queues else None, "queues": queues}
+
+
+class MetricsPoller:
+    """Scrapes components' metrics on a daemon thread and keeps their latest stats.
+
+    Args:
+        targets: called once per round (from the poller's thread): ``[(name, port), ...]`` of
+            the components to scrape now; it must only read (e.g. copy the component table).
+        interval_s: seconds between rounds. timeout_s: per scrape. host: where components serve.
+        window_s: rates are over the scrapes of the last ``max(window_s, interval_s)`` seconds.
+
+    Attributes:
+        stats: component name -> :func:`component_stats`; replaced whole after every round, so a
+            reader on another thread always sees one consistent round.
+        failures: component name -> last scrape error of the latest round (text).
+    """
+
+    def __init__(self, targets: Callable[[], list[tuple[str, int]]], interval_s: float = POLL_INTERVAL_S,
+                 timeout_s: float = SCRAPE_TIMEOUT_S, host: str = "127.0.0.1", window_s: float = RATE_WINDOW_S) -> None:
+        self.targets = targets
+        self.interval_s, self.timeout_s, self.host = interval_s, timeout_s, host
+        self.stats: dict[str, dict] = {}
+        self.failures: dict[str, str] = {}
+        self.window_s = max(window_s, interval_s)
+        self._history: dict[str, tuple[int, deque[Scrape]]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def poll_once(self) -> dict[str, dict]:
+        """Scrape every target once; update and return :attr:`stats`. A target that fails keeps
+        its previous stats (its readings stay the base of the next rate); one on a new port (a
+        restarted component) starts a new history."""
+        stats, failures, seen = {}, {}, set()
+        for name, port in self.targets():
+            seen.add(name)
+            try:
+                cur = scrape(port, self.host, self.timeout_s)
+            except (OSError, ValueError) as err:
+                failures[name] = str(err)
+                if name in self.stats:
+                    stats[name] = self.stats[name]
+                continue
+            prev_port, history = self._history.get(name, (port, deque()))
+            if prev_port != port:
+                history = deque()
+            while len(history) > 1 and cur.at - history[1].at >= self.window_s:
+                history.popleft()  # keep the newest reading at least a window old as the base
+            stats[name] = component_stats(history[0] if history else None, cur)
+            history.append(cur)
+            self._history[name] = (port, history)
+        self._history = {n: v for n, v in self._history.items() if n in seen}
+        self.stats, self.failures = stats, failures
+        return stats
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.poll_once()
+            self._stop.wait(self.interval_s)
+
+    def start(self) -> None:
+        """Start the polling thread (a daemon: it never keeps the process alive)."""
+        self._thread = threading.Thread(target=self._loop, name="metrics-poller", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the thread (waits for the round in progress, bounded by the scrape timeouts)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.timeout_s * 20 + self.interval_s)
+            self._thread = None
