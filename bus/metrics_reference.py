@@ -353,16 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     if ns.list:
         print("\n".join(f.name for f in families))
         return 0
-    text = render(families)
-    if ns.check:
-        current = ns.out.read_text() if ns.out.is_file() else ""
-        if current != text:
-            print(f"{ns.out} is stale: run `python -m bus.metrics_reference`", file=sys.stderr)
-            return 1
-        return 0
-    ns.out.write_text(text)
-    print(f"wrote {ns.out} ({len(families)} metric families)")
-    return 0
+    from configs.reference import write_or_check
+
+    return write_or_check(ns.out, render(families), check=ns.check, command="python -m bus.metrics_reference",
+                          note=f" ({len(families)} metric families)")
 
 
 if __name__ == "__main__":

@@ -281,15 +281,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DOC_PATH, help="output file (default: docs/configuration.md)")
     parser.add_argument("--check", action="store_true", help="exit 1 if the file differs from a fresh rendering")
     ns = parser.parse_args(argv)
-    text = render()
-    if ns.check:
-        current = ns.out.read_text() if ns.out.is_file() else ""
-        if current != text:
-            print(f"{ns.out} is stale: run `python -m configs.reference`", file=sys.stderr)
+    return write_or_check(ns.out, render(), check=ns.check, command="python -m configs.reference")
+
+
+def write_or_check(out: Path, text: str, *, check: bool, command: str, note: str = "") -> int:
+    """Write a generated document, or with ``check`` only compare it (exit code 1 and a hint to
+    run ``command`` when ``out`` differs). Shared by the generated docs' command lines.
+
+    Returns:
+        The exit code: 0, or 1 for a stale file under ``check``.
+    """
+    if check:
+        if (out.read_text() if out.is_file() else "") != text:
+            print(f"{out} is stale: run `{command}`", file=sys.stderr)
             return 1
         return 0
-    ns.out.write_text(text)
-    print(f"wrote {ns.out}")
+    out.write_text(text)
+    print(f"wrote {out}{note}")
     return 0
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import threading
 
 import numpy as np
 import pytest
@@ -22,8 +21,8 @@ from prometheus_client import REGISTRY
 
 from bus.messages import MicroBatch
 from packer.packer import DROP_REASONS
-from packer.proc import EVAL_DECISIONS, PackerProc
-from tests.packer.test_packer_proc import WAIT_S, LiveBus, group, receive_step, wait_until
+from packer.proc import EVAL_DECISIONS
+from tests.packer.test_packer_proc import WAIT_S, LiveBus, group, packer, receive_step, wait_until  # noqa: F401 (fixture)
 from tests.socket_dirs import remove_outside_socket_dir
 
 BUDGET = 16
@@ -51,19 +50,6 @@ def live(tmp_path):
     remove_outside_socket_dir(tmp_path)
 
 
-@pytest.fixture
-def packer(live):
-    proc = PackerProc(live.cfg, "packer", 0)
-    proc.setup()
-    live.sync(proc.control_out)
-    thread = threading.Thread(target=proc.run, daemon=True)
-    thread.start()
-    yield proc
-    proc.stop.set()
-    thread.join(timeout=5)
-    proc.close()
-
-
 def test_every_known_outcome_exists_from_the_start(live, packer):
     for outcome in ("accepted", "duplicate", *DROP_REASONS):
         assert REGISTRY.get_sample_value("rlbus_packer_groups_total", {"outcome": outcome}) is not None, outcome
@@ -75,6 +61,7 @@ def test_every_known_outcome_exists_from_the_start(live, packer):
 
 
 def test_step_metrics_stage_meter_and_samples_log(live, packer):
+    packer, _thread = packer
     scored = live.courier().sender("scored", live.endpoints.address("scored"), bind=False)
     trainer = live.courier().receiver("batches", live.endpoints.address("batches"), bind=False, accept=(MicroBatch,))
     before = {
