@@ -77,6 +77,7 @@ for _outcome in GROUP_OUTCOMES:
 for _outcome in EVAL_DECISIONS:
     EVAL_GROUPS.labels(_outcome)
 
+
 def observe_step(batches: list[MicroBatch], micro_batch_tokens: int) -> None:
     """Per emitted step: micro-batch count, padding ratio and each sample's policy lag."""
     MICRO_BATCHES.observe(len(batches))
