@@ -66,11 +66,12 @@ FUZZ_DEADLINE_S = 40.0
 
 
 def rejected(text: str, topic: str | None = None) -> Counter[str]:
-    """``rlbus_bus_rejected_total`` by reason (optionally of one topic) from Prometheus text."""
+    """``rlbus_bus_rejected_total`` by reason (optionally of one topic) from Prometheus text; only
+    reasons that occurred (every reason's series exists at 0 from the start)."""
     out: Counter[str] = Counter()
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == "rlbus_bus_rejected_total" and (topic is None or s.labels["topic"] == topic):
+            if s.name == "rlbus_bus_rejected_total" and s.value > 0 and (topic is None or s.labels["topic"] == topic):
                 out[s.labels["reason"]] += int(s.value)
     return out
 
