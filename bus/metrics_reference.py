@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client import REGISTRY
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_PATH = ROOT / "docs" / "metrics.md"
@@ -134,31 +134,28 @@ def metric_modules() -> list[str]:
     return found
 
 
-def _stage_meters() -> list[CollectorRegistry]:
+def _stage_meters() -> None:
     from bus.metrics import STAGES, StageMeter
 
     _KEEP.extend(StageMeter(stage) for stage in STAGES)  # each stage's process makes one at set-up
-    return []
 
 
 _KEEP: list = []
 """Runtime objects kept alive while the registry is walked (stage meters are held weakly)."""
 
 
-def _bus_topics() -> list[CollectorRegistry]:
+def _bus_topics() -> None:
     from bus.metrics import declare_topic
     from bus.topics import TOPICS
 
     for spec in TOPICS.values():
         for direction in ("send", "recv"):
             declare_topic(spec.name, direction, reliable=spec.reliable)
-    return []
 
 
 RUNTIME_COLLECTORS = {"bus.metrics.StageMeter": _stage_meters, "bus.metrics.declare_topic": _bus_topics}
 """What components create at run time (not at import), made here too: ``{the code: maker}``; a
-maker returns registries holding the collectors it made, or pre-initialises label values of the
-default registry's."""
+maker adds series (label values) to the default registry's collectors."""
 
 
 def collect_families() -> list[Family]:
@@ -189,10 +186,9 @@ def collect_families() -> list[Family]:
             importlib.import_module(module)
     finally:
         del REGISTRY.register
-    collectors = []
-    for qualname, make in RUNTIME_COLLECTORS.items():
-        collectors += [(registry, qualname.rpartition(".")[0]) for registry in make()]
-    collectors += [(c, owner.get(id(c), "?")) for c in REGISTRY._collector_to_names]
+    for make in RUNTIME_COLLECTORS.values():
+        make()
+    collectors = [(c, owner.get(id(c), "?")) for c in REGISTRY._collector_to_names]
     families: dict[str, Family] = {}
     for collector, module in collectors:
         for metric in collector.collect():

@@ -17,11 +17,10 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+from bus.metrics_reference import metric_modules
+
 REPO = Path(__file__).resolve().parents[2]
 GRAFANA = REPO / "grafana"
-PACKAGES = ("bus", "producers", "rewards", "packer", "trainer", "broadcaster")
-"""Packages whose modules may define component metrics."""
-METRIC_DEFINITION = re.compile(r"""\b(?:Counter|Gauge|Histogram|Summary|Info|Enum|\w+MetricFamily)\(\s*f?["']rlbus_""")
 METRIC_NAME = re.compile(r"\brlbus_[A-Za-z0-9_]+")
 PANEL_TYPES = {"row", "timeseries", "stat", "gauge", "bargauge", "heatmap", "table", "text", "piechart", "histogram"}
 GRID_WIDTH = 24
@@ -120,16 +119,6 @@ def grafana_problems(dash: dict, datasource_uid: str) -> list[str]:
         if var.get("type") == "query" and var.get("datasource") != want_ds:
             problems.append(f"variable {var.get('name')}: datasource {var.get('datasource')} is not {want_ds}")
     return problems
-
-
-def metric_modules() -> list[str]:
-    """Dotted names of the modules (in :data:`PACKAGES`) whose source defines an ``rlbus_`` metric."""
-    found = []
-    for package in PACKAGES:
-        for path in sorted((REPO / package).rglob("*.py")):
-            if METRIC_DEFINITION.search(path.read_text()):
-                found.append(".".join(path.relative_to(REPO).with_suffix("").parts))
-    return found
 
 
 def exported_metrics() -> dict[str, set[str]]:
