@@ -312,6 +312,7 @@ def _parse_scale(args: list[str]) -> tuple[str | None, dict[str, int]]:
 
 
 def cmd_scale(ns: argparse.Namespace, console: Console) -> int:
+    from bus.run_status import write_text_atomic
     from bus.supervisor import STOP_TIMEOUT_S, scale_targets
 
     try:
@@ -327,9 +328,7 @@ def cmd_scale(ns: argparse.Namespace, console: Console) -> int:
         console.print(f"[red]busctl scale: no running busctl up in {run_dir}[/red]")
         return 1
     rid = uuid.uuid4().hex
-    tmp = run_dir / "scale.json.tmp"
-    tmp.write_text(json.dumps({"id": rid, **request}))
-    tmp.replace(run_dir / "scale.json")
+    write_text_atomic(run_dir / "scale.json", json.dumps({"id": rid, **request}))
     timeout_s = ns.timeout if ns.timeout is not None else cfg.bus.ready_timeout_s + STOP_TIMEOUT_S + 10
     deadline = time.monotonic() + timeout_s
     announced = False

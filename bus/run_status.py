@@ -62,11 +62,16 @@ def clear_run_dir(run_dir: Path, resume: bool) -> None:
             target.unlink()
 
 
-def write_json_atomic(path: Path, obj: object) -> None:
-    """Write ``obj`` as JSON to ``path`` through ``PATH.tmp`` + rename: readers never see half a file."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through ``PATH.tmp`` + rename: readers never see half a file."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.write_text(text)
     tmp.replace(path)
+
+
+def write_json_atomic(path: Path, obj: object) -> None:
+    """Write ``obj`` as indented JSON to ``path`` atomically (:func:`write_text_atomic`)."""
+    write_text_atomic(path, json.dumps(obj, indent=1))
 
 
 def scrape_config(run: str, targets: list[tuple[str, str, int]], host: str = "127.0.0.1") -> dict:
@@ -105,10 +110,8 @@ def append_stage_record(path: Path, step: int, stats: dict[str, dict], roles: di
 
 
 def write_scrape_config(path: Path, run: str, targets: list[tuple[str, str, int]]) -> None:
-    """Write :func:`scrape_config` as YAML to ``path`` atomically (tmp + rename)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(scrape_config(run, targets), sort_keys=False))
-    tmp.replace(path)
+    """Write :func:`scrape_config` as YAML to ``path`` atomically (:func:`write_text_atomic`)."""
+    write_text_atomic(path, yaml.safe_dump(scrape_config(run, targets), sort_keys=False))
 
 
 def snapshot_metrics(out: Path, own: bytes, targets: list[tuple[str, int]], timeout_s: float = 2.0) -> None:
