@@ -1,0 +1,198 @@
+"""The layout rules of the source tree, checked by walking every module's imports with :mod:`ast`.
+
+The rules (docs/ARCHITECTURE.md, "Layout"):
+
+- no non-test module is over :data:`MAX_LINES` lines;
+- no import cycle between files (a cycle hides which of two modules is the lower floor);
+- no stage package (:data:`STAGES`) imports another: stages meet only on the bus;
+- the lower floors (:data:`LIBRARIES`: ``bus``, ``configs``, ``tasks``, ``broadcaster``) import nothing from the stages
+  or from the control plane (``busctl``), and ``bus`` imports nothing from the other libraries but ``configs``;
+- the stages import nothing from the control plane.
+
+Every import counts, module-level or local (a lazy import inside a function is still a dependency). The same walk
+runs on a small made-up tree first, so a checker that stopped seeing imports would fail here too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_LINES = 450
+STAGES = frozenset({"prompts", "producers", "rewards", "packer", "trainer"})
+CONTROL_PLANE = frozenset({"busctl"})
+LIBRARIES = frozenset({"bus", "configs", "tasks", "broadcaster"})
+SKIPPED_DIRS = frozenset({"tests", "runs", "build", "dist", "node_modules"})
+
+
+def source_modules(root: Path) -> dict[str, Path]:
+    """Every ``.py`` file under ``root`` outside tests and hidden/build folders, by dotted module name."""
+    mods: dict[str, Path] = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if any(part in SKIPPED_DIRS or part.startswith(".") for part in rel.parts[:-1]):
+            continue
+        name = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
+        mods[name] = path
+    return mods
+
+
+def module_imports(path: Path, name: str, known: set[str] | dict[str, Path]) -> set[str]:
+    """The modules of ``known`` that the file at ``path`` (module ``name``) imports, relative imports resolved.
+
+    ``from a.b import c`` counts as importing ``a.b`` and, when ``a.b.c`` is a module, ``a.b.c``.
+    Raises SyntaxError if the file does not parse.
+    """
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            found.add(base)
+            found |= {f"{base}.{alias.name}" for alias in node.names}
+    deps = set()
+    for dotted in found:  # `import a.b.c` depends on the deepest known module of a.b.c
+        while dotted and dotted not in known:
+            dotted = dotted.rpartition(".")[0]
+        if dotted and dotted != name:
+            deps.add(dotted)
+    return deps
+
+
+def import_graph(root: Path) -> tuple[dict[str, Path], dict[str, set[str]]]:
+    """(modules by name, module -> the project modules it imports) for the tree at ``root``."""
+    mods = source_modules(root)
+    return mods, {name: module_imports(path, name, mods) for name, path in mods.items()}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan 1972), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def forbidden_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that crosses a floor it must not cross, as ``"importer -> imported (rule)"``."""
+    top = lambda m: m.split(".")[0]  # noqa: E731
+    bad = []
+    for mod, deps in sorted(graph.items()):
+        for dep in sorted(deps):
+            a, b = top(mod), top(dep)
+            if a == b:
+                continue
+            if a in STAGES and b in STAGES:
+                bad.append(f"{mod} -> {dep} (a stage imports another stage)")
+            elif a in STAGES | LIBRARIES and b in CONTROL_PLANE:
+                bad.append(f"{mod} -> {dep} (only the control plane imports busctl)")
+            elif a in LIBRARIES and b in STAGES:
+                bad.append(f"{mod} -> {dep} (a library imports a stage)")
+            elif a == "bus" and b in LIBRARIES - {"configs"}:
+                bad.append(f"{mod} -> {dep} (bus imports a higher library)")
+    return bad
+
+
+def oversized(mods: dict[str, Path]) -> list[str]:
+    """Modules over :data:`MAX_LINES` lines, as ``"path: N lines"``."""
+    sizes = {path: len(path.read_text().splitlines()) for path in mods.values()}
+    return [f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}: {n} lines"
+            for path, n in sorted(sizes.items()) if n > MAX_LINES]
+
+
+@pytest.fixture(scope="module")
+def project():
+    return import_graph(ROOT)
+
+
+def test_no_module_over_the_line_limit(project):
+    mods, _ = project
+    assert not oversized(mods), f"modules over {MAX_LINES} lines: {oversized(mods)}"
+
+
+def test_no_import_cycle_between_files(project):
+    _, graph = project
+    assert not import_cycles(graph)
+
+
+def test_no_import_crosses_a_floor(project):
+    _, graph = project
+    assert not forbidden_imports(graph)
+
+
+def test_every_package_is_seen(project):
+    mods, graph = project
+    tops = {m.split(".")[0] for m in mods}
+    assert STAGES | LIBRARIES | CONTROL_PLANE <= tops, f"missing packages: {(STAGES | LIBRARIES | CONTROL_PLANE) - tops}"
+    assert sum(len(d) for d in graph.values()) > 200  # the walk sees the project's imports
+
+
+def test_the_checker_sees_each_kind_of_fault(tmp_path):
+    """A made-up tree with one fault of each kind: the same functions must report every one."""
+    files = {
+        "producers/__init__.py": "",
+        "producers/a.py": "from rewards import b\nimport producers.c\n",
+        "producers/c.py": "def f():\n    from . import a\n",  # a local relative import closes a cycle
+        "rewards/__init__.py": "",
+        "rewards/b.py": "x = 1\n" * (MAX_LINES + 1),
+        "bus/__init__.py": "",
+        "bus/w.py": "from tasks.t import T\nimport busctl.cli\n",
+        "tasks/__init__.py": "",
+        "tasks/t.py": "from packer.p import P\n",
+        "packer/__init__.py": "",
+        "packer/p.py": "",
+        "busctl/__init__.py": "",
+        "busctl/cli.py": "from producers import a\n",  # allowed: the control plane may import stages
+        "tests/test_x.py": "from producers import a\n" * (MAX_LINES + 1),  # tests are not walked
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    mods, graph = import_graph(tmp_path)
+    assert "tests.test_x" not in mods
+    assert [p.name for p in map(Path, (s.split(":")[0] for s in oversized(mods)))] == ["b.py"]
+    assert import_cycles(graph) == [["producers.a", "producers.c"]]
+    assert forbidden_imports(graph) == [
+        "bus.w -> busctl.cli (only the control plane imports busctl)",
+        "bus.w -> tasks.t (bus imports a higher library)",
+        "producers.a -> rewards (a stage imports another stage)",  # `from rewards import b` runs rewards/__init__
+        "producers.a -> rewards.b (a stage imports another stage)",
+        "tasks.t -> packer.p (a library imports a stage)",
+    ]
