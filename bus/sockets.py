@@ -88,7 +88,7 @@ class BusSocket:
         if spec is None:
             raise ValueError(f"unknown topic {topic!r}; known: {sorted(TOPICS)}")
         if spec.reliable:
-            raise ValueError(f"{topic!r} is a data topic with at-least-once delivery: use bus.reliable.Courier")
+            raise ValueError(f"{topic!r} is a data topic with at-least-once delivery: use bus.courier.Courier")
         if direction not in ("send", "recv"):
             raise ValueError(f"direction must be 'send' or 'recv', got {direction!r}")
         self.topic = "control" if spec.name.startswith("control") else spec.name

@@ -5,7 +5,7 @@
 every producer's ``rollouts`` endpoint (all ``producers.max_replicas`` of them, so producers added
 later are reached) and sends to the packer's ``scored`` endpoint, so any number of workers can run
 side by side; one message is one whole group, so a worker needs no state shared with the others.
-Custody (:mod:`bus.reliable`): a rollout is released to its producer only once the packer is done
+Custody (:mod:`bus.courier`): a rollout is released to its producer only once the packer is done
 with its scored group; a worker killed at any moment loses nothing.
 
 Rewards: a group is scored with the reward functions of its task (``group.task``, looked up in the

@@ -1,7 +1,7 @@
 """Seeded generators of hostile rlbus messages: every one is invalid for the receiver under test.
 
 Two layers: :class:`HostileMessages` (message frames, for any receiver of :mod:`bus.messages`) and
-:class:`HostileEnvelopes` (whole frame sets of the delivery protocol, :mod:`bus.reliable`, for a
+:class:`HostileEnvelopes` (whole frame sets of the delivery protocol, :mod:`bus.envelope`, for a
 data topic's inbox or outbox socket; see its docstring).
 
 ``HostileMessages(seed, accept)`` yields multipart messages (lists of ``bytes`` frames) built
@@ -58,7 +58,7 @@ from bus.messages import (
     decode,
     encode,
 )
-from bus.reliable import MAX_ENVELOPE_BYTES, MAX_ID_CHARS, MAX_IDS_PER_ACK, _parse_envelope
+from bus.envelope import MAX_ENVELOPE_BYTES, MAX_ID_CHARS, MAX_IDS_PER_ACK, parse_envelope
 from bus.wire import MAX_ARRAYS, MAX_HEADER_BYTES, SCHEMA_VERSION, WireError
 
 Frames = list[bytes]
@@ -748,11 +748,11 @@ MUTATIONS: dict[str, float] = {
 """Every mutation and its relative frequency (``foreign_type`` only when ``accept`` is given)."""
 
 
-# -- the delivery layer (bus.reliable) -------------------------------------------------------------
+# -- the delivery layer (bus.envelope, bus.inbox, bus.outbox) -------------------------------------
 
 
 def classify_delivery(frames: Frames, role: str, accept: tuple[type[Message], ...], held: frozenset[str] = frozenset()) -> str | None:
-    """The reject reason a box of :mod:`bus.reliable` gives the frame set ``frames`` (as received,
+    """The reject reason a box (:mod:`bus.inbox`, :mod:`bus.outbox`) gives the frame set ``frames`` (as received,
     without a routing id), or None if it takes it.
 
     The envelope is judged by the box's own parser (as :func:`classify` uses ``decode``; the
@@ -767,7 +767,7 @@ def classify_delivery(frames: Frames, role: str, accept: tuple[type[Message], ..
     if not frames:
         return "frames"
     try:
-        kind, _session, payload = _parse_envelope(frames[0])
+        kind, _session, payload = parse_envelope(frames[0])
     except WireError as exc:
         return exc.reason
     if role == "inbox":
@@ -788,7 +788,7 @@ def classify_delivery(frames: Frames, role: str, accept: tuple[type[Message], ..
 
 def envelope(kind: Any, session: Any, payload: Any, protocol: Any = 1) -> bytes:
     """A delivery envelope ``[protocol, kind, session, payload]`` in msgpack, built independently
-    of :mod:`bus.reliable` (what the wire table in its docstring says)."""
+    of :mod:`bus.envelope` (what the wire table in its docstring says)."""
     return _pack([protocol, kind, session, payload])
 
 

@@ -1,5 +1,5 @@
 """Every message type round-trips exactly over a real PUSH/PULL pair, arrays arrive zero-copy;
-data messages round-trip through the delivery layer (:mod:`bus.reliable`) and are counted."""
+data messages round-trip through the delivery layer (:mod:`bus.courier`) and are counted."""
 
 from __future__ import annotations
 
