@@ -22,8 +22,9 @@ import queue
 import time
 from typing import Any
 
+from bus.codec import decode
 from bus.envelope import MAX_IDS_PER_ACK, PeerKey, Send, envelope
-from bus.messages import Message, decode
+from bus.messages import Message
 from bus.metrics import BUS_BYTES, BUS_DUPLICATES, BUS_MESSAGES, BUS_QUEUED
 from bus.peers import Box, Peer
 from bus.wire import WireError

@@ -28,8 +28,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from bus.codec import encode
 from bus.envelope import MAX_ID_CHARS, PeerKey, Send, envelope
-from bus.messages import Message, encode
+from bus.messages import Message
 from bus.metrics import BUS_BLOCKED_SECONDS, BUS_QUEUED, BUS_REDELIVERED
 from bus.peers import Box
 
@@ -95,7 +96,7 @@ class Outbox(Box):
             True once the outbox holds the message; False on timeout or stop (not sent).
 
         Raises:
-            TypeError: ``msg`` is not a registered message type (see :func:`bus.messages.encode`).
+            TypeError: ``msg`` is not a registered message type (see :func:`bus.codec.encode`).
             ValueError: ``msg.id`` is empty or longer than :data:`MAX_ID_CHARS` (no receiver would take it).
         """
         if not msg.id or len(msg.id) > MAX_ID_CHARS:

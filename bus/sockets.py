@@ -23,7 +23,8 @@ from typing import Any
 import zmq
 
 from bus import auth
-from bus.messages import Message, decode, encode
+from bus.codec import decode, encode
+from bus.messages import Message
 from bus.metrics import BUS_BLOCKED_SECONDS, BUS_BYTES, BUS_MESSAGES, BUS_REJECTED, declare_topic
 from bus.topics import TOPICS
 from bus.wire import WireError

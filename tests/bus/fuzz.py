@@ -22,7 +22,7 @@ one of many ways (see :data:`MUTATIONS`):
   order, non-finite rewards, micro-batch indices out of range), and stacked edits;
 - valid messages of a type the receiver does not ``accept`` (only when ``accept`` is given).
 
-Each candidate is checked with :func:`classify` (``bus.messages.decode`` plus the receiver's
+Each candidate is checked with :func:`classify` (``bus.codec.decode`` plus the receiver's
 ``accept`` tuple) and kept only if the receiver must reject it, so every yielded message has to
 be counted in ``rlbus_bus_rejected_total``. ``reasons`` and ``mutations`` count what was yielded.
 """
@@ -39,6 +39,8 @@ from typing import Any, Callable, Iterator
 import msgpack
 import numpy as np
 
+from bus.codec import decode, encode
+from bus.envelope import MAX_ENVELOPE_BYTES, MAX_ID_CHARS, MAX_IDS_PER_ACK, parse_envelope
 from bus.messages import (
     MESSAGE_TYPES,
     ComponentHeartbeat,
@@ -55,10 +57,7 @@ from bus.messages import (
     TrainerStep,
     WeightsApplied,
     WeightsReady,
-    decode,
-    encode,
 )
-from bus.envelope import MAX_ENVELOPE_BYTES, MAX_ID_CHARS, MAX_IDS_PER_ACK, parse_envelope
 from bus.wire import MAX_ARRAYS, MAX_HEADER_BYTES, SCHEMA_VERSION, WireError
 
 Frames = list[bytes]

@@ -32,8 +32,9 @@ import msgpack
 import zmq
 
 from bus import auth
-from bus.messages import GroupsDropped, GroupsTrained, Message, MicroBatch, Prompt, RolloutGroup, ScoredGroup, encode
+from bus.codec import encode
 from bus.courier import Courier
+from bus.messages import GroupsDropped, GroupsTrained, Message, MicroBatch, Prompt, RolloutGroup, ScoredGroup
 from fuzz import envelope, realistic_examples
 
 ACCEPT: dict[str, tuple[type[Message], ...]] = {
@@ -59,7 +60,7 @@ def data_message(topic: str, msg_id: str) -> Message:
 
 
 def frames_of(msg: Message) -> list[bytes]:
-    """``msg`` encoded as plain ``bytes`` frames (:func:`bus.messages.encode`)."""
+    """``msg`` encoded as plain ``bytes`` frames (:func:`bus.codec.encode`)."""
     return [bytes(memoryview(f)) for f in encode(msg)]
 
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import zmq
 
-from bus.messages import MESSAGE_TYPES, Message, decode, encode
+from bus.codec import decode, encode
+from bus.messages import MESSAGE_TYPES, Message
 
 
 @pytest.fixture

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import zmq
 
-from bus.messages import GroupsDropped, RunDone, ScoredGroup, decode, encode
+from bus.codec import decode, encode
+from bus.messages import GroupsDropped, RunDone, ScoredGroup
 from bus.wire import MAX_HEADER_BYTES, SCHEMA_VERSION
 from reliable_peer import RawPeer
 

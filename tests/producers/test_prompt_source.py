@@ -14,8 +14,9 @@ import pytest
 import zmq
 from prometheus_client import REGISTRY
 
-from bus.messages import GroupsDropped, GroupsTrained, Prompt, RunDone, WeightsApplied, decode, encode, new_id
+from bus.codec import decode, encode
 from bus.courier import Courier
+from bus.messages import GroupsDropped, GroupsTrained, Prompt, RunDone, WeightsApplied, new_id
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
 from configs.schema import load_config

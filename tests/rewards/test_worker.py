@@ -11,7 +11,8 @@ import pytest
 import reward_fns
 from prometheus_client import REGISTRY
 
-from bus.messages import RolloutGroup, ScoredGroup, decode, encode
+from bus.codec import decode, encode
+from bus.messages import RolloutGroup, ScoredGroup
 from configs.schema import FiltersConfig
 from rewards.worker import RewardWorker
 
