@@ -61,6 +61,8 @@ ADVANTAGE = Histogram(
 for _error in ("timeout", "crash", "non_finite", "unknown_task"):  # exception type names appear when raised
     REWARD_ERRORS.labels(_error)
 FILTERED = Counter("rlbus_rewards_filtered_total", "Samples flagged by a filter (masked if it is enforced), by filter", ["filter"])
+for _filter in FILTER_NAMES:  # every filter's series exists from the start (at 0 while it is off)
+    FILTERED.labels(_filter)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,9 +123,6 @@ class RewardWorker:
         self.scorer: InProcessScorer | IsolatedScorer | None = None
         if refs and not self.filters.skip_verification:
             self.scorer = IsolatedScorer(refs, timeout_s=timeout_s, num_procs=num_procs) if isolate else InProcessScorer(refs)
-        for filter_name in FILTER_NAMES:  # export the enabled filters' counters at 0
-            if getattr(self.filters, filter_name).enabled:
-                FILTERED.labels(filter_name)
         self.eps = eps
         self.name = name
 
