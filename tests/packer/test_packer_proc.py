@@ -167,7 +167,8 @@ def test_custody_dedupe_filter_and_redelivery_to_a_restarted_trainer(live, packe
     ledger = OutcomesSink(live.courier(), live.endpoints.address("outcomes"), hold=True)  # records, does not release yet
     worker_a = live.courier().sender("scored", addr_scored, bind=False)
     worker_b = live.courier().sender("scored", addr_scored, bind=False)
-    trainer = live.courier().receiver("batches", addr_batches, bind=False, accept=(MicroBatch,))
+    trainer_courier = live.courier()
+    trainer = trainer_courier.receiver("batches", addr_batches, bind=False, accept=(MicroBatch,))
 
     for msg in (group("g0", [1, 0]), group("g1", [0, 1]), group("eq", [1, 1]), group("g2", [0.5, 0])):
         assert worker_a.send(msg, timeout_s=WAIT_S)
@@ -185,7 +186,7 @@ def test_custody_dedupe_filter_and_redelivery_to_a_restarted_trainer(live, packe
 
     # the trainer holds step 0 until a checkpoint: the packer keeps it; a restarted trainer gets it again
     assert proc.batches.unfinished() == len(step0)
-    live.close_courier(trainer.courier)  # goodbye without done: the packer must re-send step 0
+    live.close_courier(trainer_courier)  # goodbye without done: the packer must re-send step 0
     trainer2 = live.courier().receiver("batches", addr_batches, bind=False, accept=(MicroBatch,))
     again = receive_step(trainer2, 0)
     assert [mb.id for mb in again] == [mb.id for mb in step0]
