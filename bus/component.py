@@ -31,9 +31,11 @@ from pathlib import Path
 import zmq
 
 from bus import auth
+from bus.courier import Courier
+from bus.inbox import Inbox
 from bus.messages import ComponentHeartbeat, ComponentReady, Message, new_id
 from bus.metrics import POLICY_VERSION, serve_metrics
-from bus.reliable import Courier, Inbox, Outbox
+from bus.outbox import Outbox
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
 from configs.schema import RunConfig, load_config
@@ -87,7 +89,7 @@ class Component:
 
     @property
     def courier(self) -> Courier:
-        """This process's :class:`bus.reliable.Courier` (started on first use)."""
+        """This process's :class:`bus.courier.Courier` (started on first use)."""
         if self._courier is None:
             b = self.cfg.bus
             self._courier = Courier(
@@ -98,11 +100,11 @@ class Component:
     def reliable_receiver(
         self, topic: str, endpoint: str | list[str], *, bind: bool, accept: tuple[type[Message], ...]
     ) -> Inbox:
-        """The receiving side of data topic ``topic`` (see :meth:`bus.reliable.Courier.receiver`)."""
+        """The receiving side of data topic ``topic`` (see :meth:`bus.courier.Courier.receiver`)."""
         return self.courier.receiver(topic, endpoint, bind=bind, accept=accept)
 
     def reliable_sender(self, topic: str, endpoint: str | list[str], *, bind: bool) -> Outbox:
-        """The sending side of data topic ``topic`` (see :meth:`bus.reliable.Courier.sender`)."""
+        """The sending side of data topic ``topic`` (see :meth:`bus.courier.Courier.sender`)."""
         return self.courier.sender(topic, endpoint, bind=bind)
 
     @property

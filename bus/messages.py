@@ -1,10 +1,11 @@
 """Every message type that travels on the rlbus bus, in one module.
 
 Each type is a frozen dataclass with a ``TYPE`` string; scalar fields travel in the msgpack
-header, fields declared with :func:`array_field` travel as raw frames (see :mod:`bus.wire`).
-``encode(msg) -> frames`` and ``decode(frames) -> msg`` round-trip exactly, and ``decode``
-validates every field (type, dtype, rank, size, cross-field consistency) and raises
-:class:`bus.wire.WireError` on anything else. Unknown types raise too.
+header, fields declared with :func:`bus.wire.array_field` travel as raw frames (see
+:mod:`bus.wire`). :mod:`bus.codec` encodes and decodes them: ``decode`` validates every field and
+then calls the type's ``check()`` (cross-field consistency, raising
+``bus.wire.WireError("inconsistent")``). :data:`MESSAGE_TYPES` registers every type; unknown types
+raise.
 
 Data topics carry one *group* per message on ``rollouts`` and ``scored`` so that any reward
 worker can compute a group's advantages alone.
@@ -13,61 +14,18 @@ worker can compute a group's advantages alone.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import typing
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
-from bus.wire import (
-    SCHEMA_VERSION,
-    ArraySpec,
-    WireError,
-    array_descriptor,
-    decode_arrays,
-    pack_header,
-    show,
-    unpack_header,
-)
-
-
-def array_field(dtype: str, ndim: int = 1, *, optional: bool = False) -> Any:
-    """Declare a dataclass field that travels as a raw array frame of ``dtype`` and rank ``ndim``.
-
-    ``optional``: a keyword-only field that defaults to an empty array (shape ``[0] * ndim``), for
-    data that only some runs carry (e.g. teacher logprobs); it still travels on every message.
-    """
-    metadata = {"array": ArraySpec(dtype, ndim)}
-    if not optional:
-        return field(metadata=metadata)
-    return field(metadata=metadata, kw_only=True, default_factory=lambda: np.zeros((0,) * ndim, dtype=dtype))
-
-
-def optional_field(default: Any) -> Any:
-    """A keyword-only header field with a default (a copy of ``default`` for dicts and lists)."""
-    if isinstance(default, (dict, list)):
-        return field(kw_only=True, default_factory=lambda: type(default)(default))
-    return field(kw_only=True, default=default)
+from bus.wire import ArraySpec, WireError, array_field, check_terms, optional_field
 
 
 def new_id() -> str:
     """A fresh message id (uuid4 hex, 32 chars)."""
     return uuid.uuid4().hex
-
-
-_SCALAR_CHECKS: dict[Any, Any] = {
-    int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-    float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    str: lambda v: isinstance(v, str),
-    bool: lambda v: isinstance(v, bool),
-    dict: lambda v: isinstance(v, dict),
-    list: lambda v: isinstance(v, list),
-    list[str]: lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
-    dict[str, float]: lambda v: isinstance(v, dict)
-    and all(isinstance(k, str) and isinstance(x, (int, float)) and not isinstance(x, bool) for k, x in v.items()),
-}
 
 
 @dataclass(frozen=True, eq=False)
@@ -474,97 +432,13 @@ class EvalResult(Message):
     metrics: dict[str, float]
 
 
-def check_terms(terms: dict, n: int) -> None:
-    """Validate a ``reward_terms`` mapping: str keys, each a list of ``n`` finite numbers.
-
-    Raises:
-        WireError: ``"inconsistent"``, naming the bad key.
-    """
-    for key, values in terms.items():
-        if not isinstance(key, str) or not isinstance(values, list) or len(values) != n:
-            raise WireError("inconsistent", f"reward_terms[{show(key)}] must be a list of {n} numbers")
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) for v in values):
-            raise WireError("inconsistent", f"reward_terms[{show(key)}] must hold finite numbers")
-
-
 CONTROL_TYPES: tuple[type[Message], ...] = (
     WeightsReady, WeightsApplied, TrainerStep, GroupsDropped, GroupsTrained, RunDone, EvalResult,
 )
 """The message types the control channel carries (the hub forwards nothing else)."""
 
-MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.TYPE: cls
-    for cls in (
-        Prompt,
-        RolloutGroup,
-        ScoredGroup,
-        MicroBatch,
-        WeightsReady,
-        WeightsApplied,
-        TrainerStep,
-        GroupsDropped,
-        GroupsTrained,
-        RunDone,
-        EvalResult,
-        ComponentReady,
-        ComponentHeartbeat,
-    )
-}
-
-
-@functools.cache  # resolving the type hints costs ~0.2 ms: once per class, not per message
-def _scalar_fields(cls: type[Message]) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if "array" not in f.metadata}
-
-
-def encode(msg: Message) -> list[Any]:
-    """Encode a message to frames ``[header, *array buffers]`` (arrays made C-contiguous).
-
-    Raises:
-        TypeError: ``msg`` is not a registered message type, or an array has the wrong dtype.
-    """
-    cls = type(msg)
-    if MESSAGE_TYPES.get(cls.TYPE) is not cls:
-        raise TypeError(f"{cls.__name__} is not a registered message type")
-    header: dict[str, Any] = {"type": cls.TYPE, "schema": SCHEMA_VERSION}
-    header.update({name: getattr(msg, name) for name in _scalar_fields(cls)})
-    frames: list[Any] = []
-    descriptors = []
-    for name, spec in cls.array_specs().items():
-        arr = np.ascontiguousarray(getattr(msg, name))
-        if not arr.dtype.isnative:  # dtype.name ignores byte order: '>i4' is also "int32"
-            arr = arr.astype(arr.dtype.newbyteorder("="))
-        if arr.dtype.name != spec.dtype or arr.ndim != spec.ndim:
-            raise TypeError(f"{cls.__name__}.{name} must be {spec.dtype} of rank {spec.ndim}, got {arr.dtype}{arr.shape}")
-        descriptors.append(array_descriptor(name, arr))
-        frames.append(arr.data)
-    header["arrays"] = descriptors
-    return [pack_header(header), *frames]
-
-
-def decode(frames: list[Any]) -> Message:
-    """Decode and validate frames into a message.
-
-    Args:
-        frames: ``[header, *array frames]`` as ``zmq.Frame``, ``bytes`` or ``memoryview``.
-
-    Raises:
-        WireError: the message is malformed; ``reason`` says how (see :class:`bus.wire.WireError`).
-    """
-    if not frames:
-        raise WireError("frames", "empty message")
-    head = frames[0]
-    header = unpack_header(head.buffer if hasattr(head, "buffer") else head)
-    cls = MESSAGE_TYPES.get(header["type"])
-    if cls is None:
-        raise WireError("unknown_type", f"unknown message type {show(header['type'])}")
-    values: dict[str, Any] = {}
-    for name, hint in _scalar_fields(cls).items():
-        if name not in header or not _SCALAR_CHECKS[hint](header[name]):
-            raise WireError("field", f"{cls.TYPE}.{name} missing or not {hint}")
-        values[name] = header[name]
-    values.update(decode_arrays(header.get("arrays"), frames[1:], cls.array_specs()))
-    msg = cls(**values)
-    msg.check()
-    return msg
+MESSAGE_TYPES: dict[str, type[Message]] = {cls.TYPE: cls for cls in (
+    Prompt, RolloutGroup, ScoredGroup, MicroBatch, WeightsReady, WeightsApplied, TrainerStep,
+    GroupsDropped, GroupsTrained, RunDone, EvalResult, ComponentReady, ComponentHeartbeat,
+)}
+"""Every message type by its ``TYPE`` string: what :mod:`bus.codec` encodes and decodes."""

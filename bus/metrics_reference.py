@@ -49,7 +49,7 @@ processes (by their ``role`` scrape label) serve a family."""
 
 SECTIONS = {
     "bus": "Bus traffic, per topic and direction (`send`, `recv`), from every process's sockets "
-           "(`bus/sockets.py`, `bus/reliable.py`). Queue depth and redeliveries exist on data topics only.",
+           "(`bus/sockets.py`, `bus/inbox.py`, `bus/outbox.py`). Queue depth and redeliveries exist on data topics only.",
     "stage": "Pipeline stages (`bus.metrics.StageMeter`): throughput, latency and where time goes. "
              "Busy time runs while the stage has at least one item in work, idle time otherwise, so "
              "`rate(rlbus_stage_busy_seconds_total[1m])` is a process's utilisation (summed over a stage's "

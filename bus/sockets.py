@@ -23,7 +23,8 @@ from typing import Any
 import zmq
 
 from bus import auth
-from bus.messages import Message, decode, encode
+from bus.codec import decode, encode
+from bus.messages import Message
 from bus.metrics import BUS_BLOCKED_SECONDS, BUS_BYTES, BUS_MESSAGES, BUS_REJECTED, declare_topic
 from bus.topics import TOPICS
 from bus.wire import WireError
@@ -88,7 +89,7 @@ class BusSocket:
         if spec is None:
             raise ValueError(f"unknown topic {topic!r}; known: {sorted(TOPICS)}")
         if spec.reliable:
-            raise ValueError(f"{topic!r} is a data topic with at-least-once delivery: use bus.reliable.Courier")
+            raise ValueError(f"{topic!r} is a data topic with at-least-once delivery: use bus.courier.Courier")
         if direction not in ("send", "recv"):
             raise ValueError(f"direction must be 'send' or 'recv', got {direction!r}")
         self.topic = "control" if spec.name.startswith("control") else spec.name

@@ -1,6 +1,6 @@
 """The topic and endpoint table of rlbus: who binds, who connects, socket types and bounds.
 
-Data topics carry at-least-once delivery with custody (:mod:`bus.reliable`): the side that binds
+Data topics carry at-least-once delivery with custody (:mod:`bus.courier`): the side that binds
 is a ROUTER, the side that connects one DEALER per endpoint; credit bounds what waits anywhere:
 
 | topic      | binder (socket)                      | connectors (socket)                     | bound (credit / outbox)  |
@@ -47,7 +47,7 @@ class TopicSpec:
         hwm: high-water mark (messages); on a data topic the credit and outbox bound instead.
         blocks: True if a sender blocks at the HWM; False if messages are dropped (PUB).
         port_offset: offset from ``bus.base_port`` for tcp:// (producers add their index).
-        reliable: a data topic with at-least-once delivery (:mod:`bus.reliable`).
+        reliable: a data topic with at-least-once delivery (:mod:`bus.courier`).
     """
 
     name: str

@@ -15,13 +15,17 @@ Invariants:
 - Every received frame is validated against hard limits before anything is allocated from it;
   a bad message raises :class:`WireError` whose ``reason`` is a short label used as the
   ``reason`` of the ``rlbus_bus_rejected_total`` counter.
+
+Message types (:mod:`bus.messages`) declare their array fields with :func:`array_field` (and
+defaulted header fields with :func:`optional_field`); :mod:`bus.codec` turns a message into these
+frames and back.
 """
 
 from __future__ import annotations
 
 import math
 import reprlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import msgpack
@@ -90,6 +94,38 @@ class ArraySpec:
 
     dtype: str
     ndim: int
+
+
+def array_field(dtype: str, ndim: int = 1, *, optional: bool = False) -> Any:
+    """Declare a dataclass field that travels as a raw array frame of ``dtype`` and rank ``ndim``.
+
+    ``optional``: a keyword-only field that defaults to an empty array (shape ``[0] * ndim``), for
+    data that only some runs carry (e.g. teacher logprobs); it still travels on every message.
+    """
+    metadata = {"array": ArraySpec(dtype, ndim)}
+    if not optional:
+        return field(metadata=metadata)
+    return field(metadata=metadata, kw_only=True, default_factory=lambda: np.zeros((0,) * ndim, dtype=dtype))
+
+
+def optional_field(default: Any) -> Any:
+    """A keyword-only header field with a default (a copy of ``default`` for dicts and lists)."""
+    if isinstance(default, (dict, list)):
+        return field(kw_only=True, default_factory=lambda: type(default)(default))
+    return field(kw_only=True, default=default)
+
+
+def check_terms(terms: dict, n: int) -> None:
+    """Validate a ``reward_terms`` mapping: str keys, each a list of ``n`` finite numbers.
+
+    Raises:
+        WireError: ``"inconsistent"``, naming the bad key.
+    """
+    for key, values in terms.items():
+        if not isinstance(key, str) or not isinstance(values, list) or len(values) != n:
+            raise WireError("inconsistent", f"reward_terms[{show(key)}] must be a list of {n} numbers")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) for v in values):
+            raise WireError("inconsistent", f"reward_terms[{show(key)}] must hold finite numbers")
 
 
 def pack_header(header: dict[str, Any]) -> bytes:

@@ -1,13 +1,13 @@
 """The packer process: reliable ``scored`` (receiver, bound) -> :class:`packer.packer.Packer` ->
 reliable ``batches`` (sender, bound).
 
-Custody (:mod:`bus.reliable`): the packer calls ``scored.done(group_id)`` once it has decided on a
+Custody (:mod:`bus.courier`): the packer calls ``scored.done(group_id)`` once it has decided on a
 group: taken into its buffer (or a duplicate), or dropped. A drop
 (:class:`bus.messages.GroupsDropped`) is reported on the reliable ``outcomes`` topic with
 ``upstream=(scored, group.id)``, so the scored group is released only once the prompt source's
 ledger has recorded the drop (and is re-sent if the packer dies first); it is also published on
 the control channel for observers. The inbox already drops re-sent ids it
-remembers as done (``bus.reliable.DONE_MEMORY`` of them); :class:`Packer`'s seen-id set is the
+remembers as done (``bus.inbox.DONE_MEMORY`` of them); :class:`Packer`'s seen-id set is the
 run-wide guard behind it. Micro-batches stay in the ``batches`` outbox until the trainer marks
 them done, which it does only once a checkpoint covers their step: up to
 ``trainer.checkpoint_interval`` steps of micro-batches wait there (the outbox's capacity bounds

@@ -10,7 +10,7 @@ of asyncio tasks on one event loop:
   ``sampling`` parameters (:func:`producers.sampling.request_kwargs`), scores them under the
   teacher when ``teacher.model_path`` is set (a second vLLM engine, :mod:`producers.teacher`;
   training groups only: eval groups are never trained), and sends the group on this producer's
-  own ``rollouts`` endpoint (blocking while its outbox is full). Custody (:mod:`bus.reliable`): the prompt is released upstream only once a reward
+  own ``rollouts`` endpoint (blocking while its outbox is full). Custody (:mod:`bus.courier`): the prompt is released upstream only once a reward
   worker is done with the group, so a producer killed at any moment loses nothing: the prompt
   source re-sends what it held. A generation that raises (e.g. a prompt longer than
   ``max_model_len``) is counted and announced as ``groups.dropped`` (outcome ``failed``) so the

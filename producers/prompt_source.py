@@ -255,7 +255,7 @@ def _env_int(name: str) -> int:
 class PromptSourceProc(Component):
     """Process wrapper of :class:`PromptSource`: reliable sender ``prompts`` (bound), control SUB.
 
-    ``prompts`` is at-least-once (:mod:`bus.reliable`): ``send`` blocks while the outbox holds its
+    ``prompts`` is at-least-once (:mod:`bus.courier`): ``send`` blocks while the outbox holds its
     bound of prompts not yet taken by a producer; a prompt held by a producer that dies is re-sent
     to another one by the courier.
     """

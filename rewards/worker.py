@@ -5,7 +5,7 @@
 every producer's ``rollouts`` endpoint (all ``producers.max_replicas`` of them, so producers added
 later are reached) and sends to the packer's ``scored`` endpoint, so any number of workers can run
 side by side; one message is one whole group, so a worker needs no state shared with the others.
-Custody (:mod:`bus.reliable`): a rollout is released to its producer only once the packer is done
+Custody (:mod:`bus.courier`): a rollout is released to its producer only once the packer is done
 with its scored group; a worker killed at any moment loses nothing.
 
 Rewards: a group is scored with the reward functions of its task (``group.task``, looked up in the
@@ -61,6 +61,8 @@ ADVANTAGE = Histogram(
 for _error in ("timeout", "crash", "non_finite", "unknown_task"):  # exception type names appear when raised
     REWARD_ERRORS.labels(_error)
 FILTERED = Counter("rlbus_rewards_filtered_total", "Samples flagged by a filter (masked if it is enforced), by filter", ["filter"])
+for _filter in FILTER_NAMES:  # every filter's series exists from the start (at 0 while it is off)
+    FILTERED.labels(_filter)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,9 +123,6 @@ class RewardWorker:
         self.scorer: InProcessScorer | IsolatedScorer | None = None
         if refs and not self.filters.skip_verification:
             self.scorer = IsolatedScorer(refs, timeout_s=timeout_s, num_procs=num_procs) if isolate else InProcessScorer(refs)
-        for filter_name in FILTER_NAMES:  # export the enabled filters' counters at 0
-            if getattr(self.filters, filter_name).enabled:
-                FILTERED.labels(filter_name)
         self.eps = eps
         self.name = name
 

@@ -1,7 +1,7 @@
 """A stand-in for the prompt source's ledger on the reliable ``outcomes`` topic, for tests of the
 components that send outcome reports (packer, trainer, producers).
 
-It receives on a real :class:`bus.reliable.Inbox` (the ROUTER bound at
+It receives on a real :class:`bus.inbox.Inbox` (the ROUTER bound at
 ``Endpoints.address("outcomes")``, as :class:`producers.prompt_source.PromptSourceProc` binds it)
 and does what the ledger does with each message: record it first, then release it with
 ``done``, at once, or only on :meth:`OutcomesSink.release` with ``hold=True`` (a ledger that has
@@ -15,7 +15,7 @@ import time
 from typing import Callable, TypeVar
 
 from bus.messages import GroupsDropped, GroupsTrained, Message
-from bus.reliable import Courier
+from bus.courier import Courier
 
 T = TypeVar("T")
 

@@ -17,7 +17,7 @@ a second gloo group beside NCCL otherwise):
                skipped when every size is 0).
 
 A share is a msgpack list of encoded :class:`bus.messages.MicroBatch` messages (each a list of
-the frames of :func:`bus.messages.encode`), decoded and validated by :func:`bus.messages.decode`:
+the frames of :func:`bus.codec.encode`), decoded and validated by :func:`bus.codec.decode`:
 no pickle, the same checks as on the bus.
 
 Invariants:
@@ -52,7 +52,8 @@ import torch
 import torch.distributed as dist
 
 from broadcaster.broadcaster import Backend, resolve_backend
-from bus.messages import MicroBatch, decode, encode
+from bus.codec import decode, encode
+from bus.messages import MicroBatch
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ def encode_share(micro_batches: Sequence[MicroBatch]) -> bytes:
 
 
 def decode_share(payload: bytes | memoryview) -> list[MicroBatch]:
-    """Inverse of :func:`encode_share`; every micro-batch is validated by :func:`bus.messages.decode`.
+    """Inverse of :func:`encode_share`; every micro-batch is validated by :func:`bus.codec.decode`.
 
     Raises:
         ValueError: the payload is not a list of frame lists, or holds a message that is not a

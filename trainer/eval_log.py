@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prometheus_client import Gauge
 
@@ -29,9 +30,12 @@ from bus.messages import EvalResult
 from bus.sockets import BusSocket
 from trainer.ledger import append_jsonl
 
+if TYPE_CHECKING:
+    from configs.rollout import EvalConfig
+
 log = logging.getLogger(__name__)
 
-__all__ = ["EvalLog", "eval_record", "keep_metrics_record"]
+__all__ = ["EvalLog", "declare_pass_at_k", "eval_record", "keep_metrics_record"]
 
 EVAL_PREFIX = "eval/"
 
@@ -47,6 +51,23 @@ EVAL_GAUGES = {
 }
 EVAL_PASS_AT_K = Gauge("rlbus_eval_pass_at_k", "pass@k of the last eval round, per eval task", ["task", "k"])
 EVAL_REWARD_TERM = Gauge("rlbus_eval_reward_term_mean", "Mean score of one reward function in the last eval round", ["task", "reward"])
+
+
+def declare_pass_at_k(eval_cfg: EvalConfig) -> None:
+    """Create (at 0) the ``rlbus_eval_pass_at_k{task, k}`` series the configured eval tasks will
+    set, so dashboards see them from the first scrape, not from the first eval round.
+
+    One series per task of ``eval_cfg.tasks`` with ``k = rollouts_per_example > 1``: the packer
+    reports ``pass_at_<k>`` only for groups of more than one completion
+    (:func:`packer.evaluation.eval_metrics`), so a task sampled once per example (the default, and
+    the training task that stands in for an empty ``tasks`` list) has no pass@k series at all; a
+    series at 0 there would read as a pass rate of 0. None when evaluation is off.
+    """
+    if not eval_cfg.enabled:
+        return
+    for task in eval_cfg.tasks:
+        if task.rollouts_per_example > 1:
+            EVAL_PASS_AT_K.labels(task=task.name, k=str(task.rollouts_per_example))
 
 
 def eval_record(result: EvalResult) -> dict:

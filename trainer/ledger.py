@@ -19,7 +19,7 @@ Memory: at most ``checkpoint_interval`` steps of ids wait in the middle range he
 payloads wait in the packer's outbox (``Outbox.unfinished``), so the packer holds up to
 ``checkpoint_interval`` steps of micro-batches plus those not yet trained.
 
-Duplicates by message id are dropped by ``bus.reliable.Inbox`` already; the ledger still takes
+Duplicates by message id are dropped by ``bus.inbox.Inbox`` already; the ledger still takes
 a repeated id without double counting (its ids are sets), so it does not depend on that.
 """
 

@@ -87,7 +87,7 @@ from bus.messages import GroupsTrained, MicroBatch, RunDone, TrainerStep, new_id
 from bus.metrics import POLICY_VERSION, StageMeter
 from trainer.checkpoint import latest_checkpoint, save_checkpoint
 from trainer.distributed import launcher_pid
-from trainer.eval_log import EvalLog, keep_metrics_record
+from trainer.eval_log import EvalLog, declare_pass_at_k, keep_metrics_record
 from trainer.follower import follower_main, join_data_parallel, load_trainer_checkpoint
 from trainer.ledger import StepLedger, append_jsonl, group_id, keep_jsonl_records
 from trainer.model import load_policy
@@ -212,6 +212,7 @@ class TrainerProc(WeightPublishing, Component):
         """The checkpoint this trainer resumed from (every data-parallel rank loads it too)."""
         self.restore()
         self.eval_log = EvalLog(self.control_subscriber(), self.metrics_path)
+        declare_pass_at_k(self.cfg.eval)  # every pass@k panel has its series from the start
         if self.dp is not None:  # every rank from the same checkpoint, then DDP
             self.dp.send_text(str(self.restored_from or ""))
             self.trainer.enable_data_parallel(self.dp)

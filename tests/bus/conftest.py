@@ -1,7 +1,7 @@
 """Fixtures for bus tests over a real ZeroMQ bus (pyzmq-style).
 
 Every socket a test opens goes through a tracking factory and is closed with ``linger=0`` at
-teardown, every :class:`bus.reliable.Courier` through ``couriers`` (closed before the context);
+teardown, every :class:`bus.courier.Courier` through ``couriers`` (closed before the context);
 endpoints are ``ipc://`` files under the short :func:`bus.topics.socket_dir` of the test's
 ``tmp_path`` (or ``tcp://127.0.0.1:*`` random ports); receives always have a timeout.
 ``example(type_name)`` builds one valid instance of every registered message type.
@@ -38,7 +38,7 @@ from bus.messages import (
     WeightsApplied,
     WeightsReady,
 )
-from bus.reliable import Courier
+from bus.courier import Courier
 from bus.sockets import BusSocket
 from bus.topics import socket_dir
 from reliable_peer import FAST
@@ -243,7 +243,7 @@ def sockets(ctx):
 
 @pytest.fixture
 def couriers(ctx):
-    """``couriers(ctx=None, **timings)`` -> a new :class:`bus.reliable.Courier` (one per simulated
+    """``couriers(ctx=None, **timings)`` -> a new :class:`bus.courier.Courier` (one per simulated
     process; on the test's ``ctx`` unless given), with :data:`reliable_peer.FAST` unless overridden.
     All are closed at teardown, before any context is destroyed."""
     made: list[Courier] = []

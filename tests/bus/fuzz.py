@@ -1,7 +1,7 @@
 """Seeded generators of hostile rlbus messages: every one is invalid for the receiver under test.
 
 Two layers: :class:`HostileMessages` (message frames, for any receiver of :mod:`bus.messages`) and
-:class:`HostileEnvelopes` (whole frame sets of the delivery protocol, :mod:`bus.reliable`, for a
+:class:`HostileEnvelopes` (whole frame sets of the delivery protocol, :mod:`bus.envelope`, for a
 data topic's inbox or outbox socket; see its docstring).
 
 ``HostileMessages(seed, accept)`` yields multipart messages (lists of ``bytes`` frames) built
@@ -22,7 +22,7 @@ one of many ways (see :data:`MUTATIONS`):
   order, non-finite rewards, micro-batch indices out of range), and stacked edits;
 - valid messages of a type the receiver does not ``accept`` (only when ``accept`` is given).
 
-Each candidate is checked with :func:`classify` (``bus.messages.decode`` plus the receiver's
+Each candidate is checked with :func:`classify` (``bus.codec.decode`` plus the receiver's
 ``accept`` tuple) and kept only if the receiver must reject it, so every yielded message has to
 be counted in ``rlbus_bus_rejected_total``. ``reasons`` and ``mutations`` count what was yielded.
 """
@@ -39,6 +39,8 @@ from typing import Any, Callable, Iterator
 import msgpack
 import numpy as np
 
+from bus.codec import decode, encode
+from bus.envelope import MAX_ENVELOPE_BYTES, MAX_ID_CHARS, MAX_IDS_PER_ACK, parse_envelope
 from bus.messages import (
     MESSAGE_TYPES,
     ComponentHeartbeat,
@@ -55,10 +57,7 @@ from bus.messages import (
     TrainerStep,
     WeightsApplied,
     WeightsReady,
-    decode,
-    encode,
 )
-from bus.reliable import MAX_ENVELOPE_BYTES, MAX_ID_CHARS, MAX_IDS_PER_ACK, _parse_envelope
 from bus.wire import MAX_ARRAYS, MAX_HEADER_BYTES, SCHEMA_VERSION, WireError
 
 Frames = list[bytes]
@@ -748,11 +747,11 @@ MUTATIONS: dict[str, float] = {
 """Every mutation and its relative frequency (``foreign_type`` only when ``accept`` is given)."""
 
 
-# -- the delivery layer (bus.reliable) -------------------------------------------------------------
+# -- the delivery layer (bus.envelope, bus.inbox, bus.outbox) -------------------------------------
 
 
 def classify_delivery(frames: Frames, role: str, accept: tuple[type[Message], ...], held: frozenset[str] = frozenset()) -> str | None:
-    """The reject reason a box of :mod:`bus.reliable` gives the frame set ``frames`` (as received,
+    """The reject reason a box (:mod:`bus.inbox`, :mod:`bus.outbox`) gives the frame set ``frames`` (as received,
     without a routing id), or None if it takes it.
 
     The envelope is judged by the box's own parser (as :func:`classify` uses ``decode``; the
@@ -767,7 +766,7 @@ def classify_delivery(frames: Frames, role: str, accept: tuple[type[Message], ..
     if not frames:
         return "frames"
     try:
-        kind, _session, payload = _parse_envelope(frames[0])
+        kind, _session, payload = parse_envelope(frames[0])
     except WireError as exc:
         return exc.reason
     if role == "inbox":
@@ -788,7 +787,7 @@ def classify_delivery(frames: Frames, role: str, accept: tuple[type[Message], ..
 
 def envelope(kind: Any, session: Any, payload: Any, protocol: Any = 1) -> bytes:
     """A delivery envelope ``[protocol, kind, session, payload]`` in msgpack, built independently
-    of :mod:`bus.reliable` (what the wire table in its docstring says)."""
+    of :mod:`bus.envelope` (what the wire table in its docstring says)."""
     return _pack([protocol, kind, session, payload])
 
 

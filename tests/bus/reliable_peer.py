@@ -1,12 +1,12 @@
-"""Test peers of the delivery protocol (:mod:`bus.reliable`): data messages, hand-made envelopes,
+"""Test peers of the delivery protocol (:mod:`bus.courier`): data messages, hand-made envelopes,
 a raw-socket peer that speaks the wire by hand, and a separate peer *process*.
 
 As a process (``python -m reliable_peer MODE ...`` with ``tests/bus`` as the working directory),
 it is a real component-like peer that the tests SIGKILL or close gracefully:
 
-- ``recv``: open an :class:`bus.reliable.Inbox` and print ``got ID`` for every message received;
+- ``recv``: open an :class:`bus.inbox.Inbox` and print ``got ID`` for every message received;
   with ``--done`` release each at once, otherwise hold them (custody kept until killed).
-- ``send``: open an :class:`bus.reliable.Outbox`, send ``--count`` messages with ids
+- ``send``: open an :class:`bus.outbox.Outbox`, send ``--count`` messages with ids
   ``PREFIX-0 ...``, print ``sent ID`` for each, then ``unfinished N`` whenever that changes.
 
 Both print ``ready`` once their sockets are open, and close gracefully (goodbye included) when
@@ -32,8 +32,9 @@ import msgpack
 import zmq
 
 from bus import auth
-from bus.messages import GroupsDropped, GroupsTrained, Message, MicroBatch, Prompt, RolloutGroup, ScoredGroup, encode
-from bus.reliable import Courier
+from bus.codec import encode
+from bus.courier import Courier
+from bus.messages import GroupsDropped, GroupsTrained, Message, MicroBatch, Prompt, RolloutGroup, ScoredGroup
 from fuzz import envelope, realistic_examples
 
 ACCEPT: dict[str, tuple[type[Message], ...]] = {
@@ -59,7 +60,7 @@ def data_message(topic: str, msg_id: str) -> Message:
 
 
 def frames_of(msg: Message) -> list[bytes]:
-    """``msg`` encoded as plain ``bytes`` frames (:func:`bus.messages.encode`)."""
+    """``msg`` encoded as plain ``bytes`` frames (:func:`bus.codec.encode`)."""
     return [bytes(memoryview(f)) for f in encode(msg)]
 
 

@@ -1,7 +1,7 @@
 """CurveZMQ on tcp://: allowed clients talk, unknown keys and plaintext peers get nothing through.
 
 Every peer has its own ``zmq.Context`` (as a separate process would), CURVE-enabled or not, and
-its own :class:`bus.reliable.Courier` for the data topics (ROUTER/DEALER); endpoints are random
+its own :class:`bus.courier.Courier` for the data topics (ROUTER/DEALER); endpoints are random
 tcp ports on 127.0.0.1; every courier and socket is closed and every authenticator stopped at
 teardown; "nothing arrives" is checked with a bounded wait after a positive control shows the
 same receiver working.
@@ -22,7 +22,7 @@ import zmq
 from bus import auth, busctl
 from bus.component import Component
 from bus.messages import ComponentReady, GroupsDropped, Prompt, ScoredGroup, TrainerStep, new_id
-from bus.reliable import Courier
+from bus.courier import Courier
 from bus.sockets import BusSocket
 from bus.supervisor import Supervisor
 from configs.schema import ConfigError, load_config

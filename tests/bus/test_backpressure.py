@@ -1,6 +1,6 @@
 """Backpressure: data topics are bounded by credit and lose nothing; PUB never blocks.
 
-On a data topic (:mod:`bus.reliable`) a receiver grants each sender ``window`` messages it has
+On a data topic (:mod:`bus.courier`) a receiver grants each sender ``window`` messages it has
 not yet taken, and a sender's outbox holds ``capacity`` more before ``send`` blocks; both are the
 topic's bound (``batches``: 2 and 2). So a trainer that does not read stops the packer's
 ``send`` after exactly ``window + capacity`` micro-batches, whatever their size, and a stalled

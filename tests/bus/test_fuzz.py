@@ -25,6 +25,7 @@ import pytest
 import zmq
 from prometheus_client import REGISTRY
 
+from bus.codec import decode, encode
 from bus.messages import (
     MESSAGE_TYPES,
     ComponentHeartbeat,
@@ -34,8 +35,6 @@ from bus.messages import (
     RunDone,
     ScoredGroup,
     TrainerStep,
-    decode,
-    encode,
 )
 from bus.topics import TOPICS
 from fuzz import (

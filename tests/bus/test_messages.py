@@ -1,5 +1,5 @@
 """Every message type round-trips exactly over a real PUSH/PULL pair, arrays arrive zero-copy;
-data messages round-trip through the delivery layer (:mod:`bus.reliable`) and are counted."""
+data messages round-trip through the delivery layer (:mod:`bus.courier`) and are counted."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import zmq
 
-from bus.messages import MESSAGE_TYPES, Message, decode, encode
+from bus.codec import decode, encode
+from bus.messages import MESSAGE_TYPES, Message
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Malformed input is counted per reason and dropped; receivers and the hub keep working.
 
-Each case sends hostile message frames in a well-formed delivery envelope (:mod:`bus.reliable`)
+Each case sends hostile message frames in a well-formed delivery envelope (:mod:`bus.envelope`)
 to the packer's ``scored`` inbox from a raw DEALER speaking the protocol by hand, then a valid
 message: the valid one arrives and is acknowledged, the hostile one never is (so a real sender
 would re-send it), and ``rlbus_bus_rejected_total{topic, reason}`` grew by exactly one for the
@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import zmq
 
-from bus.messages import GroupsDropped, RunDone, ScoredGroup, decode, encode
+from bus.codec import decode, encode
+from bus.messages import GroupsDropped, RunDone, ScoredGroup
 from bus.wire import MAX_HEADER_BYTES, SCHEMA_VERSION
 from reliable_peer import RawPeer
 

@@ -1,8 +1,8 @@
-"""At-least-once delivery with custody (:mod:`bus.reliable`) over real ZeroMQ and real processes.
+"""At-least-once delivery with custody (:mod:`bus.courier`) over real ZeroMQ and real processes.
 
 Both socket patterns of the data topics are exercised: the sender binds a ROUTER and receivers
 connect DEALERs (``prompts``, ``rollouts``, ``batches``), or the receiver binds a ROUTER and
-senders connect DEALERs (``scored``). Each :class:`bus.reliable.Courier` stands for one process
+senders connect DEALERs (``scored``). Each :class:`bus.courier.Courier` stands for one process
 (its own session); peers that must die for real are child processes (``python -m
 reliable_peer``) that the tests SIGKILL. Timings: heartbeats every 50 ms, a peer silent for
 0.6 s is dead (:data:`reliable_peer.FAST`). Every wait is bounded; nothing asserts a duration.
@@ -20,8 +20,11 @@ import msgpack
 import pytest
 import zmq
 
+from bus.courier import Courier
+from bus.envelope import MAX_ENVELOPE_BYTES, MAX_IDS_PER_ACK, MAX_ID_CHARS
+from bus.inbox import Inbox
 from bus.messages import MicroBatch, Prompt, RunDone, ScoredGroup
-from bus.reliable import MAX_ENVELOPE_BYTES, MAX_IDS_PER_ACK, MAX_ID_CHARS, Courier, Inbox, Outbox
+from bus.outbox import Outbox
 from bus.topics import TOPICS
 from reliable_peer import ACCEPT, FAST, PeerProcess, RawPeer, data_message, envelope, frames_of
 

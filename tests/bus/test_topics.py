@@ -97,12 +97,12 @@ def test_bus_socket_rejects_bad_topic_or_direction(ctx):
 @pytest.mark.parametrize("topic", DATA_TOPICS)
 @pytest.mark.parametrize("direction", ["send", "recv"])
 def test_bus_socket_refuses_data_topics(topic, direction, ctx):
-    with pytest.raises(ValueError, match="bus.reliable.Courier"):
+    with pytest.raises(ValueError, match="bus.courier.Courier"):
         BusSocket(ctx, topic, direction, "tcp://127.0.0.1:1", bind=False)
 
 
 def test_topic_table_socket_types():
-    # data topics: the binder is a ROUTER, connectors one DEALER per endpoint (bus.reliable)
+    # data topics: the binder is a ROUTER, connectors one DEALER per endpoint (bus.courier)
     binder_sends = {"prompts": True, "rollouts": True, "batches": True, "scored": False, "outcomes": False}
     assert set(DATA_TOPICS) == set(binder_sends)
     for topic, sends in binder_sends.items():

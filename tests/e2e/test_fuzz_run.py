@@ -1,7 +1,7 @@
 """End-to-end fuzz: a real run (``busctl up``) keeps training while hostile peers flood it.
 
 While the run trains, the test process connects a raw DEALER to every ROUTER the run binds on
-the data topics (:mod:`bus.reliable`): the inboxes of the packer (``scored``) and the prompt
+the data topics (:mod:`bus.courier`): the inboxes of the packer (``scored``) and the prompt
 source (``outcomes``), and the outboxes of the prompt source (``prompts``), producer 0
 (``rollouts``) and the packer (``batches``), which receive acknowledgements; and a PUB to the
 hub's ``control_pub`` endpoint. It sends 10,000 hostile frame sets to each

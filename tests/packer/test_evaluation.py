@@ -9,7 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from bus.messages import EvalResult, decode, encode
+from bus.codec import decode, encode
+from bus.messages import EvalResult
 from packer.evaluation import EvalAggregator, EvalGroup, eval_metrics, parse_eval_id
 from tests.packer.test_packer import scored
 

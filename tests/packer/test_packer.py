@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bus.messages import MicroBatch, ScoredGroup, decode, encode
+from bus.codec import decode, encode
+from bus.messages import MicroBatch, ScoredGroup
 from packer.packer import (
     PackedSample,
     Packer,

@@ -1,7 +1,7 @@
 """PackerProc on a real bus: reliable ``scored`` in, reliable ``batches`` out, drops reported on
 the reliable ``outcomes`` topic and published on a real control hub. Reward workers, the trainer
 and the prompt source's ledger (:class:`tests.outcomes_sink.OutcomesSink`) are real
-:class:`bus.reliable.Courier` peers.
+:class:`bus.courier.Courier` peers.
 
 Checked: custody is released for every group: at once for a taken or duplicate group, for a
 filtered one only once the ledger has recorded its drop; a group re-sent at any later time (by
@@ -23,10 +23,11 @@ import numpy as np
 import pytest
 import zmq
 
-import bus.reliable
+import bus.inbox
+from bus.courier import Courier
 from bus.hub import ControlHub
+from bus.inbox import Inbox
 from bus.messages import EvalResult, GroupsDropped, Message, MicroBatch, RunDone, ScoredGroup, new_id
-from bus.reliable import Courier, Inbox
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
 from configs.schema import load_config
@@ -158,15 +159,16 @@ def groups_of(batches: list[MicroBatch]) -> list[str]:
 
 
 def test_custody_dedupe_filter_and_redelivery_to_a_restarted_trainer(live, packer, monkeypatch):
-    # the packer's inbox drops re-sent ids it remembers as done (bus.reliable.DONE_MEMORY of them);
+    # the packer's inbox drops re-sent ids it remembers as done (bus.inbox.DONE_MEMORY of them);
     # remember just one, so re-sends reach the packer's own run-wide dedupe, as they do in a long run
-    monkeypatch.setattr(bus.reliable, "DONE_MEMORY", 1)
+    monkeypatch.setattr(bus.inbox, "DONE_MEMORY", 1)
     proc, thread = packer
     addr_scored, addr_batches = live.endpoints.address("scored"), live.endpoints.address("batches")
     ledger = OutcomesSink(live.courier(), live.endpoints.address("outcomes"), hold=True)  # records, does not release yet
     worker_a = live.courier().sender("scored", addr_scored, bind=False)
     worker_b = live.courier().sender("scored", addr_scored, bind=False)
-    trainer = live.courier().receiver("batches", addr_batches, bind=False, accept=(MicroBatch,))
+    trainer_courier = live.courier()
+    trainer = trainer_courier.receiver("batches", addr_batches, bind=False, accept=(MicroBatch,))
 
     for msg in (group("g0", [1, 0]), group("g1", [0, 1]), group("eq", [1, 1]), group("g2", [0.5, 0])):
         assert worker_a.send(msg, timeout_s=WAIT_S)
@@ -184,7 +186,7 @@ def test_custody_dedupe_filter_and_redelivery_to_a_restarted_trainer(live, packe
 
     # the trainer holds step 0 until a checkpoint: the packer keeps it; a restarted trainer gets it again
     assert proc.batches.unfinished() == len(step0)
-    live.close_courier(trainer.courier)  # goodbye without done: the packer must re-send step 0
+    live.close_courier(trainer_courier)  # goodbye without done: the packer must re-send step 0
     trainer2 = live.courier().receiver("batches", addr_batches, bind=False, accept=(MicroBatch,))
     again = receive_step(trainer2, 0)
     assert [mb.id for mb in again] == [mb.id for mb in step0]
@@ -222,7 +224,7 @@ def eval_group(rnd: int, task: str, i: int, rewards: list[float], size: int) -> 
 
 
 def test_eval_groups_are_aggregated_published_and_then_released(live, packer, monkeypatch):
-    monkeypatch.setattr(bus.reliable, "DONE_MEMORY", 1)  # so a late re-send reaches the packer
+    monkeypatch.setattr(bus.inbox, "DONE_MEMORY", 1)  # so a late re-send reaches the packer
     proc, thread = packer
     ledger = OutcomesSink(live.courier(), live.endpoints.address("outcomes"))
     worker = live.courier().sender("scored", live.endpoints.address("scored"), bind=False)

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from bus.messages import decode, encode
+from bus.codec import decode, encode
 from configs.schema import load_config
 from producers.eval_rounds import (
     EvalRounds, EvalSet, EvalUpdateGate, build_eval_rounds, eval_prompt_id, eval_round_versions, is_eval_id)

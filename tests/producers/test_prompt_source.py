@@ -14,8 +14,9 @@ import pytest
 import zmq
 from prometheus_client import REGISTRY
 
-from bus.messages import GroupsDropped, GroupsTrained, Prompt, RunDone, WeightsApplied, decode, encode, new_id
-from bus.reliable import Courier
+from bus.codec import decode, encode
+from bus.courier import Courier
+from bus.messages import GroupsDropped, GroupsTrained, Prompt, RunDone, WeightsApplied, new_id
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
 from configs.schema import load_config
@@ -408,7 +409,7 @@ TIMINGS = dict(heartbeat_s=0.05, dead_after_s=0.6, ack_timeout_s=3.0)
 
 class ProcHarness:
     """A run dir and config; the test plays the control hub (an XPUB bound at ``control_sub``),
-    the producers (a :class:`bus.reliable.Courier` receiver of ``prompts`` per simulated process)
+    the producers (a :class:`bus.courier.Courier` receiver of ``prompts`` per simulated process)
     and the senders of outcome reports (one reliable ``outcomes`` sender, as the trainer and the
     packer connect theirs; it outlives prompt-source restarts)."""
 

@@ -11,7 +11,8 @@ import pytest
 import reward_fns
 from prometheus_client import REGISTRY
 
-from bus.messages import RolloutGroup, ScoredGroup, decode, encode
+from bus.codec import decode, encode
+from bus.messages import RolloutGroup, ScoredGroup
 from configs.schema import FiltersConfig
 from rewards.worker import RewardWorker
 
@@ -241,3 +242,20 @@ def test_hung_and_raising_terms_are_zeroed_alone_and_counted():
         assert len(worker.scorer.pids()) == 2
     finally:
         worker.close()
+
+
+def test_a_fresh_process_exposes_every_filter_series_at_0():
+    # a fresh interpreter, as a reward worker starts: no filter enabled, nothing scored yet
+    import subprocess
+    import sys
+
+    from rewards.filters import FILTER_NAMES
+
+    code = (
+        "from prometheus_client import REGISTRY\n"
+        "import rewards.worker\n"
+        f"for name in {FILTER_NAMES!r}:\n"
+        "    print(name, REGISTRY.get_sample_value('rlbus_rewards_filtered_total', {'filter': name}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.split() == [word for name in FILTER_NAMES for word in (name, "0.0")]

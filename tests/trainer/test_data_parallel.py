@@ -35,7 +35,8 @@ import torch.distributed as dist
 from prometheus_client import REGISTRY
 from safetensors.torch import load_file, save_file
 
-from bus.messages import RunDone, encode
+from bus.codec import encode
+from bus.messages import RunDone
 from bus.supervisor import ComponentSpec, free_port, launch_prefix
 from configs.schema import LoraSection, OptimConfig, RunConfig, TrainerConfig, dump_config, load_config
 from packer.packer import PackedSample, build_micro_batch

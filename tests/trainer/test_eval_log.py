@@ -10,11 +10,13 @@ import time
 
 import pytest
 import zmq
+from prometheus_client import REGISTRY
 
 from bus.messages import EvalResult, TrainerStep, new_id
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
-from trainer.eval_log import EvalLog, eval_record, keep_metrics_record
+from configs.schema import load_config
+from trainer.eval_log import EvalLog, declare_pass_at_k, eval_record, keep_metrics_record
 
 
 def result(rnd: int, task: str, reward: float, **metrics: float) -> EvalResult:
@@ -96,3 +98,17 @@ def test_keep_metrics_record_after_a_resume():
     assert keep_metrics_record({"step": 0, "eval/gsm8k/reward_mean": 0.5}, 4)
     assert not keep_metrics_record({"step": 5, "loss": 1.0}, 4)
     assert not keep_metrics_record({"step": 6, "eval/gsm8k/reward_mean": 0.5}, 4)  # the lost lineage
+
+
+def pass_at_k(task: str, k: str) -> float | None:
+    return REGISTRY.get_sample_value("rlbus_eval_pass_at_k", {"task": task, "k": k})
+
+
+def test_the_pass_at_k_series_of_the_configured_eval_tasks_exist_at_0_from_the_start():
+    cfg = load_config(None, ["eval.tasks=[{name: declared_a, rollouts_per_example: 4}, {name: declared_b}]"])
+    declare_pass_at_k(cfg.eval)
+    assert pass_at_k("declared_a", "4") == 0.0
+    assert pass_at_k("declared_b", "1") is None  # one completion per example: no pass@k is ever reported
+    off = load_config(None, ["eval.enabled=false", "eval.tasks=[{name: declared_off, rollouts_per_example: 2}]"])
+    declare_pass_at_k(off.eval)
+    assert pass_at_k("declared_off", "2") is None

@@ -31,7 +31,7 @@ import zmq
 from safetensors.torch import load_file
 
 from bus.messages import CONTROL_TYPES, EvalResult, GroupsTrained, MicroBatch, RunDone, TrainerStep, WeightsReady, new_id
-from bus.reliable import Courier
+from bus.courier import Courier
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
 from configs.schema import RunConfig, dump_config

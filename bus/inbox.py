@@ -1,0 +1,192 @@
+"""Receiving side of a data topic: credit windows, receipt and done acks, duplicates (protocol:
+``docs/DELIVERY.md``, envelope: :mod:`bus.envelope`, peers: :mod:`bus.peers`).
+
+:class:`Inbox` is a state machine: its courier (or a test) feeds it the frame sets received
+(:meth:`Inbox.on_frames`) and timer ticks (:meth:`Inbox.flush` with ``now``), and transmits the
+:class:`bus.envelope.Send` list that ``flush`` returns. The component side (:meth:`Inbox.recv`,
+:meth:`Inbox.done`) may be called from any thread; it reaches the state through ``post``.
+
+Invariants:
+- each message id comes out of :meth:`Inbox.recv` once; a re-send of an id that is held (taken
+  and not done) or remembered as done (the last :data:`DONE_MEMORY`) is acknowledged again and
+  counted in ``rlbus_bus_duplicates_total``, never delivered twice;
+- each sender is granted ``window`` messages: ``free = window - queued`` where ``queued`` counts
+  its messages received but not yet taken by the component;
+- a done id is acknowledged to every peer that sent it (the holders), so any of them may forget it.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import time
+from typing import Any
+
+from bus.codec import decode
+from bus.envelope import MAX_IDS_PER_ACK, PeerKey, Send, envelope
+from bus.messages import Message
+from bus.metrics import BUS_BYTES, BUS_DUPLICATES, BUS_MESSAGES, BUS_QUEUED
+from bus.peers import Box, Peer
+from bus.wire import WireError
+
+DONE_MEMORY = 200_000
+"""Ids an inbox remembers as done (older ones are forgotten: a re-send that old is re-delivered)."""
+
+
+class Inbox(Box):
+    """Receiving side of a data topic. A process creates it with :meth:`bus.courier.Courier.receiver`.
+
+    Args:
+        topic, session, post, stop: see :class:`bus.peers.Box`.
+        accept: message types taken; others are rejected (``unexpected_type``).
+        window: credit per sender, messages.
+
+    Raises:
+        ValueError: ``window < 1``, or not a data topic.
+
+    Thread-safety: :meth:`recv` and :meth:`done` may be called from any thread; every other method
+    runs on the box's thread.
+    """
+
+    role = "inbox"
+
+    def __init__(self, topic: str, accept: tuple[type[Message], ...], window: int, **box: Any) -> None:
+        super().__init__(topic, **box)
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.accept = accept
+        self.window = window
+        self._queue: queue.Queue[tuple[PeerKey, Peer, Message]] = queue.Queue()
+        self.held: dict[str, set[PeerKey]] = {}  # ids taken and not done -> who sent them
+        self.done_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    # -- component side ---------------------------------------------------------------------------
+
+    def recv(self, timeout_s: float | None = None) -> Message | None:
+        """The next new message; None on timeout (``0``: do not wait) or once ``stop`` is set.
+
+        Duplicates (an id already received and not forgotten) never come out of here.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            remaining = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+            try:
+                key, peer, msg = self._queue.get(timeout=max(remaining, 0)) if remaining > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                if self.stop.is_set() or (deadline is not None and time.monotonic() >= deadline):
+                    return None
+                continue
+            self.post(self._consumed, key, peer)
+            return msg
+
+    def done(self, *ids: str) -> None:
+        """Release custody of ``ids``: their senders may forget them. Unknown ids are ignored."""
+        if ids:
+            self.post(self.release, ids)
+
+    # -- box thread -------------------------------------------------------------------------------
+
+    def _consumed(self, key: PeerKey, peer: Peer) -> None:
+        # only the peer that sent it gets the credit back: not a successor under the same key
+        # (a restarted sender), whose credit would otherwise grow past the window for good
+        if self.peers.get(key) is peer:
+            peer.queued -= 1
+            peer.dirty = True
+
+    def release(self, ids: tuple[str, ...] | list[str]) -> None:
+        """Mark ``ids`` done; the next :meth:`flush` tells whoever sent them."""
+        for msg_id in ids:
+            senders = self.held.pop(msg_id, None)
+            if senders is None:
+                continue
+            self._remember_done(msg_id)
+            for key in senders:
+                peer = self.peers.get(key)
+                if peer is not None:
+                    peer.acks_done.append(msg_id)
+
+    def _remember_done(self, msg_id: str) -> None:
+        self.done_ids[msg_id] = None
+        if len(self.done_ids) > DONE_MEMORY:
+            self.done_ids.popitem(last=False)
+
+    def on_frames(self, key: PeerKey, kind: str, session: str, payload: Any, rest: list[Any], now: float) -> None:
+        """Take one parsed frame set from peer ``key`` at ``now`` (seconds): ``rest`` are the frames
+        after the envelope (bytes or ``zmq.Frame``). Rejects are counted, never raised."""
+        if kind == "A" or kind == "B":
+            self.reject("wrong_direction", f"{kind} envelope sent to a receiver")
+            return
+        peer = self.peer_for(key, session, now)
+        if kind == "H":
+            return
+        msg_id: str = payload
+        BUS_MESSAGES.labels(self.topic, "recv").inc()
+        BUS_BYTES.labels(self.topic, "recv").inc(sum(len(f) for f in rest))
+        if msg_id in self.done_ids:
+            BUS_DUPLICATES.labels(self.topic).inc()
+            peer.acks_taken.append(msg_id)
+            peer.acks_done.append(msg_id)
+            return
+        if msg_id in self.held:
+            BUS_DUPLICATES.labels(self.topic).inc()
+            self.held[msg_id].add(key)
+            peer.acks_taken.append(msg_id)
+            return
+        try:
+            msg = decode(rest)
+        except WireError as exc:
+            self.reject(exc.reason, str(exc))
+            return
+        except Exception as exc:  # any decoder bug on hostile input is still just a reject
+            self.reject("decode", f"{type(exc).__name__}: {exc}")
+            return
+        if type(msg) not in self.accept:
+            self.reject("unexpected_type", f"{msg.TYPE} is not accepted on {self.topic}")
+            return
+        if msg.id != msg_id:
+            self.reject("id_mismatch", "envelope id differs from the message id")
+            return
+        self.held[msg_id] = {key}
+        peer.queued += 1
+        peer.acks_taken.append(msg_id)
+        self._queue.put((key, peer, msg))
+
+    def flush(self, now: float, heartbeat_due: bool) -> list[Send]:
+        """The pending acknowledgements and credit (and heartbeats when due), as ``A`` envelopes of
+        at most :data:`MAX_IDS_PER_ACK` ids per list; a hello with the full window to every DEALER
+        endpoint whose sender has not spoken yet (credit starts there)."""
+        sends: list[Send] = []
+        for key, peer in self.peers.items():
+            beat = heartbeat_due  # every peer gets its heartbeat (not only the first one)
+            while peer.acks_taken or peer.acks_done or peer.dirty or beat:
+                taken, done = peer.acks_taken[:MAX_IDS_PER_ACK], peer.acks_done[:MAX_IDS_PER_ACK]
+                del peer.acks_taken[: len(taken)], peer.acks_done[: len(done)]
+                free = max(self.window - peer.queued, 0)
+                sends.append(Send(key, [envelope("A", self.session, [free, taken, done])], done=done))
+                peer.dirty = beat = False
+        if heartbeat_due:
+            hello = envelope("A", self.session, [self.window, [], []])
+            sends.extend(Send(key, [hello]) for key in self.unknown_dealers())
+        BUS_QUEUED.labels(self.topic, "inbox").set(self._queue.qsize())
+        return sends
+
+    def unsent(self, send: Send) -> None:
+        """Keep the releases (and the credit update) of an ack that could not go out for the next
+        flush; a lost receipt ack only makes the sender re-send, which is acked again."""
+        peer = self.peers.get(send.key)
+        if peer is not None:
+            peer.acks_done[:0] = send.done
+            peer.dirty = True
+
+    def goodbye(self) -> list[Send]:
+        """A ``B`` to every sender: it re-sends what this inbox held (on close)."""
+        bye = envelope("B", self.session, None)
+        return [Send(key, [bye]) for key in self.peers]
+
+    def peer_joined(self, key: PeerKey, peer: Peer) -> None:
+        peer.dirty = True  # grant it credit at once
+
+    def peer_lost(self, key: PeerKey, reason: str) -> None:
+        super().peer_lost(key, reason)
+        for senders in self.held.values():
+            senders.discard(key)

@@ -1,0 +1,123 @@
+"""Per-peer bookkeeping that the inbox and the outbox of a data topic share (protocol:
+``docs/DELIVERY.md``, envelope: :mod:`bus.envelope`).
+
+A box knows each peer by its :data:`bus.envelope.PeerKey` and the peer's session; a new session
+under a known key means the peer restarted, so its predecessor is lost first. A peer is lost when it
+is silent for ``dead_after_s``, says goodbye, restarts or becomes unreachable; each loss is counted
+in ``rlbus_bus_peer_deaths_total{topic, reason}``. Malformed frame sets are counted in
+``rlbus_bus_rejected_total{topic, reason}`` and dropped.
+
+Invariants: a box is driven by one thread (its courier's I/O thread, or a test); it holds no
+socket and starts no thread. ``post`` runs a function on that thread: the courier queues it, a
+test (the default) runs it at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from bus.envelope import PeerKey, Send
+from bus.metrics import BUS_PEER_DEATHS, BUS_REJECTED, declare_topic
+from bus.topics import TOPICS
+
+log = logging.getLogger(__name__)
+
+
+def call_now(fn: Callable[..., Any], *args: Any) -> None:
+    """The default ``post`` of a box without a courier: run ``fn(*args)`` at once."""
+    fn(*args)
+
+
+@dataclass
+class Peer:
+    """What a box knows of one peer. Sender-side and receiver-side fields are used by one box each."""
+
+    session: str
+    last_seen: float
+    free: int = 0  # sender side: credit the receiver last reported
+    untaken: set[str] = field(default_factory=set)  # sender side: sent, receipt not yet acknowledged
+    holding: set[str] = field(default_factory=set)  # sender side: sent and not done
+    queued: int = 0  # receiver side: its messages waiting in the inbox
+    acks_taken: list[str] = field(default_factory=list)  # receiver side: to acknowledge
+    acks_done: list[str] = field(default_factory=list)
+    dirty: bool = False  # receiver side: credit changed, tell the sender
+
+
+class Box:
+    """What an inbox and an outbox share: topic, session, peers, DEALER links, reject counting.
+
+    Args:
+        topic: a data topic of :data:`bus.topics.TOPICS`.
+        session: this process's session id (second element of every envelope it sends).
+        post: runs a function on the box's thread (see the module docstring).
+        stop: blocking component calls return early once it is set.
+
+    Raises:
+        ValueError: ``topic`` is not a data topic.
+    """
+
+    role = ""
+
+    def __init__(
+        self,
+        topic: str,
+        *,
+        session: str,
+        post: Callable[..., None] = call_now,
+        stop: threading.Event | None = None,
+    ) -> None:
+        if topic not in TOPICS or not TOPICS[topic].reliable:
+            raise ValueError(f"{topic!r} is not a data topic; data topics: {sorted(t for t, s in TOPICS.items() if s.reliable)}")
+        self.topic = topic
+        self.session = session
+        self.post = post
+        self.stop = stop or threading.Event()
+        self.dealer_links: list[int] = []  # link numbers of DEALERs: one peer each, greeted before it speaks
+        self.peers: dict[PeerKey, Peer] = {}
+        self._rejected_reasons: set[str] = set()
+        declare_topic(topic, "recv" if self.role == "inbox" else "send", reliable=True)
+
+    def reject(self, reason: str, detail: str) -> None:
+        """Count a dropped frame set and log the first one of each reason."""
+        BUS_REJECTED.labels(self.topic, reason).inc()
+        if reason not in self._rejected_reasons:
+            self._rejected_reasons.add(reason)
+            log.warning("rejected a message on %s (%s); further ones are only counted", self.topic, detail)
+
+    def peer_for(self, key: PeerKey, session: str, now: float) -> Peer:
+        """The peer of ``key`` (seen at ``now``, seconds); a new session on a known key means the
+        old peer restarted."""
+        peer = self.peers.get(key)
+        if peer is not None and peer.session != session:
+            self.peer_lost(key, "restarted")
+            peer = None
+        if peer is None:
+            peer = self.peers[key] = Peer(session=session, last_seen=now)
+            self.peer_joined(key, peer)
+        peer.last_seen = now
+        return peer
+
+    def unknown_dealers(self) -> list[PeerKey]:
+        """Keys of DEALER links whose peer has not spoken yet (greeted on every heartbeat)."""
+        return [(n, b"") for n in self.dealer_links if (n, b"") not in self.peers]
+
+    def expire(self, now: float, dead_after_s: float) -> None:
+        """Lose every peer silent for more than ``dead_after_s`` seconds at ``now``."""
+        for key, peer in list(self.peers.items()):
+            if now - peer.last_seen > dead_after_s:
+                self.peer_lost(key, "silent")
+
+    def peer_joined(self, key: PeerKey, peer: Peer) -> None:
+        """Hook: a new peer spoke first."""
+
+    def peer_lost(self, key: PeerKey, reason: str) -> None:
+        """Forget a peer (dead, restarted or gone); subclasses re-send what it held."""
+        if self.peers.pop(key, None) is not None:
+            BUS_PEER_DEATHS.labels(self.topic, reason).inc()
+            log.info("%s: peer %s of %s lost (%s)", self.role, key, self.topic, reason)
+
+    def unsent(self, send: Send) -> None:
+        """Hook: ``send`` (returned by this box) could not go out now; undo what it changed."""
