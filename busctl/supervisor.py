@@ -7,18 +7,18 @@ Lifecycle of a run:
    snapshot), resolve what the config leaves open (the policy path: build or reuse the tiny
    policy; a free rendezvous port for the weight broadcast), write the resolved ``config.yaml``
    that every component reads.
-2. ``start``: spawn every component of the table (:mod:`bus.component_table`) as its own process
+2. ``start``: spawn every component of the table (:mod:`busctl.component_table`) as its own process
    (own process group; stdout/stderr appended to ``logs/NAME.log`` after a header line) and wait
    for each one's :class:`bus.messages.ComponentReady` handshake on the ``supervisor`` socket,
    never a sleep. A component that exits, or is not ready within ``bus.ready_timeout_s``, fails
    the start (its log is named): at start-up that is a configuration or code problem, not one to
    retry. Then ``prometheus.yml`` lists every component (rewritten whenever one becomes ready or
-   is scaled away), and a :class:`bus.scrape.MetricsPoller` thread starts reading their metrics.
+   is scaled away), and a :class:`busctl.scrape.MetricsPoller` thread starts reading their metrics.
 3. ``watch``: print one progress line per ``trainer.step`` on the control channel; the run ends
    when the trainer announces ``run.done`` after its last step and final eval. Components stop
    working then but keep serving metrics, which are saved to ``metrics_final/`` (for
    ``bench/``). Meanwhile the supervisor heals (below) and applies ``busctl scale`` requests
-   (:mod:`bus.scaling`).
+   (:mod:`busctl.scaling`).
 4. ``shutdown`` (always, also on SIGINT/SIGTERM): SIGTERM to every process group in reverse
    start order, SIGKILL to whatever is left after ``STOP_TIMEOUT_S``; no process is left behind.
 
@@ -38,8 +38,8 @@ counted in ``rlbus_supervisor_restarts_total{component}`` (a series per componen
 spawn), served on the supervisor's own metrics port (in ``status.json`` and ``prometheus.yml``).
 
 Component states: ``starting``, ``ready``, ``running``, ``done``, ``restarting``, ``stopping``,
-``exited``. ``status.json``: :mod:`bus.run_status`. Progress and events go to the console (a line
-each; on a terminal above the live display of :mod:`bus.live`, built from :attr:`Supervisor.snapshot`).
+``exited``. ``status.json``: :mod:`busctl.run_status`. Progress and events go to the console (a line
+each; on a terminal above the live display of :mod:`busctl.live`, built from :attr:`Supervisor.snapshot`).
 Every component of a ``resume`` run gets ``RLBUS_RESUME=1``. Components also die with the
 supervisor (``PR_SET_PDEATHSIG``, see :mod:`bus.component`).
 """
@@ -59,15 +59,15 @@ from prometheus_client import REGISTRY, Counter, generate_latest
 from rich.console import Console
 
 from bus import auth
-from bus.component_table import (LIVE_STATES, RESTARTABLE_ROLES, ComponentSpec, backoff_s, component_table,  # noqa: F401
+from busctl.component_table import (LIVE_STATES, RESTARTABLE_ROLES, ComponentSpec, backoff_s, component_table,  # noqa: F401
                                   describe_exit, free_port, launch_prefix, process_start_ticks, signal_group)
 from bus.messages import ComponentHeartbeat, ComponentReady, RunDone, TrainerStep
 from bus.metrics import start_metrics_server
-from bus.live import progress_line
-from bus.run_status import (EventLog, StepClock, append_stage_record, clear_run_dir, snapshot_metrics, write_json_atomic,
+from busctl.live import progress_line
+from busctl.run_status import (EventLog, StepClock, append_stage_record, clear_run_dir, snapshot_metrics, write_json_atomic,
                              write_scrape_config)
-from bus.scaling import SCALABLE, STOP_TIMEOUT_S, Scaling, scale_targets  # noqa: F401  (busctl, tests import from here)
-from bus.scrape import MetricsPoller
+from busctl.scaling import SCALABLE, STOP_TIMEOUT_S, Scaling, scale_targets  # noqa: F401  (busctl, tests import from here)
+from busctl.scrape import MetricsPoller
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
 from configs.schema import RunConfig, dump_config
@@ -387,7 +387,7 @@ class Supervisor(Scaling):
         return [(s.name, s.metrics_port) for s in list(self.table) if s.state in LIVE_STATES and s.metrics_port]
 
     def write_status(self) -> None:
-        """Write ``status.json`` atomically and keep it as :attr:`snapshot` (fields: :mod:`bus.run_status`)."""
+        """Write ``status.json`` atomically and keep it as :attr:`snapshot` (fields: :mod:`busctl.run_status`)."""
         stats = self.poller.stats
         empty = {"throughput": {"samples_per_s": None, "tokens_per_s": None}, "busy": None, "queue_depth": None, "queues": {}}
         max_steps = self.cfg.trainer.max_steps

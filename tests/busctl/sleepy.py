@@ -1,6 +1,6 @@
 """A tiny real component for supervisor tests: ready handshake, heartbeats, idles until stopped.
 
-Run by the supervisor as ``python -m tests.bus.sleepy --run-dir DIR --name NAME ...`` through
+Run by the supervisor as ``python -m tests.busctl.sleepy --run-dir DIR --name NAME ...`` through
 :func:`bus.component.component_main`, like every real component, but without any model. It logs
 the ``RLBUS_*`` environment it got (tests read it from ``logs/NAME.log``). While the file
 ``RUN_DIR/hang-setup-NAME`` exists, ``setup()`` blocks until the process is stopped: the

@@ -16,7 +16,7 @@ import logging
 import signal
 import time
 
-from bus.component_table import LIVE_STATES, ComponentSpec, describe_exit, signal_group
+from busctl.component_table import LIVE_STATES, ComponentSpec, describe_exit, signal_group
 from configs.schema import RunConfig
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ def scale_targets(cfg: RunConfig, request: dict) -> dict[str, int]:
 
 
 class Scaling:
-    """The scaling half of :class:`bus.supervisor.Supervisor` (a mixin): it uses the
+    """The scaling half of :class:`busctl.supervisor.Supervisor` (a mixin): it uses the
     supervisor's ``cfg``, ``run_dir``, ``table``, ``scale`` (the request's progress, as in
     ``status.json``), ``_scale_seen``, ``_next_port_offset``, ``_spawn``, ``say``,
     ``write_status`` and ``write_scrape_config``."""

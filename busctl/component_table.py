@@ -32,7 +32,7 @@ class ComponentSpec:
     Attributes:
         name: unique name (``"rewards-1"``); its role is the name without the ``-INDEX`` suffix.
         module: ``python -m`` entry. index: replica index.
-        pid, state, metrics_port: runtime state (states: see :mod:`bus.supervisor`).
+        pid, state, metrics_port: runtime state (states: see :mod:`busctl.supervisor`).
         restarts: times the supervisor restarted it. consecutive_crashes: crashes since it last
             stayed up ``backoff_reset_s``. exit_code: of its last process (negative: signal).
         last_error: why it last crashed. late_join: spawned with ``RLBUS_LATE_JOIN=1``.
