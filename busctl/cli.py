@@ -200,7 +200,7 @@ def _alive(pid: int) -> bool:
 
 def _supervisor_alive(status: dict) -> bool:
     """Is the ``busctl up`` that wrote ``status`` still running (same pid, same process start time)?"""
-    from busctl.supervisor import process_start_ticks
+    from busctl.component_table import process_start_ticks
 
     pid = status.get("supervisor_pid") or 0
     if not pid or not _alive(pid):
@@ -292,7 +292,7 @@ def _parse_scale(args: list[str]) -> tuple[str | None, dict[str, int]]:
         ValueError: an argument that is not ``rewards=N`` / ``producers=N`` with an integer N,
             a key given twice, or none at all.
     """
-    from busctl.supervisor import SCALABLE
+    from busctl.scaling import SCALABLE
 
     run_dir, args = _split_config_args(args)
     request: dict[str, int] = {}
@@ -313,7 +313,7 @@ def _parse_scale(args: list[str]) -> tuple[str | None, dict[str, int]]:
 
 def cmd_scale(ns: argparse.Namespace, console: Console) -> int:
     from busctl.run_status import write_text_atomic
-    from busctl.supervisor import STOP_TIMEOUT_S, scale_targets
+    from busctl.scaling import STOP_TIMEOUT_S, scale_targets
 
     try:
         run_arg, request = _parse_scale(ns.args)

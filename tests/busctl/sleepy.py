@@ -13,17 +13,15 @@ import logging
 import os
 
 from bus.component import Component, component_main
+from bus.launch_env import ENV_NAMES
 
 log = logging.getLogger(__name__)
-
-ENV_KEYS = ("RLBUS_RESTARTS", "RLBUS_RESUME", "RLBUS_LATE_JOIN")
-
 
 class Sleepy(Component):
     """Does nothing but live: ``run()`` returns only when stopped."""
 
     def setup(self) -> None:
-        log.info("env %s", " ".join(f"{k}={os.environ.get(k, '')}" for k in ENV_KEYS))
+        log.info("env %s", " ".join(f"{k}={os.environ.get(k, '')}" for k in ENV_NAMES))
         marker = self.run_dir / f"hang-setup-{self.name}"
         while marker.exists() and not self.stop.wait(0.1):
             pass

@@ -27,7 +27,10 @@ from busctl import cli as busctl
 from bus.component import Component
 from bus.messages import ComponentHeartbeat, RunDone, new_id
 from bus.sockets import BusSocket
-from busctl.supervisor import ComponentSpec, Supervisor, backoff_s, describe_exit, scale_targets
+from busctl.component_table import ComponentSpec, describe_exit
+from busctl.healing import backoff_s
+from busctl.scaling import scale_targets
+from busctl.supervisor import Supervisor
 from configs.schema import ConfigError, RunConfig, SupervisorConfig, load_config
 
 WAIT_S = 60.0

