@@ -61,18 +61,18 @@ from rich.console import Console
 
 from bus import auth
 from bus.launch_env import ENV_NAMES, LaunchEnv
+from bus.messages import ComponentHeartbeat, ComponentReady, RunDone, TrainerStep
+from bus.metrics import start_metrics_server
+from bus.sockets import BusSocket
+from bus.topics import Endpoints
 from busctl.component_table import (LIVE_STATES, ComponentSpec, component_table, free_port, launch_prefix, process_start_ticks,
                                     signal_group)
 from busctl.healing import ComponentFacts, Decision, FailRun, HealingRules, RestartNow, ScheduleRestart, decide
-from bus.messages import ComponentHeartbeat, ComponentReady, RunDone, TrainerStep
-from bus.metrics import start_metrics_server
 from busctl.live import progress_line
 from busctl.run_status import (EventLog, StepClock, append_stage_record, clear_run_dir, snapshot_metrics, write_json_atomic,
-                             write_scrape_config)
+                               write_scrape_config)
 from busctl.scaling import STOP_TIMEOUT_S, Scaling
 from busctl.scrape import MetricsPoller
-from bus.sockets import BusSocket
-from bus.topics import Endpoints
 from configs.schema import RunConfig, dump_config
 
 log = logging.getLogger(__name__)
@@ -309,7 +309,7 @@ class Supervisor:
         rules = HealingRules.from_config(self.cfg, healing=self._healing, run_dir=str(self.run_dir))
         by_name = {s.name: s for s in self.table}
         for decision in decide([self._facts(s) for s in self.table if s.state != "stopping"], now, rules):
-            self._carry_out(decision, by_name[decision.name], now)
+            self._carry_out(decision, by_name[decision.name])
         if self._healing:
             self.scaling.track()
 
@@ -322,7 +322,7 @@ class Supervisor:
                               restarts=spec.restarts, consecutive_crashes=spec.consecutive_crashes, ready_at=spec.ready_at,
                               last_beat=spec.last_beat, due=spec.due)
 
-    def _carry_out(self, decision: Decision, spec: ComponentSpec, now: float) -> None:
+    def _carry_out(self, decision: Decision, spec: ComponentSpec) -> None:
         """Do what the healing policy decided for ``spec``.
 
         Raises:
