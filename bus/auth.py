@@ -34,14 +34,11 @@ import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
-
-if TYPE_CHECKING:
-    from configs.schema import BusConfig
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +50,16 @@ CLIENTS_DIR = "clients"
 
 DEFAULT_CLIENT = "components"
 """The client keypair every component uses unless ``bus.curve_client`` names another."""
+
+
+class CurveSettings(Protocol):
+    """The fields of the run's ``bus`` config section (``configs.schema.BusConfig``) that
+    :func:`keys_from_config` reads; a protocol so that ``bus/`` does not import ``configs/``
+    here (``configs.schema`` imports this module to check that the keys exist)."""
+
+    transport: str
+    curve_keys_dir: str
+    curve_client: str
 
 
 @dataclass(frozen=True)
@@ -138,7 +145,7 @@ def create_keys(keys_dir: str | Path, num_clients: int = 1) -> list[Path]:
     return created
 
 
-def keys_from_config(bus: BusConfig) -> CurveKeys | None:
+def keys_from_config(bus: CurveSettings) -> CurveKeys | None:
     """The CURVE keys a process uses (``bus``: the run's ``bus`` section), or None when the bus
     runs without authentication.
 

@@ -33,6 +33,7 @@ import zmq
 from bus import auth
 from bus.courier import Courier
 from bus.inbox import Inbox
+from bus.launch_env import LaunchEnv
 from bus.messages import ComponentHeartbeat, ComponentReady, Message, new_id
 from bus.metrics import POLICY_VERSION, serve_metrics
 from bus.outbox import Outbox
@@ -51,12 +52,20 @@ class Component:
 
     Args:
         cfg: the run's resolved config. name: e.g. ``"rewards-1"``. index: replica index.
+
+    Attributes:
+        launch: how this start differs from a fresh run's first start (restart count, resume,
+            late join), read once from the environment the supervisor set (:mod:`bus.launch_env`).
+
+    Raises:
+        ValueError: a launch variable holds a value it cannot take.
     """
 
     def __init__(self, cfg: RunConfig, name: str, index: int) -> None:
         self.cfg = cfg
         self.name = name
         self.index = index
+        self.launch = LaunchEnv.from_environ()
         self.run_dir = Path(cfg.run_dir)
         self.stop = threading.Event()
         self.ctx = zmq.Context()

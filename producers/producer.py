@@ -40,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 
 import numpy as np
@@ -141,7 +140,7 @@ class ProducerProc(Component):
         self.control_in = self.control_subscriber()
         self.control_out = self.control_publisher()
         self.outcomes  # noqa: B018 - the reliable outcome reports to the prompt source's ledger
-        self.late_joiner = any(os.environ.get(v) for v in ("RLBUS_RESTARTS", "RLBUS_LATE_JOIN", "RLBUS_RESUME"))
+        self.late_joiner = self.launch.joins_late
         if cfg.broadcast.method == "broadcast" and not self.late_joiner:
             self.loop.run_until_complete(
                 self.engine.init_weight_group(

@@ -43,7 +43,6 @@ does not (its producers are new and announce again). ``accounting.json`` is writ
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 from typing import Any, Callable
@@ -51,6 +50,7 @@ from typing import Any, Callable
 from prometheus_client import Counter, Gauge
 
 from bus.component import Component, component_main
+from bus.launch_env import ENV_RESTARTS, ENV_RESUME
 from bus.messages import GroupsDropped, GroupsTrained, Prompt, RunDone, WeightsApplied
 from bus.metrics import POLICY_VERSION
 from producers.applied_versions import AppliedVersions, applied_since_start
@@ -72,9 +72,6 @@ ACCOUNTING_UNRESOLVED = Gauge("rlbus_accounting_unresolved", "Issued prompts wit
 for _outcome in OUTCOMES:
     ACCOUNTING_OUTCOMES.labels(_outcome)  # every outcome shows in /metrics from the start, at 0
 # A restarted source starts these counters at the journal's totals (a counter reset to Prometheus).
-
-RESTARTS_ENV = "RLBUS_RESTARTS"
-RESUME_ENV = "RLBUS_RESUME"
 
 
 def prompt_id(index: int) -> str:
@@ -240,18 +237,6 @@ class PromptSource:
         return len(self.ledger.on_dropped([g for g in group_ids if not is_eval_id(g)], reason))
 
 
-def _env_int(name: str) -> int:
-    """The int value of environment variable ``name`` (0 if unset). Raises ValueError if not an int >= 0."""
-    raw = os.environ.get(name, "").strip() or "0"
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} must be an integer >= 0") from None
-    if value < 0:
-        raise ValueError(f"environment variable {name}={raw!r} must be an integer >= 0")
-    return value
-
-
 class PromptSourceProc(Component):
     """Process wrapper of :class:`PromptSource`: reliable sender ``prompts`` (bound), control SUB.
 
@@ -262,7 +247,7 @@ class PromptSourceProc(Component):
 
     def setup(self) -> None:
         cfg = self.cfg
-        restarts, resume = _env_int(RESTARTS_ENV), _env_int(RESUME_ENV) >= 1
+        restarts, resume = self.launch.restarts, self.launch.resume
         task = get_task(cfg.task.name, cfg.task)
         examples = load_task_examples(task, "train", cfg.task.num_train_examples, cfg.task.seed)
         max_steps = cfg.trainer.max_steps
@@ -288,7 +273,7 @@ class PromptSourceProc(Component):
             if restarts >= 1:
                 self.source.restore_applied(applied_since_start(self.ledger.notes))
         elif resume or restarts:
-            log.warning("%s/%s set but no ledger journal in %s: starting from scratch", RESTARTS_ENV, RESUME_ENV, self.run_dir)
+            log.warning("%s/%s set but no ledger journal in %s: starting from scratch", ENV_RESTARTS, ENV_RESUME, self.run_dir)
         self.ledger.note("start", restarts=restarts, resume=resume)
         self._synced = {"issued": 0, "reissued": 0, **dict.fromkeys(OUTCOMES, 0)}
         self._sync_metrics()

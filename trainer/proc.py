@@ -96,10 +96,6 @@ from trainer.trainer import build_trainer
 
 log = logging.getLogger(__name__)
 
-RESTARTS_ENV = "RLBUS_RESTARTS"
-"""Set by the supervisor to n >= 1 when it restarts the trainer for the n-th time."""
-RESUME_ENV = "RLBUS_RESUME"
-"""``1`` in every component of a ``busctl up --resume`` run."""
 RECV_SLICE_S = 0.5
 """Longest wait for one micro-batch before checking the stop request again, seconds."""
 
@@ -144,25 +140,6 @@ REWARD_TERMS = Gauge("rlbus_trainer_reward_term_mean", "Mean score of one reward
 
 OUTCOMES_DRAIN_S = 60.0
 """How long the trainer waits at the end for the prompt source to record its outcomes, seconds."""
-
-def restart_count() -> int:
-    """How often the supervisor restarted this trainer (``RLBUS_RESTARTS``; 0 when unset).
-
-    Raises:
-        ValueError: the variable is set but not an int >= 0.
-    """
-    raw = os.environ.get(RESTARTS_ENV, "").strip()
-    if not raw:
-        return 0
-    if not raw.isdigit():
-        raise ValueError(f"{RESTARTS_ENV}={raw!r}: expected an int >= 0")
-    return int(raw)
-
-
-def resume_requested() -> bool:
-    """Whether this run was started with ``busctl up --resume`` (``RLBUS_RESUME=1``)."""
-    return os.environ.get(RESUME_ENV, "").strip() == "1"
-
 
 def trained_message_id(step: int) -> str:
     """Message id of step ``step``'s ``groups.trained``: the same in every announcement of the
@@ -245,7 +222,7 @@ class TrainerProc(WeightPublishing, Component):
                 ``max_steps``), or the trainer restarted without a checkpoint after steps were
                 released (``checkpoint_interval: 0``).
         """
-        restarts, resume = restart_count(), resume_requested()
+        restarts, resume = self.launch.restarts, self.launch.resume
         path = latest_checkpoint(self.checkpoint_dir)
         if path is None:
             if not (restarts or resume):

@@ -19,8 +19,6 @@ import numpy as np
 import pytest
 import zmq
 
-from prometheus_client import REGISTRY
-
 from bus.hub import ControlHub
 from bus.messages import (
     ComponentHeartbeat,
@@ -177,19 +175,6 @@ def _assert_same_message(got: Message, want: Message) -> None:
 @pytest.fixture
 def assert_same_message() -> Callable[[Message, Message], None]:
     return _assert_same_message
-
-
-# -- metrics ---------------------------------------------------------------------------------------
-
-
-def sample(name: str, **labels: str) -> float:
-    """Current value of a sample in the default Prometheus registry (0 if never set)."""
-    return REGISTRY.get_sample_value(name, labels) or 0.0
-
-
-@pytest.fixture
-def metric() -> Callable[..., float]:
-    return sample
 
 
 # -- sockets ---------------------------------------------------------------------------------------

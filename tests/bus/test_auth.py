@@ -24,7 +24,7 @@ from bus.component import Component
 from bus.messages import ComponentReady, GroupsDropped, Prompt, ScoredGroup, TrainerStep, new_id
 from bus.courier import Courier
 from bus.sockets import BusSocket
-from bus.supervisor import Supervisor
+from busctl.supervisor import Supervisor
 from configs.schema import ConfigError, load_config
 from reliable_peer import FAST, RawPeer, data_message, envelope
 

@@ -146,7 +146,7 @@ def test_dump_round_trips(tmp_path):
 def _busctl(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, COLUMNS="200", NO_COLOR="1")
     return subprocess.run(
-        [sys.executable, "-m", "bus.busctl", "up", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "busctl", "up", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
     )
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bus import busctl
+from busctl import cli as busctl
 from configs.reference import sections
 
 ROOT = Path(__file__).resolve().parents[2]

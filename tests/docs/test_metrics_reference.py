@@ -23,10 +23,10 @@ DOCS = ROOT / "docs"
 LIST_FAMILIES = """
 import json
 from prometheus_client import REGISTRY
-from bus.supervisor import component_table
+from busctl.component_table import component_table
 from configs.schema import RunConfig
 import importlib
-for module in sorted({s.module for s in component_table(RunConfig())} | {"bus.supervisor"}):
+for module in sorted({s.module for s in component_table(RunConfig())} | {"busctl.supervisor"}):
     importlib.import_module(module)
 from bus.metrics import StageMeter
 StageMeter("producer")  # what each stage's process registers in its setup (busy/idle seconds)
@@ -54,9 +54,9 @@ def _documented(text: str) -> set[str]:
 
 
 def test_committed_metrics_reference_is_fresh() -> None:
-    proc = _run("-m", "bus.metrics_reference", "--check")
+    proc = _run("-m", "busctl.metrics_reference", "--check")
     assert proc.returncode == 0, (
-        f"docs/metrics.md is stale (a metric was added, renamed or changed): run `python -m bus.metrics_reference` "
+        f"docs/metrics.md is stale (a metric was added, renamed or changed): run `python -m busctl.metrics_reference` "
         f"and commit the result\n{proc.stderr[-2000:]}"
     )
 
@@ -103,5 +103,5 @@ def test_metric_names_in_the_docs_exist(registry_families: list[str]) -> None:
 def test_check_flag_detects_a_stale_file(tmp_path: Path) -> None:
     out = tmp_path / "metrics.md"
     out.write_text("stale\n")
-    proc = _run("-m", "bus.metrics_reference", "--out", str(out), "--check")
-    assert proc.returncode == 1 and "python -m bus.metrics_reference" in proc.stderr
+    proc = _run("-m", "busctl.metrics_reference", "--out", str(out), "--check")
+    assert proc.returncode == 1 and "python -m busctl.metrics_reference" in proc.stderr

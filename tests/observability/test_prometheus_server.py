@@ -71,7 +71,7 @@ def start_run(run_dir: Path, policy: Path, log_path: Path) -> subprocess.Popen:
     repetition filter on (counting only), gloo broadcast. ``max_steps`` is far away: the test
     stops the run (SIGINT) once Prometheus has watched it long enough."""
     cmd = [
-        sys.executable, "-m", "bus.busctl", "up", str(REPO / "configs" / "reverse_text.yaml"),
+        sys.executable, "-m", "busctl", "up", str(REPO / "configs" / "reverse_text.yaml"),
         f"run_dir={run_dir}", f"model.path={policy}", f"trainer.max_steps={MAX_STEPS}", "trainer.batch_size=16",
         "producers.group_size=4", "sampling.max_tokens=16", "rewards.replicas=1", "eval.interval=10",
         "eval.tasks=[{name: reverse_text, num_examples: 4, rollouts_per_example: 2}]",

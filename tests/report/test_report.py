@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from bus.busctl import main as busctl
-from bus.report import load_run, moving_average, smoothing_window
+from busctl.cli import main as busctl
+from busctl.run_data import load_run, moving_average, smoothing_window
 
 STEPS = 24
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -169,7 +169,7 @@ def test_moving_average_is_trailing_and_skips_nan() -> None:
 
 
 def test_stages_accept_status_rows_as_a_list(tmp_path: Path) -> None:
-    from bus.report import stage_series
+    from busctl.run_data import stage_series
 
     rows = [{"name": n, **c} for n, c in stages_record(2, 0.0)["components"].items()]
     as_list = stage_series([{"time": 0.0, "step": 2, "components": rows}])

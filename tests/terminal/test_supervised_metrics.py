@@ -1,7 +1,7 @@
 """What a running ``busctl up`` tells others: ``prometheus.yml``, throughput/busy/queue columns in
 ``status.json`` and ``busctl status``, its live display.
 
-A real :class:`bus.supervisor.Supervisor` (through :func:`bus.busctl.supervise`, in a thread, on a
+A real :class:`busctl.supervisor.Supervisor` (through :func:`busctl.cli.supervise`, in a thread, on a
 console that is a terminal, so the live display runs) over real processes: the real control hub
 and :mod:`tests.terminal.ticker` components, which keep real stage meters busy at a known pace.
 ``busctl status`` and ``busctl scale`` run as separate processes, as from another terminal.
@@ -21,11 +21,11 @@ import pytest
 import yaml
 from rich.console import Console
 
-from bus import busctl
-from bus.component_table import ComponentSpec
-from bus.live import render_text
-from bus.scrape import scrape
-from bus.supervisor import REPO_ROOT, Supervisor
+from busctl import cli as busctl
+from busctl.component_table import ComponentSpec
+from busctl.live import render_text
+from busctl.scrape import scrape
+from busctl.supervisor import REPO_ROOT, Supervisor
 from configs.schema import RunConfig, load_config
 from tests.socket_dirs import remove_outside_socket_dir
 from tests.terminal.ticker import QUEUED, TOKENS_PER_SAMPLE
@@ -50,7 +50,7 @@ def ticker_table(*names: str) -> list[ComponentSpec]:
 
 
 class TerminalRun:
-    """``busctl up``'s :func:`bus.busctl.supervise` in a thread, on a terminal console writing to ``out``."""
+    """``busctl up``'s :func:`busctl.cli.supervise` in a thread, on a terminal console writing to ``out``."""
 
     def __init__(self, cfg: RunConfig, specs: list[ComponentSpec]) -> None:
         self.out = io.StringIO()
@@ -98,7 +98,7 @@ def terminal_run(tmp_path):
 
 def busctl_cli(*args: str) -> subprocess.CompletedProcess:
     """``busctl ARGS`` as its own process (another terminal)."""
-    return subprocess.run([sys.executable, "-m", "bus.busctl", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=WAIT_S)
+    return subprocess.run([sys.executable, "-m", "busctl", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=WAIT_S)
 
 
 def table_rows(text: str, columns: int) -> dict[str, list[str]]:

@@ -40,7 +40,8 @@ from tests.outcomes_sink import OutcomesSink
 from tests.trainer.test_checkpoint import CFG, assert_same_optimizer_state, policy, step_batches, weights
 from trainer.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from trainer.ledger import StepLedger, group_id, keep_jsonl_records
-from trainer.proc import RESTARTS_ENV, RESUME_ENV, TrainerProc, drop_weight_versions, restart_count, resume_requested
+from bus.launch_env import ENV_RESTARTS as RESTARTS_ENV, ENV_RESUME as RESUME_ENV
+from trainer.proc import TrainerProc, drop_weight_versions
 from trainer.trainer import Trainer
 
 SAVE_AT = 2  # checkpoint after this many steps, then 2 more
@@ -178,18 +179,6 @@ def test_keep_jsonl_records_cuts_back_atomically(tmp_path):
     path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
     with pytest.raises(ValueError, match="m.jsonl:2 is not JSON"):
         keep_jsonl_records(path, lambda r: True)
-
-
-def test_restart_environment(monkeypatch):
-    monkeypatch.delenv(RESTARTS_ENV, raising=False)
-    monkeypatch.delenv(RESUME_ENV, raising=False)
-    assert restart_count() == 0 and not resume_requested()
-    monkeypatch.setenv(RESTARTS_ENV, "2")
-    monkeypatch.setenv(RESUME_ENV, "1")
-    assert restart_count() == 2 and resume_requested()
-    monkeypatch.setenv(RESTARTS_ENV, "-1")
-    with pytest.raises(ValueError, match="RLBUS_RESTARTS='-1'"):
-        restart_count()
 
 
 def test_drop_weight_versions(tmp_path):

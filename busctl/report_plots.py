@@ -3,7 +3,7 @@
 One figure per file, x axis = step (``metrics.jsonl``'s ``step``: optimizer steps done; eval:
 the round, which evaluates the policy of that version):
 
-- ``reward.png``: ``reward_mean`` per step, its moving average (:func:`bus.report.moving_average`),
+- ``reward.png``: ``reward_mean`` per step, its moving average (:func:`busctl.report.moving_average`),
   ``reward_mean +- reward_std`` as a band, and each ``reward/<fn>`` term;
 - ``eval_reward.png``: ``eval/<task>/reward_mean`` per task and round;
 - ``kl.png``: ``kl`` (and ``kl_penalty``, ``teacher_kl`` where present);
@@ -26,10 +26,10 @@ matplotlib.use("Agg")  # before pyplot: files only, never a window
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from bus.report import moving_average, smoothing_window, stage_series  # noqa: E402
+from busctl.run_data import moving_average, smoothing_window, stage_series  # noqa: E402
 
 if TYPE_CHECKING:
-    from bus.report import RunData
+    from busctl.run_data import RunData
 
 __all__ = ["plot_run"]
 

@@ -2,7 +2,7 @@
 
 :func:`component_table` lists every process of a run in start order (the hub first, the prompt
 source last); a :class:`ComponentSpec` is one row with its runtime state. The pure helpers here
-(backoff, exit descriptions, process start times, free ports) carry no supervisor state, so
+(exit descriptions, process start times, free ports) carry no supervisor state, so
 ``busctl`` and tests use them without starting anything.
 """
 
@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from configs.schema import RunConfig, SupervisorConfig
+from configs.schema import RunConfig
 
 RESTARTABLE_ROLES = frozenset({"hub", "trainer", "rewards", "producer", "prompt-source"})
 """Roles the supervisor restarts. Not the packer: its buffered groups would be lost."""
@@ -32,7 +32,7 @@ class ComponentSpec:
     Attributes:
         name: unique name (``"rewards-1"``); its role is the name without the ``-INDEX`` suffix.
         module: ``python -m`` entry. index: replica index.
-        pid, state, metrics_port: runtime state (states: see :mod:`bus.supervisor`).
+        pid, state, metrics_port: runtime state (states: see :mod:`busctl.supervisor`).
         restarts: times the supervisor restarted it. consecutive_crashes: crashes since it last
             stayed up ``backoff_reset_s``. exit_code: of its last process (negative: signal).
         last_error: why it last crashed. late_join: spawned with ``RLBUS_LATE_JOIN=1``.
@@ -100,14 +100,6 @@ def launch_prefix(cfg: RunConfig, spec: ComponentSpec) -> list[str]:
         return [sys.executable, "-m", spec.module]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), "-m", spec.module]
 
-
-
-def backoff_s(consecutive_crashes: int, sup: SupervisorConfig) -> float:
-    """Delay before restarting a component after its ``consecutive_crashes``-th crash in a row
-    (>= 1): ``min(backoff_max_s, backoff_initial_s * 2**(consecutive_crashes - 1))``, seconds."""
-    if consecutive_crashes < 1:
-        raise ValueError(f"consecutive_crashes must be >= 1, got {consecutive_crashes}")
-    return min(sup.backoff_max_s, sup.backoff_initial_s * 2.0 ** min(consecutive_crashes - 1, 60))
 
 
 def describe_exit(code: int) -> str:

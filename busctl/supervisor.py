@@ -7,22 +7,23 @@ Lifecycle of a run:
    snapshot), resolve what the config leaves open (the policy path: build or reuse the tiny
    policy; a free rendezvous port for the weight broadcast), write the resolved ``config.yaml``
    that every component reads.
-2. ``start``: spawn every component of the table (:mod:`bus.component_table`) as its own process
+2. ``start``: spawn every component of the table (:mod:`busctl.component_table`) as its own process
    (own process group; stdout/stderr appended to ``logs/NAME.log`` after a header line) and wait
    for each one's :class:`bus.messages.ComponentReady` handshake on the ``supervisor`` socket,
    never a sleep. A component that exits, or is not ready within ``bus.ready_timeout_s``, fails
    the start (its log is named): at start-up that is a configuration or code problem, not one to
    retry. Then ``prometheus.yml`` lists every component (rewritten whenever one becomes ready or
-   is scaled away), and a :class:`bus.scrape.MetricsPoller` thread starts reading their metrics.
+   is scaled away), and a :class:`busctl.scrape.MetricsPoller` thread starts reading their metrics.
 3. ``watch``: print one progress line per ``trainer.step`` on the control channel; the run ends
    when the trainer announces ``run.done`` after its last step and final eval. Components stop
    working then but keep serving metrics, which are saved to ``metrics_final/`` (for
    ``bench/``). Meanwhile the supervisor heals (below) and applies ``busctl scale`` requests
-   (:mod:`bus.scaling`).
+   (:mod:`busctl.scaling`).
 4. ``shutdown`` (always, also on SIGINT/SIGTERM): SIGTERM to every process group in reverse
    start order, SIGKILL to whatever is left after ``STOP_TIMEOUT_S``; no process is left behind.
 
-Healing (``watch``, before ``run.done``): every component sends
+Healing (``watch``, before ``run.done``; the policy is the pure :func:`busctl.healing.decide`,
+the supervisor gathers its facts and carries out its decisions): every component sends
 :class:`bus.messages.ComponentHeartbeat` every ``bus.heartbeat_s``. A component that exits (any
 exit code), is silent for ``bus.dead_after_s`` after it was ready, or (after a restart) is not
 ready within ``bus.ready_timeout_s`` has crashed. With ``supervisor.restart`` and a restartable
@@ -30,7 +31,7 @@ role (:data:`RESTARTABLE_ROLES`: hub, trainer, reward workers, producers, prompt
 whole process group is killed (vLLM's engine processes live there), and after a backoff of
 ``backoff_initial_s * 2**(k-1)`` seconds (``k`` consecutive crashes, capped at
 ``backoff_max_s``; ``k`` restarts from 0 once the component stayed up ``backoff_reset_s``) it is
-spawned again with ``RLBUS_RESTARTS=<n>``; the watch loop never blocks on it (other components
+spawned again with ``RLBUS_RESTARTS=<n>`` (:mod:`bus.launch_env`); the watch loop never blocks on it (other components
 keep running, progress lines keep printing). One crash past ``supervisor.max_restarts`` fails the
 run, naming the component and its log. The packer is not restartable (the groups in its buffer
 would be lost): its death fails the run with a hint to ``busctl up --resume``. Restarts are
@@ -38,8 +39,8 @@ counted in ``rlbus_supervisor_restarts_total{component}`` (a series per componen
 spawn), served on the supervisor's own metrics port (in ``status.json`` and ``prometheus.yml``).
 
 Component states: ``starting``, ``ready``, ``running``, ``done``, ``restarting``, ``stopping``,
-``exited``. ``status.json``: :mod:`bus.run_status`. Progress and events go to the console (a line
-each; on a terminal above the live display of :mod:`bus.live`, built from :attr:`Supervisor.snapshot`).
+``exited``. ``status.json``: :mod:`busctl.run_status`. Progress and events go to the console (a line
+each; on a terminal above the live display of :mod:`busctl.live`, built from :attr:`Supervisor.snapshot`).
 Every component of a ``resume`` run gets ``RLBUS_RESUME=1``. Components also die with the
 supervisor (``PR_SET_PDEATHSIG``, see :mod:`bus.component`).
 """
@@ -59,17 +60,19 @@ from prometheus_client import REGISTRY, Counter, generate_latest
 from rich.console import Console
 
 from bus import auth
-from bus.component_table import (LIVE_STATES, RESTARTABLE_ROLES, ComponentSpec, backoff_s, component_table,  # noqa: F401
-                                  describe_exit, free_port, launch_prefix, process_start_ticks, signal_group)
+from bus.launch_env import ENV_NAMES, LaunchEnv
 from bus.messages import ComponentHeartbeat, ComponentReady, RunDone, TrainerStep
 from bus.metrics import start_metrics_server
-from bus.live import progress_line
-from bus.run_status import (EventLog, StepClock, append_stage_record, clear_run_dir, snapshot_metrics, write_json_atomic,
-                             write_scrape_config)
-from bus.scaling import SCALABLE, STOP_TIMEOUT_S, Scaling, scale_targets  # noqa: F401  (busctl, tests import from here)
-from bus.scrape import MetricsPoller
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
+from busctl.component_table import (LIVE_STATES, ComponentSpec, component_table, free_port, launch_prefix, process_start_ticks,
+                                    signal_group)
+from busctl.healing import ComponentFacts, Decision, FailRun, HealingRules, RestartNow, ScheduleRestart, decide
+from busctl.live import progress_line
+from busctl.run_status import (EventLog, StepClock, append_stage_record, clear_run_dir, snapshot_metrics, write_json_atomic,
+                               write_scrape_config)
+from busctl.scaling import STOP_TIMEOUT_S, Scaling
+from busctl.scrape import MetricsPoller
 from configs.schema import RunConfig, dump_config
 
 log = logging.getLogger(__name__)
@@ -88,9 +91,6 @@ MAX_DRAIN = 1000
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-ENV_RESTARTS, ENV_RESUME, ENV_LATE_JOIN = "RLBUS_RESTARTS", "RLBUS_RESUME", "RLBUS_LATE_JOIN"
-"""Environment variables the supervisor passes to components (see the module docstring)."""
-
 RESTARTS = Counter("rlbus_supervisor_restarts_total", "Components restarted by the supervisor, per component", ["component"])
 
 
@@ -98,7 +98,15 @@ class RunFailed(RuntimeError):
     """A component failed to start, died when it could not be restarted, or used up its restarts."""
 
 
-class Supervisor(Scaling):
+def claim_broadcast_port(cfg: RunConfig) -> None:
+    """Give the weight transfer a free rendezvous port when it needs one and the config leaves it
+    open (``broadcast.port: 0``); changes ``cfg`` in place. The condition is the weight-transfer
+    method's to answer; it is kept here, alone, until the methods answer it themselves."""
+    if cfg.broadcast.method == "broadcast" and cfg.broadcast.port == 0:
+        cfg.broadcast.port = free_port(cfg.broadcast.host)
+
+
+class Supervisor:
     """Starts, watches, heals, scales and stops the processes of one run.
 
     Args:
@@ -114,6 +122,7 @@ class Supervisor(Scaling):
         snapshot: the last ``status.json`` content (a new dict each time: safe to read from
             another thread, e.g. the live display's).
         poller: reads the ready components' metrics (throughput, busy, queue depth) once started.
+        scaling: applies ``busctl scale`` requests (:class:`busctl.scaling.Scaling`).
     """
 
     def __init__(self, cfg: RunConfig, console: Console | None = None, *, table: list[ComponentSpec] | None = None,
@@ -132,20 +141,19 @@ class Supervisor(Scaling):
         self.state = "preparing"
         self.outcome = ""
         self.error = ""
-        self.scale: dict = {}
         self.metrics_port = 0
         self._healing = False
         self._inbox: BusSocket | None = None
         self._control: BusSocket | None = None
         self._metrics_server = None
-        self._next_port_offset = len(self.table)
         self._status_written = 0.0
-        self._scale_seen: tuple[int, int] | None = None
         self._start_ticks = process_start_ticks(os.getpid())
         self.snapshot: dict = {}
         self.events = EventLog()
         self.steps = StepClock()
         self.poller = MetricsPoller(self._scrape_targets)
+        self.scaling = Scaling(cfg, self.run_dir, self.table, spawn=self._spawn, say=self.say, status_changed=self.write_status,
+                               targets_changed=self.write_scrape_config)
 
     def say(self, markup: str) -> None:
         """Print an event line (rich markup) and keep it among the recent events."""
@@ -166,8 +174,7 @@ class Supervisor(Scaling):
             m = self.cfg.model
             path = ensure_policy(Path(m.cache_dir), sft_steps=m.sft_steps, sft_target_loss=m.sft_target_loss, seed=self.cfg.trainer.seed)
             self.cfg.model.path = str(Path(path).resolve())
-        if self.cfg.broadcast.method == "broadcast" and self.cfg.broadcast.port == 0:
-            self.cfg.broadcast.port = free_port(self.cfg.broadcast.host)
+        claim_broadcast_port(self.cfg)
         self.cfg.run_dir = str(self.run_dir)
         (self.run_dir / "config.yaml").write_text(dump_config(self.cfg))
 
@@ -178,15 +185,10 @@ class Supervisor(Scaling):
         return self.run_dir / "logs" / f"{spec.name}.log"
 
     def _spawn(self, spec: ComponentSpec) -> None:
-        env = {k: v for k, v in os.environ.items() if k not in (ENV_RESTARTS, ENV_RESUME, ENV_LATE_JOIN)}
+        env = {k: v for k, v in os.environ.items() if k not in ENV_NAMES}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         env.setdefault("PYTHONUNBUFFERED", "1")
-        if self.resume:
-            env[ENV_RESUME] = "1"
-        if spec.restarts:
-            env[ENV_RESTARTS] = str(spec.restarts)
-        if spec.late_join:
-            env[ENV_LATE_JOIN] = "1"
+        env.update(LaunchEnv(restarts=spec.restarts, resume=self.resume, late_join=spec.late_join).to_environ())
         cmd = [*launch_prefix(self.cfg, spec), "--run-dir", str(self.run_dir), "--name", spec.name,
                "--index", str(spec.index), "--metrics-port", str(spec.port_request)]
         notes = [f"restart {spec.restarts}"] if spec.restarts else []
@@ -294,27 +296,54 @@ class Supervisor(Scaling):
     # -- healing ---------------------------------------------------------------------------------
 
     def _check(self, now: float) -> None:
-        """Judge every component; restart what is due; apply and track scale requests."""
+        """Judge every component (:func:`busctl.healing.decide`) and carry out the decisions;
+        apply and track scale requests.
+
+        Raises:
+            RunFailed: a :class:`busctl.healing.FailRun` decision.
+        """
         if self._healing:
-            self._poll_scale_request()
-        for spec in list(self.table):
-            if spec.state == "restarting":
-                if now >= spec.due:
-                    self._restart(spec)
-            elif spec.state == "stopping":
-                self._check_stopping(spec, now)
-            elif spec.proc is not None and spec.state in ("starting", *LIVE_STATES):
-                code = spec.proc.poll()
-                if code is not None:
-                    spec.exit_code = code
-                    self._crashed(spec, describe_exit(code))
-                elif spec.state == "starting" and now > spec.due:
-                    self._crashed(spec, f"was not ready within {self.cfg.bus.ready_timeout_s:g} s")
-                elif spec.state in LIVE_STATES and now - max(spec.ready_at or 0.0, spec.last_beat or 0.0) > self.cfg.bus.dead_after_s:
-                    silent = now - max(spec.ready_at or 0.0, spec.last_beat or 0.0)
-                    self._crashed(spec, f"was silent for {silent:.1f} s (no heartbeat; bus.dead_after_s={self.cfg.bus.dead_after_s:g})")
+            self.scaling.poll_request()
+        for spec in [s for s in self.table if s.state == "stopping"]:
+            self.scaling.check_stopping(spec, now)
+        rules = HealingRules.from_config(self.cfg, healing=self._healing, run_dir=str(self.run_dir))
+        by_name = {s.name: s for s in self.table}
+        for decision in decide([self._facts(s) for s in self.table if s.state != "stopping"], now, rules):
+            self._carry_out(decision, by_name[decision.name])
         if self._healing:
-            self._track_scale()
+            self.scaling.track()
+
+    @staticmethod
+    def _facts(spec: ComponentSpec) -> ComponentFacts:
+        """What the healing policy needs of ``spec``; polls its process (an exit is recorded)."""
+        if spec.proc is not None and spec.exit_code is None and spec.state in ("starting", *LIVE_STATES):
+            spec.exit_code = spec.proc.poll()
+        return ComponentFacts(name=spec.name, role=spec.role, state=spec.state, pid=spec.pid, exit_code=spec.exit_code,
+                              restarts=spec.restarts, consecutive_crashes=spec.consecutive_crashes, ready_at=spec.ready_at,
+                              last_beat=spec.last_beat, due=spec.due)
+
+    def _carry_out(self, decision: Decision, spec: ComponentSpec) -> None:
+        """Do what the healing policy decided for ``spec``.
+
+        Raises:
+            RunFailed: ``decision`` is a :class:`busctl.healing.FailRun`.
+        """
+        if isinstance(decision, RestartNow):
+            self._restart(spec)
+            return
+        self._kill_group(spec)
+        spec.last_error = decision.reason
+        log.info("%s (pid %d) %s", spec.name, spec.pid, decision.reason)  # the console line follows
+        if isinstance(decision, FailRun):
+            spec.state = "exited"
+            self.write_status()
+            raise RunFailed(f"{decision.message}; see {self.log_path(spec)}")
+        assert isinstance(decision, ScheduleRestart), decision
+        spec.state, spec.due, spec.proc = "restarting", decision.at, None
+        spec.consecutive_crashes = decision.consecutive_crashes
+        self.say(f"  [yellow]crashed[/yellow] {spec.name} (pid {spec.pid}) {decision.reason}; restart "
+                 f"{spec.restarts + 1}/{self.cfg.supervisor.max_restarts} in {decision.delay_s:g} s")
+        self.write_status()
 
     def _kill_group(self, spec: ComponentSpec) -> None:
         """SIGKILL the component's whole process group and reap its leader (bounded wait)."""
@@ -327,44 +356,6 @@ class Supervisor(Scaling):
             log.warning("%s (pid %d) not reaped %.0f s after SIGKILL", spec.name, spec.pid, KILL_WAIT_S)
         if spec.exit_code is None:
             spec.exit_code = spec.proc.returncode
-
-    def _crashed(self, spec: ComponentSpec, reason: str) -> None:
-        """A component died (``reason``): schedule its restart, or fail the run.
-
-        Raises:
-            RunFailed: not healing (start-up), restarts disabled, a role that cannot be
-                restarted (the packer), or the restart budget is spent.
-        """
-        now = time.monotonic()
-        self._kill_group(spec)
-        spec.last_error = reason
-        where = f"see {self.log_path(spec)}"
-        log.info("%s (pid %d) %s", spec.name, spec.pid, reason)  # the console line follows
-        if not self._healing or not self.cfg.supervisor.restart:
-            spec.state = "exited"
-            self.write_status()
-            raise RunFailed(f"{spec.name} {reason}; {where}")
-        if spec.role not in RESTARTABLE_ROLES:
-            spec.state = "exited"
-            self.write_status()
-            if spec.role == "packer":
-                raise RunFailed(f"packer {reason}: its buffered groups are lost, so it is not restarted; continue the run "
-                                f"from its last checkpoint with `busctl up --resume {self.run_dir}`; {where}")
-            raise RunFailed(f"{spec.name} {reason} and cannot be restarted; {where}")
-        budget = self.cfg.supervisor.max_restarts
-        if spec.restarts >= budget:
-            spec.state = "exited"
-            self.write_status()
-            raise RunFailed(f"{spec.name} {reason} after {spec.restarts} restarts: its restart budget "
-                            f"(supervisor.max_restarts={budget}) is spent; {where}")
-        if spec.ready_at is not None and now - spec.ready_at >= self.cfg.supervisor.backoff_reset_s:
-            spec.consecutive_crashes = 0
-        spec.consecutive_crashes += 1
-        delay = backoff_s(spec.consecutive_crashes, self.cfg.supervisor)
-        spec.state, spec.due, spec.proc = "restarting", now + delay, None
-        self.say(f"  [yellow]crashed[/yellow] {spec.name} (pid {spec.pid}) {reason}; restart "
-                           f"{spec.restarts + 1}/{budget} in {delay:g} s")
-        self.write_status()
 
     def _restart(self, spec: ComponentSpec) -> None:
         spec.restarts += 1
@@ -387,7 +378,7 @@ class Supervisor(Scaling):
         return [(s.name, s.metrics_port) for s in list(self.table) if s.state in LIVE_STATES and s.metrics_port]
 
     def write_status(self) -> None:
-        """Write ``status.json`` atomically and keep it as :attr:`snapshot` (fields: :mod:`bus.run_status`)."""
+        """Write ``status.json`` atomically and keep it as :attr:`snapshot` (fields: :mod:`busctl.run_status`)."""
         stats = self.poller.stats
         empty = {"throughput": {"samples_per_s": None, "tokens_per_s": None}, "busy": None, "queue_depth": None, "queues": {}}
         max_steps = self.cfg.trainer.max_steps
@@ -398,7 +389,7 @@ class Supervisor(Scaling):
             "updated_at": time.time(), "metrics_port": self.metrics_port,
             "step": self.last_step.step if self.last_step else None, "max_steps": max_steps,
             "trainer_metrics": dict(self.last_step.metrics) if self.last_step else {},
-            "steps_per_s": steps_per_s, "eta_s": eta, "scale": self.scale, "events": self.events.recent(),
+            "steps_per_s": steps_per_s, "eta_s": eta, "scale": self.scaling.progress, "events": self.events.recent(),
             "components": [{**s.status_row(), "role": s.role, **stats.get(s.name, empty)} for s in self.table],
         }
         write_json_atomic(self.run_dir / "status.json", status)

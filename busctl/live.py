@@ -1,7 +1,7 @@
 """What ``busctl up`` shows on a terminal, and the formatting ``busctl status`` shares with it.
 
-The live display is rendered from a ``status.json`` snapshot (:attr:`bus.supervisor.Supervisor.snapshot`,
-fields in :mod:`bus.run_status`), never from the supervisor's live objects, so rendering on rich's
+The live display is rendered from a ``status.json`` snapshot (:attr:`busctl.supervisor.Supervisor.snapshot`,
+fields in :mod:`busctl.run_status`), never from the supervisor's live objects, so rendering on rich's
 refresh thread cannot race the watch loop, and :func:`render_text` shows exactly what a snapshot
 would look like (tests render real snapshots to text). Three parts:
 

@@ -1,8 +1,8 @@
 """``busctl up`` heals: heartbeats, restarts with backoff and a budget, scaling, resume.
 
-A real :class:`bus.supervisor.Supervisor` (in a thread of the test, through
-:func:`bus.busctl.supervise`, exactly as ``busctl up`` runs it) over real processes: the real
-control hub (``bus.hub``) and tiny real components (``tests/bus/sleepy.py``) in the roles of
+A real :class:`busctl.supervisor.Supervisor` (in a thread of the test, through
+:func:`busctl.cli.supervise`, exactly as ``busctl up`` runs it) over real processes: the real
+control hub (``bus.hub``) and tiny real components (``tests/busctl/sleepy.py``) in the roles of
 reward workers, producers and the packer. Processes are killed with real signals; what the
 supervisor did is read from ``status.json``, ``busctl status``/``scale`` and the logs.
 """
@@ -23,17 +23,20 @@ import pytest
 import zmq
 from rich.console import Console
 
-from bus import busctl
+from busctl import cli as busctl
 from bus.component import Component
 from bus.messages import ComponentHeartbeat, RunDone, new_id
 from bus.sockets import BusSocket
-from bus.supervisor import ComponentSpec, Supervisor, backoff_s, describe_exit, scale_targets
+from busctl.component_table import ComponentSpec, describe_exit
+from busctl.healing import backoff_s
+from busctl.scaling import scale_targets
+from busctl.supervisor import Supervisor
 from configs.schema import ConfigError, RunConfig, SupervisorConfig, load_config
 
 WAIT_S = 60.0
 """Longest a test waits for the supervisor to reach a state (generous: a loaded 2-core host)."""
 
-SLEEPY = "tests.bus.sleepy"
+SLEEPY = "tests.busctl.sleepy"
 
 
 def make_cfg(run_dir: Path, *overrides: str) -> RunConfig:
@@ -64,7 +67,7 @@ def alive(pid: int) -> bool:
 
 
 class RunningSupervisor:
-    """``busctl up``'s :func:`bus.busctl.supervise` in a thread; console output in ``self.out``."""
+    """``busctl up``'s :func:`busctl.cli.supervise` in a thread; console output in ``self.out``."""
 
     def __init__(self, cfg: RunConfig, specs: list[ComponentSpec], *, resume: bool = False) -> None:
         self.out = io.StringIO()

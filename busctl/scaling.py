@@ -15,8 +15,10 @@ import json
 import logging
 import signal
 import time
+from pathlib import Path
+from typing import Callable
 
-from bus.component_table import LIVE_STATES, ComponentSpec, describe_exit, signal_group
+from busctl.component_table import LIVE_STATES, ComponentSpec, describe_exit, signal_group
 from configs.schema import RunConfig
 
 log = logging.getLogger(__name__)
@@ -60,31 +62,53 @@ def scale_targets(cfg: RunConfig, request: dict) -> dict[str, int]:
 
 
 class Scaling:
-    """The scaling half of :class:`bus.supervisor.Supervisor` (a mixin): it uses the
-    supervisor's ``cfg``, ``run_dir``, ``table``, ``scale`` (the request's progress, as in
-    ``status.json``), ``_scale_seen``, ``_next_port_offset``, ``_spawn``, ``say``,
-    ``write_status`` and ``write_scrape_config``."""
+    """Applies ``busctl scale`` requests to a running supervisor's component table (a member of
+    :class:`busctl.supervisor.Supervisor`, called from its watch loop).
 
-    def _poll_scale_request(self) -> None:
+    Args:
+        cfg: the run's config. run_dir: where ``scale.json`` is read.
+        table: the supervisor's component table; rows are inserted and removed here (in place).
+        spawn: starts a new row's process. say: prints an event line.
+        status_changed: called after :attr:`progress` changed (rewrites ``status.json``).
+        targets_changed: called after a scaled-away component is gone (rewrites ``prometheus.yml``).
+
+    Attributes:
+        progress: the last request's progress, as ``status.json`` shows it under ``scale``:
+            ``{"id", "state": "applying" | "done" | "failed", "targets", "added", "removed",
+            "error"}`` (``{}`` before any request).
+    """
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, table: list[ComponentSpec], *, spawn: Callable[[ComponentSpec], None],
+                 say: Callable[[str], None], status_changed: Callable[[], None], targets_changed: Callable[[], None]) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.table = table
+        self.progress: dict = {}
+        self._spawn, self._say = spawn, say
+        self._status_changed, self._targets_changed = status_changed, targets_changed
+        self._seen: tuple[int, int] | None = None
+        self._next_port_offset = len(table)
+
+    def poll_request(self) -> None:
         """Apply ``RUN_DIR/scale.json`` when it holds a new request id."""
         path = self.run_dir / "scale.json"
         try:
             st = path.stat()
         except FileNotFoundError:
             return
-        if self._scale_seen == (st.st_mtime_ns, st.st_size):
+        if self._seen == (st.st_mtime_ns, st.st_size):
             return
-        self._scale_seen = (st.st_mtime_ns, st.st_size)
+        self._seen = (st.st_mtime_ns, st.st_size)
         try:
             request = json.loads(path.read_text())
         except (OSError, ValueError) as err:
-            self.scale = {"id": None, "state": "failed", "error": f"unreadable {path}: {err}"}
+            self.progress = {"id": None, "state": "failed", "error": f"unreadable {path}: {err}"}
             return
-        if not isinstance(request, dict) or request.get("id") == self.scale.get("id"):
+        if not isinstance(request, dict) or request.get("id") == self.progress.get("id"):
             return
         rid = request.get("id")
-        if self.scale.get("state") == "applying":
-            self.scale = {**self.scale, "rejected": {"id": rid, "error": "the previous scale request is still being applied"}}
+        if self.progress.get("state") == "applying":
+            self.progress = {**self.progress, "rejected": {"id": rid, "error": "the previous scale request is still being applied"}}
             return
         try:
             targets = scale_targets(self.cfg, request)
@@ -93,18 +117,18 @@ class Scaling:
             if missing:
                 raise ValueError(f"this run has no {missing[0]} components to scale")
         except ValueError as err:
-            self.scale = {"id": rid, "state": "failed", "error": str(err)}
-            self.say(f"  [red]scale request refused[/red]: {err}")
-            self.write_status()
+            self.progress = {"id": rid, "state": "failed", "error": str(err)}
+            self._say(f"  [red]scale request refused[/red]: {err}")
+            self._status_changed()
             return
         added, removed = [], []
         for role, n in targets.items():
             a, r = self._scale_role(role, n)
             added += a
             removed += r
-        self.scale = {"id": rid, "state": "applying", "targets": targets, "added": added, "removed": removed, "error": ""}
-        self.say(f"  [cyan]scale[/cyan] {targets}: starting {added or 'none'}, stopping {removed or 'none'}")
-        self.write_status()
+        self.progress = {"id": rid, "state": "applying", "targets": targets, "added": added, "removed": removed, "error": ""}
+        self._say(f"  [cyan]scale[/cyan] {targets}: starting {added or 'none'}, stopping {removed or 'none'}")
+        self._status_changed()
 
     def _scale_role(self, role: str, n: int) -> tuple[list[str], list[str]]:
         """Start or stop replicas of ``role`` until ``n`` remain; returns (started, stopping) names."""
@@ -129,27 +153,25 @@ class Scaling:
             spec.state, spec.due = "stopping", time.monotonic() + STOP_TIMEOUT_S
         return added, removed
 
-    def _check_stopping(self, spec: ComponentSpec, now: float) -> None:
+    def check_stopping(self, spec: ComponentSpec, now: float) -> None:
         """A scaled-down component: gone once its process exited; SIGKILL past its grace period."""
         if spec.proc.poll() is not None:
             signal_group(spec.pid, signal.SIGKILL)  # whatever of its group is left
             spec.exit_code = spec.proc.returncode
             self.table.remove(spec)
-            self.say(f"  [cyan]stopped[/cyan] {spec.name} ({describe_exit(spec.exit_code)})")
-            self.write_scrape_config()
+            self._say(f"  [cyan]stopped[/cyan] {spec.name} ({describe_exit(spec.exit_code)})")
+            self._targets_changed()
         elif now > spec.due:
             log.warning("%s did not stop in %.0f s after SIGTERM; killing it", spec.name, STOP_TIMEOUT_S)
             signal_group(spec.pid, signal.SIGKILL)
 
-    def _track_scale(self) -> None:
-        if self.scale.get("state") != "applying":
+    def track(self) -> None:
+        """Mark the request ``done`` once the added components are ready and the removed ones gone."""
+        if self.progress.get("state") != "applying":
             return
         by_name = {s.name: s for s in self.table}
-        ready = all(by_name.get(n) is not None and by_name[n].state in LIVE_STATES for n in self.scale["added"])
-        if ready and not any(n in by_name for n in self.scale["removed"]):
-            self.scale["state"] = "done"
-            self.say(f"  [cyan]scaled[/cyan] to {self.scale['targets']}")
-            self.write_status()
-
-    # -- status files ----------------------------------------------------------------------------
-
+        ready = all(by_name.get(n) is not None and by_name[n].state in LIVE_STATES for n in self.progress["added"])
+        if ready and not any(n in by_name for n in self.progress["removed"]):
+            self.progress["state"] = "done"
+            self._say(f"  [cyan]scaled[/cyan] to {self.progress['targets']}")
+            self._status_changed()

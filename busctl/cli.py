@@ -47,11 +47,11 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from bus.report import cmd_report
+from busctl.report import cmd_report
 from configs.schema import ConfigError, RunConfig, dump_config, load_config
 
 if TYPE_CHECKING:
-    from bus.supervisor import Supervisor
+    from busctl.supervisor import Supervisor
 
 
 def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -97,7 +97,7 @@ def resume_config(target: str | None, overrides: list[str]) -> RunConfig:
 
 
 def cmd_up(ns: argparse.Namespace, console: Console) -> int:
-    from bus.supervisor import Supervisor  # zmq/rich only; torch stays out until needed
+    from busctl.supervisor import Supervisor  # zmq/rich only; torch stays out until needed
 
     config_path, overrides = _split_config_args(ns.args)
     try:
@@ -129,7 +129,7 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
 
 def supervise(sup: "Supervisor", console: Console) -> int:
     """Run ``sup`` through prepare, start, watch and (always) shutdown, printing to ``console``
-    (on a terminal, below the lines, a live display of :mod:`bus.live` during start and watch);
+    (on a terminal, below the lines, a live display of :mod:`busctl.live` during start and watch);
     ``sup.stop`` set (by a signal handler, or a test) means interrupted. Records the outcome
     (``done``, ``failed``, ``interrupted``) and error in ``sup`` for ``status.json``.
 
@@ -138,8 +138,8 @@ def supervise(sup: "Supervisor", console: Console) -> int:
     """
     from contextlib import nullcontext
 
-    from bus.live import LiveDisplay
-    from bus.supervisor import RunFailed
+    from busctl.live import LiveDisplay
+    from busctl.supervisor import RunFailed
 
     started = time.monotonic()
     failed = False
@@ -200,7 +200,7 @@ def _alive(pid: int) -> bool:
 
 def _supervisor_alive(status: dict) -> bool:
     """Is the ``busctl up`` that wrote ``status`` still running (same pid, same process start time)?"""
-    from bus.supervisor import process_start_ticks
+    from busctl.component_table import process_start_ticks
 
     pid = status.get("supervisor_pid") or 0
     if not pid or not _alive(pid):
@@ -216,7 +216,7 @@ def _age(timestamp: float | None) -> str:
 def cmd_status(ns: argparse.Namespace, console: Console) -> int:
     from rich.table import Table
 
-    from bus.live import format_busy, format_queue, format_rate, trainer_text
+    from busctl.live import format_busy, format_queue, format_rate, trainer_text
 
     run_dir = _run_dir(ns.run_dir)
     status = _status(run_dir)
@@ -292,7 +292,7 @@ def _parse_scale(args: list[str]) -> tuple[str | None, dict[str, int]]:
         ValueError: an argument that is not ``rewards=N`` / ``producers=N`` with an integer N,
             a key given twice, or none at all.
     """
-    from bus.supervisor import SCALABLE
+    from busctl.scaling import SCALABLE
 
     run_dir, args = _split_config_args(args)
     request: dict[str, int] = {}
@@ -312,8 +312,8 @@ def _parse_scale(args: list[str]) -> tuple[str | None, dict[str, int]]:
 
 
 def cmd_scale(ns: argparse.Namespace, console: Console) -> int:
-    from bus.run_status import write_text_atomic
-    from bus.supervisor import STOP_TIMEOUT_S, scale_targets
+    from busctl.run_status import write_text_atomic
+    from busctl.scaling import STOP_TIMEOUT_S, scale_targets
 
     try:
         run_arg, request = _parse_scale(ns.args)

@@ -3,14 +3,14 @@
 event log behind its progress display.
 
 ``status.json`` (rewritten atomically, tmp + rename, at least every
-:data:`bus.supervisor.STATUS_EVERY_S` while running) holds: the supervisor's pid and process
+:data:`busctl.supervisor.STATUS_EVERY_S` while running) holds: the supervisor's pid and process
 start time, its state and outcome, its metrics port, the last step and ``max_steps``, the last
 step's trainer metrics (``trainer_metrics``: reward_mean, kl, entropy, policy_lag_mean/max,
 step_time_s, ...), ``steps_per_s`` and ``eta_s`` from the recent step rate, the last scale
 request, the recent ``events`` (ready, crashed, restarted, scaled lines; ``[unix time, text]``),
 and per component: name, role, module, index, pid, state, restarts, consecutive crashes, last
 heartbeat (unix time), metrics port, exit code, last error, and from the metrics poller
-(:mod:`bus.scrape`) ``throughput`` (samples/s, tokens/s), ``busy`` (fraction), ``queue_depth``
+(:mod:`busctl.scrape`) ``throughput`` (samples/s, tokens/s), ``busy`` (fraction), ``queue_depth``
 (messages) and ``queues`` (per ``topic/queue``).
 
 ``prometheus.yml``: job ``rlbus``, one static config per component with a metrics port and one

@@ -1,6 +1,6 @@
 """A tiny real component for supervisor tests: ready handshake, heartbeats, idles until stopped.
 
-Run by the supervisor as ``python -m tests.bus.sleepy --run-dir DIR --name NAME ...`` through
+Run by the supervisor as ``python -m tests.busctl.sleepy --run-dir DIR --name NAME ...`` through
 :func:`bus.component.component_main`, like every real component, but without any model. It logs
 the ``RLBUS_*`` environment it got (tests read it from ``logs/NAME.log``). While the file
 ``RUN_DIR/hang-setup-NAME`` exists, ``setup()`` blocks until the process is stopped: the
@@ -13,17 +13,15 @@ import logging
 import os
 
 from bus.component import Component, component_main
+from bus.launch_env import ENV_NAMES
 
 log = logging.getLogger(__name__)
-
-ENV_KEYS = ("RLBUS_RESTARTS", "RLBUS_RESUME", "RLBUS_LATE_JOIN")
-
 
 class Sleepy(Component):
     """Does nothing but live: ``run()`` returns only when stopped."""
 
     def setup(self) -> None:
-        log.info("env %s", " ".join(f"{k}={os.environ.get(k, '')}" for k in ENV_KEYS))
+        log.info("env %s", " ".join(f"{k}={os.environ.get(k, '')}" for k in ENV_NAMES))
         marker = self.run_dir / f"hang-setup-{self.name}"
         while marker.exists() and not self.stop.wait(0.1):
             pass

@@ -1,0 +1,114 @@
+"""The launch environment: what the supervisor tells a component about this start of it.
+
+``busctl up`` starts every component as a fresh process; three environment variables say how this
+start differs from the first one of a fresh run:
+
+- ``RLBUS_RESTARTS=<n>``: the supervisor restarted this component for the n-th time (n >= 1;
+  unset or empty: 0).
+- ``RLBUS_RESUME=1``: the run was started with ``busctl up --resume`` (unset, empty or ``0``: not).
+- ``RLBUS_LATE_JOIN=1``: the component joins after the start of the run (a producer added by
+  ``busctl scale`` or restarted), so it cannot join a weight-broadcast group formed at start.
+
+Invariant: these names are spelled here only. The supervisor writes them with
+:meth:`LaunchEnv.to_environ`, a component reads them once with :meth:`LaunchEnv.from_environ`
+(done by :func:`bus.component.component_main`, kept as ``Component.launch``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+ENV_RESTARTS = "RLBUS_RESTARTS"
+"""Restart count of this component (int >= 0)."""
+ENV_RESUME = "RLBUS_RESUME"
+"""``1`` in every component of a ``busctl up --resume`` run."""
+ENV_LATE_JOIN = "RLBUS_LATE_JOIN"
+"""``1`` for a component that joins a running run (scaled up or restarted producer)."""
+ENV_NAMES = (ENV_RESTARTS, ENV_RESUME, ENV_LATE_JOIN)
+"""Every launch variable; the supervisor removes them from its own environment before adding a
+component's, so a ``busctl up`` started from inside a component never leaks them."""
+
+
+def _parse_int(name: str, raw: str) -> int:
+    """``raw`` (the value of variable ``name``) as an int >= 0; empty means 0.
+
+    Raises:
+        ValueError: not a whole number >= 0 (the message names the variable and its value).
+    """
+    text = raw.strip()
+    if not text:
+        return 0
+    if not text.isdigit():
+        raise ValueError(f"environment variable {name}={raw!r}: expected an integer >= 0")
+    return int(text)
+
+
+def _parse_flag(name: str, raw: str) -> bool:
+    """``raw`` (the value of variable ``name``) as a flag: ``1`` true, empty or ``0`` false.
+
+    Raises:
+        ValueError: any other value (the message names the variable and its value).
+    """
+    text = raw.strip()
+    if text in ("", "0"):
+        return False
+    if text == "1":
+        return True
+    raise ValueError(f"environment variable {name}={raw!r}: expected 1 (set) or 0 / empty (unset)")
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """How this start of a component differs from the first start of a fresh run.
+
+    Attributes:
+        restarts: how often the supervisor restarted this component (0: first start).
+        resume: the run continues a previous one (``busctl up --resume``).
+        late_join: the component joins a running run (scaled up, or a restarted producer).
+    """
+
+    restarts: int = 0
+    resume: bool = False
+    late_join: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.restarts, bool) or not isinstance(self.restarts, int) or self.restarts < 0:
+            raise ValueError(f"LaunchEnv.restarts={self.restarts!r}: expected an int >= 0")
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> "LaunchEnv":
+        """Read the launch variables (unset ones take their defaults).
+
+        Raises:
+            ValueError: a variable is set to a value it cannot take (the message names it).
+        """
+        return cls(
+            restarts=_parse_int(ENV_RESTARTS, environ.get(ENV_RESTARTS, "")),
+            resume=_parse_flag(ENV_RESUME, environ.get(ENV_RESUME, "")),
+            late_join=_parse_flag(ENV_LATE_JOIN, environ.get(ENV_LATE_JOIN, "")),
+        )
+
+    def to_environ(self) -> dict[str, str]:
+        """The variables to set for a component (only those that differ from a first start)."""
+        env = {}
+        if self.restarts:
+            env[ENV_RESTARTS] = str(self.restarts)
+        if self.resume:
+            env[ENV_RESUME] = "1"
+        if self.late_join:
+            env[ENV_LATE_JOIN] = "1"
+        return env
+
+    @property
+    def continues(self) -> bool:
+        """Whether the component continues earlier work (restarted or resumed), so must recover
+        its state (journal, checkpoint) rather than start from scratch."""
+        return self.restarts > 0 or self.resume
+
+    @property
+    def joins_late(self) -> bool:
+        """Whether the component starts after the others were ready (restarted, resumed or
+        scaled up): it cannot join a torch.distributed group formed at the start of the run."""
+        return self.restarts > 0 or self.resume or self.late_join

@@ -1,0 +1,188 @@
+"""The supervisor's healing policy, as a pure function: component facts and a clock in, decisions out.
+
+:func:`decide` judges every component of the table at time ``now`` (``time.monotonic()`` seconds)
+from plain data (:class:`ComponentFacts`: state, restart counts, exit code, ready and heartbeat
+times, deadline) and the rules (:class:`HealingRules`, from the run config), and returns what to do:
+
+- :class:`RestartNow`: a crashed component whose backoff has run out is spawned again.
+- :class:`ScheduleRestart`: a component just crashed (its process exited, it was not ready
+  within ``bus.ready_timeout_s``, or it was silent for ``bus.dead_after_s`` after it was ready);
+  kill what is left of it and spawn it again at ``at``.
+- :class:`FailRun`: a component crashed and may not be restarted: at start-up, with
+  ``supervisor.restart`` off, a role outside :data:`RESTARTABLE_ROLES` (the packer: its buffered
+  groups would be lost), or its restart budget ``supervisor.max_restarts`` is spent.
+- nothing, for a component that is fine (no decision).
+
+Backoff (:func:`backoff_s`): the ``k``-th crash in a row waits
+``min(backoff_max_s, backoff_initial_s * 2**(k-1))`` seconds; ``k`` starts again from 1 when the
+component had stayed up (since its ready handshake) for ``backoff_reset_s``.
+
+Invariants: nothing here reads the clock, touches a process, a socket or a file; the supervisor
+(:mod:`busctl.supervisor`) gathers the facts (it polls the processes) and carries out the
+decisions in the order given. Components in state ``stopping`` (being scaled away) are
+:mod:`busctl.scaling`'s and get no decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+from busctl.component_table import LIVE_STATES, RESTARTABLE_ROLES, describe_exit
+from configs.schema import RunConfig, SupervisorConfig
+
+
+def backoff_s(consecutive_crashes: int, sup: SupervisorConfig) -> float:
+    """Delay before restarting a component after its ``consecutive_crashes``-th crash in a row
+    (>= 1): ``min(backoff_max_s, backoff_initial_s * 2**(consecutive_crashes - 1))``, seconds.
+
+    Raises:
+        ValueError: ``consecutive_crashes < 1``.
+    """
+    if consecutive_crashes < 1:
+        raise ValueError(f"consecutive_crashes must be >= 1, got {consecutive_crashes}")
+    return min(sup.backoff_max_s, sup.backoff_initial_s * 2.0 ** min(consecutive_crashes - 1, 60))
+
+
+@dataclass(frozen=True)
+class HealingRules:
+    """The rules :func:`decide` applies (all from the run config).
+
+    Attributes:
+        healing: crashes may be healed (the watch phase); False at start-up, where any crash
+            fails the run (a configuration or code problem, not one to retry).
+        supervisor: the ``supervisor`` section (restart on/off, budget, backoff).
+        ready_timeout_s: a (re)started component must be ready within this, seconds.
+        dead_after_s: a ready component silent this long has crashed, seconds.
+        run_dir: named in the hint to ``busctl up --resume`` when the packer dies.
+    """
+
+    healing: bool
+    supervisor: SupervisorConfig
+    ready_timeout_s: float
+    dead_after_s: float
+    run_dir: str = ""
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, *, healing: bool, run_dir: str) -> "HealingRules":
+        """The rules of a run (``healing``: see the attribute)."""
+        return cls(healing=healing, supervisor=cfg.supervisor, ready_timeout_s=cfg.bus.ready_timeout_s,
+                   dead_after_s=cfg.bus.dead_after_s, run_dir=run_dir)
+
+
+@dataclass(frozen=True)
+class ComponentFacts:
+    """What the policy knows of one component (times are ``time.monotonic()`` seconds).
+
+    Attributes:
+        name, role, pid: e.g. ``"rewards-1"``, ``"rewards"``, its current (or last) process id.
+        state: ``starting``, ``ready``, ``running``, ``done``, ``restarting``, ``stopping``, ...
+        exit_code: of its process if that has exited (negative: killed by a signal), else None.
+        restarts: restarts so far. consecutive_crashes: crashes in a row before this one.
+        ready_at, last_beat: last ready handshake and heartbeat (None: not yet).
+        due: ``starting``: ready deadline; ``restarting``: when to spawn it again.
+    """
+
+    name: str
+    role: str
+    state: str
+    pid: int = 0
+    exit_code: int | None = None
+    restarts: int = 0
+    consecutive_crashes: int = 0
+    ready_at: float | None = None
+    last_beat: float | None = None
+    due: float = 0.0
+
+
+@dataclass(frozen=True)
+class RestartNow:
+    """Spawn ``name`` again now (its backoff ran out)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class ScheduleRestart:
+    """``name`` crashed (``reason``): kill what is left of it and spawn it again at ``at``.
+
+    Attributes:
+        delay_s: ``at - now``, seconds. consecutive_crashes: its new count of crashes in a row.
+    """
+
+    name: str
+    reason: str
+    at: float
+    delay_s: float
+    consecutive_crashes: int
+
+
+@dataclass(frozen=True)
+class FailRun:
+    """``name`` crashed (``reason``) and is not restarted: kill what is left of it, end the run
+    with ``message`` (names the component and why; the supervisor adds its log's path)."""
+
+    name: str
+    reason: str
+    message: str
+
+
+Decision = Union[RestartNow, ScheduleRestart, FailRun]
+"""What :func:`decide` returns per component that needs something done."""
+
+
+def crash_reason(facts: ComponentFacts, now: float, rules: HealingRules) -> str | None:
+    """Why ``facts``' component has crashed at ``now``, or None if it has not (or is not watched:
+    ``restarting``, ``stopping``, ``exited``, not started)."""
+    if facts.state != "starting" and facts.state not in LIVE_STATES:
+        return None
+    if facts.exit_code is not None:
+        return describe_exit(facts.exit_code)
+    if facts.state == "starting":
+        return f"was not ready within {rules.ready_timeout_s:g} s" if now > facts.due else None
+    silent = now - max(facts.ready_at or 0.0, facts.last_beat or 0.0)
+    if silent > rules.dead_after_s:
+        return f"was silent for {silent:.1f} s (no heartbeat; bus.dead_after_s={rules.dead_after_s:g})"
+    return None
+
+
+def on_crash(facts: ComponentFacts, reason: str, now: float, rules: HealingRules) -> ScheduleRestart | FailRun:
+    """What to do about a component that crashed at ``now`` for ``reason`` (see the module docstring)."""
+    sup = rules.supervisor
+    if not rules.healing or not sup.restart:
+        return FailRun(facts.name, reason, f"{facts.name} {reason}")
+    if facts.role not in RESTARTABLE_ROLES:
+        if facts.role == "packer":
+            return FailRun(facts.name, reason, f"packer {reason}: its buffered groups are lost, so it is not restarted; "
+                           f"continue the run from its last checkpoint with `busctl up --resume {rules.run_dir}`")
+        return FailRun(facts.name, reason, f"{facts.name} {reason} and cannot be restarted")
+    if facts.restarts >= sup.max_restarts:
+        return FailRun(facts.name, reason, f"{facts.name} {reason} after {facts.restarts} restarts: its restart budget "
+                       f"(supervisor.max_restarts={sup.max_restarts}) is spent")
+    crashes = facts.consecutive_crashes
+    if facts.ready_at is not None and now - facts.ready_at >= sup.backoff_reset_s:
+        crashes = 0
+    crashes += 1
+    delay = backoff_s(crashes, sup)
+    return ScheduleRestart(facts.name, reason, at=now + delay, delay_s=delay, consecutive_crashes=crashes)
+
+
+def decide(components: Sequence[ComponentFacts], now: float, rules: HealingRules) -> list[Decision]:
+    """The healing decisions for every component at time ``now``, in table order (a
+    :class:`FailRun` ends the run: the supervisor carries out no decision after it).
+
+    Args:
+        components: the facts of every component, in table order.
+        now: the current ``time.monotonic()``, seconds.
+        rules: see :class:`HealingRules`.
+    """
+    decisions: list[Decision] = []
+    for facts in components:
+        if facts.state == "restarting":
+            if now >= facts.due:
+                decisions.append(RestartNow(facts.name))
+            continue
+        reason = crash_reason(facts, now, rules)
+        if reason is not None:
+            decisions.append(on_crash(facts, reason, now, rules))
+    return decisions

@@ -1,0 +1,174 @@
+"""``busctl report RUN_DIR``: plots and a short text summary of a run, from its files alone.
+
+Reads (only ``metrics.jsonl`` is required):
+
+- ``metrics.jsonl`` (:mod:`trainer.proc`, :mod:`trainer.eval_log`): training records
+  ``{"step": s + 1, "reward_mean", "kl", "entropy", "policy_lag_mean", "policy_lag_max",
+  "tokens_per_s", "step_time_s", "num_tokens", "reward/<fn>", ...}`` and eval records
+  ``{"step": round, "eval/<task>/reward_mean", ...}`` (older runs: ``eval_reward_mean``, shown as
+  task ``eval``). A line that is not a JSON object (a trainer killed mid-write) is skipped and
+  counted; a step written twice keeps its last record.
+- ``stages.jsonl`` (optional; one line per metrics-poller round of the supervisor):
+  ``{"time": unix_s, "step": steps done, "components": {"producer-0": {"role": "producer",
+  "throughput": {"tokens_per_s": x, "samples_per_s": y}, "busy": f, ...}, ...}}``; per step and
+  stage (role) the report sums tokens/s over the replicas and averages their busy fraction.
+  ``components`` may also be ``status.json``'s list of rows (each with ``name``).
+- ``samples.jsonl`` (optional, :mod:`packer.samples`), ``accounting.json`` (prompt outcomes) and
+  ``metrics_final/packer.prom`` (the packer's groups by outcome) for the summary.
+
+Writes ``OUT/*.png`` (:mod:`busctl.report_plots`, matplotlib's Agg backend) and ``OUT/summary.txt``
+(also printed); ``OUT`` defaults to ``RUN_DIR/report``. A series a run does not have (no entropy
+in old runs, no eval, no ``stages.jsonl``) is skipped and named in the summary's notes.
+
+The reward summary uses a trailing moving average over ``W = clamp(n // 4, 1, 10)`` steps
+(:func:`busctl.run_data.smoothing_window`): ``first`` is the mean of the first ``W`` steps, ``last`` of the last
+``W``, ``best`` the highest ``W``-step mean.
+
+Exit codes: 0 written; 2 no such run directory, or ``metrics.jsonl`` missing, empty or without
+training records (the message names the file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from busctl.run_data import ReportError, RunData, load_run, moving_average, smoothing_window, stage_series
+
+__all__ = ["cmd_report", "format_summary", "summarize", "write_report"]
+
+
+def _mean(values: list[float]) -> float:
+    vals = [v for v in values if math.isfinite(v)]
+    return sum(vals) / len(vals) if vals else math.nan
+
+
+def summarize(run: RunData) -> dict:
+    """The summary's numbers (see the module docstring for the reward windows).
+
+    Returns:
+        ``{"steps", "first_step", "last_step", "train_time_s", "window", "reward_first",
+        "reward_last", "reward_best", "reward_best_step", "reward_terms_last": {fn: v},
+        "evals": {task: {"first": (round, v), "last": (round, v)}}, "kl_mean", "entropy_mean",
+        "lag_mean", "lag_max", "tokens_per_s", "stages": {role: {"tokens_per_s", "busy"}},
+        "packer_outcomes", "accounting", "samples", "sample_steps"}``; NaN where a run lacks the key.
+    """
+    steps, rewards = run.series("reward_mean")
+    w = smoothing_window(len(rewards))
+    ma = moving_average(rewards, w)
+    full = ma[w - 1 :]
+    best_i = max(range(len(full)), key=lambda i: full[i] if math.isfinite(full[i]) else -math.inf) if full else None
+    times = run.series("step_time_s")[1]
+    tokens = run.series("num_tokens")[1]
+    _, lag_max = run.series("policy_lag_max")
+    s = {
+        "steps": len(run.steps),
+        "first_step": run.steps[0]["step"],
+        "last_step": run.steps[-1]["step"],
+        "train_time_s": sum(times) if times else math.nan,
+        "window": w,
+        "reward_first": _mean(rewards[:w]) if rewards else math.nan,
+        "reward_last": _mean(rewards[-w:]) if rewards else math.nan,
+        "reward_best": full[best_i] if best_i is not None else math.nan,
+        "reward_best_step": steps[best_i + w - 1] if best_i is not None else None,
+        "reward_terms_last": {
+            k[len("reward/"):]: _mean(run.series(k)[1][-w:]) for k in sorted(run.keys()) if k.startswith("reward/")
+        },
+        "evals": {
+            task: {"first": (rounds[0][0], rounds[0][1].get("reward_mean", math.nan)),
+                   "last": (rounds[-1][0], rounds[-1][1].get("reward_mean", math.nan))}
+            for task, rounds in run.evals.items()
+        },
+        "kl_mean": _mean(run.series("kl")[1]),
+        "entropy_mean": _mean(run.series("entropy")[1]),
+        "lag_mean": _mean(run.series("policy_lag_mean")[1]),
+        "lag_max": max(lag_max) if lag_max else math.nan,
+        "tokens_per_s": sum(tokens) / sum(times) if tokens and len(tokens) == len(times) and sum(times) > 0
+        else _mean(run.series("tokens_per_s")[1]),
+        "stages": {
+            role: {key: _mean(vals) for key, (_, vals) in series.items()} for role, series in stage_series(run.stages).items()
+        },
+        "packer_outcomes": dict(run.packer_outcomes),
+        "accounting": run.accounting,
+        "samples": len(run.samples),
+        "sample_steps": len({r.get("step") for r in run.samples}),
+    }
+    return s
+
+
+def _f(v: float, digits: int = 4) -> str:
+    return "n/a" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:.{digits}g}"
+
+
+def format_summary(run: RunData, s: dict, notes: list[str]) -> str:
+    """The text of ``summary.txt`` from :func:`summarize`'s numbers and the plotting notes."""
+    lines = [
+        f"run: {run.run_dir}",
+        f"steps: {s['steps']} (records step {s['first_step']}..{s['last_step']}), "
+        f"training time {_f(s['train_time_s'])} s (sum of step_time_s)",
+        f"reward_mean ({s['window']}-step mean): first {_f(s['reward_first'])}, last {_f(s['reward_last'])}, "
+        f"best {_f(s['reward_best'])} (window ending at step {s['reward_best_step']})",
+    ]
+    if s["reward_terms_last"]:
+        lines.append("reward terms (last window): " + ", ".join(f"{k} {_f(v)}" for k, v in s["reward_terms_last"].items()))
+    for task, e in s["evals"].items():
+        lines.append(f"eval {task} reward_mean: first {_f(e['first'][1])} (round {e['first'][0]}), "
+                     f"last {_f(e['last'][1])} (round {e['last'][0]})")
+    if not s["evals"]:
+        lines.append("eval: no eval records")
+    lines.append(f"kl mean {_f(s['kl_mean'])}, entropy mean {_f(s['entropy_mean'])}")
+    lines.append(f"policy lag: mean {_f(s['lag_mean'])}, max {_f(s['lag_max'])} steps")
+    lines.append(f"trainer throughput: {_f(s['tokens_per_s'])} tokens/s (all tokens / training time)")
+    for role, v in s["stages"].items():
+        busy = v.get("busy", math.nan)
+        lines.append(f"stage {role}: {_f(v.get('tokens_per_s', math.nan))} tokens/s, busy "
+                     f"{'n/a' if not math.isfinite(busy) else f'{100 * busy:.0f}%'} (mean over polls)")
+    seen = {k: v for k, v in sorted(s["packer_outcomes"].items()) if v or k == "accepted"}  # pre-initialised zeros left out
+    if seen:
+        lines.append("packer groups by outcome: " + ", ".join(f"{k} {v:g}" for k, v in seen.items()))
+    acc = s["accounting"]
+    if acc:
+        outcomes = ", ".join(f"{k} {v}" for k, v in (acc.get("outcomes") or {}).items())
+        lines.append(f"prompts: issued {acc.get('issued')}; outcomes {outcomes}; unresolved {len(acc.get('unresolved') or [])}")
+    lines.append(f"samples.jsonl: {s['samples']} examples from {s['sample_steps']} steps")
+    for name, n in run.skipped_lines.items():
+        notes.append(f"{name}: skipped {n} line(s) that are not JSON records")
+    lines += [f"note: {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(run_dir: Path, out_dir: Path | None = None) -> tuple[list[Path], str]:
+    """Write the plots and ``summary.txt`` of a run.
+
+    Args:
+        run_dir: the run directory. out_dir: where to write (default ``RUN_DIR/report``; created).
+
+    Returns:
+        ``(png_paths, summary_text)``.
+
+    Raises:
+        ReportError: as :func:`load_run`.
+    """
+    from busctl.report_plots import plot_run  # matplotlib only when a report is made
+
+    run = load_run(run_dir)
+    out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    paths, notes = plot_run(run, out)
+    text = format_summary(run, summarize(run), notes)
+    (out / "summary.txt").write_text(text)
+    return paths, text
+
+
+def cmd_report(ns: argparse.Namespace, console) -> int:
+    """``busctl report RUN_DIR [--out DIR]``: 0 written, 2 nothing to report (message printed)."""
+    try:
+        paths, text = write_report(Path(ns.run_dir), Path(ns.out) if ns.out else None)
+    except ReportError as err:
+        console.print(f"[red]busctl report: {err}[/red]")
+        return 2
+    print(text, end="")
+    out = paths[0].parent if paths else Path(ns.out or Path(ns.run_dir) / "report")
+    console.print(f"{len(paths)} plot(s) and summary.txt in {out}")
+    return 0
