@@ -1,4 +1,4 @@
-"""Tests for producers.prompt_source.PromptSource (the socket-free logic): gating by the producers'
+"""Tests for prompts.source.PromptSource (the socket-free logic): gating by the producers'
 applied versions and the async level (also with producers that depart, return or go back to an
 older version), replacements for prompts that did not train, the end of the run, ids and cycling,
 and the rebuild of a restarted source from its ledger journal; then :class:`PromptSourceProc` on
@@ -19,12 +19,13 @@ from bus.reliable import Courier
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
 from configs.schema import load_config
-from producers.applied_versions import AppliedVersions, applied_since_start
-from producers.eval_rounds import EvalRounds, EvalSet, is_eval_id
-from producers.ledger import Ledger
-from producers.prompt_source import PromptSource, PromptSourceProc
-from producers.sampling import temperature_at
-from producers.tasks import load_task_examples
+from prompts.accounting import Ledger
+from prompts.applied_versions import AppliedVersions, applied_since_start
+from prompts.eval_rounds import EvalRounds, EvalSet, is_eval_id
+from prompts.proc import PromptSourceProc
+from prompts.source import PromptSource
+from prompts.temperature import temperature_at
+from tasks.registry import load_task_examples
 from tests.socket_dirs import remove_outside_socket_dir
 
 
