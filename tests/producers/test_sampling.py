@@ -11,6 +11,10 @@ def _cfg(*overrides: str):
     return load_config(None, list(overrides))
 
 
+def _prompt(index: int, **kw) -> Prompt:
+    return Prompt(id="x", index=index, step=0, task="reverse_text", messages=[], info={}, **kw)
+
+
 def test_request_kwargs_for_training_and_eval_prompts():
     cfg = _cfg("producers.group_size=4", "sampling.max_tokens=20", "sampling.min_tokens=8", "sampling.top_p=0.9",
                "sampling.repetition_penalty=1.1", "sampling.seed=100", "eval.max_tokens=6",

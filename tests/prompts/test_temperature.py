@@ -49,7 +49,3 @@ def test_eval_temperature():
     assert eval_temperature(_cfg("sampling.temperature=0.9")) == 0.9
     sched = _cfg("sampling.temp_scheduler={type: linear, start_temperature: 1.0, end_temperature: 0.6}")
     assert eval_temperature(sched) == pytest.approx(0.6)
-
-
-def _prompt(index: int, **kw) -> Prompt:
-    return Prompt(id="x", index=index, step=0, task="reverse_text", messages=[], info={}, **kw)
