@@ -10,9 +10,9 @@ Issue. Round ``r`` is issued once the gate's ``policy_version`` (the version eve
 runs, :class:`prompts.applied_versions.AppliedVersions`) is ``>= r``, all its prompts at once: for
 every eval task (``tasks.registry.eval_tasks``) its first ``num_examples`` held-out examples
 (``get_task(name, cfg.task).load("eval", num_examples, seed)``, rendered with that task's system
-prompt), ids ``e{r:06d}-{task}-{i:05d}``, ``eval_round = r``, ``eval_size`` = prompts in the
-whole round, ``step = r``, ``index`` = position in the round (so a sampling seed gives every
-round the same random numbers: rounds compare with less noise). Each round is issued once: it is
+prompt), ids ``e{r:06d}-{task}-{i:05d}`` (:mod:`bus.eval_ids`), ``eval_round = r``,
+``eval_size`` = prompts in the whole round, ``step = r``, ``index`` = position in the round (so a
+sampling seed gives every round the same random numbers: rounds compare with less noise). Each round is issued once: it is
 journaled in the prompt source's ledger as a note ``{"event": "eval_round", "round": r}`` when
 queued, and a restarted or resumed source skips the rounds its journal lists. Eval prompts are not
 ledger prompts: they count towards no step, and their outcomes (``groups.dropped`` of an eval id)
@@ -25,10 +25,10 @@ it) is the producers' side: a weight update waits for in-flight eval requests
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from bus.eval_ids import eval_prompt_id
 from bus.messages import Prompt
 from prompts.temperature import eval_temperature
 from tasks.registry import eval_tasks, get_task, load_task_examples
@@ -36,9 +36,6 @@ from tasks.task import render_messages
 
 if TYPE_CHECKING:
     from configs.schema import EvalConfig, RunConfig
-
-EVAL_ID = re.compile(r"^e\d{6}-.+-\d{5}$")
-
 
 def eval_round_versions(eval_cfg: "EvalConfig", max_steps: int) -> list[int]:
     """The policy versions evaluated in a run (module docstring), ascending; [] when disabled.
@@ -56,16 +53,6 @@ def eval_round_versions(eval_cfg: "EvalConfig", max_steps: int) -> list[int]:
     if eval_cfg.interval > 0:
         rounds.update(range(eval_cfg.interval, max_steps, eval_cfg.interval))
     return sorted(rounds)
-
-
-def eval_prompt_id(round_: int, task: str, i: int) -> str:
-    """The id of example ``i`` of ``task`` in eval round ``round_`` (``"e000010-gsm8k-00003"``)."""
-    return f"e{round_:06d}-{task}-{i:05d}"
-
-
-def is_eval_id(prompt_id: str) -> bool:
-    """True for an eval prompt's id (:func:`eval_prompt_id`); training ids are ``p%08d``."""
-    return bool(EVAL_ID.match(prompt_id))
 
 
 @dataclass(frozen=True)

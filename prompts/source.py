@@ -43,10 +43,11 @@ from typing import Any, Callable
 
 from prometheus_client import Counter
 
+from bus.eval_ids import is_eval_id
 from bus.messages import Prompt
 from prompts.accounting import Ledger
 from prompts.applied_versions import AppliedVersions
-from prompts.eval_rounds import EvalRounds, is_eval_id
+from prompts.eval_rounds import EvalRounds
 from tasks.task import render_messages
 
 log = logging.getLogger(__name__)

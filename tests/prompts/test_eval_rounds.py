@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from bus.eval_ids import eval_prompt_id, is_eval_id
 from bus.messages import decode, encode
 from configs.schema import load_config
-from prompts.eval_rounds import (
-    EvalRounds, EvalSet, build_eval_rounds, eval_prompt_id, eval_round_versions, is_eval_id)
+from prompts.eval_rounds import EvalRounds, EvalSet, build_eval_rounds, eval_round_versions
 from tasks.registry import load_task_examples
 
 

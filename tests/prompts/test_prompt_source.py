@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import pytest
 
+from bus.eval_ids import is_eval_id
 from bus.messages import Prompt, decode, encode
 from configs.schema import load_config
 from prompts.accounting import Ledger
 from prompts.applied_versions import AppliedVersions, applied_since_start
-from prompts.eval_rounds import EvalRounds, EvalSet, is_eval_id
+from prompts.eval_rounds import EvalRounds, EvalSet
 from prompts.source import PromptSource
 from prompts.temperature import temperature_at
 from tasks.registry import load_task_examples
