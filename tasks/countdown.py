@@ -11,7 +11,7 @@ kept as ``CountdownProblem.solution`` (scored 1.0 by :func:`countdown_reward`).
 
 Train and eval are disjoint *by construction*, whatever their seeds, like ``reverse_text``: a
 problem belongs to the eval split iff the first byte of ``sha256(canonical key)`` is below
-``EVAL_BUCKET_BYTES`` (1/16 of problems, :func:`tasks.task.hash_split`), where the key is the
+``tasks.task.EVAL_BUCKET_BYTES`` (1/16 of problems, :func:`tasks.task.hash_split`), where the key is the
 sorted numbers and the target (``"3,5,7->22"``), so a reordering of the same numbers cannot cross splits. Within a call the
 problems are distinct.
 
@@ -52,10 +52,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from tasks.task import EVAL_BUCKET_BYTES, Example, Task, check_request, hash_split, strip_end_of_turn
-
-__all__ = ["EVAL_BUCKET_BYTES", "CountdownProblem", "ExpressionError", "answer_expression", "countdown_examples",
-           "countdown_problems", "countdown_reward", "evaluate_expression", "make_task", "sample_problem", "split_of"]
+from tasks.task import Example, Task, check_request, hash_split, strip_end_of_turn
 
 NUM_NUMBERS = (3, 4)
 MIN_NUMBER = 1

@@ -5,7 +5,7 @@ uniform) random lowercase letters (uniform in a-z); the answer is that string re
 ``"hello"`` -> ``"olleh"``; ``info = {"target": reversed string}``. No system prompt.
 
 Splits: train and eval are disjoint *by construction*, whatever their seeds: a string belongs to
-the eval split iff the first byte of ``sha256(string)`` is below ``EVAL_BUCKET_BYTES``
+the eval split iff the first byte of ``sha256(string)`` is below ``tasks.task.EVAL_BUCKET_BYTES``
 (:func:`tasks.task.hash_split`), and a split keeps only its own strings (and no duplicates). Each
 split draws from its own seeded stream; ids are ``"reverse_text/{split}/{seed}/{k}"``.
 
@@ -27,12 +27,7 @@ import random
 import string
 from typing import Any
 
-from tasks.task import EVAL_BUCKET_BYTES, END_OF_TURN_TOKENS, Example, Task, check_request, hash_split, strip_end_of_turn
-
-__all__ = [
-    "END_OF_TURN_TOKENS", "EVAL_BUCKET_BYTES", "make_task", "reverse_text_examples", "reverse_text_reward",
-    "split_of", "strip_end_of_turn",
-]
+from tasks.task import Example, Task, check_request, hash_split, strip_end_of_turn
 
 # Length uniform in [MIN_LEN, MAX_LEN], letters uniform in a-z.
 REVERSE_TEXT_MIN_LEN = 5

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.reverse_text import reverse_text_reward, strip_end_of_turn
+from tasks.reverse_text import reverse_text_reward
 from tasks.rewards import get_reward_fn, known_reward_names, reward_name
+from tasks.task import strip_end_of_turn
 
 INFO = {"target": "olleh"}  # the prompt was "hello"
 
