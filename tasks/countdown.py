@@ -11,9 +11,9 @@ kept as ``CountdownProblem.solution`` (scored 1.0 by :func:`countdown_reward`).
 
 Train and eval are disjoint *by construction*, whatever their seeds, like ``reverse_text``: a
 problem belongs to the eval split iff the first byte of ``sha256(canonical key)`` is below
-``tasks.task.EVAL_BUCKET_BYTES`` (1/16 of problems, :func:`tasks.task.hash_split`), where the key is the
-sorted numbers and the target (``"3,5,7->22"``), so a reordering of the same numbers cannot cross splits. Within a call the
-problems are distinct.
+``tasks.task.EVAL_BUCKET_BYTES`` (1/16 of problems, :func:`tasks.task.hash_split`), where the key
+is the sorted numbers and the target (``"3,5,7->22"``), so a reordering of the same numbers cannot
+cross splits. Within a call the problems are distinct.
 
 Prompt: ``PROMPT_TEMPLATE`` states the numbers, the target, the rules and the answer format, so
 the task has no system prompt. ``info = {"numbers": [int], "target": int}``.
