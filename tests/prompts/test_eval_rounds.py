@@ -32,12 +32,6 @@ def test_eval_round_versions_rejects_bad_max_steps():
         eval_round_versions(_eval(), 0)
 
 
-def test_ids():
-    assert eval_prompt_id(10, "gsm8k", 3) == "e000010-gsm8k-00003"
-    assert is_eval_id("e000010-gsm8k-00003") and is_eval_id(eval_prompt_id(0, "pkg.mod:task", 12))
-    assert not is_eval_id("p00000003") and not is_eval_id("e12-x-1")
-
-
 def _sets():
     return [EvalSet("reverse_text", None, load_task_examples("reverse_text", "eval", 3, 1234)),
             EvalSet("other", "Be brief.", load_task_examples("reverse_text", "eval", 2, 99))]
