@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC_PATH = ROOT / "docs" / "metrics.md"
 """Where ``python -m busctl.metrics_reference`` writes the reference."""
 
-PACKAGES = ("bus", "busctl", "producers", "rewards", "packer", "trainer", "broadcaster")
+PACKAGES = ("bus", "busctl", "prompts", "producers", "rewards", "packer", "trainer", "broadcaster")
 """Packages searched for modules that define metrics."""
 
 _DEFINES = re.compile(r"^from prometheus_client(\.core)? import .*\b(Counter|Gauge|Histogram|Summary|MetricFamily)", re.M)
@@ -37,7 +37,7 @@ SERVED_BY = (
     ("busctl.supervisor", "", "supervisor"),
     ("bus.", "rlbus_stage_", "producer, rewards, packer, trainer (label `stage`)"),
     ("bus.", "", "every process"),
-    ("producers.prompt_source", "", "prompt-source"),
+    ("prompts.", "", "prompt-source"),
     ("producers.", "", "producer"),
     ("rewards.", "", "rewards"),
     ("packer.", "", "packer"),
@@ -58,10 +58,10 @@ SECTIONS = {
     "policy": "The policy version a process works with: the trainer's latest weights, the version a producer "
               "applied, the prompt source's gate (the lowest version every producer applied); 0 elsewhere.",
     "supervisor": "`busctl up` itself (component `supervisor`).",
-    "prompt_source": "Prompt issue and gating (`producers/prompt_source.py`).",
+    "prompt_source": "Prompt issue and gating (`prompts/proc.py`, `prompts/source.py`).",
     "accounting": "The prompt ledger: every issued prompt ends in one outcome (`docs/DELIVERY.md`).",
     "producer": "Rollout producers (`producers/producer.py`): generation and weight updates.",
-    "rewards": "Reward workers (`rewards/worker.py`): rewards, advantages, failures of reward functions, filters.",
+    "rewards": "Reward workers (`rewards/proc.py`, `rewards/worker.py`): rewards, advantages, failures of reward functions, filters.",
     "packer": "The packer (`packer/proc.py`): staleness filter, policy lag, packing, samples log.",
     "trainer": "The trainer, rank 0 (`trainer/proc.py`, `trainer/trainer.py`, `trainer/publish.py`): the "
                "last step's loss and statistics as gauges (also in `metrics.jsonl`), step and weight "

@@ -16,7 +16,7 @@ from configs.base import Section
 class RewardTermConfig(Section):
     """One reward function of a task and its weight in the total reward."""
 
-    name: str = Field(..., min_length=1, description="A registered reward function (rewards/registry.py) or an import path 'package.module:function' (runs the code it names: configs are trusted).")
+    name: str = Field(..., min_length=1, description="A registered reward function (tasks/rewards.py) or an import path 'package.module:function' (runs the code it names: configs are trusted).")
     weight: float = Field(1.0, allow_inf_nan=False, description="Weight of this function's score in the reward: reward = sum of weight * score.")
 
 
@@ -33,9 +33,9 @@ class DatasetConfig(Section):
 
 
 class TaskConfig(Section):
-    """The training task: dataset, prompt rendering and reward functions (producers/tasks.py)."""
+    """The training task: dataset, prompt rendering and reward functions (tasks/, one module per task)."""
 
-    name: str = Field("reverse_text", description="A registered task (reverse_text, gsm8k, countdown) or an import path 'package.module:function' returning a producers.tasks.Task.")
+    name: str = Field("reverse_text", description="A registered task (reverse_text, gsm8k, countdown) or an import path 'package.module:function' returning a tasks.Task.")
     system_prompt: str | None = Field(None, description="System message before every prompt; null: the task's default (none for reverse_text).")
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
     rewards: list[RewardTermConfig] = Field(

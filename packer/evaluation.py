@@ -5,8 +5,8 @@ by the reward workers like training groups, but never trained. Round ``r`` evalu
 version ``r``; it holds ``eval_size`` groups over all eval tasks (one group per held-out example,
 ``rollouts_per_example`` completions each). A group either arrives scored or its generation
 failed, which is announced in a ``groups.dropped`` on the control channel with its id (eval ids
-read ``e{round:06d}-{task}-{i:05d}``, :func:`parse_eval_id`). Once the received plus failed groups
-of a round reach ``eval_size``, :class:`EvalAggregator` closes the round: one
+read ``e{round:06d}-{task}-{i:05d}``, :func:`bus.eval_ids.parse_eval_id`). Once the received plus
+failed groups of a round reach ``eval_size``, :class:`EvalAggregator` closes the round: one
 :class:`bus.messages.EvalResult` per task with :func:`eval_metrics`, and the ids of the received
 groups, whose custody the packer then releases (:mod:`packer.proc`).
 
@@ -19,24 +19,14 @@ No sockets here.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from bus.eval_ids import parse_eval_id
 from bus.messages import EvalResult, ScoredGroup, new_id
 
 __all__ = ["EvalAggregator", "EvalGroup", "RoundResult", "eval_metrics", "parse_eval_id"]
-
-EVAL_ID = re.compile(r"^e(\d{6,})-(.+)-(\d{5,})$")
-"""Eval prompt ids ``e{round:06d}-{task}-{i:05d}`` (task names may hold ``-``: matched greedily)."""
-
-
-def parse_eval_id(group_id: str) -> tuple[int, str] | None:
-    """``(round, task)`` of an eval prompt id ``e{round:06d}-{task}-{i:05d}``; None for any other id."""
-    match = EVAL_ID.match(group_id)
-    return (int(match.group(1)), match.group(2)) if match else None
-
 
 @dataclass(frozen=True)
 class EvalGroup:

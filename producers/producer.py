@@ -26,7 +26,7 @@ of asyncio tasks on one event loop:
   the supervisor restarts it as such a late joiner.
 
 Eval groups are exact: an update waits until the eval groups being generated are done, and no
-eval generation starts while an update is pending (:class:`producers.eval_rounds.EvalUpdateGate`),
+eval generation starts while an update is pending (:class:`producers.eval_gate.EvalUpdateGate`),
 so every sample of an eval group comes from one policy version. Training generations do not wait:
 they are paused with their requests kept and resumed under the new weights (partial rollouts; each
 sample records its version spans, :mod:`producers.engine`).
@@ -50,7 +50,7 @@ from bus.component import Component, component_main
 from bus.messages import GroupsDropped, Prompt, RolloutGroup, RunDone, WeightsApplied, WeightsReady, new_id
 from bus.metrics import POLICY_VERSION, StageMeter
 from producers.engine import RolloutEngine
-from producers.eval_rounds import EvalUpdateGate
+from producers.eval_gate import EvalUpdateGate
 from producers.sampling import request_kwargs
 from producers.teacher import Teacher
 

@@ -27,7 +27,7 @@ from typing import Any, Callable, Union
 
 import numpy as np
 
-from rewards.registry import import_callable
+from tasks.import_path import import_callable
 
 __all__ = [
     "ADVANTAGE_NAMES",

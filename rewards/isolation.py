@@ -9,7 +9,7 @@ NaN must score that sample 0 with the reason counted, and the reward worker must
 talks over one ``socketpair`` framed by :class:`multiprocessing.connection.Connection`, and imports
 only this module, the registry and the reward functions it runs (~30 ms to start, ~15 MB, plus
 what the functions import: math-verify for ``gsm8k``, ~0.25 s). Not ``multiprocessing``'s "spawn" or
-"forkserver" contexts: those re-run the parent's ``__main__`` module (``rewards.worker``: zmq,
+"forkserver" contexts: those re-run the parent's ``__main__`` module (``rewards.proc``: zmq,
 numpy, prometheus; ~0.2 s and ~50 MB per child, paid again on every restart) and leave a forkserver
 / resource-tracker process behind; not ``ProcessPoolExecutor``: it cannot kill one stuck worker.
 
@@ -38,7 +38,7 @@ Invariants and choices:
   ``"non_finite"``. The scorer returns them per call; :class:`rewards.worker.RewardWorker` counts
   them in ``rlbus_rewards_errors_total{error=...}``.
 * **Functions are named, never pickled:** a registry name or an import path
-  ``"package.module:function"`` (see :func:`rewards.registry.get_reward_fn`), resolved inside the
+  ``"package.module:function"`` (see :func:`tasks.rewards.get_reward_fn`), resolved inside the
   child. An import path executes code named by the run config, which is trusted; a reference never
   comes from the bus.
 * Children ask Linux to SIGKILL them when the thread that started them exits (``PR_SET_PDEATHSIG``),
@@ -66,7 +66,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from rewards.registry import get_reward_fn
+from tasks.rewards import get_reward_fn
 
 log = logging.getLogger(__name__)
 

@@ -1,16 +1,11 @@
 """Reward/advantage workers: score a whole group, compute its group-relative advantages.
 
 :class:`RewardWorker` is the socket-free logic (one :class:`bus.messages.RolloutGroup` in, one
-:class:`bus.messages.ScoredGroup` out). :class:`RewardWorkerProc` is the process: it receives from
-every producer's ``rollouts`` endpoint (all ``producers.max_replicas`` of them, so producers added
-later are reached) and sends to the packer's ``scored`` endpoint, so any number of workers can run
-side by side; one message is one whole group, so a worker needs no state shared with the others.
-Custody (:mod:`bus.courier`): a rollout is released to its producer only once the packer is done
-with its scored group; a worker killed at any moment loses nothing.
+:class:`bus.messages.ScoredGroup` out); its process is :class:`rewards.proc.RewardWorkerProc`.
 
 Rewards: a group is scored with the reward functions of its task (``group.task``, looked up in the
-reward spec :func:`producers.tasks.reward_spec`: the training task and every eval task). Each
-function's raw score goes to ``reward_terms[name]`` (``name`` from :func:`rewards.registry.reward_name`)
+reward spec :func:`tasks.registry.reward_spec`: the training task and every eval task). Each
+function's raw score goes to ``reward_terms[name]`` (``name`` from :func:`tasks.rewards.reward_name`)
 and the reward is ``sum_k weight_k * score_k``. The functions run in child processes by default
 (``rewards.isolate``, see :mod:`rewards.isolation`): a call that raises, hangs past
 ``rewards.timeout_s``, crashes or returns NaN scores 0 for that term only, counted in
@@ -27,36 +22,25 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter
 
-from bus.component import Component, component_main
-from bus.messages import RolloutGroup, RunDone, ScoredGroup
-from bus.metrics import StageMeter
+from bus.messages import RolloutGroup, ScoredGroup
 from configs.schema import FiltersConfig
-from producers.tasks import reward_spec
 from rewards.advantages import compute_advantages, resolve_advantage_fn
 from rewards.filters import FILTER_NAMES, apply_filters
 from rewards.isolation import InProcessScorer, IsolatedScorer
-from rewards.registry import reward_name
+from tasks.rewards import reward_name
 
 log = logging.getLogger(__name__)
 
-GROUPS_SCORED = Counter("rlbus_rewards_groups_total", "Groups scored")
-REWARD = Histogram("rlbus_rewards_reward", "Reward per sample", buckets=[i / 10 for i in range(11)])
-SCORE_SECONDS = Histogram("rlbus_rewards_score_seconds", "Time to score one group, seconds")
 REWARD_ERRORS = Counter(
     "rlbus_rewards_errors_total",
     "Reward function calls that failed (reward set to 0), by error: the exception type, timeout, crash, "
     "non_finite, or unknown_task (one per sample of a group whose task has no rewards here)",
     ["error"],
-)
-ADVANTAGE = Histogram(
-    "rlbus_rewards_advantage", "Group-relative advantage per sample",
-    buckets=(-4, -3, -2, -1.5, -1, -0.5, -0.25, -0.1, 0, 0.1, 0.25, 0.5, 1, 1.5, 2, 3, 4),
 )
 for _error in ("timeout", "crash", "non_finite", "unknown_task"):  # exception type names appear when raised
     REWARD_ERRORS.labels(_error)
@@ -77,8 +61,8 @@ class RewardWorker:
 
     Args:
         rewards: the reward spec ``{task name: ((reward ref, weight), ...)}`` (see
-            :func:`producers.tasks.reward_spec`); refs are registry names or import paths, see
-            :func:`rewards.registry.get_reward_fn`. Every distinct ref is resolved at start.
+            :func:`tasks.registry.reward_spec`); refs are registry names or import paths, see
+            :func:`tasks.rewards.get_reward_fn`. Every distinct ref is resolved at start.
         advantage: the advantage estimator, a built-in name or an import path
             ``"package.module:function"``, resolved once here (see
             :func:`rewards.advantages.resolve_advantage_fn`).
@@ -174,54 +158,3 @@ class RewardWorker:
         """Stop the reward functions' child processes (if isolated); idempotent."""
         if self.scorer is not None:
             self.scorer.close()
-
-
-class RewardWorkerProc(Component):
-    """Process wrapper of :class:`RewardWorker` (``rollouts`` in, ``scored`` out)."""
-
-    def setup(self) -> None:
-        cfg = self.cfg
-        self.worker = RewardWorker(
-            reward_spec(cfg),
-            advantage=cfg.rewards.advantage,
-            eps=cfg.rewards.eps,
-            name=self.name,
-            isolate=cfg.rewards.isolate,
-            timeout_s=cfg.rewards.timeout_s,
-            num_procs=cfg.rewards.num_procs,
-            filters=cfg.filters,
-        )
-        producers = [self.endpoints.address("rollouts", i) for i in range(cfg.producers.max_replicas)]
-        self.rollouts = self.reliable_receiver("rollouts", producers, bind=False, accept=(RolloutGroup,))
-        self.scored = self.reliable_sender("scored", self.endpoints.address("scored"), bind=False)
-        self.control = self.control_subscriber()
-        self.meter = StageMeter("rewards")
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            ctl = self.control.recv(timeout_s=0)
-            if isinstance(ctl, RunDone):
-                return
-            group = self.rollouts.recv(timeout_s=0.2)
-            if group is None:
-                continue
-            started = time.perf_counter()
-            with self.meter.work():
-                scored = self.worker.score(group)
-            SCORE_SECONDS.observe(time.perf_counter() - started)
-            for r, a in zip(scored.rewards, scored.advantages):
-                REWARD.observe(float(r))
-                ADVANTAGE.observe(float(a))
-            GROUPS_SCORED.inc()
-            self.meter.finished(scored.group_size, int(scored.completion_lens.sum()))
-            self.scored.send(scored, upstream=(self.rollouts, group.id))
-
-    def close(self) -> None:
-        worker = getattr(self, "worker", None)  # None when setup() failed before making it
-        if worker is not None:
-            worker.close()
-        super().close()
-
-
-if __name__ == "__main__":
-    raise SystemExit(component_main(RewardWorkerProc))

@@ -2,7 +2,7 @@
 components that send outcome reports (packer, trainer, producers).
 
 It receives on a real :class:`bus.inbox.Inbox` (the ROUTER bound at
-``Endpoints.address("outcomes")``, as :class:`producers.prompt_source.PromptSourceProc` binds it)
+``Endpoints.address("outcomes")``, as :class:`prompts.proc.PromptSourceProc` binds it)
 and does what the ledger does with each message: record it first, then release it with
 ``done``, at once, or only on :meth:`OutcomesSink.release` with ``hold=True`` (a ledger that has
 not recorded it yet), so a test can check what the senders keep meanwhile.

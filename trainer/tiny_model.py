@@ -270,7 +270,8 @@ def run_sft(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from producers.tasks import load_task_examples, render_messages
+    from tasks.registry import load_task_examples
+    from tasks.task import render_messages
 
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -136,7 +136,7 @@ def test_eval_groups_finish_under_one_version_while_training_groups_span_the_upd
     """The producer's pattern (producers.producer): eval generations hold EvalUpdateGate.eval_request,
     updates hold EvalUpdateGate.update. Runs last: it changes the engine's weights."""
     from broadcaster.broadcaster import WeightBroadcaster
-    from producers.eval_rounds import EvalUpdateGate
+    from producers.eval_gate import EvalUpdateGate
     from tests.producers.test_weight_sync import _perturbed
 
     eng, model, loop = engine

@@ -170,7 +170,7 @@ def test_busctl_launches_a_data_parallel_trainer_under_torchrun():
     assert launch_prefix(cfg, ComponentSpec("trainer", "trainer.proc")) == [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "-m", "trainer.proc"
     ]
-    assert launch_prefix(cfg, ComponentSpec("rewards-0", "rewards.worker")) == [sys.executable, "-m", "rewards.worker"]
+    assert launch_prefix(cfg, ComponentSpec("rewards-0", "rewards.proc")) == [sys.executable, "-m", "rewards.proc"]
     one = RunConfig()
     assert launch_prefix(one, ComponentSpec("trainer", "trainer.proc")) == [sys.executable, "-m", "trainer.proc"]
 

@@ -6,7 +6,9 @@ import json
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from producers.tasks import load_task_examples, render_messages, split_of
+from tasks.registry import load_task_examples
+from tasks.reverse_text import split_of
+from tasks.task import render_messages
 from trainer.tiny_model import (
     DONE_MARKER,
     IM_END_TOKEN_ID,

@@ -1,4 +1,4 @@
-"""Tests for producers.tasks (the task registry) and producers.datasets (local JSONL/Parquet files
+"""Tests for tasks.registry (the task registry) and tasks.datasets (local JSONL/Parquet files
 with a field mapping): real files under tmp_path, the shipped GSM8K data, real configs."""
 
 from __future__ import annotations
@@ -11,20 +11,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from configs.schema import CONFIG_DIR, TaskConfig, load_config
-from producers.datasets import load_records
-from producers.tasks import (
-    DATA_DIR,
-    GSM8K_SYSTEM_PROMPT,
-    KNOWN_TASKS,
-    Task,
-    eval_tasks,
-    get_task,
-    load_task_examples,
-    render_messages,
-    reward_spec,
-)
+from tasks import Task
+from tasks.datasets import load_records
+from tasks.gsm8k import DATA_DIR, GSM8K_SYSTEM_PROMPT
+from tasks.registry import KNOWN_TASKS, eval_tasks, get_task, load_task_examples, reward_spec
+from tasks.task import render_messages
 
-GSM8K_TEST = DATA_DIR / "gsm8k" / "test.jsonl"
+GSM8K_TEST = DATA_DIR / "test.jsonl"
 ROWS = [  # a user's GSM8K-like data with other column names
     {"problem": "What is 2 + 2?", "solution": "2 + 2 = 4\n#### 4", "source": "x"},
     {"problem": "What is 10 * 100?", "solution": "#### 1,000", "source": "y"},
@@ -174,7 +167,7 @@ def test_custom_task_by_import_path():
     assert load_task_examples(path, "train", 1, 0) == [{"id": "c/0", "prompt": "say 0", "info": {"target": "0"}}]
     cfg = TaskConfig.model_validate({"name": path, "rewards": [{"name": "reverse_text", "weight": 2.0}]})
     assert get_task(path, cfg).rewards == (("reverse_text", 2.0),)
-    with pytest.raises(TypeError, match="not a producers.tasks.Task"):
+    with pytest.raises(TypeError, match="not a tasks.Task"):
         get_task(f"{__name__}:not_a_task")
     with pytest.raises(ValueError, match="task import path"):
         get_task(f"{__name__}:no_such_function")

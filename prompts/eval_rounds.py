@@ -7,12 +7,12 @@ Rounds. With ``eval.enabled`` the evaluated policy versions are
 is the unmodified base model.
 
 Issue. Round ``r`` is issued once the gate's ``policy_version`` (the version every live producer
-runs, :class:`producers.prompt_source.AppliedVersions`) is ``>= r``, all its prompts at once: for
-every eval task (``producers.tasks.eval_tasks``) its first ``num_examples`` held-out examples
+runs, :class:`prompts.applied_versions.AppliedVersions`) is ``>= r``, all its prompts at once: for
+every eval task (``tasks.registry.eval_tasks``) its first ``num_examples`` held-out examples
 (``get_task(name, cfg.task).load("eval", num_examples, seed)``, rendered with that task's system
-prompt), ids ``e{r:06d}-{task}-{i:05d}``, ``eval_round = r``, ``eval_size`` = prompts in the
-whole round, ``step = r``, ``index`` = position in the round (so a sampling seed gives every
-round the same random numbers: rounds compare with less noise). Each round is issued once: it is
+prompt), ids ``e{r:06d}-{task}-{i:05d}`` (:mod:`bus.eval_ids`), ``eval_round = r``,
+``eval_size`` = prompts in the whole round, ``step = r``, ``index`` = position in the round (so a
+sampling seed gives every round the same random numbers: rounds compare with less noise). Each round is issued once: it is
 journaled in the prompt source's ledger as a note ``{"event": "eval_round", "round": r}`` when
 queued, and a restarted or resumed source skips the rounds its journal lists. Eval prompts are not
 ledger prompts: they count towards no step, and their outcomes (``groups.dropped`` of an eval id)
@@ -20,24 +20,22 @@ are not the ledger's (the packer counts them towards the round, :mod:`packer.eva
 
 That a round is sampled under exactly the version ``r`` (when the producers are not already past
 it) is the producers' side: a weight update waits for in-flight eval requests
-(:class:`EvalUpdateGate`).
+(:class:`producers.eval_gate.EvalUpdateGate`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any
 
+from bus.eval_ids import eval_prompt_id
 from bus.messages import Prompt
+from prompts.temperature import eval_temperature
+from tasks.registry import eval_tasks, get_task, load_task_examples
+from tasks.task import render_messages
 
 if TYPE_CHECKING:
     from configs.schema import EvalConfig, RunConfig
-
-EVAL_ID = re.compile(r"^e\d{6}-.+-\d{5}$")
-
 
 def eval_round_versions(eval_cfg: "EvalConfig", max_steps: int) -> list[int]:
     """The policy versions evaluated in a run (module docstring), ascending; [] when disabled.
@@ -55,16 +53,6 @@ def eval_round_versions(eval_cfg: "EvalConfig", max_steps: int) -> list[int]:
     if eval_cfg.interval > 0:
         rounds.update(range(eval_cfg.interval, max_steps, eval_cfg.interval))
     return sorted(rounds)
-
-
-def eval_prompt_id(round_: int, task: str, i: int) -> str:
-    """The id of example ``i`` of ``task`` in eval round ``round_`` (``"e000010-gsm8k-00003"``)."""
-    return f"e{round_:06d}-{task}-{i:05d}"
-
-
-def is_eval_id(prompt_id: str) -> bool:
-    """True for an eval prompt's id (:func:`eval_prompt_id`); training ids are ``p%08d``."""
-    return bool(EVAL_ID.match(prompt_id))
 
 
 @dataclass(frozen=True)
@@ -113,7 +101,6 @@ class EvalRounds:
         if round_ not in self.rounds or round_ in self.issued:
             raise ValueError(f"eval round {round_} is not pending (rounds {self.rounds}, issued {sorted(self.issued)})")
         self.issued.add(round_)
-        from producers.tasks import render_messages
 
         size, prompts = self.round_size, []
         for s in self.sets:
@@ -134,9 +121,7 @@ class EvalRounds:
 
 def build_eval_rounds(cfg: "RunConfig", done: set[int] = frozenset()) -> EvalRounds:
     """The run's :class:`EvalRounds`: rounds from ``cfg.eval`` and ``trainer.max_steps``, each eval
-    task's held-out examples (its ``eval`` split) and ``producers.sampling.eval_temperature``."""
-    from producers.sampling import eval_temperature
-    from producers.tasks import eval_tasks, get_task, load_task_examples
+    task's held-out examples (its ``eval`` split) and :func:`prompts.temperature.eval_temperature`."""
 
     rounds = eval_round_versions(cfg.eval, cfg.trainer.max_steps)
     sets = []
@@ -144,50 +129,3 @@ def build_eval_rounds(cfg: "RunConfig", done: set[int] = frozenset()) -> EvalRou
         task = get_task(et.name, cfg.task)
         sets.append(EvalSet(et.name, task.system_prompt, load_task_examples(task, "eval", et.num_examples, et.seed)))
     return EvalRounds(rounds, sets, temperature=eval_temperature(cfg), done=done)
-
-
-class EvalUpdateGate:
-    """Producer side: every eval group is sampled under one policy version.
-
-    A weight update (:meth:`update`) waits until the in-flight eval requests (:meth:`eval_request`)
-    are finished, and no eval request starts while an update is pending or running; training
-    requests do not go through the gate (they keep running across an update, as partial
-    rollouts). No deadlock: an eval request in flight never waits for an update, and an update
-    waits only for eval requests already in flight. Use from one event loop.
-    """
-
-    def __init__(self) -> None:
-        self._cond = asyncio.Condition()
-        self.evals_in_flight = 0
-        self.updates_pending = 0
-
-    @contextlib.asynccontextmanager
-    async def eval_request(self) -> AsyncIterator[None]:
-        """Hold for the duration of one eval group's generation."""
-        async with self._cond:
-            await self._cond.wait_for(lambda: self.updates_pending == 0)
-            self.evals_in_flight += 1
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self.evals_in_flight -= 1
-                self._cond.notify_all()
-
-    @contextlib.asynccontextmanager
-    async def update(self) -> AsyncIterator[None]:
-        """Hold for the duration of one weight update (pause, load, resume)."""
-        async with self._cond:
-            self.updates_pending += 1
-            try:
-                await self._cond.wait_for(lambda: self.evals_in_flight == 0)
-            except BaseException:
-                self.updates_pending -= 1
-                self._cond.notify_all()
-                raise
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self.updates_pending -= 1
-                self._cond.notify_all()

@@ -1,4 +1,4 @@
-"""Tests for producers.ledger.Ledger: outcomes, first-wins conflicts, unknown ids, the journal
+"""Tests for prompts.accounting.Ledger: outcomes, first-wins conflicts, unknown ids, the journal
 (rebuild after a kill, a truncated last line, corruption) and accounting.json, on real files."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from producers.ledger import ACCOUNTING_NAME, JOURNAL_NAME, OUTCOMES, Ledger, outcome_of_drop
+from prompts.accounting import ACCOUNTING_NAME, JOURNAL_NAME, OUTCOMES, Ledger, outcome_of_drop
 
 
 def issue_n(ledger: Ledger, n: int, step_of=lambda i: i // 2) -> list[str]:

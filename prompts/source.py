@@ -1,5 +1,5 @@
 """The prompt source: issues the dataset's prompts onto ``prompts``, gated by the trainer's pace,
-and keeps the run's accounting ledger (:mod:`producers.ledger`).
+and keeps the run's accounting ledger (:mod:`prompts.accounting`).
 
 Pacing. Each optimizer step consumes ``prompts_per_step`` groups. The k-th *counted* prompt
 belongs to step ``s = k // prompts_per_step``, and it is issued only while
@@ -14,30 +14,24 @@ last step (``max_steps - 1``) are out; the source keeps running until ``run.done
 evaluation round is issued only once the producers run the last policy version).
 
 Sampling temperature: each training prompt carries the temperature of its step
-(:func:`producers.sampling.temperature_at`: constant, or the ``sampling.temp_scheduler``
+(:func:`prompts.temperature.temperature_at`: constant, or the ``sampling.temp_scheduler``
 schedule), a pure function of the step, so a re-issued prompt keeps its temperature.
 
-Online evaluation (:mod:`producers.eval_rounds`): eval round ``r``'s prompts are queued, all at
+Online evaluation (:mod:`prompts.eval_rounds`): eval round ``r``'s prompts are queued, all at
 once, as soon as ``policy_version >= r``, and go out before new training prompts (after pending
 re-issues). They are not ledger prompts: no step, no replacement, no accounting; an outcome report
 for an eval id is ignored. Each queued round is journaled as a ledger note, so a restarted or
 resumed source never issues it again.
 
 The gate's rules for producers that come and go (restarts, ``busctl scale``) are in
-:mod:`producers.applied_versions`.
+:mod:`prompts.applied_versions`.
 
-Accounting. Every issue and every outcome (``groups.trained`` from the trainer, ``groups.dropped``
-from the packer and producers) goes through the :class:`producers.ledger.Ledger`, journaled to
-``RUN_DIR/ledger.jsonl``. A restarted prompt source (``RLBUS_RESTARTS >= 1``) or a resumed run
-(``RLBUS_RESUME=1``, or simply an existing journal: a fresh run starts in an empty run dir)
-rebuilds the ledger, re-issues the prompts still without outcome first (same id and content: a
-prompt is a pure function of its issue index; downstream dedupe by id makes a copy harmless), then
-goes on issuing. A restarted source also restores the producers' applied versions journaled since
-the run (re)started, because ``weights.applied`` is not re-announced by the hub; a resumed run
-does not (its producers are new and announce again). ``accounting.json`` is written at most every
-``Ledger.write_interval_s`` while running, on ``run.done`` and on close.
+Accounting: every issue and every outcome goes through the :class:`prompts.accounting.Ledger`;
+a ledger replayed from its journal makes the source re-issue the prompts still without outcome
+first (same id and content: a prompt is a pure function of its issue index; downstream dedupe by
+id makes a copy harmless), then go on issuing.
 
-:class:`PromptSource` is the socket-free logic; :class:`PromptSourceProc` the process.
+:class:`PromptSource` is the socket-free logic; :class:`prompts.proc.PromptSourceProc` the process.
 """
 
 from __future__ import annotations
@@ -47,40 +41,24 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter
 
-from bus.component import Component, component_main
-from bus.launch_env import ENV_RESTARTS, ENV_RESUME
-from bus.messages import GroupsDropped, GroupsTrained, Prompt, RunDone, WeightsApplied
-from bus.metrics import POLICY_VERSION
-from producers.applied_versions import AppliedVersions, applied_since_start
-from producers.eval_rounds import EvalRounds, build_eval_rounds, is_eval_id
-from producers.ledger import OUTCOMES, Ledger
-from producers.sampling import temperature_at
-from producers.tasks import get_task, load_task_examples, render_messages
+from bus.eval_ids import is_eval_id
+from bus.messages import Prompt
+from prompts.accounting import Ledger
+from prompts.applied_versions import AppliedVersions
+from prompts.eval_rounds import EvalRounds
+from tasks.task import render_messages
 
 log = logging.getLogger(__name__)
 
-PROMPTS_SENT = Counter("rlbus_prompt_source_prompts_total", "Prompts sent (re-issues included)")
-PROMPTS_REPLACED = Counter("rlbus_prompt_source_replaced_total", "Replacements owed for prompts that did not train")
-PROMPTS_REISSUED = Counter("rlbus_prompt_source_reissued_total", "Prompts re-sent with the same id after a restart")
 EVAL_ROUNDS_ISSUED = Counter("rlbus_prompt_source_eval_rounds_total", "Online evaluation rounds issued")
-GATED = Gauge("rlbus_prompt_source_gated", "1 while issuing waits for the trainer (async level reached)")
-ACCOUNTING_ISSUED = Counter("rlbus_accounting_issued_total", "Distinct prompts issued in the run")
-ACCOUNTING_OUTCOMES = Counter("rlbus_accounting_outcomes_total", "Prompts that reached an outcome", ["outcome"])
-ACCOUNTING_UNRESOLVED = Gauge("rlbus_accounting_unresolved", "Issued prompts without an outcome yet")
-for _outcome in OUTCOMES:
-    ACCOUNTING_OUTCOMES.labels(_outcome)  # every outcome shows in /metrics from the start, at 0
-# A restarted source starts these counters at the journal's totals (a counter reset to Prometheus).
 
 
 def prompt_id(index: int) -> str:
     """The id of the prompt issued at ``index`` (``"p00000042"``)."""
     return f"p{index:08d}"
 
-
-END_QUIET_S = 0.5
-"""At run.done, outcome reports are drained until none arrived for this long, seconds."""
 
 class PromptSource:
     """Decides which prompt to issue next and when, and records outcomes in the ledger.
@@ -235,118 +213,3 @@ class PromptSource:
         ..."``, ...). Returns the replacements owed: one per newly resolved issued id (repeats,
         conflicts and unknown ids owe none; eval ids are ignored: the packer counts them)."""
         return len(self.ledger.on_dropped([g for g in group_ids if not is_eval_id(g)], reason))
-
-
-class PromptSourceProc(Component):
-    """Process wrapper of :class:`PromptSource`: reliable sender ``prompts`` (bound), control SUB.
-
-    ``prompts`` is at-least-once (:mod:`bus.courier`): ``send`` blocks while the outbox holds its
-    bound of prompts not yet taken by a producer; a prompt held by a producer that dies is re-sent
-    to another one by the courier.
-    """
-
-    def setup(self) -> None:
-        cfg = self.cfg
-        restarts, resume = self.launch.restarts, self.launch.resume
-        task = get_task(cfg.task.name, cfg.task)
-        examples = load_task_examples(task, "train", cfg.task.num_train_examples, cfg.task.seed)
-        max_steps = cfg.trainer.max_steps
-        self.ledger = Ledger(self.run_dir)
-        self.source = PromptSource(
-            examples,
-            task=cfg.task.name,
-            prompts_per_step=cfg.prompts_per_step,
-            max_async_level=cfg.max_async_level,
-            max_steps=max_steps,
-            num_producers=cfg.producers.replicas,
-            dead_after_s=cfg.bus.dead_after_s,
-            ledger=self.ledger,
-            system_prompt=task.system_prompt,
-            temperature=lambda step: temperature_at(cfg.sampling, step, max_steps),
-            eval_rounds=build_eval_rounds(cfg),
-        )
-        if self.ledger.replayed:
-            log.info(
-                "rebuilt from the journal (restarts=%d, resume=%s): %d issued, %d to re-issue, next step %d",
-                restarts, resume, self.ledger.num_issued, len(self.source.reissue), self.source.next_step,
-            )
-            if restarts >= 1:
-                self.source.restore_applied(applied_since_start(self.ledger.notes))
-        elif resume or restarts:
-            log.warning("%s/%s set but no ledger journal in %s: starting from scratch", ENV_RESTARTS, ENV_RESUME, self.run_dir)
-        self.ledger.note("start", restarts=restarts, resume=resume)
-        self._synced = {"issued": 0, "reissued": 0, **dict.fromkeys(OUTCOMES, 0)}
-        self._sync_metrics()
-        self.prompts = self.reliable_sender("prompts", self.endpoints.address("prompts"), bind=True)
-        self.outcomes_in = self.reliable_receiver(
-            "outcomes", self.endpoints.address("outcomes"), bind=True, accept=(GroupsDropped, GroupsTrained)
-        )
-        self.control = self.control_subscriber()
-        self.pending: Prompt | None = None
-
-    def _sync_metrics(self) -> None:
-        """Bring the accounting metrics up to the ledger (counters by their increase since the last sync)."""
-        now = {"issued": self.ledger.num_issued, "reissued": self.source.num_reissued, **self.ledger.counts}
-        counters = {"issued": ACCOUNTING_ISSUED, "reissued": PROMPTS_REISSUED}
-        for key, value in now.items():
-            delta = value - self._synced[key]
-            if delta:
-                (counters[key] if key in counters else ACCOUNTING_OUTCOMES.labels(key)).inc(delta)
-        self._synced = now
-        ACCOUNTING_UNRESOLVED.set(len(self.ledger.open))
-        POLICY_VERSION.set(self.source.policy_version)
-
-    def _handle_control(self, timeout_s: float) -> bool:
-        """Apply control messages; False once the run is done."""
-        msg = self.control.recv(timeout_s=timeout_s)
-        while msg is not None:
-            if isinstance(msg, WeightsApplied):
-                self.source.on_weights_applied(msg.producer, msg.version)
-            elif isinstance(msg, RunDone):
-                # the trainer sent run.done once its own outcomes were recorded; wait briefly for
-                # reports of the other senders still on their way
-                self._handle_outcomes(quiet_s=END_QUIET_S)
-                return False
-            msg = self.control.recv(timeout_s=0)
-        return True
-
-    def _handle_outcomes(self, quiet_s: float = 0.0) -> None:
-        """Record every outcome report waiting on ``outcomes`` (journal first, then release it),
-        until none has arrived for ``quiet_s`` seconds."""
-        msg = self.outcomes_in.recv(timeout_s=quiet_s)
-        while msg is not None:
-            if isinstance(msg, GroupsTrained):
-                self.source.on_trained(msg.group_ids)
-            elif isinstance(msg, GroupsDropped):
-                PROMPTS_REPLACED.inc(self.source.on_dropped(msg.group_ids, msg.reason))
-            self.outcomes_in.done(msg.id)
-            msg = self.outcomes_in.recv(timeout_s=quiet_s)
-
-    def run(self) -> None:
-        try:
-            while not self.stop.is_set():
-                if self.pending is None and self.source.may_issue():
-                    self.pending = self.source.issue()
-                GATED.set(self.pending is None)
-                if self.pending is not None and self.prompts.send(self.pending, timeout_s=0.2):
-                    PROMPTS_SENT.inc()
-                    self.pending = None
-                self._handle_outcomes()
-                running = self._handle_control(timeout_s=0.2 if self.pending is None and not self.source.may_issue() else 0)
-                self._sync_metrics()
-                self.ledger.maybe_write_accounting()
-                if not running:
-                    log.info("run done: accounting %s", {k: v for k, v in self.ledger.accounting().items() if k in ("issued", "outcomes")})
-                    return
-        finally:
-            self.ledger.write_accounting()
-
-    def close(self) -> None:
-        ledger = getattr(self, "ledger", None)
-        if ledger is not None:
-            ledger.close()
-        super().close()
-
-
-if __name__ == "__main__":
-    raise SystemExit(component_main(PromptSourceProc))

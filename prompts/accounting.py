@@ -28,7 +28,7 @@ would otherwise reuse its index). A :class:`Ledger` opened on an existing journa
 through the same code path (same state, conflicts and unknowns included), drops a truncated last
 line, and appends after it. ``accounting.json`` is a snapshot written atomically (tmp + rename).
 
-No sockets here: :mod:`producers.prompt_source` feeds it from the control channel.
+No sockets here: :mod:`prompts.source` feeds it from the control channel.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Local dataset files: JSONL or Parquet rows into plain dicts, with a field mapping.
+"""Local dataset files: JSONL or Parquet rows into plain dicts, with a field mapping, and the
+loader of a file task (one file per split).
 
 A file task (``gsm8k``, or a user's data given in ``task.dataset``) reads its examples from one
 local file per split. :func:`load_records` reads it and renames the dataset's columns to the
@@ -14,17 +15,31 @@ Invariants:
   or a row without a required field raises ``ValueError`` with the file, the line (JSONL, 1-based)
   or row (Parquet, 1-based), and the field and the column it maps to.
 * pyarrow is imported only when a Parquet file is read (~0.15 s).
+
+File tasks (:func:`file_task`, :func:`file_task_loader`): ``"train"`` is the file shuffled by
+``seed`` (a fixed permutation: the first ``n`` examples do not depend on ``num_examples``);
+``"eval"`` is the first ``num_examples`` of the eval file in file order (``seed`` unused).
+Example ids are ``"{task}/{split}/{k}"`` with ``k`` the row in the file, so an id names the same
+problem whatever the seed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+import random
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from tasks.task import KNOWN_SPLITS, Example, Loader, Task, check_request
+
+if TYPE_CHECKING:
+    from configs.rollout import DatasetConfig
 
 FORMATS = ("auto", "jsonl", "parquet")
 SUFFIX_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+DEFAULT_FILES = {"train": "train.jsonl", "eval": "test.jsonl"}  # a file task's shipped files, per split
 
 
 def resolve_format(path: str | Path, format: str = "auto") -> str:
@@ -136,3 +151,90 @@ def _read_parquet(path: Path, columns: Mapping[str, str]) -> list[dict[str, Any]
             raise ValueError(f"{path}: missing field {name!r}{via} in every row; columns: {', '.join(map(repr, present))}")
         rows = parquet.read(columns=sorted(set(columns.values()))).to_pylist()
     return [_pick(row, columns, f"{path}:row {i}") for i, row in enumerate(rows, start=1)]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataFile:
+    """One split's local file: ``path`` (JSONL or Parquet), its ``fields`` mapping
+    ``{task field: column}`` (None: same names) and ``format`` (see :func:`load_records`)."""
+
+    path: str | Path
+    fields: Mapping[str, str] | None = None
+    format: str = "auto"
+
+
+def file_task_loader(
+    task_name: str,
+    files: Mapping[str, DataFile],
+    *,
+    required: Sequence[str],
+    make_example: Callable[[dict[str, Any], str], Example],
+) -> Loader:
+    """A task loader over local files, one per split (for built-in and custom file tasks).
+
+    Args:
+        task_name: prefix of the example ids ``"{task_name}/{split}/{row}"`` and of the shuffle seed.
+        files: ``{"train": DataFile, "eval": DataFile}`` (read on each call).
+        required: the task's fields each row must have (see :func:`load_records`).
+        make_example: ``(record {field: value}, example id) -> example``; a ``ValueError`` or
+            ``TypeError`` it raises is re-raised naming the file and record.
+
+    Returns:
+        ``load(split, num_examples, seed)``: train = the rows shuffled by ``seed``, eval = the
+        rows in file order; at most ``num_examples`` of them.
+
+    Raises:
+        ValueError: ``files`` lacks a split.
+    """
+    missing = [split for split in KNOWN_SPLITS if split not in files]
+    if missing:
+        raise ValueError(f"task {task_name!r}: no file for split(s) {', '.join(missing)}")
+
+    def load(split: str, num_examples: int, seed: int) -> list[Example]:
+        check_request(split, num_examples)
+        file = files[split]
+        records = load_records(file.path, required, fields=file.fields, format=file.format)
+        order = list(range(len(records)))
+        if split == "train":
+            random.Random(f"{task_name}/train/{seed}").shuffle(order)
+        examples = []
+        for k in order[:num_examples]:
+            try:
+                examples.append(make_example(records[k], f"{task_name}/{split}/{k}"))
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"{file.path}: record {k + 1}: {exc}") from exc
+        return examples
+
+    return load
+
+
+def file_task(
+    name: str,
+    dataset: DatasetConfig | None,
+    default_dir: Path,
+    required: Sequence[str],
+    make_example: Callable[[dict[str, Any], str], Example],
+    **task_fields: Any,
+) -> Task:
+    """A file task over ``default_dir/{train,test}.jsonl``, or the user's ``dataset`` files where
+    given (``dataset.fields`` and ``format`` apply to the user's files only).
+
+    Args:
+        name: the task's name (ids, shuffle seed, messages).
+        dataset: the run's ``task.dataset`` section, or None for the default files.
+        default_dir: the folder of the shipped ``train.jsonl`` and ``test.jsonl``.
+        required, make_example: see :func:`file_task_loader`.
+        task_fields: the other :class:`tasks.task.Task` fields (``system_prompt``, ``rewards``).
+
+    Raises:
+        ValueError: ``dataset.fields`` is set without ``dataset.path`` or ``eval_path``.
+    """
+    if dataset is not None and dataset.fields and not (dataset.path or dataset.eval_path):
+        raise ValueError(f"task {name!r}: task.dataset.fields is set but neither task.dataset.path nor eval_path; the mapping applies to your files")
+    own = {"train": dataset.path, "eval": dataset.eval_path} if dataset is not None else {}
+    mine = {"fields": dataset.fields or None, "format": dataset.format} if dataset is not None else {}
+    files = {
+        split: DataFile(own[split], **mine) if own.get(split) else DataFile(default_dir / DEFAULT_FILES[split])
+        for split in KNOWN_SPLITS
+    }
+    return Task(name, file_task_loader(name, files, required=required, make_example=make_example), **task_fields)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rewards.gsm8k import (
+from tasks.gsm8k import (
     MAX_ANSWER_CHARS,
     extract_answer,
     gsm8k_final_answer,
@@ -18,7 +18,7 @@ from rewards.gsm8k import (
     is_safe_candidate,
 )
 
-TEST_SPLIT = Path(__file__).resolve().parents[2] / "producers" / "data" / "gsm8k" / "test.jsonl"
+TEST_SPLIT = Path(__file__).resolve().parents[2] / "tasks" / "data" / "gsm8k" / "test.jsonl"
 
 
 def _with_changed_answer(solution: str) -> str:

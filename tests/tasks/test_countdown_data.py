@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from producers.countdown import (
+from tasks.countdown import (
     MAX_NUMBER,
     MAX_TARGET,
     MIN_NUMBER,
@@ -12,7 +12,7 @@ from producers.countdown import (
     countdown_problems,
     split_of,
 )
-from rewards.countdown import countdown_reward
+from tasks.countdown import countdown_reward
 
 
 def test_deterministic_in_seed_and_prefix_stable():

@@ -2,6 +2,8 @@
 
 A reward function maps ``(completion text, example info) -> float``; a reward worker calls it on
 every sample of a group (in child processes when ``rewards.isolate``, see :mod:`rewards.isolation`).
+Each built-in task's module holds its reward function (:mod:`tasks.reverse_text`,
+:mod:`tasks.gsm8k`, :mod:`tasks.countdown`).
 A reference is either a registered name (``reverse_text``, ``gsm8k``, ``countdown``) or an import
 path ``"package.module:function"`` for a custom function. An import path executes the code it
 names, so references come only from the run config (trusted), never from the bus.
@@ -13,15 +15,16 @@ child start), which a worker scoring only ``reverse_text`` should not pay in eve
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Callable
+
+from tasks.import_path import import_callable
 
 RewardFn = Callable[[str, dict[str, Any]], float]
 
 _REWARD_FNS: dict[str, str] = {
-    "reverse_text": "rewards.reverse_text:reverse_text_reward",
-    "gsm8k": "rewards.gsm8k:gsm8k_reward",
-    "countdown": "rewards.countdown:countdown_reward",
+    "reverse_text": "tasks.reverse_text:reverse_text_reward",
+    "gsm8k": "tasks.gsm8k:gsm8k_reward",
+    "countdown": "tasks.countdown:countdown_reward",
 }
 
 
@@ -69,31 +72,3 @@ def reward_name(ref: str) -> str:
     if not module_name or not attr:
         raise ValueError(f"reward import path={ref!r} must look like 'package.module:function'")
     return attr.rsplit(".", 1)[-1]
-
-
-def import_callable(path: str, what: str) -> Callable[..., Any]:
-    """Resolve ``"package.module:function"`` (dotted attributes allowed after the colon) with importlib.
-
-    Args:
-        path: the import path from the config.
-        what: what it names, for the error message (e.g. ``"reward"``, ``"advantage"``).
-
-    Raises:
-        ValueError: the path is malformed, the module does not import, the attribute is missing,
-            or the object is not callable; the message names the path.
-    """
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"{what} import path={path!r} must look like 'package.module:function'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"{what} import path={path!r}: cannot import {module_name!r} ({exc}); check the path and sys.path") from exc
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ValueError(f"{what} import path={path!r}: {module_name!r} has no attribute {attr!r}") from None
-    if not callable(obj):
-        raise ValueError(f"{what} import path={path!r} names a {type(obj).__name__}, not a function")
-    return obj

@@ -1,7 +1,15 @@
-"""Reward of the ``gsm8k`` task: 1.0 iff the completion's final answer equals the reference by value.
+"""The ``gsm8k`` task: grade-school math word problems, scored by their final answer's value.
 
-GSM8K (Cobbe et al., 2021, arXiv:2110.14168) worked solutions end with a line ``#### <answer>``;
-the reference ``info["answer"]`` is that text (``gsm8k_final_answer``), e.g. ``"18"`` or ``"1,000"``.
+Dataset: GSM8K (Cobbe et al., 2021, arXiv:2110.14168) from ``tasks/data/gsm8k/`` (MIT licence in
+its ``LICENSE``; train: ``train.jsonl``, eval: ``test.jsonl``), or the user's local JSONL/Parquet
+files (``task.dataset``, :func:`tasks.datasets.file_task`: split order and ids). Prompt =
+``question`` after the system prompt ``GSM8K_SYSTEM_PROMPT``; ``info = {"answer": the text after
+"####" of the worked ``answer``}`` (:func:`gsm8k_example`; a user's ``answer`` may also be the bare
+final answer on one line).
+
+Reward (:func:`gsm8k_reward`): 1.0 iff the completion's final answer equals the reference by
+value. GSM8K worked solutions end with a line ``#### <answer>``; the reference ``info["answer"]``
+is that text (``gsm8k_final_answer``), e.g. ``"18"`` or ``"1,000"``.
 
 Extraction (``extract_answer``) takes the first route that yields a candidate, in this order:
 
@@ -35,9 +43,22 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from math_verify import parse, verify
+
+from tasks.datasets import file_task
+from tasks.task import Example, Task
+
+if TYPE_CHECKING:
+    from configs.rollout import DatasetConfig
+
+DATA_DIR = Path(__file__).resolve().parent / "data" / "gsm8k"
+GSM8K_SYSTEM_PROMPT = (
+    "Solve the math problem. Reason step by step, then give the final answer as a number "
+    "on the last line in the form: #### <number>"
+)
 
 # Longest candidate answer handed to sympy; GSM8K final answers have at most 9 characters.
 MAX_ANSWER_CHARS = 100
@@ -172,3 +193,30 @@ def gsm8k_reward(completion: str, info: dict[str, Any]) -> float:
     if not predicted:
         return 0.0
     return 1.0 if verify(list(gold), predicted, timeout_seconds=None) else 0.0
+
+
+def gsm8k_example(record: dict[str, Any], example_id: str) -> Example:
+    """One example from a row: ``question`` is the prompt; ``answer`` is a worked solution ending in
+    ``#### <final answer>`` (GSM8K's own format) or, for a user's dataset, the final answer alone on
+    one line.
+
+    Raises:
+        ValueError: the final answer is empty.
+    """
+    answer = str(record["answer"]).strip()
+    bare = "####" not in answer and "\n" not in answer
+    final = gsm8k_final_answer(f"#### {answer}" if bare else answer)
+    if not final:
+        raise ValueError(f"empty final answer in {answer[-80:]!r}")
+    return {"id": example_id, "prompt": str(record["question"]), "info": {"answer": final}}
+
+
+def make_task(dataset: DatasetConfig | None = None) -> Task:
+    """The registered ``gsm8k`` task over ``DATA_DIR`` or the user's ``dataset`` files
+    (system prompt ``GSM8K_SYSTEM_PROMPT``, reward ``gsm8k`` weight 1).
+
+    Raises:
+        ValueError: see :func:`tasks.datasets.file_task`.
+    """
+    return file_task("gsm8k", dataset, DATA_DIR, ("question", "answer"), gsm8k_example,
+                     system_prompt=GSM8K_SYSTEM_PROMPT, rewards=(("gsm8k", 1.0),))

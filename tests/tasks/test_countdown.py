@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from rewards.countdown import (
+from tasks.countdown import (
     MAX_DEPTH,
     MAX_EXPRESSION_CHARS,
     ExpressionError,

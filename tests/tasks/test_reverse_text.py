@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from rewards.registry import get_reward_fn, known_reward_names, reward_name
-from rewards.reverse_text import reverse_text_reward, strip_end_of_turn
+from tasks.reverse_text import reverse_text_reward
+from tasks.rewards import get_reward_fn, known_reward_names, reward_name
+from tasks.task import strip_end_of_turn
 
 INFO = {"target": "olleh"}  # the prompt was "hello"
 
@@ -87,7 +88,7 @@ def test_reward_names_for_terms_and_logs():
 def test_registry_imports_verifiers_only_when_asked():
     # a reward child that runs only reverse_text must not pay math-verify's import (~0.25 s)
     code = (
-        "import sys; from rewards.registry import get_reward_fn; get_reward_fn('reverse_text'); "
+        "import sys; from tasks.rewards import get_reward_fn; get_reward_fn('reverse_text'); "
         "assert 'math_verify' not in sys.modules; get_reward_fn('gsm8k'); assert 'math_verify' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])

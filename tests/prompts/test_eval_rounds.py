@@ -1,17 +1,14 @@
-"""Tests for producers.eval_rounds: the evaluated versions, round prompts, and the producers'
-gate that keeps every eval group under one policy version."""
+"""Tests for prompts.eval_rounds: the evaluated versions and the round prompts."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
+from bus.eval_ids import eval_prompt_id, is_eval_id
 from bus.codec import decode, encode
 from configs.schema import load_config
-from producers.eval_rounds import (
-    EvalRounds, EvalSet, EvalUpdateGate, build_eval_rounds, eval_prompt_id, eval_round_versions, is_eval_id)
-from producers.tasks import load_task_examples
+from prompts.eval_rounds import EvalRounds, EvalSet, build_eval_rounds, eval_round_versions
+from tasks.registry import load_task_examples
 
 
 def _eval(*overrides: str):
@@ -33,12 +30,6 @@ def test_eval_round_versions(overrides, max_steps, expected):
 def test_eval_round_versions_rejects_bad_max_steps():
     with pytest.raises(ValueError, match="max_steps"):
         eval_round_versions(_eval(), 0)
-
-
-def test_ids():
-    assert eval_prompt_id(10, "gsm8k", 3) == "e000010-gsm8k-00003"
-    assert is_eval_id("e000010-gsm8k-00003") and is_eval_id(eval_prompt_id(0, "pkg.mod:task", 12))
-    assert not is_eval_id("p00000003") and not is_eval_id("e12-x-1")
 
 
 def _sets():
@@ -82,72 +73,3 @@ def test_build_eval_rounds_from_config():
     assert [ex["prompt"] for ex in rounds.sets[0].examples] == [
         ex["prompt"] for ex in load_task_examples("reverse_text", "eval", 3, 7)]
     assert build_eval_rounds(load_config(None, ["eval.enabled=false"])).rounds == []
-
-
-# ------------------------------------------------------------------------------------------------
-# EvalUpdateGate
-# ------------------------------------------------------------------------------------------------
-
-
-def test_update_waits_for_in_flight_evals_and_blocks_new_ones():
-    async def scenario():
-        gate, log = EvalUpdateGate(), []
-        eval_may_finish = asyncio.Event()
-
-        async def eval_group(name, hold=None):
-            async with gate.eval_request():
-                log.append(f"{name} start")
-                if hold is not None:
-                    await hold.wait()
-                log.append(f"{name} end")
-
-        async def update():
-            async with gate.update():
-                log.append("update start")
-                await asyncio.sleep(0.01)
-                log.append("update end")
-
-        first = asyncio.create_task(eval_group("eval1", eval_may_finish))
-        await asyncio.sleep(0.01)
-        upd = asyncio.create_task(update())
-        await asyncio.sleep(0.01)
-        second = asyncio.create_task(eval_group("eval2"))  # arrives while the update is pending
-        await asyncio.sleep(0.01)
-        assert log == ["eval1 start"] and gate.updates_pending == 1
-        eval_may_finish.set()
-        await asyncio.gather(first, upd, second)
-        return log
-
-    assert asyncio.run(scenario()) == ["eval1 start", "eval1 end", "update start", "update end", "eval2 start", "eval2 end"]
-
-
-def test_update_without_evals_does_not_wait_and_a_cancelled_update_releases_the_gate():
-    async def scenario():
-        gate = EvalUpdateGate()
-        async with gate.update():
-            pass
-        hold = asyncio.Event()
-
-        async def eval_group():
-            async with gate.eval_request():
-                await hold.wait()
-
-        running = asyncio.create_task(eval_group())
-        await asyncio.sleep(0.01)
-
-        async def update():
-            async with gate.update():
-                pass
-
-        upd = asyncio.create_task(update())
-        await asyncio.sleep(0.01)
-        upd.cancel()
-        await asyncio.gather(upd, return_exceptions=True)
-        assert gate.updates_pending == 0
-        async with gate.eval_request():  # not blocked by the cancelled update
-            pass
-        hold.set()
-        await running
-        return gate.evals_in_flight, gate.updates_pending
-
-    assert asyncio.run(scenario()) == (0, 0)

@@ -1,0 +1,168 @@
+"""The prompt source process: :class:`PromptSourceProc` wraps :class:`prompts.source.PromptSource`.
+
+Sockets: a reliable sender ``prompts`` (bound; producers pull), a reliable receiver ``outcomes``
+(bound; ``groups.trained`` from the trainer, ``groups.dropped`` from the packer and producers),
+the control SUB (``weights.applied``, ``run.done``).
+
+Accounting. Every issue and every outcome (``groups.trained`` from the trainer, ``groups.dropped``
+from the packer and producers) goes through the :class:`prompts.accounting.Ledger`, journaled to
+``RUN_DIR/ledger.jsonl``. A restarted prompt source (``RLBUS_RESTARTS >= 1``) or a resumed run
+(``RLBUS_RESUME=1``, or simply an existing journal: a fresh run starts in an empty run dir)
+rebuilds the ledger, re-issues the prompts still without outcome first (same id and content: a
+prompt is a pure function of its issue index; downstream dedupe by id makes a copy harmless), then
+goes on issuing. A restarted source also restores the producers' applied versions journaled since
+the run (re)started, because ``weights.applied`` is not re-announced by the hub; a resumed run
+does not (its producers are new and announce again). ``accounting.json`` is written at most every
+``Ledger.write_interval_s`` while running, on ``run.done`` and on close.
+
+Run as ``python -m prompts.proc --run-dir RUN_DIR --name prompt-source`` (the supervisor does, see
+``bus/component_table.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import Counter, Gauge
+
+from bus.component import Component, component_main
+from bus.launch_env import ENV_RESTARTS, ENV_RESUME
+from bus.messages import GroupsDropped, GroupsTrained, Prompt, RunDone, WeightsApplied
+from bus.metrics import POLICY_VERSION
+from prompts.accounting import OUTCOMES, Ledger
+from prompts.applied_versions import applied_since_start
+from prompts.eval_rounds import build_eval_rounds
+from prompts.source import PromptSource
+from prompts.temperature import temperature_at
+from tasks.registry import get_task, load_task_examples
+
+log = logging.getLogger(__name__)
+
+PROMPTS_SENT = Counter("rlbus_prompt_source_prompts_total", "Prompts sent (re-issues included)")
+PROMPTS_REPLACED = Counter("rlbus_prompt_source_replaced_total", "Replacements owed for prompts that did not train")
+PROMPTS_REISSUED = Counter("rlbus_prompt_source_reissued_total", "Prompts re-sent with the same id after a restart")
+GATED = Gauge("rlbus_prompt_source_gated", "1 while issuing waits for the trainer (async level reached)")
+ACCOUNTING_ISSUED = Counter("rlbus_accounting_issued_total", "Distinct prompts issued in the run")
+ACCOUNTING_OUTCOMES = Counter("rlbus_accounting_outcomes_total", "Prompts that reached an outcome", ["outcome"])
+ACCOUNTING_UNRESOLVED = Gauge("rlbus_accounting_unresolved", "Issued prompts without an outcome yet")
+for _outcome in OUTCOMES:
+    ACCOUNTING_OUTCOMES.labels(_outcome)  # every outcome shows in /metrics from the start, at 0
+# A restarted source starts these counters at the journal's totals (a counter reset to Prometheus).
+
+END_QUIET_S = 0.5
+"""At run.done, outcome reports are drained until none arrived for this long, seconds."""
+
+
+class PromptSourceProc(Component):
+    """Process wrapper of :class:`PromptSource`: reliable sender ``prompts`` (bound), control SUB.
+
+    ``prompts`` is at-least-once (:mod:`bus.courier`): ``send`` blocks while the outbox holds its
+    bound of prompts not yet taken by a producer; a prompt held by a producer that dies is re-sent
+    to another one by the courier.
+    """
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        restarts, resume = self.launch.restarts, self.launch.resume
+        task = get_task(cfg.task.name, cfg.task)
+        examples = load_task_examples(task, "train", cfg.task.num_train_examples, cfg.task.seed)
+        max_steps = cfg.trainer.max_steps
+        self.ledger = Ledger(self.run_dir)
+        self.source = PromptSource(
+            examples,
+            task=cfg.task.name,
+            prompts_per_step=cfg.prompts_per_step,
+            max_async_level=cfg.max_async_level,
+            max_steps=max_steps,
+            num_producers=cfg.producers.replicas,
+            dead_after_s=cfg.bus.dead_after_s,
+            ledger=self.ledger,
+            system_prompt=task.system_prompt,
+            temperature=lambda step: temperature_at(cfg.sampling, step, max_steps),
+            eval_rounds=build_eval_rounds(cfg),
+        )
+        if self.ledger.replayed:
+            log.info(
+                "rebuilt from the journal (restarts=%d, resume=%s): %d issued, %d to re-issue, next step %d",
+                restarts, resume, self.ledger.num_issued, len(self.source.reissue), self.source.next_step,
+            )
+            if restarts >= 1:
+                self.source.restore_applied(applied_since_start(self.ledger.notes))
+        elif resume or restarts:
+            log.warning("%s/%s set but no ledger journal in %s: starting from scratch", ENV_RESTARTS, ENV_RESUME, self.run_dir)
+        self.ledger.note("start", restarts=restarts, resume=resume)
+        self._synced = {"issued": 0, "reissued": 0, **dict.fromkeys(OUTCOMES, 0)}
+        self._sync_metrics()
+        self.prompts = self.reliable_sender("prompts", self.endpoints.address("prompts"), bind=True)
+        self.outcomes_in = self.reliable_receiver(
+            "outcomes", self.endpoints.address("outcomes"), bind=True, accept=(GroupsDropped, GroupsTrained)
+        )
+        self.control = self.control_subscriber()
+        self.pending: Prompt | None = None
+
+    def _sync_metrics(self) -> None:
+        """Bring the accounting metrics up to the ledger (counters by their increase since the last sync)."""
+        now = {"issued": self.ledger.num_issued, "reissued": self.source.num_reissued, **self.ledger.counts}
+        counters = {"issued": ACCOUNTING_ISSUED, "reissued": PROMPTS_REISSUED}
+        for key, value in now.items():
+            delta = value - self._synced[key]
+            if delta:
+                (counters[key] if key in counters else ACCOUNTING_OUTCOMES.labels(key)).inc(delta)
+        self._synced = now
+        ACCOUNTING_UNRESOLVED.set(len(self.ledger.open))
+        POLICY_VERSION.set(self.source.policy_version)
+
+    def _handle_control(self, timeout_s: float) -> bool:
+        """Apply control messages; False once the run is done."""
+        msg = self.control.recv(timeout_s=timeout_s)
+        while msg is not None:
+            if isinstance(msg, WeightsApplied):
+                self.source.on_weights_applied(msg.producer, msg.version)
+            elif isinstance(msg, RunDone):
+                # the trainer sent run.done once its own outcomes were recorded; wait briefly for
+                # reports of the other senders still on their way
+                self._handle_outcomes(quiet_s=END_QUIET_S)
+                return False
+            msg = self.control.recv(timeout_s=0)
+        return True
+
+    def _handle_outcomes(self, quiet_s: float = 0.0) -> None:
+        """Record every outcome report waiting on ``outcomes`` (journal first, then release it),
+        until none has arrived for ``quiet_s`` seconds."""
+        msg = self.outcomes_in.recv(timeout_s=quiet_s)
+        while msg is not None:
+            if isinstance(msg, GroupsTrained):
+                self.source.on_trained(msg.group_ids)
+            elif isinstance(msg, GroupsDropped):
+                PROMPTS_REPLACED.inc(self.source.on_dropped(msg.group_ids, msg.reason))
+            self.outcomes_in.done(msg.id)
+            msg = self.outcomes_in.recv(timeout_s=quiet_s)
+
+    def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                if self.pending is None and self.source.may_issue():
+                    self.pending = self.source.issue()
+                GATED.set(self.pending is None)
+                if self.pending is not None and self.prompts.send(self.pending, timeout_s=0.2):
+                    PROMPTS_SENT.inc()
+                    self.pending = None
+                self._handle_outcomes()
+                running = self._handle_control(timeout_s=0.2 if self.pending is None and not self.source.may_issue() else 0)
+                self._sync_metrics()
+                self.ledger.maybe_write_accounting()
+                if not running:
+                    log.info("run done: accounting %s", {k: v for k, v in self.ledger.accounting().items() if k in ("issued", "outcomes")})
+                    return
+        finally:
+            self.ledger.write_accounting()
+
+    def close(self) -> None:
+        ledger = getattr(self, "ledger", None)
+        if ledger is not None:
+            ledger.close()
+        super().close()
+
+
+if __name__ == "__main__":
+    raise SystemExit(component_main(PromptSourceProc))
