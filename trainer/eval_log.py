@@ -27,7 +27,7 @@ from prometheus_client import Gauge
 
 from bus.messages import EvalResult
 from bus.sockets import BusSocket
-from trainer.ledger import append_jsonl
+from trainer.step_ledger import append_jsonl
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ custody of the micro-batches, and resume after a restart.
 Per step ``s`` (0-based; the weights in use have policy version ``s``):
 
 1. collect the step's ``num_micro_batches`` micro-batches from the reliable ``batches`` inbox
-   (:class:`trainer.ledger.StepLedger` buffers them by step: they may come in any order and
+   (:class:`trainer.step_ledger.StepLedger` buffers them by step: they may come in any order and
    ahead of the step being trained);
 2. clip and step AdamW (:class:`trainer.trainer.Trainer`); the policy is now version ``s + 1``;
 3. announce ``weights.ready(s + 1)`` and send the weights (broadcast: wait for the previous
@@ -89,7 +89,7 @@ from trainer.checkpoint import latest_checkpoint, save_checkpoint
 from trainer.distributed import launcher_pid
 from trainer.eval_log import EvalLog, keep_metrics_record
 from trainer.follower import follower_main, join_data_parallel, load_trainer_checkpoint
-from trainer.ledger import StepLedger, append_jsonl, group_id, keep_jsonl_records
+from trainer.step_ledger import StepLedger, append_jsonl, group_id, keep_jsonl_records
 from trainer.model import load_policy
 from trainer.publish import WeightPublishing
 from trainer.trainer import build_trainer

@@ -133,7 +133,7 @@ def test_repetition_penalty_changes_the_logprobs(engine):
 
 
 def test_eval_groups_finish_under_one_version_while_training_groups_span_the_update(engine, tmp_path):
-    """The producer's pattern (producers.producer): eval generations hold EvalUpdateGate.eval_request,
+    """The producer's pattern (producers.proc): eval generations hold EvalUpdateGate.eval_request,
     updates hold EvalUpdateGate.update. Runs last: it changes the engine's weights."""
     from broadcaster.broadcaster import WeightBroadcaster
     from producers.eval_rounds import EvalUpdateGate

@@ -1,5 +1,5 @@
 """Resuming the trainer: bit-exact training after a checkpoint load, the custody bookkeeping
-(:class:`trainer.ledger.StepLedger`), the run records cut back to a checkpoint, and the trainer
+(:class:`trainer.step_ledger.StepLedger`), the run records cut back to a checkpoint, and the trainer
 process itself resuming against a real ``batches`` outbox, a real ``outcomes`` receiver (the
 prompt source's ledger: every ``groups.trained`` recorded once, before ``run.done``) and a
 control channel.
@@ -39,7 +39,7 @@ from packer.packer import PackedSample, build_micro_batch
 from tests.outcomes_sink import OutcomesSink
 from tests.trainer.test_checkpoint import CFG, assert_same_optimizer_state, policy, step_batches, weights
 from trainer.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
-from trainer.ledger import StepLedger, group_id, keep_jsonl_records
+from trainer.step_ledger import StepLedger, group_id, keep_jsonl_records
 from trainer.proc import RESTARTS_ENV, RESUME_ENV, TrainerProc, drop_weight_versions, restart_count, resume_requested
 from trainer.trainer import Trainer
 
