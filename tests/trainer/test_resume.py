@@ -30,6 +30,7 @@ import torch
 import zmq
 from safetensors.torch import load_file
 
+from broadcaster.filesystem import FilesystemSender
 from bus.messages import CONTROL_TYPES, EvalResult, GroupsTrained, MicroBatch, RunDone, TrainerStep, WeightsReady, new_id
 from bus.reliable import Courier
 from bus.sockets import BusSocket
@@ -427,7 +428,7 @@ def test_trainer_releases_at_checkpoints_and_resumes_after_a_restart(tiny_policy
         packer.seen.clear()
         monkeypatch.setenv(RESTARTS_ENV, "1")
         trainer = RunningTrainer(cfg)
-        assert trainer.proc.start_step == 2 and trainer.proc.broadcaster.method == "filesystem"
+        assert trainer.proc.start_step == 2 and isinstance(trainer.proc.publisher.sender, FilesystemSender)
         packer.wait_for("weights of version 2", lambda p: p.of_type(WeightsReady), trainer)
         ready = packer.of_type(WeightsReady)[0]
         assert (ready.version, ready.method) == (2, "filesystem")
@@ -587,7 +588,7 @@ def test_a_failed_broadcast_switches_the_trainer_to_the_filesystem_method(tiny_p
     manifest = build_manifest(policy_state_dict(load_policy(tiny_policy, cfg.trainer.lora)))
     errors: list[BaseException] = []
 
-    def producer() -> None:  # receives version 1 (as producers/weight_sync.py does), then dies
+    def producer() -> None:  # receives version 1 (as broadcaster/worker_extension.py does), then dies
         try:
             group = stateless_init_torch_distributed_process_group("127.0.0.1", port, 1, 2, backend="gloo")
             for bucket in plan_buckets(manifest, DEFAULT_BUCKET_BYTES):
