@@ -10,16 +10,18 @@ senders and receivers: every other module works with `broadcaster.base.WeightSen
 A trainer that was restarted or resumed cannot re-form the broadcast group (its world size is
 fixed at start), so it gets the filesystem sender whatever the method (`restarted=True`); a
 producer restarted or added later is built with `in_group=False` for the same reason.
+
+This module imports no torch at load time (the method modules are imported by the builders), so
+`busctl up` can ask `needs_rendezvous_port` without paying for torch.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from broadcaster.base import FallbackReceiver, WeightReceiver, WeightSender
-from broadcaster.broadcast import BroadcastReceiver, BroadcastSender
-from broadcaster.filesystem import FilesystemReceiver, FilesystemSender
+if TYPE_CHECKING:
+    from broadcaster.base import WeightReceiver, WeightSender
 
 METHODS = ("broadcast", "filesystem")
 """The values of `broadcast.method`."""
@@ -59,6 +61,9 @@ def build_senders(cfg: Any, *, world_size: int, out_dir: str | Path,
     Raises:
         ValueError: an unknown `cfg.method`, or a bad broadcast setting (`BroadcastSender`).
     """
+    from broadcaster.broadcast import BroadcastSender
+    from broadcaster.filesystem import FilesystemSender
+
     filesystem = FilesystemSender(out_dir)
     if restarted or _method(cfg) == "filesystem":
         return filesystem, None
@@ -79,6 +84,10 @@ def build_receiver(cfg: Any, engine: Any, *, rank: int, world_size: int, in_grou
     Raises:
         ValueError: an unknown `cfg.method`.
     """
+    from broadcaster.base import FallbackReceiver
+    from broadcaster.broadcast import BroadcastReceiver
+    from broadcaster.filesystem import FilesystemReceiver
+
     filesystem = FilesystemReceiver(engine)
     if _method(cfg) == "filesystem":
         return filesystem

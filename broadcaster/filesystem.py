@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from broadcaster.base import Announce, WeightReceiver, WeightSender
+from broadcaster.base import WeightReceiver, WeightSender
 
 READY_MARKER = "READY"
 WEIGHTS_FILE = "model.safetensors"

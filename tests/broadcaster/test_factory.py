@@ -88,3 +88,12 @@ def test_a_late_producer_skips_broadcasts_and_a_filesystem_run_never_joins():
     asyncio.run(receiver.join())
     asyncio.run(receiver.apply(_ready(3, "filesystem")))
     assert engine.calls == [("filesystem", 3, "/w/v3")]
+
+
+def test_the_factory_imports_no_torch():
+    """busctl asks `needs_rendezvous_port` before any component starts: no torch import for that."""
+    import subprocess
+    import sys
+
+    code = "import sys, broadcaster.factory; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
