@@ -58,6 +58,9 @@ class WeightSender(ABC):
     method: ClassVar[str]
     carries_adapter: ClassVar[bool] = False
 
+    def __str__(self) -> str:
+        return f"the {self.method} method"
+
     def open(self) -> None:
         """Get ready to send (the broadcast method forms its group here; blocks). Default: nothing."""
 

@@ -104,6 +104,9 @@ class FilesystemSender(WeightSender):
         self.out_dir = Path(out_dir)
         self.keep_versions = keep_versions
 
+    def __str__(self) -> str:
+        return f"the filesystem method at {self.out_dir}"
+
     def start_send(self, state_dict: Mapping[str, torch.Tensor], version: int,
                    manifest: list[list] | None = None) -> dict:
         """Write `state_dict` as `version` (synchronously, despite the name; nothing stays in flight).

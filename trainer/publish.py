@@ -156,7 +156,7 @@ class WeightPublisher:
         version whose transfer failed, for the log)."""
         assert self.fallback is not None
         BROADCAST_FALLBACKS.inc()
-        log.error("%s of weights version %d failed (%s: %s); sending weights by the %s method from now on",
-                  self.sender.method, version, type(exc).__name__, exc, self.fallback.method)
+        log.error("%s of weights version %d failed (%s: %s); sending weights through %s from now on",
+                  self.sender.method, version, type(exc).__name__, exc, self.fallback)
         broken, self.sender, self.fallback = self.sender, self.fallback, None
         broken.close()
