@@ -28,7 +28,7 @@ def test_a_failed_broadcast_swaps_in_the_filesystem_sender(tmp_path):
     assert announced[0].path == "" and [n for n, _, _ in announced[0].manifest] == ["model.norm.weight", "adapter"]
     assert all(is_ready(m.path) for m in announced[1:])
     assert [n for n, _, _ in announced[1].manifest] == ["model.norm.weight", "merged"]  # filesystem: merged weights
-    assert isinstance(publisher.sender, FilesystemSender) and publisher.fallback is None and publisher.method == "filesystem"
+    assert isinstance(publisher.sender, FilesystemSender) and publisher.fallback is None
 
 
 def test_without_a_fallback_a_failure_raises(tmp_path):
