@@ -1,4 +1,4 @@
-"""Weight broadcast speed: `WeightBroadcaster` vs a raw gloo broadcast of the same bytes.
+"""Weight broadcast speed: `BroadcastSender` vs a raw gloo broadcast of the same bytes.
 
 Usage: ``python -m bench.broadcast [--runs 7] [--models default,qwen2-100m] [--bucket-mb 256]
 [--out FILE.json]``
@@ -10,7 +10,7 @@ interleaved, after one warm-up each, `--runs` times (medians reported):
 
 - raw: `torch.distributed.broadcast` of ONE flat float32 tensor with the payload's byte count over
   a default process group (`init_process_group("gloo")`): the floor for these bytes;
-- ours: `WeightBroadcaster.send(state_dict, v)` (the state dict's tensors copied into the flat
+- ours: `BroadcastSender.send(state_dict, v)` (the state dict's tensors copied into the flat
   send buffers allocated once, bucket by bucket, each bucket broadcast as soon as it is filled);
   split into `blocked` (what the trainer thread spends in `start_send`: copies + handing buckets
   to gloo) and `transfer` (first bucket handed over -> last bucket done, in the background);
@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from broadcaster.broadcaster import WeightBroadcaster
+from broadcaster.broadcast import BroadcastSender
 from broadcaster.manifest import DEFAULT_BUCKET_BYTES, build_manifest, manifest_num_bytes
 from broadcaster.receiver import BucketReceiver
 
@@ -131,7 +131,7 @@ def measure(runs: int, models: list[str], bucket_bytes: int) -> list[dict]:
     peer = ctx.Process(target=receiver, args=(raw_port, weights_port, plan, runs, bucket_bytes))
     peer.start()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{raw_port}", rank=0, world_size=2, timeout=TIMEOUT)
-    sender = WeightBroadcaster("broadcast", "gloo", "127.0.0.1", weights_port, 2, bucket_bytes=bucket_bytes,
+    sender = BroadcastSender("gloo", "127.0.0.1", weights_port, 2, bucket_bytes=bucket_bytes,
                                timeout_s=TIMEOUT.total_seconds())
     sender.init_group()
     rows = []
@@ -174,7 +174,7 @@ def measure(runs: int, models: list[str], bucket_bytes: int) -> list[dict]:
 def table(rows: list[dict]) -> str:
     """The rows as the markdown table of bench/README.md."""
     full_bytes = {r["model"]: r["num_bytes"] for r in rows if r["payload"] == "full"}
-    out = ["| model | payload | bytes | tensors / buckets | raw gloo broadcast | WeightBroadcaster.send | ratio "
+    out = ["| model | payload | bytes | tensors / buckets | raw gloo broadcast | BroadcastSender.send | ratio "
            "| trainer thread: payload + start_send | background transfer |",
            "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -1,4 +1,6 @@
-"""Filesystem weight transport: one safetensors directory per policy version.
+"""The filesystem method: one safetensors directory per policy version, written by
+`FilesystemSender` (trainer) and loaded by `FilesystemReceiver` (producer process; its vLLM workers
+read it, `broadcaster.worker_extension`). It is also what the broadcast method falls back to.
 
 Layout written by `write_version(out_dir, version, state_dict)`:
 
@@ -8,9 +10,9 @@ Layout written by `write_version(out_dir, version, state_dict)`:
                                            # failed background broadcast from its send buffers
     out_dir/v{version}/READY               # written last, atomically: the directory is complete
 
-Readers (`producers.weight_sync.WeightSyncExtension.load_weights_from_path`) must only open a
-directory whose READY marker exists (`is_ready`); the trainer announces a version only after
-`write_version` returned, so a producer acting on the announcement always finds it complete.
+Readers (`broadcaster.worker_extension.WeightSyncExtension.load_weights_from_path`) must only open a
+directory whose READY marker exists (`is_ready`); `FilesystemSender.publish` announces a version only
+after `write_version` returned, so a producer acting on the announcement always finds it complete.
 Every file is written to a temporary name and `os.replace`d, so a crash never leaves a
 half-written file under its final name.
 """
@@ -20,10 +22,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
+
+from broadcaster.base import WeightReceiver, WeightSender
 
 READY_MARKER = "READY"
 WEIGHTS_FILE = "model.safetensors"
@@ -75,3 +81,61 @@ def prune_versions(out_dir: Path, keep: int) -> list[Path]:
     for p in removed:
         shutil.rmtree(p, ignore_errors=True)
     return removed
+
+
+class FilesystemSender(WeightSender):
+    """Writes each version synchronously as `out_dir/v{version}/` (`write_version`), then it may be
+    announced; keeps the newest `keep_versions` complete directories.
+
+    The trainer sends merged weights this way (`carries_adapter` False: `broadcast.lora_payload`
+    applies to the broadcast method only), except when it re-publishes a failed broadcast from its
+    send buffers, whose payload may be an adapter (producers load both kinds).
+
+    Raises:
+        ValueError: `keep_versions < 1`.
+    """
+
+    method: ClassVar[str] = "filesystem"
+    carries_adapter: ClassVar[bool] = False
+
+    def __init__(self, out_dir: str | Path, *, keep_versions: int | None = 2) -> None:
+        if keep_versions is not None and keep_versions < 1:
+            raise ValueError(f"keep_versions must be >= 1 or None, got {keep_versions}")
+        self.out_dir = Path(out_dir)
+        self.keep_versions = keep_versions
+
+    def __str__(self) -> str:
+        return f"the filesystem method at {self.out_dir}"
+
+    def start_send(self, state_dict: Mapping[str, torch.Tensor], version: int,
+                   manifest: list[list] | None = None) -> dict:
+        """Write `state_dict` as `version` (synchronously, despite the name; nothing stays in flight).
+
+        Returns `{"method", "version", "manifest", "path", "num_bytes", "bucket_bytes": None,
+        "blocked_s"}` with `path` the version directory.
+
+        Raises:
+            ValueError: a bad payload (`build_manifest`), or `version` already written.
+        """
+        start = time.perf_counter()
+        manifest = self.manifest(state_dict) if manifest is None else manifest
+        directory, num_bytes = write_version(self.out_dir, version, state_dict, manifest)
+        if self.keep_versions is not None:
+            prune_versions(self.out_dir, self.keep_versions)
+        return {"method": self.method, "version": version, "manifest": manifest, "path": str(directory),
+                "num_bytes": num_bytes, "bucket_bytes": None, "blocked_s": time.perf_counter() - start}
+
+
+class FilesystemReceiver(WeightReceiver):
+    """Producer side of the filesystem method: loads the announced version directory into the
+    engine (`RolloutEngine.load_weights_from_path`). Any version is applicable, an older one too
+    (a trainer resumed from its checkpoint rolls the policy back)."""
+
+    method: ClassVar[str] = "filesystem"
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    async def apply(self, msg: Any) -> None:
+        """Load `msg.path` as policy `msg.version`."""
+        await self.engine.load_weights_from_path(msg.version, msg.path)

@@ -1,8 +1,8 @@
 """The weight manifest: what the trainer broadcasts, in which order, in which buckets.
 
-The manifest is the whole contract between the trainer (`broadcaster.WeightBroadcaster`) and the
-producers' vLLM workers (`producers.weight_sync.WeightSyncExtension`). It is a plain list, so it
-travels in a msgpack header or a `collective_rpc` argument unchanged:
+The manifest is the whole contract between the trainer's senders (`broadcaster.broadcast`,
+`broadcaster.filesystem`) and the producers' vLLM workers
+(`broadcaster.worker_extension.WeightSyncExtension`). It is a plain list, so it travels in a msgpack header or a `collective_rpc` argument unchanged:
 
     manifest = [[hf_param_name: str, dtype: str, shape: list[int]], ...]   # broadcast order
 

@@ -1,7 +1,7 @@
 """Receive side of the weight broadcast: one manifest's buckets into flat buffers allocated once.
 
 Used by every receiver, so they all decode the wire exactly alike: the producers' vLLM worker
-extension (`producers.weight_sync`), the broadcaster tests and `bench/broadcast.py`.
+extension (`broadcaster.worker_extension`), the broadcaster tests and `bench/broadcast.py`.
 
 Invariants:
 - The buffers are allocated once per (manifest, bucket_bytes) and reused for every version: a

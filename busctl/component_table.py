@@ -80,7 +80,7 @@ def component_table(cfg: RunConfig) -> list[ComponentSpec]:
     """Every process of a run, in start order (the hub first, the prompt source last)."""
     table = [ComponentSpec("hub", "bus.hub"), ComponentSpec("trainer", "trainer.proc"), ComponentSpec("packer", "packer.proc")]
     table += [ComponentSpec(f"rewards-{i}", "rewards.proc", i) for i in range(cfg.rewards.replicas)]
-    table += [ComponentSpec(f"producer-{i}", "producers.producer", i) for i in range(cfg.producers.replicas)]
+    table += [ComponentSpec(f"producer-{i}", "producers.proc", i) for i in range(cfg.producers.replicas)]
     table.append(ComponentSpec("prompt-source", "prompts.proc"))
     return table
 

@@ -60,7 +60,7 @@ SECTIONS = {
     "supervisor": "`busctl up` itself (component `supervisor`).",
     "prompt_source": "Prompt issue and gating (`prompts/proc.py`, `prompts/source.py`).",
     "accounting": "The prompt ledger: every issued prompt ends in one outcome (`docs/DELIVERY.md`).",
-    "producer": "Rollout producers (`producers/producer.py`): generation and weight updates.",
+    "producer": "Rollout producers (`producers/proc.py`): generation and weight updates.",
     "rewards": "Reward workers (`rewards/proc.py`, `rewards/worker.py`): rewards, advantages, failures of reward functions, filters.",
     "packer": "The packer (`packer/proc.py`): staleness filter, policy lag, packing, samples log.",
     "trainer": "The trainer, rank 0 (`trainer/proc.py`, `trainer/trainer.py`, `trainer/publish.py`): the "

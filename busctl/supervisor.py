@@ -59,6 +59,7 @@ import zmq
 from prometheus_client import REGISTRY, Counter, generate_latest
 from rich.console import Console
 
+from broadcaster.factory import needs_rendezvous_port
 from bus import auth
 from bus.launch_env import ENV_NAMES, LaunchEnv
 from bus.messages import ComponentHeartbeat, ComponentReady, RunDone, TrainerStep
@@ -100,9 +101,9 @@ class RunFailed(RuntimeError):
 
 def claim_broadcast_port(cfg: RunConfig) -> None:
     """Give the weight transfer a free rendezvous port when it needs one and the config leaves it
-    open (``broadcast.port: 0``); changes ``cfg`` in place. The condition is the weight-transfer
-    method's to answer; it is kept here, alone, until the methods answer it themselves."""
-    if cfg.broadcast.method == "broadcast" and cfg.broadcast.port == 0:
+    open (``broadcast.port: 0``; the method answers: :func:`broadcaster.factory.needs_rendezvous_port`);
+    changes ``cfg`` in place."""
+    if needs_rendezvous_port(cfg.broadcast):
         cfg.broadcast.port = free_port(cfg.broadcast.host)
 
 

@@ -1,7 +1,7 @@
 """RolloutEngine: the only place in a producer process that touches vLLM.
 
 It wraps one `vllm.v1.engine.async_llm.AsyncLLM` (an EngineCore process and a Worker process,
-both spawned) whose workers carry `producers.weight_sync.WeightSyncExtension`, and offers three
+both spawned) whose workers carry `broadcaster.worker_extension.WeightSyncExtension`, and offers three
 things: generate a group of samples for one prompt, apply new policy weights, report the version.
 
 Policy versions and spans:
@@ -43,7 +43,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 #: The worker extension class, importable in vLLM's spawned children (repo root on PYTHONPATH).
-WORKER_EXTENSION_CLS = "producers.weight_sync.WeightSyncExtension"
+WORKER_EXTENSION_CLS = "broadcaster.worker_extension.WeightSyncExtension"
 
 
 @dataclass(frozen=True)
@@ -278,7 +278,7 @@ class RolloutEngine:
                                 backend: str, timeout_s: float | None = None) -> None:
         """Join the trainer's broadcast group as `rank` (>= 1); blocks until all ranks joined.
 
-        Must run concurrently with the trainer's `WeightBroadcaster.init_group()` (either may
+        Must run concurrently with the trainer's `BroadcastSender.init_group()` (either may
         start first; both block in the rendezvous until all `world_size` ranks are there).
         """
         await self._require().collective_rpc(
@@ -288,10 +288,10 @@ class RolloutEngine:
                              bucket_bytes: int | None = None) -> float:
         """Receive a broadcast of `manifest` as policy `version`; returns seconds spent paused.
 
-        Must run concurrently with the trainer's `WeightBroadcaster.start_send(state_dict,
+        Must run concurrently with the trainer's `BroadcastSender.start_send(state_dict,
         version)`; `bucket_bytes` must match the broadcaster's (None: the shared default). A
         "lora" manifest (an adapter, `broadcaster.manifest`) is merged into the checkpoint's base
-        weights in the worker (`producers.weight_sync`).
+        weights in the worker (`broadcaster.worker_extension`).
         Raises ValueError, receiving nothing, if `version <= self.version`: a re-announced
         version is not being sent again, so joining the collective would block forever.
         """
@@ -309,17 +309,17 @@ class RolloutEngine:
         """
         return await self._apply(version, "load_weights_from_path", {"path": str(path)})
 
-    async def _apply(self, version: int, method: str, kwargs: dict) -> float:
+    async def _apply(self, version: int, rpc: str, kwargs: dict) -> float:
         llm = self._require()
         async with self._update_lock:
-            if version == self._version or (method == "receive_weights" and version < self._version):
-                raise ValueError(f"version {version} cannot replace current {self._version} by {method}")
+            if version == self._version or (rpc == "receive_weights" and version < self._version):
+                raise ValueError(f"version {version} cannot replace current {self._version} by {rpc}")
             start = time.perf_counter()
             # keep: in-flight requests are frozen, resumed (recomputed) under the new weights;
             # clear_cache: no KV computed by the old weights survives, prefix cache included.
             await llm.pause_generation(mode="keep", clear_cache=True)
             try:
-                await llm.collective_rpc(method, kwargs=kwargs)
+                await llm.collective_rpc(rpc, kwargs=kwargs)
                 await llm.update_weight_version(str(version))
             except BaseException as e:
                 self._broken = f"weight update to version {version} failed: {e!r}"

@@ -51,7 +51,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from broadcaster.broadcaster import Backend, resolve_backend
+from broadcaster.broadcast import Backend, resolve_backend
 from bus.codec import decode, encode
 from bus.messages import MicroBatch
 

@@ -28,7 +28,7 @@ from prometheus_client import Gauge
 
 from bus.messages import EvalResult
 from bus.sockets import BusSocket
-from trainer.ledger import append_jsonl
+from trainer.step_ledger import append_jsonl
 
 if TYPE_CHECKING:
     from configs.rollout import EvalConfig

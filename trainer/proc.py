@@ -4,7 +4,7 @@ custody of the micro-batches, and resume after a restart.
 Per step ``s`` (0-based; the weights in use have policy version ``s``):
 
 1. collect the step's ``num_micro_batches`` micro-batches from the reliable ``batches`` inbox
-   (:class:`trainer.ledger.StepLedger` buffers them by step: they may come in any order and
+   (:class:`trainer.step_ledger.StepLedger` buffers them by step: they may come in any order and
    ahead of the step being trained);
 2. clip and step AdamW (:class:`trainer.trainer.Trainer`); the policy is now version ``s + 1``;
 3. announce ``weights.ready(s + 1)`` and send the weights (broadcast: wait for the previous
@@ -81,7 +81,7 @@ import numpy as np
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
-from broadcaster.broadcaster import WeightBroadcaster
+from broadcaster.factory import build_senders
 from bus.component import Component, component_main
 from bus.messages import GroupsTrained, MicroBatch, RunDone, TrainerStep, new_id
 from bus.metrics import POLICY_VERSION, StageMeter
@@ -89,9 +89,9 @@ from trainer.checkpoint import latest_checkpoint, save_checkpoint
 from trainer.distributed import launcher_pid
 from trainer.eval_log import EvalLog, declare_pass_at_k, keep_metrics_record
 from trainer.follower import follower_main, join_data_parallel, load_trainer_checkpoint
-from trainer.ledger import StepLedger, append_jsonl, group_id, keep_jsonl_records
+from trainer.step_ledger import StepLedger, append_jsonl, group_id, keep_jsonl_records
 from trainer.model import load_policy
-from trainer.publish import WeightPublishing
+from trainer.publish import WeightPublisher
 from trainer.trainer import build_trainer
 
 log = logging.getLogger(__name__)
@@ -158,8 +158,8 @@ def drop_weight_versions(out_dir: Path, first: int) -> list[Path]:
     return gone
 
 
-class TrainerProc(WeightPublishing, Component):
-    """Process wrapper of :class:`Trainer` with the weight broadcaster, checkpoints and custody of
+class TrainerProc(Component):
+    """Process wrapper of :class:`Trainer` with the weight publisher, checkpoints and custody of
     the micro-batches (see the module docstring); its ``run.done`` after the last step is what
     ends the run."""
 
@@ -195,20 +195,10 @@ class TrainerProc(WeightPublishing, Component):
             self.trainer.enable_data_parallel(self.dp)
         self.ledger = StepLedger(self.start_step)
         self.batches = self.reliable_receiver("batches", self.endpoints.address("batches"), bind=False, accept=(MicroBatch,))
-        b = cfg.broadcast
-        if self.resumed or b.method == "filesystem":
-            self.broadcaster = self.filesystem_broadcaster()
-        else:
-            self.broadcaster = WeightBroadcaster(
-                method=b.method,
-                backend=b.backend,
-                host=b.host,
-                port=b.port,
-                world_size=1 + cfg.producers.replicas,
-                out_dir=self.weights_dir,
-                timeout_s=b.timeout_s,
-            )
-            self.broadcaster.init_group()
+        sender, fallback = build_senders(cfg.broadcast, world_size=1 + cfg.producers.replicas,
+                                         out_dir=self.weights_dir, restarted=self.resumed)
+        self.publisher = WeightPublisher.for_run(cfg, self.model, sender, fallback, self.control.send)
+        sender.open()  # after: close() releases the sender even if the group never forms
 
     # -- resume -----------------------------------------------------------------------------------
 
@@ -262,7 +252,7 @@ class TrainerProc(WeightPublishing, Component):
         gone = drop_weight_versions(self.weights_dir, step)
         if gone:
             log.info("deleted %d weight versions of the lost lineage (v%d and newer)", len(gone), step)
-        self.publish_weights(step)
+        self.publisher.publish(step)
         POLICY_VERSION.set(step)
         if self.reannounce_from < step and self.samples_path.is_file():
             for record in map(json.loads, self.samples_path.read_text().splitlines()):
@@ -278,8 +268,7 @@ class TrainerProc(WeightPublishing, Component):
         while (micro_batches := self.ledger.take(step)) is None:
             if self.stop.is_set():
                 return None
-            if self.broadcaster.method == "broadcast" and self.broadcaster.transfer_finished():
-                self.settle_weights()  # a failed send falls back NOW: a restarted producer waits for it
+            self.publisher.poll()  # a failed background send falls back NOW: a restarted producer waits for it
             self.eval_log.poll()
             mb = self.batches.recv(timeout_s=RECV_SLICE_S)
             if mb is None:
@@ -301,7 +290,7 @@ class TrainerProc(WeightPublishing, Component):
             optimizer=self.trainer.optimizer,
             extra={
                 "policy_version": step,
-                "weight_method": self.broadcaster.method,
+                "weight_method": self.publisher.method,
                 "lr_schedule": "constant",
                 "released_steps": self.ledger.covered,
             },
@@ -354,7 +343,7 @@ class TrainerProc(WeightPublishing, Component):
                 versions = np.concatenate([mb.versions for mb in micro_batches])
                 lags = step - versions
                 assert lags.max() <= self.cfg.packer.max_off_policy_steps, "the packer let a stale sample through"
-                metrics["weight_sync_s"] = self.publish_weights(step + 1)
+                metrics["weight_sync_s"] = self.publisher.publish(step + 1)
                 PHASE_SECONDS.labels(phase="weight_sync").inc(metrics["weight_sync_s"])
             self.meter.finished(sum(len(mb.sample_ids) for mb in micro_batches),
                                 sum(int(mb.loss_mask.sum()) for mb in micro_batches))
@@ -386,7 +375,7 @@ class TrainerProc(WeightPublishing, Component):
             self.control.send(TrainerStep(id=new_id(), step=step, version=step, metrics=metrics))
         if self.dp is not None:
             self.dp.send_stop()  # the other ranks are done; rank 0 goes on (eval, outcomes, run.done)
-        self.settle_weights()  # the last version reaches the producers before run.done
+        self.publisher.settle()  # the last version reaches the producers before run.done
         self.wait_for_final_eval(step)
         deadline = time.monotonic() + OUTCOMES_DRAIN_S
         while self.outcomes.unfinished() and time.monotonic() < deadline and not self.stop.is_set():
@@ -405,9 +394,9 @@ class TrainerProc(WeightPublishing, Component):
             self.eval_log.wait_for_round(step, tasks, e.timeout_s, self.stop)
 
     def close(self) -> None:
-        broadcaster = getattr(self, "broadcaster", None)
-        if broadcaster is not None:
-            broadcaster.close()
+        publisher = getattr(self, "publisher", None)
+        if publisher is not None:
+            publisher.close()
         dp = getattr(self, "dp", None)
         if dp is not None:
             if getattr(self, "trainer", None) is not None:

@@ -1,25 +1,28 @@
 """Weight publication of the trainer process: what the producers receive after each step, and how.
 
-`WeightPublishing` is a mixin of `trainer.proc.TrainerProc` (it uses the process's `cfg`, `model`,
-`control` publisher, `broadcaster` and `weights_dir`). Per version: wait for the previous
-broadcast's transfer, announce `weights.ready`, then hand the payload to the broadcaster, whose
-bytes move in the background (`broadcaster.WeightBroadcaster.start_send`); a failed broadcast
-switches the process to the filesystem method for the rest of the run and re-publishes that
-version through it. The payload is the merged full weights or, for LoRA with
-`broadcast.lora_payload: adapter`, only the adapter; with `broadcast.noise_scheduler.enabled` the
-RMSNorm weights sent carry QeRL noise while the trainer's own weights stay clean.
+:class:`WeightPublisher` is a member of :class:`trainer.proc.TrainerProc` (``self.publisher``). It
+holds the weight sender of the run's method (:func:`broadcaster.factory.build_senders`) and the
+one it falls back to. Per version: wait for the previous transfer (``settle``), then
+``sender.publish``, which announces ``weights.ready`` and sends in the order its method needs (the
+broadcast method's bytes then move in the background). A failed broadcast, at once or seen by the
+next ``settle``, swaps the sender for the fallback (the filesystem method) for the rest of the run
+and re-publishes that version through it: that swap (``_fall_back``) is the only place the method
+changes. The payload (:func:`weights_payload`) is the merged full weights or, for LoRA with
+``broadcast.lora_payload: adapter`` and a sender that carries adapters, only the adapter; with
+``broadcast.noise_scheduler.enabled`` the RMSNorm weights sent carry QeRL noise while the trainer's
+own weights stay clean.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping
 
 import torch
 from prometheus_client import Counter, Histogram
 
-from broadcaster.broadcaster import SendFailed, WeightBroadcaster
-from broadcaster.manifest import manifest_num_bytes
+from broadcaster.base import SendFailed, WeightSender
 from broadcaster.noise import is_rmsnorm_weight, qerl_noise_sigma, with_rmsnorm_noise
 from bus.messages import WeightsReady, new_id
 from trainer.model import lora_adapter_state_dict, policy_state_dict
@@ -39,90 +42,121 @@ BROADCAST_FALLBACKS = Counter(
 )
 
 
-class WeightPublishing:
-    """Publishing of new policy weights for :class:`trainer.proc.TrainerProc` (module docstring)."""
+def weights_payload(model: torch.nn.Module, cfg, version: int, *, adapter: bool) -> dict[str, torch.Tensor]:
+    """What the producers get as ``version``: the merged full weights of ``model``
+    (:func:`trainer.model.policy_state_dict`), or with ``adapter`` only its LoRA adapter
+    (:func:`trainer.model.lora_adapter_state_dict`; with the noise scheduler on, the RMSNorm
+    weights travel whole alongside it). With ``cfg.broadcast.noise_scheduler.enabled`` (``cfg``: the
+    ``RunConfig``) the RMSNorm weights in it are fresh noisy copies (QeRL, :mod:`broadcaster.noise`,
+    stage of ``version`` over ``trainer.max_steps``); ``model``'s own weights stay clean."""
+    noise = cfg.broadcast.noise_scheduler
+    if adapter:
+        state = lora_adapter_state_dict(model, include=is_rmsnorm_weight if noise.enabled else None)
+    else:
+        state = policy_state_dict(model)
+    if not noise.enabled:
+        return state
+    sigma = qerl_noise_sigma(version, cfg.trainer.max_steps, sigma_start=noise.sigma_start,
+                             sigma_end=noise.sigma_end, num_stages=noise.num_stages)
+    return with_rmsnorm_noise(state, sigma, seed=noise.seed, version=version)
 
-    def filesystem_broadcaster(self) -> WeightBroadcaster:
-        """A broadcaster that writes ``RUN_DIR/weights/v{N}`` (the method after a restart)."""
-        return WeightBroadcaster(method="filesystem", out_dir=self.weights_dir)
 
-    def publish_weights(self, version: int) -> float:
+class WeightPublisher:
+    """Publishes each new policy version to the producers through a swappable sender.
+
+    Args:
+        sender: the run's sender, opened (:func:`broadcaster.factory.build_senders`).
+        fallback: the sender to switch to when ``sender`` fails (None: failures raise).
+        announce: sends one ``weights.ready`` on the control channel.
+        payload: ``payload(version, adapter=...) -> {hf_name: tensor}`` (:func:`weights_payload`).
+        adapter: whether the run sends LoRA adapters where the sender carries them
+            (``trainer.lora.enabled`` and ``broadcast.lora_payload: adapter``).
+    """
+
+    def __init__(self, sender: WeightSender, fallback: WeightSender | None, announce: Callable[[WeightsReady], None],
+                 payload: Callable[..., dict[str, torch.Tensor]], *, adapter: bool) -> None:
+        self.sender, self.fallback = sender, fallback
+        self._send_message = announce
+        self.payload = payload
+        self.adapter = adapter
+
+    @classmethod
+    def for_run(cls, cfg, model: torch.nn.Module, sender: WeightSender, fallback: WeightSender | None,
+                announce: Callable[[WeightsReady], None]) -> "WeightPublisher":
+        """The publisher of a run (``cfg``: its ``RunConfig``) whose payloads are ``model``'s weights
+        (:func:`weights_payload`), adapters where ``trainer.lora.enabled`` and
+        ``broadcast.lora_payload: adapter``."""
+        return cls(sender, fallback, announce,
+                   lambda version, adapter: weights_payload(model, cfg, version, adapter=adapter),
+                   adapter=cfg.trainer.lora.enabled and cfg.broadcast.lora_payload == "adapter")
+
+    @property
+    def method(self) -> str:
+        """The method in use (``broadcast.method`` values; what checkpoints record)."""
+        return self.sender.method
+
+    def publish(self, version: int) -> float:
         """Announce and send the weights of ``version``; returns the seconds the trainer thread
         spent here (a broadcast's bytes move in the background).
 
-        Broadcast: wait for the previous version's transfer (normally done long ago), announce
-        ``weights.ready``, then copy :meth:`weights_payload` into the broadcaster's send buffers and
-        hand it to the backend (``WeightBroadcaster.start_send``): the trainer goes on with the next
-        step while the producers receive. A transfer that fails (at once, or seen by the next
-        publish's wait) switches the trainer to the filesystem method for good and re-publishes the
-        failed version that way: a background one from its send buffers (so in the payload it was
-        broadcast in, an adapter with LoRA: producers load both kinds), one that failed at once
-        from the current weights (see the module docstring). Filesystem: merged weights, written,
-        then announced.
+        Waits for the previous version's transfer first (normally done long ago). A send that
+        fails at once falls back and re-publishes ``version`` from the current weights.
         """
         started = time.perf_counter()
-        self.settle_weights()
-        if self.broadcaster.method == "broadcast":
-            adapter = self.cfg.trainer.lora.enabled and self.cfg.broadcast.lora_payload == "adapter"
-            state = self.weights_payload(version, adapter=adapter)
-            manifest = self.broadcaster.manifest(state)
-            num_bytes = manifest_num_bytes(manifest)
-            self.control.send(WeightsReady(id=new_id(), version=version, method="broadcast", manifest=manifest, path="", num_bytes=num_bytes))
-            try:
-                self.broadcaster.start_send(state, version, manifest)
-            except RuntimeError as exc:  # torch.distributed errors (DistBackendError, timeouts) are RuntimeErrors
-                self.fall_back_to_filesystem(version, exc)
-        if self.broadcaster.method == "filesystem":
-            self.write_weights(version, self.weights_payload(version, adapter=False))
+        self.settle()
+        try:
+            self._publish(version, self._payload(version))
+        except RuntimeError as exc:  # torch.distributed errors (DistBackendError, timeouts) are RuntimeErrors
+            if self.fallback is None:
+                raise
+            self._fall_back(version, exc)
+            self._publish(version, self._payload(version))
         elapsed = time.perf_counter() - started
         BROADCAST_SECONDS.observe(elapsed)
         return elapsed
 
-    def settle_weights(self) -> None:
-        """Wait for the broadcast in flight (if any) to reach every producer; if it failed, switch
-        to the filesystem method and re-publish its version from its send buffers. Records the
-        transfer's duration (``rlbus_trainer_weight_transfer_seconds``)."""
-        if self.broadcaster.method != "broadcast":
-            return
+    def settle(self) -> None:
+        """Wait for the transfer in flight (if any) to reach every producer; if it failed, fall
+        back and re-publish its version from its send buffers (so in the payload it was sent in,
+        an adapter with LoRA: producers load both kinds). Records the transfer's duration
+        (``rlbus_trainer_weight_transfer_seconds``)."""
         try:
-            done = self.broadcaster.wait()
+            done = self.sender.wait()
         except SendFailed as exc:
-            self.fall_back_to_filesystem(exc.version, exc)
-            self.write_weights(exc.version, exc.payload)
+            if self.fallback is None:
+                raise
+            self._fall_back(exc.version, exc)
+            self._publish(exc.version, exc.payload)
             return
         if done and done.get("transfer_s") is not None:
             TRANSFER_SECONDS.observe(done["transfer_s"])
 
-    def write_weights(self, version: int, state: dict[str, torch.Tensor]) -> None:
-        """Filesystem method: write ``state`` as ``version`` and announce it."""
-        info = self.broadcaster.send(state, version)
-        self.control.send(
-            WeightsReady(id=new_id(), version=version, method="filesystem", manifest=info["manifest"], path=info["path"], num_bytes=info["num_bytes"])
-        )
+    def poll(self) -> None:
+        """``settle`` if a background transfer has finished (does not block otherwise): a failed
+        one falls back now, as a restarted producer waits for the filesystem re-publication."""
+        if self.sender.transfer_finished():
+            self.settle()
 
-    def weights_payload(self, version: int, *, adapter: bool) -> dict[str, torch.Tensor]:
-        """What the producers get as ``version``: the merged full weights
-        (:func:`trainer.model.policy_state_dict`), or with ``adapter`` only the LoRA adapter
-        (:func:`trainer.model.lora_adapter_state_dict`; with the noise scheduler on, the RMSNorm
-        weights travel whole alongside it). With ``broadcast.noise_scheduler.enabled`` the RMSNorm
-        weights in it are fresh noisy copies (QeRL, :mod:`broadcaster.noise`, stage of ``version``
-        over ``trainer.max_steps``); the trainer's own weights stay clean."""
-        noise = self.cfg.broadcast.noise_scheduler
-        if adapter:
-            state = lora_adapter_state_dict(self.model, include=is_rmsnorm_weight if noise.enabled else None)
-        else:
-            state = policy_state_dict(self.model)
-        if not noise.enabled:
-            return state
-        sigma = qerl_noise_sigma(version, self.cfg.trainer.max_steps, sigma_start=noise.sigma_start,
-                                 sigma_end=noise.sigma_end, num_stages=noise.num_stages)
-        return with_rmsnorm_noise(state, sigma, seed=noise.seed, version=version)
+    def close(self) -> None:
+        """Close the sender in use (waits for a transfer in flight; idempotent)."""
+        self.sender.close()
 
-    def fall_back_to_filesystem(self, version: int, exc: BaseException) -> None:
-        """Replace the broken broadcast group by the filesystem method, for the rest of the run
-        (``version``: the version whose transfer failed, for the log)."""
+    def _payload(self, version: int) -> dict[str, torch.Tensor]:
+        return self.payload(version, adapter=self.adapter and self.sender.carries_adapter)
+
+    def _publish(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
+        self.sender.publish(state, version, self._announce)
+
+    def _announce(self, info: dict) -> None:
+        self._send_message(WeightsReady(id=new_id(), version=info["version"], method=info["method"],
+                                        manifest=info["manifest"], path=info["path"] or "", num_bytes=info["num_bytes"]))
+
+    def _fall_back(self, version: int, exc: BaseException) -> None:
+        """Replace the failed sender by the fallback for the rest of the run (``version``: the
+        version whose transfer failed, for the log)."""
+        assert self.fallback is not None
         BROADCAST_FALLBACKS.inc()
-        log.error("broadcast of weights version %d failed (%s: %s); sending weights through %s from now on",
-                  version, type(exc).__name__, exc, self.weights_dir)
-        broken, self.broadcaster = self.broadcaster, self.filesystem_broadcaster()
+        log.error("%s of weights version %d failed (%s: %s); sending weights through %s from now on",
+                  self.sender.method, version, type(exc).__name__, exc, self.fallback)
+        broken, self.sender, self.fallback = self.sender, self.fallback, None
         broken.close()

@@ -1,4 +1,4 @@
-"""WeightBroadcaster and the manifest: pure planning, the filesystem layout, and real gloo
+"""The two senders (`BroadcastSender`, `FilesystemSender`) and the manifest: pure planning, the filesystem layout, and real gloo
 broadcasts to a receiver thread that decodes buckets with the vLLM worker extension's own
 `BucketReceiver`: bytes arrive intact, the trainer thread is not held by a slow producer, and a
 failed background transfer comes back as `SendFailed` with its payload."""
@@ -11,8 +11,9 @@ import threading
 import pytest
 import torch
 
-from broadcaster.broadcaster import SendFailed, WeightBroadcaster, resolve_backend
-from broadcaster.filesystem import is_ready, prune_versions, write_version
+from broadcaster.base import SendFailed
+from broadcaster.broadcast import BroadcastSender, resolve_backend
+from broadcaster.filesystem import FilesystemSender, is_ready, prune_versions, write_version
 from broadcaster.manifest import (
     build_manifest,
     lora_modules,
@@ -108,7 +109,7 @@ def test_filesystem_version_layout(tmp_path):
     from safetensors.torch import load_file
 
     sd = _state_dict()
-    sender = WeightBroadcaster("filesystem", out_dir=tmp_path, keep_versions=2)
+    sender = FilesystemSender(tmp_path, keep_versions=2)
     for version in (1, 2, 3):
         info = sender.send(sd, version)
         assert info["path"] == str(tmp_path / f"v{version}") and is_ready(info["path"])
@@ -123,14 +124,14 @@ def test_filesystem_version_layout(tmp_path):
 
 
 def test_config_errors_say_the_fix():
-    with pytest.raises(ValueError, match="out_dir"):
-        WeightBroadcaster("filesystem")
+    with pytest.raises(ValueError, match="keep_versions"):
+        FilesystemSender("weights", keep_versions=0)
     with pytest.raises(ValueError, match="world_size"):
-        WeightBroadcaster("broadcast", world_size=1)
+        BroadcastSender(world_size=1)
     with pytest.raises(ValueError, match="backend"):
         resolve_backend("mpi")
     with pytest.raises(RuntimeError, match="init_group"):
-        WeightBroadcaster("broadcast", backend="gloo").send(_state_dict(), 1)
+        BroadcastSender(backend="gloo").send(_state_dict(), 1)
 
 
 def _free_port() -> int:
@@ -160,12 +161,12 @@ def _in_thread(fn) -> tuple[threading.Thread, list[BaseException]]:
 
 
 def test_gloo_broadcast_to_a_receiver_thread():
-    """Rank 0 = WeightBroadcaster; rank 1 decodes buckets with BucketReceiver, as the producers do."""
+    """Rank 0 = BroadcastSender; rank 1 decodes buckets with BucketReceiver, as the producers do."""
     pytest.importorskip("vllm", reason="the stateless group helper comes from vLLM")
     port = _free_port()
     bucket_bytes = 150  # forces several buckets
-    sender = WeightBroadcaster("broadcast", "gloo", "127.0.0.1", port, 2,
-                               bucket_bytes=bucket_bytes, timeout_s=30)
+    sender = BroadcastSender("gloo", "127.0.0.1", port, 2,
+                             bucket_bytes=bucket_bytes, timeout_s=30)
     received: list[dict[str, torch.Tensor]] = []
     manifest = build_manifest(_state_dict())
 
@@ -214,7 +215,7 @@ def test_start_send_does_not_wait_for_the_producer():
         received.append({n: v.clone() for n, v in BucketReceiver(manifest).receive(group).items()})
 
     thread, errors = _in_thread(producer)
-    sender = WeightBroadcaster("broadcast", "gloo", "127.0.0.1", port, 2, timeout_s=30)
+    sender = BroadcastSender("gloo", "127.0.0.1", port, 2, timeout_s=30)
     try:
         sender.init_group()
         info = sender.start_send(sd, 1)
@@ -247,7 +248,7 @@ def test_a_failed_background_transfer_raises_send_failed_with_its_payload():
         left.set()
 
     thread, errors = _in_thread(producer)
-    sender = WeightBroadcaster("broadcast", "gloo", "127.0.0.1", port, 2, timeout_s=20)
+    sender = BroadcastSender("gloo", "127.0.0.1", port, 2, timeout_s=20)
     sd = _state_dict(0)
     try:
         sender.init_group()

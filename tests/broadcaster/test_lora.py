@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from broadcaster.broadcaster import WeightBroadcaster
+from broadcaster.broadcast import BroadcastSender
 from broadcaster.lora import merge_lora_delta, merged_weights
 from broadcaster.manifest import build_manifest, lora_modules, manifest_num_bytes, payload_kind
 from broadcaster.noise import is_rmsnorm_weight
@@ -91,7 +91,7 @@ def test_extraction_refuses_what_the_payload_cannot_express(tiny_policy):
 
 
 def test_adapter_through_gloo_then_merged_equals_the_trainer(tiny_policy):
-    """The adapter goes through WeightBroadcaster (background transfer) to a receiver thread
+    """The adapter goes through BroadcastSender (background transfer) to a receiver thread
     decoding it like the vLLM worker extension; merged there, it equals policy_state_dict."""
     pytest.importorskip("vllm", reason="the stateless group helper comes from vLLM")
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
@@ -116,7 +116,7 @@ def test_adapter_through_gloo_then_merged_equals_the_trainer(tiny_policy):
 
     thread = threading.Thread(target=producer)
     thread.start()
-    sender = WeightBroadcaster("broadcast", "gloo", "127.0.0.1", port, 2, timeout_s=30)
+    sender = BroadcastSender("gloo", "127.0.0.1", port, 2, timeout_s=30)
     try:
         sender.init_group()
         info = sender.send(payload, 1)

@@ -102,10 +102,11 @@ def test_noisy_copy_leaves_the_source_clean(tiny_policy):
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_the_trainer_sends_noisy_norms_and_keeps_clean_ones(tiny_policy, tmp_path, lora):
-    """TrainerProc.weights_payload (the trainer's own code): in a noisy stage the norms it sends
+    """trainer.publish.weights_payload (the trainer's own code): in a noisy stage the norms it sends
     carry noise, in stage 0 none, its model stays clean; with LoRA the norms travel whole beside
     the adapter and equal the noisy norms of the merged (filesystem) payload."""
     from trainer.proc import TrainerProc
+    from trainer.publish import weights_payload
 
     cfg = RunConfig(run_dir=str(tmp_path))
     cfg.trainer = cfg.trainer.model_copy(update={"max_steps": 10})
@@ -117,10 +118,10 @@ def test_the_trainer_sends_noisy_norms_and_keeps_clean_ones(tiny_policy, tmp_pat
         clean = {n: t.clone() for n, t in proc.model.state_dict().items()}
         merged_clean = policy_state_dict(proc.model)
         norms = [n for n in merged_clean if is_rmsnorm_weight(n)]
-        stage0 = proc.weights_payload(1, adapter=lora)       # stage 0 of 5 over 10 steps: clean
-        noisy = proc.weights_payload(4, adapter=lora)        # stage 2: sigma = 5e-2 * (1e-2)^(1/3)
+        stage0 = weights_payload(proc.model, cfg, 1, adapter=lora)       # stage 0 of 5 over 10 steps: clean
+        noisy = weights_payload(proc.model, cfg, 4, adapter=lora)        # stage 2: sigma = 5e-2 * (1e-2)^(1/3)
         sigma = 5e-2 * (1e-2) ** (1 / 3)
-        merged_noisy = proc.weights_payload(4, adapter=False)
+        merged_noisy = weights_payload(proc.model, cfg, 4, adapter=False)
         for n in norms:
             assert torch.equal(stage0[n], merged_clean[n])
             delta = noisy[n] - merged_clean[n]

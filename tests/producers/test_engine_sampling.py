@@ -133,9 +133,9 @@ def test_repetition_penalty_changes_the_logprobs(engine):
 
 
 def test_eval_groups_finish_under_one_version_while_training_groups_span_the_update(engine, tmp_path):
-    """The producer's pattern (producers.producer): eval generations hold EvalUpdateGate.eval_request,
+    """The producer's pattern (producers.proc): eval generations hold EvalUpdateGate.eval_request,
     updates hold EvalUpdateGate.update. Runs last: it changes the engine's weights."""
-    from broadcaster.broadcaster import WeightBroadcaster
+    from broadcaster.filesystem import FilesystemSender
     from producers.eval_gate import EvalUpdateGate
     from tests.producers.test_weight_sync import _perturbed
 
@@ -143,7 +143,7 @@ def test_eval_groups_finish_under_one_version_while_training_groups_span_the_upd
     gate = EvalUpdateGate()
     version = eng.version + 1
     new = _perturbed(eng.model_path, seed=5)
-    path = WeightBroadcaster("filesystem", out_dir=tmp_path / "weights").send(new.state_dict(), version)["path"]
+    path = FilesystemSender(tmp_path / "weights").send(new.state_dict(), version)["path"]
     kwargs = dict(temperature=1.0, top_p=1.0, ignore_eos=True)
 
     async def eval_group():

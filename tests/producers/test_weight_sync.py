@@ -1,7 +1,7 @@
 """Weight sync end to end with real vLLM: trainer (this process) -> RolloutEngine (AsyncLLM).
 
 The test process plays the trainer: it loads the same HF model with transformers, perturbs it,
-sends it with `WeightBroadcaster` (gloo broadcast, world_size 2, or a safetensors directory), and
+sends it with `BroadcastSender` / `FilesystemSender` (gloo broadcast, world_size 2, or a safetensors directory), and
 checks that the engine's samples report the new version and that their sampled-token logprobs
 equal the perturbed model's log-softmax on the same prompt + completion tokens (float32; measured
 max abs error about 1e-5, tolerance 1e-4) and differ clearly (> 0.1 nats) from the old model's.
@@ -34,7 +34,8 @@ except ImportError as exc:  # pragma: no cover - environment without vLLM
     pytest.skip(f"vllm is not importable ({exc}); weight-sync tests need a real engine",
                 allow_module_level=True)
 
-from broadcaster.broadcaster import WeightBroadcaster
+from broadcaster.broadcast import BroadcastSender
+from broadcaster.filesystem import FilesystemSender
 from broadcaster.manifest import payload_kind
 from broadcaster.noise import is_rmsnorm_weight, with_rmsnorm_noise
 from producers.engine import RolloutEngine
@@ -95,7 +96,7 @@ class Harness:
         self.tmp = tmp
         self.loop = asyncio.new_event_loop()
         self.engine = RolloutEngine(policy, max_model_len=512, kv_cache_bytes=64 * 1024**2)
-        self.broadcaster: WeightBroadcaster | None = None
+        self.broadcaster: BroadcastSender | None = None
 
     def run(self, coro):
         return self.loop.run_until_complete(coro)
@@ -103,7 +104,7 @@ class Harness:
     def start(self) -> None:
         self.start_s = self.run(self.engine.start())
         port = _free_port()
-        self.broadcaster = WeightBroadcaster("broadcast", "gloo", "127.0.0.1", port, 2,
+        self.broadcaster = BroadcastSender("gloo", "127.0.0.1", port, 2,
                                              timeout_s=60)
         # The rendezvous blocks both sides until both are there: trainer side on a thread.
         joined = threading.Thread(target=self.broadcaster.init_group)
@@ -216,7 +217,7 @@ def test_filesystem_update_matches_perturbed_model(harness):
     base = _load_hf(harness.policy)
     new = _perturbed(harness.policy, seed=22)
     version = harness.engine.version + 1
-    writer = WeightBroadcaster("filesystem", out_dir=harness.tmp / "weights")
+    writer = FilesystemSender(harness.tmp / "weights")
     info = writer.send(new.state_dict(), version)
     assert info["method"] == "filesystem" and info["version"] == version
     assert (Path(info["path"]) / "READY").is_file()
@@ -275,7 +276,7 @@ def _lora_case(harness, seed: int):
 def test_lora_adapter_broadcast_matches_the_trainers_merged_weights(harness):
     base = _load_hf(harness.policy)
     version, payload, expected = _lora_case(harness, seed=44)
-    assert payload_kind(WeightBroadcaster.manifest(payload)) == "lora"
+    assert payload_kind(BroadcastSender.manifest(payload)) == "lora"
     harness.run(harness.broadcast(payload, version))
     assert harness.engine.version == version
     for s in harness.run(harness.generate(request_id=f"lora{version}")):
@@ -288,7 +289,7 @@ def test_lora_adapter_from_a_directory_matches_too(harness):
     """The trainer's fallback re-publishes a failed broadcast from its send buffers: a LoRA
     payload written as a version directory; the engine merges it the same way."""
     version, payload, expected = _lora_case(harness, seed=55)
-    info = WeightBroadcaster("filesystem", out_dir=harness.tmp / "lora_weights").send(payload, version)
+    info = FilesystemSender(harness.tmp / "lora_weights").send(payload, version)
     harness.run(harness.engine.load_weights_from_path(version, info["path"]))
     for s in harness.run(harness.generate(request_id=f"lorafs{version}")):
         assert (s.version_start, s.version_end) == (version, version)

@@ -1,5 +1,5 @@
 """Resuming the trainer: bit-exact training after a checkpoint load, the custody bookkeeping
-(:class:`trainer.ledger.StepLedger`), the run records cut back to a checkpoint, and the trainer
+(:class:`trainer.step_ledger.StepLedger`), the run records cut back to a checkpoint, and the trainer
 process itself resuming against a real ``batches`` outbox, a real ``outcomes`` receiver (the
 prompt source's ledger: every ``groups.trained`` recorded once, before ``run.done``) and a
 control channel.
@@ -30,6 +30,7 @@ import torch
 import zmq
 from safetensors.torch import load_file
 
+from broadcaster.filesystem import FilesystemSender
 from bus.messages import CONTROL_TYPES, EvalResult, GroupsTrained, MicroBatch, RunDone, TrainerStep, WeightsReady, new_id
 from bus.courier import Courier
 from bus.sockets import BusSocket
@@ -39,9 +40,9 @@ from packer.packer import PackedSample, build_micro_batch
 from tests.outcomes_sink import OutcomesSink
 from tests.trainer.test_checkpoint import CFG, assert_same_optimizer_state, policy, step_batches, weights
 from trainer.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
-from trainer.ledger import StepLedger, group_id, keep_jsonl_records
 from bus.launch_env import ENV_RESTARTS as RESTARTS_ENV, ENV_RESUME as RESUME_ENV
 from trainer.proc import TrainerProc, drop_weight_versions
+from trainer.step_ledger import StepLedger, group_id, keep_jsonl_records
 from trainer.trainer import Trainer
 
 SAVE_AT = 2  # checkpoint after this many steps, then 2 more
@@ -416,7 +417,7 @@ def test_trainer_releases_at_checkpoints_and_resumes_after_a_restart(tiny_policy
         packer.seen.clear()
         monkeypatch.setenv(RESTARTS_ENV, "1")
         trainer = RunningTrainer(cfg)
-        assert trainer.proc.start_step == 2 and trainer.proc.broadcaster.method == "filesystem"
+        assert trainer.proc.start_step == 2 and isinstance(trainer.proc.publisher.sender, FilesystemSender)
         packer.wait_for("weights of version 2", lambda p: p.of_type(WeightsReady), trainer)
         ready = packer.of_type(WeightsReady)[0]
         assert (ready.version, ready.method) == (2, "filesystem")
@@ -576,7 +577,7 @@ def test_a_failed_broadcast_switches_the_trainer_to_the_filesystem_method(tiny_p
     manifest = build_manifest(policy_state_dict(load_policy(tiny_policy, cfg.trainer.lora)))
     errors: list[BaseException] = []
 
-    def producer() -> None:  # receives version 1 (as producers/weight_sync.py does), then dies
+    def producer() -> None:  # receives version 1 (as broadcaster/worker_extension.py does), then dies
         try:
             group = stateless_init_torch_distributed_process_group("127.0.0.1", port, 1, 2, backend="gloo")
             for bucket in plan_buckets(manifest, DEFAULT_BUCKET_BYTES):

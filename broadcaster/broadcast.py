@@ -1,18 +1,20 @@
-"""Trainer side of the weight sync: send the policy's weights to every producer's vLLM engine.
+"""The torch.distributed broadcast method: `BroadcastSender` (trainer, rank 0) and
+`BroadcastReceiver` (producer process; its vLLM workers receive, `broadcaster.worker_extension`).
 
-    trainer (rank 0)                                       producer engines (ranks 1..world_size-1)
-    WeightBroadcaster.init_group()      <--- rendezvous --->  RolloutEngine.init_weight_group(...)
-    WeightBroadcaster.start_send(sd, v) ---- broadcast --->  RolloutEngine.update_weights(v, manifest)
-      ... trainer trains while bytes move ...
-    WeightBroadcaster.wait()            (before the next start_send; raises SendFailed)
-      (or method="filesystem": out_dir/v{v}/ + READY)        RolloutEngine.load_weights_from_path(v, p)
+    trainer (rank 0)                                  producer engines (ranks 1..world_size-1)
+    BroadcastSender.open()         <--- rendezvous --->  BroadcastReceiver.join()
+                                                           -> RolloutEngine.init_weight_group(...)
+    announce weights.ready(v, manifest), then
+    BroadcastSender.start_send(sd, v) --- broadcast --->  BroadcastReceiver.apply(msg)
+      ... trainer trains while bytes move ...              -> RolloutEngine.update_weights(v, manifest)
+    BroadcastSender.wait()          (before the next start_send; raises SendFailed)
 
-Methods:
-- "broadcast": torch.distributed broadcast over a stateless group (vLLM's
-  `stateless_init_torch_distributed_process_group`, so vLLM must be importable here too): gloo on
-  CPU, nccl on CUDA ("auto" picks nccl iff CUDA is available), same code. Tensors go in buckets
-  (`broadcaster.manifest.plan_buckets`) through flat send buffers allocated once and reused.
-- "filesystem": `out_dir/v{version}/model.safetensors` + a READY marker written last (synchronous).
+A stateless group (vLLM's `stateless_init_torch_distributed_process_group`, so vLLM must be
+importable here too): gloo on CPU, nccl on CUDA ("auto" picks nccl iff CUDA is available), same
+code. Tensors go in buckets (`broadcaster.manifest.plan_buckets`) through flat send buffers
+allocated once and reused. The group is formed once with a fixed world size: a producer that was
+restarted or joined later cannot enter it and takes filesystem announcements only (the trainer
+falls back to the filesystem method once a broadcast fails, `trainer.publish`).
 
 The trainer does not wait on producers longer than the transfer itself. `start_send` copies the
 payload into the send buffers on the caller's thread (bucket k is handed to the backend as soon as
@@ -30,10 +32,10 @@ model's `state_dict()` with HF names ("full"), or a LoRA adapter payload
 (`trainer.model.lora_adapter_state_dict`, "lora"), which the producers merge into the base weights
 they keep. Raw PEFT names are rejected.
 
-Ordering: `start_send` is a collective for the broadcast method. Announce `weights.ready(version,
-manifest)` first (the caller's job), then call it; producers call
-`RolloutEngine.update_weights(version, manifest)` on the announcement. The manifest of one payload
-never changes during a run, so the buffers are allocated once.
+Ordering: `start_send` is a collective. `publish` announces `weights.ready(version, manifest)`
+first, then calls it; producers call `RolloutEngine.update_weights(version, manifest)` on the
+announcement. The manifest of one payload never changes during a run, so the buffers are
+allocated once.
 """
 
 from __future__ import annotations
@@ -43,23 +45,17 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
-from broadcaster.filesystem import prune_versions, write_version
-from broadcaster.manifest import (
-    DEFAULT_BUCKET_BYTES,
-    build_manifest,
-    bucket_views,
-    manifest_num_bytes,
-    plan_buckets,
-)
+from broadcaster.base import Announce, SendFailed, WeightReceiver, WeightSender
+from broadcaster.manifest import DEFAULT_BUCKET_BYTES, bucket_views, manifest_num_bytes, plan_buckets
 
 logger = logging.getLogger(__name__)
 
-Method = Literal["broadcast", "filesystem"]
+__all__ = ["Backend", "BroadcastReceiver", "BroadcastSender", "SendFailed", "resolve_backend"]
+
 Backend = Literal["auto", "gloo", "nccl"]
 
 _POLL_S = 0.001
@@ -73,21 +69,6 @@ def resolve_backend(backend: Backend) -> Literal["gloo", "nccl"]:
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
     return backend
-
-
-class SendFailed(RuntimeError):
-    """A background weight transfer failed (a producer died, a gloo/nccl error or timeout).
-
-    Attributes:
-        version: the policy version whose transfer failed.
-        payload: `{name: tensor}` that version's payload (views of the send buffers, kept alive by
-            this exception), so it can be re-published another way.
-    """
-
-    def __init__(self, version: int, payload: dict[str, torch.Tensor], cause: BaseException) -> None:
-        super().__init__(f"broadcast of weights version {version} failed: {type(cause).__name__}: {cause}")
-        self.version = version
-        self.payload = payload
 
 
 @dataclass
@@ -146,50 +127,42 @@ class _SendBuffers:
                    {n: v for entries in per_bucket for n, v in entries}, manifest_num_bytes(manifest))
 
 
-class WeightBroadcaster:
-    """Rank 0 of the weight group (broadcast) or the writer of version directories (filesystem).
+class BroadcastSender(WeightSender):
+    """Rank 0 of the weight group: sends each version by torch.distributed broadcast in the
+    background (see the module docstring).
 
     Args:
-        method: "broadcast" or "filesystem".
-        backend: "auto" | "gloo" | "nccl" (broadcast only).
+        backend: "auto" | "gloo" | "nccl".
         host, port: where rank 0 hosts the rendezvous store; producers connect there.
         world_size: 1 (this trainer) + the number of producer workers.
-        out_dir: root of version directories (filesystem only).
         bucket_bytes: bucket size; producers must use the same (the default on both sides).
         timeout_s: bound on rendezvous and each collective (None: torch's default, 30 min gloo).
-        keep_versions: filesystem only; older complete version directories are deleted.
+
+    Raises:
+        ValueError: `world_size < 2`, `bucket_bytes <= 0`, or an unknown backend.
     """
+
+    method: ClassVar[str] = "broadcast"
+    carries_adapter: ClassVar[bool] = True
 
     def __init__(
         self,
-        method: Method = "broadcast",
         backend: Backend = "auto",
         host: str = "127.0.0.1",
         port: int = 29555,
         world_size: int = 2,
-        out_dir: str | Path | None = None,
         *,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout_s: float | None = None,
-        keep_versions: int | None = 2,
     ) -> None:
-        if method not in ("broadcast", "filesystem"):
-            raise ValueError(f"method must be 'broadcast' or 'filesystem', got {method!r}")
-        if method == "broadcast" and world_size < 2:
+        if world_size < 2:
             raise ValueError(f"world_size must be >= 2 (trainer + producers), got {world_size}")
-        if method == "filesystem" and out_dir is None:
-            raise ValueError("method='filesystem' needs out_dir")
-        if keep_versions is not None and keep_versions < 1:
-            raise ValueError(f"keep_versions must be >= 1 or None, got {keep_versions}")
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-        self.method = method
-        self.backend = resolve_backend(backend) if method == "broadcast" else None
+        self.backend = resolve_backend(backend)
         self.host, self.port, self.world_size = host, port, world_size
-        self.out_dir = Path(out_dir) if out_dir is not None else None
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
-        self.keep_versions = keep_versions
         self._group = None
         self._send_buffers: _SendBuffers | None = None
         self._pending: _Transfer | None = None
@@ -198,13 +171,16 @@ class WeightBroadcaster:
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    def init_group(self) -> None:
-        """Create the group as rank 0; blocks until all `world_size - 1` producer workers joined.
+    def open(self) -> None:
+        """`init_group` (the sender's `open`)."""
+        self.init_group()
 
-        No-op for the filesystem method. Producers call `RolloutEngine.init_weight_group` in any
-        order relative to this, as long as all of them do within `timeout_s`.
+    def init_group(self) -> None:
+        """Create the group as rank 0; blocks until all `world_size - 1` producer workers joined
+        (idempotent). Producers call `RolloutEngine.init_weight_group` in any order relative to
+        this, as long as all of them do within `timeout_s`.
         """
-        if self.method != "broadcast" or self._group is not None:
+        if self._group is not None:
             return
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
@@ -237,11 +213,6 @@ class WeightBroadcaster:
 
     # -- sending ---------------------------------------------------------------------------------
 
-    @staticmethod
-    def manifest(state_dict: Mapping[str, torch.Tensor]) -> list[list]:
-        """`[[hf_name, dtype, shape], ...]` in broadcast order (see `broadcaster.manifest`)."""
-        return build_manifest(state_dict)
-
     @property
     def in_flight(self) -> bool:
         """Whether a transfer was started and not yet waited for."""
@@ -262,11 +233,10 @@ class WeightBroadcaster:
         else built here.
 
         Returns `{"method", "version", "manifest", "path", "num_bytes", "bucket_bytes",
-        "blocked_s"}`: `path` is the version directory (filesystem) or None (broadcast);
-        `blocked_s` the seconds this call took (waiting for the previous transfer, copying into
-        the send buffers, handing the buckets to the backend). Broadcast: the transfer goes on in
-        the background (see the module docstring); `state_dict` may change once this returns.
-        Filesystem: written synchronously.
+        "blocked_s"}`: `path` is None; `blocked_s` the seconds this call took (waiting for the
+        previous transfer, copying into the send buffers, handing the buckets to the backend).
+        The transfer goes on in the background (see the module docstring); `state_dict` may
+        change once this returns.
 
         Raises:
             SendFailed: the PREVIOUS transfer failed (nothing of this version was sent).
@@ -277,14 +247,6 @@ class WeightBroadcaster:
         manifest = self.manifest(state_dict) if manifest is None else manifest
         info = {"method": self.method, "version": version, "manifest": manifest, "path": None,
                 "num_bytes": 0, "bucket_bytes": self.bucket_bytes}
-        if self.method == "filesystem":
-            assert self.out_dir is not None
-            directory, info["num_bytes"] = write_version(self.out_dir, version, state_dict, manifest)
-            info["path"] = str(directory)
-            if self.keep_versions is not None:
-                prune_versions(self.out_dir, self.keep_versions)
-            info["blocked_s"] = time.perf_counter() - start
-            return info
         if self._group is None:
             raise RuntimeError("send() before init_group()")
         self.wait()  # the previous transfer must be done before its buffers are refilled
@@ -321,16 +283,13 @@ class WeightBroadcaster:
         self.last_transfer = {**transfer.info, "transfer_s": transfer.done_at - transfer.issued_at}
         return self.last_transfer
 
-    def send(self, state_dict: Mapping[str, torch.Tensor], version: int) -> dict:
-        """Send `state_dict` as policy `version` and wait until it is out (`start_send` + `wait`).
-
-        Returns `start_send`'s dict plus `send_time_s` (the whole call) and, for the broadcast
-        method, `transfer_s`. Raises as `start_send`, and `SendFailed` for this version too.
-        """
-        start = time.perf_counter()
-        info = self.start_send(state_dict, version)
-        done = self.wait() if self.method == "broadcast" else None
-        return {**info, **(done or {}), "send_time_s": time.perf_counter() - start}
+    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int, announce: Announce) -> dict:
+        """Announce `version` first (producers join the collective on the announcement), then
+        `start_send` it; returns `start_send`'s info. Raises as `start_send`."""
+        manifest = self.manifest(state_dict)
+        announce({"method": self.method, "version": version, "manifest": manifest, "path": None,
+                  "num_bytes": manifest_num_bytes(manifest)})
+        return self.start_send(state_dict, version, manifest)
 
     def _buffers(self, manifest: list[list]) -> _SendBuffers:
         """The send buffers of `manifest` (allocated and planned on its first send, then reused)."""
@@ -339,3 +298,46 @@ class WeightBroadcaster:
                 if self.backend == "nccl" else torch.device("cpu")
             self._send_buffers = _SendBuffers.allocate(manifest, self.bucket_bytes, device)
         return self._send_buffers
+
+
+class BroadcastReceiver(WeightReceiver):
+    """Producer side of the broadcast method: joins the group at start (unless the producer
+    cannot be in it) and receives each announced version into the engine.
+
+    Args:
+        engine: the producer's `producers.engine.RolloutEngine`.
+        host, port, world_size, timeout_s: the group's rendezvous (`broadcast.*`).
+        rank: the rank of this engine's first worker (1 + the producer's index).
+        backend: "auto" | "gloo" | "nccl" (resolved here, as the trainer resolves it).
+        in_group: False for a producer restarted or added after the group was formed: it skips
+            every broadcast (and takes the filesystem announcements the trainer falls back to).
+    """
+
+    method: ClassVar[str] = "broadcast"
+
+    def __init__(self, engine: Any, *, host: str, port: int, rank: int, world_size: int,
+                 backend: Backend = "auto", timeout_s: float | None = None, in_group: bool = True) -> None:
+        self.engine = engine
+        self.host, self.port, self.rank, self.world_size = host, port, rank, world_size
+        self.backend = resolve_backend(backend)
+        self.timeout_s = timeout_s
+        self.in_group = in_group
+
+    async def join(self) -> None:
+        """Join the trainer's group (blocks until every rank is there); nothing if not `in_group`."""
+        if self.in_group:
+            await self.engine.init_weight_group(self.host, self.port, rank=self.rank, world_size=self.world_size,
+                                                backend=self.backend, timeout_s=self.timeout_s)
+
+    def skip_reason(self, msg: Any, current_version: int) -> str | None:
+        """Not in the group, or an older version (a resumed trainer re-publishes by filesystem;
+        joining a collective nobody sends would block forever)."""
+        if not self.in_group:
+            return "not in the weight group"
+        if msg.version < current_version:
+            return "older than the current version, not sent to the group again"
+        return None
+
+    async def apply(self, msg: Any) -> None:
+        """Receive the broadcast of `msg.manifest` as `msg.version` (`RolloutEngine.update_weights`)."""
+        await self.engine.update_weights(msg.version, msg.manifest)

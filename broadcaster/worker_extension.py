@@ -1,7 +1,7 @@
 """vLLM worker extension that receives policy weights from the trainer.
 
 vLLM mixes this class into its Worker (`worker_extension_cls=
-"producers.weight_sync.WeightSyncExtension"`), so the methods below run inside each worker
+"broadcaster.worker_extension.WeightSyncExtension"`), so the methods below run inside each worker
 process and are reached with `AsyncLLM.collective_rpc(name, args=...)`. The repository root must
 be importable in vLLM's spawned children (it is when the producer runs from the repo or rlbus is
 installed). Only plain values cross `collective_rpc`; tensors never do.
@@ -97,7 +97,7 @@ class WeightSyncExtension:
     def receive_weights(self, manifest: list[list], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         """Receive the trainer's broadcast described by `manifest` and apply it.
 
-        Blocks until rank 0 broadcasts every bucket (the trainer's `WeightBroadcaster.start_send`).
+        Blocks until rank 0 broadcasts every bucket (the trainer's `BroadcastSender.start_send`).
         """
         group = getattr(self, "_rlbus_group", None)
         if group is None:

@@ -18,7 +18,8 @@ of asyncio tasks on one event loop:
 - the control loop applies ``weights.ready`` announcements in version order: the engine pauses
   with in-flight requests kept, receives the weights (torch.distributed broadcast or a
   safetensors directory), resumes, tags later tokens with the new version, and the producer
-  announces ``weights.applied``. A version lower than the current one (a trainer resumed from
+  announces ``weights.applied``; the producer's ``receiver`` (:mod:`broadcaster.factory`) decides
+  which announcements it can apply and how. A version lower than the current one (a trainer resumed from
   its checkpoint) is applied too. A producer that was restarted or added later
   (``RLBUS_RESTARTS`` / ``RLBUS_LATE_JOIN`` / ``RLBUS_RESUME``) cannot join the torch.distributed
   group formed at start: it takes filesystem announcements only (the trainer falls back to them
@@ -45,7 +46,7 @@ import time
 import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 
-from broadcaster.broadcaster import resolve_backend
+from broadcaster.factory import build_receiver
 from bus.component import Component, component_main
 from bus.messages import GroupsDropped, Prompt, RolloutGroup, RunDone, WeightsApplied, WeightsReady, new_id
 from bus.metrics import POLICY_VERSION, StageMeter
@@ -141,17 +142,10 @@ class ProducerProc(Component):
         self.control_out = self.control_publisher()
         self.outcomes  # noqa: B018 - the reliable outcome reports to the prompt source's ledger
         self.late_joiner = self.launch.joins_late
-        if cfg.broadcast.method == "broadcast" and not self.late_joiner:
-            self.loop.run_until_complete(
-                self.engine.init_weight_group(
-                    cfg.broadcast.host,
-                    cfg.broadcast.port,
-                    rank=1 + self.index,
-                    world_size=1 + cfg.producers.replicas,
-                    backend=resolve_backend(cfg.broadcast.backend),
-                    timeout_s=cfg.broadcast.timeout_s,
-                )
-            )
+        self.receiver = build_receiver(cfg.broadcast, self.engine, rank=1 + self.index,
+                                       world_size=1 + cfg.producers.replicas, in_group=not self.late_joiner)
+        """How announced weights reach the engine (:mod:`broadcaster.factory`)."""
+        self.loop.run_until_complete(self.receiver.join())
 
     def run(self) -> None:
         self.loop.run_until_complete(self._run())
@@ -226,8 +220,9 @@ class ProducerProc(Component):
             if isinstance(msg, RunDone):
                 return
             if isinstance(msg, WeightsReady) and msg.version != self.engine.version:
-                if msg.method == "broadcast" and (self.late_joiner or msg.version < self.engine.version):
-                    log.info("skipping broadcast of version %d (not in the weight group); waiting for a filesystem one", msg.version)
+                reason = self.receiver.skip_reason(msg, self.engine.version)
+                if reason is not None:
+                    log.info("skipping %s of version %d (%s); waiting for a filesystem one", msg.method, msg.version, reason)
                     continue
                 await self._apply(msg)
 
@@ -236,10 +231,7 @@ class ProducerProc(Component):
         async with self.gate.update():  # in-flight eval groups finish under the old version first
             started = time.perf_counter()
             UPDATE_WAIT_SECONDS.observe(started - waited)
-            if msg.method == "broadcast":
-                await self.engine.update_weights(msg.version, msg.manifest)
-            else:
-                await self.engine.load_weights_from_path(msg.version, msg.path)
+            await self.receiver.apply(msg)
             elapsed = time.perf_counter() - started
         UPDATE_SECONDS.observe(elapsed)
         UPDATE_LAST_SECONDS.set(elapsed)

@@ -1,0 +1,97 @@
+"""The one place that turns `broadcast.method` (configs/schema.py `BroadcastConfig`) into weight
+senders and receivers: every other module works with `broadcaster.base.WeightSender` /
+`WeightReceiver` objects and never compares method names.
+
+    broadcast.method   trainer (build_senders)                 producer (build_receiver)
+    "broadcast"        BroadcastSender, FilesystemSender as     BroadcastReceiver that also takes
+                       its fallback (a failed broadcast)        filesystem announcements (FallbackReceiver)
+    "filesystem"       FilesystemSender, no fallback            FilesystemReceiver
+
+A trainer that was restarted or resumed cannot re-form the broadcast group (its world size is
+fixed at start), so it gets the filesystem sender whatever the method (`restarted=True`); a
+producer restarted or added later is built with `in_group=False` for the same reason.
+
+This module imports no torch at load time (the method modules are imported by the builders), so
+`busctl up` can ask `needs_rendezvous_port` without paying for torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from broadcaster.base import WeightReceiver, WeightSender
+
+METHODS = ("broadcast", "filesystem")
+"""The values of `broadcast.method`."""
+
+
+def _method(cfg: Any) -> str:
+    if cfg.method not in METHODS:
+        raise ValueError(f"broadcast.method must be one of {METHODS}, got {cfg.method!r}")
+    return cfg.method
+
+
+def needs_rendezvous_port(cfg: Any) -> bool:
+    """Whether `busctl up` must pick a free port for `cfg.port` before starting the components:
+    the broadcast method needs a rendezvous port and `cfg.port` is 0 ("pick one").
+
+    Args:
+        cfg: a `configs.schema.BroadcastConfig` (the run config's `broadcast`).
+
+    Raises:
+        ValueError: an unknown `cfg.method`.
+    """
+    return _method(cfg) == "broadcast" and cfg.port == 0
+
+
+def build_senders(cfg: Any, *, world_size: int, out_dir: str | Path,
+                  restarted: bool = False) -> tuple[WeightSender, WeightSender | None]:
+    """The trainer's sender for `cfg.method` and the sender it falls back to (None: none).
+
+    Args:
+        cfg: a `configs.schema.BroadcastConfig`.
+        world_size: 1 (the trainer) + the number of producer workers (broadcast group size).
+        out_dir: root of the filesystem method's version directories (`RUN_DIR/weights`).
+        restarted: the trainer was restarted or resumed: filesystem only (module docstring).
+
+    Returns: (sender, fallback); the sender is not opened yet (`WeightSender.open`).
+
+    Raises:
+        ValueError: an unknown `cfg.method`, or a bad broadcast setting (`BroadcastSender`).
+    """
+    from broadcaster.broadcast import BroadcastSender
+    from broadcaster.filesystem import FilesystemSender
+
+    filesystem = FilesystemSender(out_dir)
+    if restarted or _method(cfg) == "filesystem":
+        return filesystem, None
+    sender = BroadcastSender(cfg.backend, cfg.host, cfg.port, world_size, timeout_s=cfg.timeout_s)
+    return sender, filesystem
+
+
+def build_receiver(cfg: Any, engine: Any, *, rank: int, world_size: int, in_group: bool) -> WeightReceiver:
+    """The producer's receiver for `cfg.method` (not joined yet: `WeightReceiver.join`).
+
+    Args:
+        cfg: a `configs.schema.BroadcastConfig`.
+        engine: the producer's `producers.engine.RolloutEngine`.
+        rank: this engine's first rank in the broadcast group (1 + the producer's index).
+        world_size: 1 (the trainer) + the number of producer workers.
+        in_group: False for a producer restarted or added after the group was formed.
+
+    Raises:
+        ValueError: an unknown `cfg.method`.
+    """
+    from broadcaster.base import FallbackReceiver
+    from broadcaster.broadcast import BroadcastReceiver
+    from broadcaster.filesystem import FilesystemReceiver
+
+    filesystem = FilesystemReceiver(engine)
+    if _method(cfg) == "filesystem":
+        return filesystem
+    broadcast = BroadcastReceiver(engine, host=cfg.host, port=cfg.port, rank=rank, world_size=world_size,
+                                  backend=cfg.backend, timeout_s=cfg.timeout_s, in_group=in_group)
+    return FallbackReceiver(broadcast, filesystem)
+

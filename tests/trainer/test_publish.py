@@ -1,0 +1,44 @@
+"""trainer.publish.WeightPublisher: the announcement order of each method and the fallback swap
+(a broadcast sender that fails at once: it never formed its group), with real senders."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from broadcaster.broadcast import BroadcastSender
+from broadcaster.filesystem import FilesystemSender, is_ready
+from trainer.publish import WeightPublisher
+
+
+def _payload(version: int, *, adapter: bool) -> dict[str, torch.Tensor]:
+    return {"model.norm.weight": torch.full((4,), float(version)), "adapter" if adapter else "merged": torch.zeros(1)}
+
+
+def test_a_failed_broadcast_swaps_in_the_filesystem_sender(tmp_path):
+    announced = []
+    publisher = WeightPublisher(BroadcastSender(backend="gloo"), FilesystemSender(tmp_path), announced.append,
+                                _payload, adapter=True)
+    try:
+        publisher.publish(1)  # start_send raises (no group): announced, then re-published by filesystem
+        publisher.publish(2)
+    finally:
+        publisher.close()
+    assert [(m.version, m.method) for m in announced] == [(1, "broadcast"), (1, "filesystem"), (2, "filesystem")]
+    assert announced[0].path == "" and [n for n, _, _ in announced[0].manifest] == ["model.norm.weight", "adapter"]
+    assert all(is_ready(m.path) for m in announced[1:])
+    assert [n for n, _, _ in announced[1].manifest] == ["model.norm.weight", "merged"]  # filesystem: merged weights
+    assert isinstance(publisher.sender, FilesystemSender) and publisher.fallback is None
+
+
+def test_without_a_fallback_a_failure_raises(tmp_path):
+    publisher = WeightPublisher(BroadcastSender(backend="gloo"), None, lambda msg: None, _payload, adapter=False)
+    with pytest.raises(RuntimeError, match="init_group"):
+        publisher.publish(1)
+    writes = []
+    publisher = WeightPublisher(FilesystemSender(tmp_path), None, writes.append, _payload, adapter=True)
+    publisher.publish(3)
+    publisher.settle()  # nothing in flight
+    with pytest.raises(ValueError, match="already written"):
+        publisher.publish(3)
+    assert [(m.version, m.method) for m in writes] == [(3, "filesystem")]
