@@ -107,7 +107,7 @@ class RolloutGroup(Message):
         prompt_ids: ``[P] int32`` prompt token ids (chat template applied).
         completion_ids: ``[N] int32`` all completions' token ids, concatenated (N = sum of lens).
         completion_lens: ``[G] int32`` tokens per completion.
-        logprobs: ``[N] float32`` log-probability of each sampled token under the sampling policy
+        sampler_logprobs: ``[N] float32`` log-probability of each sampled token under the sampling policy
             (nats, after temperature scaling if the sampler used one).
         version_start: ``[G] int64`` policy version in effect at the sample's first token.
         version_end: ``[G] int64`` policy version in effect at the sample's last token.
@@ -131,7 +131,7 @@ class RolloutGroup(Message):
     prompt_ids: np.ndarray = array_field("int32")
     completion_ids: np.ndarray = array_field("int32")
     completion_lens: np.ndarray = array_field("int32")
-    logprobs: np.ndarray = array_field("float32")
+    sampler_logprobs: np.ndarray = array_field("float32")
     version_start: np.ndarray = array_field("int64")
     version_end: np.ndarray = array_field("int64")
     temperature: float = optional_field(1.0)
@@ -154,8 +154,8 @@ class RolloutGroup(Message):
             raise WireError("inconsistent", "a group needs at least one completion")
         if (self.completion_lens < 0).any() or int(self.completion_lens.sum()) != len(self.completion_ids):
             raise WireError("inconsistent", "completion_lens must be >= 0 and sum to len(completion_ids)")
-        if len(self.logprobs) != len(self.completion_ids):
-            raise WireError("inconsistent", "logprobs and completion_ids differ in length")
+        if len(self.sampler_logprobs) != len(self.completion_ids):
+            raise WireError("inconsistent", "sampler_logprobs and completion_ids differ in length")
         for name in ("version_start", "version_end", "completion_texts", "finish_reasons"):
             if len(getattr(self, name)) != g:
                 raise WireError("inconsistent", f"{name} must have one entry per completion ({g})")
@@ -171,7 +171,7 @@ class RolloutGroup(Message):
         offsets = np.concatenate([[0], np.cumsum(self.completion_lens)])
         return (
             self.completion_ids[offsets[j] : offsets[j + 1]],
-            self.logprobs[offsets[j] : offsets[j + 1]],
+            self.sampler_logprobs[offsets[j] : offsets[j + 1]],
         )
 
 
@@ -230,10 +230,10 @@ class MicroBatch(Message):
         input_ids: ``[T] int32`` packed token ids.
         seq_lens: ``[S] int32`` tokens per sample (sum = T).
         loss_mask: ``[T] bool`` True on completion tokens that the loss uses.
-        inference_logprobs: ``[T] float32`` sampler logprob of each completion token (0 elsewhere).
+        sampler_logprobs: ``[T] float32`` sampler logprob of each completion token (0 elsewhere).
         advantages: ``[T] float32`` the sample's advantage on each of its tokens.
         rewards: ``[S] float32`` reward of each sample.
-        versions: ``[S] int64`` oldest policy version each sample was generated under.
+        oldest_versions: ``[S] int64`` oldest policy version each sample was generated under.
         teacher_logprobs: ``[T] float32`` logprob of each completion token under a teacher model
             (on-policy distillation), or ``[0]`` when the samples carry none.
         temperature: the sampling temperature of every sample here (the packer never mixes two);
@@ -251,10 +251,10 @@ class MicroBatch(Message):
     input_ids: np.ndarray = array_field("int32")
     seq_lens: np.ndarray = array_field("int32")
     loss_mask: np.ndarray = array_field("bool")
-    inference_logprobs: np.ndarray = array_field("float32")
+    sampler_logprobs: np.ndarray = array_field("float32")
     advantages: np.ndarray = array_field("float32")
     rewards: np.ndarray = array_field("float32")
-    versions: np.ndarray = array_field("int64")
+    oldest_versions: np.ndarray = array_field("int64")
     teacher_logprobs: np.ndarray = array_field("float32")
     temperature: float = optional_field(1.0)
     reward_terms: dict = optional_field({})
@@ -268,14 +268,14 @@ class MicroBatch(Message):
             raise WireError("inconsistent", "need step >= 0 and 0 <= micro_index < num_micro_batches")
         if (self.seq_lens <= 0).any() or int(self.seq_lens.sum()) != t:
             raise WireError("inconsistent", "seq_lens must be positive and sum to len(input_ids)")
-        for name in ("loss_mask", "inference_logprobs", "advantages"):
+        for name in ("loss_mask", "sampler_logprobs", "advantages"):
             if len(getattr(self, name)) != t:
                 raise WireError("inconsistent", f"{name} must have one entry per token ({t})")
         if len(self.teacher_logprobs) not in (0, t):
             raise WireError("inconsistent", f"teacher_logprobs must be empty or have one entry per token ({t})")
         if self.step_samples < 0 or self.step_loss_tokens < 0:
             raise WireError("inconsistent", "step_samples and step_loss_tokens must be >= 0")
-        for name in ("rewards", "versions", "sample_ids"):
+        for name in ("rewards", "oldest_versions", "sample_ids"):
             if len(getattr(self, name)) != s:
                 raise WireError("inconsistent", f"{name} must have one entry per sample ({s})")
 

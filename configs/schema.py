@@ -150,7 +150,7 @@ class LossConfig(Section):
         "rollout", description="KL penalty against the sampler's logprobs, or a frozen reference model's (samples must carry them)."
     )
     teacher_tau: float = Field(
-        0.0, ge=0, allow_inf_nan=False, description="Any type: on-policy distillation, advantage += teacher_tau * (lp_teacher - lp_train); needs teacher logprobs."
+        0.0, ge=0, allow_inf_nan=False, description="Any type: on-policy distillation, advantage += teacher_tau * (teacher_logprobs - train_logprobs); needs teacher logprobs."
     )
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = Field(
         "token_mean",

@@ -75,7 +75,7 @@ class PackedSample:
     Attributes:
         sample_id: ``"{group_id}/{j}"``.
         input_ids: ``[L] int32``. loss_mask: ``[L] bool`` (completion tokens).
-        inference_logprobs: ``[L] float32`` (0 on prompt tokens).
+        sampler_logprobs: ``[L] float32`` (0 on prompt tokens).
         advantage, reward: the sample's scalars. version: oldest policy version (lag source).
         temperature: the sampling temperature (> 0).
         teacher_logprobs: ``[L] float32`` teacher logprob of each completion token (0 on prompt
@@ -86,7 +86,7 @@ class PackedSample:
     sample_id: str
     input_ids: np.ndarray
     loss_mask: np.ndarray
-    inference_logprobs: np.ndarray
+    sampler_logprobs: np.ndarray
     advantage: float
     reward: float
     version: int
@@ -122,7 +122,7 @@ def group_samples(group: ScoredGroup, *, teacher: bool = False) -> list[PackedSa
                 sample_id=f"{group.id}/{j}",
                 input_ids=np.concatenate([prompt, ids]).astype(np.int32),
                 loss_mask=np.concatenate([np.zeros(len(prompt), bool), np.full(len(ids), not masked)]),
-                inference_logprobs=np.concatenate([no_prompt, lps]).astype(np.float32),
+                sampler_logprobs=np.concatenate([no_prompt, lps]).astype(np.float32),
                 advantage=float(group.advantages[j]),
                 reward=float(group.rewards[j]),
                 version=int(group.version_start[j]),
@@ -183,10 +183,10 @@ def build_micro_batch(
         input_ids=np.concatenate([s.input_ids for s in samples]),
         seq_lens=np.array([len(s.input_ids) for s in samples], dtype=np.int32),
         loss_mask=np.concatenate([s.loss_mask for s in samples]),
-        inference_logprobs=np.concatenate([s.inference_logprobs for s in samples]),
+        sampler_logprobs=np.concatenate([s.sampler_logprobs for s in samples]),
         advantages=np.concatenate([np.full(len(s.input_ids), s.advantage, np.float32) for s in samples]),
         rewards=np.array([s.reward for s in samples], dtype=np.float32),
-        versions=np.array([s.version for s in samples], dtype=np.int64),
+        oldest_versions=np.array([s.version for s in samples], dtype=np.int64),
         teacher_logprobs=(
             np.concatenate([s.teacher_logprobs for s in samples]) if all(with_teacher) else np.zeros(0, dtype=np.float32)
         ),

@@ -83,7 +83,7 @@ def observe_step(batches: list[MicroBatch], micro_batch_tokens: int) -> None:
     MICRO_BATCHES.observe(len(batches))
     PADDING.set(padding_ratio(batches, micro_batch_tokens))
     for mb in batches:
-        for version in mb.versions:
+        for version in mb.oldest_versions:
             POLICY_LAG.observe(mb.step - int(version))
 
 

@@ -98,7 +98,7 @@ def group_from_samples(
         prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
         completion_ids=np.asarray([t for s in samples for t in s.token_ids], dtype=np.int32),
         completion_lens=np.asarray([len(s.token_ids) for s in samples], dtype=np.int32),
-        logprobs=np.asarray([lp for s in samples for lp in s.logprobs], dtype=np.float32),
+        sampler_logprobs=np.asarray([lp for s in samples for lp in s.logprobs], dtype=np.float32),
         version_start=np.asarray([s.version_start for s in samples], dtype=np.int64),
         version_end=np.asarray([s.version_end for s in samples], dtype=np.int64),
         temperature=prompt.temperature,

@@ -5,7 +5,7 @@ For a prompt ``x`` and a completion ``y_1..y_L`` the teacher's per-token logprob
 ``log p_teacher(y_t | x, y_<t)`` at temperature 1 (raw logits, no top-p), computed in one forward
 pass as vLLM *prompt logprobs* of the sequence ``x + y`` (``SamplingParams(max_tokens=1,
 prompt_logprobs=0)``; see :meth:`producers.engine.RolloutEngine.score_completion`). The trainer's
-distillation term uses them as ``teacher_tau * (lp_teacher - lp_train)`` (on-policy distillation,
+distillation term uses them as ``teacher_tau * (teacher_logprobs - train_logprobs)`` (on-policy distillation,
 Agarwal et al. 2024, arXiv:2306.13649; the reverse-KL form of Gu et al. 2024, MiniLLM).
 
 The teacher never changes: its engine takes no weight updates (its version stays 0) and has its

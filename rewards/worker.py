@@ -144,7 +144,7 @@ class RewardWorker:
         if overflow.any():
             REWARD_ERRORS.labels("non_finite").inc(int(overflow.sum()))
             rewards[overflow] = 0.0
-        found = apply_filters(self.filters, group.completion_ids, group.logprobs, group.completion_lens)
+        found = apply_filters(self.filters, group.completion_ids, group.sampler_logprobs, group.completion_lens)
         for filter_name, count in found.counts.items():
             FILTERED.labels(filter_name).inc(count)
         advantages = compute_advantages(self.advantage, rewards, np.asarray(group.completion_lens, np.int64), self.eps)

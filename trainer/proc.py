@@ -121,7 +121,7 @@ TRAINER_GAUGES = {
         "importance_ratio_max": "Largest importance ratio pi_train / pi_rollout of the last step",
         "num_loss_tokens": "Loss tokens of the last step, tokens",
         "kl_penalty": "Mean KL-penalty estimator (trainer.loss.kl_estimator) of the last step, nats (when kl_tau > 0)",
-        "teacher_kl": "Mean lp_train - lp_teacher over the last step's loss tokens, nats (with teacher logprobs)",
+        "teacher_kl": "Mean train_logprobs - teacher_logprobs over the last step's loss tokens, nats (with teacher logprobs)",
         "grad_norm": "Gradient norm before clipping",
         "policy_lag_mean": "Mean off-policy lag of the last step's samples, steps",
         "tokens_per_s": "Trained tokens per second of wall time",
@@ -340,7 +340,7 @@ class TrainerProc(Component):
                 share = self.dp.send_step(micro_batches) if self.dp is not None else micro_batches
                 metrics = self.trainer.step(share)
                 PHASE_SECONDS.labels(phase="compute").inc(time.perf_counter() - computed)
-                versions = np.concatenate([mb.versions for mb in micro_batches])
+                versions = np.concatenate([mb.oldest_versions for mb in micro_batches])
                 lags = step - versions
                 assert lags.max() <= self.cfg.packer.max_off_policy_steps, "the packer let a stale sample through"
                 metrics["weight_sync_s"] = self.publisher.publish(step + 1)

@@ -102,13 +102,13 @@ class Trainer:
         The loss is :func:`trainer.loss.policy_loss` with the step-wide normalizers the packer
         wrote into every micro-batch of the step (``step_loss_tokens``, ``step_samples``), so the
         step's gradient does not depend on how its samples were split into micro-batches or ranks.
-        Inputs besides the policy's own logprobs: the sampler's (``inference_logprobs``), the
+        Inputs besides the policy's own logprobs: the sampler's (``sampler_logprobs``), the
         old policy's when ``use_tis`` (rlbus takes ONE optimizer step per batch, so the old policy
-        is the weights at the start of this step: ``lp_train.detach()`` exactly), the frozen
+        is the weights at the start of this step: ``train_logprobs.detach()`` exactly), the frozen
         reference's when ``kl_reference: reference``, and the teacher's when the samples carry them.
 
         Besides the loss stats, reports ``onpolicy_tokens`` and ``onpolicy_lp_diff_max``: the
-        largest ``|lp_train - lp_infer|`` over loss tokens of samples generated under exactly
+        largest ``|train_logprobs - sampler_logprobs|`` over loss tokens of samples generated under exactly
         the weights being trained (version == step). Those must agree up to numerics; a large
         value means the producers do not run the trainer's weights.
         """
@@ -121,28 +121,28 @@ class Trainer:
         seq_lens = tensor(mb.seq_lens, torch.int64)
         loss_mask = tensor(mb.loss_mask)
         self.set_temperature(mb.temperature)
-        lp_train, entropy = self.logprobs(input_ids, seq_lens)
-        lp_infer = tensor(mb.inference_logprobs, lp_train.dtype)
+        train_logprobs, entropy = self.logprobs(input_ids, seq_lens)
+        sampler_logprobs = tensor(mb.sampler_logprobs, train_logprobs.dtype)
         spec = self.loss_spec
         batch = LossBatch(
-            lp_train=lp_train,
-            lp_rollout=lp_infer,
-            advantages=tensor(mb.advantages, lp_train.dtype),
+            train_logprobs=train_logprobs,
+            sampler_logprobs=sampler_logprobs,
+            advantages=tensor(mb.advantages, train_logprobs.dtype),
             loss_mask=loss_mask,
             seq_lens=seq_lens,
-            lp_old=lp_train.detach() if spec.use_tis else None,
-            lp_ref=(
-                self.reference.logprobs(input_ids, seq_lens, mb.temperature).to(lp_train.dtype) if self.reference else None
+            old_logprobs=train_logprobs.detach() if spec.use_tis else None,
+            ref_logprobs=(
+                self.reference.logprobs(input_ids, seq_lens, mb.temperature).to(train_logprobs.dtype) if self.reference else None
             ),
-            lp_teacher=tensor(mb.teacher_logprobs, lp_train.dtype) if len(mb.teacher_logprobs) else None,
-            entropy=entropy.to(lp_train.dtype),
+            teacher_logprobs=tensor(mb.teacher_logprobs, train_logprobs.dtype) if len(mb.teacher_logprobs) else None,
+            entropy=entropy.to(train_logprobs.dtype),
         )
         norm = StepNorm(loss_tokens=mb.step_loss_tokens, num_samples=mb.step_samples, max_tokens=self.max_tokens)
         loss, stats = policy_loss(batch, norm, spec)
         loss.backward()
-        token_version = tensor(mb.versions).repeat_interleave(seq_lens)
+        token_version = tensor(mb.oldest_versions).repeat_interleave(seq_lens)
         on_policy = loss_mask & (token_version == mb.step)
-        diff = (lp_train.detach() - lp_infer)[on_policy].abs()
+        diff = (train_logprobs.detach() - sampler_logprobs)[on_policy].abs()
         stats["onpolicy_tokens"] = float(on_policy.sum())
         stats["onpolicy_lp_diff_max"] = float(diff.max()) if len(diff) else 0.0
         return float(loss.detach()), stats
@@ -215,7 +215,7 @@ class Trainer:
             ``importance_ratio_mean/min/max``, ``clipfrac`` (loss tokens whose gradient a clip
             removed), ``entropy`` (mean entropy of the tempered policy, nats), and when their
             option is on ``kl_penalty`` (mean penalty estimator, nats), ``teacher_kl`` (mean
-            lp_train - lp_teacher, nats), ``tis_clipfrac``; ``grad_norm`` (before clipping), ``num_tokens``,
+            train_logprobs - teacher_logprobs, nats), ``tis_clipfrac``; ``grad_norm`` (before clipping), ``num_tokens``,
             ``num_loss_tokens``, ``num_samples``, ``num_micro_batches``, ``reward_mean``,
             ``reward_std``, ``reward/<name>`` (each reward function's mean score), ``onpolicy_tokens``, ``onpolicy_lp_diff_max`` (see :meth:`micro_step`),
             ``train_time_s`` (this rank's), ``skipped`` (1.0 if the non-finite guard skipped the

@@ -83,7 +83,7 @@ def realistic_examples() -> dict[str, Message]:
         prompt_ids=rng.integers(0, 32_000, 27, dtype=np.int32),
         completion_ids=rng.integers(0, 32_000, n, dtype=np.int32),
         completion_lens=lens,
-        logprobs=-rng.random(n, dtype=np.float32) * 4,
+        sampler_logprobs=-rng.random(n, dtype=np.float32) * 4,
         version_start=np.array([2, 2, 3, 3], np.int64),
         version_end=np.array([3, 2, 3, 3], np.int64),
     )
@@ -122,10 +122,10 @@ def realistic_examples() -> dict[str, Message]:
             input_ids=rng.integers(0, 32_000, t, dtype=np.int32),
             seq_lens=seq,
             loss_mask=mask,
-            inference_logprobs=np.where(mask, -rng.random(t, dtype=np.float32), 0).astype(np.float32),
+            sampler_logprobs=np.where(mask, -rng.random(t, dtype=np.float32), 0).astype(np.float32),
             advantages=np.repeat(np.array([-0.4, 1.4, -0.9, -0.1], np.float32), seq),
             rewards=np.array([0.25, 1.0, 0.0, 0.5], np.float32),
-            versions=np.array([2, 2, 3, 3], np.int64),
+            oldest_versions=np.array([2, 2, 3, 3], np.int64),
             teacher_logprobs=np.zeros(0, np.float32),
         ),
         WeightsReady(
@@ -666,7 +666,7 @@ def _inconsistent_group(rng: random.Random, msg: RolloutGroup) -> dict[str, Any]
         lens = np.array([rng.randint(-3, 20) for _ in range(g)], np.int32)
         return {"completion_lens": lens}
     if what == 1:  # logprobs of the wrong length
-        return {"logprobs": np.zeros(rng.choice([0, n - 1, n + 1, 2 * n]), np.float32)}
+        return {"sampler_logprobs": np.zeros(rng.choice([0, n - 1, n + 1, 2 * n]), np.float32)}
     if what == 2:  # per-completion lists of the wrong length
         k = rng.choice([0, g - 1, g + 1, 3 * g])
         key = rng.choice(["completion_texts", "finish_reasons"])
@@ -681,7 +681,7 @@ def _inconsistent_group(rng: random.Random, msg: RolloutGroup) -> dict[str, Any]
         ])
     if what == 4:  # an empty group
         empty = dict(completion_ids=np.zeros(0, np.int32), completion_lens=np.zeros(0, np.int32),
-                     logprobs=np.zeros(0, np.float32), version_start=np.zeros(0, np.int64),
+                     sampler_logprobs=np.zeros(0, np.float32), version_start=np.zeros(0, np.int64),
                      version_end=np.zeros(0, np.int64), completion_texts=[], finish_reasons=[])
         if isinstance(msg, ScoredGroup):
             empty.update(rewards=np.zeros(0, np.float32), advantages=np.zeros(0, np.float32))
@@ -709,13 +709,13 @@ def _inconsistent_micro_batch(rng: random.Random, msg: MicroBatch) -> dict[str, 
         lens[rng.randrange(s)] = rng.choice([0, -5, lens[0] + 1])
         return {"seq_lens": lens.astype(np.int32)}
     if what == 2:  # per-token arrays of the wrong length
-        key = rng.choice(["loss_mask", "inference_logprobs", "advantages"])
+        key = rng.choice(["loss_mask", "sampler_logprobs", "advantages"])
         dtype = np.bool_ if key == "loss_mask" else np.float32
         return {key: np.zeros(rng.choice([0, t - 1, t + 1]), dtype)}
     if what == 3:
         return {"rewards": np.zeros(rng.choice([0, s - 1, s + 1]), np.float32)}
     if what == 4:
-        return {"versions": np.zeros(rng.choice([0, s + 1]), np.int64)}
+        return {"oldest_versions": np.zeros(rng.choice([0, s + 1]), np.int64)}
     return {"sample_ids": msg.sample_ids[: rng.randrange(s)] if rng.random() < 0.5 else [*msg.sample_ids, "x/0"]}
 
 

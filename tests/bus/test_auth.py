@@ -19,11 +19,12 @@ from typing import Any
 import pytest
 import zmq
 
-from bus import auth, busctl
+from bus import auth
 from bus.component import Component
 from bus.messages import ComponentReady, GroupsDropped, Prompt, ScoredGroup, TrainerStep, new_id
 from bus.courier import Courier
 from bus.sockets import BusSocket
+from busctl import cli
 from busctl.supervisor import Supervisor
 from configs.schema import ConfigError, load_config
 from reliable_peer import FAST, RawPeer, data_message, envelope
@@ -291,7 +292,7 @@ def free_base_port() -> int:
 
 
 def test_busctl_keys_feed_the_config(tmp_path, capsys):
-    assert busctl.main(["keys", str(tmp_path / "keys")]) == 0
+    assert cli.main(["keys", str(tmp_path / "keys")]) == 0
     out = capsys.readouterr().out
     use = next(line for line in out.splitlines() if line.strip().startswith("use:"))
     overrides = use.split("busctl up CONFIG", 1)[1].split()  # printed as ready-made overrides
@@ -327,10 +328,10 @@ def test_busctl_keys_feed_the_config(tmp_path, capsys):
 
 
 def test_busctl_keys_never_overwrites(tmp_path, capsys):
-    assert busctl.main(["keys", str(tmp_path / "keys"), "--clients", "3"]) == 0
+    assert cli.main(["keys", str(tmp_path / "keys"), "--clients", "3"]) == 0
     before = {p.name: p.read_bytes() for p in (tmp_path / "keys").rglob("*") if p.is_file()}
     assert {"server.key", "server.key_secret", "components.key_secret", "client-1.key", "client-2.key_secret"} <= set(before)
-    assert busctl.main(["keys", str(tmp_path / "keys")]) == 1
+    assert cli.main(["keys", str(tmp_path / "keys")]) == 1
     assert "already holds" in capsys.readouterr().out
     assert {p.name: p.read_bytes() for p in (tmp_path / "keys").rglob("*") if p.is_file()} == before
     assert (tmp_path / "keys" / "server.key_secret").stat().st_mode & 0o077 == 0

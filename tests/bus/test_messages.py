@@ -54,7 +54,7 @@ def test_large_arrays_are_views_of_received_frames(micro_batch, pipe, recv_frame
     got, frames = transfer(pipe, recv_frames, msg)
     assert_same_message(got, msg)
     names = list(type(msg).array_specs())
-    for name in ("input_ids", "inference_logprobs", "advantages"):
+    for name in ("input_ids", "sampler_logprobs", "advantages"):
         arr = getattr(got, name)
         assert arr.nbytes > 64 * 1024
         frame = frames[1 + names.index(name)]

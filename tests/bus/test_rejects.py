@@ -74,9 +74,9 @@ CASES: dict[str, tuple[str, Callable[[Any], list[bytes]]]] = {
     "extra_frame": ("frames", edit_header(lambda h: None, extra=[b"\x00" * 8])),
     "arrays_not_a_list": ("frames", edit_header(setitem("arrays", {"a": 1}))),
     "arrays_missing": ("frames", edit_header(delitem("arrays"))),
-    "repeated_array_name": ("frames", edit_array("logprobs", name="completion_ids")),
-    "unknown_array_name": ("frames", edit_array("logprobs", name="bogus")),
-    "descriptor_extra_key": ("frames", edit_array("logprobs", stride=4)),
+    "repeated_array_name": ("frames", edit_array("sampler_logprobs", name="completion_ids")),
+    "unknown_array_name": ("frames", edit_array("sampler_logprobs", name="bogus")),
+    "descriptor_extra_key": ("frames", edit_array("sampler_logprobs", stride=4)),
     # arrays
     "wrong_dtype_same_itemsize": ("dtype", edit_array("completion_ids", dtype="float32")),
     "wrong_dtype_object": ("dtype", edit_array("completion_ids", dtype="object")),
@@ -112,7 +112,7 @@ CASES: dict[str, tuple[str, Callable[[Any], list[bytes]]]] = {
     # cross-field consistency
     "completion_lens_not_summing": ("inconsistent", inconsistent(completion_lens=np.array([2, 1, 3], np.int32))),
     "negative_completion_len": ("inconsistent", inconsistent(completion_lens=np.array([3, -1, 3], np.int32))),
-    "logprobs_length": ("inconsistent", inconsistent(logprobs=np.zeros(4, np.float32))),
+    "logprobs_length": ("inconsistent", inconsistent(sampler_logprobs=np.zeros(4, np.float32))),
     "texts_per_completion": ("inconsistent", inconsistent(completion_texts=["a", "b"])),
     "version_end_before_start": ("inconsistent", inconsistent(version_end=np.array([0, 2, 3], np.int64))),
     "rewards_per_completion": ("inconsistent", inconsistent(rewards=np.zeros(2, np.float32))),
@@ -122,7 +122,7 @@ CASES: dict[str, tuple[str, Callable[[Any], list[bytes]]]] = {
         inconsistent(
             completion_ids=np.zeros(0, np.int32),
             completion_lens=np.zeros(0, np.int32),
-            logprobs=np.zeros(0, np.float32),
+            sampler_logprobs=np.zeros(0, np.float32),
             version_start=np.zeros(0, np.int64),
             version_end=np.zeros(0, np.int64),
             completion_texts=[],

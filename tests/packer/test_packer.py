@@ -49,7 +49,7 @@ def scored(
         prompt_ids=np.array(prompt_ids, np.int32),
         completion_ids=np.array(flat, np.int32),
         completion_lens=np.array([len(c) for c in completions], np.int32),
-        logprobs=np.array([-t / 1000 for t in flat], np.float32),
+        sampler_logprobs=np.array([-t / 1000 for t in flat], np.float32),
         version_start=np.array(versions, np.int64),
         version_end=np.array(versions, np.int64),
         reward_worker="r0",
@@ -74,7 +74,7 @@ def split_samples(mb: MicroBatch) -> dict[str, dict[str, np.ndarray]]:
         out[sid] = {
             "input_ids": mb.input_ids[s:e],
             "loss_mask": mb.loss_mask[s:e],
-            "inference_logprobs": mb.inference_logprobs[s:e],
+            "sampler_logprobs": mb.sampler_logprobs[s:e],
             "advantages": mb.advantages[s:e],
         }
     return out
@@ -90,8 +90,8 @@ def check_step(batches: list[MicroBatch], budget: int, step: int) -> list[str]:
         assert mb.id == f"{step}:{k}"
         assert len(mb.input_ids) <= budget
         assert int(mb.seq_lens.sum()) == len(mb.input_ids)
-        assert len(mb.sample_ids) == len(mb.seq_lens) == len(mb.rewards) == len(mb.versions)
-        assert len(mb.loss_mask) == len(mb.inference_logprobs) == len(mb.advantages) == len(mb.input_ids)
+        assert len(mb.sample_ids) == len(mb.seq_lens) == len(mb.rewards) == len(mb.oldest_versions)
+        assert len(mb.loss_mask) == len(mb.sampler_logprobs) == len(mb.advantages) == len(mb.input_ids)
         assert mb.step_loss_tokens == batches[0].step_loss_tokens
         ids.extend(mb.sample_ids)
     assert len(ids) == len(set(ids)), "no sample twice"
@@ -110,10 +110,10 @@ def test_group_samples_by_hand():
     assert s0.sample_id == "g/0" and s1.sample_id == "g/1"
     assert s0.input_ids.tolist() == [7, 8, 10, 11, 12] and s0.input_ids.dtype == np.int32
     assert s0.loss_mask.tolist() == [False, False, True, True, True]
-    np.testing.assert_array_equal(s0.inference_logprobs, np.float32([0, 0, -0.010, -0.011, -0.012]))
+    np.testing.assert_array_equal(s0.sampler_logprobs, np.float32([0, 0, -0.010, -0.011, -0.012]))
     assert s1.input_ids.tolist() == [7, 8, 20]
     assert s1.loss_mask.tolist() == [False, False, True]
-    np.testing.assert_array_equal(s1.inference_logprobs, np.float32([0, 0, -0.020]))
+    np.testing.assert_array_equal(s1.sampler_logprobs, np.float32([0, 0, -0.020]))
     assert (s0.advantage, s0.reward, s0.version) == (1.5, 1.0, 3)
     assert (s1.advantage, s1.reward, s1.version) == (-1.5, 0.0, 2)
 
@@ -122,7 +122,7 @@ def test_group_samples_zero_length_completion():
     g = scored("g", [7, 8], [[], [30, 31]])
     s0, s1 = group_samples(g)
     assert s0.input_ids.tolist() == [7, 8] and s0.loss_mask.tolist() == [False, False]
-    assert s0.inference_logprobs.tolist() == [0.0, 0.0] and s0.inference_logprobs.dtype == np.float32
+    assert s0.sampler_logprobs.tolist() == [0.0, 0.0] and s0.sampler_logprobs.dtype == np.float32
     assert s1.input_ids.tolist() == [7, 8, 30, 31]
 
 
@@ -136,9 +136,9 @@ def test_build_micro_batch_by_hand():
     assert mb.input_ids.tolist() == [1, 2, 3, 9, 8]
     assert mb.seq_lens.tolist() == [3, 2]
     assert mb.loss_mask.tolist() == [False, True, True, False, True]
-    assert mb.inference_logprobs.tolist() == [0, -0.5, -0.25, 0, -1.0]
+    assert mb.sampler_logprobs.tolist() == [0, -0.5, -0.25, 0, -1.0]
     assert mb.advantages.tolist() == [2.0, 2.0, 2.0, -1.0, -1.0]  # advantage on every token of its sample
-    assert mb.rewards.tolist() == [1.0, 0.0] and mb.versions.tolist() == [4, 5]
+    assert mb.rewards.tolist() == [1.0, 0.0] and mb.oldest_versions.tolist() == [4, 5]
     assert decode(encode(mb)).input_ids.tolist() == mb.input_ids.tolist()  # validates (check())
 
 
@@ -189,19 +189,19 @@ def test_packing_by_hand_and_token_alignment():
     assert all(mb.step_samples == 3 for mb in batches)  # B/1 has no completion token: not counted
     assert batches[0].input_ids.tolist() == [1, 2, 10, 11, 12, 3]
     assert batches[0].loss_mask.tolist() == [False, False, True, True, True, False]
-    np.testing.assert_array_equal(batches[0].inference_logprobs, np.float32([0, 0, -0.010, -0.011, -0.012, 0]))
+    np.testing.assert_array_equal(batches[0].sampler_logprobs, np.float32([0, 0, -0.010, -0.011, -0.012, 0]))
     np.testing.assert_array_equal(batches[0].advantages, np.float32([0.7] * 5 + [-1.0]))
     np.testing.assert_array_equal(batches[0].rewards, np.float32([0.9, 0.0]))
-    assert batches[0].versions.tolist() == [0, 1]
+    assert batches[0].oldest_versions.tolist() == [0, 1]
     assert batches[1].input_ids.tolist() == [3, 20, 21, 22, 23]
     assert batches[1].loss_mask.tolist() == [False, True, True, True, True]
-    np.testing.assert_array_equal(batches[1].inference_logprobs, np.float32([0, -0.020, -0.021, -0.022, -0.023]))
+    np.testing.assert_array_equal(batches[1].sampler_logprobs, np.float32([0, -0.020, -0.021, -0.022, -0.023]))
     assert batches[2].input_ids.tolist() == [1, 2, 13]
     np.testing.assert_array_equal(batches[2].advantages, np.float32([-0.7] * 3))
     for mb in batches:  # every message survives the wire and validates
         back = decode(encode(mb))
         assert isinstance(back, MicroBatch) and back.sample_ids == mb.sample_ids
-        for name in ("input_ids", "seq_lens", "loss_mask", "inference_logprobs", "advantages", "rewards", "versions"):
+        for name in ("input_ids", "seq_lens", "loss_mask", "sampler_logprobs", "advantages", "rewards", "oldest_versions"):
             np.testing.assert_array_equal(getattr(back, name), getattr(mb, name))
         assert (back.step, back.micro_index, back.num_micro_batches, back.step_loss_tokens) == (
             mb.step, mb.micro_index, mb.num_micro_batches, mb.step_loss_tokens)
@@ -231,8 +231,8 @@ def test_many_groups_every_sample_once_and_aligned():
             n_p = len(g.prompt_ids)
             assert got["input_ids"].tolist() == g.prompt_ids.tolist() + comp.tolist()
             assert got["loss_mask"].tolist() == [False] * n_p + [True] * len(comp)
-            np.testing.assert_array_equal(got["inference_logprobs"][n_p:], lps)
-            assert (got["inference_logprobs"][:n_p] == 0).all()
+            np.testing.assert_array_equal(got["sampler_logprobs"][n_p:], lps)
+            assert (got["sampler_logprobs"][:n_p] == 0).all()
             assert (got["advantages"] == g.advantages[j]).all()
 
 
@@ -321,8 +321,8 @@ def test_scored_group_input_survives_wire():
     (m2,), _ = p2.pop_step()
     assert m1.sample_ids == m2.sample_ids
     np.testing.assert_array_equal(m1.input_ids, m2.input_ids)
-    np.testing.assert_array_equal(m1.inference_logprobs, m2.inference_logprobs)
-    np.testing.assert_array_equal(m1.versions, np.int64([1, 2]))
+    np.testing.assert_array_equal(m1.sampler_logprobs, m2.sampler_logprobs)
+    np.testing.assert_array_equal(m1.oldest_versions, np.int64([1, 2]))
 
 
 # ------------------------------------------------------------------------------------------------

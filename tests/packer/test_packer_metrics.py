@@ -97,7 +97,7 @@ def test_step_metrics_stage_meter_and_samples_log(live, packer):
     tokens = sum(len(mb.input_ids) for mb in steps[1])
     assert value("rlbus_packer_padding_ratio") == pytest.approx(1 - tokens / (counts[1] * BUDGET))
     # one lag observation per sample: step 0 all 0; step 1: c at 1 - 0 = 1 (x2), d at 1 - 1 = 0 (x2)
-    lags = [mb.step - int(v) for s in steps for mb in s for v in mb.versions]
+    lags = [mb.step - int(v) for s in steps for mb in s for v in mb.oldest_versions]
     assert sorted(lags) == [0, 0, 0, 0, 0, 0, 1, 1]
     assert value("rlbus_packer_policy_lag_steps_count") - before["lag_count"] == 8
     assert value("rlbus_packer_policy_lag_steps_sum") - before["lag_sum"] == 2

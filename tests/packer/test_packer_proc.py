@@ -52,7 +52,7 @@ def group(gid: str, rewards: list[float], version: int = 0) -> ScoredGroup:
         id=gid, prompt_index=0, step=0, task="reverse_text", info={"target": "x"}, producer="producer-0",
         completion_texts=["a", "b"], finish_reasons=["stop", "stop"], gen_time_s=0.0,
         prompt_ids=np.int32([1, 2]), completion_ids=np.int32([*range(10, 15), *range(20, 25)]),
-        completion_lens=np.int32([5, 5]), logprobs=np.full(10, -0.5, np.float32), version_start=np.int64([version] * 2),
+        completion_lens=np.int32([5, 5]), sampler_logprobs=np.full(10, -0.5, np.float32), version_start=np.int64([version] * 2),
         version_end=np.int64([version] * 2), reward_worker="rewards-0",
         rewards=np.float32(rewards), advantages=np.float32([r - np.mean(rewards) for r in rewards]),
     )

@@ -286,7 +286,7 @@ def scored_by(advantage: str, texts: list[str], lens: list[int]):
         id="grp-adv", prompt_index=0, step=0, task="reverse_text", info={"target": "olleh"}, producer="p0",
         completion_texts=texts, finish_reasons=["stop"] * g, gen_time_s=0.1,
         prompt_ids=np.arange(3, dtype=np.int32), completion_ids=np.arange(n, dtype=np.int32),
-        completion_lens=np.array(lens, np.int32), logprobs=np.zeros(n, np.float32),
+        completion_lens=np.array(lens, np.int32), sampler_logprobs=np.zeros(n, np.float32),
         version_start=np.zeros(g, np.int64), version_end=np.zeros(g, np.int64),
     )
     return RewardWorker({"reverse_text": (("reverse_text", 1.0),)}, advantage=advantage, name="rw", isolate=False).score(group)

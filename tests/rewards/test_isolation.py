@@ -55,7 +55,7 @@ def group(texts: list[str]) -> RolloutGroup:
         id="grp-iso", prompt_index=0, step=0, task="t", info={}, producer="p-0",
         completion_texts=list(texts), finish_reasons=["stop"] * n, gen_time_s=0.0,
         prompt_ids=np.arange(2, dtype=np.int32), completion_ids=np.arange(n, dtype=np.int32),
-        completion_lens=np.ones(n, np.int32), logprobs=np.zeros(n, np.float32),
+        completion_lens=np.ones(n, np.int32), sampler_logprobs=np.zeros(n, np.float32),
         version_start=np.zeros(n, np.int64), version_end=np.zeros(n, np.int64),
     )
 

@@ -50,7 +50,7 @@ def rollout(texts: list[str], info: dict | None = None, task: str = "reverse_tex
         prompt_ids=np.arange(4, dtype=np.int32),
         completion_ids=np.arange(n, dtype=np.int32),
         completion_lens=np.array(lens, np.int32),
-        logprobs=-np.linspace(0.1, 1.0, n, dtype=np.float32) if logprobs is None else logprobs,
+        sampler_logprobs=-np.linspace(0.1, 1.0, n, dtype=np.float32) if logprobs is None else logprobs,
         version_start=np.array([1] * g, np.int64),
         version_end=np.array([2] * g, np.int64),
     )
@@ -99,7 +99,7 @@ def test_scored_group_keeps_rollout_fields_and_validates():
     assert isinstance(scored, ScoredGroup) and scored.reward_worker == "rw-3"
     for name in ("id", "prompt_index", "step", "task", "info", "producer", "completion_texts", "finish_reasons", "gen_time_s"):
         assert getattr(scored, name) == getattr(group, name)
-    for name in ("prompt_ids", "completion_ids", "completion_lens", "logprobs", "version_start", "version_end"):
+    for name in ("prompt_ids", "completion_ids", "completion_lens", "sampler_logprobs", "version_start", "version_end"):
         np.testing.assert_array_equal(getattr(scored, name), getattr(group, name))
     back = decode(encode(scored))
     assert isinstance(back, ScoredGroup) and back.reward_worker == "rw-3"

@@ -50,7 +50,7 @@ def step_batches(model: torch.nn.Module, num_steps: int):
     out = []
     for step in range(num_steps):
         sign = 1.0 if step % 2 == 0 else -0.5
-        ss = [PackedSample(s.sample_id, s.input_ids, s.loss_mask, s.inference_logprobs, sign * s.advantage, s.reward, 0) for s in samples]
+        ss = [PackedSample(s.sample_id, s.input_ids, s.loss_mask, s.sampler_logprobs, sign * s.advantage, s.reward, 0) for s in samples]
         split = splits[step % len(splits)]
         out.append([
             build_micro_batch([ss[i] for i in idx], step=step, micro_index=m, num_micro_batches=len(split), step_loss_tokens=loss_tokens, step_samples=len(ss))

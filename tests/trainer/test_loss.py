@@ -6,8 +6,8 @@ Shared example (2 packed samples, T = 7), with L = ln 2 = 0.6931471806:
     token           0      1      2      3      4      5      6
     sample          0      0      0      0      1      1      1
     loss_mask       F      T      T      T      F      T      T
-    lp_train      -1.0   -0.5   -2.0  -0.25   -3.0   -1.5  -0.75
-    log_ratio      0      0      L     4L      0     -2L    -8L      (lp_train - lp_rollout)
+    train_logprobs      -1.0   -0.5   -2.0  -0.25   -3.0   -1.5  -0.75
+    log_ratio      0      0      L     4L      0     -2L    -8L      (train_logprobs - sampler_logprobs)
     ratio          1      1      2     16      1     1/4   1/256
     advantage     0.5    0.5    0.5    0.5   -1.0   -1.0   -1.0
 
@@ -32,11 +32,11 @@ F64 = torch.float64
 
 
 def _example(**extra):
-    lp_train = torch.tensor([-1.0, -0.5, -2.0, -0.25, -3.0, -1.5, -0.75], dtype=F64, requires_grad=True)
+    train_logprobs = torch.tensor([-1.0, -0.5, -2.0, -0.25, -3.0, -1.5, -0.75], dtype=F64, requires_grad=True)
     log_ratio = torch.tensor([0.0, 0.0, L2, 4 * L2, 0.0, -2 * L2, -8 * L2], dtype=F64)
     return LossBatch(
-        lp_train=lp_train,
-        lp_rollout=lp_train.detach() - log_ratio,
+        train_logprobs=train_logprobs,
+        sampler_logprobs=train_logprobs.detach() - log_ratio,
         advantages=torch.tensor([0.5, 0.5, 0.5, 0.5, -1.0, -1.0, -1.0], dtype=F64),
         loss_mask=torch.tensor([False, True, True, True, False, True, True]),
         seq_lens=torch.tensor([4, 3]),
@@ -55,8 +55,8 @@ def test_default_aipo_by_hand():
     assert loss.ndim == 0 and loss.dtype == F64
     assert loss.item() == pytest.approx(0.225, rel=1e-12)
     loss.backward()
-    # d loss / d lp_train = -coeff * keep / 10
-    torch.testing.assert_close(batch.lp_train.grad, torch.tensor([0.0, -0.05, -0.1, 0.0, 0.0, 0.0, 0.0], dtype=F64))
+    # d loss / d train_logprobs = -coeff * keep / 10
+    torch.testing.assert_close(batch.train_logprobs.grad, torch.tensor([0.0, -0.05, -0.1, 0.0, 0.0, 0.0, 0.0], dtype=F64))
     # k3 = r - 1 - ln r per loss token:
     #   t1: 0 ; t2: 1 - L = 0.3068528194 ; t3: 15 - 4L = 12.2274112778
     #   t5: -0.75 + 2L = 0.6362943611 ; t6: 1/256 - 1 + 8L = 4.5490836945  -> sum 17.7196421528
@@ -81,7 +81,7 @@ def test_geo_bound_masks_sample_zero_too():
     loss, stats = policy_loss(batch, NORM, LossSpec(geo_mask_high=3.0))
     assert loss.item() == 0.0 and stats["masked_tokens"] == 5
     loss.backward()
-    assert batch.lp_train.grad.tolist() == [0.0] * 7
+    assert batch.train_logprobs.grad.tolist() == [0.0] * 7
     loss, stats = policy_loss(_example(), NORM, LossSpec(geo_mask_high=3.2))
     assert loss.item() == pytest.approx(0.225, rel=1e-12) and stats["masked_tokens"] == 3
 
@@ -110,7 +110,7 @@ def test_sequence_masks_by_hand():
     assert loss.item() == pytest.approx(0.425, rel=1e-12)
     assert stats["masked_tokens"] == 2
     loss.backward()
-    torch.testing.assert_close(batch.lp_train.grad, torch.tensor([0, -0.05, -0.1, -0.8, 0, 0, 0], dtype=F64))
+    torch.testing.assert_close(batch.train_logprobs.grad, torch.tensor([0, -0.05, -0.1, -0.8, 0, 0, 0], dtype=F64))
 
 
 def test_sequence_ratio_type_by_hand():
@@ -125,19 +125,19 @@ def test_sequence_ratio_type_by_hand():
     assert loss.item() == pytest.approx((13.75 - 2.25 / 1024) / 10, rel=1e-12)
     assert stats["clipped_tokens"] == 3  # sample 0's three loss tokens: its ratio hit the clip
     loss.backward()
-    torch.testing.assert_close(batch.lp_train.grad, torch.tensor([0, -0.5, -0.5, -0.5, 0, 1 / 10240, 1 / 10240], dtype=F64))
+    torch.testing.assert_close(batch.train_logprobs.grad, torch.tensor([0, -0.5, -0.5, -0.5, 0, 1 / 10240, 1 / 10240], dtype=F64))
 
 
 def test_on_policy_reduces_to_token_mean_reinforce():
     # ratio = 1 everywhere: loss = -sum(A * lp * mask) / N
-    lp_train = torch.tensor([0.0, -1.0, -2.0, 0.0, -4.0], dtype=F64, requires_grad=True)
-    batch = LossBatch(lp_train, lp_train.detach().clone(), torch.tensor([1.0, 1.0, 1.0, -0.5, -0.5], dtype=F64),
+    train_logprobs = torch.tensor([0.0, -1.0, -2.0, 0.0, -4.0], dtype=F64, requires_grad=True)
+    batch = LossBatch(train_logprobs, train_logprobs.detach().clone(), torch.tensor([1.0, 1.0, 1.0, -0.5, -0.5], dtype=F64),
                       torch.tensor([False, True, True, False, True]), torch.tensor([3, 2]))
     loss, stats = policy_loss(batch, StepNorm(3, 2, 4), LossSpec())
     # -(1 * -1 + 1 * -2 + -0.5 * -4) / 3 = -(-1 - 2 + 2) / 3 = 1/3
     assert loss.item() == pytest.approx(1 / 3, rel=1e-12)
     loss.backward()
-    torch.testing.assert_close(lp_train.grad, torch.tensor([0.0, -1 / 3, -1 / 3, 0.0, 0.5 / 3], dtype=F64))
+    torch.testing.assert_close(train_logprobs.grad, torch.tensor([0.0, -1 / 3, -1 / 3, 0.0, 0.5 / 3], dtype=F64))
     assert stats["kl_sum"] == 0.0 and stats["ratio_sum"] == 3.0 and stats["ratio_min"] == stats["ratio_max"] == 1.0
 
 
@@ -148,14 +148,14 @@ def test_micro_batch_losses_sum_to_step_loss():
     loss.backward()
     parts, grads = [], []
     for sl in (slice(0, 4), slice(4, 7)):
-        lp = whole.lp_train.detach()[sl].clone().requires_grad_(True)
-        part = LossBatch(lp, whole.lp_rollout[sl], whole.advantages[sl], whole.loss_mask[sl], torch.tensor([sl.stop - sl.start]))
+        lp = whole.train_logprobs.detach()[sl].clone().requires_grad_(True)
+        part = LossBatch(lp, whole.sampler_logprobs[sl], whole.advantages[sl], whole.loss_mask[sl], torch.tensor([sl.stop - sl.start]))
         part_loss, stats = policy_loss(part, NORM, LossSpec())
         part_loss.backward()
         parts.append((part_loss.item(), stats))
         grads.append(lp.grad)
     assert parts[0][0] + parts[1][0] == pytest.approx(loss.item(), rel=1e-12)
-    torch.testing.assert_close(torch.cat(grads), whole.lp_train.grad)
+    torch.testing.assert_close(torch.cat(grads), whole.train_logprobs.grad)
     assert parts[0][1]["loss_tokens"] + parts[1][1]["loss_tokens"] == 5
     assert parts[0][1]["masked_tokens"] + parts[1][1]["masked_tokens"] == 3
 
@@ -163,55 +163,55 @@ def test_micro_batch_losses_sum_to_step_loss():
 def test_zero_length_completion_and_empty_micro_batch():
     # A sample with 0 loss tokens (prompt only, e.g. the sampler stopped at once) contributes nothing
     # and is not counted as a sample; a micro-batch with no loss token gives loss 0 and no gradient.
-    lp_train = torch.tensor([-1.0, -2.0, -0.5, -0.25], dtype=F64, requires_grad=True)
+    train_logprobs = torch.tensor([-1.0, -2.0, -0.5, -0.25], dtype=F64, requires_grad=True)
     mask = torch.tensor([False, False, False, True])
     assert loss_counts(mask, torch.tensor([2, 2])) == (1, 1)  # only sample 1 has a loss token
-    batch = LossBatch(lp_train, lp_train.detach(), torch.ones(4, dtype=F64), mask, torch.tensor([2, 2]))
+    batch = LossBatch(train_logprobs, train_logprobs.detach(), torch.ones(4, dtype=F64), mask, torch.tensor([2, 2]))
     for aggregation in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"):
-        lp_train.grad = None
+        train_logprobs.grad = None
         loss, _ = policy_loss(batch, StepNorm(1, 1, 4), LossSpec(aggregation=aggregation))
         loss.backward()
         # the one loss token: ratio 1, A 1 -> grad -1 / (N=1 | n_1 G = 1 | L G = 4)
         expected = -1.0 / 4 if aggregation == "seq_mean_token_sum_norm" else -1.0
-        assert lp_train.grad.tolist() == [0.0, 0.0, 0.0, expected]
-    empty = LossBatch(lp_train, lp_train.detach(), torch.ones(4, dtype=F64), torch.zeros(4, dtype=torch.bool), torch.tensor([2, 2]))
-    lp_train.grad = None
+        assert train_logprobs.grad.tolist() == [0.0, 0.0, 0.0, expected]
+    empty = LossBatch(train_logprobs, train_logprobs.detach(), torch.ones(4, dtype=F64), torch.zeros(4, dtype=torch.bool), torch.tensor([2, 2]))
+    train_logprobs.grad = None
     loss, stats = policy_loss(empty, StepNorm(0, 0, 4), LossSpec())
     loss.backward()
-    assert loss.item() == 0.0 and lp_train.grad.tolist() == [0.0] * 4
+    assert loss.item() == 0.0 and train_logprobs.grad.tolist() == [0.0] * 4
     assert stats["loss_tokens"] == 0 and stats["ratio_sum"] == 0 and stats["kl_sum"] == 0
     assert stats["ratio_min"] == math.inf and stats["ratio_max"] == -math.inf
 
 
 def test_extreme_ratios_give_finite_loss_and_zero_grad_there():
     # token 1 has log ratio 1000 (ratio overflows to inf), token 0 is a prompt token whose
-    # lp_rollout is -inf and token 3 one whose lp_train is NaN: none may leak NaN into loss or grad.
-    lp_train = torch.tensor([-1.0, -0.5, -1.0, math.nan], dtype=F64, requires_grad=True)
-    lp_rollout = torch.tensor([-math.inf, -1000.5, -1.0, -1.0], dtype=F64)
+    # sampler_logprobs is -inf and token 3 one whose train_logprobs is NaN: none may leak NaN into loss or grad.
+    train_logprobs = torch.tensor([-1.0, -0.5, -1.0, math.nan], dtype=F64, requires_grad=True)
+    sampler_logprobs = torch.tensor([-math.inf, -1000.5, -1.0, -1.0], dtype=F64)
     mask = torch.tensor([False, True, True, False])
-    batch = LossBatch(lp_train, lp_rollout, torch.ones(4, dtype=F64), mask, torch.tensor([4]))
+    batch = LossBatch(train_logprobs, sampler_logprobs, torch.ones(4, dtype=F64), mask, torch.tensor([4]))
     loss, stats = policy_loss(batch, StepNorm(2, 1, 4), LossSpec(geo_mask_high=math.inf))
     # only token 2 kept: coeff 1 -> loss = -(1 * -1.0) / 2 = 0.5
     assert loss.item() == pytest.approx(0.5)
     loss.backward()
-    assert lp_train.grad.tolist() == [0.0, 0.0, -0.5, 0.0]
+    assert train_logprobs.grad.tolist() == [0.0, 0.0, -0.5, 0.0]
     assert stats["masked_tokens"] == 1
 
 
 def test_bad_inputs_raise_value_error():
     b = _example()
-    with pytest.raises(ValueError, match=r"lp_rollout must be a tensor of shape \[7\]"):
-        LossBatch(b.lp_train, b.lp_rollout[:5], b.advantages, b.loss_mask, b.seq_lens)
+    with pytest.raises(ValueError, match=r"sampler_logprobs must be a tensor of shape \[7\]"):
+        LossBatch(b.train_logprobs, b.sampler_logprobs[:5], b.advantages, b.loss_mask, b.seq_lens)
     with pytest.raises(ValueError, match="seq_lens must sum"):
-        LossBatch(b.lp_train, b.lp_rollout, b.advantages, b.loss_mask, torch.tensor([4, 2]))
+        LossBatch(b.train_logprobs, b.sampler_logprobs, b.advantages, b.loss_mask, torch.tensor([4, 2]))
     with pytest.raises(ValueError, match="seq_lens must all be >= 1"):
-        LossBatch(b.lp_train, b.lp_rollout, b.advantages, b.loss_mask, torch.tensor([7, 0]))
+        LossBatch(b.train_logprobs, b.sampler_logprobs, b.advantages, b.loss_mask, torch.tensor([7, 0]))
     with pytest.raises(ValueError, match="loss_mask must be a bool"):
-        LossBatch(b.lp_train, b.lp_rollout, b.advantages, b.loss_mask.int(), b.seq_lens)
+        LossBatch(b.train_logprobs, b.sampler_logprobs, b.advantages, b.loss_mask.int(), b.seq_lens)
     with pytest.raises(ValueError, match="must all be on one device"):
-        LossBatch(b.lp_train, b.lp_rollout, b.advantages, b.loss_mask, b.seq_lens, entropy=torch.zeros(7, device="meta"))
-    with pytest.raises(ValueError, match="lp_teacher must be a float tensor"):
-        LossBatch(b.lp_train, b.lp_rollout, b.advantages, b.loss_mask, b.seq_lens, lp_teacher=torch.zeros(7, dtype=torch.long))
+        LossBatch(b.train_logprobs, b.sampler_logprobs, b.advantages, b.loss_mask, b.seq_lens, entropy=torch.zeros(7, device="meta"))
+    with pytest.raises(ValueError, match="teacher_logprobs must be a float tensor"):
+        LossBatch(b.train_logprobs, b.sampler_logprobs, b.advantages, b.loss_mask, b.seq_lens, teacher_logprobs=torch.zeros(7, dtype=torch.long))
     with pytest.raises(ValueError, match=r"below this micro-batch's 5 loss tokens / 2 samples"):
         policy_loss(b, StepNorm(4, 2, 1), LossSpec())
     with pytest.raises(ValueError, match=r"below this micro-batch's 5 loss tokens / 2 samples"):
@@ -225,26 +225,26 @@ def test_bad_inputs_raise_value_error():
     bad_adv = b.advantages.clone()
     bad_adv[5] = math.nan
     with pytest.raises(ValueError, match="advantages must be finite on loss tokens.*token 5"):
-        policy_loss(LossBatch(b.lp_train, b.lp_rollout, bad_adv, b.loss_mask, b.seq_lens), NORM, LossSpec())
-    bad_rollout = b.lp_rollout.clone()
+        policy_loss(LossBatch(b.train_logprobs, b.sampler_logprobs, bad_adv, b.loss_mask, b.seq_lens), NORM, LossSpec())
+    bad_rollout = b.sampler_logprobs.clone()
     bad_rollout[0] = -math.inf  # not a loss token: accepted
-    policy_loss(LossBatch(b.lp_train, bad_rollout, b.advantages, b.loss_mask, b.seq_lens), NORM, LossSpec())
+    policy_loss(LossBatch(b.train_logprobs, bad_rollout, b.advantages, b.loss_mask, b.seq_lens), NORM, LossSpec())
     bad_rollout[1] = -math.inf
-    with pytest.raises(ValueError, match="lp_rollout must be finite on loss tokens.*token 1"):
-        policy_loss(LossBatch(b.lp_train, bad_rollout, b.advantages, b.loss_mask, b.seq_lens), NORM, LossSpec())
+    with pytest.raises(ValueError, match="sampler_logprobs must be finite on loss tokens.*token 1"):
+        policy_loss(LossBatch(b.train_logprobs, bad_rollout, b.advantages, b.loss_mask, b.seq_lens), NORM, LossSpec())
 
 
 def test_missing_or_bad_optional_inputs_raise():
-    with pytest.raises(ValueError, match="LossBatch.lp_old is None: use_tis"):
+    with pytest.raises(ValueError, match="LossBatch.old_logprobs is None: use_tis"):
         policy_loss(_example(), NORM, LossSpec(use_tis=True))
-    with pytest.raises(ValueError, match="LossBatch.lp_ref is None"):
+    with pytest.raises(ValueError, match="LossBatch.ref_logprobs is None"):
         policy_loss(_example(), NORM, LossSpec(kl_tau=0.1, kl_reference="reference"))
-    with pytest.raises(ValueError, match="LossBatch.lp_teacher is None: teacher_tau"):
+    with pytest.raises(ValueError, match="LossBatch.teacher_logprobs is None: teacher_tau"):
         policy_loss(_example(), NORM, LossSpec(teacher_tau=0.5))
     bad = torch.zeros(7, dtype=F64)
     bad[6] = math.nan
-    with pytest.raises(ValueError, match="lp_old must be finite on loss tokens.*token 6"):
-        policy_loss(_example(lp_old=bad), NORM, LossSpec(use_tis=True))
-    with pytest.raises(ValueError, match="lp_teacher must be finite on loss tokens.*token 6"):
-        policy_loss(_example(lp_teacher=bad), NORM, LossSpec())
-    policy_loss(_example(lp_ref=bad), NORM, LossSpec())  # lp_ref unused (kl_tau = 0): not checked
+    with pytest.raises(ValueError, match="old_logprobs must be finite on loss tokens.*token 6"):
+        policy_loss(_example(old_logprobs=bad), NORM, LossSpec(use_tis=True))
+    with pytest.raises(ValueError, match="teacher_logprobs must be finite on loss tokens.*token 6"):
+        policy_loss(_example(teacher_logprobs=bad), NORM, LossSpec())
+    policy_loss(_example(ref_logprobs=bad), NORM, LossSpec())  # ref_logprobs unused (kl_tau = 0): not checked

@@ -59,14 +59,14 @@ def test_k1_and_k3_are_unbiased_and_k2_is_close():
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 def test_kl_penalty_values_and_gradients(estimator):
-    # x = lp_train - lp_ref = [ln 2, -ln 2, 0]:
-    #   k1 = x                  d/d lp_train = 1
-    #   k2 = x^2 / 2            d/d lp_train = x
-    #   k3 = e^-x - 1 + x       d/d lp_train = 1 - e^-x   -> at ln 2: 0.5 ; at -ln 2: -1 ; at 0: 0
-    lp_train = torch.tensor([-1.0, -2.0, -0.5], dtype=F64, requires_grad=True)
+    # x = train_logprobs - ref_logprobs = [ln 2, -ln 2, 0]:
+    #   k1 = x                  d/d train_logprobs = 1
+    #   k2 = x^2 / 2            d/d train_logprobs = x
+    #   k3 = e^-x - 1 + x       d/d train_logprobs = 1 - e^-x   -> at ln 2: 0.5 ; at -ln 2: -1 ; at 0: 0
+    train_logprobs = torch.tensor([-1.0, -2.0, -0.5], dtype=F64, requires_grad=True)
     x = [L2, -L2, 0.0]
-    lp_ref = lp_train.detach() - torch.tensor(x, dtype=F64)
-    value = kl_penalty(lp_train, lp_ref, estimator)
+    ref_logprobs = train_logprobs.detach() - torch.tensor(x, dtype=F64)
+    value = kl_penalty(train_logprobs, ref_logprobs, estimator)
     value.sum().backward()
     expected = {
         "k1": ([L2, -L2, 0.0], [1.0, 1.0, 1.0]),
@@ -74,18 +74,18 @@ def test_kl_penalty_values_and_gradients(estimator):
         "k3": ([0.5 - 1 + L2, 2 - 1 - L2, 0.0], [0.5, -1.0, 0.0]),
     }[estimator]
     torch.testing.assert_close(value.detach(), torch.tensor(expected[0], dtype=F64))
-    torch.testing.assert_close(lp_train.grad, torch.tensor(expected[1], dtype=F64))
+    torch.testing.assert_close(train_logprobs.grad, torch.tensor(expected[1], dtype=F64))
 
 
 def test_kl_penalty_k3_clamps_extreme_log_ratios():
     # x = -100: e^100 would be 2.7e43; the log ratio is clamped to 20 -> k3 = e^20 - 1 - 20, no gradient
-    lp_train = torch.tensor([-101.0], dtype=F64, requires_grad=True)
-    value = kl_penalty(lp_train, torch.tensor([-1.0], dtype=F64), "k3")
+    train_logprobs = torch.tensor([-101.0], dtype=F64, requires_grad=True)
+    value = kl_penalty(train_logprobs, torch.tensor([-1.0], dtype=F64), "k3")
     value.backward()
     assert value.item() == pytest.approx(math.exp(20) - 21, rel=1e-12)
-    assert lp_train.grad.item() == 0.0
+    assert train_logprobs.grad.item() == 0.0
     with pytest.raises(ValueError, match="kl estimator must be one of k1, k2, k3"):
-        kl_penalty(lp_train, lp_train.detach(), "k4")
+        kl_penalty(train_logprobs, train_logprobs.detach(), "k4")
 
 
 def test_sequence_ratios_by_hand():
@@ -109,9 +109,9 @@ def test_sequence_ratios_by_hand():
 
 def test_tis_weight_by_hand():
     # pi_old / pi_rollout = 0.25, 1, 4 -> clip to [0.5, 2] -> 0.5, 1, 2
-    lp_old = torch.tensor([-2 * L2, -1.0, 2 * L2], dtype=F64)
-    lp_rollout = torch.tensor([0.0, -1.0, 0.0], dtype=F64)
-    torch.testing.assert_close(tis_weight(lp_old, lp_rollout, 0.5, 2.0), torch.tensor([0.5, 1.0, 2.0], dtype=F64))
+    old_logprobs = torch.tensor([-2 * L2, -1.0, 2 * L2], dtype=F64)
+    sampler_logprobs = torch.tensor([0.0, -1.0, 0.0], dtype=F64)
+    torch.testing.assert_close(tis_weight(old_logprobs, sampler_logprobs, 0.5, 2.0), torch.tensor([0.5, 1.0, 2.0], dtype=F64))
 
 
 def test_sample_ids_and_loss_counts():

@@ -7,7 +7,7 @@ Example (the one of test_loss_types.py; 2 packed samples, T = 7):
     token           0      1      2      3      4      5      6
     sample          0      0      0      0      1      1      1
     loss_mask       F      T      T      T      F      T      T
-    lp_train      -1.0   -0.5   -2.0  -0.25   -3.0   -1.5  -0.75
+    train_logprobs      -1.0   -0.5   -2.0  -0.25   -3.0   -1.5  -0.75
     ratio m         1      1     1.1    1.5     1     0.5     4      (pi_train / pi_rollout)
     advantage      1.0    1.0    1.0    1.0   -2.0   -2.0   -2.0
 
@@ -33,10 +33,10 @@ IS = "importance_sampling"
 
 
 def _example(advantages=(1.0, 1.0, 1.0, 1.0, -2.0, -2.0, -2.0), **extra):
-    lp_train = torch.tensor(LP, dtype=F64, requires_grad=True)
+    train_logprobs = torch.tensor(LP, dtype=F64, requires_grad=True)
     return LossBatch(
-        lp_train=lp_train,
-        lp_rollout=lp_train.detach() - torch.log(torch.tensor(RATIOS, dtype=F64)),
+        train_logprobs=train_logprobs,
+        sampler_logprobs=train_logprobs.detach() - torch.log(torch.tensor(RATIOS, dtype=F64)),
         advantages=torch.tensor(advantages, dtype=F64),
         loss_mask=torch.tensor([False, True, True, True, False, True, True]),
         seq_lens=torch.tensor([4, 3]),
@@ -48,7 +48,7 @@ def _run(spec, norm=NORM, **kwargs):
     batch = _example(**kwargs)
     loss, stats = policy_loss(batch, norm, spec)
     loss.backward()
-    return loss.item(), batch.lp_train.grad, stats
+    return loss.item(), batch.train_logprobs.grad, stats
 
 
 def _grad(values):
@@ -68,23 +68,23 @@ def test_icepop_masks_outside_one_over_beta_beta():
 
 
 def test_tis_with_old_policy_equal_to_train():
-    # rlbus passes lp_old = lp_train.detach(): policy ratio pi_train / pi_old = 1 (grad flows),
+    # rlbus passes old_logprobs = train_logprobs.detach(): policy ratio pi_train / pi_old = 1 (grad flows),
     # TIS weight w = clip(m, 0.6, 2): t1 1, t2 1.1, t3 1.5, t5 0.6 (truncated), t6 2 (truncated).
     # ppo_clip with r = 1 is never clipped: l_t = w (-A): -1, -1.1, -1.5, +1.2, +4.0 -> 1.6 / 10
     # grad = -A w / 10
-    lp_old = torch.tensor(LP, dtype=F64)
-    loss, grad, stats = _run(LossSpec(type="ppo_clip", use_tis=True, tis_clip_low=0.6, tis_clip_high=2.0), lp_old=lp_old)
+    old_logprobs = torch.tensor(LP, dtype=F64)
+    loss, grad, stats = _run(LossSpec(type="ppo_clip", use_tis=True, tis_clip_low=0.6, tis_clip_high=2.0), old_logprobs=old_logprobs)
     assert loss == pytest.approx(0.16, rel=1e-12)
     torch.testing.assert_close(grad, _grad([0, -0.1, -0.11, -0.15, 0, 0.12, 0.4]))
     assert stats["tis_clipped_tokens"] == 2 and stats["clipped_tokens"] == 0
 
 
 def test_tis_with_old_policy_behind_train():
-    # lp_old = lp_train - ln 1.25: policy ratio r = 1.25 on every token; TIS weight
+    # old_logprobs = train_logprobs - ln 1.25: policy ratio r = 1.25 on every token; TIS weight
     # w = clip(pi_old / pi_rollout = m / 1.25, 0.6, 2) = 0.8, 0.88, 1.2, 0.6 (0.4 truncated), 2 (3.2 truncated)
     # IS: l_t = w (-A r): -1.0, -1.1, -1.5, +1.5, +5.0 -> 2.9 / 10 ; grad = -A r w / 10
-    lp_old = torch.tensor(LP, dtype=F64) - math.log(1.25)
-    loss, grad, stats = _run(LossSpec(type=IS, use_tis=True, tis_clip_low=0.6, tis_clip_high=2.0), lp_old=lp_old)
+    old_logprobs = torch.tensor(LP, dtype=F64) - math.log(1.25)
+    loss, grad, stats = _run(LossSpec(type=IS, use_tis=True, tis_clip_low=0.6, tis_clip_high=2.0), old_logprobs=old_logprobs)
     assert loss == pytest.approx(0.29, rel=1e-12)
     torch.testing.assert_close(grad, _grad([0, -0.1, -0.11, -0.15, 0, 0.15, 0.5]))
     assert stats["tis_clipped_tokens"] == 2
@@ -94,8 +94,8 @@ def test_tis_with_old_policy_behind_train():
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 def test_kl_penalty_against_rollout_by_hand(estimator):
-    # aipo (all kept) + kl_tau 0.1 against the sampler: with x = lp_train - lp_rollout = ln m,
-    #   k1 = x, k2 = x^2 / 2, k3 = e^-x - 1 + x ; d/d lp_train: 1, x, 1 - e^-x
+    # aipo (all kept) + kl_tau 0.1 against the sampler: with x = train_logprobs - sampler_logprobs = ln m,
+    #   k1 = x, k2 = x^2 / 2, k3 = e^-x - 1 + x ; d/d train_logprobs: 1, x, 1 - e^-x
     # loss = (sum_t -(m A) lp_t + 0.1 sum_t k(x_t)) / 10 ; grad = (-m A + 0.1 dk) / 10
     x = [math.log(m) for m in RATIOS]
     value = {"k1": lambda v: v, "k2": lambda v: v * v / 2, "k3": lambda v: math.exp(-v) - 1 + v}[estimator]
@@ -113,12 +113,12 @@ def test_kl_penalty_against_rollout_by_hand(estimator):
 
 def test_kl_penalty_against_reference_with_zero_advantages():
     # All-equal rewards -> zero advantages: the policy term vanishes, only the KL pull remains.
-    # lp_ref = lp_train - ln 2 on every token, so x = lp_train - lp_ref = ln 2:
-    #   k3 = e^-x - 1 + x = 0.5 - 1 + ln 2 = 0.1931471806 ; d k3 / d lp_train = 1 - e^-x = 0.5
+    # ref_logprobs = train_logprobs - ln 2 on every token, so x = train_logprobs - ref_logprobs = ln 2:
+    #   k3 = e^-x - 1 + x = 0.5 - 1 + ln 2 = 0.1931471806 ; d k3 / d train_logprobs = 1 - e^-x = 0.5
     # loss = 0.2 * 5 * 0.1931471806 / 10 ; grad = 0.2 * 0.5 / 10 = 0.01 on loss tokens
-    lp_ref = torch.tensor(LP, dtype=F64) - math.log(2.0)
+    ref_logprobs = torch.tensor(LP, dtype=F64) - math.log(2.0)
     spec = LossSpec(type="ppo_clip", kl_tau=0.2, kl_reference="reference")
-    loss, grad, stats = _run(spec, advantages=(0.0,) * 7, lp_ref=lp_ref)
+    loss, grad, stats = _run(spec, advantages=(0.0,) * 7, ref_logprobs=ref_logprobs)
     k3 = 0.5 - 1 + math.log(2.0)
     assert loss == pytest.approx(0.2 * 5 * k3 / 10, rel=1e-12)
     torch.testing.assert_close(grad, _grad([0, 0.01, 0.01, 0.01, 0, 0.01, 0.01]))
@@ -126,17 +126,17 @@ def test_kl_penalty_against_reference_with_zero_advantages():
 
 
 def test_teacher_distillation_by_hand():
-    # lp_teacher = lp_train + d, d = [0, 0.2, -0.4, 0.6, 0, 1.0, -2.0]; teacher_tau 0.5:
+    # teacher_logprobs = train_logprobs + d, d = [0, 0.2, -0.4, 0.6, 0, 1.0, -2.0]; teacher_tau 0.5:
     #   A' = A + 0.5 d = t1 1.1, t2 0.8, t3 1.3, t5 -1.5, t6 -3.0 (detached)
     # IS: l_t = -(m A'): -1.1, -0.88, -1.95, +0.75, +12.0 -> 8.82 / 10 ; grad = -m A' / 10
-    # teacher_kl_sum = sum (lp_train - lp_teacher) = -(0.2 - 0.4 + 0.6 + 1.0 - 2.0) = 0.6
+    # teacher_kl_sum = sum (train_logprobs - teacher_logprobs) = -(0.2 - 0.4 + 0.6 + 1.0 - 2.0) = 0.6
     d = torch.tensor([0, 0.2, -0.4, 0.6, 0, 1.0, -2.0], dtype=F64)
-    loss, grad, stats = _run(LossSpec(type=IS, teacher_tau=0.5), lp_teacher=torch.tensor(LP, dtype=F64) + d)
+    loss, grad, stats = _run(LossSpec(type=IS, teacher_tau=0.5), teacher_logprobs=torch.tensor(LP, dtype=F64) + d)
     assert loss == pytest.approx(0.882, rel=1e-12)
     torch.testing.assert_close(grad, _grad([0, -0.11, -0.088, -0.195, 0, 0.075, 1.2]))
     assert stats["teacher_kl_sum"] == pytest.approx(0.6, rel=1e-12)
     # teacher logprobs without teacher_tau: reported only, the loss is plain IS (5.4 / 10)
-    loss, _, stats = _run(LossSpec(type=IS), lp_teacher=torch.tensor(LP, dtype=F64) + d)
+    loss, _, stats = _run(LossSpec(type=IS), teacher_logprobs=torch.tensor(LP, dtype=F64) + d)
     assert loss == pytest.approx(0.54, rel=1e-12) and stats["teacher_kl_sum"] == pytest.approx(0.6, rel=1e-12)
 
 
@@ -212,9 +212,9 @@ def _random_batch(seed, num_samples=12):
     mask[int(lens[:2].sum()) : int(lens[:3].sum())] = False  # sample 2: a zero-length completion
     adv = torch.repeat_interleave(torch.randn(num_samples, generator=g, dtype=F64), lens)
     extra = {
-        "lp_old": lp - (torch.rand(t, generator=g, dtype=F64) - 0.5) * 0.2,
-        "lp_ref": lp - (torch.rand(t, generator=g, dtype=F64) - 0.5),
-        "lp_teacher": lp - (torch.rand(t, generator=g, dtype=F64) - 0.5),
+        "old_logprobs": lp - (torch.rand(t, generator=g, dtype=F64) - 0.5) * 0.2,
+        "ref_logprobs": lp - (torch.rand(t, generator=g, dtype=F64) - 0.5),
+        "teacher_logprobs": lp - (torch.rand(t, generator=g, dtype=F64) - 0.5),
     }
     return lens, lp, lp - log_r, adv, mask, extra
 
@@ -235,13 +235,13 @@ def test_any_split_into_micro_batches_and_ranks_sums_to_the_step(spec, aggregati
     # sample boundaries (micro-batches on one rank, or spread over ranks whose gradients are
     # summed): losses, gradients and summed stats agree.
     spec = dataclasses.replace(spec, aggregation=aggregation)
-    lens, lp, lp_rollout, adv, mask, extra = _random_batch(seed=5)
+    lens, lp, sampler_logprobs, adv, mask, extra = _random_batch(seed=5)
     norm = StepNorm(*loss_counts(mask, lens), max_tokens=6)
 
     def run(lo, hi):  # samples [lo, hi)
         a, b = int(lens[:lo].sum()), int(lens[:hi].sum())
         leaf = lp[a:b].clone().requires_grad_(True)
-        batch = LossBatch(leaf, lp_rollout[a:b], adv[a:b], mask[a:b], lens[lo:hi], **{k: v[a:b] for k, v in extra.items()})
+        batch = LossBatch(leaf, sampler_logprobs[a:b], adv[a:b], mask[a:b], lens[lo:hi], **{k: v[a:b] for k, v in extra.items()})
         loss, stats = policy_loss(batch, norm, spec)
         loss.backward()
         return loss.item(), leaf.grad, stats
@@ -261,17 +261,17 @@ def test_any_split_into_micro_batches_and_ranks_sums_to_the_step(spec, aggregati
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.type)
 def test_masked_and_prompt_tokens_never_leak_nan(spec):
     # Non-loss tokens carry -inf / NaN in every input and one loss token has an absurd ratio
-    # (lp_rollout 500 nats below lp_train): the loss and gradient stay finite, and non-loss
+    # (sampler_logprobs 500 nats below train_logprobs): the loss and gradient stay finite, and non-loss
     # tokens get exactly zero gradient.
-    lens, lp, lp_rollout, adv, mask, extra = _random_batch(seed=5)
-    lp_rollout = lp_rollout.clone()
+    lens, lp, sampler_logprobs, adv, mask, extra = _random_batch(seed=5)
+    sampler_logprobs = sampler_logprobs.clone()
     first = int(mask.nonzero()[0, 0])
-    lp_rollout[first] = lp[first] - 500.0
+    sampler_logprobs[first] = lp[first] - 500.0
     poison = ~mask
-    lp_rollout[poison] = -math.inf
+    sampler_logprobs[poison] = -math.inf
     extra = {k: torch.where(poison, math.nan, v) for k, v in extra.items()}
     leaf = torch.where(poison, math.nan, lp).requires_grad_(True)
-    batch = LossBatch(leaf, lp_rollout, torch.where(poison, math.nan, adv), mask, lens, **extra)
+    batch = LossBatch(leaf, sampler_logprobs, torch.where(poison, math.nan, adv), mask, lens, **extra)
     norm = StepNorm(*loss_counts(mask, lens), max_tokens=6)
     loss, _ = policy_loss(batch, norm, spec)
     loss.backward()

@@ -6,7 +6,7 @@ Example (2 packed samples, T = 7), ratios r = pi_train / pi_rollout chosen to hi
     token           0      1      2      3      4      5      6
     sample          0      0      0      0      1      1      1
     loss_mask       F      T      T      T      F      T      T
-    lp_train      -1.0   -0.5   -2.0  -0.25   -3.0   -1.5  -0.75
+    train_logprobs      -1.0   -0.5   -2.0  -0.25   -3.0   -1.5  -0.75
     ratio           1      1     1.1    1.5     1     0.5     4
     advantage      1.0    1.0    1.0    1.0   -2.0   -2.0   -2.0
 
@@ -27,10 +27,10 @@ NORM = StepNorm(loss_tokens=10, num_samples=4, max_tokens=8)
 
 
 def _example(**extra):
-    lp_train = torch.tensor([-1.0, -0.5, -2.0, -0.25, -3.0, -1.5, -0.75], dtype=F64, requires_grad=True)
+    train_logprobs = torch.tensor([-1.0, -0.5, -2.0, -0.25, -3.0, -1.5, -0.75], dtype=F64, requires_grad=True)
     return LossBatch(
-        lp_train=lp_train,
-        lp_rollout=lp_train.detach() - torch.log(torch.tensor(RATIOS, dtype=F64)),
+        train_logprobs=train_logprobs,
+        sampler_logprobs=train_logprobs.detach() - torch.log(torch.tensor(RATIOS, dtype=F64)),
         advantages=torch.tensor([1.0, 1.0, 1.0, 1.0, -2.0, -2.0, -2.0], dtype=F64),
         loss_mask=torch.tensor([False, True, True, True, False, True, True]),
         seq_lens=torch.tensor([4, 3]),
@@ -42,7 +42,7 @@ def _run(spec, norm=NORM, **extra):
     batch = _example(**extra)
     loss, stats = policy_loss(batch, norm, spec)
     loss.backward()
-    return loss.item(), batch.lp_train.grad, stats
+    return loss.item(), batch.train_logprobs.grad, stats
 
 
 def test_ppo_clip_by_hand():
@@ -123,10 +123,10 @@ def test_gspo_gradient_equals_the_sequence_form():
     eps = 0.3  # [0.7, 1.3]: sample 0 (s 1.18) unclipped, sample 1 (A < 0, s 1.41) unclipped
     loss, grad, _ = _run(LossSpec(type="gspo", eps_clip=eps, aggregation="seq_mean_token_mean"), StepNorm(5, 2, 8))
     ex = _example()
-    lp = ex.lp_train
+    lp = ex.train_logprobs
     terms = []
     for sl, adv in ((slice(1, 4), 1.0), (slice(5, 7), -2.0)):
-        s = torch.exp((lp[sl] - ex.lp_rollout[sl]).mean())
+        s = torch.exp((lp[sl] - ex.sampler_logprobs[sl]).mean())
         terms.append(torch.minimum(s * adv, s.clamp(1 - eps, 1 + eps) * adv))
     seq_loss = -(terms[0] + terms[1]) / 2
     seq_loss.backward()
@@ -140,13 +140,13 @@ def test_gspo_with_per_sample_advantage_is_clipped_per_sample():
     #   sample 1: s_1 = 1.41 > 1.2 -> max(-2 s_1, -2 * 1.2) = -2.4 per token, clipped, zero gradient
     batch = _example()
     adv = torch.tensor([1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0], dtype=F64)
-    batch = LossBatch(batch.lp_train, batch.lp_rollout, adv, batch.loss_mask, batch.seq_lens)
+    batch = LossBatch(batch.train_logprobs, batch.sampler_logprobs, adv, batch.loss_mask, batch.seq_lens)
     loss, stats = policy_loss(batch, NORM, LossSpec(type="gspo", eps_clip=0.5, eps_clip_high=0.2, aggregation="seq_mean_token_mean"))
     loss.backward()
     s0 = 1.65 ** (1 / 3)
     # loss = (mean over sample 0 + mean over sample 1) / G = (-s_0 - 2.4) / 4
     assert loss.item() == pytest.approx((-s0 - 2.4) / 4, rel=1e-12)
-    torch.testing.assert_close(batch.lp_train.grad, torch.tensor([0, -s0 / 12, -s0 / 12, -s0 / 12, 0, 0, 0], dtype=F64))
+    torch.testing.assert_close(batch.train_logprobs.grad, torch.tensor([0, -s0 / 12, -s0 / 12, -s0 / 12, 0, 0, 0], dtype=F64))
     assert stats["clipped_tokens"] == 2
 
 

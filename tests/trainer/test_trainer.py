@@ -1,7 +1,7 @@
 """Tests for trainer.trainer.Trainer: one optimizer step over packed micro-batches, on a tiny real
 Qwen2 model (full fine-tuning and LoRA).
 
-Samples carry the model's own logprobs as ``inference_logprobs`` (computed with
+Samples carry the model's own logprobs as ``sampler_logprobs`` (computed with
 ``packed_token_logprobs`` under no_grad), so the importance ratio is exactly 1 up to numerics and
 the loss reduces to ``-sum_t A_t * lp_t / N`` over loss tokens.
 
@@ -92,7 +92,7 @@ def test_on_policy_step_metrics_and_update(model_dir, lora):
     before = trainable(model)
     # by hand: ratio 1 -> loss = -sum_samples A_k * sum_completion lp / N, N = 4 + 3 + 2 + 5 = 14
     n_loss = 14
-    loss_by_hand = -sum(s.advantage * float(s.inference_logprobs[s.loss_mask].sum()) for s in ss) / n_loss
+    loss_by_hand = -sum(s.advantage * float(s.sampler_logprobs[s.loss_mask].sum()) for s in ss) / n_loss
     m = trainer.step(mbs)
     assert m["loss"] == pytest.approx(loss_by_hand, rel=1e-5)
     assert abs(m["kl"]) < 1e-9
@@ -238,7 +238,7 @@ def test_zero_length_completion_contributes_nothing(model_dir):
         PackedSample("empty/0", np.int32([5, 6, 7]), np.zeros(3, bool), np.zeros(3, np.float32), 3.0, 0.0, 0)
     ]
     m = Trainer(model, trainer_cfg()).step(micro_batches(ss, [[0, 1]]))
-    lp = float(ss[0].inference_logprobs[ss[0].loss_mask].sum())
+    lp = float(ss[0].sampler_logprobs[ss[0].loss_mask].sum())
     assert m["loss"] == pytest.approx(-1.0 * lp / 4, rel=1e-5)  # only sample 0's 4 tokens count
     assert m["num_loss_tokens"] == 4 and m["num_samples"] == 2
 
@@ -268,12 +268,12 @@ def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
         assert torch.equal(a[n], b[n]), n
 
 
-def test_huge_inference_logprobs_are_masked_not_skipped(model_dir):
-    """An absurd lp_infer makes the ratio 0 or inf; the loss masks those tokens, so the step is
+def test_huge_sampler_logprobs_are_masked_not_skipped(model_dir):
+    """An absurd sampler_logprobs makes the ratio 0 or inf; the loss masks those tokens, so the step is
     finite and taken (the guard is for what the masks cannot catch)."""
     model = policy(model_dir, lora=False)
     ss = samples(model)
-    ss[1] = dataclasses.replace(ss[1], inference_logprobs=np.where(ss[1].loss_mask, 1e30, 0.0).astype(np.float32))
+    ss[1] = dataclasses.replace(ss[1], sampler_logprobs=np.where(ss[1].loss_mask, 1e30, 0.0).astype(np.float32))
     before = skipped_count("non_finite_loss") + skipped_count("non_finite_grad")
     m = Trainer(model, trainer_cfg()).step(micro_batches(ss, [[0, 1], [2, 3]]))
     assert m["skipped"] == 0.0 and m["masked_frac"] > 0
@@ -285,7 +285,7 @@ def test_huge_inference_logprobs_are_masked_not_skipped(model_dir):
 def test_non_finite_loss_skips_the_step(model_dir, lora, caplog):
     model = policy(model_dir, lora)
     ss = samples(model)
-    # a finite but huge advantage (valid on the wire) overflows coeff * lp_train to inf in float32
+    # a finite but huge advantage (valid on the wire) overflows coeff * train_logprobs to inf in float32
     bad = ss[:1] + [dataclasses.replace(ss[1], advantage=3e38)] + ss[2:]
     trainer = Trainer(model, trainer_cfg())
     weights, before = all_weights(model), skipped_count("non_finite_loss")

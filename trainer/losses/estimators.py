@@ -70,33 +70,33 @@ def kl_k3(log_r: torch.Tensor) -> torch.Tensor:
 _ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
 
 
-def kl_penalty(lp_train: torch.Tensor, lp_ref: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token KL penalty estimating KL(pi_train || pi_ref), differentiable w.r.t. lp_train.
+def kl_penalty(train_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL penalty estimating KL(pi_train || pi_ref), differentiable w.r.t. train_logprobs.
 
     With q = pi_train (the policy being penalized, treated as the sampler) and p = pi_ref, log r =
-    lp_ref - lp_train:
-        k1 = lp_train - lp_ref                       d/d lp_train = 1
-        k2 = (lp_train - lp_ref)^2 / 2               d/d lp_train = lp_train - lp_ref
-        k3 = exp(lp_ref - lp_train) - 1 - (lp_ref - lp_train)
-                                                     d/d lp_train = 1 - exp(lp_ref - lp_train)
+    ref_logprobs - train_logprobs:
+        k1 = train_logprobs - ref_logprobs                       d/d train_logprobs = 1
+        k2 = (train_logprobs - ref_logprobs)^2 / 2               d/d train_logprobs = train_logprobs - ref_logprobs
+        k3 = exp(ref_logprobs - train_logprobs) - 1 - (ref_logprobs - train_logprobs)
+                                                     d/d train_logprobs = 1 - exp(ref_logprobs - train_logprobs)
     For k3, log r is first clamped to [-LOG_RATIO_BOUND, LOG_RATIO_BOUND] (verl's clamp). These are
     verl's `kl_penalty` "k1"/"k2"/"k3" (a.k.a. "kl"/"mse"/"low_var_kl", verl/trainer/ppo/core_algos.py),
     from Schulman, http://joschu.net/blog/kl-approx.html.
 
     Args:
-        lp_train: `[T]` float, the trainer's logprobs (grad flows); nats.
-        lp_ref: `[T]` float, the reference policy's logprobs (detached: the sampler or a frozen model).
+        train_logprobs: `[T]` float, the trainer's logprobs (grad flows); nats.
+        ref_logprobs: `[T]` float, the reference policy's logprobs (detached: the sampler or a frozen model).
         estimator: "k1" | "k2" | "k3".
 
     Returns:
-        `[T]`, dtype of lp_train; nats.
+        `[T]`, dtype of train_logprobs; nats.
 
     Raises:
         ValueError: unknown estimator.
     """
     if estimator not in _ESTIMATORS:
         raise ValueError(f"kl estimator must be one of {', '.join(_ESTIMATORS)}; got {estimator!r}")
-    log_r = lp_ref.detach().to(lp_train.dtype) - lp_train
+    log_r = ref_logprobs.detach().to(train_logprobs.dtype) - train_logprobs
     if estimator == "k3":
         log_r = log_r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     return _ESTIMATORS[estimator](log_r)
@@ -105,11 +105,11 @@ def kl_penalty(lp_train: torch.Tensor, lp_ref: torch.Tensor, estimator: str) -> 
 def mismatch_kl(log_ratio: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate of KL(pi_rollout || pi_train), the reported train/inference KL metric.
 
-    Tokens are sampled by pi_rollout (q) and log_ratio = lp_train - lp_rollout = log p - log q, so
+    Tokens are sampled by pi_rollout (q) and log_ratio = train_logprobs - sampler_logprobs = log p - log q, so
     this is exactly Schulman's k3 with r = pi_train / pi_rollout: `r - 1 - log r` (>= 0, 0 on-policy).
 
     Args:
-        log_ratio: `[T]` float, lp_train - lp_rollout (nats, detached).
+        log_ratio: `[T]` float, train_logprobs - sampler_logprobs (nats, detached).
 
     Returns:
         `[T]` same dtype, >= 0; nats.
@@ -179,7 +179,7 @@ def sequence_mean_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, seq_ids
     return segment_sum(log_ratio, mask, seq_ids, num_samples) / counts.clamp(min=1.0)
 
 
-def tis_weight(lp_old: torch.Tensor, lp_rollout: torch.Tensor, low: float, high: float) -> torch.Tensor:
+def tis_weight(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, low: float, high: float) -> torch.Tensor:
     """Truncated importance-sampling weight `clip(pi_old / pi_rollout, low, high)`, per token, detached.
 
     Corrects for the sampler (pi_rollout, e.g. vLLM) not being the trainer's policy at the same
@@ -189,11 +189,11 @@ def tis_weight(lp_old: torch.Tensor, lp_rollout: torch.Tensor, low: float, high:
     the low bound follows slime's `tis_clip_low`.
 
     Args:
-        lp_old: `[T]` float, log pi_old; nats.
-        lp_rollout: `[T]` float, log pi_rollout; nats.
+        old_logprobs: `[T]` float, log pi_old; nats.
+        sampler_logprobs: `[T]` float, log pi_rollout; nats.
         low, high: bounds, 0 <= low < high.
 
     Returns:
-        `[T]`, dtype of lp_old, in [low, high] (NaN where an input is NaN).
+        `[T]`, dtype of old_logprobs, in [low, high] (NaN where an input is NaN).
     """
-    return torch.exp(lp_old.detach() - lp_rollout.to(lp_old.dtype)).clamp(low, high)
+    return torch.exp(old_logprobs.detach() - sampler_logprobs.to(old_logprobs.dtype)).clamp(low, high)

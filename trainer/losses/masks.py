@@ -118,7 +118,7 @@ def keep_mask(
     Any type: IcePop mask when icepop_beta is set.
 
     Args:
-        log_ratio: `[T]` float, detached log mismatch ratio lp_train - lp_rollout (nats).
+        log_ratio: `[T]` float, detached log mismatch ratio train_logprobs - sampler_logprobs (nats).
         loss_mask: `[T]` bool.
         seq_ids: `[T]` int64 sample of each token.
         num_samples: S.

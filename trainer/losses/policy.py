@@ -6,12 +6,12 @@ Per token t of sample i (all ratios detached unless said otherwise):
     keep  = loss_mask & masks(m)                           `trainer.losses.masks.keep_mask`
     b     = old if spec.use_tis else rollout               behaviour policy of the policy ratio
     r_t   = pi_train / pi_b                                policy ratio (grad flows, except in aipo)
-    A'_t  = adv_tau * A_t + teacher_tau * (lp_teacher - lp_train)           (on-policy distillation)
+    A'_t  = adv_tau * A_t + teacher_tau * (teacher_logprobs - train_logprobs)           (on-policy distillation)
     w_t   = clip(pi_old / pi_rollout, tis_clip_low, tis_clip_high) if use_tis else 1       (TIS)
-    l_t   = w_t * surrogate_type(r, A')_t + kl_tau * k(lp_train, lp_ref)_t   on kept tokens, else 0
+    l_t   = w_t * surrogate_type(r, A')_t + kl_tau * k(train_logprobs, ref_logprobs)_t   on kept tokens, else 0
     loss  = sum_t weight_t * l_t                            `trainer.losses.aggregation`
 
-surrogate_type: aipo -sg(r A') lp_train (r: token ratio, or the sample's product of ratios clipped
+surrogate_type: aipo -sg(r A') train_logprobs (r: token ratio, or the sample's product of ratios clipped
 at sequence_clip_high); ppo_clip max(-A' r, -A' clip(r)) (+ dual clip); importance_sampling -(r A');
 gspo the clipped surrogate of s_i = exp(mean of log r over the sample's kept tokens), token form.
 The surrogates are in `trainer.losses.objectives`; the KL estimators k1/k2/k3 in
@@ -53,12 +53,12 @@ def policy_loss(batch: LossBatch, norm: StepNorm, spec: LossSpec) -> tuple[torch
     """This micro-batch's share of the step's policy loss (formula in the module docstring).
 
     Args:
-        batch: the packed micro-batch (`[T]` tensors; lp_train requires grad).
+        batch: the packed micro-batch (`[T]` tensors; train_logprobs requires grad).
         norm: step-wide normalizers; must cover this micro-batch's counts.
         spec: the loss choice.
 
     Returns:
-        loss: 0-dim tensor, dtype of lp_train, differentiable w.r.t. lp_train.
+        loss: 0-dim tensor, dtype of train_logprobs, differentiable w.r.t. train_logprobs.
         stats: python floats over this micro-batch's loss tokens:
             `loss_tokens` (count), `masked_tokens` (loss tokens given zero gradient by a mask),
             `clipped_tokens` (kept loss tokens whose policy gradient a clip removed: PPO/GSPO clip,
@@ -67,13 +67,13 @@ def policy_loss(batch: LossBatch, norm: StepNorm, spec: LossSpec) -> tuple[torch
             `ratio_max` (m = pi_train / pi_rollout; min/max are +inf/-inf with no loss token);
             when kl_tau > 0: `kl_penalty_sum` (the penalty estimator over kept tokens, nats);
             when use_tis: `tis_clipped_tokens` (kept tokens whose TIS weight was truncated);
-            when lp_teacher is given: `teacher_kl_sum` (sum of lp_train - lp_teacher, nats);
+            when teacher_logprobs is given: `teacher_kl_sum` (sum of train_logprobs - teacher_logprobs, nats);
             when entropy is given: `entropy_sum` (nats).
 
     Raises:
         ValueError: seq_lens do not split T; norm is below this micro-batch's counts; an input the
-            spec needs is missing (lp_old with use_tis, lp_ref with kl_reference "reference",
-            lp_teacher with teacher_tau > 0); or lp_rollout, advantages or a used optional input is
+            spec needs is missing (old_logprobs with use_tis, ref_logprobs with kl_reference "reference",
+            teacher_logprobs with teacher_tau > 0); or sampler_logprobs, advantages or a used optional input is
             not finite on a loss token (the message names the token index).
     """
     seq_ids = sample_ids(batch.seq_lens, batch.num_tokens)
@@ -82,21 +82,21 @@ def policy_loss(batch: LossBatch, norm: StepNorm, spec: LossSpec) -> tuple[torch
     _check_norm(norm, loss_mask, seq_ids, num_samples)
     _check_inputs(batch, spec)
 
-    lp_train = batch.lp_train
-    dtype, zero = lp_train.dtype, torch.zeros((), dtype=lp_train.dtype, device=lp_train.device)
-    mismatch = lp_train.detach() - batch.lp_rollout.to(dtype)
+    train_logprobs = batch.train_logprobs
+    dtype, zero = train_logprobs.dtype, torch.zeros((), dtype=train_logprobs.dtype, device=train_logprobs.device)
+    mismatch = train_logprobs.detach() - batch.sampler_logprobs.to(dtype)
     keep = keep_mask(mismatch, loss_mask, seq_ids, num_samples, spec)
 
-    lp_behaviour = (batch.lp_old if spec.use_tis else batch.lp_rollout).detach().to(dtype)
-    log_ratio = torch.where(keep, lp_train - lp_behaviour, zero)  # grad flows; 0 where not kept
-    lp_kept = torch.where(keep, lp_train, zero)
+    lp_behaviour = (batch.old_logprobs if spec.use_tis else batch.sampler_logprobs).detach().to(dtype)
+    log_ratio = torch.where(keep, train_logprobs - lp_behaviour, zero)  # grad flows; 0 where not kept
+    lp_kept = torch.where(keep, train_logprobs, zero)
     adv = spec.adv_tau * batch.advantages.to(dtype)
     if spec.teacher_tau > 0:
-        adv = adv + spec.teacher_tau * (batch.lp_teacher.to(dtype) - lp_train.detach())
+        adv = adv + spec.teacher_tau * (batch.teacher_logprobs.to(dtype) - train_logprobs.detach())
     adv = torch.where(keep, adv, zero).detach()
 
     if spec.type == "aipo":
-        raw = lp_train.detach() - lp_behaviour
+        raw = train_logprobs.detach() - lp_behaviour
         token_loss, clipped = _aipo(spec, lp_kept, raw, adv, loss_mask, keep, seq_ids, num_samples)
     elif spec.type == "ppo_clip":
         token_loss, clipped = ppo_clip_token_loss(log_ratio, adv, spec.eps_clip, spec.clip_high, spec.eps_clip_c)
@@ -108,18 +108,18 @@ def policy_loss(batch: LossBatch, norm: StepNorm, spec: LossSpec) -> tuple[torch
 
     extra: dict[str, torch.Tensor] = {}
     if spec.use_tis:
-        weight = tis_weight(batch.lp_old.to(dtype), batch.lp_rollout, spec.tis_clip_low, spec.tis_clip_high)
+        weight = tis_weight(batch.old_logprobs.to(dtype), batch.sampler_logprobs, spec.tis_clip_low, spec.tis_clip_high)
         token_loss = torch.where(keep, weight, zero) * token_loss
-        raw_weight = torch.exp(batch.lp_old.double() - batch.lp_rollout.double())
+        raw_weight = torch.exp(batch.old_logprobs.double() - batch.sampler_logprobs.double())
         extra["tis_clipped_tokens"] = (keep & ((raw_weight < spec.tis_clip_low) | (raw_weight > spec.tis_clip_high))).sum()
     if spec.kl_tau > 0:
-        lp_ref = batch.lp_rollout if spec.kl_reference == "rollout" else batch.lp_ref
-        penalty = kl_penalty(lp_kept, torch.where(keep, lp_ref.to(dtype), zero), spec.kl_estimator)
+        ref_logprobs = batch.sampler_logprobs if spec.kl_reference == "rollout" else batch.ref_logprobs
+        penalty = kl_penalty(lp_kept, torch.where(keep, ref_logprobs.to(dtype), zero), spec.kl_estimator)
         penalty = torch.where(keep, penalty, zero)
         token_loss = token_loss + spec.kl_tau * penalty
         extra["kl_penalty_sum"] = penalty.detach().double().sum()
-    if batch.lp_teacher is not None:
-        extra["teacher_kl_sum"] = (lp_train.detach().double() - batch.lp_teacher.double())[loss_mask].sum()
+    if batch.teacher_logprobs is not None:
+        extra["teacher_kl_sum"] = (train_logprobs.detach().double() - batch.teacher_logprobs.double())[loss_mask].sum()
     if batch.entropy is not None:
         extra["entropy_sum"] = batch.entropy.detach().double()[loss_mask].sum()
 
@@ -170,19 +170,19 @@ def _check_norm(norm: StepNorm, loss_mask: torch.Tensor, seq_ids: torch.Tensor, 
 
 def _check_inputs(batch: LossBatch, spec: LossSpec) -> None:
     """Inputs the spec reads must be present and finite on loss tokens."""
-    needed = {"lp_rollout": batch.lp_rollout, "advantages": batch.advantages}
+    needed = {"sampler_logprobs": batch.sampler_logprobs, "advantages": batch.advantages}
     requirements = (
-        ("lp_old", spec.use_tis, "use_tis needs the old-policy logprobs (lp_old = lp_train.detach() for one step per batch)"),
-        ("lp_ref", spec.kl_tau > 0 and spec.kl_reference == "reference",
+        ("old_logprobs", spec.use_tis, "use_tis needs the old-policy logprobs (old_logprobs = train_logprobs.detach() for one step per batch)"),
+        ("ref_logprobs", spec.kl_tau > 0 and spec.kl_reference == "reference",
          "kl_reference='reference' needs the reference model's logprobs"),
-        ("lp_teacher", spec.teacher_tau > 0,
+        ("teacher_logprobs", spec.teacher_tau > 0,
          "teacher_tau > 0 needs the samples' teacher logprobs; set teacher_tau=0 or fetch them"),
     )
     for name, required, why in requirements:
         tensor = getattr(batch, name)
         if required and tensor is None:
             raise ValueError(f"LossBatch.{name} is None: {why}")
-        if tensor is not None and (required or name == "lp_teacher"):
+        if tensor is not None and (required or name == "teacher_logprobs"):
             needed[name] = tensor
     for name, tensor in needed.items():
         bad = batch.loss_mask & ~torch.isfinite(tensor)

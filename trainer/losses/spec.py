@@ -41,7 +41,7 @@ class LossSpec:
 
     Ratios: `pi_x` is the probability of a sampled token under policy x; `rollout` is the
     inference engine that sampled it, `train` the trainer's current weights, `old` the weights at
-    the start of the optimizer step (see `LossBatch.lp_old`).
+    the start of the optimizer step (see `LossBatch.old_logprobs`).
 
     Attributes:
         type: "aipo" (default; prime-rl's masked importance-weighted policy gradient),
@@ -65,17 +65,17 @@ class LossSpec:
             advantage is at most -A * eps_clip_c; must be > 1.
         icepop_beta: any type, None = off: a loss token whose mismatch ratio lies outside
             [1/beta, beta] gets zero gradient (IcePop); must be > 1.
-        use_tis: any type: truncated importance sampling. Needs `LossBatch.lp_old`; the policy
+        use_tis: any type: truncated importance sampling. Needs `LossBatch.old_logprobs`; the policy
             ratio becomes pi_train/pi_old and every token's loss is weighted by
             clip(pi_old/pi_rollout, tis_clip_low, tis_clip_high) (detached).
         tis_clip_low, tis_clip_high: the TIS weight bounds, 0 <= low <= 1 <= high, low < high.
         kl_tau: any type: weight of the KL penalty added to each kept token's loss, >= 0 (0 = off).
         kl_estimator: "k1" | "k2" | "k3" (Schulman), estimating KL(pi_train || pi_ref).
         kl_reference: "rollout" (pi_ref = the sampler) or "reference" (a frozen reference model;
-            needs `LossBatch.lp_ref`).
+            needs `LossBatch.ref_logprobs`).
         teacher_tau: any type: on-policy distillation, the advantage of token t becomes
             adv_tau * A_t + teacher_tau * (lp_teacher_t - lp_train_t) (detached); needs
-            `LossBatch.lp_teacher` when > 0.
+            `LossBatch.teacher_logprobs` when > 0.
         aggregation: "token_mean" | "seq_mean_token_mean" | "seq_mean_token_sum_norm" (see
             `trainer.losses.aggregation`).
 
@@ -220,17 +220,17 @@ class LossBatch:
     """One packed micro-batch as the loss sees it: flat `[T]` tensors split into samples by `seq_lens`.
 
     Attributes:
-        lp_train: `[T]` float, log pi_train(y_t | y_<t) from the trainer's forward, requires grad; nats.
-        lp_rollout: `[T]` float, the sampler's logprob of each token; nats; finite on loss tokens.
+        train_logprobs: `[T]` float, log pi_train(y_t | y_<t) from the trainer's forward, requires grad; nats.
+        sampler_logprobs: `[T]` float, the sampler's logprob of each token; nats; finite on loss tokens.
         advantages: `[T]` float, the sample's advantage on each of its tokens; finite on loss tokens.
         loss_mask: `[T]` bool, True on the tokens that carry loss (completion tokens).
         seq_lens: `[S]` int, sample lengths >= 1 summing to T, in packing order.
-        lp_old: `[T]` float or None, log pi_old: the trainer's logprobs under the weights the step
-            started from (rlbus takes one optimizer step per batch, so `lp_train.detach()`); read
+        old_logprobs: `[T]` float or None, log pi_old: the trainer's logprobs under the weights the step
+            started from (rlbus takes one optimizer step per batch, so `train_logprobs.detach()`); read
             only when `LossSpec.use_tis`; finite on loss tokens.
-        lp_ref: `[T]` float or None, a frozen reference model's logprobs; read only when kl_tau > 0
+        ref_logprobs: `[T]` float or None, a frozen reference model's logprobs; read only when kl_tau > 0
             and kl_reference == "reference"; finite on loss tokens.
-        lp_teacher: `[T]` float or None, a teacher model's logprobs (on-policy distillation); read
+        teacher_logprobs: `[T]` float or None, a teacher model's logprobs (on-policy distillation); read
             when teacher_tau > 0 (required then) and for the `teacher_kl_sum` stat; finite on loss tokens.
         entropy: `[T]` float or None, entropy of the trainer's next-token distribution (nats,
             detached), for the `entropy_sum` stat only.
@@ -240,27 +240,27 @@ class LossBatch:
         ValueError: a tensor has the wrong shape/kind/device, or seq_lens do not split T.
     """
 
-    lp_train: torch.Tensor
-    lp_rollout: torch.Tensor
+    train_logprobs: torch.Tensor
+    sampler_logprobs: torch.Tensor
     advantages: torch.Tensor
     loss_mask: torch.Tensor
     seq_lens: torch.Tensor
-    lp_old: torch.Tensor | None = None
-    lp_ref: torch.Tensor | None = None
-    lp_teacher: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        lp = self.lp_train
+        lp = self.train_logprobs
         if not isinstance(lp, torch.Tensor) or lp.ndim != 1 or not lp.dtype.is_floating_point:
-            raise ValueError("lp_train must be a 1-D float tensor [num_tokens] (flat packed logprobs)")
+            raise ValueError("train_logprobs must be a 1-D float tensor [num_tokens] (flat packed logprobs)")
         num_tokens = lp.shape[0]
-        named = {"lp_rollout": self.lp_rollout, "advantages": self.advantages, "loss_mask": self.loss_mask}
-        named.update({k: getattr(self, k) for k in ("lp_old", "lp_ref", "lp_teacher", "entropy") if getattr(self, k) is not None})
+        named = {"sampler_logprobs": self.sampler_logprobs, "advantages": self.advantages, "loss_mask": self.loss_mask}
+        named.update({k: getattr(self, k) for k in ("old_logprobs", "ref_logprobs", "teacher_logprobs", "entropy") if getattr(self, k) is not None})
         for name, tensor in named.items():
             if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != (num_tokens,):
                 shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-                raise ValueError(f"{name} must be a tensor of shape [{num_tokens}] like lp_train, got {shape}")
+                raise ValueError(f"{name} must be a tensor of shape [{num_tokens}] like train_logprobs, got {shape}")
             if name != "loss_mask" and not tensor.dtype.is_floating_point:
                 raise ValueError(f"{name} must be a float tensor, got {tensor.dtype}; use .float()")
         if self.loss_mask.dtype != torch.bool:
@@ -281,4 +281,4 @@ class LossBatch:
     @property
     def num_tokens(self) -> int:
         """T, the packed length."""
-        return int(self.lp_train.shape[0])
+        return int(self.train_logprobs.shape[0])
