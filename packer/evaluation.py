@@ -52,10 +52,11 @@ def eval_metrics(groups: list[EvalGroup]) -> dict[str, float]:
     - ``completion_len_mean`` = mean completion length, tokens;
     - ``reward/<name>`` = mean of reward function ``name``'s own score over the completions that
       carry it;
-    - ``pass_at_<k>`` for every group size ``k > 1``: the fraction of examples (groups of that
-      size) with at least one completion of reward >= 1. With ``n = k`` samples per example this
-      is the unbiased pass@k estimator ``1 - C(n - c, k) / C(n, k)`` of Chen et al. 2021
-      (arXiv:2107.03374), which is 1 if ``c > 0`` correct samples else 0.
+    - ``pass_at_<k>`` for every group size ``k`` (pass@1 included: one completion per example):
+      the fraction of examples (groups of that size) with at least one completion of reward >= 1.
+      With ``n = k`` samples per example this is the unbiased pass@k estimator
+      ``1 - C(n - c, k) / C(n, k)`` of Chen et al. 2021 (arXiv:2107.03374), which is 1 if
+      ``c > 0`` correct samples else 0.
 
     Returns ``{}`` for no completions.
     """
@@ -70,7 +71,7 @@ def eval_metrics(groups: list[EvalGroup]) -> dict[str, float]:
     for name in sorted({n for g in groups for n in g.reward_terms}):
         scores = [s for g in groups for s in g.reward_terms.get(name, [])]
         metrics[f"reward/{name}"] = float(np.mean(scores))
-    for k in sorted({len(g.rewards) for g in groups if len(g.rewards) > 1}):
+    for k in sorted({len(g.rewards) for g in groups if len(g.rewards)}):
         solved = [bool((g.rewards >= 1.0).any()) for g in groups if len(g.rewards) == k]
         metrics[f"pass_at_{k}"] = float(np.mean(solved))
     return metrics

@@ -28,10 +28,11 @@ from prometheus_client import Gauge
 
 from bus.messages import EvalResult
 from bus.sockets import BusSocket
+from tasks.registry import eval_tasks
 from trainer.step_ledger import append_jsonl
 
 if TYPE_CHECKING:
-    from configs.rollout import EvalConfig
+    from configs.schema import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -53,21 +54,16 @@ EVAL_PASS_AT_K = Gauge("rlbus_eval_pass_at_k", "pass@k of the last eval round, p
 EVAL_REWARD_TERM = Gauge("rlbus_eval_reward_term_mean", "Mean score of one reward function in the last eval round", ["task", "reward"])
 
 
-def declare_pass_at_k(eval_cfg: EvalConfig) -> None:
-    """Create (at 0) the ``rlbus_eval_pass_at_k{task, k}`` series the configured eval tasks will
-    set, so dashboards see them from the first scrape, not from the first eval round.
+def declare_pass_at_k(cfg: RunConfig) -> None:
+    """Create (at 0) the ``rlbus_eval_pass_at_k{task, k}`` series the run's eval tasks will set,
+    so dashboards see them from the first scrape, not from the first eval round.
 
-    One series per task of ``eval_cfg.tasks`` with ``k = rollouts_per_example > 1``: the packer
-    reports ``pass_at_<k>`` only for groups of more than one completion
-    (:func:`packer.evaluation.eval_metrics`), so a task sampled once per example (the default, and
-    the training task that stands in for an empty ``tasks`` list) has no pass@k series at all; a
-    series at 0 there would read as a pass rate of 0. None when evaluation is off.
+    One series per eval task (:func:`tasks.registry.eval_tasks`: ``eval.tasks``, or the training
+    task when that list is empty) with ``k = rollouts_per_example``, the group size the packer
+    reports ``pass_at_<k>`` for (:func:`packer.evaluation.eval_metrics`). None when evaluation is off.
     """
-    if not eval_cfg.enabled:
-        return
-    for task in eval_cfg.tasks:
-        if task.rollouts_per_example > 1:
-            EVAL_PASS_AT_K.labels(task=task.name, k=str(task.rollouts_per_example))
+    for task in eval_tasks(cfg):
+        EVAL_PASS_AT_K.labels(task=task.name, k=str(task.rollouts_per_example))
 
 
 def eval_record(result: EvalResult) -> dict:

@@ -189,7 +189,7 @@ class TrainerProc(Component):
         """The checkpoint this trainer resumed from (every data-parallel rank loads it too)."""
         self.restore()
         self.eval_log = EvalLog(self.control_subscriber(), self.metrics_path)
-        declare_pass_at_k(self.cfg.eval)  # every pass@k panel has its series from the start
+        declare_pass_at_k(self.cfg)  # every pass@k panel has its series from the start
         if self.dp is not None:  # every rank from the same checkpoint, then DDP
             self.dp.send_text(str(self.restored_from or ""))
             self.trainer.enable_data_parallel(self.dp)

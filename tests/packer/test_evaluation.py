@@ -50,7 +50,9 @@ def test_eval_metrics_by_hand():
     assert m["pass_at_2"] == pytest.approx(0.5)  # one of two examples solved
     assert set(m) == {"reward_mean", "reward_std", "completion_len_mean", "reward/gsm8k", "reward/format", "pass_at_2"}
     single = eval_metrics([summary([1.0]), summary([0.0])])
-    assert "pass_at_1" not in single and single["reward_mean"] == 0.5  # k = 1: no pass@k
+    assert single["pass_at_1"] == 0.5 and single["reward_mean"] == 0.5  # k = 1: pass@1
+    partial = eval_metrics([summary([0.9]), summary([0.5])])
+    assert partial["pass_at_1"] == 0.0 and partial["reward_mean"] == pytest.approx(0.7)  # a pass needs reward >= 1
     assert eval_metrics([]) == {}
 
 

@@ -36,7 +36,7 @@ def policy(model_dir: str, lora: bool) -> torch.nn.Module:
 
 def step_batches(model: torch.nn.Module, num_steps: int):
     """Micro-batches of ``num_steps`` steps (a different split and sign per step), with the
-    initial model's logprobs as inference logprobs."""
+    initial model's logprobs as sampler logprobs."""
     samples = []
     with torch.no_grad():
         for k, (prompt, comp, adv, rew) in enumerate(SPECS):

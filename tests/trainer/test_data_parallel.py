@@ -77,7 +77,7 @@ def trainer_cfg(lora: bool = False) -> TrainerConfig:
 
 
 def make_micro_batches(model: torch.nn.Module, step: int) -> list:
-    """Step ``step``'s micro-batches; inference logprobs are the model's own, perturbed so the
+    """Step ``step``'s micro-batches; sampler logprobs are the model's own, perturbed so the
     importance ratios (and their min/max, the KL) are not trivially 1."""
     groups = STEPS[step]
     rng = np.random.default_rng(step)

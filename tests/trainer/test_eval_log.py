@@ -106,9 +106,12 @@ def pass_at_k(task: str, k: str) -> float | None:
 
 def test_the_pass_at_k_series_of_the_configured_eval_tasks_exist_at_0_from_the_start():
     cfg = load_config(None, ["eval.tasks=[{name: declared_a, rollouts_per_example: 4}, {name: declared_b}]"])
-    declare_pass_at_k(cfg.eval)
+    declare_pass_at_k(cfg)
     assert pass_at_k("declared_a", "4") == 0.0
-    assert pass_at_k("declared_b", "1") is None  # one completion per example: no pass@k is ever reported
+    assert pass_at_k("declared_b", "1") == 0.0  # one completion per example: pass@1
+    default = load_config(None, ["task.name=countdown", "eval.tasks=[]"])  # no eval tasks: the training task stands in
+    declare_pass_at_k(default)
+    assert pass_at_k("countdown", "1") == 0.0
     off = load_config(None, ["eval.enabled=false", "eval.tasks=[{name: declared_off, rollouts_per_example: 2}]"])
-    declare_pass_at_k(off.eval)
+    declare_pass_at_k(off)
     assert pass_at_k("declared_off", "2") is None
