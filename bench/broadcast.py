@@ -4,7 +4,7 @@ Usage: ``python -m bench.broadcast [--runs 7] [--models default,qwen2-100m] [--b
 [--out FILE.json]``
 
 Two processes on this host, gloo over 127.0.0.1. Rank 0 plays the trainer, rank 1 a producer that
-receives exactly as the producers' vLLM worker extension does (`broadcaster.receiver.BucketReceiver`
+receives exactly as the producers' vLLM worker extension does (`broadcaster.buckets.BucketReceiver`
 on the same manifest and bucket plan; no vLLM engine: nothing is loaded into a model). Per model,
 interleaved, after one warm-up each, `--runs` times (medians reported):
 
@@ -47,7 +47,7 @@ import torch.multiprocessing as mp
 
 from broadcaster.broadcast import BroadcastSender
 from broadcaster.manifest import DEFAULT_BUCKET_BYTES, build_manifest, manifest_num_bytes
-from broadcaster.receiver import BucketReceiver
+from broadcaster.buckets import BucketReceiver
 
 MODELS = ("default", "qwen2-100m")
 TIMEOUT = timedelta(seconds=600)

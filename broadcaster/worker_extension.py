@@ -10,7 +10,7 @@ Two ways in:
 - `init_weight_group` + `receive_weights`: a torch.distributed broadcast from the trainer (rank 0)
   over a group made with vLLM's `stateless_init_torch_distributed_process_group`: gloo on CPU,
   nccl on CUDA, same code. Buckets and their flat receive buffers follow
-  `broadcaster.manifest.plan_buckets` (`broadcaster.receiver.BucketReceiver`) and are allocated
+  `broadcaster.manifest.plan_buckets` (`broadcaster.buckets.BucketReceiver`) and are allocated
   once per manifest, then reused.
 - `load_weights_from_path`: read a safetensors file or directory (the filesystem fallback).
 
@@ -52,7 +52,7 @@ import torch
 
 from broadcaster.lora import merged_weights
 from broadcaster.manifest import DEFAULT_BUCKET_BYTES, payload_kind
-from broadcaster.receiver import BucketReceiver
+from broadcaster.buckets import BucketReceiver
 
 logger = logging.getLogger(__name__)
 

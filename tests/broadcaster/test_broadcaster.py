@@ -22,7 +22,7 @@ from broadcaster.manifest import (
     payload_kind,
     plan_buckets,
 )
-from broadcaster.receiver import BucketReceiver
+from broadcaster.buckets import BucketReceiver
 
 
 def _state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
