@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from bus.eval_ids import eval_prompt_id, is_eval_id
 from bus.codec import decode, encode
 from configs.schema import load_config
 from prompts.eval_rounds import EvalRounds, EvalSet, build_eval_rounds, eval_round_versions
