@@ -33,6 +33,12 @@ def known_reward_names() -> list[str]:
     return sorted(_REWARD_FNS)
 
 
+def _unknown_name(name: str) -> ValueError:
+    """The error for a reference that is neither a registered name nor an import path."""
+    return ValueError(f"unknown reward name={name!r}; known: {', '.join(known_reward_names())}, "
+                      "or an import path 'package.module:function'")
+
+
 def get_reward_fn(name: str) -> RewardFn:
     """The reward function registered as ``name``, or the one at import path ``"package.module:function"``
     (imported here, so in the calling process; ``function`` may be dotted, ``Class.method``).
@@ -43,14 +49,9 @@ def get_reward_fn(name: str) -> RewardFn:
     """
     if ":" in name:
         return import_callable(name, "reward")
-    try:
-        path = _REWARD_FNS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown reward name={name!r}; known: {', '.join(known_reward_names())}, "
-            "or an import path 'package.module:function'"
-        ) from None
-    return import_callable(path, f"reward {name!r}")
+    if name not in _REWARD_FNS:
+        raise _unknown_name(name)
+    return import_callable(_REWARD_FNS[name], f"reward {name!r}")
 
 
 def reward_name(ref: str) -> str:
@@ -63,10 +64,7 @@ def reward_name(ref: str) -> str:
     """
     if ":" not in ref:
         if ref not in _REWARD_FNS:
-            raise ValueError(
-                f"unknown reward name={ref!r}; known: {', '.join(known_reward_names())}, "
-                "or an import path 'package.module:function'"
-            )
+            raise _unknown_name(ref)
         return ref
     module_name, _, attr = ref.partition(":")
     if not module_name or not attr:
