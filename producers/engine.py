@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from producers.vllm_idle import BUSY_LOOP_ENV
+
 logger = logging.getLogger(__name__)
 
 #: The worker extension class, importable in vLLM's spawned children (repo root on PYTHONPATH).
@@ -82,6 +84,9 @@ class RolloutEngine:
         max_num_seqs: most sequences in one engine step.
         warmup: send one short request in `start()` so the first real batch does not pay
             the eager-mode first-batch cost (~3 s on CPU).
+        busy_loop_s: the most seconds vLLM's inter-process queue readers busy-poll after a read
+            (`producers.vllm_idle`; vLLM's own default is 1 s, which keeps a CPU core spinning
+            while the producer waits); None keeps vLLM's default.
         engine_kwargs: extra `AsyncEngineArgs` fields (override the defaults above).
     """
 
@@ -95,10 +100,14 @@ class RolloutEngine:
         initial_version: int = 0,
         max_num_seqs: int = 256,
         warmup: bool = True,
+        busy_loop_s: float | None = 0.0,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        if busy_loop_s is not None and not busy_loop_s >= 0:
+            raise ValueError(f"busy_loop_s must be >= 0 seconds or None, got {busy_loop_s!r}")
+        self._busy_loop_s = busy_loop_s
         self.model_path = str(model_path)
         self._engine_kwargs = dict(
             model=self.model_path,
@@ -132,6 +141,8 @@ class RolloutEngine:
             raise RuntimeError("RolloutEngine already started")
         start = time.perf_counter()
         _ensure_repo_on_pythonpath()
+        if self._busy_loop_s is not None:  # read by producers.vllm_idle in every vLLM process
+            os.environ[BUSY_LOOP_ENV] = repr(float(self._busy_loop_s))
         self._update_lock = asyncio.Lock()
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_kwargs))
         try:

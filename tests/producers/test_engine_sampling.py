@@ -168,3 +168,36 @@ def test_eval_groups_finish_under_one_version_while_training_groups_span_the_upd
     # the training group started with the eval group and kept running across the update
     assert any(s.version_end == version and s.version_start == version - 1 for s in training), \
         [s.version_spans for s in training]
+
+
+def test_idle_engine_processes_sleep_instead_of_spinning(engine):
+    """After a group, vLLM's EngineCore and Worker must not busy-poll their shared-memory queues
+    (producers/vllm_idle.py caps vLLM's 1 s busy loop at the engine's busy_loop_s=0): over 2 s of
+    idleness right after a read they use well under the ~2 CPU-seconds that spinning costs."""
+    import time
+
+    import psutil
+
+    _generate(engine, "idle-check")
+    children = [p for p in psutil.Process().children(recursive=True) if "resource_tracker" not in " ".join(p.cmdline())]
+    assert children, "the engine runs in child processes"
+
+    def cpu_seconds() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in children)
+
+    before = cpu_seconds()
+    time.sleep(2.0)
+    used = cpu_seconds() - before
+    assert used < 0.5, f"vLLM's processes used {used:.2f} CPU-s while idle for 2 s (spinning readers?)"
+
+
+def test_busy_loop_cap_parses_the_environment():
+    from producers.vllm_idle import BUSY_LOOP_ENV, busy_loop_cap
+
+    assert busy_loop_cap({}) is None
+    assert busy_loop_cap({BUSY_LOOP_ENV: " "}) is None
+    assert busy_loop_cap({BUSY_LOOP_ENV: "0.0"}) == 0.0
+    assert busy_loop_cap({BUSY_LOOP_ENV: "0.25"}) == 0.25
+    for bad in ("-1", "nan", "soon"):
+        with pytest.raises(ValueError, match=BUSY_LOOP_ENV):
+            busy_loop_cap({BUSY_LOOP_ENV: bad})
