@@ -190,9 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     from configs.schema import load_config
     from tasks.registry import eval_tasks
 
-    cfg = load_config(ns.config, ns.rlbus_override)
+    cfg = load_config(ns.config)  # the job; the TRL arm reads the same file
+    rlbus_cfg = load_config(ns.config, ns.rlbus_override)
     steps = ns.steps or cfg.trainer.max_steps
-    batch = cfg.trainer.batch_size
+    batches = {"trl": cfg.trainer.batch_size, "rlbus": rlbus_cfg.trainer.batch_size}
+    batch = batches["rlbus"]
     eval_task = eval_tasks(cfg)[0].name
     stamp = time.strftime("%Y-%m-%d-%H%M%S")
     work = Path(ns.work_dir or REPO_ROOT / "runs" / "vs_trl" / stamp).resolve()
@@ -203,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
 
     num_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(policy).parameters())
     mm = matmul_gflops(ns.threads)
+    if batches["trl"] != batch:
+        print(f"warning: --rlbus-override changes the batch ({batches['trl']} for TRL, {batch} for rlbus)", flush=True)
     print(f"policy {policy} ({num_params:,} parameters); fp32 matmul {mm['gflops']:.1f} GFLOP/s at {ns.threads} threads; "
           f"{steps} steps x {batch} samples, eval every {ns.eval_every}; work dir {work}", flush=True)
     rounds: list[dict[str, Any]] = []
@@ -211,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r + 1}/{ns.rounds}: {arm} ...", flush=True)
             launch, events = runner(work / f"round{r + 1}-{arm}")
             events = [e for e in events if e["kind"] == "step" or e.get("task", eval_task) == eval_task]
-            summary = summarize_arm(events, launch, batch, steady_skip=ns.steady_skip)
+            summary = summarize_arm(events, launch, batches[arm], steady_skip=ns.steady_skip)
             print(f"  {arm}: {summary['samples_per_s']:.1f} samples/s, first step {summary['first_step_s']}, "
                   f"eval {summary['eval_step0']} -> {summary['eval_final']}", flush=True)
             rounds.append({"round": r + 1, "arm": arm, "launch_t": launch, "summary": summary, "events": events})
@@ -226,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     ratios["samples_per_s_over_floor"] = agg["rlbus"]["samples_per_s"] / floor["samples_per_s"]
     import trl
 
-    result = {"date": stamp, "argv": sys.argv, "config": ns.config, "steps": steps, "batch": batch, "eval_every": ns.eval_every,
+    result = {"date": stamp, "argv": sys.argv, "config": ns.config, "steps": steps, "batch": batches, "eval_every": ns.eval_every,
               "steady_skip": ns.steady_skip, "rlbus_overrides": ns.rlbus_override, "policy": str(policy),
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__, "trl": trl.__version__},
               "floor": floor, "aggregate": agg, "ratios": ratios, "rounds": rounds, "table": table}
