@@ -100,7 +100,7 @@ class RolloutEngine:
         initial_version: int = 0,
         max_num_seqs: int = 256,
         warmup: bool = True,
-        busy_loop_s: float | None = 0.0,
+        busy_loop_s: float | None = 0.005,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if max_model_len < 2:
