@@ -11,7 +11,8 @@ Per step ``s`` (0-based; the weights in use have policy version ``s``):
    version's transfer, announce, copy the weights into the send buffers and let the backend move
    them while the trainer goes on with the next step; with LoRA only the adapter travels and the
    producers merge it; filesystem: write, then announce);
-4. append one line to ``metrics.jsonl`` and the step's sample ids and versions to
+4. append one line to ``metrics.jsonl`` (with the step's phase times ``time/<phase>_s``,
+   :mod:`trainer.step_timing`) and the step's sample ids and versions to
    ``trained_samples.jsonl`` (the record that every sample trained exactly once);
 5. checkpoint to ``checkpoints/step_N`` every ``checkpoint_interval`` steps and after the last
    step, then release custody: ``batches.done`` for the micro-batches of every step the
@@ -90,6 +91,7 @@ from trainer.distributed import launcher_pid
 from trainer.eval_log import EvalLog, declare_pass_at_k, keep_metrics_record
 from trainer.follower import follower_main, join_data_parallel, load_trainer_checkpoint
 from trainer.step_ledger import StepLedger, append_jsonl, group_id, keep_jsonl_records
+from trainer.step_timing import StepPhases
 from trainer.model import load_policy
 from trainer.publish import WeightPublisher
 from trainer.trainer import build_trainer
@@ -127,14 +129,6 @@ TRAINER_GAUGES = {
         "tokens_per_s": "Trained tokens per second of wall time",
     }.items()
 }
-PHASE_SECONDS = Counter(
-    "rlbus_trainer_phase_seconds_total",
-    "Trainer wall time by phase: wait_data (for the step's micro-batches), compute (forward, backward, "
-    "optimizer), weight_sync (handing the new weights to the broadcaster), seconds",
-    ["phase"],
-)
-for _phase in ("wait_data", "compute", "weight_sync"):
-    PHASE_SECONDS.labels(phase=_phase)
 REWARD_TERMS = Gauge("rlbus_trainer_reward_term_mean", "Mean score of one reward function over the last step's samples", ["reward"])
 
 
@@ -327,34 +321,31 @@ class TrainerProc(Component):
         step = self.start_step
         if self.resumed:
             self.announce_resume()
-        last = time.perf_counter()
+        phases = StepPhases()  # where each step's wall time goes (trainer.step_timing)
         while step < max_steps:
-            waited = time.perf_counter()
+            phases.wait_started()
             micro_batches = self.receive_step(step)
-            PHASE_SECONDS.labels(phase="wait_data").inc(time.perf_counter() - waited)
+            phases.wait_ended()
             if micro_batches is None:
                 log.info("stopped before step %d", step)
                 return
             with self.meter.work():  # busy: forward, backward, optimizer step, weight hand-off
-                computed = time.perf_counter()
                 share = self.dp.send_step(micro_batches) if self.dp is not None else micro_batches
                 metrics = self.trainer.step(share)
-                PHASE_SECONDS.labels(phase="compute").inc(time.perf_counter() - computed)
                 versions = np.concatenate([mb.oldest_versions for mb in micro_batches])
                 lags = step - versions
                 assert lags.max() <= self.cfg.packer.max_off_policy_steps, "the packer let a stale sample through"
                 metrics["weight_sync_s"] = self.publisher.publish(step + 1)
-                PHASE_SECONDS.labels(phase="weight_sync").inc(metrics["weight_sync_s"])
             self.meter.finished(sum(len(mb.sample_ids) for mb in micro_batches),
                                 sum(int(mb.loss_mask.sum()) for mb in micro_batches))
-            now = time.perf_counter()
+            step_s, times = phases.finish(metrics, metrics["weight_sync_s"])
             metrics.update(
                 policy_lag_mean=float(lags.mean()),
                 policy_lag_max=float(lags.max()),
-                step_time_s=now - last,
-                tokens_per_s=metrics["num_tokens"] / max(now - last, 1e-9),
+                step_time_s=step_s,
+                tokens_per_s=metrics["num_tokens"] / max(step_s, 1e-9),
+                **times,
             )
-            last = now
             step += 1
             POLICY_VERSION.set(step)
             STEP_SECONDS.observe(metrics["step_time_s"])
@@ -372,7 +363,8 @@ class TrainerProc(Component):
                 "versions": versions.tolist(),
             })
             self.commit(step)
-            self.control.send(TrainerStep(id=new_id(), step=step, version=step, metrics=metrics))
+            # the message also carries the recent share of each phase, for busctl status
+            self.control.send(TrainerStep(id=new_id(), step=step, version=step, metrics={**metrics, **phases.recent_shares()}))
         if self.dp is not None:
             self.dp.send_stop()  # the other ranks are done; rank 0 goes on (eval, outcomes, run.done)
         self.publisher.settle()  # the last version reaches the producers before run.done
