@@ -22,6 +22,13 @@ Prometheus: ``rlbus_trainer_phase_seconds_total{phase}``, a counter of seconds p
 standard shape for "time spent in X" (like ``node_cpu_seconds_total{mode}``): ``rate()`` of it is
 the fraction of wall time per phase and a stacked panel of the six sums to ~1, with no bucket
 series; per-step distributions are in ``metrics.jsonl``.
+
+Bookkeeping stays on the trainer thread, on purpose: on the default job each per-step item costs
+well under a millisecond (the ``metrics.jsonl`` and ``trained_samples.jsonl`` appends, the step
+ledger, the gauges), and the checkpoint (every ``checkpoint_interval`` steps) must be durable
+before the trainer releases its steps' custody; a background save would still copy the weights
+and AdamW state on this thread first (about a fifth of the save) and then compete with the
+other stages for the same cores. ``time/bookkeeping_s`` shows what it costs in a given run.
 """
 
 from __future__ import annotations
