@@ -23,12 +23,11 @@ standard shape for "time spent in X" (like ``node_cpu_seconds_total{mode}``): ``
 the fraction of wall time per phase and a stacked panel of the six sums to ~1, with no bucket
 series; per-step distributions are in ``metrics.jsonl``.
 
-Bookkeeping stays on the trainer thread, on purpose: on the default job each per-step item costs
-well under a millisecond (the ``metrics.jsonl`` and ``trained_samples.jsonl`` appends, the step
-ledger, the gauges), and the checkpoint (every ``checkpoint_interval`` steps) must be durable
-before the trainer releases its steps' custody; a background save would still copy the weights
-and AdamW state on this thread first (about a fifth of the save) and then compete with the
-other stages for the same cores. ``time/bookkeeping_s`` shows what it costs in a given run.
+What bookkeeping does where: the per-step items stay on the trainer thread, each well under a
+millisecond on the default job (the ``metrics.jsonl`` and ``trained_samples.jsonl`` appends, the
+step ledger, the gauges); a periodic checkpoint copies the state here and writes and fsyncs it
+on a background thread (:mod:`trainer.background_save`), since its files and fsyncs take tens
+to hundreds of milliseconds on a busy disk. ``time/bookkeeping_s`` shows what it costs in a run.
 """
 
 from __future__ import annotations
