@@ -5,8 +5,9 @@ fields in :mod:`busctl.run_status`), never from the supervisor's live objects, s
 refresh thread cannot race the watch loop, and :func:`render_text` shows exactly what a snapshot
 would look like (tests render real snapshots to text). Three parts:
 
-- a header: run, state, step/max_steps, reward, KL, entropy, policy lag mean/max, step time and
-  the ETA from the recent step rate;
+- a header: run, state, step/max_steps, reward, KL, entropy, policy lag mean/max, step time, the
+  ETA from the recent step rate, and the trainer's share of wall time per phase
+  (:func:`phase_text`: ``wait 3% fwd 31% bwd 52% opt 2% send 4% other 8%``);
 - a table with a row per component: state, samples/s, tokens/s, busy %, queue depth, restarts;
 - the last :data:`EVENTS_SHOWN` events (ready, crashed, scale lines).
 
@@ -24,6 +25,8 @@ from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
+
+from busctl.run_data import PHASE_LABELS
 
 EVENTS_SHOWN = 5
 """Recent events under the table."""
@@ -70,9 +73,30 @@ def format_queue(row: dict) -> str:
     return "-" if depth is None else f"{depth:.0f}"
 
 
+def phase_shares(m: dict) -> dict[str, float]:
+    """The trainer's share of wall time per phase from a ``trainer.step`` message's metrics ``m``:
+    the recent window's ``time_share/<phase>`` when present, else the step's own
+    ``time/<phase>_s`` over their sum. Phases in :data:`PHASE_LABELS` order; empty when ``m`` has
+    neither (older trainers) or no time passed."""
+    shares = {k[len("time_share/"):]: float(v) for k, v in m.items() if k.startswith("time_share/")}
+    if not shares:
+        times = {k[len("time/"):-len("_s")]: float(v) for k, v in m.items()
+                 if k.startswith("time/") and k.endswith("_s") and isinstance(v, (int, float)) and v >= 0}
+        total = sum(times.values())
+        shares = {p: t / total for p, t in times.items()} if total > 0 else {}
+    order = [p for p in PHASE_LABELS if p in shares] + sorted(p for p in shares if p not in PHASE_LABELS)
+    return {p: shares[p] for p in order}
+
+
+def phase_text(m: dict) -> str:
+    """``wait 3% fwd 31% bwd 52% opt 2% send 4% other 8%`` (:func:`phase_shares`); ``""`` without them."""
+    return " ".join(f"{PHASE_LABELS.get(p, p)} {100 * v:.0f}%" for p, v in phase_shares(m).items())
+
+
 def trainer_text(snap: dict) -> str:
-    """``step 12/60 | reward .. | KL .. | entropy .. | lag m/M | 2.31 s/step | ETA ..`` (the trainer's
-    values once it reported a step; ``step -/60`` before)."""
+    """``step 12/60 | reward .. | KL .. | entropy .. | lag m/M | 2.31 s/step | ETA .. | wait 3% fwd ..``
+    (the trainer's values once it reported a step; ``step -/60`` before; the phase shares of
+    :func:`phase_text` when the trainer reports them)."""
     step, max_steps = snap.get("step"), snap.get("max_steps")
     parts = [f"step {'-' if step is None else step}/{max_steps if max_steps is not None else '?'}"]
     m = snap.get("trainer_metrics") or {}
@@ -85,6 +109,8 @@ def trainer_text(snap: dict) -> str:
         parts.append(f"{m['step_time_s']:.2f} s/step")
     if step is not None:
         parts.append(f"ETA {format_duration(snap.get('eta_s'))}")
+    if phases := phase_text(m):
+        parts.append(phases)
     return " | ".join(parts)
 
 

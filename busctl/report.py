@@ -6,7 +6,8 @@ Reads (only ``metrics.jsonl`` is required):
   ``{"step": s + 1, "reward_mean", "kl", "entropy", "policy_lag_mean", "policy_lag_max",
   "tokens_per_s", "step_time_s", "num_tokens", "reward/<fn>", ...}`` and eval records
   ``{"step": round, "eval/<task>/reward_mean", ...}`` (older runs: ``eval_reward_mean``, shown as
-  task ``eval``). A line that is not a JSON object (a trainer killed mid-write) is skipped and
+  task ``eval``; ``time/<phase>_s``, the trainer's seconds per phase, :mod:`trainer.step_timing`,
+  summarized as a table of median seconds per step and share of step time). A line that is not a JSON object (a trainer killed mid-write) is skipped and
   counted; a step written twice keeps its last record.
 - ``stages.jsonl`` (optional; one line per metrics-poller round of the supervisor):
   ``{"time": unix_s, "step": steps done, "components": {"producer-0": {"role": "producer",
@@ -34,9 +35,9 @@ import argparse
 import math
 from pathlib import Path
 
-from busctl.run_data import ReportError, RunData, load_run, moving_average, smoothing_window, stage_series
+from busctl.run_data import PHASE_LABELS, ReportError, RunData, load_run, moving_average, phase_table, smoothing_window, stage_series
 
-__all__ = ["cmd_report", "format_summary", "summarize", "write_report"]
+__all__ = ["cmd_report", "format_phases", "format_summary", "summarize", "write_report"]
 
 
 def _mean(values: list[float]) -> float:
@@ -52,7 +53,8 @@ def summarize(run: RunData) -> dict:
         "reward_last", "reward_best", "reward_best_step", "reward_terms_last": {fn: v},
         "evals": {task: {"first": (round, v), "last": (round, v)}}, "kl_mean", "entropy_mean",
         "lag_mean", "lag_max", "tokens_per_s", "stages": {role: {"tokens_per_s", "busy"}},
-        "packer_outcomes", "accounting", "samples", "sample_steps"}``; NaN where a run lacks the key.
+        "packer_outcomes", "accounting", "samples", "sample_steps", "phases": [(phase, median s/step,
+        share of step time)]}``; NaN where a run lacks the key (``phases`` empty).
     """
     steps, rewards = run.series("reward_mean")
     w = smoothing_window(len(rewards))
@@ -93,6 +95,7 @@ def summarize(run: RunData) -> dict:
         "accounting": run.accounting,
         "samples": len(run.samples),
         "sample_steps": len({r.get("step") for r in run.samples}),
+        "phases": phase_table(run),
     }
     return s
 
@@ -120,6 +123,7 @@ def format_summary(run: RunData, s: dict, notes: list[str]) -> str:
     lines.append(f"kl mean {_f(s['kl_mean'])}, entropy mean {_f(s['entropy_mean'])}")
     lines.append(f"policy lag: mean {_f(s['lag_mean'])}, max {_f(s['lag_max'])} steps")
     lines.append(f"trainer throughput: {_f(s['tokens_per_s'])} tokens/s (all tokens / training time)")
+    lines += format_phases(s["phases"])
     for role, v in s["stages"].items():
         busy = v.get("busy", math.nan)
         lines.append(f"stage {role}: {_f(v.get('tokens_per_s', math.nan))} tokens/s, busy "
@@ -136,6 +140,23 @@ def format_summary(run: RunData, s: dict, notes: list[str]) -> str:
         notes.append(f"{name}: skipped {n} line(s) that are not JSON records")
     lines += [f"note: {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def format_phases(rows: list[tuple[str, float, float]]) -> list[str]:
+    """The summary's table of where the trainer's step time went (:func:`busctl.run_data.phase_table`)::
+
+        trainer time per step by phase (median s/step, share of step time):
+          wait_data    (wait )  0.0123 s   3.1%
+          ...
+
+    No lines for a run without phase times."""
+    if not rows:
+        return []
+    lines = ["trainer time per step by phase (median s/step, share of step time):"]
+    for phase, median, share in rows:
+        pct = "n/a" if not math.isfinite(share) else f"{100 * share:5.1f}%"
+        lines.append(f"  {phase:<12} ({PHASE_LABELS.get(phase, phase):<5}) {median:8.4f} s  {pct:>6}")
+    return lines
 
 
 def write_report(run_dir: Path, out_dir: Path | None = None) -> tuple[list[Path], str]:

@@ -10,7 +10,9 @@ the round, which evaluates the policy of that version):
 - ``entropy.png``: ``entropy``;
 - ``lag.png``: ``policy_lag_mean`` and ``policy_lag_max``;
 - ``throughput.png``: the trainer's ``tokens_per_s`` per step and, from ``stages.jsonl``, each
-  stage's tokens/s; a second panel with each stage's busy fraction when recorded.
+  stage's tokens/s; a second panel with each stage's busy fraction when recorded;
+- ``phases.png``: the trainer's seconds per step by phase (``time/<phase>_s``: wait for data,
+  forward, backward, optimizer, weight send, bookkeeping), stacked: the top edge is the step time.
 
 A plot whose series are all missing is not written; :func:`plot_run` returns a note for it.
 """
@@ -26,7 +28,7 @@ matplotlib.use("Agg")  # before pyplot: files only, never a window
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from busctl.run_data import moving_average, smoothing_window, stage_series  # noqa: E402
+from busctl.run_data import PHASE_LABELS, moving_average, phase_series, smoothing_window, stage_series  # noqa: E402
 
 if TYPE_CHECKING:
     from busctl.run_data import RunData
@@ -142,6 +144,21 @@ def _throughput(run: "RunData", out: Path, notes: list[str]) -> Path | None:
     return _save(fig, out / "throughput.png")
 
 
+def _phases(run: "RunData", out: Path, notes: list[str]) -> Path | None:
+    """Stacked seconds per step by trainer phase, over the steps that report every phase."""
+    phases = phase_series(run)
+    if not phases:
+        notes.append("phases.png: not plotted, no time/<phase>_s in metrics.jsonl (trainers before per-phase timing)")
+        return None
+    keys = [f"time/{p}_s" for p in phases]
+    rows = [r for r in run.steps if all(isinstance(r.get(k), (int, float)) for k in keys)]
+    fig, ax = _figure("trainer time per step by phase (stacked)", "seconds per step")
+    ax.stackplot([r["step"] for r in rows], [[float(r[k]) for r in rows] for k in keys],
+                 labels=[f"{p} ({PHASE_LABELS.get(p, p)})" for p in phases], alpha=0.85)
+    ax.legend(loc="upper left", fontsize="small", ncol=3)
+    return _save(fig, out / "phases.png")
+
+
 def _colors(roles: list[str]) -> dict[str, str]:
     extra = sorted(r for r in roles if r not in ROLE_ORDER)
     return {r: f"C{i % 10}" for i, r in enumerate([*ROLE_ORDER, *extra])}
@@ -161,5 +178,6 @@ def plot_run(run: "RunData", out: Path) -> tuple[list[Path], list[str]]:
         _lines(run, out, "entropy.png", "policy entropy on loss tokens", "nats", ["entropy"], notes),
         _lines(run, out, "lag.png", "off-policy lag of trained samples", "steps", ["policy_lag_mean", "policy_lag_max"], notes),
         _throughput(run, out, notes),
+        _phases(run, out, notes),
     ]
     return [p for p in made if p is not None], notes

@@ -11,15 +11,23 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["ReportError", "RunData", "load_run", "moving_average", "packer_outcomes", "smoothing_window", "stage_series"]
+__all__ = ["PHASE_LABELS", "ReportError", "RunData", "load_run", "moving_average", "packer_outcomes", "phase_series",
+           "phase_table", "smoothing_window", "stage_series"]
 
 LEGACY_EVAL_TASK = "eval"
 """Task name shown for the ``eval_<metric>`` records of runs older than per-task eval."""
+
+
+PHASE_LABELS = {"wait_data": "wait", "forward": "fwd", "backward": "bwd", "optimizer": "opt", "weight_send": "send",
+                "bookkeeping": "other"}
+"""The trainer's step phases (``time/<phase>_s`` in ``metrics.jsonl``, :mod:`trainer.step_timing`)
+in display order, with their short names; a phase not listed is shown under its own name, after these."""
 
 
 class ReportError(ValueError):
@@ -206,3 +214,30 @@ def stage_series(stages: list[dict]) -> dict[str, dict[str, tuple[list[int], lis
     }
 
 
+
+
+def phase_series(run: RunData) -> dict[str, tuple[list[int], list[float]]]:
+    """``{phase: (steps, seconds)}`` of the trainer's ``time/<phase>_s`` keys (phases in
+    :data:`PHASE_LABELS` order, then by name); empty for runs without them."""
+    names = {k[len("time/"):-len("_s")] for k in run.keys() if k.startswith("time/") and k.endswith("_s")}
+    order = [p for p in PHASE_LABELS if p in names] + sorted(names - set(PHASE_LABELS))
+    return {p: run.series(f"time/{p}_s") for p in order}
+
+
+def phase_table(run: RunData) -> list[tuple[str, float, float]]:
+    """Per phase: ``(phase, median seconds per step, share of step time)`` over the steps that
+    report every phase; share = the phase's total seconds / the steps' total ``step_time_s``
+    (or, without it, the phases' total). Empty for runs without phase times."""
+    phases = phase_series(run)
+    if not phases:
+        return []
+    keys = [f"time/{p}_s" for p in phases]
+    rows = [r for r in run.steps if all(isinstance(r.get(k), (int, float)) for k in keys)]
+    if not rows:
+        return []
+    wall = sum(float(r["step_time_s"]) if isinstance(r.get("step_time_s"), (int, float)) else sum(r[k] for k in keys) for r in rows)
+    out = []
+    for phase, key in zip(phases, keys):
+        values = [float(r[key]) for r in rows]
+        out.append((phase, statistics.median(values), sum(values) / wall if wall > 0 else math.nan))
+    return out

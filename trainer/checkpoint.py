@@ -28,15 +28,21 @@ Invariants:
   Everything else is safetensors or JSON.
 - The last ``keep`` complete checkpoints are kept; older ones and leftovers of interrupted saves
   are deleted after each save.
+- A save may run while training goes on: :func:`snapshot_state` copies, on the training thread,
+  what changes as training goes on (trainable weights, optimizer and scheduler state, RNG states), and
+  ``save_checkpoint(..., state=snapshot)`` writes those copies, e.g. on a background thread
+  (:mod:`trainer.background_save`); frozen weights (LoRA's base) are not copied, nothing changes them.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +51,56 @@ import torch
 from peft import PeftModel, set_peft_model_state_dict
 from safetensors.torch import load_file
 
-__all__ = ["latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointState", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint", "snapshot_state"]
 
 FORMAT = 1
 DONE = "DONE"
 _NAME = re.compile(r"^step_(\d{6,})$")
 _TMP_PREFIX = ".tmp_step_"
+
+
+@dataclass(frozen=True)
+class CheckpointState:
+    """What a checkpoint saves, copied at one moment by :func:`snapshot_state`.
+
+    Attributes:
+        model_state: the model's ``state_dict()`` with every trainable tensor cloned (tensors
+            that shared storage still do: tied weights stay tied); frozen ones by reference.
+        optimizer_state: a deep copy of ``optimizer.state_dict()``.
+        scheduler_state: a deep copy of the LR scheduler's ``state_dict()``, or None without one.
+        rng: the RNG states (``rng.json``'s content).
+    """
+
+    model_state: dict[str, torch.Tensor]
+    optimizer_state: dict[str, Any]
+    scheduler_state: dict[str, Any] | None
+    rng: dict[str, Any]
+
+
+def snapshot_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+) -> CheckpointState:
+    """Copy what the next optimizer steps would change, so :func:`save_checkpoint` can write it
+    later (on another thread) exactly as it is now. Costs one copy of the trainable weights and
+    of the optimizer state (on the model's device)."""
+    trainable = {p.data_ptr() for p in model.parameters() if p.requires_grad}
+    clones: dict[int, torch.Tensor] = {}
+    model_state = {}
+    for name, tensor in model.state_dict().items():
+        ptr = tensor.data_ptr()
+        if ptr in trainable:
+            if ptr not in clones:
+                clones[ptr] = tensor.detach().clone()
+            tensor = clones[ptr]
+        model_state[name] = tensor
+    return CheckpointState(
+        model_state=model_state,
+        optimizer_state=copy.deepcopy(optimizer.state_dict()),
+        scheduler_state=copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None,
+        rng=_rng_state(),
+    )
 
 
 def _kind(model: torch.nn.Module) -> str:
@@ -137,6 +187,7 @@ def save_checkpoint(
     extra: dict[str, Any],
     keep: int = 2,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    state: CheckpointState | None = None,
 ) -> Path:
     """Write ``directory/step_{step:06d}/`` atomically and prune to the last ``keep`` checkpoints.
 
@@ -149,6 +200,9 @@ def save_checkpoint(
             :func:`load_checkpoint`; must not use the key ``"step"``.
         keep: complete checkpoints to keep, >= 1 (this one included).
         scheduler: the LR scheduler, if the trainer uses one; its ``state_dict()`` is saved.
+        state: a :func:`snapshot_state` of ``model``, ``optimizer`` and ``scheduler`` to write
+            instead of their current state (then only ``model``'s config and kind are read
+            here, so training may go on meanwhile); None: their state now.
 
     Returns:
         The checkpoint directory. An existing checkpoint of the same step is replaced.
@@ -175,11 +229,14 @@ def save_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    model.save_pretrained(tmp, safe_serialization=True)
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    if state is None:
+        model.save_pretrained(tmp, safe_serialization=True)
+    else:
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=state.model_state)
+    torch.save(optimizer.state_dict() if state is None else state.optimizer_state, tmp / "optimizer.pt")
     if scheduler is not None:
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    (tmp / "rng.json").write_text(json.dumps(_rng_state()))
+        torch.save(scheduler.state_dict() if state is None else state.scheduler_state, tmp / "scheduler.pt")
+    (tmp / "rng.json").write_text(json.dumps(_rng_state() if state is None else state.rng))
     (tmp / "meta.json").write_text(meta_text)
     _fsync_tree(tmp)
     (tmp / DONE).write_text(f"{step}\n")

@@ -11,12 +11,15 @@ Per step ``s`` (0-based; the weights in use have policy version ``s``):
    version's transfer, announce, copy the weights into the send buffers and let the backend move
    them while the trainer goes on with the next step; with LoRA only the adapter travels and the
    producers merge it; filesystem: write, then announce);
-4. append one line to ``metrics.jsonl`` and the step's sample ids and versions to
+4. append one line to ``metrics.jsonl`` (with the step's phase times ``time/<phase>_s``,
+   :mod:`trainer.step_timing`) and the step's sample ids and versions to
    ``trained_samples.jsonl`` (the record that every sample trained exactly once);
 5. checkpoint to ``checkpoints/step_N`` every ``checkpoint_interval`` steps and after the last
    step, then release custody: ``batches.done`` for the micro-batches of every step the
    checkpoint newly covers and one ``groups.trained(step, group_ids)`` per such step (outcome
-   ``trained``); then publish ``trainer.step``.
+   ``trained``); then publish ``trainer.step``. Periodic checkpoints are written while the next
+   step trains (:mod:`trainer.background_save`) and released once complete, at the latest before
+   the next step's ``trainer.step``; the last step's is written before its ``trainer.step``.
 
 Custody. The packer keeps every micro-batch until the trainer calls ``done`` on it, and re-sends
 the unreleased ones, in their original order, to a restarted trainer. So the trainer releases a
@@ -85,11 +88,13 @@ from broadcaster.factory import build_senders
 from bus.component import Component, component_main
 from bus.messages import GroupsTrained, MicroBatch, RunDone, TrainerStep, new_id
 from bus.metrics import POLICY_VERSION, StageMeter
-from trainer.checkpoint import latest_checkpoint, save_checkpoint
+from trainer.background_save import BackgroundSave
+from trainer.checkpoint import latest_checkpoint, save_checkpoint, snapshot_state
 from trainer.distributed import launcher_pid
 from trainer.eval_log import EvalLog, declare_pass_at_k, keep_metrics_record
 from trainer.follower import follower_main, join_data_parallel, load_trainer_checkpoint
 from trainer.step_ledger import StepLedger, append_jsonl, group_id, keep_jsonl_records
+from trainer.step_timing import StepPhases
 from trainer.model import load_policy
 from trainer.publish import WeightPublisher
 from trainer.trainer import build_trainer
@@ -127,14 +132,6 @@ TRAINER_GAUGES = {
         "tokens_per_s": "Trained tokens per second of wall time",
     }.items()
 }
-PHASE_SECONDS = Counter(
-    "rlbus_trainer_phase_seconds_total",
-    "Trainer wall time by phase: wait_data (for the step's micro-batches), compute (forward, backward, "
-    "optimizer), weight_sync (handing the new weights to the broadcaster), seconds",
-    ["phase"],
-)
-for _phase in ("wait_data", "compute", "weight_sync"):
-    PHASE_SECONDS.labels(phase=_phase)
 REWARD_TERMS = Gauge("rlbus_trainer_reward_term_mean", "Mean score of one reward function over the last step's samples", ["reward"])
 
 
@@ -194,6 +191,8 @@ class TrainerProc(Component):
             self.dp.send_text(str(self.restored_from or ""))
             self.trainer.enable_data_parallel(self.dp)
         self.ledger = StepLedger(self.start_step)
+        self.saving = BackgroundSave()
+        """The periodic checkpoint being written in the background (at most one)."""
         self.batches = self.reliable_receiver("batches", self.endpoints.address("batches"), bind=False, accept=(MicroBatch,))
         sender, fallback = build_senders(cfg.broadcast, world_size=1 + cfg.producers.replicas,
                                          out_dir=self.weights_dir, restarted=self.resumed)
@@ -269,6 +268,7 @@ class TrainerProc(Component):
             if self.stop.is_set():
                 return None
             self.publisher.poll()  # a failed background send falls back NOW: a restarted producer waits for it
+            self.settle_saves(wait=False)  # a background checkpoint done: release its steps now
             self.eval_log.poll()
             mb = self.batches.recv(timeout_s=RECV_SLICE_S)
             if mb is None:
@@ -279,24 +279,34 @@ class TrainerProc(Component):
                 RELEASED_MICRO_BATCHES.labels(why="already_covered").inc(len(release))
         return micro_batches
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, *, background: bool = False) -> None:
         """Checkpoint after ``step`` optimizer steps (weights or adapter, optimizer, RNG) with
         what a resumed trainer needs (``extra``): the policy version, the weight method in use,
-        the LR schedule, and ``released_steps`` (steps below it were released before this save)."""
-        path = save_checkpoint(
-            self.checkpoint_dir,
-            step=step,
-            model=self.model,
-            optimizer=self.trainer.optimizer,
-            extra={
-                "policy_version": step,
-                "weight_method": self.publisher.method,
-                "lr_schedule": "constant",
-                "released_steps": self.ledger.covered,
-            },
-            keep=self.cfg.trainer.checkpoint_keep,
-        )
-        log.info("checkpoint of step %d in %s", step, path)
+        the LR schedule, and ``released_steps`` (steps below it were released before this save).
+        ``background``: copy the state now and write it on :attr:`saving`'s thread (released by
+        :meth:`settle_saves`); else write it now."""
+        model, optimizer = self.model, self.trainer.optimizer
+        extra = {"policy_version": step, "weight_method": self.publisher.method, "lr_schedule": "constant",
+                 "released_steps": self.ledger.covered}
+        state = snapshot_state(model, optimizer) if background else None
+
+        def write() -> Path:
+            return save_checkpoint(self.checkpoint_dir, step=step, model=model, optimizer=optimizer, extra=extra,
+                                   keep=self.cfg.trainer.checkpoint_keep, state=state)
+
+        if background:
+            self.saving.start(step, write)
+        else:
+            log.info("checkpoint of step %d in %s", step, write())
+
+    def settle_saves(self, *, wait: bool) -> None:
+        """Release the steps of the background checkpoint once it is complete (``wait``: block
+        until it is; else only if it already is). Re-raises a failed save's exception."""
+        done = self.saving.wait() if wait else self.saving.finished()
+        if done is not None:
+            step, path = done
+            log.info("checkpoint of step %d in %s", step, path)
+            self.release(step)
 
     def release(self, num_steps: int) -> None:
         """Steps below ``num_steps`` are durable: release their micro-batches and announce their
@@ -314,11 +324,16 @@ class TrainerProc(Component):
         self.control.send(msg)
 
     def commit(self, step: int) -> None:
-        """After ``step`` optimizer steps: checkpoint if due, and release what is now durable."""
+        """After ``step`` optimizer steps: release what the previous checkpoint made durable,
+        checkpoint if due (periodic ones in the background, the last one now), and release
+        what is durable now."""
+        self.settle_saves(wait=True)  # normally written long ago, during this step
         interval = self.cfg.trainer.checkpoint_interval
-        if step == self.cfg.trainer.max_steps or (interval and step % interval == 0):
+        if step == self.cfg.trainer.max_steps:
             self.save(step)
             self.release(step)
+        elif interval and step % interval == 0:
+            self.save(step, background=True)
         elif interval == 0:  # no periodic checkpoints: release at once (not restartable)
             self.release(step)
 
@@ -327,34 +342,31 @@ class TrainerProc(Component):
         step = self.start_step
         if self.resumed:
             self.announce_resume()
-        last = time.perf_counter()
+        phases = StepPhases()  # where each step's wall time goes (trainer.step_timing)
         while step < max_steps:
-            waited = time.perf_counter()
+            phases.wait_started()
             micro_batches = self.receive_step(step)
-            PHASE_SECONDS.labels(phase="wait_data").inc(time.perf_counter() - waited)
+            phases.wait_ended()
             if micro_batches is None:
                 log.info("stopped before step %d", step)
                 return
             with self.meter.work():  # busy: forward, backward, optimizer step, weight hand-off
-                computed = time.perf_counter()
                 share = self.dp.send_step(micro_batches) if self.dp is not None else micro_batches
                 metrics = self.trainer.step(share)
-                PHASE_SECONDS.labels(phase="compute").inc(time.perf_counter() - computed)
                 versions = np.concatenate([mb.oldest_versions for mb in micro_batches])
                 lags = step - versions
                 assert lags.max() <= self.cfg.packer.max_off_policy_steps, "the packer let a stale sample through"
                 metrics["weight_sync_s"] = self.publisher.publish(step + 1)
-                PHASE_SECONDS.labels(phase="weight_sync").inc(metrics["weight_sync_s"])
             self.meter.finished(sum(len(mb.sample_ids) for mb in micro_batches),
                                 sum(int(mb.loss_mask.sum()) for mb in micro_batches))
-            now = time.perf_counter()
+            step_s, times = phases.finish(metrics, metrics["weight_sync_s"])
             metrics.update(
                 policy_lag_mean=float(lags.mean()),
                 policy_lag_max=float(lags.max()),
-                step_time_s=now - last,
-                tokens_per_s=metrics["num_tokens"] / max(now - last, 1e-9),
+                step_time_s=step_s,
+                tokens_per_s=metrics["num_tokens"] / max(step_s, 1e-9),
+                **times,
             )
-            last = now
             step += 1
             POLICY_VERSION.set(step)
             STEP_SECONDS.observe(metrics["step_time_s"])
@@ -372,7 +384,8 @@ class TrainerProc(Component):
                 "versions": versions.tolist(),
             })
             self.commit(step)
-            self.control.send(TrainerStep(id=new_id(), step=step, version=step, metrics=metrics))
+            # the message also carries the recent share of each phase, for busctl status
+            self.control.send(TrainerStep(id=new_id(), step=step, version=step, metrics={**metrics, **phases.recent_shares()}))
         if self.dp is not None:
             self.dp.send_stop()  # the other ranks are done; rank 0 goes on (eval, outcomes, run.done)
         self.publisher.settle()  # the last version reaches the producers before run.done
@@ -394,6 +407,12 @@ class TrainerProc(Component):
             self.eval_log.wait_for_round(step, tasks, e.timeout_s, self.stop)
 
     def close(self) -> None:
+        saving = getattr(self, "saving", None)
+        if saving is not None:  # finish writing it (complete on disk; its steps stay unreleased)
+            try:
+                saving.wait()
+            except Exception:  # noqa: BLE001 - closing anyway; the checkpoint is incomplete and ignored
+                log.exception("the background checkpoint failed")
         publisher = getattr(self, "publisher", None)
         if publisher is not None:
             publisher.close()

