@@ -201,6 +201,14 @@ class TrainerConfig(Section):
     batch_size: int = Field(64, ge=1, description="Samples per optimizer step (a multiple of producers.group_size).")
     seed: int = Field(0, description="torch seed.")
     num_threads: int = Field(0, ge=0, le=1024, description="torch CPU threads of the trainer; 0 keeps torch's default. On a small CPU host leave cores to vLLM.")
+    idle_threads: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="torch CPU threads while the producers have nothing to sample (every step they may sample ahead, "
+        "max_async_level, is already buffered): take the cores vLLM leaves idle on a shared CPU host (trainer/threads.py). "
+        "0: always num_threads.",
+    )
     checkpoint_interval: int = Field(
         10,
         ge=0,

@@ -82,7 +82,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter
 
 from broadcaster.factory import build_senders
 from bus.component import Component, component_main
@@ -91,10 +91,12 @@ from bus.metrics import POLICY_VERSION, StageMeter
 from trainer.background_save import BackgroundSave
 from trainer.checkpoint import latest_checkpoint, save_checkpoint, snapshot_state
 from trainer.distributed import launcher_pid
+from trainer.gauges import export_step_metrics
 from trainer.eval_log import EvalLog, declare_pass_at_k, keep_metrics_record
 from trainer.follower import follower_main, join_data_parallel, load_trainer_checkpoint
 from trainer.step_ledger import StepLedger, append_jsonl, group_id, keep_jsonl_records
 from trainer.step_timing import StepPhases
+from trainer.threads import ThreadPlan
 from trainer.model import load_policy
 from trainer.publish import WeightPublisher
 from trainer.trainer import build_trainer
@@ -104,7 +106,6 @@ log = logging.getLogger(__name__)
 RECV_SLICE_S = 0.5
 """Longest wait for one micro-batch before checking the stop request again, seconds."""
 
-STEP_SECONDS = Histogram("rlbus_trainer_step_seconds", "Wall time per optimizer step incl. waiting for data, seconds")
 RELEASED_MICRO_BATCHES = Counter(
     "rlbus_trainer_released_micro_batches_total",
     "Micro-batches released to the packer (done), by why: covered by a checkpoint after training, or re-sent for a covered step",
@@ -112,27 +113,6 @@ RELEASED_MICRO_BATCHES = Counter(
 )
 for _why in ("checkpoint", "already_covered"):
     RELEASED_MICRO_BATCHES.labels(why=_why)
-TRAINER_GAUGES = {
-    key: Gauge(f"rlbus_trainer_{key}", doc)
-    for key, doc in {
-        "reward_mean": "Mean reward of the last step's samples",
-        "loss": "Loss of the last step",
-        "kl": "Mean k3 KL(infer || train) estimate of the last step, nats",
-        "masked_frac": "Fraction of the last step's loss tokens given zero gradient by a mask (token, sequence, IcePop)",
-        "clipfrac": "Fraction of the last step's loss tokens whose gradient a clip removed (PPO/GSPO clip, dual clip)",
-        "entropy": "Mean entropy of the tempered policy over the last step's loss tokens, nats",
-        "importance_ratio_mean": "Mean importance ratio pi_train / pi_rollout over the last step's loss tokens",
-        "importance_ratio_min": "Smallest importance ratio pi_train / pi_rollout of the last step",
-        "importance_ratio_max": "Largest importance ratio pi_train / pi_rollout of the last step",
-        "num_loss_tokens": "Loss tokens of the last step, tokens",
-        "kl_penalty": "Mean KL-penalty estimator (trainer.loss.kl_estimator) of the last step, nats (when kl_tau > 0)",
-        "teacher_kl": "Mean train_logprobs - teacher_logprobs over the last step's loss tokens, nats (with teacher logprobs)",
-        "grad_norm": "Gradient norm before clipping",
-        "policy_lag_mean": "Mean off-policy lag of the last step's samples, steps",
-        "tokens_per_s": "Trained tokens per second of wall time",
-    }.items()
-}
-REWARD_TERMS = Gauge("rlbus_trainer_reward_term_mean", "Mean score of one reward function over the last step's samples", ["reward"])
 
 
 OUTCOMES_DRAIN_S = 60.0
@@ -164,6 +144,9 @@ class TrainerProc(Component):
         cfg = self.cfg
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
+        threads = cfg.trainer.num_threads or torch.get_num_threads()
+        self.threads = ThreadPlan(threads, cfg.trainer.idle_threads or threads, cfg.max_async_level, cfg.trainer.max_steps)
+        """Thread count per micro-batch: more once the producers have nothing left to sample."""
         torch.manual_seed(cfg.trainer.seed)
         # open first: by the time anything is announced, the PUB has long joined the hub
         self.control = self.control_publisher()
@@ -191,6 +174,8 @@ class TrainerProc(Component):
             self.dp.send_text(str(self.restored_from or ""))
             self.trainer.enable_data_parallel(self.dp)
         self.ledger = StepLedger(self.start_step)
+        if self.threads.idle != self.threads.sampling:
+            self.trainer.before_micro_batch = self.before_micro_batch
         self.saving = BackgroundSave()
         """The periodic checkpoint being written in the background (at most one)."""
         self.batches = self.reliable_receiver("batches", self.endpoints.address("batches"), bind=False, accept=(MicroBatch,))
@@ -270,14 +255,23 @@ class TrainerProc(Component):
             self.publisher.poll()  # a failed background send falls back NOW: a restarted producer waits for it
             self.settle_saves(wait=False)  # a background checkpoint done: release its steps now
             self.eval_log.poll()
-            mb = self.batches.recv(timeout_s=RECV_SLICE_S)
-            if mb is None:
-                continue
-            release = self.ledger.offer(mb)
-            if release:
-                self.batches.done(*release)
-                RELEASED_MICRO_BATCHES.labels(why="already_covered").inc(len(release))
+            self.take_in(self.batches.recv(timeout_s=RECV_SLICE_S))
         return micro_batches
+
+    def take_in(self, mb: MicroBatch | None) -> None:
+        """Offer a received micro-batch (None: nothing) to the ledger; release a re-sent one of a
+        covered step."""
+        release = self.ledger.offer(mb) if mb is not None else None
+        if release:
+            self.batches.done(*release)
+            RELEASED_MICRO_BATCHES.labels(why="already_covered").inc(len(release))
+
+    def before_micro_batch(self) -> None:
+        """Between micro-batches: take in what arrived meanwhile, then pick the thread count
+        (:mod:`trainer.threads`) from which steps ahead are complete."""
+        while (mb := self.batches.recv(timeout_s=0)) is not None:
+            self.take_in(mb)
+        self.threads.apply(self.ledger.next_step - 1, self.ledger.is_complete)
 
     def save(self, step: int, *, background: bool = False) -> None:
         """Checkpoint after ``step`` optimizer steps (weights or adapter, optimizer, RNG) with
@@ -353,6 +347,7 @@ class TrainerProc(Component):
             with self.meter.work():  # busy: forward, backward, optimizer step, weight hand-off
                 share = self.dp.send_step(micro_batches) if self.dp is not None else micro_batches
                 metrics = self.trainer.step(share)
+                metrics["idle_thread_micro_batches"] = float(self.threads.take_idle_count())
                 versions = np.concatenate([mb.oldest_versions for mb in micro_batches])
                 lags = step - versions
                 assert lags.max() <= self.cfg.packer.max_off_policy_steps, "the packer let a stale sample through"
@@ -368,14 +363,7 @@ class TrainerProc(Component):
                 **times,
             )
             step += 1
-            POLICY_VERSION.set(step)
-            STEP_SECONDS.observe(metrics["step_time_s"])
-            for key, gauge in TRAINER_GAUGES.items():
-                if key in metrics:
-                    gauge.set(metrics[key])
-            for key in metrics:
-                if key.startswith("reward/"):
-                    REWARD_TERMS.labels(reward=key[len("reward/"):]).set(metrics[key])
+            export_step_metrics(step, metrics)
             # records first, checkpoint second: a resume cuts records back to its checkpoint
             append_jsonl(self.metrics_path, {"step": step, **metrics})
             append_jsonl(self.samples_path, {

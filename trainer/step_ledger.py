@@ -153,6 +153,11 @@ class StepLedger:
         self.covered = num_steps
         return out
 
+    def is_complete(self, step: int) -> bool:
+        """True once every micro-batch of ``step`` (not yet taken) has arrived."""
+        pending = self._pending.get(step)
+        return pending is not None and len(pending.parts) == pending.num_micro_batches
+
     def buffered_steps(self) -> list[int]:
         """Steps with micro-batches waiting to be trained (complete or not), ascending."""
         return sorted(self._pending)

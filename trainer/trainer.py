@@ -27,7 +27,7 @@ import gc
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -164,6 +164,10 @@ class Trainer:
         packed = self.logprobs.module if isinstance(self.logprobs, torch.nn.parallel.DistributedDataParallel) else self.logprobs
         packed.temperature = float(temperature)
 
+    before_micro_batch: Callable[[], None] | None = None
+    """Called before each micro-batch of :meth:`step` (the process sets the thread count there,
+    :mod:`trainer.threads`); None: nothing."""
+
     dp: DataParallel | None = None
     """This rank's data-parallel group, set by :meth:`enable_data_parallel` (None: one rank)."""
 
@@ -255,6 +259,8 @@ class Trainer:
         totals: dict[str, float] = {}
         last = len(micro_batches) - 1
         for k, mb in enumerate(micro_batches):
+            if self.before_micro_batch is not None:
+                self.before_micro_batch()
             with DataParallel.grad_sync(self.logprobs, sync=k == last):
                 if mb is None:
                     self.padding_micro_step()

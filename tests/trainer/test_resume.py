@@ -126,6 +126,20 @@ def test_ledger_buffers_steps_and_releases_only_what_a_checkpoint_covers():
     assert ledger.covered == 2 and ledger.buffered_steps() == [2]
 
 
+def test_ledger_reports_a_step_complete_only_with_all_its_micro_batches():
+    ledger = StepLedger()
+    assert not ledger.is_complete(1)
+    ledger.offer(mb(1, 1, 2, ["a"]))
+    assert not ledger.is_complete(1)
+    ledger.offer(mb(1, 0, 2, ["b"]))
+    assert ledger.is_complete(1) and not ledger.is_complete(0)
+    ledger.offer(mb(0, 0, 1, ["c"]))
+    ledger.take(0)
+    assert ledger.is_complete(1)
+    ledger.take(1)
+    assert not ledger.is_complete(1)  # taken: no longer waiting
+
+
 def test_ledger_covers_several_steps_at_once_and_counts_repeats_once():
     ledger = StepLedger()
     for step in range(3):

@@ -1,0 +1,84 @@
+"""The trainer's CPU threads follow the producers: few while they sample, all while they wait.
+
+On a CPU host the trainer and the vLLM producers share the cores. A producer samples the groups of
+step ``s`` only once the policy version reaches ``s - max_async_level`` (the prompt source's
+gate, :mod:`prompts.source`), so while the trainer trains step ``v`` (version ``v``) the producers
+can be sampling steps ``v + 1 .. v + max_async_level`` and nothing later. Once every one of those
+steps is complete in the trainer's ledger, the producers have no training work left until this
+step's weights go out: their cores are idle, and the trainer takes them.
+
+:class:`ThreadPlan` decides, before each micro-batch, between ``sampling`` threads (some step the
+producers may sample is still incomplete) and ``idle`` threads (all are buffered), and sets
+``torch.set_num_threads`` when the choice changes. Eval requests and re-issued prompts are not
+foreseen (they run at ``idle`` threads' contention; they are a few percent of the sampling).
+With producers on other hosts set ``trainer.num_threads`` to the host's cores and leave
+``trainer.idle_threads`` at 0 (always ``num_threads``).
+
+Invariants: the choice never changes the result beyond float rounding (the same ops, another
+split across threads); with ``idle == sampling`` (or 0) nothing is ever changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from prometheus_client import Counter, Gauge
+
+__all__ = ["ThreadPlan"]
+
+TRAINER_THREADS = Gauge("rlbus_trainer_threads", "torch CPU threads the trainer computes with now")
+IDLE_MICRO_BATCHES = Counter(
+    "rlbus_trainer_idle_thread_micro_batches_total",
+    "Micro-batches trained with trainer.idle_threads (the producers had every step they may sample buffered)",
+)
+
+
+class ThreadPlan:
+    """Chooses the trainer's torch intra-op thread count before each micro-batch.
+
+    Args:
+        sampling: threads while some step the producers may sample is incomplete (>= 1).
+        idle: threads once every such step is buffered (>= 1; equal to ``sampling``: fixed).
+        lookahead: ``max_async_level``, how many steps past the one being trained the producers
+            may sample (>= 0).
+        max_steps: the run's last step + 1 (steps from here on are never sampled).
+
+    Raises:
+        ValueError: a count < 1, ``lookahead`` < 0 or ``max_steps`` < 1.
+    """
+
+    def __init__(self, sampling: int, idle: int, lookahead: int, max_steps: int) -> None:
+        if sampling < 1 or idle < 1 or lookahead < 0 or max_steps < 1:
+            raise ValueError(
+                f"need sampling, idle >= 1 threads, lookahead >= 0 and max_steps >= 1; got {sampling}, {idle}, "
+                f"{lookahead}, {max_steps}"
+            )
+        self.sampling = sampling
+        self.idle = idle
+        self.lookahead = lookahead
+        self.max_steps = max_steps
+        self.idle_micro_batches = 0
+        """Micro-batches chosen at ``idle`` threads since the last :meth:`take_idle_count`."""
+
+    def choose(self, step: int, is_complete: Callable[[int], bool]) -> int:
+        """``idle`` if every step in ``step + 1 .. step + lookahead`` (below ``max_steps``) is
+        complete by ``is_complete(step) -> bool``, else ``sampling``."""
+        ahead = range(step + 1, min(step + 1 + self.lookahead, self.max_steps))
+        return self.idle if all(is_complete(s) for s in ahead) else self.sampling
+
+    def apply(self, step: int, is_complete: Callable[[int], bool]) -> int:
+        """:meth:`choose`, then ``torch.set_num_threads`` if that differs from now; returns it."""
+        n = self.choose(step, is_complete)
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
+        TRAINER_THREADS.set(n)
+        if n == self.idle and self.idle != self.sampling:
+            self.idle_micro_batches += 1
+            IDLE_MICRO_BATCHES.inc()
+        return n
+
+    def take_idle_count(self) -> int:
+        """Micro-batches run at ``idle`` threads since the last call (then reset to 0)."""
+        n, self.idle_micro_batches = self.idle_micro_batches, 0
+        return n
