@@ -97,6 +97,7 @@ def resume_config(target: str | None, overrides: list[str]) -> RunConfig:
 
 
 def cmd_up(ns: argparse.Namespace, console: Console) -> int:
+    from busctl.startup import process_started_at
     from busctl.supervisor import Supervisor  # zmq/rich only; torch stays out until needed
 
     config_path, overrides = _split_config_args(ns.args)
@@ -117,7 +118,7 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
         console.print(f"[red]a run is already going in {run_dir} (busctl up pid {previous['supervisor_pid']}); "
                       f"stop it first: busctl down {run_dir}[/red]")
         return 1
-    sup = Supervisor(cfg, console, resume=ns.resume)
+    sup = Supervisor(cfg, console, resume=ns.resume, launched_at=process_started_at(os.getpid()))
 
     def on_signal(signum: int, _frame: object) -> None:
         sup.stop.set()

@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from broadcaster.factory import needs_rendezvous_port
 from configs.schema import RunConfig
 
 RESTARTABLE_ROLES = frozenset({"hub", "trainer", "rewards", "producer", "prompt-source"})
@@ -131,6 +132,14 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def claim_broadcast_port(cfg: RunConfig) -> None:
+    """Give the weight transfer a free rendezvous port when it needs one and the config leaves it
+    open (``broadcast.port: 0``; the method answers: :func:`broadcaster.factory.needs_rendezvous_port`);
+    changes ``cfg`` in place."""
+    if needs_rendezvous_port(cfg.broadcast):
+        cfg.broadcast.port = free_port(cfg.broadcast.host)
 
 
 

@@ -54,7 +54,8 @@ def summarize(run: RunData) -> dict:
         "evals": {task: {"first": (round, v), "last": (round, v)}}, "kl_mean", "entropy_mean",
         "lag_mean", "lag_max", "tokens_per_s", "stages": {role: {"tokens_per_s", "busy"}},
         "packer_outcomes", "accounting", "samples", "sample_steps", "phases": [(phase, median s/step,
-        share of step time)]}``; NaN where a run lacks the key (``phases`` empty).
+        share of step time)], "first_step_s"}``; NaN where a run lacks the key (``phases`` empty;
+        ``first_step_s``: launch to first optimizer step, ``startup.json``).
     """
     steps, rewards = run.series("reward_mean")
     w = smoothing_window(len(rewards))
@@ -96,6 +97,7 @@ def summarize(run: RunData) -> dict:
         "samples": len(run.samples),
         "sample_steps": len({r.get("step") for r in run.samples}),
         "phases": phase_table(run),
+        "first_step_s": float((run.startup or {}).get("first_step_s") or math.nan),
     }
     return s
 
@@ -112,6 +114,7 @@ def format_summary(run: RunData, s: dict, notes: list[str]) -> str:
         f"training time {_f(s['train_time_s'])} s (sum of step_time_s)",
         f"reward_mean ({s['window']}-step mean): first {_f(s['reward_first'])}, last {_f(s['reward_last'])}, "
         f"best {_f(s['reward_best'])} (window ending at step {s['reward_best_step']})",
+        f"launch to first optimizer step: {_f(s['first_step_s'], 3)} s",
     ]
     if s["reward_terms_last"]:
         lines.append("reward terms (last window): " + ", ".join(f"{k} {_f(v)}" for k, v in s["reward_terms_last"].items()))

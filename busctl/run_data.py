@@ -46,6 +46,7 @@ class RunData:
         samples: records of ``samples.jsonl`` (empty without the file).
         accounting: ``accounting.json`` or None. packer_outcomes: ``rlbus_packer_groups_total``
             by outcome from ``metrics_final/packer.prom`` (empty without it).
+        startup: ``startup.json`` (launch to first optimizer step, :mod:`busctl.startup`) or None.
         skipped_lines: unparsable lines per file name.
     """
 
@@ -56,6 +57,7 @@ class RunData:
     samples: list[dict] = field(default_factory=list)
     accounting: dict | None = None
     packer_outcomes: dict[str, float] = field(default_factory=dict)
+    startup: dict | None = None
     skipped_lines: dict[str, int] = field(default_factory=dict)
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
@@ -152,6 +154,10 @@ def load_run(run_dir: Path) -> RunData:
         run.accounting = json.loads((run_dir / "accounting.json").read_text())
     except (OSError, ValueError):
         run.accounting = None
+    try:
+        run.startup = json.loads((run_dir / "startup.json").read_text())
+    except (OSError, ValueError):
+        run.startup = None
     try:
         run.packer_outcomes = packer_outcomes((run_dir / "metrics_final" / "packer.prom").read_text())
     except (OSError, ValueError):

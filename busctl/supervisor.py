@@ -8,13 +8,16 @@ Lifecycle of a run:
    policy; a free rendezvous port for the weight broadcast), write the resolved ``config.yaml``
    that every component reads.
 2. ``start``: spawn every component of the table (:mod:`busctl.component_table`) as its own process
-   (own process group; stdout/stderr appended to ``logs/NAME.log`` after a header line) and wait
+   (own process group; stdout/stderr appended to ``logs/NAME.log`` after a header line; the
+   producers first: vLLM's start is the longest, everything else overlaps it) and wait
    for each one's :class:`bus.messages.ComponentReady` handshake on the ``supervisor`` socket,
-   never a sleep. A component that exits, or is not ready within ``bus.ready_timeout_s``, fails
+   never a sleep; the control channel is read from the start, so the first step's
+   :class:`bus.messages.TrainerStep` is seen even if it comes before the last handshake. A component that exits, or is not ready within ``bus.ready_timeout_s``, fails
    the start (its log is named): at start-up that is a configuration or code problem, not one to
    retry. Then ``prometheus.yml`` lists every component (rewritten whenever one becomes ready or
    is scaled away), and a :class:`busctl.scrape.MetricsPoller` thread starts reading their metrics.
-3. ``watch``: print one progress line per ``trainer.step`` on the control channel; the run ends
+3. ``watch``: print one progress line per ``trainer.step`` on the control channel (the first one
+   also the time from launch to the first optimizer step, :mod:`busctl.startup`); the run ends
    when the trainer announces ``run.done`` after its last step and final eval. Components stop
    working then but keep serving metrics, which are saved to ``metrics_final/`` (for
    ``bench/``). Meanwhile the supervisor heals (below) and applies ``busctl scale`` requests
@@ -59,21 +62,21 @@ import zmq
 from prometheus_client import REGISTRY, Counter, generate_latest
 from rich.console import Console
 
-from broadcaster.factory import needs_rendezvous_port
 from bus import auth
 from bus.launch_env import ENV_NAMES, LaunchEnv
 from bus.messages import ComponentHeartbeat, ComponentReady, RunDone, TrainerStep
 from bus.metrics import start_metrics_server
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
-from busctl.component_table import (LIVE_STATES, ComponentSpec, component_table, free_port, launch_prefix, process_start_ticks,
-                                    signal_group)
+from busctl.component_table import (LIVE_STATES, ComponentSpec, claim_broadcast_port, component_table, launch_prefix,
+                                    process_start_ticks, signal_group)
 from busctl.healing import ComponentFacts, Decision, FailRun, HealingRules, RestartNow, ScheduleRestart, decide
 from busctl.live import progress_line
 from busctl.run_status import (EventLog, StepClock, append_stage_record, clear_run_dir, snapshot_metrics, write_json_atomic,
                                write_scrape_config)
 from busctl.scaling import STOP_TIMEOUT_S, Scaling
 from busctl.scrape import MetricsPoller
+from busctl.startup import StartupClock
 from configs.schema import RunConfig, dump_config
 
 log = logging.getLogger(__name__)
@@ -99,14 +102,6 @@ class RunFailed(RuntimeError):
     """A component failed to start, died when it could not be restarted, or used up its restarts."""
 
 
-def claim_broadcast_port(cfg: RunConfig) -> None:
-    """Give the weight transfer a free rendezvous port when it needs one and the config leaves it
-    open (``broadcast.port: 0``; the method answers: :func:`broadcaster.factory.needs_rendezvous_port`);
-    changes ``cfg`` in place."""
-    if needs_rendezvous_port(cfg.broadcast):
-        cfg.broadcast.port = free_port(cfg.broadcast.host)
-
-
 class Supervisor:
     """Starts, watches, heals, scales and stops the processes of one run.
 
@@ -115,6 +110,7 @@ class Supervisor:
         console: where progress lines and events go.
         table: the components (default :func:`component_table` of ``cfg``); tests pass their own.
         resume: continue the run in its run directory (keep its outputs, ``RLBUS_RESUME=1``).
+        launched_at: ``time.time()`` of the launch (default: now), for ``startup.json``.
 
     Attributes:
         stop: set it (e.g. from a signal handler) to end ``start``/``watch`` early.
@@ -127,7 +123,7 @@ class Supervisor:
     """
 
     def __init__(self, cfg: RunConfig, console: Console | None = None, *, table: list[ComponentSpec] | None = None,
-                 resume: bool = False) -> None:
+                 resume: bool = False, launched_at: float | None = None) -> None:
         self.cfg = cfg
         self.console = console or Console(soft_wrap=True)
         self.run_dir = Path(cfg.run_dir).resolve()
@@ -152,6 +148,7 @@ class Supervisor:
         self.snapshot: dict = {}
         self.events = EventLog()
         self.steps = StepClock()
+        self.startup = StartupClock(self.run_dir, launched_at)
         self.poller = MetricsPoller(self._scrape_targets)
         self.scaling = Scaling(cfg, self.run_dir, self.table, spawn=self._spawn, say=self.say, status_changed=self.write_status,
                                targets_changed=self.write_scrape_config)
@@ -218,9 +215,11 @@ class Supervisor:
                                 accept=(ComponentReady, ComponentHeartbeat))
         self._metrics_server = start_metrics_server(0, health=self.health)
         self.metrics_port = int(self._metrics_server.server_address[1])
+        self._control = BusSocket(self.ctx, "control_sub", "recv", self.endpoints.address("control_sub"), bind=False, stop=self.stop)
         base = self.cfg.metrics.base_port
         for k, spec in enumerate(self.table):
             spec.port_request = base + k if base else 0
+        for spec in sorted(self.table, key=lambda s: s.role != "producer"):  # stable: else table order
             self._spawn(spec)
         self.write_status()
         while any(s.state not in LIVE_STATES for s in self.table):
@@ -240,7 +239,6 @@ class Supervisor:
             RunFailed: a component died and cannot be restarted (see the module docstring).
         """
         self.state, self._healing = "running", True
-        self._control = BusSocket(self.ctx, "control_sub", "recv", self.endpoints.address("control_sub"), bind=False, stop=self.stop)
         while not self.stop.is_set() and not self.run_done:
             self._turn()
         self._healing = False
@@ -286,6 +284,8 @@ class Supervisor:
             if spec.state in LIVE_STATES:
                 spec.state = "done" if msg.state == "done" else "running"
         elif isinstance(msg, TrainerStep) and (self.last_step is None or msg.step > self.last_step.step):
+            if self.last_step is None:
+                self.say(self.startup.record(msg.step, self.table))
             self.last_step = msg
             self.steps.step(msg.step)
             append_stage_record(self.run_dir / "stages.jsonl", msg.step, self.poller.stats, {s.name: s.role for s in self.table})
@@ -390,7 +390,7 @@ class Supervisor:
             "updated_at": time.time(), "metrics_port": self.metrics_port,
             "step": self.last_step.step if self.last_step else None, "max_steps": max_steps,
             "trainer_metrics": dict(self.last_step.metrics) if self.last_step else {},
-            "steps_per_s": steps_per_s, "eta_s": eta, "scale": self.scaling.progress, "events": self.events.recent(),
+            "steps_per_s": steps_per_s, "eta_s": eta, "first_step_s": self.startup.first_step_s, "scale": self.scaling.progress, "events": self.events.recent(),
             "components": [{**s.status_row(), "role": s.role, **stats.get(s.name, empty)} for s in self.table],
         }
         write_json_atomic(self.run_dir / "status.json", status)

@@ -3,8 +3,12 @@
 Each producer owns one vLLM engine (:class:`producers.engine.RolloutEngine`) and runs three kinds
 of asyncio tasks on one event loop:
 
-- the prompt loop takes ``prompts`` while fewer than ``max_concurrent_groups`` groups are in
-  flight (so an idle producer takes work and a busy one pushes back);
+- the prompt loop takes ``prompts`` while fewer than ``max_concurrent_groups`` training groups'
+  worth of samples (``max_concurrent_groups * group_size``) are in flight (so an idle producer
+  takes work and a busy one pushes back); an eval group counts its own size (one sample per
+  example by default), so an eval round runs as a few large vLLM batches instead of
+  ``max_concurrent_groups`` single samples at a time (the base-model round at start-up is in front of
+  the first training prompts: it must not hold them back for seconds);
 - one generation task per prompt samples ``group_size`` completions (an eval prompt: its eval
   task's ``rollouts_per_example``) with per-token logprobs at the prompt's temperature and the
   ``sampling`` parameters (:func:`producers.sampling.request_kwargs`), scores them under the
@@ -162,17 +166,25 @@ class ProducerProc(Component):
                 raise task.exception()  # e.g. a broken engine: exit, the supervisor restarts us
 
     async def _prompt_loop(self) -> None:
-        limit = self.cfg.producers.max_concurrent_groups
+        budget = self.cfg.producers.max_concurrent_groups * self.cfg.producers.group_size
+        self.inflight_samples = 0
         while not self.stop.is_set():
-            if len(self.inflight) >= limit:
+            if self.inflight_samples >= budget:
                 await asyncio.sleep(0.01)
                 continue
             prompt = await asyncio.to_thread(self.prompts.recv, 0.2)
             if prompt is None:
                 continue
+            n = request_kwargs(self.cfg, prompt)["n"]
+            self.inflight_samples += n
             task = asyncio.create_task(self._generate(prompt))
             self.inflight.add(task)
             task.add_done_callback(self.inflight.discard)
+            task.add_done_callback(lambda _task, n=n: self._release_samples(n))
+
+    def _release_samples(self, n: int) -> None:
+        """A group of ``n`` samples left flight (done, failed or cancelled): its budget is free."""
+        self.inflight_samples -= n
 
     async def _generate(self, prompt: Prompt) -> None:
         """Generate one group; a failure is counted and announced (the prompt is replaced)."""
