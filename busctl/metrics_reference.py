@@ -63,9 +63,9 @@ SECTIONS = {
     "producer": "Rollout producers (`producers/proc.py`): generation and weight updates.",
     "rewards": "Reward workers (`rewards/proc.py`, `rewards/worker.py`): rewards, advantages, failures of reward functions, filters.",
     "packer": "The packer (`packer/proc.py`): staleness filter, policy lag, packing, samples log.",
-    "trainer": "The trainer, rank 0 (`trainer/proc.py`, `trainer/trainer.py`, `trainer/publish.py`): the "
-               "last step's loss and statistics as gauges (also in `metrics.jsonl`), step and weight "
-               "transfer times.",
+    "trainer": "The trainer, rank 0 (`trainer/proc.py`, `trainer/gauges.py`, `trainer/step_timing.py`, "
+               "`trainer/threads.py`, `trainer/publish.py`): the last step's loss and statistics as gauges "
+               "(also in `metrics.jsonl`), step time by phase, CPU threads, weight transfer times.",
     "eval": "Online evaluation (`trainer/eval_log.py`): the last eval round per eval task.",
 }
 """Component prefix (``rlbus_<prefix>_...``) -> the introduction of its table, in document order."""

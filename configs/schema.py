@@ -214,7 +214,7 @@ class TrainerConfig(Section):
         ge=0,
         description="Save a resumable checkpoint (weights or adapter, optimizer, RNG, step, policy version) every this many optimizer "
         "steps and after the last one. The trainer releases a step's micro-batches and announces its groups as trained only once a "
-        "checkpoint covers it, so the packer holds up to this many steps of micro-batches. 0: no periodic checkpoints; steps are "
+        "checkpoint covers it, so the packer holds up to this many steps of micro-batches (one more while a checkpoint is written in the background). 0: no periodic checkpoints; steps are "
         "released right after training and a restarted trainer cannot resume (it refuses to start).",
     )
     checkpoint_keep: int = Field(2, ge=1, le=1000, description="Complete checkpoints kept on disk; older ones are deleted after each save.")

@@ -114,7 +114,7 @@ def overview() -> dict:
         timeseries("Rewards: scoring time per group", quantile_targets("rlbus_rewards_score_seconds", "component"), "s"),
         timeseries("Trainer: time per phase", [
             Target(_by("rlbus_trainer_phase_seconds_total", "phase"), "{{phase}}"),
-        ], "percentunit", "Seconds per second: waiting for micro-batches, computing, handing weights to the broadcaster.",
+        ], "percentunit", "Seconds per second: waiting for micro-batches, forward, backward, optimizer, handing weights to the broadcaster, bookkeeping (trainer/step_timing.py).",
             stack=True),
         timeseries("Trainer: step and broadcast time", [
             *quantile_targets("rlbus_trainer_step_seconds"),
