@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"eval {summary['eval_step0']} -> {summary['eval_final']}", flush=True)
             rounds.append({"round": r + 1, "arm": arm, "launch_t": launch, "summary": summary, "events": events})
     agg = {arm: aggregate([x["summary"] for x in rounds if x["arm"] == arm]) for arm in ("trl", "rlbus")}
-    t_train, t_gen = agg["rlbus"]["mean_tokens_per_step"], agg["rlbus"]["mean_completion_tokens_per_step"]
+    # generation runs the policy over every prompt token (prefill) and every completion token once
+    t_train = t_gen = agg["rlbus"]["mean_tokens_per_step"]
     flops = step_flops(num_params, t_train, t_gen)
     floor = {"gflops": mm["gflops"], "matmul": mm, "num_params": num_params, "train_tokens_per_step": t_train,
              "gen_tokens_per_step": t_gen, "flops_per_step": flops, "samples_per_s": floor_samples_per_s(batch, flops, mm["gflops"])}

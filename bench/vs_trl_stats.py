@@ -20,7 +20,8 @@ Both arms are reduced to the same *event list* (epoch seconds, one clock: the be
 - **final eval** = ``reward_mean`` of the eval with the largest step.
 
 Floor (issue 14, goal 1): a step costs ``6 * N * T_train + 2 * N * T_gen`` FLOPs (N parameters,
-T_train prompt + completion tokens trained, T_gen completion tokens generated; the usual 2 FLOPs per
+T_train prompt + completion tokens trained, T_gen tokens the sampler runs the policy over: prompt
+(prefill) + completion, so T_gen = T_train as the issue counts it; the usual 2 FLOPs per
 parameter per token forward, 4 backward, Kaplan et al. 2020 sec. 2.1), so at matmul throughput
 ``G`` FLOP/s the fastest possible step takes ``flops / G`` s and the floor rate is
 ``batch * G / flops`` samples/s. :func:`matmul_gflops` measures ``G`` as large square fp32
