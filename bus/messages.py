@@ -4,8 +4,7 @@ Each type is a frozen dataclass with a ``TYPE`` string; scalar fields travel in 
 header, fields declared with :func:`bus.wire.array_field` travel as raw frames (see
 :mod:`bus.wire`). :mod:`bus.codec` encodes and decodes them: ``decode`` validates every field and
 then calls the type's ``check()`` (cross-field consistency, raising
-``bus.wire.WireError("inconsistent")``). :data:`MESSAGE_TYPES` registers every type; unknown types
-raise.
+``bus.wire.WireError("inconsistent")``). :data:`MESSAGE_TYPES` registers every type (others raise).
 
 Data topics carry one *group* per message on ``rollouts`` and ``scored`` so that any reward
 worker can compute a group's advantages alone.
@@ -325,6 +324,16 @@ class WeightsApplied(Message):
 
 
 @dataclass(frozen=True, eq=False)
+class WeightsWanted(Message):
+    """A late-joining producer (outside the weight group) skipped broadcast ``version`` and waits
+    for filesystem weights (control channel): the trainer switches to the filesystem method."""
+
+    TYPE: ClassVar[str] = "weights.wanted"
+    producer: str
+    version: int
+
+
+@dataclass(frozen=True, eq=False)
 class TrainerStep(Message):
     """The trainer finished optimizer step ``step`` and is now at policy ``version``.
 
@@ -432,13 +441,10 @@ class EvalResult(Message):
     metrics: dict[str, float]
 
 
-CONTROL_TYPES: tuple[type[Message], ...] = (
-    WeightsReady, WeightsApplied, TrainerStep, GroupsDropped, GroupsTrained, RunDone, EvalResult,
-)
+CONTROL_TYPES: tuple[type[Message], ...] = (WeightsReady, WeightsApplied, WeightsWanted, TrainerStep, GroupsDropped,
+                                             GroupsTrained, RunDone, EvalResult)
 """The message types the control channel carries (the hub forwards nothing else)."""
 
-MESSAGE_TYPES: dict[str, type[Message]] = {cls.TYPE: cls for cls in (
-    Prompt, RolloutGroup, ScoredGroup, MicroBatch, WeightsReady, WeightsApplied, TrainerStep,
-    GroupsDropped, GroupsTrained, RunDone, EvalResult, ComponentReady, ComponentHeartbeat,
-)}
+MESSAGE_TYPES: dict[str, type[Message]] = {cls.TYPE: cls for cls in (*CONTROL_TYPES, Prompt, RolloutGroup, ScoredGroup,
+                                                                       MicroBatch, ComponentReady, ComponentHeartbeat)}
 """Every message type by its ``TYPE`` string: what :mod:`bus.codec` encodes and decodes."""

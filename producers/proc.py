@@ -52,7 +52,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from broadcaster.factory import build_receiver
 from bus.component import Component, component_main
-from bus.messages import GroupsDropped, Prompt, RolloutGroup, RunDone, WeightsApplied, WeightsReady, new_id
+from bus.messages import GroupsDropped, Prompt, RolloutGroup, RunDone, WeightsApplied, WeightsReady, WeightsWanted, new_id
 from bus.metrics import POLICY_VERSION, StageMeter
 from producers.engine import RolloutEngine
 from producers.eval_gate import EvalUpdateGate
@@ -235,6 +235,7 @@ class ProducerProc(Component):
                 reason = self.receiver.skip_reason(msg, self.engine.version)
                 if reason is not None:
                     log.info("skipping %s of version %d (%s); waiting for a filesystem one", msg.method, msg.version, reason)
+                    self.control_out.send(WeightsWanted(id=new_id(), producer=self.name, version=msg.version))
                     continue
                 await self._apply(msg)
 

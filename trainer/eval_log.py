@@ -21,12 +21,13 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prometheus_client import Gauge
 
-from bus.messages import EvalResult
+from bus.messages import EvalResult, WeightsWanted
 from bus.sockets import BusSocket
 from tasks.registry import eval_tasks
 from trainer.step_ledger import append_jsonl
@@ -124,13 +125,19 @@ class EvalLog:
                  {k: round(v, 4) for k, v in result.metrics.items()}, result.num_samples, result.num_failed)
         return True
 
+    on_weights_wanted: Callable[[WeightsWanted], None] | None = None
+    """Called with every ``weights.wanted`` read here (the trainer re-publishes weights through the
+    filesystem for a late-joining producer); None: ignored."""
+
     def poll(self, timeout_s: float = 0.0) -> None:
-        """Record every eval result waiting on the control socket (waits up to ``timeout_s`` for
-        the first message)."""
+        """Record every eval result waiting on the control socket and hand ``weights.wanted`` to
+        :attr:`on_weights_wanted` (waits up to ``timeout_s`` for the first message)."""
         msg = self.control.recv(timeout_s=timeout_s)
         while msg is not None:
             if isinstance(msg, EvalResult):
                 self.record(msg)
+            elif isinstance(msg, WeightsWanted) and self.on_weights_wanted is not None:
+                self.on_weights_wanted(msg)
             msg = self.control.recv(timeout_s=0)
 
     def wait_for_round(self, round_: int, tasks: list[str], timeout_s: float, stop: threading.Event) -> list[str]:

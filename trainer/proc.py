@@ -182,6 +182,7 @@ class TrainerProc(Component):
         sender, fallback = build_senders(cfg.broadcast, world_size=1 + cfg.producers.replicas,
                                          out_dir=self.weights_dir, restarted=self.resumed)
         self.publisher = WeightPublisher.for_run(cfg, self.model, sender, fallback, self.control.send)
+        self.eval_log.on_weights_wanted = lambda msg: self.publisher.serve_late_joiner(msg.producer, msg.version)
         sender.open()  # after: close() releases the sender even if the group never forms
 
     # -- resume -----------------------------------------------------------------------------------

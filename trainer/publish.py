@@ -79,6 +79,8 @@ class WeightPublisher:
         self._send_message = announce
         self.payload = payload
         self.adapter = adapter
+        self.last_version: int | None = None
+        """The version last handed to :meth:`publish` (None: none yet)."""
 
     @classmethod
     def for_run(cls, cfg, model: torch.nn.Module, sender: WeightSender, fallback: WeightSender | None,
@@ -104,6 +106,7 @@ class WeightPublisher:
         """
         started = time.perf_counter()
         self.settle()
+        self.last_version = version
         try:
             self._publish(version, self._payload(version))
         except RuntimeError as exc:  # torch.distributed errors (DistBackendError, timeouts) are RuntimeErrors
@@ -130,6 +133,25 @@ class WeightPublisher:
             return
         if done and done.get("transfer_s") is not None:
             TRANSFER_SECONDS.observe(done["transfer_s"])
+
+    def serve_late_joiner(self, producer: str, version: int) -> None:
+        """A producer outside the weight group wants weights (``weights.wanted`` of ``version``):
+        while still broadcasting, switch to the fallback (filesystem) now and re-publish the last
+        published version there, so the late joiner loads it; nothing once already switched (its
+        next filesystem publication serves it) or without a fallback or publication.
+
+        A broadcast that completed just before a producer died leaves the restarted producer
+        without that version and the trainer waiting for data that needs it; a failed send only
+        triggers the switch on the next publication, which never comes (the deadlock this ends).
+        """
+        if self.fallback is None or self.last_version is None:
+            return
+        self.settle()  # a transfer in flight finishes (or fails and falls back) first
+        if self.fallback is None:
+            return
+        version_now = self.last_version
+        self._fall_back(version_now, RuntimeError(f"{producer} is not in the weight group (wanted version {version})"))
+        self._publish(version_now, self._payload(version_now))
 
     def poll(self) -> None:
         """``settle`` if a background transfer has finished (does not block otherwise): a failed

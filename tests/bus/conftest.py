@@ -34,6 +34,7 @@ from bus.messages import (
     ScoredGroup,
     TrainerStep,
     WeightsApplied,
+    WeightsWanted,
     WeightsReady,
 )
 from bus.courier import Courier
@@ -127,6 +128,7 @@ EXAMPLES: dict[str, Callable[[], Message]] = {
         num_bytes=1024,
     ),
     "weights.applied": lambda: WeightsApplied(id="a-3", producer="producer-1", version=3, apply_time_s=0.5),
+    "weights.wanted": lambda: WeightsWanted(id="w-4", producer="producer-1", version=4),
     "trainer.step": lambda: TrainerStep(id="s-3", step=3, version=3, metrics={"loss": 0.25, "reward_mean": 0.5}),
     "groups.dropped": lambda: GroupsDropped(id="d-1", group_ids=["g-1", "g-2"], reason="stale"),
     "groups.trained": lambda: GroupsTrained(id="t-3", step=3, group_ids=["g-1", "g-2", "g-3"]),

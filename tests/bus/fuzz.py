@@ -56,6 +56,7 @@ from bus.messages import (
     ScoredGroup,
     TrainerStep,
     WeightsApplied,
+    WeightsWanted,
     WeightsReady,
 )
 from bus.wire import MAX_ARRAYS, MAX_HEADER_BYTES, SCHEMA_VERSION, WireError
@@ -141,6 +142,7 @@ def realistic_examples() -> dict[str, Message]:
             num_bytes=40_064,
         ),
         WeightsApplied(id="a4", producer="producer-0", version=4, apply_time_s=0.031),
+        WeightsWanted(id="w5", producer="producer-1", version=5),
         TrainerStep(id="s4", step=4, version=4, metrics={"loss": -0.012, "reward_mean": 0.44, "kl": 0.0003}),
         GroupsDropped(id="d1", group_ids=["5f0c2a", "77aa01"], reason="stale"),
         GroupsTrained(id="t4", step=4, group_ids=["5f0c2a", "9b1e44", "c03d7f"]),

@@ -42,3 +42,23 @@ def test_without_a_fallback_a_failure_raises(tmp_path):
     with pytest.raises(ValueError, match="already written"):
         publisher.publish(3)
     assert [(m.version, m.method) for m in writes] == [(3, "filesystem")]
+
+
+def test_a_late_joiner_gets_the_last_version_through_the_fallback_once(tmp_path):
+    """weights.wanted from a producer outside the group: the publisher switches to its fallback and
+    re-publishes the last version there (a primary that worked stands in for a formed broadcast)."""
+    announced = []
+    publisher = WeightPublisher(FilesystemSender(tmp_path / "primary"), FilesystemSender(tmp_path / "fallback"),
+                                announced.append, _payload, adapter=False)
+    try:
+        publisher.serve_late_joiner("producer-1", 0)  # nothing published yet: nothing to re-publish
+        assert announced == [] and publisher.fallback is not None
+        publisher.publish(3)
+        publisher.serve_late_joiner("producer-1", 3)
+        publisher.serve_late_joiner("producer-1", 3)  # already switched: the next publication serves it
+        publisher.publish(4)
+    finally:
+        publisher.close()
+    assert [m.version for m in announced] == [3, 3, 4]
+    assert [m.path.startswith(str(tmp_path / "fallback")) for m in announced] == [False, True, True]
+    assert all(is_ready(m.path) for m in announced) and publisher.fallback is None
