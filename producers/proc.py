@@ -155,7 +155,8 @@ class ProducerProc(Component):
         self.loop.run_until_complete(self._run())
 
     async def _run(self) -> None:
-        self.inflight: set[asyncio.Task] = set()
+        self.inflight: dict[asyncio.Task, int] = {}
+        """Generation tasks in flight -> their group's sample count (the prompt loop's budget)."""
         tasks = [asyncio.create_task(self._control_loop()), asyncio.create_task(self._prompt_loop())]
         finished, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         for task in [*tasks, *self.inflight]:
@@ -167,24 +168,16 @@ class ProducerProc(Component):
 
     async def _prompt_loop(self) -> None:
         budget = self.cfg.producers.max_concurrent_groups * self.cfg.producers.group_size
-        self.inflight_samples = 0
         while not self.stop.is_set():
-            if self.inflight_samples >= budget:
+            if sum(self.inflight.values()) >= budget:  # samples in flight
                 await asyncio.sleep(0.01)
                 continue
             prompt = await asyncio.to_thread(self.prompts.recv, 0.2)
             if prompt is None:
                 continue
-            n = request_kwargs(self.cfg, prompt)["n"]
-            self.inflight_samples += n
             task = asyncio.create_task(self._generate(prompt))
-            self.inflight.add(task)
-            task.add_done_callback(self.inflight.discard)
-            task.add_done_callback(lambda _task, n=n: self._release_samples(n))
-
-    def _release_samples(self, n: int) -> None:
-        """A group of ``n`` samples left flight (done, failed or cancelled): its budget is free."""
-        self.inflight_samples -= n
+            self.inflight[task] = request_kwargs(self.cfg, prompt)["n"]
+            task.add_done_callback(self.inflight.pop)  # done, failed or cancelled: its budget is free
 
     async def _generate(self, prompt: Prompt) -> None:
         """Generate one group; a failure is counted and announced (the prompt is replaced)."""
