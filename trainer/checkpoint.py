@@ -77,6 +77,20 @@ class CheckpointState:
     rng: dict[str, Any]
 
 
+def _current_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+) -> CheckpointState:
+    """The state as it is now, by reference (no copies): what a save on the training thread writes."""
+    return CheckpointState(
+        model_state=model.state_dict(),
+        optimizer_state=optimizer.state_dict(),
+        scheduler_state=scheduler.state_dict() if scheduler is not None else None,
+        rng=_rng_state(),
+    )
+
+
 def snapshot_state(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -85,10 +99,11 @@ def snapshot_state(
     """Copy what the next optimizer steps would change, so :func:`save_checkpoint` can write it
     later (on another thread) exactly as it is now. Costs one copy of the trainable weights and
     of the optimizer state (on the model's device)."""
+    now = _current_state(model, optimizer, scheduler)
     trainable = {p.data_ptr() for p in model.parameters() if p.requires_grad}
     clones: dict[int, torch.Tensor] = {}
     model_state = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in now.model_state.items():
         ptr = tensor.data_ptr()
         if ptr in trainable:
             if ptr not in clones:
@@ -97,9 +112,9 @@ def snapshot_state(
         model_state[name] = tensor
     return CheckpointState(
         model_state=model_state,
-        optimizer_state=copy.deepcopy(optimizer.state_dict()),
-        scheduler_state=copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None,
-        rng=_rng_state(),
+        optimizer_state=copy.deepcopy(now.optimizer_state),
+        scheduler_state=copy.deepcopy(now.scheduler_state),
+        rng=now.rng,
     )
 
 
@@ -230,13 +245,12 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
     if state is None:
-        model.save_pretrained(tmp, safe_serialization=True)
-    else:
-        model.save_pretrained(tmp, safe_serialization=True, state_dict=state.model_state)
-    torch.save(optimizer.state_dict() if state is None else state.optimizer_state, tmp / "optimizer.pt")
+        state = _current_state(model, optimizer, scheduler)
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=state.model_state)
+    torch.save(state.optimizer_state, tmp / "optimizer.pt")
     if scheduler is not None:
-        torch.save(scheduler.state_dict() if state is None else state.scheduler_state, tmp / "scheduler.pt")
-    (tmp / "rng.json").write_text(json.dumps(_rng_state() if state is None else state.rng))
+        torch.save(state.scheduler_state, tmp / "scheduler.pt")
+    (tmp / "rng.json").write_text(json.dumps(state.rng))
     (tmp / "meta.json").write_text(meta_text)
     _fsync_tree(tmp)
     (tmp / DONE).write_text(f"{step}\n")
