@@ -17,6 +17,12 @@ from pydantic import Field, ValidationError, model_validator
 
 from configs.base import Section
 from configs.rollout import EvalConfig, FiltersConfig, SamplingConfig, TaskConfig, TeacherConfig
+from configs.training import LoraSection, LossConfig, OptimConfig, TrainerConfig
+
+__all__ = [
+    "ConfigError", "LoraSection", "LossConfig", "OptimConfig", "RunConfig", "TrainerConfig",
+    "dump_config", "load_config",
+]
 
 CONFIG_DIR = Path(__file__).resolve().parent
 DEFAULT_CONFIG = CONFIG_DIR / "reverse_text.yaml"
@@ -43,11 +49,41 @@ class ProducersConfig(Section):
     max_replicas: int = Field(
         8, ge=1, le=64, description="Most producers the run can have (`busctl scale producers=N` up to this): reward workers connect to this many rollouts endpoints."
     )
+    dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto",
+        description="vLLM weights and compute dtype; the trainer sends weights in this dtype (bfloat16: half the bytes). "
+        "auto: bfloat16 on a GPU, float32 on CPU.",
+    )
+    gpus_per_replica: int = Field(
+        1,
+        ge=0,
+        le=64,
+        description="CUDA devices busctl gives each producer replica (CUDA_VISIBLE_DEVICES) when the run uses GPUs; equals "
+        "tensor_parallel_size. 0: producers run vLLM on CPU even on a GPU host.",
+    )
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="vLLM tensor-parallel size of each producer (its GPUs, gpus_per_replica).")
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="Fraction of each of its GPUs' memory a producer's vLLM engine may take (weights, activations, KV cache). "
+        "Lower it when a producer shares a GPU with the trainer (share_gpus_with_trainer).",
+    )
+    share_gpus_with_trainer: bool = Field(
+        False,
+        description="Allow producers on the trainer's GPUs (a one-GPU host): busctl otherwise refuses a plan where a producer "
+        "and the trainer would use the same device.",
+    )
 
     @model_validator(mode="after")
     def _room_for_replicas(self) -> "ProducersConfig":
         if self.replicas > self.max_replicas:
             raise ValueError(f"replicas ({self.replicas}) > max_replicas ({self.max_replicas}); raise max_replicas")
+        if self.gpus_per_replica and self.gpus_per_replica != self.tensor_parallel_size:
+            raise ValueError(
+                f"gpus_per_replica ({self.gpus_per_replica}) must equal tensor_parallel_size ({self.tensor_parallel_size}) "
+                "(or be 0: vLLM on CPU)"
+            )
         return self
 
 
@@ -95,149 +131,6 @@ class PackerConfig(Section):
     filter_equal_rewards: bool = Field(
         False, description="Drop (outcome 'filtered') groups whose rewards are all equal: zero advantage, no policy gradient (DAPO dynamic sampling); a replacement is issued."
     )
-
-
-class LossConfig(Section):
-    """The policy loss and its options (trainer/losses/; field for field the same as its LossSpec).
-
-    Ratios: pi_rollout sampled the token, pi_train is the trainer now, pi_old the trainer at the
-    start of the step. "mismatch ratio" = pi_train / pi_rollout.
-    """
-
-    type: Literal["aipo", "ppo_clip", "importance_sampling", "gspo"] = Field(
-        "aipo",
-        description="aipo: masked importance-weighted policy gradient -sg(r*A)*log pi (prime-rl); ppo_clip: "
-        "max(-A*r, -A*clip(r, 1-eps_clip, 1+eps_clip_high)); importance_sampling: -(r*A), no clip; gspo: "
-        "sequence-level geometric-mean ratio with clipping (arXiv:2507.18071).",
-    )
-    adv_tau: float = Field(1.0, ge=0, allow_inf_nan=False, description="Weight of the advantage (every type).")
-    ratio_type: Literal["token", "sequence"] = Field(
-        "token", description="aipo only: weight each token by its own ratio, or by its sample's product of ratios clipped at sequence_clip_high."
-    )
-    token_mask_low: float = Field(0.125, ge=0, le=1, allow_inf_nan=False, description="aipo only: loss tokens with mismatch ratio below this get zero gradient.")
-    token_mask_high: float = Field(8.0, ge=1, allow_inf_nan=False, description="aipo only: loss tokens with mismatch ratio above this get zero gradient.")
-    geo_mask_low: float = Field(0.1, ge=0, le=1, allow_inf_nan=False, description="aipo only: samples whose geometric-mean mismatch ratio is below this get zero gradient.")
-    geo_mask_high: float = Field(10.0, ge=1, allow_inf_nan=False, description="aipo only: samples whose geometric-mean mismatch ratio is above this get zero gradient.")
-    sequence_mask_low: float | None = Field(
-        None, ge=0, le=1, allow_inf_nan=False, description="aipo only, null = off: samples with any loss token's mismatch ratio below this get zero gradient."
-    )
-    sequence_mask_high: float | None = Field(
-        None, ge=1, allow_inf_nan=False, description="aipo only, null = off: samples with any loss token's mismatch ratio above this get zero gradient."
-    )
-    sequence_clip_high: float = Field(10.0, ge=1, allow_inf_nan=False, description="aipo with ratio_type sequence: upper clip of the sample's ratio.")
-    eps_clip: float = Field(0.2, gt=0, lt=1, allow_inf_nan=False, description="ppo_clip and gspo: lower clip 1 - eps_clip of the ratio (GSPO paper: 3e-4).")
-    eps_clip_high: float | None = Field(
-        None, gt=0, allow_inf_nan=False, description="ppo_clip and gspo: upper clip 1 + eps_clip_high (DAPO clip-higher: 0.28; GSPO paper: 4e-4); null = eps_clip."
-    )
-    eps_clip_c: float | None = Field(
-        None, gt=1, allow_inf_nan=False, description="ppo_clip only, null = off: dual clip, a negative-advantage token's loss is at most -A * eps_clip_c (verl default 3)."
-    )
-    icepop_beta: float | None = Field(
-        None, gt=1, allow_inf_nan=False, description="Any type, null = off: IcePop, loss tokens whose mismatch ratio is outside [1/beta, beta] get zero gradient."
-    )
-    use_tis: bool = Field(
-        False,
-        description="Any type: truncated importance sampling; the ratio becomes pi_train/pi_old and each token's loss is weighted "
-        "by clip(pi_old/pi_rollout, tis_clip_low, tis_clip_high).",
-    )
-    tis_clip_low: float = Field(0.0, ge=0, le=1, allow_inf_nan=False, description="Lower bound of the TIS weight.")
-    tis_clip_high: float = Field(2.0, ge=1, allow_inf_nan=False, description="Upper bound of the TIS weight (the TIS blog's C = 2).")
-    kl_tau: float = Field(0.0, ge=0, allow_inf_nan=False, description="Any type: weight of the per-token KL(pi_train || reference) penalty; 0 = off.")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field(
-        "k3", description="KL penalty estimator (Schulman): k1 = log(pi/ref), k2 = log(pi/ref)^2 / 2, k3 = ref/pi - 1 - log(ref/pi)."
-    )
-    kl_reference: Literal["rollout", "reference"] = Field(
-        "rollout", description="KL penalty against the sampler's logprobs, or a frozen reference model's (samples must carry them)."
-    )
-    teacher_tau: float = Field(
-        0.0, ge=0, allow_inf_nan=False, description="Any type: on-policy distillation, advantage += teacher_tau * (teacher_logprobs - train_logprobs); needs teacher logprobs."
-    )
-    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = Field(
-        "token_mean",
-        description="token_mean: over every loss token of the step; seq_mean_token_mean: mean over samples of each sample's "
-        "token mean; seq_mean_token_sum_norm: sum over tokens / sampling.max_tokens, mean over samples (Dr. GRPO).",
-    )
-
-    @model_validator(mode="after")
-    def _bounds_ordered(self) -> "LossConfig":
-        if not self.tis_clip_low < self.tis_clip_high:
-            raise ValueError(f"need tis_clip_low < tis_clip_high, got {self.tis_clip_low} and {self.tis_clip_high}")
-        if self.type != "aipo":
-            aipo_only = [k for k in ("sequence_mask_low", "sequence_mask_high") if getattr(self, k) is not None]
-            aipo_only += ["ratio_type"] if self.ratio_type != "token" else []
-            if aipo_only:
-                raise ValueError(f"{', '.join(aipo_only)} only apply to type aipo (type is {self.type}): remove them or set type: aipo")
-        if self.type != "ppo_clip" and self.eps_clip_c is not None:
-            raise ValueError(f"eps_clip_c (dual clip) only applies to type ppo_clip (type is {self.type}): remove it")
-        return self
-
-
-class LoraSection(Section):
-    """LoRA adapter (peft); disabled means full fine-tuning."""
-
-    enabled: bool = Field(False, description="Train a LoRA adapter instead of all weights.")
-    rank: int = Field(8, ge=1, le=1024, description="LoRA rank r.")
-    alpha: float = Field(16.0, gt=0, description="LoRA alpha (scale alpha / r).")
-    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout.")
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        description="Module names that get adapters.",
-    )
-
-
-class OptimConfig(Section):
-    """AdamW with a constant learning rate."""
-
-    lr: float = Field(1e-4, gt=0, le=1.0, description="Learning rate.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
-    max_grad_norm: float = Field(1.0, gt=0, description="Gradient-norm clip.")
-
-
-class TrainerConfig(Section):
-    """The trainer."""
-
-    max_steps: int = Field(60, ge=1, description="Optimizer steps of the run.")
-    batch_size: int = Field(64, ge=1, description="Samples per optimizer step (a multiple of producers.group_size).")
-    seed: int = Field(0, description="torch seed.")
-    num_threads: int = Field(0, ge=0, le=1024, description="torch CPU threads of the trainer; 0 keeps torch's default. On a small CPU host leave cores to vLLM.")
-    idle_threads: int = Field(
-        0,
-        ge=0,
-        le=1024,
-        description="torch CPU threads while the producers have nothing to sample (every step they may sample ahead, "
-        "max_async_level, is already buffered): take the cores vLLM leaves idle on a shared CPU host (trainer/threads.py). "
-        "0: always num_threads.",
-    )
-    checkpoint_interval: int = Field(
-        10,
-        ge=0,
-        description="Save a resumable checkpoint (weights or adapter, optimizer, RNG, step, policy version) every this many optimizer "
-        "steps and after the last one. The trainer releases a step's micro-batches and announces its groups as trained only once a "
-        "checkpoint covers it, so the packer holds up to this many steps of micro-batches (one more while a checkpoint is written in the background). 0: no periodic checkpoints; steps are "
-        "released right after training and a restarted trainer cannot resume (it refuses to start).",
-    )
-    checkpoint_keep: int = Field(2, ge=1, le=1000, description="Complete checkpoints kept on disk; older ones are deleted after each save.")
-    data_parallel: int = Field(
-        1,
-        ge=1,
-        le=1024,
-        description="Data-parallel trainer ranks on this host. > 1: busctl launches the trainer under torchrun "
-        "(`torch.distributed.run --standalone --nproc-per-node N`) as one supervised component; rank 0 talks to the bus "
-        "and sends every other rank its share of each step's micro-batches; gradients are summed over ranks (DDP).",
-    )
-    dp_backend: Literal["auto", "gloo", "nccl"] = Field(
-        "auto", description="torch.distributed backend of the data-parallel gradients; auto: nccl with CUDA (rank r on cuda:r), else gloo."
-    )
-    dp_timeout_s: float = Field(
-        3600.0,
-        gt=0,
-        description="Bound on each collective of the data-parallel group, seconds; ranks > 0 wait up to this long for "
-        "rank 0's next step (which waits for the bus), so keep it above the slowest step.",
-    )
-    loss: LossConfig = Field(default_factory=LossConfig)
-    optim: OptimConfig = Field(default_factory=OptimConfig)
-    lora: LoraSection = Field(default_factory=LoraSection)
 
 
 class NoiseSchedulerConfig(Section):
