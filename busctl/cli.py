@@ -11,6 +11,12 @@
 
 RUN_DIR defaults to the default config's ``run_dir`` (``runs/reverse_text``).
 
+``up`` first plans the devices (:mod:`busctl.placement`): each component gets its own
+``CUDA_VISIBLE_DEVICES`` (``""``: no GPU), ``trainer.device`` and ``producers.dtype`` are resolved
+(``auto`` -> concrete) in the run's ``config.yaml``, and a plan that does not fit the visible GPUs
+is a bad config naming the keys and the devices seen. ``--dry-run`` prints the resolved config and
+then the plan (``#`` lines: the output stays YAML).
+
 ``up`` heals: a component that exits or stops sending heartbeats before the run is done is
 restarted with exponential backoff (``supervisor.*`` in the config), except the packer, whose
 death ends the run (its buffered groups are lost; continue with ``--resume``).
@@ -27,9 +33,9 @@ the new set of components is ready: new replicas get the next indices (new produ
 stopped gracefully (SIGTERM, SIGKILL after 20 s); never fewer than one of each.
 
 Exit codes: ``up``: 0 when the trainer reached ``max_steps``; 1 when a component failed (and
-could not be restarted); 2 for a bad config; 130 when interrupted (SIGINT/SIGTERM), after every
+could not be restarted); 2 for a bad config (or a device plan that does not fit); 130 when interrupted (SIGINT/SIGTERM), after every
 process has stopped. ``scale``: 0 done; 1 no running job, refused by it, or not done in time;
-2 bad arguments (also more producers than ``producers.max_replicas``). Others: 0 ok, 1 failure,
+2 bad arguments (also more producers than ``producers.max_replicas`` or than the GPUs hold). Others: 0 ok, 1 failure,
 2 bad usage.
 """
 
@@ -47,6 +53,7 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
+from busctl.placement import apply_placement
 from busctl.report import cmd_report
 from configs.schema import ConfigError, RunConfig, dump_config, load_config
 
@@ -103,11 +110,12 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
     config_path, overrides = _split_config_args(ns.args)
     try:
         cfg = resume_config(config_path, overrides) if ns.resume else load_config(config_path, overrides)
+        placement = apply_placement(cfg)  # trainer.device and producers.dtype resolved in cfg
     except ConfigError as err:
         console.print(f"[red]{err}[/red]")
         return 2
     if ns.dry_run:
-        print(dump_config(cfg), end="")
+        print(dump_config(cfg) + placement.describe())
         return 0
     run_dir = Path(cfg.run_dir)
     try:
@@ -118,7 +126,7 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
         console.print(f"[red]a run is already going in {run_dir} (busctl up pid {previous['supervisor_pid']}); "
                       f"stop it first: busctl down {run_dir}[/red]")
         return 1
-    sup = Supervisor(cfg, console, resume=ns.resume, launched_at=process_started_at(os.getpid()))
+    sup = Supervisor(cfg, console, resume=ns.resume, launched_at=process_started_at(os.getpid()), placement=placement)
 
     def on_signal(signum: int, _frame: object) -> None:
         sup.stop.set()
@@ -388,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
                         description="Run a job: busctl up [CONFIG] [key.sub=value ...]. Continue a stopped one in its run "
                         "directory: busctl up --resume [RUN_DIR | CONFIG] [key.sub=value ...].")
     up.add_argument("args", nargs="*", help="[CONFIG.yaml] [key.sub=value ...]; with --resume: [RUN_DIR | CONFIG.yaml] [key.sub=value ...]")
-    up.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    up.add_argument("--dry-run", action="store_true", help="print the resolved config and the device plan, and exit")
     up.add_argument("--resume", action="store_true",
                     help="continue the run in RUN_DIR (default: the default config's run_dir) from its config.yaml, "
                     "checkpoints and ledgers; nothing is cleared, logs are appended")

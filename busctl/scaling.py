@@ -7,6 +7,11 @@ cannot join a weight-broadcast group formed at start) or stops the highest indic
 they hand back their work; SIGKILL after ``STOP_TIMEOUT_S``), and records the request's progress in
 ``status.json`` (``applying`` -> ``done`` once the new set is ready and the removed ones are gone,
 or ``failed`` with the reason). Never fewer than one of each scaled role.
+
+Devices: producer ``i`` gets the devices the run's device plan gives index ``i``
+(:mod:`busctl.placement`: devices the trainer and producers ``0 .. i-1`` leave, or shared round-robin
+with ``producers.share_gpus_with_trainer``); scaling up to an index without devices is refused
+with the keys to change, so a scaled producer never lands on a device that is in use.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from busctl.component_table import LIVE_STATES, ComponentSpec, describe_exit, signal_group
+from busctl.placement import Placement, apply_placement, plan_placement, visible_devices
 from configs.schema import RunConfig
 
 log = logging.getLogger(__name__)
@@ -30,12 +36,13 @@ SCALABLE = {"rewards": "rewards", "producers": "producer"}
 """``busctl scale`` keys and the role each one scales."""
 
 
-def scale_targets(cfg: RunConfig, request: dict) -> dict[str, int]:
-    """Validate a scale request against the run's config.
+def scale_targets(cfg: RunConfig, request: dict, placement: Placement | None = None) -> dict[str, int]:
+    """Validate a scale request against the run's config and device plan.
 
     Args:
         cfg: the run's config. request: ``{"rewards": N, "producers": M}`` (either or both;
             other keys such as ``"id"`` are ignored).
+        placement: the run's device plan; None: planned from ``cfg`` on this host's devices.
 
     Returns:
         ``{role: replicas}``, e.g. ``{"rewards": 3, "producer": 2}``.
@@ -43,6 +50,8 @@ def scale_targets(cfg: RunConfig, request: dict) -> dict[str, int]:
     Raises:
         ValueError: no known key, a count that is not an int >= 1, or more producers than
             ``producers.max_replicas`` (reward workers connect to that many rollouts endpoints).
+        ConfigError (a ValueError): more producers than the GPUs have room for
+            (:meth:`busctl.placement.Placement.check_producers`).
     """
     targets = {}
     for key, role in SCALABLE.items():
@@ -58,6 +67,8 @@ def scale_targets(cfg: RunConfig, request: dict) -> dict[str, int]:
     if targets.get("producer", 0) > limit:
         raise ValueError(f"producers={targets['producer']} exceeds producers.max_replicas={limit} (reward workers connect to "
                          f"that many rollouts endpoints); start the run with a larger producers.max_replicas")
+    if "producer" in targets:
+        (placement or plan_placement(cfg, visible_devices())).check_producers(targets["producer"])
     return targets
 
 
@@ -71,16 +82,22 @@ class Scaling:
         spawn: starts a new row's process. say: prints an event line.
         status_changed: called after :attr:`progress` changed (rewrites ``status.json``).
         targets_changed: called after a scaled-away component is gone (rewrites ``prometheus.yml``).
+        placement: the run's device plan; None: :func:`busctl.placement.apply_placement` of
+            ``cfg`` (which also writes the resolved ``trainer.device`` / ``producers.dtype`` into it).
 
     Attributes:
+        placement: the device plan (the supervisor spawns every component with its
+            ``CUDA_VISIBLE_DEVICES``).
         progress: the last request's progress, as ``status.json`` shows it under ``scale``:
             ``{"id", "state": "applying" | "done" | "failed", "targets", "added", "removed",
             "error"}`` (``{}`` before any request).
     """
 
     def __init__(self, cfg: RunConfig, run_dir: Path, table: list[ComponentSpec], *, spawn: Callable[[ComponentSpec], None],
-                 say: Callable[[str], None], status_changed: Callable[[], None], targets_changed: Callable[[], None]) -> None:
+                 say: Callable[[str], None], status_changed: Callable[[], None], targets_changed: Callable[[], None],
+                 placement: Placement | None = None) -> None:
         self.cfg = cfg
+        self.placement = placement or apply_placement(cfg)
         self.run_dir = run_dir
         self.table = table
         self.progress: dict = {}
@@ -111,7 +128,7 @@ class Scaling:
             self.progress = {**self.progress, "rejected": {"id": rid, "error": "the previous scale request is still being applied"}}
             return
         try:
-            targets = scale_targets(self.cfg, request)
+            targets = scale_targets(self.cfg, request, self.placement)
             present = {s.role for s in self.table}
             missing = [r for r in targets if r not in present]
             if missing:

@@ -74,7 +74,7 @@ from busctl.healing import ComponentFacts, Decision, FailRun, HealingRules, Rest
 from busctl.live import progress_line
 from busctl.run_status import (EventLog, StepClock, append_stage_record, clear_run_dir, snapshot_metrics, write_json_atomic,
                                write_scrape_config)
-from busctl.scaling import STOP_TIMEOUT_S, Scaling
+from busctl.scaling import STOP_TIMEOUT_S, Placement, Scaling
 from busctl.scrape import MetricsPoller
 from busctl.startup import StartupClock
 from configs.schema import RunConfig, dump_config
@@ -111,6 +111,7 @@ class Supervisor:
         table: the components (default :func:`component_table` of ``cfg``); tests pass their own.
         resume: continue the run in its run directory (keep its outputs, ``RLBUS_RESUME=1``).
         launched_at: ``time.time()`` of the launch (default: now), for ``startup.json``.
+        placement: the device plan: each spawn gets its ``CUDA_VISIBLE_DEVICES`` (default: see :class:`Scaling`).
 
     Attributes:
         stop: set it (e.g. from a signal handler) to end ``start``/``watch`` early.
@@ -123,7 +124,7 @@ class Supervisor:
     """
 
     def __init__(self, cfg: RunConfig, console: Console | None = None, *, table: list[ComponentSpec] | None = None,
-                 resume: bool = False, launched_at: float | None = None) -> None:
+                 resume: bool = False, launched_at: float | None = None, placement: Placement | None = None) -> None:
         self.cfg = cfg
         self.console = console or Console(soft_wrap=True)
         self.run_dir = Path(cfg.run_dir).resolve()
@@ -151,7 +152,7 @@ class Supervisor:
         self.startup = StartupClock(self.run_dir, launched_at)
         self.poller = MetricsPoller(self._scrape_targets)
         self.scaling = Scaling(cfg, self.run_dir, self.table, spawn=self._spawn, say=self.say, status_changed=self.write_status,
-                               targets_changed=self.write_scrape_config)
+                               targets_changed=self.write_scrape_config, placement=placement)
 
     def say(self, markup: str) -> None:
         """Print an event line (rich markup) and keep it among the recent events."""
@@ -186,7 +187,7 @@ class Supervisor:
         env = {k: v for k, v in os.environ.items() if k not in ENV_NAMES}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         env.setdefault("PYTHONUNBUFFERED", "1")
-        env.update(LaunchEnv(restarts=spec.restarts, resume=self.resume, late_join=spec.late_join).to_environ())
+        env.update(LaunchEnv(restarts=spec.restarts, resume=self.resume, late_join=spec.late_join).to_environ(), **self.scaling.placement.environ(spec.role, spec.index))
         cmd = [*launch_prefix(self.cfg, spec), "--run-dir", str(self.run_dir), "--name", spec.name,
                "--index", str(spec.index), "--metrics-port", str(spec.port_request)]
         notes = [f"restart {spec.restarts}"] if spec.restarts else []

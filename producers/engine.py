@@ -25,6 +25,13 @@ Tokenizer: none is rendered here; callers pass token ids. `tokenizer` exposes vL
 Face) tokenizer of the model for decoding/EOS ids; `AutoTokenizer.from_pretrained(model_path)` gives
 the same one.
 
+Devices: the engine runs where vLLM's platform is (the CPU build of vLLM: CPU; the CUDA build: the
+devices of the process's `CUDA_VISIBLE_DEVICES`, which `busctl up` sets per producer). On CUDA it
+takes `tensor_parallel_size` GPUs and, when `gpu_memory_utilization` is given, that fraction of
+each GPU's memory with the KV cache sized by vLLM from what is left; without it (the teacher, a
+second engine in the same process) the KV cache is `kv_cache_bytes`, as on CPU, where vLLM takes
+neither argument (`device_engine_args`).
+
 Logprobs are vLLM's "raw_logprobs" by default: log-softmax of the unmodified logits (before
 temperature and top-p), i.e. `log_softmax(model(ids).logits)` on the trainer side. Pass
 `engine_kwargs={"logprobs_mode": "processed_logprobs"}` for post-temperature/top-p values; the
@@ -87,6 +94,9 @@ class RolloutEngine:
         busy_loop_s: the most seconds vLLM's inter-process queue readers busy-poll after a read
             (`producers.vllm_idle`; vLLM's own default is 1 s, which keeps a CPU core spinning
             while the producer waits); None keeps vLLM's default.
+        tensor_parallel_size: GPUs the engine shards the model over (CUDA only; `producers.tensor_parallel_size`).
+        gpu_memory_utilization: fraction (0, 1] of each GPU's memory the engine may take, KV cache
+            included (CUDA only; `producers.gpu_memory_utilization`); None: a fixed `kv_cache_bytes`.
         engine_kwargs: extra `AsyncEngineArgs` fields (override the defaults above).
     """
 
@@ -101,6 +111,8 @@ class RolloutEngine:
         max_num_seqs: int = 256,
         warmup: bool = True,
         busy_loop_s: float | None = 0.005,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float | None = None,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if max_model_len < 2:
@@ -115,11 +127,12 @@ class RolloutEngine:
             max_model_len=max_model_len,
             enforce_eager=True,
             worker_extension_cls=WORKER_EXTENSION_CLS,
-            kv_cache_memory_bytes=kv_cache_bytes,
             logprobs_mode="raw_logprobs",
             seed=seed,
             max_num_seqs=max_num_seqs,
             disable_log_stats=True,
+            **device_engine_args(on_gpu=vllm_on_gpu(), kv_cache_bytes=kv_cache_bytes, tensor_parallel_size=tensor_parallel_size,
+                                 gpu_memory_utilization=gpu_memory_utilization),
         )
         self._engine_kwargs.update(engine_kwargs or {})
         self._version = initial_version
@@ -345,6 +358,46 @@ class RolloutEngine:
         if self._llm is None:
             raise RuntimeError("RolloutEngine not started")
         return self._llm
+
+
+def vllm_on_gpu() -> bool:
+    """Whether vLLM runs on a GPU in this process: its platform is CUDA (or ROCm) and
+    `CUDA_VISIBLE_DEVICES` is not empty (busctl's "no GPU" for a producer)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda_alike() and os.environ.get("CUDA_VISIBLE_DEVICES") != ""
+
+
+def device_engine_args(*, on_gpu: bool, kv_cache_bytes: int, tensor_parallel_size: int = 1,
+                       gpu_memory_utilization: float | None = None) -> dict[str, Any]:
+    """The `AsyncEngineArgs` fields that depend on where the engine runs.
+
+    Args:
+        on_gpu: the engine runs on CUDA (`vllm_on_gpu`).
+        kv_cache_bytes: KV-cache size, bytes (always used on CPU; on CUDA only without
+            `gpu_memory_utilization`: vLLM's `kv_cache_memory_bytes` overrides the fraction).
+        tensor_parallel_size: GPUs per engine (>= 1; not passed on CPU, where a producer is one
+            engine process: a run whose producers got no GPU ignores `producers.tensor_parallel_size`).
+        gpu_memory_utilization: fraction in (0, 1] of each GPU's memory, or None.
+
+    Returns:
+        On CPU `{"kv_cache_memory_bytes"}`; on CUDA `{"tensor_parallel_size"}` plus
+        `{"gpu_memory_utilization"}` or `{"kv_cache_memory_bytes"}`.
+
+    Raises:
+        ValueError: `tensor_parallel_size` < 1; `gpu_memory_utilization` outside (0, 1].
+    """
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if not on_gpu:
+        if tensor_parallel_size != 1:
+            logger.warning("tensor_parallel_size=%d ignored: vLLM runs on CPU here", tensor_parallel_size)
+        return {"kv_cache_memory_bytes": kv_cache_bytes}
+    if gpu_memory_utilization is None:
+        return {"tensor_parallel_size": tensor_parallel_size, "kv_cache_memory_bytes": kv_cache_bytes}
+    return {"tensor_parallel_size": tensor_parallel_size, "gpu_memory_utilization": gpu_memory_utilization}
 
 
 def _ensure_repo_on_pythonpath() -> None:

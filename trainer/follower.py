@@ -23,6 +23,7 @@ from configs.schema import RunConfig, load_config
 from trainer.checkpoint import load_checkpoint
 from trainer.distributed import DataParallel
 from trainer.model import load_policy
+from trainer.placement import trainer_device
 from trainer.trainer import Trainer, build_trainer
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ def follow(cfg: RunConfig, dp: DataParallel) -> Trainer:
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
     torch.manual_seed(cfg.trainer.seed)
-    model = load_policy(cfg.model.path, cfg.trainer.lora).to(dp.device)
+    model = load_policy(cfg.model.path, cfg.trainer.lora).to(trainer_device(cfg, dp))
     trainer = build_trainer(model, cfg)
     checkpoint = dp.recv_text()
     if checkpoint:

@@ -98,6 +98,7 @@ from trainer.step_ledger import StepLedger, append_jsonl, group_id, keep_jsonl_r
 from trainer.step_timing import StepPhases
 from trainer.threads import ThreadPlan
 from trainer.model import load_policy
+from trainer.placement import trainer_device
 from trainer.publish import WeightPublisher
 from trainer.trainer import build_trainer
 
@@ -153,7 +154,7 @@ class TrainerProc(Component):
         self.outcomes  # noqa: B018 - opened here, before any thread could race to open it
         self.dp = join_data_parallel(cfg)
         """This rank 0's data-parallel group (``trainer.data_parallel > 1``), else None."""
-        self.model = load_policy(cfg.model.path, cfg.trainer.lora).to(self.dp.device if self.dp else "cpu")
+        self.model = load_policy(cfg.model.path, cfg.trainer.lora).to(trainer_device(cfg, self.dp))
         self.trainer = build_trainer(self.model, cfg)
         self.meter = StageMeter("trainer")
         self.metrics_path = self.run_dir / "metrics.jsonl"

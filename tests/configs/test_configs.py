@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from busctl.placement import apply_placement
 from configs.schema import CONFIG_DIR, ConfigError, RunConfig, dump_config, load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -155,7 +156,9 @@ def test_busctl_dry_run_prints_resolved_config():
     assert proc.returncode == 0, proc.stderr
     printed = yaml.safe_load(proc.stdout)
     assert printed["trainer"]["max_steps"] == 5 and printed["rewards"]["replicas"] == 3
-    assert RunConfig.model_validate(printed) == load_config(None, ["trainer.max_steps=5", "rewards.replicas=3"])
+    expected = load_config(None, ["trainer.max_steps=5", "rewards.replicas=3"])
+    apply_placement(expected)  # busctl up resolves trainer.device and producers.dtype for this host's devices
+    assert RunConfig.model_validate(printed) == expected
 
 
 def test_busctl_dry_run_with_explicit_config_path():

@@ -1,0 +1,271 @@
+"""The device plan of a run: which CUDA devices each component sees (``CUDA_VISIBLE_DEVICES``).
+
+``busctl up`` computes the plan once, before anything is spawned, from the config and the CUDA
+devices busctl itself can see (:func:`visible_devices`), and refuses a plan that does not fit with
+a :class:`configs.schema.ConfigError` that names the keys to change and the devices it saw.
+
+The rules (:func:`plan_placement`):
+
+- ``trainer.device``: ``cpu``; ``cuda``; ``auto`` = ``cuda`` when any device is visible, else
+  ``cpu``. ``cuda`` with no visible device is a config error.
+- The trainer (all ``trainer.data_parallel`` ranks, one torchrun component) gets ``trainer.gpus``
+  (which must be visible), or else the first ``data_parallel`` visible devices.
+- Producers get devices only when some are visible and ``producers.gpus_per_replica`` > 0 (0:
+  vLLM on CPU, which needs the CPU build of vLLM). Replica ``i`` gets ``gpus_per_replica``
+  devices. Without ``producers.share_gpus_with_trainer`` they come from the devices the trainer
+  does not use, in order (replica ``i``: the ``i``-th slice of ``gpus_per_replica``), and every
+  replica of ``producers.replicas`` must get its own: a plan that would put two processes on a
+  device is refused. With it, replica ``i`` takes the next ``gpus_per_replica`` devices
+  round-robin over all visible devices, the trainer's last (so a producer shares a GPU only
+  when it must; on a one-GPU host everything shares device 0: lower
+  ``producers.gpu_memory_utilization``).
+- ``producers.dtype: auto`` resolves to ``bfloat16`` when the producers get GPUs, else
+  ``float32``.
+- Producers added by ``busctl scale`` (indices ``replicas .. max_replicas - 1``) follow the same
+  rule. Without sharing, an index whose slice of the leftover devices is incomplete gets none:
+  scaling to it is refused (:meth:`Placement.check_producers`), never placed on a device in use.
+  A producer keeps its index, so a restarted or re-added one gets the same devices.
+- The teacher (``teacher.model_path``) is a second vLLM engine inside each producer process: it
+  shares that producer's devices (its KV cache is ``teacher.kv_cache_gib``, fixed).
+- Every other component (hub, packer, reward workers, prompt source) and every component of a
+  CPU plan gets ``CUDA_VISIBLE_DEVICES=""``: no GPU, so none of them can take GPU memory.
+
+Device numbers are the ones busctl sees (``nvidia-smi`` numbering, or busctl's own
+``CUDA_VISIBLE_DEVICES`` entries); a component's ``CUDA_VISIBLE_DEVICES`` lists them, so inside a
+component its devices are ``cuda:0 ..``. This module imports no torch (busctl stays light).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+from typing import Mapping
+
+from configs.schema import ConfigError, RunConfig
+
+ENV_CUDA_DEVICES = "CUDA_VISIBLE_DEVICES"
+"""The variable CUDA (and so torch and vLLM) reads the usable devices from."""
+
+NVIDIA_SMI_TIMEOUT_S = 20.0
+"""Longest wait for ``nvidia-smi -L``, seconds."""
+
+_GPU_LINE = re.compile(r"^GPU (\d+):")
+
+
+def visible_devices(environ: Mapping[str, str] | None = None, nvidia_smi: str = "nvidia-smi") -> list[int]:
+    """The CUDA device indices busctl may hand out, without importing torch.
+
+    busctl's own ``CUDA_VISIBLE_DEVICES``, when set, is honoured: its entries are the devices (as
+    CUDA reads it, an entry < 0 ends the list; empty: none). Otherwise ``nvidia-smi -L`` lists
+    the GPUs (``GPU 0: ...`` lines; MIG lines are not counted); no ``nvidia-smi``, or one that
+    fails, means no devices.
+
+    Args:
+        environ: the environment to read (default ``os.environ``).
+        nvidia_smi: the program to run when ``CUDA_VISIBLE_DEVICES`` is unset.
+
+    Returns:
+        Device indices in order, e.g. ``[0, 1]``; ``[]`` on a host without CUDA.
+
+    Raises:
+        ConfigError: ``CUDA_VISIBLE_DEVICES`` holds an entry that is not an index (a GPU UUID):
+            busctl places components by index.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(ENV_CUDA_DEVICES)
+    if raw is not None:
+        devices: list[int] = []
+        for entry in (e.strip() for e in raw.split(",") if e.strip()):
+            if not re.fullmatch(r"-?\d+", entry):
+                raise ConfigError(f"{ENV_CUDA_DEVICES}={raw!r}: busctl places components by device index; give indices "
+                                  f"(e.g. 0,1), not {entry!r}")
+            if int(entry) < 0:
+                break
+            devices.append(int(entry))
+        return devices
+    try:
+        out = subprocess.run([nvidia_smi, "-L"], capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if out.returncode != 0:
+        return []
+    return [int(m.group(1)) for line in out.stdout.splitlines() if (m := _GPU_LINE.match(line.strip()))]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The device plan of one run (built by :func:`plan_placement`).
+
+    Attributes:
+        visible: the device indices busctl saw.
+        trainer_device: ``"cpu"`` or ``"cuda"`` (the resolved ``trainer.device``).
+        trainer_gpus: the trainer's devices, one per data-parallel rank (empty on CPU).
+        producer_dtype: the resolved ``producers.dtype`` (``"bfloat16"`` or ``"float32"``).
+        producer_gpus: per producer index ``0 .. max_replicas - 1``, its devices; ``()`` for
+            vLLM on CPU; ``None`` for an index that does not fit (scaling to it is refused).
+        shared: producers may use the trainer's devices (``producers.share_gpus_with_trainer``).
+        replicas: ``producers.replicas`` (the producers ``busctl up`` starts; the rest are for
+            ``busctl scale``).
+    """
+
+    visible: tuple[int, ...]
+    trainer_device: str
+    trainer_gpus: tuple[int, ...]
+    producer_dtype: str
+    producer_gpus: tuple[tuple[int, ...] | None, ...]
+    shared: bool = False
+    replicas: int = 1
+
+    @property
+    def producers_on_gpu(self) -> bool:
+        """Whether the producers run vLLM on GPUs."""
+        return any(self.producer_gpus)
+
+    def devices(self, role: str, index: int = 0) -> tuple[int, ...]:
+        """The devices of component ``role`` (``"trainer"``, ``"producer"``, ...) replica ``index``.
+
+        Raises:
+            ValueError: a producer index the plan has no devices for (see :meth:`check_producers`).
+        """
+        if role == "trainer":
+            return self.trainer_gpus
+        if role != "producer":
+            return ()
+        gpus = self.producer_gpus[index] if index < len(self.producer_gpus) else None
+        if gpus is None:
+            raise ValueError(f"producer-{index} has no devices in this plan: {self.refusal(index + 1)}")
+        return gpus
+
+    def environ(self, role: str, index: int = 0) -> dict[str, str]:
+        """``{"CUDA_VISIBLE_DEVICES": "0,1"}`` for the component (``""``: no GPU).
+
+        Raises:
+            ValueError: as :meth:`devices`.
+        """
+        return {ENV_CUDA_DEVICES: ",".join(str(d) for d in self.devices(role, index))}
+
+    def refusal(self, producers: int) -> str:
+        """Why ``producers`` replicas do not fit: what is needed, what is visible, the keys to change."""
+        per = max((len(g) for g in self.producer_gpus if g), default=0) or 1
+        return (f"{len(self.trainer_gpus) + producers * per} GPUs needed (trainer {len(self.trainer_gpus)} + producers "
+                f"{producers} x {per}), {len(self.visible)} visible: {list(self.visible)}; set "
+                "producers.share_gpus_with_trainer: true, or lower producers.replicas / producers.gpus_per_replica / "
+                "trainer.data_parallel, or put the producers on CPU with producers.gpus_per_replica: 0")
+
+    def check_producers(self, n: int) -> None:
+        """Check that ``n`` producer replicas (``busctl scale producers=n``) have devices.
+
+        Raises:
+            ConfigError: one of the first ``n`` indices has none (the message names the keys and
+                the devices seen).
+        """
+        if any(g is None for g in self.producer_gpus[:n]):
+            raise ConfigError(f"producers={n} does not fit the GPUs: {self.refusal(n)}")
+
+    def resolve(self, cfg: RunConfig) -> None:
+        """Write the plan's concrete values into ``cfg`` (``trainer.device``, ``producers.dtype``)
+        so that every component reads the same ones from the run's ``config.yaml``."""
+        cfg.trainer.device = self.trainer_device
+        cfg.producers.dtype = self.producer_dtype
+
+    def describe(self) -> str:
+        """The plan as lines for ``busctl up --dry-run`` and the console (``#``-prefixed: YAML comments)."""
+        def env(gpus: tuple[int, ...] | None) -> str:
+            return "no devices: busctl scale refuses it" if gpus is None else f"{ENV_CUDA_DEVICES}={','.join(map(str, gpus))!r}"
+
+        lines = [f"# placement: CUDA devices visible to busctl: {list(self.visible)}",
+                 f"#   trainer: {self.trainer_device}, {env(self.trainer_gpus)}"]
+        i, n = 0, len(self.producer_gpus)
+        while i < n:  # scaled indices with the same devices share a line
+            gpus, last = self.producer_gpus[i], i
+            while i >= self.replicas and last + 1 < n and self.producer_gpus[last + 1] == gpus:
+                last += 1
+            names = f"producer-{i}" + (f" .. producer-{last}" if last > i else "") + (" (busctl scale)" if i >= self.replicas else "")
+            lines.append(f"#   {names}: {'cuda' if gpus else 'cpu' if gpus is not None else '-'}, {self.producer_dtype}, {env(gpus)}")
+            i = last + 1
+        lines.append(f"#   hub, packer, rewards-*, prompt-source: {ENV_CUDA_DEVICES}=''")
+        return "\n".join(lines)
+
+
+def _trainer_gpus(cfg: RunConfig, visible: list[int]) -> tuple[str, tuple[int, ...]]:
+    """The resolved ``trainer.device`` and the trainer's devices.
+
+    Raises:
+        ConfigError: ``cuda`` (asked or resolved) that the visible devices cannot satisfy.
+    """
+    t = cfg.trainer
+    device = t.device if t.device != "auto" else ("cuda" if visible else "cpu")
+    if device == "cpu":
+        if t.data_parallel > 1 and t.dp_backend == "nccl":
+            raise ConfigError(f"trainer.dp_backend nccl needs the trainer on CUDA but trainer.device resolves to cpu "
+                              f"(CUDA devices visible: {visible}); use trainer.dp_backend: gloo (or auto)")
+        if t.gpus:
+            raise ConfigError(f"trainer.gpus {t.gpus} but no CUDA device is visible to busctl ({ENV_CUDA_DEVICES} or "
+                              "nvidia-smi); remove trainer.gpus to train on CPU")
+        return "cpu", ()
+    if not visible:
+        raise ConfigError(f"trainer.device is cuda but no CUDA device is visible to busctl (its {ENV_CUDA_DEVICES}: "
+                          f"{os.environ.get(ENV_CUDA_DEVICES, 'unset')}, nvidia-smi: none); set trainer.device: cpu (or auto)")
+    if t.data_parallel > 1 and t.dp_backend == "gloo":
+        raise ConfigError("trainer.dp_backend gloo keeps data-parallel ranks on the CPU but trainer.device resolves to "
+                          f"cuda (CUDA devices visible: {visible}); use trainer.dp_backend: auto (nccl) or trainer.device: cpu")
+    if t.gpus:
+        missing = [g for g in t.gpus if g not in visible]
+        if missing:
+            raise ConfigError(f"trainer.gpus {t.gpus}: {missing} not among the CUDA devices visible to busctl: {visible}")
+        return "cuda", tuple(t.gpus)
+    if t.data_parallel > len(visible):
+        raise ConfigError(f"trainer.data_parallel={t.data_parallel} ranks need {t.data_parallel} GPUs (one each), "
+                          f"{len(visible)} visible: {visible}; lower trainer.data_parallel or set trainer.device: cpu")
+    return "cuda", tuple(visible[:t.data_parallel])
+
+
+def plan_placement(cfg: RunConfig, visible: list[int]) -> Placement:
+    """The device plan of ``cfg`` on a host where busctl sees CUDA devices ``visible`` (pure).
+
+    Args:
+        cfg: the run config (read only; :meth:`Placement.resolve` writes the resolved values).
+        visible: device indices busctl may hand out (:func:`visible_devices`); ``[]``: no CUDA.
+
+    Returns:
+        The :class:`Placement` (rules: the module docstring).
+
+    Raises:
+        ConfigError: the plan does not fit the visible devices, or ``trainer.device: cuda`` with
+            none visible; the message names the keys to change and the devices seen.
+    """
+    p = cfg.producers
+    trainer_device, trainer_gpus = _trainer_gpus(cfg, list(visible))
+    per = p.gpus_per_replica
+    if not visible or per == 0:
+        producer_gpus: list[tuple[int, ...] | None] = [()] * p.max_replicas
+    elif p.share_gpus_with_trainer:
+        pool = [d for d in visible if d not in trainer_gpus] + list(trainer_gpus)
+        if per > len(pool):
+            raise ConfigError(f"producers.gpus_per_replica={per} (tensor_parallel_size) needs {per} distinct GPUs, "
+                              f"{len(pool)} visible: {list(visible)}; lower producers.tensor_parallel_size")
+        producer_gpus = [tuple(pool[(i * per + k) % len(pool)] for k in range(per)) for i in range(p.max_replicas)]
+    else:
+        free = [d for d in visible if d not in trainer_gpus]
+        producer_gpus = [tuple(free[i * per:(i + 1) * per]) if (i + 1) * per <= len(free) else None
+                         for i in range(p.max_replicas)]
+    dtype = p.dtype if p.dtype != "auto" else ("bfloat16" if any(producer_gpus) else "float32")
+    plan = Placement(tuple(visible), trainer_device, trainer_gpus, dtype, tuple(producer_gpus),
+                     shared=p.share_gpus_with_trainer, replicas=p.replicas)
+    if any(g is None for g in producer_gpus[:p.replicas]):
+        raise ConfigError(f"the GPU plan does not fit: {plan.refusal(p.replicas)}")
+    return plan
+
+
+def apply_placement(cfg: RunConfig, visible: list[int] | None = None) -> Placement:
+    """Plan ``cfg`` on this host's devices (default :func:`visible_devices`) and write the resolved
+    values into it (:meth:`Placement.resolve`); what ``busctl up`` does before it spawns anything.
+
+    Raises:
+        ConfigError: as :func:`plan_placement` and :func:`visible_devices`.
+    """
+    plan = plan_placement(cfg, visible_devices() if visible is None else visible)
+    plan.resolve(cfg)
+    return plan
