@@ -237,6 +237,10 @@ def test_trainer_device_on_this_cpu_host():
     assert trainer_device(load_config(None, []), None) == torch.device("cpu")  # auto, no CUDA
     with pytest.raises(ValueError, match="trainer.device is cuda but torch sees no CUDA device"):
         trainer_device(load_config(None, ["trainer.device=cuda"]), None)
+    from trainer.distributed import DataParallel
+
+    rank = DataParallel(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"), backend="gloo")  # no group needed
+    assert trainer_device(load_config(None, ["trainer.data_parallel=2"]), rank) == torch.device("cpu")
 
 
 def test_producer_engine_args_per_device():

@@ -256,6 +256,9 @@ def test_components_die_with_the_supervisor(tmp_path: Path, policy: Path) -> Non
         wait_for_first_step(proc, recorder)
         pids = _descendants(proc.pid)
         assert len(pids) > 7
+        for row in json.loads((run_dir / "status.json").read_text())["components"]:  # a CPU plan: no GPU for anyone
+            environ = Path(f"/proc/{row['pid']}/environ").read_bytes().split(b"\0")
+            assert b"CUDA_VISIBLE_DEVICES=" in environ, f"{row['name']} was not given CUDA_VISIBLE_DEVICES='' (busctl.placement)"
         proc.kill()
         proc.wait()
         deadline = time.monotonic() + 30
