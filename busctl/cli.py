@@ -12,8 +12,8 @@
 RUN_DIR defaults to the default config's ``run_dir`` (``runs/reverse_text``).
 
 ``up`` first plans the devices (:mod:`busctl.placement`): each component gets its own
-``CUDA_VISIBLE_DEVICES`` (``""``: no GPU), ``trainer.device`` and ``producers.dtype`` are resolved
-(``auto`` -> concrete) in the run's ``config.yaml``, and a plan that does not fit the visible GPUs
+``CUDA_VISIBLE_DEVICES`` (``""``: no GPU), ``trainer.device``, ``producers.dtype`` and
+``broadcast.backend`` are resolved (``auto`` -> concrete) in the run's ``config.yaml``, and a plan that does not fit the visible GPUs
 is a bad config naming the keys and the devices seen. ``--dry-run`` prints the resolved config and
 then the plan (``#`` lines: the output stays YAML).
 
@@ -126,6 +126,8 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
         console.print(f"[red]a run is already going in {run_dir} (busctl up pid {previous['supervisor_pid']}); "
                       f"stop it first: busctl down {run_dir}[/red]")
         return 1
+    if placement.visible:  # a GPU host: say which component got which devices
+        console.print(placement.describe(), markup=False, highlight=False)
     sup = Supervisor(cfg, console, resume=ns.resume, launched_at=process_started_at(os.getpid()), placement=placement)
 
     def on_signal(signum: int, _frame: object) -> None:

@@ -25,6 +25,11 @@ The rules (:func:`plan_placement`):
   rule. Without sharing, an index whose slice of the leftover devices is incomplete gets none:
   scaling to it is refused (:meth:`Placement.check_producers`), never placed on a device in use.
   A producer keeps its index, so a restarted or re-added one gets the same devices.
+- ``broadcast.backend: auto`` (method ``broadcast``) resolves to ``nccl`` only when the trainer and
+  every producer started with the run are on CUDA with no device shared within that group (NCCL
+  refuses two ranks on one GPU), else ``gloo``: every member of the group must use the same
+  backend, so a plan that mixes CPU and GPU members, or shares a GPU, sends weights over gloo
+  (staged through host memory). An explicit ``nccl`` such a plan cannot honour is refused.
 - The teacher (``teacher.model_path``) is a second vLLM engine inside each producer process: it
   shares that producer's devices (its KV cache is ``teacher.kv_cache_gib``, fixed).
 - Every other component (hub, packer, reward workers, prompt source) and every component of a
@@ -40,7 +45,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 from configs.schema import ConfigError, RunConfig
@@ -103,6 +108,8 @@ class Placement:
         trainer_device: ``"cpu"`` or ``"cuda"`` (the resolved ``trainer.device``).
         trainer_gpus: the trainer's devices, one per data-parallel rank (empty on CPU).
         producer_dtype: the resolved ``producers.dtype`` (``"bfloat16"`` or ``"float32"``).
+        broadcast_backend: the resolved ``broadcast.backend`` (``"gloo"`` or ``"nccl"``; as
+            configured when ``broadcast.method`` is ``filesystem``).
         producer_gpus: per producer index ``0 .. max_replicas - 1``, its devices; ``()`` for
             vLLM on CPU; ``None`` for an index that does not fit (scaling to it is refused).
         shared: producers may use the trainer's devices (``producers.share_gpus_with_trainer``).
@@ -114,6 +121,7 @@ class Placement:
     trainer_device: str
     trainer_gpus: tuple[int, ...]
     producer_dtype: str
+    broadcast_backend: str
     producer_gpus: tuple[tuple[int, ...] | None, ...]
     shared: bool = False
     replicas: int = 1
@@ -165,10 +173,11 @@ class Placement:
             raise ConfigError(f"producers={n} does not fit the GPUs: {self.refusal(n)}")
 
     def resolve(self, cfg: RunConfig) -> None:
-        """Write the plan's concrete values into ``cfg`` (``trainer.device``, ``producers.dtype``)
-        so that every component reads the same ones from the run's ``config.yaml``."""
+        """Write the plan's concrete values into ``cfg`` (``trainer.device``, ``producers.dtype``,
+        ``broadcast.backend``) so that every component reads the same ones from the run's ``config.yaml``."""
         cfg.trainer.device = self.trainer_device
         cfg.producers.dtype = self.producer_dtype
+        cfg.broadcast.backend = self.broadcast_backend
 
     def describe(self) -> str:
         """The plan as lines for ``busctl up --dry-run`` and the console (``#``-prefixed: YAML comments)."""
@@ -176,7 +185,8 @@ class Placement:
             return "no devices: busctl scale refuses it" if gpus is None else f"{ENV_CUDA_DEVICES}={','.join(map(str, gpus))!r}"
 
         lines = [f"# placement: CUDA devices visible to busctl: {list(self.visible)}",
-                 f"#   trainer: {self.trainer_device}, {env(self.trainer_gpus)}"]
+                 f"#   trainer: {self.trainer_device}, {env(self.trainer_gpus)}; weights to the producers over "
+                 f"{self.broadcast_backend}"]
         i, n = 0, len(self.producer_gpus)
         while i < n:  # scaled indices with the same devices share a line
             gpus, last = self.producer_gpus[i], i
@@ -222,6 +232,29 @@ def _trainer_gpus(cfg: RunConfig, visible: list[int]) -> tuple[str, tuple[int, .
     return "cuda", tuple(visible[:t.data_parallel])
 
 
+def _broadcast_backend(cfg: RunConfig, trainer_gpus: tuple[int, ...], producer_gpus: list[tuple[int, ...] | None]) -> str:
+    """The resolved ``broadcast.backend`` of a plan (rule: the module docstring).
+
+    Raises:
+        ConfigError: ``broadcast.backend: nccl`` with a member of the broadcast group off CUDA,
+            or two members on one device.
+    """
+    b = cfg.broadcast
+    if b.method != "broadcast":
+        return b.backend
+    group = [trainer_gpus[:1], *producer_gpus[:cfg.producers.replicas]]
+    used = [d for gpus in group for d in gpus or ()]
+    on_cuda, distinct = all(group), len(used) == len(set(used))
+    if b.backend == "auto":
+        return "nccl" if on_cuda and distinct else "gloo"
+    if b.backend == "nccl" and not (on_cuda and distinct):
+        why = "a member is not on CUDA" if not on_cuda else "NCCL cannot put two ranks on one GPU"
+        raise ConfigError(f"broadcast.backend nccl: the weight-broadcast group (trainer {list(trainer_gpus[:1])}, producers "
+                          f"{[list(g or ()) for g in group[1:]]}) cannot use NCCL: {why}; set broadcast.backend: gloo (or auto) "
+                          "or broadcast.method: filesystem")
+    return b.backend
+
+
 def plan_placement(cfg: RunConfig, visible: list[int]) -> Placement:
     """The device plan of ``cfg`` on a host where busctl sees CUDA devices ``visible`` (pure).
 
@@ -233,8 +266,9 @@ def plan_placement(cfg: RunConfig, visible: list[int]) -> Placement:
         The :class:`Placement` (rules: the module docstring).
 
     Raises:
-        ConfigError: the plan does not fit the visible devices, or ``trainer.device: cuda`` with
-            none visible; the message names the keys to change and the devices seen.
+        ConfigError: the plan does not fit the visible devices, ``trainer.device: cuda`` with
+            none visible, or ``broadcast.backend: nccl`` the plan cannot honour; the message
+            names the keys to change and the devices seen.
     """
     p = cfg.producers
     trainer_device, trainer_gpus = _trainer_gpus(cfg, list(visible))
@@ -252,11 +286,11 @@ def plan_placement(cfg: RunConfig, visible: list[int]) -> Placement:
         producer_gpus = [tuple(free[i * per:(i + 1) * per]) if (i + 1) * per <= len(free) else None
                          for i in range(p.max_replicas)]
     dtype = p.dtype if p.dtype != "auto" else ("bfloat16" if any(producer_gpus) else "float32")
-    plan = Placement(tuple(visible), trainer_device, trainer_gpus, dtype, tuple(producer_gpus),
+    plan = Placement(tuple(visible), trainer_device, trainer_gpus, dtype, "", tuple(producer_gpus),
                      shared=p.share_gpus_with_trainer, replicas=p.replicas)
     if any(g is None for g in producer_gpus[:p.replicas]):
         raise ConfigError(f"the GPU plan does not fit: {plan.refusal(p.replicas)}")
-    return plan
+    return replace(plan, broadcast_backend=_broadcast_backend(cfg, trainer_gpus, producer_gpus))
 
 
 def apply_placement(cfg: RunConfig, visible: list[int] | None = None) -> Placement:

@@ -83,7 +83,7 @@ class Scaling:
         status_changed: called after :attr:`progress` changed (rewrites ``status.json``).
         targets_changed: called after a scaled-away component is gone (rewrites ``prometheus.yml``).
         placement: the run's device plan; None: :func:`busctl.placement.apply_placement` of
-            ``cfg`` (which also writes the resolved ``trainer.device`` / ``producers.dtype`` into it).
+            ``cfg`` (which also writes its resolved values, e.g. ``trainer.device``, into it).
 
     Attributes:
         placement: the device plan (the supervisor spawns every component with its

@@ -48,6 +48,7 @@ def test_no_visible_device_puts_everything_on_cpu():
     for role, index in [("trainer", 0), ("producer", 1), ("producer", 7), ("hub", 0), ("rewards", 3), ("prompt-source", 0)]:
         assert p.environ(role, index) == {"CUDA_VISIBLE_DEVICES": ""}
     p.check_producers(8)  # busctl scale may use every index
+    assert p.broadcast_backend == "gloo"
 
 
 def test_trainer_cuda_without_devices_is_a_config_error():
@@ -67,6 +68,11 @@ def test_one_gpu_is_refused_unless_shared():
     assert shared.producer_gpus == ((0,),) * 8
     assert shared.environ("producer", 1) == shared.environ("trainer") == {"CUDA_VISIBLE_DEVICES": "0"}
     assert shared.environ("packer") == {"CUDA_VISIBLE_DEVICES": ""}
+    assert shared.broadcast_backend == "gloo"  # NCCL refuses two ranks on one GPU
+    msg = refused([0], "producers.share_gpus_with_trainer=true", "broadcast.backend=nccl")
+    assert "broadcast.backend nccl" in msg and "NCCL cannot put two ranks on one GPU" in msg
+    assert "broadcast.method: filesystem" in msg
+    assert plan([0], "producers.share_gpus_with_trainer=true", "broadcast.method=filesystem").broadcast_backend == "auto"
 
 
 def test_one_gpu_for_the_trainer_with_producers_on_cpu_and_the_reverse():
@@ -77,11 +83,14 @@ def test_one_gpu_for_the_trainer_with_producers_on_cpu_and_the_reverse():
     assert cpu_trainer.producer_gpus[0] == (0,) and cpu_trainer.producer_dtype == "bfloat16"
     assert cpu_trainer.producer_gpus[1] is None  # a second producer would need a second GPU
     assert plan([0], "trainer.device=cpu", "producers.dtype=float32").producer_dtype == "float32"  # asked, kept
+    # the broadcast group mixes CPU and CUDA members: gloo, and an explicit nccl is refused
+    assert cpu_producers.broadcast_backend == cpu_trainer.broadcast_backend == "gloo"
+    assert "a member is not on CUDA" in refused([0], "producers.gpus_per_replica=0", "broadcast.backend=nccl")
 
 
 def test_two_gpus_one_trainer_one_producer_and_scaling_refused():
     p = plan([0, 1])
-    assert (p.trainer_device, p.trainer_gpus, p.producer_gpus[0]) == ("cuda", (0,), (1,))
+    assert (p.trainer_device, p.trainer_gpus, p.producer_gpus[0], p.broadcast_backend) == ("cuda", (0,), (1,), "nccl")
     assert p.producer_gpus[1:] == (None,) * 7
     p.check_producers(1)
     with pytest.raises(ConfigError, match=r"producers=2 does not fit the GPUs: 3 GPUs needed .*2 visible: \[0, 1\]"):
@@ -104,6 +113,7 @@ def test_eight_gpus_tensor_parallel_producers_and_an_fsdp_trainer():
              "trainer.data_parallel=4", "trainer.parallel=fsdp")
     assert p.trainer_gpus == (0, 1, 2, 3) and p.environ("trainer") == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
     assert p.producer_gpus[:2] == ((4, 5), (6, 7)) and p.environ("producer", 1) == {"CUDA_VISIBLE_DEVICES": "6,7"}
+    assert p.broadcast_backend == "nccl"
     with pytest.raises(ConfigError, match=r"10 GPUs needed \(trainer 4 \+ producers 3 x 2\), 8 visible"):
         p.check_producers(3)
 
@@ -123,10 +133,11 @@ def test_eight_gpus_tensor_parallel_producers_and_an_fsdp_trainer():
 
 def test_resolved_values_are_written_into_the_config():
     cfg = load_config(None, [])
-    assert (cfg.trainer.device, cfg.producers.dtype) == ("auto", "auto")
+    assert (cfg.trainer.device, cfg.producers.dtype, cfg.broadcast.backend) == ("auto", "auto", "auto")
     p = apply_placement(cfg, [0, 1])
-    assert (cfg.trainer.device, cfg.producers.dtype) == ("cuda", "bfloat16") == (p.trainer_device, p.producer_dtype)
-    again = load_config(None, ["trainer.device=cuda", "producers.dtype=bfloat16"])
+    assert (cfg.trainer.device, cfg.producers.dtype, cfg.broadcast.backend) == ("cuda", "bfloat16", "nccl")
+    assert (p.trainer_device, p.producer_dtype, p.broadcast_backend) == ("cuda", "bfloat16", "nccl")
+    again = load_config(None, ["trainer.device=cuda", "producers.dtype=bfloat16", "broadcast.backend=nccl"])
     assert plan_placement(again, [0, 1]) == p  # the saved config plans the same on resume
 
 
@@ -172,13 +183,13 @@ def test_dry_run_prints_the_resolved_config_and_the_plan():
     printed = yaml.safe_load(cpu.stdout)  # the plan is in comments: the output stays YAML
     assert (printed["trainer"]["device"], printed["producers"]["dtype"]) == ("cpu", "float32")
     assert "# placement: CUDA devices visible to busctl: []" in cpu.stdout
-    assert "#   trainer: cpu, CUDA_VISIBLE_DEVICES=''" in cpu.stdout
+    assert "#   trainer: cpu, CUDA_VISIBLE_DEVICES=''; weights to the producers over gloo" in cpu.stdout
 
     two = dry_run("0,1")  # a plan for a 2-GPU host (nothing starts, so no GPU is needed)
     assert two.returncode == 0, two.stdout + two.stderr
     printed = yaml.safe_load(two.stdout)
     assert (printed["trainer"]["device"], printed["producers"]["dtype"]) == ("cuda", "bfloat16")
-    assert "#   trainer: cuda, CUDA_VISIBLE_DEVICES='0'" in two.stdout
+    assert "#   trainer: cuda, CUDA_VISIBLE_DEVICES='0'; weights to the producers over nccl" in two.stdout
     assert "#   producer-0: cuda, bfloat16, CUDA_VISIBLE_DEVICES='1'" in two.stdout
 
 
