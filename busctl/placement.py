@@ -114,7 +114,7 @@ class Placement:
             vLLM on CPU; ``None`` for an index that does not fit (scaling to it is refused).
         shared: producers may use the trainer's devices (``producers.share_gpus_with_trainer``).
         replicas: ``producers.replicas`` (the producers ``busctl up`` starts; the rest are for
-            ``busctl scale``).
+            ``busctl scale``). gpus_per_replica: ``producers.gpus_per_replica``.
     """
 
     visible: tuple[int, ...]
@@ -125,6 +125,7 @@ class Placement:
     producer_gpus: tuple[tuple[int, ...] | None, ...]
     shared: bool = False
     replicas: int = 1
+    gpus_per_replica: int = 1
 
     @property
     def producers_on_gpu(self) -> bool:
@@ -156,7 +157,7 @@ class Placement:
 
     def refusal(self, producers: int) -> str:
         """Why ``producers`` replicas do not fit: what is needed, what is visible, the keys to change."""
-        per = max((len(g) for g in self.producer_gpus if g), default=0) or 1
+        per = self.gpus_per_replica
         return (f"{len(self.trainer_gpus) + producers * per} GPUs needed (trainer {len(self.trainer_gpus)} + producers "
                 f"{producers} x {per}), {len(self.visible)} visible: {list(self.visible)}; set "
                 "producers.share_gpus_with_trainer: true, or lower producers.replicas / producers.gpus_per_replica / "
@@ -287,7 +288,7 @@ def plan_placement(cfg: RunConfig, visible: list[int]) -> Placement:
                          for i in range(p.max_replicas)]
     dtype = p.dtype if p.dtype != "auto" else ("bfloat16" if any(producer_gpus) else "float32")
     plan = Placement(tuple(visible), trainer_device, trainer_gpus, dtype, "", tuple(producer_gpus),
-                     shared=p.share_gpus_with_trainer, replicas=p.replicas)
+                     shared=p.share_gpus_with_trainer, replicas=p.replicas, gpus_per_replica=per)
     if any(g is None for g in producer_gpus[:p.replicas]):
         raise ConfigError(f"the GPU plan does not fit: {plan.refusal(p.replicas)}")
     return replace(plan, broadcast_backend=_broadcast_backend(cfg, trainer_gpus, producer_gpus))

@@ -106,6 +106,8 @@ def test_two_gpus_trainer_keys_that_do_not_fit():
     msg = refused([0, 1], "trainer.data_parallel=3")
     assert "trainer.data_parallel=3 ranks need 3 GPUs (one each), 2 visible: [0, 1]" in msg
     assert "trainer.dp_backend gloo" in refused([0, 1], "trainer.data_parallel=2", "trainer.dp_backend=gloo")
+    msg = refused([0, 1], "trainer.data_parallel=2", "producers.tensor_parallel_size=2", "producers.gpus_per_replica=2")
+    assert "4 GPUs needed (trainer 2 + producers 1 x 2), 2 visible: [0, 1]" in msg
 
 
 def test_eight_gpus_tensor_parallel_producers_and_an_fsdp_trainer():
