@@ -177,7 +177,14 @@ def bench_weight_sync(llm, model: torch.nn.Module, backend: str, dtype: torch.dt
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     sender = BroadcastSender(backend, "127.0.0.1", port, 2, timeout_s=300)
-    joined = threading.Thread(target=sender.init_group)
+    device = next(model.parameters()).device
+
+    def on_device(fn, *args):  # the current CUDA device is per thread: the sender's buffers go there
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return fn(*args)
+
+    joined = threading.Thread(target=on_device, args=(sender.init_group,))
     joined.start()
     llm.collective_rpc("init_weight_group", args=("127.0.0.1", port, 1, 2, backend, 300))
     joined.join()
@@ -187,7 +194,7 @@ def bench_weight_sync(llm, model: torch.nn.Module, backend: str, dtype: torch.dt
             start = time.perf_counter()
             payload = {name: t.detach().to(dtype) for name, t in model.state_dict().items()}
             manifest = sender.manifest(payload)
-            sent = threading.Thread(target=sender.start_send, args=(payload, version, manifest))
+            sent = threading.Thread(target=on_device, args=(sender.start_send, payload, version, manifest))
             sent.start()
             llm.collective_rpc("receive_weights", kwargs={"manifest": manifest})
             sent.join()

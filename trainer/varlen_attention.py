@@ -15,11 +15,13 @@ kernels have no float32 path), head_dim a multiple of 8 and <= 256, compute capa
 Invariants: same result as the per-sample causal sdpa loop to the kernel's rounding (tests/gpu:
 bf16/fp16 forward and backward); grouped-query attention is passed to the kernel as is
 (`enable_gqa=True`: flash-attention shares each kv head across its group of query heads, no
-`repeat_interleave` copy); `cu_seqlens` is int32 on the tensors' device.
+`repeat_interleave` copy); `cu_seqlens` is int32 on the tensors' device, built once per packed
+row (the last few rows' are cached: every layer of a forward reuses it; never written to).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -75,6 +77,12 @@ def cu_seqlens(lens: list[int], device: torch.device | str) -> torch.Tensor:
     return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
 
 
+@functools.lru_cache(maxsize=4)
+def _cached_cu_seqlens(lens: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """`cu_seqlens` built once per packed row, not once per layer (one host -> device copy)."""
+    return cu_seqlens(list(lens), device)
+
+
 def varlen_causal_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lens: list[int], scaling: float | None
 ) -> torch.Tensor:
@@ -98,7 +106,7 @@ def varlen_causal_attention(
     total = query.shape[2]
     if sum(lens) != total:
         raise ValueError(f"lens sum to {sum(lens)}, the packed row has {total} tokens")
-    offsets = cu_seqlens(lens, query.device)
+    offsets = _cached_cu_seqlens(tuple(lens), query.device)
     longest = max(lens)
     # [1, H, T, D] -> [T, H, D]; a no-op copy when q/k/v are transposed views of the projections
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))

@@ -68,9 +68,17 @@ def test_broadcast_into_vllm_gpu_engine(backend, tmp_path):
     from producers.engine import RolloutEngine
     from trainer.tiny_model import build_random_policy
 
+    # the sender's device: cuda:1 for nccl (the engine's worker uses cuda:0). The current CUDA
+    # device is per thread, and the sender works on other threads: each sets it (`on_sender_device`)
+    sender_device = 0
     if backend == "nccl":
         needs_gpus(2)
-        torch.cuda.set_device(1)  # the sender's buffers; the engine's worker uses cuda:0
+        sender_device = 1
+
+    def on_sender_device(fn, *args):
+        torch.cuda.set_device(sender_device)
+        return fn(*args)
+
     policy = build_random_policy(tmp_path / "policy", seed=0)
     old = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()
     new, payload = perturbed_bf16(policy)
@@ -80,7 +88,7 @@ def test_broadcast_into_vllm_gpu_engine(backend, tmp_path):
     sender = BroadcastSender(backend, "127.0.0.1", free_port(), 2, timeout_s=120)
     try:
         loop.run_until_complete(engine.start())
-        joined = threading.Thread(target=sender.init_group)
+        joined = threading.Thread(target=on_sender_device, args=(sender.init_group,))
         joined.start()
         loop.run_until_complete(engine.init_weight_group("127.0.0.1", sender.port, 1, 2, backend, 120))
         joined.join(timeout=120)
@@ -88,7 +96,8 @@ def test_broadcast_into_vllm_gpu_engine(backend, tmp_path):
 
         async def send_and_receive():
             manifest = sender.manifest(payload)
-            sent = asyncio.get_running_loop().run_in_executor(None, sender.start_send, payload, 1, manifest)
+            sent = asyncio.get_running_loop().run_in_executor(
+                None, on_sender_device, sender.start_send, payload, 1, manifest)
             await engine.update_weights(1, manifest)
             await sent
             return await engine.generate_group(PROMPT, n=4, temperature=1.0, top_p=1.0, max_tokens=24,
