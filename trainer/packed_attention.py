@@ -8,7 +8,7 @@ its advantage over padding (`bench/README.md`, packed vs padded). Running causal
 exactly what flash-attention's varlen kernel (`cu_seqlens`) does on GPU, in plain torch. On CUDA in
 float16/bfloat16 that kernel itself runs instead, one launch per layer for the whole row
 (`trainer.varlen_attention`); the per-sample loop stays the reference it is tested against
-(tests/gpu/test_varlen_attention.py) and the path everywhere else (CPU, float32, dropout).
+(tests/gpu/test_gpu_varlen_attention.py) and the path everywhere else (CPU, float32, dropout).
 
 How it plugs in (transformers 5.19, `modeling_utils.AttentionInterface`): the function below is
 registered under `PACKED_ATTENTION`; `packed_attention(model)` switches the model to it for one
