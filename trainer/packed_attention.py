@@ -5,7 +5,10 @@ mask makes attention cost O(T^2) in the row length and has to be built and read;
 machine it took 14-38% of the forward FLOPs at budgets 1024-4096 and lost the packed path most of
 its advantage over padding (`bench/README.md`, packed vs padded). Running causal
 `scaled_dot_product_attention` on each sample's slice costs O(sum_i L_i^2) and needs no mask:
-exactly what flash-attention's varlen kernel (`cu_seqlens`) does on GPU, in plain torch.
+exactly what flash-attention's varlen kernel (`cu_seqlens`) does on GPU, in plain torch. On CUDA in
+float16/bfloat16 that kernel itself runs instead, one launch per layer for the whole row
+(`trainer.varlen_attention`); the per-sample loop stays the reference it is tested against
+(tests/gpu/test_gpu_varlen_attention.py) and the path everywhere else (CPU, float32, dropout).
 
 How it plugs in (transformers 5.19, `modeling_utils.AttentionInterface`): the function below is
 registered under `PACKED_ATTENTION`; `packed_attention(model)` switches the model to it for one
@@ -27,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from trainer.varlen_attention import varlen_causal_attention, varlen_kernel_applies
 
 __all__ = ["PACKED_ATTENTION", "packed_attention", "packed_sdpa_attention", "MASK_PLACEHOLDER"]
 
@@ -57,7 +62,9 @@ def packed_sdpa_attention(
 
     Returns:
         (`[1, T, heads, head_dim]` attention output, None): softmax(q k^T * scale + causal) v per
-        sample (Vaswani et al. 2017, eq. 1), concatenated in packing order.
+        sample (Vaswani et al. 2017, eq. 1), concatenated in packing order. Computed by the
+        flash-attention varlen kernel where `varlen_kernel_applies` (CUDA, fp16/bf16, no dropout),
+        else by causal sdpa on each sample's slice.
 
     Raises:
         ValueError: the lengths do not sum to T.
@@ -67,10 +74,12 @@ def packed_sdpa_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if sum(lens) != query.shape[2]:
         raise ValueError(f"rlbus_seq_lens sum to {sum(lens)}, the packed row has {query.shape[2]} tokens")
+    dropout_p = dropout if module.training else 0.0
+    if varlen_kernel_applies(query, dropout_p):
+        return varlen_causal_attention(query, key, value, list(lens), scaling), None
     repeats = query.shape[1] // key.shape[1]
     if repeats > 1:
         key, value = key.repeat_interleave(repeats, 1), value.repeat_interleave(repeats, 1)
-    dropout_p = dropout if module.training else 0.0
     outs = [
         F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, dropout_p=dropout_p)
         for q, k, v in zip(query.split(lens, 2), key.split(lens, 2), value.split(lens, 2))

@@ -1,0 +1,121 @@
+"""Flash-attention varlen on CUDA (trainer/varlen_attention.py) against the per-sample sdpa loop.
+
+Both run on the same packed row (mixed sample lengths, one of length 1, grouped-query attention
+8 query heads / 2 kv heads, head_dim 64) in bfloat16 and float16; the reference is the per-sample
+causal sdpa loop of trainer/packed_attention.py run in float32 on the same (rounded) inputs.
+Tolerances: the half-precision kernels round q k^T, the softmax and p v to 8 (bf16) or 11 (fp16)
+mantissa bits, so each output element may be off by a few units of the last place of a value of
+magnitude ~1: atol 2e-2 (bf16) and 3e-3 (fp16) on outputs, and the same relative to the largest
+gradient element on dq, dk, dv. The kernel must also be at least as close to the float32
+reference as the half-precision loop is, times 2 (neither is exact; the kernel must not be worse).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trainer.packed_attention import packed_sdpa_attention
+from trainer.varlen_attention import varlen_causal_attention, varlen_kernel_applies
+
+LENS = [5, 17, 1, 40, 9]
+HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
+ATOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3}
+
+
+def loop_reference(query, key, value, lens):
+    """`[1, T, H, D]` per-sample causal sdpa (the CPU path), kv heads repeated for GQA."""
+    repeats = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(repeats, 1), value.repeat_interleave(repeats, 1)
+    outs = [F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            for q, k, v in zip(query.split(lens, 2), key.split(lens, 2), value.split(lens, 2))]
+    return torch.cat(outs, 2).transpose(1, 2)
+
+
+def inputs(dtype):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    total = sum(LENS)
+
+    def rand(heads):
+        return torch.randn(1, heads, total, HEAD_DIM, device="cuda", generator=gen).to(dtype).requires_grad_()
+
+    return rand(HEADS), rand(KV_HEADS), rand(KV_HEADS)
+
+
+def forward_backward(fn, q, k, v, weight):
+    out = fn(q, k, v)
+    (out.float() * weight).sum().backward()
+    grads = [t.grad.float() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    return out.detach().float(), grads
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_varlen_matches_per_sample_loop_forward_and_backward(dtype):
+    q, k, v = inputs(dtype)
+    assert varlen_kernel_applies(q, 0.0), f"varlen kernel not applicable on {torch.cuda.get_device_name()}"
+    weight = torch.randn(1, sum(LENS), HEADS, HEAD_DIM, device="cuda")
+    module = torch.nn.Module().eval()
+
+    def kernel(q, k, v):
+        out, _ = packed_sdpa_attention(module, q, k, v, None, rlbus_seq_lens=LENS)
+        return out
+
+    def loop_half(q, k, v):
+        return loop_reference(q, k, v, LENS)
+
+    def loop_fp32(q, k, v):
+        return loop_reference(q.float(), k.float(), v.float(), LENS)
+
+    got, got_grads = forward_backward(kernel, q, k, v, weight)
+    half, half_grads = forward_backward(loop_half, q, k, v, weight)
+    ref, ref_grads = forward_backward(loop_fp32, q, k, v, weight)
+    atol = ATOL[dtype]
+    err = (got - ref).abs().max().item()
+    assert err < atol, f"varlen forward off the float32 loop by {err:.2e} (atol {atol})"
+    assert err <= 2 * (half - ref).abs().max().item() + 1e-6
+    for name, g, h, r in zip("qkv", got_grads, half_grads, ref_grads):
+        scale = r.abs().max().item()
+        g_err = (g - r).abs().max().item() / scale
+        assert g_err < atol, f"d{name}: varlen off the float32 loop by {g_err:.2e} relative (atol {atol})"
+        assert g_err <= 2 * (h - r).abs().max().item() / scale + 1e-6, f"d{name}: varlen worse than the {dtype} loop"
+
+
+def test_varlen_direct_call_shape_and_float32_fallback():
+    q, k, v = inputs(torch.bfloat16)
+    out = varlen_causal_attention(q, k, v, LENS, None)
+    assert out.shape == (1, sum(LENS), HEADS, HEAD_DIM) and out.dtype == torch.bfloat16
+    # float32 or dropout: the kernel does not apply, the packed function keeps the loop
+    assert not varlen_kernel_applies(q.float(), 0.0)
+    assert not varlen_kernel_applies(q, 0.1)
+    with pytest.raises(ValueError, match="sum to"):
+        varlen_causal_attention(q, k, v, LENS[:-1], None)
+
+
+def test_packed_model_forward_bf16_matches_unpacked(tmp_path):
+    """Tiny Qwen2 in bfloat16 on CUDA: each packed token's logprob (varlen kernel + Triton
+    logprobs) equals the logprob from the sample's own unpacked forward (sdpa, full logits) to
+    bf16 rounding of the logits (0.05 nats)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from trainer.packed import packed_token_logprobs
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=300, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=512, attn_implementation="sdpa")
+    model = Qwen2ForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    gen = torch.Generator().manual_seed(1)
+    samples = [torch.randint(0, 300, (n,), generator=gen) for n in LENS]
+    ids = torch.cat(samples).cuda()
+    with torch.no_grad():
+        packed = packed_token_logprobs(model, ids, torch.tensor(LENS, device="cuda"))
+        assert packed.dtype == torch.float32
+        for start, sample in zip([0, *torch.tensor(LENS).cumsum(0).tolist()], samples):
+            logits = model(sample[None].cuda()).logits[0].float()
+            want = torch.log_softmax(logits[:-1], -1).gather(1, sample[1:, None].cuda())[:, 0]
+            got = packed[start + 1:start + len(sample)]
+            assert packed[start].item() == 0.0
+            if len(sample) > 1:
+                assert (got - want).abs().max().item() < 0.05
