@@ -20,8 +20,9 @@ llama3      <|begin_of_text|> (bos)          <|eot_id|>    [<|end_of_text|>, <|e
 ==========  ===============================  ============  ==========================================
 
 The vocabulary is byte-level like :mod:`trainer.tiny_model`'s (ids 0..255 are the bytes, no merges),
-so ``decode(encode(s)) == s``. Sizes: 2 layers, hidden 128, 4 query heads of 32 (the smallest head
-the vLLM CPU attention backend takes) and 2 KV heads (GQA), MLP 256. ``tied=True`` ties
+so ``decode(encode(s)) == s``. Sizes (:class:`Shape`): :data:`TINY` for tests (2 layers, hidden 128,
+4 query heads of 32, the smallest head the vLLM CPU attention backend takes, 2 KV heads: GQA, MLP
+256); :data:`QWEN2_5_0_5B` (Qwen2.5-0.5B's shape, padded vocabulary) for benches. ``tied=True`` ties
 ``lm_head`` to the input embeddings (as Qwen2.5 <= 3B and Qwen3 <= 4B ship), ``False`` gives an own
 ``lm_head`` (Llama-3 8B, 70B).
 """
@@ -91,11 +92,30 @@ FAMILIES: dict[str, Family] = {
 }
 """The supported families by key."""
 
-HIDDEN_SIZE = 128
-NUM_LAYERS = 2
-NUM_HEADS = HIDDEN_SIZE // HEAD_DIM  # 4
-NUM_KV_HEADS = 2
 MAX_POSITION_EMBEDDINGS = 2048
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Model size: ``hidden_size``, ``num_layers``, ``num_heads`` query heads of ``head_dim``,
+    ``num_kv_heads`` (GQA when fewer), MLP width ``intermediate_size``; ``vocab_size`` None: the
+    tokenizer's (bytes + specials); larger pads the embedding like real checkpoints (Qwen2.5:
+    151,936 rows for 151,665 tokens), ids past the tokenizer never sampled by a trained model."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    head_dim: int = HEAD_DIM
+    vocab_size: int | None = None
+
+
+TINY = Shape(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256)
+"""The test size: 2 layers, 4 query heads of 32 (the smallest head vLLM's CPU attention takes), 2 KV heads."""
+QWEN2_5_0_5B = Shape(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
+                     head_dim=64, vocab_size=151_936)
+"""Qwen2.5-0.5B's shape (494,032,768 parameters with ``tied=True``, as it ships): for benches."""
 
 
 def family(name: str) -> Family:
@@ -131,49 +151,64 @@ def build_family_tokenizer(name: str) -> Any:
     )
 
 
-def build_family_model(out_dir: str | Path, name: str, *, tied: bool, seed: int = 0) -> Path:
-    """Save a tiny random model of family ``name`` with its tokenizer to ``out_dir``.
+def family_config(name: str, *, tied: bool, shape: Shape = TINY) -> Any:
+    """The transformers config of a family-``name`` model of ``shape`` (float32, ``tie_word_embeddings=tied``,
+    the family's RoPE base and bos / eos / pad ids). ValueError: unknown family, or a ``shape.vocab_size``
+    smaller than the tokenizer's."""
+    from transformers import AutoConfig
+
+    fam = family(name)
+    if shape.vocab_size is not None and shape.vocab_size < fam.vocab_size:
+        raise ValueError(f"shape.vocab_size={shape.vocab_size} is below the {name} tokenizer's {fam.vocab_size} tokens")
+    model_type = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}[fam.architecture]
+    extra = {} if model_type == "llama" else {"use_sliding_window": False}
+    if model_type != "qwen2":  # qwen2 derives head_dim = hidden_size / heads
+        extra["head_dim"] = shape.head_dim
+    elif shape.hidden_size != shape.num_heads * shape.head_dim:
+        raise ValueError(f"qwen2 needs hidden_size == num_heads * head_dim, got {shape}")
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=shape.vocab_size or fam.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        rope_theta=fam.rope_theta,
+        tie_word_embeddings=tied,
+        bos_token_id=fam.token_id(fam.bos) if fam.bos else None,
+        eos_token_id=fam.token_id(fam.eos),
+        pad_token_id=fam.token_id(fam.pad),
+        dtype="float32",
+        **extra,
+    )
+    config.architectures = [fam.architecture]
+    return config
+
+
+def build_family_model(out_dir: str | Path, name: str, *, tied: bool, seed: int = 0, shape: Shape = TINY) -> Path:
+    """Save a random model of family ``name`` with its tokenizer to ``out_dir``.
 
     Args:
         out_dir: directory to write (created).
         name: a key of :data:`FAMILIES`.
         tied: tie ``lm_head`` to ``embed_tokens``.
         seed: torch seed of the random init.
+        shape: the size (:data:`TINY` for tests, :data:`QWEN2_5_0_5B` for benches).
 
     Returns:
         ``out_dir`` with ``config.json`` (the family's ``model_type``), ``generation_config.json``
         (``eos_token_id`` = ``Family.stop_ids``), float32 ``model.safetensors`` and the tokenizer.
 
     Raises:
-        ValueError: unknown family.
+        ValueError: as :func:`family_config`.
     """
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     fam = family(name)
-    model_type = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}[fam.architecture]
-    extra = {"head_dim": HEAD_DIM} if model_type != "qwen2" else {}
-    if model_type != "llama":
-        extra["use_sliding_window"] = False
-    eos = fam.token_id(fam.eos)
-    config = AutoConfig.for_model(
-        model_type,
-        vocab_size=fam.vocab_size,
-        hidden_size=HIDDEN_SIZE,
-        intermediate_size=2 * HIDDEN_SIZE,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=NUM_HEADS,
-        num_key_value_heads=NUM_KV_HEADS,
-        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
-        rope_theta=fam.rope_theta,
-        tie_word_embeddings=tied,
-        bos_token_id=fam.token_id(fam.bos) if fam.bos else None,
-        eos_token_id=eos,
-        pad_token_id=fam.token_id(fam.pad),
-        dtype="float32",
-        **extra,
-    )
-    config.architectures = [fam.architecture]
+    config = family_config(name, tied=tied, shape=shape)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(

@@ -139,3 +139,16 @@ def test_a_train_step_runs_and_trains_each_eos_once(family_dirs, variant):
     assert m["num_loss_tokens"] == n_loss and m["onpolicy_lp_diff_max"] < 1e-5
     assert all(not torch.equal(before[n], p) for n, p in model.named_parameters())
     assert (model.lm_head.weight is model.model.embed_tokens.weight) is variant[1]
+
+
+def test_the_bench_shape_is_qwen2_5_0_5b():
+    """QWEN2_5_0_5B has Qwen2.5-0.5B's parameter count (494,032,768, tied; model card: 0.49B), on the meta device."""
+    from trainer.model_families import QWEN2_5_0_5B, TINY, Shape, family_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(family_config("qwen2.5", tied=True, shape=QWEN2_5_0_5B))
+    assert sum(p.numel() for p in model.parameters()) == 494_032_768
+    with pytest.raises(ValueError, match="vocab_size=100 is below"):
+        family_config("llama3", tied=False, shape=Shape(**{**TINY.__dict__, "vocab_size": 100}))
+    with pytest.raises(ValueError, match="unknown model family 'gpt2'"):
+        family_config("gpt2", tied=False)
