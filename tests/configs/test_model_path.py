@@ -114,3 +114,17 @@ def test_busctl_up_refuses_a_model_that_is_not_cached(tmp_path, hf_home):
     out = " ".join((proc.stdout + proc.stderr).split())  # rich wraps long lines
     assert "model.path='Qwen/Qwen2.5-7B-Instruct'" in out and "models--Qwen--Qwen2.5-7B-Instruct" in out
     assert not (tmp_path / "run" / "config.yaml").exists()
+
+
+def test_the_vllm_engine_and_the_teacher_resolve_hub_ids(hf_home):
+    """Construction only (no engine start): the path vLLM will load is the snapshot; errors name the key."""
+    pytest.importorskip("vllm", reason="producers.engine needs vLLM at start only, but its tests run where it is")
+    from producers.engine import RolloutEngine
+    from producers.teacher import Teacher
+
+    snapshot = cache_model(hf_home, "Qwen/Qwen2.5-0.5B-Instruct")
+    assert RolloutEngine("Qwen/Qwen2.5-0.5B-Instruct").model_path == str(snapshot.resolve())
+    teacher = Teacher("Qwen/Qwen2.5-0.5B-Instruct", max_model_len=64, kv_cache_bytes=2**20)
+    assert teacher.engine.model_path == str(snapshot.resolve())
+    with pytest.raises(FileNotFoundError, match="teacher.model_path='Qwen/Qwen3-8B'"):
+        Teacher("Qwen/Qwen3-8B", max_model_len=64, kv_cache_bytes=2**20)
