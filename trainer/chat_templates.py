@@ -1,6 +1,9 @@
 """The chat templates of the model families rlbus supports, as their tokenizers ship them.
 
-Written from the public ``tokenizer_config.json`` of each family's instruct checkpoints (no download):
+Written from the public ``tokenizer_config.json`` of each family's instruct checkpoints, as published
+(transcribed, not downloaded; the prompts they render are pinned in ``tests/trainer/test_model_families.py``).
+Real checkpoints bring their own template in their tokenizer files; these are for the tiny test
+models of :mod:`trainer.model_families`:
 
 - :data:`QWEN2_5_TEMPLATE`: Qwen2.5-*-Instruct. Without a system message it inserts Qwen's default
   one; every turn is ``<|im_start|>{role}\\n{content}<|im_end|>\\n``; tool calls in
@@ -11,7 +14,8 @@ Written from the public ``tokenizer_config.json`` of each family's instruct chec
 - :data:`LLAMA3_TEMPLATE`: Meta-Llama-3-*-Instruct: ``<|begin_of_text|>`` (the template writes the
   BOS itself, so prompts are encoded with ``add_special_tokens=False``), turns
   ``<|start_header_id|>{role}<|end_header_id|>\\n\\n{content | trim}<|eot_id|>``, generation prompt
-  ``<|start_header_id|>assistant<|end_header_id|>\\n\\n``.
+  ``<|start_header_id|>assistant<|end_header_id|>\\n\\n``. (Llama-3.1 and later add tool calls and a
+  "Cutting Knowledge Date" system header; the turn format and ``<|eot_id|>`` are the same.)
 
 The end-of-turn token each template closes a turn with (``<|im_end|>``, ``<|eot_id|>``) is the
 token the model emits to stop: it is the tokenizer's eos and in ``generation_config.eos_token_id``.
