@@ -29,8 +29,8 @@ stopped gracefully (SIGTERM, SIGKILL after 20 s); never fewer than one of each.
 Exit codes: ``up``: 0 when the trainer reached ``max_steps``; 1 when a component failed (and
 could not be restarted); 2 for a bad config (also a ``model.path`` neither a directory nor in the
 local HF cache); 130 when interrupted (SIGINT/SIGTERM), after every process has stopped.
-``scale``: 0 done; 1 no running job, refused by it, or not done in time; 2 bad arguments (also more producers than ``producers.max_replicas``). Others: 0 ok, 1 failure,
-2 bad usage.
+``scale``: 0 done; 1 no running job, refused by it, or not done in time; 2 bad arguments (also more
+producers than ``producers.max_replicas``). Others: 0 ok, 1 failure, 2 bad usage.
 """
 
 from __future__ import annotations
