@@ -33,7 +33,8 @@ the new set of components is ready: new replicas get the next indices (new produ
 stopped gracefully (SIGTERM, SIGKILL after 20 s); never fewer than one of each.
 
 Exit codes: ``up``: 0 when the trainer reached ``max_steps``; 1 when a component failed (and
-could not be restarted); 2 for a bad config (or a device plan that does not fit); 130 when interrupted (SIGINT/SIGTERM), after every
+could not be restarted); 2 for a bad config (or a device plan that does not fit, or a ``model.path``
+neither a directory nor in the local HF cache); 130 when interrupted (SIGINT/SIGTERM), after every
 process has stopped. ``scale``: 0 done; 1 no running job, refused by it, or not done in time;
 2 bad arguments (also more producers than ``producers.max_replicas`` or than the GPUs hold). Others: 0 ok, 1 failure,
 2 bad usage.
@@ -55,6 +56,7 @@ from rich.console import Console
 
 from busctl.placement import apply_placement
 from busctl.report import cmd_report
+from configs.model_path import resolve_run_model_paths
 from configs.schema import ConfigError, RunConfig, dump_config, load_config
 
 if TYPE_CHECKING:
@@ -117,6 +119,11 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
     if ns.dry_run:
         print(dump_config(cfg) + placement.describe())
         return 0
+    try:  # a hub id becomes its local HF-cache snapshot directory: every component loads the same files
+        resolve_run_model_paths(cfg)
+    except FileNotFoundError as err:
+        console.print(f"[red]{err}[/red]")
+        return 2
     run_dir = Path(cfg.run_dir)
     try:
         previous = _status(run_dir)

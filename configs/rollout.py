@@ -80,7 +80,7 @@ class SamplingConfig(Section):
 class TeacherConfig(Section):
     """An optional teacher model whose per-token logprobs of each completion feed the distillation term."""
 
-    model_path: str = Field("", description="Local HF model directory of the teacher (same tokenizer as the policy). Empty: no teacher.")
+    model_path: str = Field("", description="HF model directory or hub id in the local HF cache of the teacher (same tokenizer as the policy). Empty: no teacher.")
     kv_cache_gib: float = Field(0.5, gt=0, le=1024, description="vLLM KV-cache size of each producer's teacher engine, GiB.")
 
 

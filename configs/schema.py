@@ -31,7 +31,7 @@ DEFAULT_CONFIG = CONFIG_DIR / "reverse_text.yaml"
 class ModelConfig(Section):
     """The policy model."""
 
-    path: str = Field("", description="Local HF model directory. Empty: build (or reuse from the cache) rlbus's tiny reverse-text policy.")
+    path: str = Field("", description="HF model directory, or a hub id (org/name[@revision]) from the local HF cache, offline (docs/models.md). Empty: build (or reuse from the cache) rlbus's tiny reverse-text policy.")
     cache_dir: str = Field(".cache/rlbus", description="Where the tiny policy is built and cached (relative to the working directory).")
     sft_steps: int = Field(300, ge=0, le=100_000, description="Most supervised warm-start steps of the tiny policy.")
     sft_target_loss: float = Field(1.7, ge=0, description="The warm start stops once its training loss (nats/token) falls below this: deliberately partial, so that RL has room.")

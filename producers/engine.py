@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from configs.model_path import resolve_model_path
 from producers.vllm_idle import BUSY_LOOP_ENV
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,8 @@ class RolloutEngine:
     """Async wrapper of vLLM's AsyncLLM for GRPO rollouts with in-place weight updates.
 
     Args:
-        model_path: HF model directory (config, safetensors, tokenizer).
+        model_path: HF model directory (config, safetensors, tokenizer), or a hub id in the local HF
+            cache (`configs.model_path.resolve_model_path`; FileNotFoundError if neither).
         max_model_len: prompt + completion limit in tokens.
         seed: engine sampling seed.
         kv_cache_bytes: KV cache size (vLLM otherwise reserves most of RAM on CPU).
@@ -120,7 +122,7 @@ class RolloutEngine:
         if busy_loop_s is not None and not busy_loop_s >= 0:
             raise ValueError(f"busy_loop_s must be >= 0 seconds or None, got {busy_loop_s!r}")
         self._busy_loop_s = busy_loop_s
-        self.model_path = str(model_path)
+        self.model_path = resolve_model_path(model_path)
         self._engine_kwargs = dict(
             model=self.model_path,
             dtype="float32",

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from configs.model_path import resolve_model_path
 from producers.engine import RolloutEngine
 
 
@@ -28,7 +29,8 @@ class Teacher:
     """A teacher model on its own vLLM engine, scoring completions token by token.
 
     Args:
-        model_path: HF model directory of the teacher (same tokenizer as the policy).
+        model_path: HF model directory of the teacher (same tokenizer as the policy), or a hub id in
+            the local HF cache (FileNotFoundError naming ``teacher.model_path`` if neither).
         max_model_len: the policy's ``max_model_len`` (tokens); the teacher's is one more.
         kv_cache_bytes: KV-cache size of the teacher engine, bytes.
         seed: engine seed (only the discarded scoring token is sampled).
@@ -38,7 +40,7 @@ class Teacher:
         if not str(model_path):
             raise ValueError("teacher model_path is empty")
         self.engine = RolloutEngine(
-            model_path,
+            resolve_model_path(model_path, key="teacher.model_path"),
             max_model_len=max_model_len + 1,
             kv_cache_bytes=kv_cache_bytes,
             seed=seed,

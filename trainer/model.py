@@ -18,17 +18,21 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from broadcaster.manifest import LORA_A_SUFFIX, LORA_B_SUFFIX, LORA_SCALING_SUFFIX
+from configs.model_path import resolve_model_path
 from configs.schema import LoraSection
 
 
 def load_policy(path: str, lora: LoraSection, *, attn_implementation: str = "sdpa") -> torch.nn.Module:
     """Load the HF causal LM at ``path`` in float32, wrapped with a LoRA adapter if enabled.
 
+    ``path``: a model directory or a hub id in the local HF cache (:func:`configs.model_path.resolve_model_path`).
+
     Raises:
-        OSError: ``path`` is not a model directory.
+        FileNotFoundError: ``path`` is neither a model directory nor in the local HF cache.
+        OSError: the directory's files do not load.
     """
     model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation=attn_implementation
+        resolve_model_path(path), dtype=torch.float32, attn_implementation=attn_implementation
     )
     if lora.enabled:
         model = get_peft_model(
