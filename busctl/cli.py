@@ -121,7 +121,7 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
         return 0
     try:  # a hub id becomes its local HF-cache snapshot directory: every component loads the same files
         resolve_run_model_paths(cfg)
-    except FileNotFoundError as err:
+    except (FileNotFoundError, ValueError) as err:
         console.print(f"[red]{err}[/red]")
         return 2
     run_dir = Path(cfg.run_dir)

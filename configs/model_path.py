@@ -19,6 +19,7 @@ absolute and holds ``config.json``.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -95,8 +96,41 @@ def resolve_run_model_paths(cfg) -> None:
 
     Raises:
         FileNotFoundError: as :func:`resolve_model_path`, naming the key.
+        ValueError: the policy's tokenizer has no chat template (:func:`require_chat_template`).
     """
     if cfg.model.path:
         cfg.model.path = resolve_model_path(cfg.model.path)
+        require_chat_template(cfg.model.path)
     if cfg.teacher.model_path:
         cfg.teacher.model_path = resolve_model_path(cfg.teacher.model_path, key="teacher.model_path")
+
+
+def has_chat_template(model_dir: str | Path) -> bool:
+    """Whether the tokenizer saved in ``model_dir`` carries a chat template: a ``chat_template.jinja``
+    file (transformers >= 4.43 saves it so) or a ``chat_template`` entry in ``tokenizer_config.json``
+    (or ``chat_template.json``)."""
+    root = Path(model_dir)
+    if (root / "chat_template.jinja").is_file():
+        return True
+    for name in ("tokenizer_config.json", "chat_template.json"):
+        try:
+            data = json.loads((root / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and data.get("chat_template"):
+            return True
+    return False
+
+
+def require_chat_template(model_dir: str | Path, *, key: str = "model.path") -> None:
+    """Refuse a policy whose tokenizer has no chat template: the producers render every prompt with
+    it (``apply_chat_template``), so without one every group would fail and be replaced forever.
+
+    Raises:
+        ValueError: no chat template in ``model_dir`` (names the key and the files looked at).
+    """
+    if not has_chat_template(model_dir):
+        raise ValueError(
+            f"{key}={str(model_dir)!r}: the tokenizer has no chat template (no chat_template.jinja, no 'chat_template' in "
+            "tokenizer_config.json): rlbus renders every prompt with it; use a chat/instruct checkpoint or add a template"
+        )

@@ -4,6 +4,7 @@ the loaders (trainer, vLLM engine, teacher) and ``busctl up`` go through it."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -128,3 +129,27 @@ def test_the_vllm_engine_and_the_teacher_resolve_hub_ids(hf_home):
     assert teacher.engine.model_path == str(snapshot.resolve())
     with pytest.raises(FileNotFoundError, match="teacher.model_path='Qwen/Qwen3-8B'"):
         Teacher("Qwen/Qwen3-8B", max_model_len=64, kv_cache_bytes=2**20)
+
+
+def test_a_policy_without_a_chat_template_is_refused_before_start(tmp_path, hf_home):
+    """The producers render every prompt with the chat template: a base checkpoint without one would
+    fail every group (and its replacements) forever, so busctl up refuses it, naming the key."""
+    model = build_family_model(tmp_path / "base", "llama3", tied=False)
+    cfg = load_config(None, [f"model.path={model}"])
+    resolve_run_model_paths(cfg)  # has a template: accepted
+    for name in ("chat_template.jinja", "tokenizer_config.json"):
+        path = model / name
+        if path.is_file() and name == "chat_template.jinja":
+            path.unlink()
+        elif path.is_file():
+            data = json.loads(path.read_text())
+            data.pop("chat_template", None)
+            path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"model.path=.*no chat template"):
+        resolve_run_model_paths(load_config(None, [f"model.path={model}"]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "busctl", "up", f"run_dir={tmp_path / 'run'}", f"model.path={model}"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "no chat template" in " ".join((proc.stdout + proc.stderr).split())
