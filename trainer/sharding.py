@@ -34,6 +34,7 @@ gathered one tensor at a time; not done).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -84,7 +85,9 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     Uses transformers' per-layer checkpointing (``GradientCheckpointingLayer``: each decoder
     layer's call goes through ``torch.utils.checkpoint.checkpoint`` in train mode) in its
     non-reentrant form (``use_reentrant=False``: works with FSDP2 and with frozen inputs, no
-    ``enable_input_require_grads`` needed). Gradients are unchanged up to float rounding of the
+    ``enable_input_require_grads`` needed). The recomputation runs under the attention
+    implementation of the forward (``context_fn``): the packed forward switches to its varlen
+    attention for the forward only (:func:`trainer.packed_attention.packed_attention`). Gradients are unchanged up to float rounding of the
     recomputation (bit-identical on CPU: the same kernels run again).
 
     Raises:
@@ -93,7 +96,27 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     hf = base_model(model)
     if not getattr(hf, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(hf).__name__} does not support activation checkpointing; set trainer.activation_checkpointing: false")
-    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        # called at forward time: the recomputation in the backward runs under the attention
+        # implementation of the forward (the packed varlen one is switched on for the forward only)
+        return contextlib.nullcontext(), _attention_implementation(hf, hf.config._attn_implementation)
+
+    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": contexts})
+
+
+@contextlib.contextmanager
+def _attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
+    """``model`` (a transformers model) runs attention implementation ``name`` inside the block."""
+    previous = model.config._attn_implementation
+    if previous == name:
+        yield
+        return
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
 
 
 def shard_policy(packed: torch.nn.Module, mesh_device: torch.device, world_size: int, *, bfloat16: bool) -> torch.nn.Module:

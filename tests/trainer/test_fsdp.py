@@ -10,8 +10,8 @@ slot, a rank with padding only, and a step skipped for rank 1's inf loss). This 
 - run ``full``: both ranks load the one-rank checkpoint of step 0 (one file), shard (the
   optimizer keeps its AdamW state, :func:`trainer.sharding.shard_keeping_optimizer_state`), and
   train steps 1-4; rank 1 runs the production follower loop (:func:`trainer.follower.serve`).
-  After every step rank 0 gathers the producers' payload (:func:`trainer.publish.weights_payload`,
-  one tensor at a time with rank 1) and saves it; after step 2 it writes a sharded checkpoint
+  After every step rank 0 sends the producers' payload (:func:`trainer.publish.weights_payload`,
+  gathered one tensor at a time with rank 1) through a real filesystem weight sender; after step 2 it writes a sharded checkpoint
   (every rank its DCP shards, :func:`trainer.follower.checkpoint_writer`);
 - run ``resume``: both ranks start fresh from that sharded checkpoint as trainer.proc and
   trainer.follower.follow do (shard, rank 0 names the checkpoint, every rank loads its shards) and
@@ -36,6 +36,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from broadcaster.filesystem import WEIGHTS_FILE
+from broadcaster.manifest import build_manifest
 from configs.schema import RunConfig, TrainerConfig, dump_config, load_config
 from tests.trainer.test_data_parallel import STEPS, TEMPERATURE, make_micro_batches, skipped_total, trainer_cfg
 from trainer.checkpoint import save_checkpoint
@@ -50,6 +52,11 @@ SAVE_AFTER = 2
 
 def payload_copy(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone().contiguous() for n, t in policy_state_dict(model).items()}
+
+
+def sent(out: Path, step: int) -> dict[str, torch.Tensor]:
+    """The weights rank 0 sent by the filesystem method after ``step``."""
+    return load_file(out / "weights" / f"v{step}" / WEIGHTS_FILE)
 
 
 def torchrun(tmp_path: Path, mode: str, checkpoint: Path, out: Path) -> None:
@@ -99,11 +106,13 @@ def test_two_fsdp_ranks_give_the_one_rank_update_and_resume_identically(model_di
             assert not np.isfinite(got["loss"]) and got["non_finite_loss_skips"] == 1.0
     # the payload rank 0 gathered after every step = the one-rank model's payload (all HF names)
     for s in range(1, len(STEPS)):
-        got = load_file(full / f"payload_step{s}.safetensors")
+        got = sent(full, s)
+        manifest = json.loads((full / f"manifest_step{s}.json").read_text())
+        assert sorted(manifest) == sorted(build_manifest(payloads[s])), s  # names, dtypes, shapes
         assert set(got) == set(payloads[s]), s
         for name, ref in payloads[s].items():
             torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-6, msg=f"step {s} {name}")
-    last, before_skip = (load_file(full / f"payload_step{s}.safetensors") for s in (len(STEPS) - 1, len(STEPS) - 2))
+    last, before_skip = (sent(full, s) for s in (len(STEPS) - 1, len(STEPS) - 2))
     assert all(torch.equal(last[n], before_skip[n]) for n in last)  # the skipped step changed nothing
     sharded = tmp_path / "checkpoints" / f"step_{SAVE_AFTER + 1:06d}"
     assert (sharded / "DONE").is_file() and (sharded / "sharded" / ".metadata").is_file()
@@ -113,7 +122,7 @@ def test_two_fsdp_ranks_give_the_one_rank_update_and_resume_identically(model_di
     resumed = tmp_path / "resume"
     torchrun(tmp_path, "resume", sharded, resumed)
     for s in range(SAVE_AFTER + 1, len(STEPS)):  # the same next steps, bit for bit
-        a, b = load_file(full / f"payload_step{s}.safetensors"), load_file(resumed / f"payload_step{s}.safetensors")
+        a, b = sent(full, s), sent(resumed, s)
         assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a), s
     for rank in (0, 1):  # each rank's AdamW shards at the end, identical too
         a, b = load_file(full / f"optim_rank{rank}.safetensors"), load_file(resumed / f"optim_rank{rank}.safetensors")
@@ -136,6 +145,7 @@ def optimizer_shards(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 def rank_main(mode: str, run_dir: str, checkpoint: str, out: str) -> int:
     """One rank of run ``mode`` ("full" or "resume", see the module docstring); writes into ``out``."""
+    from broadcaster.filesystem import FilesystemSender
     from bus.component import die_with_parent
     from trainer.follower import checkpoint_writer, follow, join_data_parallel, load_trainer_checkpoint, serve
     from trainer.publish import weights_payload
@@ -170,7 +180,8 @@ def rank_main(mode: str, run_dir: str, checkpoint: str, out: str) -> int:
                 m["non_finite_loss_skips"] = skipped_total("non_finite_loss") - skips
                 metrics.append(m)
                 payload = weights_payload(trainer.model, cfg, s + 1, adapter=False, dp=dp)
-                save_file({name: payload[name].contiguous() for name in payload}, out_dir / f"payload_step{s}.safetensors")
+                info = FilesystemSender(out_dir / "weights", keep_versions=None).send(payload, s)  # gathers with rank 1
+                (out_dir / f"manifest_step{s}.json").write_text(json.dumps(info["manifest"]))
                 if mode == "full" and s == SAVE_AFTER:
                     save_checkpoint(Path(run_dir) / "checkpoints", step=s + 1, model=trainer.model, optimizer=trainer.optimizer,
                                     extra={}, write_state=checkpoint_writer(trainer))
