@@ -68,7 +68,9 @@ torchrun with N ranks (:func:`main`). Rank 0 is this component and does all of t
 names the checkpoint it resumed from (or none) to the other ranks, wraps the forward in DDP, and
 sends each rank its share of every step (:mod:`trainer.distributed`); ranks > 0 run
 :mod:`trainer.follower` (no bus). Rank 0's metrics cover the whole step. Its ready handshake and
-heartbeats carry the torchrun agent's pid, the process the supervisor watches.
+heartbeats carry the torchrun agent's pid, the process the supervisor watches. With
+``trainer.parallel: fsdp`` (:mod:`trainer.sharding`) every rank shards before loading, checkpoints
+are written by every rank at once (not in the background), and the weights are gathered per tensor.
 """
 
 from __future__ import annotations

@@ -234,20 +234,27 @@ class GatheredWeights(Mapping):
     Args:
         model: the sharded policy (its ``state_dict()`` holds DTensors).
         announce: called with the entry index before each gather (``DataParallel.send_gather``).
+        dtype: the dtype the producers load (floating entries are cast to it after the gather,
+            e.g. bfloat16: half the bytes); None: as trained (float32).
     """
 
-    def __init__(self, model: torch.nn.Module, announce: Callable[[int], None]) -> None:
+    def __init__(self, model: torch.nn.Module, announce: Callable[[int], None], dtype: torch.dtype | None = None) -> None:
         self._entries = weight_entries(model)
         self._index = {name: k for k, (name, _) in enumerate(self._entries)}
         self._announce = announce
+        self._dtype = dtype
         self._stand_ins = {
-            name: torch.empty(1, dtype=t.dtype).expand(tuple(t.shape)) for name, t in self._entries
+            name: torch.empty(1, dtype=self._cast_dtype(t.dtype)).expand(tuple(t.shape)) for name, t in self._entries
         }
+
+    def _cast_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return self._dtype if self._dtype is not None and dtype.is_floating_point else dtype
 
     def __getitem__(self, name: str) -> torch.Tensor:
         k = self._index[name]
         self._announce(k)
-        return full_entry(self._entries[k][1])
+        full = full_entry(self._entries[k][1])
+        return full.to(self._cast_dtype(full.dtype))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._index)
