@@ -138,10 +138,10 @@ def main(argv: list[str] | None = None) -> None:
             rows += run_config(spec, args, Path(tmp))
     print(f"{rows[0]['params'] / 1e6:.1f}M parameters; {args.steps} steps x {args.micro_batches} micro-batches x "
           f"{args.tokens} tokens per rank\n")
-    print("| parallel | trainer.dtype | ranks | rank | peak RSS - RSS before the model (MiB) | bytes/param |")
-    print("|---|---|---|---|---|---|")
+    print("| parallel | trainer.dtype | ranks | rank | peak after build + wrap (MiB) | peak RSS - RSS before the model (MiB) | bytes/param |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['parallel']} | {r['dtype']} | {r['world']} | {r['rank']} | "
+        print(f"| {r['parallel']} | {r['dtype']} | {r['world']} | {r['rank']} | {r['peak_after_wrap_mib'] - r['rss_before_mib']:.0f} | "
               f"{r['peak_mib'] - r['rss_before_mib']:.0f} | {r['bytes_per_param']:.1f} |")
 
 

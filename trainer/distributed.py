@@ -53,7 +53,6 @@ from datetime import timedelta
 import msgpack
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
 from broadcaster.broadcast import Backend, resolve_backend
 from bus.codec import decode, encode
@@ -250,12 +249,9 @@ class DataParallel:
     @staticmethod
     def grad_sync(module: torch.nn.Module, sync: bool) -> AbstractContextManager:
         """Context of one micro-batch's backward: DDP's ``no_sync()`` (accumulate locally) unless
-        ``sync`` (the step's last micro-batch: all-reduce the accumulated gradients); for an
-        FSDP2 module, ``set_requires_gradient_sync(sync)`` (reduce-scatter on the last one only)."""
-        if isinstance(module, FSDPModule):  # FSDP2: reduce-scatter in this backward or not
-            module.set_requires_gradient_sync(sync)
-            return nullcontext()
-        if sync or not isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        ``sync`` (the step's last micro-batch: all-reduce the accumulated gradients). An FSDP2
+        module reduce-scatters in every backward (see :mod:`trainer.sharding`): nothing to do."""
+        if sync or not isinstance(module, torch.nn.parallel.DistributedDataParallel):  # FSDP2: every backward
             return nullcontext()
         return module.no_sync()
 
