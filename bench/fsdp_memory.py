@@ -10,7 +10,8 @@ exist from the first step on). Per rank it reports
 
     bytes/param = (VmHWM at the end - VmRSS before the model was built) / parameters
 
-(``/proc/self/status``: VmHWM is the process's peak resident set). This counts everything the
+(``/proc/self/status``: VmHWM is the process's peak resident set), and the bytes of weights,
+gradients and AdamW state it holds at the end (local shards), per parameter. The RSS counts everything the
 trainer allocates for the model: weights, gradients, AdamW moments, activations of one
 micro-batch, communication buffers, and (fsdp) the full float32 model each rank builds before
 ``fully_shard`` keeps its shard; allocator caching included. Expected for float32 on one rank:
@@ -65,6 +66,22 @@ def random_micro_batches(step: int, rank: int, num: int, tokens: int, vocab: int
                               step_samples=4 * num) for m, ss in enumerate(batches)]
 
 
+def model_state_bytes(trainer) -> int:
+    """Bytes this rank holds in weights, gradients and optimizer state (local shards of DTensors;
+    DDP's gradient buckets not counted): the exact model-state part of the RSS."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    total = 0
+    for p in trainer.model.parameters():
+        total += local(p) + (local(p.grad) if p.grad is not None else 0)
+        total += sum(local(v) for v in trainer.optimizer.state.get(p, {}).values() if hasattr(v, "numel"))
+    return total
+
+
 def worker(args: argparse.Namespace) -> None:
     """One rank under torchrun: build, wrap, train, write its measurement to ``args.out``."""
     import torch
@@ -92,9 +109,11 @@ def worker(args: argparse.Namespace) -> None:
     for step in range(args.steps):
         metrics = trainer.step(random_micro_batches(step, dp.rank, args.micro_batches, args.tokens, args.vocab))
     peak = status_kib("VmHWM")
+    state_bytes = model_state_bytes(trainer)
     result = {"rank": dp.rank, "world": world, "parallel": args.parallel, "dtype": args.dtype, "params": params,
               "rss_before_mib": before / 1024, "peak_after_wrap_mib": built / 1024, "peak_mib": peak / 1024,
-              "bytes_per_param": (peak - before) * 1024 / params, "loss": metrics["loss"]}
+              "bytes_per_param": (peak - before) * 1024 / params,
+              "state_bytes_per_param": state_bytes / params, "loss": metrics["loss"]}
     Path(args.out).with_suffix(f".rank{dp.rank}.json").write_text(json.dumps(result))
     trainer.disable_data_parallel()
     if not dp.is_leader:
@@ -138,11 +157,12 @@ def main(argv: list[str] | None = None) -> None:
             rows += run_config(spec, args, Path(tmp))
     print(f"{rows[0]['params'] / 1e6:.1f}M parameters; {args.steps} steps x {args.micro_batches} micro-batches x "
           f"{args.tokens} tokens per rank\n")
-    print("| parallel | trainer.dtype | ranks | rank | peak after build + wrap (MiB) | peak RSS - RSS before the model (MiB) | bytes/param |")
-    print("|---|---|---|---|---|---|---|")
+    print("| parallel | trainer.dtype | ranks | rank | peak after build + wrap (MiB) | peak RSS - RSS before the model (MiB) "
+          "| peak RSS bytes/param | weights + grads + AdamW held, bytes/param |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['parallel']} | {r['dtype']} | {r['world']} | {r['rank']} | {r['peak_after_wrap_mib'] - r['rss_before_mib']:.0f} | "
-              f"{r['peak_mib'] - r['rss_before_mib']:.0f} | {r['bytes_per_param']:.1f} |")
+              f"{r['peak_mib'] - r['rss_before_mib']:.0f} | {r['bytes_per_param']:.1f} | {r['state_bytes_per_param']:.1f} |")
 
 
 if __name__ == "__main__":
