@@ -7,8 +7,9 @@ rank), then trains the share of each step that rank 0 sends until rank 0 sends `
 :mod:`trainer.distributed`). With ``trainer.parallel: fsdp`` it shards the policy BEFORE loading
 (a sharded checkpoint loads into the shards, a collective with rank 0), and between steps it
 also joins the collectives rank 0 announces: the gather of each weight tensor rank 0 publishes
-(GATHER) and the writing of its checkpoint shards (SAVE). It dies with the torchrun agent (``PR_SET_PDEATHSIG``) and keeps
-the default SIGTERM action: it holds nothing that needs a clean shutdown.
+(GATHER) and the writing of its checkpoint shards (SAVE). It dies with the torchrun agent
+(``PR_SET_PDEATHSIG``) and keeps the default SIGTERM action: it holds nothing that needs a clean
+shutdown.
 """
 
 from __future__ import annotations
