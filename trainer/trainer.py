@@ -89,7 +89,8 @@ class Trainer:
             enable_activation_checkpointing(model)
         self.optimizer = build_optimizer(model, cfg)
         self.logprobs: torch.nn.Module = PackedLogprobs(model)
-        """The packed forward (wrapped in DDP by :meth:`enable_data_parallel`); its temperature
+        """The packed forward (wrapped in DDP, or sharded in place by FSDP2, by
+        :meth:`enable_data_parallel`); its temperature
         is set per micro-batch (:meth:`set_temperature`)."""
         self.loss_spec = LossSpec.from_config(cfg.loss)
         if self.loss_spec.aggregation == "seq_mean_token_sum_norm" and max_tokens is None:
