@@ -8,12 +8,15 @@ version of the saved weights; a resumed trainer trains step ``N`` next)::
     adapter_config.json          comes from ``model.path`` again on resume
     optimizer.pt               ``torch.save(optimizer.state_dict())`` (AdamW moments, step counts,
                                  the learning rate of each param group)
+    sharded/                   instead of the two above with ``trainer.parallel: fsdp``: model and
+                                 optimizer shards of every rank, torch.distributed.checkpoint
+                                 (written by ``write_state``, :mod:`trainer.sharding`)
     scheduler.pt               ``torch.save(scheduler.state_dict())``, only when an LR scheduler is
                                  passed (rlbus trains with a constant LR: none, the LR is in
                                  optimizer.pt)
     rng.json                   torch (CPU + every CUDA device), numpy and python RNG states
     meta.json                  {"format", "step", "kind": "full"|"lora", "scheduler": bool,
-                                  "extra": {...}} (``extra``: the caller's resume state, e.g. the
+                                  "sharded": bool, "extra": {...}} (``extra``: the caller's resume state, e.g. the
                                   trainer's policy version and weight method)
     DONE                       written last: the checkpoint is complete
 
@@ -42,6 +45,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -203,6 +207,7 @@ def save_checkpoint(
     keep: int = 2,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     state: CheckpointState | None = None,
+    write_state: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write ``directory/step_{step:06d}/`` atomically and prune to the last ``keep`` checkpoints.
 
@@ -218,6 +223,10 @@ def save_checkpoint(
         state: a :func:`snapshot_state` of ``model``, ``optimizer`` and ``scheduler`` to write
             instead of their current state (then only ``model``'s config and kind are read
             here, so training may go on meanwhile); None: their state now.
+        write_state: writes the model and optimizer state into the directory it is given (the
+            temp directory) instead of ``save_pretrained`` + ``optimizer.pt``: a sharded save
+            every rank joins (:func:`trainer.sharding.save_sharded`, under ``sharded/``); then
+            ``state`` must be None and no scheduler is saved.
 
     Returns:
         The checkpoint directory. An existing checkpoint of the same step is replaced.
@@ -231,7 +240,10 @@ def save_checkpoint(
         raise ValueError(f"keep must be >= 1 (the checkpoint just written), got {keep}")
     if "step" in extra:
         raise ValueError("extra must not contain 'step': load_checkpoint returns the step under that key")
-    meta = {"format": FORMAT, "step": step, "kind": _kind(model), "scheduler": scheduler is not None, "extra": extra}
+    if write_state is not None and (state is not None or scheduler is not None):
+        raise ValueError("write_state (a sharded save) takes the state as it is now: pass no snapshot and no scheduler")
+    meta = {"format": FORMAT, "step": step, "kind": _kind(model), "scheduler": scheduler is not None,
+            "sharded": write_state is not None, "extra": extra}
     try:
         meta_text = json.dumps(meta, indent=1, allow_nan=False)
     except (TypeError, ValueError) as e:
@@ -244,13 +256,18 @@ def save_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    if state is None:
-        state = _current_state(model, optimizer, scheduler)
-    model.save_pretrained(tmp, safe_serialization=True, state_dict=state.model_state)
-    torch.save(state.optimizer_state, tmp / "optimizer.pt")
-    if scheduler is not None:
-        torch.save(state.scheduler_state, tmp / "scheduler.pt")
-    (tmp / "rng.json").write_text(json.dumps(state.rng))
+    if write_state is not None:
+        write_state(tmp)
+        rng = _rng_state()
+    else:
+        if state is None:
+            state = _current_state(model, optimizer, scheduler)
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=state.model_state)
+        torch.save(state.optimizer_state, tmp / "optimizer.pt")
+        if scheduler is not None:
+            torch.save(state.scheduler_state, tmp / "scheduler.pt")
+        rng = state.rng
+    (tmp / "rng.json").write_text(json.dumps(rng))
     (tmp / "meta.json").write_text(meta_text)
     _fsync_tree(tmp)
     (tmp / DONE).write_text(f"{step}\n")
@@ -284,6 +301,7 @@ def load_checkpoint(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    read_state: Callable[[Path], None] | None = None,
 ) -> dict[str, Any]:
     """Restore weights, optimizer (and LR scheduler) state and RNG states from a checkpoint saved
     by :func:`save_checkpoint`.
@@ -295,6 +313,9 @@ def load_checkpoint(
         optimizer: built over ``model``'s trainable parameters in the same order
             (:func:`trainer.trainer.build_optimizer`); its state is replaced.
         scheduler: the LR scheduler over ``optimizer``, exactly when the checkpoint has one.
+        read_state: loads the model and optimizer state from the checkpoint directory it is given,
+            exactly when the checkpoint is sharded (``write_state`` of :func:`save_checkpoint`;
+            :func:`trainer.sharding.load_sharded`, a collective).
 
     Returns:
         ``{"step": N, **extra}``.
@@ -302,7 +323,8 @@ def load_checkpoint(
     Raises:
         ValueError: ``path`` is not a complete checkpoint, was written by another format, or
             does not match ``model`` (full vs LoRA, missing or unexpected weights) or
-            ``scheduler`` (one passed but none saved, or the other way round).
+            ``scheduler`` (one passed but none saved, or the other way round), or is sharded
+            exactly when ``read_state`` is None (a ``trainer.parallel`` other than the saving run's).
     """
     path = Path(path)
     if not (path / DONE).is_file():
@@ -321,12 +343,20 @@ def load_checkpoint(
             f"{path} {'has' if saved_scheduler else 'has no'} LR scheduler state but "
             f"{'none' if scheduler is None else 'a scheduler'} was passed; build the trainer as in the run that wrote it"
         )
-    if isinstance(model, PeftModel):
-        _load_adapter(path, model)
+    sharded = bool(meta.get("sharded", False))
+    if sharded != (read_state is not None):
+        raise ValueError(
+            f"{path} holds a {'sharded (fsdp)' if sharded else 'one-file (one rank or ddp)'} checkpoint but the trainer "
+            f"is {'sharded' if read_state is not None else 'not sharded'}; set trainer.parallel as in the run that wrote it"
+        )
+    if read_state is not None:
+        read_state(path)
     else:
-        _load_full(path, model)
-    state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
-    optimizer.load_state_dict(state)
+        if isinstance(model, PeftModel):
+            _load_adapter(path, model)
+        else:
+            _load_full(path, model)
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
     if scheduler is not None:
         scheduler.load_state_dict(torch.load(path / "scheduler.pt", map_location="cpu", weights_only=True))
     _set_rng_state(json.loads((path / "rng.json").read_text()))

@@ -11,8 +11,11 @@ Leader -> followers protocol (over a gloo group on CPU: the default group with t
 a second gloo group beside NCCL otherwise):
 
     1. header  int64 [2 + W], broadcast from rank 0: [kind, slots, size_0, ..., size_{W-1}]
-               kind: STEP (a step's shares), TEXT (one text for every rank), STOP;
-               slots: micro-batch slots every rank runs this step (STEP only);
+               kind: STEP (a step's shares), TEXT (one text for every rank), STOP, and with
+               ``trainer.parallel: fsdp`` GATHER (all-gather weight entry ``slots`` now, see
+               :class:`trainer.sharding.GatheredWeights`) and SAVE (write your shards of a
+               checkpoint into the directory in the payload, :func:`trainer.sharding.save_sharded`);
+               slots: micro-batch slots every rank runs this step (STEP), the entry (GATHER);
     2. payload uint8 [max(size_r)], scattered from rank 0 (rank r reads its first size_r bytes;
                skipped when every size is 0).
 
@@ -72,7 +75,7 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 """Set by torchrun: a rendezvous store is the agent's (``torch.distributed.rendezvous``)."""
 
-STEP, TEXT, STOP = 1, 2, 3
+STEP, TEXT, STOP, GATHER, SAVE = 1, 2, 3, 4, 5
 """Kinds of leader -> follower messages (header field 0)."""
 
 STOP_WAIT_S = 10.0
@@ -246,8 +249,9 @@ class DataParallel:
     @staticmethod
     def grad_sync(module: torch.nn.Module, sync: bool) -> AbstractContextManager:
         """Context of one micro-batch's backward: DDP's ``no_sync()`` (accumulate locally) unless
-        ``sync`` (the step's last micro-batch: all-reduce the accumulated gradients)."""
-        if sync or not isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        ``sync`` (the step's last micro-batch: all-reduce the accumulated gradients). An FSDP2
+        module reduce-scatters in every backward (see :mod:`trainer.sharding`): nothing to do."""
+        if sync or not isinstance(module, torch.nn.parallel.DistributedDataParallel):  # FSDP2: every backward
             return nullcontext()
         return module.no_sync()
 
@@ -291,6 +295,26 @@ class DataParallel:
         data = text.encode()
         self._send(TEXT, 0, [b""] + [data] * (self.world_size - 1))
 
+    def send_gather(self, index: int) -> None:
+        """Leader: tell the followers to all-gather weight entry ``index`` now (the leader then
+        gathers it too; :class:`trainer.sharding.GatheredWeights`).
+
+        Raises:
+            ValueError: not the leader, or the followers were already stopped (they would never
+                join the gather).
+        """
+        self._check_leader("send_gather")
+        if self.stopped:
+            raise ValueError("the data-parallel followers were stopped: sharded weights can no longer be gathered")
+        self._send(GATHER, index, [b""] * self.world_size)
+
+    def send_save(self, directory: str) -> None:
+        """Leader: tell the followers to write their checkpoint shards into ``directory`` (the
+        leader then writes its own; :func:`trainer.sharding.save_sharded`)."""
+        self._check_leader("send_save")
+        data = directory.encode()
+        self._send(SAVE, 0, [b""] + [data] * (self.world_size - 1))
+
     def send_stop(self) -> None:
         """Leader: tell the followers to return (idempotent; waits at most :data:`STOP_WAIT_S`,
         since at shutdown they may be gone)."""
@@ -317,6 +341,27 @@ class DataParallel:
             return None
         if kind != STEP:
             raise ValueError(f"rank {self.rank} expected a step or stop from the leader, got message kind {kind}")
+        return self._share(slots, payload)
+
+    def recv_command(self) -> tuple[int, object]:
+        """Follower: the leader's next message as ``(kind, value)``: ``(STEP, share)`` (as
+        :meth:`recv_step`), ``(GATHER, entry index)``, ``(SAVE, directory)``, ``(STOP, None)``.
+
+        Raises:
+            ValueError: another kind (a TEXT out of turn, or garbage).
+        """
+        kind, slots, payload = self._recv()
+        if kind == STEP:
+            return kind, self._share(slots, payload)
+        if kind == GATHER:
+            return kind, slots
+        if kind == SAVE:
+            return kind, bytes(payload).decode()
+        if kind == STOP:
+            return kind, None
+        raise ValueError(f"rank {self.rank} expected a step, gather, save or stop from the leader, got message kind {kind}")
+
+    def _share(self, slots: int, payload: memoryview) -> list[MicroBatch | None]:
         share: list[MicroBatch | None] = list(decode_share(payload))
         if len(share) > slots:
             raise ValueError(f"rank {self.rank} got {len(share)} micro-batches for {slots} slots")

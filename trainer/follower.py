@@ -4,8 +4,12 @@ A follower opens no bus socket, writes no checkpoint and sends no weights: it bu
 and :class:`trainer.trainer.Trainer` exactly like rank 0 (:class:`trainer.proc.TrainerProc`),
 loads the checkpoint rank 0 names (so weights, optimizer and RNG states are identical on every
 rank), then trains the share of each step that rank 0 sends until rank 0 sends ``stop`` (protocol:
-:mod:`trainer.distributed`). It dies with the torchrun agent (``PR_SET_PDEATHSIG``) and keeps
-the default SIGTERM action: it holds nothing that needs a clean shutdown.
+:mod:`trainer.distributed`). With ``trainer.parallel: fsdp`` it shards the policy BEFORE loading
+(a sharded checkpoint loads into the shards, a collective with rank 0), and between steps it
+also joins the collectives rank 0 announces: the gather of each weight tensor rank 0 publishes
+(GATHER) and the writing of its checkpoint shards (SAVE). It dies with the torchrun agent
+(``PR_SET_PDEATHSIG``) and keeps the default SIGTERM action: it holds nothing that needs a clean
+shutdown.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,14 +26,15 @@ import torch
 from bus.component import die_with_parent
 from configs.schema import RunConfig, load_config
 from trainer.checkpoint import load_checkpoint
-from trainer.distributed import DataParallel
+from trainer.distributed import GATHER, SAVE, STEP, DataParallel
 from trainer.model import load_policy
 from trainer.placement import trainer_device
+from trainer.sharding import SHARDED_DIR, full_entry, is_sharded, load_sharded, save_sharded, weight_entries
 from trainer.trainer import Trainer, build_trainer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["follow", "follower_main", "join_data_parallel", "load_trainer_checkpoint"]
+__all__ = ["checkpoint_writer", "follow", "follower_main", "join_data_parallel", "load_trainer_checkpoint", "serve"]
 
 
 def join_data_parallel(cfg: RunConfig) -> DataParallel | None:
@@ -46,8 +52,26 @@ def join_data_parallel(cfg: RunConfig) -> DataParallel | None:
 
 def load_trainer_checkpoint(path: Path, trainer: Trainer) -> dict:
     """Restore ``trainer``'s model, optimizer and RNG states from checkpoint ``path`` (the same
-    call on every data-parallel rank, so all of them continue identically); returns its state."""
-    return load_checkpoint(path, model=trainer.model, optimizer=trainer.optimizer)
+    call on every data-parallel rank, so all of them continue identically); returns its state.
+    A sharded (fsdp) trainer reads the checkpoint's ``sharded/`` files (a collective)."""
+    model, optimizer = trainer.model, trainer.optimizer
+    read = (lambda p: load_sharded(model, optimizer, p / SHARDED_DIR)) if is_sharded(model) else None
+    return load_checkpoint(path, model=model, optimizer=optimizer, read_state=read)
+
+
+def checkpoint_writer(trainer: Trainer) -> Callable[[Path], None] | None:
+    """Rank 0's ``write_state`` of :func:`trainer.checkpoint.save_checkpoint` for a sharded
+    (fsdp) trainer: tell the followers to write their shards into ``DIR/sharded`` (SAVE), then
+    write rank 0's; None for one rank or DDP (rank 0 writes the whole state alone)."""
+    dp, model = trainer.dp, trainer.model
+    if dp is None or not is_sharded(model):
+        return None
+
+    def write(directory: Path) -> None:
+        dp.send_save(str(directory / SHARDED_DIR))
+        save_sharded(model, trainer.optimizer, directory / SHARDED_DIR)
+
+    return write
 
 
 def follow(cfg: RunConfig, dp: DataParallel) -> Trainer:
@@ -62,18 +86,43 @@ def follow(cfg: RunConfig, dp: DataParallel) -> Trainer:
     torch.manual_seed(cfg.trainer.seed)
     model = load_policy(cfg.model.path, cfg.trainer.lora).to(trainer_device(cfg, dp))
     trainer = build_trainer(model, cfg)
+    fsdp = cfg.trainer.parallel == "fsdp"
+    if fsdp:  # shard first: a sharded checkpoint loads into the shards
+        trainer.enable_data_parallel(dp)
     checkpoint = dp.recv_text()
     if checkpoint:
         load_trainer_checkpoint(Path(checkpoint), trainer)
         log.info("rank %d resumed from %s", dp.rank, checkpoint)
-    trainer.enable_data_parallel(dp)
+    if not fsdp:
+        trainer.enable_data_parallel(dp)
+    serve(trainer, dp)
+    return trainer
+
+
+def serve(trainer: Trainer, dp: DataParallel) -> int:
+    """A follower's loop, once ``trainer`` is in ``dp`` (:meth:`Trainer.enable_data_parallel`):
+    train each share rank 0 sends, join the gathers (GATHER) and sharded saves (SAVE) it
+    announces, until ``stop``; then leave data parallelism. Returns the steps trained.
+
+    Raises:
+        ValueError: a message out of protocol (see :meth:`DataParallel.recv_command`).
+    """
+    entries = weight_entries(trainer.model) if is_sharded(trainer.model) else []
     steps = 0
-    while (share := dp.recv_step()) is not None:
-        trainer.step(share)  # the metrics are rank 0's to report (reduced over every rank there)
-        steps += 1
+    while True:
+        kind, value = dp.recv_command()
+        if kind == STEP:
+            trainer.step(value)  # the metrics are rank 0's to report (reduced over every rank there)
+            steps += 1
+        elif kind == GATHER:  # rank 0 publishes this weight: join its all-gather, drop the result
+            full_entry(entries[value][1])
+        elif kind == SAVE:
+            save_sharded(trainer.model, trainer.optimizer, Path(value))
+        else:  # STOP
+            break
     log.info("rank %d: stopped by rank 0 after %d steps", dp.rank, steps)
     trainer.disable_data_parallel()  # before the group goes (see Trainer.disable_data_parallel)
-    return trainer
+    return steps
 
 
 def follower_main(argv: list[str] | None = None) -> int:

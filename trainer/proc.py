@@ -68,7 +68,9 @@ torchrun with N ranks (:func:`main`). Rank 0 is this component and does all of t
 names the checkpoint it resumed from (or none) to the other ranks, wraps the forward in DDP, and
 sends each rank its share of every step (:mod:`trainer.distributed`); ranks > 0 run
 :mod:`trainer.follower` (no bus). Rank 0's metrics cover the whole step. Its ready handshake and
-heartbeats carry the torchrun agent's pid, the process the supervisor watches.
+heartbeats carry the torchrun agent's pid, the process the supervisor watches. With
+``trainer.parallel: fsdp`` (:mod:`trainer.sharding`) every rank shards before loading, checkpoints
+are written by every rank at once (not in the background), and the weights are gathered per tensor.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ from trainer.checkpoint import latest_checkpoint, save_checkpoint, snapshot_stat
 from trainer.distributed import launcher_pid
 from trainer.gauges import export_step_metrics
 from trainer.eval_log import EvalLog, declare_pass_at_k, keep_metrics_record
-from trainer.follower import follower_main, join_data_parallel, load_trainer_checkpoint
+from trainer.follower import checkpoint_writer, follower_main, join_data_parallel, load_trainer_checkpoint
 from trainer.step_ledger import StepLedger, append_jsonl, group_id, keep_jsonl_records
 from trainer.step_timing import StepPhases
 from trainer.threads import ThreadPlan
@@ -168,10 +170,14 @@ class TrainerProc(Component):
         """Steps ``[reannounce_from, start_step)`` get their ``groups.trained`` announced again."""
         self.restored_from: Path | None = None
         """The checkpoint this trainer resumed from (every data-parallel rank loads it too)."""
+        fsdp = self.dp is not None and cfg.trainer.parallel == "fsdp"
+        if fsdp:  # shard first, name the checkpoint: restore() loads into the shards with every rank
+            self.trainer.enable_data_parallel(self.dp)
+            self.dp.send_text(str(latest_checkpoint(self.checkpoint_dir) or ""))
         self.restore()
         self.eval_log = EvalLog(self.control_subscriber(), self.metrics_path)
         declare_pass_at_k(self.cfg)  # every pass@k panel has its series from the start
-        if self.dp is not None:  # every rank from the same checkpoint, then DDP
+        if self.dp is not None and not fsdp:  # every rank from the same checkpoint, then DDP
             self.dp.send_text(str(self.restored_from or ""))
             self.trainer.enable_data_parallel(self.dp)
         self.ledger = StepLedger(self.start_step)
@@ -182,7 +188,7 @@ class TrainerProc(Component):
         self.batches = self.reliable_receiver("batches", self.endpoints.address("batches"), bind=False, accept=(MicroBatch,))
         sender, fallback = build_senders(cfg.broadcast, world_size=1 + cfg.producers.replicas,
                                          out_dir=self.weights_dir, restarted=self.resumed)
-        self.publisher = WeightPublisher.for_run(cfg, self.model, sender, fallback, self.control.send)
+        self.publisher = WeightPublisher.for_run(cfg, self.model, sender, fallback, self.control.send, self.dp)
         self.eval_log.on_weights_wanted = lambda msg: self.publisher.serve_late_joiner(msg.producer, msg.version)
         sender.open()  # after: close() releases the sender even if the group never forms
 
@@ -284,16 +290,20 @@ class TrainerProc(Component):
         model, optimizer = self.model, self.trainer.optimizer
         extra = {"policy_version": step, "weight_method": self.publisher.method, "lr_schedule": "constant",
                  "released_steps": self.ledger.covered}
+        sharded = checkpoint_writer(self.trainer)  # fsdp: every rank writes its shards, now (no thread: collectives)
+        release_now, background = background and sharded is not None, background and sharded is None
         state = snapshot_state(model, optimizer) if background else None
 
         def write() -> Path:
             return save_checkpoint(self.checkpoint_dir, step=step, model=model, optimizer=optimizer, extra=extra,
-                                   keep=self.cfg.trainer.checkpoint_keep, state=state)
+                                   keep=self.cfg.trainer.checkpoint_keep, state=state, write_state=sharded)
 
         if background:
             self.saving.start(step, write)
         else:
             log.info("checkpoint of step %d in %s", step, write())
+            if release_now:
+                self.release(step)
 
     def settle_saves(self, *, wait: bool) -> None:
         """Release the steps of the background checkpoint once it is complete (``wait``: block

@@ -25,7 +25,9 @@ from prometheus_client import Counter, Histogram
 from broadcaster.base import SendFailed, WeightSender
 from broadcaster.noise import is_rmsnorm_weight, qerl_noise_sigma, with_rmsnorm_noise
 from bus.messages import WeightsReady, new_id
+from trainer.distributed import DataParallel
 from trainer.model import lora_adapter_state_dict, policy_state_dict
+from trainer.sharding import GatheredWeights, is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +44,28 @@ BROADCAST_FALLBACKS = Counter(
 )
 
 
-def weights_payload(model: torch.nn.Module, cfg, version: int, *, adapter: bool) -> dict[str, torch.Tensor]:
+def weights_payload(model: torch.nn.Module, cfg, version: int, *, adapter: bool,
+                    dp: DataParallel | None = None) -> Mapping[str, torch.Tensor]:
     """What the producers get as ``version``: the merged full weights of ``model``
     (:func:`trainer.model.policy_state_dict`), or with ``adapter`` only its LoRA adapter
     (:func:`trainer.model.lora_adapter_state_dict`; with the noise scheduler on, the RMSNorm
     weights travel whole alongside it). With ``cfg.broadcast.noise_scheduler.enabled`` (``cfg``: the
     ``RunConfig``) the RMSNorm weights in it are fresh noisy copies (QeRL, :mod:`broadcaster.noise`,
-    stage of ``version`` over ``trainer.max_steps``); ``model``'s own weights stay clean."""
+    stage of ``version`` over ``trainer.max_steps``); ``model``'s own weights stay clean.
+
+    A sharded model (``trainer.parallel: fsdp``, rank 0 of ``dp``) gives a
+    :class:`trainer.sharding.GatheredWeights`: each tensor is gathered (with every rank, which
+    ``dp`` tells) only when the sender reads it, so no rank holds the whole model at once.
+
+    Raises:
+        ValueError: a sharded model with the noise scheduler or without ``dp`` (see :mod:`trainer.sharding`).
+    """
     noise = cfg.broadcast.noise_scheduler
+    if is_sharded(model):
+        if noise.enabled or dp is None:
+            raise ValueError("sharded (trainer.parallel: fsdp) weights are sent without broadcast.noise_scheduler, by rank 0 of "
+                             "the data-parallel group; disable the noise scheduler or use trainer.parallel: ddp")
+        return GatheredWeights(model, dp.send_gather)
     if adapter:
         state = lora_adapter_state_dict(model, include=is_rmsnorm_weight if noise.enabled else None)
     else:
@@ -74,7 +90,7 @@ class WeightPublisher:
     """
 
     def __init__(self, sender: WeightSender, fallback: WeightSender | None, announce: Callable[[WeightsReady], None],
-                 payload: Callable[..., dict[str, torch.Tensor]], *, adapter: bool) -> None:
+                 payload: Callable[..., Mapping[str, torch.Tensor]], *, adapter: bool) -> None:
         self.sender, self.fallback = sender, fallback
         self._send_message = announce
         self.payload = payload
@@ -84,12 +100,12 @@ class WeightPublisher:
 
     @classmethod
     def for_run(cls, cfg, model: torch.nn.Module, sender: WeightSender, fallback: WeightSender | None,
-                announce: Callable[[WeightsReady], None]) -> "WeightPublisher":
+                announce: Callable[[WeightsReady], None], dp: DataParallel | None = None) -> "WeightPublisher":
         """The publisher of a run (``cfg``: its ``RunConfig``) whose payloads are ``model``'s weights
-        (:func:`weights_payload`), adapters where ``trainer.lora.enabled`` and
-        ``broadcast.lora_payload: adapter``."""
+        (:func:`weights_payload`; gathered with the ranks of ``dp`` when sharded), adapters where
+        ``trainer.lora.enabled`` and ``broadcast.lora_payload: adapter``."""
         return cls(sender, fallback, announce,
-                   lambda version, adapter: weights_payload(model, cfg, version, adapter=adapter),
+                   lambda version, adapter: weights_payload(model, cfg, version, adapter=adapter, dp=dp),
                    adapter=cfg.trainer.lora.enabled and cfg.broadcast.lora_payload == "adapter")
 
     @property
@@ -163,7 +179,7 @@ class WeightPublisher:
         """Close the sender in use (waits for a transfer in flight; idempotent)."""
         self.sender.close()
 
-    def _payload(self, version: int) -> dict[str, torch.Tensor]:
+    def _payload(self, version: int) -> Mapping[str, torch.Tensor]:
         return self.payload(version, adapter=self.adapter and self.sender.carries_adapter)
 
     def _publish(self, version: int, state: Mapping[str, torch.Tensor]) -> None:

@@ -39,6 +39,7 @@ from trainer.loss import LossBatch, LossSpec, StepNorm, policy_loss
 from trainer.distributed import DataParallel
 from trainer.packed import PackedLogprobs
 from trainer.reference import ReferencePolicy
+from trainer.sharding import clip_grad_norm, enable_activation_checkpointing, shard_keeping_optimizer_state
 from trainer.step_timing import device_clock, phase_key
 
 log = logging.getLogger(__name__)
@@ -84,9 +85,12 @@ class Trainer:
     def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, *, max_tokens: int | None = None) -> None:
         self.model = model
         self.cfg = cfg
+        if cfg.activation_checkpointing:
+            enable_activation_checkpointing(model)
         self.optimizer = build_optimizer(model, cfg)
         self.logprobs: torch.nn.Module = PackedLogprobs(model)
-        """The packed forward (wrapped in DDP by :meth:`enable_data_parallel`); its temperature
+        """The packed forward (wrapped in DDP, or sharded in place by FSDP2, by
+        :meth:`enable_data_parallel`); its temperature
         is set per micro-batch (:meth:`set_temperature`)."""
         self.loss_spec = LossSpec.from_config(cfg.loss)
         if self.loss_spec.aggregation == "seq_mean_token_sum_norm" and max_tokens is None:
@@ -173,16 +177,25 @@ class Trainer:
 
     def enable_data_parallel(self, dp: DataParallel) -> None:
         """Train as one rank of ``dp``: the packed forward runs in DDP (gradients summed over
-        ranks, see :mod:`trainer.distributed`) and :meth:`step` reduces its stats over ranks.
+        ranks, see :mod:`trainer.distributed`), or with ``parallel: fsdp`` is sharded by FSDP2
+        (:mod:`trainer.sharding`; the optimizer is rebuilt over the sharded parameters and keeps
+        its state), and :meth:`step` reduces its stats over ranks.
 
         A collective: call it on every rank, each with the same weights and optimizer state (DDP's
         constructor also broadcasts rank 0's parameters).
         """
         self.dp = dp
-        self.logprobs = dp.wrap(self.logprobs)
+        if self.cfg.parallel == "fsdp":
+            self.optimizer = shard_keeping_optimizer_state(
+                self.logprobs, self.optimizer, lambda: build_optimizer(self.model, self.cfg), dp.device, dp.world_size,
+                bfloat16=self.cfg.dtype == "bfloat16",
+            )
+        else:
+            self.logprobs = dp.wrap(self.logprobs)
 
     def disable_data_parallel(self) -> None:
-        """Back to one rank: unwrap the DDP module and free its reducer (idempotent).
+        """Back to one rank: unwrap the DDP module and free its reducer (idempotent). An FSDP2
+        model stays sharded (its weights are DTensors over the group): train no more with it.
 
         Call it before ``DataParallel.close``: a reducer that outlives the group frees the group's
         last reference from C++ with the GIL held, and gloo's destructor then waits for worker
@@ -190,8 +203,8 @@ class Trainer:
         """
         if self.dp is None:
             return
-        assert isinstance(self.logprobs, torch.nn.parallel.DistributedDataParallel)
-        self.logprobs = self.logprobs.module
+        if isinstance(self.logprobs, torch.nn.parallel.DistributedDataParallel):
+            self.logprobs = self.logprobs.module
         self.dp = None
         gc.collect()  # the reducer goes now, not at some later collection
 
@@ -281,7 +294,7 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         device = params[0].device if params else torch.device("cpu")
         optimizing = device_clock(device)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.max_grad_norm))
+        grad_norm = clip_grad_norm(params, self.cfg.optim.max_grad_norm)  # over the shards with fsdp
         totals["non_finite_grad_max"] = float(not math.isfinite(grad_norm))
         if self.dp is not None:  # the whole step's stats, merged in rank order: identical on every rank
             merged: dict[str, float] = {}
