@@ -168,7 +168,8 @@ class TrainerConfig(Section):
         "ddp",
         description="How data_parallel > 1 ranks share the model: ddp (every rank holds the whole model and optimizer) or "
         "fsdp (torch FSDP2 fully_shard: parameters, gradients and AdamW state sharded over the ranks; checkpoints sharded "
-        "with torch.distributed.checkpoint).",
+        "with torch.distributed.checkpoint). With data_parallel 1 the trainer runs without torch.distributed and this key has no "
+        "effect (bfloat16 then comes from trainer.dtype's autocast alone). LoRA trains with ddp only.",
     )
     activation_checkpointing: bool = Field(
         False, description="Recompute each decoder layer's activations in the backward instead of keeping them (less memory, ~1/3 more compute)."
