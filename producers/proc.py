@@ -124,6 +124,7 @@ class ProducerProc(Component):
             max_model_len=cfg.model.max_model_len,
             kv_cache_bytes=int(cfg.producers.kv_cache_gib * 2**30),
             seed=cfg.producers.seed + self.index,
+            dtype=cfg.producers.dtype,
             # post-temperature logprobs: the trainer scores with the same temperature
             engine_kwargs={"logprobs_mode": "processed_logprobs"},
         )
@@ -136,6 +137,7 @@ class ProducerProc(Component):
                 max_model_len=cfg.model.max_model_len,
                 kv_cache_bytes=int(cfg.teacher.kv_cache_gib * 2**30),
                 seed=cfg.producers.seed + self.index,
+                dtype=cfg.producers.dtype,
             )
             self.loop.run_until_complete(self.teacher.start())
         self.gate = EvalUpdateGate()
