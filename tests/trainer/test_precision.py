@@ -113,3 +113,24 @@ def test_reference_runs_in_the_policys_compute_dtype(model_dir):
     metrics = trainer.step(micro_batches(ss, [[0, 1, 2, 3]]))
     assert metrics["kl_penalty"] == 0.0
     assert all(torch.equal(a, b) for a, b in zip(frozen, trainer.reference.model.parameters()))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_logprobs_of_bfloat16_weights_are_float32(temperature):
+    """Where the head's weight itself is bfloat16 (FSDP2 with ``param_dtype=bfloat16`` casts the
+    parameters for the forward), the chunked path still returns float32 logprobs and entropy: the
+    logits are upcast before the log-softmax, equal to the naive ``log_softmax(linear(h, W).float()
+    / T)`` up to float32 rounding (1e-5), and the gradients come back in the inputs' dtype."""
+    from trainer.logprobs import linear_logprobs_and_entropy
+
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 16, generator=gen).to(torch.bfloat16).requires_grad_(True)
+    weight = (torch.randn(50, 16, generator=gen) * 2).to(torch.bfloat16).requires_grad_(True)
+    targets = torch.randint(0, 50, (37,), generator=gen)
+    lp, ent = linear_logprobs_and_entropy(hidden, weight, None, targets, temperature=temperature, chunk_size=8)
+    assert lp.dtype == ent.dtype == torch.float32
+    logits = torch.nn.functional.linear(hidden.detach(), weight.detach()).float() / temperature
+    naive = torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
+    assert (lp.detach() - naive).abs().max().item() < 1e-5
+    lp.sum().backward()
+    assert hidden.grad.dtype == weight.grad.dtype == torch.bfloat16
