@@ -68,7 +68,10 @@ class WeightSender(ABC):
     def start_send(self, state_dict: Mapping[str, torch.Tensor], version: int,
                    manifest: list[list] | None = None) -> dict:
         """Start sending `state_dict` as policy `version`; returns its info dict (the announcement's
-        keys plus `bucket_bytes`, `blocked_s`). See the subclasses for what "start" means."""
+        keys plus `bucket_bytes`, `blocked_s`). See the subclasses for what "start" means.
+
+        `manifest` (None: `self.manifest(state_dict)`) names the entries to send and their wire
+        dtypes: each tensor is cast to its entry's dtype on the way (`broadcaster.manifest`)."""
 
     def wait(self) -> dict | None:
         """Wait for the transfer in flight; returns its info (with `transfer_s`) or None if there is
@@ -82,10 +85,12 @@ class WeightSender(ABC):
     def close(self) -> None:
         """Release what `open` and the transfers hold (idempotent). Default: nothing."""
 
-    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int, announce: Announce) -> dict:
+    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int, announce: Announce,
+                manifest: list[list] | None = None) -> dict:
         """Send `state_dict` as `version` and `announce` it, in the order this method needs (the
-        module docstring); returns `start_send`'s info. Raises as `start_send`."""
-        info = self.start_send(state_dict, version)
+        module docstring); returns `start_send`'s info. `manifest`: as for `start_send` (its
+        dtypes are the wire dtypes; None: `self.manifest(state_dict)`). Raises as `start_send`."""
+        info = self.start_send(state_dict, version, manifest)
         announce(info)
         return info
 

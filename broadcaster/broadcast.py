@@ -32,6 +32,10 @@ model's `state_dict()` with HF names ("full"), or a LoRA adapter payload
 (`trainer.model.lora_adapter_state_dict`, "lora"), which the producers merge into the base weights
 they keep. Raw PEFT names are rejected.
 
+Dtypes: the send buffers have the manifest's dtypes, which may be narrower than the payload's
+tensors (float32 master weights sent as bfloat16, `build_manifest(..., dtype=)`): the copy into the
+buffers casts, so the wire carries the narrow bytes and no cast copy of the payload is made.
+
 Ordering: `start_send` is a collective. `publish` announces `weights.ready(version, manifest)`
 first, then calls it; producers call `RolloutEngine.update_weights(version, manifest)` on the
 announcement. The manifest of one payload never changes during a run, so the buffers are
@@ -255,7 +259,8 @@ class BroadcastSender(WeightSender):
         works = []
         issued_at = None
         for flat, names, views in zip(buffers.flats, buffers.names, buffers.views, strict=True):
-            torch._foreach_copy_(views, [state_dict[name].detach() for name in names])  # one dispatch per bucket
+            # one dispatch per bucket; casts to the bucket's (wire) dtype on the way
+            torch._foreach_copy_(views, [state_dict[name].detach() for name in names])
             works.append(self._group.broadcast(flat, 0))
             issued_at = issued_at or time.perf_counter()
         info["blocked_s"] = time.perf_counter() - start
@@ -283,10 +288,11 @@ class BroadcastSender(WeightSender):
         self.last_transfer = {**transfer.info, "transfer_s": transfer.done_at - transfer.issued_at}
         return self.last_transfer
 
-    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int, announce: Announce) -> dict:
+    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int, announce: Announce,
+                manifest: list[list] | None = None) -> dict:
         """Announce `version` first (producers join the collective on the announcement), then
         `start_send` it; returns `start_send`'s info. Raises as `start_send`."""
-        manifest = self.manifest(state_dict)
+        manifest = self.manifest(state_dict) if manifest is None else manifest
         announce({"method": self.method, "version": version, "manifest": manifest, "path": None,
                   "num_bytes": manifest_num_bytes(manifest)})
         return self.start_send(state_dict, version, manifest)

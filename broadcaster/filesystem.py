@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import torch
 
 from broadcaster.base import WeightReceiver, WeightSender
+from broadcaster.manifest import parse_dtype
 
 READY_MARKER = "READY"
 WEIGHTS_FILE = "model.safetensors"
@@ -50,7 +51,9 @@ def write_version(
 ) -> tuple[Path, int]:
     """Write the tensors named in `manifest` as `out_dir/v{version}/model.safetensors`, then READY.
 
-    Returns (directory, payload bytes). Overwrites an incomplete directory of the same version.
+    Each tensor is written in its manifest entry's dtype (cast on the way when the manifest says
+    a narrower wire dtype, `broadcaster.manifest`). Returns (directory, payload bytes).
+    Overwrites an incomplete directory of the same version.
     """
     from safetensors.torch import save_file
 
@@ -58,7 +61,8 @@ def write_version(
     if is_ready(directory):
         raise ValueError(f"version {version} already written at {directory}; versions must increase")
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {name: state_dict[name].detach().to("cpu").contiguous() for name, _, _ in manifest}
+    tensors = {name: state_dict[name].detach().to("cpu", parse_dtype(dtype)).contiguous()
+               for name, dtype, _ in manifest}
     num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     tmp = directory / f".{WEIGHTS_FILE}.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt", "rlbus_version": str(version)})

@@ -9,7 +9,10 @@ rebuilds each adapted weight as
                                                      # with peft's scaling = lora_alpha / r
 
 computed exactly as peft's `LoraLayer.get_delta_weight` (+ `policy_state_dict`'s `W + delta`) does
-on the trainer, so both sides hold bit-identical float32 weights.
+on the trainer, so both sides hold bit-identical float32 weights. The merge runs in (at least)
+float32 whatever the dtypes it gets (a bfloat16 checkpoint's base weights are widened exactly);
+the worker extension then casts the merged weight to the engine's dtype (`producers.dtype`), which
+is what the trainer's full payload of the same version would carry: `dtype(W + (B @ A) * scaling)`.
 
 Invariants:
 - The payload is absolute: it never depends on the previous version the producer applied.
@@ -33,14 +36,15 @@ def merge_lora_delta(
     """`W_base + (B @ A) * scaling`: one adapted weight (LoRA, Hu et al. 2021, eq. 3; peft's merge).
 
     Args:
-        base: `[out, in]` base weight (any float dtype; cast to `lora_b`'s dtype first, as the
-            trainer loads its base in that dtype).
+        base: `[out, in]` base weight (any float dtype; widened to the merge dtype, as the
+            trainer loads its base in float32).
         lora_a: `[r, in]` down projection A.
         lora_b: `[out, r]` up projection B.
         scaling: 0-dim tensor or float, peft's `scaling[adapter]` (lora_alpha / r, or
             lora_alpha / sqrt(r) with rsLoRA).
 
-    Returns: `[out, in]` tensor of `lora_b`'s dtype, on `lora_b`'s device.
+    Returns: `[out, in]` tensor of the merge dtype (`lora_b`'s dtype, at least float32: float64
+        factors stay float64), on `lora_b`'s device.
 
     Raises:
         ValueError: shapes do not chain (`[out, r] @ [r, in]` must equal `base`'s shape).
@@ -51,7 +55,11 @@ def merge_lora_delta(
             f"LoRA merge: base {list(base.shape)}, lora_A {list(lora_a.shape)}, lora_B {list(lora_b.shape)} "
             "do not chain; need base [out, in], lora_A [r, in], lora_B [out, r]"
         )
-    base = base.to(device=lora_b.device, dtype=lora_b.dtype)
+    dtype = torch.promote_types(lora_b.dtype, torch.float32)
+    lora_a, lora_b = lora_a.to(dtype), lora_b.to(dtype)
+    if isinstance(scaling, torch.Tensor):
+        scaling = scaling.to(dtype)
+    base = base.to(device=lora_b.device, dtype=dtype)
     return base + (lora_b @ lora_a) * scaling
 
 

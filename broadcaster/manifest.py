@@ -6,7 +6,10 @@ The manifest is the whole contract between the trainer's senders (`broadcaster.b
 
     manifest = [[hf_param_name: str, dtype: str, shape: list[int]], ...]   # broadcast order
 
-`dtype` is the torch dtype's name without the `torch.` prefix ("float32", "bfloat16", ...).
+`dtype` is the torch dtype's name without the `torch.` prefix ("float32", "bfloat16", ...): the
+dtype the tensor travels in, which may be narrower than the sender's tensor (the trainer's
+float32 master weights travel in the producers' dtype, `build_manifest(..., dtype=)`); senders
+cast to it as they copy, receivers get tensors of exactly that dtype.
 
 Two kinds of payload (`payload_kind(manifest)` says which, from the names alone):
 - "full": every entry is a whole weight under its Hugging Face checkpoint name.
@@ -73,8 +76,16 @@ def is_lora_entry(name: str) -> bool:
     return name.endswith(_LORA_SUFFIXES) and "base_model.model." not in name
 
 
-def build_manifest(state_dict: Mapping[str, torch.Tensor]) -> list[list]:
+def build_manifest(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> list[list]:
     """The manifest of an HF `state_dict()` or of a "lora" payload, in iteration order, aliases dropped.
+
+    `dtype`: the wire dtype of the floating-point entries (the producers' dtype,
+    `broadcaster.dtypes`); None: each tensor's own. The senders cast as they copy or write
+    (`start_send` follows the manifest), so no cast copy of the whole payload is made. LoRA
+    factor entries (`M.lora_A.weight`, `M.lora_B.weight`, `M.lora_scaling`) keep their own dtype:
+    they are ~1% of the full weights' bytes, and merging the unrounded factors in float32 gives
+    the producer exactly the weights a full payload would carry, `dtype(W + (B @ A) * scaling)`
+    (`broadcaster.lora`). Non-floating entries keep theirs.
 
     Raises:
         ValueError: a raw PEFT name (`...lora_A.default.weight`, `base_model.model.`,
@@ -100,7 +111,8 @@ def build_manifest(state_dict: Mapping[str, torch.Tensor]) -> list[list]:
         if tensor.numel() and key in seen:
             continue
         seen.add(key)
-        manifest.append([name, dtype_name(tensor.dtype), list(tensor.shape)])
+        wire = dtype if dtype is not None and tensor.is_floating_point() and not is_lora_entry(name) else tensor.dtype
+        manifest.append([name, dtype_name(wire), list(tensor.shape)])
     if payload_kind(manifest) == "lora":
         lora_modules(manifest)  # validates the adapter entries
     return manifest

@@ -27,6 +27,10 @@ rank and adapter slots are fixed at start; every adapted layer costs two extra m
 and whole tensors (noisy RMSNorm weights, `broadcaster.noise`) could not travel with it. Merging
 here keeps the plain-weight forward and one reload path for every payload.
 
+Dtypes: the payload arrives in the manifest's dtypes (the producers' dtype, `producers.dtype`,
+for whole weights; float32 for LoRA factors); whatever they are, each floating tensor is cast to
+the engine's dtype (`model_config.dtype`) just before it is loaded (`_in_dtype`).
+
 Both apply the weights with the worker's `reload_weights(weights_iterator=...)`, the layer-wise
 reload lifecycle: on CPU, linear weights are repacked into oneDNN after loading and their
 Parameters emptied, so `param.copy_()` / a bare `model.load_weights()` would fail or be ignored.
@@ -163,11 +167,12 @@ class WeightSyncExtension:
         return base
 
     def _rlbus_apply(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """Reload through vLLM's layer-wise lifecycle, then re-dispatch a tied lm_head on CPU."""
+        """Cast floating tensors to the engine's dtype, reload them through vLLM's layer-wise
+        lifecycle, then re-dispatch a tied lm_head on CPU."""
         from vllm.platforms import current_platform
 
         start = time.perf_counter()
-        self.reload_weights(weights_iterator=weights)
+        self.reload_weights(weights_iterator=_in_dtype(weights, self.vllm_config.model_config.dtype))
         model = self.model_runner.get_model()
         hf_config = self.vllm_config.model_config.hf_text_config
         lm_head = getattr(model, "lm_head", None)
@@ -177,3 +182,13 @@ class WeightSyncExtension:
 
             dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)
         logger.info("applied weights in %.3f s", time.perf_counter() - start)
+
+
+def _in_dtype(weights: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(name, tensor)` with floating tensors cast to `dtype` (the engine's `model_config.dtype`),
+    one at a time. The trainer normally sends the engine's dtype already (`producers.dtype`); this
+    covers the rest: LoRA weights merged in float32 (`broadcaster.lora`), a float32 payload from a
+    component that resolved "auto" differently. vLLM's loader would also cast (`param.copy_`),
+    but it logs a warning per mismatched tensor."""
+    for name, tensor in weights:
+        yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor

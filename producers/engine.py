@@ -93,6 +93,9 @@ class RolloutEngine:
         max_num_seqs: most sequences in one engine step.
         warmup: send one short request in `start()` so the first real batch does not pay
             the eager-mode first-batch cost (~3 s on CPU).
+        dtype: weights and compute dtype of the engine (`producers.dtype`): "bfloat16",
+            "float32", or "auto" (bfloat16 with CUDA, float32 without;
+            `broadcaster.dtypes.resolve_producer_dtype`). The trainer sends weights in it.
         busy_loop_s: the most seconds vLLM's inter-process queue readers busy-poll after a read
             (`producers.vllm_idle`; vLLM's own default is 1 s, which keeps a CPU core spinning
             while the producer waits); None keeps vLLM's default.
@@ -112,6 +115,7 @@ class RolloutEngine:
         initial_version: int = 0,
         max_num_seqs: int = 256,
         warmup: bool = True,
+        dtype: str = "float32",
         busy_loop_s: float | None = 0.005,
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float | None = None,
@@ -125,7 +129,7 @@ class RolloutEngine:
         self.model_path = resolve_model_path(model_path)
         self._engine_kwargs = dict(
             model=self.model_path,
-            dtype="float32",
+            dtype=_resolved_dtype(dtype),
             max_model_len=max_model_len,
             enforce_eager=True,
             worker_extension_cls=WORKER_EXTENSION_CLS,
@@ -408,3 +412,15 @@ def _ensure_repo_on_pythonpath() -> None:
     parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if root not in parts:
         os.environ["PYTHONPATH"] = os.pathsep.join([root, *parts])
+
+
+def _resolved_dtype(name: str) -> str:
+    """`producers.dtype` as vLLM's `dtype` argument ("auto" resolved here, not by vLLM, whose
+    "auto" means the checkpoint's dtype). Raises ValueError for an unknown name."""
+    from broadcaster.dtypes import resolve_producer_dtype
+
+    if name == "auto":
+        import torch
+
+        return resolve_producer_dtype(name, cuda_available=torch.cuda.is_available())
+    return resolve_producer_dtype(name, cuda_available=False)

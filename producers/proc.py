@@ -125,6 +125,7 @@ class ProducerProc(Component):
             kv_cache_bytes=int(cfg.producers.kv_cache_gib * 2**30),
             seed=cfg.producers.seed + self.index,
             tensor_parallel_size=cfg.producers.tensor_parallel_size, gpu_memory_utilization=cfg.producers.gpu_memory_utilization,
+            dtype=cfg.producers.dtype,
             # post-temperature logprobs: the trainer scores with the same temperature
             engine_kwargs={"logprobs_mode": "processed_logprobs"},
         )
@@ -137,6 +138,7 @@ class ProducerProc(Component):
                 max_model_len=cfg.model.max_model_len,
                 kv_cache_bytes=int(cfg.teacher.kv_cache_gib * 2**30),
                 seed=cfg.producers.seed + self.index,
+                dtype=cfg.producers.dtype,
             )
             self.loop.run_until_complete(self.teacher.start())
         self.gate = EvalUpdateGate()

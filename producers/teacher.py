@@ -34,9 +34,13 @@ class Teacher:
         max_model_len: the policy's ``max_model_len`` (tokens); the teacher's is one more.
         kv_cache_bytes: KV-cache size of the teacher engine, bytes.
         seed: engine seed (only the discarded scoring token is sampled).
+        dtype: the engine's dtype, the producers' (``producers.dtype``; see
+            :class:`producers.engine.RolloutEngine`): teacher logprobs then carry the same
+            bfloat16 rounding as the sampler's.
     """
 
-    def __init__(self, model_path: str | Path, *, max_model_len: int, kv_cache_bytes: int, seed: int = 0) -> None:
+    def __init__(self, model_path: str | Path, *, max_model_len: int, kv_cache_bytes: int, seed: int = 0,
+                 dtype: str = "float32") -> None:
         if not str(model_path):
             raise ValueError("teacher model_path is empty")
         self.engine = RolloutEngine(
@@ -45,6 +49,7 @@ class Teacher:
             kv_cache_bytes=kv_cache_bytes,
             seed=seed,
             warmup=False,
+            dtype=dtype,
             engine_kwargs={"logprobs_mode": "raw_logprobs"},
         )
 

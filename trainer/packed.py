@@ -20,6 +20,12 @@ which also yields the entropy of each next-token distribution. This needs the mo
 exactly `lm_head(last hidden state)`: true for Qwen2/Llama-style models; configs that soft-cap or
 rescale logits (`LOGIT_RESCALING_FIELDS`) are refused.
 
+Precision: under a bfloat16 autocast context (`trainer.precision`) the decoder body computes in
+bfloat16, but its last hidden states are cast to the LM head weight's dtype (the float32 master
+weight) and the head + log-softmax run with autocast off, so logprobs and entropy are float32
+whatever the compute dtype (a bfloat16 logit carries ~0.4% relative error, which would go straight
+into every importance ratio).
+
 Invariants: outputs are float32 `[T]`; `out[t]` depends only on tokens of t's own sample at
 positions <= t; the first token of every sample gets logprob 0 and entropy 0 (it has no context).
 """
@@ -138,7 +144,9 @@ def packed_logprobs_and_entropy(
     """
     lens = _validated_packed_inputs(model, input_ids, seq_lens, temperature)
     weight, bias = _output_projection(model)
-    hidden = _decoder_hidden_states(model, input_ids, lens).to(weight.dtype)  # no-op unless autocast
+    # Under bfloat16 autocast (trainer.precision) the body may return bfloat16 hidden states; the
+    # head then runs in the weight's (float32 master) dtype with autocast off (trainer.logprobs).
+    hidden = _decoder_hidden_states(model, input_ids, lens).to(weight.dtype)
     next_logprob, next_entropy = linear_logprobs_and_entropy(
         hidden[:-1], weight, bias, input_ids[1:].long(), temperature=temperature, chunk_size=chunk_size
     )

@@ -11,6 +11,12 @@ changes. The payload (:func:`weights_payload`) is the merged full weights or, fo
 ``broadcast.lora_payload: adapter`` and a sender that carries adapters, only the adapter; with
 ``broadcast.noise_scheduler.enabled`` the RMSNorm weights sent carry QeRL noise while the trainer's
 own weights stay clean.
+
+Dtype: the payload holds the trainer's float32 master weights; they travel in the producers' dtype
+(``producers.dtype`` resolved by :func:`broadcaster.dtypes.resolve_producer_dtype`; bfloat16: half
+the bytes). The publisher writes that dtype into the manifest (:func:`broadcaster.manifest.build_manifest`)
+and the sender casts while it copies into its send buffers or writes the file, so no cast copy of
+the whole model is ever held. LoRA factors stay float32 (see ``build_manifest``).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import torch
 from prometheus_client import Counter, Histogram
 
 from broadcaster.base import SendFailed, WeightSender
+from broadcaster.dtypes import resolve_producer_dtype
+from broadcaster.manifest import build_manifest, parse_dtype
 from broadcaster.noise import is_rmsnorm_weight, qerl_noise_sigma, with_rmsnorm_noise
 from bus.messages import WeightsReady, new_id
 from trainer.distributed import DataParallel
@@ -77,6 +85,13 @@ def weights_payload(model: torch.nn.Module, cfg, version: int, *, adapter: bool,
     return with_rmsnorm_noise(state, sigma, seed=noise.seed, version=version)
 
 
+def weights_dtype(cfg) -> torch.dtype:
+    """The dtype the run's weights travel in: ``cfg.producers.dtype`` (``cfg``: the ``RunConfig``),
+    "auto" resolved as the producers resolve it (bfloat16 with CUDA, float32 without;
+    :func:`broadcaster.dtypes.resolve_producer_dtype`)."""
+    return parse_dtype(resolve_producer_dtype(cfg.producers.dtype, cuda_available=torch.cuda.is_available()))
+
+
 class WeightPublisher:
     """Publishes each new policy version to the producers through a swappable sender.
 
@@ -87,14 +102,18 @@ class WeightPublisher:
         payload: ``payload(version, adapter=...) -> {hf_name: tensor}`` (:func:`weights_payload`).
         adapter: whether the run sends LoRA adapters where the sender carries them
             (``trainer.lora.enabled`` and ``broadcast.lora_payload: adapter``).
+        dtype: the wire dtype of the floating-point weights (:func:`weights_dtype`); None: the
+            payload tensors' own.
     """
 
     def __init__(self, sender: WeightSender, fallback: WeightSender | None, announce: Callable[[WeightsReady], None],
-                 payload: Callable[..., Mapping[str, torch.Tensor]], *, adapter: bool) -> None:
+                 payload: Callable[..., Mapping[str, torch.Tensor]], *, adapter: bool,
+                 dtype: torch.dtype | None = None) -> None:
         self.sender, self.fallback = sender, fallback
         self._send_message = announce
         self.payload = payload
         self.adapter = adapter
+        self.dtype = dtype
         self.last_version: int | None = None
         """The version last handed to :meth:`publish` (None: none yet)."""
 
@@ -103,10 +122,12 @@ class WeightPublisher:
                 announce: Callable[[WeightsReady], None], dp: DataParallel | None = None) -> "WeightPublisher":
         """The publisher of a run (``cfg``: its ``RunConfig``) whose payloads are ``model``'s weights
         (:func:`weights_payload`; gathered with the ranks of ``dp`` when sharded), adapters where
-        ``trainer.lora.enabled`` and ``broadcast.lora_payload: adapter``."""
+        ``trainer.lora.enabled`` and ``broadcast.lora_payload: adapter``, sent in the producers' dtype
+        (:func:`weights_dtype`)."""
         return cls(sender, fallback, announce,
                    lambda version, adapter: weights_payload(model, cfg, version, adapter=adapter, dp=dp),
-                   adapter=cfg.trainer.lora.enabled and cfg.broadcast.lora_payload == "adapter")
+                   adapter=cfg.trainer.lora.enabled and cfg.broadcast.lora_payload == "adapter",
+                   dtype=weights_dtype(cfg))
 
     @property
     def method(self) -> str:
@@ -183,7 +204,7 @@ class WeightPublisher:
         return self.payload(version, adapter=self.adapter and self.sender.carries_adapter)
 
     def _publish(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
-        self.sender.publish(state, version, self._announce)
+        self.sender.publish(state, version, self._announce, build_manifest(state, self.dtype))
 
     def _announce(self, info: dict) -> None:
         self._send_message(WeightsReady(id=new_id(), version=info["version"], method=info["method"],

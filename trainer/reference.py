@@ -9,7 +9,11 @@ The reference is the policy the run STARTED from (the model at `model.path`), ne
 
 Invariants: reference logprobs carry no gradient and are computed with the same packed forward
 (`trainer.packed.packed_logprobs_and_entropy`) and the same sampling temperature as the policy's
-(the micro-batch's `MicroBatch.temperature`, given per call).
+(the micro-batch's `MicroBatch.temperature`, given per call), and in the policy's compute dtype:
+the trainer calls `logprobs` inside the same autocast context as the policy's forward
+(`trainer.precision`; bfloat16 matmuls with `trainer.dtype: bfloat16`, logprobs float32), so at
+step 0 the reference's logprobs equal the policy's exactly and the KL penalty starts at 0, not at
+the bfloat16-vs-float32 rounding gap. The copy's weights stay float32 (autocast casts them per op).
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ and data-parallel ranks (see :mod:`trainer.loss`; tested in float64 by
 ``tests/trainer/test_invariance.py``). Then the gradient norm is clipped and AdamW steps with a
 constant learning rate. No sockets here (see :mod:`trainer.proc`).
 
+Precision (``trainer.dtype``, :mod:`trainer.precision`): the policy's and the reference's forwards
+run under the policy's autocast context (bfloat16 matmuls with ``trainer.dtype: bfloat16``); the
+parameters, gradients, AdamW state, logprobs and the loss stay float32.
+
 Temperature: each micro-batch carries the temperature its samples were sampled at
 (``MicroBatch.temperature``; the packer never mixes two), and the policy's and the reference's
 logprobs of that micro-batch divide the logits by it, so they are the quantity the sampler
@@ -38,6 +42,7 @@ from configs.schema import RunConfig, TrainerConfig
 from trainer.loss import LossBatch, LossSpec, StepNorm, policy_loss
 from trainer.distributed import DataParallel
 from trainer.packed import PackedLogprobs
+from trainer.precision import PrecisionPolicy
 from trainer.reference import ReferencePolicy
 from trainer.sharding import clip_grad_norm, enable_activation_checkpointing, shard_keeping_optimizer_state
 from trainer.step_timing import device_clock, phase_key
@@ -72,7 +77,8 @@ class Trainer:
 
     Args:
         model: HF causal LM (possibly peft-wrapped), float32, in train mode.
-        cfg: the trainer section of the run config.
+        cfg: the trainer section of the run config (``cfg.dtype``: the forwards' compute dtype,
+            :class:`trainer.precision.PrecisionPolicy`).
         max_tokens: the sampler's ``max_tokens`` (needed by ``seq_mean_token_sum_norm`` only).
 
     Each micro-batch's logits are divided by its ``MicroBatch.temperature`` before log-softmax
@@ -100,6 +106,9 @@ class Trainer:
         needs_reference = self.loss_spec.kl_tau > 0 and self.loss_spec.kl_reference == "reference"
         self.reference = ReferencePolicy(model) if needs_reference else None
         """The frozen start policy of the KL penalty, built before any step (None: not used)."""
+        self.precision = PrecisionPolicy.from_name(cfg.dtype)
+        """The compute dtype of the policy's and the reference's forwards (``trainer.dtype``,
+        :mod:`trainer.precision`): parameters, gradients and AdamW state stay float32."""
         self.phase_s = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
         """Seconds of the current (or last) :meth:`step` per phase (:mod:`trainer.step_timing`)."""
 
@@ -129,7 +138,9 @@ class Trainer:
         seq_lens = tensor(mb.seq_lens, torch.int64)
         loss_mask = tensor(mb.loss_mask)
         self.set_temperature(mb.temperature)
-        train_logprobs, entropy = self.logprobs(input_ids, seq_lens)
+        with self.precision.autocast(device):  # the forwards only; the loss below is float32
+            train_logprobs, entropy = self.logprobs(input_ids, seq_lens)
+            ref_logprobs = self.reference.logprobs(input_ids, seq_lens, mb.temperature) if self.reference else None
         sampler_logprobs = tensor(mb.sampler_logprobs, train_logprobs.dtype)
         spec = self.loss_spec
         batch = LossBatch(
@@ -139,9 +150,7 @@ class Trainer:
             loss_mask=loss_mask,
             seq_lens=seq_lens,
             old_logprobs=train_logprobs.detach() if spec.use_tis else None,
-            ref_logprobs=(
-                self.reference.logprobs(input_ids, seq_lens, mb.temperature).to(train_logprobs.dtype) if self.reference else None
-            ),
+            ref_logprobs=ref_logprobs.to(train_logprobs.dtype) if ref_logprobs is not None else None,
             teacher_logprobs=tensor(mb.teacher_logprobs, train_logprobs.dtype) if len(mb.teacher_logprobs) else None,
             entropy=entropy.to(train_logprobs.dtype),
         )
@@ -220,7 +229,8 @@ class Trainer:
         started = device_clock(device)
         input_ids = torch.zeros(2, dtype=torch.int64, device=device)
         seq_lens = torch.tensor([2], dtype=torch.int64, device=device)
-        lp, _entropy = self.logprobs(input_ids, seq_lens)
+        with self.precision.autocast(device):
+            lp, _entropy = self.logprobs(input_ids, seq_lens)
         forwarded = device_clock(device)
         (lp.sum() * 0.0).backward()
         self._add_phase_times(started, forwarded, device_clock(device))

@@ -1,0 +1,136 @@
+"""Tests for the trainer's precision policy (``trainer.dtype``, :mod:`trainer.precision`) on CPU.
+
+bfloat16 is mixed precision: the forwards run under CPU autocast to bfloat16, while parameters,
+gradients, AdamW moments, logprobs and the loss stay float32. The bfloat16 results are compared
+with the float32 reference on the tiny random Qwen2 of ``conftest.py``.
+
+Tolerances, and why: autocast rounds every matmul input to bfloat16 (8-bit mantissa, relative
+rounding error 2^-9 ~ 0.2%), so a logprob of a 2-layer model differs from float32 by ~1e-3 nats
+(measured: max 1.8e-3 over these samples, entropy 1e-5); we allow 0.03 nats per token, the
+bfloat16 error of one logit of size ~5-10 (a deeper or wider model accumulates more; the LM head
+itself runs in float32). The loss is a mean of such logprobs times advantages of size <= 1:
+measured relative difference 3.3e-3, allowed 2%.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from configs.schema import LossConfig, OptimConfig, TrainerConfig
+from tests.trainer.test_trainer import micro_batches, policy, samples
+from trainer.packed import packed_logprobs_and_entropy
+from trainer.precision import PrecisionPolicy
+from trainer.trainer import Trainer
+
+LOGPROB_ATOL = 0.03
+"""Nats per token between a bfloat16-autocast and a float32 forward (see the module docstring)."""
+LOSS_RTOL = 0.02
+
+
+def cfg(dtype: str, **loss) -> TrainerConfig:
+    return TrainerConfig(dtype=dtype, optim=OptimConfig(lr=1e-3, max_grad_norm=1e9), loss=LossConfig(**loss))
+
+
+def test_policy_names_and_errors():
+    assert PrecisionPolicy.from_name("float32").compute_dtype == torch.float32
+    assert PrecisionPolicy.from_name("bfloat16").mixed
+    with pytest.raises(ValueError, match="trainer.dtype"):
+        PrecisionPolicy.from_name("float16")
+    with pytest.raises(ValueError, match="compute_dtype"):
+        PrecisionPolicy(torch.float16)
+    with PrecisionPolicy.from_name("float32").autocast("cpu"):
+        assert not torch.is_autocast_enabled("cpu")
+    with PrecisionPolicy.from_name("bfloat16").autocast(torch.device("cpu")):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_bf16_logprobs_are_float32_and_close_to_float32(model_dir, lora):
+    model = policy(model_dir, lora)
+    ids = torch.tensor([1, 2, 3, 40, 41, 42, 43, 4, 5, 60, 61, 62, 99, 7])
+    lens = torch.tensor([7, 5, 2])
+    ref_lp, ref_ent = packed_logprobs_and_entropy(model, ids, lens)
+    with PrecisionPolicy.from_name("bfloat16").autocast("cpu"):
+        lp, ent = packed_logprobs_and_entropy(model, ids, lens)
+    assert lp.dtype == ent.dtype == torch.float32
+    assert lp.requires_grad
+    assert (lp - ref_lp).abs().max().item() < LOGPROB_ATOL
+    assert (ent - ref_ent).abs().max().item() < LOGPROB_ATOL
+    # the bfloat16 compute is real: the body's results differ from float32 (not a silent no-op)
+    assert not torch.equal(lp, ref_lp)
+    lp.sum().backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None and g.dtype == torch.float32 for g in grads)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_bf16_step_keeps_float32_state_and_tracks_float32(model_dir, lora):
+    """One step each way from the same weights: the bfloat16 step's loss and metrics are close to
+    float32's, the parameters, their gradients and AdamW's moments are float32, and the update
+    points the same way (cosine > 0.99 over all trainable weights)."""
+    results = {}
+    for dtype in ("float32", "bfloat16"):
+        model = policy(model_dir, lora)
+        ss = samples(model)  # float32 sampler logprobs: bf16's ratio is then ~1, not exactly 1
+        trainer = Trainer(model, cfg(dtype))
+        before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        grads = {}
+        hooks = [p.register_hook(lambda g, n=n: grads.__setitem__(n, g.dtype))
+                 for n, p in model.named_parameters() if p.requires_grad]
+        metrics = trainer.step(micro_batches(ss, [[0, 1], [2, 3]]))
+        for h in hooks:
+            h.remove()
+        assert set(grads.values()) == {torch.float32}, dtype
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        states = list(trainer.optimizer.state.values())
+        assert states and all(s["exp_avg"].dtype == s["exp_avg_sq"].dtype == torch.float32 for s in states)
+        update = torch.cat([(p.detach() - before[n]).flatten() for n, p in model.named_parameters() if p.requires_grad])
+        results[dtype] = (metrics, update)
+    (m32, u32), (m16, u16) = results["float32"], results["bfloat16"]
+    assert np.isfinite(m16["loss"]) and m16["skipped"] == 0.0
+    assert m16["loss"] == pytest.approx(m32["loss"], rel=LOSS_RTOL)
+    assert m16["onpolicy_lp_diff_max"] < LOGPROB_ATOL  # bf16 policy vs the float32 sampler logprobs
+    assert m16["importance_ratio_mean"] == pytest.approx(1.0, abs=LOGPROB_ATOL)
+    cosine = torch.nn.functional.cosine_similarity(u32, u16, dim=0).item()
+    assert cosine > 0.99
+
+
+def test_reference_runs_in_the_policys_compute_dtype(model_dir):
+    """With the KL penalty against the frozen reference, step 0 has KL exactly 0 under bfloat16:
+    the reference's forward runs under the same autocast as the policy's (a float32 reference
+    would differ by the bfloat16 rounding, ~1e-3 nats)."""
+    model = policy(model_dir, lora=False)
+    ss = samples(model)
+    trainer = Trainer(model, cfg("bfloat16", kl_tau=0.1, kl_reference="reference", kl_estimator="k3"))
+    assert trainer.reference is not None
+    ref_params = list(trainer.reference.model.parameters())
+    assert all(p.dtype == torch.float32 for p in ref_params)
+    frozen = copy.deepcopy([p.detach() for p in ref_params])
+    metrics = trainer.step(micro_batches(ss, [[0, 1, 2, 3]]))
+    assert metrics["kl_penalty"] == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(frozen, trainer.reference.model.parameters()))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_logprobs_of_bfloat16_weights_are_float32(temperature):
+    """Where the head's weight itself is bfloat16 (FSDP2 with ``param_dtype=bfloat16`` casts the
+    parameters for the forward), the chunked path still returns float32 logprobs and entropy: the
+    logits are upcast before the log-softmax, equal to the naive ``log_softmax(linear(h, W).float()
+    / T)`` up to float32 rounding (1e-5), and the gradients come back in the inputs' dtype."""
+    from trainer.logprobs import linear_logprobs_and_entropy
+
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 16, generator=gen).to(torch.bfloat16).requires_grad_(True)
+    weight = (torch.randn(50, 16, generator=gen) * 2).to(torch.bfloat16).requires_grad_(True)
+    targets = torch.randint(0, 50, (37,), generator=gen)
+    lp, ent = linear_logprobs_and_entropy(hidden, weight, None, targets, temperature=temperature, chunk_size=8)
+    assert lp.dtype == ent.dtype == torch.float32
+    logits = torch.nn.functional.linear(hidden.detach(), weight.detach()).float() / temperature
+    naive = torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
+    assert (lp.detach() - naive).abs().max().item() < 1e-5
+    lp.sum().backward()
+    assert hidden.grad.dtype == weight.grad.dtype == torch.bfloat16
