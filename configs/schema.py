@@ -257,6 +257,8 @@ class RunConfig(Section):
             )
         if self.bus.dead_after_s <= 2 * self.bus.heartbeat_s:
             raise ValueError(f"bus.dead_after_s ({self.bus.dead_after_s}) must exceed 2 x bus.heartbeat_s ({self.bus.heartbeat_s})")
+        if self.trainer.parallel == "fsdp" and self.trainer.data_parallel > 1 and self.broadcast.noise_scheduler.enabled:
+            raise ValueError("broadcast.noise_scheduler does not work with trainer.parallel: fsdp (weights are gathered one tensor at a time); use ddp")
         if self.trainer.loss.teacher_tau > 0 and not self.teacher.model_path:
             raise ValueError("trainer.loss.teacher_tau > 0 needs teacher logprobs: set teacher.model_path (or teacher_tau: 0)")
         if self.max_async_level > self.packer.max_off_policy_steps:

@@ -180,6 +180,8 @@ class TrainerConfig(Section):
 
     @model_validator(mode="after")
     def _placement(self) -> "TrainerConfig":
+        if self.parallel == "fsdp" and self.data_parallel > 1 and self.lora.enabled:
+            raise ValueError("parallel: fsdp does not train LoRA adapters (the adapter and its AdamW state are small): use parallel: ddp")
         if self.gpus:
             if len(self.gpus) != self.data_parallel:
                 raise ValueError(f"gpus lists {len(self.gpus)} devices {self.gpus} for data_parallel={self.data_parallel} ranks: give one per rank, or none")

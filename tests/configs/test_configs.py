@@ -111,6 +111,24 @@ def test_async_level_above_off_policy_bound_errors():
         load_config(None, ["max_async_level=3", "packer.max_off_policy_steps=2"])
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer.gpus=[0]", "trainer.data_parallel=2"], r"trainer:.*gpus lists 1 devices \[0\] for data_parallel=2"),
+        (["trainer.gpus=[1,1]", "trainer.data_parallel=2"], r"trainer:.*distinct device indices"),
+        (["trainer.gpus=[0]", "trainer.device=cpu"], r"trainer:.*device: cpu"),
+        (["producers.tensor_parallel_size=2"], r"producers:.*gpus_per_replica \(1\) must equal tensor_parallel_size \(2\)"),
+        (["trainer.parallel=fsdp", "trainer.data_parallel=2", "trainer.lora.enabled=true"], r"trainer:.*fsdp does not train LoRA"),
+        (["trainer.parallel=fsdp", "trainer.data_parallel=2", "broadcast.noise_scheduler.enabled=true"], r"noise_scheduler.*fsdp"),
+    ],
+)
+def test_placement_and_sharding_keys_are_checked(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+    assert load_config(None, ["trainer.gpus=[2,3]", "trainer.data_parallel=2", "trainer.parallel=fsdp",
+                              "producers.tensor_parallel_size=2", "producers.gpus_per_replica=2"]).trainer.gpus == [2, 3]
+
+
 def test_malformed_overrides_and_files(tmp_path):
     with pytest.raises(ConfigError, match="key.sub=value"):
         load_config(None, ["trainer.max_steps"])

@@ -165,6 +165,13 @@ def test_two_fsdp_ranks_in_bfloat16_keep_float32_master_weights(model_dir, tmp_p
     for rank in (0, 1):
         state = load_file(out / f"optim_rank{rank}.safetensors")
         assert state and all(t.dtype == torch.float32 for t in state.values())
+    # gathered one tensor at a time and cast on the way: the bfloat16 wire carries exactly the
+    # float32 master weights rounded to bfloat16, at half the bytes
+    for s in range(1, len(STEPS)):
+        master, wire = sent(out, s), load_file(out / "weights_bf16" / f"v{s}" / WEIGHTS_FILE)
+        assert set(wire) == set(master) and all(t.dtype == torch.bfloat16 for t in wire.values())
+        for name, tensor in master.items():
+            assert torch.equal(wire[name], tensor.to(torch.bfloat16)), (s, name)
 
 
 def optimizer_shards(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -216,6 +223,10 @@ def rank_main(mode: str, run_dir: str, checkpoint: str, out: str) -> int:
                 payload = weights_payload(trainer.model, cfg, s + 1, adapter=False, dp=dp)
                 info = FilesystemSender(out_dir / "weights", keep_versions=None).send(payload, s)  # gathers with rank 1
                 (out_dir / f"manifest_step{s}.json").write_text(json.dumps(info["manifest"]))
+                if cfg.trainer.dtype == "bfloat16":  # and once more on a bfloat16 wire (producers.dtype bfloat16)
+                    payload = weights_payload(trainer.model, cfg, s + 1, adapter=False, dp=dp)
+                    FilesystemSender(out_dir / "weights_bf16", keep_versions=None).start_send(
+                        payload, s, manifest=build_manifest(payload, torch.bfloat16))
                 if mode == "full" and s == SAVE_AFTER:
                     save_checkpoint(Path(run_dir) / "checkpoints", step=s + 1, model=trainer.model, optimizer=trainer.optimizer,
                                     extra={}, write_state=checkpoint_writer(trainer))
