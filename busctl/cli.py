@@ -119,11 +119,6 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
     if ns.dry_run:
         print(dump_config(cfg) + placement.describe())
         return 0
-    try:  # a hub id becomes its local HF-cache snapshot directory: every component loads the same files
-        resolve_run_model_paths(cfg)
-    except (FileNotFoundError, ValueError) as err:
-        console.print(f"[red]{err}[/red]")
-        return 2
     run_dir = Path(cfg.run_dir)
     try:
         previous = _status(run_dir)
@@ -133,6 +128,11 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
         console.print(f"[red]a run is already going in {run_dir} (busctl up pid {previous['supervisor_pid']}); "
                       f"stop it first: busctl down {run_dir}[/red]")
         return 1
+    try:  # a hub id becomes its local HF-cache snapshot directory: every component loads the same files
+        resolve_run_model_paths(cfg)
+    except (FileNotFoundError, ValueError) as err:
+        console.print(f"[red]{err}[/red]")
+        return 2
     if placement.visible:  # a GPU host: say which component got which devices
         console.print(placement.describe(), markup=False, highlight=False)
     sup = Supervisor(cfg, console, resume=ns.resume, launched_at=process_started_at(os.getpid()), placement=placement)
