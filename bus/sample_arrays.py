@@ -21,14 +21,15 @@ Invariants checked on decode (:func:`check_group`, :func:`check_micro_batch`, ra
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
 from bus.wire import WireError, check_terms
 
-if TYPE_CHECKING:
-    from bus.messages import MicroBatch, RolloutGroup
+# bus.messages imports this module (its checks live here), so the message types are not imported
+# back: parameters typed Any are a bus.messages.RolloutGroup (or ScoredGroup) or MicroBatch.
+RolloutGroup = MicroBatch = Any
 
 
 def run_lengths(versions: Sequence[int] | np.ndarray) -> np.ndarray:
