@@ -1,7 +1,7 @@
 """Per-token policy versions from the producer to the micro-batch: a partial rollout's vLLM weight-
 version spans (producers.engine) become the group's run-length spans (producers.proc), travel
 through the codec and a real reward worker, and the packer expands them into
-``MicroBatch.token_versions``."""
+``MicroBatch.token_versions`` (and ``samples.jsonl`` shows them as spans)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import numpy as np
 from bus.codec import decode, encode
 from bus.messages import Prompt
 from packer.packer import build_micro_batch, group_samples
+from packer.samples import sample_records
 from producers.engine import Sample, token_versions
 from producers.proc import group_from_samples
 from rewards.worker import RewardWorker
@@ -35,6 +36,7 @@ def test_partial_rollout_versions_reach_the_micro_batch():
     assert group.version_spans.tolist() == [[3, 1], [4, 3], [4, 2], [2, 1]]
     assert group.version_span_counts.tolist() == [2, 0, 1, 1]
     scored = decode(encode(RewardWorker({}, advantage="grpo", eps=1e-6, name="w", isolate=False).score(group)))
+    assert [r["version_spans"] for r in sample_records(5, [scored], limit=4)] == [[[3, 1], [4, 3]], [], [[4, 2]], [[2, 1]]]
     packed = group_samples(scored)
     mb = decode(encode(build_micro_batch(packed, step=5, micro_index=0, num_micro_batches=1,
                                          step_loss_tokens=7, step_samples=3)))
