@@ -109,8 +109,8 @@ class RolloutGroup(Message):
         completion_lens: ``[G] int32`` tokens per completion.
         sampler_logprobs: ``[N] float32`` log-probability of each sampled token under the sampling policy
             (nats, after temperature scaling if the sampler used one).
-        version_start: ``[G] int64`` policy version in effect at the sample's first token.
-        version_end: ``[G] int64`` policy version in effect at the sample's last token.
+        version_start: ``[G] int64`` oldest policy version that sampled a token of the sample.
+        version_end: ``[G] int64`` newest one (both the min / max of the sample's spans).
         version_spans: ``[M, 2] int64`` ``(version, num_tokens)`` runs of each sample's tokens, in
             order; version_span_counts: ``[G] int32`` runs per sample; both empty when the sender
             knows no spans (checks and helpers: :mod:`bus.sample_arrays`).
