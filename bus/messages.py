@@ -19,6 +19,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from bus.sample_arrays import check_group, check_micro_batch
 from bus.wire import ArraySpec, WireError, array_field, check_terms, optional_field
 
 
@@ -108,8 +109,11 @@ class RolloutGroup(Message):
         completion_lens: ``[G] int32`` tokens per completion.
         sampler_logprobs: ``[N] float32`` log-probability of each sampled token under the sampling policy
             (nats, after temperature scaling if the sampler used one).
-        version_start: ``[G] int64`` policy version in effect at the sample's first token.
-        version_end: ``[G] int64`` policy version in effect at the sample's last token.
+        version_start: ``[G] int64`` oldest policy version that sampled a token of the sample.
+        version_end: ``[G] int64`` newest one (both the min / max of the sample's spans).
+        version_spans: ``[M, 2] int64`` ``(version, num_tokens)`` runs of each sample's tokens, in
+            order; version_span_counts: ``[G] int32`` runs per sample; both empty when the sender
+            knows no spans (checks and helpers: :mod:`bus.sample_arrays`).
         gen_time_s: wall time the producer spent generating the group, seconds.
         temperature, eval_round, eval_size: copied from the :class:`Prompt`.
         teacher_logprobs: ``[N] float32`` logprob of each completion token under the teacher model
@@ -138,6 +142,8 @@ class RolloutGroup(Message):
     eval_size: int = optional_field(0)
     teacher_logprobs: np.ndarray = array_field("float32", optional=True)
     prompt_text: str = optional_field("")
+    version_spans: np.ndarray = array_field("int64", 2, optional=True)
+    version_span_counts: np.ndarray = array_field("int32", optional=True)
 
     @property
     def group_size(self) -> int:
@@ -148,22 +154,7 @@ class RolloutGroup(Message):
         return self.eval_round >= 0
 
     def check(self) -> None:
-        g = len(self.completion_lens)
-        if g == 0:
-            raise WireError("inconsistent", "a group needs at least one completion")
-        if (self.completion_lens < 0).any() or int(self.completion_lens.sum()) != len(self.completion_ids):
-            raise WireError("inconsistent", "completion_lens must be >= 0 and sum to len(completion_ids)")
-        if len(self.sampler_logprobs) != len(self.completion_ids):
-            raise WireError("inconsistent", "sampler_logprobs and completion_ids differ in length")
-        for name in ("version_start", "version_end", "completion_texts", "finish_reasons"):
-            if len(getattr(self, name)) != g:
-                raise WireError("inconsistent", f"{name} must have one entry per completion ({g})")
-        if (self.version_end < self.version_start).any() or (self.version_start < 0).any():
-            raise WireError("inconsistent", "need 0 <= version_start <= version_end")
-        if len(self.teacher_logprobs) not in (0, len(self.completion_ids)):
-            raise WireError("inconsistent", "teacher_logprobs must be empty or have one entry per completion token")
-        if not self.temperature > 0:
-            raise WireError("inconsistent", "temperature must be > 0")
+        check_group(self)
 
     def completion(self, j: int) -> tuple[np.ndarray, np.ndarray]:
         """Token ids ``[L_j] int32`` and logprobs ``[L_j] float32`` of sample ``j``."""
@@ -233,6 +224,8 @@ class MicroBatch(Message):
         advantages: ``[T] float32`` the sample's advantage on each of its tokens.
         rewards: ``[S] float32`` reward of each sample.
         oldest_versions: ``[S] int64`` oldest policy version each sample was generated under.
+        token_versions: ``[T] int64`` policy version that sampled each completion token (prompt
+            tokens: the sample's oldest version); checks in :mod:`bus.sample_arrays`.
         teacher_logprobs: ``[T] float32`` logprob of each completion token under a teacher model
             (on-policy distillation), or ``[0]`` when the samples carry none.
         temperature: the sampling temperature of every sample here (the packer never mixes two);
@@ -255,28 +248,12 @@ class MicroBatch(Message):
     rewards: np.ndarray = array_field("float32")
     oldest_versions: np.ndarray = array_field("int64")
     teacher_logprobs: np.ndarray = array_field("float32")
+    token_versions: np.ndarray = array_field("int64")
     temperature: float = optional_field(1.0)
     reward_terms: dict = optional_field({})
 
     def check(self) -> None:
-        t, s = len(self.input_ids), len(self.seq_lens)
-        if not self.temperature > 0:
-            raise WireError("inconsistent", "temperature must be > 0")
-        check_terms(self.reward_terms, s)
-        if not 0 <= self.micro_index < self.num_micro_batches or self.step < 0:
-            raise WireError("inconsistent", "need step >= 0 and 0 <= micro_index < num_micro_batches")
-        if (self.seq_lens <= 0).any() or int(self.seq_lens.sum()) != t:
-            raise WireError("inconsistent", "seq_lens must be positive and sum to len(input_ids)")
-        for name in ("loss_mask", "sampler_logprobs", "advantages"):
-            if len(getattr(self, name)) != t:
-                raise WireError("inconsistent", f"{name} must have one entry per token ({t})")
-        if len(self.teacher_logprobs) not in (0, t):
-            raise WireError("inconsistent", f"teacher_logprobs must be empty or have one entry per token ({t})")
-        if self.step_samples < 0 or self.step_loss_tokens < 0:
-            raise WireError("inconsistent", "step_samples and step_loss_tokens must be >= 0")
-        for name in ("rewards", "oldest_versions", "sample_ids"):
-            if len(getattr(self, name)) != s:
-                raise WireError("inconsistent", f"{name} must have one entry per sample ({s})")
+        check_micro_batch(self)
 
 
 # ------------------------------------------------------------------------------------------------

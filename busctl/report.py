@@ -4,7 +4,8 @@ Reads (only ``metrics.jsonl`` is required):
 
 - ``metrics.jsonl`` (:mod:`trainer.proc`, :mod:`trainer.eval_log`): training records
   ``{"step": s + 1, "reward_mean", "kl", "entropy", "policy_lag_mean", "policy_lag_max",
-  "tokens_per_s", "step_time_s", "num_tokens", "reward/<fn>", ...}`` and eval records
+  "tokens_per_s", "step_time_s", "num_tokens", "reward/<fn>", "lag_frac/<bucket>",
+  "num_loss_tokens", ...}`` and eval records
   ``{"step": round, "eval/<task>/reward_mean", ...}`` (older runs: ``eval_reward_mean``, shown as
   task ``eval``; ``time/<phase>_s``, the trainer's seconds per phase, :mod:`trainer.step_timing`,
   summarized as a table of median seconds per step and share of step time). A line that is not a JSON object (a trainer killed mid-write) is skipped and
@@ -37,7 +38,7 @@ from pathlib import Path
 
 from busctl.run_data import PHASE_LABELS, ReportError, RunData, load_run, moving_average, phase_table, smoothing_window, stage_series
 
-__all__ = ["cmd_report", "format_phases", "format_summary", "summarize", "write_report"]
+__all__ = ["cmd_report", "format_phases", "format_summary", "lag_token_shares", "summarize", "write_report"]
 
 
 def _mean(values: list[float]) -> float:
@@ -52,7 +53,8 @@ def summarize(run: RunData) -> dict:
         ``{"steps", "first_step", "last_step", "train_time_s", "window", "reward_first",
         "reward_last", "reward_best", "reward_best_step", "reward_terms_last": {fn: v},
         "evals": {task: {"first": (round, v), "last": (round, v)}}, "kl_mean", "entropy_mean",
-        "lag_mean", "lag_max", "tokens_per_s", "stages": {role: {"tokens_per_s", "busy"}},
+        "lag_mean", "lag_max", "lag_tokens": {bucket: share of all loss tokens}, "tokens_per_s",
+        "stages": {role: {"tokens_per_s", "busy"}},
         "packer_outcomes", "accounting", "samples", "sample_steps", "phases": [(phase, median s/step,
         share of step time)], "first_step_s"}``; NaN where a run lacks the key (``phases`` empty;
         ``first_step_s``: launch to first optimizer step, ``startup.json``).
@@ -87,6 +89,7 @@ def summarize(run: RunData) -> dict:
         "entropy_mean": _mean(run.series("entropy")[1]),
         "lag_mean": _mean(run.series("policy_lag_mean")[1]),
         "lag_max": max(lag_max) if lag_max else math.nan,
+        "lag_tokens": lag_token_shares(run),
         "tokens_per_s": sum(tokens) / sum(times) if tokens and len(tokens) == len(times) and sum(times) > 0
         else _mean(run.series("tokens_per_s")[1]),
         "stages": {
@@ -104,6 +107,22 @@ def summarize(run: RunData) -> dict:
 
 def _f(v: float, digits: int = 4) -> str:
     return "n/a" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:.{digits}g}"
+
+
+def lag_token_shares(run: RunData) -> dict[str, float]:
+    """Share of the run's loss tokens sampled at each lag: the trainer's per-step ``lag_frac/<bucket>``
+    (:mod:`trainer.lag_stats`) weighted by the step's ``num_loss_tokens``, ``{bucket: share}`` in
+    lag order (sums to 1); ``{}`` for a run without them (older runs)."""
+    prefix = "lag_frac/"
+    buckets = sorted((k[len(prefix):] for k in run.keys() if k.startswith(prefix)), key=lambda b: (b.startswith(">="), len(b), b))
+    totals = dict.fromkeys(buckets, 0.0)
+    for r in run.steps:
+        n = r.get("num_loss_tokens")
+        if isinstance(n, (int, float)) and math.isfinite(n):
+            for b in buckets:
+                totals[b] += n * float(r.get(prefix + b, 0.0))
+    all_tokens = sum(totals.values())
+    return {b: v / all_tokens for b, v in totals.items()} if all_tokens > 0 else {}
 
 
 def format_summary(run: RunData, s: dict, notes: list[str]) -> str:
@@ -125,6 +144,8 @@ def format_summary(run: RunData, s: dict, notes: list[str]) -> str:
         lines.append("eval: no eval records")
     lines.append(f"kl mean {_f(s['kl_mean'])}, entropy mean {_f(s['entropy_mean'])}")
     lines.append(f"policy lag: mean {_f(s['lag_mean'])}, max {_f(s['lag_max'])} steps")
+    if s["lag_tokens"]:
+        lines.append("loss tokens by lag (steps): " + ", ".join(f"{b} {100 * v:.1f}%" for b, v in s["lag_tokens"].items()))
     lines.append(f"trainer throughput: {_f(s['tokens_per_s'])} tokens/s (all tokens / training time)")
     lines += format_phases(s["phases"])
     for role, v in s["stages"].items():

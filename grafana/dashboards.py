@@ -211,6 +211,9 @@ def learning() -> dict:
             Target(_gauge("rlbus_trainer_policy_lag_mean"), "trained mean {{component}}"),
         ], description="Trainer step minus the sample's policy version, per sample the packer accepted."),
         heatmap("Policy lag distribution", "rlbus_packer_policy_lag_steps", description=WINDOW_NOTE),
+        timeseries("Loss tokens by lag", [Target(_gauge("rlbus_trainer_lag_token_frac", "lag"), "lag {{lag}}")], "percentunit",
+                   "Fraction of the last step's loss tokens sampled at each lag (trainer step minus the token's policy "
+                   "version; a partial rollout's tokens can differ). " + trainer),
         timeseries("Dropped and filtered", [
             Target(_by("rlbus_packer_groups_total", "outcome", increase, "sum", 'outcome!="accepted"'), "groups {{outcome}}"),
             Target(_by("rlbus_rewards_filtered_total", "filter", increase), "samples flagged {{filter}}"),

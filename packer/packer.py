@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bus.messages import MicroBatch, ScoredGroup
+from bus.sample_arrays import sample_token_versions
 from packer.packing import pack_micro_batches
 
 DROP_REASONS = (
@@ -77,6 +78,9 @@ class PackedSample:
         input_ids: ``[L] int32``. loss_mask: ``[L] bool`` (completion tokens).
         sampler_logprobs: ``[L] float32`` (0 on prompt tokens).
         advantage, reward: the sample's scalars. version: oldest policy version (lag source).
+        token_versions: ``[L] int64`` policy version of each token (completion tokens: from the
+            group's version spans, :func:`bus.sample_arrays.sample_token_versions`; prompt tokens:
+            ``version``), or None: every token at ``version``.
         temperature: the sampling temperature (> 0).
         teacher_logprobs: ``[L] float32`` teacher logprob of each completion token (0 on prompt
             tokens), or None without a teacher.
@@ -93,6 +97,13 @@ class PackedSample:
     temperature: float = 1.0
     teacher_logprobs: np.ndarray | None = None
     reward_terms: dict[str, float] = field(default_factory=dict)
+    token_versions: np.ndarray | None = None
+
+    def versions(self) -> np.ndarray:
+        """``[L] int64`` version of each token (see ``token_versions``)."""
+        if self.token_versions is None:
+            return np.full(len(self.input_ids), self.version, np.int64)
+        return self.token_versions
 
 
 def group_samples(group: ScoredGroup, *, teacher: bool = False) -> list[PackedSample]:
@@ -116,6 +127,8 @@ def group_samples(group: ScoredGroup, *, teacher: bool = False) -> list[PackedSa
     samples = []
     for j in range(group.group_size):
         ids, lps = group.completion(j)
+        versions = sample_token_versions(group, j)
+        oldest = int(group.version_start[j])  # = versions.min() for a sample with tokens (bus.sample_arrays)
         masked = len(group.masked) > 0 and bool(group.masked[j])
         samples.append(
             PackedSample(
@@ -125,13 +138,14 @@ def group_samples(group: ScoredGroup, *, teacher: bool = False) -> list[PackedSa
                 sampler_logprobs=np.concatenate([no_prompt, lps]).astype(np.float32),
                 advantage=float(group.advantages[j]),
                 reward=float(group.rewards[j]),
-                version=int(group.version_start[j]),
+                version=oldest,
                 temperature=float(group.temperature),
                 teacher_logprobs=(
                     np.concatenate([no_prompt, group.teacher_logprobs[offsets[j] : offsets[j + 1]]]).astype(np.float32)
                     if teacher else None
                 ),
                 reward_terms={name: float(scores[j]) for name, scores in group.reward_terms.items()},
+                token_versions=np.concatenate([np.full(len(prompt), oldest, np.int64), versions]),
             )
         )
     return samples
@@ -187,6 +201,7 @@ def build_micro_batch(
         advantages=np.concatenate([np.full(len(s.input_ids), s.advantage, np.float32) for s in samples]),
         rewards=np.array([s.reward for s in samples], dtype=np.float32),
         oldest_versions=np.array([s.version for s in samples], dtype=np.int64),
+        token_versions=np.concatenate([s.versions() for s in samples]),
         teacher_logprobs=(
             np.concatenate([s.teacher_logprobs for s in samples]) if all(with_teacher) else np.zeros(0, dtype=np.float32)
         ),

@@ -14,12 +14,14 @@ One JSON object per line (:func:`sample_records`)::
     {"step": 0, "time": 1732190000.1, "group_id": "p000000-...", "task": "reverse_text",
      "sample": 0, "group_size": 4, "prompt": "<chat-templated prompt>", "completion": "...",
      "reward": 0.43, "advantage": 0.12, "reward_terms": {"lcs": 0.43}, "policy_version": 0,
-     "lag": 0, "finish_reason": "stop", "completion_tokens": 9, "masked": false,
-     "producer": "producer-0"}
+     "lag": 0, "version_spans": [[0, 9]], "finish_reason": "stop", "completion_tokens": 9,
+     "masked": false, "producer": "producer-0"}
 
 ``step`` is the 0-based index of the optimizer step that trains the sample (as in
 ``trained_samples.jsonl``; the trainer's ``metrics.jsonl`` record of that step has ``step + 1``);
-``lag`` = ``step - policy_version`` (the sample's oldest policy version). ``prompt`` is the
+``lag`` = ``step - policy_version`` (the sample's oldest policy version); ``version_spans`` the
+``[version, num_tokens]`` runs of its completion tokens (several for a partial rollout; from the
+group's spans, or one run at ``policy_version`` when the producer sent none). ``prompt`` is the
 producer's chat-templated prompt text (``RolloutGroup.prompt_text``; ``""`` from a sender that
 does not fill it). Eval groups never reach this file (they are not trained).
 
@@ -39,6 +41,7 @@ from pathlib import Path
 from prometheus_client import Counter
 
 from bus.messages import ScoredGroup
+from bus.sample_arrays import run_lengths, sample_token_versions
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +85,7 @@ def sample_records(step: int, groups: list[ScoredGroup], limit: int, now: float 
                 "reward_terms": {str(name): float(scores[j]) for name, scores in group.reward_terms.items()},
                 "policy_version": version,
                 "lag": int(step) - version,
+                "version_spans": run_lengths(sample_token_versions(group, j)).tolist(),
                 "finish_reason": group.finish_reasons[j],
                 "completion_tokens": int(group.completion_lens[j]),
                 "masked": bool(len(group.masked) and group.masked[j]),

@@ -8,10 +8,10 @@ Policy versions and spans:
 - The engine holds one integer policy `version` (`initial_version` at start). vLLM labels every
   engine step's output with its current weight version (`AsyncLLM.update_weight_version`), and a
   finished completion reports `weight_versions`: contiguous `[start, end)` token spans per
-  version. `Sample.version_start` / `version_end` are the versions of the first and last span,
-  i.e. of the weights that produced the first and the last token. Only when vLLM reports no
-  spans (no output token) do they fall back to the engine's version when the request was issued
-  and when it finished.
+  version. `Sample.token_versions` expands them to one version per token (a token no span
+  covers gets the version when the request was issued); `Sample.version_start` / `version_end`
+  are the min / max of those. Only for a sample without output tokens do they fall back to the
+  engine's version when the request was issued and when it finished.
 - `update_weights` pauses the scheduler with `mode="keep", clear_cache=True`: in-flight requests
   are frozen, not aborted; the KV and prefix caches are dropped, so on resume those requests are
   recomputed (prefill of prompt + tokens so far) under the NEW weights and continue from there.
@@ -47,6 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from configs.model_path import resolve_model_path
 from producers.vllm_idle import BUSY_LOOP_ENV
 
@@ -69,6 +71,8 @@ class Sample:
         last token's, unless a rollback made later tokens older).
     version_spans: [(version, start, end), ...] tokens `[start, end)` came from `version`, in
         order (one span unless weights changed mid-sample); empty when vLLM reported none.
+    token_versions: [num_tokens] policy version of each token (:func:`token_versions` of the
+        spans); empty from callers that know none (every token then counts as `version_start`).
     """
 
     token_ids: list[int]
@@ -78,6 +82,17 @@ class Sample:
     version_start: int
     version_end: int
     version_spans: tuple[tuple[int, int, int], ...] = ()
+    token_versions: tuple[int, ...] = ()
+
+
+def token_versions(spans: tuple[tuple[int, int, int], ...], num_tokens: int, default: int) -> np.ndarray:
+    """Policy version of each of `num_tokens` output tokens, `[num_tokens] int64`, from vLLM's
+    `(version, start, end)` spans (clipped to the output; a token no span covers, e.g. when vLLM
+    reported none, gets `default`: the version when the request was issued, its oldest possible)."""
+    out = np.full(num_tokens, default, np.int64)
+    for version, start, end in spans:
+        out[max(start, 0) : max(min(end, num_tokens), 0)] = version
+    return out
 
 
 class RolloutEngine:
@@ -263,11 +278,12 @@ class RolloutEngine:
             logprobs = [completion.logprobs[i][tok].logprob for i, tok in enumerate(token_ids)]
             spans = tuple((int(span.version), span.start, span.end)
                           for span in completion.weight_versions or ())
+            per_token = token_versions(spans, len(token_ids), version_issued)
             # min/max, not first/last: after a rollback (a resumed trainer) later spans can be older
-            versions = [v for v, _, _ in spans] or [version_issued, version_done]
+            versions = per_token.tolist() or [v for v, _, _ in spans] or [version_issued, version_done]
             start_v, end_v = min(versions), max(versions)
-            samples.append(Sample(token_ids, logprobs, completion.text,
-                                  str(completion.finish_reason), start_v, end_v, spans))
+            samples.append(Sample(token_ids, logprobs, completion.text, str(completion.finish_reason),
+                                  start_v, end_v, spans, tuple(per_token.tolist())))
         return samples
 
     async def score_completion(self, prompt_token_ids: list[int], completion_token_ids: list[int], *,

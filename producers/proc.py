@@ -34,7 +34,8 @@ Eval groups are exact: an update waits until the eval groups being generated are
 eval generation starts while an update is pending (:class:`producers.eval_gate.EvalUpdateGate`),
 so every sample of an eval group comes from one policy version. Training generations do not wait:
 they are paused with their requests kept and resumed under the new weights (partial rollouts; each
-sample records its version spans, :mod:`producers.engine`).
+sample records its version spans, :mod:`producers.engine`, which travel as the group's
+run-length ``version_spans``, :mod:`bus.sample_arrays`).
 
 Blocking bus calls run in worker threads (``asyncio.to_thread``); the control sockets are only
 ever used by one task at a time.
@@ -54,6 +55,7 @@ from broadcaster.factory import build_receiver
 from bus.component import Component, component_main
 from bus.messages import GroupsDropped, Prompt, RolloutGroup, RunDone, WeightsApplied, WeightsReady, WeightsWanted, new_id
 from bus.metrics import POLICY_VERSION, StageMeter
+from bus.sample_arrays import pack_spans, run_lengths
 from producers.engine import RolloutEngine
 from producers.eval_gate import EvalUpdateGate
 from producers.sampling import request_kwargs
@@ -89,6 +91,7 @@ def group_from_samples(
     and their decoded ``texts``; temperature, eval round and size come from ``prompt``;
     ``teacher_logprobs`` is ``[N] float32`` (N = completion tokens of the group) or None;
     ``prompt_text`` the rendered (chat-templated) prompt."""
+    spans, counts = pack_spans(run_lengths(s.token_versions or [s.version_start] * len(s.token_ids)) for s in samples)
     return RolloutGroup(
         id=prompt.id,
         prompt_index=prompt.index,
@@ -105,6 +108,8 @@ def group_from_samples(
         sampler_logprobs=np.asarray([lp for s in samples for lp in s.logprobs], dtype=np.float32),
         version_start=np.asarray([s.version_start for s in samples], dtype=np.int64),
         version_end=np.asarray([s.version_end for s in samples], dtype=np.int64),
+        version_spans=spans,
+        version_span_counts=counts,
         temperature=prompt.temperature,
         eval_round=prompt.eval_round,
         eval_size=prompt.eval_size,

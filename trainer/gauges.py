@@ -12,7 +12,7 @@ from prometheus_client import Gauge, Histogram
 
 from bus.metrics import POLICY_VERSION
 
-__all__ = ["REWARD_TERMS", "STEP_SECONDS", "TRAINER_GAUGES", "export_step_metrics"]
+__all__ = ["LAG_TOKEN_FRAC", "REWARD_TERMS", "STEP_SECONDS", "TRAINER_GAUGES", "export_step_metrics"]
 
 STEP_SECONDS = Histogram("rlbus_trainer_step_seconds", "Wall time per optimizer step incl. waiting for data, seconds")
 TRAINER_GAUGES = {
@@ -36,11 +36,13 @@ TRAINER_GAUGES = {
     }.items()
 }
 REWARD_TERMS = Gauge("rlbus_trainer_reward_term_mean", "Mean score of one reward function over the last step's samples", ["reward"])
+LAG_TOKEN_FRAC = Gauge("rlbus_trainer_lag_token_frac",
+                       "Fraction of the last step's loss tokens sampled at each off-policy lag (steps; '>=3' the rest)", ["lag"])
 
 
 def export_step_metrics(version: int, metrics: dict[str, float]) -> None:
     """Set the policy version (steps taken), observe ``step_time_s`` (seconds) and set every
-    gauge of :data:`TRAINER_GAUGES` and ``reward/<name>`` found in ``metrics``.
+    gauge of :data:`TRAINER_GAUGES`, ``reward/<name>`` and ``lag_frac/<bucket>`` found in ``metrics``.
 
     Raises:
         KeyError: ``metrics`` has no ``step_time_s``.
@@ -53,3 +55,5 @@ def export_step_metrics(version: int, metrics: dict[str, float]) -> None:
     for key, value in metrics.items():
         if key.startswith("reward/"):
             REWARD_TERMS.labels(reward=key[len("reward/"):]).set(value)
+        elif key.startswith("lag_frac/"):
+            LAG_TOKEN_FRAC.labels(lag=key[len("lag_frac/"):]).set(value)

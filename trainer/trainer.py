@@ -41,6 +41,7 @@ from bus.messages import MicroBatch
 from configs.schema import RunConfig, TrainerConfig
 from trainer.loss import LossBatch, LossSpec, StepNorm, policy_loss
 from trainer.distributed import DataParallel
+from trainer.lag_stats import lag_fractions, lag_token_counts
 from trainer.packed import PackedLogprobs
 from trainer.precision import PrecisionPolicy
 from trainer.reference import ReferencePolicy
@@ -124,9 +125,11 @@ class Trainer:
         reference's when ``kl_reference: reference``, and the teacher's when the samples carry them.
 
         Besides the loss stats, reports ``onpolicy_tokens`` and ``onpolicy_lp_diff_max``: the
-        largest ``|train_logprobs - sampler_logprobs|`` over loss tokens of samples generated under exactly
-        the weights being trained (version == step). Those must agree up to numerics; a large
-        value means the producers do not run the trainer's weights.
+        largest ``|train_logprobs - sampler_logprobs|`` over loss tokens generated under exactly
+        the weights being trained (``token_versions == step``; a partial rollout's later tokens
+        count, its earlier ones do not). Those must agree up to numerics; a large value means the
+        producers do not run the trainer's weights. And ``lag_tokens/<bucket>``: loss tokens per
+        off-policy lag (:func:`trainer.lag_stats.lag_token_counts`).
         """
         device = next(self.model.parameters()).device
         started = device_clock(device)
@@ -159,11 +162,12 @@ class Trainer:
         forwarded = device_clock(device)
         loss.backward()
         self._add_phase_times(started, forwarded, device_clock(device))
-        token_version = tensor(mb.oldest_versions).repeat_interleave(seq_lens)
+        token_version = tensor(mb.token_versions, torch.int64)
         on_policy = loss_mask & (token_version == mb.step)
         diff = (train_logprobs.detach() - sampler_logprobs)[on_policy].abs()
         stats["onpolicy_tokens"] = float(on_policy.sum())
         stats["onpolicy_lp_diff_max"] = float(diff.max()) if len(diff) else 0.0
+        stats.update(lag_token_counts(token_version, loss_mask, mb.step))
         return float(loss.detach()), stats
 
     def set_temperature(self, temperature: float) -> None:
@@ -260,6 +264,7 @@ class Trainer:
             train_logprobs - teacher_logprobs, nats), ``tis_clipfrac``; ``grad_norm`` (before clipping), ``num_tokens``,
             ``num_loss_tokens``, ``num_samples``, ``num_micro_batches``, ``reward_mean``,
             ``reward_std``, ``reward/<name>`` (each reward function's mean score), ``onpolicy_tokens``, ``onpolicy_lp_diff_max`` (see :meth:`micro_step`),
+            ``lag_frac/<bucket>`` (fraction of loss tokens per off-policy lag, :mod:`trainer.lag_stats`),
             ``train_time_s`` (this rank's), ``time/forward_s``, ``time/backward_s`` (sums over
             micro-batches) and ``time/optimizer_s`` (clip, stats all-gather, AdamW) of this rank,
             seconds (:mod:`trainer.step_timing`), ``skipped`` (1.0 if the non-finite guard skipped the
@@ -397,6 +402,7 @@ def step_metrics(totals: dict[str, float], grad_norm: float, train_time_s: float
         "onpolicy_lp_diff_max": t.pop("onpolicy_lp_diff_max", 0.0),
         "train_time_s": train_time_s,
         "skipped": 1.0 if skipped else 0.0,
+        **lag_fractions(t),
     }
     for key, total in (("kl_penalty", "kl_penalty_sum"), ("teacher_kl", "teacher_kl_sum"), ("tis_clipfrac", "tis_clipped_tokens")):
         if total in t:  # reported only when the option is on

@@ -68,6 +68,10 @@ def _rollout_fields() -> dict[str, Any]:
         sampler_logprobs=np.array([-0.5, -1.25, -0.125, -2.0, -0.0625], dtype=np.float32),
         version_start=np.array([1, 2, 2], dtype=np.int64),
         version_end=np.array([2, 2, 3], dtype=np.int64),
+        # sample 0: 1 token of version 1, 1 of version 2 (a partial rollout); sample 1: no tokens, no
+        # spans; sample 2: 1 token of version 2, then 2 of version 3
+        version_spans=np.array([[1, 1], [2, 1], [2, 1], [3, 2]], dtype=np.int64),
+        version_span_counts=np.array([2, 0, 2], dtype=np.int32),
         temperature=0.75,
         teacher_logprobs=np.array([-0.25, -1.0, -0.5, -3.0, -0.125], dtype=np.float32),
     )
@@ -92,6 +96,8 @@ def _micro_batch(num_tokens: int = 7, micro_index: int = 1, step: int = 4) -> Mi
         rewards=np.array([1.0, 0.0], dtype=np.float32),
         oldest_versions=np.array([3, 4], dtype=np.int64),
         teacher_logprobs=-np.linspace(0.5, 2, num_tokens, dtype=np.float32),
+        # sample 0 (3 tokens) at version 3; sample 1 at 4, its last token at 5 (a partial rollout)
+        token_versions=np.array([3, 3, 3, *[4] * (num_tokens - 4), 5], dtype=np.int64),
         temperature=0.9,
         reward_terms={"correct": [1.0, 0.0], "format": [0.5, 1.0]},
     )

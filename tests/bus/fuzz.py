@@ -87,6 +87,8 @@ def realistic_examples() -> dict[str, Message]:
         sampler_logprobs=-rng.random(n, dtype=np.float32) * 4,
         version_start=np.array([2, 2, 3, 3], np.int64),
         version_end=np.array([3, 2, 3, 3], np.int64),
+        version_spans=np.array([[2, lens[0] - 1], [3, 1], [2, lens[1]], [3, lens[2]], [3, lens[3]]], np.int64),
+        version_span_counts=np.array([2, 1, 1, 1], np.int32),
     )
     seq = np.array([43, 32, 43, 36], np.int32)
     t = int(seq.sum())
@@ -128,6 +130,7 @@ def realistic_examples() -> dict[str, Message]:
             rewards=np.array([0.25, 1.0, 0.0, 0.5], np.float32),
             oldest_versions=np.array([2, 2, 3, 3], np.int64),
             teacher_logprobs=np.zeros(0, np.float32),
+            token_versions=np.repeat(np.array([2, 2, 3, 3], np.int64), seq),
         ),
         WeightsReady(
             id="w4",
@@ -663,7 +666,20 @@ _HEADER_EDITS = [
 
 def _inconsistent_group(rng: random.Random, msg: RolloutGroup) -> dict[str, Any]:
     g, n = len(msg.completion_lens), len(msg.completion_ids)
-    what = rng.randrange(8)
+    what = rng.randrange(9)
+    if what == 8:  # version spans: not covering the tokens, negative, empty, min/max off start/end, counts off
+        spans, counts = np.array(msg.version_spans), np.array(msg.version_span_counts)
+        k = rng.randrange(len(spans))
+        return rng.choice([
+            {"version_spans": np.concatenate([spans, [[3, 1]]]).astype(np.int64)},
+            {"version_spans": np.where(np.arange(len(spans))[:, None] == k, [[-1, 0]], 0) + spans},
+            {"version_spans": np.where(np.arange(len(spans))[:, None] == k, [[0, 1]], 0) + spans},
+            {"version_spans": np.where(np.arange(len(spans))[:, None] == k, [[1, 0]], 0) + spans},
+            {"version_spans": np.where(np.arange(len(spans))[:, None] == k, [[0, -spans[k, 1]]], 0) + spans},
+            {"version_span_counts": counts[:-1]},
+            {"version_span_counts": np.zeros(0, np.int32)},
+            {"version_spans": spans[:, :1].copy()},
+        ])
     if what == 0:  # lens that do not add up, or negative ones
         lens = np.array([rng.randint(-3, 20) for _ in range(g)], np.int32)
         return {"completion_lens": lens}
@@ -700,7 +716,12 @@ def _inconsistent_group(rng: random.Random, msg: RolloutGroup) -> dict[str, Any]
 
 def _inconsistent_micro_batch(rng: random.Random, msg: MicroBatch) -> dict[str, Any]:
     t, s = len(msg.input_ids), len(msg.seq_lens)
-    what = rng.randrange(6)
+    what = rng.randrange(7)
+    if what == 6:  # token versions: wrong length, negative, a sample's minimum not its oldest version
+        bad = np.array(msg.token_versions)
+        bad[rng.randrange(t)] = rng.choice([-1, int(msg.oldest_versions.min()) - 1])
+        return rng.choice([{"token_versions": np.zeros(rng.choice([0, t - 1, t + 1]), np.int64)},
+                           {"token_versions": bad}, {"token_versions": np.array(msg.token_versions) + 1}])
     if what == 0:
         return rng.choice([
             {"micro_index": msg.num_micro_batches}, {"micro_index": -1}, {"step": -1},

@@ -168,6 +168,14 @@ def test_eval_groups_finish_under_one_version_while_training_groups_span_the_upd
     # the training group started with the eval group and kept running across the update
     assert any(s.version_end == version and s.version_start == version - 1 for s in training), \
         [s.version_spans for s in training]
+    # per-token versions: each token's logprob is that of the weights its version names (the
+    # labels vLLM put on a partial rollout's tokens are exact at the update boundary)
+    for s in training:
+        versions = torch.tensor(s.token_versions)
+        assert len(versions) == len(s.token_ids) and (versions.min(), versions.max()) == (s.version_start, s.version_end)
+        for v, weights in ((version - 1, model), (version, new)):
+            err = (torch.tensor(s.logprobs) - _hf_logprobs(weights, PROMPT, s.token_ids))[versions == v].abs()
+            assert len(err) == 0 or err.max().item() < LOGPROB_ATOL, (v, s.version_spans, err.max().item())
 
 
 def test_idle_engine_processes_sleep_instead_of_spinning(engine):

@@ -48,7 +48,8 @@ def test_lines_are_the_first_samples_in_group_order(tmp_path):
     assert (first["policy_version"], first["lag"], third["policy_version"], third["lag"]) == (3, 1, 4, 0)
     assert third["prompt"] == "" and third["masked"] is False
     expected = {"step", "time", "group_id", "task", "sample", "group_size", "prompt", "completion", "reward", "advantage",
-                "reward_terms", "policy_version", "lag", "finish_reason", "completion_tokens", "masked", "producer"}
+                "reward_terms", "policy_version", "lag", "version_spans", "finish_reason", "completion_tokens", "masked",
+                "producer"}
     assert all(set(r) == expected for r in records)
 
 
