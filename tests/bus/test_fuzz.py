@@ -91,12 +91,9 @@ def renamed(msg: Message) -> Callable[[int], Message]:
 
 def test_generator_is_seeded_invalid_and_covers_every_mutation():
     a, b = HostileMessages(7, (ScoredGroup,)), HostileMessages(7, (ScoredGroup,))
-    started = time.perf_counter()
     msgs = a.take(N_HOSTILE)
-    elapsed = time.perf_counter() - started
     assert msgs == b.take(N_HOSTILE)  # same seed, same stream
     assert msgs[:1000] != HostileMessages(8, (ScoredGroup,)).take(1000)
-    assert elapsed < 5, f"10,000 hostile messages took {elapsed:.1f} s"
 
     reasons = Counter(classify(m, (ScoredGroup,)) for m in msgs)
     assert None not in reasons and reasons == a.reasons
