@@ -34,7 +34,10 @@ the spool and fsyncs the directory. The file therefore stays below about twice t
 plus :data:`COMPACT_MIN_BYTES`, and each byte is rewritten O(1) times on average. The seen-id set
 (every accepted id of the run) is kept: it is the packer's run-wide duplicate guard.
 
-Groups dropped from the buffer as stale are not recorded: a restarted packer gets them back in
+Drops are not recorded: a group dropped on arrival (filtered, too long, ...) that is re-sent to a
+restarted packer is decided again, the same way, and its repeated drop report is a harmless repeat
+for the ledger (no second replacement). Groups dropped from the buffer as stale are not recorded
+either: a restarted packer gets them back in
 its buffer and drops them again at its next step (the ledger treats the repeated outcome as a
 harmless repeat), so a drop whose report died with the packer is still reported.
 """
