@@ -6,7 +6,8 @@ every issued prompt has exactly one outcome, the trained groups are exactly the 
 - ``busctl up`` and every component it started (each a process group: vLLM's engine processes
   included) are SIGKILLed at once at a random step; ``busctl up --resume RUN_DIR`` then finishes
   the run: the trainer from its last checkpoint, the packer from its spool (re-sending the steps
-  it had planned), the prompt source re-issuing the prompts without outcome.
+  it had planned) or, with the spool deleted, numbering steps from that checkpoint, the prompt
+  source re-issuing the prompts without outcome.
 - only the packer is SIGKILLed, twice, mid-run: the supervisor restarts it and it continues from
   its spool; nothing is lost and nothing trains twice.
 """
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import os
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -58,7 +61,8 @@ def kill_everything(run_dir: Path, proc: subprocess.Popen) -> list[int]:
     return pids
 
 
-def test_sigkill_everything_then_resume(tmp_path: Path, policy: Path) -> None:  # noqa: F811
+@pytest.mark.parametrize("spool", ["kept", "lost"])
+def test_sigkill_everything_then_resume(tmp_path: Path, policy: Path, spool: str) -> None:  # noqa: F811
     run_dir = tmp_path / "run"
     max_steps = 10
     rng = random.Random(int(os.environ.get("RLBUS_NEMESIS_SEED", "20261124")))
@@ -69,6 +73,8 @@ def test_sigkill_everything_then_resume(tmp_path: Path, policy: Path) -> None:  
         killed = kill_everything(run_dir, proc)
     print(f"killed busctl up and {len(killed)} components at step {trained_steps(run_dir)} (aimed at {kill_at})")
     assert (run_dir / "packer" / "spool.bin").is_file()
+    if spool == "lost":  # the packer then numbers steps from the trainer's checkpoint
+        shutil.rmtree(run_dir / "packer")
 
     resumed = busctl_resume(run_dir)
     with supervised(resumed):
@@ -78,7 +84,13 @@ def test_sigkill_everything_then_resume(tmp_path: Path, policy: Path) -> None:  
     print("accounting:", acc["outcomes"], "issued", acc["issued"])
     logs = run_dir / "logs"
     assert "resumed from" in (logs / "trainer.log").read_text()
-    assert "resumed from the spool" in (logs / "packer.log").read_text()
+    packer_log = (logs / "packer.log").read_text()
+    if spool == "kept":
+        assert "resumed from the spool" in packer_log
+    else:  # the first step it emitted after the resume is the checkpoint's
+        checkpoint = int(re.search(r"resumed from \S+step_(\d+) at step", (logs / "trainer.log").read_text()).group(1))
+        resumed_part = packer_log.rsplit("(resume) =====", 1)[1]
+        assert int(re.search(r"step (\d+): \d+ micro-batch", resumed_part).group(1)) == checkpoint
 
 
 def busctl_resume(run_dir: Path) -> subprocess.Popen:
