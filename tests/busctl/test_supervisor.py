@@ -383,7 +383,11 @@ def test_resume_keeps_the_run_directory_and_tells_every_component(tmp_path, supe
     assert not (run_dir / "ledger.jsonl").exists()  # a fresh run starts from an empty run directory
     assert not (run_dir / "packer").exists()
     # a second `busctl up` in the same run directory is refused while the first one runs
-    assert busctl.main(["up", f"run_dir={run_dir}", "model.path=x"]) == 1
+    model = tmp_path / "model"  # a model directory, so that the refusal is about the run going on
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "chat_template.jinja").write_text("{{ messages }}")
+    assert busctl.main(["up", f"run_dir={run_dir}", f"model.path={model}"]) == 1
     assert "already going" in capsys.readouterr().out
     run.close()
     assert run.code == 130
