@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--dry-run", action="store_true", help="print the resolved config and the device plan, and exit")
     up.add_argument("--resume", action="store_true",
                     help="continue the run in RUN_DIR (default: the default config's run_dir) from its config.yaml, "
-                    "checkpoints and ledgers; nothing is cleared, logs are appended")
+                    "checkpoints, ledgers and packer spool; nothing is cleared, logs are appended")
     st = sub.add_parser("status", help="show a run's step and components: state, pid, restarts, heartbeat, throughput, queue depth")
     st.add_argument("run_dir", nargs="?", help="run directory (default: the default config's run_dir)")
     lg = sub.add_parser("logs", help="print a component's log")
