@@ -18,14 +18,15 @@ is a bad config naming the keys and the devices seen. ``--dry-run`` prints the r
 then the plan (``#`` lines: the output stays YAML).
 
 ``up`` heals: a component that exits or stops sending heartbeats before the run is done is
-restarted with exponential backoff (``supervisor.*`` in the config), except the packer, whose
-death ends the run (its buffered groups are lost; continue with ``--resume``).
+restarted with exponential backoff (``supervisor.*`` in the config); the packer continues from
+its spool (``RUN_DIR/packer/``).
 
 ``up --resume runs/reverse_text [overrides]`` continues a run that stopped (interrupted, failed,
 or killed): it keeps the run directory (checkpoints/, metrics.jsonl, trained_samples.jsonl,
 ledgers; logs are appended), reuses its ``config.yaml`` with the overrides applied on top and a
 new broadcast port, and starts every component with ``RLBUS_RESUME=1`` (the trainer continues
-from its last checkpoint). Given a config file instead of a directory, its ``run_dir`` is resumed.
+from its last checkpoint, the packer from its spool or, without one, numbers steps from that
+checkpoint, the prompt source re-issues every prompt without an outcome in its ledger). Given a config file instead of a directory, its ``run_dir`` is resumed.
 
 ``scale`` talks to the ``busctl up`` of RUN_DIR (through ``RUN_DIR/scale.json``) and waits until
 the new set of components is ready: new replicas get the next indices (new producers join late,
@@ -408,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--dry-run", action="store_true", help="print the resolved config and the device plan, and exit")
     up.add_argument("--resume", action="store_true",
                     help="continue the run in RUN_DIR (default: the default config's run_dir) from its config.yaml, "
-                    "checkpoints and ledgers; nothing is cleared, logs are appended")
+                    "checkpoints, ledgers and packer spool; nothing is cleared, logs are appended")
     st = sub.add_parser("status", help="show a run's step and components: state, pid, restarts, heartbeat, throughput, queue depth")
     st.add_argument("run_dir", nargs="?", help="run directory (default: the default config's run_dir)")
     lg = sub.add_parser("logs", help="print a component's log")

@@ -19,8 +19,9 @@ from pathlib import Path
 from broadcaster.factory import needs_rendezvous_port
 from configs.schema import RunConfig
 
-RESTARTABLE_ROLES = frozenset({"hub", "trainer", "rewards", "producer", "prompt-source"})
-"""Roles the supervisor restarts. Not the packer: its buffered groups would be lost."""
+RESTARTABLE_ROLES = frozenset({"hub", "trainer", "rewards", "producer", "prompt-source", "packer"})
+"""Roles the supervisor restarts: every role (the packer rebuilds its state from its spool,
+:mod:`packer.spool`)."""
 
 LIVE_STATES = ("ready", "running", "done")
 """States of a component that completed its ready handshake and is alive."""

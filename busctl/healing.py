@@ -9,8 +9,8 @@ times, deadline) and the rules (:class:`HealingRules`, from the run config), and
   within ``bus.ready_timeout_s``, or it was silent for ``bus.dead_after_s`` after it was ready);
   kill what is left of it and spawn it again at ``at``.
 - :class:`FailRun`: a component crashed and may not be restarted: at start-up, with
-  ``supervisor.restart`` off, a role outside :data:`RESTARTABLE_ROLES` (the packer: its buffered
-  groups would be lost), or its restart budget ``supervisor.max_restarts`` is spent.
+  ``supervisor.restart`` off, a role outside :data:`RESTARTABLE_ROLES` (none today), or its
+  restart budget ``supervisor.max_restarts`` is spent.
 - nothing, for a component that is fine (no decision).
 
 Backoff (:func:`backoff_s`): the ``k``-th crash in a row waits
@@ -54,7 +54,7 @@ class HealingRules:
         supervisor: the ``supervisor`` section (restart on/off, budget, backoff).
         ready_timeout_s: a (re)started component must be ready within this, seconds.
         dead_after_s: a ready component silent this long has crashed, seconds.
-        run_dir: named in the hint to ``busctl up --resume`` when the packer dies.
+        run_dir: the run directory (kept for messages).
     """
 
     healing: bool
@@ -152,9 +152,6 @@ def on_crash(facts: ComponentFacts, reason: str, now: float, rules: HealingRules
     if not rules.healing or not sup.restart:
         return FailRun(facts.name, reason, f"{facts.name} {reason}")
     if facts.role not in RESTARTABLE_ROLES:
-        if facts.role == "packer":
-            return FailRun(facts.name, reason, f"packer {reason}: its buffered groups are lost, so it is not restarted; "
-                           f"continue the run from its last checkpoint with `busctl up --resume {rules.run_dir}`")
         return FailRun(facts.name, reason, f"{facts.name} {reason} and cannot be restarted")
     if facts.restarts >= sup.max_restarts:
         return FailRun(facts.name, reason, f"{facts.name} {reason} after {facts.restarts} restarts: its restart budget "

@@ -43,7 +43,7 @@ EVENTS_KEPT = 20
 """Recent events kept for ``status.json`` and the live display."""
 
 RUN_OUTPUTS = ("metrics.jsonl", "stages.jsonl", "trained_samples.jsonl", "ledger.jsonl", "accounting.json", "samples.jsonl", "report", "metrics_final",
-               "checkpoints", "logs", "weights", "sock", "status.json", "scale.json", "prometheus.yml")
+               "checkpoints", "packer", "logs", "weights", "sock", "status.json", "scale.json", "prometheus.yml")
 """Removed from the run directory by a fresh ``busctl up`` (files or directories): a fresh run
 starts from an empty run directory (the prompt source's ledger, the trainer's checkpoints)."""
 

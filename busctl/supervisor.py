@@ -30,14 +30,14 @@ the supervisor gathers its facts and carries out its decisions): every component
 :class:`bus.messages.ComponentHeartbeat` every ``bus.heartbeat_s``. A component that exits (any
 exit code), is silent for ``bus.dead_after_s`` after it was ready, or (after a restart) is not
 ready within ``bus.ready_timeout_s`` has crashed. With ``supervisor.restart`` and a restartable
-role (:data:`RESTARTABLE_ROLES`: hub, trainer, reward workers, producers, prompt source) its
+role (:data:`RESTARTABLE_ROLES`: every role, the packer included) its
 whole process group is killed (vLLM's engine processes live there), and after a backoff of
 ``backoff_initial_s * 2**(k-1)`` seconds (``k`` consecutive crashes, capped at
 ``backoff_max_s``; ``k`` restarts from 0 once the component stayed up ``backoff_reset_s``) it is
 spawned again with ``RLBUS_RESTARTS=<n>`` (:mod:`bus.launch_env`); the watch loop never blocks on it (other components
 keep running, progress lines keep printing). One crash past ``supervisor.max_restarts`` fails the
-run, naming the component and its log. The packer is not restartable (the groups in its buffer
-would be lost): its death fails the run with a hint to ``busctl up --resume``. Restarts are
+run, naming the component and its log (a restarted packer continues from its spool,
+:mod:`packer.spool`). Restarts are
 counted in ``rlbus_supervisor_restarts_total{component}`` (a series per component from its first
 spawn), served on the supervisor's own metrics port (in ``status.json`` and ``prometheus.yml``).
 

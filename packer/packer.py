@@ -309,10 +309,29 @@ class Packer:
             return [], dropped
         groups = [self.buffer.popleft() for _ in range(self.prompts_per_step)]
         self.last_groups = groups
-        samples = [s for g in groups for s in group_samples(g, teacher=self.teacher)]
         step = self.next_step
         self.next_step += 1
-        return pack_step(samples, step, self.micro_batch_tokens), dropped
+        return self.pack(groups, step), dropped
+
+    def pack(self, groups: list[ScoredGroup], step: int) -> list[MicroBatch]:
+        """The micro-batches of ``step`` made of ``groups`` (in this order): a pure function of
+        its arguments and the packer's settings, so a restarted packer re-emits a planned step
+        identically (same ids and contents, :mod:`packer.spool`)."""
+        samples = [s for g in groups for s in group_samples(g, teacher=self.teacher)]
+        return pack_step(samples, step, self.micro_batch_tokens)
+
+    def restore(self, *, next_step: int, seen: set[str], buffer: list[ScoredGroup]) -> None:
+        """Take the state a restarted packer rebuilt from its spool: number steps from
+        ``next_step``, treat ``seen`` ids as decided, and buffer ``buffer`` (in order).
+
+        Raises:
+            ValueError: ``next_step < 0``.
+        """
+        if next_step < 0:
+            raise ValueError(f"next_step must be >= 0, got {next_step}")
+        self.next_step = next_step
+        self.seen |= seen
+        self.buffer = deque(buffer)
 
 
 def padding_ratio(micro_batches: list[MicroBatch], micro_batch_tokens: int) -> float:

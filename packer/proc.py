@@ -12,7 +12,23 @@ run-wide guard behind it. Micro-batches stay in the ``batches`` outbox until the
 them done, which it does only once a checkpoint covers their step: up to
 ``trainer.checkpoint_interval`` steps of micro-batches wait there (the outbox's capacity bounds
 only micro-batches not yet *taken* by the trainer), and the courier re-sends them to a restarted
-trainer. Steps are numbered from 0 as before.
+trainer.
+
+Durability (:mod:`packer.spool`, ``RUN_DIR/packer/spool.bin``): an accepted group is appended to
+the spool and fsynced before ``scored.done`` releases it upstream, and a step's plan (its group
+ids) before its first micro-batch is sent. A restarted packer (the supervisor restarts it like
+any component) or a resumed one (``busctl up --resume``) rebuilds its seen-id set, its buffer and
+its step counter from the spool, and first sends again, in order and identically (same step
+numbers and micro-batch ids: the trainer dedupes them and its custody rules hold), every planned
+step not yet released; the micro-batches a restarted trainer or a live one already holds are
+acknowledged again, those of steps its checkpoint covers are released untrained. A resumed run
+without a spool numbers steps from the trainer's latest checkpoint
+(:func:`packer.spool.checkpoint_step`): every prompt of a later step, and every group the lost
+packer had buffered, has no outcome in the ledger and is re-issued by the prompt source. The
+``groups.trained`` announcements seen on the control channel mark steps released in the spool,
+which is compacted once its released part outweighs the live part (and the outcome reports the
+packer sent are all delivered: a stale drop is re-announced by a restarted packer only while its
+group is still in the spool).
 
 Eval groups (``is_eval``) never reach :class:`Packer`: :class:`packer.evaluation.EvalAggregator`
 collects them per round, counting the failed ones announced (by any component) in a
@@ -32,10 +48,6 @@ observes the policy lag of every sample (``step - version_start``, the lag the t
 the number of micro-batches and the unused share of their token budget (padding ratio). Every
 ``report.samples_interval`` steps it appends a few of the step's samples to
 ``RUN_DIR/samples.jsonl`` (:mod:`packer.samples`).
-
-Not covered yet: a killed packer loses its buffer (groups already marked done upstream) and its
-outbox of micro-batches not yet covered by a checkpoint, and a restarted one starts with an empty
-seen-id set; the durable spool of ``docs/DELIVERY.md`` is the planned fix.
 """
 
 from __future__ import annotations
@@ -45,11 +57,12 @@ import logging
 from prometheus_client import Counter, Gauge, Histogram
 
 from bus.component import Component, component_main
-from bus.messages import GroupsDropped, MicroBatch, RunDone, ScoredGroup, new_id
+from bus.messages import GroupsDropped, GroupsTrained, MicroBatch, RunDone, ScoredGroup, new_id
 from bus.metrics import StageMeter
 from packer.evaluation import EvalAggregator, RoundResult
 from packer.packer import DROP_REASONS, Packer, padding_ratio
 from packer.samples import SamplesLog
+from packer.spool import SPOOL_DIR, Spool, checkpoint_step
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +81,8 @@ BUFFERED = Gauge("rlbus_packer_buffered_groups", "Groups waiting for the next st
 EVAL_GROUPS = Counter("rlbus_packer_eval_groups_total", "Scored eval groups received, by decision (taken, duplicate, late, invalid)", ["outcome"])
 EVAL_RESULTS = Counter("rlbus_packer_eval_results_total", "EvalResults published (one per eval task per round)")
 UNFINISHED = Gauge("rlbus_packer_unfinished_micro_batches", "Micro-batches sent and not yet done by the trainer (checkpoint)")
+SPOOL_TORN = Counter("rlbus_packer_spool_torn_records_total", "Damaged spool tails dropped on opening (a write cut short by a crash)")
+RESENT_STEPS = Counter("rlbus_packer_resent_steps_total", "Planned, unreleased steps sent again from the spool after a restart or resume")
 GROUP_OUTCOMES = ("accepted", "duplicate", *DROP_REASONS)
 """Every ``outcome`` of ``rlbus_packer_groups_total``."""
 EVAL_DECISIONS = ("taken", "duplicate", "late", "invalid")
@@ -100,6 +115,15 @@ class PackerProc(Component):
             online_difficulty_filtering=cfg.filters.online_difficulty_filtering,
             teacher=bool(cfg.teacher.model_path),
         )
+        first_step = checkpoint_step(self.run_dir) if self.launch.resume else 0
+        self.spool = Spool(self.run_dir / SPOOL_DIR, first_step=first_step)
+        SPOOL_TORN.inc(self.spool.torn_records)
+        state = self.spool.state
+        self.packer.restore(next_step=state.next_step, seen=state.seen, buffer=[state.groups[g] for g in state.buffered])
+        self.planned = [(step, [state.groups[g] for g in ids]) for step, ids in state.steps.items()]
+        if self.spool.existed or first_step:
+            log.info("resumed from the spool: next step %d, %d group(s) seen, %d buffered, %d planned step(s) to send again",
+                     state.next_step, len(state.seen), len(state.buffered), len(self.planned))
         self.evaluation = EvalAggregator()
         self.meter = StageMeter("packer")
         self.samples_log = SamplesLog(self.run_dir / "samples.jsonl", cfg.report.samples_interval, cfg.report.samples_per_step)
@@ -146,6 +170,8 @@ class PackerProc(Component):
         accepted, reason = self.packer.add(group)
         if accepted:
             self.meter.finished(group.group_size, int(group.completion_lens.sum()))
+        if accepted:
+            self.spool.accepted(group)  # durable before custody is released upstream
         if accepted or reason == "duplicate":
             GROUPS_IN.labels("accepted" if accepted else "duplicate").inc()  # a duplicate: no second outcome
             self.scored.done(group.id)
@@ -158,13 +184,43 @@ class PackerProc(Component):
         while msg is not None:
             if isinstance(msg, RunDone):
                 return True
+            if isinstance(msg, GroupsTrained):
+                self._released(msg.step)
             if isinstance(msg, GroupsDropped):
                 for closed in self.evaluation.add_failed(msg.group_ids):
                     self._publish_eval(closed)
             msg = self.control_in.recv(timeout_s=0)
         return False
 
+    def _released(self, step: int) -> None:
+        """The trainer released every step ``<= step``: mark it in the spool; compact the spool
+        when due and no outcome report is still in flight (see the module docstring)."""
+        self.spool.released(step)
+        if self.spool.should_compact() and self.outcomes.unfinished() == 0:
+            self.spool.compact(buffered=[g.id for g in self.packer.buffer])
+
+    def _send_step(self, batches: list[MicroBatch]) -> bool:
+        """Send one step's micro-batches (blocking on the trainer's pace); False if stopped."""
+        observe_step(batches, self.packer.micro_batch_tokens)
+        for mb in batches:
+            if not self.batches.send(mb):
+                return False
+        STEPS_OUT.inc()
+        log.info("step %d: %d micro-batch(es), %d loss tokens", batches[0].step, len(batches), batches[0].step_loss_tokens)
+        return True
+
+    def close(self) -> None:
+        spool = getattr(self, "spool", None)
+        if spool is not None:
+            spool.close()
+        super().close()
+
     def run(self) -> None:
+        for step, groups in self.planned:  # steps planned before a restart, not yet released
+            RESENT_STEPS.inc()
+            log.info("sending step %d again (planned before the restart)", step)
+            if not self._send_step(self.packer.pack(groups, step)):
+                return
         while not self.stop.is_set():
             if self._run_done():
                 return
@@ -178,13 +234,10 @@ class PackerProc(Component):
             BUFFERED.set(len(self.packer.buffer))
             UNFINISHED.set(self.batches.unfinished())
             if batches:
-                observe_step(batches, self.packer.micro_batch_tokens)
-                for mb in batches:
-                    if not self.batches.send(mb):
-                        return  # stopped while blocked
-                STEPS_OUT.inc()
+                self.spool.planned(batches[0].step, [g.id for g in self.packer.last_groups])  # durable before sent
+                if not self._send_step(batches):
+                    return  # stopped while blocked
                 self.samples_log.write(batches[0].step, self.packer.last_groups)
-                log.info("step %d: %d micro-batch(es), %d loss tokens", batches[0].step, len(batches), batches[0].step_loss_tokens)
 
 
 if __name__ == "__main__":

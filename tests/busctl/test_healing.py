@@ -77,9 +77,9 @@ def test_the_restart_budget_fails_the_run():
     assert isinstance(d, FailRun) and "after 3 restarts" in d.message and "supervisor.max_restarts=3" in d.message
 
 
-def test_the_packer_is_not_restarted_and_the_hint_names_resume():
+def test_the_packer_is_restarted_like_any_component():
     [d] = decide([facts("packer", exit_code=1)], 1005.0, rules())
-    assert isinstance(d, FailRun) and "busctl up --resume /runs/r" in d.message
+    assert isinstance(d, ScheduleRestart)
 
 
 def test_crashes_fail_the_run_at_start_up_or_with_restart_off():

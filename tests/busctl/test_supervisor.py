@@ -315,13 +315,13 @@ def test_restarted_component_not_ready_in_time_counts_as_another_crash(tmp_path,
     assert {n: comps[n]["pid"] for n in ("hub", "rewards-1")} == {n: first[n]["pid"] for n in ("hub", "rewards-1")}
 
 
-def test_packer_death_fails_the_run_with_a_resume_hint(tmp_path, supervisors):
+def test_a_killed_packer_is_restarted_like_any_component(tmp_path, supervisors):
     run = supervisors(make_cfg(tmp_path / "run"), table("hub", "packer", "rewards-0"))
-    os.kill(run.all_running()["packer"]["pid"], signal.SIGKILL)
-    assert run.join() == 1
-    out = run.out.getvalue()
-    assert "packer was killed by SIGKILL: its buffered groups are lost" in out
-    assert f"busctl up --resume {run.run_dir}" in out
+    first = run.all_running()
+    os.kill(first["packer"]["pid"], signal.SIGKILL)
+    comps = run.wait_for("packer restarted", lambda c: c["packer"]["restarts"] == 1 and c["packer"]["state"] == "running")
+    assert comps["packer"]["pid"] != first["packer"]["pid"] and comps["rewards-0"]["pid"] == first["rewards-0"]["pid"]
+    assert "RLBUS_RESTARTS=1 " in log_text(run.run_dir, "packer")
 
 
 def test_without_restarts_any_exit_fails_the_run(tmp_path, supervisors):
@@ -377,11 +377,17 @@ def test_resume_keeps_the_run_directory_and_tells_every_component(tmp_path, supe
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "ledger.jsonl").write_text("stale: from an earlier run\n")
+    (run_dir / "packer").mkdir()  # an earlier run's spool
     run = supervisors(make_cfg(run_dir, "trainer.max_steps=9"), table("hub", "rewards-0"))
     run.all_running()
     assert not (run_dir / "ledger.jsonl").exists()  # a fresh run starts from an empty run directory
+    assert not (run_dir / "packer").exists()
     # a second `busctl up` in the same run directory is refused while the first one runs
-    assert busctl.main(["up", f"run_dir={run_dir}", "model.path=x"]) == 1
+    model = tmp_path / "model"  # a model directory, so that the refusal is about the run going on
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "chat_template.jinja").write_text("{{ messages }}")
+    assert busctl.main(["up", f"run_dir={run_dir}", f"model.path={model}"]) == 1
     assert "already going" in capsys.readouterr().out
     run.close()
     assert run.code == 130
@@ -389,6 +395,8 @@ def test_resume_keeps_the_run_directory_and_tells_every_component(tmp_path, supe
     (run_dir / "checkpoints" / "step_3" / "state.pt").write_bytes(b"weights")
     (run_dir / "metrics.jsonl").write_text('{"step": 3}\n')
     (run_dir / "ledger.jsonl").write_text("issued p-1\n")
+    (run_dir / "packer").mkdir()
+    (run_dir / "packer" / "spool.bin").write_bytes(b"spooled")
 
     cfg = busctl.resume_config(str(run_dir), ["trainer.max_steps=12"])
     assert cfg.trainer.max_steps == 12 and cfg.run_dir == str(run_dir.resolve()) and cfg.model.path == "unused-by-sleepy"
@@ -397,6 +405,7 @@ def test_resume_keeps_the_run_directory_and_tells_every_component(tmp_path, supe
     assert (run_dir / "checkpoints" / "step_3" / "state.pt").read_bytes() == b"weights"
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 3}\n'
     assert (run_dir / "ledger.jsonl").read_text() == "issued p-1\n"
+    assert (run_dir / "packer" / "spool.bin").read_bytes() == b"spooled"
     log = log_text(run_dir, "rewards-0")
     assert log.count("===== rlbus") == 2 and "(resume)" in log  # appended
     assert "RLBUS_RESTARTS= RLBUS_RESUME=1 " in log

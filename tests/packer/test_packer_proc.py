@@ -9,7 +9,9 @@ another reward worker, after its step went out) never trains twice nor gets a se
 micro-batches stay with the packer until the trainer marks them done, and a restarted trainer
 gets them again; ``run.done`` ends the loop. Eval groups are never packed: the packer publishes
 one ``eval.result`` per task once a round's groups (received + announced failed) are all in, and
-only then releases them.
+only then releases them. A packer started again on the same run directory (a restart) sends the
+steps it had planned again, identically, keeps its buffer and its seen ids (from its spool,
+:mod:`packer.spool`); a resumed one without a spool numbers steps from the trainer's checkpoint.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -27,7 +30,7 @@ import bus.inbox
 from bus.courier import Courier
 from bus.hub import ControlHub
 from bus.inbox import Inbox
-from bus.messages import EvalResult, GroupsDropped, Message, MicroBatch, RunDone, ScoredGroup, new_id
+from bus.messages import EvalResult, GroupsDropped, GroupsTrained, Message, MicroBatch, RunDone, ScoredGroup, new_id
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
 from configs.schema import load_config
@@ -128,17 +131,27 @@ def live(tmp_path):
     remove_outside_socket_dir(tmp_path)
 
 
-@pytest.fixture
-def packer(live):
+def start_packer(live: LiveBus) -> tuple[PackerProc, threading.Thread]:
+    """A PackerProc on the live bus, its loop running in a thread."""
     proc = PackerProc(live.cfg, "packer", 0)
     proc.setup()
     live.sync(proc.control_out)  # its announcements reach the hub from now on (run() not started yet)
     thread = threading.Thread(target=proc.run, daemon=True)
     thread.start()
-    yield proc, thread
+    return proc, thread
+
+
+def stop_packer(proc: PackerProc, thread: threading.Thread) -> None:
     proc.stop.set()
     thread.join(timeout=5)
     proc.close()
+
+
+@pytest.fixture
+def packer(live):
+    proc, thread = start_packer(live)
+    yield proc, thread
+    stop_packer(proc, thread)
 
 
 def receive_step(inbox: Inbox, step: int) -> list[MicroBatch]:
@@ -259,3 +272,64 @@ def test_eval_groups_are_aggregated_published_and_then_released(live, packer, mo
     assert trainer.recv(timeout_s=0.3) is None and ledger.ids() == []
     assert proc.packer.seen == set() and not proc.packer.buffer
     ledger.close()
+
+
+def test_a_restarted_packer_sends_planned_steps_again_and_keeps_its_buffer(live, monkeypatch):
+    monkeypatch.setattr(bus.inbox, "DONE_MEMORY", 1)  # re-sends reach the packer's own dedupe
+    addr_scored, addr_batches = live.endpoints.address("scored"), live.endpoints.address("batches")
+    ledger = OutcomesSink(live.courier(), live.endpoints.address("outcomes"))
+    worker = live.courier().sender("scored", addr_scored, bind=False)
+    trainer_courier = live.courier()
+    trainer = trainer_courier.receiver("batches", addr_batches, bind=False, accept=(MicroBatch,))
+    proc, thread = start_packer(live)
+    for msg in (group("g0", [1, 0]), group("g1", [0, 1]), group("g2", [0.5, 0])):
+        assert worker.send(msg, timeout_s=WAIT_S)
+    step0 = receive_step(trainer, 0)
+    wait_until(lambda: worker.unfinished() == 0, "every group released upstream (g2 buffered)")
+    stop_packer(proc, thread)  # its buffer (g2) and its unreleased step 0 now live only in the spool
+    live.close_courier(trainer_courier)  # and the trainer restarts too: it has trained nothing
+
+    proc, thread = start_packer(live)
+    assert proc.packer.next_step == 1 and [g.id for g in proc.packer.buffer] == ["g2"]
+    trainer = live.courier().receiver("batches", addr_batches, bind=False, accept=(MicroBatch,))
+    again = receive_step(trainer, 0)
+    assert [(mb.id, mb.sample_ids) for mb in again] == [(mb.id, mb.sample_ids) for mb in step0]
+    assert all(np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.advantages, b.advantages) for a, b in zip(again, step0))
+    trainer.done(*[mb.id for mb in again])
+    wait_until(lambda: proc.batches.unfinished() == 0, "step 0 done to the new packer")
+
+    assert worker.send(group("g0", [0, 1]), timeout_s=WAIT_S)  # an old group re-sent: decided before the restart
+    assert worker.send(group("g3", [0, 1]), timeout_s=WAIT_S)
+    step1 = receive_step(trainer, 1)
+    assert groups_of(step1) == ["g2/0", "g2/1", "g3/0", "g3/1"]
+    wait_until(lambda: worker.unfinished() == 0, "g0 released as a duplicate, g3 taken")
+    assert ledger.ids() == []  # no outcome for the duplicate
+
+    trained = GroupsTrained(id="trained-step-1", step=1, group_ids=["g2", "g3"])  # a checkpoint covers steps 0 and 1
+
+    def released() -> bool:
+        live.pub.send(trained)  # repeated until the packer's SUB has joined (receivers dedupe by id)
+        time.sleep(0.05)
+        return proc.spool.state.steps == {}
+
+    wait_until(released, "steps 0 and 1 marked released in the spool")
+    stop_packer(proc, thread)
+    proc, thread = start_packer(live)
+    assert (proc.packer.next_step, proc.planned, len(proc.packer.buffer)) == (2, [], 0)
+    assert {"g0", "g1", "g2", "g3"} <= proc.packer.seen
+    stop_packer(proc, thread)
+    ledger.close()
+
+
+def test_a_resumed_packer_without_spool_numbers_steps_from_the_checkpoint(live, monkeypatch):
+    done = Path(live.cfg.run_dir) / "checkpoints" / "step_000003" / "DONE"
+    done.parent.mkdir(parents=True)
+    done.write_text("")
+    monkeypatch.setenv("RLBUS_RESUME", "1")
+    proc, thread = start_packer(live)
+    worker = live.courier().sender("scored", live.endpoints.address("scored"), bind=False)
+    trainer = live.courier().receiver("batches", live.endpoints.address("batches"), bind=False, accept=(MicroBatch,))
+    for msg in (group("g0", [1, 0], version=3), group("g1", [0, 1], version=3)):
+        assert worker.send(msg, timeout_s=WAIT_S)
+    assert groups_of(receive_step(trainer, 3)) == ["g0/0", "g0/1", "g1/0", "g1/1"]
+    stop_packer(proc, thread)

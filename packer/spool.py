@@ -1,0 +1,295 @@
+"""The packer's durable spool: an append-only file of accepted groups and of the step plan, from
+which a restarted packer (supervisor restart or ``busctl up --resume``) rebuilds its state.
+
+File: ``RUN_DIR/packer/spool.bin``, a sequence of records ``[u32 length][u32 crc32][payload]``
+(little-endian; ``payload`` = msgpack ``[kind, body]``):
+
+| kind        | body                               | written                                      | fsync |
+|-------------|------------------------------------|----------------------------------------------|-------|
+| ``start``   | ``next_step``                      | creating the file (and by compaction)        | yes   |
+| ``group``   | the :func:`bus.codec.encode` frames of an accepted :class:`ScoredGroup` | before ``scored.done`` | yes |
+| ``step``    | ``[step, [group ids]]``            | before the step's first micro-batch is sent  | yes   |
+| ``released``| ``step``                           | a ``groups.trained(step)`` was seen          | no    |
+| ``seen``    | ``[group ids]``                    | by compaction: ids of released groups        | yes   |
+
+Fsync policy (why): a ``group`` record is fsynced before the packer releases custody of the
+group upstream (``scored.done``), since after that no reward worker holds it; a ``step`` record
+is fsynced before the step's micro-batches leave, since the trainer may train them and a
+restarted packer must emit that step again with the same groups (same micro-batch ids and
+contents, :func:`packer.packer.pack_step` is deterministic) and never put those groups into
+another step. A ``released`` record is only flushed: losing it makes a restarted packer re-send
+steps the trainer's checkpoint already covers, which the trainer releases without training.
+
+Replay: records are applied in order by the same code as live writes (:meth:`Spool._apply`).
+A damaged tail (a record cut short by a crash mid-write, or a checksum mismatch) ends the replay:
+it and everything after it are dropped (counted in :attr:`Spool.torn_records`, logged) and the
+file is truncated there before appending. Only the unfsynced tail can be damaged, so no record
+whose write was acknowledged is lost.
+
+Compaction (bounded size): once the bytes of ``group`` records of released steps (dead bytes)
+exceed both :data:`COMPACT_MIN_BYTES` and the bytes of live ones (groups buffered or in
+unreleased steps), :meth:`Spool.compact` rewrites the file with only the live state (``start``,
+``seen``, live ``group`` and ``step`` records) into ``spool.bin.tmp``, fsyncs it, renames it over
+the spool and fsyncs the directory. The file therefore stays below about twice the live bytes
+plus :data:`COMPACT_MIN_BYTES`, and each byte is rewritten O(1) times on average. The seen-id set
+(every accepted id of the run) is kept: it is the packer's run-wide duplicate guard.
+
+Drops are not recorded: a group dropped on arrival (filtered, too long, ...) that is re-sent to a
+restarted packer is decided again, the same way, and its repeated drop report is a harmless repeat
+for the ledger (no second replacement). Groups dropped from the buffer as stale are not recorded
+either: a restarted packer gets them back in
+its buffer and drops them again at its next step (the ledger treats the repeated outcome as a
+harmless repeat), so a drop whose report died with the packer is still reported.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import msgpack
+
+from bus.codec import decode, encode
+from bus.messages import ScoredGroup
+
+log = logging.getLogger(__name__)
+
+SPOOL_DIR = "packer"
+"""The spool's directory under the run directory."""
+SPOOL_NAME = "spool.bin"
+COMPACT_MIN_BYTES = 64 * 2**20
+"""Dead bytes below which the spool is never compacted (64 MiB)."""
+_HEADER = struct.Struct("<II")
+_MAX_RECORD = 2**31
+CHECKPOINTS_DIR = "checkpoints"
+"""The trainer's checkpoint root under the run directory (``step_NNNNNN/`` with a ``DONE`` file)."""
+
+
+def checkpoint_step(run_dir: str | os.PathLike[str]) -> int:
+    """The step of the trainer's latest complete checkpoint in ``run_dir`` (``checkpoints/step_N``
+    holding a ``DONE`` file, the layout of :mod:`trainer.checkpoint`), or 0 if there is none:
+    the step a resumed run's packer numbers from when it has no spool."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    steps = [0]
+    if root.is_dir():
+        for p in root.iterdir():
+            name = p.name
+            if name.startswith("step_") and name[5:].isdigit() and (p / "DONE").is_file():
+                steps.append(int(name[5:]))
+    return max(steps)
+
+
+@dataclass
+class SpoolState:
+    """What the spool holds (after replay, and kept current by every write).
+
+    Attributes:
+        next_step: the step the packer numbers next.
+        seen: every group id ever accepted (the run-wide duplicate guard).
+        groups: accepted groups not yet in a released step, by id.
+        buffered: ids of accepted groups not yet planned, in acceptance order.
+        steps: planned, unreleased steps: step -> group ids in packing order (ascending steps).
+        released_through: the highest released step (-1: none).
+    """
+
+    next_step: int = 0
+    seen: set[str] = field(default_factory=set)
+    groups: dict[str, ScoredGroup] = field(default_factory=dict)
+    buffered: dict[str, None] = field(default_factory=dict)
+    steps: dict[int, list[str]] = field(default_factory=dict)
+    released_through: int = -1
+
+
+class Spool:
+    """The packer's spool in ``directory`` (created if missing), replayed on open.
+
+    Args:
+        directory: ``RUN_DIR/packer``.
+        first_step: the step to number from when the spool is new (a resumed run without spool:
+            the trainer's checkpoint step); an existing spool continues from its own state (or
+            from ``first_step`` if that is higher).
+        compact_min_bytes: see :data:`COMPACT_MIN_BYTES`.
+
+    Raises:
+        ValueError: ``first_step < 0``.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], first_step: int = 0, *, compact_min_bytes: int = COMPACT_MIN_BYTES) -> None:
+        if first_step < 0:
+            raise ValueError(f"first_step must be >= 0, got {first_step}")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.path = self.directory / SPOOL_NAME
+        self.compact_min_bytes = compact_min_bytes
+        self.state = SpoolState()
+        self.sizes: dict[str, int] = {}  # live group id -> bytes of its record
+        self.dead_bytes = 0
+        self.torn_records = 0
+        self.existed = self.path.is_file()
+        good = self._replay() if self.existed else 0
+        self._file: BinaryIO = open(self.path, "r+b" if self.existed else "wb")
+        self._file.truncate(good)
+        self._file.seek(good)
+        if not self.existed or first_step > self.state.next_step:
+            self._write("start", max(first_step, self.state.next_step), sync=True)
+
+    # -- writes ----------------------------------------------------------------------------------
+
+    def accepted(self, group: ScoredGroup) -> None:
+        """Record an accepted group (fsynced: call before releasing it upstream)."""
+        self._write("group", [bytes(f) for f in encode(group)], sync=True, group=group)
+
+    def planned(self, step: int, group_ids: list[str]) -> None:
+        """Record that ``step`` takes ``group_ids`` (fsynced: call before sending the step).
+
+        Raises:
+            ValueError: ``step`` is not the next step, or an id is not buffered.
+        """
+        if step != self.state.next_step:
+            raise ValueError(f"step {step} planned but the spool's next step is {self.state.next_step}")
+        missing = [g for g in group_ids if g not in self.state.buffered]
+        if missing:
+            raise ValueError(f"step {step} takes groups not buffered in the spool: {missing[:3]}")
+        self._write("step", [step, list(group_ids)], sync=True)
+
+    def released(self, step: int) -> None:
+        """Record that the trainer released every step ``<= step`` (flushed, not fsynced); a no-op
+        if no planned step is newly released."""
+        if step > self.state.released_through and any(s <= step for s in self.state.steps):
+            self._write("released", step, sync=False)
+
+    def should_compact(self) -> bool:
+        """Dead bytes exceed both the minimum and the live bytes (see the module docstring)."""
+        return self.dead_bytes > max(self.compact_min_bytes, sum(self.sizes.values()))
+
+    def compact(self, buffered: list[str] | None = None) -> None:
+        """Rewrite the spool with only its live state (atomically: tmp, fsync, rename, fsync dir).
+
+        Args:
+            buffered: the packer's current buffer (ids, in order) if groups were dropped from it
+                since they were recorded (stale); None: keep the spool's buffer.
+        """
+        old = self.state
+        keep = list(old.buffered) if buffered is None else [g for g in buffered if g in old.buffered]
+        live = [g for ids in old.steps.values() for g in ids] + keep
+        records: list[tuple[str, Any]] = [("start", old.next_step)]
+        dead = sorted(old.seen - set(live))
+        if dead:
+            records.append(("seen", dead))
+        for gid in live:
+            records.append(("group", [bytes(f) for f in encode(old.groups[gid])]))
+        records += [("step", [s, ids]) for s, ids in old.steps.items()]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            for kind, body in records:
+                f.write(_frame(kind, body))
+            f.flush()
+            os.fsync(f.fileno())
+        self._file.close()
+        os.replace(tmp, self.path)
+        _fsync_dir(self.directory)
+        self.state, self.sizes, self.dead_bytes = SpoolState(), {}, 0
+        good = self._replay()
+        self._file = open(self.path, "r+b")
+        self._file.seek(good)
+        self.state.released_through = old.released_through
+        log.info("spool compacted: %d live group(s), %d step(s) not released, %d bytes", len(live), len(old.steps), good)
+
+    def close(self) -> None:
+        """Flush and close the file."""
+        if not self._file.closed:
+            self._file.flush()
+            self._file.close()
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _write(self, kind: str, body: Any, *, sync: bool, group: ScoredGroup | None = None) -> None:
+        record = _frame(kind, body)
+        self._file.write(record)
+        self._file.flush()
+        if sync:
+            os.fsync(self._file.fileno())
+        self._apply(kind, body, len(record), group)
+
+    def _apply(self, kind: str, body: Any, nbytes: int, group: ScoredGroup | None = None) -> None:
+        st = self.state
+        if kind == "start":
+            st.next_step = max(st.next_step, int(body))
+        elif kind == "group":
+            g = group if group is not None else decode(body)
+            if not isinstance(g, ScoredGroup):
+                raise ValueError(f"spool group record holds a {type(g).__name__}")
+            st.seen.add(g.id)
+            st.groups[g.id] = g
+            st.buffered[g.id] = None
+            self.sizes[g.id] = nbytes
+        elif kind == "step":
+            step, ids = int(body[0]), [str(g) for g in body[1]]
+            st.steps[step] = ids
+            for gid in ids:
+                st.buffered.pop(gid, None)
+            st.next_step = max(st.next_step, step + 1)
+        elif kind == "released":
+            for step in [s for s in st.steps if s <= int(body)]:
+                for gid in st.steps.pop(step):
+                    st.groups.pop(gid, None)
+                    self.dead_bytes += self.sizes.pop(gid, 0)
+            st.released_through = max(st.released_through, int(body))
+        elif kind == "seen":
+            st.seen.update(str(g) for g in body)
+        else:
+            raise ValueError(f"unknown spool record kind {kind!r}")
+
+    def _replay(self) -> int:
+        """Apply every intact record; returns the offset after the last one."""
+        data = self.path.read_bytes()
+        offset = 0
+        while offset < len(data):
+            record = _unframe(data, offset)
+            if record is None:
+                break
+            (kind, body), end = record
+            try:
+                self._apply(kind, body, end - offset)
+            except Exception as exc:  # a record that does not decode is damaged like a torn one
+                log.error("spool record at byte %d unreadable (%s: %s)", offset, type(exc).__name__, exc)
+                break
+            offset = end
+        if offset < len(data):
+            self.torn_records += 1
+            log.warning("spool %s: dropped a damaged tail of %d bytes at byte %d (a write cut short by a crash)",
+                        self.path, len(data) - offset, offset)
+        return offset
+
+
+def _frame(kind: str, body: Any) -> bytes:
+    payload = msgpack.packb([kind, body], use_bin_type=True)
+    return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def _unframe(data: bytes, offset: int) -> tuple[tuple[str, Any], int] | None:
+    """The record at ``offset`` and the offset after it, or None if it is cut short or damaged."""
+    if offset + _HEADER.size > len(data):
+        return None
+    length, crc = _HEADER.unpack_from(data, offset)
+    start, end = offset + _HEADER.size, offset + _HEADER.size + length
+    if length > _MAX_RECORD or end > len(data) or zlib.crc32(data[start:end]) != crc:
+        return None
+    try:
+        kind, body = msgpack.unpackb(data[start:end], raw=False)
+    except Exception:
+        return None
+    return (kind, body), end
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
