@@ -9,17 +9,31 @@ control messages idempotently (ignore versions they already have).
 
 Malformed control messages, and well-formed messages of a type that is not a control type
 (:data:`bus.messages.CONTROL_TYPES`), are counted and dropped here, never forwarded.
+
+Restarts. The hub is restartable (the supervisor restarts it on the same endpoints; every PUB and
+SUB reconnects by itself). Its cache survives the restart: every change is written to
+``RUN_DIR/hub_last_values.bin`` (:data:`CACHE_NAME`; tmp + rename, so a SIGKILL leaves the old or
+the new file, never a torn one; no fsync: a power loss is not covered, as in ``docs/DELIVERY.md``),
+and a restarted hub (``RLBUS_RESTARTS >= 1``) loads it, so subscribers reconnecting to it are
+caught up again. A first start (fresh or ``--resume``d run) deletes the file: a resumed run must not
+re-announce the old run's ``run.done``. Messages published while the hub is down are lost by
+ZeroMQ; their publishers re-announce their latest state once reconnected
+(:class:`bus.control.ControlPublisher`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
+from pathlib import Path
 
+import msgpack
 import zmq
 
+from bus.codec import decode, encode
 from bus.component import Component, component_main
 from bus.messages import CONTROL_TYPES, Message
 from bus.sockets import POLL_SLICE_S, BusSocket
@@ -28,6 +42,9 @@ log = logging.getLogger(__name__)
 
 LAST_VALUE_TYPES = ("weights.ready", "trainer.step", "run.done")
 """Control message types whose latest value is re-announced to every new subscriber."""
+
+CACHE_NAME = "hub_last_values.bin"
+"""File in the run dir holding the hub's last-value cache (msgpack list of encoded messages)."""
 
 REANNOUNCE_INTERVAL_S = 0.05
 """Shortest time between two re-announcements of the cache to new subscribers, seconds."""
@@ -39,15 +56,44 @@ class ControlHub:
     Args:
         ctx: zmq context. pub_endpoint / sub_endpoint: endpoints to bind.
         stop: event that ends :meth:`run`.
+        cache_path: where the last-value cache is persisted on every change (None: memory only).
+            An existing file there is loaded by :meth:`load_cache`, not here.
     """
 
-    def __init__(self, ctx: zmq.Context, pub_endpoint: str, sub_endpoint: str, stop: threading.Event) -> None:
+    def __init__(self, ctx: zmq.Context, pub_endpoint: str, sub_endpoint: str, stop: threading.Event,
+                 cache_path: Path | None = None) -> None:
         self.stop = stop
         self.inbound = BusSocket(ctx, "control_pub", "recv", pub_endpoint, bind=True, stop=stop, accept=CONTROL_TYPES)
         self.inbound.sock.send(b"\x01")  # XSUB: subscribe to everything upstream
         self.outbound = BusSocket(ctx, "control_sub", "send", sub_endpoint, bind=True, stop=stop)
         self.outbound.sock.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.last: dict[str, Message] = {}
+        self.cache_path = cache_path
+
+    def load_cache(self) -> int:
+        """Load the last values persisted by a previous hub of this run into the cache (a missing
+        or unreadable file leaves it empty, with a warning for the latter). Returns how many."""
+        if self.cache_path is None or not self.cache_path.is_file():
+            return 0
+        try:
+            frames_list = msgpack.unpackb(self.cache_path.read_bytes())
+            loaded = [decode(frames) for frames in frames_list]
+        except Exception as exc:  # noqa: BLE001 - any corruption: start empty, say so
+            log.warning("cannot read the hub cache %s (%s): starting with an empty cache", self.cache_path, exc)
+            return 0
+        for msg in loaded:
+            if msg.TYPE in LAST_VALUE_TYPES:
+                self.last[msg.TYPE] = msg
+        return len(self.last)
+
+    def _persist(self) -> None:
+        """Write the cache to ``cache_path`` atomically (tmp + rename)."""
+        if self.cache_path is None:
+            return
+        data = msgpack.packb([[bytes(f) for f in encode(m)] for m in self.last.values()])
+        tmp = self.cache_path.with_name(self.cache_path.name + ".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, self.cache_path)
 
     def run(self) -> None:
         """Forward until ``stop`` is set.
@@ -71,6 +117,7 @@ class ControlHub:
                 if msg is not None:
                     if msg.TYPE in LAST_VALUE_TYPES:
                         self.last[msg.TYPE] = msg
+                        self._persist()
                     self.outbound.send(msg)
             if self.outbound.sock in events:
                 event = self.outbound.sock.recv()
@@ -85,17 +132,21 @@ class ControlHub:
         self.outbound.close()
 
 
-
-
-
 class Hub(Component):
-    """The control hub as a component process (binds both control endpoints)."""
+    """The control hub as a component process (binds both control endpoints; the cache persisted
+    in the run dir, loaded again after a restart: see the module docstring)."""
 
     def setup(self) -> None:
         self.endpoints.ensure_dirs()
+        cache_path = self.run_dir / CACHE_NAME
         self.hub = ControlHub(
-            self.ctx, self.endpoints.address("control_pub"), self.endpoints.address("control_sub"), self.stop
+            self.ctx, self.endpoints.address("control_pub"), self.endpoints.address("control_sub"), self.stop,
+            cache_path=cache_path,
         )
+        if self.launch.restarts >= 1:
+            log.info("restarted (%d): %d last value(s) loaded from %s", self.launch.restarts, self.hub.load_cache(), cache_path)
+        else:
+            cache_path.unlink(missing_ok=True)
         self._sockets += [self.hub.inbound, self.hub.outbound]
 
     def run(self) -> None:
