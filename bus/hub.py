@@ -2,10 +2,12 @@
 
 Publishers connect PUB sockets to the hub's XSUB endpoint; subscribers connect SUB sockets to its
 XPUB endpoint. Every valid control message is forwarded to all subscribers. The hub remembers
-the latest message of each type in :data:`LAST_VALUE_TYPES` and re-sends them whenever a new
-subscription arrives, so a component that joins late learns the current policy version and
-weights announcement (the "slow joiner" fix of the ZeroMQ guide). Receivers therefore must treat
-control messages idempotently (ignore versions they already have).
+the latest message of each type in :data:`LAST_VALUE_TYPES` (``weights.applied``: the latest of
+each producer) and re-sends them whenever a new subscription arrives, so a component that joins
+late, or restarts, learns the current policy version, weights announcement and the version every
+producer applied (the "slow joiner" fix of the ZeroMQ guide; a prompt source restarted after a
+producer applied new weights would otherwise gate issuing on the old version forever). Receivers
+therefore must treat control messages idempotently (ignore versions they already have).
 
 Malformed control messages, and well-formed messages of a type that is not a control type
 (:data:`bus.messages.CONTROL_TYPES`), are counted and dropped here, never forwarded.
@@ -40,14 +42,22 @@ from bus.sockets import POLL_SLICE_S, BusSocket
 
 log = logging.getLogger(__name__)
 
-LAST_VALUE_TYPES = ("weights.ready", "trainer.step", "run.done")
-"""Control message types whose latest value is re-announced to every new subscriber."""
+LAST_VALUE_TYPES = ("weights.ready", "trainer.step", "run.done", "weights.applied")
+"""Control message types whose latest value is re-announced to every new subscriber
+(``weights.applied``: per producer, see :func:`cache_key`)."""
 
 CACHE_NAME = "hub_last_values.bin"
 """File in the run dir holding the hub's last-value cache (msgpack list of encoded messages)."""
 
 REANNOUNCE_INTERVAL_S = 0.05
 """Shortest time between two re-announcements of the cache to new subscribers, seconds."""
+
+
+def cache_key(msg: Message) -> str:
+    """The last-value cache slot of ``msg``: its type, and for ``weights.applied`` also its
+    producer (``"weights.applied/producer-1"``): each producer's latest applied version is kept."""
+    producer = getattr(msg, "producer", None) if msg.TYPE == "weights.applied" else None
+    return msg.TYPE if producer is None else f"{msg.TYPE}/{producer}"
 
 
 class ControlHub:
@@ -83,7 +93,7 @@ class ControlHub:
             return 0
         for msg in loaded:
             if msg.TYPE in LAST_VALUE_TYPES:
-                self.last[msg.TYPE] = msg
+                self.last[cache_key(msg)] = msg
         return len(self.last)
 
     def _persist(self) -> None:
@@ -116,7 +126,7 @@ class ControlHub:
                 msg = self.inbound.recv_ready()
                 if msg is not None:
                     if msg.TYPE in LAST_VALUE_TYPES:
-                        self.last[msg.TYPE] = msg
+                        self.last[cache_key(msg)] = msg
                         self._persist()
                     self.outbound.send(msg)
             if self.outbound.sock in events:
