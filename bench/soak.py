@@ -7,7 +7,8 @@ What it does, on this host:
 
 - starts ``busctl up CONFIG`` (fast failure detection: heartbeats 0.2 s, dead after 3 s, restart
   backoff 0.2-2 s, a restart budget that the soak cannot spend) with ``trainer.max_steps`` large
-  enough to outlast ``--minutes`` (default: one step per second of the soak, at least 300);
+  meant to outlast ``--minutes`` (default: one step per 2 s of the soak, at least 60; killing stops
+  early at 90% of them, so raise ``--max-steps`` on a fast host);
 - every 20-40 s (uniform) SIGKILLs one component of a kind drawn uniformly from :data:`KINDS`:
   hub, prompt source, trainer, producer, reward worker, and the packer when the supervisor
   restarts it (``"packer"`` in ``RESTARTABLE_ROLES``; otherwise its kill would end the run, so it
@@ -159,13 +160,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--config", default="configs/reverse_text.yaml")
     ap.add_argument("--run-dir", default="runs/soak")
-    ap.add_argument("--max-steps", type=int, default=0, help="0: max(300, one per second of the soak)")
+    ap.add_argument("--max-steps", type=int, default=0, help="0: max(60, one per 2 s of the soak)")
     ap.add_argument("--seed", type=int, default=16)
     ap.add_argument("--out", default="", help="JSON file (default: RUN_DIR/soak.json)")
     ap.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = ap.parse_args(argv)
     run_dir = Path(args.run_dir).resolve()
-    max_steps = args.max_steps or max(300, int(args.minutes * 60))
+    max_steps = args.max_steps or max(60, int(args.minutes * 30))
     rng = random.Random(args.seed)
     cmd = [sys.executable, "-m", "busctl", "up", args.config, f"run_dir={run_dir}", f"trainer.max_steps={max_steps}",
            *FAST_FAILURE_DETECTION, "supervisor.max_restarts=1000", *args.overrides]
