@@ -23,7 +23,8 @@ their outcomes, samples trained, lost (issued prompts left without outcome, and 
 groups missing from ``trained_samples.jsonl``), trained twice (sample ids in more than one step of
 the surviving lineage), and per kill kind the step-time cost of the restart: the gap between the
 last trainer step before the kill and the first step beyond every step reached before it, minus
-the median step interval (polled every :data:`POLL_S` s, so +-0.25 s).
+the median step interval (polled every :data:`POLL_S` s, so +-0.25 s); kills that come before the
+run recovered from the previous one are listed but not costed (see :func:`restart_costs`).
 """
 
 from __future__ import annotations
@@ -118,9 +119,14 @@ def victim(run_dir: Path, kind: str, rng: random.Random) -> tuple[str, int] | No
 def restart_costs(kills: list[dict], progress: list[tuple[float, int]]) -> dict:
     """Per kill kind: the step-time cost of its restarts, seconds (see the module docstring).
 
+    A kill that comes before the run recovered from the previous one (before the trainer passed
+    every step reached before that kill) is *overlapped*: its cost is not separable from the
+    previous one's, so it is listed (``cost_s`` None) but left out of the per-kind figures.
+
     Args:
-        kills: ``{"kind", "t"}`` per kill (``time.monotonic()``). progress: ``(t, trained steps)``
-            samples, in time order.
+        kills: ``{"kind", "name", "t", "step"}`` per kill (``t``: ``time.monotonic()``), in time
+            order; each gets ``cost_s`` (float or None) and ``overlapped`` (bool) added.
+        progress: ``(t, trained steps)`` samples, in time order.
     """
     new_max: list[tuple[float, int]] = []  # (t, step): times the run first reached each step
     for t, step in progress:
@@ -129,13 +135,22 @@ def restart_costs(kills: list[dict], progress: list[tuple[float, int]]) -> dict:
     gaps = [b[0] - a[0] for a, b in zip(new_max, new_max[1:])]
     median = statistics.median(gaps) if gaps else 0.0
     costs: dict[str, list[float]] = {}
+    recovered_at = float("-inf")
     for k in kills:
         before = [p for p in new_max if p[0] <= k["t"]]
         after = [p for p in new_max if p[0] > k["t"]]
+        k["overlapped"] = k["t"] < recovered_at
+        k["cost_s"] = None
         if before and after:
-            costs.setdefault(k["kind"], []).append(after[0][0] - before[-1][0] - median)
+            recovered_at = after[0][0]
+            if not k["overlapped"]:
+                k["cost_s"] = after[0][0] - before[-1][0] - median
+                costs.setdefault(k["kind"], []).append(k["cost_s"])
+        else:
+            recovered_at = float("inf")
     return {"median_step_interval_s": median,
-            "cost_s": {kind: {"n": len(c), "median": statistics.median(c), "max": max(c)} for kind, c in costs.items()}}
+            "cost_s": {kind: {"n": len(c), "median": statistics.median(c), "max": max(c)} for kind, c in costs.items()},
+            "kill_log": [{key: k[key] for key in ("kind", "name", "step", "cost_s", "overlapped")} for k in kills]}
 
 
 def run_figures(run_dir: Path) -> dict:
