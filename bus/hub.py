@@ -49,6 +49,10 @@ LAST_VALUE_TYPES = ("weights.ready", "trainer.step", "run.done", "weights.applie
 CACHE_NAME = "hub_last_values.bin"
 """File in the run dir holding the hub's last-value cache (msgpack list of encoded messages)."""
 
+MAX_CACHED_PRODUCERS = 256
+"""Most producers whose ``weights.applied`` the cache keeps (the least recently announced one is
+dropped first), so a peer inventing producer names cannot grow the cache without bound."""
+
 REANNOUNCE_INTERVAL_S = 0.05
 """Shortest time between two re-announcements of the cache to new subscribers, seconds."""
 
@@ -93,8 +97,18 @@ class ControlHub:
             return 0
         for msg in loaded:
             if msg.TYPE in LAST_VALUE_TYPES:
-                self.last[cache_key(msg)] = msg
+                self._remember(msg)
         return len(self.last)
+
+    def _remember(self, msg: Message) -> None:
+        """Put ``msg`` in its cache slot (most recent last), keeping at most
+        :data:`MAX_CACHED_PRODUCERS` ``weights.applied`` slots."""
+        key = cache_key(msg)
+        self.last.pop(key, None)
+        self.last[key] = msg
+        applied = [k for k in self.last if k.startswith("weights.applied/")]
+        for old in applied[: max(0, len(applied) - MAX_CACHED_PRODUCERS)]:
+            del self.last[old]
 
     def _persist(self) -> None:
         """Write the cache to ``cache_path`` atomically (tmp + rename)."""
@@ -126,7 +140,7 @@ class ControlHub:
                 msg = self.inbound.recv_ready()
                 if msg is not None:
                     if msg.TYPE in LAST_VALUE_TYPES:
-                        self.last[cache_key(msg)] = msg
+                        self._remember(msg)
                         self._persist()
                     self.outbound.send(msg)
             if self.outbound.sock in events:
