@@ -31,6 +31,7 @@ from pathlib import Path
 import zmq
 
 from bus import auth
+from bus.control import ControlPublisher
 from bus.courier import Courier
 from bus.inbox import Inbox
 from bus.launch_env import LaunchEnv
@@ -124,9 +125,12 @@ class Component:
             self._outcomes = self.reliable_sender("outcomes", self.endpoints.address("outcomes"), bind=False)
         return self._outcomes
 
-    def control_publisher(self) -> BusSocket:
-        """A PUB socket connected to the control hub."""
-        return self.socket("control_pub", "send", self.endpoints.address("control_pub"), bind=False)
+    def control_publisher(self) -> ControlPublisher:
+        """A PUB socket connected to the control hub that re-announces its latest state after the
+        hub restarts (:class:`bus.control.ControlPublisher`)."""
+        sock = ControlPublisher(self.ctx, self.endpoints.address("control_pub"), stop=self.stop)
+        self._sockets.append(sock)
+        return sock
 
     def control_subscriber(self) -> BusSocket:
         """A SUB socket connected to the control hub (subscribed to everything)."""

@@ -11,8 +11,10 @@ from the packer and producers) goes through the :class:`prompts.accounting.Ledge
 rebuilds the ledger, re-issues the prompts still without outcome first (same id and content: a
 prompt is a pure function of its issue index; downstream dedupe by id makes a copy harmless), then
 goes on issuing. A restarted source also restores the producers' applied versions journaled since
-the run (re)started, because ``weights.applied`` is not re-announced by the hub; a resumed run
-does not (its producers are new and announce again). ``accounting.json`` is written at most every
+the run (re)started, and then hears every producer's latest ``weights.applied`` from the hub's
+catch-up (:mod:`bus.hub` caches it per producer), which covers announcements made while the source
+was down; a repeat of a version already known is ignored. A resumed run does not restore (its
+producers are new and announce again). ``accounting.json`` is written at most every
 ``Ledger.write_interval_s`` while running, on ``run.done`` and on close.
 
 Run as ``python -m prompts.proc --run-dir RUN_DIR --name prompt-source`` (the supervisor does, see
@@ -116,7 +118,7 @@ class PromptSourceProc(Component):
         """Apply control messages; False once the run is done."""
         msg = self.control.recv(timeout_s=timeout_s)
         while msg is not None:
-            if isinstance(msg, WeightsApplied):
+            if isinstance(msg, WeightsApplied) and not self._known_applied(msg):
                 self.source.on_weights_applied(msg.producer, msg.version)
             elif isinstance(msg, RunDone):
                 # the trainer sent run.done once its own outcomes were recorded; wait briefly for
@@ -125,6 +127,12 @@ class PromptSourceProc(Component):
                 return False
             msg = self.control.recv(timeout_s=0)
         return True
+
+    def _known_applied(self, msg: WeightsApplied) -> bool:
+        """``msg`` repeats the version its producer is already known to run: the hub's catch-up
+        re-sends every producer's latest ``weights.applied`` whenever a component (re)subscribes.
+        Such a repeat is no news (and must not make a departed producer count again)."""
+        return self.source.applied.version.get(msg.producer) == msg.version
 
     def _handle_outcomes(self, quiet_s: float = 0.0) -> None:
         """Record every outcome report waiting on ``outcomes`` (journal first, then release it),

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY
 
-from bus.messages import GroupsDropped, Prompt, TrainerStep, WeightsReady, new_id
+from bus.hub import MAX_CACHED_PRODUCERS
+from bus.messages import GroupsDropped, Prompt, TrainerStep, WeightsApplied, WeightsReady, new_id
 
 
 def connect(hub, sockets, sync_control):
@@ -68,3 +69,28 @@ def test_hub_forwards_control_types_only(hub, sockets, sync_control):
     assert [m.id for m in recv_all(live)] == ["s-1"]
     after = REGISTRY.get_sample_value("rlbus_bus_rejected_total", {"topic": "control", "reason": "unexpected_type"})
     assert after == before + 1
+
+
+def test_late_subscriber_gets_every_producers_latest_applied_version(hub, sockets, sync_control):
+    """``weights.applied`` is cached per producer: a prompt source that (re)subscribes learns the
+    version each producer runs, also one announced while it was down."""
+    pub, live = connect(hub, sockets, sync_control)
+    for n, (producer, version) in enumerate([("producer-0", 1), ("producer-1", 1), ("producer-0", 2)]):
+        assert pub.send(WeightsApplied(id=f"a-{n}", producer=producer, version=version, apply_time_s=0.1))
+    assert len(recv_all(live)) == 3
+
+    late = sockets.bus("control_sub", "recv", hub.sub_endpoint, bind=False)
+    applied = [m for m in recv_all(late) if isinstance(m, WeightsApplied)]
+    assert sorted((m.producer, m.version) for m in applied) == [("producer-0", 2), ("producer-1", 1)]
+
+
+def test_cache_keeps_a_bounded_number_of_producers(hub, sockets, sync_control):
+    pub, live = connect(hub, sockets, sync_control)
+    n = MAX_CACHED_PRODUCERS + 10
+    for i in range(n):
+        assert pub.send(WeightsApplied(id=f"a-{i}", producer=f"p-{i}", version=1, apply_time_s=0.1))
+    assert len(recv_all(live)) == n
+
+    late = sockets.bus("control_sub", "recv", hub.sub_endpoint, bind=False)
+    applied = [m.producer for m in recv_all(late) if isinstance(m, WeightsApplied)]
+    assert applied == [f"p-{i}" for i in range(10, n)]  # the least recently announced went first

@@ -195,3 +195,23 @@ def test_proc_issues_eval_rounds_and_runs_until_run_done(new_harness, tmp_path, 
     acc = json.loads((tmp_path / "accounting.json").read_text())
     assert acc["issued"] == 2 and acc["outcomes"]["trained"] == 2 and acc["outcomes"]["failed"] == 0
     assert acc["num_unknown"] == 0
+
+
+def test_proc_ignores_a_repeated_applied_version(harness, monkeypatch, tmp_path):
+    """The hub re-sends every producer's latest ``weights.applied`` whenever a component
+    subscribes: a repeat of the version already known is no news (not journaled again)."""
+    monkeypatch.delenv("RLBUS_RESUME", raising=False)
+    monkeypatch.delenv("RLBUS_RESTARTS", raising=False)
+    harness.start()
+    producer = harness.producer()
+    take(producer, 2)
+    applied = WeightsApplied(id=new_id(), producer="producer-0", version=1, apply_time_s=0.1)
+    harness.publish(applied)
+    take(producer, 2)  # step 1: the announcement was applied
+    harness.publish(WeightsApplied(id=new_id(), producer="producer-0", version=1, apply_time_s=0.1))  # a catch-up
+    harness.publish(RunDone(id=new_id(), step=1, reason="max_steps"))
+    proc, thread = harness.procs[-1]
+    thread.join(timeout=WAIT_S)
+    assert not thread.is_alive(), "run.done did not end the prompt source's loop"
+    notes = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert [(n["producer"], n["version"]) for n in notes if n["event"] == "applied"] == [("producer-0", 1)]
