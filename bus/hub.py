@@ -8,7 +8,7 @@ weights announcement (the "slow joiner" fix of the ZeroMQ guide). Receivers ther
 control messages idempotently (ignore versions they already have).
 
 Malformed control messages, and well-formed messages of a type that is not a control type
-(:data:`bus.messages.CONTROL_TYPES`), are counted and dropped here, never forwarded.
+(:data:`bus.registry.CONTROL_TYPES`), are counted and dropped here, never forwarded.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import time
 import zmq
 
 from bus.component import Component, component_main
-from bus.messages import CONTROL_TYPES, Message
+from bus.messages import Message
+from bus.registry import CONTROL_TYPES
 from bus.sockets import POLL_SLICE_S, BusSocket
 
 log = logging.getLogger(__name__)
