@@ -239,3 +239,17 @@ def test_a_re_form_that_times_out_moves_only_the_silent_member_to_the_filesystem
     assert newcomer.engine.versions == [("broadcast", 1), ("broadcast", 2)]
     for name, tensor in _payload(2, adapter=False).items():
         assert torch.equal(newcomer.engine.worker.loaded[-1][name], tensor), name
+
+
+def test_membership_moves_producers_between_methods_and_refuses_overlaps():
+    first = Membership(0, ("producer-0", "producer-1"))
+    joined = first.next(add=["producer-2", "producer-0"])  # a restarted member stays where it was
+    assert joined == Membership(1, ("producer-0", "producer-1", "producer-2"))
+    blamed = joined.next(drop=["producer-1"])
+    assert blamed == Membership(2, ("producer-0", "producer-2"), ("producer-1",))
+    assert blamed.next(add=["producer-1"]) == Membership(3, ("producer-0", "producer-2", "producer-1"))
+    assert blamed.next(drop=["producer-0", "producer-2"]).members == ()
+    with pytest.raises(ValueError, match="disjoint"):
+        Membership(0, ("producer-0",), ("producer-0",))
+    with pytest.raises(ValueError, match="reform timeout"):
+        GroupFormer("gloo", "127.0.0.1", timeout_s=0)
