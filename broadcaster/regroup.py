@@ -9,6 +9,8 @@ Instead of leaving the broadcast method, the trainer forms a NEW group at a vers
     GroupFormer.form():
       bind a fresh rendezvous socket (new port)
       announce(membership, host, port) ------------>   WeightGroup(generation, host, port, members)
+        (again every REANNOUNCE_S until it formed:     (a producer restarting meanwhile hears it;
+         the rendezvous waits on a helper thread)        the others ignore the repeats)
                                         <------------  WeightGroupAck (each member, before joining)
       BroadcastSender(...).init_group()  <-- rendezvous --> BroadcastReceiver.regroup: leave the old
                                                           group, join the new one as rank i + 1
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -39,6 +42,10 @@ from broadcaster.broadcast import Backend, BroadcastSender
 from broadcaster.manifest import DEFAULT_BUCKET_BYTES
 
 logger = logging.getLogger(__name__)
+
+REANNOUNCE_S = 2.0
+"""How often a group being formed is announced again, seconds (the announcing thread owns the
+bus socket; the rendezvous runs on a helper thread)."""
 
 
 @dataclass(frozen=True)
@@ -130,9 +137,8 @@ class GroupFormer:
             port = sock.getsockname()[1]
             sender = BroadcastSender(self.backend, self.host, port, 1 + len(membership.members),
                                      bucket_bytes=self.bucket_bytes, timeout_s=self.timeout_s, listen_socket=sock)
-            announce(membership, self.host, port)
             try:
-                sender.init_group()
+                self._init_announcing(sender, lambda: announce(membership, self.host, port))
             except Exception as exc:  # noqa: BLE001 - rendezvous timeouts and gloo/nccl errors alike
                 sender.close()
                 acks = acked(membership.generation)
@@ -156,3 +162,24 @@ class GroupFormer:
         finally:
             sock.close()
         return None, membership, attempts
+
+    @staticmethod
+    def _init_announcing(sender: BroadcastSender, announce: Callable[[], None]) -> None:
+        """`sender.init_group()` on a helper thread while this thread announces the group every
+        `REANNOUNCE_S` (a producer that restarts meanwhile hears it too; members ignore repeats).
+        Raises what `init_group` raised."""
+        failed: list[BaseException] = []
+
+        def init() -> None:
+            try:
+                sender.init_group()
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+                failed.append(exc)
+
+        thread = threading.Thread(target=init, name="weight-group-rendezvous", daemon=True)
+        thread.start()  # the socket listens already: members that connect first wait in its backlog
+        announce()
+        while thread.join(REANNOUNCE_S) is None and thread.is_alive():
+            announce()
+        if failed:
+            raise failed[0]

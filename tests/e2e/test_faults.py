@@ -221,7 +221,9 @@ def test_producer_killed_under_broadcast_weights(tmp_path: Path, policy: Path) -
     takes the filesystem method until its request re-forms the group with it.)"""
     run_dir = tmp_path / "run"
     max_steps = 30
-    proc = busctl(run_dir, policy, f"trainer.max_steps={max_steps}", "broadcast.timeout_s=60", *FAST_FAILURE_DETECTION)
+    # the first group forms only once the producer's vLLM is up (80 s seen on a loaded CPU): 60 s was too short
+    proc = busctl(run_dir, policy, f"trainer.max_steps={max_steps}", "broadcast.timeout_s=240",
+                  "broadcast.reform_timeout_s=120", *FAST_FAILURE_DETECTION)
     with supervised(proc):
         wait_for_steps(run_dir, proc, 3)
         pid = kill(run_dir, "producer-0")
