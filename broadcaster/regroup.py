@@ -145,8 +145,8 @@ class GroupFormer:
                 blamed = tuple(m for m in membership.members if m not in acks) or membership.members
                 attempts.append(FormAttempt(membership, False, blamed, time.perf_counter() - started,
                                             f"{type(exc).__name__}: {exc}"))
-                logger.error("weight group %d (%s) did not form in %.1f s (%s: %s); %s move(s) to the filesystem method",
-                             membership.generation, ", ".join(membership.members), self.timeout_s,
+                logger.error("weight group %d (%s) did not form after %.1f s (%s: %s); %s move(s) to the filesystem method",
+                             membership.generation, ", ".join(membership.members), attempts[-1].seconds,
                              type(exc).__name__, exc, ", ".join(blamed))
                 membership = membership.next(drop=blamed)
                 continue

@@ -298,6 +298,9 @@ class WeightPublisher:
                                                              self._announce_group, self._acked)
         for attempt in attempts:
             GROUP_REFORMS.labels(outcome="ok" if attempt.ok else "failed").inc()
+        self._read_inbox()  # a member's request sent before it acknowledged this group is answered by it
+        for producer in self._acks.get(self.membership.generation, set()) & set(self.membership.members):
+            self._joining.pop(producer, None)
         self._acks = {g: a for g, a in self._acks.items() if g > self.membership.generation}
         self.sender = sender if sender is not None else self.filesystem
         self._count_members()
