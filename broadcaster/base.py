@@ -128,6 +128,23 @@ class WeightReceiver(ABC):
         by this receiver at `current_version`, or None if it can. Default: always applicable."""
         return None
 
+    def must_apply(self, msg: Any, current_version: int) -> bool:
+        """Whether `msg` must be applied even though the engine already has `msg.version` (the
+        first broadcast into a re-formed group). Default: False."""
+        return False
+
+    @property
+    def wants_group(self) -> bool:
+        """Whether this producer should ask the trainer (`bus.messages.WeightsWanted`) to re-form
+        the weight group with it: outside every group and never placed on the filesystem method
+        by one. Default (methods without a group): False."""
+        return False
+
+    async def regroup(self, msg: Any, ack: Callable[[], None]) -> bool:
+        """Act on a re-formed group (`bus.messages_weights.WeightGroup`); `ack` acknowledges
+        membership. Returns whether this receiver is in it. Default (no group): False."""
+        return False
+
     @abstractmethod
     async def apply(self, msg: Any) -> None:
         """Load the weights `msg` announces as policy `msg.version` into the engine."""
@@ -156,6 +173,16 @@ class FallbackReceiver(WeightReceiver):
 
     def skip_reason(self, msg: Any, current_version: int) -> str | None:
         return self._for(msg).skip_reason(msg, current_version)
+
+    def must_apply(self, msg: Any, current_version: int) -> bool:
+        return self._for(msg).must_apply(msg, current_version)
+
+    @property
+    def wants_group(self) -> bool:
+        return self.primary.wants_group
+
+    async def regroup(self, msg: Any, ack: Callable[[], None]) -> bool:
+        return await self.primary.regroup(msg, ack)
 
     async def apply(self, msg: Any) -> None:
         await self._for(msg).apply(msg)

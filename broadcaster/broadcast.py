@@ -12,9 +12,11 @@
 A stateless group (vLLM's `stateless_init_torch_distributed_process_group`, so vLLM must be
 importable here too): gloo on CPU, nccl on CUDA ("auto" picks nccl iff CUDA is available), same
 code. Tensors go in buckets (`broadcaster.manifest.plan_buckets`) through flat send buffers
-allocated once and reused. The group is formed once with a fixed world size: a producer that was
-restarted or joined later cannot enter it and takes filesystem announcements only (the trainer
-falls back to the filesystem method once a broadcast fails, `trainer.publish`).
+allocated once and reused. A group has a fixed world size: when a producer joins (restart, late
+join, `busctl scale`) or a member dies, the trainer forms a NEW group with a new rendezvous
+(`broadcaster.regroup`, announced as `bus.messages_weights.WeightGroup`); `BroadcastReceiver.regroup`
+leaves the old group and joins the new one, then expects the trainer to re-send its last version
+into it (so a member already at that version receives it again, and a newcomer gets it at once).
 
 The trainer does not wait on producers longer than the transfer itself. `start_send` copies the
 payload into the send buffers on the caller's thread (bucket k is handed to the backend as soon as
@@ -45,8 +47,9 @@ allocated once.
 from __future__ import annotations
 
 import logging
+import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, ClassVar, Literal
@@ -141,6 +144,9 @@ class BroadcastSender(WeightSender):
         world_size: 1 (this trainer) + the number of producer workers.
         bucket_bytes: bucket size; producers must use the same (the default on both sides).
         timeout_s: bound on rendezvous and each collective (None: torch's default, 30 min gloo).
+        listen_socket: a socket already bound (and listening) at `host:port` that the rendezvous
+            store takes over (no race between picking a free port and binding it); None: bind
+            `port` at `init_group`.
 
     Raises:
         ValueError: `world_size < 2`, `bucket_bytes <= 0`, or an unknown backend.
@@ -158,6 +164,7 @@ class BroadcastSender(WeightSender):
         *,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout_s: float | None = None,
+        listen_socket: socket.socket | None = None,
     ) -> None:
         if world_size < 2:
             raise ValueError(f"world_size must be >= 2 (trainer + producers), got {world_size}")
@@ -167,6 +174,7 @@ class BroadcastSender(WeightSender):
         self.host, self.port, self.world_size = host, port, world_size
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
+        self._listen_socket = listen_socket
         self._group = None
         self._send_buffers: _SendBuffers | None = None
         self._pending: _Transfer | None = None
@@ -190,8 +198,10 @@ class BroadcastSender(WeightSender):
 
         timeout = None if self.timeout_s is None else timedelta(seconds=self.timeout_s)
         start = time.perf_counter()
+        listen_socket, self._listen_socket = self._listen_socket, None  # the store owns it from here
         self._group = stateless_init_torch_distributed_process_group(
-            self.host, self.port, 0, self.world_size, backend=self.backend, timeout=timeout
+            self.host, self.port, 0, self.world_size, backend=self.backend, timeout=timeout,
+            listen_socket=listen_socket,
         )
         logger.info("weight group %s:%d up, world_size %d (%s), %.2f s", self.host, self.port,
                     self.world_size, self.backend, time.perf_counter() - start)
@@ -213,6 +223,9 @@ class BroadcastSender(WeightSender):
             except Exception:  # noqa: BLE001 - best effort at shutdown; peers may be gone
                 logger.warning("weight group teardown failed", exc_info=True)
             self._group = None
+        if self._listen_socket is not None:  # never handed to a store
+            self._listen_socket.close()
+            self._listen_socket = None
         self._send_buffers = None
 
     # -- sending ---------------------------------------------------------------------------------
@@ -308,26 +321,38 @@ class BroadcastSender(WeightSender):
 
 class BroadcastReceiver(WeightReceiver):
     """Producer side of the broadcast method: joins the group at start (unless the producer
-    cannot be in it) and receives each announced version into the engine.
+    cannot be in it), receives each announced version into the engine, and moves to each group
+    the trainer re-forms (`regroup`).
 
     Args:
         engine: the producer's `producers.engine.RolloutEngine`.
-        host, port, world_size, timeout_s: the group's rendezvous (`broadcast.*`).
-        rank: the rank of this engine's first worker (1 + the producer's index).
+        host, port, world_size, timeout_s: the first group's rendezvous (`broadcast.*`).
+        rank: the rank of this engine's first worker in the first group (1 + the producer's index).
         backend: "auto" | "gloo" | "nccl" (resolved here, as the trainer resolves it).
-        in_group: False for a producer restarted or added after the group was formed: it skips
-            every broadcast (and takes the filesystem announcements the trainer falls back to).
+        in_group: False for a producer restarted or added after the first group was formed: it
+            skips broadcasts (and takes filesystem announcements) until a re-formed group lists it.
+        name: this producer's name (`producer-i`), how `WeightGroup` lists members.
+        reform_timeout_s: bound on joining a re-formed group, seconds (None: `timeout_s`).
     """
 
     method: ClassVar[str] = "broadcast"
 
     def __init__(self, engine: Any, *, host: str, port: int, rank: int, world_size: int,
-                 backend: Backend = "auto", timeout_s: float | None = None, in_group: bool = True) -> None:
+                 backend: Backend = "auto", timeout_s: float | None = None, in_group: bool = True,
+                 name: str = "", reform_timeout_s: float | None = None) -> None:
         self.engine = engine
         self.host, self.port, self.rank, self.world_size = host, port, rank, world_size
         self.backend = resolve_backend(backend)
         self.timeout_s = timeout_s
+        self.reform_timeout_s = timeout_s if reform_timeout_s is None else reform_timeout_s
         self.in_group = in_group
+        self.name = name
+        self.generation: int | None = 0 if in_group else None
+        """The generation of the group this engine is in (`WeightGroup.generation`; None: none)."""
+        self._joined_port: int | None = port if in_group else None
+        self.expects_resend = False
+        """Joined a re-formed group whose first broadcast (the trainer's last version again) is
+        still to come: it is received even when this engine already has that version."""
 
     async def join(self) -> None:
         """Join the trainer's group (blocks until every rank is there); nothing if not `in_group`."""
@@ -335,15 +360,58 @@ class BroadcastReceiver(WeightReceiver):
             await self.engine.init_weight_group(self.host, self.port, rank=self.rank, world_size=self.world_size,
                                                 backend=self.backend, timeout_s=self.timeout_s)
 
+    async def regroup(self, msg: Any, ack: Callable[[], None]) -> bool:
+        """Move to the group `msg` (a `bus.messages_weights.WeightGroup`) announces: leave the old
+        group, then if this producer is a member call `ack` and join the new one as
+        `msg.rank_of(name)` (blocks until every rank joined or `reform_timeout_s` passed).
+
+        Returns whether this engine is in the new group. A failed join is logged, not raised: the
+        trainer blames the members that never acknowledged, re-forms without them, and this
+        producer takes filesystem announcements until a group lists it again.
+        """
+        if (msg.generation, msg.port) == (self.generation, self._joined_port):
+            return self.in_group  # a repeat of the group this engine already acted on
+        rank = msg.rank_of(self.name)
+        if self.in_group:
+            await self.engine.leave_weight_group()
+        self.in_group, self.generation, self.expects_resend = False, msg.generation, False
+        self._joined_port = msg.port
+        if rank is None:
+            logger.info("weight group %d re-formed without %s: filesystem announcements only", msg.generation, self.name)
+            return False
+        ack()
+        try:
+            await self.engine.init_weight_group(msg.host, msg.port, rank=rank, world_size=msg.world_size,
+                                                backend=self.backend, timeout_s=self.reform_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - torch.distributed timeouts/errors: stay outside, say so
+            logger.error("could not join weight group %d at %s:%d (%s: %s); filesystem announcements only",
+                         msg.generation, msg.host, msg.port, type(exc).__name__, exc)
+            return False
+        self.in_group, self.expects_resend = True, True
+        logger.info("joined weight group %d as rank %d/%d", msg.generation, rank, msg.world_size)
+        return True
+
+    @property
+    def wants_group(self) -> bool:
+        """Outside every group and never told which one to be in (a restarted, late or scaled-up
+        producer): it asks the trainer to re-form the group with it."""
+        return not self.in_group and self.generation is None
+
+    def must_apply(self, msg: Any, current_version: int) -> bool:
+        """Whether `msg` must be received although this engine has its version: the first
+        broadcast into a group just joined (every rank must take part in the collective)."""
+        return self.in_group and self.expects_resend and msg.method == self.method
+
     def skip_reason(self, msg: Any, current_version: int) -> str | None:
-        """Not in the group, or an older version (a resumed trainer re-publishes by filesystem;
-        joining a collective nobody sends would block forever)."""
+        """Not in the group, or an older version outside a resend (a resumed trainer re-publishes
+        by filesystem; joining a collective nobody sends would block forever)."""
         if not self.in_group:
             return "not in the weight group"
-        if msg.version < current_version:
+        if msg.version < current_version and not self.expects_resend:
             return "older than the current version, not sent to the group again"
         return None
 
     async def apply(self, msg: Any) -> None:
         """Receive the broadcast of `msg.manifest` as `msg.version` (`RolloutEngine.update_weights`)."""
-        await self.engine.update_weights(msg.version, msg.manifest)
+        await self.engine.update_weights(msg.version, msg.manifest, resend=self.expects_resend)
+        self.expects_resend = False

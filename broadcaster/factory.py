@@ -7,9 +7,12 @@ senders and receivers: every other module works with `broadcaster.base.WeightSen
                        its fallback (a failed broadcast)        filesystem announcements (FallbackReceiver)
     "filesystem"       FilesystemSender, no fallback            FilesystemReceiver
 
-A trainer that was restarted or resumed cannot re-form the broadcast group (its world size is
-fixed at start), so it gets the filesystem sender whatever the method (`restarted=True`); a
-producer restarted or added later is built with `in_group=False` for the same reason.
+Under the broadcast method the trainer also gets a `broadcaster.regroup.GroupFormer`
+(`build_group_former`): when a producer joins or a member dies, it forms a new group with a new
+rendezvous instead of leaving the method. A producer restarted or added later is built with
+`in_group=False`: it takes filesystem announcements until a re-formed group lists it. A trainer
+that was restarted or resumed gets the filesystem sender (`restarted=True`; the producers stay in
+the dead trainer's group, which nobody sends to) and no group former.
 
 This module imports no torch at load time (the method modules are imported by the builders), so
 `busctl up` can ask `needs_rendezvous_port` without paying for torch.
@@ -22,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from broadcaster.base import WeightReceiver, WeightSender
+    from broadcaster.regroup import GroupFormer
 
 METHODS = ("broadcast", "filesystem")
 """The values of `broadcast.method`."""
@@ -71,7 +75,22 @@ def build_senders(cfg: Any, *, world_size: int, out_dir: str | Path,
     return sender, filesystem
 
 
-def build_receiver(cfg: Any, engine: Any, *, rank: int, world_size: int, in_group: bool) -> WeightReceiver:
+def build_group_former(cfg: Any, *, restarted: bool = False) -> GroupFormer | None:
+    """The trainer's `broadcaster.regroup.GroupFormer` under the broadcast method (None under the
+    filesystem method, or for a restarted trainer: see the module docstring).
+
+    Raises:
+        ValueError: an unknown `cfg.method` or backend, or `cfg.reform_timeout_s <= 0`.
+    """
+    if restarted or _method(cfg) != "broadcast":
+        return None
+    from broadcaster.regroup import GroupFormer
+
+    return GroupFormer(cfg.backend, cfg.host, timeout_s=cfg.reform_timeout_s)
+
+
+def build_receiver(cfg: Any, engine: Any, *, rank: int, world_size: int, in_group: bool,
+                   name: str = "") -> WeightReceiver:
     """The producer's receiver for `cfg.method` (not joined yet: `WeightReceiver.join`).
 
     Args:
@@ -80,6 +99,7 @@ def build_receiver(cfg: Any, engine: Any, *, rank: int, world_size: int, in_grou
         rank: this engine's first rank in the broadcast group (1 + the producer's index).
         world_size: 1 (the trainer) + the number of producer workers.
         in_group: False for a producer restarted or added after the group was formed.
+        name: the producer's name (`producer-i`): how re-formed groups list their members.
 
     Raises:
         ValueError: an unknown `cfg.method`.
@@ -92,6 +112,7 @@ def build_receiver(cfg: Any, engine: Any, *, rank: int, world_size: int, in_grou
     if _method(cfg) == "filesystem":
         return filesystem
     broadcast = BroadcastReceiver(engine, host=cfg.host, port=cfg.port, rank=rank, world_size=world_size,
-                                  backend=cfg.backend, timeout_s=cfg.timeout_s, in_group=in_group)
+                                  backend=cfg.backend, timeout_s=cfg.timeout_s, in_group=in_group, name=name,
+                                  reform_timeout_s=cfg.reform_timeout_s)
     return FallbackReceiver(broadcast, filesystem)
 

@@ -7,7 +7,8 @@ be importable in vLLM's spawned children (it is when the producer runs from the 
 installed). Only plain values cross `collective_rpc`; tensors never do.
 
 Two ways in:
-- `init_weight_group` + `receive_weights`: a torch.distributed broadcast from the trainer (rank 0)
+- `init_weight_group` + `receive_weights` (+ `destroy_weight_group` when the trainer re-forms
+  the group): a torch.distributed broadcast from the trainer (rank 0)
   over a group made with vLLM's `stateless_init_torch_distributed_process_group`: gloo on CPU,
   nccl on CUDA, same code. Buckets and their flat receive buffers follow
   `broadcaster.manifest.plan_buckets` (`broadcaster.buckets.BucketReceiver`) and are allocated
@@ -97,6 +98,20 @@ class WeightSyncExtension:
         self._rlbus_buffers = None
         logger.info("joined weight group %s:%d as rank %d/%d (%s)", host, port, my_rank,
                     world_size, backend)
+
+    def destroy_weight_group(self) -> None:
+        """Leave the weight-broadcast group joined by `init_weight_group` (idempotent): the trainer
+        re-formed it (`broadcaster.regroup`). The receive buffers are kept for the next group."""
+        group = getattr(self, "_rlbus_group", None)
+        if group is None:
+            return
+        from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+
+        self._rlbus_group = None
+        try:
+            stateless_destroy_torch_distributed_process_group(group)
+        except Exception:  # noqa: BLE001 - the old group's peers may be gone; it is dropped either way
+            logger.warning("weight group teardown failed", exc_info=True)
 
     def receive_weights(self, manifest: list[list], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         """Receive the trainer's broadcast described by `manifest` and apply it.

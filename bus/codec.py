@@ -4,7 +4,7 @@
 the msgpack header, fields declared with :func:`bus.wire.array_field` as raw frames (zero-copy:
 decoded arrays view the received buffers).
 
-Invariants: only registered types (:data:`bus.messages.MESSAGE_TYPES`) are encoded or decoded;
+Invariants: only registered types (:data:`bus.registry.MESSAGE_TYPES`) are encoded or decoded;
 ``decode`` validates every field (type, dtype, rank, size, then the type's cross-field
 ``check()``) and raises :class:`bus.wire.WireError` on anything else, so a decoded message is
 always well-formed.
@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from bus.messages import MESSAGE_TYPES, Message
+from bus.messages import Message
+from bus.registry import MESSAGE_TYPES
 from bus.wire import SCHEMA_VERSION, WireError, array_descriptor, decode_arrays, pack_header, show, unpack_header
 
 _SCALAR_CHECKS: dict[Any, Any] = {

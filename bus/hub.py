@@ -10,7 +10,7 @@ producer applied new weights would otherwise gate issuing on the old version for
 therefore must treat control messages idempotently (ignore versions they already have).
 
 Malformed control messages, and well-formed messages of a type that is not a control type
-(:data:`bus.messages.CONTROL_TYPES`), are counted and dropped here, never forwarded.
+(:data:`bus.registry.CONTROL_TYPES`), are counted and dropped here, never forwarded.
 
 Restarts. The hub is restartable (the supervisor restarts it on the same endpoints; every PUB and
 SUB reconnects by itself). Its cache survives the restart: every change is written to
@@ -37,7 +37,8 @@ import zmq
 
 from bus.codec import decode, encode
 from bus.component import Component, component_main
-from bus.messages import CONTROL_TYPES, Message
+from bus.messages import Message
+from bus.registry import CONTROL_TYPES
 from bus.sockets import POLL_SLICE_S, BusSocket
 
 log = logging.getLogger(__name__)

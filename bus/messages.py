@@ -4,7 +4,7 @@ Each type is a frozen dataclass with a ``TYPE`` string; scalar fields travel in 
 header, fields declared with :func:`bus.wire.array_field` travel as raw frames (see
 :mod:`bus.wire`). :mod:`bus.codec` encodes and decodes them: ``decode`` validates every field and
 then calls the type's ``check()`` (cross-field consistency, raising
-``bus.wire.WireError("inconsistent")``). :data:`MESSAGE_TYPES` registers every type (others raise).
+``bus.wire.WireError("inconsistent")``). :data:`bus.registry.MESSAGE_TYPES` registers every type (others raise).
 
 Data topics carry one *group* per message on ``rollouts`` and ``scored`` so that any reward
 worker can compute a group's advantages alone.
@@ -416,12 +416,3 @@ class EvalResult(Message):
     num_samples: int
     num_failed: int
     metrics: dict[str, float]
-
-
-CONTROL_TYPES: tuple[type[Message], ...] = (WeightsReady, WeightsApplied, WeightsWanted, TrainerStep, GroupsDropped,
-                                             GroupsTrained, RunDone, EvalResult)
-"""The message types the control channel carries (the hub forwards nothing else)."""
-
-MESSAGE_TYPES: dict[str, type[Message]] = {cls.TYPE: cls for cls in (*CONTROL_TYPES, Prompt, RolloutGroup, ScoredGroup,
-                                                                       MicroBatch, ComponentReady, ComponentHeartbeat)}
-"""Every message type by its ``TYPE`` string: what :mod:`bus.codec` encodes and decodes."""

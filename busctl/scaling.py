@@ -2,8 +2,10 @@
 
 The client writes ``RUN_DIR/scale.json`` atomically (``{"id": ..., "rewards": N, "producers": M}``);
 the supervisor's watch loop reads it (no signal: a stale pid can never be hit), starts
-``rewards-i`` / ``producer-i`` with the next indices (new producers get ``RLBUS_LATE_JOIN=1``: they
-cannot join a weight-broadcast group formed at start) or stops the highest indices (SIGTERM, so
+``rewards-i`` / ``producer-i`` with the next indices (new producers get ``RLBUS_LATE_JOIN=1``: outside
+the weight-broadcast group formed at start, they ask the trainer to re-form it with them,
+:mod:`broadcaster.regroup`, so a scaled-up run stays on the broadcast method; a removed producer
+is dropped from the next group the same way) or stops the highest indices (SIGTERM, so
 they hand back their work; SIGKILL after ``STOP_TIMEOUT_S``), and records the request's progress in
 ``status.json`` (``applying`` -> ``done`` once the new set is ready and the removed ones are gone,
 or ``failed`` with the reason). Never fewer than one of each scaled role.

@@ -157,6 +157,9 @@ class BroadcastConfig(Section):
     host: str = Field("127.0.0.1", description="Rendezvous host of the broadcast group (the trainer's address).")
     port: int = Field(0, ge=0, le=65535, description="Rendezvous port; 0 picks a free one at start-up.")
     timeout_s: float = Field(300.0, gt=0, description="Bound on the group rendezvous and on each broadcast, seconds.")
+    reform_timeout_s: float = Field(
+        60.0, gt=0, description="Bound on re-forming the broadcast group when a producer joins or a member died (and on each "
+        "broadcast in a re-formed group), seconds; members that miss it take weights by the filesystem method.")
     lora_payload: Literal["adapter", "merged"] = Field(
         "adapter",
         description="With trainer.lora and method broadcast: send only the adapter (producers merge it into the base weights they keep), "

@@ -255,7 +255,15 @@ def weights() -> dict:
         timeseries("Transfer time", quantile_targets("rlbus_trainer_weight_transfer_seconds"), "s",
                    "A background broadcast, start to every producer received."),
         timeseries("Broadcast fallbacks", [Target(f"sum({increase('rlbus_trainer_broadcast_fallbacks_total')})", "fallbacks")],
-                   description="Broadcasts that raised; the trainer then uses the filesystem method. " + WINDOW_NOTE),
+                   description="Broadcasts that raised with no group to re-form (sharded weights); the trainer then uses the "
+                   "filesystem method. " + WINDOW_NOTE),
+        timeseries("Weight group re-forms", [
+            Target(f"sum by (outcome) ({increase('rlbus_trainer_weight_group_reforms_total')})", "{{outcome}}"),
+        ], description="Attempts to re-form the broadcast group (a producer joined or a member died); failed: the members "
+                       "that never acknowledged take the filesystem method. " + WINDOW_NOTE),
+        timeseries("Producers per weight method", [
+            Target(f"max by (method) ({sel('rlbus_trainer_weight_members', TRAINER_ROLE)})", "{{method}}"),
+        ], description="Producers in the current broadcast group, and producers taking weights by the filesystem method."),
         row("Producers"),
         timeseries("Producer: weight update time", quantile_targets("rlbus_producer_weight_update_seconds", "component"), "s",
                    "Pause + load + resume per update.", width=12),

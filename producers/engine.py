@@ -330,8 +330,13 @@ class RolloutEngine:
         await self._require().collective_rpc(
             "init_weight_group", args=(host, port, rank, world_size, backend, timeout_s))
 
+    async def leave_weight_group(self) -> None:
+        """Leave the broadcast group joined by `init_weight_group` (the trainer re-formed it;
+        `broadcaster.broadcast.BroadcastReceiver.regroup`). Idempotent."""
+        await self._require().collective_rpc("destroy_weight_group")
+
     async def update_weights(self, version: int, manifest: list[list],
-                             bucket_bytes: int | None = None) -> float:
+                             bucket_bytes: int | None = None, *, resend: bool = False) -> float:
         """Receive a broadcast of `manifest` as policy `version`; returns seconds spent paused.
 
         Must run concurrently with the trainer's `BroadcastSender.start_send(state_dict,
@@ -339,12 +344,14 @@ class RolloutEngine:
         "lora" manifest (an adapter, `broadcaster.manifest`) is merged into the checkpoint's base
         weights in the worker (`broadcaster.worker_extension`).
         Raises ValueError, receiving nothing, if `version <= self.version`: a re-announced
-        version is not being sent again, so joining the collective would block forever.
+        version is not being sent again, so joining the collective would block forever. With
+        `resend` (the first broadcast into a re-formed group: the trainer sends its last version
+        again) `version == self.version` is received too.
         """
         kwargs = {"manifest": manifest}
         if bucket_bytes is not None:
             kwargs["bucket_bytes"] = bucket_bytes
-        return await self._apply(version, "receive_weights", kwargs)
+        return await self._apply(version, "receive_weights", kwargs, resend=resend)
 
     async def load_weights_from_path(self, version: int, path: str | Path) -> float:
         """Load a safetensors directory/file (merged weights, or a LoRA adapter payload) as policy
@@ -355,10 +362,10 @@ class RolloutEngine:
         """
         return await self._apply(version, "load_weights_from_path", {"path": str(path)})
 
-    async def _apply(self, version: int, rpc: str, kwargs: dict) -> float:
+    async def _apply(self, version: int, rpc: str, kwargs: dict, resend: bool = False) -> float:
         llm = self._require()
         async with self._update_lock:
-            if version == self._version or (rpc == "receive_weights" and version < self._version):
+            if (version == self._version and not resend) or (rpc == "receive_weights" and version < self._version):
                 raise ValueError(f"version {version} cannot replace current {self._version} by {rpc}")
             start = time.perf_counter()
             # keep: in-flight requests are frozen, resumed (recomputed) under the new weights;

@@ -25,10 +25,12 @@ of asyncio tasks on one event loop:
   announces ``weights.applied``; the producer's ``receiver`` (:mod:`broadcaster.factory`) decides
   which announcements it can apply and how. A version lower than the current one (a trainer resumed from
   its checkpoint) is applied too. A producer that was restarted or added later
-  (``RLBUS_RESTARTS`` / ``RLBUS_LATE_JOIN`` / ``RLBUS_RESUME``) cannot join the torch.distributed
-  group formed at start: it takes filesystem announcements only (the trainer falls back to them
-  once a broadcast fails); a failed broadcast receive breaks the engine and the process exits, so
-  the supervisor restarts it as such a late joiner.
+  (``RLBUS_RESTARTS`` / ``RLBUS_LATE_JOIN`` / ``RLBUS_RESUME``) is outside the torch.distributed
+  group formed at start: it asks the trainer to re-form it (``weights.wanted``, at start and on
+  every broadcast it has to skip) and takes filesystem announcements meanwhile; on
+  ``weights.group`` it acknowledges (``weights.group_ack``), leaves its old group and joins the new
+  one (:mod:`broadcaster.regroup`). A failed broadcast receive breaks the engine and the process
+  exits, so the supervisor restarts it as such a late joiner.
 
 Eval groups are exact: an update waits until the eval groups being generated are done, and no
 eval generation starts while an update is pending (:class:`producers.eval_gate.EvalUpdateGate`),
@@ -54,6 +56,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from broadcaster.factory import build_receiver
 from bus.component import Component, component_main
 from bus.messages import GroupsDropped, Prompt, RolloutGroup, RunDone, WeightsApplied, WeightsReady, WeightsWanted, new_id
+from bus.messages_weights import WeightGroup, WeightGroupAck
 from bus.metrics import POLICY_VERSION, StageMeter
 from bus.sample_arrays import pack_spans, run_lengths
 from producers.engine import RolloutEngine
@@ -155,7 +158,8 @@ class ProducerProc(Component):
         self.outcomes  # noqa: B018 - the reliable outcome reports to the prompt source's ledger
         self.late_joiner = self.launch.joins_late
         self.receiver = build_receiver(cfg.broadcast, self.engine, rank=1 + self.index,
-                                       world_size=1 + cfg.producers.replicas, in_group=not self.late_joiner)
+                                       world_size=1 + cfg.producers.replicas, in_group=not self.late_joiner,
+                                       name=self.name)
         """How announced weights reach the engine (:mod:`broadcaster.factory`)."""
         self.loop.run_until_complete(self.receiver.join())
 
@@ -228,17 +232,29 @@ class ProducerProc(Component):
         await asyncio.to_thread(self.rollouts.send, group, upstream=(self.prompts, prompt.id))
 
     async def _control_loop(self) -> None:
+        self._ask_for_group()
         while not self.stop.is_set():
             msg = await asyncio.to_thread(self.control_in.recv, 0.2)
             if isinstance(msg, RunDone):
                 return
-            if isinstance(msg, WeightsReady) and msg.version != self.engine.version:
+            if isinstance(msg, WeightGroup):
+                ack = WeightGroupAck(id=new_id(), producer=self.name, generation=msg.generation)
+                await self.receiver.regroup(msg, lambda: self.control_out.send(ack))
+            elif isinstance(msg, WeightsReady) and (msg.version != self.engine.version
+                                                    or self.receiver.must_apply(msg, self.engine.version)):
                 reason = self.receiver.skip_reason(msg, self.engine.version)
                 if reason is not None:
                     log.info("skipping %s of version %d (%s); waiting for a filesystem one", msg.method, msg.version, reason)
-                    self.control_out.send(WeightsWanted(id=new_id(), producer=self.name, version=msg.version))
+                    self._ask_for_group(msg.version)
                     continue
                 await self._apply(msg)
+
+    def _ask_for_group(self, version: int | None = None) -> None:
+        """Ask the trainer to re-form the weight group with this producer (``weights.wanted`` of
+        ``version``, None: the engine's), if the receiver wants a group (outside every group)."""
+        if self.receiver.wants_group:
+            version = self.engine.version if version is None else version
+            self.control_out.send(WeightsWanted(id=new_id(), producer=self.name, version=version))
 
     async def _apply(self, msg: WeightsReady) -> None:
         waited = time.perf_counter()

@@ -49,12 +49,12 @@ A restart with no checkpoint starts again at step 0 (the packer still holds ever
 ``checkpoint_interval > 0``); with ``checkpoint_interval: 0`` and steps already trained it raises
 instead, since those steps were released and cannot come back.
 
-Weights after a restart. The broadcast group (``broadcast.method: broadcast``) is formed once, at
-start, with a fixed world size; a restarted trainer cannot re-form it with the producers still in
-it. A restarted or resumed trainer therefore sends weights with the filesystem method for the
-rest of the run, and so does a running trainer whose broadcast raises (a producer died, a
-gloo/nccl error): it logs the error, counts ``rlbus_trainer_broadcast_fallbacks_total``, and
-re-publishes that version through the filesystem.
+Weights after a restart. The broadcast group (``broadcast.method: broadcast``) re-forms when a
+producer joins or a member dies (:mod:`trainer.publish`, :mod:`broadcaster.regroup`); members that
+miss a re-form take the filesystem method. A restarted or resumed trainer sends weights with the
+filesystem method for the rest of the run (the producers are still in the dead trainer's group),
+and so does one with sharded weights whose broadcast raises: it logs the error, counts
+``rlbus_trainer_broadcast_fallbacks_total``, and re-publishes that version through the filesystem.
 
 Online evaluation runs in the producers and reward workers; the packer publishes one
 ``eval.result`` per task and round on the control channel, and :class:`trainer.eval_log.EvalLog`
@@ -86,7 +86,7 @@ import numpy as np
 import torch
 from prometheus_client import Counter
 
-from broadcaster.factory import build_senders
+from broadcaster.factory import build_group_former, build_senders
 from bus.component import Component, component_main
 from bus.messages import GroupsTrained, MicroBatch, RunDone, TrainerStep, new_id
 from bus.metrics import POLICY_VERSION, StageMeter
@@ -188,8 +188,10 @@ class TrainerProc(Component):
         self.batches = self.reliable_receiver("batches", self.endpoints.address("batches"), bind=False, accept=(MicroBatch,))
         sender, fallback = build_senders(cfg.broadcast, world_size=1 + cfg.producers.replicas,
                                          out_dir=self.weights_dir, restarted=self.resumed)
-        self.publisher = WeightPublisher.for_run(cfg, self.model, sender, fallback, self.control.send, self.dp)
-        self.eval_log.on_weights_wanted = lambda msg: self.publisher.serve_late_joiner(msg.producer, msg.version)
+        # weights.wanted / weights.group_ack reach the publisher on its own subscriber (trainer.publish)
+        self.publisher = WeightPublisher.for_run(cfg, self.model, sender, fallback, self.control.send, self.dp,
+                                                 former=build_group_former(cfg.broadcast, restarted=self.resumed),
+                                                 inbox=self.control_subscriber().recv)
         sender.open()  # after: close() releases the sender even if the group never forms
 
     # -- resume -----------------------------------------------------------------------------------

@@ -4,10 +4,20 @@
 holds the weight sender of the run's method (:func:`broadcaster.factory.build_senders`) and the
 one it falls back to. Per version: wait for the previous transfer (``settle``), then
 ``sender.publish``, which announces ``weights.ready`` and sends in the order its method needs (the
-broadcast method's bytes then move in the background). A failed broadcast, at once or seen by the
-next ``settle``, swaps the sender for the fallback (the filesystem method) for the rest of the run
-and re-publishes that version through it: that swap (``_fall_back``) is the only place the method
-changes. The payload (:func:`weights_payload`) is the merged full weights or, for LoRA with
+broadcast method's bytes then move in the background).
+
+Under the broadcast method the group RE-FORMS (:mod:`broadcaster.regroup`, with a ``GroupFormer``):
+a producer outside the group asks with ``weights.wanted`` (read from the publisher's own control
+subscriber, ``inbox``), and at the next version boundary (``publish``, or ``poll`` while the
+trainer waits for data, which a producer without weights may be holding up) the trainer announces
+``weights.group`` with the new membership and rendezvous, forms the group, and re-sends its last
+version into it. A broadcast that fails (a member died) re-forms the group the same way and
+re-sends the failed version. Members that miss a re-form (no ``weights.group_ack``) take weights
+by the filesystem method from then on, the others stay on broadcast: each version then goes out
+both ways (broadcast first). ``rlbus_trainer_weight_group_reforms_total{outcome}`` counts the
+attempts, ``rlbus_trainer_weight_members{method}`` the producers per method. Without a group
+former (the filesystem method, a restarted trainer, sharded weights) a failed broadcast swaps the
+sender for the fallback (the filesystem method) for the rest of the run (``_fall_back``). The payload (:func:`weights_payload`) is the merged full weights or, for LoRA with
 ``broadcast.lora_payload: adapter`` and a sender that carries adapters, only the adapter; with
 ``broadcast.noise_scheduler.enabled`` the RMSNorm weights sent carry QeRL noise while the trainer's
 own weights stay clean.
@@ -23,16 +33,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from broadcaster.base import SendFailed, WeightSender
+from broadcaster.regroup import GroupFormer, Membership
 from broadcaster.dtypes import resolve_producer_dtype
 from broadcaster.manifest import build_manifest, parse_dtype
 from broadcaster.noise import is_rmsnorm_weight, qerl_noise_sigma, with_rmsnorm_noise
-from bus.messages import WeightsReady, new_id
+from bus.messages import Message, WeightsReady, WeightsWanted, new_id
+from bus.messages_weights import WeightGroup, WeightGroupAck
 from trainer.distributed import DataParallel
 from trainer.model import lora_adapter_state_dict, policy_state_dict
 from trainer.sharding import GatheredWeights, is_sharded
@@ -48,7 +60,19 @@ TRANSFER_SECONDS = Histogram(
 )
 BROADCAST_FALLBACKS = Counter(
     "rlbus_trainer_broadcast_fallbacks_total",
-    "Weight broadcasts that raised (a producer died, a gloo/nccl error); the trainer then uses the filesystem method",
+    "Weight broadcasts that raised (a producer died, a gloo/nccl error) with no group to re-form; the trainer then uses the "
+    "filesystem method",
+)
+GROUP_REFORMS = Counter(
+    "rlbus_trainer_weight_group_reforms_total",
+    "Attempts to re-form the weight-broadcast group (a producer joined or a member died), by outcome: ok, or failed "
+    "(timed out; the members that never acknowledged take weights by the filesystem method)",
+    ["outcome"],
+)
+WEIGHT_MEMBERS = Gauge(
+    "rlbus_trainer_weight_members",
+    "Producers that take weights by each method: broadcast (members of the current weight group) or filesystem",
+    ["method"],
 )
 
 
@@ -93,41 +117,67 @@ def weights_dtype(cfg) -> torch.dtype:
 
 
 class WeightPublisher:
-    """Publishes each new policy version to the producers through a swappable sender.
+    """Publishes each new policy version to the producers through a swappable sender, re-forming
+    the broadcast group when producers join or die (see the module docstring).
 
     Args:
         sender: the run's sender, opened (:func:`broadcaster.factory.build_senders`).
-        fallback: the sender to switch to when ``sender`` fails (None: failures raise).
-        announce: sends one ``weights.ready`` on the control channel.
+        fallback: the filesystem sender (None: failures raise, and no producer can be moved to it).
+        announce: sends one message on the control channel (``weights.ready``, ``weights.group``).
         payload: ``payload(version, adapter=...) -> {hf_name: tensor}`` (:func:`weights_payload`).
         adapter: whether the run sends LoRA adapters where the sender carries them
             (``trainer.lora.enabled`` and ``broadcast.lora_payload: adapter``).
         dtype: the wire dtype of the floating-point weights (:func:`weights_dtype`); None: the
             payload tensors' own.
+        former: forms re-formed groups (:func:`broadcaster.factory.build_group_former`); None:
+            the group never re-forms (a failed broadcast falls back for the whole run).
+        members: the producers in ``sender``'s group, in rank order (``producer-0`` is rank 1).
+        inbox: ``recv(timeout_s) -> Message | None`` of a control subscriber of the publisher's
+            own, where ``weights.wanted`` and ``weights.group_ack`` arrive (None: none read).
     """
 
-    def __init__(self, sender: WeightSender, fallback: WeightSender | None, announce: Callable[[WeightsReady], None],
+    def __init__(self, sender: WeightSender, fallback: WeightSender | None, announce: Callable[[Message], None],
                  payload: Callable[..., Mapping[str, torch.Tensor]], *, adapter: bool,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, former: GroupFormer | None = None,
+                 members: Sequence[str] = (), inbox: Callable[[float], Message | None] | None = None) -> None:
         self.sender, self.fallback = sender, fallback
+        self.filesystem = fallback
+        """The filesystem sender (kept for the producers moved to it after a failed re-form)."""
         self._send_message = announce
         self.payload = payload
         self.adapter = adapter
         self.dtype = dtype
+        self.former = former if fallback is not None else None
+        self.membership: Membership | None = Membership(0, tuple(members)) if self.former is not None else None
+        """Who takes weights how (None: no group management, see ``former``)."""
+        self._inbox = inbox
+        self._joining: dict[str, int] = {}
+        """Producers that asked to join (``weights.wanted``) -> the version they asked at."""
+        self._tried: dict[str, int | None] = {}
+        """Producer -> the last version at which a re-form took it in (one attempt per version)."""
+        self._acks: dict[int, set[str]] = {}
+        self._num_members = len(members)
+        self._fs_last: dict | None = None
+        """The last filesystem publication's info (re-announced, not rewritten, for its version)."""
         self.last_version: int | None = None
         """The version last handed to :meth:`publish` (None: none yet)."""
+        self._count_members()
 
     @classmethod
     def for_run(cls, cfg, model: torch.nn.Module, sender: WeightSender, fallback: WeightSender | None,
-                announce: Callable[[WeightsReady], None], dp: DataParallel | None = None) -> "WeightPublisher":
+                announce: Callable[[Message], None], dp: DataParallel | None = None, *,
+                former: GroupFormer | None = None, inbox: Callable[[float], Message | None] | None = None
+                ) -> "WeightPublisher":
         """The publisher of a run (``cfg``: its ``RunConfig``) whose payloads are ``model``'s weights
         (:func:`weights_payload`; gathered with the ranks of ``dp`` when sharded), adapters where
         ``trainer.lora.enabled`` and ``broadcast.lora_payload: adapter``, sent in the producers' dtype
-        (:func:`weights_dtype`)."""
+        (:func:`weights_dtype`). ``former``/``inbox``: as for the constructor; a sharded model gets
+        no former (its payload is gathered with every rank, once per publication)."""
         return cls(sender, fallback, announce,
                    lambda version, adapter: weights_payload(model, cfg, version, adapter=adapter, dp=dp),
                    adapter=cfg.trainer.lora.enabled and cfg.broadcast.lora_payload == "adapter",
-                   dtype=weights_dtype(cfg))
+                   dtype=weights_dtype(cfg), former=None if is_sharded(model) else former,
+                   members=[f"producer-{i}" for i in range(cfg.producers.replicas)], inbox=inbox)
 
     @property
     def method(self) -> str:
@@ -138,49 +188,58 @@ class WeightPublisher:
         """Announce and send the weights of ``version``; returns the seconds the trainer thread
         spent here (a broadcast's bytes move in the background).
 
-        Waits for the previous version's transfer first (normally done long ago). A send that
-        fails at once falls back and re-publishes ``version`` from the current weights.
+        Waits for the previous version's transfer first (normally done long ago), then re-forms
+        the group if producers asked to join. A send that fails at once re-forms the group (or
+        falls back) and re-publishes ``version`` from the current weights.
         """
         started = time.perf_counter()
         self.settle()
+        self._read_inbox()
+        if self._joining:
+            self._regroup(None)  # this version, sent next, is the newcomers' first
         self.last_version = version
         try:
             self._publish(version, self._payload(version))
         except RuntimeError as exc:  # torch.distributed errors (DistBackendError, timeouts) are RuntimeErrors
             if self.fallback is None:
                 raise
-            self._fall_back(version, exc)
-            self._publish(version, self._payload(version))
+            self._recover(version, exc, None)
         elapsed = time.perf_counter() - started
         BROADCAST_SECONDS.observe(elapsed)
         return elapsed
 
     def settle(self) -> None:
-        """Wait for the transfer in flight (if any) to reach every producer; if it failed, fall
-        back and re-publish its version from its send buffers (so in the payload it was sent in,
-        an adapter with LoRA: producers load both kinds). Records the transfer's duration
-        (``rlbus_trainer_weight_transfer_seconds``)."""
+        """Wait for the transfer in flight (if any) to reach every producer; if it failed, re-form
+        the group (or fall back) and re-publish its version from its send buffers (so in the
+        payload it was sent in, an adapter with LoRA: producers load both kinds). Records the
+        transfer's duration (``rlbus_trainer_weight_transfer_seconds``)."""
         try:
             done = self.sender.wait()
         except SendFailed as exc:
             if self.fallback is None:
                 raise
-            self._fall_back(exc.version, exc)
-            self._publish(exc.version, exc.payload)
+            self._recover(exc.version, exc, exc.payload)
             return
         if done and done.get("transfer_s") is not None:
             TRANSFER_SECONDS.observe(done["transfer_s"])
 
     def serve_late_joiner(self, producer: str, version: int) -> None:
-        """A producer outside the weight group wants weights (``weights.wanted`` of ``version``):
-        while still broadcasting, switch to the fallback (filesystem) now and re-publish the last
-        published version there, so the late joiner loads it; nothing once already switched (its
-        next filesystem publication serves it) or without a fallback or publication.
+        """A producer outside the weight group wants weights (``weights.wanted`` of ``version``).
 
-        A broadcast that completed just before a producer died leaves the restarted producer
-        without that version and the trainer waiting for data that needs it; a failed send only
-        triggers the switch on the next publication, which never comes (the deadlock this ends).
+        With a group former: re-form the group with it now (a version boundary: the transfer in
+        flight is settled first) and re-send the last published version into the new group, once
+        per producer and published version. Without one, while still broadcasting: switch to the
+        fallback (filesystem) now and re-publish the last published version there; nothing once
+        already switched (its next filesystem publication serves it) or without a fallback or
+        publication. Either way a producer without weights never waits for a publication that a
+        trainer waiting for its data would never make.
         """
+        if self.former is not None:
+            self._joining.setdefault(producer, version)
+            self.settle()
+            if self._joining:
+                self._regroup(self.last_version)
+            return
         if self.fallback is None or self.last_version is None:
             return
         self.settle()  # a transfer in flight finishes (or fails and falls back) first
@@ -191,20 +250,111 @@ class WeightPublisher:
         self._publish(version_now, self._payload(version_now))
 
     def poll(self) -> None:
-        """``settle`` if a background transfer has finished (does not block otherwise): a failed
-        one falls back now, as a restarted producer waits for the filesystem re-publication."""
+        """Does not block: ``settle`` if a background transfer has finished (a failed one
+        re-forms or falls back now, as a restarted producer waits for it), and serve the
+        producers that asked to join since (:meth:`serve_late_joiner`)."""
         if self.sender.transfer_finished():
             self.settle()
+        for producer, version in self._read_inbox().items():
+            self.serve_late_joiner(producer, version)
 
     def close(self) -> None:
-        """Close the sender in use (waits for a transfer in flight; idempotent)."""
+        """Close the senders (waits for a transfer in flight; idempotent)."""
         self.sender.close()
+        if self.filesystem is not None and self.filesystem is not self.sender:
+            self.filesystem.close()
+
+    # -- re-forming the group ----------------------------------------------------------------------
+
+    def _read_inbox(self) -> dict[str, int]:
+        """Take every message waiting in the inbox; returns the join requests taken now (also kept
+        in ``_joining`` until a re-form takes them in). Requests from a producer a re-form already
+        took in at the last published version are ignored (one attempt per version)."""
+        asked: dict[str, int] = {}
+        while self._inbox is not None and (msg := self._inbox(0.0)) is not None:
+            if isinstance(msg, WeightGroupAck):
+                self._acks.setdefault(msg.generation, set()).add(msg.producer)
+            elif isinstance(msg, WeightsWanted) and self._tried.get(msg.producer, -1) != self.last_version:
+                asked[msg.producer] = msg.version
+        if self.former is not None:
+            self._joining.update(asked)
+        return asked
+
+    def _acked(self, generation: int) -> set[str]:
+        self._read_inbox()
+        return self._acks.get(generation, set())
+
+    def _regroup(self, resend: int | None, payload: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Form the next group with the current members and the producers asking to join, then
+        re-send version ``resend`` (None: nothing) into it, from ``payload`` (None: the current
+        weights), by filesystem too for the producers on that method."""
+        assert self.former is not None and self.membership is not None and self.filesystem is not None
+        joining, self._joining = list(self._joining), {}
+        for producer in joining:
+            self._tried[producer] = self.last_version
+        if self.sender is not self.filesystem:
+            self.sender.close()  # the old group: every member leaves it for the new one
+        sender, self.membership, attempts = self.former.form(self.membership.next(add=joining),
+                                                             self._announce_group, self._acked)
+        for attempt in attempts:
+            GROUP_REFORMS.labels(outcome="ok" if attempt.ok else "failed").inc()
+        self._read_inbox()  # a member's request sent before it acknowledged this group is answered by it
+        for producer in self._acks.get(self.membership.generation, set()) & set(self.membership.members):
+            self._joining.pop(producer, None)
+        self._acks = {g: a for g, a in self._acks.items() if g > self.membership.generation}
+        self.sender = sender if sender is not None else self.filesystem
+        self._count_members()
+        if resend is not None:
+            self._publish(resend, self._payload(resend) if payload is None else payload)
+
+    def _recover(self, version: int, exc: BaseException, payload: Mapping[str, torch.Tensor] | None) -> None:
+        """A send of ``version`` failed: re-form the group (the members that are gone never
+        acknowledge and move to the filesystem method) and re-send it; without a group former,
+        fall back for the rest of the run."""
+        if self.former is not None and self.sender is not self.filesystem:
+            log.error("%s of weights version %d failed (%s: %s); re-forming the weight group", self.sender.method,
+                      version, type(exc).__name__, exc)
+            self._regroup(version, payload)
+            return
+        self._fall_back(version, exc)
+        self._publish(version, self._payload(version) if payload is None else payload)
+
+    def _announce_group(self, membership: Membership, host: str, port: int) -> None:
+        self._send_message(WeightGroup(id=new_id(), generation=membership.generation, host=host, port=port,
+                                       members=list(membership.members), filesystem=list(membership.filesystem)))
+
+    def _count_members(self) -> None:
+        if self.membership is None:  # no group management: every producer takes the method in use
+            for method in ("broadcast", "filesystem"):
+                WEIGHT_MEMBERS.labels(method=method).set(self._num_members if method == self.method else 0)
+            return
+        in_group = 0 if self.sender is self.filesystem else len(self.membership.members)
+        WEIGHT_MEMBERS.labels(method="broadcast").set(in_group)
+        WEIGHT_MEMBERS.labels(method="filesystem").set(len(self.membership.filesystem)
+                                                      + len(self.membership.members) - in_group)
+
+    # -- sending ---------------------------------------------------------------------------------
 
     def _payload(self, version: int) -> Mapping[str, torch.Tensor]:
         return self.payload(version, adapter=self.adapter and self.sender.carries_adapter)
 
     def _publish(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
-        self.sender.publish(state, version, self._announce, build_manifest(state, self.dtype))
+        """Send ``state`` as ``version`` by the method in use, then by filesystem too when some
+        producers take that method while the others stay in the group."""
+        if self.sender is not self.filesystem:
+            self.sender.publish(state, version, self._announce, build_manifest(state, self.dtype))
+            if self.membership is None or not self.membership.filesystem:
+                return
+        self._publish_filesystem(version, state)
+
+    def _publish_filesystem(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
+        """Write and announce ``version`` by the filesystem sender; a version it already wrote
+        last is announced again, not rewritten (re-sends after a re-form)."""
+        assert self.filesystem is not None
+        if self._fs_last is not None and self._fs_last["version"] == version:
+            self._announce(self._fs_last)
+            return
+        self._fs_last = self.filesystem.publish(state, version, self._announce, build_manifest(state, self.dtype))
 
     def _announce(self, info: dict) -> None:
         self._send_message(WeightsReady(id=new_id(), version=info["version"], method=info["method"],
@@ -219,3 +369,4 @@ class WeightPublisher:
                   self.sender.method, version, type(exc).__name__, exc, self.fallback)
         broken, self.sender, self.fallback = self.sender, self.fallback, None
         broken.close()
+        self._count_members()

@@ -14,6 +14,7 @@ from broadcaster.broadcast import BroadcastReceiver, BroadcastSender
 from broadcaster.factory import build_receiver, build_senders, needs_rendezvous_port
 from broadcaster.filesystem import FilesystemReceiver, FilesystemSender
 from bus.messages import WeightsReady, new_id
+from bus.messages_weights import WeightGroup
 from configs.schema import BroadcastConfig
 
 
@@ -26,8 +27,11 @@ class RecordingEngine:
     async def init_weight_group(self, host, port, *, rank, world_size, backend, timeout_s) -> None:
         self.calls.append(("join", port, rank, world_size, backend))
 
-    async def update_weights(self, version, manifest) -> None:
-        self.calls.append(("broadcast", version))
+    async def leave_weight_group(self) -> None:
+        self.calls.append(("leave",))
+
+    async def update_weights(self, version, manifest, resend=False) -> None:
+        self.calls.append(("resend" if resend else "broadcast", version))
 
     async def load_weights_from_path(self, version, path) -> None:
         self.calls.append(("filesystem", version, path))
@@ -88,6 +92,31 @@ def test_a_late_producer_skips_broadcasts_and_a_filesystem_run_never_joins():
     asyncio.run(receiver.join())
     asyncio.run(receiver.apply(_ready(3, "filesystem")))
     assert engine.calls == [("filesystem", 3, "/w/v3")]
+
+
+def test_a_late_producer_asks_joins_a_re_formed_group_takes_the_resend_and_leaves_when_dropped():
+    engine = RecordingEngine()
+    late = build_receiver(BroadcastConfig(backend="gloo"), engine, rank=2, world_size=2, in_group=False, name="producer-1")
+    acks = []
+    group = WeightGroup(id=new_id(), generation=1, host="127.0.0.1", port=4321, members=["producer-0", "producer-1"],
+                        filesystem=[])
+    assert late.wants_group
+    assert asyncio.run(late.regroup(group, lambda: acks.append(1)))
+    assert acks == [1] and not late.wants_group
+    assert engine.calls == [("join", 4321, 2, 3, "gloo")]  # rank 2 of 3 in the new group, not the configured one
+    assert late.must_apply(_ready(4, "broadcast"), current_version=4)  # every member receives the resend
+    assert not late.must_apply(_ready(4, "filesystem"), current_version=4)
+    asyncio.run(late.apply(_ready(4, "broadcast")))
+    assert engine.calls[-1] == ("resend", 4) and not late.must_apply(_ready(4, "broadcast"), current_version=4)
+    calls = list(engine.calls)
+    assert asyncio.run(late.regroup(group, lambda: acks.append(2)))  # a repeat: still in, nothing happens
+    assert engine.calls == calls
+    dropped = WeightGroup(id=new_id(), generation=2, host="127.0.0.1", port=4322, members=["producer-0"],
+                          filesystem=["producer-1"])
+    assert not asyncio.run(late.regroup(dropped, lambda: acks.append(3)))
+    assert engine.calls[-1] == ("leave",) and acks == [1]
+    assert late.skip_reason(_ready(5, "broadcast"), current_version=4) and late.skip_reason(_ready(5, "filesystem"), 4) is None
+    assert not late.wants_group  # told to take the filesystem method: it does not ask again
 
 
 def test_the_factory_imports_no_torch():

@@ -5,7 +5,7 @@ Two layers: :class:`HostileMessages` (message frames, for any receiver of :mod:`
 data topic's inbox or outbox socket; see its docstring).
 
 ``HostileMessages(seed, accept)`` yields multipart messages (lists of ``bytes`` frames) built
-from realistic valid encodings of every type in :data:`bus.messages.MESSAGE_TYPES`, broken in
+from realistic valid encodings of every type in :data:`bus.registry.MESSAGE_TYPES`, broken in
 one of many ways (see :data:`MUTATIONS`):
 
 - random bytes; truncated, bit-flipped or over-long header frames; header frames over the size
@@ -41,8 +41,9 @@ import numpy as np
 
 from bus.codec import decode, encode
 from bus.envelope import MAX_ENVELOPE_BYTES, MAX_ID_CHARS, MAX_IDS_PER_ACK, parse_envelope
+from bus.registry import MESSAGE_TYPES
+from bus.messages_weights import WeightGroup, WeightGroupAck
 from bus.messages import (
-    MESSAGE_TYPES,
     ComponentHeartbeat,
     ComponentReady,
     GroupsDropped,
@@ -146,6 +147,9 @@ def realistic_examples() -> dict[str, Message]:
         ),
         WeightsApplied(id="a4", producer="producer-0", version=4, apply_time_s=0.031),
         WeightsWanted(id="w5", producer="producer-1", version=5),
+        WeightGroup(id="g2", generation=2, host="127.0.0.1", port=41_877, members=["producer-0", "producer-2"],
+                    filesystem=["producer-1"]),
+        WeightGroupAck(id="k2", producer="producer-2", generation=2),
         TrainerStep(id="s4", step=4, version=4, metrics={"loss": -0.012, "reward_mean": 0.44, "kl": 0.0003}),
         GroupsDropped(id="d1", group_ids=["5f0c2a", "77aa01"], reason="stale"),
         GroupsTrained(id="t4", step=4, group_ids=["5f0c2a", "9b1e44", "c03d7f"]),
@@ -513,6 +517,11 @@ class HostileMessages:
             changes = _inconsistent_micro_batch(rng, msg)
         elif isinstance(msg, Prompt):
             changes = rng.choice([{"temperature": rng.choice([0.0, -1.0])}, {"eval_round": 3, "eval_size": 0}, {"eval_size": 5}])
+        elif isinstance(msg, WeightGroup):
+            changes = rng.choice([{"generation": -1}, {"port": rng.choice([0, 70_000])},
+                                  {"filesystem": [msg.members[0]]}, {"members": [msg.members[0]] * 2}])
+        elif isinstance(msg, WeightGroupAck):
+            changes = {"generation": rng.randint(-5, -1)}
         else:
             changes = _inconsistent_group(rng, msg)
         return [bytes(memoryview(f)) for f in encode(dataclasses.replace(msg, **changes))]

@@ -26,8 +26,8 @@ import zmq
 from prometheus_client import REGISTRY
 
 from bus.codec import decode, encode
+from bus.registry import MESSAGE_TYPES
 from bus.messages import (
-    MESSAGE_TYPES,
     ComponentHeartbeat,
     ComponentReady,
     GroupsDropped,

@@ -10,7 +10,8 @@ import pytest
 import zmq
 
 from bus.codec import decode, encode
-from bus.messages import MESSAGE_TYPES, Message
+from bus.messages import Message
+from bus.registry import MESSAGE_TYPES
 
 
 @pytest.fixture

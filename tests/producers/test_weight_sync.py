@@ -213,6 +213,40 @@ def test_broadcast_update_matches_perturbed_model(harness):
         assert _max_err(base, s) > MIN_CHANGE_NATS
 
 
+def test_a_re_formed_group_takes_a_resend_of_the_current_version(harness):
+    """The engine leaves its group and joins a new one (new port: a re-formed group, as
+    `broadcaster.broadcast.BroadcastReceiver.regroup` does), then receives its current version
+    again (`resend`). The resend carries other weights here so the test sees that they were
+    really received and loaded; without `resend` the same version is refused, receiving nothing."""
+    version = harness.engine.version + 1
+    harness.run(harness.broadcast(_perturbed(harness.policy, seed=21), version))
+    harness.run(harness.engine.leave_weight_group())
+    harness.broadcaster.close()
+    port = _free_port()
+    harness.broadcaster = BroadcastSender("gloo", "127.0.0.1", port, 2, timeout_s=60)
+    joined = threading.Thread(target=harness.broadcaster.init_group)
+    joined.start()
+    harness.run(harness.engine.init_weight_group("127.0.0.1", port, 1, 2, "gloo", 60))
+    joined.join(timeout=60)
+    assert not joined.is_alive()
+    resent = _perturbed(harness.policy, seed=22)
+    state_dict = resent.state_dict()
+    manifest = harness.broadcaster.manifest(state_dict)
+    with pytest.raises(ValueError, match="cannot replace"):
+        harness.run(harness.engine.update_weights(version, manifest))
+
+    async def resend() -> None:
+        sent = asyncio.get_running_loop().run_in_executor(None, harness.broadcaster.send, state_dict, version)
+        await harness.engine.update_weights(version, manifest, resend=True)
+        await sent
+
+    harness.run(resend())
+    assert harness.engine.version == version
+    for s in harness.run(harness.generate(request_id=f"resend{version}")):
+        assert (s.version_start, s.version_end) == (version, version)
+        assert _max_err(resent, s) < LOGPROB_ATOL
+
+
 def test_filesystem_update_matches_perturbed_model(harness):
     base = _load_hf(harness.policy)
     new = _perturbed(harness.policy, seed=22)

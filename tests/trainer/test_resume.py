@@ -31,7 +31,8 @@ import zmq
 from safetensors.torch import load_file
 
 from broadcaster.filesystem import FilesystemSender
-from bus.messages import CONTROL_TYPES, EvalResult, GroupsTrained, MicroBatch, RunDone, TrainerStep, WeightsReady, new_id
+from bus.registry import CONTROL_TYPES
+from bus.messages import EvalResult, GroupsTrained, MicroBatch, RunDone, TrainerStep, WeightsReady, new_id
 from bus.courier import Courier
 from bus.sockets import BusSocket
 from bus.topics import Endpoints

@@ -1,0 +1,262 @@
+"""Weight groups that re-form (`broadcaster.regroup`, `trainer.publish.WeightPublisher`), over real
+gloo groups: the trainer-side publisher (real `BroadcastSender`s and `FilesystemSender`) and
+producer-side `BroadcastReceiver`s whose engine is the vLLM worker extension's own code
+(`WeightSyncExtension.init_weight_group` / `destroy_weight_group` / `receive_weights`, with the
+vLLM model reload replaced by keeping what arrived), each producer on its own thread and event
+loop. The control channel between them is a pair of queues (what the hub would forward).
+
+- a third producer asks to join (`weights.wanted`): the group re-forms with all three, the last
+  version is re-sent into it (the newcomer gets it bit-identically, the old members take it
+  again), and the next version reaches all three;
+- a member that stopped listening (dead) makes a re-form time out: it alone moves to the
+  filesystem method, the group re-forms without it, and the others stay on broadcast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+
+import pytest
+import torch
+
+from broadcaster.factory import build_receiver
+from broadcaster.filesystem import FilesystemSender, is_ready
+from broadcaster.regroup import GroupFormer, Membership, listening_socket
+from broadcaster.broadcast import BroadcastSender
+from broadcaster.worker_extension import WeightSyncExtension
+from bus.messages import WeightsReady, WeightsWanted, new_id
+from bus.messages_weights import WeightGroup, WeightGroupAck
+from configs.schema import BroadcastConfig
+from trainer.publish import GROUP_REFORMS, WEIGHT_MEMBERS, WeightPublisher
+
+pytest.importorskip("vllm", reason="the stateless group helper comes from vLLM")
+
+REFORM_TIMEOUT_S = 6.0
+
+
+class _Worker(WeightSyncExtension):
+    """The worker extension on this thread: what it loads is kept instead of reloaded into vLLM."""
+
+    device = torch.device("cpu")
+    rank = 0
+
+    def __init__(self) -> None:
+        self.loaded: list[dict[str, torch.Tensor]] = []
+
+    def _rlbus_apply(self, weights) -> None:
+        self.loaded.append({name: tensor.clone() for name, tensor in weights})
+
+
+class _Engine:
+    """The `RolloutEngine` weight calls, run by the worker extension in a worker thread."""
+
+    def __init__(self) -> None:
+        self.worker = _Worker()
+        self.version = 0
+        self.versions: list[tuple[str, int]] = []
+
+    async def init_weight_group(self, host, port, *, rank, world_size, backend, timeout_s) -> None:
+        await asyncio.to_thread(self.worker.init_weight_group, host, port, rank, world_size, backend, timeout_s)
+
+    async def leave_weight_group(self) -> None:
+        self.worker.destroy_weight_group()
+
+    async def update_weights(self, version, manifest, resend=False) -> None:
+        await asyncio.to_thread(self.worker.receive_weights, manifest)
+        self.version = version
+        self.versions.append(("broadcast", version))
+
+    async def load_weights_from_path(self, version, path) -> None:
+        self.version = version
+        self.versions.append(("filesystem", version))
+
+
+class _Producer:
+    """One producer's weight path: the control-loop rules of `producers.proc` on its own thread."""
+
+    def __init__(self, name: str, index: int, to_trainer: queue.Queue, *, in_group: bool, port: int, world_size: int):
+        self.name, self.engine, self.to_trainer = name, _Engine(), to_trainer
+        self.receiver = build_receiver(BroadcastConfig(backend="gloo", port=port, timeout_s=30,
+                                                       reform_timeout_s=REFORM_TIMEOUT_S),
+                                       self.engine, rank=1 + index, world_size=world_size, in_group=in_group, name=name)
+        self.inbox: queue.Queue = queue.Queue()
+        self.listening = True
+        self.errors: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._loop())
+        except BaseException as exc:  # noqa: BLE001 - surfaced by the test's asserts
+            self.errors.append(exc)
+
+    async def _loop(self) -> None:
+        await self.receiver.join()
+        if self.receiver.wants_group:
+            self.to_trainer.put(WeightsWanted(id=new_id(), producer=self.name, version=self.engine.version))
+        while True:
+            msg = await asyncio.to_thread(self.inbox.get)
+            if msg is None:
+                return
+            if not self.listening:  # dead: never acknowledges nor joins anything again
+                continue
+            if isinstance(msg, WeightGroup):
+                ack = WeightGroupAck(id=new_id(), producer=self.name, generation=msg.generation)
+                await self.receiver.regroup(msg, lambda: self.to_trainer.put(ack))
+            elif isinstance(msg, WeightsReady) and (msg.version != self.engine.version
+                                                    or self.receiver.must_apply(msg, self.engine.version)):
+                if self.receiver.skip_reason(msg, self.engine.version) is None:
+                    await self.receiver.apply(msg)
+
+    def stop(self) -> None:
+        self.inbox.put(None)
+        self.thread.join(timeout=30)
+
+
+def _payload(version: int, *, adapter: bool) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(version)
+    return {"model.embed_tokens.weight": torch.randn(16, 8, generator=gen),
+            "model.norm.weight": torch.randn(8, generator=gen), "lm_head.weight": torch.randn(16, 8, generator=gen)}
+
+
+class _Run:
+    """A publisher whose first group (producer-0, producer-1) forms at start, fanning every
+    control message out to the producers."""
+
+    def __init__(self, tmp_path) -> None:
+        self.to_trainer: queue.Queue = queue.Queue()
+        self.announced: list = []
+        self.producers: list[_Producer] = []
+        sock = listening_socket("127.0.0.1")
+        port = sock.getsockname()[1]
+        sender = BroadcastSender("gloo", "127.0.0.1", port, 3, timeout_s=30, listen_socket=sock)
+        for i in range(2):
+            self.producers.append(_Producer(f"producer-{i}", i, self.to_trainer, in_group=True, port=port, world_size=3))
+        sender.open()
+        self.publisher = WeightPublisher(
+            sender, FilesystemSender(tmp_path / "weights"), self._fan_out, _payload, adapter=False,
+            former=GroupFormer("gloo", "127.0.0.1", timeout_s=REFORM_TIMEOUT_S),
+            members=["producer-0", "producer-1"], inbox=self._recv)
+
+    def _fan_out(self, msg) -> None:
+        self.announced.append(msg)
+        for producer in self.producers:
+            producer.inbox.put(msg)
+
+    def _recv(self, timeout_s: float):
+        try:
+            return self.to_trainer.get(timeout=timeout_s) if timeout_s else self.to_trainer.get_nowait()
+        except queue.Empty:
+            return None
+
+    def add(self, name: str, index: int) -> _Producer:
+        producer = _Producer(name, index, self.to_trainer, in_group=False, port=1, world_size=2)
+        self.producers.append(producer)
+        return producer
+
+    def wait_for(self, producers, version: int, count: int) -> None:
+        """Poll the publisher (as the trainer does while waiting for data) until each producer in
+        `producers` has `count` loads of `version`."""
+        for _ in range(600):
+            self.publisher.poll()
+            if all(sum(1 for _, v in p.engine.versions if v == version) >= count for p in producers):
+                return
+            threading.Event().wait(0.05)
+        raise AssertionError(f"version {version} x{count} not loaded: {[p.engine.versions for p in producers]}")
+
+    def close(self) -> None:
+        for producer in self.producers:
+            producer.stop()
+        self.publisher.close()
+        for producer in self.producers:
+            producer.engine.worker.destroy_weight_group()
+
+
+def _groups(announced: list) -> list[tuple]:
+    """The groups announced, each once (a group being formed is announced again every
+    `broadcaster.regroup.REANNOUNCE_S`; the repeats carry the same generation and port)."""
+    seen = {(m.generation, m.port): (m.generation, tuple(m.members), tuple(m.filesystem))
+            for m in announced if isinstance(m, WeightGroup)}
+    return list(seen.values())
+
+
+def _counts() -> tuple[float, float]:
+    return (GROUP_REFORMS.labels(outcome="ok")._value.get(), GROUP_REFORMS.labels(outcome="failed")._value.get())
+
+
+def test_a_joining_producer_re_forms_the_group_and_gets_the_last_version_bit_identically(tmp_path):
+    run = _Run(tmp_path)
+    ok0, failed0 = _counts()
+    try:
+        run.publisher.publish(1)
+        run.wait_for(run.producers, 1, 1)
+        newcomer = run.add("producer-2", 2)
+        run.wait_for([newcomer], 1, 1)  # poll() saw weights.wanted: re-formed, re-sent version 1
+        run.wait_for(run.producers[:2], 1, 2)  # the old members took part in the re-send
+        run.publisher.publish(2)
+        run.wait_for(run.producers, 2, 1)
+    finally:
+        run.close()
+    assert all(not p.errors for p in run.producers), [p.errors for p in run.producers]
+    assert _counts() == (ok0 + 1, failed0)
+    assert run.publisher.method == "broadcast"
+    assert run.publisher.membership == Membership(1, ("producer-0", "producer-1", "producer-2"))
+    assert WEIGHT_MEMBERS.labels(method="broadcast")._value.get() == 3
+    assert _groups(run.announced) == [(1, ("producer-0", "producer-1", "producer-2"), ())]
+    assert {m.method for m in run.announced if isinstance(m, WeightsReady)} == {"broadcast"}
+    assert newcomer.engine.versions == [("broadcast", 1), ("broadcast", 2)]
+    assert run.producers[0].engine.versions == [("broadcast", 1), ("broadcast", 1), ("broadcast", 2)]
+    for producer in run.producers:
+        last = producer.engine.worker.loaded[-1]
+        for name, tensor in _payload(2, adapter=False).items():
+            assert torch.equal(last[name], tensor), (producer.name, name)
+    for name, tensor in _payload(1, adapter=False).items():
+        assert torch.equal(newcomer.engine.worker.loaded[0][name], tensor), name
+
+
+def test_a_re_form_that_times_out_moves_only_the_silent_member_to_the_filesystem_method(tmp_path):
+    run = _Run(tmp_path)
+    ok0, failed0 = _counts()
+    try:
+        run.publisher.publish(1)
+        run.wait_for(run.producers, 1, 1)
+        run.producers[1].listening = False  # dead: it will never acknowledge a new group
+        newcomer = run.add("producer-2", 2)
+        run.wait_for([newcomer], 1, 1)  # after one timed-out attempt and one without producer-1
+        run.wait_for([run.producers[0]], 1, 2)
+        run.publisher.publish(2)
+        run.wait_for([run.producers[0], newcomer], 2, 1)
+    finally:
+        run.close()
+    assert all(not p.errors for p in run.producers), [p.errors for p in run.producers]
+    assert _counts() == (ok0 + 1, failed0 + 1)
+    assert run.publisher.membership == Membership(2, ("producer-0", "producer-2"), ("producer-1",))
+    assert run.publisher.method == "broadcast"  # the others stay on broadcast
+    assert WEIGHT_MEMBERS.labels(method="broadcast")._value.get() == 2
+    assert WEIGHT_MEMBERS.labels(method="filesystem")._value.get() == 1
+    assert _groups(run.announced) == [(1, ("producer-0", "producer-1", "producer-2"), ()),
+                                      (2, ("producer-0", "producer-2"), ("producer-1",))]
+    # each version from then on goes out by broadcast, then by filesystem for producer-1
+    ready = [(m.version, m.method) for m in run.announced if isinstance(m, WeightsReady)]
+    assert ready == [(1, "broadcast"), (1, "broadcast"), (1, "filesystem"), (2, "broadcast"), (2, "filesystem")]
+    assert all(is_ready(m.path) for m in run.announced if isinstance(m, WeightsReady) and m.method == "filesystem")
+    assert newcomer.engine.versions == [("broadcast", 1), ("broadcast", 2)]
+    for name, tensor in _payload(2, adapter=False).items():
+        assert torch.equal(newcomer.engine.worker.loaded[-1][name], tensor), name
+
+
+def test_membership_moves_producers_between_methods_and_refuses_overlaps():
+    first = Membership(0, ("producer-0", "producer-1"))
+    joined = first.next(add=["producer-2", "producer-0"])  # a restarted member stays where it was
+    assert joined == Membership(1, ("producer-0", "producer-1", "producer-2"))
+    blamed = joined.next(drop=["producer-1"])
+    assert blamed == Membership(2, ("producer-0", "producer-2"), ("producer-1",))
+    assert blamed.next(add=["producer-1"]) == Membership(3, ("producer-0", "producer-2", "producer-1"))
+    assert blamed.next(drop=["producer-0", "producer-2"]).members == ()
+    with pytest.raises(ValueError, match="disjoint"):
+        Membership(0, ("producer-0",), ("producer-0",))
+    with pytest.raises(ValueError, match="reform timeout"):
+        GroupFormer("gloo", "127.0.0.1", timeout_s=0)
