@@ -152,6 +152,8 @@ def overview() -> dict:
             Target(_by("rlbus_rewards_errors_total", "error", increase), "reward {{error}}"),
             Target(_by("rlbus_trainer_skipped_steps_total", "reason", increase), "skipped step {{reason}}"),
             Target(f"sum({increase('rlbus_packer_samples_log_errors_total')})", "samples.jsonl write errors"),
+            Target(f"sum({increase('rlbus_packer_resent_steps_total')})", "steps re-sent by a restarted packer"),
+            Target(f"sum({increase('rlbus_packer_spool_torn_records_total')})", "torn packer spool records"),
         ], description=WINDOW_NOTE),
         timeseries("Packer decisions (groups/s)", [
             Target(_by("rlbus_packer_groups_total", "outcome"), "train {{outcome}}"),
