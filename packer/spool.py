@@ -55,6 +55,7 @@ from typing import Any, BinaryIO
 import msgpack
 
 from bus.codec import decode, encode
+from bus.durable import fsync_dir
 from bus.messages import ScoredGroup
 
 log = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ class Spool:
             os.fsync(f.fileno())
         self._file.close()
         os.replace(tmp, self.path)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         self.state, self.sizes, self.dead_bytes = SpoolState(), {}, 0
         good = self._replay()
         self._file = open(self.path, "r+b")
@@ -286,10 +287,3 @@ def _unframe(data: bytes, offset: int) -> tuple[tuple[str, Any], int] | None:
         return None
     return (kind, body), end
 
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

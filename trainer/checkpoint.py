@@ -55,6 +55,8 @@ import torch
 from peft import PeftModel, set_peft_model_state_dict
 from safetensors.torch import load_file
 
+from bus.durable import fsync_dir
+
 __all__ = ["CheckpointState", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint", "snapshot_state"]
 
 FORMAT = 1
@@ -132,15 +134,8 @@ def _fsync_tree(path: Path) -> None:
         for name in files:
             with open(os.path.join(root, name), "rb") as f:
                 os.fsync(f.fileno())
-        _fsync_dir(Path(root))
+        fsync_dir(Path(root))
 
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -279,7 +274,7 @@ def save_checkpoint(
         shutil.rmtree(old)
     else:
         tmp.rename(final)
-    _fsync_dir(root)
+    fsync_dir(root)
     _prune(root, keep, final)
     return final
 
