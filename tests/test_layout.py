@@ -196,3 +196,15 @@ def test_the_checker_sees_each_kind_of_fault(tmp_path):
         "producers.a -> rewards.b (a stage imports another stage)",
         "tasks.t -> packer.p (a library imports a stage)",
     ]
+
+
+def test_test_files_have_unique_names():
+    """pytest imports test files without packages (rootdir-relative basenames): two test files of
+    the same name in different folders make the whole collection fail ("import file mismatch")."""
+    seen: dict[str, Path] = {}
+    clashes = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        if path.name in seen:
+            clashes.append(f"{seen[path.name].relative_to(ROOT)} and {path.relative_to(ROOT)}")
+        seen.setdefault(path.name, path)
+    assert not clashes, f"test files with the same name: {clashes}; rename one"
