@@ -170,7 +170,6 @@ class PackerProc(Component):
         accepted, reason = self.packer.add(group)
         if accepted:
             self.meter.finished(group.group_size, int(group.completion_lens.sum()))
-        if accepted:
             self.spool.accepted(group)  # durable before custody is released upstream
         if accepted or reason == "duplicate":
             GROUPS_IN.labels("accepted" if accepted else "duplicate").inc()  # a duplicate: no second outcome
