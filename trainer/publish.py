@@ -74,6 +74,10 @@ WEIGHT_MEMBERS = Gauge(
     "Producers that take weights by each method: broadcast (members of the current weight group) or filesystem",
     ["method"],
 )
+for _outcome in ("ok", "failed"):  # export every series from the start, at 0
+    GROUP_REFORMS.labels(outcome=_outcome)
+for _method in ("broadcast", "filesystem"):
+    WEIGHT_MEMBERS.labels(method=_method)
 
 
 def weights_payload(model: torch.nn.Module, cfg, version: int, *, adapter: bool,
