@@ -48,6 +48,7 @@ import subprocess
 from dataclasses import dataclass, replace
 from typing import Mapping
 
+from broadcaster.dtypes import resolve_producer_dtype
 from configs.schema import ConfigError, RunConfig
 
 ENV_CUDA_DEVICES = "CUDA_VISIBLE_DEVICES"
@@ -286,7 +287,7 @@ def plan_placement(cfg: RunConfig, visible: list[int]) -> Placement:
         free = [d for d in visible if d not in trainer_gpus]
         producer_gpus = [tuple(free[i * per:(i + 1) * per]) if (i + 1) * per <= len(free) else None
                          for i in range(p.max_replicas)]
-    dtype = p.dtype if p.dtype != "auto" else ("bfloat16" if any(producer_gpus) else "float32")
+    dtype = resolve_producer_dtype(p.dtype, cuda_available=any(producer_gpus))
     plan = Placement(tuple(visible), trainer_device, trainer_gpus, dtype, "", tuple(producer_gpus),
                      shared=p.share_gpus_with_trainer, replicas=p.replicas, gpus_per_replica=per)
     if any(g is None for g in producer_gpus[:p.replicas]):
