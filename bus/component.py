@@ -6,7 +6,9 @@ class) started by ``busctl`` as ``python -m <module> --run-dir DIR --name NAME -
 
 1. load the resolved ``config.yaml`` of the run, log to stderr (busctl sends it to
    ``logs/NAME.log``), die with the supervisor (``PR_SET_PDEATHSIG``), turn SIGTERM/SIGINT into a
-   stop request;
+   stop request; a component orphaned by a SIGKILLed supervisor does what the supervisor would
+   have done: SIGKILL its own process group (vLLM's engine processes included) if the graceful
+   stop takes longer than :data:`ORPHAN_GRACE_S`;
 2. serve Prometheus metrics; ``setup()``; send :class:`bus.messages.ComponentReady` to the
    supervisor (the startup handshake); start the heartbeat thread
    (:class:`bus.messages.ComponentHeartbeat` every ``bus.heartbeat_s``, state ``running``, then
@@ -208,6 +210,22 @@ class Component:
             self._heartbeat_thread = None
 
 
+ORPHAN_GRACE_S = 20.0
+"""How long a component whose supervisor died lets its graceful stop run before it SIGKILLs its own
+process group, seconds (the supervisor's own grace, ``busctl.scaling.STOP_TIMEOUT_S``)."""
+
+
+def _on_stop_signal(comp: Component, parent_pid: int) -> None:
+    """SIGTERM/SIGINT: ask ``comp`` to stop; when the parent that started us is gone (the supervisor
+    was SIGKILLed: nobody is left to SIGKILL our process group after its grace period), arm a
+    timer that does it (a hung vLLM shutdown must not outlive the run)."""
+    comp.stop.set()
+    if os.getppid() != parent_pid and os.getpgrp() == os.getpid():  # orphaned, and leads its own group
+        timer = threading.Timer(ORPHAN_GRACE_S, os.killpg, args=(os.getpgrp(), signal.SIGKILL))
+        timer.daemon = True
+        timer.start()
+
+
 def die_with_parent() -> None:
     """Ask Linux to send SIGTERM to this process when its parent (the supervisor) dies."""
     if sys.platform.startswith("linux"):
@@ -232,8 +250,9 @@ def component_main(cls: type[Component], argv: list[str] | None = None) -> int:
     die_with_parent()
     cfg = load_config(Path(args.run_dir) / "config.yaml")
     comp = cls(cfg, args.name, args.index)
-    signal.signal(signal.SIGTERM, lambda *_: comp.stop.set())
-    signal.signal(signal.SIGINT, lambda *_: comp.stop.set())
+    parent_pid = os.getppid()
+    signal.signal(signal.SIGTERM, lambda *_: _on_stop_signal(comp, parent_pid))
+    signal.signal(signal.SIGINT, lambda *_: _on_stop_signal(comp, parent_pid))
     try:
         port = serve_metrics(args.metrics_port, health=comp.health)
         comp.setup()

