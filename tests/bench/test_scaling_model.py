@@ -118,3 +118,13 @@ def test_main_prints_every_table(capsys) -> None:
         for w in inputs.WORKLOADS:
             assert f"## {policy.name}, workload {w.name}" in out
     assert out.count("| GPUs |") == len(inputs.POLICIES) * (3 * len(inputs.WORKLOADS) + 1)
+
+
+def test_docs_scaling_shows_the_current_tables(capsys) -> None:
+    # docs/scaling.md's "Tables" section is this script's output: re-run it after changing an input
+    from pathlib import Path
+
+    main()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "scaling.md").read_text()
+    stale = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|") and line not in doc]
+    assert not stale, f"docs/scaling.md is stale (python -m bench.scaling_model): {stale[:3]}"
