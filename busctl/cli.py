@@ -121,13 +121,17 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
         cfg = resume_config(config_path, overrides) if ns.resume else load_config(config_path, overrides)
         cfg.supervisor.launcher = ns.launcher or cfg.supervisor.launcher
         placement = apply_placement(cfg)  # trainer.device and producers.dtype resolved in cfg
-        launcher = make_launcher(cfg)
     except ConfigError as err:
         console.print(f"[red]{err}[/red]")
         return 2
     if ns.dry_run:
         print(dump_config(cfg) + placement.describe())
         return 0
+    try:
+        launcher = make_launcher(cfg)  # slurm: the allocation's nodes (not needed by --dry-run)
+    except ConfigError as err:
+        console.print(f"[red]{err}[/red]")
+        return 2
     run_dir = Path(cfg.run_dir)
     try:
         previous = _status(run_dir)
