@@ -15,9 +15,10 @@ Each component is ``srun --nodes=1 --ntasks=1 --nodelist=NODE --overlap [--het-g
 session; GPU components get ``--gpus`` with as many devices as :mod:`busctl.placement` planned
 and Slurm sets their ``CUDA_VISIBLE_DEVICES``. The step's component sends ``RLBUS_SPAWN_ID=ID``
 instead of its pid (it runs elsewhere). The supervisor watches the local ``srun``: the step's
-end is its exit; SIGTERM goes to ``srun``, which forwards it to the step; SIGKILL is ``scancel
---signal=KILL`` of the step (found by its name) and of ``srun``, so a killed component leaves
-nothing running on its node.
+end is its exit. Signals go to the step's task with ``scancel --signal=SIG`` (the step found by
+its name): SIGTERM is a graceful stop as on the local launcher (``srun`` itself would answer
+SIGTERM by cancelling the step, SIGKILL after ``KillWait``); SIGKILL also kills ``srun``, so a
+killed component leaves nothing running on its node.
 
 Not covered: busctl itself SIGKILLed leaves its steps running until the allocation ends.
 """
@@ -120,22 +121,22 @@ class SlurmStep:
         return [line.split()[0] for line in out.stdout.splitlines() if line.split()[1:] == [self.step_name]]
 
     def signal(self, sig: int) -> None:
-        """SIGKILL: ``scancel --signal=KILL`` the step, then kill ``srun``; other signals go to
-        ``srun``, which forwards them to the step. Gone: ignored."""
+        """Send ``sig`` to the step's task with ``scancel --signal`` (not to ``srun``: ``srun``
+        answers SIGTERM by cancelling the step, SIGKILL after Slurm's ``KillWait``, which would cut
+        a graceful stop short); after SIGKILL, or when the step is not found, ``srun`` too
+        (its whole process group). Gone: ignored."""
         if self.popen.poll() is not None:
             return
-        if sig == signal.SIGKILL:
-            try:
-                for step in self.step_ids():
-                    subprocess.run(["scancel", "--signal=KILL", step], capture_output=True, timeout=SLURM_TIMEOUT_S)
-            except (OSError, subprocess.TimeoutExpired) as err:
-                log.warning("scancel of %s failed (%s); killing its srun", self.step_name, err)
-            signal_group(self.popen.pid, sig)
-            return
         try:
-            os.kill(self.popen.pid, sig)
-        except ProcessLookupError:
-            pass
+            steps = self.step_ids()
+            for step in steps:
+                subprocess.run(["scancel", f"--signal={signal.Signals(sig).name.removeprefix('SIG')}", step],
+                               capture_output=True, timeout=SLURM_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            log.warning("scancel of %s failed (%s); signalling its srun", self.step_name, err)
+            steps = []
+        if sig == signal.SIGKILL or not steps:
+            signal_group(self.popen.pid, sig)
 
 
 class SlurmLauncher:
