@@ -74,7 +74,7 @@ class Component:
         self.ctx = zmq.Context()
         # CURVE (tcp:// with bus.curve_keys_dir) secures every socket made from self.ctx
         auth.enable(self.ctx, auth.keys_from_config(cfg.bus))
-        self.endpoints = Endpoints(cfg.bus.transport, self.run_dir, cfg.bus.host, cfg.bus.base_port)
+        self.endpoints = Endpoints(cfg.bus.transport, self.run_dir, cfg.bus.host, cfg.bus.base_port, dict(cfg.bus.hosts))
         self._sockets: list[BusSocket] = []
         self._courier: Courier | None = None
         self._outcomes: Outbox | None = None
@@ -167,11 +167,17 @@ class Component:
         (torchrun) stands between them."""
         return os.getpid()
 
+    def handshake_pid(self) -> int:
+        """The id sent in the handshake and heartbeats: the launcher's spawn id when it set one
+        (``RLBUS_SPAWN_ID``: under ``srun`` the supervisor never sees our pid), else
+        :meth:`supervised_pid`."""
+        return self.launch.spawn_id or self.supervised_pid()
+
     def report_ready(self, metrics_port: int) -> None:
         """Send the startup handshake to the supervisor (best effort when run standalone)."""
         sock = BusSocket(self.ctx, "supervisor", "send", self.endpoints.address("supervisor"), bind=False, stop=self.stop)
         try:
-            msg: Message = ComponentReady(id=new_id(), name=self.name, pid=self.supervised_pid(), metrics_port=metrics_port)
+            msg: Message = ComponentReady(id=new_id(), name=self.name, pid=self.handshake_pid(), metrics_port=metrics_port)
             if not sock.send(msg, timeout_s=READY_SEND_TIMEOUT_S):
                 log.warning("no supervisor took the ready handshake; running standalone")
         finally:
@@ -188,7 +194,7 @@ class Component:
         if self._heartbeat_thread is not None:
             return
         period_s = self.cfg.bus.heartbeat_s
-        pid = self.supervised_pid()
+        pid = self.handshake_pid()
 
         def beat() -> None:
             sock = BusSocket(self.ctx, "supervisor", "send", self.endpoints.address("supervisor"), bind=False, stop=self._heartbeat_stop)

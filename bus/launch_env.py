@@ -8,6 +8,9 @@ start differs from the first one of a fresh run:
 - ``RLBUS_RESUME=1``: the run was started with ``busctl up --resume`` (unset, empty or ``0``: not).
 - ``RLBUS_LATE_JOIN=1``: the component joins after the start of the run (a producer added by
   ``busctl scale`` or restarted), so it cannot join a weight-broadcast group formed at start.
+- ``RLBUS_SPAWN_ID=<n>``: set by a launcher whose spawned process is not the component itself
+  (``srun``, :mod:`busctl.launchers.slurm`): the id the supervisor knows this start by, sent in
+  the ready handshake and heartbeats instead of the pid (unset: the pid).
 
 Invariant: these names are spelled here only. The supervisor writes them with
 :meth:`LaunchEnv.to_environ`, a component reads them once with :meth:`LaunchEnv.from_environ`
@@ -26,6 +29,9 @@ ENV_RESUME = "RLBUS_RESUME"
 """``1`` in every component of a ``busctl up --resume`` run."""
 ENV_LATE_JOIN = "RLBUS_LATE_JOIN"
 """``1`` for a component that joins a running run (scaled up or restarted producer)."""
+ENV_SPAWN_ID = "RLBUS_SPAWN_ID"
+"""The supervisor's id of this start when the launcher stands between them (int >= 1; set by the
+launcher itself, so not among :data:`ENV_NAMES`; the local launcher removes an inherited one)."""
 ENV_NAMES = (ENV_RESTARTS, ENV_RESUME, ENV_LATE_JOIN)
 """Every launch variable; the supervisor removes them from its own environment before adding a
 component's, so a ``busctl up`` started from inside a component never leaks them."""
@@ -67,11 +73,13 @@ class LaunchEnv:
         restarts: how often the supervisor restarted this component (0: first start).
         resume: the run continues a previous one (``busctl up --resume``).
         late_join: the component joins a running run (scaled up, or a restarted producer).
+        spawn_id: the id the supervisor knows this start by (0: the pid; see ``RLBUS_SPAWN_ID``).
     """
 
     restarts: int = 0
     resume: bool = False
     late_join: bool = False
+    spawn_id: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.restarts, bool) or not isinstance(self.restarts, int) or self.restarts < 0:
@@ -88,6 +96,7 @@ class LaunchEnv:
             restarts=_parse_int(ENV_RESTARTS, environ.get(ENV_RESTARTS, "")),
             resume=_parse_flag(ENV_RESUME, environ.get(ENV_RESUME, "")),
             late_join=_parse_flag(ENV_LATE_JOIN, environ.get(ENV_LATE_JOIN, "")),
+            spawn_id=_parse_int(ENV_SPAWN_ID, environ.get(ENV_SPAWN_ID, "")),
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -99,6 +108,8 @@ class LaunchEnv:
             env[ENV_RESUME] = "1"
         if self.late_join:
             env[ENV_LATE_JOIN] = "1"
+        if self.spawn_id:
+            env[ENV_SPAWN_ID] = str(self.spawn_id)
         return env
 
     @property

@@ -22,13 +22,15 @@ not bytes. Reward workers connect to ``producers.max_replicas`` rollouts endpoin
 producers added by ``busctl scale`` are reached without a restart.
 
 Endpoints are ``ipc://`` files under the run's socket directory by default, or ``tcp://host:port``
-with ports at fixed offsets from ``bus.base_port``.
+with ports at fixed offsets from ``bus.base_port``. On several hosts (``busctl up --launcher
+slurm``) ``bus.hosts`` names the host of the side that binds each endpoint (key: the topic, or
+``rollouts-I`` for producer I); both the binder and its connectors use that address.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
@@ -93,12 +95,15 @@ class Endpoints:
         run_dir: the run directory (ipc sockets live in :func:`socket_dir` of it).
         host: tcp host (bind and connect address), e.g. ``"127.0.0.1"``.
         base_port: first tcp port; topics use ``base_port + TopicSpec.port_offset (+ index)``.
+        hosts: per-endpoint tcp host of the binder (``bus.hosts``: key ``topic`` or
+            ``rollouts-I``); an endpoint not in it uses ``host``.
     """
 
     transport: str
     run_dir: Path
     host: str = "127.0.0.1"
     base_port: int = 5550
+    hosts: dict[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if self.transport not in ("ipc", "tcp"):
@@ -115,12 +120,18 @@ class Endpoints:
             raise ValueError(f"unknown topic {topic!r}; known: {sorted(TOPICS)}")
         if index and topic != "rollouts":
             raise ValueError(f"topic {topic!r} has a single endpoint; index must be 0")
-        if self.transport == "tcp":
-            return f"tcp://{self.host}:{self.base_port + spec.port_offset + index}"
         name = f"{topic}-{index}" if topic == "rollouts" else topic
+        if self.transport == "tcp":
+            return f"tcp://{self.hosts.get(name, self.host)}:{self.base_port + spec.port_offset + index}"
         return f"ipc://{socket_dir(self.run_dir) / name}"
 
     def ensure_dirs(self) -> None:
         """Create the ipc socket directory (no-op for tcp)."""
         if self.transport == "ipc":
             socket_dir(self.run_dir).mkdir(parents=True, exist_ok=True)
+
+
+def endpoint_key_ok(key: str) -> bool:
+    """Whether ``key`` may appear in ``bus.hosts``: a topic name, or ``rollouts-I`` (I >= 0)."""
+    base, _, index = key.rpartition("-")
+    return (key in TOPICS and key != "rollouts") or (base == "rollouts" and index.isdigit())

@@ -7,6 +7,7 @@
     busctl scale [RUN_DIR] rewards=N producers=M         resize a running job (either or both)
     busctl down [RUN_DIR]                                stop a running ``busctl up`` (SIGTERM; it drains)
     busctl keys DIR [--clients N]                        make CurveZMQ keys for an authenticated tcp:// bus
+    busctl sbatch [CONFIG] [key=value ...] [-o FILE]     a Slurm batch script running the job (busctl up --launcher slurm)
     busctl report RUN_DIR [--out DIR]                    plots (PNG) and a text summary of a run
 
 RUN_DIR defaults to the default config's ``run_dir`` (``runs/reverse_text``).
@@ -16,6 +17,9 @@ RUN_DIR defaults to the default config's ``run_dir`` (``runs/reverse_text``).
 ``broadcast.backend`` are resolved (``auto`` -> concrete) in the run's ``config.yaml``, and a plan that does not fit the visible GPUs
 is a bad config naming the keys and the devices seen. ``--dry-run`` prints the resolved config and
 then the plan (``#`` lines: the output stays YAML).
+
+``up --launcher slurm`` (or ``supervisor.launcher: slurm``) runs inside a Slurm allocation, each
+component an ``srun`` step on its node (:mod:`busctl.launchers.slurm`).
 
 ``up`` heals: a component that exits or stops sending heartbeats before the run is done is
 restarted with exponential backoff (``supervisor.*`` in the config); the packer continues from
@@ -55,6 +59,8 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
+from busctl.cluster_cli import add_commands
+from busctl.launchers import LAUNCHERS, make_launcher
 from busctl.placement import apply_placement
 from busctl.report import cmd_report
 from configs.model_path import resolve_run_model_paths
@@ -113,6 +119,7 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
     config_path, overrides = _split_config_args(ns.args)
     try:
         cfg = resume_config(config_path, overrides) if ns.resume else load_config(config_path, overrides)
+        cfg.supervisor.launcher = ns.launcher or cfg.supervisor.launcher
         placement = apply_placement(cfg)  # trainer.device and producers.dtype resolved in cfg
     except ConfigError as err:
         console.print(f"[red]{err}[/red]")
@@ -120,6 +127,11 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
     if ns.dry_run:
         print(dump_config(cfg) + placement.describe())
         return 0
+    try:
+        launcher = make_launcher(cfg)  # slurm: the allocation's nodes (not needed by --dry-run)
+    except ConfigError as err:
+        console.print(f"[red]{err}[/red]")
+        return 2
     run_dir = Path(cfg.run_dir)
     try:
         previous = _status(run_dir)
@@ -136,7 +148,9 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
         return 2
     if placement.visible:  # a GPU host: say which component got which devices
         console.print(placement.describe(), markup=False, highlight=False)
-    sup = Supervisor(cfg, console, resume=ns.resume, launched_at=process_started_at(os.getpid()), placement=placement)
+    launcher.configure(cfg)  # slurm: tcp bound to each node's address, per-run CurveZMQ keys
+    sup = Supervisor(cfg, console, resume=ns.resume, launched_at=process_started_at(os.getpid()), placement=placement,
+                     launcher=launcher)
 
     def on_signal(signum: int, _frame: object) -> None:
         sup.stop.set()
@@ -377,27 +391,6 @@ def cmd_scale(ns: argparse.Namespace, console: Console) -> int:
     return 1
 
 
-def cmd_keys(ns: argparse.Namespace, console: Console) -> int:
-    from bus.auth import CLIENTS_DIR, create_keys  # zmq only
-
-    keys_dir = Path(ns.dir).resolve()
-    try:
-        created = create_keys(keys_dir, ns.clients)
-    except ValueError as err:
-        console.print(f"[red]{err}[/red]")
-        return 1
-    print(f"CurveZMQ keys in {keys_dir} (mode 0700; *.key_secret files are secret):")
-    for path in created:
-        print(f"  {path}")
-    print(f"allow-list: {keys_dir / CLIENTS_DIR}/*.key (every public key there may connect)")
-    print(f"use:        busctl up CONFIG bus.transport=tcp bus.curve_keys_dir={keys_dir}")
-    print("multi-host: copy the whole directory to the same path on every host, keeping it private, e.g.")
-    print(f"            rsync -a {keys_dir}/ HOST:{keys_dir}/")
-    print("            a host with its own client keypair sets bus.curve_client=NAME; to revoke one,")
-    print(f"            delete {CLIENTS_DIR}/NAME.key on every host and restart the processes that bind")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="busctl", description="Run and inspect rlbus pipelines.",
                                      epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -407,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
                         "directory: busctl up --resume [RUN_DIR | CONFIG] [key.sub=value ...].")
     up.add_argument("args", nargs="*", help="[CONFIG.yaml] [key.sub=value ...]; with --resume: [RUN_DIR | CONFIG.yaml] [key.sub=value ...]")
     up.add_argument("--dry-run", action="store_true", help="print the resolved config and the device plan, and exit")
+    up.add_argument("--launcher", choices=LAUNCHERS, default=None,
+                    help="start components as local processes, or as srun steps inside a Slurm allocation (default: supervisor.launcher)")
     up.add_argument("--resume", action="store_true",
                     help="continue the run in RUN_DIR (default: the default config's run_dir) from its config.yaml, "
                     "checkpoints, ledgers and packer spool; nothing is cleared, logs are appended")
@@ -422,17 +417,14 @@ def main(argv: list[str] | None = None) -> int:
     sc.add_argument("args", nargs="+", metavar="ARG", help="[RUN_DIR] rewards=N and/or producers=N")
     sc.add_argument("--timeout", type=float, default=None,
                     help="seconds to wait for the new set to be ready (default: bus.ready_timeout_s + 30)")
-    ks = sub.add_parser("keys", help="create CurveZMQ keys (server + client keypairs, allow-list)")
-    ks.add_argument("dir", help="new key directory (must not hold keys yet)")
-    ks.add_argument("--clients", type=int, default=1,
-                    help="client keypairs: 'components' (shared by every process), then client-1 ... (default 1)")
+    cluster_commands = add_commands(sub)
     rp = sub.add_parser("report", help="plot a run's metrics (PNG) and print a short summary")
     rp.add_argument("run_dir", help="run directory (holds metrics.jsonl)")
     rp.add_argument("--out", default=None, help="where to write the plots and summary.txt (default: RUN_DIR/report)")
     ns = parser.parse_args(argv)
     console = Console(highlight=False, soft_wrap=True)  # never break paths or messages mid-line
-    handler = {"up": cmd_up, "status": cmd_status, "logs": cmd_logs, "down": cmd_down, "scale": cmd_scale, "keys": cmd_keys,
-               "report": cmd_report}[ns.command]
+    handler = {"up": cmd_up, "status": cmd_status, "logs": cmd_logs, "down": cmd_down, "scale": cmd_scale, "report": cmd_report,
+               **cluster_commands}[ns.command]
     try:
         return handler(ns, console)
     except NoRun as err:

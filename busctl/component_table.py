@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from broadcaster.factory import needs_rendezvous_port
 from configs.schema import RunConfig
@@ -38,7 +38,8 @@ class ComponentSpec:
         restarts: times the supervisor restarted it. consecutive_crashes: crashes since it last
             stayed up ``backoff_reset_s``. exit_code: of its last process (negative: signal).
         last_error: why it last crashed. late_join: spawned with ``RLBUS_LATE_JOIN=1``.
-        port_request: metrics port asked for at spawn (0: any free port).
+        port_request: metrics port asked for at spawn (0: any free port). proc: its handle
+            (:class:`busctl.launchers.Launched`; None: not running).
         spawned_at, ready_at, last_beat: ``time.monotonic()`` of the last spawn, ready handshake
             and heartbeat (None: not yet). last_beat_wall: the heartbeat's ``time.time()``.
         due: monotonic deadline of the current state (``starting``: ready timeout;
@@ -62,7 +63,7 @@ class ComponentSpec:
     last_beat: float | None = None
     last_beat_wall: float | None = None
     due: float = 0.0
-    proc: subprocess.Popen | None = field(default=None, repr=False, compare=False)
+    proc: Any = field(default=None, repr=False, compare=False)
 
     @property
     def role(self) -> str:

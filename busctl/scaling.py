@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from busctl.component_table import LIVE_STATES, ComponentSpec, describe_exit, signal_group
+from busctl.component_table import LIVE_STATES, ComponentSpec, describe_exit
 from busctl.placement import Placement, apply_placement, plan_placement, visible_devices
 from configs.schema import RunConfig
 
@@ -168,21 +168,21 @@ class Scaling:
             if spec.proc is None:  # waiting for a restart: nothing runs
                 self.table.remove(spec)
                 continue
-            signal_group(spec.pid, signal.SIGTERM)
+            spec.proc.signal(signal.SIGTERM)
             spec.state, spec.due = "stopping", time.monotonic() + STOP_TIMEOUT_S
         return added, removed
 
     def check_stopping(self, spec: ComponentSpec, now: float) -> None:
         """A scaled-down component: gone once its process exited; SIGKILL past its grace period."""
         if spec.proc.poll() is not None:
-            signal_group(spec.pid, signal.SIGKILL)  # whatever of its group is left
+            spec.proc.signal(signal.SIGKILL)  # whatever of its group is left
             spec.exit_code = spec.proc.returncode
             self.table.remove(spec)
             self._say(f"  [cyan]stopped[/cyan] {spec.name} ({describe_exit(spec.exit_code)})")
             self._targets_changed()
         elif now > spec.due:
             log.warning("%s did not stop in %.0f s after SIGTERM; killing it", spec.name, STOP_TIMEOUT_S)
-            signal_group(spec.pid, signal.SIGKILL)
+            spec.proc.signal(signal.SIGKILL)
 
     def track(self) -> None:
         """Mark the request ``done`` once the added components are ready and the removed ones gone."""

@@ -7,8 +7,8 @@ Lifecycle of a run:
    snapshot), resolve what the config leaves open (the policy path: build or reuse the tiny
    policy; a free rendezvous port for the weight broadcast), write the resolved ``config.yaml``
    that every component reads.
-2. ``start``: spawn every component of the table (:mod:`busctl.component_table`) as its own process
-   (own process group; stdout/stderr appended to ``logs/NAME.log`` after a header line; the
+2. ``start``: spawn every component of the table (:mod:`busctl.component_table`) through the
+   launcher (:mod:`busctl.launchers`: a local process group, or a Slurm step; stdout/stderr appended to ``logs/NAME.log`` after a header line; the
    producers first: vLLM's start is the longest, everything else overlaps it) and wait
    for each one's :class:`bus.messages.ComponentReady` handshake on the ``supervisor`` socket,
    never a sleep; the control channel is read from the start, so the first step's
@@ -68,9 +68,10 @@ from bus.messages import ComponentHeartbeat, ComponentReady, RunDone, TrainerSte
 from bus.metrics import start_metrics_server
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
-from busctl.component_table import (LIVE_STATES, ComponentSpec, claim_broadcast_port, component_table, launch_prefix,
-                                    process_start_ticks, signal_group)
+from busctl.component_table import LIVE_STATES, ComponentSpec, claim_broadcast_port, component_table, launch_prefix, process_start_ticks
 from busctl.healing import ComponentFacts, Decision, FailRun, HealingRules, RestartNow, ScheduleRestart, decide
+from busctl.launchers import Launcher
+from busctl.launchers.local import LocalLauncher
 from busctl.live import progress_line
 from busctl.run_status import (EventLog, StepClock, append_stage_record, clear_run_dir, snapshot_metrics, write_json_atomic,
                                write_scrape_config)
@@ -112,6 +113,7 @@ class Supervisor:
         resume: continue the run in its run directory (keep its outputs, ``RLBUS_RESUME=1``).
         launched_at: ``time.time()`` of the launch (default: now), for ``startup.json``.
         placement: the device plan: each spawn gets its ``CUDA_VISIBLE_DEVICES`` (default: see :class:`Scaling`).
+        launcher: starts the processes (default: local; its ``configure`` already ran on ``cfg``).
 
     Attributes:
         stop: set it (e.g. from a signal handler) to end ``start``/``watch`` early.
@@ -124,7 +126,8 @@ class Supervisor:
     """
 
     def __init__(self, cfg: RunConfig, console: Console | None = None, *, table: list[ComponentSpec] | None = None,
-                 resume: bool = False, launched_at: float | None = None, placement: Placement | None = None) -> None:
+                 resume: bool = False, launched_at: float | None = None, placement: Placement | None = None,
+                 launcher: Launcher | None = None) -> None:
         self.cfg = cfg
         self.console = console or Console(soft_wrap=True)
         self.run_dir = Path(cfg.run_dir).resolve()
@@ -133,7 +136,8 @@ class Supervisor:
         self.stop = threading.Event()
         self.ctx = zmq.Context()
         auth.enable(self.ctx, auth.keys_from_config(cfg.bus))
-        self.endpoints = Endpoints(cfg.bus.transport, self.run_dir, cfg.bus.host, cfg.bus.base_port)
+        self.launcher = launcher or LocalLauncher()
+        self.endpoints = Endpoints(cfg.bus.transport, self.run_dir, cfg.bus.host, cfg.bus.base_port, dict(cfg.bus.hosts))
         self.last_step: TrainerStep | None = None
         self.run_done = False
         self.state = "preparing"
@@ -192,16 +196,12 @@ class Supervisor:
                "--index", str(spec.index), "--metrics-port", str(spec.port_request)]
         notes = [f"restart {spec.restarts}"] if spec.restarts else []
         notes += ["resume"] * self.resume + ["late join"] * spec.late_join
-        with open(self.log_path(spec), "ab") as logfile:
-            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-            logfile.write(f"===== rlbus {stamp}: starting {spec.name} {'(' + ', '.join(notes) + ')' if notes else ''} =====\n".encode())
-            logfile.flush()
-            spec.proc = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, cwd=os.getcwd(), start_new_session=True)
+        with open(self.log_path(spec), "ab", buffering=0) as logfile:  # unbuffered: the header precedes the output
+            logfile.write(f"===== rlbus {time.strftime('%Y-%m-%d %H:%M:%S')}: starting {spec.name} {'(' + ', '.join(notes) + ')' if notes else ''} =====\n".encode())
+            spec.proc = self.launcher.spawn(spec, cmd, env, logfile)
         RESTARTS.labels(spec.name)  # the series exists (0) from the first spawn
-        now = time.monotonic()
-        spec.pid, spec.state, spec.exit_code = spec.proc.pid, "starting", None
-        spec.spawned_at, spec.ready_at, spec.last_beat, spec.last_beat_wall = now, None, None, None
+        now = spec.spawned_at = time.monotonic()
+        spec.pid, spec.state, spec.exit_code, spec.ready_at, spec.last_beat, spec.last_beat_wall = spec.proc.pid, "starting", None, None, None, None
         spec.due = now + self.cfg.bus.ready_timeout_s
 
     def start(self) -> None:
@@ -348,10 +348,10 @@ class Supervisor:
         self.write_status()
 
     def _kill_group(self, spec: ComponentSpec) -> None:
-        """SIGKILL the component's whole process group and reap its leader (bounded wait)."""
+        """SIGKILL the whole component (process group or step) and reap it (bounded wait)."""
         if spec.proc is None:
             return
-        signal_group(spec.pid, signal.SIGKILL)
+        spec.proc.signal(signal.SIGKILL)
         try:
             spec.proc.wait(timeout=KILL_WAIT_S)
         except subprocess.TimeoutExpired:
@@ -419,7 +419,7 @@ class Supervisor:
         self.poller.close()
         running = [s for s in reversed(self.table) if s.proc is not None]
         for spec in running:
-            signal_group(spec.pid, signal.SIGTERM)
+            spec.proc.signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for spec in running:
             try:
@@ -427,7 +427,7 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 log.warning("%s did not stop in %.0f s; killing it", spec.name, STOP_TIMEOUT_S)
         for spec in running:
-            signal_group(spec.pid, signal.SIGKILL)  # also reaps children (vLLM engine processes)
+            spec.proc.signal(signal.SIGKILL)  # also reaps children (vLLM engine processes)
             spec.proc.wait()
             if spec.state != "exited":
                 spec.state, spec.exit_code = "exited", spec.proc.returncode

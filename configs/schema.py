@@ -16,6 +16,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from configs.base import Section
+from configs.cluster import SlurmConfig
 from configs.rollout import EvalConfig, FiltersConfig, SamplingConfig, TaskConfig, TeacherConfig
 from configs.training import LoraSection, LossConfig, OptimConfig, TrainerConfig
 
@@ -191,9 +192,20 @@ class BusConfig(Section):
         pattern=r"^[A-Za-z0-9_.-]+$",
         description="Client keypair this host's processes use: DIR/clients/NAME.key_secret.",
     )
+    hosts: dict[str, str] = Field(
+        default_factory=dict,
+        description="tcp host (address) of the side that binds each endpoint, when components run on several hosts: keys are "
+        "topic names (prompts, scored, batches, outcomes, control_pub, control_sub, supervisor) or rollouts-I (producer I); "
+        "a key not given uses bus.host. `busctl up --launcher slurm` writes it into the run's config.yaml.",
+    )
 
     @model_validator(mode="after")
     def _curve_keys_exist(self) -> "BusConfig":
+        from bus.topics import endpoint_key_ok  # zmq only
+
+        bad = [k for k in self.hosts if not endpoint_key_ok(k)]
+        if bad:
+            raise ValueError(f"bus.hosts: unknown endpoint(s) {bad}; keys are topic names or rollouts-I")
         if self.curve_keys_dir:
             from bus.auth import CurveKeys  # zmq, only when CURVE is configured
 
@@ -209,6 +221,9 @@ class SupervisorConfig(Section):
     backoff_initial_s: float = Field(0.5, ge=0, le=600, description="Delay before the first restart of a component, seconds; doubles per consecutive crash.")
     backoff_max_s: float = Field(30.0, ge=0, le=3600, description="Longest delay between restarts, seconds.")
     backoff_reset_s: float = Field(60.0, gt=0, description="A component that stayed up this long gets its backoff reset, seconds.")
+    launcher: Literal["local", "slurm"] = Field(
+        "local", description="How components are started: local processes, or one srun step each inside a Slurm allocation (busctl up --launcher)."
+    )
 
 
 class MetricsConfig(Section):
@@ -250,6 +265,7 @@ class RunConfig(Section):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
     report: ReportConfig = Field(default_factory=ReportConfig)
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bus.launch_env import ENV_LATE_JOIN, ENV_NAMES, ENV_RESTARTS, ENV_RESUME, LaunchEnv
+from bus.launch_env import ENV_LATE_JOIN, ENV_NAMES, ENV_RESTARTS, ENV_RESUME, ENV_SPAWN_ID, LaunchEnv
 
 
 def test_an_empty_environment_is_a_first_start():
@@ -52,3 +52,11 @@ def test_a_negative_or_non_int_restart_count_is_refused():
         LaunchEnv(restarts=-1)
     with pytest.raises(ValueError, match="restarts"):
         LaunchEnv(restarts=True)
+
+
+def test_a_launchers_spawn_id_round_trips_and_is_checked():
+    env = LaunchEnv.from_environ({ENV_SPAWN_ID: "123456"})
+    assert env.spawn_id == 123456 and env.to_environ() == {ENV_SPAWN_ID: "123456"}
+    assert not env.continues  # a spawn id says nothing about restarts
+    with pytest.raises(ValueError, match=ENV_SPAWN_ID):
+        LaunchEnv.from_environ({ENV_SPAWN_ID: "step-7"})

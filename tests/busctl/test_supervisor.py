@@ -30,6 +30,7 @@ from bus.sockets import BusSocket
 from busctl.component_table import ComponentSpec, describe_exit
 from busctl.healing import backoff_s
 from busctl.scaling import scale_targets
+from busctl.launchers import Launcher
 from busctl.supervisor import Supervisor
 from configs.schema import ConfigError, RunConfig, SupervisorConfig, load_config
 
@@ -69,10 +70,10 @@ def alive(pid: int) -> bool:
 class RunningSupervisor:
     """``busctl up``'s :func:`busctl.cli.supervise` in a thread; console output in ``self.out``."""
 
-    def __init__(self, cfg: RunConfig, specs: list[ComponentSpec], *, resume: bool = False) -> None:
+    def __init__(self, cfg: RunConfig, specs: list[ComponentSpec], *, resume: bool = False, launcher: Launcher | None = None) -> None:
         self.out = io.StringIO()
         console = Console(file=self.out, soft_wrap=True, highlight=False, width=200)
-        self.sup = Supervisor(cfg, console, table=specs, resume=resume)
+        self.sup = Supervisor(cfg, console, table=specs, resume=resume, launcher=launcher)
         self.run_dir = self.sup.run_dir
         self.code: int | None = None
         self.thread = threading.Thread(target=self._run, args=(console,), daemon=True)
@@ -118,8 +119,8 @@ def supervisors():
     """``start(cfg, specs, resume=False)`` -> a :class:`RunningSupervisor`; all stopped at teardown."""
     running: list[RunningSupervisor] = []
 
-    def start(cfg: RunConfig, specs: list[ComponentSpec], resume: bool = False) -> RunningSupervisor:
-        running.append(RunningSupervisor(cfg, specs, resume=resume))
+    def start(cfg: RunConfig, specs: list[ComponentSpec], resume: bool = False, launcher: Launcher | None = None) -> RunningSupervisor:
+        running.append(RunningSupervisor(cfg, specs, resume=resume, launcher=launcher))
         return running[-1]
 
     yield start

@@ -1,0 +1,77 @@
+"""Launchers: how ``busctl up`` starts a component's process, and where it runs.
+
+A launcher turns (component, command line, environment, log file) into a :class:`Launched`
+handle; the supervisor judges, signals and reaps components only through handles, so healing,
+scaling and shutdown are the same whatever starts the processes:
+
+- ``local`` (:mod:`busctl.launchers.local`): a child process in its own session on this host.
+- ``slurm`` (:mod:`busctl.launchers.slurm`): one ``srun`` step per component inside the
+  allocation ``busctl up`` runs in; a dead step is a dead process.
+
+Invariant: ``Launched.pid`` is what the component sends in its ready handshake and heartbeats
+(its pid, or the launcher's ``RLBUS_SPAWN_ID``, :mod:`bus.launch_env`).
+"""
+
+from __future__ import annotations
+
+from typing import IO, Protocol
+
+from busctl.component_table import ComponentSpec
+from configs.schema import RunConfig
+
+LAUNCHERS = ("local", "slurm")
+"""The launcher names (``supervisor.launcher``, ``busctl up --launcher``)."""
+
+
+class Launched(Protocol):
+    """A started component: its process (local), or its ``srun`` step.
+
+    Attributes:
+        pid: the id the supervisor matches the component's handshakes against.
+        node: the host it runs on.
+        returncode: exit code once it ended (negative: killed by that signal), else None.
+    """
+
+    pid: int
+    node: str
+    returncode: int | None
+
+    def poll(self) -> int | None:
+        """The exit code if it ended, else None (never blocks)."""
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the end; raises ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the whole component (process group, or srun step); gone: ignored."""
+
+
+class Launcher(Protocol):
+    """Starts components (see the module docstring)."""
+
+    name: str
+
+    def configure(self, cfg: RunConfig) -> None:
+        """Write what the launcher decides into ``cfg`` before the run's config.yaml is written
+        (slurm: tcp transport, per-node addresses, CurveZMQ keys)."""
+
+    def spawn(self, spec: ComponentSpec, cmd: list[str], env: dict[str, str], log: IO[bytes]) -> Launched:
+        """Start ``cmd`` for ``spec`` with ``env``, stdout and stderr to ``log``."""
+
+
+def make_launcher(cfg: RunConfig) -> Launcher:
+    """The launcher ``cfg.supervisor.launcher`` names.
+
+    Raises:
+        ValueError: an unknown name. configs.schema.ConfigError: (slurm) not inside an allocation.
+    """
+    name = cfg.supervisor.launcher
+    if name == "local":
+        from busctl.launchers.local import LocalLauncher
+
+        return LocalLauncher()
+    if name == "slurm":
+        from busctl.launchers.slurm import SlurmLauncher
+
+        return SlurmLauncher.from_environ(cfg)
+    raise ValueError(f"supervisor.launcher must be one of {LAUNCHERS}, got {name!r}")

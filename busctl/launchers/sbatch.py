@@ -1,0 +1,62 @@
+"""``busctl sbatch``: the batch script that runs a config's job under Slurm (a pure function).
+
+The script asks for the nodes ``slurm.*`` describes and runs ``busctl up --launcher slurm CONFIG``
+on the job's first node (:mod:`busctl.launchers.slurm` starts each component as a step):
+
+- a plain job: ``#SBATCH --nodes=slurm.nodes`` (``--gpus-per-node`` when ``slurm.gpus_per_node``);
+- a heterogeneous job, when ``slurm.inference_nodes``, ``trainer_nodes`` and ``cpu_nodes`` are all
+  > 0: three components separated by ``#SBATCH hetjob``, in the order of
+  :data:`busctl.launchers.nodes.HET_GROUPS` (inference and trainer with GPUs, CPU without).
+
+Every component gets ``--exclusive`` and ``--ntasks-per-node=1`` (steps overlap, ``srun
+--overlap``), ``--partition`` when given, and the first one ``--job-name``, ``--time``,
+``--output`` and ``slurm.sbatch_args``. The config path and overrides are quoted for the shell.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+from busctl.launchers.nodes import HET_GROUPS
+from configs.schema import RunConfig
+
+
+def _component(nodes: int, gpus: int, partition: str) -> list[str]:
+    lines = [f"#SBATCH --nodes={nodes}", "#SBATCH --ntasks-per-node=1", "#SBATCH --exclusive"]
+    lines += [f"#SBATCH --gpus-per-node={gpus}"] * bool(gpus) + [f"#SBATCH --partition={partition}"] * bool(partition)
+    return lines
+
+
+def sbatch_script(cfg: RunConfig, config_path: str | None, overrides: list[str], python: str = sys.executable,
+                  workdir: str | Path | None = None) -> str:
+    """The batch script of ``cfg`` (see the module docstring).
+
+    Args:
+        cfg: the loaded config (its ``slurm`` section shapes the job).
+        config_path / overrides: what ``busctl up`` is given in the job (None: the default config).
+        python: the interpreter that runs busctl on the nodes. workdir: the job's working
+            directory (default: the current one; it must be visible on every node).
+
+    Raises:
+        ValueError: only some of ``slurm.inference_nodes / trainer_nodes / cpu_nodes`` are > 0.
+    """
+    s = cfg.slurm
+    het = [s.inference_nodes, s.trainer_nodes, s.cpu_nodes]
+    if any(het) and not all(het):
+        raise ValueError(f"slurm.inference_nodes, trainer_nodes and cpu_nodes: all three > 0 for a heterogeneous job, or "
+                         f"all 0 for a plain one; got {het}")
+    head = ["#!/bin/bash", f"#SBATCH --job-name=rlbus-{cfg.name}", f"#SBATCH --time={s.time}",
+            f"#SBATCH --output={Path(cfg.run_dir).resolve()}-slurm-%j.out", *(f"#SBATCH {a}" for a in s.sbatch_args)]
+    if all(het):
+        gpus = [s.gpus_per_node, s.gpus_per_node, 0]
+        parts = [_component(n, g, s.partition) for n, g in zip(het, gpus)]
+        body = [line for k, part in enumerate(parts) for line in ([] if k == 0 else ["#SBATCH hetjob"]) + part]
+        what = "heterogeneous job: " + ", ".join(f"{name} {n} node(s)" for name, n in zip(HET_GROUPS, het))
+    else:
+        body = _component(s.nodes, s.gpus_per_node, s.partition)
+        what = f"plain job: {s.nodes} node(s)"
+    args = [python, "-m", "busctl", "up", "--launcher", "slurm", *([config_path] if config_path else []), *overrides]
+    return "\n".join([*head, *body, f"# written by busctl sbatch; {what}", "set -euo pipefail",
+                      f"cd {shlex.quote(str(Path(workdir or Path.cwd()).resolve()))}", shlex.join(args), ""])
