@@ -49,7 +49,9 @@ def test_senders_per_method(tmp_path):
     sender, fallback = build_senders(BroadcastConfig(method="filesystem"), world_size=3, out_dir=tmp_path)
     assert isinstance(sender, FilesystemSender) and fallback is None
     sender, fallback = build_senders(BroadcastConfig(backend="gloo"), world_size=3, out_dir=tmp_path, restarted=True)
-    assert isinstance(sender, FilesystemSender) and fallback is None  # a restarted trainer cannot re-form the group
+    assert isinstance(sender, FilesystemSender) and fallback is sender  # until a re-formed group replaces it
+    sender, fallback = build_senders(BroadcastConfig(method="filesystem"), world_size=3, out_dir=tmp_path, restarted=True)
+    assert isinstance(sender, FilesystemSender) and fallback is None
     assert BroadcastSender.carries_adapter and not FilesystemSender.carries_adapter
 
 
