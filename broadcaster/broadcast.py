@@ -367,7 +367,9 @@ class BroadcastReceiver(WeightReceiver):
 
         Returns whether this engine is in the new group. A failed join is logged, not raised: the
         trainer blames the members that never acknowledged, re-forms without them, and this
-        producer takes filesystem announcements until a group lists it again.
+        producer takes filesystem announcements until a group lists it again. A group that lists
+        this producer nowhere (a restarted trainer that has not heard of it yet) makes it ask to
+        be taken in (`wants_group`), as a newcomer does.
         """
         if (msg.generation, msg.port) == (self.generation, self._joined_port):
             return self.in_group  # a repeat of the group this engine already acted on
@@ -377,7 +379,10 @@ class BroadcastReceiver(WeightReceiver):
         self.in_group, self.generation, self.expects_resend = False, msg.generation, False
         self._joined_port = msg.port
         if rank is None:
-            logger.info("weight group %d re-formed without %s: filesystem announcements only", msg.generation, self.name)
+            if self.name not in msg.filesystem:  # unknown to this trainer: ask like a newcomer
+                self.generation = None
+            logger.info("weight group %d re-formed without %s: filesystem announcements only%s", msg.generation,
+                        self.name, "" if self.generation is not None else " (not listed: asking to join)")
             return False
         ack()
         try:

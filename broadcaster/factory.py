@@ -11,8 +11,9 @@ Under the broadcast method the trainer also gets a `broadcaster.regroup.GroupFor
 (`build_group_former`): when a producer joins or a member dies, it forms a new group with a new
 rendezvous instead of leaving the method. A producer restarted or added later is built with
 `in_group=False`: it takes filesystem announcements until a re-formed group lists it. A trainer
-that was restarted or resumed gets the filesystem sender (`restarted=True`; the producers stay in
-the dead trainer's group, which nobody sends to) and no group former.
+that was restarted or resumed (`restarted=True`) starts on the filesystem sender, which is also its
+fallback (the producers are in the dead trainer's group, which nobody sends to), and gets a group
+former: it re-forms the group with the live producers (`trainer.publish.WeightPublisher`, `rejoin`).
 
 This module imports no torch at load time (the method modules are imported by the builders), so
 `busctl up` can ask `needs_rendezvous_port` without paying for torch.
@@ -58,7 +59,9 @@ def build_senders(cfg: Any, *, world_size: int, out_dir: str | Path,
         cfg: a `configs.schema.BroadcastConfig`.
         world_size: 1 (the trainer) + the number of producer workers (broadcast group size).
         out_dir: root of the filesystem method's version directories (`RUN_DIR/weights`).
-        restarted: the trainer was restarted or resumed: filesystem only (module docstring).
+        restarted: the trainer was restarted or resumed: under the broadcast method the filesystem
+            sender is both the sender and the fallback until a re-formed group replaces it
+            (module docstring).
 
     Returns: (sender, fallback); the sender is not opened yet (`WeightSender.open`).
 
@@ -69,20 +72,22 @@ def build_senders(cfg: Any, *, world_size: int, out_dir: str | Path,
     from broadcaster.filesystem import FilesystemSender
 
     filesystem = FilesystemSender(out_dir)
-    if restarted or _method(cfg) == "filesystem":
+    if _method(cfg) == "filesystem":
         return filesystem, None
+    if restarted:
+        return filesystem, filesystem
     sender = BroadcastSender(cfg.backend, cfg.host, cfg.port, world_size, timeout_s=cfg.timeout_s)
     return sender, filesystem
 
 
-def build_group_former(cfg: Any, *, restarted: bool = False) -> GroupFormer | None:
+def build_group_former(cfg: Any) -> GroupFormer | None:
     """The trainer's `broadcaster.regroup.GroupFormer` under the broadcast method (None under the
-    filesystem method, or for a restarted trainer: see the module docstring).
+    filesystem method); a restarted trainer gets one too (see the module docstring).
 
     Raises:
         ValueError: an unknown `cfg.method` or backend, or `cfg.reform_timeout_s <= 0`.
     """
-    if restarted or _method(cfg) != "broadcast":
+    if _method(cfg) != "broadcast":
         return None
     from broadcaster.regroup import GroupFormer
 

@@ -24,7 +24,10 @@ step not yet released; the micro-batches a restarted trainer or a live one alrea
 acknowledged again, those of steps its checkpoint covers are released untrained. A resumed run
 without a spool numbers steps from the trainer's latest checkpoint
 (:func:`packer.spool.checkpoint_step`): every prompt of a later step, and every group the lost
-packer had buffered, has no outcome in the ledger and is re-issued by the prompt source. The
+packer had buffered, has no outcome in the ledger and is re-issued by the prompt source; the
+groups the surviving lineage trained below that step are marked seen
+(:func:`packer.spool.trained_group_ids`), so a copy re-issued before the trainer's re-announced
+``groups.trained`` reached the ledger is dropped as a duplicate instead of trained twice. The
 ``groups.trained`` announcements seen on the control channel mark steps released in the spool,
 which is compacted once its released part outweighs the live part (and the outcome reports the
 packer sent are all delivered: a stale drop is re-announced by a restarted packer only while its
@@ -62,7 +65,7 @@ from bus.metrics import StageMeter
 from packer.evaluation import EvalAggregator, RoundResult
 from packer.packer import DROP_REASONS, Packer, padding_ratio
 from packer.samples import SamplesLog
-from packer.spool import SPOOL_DIR, Spool, checkpoint_step
+from packer.spool import SPOOL_DIR, Spool, checkpoint_step, trained_group_ids
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +121,11 @@ class PackerProc(Component):
         first_step = checkpoint_step(self.run_dir) if self.launch.resume else 0
         self.spool = Spool(self.run_dir / SPOOL_DIR, first_step=first_step)
         SPOOL_TORN.inc(self.spool.torn_records)
+        if first_step and not self.spool.existed:  # the lineage's trained groups are duplicates from now on
+            trained = trained_group_ids(self.run_dir, first_step)
+            self.spool.mark_seen(trained)
+            log.info("no spool to resume from: numbering steps from the checkpoint's step %d, %d group(s) trained "
+                     "below it marked seen", first_step, len(trained))
         state = self.spool.state
         self.packer.restore(next_step=state.next_step, seen=state.seen, buffer=[state.groups[g] for g in state.buffered])
         self.planned = [(step, [state.groups[g] for g in ids]) for step, ids in state.steps.items()]

@@ -44,6 +44,7 @@ harmless repeat), so a drop whose report died with the packer is still reported.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import struct
@@ -69,6 +70,9 @@ _HEADER = struct.Struct("<II")
 _MAX_RECORD = 2**31
 CHECKPOINTS_DIR = "checkpoints"
 """The trainer's checkpoint root under the run directory (``step_NNNNNN/`` with a ``DONE`` file)."""
+TRAINED_SAMPLES = "trained_samples.jsonl"
+"""The trainer's record of trained samples under the run directory (one JSON line per step,
+``{"step": s, "sample_ids": ["{group_id}/{j}", ...], ...}``; :mod:`trainer.proc`)."""
 
 
 def checkpoint_step(run_dir: str | os.PathLike[str]) -> int:
@@ -83,6 +87,29 @@ def checkpoint_step(run_dir: str | os.PathLike[str]) -> int:
             if name.startswith("step_") and name[5:].isdigit() and (p / "DONE").is_file():
                 steps.append(int(name[5:]))
     return max(steps)
+
+
+def trained_group_ids(run_dir: str | os.PathLike[str], below_step: int) -> list[str]:
+    """The ids of the groups the trainer trained in steps ``< below_step``, from ``run_dir``'s
+    ``trained_samples.jsonl`` (missing file: none; a torn last line is ignored), in first-seen order.
+
+    A resumed run without a spool seeds its seen-id set with them (:meth:`Spool.mark_seen`): those
+    groups are trained in the surviving lineage (the checkpoint covers their steps), but their
+    ``groups.trained`` may not have reached the ledger before the crash, so the prompt source
+    re-issues them; their copies must then be dropped as duplicates, not trained a second time.
+    A sample id ``"{group_id}/{j}"`` belongs to the group before its last ``/``."""
+    path = Path(run_dir) / TRAINED_SAMPLES
+    if not path.is_file():
+        return []
+    ids: dict[str, None] = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by the crash: its step is not covered by any checkpoint
+        if isinstance(record, dict) and int(record.get("step", below_step)) < below_step:
+            ids.update(dict.fromkeys(str(s).rsplit("/", 1)[0] for s in record.get("sample_ids", [])))
+    return list(ids)
 
 
 @dataclass
@@ -157,6 +184,12 @@ class Spool:
         if missing:
             raise ValueError(f"step {step} takes groups not buffered in the spool: {missing[:3]}")
         self._write("step", [step, list(group_ids)], sync=True)
+
+    def mark_seen(self, group_ids: list[str]) -> None:
+        """Record ``group_ids`` as decided on (a ``seen`` record, fsynced; nothing if empty): a
+        group with one of these ids is a duplicate from now on, also after a restart."""
+        if group_ids:
+            self._write("seen", sorted(set(group_ids)), sync=True)
 
     def released(self, step: int) -> None:
         """Record that the trainer released every step ``<= step`` (flushed, not fsynced); a no-op

@@ -40,9 +40,10 @@ at step ``N`` = the checkpoint's step:
 - the checkpoint's weights are published as version ``N`` before training, and weight
   directories of versions ``>= N`` (the lost lineage) are deleted: producers drop the lost
   lineage's newer weights;
-- ``groups.trained`` of the steps released with the checkpoint is announced again, with the
-  same message ids (``trained-step-{s}``), since the trainer may have died between the save and
-  those announcements; receivers dedupe by id;
+- ``groups.trained`` of the steps released with the checkpoint (with ``busctl up --resume``: of
+  every step it covers, as reports of earlier releases may have died in flight with the run) is
+  announced again, with the same message ids (``trained-step-{s}``), since the trainer may have
+  died between the save and those announcements; receivers dedupe by id;
 - micro-batches the packer re-sends for steps below ``N`` are released without training.
 
 A restart with no checkpoint starts again at step 0 (the packer still holds every step when
@@ -51,10 +52,12 @@ instead, since those steps were released and cannot come back.
 
 Weights after a restart. The broadcast group (``broadcast.method: broadcast``) re-forms when a
 producer joins or a member dies (:mod:`trainer.publish`, :mod:`broadcaster.regroup`); members that
-miss a re-form take the filesystem method. A restarted or resumed trainer sends weights with the
-filesystem method for the rest of the run (the producers are still in the dead trainer's group),
-and so does one with sharded weights whose broadcast raises: it logs the error, counts
-``rlbus_trainer_broadcast_fallbacks_total``, and re-publishes that version through the filesystem.
+miss a re-form take the filesystem method. A restarted or resumed trainer publishes by the
+filesystem method until each live producer shows up (its ``weights.applied`` or
+``weights.wanted``), then re-forms the group with it (``WeightPublisher(rejoin=True)``). One with
+sharded weights whose broadcast raises sends weights with the filesystem method for the rest of
+the run: it logs the error, counts ``rlbus_trainer_broadcast_fallbacks_total``, and re-publishes
+that version through the filesystem.
 
 Online evaluation runs in the producers and reward workers; the packer publishes one
 ``eval.result`` per task and round on the control channel, and :class:`trainer.eval_log.EvalLog`
@@ -164,7 +167,7 @@ class TrainerProc(Component):
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.weights_dir = self.run_dir / "weights"
         self.resumed = False
-        """True after a restart or with a checkpoint: weights go by the filesystem method."""
+        """True after a restart or with a checkpoint: the weight group is formed anew (trainer.publish)."""
         self.start_step = 0
         self.reannounce_from = 0
         """Steps ``[reannounce_from, start_step)`` get their ``groups.trained`` announced again."""
@@ -190,7 +193,7 @@ class TrainerProc(Component):
                                          out_dir=self.weights_dir, restarted=self.resumed)
         # weights.wanted / weights.group_ack reach the publisher on its own subscriber (trainer.publish)
         self.publisher = WeightPublisher.for_run(cfg, self.model, sender, fallback, self.control.send, self.dp,
-                                                 former=build_group_former(cfg.broadcast, restarted=self.resumed),
+                                                 former=build_group_former(cfg.broadcast), rejoin=self.resumed,
                                                  inbox=self.control_subscriber().recv)
         sender.open()  # after: close() releases the sender even if the group never forms
 
@@ -228,9 +231,10 @@ class TrainerProc(Component):
             if step > self.cfg.trainer.max_steps:
                 raise ValueError(f"{path} is at step {step}, beyond trainer.max_steps ({self.cfg.trainer.max_steps})")
             self.start_step = step
-            self.reannounce_from = int(state.get("released_steps", 0))
-            log.info("resumed from %s at step %d (restart %d, resume %s; weights written with %s before, the "
-                     "filesystem method from now on)", path, step, restarts, resume, state.get("weight_method", "?"))
+            # --resume: reports of earlier releases may have died in flight too (receivers dedupe by id)
+            self.reannounce_from = 0 if resume else int(state.get("released_steps", 0))
+            log.info("resumed from %s at step %d (restart %d, resume %s; weights sent with %s before)",
+                     path, step, restarts, resume, state.get("weight_method", "?"))
         self.resumed = True
         n = self.start_step
         # metrics: training records are {"step": s + 1}, evals {"step": round} (trainer.eval_log)

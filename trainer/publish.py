@@ -15,9 +15,18 @@ version into it. A broadcast that fails (a member died) re-forms the group the s
 re-sends the failed version. Members that miss a re-form (no ``weights.group_ack``) take weights
 by the filesystem method from then on, the others stay on broadcast: each version then goes out
 both ways (broadcast first). ``rlbus_trainer_weight_group_reforms_total{outcome}`` counts the
-attempts, ``rlbus_trainer_weight_members{method}`` the producers per method. Without a group
-former (the filesystem method, a restarted trainer, sharded weights) a failed broadcast swaps the
-sender for the fallback (the filesystem method) for the rest of the run (``_fall_back``). The payload (:func:`weights_payload`) is the merged full weights or, for LoRA with
+attempts, ``rlbus_trainer_weight_members{method}`` the producers per method. A restarted or
+resumed trainer (``rejoin``) starts on the filesystem sender, with every producer of the run on
+the filesystem method: the producers are in the dead trainer's group (or, after ``--resume``, in
+none). The first sign of life of each producer it has not tried yet (its ``weights.applied``:
+the hub's catch-up of its latest, or the one after it loaded this trainer's first filesystem
+version; or its ``weights.wanted``) makes the next version boundary re-form the group with it, once
+per producer (one that never acknowledges stays on the filesystem method), and the run goes on by
+broadcast. Waiting for a sign of life, rather than forming at once, keeps a rendezvous from timing
+out on producers still starting (``--resume`` starts them all anew). Its generations start at its
+start time in milliseconds, so a producer never mistakes its group for one of the dead trainer's. Without a group former (the filesystem method, sharded weights) a failed
+broadcast swaps the sender for the fallback (the filesystem method) for the rest of the run
+(``_fall_back``). The payload (:func:`weights_payload`) is the merged full weights or, for LoRA with
 ``broadcast.lora_payload: adapter`` and a sender that carries adapters, only the adapter; with
 ``broadcast.noise_scheduler.enabled`` the RMSNorm weights sent carry QeRL noise while the trainer's
 own weights stay clean.
@@ -43,7 +52,7 @@ from broadcaster.regroup import GroupFormer, Membership
 from broadcaster.dtypes import resolve_producer_dtype
 from broadcaster.manifest import build_manifest, parse_dtype
 from broadcaster.noise import is_rmsnorm_weight, qerl_noise_sigma, with_rmsnorm_noise
-from bus.messages import Message, WeightsReady, WeightsWanted, new_id
+from bus.messages import Message, WeightsApplied, WeightsReady, WeightsWanted, new_id
 from bus.messages_weights import WeightGroup, WeightGroupAck
 from trainer.distributed import DataParallel
 from trainer.model import lora_adapter_state_dict, policy_state_dict
@@ -138,12 +147,16 @@ class WeightPublisher:
         members: the producers in ``sender``'s group, in rank order (``producer-0`` is rank 1).
         inbox: ``recv(timeout_s) -> Message | None`` of a control subscriber of the publisher's
             own, where ``weights.wanted`` and ``weights.group_ack`` arrive (None: none read).
+        rejoin: the trainer was restarted or resumed (``sender`` is then the filesystem sender,
+            ``fallback`` too): with a former, every producer starts on the filesystem method and
+            is taken into a new group once it shows it is alive (see the module docstring).
     """
 
     def __init__(self, sender: WeightSender, fallback: WeightSender | None, announce: Callable[[Message], None],
                  payload: Callable[..., Mapping[str, torch.Tensor]], *, adapter: bool,
                  dtype: torch.dtype | None = None, former: GroupFormer | None = None,
-                 members: Sequence[str] = (), inbox: Callable[[float], Message | None] | None = None) -> None:
+                 members: Sequence[str] = (), inbox: Callable[[float], Message | None] | None = None,
+                 rejoin: bool = False) -> None:
         self.sender, self.fallback = sender, fallback
         self.filesystem = fallback
         """The filesystem sender (kept for the producers moved to it after a failed re-form)."""
@@ -152,11 +165,17 @@ class WeightPublisher:
         self.adapter = adapter
         self.dtype = dtype
         self.former = former if fallback is not None else None
-        self.membership: Membership | None = Membership(0, tuple(members)) if self.former is not None else None
+        self.membership: Membership | None = None
         """Who takes weights how (None: no group management, see ``former``)."""
-        self._inbox = inbox
         self._joining: dict[str, int] = {}
         """Producers that asked to join (``weights.wanted``) -> the version they asked at."""
+        self._rejoin = self.former is not None and rejoin
+        """Producers not tried yet join at their first ``weights.applied`` (see the module docstring)."""
+        if self._rejoin:  # everyone on the filesystem method until a re-form takes them in
+            self.membership = Membership(time.time_ns() // 1_000_000, (), tuple(members))
+        elif self.former is not None:
+            self.membership = Membership(0, tuple(members))
+        self._inbox = inbox
         self._tried: dict[str, int | None] = {}
         """Producer -> the last version at which a re-form took it in (one attempt per version)."""
         self._acks: dict[int, set[str]] = {}
@@ -170,18 +189,18 @@ class WeightPublisher:
     @classmethod
     def for_run(cls, cfg, model: torch.nn.Module, sender: WeightSender, fallback: WeightSender | None,
                 announce: Callable[[Message], None], dp: DataParallel | None = None, *,
-                former: GroupFormer | None = None, inbox: Callable[[float], Message | None] | None = None
-                ) -> "WeightPublisher":
+                former: GroupFormer | None = None, inbox: Callable[[float], Message | None] | None = None,
+                rejoin: bool = False) -> "WeightPublisher":
         """The publisher of a run (``cfg``: its ``RunConfig``) whose payloads are ``model``'s weights
         (:func:`weights_payload`; gathered with the ranks of ``dp`` when sharded), adapters where
         ``trainer.lora.enabled`` and ``broadcast.lora_payload: adapter``, sent in the producers' dtype
-        (:func:`weights_dtype`). ``former``/``inbox``: as for the constructor; a sharded model gets
-        no former (its payload is gathered with every rank, once per publication)."""
+        (:func:`weights_dtype`). ``former``/``inbox``/``rejoin``: as for the constructor; a sharded
+        model gets no former (its payload is gathered with every rank, once per publication)."""
         return cls(sender, fallback, announce,
                    lambda version, adapter: weights_payload(model, cfg, version, adapter=adapter, dp=dp),
                    adapter=cfg.trainer.lora.enabled and cfg.broadcast.lora_payload == "adapter",
                    dtype=weights_dtype(cfg), former=None if is_sharded(model) else former,
-                   members=[f"producer-{i}" for i in range(cfg.producers.replicas)], inbox=inbox)
+                   members=[f"producer-{i}" for i in range(cfg.producers.replicas)], inbox=inbox, rejoin=rejoin)
 
     @property
     def method(self) -> str:
@@ -205,8 +224,8 @@ class WeightPublisher:
         try:
             self._publish(version, self._payload(version))
         except RuntimeError as exc:  # torch.distributed errors (DistBackendError, timeouts) are RuntimeErrors
-            if self.fallback is None:
-                raise
+            if self.fallback is None or self.sender is self.filesystem:
+                raise  # nothing to fall back to (the filesystem method itself failed)
             self._recover(version, exc, None)
         elapsed = time.perf_counter() - started
         BROADCAST_SECONDS.observe(elapsed)
@@ -260,7 +279,8 @@ class WeightPublisher:
         if self.sender.transfer_finished():
             self.settle()
         for producer, version in self._read_inbox().items():
-            self.serve_late_joiner(producer, version)
+            if self.former is None or producer in self._joining:  # not taken in by a re-form for another one
+                self.serve_late_joiner(producer, version)
 
     def close(self) -> None:
         """Close the senders (waits for a transfer in flight; idempotent)."""
@@ -273,12 +293,15 @@ class WeightPublisher:
     def _read_inbox(self) -> dict[str, int]:
         """Take every message waiting in the inbox; returns the join requests taken now (also kept
         in ``_joining`` until a re-form takes them in). Requests from a producer a re-form already
-        took in at the last published version are ignored (one attempt per version)."""
+        took in at the last published version are ignored (one attempt per version). With
+        ``rejoin``, a ``weights.applied`` of a producer never tried is a request too."""
         asked: dict[str, int] = {}
         while self._inbox is not None and (msg := self._inbox(0.0)) is not None:
             if isinstance(msg, WeightGroupAck):
                 self._acks.setdefault(msg.generation, set()).add(msg.producer)
             elif isinstance(msg, WeightsWanted) and self._tried.get(msg.producer, -1) != self.last_version:
+                asked[msg.producer] = msg.version
+            elif isinstance(msg, WeightsApplied) and self._rejoin and msg.producer not in self._tried:
                 asked[msg.producer] = msg.version
         if self.former is not None:
             self._joining.update(asked)

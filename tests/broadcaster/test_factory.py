@@ -49,7 +49,9 @@ def test_senders_per_method(tmp_path):
     sender, fallback = build_senders(BroadcastConfig(method="filesystem"), world_size=3, out_dir=tmp_path)
     assert isinstance(sender, FilesystemSender) and fallback is None
     sender, fallback = build_senders(BroadcastConfig(backend="gloo"), world_size=3, out_dir=tmp_path, restarted=True)
-    assert isinstance(sender, FilesystemSender) and fallback is None  # a restarted trainer cannot re-form the group
+    assert isinstance(sender, FilesystemSender) and fallback is sender  # until a re-formed group replaces it
+    sender, fallback = build_senders(BroadcastConfig(method="filesystem"), world_size=3, out_dir=tmp_path, restarted=True)
+    assert isinstance(sender, FilesystemSender) and fallback is None
     assert BroadcastSender.carries_adapter and not FilesystemSender.carries_adapter
 
 
@@ -117,6 +119,10 @@ def test_a_late_producer_asks_joins_a_re_formed_group_takes_the_resend_and_leave
     assert engine.calls[-1] == ("leave",) and acks == [1]
     assert late.skip_reason(_ready(5, "broadcast"), current_version=4) and late.skip_reason(_ready(5, "filesystem"), 4) is None
     assert not late.wants_group  # told to take the filesystem method: it does not ask again
+    unknown = WeightGroup(id=new_id(), generation=1_700_000_000_000, host="127.0.0.1", port=4323,
+                          members=["producer-0"], filesystem=[])  # a restarted trainer that never heard of it
+    assert not asyncio.run(late.regroup(unknown, lambda: acks.append(4)))
+    assert acks == [1] and late.wants_group  # listed nowhere: it asks to be taken in, as a newcomer does
 
 
 def test_the_factory_imports_no_torch():

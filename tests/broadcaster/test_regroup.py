@@ -9,7 +9,11 @@ loop. The control channel between them is a pair of queues (what the hub would f
   version is re-sent into it (the newcomer gets it bit-identically, the old members take it
   again), and the next version reaches all three;
 - a member that stopped listening (dead) makes a re-form time out: it alone moves to the
-  filesystem method, the group re-forms without it, and the others stay on broadcast.
+  filesystem method, the group re-forms without it, and the others stay on broadcast;
+- a restarted trainer (a new publisher with ``rejoin``, the producers still in the dead one's
+  group) starts on the filesystem method; the producers' latest ``weights.applied`` (the hub's
+  catch-up) make its first publication form a new group with both: its checkpoint's version and
+  the next go by broadcast.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from broadcaster.filesystem import FilesystemSender, is_ready
 from broadcaster.regroup import GroupFormer, Membership, listening_socket
 from broadcaster.broadcast import BroadcastSender
 from broadcaster.worker_extension import WeightSyncExtension
-from bus.messages import WeightsReady, WeightsWanted, new_id
+from bus.messages import WeightsApplied, WeightsReady, WeightsWanted, new_id
 from bus.messages_weights import WeightGroup, WeightGroupAck
 from configs.schema import BroadcastConfig
 from trainer.publish import GROUP_REFORMS, WEIGHT_MEMBERS, WeightPublisher
@@ -110,6 +114,8 @@ class _Producer:
                                                     or self.receiver.must_apply(msg, self.engine.version)):
                 if self.receiver.skip_reason(msg, self.engine.version) is None:
                     await self.receiver.apply(msg)
+                    self.to_trainer.put(WeightsApplied(id=new_id(), producer=self.name, version=msg.version,
+                                                       apply_time_s=0.0))
 
     def stop(self) -> None:
         self.inbox.put(None)
@@ -157,6 +163,18 @@ class _Run:
         self.producers.append(producer)
         return producer
 
+    def restart_trainer(self, tmp_path) -> WeightPublisher:
+        """A new publisher as a restarted trainer builds it (``factory.build_senders(restarted=True)``:
+        the filesystem sender is also the fallback); the dead one's is kept to be closed last."""
+        self.dead = self.publisher
+        filesystem = FilesystemSender(tmp_path / "weights-restarted")
+        filesystem.open()
+        self.publisher = WeightPublisher(
+            filesystem, filesystem, self._fan_out, _payload, adapter=False,
+            former=GroupFormer("gloo", "127.0.0.1", timeout_s=REFORM_TIMEOUT_S),
+            members=["producer-0", "producer-1"], inbox=self._recv, rejoin=True)
+        return self.publisher
+
     def wait_for(self, producers, version: int, count: int) -> None:
         """Poll the publisher (as the trainer does while waiting for data) until each producer in
         `producers` has `count` loads of `version`."""
@@ -171,6 +189,8 @@ class _Run:
         for producer in self.producers:
             producer.stop()
         self.publisher.close()
+        if getattr(self, "dead", None) is not None:
+            self.dead.close()
         for producer in self.producers:
             producer.engine.worker.destroy_weight_group()
 
@@ -260,3 +280,36 @@ def test_membership_moves_producers_between_methods_and_refuses_overlaps():
         Membership(0, ("producer-0",), ("producer-0",))
     with pytest.raises(ValueError, match="reform timeout"):
         GroupFormer("gloo", "127.0.0.1", timeout_s=0)
+
+
+def test_a_restarted_trainer_re_forms_the_group_with_the_producers_of_the_dead_ones(tmp_path):
+    run = _Run(tmp_path)
+    ok0, failed0 = _counts()
+    try:
+        run.publisher.publish(1)
+        run.publisher.publish(2)
+        run.wait_for(run.producers, 2, 1)
+        restarted = run.restart_trainer(tmp_path)  # resumed from its checkpoint of version 1
+        assert (restarted.method, WEIGHT_MEMBERS.labels(method="filesystem")._value.get()) == ("filesystem", 2)
+        while run._recv(0.5) is not None:  # what the dead trainer did not read dies with it ...
+            pass
+        for producer in run.producers:  # ... and the hub's catch-up tells the new one who runs what
+            run.to_trainer.put(WeightsApplied(id=new_id(), producer=producer.name, version=2, apply_time_s=0.0))
+        announced = len(run.announced)
+        restarted.publish(1)
+        run.wait_for(run.producers, 1, 2)
+        restarted.publish(2)
+        run.wait_for(run.producers, 2, 2)
+    finally:
+        run.close()
+    assert all(not p.errors for p in run.producers), [p.errors for p in run.producers]
+    assert _counts() == (ok0 + 1, failed0)
+    assert restarted.method == "broadcast"
+    assert sorted(restarted.membership.members) == ["producer-0", "producer-1"] and not restarted.membership.filesystem
+    assert restarted.membership.generation > 10**12  # milliseconds: never one of the dead trainer's
+    assert WEIGHT_MEMBERS.labels(method="broadcast")._value.get() == 2
+    assert {m.method for m in run.announced[announced:] if isinstance(m, WeightsReady)} == {"broadcast"}
+    for producer in run.producers:
+        assert producer.engine.versions[-3:] == [("broadcast", 2), ("broadcast", 1), ("broadcast", 2)], producer.name
+        for name, tensor in _payload(2, adapter=False).items():
+            assert torch.equal(producer.engine.worker.loaded[-1][name], tensor), (producer.name, name)

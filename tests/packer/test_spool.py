@@ -10,8 +10,9 @@ import pytest
 from bus.codec import encode
 from bus.messages import MicroBatch, ScoredGroup
 from packer.packer import Packer
-from packer.spool import SPOOL_NAME, Spool, checkpoint_step
+from packer.spool import SPOOL_NAME, Spool, checkpoint_step, trained_group_ids
 from trainer.checkpoint import DONE, latest_checkpoint
+from trainer.step_ledger import append_jsonl
 
 
 def group(gid: str, seed: int) -> ScoredGroup:
@@ -140,3 +141,29 @@ def test_a_resumed_spool_numbers_from_the_trainer_checkpoint(tmp_path):
     assert Spool(run_dir / "packer").state.next_step == 4  # the start is durable
     with pytest.raises(ValueError, match="first_step"):
         Spool(tmp_path / "other", first_step=-1)
+
+
+def test_a_resumed_spool_without_its_file_treats_the_lineage_trained_groups_as_duplicates(tmp_path):
+    """busctl up --resume with the spool lost: the groups trained in steps below the checkpoint may
+    come back (re-issued before the trainer's re-announced groups.trained reached the ledger);
+    they must be duplicates, not trained a second time."""
+    run_dir = tmp_path / "run"
+    assert trained_group_ids(run_dir, 4) == []  # no record yet
+    run_dir.mkdir()
+    for step in range(6):  # steps 4 and 5 trained after the checkpoint of step 4: the lost lineage
+        append_jsonl(run_dir / "trained_samples.jsonl", {"step": step, "sample_ids": [f"p{step}a/0", f"p{step}a/1", f"p{step}b/0", f"p{step}b/1"]})
+    with (run_dir / "trained_samples.jsonl").open("a") as f:
+        f.write('{"step": 6, "sample_ids": ["p6a/')  # a line cut short by the crash
+    trained = trained_group_ids(run_dir, 4)
+    assert trained == [f"p{s}{g}" for s in range(4) for g in "ab"]
+
+    spool = Spool(run_dir / "packer", first_step=4)
+    spool.mark_seen(trained)
+    spool.mark_seen([])  # nothing to record
+    spool.close()
+    state = Spool(run_dir / "packer").state  # durable
+    assert state.next_step == 4 and state.seen == set(trained) and not state.buffered
+    packer = Packer(1, 8, 64)  # version 0 groups at step 4: within the staleness bound
+    packer.restore(next_step=state.next_step, seen=state.seen, buffer=[])
+    assert packer.add(group("p1a", 1)) == (False, "duplicate")
+    assert packer.add(group("p4a", 4)) == (True, "")  # trained only in the lost lineage: trained again
