@@ -68,6 +68,9 @@ __all__ = ["BusLink", "BusReceiver", "BusSender", "WeightServer"]
 _POLL_MS = 50
 """How often the server thread wakes to check for a stop or a version to serve, milliseconds."""
 
+_MAX_WAITING = 1024
+"""Most requests kept while nothing is served (a few per producer worker in practice)."""
+
 
 @dataclass(frozen=True)
 class BusLink:
@@ -124,8 +127,9 @@ class WeightServer:
         self.sock.bind(address)  # handed to the thread below, which alone uses it from here on
         self._lock = threading.Lock()
         self._served: _Served | None = None
-        self._waiting: dict[bytes, WeightsRequest] = {}
-        """Requests that came while nothing was served (before the first version, during a swap)."""
+        self._waiting: list[tuple[bytes, WeightsRequest]] = []
+        """Requests that came while nothing was served (before the first version, during a swap),
+        at most `_MAX_WAITING` (a receiver asks again for what is dropped beyond)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="weight-server", daemon=True)
         self._thread.start()
@@ -169,8 +173,8 @@ class WeightServer:
                     logger.exception("weight request from %r failed", frames[0].bytes)
                     BUS_REJECTED.labels("weights", "decode").inc()
             if self._waiting and self._served is not None:
-                waiting, self._waiting = self._waiting, {}
-                for identity, request in waiting.items():
+                waiting, self._waiting = self._waiting, []
+                for identity, request in waiting:
                     self._answer(identity, request)
 
     def _take(self, frames: list[zmq.Frame]) -> None:
@@ -192,7 +196,8 @@ class WeightServer:
         with self._lock:  # retire() cannot swap the version out while its frames are being queued
             served = self._served
             if served is None:
-                self._waiting[identity] = request
+                if len(self._waiting) < _MAX_WAITING:
+                    self._waiting.append((identity, request))
                 return
             for index in request.buckets:
                 if index >= len(served.arrays):
