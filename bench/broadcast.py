@@ -1,7 +1,7 @@
 """Weight transfer speed: `BroadcastSender` and `BusSender` vs a raw gloo broadcast of the same bytes.
 
-Usage: ``python -m bench.broadcast [--runs 7] [--models default,qwen2-100m] [--bucket-mb 256]
-[--out FILE.json]``
+Usage: ``python -m bench.broadcast [--runs 7] [--models default,qwen2-100m] [--bucket-mb 32]
+[--bus-window 2] [--out FILE.json]``
 
 Two processes on this host, gloo over 127.0.0.1. Rank 0 plays the trainer, rank 1 a producer that
 receives exactly as the producers' vLLM worker extension does (`broadcaster.buckets.BucketReceiver`
@@ -16,9 +16,10 @@ interleaved, after one warm-up each, `--runs` times (medians reported):
   to gloo) and `transfer` (first bucket handed over -> last bucket done, in the background);
   `payload` is the time the trainer takes to build the dict it sends, with its own functions
   (`trainer.model.policy_state_dict`, `lora_adapter_state_dict`), also on the trainer thread;
-- bus: `BusSender.start_send(state_dict, v)` (copy into the bucket buffers + crc32 per bucket,
-  served by its ROUTER on tcp://127.0.0.1, no CURVE) and rank 1's `BusFetcher.fetch` pulling every
-  bucket into the same `BucketReceiver` buffers (window of 2 buckets, crc32 checked): timed on
+- bus: `BusSender.start_send(state_dict, v)` (copy into the bucket buffers, served by its ROUTER
+  on tcp://127.0.0.1, no CURVE; crc32 per bucket on its server thread) and rank 1's
+  `BusFetcher.fetch` pulling every bucket into the same `BucketReceiver` buffers (`--bus-window`
+  buckets asked at once, crc32 checked): timed on
   rank 0 from `start_send` to a barrier the receiver enters once its fetch returned (so it
   includes one barrier after the fetch and one between serving and fetching); `bus blocked` is the
   trainer thread's part (`start_send`), the rest is the producer pulling while the trainer trains;
@@ -53,7 +54,7 @@ import torch.multiprocessing as mp
 import zmq
 
 from broadcaster.broadcast import BroadcastSender
-from broadcaster.bus_fetch import BusFetcher
+from broadcaster.bus_fetch import DEFAULT_WINDOW, BusFetcher
 from broadcaster.bus_method import BusSender
 from broadcaster.manifest import DEFAULT_BUCKET_BYTES, build_manifest, manifest_num_bytes
 from broadcaster.buckets import BucketReceiver
@@ -103,7 +104,7 @@ def free_port() -> int:
 
 
 def receiver(raw_port: int, weights_port: int, bus_port: int, plan: list[tuple[str, list, int]], runs: int,
-             bucket_bytes: int) -> None:
+             bucket_bytes: int, bus_window: int) -> None:
     """Rank 1: mirror every measurement of rank 0 (see the module docstring)."""
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
@@ -111,7 +112,7 @@ def receiver(raw_port: int, weights_port: int, bus_port: int, plan: list[tuple[s
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{raw_port}", rank=1, world_size=2, timeout=TIMEOUT)
     group = stateless_init_torch_distributed_process_group("127.0.0.1", weights_port, 1, 2, backend="gloo",
                                                            timeout=TIMEOUT)
-    fetcher = BusFetcher(f"tcp://127.0.0.1:{bus_port}", producer="bench")
+    fetcher = BusFetcher(f"tcp://127.0.0.1:{bus_port}", producer="bench", window=bus_window)
     for _, manifest, num_bytes in plan:
         buffers = BucketReceiver(manifest, bucket_bytes)
         flat = torch.empty(num_bytes // 4, dtype=torch.float32)
@@ -129,7 +130,7 @@ def receiver(raw_port: int, weights_port: int, bus_port: int, plan: list[tuple[s
     dist.destroy_process_group()
 
 
-def measure(runs: int, models: list[str], bucket_bytes: int) -> list[dict]:
+def measure(runs: int, models: list[str], bucket_bytes: int, bus_window: int = DEFAULT_WINDOW) -> list[dict]:
     """Rank 0: build the payloads, start the receiver, time everything; one dict per payload."""
     from trainer.model import lora_adapter_state_dict, policy_state_dict
 
@@ -144,7 +145,7 @@ def measure(runs: int, models: list[str], bucket_bytes: int) -> list[dict]:
             for m, kind, build, _ in payloads]
     raw_port, weights_port, bus_port = free_port(), free_port(), free_port()
     ctx = mp.get_context("spawn")
-    peer = ctx.Process(target=receiver, args=(raw_port, weights_port, bus_port, plan, runs, bucket_bytes))
+    peer = ctx.Process(target=receiver, args=(raw_port, weights_port, bus_port, plan, runs, bucket_bytes, bus_window))
     peer.start()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{raw_port}", rank=0, world_size=2, timeout=TIMEOUT)
     sender = BroadcastSender("gloo", "127.0.0.1", weights_port, 2, bucket_bytes=bucket_bytes,
@@ -226,12 +227,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=7, help="timed runs per payload (medians), >= 5 recommended")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {MODELS}")
     parser.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2**20, help="bucket size, MiB")
+    parser.add_argument("--bus-window", type=int, default=DEFAULT_WINDOW, help="buckets the bus receiver asks for at once")
     parser.add_argument("--out", help="also write the rows as JSON here")
     args = parser.parse_args(argv)
     if args.runs < 1:
         raise SystemExit("--runs must be >= 1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    rows = measure(args.runs, [m for m in args.models.split(",") if m], int(args.bucket_mb * 2**20))
+    rows = measure(args.runs, [m for m in args.models.split(",") if m], int(args.bucket_mb * 2**20), args.bus_window)
     print(table(rows))
     if args.out:
         with open(args.out, "w") as f:

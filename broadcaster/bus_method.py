@@ -4,7 +4,7 @@ workers fetch, `broadcaster.bus_fetch`).
 
     trainer                                             producer i's vLLM worker
     BusSender.start_send(sd, v): copy into the bucket
-      buffers, crc32 each, serve them                   (DEALER, connected to the `weights` endpoint)
+      buffers, serve them                               (DEALER, connected to the `weights` endpoint)
     announce weights.ready(v, method "bus", manifest)
                                    <-- weights.request(v, buckets [k, k+1]) --
       WeightServer thread (ROUTER) -- weights.bucket(latest, k, crc32, frame) -->  check, copy once
@@ -30,8 +30,9 @@ Invariants:
   first stops serving the old version and waits for every frame sent from it to be released
   (ZeroMQ message trackers); frames a dead peer's pipe still holds after `retire_timeout_s` are
   left to ZeroMQ, and the next version goes into freshly allocated buffers instead.
-- Integrity: each bucket carries its size and `zlib.crc32`; a bad frame is counted by the
-  receiver and asked again (`broadcaster.bus_fetch`).
+- Integrity: each bucket carries its size and `zlib.crc32` (computed by the server thread at the
+  bucket's first request, so not on the trainer thread); a bad frame is counted by the receiver
+  and asked again (`broadcaster.bus_fetch`).
 - Order: the version is served before it is announced (as the filesystem method writes first),
   so a producer acting on `weights.ready` always finds it.
 """
@@ -102,9 +103,17 @@ class _Served:
 
     version: int
     arrays: list[np.ndarray]
-    crc32: list[int]
     bucket_bytes: int
+    crc32: dict[int, int] = field(default_factory=dict)
+    """Checksums computed so far (on the server thread, at a bucket's first request: off the
+    trainer thread; zlib releases the GIL while it runs)."""
     trackers: list[zmq.MessageTracker] = field(default_factory=list)
+
+    def checksum(self, index: int) -> int:
+        """`bucket_checksum` of bucket `index`, computed once."""
+        if index not in self.crc32:
+            self.crc32[index] = bucket_checksum(self.arrays[index])
+        return self.crc32[index]
 
 
 class WeightServer:
@@ -136,7 +145,7 @@ class WeightServer:
 
     def serve(self, version: int, arrays: list[np.ndarray], bucket_bytes: int) -> None:
         """Serve `arrays` (`[nbytes] uint8` per bucket, kept alive by the caller) as `version`."""
-        served = _Served(version, arrays, [bucket_checksum(a) for a in arrays], bucket_bytes)
+        served = _Served(version, arrays, bucket_bytes)
         with self._lock:
             self._served = served
 
@@ -206,7 +215,7 @@ class WeightServer:
                 data = served.arrays[index]
                 header, payload = encode(WeightsBucket(
                     id=f"{served.version}-{index}", version=served.version, index=index, num_buckets=len(served.arrays),
-                    bucket_bytes=served.bucket_bytes, crc32=served.crc32[index], data=data))
+                    bucket_bytes=served.bucket_bytes, crc32=served.checksum(index), data=data))
                 try:  # ROUTER never blocks: at the peer's HWM (or towards a lost peer) it drops, the peer re-asks
                     tracker = self.sock.send_multipart([identity, header, payload], flags=zmq.NOBLOCK, copy=False, track=True)
                 except zmq.Again:

@@ -272,7 +272,7 @@ class ProducerProc(Component):
         UPDATE_LAST_SECONDS.set(elapsed)
         POLICY_VERSION.set(version)
         self.control_out.send(WeightsApplied(id=new_id(), producer=self.name, version=version, apply_time_s=elapsed))
-        log.info("applied policy version %d in %.3f s (%s method)", version, elapsed, msg.method)
+        log.info("applied policy version %d by %s in %.3f s", version, msg.method, elapsed)
 
     def close(self) -> None:
         for engine in (getattr(self, "teacher", None), getattr(self, "engine", None)):

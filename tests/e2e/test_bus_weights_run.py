@@ -80,6 +80,6 @@ def test_weights_over_the_bus_with_tcp_and_curve(tmp_path: Path, policy: Path) -
     applied = [m.version for m in recorder.messages if isinstance(m, WeightsApplied) and m.producer == "producer-0"]
     assert applied == [1, 2, 3]
     log = (run_dir / "logs" / "producer-0.log").read_text()
-    assert "applied policy version 3" in log and "(bus method)" in log
+    assert "applied policy version 3 by bus" in log
     weights_dir = run_dir / "weights"
     assert not weights_dir.exists() or not any(weights_dir.iterdir())  # nothing went through files
