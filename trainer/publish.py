@@ -18,7 +18,9 @@ on broadcast: each version then goes out both ways (broadcast first). Names belo
 "filesystem" for the fallback sender whichever method it is. ``rlbus_trainer_weight_group_reforms_total{outcome}`` counts the
 attempts, ``rlbus_trainer_weight_members{method}`` the producers per method. Without a group
 former (the filesystem method, a restarted trainer, sharded weights) a failed broadcast swaps the
-sender for the fallback (the filesystem method) for the rest of the run (``_fall_back``). The payload (:func:`weights_payload`) is the merged full weights or, for LoRA with
+sender for the fallback (filesystem or bus) for the rest of the run (``_fall_back``). Under
+``broadcast.method: bus`` there is neither group nor fallback: producers pull each version
+(:mod:`broadcaster.bus_method`), so a late or restarted producer needs nothing from here. The payload (:func:`weights_payload`) is the merged full weights or, for LoRA with
 ``broadcast.lora_payload: adapter`` and a sender that carries adapters, only the adapter; with
 ``broadcast.noise_scheduler.enabled`` the RMSNorm weights sent carry QeRL noise while the trainer's
 own weights stay clean.
@@ -62,7 +64,7 @@ TRANSFER_SECONDS = Histogram(
 BROADCAST_FALLBACKS = Counter(
     "rlbus_trainer_broadcast_fallbacks_total",
     "Weight broadcasts that raised (a producer died, a gloo/nccl error) with no group to re-form; the trainer then uses the "
-    "filesystem method",
+    "fallback method (broadcast.fallback: filesystem or bus)",
 )
 GROUP_REFORMS = Counter(
     "rlbus_trainer_weight_group_reforms_total",
