@@ -1,7 +1,7 @@
-"""Weight broadcast speed: `BroadcastSender` vs a raw gloo broadcast of the same bytes.
+"""Weight transfer speed: `BroadcastSender` and `BusSender` vs a raw gloo broadcast of the same bytes.
 
-Usage: ``python -m bench.broadcast [--runs 7] [--models default,qwen2-100m] [--bucket-mb 256]
-[--out FILE.json]``
+Usage: ``python -m bench.broadcast [--runs 7] [--models default,qwen2-100m] [--bucket-mb 32]
+[--bus-window 2] [--out FILE.json]``
 
 Two processes on this host, gloo over 127.0.0.1. Rank 0 plays the trainer, rank 1 a producer that
 receives exactly as the producers' vLLM worker extension does (`broadcaster.buckets.BucketReceiver`
@@ -16,13 +16,20 @@ interleaved, after one warm-up each, `--runs` times (medians reported):
   to gloo) and `transfer` (first bucket handed over -> last bucket done, in the background);
   `payload` is the time the trainer takes to build the dict it sends, with its own functions
   (`trainer.model.policy_state_dict`, `lora_adapter_state_dict`), also on the trainer thread;
+- bus: `BusSender.start_send(state_dict, v)` (copy into the bucket buffers, served by its ROUTER
+  on tcp://127.0.0.1, no CURVE; crc32 per bucket on its server thread) and rank 1's
+  `BusFetcher.fetch` pulling every bucket into the same `BucketReceiver` buffers (`--bus-window`
+  buckets asked at once, crc32 checked): timed on
+  rank 0 from `start_send` to a barrier the receiver enters once its fetch returned (so it
+  includes one barrier after the fetch and one between serving and fetching); `bus blocked` is the
+  trainer thread's part (`start_send`), the rest is the producer pulling while the trainer trains;
 - lora: the same for the LoRA adapter payload of the default LoRA config (`LoraSection()`: rank
   8, alpha 16, q/k/v/o/gate/up/down), plus its byte count against the full weights.
 
 Each measurement starts right after a barrier on the default group (so the receiver has posted
 or is about to post its receive) and ends when rank 0's collective is complete. The ratio is the
-median over runs of `send / raw` of the same run (paired: the host is shared and its load
-drifts between runs).
+median over runs of `send / raw` (and `bus / raw`) of the same run (paired: the host is shared and
+its load drifts between runs).
 
 Models: "default" is the default job's policy architecture (`trainer.tiny_model`, Qwen3 128 wide,
 4 layers, 1.1M parameters); "qwen2-100m" a random Qwen2 (hidden 768, 12 layers, MLP 2048, 12
@@ -44,8 +51,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import zmq
 
 from broadcaster.broadcast import BroadcastSender
+from broadcaster.bus_fetch import DEFAULT_WINDOW, BusFetcher
+from broadcaster.bus_method import BusSender
 from broadcaster.manifest import DEFAULT_BUCKET_BYTES, build_manifest, manifest_num_bytes
 from broadcaster.buckets import BucketReceiver
 
@@ -93,7 +103,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def receiver(raw_port: int, weights_port: int, plan: list[tuple[str, list, int]], runs: int, bucket_bytes: int) -> None:
+def receiver(raw_port: int, weights_port: int, bus_port: int, plan: list[tuple[str, list, int]], runs: int,
+             bucket_bytes: int, bus_window: int) -> None:
     """Rank 1: mirror every measurement of rank 0 (see the module docstring)."""
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
@@ -101,19 +112,25 @@ def receiver(raw_port: int, weights_port: int, plan: list[tuple[str, list, int]]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{raw_port}", rank=1, world_size=2, timeout=TIMEOUT)
     group = stateless_init_torch_distributed_process_group("127.0.0.1", weights_port, 1, 2, backend="gloo",
                                                            timeout=TIMEOUT)
+    fetcher = BusFetcher(f"tcp://127.0.0.1:{bus_port}", producer="bench", window=bus_window)
     for _, manifest, num_bytes in plan:
         buffers = BucketReceiver(manifest, bucket_bytes)
         flat = torch.empty(num_bytes // 4, dtype=torch.float32)
-        for _ in range(runs + 1):
+        for run in range(runs + 1):
             dist.barrier()
             dist.broadcast(flat, 0)
             dist.barrier()
             buffers.receive(group)
+            dist.barrier()  # rank 0 starts serving
+            dist.barrier()  # served
+            fetcher.fetch(buffers, run + 1, timeout_s=TIMEOUT.total_seconds())
+            dist.barrier()  # fetched
     dist.barrier()
+    fetcher.close()
     dist.destroy_process_group()
 
 
-def measure(runs: int, models: list[str], bucket_bytes: int) -> list[dict]:
+def measure(runs: int, models: list[str], bucket_bytes: int, bus_window: int = DEFAULT_WINDOW) -> list[dict]:
     """Rank 0: build the payloads, start the receiver, time everything; one dict per payload."""
     from trainer.model import lora_adapter_state_dict, policy_state_dict
 
@@ -126,19 +143,22 @@ def measure(runs: int, models: list[str], bucket_bytes: int) -> list[dict]:
         payloads.append((name, "lora", lambda m=lora_model(copy.deepcopy(model)): lora_adapter_state_dict(m), None))
     plan = [(f"{m}/{kind}", build_manifest(build()), manifest_num_bytes(build_manifest(build())))
             for m, kind, build, _ in payloads]
-    raw_port, weights_port = free_port(), free_port()
+    raw_port, weights_port, bus_port = free_port(), free_port(), free_port()
     ctx = mp.get_context("spawn")
-    peer = ctx.Process(target=receiver, args=(raw_port, weights_port, plan, runs, bucket_bytes))
+    peer = ctx.Process(target=receiver, args=(raw_port, weights_port, bus_port, plan, runs, bucket_bytes, bus_window))
     peer.start()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{raw_port}", rank=0, world_size=2, timeout=TIMEOUT)
     sender = BroadcastSender("gloo", "127.0.0.1", weights_port, 2, bucket_bytes=bucket_bytes,
                                timeout_s=TIMEOUT.total_seconds())
     sender.init_group()
+    zmq_ctx = zmq.Context()
+    bus = BusSender(zmq_ctx, f"tcp://127.0.0.1:{bus_port}", bucket_bytes=bucket_bytes)
+    bus.open()
     rows = []
     try:
         for (model, kind, build, num_params), (_, manifest, num_bytes) in zip(payloads, plan, strict=True):
             flat = torch.randn(num_bytes // 4)
-            raw, send, blocked, transfer, built = [], [], [], [], []
+            raw, send, blocked, transfer, built, bus_total, bus_blocked = [], [], [], [], [], [], []
             for run in range(runs + 1):  # run 0: warm-up (buffers, connections)
                 dist.barrier()
                 start = time.perf_counter()
@@ -149,7 +169,15 @@ def measure(runs: int, models: list[str], bucket_bytes: int) -> list[dict]:
                 built_s = time.perf_counter() - start
                 dist.barrier()
                 info = sender.send(sd, run + 1)
+                dist.barrier()
+                start = time.perf_counter()
+                bus_info = bus.start_send(sd, run + 1)
+                dist.barrier()  # the receiver fetches now
+                dist.barrier()  # fetched
+                bus_s = time.perf_counter() - start
                 if run:
+                    bus_total.append(bus_s)
+                    bus_blocked.append(bus_info["blocked_s"])
                     raw.append(raw_s)
                     built.append(built_s)
                     send.append(info["send_time_s"])
@@ -162,10 +190,14 @@ def measure(runs: int, models: list[str], bucket_bytes: int) -> list[dict]:
                 "blocked_s": statistics.median(blocked), "transfer_s": statistics.median(transfer),
                 "payload_s": statistics.median(built),
                 "ratio": statistics.median(s / r for s, r in zip(send, raw)), "runs": runs,
+                "bus_s": statistics.median(bus_total), "bus_blocked_s": statistics.median(bus_blocked),
+                "bus_ratio": statistics.median(b / r for b, r in zip(bus_total, raw)),
             })
         dist.barrier()
     finally:
         sender.close()
+        bus.close()
+        zmq_ctx.term()
         dist.destroy_process_group()
         peer.join(timeout=60)
     return rows
@@ -175,8 +207,9 @@ def table(rows: list[dict]) -> str:
     """The rows as the markdown table of bench/README.md."""
     full_bytes = {r["model"]: r["num_bytes"] for r in rows if r["payload"] == "full"}
     out = ["| model | payload | bytes | tensors / buckets | raw gloo broadcast | BroadcastSender.send | ratio "
-           "| trainer thread: payload + start_send | background transfer |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| trainer thread: payload + start_send | background transfer | bus (pulled over tcp) | bus ratio "
+           "| bus: trainer thread |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         size = f"{r['num_bytes'] / 1e6:.2f} MB"
         if r["payload"] == "lora":
@@ -184,7 +217,8 @@ def table(rows: list[dict]) -> str:
         name = r["model"] + (f" ({r['num_params'] / 1e6:.1f}M params)" if r["num_params"] else "")
         out.append(f"| {name} | {r['payload']} | {size} | {r['num_tensors']} / {r['num_buckets']} | "
                    f"{1e3 * r['raw_s']:.1f} ms | {1e3 * r['send_s']:.1f} ms | {r['ratio']:.2f}x | "
-                   f"{1e3 * r['payload_s']:.2f} + {1e3 * r['blocked_s']:.1f} ms | {1e3 * r['transfer_s']:.1f} ms |")
+                   f"{1e3 * r['payload_s']:.2f} + {1e3 * r['blocked_s']:.1f} ms | {1e3 * r['transfer_s']:.1f} ms | "
+                   f"{1e3 * r['bus_s']:.1f} ms | {r['bus_ratio']:.2f}x | {1e3 * r['bus_blocked_s']:.1f} ms |")
     return "\n".join(out)
 
 
@@ -193,12 +227,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=7, help="timed runs per payload (medians), >= 5 recommended")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {MODELS}")
     parser.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2**20, help="bucket size, MiB")
+    parser.add_argument("--bus-window", type=int, default=DEFAULT_WINDOW, help="buckets the bus receiver asks for at once")
     parser.add_argument("--out", help="also write the rows as JSON here")
     args = parser.parse_args(argv)
     if args.runs < 1:
         raise SystemExit("--runs must be >= 1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    rows = measure(args.runs, [m for m in args.models.split(",") if m], int(args.bucket_mb * 2**20))
+    rows = measure(args.runs, [m for m in args.models.split(",") if m], int(args.bucket_mb * 2**20), args.bus_window)
     print(table(rows))
     if args.out:
         with open(args.out, "w") as f:

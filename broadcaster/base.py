@@ -2,7 +2,8 @@
 (producer process).
 
 Each method has one module holding both sides (`broadcaster.broadcast`: torch.distributed
-broadcast; `broadcaster.filesystem`: a safetensors directory + READY marker), and
+broadcast; `broadcaster.filesystem`: a safetensors directory + READY marker;
+`broadcaster.bus_method`: bucket frames pulled over the bus), and
 `broadcaster.factory` is the one place that picks them by `broadcast.method`. A LoRA adapter is
 not a method: it is a payload kind (`broadcaster.manifest`) that either method carries and the
 vLLM worker extension (`broadcaster.worker_extension`) merges, so it has no sender of its own.
@@ -146,8 +147,9 @@ class WeightReceiver(ABC):
         return False
 
     @abstractmethod
-    async def apply(self, msg: Any) -> None:
-        """Load the weights `msg` announces as policy `msg.version` into the engine."""
+    async def apply(self, msg: Any) -> int | None:
+        """Load the weights `msg` announces into the engine; returns the version loaded when it is
+        not `msg.version` (the bus method serves its latest), else None."""
 
 
 class FallbackReceiver(WeightReceiver):
@@ -184,5 +186,5 @@ class FallbackReceiver(WeightReceiver):
     async def regroup(self, msg: Any, ack: Callable[[], None]) -> bool:
         return await self.primary.regroup(msg, ack)
 
-    async def apply(self, msg: Any) -> None:
-        await self._for(msg).apply(msg)
+    async def apply(self, msg: Any) -> int | None:
+        return await self._for(msg).apply(msg)

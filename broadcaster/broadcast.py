@@ -61,7 +61,7 @@ from broadcaster.manifest import DEFAULT_BUCKET_BYTES, bucket_views, manifest_nu
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Backend", "BroadcastReceiver", "BroadcastSender", "SendFailed", "resolve_backend"]
+__all__ = ["Backend", "BroadcastReceiver", "BroadcastSender", "SendBuffers", "SendFailed", "resolve_backend"]
 
 Backend = Literal["auto", "gloo", "nccl"]
 
@@ -114,8 +114,9 @@ class _Transfer:
 
 
 @dataclass(frozen=True)
-class _SendBuffers:
-    """The flat send buffers of one manifest, with per bucket its names and views into them."""
+class SendBuffers:
+    """The flat send buffers of one manifest, with per bucket its names and views into them
+    (shared with `broadcaster.bus_method`, which serves the same buffers as bus frames)."""
 
     manifest: list[list]
     flats: list[torch.Tensor]
@@ -125,7 +126,8 @@ class _SendBuffers:
     num_bytes: int
 
     @classmethod
-    def allocate(cls, manifest: list[list], bucket_bytes: int, device: torch.device) -> "_SendBuffers":
+    def allocate(cls, manifest: list[list], bucket_bytes: int, device: torch.device) -> "SendBuffers":
+        """Plan `manifest`'s buckets (`plan_buckets`) and allocate one flat buffer per bucket on `device`."""
         buckets = plan_buckets(manifest, bucket_bytes)
         flats = [torch.empty(b.numel, dtype=b.dtype, device=device) for b in buckets]
         per_bucket = [bucket_views(b, f) for b, f in zip(buckets, flats, strict=True)]
@@ -176,7 +178,7 @@ class BroadcastSender(WeightSender):
         self.timeout_s = timeout_s
         self._listen_socket = listen_socket
         self._group = None
-        self._send_buffers: _SendBuffers | None = None
+        self._send_buffers: SendBuffers | None = None
         self._pending: _Transfer | None = None
         self.last_transfer: dict | None = None
         """Info of the last completed transfer (`start_send`'s dict + `transfer_s`), or None."""
@@ -310,12 +312,12 @@ class BroadcastSender(WeightSender):
                   "num_bytes": manifest_num_bytes(manifest)})
         return self.start_send(state_dict, version, manifest)
 
-    def _buffers(self, manifest: list[list]) -> _SendBuffers:
+    def _buffers(self, manifest: list[list]) -> SendBuffers:
         """The send buffers of `manifest` (allocated and planned on its first send, then reused)."""
         if self._send_buffers is None or self._send_buffers.manifest != manifest:
             device = torch.device("cuda", torch.cuda.current_device()) \
                 if self.backend == "nccl" else torch.device("cpu")
-            self._send_buffers = _SendBuffers.allocate(manifest, self.bucket_bytes, device)
+            self._send_buffers = SendBuffers.allocate(manifest, self.bucket_bytes, device)
         return self._send_buffers
 
 

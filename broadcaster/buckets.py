@@ -1,7 +1,8 @@
 """Receive side of the weight broadcast: one manifest's buckets into flat buffers allocated once.
 
 Used by every receiver, so they all decode the wire exactly alike: the producers' vLLM worker
-extension (`broadcaster.worker_extension`), the broadcaster tests and `bench/broadcast.py`.
+extension (`broadcaster.worker_extension`), the bus method's fetcher (`broadcaster.bus_fetch`),
+the broadcaster tests and `bench/broadcast.py`.
 
 Invariants:
 - The buffers are allocated once per (manifest, bucket_bytes) and reused for every version: a
@@ -36,6 +37,7 @@ class BucketReceiver:
     def __init__(self, manifest: Sequence[Sequence], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  device: torch.device | str = "cpu") -> None:
         self.key = (repr(manifest), int(bucket_bytes))
+        self.bucket_bytes = int(bucket_bytes)
         self.buckets = plan_buckets(manifest, bucket_bytes)
         self.flats = [torch.empty(b.numel, dtype=b.dtype, device=device) for b in self.buckets]
         self._views = {name: view for bucket, flat in zip(self.buckets, self.flats, strict=True)
@@ -45,6 +47,10 @@ class BucketReceiver:
     def matches(self, manifest: Sequence[Sequence], bucket_bytes: int) -> bool:
         """Whether these buffers were planned for this manifest and bucket size."""
         return self.key == (repr(manifest), int(bucket_bytes))
+
+    def views(self) -> dict[str, torch.Tensor]:
+        """`{name: view}` of every manifest entry in manifest order (aliasing the buffers)."""
+        return dict(self._views)
 
     def receive(self, group, src: int = 0) -> dict[str, torch.Tensor]:
         """Receive one version from rank `src` of `group` (a torch.distributed ProcessGroup);
@@ -56,4 +62,4 @@ class BucketReceiver:
         works = [group.broadcast(flat, src) for flat in self.flats]
         for work in works:
             work.wait()
-        return dict(self._views)
+        return self.views()

@@ -3,17 +3,22 @@ senders and receivers: every other module works with `broadcaster.base.WeightSen
 `WeightReceiver` objects and never compares method names.
 
     broadcast.method   trainer (build_senders)                 producer (build_receiver)
-    "broadcast"        BroadcastSender, FilesystemSender as     BroadcastReceiver that also takes
-                       its fallback (a failed broadcast)        filesystem announcements (FallbackReceiver)
+    "broadcast"        BroadcastSender, the fallback's sender   BroadcastReceiver that also takes the
+                       (`broadcast.fallback`: FilesystemSender  fallback's announcements
+                       or BusSender) as its fallback            (FallbackReceiver)
     "filesystem"       FilesystemSender, no fallback            FilesystemReceiver
+    "bus"              BusSender, no fallback                   BusReceiver
 
 Under the broadcast method the trainer also gets a `broadcaster.regroup.GroupFormer`
 (`build_group_former`): when a producer joins or a member dies, it forms a new group with a new
 rendezvous instead of leaving the method. A producer restarted or added later is built with
-`in_group=False`: it takes filesystem announcements until a re-formed group lists it. A trainer
-that was restarted or resumed (`restarted=True`) starts on the filesystem sender, which is also its
-fallback (the producers are in the dead trainer's group, which nobody sends to), and gets a group
-former: it re-forms the group with the live producers (`trainer.publish.WeightPublisher`, `rejoin`).
+`in_group=False`: it takes the fallback's announcements until a re-formed group lists it. A
+trainer that was restarted or resumed (`restarted=True`) starts on the fallback's sender
+(`broadcast.fallback`: filesystem or bus), which is also its fallback (the producers are in the
+dead trainer's group, which nobody sends to), and gets a group former: it re-forms the group with
+the live producers (`trainer.publish.WeightPublisher`, `rejoin`). The bus method
+(`broadcaster.bus_method`) needs the `weights` endpoint (`bus=`, a `BusLink`); it has no group,
+so a restarted trainer simply serves on it again.
 
 This module imports no torch at load time (the method modules are imported by the builders), so
 `busctl up` can ask `needs_rendezvous_port` without paying for torch.
@@ -26,16 +31,34 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from broadcaster.base import WeightReceiver, WeightSender
+    from broadcaster.bus_method import BusLink
     from broadcaster.regroup import GroupFormer
 
-METHODS = ("broadcast", "filesystem")
+METHODS = ("broadcast", "filesystem", "bus")
 """The values of `broadcast.method`."""
+
+FALLBACKS = ("filesystem", "bus")
+"""The values of `broadcast.fallback`."""
 
 
 def _method(cfg: Any) -> str:
     if cfg.method not in METHODS:
         raise ValueError(f"broadcast.method must be one of {METHODS}, got {cfg.method!r}")
+    if getattr(cfg, "fallback", "filesystem") not in FALLBACKS:
+        raise ValueError(f"broadcast.fallback must be one of {FALLBACKS}, got {cfg.fallback!r}")
     return cfg.method
+
+
+def _fallback(cfg: Any) -> str:
+    """`cfg.fallback` ("filesystem" for a config object without the field)."""
+    return getattr(cfg, "fallback", "filesystem")
+
+
+def _need_link(bus: BusLink | None, what: str) -> BusLink:
+    if bus is None:
+        raise ValueError(f"{what} uses the bus method (broadcast.method or broadcast.fallback: bus): pass bus=BusLink(...) "
+                         "with the run's weights endpoint")
+    return bus
 
 
 def needs_rendezvous_port(cfg: Any) -> bool:
@@ -51,33 +74,46 @@ def needs_rendezvous_port(cfg: Any) -> bool:
     return _method(cfg) == "broadcast" and cfg.port == 0
 
 
-def build_senders(cfg: Any, *, world_size: int, out_dir: str | Path,
-                  restarted: bool = False) -> tuple[WeightSender, WeightSender | None]:
+def build_senders(cfg: Any, *, world_size: int, out_dir: str | Path, restarted: bool = False,
+                  bus: BusLink | None = None) -> tuple[WeightSender, WeightSender | None]:
     """The trainer's sender for `cfg.method` and the sender it falls back to (None: none).
 
     Args:
         cfg: a `configs.schema.BroadcastConfig`.
         world_size: 1 (the trainer) + the number of producer workers (broadcast group size).
         out_dir: root of the filesystem method's version directories (`RUN_DIR/weights`).
-        restarted: the trainer was restarted or resumed: under the broadcast method the filesystem
+        restarted: the trainer was restarted or resumed: under the broadcast method the fallback's
             sender is both the sender and the fallback until a re-formed group replaces it
             (module docstring).
+        bus: the `weights` endpoint and the trainer's context (needed when the bus method is used).
 
     Returns: (sender, fallback); the sender is not opened yet (`WeightSender.open`).
 
     Raises:
-        ValueError: an unknown `cfg.method`, or a bad broadcast setting (`BroadcastSender`).
+        ValueError: an unknown `cfg.method` / `cfg.fallback`, a bad broadcast setting
+            (`BroadcastSender`), or the bus method without `bus`.
     """
     from broadcaster.broadcast import BroadcastSender
-    from broadcaster.filesystem import FilesystemSender
 
-    filesystem = FilesystemSender(out_dir)
-    if _method(cfg) == "filesystem":
-        return filesystem, None
+    def make(method: str) -> WeightSender:
+        if method == "bus":
+            from broadcaster.bus_method import BusSender
+
+            link = _need_link(bus, "the trainer")
+            assert link.ctx is not None, "the trainer's BusLink carries its zmq context"
+            return BusSender(link.ctx, link.address)
+        from broadcaster.filesystem import FilesystemSender
+
+        return FilesystemSender(out_dir)
+
+    method = _method(cfg)
+    if method != "broadcast":
+        return make(method), None
+    fallback = make(_fallback(cfg))
     if restarted:
-        return filesystem, filesystem
+        return fallback, fallback
     sender = BroadcastSender(cfg.backend, cfg.host, cfg.port, world_size, timeout_s=cfg.timeout_s)
-    return sender, filesystem
+    return sender, fallback
 
 
 def build_group_former(cfg: Any) -> GroupFormer | None:
@@ -95,7 +131,7 @@ def build_group_former(cfg: Any) -> GroupFormer | None:
 
 
 def build_receiver(cfg: Any, engine: Any, *, rank: int, world_size: int, in_group: bool,
-                   name: str = "") -> WeightReceiver:
+                   name: str = "", bus: BusLink | None = None) -> WeightReceiver:
     """The producer's receiver for `cfg.method` (not joined yet: `WeightReceiver.join`).
 
     Args:
@@ -105,19 +141,27 @@ def build_receiver(cfg: Any, engine: Any, *, rank: int, world_size: int, in_grou
         world_size: 1 (the trainer) + the number of producer workers.
         in_group: False for a producer restarted or added after the group was formed.
         name: the producer's name (`producer-i`): how re-formed groups list their members.
+        bus: the `weights` endpoint and the CurveZMQ keys (needed when the bus method is used).
 
     Raises:
-        ValueError: an unknown `cfg.method`.
+        ValueError: an unknown `cfg.method` / `cfg.fallback`, or the bus method without `bus`.
     """
     from broadcaster.base import FallbackReceiver
     from broadcaster.broadcast import BroadcastReceiver
-    from broadcaster.filesystem import FilesystemReceiver
 
-    filesystem = FilesystemReceiver(engine)
-    if _method(cfg) == "filesystem":
-        return filesystem
+    def make(method: str) -> WeightReceiver:
+        if method == "bus":
+            from broadcaster.bus_method import BusReceiver
+
+            return BusReceiver(engine, _need_link(bus, name or "a producer"), name=name, timeout_s=cfg.timeout_s)
+        from broadcaster.filesystem import FilesystemReceiver
+
+        return FilesystemReceiver(engine)
+
+    method = _method(cfg)
+    if method != "broadcast":
+        return make(method)
     broadcast = BroadcastReceiver(engine, host=cfg.host, port=cfg.port, rank=rank, world_size=world_size,
                                   backend=cfg.backend, timeout_s=cfg.timeout_s, in_group=in_group, name=name,
                                   reform_timeout_s=cfg.reform_timeout_s)
-    return FallbackReceiver(broadcast, filesystem)
-
+    return FallbackReceiver(broadcast, make(_fallback(cfg)))

@@ -14,6 +14,8 @@ Two ways in:
   `broadcaster.manifest.plan_buckets` (`broadcaster.buckets.BucketReceiver`) and are allocated
   once per manifest, then reused.
 - `load_weights_from_path`: read a safetensors file or directory (the filesystem fallback).
+- `receive_weights_bus`: pull the buckets over the bus (`broadcast.method: bus`,
+  `broadcaster.bus_fetch`) into the same flat buffers, from a DEALER this worker keeps open.
 
 Either way the payload is "full" (whole weights) or "lora" (an adapter, `broadcaster.manifest`).
 For "lora" the worker rebuilds the full weights `W_base + (B @ A) * scaling`
@@ -126,6 +128,30 @@ class WeightSyncExtension:
             receiver = self._rlbus_buffers = BucketReceiver(manifest, bucket_bytes, self._rlbus_device)
         received = receiver.receive(group)
         self._rlbus_apply(self._rlbus_full_weights(manifest, received))
+
+    def receive_weights_bus(self, manifest: list[list], version: int, address: str, producer: str = "",
+                            keys_dir: str = "", client: str = "", timeout_s: float = 300.0,
+                            bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
+        """Fetch `version` (or the trainer's newer latest) over the bus from `address` and apply it.
+
+        Returns `{"version": loaded, "rejected": {reason: n}, "num_bytes", "num_buckets"}` (plain
+        values: they cross `collective_rpc`). Raises TimeoutError after `timeout_s` seconds.
+        """
+        from broadcaster.bus_fetch import BusFetcher
+
+        fetcher = getattr(self, "_rlbus_fetcher", None)
+        if fetcher is None or fetcher.address != address:
+            if fetcher is not None:
+                fetcher.close()
+            fetcher = self._rlbus_fetcher = BusFetcher(address, producer=producer, keys_dir=keys_dir, client=client)
+        receiver = getattr(self, "_rlbus_buffers", None)
+        if receiver is None or not receiver.matches(manifest, bucket_bytes):
+            device = getattr(self, "_rlbus_device", None) or torch.device("cpu")
+            receiver = self._rlbus_buffers = BucketReceiver(manifest, bucket_bytes, device)
+        result = fetcher.fetch(receiver, version, timeout_s)
+        self._rlbus_apply(self._rlbus_full_weights(manifest, result.views))
+        return {"version": result.version, "rejected": result.rejected, "num_bytes": result.num_bytes,
+                "num_buckets": len(receiver.buckets)}
 
     def load_weights_from_path(self, path: str) -> None:
         """Load a safetensors file, or all `*.safetensors` of a directory (full or LoRA payload)."""

@@ -267,8 +267,9 @@ class WeightsReady(Message):
 
     Fields:
         version: the new policy version (= optimizer steps taken).
-        method: ``"broadcast"`` (torch.distributed, tensors follow in ``manifest`` order) or
-            ``"filesystem"`` (a safetensors directory at ``path`` with a READY marker).
+        method: ``"broadcast"`` (torch.distributed, tensors follow in ``manifest`` order),
+            ``"filesystem"`` (a safetensors directory at ``path`` with a READY marker) or ``"bus"``
+            (producers pull the buckets from the ``weights`` endpoint, :mod:`broadcaster.bus_method`).
         manifest: ``[[name, dtype, shape], ...]`` tensors in broadcast order (HF names): full
             weights, or a LoRA adapter (``M.lora_A.weight``, ``M.lora_B.weight``,
             ``M.lora_scaling`` per adapted module, plus whole RMSNorm weights when QeRL noise is

@@ -60,6 +60,7 @@ POLICY_VERSION = Gauge("rlbus_policy_version", "Policy version this component la
 REJECT_REASONS = (
     "header", "schema", "dtype", "shape", "size", "frames", "field", "unknown_type", "inconsistent",  # wire/messages
     "envelope", "too_large", "decode", "unexpected_type", "id_mismatch", "wrong_direction", "foreign_ack",  # sockets
+    "checksum",  # a weights bucket whose crc32 does not match its bytes (broadcaster.bus_fetch)
 )
 """Every ``reason`` of ``rlbus_bus_rejected_total`` (a test checks that the code uses no other)."""
 PEER_LOSS_REASONS = ("silent", "unreachable", "goodbye", "restarted")

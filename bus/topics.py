@@ -12,13 +12,17 @@ is a ROUTER, the side that connects one DEALER per endpoint; credit bounds what 
 | outcomes   | prompt source, receiver (ROUTER)     | trainer, packer, producers (DEALER)     | 64                       |
 | control    | hub XSUB (pub side), XPUB (sub)      | everyone PUB / SUB                      | PUB drops (never blocks) |
 | supervisor | busctl (PULL)                        | every component (PUSH)                  | blocks (tiny traffic)    |
+| weights    | trainer (ROUTER), `broadcast.method: | every producer's vLLM worker (DEALER)   | 8 per peer; ROUTER drops |
+|            | bus` or its fallback                 |                                         | at it, the worker re-asks|
 
 ``outcomes`` carries ``groups.trained`` / ``groups.dropped`` to the prompt source's ledger, so no
 outcome is lost while the prompt source restarts (they are also published on the control channel
 for observers). The bound is the credit a receiver grants each sender and the number of messages a sender's
 outbox holds before ``send`` blocks; small bounds on ``batches`` and ``scored`` make the trainer's
 pace propagate back to the prompt source (invariant 1: no unbounded queue). They count messages,
-not bytes. Reward workers connect to ``producers.max_replicas`` rollouts endpoints, so
+not bytes. ``weights`` (:mod:`broadcaster.bus_method`) is request/reply, not custody: a worker asks
+for a window of buckets of a version and the trainer answers with its latest version's buckets,
+so nothing waits anywhere but what a receiver asked for. Reward workers connect to ``producers.max_replicas`` rollouts endpoints, so
 producers added by ``busctl scale`` are reached without a restart.
 
 Endpoints are ``ipc://`` files under the run's socket directory by default, or ``tcp://host:port``
@@ -71,6 +75,7 @@ TOPICS: dict[str, TopicSpec] = {
         TopicSpec("control_pub", zmq.PUB, zmq.XSUB, hwm=10_000, blocks=False, port_offset=3),
         TopicSpec("control_sub", zmq.XPUB, zmq.SUB, hwm=10_000, blocks=False, port_offset=4),
         TopicSpec("supervisor", zmq.PUSH, zmq.PULL, hwm=1000, blocks=True, port_offset=5),
+        TopicSpec("weights", zmq.ROUTER, zmq.DEALER, hwm=8, blocks=False, port_offset=9),
         TopicSpec("rollouts", zmq.ROUTER, zmq.DEALER, hwm=8, blocks=True, port_offset=10, reliable=True),
     )
 }

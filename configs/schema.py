@@ -153,7 +153,14 @@ class NoiseSchedulerConfig(Section):
 class BroadcastConfig(Section):
     """How new weights reach the producers."""
 
-    method: Literal["broadcast", "filesystem"] = Field("broadcast", description="torch.distributed broadcast, or a safetensors directory + READY marker.")
+    method: Literal["broadcast", "filesystem", "bus"] = Field(
+        "broadcast", description="torch.distributed broadcast, a safetensors directory + READY marker, or bus: bucketed weights "
+        "pulled by each producer as zero-copy frames from the trainer's `weights` endpoint (no shared filesystem, no "
+        "torch.distributed group; tcp:// + CurveZMQ across hosts).")
+    fallback: Literal["filesystem", "bus"] = Field(
+        "filesystem", description="With method broadcast: how weights reach producers outside the group (late joiners, re-form "
+        "misses, a restarted trainer, a broadcast that failed for good): a safetensors directory (needs a filesystem the "
+        "producers share with the trainer), or the bus method.")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend; auto: nccl with CUDA, else gloo.")
     host: str = Field("127.0.0.1", description="Rendezvous host of the broadcast group (the trainer's address).")
     port: int = Field(0, ge=0, le=65535, description="Rendezvous port; 0 picks a free one at start-up.")
@@ -163,8 +170,8 @@ class BroadcastConfig(Section):
         "broadcast in a re-formed group), seconds; members that miss it take weights by the filesystem method.")
     lora_payload: Literal["adapter", "merged"] = Field(
         "adapter",
-        description="With trainer.lora and method broadcast: send only the adapter (producers merge it into the base weights they keep), "
-        "or the merged full weights. The filesystem method always writes merged weights.",
+        description="With trainer.lora and method broadcast or bus: send only the adapter (producers merge it into the base weights they "
+        "keep), or the merged full weights. The filesystem method always writes merged weights.",
     )
     noise_scheduler: NoiseSchedulerConfig = Field(default_factory=NoiseSchedulerConfig)
 

@@ -322,36 +322,29 @@ class RolloutEngine:
 
     async def init_weight_group(self, host: str, port: int, rank: int, world_size: int,
                                 backend: str, timeout_s: float | None = None) -> None:
-        """Join the trainer's broadcast group as `rank` (>= 1); blocks until all ranks joined.
-
-        Must run concurrently with the trainer's `BroadcastSender.init_group()` (either may
-        start first; both block in the rendezvous until all `world_size` ranks are there).
-        """
-        await self._require().collective_rpc(
-            "init_weight_group", args=(host, port, rank, world_size, backend, timeout_s))
+        """Join the trainer's broadcast group as `rank` (>= 1); blocks until all ranks joined. Runs
+        concurrently with the trainer's `BroadcastSender.init_group()` (either may start first)."""
+        await self._require().collective_rpc("init_weight_group", args=(host, port, rank, world_size, backend, timeout_s))
 
     async def leave_weight_group(self) -> None:
-        """Leave the broadcast group joined by `init_weight_group` (the trainer re-formed it;
-        `broadcaster.broadcast.BroadcastReceiver.regroup`). Idempotent."""
+        """Leave the broadcast group of `init_weight_group` (re-formed: `BroadcastReceiver.regroup`)."""
         await self._require().collective_rpc("destroy_weight_group")
 
     async def update_weights(self, version: int, manifest: list[list],
                              bucket_bytes: int | None = None, *, resend: bool = False) -> float:
         """Receive a broadcast of `manifest` as policy `version`; returns seconds spent paused.
 
-        Must run concurrently with the trainer's `BroadcastSender.start_send(state_dict,
-        version)`; `bucket_bytes` must match the broadcaster's (None: the shared default). A
-        "lora" manifest (an adapter, `broadcaster.manifest`) is merged into the checkpoint's base
-        weights in the worker (`broadcaster.worker_extension`).
-        Raises ValueError, receiving nothing, if `version <= self.version`: a re-announced
-        version is not being sent again, so joining the collective would block forever. With
-        `resend` (the first broadcast into a re-formed group: the trainer sends its last version
-        again) `version == self.version` is received too.
+        Runs concurrently with the trainer's `BroadcastSender.start_send(state_dict, version)`;
+        `bucket_bytes` must match the broadcaster's (None: the shared default). A "lora" manifest
+        (an adapter, `broadcaster.manifest`) is merged into the base weights in the worker.
+        Raises ValueError, receiving nothing, if `version <= self.version`: a re-announced version
+        is not sent again, so joining the collective would block forever. With `resend` (the first
+        broadcast into a re-formed group) `version == self.version` is received too.
         """
         kwargs = {"manifest": manifest}
         if bucket_bytes is not None:
             kwargs["bucket_bytes"] = bucket_bytes
-        return await self._apply(version, "receive_weights", kwargs, resend=resend)
+        return await self.apply_rpc(version, "receive_weights", kwargs, resend=resend)
 
     async def load_weights_from_path(self, version: int, path: str | Path) -> float:
         """Load a safetensors directory/file (merged weights, or a LoRA adapter payload) as policy
@@ -360,9 +353,12 @@ class RolloutEngine:
         `version` may be lower than the current one (a trainer resumed from a checkpoint rolls the
         policy back); raises ValueError if it equals the current version.
         """
-        return await self._apply(version, "load_weights_from_path", {"path": str(path)})
+        return await self.apply_rpc(version, "load_weights_from_path", {"path": str(path)})
 
-    async def _apply(self, version: int, rpc: str, kwargs: dict, resend: bool = False) -> float:
+    async def apply_rpc(self, version: int, rpc: str, kwargs: dict, *, resend: bool = False,
+                        reports: list | None = None) -> float:
+        """Pause, run worker method `rpc(**kwargs)`, tag `version`, resume; returns seconds paused. `reports`
+        (the bus method) gets each worker's `{"version": loaded, ...}`, and that version is tagged."""
         llm = self._require()
         async with self._update_lock:
             if (version == self._version and not resend) or (rpc == "receive_weights" and version < self._version):
@@ -372,7 +368,12 @@ class RolloutEngine:
             # clear_cache: no KV computed by the old weights survives, prefix cache included.
             await llm.pause_generation(mode="keep", clear_cache=True)
             try:
-                await llm.collective_rpc(rpc, kwargs=kwargs)
+                out = await llm.collective_rpc(rpc, kwargs=kwargs)
+                if reports is not None:  # tensor-parallel workers racing a new version: broken, restarted
+                    reports.extend(out)
+                    version = out[0]["version"]
+                    if any(r["version"] != version for r in out):
+                        raise RuntimeError(f"workers loaded different versions {[r['version'] for r in out]}")
                 await llm.update_weight_version(str(version))
             except BaseException as e:
                 self._broken = f"weight update to version {version} failed: {e!r}"

@@ -21,7 +21,8 @@ of asyncio tasks on one event loop:
   prompt source issues a replacement instead of the step stalling;
 - the control loop applies ``weights.ready`` announcements in version order: the engine pauses
   with in-flight requests kept, receives the weights (torch.distributed broadcast or a
-  safetensors directory), resumes, tags later tokens with the new version, and the producer
+  safetensors directory, or bucket frames pulled over the bus: possibly a newer version than
+  announced, which is then the one applied), resumes, tags later tokens with the new version, and the producer
   announces ``weights.applied``; the producer's ``receiver`` (:mod:`broadcaster.factory`) decides
   which announcements it can apply and how. A version lower than the current one (a trainer resumed from
   its checkpoint) is applied too. A producer that was restarted or added later
@@ -53,7 +54,9 @@ import time
 import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 
+from broadcaster.bus_method import BusLink
 from broadcaster.factory import build_receiver
+from bus import auth
 from bus.component import Component, component_main
 from bus.messages import GroupsDropped, Prompt, RolloutGroup, RunDone, WeightsApplied, WeightsReady, WeightsWanted, new_id
 from bus.messages_weights import WeightGroup, WeightGroupAck
@@ -159,7 +162,8 @@ class ProducerProc(Component):
         self.late_joiner = self.launch.joins_late
         self.receiver = build_receiver(cfg.broadcast, self.engine, rank=1 + self.index,
                                        world_size=1 + cfg.producers.replicas, in_group=not self.late_joiner,
-                                       name=self.name)
+                                       name=self.name, bus=BusLink.connecting(self.endpoints.address("weights"),
+                                                                              auth.keys_from_config(cfg.bus)))
         """How announced weights reach the engine (:mod:`broadcaster.factory`)."""
         self.loop.run_until_complete(self.receiver.join())
 
@@ -261,13 +265,14 @@ class ProducerProc(Component):
         async with self.gate.update():  # in-flight eval groups finish under the old version first
             started = time.perf_counter()
             UPDATE_WAIT_SECONDS.observe(started - waited)
-            await self.receiver.apply(msg)
+            loaded = await self.receiver.apply(msg)  # the bus method may load a newer version than announced
+            version = msg.version if loaded is None else loaded
             elapsed = time.perf_counter() - started
         UPDATE_SECONDS.observe(elapsed)
         UPDATE_LAST_SECONDS.set(elapsed)
-        POLICY_VERSION.set(msg.version)
-        self.control_out.send(WeightsApplied(id=new_id(), producer=self.name, version=msg.version, apply_time_s=elapsed))
-        log.info("applied policy version %d by %s in %.3f s", msg.version, msg.method, elapsed)
+        POLICY_VERSION.set(version)
+        self.control_out.send(WeightsApplied(id=new_id(), producer=self.name, version=version, apply_time_s=elapsed))
+        log.info("applied policy version %d by %s in %.3f s", version, msg.method, elapsed)
 
     def close(self) -> None:
         for engine in (getattr(self, "teacher", None), getattr(self, "engine", None)):

@@ -89,6 +89,7 @@ import numpy as np
 import torch
 from prometheus_client import Counter
 
+from broadcaster.bus_method import BusLink
 from broadcaster.factory import build_group_former, build_senders
 from bus.component import Component, component_main
 from bus.messages import GroupsTrained, MicroBatch, RunDone, TrainerStep, new_id
@@ -189,8 +190,8 @@ class TrainerProc(Component):
         self.saving = BackgroundSave()
         """The periodic checkpoint being written in the background (at most one)."""
         self.batches = self.reliable_receiver("batches", self.endpoints.address("batches"), bind=False, accept=(MicroBatch,))
-        sender, fallback = build_senders(cfg.broadcast, world_size=1 + cfg.producers.replicas,
-                                         out_dir=self.weights_dir, restarted=self.resumed)
+        sender, fallback = build_senders(cfg.broadcast, world_size=1 + cfg.producers.replicas, out_dir=self.weights_dir,
+                                         restarted=self.resumed, bus=BusLink(self.endpoints.address("weights"), self.ctx))
         # weights.wanted / weights.group_ack reach the publisher on its own subscriber (trainer.publish)
         self.publisher = WeightPublisher.for_run(cfg, self.model, sender, fallback, self.control.send, self.dp,
                                                  former=build_group_former(cfg.broadcast), rejoin=self.resumed,

@@ -13,20 +13,25 @@ trainer waits for data, which a producer without weights may be holding up) the 
 ``weights.group`` with the new membership and rendezvous, forms the group, and re-sends its last
 version into it. A broadcast that fails (a member died) re-forms the group the same way and
 re-sends the failed version. Members that miss a re-form (no ``weights.group_ack``) take weights
-by the filesystem method from then on, the others stay on broadcast: each version then goes out
-both ways (broadcast first). ``rlbus_trainer_weight_group_reforms_total{outcome}`` counts the
-attempts, ``rlbus_trainer_weight_members{method}`` the producers per method. A restarted or
-resumed trainer (``rejoin``) starts on the filesystem sender, with every producer of the run on
-the filesystem method: the producers are in the dead trainer's group (or, after ``--resume``, in
-none). The first sign of life of each producer it has not tried yet (its ``weights.applied``:
-the hub's catch-up of its latest, or the one after it loaded this trainer's first filesystem
-version; or its ``weights.wanted``) makes the next version boundary re-form the group with it, once
-per producer (one that never acknowledges stays on the filesystem method), and the run goes on by
-broadcast. Waiting for a sign of life, rather than forming at once, keeps a rendezvous from timing
-out on producers still starting (``--resume`` starts them all anew). Its generations start at its
-start time in milliseconds, so a producer never mistakes its group for one of the dead trainer's. Without a group former (the filesystem method, sharded weights) a failed
-broadcast swaps the sender for the fallback (the filesystem method) for the rest of the run
-(``_fall_back``). The payload (:func:`weights_payload`) is the merged full weights or, for LoRA with
+by the fallback method (``broadcast.fallback``: filesystem, or bus) from then on, the others stay
+on broadcast: each version then goes out both ways (broadcast first). Names below say
+"filesystem" for the fallback sender whichever method it is.
+``rlbus_trainer_weight_group_reforms_total{outcome}`` counts the attempts,
+``rlbus_trainer_weight_members{method}`` the producers per method. A restarted or resumed trainer
+(``rejoin``) starts on the fallback sender, with every producer of the run on the fallback method:
+the producers are in the dead trainer's group (or, after ``--resume``, in none). The first sign of
+life of each producer it has not tried yet (its ``weights.applied``: the hub's catch-up of its
+latest, or the one after it loaded this trainer's first fallback version; or its
+``weights.wanted``) makes the next version boundary re-form the group with it, once per producer
+(one that never acknowledges stays on the fallback method), and the run goes on by broadcast.
+Waiting for a sign of life, rather than forming at once, keeps a rendezvous from timing out on
+producers still starting (``--resume`` starts them all anew). Its generations start at its start
+time in milliseconds, so a producer never mistakes its group for one of the dead trainer's.
+Without a group former (the filesystem method, sharded weights) a failed broadcast swaps the
+sender for the fallback (filesystem or bus) for the rest of the run (``_fall_back``). Under
+``broadcast.method: bus`` there is neither group nor fallback: producers pull each version
+(:mod:`broadcaster.bus_method`), so a late or restarted producer needs nothing from here. The
+payload (:func:`weights_payload`) is the merged full weights or, for LoRA with
 ``broadcast.lora_payload: adapter`` and a sender that carries adapters, only the adapter; with
 ``broadcast.noise_scheduler.enabled`` the RMSNorm weights sent carry QeRL noise while the trainer's
 own weights stay clean.
@@ -70,7 +75,7 @@ TRANSFER_SECONDS = Histogram(
 BROADCAST_FALLBACKS = Counter(
     "rlbus_trainer_broadcast_fallbacks_total",
     "Weight broadcasts that raised (a producer died, a gloo/nccl error) with no group to re-form; the trainer then uses the "
-    "filesystem method",
+    "fallback method (broadcast.fallback: filesystem or bus)",
 )
 GROUP_REFORMS = Counter(
     "rlbus_trainer_weight_group_reforms_total",
@@ -80,12 +85,14 @@ GROUP_REFORMS = Counter(
 )
 WEIGHT_MEMBERS = Gauge(
     "rlbus_trainer_weight_members",
-    "Producers that take weights by each method: broadcast (members of the current weight group) or filesystem",
+    "Producers that take weights by each method: broadcast (members of the current weight group), filesystem or bus",
     ["method"],
 )
 for _outcome in ("ok", "failed"):  # export every series from the start, at 0
     GROUP_REFORMS.labels(outcome=_outcome)
-for _method in ("broadcast", "filesystem"):
+WEIGHT_METHODS = ("broadcast", "filesystem", "bus")
+"""The ``method`` labels of ``rlbus_trainer_weight_members`` (``broadcast.method`` values)."""
+for _method in WEIGHT_METHODS:
     WEIGHT_MEMBERS.labels(method=_method)
 
 
@@ -135,7 +142,7 @@ class WeightPublisher:
 
     Args:
         sender: the run's sender, opened (:func:`broadcaster.factory.build_senders`).
-        fallback: the filesystem sender (None: failures raise, and no producer can be moved to it).
+        fallback: the fallback sender, filesystem or bus (None: failures raise, and no producer can be moved to it).
         announce: sends one message on the control channel (``weights.ready``, ``weights.group``).
         payload: ``payload(version, adapter=...) -> {hf_name: tensor}`` (:func:`weights_payload`).
         adapter: whether the run sends LoRA adapters where the sender carries them
@@ -159,7 +166,7 @@ class WeightPublisher:
                  rejoin: bool = False) -> None:
         self.sender, self.fallback = sender, fallback
         self.filesystem = fallback
-        """The filesystem sender (kept for the producers moved to it after a failed re-form)."""
+        """The fallback sender (kept for the producers moved to it after a failed re-form)."""
         self._send_message = announce
         self.payload = payload
         self.adapter = adapter
@@ -351,14 +358,16 @@ class WeightPublisher:
                                        members=list(membership.members), filesystem=list(membership.filesystem)))
 
     def _count_members(self) -> None:
+        counts = dict.fromkeys(WEIGHT_METHODS, 0)
         if self.membership is None:  # no group management: every producer takes the method in use
-            for method in ("broadcast", "filesystem"):
-                WEIGHT_MEMBERS.labels(method=method).set(self._num_members if method == self.method else 0)
-            return
-        in_group = 0 if self.sender is self.filesystem else len(self.membership.members)
-        WEIGHT_MEMBERS.labels(method="broadcast").set(in_group)
-        WEIGHT_MEMBERS.labels(method="filesystem").set(len(self.membership.filesystem)
-                                                      + len(self.membership.members) - in_group)
+            counts[self.method] = self._num_members
+        else:  # the group's members by broadcast (unless the group is gone), the others by the fallback
+            assert self.filesystem is not None
+            in_group = 0 if self.sender is self.filesystem else len(self.membership.members)
+            counts["broadcast"] = in_group
+            counts[self.filesystem.method] += len(self.membership.filesystem) + len(self.membership.members) - in_group
+        for method, count in counts.items():
+            WEIGHT_MEMBERS.labels(method=method).set(count)
 
     # -- sending ---------------------------------------------------------------------------------
 

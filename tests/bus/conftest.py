@@ -20,7 +20,7 @@ import pytest
 import zmq
 
 from bus.hub import ControlHub
-from bus.messages_weights import WeightGroup, WeightGroupAck
+from bus.messages_weights import WeightGroup, WeightGroupAck, WeightsBucket, WeightsRequest
 from bus.messages import (
     ComponentHeartbeat,
     ComponentReady,
@@ -139,6 +139,9 @@ EXAMPLES: dict[str, Callable[[], Message]] = {
     "weights.group": lambda: WeightGroup(id="g-1", generation=1, host="127.0.0.1", port=29_556,
                                          members=["producer-0", "producer-1"], filesystem=[]),
     "weights.group_ack": lambda: WeightGroupAck(id="k-1", producer="producer-1", generation=1),
+    "weights.request": lambda: WeightsRequest(id="q-1", producer="producer-1", version=3, buckets=[0, 1]),
+    "weights.bucket": lambda: WeightsBucket(id="b-1", version=3, index=1, num_buckets=2, bucket_bytes=1 << 20,
+                                            crc32=123_456, data=np.arange(256, dtype=np.uint8)),
     "trainer.step": lambda: TrainerStep(id="s-3", step=3, version=3, metrics={"loss": 0.25, "reward_mean": 0.5}),
     "groups.dropped": lambda: GroupsDropped(id="d-1", group_ids=["g-1", "g-2"], reason="stale"),
     "groups.trained": lambda: GroupsTrained(id="t-3", step=3, group_ids=["g-1", "g-2", "g-3"]),

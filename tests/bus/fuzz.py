@@ -42,7 +42,7 @@ import numpy as np
 from bus.codec import decode, encode
 from bus.envelope import MAX_ENVELOPE_BYTES, MAX_ID_CHARS, MAX_IDS_PER_ACK, parse_envelope
 from bus.registry import MESSAGE_TYPES
-from bus.messages_weights import WeightGroup, WeightGroupAck
+from bus.messages_weights import WeightGroup, WeightGroupAck, WeightsBucket, WeightsRequest
 from bus.messages import (
     ComponentHeartbeat,
     ComponentReady,
@@ -150,6 +150,9 @@ def realistic_examples() -> dict[str, Message]:
         WeightGroup(id="g2", generation=2, host="127.0.0.1", port=41_877, members=["producer-0", "producer-2"],
                     filesystem=["producer-1"]),
         WeightGroupAck(id="k2", producer="producer-2", generation=2),
+        WeightsRequest(id="q4", producer="producer-1", version=4, buckets=[2, 3]),
+        WeightsBucket(id="b4", version=4, index=2, num_buckets=5, bucket_bytes=1 << 25, crc32=2_850_119_823,
+                      data=rng.integers(0, 256, 4096, dtype=np.uint8)),
         TrainerStep(id="s4", step=4, version=4, metrics={"loss": -0.012, "reward_mean": 0.44, "kl": 0.0003}),
         GroupsDropped(id="d1", group_ids=["5f0c2a", "77aa01"], reason="stale"),
         GroupsTrained(id="t4", step=4, group_ids=["5f0c2a", "9b1e44", "c03d7f"]),
@@ -373,7 +376,7 @@ class HostileMessages:
         return frames
 
     def _swap_frames(self, rng: random.Random) -> Frames:
-        base = self._base(rng, self.with_arrays)
+        base = self._base(rng, [b for b in self.with_arrays if len(b.arrays) >= 2])  # two frames to swap
         frames = list(base.frames)
         i, j = rng.sample(range(1, len(frames)), 2)
         frames[i], frames[j] = frames[j], frames[i]
@@ -522,6 +525,11 @@ class HostileMessages:
                                   {"filesystem": [msg.members[0]]}, {"members": [msg.members[0]] * 2}])
         elif isinstance(msg, WeightGroupAck):
             changes = {"generation": rng.randint(-5, -1)}
+        elif isinstance(msg, WeightsRequest):
+            changes = rng.choice([{"version": -1}, {"buckets": [-1]}, {"buckets": list(range(65))}])
+        elif isinstance(msg, WeightsBucket):
+            changes = rng.choice([{"index": msg.num_buckets}, {"index": -1}, {"crc32": -1}, {"crc32": 2**32},
+                                  {"bucket_bytes": 0}, {"version": -2}])
         else:
             changes = _inconsistent_group(rng, msg)
         return [bytes(memoryview(f)) for f in encode(dataclasses.replace(msg, **changes))]

@@ -62,3 +62,34 @@ def test_a_late_joiner_gets_the_last_version_through_the_fallback_once(tmp_path)
     assert [m.version for m in announced] == [3, 3, 4]
     assert [m.path.startswith(str(tmp_path / "fallback")) for m in announced] == [False, True, True]
     assert all(is_ready(m.path) for m in announced) and publisher.fallback is None
+
+
+def test_a_failed_broadcast_swaps_in_the_bus_fallback_which_serves_the_adapter(tmp_path):
+    """`broadcast.fallback: bus`: the failed version goes out over the bus (an adapter payload: the
+    bus method carries adapters), a producer's fetcher pulls exactly it, and the members gauge
+    counts the producer under the bus method."""
+    import zmq
+    from prometheus_client import REGISTRY
+
+    from broadcaster.buckets import BucketReceiver
+    from broadcaster.bus_fetch import BusFetcher
+    from broadcaster.bus_method import BusSender
+
+    ctx = zmq.Context()
+    address = f"ipc://{tmp_path}/weights"
+    announced = []
+    publisher = WeightPublisher(BroadcastSender(backend="gloo"), BusSender(ctx, address), announced.append, _payload,
+                                adapter=True, members=["producer-0"])
+    fetcher = BusFetcher(address, producer="producer-0", retry_s=0.5)
+    try:
+        publisher.publish(1)
+        assert [(m.version, m.method) for m in announced] == [(1, "broadcast"), (1, "bus")]
+        assert announced[1].path == "" and [n for n, _, _ in announced[1].manifest] == ["model.norm.weight", "adapter"]
+        assert REGISTRY.get_sample_value("rlbus_trainer_weight_members", {"method": "bus"}) == 1
+        assert REGISTRY.get_sample_value("rlbus_trainer_weight_members", {"method": "broadcast"}) == 0
+        result = fetcher.fetch(BucketReceiver(announced[1].manifest), 1, timeout_s=60)
+        assert result.version == 1 and torch.equal(result.views["model.norm.weight"], torch.full((4,), 1.0))
+    finally:
+        fetcher.close()
+        publisher.close()
+        ctx.term()
