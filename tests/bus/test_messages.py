@@ -71,8 +71,8 @@ def test_reliable_round_trip_counts_traffic(topic, type_name, couriers, endpoint
     outbox = couriers().sender(topic, endpoint(topic), bind=not receiver_binds)
     before = {d: metric("rlbus_bus_messages_total", topic=topic, direction=d) for d in ("send", "recv")}
     msg = example(type_name)
-    assert outbox.send(msg, timeout_s=2.0)
-    got = inbox.recv(timeout_s=2.0)
+    assert outbox.send(msg, timeout_s=10.0)
+    got = inbox.recv(timeout_s=10.0)
     assert got is not None
     assert_same_message(got, msg)
     for d in ("send", "recv"):
