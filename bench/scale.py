@@ -80,7 +80,7 @@ def size_spec(message_bytes: int, group_size: int = 8) -> SimSpec:
                    tokens_per_s=SIZE_GROUPS_PER_S * tokens * group_size, score_s=0.005, step_s=0.05)
 
 
-def sweep(points: list[dict], work_dir: Path, keep: bool, timeout_s: float) -> list[dict]:
+def sweep(points: list[dict], work_dir: Path, keep: bool, timeout_s: float, per_process: int = 16) -> list[dict]:
     """Run every point (``producers``, ``rewards``, ``spec``, ``prompts_per_step``, ``max_steps``,
     ``message_bytes``) in turn; return the summaries (printed as they come)."""
     out = []
@@ -88,9 +88,9 @@ def sweep(points: list[dict], work_dir: Path, keep: bool, timeout_s: float) -> l
         run_dir = work_dir / f"point-{i:02d}-{p['producers']}x{p['rewards']}-{p['message_bytes']}"
         started = time.monotonic()
         kwargs = {k: p[k] for k in ("producers", "rewards", "spec", "max_steps", "prompts_per_step")}
-        raw = run_point(run_dir, timeout_s=timeout_s, **kwargs)
+        raw = run_point(run_dir, timeout_s=timeout_s, per_process=per_process, **kwargs)
         s = summarize(run_dir, raw, message_bytes=p["message_bytes"], **kwargs)
-        s["spec"] = dataclasses.asdict(p["spec"])
+        s["sweep"], s["spec"] = p["sweep"], dataclasses.asdict(p["spec"])
         out.append(s)
         r, lat = s["rate_groups_s"], s["latency"]
         print(f"{p['producers']:>3}x{p['rewards']:<3} {p['message_bytes']:>9} B  done={s['finished']} "
@@ -108,11 +108,11 @@ def plan(grid: list[tuple[int, int]], sizes: list[int], size_grid: tuple[int, in
     points = []
     group_bytes = int(GRID_SPEC.median_tokens * GRID_SPEC.group_size * BYTES_PER_TOKEN)
     for p, r in grid:
-        points.append(dict(producers=p, rewards=r, spec=GRID_SPEC, prompts_per_step=max(8, 2 * p), max_steps=steps,
+        points.append(dict(sweep="grid", producers=p, rewards=r, spec=GRID_SPEC, prompts_per_step=max(8, 2 * p), max_steps=steps,
                            message_bytes=group_bytes))
     for b in sizes:
         p, r = size_grid
-        points.append(dict(producers=p, rewards=r, spec=size_spec(b), prompts_per_step=max(4, 2 * p),
+        points.append(dict(sweep="sizes", producers=p, rewards=r, spec=size_spec(b), prompts_per_step=max(4, 2 * p),
                            max_steps=max(2, steps // 2) if b >= 4 << 20 else steps, message_bytes=b))
     return points
 
@@ -129,12 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/rlbus-scale"), help="run directories of the points")
     parser.add_argument("--keep", action="store_true", help="keep each point's run directory")
     parser.add_argument("--timeout", type=float, default=300.0, help="longest run of one point, seconds")
+    parser.add_argument("--per-process", type=int, default=16, help="simulated workers per process (threads)")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:
         args.grid, args.sizes, args.steps = "2x2,4x4", "1KiB", 3
     grid, sizes, size_grid = parse_grid(args.grid), [parse_size(s) for s in args.sizes.split(",") if s], parse_grid(args.size_grid)[0]
-    results = sweep(plan(grid, sizes, size_grid, args.steps), args.work_dir, args.keep, args.timeout)
+    results = sweep(plan(grid, sizes, size_grid, args.steps), args.work_dir, args.keep, args.timeout, args.per_process)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"command": " ".join(["python -m bench.scale", *(argv if argv is not None else sys.argv[1:])]),
                                     "points": results}, indent=1))

@@ -127,8 +127,10 @@ class PointRun:
         self.procs[name] = subprocess.Popen([sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
 
-    def start(self, producers: int, rewards: int, ready_timeout_s: float = 120.0) -> None:
-        """Start the real components (waiting for each one's handshake, hub first), then the simulated ones.
+    def start(self, producers: int, rewards: int, per_process: int = 16, ready_timeout_s: float = 120.0) -> None:
+        """Start the real components (waiting for each one's handshake, hub first), then the
+        simulated ones, at most ``per_process`` workers per process (``sim-producers-K``,
+        ``sim-rewards-K``: K counts processes).
 
         Raises:
             RuntimeError: a real component did not report ready in ``ready_timeout_s`` or died.
@@ -138,8 +140,11 @@ class PointRun:
             self.spawn(name, [module, "--run-dir", d, "--name", name])
             self._await_ready(name, ready_timeout_s)
         self.spawn("sim-trainer", ["bench.scale_workers", "--run-dir", d, "--role", "trainer"])
-        self.spawn("sim-rewards", ["bench.scale_workers", "--run-dir", d, "--role", "rewards", "--count", str(rewards)])
-        self.spawn("sim-producers", ["bench.scale_workers", "--run-dir", d, "--role", "producers", "--count", str(producers)])
+        for role, total in (("rewards", rewards), ("producers", producers)):
+            for k, first in enumerate(range(0, total, per_process)):
+                count = min(per_process, total - first)
+                self.spawn(f"sim-{role}-{k}", ["bench.scale_workers", "--run-dir", d, "--role", role,
+                                               "--first", str(first), "--count", str(count)])
 
     def _await_ready(self, name: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -176,7 +181,7 @@ class PointRun:
             self.sample()
             if self.procs["sim-trainer"].poll() is not None:
                 return self.procs["sim-trainer"].returncode == 0, time.monotonic() - started
-            if any(p.poll() is not None for n, p in self.procs.items() if n != "sim-trainer"):
+            if any(p.poll() not in (None, 0) or (p.poll() == 0 and n in REAL) for n, p in self.procs.items()):
                 return False, time.monotonic() - started  # a component died: the point failed
             time.sleep(SAMPLE_S)
         return False, time.monotonic() - started
@@ -198,14 +203,15 @@ class PointRun:
 
 
 def run_point(run_dir: Path, *, producers: int, rewards: int, spec: SimSpec, max_steps: int, prompts_per_step: int,
-              timeout_s: float = 300.0) -> dict:
-    """Run one sweep point in ``run_dir`` and return its raw measurements: ``finished``,
+              timeout_s: float = 300.0, per_process: int = 16) -> dict:
+    """Run one sweep point in ``run_dir`` (simulated workers ``per_process`` to a process) and
+    return its raw measurements: ``finished``,
     ``wall_s``, ``rss_max`` / ``rss_last`` (bytes per process), ``cpu_s`` (per process),
     ``queues_max`` (``"component:topic/kind" -> messages``); the events stay in ``run_dir/sim``."""
     write_run(run_dir, producers=producers, rewards=rewards, spec=spec, max_steps=max_steps, prompts_per_step=prompts_per_step)
     run = PointRun(run_dir)
     try:
-        run.start(producers, rewards)
+        run.start(producers, rewards, per_process)
         cpu0 = {}
         run.sample()
         cpu0.update(run.cpu)

@@ -64,6 +64,16 @@ def _pcts(values: list[float]) -> dict[str, float]:
     return {"p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)), "max_ms": float(a.max())}
 
 
+def by_kind(per_process: dict[str, float]) -> dict[str, float]:
+    """Sum the values of the simulated processes of one kind (``sim-rewards-0``, ``sim-rewards-1``
+    -> ``sim-rewards``); real components and the trainer keep their own names."""
+    out: dict[str, float] = {}
+    for name, value in per_process.items():
+        kind = name.rsplit("-", 1)[0] if name.startswith(("sim-producers-", "sim-rewards-")) else name
+        out[kind] = out.get(kind, 0.0) + value
+    return out
+
+
 def capacities(spec: SimSpec, producers: int, rewards: int, prompts_per_step: int) -> dict[str, float]:
     """Simulated capacity of each stage, groups/s (see the module docstring)."""
     mean_tokens = min(spec.median_tokens * float(np.exp(spec.sigma**2 / 2)), spec.max_tokens)
@@ -92,7 +102,8 @@ def summarize(run_dir: Path, raw: dict, *, spec: SimSpec, producers: int, reward
     packer = [first["batch_first"][s] - max(scored[g] for g in gids)
               for s, gids in step_groups.items() if s in first.get("batch_first", {}) and all(g in scored for g in gids)]
     wall = raw["wall_s"]
-    cpu = {k: v / wall for k, v in raw["cpu_s"].items()}
+    cpu_proc = {k: v / wall for k, v in raw["cpu_s"].items()}
+    cpu = by_kind(cpu_proc)
     caps = capacities(spec, producers, rewards, prompts_per_step)
     ideal = min(caps.values())
     trained_groups = len(first.get("batch_group", {}))
@@ -100,7 +111,8 @@ def summarize(run_dir: Path, raw: dict, *, spec: SimSpec, producers: int, reward
     if trained_rate >= BOUND_SHARE * ideal:
         bottleneck = f"sim {min(caps, key=caps.get)} (by design)"
     else:
-        bottleneck = f"real: {max(cpu, key=cpu.get)} ({cpu[max(cpu, key=cpu.get)]:.2f} CPU)"
+        busiest = max(cpu_proc, key=cpu_proc.get)
+        bottleneck = f"real: {busiest} ({cpu_proc[busiest]:.2f} CPU)"
     outcomes = acc.get("outcomes", {})
     resolved = sum(outcomes.values())
     return {
@@ -118,8 +130,9 @@ def summarize(run_dir: Path, raw: dict, *, spec: SimSpec, producers: int, reward
             "packer": _pcts(packer),
         },
         "fanout": _pcts(fanout), "fanout_receipts": len(fanout),
-        "rss_max_mib": {k: v / 2**20 for k, v in raw["rss_max"].items()},
-        "cpu_per_s": cpu,
+        "rss_max_mib": {k: v / 2**20 for k, v in by_kind(raw["rss_max"]).items()},
+        "rss_max_mib_per_process": max(raw["rss_max"].values(), default=0) / 2**20,
+        "cpu_per_s": cpu, "cpu_per_s_busiest_process": cpu_proc.get(max(cpu_proc, key=cpu_proc.get, default=""), 0.0),
         "queues_max": raw["queues_max"],
         "accounting": {
             "issued": acc.get("issued", 0), "outcomes": outcomes, "unresolved": len(acc.get("unresolved", [])),
