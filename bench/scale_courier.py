@@ -21,7 +21,9 @@ from pathlib import Path
 
 import zmq
 
+from bus.codec import encode
 from bus.courier import Courier
+from bus.inbox import Inbox
 from bus.messages import Prompt
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -77,6 +79,23 @@ def measure(num_peers: int, count: int = 3000, idle_s: float = 5.0) -> tuple[flo
     return used / count * 1e6, idle * 100
 
 
+def inbox_us(num_peers: int, count: int = 20_000) -> float:
+    """Wall microseconds per message of the :class:`bus.inbox.Inbox` state machine alone (no
+    socket, no thread: receive from peer 0, take, release, flush without heartbeat) with
+    ``num_peers`` known senders: the per-message path's cost in the box, free of I/O noise."""
+    box = Inbox("rollouts", (Prompt,), 64, session="bench")
+    for n in range(num_peers):
+        box.on_frames((0, b"p%d" % n), "H", "s%d" % n, None, [], 0.0)
+    box.flush(0.0, True)
+    frames = [encode(Prompt(id=f"m{i}", index=i, step=0, task="t", messages=[], info={})) for i in range(count)]
+    started = time.perf_counter()
+    for i in range(count):
+        box.on_frames((0, b"p0"), "D", "s0", f"m{i}", frames[i], 1.0)
+        box.done(box.recv(timeout_s=0).id)
+        box.flush(1.0, False)
+    return (time.perf_counter() - started) / count * 1e6
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print the per-message cost for each ``--peers`` value."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -84,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=3000)
     args = parser.parse_args(argv)
     for n in (int(x) for x in args.peers.split(",")):
+        print(f"{n:>4} peers: {inbox_us(n):7.1f} us per message in the inbox state machine alone", flush=True)
         per_msg, idle = measure(n, args.count)
         print(f"{n:>4} peers: {per_msg:7.1f} us of receiver I/O-thread CPU per message; idle (heartbeats): {idle:5.1f}% of a core",
               flush=True)
