@@ -13,7 +13,7 @@ Two sweeps, each point a short run of its own (:func:`bench.scale_point.run_poin
 Writes ``--out`` (default ``bench/results/scale_sim.json``: the points' summaries,
 :func:`bench.scale_stats.summarize`) and, if matplotlib is installed, PNG plots next to it
 (:mod:`bench.scale_plot`). ``--quick`` is a few-seconds sweep (2x2 and 4x4, small groups) for CI.
-Exit code 1 if any point's accounting is incomplete (a prompt lost or trained twice).
+Exit code 1 if a point failed to run or its accounting is incomplete (a prompt lost or trained twice).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from bench.scale_point import run_point
 from bench.scale_sim import SimSpec
-from bench.scale_stats import summarize
+from bench.scale_stats import markdown_table, summarize
 
 GRID_SPEC = SimSpec(group_size=8, median_tokens=512, sigma=0.5, max_tokens=2048, prompt_tokens=128,
                     tokens_per_s=20_000.0, score_s=0.01, step_s=0.05)
@@ -72,9 +72,17 @@ def parse_grid(text: str) -> list[tuple[int, int]]:
     return out
 
 
+MAX_SAMPLE_TOKENS = 65_536
+"""Longest completion the config takes (``sampling.max_tokens``); bigger groups get a larger G."""
+
+
 def size_spec(message_bytes: int, group_size: int = 8) -> SimSpec:
     """A load whose every ``RolloutGroup`` carries ``message_bytes`` of completion arrays
-    (``sigma`` 0: equal lengths) and whose producers offer :data:`SIZE_GROUPS_PER_S` groups/s."""
+    (``sigma`` 0: equal lengths) and whose producers offer :data:`SIZE_GROUPS_PER_S` groups/s;
+    G grows (powers of two) past ``group_size`` where a completion would exceed
+    :data:`MAX_SAMPLE_TOKENS`."""
+    while message_bytes // (BYTES_PER_TOKEN * group_size) > MAX_SAMPLE_TOKENS:
+        group_size *= 2
     tokens = max(1, message_bytes // (BYTES_PER_TOKEN * group_size))
     return SimSpec(group_size=group_size, median_tokens=tokens, sigma=0.0, max_tokens=tokens, prompt_tokens=16,
                    tokens_per_s=SIZE_GROUPS_PER_S * tokens * group_size, score_s=0.005, step_s=0.05)
@@ -88,7 +96,11 @@ def sweep(points: list[dict], work_dir: Path, keep: bool, timeout_s: float, per_
         run_dir = work_dir / f"point-{i:02d}-{p['producers']}x{p['rewards']}-{p['message_bytes']}"
         started = time.monotonic()
         kwargs = {k: p[k] for k in ("producers", "rewards", "spec", "max_steps", "prompts_per_step")}
-        raw = run_point(run_dir, timeout_s=timeout_s, per_process=per_process, **kwargs)
+        try:
+            raw = run_point(run_dir, timeout_s=timeout_s, per_process=per_process, **kwargs)
+        except Exception as exc:  # one bad point must not lose the sweep
+            print(f"point {run_dir.name} failed: {type(exc).__name__}: {exc}", flush=True)
+            continue
         s = summarize(run_dir, raw, message_bytes=p["message_bytes"], **kwargs)
         s["sweep"], s["spec"] = p["sweep"], dataclasses.asdict(p["spec"])
         out.append(s)
@@ -135,11 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.grid, args.sizes, args.steps = "2x2,4x4", "1KiB", 3
     grid, sizes, size_grid = parse_grid(args.grid), [parse_size(s) for s in args.sizes.split(",") if s], parse_grid(args.size_grid)[0]
-    results = sweep(plan(grid, sizes, size_grid, args.steps), args.work_dir, args.keep, args.timeout, args.per_process)
+    points = plan(grid, sizes, size_grid, args.steps)
+    results = sweep(points, args.work_dir, args.keep, args.timeout, args.per_process)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"command": " ".join(["python -m bench.scale", *(argv if argv is not None else sys.argv[1:])]),
                                     "points": results}, indent=1))
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out}\n\n{markdown_table(results)}\n")
     if not args.no_plots:
         try:
             from bench.scale_plot import plot_all
@@ -148,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             for path in plot_all(results, args.out.with_suffix("")):
                 print(f"wrote {path}")
-    return 0 if all(s["accounting"]["complete"] for s in results) else 1
+    return 0 if len(results) == len(points) and all(s["accounting"]["complete"] for s in results) else 1
 
 
 if __name__ == "__main__":
