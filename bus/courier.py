@@ -253,7 +253,7 @@ class Courier:
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
-        registered: set[int] = set()
+        registered: dict[zmq.Socket, _Link] = {}
         self._next_heartbeat = 0.0
         while True:
             try:
@@ -270,11 +270,13 @@ class Courier:
         for link in self._links:
             link.sock.close(linger=500)
 
-    def _iterate(self, poller: zmq.Poller, registered: set[int]) -> None:
-        for link in self._links:
-            if link.number not in registered:
-                poller.register(link.sock, zmq.POLLIN)
-                registered.add(link.number)
+    def _iterate(self, poller: zmq.Poller, registered: dict[zmq.Socket, _Link]) -> None:
+        """One wake of the I/O thread. Its cost per wake grows with the sockets that have input
+        and the peers that have acks due, not with every link or peer (links are only added, so
+        the new ones are the tail of ``_links``)."""
+        for link in self._links[len(registered):]:
+            poller.register(link.sock, zmq.POLLIN)
+            registered[link.sock] = link
         events = dict(poller.poll(timeout=int(self.heartbeat_s * 500)))
         if self._wake_r in events:
             try:
@@ -286,8 +288,9 @@ class Courier:
             fn, args = self._commands.popleft()
             fn(*args)
         now = time.monotonic()
-        for link in self._links:
-            if events.get(link.sock):
+        for sock in events:
+            link = registered.get(sock)
+            if link is not None:
                 self._receive(link, now)
         heartbeat_due = now >= self._next_heartbeat
         if heartbeat_due:

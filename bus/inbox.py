@@ -59,6 +59,7 @@ class Inbox(Box):
         self._queue: queue.Queue[tuple[PeerKey, Peer, Message]] = queue.Queue()
         self.held: dict[str, set[PeerKey]] = {}  # ids taken and not done -> who sent them
         self.done_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._due: dict[PeerKey, None] = {}  # peers with acks or credit to send (flush visits only these)
 
     # -- component side ---------------------------------------------------------------------------
 
@@ -92,6 +93,7 @@ class Inbox(Box):
         if self.peers.get(key) is peer:
             peer.queued -= 1
             peer.dirty = True
+            self._due[key] = None
 
     def release(self, ids: tuple[str, ...] | list[str]) -> None:
         """Mark ``ids`` done; the next :meth:`flush` tells whoever sent them."""
@@ -104,6 +106,7 @@ class Inbox(Box):
                 peer = self.peers.get(key)
                 if peer is not None:
                     peer.acks_done.append(msg_id)
+                    self._due[key] = None
 
     def _remember_done(self, msg_id: str) -> None:
         self.done_ids[msg_id] = None
@@ -120,6 +123,7 @@ class Inbox(Box):
         if kind == "H":
             return
         msg_id: str = payload
+        self._due[key] = None  # every path below acknowledges receipt
         BUS_MESSAGES.labels(self.topic, "recv").inc()
         BUS_BYTES.labels(self.topic, "recv").inc(sum(len(f) for f in rest))
         if msg_id in self.done_ids:
@@ -156,7 +160,9 @@ class Inbox(Box):
         at most :data:`MAX_IDS_PER_ACK` ids per list; a hello with the full window to every DEALER
         endpoint whose sender has not spoken yet (credit starts there)."""
         sends: list[Send] = []
-        for key, peer in self.peers.items():
+        due, self._due = self._due, {}
+        # only peers with something to say, unless heartbeats are due: O(busy peers) per wake, not O(peers)
+        for key, peer in (self.peers.items() if heartbeat_due else [(k, self.peers[k]) for k in due if k in self.peers]):
             beat = heartbeat_due  # every peer gets its heartbeat (not only the first one)
             while peer.acks_taken or peer.acks_done or peer.dirty or beat:
                 taken, done = peer.acks_taken[:MAX_IDS_PER_ACK], peer.acks_done[:MAX_IDS_PER_ACK]
@@ -177,6 +183,7 @@ class Inbox(Box):
         if peer is not None:
             peer.acks_done[:0] = send.done
             peer.dirty = True
+            self._due[send.key] = None
 
     def goodbye(self) -> list[Send]:
         """A ``B`` to every sender: it re-sends what this inbox held (on close)."""
@@ -185,6 +192,7 @@ class Inbox(Box):
 
     def peer_joined(self, key: PeerKey, peer: Peer) -> None:
         peer.dirty = True  # grant it credit at once
+        self._due[key] = None
 
     def peer_lost(self, key: PeerKey, reason: str) -> None:
         super().peer_lost(key, reason)
