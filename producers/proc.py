@@ -32,6 +32,12 @@ of asyncio tasks on one event loop:
   one (:mod:`broadcaster.regroup`). A failed broadcast receive breaks the engine and the process
   exits, so the supervisor restarts it as such a late joiner.
 
+Multi-turn tasks (``Task.env``, :mod:`tasks.env`): a prompt of such a task runs as ``n`` episodes
+(:class:`producers.episodes.EpisodeRunner`): model turns sampled from token ids, environment turns
+rendered by the chat template and appended as tokens, the environment's calls in isolated child
+processes (``task.env_timeout_s``, ``task.env_procs``); the group carries each sample's model-token
+mask (``loss_mask``) and environment reward (``env_rewards``).
+
 Eval groups are exact: an update waits until the eval groups being generated are done, and no
 eval generation starts while an update is pending (:class:`producers.eval_gate.EvalUpdateGate`),
 so every sample of an eval group comes from one policy version. Training generations do not wait:
