@@ -149,7 +149,11 @@ class RewardWorker:
         if overflow.any():
             REWARD_ERRORS.labels("non_finite").inc(int(overflow.sum()))
             rewards[overflow] = 0.0
-        found = apply_filters(self.filters, group.completion_ids, group.sampler_logprobs, group.completion_lens)
+        ids, lps, lens = group.completion_ids, group.sampler_logprobs, group.completion_lens
+        if len(group.loss_mask):  # filters judge the model's tokens only (environment tokens have logprob 0)
+            owner = np.repeat(np.arange(g), group.completion_lens)
+            ids, lps, lens = ids[group.loss_mask], lps[group.loss_mask], np.bincount(owner[group.loss_mask], minlength=g)
+        found = apply_filters(self.filters, ids, lps, lens)
         for filter_name, count in found.counts.items():
             FILTERED.labels(filter_name).inc(count)
         advantages = compute_advantages(self.advantage, rewards, np.asarray(group.completion_lens, np.int64), self.eps)

@@ -40,3 +40,15 @@ def test_single_turn_groups_keep_every_completion_token():
     assert scored.reward_terms == {} and scored.rewards.tolist() == [0.0, 0.0]
     first, second = group_samples(scored)
     assert first.loss_mask.tolist() == [False] * 3 + [True] * 4 and second.loss_mask.tolist() == [False] * 3 + [True] * 2
+
+
+def test_filters_judge_model_tokens_only():
+    # environment tokens have logprob 0 (probability 1): a run of them must not look like repetition
+    from configs.schema import FiltersConfig
+
+    filters = FiltersConfig.model_validate({"repetition": {"enabled": True, "window": 2, "prob_threshold": 0.9}})
+    worker = RewardWorker({"reverse_turns": ()}, name="rewards-0", isolate=False, filters=filters)
+    scored = worker.score(_group([True, False, False, True, True, True], [0.75, 0.0]))
+    assert list(scored.flags) == ["", ""]
+    single = worker.score(_group([], [0.75, 0.0]))  # the same tokens as the model's: sample 0 repeats
+    assert list(single.flags) == ["repetition", ""]
