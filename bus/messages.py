@@ -120,6 +120,9 @@ class RolloutGroup(Message):
             (nats, temperature 1), or ``[0]`` without a teacher.
         prompt_text: the rendered prompt (chat template applied) the producer sampled from, for
             the run's ``samples.jsonl``; ``""`` from senders that do not fill it.
+        loss_mask: ``[N] bool`` multi-turn episodes: True on model-sampled tokens, False on the
+            environment's (template-rendered; logprob 0); ``[0]``: every token is the model's.
+        env_rewards: ``[G] float32`` each episode's environment reward (the term ``env``), or ``[0]``.
     """
 
     TYPE: ClassVar[str] = "rollout"
@@ -144,6 +147,8 @@ class RolloutGroup(Message):
     prompt_text: str = optional_field("")
     version_spans: np.ndarray = array_field("int64", 2, optional=True)
     version_span_counts: np.ndarray = array_field("int32", optional=True)
+    loss_mask: np.ndarray = array_field("bool", optional=True)
+    env_rewards: np.ndarray = array_field("float32", optional=True)
 
     @property
     def group_size(self) -> int:

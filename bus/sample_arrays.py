@@ -15,6 +15,8 @@ Invariants checked on decode (:func:`check_group`, :func:`check_micro_batch`, ra
   completion tokens, and ``version_start`` / ``version_end`` of a sample with tokens are the min /
   max of its span versions. Versions need not be non-decreasing: after a trainer resumed from a
   checkpoint rolls the policy back, later tokens of an in-flight sample are older.
+- a group's ``teacher_logprobs`` and ``loss_mask`` are empty or one per completion token, its
+  ``env_rewards`` empty or one finite value per sample.
 - a micro-batch's ``token_versions`` has one entry per token, all ``>= 0``, and the smallest over a
   sample's tokens is its ``oldest_versions`` entry (prompt tokens carry the sample's oldest version).
 """
@@ -101,8 +103,11 @@ def check_group(group: RolloutGroup) -> None:
             raise WireError("inconsistent", f"{name} must have one entry per completion ({g})")
     if (group.version_end < group.version_start).any() or (group.version_start < 0).any():
         raise WireError("inconsistent", "need 0 <= version_start <= version_end")
-    if len(group.teacher_logprobs) not in (0, len(group.completion_ids)):
-        raise WireError("inconsistent", "teacher_logprobs must be empty or have one entry per completion token")
+    for name in ("teacher_logprobs", "loss_mask"):
+        if len(getattr(group, name)) not in (0, len(group.completion_ids)):
+            raise WireError("inconsistent", f"{name} must be empty or have one entry per completion token")
+    if len(group.env_rewards) not in (0, g) or not np.isfinite(group.env_rewards).all():
+        raise WireError("inconsistent", f"env_rewards must be empty or {g} finite values")
     if not group.temperature > 0:
         raise WireError("inconsistent", "temperature must be > 0")
     _check_spans(group)

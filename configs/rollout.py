@@ -43,6 +43,9 @@ class TaskConfig(Section):
     )
     num_train_examples: int = Field(20_000, ge=1, description="Training prompts available, at most (cycled if exhausted; file datasets use at most their size).")
     seed: int = Field(0, description="Seed of the training prompts (order, and synthetic tasks' draws).")
+    max_turns: int | None = Field(None, ge=1, description="Multi-turn tasks: most model turns per episode; null: the task's own.")
+    env_timeout_s: float = Field(10.0, gt=0.0, description="Multi-turn tasks: most seconds one environment call may take (the episode then ends with reward 0).")
+    env_procs: int = Field(2, ge=1, description="Multi-turn tasks: environment child processes per producer.")
 
 
 class TempSchedulerConfig(Section):

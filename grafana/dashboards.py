@@ -112,6 +112,12 @@ def overview() -> dict:
             Target(hist_mean("rlbus_producer_teacher_seconds", "component"), "teacher mean {{component}}"),
         ], "s"),
         timeseries("Rewards: scoring time per group", quantile_targets("rlbus_rewards_score_seconds", "component"), "s"),
+        timeseries("Producer: multi-turn episodes", [
+            Target(hist_mean("rlbus_producer_episode_turns", "component"), "model turns per episode {{component}}"),
+            Target(hist_mean("rlbus_producer_env_seconds", "component"), "env call round, s {{component}}"),
+            Target(_by("rlbus_producer_env_errors_total", "error", increase), "env error {{error}}"),
+        ], "short", "Multi-turn tasks (producers/episodes.py): mean model turns per episode, mean seconds of one round of "
+            "environment calls, and environment calls that failed (the episode ends with reward 0). " + WINDOW_NOTE),
         timeseries("Trainer: time per phase", [
             Target(_by("rlbus_trainer_phase_seconds_total", "phase"), "{{phase}}"),
         ], "percentunit", "Seconds per second: waiting for micro-batches, forward, backward, optimizer, handing weights to the broadcaster, bookkeeping (trainer/step_timing.py).",

@@ -113,7 +113,8 @@ def group_samples(group: ScoredGroup, *, teacher: bool = False) -> list[PackedSa
         group: the scored group. teacher: copy its teacher logprobs (which it must carry: one
             per completion token) into the samples.
 
-    Sample ``j`` with ``group.masked[j]`` True gets ``loss_mask`` False on every token.
+    Sample ``j`` with ``group.masked[j]`` True gets ``loss_mask`` False on every token; the
+    environment tokens of a multi-turn episode (``group.loss_mask`` False) never get it.
 
     Raises:
         ValueError: ``teacher`` and the group carries no teacher logprobs (the packer drops such
@@ -124,6 +125,8 @@ def group_samples(group: ScoredGroup, *, teacher: bool = False) -> list[PackedSa
         raise ValueError(f"group {group.id} carries no teacher logprobs; drop it (reason 'no_teacher') before packing")
     offsets = np.concatenate([[0], np.cumsum(group.completion_lens)])
     no_prompt = np.zeros(len(prompt), np.float32)
+    # multi-turn episodes: environment tokens are context, never loss tokens
+    model_tokens = np.asarray(group.loss_mask, bool) if len(group.loss_mask) else np.ones(len(group.completion_ids), bool)
     samples = []
     for j in range(group.group_size):
         ids, lps = group.completion(j)
@@ -134,7 +137,7 @@ def group_samples(group: ScoredGroup, *, teacher: bool = False) -> list[PackedSa
             PackedSample(
                 sample_id=f"{group.id}/{j}",
                 input_ids=np.concatenate([prompt, ids]).astype(np.int32),
-                loss_mask=np.concatenate([np.zeros(len(prompt), bool), np.full(len(ids), not masked)]),
+                loss_mask=np.concatenate([np.zeros(len(prompt), bool), model_tokens[offsets[j] : offsets[j + 1]] & (not masked)]),
                 sampler_logprobs=np.concatenate([no_prompt, lps]).astype(np.float32),
                 advantage=float(group.advantages[j]),
                 reward=float(group.rewards[j]),

@@ -33,6 +33,12 @@ of asyncio tasks on one event loop:
   one (:mod:`broadcaster.regroup`). A failed broadcast receive breaks the engine and the process
   exits, so the supervisor restarts it as such a late joiner.
 
+Multi-turn tasks (``Task.env``, :mod:`tasks.env`): a prompt of such a task runs as ``n`` episodes
+(:class:`producers.episodes.EpisodeRunner`): model turns sampled from token ids, environment turns
+rendered by the chat template and appended as tokens, the environment's calls in isolated child
+processes (``task.env_timeout_s``, ``task.env_procs``); the group carries each sample's model-token
+mask (``loss_mask``) and environment reward (``env_rewards``).
+
 Eval groups are exact: an update waits until the eval groups being generated are done, and no
 eval generation starts while an update is pending (:class:`producers.eval_gate.EvalUpdateGate`),
 so every sample of an eval group comes from one policy version. Training generations do not wait:
@@ -63,9 +69,12 @@ from bus.messages_weights import WeightGroup, WeightGroupAck
 from bus.metrics import POLICY_VERSION, StageMeter
 from bus.sample_arrays import pack_spans, run_lengths
 from producers.engine import RolloutEngine
+from producers.episodes import EpisodeRunner
 from producers.eval_gate import EvalUpdateGate
 from producers.sampling import request_kwargs
 from producers.teacher import Teacher
+from tasks.env import EnvCalls
+from tasks.registry import env_tasks
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +101,14 @@ def group_from_samples(
     gen_time_s: float,
     teacher_logprobs: np.ndarray | None = None,
     prompt_text: str = "",
+    model_masks: list[list[bool]] | None = None,
+    env_rewards: list[float] | None = None,
 ) -> RolloutGroup:
     """Assemble a :class:`RolloutGroup` from the engine's samples (see :class:`producers.engine.Sample`)
     and their decoded ``texts``; temperature, eval round and size come from ``prompt``;
     ``teacher_logprobs`` is ``[N] float32`` (N = completion tokens of the group) or None;
-    ``prompt_text`` the rendered (chat-templated) prompt."""
+    ``prompt_text`` the rendered (chat-templated) prompt; multi-turn episodes
+    (:mod:`producers.episodes`) add each sample's model-token mask and its environment reward."""
     spans, counts = pack_spans(run_lengths(s.token_versions or [s.version_start] * len(s.token_ids)) for s in samples)
     return RolloutGroup(
         id=prompt.id,
@@ -121,6 +133,8 @@ def group_from_samples(
         eval_size=prompt.eval_size,
         teacher_logprobs=np.asarray([] if teacher_logprobs is None else teacher_logprobs, dtype=np.float32),
         prompt_text=prompt_text,
+        loss_mask=np.asarray([m for mask in model_masks or () for m in mask], dtype=bool),
+        env_rewards=np.asarray(env_rewards or [], dtype=np.float32),
     )
 
 
@@ -152,6 +166,12 @@ class ProducerProc(Component):
                 dtype=cfg.producers.dtype,
             )
             self.loop.run_until_complete(self.teacher.start())
+        self.env_tasks = env_tasks(cfg)
+        """Multi-turn tasks by name; their episodes run in :attr:`episodes` (isolated environments)."""
+        self.episodes: EpisodeRunner | None = None
+        if self.env_tasks:
+            envs = EnvCalls([t.env for t in self.env_tasks.values()], timeout_s=cfg.task.env_timeout_s, num_procs=cfg.task.env_procs)
+            self.episodes = EpisodeRunner(self.engine, self.tokenizer, envs, max_model_len=cfg.model.max_model_len)
         self.gate = EvalUpdateGate()
         self.meter = StageMeter("producer")
         self.prompts = self.reliable_receiver("prompts", self.endpoints.address("prompts"), bind=False, accept=(Prompt,))
@@ -216,8 +236,13 @@ class ProducerProc(Component):
         started = time.perf_counter()
         with self.meter.work():
             # an eval group is sampled under one policy version; a training group may span an update
+            env_task, masks, env_rewards = self.env_tasks.get(prompt.task), None, None
             async with self.gate.eval_request() if prompt.is_eval else contextlib.nullcontext():
-                samples = await self.engine.generate_group(prompt_ids, request_id=request_id, **request_kwargs(self.cfg, prompt))
+                if env_task is not None and self.episodes is not None:
+                    samples, masks, env_rewards = await self.episodes.run_group(
+                        env_task.env, env_task.max_turns, prompt_ids, prompt.info, request_id=request_id, **request_kwargs(self.cfg, prompt))
+                else:
+                    samples = await self.engine.generate_group(prompt_ids, request_id=request_id, **request_kwargs(self.cfg, prompt))
             elapsed = time.perf_counter() - started
             teacher_logprobs = None
             if self.teacher is not None and not prompt.is_eval:
@@ -225,9 +250,10 @@ class ProducerProc(Component):
                 teacher_logprobs = await self.teacher.score_group(prompt_ids, [s.token_ids for s in samples], request_id=request_id)
                 TEACHER_SECONDS.observe(time.perf_counter() - teacher_started)
             # decode with the HF tokenizer (vLLM's own text drops invalid UTF-8 bytes)
-            texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+            # (an episode keeps its turn markers: the text is the readable transcript)
+            texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=masks is None) for s in samples]
             group = group_from_samples(prompt, prompt_ids, samples, texts, producer=self.name, gen_time_s=elapsed,
-                                       teacher_logprobs=teacher_logprobs, prompt_text=text)
+                                       teacher_logprobs=teacher_logprobs, prompt_text=text, model_masks=masks, env_rewards=env_rewards)
         GEN_SECONDS.observe(elapsed)
         GROUPS_OUT.inc()
         tokens = int(group.completion_lens.sum())
@@ -275,6 +301,8 @@ class ProducerProc(Component):
         log.info("applied policy version %d by %s in %.3f s", version, msg.method, elapsed)
 
     def close(self) -> None:
+        if getattr(self, "episodes", None) is not None:
+            self.episodes.envs.close()
         for engine in (getattr(self, "teacher", None), getattr(self, "engine", None)):
             if engine is not None:
                 self.loop.run_until_complete(engine.close())

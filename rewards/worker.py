@@ -11,7 +11,9 @@ and the reward is ``sum_k weight_k * score_k``. The functions run in child proce
 ``rewards.timeout_s``, crashes or returns NaN scores 0 for that term only, counted in
 ``rlbus_rewards_errors_total{error=...}``, and the worker goes on. A group of a task the worker does
 not know scores 0 everywhere (error ``"unknown_task"``, one count per sample); with
-``filters.skip_verification`` no function is called and every reward is 0.
+``filters.skip_verification`` no function is called and every reward is 0. A multi-turn group's
+environment rewards (``env_rewards``, scored in the producer's isolated environment children) are
+added as the term ``env`` with weight 1.
 
 Filters (:mod:`rewards.filters`) then flag degenerate samples (``flags``; ``masked`` when enforced,
 counted in ``rlbus_rewards_filtered_total{filter}``). Advantages are computed on the rewards of the
@@ -139,12 +141,19 @@ class RewardWorker:
                         REWARD_ERRORS.labels(error).inc()
                 reward_terms[term.name] = result.rewards
                 total += term.weight * np.asarray(result.rewards, np.float64)
+        if len(group.env_rewards):  # a multi-turn episode's environment reward (producers.episodes)
+            reward_terms["env"] = [float(r) for r in group.env_rewards]
+            total += np.asarray(group.env_rewards, np.float64)
         rewards = total.astype(np.float32)
         overflow = ~np.isfinite(rewards)  # finite scores times finite weights can still overflow float32
         if overflow.any():
             REWARD_ERRORS.labels("non_finite").inc(int(overflow.sum()))
             rewards[overflow] = 0.0
-        found = apply_filters(self.filters, group.completion_ids, group.sampler_logprobs, group.completion_lens)
+        ids, lps, lens = group.completion_ids, group.sampler_logprobs, group.completion_lens
+        if len(group.loss_mask):  # filters judge the model's tokens only (environment tokens have logprob 0)
+            owner = np.repeat(np.arange(g), group.completion_lens)
+            ids, lps, lens = ids[group.loss_mask], lps[group.loss_mask], np.bincount(owner[group.loss_mask], minlength=g)
+        found = apply_filters(self.filters, ids, lps, lens)
         for filter_name, count in found.counts.items():
             FILTERED.labels(filter_name).inc(count)
         advantages = compute_advantages(self.advantage, rewards, np.asarray(group.completion_lens, np.int64), self.eps)

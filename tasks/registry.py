@@ -4,7 +4,8 @@ Registered tasks (``KNOWN_TASKS``), one module each (dataset, prompts, rewards, 
 
 - ``reverse_text`` (the default job, :mod:`tasks.reverse_text`): reverse a random string;
 - ``gsm8k`` (:mod:`tasks.gsm8k`): grade-school math word problems from ``tasks/data/gsm8k/``;
-- ``countdown`` (:mod:`tasks.countdown`): reach a target with given numbers and + - * /.
+- ``countdown`` (:mod:`tasks.countdown`): reach a target with given numbers and + - * /;
+- ``reverse_turns`` (:mod:`tasks.reverse_turns`): multi-turn, reverse each string an environment gives.
 
 A task given as an import path ``"package.module:function"`` is any function returning a
 :class:`tasks.task.Task` (it runs the code it names: configs are trusted). Registered tasks are
@@ -36,6 +37,7 @@ _TASKS: dict[str, str] = {
     "reverse_text": "tasks.reverse_text:make_task",
     "gsm8k": "tasks.gsm8k:make_task",
     "countdown": "tasks.countdown:make_task",
+    "reverse_turns": "tasks.reverse_turns:make_task",
 }
 KNOWN_TASKS = tuple(_TASKS)
 FILE_TASKS = ("gsm8k",)  # the tasks whose examples come from files (task.dataset applies)
@@ -69,12 +71,13 @@ def get_task(name: str, task_cfg: TaskConfig | None = None) -> Task:
         name: a name of ``KNOWN_TASKS`` or an import path (the function is called with no
             arguments and must return a :class:`Task`; its ``name`` becomes ``name``).
         task_cfg: the run's ``task`` section; applied only when ``task_cfg.name == name``: its
-            ``system_prompt`` (when not None) and ``rewards`` (when not empty) replace the task's,
-            and its ``dataset`` replaces a file task's files.
+            ``system_prompt`` (when not None), ``rewards`` (when not empty) and ``max_turns`` (when
+            not None) replace the task's, and its ``dataset`` replaces a file task's files.
 
     Raises:
         ValueError: unknown name (listing the known ones), an import path that does not resolve,
-            ``task_cfg.dataset`` set for a task that reads no files, or a malformed reward term.
+            ``task_cfg.dataset`` set for a task that reads no files, a malformed reward term, or
+            ``max_turns < 1``.
         TypeError: an import path whose function does not return a :class:`Task`.
     """
     cfg = task_cfg if task_cfg is not None and task_cfg.name == name else None
@@ -97,7 +100,10 @@ def get_task(name: str, task_cfg: TaskConfig | None = None) -> Task:
     if cfg is not None and cfg.rewards:
         rewards = tuple((term.name, term.weight) for term in cfg.rewards)
     system_prompt = cfg.system_prompt if cfg is not None and cfg.system_prompt is not None else task.system_prompt
-    return dataclasses.replace(task, system_prompt=system_prompt, rewards=_checked_rewards(name, rewards))
+    max_turns = cfg.max_turns if cfg is not None and cfg.max_turns is not None else task.max_turns
+    if max_turns < 1:
+        raise ValueError(f"task {name!r}: max_turns={max_turns} must be >= 1")
+    return dataclasses.replace(task, system_prompt=system_prompt, rewards=_checked_rewards(name, rewards), max_turns=max_turns)
 
 
 def load_task_examples(task: str | Task, split: str, num_examples: int, seed: int) -> list[Example]:
@@ -141,15 +147,24 @@ def reward_spec(cfg: RunConfig) -> dict[str, tuple[tuple[str, float], ...]]:
     the training task and every eval task (each via :func:`get_task` with ``cfg.task``).
 
     Raises:
-        ValueError: a task is unknown, or has no reward function while
+        ValueError: a task is unknown, or has neither a reward function nor an environment while
             ``filters.skip_verification`` is off.
     """
     spec: dict[str, tuple[tuple[str, float], ...]] = {}
     for name in [cfg.task.name, *(t.name for t in eval_tasks(cfg))]:
         if name in spec:
             continue
-        rewards = get_task(name, cfg.task).rewards
-        if not rewards and not cfg.filters.skip_verification:
+        task = get_task(name, cfg.task)
+        rewards = task.rewards
+        if not rewards and task.env is None and not cfg.filters.skip_verification:
             raise ValueError(f"task {name!r} has no reward function: set task.rewards (or filters.skip_verification)")
         spec[name] = rewards
     return spec
+
+
+def env_tasks(cfg: RunConfig) -> dict[str, Task]:
+    """The multi-turn tasks of the run (training and eval tasks with ``Task.env``), by name: what
+    a producer runs environments for (:class:`tasks.env.EnvCalls`)."""
+    names = [cfg.task.name, *(t.name for t in eval_tasks(cfg))]
+    tasks = {name: get_task(name, cfg.task) for name in dict.fromkeys(names)}
+    return {name: task for name, task in tasks.items() if task.env is not None}

@@ -70,3 +70,19 @@ def reward_name(ref: str) -> str:
     if not module_name or not attr:
         raise ValueError(f"reward import path={ref!r} must look like 'package.module:function'")
     return attr.rsplit(".", 1)[-1]
+
+
+def get_float_reward_fn(name: str) -> Callable[[str, dict[str, Any]], float]:
+    """:func:`get_reward_fn` with its result passed through ``float`` (the resolver of the reward
+    children, :class:`rewards.isolation.IsolatedScorer`: a non-number fails in the child as a
+    ``TypeError``/``ValueError`` of that call).
+
+    Raises:
+        ValueError: as :func:`get_reward_fn`.
+    """
+    fn = get_reward_fn(name)
+
+    def call(completion: str, info: dict[str, Any]) -> float:
+        return float(fn(completion, info))
+
+    return call

@@ -51,12 +51,18 @@ class Task:
         system_prompt: the system message before every prompt, or None for none.
         rewards: ``((reward ref, weight), ...)``: registered reward names or import paths
             ``"package.module:function"``; reward = sum of weight * score.
+        env: for a multi-turn task, the import path ``"package.module:Object"`` of its environment
+            (:mod:`tasks.env`); its reward joins the group's rewards as the term ``env``. None: a
+            single-turn task.
+        max_turns: most model turns of an episode (``env`` tasks; >= 1).
     """
 
     name: str
     load: Loader
     system_prompt: str | None = None
     rewards: tuple[tuple[str, float], ...] = ()
+    env: str | None = None
+    max_turns: int = 1
 
 
 def check_request(split: str, num_examples: int) -> None:

@@ -75,6 +75,9 @@ def _rollout_fields() -> dict[str, Any]:
         version_span_counts=np.array([2, 0, 2], dtype=np.int32),
         temperature=0.75,
         teacher_logprobs=np.array([-0.25, -1.0, -0.5, -3.0, -0.125], dtype=np.float32),
+        # sample 2 is a 2-turn episode: model token, one environment token, model token
+        loss_mask=np.array([True, True, True, False, True]),
+        env_rewards=np.array([0.5, 0.0, 1.0], dtype=np.float32),
     )
 
 

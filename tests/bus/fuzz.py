@@ -90,6 +90,8 @@ def realistic_examples() -> dict[str, Message]:
         version_end=np.array([3, 2, 3, 3], np.int64),
         version_spans=np.array([[2, lens[0] - 1], [3, 1], [2, lens[1]], [3, lens[2]], [3, lens[3]]], np.int64),
         version_span_counts=np.array([2, 1, 1, 1], np.int32),
+        loss_mask=np.arange(n) % 5 != 2,  # every fifth token an environment token
+        env_rewards=np.array([0.25, 1.0, 0.0, 0.5], np.float32),
     )
     seq = np.array([43, 32, 43, 36], np.int32)
     t = int(seq.sum())

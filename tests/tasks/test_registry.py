@@ -46,8 +46,8 @@ def not_a_task() -> dict:
 
 
 def test_registry_and_unknown_name():
-    assert set(KNOWN_TASKS) == {"reverse_text", "gsm8k", "countdown"}
-    with pytest.raises(ValueError, match="known tasks: reverse_text, gsm8k, countdown"):
+    assert set(KNOWN_TASKS) == {"reverse_text", "gsm8k", "countdown", "reverse_turns"}
+    with pytest.raises(ValueError, match="known tasks: reverse_text, gsm8k, countdown, reverse_turns"):
         get_task("nope")
 
 

@@ -1,0 +1,318 @@
+"""Isolated calls: run user functions (reward functions, environments) in child processes, so a bad
+call costs that call, never the calling worker.
+
+User code (a verifier, an environment's ``step``, a sandbox call) may raise, hang past
+``timeout_s``, or crash its interpreter (``os._exit``, a segfault). :class:`IsolatedCalls` keeps a
+pool of ``num_procs`` children of its own; each call gets its result or an error label, and the
+caller lives on. Users: :class:`rewards.isolation.IsolatedScorer` (reward functions, in the reward
+workers) and :class:`tasks.env.EnvCalls` (environments, in the producers); it lives in this
+library so that both stages use one implementation.
+
+Each child is ``python -c <bootstrap>`` started with :mod:`subprocess` (fork+exec, safe from a
+threaded parent), talks over one ``socketpair`` framed by
+:class:`multiprocessing.connection.Connection`, and imports only this module, the resolver and the
+functions it runs (~30 ms to start, ~15 MB plus what the functions import). Not
+``multiprocessing``'s "spawn" or "forkserver": those re-run the parent's ``__main__`` (zmq, numpy,
+prometheus, vLLM: seconds and hundreds of MB per child) and leave helper processes behind; not
+``ProcessPoolExecutor``: it cannot kill one stuck worker.
+
+Protocol (parent -> child, child -> parent), one JSON document per message (no pickle):
+
+    child start:  ("ready", pid) | ("error", "'ref': ValueError: ...")   # resolve handshake
+    per call:     (fn_index, [args...])  ->  ("ok", JSON value) | ("error", exc_type, message)
+    shutdown:     None  (or the parent's end closing: EOF)
+
+Invariants:
+
+* **Functions are named, never pickled.** ``refs`` are strings resolved inside each child at start
+  by ``resolver`` (an import path ``"package.module:function"`` taking one ref and returning a
+  callable, e.g. :func:`tasks.rewards.get_float_reward_fn`); each call names a function by index.
+  Refs come from the run config (trusted), never from the bus. Arguments and results are JSON.
+* **Per-call deadlines.** :meth:`IsolatedCalls.run` hands one call at a time to each idle child
+  and waits on all of them together; a call's deadline starts when it is handed out, so only the
+  call that overran fails (``"timeout"``). N calls take at most ``ceil(N / num_procs) *
+  timeout_s`` even if every call hangs.
+* **A child that overruns is SIGKILLed and replaced** before the next call is handed out; one found
+  dead (EOF) fails its call as ``"crash"`` and is replaced; one found dead while idle is replaced
+  without failing any call.
+* **Error labels:** the exception type name (``"ValueError"``), ``"timeout"``, ``"crash"``.
+* Children ask Linux to SIGKILL them when the thread that started them exits
+  (``PR_SET_PDEATHSIG``), so a hung child cannot outlive a killed worker; a live parent ends them
+  with :meth:`IsolatedCalls.close`. A pool is used from one thread at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from tasks.import_path import import_callable
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 60.0  # child start + import + resolve; generous, a loaded host is slow to exec
+STOP_TIMEOUT_S = 2.0  # how long close() lets children exit on their own before SIGKILL
+MAX_MESSAGE_CHARS = 300  # of an exception message, as logged
+
+_BOOTSTRAP = (
+    "import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
+    "from tasks.isolation import child_main; child_main(int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]))"
+)
+
+Call = tuple[int, list]  # (function index, JSON arguments)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallResult:
+    """One call's outcome: ``value`` (the function's JSON result; None where ``error`` is set) and
+    ``error`` (None, or the label: exception type name, ``"timeout"``, ``"crash"``)."""
+
+    value: Any
+    error: str | None
+
+
+def check_refs(refs: Sequence[str], what: str) -> tuple[str, ...]:
+    """``refs`` as a tuple; ``TypeError`` for a bare string (it would be read as characters) or a
+    non-str item, ``ValueError`` for an empty list. ``what`` names them in messages."""
+    if isinstance(refs, str) or not all(isinstance(r, str) for r in refs):
+        raise TypeError(f"{what} references must be a list of str, got {refs!r}")
+    if not refs:
+        raise ValueError(f"{what} references are empty: give at least one")
+    return tuple(refs)
+
+
+@dataclasses.dataclass
+class _Child:
+    proc: subprocess.Popen
+    conn: Connection
+
+
+class IsolatedCalls:
+    """A pool of ``num_procs`` children that run the functions named by ``refs``.
+
+    Args:
+        refs: function references, resolved in each child at its start by ``resolver``.
+        resolver: import path of ``(ref: str) -> callable`` (run in the children).
+        timeout_s: most seconds one call may take; past it the call fails (``"timeout"``) and its
+            child is killed and replaced.
+        num_procs: child processes; the calls given to :meth:`run` are made in parallel across them.
+        what: what the functions are, for logs and errors (``"reward function"``, ``"environment"``).
+
+    Raises:
+        TypeError: ``refs`` is a string, not a list.
+        ValueError: bad arguments, or the children cannot resolve one of ``refs`` (the child's
+            error is in the message).
+        RuntimeError: a child did not start (or restart) within ``START_TIMEOUT_S``.
+    """
+
+    def __init__(self, refs: Sequence[str], *, resolver: str, timeout_s: float = 5.0, num_procs: int = 2,
+                 what: str = "function") -> None:
+        self.refs = check_refs(refs, what)
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s} must be > 0")
+        if num_procs < 1:
+            raise ValueError(f"num_procs={num_procs} must be >= 1")
+        self.resolver = resolver
+        self.timeout_s = float(timeout_s)
+        self.what = what
+        self._children: list[_Child] = []
+        try:
+            for _ in range(num_procs):
+                self._children.append(self._start_child())
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> IsolatedCalls:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def pids(self) -> list[int]:
+        """Process ids of the live children (for tests and logs)."""
+        return [c.proc.pid for c in self._children]
+
+    def run(self, calls: Sequence[Call]) -> list[CallResult]:
+        """Make every call ``(fn_index, args)``; one :class:`CallResult` per call, in order. Never
+        raises for a failing function (see the module docstring).
+
+        Raises:
+            ValueError: a function index is out of range.
+        """
+        assert self._children, "run() after close()"
+        bad = [k for k, _ in calls if not 0 <= k < len(self.refs)]
+        if bad:
+            raise ValueError(f"{self.what} indices {bad} out of range: this pool has {len(self.refs)}")
+        results: list[CallResult | None] = [None] * len(calls)
+        pending = deque(range(len(calls)))
+        running: dict[int, tuple[int, float]] = {}  # slot -> (call index, deadline on time.monotonic())
+        while pending or running:
+            for slot in range(len(self._children)):
+                if slot in running or not pending:
+                    continue
+                if self._children[slot].proc.poll() is not None:  # died while idle: no call to blame
+                    log.warning("%s child pid %d exited (rc %s) while idle; replacing it",
+                                self.what, self._children[slot].proc.pid, self._children[slot].proc.returncode)
+                    self._replace(slot)
+                c = pending.popleft()
+                try:
+                    _send(self._children[slot].conn, (calls[c][0], list(calls[c][1])))
+                except OSError:  # died between poll() and send()
+                    results[c] = self._fail(slot, calls[c][0], c, "crash")
+                    continue
+                running[slot] = (c, time.monotonic() + self.timeout_s)
+            if not running:
+                continue
+            next_deadline = min(deadline for _, deadline in running.values())
+            wait([self._children[s].conn for s in running], timeout=max(0.0, next_deadline - time.monotonic()))
+            now = time.monotonic()
+            for slot, (c, deadline) in list(running.items()):
+                conn = self._children[slot].conn
+                if conn.poll(0):  # a reply or EOF; a reply that beat a late check is still taken
+                    del running[slot]
+                    try:
+                        reply = _recv(conn)
+                    except (EOFError, OSError):
+                        results[c] = self._fail(slot, calls[c][0], c, "crash")
+                        continue
+                    if reply[0] == "ok":
+                        results[c] = CallResult(reply[1], None)
+                    else:
+                        log.warning("%s %s raised on call %d: %s: %.300s", self.what, self.refs[calls[c][0]], c, reply[1], reply[2])
+                        results[c] = CallResult(None, reply[1])
+                elif now >= deadline:
+                    del running[slot]
+                    results[c] = self._fail(slot, calls[c][0], c, "timeout")
+        return [r for r in results if r is not None]
+
+    def close(self) -> None:
+        """Stop every child (asked first, then SIGKILL after ``STOP_TIMEOUT_S``); idempotent."""
+        children, self._children = self._children, []
+        for child in children:
+            try:
+                _send(child.conn, None)
+            except OSError:
+                pass
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for child in children:
+            try:
+                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+            child.conn.close()
+
+    def _fail(self, slot: int, fn: int, index: int, reason: str) -> CallResult:
+        """Log a timeout or crash of function ``fn`` on call ``index``, replace the child in ``slot``."""
+        proc = self._children[slot].proc
+        if reason == "timeout":
+            log.warning("%s %s ran past timeout_s=%g on call %d; killing child pid %d",
+                        self.what, self.refs[fn], self.timeout_s, index, proc.pid)
+        else:
+            try:  # EOF usually means it died: reap it for the exit code
+                proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass  # alive but closed its socket: killed below all the same
+            log.warning("%s child pid %d died (rc %s) in %s on call %d", self.what, proc.pid, proc.returncode, self.refs[fn], index)
+        self._replace(slot)
+        return CallResult(None, reason)
+
+    def _replace(self, slot: int) -> None:
+        """SIGKILL the child in ``slot`` (if still alive) and start a fresh one in its place."""
+        old = self._children[slot]
+        old.proc.kill()  # no-op on an exited process
+        old.proc.wait()
+        old.conn.close()
+        self._children[slot] = self._start_child()
+
+    def _start_child(self) -> _Child:
+        """Start one child and wait for its handshake (it resolved every function)."""
+        parent_sock, child_sock = socket.socketpair()
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _BOOTSTRAP, json.dumps(sys.path), str(child_sock.fileno()), self.resolver,
+                 json.dumps(self.refs)],
+                pass_fds=(child_sock.fileno(),),
+                stdin=subprocess.DEVNULL,  # stdout/stderr: the worker's, so prints and tracebacks land in its log
+            )
+        finally:
+            child_sock.close()
+        child = _Child(proc, Connection(parent_sock.detach()))
+        try:
+            if not child.conn.poll(START_TIMEOUT_S):
+                raise RuntimeError(f"{self.what} child pid {proc.pid} did not start within {START_TIMEOUT_S:g} s")
+            try:
+                kind, detail = _recv(child.conn)
+            except (EOFError, OSError):
+                raise RuntimeError(f"{self.what} child pid {proc.pid} exited during startup (rc {proc.wait()})") from None
+            if kind != "ready":
+                raise ValueError(f"{self.what} {detail}")
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            child.conn.close()
+            raise
+        return child
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when the thread that started it exits (a hung call
+    ignores anything gentler)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _send(conn: Connection, obj: Any) -> None:
+    """Send one JSON message (tuples arrive as lists)."""
+    conn.send_bytes(json.dumps(obj).encode())
+
+
+def _recv(conn: Connection) -> Any:
+    """Receive one JSON message; raises EOFError when the other end is gone."""
+    return json.loads(conn.recv_bytes())
+
+
+def child_main(fd: int, resolver: str, refs: list[str]) -> None:
+    """A child's loop: resolve every one of ``refs`` with ``resolver``, handshake, then make one call
+    per message ``(fn_index, args)`` until ``None`` or EOF. Runs in the child only (started by
+    :meth:`IsolatedCalls._start_child`)."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the worker decides
+    conn = Connection(fd)
+    fns = []
+    for ref in refs:
+        try:
+            fns.append(import_callable(resolver, "resolver")(ref))
+        except Exception as exc:
+            _send(conn, ("error", f"{ref!r} cannot be loaded: {type(exc).__name__}: {exc}"))
+            return
+    _send(conn, ("ready", os.getpid()))
+    while True:
+        try:
+            request = _recv(conn)
+        except EOFError:
+            return
+        if request is None:
+            return
+        k, args = request
+        try:
+            value = fns[k](*args)
+            reply: tuple = ("ok", value)
+            encoded = json.dumps(reply).encode()
+        except Exception as exc:  # the process boundary: the parent logs and counts it
+            encoded = json.dumps(("error", type(exc).__name__, str(exc)[:MAX_MESSAGE_CHARS])).encode()
+        conn.send_bytes(encoded)
