@@ -228,19 +228,19 @@ class RolloutEngine:
         ignore_eos: bool = False,
         min_tokens: int = 0,
         repetition_penalty: float = 1.0,
-        seed: int | None = None,
+        seed: int | None = None, stop: list[str] | tuple[str, ...] = (),
     ) -> list[Sample]:
         """Sample `n` completions of one prompt; returns them in sample-index order.
 
         `request_id` must be unique among in-flight requests. Only the final output is streamed
         back (FINAL_ONLY), which is markedly faster than per-token deltas. `ignore_eos` keeps
         sampling past the end-of-sequence token up to `max_tokens` (benchmarks, tests).
-        `min_tokens`: EOS and stop tokens are masked until a sample has this many tokens.
-        `repetition_penalty`: vLLM's (CTRL, arXiv:1909.05858: logits of tokens already in the
+        `min_tokens`: EOS and stop tokens are masked until a sample has this many tokens. `repetition_penalty`: vLLM's (CTRL, arXiv:1909.05858: logits of tokens already in the
         prompt or completion divided by it if > 0, else multiplied; 1 = off).
         `seed`: sample `j` draws from a generator seeded with `seed + j`, so the group is
-        reproducible whatever else is batched with it; None: the engine's seed stream.
-        Raises ValueError for n, max_tokens < 1, min_tokens > max_tokens or an empty prompt.
+        reproducible whatever else is batched with it; None: the engine's seed stream. `stop`: strings
+        ending a sample (text excludes them; token ids keep every sampled token). Raises ValueError
+        for n, max_tokens < 1, min_tokens > max_tokens or an empty prompt.
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -260,7 +260,7 @@ class RolloutEngine:
             ignore_eos=ignore_eos,
             min_tokens=min_tokens,
             repetition_penalty=repetition_penalty,
-            seed=seed,
+            seed=seed, stop=list(stop) or None,
             logprobs=0,  # the sampled token's logprob only
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
