@@ -42,6 +42,7 @@ RATE_WINDOW_S = 20.0
 STAGE_SAMPLES, STAGE_TOKENS = "rlbus_stage_samples_total", "rlbus_stage_tokens_total"
 STAGE_BUSY, STAGE_IDLE = "rlbus_stage_busy_seconds_total", "rlbus_stage_idle_seconds_total"
 QUEUED = "rlbus_bus_queued_messages"
+ENDPOINT_PORT = "rlbus_producer_endpoint_port"
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,8 @@ def component_stats(prev: Scrape | None, cur: Scrape) -> dict:
 
     Returns:
         ``{"throughput": {"samples_per_s": x, "tokens_per_s": y}, "busy": f, "queue_depth": n,
-        "queues": {"topic/queue": n}}``; rates and ``busy`` are None without ``prev``.
+        "queues": {"topic/queue": n}}``, plus ``"endpoint_port"`` for a producer serving its
+        OpenAI-compatible endpoint; rates and ``busy`` are None without ``prev``.
     """
     queues = queue_depths(cur)
     samples = tokens = busy = None
@@ -134,8 +136,12 @@ def component_stats(prev: Scrape | None, cur: Scrape) -> dict:
         samples = counter_rate(prev, cur, STAGE_SAMPLES)
         tokens = counter_rate(prev, cur, STAGE_TOKENS)
         busy = busy_fraction(prev, cur)
-    return {"throughput": {"samples_per_s": samples, "tokens_per_s": tokens}, "busy": busy,
-            "queue_depth": sum(queues.values()) if queues else None, "queues": queues}
+    stats = {"throughput": {"samples_per_s": samples, "tokens_per_s": tokens}, "busy": busy,
+             "queue_depth": sum(queues.values()) if queues else None, "queues": queues}
+    endpoint_port = cur.total(ENDPOINT_PORT)
+    if endpoint_port:  # a producer serving the OpenAI-compatible endpoint (producers.endpoint)
+        stats["endpoint_port"] = int(endpoint_port)
+    return stats
 
 
 class MetricsPoller:

@@ -46,6 +46,13 @@ class TaskConfig(Section):
     max_turns: int | None = Field(None, ge=1, description="Multi-turn tasks: most model turns per episode; null: the task's own.")
     env_timeout_s: float = Field(10.0, gt=0.0, description="Multi-turn tasks: most seconds one environment call may take (the episode then ends with reward 0).")
     env_procs: int = Field(2, ge=1, description="Multi-turn tasks: environment child processes per producer.")
+    agent: str | None = Field(
+        None,
+        description="Agent task: import path 'package.module:function' of fn(client: openai.OpenAI, example: dict) -> float, run "
+        "isolated once per sample with a client pointed at the producer's OpenAI-compatible endpoint; the recorded responses "
+        "become the sample (docs/environments.md). Applies to the prompts of task.name. null: no agent.",
+    )
+    agent_timeout_s: float = Field(300.0, gt=0.0, description="Agent tasks: most seconds one agent call (a whole episode) may take (the episode then gets reward 0). Agent calls run in task.env_procs children per producer.")
 
 
 class TempSchedulerConfig(Section):

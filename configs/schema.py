@@ -70,6 +70,15 @@ class ProducersConfig(Section):
         description="Fraction of each of its GPUs' memory a producer's vLLM engine may take (weights, activations, KV cache). "
         "Lower it when a producer shares a GPU with the trainer (share_gpus_with_trainer).",
     )
+    endpoint_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="OpenAI-compatible endpoint of each producer (/v1/chat/completions, /v1/completions): producer i serves on "
+        "port endpoint_port + i; 0: any free port (the URL is in the producer's log; the port in rlbus_producer_endpoint_port and status.json). "
+        "null: no endpoint, unless task.agent is set (then any free port).",
+    )
+    endpoint_host: str = Field("127.0.0.1", description="Address the producers' endpoints bind (0.0.0.0: reachable from other hosts; unauthenticated).")
     share_gpus_with_trainer: bool = Field(
         False,
         description="Allow producers on the trainer's GPUs (a one-GPU host): busctl otherwise refuses a plan where a producer "

@@ -118,6 +118,13 @@ def overview() -> dict:
             Target(_by("rlbus_producer_env_errors_total", "error", increase), "env error {{error}}"),
         ], "short", "Multi-turn tasks (producers/episodes.py): mean model turns per episode, mean seconds of one round of "
             "environment calls, and environment calls that failed (the episode ends with reward 0). " + WINDOW_NOTE),
+        timeseries("Producer: OpenAI-compatible endpoint", [
+            Target(_by("rlbus_producer_endpoint_requests_total", "route, status", increase), "requests {{route}} {{status}}"),
+            Target(_by("rlbus_producer_endpoint_episodes_total", "outcome", increase), "episodes {{outcome}}"),
+            Target(_gauge("rlbus_producer_endpoint_port"), "port {{component}}"),
+        ], "short", "The producers' /v1/chat/completions and /v1/completions (producers/endpoint.py): requests by route and "
+            "status; recorded episodes by outcome (rebased: a turn did not extend the trajectory, the episode ends before it; "
+            "empty: the agent made no request); the port each producer serves on. " + WINDOW_NOTE),
         timeseries("Trainer: time per phase", [
             Target(_by("rlbus_trainer_phase_seconds_total", "phase"), "{{phase}}"),
         ], "percentunit", "Seconds per second: waiting for micro-batches, forward, backward, optimizer, handing weights to the broadcaster, bookkeeping (trainer/step_timing.py).",

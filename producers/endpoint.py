@@ -21,7 +21,7 @@ open samples with the episode's settings (the run's temperature, top-p and ``max
 client's sampling fields are ignored so the logprobs are the ones the trainer recomputes) and
 ``n`` must be 1; one naming an unknown episode gets HTTP 404. Requests without an episode id are
 served and not recorded. Prompts longer than the engine's ``max_model_len`` get HTTP 400.
-Metrics: ``rlbus_producer_endpoint_requests_total{route,status}``.
+Metrics: ``rlbus_producer_endpoint_requests_total{route,status}``, ``rlbus_producer_endpoint_port``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import logging
 import time
 from typing import Any
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from producers.endpoint_episodes import EPISODE_HEADER, EndpointEpisodes, RecordedTurn, chat_prompt_ids
 
@@ -44,6 +44,9 @@ REQUESTS = Counter("rlbus_producer_endpoint_requests_total",
 for _route in ROUTES:
     for _status in ("ok", "bad_request", "unknown_episode", "error"):
         REQUESTS.labels(_route, _status)
+
+PORT = Gauge("rlbus_producer_endpoint_port", "TCP port of the producer's OpenAI-compatible endpoint (0: not serving); "
+             "busctl records it per component in status.json")
 
 _COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop", "seed", "logprobs",
            "user", "stream", "top_logprobs", "metadata", "store"}
@@ -150,6 +153,7 @@ class OpenAIEndpoint:
         await site.start()
         port = self._runner.addresses[0][1]
         self.url = f"http://{self.host if self.host != '0.0.0.0' else '127.0.0.1'}:{port}/v1"
+        PORT.set(port)
         log.info("OpenAI-compatible endpoint at %s", self.url)
         return self.url
 
@@ -157,6 +161,7 @@ class OpenAIEndpoint:
         """Stop serving (idempotent)."""
         runner, self._runner = self._runner, None
         if runner is not None:
+            PORT.set(0)
             await runner.cleanup()
 
     async def _models(self, request: Any) -> Any:

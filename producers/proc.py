@@ -19,6 +19,10 @@ of asyncio tasks on one event loop:
   source re-sends what it held. A generation that raises (e.g. a prompt longer than
   ``max_model_len``) is counted and announced as ``groups.dropped`` (outcome ``failed``) so the
   prompt source issues a replacement instead of the step stalling;
+- with ``producers.endpoint_port`` set or an agent task (``task.agent``), an aiohttp server on the
+  same loop serves the OpenAI-compatible endpoint on the engine (:mod:`producers.endpoint`); an
+  agent task's group is ``n`` isolated agent calls against it, recorded into token-exact episodes
+  (:mod:`producers.agents`);
 - the control loop applies ``weights.ready`` announcements in version order: the engine pauses
   with in-flight requests kept, receives the weights (torch.distributed broadcast or a
   safetensors directory, or bucket frames pulled over the bus: possibly a newer version than
@@ -68,6 +72,8 @@ from bus.messages import GroupsDropped, Prompt, RolloutGroup, RunDone, WeightsAp
 from bus.messages_weights import WeightGroup, WeightGroupAck
 from bus.metrics import POLICY_VERSION, StageMeter
 from bus.sample_arrays import pack_spans, run_lengths
+from producers.agents import AgentRunner
+from producers.endpoint import OpenAIEndpoint
 from producers.engine import RolloutEngine
 from producers.episodes import EpisodeRunner
 from producers.eval_gate import EvalUpdateGate
@@ -172,6 +178,16 @@ class ProducerProc(Component):
         if self.env_tasks:
             envs = EnvCalls([t.env for t in self.env_tasks.values()], timeout_s=cfg.task.env_timeout_s, num_procs=cfg.task.env_procs)
             self.episodes = EpisodeRunner(self.engine, self.tokenizer, envs, max_model_len=cfg.model.max_model_len)
+        self.endpoint: OpenAIEndpoint | None = None
+        """The OpenAI-compatible endpoint on :attr:`engine` (``producers.endpoint_port``, or an agent task)."""
+        self.agents: AgentRunner | None = None
+        port = cfg.producers.endpoint_port
+        if port is not None or cfg.task.agent:
+            self.endpoint = OpenAIEndpoint(self.engine, self.tokenizer, max_model_len=cfg.model.max_model_len,
+                                           host=cfg.producers.endpoint_host, port=port + self.index if port else 0)
+            self.loop.run_until_complete(self.endpoint.start())
+        if cfg.task.agent:
+            self.agents = AgentRunner(self.endpoint, [cfg.task.agent], timeout_s=cfg.task.agent_timeout_s, num_procs=cfg.task.env_procs)
         self.gate = EvalUpdateGate()
         self.meter = StageMeter("producer")
         self.prompts = self.reliable_receiver("prompts", self.endpoints.address("prompts"), bind=False, accept=(Prompt,))
@@ -238,7 +254,12 @@ class ProducerProc(Component):
             # an eval group is sampled under one policy version; a training group may span an update
             env_task, masks, env_rewards = self.env_tasks.get(prompt.task), None, None
             async with self.gate.eval_request() if prompt.is_eval else contextlib.nullcontext():
-                if env_task is not None and self.episodes is not None:
+                if self.agents is not None and prompt.task == self.cfg.task.name:
+                    example = {"messages": list(prompt.messages), "info": prompt.info, "task": prompt.task}
+                    prompt_ids, samples, masks, env_rewards = await self.agents.run_group(
+                        self.cfg.task.agent, example, prompt_ids, request_id=request_id, **request_kwargs(self.cfg, prompt))
+                    text = self.tokenizer.decode(prompt_ids)  # the agent rendered its own prompt
+                elif env_task is not None and self.episodes is not None:
                     samples, masks, env_rewards = await self.episodes.run_group(
                         env_task.env, env_task.max_turns, prompt_ids, prompt.info, request_id=request_id, **request_kwargs(self.cfg, prompt))
                 else:
@@ -303,6 +324,10 @@ class ProducerProc(Component):
     def close(self) -> None:
         if getattr(self, "episodes", None) is not None:
             self.episodes.envs.close()
+        if getattr(self, "agents", None) is not None:
+            self.agents.close()
+        if getattr(self, "endpoint", None) is not None:
+            self.loop.run_until_complete(self.endpoint.close())
         for engine in (getattr(self, "teacher", None), getattr(self, "engine", None)):
             if engine is not None:
                 self.loop.run_until_complete(engine.close())
