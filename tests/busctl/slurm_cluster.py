@@ -7,7 +7,8 @@ key, socket, state and spool directories under the given directory, and free por
 disturbs no Slurm or munge already on the host. Clients (``srun``, ``salloc``, ``sbatch``,
 ``scontrol``) find it through ``SLURM_CONF`` (:attr:`SlurmCluster.environ`).
 
-The fixture :func:`slurm_cluster` (session scope) skips, with the reason, when the daemons are not
+The fixture :func:`slurm_cluster` (module scope: the daemons are gone before the next test module,
+whose leftover-process checks would see them as its own children) skips, with the reason, when the daemons are not
 installed (``make test`` installs them as root: ``make slurm``), when not root, or when they do
 not come up within :data:`UP_TIMEOUT_S`.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -77,16 +79,26 @@ class SlurmCluster:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(self.root.glob("*.log")))
 
     def stop(self) -> None:
-        """Stop the daemons (SIGTERM, then SIGKILL after 10 s)."""
+        """Stop the daemons and what they started (each daemon's whole session: slurmctld's
+        slurmscriptd, slurmd's step daemons): SIGTERM, then SIGKILL after 10 s."""
         for proc in reversed(self.procs):
-            proc.terminate()
+            _signal_session(proc, signal.SIGTERM)
         for proc in reversed(self.procs):
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                pass
+            _signal_session(proc, signal.SIGKILL)
+            proc.wait()
         self.procs.clear()
+
+
+def _signal_session(proc: subprocess.Popen, sig: int) -> None:
+    """Send ``sig`` to the process group of ``proc`` (started with ``start_new_session``)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def slurm_conf(root: Path, node: str, cpus: int, memory_mib: int, ctld_port: int, slurmd_port: int) -> str:
@@ -154,7 +166,7 @@ def start_cluster(root: Path) -> SlurmCluster:
         raise RuntimeError(f"{err}\n{logs}") from None
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory):
     """A running one-node Slurm cluster (:class:`SlurmCluster`); skips where there can be none."""
     missing = [d for d in (*DAEMONS, "srun", "salloc", "sbatch") if daemon(d) is None]
