@@ -109,7 +109,8 @@ class ComponentActor:
               gpus: int) -> str:
         """Write ``files`` (absolute path -> (content, mode); rewritten only when different,
         atomically), then start ``cmd`` in a new session with ``env`` (plus Ray's
-        ``CUDA_VISIBLE_DEVICES`` when ``gpus``), output appended to ``log_path``.
+        ``CUDA_VISIBLE_DEVICES`` when ``gpus``), output appended to ``log_path`` after a line
+        ``===== ray node NODE_ID (ADDRESS) =====``.
 
         Returns:
             the node's address (``ray.util.get_node_ip_address()``).
@@ -129,10 +130,12 @@ class ComponentActor:
         if gpus:
             env = {**env, ENV_CUDA_DEVICES: ",".join(str(g) for g in ray.get_gpu_ids())}
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        address = ray.util.get_node_ip_address()
         with open(log_path, "ab", buffering=0) as log:
+            log.write(f"===== ray node {ray.get_runtime_context().get_node_id()} ({address}) =====\n".encode())
             self.popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                           cwd=cwd, start_new_session=True)
-        return ray.util.get_node_ip_address()
+        return address
 
     def poll(self) -> int | None:
         """The child's exit code if it ended, else None."""
