@@ -1,6 +1,7 @@
 """A real multi-node Ray cluster on this machine, for tests (``ray.cluster_utils.Cluster``).
 
-:func:`ray_cluster` (session scope) starts a head node (no role resource: a CPU node for
+:func:`ray_cluster` (module scope: stopped after the module, so idle Ray daemons do not sit on the
+cores through the rest of the suite) starts a head node (no role resource: a CPU node for
 :mod:`busctl.launchers.ray`) and two worker nodes, one offering the custom resource
 ``producer`` (an inference node) and one ``trainer``; one CPU each, no dashboard, the smallest
 object store, so they leave the machine's cores to the pipeline. Tests may add and remove nodes
@@ -20,7 +21,7 @@ OBJECT_STORE_BYTES = 80 * 1024 * 1024
 NODE_ARGS = {"num_cpus": 1, "object_store_memory": OBJECT_STORE_BYTES}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[object]:
     """The running ``Cluster``; attribute ``role_nodes``: ``{"producer": Node, "trainer": Node}``."""
     pytest.importorskip("ray", reason="the Ray launcher tests need the ray package (pip install 'rlbus[ray]')")
