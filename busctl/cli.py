@@ -19,7 +19,9 @@ is a bad config naming the keys and the devices seen. ``--dry-run`` prints the r
 then the plan (``#`` lines: the output stays YAML).
 
 ``up --launcher slurm`` (or ``supervisor.launcher: slurm``) runs inside a Slurm allocation, each
-component an ``srun`` step on its node (:mod:`busctl.launchers.slurm`).
+component an ``srun`` step on its node (:mod:`busctl.launchers.slurm`); ``up --launcher ray
+[--address ADDR]`` on a running Ray cluster, each component started by a Ray actor on its node
+(:mod:`busctl.launchers.ray`).
 
 ``up`` heals: a component that exits or stops sending heartbeats before the run is done is
 restarted with exponential backoff (``supervisor.*`` in the config); the packer continues from
@@ -120,6 +122,7 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
     try:
         cfg = resume_config(config_path, overrides) if ns.resume else load_config(config_path, overrides)
         cfg.supervisor.launcher = ns.launcher or cfg.supervisor.launcher
+        cfg.supervisor.ray_address = ns.address or cfg.supervisor.ray_address
         placement = apply_placement(cfg)  # trainer.device and producers.dtype resolved in cfg
     except ConfigError as err:
         console.print(f"[red]{err}[/red]")
@@ -128,7 +131,7 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
         print(dump_config(cfg) + placement.describe())
         return 0
     try:
-        launcher = make_launcher(cfg)  # slurm: the allocation's nodes (not needed by --dry-run)
+        launcher = make_launcher(cfg)  # slurm: the allocation's nodes; ray: connects (not needed by --dry-run)
     except ConfigError as err:
         console.print(f"[red]{err}[/red]")
         return 2
@@ -148,7 +151,7 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
         return 2
     if placement.visible:  # a GPU host: say which component got which devices
         console.print(placement.describe(), markup=False, highlight=False)
-    launcher.configure(cfg)  # slurm: tcp bound to each node's address, per-run CurveZMQ keys
+    launcher.configure(cfg)  # slurm, ray: tcp bound to each node's address, per-run CurveZMQ keys
     sup = Supervisor(cfg, console, resume=ns.resume, launched_at=process_started_at(os.getpid()), placement=placement,
                      launcher=launcher)
 
@@ -401,7 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("args", nargs="*", help="[CONFIG.yaml] [key.sub=value ...]; with --resume: [RUN_DIR | CONFIG.yaml] [key.sub=value ...]")
     up.add_argument("--dry-run", action="store_true", help="print the resolved config and the device plan, and exit")
     up.add_argument("--launcher", choices=LAUNCHERS, default=None,
-                    help="start components as local processes, or as srun steps inside a Slurm allocation (default: supervisor.launcher)")
+                    help="start components as local processes, as srun steps inside a Slurm allocation, or through Ray actors "
+                    "on the nodes of a Ray cluster (default: supervisor.launcher)")
+    up.add_argument("--address", default=None, help="with --launcher ray: the Ray cluster (default: supervisor.ray_address, auto)")
     up.add_argument("--resume", action="store_true",
                     help="continue the run in RUN_DIR (default: the default config's run_dir) from its config.yaml, "
                     "checkpoints, ledgers and packer spool; nothing is cleared, logs are appended")

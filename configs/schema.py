@@ -237,9 +237,11 @@ class SupervisorConfig(Section):
     backoff_initial_s: float = Field(0.5, ge=0, le=600, description="Delay before the first restart of a component, seconds; doubles per consecutive crash.")
     backoff_max_s: float = Field(30.0, ge=0, le=3600, description="Longest delay between restarts, seconds.")
     backoff_reset_s: float = Field(60.0, gt=0, description="A component that stayed up this long gets its backoff reset, seconds.")
-    launcher: Literal["local", "slurm"] = Field(
-        "local", description="How components are started: local processes, or one srun step each inside a Slurm allocation (busctl up --launcher)."
+    launcher: Literal["local", "slurm", "ray"] = Field(
+        "local", description="How components are started: local processes, one srun step each inside a Slurm allocation, or one "
+        "Ray actor each on a node of a running Ray cluster (busctl up --launcher)."
     )
+    ray_address: str = Field("auto", min_length=1, description="The Ray cluster of launcher ray (ray.init(address=...)); auto: the one this host belongs to (busctl up --address).")
 
 
 class MetricsConfig(Section):

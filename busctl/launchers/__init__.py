@@ -7,6 +7,8 @@ scaling and shutdown are the same whatever starts the processes:
 - ``local`` (:mod:`busctl.launchers.local`): a child process in its own session on this host.
 - ``slurm`` (:mod:`busctl.launchers.slurm`): one ``srun`` step per component inside the
   allocation ``busctl up`` runs in; a dead step is a dead process.
+- ``ray`` (:mod:`busctl.launchers.ray`): one small Ray actor per component, pinned to its node of
+  a running Ray cluster, starts the process there; a dead actor or node is a dead process.
 
 Invariant: ``Launched.pid`` is what the component sends in its ready handshake and heartbeats
 (its pid, or the launcher's ``RLBUS_SPAWN_ID``, :mod:`bus.launch_env`).
@@ -19,16 +21,16 @@ from typing import IO, Protocol
 from busctl.component_table import ComponentSpec
 from configs.schema import RunConfig
 
-LAUNCHERS = ("local", "slurm")
+LAUNCHERS = ("local", "slurm", "ray")
 """The launcher names (``supervisor.launcher``, ``busctl up --launcher``)."""
 
 
 class Launched(Protocol):
-    """A started component: its process (local), or its ``srun`` step.
+    """A started component: its process (local), its ``srun`` step, or its Ray actor's process.
 
     Attributes:
         pid: the id the supervisor matches the component's handshakes against.
-        node: the host it runs on.
+        node: the host it runs on (ray: the Ray node id).
         returncode: exit code once it ended (negative: killed by that signal), else None.
     """
 
@@ -53,7 +55,7 @@ class Launcher(Protocol):
 
     def configure(self, cfg: RunConfig) -> None:
         """Write what the launcher decides into ``cfg`` before the run's config.yaml is written
-        (slurm: tcp transport, per-node addresses, CurveZMQ keys)."""
+        (slurm, ray: tcp transport, per-node addresses, CurveZMQ keys)."""
 
     def spawn(self, spec: ComponentSpec, cmd: list[str], env: dict[str, str], log: IO[bytes]) -> Launched:
         """Start ``cmd`` for ``spec`` with ``env``, stdout and stderr to ``log``."""
@@ -63,7 +65,8 @@ def make_launcher(cfg: RunConfig) -> Launcher:
     """The launcher ``cfg.supervisor.launcher`` names.
 
     Raises:
-        ValueError: an unknown name. configs.schema.ConfigError: (slurm) not inside an allocation.
+        ValueError: an unknown name. configs.schema.ConfigError: (slurm) not inside an allocation;
+            (ray) no ``ray`` package, or no cluster at ``supervisor.ray_address``.
     """
     name = cfg.supervisor.launcher
     if name == "local":
@@ -74,4 +77,8 @@ def make_launcher(cfg: RunConfig) -> Launcher:
         from busctl.launchers.slurm import SlurmLauncher
 
         return SlurmLauncher.from_environ(cfg)
+    if name == "ray":
+        from busctl.launchers.ray import RayLauncher
+
+        return RayLauncher.connect(cfg, cfg.supervisor.ray_address)
     raise ValueError(f"supervisor.launcher must be one of {LAUNCHERS}, got {name!r}")

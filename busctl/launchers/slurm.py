@@ -31,13 +31,12 @@ import secrets
 import signal
 import socket
 import subprocess
-from pathlib import Path
 from typing import IO, Callable, Mapping
 
-from bus.auth import create_keys
 from bus.launch_env import ENV_SPAWN_ID
 from busctl.component_table import ComponentSpec, signal_group
-from busctl.launchers.nodes import HET_GROUPS, Allocation, address_map, plan_nodes
+from busctl.launchers.multihost import configure_multihost
+from busctl.launchers.nodes import HET_GROUPS, Allocation, plan_nodes
 from busctl.placement import ENV_CUDA_DEVICES
 from configs.schema import ConfigError, RunConfig
 
@@ -45,11 +44,6 @@ log = logging.getLogger(__name__)
 
 SLURM_TIMEOUT_S = 30.0
 """Longest wait for ``scontrol`` / ``squeue`` / ``scancel``, seconds."""
-
-BROADCAST_PORT_OFFSET = 7
-"""The weight broadcast's rendezvous port when the trainer is on another node: ``bus.base_port + 7``
-(an offset no topic uses, :mod:`bus.topics`)."""
-
 
 def expand_nodelist(nodelist: str, run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> list[str]:
     """Host names of a Slurm node list (``"gpu[01-03],cpu1"``), by ``scontrol show hostnames``.
@@ -165,19 +159,9 @@ class SlurmLauncher:
             raise ConfigError(str(err)) from None
 
     def configure(self, cfg: RunConfig) -> None:
-        """tcp, ``bus.hosts``, the broadcast rendezvous at the trainer's node, per-run CurveZMQ keys."""
-        cfg.bus.transport = "tcp"
-        cfg.bus.hosts = address_map(self.alloc, cfg.producers.max_replicas, socket.gethostname(), self.resolve)
-        trainer_node = plan_nodes(self.alloc, "trainer").node
-        cfg.broadcast.host = self.resolve(trainer_node)
-        if trainer_node != socket.gethostname().split(".")[0] and not cfg.broadcast.port:
-            cfg.broadcast.port = cfg.bus.base_port + BROADCAST_PORT_OFFSET  # busctl cannot probe a remote port
-        if not cfg.bus.curve_keys_dir:
-            keys = (Path(cfg.run_dir) / "curve_keys").resolve()
-            if not (keys / "server.key_secret").exists():
-                keys.parent.mkdir(parents=True, exist_ok=True)
-                create_keys(keys)
-            cfg.bus.curve_keys_dir, cfg.bus.curve_client = str(keys), "components"
+        """tcp, ``bus.hosts``, the broadcast rendezvous at the trainer's node, per-run CurveZMQ keys
+        (:func:`busctl.launchers.multihost.configure_multihost`)."""
+        configure_multihost(cfg, self.alloc, self.resolve, socket.gethostname(), socket.gethostname().split(".")[0])
 
     def describe(self) -> str:
         """The node plan as ``#`` lines (for the console and ``--dry-run``)."""

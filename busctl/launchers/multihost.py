@@ -1,0 +1,46 @@
+"""The settings a run on several nodes needs, written into its config by a multi-node launcher.
+
+Shared by the Slurm and Ray launchers (:mod:`busctl.launchers.slurm`, :mod:`busctl.launchers.ray`):
+given the node plan (:class:`busctl.launchers.nodes.Allocation`) and how node names become
+addresses, :func:`configure_multihost` sets tcp transport, ``bus.hosts`` (the node that binds each
+endpoint), the weight broadcast's rendezvous at the trainer's node, and (unless
+``bus.curve_keys_dir`` is given) a fresh CurveZMQ key directory ``RUN_DIR/curve_keys`` for this run
+(mode 0700, existing keys kept, so ``--resume`` reuses them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from bus.auth import create_keys
+from busctl.launchers.nodes import Allocation, address_map, plan_nodes
+from configs.schema import RunConfig
+
+BROADCAST_PORT_OFFSET = 7
+"""The weight broadcast's rendezvous port when the trainer is on another node: ``bus.base_port + 7``
+(an offset no topic uses, :mod:`bus.topics`)."""
+
+
+def configure_multihost(cfg: RunConfig, alloc: Allocation, resolve: Callable[[str], str], supervisor_host: str,
+                        here: str) -> None:
+    """Write the multi-node settings (module docstring) into ``cfg``.
+
+    Args:
+        cfg: the run config, changed in place. alloc: the nodes. resolve: node name -> address.
+        supervisor_host: busctl's host, as ``resolve`` takes it (the ``supervisor`` endpoint).
+        here: busctl's node as named in ``alloc``: a trainer elsewhere gets the fixed broadcast
+            port ``bus.base_port + BROADCAST_PORT_OFFSET`` (busctl cannot probe a remote port).
+    """
+    cfg.bus.transport = "tcp"
+    cfg.bus.hosts = address_map(alloc, cfg.producers.max_replicas, supervisor_host, resolve)
+    trainer_node = plan_nodes(alloc, "trainer").node
+    cfg.broadcast.host = resolve(trainer_node)
+    if trainer_node != here and not cfg.broadcast.port:
+        cfg.broadcast.port = cfg.bus.base_port + BROADCAST_PORT_OFFSET
+    if not cfg.bus.curve_keys_dir:
+        keys = (Path(cfg.run_dir) / "curve_keys").resolve()
+        if not (keys / "server.key_secret").exists():
+            keys.parent.mkdir(parents=True, exist_ok=True)
+            create_keys(keys)
+        cfg.bus.curve_keys_dir, cfg.bus.curve_client = str(keys), "components"

@@ -1,0 +1,303 @@
+"""The Ray launcher: each component a process started by a small Ray actor on its node.
+
+``busctl up --launcher ray [--address ADDR]`` connects to a running Ray cluster
+(``ray.init(address=ADDR)``, default ``auto``: the cluster this host belongs to) and places every
+component on one of its alive nodes with :func:`busctl.launchers.nodes.plan_nodes`, over the
+:class:`~busctl.launchers.nodes.Allocation` that :func:`allocation_from_ray_nodes` builds from the
+nodes' resources (the ``placement`` of roles):
+
+- a node offering the custom resource ``producer`` is an inference node, ``trainer`` a trainer
+  node (``ray start --resources='{"producer": 1}'``), and one offering ``rewards`` or neither of
+  them a CPU node; when any node offers one of the three the plan is the heterogeneous one
+  (producer ``i`` on inference node ``i mod n``, the trainer on the first trainer node, hub, packer
+  and prompt source on the first CPU node, reward worker ``i`` on CPU node ``i mod n``; the head
+  node is first in its group, a group with no node falls back to the head node);
+- else the plain plan over all nodes, head node first (trainer, hub, packer and prompt source on
+  the head; producers on the others; reward workers round-robin).
+
+:meth:`RayLauncher.configure` then makes the run multi-host (:mod:`busctl.launchers.multihost`):
+tcp with ``bus.hosts`` naming the address of the node that binds each endpoint (a Ray node's
+``NodeManagerAddress``), the broadcast rendezvous at the trainer's node, and per-run CurveZMQ keys.
+
+Each component is one :class:`ComponentActor` (``num_cpus=0``, ``num_gpus`` as many devices as
+:mod:`busctl.placement` planned for it, pinned with
+``NodeAffinitySchedulingStrategy(node_id, soft=False)``). Its ``start`` writes the files the
+component needs on its node (the run's ``config.yaml`` and the CurveZMQ key files, sent in the
+call: no shared filesystem is needed for them) and starts ``python -m MODULE ...`` as a child in
+its own session, output appended to ``RUN_DIR/logs/NAME.log`` on that node. The component sends
+``RLBUS_SPAWN_ID`` instead of its pid. ``poll`` asks the actor without blocking (one call in flight
+at a time); ``signal`` goes through the actor to the child's process group. A dead actor or node
+is a component that exited (exit code :data:`ACTOR_DIED`): the supervisor's healing restarts it,
+and since each spawn plans over the nodes alive at that moment (less the nodes where an actor
+died within :data:`SUSPECT_S`), on a live node. The component dies
+with its actor (``PR_SET_PDEATHSIG``, :mod:`bus.component`).
+
+What still needs a filesystem every node sees (or the same paths on every node): the policy
+(``model.path``), the Python environment at the same path, the run directory's outputs (logs,
+ledgers and packer spool, checkpoints: a trainer or packer restarted on another node resumes from
+them) and whatever busctl reads there (``status.json`` comes from busctl itself). Not covered:
+a component that binds (hub, packer, prompt source, producer) restarted on a node with another
+address keeps the address ``bus.hosts`` gave at start, so its peers do not find it (on a
+one-machine cluster every node has the same address); ``prometheus.yml`` lists every target at
+busctl's host.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import subprocess
+import time
+from pathlib import Path
+from typing import IO, Any, Callable
+
+from bus.launch_env import ENV_SPAWN_ID
+from busctl.component_table import ComponentSpec
+from busctl.launchers.multihost import configure_multihost
+from busctl.launchers.nodes import Allocation, plan_nodes
+from busctl.placement import ENV_CUDA_DEVICES
+from configs.schema import ConfigError, RunConfig
+
+log = logging.getLogger(__name__)
+
+ROLE_RESOURCES = ("producer", "trainer", "rewards")
+"""Custom Ray resources that mark inference, trainer and CPU nodes (het groups 0, 1, 2)."""
+
+ACTOR_DIED = -9
+"""Exit code of a component whose actor (or node) died: as if SIGKILLed."""
+
+SUSPECT_S = 60.0
+"""A node where an actor died is left out of the plan this long, seconds (Ray may still list a
+node that just died as alive, for up to its health-check timeout)."""
+
+
+
+def allocation_from_ray_nodes(nodes: list[dict[str, Any]], head: str) -> Allocation:
+    """The :class:`Allocation` of the alive nodes of ``ray.nodes()`` (rules: the module docstring).
+
+    Args:
+        nodes: ``ray.nodes()`` entries (``NodeID``, ``Alive``, ``Resources``).
+        head: the node id busctl runs on (first in the plain plan; fallback of an empty group).
+
+    Returns:
+        an allocation whose node names are Ray node ids (hex).
+
+    Raises:
+        ValueError: no alive node.
+    """
+    alive = sorted((n for n in nodes if n.get("Alive")), key=lambda n: (n["NodeID"] != head, n["NodeID"]))
+    if not alive:
+        raise ValueError("the Ray cluster has no alive node")
+    if not any(r in n.get("Resources", {}) for n in alive for r in ROLE_RESOURCES):
+        return Allocation((tuple(n["NodeID"] for n in alive),))
+    fallback = head if any(n["NodeID"] == head for n in alive) else alive[0]["NodeID"]
+    offers = {n["NodeID"]: set(n.get("Resources", {})) for n in alive}
+    groups = [tuple(i for i, r in offers.items() if "producer" in r), tuple(i for i, r in offers.items() if "trainer" in r),
+              tuple(i for i, r in offers.items() if "rewards" in r or not r & {"producer", "trainer"})]
+    groups = [g or (fallback,) for g in groups]
+    return Allocation(tuple(groups))
+
+
+class ComponentActor:
+    """Runs one component's process on the actor's node (becomes a Ray actor in :class:`RayLauncher`)."""
+
+    def __init__(self) -> None:
+        self.popen: subprocess.Popen | None = None
+
+    def start(self, cmd: list[str], env: dict[str, str], cwd: str, log_path: str, files: dict[str, tuple[bytes, int]],
+              gpus: int) -> str:
+        """Write ``files`` (absolute path -> (content, mode); rewritten only when different,
+        atomically), then start ``cmd`` in a new session with ``env`` (plus Ray's
+        ``CUDA_VISIBLE_DEVICES`` when ``gpus``), output appended to ``log_path`` after a line
+        ``===== ray node NODE_ID (ADDRESS) =====``.
+
+        Returns:
+            the node's address (``ray.util.get_node_ip_address()``).
+        """
+        import ray
+
+        for path, (data, mode) in files.items():
+            p = Path(path)
+            if p.is_file() and p.read_bytes() == data:
+                continue
+            p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, p)
+        if gpus:
+            env = {**env, ENV_CUDA_DEVICES: ",".join(str(g) for g in ray.get_gpu_ids())}
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        address = ray.util.get_node_ip_address()
+        with open(log_path, "ab", buffering=0) as log:
+            log.write(f"===== ray node {ray.get_runtime_context().get_node_id()} ({address}) =====\n".encode())
+            self.popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                          cwd=cwd, start_new_session=True)
+        return address
+
+    def poll(self) -> int | None:
+        """The child's exit code if it ended, else None."""
+        return None if self.popen is None else self.popen.poll()
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the child's process group; gone: ignored."""
+        if self.popen is not None and self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+class RayComponent:
+    """:class:`busctl.launchers.Launched` of one component run by a :class:`ComponentActor`.
+
+    Attributes:
+        pid: the spawn id (``RLBUS_SPAWN_ID``). node: the Ray node id. address: its address.
+    """
+
+    def __init__(self, actor: Any, spawn_id: int, node: str, started: Any, on_death: Callable[[str], None]) -> None:
+        self.actor = actor
+        self.on_death = on_death
+        self.pid = spawn_id
+        self.node = node
+        self.address = ""
+        self.returncode: int | None = None
+        self._pending: Any = started
+        self._started = False
+
+    def poll(self) -> int | None:
+        """The exit code once the process, its actor or its node ended (or the actor could not
+        start it), else None. Never blocks: one call to the actor in flight (first ``start``, then
+        ``poll``), its answer read when it is there."""
+        import ray
+
+        if self.returncode is not None:
+            return self.returncode
+        if self._pending is None:
+            self._pending = self.actor.poll.remote()
+        ready, _ = ray.wait([self._pending], timeout=0)
+        if not ready:
+            return None
+        ref, self._pending = self._pending, None
+        try:
+            answer = ray.get(ref)
+        except ray.exceptions.RayError as err:  # the actor or its node died (or it never started): so did the component
+            log.warning("ray: the actor of spawn %d on node %s ended: %s", self.pid, self.node[:12], str(err).splitlines()[0])
+            answer = ACTOR_DIED
+            self.on_death(self.node)
+        if not self._started and isinstance(answer, str):
+            self._started, self.address = True, answer
+            return None
+        if answer is not None:
+            self.returncode = answer
+            ray.kill(self.actor, no_restart=True)  # its resources go back to the cluster
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the end; ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"ray actor of spawn {self.pid}", timeout)
+            time.sleep(0.05)
+        return code
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the component's process group through its actor; ended: ignored."""
+        if self.returncode is None:
+            self.actor.signal.remote(sig)
+
+
+class RayLauncher:
+    """Starts each component through a :class:`ComponentActor` on its Ray node (module docstring).
+
+    Args:
+        address: the cluster (``ray.init(address=...)``; ``auto``: the one this host belongs to).
+    """
+
+    name = "ray"
+
+    def __init__(self, address: str = "auto") -> None:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=address, namespace="rlbus", log_to_driver=False, configure_logging=False)
+        self.head = ray.get_runtime_context().get_node_id()
+        self.head_address = ray.util.get_node_ip_address()
+        self.actor_class = ray.remote(num_cpus=0)(ComponentActor)
+        self.run_dir = Path(".")
+        self.keys_dir = ""
+        self.suspects: dict[str, float] = {}  # node id -> time.monotonic() of an actor's death there
+
+    @classmethod
+    def connect(cls, cfg: RunConfig, address: str = "auto") -> "RayLauncher":
+        """The launcher of the Ray cluster at ``address`` (``cfg``: unused, for symmetry).
+
+        Raises:
+            ConfigError: the ``ray`` package is missing, or no cluster answers at ``address``.
+        """
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise ConfigError("busctl up --launcher ray needs the ray package: pip install 'rlbus[ray]'") from None
+        try:
+            return cls(address)
+        except (ConnectionError, RuntimeError, ValueError) as err:
+            raise ConfigError(f"busctl up --launcher ray: cannot connect to the Ray cluster at {address!r} ({err}); "
+                              "start one with `ray start --head`") from None
+
+    def nodes(self) -> tuple[Allocation, dict[str, str]]:
+        """The allocation of the alive nodes now (less those where an actor died within
+        :data:`SUSPECT_S`, unless that leaves none), and node id -> address."""
+        import ray
+
+        nodes = ray.nodes()
+        now = time.monotonic()
+        trusted = [n for n in nodes if now - self.suspects.get(n["NodeID"], -SUSPECT_S) >= SUSPECT_S and n.get("Alive")]
+        return allocation_from_ray_nodes(trusted or nodes, self.head), {n["NodeID"]: n["NodeManagerAddress"] for n in nodes}
+
+    def suspect(self, node: str) -> None:
+        """An actor on ``node`` died: plan around the node for :data:`SUSPECT_S` seconds."""
+        self.suspects[node] = time.monotonic()
+
+    def configure(self, cfg: RunConfig) -> None:
+        """tcp, ``bus.hosts`` (node addresses), the broadcast rendezvous at the trainer's node,
+        per-run CurveZMQ keys (:func:`busctl.launchers.multihost.configure_multihost`)."""
+        alloc, addresses = self.nodes()
+        configure_multihost(cfg, alloc, lambda node: addresses.get(node, node), self.head_address, self.head)
+        self.run_dir, self.keys_dir = Path(cfg.run_dir).resolve(), cfg.bus.curve_keys_dir
+
+    def describe(self) -> str:
+        """The node plan as ``#`` lines (for the console)."""
+        alloc, addresses = self.nodes()
+        roles = ["hub", "packer", "prompt-source", "trainer", "producer", "rewards"]
+        return "\n".join([f"# ray: {len(addresses)} node(s)"] + [
+            f"#   {r}{'-0' if r in ('producer', 'rewards') else ''}: node {plan_nodes(alloc, r).node[:12]} "
+            f"({addresses.get(plan_nodes(alloc, r).node)})" for r in roles])
+
+    def files(self) -> dict[str, tuple[bytes, int]]:
+        """What each actor writes on its node: ``config.yaml`` and the CurveZMQ key files."""
+        out = {str(self.run_dir / "config.yaml"): ((self.run_dir / "config.yaml").read_bytes(), 0o644)}
+        if self.keys_dir:
+            for p in Path(self.keys_dir).resolve().rglob("*"):
+                if p.is_file():
+                    out[str(p)] = (p.read_bytes(), 0o600 if p.name.endswith("_secret") else 0o644)
+        return out
+
+    def spawn(self, spec: ComponentSpec, cmd: list[str], env: dict[str, str], log: IO[bytes]) -> RayComponent:
+        """Start ``cmd`` through an actor on the component's node (module docstring); returns at once."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        alloc, _ = self.nodes()  # alive now: a restart lands on a live node
+        node = plan_nodes(alloc, spec.role, spec.index).node
+        spawn_id = secrets.randbelow(2**31 - 2) + 1
+        env = {**env, ENV_SPAWN_ID: str(spawn_id)}
+        gpus = len([d for d in env.pop(ENV_CUDA_DEVICES, "").split(",") if d])  # Ray hands out the node's GPUs
+        actor = self.actor_class.options(
+            name=f"rlbus-{spec.name}-{spawn_id}", num_gpus=gpus,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+        started = actor.start.remote(cmd, env, os.getcwd(), str(Path(log.name).resolve()), self.files(), gpus)
+        return RayComponent(actor, spawn_id, node, started, self.suspect)  # never waits: a failed start is an exit (poll)
