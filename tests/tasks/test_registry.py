@@ -46,7 +46,7 @@ def not_a_task() -> dict:
 
 
 def test_registry_and_unknown_name():
-    assert set(KNOWN_TASKS) == {"reverse_text", "gsm8k", "countdown", "reverse_turns"}
+    assert set(KNOWN_TASKS) == {"reverse_text", "gsm8k", "countdown", "reverse_turns", "gsm8k_calculator"}
     with pytest.raises(ValueError, match="known tasks: reverse_text, gsm8k, countdown, reverse_turns"):
         get_task("nope")
 
