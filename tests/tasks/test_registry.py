@@ -215,7 +215,7 @@ def test_reward_spec_covers_training_and_eval_tasks():
 
 
 def test_shipped_task_configs_load():
-    for name in ("gsm8k", "countdown"):
+    for name in ("gsm8k", "countdown", "gsm8k_calculator"):
         cfg = load_config(CONFIG_DIR / f"{name}.yaml")
         assert cfg.task.name == name and cfg.model.path == ""
         assert cfg.packer.micro_batch_tokens >= cfg.model.max_model_len
