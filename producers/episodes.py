@@ -9,7 +9,8 @@ the ``n`` samples of the group is an episode:
    token ids, never re-tokenized text) with ``n=1`` and the sample's own seed; its token ids,
    sampled logprobs and per-token policy versions are appended as they are (loss mask True);
 3. ``step(state, text)`` with the turn's decoded text returns the environment's messages and
-   ``done``; unless done (or ``max_turns`` model turns, or no room left under ``max_model_len``),
+   ``done``; unless done (or ``max_turns`` model turns, or no room left under ``max_model_len``
+   for the environment's turn and one more model token: finish reason ``"length"``),
    ONLY those messages are rendered with the chat template as a token suffix
    (:func:`env_turn_ids`) and appended with logprob 0, loss mask False and the version of the turn's
    last model token; back to 2;
@@ -209,6 +210,9 @@ class EpisodeRunner:
                 eos = self.tokenizer.eos_token_id
                 if eos is not None and (not ep.token_ids or ep.token_ids[-1] != eos):
                     ids = [eos, *ids]  # a turn cut by max_tokens: close it as the template would
+                if len(prompt_ids) + len(ep.token_ids) + len(ids) >= self.max_model_len:
+                    ep.done, ep.finish = True, "length"  # no room for the reply and a model token after it
+                    continue
                 ep.add_env_turn(ids, ep.versions[-1] if ep.versions else version)
         scored = [ep for ep in episodes if ep.state is not None]
         for ep, result in zip(scored, await self._env(env, "reward", [[ep.state] for ep in scored]) if scored else []):

@@ -16,6 +16,12 @@ answered with an error; 0 when it never answered. In [0, 1.1].
 and only numbers, ``+ - * / // %``, ``**`` with a bounded result, unary signs and parentheses are
 evaluated; anything else raises ``ValueError`` (answered to the model as a tool error).
 
+Templates: a Qwen2.5/Qwen3 (Hermes) template lists the tool schema in the system turn and renders
+the replies as a user turn of ``<tool_response>`` blocks. The tiny default policy's template
+(:data:`trainer.tiny_model.CHAT_TEMPLATE`) ignores ``tools`` and renders a reply as a plain
+``<|im_start|>tool`` turn; the system prompt states the call format itself, so the task reads the
+same under either (and stays short for the tiny policy's 2048 positions).
+
 For real (instruct, tool-trained) models: the tiny byte-level default policy cannot do GSM8K
 or write tool calls; with it this task runs (``configs/gsm8k_calculator.yaml``) but the reward
 stays near 0.
@@ -39,8 +45,10 @@ if TYPE_CHECKING:
 CALCULATOR_MAX_TURNS = 4
 CALCULATOR_FORMAT_WEIGHT = 0.1
 CALCULATOR_SYSTEM_PROMPT = (
-    "Solve the math problem. Use the calculator tool for arithmetic. When you know the answer, "
-    "reply without a tool call and give the final answer as a number on the last line in the form: #### <number>"
+    "Solve the math problem. For arithmetic, call the calculator tool: "
+    '<tool_call>{"name": "calculator", "arguments": {"expression": "2 * (3 + 4)"}}</tool_call> '
+    "and read its result in the next turn. When you know the answer, reply without a tool call "
+    "and end with the line: #### <number>"
 )
 MAX_EXPRESSION_CHARS = 200
 MAX_EXPRESSION_DEPTH = 32
