@@ -9,8 +9,9 @@ format, :mod:`tasks.tools`) and gets its result as a ``role: tool`` message, or 
 answer, which ends the episode; at most ``CALCULATOR_MAX_TURNS`` (4) model turns.
 
 Reward (environment term ``env``): :func:`tasks.gsm8k.gsm8k_reward` of the final answer, plus
-``CALCULATOR_FORMAT_WEIGHT`` (0.1) when the episode ended with an answer and no tool call was
-answered with an error; 0 when it never answered. In [0, 1.1].
+``CALCULATOR_FORMAT_WEIGHT`` (0.1) when that answer has a ``#### <number>`` line
+(:func:`has_answer_line`) and no tool call was answered with an error; 0 when it never answered.
+In [0, 1.1].
 
 :func:`calculator` is safe arithmetic: the expression is parsed with :mod:`ast` (never ``eval``)
 and only numbers, ``+ - * / // %``, ``**`` with a bounded result, unary signs and parentheses are
@@ -32,6 +33,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
+import re
 from typing import TYPE_CHECKING
 
 from tasks.datasets import file_task
@@ -54,6 +56,8 @@ MAX_EXPRESSION_CHARS = 200
 MAX_EXPRESSION_DEPTH = 32
 # Largest magnitude a result (or any intermediate value) may have.
 MAX_MAGNITUDE = 1e75
+
+_ANSWER_LINE = re.compile(r"^\s*####\s*-?\$?[0-9]", re.MULTILINE)
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
@@ -115,8 +119,13 @@ def calculator(expression: str) -> str:
     return _format(_eval(tree.body, 0))
 
 
+def has_answer_line(text: str) -> bool:
+    """True when ``text`` has a line ``#### <number>`` (the form the system prompt asks for)."""
+    return _ANSWER_LINE.search(text) is not None
+
+
 CALCULATOR = Tool.from_function(calculator)
-ENV = ToolEnv([CALCULATOR], gsm8k_reward, format_weight=CALCULATOR_FORMAT_WEIGHT)
+ENV = ToolEnv([CALCULATOR], gsm8k_reward, format_weight=CALCULATOR_FORMAT_WEIGHT, answer_format=has_answer_line)
 """The environment (``Task.env = "tasks.gsm8k_calculator:ENV"``)."""
 
 

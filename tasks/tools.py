@@ -259,8 +259,11 @@ class ToolEnv:
     Args:
         tools: the tools the model may call (their schemas are the task's ``Task.tools``).
         answer_reward: ``(final answer text, info) -> float``, e.g. :func:`tasks.gsm8k.gsm8k_reward`.
-        format_weight: added to the reward when the episode ended with an answer and none of its
-            tool calls was answered with an error (0: no format term).
+        format_weight: added to the reward when the episode ended with an answer in the expected
+            form (``answer_format``) and none of its tool calls was answered with an error (0: no
+            format term).
+        answer_format: ``(final answer text) -> bool``, whether the answer has the task's form
+            (None: any answer).
 
     State (JSON): ``{"info", "answer": str | None, "tool_calls": int, "tool_errors": int}``.
     Reward: ``answer_reward(answer, info) + format_weight * clean``; 0 without a final answer
@@ -268,10 +271,10 @@ class ToolEnv:
     """
 
     def __init__(self, tools: Sequence[Tool], answer_reward: Callable[[str, dict], float], *,
-                 format_weight: float = 0.0) -> None:
+                 format_weight: float = 0.0, answer_format: Callable[[str], bool] | None = None) -> None:
         self.tools = list(tools)
         self.schemas = tool_schemas(self.tools)
-        self.answer_reward, self.format_weight = answer_reward, format_weight
+        self.answer_reward, self.format_weight, self.answer_format = answer_reward, format_weight, answer_format
 
     def reset(self, info: dict[str, Any]) -> dict[str, Any]:
         """The initial state (keeps ``info`` for the reward).
@@ -298,5 +301,5 @@ class ToolEnv:
         """``answer_reward`` of the final answer plus the format term (see the class doc)."""
         if state["answer"] is None:
             return 0.0
-        clean = state["tool_errors"] == 0
+        clean = state["tool_errors"] == 0 and (self.answer_format is None or bool(self.answer_format(state["answer"])))
         return float(self.answer_reward(state["answer"], state["info"])) + (self.format_weight if clean else 0.0)

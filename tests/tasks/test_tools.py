@@ -135,6 +135,9 @@ def test_tool_env_ends_on_an_answer_and_scores_it():
     assert done and messages == [] and env.reward(state) == 1.0  # an error earlier: no format term
     clean = env.step(env.reset({"answer": "42"}), "42")[2]
     assert env.reward(clean) == 1.5 and env.reward(env.step(env.reset({"answer": "1"}), "42")[2]) == 0.5
+    strict = ToolEnv([LOOKUP], lambda text, info: 0.0, format_weight=0.5, answer_format=lambda text: text.startswith("A:"))
+    assert strict.reward(strict.step(strict.reset({}), "A: 42")[2]) == 0.5
+    assert strict.reward(strict.step(strict.reset({}), "42")[2]) == 0.0  # not the expected form: no format term
     with pytest.raises(TypeError, match="info as a dict"):
         env.reset("x")  # type: ignore[arg-type]
 
@@ -174,6 +177,8 @@ def test_gsm8k_calculator_episode_through_isolated_children_renders_as_the_templ
         ["9", "Error: the tool call is not valid JSON (Expecting property name enclosed in double quotes at character 37)"],
         ["Error: calculator: ValueError: the power is too large"], ["18"]]
     assert ENV.reward({**state, "tool_errors": 0}) == 1.0 + CALCULATOR_FORMAT_WEIGHT
+    assert ENV.reward({**state, "tool_errors": 0, "answer": "She makes 18 dollars."}) == 1.0  # no '#### 18' line
+    assert ENV.reward({**state, "tool_errors": 0, "answer": "gibberish"}) == 0.0
     # the whole conversation in the tiny policy's (Qwen2.5) template: tool schemas in the system
     # turn, each reply a user turn of <tool_response> blocks
     convo = render_messages(ex, task.system_prompt)
