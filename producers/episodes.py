@@ -9,7 +9,8 @@ the ``n`` samples of the group is an episode:
    token ids, never re-tokenized text) with ``n=1`` and the sample's own seed; its token ids,
    sampled logprobs and per-token policy versions are appended as they are (loss mask True);
 3. ``step(state, text)`` with the turn's decoded text returns the environment's messages and
-   ``done``; unless done (or ``max_turns`` model turns, or no room left under ``max_model_len``),
+   ``done``; unless done (or ``max_turns`` model turns, or no room left under ``max_model_len``
+   for the environment's turn and one more model token: finish reason ``"length"``),
    ONLY those messages are rendered with the chat template as a token suffix
    (:func:`env_turn_ids`) and appended with logprob 0, loss mask False and the version of the turn's
    last model token; back to 2;
@@ -56,7 +57,7 @@ for _error in ENV_ERRORS:  # exception type names appear when raised
 _MODEL_MARKER = "rlbus-model-turn-marker"
 
 
-def env_turn_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def env_turn_ids(tokenizer: Any, messages: list[dict[str, str]], tools: list[dict] | None = None) -> list[int]:
     """Token ids of the environment's turn ``messages`` as the chat template renders them after an
     assistant turn, up to and including the next assistant generation prompt.
 
@@ -64,15 +65,17 @@ def env_turn_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     prompt, checks the first is a prefix of the second up to the end of the assistant turn (the
     marker and the template's end-of-turn token text right after it), and tokenizes the rest:
     the newline after the end-of-turn token, the new turns' markers and contents, and the next
-    ``<|im_start|>assistant\\n`` (for a ChatML template).
+    ``<|im_start|>assistant\\n`` (for a ChatML template). ``tools``: the task's function schemas
+    (:attr:`tasks.task.Task.tools`), rendered as the prompt was (``role: tool`` messages render
+    as the template's tool turn, e.g. Qwen's ``<tool_response>`` blocks in a user turn).
 
     Raises:
         ValueError: the template renders the earlier turns differently once ``messages`` follow
             (the suffix would not be token-exact).
     """
     base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MODEL_MARKER}]
-    before = tokenizer.apply_chat_template(base, tokenize=False)
-    after = tokenizer.apply_chat_template(base + list(messages), tokenize=False, add_generation_prompt=True)
+    before = tokenizer.apply_chat_template(base, tools=tools, tokenize=False)
+    after = tokenizer.apply_chat_template(base + list(messages), tools=tools, tokenize=False, add_generation_prompt=True)
     cut = before.index(_MODEL_MARKER) + len(_MODEL_MARKER)
     eos = tokenizer.eos_token or ""
     if eos and before[cut:].startswith(eos):
@@ -154,10 +157,11 @@ class EpisodeRunner:
         return out
 
     async def run_group(self, env: str, max_turns: int, prompt_ids: list[int], info: dict, *, request_id: str,
-                        **kwargs: Any) -> tuple[list[Sample], list[list[bool]], list[float]]:
+                        tools: list[dict] | None = None, **kwargs: Any) -> tuple[list[Sample], list[list[bool]], list[float]]:
         """Run ``kwargs["n"]`` episodes of ``env`` from ``prompt_ids``; ``kwargs`` are
         :func:`producers.sampling.request_kwargs` (``n``, ``seed``, ``max_tokens``, ...; each
-        model turn of sample ``j`` is one request with ``n=1`` and seed ``seed + j``).
+        model turn of sample ``j`` is one request with ``n=1`` and seed ``seed + j``); ``tools``:
+        the task's function schemas, as the prompt was rendered with (:func:`env_turn_ids`).
 
         Returns:
             ``(samples, model_masks, rewards)``: one :class:`Sample` per episode (completion =
@@ -202,10 +206,13 @@ class EpisodeRunner:
                 if done or turn + 1 >= max_turns:
                     ep.done = True
                     continue
-                ids = env_turn_ids(self.tokenizer, messages)
+                ids = env_turn_ids(self.tokenizer, messages, tools)
                 eos = self.tokenizer.eos_token_id
                 if eos is not None and (not ep.token_ids or ep.token_ids[-1] != eos):
                     ids = [eos, *ids]  # a turn cut by max_tokens: close it as the template would
+                if len(prompt_ids) + len(ep.token_ids) + len(ids) >= self.max_model_len:
+                    ep.done, ep.finish = True, "length"  # no room for the reply and a model token after it
+                    continue
                 ep.add_env_turn(ids, ep.versions[-1] if ep.versions else version)
         scored = [ep for ep in episodes if ep.state is not None]
         for ep, result in zip(scored, await self._env(env, "reward", [[ep.state] for ep in scored]) if scored else []):

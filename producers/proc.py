@@ -41,7 +41,9 @@ Multi-turn tasks (``Task.env``, :mod:`tasks.env`): a prompt of such a task runs 
 (:class:`producers.episodes.EpisodeRunner`): model turns sampled from token ids, environment turns
 rendered by the chat template and appended as tokens, the environment's calls in isolated child
 processes (``task.env_timeout_s``, ``task.env_procs``); the group carries each sample's model-token
-mask (``loss_mask``) and environment reward (``env_rewards``).
+mask (``loss_mask``) and environment reward (``env_rewards``). A tool-use task's function schemas
+(``Task.tools``, :mod:`tasks.tools`) go to the chat template as ``tools=`` for the prompt and the
+environment turns.
 
 Eval groups are exact: an update waits until the eval groups being generated are done, and no
 eval generation starts while an update is pending (:class:`producers.eval_gate.EvalUpdateGate`),
@@ -246,13 +248,14 @@ class ProducerProc(Component):
             await asyncio.to_thread(self.outcomes.send, msg, upstream=(self.prompts, prompt.id))
 
     async def _generate_group(self, prompt: Prompt) -> None:
-        text = self.tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
+        env_task, masks, env_rewards = self.env_tasks.get(prompt.task), None, None
+        tools = list(env_task.tools) if env_task is not None and env_task.tools else None  # a tool-use task's schemas
+        text = self.tokenizer.apply_chat_template(prompt.messages, tools=tools, tokenize=False, add_generation_prompt=True)
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
         request_id = f"{self.name}-{prompt.id}"
         started = time.perf_counter()
         with self.meter.work():
             # an eval group is sampled under one policy version; a training group may span an update
-            env_task, masks, env_rewards = self.env_tasks.get(prompt.task), None, None
             async with self.gate.eval_request() if prompt.is_eval else contextlib.nullcontext():
                 if self.agents is not None and prompt.task == self.cfg.task.name:
                     example = {"messages": list(prompt.messages), "info": prompt.info, "task": prompt.task}
@@ -261,7 +264,8 @@ class ProducerProc(Component):
                     text = self.tokenizer.decode(prompt_ids)  # the agent rendered its own prompt
                 elif env_task is not None and self.episodes is not None:
                     samples, masks, env_rewards = await self.episodes.run_group(
-                        env_task.env, env_task.max_turns, prompt_ids, prompt.info, request_id=request_id, **request_kwargs(self.cfg, prompt))
+                        env_task.env, env_task.max_turns, prompt_ids, prompt.info, request_id=request_id, tools=tools,
+                        **request_kwargs(self.cfg, prompt))
                 else:
                     samples = await self.engine.generate_group(prompt_ids, request_id=request_id, **request_kwargs(self.cfg, prompt))
             elapsed = time.perf_counter() - started

@@ -5,7 +5,8 @@ Registered tasks (``KNOWN_TASKS``), one module each (dataset, prompts, rewards, 
 - ``reverse_text`` (the default job, :mod:`tasks.reverse_text`): reverse a random string;
 - ``gsm8k`` (:mod:`tasks.gsm8k`): grade-school math word problems from ``tasks/data/gsm8k/``;
 - ``countdown`` (:mod:`tasks.countdown`): reach a target with given numbers and + - * /;
-- ``reverse_turns`` (:mod:`tasks.reverse_turns`): multi-turn, reverse each string an environment gives.
+- ``reverse_turns`` (:mod:`tasks.reverse_turns`): multi-turn, reverse each string an environment gives;
+- ``gsm8k_calculator`` (:mod:`tasks.gsm8k_calculator`): multi-turn GSM8K with a calculator tool.
 
 A task given as an import path ``"package.module:function"`` is any function returning a
 :class:`tasks.task.Task` (it runs the code it names: configs are trusted). Registered tasks are
@@ -38,9 +39,10 @@ _TASKS: dict[str, str] = {
     "gsm8k": "tasks.gsm8k:make_task",
     "countdown": "tasks.countdown:make_task",
     "reverse_turns": "tasks.reverse_turns:make_task",
+    "gsm8k_calculator": "tasks.gsm8k_calculator:make_task",
 }
 KNOWN_TASKS = tuple(_TASKS)
-FILE_TASKS = ("gsm8k",)  # the tasks whose examples come from files (task.dataset applies)
+FILE_TASKS = ("gsm8k", "gsm8k_calculator")  # the tasks whose examples come from files (task.dataset applies)
 
 
 def _has_dataset(dataset: DatasetConfig | None) -> bool:

@@ -55,6 +55,12 @@ class Task:
             (:mod:`tasks.env`); its reward joins the group's rewards as the term ``env``. None: a
             single-turn task.
         max_turns: most model turns of an episode (``env`` tasks; >= 1).
+        tools: function-calling schemas (:func:`tasks.tools.tool_schemas`) the producer passes to
+            the chat template (``tools=``) when it renders the prompt and the environment's turns;
+            ``env`` tasks only (the environment runs the calls, :class:`tasks.tools.ToolEnv`).
+
+    Raises:
+        ValueError: ``tools`` without ``env``.
     """
 
     name: str
@@ -63,6 +69,11 @@ class Task:
     rewards: tuple[tuple[str, float], ...] = ()
     env: str | None = None
     max_turns: int = 1
+    tools: tuple[dict[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.tools and self.env is None:
+            raise ValueError(f"task {self.name!r}: tools need an environment (Task.env) to run the calls")
 
 
 def check_request(split: str, num_examples: int) -> None:

