@@ -133,7 +133,9 @@ def test_value_comparison(completion, answer, expected):
 def test_garbage_scores_zero_quickly_without_raising(completion):
     started = time.perf_counter()
     assert gsm8k_reward(completion, {"answer": "18"}) == 0.0
-    assert time.perf_counter() - started < 2.0
+    # not a speed target (those live in bench/): a bound that only an input sympy evaluates "for
+    # ever" exceeds, loose enough for a loaded 2-core host (a 2 s bound failed at load average 20)
+    assert time.perf_counter() - started < 30.0
 
 
 def test_unsafe_candidates_are_not_parsed():
