@@ -138,7 +138,7 @@ REWARD_BUSY = 0.7
 """Assumption: reward workers are provisioned to be at most 70% busy."""
 HEARTBEAT_S = 0.5
 """`bus.heartbeat_s` default (configs/schema.py)."""
-HUB_CACHE_PRODUCERS = 256
+HUB_CACHE_PRODUCERS = 4096
 """`bus.hub.MAX_CACHED_PRODUCERS`: weights.applied slots the hub's last-value cache keeps."""
 HEADROOM_MIN = 10.0
 """A hop with less headroom than this at some size is marked for sharding."""

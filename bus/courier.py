@@ -66,7 +66,7 @@ class Courier:
 
     Args:
         ctx: the process's ``zmq.Context`` (its CURVE settings secure the sockets).
-        heartbeat_s: heartbeat interval towards every peer, seconds.
+        heartbeat_s: heartbeat interval towards every peer sent nothing within half of it, seconds.
         dead_after_s: a peer silent this long is declared dead, seconds.
         ack_timeout_s: a message whose receipt is not acknowledged within this is re-sent, seconds.
         stop: blocking calls of the boxes return early once it is set (the I/O thread keeps
@@ -193,6 +193,7 @@ class Courier:
                 sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             for ep in group:
                 (sock.bind if bind else sock.connect)(ep)
+            box.heartbeat_skip_s = self.heartbeat_s / 2  # see bus.peers: heard from within 1.5 periods
             link = _Link(len(self._links), sock, box, router=sock_type == zmq.ROUTER)
             self._links.append(link)
             if not link.router:
@@ -204,9 +205,13 @@ class Courier:
         to the box (``unsent``), and so does everything after it for the same peer (order holds);
         a ROUTER peer that is gone is lost (``unreachable``)."""
         blocked: set[PeerKey] = set()
+        now = time.monotonic() if sends else 0.0
         for send in sends:
             outcome = "later" if send.key in blocked else self._send(send)
             if outcome == "sent":
+                peer = box.peers.get(send.key)
+                if peer is not None:
+                    peer.last_sent = now  # proves this process alive to it: no heartbeat needed soon
                 if send.msg_id is not None:
                     BUS_MESSAGES.labels(box.topic, "send").inc()
                     BUS_BYTES.labels(box.topic, "send").inc(send.nbytes)

@@ -156,14 +156,15 @@ class Inbox(Box):
         self._queue.put((key, peer, msg))
 
     def flush(self, now: float, heartbeat_due: bool) -> list[Send]:
-        """The pending acknowledgements and credit (and heartbeats when due), as ``A`` envelopes of
+        """The pending acknowledgements and credit (and heartbeats when due, to the peers sent
+        nothing within ``heartbeat_skip_s``: an ack carries the credit too), as ``A`` envelopes of
         at most :data:`MAX_IDS_PER_ACK` ids per list; a hello with the full window to every DEALER
         endpoint whose sender has not spoken yet (credit starts there)."""
         sends: list[Send] = []
         due, self._due = self._due, {}
         # only peers with something to say, unless heartbeats are due: O(busy peers) per wake, not O(peers)
         for key, peer in (self.peers.items() if heartbeat_due else [(k, self.peers[k]) for k in due if k in self.peers]):
-            beat = heartbeat_due  # every peer gets its heartbeat (not only the first one)
+            beat = heartbeat_due and self.needs_heartbeat(peer, now)  # each idle peer gets its own
             while peer.acks_taken or peer.acks_done or peer.dirty or beat:
                 taken, done = peer.acks_taken[:MAX_IDS_PER_ACK], peer.acks_done[:MAX_IDS_PER_ACK]
                 del peer.acks_taken[: len(taken)], peer.acks_done[: len(done)]

@@ -16,7 +16,10 @@ Invariants:
   (counted in ``rlbus_bus_redelivered_total{topic, reason}``);
 - a peer is sent at most ``free - untaken`` messages (its last reported credit less the messages
   whose receipt it has not acknowledged);
-- :meth:`Outbox.send` blocks while ``capacity`` messages are not yet taken by a consumer.
+- :meth:`Outbox.send` blocks while ``capacity`` messages are not yet taken by a consumer;
+- the next message goes to the peer with the most room (``free - untaken``, > 0); among equals, to
+  the one chosen (or joined) least recently. :class:`PeerRanking` finds it in O(log peers)
+  amortized, not by a scan of every peer per message.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from bus.codec import encode
 from bus.envelope import MAX_ID_CHARS, PeerKey, Send, envelope
 from bus.messages import Message
 from bus.metrics import BUS_BLOCKED_SECONDS, BUS_QUEUED, BUS_REDELIVERED
-from bus.peers import Box
+from bus.peers import Box, Peer
 
 if TYPE_CHECKING:
     from bus.inbox import Inbox
@@ -51,6 +54,52 @@ class Entry:
     sent_at: float = 0.0
     taken: bool = False  # its receipt was acknowledged by ``peer``
     sent_to: set[PeerKey] = field(default_factory=set)  # every peer it went to: only they may release it
+
+
+class PeerRanking:
+    """The peers of an outbox ordered by room, for an O(log N) choice of the next peer.
+
+    A heap of ``(-room, touched, key)`` with lazy deletion: every change of a peer's room or of its
+    turn pushes a fresh entry and makes the peer's older ones stale (:meth:`update`); stale entries
+    are skipped when they reach the top, and the heap is rebuilt once it holds more than
+    :data:`COMPACT_FACTOR` entries per live peer, so its size stays O(peers). ``touched`` is a
+    counter bumped when a peer joins or is chosen: among peers with equal room the least recently
+    touched wins (the rotation of the scan this replaces).
+    """
+
+    COMPACT_FACTOR = 4
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, PeerKey]] = []
+        self._rank: dict[PeerKey, tuple[int, int]] = {}  # key -> its current (room, touched)
+        self._touch = itertools.count()
+
+    def update(self, key: PeerKey, room: int, *, touch: bool = False) -> None:
+        """Record ``room`` (messages the peer may still be sent) for ``key``; ``touch``: it joined
+        or was just chosen (it goes behind its equals)."""
+        current = self._rank.get(key)
+        touched = next(self._touch) if touch or current is None else current[1]
+        if current == (room, touched):
+            return
+        self._rank[key] = (room, touched)
+        heapq.heappush(self._heap, (-room, touched, key))
+        if len(self._heap) > self.COMPACT_FACTOR * len(self._rank) + 64:
+            self._heap = [(-r, t, k) for k, (r, t) in self._rank.items()]
+            heapq.heapify(self._heap)
+
+    def remove(self, key: PeerKey) -> None:
+        """Forget ``key`` (its heap entries become stale)."""
+        self._rank.pop(key, None)
+
+    def best(self) -> PeerKey | None:
+        """The key with the most room (> 0), least recently touched among equals; None if no peer
+        has room. Does not change the ranking (the caller updates the chosen peer)."""
+        while self._heap:
+            neg_room, touched, key = self._heap[0]
+            if self._rank.get(key) == (-neg_room, touched):
+                return key if -neg_room > 0 else None
+            heapq.heappop(self._heap)
+        return None
 
 
 class Outbox(Box):
@@ -80,6 +129,7 @@ class Outbox(Box):
         self._cond = threading.Condition()
         self._not_taken = 0  # guarded by _cond: queued by send() or in flight, not yet taken
         self._unfinished = 0  # guarded by _cond: sent and not done
+        self._ranking = PeerRanking()
 
     # -- component side ---------------------------------------------------------------------------
 
@@ -141,12 +191,23 @@ class Outbox(Box):
         self.entries[msg_id] = entry
         heapq.heappush(self._pending, (entry.seq, msg_id))
 
+    def _rerank(self, key: PeerKey, *, touch: bool = False) -> None:
+        """Tell the ranking the room of peer ``key`` changed (call after every change of its
+        ``free`` or ``untaken``)."""
+        peer = self.peers[key]
+        self._ranking.update(key, peer.free - len(peer.untaken), touch=touch)
+
+    def peer_joined(self, key: PeerKey, peer: Peer) -> None:
+        self._ranking.remove(key)  # a successor under a known key starts a new turn
+        self._ranking.update(key, peer.free - len(peer.untaken), touch=True)
+
     def _unassign(self, entry: Entry) -> None:
         """Take ``entry`` back from its peer into the pending queue."""
         peer = self.peers.get(entry.peer) if entry.peer is not None else None
         if peer is not None:
             peer.untaken.discard(entry.msg_id)
             peer.holding.discard(entry.msg_id)
+            self._rerank(entry.peer)
         if entry.taken:
             self._count(not_taken=1)
         entry.peer, entry.taken = None, False
@@ -161,6 +222,7 @@ class Outbox(Box):
         super().peer_lost(key, reason)
         if peer is None:
             return
+        self._ranking.remove(key)
         for msg_id in sorted(peer.holding, key=lambda i: self.entries[i].seq if i in self.entries else -1):
             entry = self.entries.get(msg_id)
             if entry is not None and entry.peer == key:
@@ -185,6 +247,7 @@ class Outbox(Box):
                 entry.taken = True
                 peer.untaken.discard(msg_id)
                 self._count(not_taken=-1)
+        self._rerank(key)
         foreign = False
         for msg_id in done:
             entry = self.entries.get(msg_id)
@@ -203,6 +266,7 @@ class Outbox(Box):
             peer = self.peers[entry.peer]
             peer.untaken.discard(msg_id)
             peer.holding.discard(msg_id)
+            self._rerank(entry.peer)
         self._count(not_taken=0 if entry.taken else -1, unfinished=-1)
         for inbox, upstream_id in entry.upstreams:
             inbox.release([upstream_id])
@@ -217,7 +281,7 @@ class Outbox(Box):
             if entry is None or entry.seq != seq or entry.peer is not None:
                 heapq.heappop(self._pending)  # done, or already re-dispatched
                 continue
-            key = self._pick_peer()
+            key = self._ranking.best()
             if key is None:
                 break
             heapq.heappop(self._pending)
@@ -227,6 +291,7 @@ class Outbox(Box):
             entry.sent_to.add(key)
             peer.untaken.add(msg_id)
             peer.holding.add(msg_id)
+            self._rerank(key, touch=True)  # behind its equals, as the rotation of the old scan did
             frames = [envelope("D", self.session, msg_id), *entry.frames]
             sends.append(Send(key, frames, msg_id=msg_id, nbytes=entry.nbytes, first=first))
         return sends
@@ -240,16 +305,6 @@ class Outbox(Box):
             entry.sent_to.discard(send.key)
         self._unassign(entry)
 
-    def _pick_peer(self) -> PeerKey | None:
-        best, best_free = None, 0
-        for key, peer in self.peers.items():
-            free = peer.free - len(peer.untaken)
-            if free > best_free:
-                best, best_free = key, free
-        if best is not None:  # rotate so that equal peers share the work
-            self.peers[best] = self.peers.pop(best)
-        return best
-
     def check_deadlines(self, now: float, ack_timeout_s: float) -> None:
         """Take back messages whose receipt was not acknowledged within ``ack_timeout_s`` seconds
         at ``now``; the next :meth:`dispatch` re-sends them."""
@@ -259,11 +314,13 @@ class Outbox(Box):
                 self._requeue(self.entries[msg_id], "ack_timeout")
 
     def flush(self, now: float, heartbeat_due: bool) -> list[Send]:
-        """Heartbeats (``H``) to every peer and every DEALER endpoint when due; updates the queue gauges."""
+        """Heartbeats (``H``) when due to every peer sent nothing within ``heartbeat_skip_s`` and
+        to every DEALER endpoint whose peer has not spoken; updates the queue gauges."""
         sends: list[Send] = []
         if heartbeat_due:
             hb = envelope("H", self.session, None)
-            sends = [Send(key, [hb]) for key in [*self.peers, *self.unknown_dealers()]]
+            idle = [key for key, peer in self.peers.items() if self.needs_heartbeat(peer, now)]
+            sends = [Send(key, [hb]) for key in [*idle, *self.unknown_dealers()]]
         with self._cond:
             BUS_QUEUED.labels(self.topic, "outbox_not_taken").set(self._not_taken)
             BUS_QUEUED.labels(self.topic, "outbox_unfinished").set(self._unfinished)

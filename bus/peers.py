@@ -4,7 +4,11 @@
 A box knows each peer by its :data:`bus.envelope.PeerKey` and the peer's session; a new session
 under a known key means the peer restarted, so its predecessor is lost first. A peer is lost when it
 is silent for ``dead_after_s``, says goodbye, restarts or becomes unreachable; each loss is counted
-in ``rlbus_bus_peer_deaths_total{topic, reason}``. Malformed frame sets are counted in
+in ``rlbus_bus_peer_deaths_total{topic, reason}``. Any frame proves its sender alive, so a box
+sends no heartbeat to a peer it sent a frame to within ``heartbeat_skip_s`` (its courier sets it to
+half of ``bus.heartbeat_s``, so a peer still hears from it at least every 1.5 heartbeat periods,
+well within ``dead_after_s > 2 * heartbeat_s``); heartbeats cost frames only on idle links, not per
+peer per period where traffic flows. Malformed frame sets are counted in
 ``rlbus_bus_rejected_total{topic, reason}`` and dropped.
 
 Invariants: a box is driven by one thread (its courier's I/O thread, or a test); it holds no
@@ -15,6 +19,7 @@ test (the default) runs it at once.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -44,6 +49,7 @@ class Peer:
     acks_taken: list[str] = field(default_factory=list)  # receiver side: to acknowledge
     acks_done: list[str] = field(default_factory=list)
     dirty: bool = False  # receiver side: credit changed, tell the sender
+    last_sent: float = -math.inf  # when a frame last went out to it (set by the courier), seconds
 
 
 class Box:
@@ -77,6 +83,7 @@ class Box:
         self.stop = stop or threading.Event()
         self.dealer_links: list[int] = []  # link numbers of DEALERs: one peer each, greeted before it speaks
         self.peers: dict[PeerKey, Peer] = {}
+        self.heartbeat_skip_s = 0.0  # no heartbeat to a peer sent a frame this recently (0: always beat)
         self._rejected_reasons: set[str] = set()
         declare_topic(topic, "recv" if self.role == "inbox" else "send", reliable=True)
 
@@ -99,6 +106,11 @@ class Box:
             self.peer_joined(key, peer)
         peer.last_seen = now
         return peer
+
+    def needs_heartbeat(self, peer: Peer, now: float) -> bool:
+        """Whether ``peer`` should get a heartbeat at ``now`` (seconds): nothing was sent to it
+        within ``heartbeat_skip_s``."""
+        return now - peer.last_sent >= self.heartbeat_skip_s
 
     def unknown_dealers(self) -> list[PeerKey]:
         """Keys of DEALER links whose peer has not spoken yet (greeted on every heartbeat)."""

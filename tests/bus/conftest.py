@@ -289,9 +289,9 @@ class RunningHub:
     """A :class:`bus.hub.ControlHub` forwarding in a thread, with the two endpoints it bound
     (``tcp://127.0.0.1:*`` binds a random port; the attributes give the real one)."""
 
-    def __init__(self, ctx: zmq.Context, pub_endpoint: str, sub_endpoint: str) -> None:
+    def __init__(self, ctx: zmq.Context, pub_endpoint: str, sub_endpoint: str, **hub_kw: Any) -> None:
         self.stop = threading.Event()
-        self.hub = ControlHub(ctx, pub_endpoint, sub_endpoint, self.stop)
+        self.hub = ControlHub(ctx, pub_endpoint, sub_endpoint, self.stop, **hub_kw)
         self.pub_endpoint = self.hub.inbound.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.sub_endpoint = self.hub.outbound.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.thread = threading.Thread(target=self.hub.run, name="control-hub", daemon=True)
@@ -307,11 +307,12 @@ class RunningHub:
 
 @pytest.fixture
 def make_hub():
-    """Factory of :class:`RunningHub` (ctx, pub_endpoint, sub_endpoint); stops them all at teardown."""
+    """Factory of :class:`RunningHub` (ctx, pub_endpoint, sub_endpoint, keyword arguments of
+    :class:`bus.hub.ControlHub`); stops them all at teardown."""
     hubs: list[RunningHub] = []
 
-    def make(ctx: zmq.Context, pub_endpoint: str, sub_endpoint: str) -> RunningHub:
-        hubs.append(RunningHub(ctx, pub_endpoint, sub_endpoint))
+    def make(ctx: zmq.Context, pub_endpoint: str, sub_endpoint: str, **hub_kw: Any) -> RunningHub:
+        hubs.append(RunningHub(ctx, pub_endpoint, sub_endpoint, **hub_kw))
         return hubs[-1]
 
     yield make

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY
 
-from bus.hub import MAX_CACHED_PRODUCERS
 from bus.messages import GroupsDropped, Prompt, TrainerStep, WeightsApplied, WeightsReady, new_id
 
 
@@ -84,13 +83,18 @@ def test_late_subscriber_gets_every_producers_latest_applied_version(hub, socket
     assert sorted((m.producer, m.version) for m in applied) == [("producer-0", 2), ("producer-1", 1)]
 
 
-def test_cache_keeps_a_bounded_number_of_producers(hub, sockets, sync_control):
+def test_cache_keeps_a_bounded_number_of_producers(ctx, endpoint, make_hub, sockets, sync_control):
+    cap = 16
+    hub = make_hub(ctx, endpoint("control_pub"), endpoint("control_sub"), max_producers=cap)
     pub, live = connect(hub, sockets, sync_control)
-    n = MAX_CACHED_PRODUCERS + 10
+    n = cap + 10
     for i in range(n):
         assert pub.send(WeightsApplied(id=f"a-{i}", producer=f"p-{i}", version=1, apply_time_s=0.1))
-    assert len(recv_all(live)) == n
+    assert pub.send(WeightsApplied(id="a-again", producer="p-10", version=2, apply_time_s=0.1))  # p-10 is recent now
+    assert len(recv_all(live)) == n + 1
 
     late = sockets.bus("control_sub", "recv", hub.sub_endpoint, bind=False)
-    applied = [m.producer for m in recv_all(late) if isinstance(m, WeightsApplied)]
-    assert applied == [f"p-{i}" for i in range(10, n)]  # the least recently announced went first
+    applied = [(m.producer, m.version) for m in recv_all(late) if isinstance(m, WeightsApplied)]
+    # the least recently announced went first, one slot per producer, the newest last
+    assert applied == [(f"p-{i}", 1) for i in range(11, n)] + [("p-10", 2)]
+    assert hub.hub.evicted == 10

@@ -2,7 +2,9 @@
 endpoints under live subscribers and publishers.
 
 - a restarted hub loads its persisted last-value cache, so a subscriber that joins after the
-  restart is caught up with what was announced before the kill;
+  restart is caught up with what was announced before the kill (the hub writes its cache within
+  ``PERSIST_INTERVAL_S`` of a change, not before forwarding it: the test kills it once the file
+  holds the values, and a change younger than that is covered by the re-announcements below);
 - what a :class:`bus.control.ControlPublisher` sent while the hub was down (dropped by ZeroMQ) is
   re-announced once it reconnects, so a live subscriber still gets the newest weights and
   ``run.done``;
@@ -18,10 +20,12 @@ import sys
 import time
 from pathlib import Path
 
+import msgpack
 import pytest
 
 from bus.control import ControlPublisher
-from bus.hub import CACHE_NAME
+from bus.codec import decode
+from bus.hub import CACHE_NAME, PERSIST_INTERVAL_S
 from bus.messages import RunDone, TrainerStep, WeightsReady
 
 HUB_CODE = """
@@ -72,6 +76,17 @@ def weights(version: int) -> WeightsReady:
                         num_bytes=10)
 
 
+def wait_persisted(cache: Path, ids: set[str], timeout_s: float = 5.0) -> None:
+    """Wait until the hub's cache file holds messages with every id of ``ids``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = {decode(f).id for f in msgpack.unpackb(cache.read_bytes())} if cache.is_file() else set()
+        if ids <= held:
+            return
+        assert time.monotonic() < deadline, f"{sorted(ids - held)} not persisted within {timeout_s} s (file: {sorted(held)})"
+        time.sleep(PERSIST_INTERVAL_S / 4)
+
+
 def receive_until(sub, wanted, timeout_s: float = 15.0) -> list:
     """Messages received until ``wanted(received)`` holds; fails after ``timeout_s``."""
     got: list = []
@@ -93,6 +108,7 @@ def test_restarted_hub_catches_late_joiners_up_from_its_persisted_cache(hub_proc
     for msg in (weights(3), TrainerStep(id="s-3", step=3, version=3, metrics={})):
         assert pub.send(msg)
     receive_until(live, lambda got: [m.id for m in got][-2:] == ["w-3", "s-3"])
+    wait_persisted(hub_process.cache, {"w-3", "s-3"})
 
     hub_process.sigkill()
     hub_process.start("restart")
