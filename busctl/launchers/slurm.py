@@ -35,6 +35,7 @@ from typing import IO, Callable, Mapping
 
 from bus.launch_env import ENV_SPAWN_ID
 from busctl.component_table import ComponentSpec, signal_group
+from busctl.launchers.local import LocalProcess
 from busctl.launchers.multihost import configure_multihost
 from busctl.launchers.nodes import HET_GROUPS, Allocation, plan_nodes
 from busctl.placement import ENV_CUDA_DEVICES
@@ -86,27 +87,14 @@ def srun_command(spec: ComponentSpec, cmd: list[str], node: str, het_group: int 
             *([f"--het-group={het_group}"] if het_group is not None else []), *([f"--gpus={gpus}"] if gpus else []), *cmd]
 
 
-class SlurmStep:
-    """:class:`busctl.launchers.Launched` of one ``srun`` step (see the module docstring)."""
+class SlurmStep(LocalProcess):
+    """:class:`busctl.launchers.Launched` of one ``srun`` step (see the module docstring): the local
+    ``srun`` process's exit is the step's; ``pid`` is the spawn id the component names itself by."""
 
     def __init__(self, popen: subprocess.Popen, spawn_id: int, node: str, step_name: str) -> None:
-        self.popen = popen
+        super().__init__(popen, node)
         self.pid = spawn_id
-        self.node = node
         self.step_name = step_name
-
-    @property
-    def returncode(self) -> int | None:
-        """srun's exit code (the step's), or None while it runs."""
-        return self.popen.returncode
-
-    def poll(self) -> int | None:
-        """The exit code once ``srun`` (so the step) ended, else None."""
-        return self.popen.poll()
-
-    def wait(self, timeout: float | None = None) -> int:
-        """Wait for ``srun`` to exit; ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
-        return self.popen.wait(timeout=timeout)
 
     def step_ids(self) -> list[str]:
         """The Slurm ids (``JOB.STEP``) of this component's step (none once it ended)."""

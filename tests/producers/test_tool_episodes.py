@@ -31,6 +31,7 @@ from tasks.env import EnvCalls  # noqa: E402
 from tasks.registry import get_task  # noqa: E402
 from tasks.task import render_messages  # noqa: E402
 from tests.producers.test_engine_sampling import _eos_prone  # noqa: E402
+from tests.producers.test_episodes import model_turns  # noqa: E402
 from tests.producers.test_weight_sync import _hf_logprobs, _load_hf, assert_no_leftover_processes  # noqa: E402
 from trainer.model_families import build_family_model  # noqa: E402
 from trainer.tiny_model import build_random_policy  # noqa: E402
@@ -98,14 +99,7 @@ def test_tool_replies_are_the_templates_rendering_and_model_tokens_are_on_policy
             ENV, len(tool_envs.SCRIPT), prompt_ids, ex["info"], request_id=f"tools-{kind}", tools=tools, **dict(sampling)))
         model = _load_hf(model_dir)
         for s, mask in zip(samples, masks):
-            turns, cur = [], []
-            for tid, m in zip(s.token_ids, mask):
-                if m:
-                    cur.append(tid)
-                elif cur:
-                    turns.append(cur)
-                    cur = []
-            turns.append(cur)
+            turns = model_turns(s.token_ids, mask)
             assert len(turns) == len(tool_envs.SCRIPT)  # the script's three model turns, two tool replies
             ids, expected_mask = _expected(tok, messages, tools, turns, replies)
             assert prompt_ids + s.token_ids == ids
