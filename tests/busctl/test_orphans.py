@@ -15,6 +15,7 @@ from pathlib import Path
 
 from bus.component import ORPHAN_GRACE_S
 from configs.schema import dump_config
+from tests.processes import running
 from tests.busctl.test_supervisor import make_cfg
 
 PARENT = """
@@ -23,14 +24,6 @@ child = subprocess.Popen(sys.argv[1:], start_new_session=True)
 print(child.pid, flush=True)
 time.sleep(1000)
 """
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie waiting for its reaper counts as gone)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
 def test_orphan_with_a_hung_stop_kills_its_process_group(tmp_path: Path) -> None:
@@ -58,13 +51,13 @@ def test_orphan_with_a_hung_stop_kills_its_process_group(tmp_path: Path) -> None
         parent.kill()  # the supervisor's SIGKILL: PR_SET_PDEATHSIG sends SIGTERM, close() hangs
         parent.wait()
         time.sleep(1.0)
-        assert all(_alive(p) for p in pids), "the component or its child died before the grace period"
+        assert all(running(p) for p in pids), "the component or its child died before the grace period"
         deadline = time.monotonic() + ORPHAN_GRACE_S + 15
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(running(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.2)
-        survivors = [p for p in pids if _alive(p)]
+        survivors = [p for p in pids if running(p)]
     finally:
         for pid in pids:
-            if _alive(pid):
+            if running(pid):
                 os.kill(pid, signal.SIGKILL)
     assert not survivors, f"{survivors} outlived the orphan grace period:\n{log_path.read_text()}"

@@ -33,6 +33,7 @@ from bus.messages import GroupsDropped, TrainerStep, WeightsApplied, WeightsRead
 from bus.sockets import BusSocket  # noqa: E402
 from busctl.component_table import free_port  # noqa: E402
 from bus.topics import Endpoints  # noqa: E402
+from tests.processes import running  # noqa: E402
 from trainer.tiny_model import build_random_policy  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -176,17 +177,6 @@ def test_pipeline_trains_every_sample_once(tmp_path: Path, policy: Path) -> None
     assert (run_dir / "checkpoints" / f"step_{MAX_STEPS:06d}" / "DONE").is_file()  # the trained policy
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for our purposes
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _cmdline(pid: int) -> str:
     """The command line of ``pid`` (for a failure message), or "" once it is gone."""
     try:
@@ -221,7 +211,7 @@ def test_sigint_stops_every_process(tmp_path: Path, policy: Path) -> None:
         wait_for_first_step(proc, recorder)
         status = json.loads((run_dir / "status.json").read_text())
         pids = {c["pid"] for c in status["components"]} | _descendants(proc.pid)
-        assert all(_alive(p) for p in {c["pid"] for c in status["components"]})
+        assert all(running(p) for p in {c["pid"] for c in status["components"]})
         assert len(pids) > len(status["components"])  # vLLM's engine processes are in there too
         started = time.monotonic()
         proc.send_signal(signal.SIGINT)
@@ -232,7 +222,7 @@ def test_sigint_stops_every_process(tmp_path: Path, policy: Path) -> None:
         recorder.close()
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if running(p)]
 
 
 def test_lora_with_filesystem_weights(tmp_path: Path, policy: Path) -> None:
@@ -294,13 +284,13 @@ def test_components_die_with_the_supervisor(tmp_path: Path, policy: Path) -> Non
         proc.kill()
         proc.wait()
         deadline = time.monotonic() + ORPHAN_GRACE_S + 10
-        while [p for p in pids if _alive(p)] and time.monotonic() < deadline:
+        while [p for p in pids if running(p)] and time.monotonic() < deadline:
             time.sleep(0.5)
-        survivors = {p: _cmdline(p) for p in pids if _alive(p)}
+        survivors = {p: _cmdline(p) for p in pids if running(p)}
     finally:
         recorder.close()
         for pid in pids:
-            if _alive(pid):
+            if running(pid):
                 os.kill(pid, signal.SIGKILL)
     assert not survivors, f"still running {ORPHAN_GRACE_S + 10:.0f} s after busctl was SIGKILLed: {survivors}"
 
