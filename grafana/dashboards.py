@@ -112,12 +112,6 @@ def overview() -> dict:
             Target(hist_mean("rlbus_producer_teacher_seconds", "component"), "teacher mean {{component}}"),
         ], "s"),
         timeseries("Rewards: scoring time per group", quantile_targets("rlbus_rewards_score_seconds", "component"), "s"),
-        timeseries("Producer: multi-turn episodes", [
-            Target(hist_mean("rlbus_producer_episode_turns", "component"), "model turns per episode {{component}}"),
-            Target(hist_mean("rlbus_producer_env_seconds", "component"), "env call round, s {{component}}"),
-            Target(_by("rlbus_producer_env_errors_total", "error", increase), "env error {{error}}"),
-        ], "short", "Multi-turn tasks (producers/episodes.py): mean model turns per episode, mean seconds of one round of "
-            "environment calls, and environment calls that failed (the episode ends with reward 0). " + WINDOW_NOTE),
         timeseries("Producer: OpenAI-compatible endpoint", [
             Target(_by("rlbus_producer_endpoint_requests_total", "route, status", increase), "requests {{route}} {{status}}"),
             Target(_by("rlbus_producer_endpoint_episodes_total", "outcome", increase), "episodes {{outcome}}"),
@@ -180,6 +174,22 @@ def overview() -> dict:
         timeseries("Trainer: micro-batches released", [
             Target(_by("rlbus_trainer_released_micro_batches_total", "why", increase), "{{why}}"),
         ], description="Released to the packer (done): covered by a checkpoint, or re-sent for a covered step. " + WINDOW_NOTE),
+        row("Multi-turn episodes"),
+        timeseries("Producer: multi-turn episodes", [
+            Target(hist_mean("rlbus_producer_episode_turns", "component"), "model turns per episode {{component}}"),
+            Target(hist_mean("rlbus_producer_env_seconds", "component"), "env call round, s {{component}}"),
+            Target(_by("rlbus_producer_env_errors_total", "error", increase), "env error {{error}}"),
+        ], "short", "Multi-turn tasks (producers/episodes.py): mean model turns per episode, mean seconds of one round of "
+            "environment calls, and environment calls that failed (the episode ends with reward 0). " + WINDOW_NOTE),
+        timeseries("Producer: tool calls", [
+            Target(_by("rlbus_producer_tool_calls_total", "tool"), "calls/s {{tool}}"),
+            Target(_by("rlbus_producer_tool_errors_total", "tool, error"), "errors/s {{tool}} {{error}}"),
+            Target(hist_mean("rlbus_producer_episode_tool_calls", "component"), "calls per episode {{component}}"),
+            Target(_by("rlbus_producer_env_bad_stats_total", "component", increase), "malformed step statistics {{component}}"),
+        ], "short", "Tool calls of multi-turn episodes (producers/turn_metrics.py): calls and failed calls per second by "
+            "tool (other: unreadable or not declared in the task's tools; agent tasks count the <tool_call> blocks of "
+            "their turns) and error kind, mean calls per episode, and environment step results whose statistics "
+            "were malformed (ignored). " + WINDOW_NOTE),
     ]
     return dashboard("rlbus-overview", "rlbus: pipeline overview",
                      "Throughput, queues, where time goes, backpressure and delivery of an rlbus run.", panels)

@@ -12,6 +12,10 @@ its completion as environment tokens. An episode whose agent call failed (raised
 crashed, returned no finite float) keeps its recorded tokens with reward 0 and finish reason
 ``env_error: <label>`` (``rlbus_producer_env_errors_total{error}``); a rebased one keeps the turns
 up to the one that did not extend the trajectory.
+
+Tool calls: the agent runs its own tools, so only the ``<tool_call>`` blocks of the assistant
+texts the endpoint returned are counted (:func:`producers.turn_metrics.text_tool_calls`), under
+``tool="other"`` (an agent task declares no tool schemas) and, unreadable ones, ``parse_error``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from producers.endpoint import OpenAIEndpoint
 from producers.endpoint_episodes import assemble_episode
 from producers.engine import Sample
 from producers.episodes import ENV_SECONDS, EPISODE_TURNS, Episode, episode_sample
+from producers.turn_metrics import EPISODE_TOOL_CALLS, count_tool_calls, text_tool_calls
 from tasks.isolation import IsolatedCalls
 
 
@@ -103,6 +108,10 @@ class AgentRunner:
             raise ValueError("the agent's episodes start from prompts with no common first token")
         version = self.endpoint.engine.version
         samples, masks, rewards = [], [], []
+        for turns in recorded:
+            calls = sum(count_tool_calls(text_tool_calls(t.text), frozenset()) for t in turns)
+            if calls:
+                EPISODE_TOOL_CALLS.observe(calls)
         for (first, ep, _), result in zip(assembled, results):
             full = with_head(ep, first[len(prompt):], version)
             ok = result.error is None and isinstance(result.value, (int, float)) and not isinstance(result.value, bool) \

@@ -26,6 +26,9 @@ Failures: an environment call that raises, times out, crashes its child or retur
 result ends that episode with reward 0 and finish reason ``"env_error: <label>"``, counted in
 ``rlbus_producer_env_errors_total{error}``; the other episodes and the producer go on.
 
+Tool calls: a step's statistics (:mod:`tasks.env`; :class:`tasks.tools.ToolEnv` returns them)
+are counted per tool and error kind and per episode (:mod:`producers.turn_metrics`).
+
 Design hook for other generation paths (an OpenAI-compatible endpoint, verifiers): everything an
 episode needs from a model turn is an engine ``Sample`` (token ids, logprobs, token versions);
 :class:`Episode` accumulates turns from any source with :meth:`Episode.add_model_turn` and
@@ -42,6 +45,7 @@ from typing import Any
 from prometheus_client import Counter, Histogram
 
 from producers.engine import Sample
+from producers.turn_metrics import BAD_STATS, EPISODE_TOOL_CALLS, count_tool_calls, preinit_tools, schema_names
 from tasks.env import ENV_ERRORS, EnvCalls
 
 EPISODE_TURNS = Histogram("rlbus_producer_episode_turns", "Model turns per multi-turn episode",
@@ -90,7 +94,7 @@ def env_turn_ids(tokenizer: Any, messages: list[dict[str, str]], tools: list[dic
 class Episode:
     """One sample's trajectory so far: ``token_ids``, ``logprobs``, ``versions`` and ``model_mask``
     (True on model tokens), one entry per completion token; the env ``state``; ``turns`` (model
-    turns); ``finish`` (the last model turn's finish reason, or ``"env_error: <label>"``)."""
+    turns); ``tool_calls`` (as the environment's step statistics reported them); ``finish`` (the last model turn's finish reason, or ``"env_error: <label>"``)."""
 
     state: dict | None = None
     token_ids: list[int] = dataclasses.field(default_factory=list)
@@ -98,6 +102,7 @@ class Episode:
     versions: list[int] = dataclasses.field(default_factory=list)
     model_mask: list[bool] = dataclasses.field(default_factory=list)
     turns: int = 0
+    tool_calls: int = 0
     finish: str = "stop"
     done: bool = False
     reward: float = 0.0
@@ -143,10 +148,14 @@ class EpisodeRunner:
         envs: the environment pool (:class:`tasks.env.EnvCalls`); called from one thread at a time
             (a lock here serializes the groups' calls).
         max_model_len: prompt + completion limit, tokens: an episode ends when no token is left.
+        tools: the function schemas of the run's tool-use tasks (their names' metric labels are
+            created at 0 now, :func:`producers.turn_metrics.preinit_tools`).
     """
 
-    def __init__(self, engine: Any, tokenizer: Any, envs: EnvCalls, *, max_model_len: int) -> None:
+    def __init__(self, engine: Any, tokenizer: Any, envs: EnvCalls, *, max_model_len: int,
+                 tools: list[dict] | None = None) -> None:
         self.engine, self.tokenizer, self.envs, self.max_model_len = engine, tokenizer, envs, max_model_len
+        preinit_tools(schema_names(tools))
         self._lock = asyncio.Lock()
 
     async def _env(self, env: str, fn: str, args: list[list]) -> list:
@@ -172,6 +181,7 @@ class EpisodeRunner:
                 or from :func:`env_turn_ids`; environment failures never raise.
         """
         n, seed, max_tokens = kwargs.pop("n"), kwargs.pop("seed"), kwargs.pop("max_tokens")
+        known = schema_names(tools)
         episodes = [Episode() for _ in range(n)]
         for ep, result in zip(episodes, await self._env(env, "reset", [[info]] * n)):
             if result.error is not None:
@@ -202,6 +212,9 @@ class EpisodeRunner:
                 if result.error is not None:
                     ep.fail(result.error)
                     continue
+                if result.bad_stats:
+                    BAD_STATS.inc()
+                ep.tool_calls += count_tool_calls(result.tool_calls, known)
                 messages, done, ep.state = result.value
                 if done or turn + 1 >= max_turns:
                     ep.done = True
@@ -222,5 +235,7 @@ class EpisodeRunner:
                 ep.reward = result.value
         for ep in episodes:
             EPISODE_TURNS.observe(ep.turns)
+            if tools or ep.tool_calls:
+                EPISODE_TOOL_CALLS.observe(ep.tool_calls)
         version = self.engine.version
         return [episode_sample(ep, version) for ep in episodes], [ep.model_mask for ep in episodes], [ep.reward for ep in episodes]

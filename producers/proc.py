@@ -179,7 +179,8 @@ class ProducerProc(Component):
         self.episodes: EpisodeRunner | None = None
         if self.env_tasks:
             envs = EnvCalls([t.env for t in self.env_tasks.values()], timeout_s=cfg.task.env_timeout_s, num_procs=cfg.task.env_procs)
-            self.episodes = EpisodeRunner(self.engine, self.tokenizer, envs, max_model_len=cfg.model.max_model_len)
+            self.episodes = EpisodeRunner(self.engine, self.tokenizer, envs, max_model_len=cfg.model.max_model_len,
+                                          tools=[s for t in self.env_tasks.values() for s in t.tools or ()])
         self.endpoint: OpenAIEndpoint | None = None
         """The OpenAI-compatible endpoint on :attr:`engine` (``producers.endpoint_port``, or an agent task)."""
         self.agents: AgentRunner | None = None

@@ -8,6 +8,16 @@ attributes of a module-level object), each called with JSON values only::
     step(state: dict, text: str) -> [env_messages: list[{"role", "content"}], done: bool, state: dict]
     reward(state: dict) -> float
 
+``step`` may return a fourth element, a dict of per-turn statistics the producer counts
+(:mod:`producers.turn_metrics`); today one key, the turn's tool calls in order::
+
+    [env_messages, done, state, {"tool_calls": [{"name": str | None, "error": str | None}, ...]}]
+
+``name``: the tool called (None: the call could not be read); ``error``: None for a call that
+returned, else one of :data:`TOOL_ERRORS`. A malformed statistics element (not a dict, a record
+of another shape, an unknown error kind, more than ``MAX_TOOL_RECORDS`` records) is ignored and
+flagged (:attr:`EnvResult.bad_stats`, counted by the producer); the step's other elements stand.
+
 The episode (:mod:`producers.episodes`) starts from the task's prompt messages (the prompt source
 renders them, as for a single-turn task: ``reset`` only builds the state), then per model turn
 calls ``step`` with the model's text until ``done`` or ``Task.max_turns`` model turns, then
@@ -34,6 +44,11 @@ from tasks.isolation import CallResult, IsolatedCalls
 
 FUNCTIONS = ("reset", "step", "reward")
 ENV_ERRORS = ("timeout", "crash", "bad_result")  # plus exception type names, as raised
+# Kinds of a failed tool call in a step's statistics (tasks.tools: all but "timeout", for
+# environments whose tools run with a deadline).
+TOOL_ERRORS = ("parse_error", "unknown_tool", "bad_arguments", "tool_raised", "too_many_calls", "timeout")
+MAX_TOOL_RECORDS = 256  # per step; more is a malformed statistics element
+MAX_TOOL_NAME_CHARS = 128
 
 
 class Environment(Protocol):
@@ -41,7 +56,7 @@ class Environment(Protocol):
 
     def reset(self, info: dict) -> dict: ...
 
-    def step(self, state: dict, text: str) -> tuple[list[dict], bool, dict]: ...
+    def step(self, state: dict, text: str) -> tuple[list[dict], bool, dict] | tuple[list[dict], bool, dict, dict]: ...
 
     def reward(self, state: dict) -> float: ...
 
@@ -49,10 +64,14 @@ class Environment(Protocol):
 @dataclasses.dataclass(frozen=True)
 class EnvResult:
     """One environment call's outcome: ``value`` (``state`` for reset; ``(messages, done, state)``
-    for step; a finite float for reward) or ``error`` (the label; ``value`` None)."""
+    for step; a finite float for reward) or ``error`` (the label; ``value`` None). A step's
+    statistics: ``tool_calls`` (``(name, error)`` per tool call, module docstring) and
+    ``bad_stats`` (True: its statistics element was malformed and ignored)."""
 
     value: Any
     error: str | None = None
+    tool_calls: tuple[tuple[str | None, str | None], ...] = ()
+    bad_stats: bool = False
 
 
 def env_refs(env: str) -> list[str]:
@@ -76,6 +95,27 @@ def resolve_env_fn(ref: str) -> Callable[..., Any]:
     return import_callable(ref, "environment")
 
 
+def step_stats(stats: Any) -> tuple[tuple[str | None, str | None], ...] | None:
+    """The ``(name, error)`` tool-call records of a step's statistics element (module
+    docstring), or None if it is malformed. Never raises."""
+    if not isinstance(stats, dict):
+        return None
+    records = stats.get("tool_calls", [])
+    if not isinstance(records, list) or len(records) > MAX_TOOL_RECORDS:
+        return None
+    out = []
+    for r in records:
+        if not (isinstance(r, dict) and set(r) <= {"name", "error"}):
+            return None
+        name, error = r.get("name"), r.get("error")
+        if not (name is None or (isinstance(name, str) and len(name) <= MAX_TOOL_NAME_CHARS)):
+            return None
+        if not (error is None or error in TOOL_ERRORS):
+            return None
+        out.append((name, error))
+    return tuple(out)
+
+
 def _checked(fn: str, result: CallResult) -> EnvResult:
     """Validate one call's JSON result for ``fn``; a malformed one becomes ``"bad_result"``."""
     if result.error is not None:
@@ -83,10 +123,11 @@ def _checked(fn: str, result: CallResult) -> EnvResult:
     v = result.value
     if fn == "reset" and isinstance(v, dict):
         return EnvResult(v)
-    if (fn == "step" and isinstance(v, list) and len(v) == 3 and isinstance(v[1], bool) and isinstance(v[2], dict)
+    if (fn == "step" and isinstance(v, list) and len(v) in (3, 4) and isinstance(v[1], bool) and isinstance(v[2], dict)
             and isinstance(v[0], list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                                and isinstance(m.get("content"), str) for m in v[0])):
-        return EnvResult((v[0], v[1], v[2]))
+        tool_calls = step_stats(v[3]) if len(v) == 4 else ()
+        return EnvResult((v[0], v[1], v[2]), tool_calls=tool_calls or (), bad_stats=tool_calls is None)
     if fn == "reward" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
         return EnvResult(float(v))
     return EnvResult(None, "bad_result")

@@ -20,7 +20,8 @@ Invariants:
   are each answered as a tool message whose content starts with ``"Error: "``.
 * Everything the environment keeps is JSON (the :mod:`tasks.env` protocol passes state between
   isolated children): :class:`ToolEnv` state holds the reset ``info``, the final answer text and
-  the tool-call and tool-error counts.
+  the tool-call and tool-error counts; each step also returns the turn's tool-call records (the
+  step statistics of :mod:`tasks.env`, counted per tool and error kind by the producer).
 * A schema is the OpenAI/Hugging Face function format ``{"type": "function", "function": {"name",
   "description", "parameters": JSON schema object}}``, the form ``transformers`` passes to templates.
 """
@@ -217,39 +218,53 @@ def _result_text(value: Any) -> str:
     return text if len(text) <= MAX_RESULT_CHARS else text[:MAX_RESULT_CHARS] + " ... (cut)"
 
 
-def run_tool_calls(tools: Sequence[Tool], calls: Sequence[ToolCall | ToolCallError]) -> list[dict[str, str]]:
+def answer_tool_calls(tools: Sequence[Tool], calls: Sequence[ToolCall | ToolCallError]) -> tuple[list[dict[str, str]], list[dict[str, str | None]]]:
     """Answer ``calls`` (from :func:`parse_tool_calls`) with ``role: tool`` messages, one per call
-    in order (at most ``MAX_TOOL_CALLS_PER_TURN``, then one error for the rest).
+    in order (at most ``MAX_TOOL_CALLS_PER_TURN``, then one error for the rest), and say how each
+    call went.
 
     A result that is not a str is sent as JSON. A parse error, an unknown tool, arguments that do
     not fit the schema and a tool that raises are answered ``"Error: ..."`` (the exception's type
     and message); nothing raises.
 
     Returns:
-        ``[{"role": "tool", "name": tool name (``"error"`` for an unreadable call), "content": str}]``.
+        ``(messages, records)``: ``[{"role": "tool", "name": tool name (``"error"`` for an
+        unreadable call), "content": str}]``, and one ``{"name": tool name or None (unreadable),
+        "error": None or a :data:`tasks.env.TOOL_ERRORS` kind}`` per call of ``calls`` (those past
+        the limit: ``"too_many_calls"``): the step statistics of :mod:`tasks.env`.
     """
     by_name = {t.name: t for t in tools}
     out: list[dict[str, str]] = []
+    records: list[dict[str, str | None]] = []
     for call in calls[:MAX_TOOL_CALLS_PER_TURN]:
         if isinstance(call, ToolCallError):
             out.append({"role": "tool", "name": "error", "content": ERROR_PREFIX + call.message})
+            records.append({"name": None, "error": "parse_error"})
             continue
-        tool = by_name.get(call.name)
+        tool, error = by_name.get(call.name), None
         if tool is None:
-            content = f"{ERROR_PREFIX}unknown tool {call.name!r}; tools: {sorted(by_name)}"
+            content, error = f"{ERROR_PREFIX}unknown tool {call.name!r}; tools: {sorted(by_name)}", "unknown_tool"
         elif (why := _check_arguments(tool.schema["function"]["parameters"], call.arguments)) is not None:
-            content = f"{ERROR_PREFIX}{call.name}: {why}"
+            content, error = f"{ERROR_PREFIX}{call.name}: {why}", "bad_arguments"
         else:
             try:
                 content = _result_text(tool.fn(**call.arguments))
             except Exception as exc:  # a tool's failure is the model's feedback, never the env's
-                content = f"{ERROR_PREFIX}{call.name}: {type(exc).__name__}: {exc}"
+                content, error = f"{ERROR_PREFIX}{call.name}: {type(exc).__name__}: {exc}", "tool_raised"
         out.append({"role": "tool", "name": call.name, "content": content})
+        records.append({"name": call.name, "error": error})
     if len(calls) > MAX_TOOL_CALLS_PER_TURN:
         out.append({"role": "tool", "name": "error",
                     "content": f"{ERROR_PREFIX}at most {MAX_TOOL_CALLS_PER_TURN} tool calls per turn; "
                                f"{len(calls) - MAX_TOOL_CALLS_PER_TURN} were not run"})
-    return out
+        records += [{"name": c.name if isinstance(c, ToolCall) else None, "error": "too_many_calls"}
+                    for c in calls[MAX_TOOL_CALLS_PER_TURN:]]
+    return out, records
+
+
+def run_tool_calls(tools: Sequence[Tool], calls: Sequence[ToolCall | ToolCallError]) -> list[dict[str, str]]:
+    """The messages of :func:`answer_tool_calls` (``[{"role": "tool", "name", "content"}]``)."""
+    return answer_tool_calls(tools, calls)[0]
 
 
 class ToolEnv:
@@ -286,16 +301,17 @@ class ToolEnv:
             raise TypeError(f"a tool environment needs info as a dict, got {type(info).__name__}")
         return {"info": info, "answer": None, "tool_calls": 0, "tool_errors": 0}
 
-    def step(self, state: dict[str, Any], text: str) -> tuple[list[dict[str, str]], bool, dict[str, Any]]:
+    def step(self, state: dict[str, Any], text: str) -> tuple[list[dict[str, str]], bool, dict[str, Any], dict[str, Any]]:
         """Run the tool calls in ``text`` (answered as tool messages, not done), or take ``text``
-        as the final answer (no messages, done)."""
+        as the final answer (no messages, done). The fourth element is the turn's statistics
+        (:mod:`tasks.env`): ``{"tool_calls": records of answer_tool_calls}``."""
         calls = parse_tool_calls(text)
         if not calls:
-            return [], True, {**state, "answer": text}
-        messages = run_tool_calls(self.tools, calls)
+            return [], True, {**state, "answer": text}, {"tool_calls": []}
+        messages, records = answer_tool_calls(self.tools, calls)
         errors = sum(m["content"].startswith(ERROR_PREFIX) for m in messages)
         return messages, False, {**state, "tool_calls": state["tool_calls"] + len(calls),
-                                 "tool_errors": state["tool_errors"] + errors}
+                                 "tool_errors": state["tool_errors"] + errors}, {"tool_calls": records}
 
     def reward(self, state: dict[str, Any]) -> float:
         """``answer_reward`` of the final answer plus the format term (see the class doc)."""

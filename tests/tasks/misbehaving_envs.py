@@ -1,12 +1,14 @@
 """Environments for the multi-turn tests, referenced by import path (``f"{misbehaving_envs.__name__}:ByText"``)
 so they resolve in the isolation children too. ``ByText.step`` misbehaves on demand: the model's text
 ``hang`` sleeps past every timeout, ``crash`` ends the child's interpreter, ``raise`` raises,
-``bad`` returns a malformed result; any other text is answered with a user turn ``"more <k>"``
+``bad`` returns a malformed result, ``stats:<json>`` answers as usual with the step statistics
+``<json>`` as a fourth element (``stats5:<json>``: and a fifth, malformed); any other text is answered with a user turn ``"more <k>"``
 until ``info["turns"]`` model turns are done. The reward is the number of model turns seen. :func:`faulty_task` is a whole task whose
 environment hangs, crashes or raises on some model texts (for end-to-end runs)."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import zlib
@@ -35,7 +37,11 @@ class ByText:
             return "not a list", 1, None  # type: ignore[return-value]
         seen = state["seen"] + 1
         done = seen >= state["turns"]
-        return ([] if done else [{"role": "user", "content": f"more {seen}"}]), done, {**state, "seen": seen}
+        result = ([] if done else [{"role": "user", "content": f"more {seen}"}]), done, {**state, "seen": seen}
+        kind, _, stats = word.partition(":")
+        if kind in ("stats", "stats5"):
+            return (*result, json.loads(stats), *[{}] * (kind == "stats5"))  # type: ignore[return-value]
+        return result
 
     @staticmethod
     def reward(state: dict) -> float:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import misbehaving_envs
 import pytest
 
-from tasks.env import EnvCalls, env_refs
+from tasks.env import MAX_TOOL_RECORDS, EnvCalls, env_refs
 from tasks.isolation import IsolatedCalls
 from tasks.registry import get_task, load_task_examples
 from tasks.reverse_turns import ReverseTurnsEnv
@@ -42,6 +42,21 @@ def test_hang_crash_raise_and_bad_results_are_labelled_and_the_rest_survive(envs
     assert results[1].value[0] == [{"role": "user", "content": "more 1"}] and results[5].value[2]["seen"] == 1
     assert len(envs.pids()) == 2 and set(envs.pids()) != set(pids)  # the hung and the crashed child were replaced
     assert envs.call(ENV, "reward", [[results[1].value[2]]])[0].value == 1.0  # the pool still works
+
+
+def test_step_statistics_are_validated_and_a_malformed_one_is_flagged_not_fatal(envs):
+    state = envs.call(ENV, "reset", [[{"turns": 3}]])[0].value
+    good = '{"tool_calls": [{"name": "calc", "error": null}, {"name": null, "error": "parse_error"}]}'
+    malformed = ['"x"', '{"tool_calls": "x"}', '{"tool_calls": [{"name": 3}]}', '{"tool_calls": [{"error": "oops"}]}',
+                 '{"tool_calls": [{"name": "a", "why": 1}]}', '{"tool_calls": [{"name": "%s"}]}' % ("a" * 200),
+                 '{"tool_calls": [%s]}' % ", ".join(['{"name": "a"}'] * (MAX_TOOL_RECORDS + 1))]
+    texts = ["plain", "stats:" + good, "stats:{}", *("stats:" + m for m in malformed), "stats5:{}"]
+    results = envs.call(ENV, "step", [[state, t] for t in texts])
+    assert [(r.error, r.tool_calls, r.bad_stats) for r in results[:3]] == [
+        (None, (), False), (None, (("calc", None), (None, "parse_error")), False), (None, (), False)]
+    for r in results[3:-1]:  # the step stands; its statistics are dropped and flagged
+        assert (r.error, r.tool_calls, r.bad_stats) == (None, (), True) and r.value[2]["seen"] == 1
+    assert results[-1].error == "bad_result"  # five elements: not a step result
 
 
 def test_reset_errors_are_labelled(envs):

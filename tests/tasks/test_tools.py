@@ -20,6 +20,7 @@ from tasks.tools import (
     ToolCall,
     ToolCallError,
     ToolEnv,
+    answer_tool_calls,
     function_schema,
     parse_tool_calls,
     run_tool_calls,
@@ -93,7 +94,12 @@ def test_every_failure_is_answered_as_a_tool_error_message():
     calls = parse_tool_calls(call("lookup", city="Oslo") + call("lookup") + call("lookup", city=3)
                              + call("lookup", city="x", color="red") + call("nope") + call("lookup", city="nowhere")
                              + "<tool_call>{oops}</tool_call>")
-    out = run_tool_calls([LOOKUP], calls)
+    out, records = answer_tool_calls([LOOKUP], calls)
+    assert out == run_tool_calls([LOOKUP], calls)
+    assert records == [{"name": "lookup", "error": None}, {"name": "lookup", "error": "bad_arguments"},
+                       {"name": "lookup", "error": "bad_arguments"}, {"name": "lookup", "error": "bad_arguments"},
+                       {"name": "nope", "error": "unknown_tool"}, {"name": "lookup", "error": "tool_raised"},
+                       {"name": None, "error": "parse_error"}]
     assert [m["role"] for m in out] == ["tool"] * 7
     assert json.loads(out[0]["content"]) == {"city": "Oslo", "days": 1, "metric": True} and out[0]["name"] == "lookup"
     assert all(m["content"].startswith("Error: ") for m in out[1:])
@@ -102,6 +108,8 @@ def test_every_failure_is_answered_as_a_tool_error_message():
     assert "KeyError" in out[5]["content"] and out[6]["name"] == "error" and "not valid JSON" in out[6]["content"]
     many = run_tool_calls([LOOKUP], [ToolCall("lookup", {"city": "a"})] * (MAX_TOOL_CALLS_PER_TURN + 3))
     assert len(many) == MAX_TOOL_CALLS_PER_TURN + 1 and "3 were not run" in many[-1]["content"]
+    records = answer_tool_calls([LOOKUP], [ToolCall("lookup", {"city": "a"})] * (MAX_TOOL_CALLS_PER_TURN + 3))[1]
+    assert [r["error"] for r in records] == [None] * MAX_TOOL_CALLS_PER_TURN + ["too_many_calls"] * 3
 
 
 @pytest.mark.parametrize("expression, value", [
@@ -128,10 +136,12 @@ def test_calculator_refuses_anything_but_bounded_arithmetic(expression, match):
 def test_tool_env_ends_on_an_answer_and_scores_it():
     env = ToolEnv([LOOKUP], lambda text, info: float(text.strip() == info["answer"]), format_weight=0.5)
     state = env.reset({"answer": "42"})
-    messages, done, state = env.step(state, call("lookup", city="Oslo") + "<tool_call>{bad}</tool_call>")
+    messages, done, state, stats = env.step(state, call("lookup", city="Oslo") + "<tool_call>{bad}</tool_call>")
     assert not done and [m["name"] for m in messages] == ["lookup", "error"]
+    assert stats == {"tool_calls": [{"name": "lookup", "error": None}, {"name": None, "error": "parse_error"}]}
     assert (state["tool_calls"], state["tool_errors"]) == (2, 1) and env.reward(state) == 0.0  # no answer yet
-    messages, done, state = env.step(state, "42")
+    messages, done, state, stats = env.step(state, "42")
+    assert stats == {"tool_calls": []}
     assert done and messages == [] and env.reward(state) == 1.0  # an error earlier: no format term
     clean = env.step(env.reset({"answer": "42"}), "42")[2]
     assert env.reward(clean) == 1.5 and env.reward(env.step(env.reset({"answer": "1"}), "42")[2]) == 0.5
