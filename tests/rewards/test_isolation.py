@@ -20,6 +20,7 @@ from prometheus_client import REGISTRY
 from bus.messages import RolloutGroup
 from rewards.isolation import InProcessScorer, IsolatedScorer
 from rewards.worker import RewardWorker
+from tests.processes import running
 
 TIMEOUT_S = 0.5
 SLACK_S = 2.0  # on top of TIMEOUT_S: kill + restart of a child on a loaded 2-core host
@@ -29,16 +30,9 @@ def ref(fn: str) -> str:
     return f"{reward_fns.__name__}:{fn}"
 
 
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def gone_within(pids: list[int], timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
-    while any(alive(p) for p in pids):
+    while any(running(p) for p in pids):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.02)
@@ -73,7 +67,7 @@ def make_scorer():
     for scorer in made:
         pids = scorer.pids()
         scorer.close()
-        assert not any(alive(p) for p in pids)
+        assert not any(running(p) for p in pids)
 
 
 def test_registry_name_scores_like_in_process(make_scorer):
@@ -98,7 +92,7 @@ def test_failure_scores_zero_and_scorer_recovers(make_scorer, text, label, repla
     [got] = scorer.score([text], {})
     assert (got.rewards, got.errors) == ([0.0], [label])
     [new_pid] = scorer.pids()
-    assert (new_pid != pid) == replaced and alive(new_pid)
+    assert (new_pid != pid) == replaced and running(new_pid)
     assert not replaced or gone_within([pid], 1.0)  # the hung or dead child is reaped, not left behind
     [got] = scorer.score(["abc", "de"], {})  # the same scorer still works
     assert (got.rewards, got.errors) == ([3.0, 2.0], [None, None])
@@ -181,10 +175,10 @@ def test_close_stops_every_child_and_is_idempotent():
     scorer = IsolatedScorer([ref("by_text")], timeout_s=TIMEOUT_S, num_procs=3)
     scorer.score(["sleep", "a"], {})  # one child replaced on the way
     pids = scorer.pids()
-    assert len(pids) == 3 and all(alive(p) for p in pids)
+    assert len(pids) == 3 and all(running(p) for p in pids)
     scorer.close()
     scorer.close()
-    assert not any(alive(p) for p in pids)
+    assert not any(running(p) for p in pids)
     assert not set(pids) & {p.pid for p in psutil.Process().children()}
 
 
@@ -200,7 +194,7 @@ def test_killed_worker_takes_its_hung_children_along():
     try:
         pids = json.loads(worker.stdout.readline())
         time.sleep(0.3)  # both samples handed out
-        assert len(pids) == 2 and all(alive(p) for p in pids)
+        assert len(pids) == 2 and all(running(p) for p in pids)
     finally:
         worker.kill()
         worker.wait()
