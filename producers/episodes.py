@@ -94,7 +94,8 @@ def env_turn_ids(tokenizer: Any, messages: list[dict[str, str]], tools: list[dic
 class Episode:
     """One sample's trajectory so far: ``token_ids``, ``logprobs``, ``versions`` and ``model_mask``
     (True on model tokens), one entry per completion token; the env ``state``; ``turns`` (model
-    turns); ``tool_calls`` (as the environment's step statistics reported them); ``finish`` (the last model turn's finish reason, or ``"env_error: <label>"``)."""
+    turns); ``tool_calls`` (as the environment's step statistics reported them); ``finish`` (the
+    last model turn's finish reason, or ``"env_error: <label>"``)."""
 
     state: dict | None = None
     token_ids: list[int] = dataclasses.field(default_factory=list)
