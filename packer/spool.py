@@ -221,7 +221,7 @@ class Spool:
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "wb") as f:
             for kind, body in records:
-                f.write(_frame(kind, body))
+                f.write(frame_record(kind, body))
             f.flush()
             os.fsync(f.fileno())
         self._file.close()
@@ -243,7 +243,7 @@ class Spool:
     # -- internals -------------------------------------------------------------------------------
 
     def _write(self, kind: str, body: Any, *, sync: bool, group: ScoredGroup | None = None) -> None:
-        record = _frame(kind, body)
+        record = frame_record(kind, body)
         self._file.write(record)
         self._file.flush()
         if sync:
@@ -284,7 +284,7 @@ class Spool:
         data = self.path.read_bytes()
         offset = 0
         while offset < len(data):
-            record = _unframe(data, offset)
+            record = read_record(data, offset)
             if record is None:
                 break
             (kind, body), end = record
@@ -301,12 +301,12 @@ class Spool:
         return offset
 
 
-def _frame(kind: str, body: Any) -> bytes:
+def frame_record(kind: str, body: Any) -> bytes:
     payload = msgpack.packb([kind, body], use_bin_type=True)
     return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
 
 
-def _unframe(data: bytes, offset: int) -> tuple[tuple[str, Any], int] | None:
+def read_record(data: bytes, offset: int) -> tuple[tuple[str, Any], int] | None:
     """The record at ``offset`` and the offset after it, or None if it is cut short or damaged."""
     if offset + _HEADER.size > len(data):
         return None
