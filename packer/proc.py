@@ -23,7 +23,7 @@ numbers and micro-batch ids: the trainer dedupes them and its custody rules hold
 step not yet released; the micro-batches a restarted trainer or a live one already holds are
 acknowledged again, those of steps its checkpoint covers are released untrained. A resumed run
 without a spool numbers steps from the trainer's latest checkpoint
-(:func:`packer.spool.checkpoint_step`): every prompt of a later step, and every group the lost
+(:func:`bus.checkpoints.checkpoint_step`): every prompt of a later step, and every group the lost
 packer had buffered, has no outcome in the ledger and is re-issued by the prompt source; the
 groups the surviving lineage trained below that step are marked seen
 (:func:`packer.spool.trained_group_ids`), so a copy re-issued before the trainer's re-announced
@@ -149,6 +149,7 @@ class PackerProc(Component):
             log.info("eval state from the spool: %d closed round(s) %s to publish again, %d open round(s) %s",
                      len(self.eval_spool.results), sorted(self.eval_spool.results), len(self.evaluation.rounds),
                      {r: len(st.received) + len(st.failed) for r, st in sorted(self.evaluation.rounds.items())})
+        self._answered_late: set[int] = set()
         self._republish_at = [time.monotonic() + d for d in (0.0, *REANNOUNCE_DELAYS_S)] if self.eval_spool.results else []
         self.meter = StageMeter("packer")
         self.samples_log = SamplesLog(self.run_dir / "samples.jsonl", cfg.report.samples_interval, cfg.report.samples_per_step)
@@ -189,6 +190,15 @@ class PackerProc(Component):
                 for result in results:
                     self.control_out.send(result)
 
+    def _answer_late(self, round_: int) -> None:
+        """A group of closed round ``round_`` arrived (the round was issued again by a restarted
+        prompt source): publish the round's stored results once more, once per packer run, so the
+        source (and a trainer that missed them) learn the round is done."""
+        if round_ not in self._answered_late:
+            self._answered_late.add(round_)
+            for result in self.eval_spool.results.get(round_, []):
+                self.control_out.send(result)
+
     def _take(self, group: ScoredGroup) -> None:
         """Decide on one received group, announce a drop, then release custody upstream."""
         if group.is_eval:
@@ -200,6 +210,8 @@ class PackerProc(Component):
             EVAL_GROUPS.labels(decision).inc()
             if decision == "taken":
                 self.eval_spool.taken(group)  # durable before custody is released upstream
+            elif decision == "late":
+                self._answer_late(group.eval_round)
             self.scored.done(group.id)
             self._publish_eval(closed)
             return

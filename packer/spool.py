@@ -55,6 +55,7 @@ from typing import Any, BinaryIO
 
 import msgpack
 
+from bus.checkpoints import checkpoint_step  # noqa: F401 - re-exported: the packer numbers steps from it
 from bus.codec import decode, encode
 from bus.durable import fsync_dir
 from bus.messages import ScoredGroup
@@ -68,25 +69,9 @@ COMPACT_MIN_BYTES = 64 * 2**20
 """Dead bytes below which the spool is never compacted (64 MiB)."""
 _HEADER = struct.Struct("<II")
 _MAX_RECORD = 2**31
-CHECKPOINTS_DIR = "checkpoints"
-"""The trainer's checkpoint root under the run directory (``step_NNNNNN/`` with a ``DONE`` file)."""
 TRAINED_SAMPLES = "trained_samples.jsonl"
 """The trainer's record of trained samples under the run directory (one JSON line per step,
 ``{"step": s, "sample_ids": ["{group_id}/{j}", ...], ...}``; :mod:`trainer.proc`)."""
-
-
-def checkpoint_step(run_dir: str | os.PathLike[str]) -> int:
-    """The step of the trainer's latest complete checkpoint in ``run_dir`` (``checkpoints/step_N``
-    holding a ``DONE`` file, the layout of :mod:`trainer.checkpoint`), or 0 if there is none:
-    the step a resumed run's packer numbers from when it has no spool."""
-    root = Path(run_dir) / CHECKPOINTS_DIR
-    steps = [0]
-    if root.is_dir():
-        for p in root.iterdir():
-            name = p.name
-            if name.startswith("step_") and name[5:].isdigit() and (p / "DONE").is_file():
-                steps.append(int(name[5:]))
-    return max(steps)
 
 
 def trained_group_ids(run_dir: str | os.PathLike[str], below_step: int) -> list[str]:

@@ -2,15 +2,18 @@
 
 Sockets: a reliable sender ``prompts`` (bound; producers pull), a reliable receiver ``outcomes``
 (bound; ``groups.trained`` from the trainer, ``groups.dropped`` from the packer and producers),
-the control SUB (``weights.applied``, ``run.done``).
+the control SUB (``weights.applied``, ``eval.result``, ``run.done``).
 
 Accounting. Every issue and every outcome (``groups.trained`` from the trainer, ``groups.dropped``
 from the packer and producers) goes through the :class:`prompts.accounting.Ledger`, journaled to
 ``RUN_DIR/ledger.jsonl``. A restarted prompt source (``RLBUS_RESTARTS >= 1``) or a resumed run
 (``RLBUS_RESUME=1``, or simply an existing journal: a fresh run starts in an empty run dir)
 rebuilds the ledger, re-issues the prompts still without outcome first (same id and content: a
-prompt is a pure function of its issue index; downstream dedupe by id makes a copy harmless), then
-goes on issuing. A restarted source also restores the producers' applied versions journaled since
+prompt is a pure function of its issue index; downstream dedupe by id makes a copy harmless;
+paced like new prompts: a re-issue of step ``s`` waits for ``policy_version >= s -
+max_async_level`` and for room in the ``prompts`` outbox), then goes on issuing. Eval rounds
+issued before the restart without an ``eval.result`` of every task are issued again
+(:mod:`prompts.eval_rounds`); a resumed run journals its checkpoint step in its ``start`` note. A restarted source also restores the producers' applied versions journaled since
 the run (re)started, and then hears every producer's latest ``weights.applied`` from the hub's
 catch-up (:mod:`bus.hub` caches it per producer), which covers announcements made while the source
 was down; a repeat of a version already known is ignored. A resumed run does not restore (its
@@ -27,9 +30,10 @@ import logging
 
 from prometheus_client import Counter, Gauge
 
+from bus.checkpoints import checkpoint_step
 from bus.component import Component, component_main
 from bus.launch_env import ENV_RESTARTS, ENV_RESUME
-from bus.messages import GroupsDropped, GroupsTrained, Prompt, RunDone, WeightsApplied
+from bus.messages import EvalResult, GroupsDropped, GroupsTrained, Prompt, RunDone, WeightsApplied
 from bus.metrics import POLICY_VERSION
 from prompts.accounting import OUTCOMES, Ledger
 from prompts.applied_versions import applied_since_start
@@ -69,6 +73,7 @@ class PromptSourceProc(Component):
         task = get_task(cfg.task.name, cfg.task)
         examples = load_task_examples(task, "train", cfg.task.num_train_examples, cfg.task.seed)
         max_steps = cfg.trainer.max_steps
+        resume_step = checkpoint_step(self.run_dir) if resume else None
         self.ledger = Ledger(self.run_dir)
         self.source = PromptSource(
             examples,
@@ -82,6 +87,7 @@ class PromptSourceProc(Component):
             system_prompt=task.system_prompt,
             temperature=lambda step: temperature_at(cfg.sampling, step, max_steps),
             eval_rounds=build_eval_rounds(cfg),
+            resume_step=resume_step,
         )
         if self.ledger.replayed:
             log.info(
@@ -92,7 +98,7 @@ class PromptSourceProc(Component):
                 self.source.restore_applied(applied_since_start(self.ledger.notes))
         elif resume or restarts:
             log.warning("%s/%s set but no ledger journal in %s: starting from scratch", ENV_RESTARTS, ENV_RESUME, self.run_dir)
-        self.ledger.note("start", restarts=restarts, resume=resume)
+        self.ledger.note("start", restarts=restarts, resume=resume, checkpoint_step=resume_step)
         self._synced = {"issued": 0, "reissued": 0, **dict.fromkeys(OUTCOMES, 0)}
         self._sync_metrics()
         self.prompts = self.reliable_sender("prompts", self.endpoints.address("prompts"), bind=True)
@@ -120,6 +126,8 @@ class PromptSourceProc(Component):
         while msg is not None:
             if isinstance(msg, WeightsApplied) and not self._known_applied(msg):
                 self.source.on_weights_applied(msg.producer, msg.version)
+            elif isinstance(msg, EvalResult):
+                self.source.on_eval_result(msg.round, msg.task)
             elif isinstance(msg, RunDone):
                 # the trainer sent run.done once its own outcomes were recorded; wait briefly for
                 # reports of the other senders still on their way

@@ -66,6 +66,12 @@ def test_a_round_cut_by_a_packer_restart_is_reported_once_and_as_without_it(live
     assert 2 in proc.evaluation.closed and proc.evaluation.rounds == {}
     again = results_of(live, 2)  # re-sent at start and at each re-announce delay: the same messages
     assert {key(r): r.id for r in again} == {key(r): r.id for r in got}
+    wait_until(lambda: not proc._republish_at, "the start's re-publications done")
+    live.announcements(quiet_s=0.5)
+    assert worker.send(GROUPS[1], timeout_s=WAIT_S)  # the round issued again by a restarted prompt source
+    late = results_of(live, 2)  # answered with the stored results once more
+    assert {key(r): r.id for r in late} == {key(r): r.id for r in got} and len(late) == 2
+    wait_until(lambda: worker.unfinished() == 0, "the late group released")
     stop_packer(proc, thread)
 
 

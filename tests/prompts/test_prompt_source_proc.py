@@ -215,3 +215,39 @@ def test_proc_ignores_a_repeated_applied_version(harness, monkeypatch, tmp_path)
     assert not thread.is_alive(), "run.done did not end the prompt source's loop"
     notes = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
     assert [(n["producer"], n["version"]) for n in notes if n["event"] == "applied"] == [("producer-0", 1)]
+
+
+def test_a_resumed_source_re_issues_unresolved_prompts_step_by_step(new_harness, monkeypatch):
+    """A journal with 10 unresolved prompts (steps 0..4): the resumed source sends the re-issues
+    through the async gate, so the bus (its outbox and the producer) holds only the admitted steps'
+    prompts, never the whole backlog; the rest follow as the producers' version advances."""
+    monkeypatch.delenv("RLBUS_RESUME", raising=False)
+    monkeypatch.delenv("RLBUS_RESTARTS", raising=False)
+    h = new_harness(["trainer.batch_size=4", "producers.group_size=2", "max_async_level=1", "trainer.max_steps=10",
+                     "eval.enabled=false"])
+    source = h.start()
+    producer = h.producer()
+    for v in range(4):
+        h.publish(WeightsApplied(id=new_id(), producer="producer-0", version=v, apply_time_s=0.1))
+        take(producer, 4 if v == 0 else 2)  # version 0: steps 0 and 1; then one more step per version
+    h.kill(source)  # 10 prompts issued (steps 0..4), none with an outcome
+    old = h.couriers.pop()  # and the producer goes too (a resumed run starts new ones)
+    old.stop.set()
+    old.close()
+    old.ctx.destroy(linger=0)
+
+    monkeypatch.setenv("RLBUS_RESUME", "1")  # a resumed run: new producers, versions not restored
+    resumed = h.start()
+    producer2 = h.producer()
+    got = []
+    deadline = time.monotonic() + WAIT_S
+    while len(got) < 4:  # version 0 (no announcement yet), level 1: steps 0 and 1 only
+        assert time.monotonic() < deadline, f"got {[p.id for p in got]}"
+        if (msg := producer2.recv(timeout_s=0.1)) is not None:
+            got.append(msg)  # taken, not done: it stays in the source's outbox until done
+    assert producer2.recv(timeout_s=0.5) is None
+    assert [p.step for p in got] == [0, 0, 1, 1] and resumed.prompts.unfinished() == 4
+    assert len(resumed.source.reissue) == 6  # the backlog waits in the source, not on the bus
+    producer2.done(*[p.id for p in got])
+    h.publish(WeightsApplied(id=new_id(), producer="producer-0", version=3, apply_time_s=0.1))
+    assert [p.step for p in take(producer2, 6)] == [2, 2, 3, 3, 4, 4]
