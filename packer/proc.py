@@ -41,8 +41,10 @@ every new failure are fsynced before the group is released upstream, and a close
 results before the packer publishes them (one ``eval.result`` per task). A restarted packer
 rebuilds its open rounds from it, closes (and publishes) a round that was complete but
 unpublished, and publishes the stored results of closed rounds again (at start and at
-``bus.control.REANNOUNCE_DELAYS_S``; receivers keep one per (round, task)); a group of a closed
-round is released at once. A resumed packer forgets the rounds above the checkpoint step (they
+``bus.control.REANNOUNCE_DELAYS_S``; receivers keep one per (round, task)), as it does when a
+``weights.ready`` goes back to a lower version (the trainer restarted from a checkpoint and may
+have missed some); a group of a closed round is released at once and answered with its round's
+stored results (once per packer run: a restarted prompt source issued the round again). A resumed packer forgets the rounds above the checkpoint step (they
 are evaluated again). Eval groups get no outcome: they are not in the ledger.
 
 Backpressure: ``batches.send`` blocks while the trainer has not taken the previous micro-batches
@@ -67,7 +69,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from bus.component import Component, component_main
 from bus.control import REANNOUNCE_DELAYS_S
-from bus.messages import GroupsDropped, GroupsTrained, MicroBatch, RunDone, ScoredGroup, new_id
+from bus.messages import GroupsDropped, GroupsTrained, MicroBatch, RunDone, ScoredGroup, WeightsReady, new_id
 from bus.metrics import StageMeter
 from packer.eval_spool import EvalSpool
 from packer.evaluation import EvalAggregator, RoundResult
@@ -150,6 +152,7 @@ class PackerProc(Component):
                      len(self.eval_spool.results), sorted(self.eval_spool.results), len(self.evaluation.rounds),
                      {r: len(st.received) + len(st.failed) for r, st in sorted(self.evaluation.rounds.items())})
         self._answered_late: set[int] = set()
+        self._trainer_version = -1  # newest weights.ready version seen (a drop: the trainer restarted)
         self._republish_at = [time.monotonic() + d for d in (0.0, *REANNOUNCE_DELAYS_S)] if self.eval_spool.results else []
         self.meter = StageMeter("packer")
         self.samples_log = SamplesLog(self.run_dir / "samples.jsonl", cfg.report.samples_interval, cfg.report.samples_per_step)
@@ -189,6 +192,17 @@ class PackerProc(Component):
             for results in self.eval_spool.results.values():
                 for result in results:
                     self.control_out.send(result)
+
+    def _watch_trainer(self, version: int) -> None:
+        """A ``weights.ready`` of a lower version than one seen before: the trainer restarted from
+        a checkpoint and may have missed results published while it was down; publish the stored
+        results again (on the same schedule as after the packer's own restart)."""
+        if version < self._trainer_version and self.eval_spool.results:
+            log.info("the trainer went back to version %d (from %d): publishing %d stored eval round(s) again",
+                     version, self._trainer_version, len(self.eval_spool.results))
+            now = time.monotonic()
+            self._republish_at = [now + d for d in (0.0, *REANNOUNCE_DELAYS_S)]
+        self._trainer_version = version
 
     def _answer_late(self, round_: int) -> None:
         """A group of closed round ``round_`` arrived (the round was issued again by a restarted
@@ -233,6 +247,8 @@ class PackerProc(Component):
                 return True
             if isinstance(msg, GroupsTrained):
                 self._released(msg.step)
+            if isinstance(msg, WeightsReady):
+                self._watch_trainer(msg.version)
             if isinstance(msg, GroupsDropped):
                 for closed in self.evaluation.add_failed(self.eval_spool.failed(msg.group_ids)):
                     self._publish_eval(closed)

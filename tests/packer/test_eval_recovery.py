@@ -1,16 +1,18 @@
 """A packer stopped and restarted in the middle of an eval round (a real PackerProc on a real
 control hub and real couriers; the restart rebuilds from ``RUN_DIR/packer/eval.bin``): the round's
 result is published once from the new packer and equals what the same groups give without a
-restart; a restart after the round closed publishes the stored result again (identical), and a
-resumed packer forgets rounds above the checkpoint step."""
+restart; a restart after the round closed, a late group of the round and a trainer whose version
+goes back each make it publish the stored result again (the same messages), and a resumed packer
+forgets rounds above the checkpoint step."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from bus.messages import EvalResult, GroupsDropped, new_id
+from bus.messages import EvalResult, GroupsDropped, WeightsReady, new_id
 from packer.evaluation import EvalAggregator
 from tests.packer.test_packer_proc import WAIT_S, eval_group, start_packer, stop_packer, wait_until
 
@@ -19,6 +21,7 @@ pytest_plugins = ["tests.packer.test_packer_proc"]  # the ``live`` fixture
 GROUPS = [eval_group(2, "reverse_text", 0, [1, 0], 4), eval_group(2, "reverse_text", 1, [0, 0], 4),
           eval_group(2, "countdown", 0, [1, 1], 4)]
 FAILED = "e000002-countdown-00001"
+WEIGHTS = WeightsReady(id="w", version=0, method="filesystem", manifest=[], path="", num_bytes=0)
 
 
 def results_of(live, until: int) -> list[EvalResult]:
@@ -72,6 +75,11 @@ def test_a_round_cut_by_a_packer_restart_is_reported_once_and_as_without_it(live
     late = results_of(live, 2)  # answered with the stored results once more
     assert {key(r): r.id for r in late} == {key(r): r.id for r in got} and len(late) == 2
     wait_until(lambda: worker.unfinished() == 0, "the late group released")
+    # the trainer restarted from a checkpoint (its weights.ready goes back): published once more
+    for version in (5, 3):
+        assert live.pub.send(dataclasses.replace(WEIGHTS, id=f"w-{version}", version=version))
+    wait_until(lambda: proc._trainer_version == 3, "both weights.ready seen")
+    assert {key(r): r.id for r in results_of(live, 2)} == {key(r): r.id for r in got}
     stop_packer(proc, thread)
 
 
