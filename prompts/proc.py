@@ -2,7 +2,8 @@
 
 Sockets: a reliable sender ``prompts`` (bound; producers pull), a reliable receiver ``outcomes``
 (bound; ``groups.trained`` from the trainer, ``groups.dropped`` from the packer and producers),
-the control SUB (``weights.applied``, ``eval.result``, ``run.done``).
+the control SUB (``weights.applied``, ``eval.result``, ``run.done``), a control PUB (failed eval
+groups of rounds without a result, announced again every :data:`EVAL_FAILURES_EVERY_S`).
 
 Accounting. Every issue and every outcome (``groups.trained`` from the trainer, ``groups.dropped``
 from the packer and producers) goes through the :class:`prompts.accounting.Ledger`, journaled to
@@ -27,13 +28,14 @@ Run as ``python -m prompts.proc --run-dir RUN_DIR --name prompt-source`` (the su
 from __future__ import annotations
 
 import logging
+import time
 
 from prometheus_client import Counter, Gauge
 
 from bus.checkpoints import checkpoint_step
 from bus.component import Component, component_main
 from bus.launch_env import ENV_RESTARTS, ENV_RESUME
-from bus.messages import EvalResult, GroupsDropped, GroupsTrained, Prompt, RunDone, WeightsApplied
+from bus.messages import EvalResult, GroupsDropped, GroupsTrained, Prompt, RunDone, WeightsApplied, new_id
 from bus.metrics import POLICY_VERSION
 from prompts.accounting import OUTCOMES, Ledger
 from prompts.applied_versions import applied_since_start
@@ -57,6 +59,8 @@ for _outcome in OUTCOMES:
 
 END_QUIET_S = 0.5
 """At run.done, outcome reports are drained until none arrived for this long, seconds."""
+EVAL_FAILURES_EVERY_S = 5.0
+"""Period of the re-announcement of failed eval groups of rounds without a result, seconds."""
 
 
 class PromptSourceProc(Component):
@@ -106,7 +110,22 @@ class PromptSourceProc(Component):
             "outcomes", self.endpoints.address("outcomes"), bind=True, accept=(GroupsDropped, GroupsTrained)
         )
         self.control = self.control_subscriber()
+        self.control_out = self.control_publisher()
         self.pending: Prompt | None = None
+        self._failures_due = time.monotonic() + EVAL_FAILURES_EVERY_S
+
+    def _reannounce_eval_failures(self) -> None:
+        """Every :data:`EVAL_FAILURES_EVERY_S`: publish the failed eval groups of rounds without a
+        result again (one ``groups.dropped``): the packer counts failures from the control channel,
+        a packer restarted after the producer's announcement missed it, and the round could never
+        complete. The packer counts an id once; the ledger never sees these (control only)."""
+        now = time.monotonic()
+        if now < self._failures_due:
+            return
+        self._failures_due = now + EVAL_FAILURES_EVERY_S
+        ids = self.source.open_eval_failures()
+        if ids:
+            self.control_out.send(GroupsDropped(id=new_id(), group_ids=ids, reason="failed: announced again by the prompt source"))
 
     def _sync_metrics(self) -> None:
         """Bring the accounting metrics up to the ledger (counters by their increase since the last sync)."""
@@ -164,6 +183,7 @@ class PromptSourceProc(Component):
                     PROMPTS_SENT.inc()
                     self.pending = None
                 self._handle_outcomes()
+                self._reannounce_eval_failures()
                 running = self._handle_control(timeout_s=0.2 if self.pending is None and not self.source.may_issue() else 0)
                 self._sync_metrics()
                 self.ledger.maybe_write_accounting()

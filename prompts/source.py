@@ -47,7 +47,7 @@ from typing import Any, Callable
 
 from prometheus_client import Counter
 
-from bus.eval_ids import is_eval_id
+from bus.eval_ids import is_eval_id, parse_eval_id
 from bus.messages import Prompt
 from prompts.accounting import Ledger
 from prompts.applied_versions import AppliedVersions
@@ -124,6 +124,7 @@ class PromptSource:
         self.temperature = temperature or (lambda step: 1.0)
         self.eval_rounds = eval_rounds
         self.eval_reissue: set[int] = set()
+        self.eval_failed: dict[int, set[str]] = {}  # round without result -> its failed eval group ids
         if eval_rounds is not None:
             self.eval_reissue = set(eval_rounds.restore(self.ledger.notes, resume_step))
             if self.eval_reissue:
@@ -170,6 +171,7 @@ class PromptSource:
         if self.eval_rounds is not None and self.eval_rounds.on_result(round_, task):
             self.ledger.note("eval_done", round=round_)
             self.eval_reissue.discard(round_)
+            self.eval_failed.pop(round_, None)
 
     def _admitted(self, step: int) -> bool:
         """A prompt of ``step`` may go out: ``policy_version >= step - max_async_level``."""
@@ -237,5 +239,17 @@ class PromptSource:
     def on_dropped(self, group_ids: list[str], reason: str) -> int:
         """``group_ids`` will never train (``reason``: ``"stale"``, ``"filtered: ..."``, ``"failed:
         ..."``, ...). Returns the replacements owed: one per newly resolved issued id (repeats,
-        conflicts and unknown ids owe none; eval ids are ignored: the packer counts them)."""
+        conflicts and unknown ids owe none; eval ids are not the ledger's: the packer counts them,
+        and they are kept in :attr:`eval_failed` while their round has no result)."""
+        if self.eval_rounds is not None:
+            for gid in group_ids:
+                parsed = parse_eval_id(gid)
+                if parsed is not None and parsed[0] not in self.eval_rounds.done:
+                    self.eval_failed.setdefault(parsed[0], set()).add(gid)
         return len(self.ledger.on_dropped([g for g in group_ids if not is_eval_id(g)], reason))
+
+    def open_eval_failures(self) -> list[str]:
+        """Failed eval groups of rounds without a result yet, sorted: the prompt source announces
+        them again on the control channel (:mod:`prompts.proc`), since the packer counts failures
+        from there and one restarted meanwhile missed the producer's announcement."""
+        return sorted(g for ids in self.eval_failed.values() for g in ids)

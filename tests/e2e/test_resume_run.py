@@ -16,8 +16,9 @@ every issued prompt has exactly one outcome, the trained groups are exactly the 
 
 Both runs evaluate online (the eval spool, :mod:`packer.eval_spool`, and the prompt source's eval
 journal, :mod:`prompts.eval_rounds`): every eval round of the run is reported exactly once in
-metrics.jsonl, also when a kill cut it (the packer run evaluates every 7 steps, so its second kill,
-at step 7, lands while round 7 is being sampled).
+metrics.jsonl, also across the kills (the packer run also evaluates every 7 steps, so rounds are
+issued around its second kill; a kill in the middle of a round is tested on the component level,
+``tests/packer/test_eval_recovery.py``).
 """
 
 from __future__ import annotations
