@@ -44,7 +44,8 @@ unpublished, and publishes the stored results of closed rounds again (at start a
 ``bus.control.REANNOUNCE_DELAYS_S``; receivers keep one per (round, task)), as it does when a
 ``weights.ready`` goes back to a lower version (the trainer restarted from a checkpoint and may
 have missed some); a group of a closed round is released at once and answered with its round's
-stored results (once per packer run: a restarted prompt source issued the round again). A resumed packer forgets the rounds above the checkpoint step (they
+stored results (once per packer run: a restarted prompt source issued the round again), and
+after a control hub restart (``ControlPublisher.reconnects`` grew). A resumed packer forgets the rounds above the checkpoint step (they
 are evaluated again). Eval groups get no outcome: they are not in the ledger.
 
 Backpressure: ``batches.send`` blocks while the trainer has not taken the previous micro-batches
@@ -153,7 +154,9 @@ class PackerProc(Component):
                      {r: len(st.received) + len(st.failed) for r, st in sorted(self.evaluation.rounds.items())})
         self._answered_late: set[int] = set()
         self._trainer_version = -1  # newest weights.ready version seen (a drop: the trainer restarted)
-        self._republish_at = [time.monotonic() + d for d in (0.0, *REANNOUNCE_DELAYS_S)] if self.eval_spool.results else []
+        self._hub_reconnects = 0
+        self._republish_at: list[float] = []
+        self._schedule_republish("the packer restarted")
         self.meter = StageMeter("packer")
         self.samples_log = SamplesLog(self.run_dir / "samples.jsonl", cfg.report.samples_interval, cfg.report.samples_per_step)
         self.scored = self.reliable_receiver("scored", self.endpoints.address("scored"), bind=True, accept=(ScoredGroup,))
@@ -186,7 +189,11 @@ class PackerProc(Component):
     def _republish_eval(self) -> None:
         """Publish the results of the rounds closed before a restart again (at start and at
         ``bus.control.REANNOUNCE_DELAYS_S`` after it: a PUB drops until its hub link is up); the
-        trainer and the prompt source ignore a (round, task) they already have."""
+        trainer and the prompt source ignore a (round, task) they already have. Also scheduled
+        after the control hub restarted (a result published while it was down is lost)."""
+        if self.control_out.reconnects > self._hub_reconnects:
+            self._hub_reconnects = self.control_out.reconnects
+            self._schedule_republish("the control hub restarted")
         if self._republish_at and time.monotonic() >= self._republish_at[0]:
             self._republish_at.pop(0)
             for results in self.eval_spool.results.values():
@@ -197,12 +204,16 @@ class PackerProc(Component):
         """A ``weights.ready`` of a lower version than one seen before: the trainer restarted from
         a checkpoint and may have missed results published while it was down; publish the stored
         results again (on the same schedule as after the packer's own restart)."""
-        if version < self._trainer_version and self.eval_spool.results:
-            log.info("the trainer went back to version %d (from %d): publishing %d stored eval round(s) again",
-                     version, self._trainer_version, len(self.eval_spool.results))
+        if version < self._trainer_version:
+            self._schedule_republish(f"the trainer went back to version {version} (from {self._trainer_version})")
+        self._trainer_version = version
+
+    def _schedule_republish(self, why: str) -> None:
+        """Publish the stored results of closed rounds again now and at ``REANNOUNCE_DELAYS_S``."""
+        if self.eval_spool.results:
+            log.info("publishing %d stored eval round(s) again: %s", len(self.eval_spool.results), why)
             now = time.monotonic()
             self._republish_at = [now + d for d in (0.0, *REANNOUNCE_DELAYS_S)]
-        self._trainer_version = version
 
     def _answer_late(self, round_: int) -> None:
         """A group of closed round ``round_`` arrived (the round was issued again by a restarted

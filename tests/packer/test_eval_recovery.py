@@ -1,17 +1,19 @@
 """A packer stopped and restarted in the middle of an eval round (a real PackerProc on a real
 control hub and real couriers; the restart rebuilds from ``RUN_DIR/packer/eval.bin``): the round's
 result is published once from the new packer and equals what the same groups give without a
-restart; a restart after the round closed, a late group of the round and a trainer whose version
-goes back each make it publish the stored result again (the same messages), and a resumed packer
-forgets rounds above the checkpoint step."""
+restart; a restart after the round closed, a late group of the round, a trainer whose version goes
+back and a control hub restart each make it publish the stored result again (the same messages),
+and a resumed packer forgets rounds above the checkpoint step."""
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from pathlib import Path
 
 import pytest
 
+from bus.hub import ControlHub
 from bus.messages import EvalResult, GroupsDropped, WeightsReady, new_id
 from packer.evaluation import EvalAggregator
 from tests.packer.test_packer_proc import WAIT_S, eval_group, start_packer, stop_packer, wait_until
@@ -97,4 +99,22 @@ def test_a_resumed_packer_forgets_rounds_above_the_checkpoint(live, monkeypatch)
     proc, thread = start_packer(live)
     assert (proc.evaluation.closed, proc.evaluation.rounds) == ({1}, {})
     assert {r.round for r in results_of(live, 1)} == {1}
+    stop_packer(proc, thread)
+
+
+def test_results_are_published_again_after_a_control_hub_restart(live):
+    worker = live.courier().sender("scored", live.endpoints.address("scored"), bind=False)
+    proc, thread = start_packer(live)
+    assert worker.send(eval_group(1, "reverse_text", 0, [1, 1], 1), timeout_s=WAIT_S)
+    (first,) = results_of(live, 1)
+    live.stop.set()  # the hub goes down (a result published now would be lost) and comes back
+    live.hub_thread.join(timeout=WAIT_S)
+    live.hub.inbound.close()
+    live.hub.outbound.close()
+    live.stop = threading.Event()
+    live.hub = ControlHub(live.ctx, live.endpoints.address("control_pub"), live.endpoints.address("control_sub"), live.stop)
+    live.hub_thread = threading.Thread(target=live.hub.run, daemon=True)
+    live.hub_thread.start()
+    wait_until(lambda: proc.control_out.reconnects >= 1, "the packer reconnected to the new hub")
+    assert {r.id for r in results_of(live, 1)} == {first.id}
     stop_packer(proc, thread)
