@@ -8,7 +8,9 @@ failed, which is announced in a ``groups.dropped`` on the control channel with i
 read ``e{round:06d}-{task}-{i:05d}``, :func:`bus.eval_ids.parse_eval_id`). Once the received plus
 failed groups of a round reach ``eval_size``, :class:`EvalAggregator` closes the round: one
 :class:`bus.messages.EvalResult` per task with :func:`eval_metrics`, and the ids of the received
-groups, whose custody the packer then releases (:mod:`packer.proc`).
+groups. The packer records every received group and failure, and each closed round, in its eval
+spool (:mod:`packer.eval_spool`), which replays them through :meth:`EvalAggregator.take` and
+:meth:`EvalAggregator.add_failed` after a restart.
 
 Invariants: a round is closed at most once; a group counts once (by id), also when it is
 re-delivered or announced failed as well as received (received wins); a group of a closed round
@@ -26,7 +28,7 @@ import numpy as np
 from bus.eval_ids import parse_eval_id
 from bus.messages import EvalResult, ScoredGroup, new_id
 
-__all__ = ["EvalAggregator", "EvalGroup", "RoundResult", "eval_metrics", "parse_eval_id"]
+__all__ = ["EvalAggregator", "EvalGroup", "RoundResult", "eval_metrics", "parse_eval_id", "summarize"]
 
 @dataclass(frozen=True)
 class EvalGroup:
@@ -77,6 +79,17 @@ def eval_metrics(groups: list[EvalGroup]) -> dict[str, float]:
     return metrics
 
 
+def summarize(group: ScoredGroup) -> EvalGroup:
+    """What the metrics need of a scored eval group (:class:`EvalGroup`, float64/int64 copies)."""
+    return EvalGroup(
+        rewards=np.asarray(group.rewards, np.float64),
+        completion_lens=np.asarray(group.completion_lens, np.int64),
+        reward_terms={name: list(map(float, scores)) for name, scores in group.reward_terms.items()},
+        version_min=int(group.version_start.min()),
+        version_max=int(group.version_end.max()),
+    )
+
+
 @dataclass(frozen=True)
 class RoundResult:
     """A closed eval round: one result per task, and the received group ids to release."""
@@ -123,18 +136,32 @@ class EvalAggregator:
         state = self.rounds.setdefault(r, _Round())
         if state.size and state.size != group.eval_size:
             raise ValueError(f"eval group {group.id} says round {r} has {group.eval_size} groups, earlier ones said {state.size}")
-        state.size = group.eval_size
         if group.id in state.received:
             return "duplicate", None
-        state.failed.pop(group.id, None)
-        state.received[group.id] = (group.task, EvalGroup(
-            rewards=np.asarray(group.rewards, np.float64),
-            completion_lens=np.asarray(group.completion_lens, np.int64),
-            reward_terms={name: list(map(float, scores)) for name, scores in group.reward_terms.items()},
-            version_min=int(group.version_start.min()),
-            version_max=int(group.version_end.max()),
-        ))
-        return "taken", self._close_if_complete(r)
+        return "taken", self.take(r, group.eval_size, group.id, group.task, summarize(group))
+
+    def take(self, round_: int, size: int, group_id: str, task: str, summary: EvalGroup) -> RoundResult | None:
+        """Count a received group of an open round (:meth:`add` after its checks, or a replay of
+        :mod:`packer.eval_spool`); returns the round if this completed it."""
+        state = self.rounds.setdefault(round_, _Round())
+        state.size = size
+        state.failed.pop(group_id, None)
+        state.received[group_id] = (task, summary)
+        return self._close_if_complete(round_)
+
+    def is_new_failure(self, group_id: str) -> bool:
+        """True if ``group_id`` is an eval id of an open round not yet counted (received or failed)."""
+        parsed = parse_eval_id(group_id)
+        if parsed is None or parsed[0] in self.closed:
+            return False
+        state = self.rounds.get(parsed[0])
+        return state is None or (group_id not in state.received and group_id not in state.failed)
+
+    def forget_above(self, round_: int) -> None:
+        """Forget every round ``> round_``, open or closed (a resume at checkpoint ``round_``: those
+        rounds evaluated the lost lineage and are evaluated again)."""
+        self.rounds = {r: s for r, s in self.rounds.items() if r <= round_}
+        self.closed = {r for r in self.closed if r <= round_}
 
     def add_failed(self, group_ids: list[str]) -> list[RoundResult]:
         """Count the eval groups among ``group_ids`` (a ``groups.dropped``) as failed; other ids

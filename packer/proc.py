@@ -23,7 +23,7 @@ numbers and micro-batch ids: the trainer dedupes them and its custody rules hold
 step not yet released; the micro-batches a restarted trainer or a live one already holds are
 acknowledged again, those of steps its checkpoint covers are released untrained. A resumed run
 without a spool numbers steps from the trainer's latest checkpoint
-(:func:`packer.spool.checkpoint_step`): every prompt of a later step, and every group the lost
+(:func:`bus.checkpoints.checkpoint_step`): every prompt of a later step, and every group the lost
 packer had buffered, has no outcome in the ledger and is re-issued by the prompt source; the
 groups the surviving lineage trained below that step are marked seen
 (:func:`packer.spool.trained_group_ids`), so a copy re-issued before the trainer's re-announced
@@ -35,10 +35,18 @@ group is still in the spool).
 
 Eval groups (``is_eval``) never reach :class:`Packer`: :class:`packer.evaluation.EvalAggregator`
 collects them per round, counting the failed ones announced (by any component) in a
-``groups.dropped`` on the control channel; when a round is complete the packer publishes one
-``eval.result`` per task on the control channel and only then calls ``scored.done`` on the
-round's groups, so a packer that dies before that gets them re-sent. A group of a round already
-published is released at once. Eval groups get no outcome: they are not in the ledger.
+``groups.dropped`` on the control channel. Eval state is durable like training groups
+(:mod:`packer.eval_spool`, ``RUN_DIR/packer/eval.bin``): a received eval group's summary and
+every new failure are fsynced before the group is released upstream, and a closed round's
+results before the packer publishes them (one ``eval.result`` per task). A restarted packer
+rebuilds its open rounds from it, closes (and publishes) a round that was complete but
+unpublished, and publishes the stored results of closed rounds again (at start and at
+``bus.control.REANNOUNCE_DELAYS_S``; receivers keep one per (round, task)), as it does when a
+``weights.ready`` goes back to a lower version (the trainer restarted from a checkpoint and may
+have missed some); a group of a closed round is released at once and answered with its round's
+stored results (once per packer run: a restarted prompt source issued the round again), and
+after a control hub restart (``ControlPublisher.reconnects`` grew). A resumed packer forgets the rounds above the checkpoint step (they
+are evaluated again). Eval groups get no outcome: they are not in the ledger.
 
 Backpressure: ``batches.send`` blocks while the trainer has not taken the previous micro-batches
 (the topic's bound); meanwhile this loop takes no more ``scored`` groups, so the reward workers'
@@ -56,12 +64,15 @@ the number of micro-batches and the unused share of their token budget (padding 
 from __future__ import annotations
 
 import logging
+import time
 
 from prometheus_client import Counter, Gauge, Histogram
 
 from bus.component import Component, component_main
-from bus.messages import GroupsDropped, GroupsTrained, MicroBatch, RunDone, ScoredGroup, new_id
+from bus.control import REANNOUNCE_DELAYS_S
+from bus.messages import GroupsDropped, GroupsTrained, MicroBatch, RunDone, ScoredGroup, WeightsReady, new_id
 from bus.metrics import StageMeter
+from packer.eval_spool import EvalSpool
 from packer.evaluation import EvalAggregator, RoundResult
 from packer.packer import DROP_REASONS, Packer, padding_ratio
 from packer.samples import SamplesLog
@@ -133,6 +144,19 @@ class PackerProc(Component):
             log.info("resumed from the spool: next step %d, %d group(s) seen, %d buffered, %d planned step(s) to send again",
                      state.next_step, len(state.seen), len(state.buffered), len(self.planned))
         self.evaluation = EvalAggregator()
+        self.eval_spool = EvalSpool(self.run_dir / SPOOL_DIR, self.evaluation)
+        SPOOL_TORN.inc(self.eval_spool.torn_records)
+        if self.launch.resume:  # rounds above the checkpoint evaluated the lost lineage: evaluated again
+            self.eval_spool.reset_above(first_step)
+        if self.eval_spool.results or self.evaluation.rounds:
+            log.info("eval state from the spool: %d closed round(s) %s to publish again, %d open round(s) %s",
+                     len(self.eval_spool.results), sorted(self.eval_spool.results), len(self.evaluation.rounds),
+                     {r: len(st.received) + len(st.failed) for r, st in sorted(self.evaluation.rounds.items())})
+        self._answered_late: set[int] = set()
+        self._trainer_version = -1  # newest weights.ready version seen (a drop: the trainer restarted)
+        self._hub_reconnects = 0
+        self._republish_at: list[float] = []
+        self._schedule_republish("the packer restarted")
         self.meter = StageMeter("packer")
         self.samples_log = SamplesLog(self.run_dir / "samples.jsonl", cfg.report.samples_interval, cfg.report.samples_per_step)
         self.scored = self.reliable_receiver("scored", self.endpoints.address("scored"), bind=True, accept=(ScoredGroup,))
@@ -152,15 +176,53 @@ class PackerProc(Component):
             self.control_out.send(msg)
 
     def _publish_eval(self, closed: RoundResult | None) -> None:
-        """Publish a closed eval round's results, then release its groups upstream."""
+        """Record a closed eval round's results in the eval spool, then publish them."""
         if closed is None:
             return
+        self.eval_spool.closed(closed)  # durable before published: a restart publishes the same again
         for result in closed.results:
             self.control_out.send(result)
             EVAL_RESULTS.inc()
-            log.info("eval round %d, %s: %d samples, %d failed groups, %s", result.round, result.task,
-                     result.num_samples, result.num_failed, result.metrics)
-        self.scored.done(*closed.group_ids)
+            log.info("eval round %d, %s: %d samples, %d failed groups, %s (policy versions %d..%d)", result.round,
+                     result.task, result.num_samples, result.num_failed, result.metrics, result.version_min, result.version_max)
+
+    def _republish_eval(self) -> None:
+        """Publish the results of the rounds closed before a restart again (at start and at
+        ``bus.control.REANNOUNCE_DELAYS_S`` after it: a PUB drops until its hub link is up); the
+        trainer and the prompt source ignore a (round, task) they already have. Also scheduled
+        after the control hub restarted (a result published while it was down is lost)."""
+        if self.control_out.reconnects > self._hub_reconnects:
+            self._hub_reconnects = self.control_out.reconnects
+            self._schedule_republish("the control hub restarted")
+        if self._republish_at and time.monotonic() >= self._republish_at[0]:
+            self._republish_at.pop(0)
+            for results in self.eval_spool.results.values():
+                for result in results:
+                    self.control_out.send(result)
+
+    def _watch_trainer(self, version: int) -> None:
+        """A ``weights.ready`` of a lower version than one seen before: the trainer restarted from
+        a checkpoint and may have missed results published while it was down; publish the stored
+        results again (on the same schedule as after the packer's own restart)."""
+        if version < self._trainer_version:
+            self._schedule_republish(f"the trainer went back to version {version} (from {self._trainer_version})")
+        self._trainer_version = version
+
+    def _schedule_republish(self, why: str) -> None:
+        """Publish the stored results of closed rounds again now and at ``REANNOUNCE_DELAYS_S``."""
+        if self.eval_spool.results:
+            log.info("publishing %d stored eval round(s) again: %s", len(self.eval_spool.results), why)
+            now = time.monotonic()
+            self._republish_at = [now + d for d in (0.0, *REANNOUNCE_DELAYS_S)]
+
+    def _answer_late(self, round_: int) -> None:
+        """A group of closed round ``round_`` arrived (the round was issued again by a restarted
+        prompt source): publish the round's stored results once more, once per packer run, so the
+        source (and a trainer that missed them) learn the round is done."""
+        if round_ not in self._answered_late:
+            self._answered_late.add(round_)
+            for result in self.eval_spool.results.get(round_, []):
+                self.control_out.send(result)
 
     def _take(self, group: ScoredGroup) -> None:
         """Decide on one received group, announce a drop, then release custody upstream."""
@@ -171,8 +233,11 @@ class PackerProc(Component):
                 log.error("eval group %s ignored: %s", group.id, exc)
                 decision, closed = "invalid", None
             EVAL_GROUPS.labels(decision).inc()
-            if decision in ("late", "invalid"):
-                self.scored.done(group.id)
+            if decision == "taken":
+                self.eval_spool.taken(group)  # durable before custody is released upstream
+            elif decision == "late":
+                self._answer_late(group.eval_round)
+            self.scored.done(group.id)
             self._publish_eval(closed)
             return
         accepted, reason = self.packer.add(group)
@@ -193,8 +258,10 @@ class PackerProc(Component):
                 return True
             if isinstance(msg, GroupsTrained):
                 self._released(msg.step)
+            if isinstance(msg, WeightsReady):
+                self._watch_trainer(msg.version)
             if isinstance(msg, GroupsDropped):
-                for closed in self.evaluation.add_failed(msg.group_ids):
+                for closed in self.evaluation.add_failed(self.eval_spool.failed(msg.group_ids)):
                     self._publish_eval(closed)
             msg = self.control_in.recv(timeout_s=0)
         return False
@@ -220,9 +287,15 @@ class PackerProc(Component):
         spool = getattr(self, "spool", None)
         if spool is not None:
             spool.close()
+        eval_spool = getattr(self, "eval_spool", None)
+        if eval_spool is not None:
+            eval_spool.close()
         super().close()
 
     def run(self) -> None:
+        for closed in self.eval_spool.closed_on_replay:  # complete before the restart, not yet published
+            self._publish_eval(closed)
+        self.eval_spool.closed_on_replay.clear()
         for step, groups in self.planned:  # steps planned before a restart, not yet released
             RESENT_STEPS.inc()
             log.info("sending step %d again (planned before the restart)", step)
@@ -231,6 +304,7 @@ class PackerProc(Component):
         while not self.stop.is_set():
             if self._run_done():
                 return
+            self._republish_eval()
             group = self.scored.recv(timeout_s=0.2)
             if group is not None:
                 assert isinstance(group, ScoredGroup)

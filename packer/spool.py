@@ -55,6 +55,7 @@ from typing import Any, BinaryIO
 
 import msgpack
 
+from bus.checkpoints import checkpoint_step  # noqa: F401 - re-exported: the packer numbers steps from it
 from bus.codec import decode, encode
 from bus.durable import fsync_dir
 from bus.messages import ScoredGroup
@@ -68,25 +69,9 @@ COMPACT_MIN_BYTES = 64 * 2**20
 """Dead bytes below which the spool is never compacted (64 MiB)."""
 _HEADER = struct.Struct("<II")
 _MAX_RECORD = 2**31
-CHECKPOINTS_DIR = "checkpoints"
-"""The trainer's checkpoint root under the run directory (``step_NNNNNN/`` with a ``DONE`` file)."""
 TRAINED_SAMPLES = "trained_samples.jsonl"
 """The trainer's record of trained samples under the run directory (one JSON line per step,
 ``{"step": s, "sample_ids": ["{group_id}/{j}", ...], ...}``; :mod:`trainer.proc`)."""
-
-
-def checkpoint_step(run_dir: str | os.PathLike[str]) -> int:
-    """The step of the trainer's latest complete checkpoint in ``run_dir`` (``checkpoints/step_N``
-    holding a ``DONE`` file, the layout of :mod:`trainer.checkpoint`), or 0 if there is none:
-    the step a resumed run's packer numbers from when it has no spool."""
-    root = Path(run_dir) / CHECKPOINTS_DIR
-    steps = [0]
-    if root.is_dir():
-        for p in root.iterdir():
-            name = p.name
-            if name.startswith("step_") and name[5:].isdigit() and (p / "DONE").is_file():
-                steps.append(int(name[5:]))
-    return max(steps)
 
 
 def trained_group_ids(run_dir: str | os.PathLike[str], below_step: int) -> list[str]:
@@ -221,7 +206,7 @@ class Spool:
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "wb") as f:
             for kind, body in records:
-                f.write(_frame(kind, body))
+                f.write(frame_record(kind, body))
             f.flush()
             os.fsync(f.fileno())
         self._file.close()
@@ -243,7 +228,7 @@ class Spool:
     # -- internals -------------------------------------------------------------------------------
 
     def _write(self, kind: str, body: Any, *, sync: bool, group: ScoredGroup | None = None) -> None:
-        record = _frame(kind, body)
+        record = frame_record(kind, body)
         self._file.write(record)
         self._file.flush()
         if sync:
@@ -284,7 +269,7 @@ class Spool:
         data = self.path.read_bytes()
         offset = 0
         while offset < len(data):
-            record = _unframe(data, offset)
+            record = read_record(data, offset)
             if record is None:
                 break
             (kind, body), end = record
@@ -301,12 +286,12 @@ class Spool:
         return offset
 
 
-def _frame(kind: str, body: Any) -> bytes:
+def frame_record(kind: str, body: Any) -> bytes:
     payload = msgpack.packb([kind, body], use_bin_type=True)
     return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
 
 
-def _unframe(data: bytes, offset: int) -> tuple[tuple[str, Any], int] | None:
+def read_record(data: bytes, offset: int) -> tuple[tuple[str, Any], int] | None:
     """The record at ``offset`` and the offset after it, or None if it is cut short or damaged."""
     if offset + _HEADER.size > len(data):
         return None

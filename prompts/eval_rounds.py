@@ -12,11 +12,26 @@ every eval task (``tasks.registry.eval_tasks``) its first ``num_examples`` held-
 (``get_task(name, cfg.task).load("eval", num_examples, seed)``, rendered with that task's system
 prompt), ids ``e{r:06d}-{task}-{i:05d}`` (:mod:`bus.eval_ids`), ``eval_round = r``,
 ``eval_size`` = prompts in the whole round, ``step = r``, ``index`` = position in the round (so a
-sampling seed gives every round the same random numbers: rounds compare with less noise). Each round is issued once: it is
-journaled in the prompt source's ledger as a note ``{"event": "eval_round", "round": r}`` when
-queued, and a restarted or resumed source skips the rounds its journal lists. Eval prompts are not
-ledger prompts: they count towards no step, and their outcomes (``groups.dropped`` of an eval id)
-are not the ledger's (the packer counts them towards the round, :mod:`packer.evaluation`).
+sampling seed gives every round the same random numbers: rounds compare with less noise). Eval
+prompts are not ledger prompts: they count towards no step, and their outcomes (``groups.dropped``
+of an eval id) are not the ledger's (the packer counts them towards the round,
+:mod:`packer.evaluation`).
+
+Journal and recovery. A queued round is journaled in the prompt source's ledger as a note
+``{"event": "eval_round", "round": r}``; once the packer's ``eval.result`` of every eval task of
+round ``r`` has been seen, ``{"event": "eval_done", "round": r}``. A restarted source (supervisor)
+skips the rounds journaled done and issues again, all prompts with the same ids, every round
+journaled issued but not done: its prompts may have died with the old source's outbox, and the
+packer counts each id once (a copy of a received group is a duplicate; a round it already closed
+answers with its stored result). A resumed run (``busctl up --resume``, trainer checkpoint at step
+``c``) also forgets every round ``> c``, done or not: the trainer drops their records (they
+evaluated the lost lineage) and they are issued again when the producers reach version ``r``.
+
+Which policy a re-issued round scores: the version the producers run when its prompts are sampled
+again, ``>= r`` (after a resume: the checkpoint's ``c >= r``); groups received before the restart
+keep the version they were sampled under. The round is still reported as round ``r``; its
+``eval.result`` ``version_min``/``version_max`` (metrics.jsonl ``eval/<task>/version_min|max``)
+give the versions actually sampled, and the packer logs them.
 
 That a round is sampled under exactly the version ``r`` (when the producers are not already past
 it) is the producers' side: a weight update waits for in-flight eval requests
@@ -71,7 +86,8 @@ class EvalRounds:
         rounds: policy versions to evaluate (:func:`eval_round_versions`).
         sets: the eval tasks' held-out prompts; every round uses all of them.
         temperature: sampling temperature of eval prompts (> 0).
-        done: rounds already issued (from the journal): never issued again.
+        done: rounds whose results were seen (from the journal): never issued again. Every other
+            round is issued when due, also one issued before a restart (module docstring).
 
     Raises:
         ValueError: rounds without eval prompts, or temperature <= 0.
@@ -86,6 +102,49 @@ class EvalRounds:
         self.sets = sets
         self.temperature = float(temperature)
         self.issued: set[int] = set(done)
+        self.done: set[int] = set(done)
+        self.results: dict[int, set[str]] = {}  # round -> eval tasks whose result was seen
+
+    @property
+    def tasks(self) -> set[str]:
+        """The eval tasks that report a result every round (those with held-out examples)."""
+        return {s.task for s in self.sets if s.examples}
+
+    def on_result(self, round_: int, task: str) -> bool:
+        """Note the packer's ``eval.result`` of ``(round_, task)``; True if it completes the round
+        (every task of :attr:`tasks` seen) for the first time: journal it done."""
+        if round_ in self.done or round_ not in self.rounds:
+            return False
+        seen = self.results.setdefault(round_, set())
+        seen.add(task)
+        if not self.tasks <= seen:
+            return False
+        self.done.add(round_)
+        self.issued.add(round_)
+        self.results.pop(round_, None)
+        return True
+
+    def restore(self, notes: list[dict[str, Any]], resume_step: int | None = None) -> list[int]:
+        """Rebuild from the ledger's journal notes (oldest first): rounds journaled done are never
+        issued again; returns the rounds journaled issued but not done (issued again when due).
+
+        A ``start`` note with ``resume`` and ``checkpoint_step: c`` (a past resume), and
+        ``resume_step`` (this one), forget the rounds ``> c`` noted before them (module docstring).
+        """
+        issued: set[int] = set()
+        done: set[int] = set()
+        for n in [*notes, {"event": "start", "resume": True, "checkpoint_step": resume_step}]:
+            event = n.get("event")
+            if event == "eval_round":
+                issued.add(int(n["round"]))
+            elif event == "eval_done":
+                done.add(int(n["round"]))
+            elif event == "start" and n.get("resume") and n.get("checkpoint_step") is not None:
+                c = int(n["checkpoint_step"])
+                issued, done = {r for r in issued if r <= c}, {r for r in done if r <= c}
+        self.done |= done
+        self.issued |= done
+        return sorted(issued - done)
 
     @property
     def round_size(self) -> int:

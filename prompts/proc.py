@@ -2,15 +2,19 @@
 
 Sockets: a reliable sender ``prompts`` (bound; producers pull), a reliable receiver ``outcomes``
 (bound; ``groups.trained`` from the trainer, ``groups.dropped`` from the packer and producers),
-the control SUB (``weights.applied``, ``run.done``).
+the control SUB (``weights.applied``, ``eval.result``, ``run.done``), a control PUB (failed eval
+groups of rounds without a result, announced again every :data:`EVAL_FAILURES_EVERY_S`).
 
 Accounting. Every issue and every outcome (``groups.trained`` from the trainer, ``groups.dropped``
 from the packer and producers) goes through the :class:`prompts.accounting.Ledger`, journaled to
 ``RUN_DIR/ledger.jsonl``. A restarted prompt source (``RLBUS_RESTARTS >= 1``) or a resumed run
 (``RLBUS_RESUME=1``, or simply an existing journal: a fresh run starts in an empty run dir)
 rebuilds the ledger, re-issues the prompts still without outcome first (same id and content: a
-prompt is a pure function of its issue index; downstream dedupe by id makes a copy harmless), then
-goes on issuing. A restarted source also restores the producers' applied versions journaled since
+prompt is a pure function of its issue index; downstream dedupe by id makes a copy harmless;
+paced like new prompts: a re-issue of step ``s`` waits for ``policy_version >= s -
+max_async_level`` and for room in the ``prompts`` outbox), then goes on issuing. Eval rounds
+issued before the restart without an ``eval.result`` of every task are issued again
+(:mod:`prompts.eval_rounds`); a resumed run journals its checkpoint step in its ``start`` note. A restarted source also restores the producers' applied versions journaled since
 the run (re)started, and then hears every producer's latest ``weights.applied`` from the hub's
 catch-up (:mod:`bus.hub` caches it per producer), which covers announcements made while the source
 was down; a repeat of a version already known is ignored. A resumed run does not restore (its
@@ -24,12 +28,14 @@ Run as ``python -m prompts.proc --run-dir RUN_DIR --name prompt-source`` (the su
 from __future__ import annotations
 
 import logging
+import time
 
 from prometheus_client import Counter, Gauge
 
+from bus.checkpoints import checkpoint_step
 from bus.component import Component, component_main
 from bus.launch_env import ENV_RESTARTS, ENV_RESUME
-from bus.messages import GroupsDropped, GroupsTrained, Prompt, RunDone, WeightsApplied
+from bus.messages import EvalResult, GroupsDropped, GroupsTrained, Prompt, RunDone, WeightsApplied, new_id
 from bus.metrics import POLICY_VERSION
 from prompts.accounting import OUTCOMES, Ledger
 from prompts.applied_versions import applied_since_start
@@ -53,6 +59,8 @@ for _outcome in OUTCOMES:
 
 END_QUIET_S = 0.5
 """At run.done, outcome reports are drained until none arrived for this long, seconds."""
+EVAL_FAILURES_EVERY_S = 5.0
+"""Period of the re-announcement of failed eval groups of rounds without a result, seconds."""
 
 
 class PromptSourceProc(Component):
@@ -69,6 +77,7 @@ class PromptSourceProc(Component):
         task = get_task(cfg.task.name, cfg.task)
         examples = load_task_examples(task, "train", cfg.task.num_train_examples, cfg.task.seed)
         max_steps = cfg.trainer.max_steps
+        resume_step = checkpoint_step(self.run_dir) if resume else None
         self.ledger = Ledger(self.run_dir)
         self.source = PromptSource(
             examples,
@@ -82,6 +91,7 @@ class PromptSourceProc(Component):
             system_prompt=task.system_prompt,
             temperature=lambda step: temperature_at(cfg.sampling, step, max_steps),
             eval_rounds=build_eval_rounds(cfg),
+            resume_step=resume_step,
         )
         if self.ledger.replayed:
             log.info(
@@ -92,7 +102,7 @@ class PromptSourceProc(Component):
                 self.source.restore_applied(applied_since_start(self.ledger.notes))
         elif resume or restarts:
             log.warning("%s/%s set but no ledger journal in %s: starting from scratch", ENV_RESTARTS, ENV_RESUME, self.run_dir)
-        self.ledger.note("start", restarts=restarts, resume=resume)
+        self.ledger.note("start", restarts=restarts, resume=resume, checkpoint_step=resume_step)
         self._synced = {"issued": 0, "reissued": 0, **dict.fromkeys(OUTCOMES, 0)}
         self._sync_metrics()
         self.prompts = self.reliable_sender("prompts", self.endpoints.address("prompts"), bind=True)
@@ -100,7 +110,22 @@ class PromptSourceProc(Component):
             "outcomes", self.endpoints.address("outcomes"), bind=True, accept=(GroupsDropped, GroupsTrained)
         )
         self.control = self.control_subscriber()
+        self.control_out = self.control_publisher()
         self.pending: Prompt | None = None
+        self._failures_due = time.monotonic() + EVAL_FAILURES_EVERY_S
+
+    def _reannounce_eval_failures(self) -> None:
+        """Every :data:`EVAL_FAILURES_EVERY_S`: publish the failed eval groups of rounds without a
+        result again (one ``groups.dropped``): the packer counts failures from the control channel,
+        a packer restarted after the producer's announcement missed it, and the round could never
+        complete. The packer counts an id once; the ledger never sees these (control only)."""
+        now = time.monotonic()
+        if now < self._failures_due:
+            return
+        self._failures_due = now + EVAL_FAILURES_EVERY_S
+        ids = self.source.open_eval_failures()
+        if ids:
+            self.control_out.send(GroupsDropped(id=new_id(), group_ids=ids, reason="failed: announced again by the prompt source"))
 
     def _sync_metrics(self) -> None:
         """Bring the accounting metrics up to the ledger (counters by their increase since the last sync)."""
@@ -120,6 +145,8 @@ class PromptSourceProc(Component):
         while msg is not None:
             if isinstance(msg, WeightsApplied) and not self._known_applied(msg):
                 self.source.on_weights_applied(msg.producer, msg.version)
+            elif isinstance(msg, EvalResult):
+                self.source.on_eval_result(msg.round, msg.task)
             elif isinstance(msg, RunDone):
                 # the trainer sent run.done once its own outcomes were recorded; wait briefly for
                 # reports of the other senders still on their way
@@ -156,6 +183,7 @@ class PromptSourceProc(Component):
                     PROMPTS_SENT.inc()
                     self.pending = None
                 self._handle_outcomes()
+                self._reannounce_eval_failures()
                 running = self._handle_control(timeout_s=0.2 if self.pending is None and not self.source.may_issue() else 0)
                 self._sync_metrics()
                 self.ledger.maybe_write_accounting()

@@ -20,8 +20,9 @@ schedule), a pure function of the step, so a re-issued prompt keeps its temperat
 Online evaluation (:mod:`prompts.eval_rounds`): eval round ``r``'s prompts are queued, all at
 once, as soon as ``policy_version >= r``, and go out before new training prompts (after pending
 re-issues). They are not ledger prompts: no step, no replacement, no accounting; an outcome report
-for an eval id is ignored. Each queued round is journaled as a ledger note, so a restarted or
-resumed source never issues it again.
+for an eval id is ignored. Each queued round, and each round whose results the packer published,
+is journaled as a ledger note; a restarted or resumed source issues again the rounds issued
+without a result (see :mod:`prompts.eval_rounds` for which policy they then score).
 
 The gate's rules for producers that come and go (restarts, ``busctl scale``) are in
 :mod:`prompts.applied_versions`.
@@ -29,7 +30,10 @@ The gate's rules for producers that come and go (restarts, ``busctl scale``) are
 Accounting: every issue and every outcome goes through the :class:`prompts.accounting.Ledger`;
 a ledger replayed from its journal makes the source re-issue the prompts still without outcome
 first (same id and content: a prompt is a pure function of its issue index; downstream dedupe by
-id makes a copy harmless), then go on issuing.
+id makes a copy harmless), then go on issuing. Re-issues pass the same gate as new prompts (a
+prompt of step ``s`` waits for ``policy_version >= s - max_async_level``) and the same
+``prompts`` outbox bound, so a restart with many unresolved prompts does not flood the producers'
+queues: the gate releases them step by step as the trainer advances.
 
 :class:`PromptSource` is the socket-free logic; :class:`prompts.proc.PromptSourceProc` the process.
 """
@@ -43,7 +47,7 @@ from typing import Any, Callable
 
 from prometheus_client import Counter
 
-from bus.eval_ids import is_eval_id
+from bus.eval_ids import is_eval_id, parse_eval_id
 from bus.messages import Prompt
 from prompts.accounting import Ledger
 from prompts.applied_versions import AppliedVersions
@@ -76,8 +80,10 @@ class PromptSource:
         clock: monotonic time in seconds (tests pass their own).
         system_prompt: system message of every training prompt (the task's), or None.
         temperature: ``step -> sampling temperature`` of training prompts (default: 1.0).
-        eval_rounds: online evaluation rounds (default: none). Rounds the ledger journal lists
-            as issued are marked issued.
+        eval_rounds: online evaluation rounds (default: none), restored from the ledger's journal
+            (:meth:`EvalRounds.restore`: rounds done are skipped, rounds issued without a result
+            are issued again).
+        resume_step: the trainer checkpoint's step when the run is resumed (``--resume``), else None.
 
     Raises:
         ValueError: no examples, or non-positive counts.
@@ -98,6 +104,7 @@ class PromptSource:
         system_prompt: str | None = None,
         temperature: Callable[[int], float] | None = None,
         eval_rounds: EvalRounds | None = None,
+        resume_step: int | None = None,
     ) -> None:
         if not examples:
             raise ValueError("the task has no training examples")
@@ -116,8 +123,13 @@ class PromptSource:
         self.system_prompt = system_prompt
         self.temperature = temperature or (lambda step: 1.0)
         self.eval_rounds = eval_rounds
+        self.eval_reissue: set[int] = set()
+        self.eval_failed: dict[int, set[str]] = {}  # round without result -> its failed eval group ids
         if eval_rounds is not None:
-            eval_rounds.issued.update(n["round"] for n in self.ledger.notes if n.get("event") == "eval_round")
+            self.eval_reissue = set(eval_rounds.restore(self.ledger.notes, resume_step))
+            if self.eval_reissue:
+                log.info("eval rounds %s were issued before the restart and have no result: issued again when due",
+                         sorted(self.eval_reissue))
         self.eval_queue: deque[Prompt] = deque()
 
     @property
@@ -150,31 +162,47 @@ class PromptSource:
             prompts = self.eval_rounds.issue(r)
             self.eval_queue.extend(prompts)
             EVAL_ROUNDS_ISSUED.inc()
-            log.info("eval round %d: %d prompts queued (policy version %d)", r, len(prompts), self.policy_version)
+            again = " again (issued before a restart, no result)" if r in self.eval_reissue else ""
+            log.info("eval round %d: %d prompts queued%s (policy version %d)", r, len(prompts), again, self.policy_version)
+
+    def on_eval_result(self, round_: int, task: str) -> None:
+        """The packer published ``(round_, task)``'s result; journal the round done once every eval
+        task's result was seen (a restarted source then never issues it again)."""
+        if self.eval_rounds is not None and self.eval_rounds.on_result(round_, task):
+            self.ledger.note("eval_done", round=round_)
+            self.eval_reissue.discard(round_)
+            self.eval_failed.pop(round_, None)
+
+    def _admitted(self, step: int) -> bool:
+        """A prompt of ``step`` may go out: ``policy_version >= step - max_async_level``."""
+        return self.policy_version >= step - self.max_async_level
 
     def may_issue(self) -> bool:
-        """True if a re-issue or an eval prompt is pending, or the next step is within the async
-        level and the run."""
-        if self._pending_reissue() is not None:
+        """True if a re-issue within the async level or an eval prompt is pending, or the next step
+        is within the async level and the run. Re-issues (oldest first) pass the same gate as new
+        prompts, so a restart does not send every unresolved prompt at once."""
+        pid = self._pending_reissue()
+        if pid is not None and self._admitted(self.ledger.issued[pid].step):
             return True
         self._queue_due_eval_rounds()
         if self.eval_queue:
             return True
         step = self.next_step
-        return step < self.max_steps and self.policy_version >= step - self.max_async_level
+        return pid is None and step < self.max_steps and self._admitted(step)
 
     def issue(self) -> Prompt:
         """The next prompt: a pending re-issue, else an eval prompt, else a new one recorded in the
         ledger (call only when :meth:`may_issue`)."""
         assert self.may_issue()
         pid = self._pending_reissue()
-        if pid is not None:
+        if pid is not None and self._admitted(self.ledger.issued[pid].step):
             self.reissue.popleft()
             self.num_reissued += 1
             rec = self.ledger.issued[pid]
             return self._build(rec.index, rec.step)
         if self.eval_queue:
             return self.eval_queue.popleft()
+        assert pid is None, "new prompts wait for the re-issues"
         index, step = self.ledger.num_issued, self.next_step
         self.ledger.issue(prompt_id(index), index, step)  # journaled before it can be sent
         return self._build(index, step)
@@ -211,5 +239,17 @@ class PromptSource:
     def on_dropped(self, group_ids: list[str], reason: str) -> int:
         """``group_ids`` will never train (``reason``: ``"stale"``, ``"filtered: ..."``, ``"failed:
         ..."``, ...). Returns the replacements owed: one per newly resolved issued id (repeats,
-        conflicts and unknown ids owe none; eval ids are ignored: the packer counts them)."""
+        conflicts and unknown ids owe none; eval ids are not the ledger's: the packer counts them,
+        and they are kept in :attr:`eval_failed` while their round has no result)."""
+        if self.eval_rounds is not None:
+            for gid in group_ids:
+                parsed = parse_eval_id(gid)
+                if parsed is not None and parsed[0] not in self.eval_rounds.done:
+                    self.eval_failed.setdefault(parsed[0], set()).add(gid)
         return len(self.ledger.on_dropped([g for g in group_ids if not is_eval_id(g)], reason))
+
+    def open_eval_failures(self) -> list[str]:
+        """Failed eval groups of rounds without a result yet, sorted: the prompt source announces
+        them again on the control channel (:mod:`prompts.proc`), since the packer counts failures
+        from there and one restarted meanwhile missed the producer's announcement."""
+        return sorted(g for ids in self.eval_failed.values() for g in ids)

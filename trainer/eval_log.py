@@ -10,9 +10,17 @@ round, or a round already in metrics.jsonl before a resume) are ignored.
 
 Resume: a checkpoint at step ``n`` keeps the records with ``step <= n``
 (:func:`keep_metrics_record`): training records ``{"step": s + 1}`` of the steps it covers, and
-the eval records of rounds ``<= n``, which evaluated weights of the surviving lineage (the
-resumed trainer republishes version ``n`` bit-identical); rounds ``> n`` evaluated the lost
-lineage and are dropped.
+after ``busctl up --resume`` the eval records of rounds ``<= n``, which evaluated weights of the
+surviving lineage (the resumed trainer republishes version ``n`` bit-identical); rounds ``> n``
+evaluated the lost lineage and are dropped (the prompt source and the packer forget them too, and
+they are evaluated again when the policy reaches them). A trainer restarted by the supervisor
+keeps every eval record: the run goes on (the packer sends the same steps again from its spool),
+nothing re-runs those rounds, and the packer publishes its stored results again when it sees the
+trainer's version go back, so a result published while the trainer was down is not lost.
+
+Policy version of a round: ``version_min``/``version_max`` are the versions that actually sampled
+the round; they exceed the round when the producers were already ahead or a restart made the
+prompt source issue the round again (:mod:`prompts.eval_rounds`); the log line then names them.
 """
 
 from __future__ import annotations
@@ -82,10 +90,11 @@ def record_evals(record: dict) -> set[tuple[int, str]]:
     return {(record["step"], key[len(EVAL_PREFIX):].split("/", 1)[0]) for key in record if key.startswith(EVAL_PREFIX)}
 
 
-def keep_metrics_record(record: dict, start_step: int) -> bool:
-    """Whether a metrics.jsonl record survives a resume at checkpoint step ``start_step``
-    (training and eval records alike: ``step <= start_step``, see the module docstring)."""
-    return record["step"] <= start_step
+def keep_metrics_record(record: dict, start_step: int, *, resume: bool = True) -> bool:
+    """Whether a metrics.jsonl record survives a restart from checkpoint step ``start_step``:
+    ``step <= start_step``, except that eval records all survive a supervisor restart
+    (``resume=False``; see the module docstring)."""
+    return record["step"] <= start_step or (not resume and bool(record_evals(record)))
 
 
 class EvalLog:
@@ -121,8 +130,10 @@ class EvalLog:
                 EVAL_PASS_AT_K.labels(task=result.task, k=key[len("pass_at_"):]).set(value)
             elif key.startswith("reward/"):
                 EVAL_REWARD_TERM.labels(task=result.task, reward=key[len("reward/"):]).set(value)
-        log.info("eval round %d, %s: %s (%d samples, %d failed groups)", result.round, result.task,
-                 {k: round(v, 4) for k, v in result.metrics.items()}, result.num_samples, result.num_failed)
+        rerun = (f"; sampled under policy versions {result.version_min}..{result.version_max}, not only {result.round}"
+                 if result.version_max > result.round else "")
+        log.info("eval round %d, %s: %s (%d samples, %d failed groups%s)", result.round, result.task,
+                 {k: round(v, 4) for k, v in result.metrics.items()}, result.num_samples, result.num_failed, rerun)
         return True
 
     on_weights_wanted: Callable[[WeightsWanted], None] | None = None

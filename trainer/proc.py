@@ -36,7 +36,7 @@ at step ``N`` = the checkpoint's step:
 
 - ``metrics.jsonl`` and ``trained_samples.jsonl`` are cut back to the steps the checkpoint
   covers (the surviving lineage; the records are appended before each checkpoint, so nothing
-  covered is missing), eval records to the rounds ``<=`` its step (:mod:`trainer.eval_log`);
+  covered is missing), eval records (``--resume`` only) to the rounds ``<=`` its step (:mod:`trainer.eval_log`);
 - the checkpoint's weights are published as version ``N`` before training, and weight
   directories of versions ``>= N`` (the lost lineage) are deleted: producers drop the lost
   lineage's newer weights;
@@ -239,7 +239,7 @@ class TrainerProc(Component):
         self.resumed = True
         n = self.start_step
         # metrics: training records are {"step": s + 1}, evals {"step": round} (trainer.eval_log)
-        cut = keep_jsonl_records(self.metrics_path, lambda r: keep_metrics_record(r, n))
+        cut = keep_jsonl_records(self.metrics_path, lambda r: keep_metrics_record(r, n, resume=resume))
         cut += keep_jsonl_records(self.samples_path, lambda r: r["step"] < n)
         if cut:
             log.info("dropped %d records of steps after the checkpoint from metrics.jsonl and trained_samples.jsonl", cut)

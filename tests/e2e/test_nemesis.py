@@ -8,8 +8,9 @@ the trainer, and the packer once the supervisor restarts it (it is added automat
 
 Claims: the run reaches ``max_steps`` and exits 0; every issued prompt has exactly one outcome and
 the trained groups are exactly the ledger's ``trained`` ones, each whole and once (0 lost, 0
-trained twice); every victim was restarted as often as it was killed; the restarted hub and prompt
-source rebuilt their state (hub cache, ledger journal) and the trainer resumed from a checkpoint.
+trained twice); each eval round (0 and ``MAX_STEPS``) is reported once; every victim was
+restarted as often as it was killed; the restarted hub and prompt source rebuilt their state (hub
+cache, ledger journal) and the trainer resumed from a checkpoint.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from tests.e2e.test_faults import (  # noqa: E402,F401  (policy: the tiny-policy
     wait_ready,
 )
 from tests.e2e.test_pipeline import busctl  # noqa: E402
+from tests.e2e.test_resume_run import assert_eval_rounds_reported_once  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -83,4 +85,5 @@ def test_every_component_kind_killed_twice(tmp_path: Path, policy: Path) -> None
     assert re.search(r"restarted \(\d+\): \d+ last value\(s\) loaded", (logs / "hub.log").read_text())
     assert "rebuilt from the journal" in (logs / "prompt-source.log").read_text()
     assert re.search(r"resumed from .* at step \d+", (logs / "trainer.log").read_text())
+    assert_eval_rounds_reported_once(run_dir, [0, MAX_STEPS])  # online eval: each round once, across every kill
     print("accounting:", acc["outcomes"], "issued", acc["issued"])

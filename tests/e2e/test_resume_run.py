@@ -13,10 +13,17 @@ every issued prompt has exactly one outcome, the trained groups are exactly the 
   the trainer's versions by broadcast, not through the filesystem.
 - only the packer is SIGKILLed, twice, mid-run: the supervisor restarts it and it continues from
   its spool; nothing is lost and nothing trains twice.
+
+Both runs evaluate online (the eval spool, :mod:`packer.eval_spool`, and the prompt source's eval
+journal, :mod:`prompts.eval_rounds`): every eval round of the run is reported exactly once in
+metrics.jsonl, also across the kills (the packer run also evaluates every 7 steps, so rounds are
+issued around its second kill; a kill in the middle of a round is tested on the component level,
+``tests/packer/test_eval_recovery.py``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -57,6 +64,13 @@ def kill_everything(run_dir: Path, proc: subprocess.Popen) -> list[int]:
     return pids
 
 
+def assert_eval_rounds_reported_once(run_dir: Path, rounds: list[int], task: str = "reverse_text") -> None:
+    """metrics.jsonl holds one record of each eval round in ``rounds`` for ``task``, and no other."""
+    reported = [r["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                if line.strip() and f"eval/{task}/reward_mean" in (r := json.loads(line))]
+    assert sorted(reported) == sorted(rounds), reported
+
+
 def resumed_part(log: Path) -> str:
     """What a component wrote to ``log`` since ``busctl up --resume`` started it."""
     return log.read_text().rsplit("(resume) =====", 1)[1]
@@ -82,6 +96,7 @@ def test_sigkill_everything_then_resume(tmp_path: Path, policy: Path, spool: str
         out, _ = resumed.communicate(timeout=900)
     assert resumed.returncode == 0, out
     acc = check_accounting(run_dir, max_steps)
+    assert_eval_rounds_reported_once(run_dir, [0, max_steps])
     print("accounting:", acc["outcomes"], "issued", acc["issued"])
     logs = run_dir / "logs"
     trainer_log = resumed_part(logs / "trainer.log")
@@ -111,7 +126,8 @@ def busctl_resume(run_dir: Path) -> subprocess.Popen:
 def test_packer_sigkilled_mid_run_is_restarted_from_its_spool(tmp_path: Path, policy: Path) -> None:  # noqa: F811
     run_dir = tmp_path / "run"
     max_steps = 16
-    proc = busctl(run_dir, policy, f"trainer.max_steps={max_steps}", "trainer.checkpoint_interval=3", *FAST_FAILURE_DETECTION)
+    proc = busctl(run_dir, policy, f"trainer.max_steps={max_steps}", "trainer.checkpoint_interval=3", "eval.interval=7",
+                  *FAST_FAILURE_DETECTION)
     with supervised(proc):
         for at in (2, 7):
             wait_for_steps(run_dir, proc, at)
@@ -123,3 +139,4 @@ def test_packer_sigkilled_mid_run_is_restarted_from_its_spool(tmp_path: Path, po
     check_accounting(run_dir, max_steps)
     assert components(run_dir)["packer"]["restarts"] == 2
     assert (run_dir / "logs" / "packer.log").read_text().count("resumed from the spool") == 2
+    assert_eval_rounds_reported_once(run_dir, [0, 7, 14, max_steps])

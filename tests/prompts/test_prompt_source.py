@@ -6,6 +6,8 @@ and the rebuild of a restarted source from its ledger journal. The process on re
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from bus.eval_ids import is_eval_id
@@ -230,15 +232,53 @@ def test_eval_rounds_are_issued_at_their_version_once_and_outside_the_ledger(exa
     assert acc["issued"] == 4 and acc["num_unknown"] == 0 and sum(acc["outcomes"].values()) == 0
 
 
-def test_restarted_source_does_not_reissue_eval_rounds(examples, tmp_path):
+def test_restarted_source_reissues_eval_rounds_without_result_and_never_done_ones(examples, tmp_path):
     src = make(examples, pps=1, level=0, max_steps=4, ledger=Ledger(tmp_path), eval_rounds=_eval_rounds([0, 2, 4]))
     src.on_weights_applied("producer-0", 2)
     assert sum(p.is_eval for p in drain(src)) == 6  # rounds 0 and 2
+    src.on_eval_result(0, "reverse_text")
+    src.on_eval_result(2, "reverse_text")  # round 2: one task of two reported
+    src.on_eval_result(0, "other")  # round 0 done (journaled)
+    src.on_eval_result(0, "other")  # a re-published result: no second note
+    journal = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert [n["round"] for n in journal if n["event"] == "eval_done"] == [0]
     again = make(examples, pps=1, level=0, max_steps=4, ledger=Ledger(tmp_path), eval_rounds=_eval_rounds([0, 2, 4]))
     again.restore_applied([("producer-0", 2)])
-    assert not any(p.is_eval for p in drain(again))
+    reissued = [p for p in drain(again) if p.is_eval]  # round 2 had no result of "other": all its prompts again
+    assert [p.id for p in reissued] == ["e000002-reverse_text-00000", "e000002-reverse_text-00001", "e000002-other-00000"]
     again.on_weights_applied("producer-0", 4)
     assert [p.eval_round for p in drain(again) if p.is_eval] == [4, 4, 4]
+
+
+def test_a_resumed_source_forgets_eval_rounds_above_the_checkpoint(examples, tmp_path):
+    src = make(examples, pps=1, level=0, max_steps=4, ledger=Ledger(tmp_path), eval_rounds=_eval_rounds([0, 2, 4]))
+    src.on_weights_applied("producer-0", 2)
+    drain(src)
+    for r in (0, 2):
+        for task in ("reverse_text", "other"):
+            src.on_eval_result(r, task)
+    src.ledger.note("start", restarts=0, resume=True, checkpoint_step=1)  # as the resumed proc journals it
+    again = make(examples, pps=1, level=0, max_steps=4, ledger=Ledger(tmp_path), eval_rounds=_eval_rounds([0, 2, 4]),
+                 resume_step=1)
+    again.on_weights_applied("producer-0", 1)
+    assert not any(p.is_eval for p in drain(again))  # round 0 was done; round 2 waits for version 2
+    again.on_weights_applied("producer-0", 2)
+    assert [p.eval_round for p in drain(again) if p.is_eval] == [2, 2, 2]
+
+
+def test_reissues_after_a_restart_pass_the_async_gate(examples, tmp_path):
+    src = make(examples, pps=2, level=1, max_steps=10, ledger=Ledger(tmp_path))
+    for v in range(4):
+        src.on_weights_applied("producer-0", v)
+        drain(src)
+    assert src.next_step == 5  # steps 0..4 issued (version 3, level 1), nothing trained: 10 unresolved
+    again = make(examples, pps=2, level=1, max_steps=10, ledger=Ledger(tmp_path))
+    again.on_weights_applied("producer-0", 1)  # e.g. a resume at an earlier checkpoint
+    assert [p.step for p in drain(again)] == [0, 0, 1, 1, 2, 2]  # steps <= 1 + 1 only
+    again.on_weights_applied("producer-0", 3)
+    assert [p.step for p in drain(again)] == [3, 3, 4, 4]  # then the rest, and new prompts only after them
+    again.on_weights_applied("producer-0", 4)
+    assert [(p.id, p.step) for p in drain(again)] == [("p00000010", 5), ("p00000011", 5)]
 
 
 # ------------------------------------------------------------------------------------------------

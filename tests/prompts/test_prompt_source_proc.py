@@ -11,7 +11,8 @@ import pytest
 import zmq
 from prometheus_client import REGISTRY
 
-from bus.messages import GroupsDropped, GroupsTrained, Prompt, RunDone, WeightsApplied, new_id
+import prompts.proc
+from bus.messages import EvalResult, GroupsDropped, GroupsTrained, Prompt, RunDone, WeightsApplied, new_id
 from bus.courier import Courier
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
@@ -169,6 +170,7 @@ def test_proc_issues_accounts_and_rebuilds_after_a_restart(harness, monkeypatch,
 def test_proc_issues_eval_rounds_and_runs_until_run_done(new_harness, tmp_path, monkeypatch):
     monkeypatch.delenv("RLBUS_RESUME", raising=False)
     monkeypatch.delenv("RLBUS_RESTARTS", raising=False)
+    monkeypatch.setattr(prompts.proc, "EVAL_FAILURES_EVERY_S", 0.2)
     h = new_harness(["trainer.batch_size=2", "producers.group_size=2", "max_async_level=0", "trainer.max_steps=2",
                      "eval.interval=1", "eval.temperature=0.4", "eval.tasks=[{name: reverse_text, num_examples: 2}]",
                      "sampling.temp_scheduler={type: linear, start_temperature: 1.0, end_temperature: 0.6}"])
@@ -181,8 +183,22 @@ def test_proc_issues_eval_rounds_and_runs_until_run_done(new_harness, tmp_path, 
     got = take(producer, 3)  # round 1, then step 1 (the last) at the end temperature
     assert [(p.id, p.temperature) for p in got] == [
         ("e000001-reverse_text-00000", 0.4), ("e000001-reverse_text-00001", 0.4), ("p00000001", pytest.approx(0.6))]
-    # an eval group that failed is announced on outcomes: ignored by the ledger, released
+    # an eval group that failed is announced on outcomes: ignored by the ledger, released, and
+    # announced again on the control channel (for a packer that missed it) until round 1 has a result
+    hub_in = BusSocket(h.ctx, "control_pub", "recv", h.endpoints.address("control_pub"), bind=True)
+    hub_in.sock.send(b"\x01")  # XSUB: subscribe to everything, as the hub does
     h.report(GroupsDropped(id=new_id(), group_ids=["e000001-reverse_text-00000"], reason="failed: RuntimeError"))
+    deadline = time.monotonic() + WAIT_S
+    while not isinstance(msg := hub_in.recv(timeout_s=0.1), GroupsDropped):
+        assert time.monotonic() < deadline, "the failed eval group was not announced again"
+    assert msg.group_ids == ["e000001-reverse_text-00000"]
+    source = h.procs[-1][0].source
+    h.publish(EvalResult(id=new_id(), round=1, task="reverse_text", version_min=1, version_max=1, num_samples=2,
+                         num_failed=1, metrics={}))
+    while source.open_eval_failures():  # the round has its result: nothing to announce any more
+        assert time.monotonic() < deadline, "eval.result of round 1 not taken"
+        time.sleep(0.01)
+    hub_in.close()
     h.report(GroupsTrained(id=new_id(), step=0, group_ids=["p00000000"]))
     h.publish(WeightsApplied(id=new_id(), producer="producer-0", version=2, apply_time_s=0.1))
     assert [p.id for p in take(producer, 2)] == ["e000002-reverse_text-00000", "e000002-reverse_text-00001"]
@@ -215,3 +231,39 @@ def test_proc_ignores_a_repeated_applied_version(harness, monkeypatch, tmp_path)
     assert not thread.is_alive(), "run.done did not end the prompt source's loop"
     notes = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
     assert [(n["producer"], n["version"]) for n in notes if n["event"] == "applied"] == [("producer-0", 1)]
+
+
+def test_a_resumed_source_re_issues_unresolved_prompts_step_by_step(new_harness, monkeypatch):
+    """A journal with 10 unresolved prompts (steps 0..4): the resumed source sends the re-issues
+    through the async gate, so the bus (its outbox and the producer) holds only the admitted steps'
+    prompts, never the whole backlog; the rest follow as the producers' version advances."""
+    monkeypatch.delenv("RLBUS_RESUME", raising=False)
+    monkeypatch.delenv("RLBUS_RESTARTS", raising=False)
+    h = new_harness(["trainer.batch_size=4", "producers.group_size=2", "max_async_level=1", "trainer.max_steps=10",
+                     "eval.enabled=false"])
+    source = h.start()
+    producer = h.producer()
+    for v in range(4):
+        h.publish(WeightsApplied(id=new_id(), producer="producer-0", version=v, apply_time_s=0.1))
+        take(producer, 4 if v == 0 else 2)  # version 0: steps 0 and 1; then one more step per version
+    h.kill(source)  # 10 prompts issued (steps 0..4), none with an outcome
+    old = h.couriers.pop()  # and the producer goes too (a resumed run starts new ones)
+    old.stop.set()
+    old.close()
+    old.ctx.destroy(linger=0)
+
+    monkeypatch.setenv("RLBUS_RESUME", "1")  # a resumed run: new producers, versions not restored
+    resumed = h.start()
+    producer2 = h.producer()
+    got = []
+    deadline = time.monotonic() + WAIT_S
+    while len(got) < 4:  # version 0 (no announcement yet), level 1: steps 0 and 1 only
+        assert time.monotonic() < deadline, f"got {[p.id for p in got]}"
+        if (msg := producer2.recv(timeout_s=0.1)) is not None:
+            got.append(msg)  # taken, not done: it stays in the source's outbox until done
+    assert producer2.recv(timeout_s=0.5) is None
+    assert [p.step for p in got] == [0, 0, 1, 1] and resumed.prompts.unfinished() == 4
+    assert len(resumed.source.reissue) == 6  # the backlog waits in the source, not on the bus
+    producer2.done(*[p.id for p in got])
+    h.publish(WeightsApplied(id=new_id(), producer="producer-0", version=3, apply_time_s=0.1))
+    assert [p.step for p in take(producer2, 6)] == [2, 2, 3, 3, 4, 4]

@@ -98,6 +98,9 @@ def test_keep_metrics_record_after_a_resume():
     assert keep_metrics_record({"step": 0, "eval/gsm8k/reward_mean": 0.5}, 4)
     assert not keep_metrics_record({"step": 5, "loss": 1.0}, 4)
     assert not keep_metrics_record({"step": 6, "eval/gsm8k/reward_mean": 0.5}, 4)  # the lost lineage
+    # a supervisor restart keeps every eval record (nothing would evaluate those rounds again)
+    assert keep_metrics_record({"step": 6, "eval/gsm8k/reward_mean": 0.5}, 4, resume=False)
+    assert not keep_metrics_record({"step": 6, "loss": 1.0}, 4, resume=False)
 
 
 def pass_at_k(task: str, k: str) -> float | None:

@@ -1,0 +1,155 @@
+"""The packer's durable record of online evaluation: ``RUN_DIR/packer/eval.bin``, from which a
+restarted or resumed packer rebuilds its :class:`packer.evaluation.EvalAggregator` and the results
+of the rounds it already closed.
+
+File: the record framing of :mod:`packer.spool` (``[u32 length][u32 crc32][msgpack [kind, body]]``)
+in its own file (eval state is small and never compacted: one summary per eval group of the run):
+
+| kind       | body                                                              | written                                  | fsync |
+|------------|-------------------------------------------------------------------|------------------------------------------|-------|
+| ``group``  | ``[round, size, id, task, rewards, lens, terms, vmin, vmax]``     | a received eval group, before its release| yes   |
+| ``failed`` | ``[group ids]``                                                   | failed eval groups (``groups.dropped``)   | yes   |
+| ``closed`` | ``[round, [EvalResult frames, ...]]``                             | a round closed, before its publication   | yes   |
+| ``reset``  | ``round``                                                         | a resume at checkpoint ``round``         | yes   |
+
+Invariants: a received eval group is recorded (summary only: rewards ``[G] float64``, completion
+lengths ``[G] int64``, reward terms, version range) before the packer releases its custody
+upstream, so after that no component but this file holds it; a round's results are recorded
+before they are published, so a restarted packer publishes exactly the same results again
+(never recomputed from a different set of groups), and a round that was complete but not yet
+recorded as closed when the packer died is closed on replay from the same groups. Replay applies
+records in order through the aggregator's own methods; a damaged tail (a write cut short) ends it
+and is truncated, counted in :attr:`EvalSpool.torn_records`. ``reset c`` forgets every round
+``> c`` (open or closed, results included): a resumed run evaluates those policy versions again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from bus.codec import decode, encode
+from bus.eval_ids import parse_eval_id
+from bus.messages import EvalResult, ScoredGroup
+from packer.evaluation import EvalAggregator, EvalGroup, RoundResult, summarize
+from packer.spool import frame_record, read_record
+
+log = logging.getLogger(__name__)
+
+EVAL_SPOOL_NAME = "eval.bin"
+"""The eval spool's file name in the packer's spool directory."""
+
+
+class EvalSpool:
+    """The eval spool in ``directory`` (created if missing), replayed into ``aggregator`` on open.
+
+    Attributes:
+        results: the closed rounds' results, by round (what a restarted packer publishes again).
+        closed_on_replay: rounds the replay completed that had no ``closed`` record (the packer
+            died between the last group and the publication): record and publish them.
+        torn_records: damaged tails dropped on opening (0 or 1).
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], aggregator: EvalAggregator) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.path = self.directory / EVAL_SPOOL_NAME
+        self.aggregator = aggregator
+        self.results: dict[int, list[EvalResult]] = {}
+        self.closed_on_replay: list[RoundResult] = []
+        self.torn_records = 0
+        good = self._replay() if self.path.is_file() else 0
+        self._file: BinaryIO = open(self.path, "r+b" if self.path.is_file() else "wb")
+        self._file.truncate(good)
+        self._file.seek(good)
+
+    def taken(self, group: ScoredGroup) -> None:
+        """Record a received eval group (fsynced: call before releasing it upstream)."""
+        s = summarize(group)
+        self._write("group", [group.eval_round, group.eval_size, group.id, group.task, s.rewards.tolist(),
+                              s.completion_lens.tolist(), s.reward_terms, s.version_min, s.version_max])
+
+    def failed(self, group_ids: list[str]) -> list[str]:
+        """Record the ids of ``group_ids`` that are new failures of open eval rounds (fsynced; nothing
+        written if none). Returns them (pass them on to :meth:`EvalAggregator.add_failed`)."""
+        new = [g for g in dict.fromkeys(group_ids) if self.aggregator.is_new_failure(g)]
+        if new:
+            self._write("failed", new)
+        return new
+
+    def closed(self, result: RoundResult) -> None:
+        """Record a closed round's results (fsynced: call before publishing them)."""
+        self._write("closed", [result.round, [[bytes(f) for f in encode(r)] for r in result.results]])
+        self.results[result.round] = list(result.results)
+
+    def reset_above(self, round_: int) -> None:
+        """Forget every round ``> round_`` (a resume at checkpoint step ``round_``); fsynced."""
+        if any(r > round_ for r in [*self.aggregator.rounds, *self.aggregator.closed]):
+            self._write("reset", int(round_))
+            self._apply("reset", int(round_))
+
+    def close(self) -> None:
+        """Flush and close the file."""
+        if not self._file.closed:
+            self._file.flush()
+            self._file.close()
+
+    def _write(self, kind: str, body: Any) -> None:
+        """Append one record (fsynced); the caller applies it to the live aggregator itself."""
+        self._file.write(frame_record(kind, body))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def _apply(self, kind: str, body: Any) -> None:
+        """Apply one record read back (replay) to the aggregator and :attr:`results`."""
+        agg = self.aggregator
+        if kind == "group":
+            r, size, gid, task, rewards, lens, terms, vmin, vmax = body
+            if int(r) in agg.closed:
+                return
+            summary = EvalGroup(np.asarray(rewards, np.float64), np.asarray(lens, np.int64),
+                                {str(k): list(map(float, v)) for k, v in terms.items()}, int(vmin), int(vmax))
+            done = agg.take(int(r), int(size), str(gid), str(task), summary)
+            if done is not None:
+                self.closed_on_replay.append(done)
+        elif kind == "failed":
+            self.closed_on_replay += agg.add_failed([str(g) for g in body if parse_eval_id(str(g)) is not None])
+        elif kind == "closed":
+            r = int(body[0])
+            results = [decode(frames) for frames in body[1]]
+            if not all(isinstance(x, EvalResult) for x in results):
+                raise ValueError(f"eval spool: closed record of round {r} holds a non-EvalResult")
+            agg.rounds.pop(r, None)
+            agg.closed.add(r)
+            self.closed_on_replay = [c for c in self.closed_on_replay if c.round != r]
+            self.results[r] = results
+        elif kind == "reset":
+            agg.forget_above(int(body))
+            self.results = {r: v for r, v in self.results.items() if r <= int(body)}
+            self.closed_on_replay = [c for c in self.closed_on_replay if c.round <= int(body)]
+        else:
+            raise ValueError(f"unknown eval spool record kind {kind!r}")
+
+    def _replay(self) -> int:
+        """Apply every intact record; returns the offset after the last one."""
+        data = self.path.read_bytes()
+        offset = 0
+        while offset < len(data):
+            record = read_record(data, offset)
+            if record is None:
+                break
+            (kind, body), end = record
+            try:
+                self._apply(kind, body)
+            except Exception as exc:  # a record that does not decode is damaged like a torn one
+                log.error("eval spool record at byte %d unreadable (%s: %s)", offset, type(exc).__name__, exc)
+                break
+            offset = end
+        if offset < len(data):
+            self.torn_records += 1
+            log.warning("eval spool %s: dropped a damaged tail of %d bytes at byte %d", self.path, len(data) - offset, offset)
+        return offset
