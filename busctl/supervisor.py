@@ -298,7 +298,8 @@ class Supervisor:
             spec.state, spec.metrics_port, spec.ready_at = "ready", msg.metrics_port, time.monotonic()
             spec.metrics_host = msg.metrics_host or "127.0.0.1"
             again = f", restart {spec.restarts}" if spec.restarts else ""
-            self.say(f"  [green]ready[/green] {msg.name} (pid {msg.pid}, metrics {spec.metrics_host}:{msg.metrics_port}{again})")
+            host = "" if spec.metrics_host == "127.0.0.1" else spec.metrics_host  # another node's: named
+            self.say(f"  [green]ready[/green] {msg.name} (pid {msg.pid}, metrics {host}:{msg.metrics_port}{again})")
             if self._healing:
                 self.write_scrape_config()
             self.write_status()
