@@ -9,12 +9,13 @@ step's trainer metrics (``trainer_metrics``: reward_mean, kl, entropy, policy_la
 step_time_s, ...), ``steps_per_s`` and ``eta_s`` from the recent step rate, the last scale
 request, the recent ``events`` (ready, crashed, restarted, scaled lines; ``[unix time, text]``),
 and per component: name, role, module, index, pid, state, restarts, consecutive crashes, last
-heartbeat (unix time), metrics port, exit code, last error, and from the metrics poller
+heartbeat (unix time), metrics port and host (``metrics_host``: 127.0.0.1, or its node's address
+on several nodes), exit code, last error, and from the metrics poller
 (:mod:`busctl.scrape`) ``throughput`` (samples/s, tokens/s), ``busy`` (fraction), ``queue_depth``
 (messages) and ``queues`` (per ``topic/queue``).
 
-``prometheus.yml``: job ``rlbus``, one static config per component with a metrics port and one
-for the supervisor itself, each labelled ``run`` (``cfg.name``), ``component`` (``producer-0``)
+``prometheus.yml``: job ``rlbus``, one static config per component with a metrics port (at the
+host it reported, :mod:`busctl.metrics_targets`) and one for the supervisor itself, each labelled ``run`` (``cfg.name``), ``component`` (``producer-0``)
 and ``role`` (``producer``; ``supervisor`` for the supervisor).
 """
 
