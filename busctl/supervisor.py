@@ -76,8 +76,8 @@ from busctl.healing import ComponentFacts, Decision, FailRun, HealingRules, Rest
 from busctl.launchers import Launcher
 from busctl.launchers.local import LocalLauncher
 from busctl.live import progress_line
-from busctl.rebinding import rebind
 from busctl.metrics_targets import live_targets, prometheus_targets, served_targets, supervisor_metrics_host
+from busctl.rebinding import rebind
 from busctl.run_status import (EventLog, StepClock, append_stage_record, clear_run_dir, snapshot_metrics, write_json_atomic,
                                write_scrape_config)
 from busctl.scaling import Placement, Scaling, kill_and_reap, stop_all
