@@ -173,11 +173,13 @@ class Component:
         :meth:`supervised_pid`."""
         return self.launch.spawn_id or self.supervised_pid()
 
-    def report_ready(self, metrics_port: int) -> None:
-        """Send the startup handshake to the supervisor (best effort when run standalone)."""
+    def report_ready(self, metrics_port: int, metrics_host: str = "") -> None:
+        """Send the startup handshake to the supervisor (best effort when run standalone), with
+        where it serves metrics (``metrics_host`` ``""``: 127.0.0.1)."""
         sock = BusSocket(self.ctx, "supervisor", "send", self.endpoints.address("supervisor"), bind=False, stop=self.stop)
         try:
-            msg: Message = ComponentReady(id=new_id(), name=self.name, pid=self.handshake_pid(), metrics_port=metrics_port)
+            msg: Message = ComponentReady(id=new_id(), name=self.name, pid=self.handshake_pid(), metrics_port=metrics_port,
+                                         metrics_host=metrics_host)
             if not sock.send(msg, timeout_s=READY_SEND_TIMEOUT_S):
                 log.warning("no supervisor took the ready handshake; running standalone")
         finally:
@@ -260,12 +262,13 @@ def component_main(cls: type[Component], argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: _on_stop_signal(comp, parent_pid))
     signal.signal(signal.SIGINT, lambda *_: _on_stop_signal(comp, parent_pid))
     try:
-        port = serve_metrics(args.metrics_port, health=comp.health)
+        host = comp.launch.metrics_host  # the node's address on several nodes (RLBUS_NODE_ADDRESS)
+        port = serve_metrics(args.metrics_port, host, health=comp.health)
         comp.setup()
         comp.phase = "running"
-        comp.report_ready(port)
+        comp.report_ready(port, host)
         comp.start_heartbeat()
-        log.info("ready (pid %d, metrics on :%d)", os.getpid(), port)
+        log.info("ready (pid %d, metrics on %s:%d)", os.getpid(), host, port)
         comp.run()
         comp.heartbeat_state = comp.phase = "done"
         log.info("finished")

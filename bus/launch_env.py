@@ -11,6 +11,10 @@ start differs from the first one of a fresh run:
 - ``RLBUS_SPAWN_ID=<n>``: set by a launcher whose spawned process is not the component itself
   (``srun``, :mod:`busctl.launchers.slurm`): the id the supervisor knows this start by, sent in
   the ready handshake and heartbeats instead of the pid (unset: the pid).
+- ``RLBUS_NODE_ADDRESS=<address>``: set by a multi-node launcher (Slurm, Ray): the address of the
+  node the component runs on, where other nodes reach it. The component serves its Prometheus
+  metrics there (and reports it in its ready handshake) instead of 127.0.0.1 (unset: 127.0.0.1,
+  a local run).
 
 Invariant: these names are spelled here only. The supervisor writes them with
 :meth:`LaunchEnv.to_environ`, a component reads them once with :meth:`LaunchEnv.from_environ`
@@ -32,6 +36,10 @@ ENV_LATE_JOIN = "RLBUS_LATE_JOIN"
 ENV_SPAWN_ID = "RLBUS_SPAWN_ID"
 """The supervisor's id of this start when the launcher stands between them (int >= 1; set by the
 launcher itself, so not among :data:`ENV_NAMES`; the local launcher removes an inherited one)."""
+ENV_NODE_ADDRESS = "RLBUS_NODE_ADDRESS"
+"""Address of the component's node, reachable from the other nodes (set by a multi-node launcher;
+unset: a local run, metrics on 127.0.0.1). Like :data:`ENV_SPAWN_ID` set by the launcher itself, not
+among :data:`ENV_NAMES`; the local launcher removes an inherited one."""
 ENV_NAMES = (ENV_RESTARTS, ENV_RESUME, ENV_LATE_JOIN)
 """Every launch variable; the supervisor removes them from its own environment before adding a
 component's, so a ``busctl up`` started from inside a component never leaks them."""
@@ -74,12 +82,15 @@ class LaunchEnv:
         resume: the run continues a previous one (``busctl up --resume``).
         late_join: the component joins a running run (scaled up, or a restarted producer).
         spawn_id: the id the supervisor knows this start by (0: the pid; see ``RLBUS_SPAWN_ID``).
+        node_address: the node's address other nodes reach (``""``: a local run; see
+            ``RLBUS_NODE_ADDRESS``).
     """
 
     restarts: int = 0
     resume: bool = False
     late_join: bool = False
     spawn_id: int = 0
+    node_address: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.restarts, bool) or not isinstance(self.restarts, int) or self.restarts < 0:
@@ -97,6 +108,7 @@ class LaunchEnv:
             resume=_parse_flag(ENV_RESUME, environ.get(ENV_RESUME, "")),
             late_join=_parse_flag(ENV_LATE_JOIN, environ.get(ENV_LATE_JOIN, "")),
             spawn_id=_parse_int(ENV_SPAWN_ID, environ.get(ENV_SPAWN_ID, "")),
+            node_address=environ.get(ENV_NODE_ADDRESS, "").strip(),
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -110,7 +122,15 @@ class LaunchEnv:
             env[ENV_LATE_JOIN] = "1"
         if self.spawn_id:
             env[ENV_SPAWN_ID] = str(self.spawn_id)
+        if self.node_address:
+            env[ENV_NODE_ADDRESS] = self.node_address
         return env
+
+    @property
+    def metrics_host(self) -> str:
+        """Where the component serves its metrics: the node's address on several nodes, else
+        ``127.0.0.1`` (never reachable from another host)."""
+        return self.node_address or "127.0.0.1"
 
     @property
     def continues(self) -> bool:

@@ -379,12 +379,15 @@ class ComponentReady(Message):
     Fields:
         name: component name (e.g. ``"rewards-1"``). pid: process id.
         metrics_port: TCP port of its Prometheus ``/metrics`` endpoint.
+        metrics_host: the address it serves them on (``""``: 127.0.0.1; a node's address when
+            the run spans several nodes, :mod:`bus.launch_env`).
     """
 
     TYPE: ClassVar[str] = "component.ready"
     name: str
     pid: int
     metrics_port: int
+    metrics_host: str = optional_field("")
 
 
 @dataclass(frozen=True, eq=False)

@@ -270,7 +270,8 @@ def cmd_status(ns: argparse.Namespace, console: Console) -> int:
         tp = row.get("throughput") or {}
         table.add_row(row["name"], row["state"], str(row["pid"]), "yes" if row["pid"] and _alive(row["pid"]) else "no",
                       str(row.get("restarts", 0)), _age(row.get("last_heartbeat_at")), format_rate(tp.get("samples_per_s")),
-                      format_rate(tp.get("tokens_per_s")), format_busy(row.get("busy")), format_queue(row), str(row["metrics_port"]))
+                      format_rate(tp.get("tokens_per_s")), format_busy(row.get("busy")), format_queue(row),
+                      (f"{row['metrics_host']}:" if row.get("metrics_host", "127.0.0.1") != "127.0.0.1" else "") + str(row["metrics_port"]))
     if not console.is_terminal:  # a pipe or file gets whole rows, not rows cut to 80 columns
         console = Console(highlight=False, soft_wrap=True, width=max(console.width, 160))
     console.print(table)

@@ -35,6 +35,8 @@ class ComponentSpec:
         name: unique name (``"rewards-1"``); its role is the name without the ``-INDEX`` suffix.
         module: ``python -m`` entry. index: replica index.
         pid, state, metrics_port: runtime state (states: see :mod:`busctl.supervisor`).
+        metrics_host: where it serves metrics, from its ready handshake (127.0.0.1, or its
+            node's address on several nodes: :mod:`busctl.metrics_targets`).
         restarts: times the supervisor restarted it. consecutive_crashes: crashes since it last
             stayed up ``backoff_reset_s``. exit_code: of its last process (negative: signal).
         last_error: why it last crashed. late_join: spawned with ``RLBUS_LATE_JOIN=1``.
@@ -52,6 +54,7 @@ class ComponentSpec:
     pid: int = 0
     state: str = "not started"
     metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
     restarts: int = 0
     consecutive_crashes: int = 0
     exit_code: int | None = None
@@ -74,7 +77,7 @@ class ComponentSpec:
     def status_row(self) -> dict:
         """The JSON row of ``status.json``."""
         return {"name": self.name, "module": self.module, "index": self.index, "pid": self.pid, "state": self.state,
-                "metrics_port": self.metrics_port, "restarts": self.restarts, "consecutive_crashes": self.consecutive_crashes,
+                "metrics_port": self.metrics_port, "metrics_host": self.metrics_host, "restarts": self.restarts, "consecutive_crashes": self.consecutive_crashes,
                 "last_heartbeat_at": self.last_beat_wall, "exit_code": self.exit_code, "last_error": self.last_error,
                 "late_join": self.late_join}
 

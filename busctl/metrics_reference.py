@@ -254,7 +254,9 @@ label values, so their series exist (at 0) from the first scrape and `rate()` wo
 
 ## Endpoints
 
-Each component (`bus/component.py`, `bus.metrics.serve_metrics`) serves on `127.0.0.1:PORT`:
+Each component (`bus/component.py`, `bus.metrics.serve_metrics`) serves on `127.0.0.1:PORT` (on
+several nodes, `busctl up --launcher slurm|ray`: on its node's address, `RLBUS_NODE_ADDRESS`; it
+reports host and port in its ready handshake and `prometheus.yml` lists it there):
 
 - `GET /metrics`: the registry in the Prometheus text format.
 - `GET /health`: JSON `{"status": "ok" | "unhealthy", "pid", "uptime_s", "component", "phase",
@@ -309,9 +311,9 @@ def _scrape_example() -> str:
 
     from busctl.run_status import scrape_config
 
-    targets = [("hub", "hub", 40001), ("trainer", "trainer", 40002), ("packer", "packer", 40003),
-               ("rewards-0", "rewards", 40004), ("producer-0", "producer", 40005),
-               ("prompt-source", "prompt-source", 40006), ("supervisor", "supervisor", 40000)]
+    targets = [(name, role, "127.0.0.1", port) for name, role, port in [
+        ("hub", "hub", 40001), ("trainer", "trainer", 40002), ("packer", "packer", 40003), ("rewards-0", "rewards", 40004),
+        ("producer-0", "producer", 40005), ("prompt-source", "prompt-source", 40006), ("supervisor", "supervisor", 40000)]]
     return yaml.safe_dump(scrape_config("reverse_text", targets), sort_keys=False)
 
 

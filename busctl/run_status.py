@@ -9,12 +9,13 @@ step's trainer metrics (``trainer_metrics``: reward_mean, kl, entropy, policy_la
 step_time_s, ...), ``steps_per_s`` and ``eta_s`` from the recent step rate, the last scale
 request, the recent ``events`` (ready, crashed, restarted, scaled lines; ``[unix time, text]``),
 and per component: name, role, module, index, pid, state, restarts, consecutive crashes, last
-heartbeat (unix time), metrics port, exit code, last error, and from the metrics poller
+heartbeat (unix time), metrics port and host (``metrics_host``: 127.0.0.1, or its node's address
+on several nodes), exit code, last error, and from the metrics poller
 (:mod:`busctl.scrape`) ``throughput`` (samples/s, tokens/s), ``busy`` (fraction), ``queue_depth``
 (messages) and ``queues`` (per ``topic/queue``).
 
-``prometheus.yml``: job ``rlbus``, one static config per component with a metrics port and one
-for the supervisor itself, each labelled ``run`` (``cfg.name``), ``component`` (``producer-0``)
+``prometheus.yml``: job ``rlbus``, one static config per component with a metrics port (at the
+host it reported, :mod:`busctl.metrics_targets`) and one for the supervisor itself, each labelled ``run`` (``cfg.name``), ``component`` (``producer-0``)
 and ``role`` (``producer``; ``supervisor`` for the supervisor).
 """
 
@@ -74,20 +75,21 @@ def write_json_atomic(path: Path, obj: object) -> None:
     write_text_atomic(path, json.dumps(obj, indent=1))
 
 
-def scrape_config(run: str, targets: list[tuple[str, str, int]], host: str = "127.0.0.1") -> dict:
+def scrape_config(run: str, targets: list[tuple[str, str, str, int]]) -> dict:
     """The Prometheus configuration of a run.
 
     Args:
         run: the run's name (``cfg.name``), label ``run`` of every target.
-        targets: ``(component, role, metrics_port)`` per process, the supervisor included.
-        host: where the processes serve their metrics.
+        targets: ``(component, role, host, metrics_port)`` per process, the supervisor included
+            (host: the address it serves metrics on, :mod:`busctl.metrics_targets`; a target
+            with port 0 is left out).
 
     Returns:
         ``{"scrape_configs": [{"job_name": "rlbus", "scrape_interval": "5s", "static_configs":
         [{"targets": ["HOST:PORT"], "labels": {"run", "component", "role"}}, ...]}]}``.
     """
     statics = [{"targets": [f"{host}:{port}"], "labels": {"run": run, "component": name, "role": role}}
-               for name, role, port in targets if port]
+               for name, role, host, port in targets if port]
     return {"scrape_configs": [{"job_name": "rlbus", "scrape_interval": SCRAPE_INTERVAL, "static_configs": statics}]}
 
 
@@ -109,20 +111,20 @@ def append_stage_record(path: Path, step: int, stats: dict[str, dict], roles: di
         log.warning("could not append to %s: %s", path, err)
 
 
-def write_scrape_config(path: Path, run: str, targets: list[tuple[str, str, int]]) -> None:
+def write_scrape_config(path: Path, run: str, targets: list[tuple[str, str, str, int]]) -> None:
     """Write :func:`scrape_config` as YAML to ``path`` atomically (:func:`write_text_atomic`)."""
     write_text_atomic(path, yaml.safe_dump(scrape_config(run, targets), sort_keys=False))
 
 
-def snapshot_metrics(out: Path, own: bytes, targets: list[tuple[str, int]], timeout_s: float = 2.0) -> None:
-    """Save each ``(name, port)``'s ``/metrics`` text to ``out/NAME.prom`` and ``own`` (the
+def snapshot_metrics(out: Path, own: bytes, targets: list[tuple[str, str, int]], timeout_s: float = 2.0) -> None:
+    """Save each ``(name, host, port)``'s ``/metrics`` text to ``out/NAME.prom`` and ``own`` (the
     supervisor's exposition) to ``out/supervisor.prom``; a component that does not answer is logged
     and skipped."""
     out.mkdir(exist_ok=True)
     (out / "supervisor.prom").write_bytes(own)
-    for name, port in targets:
+    for name, host, port in targets:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout_s) as resp:
+            with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout_s) as resp:
                 (out / f"{name}.prom").write_bytes(resp.read())
         except OSError as exc:
             log.warning("could not scrape %s: %s", name, exc)

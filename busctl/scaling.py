@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Callable
@@ -33,6 +34,48 @@ log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 20.0
 """Grace period between SIGTERM and SIGKILL at shutdown and scale-down, seconds."""
+
+KILL_WAIT_S = 5.0
+"""Longest wait for a SIGKILLed process to be reaped before its replacement may start, seconds."""
+
+
+def kill_and_reap(spec: ComponentSpec) -> None:
+    """SIGKILL the whole component (process group, Slurm step or Ray actor's process) and reap it
+    (at most :data:`KILL_WAIT_S`), recording its exit code; no process: nothing to do."""
+    if spec.proc is None:
+        return
+    spec.proc.signal(signal.SIGKILL)
+    try:
+        spec.proc.wait(timeout=KILL_WAIT_S)
+    except subprocess.TimeoutExpired:
+        log.warning("%s (pid %d) not reaped %.0f s after SIGKILL", spec.name, spec.pid, KILL_WAIT_S)
+    if spec.exit_code is None:
+        spec.exit_code = spec.proc.returncode
+
+
+def stop_all(specs: list[ComponentSpec], timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """Stop the running ``specs`` (``busctl up``'s shutdown): SIGTERM to each in the given order,
+    wait for all up to ``timeout_s`` together, then SIGKILL what is left (and reap it: vLLM's
+    engine processes die with their group); every one ends ``exited``, one waiting for a restart
+    (no process) too."""
+    running = [s for s in specs if s.proc is not None]
+    for spec in running:
+        spec.proc.signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for spec in running:
+        try:
+            spec.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop in %.0f s; killing it", spec.name, timeout_s)
+    for spec in running:
+        spec.proc.signal(signal.SIGKILL)
+        spec.proc.wait()
+        if spec.state != "exited":
+            spec.state, spec.exit_code = "exited", spec.proc.returncode
+    for spec in specs:
+        if spec.proc is None and spec.state != "exited":
+            spec.state = "exited"
+
 
 SCALABLE = {"rewards": "rewards", "producers": "producer"}
 """``busctl scale`` keys and the role each one scales."""

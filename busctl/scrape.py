@@ -148,9 +148,10 @@ class MetricsPoller:
     """Scrapes components' metrics on a daemon thread and keeps their latest stats.
 
     Args:
-        targets: called once per round (from the poller's thread): ``[(name, port), ...]`` of
-            the components to scrape now; it must only read (e.g. copy the component table).
-        interval_s: seconds between rounds. timeout_s: per scrape. host: where components serve.
+        targets: called once per round (from the poller's thread): ``[(name, host, port), ...]``
+            of the components to scrape now (host: where each serves its metrics,
+            :mod:`busctl.metrics_targets`); it must only read (e.g. copy the component table).
+        interval_s: seconds between rounds. timeout_s: per scrape.
         window_s: rates are over the scrapes of the last ``max(window_s, interval_s)`` seconds.
 
     Attributes:
@@ -159,39 +160,39 @@ class MetricsPoller:
         failures: component name -> last scrape error of the latest round (text).
     """
 
-    def __init__(self, targets: Callable[[], list[tuple[str, int]]], interval_s: float = POLL_INTERVAL_S,
-                 timeout_s: float = SCRAPE_TIMEOUT_S, host: str = "127.0.0.1", window_s: float = RATE_WINDOW_S) -> None:
+    def __init__(self, targets: Callable[[], list[tuple[str, str, int]]], interval_s: float = POLL_INTERVAL_S,
+                 timeout_s: float = SCRAPE_TIMEOUT_S, window_s: float = RATE_WINDOW_S) -> None:
         self.targets = targets
-        self.interval_s, self.timeout_s, self.host = interval_s, timeout_s, host
+        self.interval_s, self.timeout_s = interval_s, timeout_s
         self.stats: dict[str, dict] = {}
         self.failures: dict[str, str] = {}
         self.window_s = max(window_s, interval_s)
-        self._history: dict[str, tuple[int, deque[Scrape]]] = {}
+        self._history: dict[str, tuple[tuple[str, int], deque[Scrape]]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def poll_once(self) -> dict[str, dict]:
         """Scrape every target once; update and return :attr:`stats`. A target that fails keeps
-        its previous stats (its readings stay the base of the next rate); one on a new port (a
-        restarted component) starts a new history."""
+        its previous stats (its readings stay the base of the next rate); one at a new address (a
+        restarted component: another port, or another node) starts a new history."""
         stats, failures, seen = {}, {}, set()
-        for name, port in self.targets():
+        for name, host, port in self.targets():
             seen.add(name)
             try:
-                cur = scrape(port, self.host, self.timeout_s)
+                cur = scrape(port, host, self.timeout_s)
             except (OSError, ValueError) as err:
                 failures[name] = str(err)
                 if name in self.stats:
                     stats[name] = self.stats[name]
                 continue
-            prev_port, history = self._history.get(name, (port, deque()))
-            if prev_port != port:
+            prev_address, history = self._history.get(name, ((host, port), deque()))
+            if prev_address != (host, port):
                 history = deque()
             while len(history) > 1 and cur.at - history[1].at >= self.window_s:
                 history.popleft()  # keep the newest reading at least a window old as the base
             stats[name] = component_stats(history[0] if history else None, cur)
             history.append(cur)
-            self._history[name] = (port, history)
+            self._history[name] = ((host, port), history)
         self._history = {n: v for n, v in self._history.items() if n in seen}
         self.stats, self.failures = stats, failures
         return stats

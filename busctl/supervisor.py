@@ -14,8 +14,9 @@ Lifecycle of a run:
    never a sleep; the control channel is read from the start, so the first step's
    :class:`bus.messages.TrainerStep` is seen even if it comes before the last handshake. A component that exits, or is not ready within ``bus.ready_timeout_s``, fails
    the start (its log is named): at start-up that is a configuration or code problem, not one to
-   retry. Then ``prometheus.yml`` lists every component (rewritten whenever one becomes ready or
-   is scaled away), and a :class:`busctl.scrape.MetricsPoller` thread starts reading their metrics.
+   retry. Then ``prometheus.yml`` lists every component at the address it reported (rewritten
+   whenever one becomes ready or is scaled away; :mod:`busctl.metrics_targets`), and a
+   :class:`busctl.scrape.MetricsPoller` thread starts reading their metrics there.
 3. ``watch``: print one progress line per ``trainer.step`` on the control channel (the first one
    also the time from launch to the first optimizer step, :mod:`busctl.startup`); the run ends
    when the trainer announces ``run.done`` after its last step and final eval. Components stop
@@ -23,7 +24,8 @@ Lifecycle of a run:
    ``bench/``). Meanwhile the supervisor heals (below) and applies ``busctl scale`` requests
    (:mod:`busctl.scaling`).
 4. ``shutdown`` (always, also on SIGINT/SIGTERM): SIGTERM to every process group in reverse
-   start order, SIGKILL to whatever is left after ``STOP_TIMEOUT_S``; no process is left behind.
+   start order, SIGKILL to whatever is left after ``STOP_TIMEOUT_S`` (:func:`busctl.scaling.stop_all`);
+   no process is left behind.
 
 Healing (``watch``, before ``run.done``; the policy is the pure :func:`busctl.healing.decide`,
 the supervisor gathers its facts and carries out its decisions): every component sends
@@ -37,7 +39,9 @@ whole process group is killed (vLLM's engine processes live there), and after a 
 spawned again with ``RLBUS_RESTARTS=<n>`` (:mod:`bus.launch_env`); the watch loop never blocks on it (other components
 keep running, progress lines keep printing). One crash past ``supervisor.max_restarts`` fails the
 run, naming the component and its log (a restarted packer continues from its spool,
-:mod:`packer.spool`). Restarts are
+:mod:`packer.spool`). A binding component placed (launcher's ``place``) at another address than
+``bus.hosts`` gives moves its endpoints there first, and the running components that connect to
+them are restarted after its spawn (:mod:`busctl.rebinding`). Restarts are
 counted in ``rlbus_supervisor_restarts_total{component}`` (a series per component from its first
 spawn), served on the supervisor's own metrics port (in ``status.json`` and ``prometheus.yml``).
 
@@ -52,10 +56,9 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import subprocess
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import zmq
@@ -73,17 +76,16 @@ from busctl.healing import ComponentFacts, Decision, FailRun, HealingRules, Rest
 from busctl.launchers import Launcher
 from busctl.launchers.local import LocalLauncher
 from busctl.live import progress_line
+from busctl.metrics_targets import live_targets, prometheus_targets, served_targets, supervisor_metrics_host
+from busctl.rebinding import rebind
 from busctl.run_status import (EventLog, StepClock, append_stage_record, clear_run_dir, snapshot_metrics, write_json_atomic,
                                write_scrape_config)
-from busctl.scaling import STOP_TIMEOUT_S, Placement, Scaling
+from busctl.scaling import Placement, Scaling, kill_and_reap, stop_all
 from busctl.scrape import MetricsPoller
 from busctl.startup import StartupClock
 from configs.schema import RunConfig, dump_config
 
 log = logging.getLogger(__name__)
-
-KILL_WAIT_S = 5.0
-"""Longest wait for a SIGKILLed process to be reaped before its replacement may start, seconds."""
 
 POLL_S = 0.2
 """The watch loop wakes at least this often (messages wake it at once), seconds."""
@@ -154,7 +156,7 @@ class Supervisor:
         self.events = EventLog()
         self.steps = StepClock()
         self.startup = StartupClock(self.run_dir, launched_at)
-        self.poller = MetricsPoller(self._scrape_targets)
+        self.poller = MetricsPoller(lambda: live_targets(self.table))  # read on the poller's thread
         self.scaling = Scaling(cfg, self.run_dir, self.table, spawn=self._spawn, say=self.say, status_changed=self.write_status,
                                targets_changed=self.write_scrape_config, placement=placement)
 
@@ -194,6 +196,7 @@ class Supervisor:
         env.update(LaunchEnv(restarts=spec.restarts, resume=self.resume, late_join=spec.late_join).to_environ(), **self.scaling.placement.environ(spec.role, spec.index))
         cmd = [*launch_prefix(self.cfg, spec), "--run-dir", str(self.run_dir), "--name", spec.name,
                "--index", str(spec.index), "--metrics-port", str(spec.port_request)]
+        peers = self._rebind(spec)
         notes = [f"restart {spec.restarts}"] if spec.restarts else []
         notes += ["resume"] * self.resume + ["late join"] * spec.late_join
         with open(self.log_path(spec), "ab", buffering=0) as logfile:  # unbuffered: the header precedes the output
@@ -203,6 +206,27 @@ class Supervisor:
         now = spec.spawned_at = time.monotonic()
         spec.pid, spec.state, spec.exit_code, spec.ready_at, spec.last_beat, spec.last_beat_wall = spec.proc.pid, "starting", None, None, None, None
         spec.due = now + self.cfg.bus.ready_timeout_s
+        for peer in peers:  # they hold the moved endpoints' old address
+            kill_and_reap(peer)
+            self._restart(peer)
+
+    def _rebind(self, spec: ComponentSpec) -> list[ComponentSpec]:
+        """Before ``spec`` starts at the address its launcher places it (no ``place``: nothing
+        moves), move the endpoints it binds there (:mod:`busctl.rebinding`); returns the running
+        components that connect to them (restarted after the spawn)."""
+        move = rebind(self.cfg, self.run_dir, spec, getattr(self.launcher, "place", lambda _: "")(spec), self.table)
+        if move is None:
+            return []
+        self.endpoints = replace(self.endpoints, hosts=dict(move.hosts))
+        if move.control_moved and self._control is not None:
+            self._control.close()
+            self._control = self._subscribe_control()
+        self.say(f"  [yellow]moved[/yellow] {spec.name} to {move.address} ({', '.join(move.keys)}); restarting {', '.join(move.restart)}")
+        return [s for s in self.table if s.name in move.restart and s.proc is not None and s.state != "stopping"]
+
+    def _subscribe_control(self) -> BusSocket:
+        """busctl's subscription to the control channel at the hub (``bus.hosts`` now)."""
+        return BusSocket(self.ctx, "control_sub", "recv", self.endpoints.address("control_sub"), bind=False, stop=self.stop)
 
     def start(self) -> None:
         """Spawn every component and wait for all ready handshakes.
@@ -214,9 +238,9 @@ class Supervisor:
         self.state = "starting"
         self._inbox = BusSocket(self.ctx, "supervisor", "recv", self.endpoints.address("supervisor"), bind=True, stop=self.stop,
                                 accept=(ComponentReady, ComponentHeartbeat))
-        self._metrics_server = start_metrics_server(0, health=self.health)
+        self._metrics_server = start_metrics_server(0, supervisor_metrics_host(self.cfg), health=self.health)
         self.metrics_port = int(self._metrics_server.server_address[1])
-        self._control = BusSocket(self.ctx, "control_sub", "recv", self.endpoints.address("control_sub"), bind=False, stop=self.stop)
+        self._control = self._subscribe_control()
         base = self.cfg.metrics.base_port
         for k, spec in enumerate(self.table):
             spec.port_request = base + k if base else 0
@@ -272,8 +296,10 @@ class Supervisor:
             if spec is None or spec.pid != msg.pid or spec.state != "starting":
                 return  # a predecessor's late handshake, or a stranger
             spec.state, spec.metrics_port, spec.ready_at = "ready", msg.metrics_port, time.monotonic()
+            spec.metrics_host = msg.metrics_host or "127.0.0.1"
             again = f", restart {spec.restarts}" if spec.restarts else ""
-            self.say(f"  [green]ready[/green] {msg.name} (pid {msg.pid}, metrics :{msg.metrics_port}{again})")
+            host = "" if spec.metrics_host == "127.0.0.1" else spec.metrics_host  # another node's: named
+            self.say(f"  [green]ready[/green] {msg.name} (pid {msg.pid}, metrics {host}:{msg.metrics_port}{again})")
             if self._healing:
                 self.write_scrape_config()
             self.write_status()
@@ -333,7 +359,7 @@ class Supervisor:
         if isinstance(decision, RestartNow):
             self._restart(spec)
             return
-        self._kill_group(spec)
+        kill_and_reap(spec)
         spec.last_error = decision.reason
         log.info("%s (pid %d) %s", spec.name, spec.pid, decision.reason)  # the console line follows
         if isinstance(decision, FailRun):
@@ -346,18 +372,6 @@ class Supervisor:
         self.say(f"  [yellow]crashed[/yellow] {spec.name} (pid {spec.pid}) {decision.reason}; restart "
                  f"{spec.restarts + 1}/{self.cfg.supervisor.max_restarts} in {decision.delay_s:g} s")
         self.write_status()
-
-    def _kill_group(self, spec: ComponentSpec) -> None:
-        """SIGKILL the whole component (process group or step) and reap it (bounded wait)."""
-        if spec.proc is None:
-            return
-        spec.proc.signal(signal.SIGKILL)
-        try:
-            spec.proc.wait(timeout=KILL_WAIT_S)
-        except subprocess.TimeoutExpired:
-            log.warning("%s (pid %d) not reaped %.0f s after SIGKILL", spec.name, spec.pid, KILL_WAIT_S)
-        if spec.exit_code is None:
-            spec.exit_code = spec.proc.returncode
 
     def _restart(self, spec: ComponentSpec) -> None:
         spec.restarts += 1
@@ -374,10 +388,6 @@ class Supervisor:
         """``/health`` of ``busctl up``: healthy unless the run failed; state, step, live components."""
         return self.outcome != "failed", {"component": "supervisor", "state": self.state, "step": self.snapshot.get("step"),
                                           "components_live": sum(s.state in LIVE_STATES for s in self.table), "components": len(self.table)}
-
-    def _scrape_targets(self) -> list[tuple[str, int]]:
-        """``(name, metrics_port)`` of every ready component (called on the poller's thread)."""
-        return [(s.name, s.metrics_port) for s in list(self.table) if s.state in LIVE_STATES and s.metrics_port]
 
     def write_status(self) -> None:
         """Write ``status.json`` atomically and keep it as :attr:`snapshot` (fields: :mod:`busctl.run_status`)."""
@@ -401,13 +411,13 @@ class Supervisor:
     def snapshot_metrics(self) -> None:
         """Save every component's ``/metrics`` text to ``metrics_final/NAME.prom`` (end of run),
         and the supervisor's own to ``metrics_final/supervisor.prom``."""
-        targets = [(s.name, s.metrics_port) for s in self.table if s.metrics_port]
-        snapshot_metrics(self.run_dir / "metrics_final", generate_latest(REGISTRY), targets)
+        snapshot_metrics(self.run_dir / "metrics_final", generate_latest(REGISTRY), served_targets(self.table))
 
     def write_scrape_config(self) -> None:
-        """Write ``prometheus.yml``: a target per component with a metrics port, and the supervisor."""
-        targets = [(s.name, s.role, s.metrics_port) for s in self.table]
-        write_scrape_config(self.run_dir / "prometheus.yml", self.cfg.name, [*targets, ("supervisor", "supervisor", self.metrics_port)])
+        """Write ``prometheus.yml``: a target per component with a metrics port, at the address it
+        reported, and the supervisor's."""
+        supervisor = (supervisor_metrics_host(self.cfg), self.metrics_port)
+        write_scrape_config(self.run_dir / "prometheus.yml", self.cfg.name, prometheus_targets(self.table, supervisor))
 
     # -- shutdown --------------------------------------------------------------------------------
 
@@ -417,23 +427,7 @@ class Supervisor:
             return
         self.state = "stopping"
         self.poller.close()
-        running = [s for s in reversed(self.table) if s.proc is not None]
-        for spec in running:
-            spec.proc.signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for spec in running:
-            try:
-                spec.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in %.0f s; killing it", spec.name, STOP_TIMEOUT_S)
-        for spec in running:
-            spec.proc.signal(signal.SIGKILL)  # also reaps children (vLLM engine processes)
-            spec.proc.wait()
-            if spec.state != "exited":
-                spec.state, spec.exit_code = "exited", spec.proc.returncode
-        for spec in self.table:
-            if spec.proc is None and spec.state != "exited":
-                spec.state = "exited"  # was waiting for a restart
+        stop_all(list(reversed(self.table)))
         for sock in (self._inbox, self._control):
             if sock is not None:
                 sock.close()

@@ -10,6 +10,11 @@ scaling and shutdown are the same whatever starts the processes:
 - ``ray`` (:mod:`busctl.launchers.ray`): one small Ray actor per component, pinned to its node of
   a running Ray cluster, starts the process there; a dead actor or node is a dead process.
 
+A component restarts on its node while that node lives (slurm: always; ray: pinned), so the
+addresses of ``bus.hosts`` stay right; a binder that must move to another address moves its
+endpoints and restarts its peers (:mod:`busctl.rebinding`). On several nodes a component serves
+its metrics on its node's address (``RLBUS_NODE_ADDRESS``, set by the slurm and ray launchers).
+
 Invariant: ``Launched.pid`` is what the component sends in its ready handshake and heartbeats
 (its pid, or the launcher's ``RLBUS_SPAWN_ID``, :mod:`bus.launch_env`).
 """
@@ -59,6 +64,11 @@ class Launcher(Protocol):
 
     def spawn(self, spec: ComponentSpec, cmd: list[str], env: dict[str, str], log: IO[bytes]) -> Launched:
         """Start ``cmd`` for ``spec`` with ``env``, stdout and stderr to ``log``."""
+
+    def place(self, spec: ComponentSpec) -> str:
+        """Choose the node of ``spec``'s next spawn and return its address (the supervisor calls
+        it just before :meth:`spawn`; ``""``: not placed by address, as the local launcher, so no
+        endpoint ever moves, :mod:`busctl.rebinding`). Optional: a launcher without it is ``""``."""
 
 
 def make_launcher(cfg: RunConfig) -> Launcher:

@@ -12,7 +12,7 @@ import socket
 import subprocess
 from typing import IO
 
-from bus.launch_env import ENV_SPAWN_ID
+from bus.launch_env import ENV_NODE_ADDRESS, ENV_SPAWN_ID
 from busctl.component_table import ComponentSpec, signal_group
 from configs.schema import RunConfig
 
@@ -44,17 +44,34 @@ class LocalProcess:
 
 
 class LocalLauncher:
-    """Starts components as local processes (the default ``supervisor.launcher``)."""
+    """Starts components as local processes (the default ``supervisor.launcher``).
+
+    Args:
+        node_address: this host's address as other hosts reach it (``""``, the default: a
+            single-host run, metrics on 127.0.0.1); when given, components serve their metrics
+            there (``RLBUS_NODE_ADDRESS``) and :meth:`place` returns it.
+    """
 
     name = "local"
+
+    def __init__(self, node_address: str = "") -> None:
+        self.node_address = node_address
 
     def configure(self, cfg: RunConfig) -> None:
         """Nothing to decide: the config's transport and addresses stand."""
 
+    def place(self, spec: ComponentSpec) -> str:
+        """:attr:`node_address` (``""``: every component runs on this host at the addresses the
+        config gives, nothing moves)."""
+        return self.node_address
+
     def spawn(self, spec: ComponentSpec, cmd: list[str], env: dict[str, str], log: IO[bytes]) -> LocalProcess:
-        """``Popen(cmd)`` in a new session, output to ``log`` (an inherited ``RLBUS_SPAWN_ID`` removed:
-        the component must name itself by its pid)."""
-        env = {k: v for k, v in env.items() if k != ENV_SPAWN_ID}
+        """``Popen(cmd)`` in a new session, output to ``log`` (an inherited ``RLBUS_SPAWN_ID`` or
+        ``RLBUS_NODE_ADDRESS`` removed: the component names itself by its pid and serves its
+        metrics on 127.0.0.1, or at :attr:`node_address` when set)."""
+        env = {k: v for k, v in env.items() if k not in (ENV_SPAWN_ID, ENV_NODE_ADDRESS)}
+        if self.node_address:
+            env[ENV_NODE_ADDRESS] = self.node_address
         popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                  cwd=os.getcwd(), start_new_session=True)
         return LocalProcess(popen, socket.gethostname())

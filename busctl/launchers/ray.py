@@ -27,19 +27,20 @@ call: no shared filesystem is needed for them) and starts ``python -m MODULE ...
 its own session, output appended to ``RUN_DIR/logs/NAME.log`` on that node. The component sends
 ``RLBUS_SPAWN_ID`` instead of its pid. ``poll`` asks the actor without blocking (one call in flight
 at a time); ``signal`` goes through the actor to the child's process group. A dead actor or node
-is a component that exited (exit code :data:`ACTOR_DIED`): the supervisor's healing restarts it,
-and since each spawn plans over the nodes alive at that moment (less the nodes where an actor
-died within :data:`SUSPECT_S`), on a live node. The component dies
-with its actor (``PR_SET_PDEATHSIG``, :mod:`bus.component`).
+is a component that exited (exit code :data:`ACTOR_DIED`): the supervisor's healing restarts it.
+A restart stays on the component's node while that node is alive and trusted (:func:`pinned_node`:
+its address, which ``bus.hosts`` names for a binder, stays right, whatever nodes came or went);
+only when the node died (or an actor died there within :data:`SUSPECT_S`) is it planned anew
+over the nodes alive at that moment. The supervisor asks for that node's address first
+(:meth:`RayLauncher.place`): a binder landing at another address moves its endpoints and its
+peers restart (:mod:`busctl.rebinding`). The component dies with its actor
+(``PR_SET_PDEATHSIG``, :mod:`bus.component`). It serves its metrics on its node's address
+(``RLBUS_NODE_ADDRESS``), where ``prometheus.yml`` and ``busctl status`` read them.
 
 What still needs a filesystem every node sees (or the same paths on every node): the policy
 (``model.path``), the Python environment at the same path, the run directory's outputs (logs,
 ledgers and packer spool, checkpoints: a trainer or packer restarted on another node resumes from
-them) and whatever busctl reads there (``status.json`` comes from busctl itself). Not covered:
-a component that binds (hub, packer, prompt source, producer) restarted on a node with another
-address keeps the address ``bus.hosts`` gave at start, so its peers do not find it (on a
-one-machine cluster every node has the same address); ``prometheus.yml`` lists every target at
-busctl's host.
+them) and whatever busctl reads there (``status.json`` comes from busctl itself).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ import time
 from pathlib import Path
 from typing import IO, Any, Callable
 
-from bus.launch_env import ENV_SPAWN_ID
+from bus.launch_env import ENV_NODE_ADDRESS, ENV_SPAWN_ID
 from busctl.component_table import ComponentSpec
 from busctl.launchers.multihost import configure_multihost
 from busctl.launchers.nodes import Allocation, plan_nodes
@@ -99,6 +100,13 @@ def allocation_from_ray_nodes(nodes: list[dict[str, Any]], head: str) -> Allocat
     return Allocation(tuple(groups))
 
 
+def pinned_node(alloc: Allocation, role: str, index: int, home: str | None) -> str:
+    """The node of a component's next spawn: ``home`` (the node of its last spawn) while it is in
+    ``alloc`` (alive and trusted), else :func:`busctl.launchers.nodes.plan_nodes` over ``alloc``."""
+    alive = {n for group in alloc.groups for n in group}
+    return home if home in alive else plan_nodes(alloc, role, index).node
+
+
 class ComponentActor:
     """Runs one component's process on the actor's node (becomes a Ray actor in :class:`RayLauncher`)."""
 
@@ -109,7 +117,8 @@ class ComponentActor:
               gpus: int) -> str:
         """Write ``files`` (absolute path -> (content, mode); rewritten only when different,
         atomically), then start ``cmd`` in a new session with ``env`` (plus Ray's
-        ``CUDA_VISIBLE_DEVICES`` when ``gpus``), output appended to ``log_path`` after a line
+        ``CUDA_VISIBLE_DEVICES`` when ``gpus``, and ``RLBUS_NODE_ADDRESS``: the node's address),
+        output appended to ``log_path`` after a line
         ``===== ray node NODE_ID (ADDRESS) =====``.
 
         Returns:
@@ -131,6 +140,7 @@ class ComponentActor:
             env = {**env, ENV_CUDA_DEVICES: ",".join(str(g) for g in ray.get_gpu_ids())}
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         address = ray.util.get_node_ip_address()
+        env = {**env, ENV_NODE_ADDRESS: address}  # metrics served where the head node reaches them
         with open(log_path, "ab", buffering=0) as log:
             log.write(f"===== ray node {ray.get_runtime_context().get_node_id()} ({address}) =====\n".encode())
             self.popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
@@ -230,6 +240,7 @@ class RayLauncher:
         self.run_dir = Path(".")
         self.keys_dir = ""
         self.suspects: dict[str, float] = {}  # node id -> time.monotonic() of an actor's death there
+        self.homes: dict[str, str] = {}  # component name -> node id of its last placement
 
     @classmethod
     def connect(cls, cfg: RunConfig, address: str = "auto") -> "RayLauncher":
@@ -277,6 +288,13 @@ class RayLauncher:
             f"#   {r}{'-0' if r in ('producer', 'rewards') else ''}: node {plan_nodes(alloc, r).node[:12]} "
             f"({addresses.get(plan_nodes(alloc, r).node)})" for r in roles])
 
+    def place(self, spec: ComponentSpec) -> str:
+        """Choose the node of ``spec``'s next spawn (:func:`pinned_node` over the alive nodes now)
+        and return its address; :meth:`spawn` starts it there."""
+        alloc, addresses = self.nodes()
+        node = self.homes[spec.name] = pinned_node(alloc, spec.role, spec.index, self.homes.get(spec.name))
+        return addresses.get(node, node)
+
     def files(self) -> dict[str, tuple[bytes, int]]:
         """What each actor writes on its node: ``config.yaml`` and the CurveZMQ key files."""
         out = {str(self.run_dir / "config.yaml"): ((self.run_dir / "config.yaml").read_bytes(), 0o644)}
@@ -291,8 +309,8 @@ class RayLauncher:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        alloc, _ = self.nodes()  # alive now: a restart lands on a live node
-        node = plan_nodes(alloc, spec.role, spec.index).node
+        self.place(spec)  # as the supervisor placed it just before (unless that node died since)
+        node = self.homes[spec.name]
         spawn_id = secrets.randbelow(2**31 - 2) + 1
         env = {**env, ENV_SPAWN_ID: str(spawn_id)}
         gpus = len([d for d in env.pop(ENV_CUDA_DEVICES, "").split(",") if d])  # Ray hands out the node's GPUs

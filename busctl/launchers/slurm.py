@@ -14,11 +14,17 @@ Each component is ``srun --nodes=1 --ntasks=1 --nodelist=NODE --overlap [--het-g
 [--gpus=N] --kill-on-bad-exit=1 --job-name=rlbus-NAME-ID CMD``, started locally in its own
 session; GPU components get ``--gpus`` with as many devices as :mod:`busctl.placement` planned
 and Slurm sets their ``CUDA_VISIBLE_DEVICES``. The step's component sends ``RLBUS_SPAWN_ID=ID``
-instead of its pid (it runs elsewhere). The supervisor watches the local ``srun``: the step's
+instead of its pid (it runs elsewhere) and serves its metrics on its node's address
+(``RLBUS_NODE_ADDRESS``, the node resolved as for ``bus.hosts``), which ``prometheus.yml`` and
+``busctl status`` read (:mod:`busctl.metrics_targets`). The supervisor watches the local ``srun``: the step's
 end is its exit. Signals go to the step's task with ``scancel --signal=SIG`` (the step found by
 its name): SIGTERM is a graceful stop as on the local launcher (``srun`` itself would answer
 SIGTERM by cancelling the step, SIGKILL after ``KillWait``); SIGKILL also kills ``srun``, so a
 killed component leaves nothing running on its node.
+
+A component is always placed on the node of its first start (the allocation is fixed), so a
+binding component's address in ``bus.hosts`` stays right across restarts; a node that fails makes
+its components fail until ``supervisor.max_restarts`` ends the run.
 
 Not covered: busctl itself SIGKILLed leaves its steps running until the allocation ends.
 """
@@ -33,7 +39,7 @@ import socket
 import subprocess
 from typing import IO, Callable, Mapping
 
-from bus.launch_env import ENV_SPAWN_ID
+from bus.launch_env import ENV_NODE_ADDRESS, ENV_SPAWN_ID
 from busctl.component_table import ComponentSpec, signal_group
 from busctl.launchers.local import LocalProcess
 from busctl.launchers.multihost import configure_multihost
@@ -157,11 +163,15 @@ class SlurmLauncher:
         return "\n".join([f"# slurm: nodes {[list(g) for g in self.alloc.groups]}"] +
                          [f"#   {r}{'-0' if r in ('producer', 'rewards') else ''}: {plan_nodes(self.alloc, r).node}" for r in roles])
 
+    def place(self, spec: ComponentSpec) -> str:
+        """The address of ``spec``'s node: always the same node for a component (the allocation is fixed)."""
+        return self.resolve(plan_nodes(self.alloc, spec.role, spec.index).node)
+
     def spawn(self, spec: ComponentSpec, cmd: list[str], env: dict[str, str], log: IO[bytes]) -> SlurmStep:
         """Start ``cmd`` as an ``srun`` step on the component's node (module docstring)."""
         slot = plan_nodes(self.alloc, spec.role, spec.index)
         spawn_id = secrets.randbelow(2**31 - 2) + 1
-        env = {**env, ENV_SPAWN_ID: str(spawn_id)}
+        env = {**env, ENV_SPAWN_ID: str(spawn_id), ENV_NODE_ADDRESS: self.resolve(slot.node)}
         devices = [d for d in env.get(ENV_CUDA_DEVICES, "").split(",") if d]
         if devices:  # Slurm hands out (and numbers) the node's GPUs itself
             del env[ENV_CUDA_DEVICES]

@@ -153,7 +153,7 @@ EXAMPLES: dict[str, Callable[[], Message]] = {
         id="e-1", round=10, task="gsm8k", version_min=10, version_max=10, num_samples=64, num_failed=1,
         metrics={"reward_mean": 0.25, "reward_std": 0.433, "completion_len_mean": 112.5},
     ),
-    "component.ready": lambda: ComponentReady(id="c-1", name="rewards-1", pid=1234, metrics_port=9100),
+    "component.ready": lambda: ComponentReady(id="c-1", name="rewards-1", pid=1234, metrics_port=9100, metrics_host="10.0.0.2"),
     "component.heartbeat": lambda: ComponentHeartbeat(id="h-1", name="rewards-1", pid=1234, state="running"),
 }
 

@@ -161,7 +161,7 @@ def realistic_examples() -> dict[str, Message]:
         RunDone(id="r1", step=4, reason="max_steps"),
         EvalResult(id="e1", round=4, task="gsm8k", version_min=4, version_max=5, num_samples=32, num_failed=0,
                    metrics={"reward_mean": 0.125, "pass_at_1": 0.125}),
-        ComponentReady(id="c1", name="rewards-1", pid=41_213, metrics_port=38_117),
+        ComponentReady(id="c1", name="rewards-1", pid=41_213, metrics_port=38_117, metrics_host="10.0.0.2"),
         ComponentHeartbeat(id="h1", name="rewards-1", pid=41_213, state="running"),
     ]
     out = {m.TYPE: m for m in examples}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bus.launch_env import ENV_LATE_JOIN, ENV_NAMES, ENV_RESTARTS, ENV_RESUME, ENV_SPAWN_ID, LaunchEnv
+from bus.launch_env import ENV_LATE_JOIN, ENV_NAMES, ENV_NODE_ADDRESS, ENV_RESTARTS, ENV_RESUME, ENV_SPAWN_ID, LaunchEnv
 
 
 def test_an_empty_environment_is_a_first_start():
@@ -60,3 +60,10 @@ def test_a_launchers_spawn_id_round_trips_and_is_checked():
     assert not env.continues  # a spawn id says nothing about restarts
     with pytest.raises(ValueError, match=ENV_SPAWN_ID):
         LaunchEnv.from_environ({ENV_SPAWN_ID: "step-7"})
+
+
+def test_a_node_address_moves_the_metrics_off_loopback():
+    assert LaunchEnv.from_environ({}).metrics_host == "127.0.0.1"
+    env = LaunchEnv.from_environ({ENV_NODE_ADDRESS: " 10.1.2.3 "})
+    assert env.node_address == env.metrics_host == "10.1.2.3"
+    assert env.to_environ() == {ENV_NODE_ADDRESS: "10.1.2.3"} and ENV_NODE_ADDRESS not in ENV_NAMES

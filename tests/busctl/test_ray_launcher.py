@@ -1,6 +1,7 @@
 """The Ray launcher: its node plan (pure), and components started, killed and restarted on a real
-multi-node Ray cluster (:mod:`tests.busctl.ray_cluster`) through the supervisor: a node removed
-under two components is a crash of both, and they come back on a live node.
+multi-node Ray cluster (:mod:`tests.busctl.ray_cluster`) through the supervisor: components serve
+their metrics on their node's address (listed so in ``prometheus.yml``); a node removed under a
+component is its crash, and it comes back on a live node.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from busctl.launchers import make_launcher
 from busctl.launchers.nodes import Allocation, plan_nodes
@@ -62,6 +64,11 @@ def test_components_of_a_removed_node_restart_on_a_live_one(ray_cluster, supervi
     specs = {s.name: s for s in run.sup.table}
     head = ray_cluster.head_node.node_id
     assert (specs["hub"].proc.node, specs["rewards-1"].proc.node) == (head, cpu_node.node_id)
+    address = ray.util.get_node_ip_address()  # every node's address here: metrics are served and listed there
+    assert {first["hub"]["metrics_host"], first["rewards-1"]["metrics_host"]} == {address}
+    targets = yaml.safe_load((run.run_dir / "prometheus.yml").read_text())["scrape_configs"][0]["static_configs"]
+    assert {t["labels"]["component"]: t["targets"] for t in targets if t["labels"]["component"] != "supervisor"} == {
+        name: [f"{address}:{first[name]['metrics_port']}"] for name in ("hub", "rewards-1")}
     real_pid = int(re.findall(r" ready \(pid (\d+)", log_text(run.run_dir, "rewards-1"))[-1])
     assert real_pid != first["rewards-1"]["pid"]  # busctl knows the component by its spawn id
     ray_cluster.remove_node(cpu_node, allow_graceful=False)  # the node dies: its actor, so its component

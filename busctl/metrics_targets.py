@@ -1,0 +1,50 @@
+"""Where busctl reads metrics: every component at the address it reported (pure functions).
+
+A component serves ``/metrics`` on 127.0.0.1 in a local run and on its node's address when a
+multi-node launcher (Slurm, Ray) started it (``RLBUS_NODE_ADDRESS``, :mod:`bus.launch_env`); its
+ready handshake (:class:`bus.messages.ComponentReady`) says which, and the supervisor keeps it as
+``ComponentSpec.metrics_host``. Every reader of metrics takes the address from there, never a
+fixed host: ``prometheus.yml`` (:func:`prometheus_targets`), the metrics poller behind
+``status.json`` / ``busctl status`` (:func:`live_targets`) and the end-of-run snapshot
+(:func:`served_targets`). busctl's own metrics (the supervisor) are served by
+:func:`supervisor_metrics_host`: its node's address in ``bus.hosts`` on several nodes, else
+127.0.0.1.
+
+Invariant: a target of a component on another node is never 127.0.0.1 (the component reported
+its node's address); a local run's targets are all 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from busctl.component_table import LIVE_STATES, ComponentSpec
+from configs.schema import RunConfig
+
+LOOPBACK = "127.0.0.1"
+"""Where a local run serves metrics (reachable from this host only)."""
+
+
+def supervisor_metrics_host(cfg: RunConfig) -> str:
+    """The address busctl serves its own metrics on: ``bus.hosts["supervisor"]`` (busctl's node,
+    set by a multi-node launcher) when the transport is tcp, else :data:`LOOPBACK`."""
+    host = cfg.bus.hosts.get("supervisor", "") if cfg.bus.transport == "tcp" else ""
+    return host or LOOPBACK
+
+
+def served_targets(table: Iterable[ComponentSpec]) -> list[tuple[str, str, int]]:
+    """``(name, host, port)`` of every component that reported a metrics port (any state)."""
+    return [(s.name, s.metrics_host or LOOPBACK, s.metrics_port) for s in list(table) if s.metrics_port]
+
+
+def live_targets(table: Iterable[ComponentSpec]) -> list[tuple[str, str, int]]:
+    """``(name, host, port)`` of every ready (live) component: what the metrics poller scrapes."""
+    return served_targets(s for s in list(table) if s.state in LIVE_STATES)
+
+
+def prometheus_targets(table: Iterable[ComponentSpec], supervisor: tuple[str, int]) -> list[tuple[str, str, str, int]]:
+    """``(component, role, host, port)`` per component with a metrics port, then busctl's own
+    (``supervisor``: its ``(host, port)``): the targets of ``prometheus.yml``
+    (:func:`busctl.run_status.scrape_config`)."""
+    rows = [(s.name, s.role, s.metrics_host or LOOPBACK, s.metrics_port) for s in list(table) if s.metrics_port]
+    return [*rows, ("supervisor", "supervisor", *supervisor)]
