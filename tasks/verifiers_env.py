@@ -64,7 +64,10 @@ def module_of(name: str) -> str:
 def _load(module: str, args_json: str) -> Any:
     import verifiers as vf
 
-    env = vf.load_environment(module, **json.loads(args_json))
+    try:
+        env = vf.load_environment(module, **json.loads(args_json))
+    except RuntimeError as exc:  # verifiers wraps what load_environment raised
+        raise ValueError(f"verifiers environment {module!r} with task.verifiers_args={args_json}: {exc}") from exc
     if not isinstance(env, vf.Environment):
         raise TypeError(f"{module}.load_environment returned a {type(env).__name__}, not a verifiers.Environment")
     if env.requires_group_rollouts:
@@ -78,9 +81,9 @@ def load_env(module: str, args: dict[str, Any]) -> Any:
     process and arguments).
 
     Raises:
-        ValueError: the module cannot be imported or its rubric has group rewards.
+        ValueError: the module cannot be imported, its ``load_environment`` raised (the message
+            names the module and arguments), or its rubric has group rewards.
         TypeError: ``load_environment`` returned no ``verifiers.Environment``.
-        RuntimeError: ``load_environment`` raised (verifiers wraps the error).
     """
     return _load(module, json.dumps(args, sort_keys=True))
 
