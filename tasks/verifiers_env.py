@@ -24,7 +24,7 @@ How it maps (an agent task, :mod:`tasks.agent`, whose agent function is :func:`r
   no other reward function.
 
 Not supported: rubrics with group reward functions (``env.requires_group_rollouts``; each sample is
-its own isolated call, so :func:`rollout` raises ValueError and the episode gets reward 0, counted),
+its own isolated call, so :func:`load_env` refuses them with ValueError),
 environments that must talk to a non-chat API (completions-only, responses API) and
 ``EnvGroup`` of several environments with different datasets per task name.
 
