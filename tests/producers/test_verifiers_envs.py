@@ -13,10 +13,8 @@ reads back to compute the expected rubric score.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import threading
 
 import pytest
 import torch
@@ -29,14 +27,13 @@ from bus.codec import decode, encode  # noqa: E402
 from bus.messages import Prompt  # noqa: E402
 from configs.rollout import TaskConfig  # noqa: E402
 from producers.agents import AgentRunner  # noqa: E402
-from producers.endpoint import OpenAIEndpoint  # noqa: E402
 from producers.endpoint_episodes import EPISODE_HEADER, assemble_episode  # noqa: E402
-from producers.engine import RolloutEngine  # noqa: E402
 from producers.episodes import env_turn_ids  # noqa: E402
 from producers.proc import group_from_samples  # noqa: E402
 from tasks.registry import get_task, load_task_examples  # noqa: E402
 from tests.producers import vf_envs  # noqa: E402
-from tests.producers.test_weight_sync import _hf_logprobs, _load_hf, assert_no_leftover_processes  # noqa: E402
+from tests.producers.endpoint_serving import served_endpoint  # noqa: E402
+from tests.producers.test_weight_sync import _hf_logprobs, _load_hf  # noqa: E402
 from trainer.tiny_model import IM_END_TOKEN_ID, build_random_policy  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -88,26 +85,8 @@ def served(tmp_path_factory):
     """(started endpoint, HF copy of its model, run(coro), tool-call token id, answer token id)."""
     tmp = tmp_path_factory.mktemp("verifiers")
     model_dir, tool_id, answer_id = _scripted_policy(build_random_policy(tmp / "policy", seed=0), tmp / "scripted")
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    eng = RolloutEngine(model_dir, max_model_len=512, kv_cache_bytes=32 * 1024**2,
-                        engine_kwargs={"logprobs_mode": "processed_logprobs"})
-    thread.start()
-    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(300)  # noqa: E731
-    endpoint = None
-    try:
-        run(eng.start())
-        endpoint = OpenAIEndpoint(eng, eng.tokenizer, max_model_len=512)
-        run(endpoint.start())
+    with served_endpoint(model_dir, 512) as (endpoint, run):
         yield endpoint, _load_hf(model_dir), run, tool_id, answer_id
-    finally:
-        if endpoint is not None:
-            run(endpoint.close())
-        run(eng.close())
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
-        assert_no_leftover_processes()
 
 
 def test_tool_calls_come_back_as_openai_tool_calls_and_continue_token_exactly(served):
