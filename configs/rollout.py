@@ -6,7 +6,7 @@ split out to keep one module per concern. Imports no torch.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -35,7 +35,7 @@ class DatasetConfig(Section):
 class TaskConfig(Section):
     """The training task: dataset, prompt rendering and reward functions (tasks/, one module per task)."""
 
-    name: str = Field("reverse_text", description="A registered task (reverse_text, gsm8k, countdown) or an import path 'package.module:function' returning a tasks.Task.")
+    name: str = Field("reverse_text", description="A registered task (reverse_text, gsm8k, countdown, reverse_turns, gsm8k_calculator), an import path 'package.module:function' returning a tasks.Task, or 'verifiers:MODULE': the verifiers environment MODULE.load_environment(**task.verifiers_args) (docs/environments.md).")
     system_prompt: str | None = Field(None, description="System message before every prompt; null: the task's default (none for reverse_text).")
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
     rewards: list[RewardTermConfig] = Field(
@@ -51,6 +51,10 @@ class TaskConfig(Section):
         description="Agent task: import path 'package.module:function' of fn(client: openai.OpenAI, example: dict) -> float, run "
         "isolated once per sample with a client pointed at the producer's OpenAI-compatible endpoint; the recorded responses "
         "become the sample (docs/environments.md). Applies to the prompts of task.name. null: no agent.",
+    )
+    verifiers_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="verifiers tasks (task.name 'verifiers:MODULE'): keyword arguments of MODULE.load_environment (JSON values; they travel with every prompt).",
     )
     agent_timeout_s: float = Field(300.0, gt=0.0, description="Agent tasks: most seconds one agent call (a whole episode) may take (the episode then gets reward 0). Agent calls run in task.env_procs children per producer.")
 

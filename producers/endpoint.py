@@ -11,7 +11,10 @@ weight updates, versions and logprobs apply to it). Request fields:
   text-part contents) / ``prompt`` (completions; a string or a list of token ids), ``max_tokens``
   (``max_completion_tokens``), ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``,
   ``logprobs`` (chat: bool; completions: an int, only the sampled token's logprob is returned),
-  ``tools`` (chat: passed to the chat template; tool calls come back as text in ``content``);
+  ``tools`` (chat: passed to the chat template; the model's Qwen/Hermes ``<tool_call>{json}</tool_call>``
+  blocks come back as OpenAI ``tool_calls`` with ``finish_reason: "tool_calls"``,
+  :func:`producers.endpoint_episodes.reply_message`; an assistant message sent back with those
+  ``tool_calls`` and the ``role: tool`` results continue the episode without re-tokenizing);
 - ignored: ``user`` (an episode id when no header names one), ``stream`` when false,
   ``top_logprobs`` 0, ``metadata``, ``store``, ``tool_choice``, ``parallel_tool_calls``;
 - anything else: HTTP 400 naming the fields.
@@ -33,7 +36,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge
 
-from producers.endpoint_episodes import EPISODE_HEADER, EndpointEpisodes, RecordedTurn, chat_prompt_ids
+from producers.endpoint_episodes import EPISODE_HEADER, EndpointEpisodes, RecordedTurn, chat_prompt_ids, reply_message
 
 log = logging.getLogger(__name__)
 
@@ -231,21 +234,23 @@ class OpenAIEndpoint:
         request_id = f"oai-{next(self._ids)}"
         samples = await self.engine.generate_group(prompt_ids, n=n, request_id=request_id, **kwargs)
         texts = [s.text for s in samples]
+        replies = [reply_message(text, body.get("tools"), f"call_{request_id}_{i}") if route == "chat" else None
+                   for i, text in enumerate(texts)]
         if episode_id:
-            self.episodes.record(episode_id, RecordedTurn(prompt_ids, samples[0], version, messages, texts[0]))
-        return self._response(route, request_id, samples, texts, len(prompt_ids), bool(body.get("logprobs")))
+            self.episodes.record(episode_id, RecordedTurn(prompt_ids, samples[0], version, messages, texts[0], replies[0]))
+        return self._response(route, request_id, samples, texts, replies, len(prompt_ids), bool(body.get("logprobs")))
 
-    def _response(self, route: str, request_id: str, samples: list, texts: list[str], num_prompt: int,
-                  logprobs: bool) -> dict:
+    def _response(self, route: str, request_id: str, samples: list, texts: list[str], replies: list[dict | None],
+                  num_prompt: int, logprobs: bool) -> dict:
         choices = []
-        for i, (s, text) in enumerate(zip(samples, texts)):
+        for i, (s, text, reply) in enumerate(zip(samples, texts, replies)):
             finish = "length" if s.finish_reason == "length" else "stop"
             tokens = [self.tokenizer.decode([t]) for t in s.token_ids] if logprobs else []
             if route == "chat":
                 lp = {"content": [{"token": tok, "logprob": v, "bytes": list(tok.encode()), "top_logprobs": []}
                                   for tok, v in zip(tokens, s.logprobs)]} if logprobs else None
-                choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                                "finish_reason": finish})
+                choices.append({"index": i, "message": reply, "logprobs": lp,
+                                "finish_reason": "tool_calls" if reply.get("tool_calls") else finish})
             else:
                 lp = {"tokens": tokens, "token_logprobs": list(s.logprobs), "top_logprobs": None,
                       "text_offset": []} if logprobs else None

@@ -8,9 +8,10 @@ response of an open episode is recorded as a :class:`RecordedTurn`: the prompt t
 sampled token ids with their logprobs and per-token policy versions.
 
 Chat prompts of an open episode are built so that they extend the trajectory: when the request's
-messages are the previous turn's messages plus the assistant message carrying exactly the text
-returned for it, plus new messages, the prompt is the previous prompt + the sampled ids (never
-re-tokenized) + the chat template's rendering of the new messages only
+messages are the previous turn's messages plus the assistant message returned for it (its text, or
+its ``tool_calls`` as :func:`reply_message` parsed them from the text, :func:`same_reply`), plus new
+messages (user turns, ``role: tool`` results), the prompt is the previous prompt + the sampled ids
+(never re-tokenized) + the chat template's rendering of the new messages only
 (:func:`producers.episodes.env_turn_ids`, with the end-of-turn token first if the sampled turn did
 not end with it). Any other request is rendered by the template from scratch.
 
@@ -26,6 +27,8 @@ ends before it and the episode counts as rebased
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import threading
 from typing import Any
 
@@ -33,8 +36,10 @@ from prometheus_client import Counter
 
 from producers.engine import Sample
 from producers.episodes import Episode, env_turn_ids
+from tasks.tools import ToolCall, parse_tool_calls
 
 EPISODE_HEADER = "X-Rlbus-Episode"
+_CALL_BLOCKS = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
 
 ENDPOINT_EPISODES = Counter("rlbus_producer_endpoint_episodes_total",
                             "Episodes recorded by the OpenAI-compatible endpoint, by outcome: complete, rebased "
@@ -48,14 +53,16 @@ for _outcome in ("complete", "rebased", "empty"):
 class RecordedTurn:
     """One response of an episode: ``prompt_ids`` ``[P] int``, the engine's ``sample`` (sampled
     ids, logprobs, token versions), ``version`` (the engine's when the request was issued),
-    ``messages`` (the chat request's messages; None for ``/v1/completions``) and ``text`` (the
-    text returned to the client)."""
+    ``messages`` (the chat request's messages; None for ``/v1/completions``), ``text`` (the
+    sampled text) and ``reply`` (the assistant message returned, :func:`reply_message`; None for
+    ``/v1/completions``)."""
 
     prompt_ids: list[int]
     sample: Sample
     version: int
     messages: list[dict] | None
     text: str
+    reply: dict | None = None
 
 
 @dataclasses.dataclass
@@ -111,20 +118,65 @@ class EndpointEpisodes:
         return [] if ep is None else ep.turns
 
 
+def reply_message(text: str, tools: list | None, call_id: str) -> dict:
+    """The assistant message of a chat response for the sampled ``text``.
+
+    With ``tools`` in the request and at least one ``<tool_call>{json}</tool_call>`` block in
+    ``text`` (Qwen/Hermes format, :func:`tasks.tools.parse_tool_calls`), all of them well-formed:
+    ``{"role": "assistant", "content": the text outside the blocks (None if only whitespace),
+    "tool_calls": [{"id": f"{call_id}_{i}", "type": "function", "function": {"name", "arguments":
+    JSON string}}]}``. Otherwise (no tools, no block, or a malformed block) the text as
+    ``content``, as the model wrote it (the client sees the malformed call and may answer it).
+    """
+    calls = parse_tool_calls(text) if tools else []
+    if not calls or not all(isinstance(c, ToolCall) for c in calls):
+        return {"role": "assistant", "content": text}
+    rest = _CALL_BLOCKS.sub("", text).strip()
+    return {"role": "assistant", "content": rest or None,
+            "tool_calls": [{"id": f"{call_id}_{i}", "type": "function",
+                            "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                           for i, c in enumerate(calls)]}
+
+
+def _calls_of(message: dict) -> list[tuple] | None:
+    """``[(id, name, arguments as JSON)]`` of an assistant message's tool calls (None: malformed)."""
+    out = []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict):
+            return None
+        try:
+            args = json.loads(fn.get("arguments") or "{}")
+        except (TypeError, ValueError):
+            return None
+        out.append((call.get("id"), fn.get("name"), args))
+    return out
+
+
+def same_reply(sent: dict, last: RecordedTurn) -> bool:
+    """Whether the assistant message ``sent`` back by a client is the one returned for ``last``:
+    the same content (None and "" alike) and the same tool calls (ids, names, arguments as JSON)."""
+    reply = last.reply if last.reply is not None else {"role": "assistant", "content": last.text}
+    if sent.get("role") != "assistant" or (sent.get("content") or "") != (reply.get("content") or ""):
+        return False
+    calls = _calls_of(sent)
+    return calls is not None and calls == _calls_of(reply)
+
+
 def chat_prompt_ids(tokenizer: Any, messages: list[dict], last: RecordedTurn | None, *,
                     tools: list[dict] | None = None) -> list[int]:
     """Prompt token ids of a chat request (module docstring): the trajectory of ``last`` extended by
-    the template's rendering of the new messages when ``messages`` continue it, else the whole
+    the template's rendering of the new messages when ``messages`` continue it (the assistant
+    message sent back as text or as ``tool_calls``, :func:`same_reply`), else the whole
     conversation rendered by the template with the generation prompt."""
-    if last is not None and last.messages is not None and not tools:
+    if last is not None and last.messages is not None:
         k = len(last.messages)
-        if (len(messages) > k + 1 and messages[:k] == last.messages and messages[k].get("role") == "assistant"
-                and messages[k].get("content") == last.text and not messages[k].get("tool_calls")):
+        if len(messages) > k + 1 and messages[:k] == last.messages and same_reply(messages[k], last):
             ids = list(last.sample.token_ids)
             eos = tokenizer.eos_token_id
             if eos is not None and (not ids or ids[-1] != eos):
                 ids.append(eos)  # a turn cut by max_tokens or a stop string: close it as the template would
-            return last.prompt_ids + ids + env_turn_ids(tokenizer, messages[k + 1:])
+            return last.prompt_ids + ids + env_turn_ids(tokenizer, messages[k + 1:], tools=tools or None)
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, tools=tools or None)
     return tokenizer.encode(text, add_special_tokens=False)
 

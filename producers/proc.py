@@ -19,7 +19,8 @@ of asyncio tasks on one event loop:
   source re-sends what it held. A generation that raises (e.g. a prompt longer than
   ``max_model_len``) is counted and announced as ``groups.dropped`` (outcome ``failed``) so the
   prompt source issues a replacement instead of the step stalling;
-- with ``producers.endpoint_port`` set or an agent task (``task.agent``), an aiohttp server on the
+- with ``producers.endpoint_port`` set or an agent task (``task.agent``, or a verifiers task
+  ``task.name: verifiers:MODULE``, :mod:`tasks.verifiers_env`), an aiohttp server on the
   same loop serves the OpenAI-compatible endpoint on the engine (:mod:`producers.endpoint`); an
   agent task's group is ``n`` isolated agent calls against it, recorded into token-exact episodes
   (:mod:`producers.agents`);
@@ -82,7 +83,7 @@ from producers.eval_gate import EvalUpdateGate
 from producers.sampling import request_kwargs
 from producers.teacher import Teacher
 from tasks.env import EnvCalls
-from tasks.registry import env_tasks
+from tasks.registry import env_tasks, task_agent
 
 log = logging.getLogger(__name__)
 
@@ -185,12 +186,14 @@ class ProducerProc(Component):
         """The OpenAI-compatible endpoint on :attr:`engine` (``producers.endpoint_port``, or an agent task)."""
         self.agents: AgentRunner | None = None
         port = cfg.producers.endpoint_port
-        if port is not None or cfg.task.agent:
+        self.agent = task_agent(cfg)
+        """The training task's agent function (``task.agent``, or a verifiers task's); None: none."""
+        if port is not None or self.agent:
             self.endpoint = OpenAIEndpoint(self.engine, self.tokenizer, max_model_len=cfg.model.max_model_len,
                                            host=cfg.producers.endpoint_host, port=port + self.index if port else 0)
             self.loop.run_until_complete(self.endpoint.start())
-        if cfg.task.agent:
-            self.agents = AgentRunner(self.endpoint, [cfg.task.agent], timeout_s=cfg.task.agent_timeout_s, num_procs=cfg.task.env_procs)
+        if self.agent:
+            self.agents = AgentRunner(self.endpoint, [self.agent], timeout_s=cfg.task.agent_timeout_s, num_procs=cfg.task.env_procs)
         self.gate = EvalUpdateGate()
         self.meter = StageMeter("producer")
         self.prompts = self.reliable_receiver("prompts", self.endpoints.address("prompts"), bind=False, accept=(Prompt,))
@@ -261,7 +264,7 @@ class ProducerProc(Component):
                 if self.agents is not None and prompt.task == self.cfg.task.name:
                     example = {"messages": list(prompt.messages), "info": prompt.info, "task": prompt.task}
                     prompt_ids, samples, masks, env_rewards = await self.agents.run_group(
-                        self.cfg.task.agent, example, prompt_ids, request_id=request_id, **request_kwargs(self.cfg, prompt))
+                        self.agent, example, prompt_ids, request_id=request_id, **request_kwargs(self.cfg, prompt))
                     text = self.tokenizer.decode(prompt_ids)  # the agent rendered its own prompt
                 elif env_task is not None and self.episodes is not None:
                     samples, masks, env_rewards = await self.episodes.run_group(

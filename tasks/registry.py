@@ -8,7 +8,9 @@ Registered tasks (``KNOWN_TASKS``), one module each (dataset, prompts, rewards, 
 - ``reverse_turns`` (:mod:`tasks.reverse_turns`): multi-turn, reverse each string an environment gives;
 - ``gsm8k_calculator`` (:mod:`tasks.gsm8k_calculator`): multi-turn GSM8K with a calculator tool.
 
-A task given as an import path ``"package.module:function"`` is any function returning a
+A task named ``"verifiers:MODULE"`` is a verifiers environment (:mod:`tasks.verifiers_env`,
+``task.verifiers_args`` its ``load_environment`` arguments): an agent task whose reward is the
+environment's rubric. A task given as an import path ``"package.module:function"`` is any function returning a
 :class:`tasks.task.Task` (it runs the code it names: configs are trusted). Registered tasks are
 stored as import paths too and imported on first use, so a process that runs only
 ``reverse_text`` never imports math-verify.
@@ -30,6 +32,8 @@ from configs.rollout import DatasetConfig, EvalTaskConfig, TaskConfig
 from configs.schema import RunConfig
 from tasks.import_path import import_callable
 from tasks.task import Example, Task, check_request
+from tasks.verifiers_env import PREFIX as VERIFIERS_PREFIX
+from tasks.verifiers_env import make_task as make_verifiers_task
 
 DEFAULT_TASK = "reverse_text"
 
@@ -92,6 +96,10 @@ def get_task(name: str, task_cfg: TaskConfig | None = None) -> Task:
             )
         make_task = import_callable(_TASKS[name], f"task {name!r}")
         task = make_task(dataset) if name in FILE_TASKS else make_task()
+    elif name.startswith(VERIFIERS_PREFIX):
+        if _has_dataset(dataset):
+            raise ValueError(f"task {name!r} is a verifiers environment: it loads its own data, so task.dataset does not apply")
+        task = make_verifiers_task(name, cfg.verifiers_args if cfg is not None else {})
     elif ":" in name:
         task = _custom_task(name)
         if _has_dataset(dataset):
@@ -158,10 +166,23 @@ def reward_spec(cfg: RunConfig) -> dict[str, tuple[tuple[str, float], ...]]:
             continue
         task = get_task(name, cfg.task)
         rewards = task.rewards
-        if not rewards and task.env is None and not cfg.filters.skip_verification:
+        if not rewards and task.env is None and task.agent is None and not cfg.filters.skip_verification:
             raise ValueError(f"task {name!r} has no reward function: set task.rewards (or filters.skip_verification)")
         spec[name] = rewards
     return spec
+
+
+def task_agent(cfg: RunConfig) -> str | None:
+    """The agent function of the run's training task: ``cfg.task.agent``, else the task's own
+    (:attr:`Task.agent`, a verifiers task's), else None.
+
+    Raises:
+        ValueError: ``cfg.task.agent`` is set for a task that has its own agent.
+    """
+    own = get_task(cfg.task.name, cfg.task).agent
+    if cfg.task.agent and own:
+        raise ValueError(f"task {cfg.task.name!r} runs its own agent ({own}): remove task.agent")
+    return cfg.task.agent or own
 
 
 def env_tasks(cfg: RunConfig) -> dict[str, Task]:

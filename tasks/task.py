@@ -58,9 +58,13 @@ class Task:
         tools: function-calling schemas (:func:`tasks.tools.tool_schemas`) the producer passes to
             the chat template (``tools=``) when it renders the prompt and the environment's turns;
             ``env`` tasks only (the environment runs the calls, :class:`tasks.tools.ToolEnv`).
+        agent: the import path of the task's own agent function (:mod:`tasks.agent`), run per
+            sample against the producer's OpenAI-compatible endpoint; its return value is the
+            reward term ``env`` (a verifiers task, :mod:`tasks.verifiers_env`). None: the run's
+            ``task.agent`` if set, else no agent.
 
     Raises:
-        ValueError: ``tools`` without ``env``.
+        ValueError: ``tools`` without ``env``, or ``env`` and ``agent`` both set.
     """
 
     name: str
@@ -70,10 +74,13 @@ class Task:
     env: str | None = None
     max_turns: int = 1
     tools: tuple[dict[str, Any], ...] = ()
+    agent: str | None = None
 
     def __post_init__(self) -> None:
         if self.tools and self.env is None:
             raise ValueError(f"task {self.name!r}: tools need an environment (Task.env) to run the calls")
+        if self.env is not None and self.agent is not None:
+            raise ValueError(f"task {self.name!r}: an environment (Task.env) and an agent (Task.agent) exclude each other")
 
 
 def check_request(split: str, num_examples: int) -> None:

@@ -10,7 +10,6 @@ tokens); processed logprobs at temperature 1, as the producers run.
 
 from __future__ import annotations
 
-import asyncio
 import os
 
 import pytest
@@ -20,12 +19,11 @@ pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
 from producers.agents import AgentRunner  # noqa: E402
-from producers.endpoint import OpenAIEndpoint  # noqa: E402
 from producers.endpoint_episodes import ENDPOINT_EPISODES, EPISODE_HEADER, assemble_episode  # noqa: E402
-from producers.engine import RolloutEngine  # noqa: E402
 from producers.episodes import ENV_ERRORS_TOTAL, env_turn_ids  # noqa: E402
 from tests.producers.test_engine_sampling import _eos_prone  # noqa: E402
-from tests.producers.test_weight_sync import _hf_logprobs, _load_hf, assert_no_leftover_processes  # noqa: E402
+from tests.producers.endpoint_serving import served_endpoint  # noqa: E402
+from tests.producers.test_weight_sync import _hf_logprobs, _load_hf  # noqa: E402
 from trainer.tiny_model import IM_END_TOKEN_ID, build_random_policy  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -36,31 +34,11 @@ PROMPT = [{"role": "user", "content": "abcde"}]
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """(started endpoint, HF copy of its model, event loop running in a thread)."""
-    import threading
-
+    """(started endpoint, HF copy of its model, run(coro) on the endpoint's event loop)."""
     tmp = tmp_path_factory.mktemp("endpoint")
     model_dir = _eos_prone(build_random_policy(tmp / "policy", seed=0), tmp / "eos_prone")
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    eng = RolloutEngine(model_dir, max_model_len=256, kv_cache_bytes=32 * 1024**2,
-                        engine_kwargs={"logprobs_mode": "processed_logprobs"})
-    thread.start()
-    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(300)  # noqa: E731
-    endpoint = None
-    try:
-        run(eng.start())
-        endpoint = OpenAIEndpoint(eng, eng.tokenizer, max_model_len=256)
-        run(endpoint.start())
+    with served_endpoint(model_dir, 256) as (endpoint, run):
         yield endpoint, _load_hf(model_dir), run
-    finally:
-        if endpoint is not None:
-            run(endpoint.close())
-        run(eng.close())
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
-        assert_no_leftover_processes()
 
 
 def _client(endpoint, episode_id: str | None = None):
