@@ -14,7 +14,8 @@ nodes, 2: CPU nodes). :func:`plan_nodes` places every role:
 GPU roles (trainer, producers) get on their node the devices :mod:`busctl.placement` plans per
 host. :func:`address_map` then names, for ``bus.hosts``, the host of the side that binds each
 endpoint (:mod:`bus.topics`): the hub binds control, the prompt source prompts and outcomes, the
-packer scored and batches, producer ``i`` ``rollouts-i``, busctl the supervisor socket.
+packer scored and batches, the trainer ``weights`` (``broadcast.method: bus``), producer ``i``
+``rollouts-i``, busctl the supervisor socket.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ HET_GROUPS = ("inference", "trainer", "cpu")
 """The het-job components ``busctl sbatch`` writes, in order (het group 0, 1, 2)."""
 
 BINDERS = {"control_pub": "hub", "control_sub": "hub", "prompts": "prompt-source", "outcomes": "prompt-source",
-           "scored": "packer", "batches": "packer"}
+           "scored": "packer", "batches": "packer", "weights": "trainer"}
 """Endpoint -> the role that binds it (besides ``rollouts-I``: producer I; ``supervisor``: busctl)."""
 
 

@@ -51,7 +51,7 @@ def test_address_map_names_each_binder() -> None:
     alloc = Allocation((("a", "b", "c"),))
     hosts = address_map(alloc, 3, "login", resolve=lambda n: f"10.0.0.{ord(n[0]) - 96}" if len(n) == 1 else "10.9.9.9")
     assert hosts == {"control_pub": "10.0.0.1", "control_sub": "10.0.0.1", "prompts": "10.0.0.1", "outcomes": "10.0.0.1",
-                     "scored": "10.0.0.1", "batches": "10.0.0.1", "rollouts-0": "10.0.0.2", "rollouts-1": "10.0.0.3",
+                     "scored": "10.0.0.1", "batches": "10.0.0.1", "weights": "10.0.0.1", "rollouts-0": "10.0.0.2", "rollouts-1": "10.0.0.3",
                      "rollouts-2": "10.0.0.2", "supervisor": "10.9.9.9"}
     cfg = load_config(None, ["bus.transport=tcp"])
     cfg.bus.hosts = hosts
@@ -60,6 +60,8 @@ def test_address_map_names_each_binder() -> None:
     ep = Endpoints("tcp", cfg.run_dir, "127.0.0.1", 6000, hosts)
     assert ep.address("rollouts", 1) == "tcp://10.0.0.3:6011"
     assert ep.address("supervisor") == "tcp://10.9.9.9:6005"
+    het = address_map(Allocation((("gpu0",), ("gpu1",), ("cpu0",))), 1, "cpu0", resolve=lambda n: n)
+    assert het["weights"] == "gpu1" and het["rollouts-0"] == "gpu0"  # the bus method's endpoint is the trainer's
 
 
 def test_unknown_bus_hosts_key_is_refused() -> None:
