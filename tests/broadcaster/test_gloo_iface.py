@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def no_ifname(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ENV_GLOO_IFNAME, raising=False)
+    monkeypatch.setenv(ENV_GLOO_IFNAME, "")  # recorded first, so what a test pins is undone after it
+    monkeypatch.delenv(ENV_GLOO_IFNAME)
     monkeypatch.setattr(gloo_iface, "_pinned", None)
 
 
@@ -71,7 +72,7 @@ def test_gloo_group_across_network_namespaces(netns_pair: NetnsPair) -> None:  #
     port = 29600
     procs = [subprocess.Popen(netns_pair.exec(ns, sys.executable, "-c", RANK, str(rank), str(port), ADDR_A),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+                              env={**{k: v for k, v in os.environ.items() if k != ENV_GLOO_IFNAME}, "PYTHONPATH": str(ROOT)})
              for rank, ns in enumerate((netns_pair.a, netns_pair.b))]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
