@@ -43,6 +43,9 @@ RAY_PORT = 6379
 OBJECT_STORE_BYTES = 80 * 1024 * 1024
 """Per node; Ray's minimum is 75 MiB."""
 
+IP = shutil.which("ip", path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin")
+"""iproute2's ``ip`` (root's PATH has /usr/sbin, a plain user's may not), or None."""
+
 
 @dataclass(frozen=True)
 class NetnsPair:
@@ -55,23 +58,23 @@ class NetnsPair:
 
     def exec(self, ns: str, *cmd: str) -> list[str]:
         """``cmd`` run inside namespace ``ns`` (``ip netns exec``)."""
-        return ["ip", "netns", "exec", ns, *cmd]
+        return [str(IP), "netns", "exec", ns, *cmd]
 
     def pids(self, ns: str) -> list[int]:
         """The pids of every process in namespace ``ns``."""
-        out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+        out = subprocess.run([str(IP), "netns", "pids", ns], capture_output=True, text=True).stdout
         return [int(p) for p in out.split()]
 
     def veth_bytes(self) -> int:
         """Bytes received plus sent on ``veth_a`` so far (its kernel counters)."""
-        out = subprocess.run(["ip", "-n", self.a, "-j", "-s", "link", "show", self.veth_a], capture_output=True,
+        out = subprocess.run([str(IP), "-n", self.a, "-j", "-s", "link", "show", self.veth_a], capture_output=True,
                              text=True, check=True).stdout
         stats = json.loads(out)[0]["stats64"]
         return int(stats["rx"]["bytes"]) + int(stats["tx"]["bytes"])
 
 
 def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+    subprocess.run([str(IP), *args], check=True, capture_output=True, text=True)
 
 
 def _kill_all(pair: NetnsPair) -> None:
@@ -94,11 +97,11 @@ def netns_pair() -> Iterator[NetnsPair]:
     """Two namespaces joined by a veth pair (module docstring); removed at the end."""
     if os.geteuid() != 0:
         pytest.skip("the network-namespace test needs root (ip netns add)")
-    if shutil.which("ip") is None:
+    if IP is None:
         pytest.skip("the network-namespace test needs iproute2's ip")
     tag = uuid.uuid4().hex[:6]
     pair = NetnsPair(f"rlbA{tag}", f"rlbB{tag}", f"rlb{tag}a", f"rlb{tag}b")
-    made = subprocess.run(["ip", "netns", "add", pair.a], capture_output=True, text=True)
+    made = subprocess.run([IP, "netns", "add", pair.a], capture_output=True, text=True)
     if made.returncode != 0:
         pytest.skip(f"ip netns add is not permitted here: {made.stderr.strip()}")
     try:
@@ -110,13 +113,13 @@ def netns_pair() -> Iterator[NetnsPair]:
             _ip("-n", ns, "link", "set", "lo", "up")
             _ip("-n", ns, "link", "set", veth, "up")
     except subprocess.CalledProcessError as err:
-        subprocess.run(["ip", "netns", "del", pair.a], capture_output=True)
-        subprocess.run(["ip", "netns", "del", pair.b], capture_output=True)
+        subprocess.run([IP, "netns", "del", pair.a], capture_output=True)
+        subprocess.run([IP, "netns", "del", pair.b], capture_output=True)
         pytest.skip(f"cannot build the veth pair between network namespaces: {err.stderr.strip()}")
     yield pair
     _kill_all(pair)
     for ns in (pair.a, pair.b):
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run([IP, "netns", "del", ns], capture_output=True)
 
 
 @pytest.fixture(scope="module")
