@@ -57,6 +57,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from broadcaster.base import Announce, SendFailed, WeightReceiver, WeightSender
+from broadcaster.gloo_iface import pin_gloo_interface
 from broadcaster.manifest import DEFAULT_BUCKET_BYTES, bucket_views, manifest_num_bytes, plan_buckets
 
 logger = logging.getLogger(__name__)
@@ -201,6 +202,8 @@ class BroadcastSender(WeightSender):
         timeout = None if self.timeout_s is None else timedelta(seconds=self.timeout_s)
         start = time.perf_counter()
         listen_socket, self._listen_socket = self._listen_socket, None  # the store owns it from here
+        if self.backend == "gloo":
+            pin_gloo_interface(self.host)  # the interface facing the producers, not the loopback
         self._group = stateless_init_torch_distributed_process_group(
             self.host, self.port, 0, self.world_size, backend=self.backend, timeout=timeout,
             listen_socket=listen_socket,

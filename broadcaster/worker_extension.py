@@ -60,6 +60,7 @@ import torch
 from broadcaster.lora import merged_weights
 from broadcaster.manifest import DEFAULT_BUCKET_BYTES, payload_kind
 from broadcaster.buckets import BucketReceiver
+from broadcaster.gloo_iface import pin_gloo_interface
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,8 @@ class WeightSyncExtension:
         if not 0 < my_rank < world_size:
             raise ValueError(f"worker rank {my_rank} outside 1..{world_size - 1}")
         timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+        if backend == "gloo":
+            pin_gloo_interface(host)  # advertise the address facing the trainer (broadcaster.gloo_iface)
         self._rlbus_group = stateless_init_torch_distributed_process_group(
             host, port, my_rank, world_size, backend=backend, timeout=timeout
         )

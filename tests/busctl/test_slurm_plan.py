@@ -61,6 +61,8 @@ def test_address_map_names_each_binder() -> None:
     assert ep.address("rollouts", 1) == "tcp://10.0.0.3:6011"
     assert ep.address("supervisor") == "tcp://10.9.9.9:6005"
     assert ep.address("weights") == "tcp://10.0.0.1:6009"  # the trainer's node (broadcast.method: bus)
+    het = address_map(Allocation((("gpu0",), ("gpu1",), ("cpu0",))), 1, "cpu0", resolve=lambda n: n)
+    assert het["weights"] == "gpu1" and het["rollouts-0"] == "gpu0"  # the bus method's endpoint is the trainer's
 
 
 def test_unknown_bus_hosts_key_is_refused() -> None:
