@@ -36,7 +36,7 @@ from bus.codec import decode, encode
 from bus.eval_ids import parse_eval_id
 from bus.messages import EvalResult, ScoredGroup
 from packer.evaluation import EvalAggregator, EvalGroup, RoundResult, summarize
-from packer.spool import frame_record, read_record
+from packer.spool import frame_record, replay_records
 
 log = logging.getLogger(__name__)
 
@@ -136,20 +136,6 @@ class EvalSpool:
 
     def _replay(self) -> int:
         """Apply every intact record; returns the offset after the last one."""
-        data = self.path.read_bytes()
-        offset = 0
-        while offset < len(data):
-            record = read_record(data, offset)
-            if record is None:
-                break
-            (kind, body), end = record
-            try:
-                self._apply(kind, body)
-            except Exception as exc:  # a record that does not decode is damaged like a torn one
-                log.error("eval spool record at byte %d unreadable (%s: %s)", offset, type(exc).__name__, exc)
-                break
-            offset = end
-        if offset < len(data):
-            self.torn_records += 1
-            log.warning("eval spool %s: dropped a damaged tail of %d bytes at byte %d", self.path, len(data) - offset, offset)
+        offset, torn = replay_records(self.path, lambda kind, body, _size: self._apply(kind, body), "eval spool")
+        self.torn_records += torn
         return offset

