@@ -40,7 +40,7 @@ spawned again with ``RLBUS_RESTARTS=<n>`` (:mod:`bus.launch_env`); the watch loo
 keep running, progress lines keep printing). One crash past ``supervisor.max_restarts`` fails the
 run, naming the component and its log (a restarted packer continues from its spool,
 :mod:`packer.spool`). A binding component placed (launcher's ``place``) at another address than
-``bus.hosts`` gives moves its endpoints there first, and the running components that connect to
+``bus.hosts`` names has its endpoints moved there first, and the running components that connect to
 them are restarted after its spawn (:mod:`busctl.rebinding`). Restarts are
 counted in ``rlbus_supervisor_restarts_total{component}`` (a series per component from its first
 spawn), served on the supervisor's own metrics port (in ``status.json`` and ``prometheus.yml``).
