@@ -11,7 +11,10 @@ sent), before the group is made; every rank of a group uses the same rendezvous 
 binds the interface facing it (the trainer, hosting the store, its own address's interface).
 
 Invariants: a ``GLOO_SOCKET_IFNAME`` the user set is never overridden; one this module set is
-replaced when a later group rendezvouses elsewhere; where the route or the interface cannot be
+replaced when a later group rendezvouses elsewhere, also in a child process that inherited it
+(the value is marked by ``RLBUS_GLOO_IFNAME_PINNED``, which child processes inherit with it: a
+process that pinned ``lo`` for a local group must not hand ``lo`` to a component it starts on
+another network); where the route or the interface cannot be
 found (IPv6-only host, unresolvable name, no Linux ``SIOCGIFADDR``) the environment is left as
 it is (gloo's default). Linux only (``fcntl.ioctl`` ``SIOCGIFADDR``).
 """
@@ -29,7 +32,9 @@ ENV_GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
 SIOCGIFADDR = 0x8915
 """Linux ioctl: the IPv4 address of an interface (``<linux/sockios.h>``)."""
 
-_pinned: str | None = None  # the value this module last wrote, to tell it from the user's
+ENV_PINNED = "RLBUS_GLOO_IFNAME_PINNED"
+"""Set to the value this module wrote into ``GLOO_SOCKET_IFNAME``, to tell it from the user's (a
+``GLOO_SOCKET_IFNAME`` equal to it was pinned by rlbus, here or in a parent process)."""
 
 
 def local_address_towards(host: str, port: int = 9) -> str | None:
@@ -67,13 +72,12 @@ def pin_gloo_interface(host: str) -> str | None:
         the interface gloo will bind: the user's ``GLOO_SOCKET_IFNAME`` if set, else the one found
         (written into ``os.environ``), else None (environment unchanged: gloo's default).
     """
-    global _pinned
     current = os.environ.get(ENV_GLOO_IFNAME)
-    if current and current != _pinned:
+    if current and current != os.environ.get(ENV_PINNED):
         return current
     address = local_address_towards(host)
     name = interface_of(address) if address else None
     if name is None:
         return current
-    os.environ[ENV_GLOO_IFNAME] = _pinned = name
+    os.environ[ENV_GLOO_IFNAME] = os.environ[ENV_PINNED] = name
     return name

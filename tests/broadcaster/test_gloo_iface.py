@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from broadcaster import gloo_iface
-from broadcaster.gloo_iface import ENV_GLOO_IFNAME, interface_of, local_address_towards, pin_gloo_interface
+from broadcaster.gloo_iface import ENV_GLOO_IFNAME, ENV_PINNED, interface_of, local_address_towards, pin_gloo_interface
 from tests.busctl.netns import ADDR_A, NetnsPair, netns_pair  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,9 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def no_ifname(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(ENV_GLOO_IFNAME, "")  # recorded first, so what a test pins is undone after it
-    monkeypatch.delenv(ENV_GLOO_IFNAME)
-    monkeypatch.setattr(gloo_iface, "_pinned", None)
+    for name in (ENV_GLOO_IFNAME, ENV_PINNED):
+        monkeypatch.setenv(name, "")  # recorded first, so what a test pins is undone after it
+        monkeypatch.delenv(name)
 
 
 def test_loopback_route_and_interface() -> None:
@@ -45,6 +44,22 @@ def test_pin_keeps_the_users_choice(no_ifname: None, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv(ENV_GLOO_IFNAME, "eth7")
     assert pin_gloo_interface("127.0.0.1") == "eth7"
     assert os.environ[ENV_GLOO_IFNAME] == "eth7"
+
+
+PIN_IN_CHILD = "from broadcaster.gloo_iface import pin_gloo_interface; print(pin_gloo_interface('127.0.0.1'))"
+
+
+def test_a_pin_inherited_by_a_child_is_pinned_again(no_ifname: None) -> None:
+    """A process that pinned an interface for its own group starts a component (busctl's pytest
+    run, a supervisor): the child re-pins for its rendezvous; a value without the mark is the user's."""
+    pin_gloo_interface("127.0.0.1")
+    assert os.environ[ENV_PINNED] == os.environ[ENV_GLOO_IFNAME] == "lo"
+    inherited = {**os.environ, ENV_GLOO_IFNAME: "eth-stale", ENV_PINNED: "eth-stale", "PYTHONPATH": str(ROOT)}
+    users = {**inherited, ENV_PINNED: ""}
+    run = lambda env: subprocess.run([sys.executable, "-c", PIN_IN_CHILD], env=env, capture_output=True, text=True,  # noqa: E731
+                                     check=True, cwd=ROOT).stdout.strip()
+    assert run(inherited) == "lo"  # rlbus's own pin, inherited: pinned again for this rendezvous
+    assert run(users) == "eth-stale"  # the user's: kept
 
 
 def test_unroutable_host_leaves_gloo_default(no_ifname: None) -> None:
@@ -72,7 +87,7 @@ def test_gloo_group_across_network_namespaces(netns_pair: NetnsPair) -> None:  #
     port = 29600
     procs = [subprocess.Popen(netns_pair.exec(ns, sys.executable, "-c", RANK, str(rank), str(port), ADDR_A),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                              env={**{k: v for k, v in os.environ.items() if k != ENV_GLOO_IFNAME}, "PYTHONPATH": str(ROOT)})
+                              env={**{k: v for k, v in os.environ.items() if k not in (ENV_GLOO_IFNAME, ENV_PINNED)}, "PYTHONPATH": str(ROOT)})
              for rank, ns in enumerate((netns_pair.a, netns_pair.b))]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs

@@ -8,7 +8,7 @@ the trainer, and the packer once the supervisor restarts it (it is added automat
 
 Claims: the run reaches ``max_steps`` and exits 0; every issued prompt has exactly one outcome and
 the trained groups are exactly the ledger's ``trained`` ones, each whole and once (0 lost, 0
-trained twice); each eval round (0 and ``MAX_STEPS``) is reported once; every victim was
+trained twice); each eval round (every ``EVAL_INTERVAL`` steps) is reported once; every victim was
 restarted as often as it was killed; the restarted hub and prompt source rebuilt their state (hub
 cache, ledger journal) and the trainer resumed from a checkpoint.
 """
@@ -48,6 +48,8 @@ VICTIMS = ["hub", "prompt-source", "producer-0", "rewards-0", "trainer"] + (
 KILLS_PER_KIND = 2
 MAX_STEPS = 150
 """Room for every kill and the progress after each (a trainer restart costs the most)."""
+EVAL_INTERVAL = 25
+"""Online eval every this many steps (rounds 0, 25, ..., 150)."""
 
 
 def test_every_component_kind_killed_twice(tmp_path: Path, policy: Path) -> None:  # noqa: F811
@@ -58,6 +60,7 @@ def test_every_component_kind_killed_twice(tmp_path: Path, policy: Path) -> None
     proc = busctl(
         run_dir, policy, f"trainer.max_steps={MAX_STEPS}", "rewards.replicas=2", "producers.replicas=1",
         "broadcast.method=filesystem", "trainer.checkpoint_interval=5", "max_async_level=1",
+        f"eval.interval={EVAL_INTERVAL}",
         *FAST_FAILURE_DETECTION,
     )
     kills: list[tuple[str, int]] = []  # (name, trained steps at the kill)
@@ -85,5 +88,5 @@ def test_every_component_kind_killed_twice(tmp_path: Path, policy: Path) -> None
     assert re.search(r"restarted \(\d+\): \d+ last value\(s\) loaded", (logs / "hub.log").read_text())
     assert "rebuilt from the journal" in (logs / "prompt-source.log").read_text()
     assert re.search(r"resumed from .* at step \d+", (logs / "trainer.log").read_text())
-    assert_eval_rounds_reported_once(run_dir, [0, MAX_STEPS])  # online eval: each round once, across every kill
+    assert_eval_rounds_reported_once(run_dir, list(range(0, MAX_STEPS + 1, EVAL_INTERVAL)))  # each round once, across every kill
     print("accounting:", acc["outcomes"], "issued", acc["issued"])
