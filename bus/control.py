@@ -60,7 +60,7 @@ class ControlPublisher(BusSocket):
         self.reconnects = 0
         """Connections to the hub after the first one (hub restarts seen), for tests and logs."""
         self._repeater = BusSocket(ctx, "control_pub", "send", endpoint, bind=False, stop=self._closing)
-        self._monitor = self._repeater.sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+        self._monitor = self._repeater.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._thread = threading.Thread(target=self._reannounce_loop, name="control-reannounce", daemon=True)
         self._thread.start()
 
@@ -81,19 +81,22 @@ class ControlPublisher(BusSocket):
         """Thread: after every connection of the repeater socket, re-send :meth:`latest` at
         :data:`REANNOUNCE_DELAYS_S` after it; until :meth:`close`."""
         due: list[float] = []
-        connected_before = False
+        connected_before = lost = False  # lost: a disconnection seen (the first connection's event may
+        # come before the monitor is attached, so a reconnection is one after a disconnection too)
         while not self._closing.is_set():
             wait_ms = int(POLL_SLICE_S * 1000)
             if due:
                 wait_ms = max(0, min(wait_ms, int((due[0] - time.monotonic()) * 1000)))
             if self._monitor.poll(wait_ms):
                 event = recv_monitor_message(self._monitor)
-                if event["event"] == zmq.EVENT_CONNECTED:
-                    if connected_before:
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    lost = True
+                elif event["event"] == zmq.EVENT_CONNECTED:
+                    if connected_before or lost:
                         self.reconnects += 1
                         log.info("control hub reconnected (%d): re-announcing %s", self.reconnects,
                                  [m.TYPE for m in self.latest()])
-                    connected_before = True
+                    connected_before, lost = True, False
                     now = time.monotonic()
                     due = [now + d for d in REANNOUNCE_DELAYS_S]
             while due and time.monotonic() >= due[0]:
