@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
@@ -36,7 +36,7 @@ from bus.codec import decode, encode
 from bus.eval_ids import parse_eval_id
 from bus.messages import EvalResult, ScoredGroup
 from packer.evaluation import EvalAggregator, EvalGroup, RoundResult, summarize
-from packer.spool import frame_record, replay_records
+from packer.spool import frame_record, open_for_append, replay_records
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +63,7 @@ class EvalSpool:
         self.closed_on_replay: list[RoundResult] = []
         self.torn_records = 0
         good = self._replay() if self.path.is_file() else 0
-        self._file: BinaryIO = open(self.path, "r+b" if self.path.is_file() else "wb")
-        self._file.truncate(good)
-        self._file.seek(good)
+        self._file = open_for_append(self.path, good)
 
     def taken(self, group: ScoredGroup) -> None:
         """Record a received eval group (fsynced: call before releasing it upstream)."""

@@ -145,9 +145,7 @@ class Spool:
         self.torn_records = 0
         self.existed = self.path.is_file()
         good = self._replay() if self.existed else 0
-        self._file: BinaryIO = open(self.path, "r+b" if self.existed else "wb")
-        self._file.truncate(good)
-        self._file.seek(good)
+        self._file = open_for_append(self.path, good)
         if not self.existed or first_step > self.state.next_step:
             self._write("start", max(first_step, self.state.next_step), sync=True)
 
@@ -269,6 +267,15 @@ class Spool:
         offset, torn = replay_records(self.path, lambda kind, body, size: self._apply(kind, body, size), "spool")
         self.torn_records += torn
         return offset
+
+
+def open_for_append(path: Path, good: int) -> BinaryIO:
+    """``path`` opened for appending records after its first ``good`` bytes (the intact records
+    :func:`replay_records` read; the damaged tail after them is cut off), created if missing."""
+    f = open(path, "r+b" if path.is_file() else "wb")
+    f.truncate(good)
+    f.seek(good)
+    return f
 
 
 def replay_records(path: Path, apply: Callable[[str, Any, int], None], what: str) -> tuple[int, int]:
