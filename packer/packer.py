@@ -40,6 +40,8 @@ No sockets here: :mod:`packer.proc` moves the messages.
 
 from __future__ import annotations
 
+import itertools
+
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -353,12 +355,28 @@ def padding_ratio(micro_batches: list[MicroBatch], micro_batch_tokens: int) -> f
     return 1.0 - tokens / (len(micro_batches) * micro_batch_tokens)
 
 
+def _group_units(samples: list[PackedSample], micro_batch_tokens: int) -> list[list[PackedSample]]:
+    """``samples`` cut into packing units: the consecutive samples of one group (``sample_id``
+    ``"{group_id}/{j}"``) when they fit ``micro_batch_tokens`` together, else one unit per sample."""
+    units: list[list[PackedSample]] = []
+    for _group, members in itertools.groupby(samples, key=lambda s: s.sample_id.rpartition("/")[0]):
+        unit = list(members)
+        if sum(len(s.input_ids) for s in unit) <= micro_batch_tokens:
+            units.append(unit)
+        else:
+            units += [[s] for s in unit]
+    return units
+
+
 def pack_step(samples: list[PackedSample], step: int, micro_batch_tokens: int) -> list[MicroBatch]:
     """Pack one step's samples into micro-batches, one temperature per micro-batch.
 
     The samples are binned by temperature (exact float equality; ascending), each bin is packed
     with :func:`packer.packing.pack_micro_batches`, and the micro-batches are numbered across the
-    whole step. ``step_loss_tokens`` and ``step_samples`` count the whole step.
+    whole step. ``step_loss_tokens`` and ``step_samples`` count the whole step. A group's samples
+    are packed as one unit (adjacent, in one micro-batch) whenever the group fits the budget, so the
+    trainer runs their shared prompt once (:mod:`trainer.shared_prefix`); a larger group is packed
+    sample by sample.
 
     Raises:
         ValueError: as :func:`packer.packing.pack_micro_batches` (a sample over the budget) or
@@ -368,8 +386,9 @@ def pack_step(samples: list[PackedSample], step: int, micro_batch_tokens: int) -
     loss_samples = sum(1 for s in samples if s.loss_mask.any())
     bins: list[list[PackedSample]] = []
     for temperature in sorted({s.temperature for s in samples}):
-        same = [s for s in samples if s.temperature == temperature]
-        bins += [[same[i] for i in idx] for idx in pack_micro_batches([len(s.input_ids) for s in same], micro_batch_tokens)]
+        units = _group_units([s for s in samples if s.temperature == temperature], micro_batch_tokens)
+        packed = pack_micro_batches([sum(len(s.input_ids) for s in unit) for unit in units], micro_batch_tokens)
+        bins += [[s for i in idx for s in units[i]] for idx in packed]
     return [
         build_micro_batch(
             b, step=step, micro_index=k, num_micro_batches=len(bins), step_loss_tokens=loss_tokens, step_samples=loss_samples

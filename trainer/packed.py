@@ -38,6 +38,7 @@ import torch
 
 from trainer.logprobs import DEFAULT_CHUNK_SIZE, linear_logprobs_and_entropy
 from trainer.packed_attention import MASK_PLACEHOLDER, packed_attention
+from trainer.shared_prefix import plan_shared_prefixes
 
 __all__ = [
     "PackedLogprobs",
@@ -109,6 +110,7 @@ def packed_logprobs_and_entropy(
     *,
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    share_prefixes: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob of each packed token and entropy of the tempered next-token distribution before it.
 
@@ -132,6 +134,9 @@ def packed_logprobs_and_entropy(
         seq_lens: `[S]` integer lengths >= 1 of the packed samples, summing to T.
         temperature: finite float > 0 dividing the logits.
         chunk_size: rows of logits computed at a time, >= 1 (memory ~ chunk_size x V floats).
+        share_prefixes: run the tokens that neighbouring samples share at their start (a group's
+            prompt) through the decoder once (`trainer.shared_prefix`); the same values up to float
+            rounding, fewer decoder tokens.
 
     Returns:
         `(logprobs, entropy)`, each `[T]` float32: logprobs (nats, <= 0) differentiable w.r.t. the
@@ -146,7 +151,7 @@ def packed_logprobs_and_entropy(
     weight, bias = _output_projection(model)
     # Under bfloat16 autocast (trainer.precision) the body may return bfloat16 hidden states; the
     # head then runs in the weight's (float32 master) dtype with autocast off (trainer.logprobs).
-    hidden = _decoder_hidden_states(model, input_ids, lens).to(weight.dtype)
+    hidden = _decoder_hidden_states(model, input_ids, lens, share_prefixes).to(weight.dtype)
     next_logprob, next_entropy = linear_logprobs_and_entropy(
         hidden[:-1], weight, bias, input_ids[1:].long(), temperature=temperature, chunk_size=chunk_size
     )
@@ -196,23 +201,34 @@ def _validated_packed_inputs(model, input_ids, seq_lens, temperature) -> torch.T
     return lens
 
 
-def _decoder_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+def _decoder_hidden_states(
+    model: torch.nn.Module, input_ids: torch.Tensor, lens: torch.Tensor, share_prefixes: bool = False
+) -> torch.Tensor:
     """`[T, H]` last hidden states (after the final norm) of the decoder body, one packed forward.
 
     `get_decoder()` is the transformers accessor of the body (Qwen2ForCausalLM -> `.model`); on a
     peft model the attribute lookup is forwarded to the wrapped transformers model, whose layers
-    already hold the LoRA modules, so the adapters apply.
+    already hold the LoRA modules, so the adapters apply. With `share_prefixes` and a row whose
+    neighbours share prefixes, the decoder runs on the compressed row of
+    `trainer.shared_prefix.plan_shared_prefixes` and its states are expanded back to `[T, H]`.
     """
+    plan = plan_shared_prefixes(input_ids, lens) if share_prefixes else None
+    if plan is not None:
+        plan = plan.to(input_ids.device)
+        row, positions, extra = plan.row_ids, plan.position_ids[None], {"rlbus_shared_plan": plan}
+    else:
+        row, positions, extra = input_ids.long(), packed_position_ids(lens), {"rlbus_seq_lens": lens.tolist()}
     decoder = model.get_decoder()
     with packed_attention(model):
         out = decoder(
-            input_ids=input_ids[None].long(),
+            input_ids=row[None],
             attention_mask=MASK_PLACEHOLDER.to(device=input_ids.device, dtype=_compute_dtype(model)),
-            position_ids=packed_position_ids(lens),
+            position_ids=positions,
             use_cache=False,
-            rlbus_seq_lens=lens.tolist(),
+            **extra,
         )
-    return out.last_hidden_state[0]
+    hidden = out.last_hidden_state[0]
+    return hidden if plan is None else hidden[plan.expand]
 
 
 def _output_projection(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -267,6 +283,7 @@ class PackedLogprobs(torch.nn.Module):
         model: the policy (see `packed_logprobs_and_entropy`); registered as the submodule `model`.
         temperature: finite float > 0, the sampler's temperature.
         chunk_size: rows of logits computed at a time, >= 1.
+        share_prefixes: run shared sample prefixes once (`packed_logprobs_and_entropy`).
 
     `forward(input_ids [T], seq_lens [S])` returns `(logprobs [T] float32 with grad, entropy [T]
     float32 detached)`: entropy of the tempered next-token distribution at each token's position
@@ -276,7 +293,13 @@ class PackedLogprobs(torch.nn.Module):
         ValueError: temperature not a finite number > 0 or chunk_size not an int >= 1.
     """
 
-    def __init__(self, model: torch.nn.Module, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        temperature: float = 1.0,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        share_prefixes: bool = False,
+    ) -> None:
         super().__init__()
         if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
             raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
@@ -285,8 +308,14 @@ class PackedLogprobs(torch.nn.Module):
         self.model = model
         self.temperature = temperature
         self.chunk_size = chunk_size
+        self.share_prefixes = share_prefixes
 
     def forward(self, input_ids: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return packed_logprobs_and_entropy(
-            self.model, input_ids, seq_lens, temperature=self.temperature, chunk_size=self.chunk_size
+            self.model,
+            input_ids,
+            seq_lens,
+            temperature=self.temperature,
+            chunk_size=self.chunk_size,
+            share_prefixes=self.share_prefixes,
         )

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from trainer.shared_prefix import segment_attention
 from trainer.varlen_attention import varlen_causal_attention, varlen_kernel_applies
 
 __all__ = ["PACKED_ATTENTION", "packed_attention", "packed_sdpa_attention", "MASK_PLACEHOLDER"]
@@ -58,33 +59,46 @@ def packed_sdpa_attention(
         attention_mask: ignored when `rlbus_seq_lens` is given (the slices ARE the block-diagonal
             structure); otherwise passed to plain sdpa.
         scaling: softmax scale (None: 1/sqrt(head_dim)). dropout: attention dropout probability.
-        kwargs: `rlbus_seq_lens`: list of ints >= 1 summing to T (the packed sample lengths).
+        kwargs: `rlbus_seq_lens`: list of ints >= 1 summing to T (the packed sample lengths); or
+            `rlbus_shared_plan`: a `trainer.shared_prefix.SharedPrefixPlan` of the compressed row
+            (T = its compressed tokens), whose segments then replace the samples.
 
     Returns:
         (`[1, T, heads, head_dim]` attention output, None): softmax(q k^T * scale + causal) v per
         sample (Vaswani et al. 2017, eq. 1), concatenated in packing order. Computed by the
         flash-attention varlen kernel where `varlen_kernel_applies` (CUDA, fp16/bf16, no dropout),
-        else by causal sdpa on each sample's slice.
+        else by causal sdpa on each sample's slice; with a shared-prefix plan by
+        `trainer.shared_prefix.segment_attention`.
 
     Raises:
         ValueError: the lengths do not sum to T.
     """
     lens = kwargs.pop("rlbus_seq_lens", None)
+    plan = kwargs.pop("rlbus_shared_plan", None)
+    dropout_p = dropout if module.training else 0.0
+    if plan is not None:
+        key, value = _repeat_kv(query, key, value)
+        return segment_attention(query, key, value, plan, scaling, dropout_p), None
     if lens is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if sum(lens) != query.shape[2]:
         raise ValueError(f"rlbus_seq_lens sum to {sum(lens)}, the packed row has {query.shape[2]} tokens")
-    dropout_p = dropout if module.training else 0.0
     if varlen_kernel_applies(query, dropout_p):
         return varlen_causal_attention(query, key, value, list(lens), scaling), None
-    repeats = query.shape[1] // key.shape[1]
-    if repeats > 1:
-        key, value = key.repeat_interleave(repeats, 1), value.repeat_interleave(repeats, 1)
+    key, value = _repeat_kv(query, key, value)
     outs = [
         F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, dropout_p=dropout_p)
         for q, k, v in zip(query.split(lens, 2), key.split(lens, 2), value.split(lens, 2))
     ]
     return torch.cat(outs, 2).transpose(1, 2).contiguous(), None
+
+
+def _repeat_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """key, value `[1, kv_heads, T, d]` with each head repeated to query's heads (grouped-query attention)."""
+    repeats = query.shape[1] // key.shape[1]
+    if repeats > 1:
+        key, value = key.repeat_interleave(repeats, 1), value.repeat_interleave(repeats, 1)
+    return key, value
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_sdpa_attention)

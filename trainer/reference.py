@@ -35,9 +35,12 @@ class ReferencePolicy:
     Args:
         policy: the policy being trained (HF causal LM, possibly a peft `PeftModel`), still at its
             initial weights.
+        share_prefixes: run shared sample prefixes once (`trainer.shared_prefix`), as the policy's
+            forward does (`trainer.share_prefixes`).
     """
 
-    def __init__(self, policy: torch.nn.Module) -> None:
+    def __init__(self, policy: torch.nn.Module, *, share_prefixes: bool = False) -> None:
+        self.share_prefixes = share_prefixes
         if isinstance(policy, PeftModel):
             self.model = policy
             self.shares_policy = True
@@ -61,6 +64,6 @@ class ReferencePolicy:
         context = self.model.disable_adapter() if self.shares_policy else contextlib.nullcontext()
         with context:
             logprobs, _entropy = packed_logprobs_and_entropy(
-                self.model, input_ids, seq_lens, temperature=temperature
+                self.model, input_ids, seq_lens, temperature=temperature, share_prefixes=self.share_prefixes
             )
         return logprobs.detach()

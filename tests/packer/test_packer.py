@@ -173,9 +173,11 @@ def test_step_only_when_full_and_in_arrival_order():
 def test_packing_by_hand_and_token_alignment():
     # A: prompt [1, 2], completions [10,11,12] (len 5) and [13] (len 3)
     # B: prompt [3],    completions [20,21,22,23] (len 5) and [] (len 1, zero-length completion)
-    # FFD, budget 6, samples in order [A0=5, A1=3, B0=5, B1=1]; visit by decreasing length
-    # (ties by index): A0 -> bin0 (room 1); B0 -> bin1 (room 1); A1 -> bin2 (room 3); B1 -> bin0 (room 0)
-    # => bins [[A0, B1], [B0], [A1]]; loss tokens = 3 + 1 + 4 + 0 = 8.
+    # Budget 6: group A (5 + 3 = 8 tokens) does not fit, so its samples are packed one by one;
+    # group B (5 + 1 = 6) fits and is one unit (its samples stay adjacent, for the trainer's
+    # shared-prefix forward). BFD over the units [A0=5, A1=3, B=6] by decreasing size:
+    # B -> bin0 (room 0); A0 -> bin1 (room 1); A1 -> bin2 (room 3)
+    # => bins [[B0, B1], [A0], [A1]]; loss tokens = 3 + 1 + 4 + 0 = 8.
     a = scored("A", [1, 2], [[10, 11, 12], [13]], version=0, advantages=[0.7, -0.7], rewards=[0.9, 0.1])
     b = scored("B", [3], [[20, 21, 22, 23], []], version=1, advantages=[1.0, -1.0], rewards=[1.0, 0.0])
     p = Packer(prompts_per_step=2, max_off_policy_steps=1, micro_batch_tokens=6, first_step=1)
@@ -183,19 +185,19 @@ def test_packing_by_hand_and_token_alignment():
     batches, dropped = p.pop_step()
     assert dropped == []
     check_step(batches, 6, step=1)
-    assert [mb.sample_ids for mb in batches] == [["A/0", "B/1"], ["B/0"], ["A/1"]]
+    assert [mb.sample_ids for mb in batches] == [["B/0", "B/1"], ["A/0"], ["A/1"]]
     assert [mb.seq_lens.tolist() for mb in batches] == [[5, 1], [5], [3]]
     assert all(mb.step_loss_tokens == 8 for mb in batches)
     assert all(mb.step_samples == 3 for mb in batches)  # B/1 has no completion token: not counted
-    assert batches[0].input_ids.tolist() == [1, 2, 10, 11, 12, 3]
-    assert batches[0].loss_mask.tolist() == [False, False, True, True, True, False]
-    np.testing.assert_array_equal(batches[0].sampler_logprobs, np.float32([0, 0, -0.010, -0.011, -0.012, 0]))
-    np.testing.assert_array_equal(batches[0].advantages, np.float32([0.7] * 5 + [-1.0]))
-    np.testing.assert_array_equal(batches[0].rewards, np.float32([0.9, 0.0]))
-    assert batches[0].oldest_versions.tolist() == [0, 1]
-    assert batches[1].input_ids.tolist() == [3, 20, 21, 22, 23]
-    assert batches[1].loss_mask.tolist() == [False, True, True, True, True]
-    np.testing.assert_array_equal(batches[1].sampler_logprobs, np.float32([0, -0.020, -0.021, -0.022, -0.023]))
+    assert batches[0].input_ids.tolist() == [3, 20, 21, 22, 23, 3]
+    assert batches[0].loss_mask.tolist() == [False, True, True, True, True, False]
+    np.testing.assert_array_equal(batches[0].sampler_logprobs, np.float32([0, -0.020, -0.021, -0.022, -0.023, 0]))
+    np.testing.assert_array_equal(batches[0].advantages, np.float32([1.0] * 5 + [-1.0]))
+    np.testing.assert_array_equal(batches[0].rewards, np.float32([1.0, 0.0]))
+    assert batches[0].oldest_versions.tolist() == [1, 1]
+    assert batches[1].input_ids.tolist() == [1, 2, 10, 11, 12]
+    assert batches[1].loss_mask.tolist() == [False, False, True, True, True]
+    np.testing.assert_array_equal(batches[1].sampler_logprobs, np.float32([0, 0, -0.010, -0.011, -0.012]))
     assert batches[2].input_ids.tolist() == [1, 2, 13]
     np.testing.assert_array_equal(batches[2].advantages, np.float32([-0.7] * 3))
     for mb in batches:  # every message survives the wire and validates
@@ -523,3 +525,27 @@ def test_eval_groups_are_refused():
     with pytest.raises(ValueError, match="eval group"):
         p.add(g)
     assert p.seen == set() and not p.buffer
+
+
+def test_groups_that_fit_stay_whole_and_adjacent():
+    # Lengths differ inside each group, so packing sample by sample (longest first) would spread
+    # every group over the micro-batches; a group that fits the budget is one unit instead, and
+    # the trainer can run its prompt once (trainer.shared_prefix).
+    groups = [
+        scored(g, [1, 2, 3], [[4] * n for n in (1, 6, 2, 5)], version=0, advantages=[0.1, -0.1, 0.2, -0.2],
+               rewards=[0.5] * 4)
+        for g in ("G0", "G1", "G2")
+    ]
+    p = Packer(prompts_per_step=3, max_off_policy_steps=1, micro_batch_tokens=40)
+    for g in groups:
+        assert p.add(g) == (True, "")
+    batches, _dropped = p.pop_step()
+    check_step(batches, 40, step=0)
+    placed = {}
+    for k, mb in enumerate(batches):
+        groups_here = [sid.rpartition("/")[0] for sid in mb.sample_ids]
+        for g in set(groups_here):
+            first = groups_here.index(g)
+            assert groups_here[first : first + 4] == [g] * 4, mb.sample_ids  # whole and adjacent
+            placed[g] = k
+    assert sorted(placed) == ["G0", "G1", "G2"]
