@@ -111,6 +111,7 @@ def packed_logprobs_and_entropy(
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     share_prefixes: bool = False,
+    stats: dict[str, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob of each packed token and entropy of the tempered next-token distribution before it.
 
@@ -137,6 +138,7 @@ def packed_logprobs_and_entropy(
         share_prefixes: run the tokens that neighbouring samples share at their start (a group's
             prompt) through the decoder once (`trainer.shared_prefix`); the same values up to float
             rounding, fewer decoder tokens.
+        stats: if given, gets `"decoder_tokens"`: tokens the decoder ran (T, or fewer when shared).
 
     Returns:
         `(logprobs, entropy)`, each `[T]` float32: logprobs (nats, <= 0) differentiable w.r.t. the
@@ -151,7 +153,7 @@ def packed_logprobs_and_entropy(
     weight, bias = _output_projection(model)
     # Under bfloat16 autocast (trainer.precision) the body may return bfloat16 hidden states; the
     # head then runs in the weight's (float32 master) dtype with autocast off (trainer.logprobs).
-    hidden = _decoder_hidden_states(model, input_ids, lens, share_prefixes).to(weight.dtype)
+    hidden = _decoder_hidden_states(model, input_ids, lens, share_prefixes, stats).to(weight.dtype)
     next_logprob, next_entropy = linear_logprobs_and_entropy(
         hidden[:-1], weight, bias, input_ids[1:].long(), temperature=temperature, chunk_size=chunk_size
     )
@@ -202,7 +204,11 @@ def _validated_packed_inputs(model, input_ids, seq_lens, temperature) -> torch.T
 
 
 def _decoder_hidden_states(
-    model: torch.nn.Module, input_ids: torch.Tensor, lens: torch.Tensor, share_prefixes: bool = False
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    lens: torch.Tensor,
+    share_prefixes: bool = False,
+    stats: dict[str, float] | None = None,
 ) -> torch.Tensor:
     """`[T, H]` last hidden states (after the final norm) of the decoder body, one packed forward.
 
@@ -211,6 +217,7 @@ def _decoder_hidden_states(
     already hold the LoRA modules, so the adapters apply. With `share_prefixes` and a row whose
     neighbours share prefixes, the decoder runs on the compressed row of
     `trainer.shared_prefix.plan_shared_prefixes` and its states are expanded back to `[T, H]`.
+    `stats`, if given, gets the decoder's token count as `"decoder_tokens"`.
     """
     plan = plan_shared_prefixes(input_ids, lens) if share_prefixes else None
     if plan is not None:
@@ -218,6 +225,8 @@ def _decoder_hidden_states(
         row, positions, extra = plan.row_ids, plan.position_ids[None], {"rlbus_shared_plan": plan}
     else:
         row, positions, extra = input_ids.long(), packed_position_ids(lens), {"rlbus_seq_lens": lens.tolist()}
+    if stats is not None:
+        stats["decoder_tokens"] = float(len(row))
     decoder = model.get_decoder()
     with packed_attention(model):
         out = decoder(
@@ -285,6 +294,8 @@ class PackedLogprobs(torch.nn.Module):
         chunk_size: rows of logits computed at a time, >= 1.
         share_prefixes: run shared sample prefixes once (`packed_logprobs_and_entropy`).
 
+    After each forward, `stats["decoder_tokens"]` is the number of tokens its decoder ran.
+
     `forward(input_ids [T], seq_lens [S])` returns `(logprobs [T] float32 with grad, entropy [T]
     float32 detached)`: entropy of the tempered next-token distribution at each token's position
     (0 at sample starts), nats. See `packed_logprobs_and_entropy`.
@@ -309,6 +320,7 @@ class PackedLogprobs(torch.nn.Module):
         self.temperature = temperature
         self.chunk_size = chunk_size
         self.share_prefixes = share_prefixes
+        self.stats: dict[str, float] = {}
 
     def forward(self, input_ids: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return packed_logprobs_and_entropy(
@@ -318,4 +330,5 @@ class PackedLogprobs(torch.nn.Module):
             temperature=self.temperature,
             chunk_size=self.chunk_size,
             share_prefixes=self.share_prefixes,
+            stats=self.stats,
         )

@@ -168,6 +168,7 @@ class Trainer:
         stats["onpolicy_tokens"] = float(on_policy.sum())
         stats["onpolicy_lp_diff_max"] = float(diff.max()) if len(diff) else 0.0
         stats.update(lag_token_counts(token_version, loss_mask, mb.step))
+        stats["decoder_tokens"] = self._packed().stats.get("decoder_tokens", float(len(input_ids)))
         return float(loss.detach()), stats
 
     def set_temperature(self, temperature: float) -> None:
@@ -178,8 +179,12 @@ class Trainer:
         """
         if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
             raise ValueError(f"micro-batch temperature must be a finite number > 0, got {temperature!r}")
-        packed = self.logprobs.module if isinstance(self.logprobs, torch.nn.parallel.DistributedDataParallel) else self.logprobs
-        packed.temperature = float(temperature)
+        self._packed().temperature = float(temperature)
+
+    def _packed(self) -> PackedLogprobs:
+        """The packed forward module, inside its DDP wrapper if any."""
+        ddp = torch.nn.parallel.DistributedDataParallel
+        return self.logprobs.module if isinstance(self.logprobs, ddp) else self.logprobs
 
     before_micro_batch: Callable[[], None] | None = None
     """Called before each micro-batch of :meth:`step` (the process sets the thread count there,
@@ -268,8 +273,9 @@ class Trainer:
             ``train_time_s`` (this rank's), ``time/forward_s``, ``time/backward_s`` (sums over
             micro-batches) and ``time/optimizer_s`` (clip, stats all-gather, AdamW) of this rank,
             seconds (:mod:`trainer.step_timing`), ``skipped`` (1.0 if the non-finite guard skipped the
-            optimizer step, else 0.0; see the module docstring), and every other micro-batch
-            stat as its step total (sum, or min/max for ``*_min``/``*_max``). On a skipped step
+            optimizer step, else 0.0; see the module docstring), ``decoder_tokens`` (tokens the
+            decoder ran: ``num_tokens`` less the shared prefixes, :mod:`trainer.shared_prefix`), and
+            every other micro-batch stat as its step total (sum, or min/max for ``*_min``/``*_max``). On a skipped step
             ``loss`` and ``grad_norm`` may be NaN/inf.
 
         Raises:

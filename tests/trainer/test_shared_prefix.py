@@ -68,9 +68,10 @@ def test_plan_keeps_whole_groups_and_maps_every_token_to_itself():
     # 4th would save less than the whole group at 9: 3 * 9; prompt_c (4) once for 3
     assert plan.saved_tokens == 6 + 3 * 9 + 2 * 4
     assert len(plan.row_ids) == len(input_ids) - plan.saved_tokens
-    assert int(plan.valid.sum()) == len(plan.row_ids)
-    # each valid query row appears once, in row order
-    assert torch.equal(plan.q_idx[plan.valid], torch.arange(len(plan.row_ids)))
+    # each compressed row is the valid query of exactly one segment, found where `order` says
+    queries = torch.cat([b.q_idx[b.valid] for b in plan.batches])
+    assert len(plan.batches) == 2 and len(queries) == len(plan.row_ids)
+    assert torch.equal(queries[plan.order], torch.arange(len(plan.row_ids)))
 
 
 def test_plan_is_none_without_shared_starts():
@@ -138,3 +139,12 @@ def test_row_without_shared_starts_takes_the_plain_path():
     shared = packed_logprobs_and_entropy(model, input_ids, seq_lens, share_prefixes=True)
     plain = packed_logprobs_and_entropy(model, input_ids, seq_lens)
     torch.testing.assert_close(shared[0], plain[0], rtol=0, atol=0)
+
+
+def test_packed_module_reports_decoder_tokens():
+    model = _tiny("qwen2")
+    input_ids, seq_lens = _groups_row()
+    for share, expected in ((False, len(input_ids)), (True, len(plan_shared_prefixes(input_ids, seq_lens).row_ids))):
+        packed = PackedLogprobs(model, share_prefixes=share)
+        packed(input_ids, seq_lens)
+        assert packed.stats["decoder_tokens"] == expected
