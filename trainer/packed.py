@@ -112,6 +112,7 @@ def packed_logprobs_and_entropy(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     share_prefixes: bool = False,
     stats: dict[str, float] | None = None,
+    tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob of each packed token and entropy of the tempered next-token distribution before it.
 
@@ -139,6 +140,9 @@ def packed_logprobs_and_entropy(
             prompt) through the decoder once (`trainer.shared_prefix`); the same values up to float
             rounding, fewer decoder tokens.
         stats: if given, gets `"decoder_tokens"`: tokens the decoder ran (T, or fewer when shared).
+        tokens: `[T]` bool, or None (every token): compute logprobs and entropy only at these
+            tokens (the loss tokens; 0 elsewhere), so the LM head and the log-softmax skip the
+            prompt rows the loss never reads.
 
     Returns:
         `(logprobs, entropy)`, each `[T]` float32: logprobs (nats, <= 0) differentiable w.r.t. the
@@ -153,11 +157,16 @@ def packed_logprobs_and_entropy(
     weight, bias = _output_projection(model)
     # Under bfloat16 autocast (trainer.precision) the body may return bfloat16 hidden states; the
     # head then runs in the weight's (float32 master) dtype with autocast off (trainer.logprobs).
-    hidden = _decoder_hidden_states(model, input_ids, lens, share_prefixes, stats).to(weight.dtype)
-    next_logprob, next_entropy = linear_logprobs_and_entropy(
-        hidden[:-1], weight, bias, input_ids[1:].long(), temperature=temperature, chunk_size=chunk_size
+    is_first = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+    is_first[torch.cumsum(lens, 0) - lens] = True
+    wanted = ~is_first if tokens is None else tokens.to(device=input_ids.device, dtype=torch.bool) & ~is_first
+    at = torch.nonzero(wanted).flatten()  # tokens t, predicted from the hidden state at t - 1
+    hidden = _decoder_hidden_states(model, input_ids, lens, at - 1, share_prefixes, stats).to(weight.dtype)
+    logprob, entropy = linear_logprobs_and_entropy(
+        hidden, weight, bias, input_ids[at].long(), temperature=temperature, chunk_size=chunk_size
     )
-    return _shift_to_tokens(next_logprob, lens), _shift_to_tokens(next_entropy, lens)
+    zeros = torch.zeros(input_ids.shape, dtype=logprob.dtype, device=logprob.device)
+    return zeros.index_put((at,), logprob), zeros.index_put((at,), entropy)
 
 
 def packed_token_logprobs(
@@ -207,16 +216,18 @@ def _decoder_hidden_states(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
     lens: torch.Tensor,
+    rows: torch.Tensor,
     share_prefixes: bool = False,
     stats: dict[str, float] | None = None,
 ) -> torch.Tensor:
-    """`[T, H]` last hidden states (after the final norm) of the decoder body, one packed forward.
+    """`[R, H]` last hidden states (after the final norm) at positions `rows` `[R]` int64 of the
+    packed row, from one packed forward of the decoder body.
 
     `get_decoder()` is the transformers accessor of the body (Qwen2ForCausalLM -> `.model`); on a
     peft model the attribute lookup is forwarded to the wrapped transformers model, whose layers
     already hold the LoRA modules, so the adapters apply. With `share_prefixes` and a row whose
     neighbours share prefixes, the decoder runs on the compressed row of
-    `trainer.shared_prefix.plan_shared_prefixes` and its states are expanded back to `[T, H]`.
+    `trainer.shared_prefix.plan_shared_prefixes` and the rows are read through its `expand`.
     `stats`, if given, gets the decoder's token count as `"decoder_tokens"`.
     """
     plan = plan_shared_prefixes(input_ids, lens) if share_prefixes else None
@@ -237,7 +248,7 @@ def _decoder_hidden_states(
             **extra,
         )
     hidden = out.last_hidden_state[0]
-    return hidden if plan is None else hidden[plan.expand]
+    return hidden[rows] if plan is None else hidden[plan.expand[rows]]
 
 
 def _output_projection(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -257,14 +268,6 @@ def _output_projection(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tens
             "modules_to_save on lm_head?); keep lm_head out of the peft target_modules"
         )
     return head.weight, head.bias
-
-
-def _shift_to_tokens(next_values: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """`[T-1]` values at positions 0..T-2 (predicting tokens 1..T-1) -> `[T]` per token, 0 at sample starts."""
-    shifted = torch.cat([next_values.new_zeros(1), next_values])
-    is_first = torch.zeros(shifted.shape, dtype=torch.bool, device=shifted.device)
-    is_first[torch.cumsum(lens, 0) - lens] = True
-    return torch.where(is_first, 0.0, shifted)
 
 
 def _compute_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -296,7 +299,7 @@ class PackedLogprobs(torch.nn.Module):
 
     After each forward, `stats["decoder_tokens"]` is the number of tokens its decoder ran.
 
-    `forward(input_ids [T], seq_lens [S])` returns `(logprobs [T] float32 with grad, entropy [T]
+    `forward(input_ids [T], seq_lens [S], tokens [T] bool or None)` returns `(logprobs [T] float32 with grad, entropy [T]
     float32 detached)`: entropy of the tempered next-token distribution at each token's position
     (0 at sample starts), nats. See `packed_logprobs_and_entropy`.
 
@@ -322,7 +325,9 @@ class PackedLogprobs(torch.nn.Module):
         self.share_prefixes = share_prefixes
         self.stats: dict[str, float] = {}
 
-    def forward(self, input_ids: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, input_ids: torch.Tensor, seq_lens: torch.Tensor, tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return packed_logprobs_and_entropy(
             self.model,
             input_ids,
@@ -331,4 +336,5 @@ class PackedLogprobs(torch.nn.Module):
             chunk_size=self.chunk_size,
             share_prefixes=self.share_prefixes,
             stats=self.stats,
+            tokens=tokens,
         )

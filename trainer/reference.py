@@ -50,13 +50,16 @@ class ReferencePolicy:
             self.shares_policy = False
 
     @torch.no_grad()
-    def logprobs(self, input_ids: torch.Tensor, seq_lens: torch.Tensor, temperature: float) -> torch.Tensor:
+    def logprobs(
+        self, input_ids: torch.Tensor, seq_lens: torch.Tensor, temperature: float, tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """`[T]` float32 reference logprobs (nats, 0 at each sample's first token), no grad:
         `log softmax(logits / temperature)` at each token (`packed_logprobs_and_entropy`).
 
         Args:
             input_ids: `[T]` integer packed token ids. seq_lens: `[S]` integer sample lengths.
             temperature: finite float > 0, the samples' sampling temperature.
+            tokens: `[T]` bool or None: only these tokens' logprobs are computed (0 elsewhere).
 
         Raises:
             ValueError: temperature is not a finite number > 0 (raised by the packed forward).
@@ -64,6 +67,6 @@ class ReferencePolicy:
         context = self.model.disable_adapter() if self.shares_policy else contextlib.nullcontext()
         with context:
             logprobs, _entropy = packed_logprobs_and_entropy(
-                self.model, input_ids, seq_lens, temperature=temperature, share_prefixes=self.share_prefixes
+                self.model, input_ids, seq_lens, temperature=temperature, share_prefixes=self.share_prefixes, tokens=tokens
             )
         return logprobs.detach()

@@ -142,8 +142,9 @@ class Trainer:
         loss_mask = tensor(mb.loss_mask)
         self.set_temperature(mb.temperature)
         with self.precision.autocast(device):  # the forwards only; the loss below is float32
-            train_logprobs, entropy = self.logprobs(input_ids, seq_lens)
-            ref_logprobs = self.reference.logprobs(input_ids, seq_lens, mb.temperature) if self.reference else None
+            # only the loss tokens: the loss, its statistics and the on-policy check read nothing else
+            train_logprobs, entropy = self.logprobs(input_ids, seq_lens, loss_mask)
+            ref_logprobs = self.reference.logprobs(input_ids, seq_lens, mb.temperature, loss_mask) if self.reference else None
         sampler_logprobs = tensor(mb.sampler_logprobs, train_logprobs.dtype)
         spec = self.loss_spec
         batch = LossBatch(

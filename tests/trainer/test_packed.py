@@ -316,3 +316,27 @@ def test_varlen_attention_rejects_lengths_that_do_not_cover_the_row():
     kv = torch.zeros(1, 2, 6, 8)
     with pytest.raises(ValueError, match="sum to 5, the packed row has 6 tokens"):
         packed_sdpa_attention(torch.nn.Module(), q, kv, kv, None, rlbus_seq_lens=[2, 3])
+
+
+@pytest.mark.parametrize("share_prefixes", [False, True])
+def test_selected_tokens_only(share_prefixes):
+    """`tokens` (the loss tokens): the same logprobs, entropy and gradients there, 0 elsewhere."""
+    model = _tiny_qwen2("sdpa").train()
+    input_ids, seq_lens = _packed_inputs()
+    input_ids[9:11] = input_ids[:2]  # the second sample starts like the first: something to share
+    tokens = torch.zeros(len(input_ids), dtype=torch.bool)
+    tokens[[1, 3, 4, 6, 13, 20]] = True
+    tokens[5] = True  # a sample's first token: no context, stays 0
+    results = []
+    for chosen in (None, tokens):
+        model.zero_grad()
+        logprobs, entropy = packed_logprobs_and_entropy(model, input_ids, seq_lens, share_prefixes=share_prefixes, tokens=chosen)
+        (logprobs * tokens).sum().backward()
+        results.append((logprobs.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (lp_all, ent_all, g_all), (lp, ent, g) = results
+    assert torch.equal(lp[~tokens], torch.zeros_like(lp[~tokens])) and torch.equal(ent[~tokens], torch.zeros_like(ent[~tokens]))
+    assert float(lp[5]) == 0.0 and float(ent[5]) == 0.0
+    torch.testing.assert_close(lp[tokens], lp_all[tokens], rtol=0, atol=1e-6)
+    torch.testing.assert_close(ent[tokens], ent_all[tokens], rtol=0, atol=1e-6)
+    for name, grad in g_all.items():
+        torch.testing.assert_close(g[name], grad, rtol=1e-4, atol=1e-6, msg=name)
