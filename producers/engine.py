@@ -179,7 +179,7 @@ class RolloutEngine:
         if self._busy_loop_s is not None:  # read by producers.vllm_idle in every vLLM process
             os.environ[BUSY_LOOP_ENV] = repr(float(self._busy_loop_s))
         self._update_lock = asyncio.Lock()
-        with engine_core_env(on_gpu=self._on_gpu):  # CPU: the Worker inside the EngineCore
+        with engine_core_env(on_gpu=self._on_gpu, eager=bool(self._engine_kwargs.get("enforce_eager"))):
             self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_kwargs))
         try:
             await self._llm.update_weight_version(str(self._version))

@@ -17,8 +17,16 @@ with OpenMP's default thread count ran a 16 x 8 x 16-token batch 10-15x slower o
 (3.3-4.8 s against 0.2-0.3 s). :func:`engine_core_env` therefore sets the same thread count for the
 spawned EngineCore unless the caller's environment already has one.
 
-Invariants: only the spawned EngineCore inherits the changed variables; the calling process's
-environment is restored on exit. On a GPU nothing changes (there vLLM's single-GPU executor is
+An eager engine (`enforce_eager`, the producers' setting) still `torch.compile`s one helper of its
+sampler with inductor (`vllm.v1.sample.ops.logprobs.batched_count_greater_than`, the rank of each
+sampled token's logprob): its first call, the engine's warm-up request, spent ~1.8 s hashing
+torch's sources and compiling (py-spy). `TORCH_COMPILE_DISABLE=1` in the EngineCore runs it eagerly:
+the warm-up then takes ~0.03 s, and a 16 x 8 x 16-token batch took the same time (medians of 10
+batches, 0.20-0.26 s either way, alternating).
+
+Invariants: only the spawned EngineCore inherits the changed variables, and the calling process's
+environment is restored on exit (that process imported `torch._dynamo.config`, which reads
+TORCH_COMPILE_DISABLE once, with vLLM, before: it keeps its own setting). On a GPU nothing changes (there vLLM's single-GPU executor is
 already in-process; tensor parallelism needs its worker processes).
 """
 
@@ -41,14 +49,16 @@ def engine_core_threads() -> int:
 
 
 @contextmanager
-def engine_core_env(*, on_gpu: bool) -> Iterator[None]:
+def engine_core_env(*, on_gpu: bool, eager: bool = True) -> Iterator[None]:
     """Environment in which to construct `AsyncLLM` (it spawns the EngineCore inside).
 
     Args:
         on_gpu: the engine runs on CUDA (`producers.engine.vllm_on_gpu`): nothing is changed.
+        eager: the engine runs with `enforce_eager` (no compiled model).
 
-    On CPU, sets `VLLM_ENABLE_V1_MULTIPROCESSING=0` and, when unset, `OMP_NUM_THREADS` to
-    :func:`engine_core_threads`; both are restored (or removed) on exit.
+    On CPU, sets `VLLM_ENABLE_V1_MULTIPROCESSING=0`, and each of these the caller has not set:
+    `OMP_NUM_THREADS` to :func:`engine_core_threads`, with `eager` `TORCH_COMPILE_DISABLE=1`
+    (module docstring); all are restored (or removed) on exit.
     """
     if on_gpu:
         yield
@@ -56,6 +66,8 @@ def engine_core_env(*, on_gpu: bool) -> Iterator[None]:
     changes = {MULTIPROCESSING_ENV: "0"}
     if not os.environ.get("OMP_NUM_THREADS"):
         changes["OMP_NUM_THREADS"] = str(engine_core_threads())
+    if eager and not os.environ.get("TORCH_COMPILE_DISABLE"):
+        changes["TORCH_COMPILE_DISABLE"] = "1"
     saved = {key: os.environ.get(key) for key in changes}
     os.environ.update(changes)
     try:

@@ -232,10 +232,13 @@ def test_engine_core_env_sets_and_restores_the_variables(monkeypatch):
 
     monkeypatch.delenv(MULTIPROCESSING_ENV, raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
     with engine_core_env(on_gpu=False):
-        assert os.environ[MULTIPROCESSING_ENV] == "0"
+        assert os.environ[MULTIPROCESSING_ENV] == "0" and os.environ["TORCH_COMPILE_DISABLE"] == "1"
         assert os.environ["OMP_NUM_THREADS"] == str(engine_core_threads()) != "0"
-    assert MULTIPROCESSING_ENV not in os.environ and "OMP_NUM_THREADS" not in os.environ
+    assert not {MULTIPROCESSING_ENV, "OMP_NUM_THREADS", "TORCH_COMPILE_DISABLE"} & set(os.environ)
+    with engine_core_env(on_gpu=False, eager=False):  # a compiled engine keeps torch.compile
+        assert "TORCH_COMPILE_DISABLE" not in os.environ
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the caller's own thread count is kept
     monkeypatch.setenv(MULTIPROCESSING_ENV, "1")
     with engine_core_env(on_gpu=False):
