@@ -1,7 +1,7 @@
 """RolloutEngine: the only place in a producer process that touches vLLM.
 
-It wraps one `vllm.v1.engine.async_llm.AsyncLLM` (an EngineCore process and a Worker process,
-both spawned) whose workers carry `broadcaster.worker_extension.WeightSyncExtension`, and offers three
+It wraps one `vllm.v1.engine.async_llm.AsyncLLM` (a spawned EngineCore process, whose Worker runs
+inside it on CPU: `producers.vllm_procs`) whose workers carry `broadcaster.worker_extension.WeightSyncExtension`, and offers three
 things: generate a group of samples for one prompt, apply new policy weights, report the version.
 
 Policy versions and spans:
@@ -51,6 +51,7 @@ import numpy as np
 
 from configs.model_path import resolve_model_path
 from producers.vllm_idle import BUSY_LOOP_ENV
+from producers.vllm_procs import engine_core_env
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ class RolloutEngine:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         if busy_loop_s is not None and not busy_loop_s >= 0:
             raise ValueError(f"busy_loop_s must be >= 0 seconds or None, got {busy_loop_s!r}")
-        self._busy_loop_s = busy_loop_s
+        self._busy_loop_s, self._on_gpu = busy_loop_s, vllm_on_gpu()
         self.model_path = resolve_model_path(model_path)
         self._engine_kwargs = dict(
             model=self.model_path,
@@ -152,7 +153,7 @@ class RolloutEngine:
             seed=seed,
             max_num_seqs=max_num_seqs,
             disable_log_stats=True,
-            **device_engine_args(on_gpu=vllm_on_gpu(), kv_cache_bytes=kv_cache_bytes, tensor_parallel_size=tensor_parallel_size,
+            **device_engine_args(on_gpu=self._on_gpu, kv_cache_bytes=kv_cache_bytes, tensor_parallel_size=tensor_parallel_size,
                                  gpu_memory_utilization=gpu_memory_utilization),
         )
         self._engine_kwargs.update(engine_kwargs or {})
@@ -165,7 +166,7 @@ class RolloutEngine:
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> float:
-        """Start the engine processes (blocks the event loop ~15-20 s on CPU); returns seconds."""
+        """Start the engine process(es) (blocks the event loop ~10-15 s on CPU); returns seconds."""
         import asyncio
 
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -178,7 +179,8 @@ class RolloutEngine:
         if self._busy_loop_s is not None:  # read by producers.vllm_idle in every vLLM process
             os.environ[BUSY_LOOP_ENV] = repr(float(self._busy_loop_s))
         self._update_lock = asyncio.Lock()
-        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_kwargs))
+        with engine_core_env(on_gpu=self._on_gpu, eager=bool(self._engine_kwargs.get("enforce_eager"))):
+            self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_kwargs))
         try:
             await self._llm.update_weight_version(str(self._version))
             if self._warmup:
@@ -253,10 +255,7 @@ class RolloutEngine:
             raise ValueError("prompt_token_ids is empty")
         llm = self._require()
         params = SamplingParams(
-            n=n,
-            temperature=temperature,
-            top_p=top_p,
-            max_tokens=max_tokens,
+            n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
             ignore_eos=ignore_eos,
             min_tokens=min_tokens,
             repetition_penalty=repetition_penalty,

@@ -179,8 +179,8 @@ def test_eval_groups_finish_under_one_version_while_training_groups_span_the_upd
 
 
 def test_idle_engine_processes_sleep_instead_of_spinning(engine):
-    """After a group, vLLM's EngineCore and Worker must not busy-poll their shared-memory queues
-    (producers/vllm_idle.py caps vLLM's 1 s busy loop at the engine's busy_loop_s, 5 ms): over 2 s of
+    """After a group, vLLM's processes (on CPU the EngineCore, Worker inside; on GPU with tensor
+    parallelism also Worker processes) must not busy-poll their queues (producers/vllm_idle.py caps vLLM's 1 s busy loop at the engine's busy_loop_s, 5 ms): over 2 s of
     idleness right after a read they use well under the ~2 CPU-seconds that spinning costs."""
     import time
 
@@ -209,3 +209,40 @@ def test_busy_loop_cap_parses_the_environment():
     for bad in ("-1", "nan", "soon"):
         with pytest.raises(ValueError, match=BUSY_LOOP_ENV):
             busy_loop_cap({BUSY_LOOP_ENV: bad})
+
+
+def test_the_cpu_engine_is_one_process_with_the_worker_inside(engine):
+    """On CPU the engine spawns only its EngineCore, which runs the Worker (producers/vllm_procs.py:
+    one vLLM import less at start-up), and the caller's environment is left as it was."""
+    import psutil
+
+    from producers.engine import vllm_on_gpu
+    from producers.vllm_procs import MULTIPROCESSING_ENV
+
+    if vllm_on_gpu():
+        pytest.skip("the CPU engine's process layout")
+    _generate(engine, "one-process")
+    children = [p for p in psutil.Process().children(recursive=True) if "resource_tracker" not in " ".join(p.cmdline())]
+    assert len(children) == 1, [p.cmdline() for p in children]
+    assert MULTIPROCESSING_ENV not in os.environ
+
+
+def test_engine_core_env_sets_and_restores_the_variables(monkeypatch):
+    from producers.vllm_procs import MULTIPROCESSING_ENV, engine_core_env, engine_core_threads
+
+    monkeypatch.delenv(MULTIPROCESSING_ENV, raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
+    with engine_core_env(on_gpu=False):
+        assert os.environ[MULTIPROCESSING_ENV] == "0" and os.environ["TORCH_COMPILE_DISABLE"] == "1"
+        assert os.environ["OMP_NUM_THREADS"] == str(engine_core_threads()) != "0"
+    assert not {MULTIPROCESSING_ENV, "OMP_NUM_THREADS", "TORCH_COMPILE_DISABLE"} & set(os.environ)
+    with engine_core_env(on_gpu=False, eager=False):  # a compiled engine keeps torch.compile
+        assert "TORCH_COMPILE_DISABLE" not in os.environ
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the caller's own thread count is kept
+    monkeypatch.setenv(MULTIPROCESSING_ENV, "1")
+    with engine_core_env(on_gpu=False):
+        assert os.environ["OMP_NUM_THREADS"] == "3" and os.environ[MULTIPROCESSING_ENV] == "0"
+    assert os.environ[MULTIPROCESSING_ENV] == "1"
+    with engine_core_env(on_gpu=True):  # GPU: vLLM's own process layout
+        assert os.environ[MULTIPROCESSING_ENV] == "1"
