@@ -45,6 +45,15 @@ class ProducersConfig(Section):
     replicas: int = Field(1, ge=1, le=64, description="Number of producer processes.")
     group_size: int = Field(8, ge=1, le=1024, description="Completions per prompt (G).")
     max_concurrent_groups: int = Field(8, ge=1, le=4096, description="Groups a producer generates at once.")
+    prefetch_steps: int = Field(
+        1,
+        ge=0,
+        le=64,
+        description="Steps of training prompts the prompt source issues beyond the async gate (max_async_level). A producer holds "
+        "such a prompt, outside max_concurrent_groups, until its engine runs a policy version >= the prompt's step - "
+        "max_async_level, and starts it the moment the weights are applied (no round trip through the prompt source on "
+        "the critical path). The async bound is unchanged. 0: the prompt source alone gates.",
+    )
     kv_cache_gib: float = Field(1.0, gt=0, le=1024, description="vLLM KV-cache size per engine, GiB.")
     seed: int = Field(0, description="vLLM sampling seed (producer i uses seed + i).")
     max_replicas: int = Field(

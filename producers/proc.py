@@ -5,7 +5,11 @@ of asyncio tasks on one event loop:
 
 - the prompt loop takes ``prompts`` while fewer than ``max_concurrent_groups`` training groups'
   worth of samples (``max_concurrent_groups * group_size``) are in flight (so an idle producer
-  takes work and a busy one pushes back); an eval group counts its own size (one sample per
+  takes work and a busy one pushes back). A training prompt of step ``s`` is generated only once
+  the engine runs a policy version ``>= s - max_async_level``: the prompt source issues up to
+  ``producers.prefetch_steps`` steps ahead of that gate, and such a prompt is held (outside the
+  in-flight budget, so a held prompt never blocks the prompts that admit it) until the weights
+  that admit it are applied, when it starts at once; an eval group counts its own size (one sample per
   example by default), so an eval round runs as a few large vLLM batches instead of
   ``max_concurrent_groups`` single samples at a time (the base-model round at start-up is in front of
   the first training prompts: it must not hold them back for seconds);
@@ -215,11 +219,14 @@ class ProducerProc(Component):
     async def _run(self) -> None:
         self.inflight: dict[asyncio.Task, int] = {}
         """Generation tasks in flight -> their group's sample count (the prompt loop's budget)."""
+        self.held: set[asyncio.Task] = set()
+        """Prefetched training prompts waiting for a policy version that admits them."""
+        self.version_applied = asyncio.Condition()
         tasks = [asyncio.create_task(self._control_loop()), asyncio.create_task(self._prompt_loop())]
         finished, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for task in [*tasks, *self.inflight]:
+        for task in [*tasks, *self.inflight, *self.held]:
             task.cancel()
-        await asyncio.gather(*tasks, *self.inflight, return_exceptions=True)
+        await asyncio.gather(*tasks, *self.inflight, *self.held, return_exceptions=True)
         for task in finished:
             if not task.cancelled() and task.exception() is not None:
                 raise task.exception()  # e.g. a broken engine: exit, the supervisor restarts us
@@ -233,9 +240,30 @@ class ProducerProc(Component):
             prompt = await asyncio.to_thread(self.prompts.recv, 0.2)
             if prompt is None:
                 continue
-            task = asyncio.create_task(self._generate(prompt))
-            self.inflight[task] = request_kwargs(self.cfg, prompt)["n"]
-            task.add_done_callback(self.inflight.pop)  # done, failed or cancelled: its budget is free
+            if self._held_back(prompt):
+                held = asyncio.create_task(self._hold(prompt))
+                self.held.add(held)
+                held.add_done_callback(self.held.discard)
+            else:
+                self._start(prompt)
+
+    def _start(self, prompt: Prompt) -> None:
+        task = asyncio.create_task(self._generate(prompt))
+        self.inflight[task] = request_kwargs(self.cfg, prompt)["n"]
+        task.add_done_callback(self.inflight.pop)  # done, failed or cancelled: its budget is free
+
+    def _held_back(self, prompt: Prompt) -> bool:
+        """A prefetched training prompt whose step the engine's policy version does not admit yet."""
+        return not prompt.is_eval and self.engine.version < prompt.step - self.cfg.max_async_level
+
+    async def _hold(self, prompt: Prompt) -> None:
+        """Wait until the applied version admits ``prompt`` (or the run stops), then start it."""
+        async with self.version_applied:  # re-checked every 0.5 s too: a version set by a re-formed group
+            while self._held_back(prompt) and not self.stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.version_applied.wait(), 0.5)
+        if not self.stop.is_set():
+            self._start(prompt)
 
     async def _generate(self, prompt: Prompt) -> None:
         """Generate one group; a failure is counted and announced (the prompt is replaced)."""
@@ -326,6 +354,8 @@ class ProducerProc(Component):
         UPDATE_SECONDS.observe(elapsed)
         UPDATE_LAST_SECONDS.set(elapsed)
         POLICY_VERSION.set(version)
+        async with self.version_applied:  # start the prefetched prompts this version admits
+            self.version_applied.notify_all()
         self.control_out.send(WeightsApplied(id=new_id(), producer=self.name, version=version, apply_time_s=elapsed))
         log.info("applied policy version %d by %s in %.3f s", version, msg.method, elapsed)
 

@@ -84,6 +84,7 @@ class PromptSourceProc(Component):
             task=cfg.task.name,
             prompts_per_step=cfg.prompts_per_step,
             max_async_level=cfg.max_async_level,
+            prefetch_steps=cfg.producers.prefetch_steps,
             max_steps=max_steps,
             num_producers=cfg.producers.replicas,
             dead_after_s=cfg.bus.dead_after_s,

@@ -24,6 +24,12 @@ for an eval id is ignored. Each queued round, and each round whose results the p
 is journaled as a ledger note; a restarted or resumed source issues again the rounds issued
 without a result (see :mod:`prompts.eval_rounds` for which policy they then score).
 
+Prefetch (``producers.prefetch_steps``, ``prefetch_steps`` here): the source issues up to that many
+steps beyond the gate above, and each producer enforces the gate itself, holding a training prompt
+of step ``s`` until its own engine runs a version ``>= s - max_async_level``. The bound on lag is
+the same; what changes is that the next step's prompts already sit at the producer when the
+weights that admit them are applied.
+
 The gate's rules for producers that come and go (restarts, ``busctl scale``) are in
 :mod:`prompts.applied_versions`.
 
@@ -70,7 +76,8 @@ class PromptSource:
     Args:
         examples: task examples ``{"id", "prompt", "info"}`` (cycled when exhausted).
         task: task name stamped on each prompt.
-        prompts_per_step: groups per optimizer step. max_async_level: see module docstring.
+        prompts_per_step: groups per optimizer step. max_async_level, prefetch_steps: see the module
+            docstring (prefetch_steps > 0 needs producers that hold prompts, as rlbus's do).
         max_steps: steps of the run; no new prompt is issued for step >= max_steps.
         num_producers: producers started with the run (see :class:`AppliedVersions`).
         dead_after_s: see :class:`AppliedVersions`, seconds.
@@ -98,6 +105,7 @@ class PromptSource:
         max_async_level: int,
         max_steps: int,
         num_producers: int = 1,
+        prefetch_steps: int = 0,
         dead_after_s: float = 10.0,
         ledger: Ledger | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -108,12 +116,13 @@ class PromptSource:
     ) -> None:
         if not examples:
             raise ValueError("the task has no training examples")
-        if prompts_per_step < 1 or max_steps < 1 or max_async_level < 0 or num_producers < 1:
-            raise ValueError("prompts_per_step, max_steps and num_producers must be >= 1, max_async_level >= 0")
+        if prompts_per_step < 1 or max_steps < 1 or max_async_level < 0 or num_producers < 1 or prefetch_steps < 0:
+            raise ValueError("prompts_per_step, max_steps and num_producers must be >= 1, max_async_level and prefetch_steps >= 0")
         self.examples = examples
         self.task = task
         self.prompts_per_step = prompts_per_step
         self.max_async_level = max_async_level
+        self.prefetch_steps = prefetch_steps
         self.max_steps = max_steps
         self.clock = clock
         self.applied = AppliedVersions(num_producers, dead_after_s)
@@ -174,8 +183,9 @@ class PromptSource:
             self.eval_failed.pop(round_, None)
 
     def _admitted(self, step: int) -> bool:
-        """A prompt of ``step`` may go out: ``policy_version >= step - max_async_level``."""
-        return self.policy_version >= step - self.max_async_level
+        """A prompt of ``step`` may go out: ``policy_version >= step - max_async_level - prefetch_steps``
+        (the producers hold a prefetched prompt until they run ``step - max_async_level``)."""
+        return self.policy_version >= step - self.max_async_level - self.prefetch_steps
 
     def may_issue(self) -> bool:
         """True if a re-issue within the async level or an eval prompt is pending, or the next step

@@ -76,6 +76,16 @@ def test_gating_by_async_level(examples):
     assert [p.step for p in drain(src)] == [3, 3, 4, 4]
 
 
+def test_prefetch_issues_steps_beyond_the_gate(examples):
+    src = make(examples, pps=2, level=1, prefetch_steps=1)
+    # version 0, level 1, one step of prefetch: steps s with 0 >= s - 2 (the producers hold step 2)
+    assert [p.step for p in drain(src)] == [0, 0, 1, 1, 2, 2]
+    src.on_weights_applied("producer-0", 1)
+    assert [p.step for p in drain(src)] == [3, 3]
+    with pytest.raises(ValueError, match="prefetch_steps"):
+        make(examples, prefetch_steps=-1)
+
+
 def test_async_level_zero_is_synchronous(examples):
     src = make(examples, pps=3, level=0)
     assert [p.step for p in drain(src)] == [0, 0, 0]

@@ -108,8 +108,8 @@ def new_harness(tmp_path):
 
 @pytest.fixture
 def harness(new_harness):
-    # 2 prompts per step, synchronous (async level 0), 3 steps, no online evaluation
-    return new_harness(["trainer.batch_size=4", "producers.group_size=2", "max_async_level=0", "trainer.max_steps=3",
+    # 2 prompts per step, synchronous (async level 0, no prefetch: the source alone gates), 3 steps, no online evaluation
+    return new_harness(["trainer.batch_size=4", "producers.group_size=2", "max_async_level=0", "producers.prefetch_steps=0", "trainer.max_steps=3",
                         "eval.enabled=false"])
 
 
@@ -171,7 +171,7 @@ def test_proc_issues_eval_rounds_and_runs_until_run_done(new_harness, tmp_path, 
     monkeypatch.delenv("RLBUS_RESUME", raising=False)
     monkeypatch.delenv("RLBUS_RESTARTS", raising=False)
     monkeypatch.setattr(prompts.proc, "EVAL_FAILURES_EVERY_S", 0.2)
-    h = new_harness(["trainer.batch_size=2", "producers.group_size=2", "max_async_level=0", "trainer.max_steps=2",
+    h = new_harness(["trainer.batch_size=2", "producers.group_size=2", "max_async_level=0", "producers.prefetch_steps=0", "trainer.max_steps=2",
                      "eval.interval=1", "eval.temperature=0.4", "eval.tasks=[{name: reverse_text, num_examples: 2}]",
                      "sampling.temp_scheduler={type: linear, start_temperature: 1.0, end_temperature: 0.6}"])
     h.start()
@@ -239,7 +239,7 @@ def test_a_resumed_source_re_issues_unresolved_prompts_step_by_step(new_harness,
     prompts, never the whole backlog; the rest follow as the producers' version advances."""
     monkeypatch.delenv("RLBUS_RESUME", raising=False)
     monkeypatch.delenv("RLBUS_RESTARTS", raising=False)
-    h = new_harness(["trainer.batch_size=4", "producers.group_size=2", "max_async_level=1", "trainer.max_steps=10",
+    h = new_harness(["trainer.batch_size=4", "producers.group_size=2", "max_async_level=1", "producers.prefetch_steps=0", "trainer.max_steps=10",
                      "eval.enabled=false"])
     source = h.start()
     producer = h.producer()
