@@ -45,6 +45,13 @@ class ProducersConfig(Section):
     replicas: int = Field(1, ge=1, le=64, description="Number of producer processes.")
     group_size: int = Field(8, ge=1, le=1024, description="Completions per prompt (G).")
     max_concurrent_groups: int = Field(8, ge=1, le=4096, description="Groups a producer generates at once.")
+    weight_update: Literal["keep", "drain"] = Field(
+        "keep",
+        description="How a producer's engine takes new weights while it generates. keep: in-flight requests pause, are "
+        "recomputed under the new weights and continue (partial rollouts: later tokens are newer). drain: the update waits "
+        "until the requests in flight finish under the old weights (new ones queue), so no prefill is recomputed; every "
+        "sample then has one policy version. Both keep the max_async_level bound; drain suits short completions, keep long ones.",
+    )
     prefetch_steps: int = Field(
         1,
         ge=0,

@@ -28,7 +28,7 @@ from typing import Any
 
 from producers.endpoint import OpenAIEndpoint
 from producers.endpoint_episodes import assemble_episode
-from producers.engine import Sample
+from producers.rollout_sample import Sample
 from producers.episodes import ENV_SECONDS, EPISODE_TURNS, Episode, episode_sample
 from producers.turn_metrics import EPISODE_TOOL_CALLS, count_tool_calls, text_tool_calls
 from tasks.isolation import IsolatedCalls

@@ -34,7 +34,7 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from producers.engine import Sample
+from producers.rollout_sample import Sample
 from producers.episodes import Episode, env_turn_ids
 from tasks.tools import ToolCall, parse_tool_calls
 

@@ -18,6 +18,10 @@ Policy versions and spans:
   Tokens sampled before the pause keep their old-version logprobs; later tokens carry the new
   version. So a sample with `version_start != version_end` is a partial rollout (off-policy for
   its early tokens). Requests submitted during the update wait and start under the new version.
+- With `update_mode="drain"` an update instead waits for the in-flight requests to finish under
+  the old weights (vLLM's `mode="wait"`; requests submitted meanwhile queue and start under the new
+  version): no recompute and no partial rollout, at the price of the update waiting for the longest
+  request in flight (right for short completions; `producers.weight_update`).
 - Updates are serialized (one at a time); a failed update leaves the engine paused and marked
   broken (tokens from half-loaded weights must never be tagged with a version); `close()` it.
 
@@ -43,57 +47,21 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from configs.model_path import resolve_model_path
+from producers.rollout_sample import Sample, token_versions
 from producers.vllm_idle import BUSY_LOOP_ENV
 from producers.vllm_procs import engine_core_env
 
 logger = logging.getLogger(__name__)
 
+#: `update_mode` -> vLLM's pause mode for a weight update.
+UPDATE_MODES = {"keep": "keep", "drain": "wait"}
+
 #: The worker extension class, importable in vLLM's spawned children (repo root on PYTHONPATH).
 WORKER_EXTENSION_CLS = "broadcaster.worker_extension.WeightSyncExtension"
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One completion of a group.
-
-    token_ids: [num_tokens] generated token ids (prompt excluded).
-    logprobs: [num_tokens] logprob of each sampled token under the policy that sampled it
-        (per the engine's logprobs_mode; raw = before temperature / top-p by default).
-    text: detokenized completion.
-    finish_reason: "stop" (EOS / stop token) or "length" (max_tokens reached) or "abort".
-    version_start / version_end: oldest / newest policy version that produced a token (the first /
-        last token's, unless a rollback made later tokens older).
-    version_spans: [(version, start, end), ...] tokens `[start, end)` came from `version`, in
-        order (one span unless weights changed mid-sample); empty when vLLM reported none.
-    token_versions: [num_tokens] policy version of each token (:func:`token_versions` of the
-        spans); empty from callers that know none (every token then counts as `version_start`).
-    """
-
-    token_ids: list[int]
-    logprobs: list[float]
-    text: str
-    finish_reason: str
-    version_start: int
-    version_end: int
-    version_spans: tuple[tuple[int, int, int], ...] = ()
-    token_versions: tuple[int, ...] = ()
-
-
-def token_versions(spans: tuple[tuple[int, int, int], ...], num_tokens: int, default: int) -> np.ndarray:
-    """Policy version of each of `num_tokens` output tokens, `[num_tokens] int64`, from vLLM's
-    `(version, start, end)` spans (clipped to the output; a token no span covers, e.g. when vLLM
-    reported none, gets `default`: the version when the request was issued, its oldest possible)."""
-    out = np.full(num_tokens, default, np.int64)
-    for version, start, end in spans:
-        out[max(start, 0) : max(min(end, num_tokens), 0)] = version
-    return out
 
 
 class RolloutEngine:
@@ -119,6 +87,8 @@ class RolloutEngine:
         gpu_memory_utilization: fraction (0, 1] of each GPU's memory the engine may take, KV cache
             included (CUDA only; `producers.gpu_memory_utilization`); None: a fixed `kv_cache_bytes`.
         engine_kwargs: extra `AsyncEngineArgs` fields (override the defaults above).
+        update_mode: "keep" (in-flight requests are recomputed and continue under new weights) or
+            "drain" (an update waits for them); see the module docstring.
     """
 
     def __init__(
@@ -136,9 +106,11 @@ class RolloutEngine:
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float | None = None,
         engine_kwargs: dict[str, Any] | None = None,
+        update_mode: str = "keep",
     ) -> None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        self.update_mode = update_mode
         if busy_loop_s is not None and not busy_loop_s >= 0:
             raise ValueError(f"busy_loop_s must be >= 0 seconds or None, got {busy_loop_s!r}")
         self._busy_loop_s, self._on_gpu = busy_loop_s, vllm_on_gpu()
@@ -205,6 +177,17 @@ class RolloutEngine:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    @property
+    def update_mode(self) -> str:
+        """"keep" or "drain": how the next weight updates treat requests in flight (module docstring)."""
+        return self._update_mode
+
+    @update_mode.setter
+    def update_mode(self, mode: str) -> None:
+        if mode not in UPDATE_MODES:
+            raise ValueError(f"update_mode must be one of {sorted(UPDATE_MODES)}, got {mode!r}")
+        self._update_mode = mode
 
     @property
     def version(self) -> int:
@@ -363,9 +346,9 @@ class RolloutEngine:
             if (version == self._version and not resend) or (rpc == "receive_weights" and version < self._version):
                 raise ValueError(f"version {version} cannot replace current {self._version} by {rpc}")
             start = time.perf_counter()
-            # keep: in-flight requests are frozen, resumed (recomputed) under the new weights;
-            # clear_cache: no KV computed by the old weights survives, prefix cache included.
-            await llm.pause_generation(mode="keep", clear_cache=True)
+            # keep: in-flight requests are frozen, resumed (recomputed) under the new weights; wait
+            # (drain): they finish first; clear_cache: no KV of the old weights survives, prefix cache included.
+            await llm.pause_generation(mode=UPDATE_MODES[self._update_mode], clear_cache=True)
             try:
                 out = await llm.collective_rpc(rpc, kwargs=kwargs)
                 if reports is not None:  # tensor-parallel workers racing a new version: broken, restarted

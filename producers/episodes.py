@@ -44,7 +44,7 @@ from typing import Any
 
 from prometheus_client import Counter, Histogram
 
-from producers.engine import Sample
+from producers.rollout_sample import Sample
 from producers.turn_metrics import BAD_STATS, EPISODE_TOOL_CALLS, count_tool_calls, preinit_tools, schema_names
 from tasks.env import ENV_ERRORS, EnvCalls
 

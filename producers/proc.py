@@ -52,10 +52,11 @@ environment turns.
 
 Eval groups are exact: an update waits until the eval groups being generated are done, and no
 eval generation starts while an update is pending (:class:`producers.eval_gate.EvalUpdateGate`),
-so every sample of an eval group comes from one policy version. Training generations do not wait:
-they are paused with their requests kept and resumed under the new weights (partial rollouts; each
-sample records its version spans, :mod:`producers.engine`, which travel as the group's
-run-length ``version_spans``, :mod:`bus.sample_arrays`).
+so every sample of an eval group comes from one policy version. Training generations do not wait
+with ``producers.weight_update: keep``: they are paused with their requests kept and resumed under
+the new weights (partial rollouts; each sample records its version spans, :mod:`producers.engine`,
+which travel as the group's run-length ``version_spans``, :mod:`bus.sample_arrays`); with
+``drain`` the update waits until they finish under the old weights.
 
 Blocking bus calls run in worker threads (``asyncio.to_thread``); the control sockets are only
 ever used by one task at a time.
@@ -164,6 +165,7 @@ class ProducerProc(Component):
             seed=cfg.producers.seed + self.index,
             tensor_parallel_size=cfg.producers.tensor_parallel_size, gpu_memory_utilization=cfg.producers.gpu_memory_utilization,
             dtype=cfg.producers.dtype,
+            update_mode=cfg.producers.weight_update,
             # post-temperature logprobs: the trainer scores with the same temperature
             engine_kwargs={"logprobs_mode": "processed_logprobs"},
         )

@@ -12,7 +12,7 @@ import pytest
 from producers.agents import common_prefix, with_head
 from producers.endpoint import BadRequest, sampling_of
 from producers.endpoint_episodes import EndpointEpisodes, RecordedTurn, assemble_episode, chat_prompt_ids
-from producers.engine import Sample
+from producers.rollout_sample import Sample
 from producers.episodes import env_turn_ids
 from trainer.tiny_model import IM_END_TOKEN_ID, build_tokenizer
 

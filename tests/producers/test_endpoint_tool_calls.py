@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from producers.endpoint_episodes import RecordedTurn, reply_message, same_reply
-from producers.engine import Sample
+from producers.rollout_sample import Sample
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]

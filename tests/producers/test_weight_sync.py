@@ -290,6 +290,36 @@ def test_update_during_generation_keeps_requests(harness):
             assert _max_err(models[version], s, lo, hi) < LOGPROB_ATOL
 
 
+def test_drain_update_waits_for_requests_in_flight(harness):
+    """update_mode "drain": the update waits until the group in flight is done, every token of it is
+    the old version's, and the next group is the new version's."""
+    old = _perturbed(harness.policy, seed=34)
+    new = _load_hf(harness.policy)
+    v_old = harness.engine.version + 1
+    harness.run(harness.broadcast(old, v_old))
+    with pytest.raises(ValueError, match="update_mode"):
+        harness.engine.update_mode = "abort"
+
+    async def scenario():
+        task = asyncio.create_task(harness.generate(n=4, max_tokens=480, request_id="drain", ignore_eos=True))
+        await asyncio.sleep(0.3)
+        assert not task.done()
+        await harness.broadcast(new, v_old + 1)
+        assert task.done(), "the drained update returned while the group was still generating"
+        return await task, await harness.generate(request_id="after-drain")
+
+    harness.engine.update_mode = "drain"
+    try:
+        samples, after = harness.run(scenario())
+    finally:
+        harness.engine.update_mode = "keep"
+    for s in samples:
+        assert s.version_spans == ((v_old, 0, len(s.token_ids)),) and len(s.token_ids) == 480
+        assert _max_err(old, s) < LOGPROB_ATOL
+    assert all((s.version_start, s.version_end) == (v_old + 1, v_old + 1) for s in after)
+    assert all(_max_err(new, s) < LOGPROB_ATOL for s in after)
+
+
 def _with_weights(path: Path, state: dict[str, torch.Tensor]):
     """The HF model at `path` holding `state` (the trainer's merged weights)."""
     model = _load_hf(path)
