@@ -149,7 +149,7 @@ def packed_logprobs_and_entropy(
         model's parameters; entropy (nats, >= 0) detached.
 
     Raises:
-        ValueError: bad shapes/dtypes, seq_lens not summing to T, temperature not > 0, an attention
+        ValueError: bad shapes/dtypes (tokens not `[T]` included), seq_lens not summing to T, temperature not > 0, an attention
             implementation other than sdpa/eager (a 4-D mask is not honoured there), an LM head
             that is not a plain `nn.Linear`, or a config that rescales logits.
     """
@@ -157,6 +157,8 @@ def packed_logprobs_and_entropy(
     weight, bias = _output_projection(model)
     # Under bfloat16 autocast (trainer.precision) the body may return bfloat16 hidden states; the
     # head then runs in the weight's (float32 master) dtype with autocast off (trainer.logprobs).
+    if tokens is not None and tokens.shape != input_ids.shape:
+        raise ValueError(f"tokens must be a [T] mask like input_ids {tuple(input_ids.shape)}, got {tuple(tokens.shape)}")
     is_first = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
     is_first[torch.cumsum(lens, 0) - lens] = True
     wanted = ~is_first if tokens is None else tokens.to(device=input_ids.device, dtype=torch.bool) & ~is_first
