@@ -5,8 +5,9 @@ step), so a sample packed into step ``s`` has off-policy lag ``s - v`` where ``v
 policy version it was sampled under (``version_start``). :class:`Packer` drops every group whose
 lag would exceed ``max_off_policy_steps`` (invariant 3) and reports it, so that the prompt source
 can issue a replacement and every prompt is accounted for. A step takes ``prompts_per_step``
-whole groups (``batch_size`` samples) in arrival order; its samples are packed first-fit
-decreasing into micro-batches of at most ``micro_batch_tokens`` tokens, with no padding.
+whole groups (``batch_size`` samples) in arrival order; its samples are packed into micro-batches
+of at most ``micro_batch_tokens`` tokens, with no padding, each group that fits kept whole
+(:func:`pack_step`).
 
 Temperature bins: every sample records the temperature it was sampled at (``Prompt.temperature``,
 e.g. from a ``sampling.temp_scheduler``), and the trainer divides the logits of a whole
@@ -39,8 +40,6 @@ No sockets here: :mod:`packer.proc` moves the messages.
 """
 
 from __future__ import annotations
-
-import itertools
 
 from collections import deque
 from dataclasses import dataclass, field
@@ -322,8 +321,7 @@ class Packer:
         """The micro-batches of ``step`` made of ``groups`` (in this order): a pure function of
         its arguments and the packer's settings, so a restarted packer re-emits a planned step
         identically (same ids and contents, :mod:`packer.spool`)."""
-        samples = [s for g in groups for s in group_samples(g, teacher=self.teacher)]
-        return pack_step(samples, step, self.micro_batch_tokens)
+        return pack_step([group_samples(g, teacher=self.teacher) for g in groups], step, self.micro_batch_tokens)
 
     def restore(self, *, next_step: int, seen: set[str], buffer: list[ScoredGroup]) -> None:
         """Take the state a restarted packer rebuilt from its spool: number steps from
@@ -355,21 +353,21 @@ def padding_ratio(micro_batches: list[MicroBatch], micro_batch_tokens: int) -> f
     return 1.0 - tokens / (len(micro_batches) * micro_batch_tokens)
 
 
-def _group_units(samples: list[PackedSample], micro_batch_tokens: int) -> list[list[PackedSample]]:
-    """``samples`` cut into packing units: the consecutive samples of one group (``sample_id``
-    ``"{group_id}/{j}"``) when they fit ``micro_batch_tokens`` together, else one unit per sample."""
+def _group_units(groups: list[list[PackedSample]], micro_batch_tokens: int) -> list[list[PackedSample]]:
+    """Packing units: a group's samples together when they fit ``micro_batch_tokens``, else one
+    unit per sample."""
     units: list[list[PackedSample]] = []
-    for _group, members in itertools.groupby(samples, key=lambda s: s.sample_id.rpartition("/")[0]):
-        unit = list(members)
-        if sum(len(s.input_ids) for s in unit) <= micro_batch_tokens:
-            units.append(unit)
+    for samples in groups:
+        if sum(len(s.input_ids) for s in samples) <= micro_batch_tokens:
+            units.append(samples)
         else:
-            units += [[s] for s in unit]
+            units += [[s] for s in samples]
     return units
 
 
-def pack_step(samples: list[PackedSample], step: int, micro_batch_tokens: int) -> list[MicroBatch]:
-    """Pack one step's samples into micro-batches, one temperature per micro-batch.
+def pack_step(groups: list[list[PackedSample]], step: int, micro_batch_tokens: int) -> list[MicroBatch]:
+    """Pack one step's samples (``groups``: each group's samples, :func:`group_samples`) into
+    micro-batches, one temperature per micro-batch.
 
     The samples are binned by temperature (exact float equality; ascending), each bin is packed
     with :func:`packer.packing.pack_micro_batches`, and the micro-batches are numbered across the
@@ -382,11 +380,13 @@ def pack_step(samples: list[PackedSample], step: int, micro_batch_tokens: int) -
         ValueError: as :func:`packer.packing.pack_micro_batches` (a sample over the budget) or
             :func:`build_micro_batch`.
     """
+    samples = [s for g in groups for s in g]
     loss_tokens = int(sum(s.loss_mask.sum() for s in samples))
     loss_samples = sum(1 for s in samples if s.loss_mask.any())
     bins: list[list[PackedSample]] = []
     for temperature in sorted({s.temperature for s in samples}):
-        units = _group_units([s for s in samples if s.temperature == temperature], micro_batch_tokens)
+        same = [[s for s in g if s.temperature == temperature] for g in groups]
+        units = _group_units([g for g in same if g], micro_batch_tokens)
         packed = pack_micro_batches([sum(len(s.input_ids) for s in unit) for unit in units], micro_batch_tokens)
         bins += [[s for i in idx for s in units[i]] for idx in packed]
     return [

@@ -259,13 +259,10 @@ class ProducerProc(Component):
         return not prompt.is_eval and self.engine.version < prompt.step - self.cfg.max_async_level
 
     async def _hold(self, prompt: Prompt) -> None:
-        """Wait until the applied version admits ``prompt`` (or the run stops), then start it."""
-        async with self.version_applied:  # re-checked every 0.5 s too: a version set by a re-formed group
-            while self._held_back(prompt) and not self.stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.version_applied.wait(), 0.5)
-        if not self.stop.is_set():
-            self._start(prompt)
+        """Wait until the applied version admits ``prompt``, then start it (cancelled when the run stops)."""
+        async with self.version_applied:  # every version change goes through _apply, which notifies
+            await self.version_applied.wait_for(lambda: not self._held_back(prompt))
+        self._start(prompt)
 
     async def _generate(self, prompt: Prompt) -> None:
         """Generate one group; a failure is counted and announced (the prompt is replaced)."""

@@ -142,7 +142,8 @@ def segment_attention(
     scaling: float | None,
     dropout_p: float,
 ) -> torch.Tensor:
-    """Attention of a compressed row: every segment attends to its own keys, one sdpa call.
+    """Attention of a compressed row: every segment attends to its own keys, one sdpa call per
+    `SegmentBatch` (prefixes and lone samples; tails).
 
     Args:
         query: `[1, heads, T_c, head_dim]`; key, value: `[1, heads, T_c, head_dim]` (key/value

@@ -175,7 +175,7 @@ class Trainer:
         stats["onpolicy_tokens"] = float(on_policy.sum())
         stats["onpolicy_lp_diff_max"] = float(diff.max()) if len(diff) else 0.0
         stats.update(lag_token_counts(token_version, loss_mask, mb.step))
-        stats["decoder_tokens"] = self._packed().stats.get("decoder_tokens", float(len(input_ids)))
+        stats["decoder_tokens"] = self._packed().stats["decoder_tokens"]
         return float(loss.detach()), stats
 
     def set_temperature(self, temperature: float) -> None:
