@@ -202,7 +202,7 @@ class EpisodeRunner:
             outs = await asyncio.gather(*(
                 self.engine.generate_group(prompt_ids + ep.token_ids, n=1, max_tokens=room[j],
                                            seed=None if seed is None else seed + j,
-                                           request_id=f"{request_id}-{j}-t{turn}", **kwargs)
+                                           request_id=f"{request_id}-{j}-t{turn}", detokenize=False, **kwargs)
                 for j, ep in active))
             texts = []
             for (j, ep), (sample,) in zip(active, outs):

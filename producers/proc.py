@@ -298,7 +298,8 @@ class ProducerProc(Component):
                         env_task.env, env_task.max_turns, prompt_ids, prompt.info, request_id=request_id, tools=tools,
                         **request_kwargs(self.cfg, prompt))
                 else:
-                    samples = await self.engine.generate_group(prompt_ids, request_id=request_id, **request_kwargs(self.cfg, prompt))
+                    samples = await self.engine.generate_group(prompt_ids, request_id=request_id, detokenize=False,
+                                                               **request_kwargs(self.cfg, prompt))  # decoded below
             elapsed = time.perf_counter() - started
             teacher_logprobs = None
             if self.teacher is not None and not prompt.is_eval:

@@ -22,7 +22,7 @@ class Sample:
     token_ids: [num_tokens] generated token ids (prompt excluded).
     logprobs: [num_tokens] logprob of each sampled token under the policy that sampled it
         (per the engine's logprobs_mode; raw = before temperature / top-p by default).
-    text: detokenized completion.
+    text: detokenized completion ("" when generated with `detokenize=False`).
     finish_reason: "stop" (EOS / stop token) or "length" (max_tokens reached) or "abort".
     version_start / version_end: oldest / newest policy version that produced a token (the first /
         last token's, unless a rollback made later tokens older).
