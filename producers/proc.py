@@ -239,15 +239,26 @@ class ProducerProc(Component):
             if sum(self.inflight.values()) >= budget:  # samples in flight
                 await asyncio.sleep(0.01)
                 continue
-            prompt = await asyncio.to_thread(self.prompts.recv, 0.2)
-            if prompt is None:
-                continue
-            if self._held_back(prompt):
-                held = asyncio.create_task(self._hold(prompt))
-                self.held.add(held)
-                held.add_done_callback(self.held.discard)
-            else:
-                self._start(prompt)
+            for prompt in await asyncio.to_thread(self._take_prompts, budget - sum(self.inflight.values())):
+                if self._held_back(prompt):
+                    held = asyncio.create_task(self._hold(prompt))
+                    self.held.add(held)
+                    held.add_done_callback(self.held.discard)
+                else:
+                    self._start(prompt)
+
+    def _take_prompts(self, room: int) -> list[Prompt]:
+        """(A worker thread.) The next prompt (waiting up to 0.2 s), then every prompt already
+        received while ``room`` samples are left: a burst (an eval round, a step's groups) reaches
+        vLLM in one event-loop turn, as one batch, not one prompt per turn spread over many engine
+        steps. The last prompt taken may exceed ``room`` (as one prompt always could)."""
+        taken: list[Prompt] = []
+        prompt = self.prompts.recv(0.2)
+        while prompt is not None:
+            taken.append(prompt)
+            room -= request_kwargs(self.cfg, prompt)["n"]
+            prompt = self.prompts.recv(0) if room > 0 else None
+        return taken
 
     def _start(self, prompt: Prompt) -> None:
         task = asyncio.create_task(self._generate(prompt))
