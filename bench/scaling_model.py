@@ -152,7 +152,8 @@ def headroom(c: Config, sizes: dict[str, int]) -> dict[str, float]:
     """Capacity / load at the busiest endpoint of each hop (x; >1 means it keeps up).
 
     Endpoints: prompt source (sends every prompt), one reward worker (its share of rollouts), the
-    packer (receives every scored group; also bounded by one spool fsync per group), trainer rank
+    packer (receives every scored group; also bounded by one spool fsync per group: the bound
+    when every group arrives alone, a floor since the packer's group commit), trainer rank
     0 (receives every micro-batch), hub egress (control fan-out).
     """
     rates = topic_rates(c, sizes)

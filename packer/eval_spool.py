@@ -12,6 +12,9 @@ in its own file (eval state is small and never compacted: one summary per eval g
 | ``closed`` | ``[round, [EvalResult frames, ...]]``                             | a round closed, before its publication   | yes   |
 | ``reset``  | ``round``                                                         | a resume at checkpoint ``round``         | yes   |
 
+A ``group`` record may share its fsync with the other groups of the packer's burst
+(:meth:`EvalSpool.taken` with ``sync=False``, then :meth:`EvalSpool.sync`, before any is released).
+
 Invariants: a received eval group is recorded (summary only: rewards ``[G] float64``, completion
 lengths ``[G] int64``, reward terms, version range) before the packer releases its custody
 upstream, so after that no component but this file holds it; a round's results are recorded
@@ -62,14 +65,23 @@ class EvalSpool:
         self.results: dict[int, list[EvalResult]] = {}
         self.closed_on_replay: list[RoundResult] = []
         self.torn_records = 0
+        self.unsynced = False  # records written (flushed) since the last fsync
+        self.fsyncs = 0  # fsyncs of appended records (tests, logs)
         good = self._replay() if self.path.is_file() else 0
         self._file = open_for_append(self.path, good)
 
-    def taken(self, group: ScoredGroup) -> None:
-        """Record a received eval group (fsynced: call before releasing it upstream)."""
+    def taken(self, group: ScoredGroup, *, sync: bool = True) -> None:
+        """Record a received eval group (fsynced: call before releasing it upstream). ``sync=False``
+        only flushes it: call :meth:`sync` before releasing it (one fsync for a burst of groups)."""
         s = summarize(group)
         self._write("group", [group.eval_round, group.eval_size, group.id, group.task, s.rewards.tolist(),
-                              s.completion_lens.tolist(), s.reward_terms, s.version_min, s.version_max])
+                              s.completion_lens.tolist(), s.reward_terms, s.version_min, s.version_max], sync=sync)
+
+    def sync(self) -> None:
+        """Fsync every record written since the last fsync (group commit); nothing if none."""
+        if self.unsynced:
+            os.fsync(self._file.fileno())
+            self.unsynced, self.fsyncs = False, self.fsyncs + 1
 
     def failed(self, group_ids: list[str]) -> list[str]:
         """Record the ids of ``group_ids`` that are new failures of open eval rounds (fsynced; nothing
@@ -96,11 +108,14 @@ class EvalSpool:
             self._file.flush()
             self._file.close()
 
-    def _write(self, kind: str, body: Any) -> None:
-        """Append one record (fsynced); the caller applies it to the live aggregator itself."""
+    def _write(self, kind: str, body: Any, *, sync: bool = True) -> None:
+        """Append one record (fsynced unless ``sync=False``); the caller applies it to the live
+        aggregator itself."""
         self._file.write(frame_record(kind, body))
         self._file.flush()
-        os.fsync(self._file.fileno())
+        self.unsynced = True
+        if sync:
+            self.sync()
 
     def _apply(self, kind: str, body: Any) -> None:
         """Apply one record read back (replay) to the aggregator and :attr:`results`."""

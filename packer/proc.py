@@ -63,6 +63,7 @@ the number of micro-batches and the unused share of their token budget (padding 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -94,6 +95,8 @@ PADDING = Gauge("rlbus_packer_padding_ratio", "Unused share of the last emitted 
 BUFFERED = Gauge("rlbus_packer_buffered_groups", "Groups waiting for the next step")
 EVAL_GROUPS = Counter("rlbus_packer_eval_groups_total", "Scored eval groups received, by decision (taken, duplicate, late, invalid)", ["outcome"])
 EVAL_RESULTS = Counter("rlbus_packer_eval_results_total", "EvalResults published (one per eval task per round)")
+TAKE_BURST = 256
+"""Most received groups decided on before their spool records are fsynced together and released."""
 UNFINISHED = Gauge("rlbus_packer_unfinished_micro_batches", "Micro-batches sent and not yet done by the trainer (checkpoint)")
 SPOOL_TORN = Counter("rlbus_packer_spool_torn_records_total", "Damaged spool tails dropped on opening (a write cut short by a crash)")
 RESENT_STEPS = Counter("rlbus_packer_resent_steps_total", "Planned, unreleased steps sent again from the spool after a restart or resume")
@@ -224,8 +227,29 @@ class PackerProc(Component):
             for result in self.eval_spool.results.get(round_, []):
                 self.control_out.send(result)
 
-    def _take(self, group: ScoredGroup) -> None:
-        """Decide on one received group, announce a drop, then release custody upstream."""
+    def _take_received(self, group: ScoredGroup) -> None:
+        """Decide on ``group`` and on every group already received after it (at most
+        :data:`TAKE_BURST` in all), then release custody of the kept ones upstream: their spool
+        records share one fsync (group commit: an eval round's 128 single-sample groups cost one
+        fsync, ~3 ms on the CPU host, not 128), and none is released before it is durable."""
+        release: list[str] = []
+        with contextlib.ExitStack() as items:  # each group is one stage item, until it is released
+            for n in range(TAKE_BURST):
+                if n:
+                    group = self.scored.recv(timeout_s=0)
+                    if group is None:
+                        break
+                assert isinstance(group, ScoredGroup)
+                items.enter_context(self.meter.work())
+                if self._take(group):
+                    release.append(group.id)
+            self.spool.sync()
+            self.eval_spool.sync()
+            self.scored.done(*release)
+
+    def _take(self, group: ScoredGroup) -> bool:
+        """Decide on one received group and announce a drop. Returns True if the caller releases
+        custody upstream once the spools are synced (a drop is released once the ledger recorded it)."""
         if group.is_eval:
             try:
                 decision, closed = self.evaluation.add(group)
@@ -234,21 +258,20 @@ class PackerProc(Component):
                 decision, closed = "invalid", None
             EVAL_GROUPS.labels(decision).inc()
             if decision == "taken":
-                self.eval_spool.taken(group)  # durable before custody is released upstream
+                self.eval_spool.taken(group, sync=False)  # synced before custody is released upstream
             elif decision == "late":
                 self._answer_late(group.eval_round)
-            self.scored.done(group.id)
-            self._publish_eval(closed)
-            return
+            self._publish_eval(closed)  # a closed round's record is fsynced (with the groups before it)
+            return True
         accepted, reason = self.packer.add(group)
         if accepted:
             self.meter.finished(group.group_size, int(group.completion_lens.sum()))
-            self.spool.accepted(group)  # durable before custody is released upstream
+            self.spool.accepted(group, sync=False)  # synced before custody is released upstream
         if accepted or reason == "duplicate":
             GROUPS_IN.labels("accepted" if accepted else "duplicate").inc()  # a duplicate: no second outcome
-            self.scored.done(group.id)
-        else:  # released upstream once the ledger has recorded the drop
-            self._announce_dropped([group], reason, upstream=(self.scored, group.id))
+            return True
+        self._announce_dropped([group], reason, upstream=(self.scored, group.id))  # released once recorded
+        return False
 
     def _run_done(self) -> bool:
         """Drain the control channel (counting failed eval groups); True once the run is done."""
@@ -307,9 +330,7 @@ class PackerProc(Component):
             self._republish_eval()
             group = self.scored.recv(timeout_s=0.2)
             if group is not None:
-                assert isinstance(group, ScoredGroup)
-                with self.meter.work():
-                    self._take(group)
+                self._take_received(group)
             batches, dropped = self.packer.pop_step()
             self._announce_dropped(dropped, "stale")
             BUFFERED.set(len(self.packer.buffer))

@@ -17,7 +17,9 @@ group upstream (``scored.done``), since after that no reward worker holds it; a 
 is fsynced before the step's micro-batches leave, since the trainer may train them and a
 restarted packer must emit that step again with the same groups (same micro-batch ids and
 contents, :func:`packer.packer.pack_step` is deterministic) and never put those groups into
-another step. A ``released`` record is only flushed: losing it makes a restarted packer re-send
+another step. Group commit: :meth:`Spool.accepted` with ``sync=False`` only flushes, and the packer
+fsyncs once (:meth:`Spool.sync`) after deciding on every group it has already received, before
+releasing any of them (``packer.proc.PackerProc._take_received``). A ``released`` record is only flushed: losing it makes a restarted packer re-send
 steps the trainer's checkpoint already covers, which the trainer releases without training.
 
 Replay: records are applied in order by the same code as live writes (:meth:`Spool._apply`).
@@ -143,6 +145,8 @@ class Spool:
         self.sizes: dict[str, int] = {}  # live group id -> bytes of its record
         self.dead_bytes = 0
         self.torn_records = 0
+        self.unsynced = False  # records written (flushed) since the last fsync
+        self.fsyncs = 0  # fsyncs of appended records (tests, logs)
         self.existed = self.path.is_file()
         good = self._replay() if self.existed else 0
         self._file = open_for_append(self.path, good)
@@ -151,9 +155,16 @@ class Spool:
 
     # -- writes ----------------------------------------------------------------------------------
 
-    def accepted(self, group: ScoredGroup) -> None:
-        """Record an accepted group (fsynced: call before releasing it upstream)."""
-        self._write("group", [bytes(f) for f in encode(group)], sync=True, group=group)
+    def accepted(self, group: ScoredGroup, *, sync: bool = True) -> None:
+        """Record an accepted group (fsynced: call before releasing it upstream). ``sync=False``
+        only flushes it: call :meth:`sync` before releasing it (one fsync for a burst of groups)."""
+        self._write("group", [bytes(f) for f in encode(group)], sync=sync, group=group)
+
+    def sync(self) -> None:
+        """Fsync every record written since the last fsync (group commit); nothing if none."""
+        if self.unsynced:
+            os.fsync(self._file.fileno())
+            self.unsynced, self.fsyncs = False, self.fsyncs + 1
 
     def planned(self, step: int, group_ids: list[str]) -> None:
         """Record that ``step`` takes ``group_ids`` (fsynced: call before sending the step).
@@ -210,7 +221,7 @@ class Spool:
         self._file.close()
         os.replace(tmp, self.path)
         fsync_dir(self.directory)
-        self.state, self.sizes, self.dead_bytes = SpoolState(), {}, 0
+        self.state, self.sizes, self.dead_bytes, self.unsynced = SpoolState(), {}, 0, False  # all fsynced above
         good = self._replay()
         self._file = open(self.path, "r+b")
         self._file.seek(good)
@@ -229,8 +240,9 @@ class Spool:
         record = frame_record(kind, body)
         self._file.write(record)
         self._file.flush()
+        self.unsynced = True
         if sync:
-            os.fsync(self._file.fileno())
+            self.sync()
         self._apply(kind, body, len(record), group)
 
     def _apply(self, kind: str, body: Any, nbytes: int, group: ScoredGroup | None = None) -> None:

@@ -167,3 +167,40 @@ def test_a_resumed_spool_without_its_file_treats_the_lineage_trained_groups_as_d
     packer.restore(next_step=state.next_step, seen=state.seen, buffer=[])
     assert packer.add(group("p1a", 1)) == (False, "duplicate")
     assert packer.add(group("p4a", 4)) == (True, "")  # trained only in the lost lineage: trained again
+
+
+def test_a_burst_of_accepted_groups_shares_one_fsync_and_all_come_back(tmp_path):
+    spool = Spool(tmp_path)
+    created = spool.fsyncs  # the start record
+    for i in range(5):
+        spool.accepted(group(f"g{i}", i), sync=False)
+    assert spool.fsyncs == created and spool.unsynced
+    spool.sync()
+    spool.sync()  # nothing left to make durable: no second fsync
+    assert spool.fsyncs == created + 1 and not spool.unsynced
+    spool.accepted(group("g5", 5))  # the default still fsyncs each record
+    assert spool.fsyncs == created + 2
+    spool.close()
+    assert list(Spool(tmp_path).state.buffered) == [f"g{i}" for i in range(6)]
+
+
+def test_a_burst_of_eval_groups_shares_one_fsync_and_replays_into_the_open_round(tmp_path):
+    from packer.eval_spool import EvalSpool
+    from packer.evaluation import EvalAggregator
+    from tests.packer.test_evaluation import eval_group
+
+    agg = EvalAggregator()
+    spool = EvalSpool(tmp_path, agg)
+    groups = [eval_group(3, "reverse_text", i, [0.5 + i / 10], size=4) for i in range(3)]
+    for g in groups:
+        assert agg.add(g)[0] == "taken"
+        spool.taken(g, sync=False)
+    assert spool.fsyncs == 0 and spool.unsynced
+    spool.sync()
+    assert spool.fsyncs == 1 and not spool.unsynced
+    spool.close()
+    replayed = EvalAggregator()
+    EvalSpool(tmp_path, replayed).close()
+    assert sorted(replayed.rounds[3].received) == sorted(g.id for g in groups)
+    closed = replayed.add(eval_group(3, "reverse_text", 3, [0.9], size=4))[1]  # the 4th of 4 closes it
+    assert closed is not None and closed.round == 3
