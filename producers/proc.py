@@ -11,8 +11,8 @@ of asyncio tasks on one event loop:
   in-flight budget, so a held prompt never blocks the prompts that admit it) until the weights
   that admit it are applied, when it starts at once; an eval group counts its own size (one sample per
   example by default), so an eval round runs as a few large vLLM batches instead of
-  ``max_concurrent_groups`` single samples at a time (the base-model round at start-up is in front of
-  the first training prompts: it must not hold them back for seconds);
+  ``max_concurrent_groups`` single samples at a time (the base-model round at start-up comes right
+  after the first step's prompts: it must not hold the second step's back for seconds);
 - one generation task per prompt samples ``group_size`` completions (an eval prompt: its eval
   task's ``rollouts_per_example``) with per-token logprobs at the prompt's temperature and the
   ``sampling`` parameters (:func:`producers.sampling.request_kwargs`), scores them under the

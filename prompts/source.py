@@ -18,8 +18,9 @@ Sampling temperature: each training prompt carries the temperature of its step
 schedule), a pure function of the step, so a re-issued prompt keeps its temperature.
 
 Online evaluation (:mod:`prompts.eval_rounds`): eval round ``r``'s prompts are queued, all at
-once, as soon as ``policy_version >= r``, and go out before new training prompts (after pending
-re-issues). They are not ledger prompts: no step, no replacement, no accounting; an outcome report
+once, as soon as ``policy_version >= r`` (the base-model round 0: once the first step's training
+prompts are out, so the first batch is a training one), and go out before new training prompts
+(after pending re-issues). They are not ledger prompts: no step, no replacement, no accounting; an outcome report
 for an eval id is ignored. Each queued round, and each round whose results the packer published,
 is journaled as a ledger note; a restarted or resumed source issues again the rounds issued
 without a result (see :mod:`prompts.eval_rounds` for which policy they then score).
@@ -163,10 +164,16 @@ class PromptSource:
         return self.reissue[0] if self.reissue else None
 
     def _queue_due_eval_rounds(self) -> None:
-        """Queue the prompts of every eval round the producers' version has reached (journaled)."""
+        """Queue the prompts of every eval round the producers' version has reached (journaled).
+        The base-model round (0) waits until the first step's training prompts are out: training
+        starts on the first batch, and the round still scores version 0 (an update waits for the
+        eval groups in flight, :mod:`producers.eval_gate`; its ``version_min``/``max`` report it)."""
         if self.eval_rounds is None:
             return
+        training_started = self.next_step >= min(1, self.max_steps)
         for r in self.eval_rounds.due(self.policy_version):
+            if r == 0 and not training_started:
+                continue
             self.ledger.note("eval_round", round=r)
             prompts = self.eval_rounds.issue(r)
             self.eval_queue.extend(prompts)

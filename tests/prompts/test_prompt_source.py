@@ -218,11 +218,11 @@ def _eval_rounds(rounds) -> EvalRounds:
 
 def test_eval_rounds_are_issued_at_their_version_once_and_outside_the_ledger(examples):
     src = make(examples, pps=1, level=0, max_steps=4, eval_rounds=_eval_rounds([0, 2, 4]))
-    first = drain(src)  # version 0: round 0 (3 prompts) before the step-0 prompt
-    assert [p.id for p in first] == ["e000000-reverse_text-00000", "e000000-reverse_text-00001", "e000000-other-00000",
-                                     "p00000000"]
-    assert [(p.eval_round, p.eval_size, p.temperature) for p in first[:3]] == [(0, 3, 0.5)] * 3
-    assert not first[3].is_eval and first[3].eval_size == 0
+    first = drain(src)  # version 0: the step-0 prompt (training starts first), then round 0 (3 prompts)
+    assert [p.id for p in first] == ["p00000000", "e000000-reverse_text-00000", "e000000-reverse_text-00001",
+                                     "e000000-other-00000"]
+    assert [(p.eval_round, p.eval_size, p.temperature) for p in first[1:]] == [(0, 3, 0.5)] * 3
+    assert not first[0].is_eval and first[0].eval_size == 0
     src.on_weights_applied("producer-0", 1)
     assert [p.id for p in drain(src)] == ["p00000001"]
     src.on_weights_applied("producer-0", 3)  # jumps past round 2: it is issued late rather than lost
@@ -236,8 +236,8 @@ def test_eval_rounds_are_issued_at_their_version_once_and_outside_the_ledger(exa
     assert drain(src) == []  # every round once
     # eval prompts are not the ledger's: no issue records, and their outcomes are ignored
     assert src.num_issued == 4 and src.next_step == 4
-    assert src.on_dropped([first[0].id], "failed: RuntimeError") == 0
-    assert src.on_trained([first[1].id]) == 0
+    assert src.on_dropped([first[1].id], "failed: RuntimeError") == 0
+    assert src.on_trained([first[2].id]) == 0
     acc = src.ledger.accounting()
     assert acc["issued"] == 4 and acc["num_unknown"] == 0 and sum(acc["outcomes"].values()) == 0
 

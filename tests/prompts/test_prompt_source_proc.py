@@ -176,9 +176,9 @@ def test_proc_issues_eval_rounds_and_runs_until_run_done(new_harness, tmp_path, 
                      "sampling.temp_scheduler={type: linear, start_temperature: 1.0, end_temperature: 0.6}"])
     h.start()
     producer = h.producer()
-    got = take(producer, 3)  # round 0, then step 0
+    got = take(producer, 3)  # step 0 (training starts first), then the base-model round 0
     assert [(p.id, p.eval_round, p.eval_size, p.temperature) for p in got] == [
-        ("e000000-reverse_text-00000", 0, 2, 0.4), ("e000000-reverse_text-00001", 0, 2, 0.4), ("p00000000", -1, 0, 1.0)]
+        ("p00000000", -1, 0, 1.0), ("e000000-reverse_text-00000", 0, 2, 0.4), ("e000000-reverse_text-00001", 0, 2, 0.4)]
     h.publish(WeightsApplied(id=new_id(), producer="producer-0", version=1, apply_time_s=0.1))
     got = take(producer, 3)  # round 1, then step 1 (the last) at the end temperature
     assert [(p.id, p.temperature) for p in got] == [
