@@ -111,6 +111,21 @@ def test_seed_makes_a_group_reproducible(engine):
     assert other_seed != batched
 
 
+def test_without_detokenization_the_samples_are_the_same_and_carry_no_text(engine):
+    with_text = _generate(engine, "detok", n=4, seed=99)
+    without = _generate(engine, "no-detok", n=4, seed=99, detokenize=False)
+    assert [s.token_ids for s in without] == [s.token_ids for s in with_text]
+    assert [s.logprobs for s in without] == [s.logprobs for s in with_text]
+    assert [s.text for s in without] == [""] * 4
+    assert any(s.text for s in with_text)  # (the producer decodes the token ids with the HF tokenizer)
+    # stop strings need the text: with `stop` the engine detokenizes whatever `detokenize` says
+    stop = [next(s.text[1:3] for s in with_text if len(s.text) >= 3)]
+    asked = _generate(engine, "stop-detok", n=4, seed=99, stop=stop)
+    forced = _generate(engine, "stop-no-detok", n=4, seed=99, stop=stop, detokenize=False)
+    assert [(s.token_ids, s.text, s.finish_reason) for s in forced] == [(s.token_ids, s.text, s.finish_reason) for s in asked]
+    assert any(s.finish_reason == "stop" and s.text for s in forced)
+
+
 @pytest.mark.parametrize("temperature", [0.5, 2.0])
 def test_processed_logprobs_follow_the_temperature(engine, temperature):
     _, model, _ = engine
