@@ -13,7 +13,7 @@ in its own file (eval state is small and never compacted: one summary per eval g
 | ``reset``  | ``round``                                                         | a resume at checkpoint ``round``         | yes   |
 
 A ``group`` record may share its fsync with the other groups of the packer's burst
-(:meth:`EvalSpool.taken` with ``sync=False``, then :meth:`EvalSpool.sync`, before any is released).
+(:meth:`EvalSpool.taken` with ``sync=False``, then ``log.sync()``, before any is released).
 
 Invariants: a received eval group is recorded (summary only: rewards ``[G] float64``, completion
 lengths ``[G] int64``, reward terms, version range) before the packer releases its custody
@@ -39,7 +39,7 @@ from bus.codec import decode, encode
 from bus.eval_ids import parse_eval_id
 from bus.messages import EvalResult, ScoredGroup
 from packer.evaluation import EvalAggregator, EvalGroup, RoundResult, summarize
-from packer.spool import frame_record, open_for_append, replay_records
+from packer.spool import RecordLog, open_for_append, replay_records
 
 log = logging.getLogger(__name__)
 
@@ -65,23 +65,15 @@ class EvalSpool:
         self.results: dict[int, list[EvalResult]] = {}
         self.closed_on_replay: list[RoundResult] = []
         self.torn_records = 0
-        self.unsynced = False  # records written (flushed) since the last fsync
-        self.fsyncs = 0  # fsyncs of appended records (tests, logs)
         good = self._replay() if self.path.is_file() else 0
-        self._file = open_for_append(self.path, good)
+        self.log = RecordLog(open_for_append(self.path, good))
 
     def taken(self, group: ScoredGroup, *, sync: bool = True) -> None:
         """Record a received eval group (fsynced: call before releasing it upstream). ``sync=False``
-        only flushes it: call :meth:`sync` before releasing it (one fsync for a burst of groups)."""
+        only flushes it: call ``log.sync()`` before releasing it (one fsync for a burst of groups)."""
         s = summarize(group)
         self._write("group", [group.eval_round, group.eval_size, group.id, group.task, s.rewards.tolist(),
                               s.completion_lens.tolist(), s.reward_terms, s.version_min, s.version_max], sync=sync)
-
-    def sync(self) -> None:
-        """Fsync every record written since the last fsync (group commit); nothing if none."""
-        if self.unsynced:
-            os.fsync(self._file.fileno())
-            self.unsynced, self.fsyncs = False, self.fsyncs + 1
 
     def failed(self, group_ids: list[str]) -> list[str]:
         """Record the ids of ``group_ids`` that are new failures of open eval rounds (fsynced; nothing
@@ -104,18 +96,12 @@ class EvalSpool:
 
     def close(self) -> None:
         """Flush and close the file."""
-        if not self._file.closed:
-            self._file.flush()
-            self._file.close()
+        self.log.close()
 
     def _write(self, kind: str, body: Any, *, sync: bool = True) -> None:
         """Append one record (fsynced unless ``sync=False``); the caller applies it to the live
         aggregator itself."""
-        self._file.write(frame_record(kind, body))
-        self._file.flush()
-        self.unsynced = True
-        if sync:
-            self.sync()
+        self.log.append(kind, body, sync=sync)
 
     def _apply(self, kind: str, body: Any) -> None:
         """Apply one record read back (replay) to the aggregator and :attr:`results`."""

@@ -243,8 +243,8 @@ class PackerProc(Component):
                 items.enter_context(self.meter.work())
                 if self._take(group):
                     release.append(group.id)
-            self.spool.sync()
-            self.eval_spool.sync()
+            self.spool.log.sync()
+            self.eval_spool.log.sync()
             self.scored.done(*release)
 
     def _take(self, group: ScoredGroup) -> bool:

@@ -18,7 +18,7 @@ is fsynced before the step's micro-batches leave, since the trainer may train th
 restarted packer must emit that step again with the same groups (same micro-batch ids and
 contents, :func:`packer.packer.pack_step` is deterministic) and never put those groups into
 another step. Group commit: :meth:`Spool.accepted` with ``sync=False`` only flushes, and the packer
-fsyncs once (:meth:`Spool.sync`) after deciding on every group it has already received, before
+fsyncs once (:meth:`RecordLog.sync`) after deciding on every group it has already received, before
 releasing any of them (``packer.proc.PackerProc._take_received``). A ``released`` record is only flushed: losing it makes a restarted packer re-send
 steps the trainer's checkpoint already covers, which the trainer releases without training.
 
@@ -145,11 +145,9 @@ class Spool:
         self.sizes: dict[str, int] = {}  # live group id -> bytes of its record
         self.dead_bytes = 0
         self.torn_records = 0
-        self.unsynced = False  # records written (flushed) since the last fsync
-        self.fsyncs = 0  # fsyncs of appended records (tests, logs)
         self.existed = self.path.is_file()
         good = self._replay() if self.existed else 0
-        self._file = open_for_append(self.path, good)
+        self.log = RecordLog(open_for_append(self.path, good))
         if not self.existed or first_step > self.state.next_step:
             self._write("start", max(first_step, self.state.next_step), sync=True)
 
@@ -157,14 +155,8 @@ class Spool:
 
     def accepted(self, group: ScoredGroup, *, sync: bool = True) -> None:
         """Record an accepted group (fsynced: call before releasing it upstream). ``sync=False``
-        only flushes it: call :meth:`sync` before releasing it (one fsync for a burst of groups)."""
+        only flushes it: call ``log.sync()`` before releasing it (one fsync for a burst of groups)."""
         self._write("group", [bytes(f) for f in encode(group)], sync=sync, group=group)
-
-    def sync(self) -> None:
-        """Fsync every record written since the last fsync (group commit); nothing if none."""
-        if self.unsynced:
-            os.fsync(self._file.fileno())
-            self.unsynced, self.fsyncs = False, self.fsyncs + 1
 
     def planned(self, step: int, group_ids: list[str]) -> None:
         """Record that ``step`` takes ``group_ids`` (fsynced: call before sending the step).
@@ -218,32 +210,23 @@ class Spool:
                 f.write(frame_record(kind, body))
             f.flush()
             os.fsync(f.fileno())
-        self._file.close()
+        self.log.close()
         os.replace(tmp, self.path)
         fsync_dir(self.directory)
-        self.state, self.sizes, self.dead_bytes, self.unsynced = SpoolState(), {}, 0, False  # all fsynced above
+        self.state, self.sizes, self.dead_bytes = SpoolState(), {}, 0
         good = self._replay()
-        self._file = open(self.path, "r+b")
-        self._file.seek(good)
+        self.log = RecordLog(open_for_append(self.path, good))
         self.state.released_through = old.released_through
         log.info("spool compacted: %d live group(s), %d step(s) not released, %d bytes", len(live), len(old.steps), good)
 
     def close(self) -> None:
         """Flush and close the file."""
-        if not self._file.closed:
-            self._file.flush()
-            self._file.close()
+        self.log.close()
 
     # -- internals -------------------------------------------------------------------------------
 
     def _write(self, kind: str, body: Any, *, sync: bool, group: ScoredGroup | None = None) -> None:
-        record = frame_record(kind, body)
-        self._file.write(record)
-        self._file.flush()
-        self.unsynced = True
-        if sync:
-            self.sync()
-        self._apply(kind, body, len(record), group)
+        self._apply(kind, body, self.log.append(kind, body, sync=sync), group)
 
     def _apply(self, kind: str, body: Any, nbytes: int, group: ScoredGroup | None = None) -> None:
         st = self.state
@@ -288,6 +271,42 @@ def open_for_append(path: Path, good: int) -> BinaryIO:
     f.truncate(good)
     f.seek(good)
     return f
+
+
+class RecordLog:
+    """An append-only file of :func:`frame_record` records with group commit: a record appended
+    with ``sync=False`` is only flushed until :meth:`sync` fsyncs it with every other one since
+    the last fsync.
+
+    Attributes:
+        unsynced: records were appended (flushed) since the last fsync.
+        fsyncs: fsyncs of appended records through this log (tests, logs).
+    """
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file, self.unsynced, self.fsyncs = file, False, 0
+
+    def append(self, kind: str, body: Any, *, sync: bool) -> int:
+        """Write and flush one record, fsynced with ``sync``; returns its size in bytes."""
+        record = frame_record(kind, body)
+        self.file.write(record)
+        self.file.flush()
+        self.unsynced = True
+        if sync:
+            self.sync()
+        return len(record)
+
+    def sync(self) -> None:
+        """Fsync every record appended since the last fsync; nothing if none."""
+        if self.unsynced:
+            os.fsync(self.file.fileno())
+            self.unsynced, self.fsyncs = False, self.fsyncs + 1
+
+    def close(self) -> None:
+        """Flush and close the file (idempotent)."""
+        if not self.file.closed:
+            self.file.flush()
+            self.file.close()
 
 
 def replay_records(path: Path, apply: Callable[[str, Any, int], None], what: str) -> tuple[int, int]:

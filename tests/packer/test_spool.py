@@ -171,15 +171,15 @@ def test_a_resumed_spool_without_its_file_treats_the_lineage_trained_groups_as_d
 
 def test_a_burst_of_accepted_groups_shares_one_fsync_and_all_come_back(tmp_path):
     spool = Spool(tmp_path)
-    created = spool.fsyncs  # the start record
+    created = spool.log.fsyncs  # the start record
     for i in range(5):
         spool.accepted(group(f"g{i}", i), sync=False)
-    assert spool.fsyncs == created and spool.unsynced
-    spool.sync()
-    spool.sync()  # nothing left to make durable: no second fsync
-    assert spool.fsyncs == created + 1 and not spool.unsynced
+    assert spool.log.fsyncs == created and spool.log.unsynced
+    spool.log.sync()
+    spool.log.sync()  # nothing left to make durable: no second fsync
+    assert spool.log.fsyncs == created + 1 and not spool.log.unsynced
     spool.accepted(group("g5", 5))  # the default still fsyncs each record
-    assert spool.fsyncs == created + 2
+    assert spool.log.fsyncs == created + 2
     spool.close()
     assert list(Spool(tmp_path).state.buffered) == [f"g{i}" for i in range(6)]
 
@@ -195,9 +195,9 @@ def test_a_burst_of_eval_groups_shares_one_fsync_and_replays_into_the_open_round
     for g in groups:
         assert agg.add(g)[0] == "taken"
         spool.taken(g, sync=False)
-    assert spool.fsyncs == 0 and spool.unsynced
-    spool.sync()
-    assert spool.fsyncs == 1 and not spool.unsynced
+    assert spool.log.fsyncs == 0 and spool.log.unsynced
+    spool.log.sync()
+    assert spool.log.fsyncs == 1 and not spool.log.unsynced
     spool.close()
     replayed = EvalAggregator()
     EvalSpool(tmp_path, replayed).close()
