@@ -1,12 +1,11 @@
 """The two senders (`BroadcastSender`, `FilesystemSender`) and the manifest: pure planning, the filesystem layout, and real gloo
-broadcasts to a receiver thread that decodes buckets with the vLLM worker extension's own
+broadcasts to a producer process that decodes buckets with the vLLM worker extension's own
 `BucketReceiver`: bytes arrive intact, the trainer thread is not held by a slow producer, and a
 failed background transfer comes back as `SendFailed` with its payload."""
 
 from __future__ import annotations
 
 import socket
-import threading
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from broadcaster.manifest import (
     plan_buckets,
 )
 from broadcaster.buckets import BucketReceiver
+from tests.weight_peer import WeightPeer
 
 
 def _state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -140,44 +140,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _group(port: int):
-    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-
-    return stateless_init_torch_distributed_process_group("127.0.0.1", port, 1, 2, backend="gloo")
-
-
-def _in_thread(fn) -> tuple[threading.Thread, list[BaseException]]:
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            fn()
-        except BaseException as e:  # noqa: BLE001 - surfaced by the callers' asserts
-            errors.append(e)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, errors
-
-
-def test_gloo_broadcast_to_a_receiver_thread():
+def test_gloo_broadcast_to_a_producer_process():
     """Rank 0 = BroadcastSender; rank 1 decodes buckets with BucketReceiver, as the producers do."""
     pytest.importorskip("vllm", reason="the stateless group helper comes from vLLM")
     port = _free_port()
     bucket_bytes = 150  # forces several buckets
     sender = BroadcastSender("gloo", "127.0.0.1", port, 2,
                              bucket_bytes=bucket_bytes, timeout_s=30)
-    received: list[dict[str, torch.Tensor]] = []
     manifest = build_manifest(_state_dict())
-
-    def receiver() -> None:
-        group = _group(port)
-        buffers = BucketReceiver(manifest, bucket_bytes)  # allocated once
-        assert len(buffers.buckets) == 4
-        for _ in range(2):
-            received.append({name: view.clone() for name, view in buffers.receive(group).items()})
-
-    thread, errors = _in_thread(receiver)
+    assert len(BucketReceiver(manifest, bucket_bytes).buckets) == 4
+    peer = WeightPeer(port, manifest, bucket_bytes=bucket_bytes, versions=2)
     try:
         sender.init_group()
         sds = [_state_dict(0), _state_dict(1)]
@@ -186,10 +158,10 @@ def test_gloo_broadcast_to_a_receiver_thread():
             assert info["method"] == "broadcast" and info["path"] is None
             assert info["num_bytes"] == manifest_num_bytes(manifest)
             assert 0 <= info["blocked_s"] <= info["send_time_s"] and info["transfer_s"] >= 0
-        thread.join(timeout=30)
+        received = peer.result()
     finally:
         sender.close()
-    assert not errors, errors
+        peer.kill()
     assert len(received) == 2
     for got, sd in zip(received, sds):
         assert list(got) == [name for name, _, _ in manifest]
@@ -206,15 +178,8 @@ def test_start_send_does_not_wait_for_the_producer():
     sd = _state_dict(0)
     sent = {name: t.clone() for name, t in sd.items()}
     manifest = build_manifest(sd)
-    go = threading.Event()
-    received: list[dict[str, torch.Tensor]] = []
-
-    def producer() -> None:
-        group = _group(port)
-        assert go.wait(30)
-        received.append({n: v.clone() for n, v in BucketReceiver(manifest).receive(group).items()})
-
-    thread, errors = _in_thread(producer)
+    go = WeightPeer.event()
+    peer = WeightPeer(port, manifest, go=go)  # joins, then waits for `go` before receiving
     sender = BroadcastSender("gloo", "127.0.0.1", port, 2, timeout_s=30)
     try:
         sender.init_group()
@@ -226,10 +191,10 @@ def test_start_send_does_not_wait_for_the_producer():
         done = sender.wait()
         assert not sender.in_flight and sender.wait() is None
         assert done["version"] == 1 and done["transfer_s"] >= 0 and sender.last_transfer == done
-        thread.join(timeout=30)
+        received = peer.result()
     finally:
         sender.close()
-    assert not errors, errors
+        peer.kill()
     for name, tensor in received[0].items():
         assert torch.equal(tensor, sent[name]), name
 
@@ -238,29 +203,20 @@ def test_a_failed_background_transfer_raises_send_failed_with_its_payload():
     """The producer leaves the group without receiving: the transfer fails in the background and
     the next wait() raises SendFailed naming the version and holding what was sent."""
     pytest.importorskip("vllm", reason="the stateless group helper comes from vLLM")
-    from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
-
     port = _free_port()
-    left = threading.Event()
-
-    def producer() -> None:
-        stateless_destroy_torch_distributed_process_group(_group(port))
-        left.set()
-
-    thread, errors = _in_thread(producer)
-    sender = BroadcastSender("gloo", "127.0.0.1", port, 2, timeout_s=20)
     sd = _state_dict(0)
+    peer = WeightPeer(port, build_manifest(sd), versions=0)  # joins the group and leaves
+    sender = BroadcastSender("gloo", "127.0.0.1", port, 2, timeout_s=20)
     try:
         sender.init_group()
-        assert left.wait(30)
+        assert peer.result() == []  # it has left
         sender.start_send(sd, 5)
         with pytest.raises(SendFailed) as failed:
             sender.wait()
         assert not sender.in_flight
     finally:
         sender.close()
-    thread.join(timeout=30)
-    assert not errors, errors
+        peer.kill()
     assert failed.value.version == 5 and isinstance(failed.value, RuntimeError)
     assert set(failed.value.payload) == {name for name, _, _ in build_manifest(sd)}
     for name, tensor in failed.value.payload.items():

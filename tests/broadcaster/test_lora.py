@@ -4,7 +4,6 @@ merged result equals the trainer's merged weights bit for bit (also through a re
 from __future__ import annotations
 
 import socket
-import threading
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from configs.schema import LoraSection
 from trainer.model import load_policy, lora_adapter_state_dict, policy_state_dict
 
 from tests.broadcaster.policies import lora_policy
+from tests.weight_peer import WeightPeer
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -91,39 +91,25 @@ def test_extraction_refuses_what_the_payload_cannot_express(tiny_policy):
 
 
 def test_adapter_through_gloo_then_merged_equals_the_trainer(tiny_policy):
-    """The adapter goes through BroadcastSender (background transfer) to a receiver thread
-    decoding it like the vLLM worker extension; merged there, it equals policy_state_dict."""
+    """The adapter goes through BroadcastSender (background transfer) to a producer process
+    decoding it like the vLLM worker extension; merged with the base, it equals policy_state_dict."""
     pytest.importorskip("vllm", reason="the stateless group helper comes from vLLM")
-    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     model = lora_policy(tiny_policy)
     payload = lora_adapter_state_dict(model)
     manifest = build_manifest(payload)
-    base = load_file(tiny_policy / "model.safetensors")
-    got: list[dict[str, torch.Tensor]] = []
-    errors: list[BaseException] = []
-
-    def producer() -> None:
-        try:
-            group = stateless_init_torch_distributed_process_group("127.0.0.1", port, 1, 2, backend="gloo")
-            received = BucketReceiver(manifest).receive(group)
-            got.append({n: t.clone() for n, t in merged_weights(base, received)})
-        except BaseException as e:  # noqa: BLE001 - surfaced by the assert below
-            errors.append(e)
-
-    thread = threading.Thread(target=producer)
-    thread.start()
+    peer = WeightPeer(port, manifest)
     sender = BroadcastSender("gloo", "127.0.0.1", port, 2, timeout_s=30)
     try:
         sender.init_group()
         info = sender.send(payload, 1)
-        thread.join(timeout=30)
+        received = peer.result()[0]
     finally:
         sender.close()
-    assert not errors, errors
+        peer.kill()
+    merged = dict(merged_weights(load_file(tiny_policy / "model.safetensors"), received))
     assert info["num_bytes"] == manifest_num_bytes(manifest)
     for name, tensor in policy_state_dict(model).items():
-        assert torch.equal(got[0][name], tensor), name
+        assert torch.equal(merged[name], tensor), name

@@ -1,5 +1,5 @@
 """Weights travel in the producers' dtype (`producers.dtype`): the manifest's wire dtype, the
-senders' cast on the way (a real gloo broadcast to a receiver thread decoding with the worker's
+senders' cast on the way (a real gloo broadcast to a producer process decoding with the worker's
 `BucketReceiver`, and the filesystem writer), the trainer's publisher (bytes halved in bfloat16),
 and the LoRA merge, which runs in float32 whatever the factors' dtype."""
 
@@ -17,7 +17,8 @@ from broadcaster.lora import merge_lora_delta
 from broadcaster.manifest import build_manifest, manifest_num_bytes
 from configs.schema import RunConfig
 from tests.broadcaster.policies import lora_policy
-from tests.broadcaster.test_broadcaster import _free_port, _group, _in_thread
+from tests.broadcaster.test_broadcaster import _free_port
+from tests.weight_peer import WeightPeer
 from trainer.model import lora_adapter_state_dict, policy_state_dict
 from trainer.publish import WeightPublisher, weights_dtype, weights_payload
 
@@ -65,20 +66,14 @@ def test_gloo_broadcast_casts_to_the_wire_dtype():
     sender = BroadcastSender("gloo", "127.0.0.1", port, 2, bucket_bytes=bucket_bytes, timeout_s=30)
     state = _state(3)
     manifest = build_manifest(state, torch.bfloat16)
-    received: dict[str, torch.Tensor] = {}
-
-    def receiver() -> None:
-        buffers = BucketReceiver(manifest, bucket_bytes)
-        received.update({n: v.clone() for n, v in buffers.receive(_group(port)).items()})
-
-    thread, errors = _in_thread(receiver)
+    peer = WeightPeer(port, manifest, bucket_bytes=bucket_bytes)
     try:
         sender.init_group()
         info = {**sender.start_send(state, 1, manifest), **sender.wait()}
-        thread.join(timeout=30)
+        received = peer.result()[0]
     finally:
         sender.close()
-    assert not errors, errors
+        peer.kill()
     assert info["num_bytes"] == manifest_num_bytes(manifest) == 2 * (40 + 32 + 4)
     assert list(received) == [n for n, _, _ in manifest]
     for name, tensor in received.items():

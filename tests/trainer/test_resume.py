@@ -39,6 +39,7 @@ from bus.topics import Endpoints
 from configs.schema import RunConfig, dump_config
 from packer.packer import PackedSample, build_micro_batch
 from tests.outcomes_sink import OutcomesSink
+from tests.weight_peer import WeightPeer
 from tests.trainer.test_checkpoint import CFG, assert_same_optimizer_state, policy, step_batches, weights
 from trainer.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from bus.launch_env import ENV_RESTARTS as RESTARTS_ENV, ENV_RESUME as RESUME_ENV
@@ -583,9 +584,8 @@ def test_a_failed_broadcast_switches_the_trainer_to_the_filesystem_method(tiny_p
     checkpoints)."""
     pytest.importorskip("vllm", reason="the stateless group helper comes from vLLM")
     from prometheus_client import REGISTRY
-    from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group, stateless_init_torch_distributed_process_group
 
-    from broadcaster.manifest import DEFAULT_BUCKET_BYTES, build_manifest, plan_buckets
+    from broadcaster.manifest import build_manifest
     from trainer.model import load_policy, policy_state_dict
 
     monkeypatch.delenv(RESTARTS_ENV, raising=False)
@@ -597,23 +597,13 @@ def test_a_failed_broadcast_switches_the_trainer_to_the_filesystem_method(tiny_p
     cfg.broadcast = cfg.broadcast.model_copy(update={"method": "broadcast", "backend": "gloo", "port": port, "timeout_s": 20.0,
                                                           "reform_timeout_s": 5.0})
     manifest = build_manifest(policy_state_dict(load_policy(tiny_policy, cfg.trainer.lora)))
-    errors: list[BaseException] = []
-
-    def producer() -> None:  # receives version 1 (as broadcaster/worker_extension.py does), then dies
-        try:
-            group = stateless_init_torch_distributed_process_group("127.0.0.1", port, 1, 2, backend="gloo")
-            for bucket in plan_buckets(manifest, DEFAULT_BUCKET_BYTES):
-                group.broadcast(torch.empty(bucket.numel, dtype=bucket.dtype), 0).wait()
-            stateless_destroy_torch_distributed_process_group(group)
-        except BaseException as exc:  # noqa: BLE001 - surfaced by the assert below
-            errors.append(exc)
 
     def failed_reforms() -> float:
         return REGISTRY.get_sample_value("rlbus_trainer_weight_group_reforms_total", {"outcome": "failed"}) or 0.0
 
     failed_before = failed_reforms()
-    thread = threading.Thread(target=producer, daemon=True)
-    thread.start()
+    # receives version 1 (through the worker extension's BucketReceiver), then dies
+    producer = WeightPeer(port, manifest, versions=1)
     packer = Packer(cfg)
     try:
         trainer = RunningTrainer(cfg)  # forms the group with the producer
@@ -622,10 +612,10 @@ def test_a_failed_broadcast_switches_the_trainer_to_the_filesystem_method(tiny_p
         packer.wait_for("run.done", lambda p: p.of_type(RunDone), trainer)
         assert [r[:2] for r in packer.recorded()] == [(f"trained-step-{s}", s) for s in range(4)]
         trainer.stop()
+        assert len(producer.result(WAIT_S)) == 1
     finally:
         packer.close()
-    thread.join(timeout=WAIT_S)
-    assert not errors, errors
+        producer.kill()
     # distinct announcements in order (bus.control.ControlPublisher may repeat the latest one)
     assert list(dict.fromkeys((m.version, m.method) for m in packer.of_type(WeightsReady))) == [
         (1, "broadcast"), (2, "broadcast"), (2, "filesystem"), (3, "filesystem"), (4, "filesystem")
