@@ -2,8 +2,9 @@
 gloo groups: the trainer-side publisher (real `BroadcastSender`s and `FilesystemSender`) and
 producer-side `BroadcastReceiver`s whose engine is the vLLM worker extension's own code
 (`WeightSyncExtension.init_weight_group` / `destroy_weight_group` / `receive_weights`, with the
-vLLM model reload replaced by keeping what arrived), each producer on its own thread and event
-loop. The control channel between them is a pair of queues (what the hub would forward).
+vLLM model reload replaced by reporting what arrived), each producer in its own process with its
+own event loop, as in a run. The control channel between them is a pair of queues (what the hub
+would forward).
 
 - a third producer asks to join (`weights.wanted`): the group re-forms with all three, the last
   version is re-sent into it (the newcomer gets it bit-identically, the old members take it
@@ -18,108 +19,22 @@ loop. The control channel between them is a pair of queues (what the hub would f
 
 from __future__ import annotations
 
-import asyncio
 import queue
 import threading
 
 import pytest
 import torch
 
-from broadcaster.factory import build_receiver
 from broadcaster.filesystem import FilesystemSender, is_ready
 from broadcaster.regroup import GroupFormer, Membership, listening_socket
 from broadcaster.broadcast import BroadcastSender
-from broadcaster.worker_extension import WeightSyncExtension
-from bus.messages import WeightsApplied, WeightsReady, WeightsWanted, new_id
-from bus.messages_weights import WeightGroup, WeightGroupAck
-from configs.schema import BroadcastConfig
+from bus.messages import WeightsApplied, WeightsReady, new_id
+from bus.messages_weights import WeightGroup
 from trainer.publish import GROUP_REFORMS, WEIGHT_MEMBERS, WeightPublisher
 
+from tests.broadcaster.regroup_producer import REFORM_TIMEOUT_S, Producer
+
 pytest.importorskip("vllm", reason="the stateless group helper comes from vLLM")
-
-REFORM_TIMEOUT_S = 6.0
-
-
-class _Worker(WeightSyncExtension):
-    """The worker extension on this thread: what it loads is kept instead of reloaded into vLLM."""
-
-    device = torch.device("cpu")
-    rank = 0
-
-    def __init__(self) -> None:
-        self.loaded: list[dict[str, torch.Tensor]] = []
-
-    def _rlbus_apply(self, weights) -> None:
-        self.loaded.append({name: tensor.clone() for name, tensor in weights})
-
-
-class _Engine:
-    """The `RolloutEngine` weight calls, run by the worker extension in a worker thread."""
-
-    def __init__(self) -> None:
-        self.worker = _Worker()
-        self.version = 0
-        self.versions: list[tuple[str, int]] = []
-
-    async def init_weight_group(self, host, port, *, rank, world_size, backend, timeout_s) -> None:
-        await asyncio.to_thread(self.worker.init_weight_group, host, port, rank, world_size, backend, timeout_s)
-
-    async def leave_weight_group(self) -> None:
-        self.worker.destroy_weight_group()
-
-    async def update_weights(self, version, manifest, resend=False) -> None:
-        await asyncio.to_thread(self.worker.receive_weights, manifest)
-        self.version = version
-        self.versions.append(("broadcast", version))
-
-    async def load_weights_from_path(self, version, path) -> None:
-        self.version = version
-        self.versions.append(("filesystem", version))
-
-
-class _Producer:
-    """One producer's weight path: the control-loop rules of `producers.proc` on its own thread."""
-
-    def __init__(self, name: str, index: int, to_trainer: queue.Queue, *, in_group: bool, port: int, world_size: int):
-        self.name, self.engine, self.to_trainer = name, _Engine(), to_trainer
-        self.receiver = build_receiver(BroadcastConfig(backend="gloo", port=port, timeout_s=30,
-                                                       reform_timeout_s=REFORM_TIMEOUT_S),
-                                       self.engine, rank=1 + index, world_size=world_size, in_group=in_group, name=name)
-        self.inbox: queue.Queue = queue.Queue()
-        self.listening = True
-        self.errors: list[BaseException] = []
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            asyncio.run(self._loop())
-        except BaseException as exc:  # noqa: BLE001 - surfaced by the test's asserts
-            self.errors.append(exc)
-
-    async def _loop(self) -> None:
-        await self.receiver.join()
-        if self.receiver.wants_group:
-            self.to_trainer.put(WeightsWanted(id=new_id(), producer=self.name, version=self.engine.version))
-        while True:
-            msg = await asyncio.to_thread(self.inbox.get)
-            if msg is None:
-                return
-            if not self.listening:  # dead: never acknowledges nor joins anything again
-                continue
-            if isinstance(msg, WeightGroup):
-                ack = WeightGroupAck(id=new_id(), producer=self.name, generation=msg.generation)
-                await self.receiver.regroup(msg, lambda: self.to_trainer.put(ack))
-            elif isinstance(msg, WeightsReady) and (msg.version != self.engine.version
-                                                    or self.receiver.must_apply(msg, self.engine.version)):
-                if self.receiver.skip_reason(msg, self.engine.version) is None:
-                    await self.receiver.apply(msg)
-                    self.to_trainer.put(WeightsApplied(id=new_id(), producer=self.name, version=msg.version,
-                                                       apply_time_s=0.0))
-
-    def stop(self) -> None:
-        self.inbox.put(None)
-        self.thread.join(timeout=30)
 
 
 def _payload(version: int, *, adapter: bool) -> dict[str, torch.Tensor]:
@@ -133,14 +48,15 @@ class _Run:
     control message out to the producers."""
 
     def __init__(self, tmp_path) -> None:
-        self.to_trainer: queue.Queue = queue.Queue()
+        self.to_trainer = Producer.trainer_inbox()  # from the producer processes
+        self.from_hub: queue.Queue = queue.Queue()  # what the test says as the hub would
         self.announced: list = []
-        self.producers: list[_Producer] = []
+        self.producers: list[Producer] = []
         sock = listening_socket("127.0.0.1")
         port = sock.getsockname()[1]
         sender = BroadcastSender("gloo", "127.0.0.1", port, 3, timeout_s=30, listen_socket=sock)
         for i in range(2):
-            self.producers.append(_Producer(f"producer-{i}", i, self.to_trainer, in_group=True, port=port, world_size=3))
+            self.producers.append(Producer(f"producer-{i}", i, self.to_trainer, in_group=True, port=port, world_size=3))
         sender.open()
         self.publisher = WeightPublisher(
             sender, FilesystemSender(tmp_path / "weights"), self._fan_out, _payload, adapter=False,
@@ -154,12 +70,16 @@ class _Run:
 
     def _recv(self, timeout_s: float):
         try:
+            return self.from_hub.get_nowait()
+        except queue.Empty:
+            pass
+        try:
             return self.to_trainer.get(timeout=timeout_s) if timeout_s else self.to_trainer.get_nowait()
         except queue.Empty:
             return None
 
-    def add(self, name: str, index: int) -> _Producer:
-        producer = _Producer(name, index, self.to_trainer, in_group=False, port=1, world_size=2)
+    def add(self, name: str, index: int) -> Producer:
+        producer = Producer(name, index, self.to_trainer, in_group=False, port=1, world_size=2)
         self.producers.append(producer)
         return producer
 
@@ -180,10 +100,12 @@ class _Run:
         `producers` has `count` loads of `version`."""
         for _ in range(600):
             self.publisher.poll()
-            if all(sum(1 for _, v in p.engine.versions if v == version) >= count for p in producers):
+            for producer in producers:
+                producer.refresh()
+            if all(sum(1 for _, v in p.versions if v == version) >= count for p in producers):
                 return
             threading.Event().wait(0.05)
-        raise AssertionError(f"version {version} x{count} not loaded: {[p.engine.versions for p in producers]}")
+        raise AssertionError(f"version {version} x{count} not loaded: {[(p.versions, p.errors) for p in producers]}")
 
     def close(self) -> None:
         for producer in self.producers:
@@ -191,8 +113,6 @@ class _Run:
         self.publisher.close()
         if getattr(self, "dead", None) is not None:
             self.dead.close()
-        for producer in self.producers:
-            producer.engine.worker.destroy_weight_group()
 
 
 def _groups(announced: list) -> list[tuple]:
@@ -227,14 +147,14 @@ def test_a_joining_producer_re_forms_the_group_and_gets_the_last_version_bit_ide
     assert WEIGHT_MEMBERS.labels(method="broadcast")._value.get() == 3
     assert _groups(run.announced) == [(1, ("producer-0", "producer-1", "producer-2"), ())]
     assert {m.method for m in run.announced if isinstance(m, WeightsReady)} == {"broadcast"}
-    assert newcomer.engine.versions == [("broadcast", 1), ("broadcast", 2)]
-    assert run.producers[0].engine.versions == [("broadcast", 1), ("broadcast", 1), ("broadcast", 2)]
+    assert newcomer.versions == [("broadcast", 1), ("broadcast", 2)]
+    assert run.producers[0].versions == [("broadcast", 1), ("broadcast", 1), ("broadcast", 2)]
     for producer in run.producers:
-        last = producer.engine.worker.loaded[-1]
+        last = producer.loaded[-1]
         for name, tensor in _payload(2, adapter=False).items():
             assert torch.equal(last[name], tensor), (producer.name, name)
     for name, tensor in _payload(1, adapter=False).items():
-        assert torch.equal(newcomer.engine.worker.loaded[0][name], tensor), name
+        assert torch.equal(newcomer.loaded[0][name], tensor), name
 
 
 def test_a_re_form_that_times_out_moves_only_the_silent_member_to_the_filesystem_method(tmp_path):
@@ -243,7 +163,7 @@ def test_a_re_form_that_times_out_moves_only_the_silent_member_to_the_filesystem
     try:
         run.publisher.publish(1)
         run.wait_for(run.producers, 1, 1)
-        run.producers[1].listening = False  # dead: it will never acknowledge a new group
+        run.producers[1].deafen()  # dead: it will never acknowledge a new group
         newcomer = run.add("producer-2", 2)
         run.wait_for([newcomer], 1, 1)  # after one timed-out attempt and one without producer-1
         run.wait_for([run.producers[0]], 1, 2)
@@ -263,9 +183,9 @@ def test_a_re_form_that_times_out_moves_only_the_silent_member_to_the_filesystem
     ready = [(m.version, m.method) for m in run.announced if isinstance(m, WeightsReady)]
     assert ready == [(1, "broadcast"), (1, "broadcast"), (1, "filesystem"), (2, "broadcast"), (2, "filesystem")]
     assert all(is_ready(m.path) for m in run.announced if isinstance(m, WeightsReady) and m.method == "filesystem")
-    assert newcomer.engine.versions == [("broadcast", 1), ("broadcast", 2)]
+    assert newcomer.versions == [("broadcast", 1), ("broadcast", 2)]
     for name, tensor in _payload(2, adapter=False).items():
-        assert torch.equal(newcomer.engine.worker.loaded[-1][name], tensor), name
+        assert torch.equal(newcomer.loaded[-1][name], tensor), name
 
 
 def test_membership_moves_producers_between_methods_and_refuses_overlaps():
@@ -294,7 +214,7 @@ def test_a_restarted_trainer_re_forms_the_group_with_the_producers_of_the_dead_o
         while run._recv(0.5) is not None:  # what the dead trainer did not read dies with it ...
             pass
         for producer in run.producers:  # ... and the hub's catch-up tells the new one who runs what
-            run.to_trainer.put(WeightsApplied(id=new_id(), producer=producer.name, version=2, apply_time_s=0.0))
+            run.from_hub.put(WeightsApplied(id=new_id(), producer=producer.name, version=2, apply_time_s=0.0))
         announced = len(run.announced)
         restarted.publish(1)
         run.wait_for(run.producers, 1, 2)
@@ -310,6 +230,6 @@ def test_a_restarted_trainer_re_forms_the_group_with_the_producers_of_the_dead_o
     assert WEIGHT_MEMBERS.labels(method="broadcast")._value.get() == 2
     assert {m.method for m in run.announced[announced:] if isinstance(m, WeightsReady)} == {"broadcast"}
     for producer in run.producers:
-        assert producer.engine.versions[-3:] == [("broadcast", 2), ("broadcast", 1), ("broadcast", 2)], producer.name
+        assert producer.versions[-3:] == [("broadcast", 2), ("broadcast", 1), ("broadcast", 2)], producer.name
         for name, tensor in _payload(2, adapter=False).items():
-            assert torch.equal(producer.engine.worker.loaded[-1][name], tensor), (producer.name, name)
+            assert torch.equal(producer.loaded[-1][name], tensor), (producer.name, name)
