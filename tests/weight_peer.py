@@ -19,6 +19,22 @@ import torch
 
 JOIN_TIMEOUT_S = 60.0
 
+SPAWN = multiprocessing.get_context("spawn")
+"""The start method of every test process that forms gloo ranks (a fresh interpreter each)."""
+
+
+def tensors_to_bytes(tensors: Any) -> bytes:
+    """``tensors`` (dicts / lists of tensors, any dtype, bfloat16 included) as bytes for a queue
+    between processes; :func:`tensors_from_bytes` reads them back."""
+    buffer = io.BytesIO()
+    torch.save(tensors, buffer)
+    return buffer.getvalue()
+
+
+def tensors_from_bytes(payload: bytes) -> Any:
+    """What :func:`tensors_to_bytes` wrote."""
+    return torch.load(io.BytesIO(payload))
+
 
 def _receive(port: int, manifest: Sequence[Sequence], bucket_bytes: int | None, versions: int,
              go: Any) -> list[dict[str, torch.Tensor]]:
@@ -40,9 +56,7 @@ def _receive(port: int, manifest: Sequence[Sequence], bucket_bytes: int | None, 
 
 def _main(out: Any, args: tuple) -> None:
     try:
-        buffer = io.BytesIO()
-        torch.save(_receive(*args), buffer)  # bfloat16 and all: no numpy round trip
-        out.put(("ok", buffer.getvalue()))
+        out.put(("ok", tensors_to_bytes(_receive(*args))))
     except BaseException:  # noqa: BLE001 - reported to the test process
         out.put(("error", traceback.format_exc()))
 
@@ -56,19 +70,17 @@ class WeightPeer:
     ``versions=0`` joins and leaves, as a producer that dies.
     """
 
-    _ctx = multiprocessing.get_context("spawn")
-
     def __init__(self, port: int, manifest: Sequence[Sequence], *, bucket_bytes: int | None = None,
                  versions: int = 1, go: Any = None) -> None:
-        self._out = self._ctx.Queue()
-        self._proc = self._ctx.Process(target=_main, daemon=True,
+        self._out = SPAWN.Queue()
+        self._proc = SPAWN.Process(target=_main, daemon=True,
                                        args=(self._out, (port, list(manifest), bucket_bytes, versions, go)))
         self._proc.start()
 
     @classmethod
     def event(cls) -> Any:
         """A cross-process event to hand to ``go``."""
-        return cls._ctx.Event()
+        return SPAWN.Event()
 
     def result(self, timeout_s: float = JOIN_TIMEOUT_S) -> list[dict[str, torch.Tensor]]:
         """One dict per received version (name -> tensor, manifest order).
@@ -86,7 +98,7 @@ class WeightPeer:
             if self._proc.is_alive():
                 self._proc.kill()
         assert status == "ok", f"weight peer failed:\n{payload}"
-        return torch.load(io.BytesIO(payload))
+        return tensors_from_bytes(payload)
 
     def kill(self) -> None:
         """Stop the peer if it still runs (for ``finally`` blocks)."""

@@ -12,8 +12,6 @@ creation). Kept apart from the test module so a child imports only the producer 
 from __future__ import annotations
 
 import asyncio
-import io
-import multiprocessing
 import queue
 import traceback
 
@@ -24,6 +22,7 @@ from broadcaster.worker_extension import WeightSyncExtension
 from bus.messages import WeightsApplied, WeightsReady, WeightsWanted, new_id
 from bus.messages_weights import WeightGroup, WeightGroupAck
 from configs.schema import BroadcastConfig
+from tests.weight_peer import SPAWN, tensors_from_bytes, tensors_to_bytes
 
 REFORM_TIMEOUT_S = 6.0
 
@@ -39,9 +38,7 @@ class _Worker(WeightSyncExtension):
         self.reports = reports
 
     def _rlbus_apply(self, weights) -> None:
-        buffer = io.BytesIO()
-        torch.save({name: tensor.clone() for name, tensor in weights}, buffer)
-        self.reports.put(("loaded", buffer.getvalue()))
+        self.reports.put(("loaded", tensors_to_bytes({name: tensor.clone() for name, tensor in weights})))
 
 
 class _Engine:
@@ -115,23 +112,21 @@ class Producer:
     messages through `inbox`; what it took (``versions``, ``loaded``) and its ``errors`` are
     mirrored here by `refresh`."""
 
-    _ctx = multiprocessing.get_context("spawn")
-
     def __init__(self, name: str, index: int, to_trainer, *, in_group: bool, port: int, world_size: int):
         self.name = name
-        self.inbox, self.reports = self._ctx.Queue(), self._ctx.Queue()
+        self.inbox, self.reports = SPAWN.Queue(), SPAWN.Queue()
         self.versions: list[tuple[str, int]] = []
         self.loaded: list[dict[str, torch.Tensor]] = []
         self.errors: list[str] = []
         self.stopped = False
-        self.proc = self._ctx.Process(target=_producer_main, daemon=True, args=(
+        self.proc = SPAWN.Process(target=_producer_main, daemon=True, args=(
             name, index, self.inbox, to_trainer, self.reports, in_group, port, world_size))
         self.proc.start()
 
     @classmethod
     def trainer_inbox(cls):
         """A queue the producer processes can put to (the trainer's inbox)."""
-        return cls._ctx.Queue()
+        return SPAWN.Queue()
 
     def refresh(self, timeout_s: float = 0.0) -> None:
         """Mirror the reports the process has sent (waiting up to `timeout_s` for the first)."""
@@ -142,7 +137,7 @@ class Producer:
                 if kind == "version":
                     self.versions.append(tuple(rest))
                 elif kind == "loaded":
-                    self.loaded.append(torch.load(io.BytesIO(rest[0])))
+                    self.loaded.append(tensors_from_bytes(rest[0]))
                 elif kind == "error":
                     self.errors.append(rest[0])
                 else:
