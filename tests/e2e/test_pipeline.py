@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -31,7 +32,6 @@ from bus import auth  # noqa: E402
 from bus.component import ORPHAN_GRACE_S  # noqa: E402
 from bus.messages import GroupsDropped, TrainerStep, WeightsApplied, WeightsReady  # noqa: E402
 from bus.sockets import BusSocket  # noqa: E402
-from busctl.component_table import free_port  # noqa: E402
 from bus.topics import Endpoints  # noqa: E402
 from tests.processes import running  # noqa: E402
 from trainer.tiny_model import build_random_policy  # noqa: E402
@@ -41,6 +41,14 @@ pytestmark = pytest.mark.e2e
 GROUP_SIZE = 4
 BATCH_SIZE = 16
 MAX_STEPS = 4
+
+
+def tcp_base_port() -> int:
+    """A ``bus.base_port`` for a tcp:// run: a random block of 100 ports below Linux's ephemeral
+    range (32768-60999), so no outgoing connection of another process takes one of the topic
+    ports (``base_port`` + small offsets) between this choice and the components' binds (a port
+    probed free inside that range once was, and failed a run with EADDRINUSE)."""
+    return random.randrange(20_000, 32_000, 100)
 
 
 @pytest.fixture(scope="module")
@@ -300,7 +308,7 @@ def test_tcp_transport_with_curve(tmp_path: Path, policy: Path) -> None:
     keys = tmp_path / "keys"
     made = subprocess.run([sys.executable, "-m", "busctl", "keys", str(keys)], capture_output=True, text=True)
     assert made.returncode == 0, made.stdout + made.stderr
-    base_port = free_port()  # topics use base_port + a few small offsets
+    base_port = tcp_base_port()
     proc = busctl(tmp_path / "run", policy, "trainer.max_steps=2", "bus.transport=tcp",
                   f"bus.base_port={base_port}", f"bus.curve_keys_dir={keys}")
     out, _ = proc.communicate(timeout=600)
