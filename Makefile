@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rlbus-installed
 
-.PHONY: setup run test bench clean slurm
+.PHONY: setup run test lint bench clean slurm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,8 +22,12 @@ setup: $(STAMP)
 run: setup
 	$(BIN)/busctl up
 
-test: setup slurm
+test: setup slurm lint
 	$(BIN)/python -m pytest -q
+
+# ruff, configured in pyproject.toml ([tool.ruff]); part of `make test`, so of `.ci/run`
+lint: setup
+	$(BIN)/ruff check .
 
 # Slurm for tests/busctl/slurm_cluster.py (the Slurm tests skip without it): installed only as
 # root, with apt-get, when slurmctld is missing; never fails the build

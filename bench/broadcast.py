@@ -31,7 +31,7 @@ or is about to post its receive) and ends when rank 0's collective is complete. 
 median over runs of `send / raw` (and `bus / raw`) of the same run (paired: the host is shared and
 its load drifts between runs).
 
-Models: "default" is the default job's policy architecture (`trainer.tiny_model`, Qwen3 128 wide,
+Models: "default" is the default job's policy architecture (`policies.tiny_model`, Qwen3 128 wide,
 4 layers, 1.1M parameters); "qwen2-100m" a random Qwen2 (hidden 768, 12 layers, MLP 2048, 12
 heads / 4 KV heads, vocab 32000, tied embeddings): 100.3M parameters, 401 MB in float32.
 """
@@ -66,7 +66,7 @@ TIMEOUT = timedelta(seconds=600)
 def build_model(name: str) -> torch.nn.Module:
     """The random HF model of a benchmark row (float32, eval mode)."""
     if name == "default":
-        from trainer.tiny_model import build_random_policy
+        from policies.tiny_model import build_random_policy
         from transformers import AutoModelForCausalLM
 
         path = build_random_policy(tempfile.mkdtemp(prefix="bench_broadcast_"))
@@ -140,7 +140,8 @@ def measure(runs: int, models: list[str], bucket_bytes: int, bus_window: int = D
         model = build_model(name)
         num_params = sum(p.numel() for p in model.parameters())
         payloads.append((name, "full", lambda m=model: policy_state_dict(m), num_params))
-        payloads.append((name, "lora", lambda m=lora_model(copy.deepcopy(model)): lora_adapter_state_dict(m), None))
+        adapted = lora_model(copy.deepcopy(model))
+        payloads.append((name, "lora", lambda m=adapted: lora_adapter_state_dict(m), None))
     plan = [(f"{m}/{kind}", build_manifest(build()), manifest_num_bytes(build_manifest(build())))
             for m, kind, build, _ in payloads]
     raw_port, weights_port, bus_port = free_port(), free_port(), free_port()

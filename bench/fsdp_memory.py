@@ -88,7 +88,7 @@ def worker(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from configs.schema import OptimConfig, TrainerConfig
-    from trainer.distributed import DataParallel
+    from trainer.parallel.distributed import DataParallel
     from trainer.trainer import Trainer
 
     torch.set_num_threads(1)

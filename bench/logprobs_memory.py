@@ -4,8 +4,8 @@ Both paths compute, for hidden states `[T, H]` and an LM head `[V, H]`, the logp
 token (with its backward: grad of hidden and of the LM head weight) and the entropy of each
 next-token distribution:
 - naive: `logits = hidden @ weight.T` as one `[T, V]` float32 tensor, log_softmax, gather (what
-  `trainer.packed` did before the chunked path); entropy under no_grad;
-- chunked: `trainer.logprobs.linear_logprobs_and_entropy` (chunk_size rows at a time, forward and
+  `trainer.forward.packed` did before the chunked path); entropy under no_grad;
+- chunked: `trainer.forward.logprobs.linear_logprobs_and_entropy` (chunk_size rows at a time, forward and
   backward), backend "torch" on CPU, "torch" and "triton" on CUDA.
 
 CPU (default): every (config, path) runs in a FRESH subprocess, which allocates its inputs, resets
@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from trainer.logprobs import DEFAULT_CHUNK_SIZE, linear_logprobs_and_entropy
+from trainer.forward.logprobs import DEFAULT_CHUNK_SIZE, linear_logprobs_and_entropy
 
 GIB = 1024**3
 MIB = 1024**2

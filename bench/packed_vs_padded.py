@@ -4,13 +4,13 @@ Run: `python -m bench.packed_vs_padded` (options: `--help`). Prints a markdown t
 tokens/s (forward + backward, REAL tokens only, pad tokens do not count) for one mixed-length batch:
 
 - packed: the packer's micro-batches (`packer.packing.plan_step_micro_batches`, padding-free rows
-  of at most `--budget` tokens), each one `trainer.packed.packed_token_logprobs` forward (varlen
+  of at most `--budget` tokens), each one `trainer.forward.packed.packed_token_logprobs` forward (varlen
   attention: causal sdpa per sample, positions restarting per sample) and a backward of the summed
   logprobs;
 - padded (arrival order): consecutive samples, right-padded to the longest sample of their
   micro-batch, as many as fit `rows * longest <= --budget` PADDED tokens, Hugging Face 2-D
   `attention_mask` (sdpa); the per-token logprobs of EVERY position (pads included, as a padded
-  trainer pays for them) with the trainer's own LM-head code (`trainer.logprobs.
+  trainer pays for them) with the trainer's own LM-head code (`trainer.forward.logprobs.
   linear_logprobs_and_entropy`, the one `packed_token_logprobs` uses), pads masked out, backward;
 - padded (sorted by length): the same after sorting the samples longest first, so similar lengths
   share a micro-batch: the strongest padded baseline, reported for honesty;
@@ -19,7 +19,7 @@ Each repeat runs the three variants back to back (same order), so the ratios are
 repeat on the same machine state; the table reports medians over repeats. As a check that all
 variants compute the same thing, the summed logprob of the batch must agree (rtol 1e-3).
 
-The packed path's attention costs O(sum_i L_i^2) (per sample, `trainer.packed_attention`), against
+The packed path's attention costs O(sum_i L_i^2) (per sample, `trainer.forward.packed_attention`), against
 O(rows * L_max^2) for a padded micro-batch; the last column estimates the share of forward FLOPs in
 attention scores (see bench/README.md).
 """
@@ -35,8 +35,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from packer.packing import plan_step_micro_batches
-from trainer.logprobs import linear_logprobs_and_entropy
-from trainer.packed import packed_token_logprobs
+from trainer.forward.logprobs import linear_logprobs_and_entropy
+from trainer.forward.packed import packed_token_logprobs
 
 def mixed_lengths(num_samples: int, rng: np.random.Generator, low: int = 16, high: int = 1024) -> list[int]:
     """`[num_samples]` long-tailed sample lengths: exp(N(log 128, 1)) rounded, clipped to [low, high]."""

@@ -14,7 +14,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402 - after the backend is chosen
+import matplotlib.pyplot as plt
 
 HOPS = ("prompts", "rollouts", "scored", "trained")
 LATENCIES = ("rollouts", "scored_to_step", "packer")

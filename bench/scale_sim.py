@@ -46,7 +46,7 @@ from bus.messages import (
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
 from rewards.advantages import compute_advantages
-from trainer.step_ledger import group_id
+from trainer.state.step_ledger import group_id
 
 
 @dataclass(frozen=True)

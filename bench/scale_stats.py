@@ -154,7 +154,7 @@ def markdown_table(points: list[dict]) -> str:
         r, lat, c, m, q = p["rate_groups_s"], p["latency"], p["cpu_per_s"], p["rss_max_mib"], p["queues_max"]
         acc = p["accounting"]
 
-        def qmax(prefix: str) -> str:
+        def qmax(prefix: str, q: dict = q) -> str:
             return f"{max((v for k, v in q.items() if k.startswith(prefix)), default=0):.0f}"
 
         rows.append(

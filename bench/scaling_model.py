@@ -31,7 +31,7 @@ from bench.scaling_inputs import (BUCKET_BYTES, BUS_STREAM, FS_AGGREGATE_READ, F
                                   Workload)
 from bus.codec import encode
 from bus.envelope import envelope
-from bus.messages import MicroBatch, Prompt, RolloutGroup, ScoredGroup, TrainerStep, WeightsApplied
+from bus.messages import MicroBatch, Prompt, RolloutGroup, ScoredGroup, WeightsApplied
 
 DATA_TOPICS = ("prompts", "rollouts", "scored", "batches")
 

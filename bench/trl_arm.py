@@ -165,10 +165,10 @@ def main(argv: list[str] | None = None) -> int:
                               "reward_mean": sum(rewards) / len(rewards)})
             m.train(was_training)
 
-        def on_train_begin(self, args, state, control, **kw):  # noqa: ANN001 - TRL callback signature
+        def on_train_begin(self, args, state, control, **kw):
             self.evaluate(0)
 
-        def on_step_end(self, args, state, control, **kw):  # noqa: ANN001 - TRL callback signature
+        def on_step_end(self, args, state, control, **kw):
             step = state.global_step
             events.write({"t": time.time(), "kind": "step", "step": step, "num_tokens": token_log.get("num_tokens"),
                           "completion_tokens": token_log.get("completion_tokens")})

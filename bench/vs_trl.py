@@ -7,7 +7,7 @@ Usage (from the repository root; needs the ``bench`` extra: ``pip install -e '.[
 
 What it does, in one invocation:
 
-1. resolves the policy as ``busctl up`` does (``model.path`` empty: ``trainer.tiny_model.ensure_policy``
+1. resolves the policy as ``busctl up`` does (``model.path`` empty: ``policies.tiny_model.ensure_policy``
    with the config's ``model`` parameters, building it into ``model.cache_dir`` if it is missing),
    so both arms load the same, cached directory;
 2. measures the fp32 matmul throughput at ``--threads`` torch threads
@@ -68,7 +68,7 @@ def resolve_policy(cfg: Any) -> Path:
     build or reuse (same function and parameters as ``busctl.supervisor.Supervisor.prepare``)."""
     if cfg.model.path:
         return Path(cfg.model.path).resolve()
-    from trainer.tiny_model import ensure_policy
+    from policies.tiny_model import ensure_policy
 
     m = cfg.model
     cache = Path(m.cache_dir) if Path(m.cache_dir).is_absolute() else REPO_ROOT / m.cache_dir

@@ -217,7 +217,7 @@ class BroadcastSender(WeightSender):
         if self._pending is not None:
             try:
                 self.wait()
-            except Exception:  # noqa: BLE001 - best effort at shutdown; peers may be gone
+            except Exception:
                 logger.warning("weight transfer in flight at close failed", exc_info=True)
             self._pending = None
         if self._group is not None:
@@ -225,7 +225,7 @@ class BroadcastSender(WeightSender):
 
             try:
                 stateless_destroy_torch_distributed_process_group(self._group)
-            except Exception:  # noqa: BLE001 - best effort at shutdown; peers may be gone
+            except Exception:
                 logger.warning("weight group teardown failed", exc_info=True)
             self._group = None
         if self._listen_socket is not None:  # never handed to a store
@@ -393,7 +393,7 @@ class BroadcastReceiver(WeightReceiver):
         try:
             await self.engine.init_weight_group(msg.host, msg.port, rank=rank, world_size=msg.world_size,
                                                 backend=self.backend, timeout_s=self.reform_timeout_s)
-        except Exception as exc:  # noqa: BLE001 - torch.distributed timeouts/errors: stay outside, say so
+        except Exception as exc:
             logger.error("could not join weight group %d at %s:%d (%s: %s); filesystem announcements only",
                          msg.generation, msg.host, msg.port, type(exc).__name__, exc)
             return False

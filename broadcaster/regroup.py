@@ -138,8 +138,8 @@ class GroupFormer:
             sender = BroadcastSender(self.backend, self.host, port, 1 + len(membership.members),
                                      bucket_bytes=self.bucket_bytes, timeout_s=self.timeout_s, listen_socket=sock)
             try:
-                self._init_announcing(sender, lambda: announce(membership, self.host, port))
-            except Exception as exc:  # noqa: BLE001 - rendezvous timeouts and gloo/nccl errors alike
+                self._init_announcing(sender, lambda membership=membership, port=port: announce(membership, self.host, port))
+            except Exception as exc:
                 sender.close()
                 acks = acked(membership.generation)
                 blamed = tuple(m for m in membership.members if m not in acks) or membership.members
@@ -173,7 +173,7 @@ class GroupFormer:
         def init() -> None:
             try:
                 sender.init_group()
-            except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+            except BaseException as exc:
                 failed.append(exc)
 
         thread = threading.Thread(target=init, name="weight-group-rendezvous", daemon=True)

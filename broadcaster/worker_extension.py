@@ -115,7 +115,7 @@ class WeightSyncExtension:
         self._rlbus_group = None
         try:
             stateless_destroy_torch_distributed_process_group(group)
-        except Exception:  # noqa: BLE001 - the old group's peers may be gone; it is dropped either way
+        except Exception:
             logger.warning("weight group teardown failed", exc_info=True)
 
     def receive_weights(self, manifest: list[list], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:

@@ -1,7 +1,7 @@
 """Where the trainer's checkpoints are in a run directory, read by the components that resume from
 them (the packer numbers steps from the latest, the prompt source forgets eval rounds above it).
 
-Layout (written by :mod:`trainer.checkpoint`): ``RUN_DIR/checkpoints/step_N/``, complete once it
+Layout (written by :mod:`trainer.state.checkpoint`): ``RUN_DIR/checkpoints/step_N/``, complete once it
 holds a ``DONE`` file. Only files are read here: no trainer code, no sockets.
 """
 

@@ -119,7 +119,7 @@ class ControlHub:
         try:
             frames_list = msgpack.unpackb(self.cache_path.read_bytes())
             loaded = [decode(frames) for frames in frames_list]
-        except Exception as exc:  # noqa: BLE001 - any corruption: start empty, say so
+        except Exception as exc:
             log.warning("cannot read the hub cache %s (%s): starting with an empty cache", self.cache_path, exc)
             return 0
         for msg in loaded:

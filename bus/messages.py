@@ -220,7 +220,7 @@ class MicroBatch(Message):
         num_micro_batches: micro-batches in the step; the trainer steps after the last one.
         step_loss_tokens: loss tokens in the whole step (normalizer of the token-mean loss).
         step_samples: samples of the whole step with at least one loss token (normalizer of the
-            sequence-mean aggregations, see :mod:`trainer.loss`).
+            sequence-mean aggregations, see :mod:`trainer.losses`).
         sample_ids: ``[S]`` ``"{group_id}/{j}"`` ids of the packed samples.
         input_ids: ``[T] int32`` packed token ids.
         seq_lens: ``[S] int32`` tokens per sample (sum = T).

@@ -216,7 +216,7 @@ def _handler(registry, health: HealthFn | None) -> type[BaseHTTPRequestHandler]:
     started = time.time()
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
                 self._reply(200, CONTENT_TYPE_LATEST, generate_latest(registry))

@@ -99,7 +99,7 @@ def launch_prefix(cfg: RunConfig, spec: ComponentSpec) -> list[str]:
     The whole torchrun group is one component: the supervisor watches (and kills, restarts) the
     torchrun agent; its ranks run in their own sessions and die with it (``PR_SET_PDEATHSIG``),
     and rank 0 sends the ready handshake and heartbeats in the agent's name
-    (:func:`trainer.distributed.launcher_pid`). ``--standalone`` picks a free local rendezvous port.
+    (:func:`trainer.parallel.distributed.launcher_pid`). ``--standalone`` picks a free local rendezvous port.
     """
     n = cfg.trainer.data_parallel
     if spec.role != "trainer" or n == 1:

@@ -63,10 +63,10 @@ SECTIONS = {
     "producer": "Rollout producers (`producers/proc.py`): generation and weight updates.",
     "rewards": "Reward workers (`rewards/proc.py`, `rewards/worker.py`): rewards, advantages, failures of reward functions, filters.",
     "packer": "The packer (`packer/proc.py`): staleness filter, policy lag, packing, samples log.",
-    "trainer": "The trainer, rank 0 (`trainer/proc.py`, `trainer/gauges.py`, `trainer/step_timing.py`, "
-               "`trainer/threads.py`, `trainer/publish.py`): the last step's loss and statistics as gauges "
+    "trainer": "The trainer, rank 0 (`trainer/proc.py`, `trainer/observability/gauges.py`, `trainer/observability/step_timing.py`, "
+               "`trainer/parallel/threads.py`, `trainer/publish.py`): the last step's loss and statistics as gauges "
                "(also in `metrics.jsonl`), step time by phase, CPU threads, weight transfer times.",
-    "eval": "Online evaluation (`trainer/eval_log.py`): the last eval round per eval task.",
+    "eval": "Online evaluation (`trainer/observability/eval_log.py`): the last eval round per eval task.",
 }
 """Component prefix (``rlbus_<prefix>_...``) -> the introduction of its table, in document order."""
 
@@ -331,7 +331,7 @@ def render(families: list[Family]) -> str:
             raise ValueError(f"the metrics reference's text names {mentioned}, which no module defines")
     by_section: dict[str, list[Family]] = {}
     for f in families:
-        f.served_by  # noqa: B018 (raises for an unmapped module)
+        f.served_by
         by_section.setdefault(f.section, []).append(f)
     toc = ["## Components", ""] + [f"- [`rlbus_{p}_*`](#rlbus_{p}_): {len(by_section[p])} famil{'y' if len(by_section[p]) == 1 else 'ies'}"
                                    for p in SECTIONS if p in by_section]

@@ -2,12 +2,12 @@
 
 Reads (only ``metrics.jsonl`` is required):
 
-- ``metrics.jsonl`` (:mod:`trainer.proc`, :mod:`trainer.eval_log`): training records
+- ``metrics.jsonl`` (:mod:`trainer.proc`, :mod:`trainer.observability.eval_log`): training records
   ``{"step": s + 1, "reward_mean", "kl", "entropy", "policy_lag_mean", "policy_lag_max",
   "tokens_per_s", "step_time_s", "num_tokens", "reward/<fn>", "lag_frac/<bucket>",
   "num_loss_tokens", ...}`` and eval records
   ``{"step": round, "eval/<task>/reward_mean", ...}`` (older runs: ``eval_reward_mean``, shown as
-  task ``eval``; ``time/<phase>_s``, the trainer's seconds per phase, :mod:`trainer.step_timing`,
+  task ``eval``; ``time/<phase>_s``, the trainer's seconds per phase, :mod:`trainer.observability.step_timing`,
   summarized as a table of median seconds per step and share of step time). A line that is not a JSON object (a trainer killed mid-write) is skipped and
   counted; a step written twice keeps its last record.
 - ``stages.jsonl`` (optional; one line per metrics-poller round of the supervisor):
@@ -111,7 +111,7 @@ def _f(v: float, digits: int = 4) -> str:
 
 def lag_token_shares(run: RunData) -> dict[str, float]:
     """Share of the run's loss tokens sampled at each lag: the trainer's per-step ``lag_frac/<bucket>``
-    (:mod:`trainer.lag_stats`) weighted by the step's ``num_loss_tokens``, ``{bucket: share}`` in
+    (:mod:`trainer.observability.lag_stats`) weighted by the step's ``num_loss_tokens``, ``{bucket: share}`` in
     lag order (sums to 1); ``{}`` for a run without them (older runs)."""
     prefix = "lag_frac/"
     buckets = sorted((k[len(prefix):] for k in run.keys() if k.startswith(prefix)), key=lambda b: (b.startswith(">="), len(b), b))

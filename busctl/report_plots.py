@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 import matplotlib
 
 matplotlib.use("Agg")  # before pyplot: files only, never a window
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
 
-from busctl.run_data import PHASE_LABELS, moving_average, phase_series, smoothing_window, stage_series  # noqa: E402
+from busctl.run_data import PHASE_LABELS, moving_average, phase_series, smoothing_window, stage_series
 
 if TYPE_CHECKING:
     from busctl.run_data import RunData

@@ -26,7 +26,7 @@ LEGACY_EVAL_TASK = "eval"
 
 PHASE_LABELS = {"wait_data": "wait", "forward": "fwd", "backward": "bwd", "optimizer": "opt", "weight_send": "send",
                 "bookkeeping": "other"}
-"""The trainer's step phases (``time/<phase>_s`` in ``metrics.jsonl``, :mod:`trainer.step_timing`)
+"""The trainer's step phases (``time/<phase>_s`` in ``metrics.jsonl``, :mod:`trainer.observability.step_timing`)
 in display order, with their short names; a phase not listed is shown under its own name, after these."""
 
 

@@ -173,7 +173,7 @@ class Supervisor:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.endpoints.ensure_dirs()
         if not self.cfg.model.path:
-            from trainer.tiny_model import ensure_policy  # torch: imported only when needed
+            from policies.tiny_model import ensure_policy  # torch: imported only when needed
 
             self.say("building / loading the tiny reverse-text policy ...")
             m = self.cfg.model

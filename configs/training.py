@@ -119,7 +119,7 @@ class TrainerConfig(Section):
         ge=0,
         le=1024,
         description="torch CPU threads while the producers have nothing to sample (every step they may sample ahead, "
-        "max_async_level, is already buffered): take the cores vLLM leaves idle on a shared CPU host (trainer/threads.py). "
+        "max_async_level, is already buffered): take the cores vLLM leaves idle on a shared CPU host (trainer/parallel/threads.py). "
         "0: always num_threads.",
     )
     checkpoint_interval: int = Field(
@@ -174,7 +174,7 @@ class TrainerConfig(Section):
     share_prefixes: bool = Field(
         True,
         description="Run the tokens that neighbouring packed samples share at their start (a group's prompt) through the "
-        "decoder once and copy their hidden states to every sample (trainer/shared_prefix.py, Prefix Grouper): the same "
+        "decoder once and copy their hidden states to every sample (trainer/forward/shared_prefix.py, Prefix Grouper): the same "
         "logprobs and gradients up to float rounding, ~half the trainer's time on the default job. false: every sample's "
         "prompt runs separately.",
     )

@@ -121,13 +121,13 @@ def overview() -> dict:
             "empty: the agent made no request); the port each producer serves on. " + WINDOW_NOTE),
         timeseries("Trainer: time per phase", [
             Target(_by("rlbus_trainer_phase_seconds_total", "phase"), "{{phase}}"),
-        ], "percentunit", "Seconds per second: waiting for micro-batches, forward, backward, optimizer, handing weights to the broadcaster, bookkeeping (trainer/step_timing.py).",
+        ], "percentunit", "Seconds per second: waiting for micro-batches, forward, backward, optimizer, handing weights to the broadcaster, bookkeeping (trainer/observability/step_timing.py).",
             stack=True),
         timeseries("Trainer: CPU threads", [
             Target(_gauge("rlbus_trainer_threads"), "threads {{component}}"),
             Target(_by("rlbus_trainer_idle_thread_micro_batches_total", "component"), "idle-thread micro-batches/s {{component}}"),
         ], "short", "torch threads now (trainer.num_threads while the producers sample, trainer.idle_threads once "
-            "every step they may sample is buffered: trainer/threads.py) and the rate of micro-batches run at idle_threads."),
+            "every step they may sample is buffered: trainer/parallel/threads.py) and the rate of micro-batches run at idle_threads."),
         timeseries("Trainer: step and broadcast time", [
             *quantile_targets("rlbus_trainer_step_seconds"),
             Target(hist_mean("rlbus_trainer_weight_broadcast_seconds"), "broadcast mean"),

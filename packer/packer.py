@@ -174,7 +174,7 @@ def build_micro_batch(
 
     ``step_loss_tokens`` and ``step_samples`` (samples with >= 1 loss token) count the WHOLE step,
     so the trainer's loss normalizers do not depend on how the step was split (micro-batch
-    invariance, see :mod:`trainer.loss`). ``teacher_logprobs`` is ``[T]`` when every sample
+    invariance, see :mod:`trainer.losses`). ``teacher_logprobs`` is ``[T]`` when every sample
     carries them, ``[0]`` when none does; ``reward_terms`` holds the names every sample has.
 
     Raises:
@@ -373,7 +373,7 @@ def pack_step(groups: list[list[PackedSample]], step: int, micro_batch_tokens: i
     with :func:`packer.packing.pack_micro_batches`, and the micro-batches are numbered across the
     whole step. ``step_loss_tokens`` and ``step_samples`` count the whole step. A group's samples
     are packed as one unit (adjacent, in one micro-batch) whenever the group fits the budget, so the
-    trainer runs their shared prompt once (:mod:`trainer.shared_prefix`); a larger group is packed
+    trainer runs their shared prompt once (:mod:`trainer.forward.shared_prefix`); a larger group is packed
     sample by sample.
 
     Raises:

@@ -206,7 +206,7 @@ class ProducerProc(Component):
         self.rollouts = self.reliable_sender("rollouts", self.endpoints.address("rollouts", self.index), bind=True)
         self.control_in = self.control_subscriber()
         self.control_out = self.control_publisher()
-        self.outcomes  # noqa: B018 - the reliable outcome reports to the prompt source's ledger
+        self.outcomes
         self.late_joiner = self.launch.joins_late
         self.receiver = build_receiver(cfg.broadcast, self.engine, rank=1 + self.index,
                                        world_size=1 + cfg.producers.replicas, in_group=not self.late_joiner,
@@ -337,7 +337,7 @@ class ProducerProc(Component):
                 return
             if isinstance(msg, WeightGroup):
                 ack = WeightGroupAck(id=new_id(), producer=self.name, generation=msg.generation)
-                await self.receiver.regroup(msg, lambda: self.control_out.send(ack))
+                await self.receiver.regroup(msg, lambda ack=ack: self.control_out.send(ack))
             elif isinstance(msg, WeightsReady) and (msg.version != self.engine.version
                                                     or self.receiver.must_apply(msg, self.engine.version)):
                 reason = self.receiver.skip_reason(msg, self.engine.version)

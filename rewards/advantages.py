@@ -261,7 +261,7 @@ def _validated_custom_output(fn: AdvantageFn, out: Any, group_size: int) -> np.n
     name = getattr(fn, "__qualname__", repr(fn))
     try:
         a = np.asarray(out)
-    except Exception as exc:  # noqa: BLE001 - any unconvertible object is a bad output
+    except Exception as exc:
         raise ValueError(f"custom advantage {name} returned {type(out).__name__}, not an array ({exc})") from exc
     if a.dtype.kind not in "biuf":
         raise ValueError(f"custom advantage {name} must return real numbers, got dtype {a.dtype}")

@@ -19,7 +19,7 @@ evaluated; anything else raises ``ValueError`` (answered to the model as a tool 
 
 Templates: a Qwen2.5/Qwen3 (Hermes) template lists the tool schema in the system turn and renders
 the replies as a user turn of ``<tool_response>`` blocks. The tiny default policy's template
-(:data:`trainer.tiny_model.CHAT_TEMPLATE`) ignores ``tools`` and renders a reply as a plain
+(:data:`policies.tiny_model.CHAT_TEMPLATE`) ignores ``tools`` and renders a reply as a plain
 ``<|im_start|>tool`` turn; the system prompt states the call format itself, so the task reads the
 same under either (and stays short for the tiny policy's 2048 positions).
 

@@ -7,7 +7,7 @@ and replies with the next string as a user turn; after the last string's answer 
 done. ``info = {"words": [str, ...]}``. No system prompt. Short strings keep episodes small on
 the tiny byte-level policy (about 40 prompt + env tokens and two answers of <= 9 tokens).
 
-Chosen so that the tiny default policy (warm-started on reverse_text, :mod:`trainer.tiny_model`)
+Chosen so that the tiny default policy (warm-started on reverse_text, :mod:`policies.tiny_model`)
 can learn it on CPU: every turn is the reverse_text skill, but the second turn is conditioned on
 the whole conversation so far (the model's first answer and the env's turn), which is what a
 multi-turn pipeline must get token-exact.

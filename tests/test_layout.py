@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 450
 STAGES = frozenset({"prompts", "producers", "rewards", "packer", "trainer"})
 CONTROL_PLANE = frozenset({"busctl"})
-LIBRARIES = frozenset({"bus", "configs", "tasks", "broadcaster"})
+LIBRARIES = frozenset({"bus", "configs", "tasks", "broadcaster", "policies"})
 SKIPPED_DIRS = frozenset({"tests", "runs", "build", "dist", "node_modules"})
 
 

@@ -4,7 +4,7 @@ custody of the micro-batches, and resume after a restart.
 Per step ``s`` (0-based; the weights in use have policy version ``s``):
 
 1. collect the step's ``num_micro_batches`` micro-batches from the reliable ``batches`` inbox
-   (:class:`trainer.step_ledger.StepLedger` buffers them by step: they may come in any order and
+   (:class:`trainer.state.step_ledger.StepLedger` buffers them by step: they may come in any order and
    ahead of the step being trained);
 2. clip and step AdamW (:class:`trainer.trainer.Trainer`); the policy is now version ``s + 1``;
 3. announce ``weights.ready(s + 1)`` and send the weights (broadcast: wait for the previous
@@ -12,13 +12,13 @@ Per step ``s`` (0-based; the weights in use have policy version ``s``):
    them while the trainer goes on with the next step; with LoRA only the adapter travels and the
    producers merge it; filesystem: write, then announce);
 4. append one line to ``metrics.jsonl`` (with the step's phase times ``time/<phase>_s``,
-   :mod:`trainer.step_timing`) and the step's sample ids and versions to
+   :mod:`trainer.observability.step_timing`) and the step's sample ids and versions to
    ``trained_samples.jsonl`` (the record that every sample trained exactly once);
 5. checkpoint to ``checkpoints/step_N`` every ``checkpoint_interval`` steps and after the last
    step, then release custody: ``batches.done`` for the micro-batches of every step the
    checkpoint newly covers and one ``groups.trained(step, group_ids)`` per such step (outcome
    ``trained``); then publish ``trainer.step``. Periodic checkpoints are written while the next
-   step trains (:mod:`trainer.background_save`) and released once complete, at the latest before
+   step trains (:mod:`trainer.state.background_save`) and released once complete, at the latest before
    the next step's ``trainer.step``; the last step's is written before its ``trainer.step``.
 
 Custody. The packer keeps every micro-batch until the trainer calls ``done`` on it, and re-sends
@@ -36,7 +36,7 @@ at step ``N`` = the checkpoint's step:
 
 - ``metrics.jsonl`` and ``trained_samples.jsonl`` are cut back to the steps the checkpoint
   covers (the surviving lineage; the records are appended before each checkpoint, so nothing
-  covered is missing), eval records (``--resume`` only) to the rounds ``<=`` its step (:mod:`trainer.eval_log`);
+  covered is missing), eval records (``--resume`` only) to the rounds ``<=`` its step (:mod:`trainer.observability.eval_log`);
 - the checkpoint's weights are published as version ``N`` before training, and weight
   directories of versions ``>= N`` (the lost lineage) are deleted: producers drop the lost
   lineage's newer weights;
@@ -60,7 +60,7 @@ the run: it logs the error, counts ``rlbus_trainer_broadcast_fallbacks_total``, 
 that version through the filesystem.
 
 Online evaluation runs in the producers and reward workers; the packer publishes one
-``eval.result`` per task and round on the control channel, and :class:`trainer.eval_log.EvalLog`
+``eval.result`` per task and round on the control channel, and :class:`trainer.observability.eval_log.EvalLog`
 writes them to ``metrics.jsonl`` and Prometheus while the trainer waits for micro-batches. After
 the last step (with ``eval.enabled``) the trainer waits up to ``eval.timeout_s`` for the final
 round's result of every eval task, then for the outcomes, then publishes ``run.done``, which ends
@@ -69,10 +69,10 @@ the run.
 Data parallelism (``trainer.data_parallel`` N > 1): ``busctl up`` starts this module under
 torchrun with N ranks (:func:`main`). Rank 0 is this component and does all of the above; it
 names the checkpoint it resumed from (or none) to the other ranks, wraps the forward in DDP, and
-sends each rank its share of every step (:mod:`trainer.distributed`); ranks > 0 run
-:mod:`trainer.follower` (no bus). Rank 0's metrics cover the whole step. Its ready handshake and
+sends each rank its share of every step (:mod:`trainer.parallel.distributed`); ranks > 0 run
+:mod:`trainer.parallel.follower` (no bus). Rank 0's metrics cover the whole step. Its ready handshake and
 heartbeats carry the torchrun agent's pid, the process the supervisor watches. With
-``trainer.parallel: fsdp`` (:mod:`trainer.sharding`) every rank shards before loading, checkpoints
+``trainer.parallel: fsdp`` (:mod:`trainer.parallel.sharding`) every rank shards before loading, checkpoints
 are written by every rank at once (not in the background), and the weights are gathered per tensor.
 """
 
@@ -94,17 +94,17 @@ from broadcaster.factory import build_group_former, build_senders
 from bus.component import Component, component_main
 from bus.messages import GroupsTrained, MicroBatch, RunDone, TrainerStep, new_id
 from bus.metrics import POLICY_VERSION, StageMeter
-from trainer.background_save import BackgroundSave
-from trainer.checkpoint import latest_checkpoint, save_checkpoint, snapshot_state
-from trainer.distributed import launcher_pid
-from trainer.gauges import export_step_metrics
-from trainer.eval_log import EvalLog, declare_pass_at_k, keep_metrics_record
-from trainer.follower import checkpoint_writer, follower_main, join_data_parallel, load_trainer_checkpoint
-from trainer.step_ledger import StepLedger, append_jsonl, group_id, keep_jsonl_records
-from trainer.step_timing import StepPhases
-from trainer.threads import ThreadPlan
+from trainer.state.background_save import BackgroundSave
+from trainer.state.checkpoint import latest_checkpoint, save_checkpoint, snapshot_state
+from trainer.parallel.distributed import launcher_pid
+from trainer.observability.gauges import export_step_metrics
+from trainer.observability.eval_log import EvalLog, declare_pass_at_k, keep_metrics_record
+from trainer.parallel.follower import checkpoint_writer, follower_main, join_data_parallel, load_trainer_checkpoint
+from trainer.state.step_ledger import StepLedger, append_jsonl, group_id, keep_jsonl_records
+from trainer.observability.step_timing import StepPhases
+from trainer.parallel.threads import ThreadPlan
 from trainer.model import load_policy
-from trainer.placement import trainer_device
+from trainer.parallel.placement import trainer_device
 from trainer.publish import WeightPublisher
 from trainer.trainer import build_trainer
 
@@ -157,7 +157,7 @@ class TrainerProc(Component):
         torch.manual_seed(cfg.trainer.seed)
         # open first: by the time anything is announced, the PUB has long joined the hub
         self.control = self.control_publisher()
-        self.outcomes  # noqa: B018 - opened here, before any thread could race to open it
+        self.outcomes
         self.dp = join_data_parallel(cfg)
         """This rank 0's data-parallel group (``trainer.data_parallel > 1``), else None."""
         self.model = load_policy(cfg.model.path, cfg.trainer.lora).to(trainer_device(cfg, self.dp))
@@ -238,7 +238,7 @@ class TrainerProc(Component):
                      path, step, restarts, resume, state.get("weight_method", "?"))
         self.resumed = True
         n = self.start_step
-        # metrics: training records are {"step": s + 1}, evals {"step": round} (trainer.eval_log)
+        # metrics: training records are {"step": s + 1}, evals {"step": round} (trainer.observability.eval_log)
         cut = keep_jsonl_records(self.metrics_path, lambda r: keep_metrics_record(r, n, resume=resume))
         cut += keep_jsonl_records(self.samples_path, lambda r: r["step"] < n)
         if cut:
@@ -283,7 +283,7 @@ class TrainerProc(Component):
 
     def before_micro_batch(self) -> None:
         """Between micro-batches: take in what arrived meanwhile, then pick the thread count
-        (:mod:`trainer.threads`) from which steps ahead are complete."""
+        (:mod:`trainer.parallel.threads`) from which steps ahead are complete."""
         while (mb := self.batches.recv(timeout_s=0)) is not None:
             self.take_in(mb)
         self.threads.apply(self.ledger.next_step - 1, self.ledger.is_complete)
@@ -355,7 +355,7 @@ class TrainerProc(Component):
         step = self.start_step
         if self.resumed:
             self.announce_resume()
-        phases = StepPhases()  # where each step's wall time goes (trainer.step_timing)
+        phases = StepPhases()  # where each step's wall time goes (trainer.observability.step_timing)
         while step < max_steps:
             phases.wait_started()
             micro_batches = self.receive_step(step)
@@ -418,7 +418,7 @@ class TrainerProc(Component):
         if saving is not None:  # finish writing it (complete on disk; its steps stay unreleased)
             try:
                 saving.wait()
-            except Exception:  # noqa: BLE001 - closing anyway; the checkpoint is incomplete and ignored
+            except Exception:
                 log.exception("the background checkpoint failed")
         publisher = getattr(self, "publisher", None)
         if publisher is not None:

@@ -59,9 +59,9 @@ from broadcaster.manifest import build_manifest, parse_dtype
 from broadcaster.noise import is_rmsnorm_weight, qerl_noise_sigma, with_rmsnorm_noise
 from bus.messages import Message, WeightsApplied, WeightsReady, WeightsWanted, new_id
 from bus.messages_weights import WeightGroup, WeightGroupAck
-from trainer.distributed import DataParallel
+from trainer.parallel.distributed import DataParallel
 from trainer.model import lora_adapter_state_dict, policy_state_dict
-from trainer.sharding import GatheredWeights, is_sharded
+from trainer.parallel.sharding import GatheredWeights, is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +106,11 @@ def weights_payload(model: torch.nn.Module, cfg, version: int, *, adapter: bool,
     stage of ``version`` over ``trainer.max_steps``); ``model``'s own weights stay clean.
 
     A sharded model (``trainer.parallel: fsdp``, rank 0 of ``dp``) gives a
-    :class:`trainer.sharding.GatheredWeights`: each tensor is gathered (with every rank, which
+    :class:`trainer.parallel.sharding.GatheredWeights`: each tensor is gathered (with every rank, which
     ``dp`` tells) only when the sender reads it, so no rank holds the whole model at once.
 
     Raises:
-        ValueError: a sharded model with the noise scheduler or without ``dp`` (see :mod:`trainer.sharding`).
+        ValueError: a sharded model with the noise scheduler or without ``dp`` (see :mod:`trainer.parallel.sharding`).
     """
     noise = cfg.broadcast.noise_scheduler
     if is_sharded(model):

@@ -3,11 +3,11 @@
 Gradients are accumulated over the step's micro-batches; each micro-batch loss is already
 normalized by step-wide totals (``MicroBatch.step_loss_tokens`` and ``step_samples``), so their
 sum is the step's loss under the configured aggregation whatever the split into micro-batches
-and data-parallel ranks (see :mod:`trainer.loss`; tested in float64 by
+and data-parallel ranks (see :mod:`trainer.losses`; tested in float64 by
 ``tests/trainer/test_invariance.py``). Then the gradient norm is clipped and AdamW steps with a
 constant learning rate. No sockets here (see :mod:`trainer.proc`).
 
-Precision (``trainer.dtype``, :mod:`trainer.precision`): the policy's and the reference's forwards
+Precision (``trainer.dtype``, :mod:`trainer.forward.precision`): the policy's and the reference's forwards
 run under the policy's autocast context (bfloat16 matmuls with ``trainer.dtype: bfloat16``); the
 parameters, gradients, AdamW state, logprobs and the loss stay float32.
 
@@ -39,14 +39,14 @@ from prometheus_client import Counter
 
 from bus.messages import MicroBatch
 from configs.schema import RunConfig, TrainerConfig
-from trainer.loss import LossBatch, LossSpec, StepNorm, policy_loss
-from trainer.distributed import DataParallel
-from trainer.lag_stats import lag_fractions, lag_token_counts
-from trainer.packed import PackedLogprobs
-from trainer.precision import PrecisionPolicy
-from trainer.reference import ReferencePolicy
-from trainer.sharding import clip_grad_norm, enable_activation_checkpointing, shard_keeping_optimizer_state
-from trainer.step_timing import device_clock, phase_key
+from trainer.losses import LossBatch, LossSpec, StepNorm, policy_loss
+from trainer.parallel.distributed import DataParallel
+from trainer.observability.lag_stats import lag_fractions, lag_token_counts
+from trainer.forward.packed import PackedLogprobs
+from trainer.forward.precision import PrecisionPolicy
+from trainer.forward.reference import ReferencePolicy
+from trainer.parallel.sharding import clip_grad_norm, enable_activation_checkpointing, shard_keeping_optimizer_state
+from trainer.observability.step_timing import device_clock, phase_key
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class Trainer:
     Args:
         model: HF causal LM (possibly peft-wrapped), float32, in train mode.
         cfg: the trainer section of the run config (``cfg.dtype``: the forwards' compute dtype,
-            :class:`trainer.precision.PrecisionPolicy`).
+            :class:`trainer.forward.precision.PrecisionPolicy`).
         max_tokens: the sampler's ``max_tokens`` (needed by ``seq_mean_token_sum_norm`` only).
 
     Each micro-batch's logits are divided by its ``MicroBatch.temperature`` before log-softmax
@@ -115,9 +115,9 @@ class Trainer:
         """The frozen start policy of the KL penalty, built before any step (None: not used)."""
         self.precision = PrecisionPolicy.from_name(cfg.dtype)
         """The compute dtype of the policy's and the reference's forwards (``trainer.dtype``,
-        :mod:`trainer.precision`): parameters, gradients and AdamW state stay float32."""
+        :mod:`trainer.forward.precision`): parameters, gradients and AdamW state stay float32."""
         self.phase_s = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
-        """Seconds of the current (or last) :meth:`step` per phase (:mod:`trainer.step_timing`)."""
+        """Seconds of the current (or last) :meth:`step` per phase (:mod:`trainer.observability.step_timing`)."""
 
     def micro_step(self, mb: MicroBatch) -> tuple[float, dict[str, float]]:
         """Forward + backward of one micro-batch; returns its loss contribution and loss stats.
@@ -135,7 +135,7 @@ class Trainer:
         the weights being trained (``token_versions == step``; a partial rollout's later tokens
         count, its earlier ones do not). Those must agree up to numerics; a large value means the
         producers do not run the trainer's weights. And ``lag_tokens/<bucket>``: loss tokens per
-        off-policy lag (:func:`trainer.lag_stats.lag_token_counts`).
+        off-policy lag (:func:`trainer.observability.lag_stats.lag_token_counts`).
         """
         device = next(self.model.parameters()).device
         started = device_clock(device)
@@ -195,15 +195,15 @@ class Trainer:
 
     before_micro_batch: Callable[[], None] | None = None
     """Called before each micro-batch of :meth:`step` (the process sets the thread count there,
-    :mod:`trainer.threads`); None: nothing."""
+    :mod:`trainer.parallel.threads`); None: nothing."""
 
     dp: DataParallel | None = None
     """This rank's data-parallel group, set by :meth:`enable_data_parallel` (None: one rank)."""
 
     def enable_data_parallel(self, dp: DataParallel) -> None:
         """Train as one rank of ``dp``: the packed forward runs in DDP (gradients summed over
-        ranks, see :mod:`trainer.distributed`), or with ``parallel: fsdp`` is sharded by FSDP2
-        (:mod:`trainer.sharding`; the optimizer is rebuilt over the sharded parameters and keeps
+        ranks, see :mod:`trainer.parallel.distributed`), or with ``parallel: fsdp`` is sharded by FSDP2
+        (:mod:`trainer.parallel.sharding`; the optimizer is rebuilt over the sharded parameters and keeps
         its state), and :meth:`step` reduces its stats over ranks.
 
         A collective: call it on every rank, each with the same weights and optimizer state (DDP's
@@ -259,7 +259,7 @@ class Trainer:
 
     def step(self, micro_batches: Sequence[MicroBatch | None]) -> dict[str, float]:
         """One optimizer step over all micro-batches of a step (with data parallelism: this
-        rank's share of them, padded with ``None`` slots; see :mod:`trainer.distributed`).
+        rank's share of them, padded with ``None`` slots; see :mod:`trainer.parallel.distributed`).
 
         Gradients of the micro-batches accumulate (under DDP ``no_sync`` but for the last slot,
         whose backward all-reduces them). The micro-batch stats are merged with
@@ -276,12 +276,12 @@ class Trainer:
             train_logprobs - teacher_logprobs, nats), ``tis_clipfrac``; ``grad_norm`` (before clipping), ``num_tokens``,
             ``num_loss_tokens``, ``num_samples``, ``num_micro_batches``, ``reward_mean``,
             ``reward_std``, ``reward/<name>`` (each reward function's mean score), ``onpolicy_tokens``, ``onpolicy_lp_diff_max`` (see :meth:`micro_step`),
-            ``lag_frac/<bucket>`` (fraction of loss tokens per off-policy lag, :mod:`trainer.lag_stats`),
+            ``lag_frac/<bucket>`` (fraction of loss tokens per off-policy lag, :mod:`trainer.observability.lag_stats`),
             ``train_time_s`` (this rank's), ``time/forward_s``, ``time/backward_s`` (sums over
             micro-batches) and ``time/optimizer_s`` (clip, stats all-gather, AdamW) of this rank,
-            seconds (:mod:`trainer.step_timing`), ``skipped`` (1.0 if the non-finite guard skipped the
+            seconds (:mod:`trainer.observability.step_timing`), ``skipped`` (1.0 if the non-finite guard skipped the
             optimizer step, else 0.0; see the module docstring), ``decoder_tokens`` (tokens the
-            decoder ran: ``num_tokens`` less the shared prefixes, :mod:`trainer.shared_prefix`), and
+            decoder ran: ``num_tokens`` less the shared prefixes, :mod:`trainer.forward.shared_prefix`), and
             every other micro-batch stat as its step total (sum, or min/max for ``*_min``/``*_max``). On a skipped step
             ``loss`` and ``grad_norm`` may be NaN/inf.
 

@@ -306,7 +306,6 @@ class RayLauncher:
 
     def spawn(self, spec: ComponentSpec, cmd: list[str], env: dict[str, str], log: IO[bytes]) -> RayComponent:
         """Start ``cmd`` through an actor on the component's node (module docstring); returns at once."""
-        import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self.place(spec)  # as the supervisor placed it just before (unless that node died since)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.torch_threads import one_torch_thread  # noqa: F401 - autouse fixture
-from trainer.tiny_model import build_random_policy
+from policies.tiny_model import build_random_policy
 
 
 @pytest.fixture(scope="module")

@@ -90,7 +90,7 @@ async def _producer_loop(name: str, index: int, inbox, to_trainer, reports, in_g
             continue
         if isinstance(msg, WeightGroup):
             ack = WeightGroupAck(id=new_id(), producer=name, generation=msg.generation)
-            await receiver.regroup(msg, lambda: to_trainer.put(ack))
+            await receiver.regroup(msg, lambda ack=ack: to_trainer.put(ack))
         elif isinstance(msg, WeightsReady) and (msg.version != engine.version
                                                 or receiver.must_apply(msg, engine.version)):
             if receiver.skip_reason(msg, engine.version) is None:
@@ -102,7 +102,7 @@ def _producer_main(name: str, index: int, inbox, to_trainer, reports, in_group: 
                    world_size: int) -> None:
     try:
         asyncio.run(_producer_loop(name, index, inbox, to_trainer, reports, in_group, port, world_size))
-    except BaseException:  # noqa: BLE001 - reported to the test process
+    except BaseException:
         reports.put(("error", traceback.format_exc()))
     reports.put(("stopped", None))
 

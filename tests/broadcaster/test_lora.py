@@ -13,7 +13,6 @@ from broadcaster.broadcast import BroadcastSender
 from broadcaster.lora import merge_lora_delta, merged_weights
 from broadcaster.manifest import build_manifest, lora_modules, manifest_num_bytes, payload_kind
 from broadcaster.noise import is_rmsnorm_weight
-from broadcaster.buckets import BucketReceiver
 from configs.schema import LoraSection
 from trainer.model import load_policy, lora_adapter_state_dict, policy_state_dict
 

@@ -10,7 +10,6 @@ import torch
 from safetensors import safe_open
 
 from broadcaster.broadcast import BroadcastSender
-from broadcaster.buckets import BucketReceiver
 from broadcaster.dtypes import resolve_producer_dtype
 from broadcaster.filesystem import FilesystemSender
 from broadcaster.lora import merge_lora_delta

@@ -114,7 +114,7 @@ def test_delivers_in_order_and_finishes(topic, transport, couriers, endpoint, me
     sender.join(timeout=WAIT_S)
     assert sent == [True] * n
     assert got == ids  # every message, once, in order
-    wait_until(lambda: outbox.unfinished() == 0, WAIT_S, "every message done")
+    wait_until(lambda outbox=outbox: outbox.unfinished() == 0, WAIT_S, "every message done")
     assert inbox.recv(timeout_s=QUIET_S) is None
     assert metric(DUPLICATES, topic=topic) == duplicates
     assert total(metric, REDELIVERED, topic, (*DEATH_REASONS, "ack_timeout")) == redelivered
@@ -150,7 +150,7 @@ def test_credit_bounds_what_a_stalled_receiver_gets(window, capacity, couriers, 
 
     assert receive(inbox, w + c) == [f"b-{i}" for i in range(w + c)]
     assert inbox.recv(timeout_s=QUIET_S) is None  # the refused message was never sent
-    wait_until(lambda: outbox.unfinished() == 0, WAIT_S, "all done")
+    wait_until(lambda outbox=outbox: outbox.unfinished() == 0, WAIT_S, "all done")
     assert outbox.send(data_message("batches", "after"), timeout_s=1.5)  # room again
     assert receive(inbox, 1) == ["after"]
 
@@ -174,7 +174,7 @@ def test_credit_routes_around_a_stalled_receiver(couriers, endpoint, wait_until)
     got_stalled = receive(stalled, w, timeout_s=0.5)  # exactly its credit was waiting for it
     assert stalled.recv(timeout_s=0) is None
     assert sorted(got_active + got_stalled) == sorted(ids)
-    wait_until(lambda: outbox.unfinished() == 0, WAIT_S, "all done")
+    wait_until(lambda outbox=outbox: outbox.unfinished() == 0, WAIT_S, "all done")
 
 
 def test_credit_stays_bounded_after_a_sender_restarts(couriers, endpoint, spawn, metric, wait_until):
@@ -211,7 +211,7 @@ def test_killed_receiver_messages_reach_another(couriers, endpoint, spawn, metri
     doomed.kill()
     heir = couriers().receiver("prompts", ep, bind=False, accept=(Prompt,))
     assert receive(heir, len(ids)) == ids  # every held message, once, oldest first
-    wait_until(lambda: outbox.unfinished() == 0, WAIT_S, "all done at the heir")
+    wait_until(lambda outbox=outbox: outbox.unfinished() == 0, WAIT_S, "all done at the heir")
     assert heir.recv(timeout_s=QUIET_S) is None
     assert total(metric, REDELIVERED, "prompts", DEATH_REASONS) == before + len(ids)
 
@@ -236,7 +236,7 @@ def test_restarted_binder_gets_the_senders_unfinished_messages(couriers, endpoin
     got = [second.expect("got") for _ in range(16)]
     assert sorted(got) == sorted(early[0] + early[1] + late[0] + late[1])  # each once
     for outbox in senders:
-        wait_until(lambda: outbox.unfinished() == 0, WAIT_S, "the restarted receiver released them all")
+        wait_until(lambda outbox=outbox: outbox.unfinished() == 0, WAIT_S, "the restarted receiver released them all")
     assert second.next_line(QUIET_S) is None
 
 
@@ -296,7 +296,7 @@ def test_unacknowledged_message_is_resent_after_ack_timeout(couriers, endpoint, 
     assert outbox.unfinished() == 1  # kept all along
     working = couriers().receiver("prompts", ep, bind=False, accept=(Prompt,))
     assert receive(working, 1) == ["p-0"]  # a working receiver gets it in the end
-    wait_until(lambda: outbox.unfinished() == 0, WAIT_S, "done")
+    wait_until(lambda outbox=outbox: outbox.unfinished() == 0, WAIT_S, "done")
 
 
 # -- dedupe and custody chains -------------------------------------------------------------------
@@ -316,7 +316,7 @@ def test_idle_holder_stays_alive_for_every_sender(couriers, endpoint, metric, wa
     assert inbox.recv(timeout_s=0) is None
     inbox.done(*held)
     for outbox in senders:
-        wait_until(lambda: outbox.unfinished() == 0, WAIT_S, "released")
+        wait_until(lambda outbox=outbox: outbox.unfinished() == 0, WAIT_S, "released")
 
 
 def test_same_id_from_two_senders_comes_out_once(couriers, endpoint, metric, wait_until):
@@ -375,7 +375,7 @@ def test_receiver_connects_to_every_sender_even_later_ones(couriers, endpoint, w
     assert later.send(data_message("rollouts", "r-later"), timeout_s=WAIT_S)
     assert receive(inbox, 1) == ["r-later"]
     for outbox in (*outboxes, later):
-        wait_until(lambda: outbox.unfinished() == 0, WAIT_S, "done")
+        wait_until(lambda outbox=outbox: outbox.unfinished() == 0, WAIT_S, "done")
 
 
 # -- hostile input -------------------------------------------------------------------------------
@@ -506,7 +506,7 @@ def test_hostile_frames_are_counted_and_the_box_keeps_working(kind, couriers, ct
         for name, (reason, frames) in attacked.cases().items():
             before = metric(REJECTED, topic=attacked.topic, reason=reason)
             attacked.raw.send(frames)
-            wait_until(lambda: metric(REJECTED, topic=attacked.topic, reason=reason) == before + 1, WAIT_S,
+            wait_until(lambda reason=reason, before=before: metric(REJECTED, topic=attacked.topic, reason=reason) == before + 1, WAIT_S,
                        f"{name}: counted as {reason}")
         attacked.still_works(wait_until)
     finally:
@@ -537,7 +537,7 @@ def test_forged_acks_never_release_a_held_message(kind, couriers, ctx, endpoint,
         wait_until(lambda: metric(REJECTED, topic=topic, reason="foreign_ack") == before + 1, WAIT_S, "forged ack counted")
         assert outbox.unfinished() == 1  # still held for the real holder
         holder.done("held")
-        wait_until(lambda: outbox.unfinished() == 0, WAIT_S, "released by its holder")
+        wait_until(lambda outbox=outbox: outbox.unfinished() == 0, WAIT_S, "released by its holder")
     finally:
         forger.close()
 
@@ -556,7 +556,7 @@ def test_late_done_from_an_earlier_holder_is_accepted(couriers, ctx, endpoint, m
         assert receive(other, 1, done=False) == ["p-0"]  # re-sent after the ack timeout
         foreign = metric(REJECTED, topic="prompts", reason="foreign_ack")
         slow.send_ack(0, taken=["p-0"], done=["p-0"])  # the first holder finishes after all
-        wait_until(lambda: outbox.unfinished() == 0, WAIT_S, "released by the first holder")
+        wait_until(lambda outbox=outbox: outbox.unfinished() == 0, WAIT_S, "released by the first holder")
         assert metric(REJECTED, topic="prompts", reason="foreign_ack") == foreign
         other.done("p-0")  # the second holder's done is then a no-op
     finally:

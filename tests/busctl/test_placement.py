@@ -6,7 +6,7 @@ overrides); ``busctl up --dry-run`` runs as a real subprocess with busctl's own
 dry run starts nothing). A real supervisor over real processes (``tests/busctl/sleepy.py``) in
 the roles of the trainer and a producer shows each process gets its ``CUDA_VISIBLE_DEVICES``
 (read from ``/proc/PID/environ``), and ``busctl scale`` refusing a producer with no device left.
-The trainer's side (:func:`trainer.placement.trainer_device`) is checked on this CPU host.
+The trainer's side (:func:`trainer.parallel.placement.trainer_device`) is checked on this CPU host.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from busctl import cli as busctl
 from busctl.placement import Placement, apply_placement, plan_placement, visible_devices
 from configs.schema import ConfigError, load_config
 from producers.engine import device_engine_args
-from test_supervisor import make_cfg, table  # noqa: E402  (the supervisor tests' helpers)
+from test_supervisor import make_cfg, table
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -242,7 +242,7 @@ def test_supervisor_gives_each_component_its_devices(tmp_path, monkeypatch, caps
 
 def test_trainer_device_on_this_cpu_host():
     torch = pytest.importorskip("torch")
-    from trainer.placement import trainer_device
+    from trainer.parallel.placement import trainer_device
 
     if torch.cuda.is_available():
         pytest.skip("checks the CPU host's answers; CUDA is visible here")
@@ -250,7 +250,7 @@ def test_trainer_device_on_this_cpu_host():
     assert trainer_device(load_config(None, []), None) == torch.device("cpu")  # auto, no CUDA
     with pytest.raises(ValueError, match="trainer.device is cuda but torch sees no CUDA device"):
         trainer_device(load_config(None, ["trainer.device=cuda"]), None)
-    from trainer.distributed import DataParallel
+    from trainer.parallel.distributed import DataParallel
 
     rank = DataParallel(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"), backend="gloo")  # no group needed
     assert trainer_device(load_config(None, ["trainer.data_parallel=2"]), rank) == torch.device("cpu")

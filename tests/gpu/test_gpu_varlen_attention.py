@@ -1,8 +1,8 @@
-"""Flash-attention varlen on CUDA (trainer/varlen_attention.py) against the per-sample sdpa loop.
+"""Flash-attention varlen on CUDA (trainer/kernels/varlen_attention.py) against the per-sample sdpa loop.
 
 Both run on the same packed row (mixed sample lengths, one of length 1, grouped-query attention
 8 query heads / 2 kv heads, head_dim 64) in bfloat16 and float16; the reference is the per-sample
-causal sdpa loop of trainer/packed_attention.py run in float32 on the same (rounded) inputs.
+causal sdpa loop of trainer/forward/packed_attention.py run in float32 on the same (rounded) inputs.
 Tolerances: the half-precision kernels round q k^T, the softmax and p v to 8 (bf16) or 11 (fp16)
 mantissa bits, so each output element may be off by a few units of the last place of a value of
 magnitude ~1: atol 2e-2 (bf16) and 3e-3 (fp16) on outputs, and the same relative to the largest
@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.packed_attention import packed_sdpa_attention
-from trainer.varlen_attention import varlen_causal_attention, varlen_kernel_applies
+from trainer.forward.packed_attention import packed_sdpa_attention
+from trainer.kernels.varlen_attention import varlen_causal_attention, varlen_kernel_applies
 
 LENS = [5, 17, 1, 40, 9]
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
@@ -100,7 +100,7 @@ def test_packed_model_forward_bf16_matches_unpacked(tmp_path):
     bf16 rounding of the logits (0.05 nats)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from trainer.packed import packed_token_logprobs
+    from trainer.forward.packed import packed_token_logprobs
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=300, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,

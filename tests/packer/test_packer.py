@@ -530,7 +530,7 @@ def test_eval_groups_are_refused():
 def test_groups_that_fit_stay_whole_and_adjacent():
     # Lengths differ inside each group, so packing sample by sample (longest first) would spread
     # every group over the micro-batches; a group that fits the budget is one unit instead, and
-    # the trainer can run its prompt once (trainer.shared_prefix).
+    # the trainer can run its prompt once (trainer.forward.shared_prefix).
     groups = [
         scored(g, [1, 2, 3], [[4] * n for n in (1, 6, 2, 5)], version=0, advantages=[0.1, -0.1, 0.2, -0.2],
                rewards=[0.5] * 4)

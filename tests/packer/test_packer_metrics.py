@@ -50,7 +50,7 @@ def live(tmp_path):
     remove_outside_socket_dir(tmp_path)
 
 
-def test_every_known_outcome_exists_from_the_start(live, packer):
+def test_every_known_outcome_exists_from_the_start(live, packer):  # noqa: F811 - the imported fixture
     for outcome in ("accepted", "duplicate", *DROP_REASONS):
         assert REGISTRY.get_sample_value("rlbus_packer_groups_total", {"outcome": outcome}) is not None, outcome
     for outcome in EVAL_DECISIONS:
@@ -60,7 +60,7 @@ def test_every_known_outcome_exists_from_the_start(live, packer):
     assert REGISTRY.get_sample_value("rlbus_packer_micro_batches") is None  # replaced by the histogram
 
 
-def test_step_metrics_stage_meter_and_samples_log(live, packer):
+def test_step_metrics_stage_meter_and_samples_log(live, packer):  # noqa: F811 - the imported fixture
     packer, _thread = packer
     scored = live.courier().sender("scored", live.endpoints.address("scored"), bind=False)
     trainer = live.courier().receiver("batches", live.endpoints.address("batches"), bind=False, accept=(MicroBatch,))

@@ -5,7 +5,6 @@ through the codec and a real reward worker, and the packer expands them into
 
 from __future__ import annotations
 
-import numpy as np
 
 from bus.codec import decode, encode
 from bus.messages import Prompt

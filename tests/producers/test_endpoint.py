@@ -24,7 +24,7 @@ from producers.episodes import ENV_ERRORS_TOTAL, env_turn_ids  # noqa: E402
 from tests.producers.test_engine_sampling import _eos_prone  # noqa: E402
 from tests.producers.endpoint_serving import served_endpoint  # noqa: E402
 from tests.producers.test_weight_sync import _hf_logprobs, _load_hf  # noqa: E402
-from trainer.tiny_model import IM_END_TOKEN_ID, build_random_policy  # noqa: E402
+from policies.tiny_model import IM_END_TOKEN_ID, build_random_policy  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 

@@ -14,7 +14,7 @@ from producers.endpoint import BadRequest, sampling_of
 from producers.endpoint_episodes import EndpointEpisodes, RecordedTurn, assemble_episode, chat_prompt_ids
 from producers.rollout_sample import Sample
 from producers.episodes import env_turn_ids
-from trainer.tiny_model import IM_END_TOKEN_ID, build_tokenizer
+from policies.tiny_model import IM_END_TOKEN_ID, build_tokenizer
 
 IM_START = 257
 PROMPT = [{"role": "user", "content": "abc"}]

@@ -18,10 +18,10 @@ import torch
 
 pytest.importorskip("vllm")
 
-from producers.engine import RolloutEngine  # noqa: E402
-from tests.producers.test_weight_sync import (  # noqa: E402
+from producers.engine import RolloutEngine
+from tests.producers.test_weight_sync import (
     LOGPROB_ATOL, PROMPT, _hf_logprobs, _load_hf, assert_no_leftover_processes)
-from trainer.tiny_model import IM_END_TOKEN_ID, build_random_policy  # noqa: E402
+from policies.tiny_model import IM_END_TOKEN_ID, build_random_policy
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 

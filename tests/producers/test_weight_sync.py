@@ -41,7 +41,7 @@ from broadcaster.noise import is_rmsnorm_weight, with_rmsnorm_noise
 from producers.engine import RolloutEngine
 from tests.broadcaster.policies import lora_policy
 from trainer.model import lora_adapter_state_dict, policy_state_dict
-from trainer.tiny_model import build_random_policy
+from policies.tiny_model import build_random_policy
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 

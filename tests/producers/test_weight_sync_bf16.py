@@ -4,7 +4,7 @@ as a safetensors directory, and the engine's logprobs track the trainer's policy
 
 The trainer side (this process) is the tiny random policy, perturbed (weights x 1.5 + noise, so
 its logits are large), in float32; its logprobs are the packed forward under the trainer's
-bfloat16 autocast (`trainer.precision`), as a `trainer.dtype: bfloat16` run computes them. vLLM
+bfloat16 autocast (`trainer.forward.precision`), as a `trainer.dtype: bfloat16` run computes them. vLLM
 computes everything in bfloat16 (its residual stream and LM head too), the trainer only the
 decoder's matmuls, so they differ by bfloat16 rounding of logits of size ~10-20 (2^-8 relative):
 measured max 0.03-0.20 nats per token over 8 samples x 24 tokens (0.05-0.11 against a float32
@@ -31,9 +31,9 @@ from broadcaster.filesystem import FilesystemSender
 from broadcaster.manifest import build_manifest, manifest_num_bytes
 from producers.engine import RolloutEngine
 from tests.producers.test_weight_sync import PROMPT, Harness, _load_hf, _perturbed, assert_no_leftover_processes
-from trainer.packed import packed_logprobs_and_entropy
-from trainer.precision import PrecisionPolicy
-from trainer.tiny_model import build_random_policy
+from trainer.forward.packed import packed_logprobs_and_entropy
+from trainer.forward.precision import PrecisionPolicy
+from policies.tiny_model import build_random_policy
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 

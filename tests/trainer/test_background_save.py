@@ -1,5 +1,5 @@
-"""A checkpoint written on a background thread from a snapshot (:func:`trainer.checkpoint.snapshot_state`,
-:class:`trainer.background_save.BackgroundSave`) while the trainer goes on training holds exactly
+"""A checkpoint written on a background thread from a snapshot (:func:`trainer.state.checkpoint.snapshot_state`,
+:class:`trainer.state.background_save.BackgroundSave`) while the trainer goes on training holds exactly
 the state of the snapshot's moment (the same files as a save at that moment), for full
 fine-tuning and LoRA; the background save hands each result back once and re-raises failures."""
 
@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.trainer.test_checkpoint import CFG, assert_same_optimizer_state, policy, step_batches
-from trainer.background_save import BackgroundSave
-from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, snapshot_state
+from trainer.state.background_save import BackgroundSave
+from trainer.state.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, snapshot_state
 from trainer.trainer import Trainer
 
 

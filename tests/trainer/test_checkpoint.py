@@ -1,4 +1,4 @@
-"""Tests for trainer.checkpoint: RNG and LR-scheduler states round-trip, incomplete checkpoints
+"""Tests for trainer.state.checkpoint: RNG and LR-scheduler states round-trip, incomplete checkpoints
 are ignored, old ones are pruned, mismatches are refused. The bit-exact resume of training (full
 fine-tuning and LoRA) is in test_resume.py, with the helpers here (``policy``, ``step_batches``).
 """
@@ -14,9 +14,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from configs.schema import LoraSection, OptimConfig, TrainerConfig
 from packer.packer import PackedSample, build_micro_batch
-from trainer.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from trainer.state.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from trainer.model import load_policy
-from trainer.packed import packed_token_logprobs
+from trainer.forward.packed import packed_token_logprobs
 from trainer.trainer import build_optimizer
 
 # (prompt tokens, completion tokens, advantage, reward)

@@ -1,10 +1,10 @@
-"""Data-parallel trainer (trainer/distributed.py, trainer/follower.py): 2 gloo ranks under a real
+"""Data-parallel trainer (trainer/parallel/distributed.py, trainer/parallel/follower.py): 2 gloo ranks under a real
 torchrun give the same parameter update as 1 rank on the same step.
 
 The 2-rank run is this file executed by ``python -m torch.distributed.run --standalone
 --nproc-per-node 2`` (see ``rank_main`` at the bottom): rank 0 plays :class:`trainer.proc.TrainerProc`
 without the bus (it resumes from a checkpoint, names it to the other rank, shares each step with
-``DataParallel.send_step``); rank 1 runs the production follower, :func:`trainer.follower.follow`.
+``DataParallel.send_step``); rank 1 runs the production follower, :func:`trainer.parallel.follower.follow`.
 The 1-rank reference runs in the test process on the same micro-batches.
 
 Steps (full fine-tuning of the tiny Qwen2 of conftest.py, AdamW):
@@ -40,10 +40,10 @@ from bus.messages import RunDone
 from busctl.component_table import ComponentSpec, free_port, launch_prefix
 from configs.schema import LoraSection, OptimConfig, RunConfig, TrainerConfig, dump_config, load_config
 from packer.packer import PackedSample, build_micro_batch
-from trainer.checkpoint import save_checkpoint
-from trainer.distributed import DataParallel, decode_share, encode_share, share_micro_batches
+from trainer.state.checkpoint import save_checkpoint
+from trainer.parallel.distributed import DataParallel, decode_share, encode_share, share_micro_batches
 from trainer.model import load_policy
-from trainer.packed import packed_token_logprobs
+from trainer.forward.packed import packed_token_logprobs
 from trainer.trainer import Trainer, merge_stats
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -245,7 +245,7 @@ def test_two_gloo_ranks_give_the_one_rank_update(model_dir, tmp_path, lora):
 def rank_main(run_dir: str, checkpoint: str, num_steps: int, out: str) -> int:
     """One rank of the 2-rank run (see the module docstring); writes into ``out``."""
     from bus.component import die_with_parent
-    from trainer.follower import follow, join_data_parallel, load_trainer_checkpoint
+    from trainer.parallel.follower import follow, join_data_parallel, load_trainer_checkpoint
 
     die_with_parent()  # if the test kills torchrun, its ranks go too
     torch.set_num_threads(1)

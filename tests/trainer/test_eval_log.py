@@ -1,4 +1,4 @@
-"""Tests for trainer.eval_log: eval results from a real control channel (an XPUB bound here, as
+"""Tests for trainer.observability.eval_log: eval results from a real control channel (an XPUB bound here, as
 the hub's, and the trainer's SUB) to metrics.jsonl records, once per (round, task); the wait for
 the final round; and which records survive a resume."""
 
@@ -16,7 +16,7 @@ from bus.messages import EvalResult, TrainerStep, new_id
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
 from configs.schema import load_config
-from trainer.eval_log import EvalLog, declare_pass_at_k, eval_record, keep_metrics_record
+from trainer.observability.eval_log import EvalLog, declare_pass_at_k, eval_record, keep_metrics_record
 
 
 def result(rnd: int, task: str, reward: float, **metrics: float) -> EvalResult:

@@ -1,4 +1,4 @@
-"""FSDP2 trainer (trainer/sharding.py, ``trainer.parallel: fsdp``): 2 gloo ranks under a real
+"""FSDP2 trainer (trainer/parallel/sharding.py, ``trainer.parallel: fsdp``): 2 gloo ranks under a real
 torchrun give the one-rank update, publish the one-rank weights, and resume bit-identically
 from their sharded checkpoint.
 
@@ -8,13 +8,13 @@ slot, a rank with padding only, and a step skipped for rank 1's inf loss). This 
 ``python -m torch.distributed.run --standalone --nproc-per-node 2`` (``rank_main``), plays:
 
 - run ``full``: both ranks load the one-rank checkpoint of step 0 (one file), shard (the
-  optimizer keeps its AdamW state, :func:`trainer.sharding.shard_keeping_optimizer_state`), and
-  train steps 1-4; rank 1 runs the production follower loop (:func:`trainer.follower.serve`).
+  optimizer keeps its AdamW state, :func:`trainer.parallel.sharding.shard_keeping_optimizer_state`), and
+  train steps 1-4; rank 1 runs the production follower loop (:func:`trainer.parallel.follower.serve`).
   After every step rank 0 sends the producers' payload (:func:`trainer.publish.weights_payload`,
   gathered one tensor at a time with rank 1) through a real filesystem weight sender; after step 2 it writes a sharded checkpoint
-  (every rank its DCP shards, :func:`trainer.follower.checkpoint_writer`);
+  (every rank its DCP shards, :func:`trainer.parallel.follower.checkpoint_writer`);
 - run ``resume``: both ranks start fresh from that sharded checkpoint as trainer.proc and
-  trainer.follower.follow do (shard, rank 0 names the checkpoint, every rank loads its shards) and
+  trainer.parallel.follower.follow do (shard, rank 0 names the checkpoint, every rank loads its shards) and
   train steps 3-4.
 
 Tolerances: 2 ranks vs 1 rank sum the same float32 gradients in another order (reduce-scatter of
@@ -40,8 +40,8 @@ from broadcaster.filesystem import WEIGHTS_FILE
 from broadcaster.manifest import build_manifest
 from configs.schema import RunConfig, TrainerConfig, dump_config, load_config
 from tests.trainer.test_data_parallel import LR, STEPS, TEMPERATURE, make_micro_batches, skipped_total, trainer_cfg
-from trainer.checkpoint import save_checkpoint
-from trainer.distributed import decode_share, encode_share
+from trainer.state.checkpoint import save_checkpoint
+from trainer.parallel.distributed import decode_share, encode_share
 from trainer.model import load_policy, policy_state_dict
 from trainer.trainer import Trainer
 
@@ -188,7 +188,7 @@ def rank_main(mode: str, run_dir: str, checkpoint: str, out: str) -> int:
     """One rank of run ``mode`` ("full" or "resume", see the module docstring); writes into ``out``."""
     from broadcaster.filesystem import FilesystemSender
     from bus.component import die_with_parent
-    from trainer.follower import checkpoint_writer, follow, join_data_parallel, load_trainer_checkpoint, serve
+    from trainer.parallel.follower import checkpoint_writer, follow, join_data_parallel, load_trainer_checkpoint, serve
     from trainer.publish import weights_payload
 
     die_with_parent()

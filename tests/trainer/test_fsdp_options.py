@@ -1,4 +1,4 @@
-"""One-process pieces of trainer/sharding.py: activation checkpointing leaves the update
+"""One-process pieces of trainer/parallel/sharding.py: activation checkpointing leaves the update
 unchanged, LoRA is refused for fsdp, and a checkpoint loads only into a trainer sharded as the
 run that wrote it (the 2-rank runs are in test_fsdp.py)."""
 
@@ -9,10 +9,10 @@ import torch
 
 from configs.schema import LoraSection, TrainerConfig
 from tests.trainer.test_data_parallel import make_micro_batches, trainable, trainer_cfg
-from trainer.checkpoint import load_checkpoint, save_checkpoint
+from trainer.state.checkpoint import load_checkpoint, save_checkpoint
 from trainer.model import load_policy
-from trainer.packed import PackedLogprobs
-from trainer.sharding import SHARDED_DIR, shard_policy
+from trainer.forward.packed import PackedLogprobs
+from trainer.parallel.sharding import SHARDED_DIR, shard_policy
 from trainer.trainer import Trainer
 
 

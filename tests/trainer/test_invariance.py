@@ -25,7 +25,7 @@ from configs.schema import LoraSection, LossConfig, OptimConfig, TrainerConfig
 from packer.packer import PackedSample, build_micro_batch
 from packer.packing import plan_step_micro_batches
 from trainer.model import load_policy
-from trainer.packed import packed_token_logprobs
+from trainer.forward.packed import packed_token_logprobs
 from trainer.trainer import Trainer
 
 MAX_TOKENS = 12

@@ -1,4 +1,4 @@
-"""Loss tokens per off-policy lag (trainer.lag_stats) in a real Trainer step on a tiny Qwen2 model:
+"""Loss tokens per off-policy lag (trainer.observability.lag_stats) in a real Trainer step on a tiny Qwen2 model:
 a partial rollout's tokens count at their own lags, fractions sum to 1, the on-policy logprob check
 covers exactly the tokens of the trained version, and the Prometheus gauge follows."""
 
@@ -11,8 +11,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from tests.trainer.test_trainer import micro_batches, policy, samples, trainer_cfg
-from trainer.gauges import export_step_metrics
-from trainer.lag_stats import lag_fractions
+from trainer.observability.gauges import export_step_metrics
+from trainer.observability.lag_stats import lag_fractions
 from trainer.trainer import Trainer
 
 STEP = 3

@@ -1,4 +1,4 @@
-"""Tests for trainer.logprobs (chunked LM-head logprobs + entropy) and the Triton kernels under the interpreter.
+"""Tests for trainer.forward.logprobs (chunked LM-head logprobs + entropy) and the Triton kernels under the interpreter.
 
 Reference everywhere: the naive full-logits computation, written out here
     z = (h @ W.T + b).float() / temperature       [T, V]
@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainer.logprobs import linear_logprobs_and_entropy
+from trainer.forward.logprobs import linear_logprobs_and_entropy
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -216,8 +216,8 @@ TRITON_CHECK = textwrap.dedent(
     except Exception as error:  # the interpreter itself cannot run on this install: skip, say why
         print(json.dumps({"skip": f"triton interpreter unusable here: {type(error).__name__}: {error}"}))
         sys.exit(0)
-    from trainer import triton_logprobs
-    from trainer.logprobs import chunk_grad_logits, chunk_logprob_entropy, linear_logprobs_and_entropy
+    from trainer.kernels import triton_logprobs
+    from trainer.forward.logprobs import chunk_grad_logits, chunk_logprob_entropy, linear_logprobs_and_entropy
     triton_logprobs.MAX_BLOCK_V = 64  # several vocabulary tiles per row, the last one partial
     cases = json.loads(sys.argv[1])
     results = []

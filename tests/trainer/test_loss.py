@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.loss import LossBatch, LossSpec, StepNorm, loss_counts, policy_loss
+from trainer.losses import LossBatch, LossSpec, StepNorm, loss_counts, policy_loss
 
 torch.set_num_threads(1)
 L2 = math.log(2.0)

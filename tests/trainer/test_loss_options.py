@@ -22,7 +22,7 @@ import math
 import pytest
 import torch
 
-from trainer.loss import LossBatch, LossSpec, StepNorm, loss_counts, policy_loss
+from trainer.losses import LossBatch, LossSpec, StepNorm, loss_counts, policy_loss
 
 torch.set_num_threads(1)
 F64 = torch.float64

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from configs.schema import LossConfig, load_config
-from trainer.loss import LossSpec
+from trainer.losses import LossSpec
 
 
 def test_config_and_spec_have_the_same_fields_and_defaults():

@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 
-from trainer.loss import LossBatch, LossSpec, StepNorm, policy_loss
+from trainer.losses import LossBatch, LossSpec, StepNorm, policy_loss
 
 torch.set_num_threads(1)
 F64 = torch.float64

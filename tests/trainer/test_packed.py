@@ -1,6 +1,6 @@
-"""Tests for trainer.packed: packed forward == per-sample unpacked forward, on a tiny random Qwen2.
+"""Tests for trainer.forward.packed: packed forward == per-sample unpacked forward, on a tiny random Qwen2.
 
-The packed path applies the LM head chunk by chunk (trainer.logprobs); every reference here computes
+The packed path applies the LM head chunk by chunk (trainer.forward.logprobs); every reference here computes
 the full `[T, V]` logits with the model's own forward, so the tests also check chunked == naive.
 """
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from trainer.packed import (
+from trainer.forward.packed import (
     PackedLogprobs,
     block_causal_mask,
     packed_logprobs_and_entropy,
@@ -310,7 +310,7 @@ def test_varlen_attention_equals_the_dense_block_causal_mask(attn_implementation
 
 
 def test_varlen_attention_rejects_lengths_that_do_not_cover_the_row():
-    from trainer.packed_attention import packed_sdpa_attention
+    from trainer.forward.packed_attention import packed_sdpa_attention
 
     q = torch.zeros(1, 4, 6, 8)
     kv = torch.zeros(1, 2, 6, 8)

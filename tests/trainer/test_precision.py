@@ -1,4 +1,4 @@
-"""Tests for the trainer's precision policy (``trainer.dtype``, :mod:`trainer.precision`) on CPU.
+"""Tests for the trainer's precision policy (``trainer.dtype``, :mod:`trainer.forward.precision`) on CPU.
 
 bfloat16 is mixed precision: the forwards run under CPU autocast to bfloat16, while parameters,
 gradients, AdamW moments, logprobs and the loss stay float32. The bfloat16 results are compared
@@ -22,8 +22,8 @@ import torch
 
 from configs.schema import LossConfig, OptimConfig, TrainerConfig
 from tests.trainer.test_trainer import micro_batches, policy, samples
-from trainer.packed import packed_logprobs_and_entropy
-from trainer.precision import PrecisionPolicy
+from trainer.forward.packed import packed_logprobs_and_entropy
+from trainer.forward.precision import PrecisionPolicy
 from trainer.trainer import Trainer
 
 LOGPROB_ATOL = 0.03
@@ -79,7 +79,7 @@ def test_bf16_step_keeps_float32_state_and_tracks_float32(model_dir, lora):
         trainer = Trainer(model, cfg(dtype))
         before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         grads = {}
-        hooks = [p.register_hook(lambda g, n=n: grads.__setitem__(n, g.dtype))
+        hooks = [p.register_hook(lambda g, n=n, grads=grads: grads.__setitem__(n, g.dtype))
                  for n, p in model.named_parameters() if p.requires_grad]
         metrics = trainer.step(micro_batches(ss, [[0, 1], [2, 3]]))
         for h in hooks:
@@ -121,7 +121,7 @@ def test_chunked_logprobs_of_bfloat16_weights_are_float32(temperature):
     parameters for the forward), the chunked path still returns float32 logprobs and entropy: the
     logits are upcast before the log-softmax, equal to the naive ``log_softmax(linear(h, W).float()
     / T)`` up to float32 rounding (1e-5), and the gradients come back in the inputs' dtype."""
-    from trainer.logprobs import linear_logprobs_and_entropy
+    from trainer.forward.logprobs import linear_logprobs_and_entropy
 
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(37, 16, generator=gen).to(torch.bfloat16).requires_grad_(True)

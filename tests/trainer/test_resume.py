@@ -1,5 +1,5 @@
 """Resuming the trainer: bit-exact training after a checkpoint load, the custody bookkeeping
-(:class:`trainer.step_ledger.StepLedger`), the run records cut back to a checkpoint, and the trainer
+(:class:`trainer.state.step_ledger.StepLedger`), the run records cut back to a checkpoint, and the trainer
 process itself resuming against a real ``batches`` outbox, a real ``outcomes`` receiver (the
 prompt source's ledger: every ``groups.trained`` recorded once, before ``run.done``) and a
 control channel.
@@ -41,10 +41,10 @@ from packer.packer import PackedSample, build_micro_batch
 from tests.outcomes_sink import OutcomesSink
 from tests.weight_peer import WeightPeer
 from tests.trainer.test_checkpoint import CFG, assert_same_optimizer_state, policy, step_batches, weights
-from trainer.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from trainer.state.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from bus.launch_env import ENV_RESTARTS as RESTARTS_ENV, ENV_RESUME as RESUME_ENV
 from trainer.proc import TrainerProc, drop_weight_versions
-from trainer.step_ledger import StepLedger, group_id, keep_jsonl_records
+from trainer.state.step_ledger import StepLedger, group_id, keep_jsonl_records
 from trainer.trainer import Trainer
 
 SAVE_AT = 2  # checkpoint after this many steps, then 2 more
@@ -212,7 +212,7 @@ def test_drop_weight_versions(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_policy(tmp_path_factory):
     """rlbus's tiny Qwen3 policy with its byte tokenizer (random weights): loads like the real one."""
-    from trainer.tiny_model import build_random_policy
+    from policies.tiny_model import build_random_policy
 
     return str(build_random_policy(tmp_path_factory.mktemp("policy"), hidden_size=32, num_layers=1, seed=0))
 
@@ -493,7 +493,7 @@ def test_the_trainer_writes_eval_results_and_waits_for_the_final_round(tiny_poli
 
     packer = Packer(cfg)
     try:
-        with caplog.at_level(logging.WARNING, logger="trainer.eval_log"):
+        with caplog.at_level(logging.WARNING, logger="trainer.observability.eval_log"):
             trainer = RunningTrainer(cfg)
 
             def published(rnd: int, results: list[EvalResult], keys: int):

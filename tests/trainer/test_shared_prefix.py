@@ -1,9 +1,9 @@
-"""Tests for trainer.shared_prefix: the shared-prefix forward gives the unshared forward's numbers.
+"""Tests for trainer.forward.shared_prefix: the shared-prefix forward gives the unshared forward's numbers.
 
 Rows are built like GRPO micro-batches: groups of completions of one prompt, adjacent, plus the
 awkward cases (a micro-batch starting mid-group, two identical completions, a completion that is a
 prefix of another, one-token samples). Every comparison is against the plain packed forward
-(`trainer.packed`, itself tested against unpacked forwards), for logprobs, entropy and every
+(`trainer.forward.packed`, itself tested against unpacked forwards), for logprobs, entropy and every
 parameter's gradient. The models are float64, but Qwen's RMSNorm computes in float32 whatever the
 input dtype, so both paths agree to float32 rounding of the gradients (~1e-7 relative), not float64's:
 `_assert_grads_close` allows 1e-6 of each gradient's largest entry.
@@ -15,8 +15,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from trainer.packed import PackedLogprobs, packed_logprobs_and_entropy
-from trainer.shared_prefix import plan_shared_prefixes
+from trainer.forward.packed import PackedLogprobs, packed_logprobs_and_entropy
+from trainer.forward.shared_prefix import plan_shared_prefixes
 
 VOCAB = 300
 

@@ -1,5 +1,5 @@
-"""Where a trainer step's time goes (:mod:`trainer.step_timing`): real optimizer steps of the tiny
-random policy (:func:`trainer.tiny_model.build_random_policy`) report their forward, backward and
+"""Where a trainer step's time goes (:mod:`trainer.observability.step_timing`): real optimizer steps of the tiny
+random policy (:func:`policies.tiny_model.build_random_policy`) report their forward, backward and
 optimizer seconds; the loop's six phases partition each step's wall time and feed
 ``rlbus_trainer_phase_seconds_total``; ``metrics.jsonl`` lines written as :mod:`trainer.proc`
 writes them give ``busctl status``'s phase shares and ``busctl report``'s phase table and plot.
@@ -24,9 +24,9 @@ from busctl.live import phase_shares, phase_text, trainer_text
 from configs.schema import LoraSection
 from tests.trainer.test_trainer import micro_batches, samples, trainer_cfg
 from trainer.model import load_policy
-from trainer.step_ledger import append_jsonl
-from trainer.step_timing import PHASES, SHARE_WINDOW, StepPhases, phase_key, share_key
-from trainer.tiny_model import build_random_policy
+from trainer.state.step_ledger import append_jsonl
+from trainer.observability.step_timing import PHASES, SHARE_WINDOW, StepPhases, phase_key, share_key
+from policies.tiny_model import build_random_policy
 from trainer.trainer import Trainer
 
 STEPS = 3

@@ -1,11 +1,11 @@
-"""trainer/threads.py: the trainer's thread count follows what the producers may still sample."""
+"""trainer/parallel/threads.py: the trainer's thread count follows what the producers may still sample."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from trainer.threads import ThreadPlan
+from trainer.parallel.threads import ThreadPlan
 
 
 @pytest.fixture

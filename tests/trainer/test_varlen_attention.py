@@ -1,4 +1,4 @@
-"""The CPU side of trainer/varlen_attention.py: `cu_seqlens`, when the CUDA kernel applies, and the
+"""The CPU side of trainer/kernels/varlen_attention.py: `cu_seqlens`, when the CUDA kernel applies, and the
 packed attention function's per-sample path in bfloat16 (what a CPU bf16 run uses).
 
 The kernel itself runs only on CUDA (tests/gpu/test_gpu_varlen_attention.py, skipped here).
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.packed_attention import packed_sdpa_attention
-from trainer.varlen_attention import cu_seqlens, varlen_causal_attention, varlen_kernel_applies
+from trainer.forward.packed_attention import packed_sdpa_attention
+from trainer.kernels.varlen_attention import cu_seqlens, varlen_causal_attention, varlen_kernel_applies
 
 LENS = [3, 1, 6, 2]
 

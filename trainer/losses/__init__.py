@@ -9,7 +9,7 @@ Modules, one concern each:
 - `objectives`: the per-token surrogate of each loss type.
 - `aggregation`: token_mean, seq_mean_token_mean, seq_mean_token_sum_norm weights.
 - `policy`: `policy_loss`, which puts them together and returns the loss stats.
-`trainer/loss.py` re-exports the public names.
+Its `__init__` exports the public names.
 """
 
 from trainer.losses.aggregation import aggregate_token_loss, aggregation_weights, loss_counts

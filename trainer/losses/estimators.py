@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer.packed import validated_seq_lens
+from trainer.forward.packed import validated_seq_lens
 
 __all__ = [
     "LOG_RATIO_BOUND",

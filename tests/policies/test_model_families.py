@@ -1,4 +1,4 @@
-"""The model families rlbus trains (trainer.model_families): Qwen2.5, Qwen3 and Llama-3 at toy size,
+"""The model families rlbus trains (policies.model_families): Qwen2.5, Qwen3 and Llama-3 at toy size,
 tied and untied, through the trainer's real code paths on CPU.
 
 - the tokenizer renders the family's real chat template (exact strings of the public templates),
@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from configs.schema import LoraSection, OptimConfig, TrainerConfig
 from packer.packer import PackedSample, build_micro_batch
 from trainer.model import load_policy
-from trainer.model_families import FAMILIES, build_family_model, family
-from trainer.packed import packed_token_logprobs
+from policies.model_families import FAMILIES, build_family_model, family
+from trainer.forward.packed import packed_token_logprobs
 from trainer.trainer import Trainer
 
 VARIANTS = [(name, tied) for name in FAMILIES for tied in (True, False)]
@@ -143,7 +143,7 @@ def test_a_train_step_runs_and_trains_each_eos_once(family_dirs, variant):
 
 def test_the_bench_shape_is_qwen2_5_0_5b():
     """QWEN2_5_0_5B has Qwen2.5-0.5B's parameter count (494,032,768, tied; model card: 0.49B), on the meta device."""
-    from trainer.model_families import QWEN2_5_0_5B, TINY, Shape, family_config
+    from policies.model_families import QWEN2_5_0_5B, TINY, Shape, family_config
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(family_config("qwen2.5", tied=True, shape=QWEN2_5_0_5B))

@@ -3,7 +3,7 @@ clipping over sharded gradients, sharded checkpoints, and gathering the weights 
 time for the producers.
 
 Sharding (:func:`shard_policy`): torch's FSDP2 ``fully_shard`` on each decoder layer, then on the
-packed forward (:class:`trainer.packed.PackedLogprobs`, the module the trainer calls: its
+packed forward (:class:`trainer.forward.packed.PackedLogprobs`, the module the trainer calls: its
 forward reads the LM head's weight directly, so the root must be this module, whose pre-forward
 hook unshards the embeddings, final norm and LM head). Every parameter becomes a ``DTensor``
 sharded on dim 0 over the data-parallel ranks (one 1-D device mesh over the default group); each
@@ -12,7 +12,7 @@ rank holds 1/W of the weights, of the gradients after the reduce-scatter and of 
 Invariants:
 - gradients are SUMMED over ranks (``set_gradient_divide_factor(1.0)`` with
   ``set_force_sum_reduction_for_comms(True)`` on every FSDP module: a plain SUM reduce-scatter, as
-  :func:`trainer.distributed.sum_gradients_hook` does for DDP: each micro-batch loss is already
+  :func:`trainer.parallel.distributed.sum_gradients_hook` does for DDP: each micro-batch loss is already
   divided by step-wide totals, so the sum over ranks is the one-rank gradient);
 - gradients are reduce-scattered after EVERY micro-batch's backward and accumulate in the
   float32 sharded gradients (FSDP2's default; torchtitan does the same). Deferring the sync to
@@ -28,7 +28,7 @@ Invariants:
   float32;
 - every collective here (the all-gathers of forward/backward, :class:`GatheredWeights`'s
   ``full_tensor``, DCP save/load) runs on every rank in the same order: the leader announces
-  the out-of-step ones through :mod:`trainer.distributed` (GATHER, SAVE, TEXT messages).
+  the out-of-step ones through :mod:`trainer.parallel.distributed` (GATHER, SAVE, TEXT messages).
 
 Not supported with fsdp (refused at start with a ValueError): LoRA (the adapter is a few MB, its
 AdamW state too: DDP's full replica of the frozen base costs what FSDP would save only on the
@@ -92,7 +92,7 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     non-reentrant form (``use_reentrant=False``: works with FSDP2 and with frozen inputs, no
     ``enable_input_require_grads`` needed). The recomputation runs under the attention
     implementation of the forward (``context_fn``): the packed forward switches to its varlen
-    attention for the forward only (:func:`trainer.packed_attention.packed_attention`). Gradients are unchanged up to float rounding of the
+    attention for the forward only (:func:`trainer.forward.packed_attention.packed_attention`). Gradients are unchanged up to float rounding of the
     recomputation (bit-identical on CPU: the same kernels run again).
 
     Raises:
@@ -125,7 +125,7 @@ def _attention_implementation(model: torch.nn.Module, name: str) -> Iterator[Non
 
 
 def shard_policy(packed: torch.nn.Module, mesh_device: torch.device, world_size: int, *, bfloat16: bool) -> torch.nn.Module:
-    """Shard ``packed`` (a :class:`trainer.packed.PackedLogprobs`) with FSDP2 in place; returns it.
+    """Shard ``packed`` (a :class:`trainer.forward.packed.PackedLogprobs`) with FSDP2 in place; returns it.
 
     ``fully_shard`` on each decoder layer (``model.get_decoder().layers``), then on ``packed`` as
     the root; gradient divide factor 1 (summed gradients, see the module docstring). A collective
@@ -267,10 +267,10 @@ class GatheredWeights(Mapping):
     def __len__(self) -> int:
         return len(self._index)
 
-    def items(self):  # noqa: D102 - see the class docstring: metadata stand-ins, no gather
+    def items(self):
         return list(self._stand_ins.items())
 
-    def values(self):  # noqa: D102 - as items()
+    def values(self):
         return list(self._stand_ins.values())
 
 

@@ -1,6 +1,6 @@
 """Packed-row attention on CUDA: torch's flash-attention varlen kernel over `cu_seqlens`.
 
-`trainer.packed_attention` runs causal sdpa on each packed sample's slice, a Python loop of S
+`trainer.forward.packed_attention` runs causal sdpa on each packed sample's slice, a Python loop of S
 kernel launches per layer (the CPU reference). On CUDA, flash-attention's varlen kernel (Dao 2023,
 "FlashAttention-2", arXiv:2307.08691, section 3.1; exposed by torch 2.13 as
 `torch.nn.attention.varlen.varlen_attn`) does the same block-diagonal causal attention in ONE
@@ -53,7 +53,7 @@ def varlen_kernel_applies(query: torch.Tensor, dropout_p: float) -> bool:
     if torch.cuda.get_device_capability(query.device) < (8, 0):
         return False
     try:
-        import torch.nn.attention.varlen  # noqa: F401 - torch >= 2.10
+        from torch.nn.attention import varlen  # noqa: F401 - torch >= 2.10
     except ImportError:
         return False
     return True

@@ -10,7 +10,7 @@ version of the saved weights; a resumed trainer trains step ``N`` next)::
                                  the learning rate of each param group)
     sharded/                   instead of the two above with ``trainer.parallel: fsdp``: model and
                                  optimizer shards of every rank, torch.distributed.checkpoint
-                                 (written by ``write_state``, :mod:`trainer.sharding`)
+                                 (written by ``write_state``, :mod:`trainer.parallel.sharding`)
     scheduler.pt               ``torch.save(scheduler.state_dict())``, only when an LR scheduler is
                                  passed (rlbus trains with a constant LR: none, the LR is in
                                  optimizer.pt)
@@ -34,7 +34,7 @@ Invariants:
 - A save may run while training goes on: :func:`snapshot_state` copies, on the training thread,
   what changes as training goes on (trainable weights, optimizer and scheduler state, RNG states), and
   ``save_checkpoint(..., state=snapshot)`` writes those copies, e.g. on a background thread
-  (:mod:`trainer.background_save`); frozen weights (LoRA's base) are not copied, nothing changes them.
+  (:mod:`trainer.state.background_save`); frozen weights (LoRA's base) are not copied, nothing changes them.
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ def save_checkpoint(
             here, so training may go on meanwhile); None: their state now.
         write_state: writes the model and optimizer state into the directory it is given (the
             temp directory) instead of ``save_pretrained`` + ``optimizer.pt``: a sharded save
-            every rank joins (:func:`trainer.sharding.save_sharded`, under ``sharded/``); then
+            every rank joins (:func:`trainer.parallel.sharding.save_sharded`, under ``sharded/``); then
             ``state`` must be None and no scheduler is saved.
 
     Returns:
@@ -310,7 +310,7 @@ def load_checkpoint(
         scheduler: the LR scheduler over ``optimizer``, exactly when the checkpoint has one.
         read_state: loads the model and optimizer state from the checkpoint directory it is given,
             exactly when the checkpoint is sharded (``write_state`` of :func:`save_checkpoint`;
-            :func:`trainer.sharding.load_sharded`, a collective).
+            :func:`trainer.parallel.sharding.load_sharded`, a collective).
 
     Returns:
         ``{"step": N, **extra}``.

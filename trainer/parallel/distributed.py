@@ -13,8 +13,8 @@ a second gloo group beside NCCL otherwise):
     1. header  int64 [2 + W], broadcast from rank 0: [kind, slots, size_0, ..., size_{W-1}]
                kind: STEP (a step's shares), TEXT (one text for every rank), STOP, and with
                ``trainer.parallel: fsdp`` GATHER (all-gather weight entry ``slots`` now, see
-               :class:`trainer.sharding.GatheredWeights`) and SAVE (write your shards of a
-               checkpoint into the directory in the payload, :func:`trainer.sharding.save_sharded`);
+               :class:`trainer.parallel.sharding.GatheredWeights`) and SAVE (write your shards of a
+               checkpoint into the directory in the payload, :func:`trainer.parallel.sharding.save_sharded`);
                slots: micro-batch slots every rank runs this step (STEP), the entry (GATHER);
     2. payload uint8 [max(size_r)], scattered from rank 0 (rank r reads its first size_r bytes;
                skipped when every size is 0).
@@ -250,7 +250,7 @@ class DataParallel:
     def grad_sync(module: torch.nn.Module, sync: bool) -> AbstractContextManager:
         """Context of one micro-batch's backward: DDP's ``no_sync()`` (accumulate locally) unless
         ``sync`` (the step's last micro-batch: all-reduce the accumulated gradients). An FSDP2
-        module reduce-scatters in every backward (see :mod:`trainer.sharding`): nothing to do."""
+        module reduce-scatters in every backward (see :mod:`trainer.parallel.sharding`): nothing to do."""
         if sync or not isinstance(module, torch.nn.parallel.DistributedDataParallel):  # FSDP2: every backward
             return nullcontext()
         return module.no_sync()
@@ -297,7 +297,7 @@ class DataParallel:
 
     def send_gather(self, index: int) -> None:
         """Leader: tell the followers to all-gather weight entry ``index`` now (the leader then
-        gathers it too; :class:`trainer.sharding.GatheredWeights`).
+        gathers it too; :class:`trainer.parallel.sharding.GatheredWeights`).
 
         Raises:
             ValueError: not the leader, or the followers were already stopped (they would never
@@ -310,7 +310,7 @@ class DataParallel:
 
     def send_save(self, directory: str) -> None:
         """Leader: tell the followers to write their checkpoint shards into ``directory`` (the
-        leader then writes its own; :func:`trainer.sharding.save_sharded`)."""
+        leader then writes its own; :func:`trainer.parallel.sharding.save_sharded`)."""
         self._check_leader("send_save")
         data = directory.encode()
         self._send(SAVE, 0, [b""] + [data] * (self.world_size - 1))

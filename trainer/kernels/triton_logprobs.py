@@ -1,6 +1,6 @@
 """Triton kernels of the chunked logprob path: fused log-softmax + gather + entropy, and its backward.
 
-`trainer.logprobs` computes each chunk's raw logits `[N, V]` with one matmul and hands them here:
+`trainer.forward.logprobs` computes each chunk's raw logits `[N, V]` with one matmul and hands them here:
 - `chunk_logprob_entropy`: one program per row streams the V logits once in tiles of BLOCK_V,
   keeping a running max m, s = sum exp(z - m) and w = sum exp(z - m) * z (the online softmax
   normalizer of Milakov & Gimelshein 2018, arXiv:1805.02867, algorithm 3, extended with w), then
@@ -82,7 +82,7 @@ def _grad_logits_kernel(
 def chunk_logprob_entropy(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton twin of `trainer.logprobs.chunk_logprob_entropy` (same formulas, one pass over V).
+    """Triton twin of `trainer.forward.logprobs.chunk_logprob_entropy` (same formulas, one pass over V).
 
     Args:
         logits: `[N, V]` raw logits, any float dtype, rows contiguous; not modified.
@@ -113,7 +113,7 @@ def chunk_grad_logits(
     grad_logprob: torch.Tensor,
     temperature: float,
 ) -> torch.Tensor:
-    """Triton twin of `trainer.logprobs.chunk_grad_logits`: overwrites `logits` with their gradient.
+    """Triton twin of `trainer.forward.logprobs.chunk_grad_logits`: overwrites `logits` with their gradient.
 
     Args:
         logits: `[N, V]` raw logits (recomputed), rows contiguous; OVERWRITTEN.

@@ -4,7 +4,7 @@ A follower opens no bus socket, writes no checkpoint and sends no weights: it bu
 and :class:`trainer.trainer.Trainer` exactly like rank 0 (:class:`trainer.proc.TrainerProc`),
 loads the checkpoint rank 0 names (so weights, optimizer and RNG states are identical on every
 rank), then trains the share of each step that rank 0 sends until rank 0 sends ``stop`` (protocol:
-:mod:`trainer.distributed`). With ``trainer.parallel: fsdp`` it shards the policy BEFORE loading
+:mod:`trainer.parallel.distributed`). With ``trainer.parallel: fsdp`` it shards the policy BEFORE loading
 (a sharded checkpoint loads into the shards, a collective with rank 0), and between steps it
 also joins the collectives rank 0 announces: the gather of each weight tensor rank 0 publishes
 (GATHER) and the writing of its checkpoint shards (SAVE). It dies with the torchrun agent
@@ -25,11 +25,11 @@ import torch
 
 from bus.component import die_with_parent
 from configs.schema import RunConfig, load_config
-from trainer.checkpoint import load_checkpoint
-from trainer.distributed import GATHER, SAVE, STEP, DataParallel
+from trainer.state.checkpoint import load_checkpoint
+from trainer.parallel.distributed import GATHER, SAVE, STEP, DataParallel
 from trainer.model import load_policy
-from trainer.placement import trainer_device
-from trainer.sharding import SHARDED_DIR, full_entry, is_sharded, load_sharded, save_sharded, weight_entries
+from trainer.parallel.placement import trainer_device
+from trainer.parallel.sharding import SHARDED_DIR, full_entry, is_sharded, load_sharded, save_sharded, weight_entries
 from trainer.trainer import Trainer, build_trainer
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ def load_trainer_checkpoint(path: Path, trainer: Trainer) -> dict:
 
 
 def checkpoint_writer(trainer: Trainer) -> Callable[[Path], None] | None:
-    """Rank 0's ``write_state`` of :func:`trainer.checkpoint.save_checkpoint` for a sharded
+    """Rank 0's ``write_state`` of :func:`trainer.state.checkpoint.save_checkpoint` for a sharded
     (fsdp) trainer: tell the followers to write their shards into ``DIR/sharded`` (SAVE), then
     write rank 0's; None for one rank or DDP (rank 0 writes the whole state alone)."""
     dp, model = trainer.dp, trainer.model
@@ -79,7 +79,7 @@ def follow(cfg: RunConfig, dp: DataParallel) -> Trainer:
 
     Builds the policy and :class:`Trainer` like rank 0, loads the checkpoint rank 0 names (or
     none), wraps the forward in DDP, then trains each share rank 0 sends until it sends ``stop``
-    (see :mod:`trainer.distributed`). Returns the trainer (its weights equal rank 0's).
+    (see :mod:`trainer.parallel.distributed`). Returns the trainer (its weights equal rank 0's).
     """
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)

@@ -4,7 +4,7 @@ trainer builds from it) lives.
 ``busctl up`` resolves ``trainer.device`` (``auto`` -> ``cuda`` or ``cpu``, :mod:`busctl.placement`)
 and starts the trainer with ``CUDA_VISIBLE_DEVICES`` listing its devices, so inside the process
 ``cuda`` is ``cuda:0`` for a single rank and ``cuda:LOCAL_RANK`` for data-parallel rank
-``LOCAL_RANK`` (:class:`trainer.distributed.DataParallel` picks that one from its backend). A
+``LOCAL_RANK`` (:class:`trainer.parallel.distributed.DataParallel` picks that one from its backend). A
 config that was not resolved by busctl (tests, a hand-started trainer) resolves ``auto`` here
 the same way, from what torch sees.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from configs.schema import RunConfig
-from trainer.distributed import DataParallel
+from trainer.parallel.distributed import DataParallel
 
 
 def trainer_device(cfg: RunConfig, dp: DataParallel | None) -> torch.device:

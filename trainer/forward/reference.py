@@ -8,10 +8,10 @@ The reference is the policy the run STARTED from (the model at `model.path`), ne
   restores the checkpoint afterwards), frozen (`requires_grad=False`, eval mode).
 
 Invariants: reference logprobs carry no gradient and are computed with the same packed forward
-(`trainer.packed.packed_logprobs_and_entropy`) and the same sampling temperature as the policy's
+(`trainer.forward.packed.packed_logprobs_and_entropy`) and the same sampling temperature as the policy's
 (the micro-batch's `MicroBatch.temperature`, given per call), and in the policy's compute dtype:
 the trainer calls `logprobs` inside the same autocast context as the policy's forward
-(`trainer.precision`; bfloat16 matmuls with `trainer.dtype: bfloat16`, logprobs float32), so at
+(`trainer.forward.precision`; bfloat16 matmuls with `trainer.dtype: bfloat16`, logprobs float32), so at
 step 0 the reference's logprobs equal the policy's exactly and the KL penalty starts at 0, not at
 the bfloat16-vs-float32 rounding gap. The copy's weights stay float32 (autocast casts them per op).
 """
@@ -24,7 +24,7 @@ import copy
 import torch
 from peft import PeftModel
 
-from trainer.packed import packed_logprobs_and_entropy
+from trainer.forward.packed import packed_logprobs_and_entropy
 
 __all__ = ["ReferencePolicy"]
 
@@ -35,7 +35,7 @@ class ReferencePolicy:
     Args:
         policy: the policy being trained (HF causal LM, possibly a peft `PeftModel`), still at its
             initial weights.
-        share_prefixes: run shared sample prefixes once (`trainer.shared_prefix`), as the policy's
+        share_prefixes: run shared sample prefixes once (`trainer.forward.shared_prefix`), as the policy's
             forward does (`trainer.share_prefixes`).
     """
 

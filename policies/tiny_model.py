@@ -21,7 +21,7 @@ machine, so the policy is tiny (1.1M parameters by default) and its tokenizer wo
   made of every build parameter; it is written to a temporary directory, marked ``DONE`` and
   renamed atomically, so concurrent callers never see a half-written policy.
 
-CLI: ``python -m trainer.tiny_model --out DIR [--sft-steps N] [--seed S]`` builds (or finds) the
+CLI: ``python -m policies.tiny_model --out DIR [--sft-steps N] [--seed S]`` builds (or finds) the
 warm-started policy under the cache directory ``DIR`` and prints its path (``--random``: save
 the random policy itself to ``DIR``).
 """
@@ -33,96 +33,38 @@ import hashlib
 import json
 import os
 import shutil
-import time
 import uuid
-import warnings
 from pathlib import Path
 from typing import Any
 
-PAD_TOKEN = "<|endoftext|>"
-IM_START_TOKEN = "<|im_start|>"
-IM_END_TOKEN = "<|im_end|>"
-SPECIAL_TOKENS = (PAD_TOKEN, IM_START_TOKEN, IM_END_TOKEN)
-NUM_BYTE_TOKENS = 256
-PAD_TOKEN_ID = NUM_BYTE_TOKENS  # 256
-IM_START_TOKEN_ID = NUM_BYTE_TOKENS + 1  # 257
-IM_END_TOKEN_ID = NUM_BYTE_TOKENS + 2  # 258
-VOCAB_SIZE = NUM_BYTE_TOKENS + len(SPECIAL_TOKENS)  # 259
 
-# Qwen2.5-style template without the default system prompt: every message renders as
-# "<|im_start|>{role}\n{content}<|im_end|>\n"; add_generation_prompt appends
-# "<|im_start|>assistant\n".
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- endif %}"
+from policies.byte_tokenizer import (  # noqa: F401  (re-exported: the tiny policy's token ids)
+    IM_END_TOKEN_ID,
+    IM_START_TOKEN_ID,
+    MODEL_MAX_LENGTH,
+    NUM_BYTE_TOKENS,
+    PAD_TOKEN_ID,
+    VOCAB_SIZE,
+    build_tokenizer,
+)
+from policies.warm_start import (
+    DEFAULT_SFT_BATCH_SIZE,
+    DEFAULT_SFT_LR,
+    DEFAULT_SFT_STEPS,
+    DEFAULT_SFT_TARGET_LOSS,
+    DEFAULT_SFT_TASK,
+    run_sft,
 )
 
 # Head size 32 is the smallest the vLLM CPU attention backend supports.
 HEAD_DIM = 32
 DEFAULT_HIDDEN_SIZE = 128
 DEFAULT_NUM_LAYERS = 4
-MAX_POSITION_EMBEDDINGS = 2048  # RoPE, no parameters: room for GSM8K prompts (byte tokens, up to ~1.1k)
+MAX_POSITION_EMBEDDINGS = MODEL_MAX_LENGTH  # RoPE, no parameters: room for GSM8K prompts (byte tokens, up to ~1.1k)
 
 # Bump when the SFT recipe changes in a way the cache key does not see.
 _RECIPE_VERSION = 3  # 3: max_position_embeddings 512 -> 2048
 DONE_MARKER = "DONE"
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable unicode map, the one the ByteLevel pre-tokenizer uses.
-
-    Returns: ``{byte value 0..255: one-character str}``. Printable ASCII and most Latin-1 bytes
-    map to themselves; the rest map to code points from 256 upwards.
-    """
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    codes = printable[:]
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            codes.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(printable, codes)}
-
-
-def build_tokenizer() -> Any:
-    """Build the byte-level chat tokenizer (no model files needed).
-
-    Returns:
-        A transformers ``PreTrainedTokenizerFast`` with ``len(tok) == VOCAB_SIZE == 259``: ids
-        0..255 are the raw bytes, 256 ``<|endoftext|>`` (pad), 257 ``<|im_start|>``, 258
-        ``<|im_end|>`` (eos), and ``chat_template`` set to ``CHAT_TEMPLATE``. ``encode`` adds no
-        BOS/EOS; ``decode(encode(s)) == s`` for every str ``s``.
-    """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    byte_to_char = _bytes_to_unicode()
-    vocab = {byte_to_char[b]: b for b in range(NUM_BYTE_TOKENS)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    # use_regex=False: with no merges the GPT-2 split regex changes nothing but costs time.
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    assert tok.token_to_id(PAD_TOKEN) == PAD_TOKEN_ID
-    assert tok.token_to_id(IM_END_TOKEN) == IM_END_TOKEN_ID
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token=PAD_TOKEN,
-        eos_token=IM_END_TOKEN,
-        additional_special_tokens=[IM_START_TOKEN],
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=MAX_POSITION_EMBEDDINGS,
-        clean_up_tokenization_spaces=False,
-    )
 
 
 def build_random_policy(
@@ -188,138 +130,6 @@ def build_random_policy(
 def count_parameters(model: Any) -> int:
     """Number of scalar parameters of a torch module (int)."""
     return sum(p.numel() for p in model.parameters())
-
-
-# --------------------------------------------------------------------------------------------
-# Warm start: partial SFT on reverse_text, cached on disk.
-# --------------------------------------------------------------------------------------------
-
-DEFAULT_SFT_STEPS = 300  # a cap: the loss target stopped seeds 0-11 after 72-205 steps
-DEFAULT_SFT_TARGET_LOSS = 1.7
-DEFAULT_SFT_BATCH_SIZE = 32
-DEFAULT_SFT_LR = 3e-3
-SFT_WARMUP_STEPS = 10
-SFT_LOSS_WINDOW = 5
-SFT_NUM_THREADS = 1
-DEFAULT_SFT_TASK = "reverse_text"
-
-
-def sft_examples_to_batch(
-    tokenizer: Any, examples: list[dict], render: Any
-) -> tuple[Any, Any, Any]:
-    """Tokenize chat examples for SFT with the loss on completion tokens only.
-
-    Args:
-        tokenizer: the tiny tokenizer.
-        examples: task examples ``{"id", "prompt", "info": {"target"}}``.
-        render: ``example -> list of chat messages`` (the user turn; the target is appended as
-            the assistant turn, ending with ``<|im_end|>``).
-
-    Returns:
-        ``(input_ids, attention_mask, labels)``, each ``[batch, max_len] int64``, right-padded
-        with the pad id; ``labels`` is -100 on prompt and pad positions.
-    """
-    import torch
-
-    rows = []
-    for ex in examples:
-        prompt_text = tokenizer.apply_chat_template(
-            render(ex), tokenize=False, add_generation_prompt=True
-        )
-        prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
-        completion_ids = tokenizer.encode(ex["info"]["target"], add_special_tokens=False)
-        rows.append((prompt_ids, completion_ids + [IM_END_TOKEN_ID]))
-    max_len = max(len(p) + len(c) for p, c in rows)
-    input_ids = torch.full((len(rows), max_len), PAD_TOKEN_ID, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), max_len), dtype=torch.long)
-    labels = torch.full((len(rows), max_len), -100, dtype=torch.long)
-    for i, (p, c) in enumerate(rows):
-        n = len(p) + len(c)
-        input_ids[i, :n] = torch.tensor(p + c)
-        attention_mask[i, :n] = 1
-        labels[i, len(p) : n] = torch.tensor(c)
-    return input_ids, attention_mask, labels
-
-
-def run_sft(
-    model_dir: Path,
-    *,
-    task: str,
-    sft_steps: int,
-    batch_size: int,
-    lr: float,
-    seed: int,
-    target_loss: float | None = None,
-) -> dict[str, float]:
-    """Fine-tune the policy in ``model_dir`` in place on the task's TRAIN split.
-
-    Next-token cross-entropy on completion tokens only (the reversed string and ``<|im_end|>``),
-    AdamW with a linear warm-up over ``SFT_WARMUP_STEPS`` then constant ``lr``; one fresh batch of
-    ``batch_size`` train examples per step (drawn with ``seed``). The eval split is never touched.
-
-    Stops after ``sft_steps`` steps, or earlier once the mean loss of the last
-    ``SFT_LOSS_WINDOW`` steps is at most ``target_loss`` (nats/token). Why a loss target: the
-    tiny model learns reversal in a sharp transition whose start varies by 50+ steps between
-    seeds, while the eval reward as a function of the loss is nearly seed-independent (loss 1.7
-    -> reward ~0.4), so stopping on the loss lands every seed in the same partial state.
-
-    Returns:
-        ``{"steps": steps run, "final_loss": mean loss (nats/token) of the last window,
-        "elapsed_s": seconds}``.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tasks.registry import load_task_examples
-    from tasks.task import render_messages
-
-    t0 = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.train()
-    examples = load_task_examples(task, "train", max(sft_steps, 1) * batch_size, seed)
-    torch.manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
-    losses: list[float] = []
-    # One torch thread: on a shared 2-core host two OpenMP threads spin-wait on each other when
-    # another process holds a core (measured: 10x slower); one thread costs ~1.5x when idle.
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(SFT_NUM_THREADS)
-    try:
-        for step in range(sft_steps):
-            window = losses[-SFT_LOSS_WINDOW:]
-            if target_loss is not None and len(window) == SFT_LOSS_WINDOW:
-                if sum(window) / len(window) <= target_loss:
-                    break
-            for group in opt.param_groups:
-                group["lr"] = lr * min(1.0, (step + 1) / SFT_WARMUP_STEPS)
-            batch = examples[step * batch_size : (step + 1) * batch_size]
-            input_ids, attention_mask, labels = sft_examples_to_batch(
-                tokenizer, batch, render_messages
-            )
-            out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
-            opt.zero_grad(set_to_none=True)
-            out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            losses.append(out.loss.item())
-    finally:
-        torch.set_num_threads(num_threads)
-    model.eval()
-    model.save_pretrained(model_dir, safe_serialization=True)
-    tail = losses[-SFT_LOSS_WINDOW:] or [float("nan")]
-    if target_loss is not None and sft_steps > 0 and sum(tail) / len(tail) > target_loss:
-        warnings.warn(
-            f"SFT stopped at sft_steps={sft_steps} with loss {sum(tail) / len(tail):.2f} above"
-            f" target_loss={target_loss}: the policy is weaker than intended; raise sft_steps",
-            stacklevel=2,
-        )
-    return {
-        "steps": len(losses),
-        "final_loss": sum(tail) / len(tail),
-        "elapsed_s": time.perf_counter() - t0,
-    }
-
 
 def policy_cache_key(params: dict[str, Any]) -> str:
     """Stable 16-hex-digit key of the build parameters (JSON with sorted keys, sha256)."""

@@ -1,13 +1,13 @@
 """Varlen attention for packed rows: causal sdpa on each sample's slice, registered with transformers.
 
-A packed row holds several samples back to back (`trainer.packed`). A dense block-causal `[T, T]`
+A packed row holds several samples back to back (`trainer.forward.packed`). A dense block-causal `[T, T]`
 mask makes attention cost O(T^2) in the row length and has to be built and read; on the 2-core CPU
 machine it took 14-38% of the forward FLOPs at budgets 1024-4096 and lost the packed path most of
 its advantage over padding (`bench/README.md`, packed vs padded). Running causal
 `scaled_dot_product_attention` on each sample's slice costs O(sum_i L_i^2) and needs no mask:
 exactly what flash-attention's varlen kernel (`cu_seqlens`) does on GPU, in plain torch. On CUDA in
 float16/bfloat16 that kernel itself runs instead, one launch per layer for the whole row
-(`trainer.varlen_attention`); the per-sample loop stays the reference it is tested against
+(`trainer.kernels.varlen_attention`); the per-sample loop stays the reference it is tested against
 (tests/gpu/test_gpu_varlen_attention.py) and the path everywhere else (CPU, float32, dropout).
 
 How it plugs in (transformers 5.19, `modeling_utils.AttentionInterface`): the function below is
@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from trainer.shared_prefix import segment_attention
-from trainer.varlen_attention import varlen_causal_attention, varlen_kernel_applies
+from trainer.forward.shared_prefix import segment_attention
+from trainer.kernels.varlen_attention import varlen_causal_attention, varlen_kernel_applies
 
 __all__ = ["PACKED_ATTENTION", "packed_attention", "packed_sdpa_attention", "MASK_PLACEHOLDER"]
 
@@ -60,7 +60,7 @@ def packed_sdpa_attention(
             structure); otherwise passed to plain sdpa.
         scaling: softmax scale (None: 1/sqrt(head_dim)). dropout: attention dropout probability.
         kwargs: `rlbus_seq_lens`: list of ints >= 1 summing to T (the packed sample lengths); or
-            `rlbus_shared_plan`: a `trainer.shared_prefix.SharedPrefixPlan` of the compressed row
+            `rlbus_shared_plan`: a `trainer.forward.shared_prefix.SharedPrefixPlan` of the compressed row
             (T = its compressed tokens), whose segments then replace the samples.
 
     Returns:
@@ -68,7 +68,7 @@ def packed_sdpa_attention(
         sample (Vaswani et al. 2017, eq. 1), concatenated in packing order. Computed by the
         flash-attention varlen kernel where `varlen_kernel_applies` (CUDA, fp16/bf16, no dropout),
         else by causal sdpa on each sample's slice; with a shared-prefix plan by
-        `trainer.shared_prefix.segment_attention`.
+        `trainer.forward.shared_prefix.segment_attention`.
 
     Raises:
         ValueError: the lengths do not sum to T.

@@ -1,7 +1,7 @@
 """One checkpoint save at a time on a background thread, so file writes and fsyncs leave the
 trainer's hot path.
 
-The trainer copies the state first (:func:`trainer.checkpoint.snapshot_state`, on its own thread:
+The trainer copies the state first (:func:`trainer.state.checkpoint.snapshot_state`, on its own thread:
 the next step changes the weights), then :meth:`BackgroundSave.start` writes the copies while the
 next step trains. The queue is bounded at one save: :meth:`start` refuses while one is in flight,
 and the caller waits (:meth:`wait`) for the previous save before starting the next.
@@ -10,7 +10,7 @@ Invariants: :meth:`finished` and :meth:`wait` hand each completed save back exac
 caller's thread, and re-raise the save's exception there (a failed save crashes the trainer as a
 save on the trainer thread would). The caller releases a step's custody only once its save came
 back, so a crash during a background save loses nothing: that checkpoint is incomplete (ignored
-by :func:`trainer.checkpoint.latest_checkpoint`) and its steps were never released.
+by :func:`trainer.state.checkpoint.latest_checkpoint`) and its steps were never released.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class BackgroundSave:
         def run() -> None:
             try:
                 self._result = save()
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread by finished()/wait()
+            except BaseException as exc:
                 self._error = exc
 
         self._step, self._result, self._error = step, None, None

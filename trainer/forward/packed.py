@@ -5,7 +5,7 @@ Several samples are concatenated into ONE row of T tokens (`input_ids [T]`, spli
 sample alone would give. Two things make that true:
 - position ids restart at 0 at each sample (`packed_position_ids`), so RoPE sees local positions;
 - attention is block-diagonal and causal: a query attends only to keys of its own sample at
-  positions <= its own. `trainer.packed_attention` runs causal sdpa on each sample's slice of the
+  positions <= its own. `trainer.forward.packed_attention` runs causal sdpa on each sample's slice of the
   row (varlen attention: O(sum L_i^2), no `[T, T]` mask), switched on for the forward through
   transformers' `AttentionInterface`.
 
@@ -15,12 +15,12 @@ the tests compare the varlen path against. Only "sdpa" and "eager" models are ac
 implementation is switched for the packed forward and restored after).
 
 Full-vocabulary logits are never materialized: the decoder body gives the last hidden states
-`[T, H]`, and the LM head is applied chunk by chunk by `trainer.logprobs` (forward AND backward),
+`[T, H]`, and the LM head is applied chunk by chunk by `trainer.forward.logprobs` (forward AND backward),
 which also yields the entropy of each next-token distribution. This needs the model's logits to be
 exactly `lm_head(last hidden state)`: true for Qwen2/Llama-style models; configs that soft-cap or
 rescale logits (`LOGIT_RESCALING_FIELDS`) are refused.
 
-Precision: under a bfloat16 autocast context (`trainer.precision`) the decoder body computes in
+Precision: under a bfloat16 autocast context (`trainer.forward.precision`) the decoder body computes in
 bfloat16, but its last hidden states are cast to the LM head weight's dtype (the float32 master
 weight) and the head + log-softmax run with autocast off, so logprobs and entropy are float32
 whatever the compute dtype (a bfloat16 logit carries ~0.4% relative error, which would go straight
@@ -36,9 +36,9 @@ import math
 
 import torch
 
-from trainer.logprobs import DEFAULT_CHUNK_SIZE, linear_logprobs_and_entropy
-from trainer.packed_attention import MASK_PLACEHOLDER, packed_attention
-from trainer.shared_prefix import plan_shared_prefixes
+from trainer.forward.logprobs import DEFAULT_CHUNK_SIZE, linear_logprobs_and_entropy
+from trainer.forward.packed_attention import MASK_PLACEHOLDER, packed_attention
+from trainer.forward.shared_prefix import plan_shared_prefixes
 
 __all__ = [
     "PackedLogprobs",
@@ -123,7 +123,7 @@ def packed_logprobs_and_entropy(
         entropy[t]  = -sum_v softmax(z[t-1])_v log softmax(z[t-1])_v          (nats)
     and logprobs[t] = entropy[t] = 0 at each sample's first token (no context). Dividing by the
     sampling temperature gives the tempered sampling distribution the inference engine reports.
-    The LM head is applied `chunk_size` rows at a time (`trainer.logprobs`), so no `[T, V]` logits
+    The LM head is applied `chunk_size` rows at a time (`trainer.forward.logprobs`), so no `[T, V]` logits
     tensor exists in the forward or the backward pass; the result equals the full-logits one to
     float32 rounding.
 
@@ -137,7 +137,7 @@ def packed_logprobs_and_entropy(
         temperature: finite float > 0 dividing the logits.
         chunk_size: rows of logits computed at a time, >= 1 (memory ~ chunk_size x V floats).
         share_prefixes: run the tokens that neighbouring samples share at their start (a group's
-            prompt) through the decoder once (`trainer.shared_prefix`); the same values up to float
+            prompt) through the decoder once (`trainer.forward.shared_prefix`); the same values up to float
             rounding, fewer decoder tokens.
         stats: if given, gets `"decoder_tokens"`: tokens the decoder ran (T, or fewer when shared).
         tokens: `[T]` bool, or None (every token): compute logprobs and entropy only at these
@@ -155,8 +155,8 @@ def packed_logprobs_and_entropy(
     """
     lens = _validated_packed_inputs(model, input_ids, seq_lens, temperature)
     weight, bias = _output_projection(model)
-    # Under bfloat16 autocast (trainer.precision) the body may return bfloat16 hidden states; the
-    # head then runs in the weight's (float32 master) dtype with autocast off (trainer.logprobs).
+    # Under bfloat16 autocast (trainer.forward.precision) the body may return bfloat16 hidden states; the
+    # head then runs in the weight's (float32 master) dtype with autocast off (trainer.forward.logprobs).
     if tokens is not None and tokens.shape != input_ids.shape:
         raise ValueError(f"tokens must be a [T] mask like input_ids {tuple(input_ids.shape)}, got {tuple(tokens.shape)}")
     is_first = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
@@ -229,7 +229,7 @@ def _decoder_hidden_states(
     peft model the attribute lookup is forwarded to the wrapped transformers model, whose layers
     already hold the LoRA modules, so the adapters apply. With `share_prefixes` and a row whose
     neighbours share prefixes, the decoder runs on the compressed row of
-    `trainer.shared_prefix.plan_shared_prefixes` and the rows are read through its `expand`.
+    `trainer.forward.shared_prefix.plan_shared_prefixes` and the rows are read through its `expand`.
     `stats`, if given, gets the decoder's token count as `"decoder_tokens"`.
     """
     plan = plan_shared_prefixes(input_ids, lens) if share_prefixes else None

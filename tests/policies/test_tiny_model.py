@@ -6,20 +6,20 @@ import json
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tasks.registry import load_task_examples
-from tasks.reverse_text import split_of
-from tasks.task import render_messages
-from trainer.tiny_model import (
+from policies.tiny_model import (
     DONE_MARKER,
     IM_END_TOKEN_ID,
     IM_START_TOKEN_ID,
     PAD_TOKEN_ID,
-    SFT_LOSS_WINDOW,
     VOCAB_SIZE,
     build_random_policy,
     count_parameters,
     ensure_policy,
 )
+from policies.warm_start import SFT_LOSS_WINDOW
+from tasks.registry import load_task_examples
+from tasks.reverse_text import split_of
+from tasks.task import render_messages
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ the recompute idea of Cut Cross-Entropy (Wijmans et al. 2024, arXiv:2411.09009),
 
 The per-chunk step (`logits -> logprob, entropy, logsumexp` and `logits -> grad of logits`) has two
 backends: plain torch (`chunk_logprob_entropy`, `chunk_grad_logits`, any device) and the fused
-Triton kernels of `trainer.triton_logprobs` (one read of the logits per pass; used on CUDA when
+Triton kernels of `trainer.kernels.triton_logprobs` (one read of the logits per pass; used on CUDA when
 triton imports). Both give the naive result to float32 rounding (tests: 1e-5).
 
 Invariants: outputs are float32 `[T]` (float64 for a float64 model: exact tests such as the
@@ -224,7 +224,7 @@ def linear_logprobs_and_entropy(
         targets: `[T]` integer target ids in [0, V).
         temperature: finite float > 0 (the sampler's temperature).
         chunk_size: rows per chunk, >= 1; peak extra memory ~ a few x chunk_size x V x 4 bytes.
-        backend: "torch", "triton" (kernels of `trainer.triton_logprobs`; CUDA, or CPU under
+        backend: "torch", "triton" (kernels of `trainer.kernels.triton_logprobs`; CUDA, or CPU under
             TRITON_INTERPRET=1), or "auto" (triton on CUDA when it imports, torch otherwise).
 
     Returns:
@@ -276,7 +276,7 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         return "torch"
     try:
-        importlib.import_module("trainer.triton_logprobs")  # imports triton
+        importlib.import_module("trainer.kernels.triton_logprobs")  # imports triton
     except ImportError as error:
         if backend == "auto":
             return "torch"
@@ -287,7 +287,7 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
 def _chunk_ops(backend: str):
     """(forward op, backward op) of the per-chunk step for a resolved backend."""
     if backend == "triton":
-        from trainer import triton_logprobs
+        from trainer.kernels import triton_logprobs
 
         return triton_logprobs.chunk_logprob_entropy, triton_logprobs.chunk_grad_logits
     return chunk_logprob_entropy, chunk_grad_logits

@@ -38,7 +38,7 @@ from prometheus_client import Gauge
 from bus.messages import EvalResult, WeightsWanted
 from bus.sockets import BusSocket
 from tasks.registry import eval_tasks
-from trainer.step_ledger import append_jsonl
+from trainer.state.step_ledger import append_jsonl
 
 if TYPE_CHECKING:
     from configs.schema import RunConfig

@@ -2,7 +2,7 @@
 
 Each is the family's architecture (``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``LlamaForCausalLM``)
 at toy size with random weights, saved as a HF model directory with a tokenizer that carries the
-family's real chat template (:mod:`trainer.chat_templates`) and special tokens, and the family's
+family's real chat template (:mod:`policies.chat_templates`) and special tokens, and the family's
 EOS setup:
 
 ==========  ===============================  ============  ==========================================
@@ -19,7 +19,7 @@ llama3      <|begin_of_text|> (bos)          <|eot_id|>    [<|end_of_text|>, <|e
             <|end_header_id|> <|eot_id|>
 ==========  ===============================  ============  ==========================================
 
-The vocabulary is byte-level like :mod:`trainer.tiny_model`'s (ids 0..255 are the bytes, no merges),
+The vocabulary is byte-level like :mod:`policies.tiny_model`'s (ids 0..255 are the bytes, no merges),
 so ``decode(encode(s)) == s``. Sizes (:class:`Shape`): :data:`TINY` for tests (2 layers, hidden 128,
 4 query heads of 32, the smallest head the vLLM CPU attention backend takes, 2 KV heads: GQA, MLP
 256); :data:`QWEN2_5_0_5B` (Qwen2.5-0.5B's shape, padded vocabulary) for benches. ``tied=True`` ties
@@ -33,8 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.chat_templates import LLAMA3_TEMPLATE, QWEN2_5_TEMPLATE, QWEN3_TEMPLATE
-from trainer.tiny_model import HEAD_DIM, NUM_BYTE_TOKENS, _bytes_to_unicode
+from policies.chat_templates import LLAMA3_TEMPLATE, QWEN2_5_TEMPLATE, QWEN3_TEMPLATE
+from policies.byte_tokenizer import NUM_BYTE_TOKENS, bytes_to_unicode
+from policies.tiny_model import HEAD_DIM
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,7 @@ def build_family_tokenizer(name: str) -> Any:
     from transformers import PreTrainedTokenizerFast
 
     fam = family(name)
-    byte_to_char = _bytes_to_unicode()
+    byte_to_char = bytes_to_unicode()
     tok = Tokenizer(models.BPE(vocab={byte_to_char[b]: b for b in range(NUM_BYTE_TOKENS)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()

@@ -2,7 +2,7 @@
 
 A GRPO group is G completions of ONE prompt, so a packed micro-batch holds the same prompt tokens G
 times over. The decoder's hidden state at position t depends only on the tokens at positions <= t
-of its own sample (causal attention, positions restarting at 0 per sample: `trainer.packed`), so
+of its own sample (causal attention, positions restarting at 0 per sample: `trainer.forward.packed`), so
 samples whose first p tokens are identical have identical hidden states at positions < p. Running
 those positions once and copying their hidden states to every sample changes no number the loss
 sees (up to float rounding of a different matmul shape) and, on the default reverse-text job

@@ -12,7 +12,7 @@ arXiv:1710.03740, section 3.1), with bfloat16 instead of float16 so no loss scal
   dtype=torch.bfloat16)``: autocast casts the weights to bfloat16 for the matmuls (linear, sdpa)
   and keeps reductions, norms and softmax in float32 (its "fp32 list");
 - logprobs and the loss stay float32: the LM head's matmul and the log-softmax run in float32
-  with autocast switched off (:mod:`trainer.logprobs`), since bfloat16 logits (8 bits of
+  with autocast switched off (:mod:`trainer.forward.logprobs`), since bfloat16 logits (8 bits of
   mantissa: ~0.06 absolute error on a logit of 16) would put that error into every logprob and
   importance ratio; MiniMax-M1 (arXiv:2506.13585, its RL section) traced its training/inference
   probability mismatch to the LM head's precision and fixed it with a float32 head;
@@ -23,7 +23,7 @@ The autocast context is independent of how the model is wrapped (DDP, FSDP2 ``fu
 with its own ``MixedPrecisionPolicy``, activation checkpointing, whose recomputation restores the
 autocast state of the forward), so it composes with all of them. The frozen reference policy of
 the KL penalty runs in the same compute dtype (its logprobs are then the policy's at step 0
-exactly, so the KL starts at 0); see :mod:`trainer.reference`.
+exactly, so the KL starts at 0); see :mod:`trainer.forward.reference`.
 
 Invariants: :meth:`PrecisionPolicy.autocast` changes no parameter, buffer or optimizer state;
 under ``float32`` it is a no-op context.

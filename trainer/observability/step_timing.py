@@ -26,7 +26,7 @@ series; per-step distributions are in ``metrics.jsonl``.
 What bookkeeping does where: the per-step items stay on the trainer thread, each well under a
 millisecond on the default job (the ``metrics.jsonl`` and ``trained_samples.jsonl`` appends, the
 step ledger, the gauges); a periodic checkpoint copies the state here and writes and fsyncs it
-on a background thread (:mod:`trainer.background_save`), since its files and fsyncs take tens
+on a background thread (:mod:`trainer.state.background_save`), since its files and fsyncs take tens
 to hundreds of milliseconds on a busy disk. ``time/bookkeeping_s`` shows what it costs in a run.
 """
 

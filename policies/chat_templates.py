@@ -3,7 +3,7 @@
 Written from the public ``tokenizer_config.json`` of each family's instruct checkpoints, as published
 (transcribed, not downloaded; the prompts they render are pinned in ``tests/trainer/test_model_families.py``).
 Real checkpoints bring their own template in their tokenizer files; these are for the tiny test
-models of :mod:`trainer.model_families`:
+models of :mod:`policies.model_families`:
 
 - :data:`QWEN2_5_TEMPLATE`: Qwen2.5-*-Instruct. Without a system message it inserts Qwen's default
   one; every turn is ``<|im_start|>{role}\\n{content}<|im_end|>\\n``; tool calls in
