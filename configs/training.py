@@ -164,6 +164,14 @@ class TrainerConfig(Section):
         description="Compute dtype of the trainer's forward and backward. bfloat16: matmuls in bfloat16 with float32 master "
         "weights and AdamW state (torchtitan's mixed-precision policy); logprobs and the loss are always float32.",
     )
+    lm_head_dtype: Literal["float32", "tf32", "bfloat16"] = Field(
+        "float32",
+        description="Precision of the LM head's matmuls (the logits behind every logprob and importance ratio); the "
+        "log-softmax and the loss are float32 in every case. float32 (default): the logprobs closest to the sampler's, "
+        "MiniMax-M1's fix for the training/inference mismatch (arXiv:2506.13585); tf32: TF32 matmuls on CUDA (float32 on "
+        "CPU); bfloat16: operands in bfloat16, fastest, ~8 bits of mantissa in each logit. Measured speed and sampler "
+        "mismatch of each: bench/README.md.",
+    )
     parallel: Literal["ddp", "fsdp"] = Field(
         "ddp",
         description="How data_parallel > 1 ranks share the model: ddp (every rank holds the whole model and optimizer) or "

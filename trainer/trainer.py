@@ -101,7 +101,9 @@ class Trainer:
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(model)
         self.optimizer = build_optimizer(model, cfg)
-        self.logprobs: torch.nn.Module = PackedLogprobs(model, share_prefixes=cfg.share_prefixes)
+        self.logprobs: torch.nn.Module = PackedLogprobs(
+            model, share_prefixes=cfg.share_prefixes, head_dtype=cfg.lm_head_dtype
+        )
         """The packed forward (wrapped in DDP, or sharded in place by FSDP2, by
         :meth:`enable_data_parallel`); its temperature
         is set per micro-batch (:meth:`set_temperature`)."""
@@ -111,7 +113,10 @@ class Trainer:
         self.max_tokens = max_tokens if max_tokens is not None else 1
         """Dr. GRPO's constant normalizer (tokens); only seq_mean_token_sum_norm uses it."""
         needs_reference = self.loss_spec.kl_tau > 0 and self.loss_spec.kl_reference == "reference"
-        self.reference = ReferencePolicy(model, share_prefixes=cfg.share_prefixes) if needs_reference else None
+        self.reference = (
+            ReferencePolicy(model, share_prefixes=cfg.share_prefixes, head_dtype=cfg.lm_head_dtype)
+            if needs_reference else None
+        )
         """The frozen start policy of the KL penalty, built before any step (None: not used)."""
         self.precision = PrecisionPolicy.from_name(cfg.dtype)
         """The compute dtype of the policy's and the reference's forwards (``trainer.dtype``,

@@ -134,3 +134,60 @@ def test_chunked_logprobs_of_bfloat16_weights_are_float32(temperature):
     assert (lp.detach() - naive).abs().max().item() < 1e-5
     lp.sum().backward()
     assert hidden.grad.dtype == weight.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("head_dtype, matmul_dtype", [
+    ("float32", torch.float32), ("tf32", torch.float32), ("bfloat16", torch.bfloat16),
+])
+def test_dtypes_that_reach_attention_and_the_lm_head(model_dir, monkeypatch, head_dtype, matmul_dtype):
+    """A Trainer step under trainer.dtype=bfloat16 on CPU: every packed-attention call gets q/k/v in
+    bfloat16 (cast from the float32 RoPE output, as on CUDA before the varlen kernel), and the LM
+    head's matmuls run in trainer.lm_head_dtype's dtype, forward and backward; logprobs, loss and
+    every gradient stay float32."""
+    import trainer.forward.logprobs as head
+    import trainer.forward.packed_attention as attention
+
+    attn_dtypes, head_dtypes = [], []
+    real_sdpa, real_logits = attention.F.scaled_dot_product_attention, head.chunk_logits
+
+    def sdpa_spy(q, k, v, **kw):
+        attn_dtypes.append((q.dtype, k.dtype, v.dtype))
+        return real_sdpa(q, k, v, **kw)
+
+    def logits_spy(hidden, weight, bias):
+        head_dtypes.append((hidden.dtype, weight.dtype))
+        return real_logits(hidden, weight, bias)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", sdpa_spy)
+    monkeypatch.setattr(head, "chunk_logits", logits_spy)
+    model = policy(model_dir, lora=False)
+    ss = samples(model)
+    attn_dtypes.clear(), head_dtypes.clear()
+    trainer = Trainer(model, TrainerConfig(dtype="bfloat16", lm_head_dtype=head_dtype, share_prefixes=False,
+                                           optim=OptimConfig(lr=1e-3, max_grad_norm=1e9)))
+    metrics = trainer.step(micro_batches(ss, [list(range(len(ss)))]))
+    assert np.isfinite(metrics["loss"])
+    assert attn_dtypes and set(attn_dtypes) == {(torch.bfloat16,) * 3}
+    assert head_dtypes and set(head_dtypes) == {(matmul_dtype, matmul_dtype)}
+    assert all(p.grad is None or p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_bf16_lm_head_logprobs_close_to_float32(model_dir):
+    """lm_head_dtype=bfloat16: float32 logprobs within bfloat16 rounding of the float32 head, and
+    a float32 weight gradient close to the float32 head's."""
+    model = policy(model_dir, lora=False)
+    ids = torch.tensor([1, 2, 3, 40, 41, 42, 43, 4, 5, 60, 61, 62, 99, 7])
+    lens = torch.tensor([7, 5, 2])
+    grads = {}
+    for head_dtype in ("float32", "bfloat16"):
+        model.zero_grad()
+        lp, _ = packed_logprobs_and_entropy(model, ids, lens, head_dtype=head_dtype)
+        assert lp.dtype == torch.float32
+        lp.sum().backward()
+        grads[head_dtype] = (lp.detach(), model.get_output_embeddings().weight.grad.clone())
+    (lp32, g32), (lp16, g16) = grads["float32"], grads["bfloat16"]
+    assert (lp16 - lp32).abs().max().item() < LOGPROB_ATOL and not torch.equal(lp16, lp32)
+    assert g16.dtype == torch.float32
+    assert torch.allclose(g16, g32, atol=0.02 * g32.abs().max().item())
+    with pytest.raises(ValueError, match="head_dtype must be one of"):
+        packed_logprobs_and_entropy(model, ids, lens, head_dtype="float16")

@@ -18,8 +18,12 @@ backends: plain torch (`chunk_logprob_entropy`, `chunk_grad_logits`, any device)
 Triton kernels of `trainer.kernels.triton_logprobs` (one read of the logits per pass; used on CUDA when
 triton imports). Both give the naive result to float32 rounding (tests: 1e-5).
 
+Precision of the head (`head_dtype`, `trainer.lm_head_dtype`): the matmuls run in float32 by
+default, or in TF32 / bfloat16 when chosen; the log-softmax, the entropy and the outputs are
+float32 whatever the choice (bench/README.md has the measured speed and sampler mismatch of each).
+
 Invariants: outputs are float32 `[T]` (float64 for a float64 model: exact tests such as the
-micro-batch invariance run in float64); logits are computed in the weight's dtype and cast to
+micro-batch invariance run in float64); logits are computed in the head's dtype and cast to
 float32 (or kept in float64) BEFORE the division by the temperature (as the naive path `logits.float() / temperature`);
 the entropy output carries no gradient; no tensor of T * V elements is ever allocated when
 `chunk_size < T`.
@@ -27,6 +31,7 @@ the entropy output carries no gradient; no tensor of T * V elements is ever allo
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 
@@ -34,6 +39,7 @@ import torch
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
+    "HEAD_DTYPES",
     "ChunkedLinearLogprobs",
     "chunk_grad_logits",
     "chunk_logprob_entropy",
@@ -139,20 +145,21 @@ class ChunkedLinearLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, backend):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, backend, head_dtype="float32"):
         ops = _chunk_ops(backend)
         num_rows = hidden.shape[0]
         logprob = hidden.new_empty(num_rows, dtype=torch.promote_types(hidden.dtype, torch.float32))
         entropy = torch.empty_like(logprob)
         lse = torch.empty_like(logprob)
-        with _no_autocast(hidden.device):
+        with _no_autocast(hidden.device), head_matmul_precision(head_dtype, hidden.device):
+            h, w, b = head_operands(hidden, weight, bias, head_dtype)
             for start in range(0, num_rows, chunk_size):
                 rows = slice(start, start + chunk_size)
-                logits = chunk_logits(hidden[rows], weight, bias)
+                logits = chunk_logits(h[rows], w, b)
                 logprob[rows], entropy[rows], lse[rows] = ops[0](logits, targets[rows], temperature)
                 del logits
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.temperature, ctx.chunk_size, ctx.backend = temperature, chunk_size, backend
+        ctx.temperature, ctx.chunk_size, ctx.backend, ctx.head_dtype = temperature, chunk_size, backend, head_dtype
         ctx.mark_non_differentiable(entropy)
         return logprob, entropy
 
@@ -166,24 +173,67 @@ class ChunkedLinearLogprobs(torch.autograd.Function):
         grad_bias = torch.zeros(weight.shape[0], dtype=acc_dtype, device=weight.device) if need_bias else None
         ops = _chunk_ops(ctx.backend)
         grad_logprob = grad_logprob.to(lse.dtype)
-        with _no_autocast(hidden.device):
+        with _no_autocast(hidden.device), head_matmul_precision(ctx.head_dtype, hidden.device):
+            hidden, weight, bias = head_operands(hidden, weight, bias, ctx.head_dtype)
             for start in range(0, hidden.shape[0], ctx.chunk_size):
                 rows = slice(start, start + ctx.chunk_size)
                 logits = chunk_logits(hidden[rows], weight, bias)
                 grad_logits = ops[1](logits, targets[rows], lse[rows], grad_logprob[rows], ctx.temperature)
                 del logits
                 if need_hidden:
-                    torch.mm(grad_logits, weight, out=grad_hidden[rows])
+                    if grad_hidden.dtype == grad_logits.dtype:
+                        torch.mm(grad_logits, weight, out=grad_hidden[rows])
+                    else:
+                        grad_hidden[rows] = torch.mm(grad_logits, weight)
                 if need_weight:
                     _accumulate_float32(grad_weight, grad_logits.t(), hidden[rows])
                 if need_bias:
                     grad_bias += grad_logits.sum(0, dtype=acc_dtype)
                 del grad_logits
+        param_dtype = ctx.saved_tensors[1].dtype
         if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
+            grad_weight = grad_weight.to(param_dtype)
         if grad_bias is not None:
-            grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+            grad_bias = grad_bias.to(param_dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+HEAD_DTYPES = ("float32", "tf32", "bfloat16")
+"""`trainer.lm_head_dtype` values: the precision of the LM head's matmuls (logits and their gradients)."""
+
+
+def head_operands(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, head_dtype: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(hidden, weight, bias) in the dtype the LM head's matmuls run in.
+
+    "bfloat16": float32 operands cast to bfloat16 once per pass (the logits come out bfloat16 and
+    are cast to float32 before the log-softmax); "float32"/"tf32": unchanged (tf32 is a matmul
+    mode, `head_matmul_precision`). Float64 (the exact tests) and already-narrow operands stay as
+    they are.
+    """
+    if head_dtype != "bfloat16" or weight.dtype != torch.float32:
+        return hidden, weight, bias
+    narrow = torch.bfloat16
+    return hidden.to(narrow), weight.to(narrow), None if bias is None else bias.to(narrow)
+
+
+def head_matmul_precision(head_dtype: str, device: torch.device):
+    """Context: float32 matmuls on CUDA in TF32 (10-bit mantissa inputs, float32 accumulation) for
+    "tf32", restoring the previous setting after; a no-op otherwise and on CPU (no TF32 there)."""
+    if head_dtype != "tf32" or device.type != "cuda":
+        return contextlib.nullcontext()
+    return _allow_tf32()
+
+
+@contextlib.contextmanager
+def _allow_tf32():
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 def _no_autocast(device: torch.device):
@@ -210,6 +260,7 @@ def linear_logprobs_and_entropy(
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     backend: str = "auto",
+    head_dtype: str = "float32",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob of each target and entropy of the tempered distribution, without `[T, V]` logits.
 
@@ -226,6 +277,10 @@ def linear_logprobs_and_entropy(
         chunk_size: rows per chunk, >= 1; peak extra memory ~ a few x chunk_size x V x 4 bytes.
         backend: "torch", "triton" (kernels of `trainer.kernels.triton_logprobs`; CUDA, or CPU under
             TRITON_INTERPRET=1), or "auto" (triton on CUDA when it imports, torch otherwise).
+        head_dtype: precision of the head's matmuls (`HEAD_DTYPES`, `trainer.lm_head_dtype`):
+            "float32", "tf32" (CUDA TF32 matmuls; float32 on CPU) or "bfloat16" (operands cast to
+            bfloat16, logits cast to float32 before the log-softmax, weight gradient accumulated
+            in float32). The log-softmax, entropy and outputs are float32 in every case.
 
     Returns:
         `(logprob, entropy)`: `[T]` float32; logprob (nats, <= 0) differentiable w.r.t. hidden,
@@ -236,9 +291,11 @@ def linear_logprobs_and_entropy(
             chunk_size < 1, or an unknown backend; "triton" when triton cannot be imported.
     """
     _validate(hidden, weight, bias, targets, temperature, chunk_size, backend)
+    if head_dtype not in HEAD_DTYPES:
+        raise ValueError(f"head_dtype must be one of {HEAD_DTYPES}, got {head_dtype!r}")
     resolved = _resolve_backend(backend, hidden.device)
     return ChunkedLinearLogprobs.apply(
-        hidden, weight, bias, targets.long(), float(temperature), int(chunk_size), resolved
+        hidden, weight, bias, targets.long(), float(temperature), int(chunk_size), resolved, head_dtype
     )
 
 

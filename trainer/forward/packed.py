@@ -113,6 +113,7 @@ def packed_logprobs_and_entropy(
     share_prefixes: bool = False,
     stats: dict[str, float] | None = None,
     tokens: torch.Tensor | None = None,
+    head_dtype: str = "float32",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob of each packed token and entropy of the tempered next-token distribution before it.
 
@@ -143,6 +144,8 @@ def packed_logprobs_and_entropy(
         tokens: `[T]` bool, or None (every token): compute logprobs and entropy only at these
             tokens (the loss tokens; 0 elsewhere), so the LM head and the log-softmax skip the
             prompt rows the loss never reads.
+        head_dtype: precision of the LM head's matmuls, "float32" | "tf32" | "bfloat16"
+            (`trainer.lm_head_dtype`, `trainer.forward.logprobs.linear_logprobs_and_entropy`).
 
     Returns:
         `(logprobs, entropy)`, each `[T]` float32: logprobs (nats, <= 0) differentiable w.r.t. the
@@ -156,7 +159,7 @@ def packed_logprobs_and_entropy(
     lens = _validated_packed_inputs(model, input_ids, seq_lens, temperature)
     weight, bias = _output_projection(model)
     # Under bfloat16 autocast (trainer.forward.precision) the body may return bfloat16 hidden states; the
-    # head then runs in the weight's (float32 master) dtype with autocast off (trainer.forward.logprobs).
+    # head then runs with autocast off, its matmuls in head_dtype (trainer.forward.logprobs).
     if tokens is not None and tokens.shape != input_ids.shape:
         raise ValueError(f"tokens must be a [T] mask like input_ids {tuple(input_ids.shape)}, got {tuple(tokens.shape)}")
     is_first = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
@@ -165,7 +168,8 @@ def packed_logprobs_and_entropy(
     at = torch.nonzero(wanted).flatten()  # tokens t, predicted from the hidden state at t - 1
     hidden = _decoder_hidden_states(model, input_ids, lens, at - 1, share_prefixes, stats).to(weight.dtype)
     logprob, entropy = linear_logprobs_and_entropy(
-        hidden, weight, bias, input_ids[at].long(), temperature=temperature, chunk_size=chunk_size
+        hidden, weight, bias, input_ids[at].long(), temperature=temperature, chunk_size=chunk_size,
+        head_dtype=head_dtype,
     )
     zeros = torch.zeros(input_ids.shape, dtype=logprob.dtype, device=logprob.device)
     return zeros.index_put((at,), logprob), zeros.index_put((at,), entropy)
@@ -298,6 +302,7 @@ class PackedLogprobs(torch.nn.Module):
         temperature: finite float > 0, the sampler's temperature.
         chunk_size: rows of logits computed at a time, >= 1.
         share_prefixes: run shared sample prefixes once (`packed_logprobs_and_entropy`).
+        head_dtype: precision of the LM head's matmuls (`trainer.lm_head_dtype`).
 
     After each forward, `stats["decoder_tokens"]` is the number of tokens its decoder ran.
 
@@ -315,6 +320,7 @@ class PackedLogprobs(torch.nn.Module):
         temperature: float = 1.0,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         share_prefixes: bool = False,
+        head_dtype: str = "float32",
     ) -> None:
         super().__init__()
         if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
@@ -325,6 +331,7 @@ class PackedLogprobs(torch.nn.Module):
         self.temperature = temperature
         self.chunk_size = chunk_size
         self.share_prefixes = share_prefixes
+        self.head_dtype = head_dtype
         self.stats: dict[str, float] = {}
 
     def forward(
@@ -339,4 +346,5 @@ class PackedLogprobs(torch.nn.Module):
             share_prefixes=self.share_prefixes,
             stats=self.stats,
             tokens=tokens,
+            head_dtype=self.head_dtype,
         )

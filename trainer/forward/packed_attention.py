@@ -32,7 +32,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from trainer.forward.shared_prefix import segment_attention
-from trainer.kernels.varlen_attention import varlen_causal_attention, varlen_kernel_applies
+from trainer.kernels.varlen_attention import to_compute_dtype, varlen_causal_attention, varlen_kernel_applies
 
 __all__ = ["PACKED_ATTENTION", "packed_attention", "packed_sdpa_attention", "MASK_PLACEHOLDER"]
 
@@ -65,7 +65,8 @@ def packed_sdpa_attention(
 
     Returns:
         (`[1, T, heads, head_dim]` attention output, None): softmax(q k^T * scale + causal) v per
-        sample (Vaswani et al. 2017, eq. 1), concatenated in packing order. Computed by the
+        sample (Vaswani et al. 2017, eq. 1), concatenated in packing order, in the autocast
+        compute dtype when autocast is on (q/k/v are cast to it first: `to_compute_dtype`). Computed by the
         flash-attention varlen kernel where `varlen_kernel_applies` (CUDA, fp16/bf16, no dropout),
         else by causal sdpa on each sample's slice; with a shared-prefix plan by
         `trainer.forward.shared_prefix.segment_attention`.
@@ -76,6 +77,8 @@ def packed_sdpa_attention(
     lens = kwargs.pop("rlbus_seq_lens", None)
     plan = kwargs.pop("rlbus_shared_plan", None)
     dropout_p = dropout if module.training else 0.0
+    if lens is not None or plan is not None:
+        query, key, value = to_compute_dtype(query, key, value)
     if plan is not None:
         key, value = _repeat_kv(query, key, value)
         return segment_attention(query, key, value, plan, scaling, dropout_p), None

@@ -37,10 +37,13 @@ class ReferencePolicy:
             initial weights.
         share_prefixes: run shared sample prefixes once (`trainer.forward.shared_prefix`), as the policy's
             forward does (`trainer.share_prefixes`).
+        head_dtype: the LM head's matmul precision, as the policy's (`trainer.lm_head_dtype`), so
+            the KL starts at 0.
     """
 
-    def __init__(self, policy: torch.nn.Module, *, share_prefixes: bool = False) -> None:
+    def __init__(self, policy: torch.nn.Module, *, share_prefixes: bool = False, head_dtype: str = "float32") -> None:
         self.share_prefixes = share_prefixes
+        self.head_dtype = head_dtype
         if isinstance(policy, PeftModel):
             self.model = policy
             self.shares_policy = True
@@ -67,6 +70,7 @@ class ReferencePolicy:
         context = self.model.disable_adapter() if self.shares_policy else contextlib.nullcontext()
         with context:
             logprobs, _entropy = packed_logprobs_and_entropy(
-                self.model, input_ids, seq_lens, temperature=temperature, share_prefixes=self.share_prefixes, tokens=tokens
+                self.model, input_ids, seq_lens, temperature=temperature, share_prefixes=self.share_prefixes, tokens=tokens,
+                head_dtype=self.head_dtype,
             )
         return logprobs.detach()

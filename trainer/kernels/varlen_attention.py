@@ -2,7 +2,7 @@
 
 `trainer.forward.packed_attention` runs causal sdpa on each packed sample's slice, a Python loop of S
 kernel launches per layer (the CPU reference). On CUDA, flash-attention's varlen kernel (Dao 2023,
-"FlashAttention-2", arXiv:2307.08691, section 3.1; exposed by torch 2.13 as
+"FlashAttention-2", arXiv:2307.08691, section 3.1; exposed by torch >= 2.10 as
 `torch.nn.attention.varlen.varlen_attn`) does the same block-diagonal causal attention in ONE
 launch per layer: the samples are rows `cu_seqlens[i]:cu_seqlens[i+1]` of `[total_tokens, heads,
 head_dim]` tensors, and each query attends to keys of its own sample at positions <= its own.
@@ -10,23 +10,31 @@ head_dim]` tensors, and each query attends to keys of its own sample at position
 When the kernel applies (`varlen_kernel_applies`): CUDA tensors in float16 or bfloat16 (the flash
 kernels have no float32 path), head_dim a multiple of 8 and <= 256, compute capability >= 8.0
 (Ampere and later: A100, H100, H200), no attention dropout (varlen_attn hardcodes dropout 0), and
-`torch.nn.attention.varlen` importable. Otherwise the caller keeps the per-sample loop.
+a torch whose `varlen_attn` takes a causal argument: `window_size` (torch >= 2.11) or `is_causal`
+(torch 2.10), read from its signature (`varlen_signature`), since a GPU vLLM build pins an older
+torch than the CPU one. Otherwise the caller keeps the per-sample loop.
 
 Invariants: same result as the per-sample causal sdpa loop to the kernel's rounding (tests/gpu:
-bf16/fp16 forward and backward); grouped-query attention is passed to the kernel as is
-(`enable_gqa=True`: flash-attention shares each kv head across its group of query heads, no
-`repeat_interleave` copy); `cu_seqlens` is int32 on the tensors' device, built once per packed
+bf16/fp16 forward and backward); grouped-query attention is passed to the kernel as is where
+torch takes `enable_gqa` (2.13: flash-attention shares each kv head across its group of query
+heads, no copy), else with the kv heads repeated (torch 2.10-2.12); `cu_seqlens` is int32 on the tensors' device, built once per packed
 row (the last few rows' are cached: every layer of a forward reuses it; never written to).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["VARLEN_DTYPES", "cu_seqlens", "varlen_causal_attention", "varlen_kernel_applies"]
+__all__ = [
+    "VARLEN_DTYPES", "VarlenSignature", "autocast_compute_dtype", "cu_seqlens", "signature_of", "to_compute_dtype",
+    "varlen_attention", "varlen_causal_attention", "varlen_decision", "varlen_kernel_applies", "varlen_signature",
+]
 
 VARLEN_DTYPES = (torch.float16, torch.bfloat16)
 """Dtypes the flash-attention varlen kernel computes in."""
@@ -43,20 +51,93 @@ def varlen_kernel_applies(query: torch.Tensor, dropout_p: float) -> bool:
         dropout_p: the attention dropout probability in effect (0 at eval; the kernel has none).
 
     Returns:
-        True on CUDA (capability >= 8.0) in float16/bfloat16 with 8 | head_dim <= 256, no dropout.
+        `varlen_decision` of the query's facts and the installed torch's `varlen_signature`.
     """
-    if not query.is_cuda or query.dtype not in VARLEN_DTYPES or dropout_p > 0:
+    if not query.is_cuda:  # the capability query below needs a CUDA device
         return False
-    head_dim = query.shape[-1]
-    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
-        return False
-    if torch.cuda.get_device_capability(query.device) < (8, 0):
-        return False
+    return varlen_decision(
+        device_type=query.device.type,
+        capability=torch.cuda.get_device_capability(query.device),
+        dtype=query.dtype,
+        head_dim=query.shape[-1],
+        dropout_p=dropout_p,
+        signature=varlen_signature(),
+    )
+
+
+def varlen_decision(
+    *,
+    device_type: str,
+    capability: tuple[int, int] | None,
+    dtype: torch.dtype,
+    head_dim: int,
+    dropout_p: float,
+    signature: VarlenSignature | None,
+) -> bool:
+    """The kernel decision from plain facts (pure: the CPU tests feed it CUDA facts).
+
+    Args:
+        device_type: "cuda", "cpu", ...; capability: the CUDA compute capability (major, minor), or
+            None off CUDA; dtype: the query's dtype; head_dim: its last dimension; dropout_p: the
+            attention dropout in effect; signature: the installed torch's `varlen_signature()`.
+
+    Returns:
+        True on CUDA with capability >= 8.0, float16/bfloat16, 8 | head_dim <= 256, no dropout and
+        a `varlen_attn` with a causal argument.
+    """
+    return (
+        device_type == "cuda"
+        and capability is not None
+        and tuple(capability) >= (8, 0)
+        and dtype in VARLEN_DTYPES
+        and head_dim % 8 == 0
+        and 0 < head_dim <= MAX_HEAD_DIM
+        and dropout_p == 0
+        and signature is not None
+    )
+
+
+@dataclass(frozen=True)
+class VarlenSignature:
+    """What the installed torch's `torch.nn.attention.varlen.varlen_attn` accepts.
+
+    Fields:
+        causal_arg: "window_size" (torch >= 2.11: `window_size=(-1, 0)` is causal) or "is_causal"
+            (torch 2.10: `is_causal=True`).
+        gqa: True when it takes `enable_gqa` (torch >= 2.13); False: the caller repeats kv heads.
+    """
+
+    causal_arg: str
+    gqa: bool
+
+
+def signature_of(fn: Callable) -> VarlenSignature | None:
+    """The `VarlenSignature` of a `varlen_attn`-like callable; None when it has no causal argument.
+
+    Pure (reads `inspect.signature` only): the decision logic the CPU tests check against the
+    signatures of torch 2.10, 2.11 and 2.13.
+    """
     try:
-        from torch.nn.attention import varlen  # noqa: F401 - torch >= 2.10
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return None
+    if "window_size" in params:
+        causal = "window_size"
+    elif "is_causal" in params:
+        causal = "is_causal"
+    else:
+        return None
+    return VarlenSignature(causal_arg=causal, gqa="enable_gqa" in params)
+
+
+@functools.lru_cache(maxsize=1)
+def varlen_signature() -> VarlenSignature | None:
+    """`signature_of` the installed `varlen_attn`; None when torch has none (torch < 2.10)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
     except ImportError:
-        return False
-    return True
+        return None
+    return signature_of(varlen_attn)
 
 
 def cu_seqlens(lens: list[int], device: torch.device | str) -> torch.Tensor:
@@ -83,6 +164,59 @@ def _cached_cu_seqlens(lens: tuple[int, ...], device: torch.device) -> torch.Ten
     return cu_seqlens(list(lens), device)
 
 
+def varlen_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Causal attention of N segments in one flash-attention varlen call (CUDA).
+
+    Segment i's queries are rows `cu_q[i]:cu_q[i+1]` of `query`, its keys/values rows
+    `cu_k[i]:cu_k[i+1]` of `key`/`value`. With as many queries as keys it is plain causal
+    attention; with fewer queries than keys the causal mask is aligned to the bottom-right corner
+    (flash-attention >= 2.1's convention, Dao 2023): query j of a segment with Lq queries and Lk
+    keys sees keys 0..Lk-Lq+j, i.e. its queries are the LAST Lq positions of the key sequence (a
+    shared prefix's tails: keys = prefix + own tail).
+
+    Args:
+        query: `[Tq, heads, head_dim]`; key, value: `[Tk, kv_heads, head_dim]` (kv_heads divides
+            heads), float16/bfloat16 on CUDA.
+        cu_q, cu_k: `[N + 1]` int32 segment offsets on the tensors' device.
+        max_q, max_k: the longest segment's queries / keys.
+        scaling: softmax scale (None: 1/sqrt(head_dim)).
+
+    Returns:
+        `[Tq, heads, head_dim]`: softmax(q k^T * scale + causal) v per segment (Vaswani et al. 2017,
+        eq. 1). Grouped-query attention goes to the kernel as is where the installed torch takes
+        `enable_gqa`, else with the kv heads repeated (`repeat_interleave`, as sdpa expects).
+
+    Raises:
+        RuntimeError: the installed torch has no usable `varlen_attn` (check `varlen_kernel_applies`).
+    """
+    from torch.nn.attention.varlen import varlen_attn
+
+    sig = varlen_signature()
+    if sig is None:
+        raise RuntimeError(f"torch {torch.__version__} has no varlen_attn with a causal argument")
+    kwargs: dict = {"scale": scaling}
+    if sig.causal_arg == "window_size":
+        kwargs["window_size"] = (-1, 0)
+    else:
+        kwargs["is_causal"] = True
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        if sig.gqa:
+            kwargs["enable_gqa"] = True
+        else:
+            key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    return varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, **kwargs)
+
+
 def varlen_causal_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lens: list[int], scaling: float | None
 ) -> torch.Tensor:
@@ -96,13 +230,12 @@ def varlen_causal_attention(
 
     Returns:
         `[1, T, heads, head_dim]` (the layout transformers' attention functions return):
-        softmax(q k^T * scale + causal) v per sample (Vaswani et al. 2017, eq. 1).
+        softmax(q k^T * scale + causal) v per sample (Vaswani et al. 2017, eq. 1), by
+        `varlen_attention`.
 
     Raises:
         ValueError: the lengths do not sum to T (from `cu_seqlens` or here).
     """
-    from torch.nn.attention.varlen import varlen_attn
-
     total = query.shape[2]
     if sum(lens) != total:
         raise ValueError(f"lens sum to {sum(lens)}, the packed row has {total} tokens")
@@ -110,8 +243,27 @@ def varlen_causal_attention(
     longest = max(lens)
     # [1, H, T, D] -> [T, H, D]; a no-op copy when q/k/v are transposed views of the projections
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
-    out = varlen_attn(
-        q, k, v, offsets, offsets, longest, longest,
-        scale=scaling, window_size=(-1, 0), enable_gqa=k.shape[1] != q.shape[1],
-    )
-    return out.unsqueeze(0)
+    return varlen_attention(q, k, v, offsets, offsets, longest, longest, scaling).unsqueeze(0)
+
+
+def autocast_compute_dtype(device: torch.device) -> torch.dtype | None:
+    """The autocast dtype in effect for `device`'s type (bfloat16 under `trainer.dtype: bfloat16`),
+    or None when autocast is off there."""
+    if not torch.is_autocast_enabled(device.type):
+        return None
+    return torch.get_autocast_dtype(device.type)
+
+
+def to_compute_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q/k/v in the autocast compute dtype, as transformers' flash-attention integration casts them.
+
+    Under a bfloat16 autocast with float32 parameters the query reaches attention as float32
+    (the bfloat16 projection times RoPE's float32 cos/sin promotes), so neither the flash kernels
+    (no float32 path) nor a bfloat16 sdpa would run. Casting here keeps attention in the compute
+    dtype the precision policy chose (:mod:`trainer.forward.precision`); gradients flow back
+    through the cast in float32. Without autocast, or already in that dtype, returns them as is.
+    """
+    dtype = autocast_compute_dtype(tensors[0].device)
+    if dtype is None or dtype == tensors[0].dtype or not tensors[0].is_floating_point():
+        return tensors
+    return tuple(t.to(dtype) for t in tensors)
