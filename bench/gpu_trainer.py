@@ -1,0 +1,214 @@
+"""rlbus's trainer step against a plain Hugging Face policy-gradient step, on the same samples, in one
+process: tokens/s, MFU and peak memory on a uniform and a GRPO-shaped batch. Needs no vLLM.
+
+Usage: ``python -m bench.gpu_trainer [--steps 4] [--micro-batch-tokens 16384] [--peak-tflops F]
+[--variants default,no_share,head_bf16] [--out FILE.json]``; ``--cpu-smoke``: tiny shapes on CPU
+(the script checked end to end, and the CPU table of bench/README.md). Without CUDA and without
+``--cpu-smoke`` it exits with status 2.
+
+The model: a random Qwen2ForCausalLM of Qwen2.5-0.5B's shape (494M parameters, tied embeddings;
+:data:`bench.gpu.QWEN25_05B`), float32 master weights, AdamW (lr 1e-6), bfloat16 compute
+(``trainer.dtype: bfloat16``: autocast), one device. Batches (random token ids, seeded):
+
+- uniform: 64 samples x 512 tokens (256 prompt, 256 completion), groups of 8 distinct prompts;
+- grpo: 8 prompts of 256 tokens x 8 completions each of 32-1024 tokens (uniform draw): a GRPO step.
+
+Each variant starts from the same fresh weights and takes one warm-up step then ``--steps`` timed
+steps (CUDA synchronized); the table gives the median step:
+
+- ``hf``: the plain step TRL's GRPOTrainer computes: per group of 8 samples, right-padded to the
+  group's longest, ``model(input_ids, attention_mask).logits`` (sdpa attention, under the same
+  bfloat16 autocast), float32 log-softmax, gather, policy-gradient loss -(A * logp) averaged over
+  completion tokens, backward; one AdamW step per batch;
+- rlbus variants: ``trainer.trainer.Trainer.step`` on the packer's micro-batches
+  (``packer.packer.pack_step``, ``--micro-batch-tokens`` per micro-batch) with the default loss
+  (AIPO) and the trainer config's defaults except: ``no_share`` (``share_prefixes: false``),
+  ``head_bf16`` / ``head_tf32`` (``lm_head_dtype``).
+
+tokens/s counts every token (prompt + completion) of the batch per step; MFU = 6 N tokens/s / peak
+(N = all parameters, Kaplan et al. 2020, arXiv:2001.08361, sec. 2.1; attention's T^2 FLOPs not
+counted, and a shared prefix's tokens counted once per sample as if recomputed); peak = bf16 dense
+FLOP/s of the device (``bench.gpu.PEAK_TFLOPS``, 989 TFLOP/s for H100 SXM / H200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from bench.gpu import QWEN25_05B, SMOKE, build_model, peak_tflops, sync
+
+__all__ = ["VARIANTS", "hf_step", "main", "make_groups", "run_variant"]
+
+VARIANTS = {
+    "default": {},
+    "no_share": {"share_prefixes": False},
+    "head_bf16": {"lm_head_dtype": "bfloat16"},
+    "head_tf32": {"lm_head_dtype": "tf32"},
+    "head_bf16_no_share": {"lm_head_dtype": "bfloat16", "share_prefixes": False},
+}
+"""rlbus trainer variants: TrainerConfig fields over the defaults."""
+
+GROUP = 8
+NO_CUDA = "bench/gpu_trainer.py needs a CUDA GPU; `python -m bench.gpu_trainer --cpu-smoke` runs tiny shapes on CPU"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=4, help="timed steps per variant (after one warm-up)")
+    p.add_argument("--micro-batch-tokens", type=int, default=16384)
+    p.add_argument("--peak-tflops", type=float, default=None)
+    p.add_argument("--variants", default="default,no_share,head_bf16", help=f"comma list of {sorted(VARIANTS)}")
+    p.add_argument("--batches", default="uniform,grpo")
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    return p.parse_args(argv)
+
+
+def make_groups(kind: str, vocab: int, smoke: bool, rng: np.random.Generator) -> list[list]:
+    """The batch as groups of `PackedSample` (GROUP samples each; random ids, advantages +-1)."""
+    from packer.packer import PackedSample
+
+    if kind == "uniform":
+        prompt, lengths = (16, [16] * 16) if smoke else (256, [256] * 64)
+        prompts = len(lengths) // GROUP
+        comps = [lengths[g * GROUP:(g + 1) * GROUP] for g in range(prompts)]
+        shared = False
+    elif kind == "grpo":
+        prompt, prompts, lo, hi = (32, 2, 8, 64) if smoke else (256, 8, 32, 1024)
+        comps = [list(rng.integers(lo, hi + 1, GROUP)) for _ in range(prompts)]
+        shared = True
+    else:
+        raise ValueError(f"unknown batch {kind!r}: uniform | grpo")
+    groups = []
+    for g, lens in enumerate(comps):
+        head = rng.integers(0, vocab, prompt)
+        group = []
+        for j, n in enumerate(lens):
+            ids = np.concatenate([head if shared else rng.integers(0, vocab, prompt), rng.integers(0, vocab, n)])
+            mask = np.arange(len(ids)) >= prompt
+            lps = np.where(mask, -np.log(vocab), 0.0).astype(np.float32)
+            group.append(PackedSample(f"g{g}/{j}", ids.astype(np.int32), mask, lps, float(rng.choice([-1.0, 1.0])),
+                                      1.0, 0, 1.0))
+        groups.append(group)
+    return groups
+
+
+def hf_step(model, optimizer, groups, device, precision) -> float:
+    """One plain HF policy-gradient step (see the module docstring); returns the loss."""
+    optimizer.zero_grad(set_to_none=True)
+    loss_tokens = sum(int(s.loss_mask.sum()) for g in groups for s in g)
+    total = 0.0
+    for group in groups:
+        width = max(len(s.input_ids) for s in group)
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        attn = torch.zeros(len(group), width, dtype=torch.long)
+        mask = torch.zeros(len(group), width, dtype=torch.bool)
+        adv = torch.tensor([s.advantage for s in group])
+        for i, s in enumerate(group):
+            n = len(s.input_ids)
+            ids[i, :n], attn[i, :n], mask[i, :n] = torch.from_numpy(s.input_ids.astype(np.int64)), 1, torch.from_numpy(s.loss_mask)
+        ids, attn, mask, adv = ids.to(device), attn.to(device), mask.to(device), adv.to(device)
+        with precision.autocast(device):
+            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+        loss = -(adv[:, None] * logp * mask[:, 1:]).sum() / loss_tokens
+        loss.backward()
+        total += loss.item()
+        del logits, logp, loss
+    optimizer.step()
+    return total
+
+
+def run_variant(name: str, groups, args, device, base_state) -> dict:
+    """Median step time, tokens/s and peak memory of one variant on `groups` (fresh weights)."""
+    from configs.schema import OptimConfig, TrainerConfig
+    from packer.packer import pack_step
+    from trainer.forward.precision import PrecisionPolicy
+    from trainer.trainer import Trainer
+
+    shape = SMOKE if args.cpu_smoke else QWEN25_05B
+    model = build_model(shape)
+    model.load_state_dict(base_state)
+    model.to(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    if name == "hf":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        precision = PrecisionPolicy.from_name("bfloat16")
+
+        def step() -> float:
+            return hf_step(model, optimizer, groups, device, precision)
+    else:
+        cfg = TrainerConfig(device=device.type, dtype="bfloat16", optim=OptimConfig(lr=1e-6, max_grad_norm=1.0),
+                            **VARIANTS[name])
+        trainer = Trainer(model, cfg)
+        mbs = pack_step(groups, 0, args.micro_batch_tokens)
+
+        def step() -> float:
+            return trainer.step(mbs)["loss"]
+    step()  # warm-up: allocator, Triton autotuning, cuDNN/flash plans
+    times = []
+    for _ in range(args.steps):
+        sync(device)
+        t0 = time.perf_counter()
+        loss = step()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    tokens = sum(len(s.input_ids) for g in groups for s in g)
+    step_s = statistics.median(times)
+    out = {"variant": name, "tokens": tokens, "step_s": step_s, "tokens_per_s": tokens / step_s, "loss": float(loss),
+           "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
+    return out
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    if not torch.cuda.is_available() and not args.cpu_smoke:
+        print(NO_CUDA, file=sys.stderr)
+        raise SystemExit(2)
+    device = torch.device("cpu" if args.cpu_smoke else "cuda")
+    if args.cpu_smoke:
+        args.micro_batch_tokens = min(args.micro_batch_tokens, 1024)
+    names = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; known: {sorted(VARIANTS)}")
+    peak = None if args.cpu_smoke else peak_tflops(torch.cuda.get_device_name(device), args.peak_tflops)
+    shape = SMOKE if args.cpu_smoke else QWEN25_05B
+    base = build_model(shape)
+    params = sum(p.numel() for p in base.parameters())
+    base_state = {k: v.clone() for k, v in base.state_dict().items()}
+    del base
+    rows = []
+    for batch in args.batches.split(","):
+        groups = make_groups(batch, shape["vocab_size"], args.cpu_smoke, np.random.default_rng(0))
+        results = {v: run_variant(v, groups, args, device, base_state) for v in ["hf", *names]}
+        for v, r in results.items():
+            r.update(batch=batch, params=params, vs_hf=r["tokens_per_s"] / results["hf"]["tokens_per_s"],
+                     mfu=6 * params * r["tokens_per_s"] / (peak * 1e12) if peak else None)
+            rows.append(r)
+    device_name = "cpu" if args.cpu_smoke else torch.cuda.get_device_name(device)
+    print(f"device: {device_name}, torch {torch.__version__}, {params / 1e6:.1f}M parameters, peak {peak} TFLOP/s")
+    print("| batch | variant | tokens | step s | tokens/s | vs plain HF | MFU (6N) | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        mem = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
+        print(f"| {r['batch']} | {r['variant']} | {r['tokens']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
+              f"{r['vs_hf']:.2f}x | {mfu} | {mem} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": device_name, "torch": torch.__version__, "rows": rows}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
