@@ -29,6 +29,9 @@ tokens/s counts every token (prompt + completion) of the batch per step; MFU = 6
 (N = all parameters, Kaplan et al. 2020, arXiv:2001.08361, sec. 2.1; attention's T^2 FLOPs not
 counted, and a shared prefix's tokens counted once per sample as if recomputed); peak = bf16 dense
 FLOP/s of the device (``bench.gpu.PEAK_TFLOPS``, 989 TFLOP/s for H100 SXM / H200).
+
+Then the LM head's precision (`head_precision`): each ``lm_head_dtype``'s logprob error against a
+float64 head on the same hidden states.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import torch
 
 from bench.gpu import QWEN25_05B, SMOKE, build_model, peak_tflops, sync
 
-__all__ = ["VARIANTS", "hf_step", "main", "make_groups", "run_variant"]
+__all__ = ["VARIANTS", "head_precision", "hf_step", "main", "make_groups", "run_variant"]
 
 VARIANTS = {
     "default": {},
@@ -169,6 +172,39 @@ def run_variant(name: str, groups, args, device, base_state) -> dict:
     return out
 
 
+def head_precision(base_state: dict, groups, device, smoke: bool) -> list[dict]:
+    """Logprob error of each `trainer.lm_head_dtype` against a float64 LM head, same hidden states.
+
+    The hidden states are the final-norm output of one group's bf16-autocast forward (the model's
+    first group, all positions); the LM head weight is scaled so the logits have a standard
+    deviation of 4 (random init gives ~0.6, a near-uniform distribution where no precision shows;
+    trained LMs' logits spread over several units). Returns one row per head dtype: mean and max
+    |logprob - float64 logprob| (nats) over the positions, and the mean k3 KL estimate."""
+    from trainer.forward.logprobs import HEAD_DTYPES, linear_logprobs_and_entropy
+    from trainer.forward.precision import PrecisionPolicy
+
+    model = build_model(SMOKE if smoke else QWEN25_05B)
+    model.load_state_dict(base_state)
+    model.to(device).eval()
+    sample = groups[0][0]
+    ids = torch.from_numpy(sample.input_ids.astype(np.int64))[None].to(device)
+    with torch.no_grad(), PrecisionPolicy.from_name("bfloat16").autocast(device):
+        hidden = model.model(input_ids=ids).last_hidden_state[0, :-1].float()
+    targets = ids[0, 1:]
+    weight = model.get_output_embeddings().weight.detach().float()
+    weight = weight * (4.0 / (hidden @ weight.T).std().item())
+    ref, _ = linear_logprobs_and_entropy(hidden.double(), weight.double(), None, targets, backend="torch")
+    rows = []
+    with torch.no_grad():
+        for head_dtype in HEAD_DTYPES:
+            lp, _ = linear_logprobs_and_entropy(hidden, weight, None, targets, head_dtype=head_dtype)
+            diff = lp.double() - ref
+            k3 = (torch.exp(-diff) - 1 + diff).mean().item()  # k3 of pi_ref / pi (Schulman 2020)
+            rows.append({"head_dtype": head_dtype, "mean_abs_nats": diff.abs().mean().item(),
+                         "max_abs_nats": diff.abs().max().item(), "k3": k3})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     if not torch.cuda.is_available() and not args.cpu_smoke:
@@ -204,9 +240,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         mem = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
         print(f"| {r['batch']} | {r['variant']} | {r['tokens']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
               f"{r['vs_hf']:.2f}x | {mfu} | {mem} |")
+    head = head_precision(base_state, make_groups("grpo", shape["vocab_size"], args.cpu_smoke,
+                                                  np.random.default_rng(0)), device, args.cpu_smoke)
+    print("| lm_head_dtype | mean abs logprob error vs float64 (nats) | max | k3 KL |")
+    print("|---|---|---|---|")
+    for r in head:
+        print(f"| {r['head_dtype']} | {r['mean_abs_nats']:.2e} | {r['max_abs_nats']:.2e} | {r['k3']:.2e} |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": device_name, "torch": torch.__version__, "rows": rows}, f, indent=1)
+            json.dump({"device": device_name, "torch": torch.__version__, "rows": rows, "head_precision": head}, f,
+                      indent=1)
     return rows
 
 
