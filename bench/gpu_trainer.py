@@ -71,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", default="uniform,grpo")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--profile", action="store_true",
+                   help="after each rlbus variant's timed steps, one profiled step: the top kernels by device time")
     return p.parse_args(argv)
 
 
@@ -165,11 +167,26 @@ def run_variant(name: str, groups, args, device, base_state) -> dict:
         loss = step()
         sync(device)
         times.append(time.perf_counter() - t0)
+    if args.profile and name != "hf":
+        print_profile(f"{name}", step, device)
     tokens = sum(len(s.input_ids) for g in groups for s in g)
     step_s = statistics.median(times)
     out = {"variant": name, "tokens": tokens, "step_s": step_s, "tokens_per_s": tokens / step_s, "loss": float(loss),
            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
     return out
+
+
+def print_profile(label: str, step, device: torch.device, rows: int = 18) -> None:
+    """One `step()` under torch.profiler: the `rows` ops with the most self device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        sync(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"--- profile: {label}")
+    print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60))
 
 
 def head_precision(base_state: dict, groups, device, smoke: bool) -> list[dict]:
