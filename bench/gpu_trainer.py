@@ -22,8 +22,8 @@ steps (CUDA synchronized); the table gives the median step:
   completion tokens, backward; one AdamW step per batch;
 - rlbus variants: ``trainer.trainer.Trainer.step`` on the packer's micro-batches
   (``packer.packer.pack_step``, ``--micro-batch-tokens`` per micro-batch) with the default loss
-  (AIPO) and the trainer config's defaults except: ``no_share`` (``share_prefixes: false``),
-  ``head_bf16`` / ``head_tf32`` (``lm_head_dtype``).
+  (AIPO) and the trainer config's defaults (``share_prefixes: true``, ``lm_head_dtype: tf32``)
+  except: ``no_share`` (``share_prefixes: false``), ``head_fp32`` / ``head_bf16`` (``lm_head_dtype``).
 
 tokens/s counts every token (prompt + completion) of the batch per step; MFU = 6 N tokens/s / peak
 (N = all parameters, Kaplan et al. 2020, arXiv:2001.08361, sec. 2.1; attention's T^2 FLOPs not
@@ -52,8 +52,9 @@ __all__ = ["VARIANTS", "head_precision", "hf_step", "main", "make_groups", "run_
 VARIANTS = {
     "default": {},
     "no_share": {"share_prefixes": False},
+    "head_fp32": {"lm_head_dtype": "float32"},
+    "head_fp32_no_share": {"lm_head_dtype": "float32", "share_prefixes": False},
     "head_bf16": {"lm_head_dtype": "bfloat16"},
-    "head_tf32": {"lm_head_dtype": "tf32"},
     "head_bf16_no_share": {"lm_head_dtype": "bfloat16", "share_prefixes": False},
 }
 """rlbus trainer variants: TrainerConfig fields over the defaults."""
@@ -67,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=4, help="timed steps per variant (after one warm-up)")
     p.add_argument("--micro-batch-tokens", type=int, default=16384)
     p.add_argument("--peak-tflops", type=float, default=None)
-    p.add_argument("--variants", default="default,no_share,head_bf16", help=f"comma list of {sorted(VARIANTS)}")
+    p.add_argument("--variants", default="default,no_share,head_fp32,head_bf16", help=f"comma list of {sorted(VARIANTS)}")
     p.add_argument("--batches", default="uniform,grpo")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU")
     p.add_argument("--out", default=None, help="write the results as JSON here")
