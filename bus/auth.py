@@ -20,6 +20,11 @@ context it creates a socket in. So every socket made from that context (data top
 control hub's XSUB/XPUB, the supervisor handshake) is secured without any component passing
 keys around, much like zmq's own per-context default socket options.
 
+When the key files are read: ``busctl up`` checks them at launch (:func:`check_keys`: a missing
+file is a bad config, exit 2, before anything starts), and every process loads them again as it
+opens its context (:func:`keys_from_config`). The config itself never reads them (``configs``
+imports nothing of the bus).
+
 Not covered: ipc:// is never CURVE-secured (the socket directory's file permissions guard it;
 see :func:`keys_from_config`), the allow-list is read when a process first binds (a key added
 or removed takes effect at the next restart of each binding process), and key distribution
@@ -54,8 +59,7 @@ DEFAULT_CLIENT = "components"
 
 class CurveSettings(Protocol):
     """The fields of the run's ``bus`` config section (``configs.schema.BusConfig``) that
-    :func:`keys_from_config` reads; a protocol so that ``bus/`` does not import ``configs/``
-    here (``configs.schema`` imports this module to check that the keys exist)."""
+    :func:`keys_from_config` and :func:`check_keys` read (a protocol: any object with them will do)."""
 
     transport: str
     curve_keys_dir: str
@@ -143,6 +147,23 @@ def create_keys(keys_dir: str | Path, num_clients: int = 1) -> list[Path]:
         if path.name.endswith(".key_secret"):
             os.chmod(path, 0o600)
     return created
+
+
+def check_keys(bus: CurveSettings) -> None:
+    """The launch-time check of ``bus.curve_keys_dir``: when it is set, its key files must load
+    (:meth:`CurveKeys.load`), with transport tcp or ipc (unused with ipc, but a config naming keys
+    that are not there fails before the run). ``busctl up`` (``--dry-run`` too) and ``busctl sbatch``
+    call it; the config does not, since ``configs`` imports nothing of the bus.
+
+    Raises:
+        ValueError: ``bus.curve_keys_dir: `` and the message of :meth:`CurveKeys.load` (names the
+            missing or unreadable path and how to make keys).
+    """
+    if bus.curve_keys_dir:
+        try:
+            CurveKeys.load(bus.curve_keys_dir, bus.curve_client)
+        except ValueError as err:
+            raise ValueError(f"bus.curve_keys_dir: {err}") from None
 
 
 def keys_from_config(bus: CurveSettings) -> CurveKeys | None:

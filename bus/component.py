@@ -37,7 +37,7 @@ from bus.control import ControlPublisher
 from bus.courier import Courier
 from bus.inbox import Inbox
 from bus.launch_env import LaunchEnv
-from bus.messages import ComponentHeartbeat, ComponentReady, Message, new_id
+from bus.messages import ComponentHeartbeat, ComponentPhase, ComponentReady, Message, new_id
 from bus.metrics import POLICY_VERSION, serve_metrics
 from bus.outbox import Outbox
 from bus.sockets import BusSocket
@@ -78,9 +78,9 @@ class Component:
         self._sockets: list[BusSocket] = []
         self._courier: Courier | None = None
         self._outcomes: Outbox | None = None
-        self.heartbeat_state = "running"
-        """What the next heartbeat reports: ``"running"``, or ``"done"`` once ``run()`` returned."""
-        self.phase = "starting"
+        self.heartbeat_state = ComponentPhase.RUNNING
+        """What the next heartbeat reports: ``running``, or ``done`` once ``run()`` returned."""
+        self.phase = ComponentPhase.STARTING
         """Shown on ``/health``: ``starting`` (in ``setup``), ``running``, ``done`` or ``failed``."""
         self._heartbeat_stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
@@ -159,7 +159,7 @@ class Component:
         """The ``/health`` answer (see :func:`bus.metrics.serve_metrics`): healthy while
         ``running`` or ``done``; the body names the component, its phase and policy version."""
         body = {"component": self.name, "phase": self.phase, "policy_version": int(POLICY_VERSION._value.get())}
-        return self.phase in ("running", "done"), body
+        return self.phase in (ComponentPhase.RUNNING, ComponentPhase.DONE), body
 
     def supervised_pid(self) -> int:
         """The pid the supervisor spawned for this component, sent in the handshake and every
@@ -265,17 +265,17 @@ def component_main(cls: type[Component], argv: list[str] | None = None) -> int:
         host = comp.launch.metrics_host  # the node's address on several nodes (RLBUS_NODE_ADDRESS)
         port = serve_metrics(args.metrics_port, host, health=comp.health)
         comp.setup()
-        comp.phase = "running"
+        comp.phase = ComponentPhase.RUNNING
         comp.report_ready(port, host)
         comp.start_heartbeat()
         log.info("ready (pid %d, metrics on %s:%d)", os.getpid(), host, port)
         comp.run()
-        comp.heartbeat_state = comp.phase = "done"
+        comp.heartbeat_state = comp.phase = ComponentPhase.DONE
         log.info("finished")
         comp.stop.wait()  # keep serving metrics until the supervisor stops us
         return 0
     except Exception:
-        comp.phase = "failed"
+        comp.phase = ComponentPhase.FAILED
         log.exception("%s failed", args.name)
         return 1
     finally:

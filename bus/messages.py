@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import ClassVar
 
 import numpy as np
@@ -390,12 +391,24 @@ class ComponentReady(Message):
     metrics_host: str = optional_field("")
 
 
+class ComponentPhase(StrEnum):
+    """Where a component process is (:mod:`bus.component`): the ``phase`` of its ``/health`` body,
+    and, ``running`` or ``done``, the ``state`` of its :class:`ComponentHeartbeat`."""
+
+    STARTING = "starting"
+    """In ``setup``, before its ready handshake."""
+    RUNNING = "running"
+    DONE = "done"
+    """``run()`` returned: its work for the run is done (it keeps serving metrics until stopped)."""
+    FAILED = "failed"
+
+
 @dataclass(frozen=True, eq=False)
 class ComponentHeartbeat(Message):
     """Liveness, component -> supervisor, every ``bus.heartbeat_s``.
 
     Fields:
-        name: component name. pid: process id. state: ``"running"`` or ``"done"``.
+        name: component name. pid: process id. state: :class:`ComponentPhase` ``"running"`` or ``"done"``.
     """
 
     TYPE: ClassVar[str] = "component.heartbeat"

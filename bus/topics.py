@@ -29,6 +29,9 @@ Endpoints are ``ipc://`` files under the run's socket directory by default, or `
 with ports at fixed offsets from ``bus.base_port``. On several hosts (``busctl up --launcher
 slurm``) ``bus.hosts`` names the host of the side that binds each endpoint (key: the topic, or
 ``rollouts-I`` for producer I); both the binder and its connectors use that address.
+
+The topic names themselves live in :mod:`configs.topic_names` (zmq-free), so that the config
+checks the keys of ``bus.hosts`` without importing the bus; :data:`TOPICS` names exactly those.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
+
+from configs.topic_names import TOPIC_NAMES
 
 IPC_PATH_MAX = 100
 """Longest ipc:// socket path used (the kernel limit of sun_path is 107 bytes)."""
@@ -79,6 +84,7 @@ TOPICS: dict[str, TopicSpec] = {
         TopicSpec("rollouts", zmq.ROUTER, zmq.DEALER, hwm=8, blocks=True, port_offset=10, reliable=True),
     )
 }
+assert tuple(TOPICS) == TOPIC_NAMES, "configs.topic_names.TOPIC_NAMES must name every topic of TOPICS, in order"
 
 
 def socket_dir(run_dir: Path) -> Path:
@@ -134,9 +140,3 @@ class Endpoints:
         """Create the ipc socket directory (no-op for tcp)."""
         if self.transport == "ipc":
             socket_dir(self.run_dir).mkdir(parents=True, exist_ok=True)
-
-
-def endpoint_key_ok(key: str) -> bool:
-    """Whether ``key`` may appear in ``bus.hosts``: a topic name, or ``rollouts-I`` (I >= 0)."""
-    base, _, index = key.rpartition("-")
-    return (key in TOPICS and key != "rollouts") or (base == "rollouts" and index.isdigit())

@@ -65,6 +65,7 @@ from busctl.cluster_cli import add_commands
 from busctl.launchers import LAUNCHERS, make_launcher
 from busctl.placement import apply_placement
 from busctl.report import cmd_report
+from busctl.run_status import RunOutcome, RunState
 from configs.model_path import resolve_run_model_paths
 from configs.schema import ConfigError, RunConfig, dump_config, load_config
 
@@ -115,6 +116,7 @@ def resume_config(target: str | None, overrides: list[str]) -> RunConfig:
 
 
 def cmd_up(ns: argparse.Namespace, console: Console) -> int:
+    from bus.auth import check_keys
     from busctl.startup import process_started_at
     from busctl.supervisor import Supervisor  # zmq/rich only; torch stays out until needed
 
@@ -124,7 +126,8 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
         cfg.supervisor.launcher = ns.launcher or cfg.supervisor.launcher
         cfg.supervisor.ray_address = ns.address or cfg.supervisor.ray_address
         placement = apply_placement(cfg)  # trainer.device and producers.dtype resolved in cfg
-    except ConfigError as err:
+        check_keys(cfg.bus)  # the CurveZMQ key files, read here at launch (the config imports no bus)
+    except ValueError as err:  # a ConfigError, or a key file missing or unreadable
         console.print(f"[red]{err}[/red]")
         return 2
     if ns.dry_run:
@@ -192,11 +195,11 @@ def supervise(sup: "Supervisor", console: Console) -> int:
             sup.error, failed = str(err), True
     finally:
         if sup.run_done and not failed:
-            sup.outcome = "done"
+            sup.outcome = RunOutcome.DONE
         elif sup.stop.is_set() and not failed:
-            sup.outcome = "interrupted"
+            sup.outcome = RunOutcome.INTERRUPTED
         else:  # RunFailed, or an unexpected error on its way up
-            sup.outcome = "failed"
+            sup.outcome = RunOutcome.FAILED
         console.print("stopping components ...")
         sup.shutdown()
     if failed:
@@ -350,7 +353,7 @@ def _parse_scale(args: list[str]) -> tuple[str | None, dict[str, int]]:
 
 def cmd_scale(ns: argparse.Namespace, console: Console) -> int:
     from busctl.run_status import write_text_atomic
-    from busctl.scaling import STOP_TIMEOUT_S, scale_targets
+    from busctl.scaling import STOP_TIMEOUT_S, ScaleState, scale_targets
 
     try:
         run_arg, request = _parse_scale(ns.args)
@@ -361,7 +364,7 @@ def cmd_scale(ns: argparse.Namespace, console: Console) -> int:
     except (ValueError, ConfigError) as err:  # ConfigError is a ValueError
         console.print(f"[red]busctl scale: {err}[/red]")
         return 2
-    if not _supervisor_alive(status) or status.get("state") not in ("starting", "running"):
+    if not _supervisor_alive(status) or status.get("state") not in (RunState.STARTING, RunState.RUNNING):
         console.print(f"[red]busctl scale: no running busctl up in {run_dir}[/red]")
         return 1
     rid = uuid.uuid4().hex
@@ -377,16 +380,16 @@ def cmd_scale(ns: argparse.Namespace, console: Console) -> int:
             console.print(f"[red]busctl scale: refused: {rejected.get('error')}[/red]")
             return 1
         if scale.get("id") == rid:
-            if scale.get("state") == "failed":
+            if scale.get("state") == ScaleState.FAILED:
                 console.print(f"[red]busctl scale: refused: {scale.get('error')}[/red]")
                 return 1
-            if scale.get("state") == "done":
+            if scale.get("state") == ScaleState.DONE:
                 console.print(f"scaled {run_dir}: started {scale.get('added') or 'none'}, stopped {scale.get('removed') or 'none'}")
                 return 0
             if not announced:
                 console.print(f"applying: starting {scale.get('added') or 'none'}, stopping {scale.get('removed') or 'none'} ...")
                 announced = True
-        if not _supervisor_alive(status) or status.get("state") not in ("starting", "running"):
+        if not _supervisor_alive(status) or status.get("state") not in (RunState.STARTING, RunState.RUNNING):
             why = status.get("error") or status.get("outcome") or "no longer running"
             console.print(f"[red]busctl scale: busctl up stopped before the request was done ({why})[/red]")
             return 1

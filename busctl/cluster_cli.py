@@ -41,11 +41,13 @@ def cmd_keys(ns: argparse.Namespace, console: Console) -> int:
 def cmd_sbatch(ns: argparse.Namespace, console: Console) -> int:
     """``busctl sbatch [CONFIG] [key=value ...] [-o FILE]``: write the job's batch script
     (:func:`busctl.launchers.sbatch.sbatch_script`) to FILE, or print it."""
+    from bus.auth import check_keys  # zmq only
     from busctl.launchers.sbatch import sbatch_script
 
     config_path, overrides = (ns.args[0], ns.args[1:]) if ns.args and "=" not in ns.args[0] else (None, ns.args)
     try:
         cfg = load_config(config_path, overrides)
+        check_keys(cfg.bus)  # a bus.curve_keys_dir given must hold keys (the config does not read them)
         script = sbatch_script(cfg, str(Path(config_path).resolve()) if config_path else None, overrides)
     except (ConfigError, ValueError) as err:
         console.print(f"[red]{err}[/red]")

@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,28 @@ RESTARTABLE_ROLES = frozenset({"hub", "trainer", "rewards", "producer", "prompt-
 """Roles the supervisor restarts: every role (the packer rebuilds its state from its spool,
 :mod:`packer.spool`)."""
 
-LIVE_STATES = ("ready", "running", "done")
+class ComponentState(StrEnum):
+    """The state of a component in the supervisor's table (:mod:`busctl.supervisor`); its value is
+    what ``status.json`` (``components[].state``), ``busctl status`` and the live display show."""
+
+    NOT_STARTED = "not started"
+    STARTING = "starting"
+    """Spawned; its ready handshake is due by ``bus.ready_timeout_s``."""
+    READY = "ready"
+    """Ready handshake received; no heartbeat since."""
+    RUNNING = "running"
+    """Heartbeats arrive."""
+    DONE = "done"
+    """Its heartbeats say its work for the run is done (it still serves metrics)."""
+    RESTARTING = "restarting"
+    """Crashed; spawned again when its backoff runs out."""
+    STOPPING = "stopping"
+    """Being scaled away (SIGTERM sent, SIGKILL at its deadline)."""
+    EXITED = "exited"
+    """Gone for good: scaled away, or its crash failed the run."""
+
+
+LIVE_STATES = (ComponentState.READY, ComponentState.RUNNING, ComponentState.DONE)
 """States of a component that completed its ready handshake and is alive."""
 
 
@@ -34,7 +56,7 @@ class ComponentSpec:
     Attributes:
         name: unique name (``"rewards-1"``); its role is the name without the ``-INDEX`` suffix.
         module: ``python -m`` entry. index: replica index.
-        pid, state, metrics_port: runtime state (states: see :mod:`busctl.supervisor`).
+        pid, state, metrics_port: runtime state (states: :class:`ComponentState`).
         metrics_host: where it serves metrics, from its ready handshake (127.0.0.1, or its
             node's address on several nodes: :mod:`busctl.metrics_targets`).
         restarts: times the supervisor restarted it. consecutive_crashes: crashes since it last
@@ -52,7 +74,7 @@ class ComponentSpec:
     module: str
     index: int = 0
     pid: int = 0
-    state: str = "not started"
+    state: ComponentState = ComponentState.NOT_STARTED
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
     restarts: int = 0

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence, Union
 
-from busctl.component_table import LIVE_STATES, RESTARTABLE_ROLES, describe_exit
+from busctl.component_table import LIVE_STATES, RESTARTABLE_ROLES, ComponentState, describe_exit
 from configs.schema import RunConfig, SupervisorConfig
 
 
@@ -76,7 +76,7 @@ class ComponentFacts:
 
     Attributes:
         name, role, pid: e.g. ``"rewards-1"``, ``"rewards"``, its current (or last) process id.
-        state: ``starting``, ``ready``, ``running``, ``done``, ``restarting``, ``stopping``, ...
+        state: see :class:`busctl.component_table.ComponentState`.
         exit_code: of its process if that has exited (negative: killed by a signal), else None.
         restarts: restarts so far. consecutive_crashes: crashes in a row before this one.
         ready_at, last_beat: last ready handshake and heartbeat (None: not yet).
@@ -85,7 +85,7 @@ class ComponentFacts:
 
     name: str
     role: str
-    state: str
+    state: ComponentState
     pid: int = 0
     exit_code: int | None = None
     restarts: int = 0
@@ -134,11 +134,11 @@ Decision = Union[RestartNow, ScheduleRestart, FailRun]
 def crash_reason(facts: ComponentFacts, now: float, rules: HealingRules) -> str | None:
     """Why ``facts``' component has crashed at ``now``, or None if it has not (or is not watched:
     ``restarting``, ``stopping``, ``exited``, not started)."""
-    if facts.state != "starting" and facts.state not in LIVE_STATES:
+    if facts.state != ComponentState.STARTING and facts.state not in LIVE_STATES:
         return None
     if facts.exit_code is not None:
         return describe_exit(facts.exit_code)
-    if facts.state == "starting":
+    if facts.state == ComponentState.STARTING:
         return f"was not ready within {rules.ready_timeout_s:g} s" if now > facts.due else None
     silent = now - max(facts.ready_at or 0.0, facts.last_beat or 0.0)
     if silent > rules.dead_after_s:
@@ -175,7 +175,7 @@ def decide(components: Sequence[ComponentFacts], now: float, rules: HealingRules
     """
     decisions: list[Decision] = []
     for facts in components:
-        if facts.state == "restarting":
+        if facts.state == ComponentState.RESTARTING:
             if now >= facts.due:
                 decisions.append(RestartNow(facts.name))
             continue

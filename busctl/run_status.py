@@ -27,6 +27,7 @@ import shutil
 import time
 import urllib.request
 from collections import deque
+from enum import StrEnum
 from pathlib import Path
 
 import yaml
@@ -42,6 +43,26 @@ STEP_WINDOW = 10
 
 EVENTS_KEPT = 20
 """Recent events kept for ``status.json`` and the live display."""
+
+
+class RunState(StrEnum):
+    """The supervisor's own state (``status.json``'s ``state``, its ``/health``)."""
+
+    PREPARING = "preparing"
+    STARTING = "starting"
+    """Components spawned, ready handshakes awaited (``busctl scale`` is accepted from here on)."""
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+class RunOutcome(StrEnum):
+    """How ``busctl up`` ended (``status.json``'s ``outcome``; ``""`` while it runs)."""
+
+    DONE = "done"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+
 
 RUN_OUTPUTS = ("metrics.jsonl", "stages.jsonl", "trained_samples.jsonl", "ledger.jsonl", "accounting.json", "samples.jsonl", "report", "metrics_final",
                "checkpoints", "packer", "logs", "weights", "sock", "status.json", "scale.json", "prometheus.yml")

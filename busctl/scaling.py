@@ -23,10 +23,11 @@ import logging
 import signal
 import subprocess
 import time
+from enum import StrEnum
 from pathlib import Path
 from typing import Callable
 
-from busctl.component_table import LIVE_STATES, ComponentSpec, describe_exit
+from busctl.component_table import LIVE_STATES, ComponentSpec, ComponentState, describe_exit
 from busctl.placement import Placement, apply_placement, plan_placement, visible_devices
 from configs.schema import RunConfig
 
@@ -37,6 +38,17 @@ STOP_TIMEOUT_S = 20.0
 
 KILL_WAIT_S = 5.0
 """Longest wait for a SIGKILLed process to be reaped before its replacement may start, seconds."""
+
+
+class ScaleState(StrEnum):
+    """Where the last ``busctl scale`` request stands: ``status.json``'s ``scale.state``, read by
+    the ``busctl scale`` client."""
+
+    APPLYING = "applying"
+    DONE = "done"
+    """The added components are ready and the removed ones gone."""
+    FAILED = "failed"
+    """Refused (the reason in ``error``)."""
 
 
 def kill_and_reap(spec: ComponentSpec) -> None:
@@ -70,11 +82,11 @@ def stop_all(specs: list[ComponentSpec], timeout_s: float = STOP_TIMEOUT_S) -> N
     for spec in running:
         spec.proc.signal(signal.SIGKILL)
         spec.proc.wait()
-        if spec.state != "exited":
-            spec.state, spec.exit_code = "exited", spec.proc.returncode
+        if spec.state != ComponentState.EXITED:
+            spec.state, spec.exit_code = ComponentState.EXITED, spec.proc.returncode
     for spec in specs:
-        if spec.proc is None and spec.state != "exited":
-            spec.state = "exited"
+        if spec.proc is None and spec.state != ComponentState.EXITED:
+            spec.state = ComponentState.EXITED
 
 
 SCALABLE = {"rewards": "rewards", "producers": "producer"}
@@ -134,7 +146,7 @@ class Scaling:
         placement: the device plan (the supervisor spawns every component with its
             ``CUDA_VISIBLE_DEVICES``).
         progress: the last request's progress, as ``status.json`` shows it under ``scale``:
-            ``{"id", "state": "applying" | "done" | "failed", "targets", "added", "removed",
+            ``{"id", "state": ScaleState, "targets", "added", "removed",
             "error"}`` (``{}`` before any request).
     """
 
@@ -164,12 +176,12 @@ class Scaling:
         try:
             request = json.loads(path.read_text())
         except (OSError, ValueError) as err:
-            self.progress = {"id": None, "state": "failed", "error": f"unreadable {path}: {err}"}
+            self.progress = {"id": None, "state": ScaleState.FAILED, "error": f"unreadable {path}: {err}"}
             return
         if not isinstance(request, dict) or request.get("id") == self.progress.get("id"):
             return
         rid = request.get("id")
-        if self.progress.get("state") == "applying":
+        if self.progress.get("state") == ScaleState.APPLYING:
             self.progress = {**self.progress, "rejected": {"id": rid, "error": "the previous scale request is still being applied"}}
             return
         try:
@@ -179,7 +191,7 @@ class Scaling:
             if missing:
                 raise ValueError(f"this run has no {missing[0]} components to scale")
         except ValueError as err:
-            self.progress = {"id": rid, "state": "failed", "error": str(err)}
+            self.progress = {"id": rid, "state": ScaleState.FAILED, "error": str(err)}
             self._say(f"  [red]scale request refused[/red]: {err}")
             self._status_changed()
             return
@@ -188,13 +200,13 @@ class Scaling:
             a, r = self._scale_role(role, n)
             added += a
             removed += r
-        self.progress = {"id": rid, "state": "applying", "targets": targets, "added": added, "removed": removed, "error": ""}
+        self.progress = {"id": rid, "state": ScaleState.APPLYING, "targets": targets, "added": added, "removed": removed, "error": ""}
         self._say(f"  [cyan]scale[/cyan] {targets}: starting {added or 'none'}, stopping {removed or 'none'}")
         self._status_changed()
 
     def _scale_role(self, role: str, n: int) -> tuple[list[str], list[str]]:
         """Start or stop replicas of ``role`` until ``n`` remain; returns (started, stopping) names."""
-        current = sorted((s for s in self.table if s.role == role and s.state != "stopping"), key=lambda s: s.index)
+        current = sorted((s for s in self.table if s.role == role and s.state != ComponentState.STOPPING), key=lambda s: s.index)
         added, removed = [], []
         for index in range(len(current), n):
             template = current[-1]
@@ -212,7 +224,7 @@ class Scaling:
                 self.table.remove(spec)
                 continue
             spec.proc.signal(signal.SIGTERM)
-            spec.state, spec.due = "stopping", time.monotonic() + STOP_TIMEOUT_S
+            spec.state, spec.due = ComponentState.STOPPING, time.monotonic() + STOP_TIMEOUT_S
         return added, removed
 
     def check_stopping(self, spec: ComponentSpec, now: float) -> None:
@@ -229,11 +241,11 @@ class Scaling:
 
     def track(self) -> None:
         """Mark the request ``done`` once the added components are ready and the removed ones gone."""
-        if self.progress.get("state") != "applying":
+        if self.progress.get("state") != ScaleState.APPLYING:
             return
         by_name = {s.name: s for s in self.table}
         ready = all(by_name.get(n) is not None and by_name[n].state in LIVE_STATES for n in self.progress["added"])
         if ready and not any(n in by_name for n in self.progress["removed"]):
-            self.progress["state"] = "done"
+            self.progress["state"] = ScaleState.DONE
             self._say(f"  [cyan]scaled[/cyan] to {self.progress['targets']}")
             self._status_changed()

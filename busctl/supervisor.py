@@ -45,8 +45,8 @@ them are restarted after its spawn (:mod:`busctl.rebinding`). Restarts are
 counted in ``rlbus_supervisor_restarts_total{component}`` (a series per component from its first
 spawn), served on the supervisor's own metrics port (in ``status.json`` and ``prometheus.yml``).
 
-Component states: ``starting``, ``ready``, ``running``, ``done``, ``restarting``, ``stopping``,
-``exited``. ``status.json``: :mod:`busctl.run_status`. Progress and events go to the console (a line
+Component states: :class:`busctl.component_table.ComponentState`; the supervisor's own:
+:class:`busctl.run_status.RunState`. ``status.json``: :mod:`busctl.run_status`. Progress and events go to the console (a line
 each; on a terminal above the live display of :mod:`busctl.live`, built from :attr:`Supervisor.snapshot`).
 Every component of a ``resume`` run gets ``RLBUS_RESUME=1``. Components also die with the
 supervisor (``PR_SET_PDEATHSIG``, see :mod:`bus.component`).
@@ -67,19 +67,19 @@ from rich.console import Console
 
 from bus import auth
 from bus.launch_env import ENV_NAMES, LaunchEnv
-from bus.messages import ComponentHeartbeat, ComponentReady, RunDone, TrainerStep
+from bus.messages import ComponentHeartbeat, ComponentPhase, ComponentReady, RunDone, TrainerStep
 from bus.metrics import start_metrics_server
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
-from busctl.component_table import LIVE_STATES, ComponentSpec, claim_broadcast_port, component_table, launch_prefix, process_start_ticks
+from busctl.component_table import LIVE_STATES, ComponentSpec, ComponentState, claim_broadcast_port, component_table, launch_prefix, process_start_ticks
 from busctl.healing import ComponentFacts, Decision, FailRun, HealingRules, RestartNow, ScheduleRestart, decide
 from busctl.launchers import Launcher
 from busctl.launchers.local import LocalLauncher
 from busctl.live import progress_line
 from busctl.metrics_targets import live_targets, prometheus_targets, served_targets, supervisor_metrics_host
 from busctl.rebinding import rebind
-from busctl.run_status import (EventLog, StepClock, append_stage_record, clear_run_dir, snapshot_metrics, write_json_atomic,
-                               write_scrape_config)
+from busctl.run_status import (EventLog, RunOutcome, RunState, StepClock, append_stage_record, clear_run_dir, snapshot_metrics,
+                               write_json_atomic, write_scrape_config)
 from busctl.scaling import Placement, Scaling, kill_and_reap, stop_all
 from busctl.scrape import MetricsPoller
 from busctl.startup import StartupClock
@@ -119,8 +119,8 @@ class Supervisor:
 
     Attributes:
         stop: set it (e.g. from a signal handler) to end ``start``/``watch`` early.
-        outcome, error: set by the caller before :meth:`shutdown` (``"done"``, ``"failed"``,
-            ``"interrupted"``); recorded in ``status.json``.
+        outcome, error: set by the caller before :meth:`shutdown` (a :class:`busctl.run_status.RunOutcome`;
+            ``""`` until then); recorded in ``status.json``.
         snapshot: the last ``status.json`` content (a new dict each time: safe to read from
             another thread, e.g. the live display's).
         poller: reads the ready components' metrics (throughput, busy, queue depth) once started.
@@ -142,8 +142,8 @@ class Supervisor:
         self.endpoints = Endpoints(cfg.bus.transport, self.run_dir, cfg.bus.host, cfg.bus.base_port, dict(cfg.bus.hosts))
         self.last_step: TrainerStep | None = None
         self.run_done = False
-        self.state = "preparing"
-        self.outcome = ""
+        self.state = RunState.PREPARING
+        self.outcome: RunOutcome | str = ""
         self.error = ""
         self.metrics_port = 0
         self._healing = False
@@ -204,7 +204,7 @@ class Supervisor:
             spec.proc = self.launcher.spawn(spec, cmd, env, logfile)
         RESTARTS.labels(spec.name)  # the series exists (0) from the first spawn
         now = spec.spawned_at = time.monotonic()
-        spec.pid, spec.state, spec.exit_code, spec.ready_at, spec.last_beat, spec.last_beat_wall = spec.proc.pid, "starting", None, None, None, None
+        spec.pid, spec.state, spec.exit_code, spec.ready_at, spec.last_beat, spec.last_beat_wall = spec.proc.pid, ComponentState.STARTING, None, None, None, None
         spec.due = now + self.cfg.bus.ready_timeout_s
         for peer in peers:  # they hold the moved endpoints' old address
             kill_and_reap(peer)
@@ -222,7 +222,7 @@ class Supervisor:
             self._control.close()
             self._control = self._subscribe_control()
         self.say(f"  [yellow]moved[/yellow] {spec.name} to {move.address} ({', '.join(move.keys)}); restarting {', '.join(move.restart)}")
-        return [s for s in self.table if s.name in move.restart and s.proc is not None and s.state != "stopping"]
+        return [s for s in self.table if s.name in move.restart and s.proc is not None and s.state != ComponentState.STOPPING]
 
     def _subscribe_control(self) -> BusSocket:
         """busctl's subscription to the control channel at the hub (``bus.hosts`` now)."""
@@ -235,7 +235,7 @@ class Supervisor:
             RunFailed: a component exited, or was not ready within ``bus.ready_timeout_s``, or
                 ``stop`` was set.
         """
-        self.state = "starting"
+        self.state = RunState.STARTING
         self._inbox = BusSocket(self.ctx, "supervisor", "recv", self.endpoints.address("supervisor"), bind=True, stop=self.stop,
                                 accept=(ComponentReady, ComponentHeartbeat))
         self._metrics_server = start_metrics_server(0, supervisor_metrics_host(self.cfg), health=self.health)
@@ -263,7 +263,7 @@ class Supervisor:
         Raises:
             RunFailed: a component died and cannot be restarted (see the module docstring).
         """
-        self.state, self._healing = "running", True
+        self.state, self._healing = RunState.RUNNING, True
         while not self.stop.is_set() and not self.run_done:
             self._turn()
         self._healing = False
@@ -293,9 +293,9 @@ class Supervisor:
         by_name = {s.name: s for s in self.table}
         if isinstance(msg, ComponentReady):
             spec = by_name.get(msg.name)
-            if spec is None or spec.pid != msg.pid or spec.state != "starting":
+            if spec is None or spec.pid != msg.pid or spec.state != ComponentState.STARTING:
                 return  # a predecessor's late handshake, or a stranger
-            spec.state, spec.metrics_port, spec.ready_at = "ready", msg.metrics_port, time.monotonic()
+            spec.state, spec.metrics_port, spec.ready_at = ComponentState.READY, msg.metrics_port, time.monotonic()
             spec.metrics_host = msg.metrics_host or "127.0.0.1"
             again = f", restart {spec.restarts}" if spec.restarts else ""
             host = "" if spec.metrics_host == "127.0.0.1" else spec.metrics_host  # another node's: named
@@ -309,7 +309,7 @@ class Supervisor:
                 return
             spec.last_beat, spec.last_beat_wall = time.monotonic(), time.time()
             if spec.state in LIVE_STATES:
-                spec.state = "done" if msg.state == "done" else "running"
+                spec.state = ComponentState.DONE if msg.state == ComponentPhase.DONE else ComponentState.RUNNING
         elif isinstance(msg, TrainerStep) and (self.last_step is None or msg.step > self.last_step.step):
             if self.last_step is None:
                 self.say(self.startup.record(msg.step, self.table))
@@ -332,11 +332,11 @@ class Supervisor:
         """
         if self._healing:
             self.scaling.poll_request()
-        for spec in [s for s in self.table if s.state == "stopping"]:
+        for spec in [s for s in self.table if s.state == ComponentState.STOPPING]:
             self.scaling.check_stopping(spec, now)
         rules = HealingRules.from_config(self.cfg, healing=self._healing, run_dir=str(self.run_dir))
         by_name = {s.name: s for s in self.table}
-        for decision in decide([self._facts(s) for s in self.table if s.state != "stopping"], now, rules):
+        for decision in decide([self._facts(s) for s in self.table if s.state != ComponentState.STOPPING], now, rules):
             self._carry_out(decision, by_name[decision.name])
         if self._healing:
             self.scaling.track()
@@ -344,7 +344,7 @@ class Supervisor:
     @staticmethod
     def _facts(spec: ComponentSpec) -> ComponentFacts:
         """What the healing policy needs of ``spec``; polls its process (an exit is recorded)."""
-        if spec.proc is not None and spec.exit_code is None and spec.state in ("starting", *LIVE_STATES):
+        if spec.proc is not None and spec.exit_code is None and spec.state in (ComponentState.STARTING, *LIVE_STATES):
             spec.exit_code = spec.proc.poll()
         return ComponentFacts(name=spec.name, role=spec.role, state=spec.state, pid=spec.pid, exit_code=spec.exit_code,
                               restarts=spec.restarts, consecutive_crashes=spec.consecutive_crashes, ready_at=spec.ready_at,
@@ -363,11 +363,11 @@ class Supervisor:
         spec.last_error = decision.reason
         log.info("%s (pid %d) %s", spec.name, spec.pid, decision.reason)  # the console line follows
         if isinstance(decision, FailRun):
-            spec.state = "exited"
+            spec.state = ComponentState.EXITED
             self.write_status()
             raise RunFailed(f"{decision.message}; see {self.log_path(spec)}")
         assert isinstance(decision, ScheduleRestart), decision
-        spec.state, spec.due, spec.proc = "restarting", decision.at, None
+        spec.state, spec.due, spec.proc = ComponentState.RESTARTING, decision.at, None
         spec.consecutive_crashes = decision.consecutive_crashes
         self.say(f"  [yellow]crashed[/yellow] {spec.name} (pid {spec.pid}) {decision.reason}; restart "
                  f"{spec.restarts + 1}/{self.cfg.supervisor.max_restarts} in {decision.delay_s:g} s")
@@ -386,7 +386,7 @@ class Supervisor:
 
     def health(self) -> tuple[bool, dict]:
         """``/health`` of ``busctl up``: healthy unless the run failed; state, step, live components."""
-        return self.outcome != "failed", {"component": "supervisor", "state": self.state, "step": self.snapshot.get("step"),
+        return self.outcome != RunOutcome.FAILED, {"component": "supervisor", "state": self.state, "step": self.snapshot.get("step"),
                                           "components_live": sum(s.state in LIVE_STATES for s in self.table), "components": len(self.table)}
 
     def write_status(self) -> None:
@@ -425,7 +425,7 @@ class Supervisor:
         """Stop every component (SIGTERM, then SIGKILL after the grace period); idempotent."""
         if self.ctx.closed:
             return
-        self.state = "stopping"
+        self.state = RunState.STOPPING
         self.poller.close()
         stop_all(list(reversed(self.table)))
         for sock in (self._inbox, self._control):
@@ -436,7 +436,7 @@ class Supervisor:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
             self._metrics_server = None
-        self.state = "stopped"
+        self.state = RunState.STOPPED
         if self.run_dir.is_dir():
             self.write_status()
         auth.disable(self.ctx)

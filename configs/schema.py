@@ -4,7 +4,9 @@ A run is one :class:`RunConfig`; each component reads its own section. Every fie
 description and bounds; unknown keys are errors (``extra="forbid"``), and the error message names
 the dotted key and what to change. The rollout-side sections (task, sampling, teacher, filters,
 eval) live in :mod:`configs.rollout`, the shared base class in :mod:`configs.base`. This module
-imports no torch, so the supervisor and tests can load configs cheaply.
+imports no torch and nothing of the bus (no zmq), so the supervisor and tests can load configs cheaply:
+the keys of ``bus.hosts`` are checked against :mod:`configs.topic_names`, and the CurveZMQ key files
+that ``bus.curve_keys_dir`` names are read at launch (:func:`bus.auth.check_keys`), not here.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pydantic import Field, ValidationError, model_validator
 from configs.base import Section
 from configs.cluster import SlurmConfig
 from configs.rollout import EvalConfig, FiltersConfig, SamplingConfig, TaskConfig, TeacherConfig
+from configs.topic_names import endpoint_key_ok
 from configs.training import LoraSection, LossConfig, OptimConfig, TrainerConfig
 
 __all__ = [
@@ -232,16 +235,11 @@ class BusConfig(Section):
     )
 
     @model_validator(mode="after")
-    def _curve_keys_exist(self) -> "BusConfig":
-        from bus.topics import endpoint_key_ok  # zmq only
-
+    def _hosts_known(self) -> "BusConfig":
+        # The key files of curve_keys_dir are read at launch (bus.auth.check_keys), not here: configs import no bus.
         bad = [k for k in self.hosts if not endpoint_key_ok(k)]
         if bad:
             raise ValueError(f"bus.hosts: unknown endpoint(s) {bad}; keys are topic names or rollouts-I")
-        if self.curve_keys_dir:
-            from bus.auth import CurveKeys  # zmq, only when CURVE is configured
-
-            CurveKeys.load(self.curve_keys_dir, self.curve_client)  # ValueError names the missing path
         return self
 
 

@@ -22,6 +22,7 @@ No sockets here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import numpy as np
 
@@ -109,6 +110,19 @@ class _Round:
         return self.size > 0 and len(self.received) + len(self.failed) >= self.size
 
 
+class EvalDecision(StrEnum):
+    """What became of a received eval group: the ``outcome`` label of ``rlbus_packer_eval_groups_total``."""
+
+    TAKEN = "taken"
+    """Held until its round closes (:meth:`EvalAggregator.add`)."""
+    DUPLICATE = "duplicate"
+    """Its id is already held: the round's release covers it."""
+    LATE = "late"
+    """Its round is closed: released at once, it changes nothing."""
+    INVALID = "invalid"
+    """Malformed (:meth:`EvalAggregator.add` raised): ignored by :mod:`packer.proc`, so training goes on."""
+
+
 class EvalAggregator:
     """Collects eval groups and failures per round; closes a round when all its groups are in."""
 
@@ -116,13 +130,13 @@ class EvalAggregator:
         self.rounds: dict[int, _Round] = {}
         self.closed: set[int] = set()
 
-    def add(self, group: ScoredGroup) -> tuple[str, RoundResult | None]:
+    def add(self, group: ScoredGroup) -> tuple[EvalDecision, RoundResult | None]:
         """Take one scored eval group.
 
         Returns:
-            ``(decision, closed)``: decision ``"taken"`` (hold its custody until the round
-            closes), ``"duplicate"`` (its id is already held: the round's release covers it) or
-            ``"late"`` (its round is closed: release it now); ``closed`` is the round this group
+            ``(decision, closed)``: decision ``TAKEN`` (hold its custody until the round
+            closes), ``DUPLICATE`` (its id is already held: the round's release covers it) or
+            ``LATE`` (its round is closed: release it now); ``closed`` is the round this group
             completed, else None.
 
         Raises:
@@ -132,13 +146,13 @@ class EvalAggregator:
             raise ValueError(f"group {group.id} is not an eval group (eval_round {group.eval_round}, eval_size {group.eval_size})")
         r = group.eval_round
         if r in self.closed:
-            return "late", None
+            return EvalDecision.LATE, None
         state = self.rounds.setdefault(r, _Round())
         if state.size and state.size != group.eval_size:
             raise ValueError(f"eval group {group.id} says round {r} has {group.eval_size} groups, earlier ones said {state.size}")
         if group.id in state.received:
-            return "duplicate", None
-        return "taken", self.take(r, group.eval_size, group.id, group.task, summarize(group))
+            return EvalDecision.DUPLICATE, None
+        return EvalDecision.TAKEN, self.take(r, group.eval_size, group.id, group.task, summarize(group))
 
     def take(self, round_: int, size: int, group_id: str, task: str, summary: EvalGroup) -> RoundResult | None:
         """Count a received group of an open round (:meth:`add` after its checks, or a replay of

@@ -43,6 +43,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Literal
 
 import numpy as np
 
@@ -50,10 +52,26 @@ from bus.messages import MicroBatch, ScoredGroup
 from bus.sample_arrays import sample_token_versions
 from packer.packing import pack_micro_batches
 
-DROP_REASONS = (
-    "empty_prompt", "too_long", "no_teacher", "filtered: equal_rewards", "filtered: online_difficulty", "stale",
-)
-"""Every reason :meth:`Packer.add` or :meth:`Packer.pop_step` drops a group for (see the module docstring)."""
+class DropReason(StrEnum):
+    """Every reason :meth:`Packer.add` or :meth:`Packer.pop_step` drops a group for (see the module
+    docstring). The value is the ``reason`` of the ``groups.dropped`` it is announced in (the prompt
+    source's ledger counts ``filtered: ...`` as filtered, :func:`prompts.accounting.outcome_of_drop`)
+    and an ``outcome`` label of ``rlbus_packer_groups_total``."""
+
+    EMPTY_PROMPT = "empty_prompt"
+    TOO_LONG = "too_long"
+    """A sample exceeds the micro-batch budget."""
+    NO_TEACHER = "no_teacher"
+    """With ``teacher``, the group has no teacher logprobs."""
+    FILTERED_EQUAL_REWARDS = "filtered: equal_rewards"
+    FILTERED_ONLINE_DIFFICULTY = "filtered: online_difficulty"
+    STALE = "stale"
+    """Its lag would exceed ``max_off_policy_steps`` at the next step."""
+
+
+DUPLICATE = "duplicate"
+"""What :meth:`Packer.add` answers for a group id it has seen before: not a drop (the group already
+has its decision, so it gets no second outcome and no ``groups.dropped``)."""
 
 
 def rewards_all_equal(rewards: np.ndarray) -> bool:
@@ -263,18 +281,14 @@ class Packer:
         """Off-policy lag of ``group`` if trained at ``step``: ``step - min(version_start)``."""
         return step - int(np.min(group.version_start))
 
-    def add(self, group: ScoredGroup) -> tuple[bool, str]:
+    def add(self, group: ScoredGroup) -> tuple[bool, DropReason | Literal["", "duplicate"]]:
         """Take a scored group.
 
         Checks run in this order: content first (the verdict cannot change), timing last.
 
         Returns:
-            ``(accepted, reason)``; reason is ``""``, ``"duplicate"`` (id seen before in this
-            run: drop silently, it already has its decision), ``"empty_prompt"``, ``"too_long"``
-            (a sample exceeds the micro-batch budget), ``"no_teacher"`` (with ``teacher``, the
-            group has no teacher logprobs), ``"filtered: equal_rewards"`` (with
-            ``filter_equal_rewards``), ``"filtered: online_difficulty"`` (with
-            ``online_difficulty_filtering``) or ``"stale"`` (lag above the bound at the next step).
+            ``(accepted, reason)``; reason is ``""`` (accepted), :data:`DUPLICATE` (id seen before
+            in this run: drop silently, it already has its decision), or a :class:`DropReason`.
 
         Raises:
             ValueError: an eval group (those go to :class:`packer.evaluation.EvalAggregator`).
@@ -282,20 +296,20 @@ class Packer:
         if group.is_eval:
             raise ValueError(f"group {group.id} is an eval group (eval_round {group.eval_round}); eval groups are never trained")
         if group.id in self.seen:
-            return False, "duplicate"
+            return False, DUPLICATE
         self.seen.add(group.id)
         if len(group.prompt_ids) == 0:
-            return False, "empty_prompt"
+            return False, DropReason.EMPTY_PROMPT
         if int(len(group.prompt_ids) + group.completion_lens.max()) > self.micro_batch_tokens:
-            return False, "too_long"
+            return False, DropReason.TOO_LONG
         if self.teacher and not has_teacher_logprobs(group):
-            return False, "no_teacher"
+            return False, DropReason.NO_TEACHER
         if self.filter_equal_rewards and rewards_all_equal(group.rewards):
-            return False, "filtered: equal_rewards"
+            return False, DropReason.FILTERED_EQUAL_REWARDS
         if self.online_difficulty_filtering and rewards_all_zero_or_all_one(group.rewards):
-            return False, "filtered: online_difficulty"
+            return False, DropReason.FILTERED_ONLINE_DIFFICULTY
         if self.lag(group, self.next_step) > self.max_off_policy_steps:
-            return False, "stale"
+            return False, DropReason.STALE
         self.buffer.append(group)
         return True, ""
 

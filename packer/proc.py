@@ -74,8 +74,8 @@ from bus.control import REANNOUNCE_DELAYS_S
 from bus.messages import GroupsDropped, GroupsTrained, MicroBatch, RunDone, ScoredGroup, WeightsReady, new_id
 from bus.metrics import StageMeter
 from packer.eval_spool import EvalSpool
-from packer.evaluation import EvalAggregator, RoundResult
-from packer.packer import DROP_REASONS, Packer, padding_ratio
+from packer.evaluation import EvalAggregator, EvalDecision, RoundResult
+from packer.packer import DUPLICATE, DropReason, Packer, padding_ratio
 from packer.samples import SamplesLog
 from packer.spool import SPOOL_DIR, Spool, checkpoint_step, trained_group_ids
 
@@ -100,13 +100,11 @@ TAKE_BURST = 256
 UNFINISHED = Gauge("rlbus_packer_unfinished_micro_batches", "Micro-batches sent and not yet done by the trainer (checkpoint)")
 SPOOL_TORN = Counter("rlbus_packer_spool_torn_records_total", "Damaged spool tails dropped on opening (a write cut short by a crash)")
 RESENT_STEPS = Counter("rlbus_packer_resent_steps_total", "Planned, unreleased steps sent again from the spool after a restart or resume")
-GROUP_OUTCOMES = ("accepted", "duplicate", *DROP_REASONS)
+GROUP_OUTCOMES = ("accepted", DUPLICATE, *DropReason)
 """Every ``outcome`` of ``rlbus_packer_groups_total``."""
-EVAL_DECISIONS = ("taken", "duplicate", "late", "invalid")
-"""Every ``outcome`` of ``rlbus_packer_eval_groups_total`` (:meth:`EvalAggregator.add`, or invalid)."""
 for _outcome in GROUP_OUTCOMES:
     GROUPS_IN.labels(_outcome)
-for _outcome in EVAL_DECISIONS:
+for _outcome in EvalDecision:  # every ``outcome`` of rlbus_packer_eval_groups_total
     EVAL_GROUPS.labels(_outcome)
 
 
@@ -168,7 +166,7 @@ class PackerProc(Component):
         self.control_in = self.control_subscriber()
         self.outcomes
 
-    def _announce_dropped(self, groups: list[ScoredGroup], reason: str, upstream: tuple | None = None) -> None:
+    def _announce_dropped(self, groups: list[ScoredGroup], reason: DropReason, upstream: tuple | None = None) -> None:
         """Report a drop to the ledger (reliable; ``upstream`` is released once it is recorded)
         and publish it on the control channel for observers."""
         if groups:
@@ -255,11 +253,11 @@ class PackerProc(Component):
                 decision, closed = self.evaluation.add(group)
             except ValueError as exc:  # a malformed eval group must not stop training (nor loop on re-sends)
                 log.error("eval group %s ignored: %s", group.id, exc)
-                decision, closed = "invalid", None
+                decision, closed = EvalDecision.INVALID, None
             EVAL_GROUPS.labels(decision).inc()
-            if decision == "taken":
+            if decision == EvalDecision.TAKEN:
                 self.eval_spool.taken(group, sync=False)  # synced before custody is released upstream
-            elif decision == "late":
+            elif decision == EvalDecision.LATE:
                 self._answer_late(group.eval_round)
             self._publish_eval(closed)  # a closed round's record is fsynced (with the groups before it)
             return True
@@ -267,8 +265,8 @@ class PackerProc(Component):
         if accepted:
             self.meter.finished(group.group_size, int(group.completion_lens.sum()))
             self.spool.accepted(group, sync=False)  # synced before custody is released upstream
-        if accepted or reason == "duplicate":
-            GROUPS_IN.labels("accepted" if accepted else "duplicate").inc()  # a duplicate: no second outcome
+        if accepted or reason == DUPLICATE:
+            GROUPS_IN.labels("accepted" if accepted else DUPLICATE).inc()  # a duplicate: no second outcome
             return True
         self._announce_dropped([group], reason, upstream=(self.scored, group.id))  # released once recorded
         return False
@@ -332,7 +330,7 @@ class PackerProc(Component):
             if group is not None:
                 self._take_received(group)
             batches, dropped = self.packer.pop_step()
-            self._announce_dropped(dropped, "stale")
+            self._announce_dropped(dropped, DropReason.STALE)
             BUFFERED.set(len(self.packer.buffer))
             UNFINISHED.set(self.batches.unfinished())
             if batches:

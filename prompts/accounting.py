@@ -38,26 +38,39 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, TextIO
 
 log = logging.getLogger(__name__)
 
-OUTCOMES: tuple[str, ...] = ("trained", "dropped_stale", "filtered", "failed")
-"""Every outcome a prompt can end in."""
+class PromptOutcome(StrEnum):
+    """The outcome a prompt ends in (the table above); the value is the text of the journal, of
+    ``accounting.json`` and of the ``outcome`` label of ``rlbus_accounting_outcomes_total``."""
+
+    TRAINED = "trained"
+    DROPPED_STALE = "dropped_stale"
+    FILTERED = "filtered"
+    FAILED = "failed"
+
+
+OUTCOMES: tuple[PromptOutcome, ...] = tuple(PromptOutcome)
+"""Every outcome a prompt can end in, in the table's order."""
 
 JOURNAL_NAME = "ledger.jsonl"
 ACCOUNTING_NAME = "accounting.json"
 
 
-def outcome_of_drop(reason: str) -> str:
+def outcome_of_drop(reason: str) -> PromptOutcome:
     """The outcome of a ``GroupsDropped`` reason: ``"stale"`` -> ``dropped_stale``, ``"filtered..."``
-    -> ``filtered``, anything else (``"failed: RuntimeError"``, ``"too_long"``, ...) -> ``failed``."""
+    -> ``filtered``, anything else (``"failed: RuntimeError"``, ``"too_long"``, ...) -> ``failed``.
+    (The packer's reasons are :class:`packer.packer.DropReason`; a stage does not import another,
+    so they are matched here by their wire text.)"""
     if reason == "stale":
-        return "dropped_stale"
+        return PromptOutcome.DROPPED_STALE
     if reason.startswith("filtered"):
-        return "filtered"
-    return "failed"
+        return PromptOutcome.FILTERED
+    return PromptOutcome.FAILED
 
 
 @dataclass(frozen=True)
@@ -89,7 +102,7 @@ class Ledger:
         self.write_interval_s = write_interval_s
         self.issued: dict[str, IssuedPrompt] = {}
         self.outcomes: dict[str, tuple[str, str]] = {}  # id -> (outcome, reason)
-        self.counts: dict[str, int] = dict.fromkeys(OUTCOMES, 0)
+        self.counts: dict[str, int] = dict.fromkeys(PromptOutcome, 0)
         self.failed: dict[str, str] = {}  # id -> reason, for outcome "failed"
         self.open: dict[str, None] = {}  # issued ids without an outcome, in issue order (dict: ordered set)
         self.conflicts: list[dict[str, str]] = []
@@ -120,7 +133,7 @@ class Ledger:
     @property
     def num_not_trained(self) -> int:
         """Issued prompts whose outcome is not ``trained`` (each got, or gets, one replacement)."""
-        return self.num_issued - len(self.open) - self.counts["trained"]
+        return self.num_issued - len(self.open) - self.counts[PromptOutcome.TRAINED]
 
     def unresolved(self) -> list[str]:
         """Issued ids without an outcome, in issue order."""
@@ -164,7 +177,7 @@ class Ledger:
 
     def on_trained(self, group_ids: list[str]) -> list[str]:
         """Record ``trained`` for ``group_ids``; returns the ids newly resolved."""
-        return [gid for gid in group_ids if self.record(gid, "trained") == "new"]
+        return [gid for gid in group_ids if self.record(gid, PromptOutcome.TRAINED) == "new"]
 
     def on_dropped(self, group_ids: list[str], reason: str) -> list[str]:
         """Record the outcome of a ``GroupsDropped(reason)``; returns the ids newly resolved."""
@@ -250,7 +263,7 @@ class Ledger:
         if first is None:
             self.outcomes[prompt_id] = (outcome, reason)
             self.counts[outcome] += 1
-            if outcome == "failed":
+            if outcome == PromptOutcome.FAILED:
                 self.failed[prompt_id] = reason
             del self.open[prompt_id]
             return "new"

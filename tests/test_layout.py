@@ -4,9 +4,13 @@ The rules (docs/ARCHITECTURE.md, "Layout"):
 
 - no non-test module is over :data:`MAX_LINES` lines;
 - no import cycle between files (a cycle hides which of two modules is the lower floor);
+- no import cycle between packages (top-level folders: ``bus``, ``configs``, ``tasks``, ``policies``, ``trainer``,
+  ...): each package is one floor, so two packages whose files import each other, even with no cycle between
+  the files, have no order;
 - no stage package (:data:`STAGES`) imports another: stages meet only on the bus;
-- the lower floors (:data:`LIBRARIES`: ``bus``, ``configs``, ``tasks``, ``broadcaster``) import nothing from the stages
-  or from the control plane (``busctl``), and ``bus`` imports nothing from the other libraries but ``configs``;
+- the lower floors (:data:`LIBRARIES`: ``bus``, ``configs``, ``tasks``, ``broadcaster``, ``policies``) import nothing
+  from the stages or from the control plane (``busctl``); ``bus`` imports nothing from the other libraries but
+  ``configs``, and ``configs``, the lowest floor, imports no other package (it validates without the bus);
 - the stages import nothing from the control plane.
 
 Every import counts, module-level or local (a lazy import inside a function is still a dependency). The same walk
@@ -110,6 +114,15 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Top-level package -> the other top-level packages its modules import (from a module graph)."""
+    top = lambda m: m.split(".")[0]  # noqa: E731
+    packages: dict[str, set[str]] = {top(mod): set() for mod in graph}
+    for mod, deps in graph.items():
+        packages[top(mod)] |= {top(dep) for dep in deps} - {top(mod)}
+    return packages
+
+
 def forbidden_imports(graph: dict[str, set[str]]) -> list[str]:
     """Every import that crosses a floor it must not cross, as ``"importer -> imported (rule)"``."""
     top = lambda m: m.split(".")[0]  # noqa: E731
@@ -127,6 +140,8 @@ def forbidden_imports(graph: dict[str, set[str]]) -> list[str]:
                 bad.append(f"{mod} -> {dep} (a library imports a stage)")
             elif a == "bus" and b in LIBRARIES - {"configs"}:
                 bad.append(f"{mod} -> {dep} (bus imports a higher library)")
+            elif a == "configs":
+                bad.append(f"{mod} -> {dep} (configs, the lowest floor, imports another package)")
     return bad
 
 
@@ -150,6 +165,11 @@ def test_no_module_over_the_line_limit(project):
 def test_no_import_cycle_between_files(project):
     _, graph = project
     assert not import_cycles(graph)
+
+
+def test_no_import_cycle_between_packages(project):
+    _, graph = project
+    assert not import_cycles(package_graph(graph))
 
 
 def test_no_import_crosses_a_floor(project):
@@ -176,6 +196,12 @@ def test_the_checker_sees_each_kind_of_fault(tmp_path):
         "bus/w.py": "from tasks.t import T\nimport busctl.cli\n",
         "tasks/__init__.py": "",
         "tasks/t.py": "from packer.p import P\n",
+        "tasks/u.py": "import broadcaster.v\n",  # with broadcaster.x: two libraries that import each other,
+        "broadcaster/__init__.py": "",              # no floor rule broken and no cycle between files
+        "broadcaster/v.py": "",
+        "broadcaster/x.py": "from tasks.t import T\n",
+        "configs/__init__.py": "",
+        "configs/s.py": "def check():\n    from bus import w\n",  # a lazy import is an import
         "packer/__init__.py": "",
         "packer/p.py": "",
         "busctl/__init__.py": "",
@@ -188,10 +214,13 @@ def test_the_checker_sees_each_kind_of_fault(tmp_path):
     mods, graph = import_graph(tmp_path)
     assert "tests.test_x" not in mods
     assert [p.name for p in map(Path, (s.split(":")[0] for s in oversized(mods)))] == ["b.py"]
-    assert import_cycles(graph) == [["producers.a", "producers.c"]]
+    assert import_cycles(graph) == [["producers.a", "producers.c"]]  # the only cycle between files
+    assert import_cycles(package_graph(graph)) == [["broadcaster", "tasks"]]  # producers -> producers is no cycle
     assert forbidden_imports(graph) == [
         "bus.w -> busctl.cli (only the control plane imports busctl)",
         "bus.w -> tasks.t (bus imports a higher library)",
+        "configs.s -> bus (configs, the lowest floor, imports another package)",
+        "configs.s -> bus.w (configs, the lowest floor, imports another package)",
         "producers.a -> rewards (a stage imports another stage)",  # `from rewards import b` runs rewards/__init__
         "producers.a -> rewards.b (a stage imports another stage)",
         "tasks.t -> packer.p (a library imports a stage)",

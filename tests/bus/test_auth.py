@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import re
 import socket
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from bus.courier import Courier
 from bus.sockets import BusSocket
 from busctl import cli
 from busctl.supervisor import Supervisor
-from configs.schema import ConfigError, load_config
+from configs.schema import load_config
 from reliable_peer import FAST, RawPeer, data_message, envelope
 
 ANY_PORT = "tcp://127.0.0.1:*"
@@ -337,25 +338,52 @@ def test_busctl_keys_never_overwrites(tmp_path, capsys):
     assert (tmp_path / "keys" / "server.key_secret").stat().st_mode & 0o077 == 0
 
 
-# -- config validation ----------------------------------------------------------------------------
+# -- the launch-time check of the key files --------------------------------------------------------
 
 
-def test_missing_key_dir_or_file_is_a_config_error(tmp_path, keys_dir):
+def test_missing_key_dir_or_file_is_refused_at_launch(tmp_path, keys_dir, capsys):
+    """The config loads without reading key files (``configs`` imports no bus); ``busctl up`` reads
+    them before anything starts (``--dry-run`` too), as does ``busctl sbatch``: a missing directory or
+    key file is a bad config, exit 2, with a message naming the path and how to make keys."""
     missing = tmp_path / "nowhere"
-    with pytest.raises(ConfigError, match=str(missing)):
-        load_config(None, ["bus.transport=tcp", f"bus.curve_keys_dir={missing}"])
-    with pytest.raises(ConfigError, match=str(keys_dir / "clients" / "nobody.key_secret")):
-        load_config(None, ["bus.transport=tcp", f"bus.curve_keys_dir={keys_dir}", "bus.curve_client=nobody"])
     partial = tmp_path / "partial"
     auth.create_keys(partial)
     (partial / "server.key_secret").unlink()
-    with pytest.raises(ConfigError, match=str(partial / "server.key_secret")):
-        load_config(None, ["bus.transport=tcp", f"bus.curve_keys_dir={partial}"])
+    cases = [
+        ([f"bus.curve_keys_dir={missing}"], f"CurveZMQ key directory {missing} does not exist"),
+        ([f"bus.curve_keys_dir={keys_dir}", "bus.curve_client=nobody"],
+         f"CurveZMQ key file {keys_dir / 'clients' / 'nobody.key_secret'} does not exist"),
+        ([f"bus.curve_keys_dir={partial}"], f"CurveZMQ key file {partial / 'server.key_secret'} does not exist"),
+    ]
+    for overrides, message in cases:
+        for transport in ("tcp", "ipc"):  # with ipc the keys are unused, but a config naming absent ones is wrong
+            args = [f"bus.transport={transport}", *overrides]
+            cfg = load_config(None, args)  # valid as a config: nothing read yet
+            with pytest.raises(ValueError, match=re.escape(f"bus.curve_keys_dir: {message}")):
+                auth.check_keys(cfg.bus)
+            for command in (["up", "--dry-run", f"run_dir={tmp_path / 'run'}"], ["sbatch", f"run_dir={tmp_path / 'run'}"]):
+                assert cli.main([*command, *args]) == 2, command
+                out = capsys.readouterr().out
+                assert f"bus.curve_keys_dir: {message}; create one with `busctl keys DIR`" in out, command
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+    auth.check_keys(load_config(None, ["bus.transport=tcp", f"bus.curve_keys_dir={keys_dir}"]).bus)  # keys there: ok
+    auth.check_keys(load_config(None, ["bus.transport=tcp"]).bus)  # no keys named: nothing to read
+
+
+def test_a_component_opening_sockets_reads_the_keys(tmp_path):
+    """A process started with a config whose key files went missing after launch fails as it opens
+    its context, with the same message (the bus's own read, not the config's)."""
+    keys = tmp_path / "keys"
+    auth.create_keys(keys)
+    cfg = load_config(None, ["bus.transport=tcp", f"bus.curve_keys_dir={keys}", f"run_dir={tmp_path / 'run'}"])
+    (keys / "clients" / "components.key_secret").unlink()
+    with pytest.raises(ValueError, match=re.escape(f"CurveZMQ key file {keys / 'clients' / 'components.key_secret'} does not exist")):
+        Component(cfg, "packer", 0)
 
 
 def test_curve_is_off_without_keys_and_on_ipc(keys_dir, caplog):
     assert auth.keys_from_config(load_config(None, ["bus.transport=tcp"]).bus) is None
-    ipc = load_config(None, ["bus.transport=ipc", f"bus.curve_keys_dir={keys_dir}"])  # checked, allowed
+    ipc = load_config(None, ["bus.transport=ipc", f"bus.curve_keys_dir={keys_dir}"])  # checked at launch, unused
     with caplog.at_level(logging.WARNING, logger="bus.auth"):
         assert auth.keys_from_config(ipc.bus) is None
     assert "tcp:// only" in caplog.text

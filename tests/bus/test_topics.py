@@ -134,3 +134,13 @@ def test_data_topics_over_tcp_at_their_addresses(couriers, example):
     assert outbox.send(example("scored"), timeout_s=2.0)
     got = inbox.recv(timeout_s=2.0)
     assert got is not None and got.id == example("scored").id
+
+
+def test_the_table_names_the_config_topic_names():
+    """``configs.topic_names`` (zmq-free, for checking ``bus.hosts``) and :data:`TOPICS` name the same topics."""
+    from configs.topic_names import TOPIC_NAMES, endpoint_key_ok
+
+    assert tuple(TOPICS) == TOPIC_NAMES
+    assert all(endpoint_key_ok(t) for t in TOPICS if t != "rollouts")
+    assert endpoint_key_ok("rollouts-0") and endpoint_key_ok("rollouts-12")
+    assert not any(endpoint_key_ok(k) for k in ("rollouts", "rollouts-", "rollouts-x", "rollout-0", "nope"))

@@ -189,3 +189,25 @@ def test_busctl_bad_key_exits_2_naming_it():
     proc = _busctl("--dry-run", "trainer.max_stepz=5")
     assert proc.returncode == 2
     assert "trainer.max_stepz" in proc.stdout + proc.stderr
+
+
+def test_configs_validate_without_the_bus():
+    """``configs`` is the lowest floor: loading and validating a run (``bus.hosts`` included) imports
+    neither the bus nor zmq; the hosts' keys are checked against ``configs.topic_names``."""
+    code = (
+        "import sys\n"
+        "from configs.schema import ConfigError, load_config\n"
+        "cfg = load_config(None, ['bus.transport=tcp', 'bus.hosts={batches: 10.0.0.2, rollouts-3: 10.0.0.3}',\n"
+        "                         'bus.curve_keys_dir=/nonexistent/keys'])\n"
+        "assert cfg.bus.hosts == {'batches': '10.0.0.2', 'rollouts-3': '10.0.0.3'}\n"
+        "try:\n"
+        "    load_config(None, ['bus.hosts={rollouts: x}'])\n"
+        "except ConfigError as err:\n"
+        "    assert 'rollouts-I' in str(err)\n"
+        "else:\n"
+        "    raise AssertionError('rollouts without an index was accepted')\n"
+        "loaded = sorted(m for m in sys.modules if m == 'zmq' or m.startswith(('zmq.', 'bus.')) or m == 'bus')\n"
+        "assert not loaded, loaded\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr

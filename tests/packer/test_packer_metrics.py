@@ -20,8 +20,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from bus.messages import MicroBatch
-from packer.packer import DROP_REASONS
-from packer.proc import EVAL_DECISIONS
+from packer.evaluation import EvalDecision
+from packer.packer import DropReason
 from tests.packer.test_packer_proc import WAIT_S, LiveBus, group, packer, receive_step, wait_until  # noqa: F401 (fixture)
 from tests.socket_dirs import remove_outside_socket_dir
 
@@ -50,10 +50,17 @@ def live(tmp_path):
     remove_outside_socket_dir(tmp_path)
 
 
+GROUP_LABELS = ("accepted", "duplicate", "empty_prompt", "too_long", "no_teacher", "filtered: equal_rewards",
+                "filtered: online_difficulty", "stale")
+EVAL_LABELS = ("taken", "duplicate", "late", "invalid")
+
+
 def test_every_known_outcome_exists_from_the_start(live, packer):  # noqa: F811 - the imported fixture
-    for outcome in ("accepted", "duplicate", *DROP_REASONS):
+    assert {*DropReason} | {"accepted", "duplicate"} == set(GROUP_LABELS)  # the enums' values are the label text
+    assert {*EvalDecision} == set(EVAL_LABELS)
+    for outcome in GROUP_LABELS:
         assert REGISTRY.get_sample_value("rlbus_packer_groups_total", {"outcome": outcome}) is not None, outcome
-    for outcome in EVAL_DECISIONS:
+    for outcome in EVAL_LABELS:
         assert REGISTRY.get_sample_value("rlbus_packer_eval_groups_total", {"outcome": outcome}) is not None, outcome
     for name in ("rlbus_stage_busy_seconds_total", "rlbus_stage_idle_seconds_total", "rlbus_stage_samples_total"):
         assert REGISTRY.get_sample_value(name, {"stage": "packer"}) is not None, name
