@@ -117,6 +117,7 @@ def resume_config(target: str | None, overrides: list[str]) -> RunConfig:
 
 def cmd_up(ns: argparse.Namespace, console: Console) -> int:
     from bus.auth import check_keys
+    from busctl.cpu_bf16 import cpu_bf16_warning
     from busctl.startup import process_started_at
     from busctl.supervisor import Supervisor  # zmq/rich only; torch stays out until needed
 
@@ -133,6 +134,9 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
     if ns.dry_run:
         print(dump_config(cfg) + placement.describe())
         return 0
+    slow_bf16 = cpu_bf16_warning(cfg.trainer.dtype, cfg.trainer.device)  # measured only for a bf16 CPU trainer
+    if slow_bf16:
+        console.print(f"[yellow]warning: {slow_bf16}[/yellow]", highlight=False)
     try:
         launcher = make_launcher(cfg)  # slurm: the allocation's nodes; ray: connects (not needed by --dry-run)
     except ConfigError as err:
