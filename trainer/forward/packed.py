@@ -254,7 +254,8 @@ def _decoder_hidden_states(
             **extra,
         )
     hidden = out.last_hidden_state[0]
-    return hidden[rows] if plan is None else hidden[plan.expand[rows]]
+    # index_select, not hidden[idx]: its backward is index_add_, not a sorting index_put_ (shared_prefix)
+    return hidden[rows] if plan is None else hidden.index_select(0, plan.expand[rows])
 
 
 def _output_projection(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:

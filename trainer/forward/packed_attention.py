@@ -79,8 +79,7 @@ def packed_sdpa_attention(
     dropout_p = dropout if module.training else 0.0
     if lens is not None or plan is not None:
         query, key, value = to_compute_dtype(query, key, value)
-    if plan is not None:
-        key, value = _repeat_kv(query, key, value)
+    if plan is not None:  # grouped-query kv heads as they are: segment_attention gathers them first
         return segment_attention(query, key, value, plan, scaling, dropout_p), None
     if lens is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)

@@ -18,15 +18,33 @@ The plan (`plan_shared_prefixes`, pure, from token ids and sample lengths):
   tokens, so the optimum keeps whole groups together even when the micro-batch starts mid-group);
 - the compressed row holds, per run, the prefix once and then each sample's tail (its tokens after
   p); a run of one sample is the sample itself;
-- attention segments: the prefix attends causally to itself; a tail attends to the whole prefix
-  and causally to itself (queries at positions p.., keys prefix + tail). Prefixes (and lone
-  samples) form one `SegmentBatch`, tails another: each is ONE `scaled_dot_product_attention` call
-  per layer, padded to its longest segment, with a boolean mask built once per micro-batch
-  (`segment_attention`); two batches instead of one keep the short tail queries from being padded
-  to the long prefixes (2.6x less attention work on the default job);
-- `expand` `[T]` maps every original token to its compressed row, so `hidden[expand]` is the
-  `[T, H]` hidden states of the unshared forward; its backward sums each shared row's gradient over
-  the samples that read it, which is exactly the unshared gradient.
+- attention *segments*, in compressed-row order: a prefix (or lone sample) attends causally to
+  itself; a tail attends to the whole prefix and causally to itself: its queries are the LAST
+  rows of its key sequence prefix + tail, a causal mask aligned bottom-right. The segments'
+  queries, concatenated, are the compressed row itself, so one flat layout (`FlatSegments`: the
+  key rows of every segment back to back and the int32 offsets `cu_q`, `cu_k`) describes them all;
+- `expand` `[T]` maps every original token to its compressed row, so `hidden.index_select(0,
+  expand)` is the `[T, H]` hidden states of the unshared forward; its backward sums each shared
+  row's gradient over the samples that read it, which is exactly the unshared gradient.
+
+Attention (`segment_attention`), two ways over the same segments:
+- CUDA, float16/bfloat16, no dropout (`varlen_kernel_applies`): ONE flash-attention varlen call per
+  layer (`trainer.kernels.varlen_attention.varlen_attention`) on the compressed queries and the
+  gathered flat keys/values (`flat_segment_attention`); the CPU tests run the same layout through
+  a loop of sdpa calls in the kernel's place;
+- elsewhere (CPU, float32, dropout): a few padded `scaled_dot_product_attention` calls per
+  layer, each over a batch of segments padded to its longest, with a boolean mask built once per
+  micro-batch (`padded_segment_attention`; the `PaddedSegments` are built on first use). Prefixes
+  (and lone samples) and tails are batched apart, which keeps the short tail queries from being
+  padded to the long prefixes (2.6x less attention work on the default job), and long tails of
+  varied lengths are cut into batches of similar lengths where padding costs more than another
+  call (`BATCH_CALL_COST`; one tail batch on the default job).
+
+Every copy is ONE `index_select` per tensor (backward: `index_add_`, atomics on CUDA), never
+advanced indexing `x[idx]`, whose backward is `index_put_(accumulate=True)`: on CUDA that sorts
+the indices (pytorch/pytorch#41162) and took 1.10 of 2.33 s GPU time of a 0.5B bf16 GRPO step (H200:
+2.74 s per step's forward + backward shared, 1.24 s unshared; 1.15 s shared after); on one CPU
+thread `index_select` forward + backward is 2-3x faster too (bench/README.md, shared-prefix speed).
 
 Invariants: every original token maps to a compressed row holding the same token id at the same
 position id; a compressed row's keys are exactly the tokens of its sample at positions <= its own;
@@ -36,61 +54,111 @@ unshared path).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DEFAULT_MAX_RUN", "SegmentBatch", "SharedPrefixPlan", "plan_shared_prefixes", "segment_attention"]
+from trainer.kernels.varlen_attention import varlen_attention, varlen_kernel_applies
+
+__all__ = [
+    "DEFAULT_MAX_RUN",
+    "FlatSegments",
+    "PaddedSegments",
+    "SharedPrefixPlan",
+    "flat_segment_attention",
+    "padded_segment_attention",
+    "plan_shared_prefixes",
+    "segment_attention",
+]
 
 DEFAULT_MAX_RUN = 64
 """Most samples in one run: bounds the planner's O(S * max_run) dynamic program (GRPO groups are smaller)."""
 
+BATCH_CALL_COST = 3000
+"""The fixed cost of one more padded sdpa call (forward + backward), in attention scores (query-key
+pairs) of one batch: ~0.13 ms against ~45 ns per score on one CPU thread (4 heads of 32, the tiny
+policy). Splitting the tails by length cut the GRPO-shaped CPU step of bench/shared_prefix_speed.py
+by 13% (1.14 -> 1.00 s, two batches against 7-8; 10000: 1.01 s) and left the default job's alone
+(0.15 s); a larger value pads more, a smaller one calls more."""
+
+Attend = Callable[..., torch.Tensor]
+"""`varlen_attention`'s signature: (query [Tq,H,D], key [Tk,Hkv,D], value, cu_q, cu_k, max_q, max_k, scaling) -> [Tq,H,D]."""
+
 
 @dataclass(frozen=True)
-class SegmentBatch:
-    """Attention segments of one kind, padded to a common shape (see the module docstring).
+class FlatSegments:
+    """Every attention segment of a compressed row, back to back (flash-attention varlen layout).
 
-    Fields (n = segments, Lq / Lk = the longest segment's queries / keys):
-        q_idx: `[n, Lq]` int64 compressed rows of each segment's queries (padding: a valid row).
-        k_idx: `[n, Lk]` int64 compressed rows of each segment's keys: prefix rows, then own rows.
-        mask: `[n, 1, Lq, Lk]` bool, True where a query may attend a key (padded queries attend
-            key 0 so that their softmax stays finite; their outputs are dropped).
-        valid: `[n, Lq]` bool, True on real queries.
+    Segment i's queries are compressed rows `cu_q[i]:cu_q[i+1]` (the segments in row order, so the
+    queries are the row itself); its keys are rows `key_rows[cu_k[i]:cu_k[i+1]]`: the prefix
+    rows, then its own rows, its queries the last of them (bottom-right causal alignment).
+
+    Fields (N = segments, T_c = compressed tokens, T_k = sum of key lengths):
+        key_rows: `[T_k]` int64 compressed row of each flat key.
+        cu_q: `[N + 1]` int32 query offsets, `cu_q[-1] == T_c`.
+        cu_k: `[N + 1]` int32 key offsets, `cu_k[-1] == T_k`.
+        max_q, max_k: the longest segment's queries / keys (host ints).
     """
 
-    q_idx: torch.Tensor
-    k_idx: torch.Tensor
-    mask: torch.Tensor
-    valid: torch.Tensor
+    key_rows: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
 
-    def to(self, device: torch.device | str) -> SegmentBatch:
-        """The same batch with every tensor on ``device``."""
-        return SegmentBatch(*(t.to(device) for t in (self.q_idx, self.k_idx, self.mask, self.valid)))
+    def to(self, device: torch.device | str) -> FlatSegments:
+        """The same layout with every tensor on ``device``."""
+        return FlatSegments(self.key_rows.to(device), self.cu_q.to(device), self.cu_k.to(device), self.max_q, self.max_k)
+
+
+@dataclass(frozen=True)
+class PaddedSegments:
+    """The segments as padded sdpa batches, each padded to its longest segment (see the module docstring).
+
+    Fields (batch b: n_b segments, Lq_b / Lk_b = its longest segment's queries / keys):
+        q_rows: `[sum_b n_b * Lq_b]` int64 compressed rows of each batch's queries, batch after
+            batch, row-major (padding: the segment's first query row).
+        k_rows: `[sum_b n_b * Lk_b]` int64 compressed rows of each batch's keys: prefix rows, then
+            own rows (padding: row 0, masked out).
+        masks: per batch `[n_b, 1, Lq_b, Lk_b]` bool, True where a query may attend a key (padded
+            queries attend key 0 so that their softmax stays finite; their outputs are never read).
+        out_rows: `[T_c]` int64: compressed row r's output is row `out_rows[r]` of the batches'
+            `[n_b * Lq_b]` query outputs concatenated. Each compressed row is a real query of
+            exactly one batch.
+    """
+
+    q_rows: torch.Tensor
+    k_rows: torch.Tensor
+    masks: tuple[torch.Tensor, ...]
+    out_rows: torch.Tensor
 
 
 @dataclass(frozen=True)
 class SharedPrefixPlan:
     """How one packed row is compressed for a shared-prefix forward (see the module docstring).
 
-    Fields (T = original tokens, T_c = compressed tokens, all on one device):
+    Fields (T = original tokens, T_c = compressed tokens, all tensors on one device):
         row_ids: `[T_c]` int64 token ids of the compressed row.
         position_ids: `[T_c]` int64 position of each compressed token within its sample(s).
         expand: `[T]` int64 compressed row index of each original token.
-        batches: the `SegmentBatch`es (prefixes and lone samples; tails), each compressed row a
-            valid query of exactly one.
-        order: `[T_c]` int64: compressed row r's output is entry `order[r]` of the batches' valid
-            queries concatenated (each batch's in row-major order).
+        segments: the attention segments (`FlatSegments`).
         saved_tokens: T - T_c, tokens the decoder no longer runs.
+        table: `[N, 4]` int64 host array (q_start, q_len, prefix_start, prefix_len) per segment.
+
+    `padded` (the `PaddedSegments`, on the plan's device) is built on first use and kept: the
+    varlen path never needs its masks.
     """
 
     row_ids: torch.Tensor
     position_ids: torch.Tensor
     expand: torch.Tensor
-    batches: tuple[SegmentBatch, ...]
-    order: torch.Tensor
+    segments: FlatSegments
     saved_tokens: int
+    table: np.ndarray = field(repr=False)
 
     def to(self, device: torch.device | str) -> SharedPrefixPlan:
         """The same plan with every tensor on ``device``."""
@@ -98,10 +166,15 @@ class SharedPrefixPlan:
             row_ids=self.row_ids.to(device),
             position_ids=self.position_ids.to(device),
             expand=self.expand.to(device),
-            batches=tuple(b.to(device) for b in self.batches),
-            order=self.order.to(device),
+            segments=self.segments.to(device),
             saved_tokens=self.saved_tokens,
+            table=self.table,
         )
+
+    @functools.cached_property
+    def padded(self) -> PaddedSegments:
+        """The padded sdpa batches of `table`, on `row_ids`' device (built once per plan)."""
+        return _padded_segments(self.table, self.row_ids.device)
 
 
 def plan_shared_prefixes(
@@ -142,27 +215,71 @@ def segment_attention(
     scaling: float | None,
     dropout_p: float,
 ) -> torch.Tensor:
-    """Attention of a compressed row: every segment attends to its own keys, one sdpa call per
-    `SegmentBatch` (prefixes and lone samples; tails).
+    """Attention of a compressed row: every segment attends to its own keys.
+
+    One flash-attention varlen call where `varlen_kernel_applies` (CUDA, float16/bfloat16, no
+    dropout): `flat_segment_attention`; else a few padded sdpa calls: `padded_segment_attention`.
 
     Args:
-        query: `[1, heads, T_c, head_dim]`; key, value: `[1, heads, T_c, head_dim]` (key/value
-            heads already repeated to `heads` for grouped-query attention).
+        query: `[1, heads, T_c, head_dim]`; key, value: `[1, kv_heads, T_c, head_dim]` (kv_heads
+            divides heads: grouped-query attention, NOT repeated).
         plan: the row's `SharedPrefixPlan`, on the query's device.
         scaling: softmax scale (None: 1/sqrt(head_dim)). dropout_p: attention dropout probability.
 
     Returns:
-        `[1, T_c, heads, head_dim]`: softmax(q k^T * scale + mask) v (Vaswani et al. 2017, eq. 1)
-        for each compressed token over the keys of its segment.
+        `[1, T_c, heads, head_dim]` in the query's dtype: softmax(q k^T * scale + mask) v
+        (Vaswani et al. 2017, eq. 1) for each compressed token over the keys of its segment.
     """
+    if varlen_kernel_applies(query, dropout_p):
+        return flat_segment_attention(query, key, value, plan.segments, scaling, varlen_attention)
+    return padded_segment_attention(query, key, value, plan.padded, scaling, dropout_p)
+
+
+def flat_segment_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    segments: FlatSegments,
+    scaling: float | None,
+    attend: Attend,
+) -> torch.Tensor:
+    """`segment_attention` (same query/key/value/scaling and result) in ONE `attend` call over
+    `segments` (the plan's `FlatSegments`, on the query's device). `attend`: `varlen_attention`
+    (the CUDA flash kernel), or a reference with its signature (the CPU tests' loop of sdpa calls,
+    tests/trainer/test_shared_prefix.py)."""
+    q = query[0].transpose(0, 1).contiguous()  # [T_c, H, D]; no copy when q is a transposed projection
+    k = key[0].transpose(0, 1).index_select(0, segments.key_rows)  # [T_k, Hkv, D]
+    v = value[0].transpose(0, 1).index_select(0, segments.key_rows)
+    return attend(q, k, v, segments.cu_q, segments.cu_k, segments.max_q, segments.max_k, scaling)[None]
+
+
+def padded_segment_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    padded: PaddedSegments,
+    scaling: float | None,
+    dropout_p: float,
+) -> torch.Tensor:
+    """`segment_attention` (same arguments but `padded`, the plan's `PaddedSegments` on the
+    query's device; same result) as one padded sdpa call per batch (CPU, float32, dropout)."""
+    # one gather per tensor for all batches, then views: each index_select's backward allocates a
+    # [T_c, heads, d] gradient, so one per batch would cost O(batches * T_c)
+    q_all, k_all, v_all = (
+        t[0].transpose(0, 1).index_select(0, rows)  # [rows, heads, d]
+        for t, rows in ((query, padded.q_rows), (key, padded.k_rows), (value, padded.k_rows))
+    )
+    q_sizes = [m.shape[0] * m.shape[2] for m in padded.masks]
+    k_sizes = [m.shape[0] * m.shape[3] for m in padded.masks]
     outs = []
-    for batch in plan.batches:
-        q = query[0][:, batch.q_idx].transpose(0, 1)  # [n, heads, Lq, d]
-        k = key[0][:, batch.k_idx].transpose(0, 1)  # [n, heads, Lk, d]
-        v = value[0][:, batch.k_idx].transpose(0, 1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=scaling, dropout_p=dropout_p)
-        outs.append(out.transpose(1, 2)[batch.valid])  # [valid queries, heads, d]
-    return torch.cat(outs)[plan.order][None]  # [1, T_c, heads, d]
+    for mask, q, k, v in zip(padded.masks, q_all.split(q_sizes), k_all.split(k_sizes), v_all.split(k_sizes)):
+        n, _, lq, lk = mask.shape
+        q, k, v = (t.view(n, -1, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))  # [n, heads, L, d]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scaling, dropout_p=dropout_p, enable_gqa=k.shape[1] != q.shape[1]
+        )
+        outs.append(out.transpose(1, 2).reshape(n * lq, out.shape[1], out.shape[3]))  # [n * Lq, heads, d]
+    return torch.cat(outs).index_select(0, padded.out_rows)[None]  # [1, T_c, heads, d]
 
 
 def _host_array(values: torch.Tensor | np.ndarray) -> np.ndarray:
@@ -217,7 +334,7 @@ def _build_plan(
     rows: list[np.ndarray] = []  # original token indices of the compressed row, in order
     positions: list[np.ndarray] = []
     expand: list[np.ndarray] = []
-    segments: list[tuple[int, int, int, int]] = []  # (q_start, q_len, prefix_start, prefix_len)
+    segments: list[tuple[int, int, int, int]] = []  # (q_start, q_len, prefix_start, prefix_len), row order
     filled = 0
     for first, end, common in runs:
         prefix = common if end - first > 1 else int(lens[first])
@@ -235,39 +352,89 @@ def _build_plan(
                 positions.append(prefix + np.arange(tail))
                 segments.append((filled, tail, prefix_start, prefix))
                 filled += tail
-    seg = np.array(segments, dtype=np.int64)
-    kinds = [seg[seg[:, 3] == 0], seg[seg[:, 3] > 0]]  # prefixes and lone samples; tails
-    batches = tuple(_segment_batch(part) for part in kinds if len(part))
-    queries = np.concatenate([start + np.arange(n) for part in kinds for start, n in part[:, :2]])
-    order = np.empty(len(queries), np.int64)
-    order[queries] = np.arange(len(queries))
+    table = np.array(segments, dtype=np.int64)
     original = np.concatenate(rows)
     return SharedPrefixPlan(
         row_ids=torch.from_numpy(ids[original]),
         position_ids=torch.from_numpy(np.concatenate(positions)),
         expand=torch.from_numpy(np.concatenate(expand)),
-        batches=batches,
-        order=torch.from_numpy(order),
+        segments=_flat_segments(table),
         saved_tokens=len(ids) - len(original),
+        table=table,
     )
 
 
-def _segment_batch(seg: np.ndarray) -> SegmentBatch:
-    """The padded index and mask tensors of segments `[n, 4]` (q_start, q_len, prefix_start, prefix_len)."""
+def _flat_segments(table: np.ndarray) -> FlatSegments:
+    """The `FlatSegments` of segments `[N, 4]` (q_start, q_len, prefix_start, prefix_len) in row order."""
+    q_start, q_len, p_start, p_len = table.T
+    assert (q_start == np.concatenate([[0], np.cumsum(q_len)[:-1]])).all(), "segments must tile the row in order"
+    key_rows = np.concatenate([np.r_[p0 : p0 + p, q0 : q0 + n] for q0, n, p0, p in table])
+    k_len = p_len + q_len
+    cu = np.zeros((2, len(table) + 1), np.int32)
+    cu[0, 1:], cu[1, 1:] = np.cumsum(q_len), np.cumsum(k_len)
+    return FlatSegments(
+        key_rows=torch.from_numpy(key_rows.astype(np.int64)),
+        cu_q=torch.from_numpy(cu[0]),
+        cu_k=torch.from_numpy(cu[1]),
+        max_q=int(q_len.max()),
+        max_k=int(k_len.max()),
+    )
+
+
+def _padded_segments(table: np.ndarray, device: torch.device) -> PaddedSegments:
+    """The `PaddedSegments` of segments `[N, 4]` (q_start, q_len, prefix_start, prefix_len), batched by `_batches`."""
+    q_rows, k_rows, masks = [], [], []
+    out_rows, offset = np.empty(int(table[:, 1].sum()), np.int64), 0
+    for part in _batches(table):
+        rows_q, rows_k, mask = _segment_batch(part)
+        lq = mask.shape[2]
+        for i, (q0, n) in enumerate(part[:, :2]):
+            out_rows[q0 : q0 + n] = offset + i * lq + np.arange(n)
+        offset += len(part) * lq
+        q_rows.append(rows_q)
+        k_rows.append(rows_k)
+        masks.append(torch.from_numpy(mask).to(device))
+    return PaddedSegments(
+        q_rows=torch.from_numpy(np.concatenate(q_rows)).to(device),
+        k_rows=torch.from_numpy(np.concatenate(k_rows)).to(device),
+        masks=tuple(masks),
+        out_rows=torch.from_numpy(out_rows).to(device),
+    )
+
+
+def _batches(table: np.ndarray) -> list[np.ndarray]:
+    """Segments `[N, 4]` split into padded batches: the prefixes (and lone samples) apart from the
+    tails, each kind sorted by key length and cut greedily where padding the next segment into the
+    batch would cost more attention scores than `BATCH_CALL_COST` plus its own."""
+    out = []
+    for part in (table[table[:, 3] == 0], table[table[:, 3] > 0]):
+        current: list[int] = []
+        n = max_q = max_k = 0
+        for i in np.lexsort((part[:, 1], part[:, 1] + part[:, 3])):
+            q, k = int(part[i, 1]), int(part[i, 1] + part[i, 3])
+            joined = (n + 1) * max(max_q, q) * max(max_k, k)
+            if current and joined > n * max_q * max_k + BATCH_CALL_COST + q * k:
+                out.append(part[current])
+                current, n, max_q, max_k = [], 0, 0, 0
+            current.append(int(i))
+            n, max_q, max_k = n + 1, max(max_q, q), max(max_k, k)
+        if current:
+            out.append(part[current])
+    return out
+
+
+def _segment_batch(seg: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`[n * Lq]` query rows, `[n * Lk]` key rows and the `[n, 1, Lq, Lk]` mask of segments `[n, 4]`
+    (q_start, q_len, prefix_start, prefix_len), padded to the longest."""
     q_start, q_len, p_start, p_len = seg.T
     lq, lk = int(q_len.max()), int((p_len + q_len).max())
     i = np.arange(lq)[None, :]
     j = np.arange(lk)[None, :]
     valid = i < q_len[:, None]
-    q_idx = q_start[:, None] + np.where(valid, i, 0)
+    q_rows = q_start[:, None] + np.where(valid, i, 0)
     in_prefix = j < p_len[:, None]
-    k_idx = np.where(in_prefix, p_start[:, None] + j, q_start[:, None] + np.clip(j - p_len[:, None], 0, None))
-    k_idx = np.where(j < (p_len + q_len)[:, None], k_idx, 0)
+    k_rows = np.where(in_prefix, p_start[:, None] + j, q_start[:, None] + np.clip(j - p_len[:, None], 0, None))
+    k_rows = np.where(j < (p_len + q_len)[:, None], k_rows, 0)
     mask = (j[:, None, :] < (p_len + q_len)[:, None, None]) & (j[:, None, :] <= i[:, :, None] + p_len[:, None, None])
     mask = np.where(valid[:, :, None], mask, j[:, None, :] == 0)
-    return SegmentBatch(
-        q_idx=torch.from_numpy(q_idx),
-        k_idx=torch.from_numpy(k_idx),
-        mask=torch.from_numpy(mask[:, None]),
-        valid=torch.from_numpy(valid),
-    )
+    return q_rows.reshape(-1), k_rows.reshape(-1), mask[:, None]
