@@ -22,8 +22,9 @@ steps (CUDA synchronized); the table gives the median step:
   completion tokens, backward; one AdamW step per batch;
 - rlbus variants: ``trainer.trainer.Trainer.step`` on the packer's micro-batches
   (``packer.packer.pack_step``, ``--micro-batch-tokens`` per micro-batch) with the default loss
-  (AIPO) and the trainer config's defaults (``share_prefixes: true``, ``lm_head_dtype: tf32``)
-  except: ``no_share`` (``share_prefixes: false``), ``head_fp32`` / ``head_bf16`` (``lm_head_dtype``).
+  (AIPO) and the trainer config's defaults (``share_prefixes: auto``, ``lm_head_dtype: tf32``)
+  except: ``share`` / ``no_share`` (``share_prefixes: true`` / ``false``), ``head_fp32`` /
+  ``head_bf16`` (``lm_head_dtype``, shared prefixes on), ``*_no_share`` (and off).
 
 tokens/s counts every token (prompt + completion) of the batch per step; MFU = 6 N tokens/s / peak
 (N = all parameters, Kaplan et al. 2020, arXiv:2001.08361, sec. 2.1; attention's T^2 FLOPs not
@@ -51,10 +52,11 @@ __all__ = ["VARIANTS", "head_precision", "hf_step", "main", "make_groups", "run_
 
 VARIANTS = {
     "default": {},
+    "share": {"share_prefixes": True},
     "no_share": {"share_prefixes": False},
-    "head_fp32": {"lm_head_dtype": "float32"},
+    "head_fp32": {"lm_head_dtype": "float32", "share_prefixes": True},
     "head_fp32_no_share": {"lm_head_dtype": "float32", "share_prefixes": False},
-    "head_bf16": {"lm_head_dtype": "bfloat16"},
+    "head_bf16": {"lm_head_dtype": "bfloat16", "share_prefixes": True},
     "head_bf16_no_share": {"lm_head_dtype": "bfloat16", "share_prefixes": False},
 }
 """rlbus trainer variants: TrainerConfig fields over the defaults."""

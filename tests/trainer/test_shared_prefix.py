@@ -351,3 +351,26 @@ def test_grpo_batch_shared_equals_unshared_logprobs_and_gradients(layout, dtype,
     )
     print(f"gradient relative L2 error: off vs float32 {off_vs_exact:.2e}, on vs float32 {on_vs_exact:.2e}, on vs off {on_vs_off:.2e}")
     assert on_vs_off <= 2 * off_vs_exact and on_vs_exact <= 2 * off_vs_exact
+
+
+def test_share_prefixes_auto_rule():
+    """`share_prefixes: auto` (the measured rule): always on a CPU; on CUDA only for micro-batches of
+    at least SHARE_MIN_TOKENS_CUDA tokens; true/false as given; anything else refused."""
+    from trainer.forward.packed import SHARE_MIN_TOKENS_CUDA, sharing_applies
+
+    assert sharing_applies("auto", "cpu", 8) and sharing_applies("auto", "cpu", 10**6)
+    assert not sharing_applies("auto", "cuda", SHARE_MIN_TOKENS_CUDA - 1)
+    assert sharing_applies("auto", "cuda", SHARE_MIN_TOKENS_CUDA)
+    assert sharing_applies(True, "cuda", 8) and not sharing_applies(False, "cpu", 10**6)
+    with pytest.raises(ValueError, match="true, false or 'auto'"):
+        sharing_applies("sometimes", "cpu", 8)
+
+
+def test_trainer_config_accepts_auto_and_bools():
+    from configs.schema import TrainerConfig
+
+    assert TrainerConfig().share_prefixes == "auto"
+    assert TrainerConfig(share_prefixes=False).share_prefixes is False
+    assert TrainerConfig(share_prefixes=True).share_prefixes is True
+    with pytest.raises(ValueError):
+        TrainerConfig(share_prefixes="sometimes")

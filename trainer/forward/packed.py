@@ -41,11 +41,13 @@ from trainer.forward.packed_attention import MASK_PLACEHOLDER, packed_attention
 from trainer.forward.shared_prefix import plan_shared_prefixes
 
 __all__ = [
+    "SHARE_MIN_TOKENS_CUDA",
     "PackedLogprobs",
     "block_causal_mask",
     "packed_logprobs_and_entropy",
     "packed_position_ids",
     "packed_token_logprobs",
+    "sharing_applies",
 ]
 
 SUPPORTED_ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -110,7 +112,7 @@ def packed_logprobs_and_entropy(
     *,
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
-    share_prefixes: bool = False,
+    share_prefixes: bool | str = False,
     stats: dict[str, float] | None = None,
     tokens: torch.Tensor | None = None,
     head_dtype: str = "float32",
@@ -139,7 +141,7 @@ def packed_logprobs_and_entropy(
         chunk_size: rows of logits computed at a time, >= 1 (memory ~ chunk_size x V floats).
         share_prefixes: run the tokens that neighbouring samples share at their start (a group's
             prompt) through the decoder once (`trainer.forward.shared_prefix`); the same values up to float
-            rounding, fewer decoder tokens.
+            rounding, fewer decoder tokens. True, False or "auto" (`sharing_applies`).
         stats: if given, gets `"decoder_tokens"`: tokens the decoder ran (T, or fewer when shared).
         tokens: `[T]` bool, or None (every token): compute logprobs and entropy only at these
             tokens (the loss tokens; 0 elsewhere), so the LM head and the log-softmax skip the
@@ -223,7 +225,7 @@ def _decoder_hidden_states(
     input_ids: torch.Tensor,
     lens: torch.Tensor,
     rows: torch.Tensor,
-    share_prefixes: bool = False,
+    share_prefixes: bool | str = False,
     stats: dict[str, float] | None = None,
 ) -> torch.Tensor:
     """`[R, H]` last hidden states (after the final norm) at positions `rows` `[R]` int64 of the
@@ -236,7 +238,7 @@ def _decoder_hidden_states(
     `trainer.forward.shared_prefix.plan_shared_prefixes` and the rows are read through its `expand`.
     `stats`, if given, gets the decoder's token count as `"decoder_tokens"`.
     """
-    plan = plan_shared_prefixes(input_ids, lens) if share_prefixes else None
+    plan = plan_shared_prefixes(input_ids, lens) if sharing_applies(share_prefixes, input_ids.device.type, input_ids.numel()) else None
     if plan is not None:
         plan = plan.to(input_ids.device)
         row, positions, extra = plan.row_ids, plan.position_ids[None], {"rlbus_shared_plan": plan}
@@ -256,6 +258,31 @@ def _decoder_hidden_states(
     hidden = out.last_hidden_state[0]
     # index_select, not hidden[idx]: its backward is index_add_, not a sorting index_put_ (shared_prefix)
     return hidden[rows] if plan is None else hidden.index_select(0, plan.expand[rows])
+
+
+SHARE_MIN_TOKENS_CUDA = 12288
+"""`share_prefixes: auto` on CUDA shares only in micro-batches of at least this many tokens."""
+
+
+def sharing_applies(setting: bool | str, device_type: str, num_tokens: int) -> bool:
+    """Whether a packed row of `num_tokens` tokens on a `device_type` ("cpu", "cuda", ...) device
+    runs its shared prefixes once (`trainer.share_prefixes`).
+
+    True / False: as given. "auto", the measured rule (bench/README.md, "Shared-prefix speed" and
+    the GPU trainer table): always on a CPU, where the decoder's FLOPs bound the step and sharing
+    made it 1.5-2.9x faster; on CUDA only when num_tokens >= `SHARE_MIN_TOKENS_CUDA`: an H200 (0.5B shape,
+    bf16, GRPO-shaped batch) took 1.14 s against 1.22 s unshared with 16384-token micro-batches and
+    1.23 s against 1.05 s with 8192, where kernel launches rather than FLOPs bound a micro-batch and
+    the shared path's gathers add launches.
+
+    Raises:
+        ValueError: a setting other than True, False or "auto".
+    """
+    if setting is True or setting is False:
+        return setting
+    if setting != "auto":
+        raise ValueError(f"share_prefixes must be true, false or 'auto', got {setting!r}")
+    return device_type != "cuda" or num_tokens >= SHARE_MIN_TOKENS_CUDA
 
 
 def _output_projection(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -302,7 +329,7 @@ class PackedLogprobs(torch.nn.Module):
         model: the policy (see `packed_logprobs_and_entropy`); registered as the submodule `model`.
         temperature: finite float > 0, the sampler's temperature.
         chunk_size: rows of logits computed at a time, >= 1.
-        share_prefixes: run shared sample prefixes once (`packed_logprobs_and_entropy`).
+        share_prefixes: run shared sample prefixes once: True, False or "auto" (`sharing_applies`).
         head_dtype: precision of the LM head's matmuls (`trainer.lm_head_dtype`).
 
     After each forward, `stats["decoder_tokens"]` is the number of tokens its decoder ran.
@@ -320,7 +347,7 @@ class PackedLogprobs(torch.nn.Module):
         model: torch.nn.Module,
         temperature: float = 1.0,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
-        share_prefixes: bool = False,
+        share_prefixes: bool | str = False,
         head_dtype: str = "float32",
     ) -> None:
         super().__init__()

@@ -41,7 +41,7 @@ class ReferencePolicy:
             the KL starts at 0.
     """
 
-    def __init__(self, policy: torch.nn.Module, *, share_prefixes: bool = False, head_dtype: str = "float32") -> None:
+    def __init__(self, policy: torch.nn.Module, *, share_prefixes: bool | str = False, head_dtype: str = "float32") -> None:
         self.share_prefixes = share_prefixes
         self.head_dtype = head_dtype
         if isinstance(policy, PeftModel):
