@@ -233,6 +233,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
     if args.cpu_smoke:
         args.micro_batch_tokens = min(args.micro_batch_tokens, 1024)
+        torch.set_num_threads(1)  # steadier on a shared host; the numbers only check the script
     names = [v for v in args.variants.split(",") if v]
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
