@@ -16,7 +16,7 @@ from broadcaster.noise import is_rmsnorm_weight
 from configs.schema import LoraSection
 from trainer.model import load_policy, lora_adapter_state_dict, policy_state_dict
 
-from tests.broadcaster.policies import lora_policy
+from tests.broadcaster.lora_policies import lora_policy
 from tests.weight_peer import WeightPeer
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -17,7 +17,7 @@ from broadcaster.noise import (
 )
 from configs.schema import LoraSection, NoiseSchedulerConfig, RunConfig
 from trainer.model import load_policy, policy_state_dict
-from tests.broadcaster.policies import lora_policy
+from tests.broadcaster.lora_policies import lora_policy
 
 
 def test_sigma_trend_by_hand():

@@ -15,7 +15,7 @@ from broadcaster.filesystem import FilesystemSender
 from broadcaster.lora import merge_lora_delta
 from broadcaster.manifest import build_manifest, manifest_num_bytes
 from configs.schema import RunConfig
-from tests.broadcaster.policies import lora_policy
+from tests.broadcaster.lora_policies import lora_policy
 from tests.broadcaster.test_broadcaster import _free_port
 from tests.weight_peer import WeightPeer
 from trainer.model import lora_adapter_state_dict, policy_state_dict
