@@ -21,15 +21,19 @@ import numpy as np
 import pytest
 import torch
 
+from tests.gpu.kernel_compare import ATOL, assert_kernel_close
 from tests.trainer.test_shared_prefix import varlen_attention_reference
 from trainer.forward import shared_prefix
 from trainer.forward.packed import packed_logprobs_and_entropy
 from trainer.forward.precision import PrecisionPolicy
-from trainer.forward.shared_prefix import flat_segment_attention, padded_segment_attention, plan_shared_prefixes
+from trainer.forward.shared_prefix import (
+    flat_segment_attention,
+    padded_segment_attention,
+    plan_shared_prefixes,
+)
 from trainer.kernels.varlen_attention import varlen_attention, varlen_kernel_applies
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
-ATOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3}
 VOCAB = 300
 
 
@@ -46,13 +50,6 @@ def grpo_row(seed: int = 0, num_prompts: int = 3, group: int = 5) -> tuple[torch
     return torch.tensor(sum(samples, [])), torch.tensor([len(s) for s in samples])
 
 
-def forward_backward(fn, q, k, v, weight):
-    out = fn(q, k, v)
-    (out.float() * weight).sum().backward()
-    grads = [t.grad.float() for t in (q, k, v)]
-    for t in (q, k, v):
-        t.grad = None
-    return out.detach().float(), grads
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -77,18 +74,7 @@ def test_flat_segments_through_the_kernel_match_the_reference(dtype):
     def reference_fp32(q, k, v):
         return flat_segment_attention(q.float(), k.float(), v.float(), plan.segments, None, varlen_attention_reference)
 
-    got, got_grads = forward_backward(kernel, q, k, v, weight)
-    half, half_grads = forward_backward(padded_half, q, k, v, weight)
-    ref, ref_grads = forward_backward(reference_fp32, q, k, v, weight)
-    atol = ATOL[dtype]
-    err = (got - ref).abs().max().item()
-    assert err < atol, f"varlen segments off the float32 reference by {err:.2e} (atol {atol})"
-    assert err <= 2 * (half - ref).abs().max().item() + 1e-6
-    for name, g, h, r in zip("qkv", got_grads, half_grads, ref_grads):
-        scale = r.abs().max().item()
-        g_err = (g - r).abs().max().item() / scale
-        assert g_err < atol, f"d{name}: varlen segments off the float32 reference by {g_err:.2e} relative"
-        assert g_err <= 2 * (h - r).abs().max().item() / scale + 1e-6, f"d{name}: kernel worse than the {dtype} padded path"
+    assert_kernel_close(kernel, padded_half, reference_fp32, q, k, v, weight, ATOL[dtype], "varlen segments")
 
 
 def tiny_qwen2() -> torch.nn.Module:

@@ -16,12 +16,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.gpu.kernel_compare import ATOL, assert_kernel_close
 from trainer.forward.packed_attention import packed_sdpa_attention
-from trainer.kernels.varlen_attention import varlen_causal_attention, varlen_kernel_applies
+from trainer.kernels.varlen_attention import (
+    varlen_causal_attention,
+    varlen_kernel_applies,
+)
 
 LENS = [5, 17, 1, 40, 9]
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
-ATOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3}
 
 
 def loop_reference(query, key, value, lens):
@@ -43,13 +46,6 @@ def inputs(dtype):
     return rand(HEADS), rand(KV_HEADS), rand(KV_HEADS)
 
 
-def forward_backward(fn, q, k, v, weight):
-    out = fn(q, k, v)
-    (out.float() * weight).sum().backward()
-    grads = [t.grad.float() for t in (q, k, v)]
-    for t in (q, k, v):
-        t.grad = None
-    return out.detach().float(), grads
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -69,18 +65,7 @@ def test_varlen_matches_per_sample_loop_forward_and_backward(dtype):
     def loop_fp32(q, k, v):
         return loop_reference(q.float(), k.float(), v.float(), LENS)
 
-    got, got_grads = forward_backward(kernel, q, k, v, weight)
-    half, half_grads = forward_backward(loop_half, q, k, v, weight)
-    ref, ref_grads = forward_backward(loop_fp32, q, k, v, weight)
-    atol = ATOL[dtype]
-    err = (got - ref).abs().max().item()
-    assert err < atol, f"varlen forward off the float32 loop by {err:.2e} (atol {atol})"
-    assert err <= 2 * (half - ref).abs().max().item() + 1e-6
-    for name, g, h, r in zip("qkv", got_grads, half_grads, ref_grads):
-        scale = r.abs().max().item()
-        g_err = (g - r).abs().max().item() / scale
-        assert g_err < atol, f"d{name}: varlen off the float32 loop by {g_err:.2e} relative (atol {atol})"
-        assert g_err <= 2 * (h - r).abs().max().item() / scale + 1e-6, f"d{name}: varlen worse than the {dtype} loop"
+    assert_kernel_close(kernel, loop_half, loop_fp32, q, k, v, weight, ATOL[dtype], "varlen")
 
 
 def test_varlen_direct_call_shape_and_float32_fallback():
