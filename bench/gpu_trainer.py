@@ -195,8 +195,8 @@ def print_profile(label: str, step, device: torch.device, rows: int = 18) -> Non
 def head_precision(base_state: dict, groups, device, smoke: bool) -> list[dict]:
     """Logprob error of each `trainer.lm_head_dtype` against a float64 LM head, same hidden states.
 
-    The hidden states are the final-norm output of one group's bf16-autocast forward (the model's
-    first group, all positions); the LM head weight is scaled so the logits have a standard
+    The hidden states are the final-norm output of a bf16-autocast forward of one sample (the
+    first sample of the first group, every position but the last); the LM head weight is scaled so the logits have a standard
     deviation of 4 (random init gives ~0.6, a near-uniform distribution where no precision shows;
     trained LMs' logits spread over several units). Returns one row per head dtype: mean and max
     |logprob - float64 logprob| (nats) over the positions, and the mean k3 KL estimate."""

@@ -162,7 +162,8 @@ def test_dtypes_that_reach_attention_and_the_lm_head(model_dir, monkeypatch, hea
     monkeypatch.setattr(head, "chunk_logits", logits_spy)
     model = policy(model_dir, lora=False)
     ss = samples(model)
-    attn_dtypes.clear(), head_dtypes.clear()
+    attn_dtypes.clear()  # the sampler logprobs of samples() above ran unmixed
+    head_dtypes.clear()
     trainer = Trainer(model, TrainerConfig(dtype="bfloat16", lm_head_dtype=head_dtype, share_prefixes=False,
                                            optim=OptimConfig(lr=1e-3, max_grad_norm=1e9)))
     metrics = trainer.step(micro_batches(ss, [list(range(len(ss)))]))

@@ -174,27 +174,26 @@ class ChunkedLinearLogprobs(torch.autograd.Function):
         ops = _chunk_ops(ctx.backend)
         grad_logprob = grad_logprob.to(lse.dtype)
         with _no_autocast(hidden.device), head_matmul_precision(ctx.head_dtype, hidden.device):
-            hidden, weight, bias = head_operands(hidden, weight, bias, ctx.head_dtype)
+            h, w, b = head_operands(hidden, weight, bias, ctx.head_dtype)
             for start in range(0, hidden.shape[0], ctx.chunk_size):
                 rows = slice(start, start + ctx.chunk_size)
-                logits = chunk_logits(hidden[rows], weight, bias)
+                logits = chunk_logits(h[rows], w, b)
                 grad_logits = ops[1](logits, targets[rows], lse[rows], grad_logprob[rows], ctx.temperature)
                 del logits
                 if need_hidden:
                     if grad_hidden.dtype == grad_logits.dtype:
-                        torch.mm(grad_logits, weight, out=grad_hidden[rows])
+                        torch.mm(grad_logits, w, out=grad_hidden[rows])
                     else:
-                        grad_hidden[rows] = torch.mm(grad_logits, weight)
+                        grad_hidden[rows] = torch.mm(grad_logits, w)
                 if need_weight:
-                    _accumulate_float32(grad_weight, grad_logits.t(), hidden[rows])
+                    _accumulate_float32(grad_weight, grad_logits.t(), h[rows])
                 if need_bias:
                     grad_bias += grad_logits.sum(0, dtype=acc_dtype)
                 del grad_logits
-        param_dtype = ctx.saved_tensors[1].dtype
         if grad_weight is not None:
-            grad_weight = grad_weight.to(param_dtype)
+            grad_weight = grad_weight.to(weight.dtype)
         if grad_bias is not None:
-            grad_bias = grad_bias.to(param_dtype)
+            grad_bias = grad_bias.to(bias.dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 

@@ -22,9 +22,9 @@ rescale logits (`LOGIT_RESCALING_FIELDS`) are refused.
 
 Precision: under a bfloat16 autocast context (`trainer.forward.precision`) the decoder body computes in
 bfloat16, but its last hidden states are cast to the LM head weight's dtype (the float32 master
-weight) and the head + log-softmax run with autocast off, so logprobs and entropy are float32
-whatever the compute dtype (a bfloat16 logit carries ~0.4% relative error, which would go straight
-into every importance ratio).
+weight) and the head runs with autocast off, its matmuls in `head_dtype` (`trainer.lm_head_dtype`:
+float32, TF32 or bfloat16) and its log-softmax in float32, so logprobs and entropy are float32
+whatever the compute dtype.
 
 Invariants: outputs are float32 `[T]`; `out[t]` depends only on tokens of t's own sample at
 positions <= t; the first token of every sample gets logprob 0 and entropy 0 (it has no context).
@@ -238,7 +238,8 @@ def _decoder_hidden_states(
     `trainer.forward.shared_prefix.plan_shared_prefixes` and the rows are read through its `expand`.
     `stats`, if given, gets the decoder's token count as `"decoder_tokens"`.
     """
-    plan = plan_shared_prefixes(input_ids, lens) if sharing_applies(share_prefixes, input_ids.device.type, input_ids.numel()) else None
+    shared = sharing_applies(share_prefixes, input_ids.device.type, input_ids.numel())
+    plan = plan_shared_prefixes(input_ids, lens) if shared else None
     if plan is not None:
         plan = plan.to(input_ids.device)
         row, positions, extra = plan.row_ids, plan.position_ids[None], {"rlbus_shared_plan": plan}
@@ -255,9 +256,8 @@ def _decoder_hidden_states(
             use_cache=False,
             **extra,
         )
-    hidden = out.last_hidden_state[0]
     # index_select, not hidden[idx]: its backward is index_add_, not a sorting index_put_ (shared_prefix)
-    return hidden[rows] if plan is None else hidden.index_select(0, plan.expand[rows])
+    return out.last_hidden_state[0].index_select(0, rows if plan is None else plan.expand[rows])
 
 
 SHARE_MIN_TOKENS_CUDA = 12288

@@ -32,7 +32,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from trainer.forward.shared_prefix import segment_attention
-from trainer.kernels.varlen_attention import to_compute_dtype, varlen_causal_attention, varlen_kernel_applies
+from trainer.kernels.varlen_attention import repeat_kv, to_compute_dtype, varlen_causal_attention, varlen_kernel_applies
 
 __all__ = ["PACKED_ATTENTION", "packed_attention", "packed_sdpa_attention", "MASK_PLACEHOLDER"]
 
@@ -87,20 +87,12 @@ def packed_sdpa_attention(
         raise ValueError(f"rlbus_seq_lens sum to {sum(lens)}, the packed row has {query.shape[2]} tokens")
     if varlen_kernel_applies(query, dropout_p):
         return varlen_causal_attention(query, key, value, list(lens), scaling), None
-    key, value = _repeat_kv(query, key, value)
+    key, value = repeat_kv(query, key, value)
     outs = [
         F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, dropout_p=dropout_p)
         for q, k, v in zip(query.split(lens, 2), key.split(lens, 2), value.split(lens, 2))
     ]
     return torch.cat(outs, 2).transpose(1, 2).contiguous(), None
-
-
-def _repeat_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """key, value `[1, kv_heads, T, d]` with each head repeated to query's heads (grouped-query attention)."""
-    repeats = query.shape[1] // key.shape[1]
-    if repeats > 1:
-        key, value = key.repeat_interleave(repeats, 1), value.repeat_interleave(repeats, 1)
-    return key, value
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_sdpa_attention)

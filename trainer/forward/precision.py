@@ -11,11 +11,12 @@ arXiv:1710.03740, section 3.1), with bfloat16 instead of float16 so no loss scal
 - the forward (and so its backward) of the policy runs under ``torch.autocast(device_type,
   dtype=torch.bfloat16)``: autocast casts the weights to bfloat16 for the matmuls (linear, sdpa)
   and keeps reductions, norms and softmax in float32 (its "fp32 list");
-- logprobs and the loss stay float32: the LM head's matmul and the log-softmax run in float32
-  with autocast switched off (:mod:`trainer.forward.logprobs`), since bfloat16 logits (8 bits of
-  mantissa: ~0.06 absolute error on a logit of 16) would put that error into every logprob and
-  importance ratio; MiniMax-M1 (arXiv:2506.13585, its RL section) traced its training/inference
-  probability mismatch to the LM head's precision and fixed it with a float32 head;
+- logprobs and the loss stay float32: the LM head runs with autocast switched off
+  (:mod:`trainer.forward.logprobs`), its matmuls in ``trainer.lm_head_dtype`` (TF32 by default on
+  CUDA, float32 on CPU: float32 logits; bfloat16 logits, 8 bits of mantissa, ~0.06 absolute error
+  on a logit of 16, only when chosen) and its log-softmax in float32, since the head's error goes
+  into every logprob and importance ratio; MiniMax-M1 (arXiv:2506.13585, its RL section) traced its
+  training/inference probability mismatch to the LM head's precision and fixed it with a float32 head;
 - gradients are reduced across ranks in float32 (DDP reduces the float32 ``.grad``; FSDP2 takes
   ``reduce_dtype=float32`` in its own policy): nothing to do here.
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "VARLEN_DTYPES", "VarlenSignature", "autocast_compute_dtype", "cu_seqlens", "signature_of", "to_compute_dtype",
+    "VARLEN_DTYPES", "VarlenSignature", "autocast_compute_dtype", "cu_seqlens", "repeat_kv", "signature_of", "to_compute_dtype",
     "varlen_attention", "varlen_causal_attention", "varlen_decision", "varlen_kernel_applies", "varlen_signature",
 ]
 
@@ -208,13 +208,21 @@ def varlen_attention(
         kwargs["window_size"] = (-1, 0)
     else:
         kwargs["is_causal"] = True
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        if sig.gqa:
-            kwargs["enable_gqa"] = True
-        else:
-            key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    if sig.gqa and query.shape[1] != key.shape[1]:
+        kwargs["enable_gqa"] = True
+    else:
+        key, value = repeat_kv(query, key, value)
     return varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, **kwargs)
+
+
+def repeat_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """key, value with each kv head repeated to query's head count (grouped-query attention, as sdpa
+    and kernels without `enable_gqa` expect); heads are dim 1 (`[1, heads, T, d]` or `[T, heads, d]`).
+    Unchanged when the head counts already match."""
+    repeats = query.shape[1] // key.shape[1]
+    if repeats > 1:
+        key, value = key.repeat_interleave(repeats, 1), value.repeat_interleave(repeats, 1)
+    return key, value
 
 
 def varlen_causal_attention(
