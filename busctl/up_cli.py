@@ -1,0 +1,180 @@
+"""``busctl up``: load and check the config (or a stopped run's, ``--resume``), plan the devices,
+and run the job under a :class:`busctl.supervisor.Supervisor` until it is done, fails or is
+interrupted (exit codes in :mod:`busctl.cli`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+
+from busctl.launchers import LAUNCHERS, make_launcher
+from busctl.placement import apply_placement
+from busctl.run_cli import NoRun, read_status, split_config_args, supervisor_alive
+from busctl.run_status import RunOutcome
+from configs.model_path import resolve_run_model_paths
+from configs.schema import ConfigError, RunConfig, dump_config, load_config
+
+if TYPE_CHECKING:
+    from busctl.supervisor import Supervisor
+
+
+def resume_config(target: str | None, overrides: list[str]) -> RunConfig:
+    """The config of ``busctl up --resume [TARGET] [overrides]``.
+
+    Args:
+        target: a run directory, or a config file whose ``run_dir`` is the run; None: the
+            default config's run directory.
+        overrides: dotted overrides applied on top of the run's saved ``config.yaml``
+            (``run_dir`` may not be one: the run continues where it is).
+
+    Returns:
+        ``RUN_DIR/config.yaml`` with the overrides, a fresh broadcast port (0: picked at start),
+        and ``run_dir`` set to the directory found.
+
+    Raises:
+        ConfigError: no such directory or file, no ``config.yaml`` in the run directory, a
+            ``run_dir`` override, or an invalid override.
+    """
+    if target is None:
+        run_dir = Path(load_config(None).run_dir)
+    elif Path(target).is_dir():
+        run_dir = Path(target)
+    elif Path(target).is_file():
+        run_dir = Path(load_config(target).run_dir)
+    else:
+        raise ConfigError(f"--resume {target}: no such run directory or config file")
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError(f"nothing to resume in {run_dir}: no {saved} (a run writes it at start; start one with `busctl up`)")
+    if any(o.partition("=")[0].strip() == "run_dir" for o in overrides):
+        raise ConfigError("run_dir cannot be overridden with --resume: the run continues in its own directory")
+    cfg = load_config(saved, ["broadcast.port=0", *overrides])
+    cfg.run_dir = str(run_dir.resolve())
+    return cfg
+
+
+def cmd_up(ns: argparse.Namespace, console: Console) -> int:
+    """``busctl up [CONFIG] [overrides] [--dry-run] [--resume] [--launcher L]``: the exit code (see :mod:`busctl.cli`)."""
+    from bus.auth import check_keys
+    from busctl.cpu_bf16 import cpu_bf16_warning
+    from busctl.startup import process_started_at
+    from busctl.supervisor import Supervisor  # zmq/rich only; torch stays out until needed
+
+    config_path, overrides = split_config_args(ns.args)
+    try:
+        cfg = resume_config(config_path, overrides) if ns.resume else load_config(config_path, overrides)
+        cfg.supervisor.launcher = ns.launcher or cfg.supervisor.launcher
+        cfg.supervisor.ray_address = ns.address or cfg.supervisor.ray_address
+        placement = apply_placement(cfg)  # trainer.device and producers.dtype resolved in cfg
+        check_keys(cfg.bus)  # the CurveZMQ key files, read here at launch (the config imports no bus)
+    except ValueError as err:  # a ConfigError, or a key file missing or unreadable
+        console.print(f"[red]{err}[/red]")
+        return 2
+    if ns.dry_run:
+        print(dump_config(cfg) + placement.describe())
+        return 0
+    slow_bf16 = cpu_bf16_warning(cfg.trainer.dtype, cfg.trainer.device)  # measured only for a bf16 CPU trainer
+    if slow_bf16:
+        console.print(f"[yellow]warning: {slow_bf16}[/yellow]", highlight=False)
+    try:
+        launcher = make_launcher(cfg)  # slurm: the allocation's nodes; ray: connects (not needed by --dry-run)
+    except ConfigError as err:
+        console.print(f"[red]{err}[/red]")
+        return 2
+    run_dir = Path(cfg.run_dir)
+    try:
+        previous = read_status(run_dir)
+    except (NoRun, ValueError):
+        previous = None
+    if previous is not None and supervisor_alive(previous):
+        console.print(f"[red]a run is already going in {run_dir} (busctl up pid {previous['supervisor_pid']}); "
+                      f"stop it first: busctl down {run_dir}[/red]")
+        return 1
+    try:  # a hub id becomes its local HF-cache snapshot directory: every component loads the same files
+        resolve_run_model_paths(cfg)
+    except (FileNotFoundError, ValueError) as err:
+        console.print(f"[red]{err}[/red]")
+        return 2
+    if placement.visible:  # a GPU host: say which component got which devices
+        console.print(placement.describe(), markup=False, highlight=False)
+    launcher.configure(cfg)  # slurm, ray: tcp bound to each node's address, per-run CurveZMQ keys
+    sup = Supervisor(cfg, console, resume=ns.resume, launched_at=process_started_at(os.getpid()), placement=placement,
+                     launcher=launcher)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        sup.stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    return supervise(sup, console)
+
+
+def supervise(sup: "Supervisor", console: Console) -> int:
+    """Run ``sup`` through prepare, start, watch and (always) shutdown, printing to ``console``
+    (on a terminal, below the lines, a live display of :mod:`busctl.live` during start and watch);
+    ``sup.stop`` set (by a signal handler, or a test) means interrupted. Records the outcome
+    (``done``, ``failed``, ``interrupted``) and error in ``sup`` for ``status.json``.
+
+    Returns:
+        The exit code of ``busctl up``: 0 done, 1 failed, 130 interrupted.
+    """
+    from contextlib import nullcontext
+
+    from busctl.live import LiveDisplay
+    from busctl.supervisor import RunFailed
+
+    started = time.monotonic()
+    failed = False
+    try:
+        sup.prepare()
+        console.print(f"run directory: {sup.run_dir}" + (" (resumed)" if sup.resume else ""))
+        with LiveDisplay(console, lambda: sup.snapshot) if console.is_terminal else nullcontext():
+            sup.start()
+            console.print(f"all {len(sup.table)} components ready in {time.monotonic() - started:.1f} s; training")
+            sup.watch()
+    except RunFailed as err:
+        if not sup.stop.is_set():
+            console.print(f"[red]run failed: {err}[/red]")
+            sup.error, failed = str(err), True
+    finally:
+        if sup.run_done and not failed:
+            sup.outcome = RunOutcome.DONE
+        elif sup.stop.is_set() and not failed:
+            sup.outcome = RunOutcome.INTERRUPTED
+        else:  # RunFailed, or an unexpected error on its way up
+            sup.outcome = RunOutcome.FAILED
+        console.print("stopping components ...")
+        sup.shutdown()
+    if failed:
+        return 1
+    if not sup.run_done:
+        console.print("interrupted; every component stopped")
+        return 130
+    restarts = sum(s.restarts for s in sup.table)
+    console.print(f"[green]done[/green] in {time.monotonic() - started:.0f} s ({restarts} restarts); "
+                  f"metrics in {sup.run_dir / 'metrics.jsonl'}")
+    return 0
+
+
+def add_up(sub: argparse._SubParsersAction) -> dict:
+    """Register ``up`` on ``sub``; returns ``{"up": handler}``."""
+    up = sub.add_parser("up", help="run a job, or continue a stopped one (--resume)",
+                        description="Run a job: busctl up [CONFIG] [key.sub=value ...]. Continue a stopped one in its run "
+                        "directory: busctl up --resume [RUN_DIR | CONFIG] [key.sub=value ...].")
+    up.add_argument("args", nargs="*", help="[CONFIG.yaml] [key.sub=value ...]; with --resume: [RUN_DIR | CONFIG.yaml] [key.sub=value ...]")
+    up.add_argument("--dry-run", action="store_true", help="print the resolved config and the device plan, and exit")
+    up.add_argument("--launcher", choices=LAUNCHERS, default=None,
+                    help="start components as local processes, as srun steps inside a Slurm allocation, or through Ray actors "
+                    "on the nodes of a Ray cluster (default: supervisor.launcher)")
+    up.add_argument("--address", default=None, help="with --launcher ray: the Ray cluster (default: supervisor.ray_address, auto)")
+    up.add_argument("--resume", action="store_true",
+                    help="continue the run in RUN_DIR (default: the default config's run_dir) from its config.yaml, "
+                    "checkpoints, ledgers and packer spool; nothing is cleared, logs are appended")
+    return {"up": cmd_up}
