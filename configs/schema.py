@@ -274,6 +274,19 @@ class ReportConfig(Section):
     samples_per_step: int = Field(
         4, ge=1, le=64, description="Examples (prompt, completion, reward, advantage) written per sampled step: the step's first samples, whole groups first."
     )
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=list,
+        description="Experiment trackers fed from the run's metrics.jsonl, stages.jsonl and samples.jsonl by a process of their own "
+        "(trackers/; never on the trainer's path): tensorboard (RUN_DIR/tensorboard/), wandb (offline under RUN_DIR/wandb/ when "
+        "no API key is set or WANDB_MODE=offline), mlflow (MLFLOW_TRACKING_URI, else a file store at RUN_DIR/mlruns/). "
+        "Needs the trackers extra (pip install -e '.[trackers]'); a tracker that fails warns once and is dropped.",
+    )
+
+    @model_validator(mode="after")
+    def _unique_trackers(self) -> "ReportConfig":
+        if len(set(self.trackers)) != len(self.trackers):
+            raise ValueError(f"report.trackers {self.trackers} names a tracker twice; list each once")
+        return self
 
 
 class RunConfig(Section):
