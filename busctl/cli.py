@@ -9,6 +9,7 @@
     busctl keys DIR [--clients N]                        make CurveZMQ keys for an authenticated tcp:// bus
     busctl sbatch [CONFIG] [key=value ...] [-o FILE]     a Slurm batch script running the job (busctl up --launcher slurm)
     busctl report RUN_DIR [--out DIR]                    plots (PNG) and a text summary of a run
+    busctl export RUN_DIR [--step N] --out DIR [--merge-lora]  a checkpoint as a Hugging Face model directory
 
 RUN_DIR defaults to the default config's ``run_dir`` (``runs/reverse_text``).
 
@@ -53,7 +54,7 @@ import argparse
 
 from rich.console import Console
 
-from busctl import cluster_cli, run_cli, up_cli
+from busctl import cluster_cli, export, run_cli, up_cli
 from busctl.report import cmd_report
 from busctl.run_cli import NoRun
 from busctl.up_cli import resume_config, supervise
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="busctl", description="Run and inspect rlbus pipelines.",
                                      epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    handlers = {**up_cli.add_up(sub), **run_cli.add_commands(sub), **cluster_cli.add_commands(sub)}
+    handlers = {**up_cli.add_up(sub), **run_cli.add_commands(sub), **cluster_cli.add_commands(sub), **export.add_command(sub)}
     rp = sub.add_parser("report", help="plot a run's metrics (PNG) and print a short summary")
     rp.add_argument("run_dir", help="run directory (holds metrics.jsonl)")
     rp.add_argument("--out", default=None, help="where to write the plots and summary.txt (default: RUN_DIR/report)")

@@ -3,17 +3,24 @@
 Layout of one checkpoint, ``DIR/step_{N:06d}/`` (``N`` = optimizer steps completed = the policy
 version of the saved weights; a resumed trainer trains step ``N`` next)::
 
-    model.safetensors ...      full fine-tuning: the model's ``save_pretrained`` (safetensors)
+    model.safetensors ...      full fine-tuning: the model's ``save_pretrained`` (safetensors,
+    config.json                  config.json, generation_config.json)
     adapter_model.safetensors  LoRA: the peft adapter only (``save_pretrained``); the frozen base
     adapter_config.json          comes from ``model.path`` again on resume
+    tokenizer.json ...         the tokenizer and chat template of the model's source directory
+                                 (:mod:`trainer.state.hf_files`): a full checkpoint is a complete
+                                 Hugging Face model directory (``AutoModelForCausalLM``,
+                                 ``AutoTokenizer``, vLLM, a new run's ``model.path``), a LoRA one a
+                                 complete peft adapter directory (``busctl export --merge-lora``)
     optimizer.pt               ``torch.save(optimizer.state_dict())`` (AdamW moments, step counts,
                                  the learning rate of each param group)
     sharded/                   instead of the two above with ``trainer.parallel: fsdp``: model and
                                  optimizer shards of every rank, torch.distributed.checkpoint
                                  (written by ``write_state``, :mod:`trainer.parallel.sharding`)
-    scheduler.pt               ``torch.save(scheduler.state_dict())``, only when an LR scheduler is
-                                 passed (rlbus trains with a constant LR: none, the LR is in
-                                 optimizer.pt)
+    scheduler.pt               ``torch.save(scheduler.state_dict())``, when an LR scheduler is passed
+                                 (the trainer always passes its ``trainer.optim`` schedule,
+                                 :mod:`trainer.optim.lr_schedule`: steps taken and peak LRs; also
+                                 beside ``sharded/``, written by rank 0: it is the same on every rank)
     rng.json                   torch (CPU + every CUDA device), numpy and python RNG states
     meta.json                  {"format", "step", "kind": "full"|"lora", "scheduler": bool,
                                   "sharded": bool, "extra": {...}} (``extra``: the caller's resume state, e.g. the
@@ -56,6 +63,7 @@ from peft import PeftModel, set_peft_model_state_dict
 from safetensors.torch import load_file
 
 from bus.durable import fsync_dir
+from trainer.state.hf_files import write_model_files
 
 __all__ = ["CheckpointState", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint", "snapshot_state"]
 
@@ -221,13 +229,14 @@ def save_checkpoint(
         write_state: writes the model and optimizer state into the directory it is given (the
             temp directory) instead of ``save_pretrained`` + ``optimizer.pt``: a sharded save
             every rank joins (:func:`trainer.parallel.sharding.save_sharded`, under ``sharded/``); then
-            ``state`` must be None and no scheduler is saved.
+            ``state`` must be None (``scheduler``'s state, the same on every rank, is saved as it is now).
 
     Returns:
         The checkpoint directory. An existing checkpoint of the same step is replaced.
 
     Raises:
-        ValueError: ``step`` < 0, ``keep`` < 1, or ``extra`` has ``"step"`` or is not JSON-able.
+        ValueError: ``step`` < 0, ``keep`` < 1, ``extra`` has ``"step"`` or is not JSON-able, or
+            both ``write_state`` and ``state`` are given.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
@@ -235,8 +244,8 @@ def save_checkpoint(
         raise ValueError(f"keep must be >= 1 (the checkpoint just written), got {keep}")
     if "step" in extra:
         raise ValueError("extra must not contain 'step': load_checkpoint returns the step under that key")
-    if write_state is not None and (state is not None or scheduler is not None):
-        raise ValueError("write_state (a sharded save) takes the state as it is now: pass no snapshot and no scheduler")
+    if write_state is not None and state is not None:
+        raise ValueError("write_state (a sharded save) takes the state as it is now: pass no snapshot")
     meta = {"format": FORMAT, "step": step, "kind": _kind(model), "scheduler": scheduler is not None,
             "sharded": write_state is not None, "extra": extra}
     try:
@@ -254,10 +263,13 @@ def save_checkpoint(
     if write_state is not None:
         write_state(tmp)
         rng = _rng_state()
+        if scheduler is not None:
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     else:
         if state is None:
             state = _current_state(model, optimizer, scheduler)
         model.save_pretrained(tmp, safe_serialization=True, state_dict=state.model_state)
+        write_model_files(tmp, model)
         torch.save(state.optimizer_state, tmp / "optimizer.pt")
         if scheduler is not None:
             torch.save(state.scheduler_state, tmp / "scheduler.pt")

@@ -1,0 +1,77 @@
+"""The files that make a checkpoint a complete Hugging Face model directory besides its weights.
+
+``save_pretrained`` of a transformers model writes ``config.json``, ``generation_config.json``
+and the weights; peft's writes ``adapter_config.json`` and the adapter. Neither writes the
+tokenizer, so a checkpoint could not be a new run's ``model.path``, loaded with ``AutoTokenizer``,
+or served by vLLM. :func:`write_model_files` adds what is missing, taken from the directory the
+policy was loaded from (the run's ``model.path``, which :func:`trainer.model.load_policy` resolves
+to a local directory and transformers keeps as the model's ``name_or_path``):
+
+- the tokenizer, through ``AutoTokenizer.from_pretrained(source).save_pretrained(dir)``
+  (``tokenizer.json``, ``tokenizer_config.json``, special tokens and the chat template,
+  ``chat_template.jinja``), so a checkpoint of a run started from a checkpoint has them too;
+- for a LoRA policy, ``generation_config.json`` of the base model (peft saves the adapter only;
+  ``adapter_config.json``'s ``base_model_name_or_path`` names the base directory, from which
+  ``AutoModelForCausalLM``/``PeftModel`` load the frozen weights and ``busctl export
+  --merge-lora`` merges, :mod:`busctl.export`).
+
+A source without a tokenizer (a bare weights directory) is logged and skipped: training does not
+stop for it, the checkpoint is then not self-contained.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+from peft import PeftModel
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+__all__ = ["model_source", "write_model_files"]
+
+
+def model_source(model: torch.nn.Module) -> str:
+    """The directory (or hub id) the transformers model under ``model`` (peft unwrapped) was
+    loaded from: its ``name_or_path``; "" when it was built in memory."""
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    return str(getattr(base, "name_or_path", "") or "")
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(source: str) -> PreTrainedTokenizerBase | None:
+    """The tokenizer at ``source`` (loaded once per source and process), None if it has none."""
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError, TypeError) as err:  # no tokenizer files, or none transformers can build
+        log.warning("no tokenizer at %s (%s): checkpoints hold no tokenizer and cannot be served as they are", source, err)
+        return None
+
+
+def write_model_files(directory: Path, model: torch.nn.Module) -> list[str]:
+    """Write the tokenizer (and, for LoRA, the base model's generation config) of ``model``'s
+    source directory into ``directory``, beside the weights ``save_pretrained`` wrote.
+
+    Args:
+        directory: the checkpoint directory being written (the save's temp directory).
+        model: the training model, a transformers model or a peft model over one.
+
+    Returns:
+        The names of the files written (sorted); [] when the model has no source directory or the
+        source has no tokenizer (logged once per source).
+    """
+    source = model_source(model)
+    if not source:
+        return []
+    before = {p.name for p in directory.iterdir()}
+    tokenizer = _tokenizer(source)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    if isinstance(model, PeftModel):
+        generation = getattr(model.get_base_model(), "generation_config", None)
+        if generation is not None:
+            generation.save_pretrained(directory)
+    return sorted({p.name for p in directory.iterdir()} - before)
