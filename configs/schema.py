@@ -19,6 +19,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from configs.base import Section
 from configs.cluster import SlurmConfig
+from configs.errors import ConfigError, describe_validation, parse_override, read_yaml_file
 from configs.rollout import EvalConfig, FiltersConfig, SamplingConfig, TaskConfig, TeacherConfig
 from configs.topic_names import endpoint_key_ok
 from configs.training import LoraSection, LossConfig, OptimConfig, TrainerConfig
@@ -338,65 +339,42 @@ class RunConfig(Section):
         return self.trainer.batch_size // self.producers.group_size
 
 
-class ConfigError(ValueError):
-    """A config file or override is invalid; the message names the key and the fix."""
-
-
-def _parse_value(text: str) -> Any:
-    return yaml.safe_load(text)
-
-
 def apply_override(data: dict[str, Any], override: str) -> None:
     """Apply one ``dotted.key=value`` override (value parsed as YAML) to a raw config dict.
 
     Raises:
-        ConfigError: the override has no ``=`` or walks into a non-mapping.
+        ConfigError: the override has no ``=``, its value is not valid YAML, or it walks into a
+            non-mapping (:func:`configs.errors.parse_override`).
     """
-    if "=" not in override:
-        raise ConfigError(f"override {override!r} must look like key.sub=value")
-    key, _, value = override.partition("=")
+    parts, value = parse_override(override)
     node = data
-    parts = key.strip().split(".")
-    for part in parts[:-1]:
+    for depth, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"override {override!r}: {part!r} is not a section")
+            raise ConfigError(f"override {override!r}: {part!r} is not a section (it holds {child!r}); "
+                              f"set {'.'.join(parts[:depth + 1])}=VALUE instead")
         node = child
-    node[parts[-1]] = _parse_value(value)
-
-
-def _describe(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        if e["type"] == "extra_forbidden":
-            lines.append(f"  {key}: unknown key; remove it or check the spelling (see `busctl up --dry-run`)")
-        elif isinstance(e.get("input"), dict):
-            lines.append(f"  {key}: {e['msg']}")
-        else:
-            lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
-    return "invalid config:\n" + "\n".join(lines)
+    node[parts[-1]] = value
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Load a YAML config (default: ``configs/reverse_text.yaml``) and apply dotted overrides.
 
     Raises:
-        ConfigError: the file is missing or not a YAML mapping, or a key/value is invalid
-            (the message names every bad key and the fix).
+        ConfigError: the file is missing, unreadable, not valid YAML (with the line and column) or
+            not a YAML mapping, an override is malformed, or a key/value is invalid (the message
+            names every bad key, whether the file (and line) or an override set it, the nearest
+            known key for an unknown one, and the fix; :mod:`configs.errors`).
     """
     path = Path(path) if path else DEFAULT_CONFIG
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a YAML mapping at the top level")
+    data, text = read_yaml_file(path)
     for override in overrides:
         apply_override(data, override)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(f"{path}: {_describe(err)}") from None
+        applied = [(parse_override(o)[0], o) for o in overrides]
+        raise ConfigError(describe_validation(err, RunConfig, path, text, applied)) from None
 
 
 def dump_config(cfg: RunConfig) -> str:
