@@ -1,0 +1,104 @@
+"""Start and stop the tracker process from ``busctl up`` (:func:`busctl.up_cli.supervise`).
+
+:meth:`TrackerProcess.start` runs right after the supervisor prepared the run directory (the
+resolved ``config.yaml`` is written) when ``report.trackers`` names any tracker: it warns at once
+about a tracker whose library is not installed (the run goes on without it), then spawns
+``python -m trackers`` in a session of its own (a Ctrl-C on the terminal reaches busctl only),
+output appended to ``RUN_DIR/logs/trackers.log``. :meth:`TrackerProcess.stop` runs after every
+component stopped, so the files are complete: SIGTERM, the process reads them one last time and
+closes its trackers, up to :data:`STOP_TIMEOUT_S`, then SIGKILL; a tracker that failed during
+the run is named on the console then.
+
+Imports nothing heavy (busctl imports it on every ``up``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+__all__ = ["LIBRARIES", "STOP_TIMEOUT_S", "TrackerProcess", "missing_libraries"]
+
+STOP_TIMEOUT_S = 60.0
+"""Longest wait for the tracker process to drain and close its trackers at the end of a run, seconds
+(an online W&B run uploads what is left then; an offline one is done in seconds)."""
+
+LIBRARIES = {"tensorboard": ("torch", "tensorboard"), "wandb": ("wandb",), "mlflow": ("mlflow",)}
+"""The modules each tracker imports."""
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def missing_libraries(names: list[str]) -> dict[str, str]:
+    """``{tracker: module}`` for each tracker of ``names`` whose library cannot be found."""
+    missing = {}
+    for name in names:
+        for module in LIBRARIES.get(name, ()):
+            if importlib.util.find_spec(module) is None:
+                missing[name] = module
+                break
+    return missing
+
+
+class TrackerProcess:
+    """The tracker process of one run (see the module docstring).
+
+    Args:
+        proc: the running ``python -m trackers``.
+        run_dir: its run directory.
+    """
+
+    def __init__(self, proc: subprocess.Popen, run_dir: Path) -> None:
+        self.proc = proc
+        self.run_dir = run_dir
+
+    @classmethod
+    def start(cls, names: list[str], run_dir: Path, console: Console) -> TrackerProcess | None:
+        """Spawn the tracker process for ``names`` (``report.trackers``) on ``run_dir``; None when
+        no tracker is named or none of them is installed (each missing one is warned about)."""
+        if not names:
+            return None
+        missing = missing_libraries(names)
+        for name, module in missing.items():
+            console.print(f"[yellow]report.trackers: {name} needs the Python module {module!r}, which is not installed "
+                          f"(pip install -e '.[trackers]'); the run goes on without it[/yellow]")
+        if len(missing) == len(names):
+            return None
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        with open(run_dir / "logs" / "trackers.log", "ab", buffering=0) as logfile:
+            logfile.write(f"===== rlbus {time.strftime('%Y-%m-%d %H:%M:%S')}: starting trackers {', '.join(names)} =====\n".encode())
+            proc = subprocess.Popen([sys.executable, "-m", "trackers", "--run-dir", str(run_dir)], stdin=subprocess.DEVNULL,
+                                    stdout=logfile, stderr=subprocess.STDOUT, env=env, cwd=str(run_dir), start_new_session=True)
+        console.print(f"trackers {', '.join(n for n in names if n not in missing)}: pid {proc.pid}, log {run_dir / 'logs' / 'trackers.log'}")
+        return cls(proc, run_dir)
+
+    def stop(self, console: Console, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
+        """Ask the process to drain and close (SIGTERM), wait up to ``timeout_s``, then SIGKILL;
+        name on ``console`` each tracker that failed. Returns the exit code (None: it was killed)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                console.print(f"[yellow]trackers did not close within {timeout_s:g} s; killed (see {self.run_dir / 'logs' / 'trackers.log'})[/yellow]")
+                self.proc.kill()
+                self.proc.wait()
+                return None
+        try:
+            failed = json.loads((self.run_dir / "trackers" / "state.json").read_text()).get("failed", {})
+        except (OSError, ValueError, AttributeError):
+            failed = {}
+        for name, error in failed.items():
+            console.print(f"[yellow]tracker {name} failed during the run and was dropped: {error}[/yellow]")
+        return self.proc.returncode

@@ -1,0 +1,90 @@
+"""MLflow: one MLflow run per rlbus run, through :class:`mlflow.tracking.MlflowClient`.
+
+Tracking store: ``MLFLOW_TRACKING_URI`` when set (a server, a database, ``databricks``...);
+otherwise a local file store at ``RUN_DIR/mlruns/`` (MLflow 3 keeps that backend in maintenance
+mode behind ``MLFLOW_ALLOW_FILE_STORE=true``, which the tracker sets for its own process; open it
+with ``MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri RUN_DIR/mlruns``, the server
+being in the full ``mlflow`` package). Experiment: ``MLFLOW_EXPERIMENT_NAME`` or the config's
+``name``; the run id is kept in the tracker state, so ``busctl up --resume`` continues the run.
+
+What is logged: the resolved config as params (values cut at :data:`PARAM_CHARS`); every
+record's scalars as metrics at their step (names made MLflow-legal by :func:`metric_name`);
+samples as a table artifact ``samples/step_<step>.json`` (``MlflowClient.log_table``, shown in
+the run's Artifacts and Evaluation views).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+from trackers.base import Tracker
+
+__all__ = ["MlflowTracker", "metric_name"]
+
+PARAM_CHARS = 6000
+"""MLflow's longest param value (characters); longer config values are cut."""
+
+BATCH = 100
+"""Params per ``log_batch`` call (MLflow accepts at most 100 params, 1000 metrics per call)."""
+
+_ILLEGAL = re.compile(r"[^\w\-./ :]")
+
+
+def metric_name(key: str) -> str:
+    """``key`` with the characters MLflow refuses in names replaced: ``>=`` -> ``ge``, ``<=`` ->
+    ``le``, anything else outside ``[A-Za-z0-9_-./ :]`` -> ``_`` (``lag_frac/>=3`` -> ``lag_frac/ge3``)."""
+    return _ILLEGAL.sub("_", key.replace(">=", "ge").replace("<=", "le"))
+
+
+class MlflowTracker(Tracker):
+    """Logs the run's records to an MLflow run (see the module docstring).
+
+    Raises:
+        ImportError: mlflow (or mlflow-skinny) is not installed.
+        mlflow.exceptions.MlflowException: the store refuses the experiment or run.
+    """
+
+    name = "mlflow"
+
+    def __init__(self, run_dir: Path, config: dict, state: dict) -> None:
+        super().__init__(run_dir, config, state)
+        from mlflow.entities import Metric, Param
+        from mlflow.tracking import MlflowClient
+
+        self._metric, self._param = Metric, Param
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            uri = (run_dir / "mlruns").as_uri()
+        self.client = MlflowClient(tracking_uri=uri)
+        self.tracking_uri = uri
+        run_id = state.get("run_id")
+        if not run_id:
+            exp_name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or str(config.get("name") or "rlbus")
+            exp = self.client.get_experiment_by_name(exp_name)
+            exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(exp_name)
+            run_id = self.client.create_run(exp_id, run_name=run_dir.name, tags={"rlbus.run_dir": str(run_dir)}).info.run_id
+        else:
+            self.client.update_run(run_id, status="RUNNING")  # resumed: it was set FINISHED when the tracker process ended
+        self.run_id = self.state["run_id"] = run_id
+
+    def log_config(self, hparams: dict[str, str | int | float | bool]) -> None:
+        params = [self._param(metric_name(k), str(v)[:PARAM_CHARS]) for k, v in hparams.items()]
+        for i in range(0, len(params), BATCH):
+            self.client.log_batch(self.run_id, params=params[i:i + BATCH])
+
+    def log_scalars(self, kind: str, step: int, scalars: dict[str, float]) -> None:
+        now_ms = int(time.time() * 1000)
+        metrics = [self._metric(metric_name(k), v, now_ms, step) for k, v in scalars.items()]
+        for i in range(0, len(metrics), 1000):
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+
+    def log_samples(self, step: int, columns: tuple[str, ...], rows: list[list]) -> None:
+        data = {col: [row[i] for row in rows] for i, col in enumerate(columns)}
+        self.client.log_table(self.run_id, data=data, artifact_file=f"samples/step_{step:06d}.json")
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)

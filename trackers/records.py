@@ -1,0 +1,182 @@
+"""What the trackers log, read from the run's JSONL files: pure functions over their records.
+
+Sources (each one JSON object per line, appended by its writer; :class:`JsonlTail` reads them):
+
+- ``metrics.jsonl`` (trainer): a training record ``{"step": s + 1, "loss": ..., "reward_mean": ...,
+  "kl": ..., "entropy": ..., "policy_lag_mean": ..., "lr": ..., "time/forward_s": ..., ...}`` per
+  optimizer step (``step`` = steps done = the policy version it produced), and an eval record
+  ``{"step": round, "eval/<task>/<metric>": value, ...}`` per eval task and round
+  (:mod:`trainer.observability.eval_log`); :func:`split_metrics_record` tells them apart.
+- ``stages.jsonl`` (supervisor): per step, each component's throughput, busy fraction and queue
+  depth (:func:`busctl.run_status.append_stage_record`); :func:`stage_scalars` names them
+  ``stages/<component>/<field>``.
+- ``samples.jsonl`` (packer): examples of every ``report.samples_interval``-th step
+  (:mod:`packer.samples`); ``step`` there is the 0-based step index. :func:`sample_row` makes a
+  table row of :data:`SAMPLE_COLUMNS`.
+
+Every tracker puts a record at the record's own ``step``: training and stage records at steps
+done, eval records at their round (the policy version evaluated), sample tables at the sampled
+step's index (the policy version the step started from; step 0 = the base policy).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+__all__ = ["EVAL_PREFIX", "SAMPLE_COLUMNS", "JsonlTail", "flatten_config", "sample_row", "split_metrics_record", "stage_scalars"]
+
+EVAL_PREFIX = "eval/"
+"""Keys of an eval record of metrics.jsonl start with this (:mod:`trainer.observability.eval_log`)."""
+
+SAMPLE_COLUMNS = ("step", "task", "group_id", "sample", "prompt", "completion", "reward", "advantage", "policy_version", "lag",
+                  "finish_reason", "completion_tokens")
+"""The columns of a samples table, in order (fields of a ``samples.jsonl`` record)."""
+
+STAGE_FIELDS = {("throughput", "samples_per_s"): "samples_per_s", ("throughput", "tokens_per_s"): "tokens_per_s",
+                ("busy",): "busy", ("queue_depth",): "queue_depth"}
+"""Path in a component's ``stages.jsonl`` entry -> the last part of its scalar's name."""
+
+
+class JsonlTail:
+    """Reads the whole lines appended to a JSONL file since the last read, from a byte offset.
+
+    A line still being written (no newline yet) waits for the next read; a line that is not a
+    JSON object is counted in :attr:`malformed` and dropped. A file that shrank (rewritten from the
+    start) is read again from byte 0.
+
+    Args:
+        path: the file (need not exist yet).
+        offset: byte offset to continue from (a previous tail's :attr:`offset`; 0: the beginning).
+
+    Raises:
+        ValueError: ``offset`` is negative.
+    """
+
+    def __init__(self, path: Path, offset: int = 0) -> None:
+        if offset < 0:
+            raise ValueError(f"JsonlTail offset for {path} must be >= 0, got {offset}")
+        self.path = Path(path)
+        self.offset = offset
+        self.malformed = 0
+
+    def read(self) -> list[dict]:
+        """The records of the whole lines added since the last read (``[]``: none, or no file).
+
+        Raises:
+            OSError: the file exists but cannot be read.
+        """
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return []
+        if size < self.offset:
+            self.offset = 0
+        if size == self.offset:
+            return []
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            data = f.read(size - self.offset)
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        out = []
+        for line in data[:end].splitlines():
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                rec = None
+            if isinstance(rec, dict):
+                out.append(rec)
+            else:
+                self.malformed += 1
+        return out
+
+
+def _number(value: object) -> float | None:
+    """``value`` as a finite float, or None (bools, strings, None, nan and inf are not scalars)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def split_metrics_record(rec: dict) -> tuple[str, int, dict[str, float]] | None:
+    """``(kind, step, scalars)`` of one ``metrics.jsonl`` record, or None when it has no integer
+    ``step >= 0`` or no numeric value.
+
+    ``kind`` is ``"eval"`` when a key starts with :data:`EVAL_PREFIX` (then only those keys are
+    scalars: ``eval/<task>/<metric>``; ``num_samples``, ``num_failed`` and the versions become
+    ``eval/<task>/...`` too only if the writer named them so), else ``"train"`` (every numeric
+    key but ``step``). Non-finite values are left out (trackers reject or mis-plot them).
+    """
+    step = rec.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return None
+    is_eval = any(k.startswith(EVAL_PREFIX) for k in rec)
+    scalars = {}
+    for key, value in rec.items():
+        if key == "step" or (is_eval and not key.startswith(EVAL_PREFIX)):
+            continue
+        number = _number(value)
+        if number is not None:
+            scalars[key] = number
+    if not scalars:
+        return None
+    return ("eval" if is_eval else "train"), step, scalars
+
+
+def stage_scalars(rec: dict) -> tuple[int, dict[str, float]] | None:
+    """``(step, {"stages/<component>/<field>": value})`` of one ``stages.jsonl`` record (fields:
+    ``samples_per_s``, ``tokens_per_s``: throughput, per second; ``busy``: fraction of wall time in
+    [0, 1]; ``queue_depth``: items waiting); None without an integer ``step`` or numeric value.
+    A component's field that is null (not measured yet) is left out."""
+    step = rec.get("step")
+    components = rec.get("components")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0 or not isinstance(components, dict):
+        return None
+    out = {}
+    for name, stat in components.items():
+        if not isinstance(stat, dict):
+            continue
+        for path, field in STAGE_FIELDS.items():
+            value: object = stat
+            for part in path:
+                value = value.get(part) if isinstance(value, dict) else None
+            number = _number(value)
+            if number is not None:
+                out[f"stages/{name}/{field}"] = number
+    return (step, out) if out else None
+
+
+def sample_row(rec: dict) -> tuple[int, list] | None:
+    """``(step, row)`` of one ``samples.jsonl`` record: the row holds :data:`SAMPLE_COLUMNS` in
+    order (a missing field is None; text fields as str). None without an integer ``step``."""
+    step = rec.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return None
+    row = []
+    for col in SAMPLE_COLUMNS:
+        value = rec.get(col)
+        row.append(str(value) if col in ("task", "group_id", "prompt", "completion", "finish_reason") and value is not None else value)
+    return step, row
+
+
+def flatten_config(cfg: dict, prefix: str = "") -> dict[str, str | int | float | bool]:
+    """The resolved config as flat hyperparameters: ``{"trainer.optim.lr": 0.0001, ...}``.
+
+    Nested sections join with ``.``; scalars (str, int, float, bool) stay as they are; None, lists
+    and other values become their JSON text (trackers take scalars only).
+    """
+    out: dict[str, str | int | float | bool] = {}
+    for key, value in cfg.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten_config(value, name + "."))
+        elif isinstance(value, (str, int, float, bool)):
+            out[name] = value
+        else:
+            out[name] = json.dumps(value)
+    return out

@@ -1,0 +1,75 @@
+"""TensorBoard: event files under ``RUN_DIR/tensorboard/`` (``tensorboard --logdir RUN_DIR/tensorboard``).
+
+Written with PyTorch's :class:`torch.utils.tensorboard.SummaryWriter` (needs the ``tensorboard``
+package: the ``trackers`` extra). What lands where:
+
+- scalars: every numeric key of a step record under its own name (``loss``, ``reward_mean``,
+  ``kl``, ``entropy``, ``policy_lag_mean``, ``lr``, ``time/forward_s``...), eval rounds as
+  ``eval/<task>/<metric>`` at the round, per-stage throughput as ``stages/<component>/<field>``;
+- the resolved config in the HPARAMS tab (one hparams summary in the run's own event file, not a
+  sub-run) and as YAML text under ``config``;
+- samples tables as Markdown text under ``samples`` at the sampled step (TEXT tab).
+
+Resume appends a new event file to the same directory; TensorBoard merges them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from trackers.base import Tracker
+
+__all__ = ["TensorBoardTracker", "markdown_table"]
+
+TEXT_CELL_CHARS = 2000
+"""A table cell longer than this many characters is cut (TensorBoard's text view shows all of it, slowly)."""
+
+
+def markdown_table(columns: tuple[str, ...], rows: list[list]) -> str:
+    """A Markdown table (TensorBoard renders its text summaries as Markdown); ``|`` and newlines
+    in cells are escaped, cells cut at :data:`TEXT_CELL_CHARS`."""
+    def cell(value: object) -> str:
+        text = "" if value is None else (f"{value:.4g}" if isinstance(value, float) else str(value))
+        return text[:TEXT_CELL_CHARS].replace("|", "\\|").replace("\r", "").replace("\n", "<br>")
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+class TensorBoardTracker(Tracker):
+    """Writes the run's records as TensorBoard events under ``RUN_DIR/tensorboard/``.
+
+    Raises:
+        ImportError: tensorboard (or torch) is not installed.
+    """
+
+    name = "tensorboard"
+
+    def __init__(self, run_dir: Path, config: dict, state: dict) -> None:
+        super().__init__(run_dir, config, state)
+        from torch.utils.tensorboard import SummaryWriter  # torch is heavy: only in the tracker process
+
+        self.logdir = run_dir / "tensorboard"
+        self.writer = SummaryWriter(log_dir=str(self.logdir), flush_secs=30)
+
+    def log_config(self, hparams: dict[str, str | int | float | bool]) -> None:
+        from torch.utils.tensorboard.summary import hparams as hparams_summaries
+
+        for summary in hparams_summaries(hparams, {}):  # experiment, session start, session end
+            self.writer.file_writer.add_summary(summary)
+        self.writer.add_text("config", "```yaml\n" + yaml.safe_dump(self.config, sort_keys=False) + "```", 0)
+
+    def log_scalars(self, kind: str, step: int, scalars: dict[str, float]) -> None:
+        for key, value in scalars.items():
+            self.writer.add_scalar(key, value, step)
+
+    def log_samples(self, step: int, columns: tuple[str, ...], rows: list[list]) -> None:
+        self.writer.add_text("samples", markdown_table(columns, rows), step)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
