@@ -65,9 +65,11 @@ class RunOutcome(StrEnum):
 
 
 RUN_OUTPUTS = ("metrics.jsonl", "stages.jsonl", "trained_samples.jsonl", "ledger.jsonl", "accounting.json", "samples.jsonl", "report", "metrics_final",
-               "checkpoints", "packer", "logs", "weights", "sock", "status.json", "scale.json", "prometheus.yml")
+               "checkpoints", "packer", "logs", "weights", "sock", "status.json", "scale.json", "prometheus.yml",
+               "trackers", "tensorboard", "wandb", "mlruns")
 """Removed from the run directory by a fresh ``busctl up`` (files or directories): a fresh run
-starts from an empty run directory (the prompt source's ledger, the trainer's checkpoints)."""
+starts from an empty run directory (the prompt source's ledger, the trainer's checkpoints, the
+experiment trackers' files and their follow offsets, :mod:`trackers`)."""
 
 TRANSIENT_OUTPUTS = ("metrics_final", "weights", "sock", "status.json", "scale.json", "prometheus.yml")
 """Removed by ``busctl up --resume`` too: nothing a resumed run continues from."""
