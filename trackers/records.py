@@ -43,8 +43,13 @@ class JsonlTail:
     """Reads the whole lines appended to a JSONL file since the last read, from a byte offset.
 
     A line still being written (no newline yet) waits for the next read; a line that is not a
-    JSON object is counted in :attr:`malformed` and dropped. A file that shrank (rewritten from the
-    start) is read again from byte 0.
+    JSON object is counted in :attr:`malformed` and dropped.
+
+    A file replaced by a rewrite (another inode, or shorter than the offset: the trainer's
+    ``busctl up --resume`` keeps only the records of the steps its checkpoint covers,
+    :func:`trainer.state.step_ledger.keep_jsonl_records`) is read again from byte 0, skipping the
+    lines this tail already returned (byte-identical lines: the records kept by the rewrite), so
+    only what is new reaches the trackers. The lines before ``offset`` count as returned.
 
     Args:
         path: the file (need not exist yet).
@@ -60,6 +65,15 @@ class JsonlTail:
         self.path = Path(path)
         self.offset = offset
         self.malformed = 0
+        self._seen: set[int] = set()
+        """hash() of every line returned so far (and of those before ``offset`` at the start)."""
+        self._inode: int | None = None
+        try:
+            self._inode = self.path.stat().st_ino
+            with self.path.open("rb") as f:
+                self._seen = {hash(line) for line in f.read(offset).splitlines(keepends=True)}
+        except FileNotFoundError:
+            pass
 
     def read(self) -> list[dict]:
         """The records of the whole lines added since the last read (``[]``: none, or no file).
@@ -68,22 +82,26 @@ class JsonlTail:
             OSError: the file exists but cannot be read.
         """
         try:
-            size = self.path.stat().st_size
+            st = self.path.stat()
         except FileNotFoundError:
             return []
-        if size < self.offset:
+        replaced = st.st_size < self.offset or (self._inode is not None and st.st_ino != self._inode)
+        self._inode = st.st_ino
+        if replaced:
             self.offset = 0
-        if size == self.offset:
+        if st.st_size == self.offset:
             return []
         with self.path.open("rb") as f:
             f.seek(self.offset)
-            data = f.read(size - self.offset)
+            data = f.read(st.st_size - self.offset)
         end = data.rfind(b"\n") + 1
         self.offset += end
         out = []
-        for line in data[:end].splitlines():
-            if not line.strip():
+        for line in data[:end].splitlines(keepends=True):
+            key = hash(line)
+            if (replaced and key in self._seen) or not line.strip():
                 continue
+            self._seen.add(key)
             try:
                 rec = json.loads(line)
             except ValueError:

@@ -28,6 +28,26 @@ def test_tail_reads_whole_lines_once_and_resumes_from_its_offset(tmp_path: Path)
     assert again.read() == [{"step": 3}]
     path.write_text(json.dumps({"step": 9}) + "\n")  # rewritten shorter: read again from the start
     assert again.read() == [{"step": 9}]
+
+
+def test_tail_of_a_file_rewritten_by_resume_returns_only_the_new_records(tmp_path: Path) -> None:
+    """busctl up --resume from a checkpoint at step 2: the trainer replaces metrics.jsonl (a new
+    inode) keeping the records of steps <= 2, then appends the steps it trains again; a tail that
+    had read steps 1-3 (a restarted one as well) returns only the re-trained step 3 and later."""
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3)]
+    path.write_text("".join(lines))
+    tail = JsonlTail(path)
+    assert [r["step"] for r in tail.read()] == [1, 2, 3]
+    restarted = JsonlTail(path, offset=tail.offset)
+    tmp = tmp_path / "metrics.jsonl.tmp"
+    tmp.write_text("".join(lines[:2]) + json.dumps({"step": 3, "loss": 0.3}) + "\n")  # longer than before, other values
+    tmp.replace(path)
+    assert tail.read() == [{"step": 3, "loss": 0.3}]
+    assert restarted.read() == [{"step": 3, "loss": 0.3}]
+    with path.open("a") as f:
+        f.write(json.dumps({"step": 2, "loss": 0.5}) + "\n")  # same bytes as a kept line, appended: new, returned
+    assert tail.read() == [{"step": 2, "loss": 0.5}]
     with pytest.raises(ValueError, match="offset"):
         JsonlTail(path, offset=-1)
 
