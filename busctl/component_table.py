@@ -105,8 +105,11 @@ class ComponentSpec:
 
 
 def component_table(cfg: RunConfig) -> list[ComponentSpec]:
-    """Every process of a run, in start order (the hub first, the prompt source last)."""
+    """Every process of a run, in start order (the hub first, the prompt source last); no trainer
+    with ``eval.only`` (``busctl eval``)."""
     table = [ComponentSpec("hub", "bus.hub"), ComponentSpec("trainer", "trainer.proc"), ComponentSpec("packer", "packer.proc")]
+    if cfg.eval.only:
+        table = [spec for spec in table if spec.role != "trainer"]
     table += [ComponentSpec(f"rewards-{i}", "rewards.proc", i) for i in range(cfg.rewards.replicas)]
     table += [ComponentSpec(f"producer-{i}", "producers.proc", i) for i in range(cfg.producers.replicas)]
     table.append(ComponentSpec("prompt-source", "prompts.proc"))

@@ -117,6 +117,9 @@ class EvalConfig(Section):
     temperature: float | None = Field(None, gt=0.0, le=10.0, description="Eval sampling temperature; null: sampling.temperature (or the scheduler's end_temperature).")
     max_tokens: int | None = Field(None, ge=1, le=65_536, description="Eval completion tokens; null: sampling.max_tokens.")
     timeout_s: float = Field(900.0, gt=0, description="After the last step the trainer waits this long for the final evaluation before run.done, seconds.")
+    only: bool = Field(
+        False, description="Evaluation without training (what `busctl eval` runs): no trainer; the prompt source issues round 0 "
+        "alone (the policy at model.path) and no training prompt; the run ends when every eval task's round-0 result is in.")
 
 
 class GibberishFilterConfig(Section):
@@ -146,3 +149,12 @@ class FiltersConfig(Section):
     gibberish: GibberishFilterConfig = Field(default_factory=GibberishFilterConfig)
     repetition: RepetitionFilterConfig = Field(default_factory=RepetitionFilterConfig)
     skip_verification: bool = Field(False, description="Do not run the reward functions: every reward is 0 (e.g. pure distillation with a teacher).")
+
+
+class OverlongConfig(Section):
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, Sec. 3.4, eq. 13): a length
+    penalty added to the reward of every training sample (rewards/shaping.py)."""
+
+    buffer_tokens: int = Field(..., ge=1, le=65_536, description="L_cache: the soft-punishment buffer, tokens. A completion longer than max_tokens - buffer_tokens loses penalty x (its excess / buffer_tokens).")
+    penalty: float = Field(1.0, gt=0.0, le=1000.0, allow_inf_nan=False, description="Penalty factor: the reward drops by up to this much (verl's overlong_buffer.penalty_factor).")
+    max_tokens: int | None = Field(None, ge=1, le=65_536, description="L_max: the expected longest completion, tokens; a longer one loses the whole penalty. null: sampling.max_tokens.")

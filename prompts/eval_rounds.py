@@ -4,7 +4,7 @@ issued by the prompt source.
 Rounds. With ``eval.enabled`` the evaluated policy versions are
 ``{0 if eval.eval_base_model} + {k * eval.interval : 0 < k * interval < max_steps} + {max_steps}``
 (``interval == 0``: only the end). Round ``r`` is the policy after ``r`` optimizer steps; round 0
-is the unmodified base model.
+is the unmodified base model. With ``eval.only`` (``busctl eval``, no training) round 0 alone.
 
 Issue. Round ``r`` is issued once the gate's ``policy_version`` (the version every live producer
 runs, :class:`prompts.applied_versions.AppliedVersions`) is ``>= r``, all its prompts at once: for
@@ -62,6 +62,8 @@ def eval_round_versions(eval_cfg: "EvalConfig", max_steps: int) -> list[int]:
         raise ValueError(f"max_steps must be >= 1, got {max_steps}")
     if not eval_cfg.enabled:
         return []
+    if eval_cfg.only:  # busctl eval: the policy at model.path, no training
+        return [0]
     rounds = {max_steps}
     if eval_cfg.eval_base_model:
         rounds.add(0)

@@ -93,6 +93,7 @@ class PromptSourceProc(Component):
             temperature=lambda step: temperature_at(cfg.sampling, step, max_steps),
             eval_rounds=build_eval_rounds(cfg),
             resume_step=resume_step,
+            train=not cfg.eval.only,
         )
         if self.ledger.replayed:
             log.info(

@@ -92,6 +92,8 @@ class PromptSource:
             (:meth:`EvalRounds.restore`: rounds done are skipped, rounds issued without a result
             are issued again).
         resume_step: the trainer checkpoint's step when the run is resumed (``--resume``), else None.
+        train: issue training prompts; False (``eval.only``, ``busctl eval``): only the eval
+            rounds, and round 0 does not wait for training prompts to be out.
 
     Raises:
         ValueError: no examples, or non-positive counts.
@@ -114,6 +116,7 @@ class PromptSource:
         temperature: Callable[[int], float] | None = None,
         eval_rounds: EvalRounds | None = None,
         resume_step: int | None = None,
+        train: bool = True,
     ) -> None:
         if not examples:
             raise ValueError("the task has no training examples")
@@ -125,6 +128,7 @@ class PromptSource:
         self.max_async_level = max_async_level
         self.prefetch_steps = prefetch_steps
         self.max_steps = max_steps
+        self.train = train
         self.clock = clock
         self.applied = AppliedVersions(num_producers, dead_after_s)
         self.ledger = ledger if ledger is not None else Ledger()
@@ -170,7 +174,7 @@ class PromptSource:
         eval groups in flight, :mod:`producers.eval_gate`; its ``version_min``/``max`` report it)."""
         if self.eval_rounds is None:
             return
-        training_started = self.next_step >= min(1, self.max_steps)
+        training_started = not self.train or self.next_step >= min(1, self.max_steps)
         for r in self.eval_rounds.due(self.policy_version):
             if r == 0 and not training_started:
                 continue
@@ -205,7 +209,7 @@ class PromptSource:
         if self.eval_queue:
             return True
         step = self.next_step
-        return pid is None and step < self.max_steps and self._admitted(step)
+        return self.train and pid is None and step < self.max_steps and self._admitted(step)
 
     def issue(self) -> Prompt:
         """The next prompt: a pending re-issue, else an eval prompt, else a new one recorded in the

@@ -1,0 +1,188 @@
+"""``busctl eval [CONFIG] [key=value ...] [--run-dir DIR]``: evaluate a policy without training.
+
+Route: the run's own evaluation path, minus the trainer. ``busctl eval`` starts the job of CONFIG
+with ``eval.only: true`` (:class:`configs.rollout.EvalConfig`), which changes three things and
+nothing else:
+
+- the component table has no trainer (:func:`busctl.component_table.component_table`);
+- the prompt source issues eval round 0 alone, no training prompt
+  (:func:`prompts.eval_rounds.eval_round_versions`, ``PromptSource(train=False)``): every eval
+  task's first ``num_examples`` held-out examples, ``rollouts_per_example`` samples each;
+- weights reach the producers by the filesystem method (``broadcast.method=filesystem``): there
+  is no trainer to form a broadcast group with, and no weights are ever sent; the producers'
+  vLLM engines serve ``model.path`` as it is (policy version 0).
+
+The producers sample the round, the reward workers score it, the packer summarises it into one
+``eval.result`` per task (:mod:`packer.evaluation`), as in a training run. The trainer's part,
+writing the results, is :class:`EvalSupervisor`'s: it reads them on the control channel, appends
+each as the record a training run writes (:func:`trainer.observability.eval_log.eval_record`,
+``{"step": 0, "eval/<task>/reward_mean": ...}``) to ``RUN_DIR/metrics.jsonl``, and ends the run
+once every eval task has its result (``busctl report RUN_DIR`` reads it like any run's). The
+records are printed as JSON lines on stdout, with a summary table.
+
+``model.path`` is any model directory: the base model, an exported or full checkpoint
+(``RUN_DIR/checkpoints/step_N``, complete Hugging Face directories) or a cached hub id; a LoRA
+adapter directory is refused with the command that merges it (``busctl export --merge-lora``).
+The eval run directory defaults to the config's ``run_dir`` + ``-eval`` (cleared at start like any
+run directory), so a training run's outputs are never touched. ``eval.timeout_s`` bounds the wait
+for the results after start-up.
+
+Exit codes: 0 every eval task has its result; 1 a component failed or a result did not come in
+time; 2 a bad config; 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from busctl.supervisor import RunFailed, Supervisor
+from configs.schema import ConfigError, RunConfig, load_config
+
+__all__ = ["EVAL_OVERRIDES", "EvalSupervisor", "add_command", "eval_config"]
+
+EVAL_OVERRIDES = ("eval.only=true", "eval.enabled=true", "broadcast.method=filesystem")
+"""Applied after the user's overrides: what makes a job an evaluation (module docstring)."""
+
+SHOWN = ("reward_mean", "reward_std", "completion_len_mean")
+"""Metrics of the summary table (besides every ``pass_at_*``)."""
+
+
+def eval_config(config_path: str | None, overrides: list[str], run_dir: str | None = None) -> RunConfig:
+    """The config ``busctl eval`` runs: CONFIG with ``overrides``, then :data:`EVAL_OVERRIDES`.
+
+    Args:
+        config_path: a config file (None: the default config).
+        overrides: ``key.sub=value`` as for ``busctl up`` (e.g. ``model.path=DIR``).
+        run_dir: the eval run directory; None: a ``run_dir=`` override, else the config's
+            ``run_dir`` + ``-eval``.
+
+    Raises:
+        ConfigError: an invalid config or override, or ``model.path`` a LoRA adapter directory.
+    """
+    cfg = load_config(config_path, [*overrides, *EVAL_OVERRIDES])
+    if run_dir is not None:
+        cfg.run_dir = run_dir
+    elif not any(o.partition("=")[0].strip() == "run_dir" for o in overrides):
+        cfg.run_dir = f"{cfg.run_dir.rstrip('/')}-eval"
+    path = Path(cfg.model.path) if cfg.model.path else None
+    if path is not None and (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+        raise ConfigError(f"model.path={path} is a LoRA adapter; vLLM serves whole models: merge it first with "
+                          f"`busctl export RUN_DIR --step N --out DIR --merge-lora` and evaluate model.path=DIR")
+    return cfg
+
+
+class EvalSupervisor(Supervisor):
+    """A :class:`busctl.supervisor.Supervisor` whose run ends when every eval task's round-0
+    result is in (written to ``metrics.jsonl`` here), instead of at the trainer's ``run.done``.
+
+    Attributes:
+        results: ``{task: EvalResult}`` received so far (round 0, first of each task).
+        tasks: the eval tasks waited for (:func:`tasks.registry.eval_tasks`).
+    """
+
+    def __init__(self, cfg: RunConfig, console: Console | None = None, **kwargs) -> None:
+        from tasks.registry import eval_tasks
+
+        if not cfg.eval.only:
+            raise ValueError("EvalSupervisor runs eval.only configs (busctl.evaluate.eval_config)")
+        super().__init__(cfg, console, **kwargs)
+        self.tasks = {t.name for t in eval_tasks(cfg)}
+        self.results: dict = {}
+        self._deadline: float | None = None
+
+    def watch(self) -> None:
+        """:meth:`Supervisor.watch`, bounded by ``eval.timeout_s`` from now (after start-up)."""
+        self._deadline = time.monotonic() + self.cfg.eval.timeout_s
+        super().watch()
+
+    def _turn(self) -> None:
+        super()._turn()
+        if self._deadline is not None and not self.run_done and time.monotonic() > self._deadline:
+            missing = sorted(self.tasks - set(self.results))
+            raise RunFailed(f"no eval result of task(s) {', '.join(missing)} within eval.timeout_s "
+                            f"({self.cfg.eval.timeout_s:.0f} s); see the packer's and producers' logs in {self.run_dir / 'logs'}")
+
+    def _handle(self, msg: object) -> None:
+        from bus.messages import EvalResult
+        from trainer.observability.eval_log import eval_record
+
+        if not isinstance(msg, EvalResult):
+            super()._handle(msg)
+            return
+        if msg.round != 0 or msg.task in self.results or msg.task not in self.tasks:
+            return  # a re-publication, or a stranger
+        self.results[msg.task] = msg
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(eval_record(msg)) + "\n")
+        self.say(f"  [green]eval[/green] {msg.task}: reward_mean {msg.metrics.get('reward_mean', float('nan')):.4f} "
+                 f"({msg.num_samples} samples, {msg.num_failed} failed groups)")
+        if self.tasks <= set(self.results):
+            self.run_done = True
+
+
+def summary_table(cfg: RunConfig, results: dict) -> Table:
+    """One row per eval task: samples, failed groups and the :data:`SHOWN` / ``pass_at_*`` metrics."""
+    keys = list(SHOWN) + sorted({k for r in results.values() for k in r.metrics if k.startswith("pass_at_")})
+    table = Table(title=f"eval of {cfg.model.path}")
+    for col in ("task", "samples", "failed", *keys):
+        table.add_column(col, justify="left" if col == "task" else "right")
+    for task, r in sorted(results.items()):
+        table.add_row(task, str(r.num_samples), str(r.num_failed), *(f"{r.metrics[k]:.4f}" if k in r.metrics else "-" for k in keys))
+    return table
+
+
+def cmd_eval(ns: argparse.Namespace, console: Console) -> int:
+    """``busctl eval``: the exit code (module docstring)."""
+    from bus.auth import check_keys
+    from busctl.launchers import make_launcher
+    from busctl.placement import apply_placement
+    from busctl.run_cli import split_config_args
+    from busctl.startup import process_started_at
+    from busctl.up_cli import supervise
+    from configs.model_path import resolve_run_model_paths
+    from trainer.observability.eval_log import eval_record
+
+    config_path, overrides = split_config_args(ns.args)
+    try:
+        cfg = eval_config(config_path, overrides, ns.run_dir)
+        placement = apply_placement(cfg)
+        check_keys(cfg.bus)
+        launcher = make_launcher(cfg)
+        resolve_run_model_paths(cfg)
+    except (ValueError, FileNotFoundError) as err:  # ConfigError is a ValueError
+        console.print(f"[red]busctl eval: {err}[/red]")
+        return 2
+    launcher.configure(cfg)
+    sup = EvalSupervisor(cfg, console, launched_at=process_started_at(os.getpid()), placement=placement, launcher=launcher)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        sup.stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    code = supervise(sup, console)
+    if sup.results:
+        console.print(summary_table(cfg, sup.results))
+        for task in sorted(sup.results):
+            print(json.dumps(eval_record(sup.results[task])), flush=True)
+    return code
+
+
+def add_command(sub: argparse._SubParsersAction) -> dict[str, Callable[[argparse.Namespace, Console], int]]:
+    """Register ``eval`` on the ``busctl`` subparsers ``sub``; returns ``{"eval": handler}``."""
+    ev = sub.add_parser("eval", help="evaluate a policy on the config's eval tasks without training",
+                        description="Run the config's eval tasks through the producers and reward workers on model.path "
+                        "(eval.only: no trainer, eval round 0 only); print the eval records and append them to "
+                        "RUN_DIR/metrics.jsonl. Evaluate a checkpoint: busctl eval CONFIG model.path=RUN_DIR/checkpoints/step_N.")
+    ev.add_argument("args", nargs="*", help="[CONFIG.yaml] [key.sub=value ...], e.g. model.path=DIR")
+    ev.add_argument("--run-dir", default=None, help="the eval run directory (default: the config's run_dir + '-eval'); cleared at start")
+    return {"eval": cmd_eval}
