@@ -10,6 +10,7 @@
     busctl sbatch [CONFIG] [key=value ...] [-o FILE]     a Slurm batch script running the job (busctl up --launcher slurm)
     busctl report RUN_DIR [--out DIR]                    plots (PNG) and a text summary of a run
     busctl export RUN_DIR [--step N] --out DIR [--merge-lora]  a checkpoint as a Hugging Face model directory
+    busctl eval [CONFIG] [key=value ...] [--run-dir DIR]  the eval tasks on model.path, no training (eval records)
 
 RUN_DIR defaults to the default config's ``run_dir`` (``runs/reverse_text``).
 
@@ -54,7 +55,7 @@ import argparse
 
 from rich.console import Console
 
-from busctl import cluster_cli, export, run_cli, up_cli
+from busctl import cluster_cli, evaluate, export, run_cli, up_cli
 from busctl.report import cmd_report
 from busctl.run_cli import NoRun
 from busctl.up_cli import resume_config, supervise
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="busctl", description="Run and inspect rlbus pipelines.",
                                      epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    handlers = {**up_cli.add_up(sub), **run_cli.add_commands(sub), **cluster_cli.add_commands(sub), **export.add_command(sub)}
+    handlers = {**up_cli.add_up(sub), **run_cli.add_commands(sub), **cluster_cli.add_commands(sub), **export.add_command(sub),
+                **evaluate.add_command(sub)}
     rp = sub.add_parser("report", help="plot a run's metrics (PNG) and print a short summary")
     rp.add_argument("run_dir", help="run directory (holds metrics.jsonl)")
     rp.add_argument("--out", default=None, help="where to write the plots and summary.txt (default: RUN_DIR/report)")

@@ -20,7 +20,7 @@ from pydantic import Field, ValidationError, model_validator
 from configs.base import Section
 from configs.cluster import SlurmConfig
 from configs.errors import ConfigError, describe_validation, parse_override, read_yaml_file
-from configs.rollout import EvalConfig, FiltersConfig, SamplingConfig, TaskConfig, TeacherConfig
+from configs.rollout import EvalConfig, FiltersConfig, OverlongConfig, SamplingConfig, TaskConfig, TeacherConfig
 from configs.topic_names import endpoint_key_ok
 from configs.training import LoraSection, LossConfig, OptimConfig, TrainerConfig
 
@@ -138,6 +138,9 @@ class RewardsConfig(Section):
     )
     num_procs: int = Field(
         2, ge=1, le=64, description="Child processes per reward worker (isolate only); the samples of a group are scored across them in parallel."
+    )
+    overlong: OverlongConfig | None = Field(
+        None, description="DAPO soft overlong punishment of long training completions, e.g. {buffer_tokens: 64, penalty: 1.0}; its score is the reward term 'overlong'. null: off."
     )
 
     @model_validator(mode="after")
@@ -326,6 +329,12 @@ class RunConfig(Section):
             raise ValueError("broadcast.noise_scheduler does not work with trainer.parallel: fsdp (weights are gathered one tensor at a time); use ddp")
         if self.trainer.loss.teacher_tau > 0 and not self.teacher.model_path:
             raise ValueError("trainer.loss.teacher_tau > 0 needs teacher logprobs: set teacher.model_path (or teacher_tau: 0)")
+        overlong = self.rewards.overlong
+        if overlong is not None and overlong.buffer_tokens > (overlong.max_tokens or self.sampling.max_tokens):
+            raise ValueError(
+                f"rewards.overlong.buffer_tokens ({overlong.buffer_tokens}) exceeds its max_tokens "
+                f"({overlong.max_tokens or self.sampling.max_tokens}); use a buffer of at most max_tokens tokens"
+            )
         if self.max_async_level > self.packer.max_off_policy_steps:
             raise ValueError(
                 f"max_async_level ({self.max_async_level}) > packer.max_off_policy_steps "

@@ -25,6 +25,13 @@ Invariants and choices:
 
 :class:`InProcessScorer` has the same interface and calls the function directly (no timeout, no
 crash protection; exceptions and NaN still score 0): for tests and benchmarks (``rewards.isolate: false``).
+
+**TRL-style functions** (references ``trl:...``/``trl_conversational:...``, :mod:`tasks.trl_rewards`)
+score the whole group in one call, with arguments ``(completions, info, batch)`` (``batch``: the
+prompt, token ids and step, :func:`tasks.trl_rewards.trl_batch`). A failed call (raised, timed out,
+crashed, wrong number of rewards) fails the term for every sample of the group with its label; a
+``None`` reward scores 0 without an error (TRL: not applicable); NaN is ``non_finite`` as above. The
+metrics such a function logs with ``log_metric`` come back in :attr:`GroupScore.metrics`.
 """
 
 from __future__ import annotations
@@ -35,8 +42,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from tasks.isolation import IsolatedCalls, check_refs
-from tasks.rewards import get_reward_fn
+from tasks.isolation import CallResult, IsolatedCalls, check_refs
+from tasks.rewards import get_float_reward_fn
+from tasks.trl_rewards import split_trl_ref
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +52,11 @@ log = logging.getLogger(__name__)
 class GroupScore:
     """Scores of one reward function on one group: ``rewards[i]`` (0.0 where ``errors[i]`` is set) and
     ``errors[i]`` (``None`` or the error label of sample i: exception type, ``"timeout"``, ``"crash"``,
-    ``"non_finite"``)."""
+    ``"non_finite"``); ``metrics``: what a TRL-style function logged (``{name: mean}``), else empty."""
 
     rewards: list[float]
     errors: list[str | None]
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def _finite(value: float) -> tuple[float, str | None]:
@@ -59,6 +68,21 @@ def _check_refs(reward_fns: Sequence[str]) -> tuple[str, ...]:
     """The reward references as a tuple; ``TypeError`` for a bare string (it would be read as
     characters), ``ValueError`` for an empty list."""
     return check_refs(reward_fns, "reward function")
+
+
+def _group_score(result: CallResult, g: int) -> GroupScore:
+    """The :class:`GroupScore` of one TRL-style call on a group of ``g`` samples (see the module docstring)."""
+    if result.error is not None:
+        return GroupScore([0.0] * g, [result.error] * g)
+    pairs = [(0.0, None) if r is None else _finite(float(r)) for r in result.value["rewards"]]
+    metrics = {str(k): float(v) for k, v in result.value.get("metrics", {}).items()}
+    return GroupScore([p[0] for p in pairs], [p[1] for p in pairs], metrics)
+
+
+def _check_batch(refs: Sequence[str], indices: Sequence[int], batch: dict[str, Any] | None) -> None:
+    """ValueError when a TRL-style function is asked for without its ``batch``."""
+    if batch is None and any(split_trl_ref(refs[k])[0] is not None for k in indices):
+        raise ValueError("a TRL-style reward function needs the group's batch (tasks.trl_rewards.trl_batch)")
 
 
 def _fn_indices(fns: Sequence[int] | None, num_fns: int) -> list[int]:
@@ -81,17 +105,35 @@ class InProcessScorer:
 
     def __init__(self, reward_fns: Sequence[str]) -> None:
         self.reward_fns = _check_refs(reward_fns)
-        self._fns = [get_reward_fn(ref) for ref in self.reward_fns]
+        self._fns = [get_float_reward_fn(ref) for ref in self.reward_fns]
+        self._trl = [split_trl_ref(ref)[0] is not None for ref in self.reward_fns]
 
-    def score(self, completions: Sequence[str], info: dict[str, Any], fns: Sequence[int] | None = None) -> list[GroupScore]:
-        """One :class:`GroupScore` per index in ``fns`` (default: every function), in that order."""
+    def score(self, completions: Sequence[str], info: dict[str, Any], fns: Sequence[int] | None = None,
+              *, batch: dict[str, Any] | None = None) -> list[GroupScore]:
+        """One :class:`GroupScore` per index in ``fns`` (default: every function), in that order;
+        ``batch`` is needed by TRL-style functions (:func:`tasks.trl_rewards.trl_batch`).
+
+        Raises:
+            ValueError: an index out of range, or a TRL-style function without ``batch``.
+        """
+        indices = _fn_indices(fns, len(self._fns))
+        _check_batch(self.reward_fns, indices, batch)
         out = []
-        for k in _fn_indices(fns, len(self._fns)):
+        for k in indices:
+            if self._trl[k]:
+                try:
+                    result = CallResult(self._fns[k](list(completions), info, batch), None)
+                except Exception as exc:
+                    log.warning("TRL-style reward function %s raised: %s: %.300s; its rewards set to 0",
+                                self.reward_fns[k], type(exc).__name__, exc)
+                    result = CallResult(None, type(exc).__name__)
+                out.append(_group_score(result, len(completions)))
+                continue
             rewards: list[float] = []
             errors: list[str | None] = []
             for i, text in enumerate(completions):
                 try:
-                    reward, error = _finite(float(self._fns[k](text, info)))
+                    reward, error = _finite(self._fns[k](text, info))
                 except Exception as exc:
                     log.warning("reward function %s raised on sample %d: %s: %.300s; reward set to 0",
                                 self.reward_fns[k], i, type(exc).__name__, exc)
@@ -139,20 +181,30 @@ class IsolatedScorer:
         """Process ids of the live children (for tests and logs)."""
         return self._calls.pids()
 
-    def score(self, completions: Sequence[str], info: dict[str, Any], fns: Sequence[int] | None = None) -> list[GroupScore]:
+    def score(self, completions: Sequence[str], info: dict[str, Any], fns: Sequence[int] | None = None,
+              *, batch: dict[str, Any] | None = None) -> list[GroupScore]:
         """Scores of one group: one :class:`GroupScore` per index in ``fns`` (default: every
         function), in that order. Never raises for a failing reward function (see the module
-        docstring).
+        docstring). ``batch`` is needed by TRL-style functions (:func:`tasks.trl_rewards.trl_batch`).
 
         Raises:
-            ValueError: an index in ``fns`` is out of range.
+            ValueError: an index in ``fns`` is out of range, or a TRL-style function without ``batch``.
         """
         indices = _fn_indices(fns, len(self.reward_fns))
+        _check_batch(self.reward_fns, indices, batch)
         n = len(completions)
-        results = self._calls.run([(k, [completions[i], info]) for k in indices for i in range(n)])
+        trl = [split_trl_ref(self.reward_fns[k])[0] is not None for k in indices]
+        calls = []  # every function's calls, in order: one per sample, or one per group (TRL-style)
+        for k, whole_group in zip(indices, trl):
+            calls += [(k, [list(completions), info, batch])] if whole_group else [(k, [completions[i], info]) for i in range(n)]
+        results = self._calls.run(calls)
         out = []
-        for j in range(len(indices)):
-            pairs = [(0.0, r.error) if r.error is not None else _finite(r.value) for r in results[j * n : (j + 1) * n]]
+        for whole_group in trl:
+            if whole_group:
+                out.append(_group_score(results.pop(0), n))
+                continue
+            pairs = [(0.0, r.error) if r.error is not None else _finite(r.value) for r in results[:n]]
+            del results[:n]
             out.append(GroupScore([p[0] for p in pairs], [p[1] for p in pairs]))
         return out
 

@@ -20,6 +20,7 @@ from prometheus_client import Counter, Histogram
 from bus.component import Component, component_main
 from bus.messages import RolloutGroup, RunDone
 from bus.metrics import StageMeter
+from rewards.shaping import overlong_section
 from rewards.worker import RewardWorker
 from tasks.registry import reward_spec
 
@@ -46,6 +47,8 @@ class RewardWorkerProc(Component):
             timeout_s=cfg.rewards.timeout_s,
             num_procs=cfg.rewards.num_procs,
             filters=cfg.filters,
+            overlong=overlong_section(cfg),
+            max_steps=cfg.trainer.max_steps,
         )
         producers = [self.endpoints.address("rollouts", i) for i in range(cfg.producers.max_replicas)]
         self.rollouts = self.reliable_receiver("rollouts", producers, bind=False, accept=(RolloutGroup,))

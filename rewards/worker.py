@@ -13,7 +13,15 @@ and the reward is ``sum_k weight_k * score_k``. The functions run in child proce
 not know scores 0 everywhere (error ``"unknown_task"``, one count per sample); with
 ``filters.skip_verification`` no function is called and every reward is 0. A multi-turn group's
 environment rewards (``env_rewards``, scored in the producer's isolated environment children) are
-added as the term ``env`` with weight 1.
+added as the term ``env`` with weight 1. A TRL-style function (reference ``trl:...``, see
+:mod:`tasks.trl_rewards`) is called once per group with TRL's keyword arguments; the metrics it logs
+are the gauge ``rlbus_rewards_trl_metric{reward, metric}``.
+
+Overlong shaping (``rewards.overlong``, :mod:`rewards.shaping`): a training group's rewards then get
+``penalty * R(|y|)``, DAPO's soft overlong punishment of each completion's length (the term
+``overlong``, its score in [-1, 0]), before the filters and the advantages; the penalized samples
+are counted in ``rlbus_rewards_overlong_total{zone}`` (``soft``: inside the buffer, ``hard``: past
+``max_tokens``). Eval groups are not shaped.
 
 Filters (:mod:`rewards.filters`) then flag degenerate samples (``flags``; ``masked`` when enforced,
 counted in ``rlbus_rewards_filtered_total{filter}``). Advantages are computed on the rewards of the
@@ -27,14 +35,17 @@ import logging
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from bus.messages import RolloutGroup, ScoredGroup
+from configs.rollout import OverlongConfig
 from configs.schema import FiltersConfig
 from rewards.advantages import compute_advantages, resolve_advantage_fn
 from rewards.filters import FILTER_NAMES, apply_filters
 from rewards.isolation import InProcessScorer, IsolatedScorer
+from rewards.shaping import OVERLONG_TERM, OVERLONG_ZONES, overlong_zone_counts, soft_overlong_punishment
 from tasks.rewards import reward_name
+from tasks.trl_rewards import split_trl_ref, trl_batch
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +60,19 @@ for _error in ("timeout", "crash", "non_finite", "unknown_task"):  # exception t
 FILTERED = Counter("rlbus_rewards_filtered_total", "Samples flagged by a filter (masked if it is enforced), by filter", ["filter"])
 for _filter in FILTER_NAMES:  # every filter's series exists from the start (at 0 while it is off)
     FILTERED.labels(_filter)
+OVERLONG = Counter(
+    "rlbus_rewards_overlong_total",
+    "Training samples penalized by the overlong shaping (rewards.overlong), by zone: soft (inside the buffer, "
+    "linear penalty) or hard (longer than max_tokens, the whole penalty)",
+    ["zone"],
+)
+for _zone in OVERLONG_ZONES:
+    OVERLONG.labels(_zone)
+TRL_METRIC = Gauge(
+    "rlbus_rewards_trl_metric",
+    "What a TRL-style reward function logged with log_metric, averaged over its last call (one group), by reward and metric name",
+    ["reward", "metric"],
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +80,7 @@ class _Term:
     fn: int  # index in the scorer's list of reward functions
     name: str  # reward_terms key
     weight: float
+    trl: bool  # a TRL-style function: needs the group's batch
 
 
 class RewardWorker:
@@ -74,11 +99,16 @@ class RewardWorker:
             call :meth:`close`); False: in this process, without timeout or crash protection.
         timeout_s, num_procs: see :class:`rewards.isolation.IsolatedScorer` (``isolate`` only).
         filters: the ``filters`` config section (default: all off).
+        overlong: the ``rewards.overlong`` section with ``max_tokens`` resolved (the run's
+            ``sampling.max_tokens`` when the config leaves it null, :func:`rewards.shaping.overlong_section`),
+            or None: no shaping.
+        max_steps: ``trainer.max_steps``, the ``trainer_state.max_steps`` of TRL-style functions.
 
     Raises:
         ValueError: unknown reward function or advantage estimator, an import path that does
-            not import or is not callable, or two reward functions of one task with the same name
-            (their ``reward_terms`` would collide).
+            not import or is not callable, two reward functions of one task with the same name
+            (their ``reward_terms`` would collide), a reward function named ``overlong`` while the
+            shaping is on, or ``overlong`` without ``max_tokens``.
     """
 
     def __init__(
@@ -92,9 +122,15 @@ class RewardWorker:
         timeout_s: float = 5.0,
         num_procs: int = 2,
         filters: FiltersConfig | None = None,
+        overlong: OverlongConfig | None = None,
+        max_steps: int = 0,
     ) -> None:
         self.advantage = resolve_advantage_fn(advantage)  # before the scorer: fail fast, no children left
         self.filters = filters or FiltersConfig()
+        if overlong is not None and overlong.max_tokens is None:
+            raise ValueError("overlong shaping needs max_tokens: pass the section with max_tokens set (sampling.max_tokens by default)")
+        self.overlong = overlong
+        self.max_steps = max_steps
         refs: list[str] = []
         self.tasks: dict[str, list[_Term]] = {}
         for task, terms in rewards.items():
@@ -102,9 +138,11 @@ class RewardWorker:
             for ref, weight in terms:
                 if ref not in refs:  # each distinct function once in the children, whatever tasks share it
                     refs.append(ref)
-                term = _Term(refs.index(ref), reward_name(ref), float(weight))
+                term = _Term(refs.index(ref), reward_name(ref), float(weight), split_trl_ref(ref)[0] is not None)
                 if term.name in {t.name for t in self.tasks[task]}:
                     raise ValueError(f"task {task!r}: two reward functions are named {term.name!r}; reward_terms needs distinct names")
+                if overlong is not None and term.name == OVERLONG_TERM:
+                    raise ValueError(f"task {task!r}: a reward function is named {OVERLONG_TERM!r}, the term of rewards.overlong; rename it")
                 self.tasks[task].append(term)
         self.scorer: InProcessScorer | IsolatedScorer | None = None
         if refs and not self.filters.skip_verification:
@@ -135,24 +173,29 @@ class RewardWorker:
             REWARD_ERRORS.labels("unknown_task").inc(g)
         elif terms:
             assert self.scorer is not None
-            for term, result in zip(terms, self.scorer.score(group.completion_texts, group.info, [t.fn for t in terms])):
+            batch = self._trl_batch(group) if any(t.trl for t in terms) else None
+            for term, result in zip(terms, self.scorer.score(group.completion_texts, group.info, [t.fn for t in terms], batch=batch)):
                 for error in result.errors:
                     if error is not None:
                         REWARD_ERRORS.labels(error).inc()
+                for metric, value in result.metrics.items():
+                    TRL_METRIC.labels(term.name, metric).set(value)
                 reward_terms[term.name] = result.rewards
                 total += term.weight * np.asarray(result.rewards, np.float64)
         if len(group.env_rewards):  # a multi-turn episode's environment reward (producers.episodes)
             reward_terms["env"] = [float(r) for r in group.env_rewards]
             total += np.asarray(group.env_rewards, np.float64)
+        ids, lps, lens = group.completion_ids, group.sampler_logprobs, group.completion_lens
+        if len(group.loss_mask):  # filters and shaping judge the model's tokens only (environment tokens have logprob 0)
+            owner = np.repeat(np.arange(g), group.completion_lens)
+            ids, lps, lens = ids[group.loss_mask], lps[group.loss_mask], np.bincount(owner[group.loss_mask], minlength=g)
+        if self.overlong is not None and not group.is_eval:
+            total += self._overlong(np.asarray(lens, np.int64), reward_terms)
         rewards = total.astype(np.float32)
         overflow = ~np.isfinite(rewards)  # finite scores times finite weights can still overflow float32
         if overflow.any():
             REWARD_ERRORS.labels("non_finite").inc(int(overflow.sum()))
             rewards[overflow] = 0.0
-        ids, lps, lens = group.completion_ids, group.sampler_logprobs, group.completion_lens
-        if len(group.loss_mask):  # filters judge the model's tokens only (environment tokens have logprob 0)
-            owner = np.repeat(np.arange(g), group.completion_lens)
-            ids, lps, lens = ids[group.loss_mask], lps[group.loss_mask], np.bincount(owner[group.loss_mask], minlength=g)
         found = apply_filters(self.filters, ids, lps, lens)
         for filter_name, count in found.counts.items():
             FILTERED.labels(filter_name).inc(count)
@@ -162,6 +205,24 @@ class RewardWorker:
             **fields, reward_worker=self.name, rewards=rewards, advantages=advantages,
             reward_terms=reward_terms, flags=found.flags, masked=found.masked,
         )
+
+    def _trl_batch(self, group: RolloutGroup) -> dict:
+        """The group as TRL's batch (:func:`tasks.trl_rewards.trl_batch`): prompt text, each sample's
+        token ids, the step its prompt was issued for."""
+        offsets = np.concatenate([[0], np.cumsum(group.completion_lens, dtype=np.int64)])
+        ids = [group.completion_ids[offsets[j]:offsets[j + 1]].tolist() for j in range(group.group_size)]
+        return trl_batch(group.prompt_text, group.completion_texts, ids, global_step=group.step, max_steps=self.max_steps)
+
+    def _overlong(self, lens: np.ndarray, reward_terms: dict[str, list[float]]) -> np.ndarray:
+        """``[G] float64`` penalty * R(|y|) to add to the rewards (:mod:`rewards.shaping`); records the
+        term ``overlong`` (R itself) and counts the penalized samples by zone."""
+        assert self.overlong is not None and self.overlong.max_tokens is not None
+        max_tokens, buffer_tokens = self.overlong.max_tokens, self.overlong.buffer_tokens
+        score = soft_overlong_punishment(lens, max_tokens, buffer_tokens)
+        reward_terms[OVERLONG_TERM] = score.tolist()
+        for zone, count in overlong_zone_counts(lens, max_tokens, buffer_tokens).items():
+            OVERLONG.labels(zone).inc(count)
+        return self.overlong.penalty * score
 
     def close(self) -> None:
         """Stop the reward functions' child processes (if isolated); idempotent."""

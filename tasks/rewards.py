@@ -6,7 +6,10 @@ Each built-in task's module holds its reward function (:mod:`tasks.reverse_text`
 :mod:`tasks.gsm8k`, :mod:`tasks.countdown`).
 A reference is either a registered name (``reverse_text``, ``gsm8k``, ``countdown``) or an import
 path ``"package.module:function"`` for a custom function. An import path executes the code it
-names, so references come only from the run config (trusted), never from the bus.
+names, so references come only from the run config (trusted), never from the bus. An import path
+prefixed ``trl:`` or ``trl_conversational:`` names a reward function written for TRL's
+``GRPOTrainer`` (``fn(completions, **kwargs) -> list[float]``), called once per group with TRL's
+keyword arguments (:mod:`tasks.trl_rewards`).
 
 Registered functions are themselves stored as import paths and imported on first use: the
 ``gsm8k`` verifier pulls in math-verify and sympy (``python -X importtime``: ~0.25 s of a ~0.3 s
@@ -18,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from tasks.import_path import import_callable
+from tasks.trl_rewards import split_trl_ref, trl_caller
 
 RewardFn = Callable[[str, dict[str, Any]], float]
 
@@ -47,6 +51,9 @@ def get_reward_fn(name: str) -> RewardFn:
         ValueError: for an unknown name (listing the known ones), or an import path whose module or
             attribute cannot be found or is not callable.
     """
+    fmt, path = split_trl_ref(name)
+    if fmt is not None:
+        return import_callable(path, f"TRL-style ({fmt} format) reward")
     if ":" in name:
         return import_callable(name, "reward")
     if name not in _REWARD_FNS:
@@ -57,12 +64,15 @@ def get_reward_fn(name: str) -> RewardFn:
 def reward_name(ref: str) -> str:
     """The display name of a reward reference, used for ``reward_terms`` and ``reward/<name>`` logs:
     a registered name is itself, an import path gives its function's name
-    (``"my_pkg.scoring:Judge.score"`` -> ``"score"``). Does not import anything.
+    (``"my_pkg.scoring:Judge.score"`` -> ``"score"``, ``"trl:my_pkg:reward_len"`` -> ``"reward_len"``).
+    Does not import anything.
 
     Raises:
-        ValueError: ``ref`` is neither a registered name nor shaped like ``"package.module:function"``.
+        ValueError: ``ref`` is neither a registered name nor shaped like ``"package.module:function"``
+            (after an optional ``trl:``/``trl_conversational:`` prefix).
     """
-    if ":" not in ref:
+    fmt, ref = split_trl_ref(ref)
+    if ":" not in ref and fmt is None:
         if ref not in _REWARD_FNS:
             raise _unknown_name(ref)
         return ref
@@ -72,15 +82,19 @@ def reward_name(ref: str) -> str:
     return attr.rsplit(".", 1)[-1]
 
 
-def get_float_reward_fn(name: str) -> Callable[[str, dict[str, Any]], float]:
+def get_float_reward_fn(name: str) -> Callable[..., Any]:
     """:func:`get_reward_fn` with its result passed through ``float`` (the resolver of the reward
     children, :class:`rewards.isolation.IsolatedScorer`: a non-number fails in the child as a
-    ``TypeError``/``ValueError`` of that call).
+    ``TypeError``/``ValueError`` of that call). A TRL-style reference gives the group-wise
+    ``call(completions, info, batch) -> {"rewards", "metrics"}`` of :func:`tasks.trl_rewards.trl_caller`.
 
     Raises:
         ValueError: as :func:`get_reward_fn`.
     """
     fn = get_reward_fn(name)
+    fmt, path = split_trl_ref(name)
+    if fmt is not None:
+        return trl_caller(fn, fmt, path)
 
     def call(completion: str, info: dict[str, Any]) -> float:
         return float(fn(completion, info))

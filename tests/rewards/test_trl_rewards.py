@@ -1,0 +1,117 @@
+"""TRL-style reward functions used as they are (tasks.trl_rewards): functions written as in TRL's
+documentation (tests/rewards/trl_reward_fns.py) score groups through the real reward worker, in
+process and in real reward children, with hand-computed rewards."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import trl_reward_fns
+from test_worker import errors, rollout
+
+from configs.schema import load_config
+from rewards.worker import RewardWorker
+from tasks.registry import reward_spec
+from tasks.rewards import reward_name
+from tasks.trl_rewards import TrainerState, split_trl_ref, trl_batch, trl_kwargs
+
+
+def trl(fn: str, fmt: str = "trl") -> str:
+    return f"{fmt}:{trl_reward_fns.__name__}:{fn}"
+
+
+def worker(*terms: tuple[str, float], isolate: bool = False, max_steps: int = 0) -> RewardWorker:
+    return RewardWorker({"reverse_text": tuple(terms)}, advantage="drgrpo", name="w", isolate=isolate, num_procs=1, max_steps=max_steps)
+
+
+def group(texts: list[str], lens: list[int], info: dict, **fields) -> object:
+    """A group of ``texts`` whose samples have ``lens`` tokens (ids 0, 1, 2, ...)."""
+    n = sum(lens)
+    return dataclasses.replace(rollout(texts, info=info), completion_lens=np.array(lens, np.int32),
+                               completion_ids=np.arange(n, dtype=np.int32), sampler_logprobs=np.full(n, -0.5, np.float32), **fields)
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_documented_standard_format_functions_score_by_hand(isolate):
+    # reward_len = -|20 - chars|: 20 chars -> 0, "\boxed{2}" (9 chars) -> -11, "" -> -20
+    # token_count = tokens: [3, 2, 1]; reward_func (ground_truth "2"): [0, 1, 0]
+    # reward = 1 * reward_len + 0.5 * token_count + 2 * reward_func = [1.5, -8.0, -19.5]
+    w = worker((trl("reward_len"), 1.0), (trl("token_count"), 0.5), (trl("reward_func"), 2.0), isolate=isolate)
+    try:
+        scored = w.score(group(["x" * 20, r"\boxed{2}", ""], [3, 2, 1], {"ground_truth": "2"}))
+    finally:
+        w.close()
+    assert scored.reward_terms == {"reward_len": [0.0, -11.0, -20.0], "token_count": [3.0, 2.0, 1.0], "reward_func": [0.0, 1.0, 0.0]}
+    assert scored.rewards.tolist() == [1.5, -8.0, -19.5]
+    np.testing.assert_allclose(scored.advantages, [61 / 6, 2 / 3, -65 / 6], atol=1e-5)  # mean = -26 / 3
+
+
+def test_conversational_format_gets_assistant_messages():
+    good, bad = "<think>3 * 4 = 12</think><answer>12</answer>", "It is 12."
+    scored = worker((trl("format_reward_func", "trl_conversational"), 1.0)).score(group([good, bad], [4, 2], {}))
+    assert scored.rewards.tolist() == [1.0, 0.0]
+    # the same function called in standard format indexes a str with "content": TypeError, each sample 0
+    before = errors("TypeError")
+    scored = worker((trl("format_reward_func"), 1.0)).score(group([good, bad], [4, 2], {}))
+    assert scored.rewards.tolist() == [0.0, 0.0] and errors("TypeError") - before == 2
+
+
+def test_none_is_zero_without_an_error_and_columns_come_from_info():
+    # math_reward_func: +1 if "4" in the completion else -1, for task "math"; None (not applicable) otherwise
+    w = worker((trl("math_reward_func"), 1.0))
+    assert w.score(group(["4", "5"], [1, 1], {"task": "math"})).rewards.tolist() == [1.0, -1.0]
+    before = sum(errors(e) for e in ("non_finite", "TypeError", "ValueError"))
+    assert w.score(group(["4", "5"], [1, 1], {"task": "code"})).rewards.tolist() == [0.0, 0.0]
+    assert sum(errors(e) for e in ("non_finite", "TypeError", "ValueError")) == before
+
+
+def test_trainer_state_log_metric_and_async_functions(metric):
+    # curriculum = global_step / max_steps = step 3 of 12 -> 0.25; logs_metric: chars [2, 4], logs mean 3
+    w = worker((trl("curriculum"), 1.0), (trl("logs_metric"), 1.0), (trl("async_len"), 10.0), max_steps=12)
+    scored = w.score(group(["ab", "abcd"], [1, 1], {}))
+    assert scored.reward_terms["curriculum"] == [0.25, 0.25]
+    assert scored.reward_terms["async_len"] == [2.0, 4.0]
+    assert scored.rewards.tolist() == [0.25 + 2 + 20, 0.25 + 4 + 40]
+    assert metric("rlbus_rewards_trl_metric", reward="logs_metric", metric="mean_chars") == 3.0
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_a_wrong_number_of_rewards_fails_the_whole_group(isolate):
+    w = worker((trl("one_reward"), 1.0), (trl("reward_len"), 1.0), isolate=isolate)
+    before = errors("ValueError")
+    try:
+        scored = w.score(group(["x" * 19, "x" * 22, "x"], [1, 1, 1], {}))
+    finally:
+        w.close()
+    assert scored.reward_terms["one_reward"] == [0.0, 0.0, 0.0]
+    assert scored.rewards.tolist() == [-1.0, -2.0, -19.0]  # reward_len still scores
+    assert errors("ValueError") - before == 3
+
+
+def test_the_keyword_arguments_are_trls():
+    batch = trl_batch("<|im_start|>user\nhi", ["a", "bc"], [[5], [6, 7]], global_step=2, max_steps=9)
+    metrics: dict[str, list[float]] = {}
+    kwargs = trl_kwargs("conversational", ["a", "bc"], {"ground_truth": "x", "prompts": "shadowed"}, batch, metrics)
+    assert set(kwargs) == {"prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra", "ground_truth"}
+    assert kwargs["prompts"] == ["<|im_start|>user\nhi"] * 2  # a dataset column named "prompts" loses to the argument
+    assert kwargs["completions"] == [[{"role": "assistant", "content": "a"}], [{"role": "assistant", "content": "bc"}]]
+    assert kwargs["completion_ids"] == [[5], [6, 7]] and kwargs["ground_truth"] == ["x", "x"]
+    assert kwargs["trainer_state"] == TrainerState(global_step=2, max_steps=9)
+    kwargs["log_metric"]("m", 2)
+    kwargs["log_metric"]("m", 4)
+    assert metrics == {"m": [2.0, 4.0]}
+
+
+def test_references_and_config():
+    assert split_trl_ref("trl:pkg.mod:fn") == ("standard", "pkg.mod:fn")
+    assert split_trl_ref("trl_conversational:pkg.mod:fn") == ("conversational", "pkg.mod:fn")
+    assert split_trl_ref("pkg.mod:fn") == (None, "pkg.mod:fn")
+    assert reward_name(trl("reward_len")) == "reward_len"
+    with pytest.raises(ValueError, match="must look like 'package.module:function'"):
+        reward_name("trl:reverse_text")
+    with pytest.raises(ValueError, match="has no attribute 'missing'"):
+        worker((trl("missing"), 1.0))
+    cfg = load_config(None, [f"task.rewards=[{{name: '{trl('reward_len')}', weight: 0.5}}]"])
+    assert reward_spec(cfg)["reverse_text"] == ((trl("reward_len"), 0.5),)
