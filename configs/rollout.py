@@ -117,6 +117,9 @@ class EvalConfig(Section):
     temperature: float | None = Field(None, gt=0.0, le=10.0, description="Eval sampling temperature; null: sampling.temperature (or the scheduler's end_temperature).")
     max_tokens: int | None = Field(None, ge=1, le=65_536, description="Eval completion tokens; null: sampling.max_tokens.")
     timeout_s: float = Field(900.0, gt=0, description="After the last step the trainer waits this long for the final evaluation before run.done, seconds.")
+    only: bool = Field(
+        False, description="Evaluation without training (what `busctl eval` runs): no trainer; the prompt source issues round 0 "
+        "alone (the policy at model.path) and no training prompt; the run ends when every eval task's round-0 result is in.")
 
 
 class GibberishFilterConfig(Section):
