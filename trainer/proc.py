@@ -12,8 +12,9 @@ Per step ``s`` (0-based; the weights in use have policy version ``s``):
    them while the trainer goes on with the next step; with LoRA only the adapter travels and the
    producers merge it; filesystem: write, then announce);
 4. append one line to ``metrics.jsonl`` (with the step's phase times ``time/<phase>_s``,
-   :mod:`trainer.observability.step_timing`) and the step's sample ids and versions to
-   ``trained_samples.jsonl`` (the record that every sample trained exactly once);
+   :mod:`trainer.observability.step_timing`), log one line (:mod:`trainer.observability.step_log`),
+   and append the step's sample ids and versions to ``trained_samples.jsonl`` (the record that
+   every sample trained exactly once);
 5. checkpoint to ``checkpoints/step_N`` every ``checkpoint_interval`` steps and after the last
    step, then release custody: ``batches.done`` for the micro-batches of every step the
    checkpoint newly covers and one ``groups.trained(step, group_ids)`` per such step (outcome
@@ -61,7 +62,8 @@ that version through the filesystem.
 
 Online evaluation runs in the producers and reward workers; the packer publishes one
 ``eval.result`` per task and round on the control channel, and :class:`trainer.observability.eval_log.EvalLog`
-writes them to ``metrics.jsonl`` and Prometheus while the trainer waits for micro-batches. After
+writes them to ``metrics.jsonl`` and Prometheus from a thread of its own, as they arrive, whether or
+not the trainer ever waits for micro-batches. After
 the last step (with ``eval.enabled``) the trainer waits up to ``eval.timeout_s`` for the final
 round's result of every eval task, then for the outcomes, then publishes ``run.done``, which ends
 the run.
@@ -97,8 +99,9 @@ from bus.metrics import POLICY_VERSION, StageMeter
 from trainer.state.background_save import BackgroundSave
 from trainer.state.checkpoint import latest_checkpoint, save_checkpoint, snapshot_state
 from trainer.parallel.distributed import launcher_pid
-from trainer.observability.gauges import export_step_metrics
 from trainer.observability.eval_log import EvalLog, declare_pass_at_k, keep_metrics_record
+from trainer.observability.metrics_file import MetricsFile
+from trainer.observability.step_log import report_step
 from trainer.parallel.follower import checkpoint_writer, follower_main, join_data_parallel, load_trainer_checkpoint
 from trainer.state.step_ledger import StepLedger, append_jsonl, group_id, keep_jsonl_records
 from trainer.observability.step_timing import StepPhases
@@ -179,7 +182,9 @@ class TrainerProc(Component):
             self.trainer.enable_data_parallel(self.dp)
             self.dp.send_text(str(latest_checkpoint(self.checkpoint_dir) or ""))
         self.restore()
-        self.eval_log = EvalLog(self.control_subscriber(), self.metrics_path)
+        self.metrics_file = MetricsFile(self.metrics_path)  # step records here, eval records from EvalLog's thread
+        self.eval_log = EvalLog(self.control_subscriber(), self.metrics_file)
+        self.eval_log.start()
         declare_pass_at_k(self.cfg)  # every pass@k panel has its series from the start
         if self.dp is not None and not fsdp:  # every rank from the same checkpoint, then DDP
             self.dp.send_text(str(self.restored_from or ""))
@@ -269,7 +274,6 @@ class TrainerProc(Component):
                 return None
             self.publisher.poll()  # a failed background send falls back NOW: a restarted producer waits for it
             self.settle_saves(wait=False)  # a background checkpoint done: release its steps now
-            self.eval_log.poll()
             self.take_in(self.batches.recv(timeout_s=RECV_SLICE_S))
         return micro_batches
 
@@ -382,9 +386,8 @@ class TrainerProc(Component):
                 **times,
             )
             step += 1
-            export_step_metrics(step, metrics)
             # records first, checkpoint second: a resume cuts records back to its checkpoint
-            append_jsonl(self.metrics_path, {"step": step, **metrics})
+            report_step(step, max_steps, metrics, self.metrics_file)  # Prometheus, metrics.jsonl, the log line
             append_jsonl(self.samples_path, {
                 "step": step - 1,
                 "sample_ids": [i for mb in micro_batches for i in mb.sample_ids],
@@ -396,7 +399,7 @@ class TrainerProc(Component):
         if self.dp is not None:
             self.dp.send_stop()  # the other ranks are done; rank 0 goes on (eval, outcomes, run.done)
         self.publisher.settle()  # the last version reaches the producers before run.done
-        self.wait_for_final_eval(step)
+        self.eval_log.wait_for_final_round(self.cfg, step, self.stop)
         deadline = time.monotonic() + OUTCOMES_DRAIN_S
         while self.outcomes.unfinished() and time.monotonic() < deadline and not self.stop.is_set():
             time.sleep(0.05)  # run.done only once the ledger has every trained outcome
@@ -405,15 +408,9 @@ class TrainerProc(Component):
         self.control.send(RunDone(id=new_id(), step=step, reason="max_steps"))
         log.info("done: %d steps", step)
 
-    def wait_for_final_eval(self, step: int) -> None:
-        """With ``eval.enabled``: wait up to ``eval.timeout_s`` for round ``step``'s result of
-        every eval task (``eval.tasks``, or the training task); warn about the missing ones."""
-        e = self.cfg.eval
-        if e.enabled:
-            tasks = [t.name for t in e.tasks] or [self.cfg.task.name]
-            self.eval_log.wait_for_round(step, tasks, e.timeout_s, self.stop)
-
     def close(self) -> None:
+        if getattr(self, "eval_log", None) is not None:
+            self.eval_log.close()  # its thread stops before super().close() closes its socket
         saving = getattr(self, "saving", None)
         if saving is not None:  # finish writing it (complete on disk; its steps stay unreleased)
             try:

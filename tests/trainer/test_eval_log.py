@@ -17,6 +17,7 @@ from bus.sockets import BusSocket
 from bus.topics import Endpoints
 from configs.schema import load_config
 from trainer.observability.eval_log import EvalLog, declare_pass_at_k, eval_record, keep_metrics_record
+from trainer.observability.metrics_file import MetricsFile
 
 
 def result(rnd: int, task: str, reward: float, **metrics: float) -> EvalResult:
@@ -57,7 +58,7 @@ def test_results_are_written_once_per_round_and_task(channel, tmp_path):
     pub, sub = channel
     path = tmp_path / "metrics.jsonl"
     path.write_text(json.dumps({"step": 1, "loss": 0.5}) + "\n" + json.dumps(eval_record(result(0, "gsm8k", 0.1))) + "\n")
-    log = EvalLog(sub, path)
+    log = EvalLog(sub, MetricsFile(path))
     assert log.written == {(0, "gsm8k")}  # read back from metrics.jsonl (a resumed trainer)
     for msg in (result(0, "gsm8k", 0.9), TrainerStep(id=new_id(), step=1, version=1, metrics={}), result(2, "gsm8k", 0.3),
                 result(2, "countdown", 0.4), result(2, "gsm8k", 0.8)):
@@ -74,7 +75,7 @@ def test_results_are_written_once_per_round_and_task(channel, tmp_path):
 
 def test_wait_for_round(channel, tmp_path):
     pub, sub = channel
-    log = EvalLog(sub, tmp_path / "metrics.jsonl")
+    log = EvalLog(sub, MetricsFile(tmp_path / "metrics.jsonl"))
     stop = threading.Event()
     sender = threading.Timer(0.3, lambda: [pub.send(result(4, t, 0.5)) for t in ("a", "b")])
     sender.start()

@@ -8,6 +8,17 @@ appends each new result to ``metrics.jsonl`` as ``{"step": round, "eval/<task>/<
 sets the ``rlbus_eval_*{task}`` gauges. A (round, task) is written once: repeats (a re-published
 round, or a round already in metrics.jsonl before a resume) are ignored.
 
+Its own thread. The subscriber is drained by a thread of its own (:meth:`EvalLog.start`), not by
+the trainer's wait for micro-batches: when the trainer is the bottleneck (every GPU run) the next
+step's data is always buffered and that wait never runs, so results polled only there were written
+late or never, and the control messages piling up on the unread SUB (every ``trainer.step``,
+``weights.*``, ``groups.trained``...) would, past the socket's 10 000-message high-water mark
+(:mod:`bus.topics`, SUB drops), start dropping results. The thread owns the socket from
+:meth:`~EvalLog.start` until :meth:`~EvalLog.close`, writes each result the moment it arrives (also
+while a step trains) through the :class:`trainer.observability.metrics_file.MetricsFile` the
+trainer's step records use (one lock, whole lines), and keeps the SUB empty, so nothing reaches the
+high-water mark. A failing write (disk full) is logged and the thread goes on with the next message.
+
 Resume: a checkpoint at step ``n`` keeps the records with ``step <= n``
 (:func:`keep_metrics_record`): training records ``{"step": s + 1}`` of the steps it covers, and
 after ``busctl up --resume`` the eval records of rounds ``<= n``, which evaluated weights of the
@@ -29,16 +40,14 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prometheus_client import Gauge
 
-from bus.messages import EvalResult, WeightsWanted
+from bus.messages import EvalResult
 from bus.sockets import BusSocket
 from tasks.registry import eval_tasks
-from trainer.state.step_ledger import append_jsonl
+from trainer.observability.metrics_file import MetricsFile
 
 if TYPE_CHECKING:
     from configs.schema import RunConfig
@@ -48,6 +57,9 @@ log = logging.getLogger(__name__)
 __all__ = ["EvalLog", "declare_pass_at_k", "eval_record", "keep_metrics_record"]
 
 EVAL_PREFIX = "eval/"
+
+RECV_SLICE_S = 0.1
+"""Longest wait of the eval-log thread for one control message before checking its stop flag, seconds."""
 
 EVAL_GAUGES = {
     key: Gauge(f"rlbus_eval_{key}", doc, ["task"])
@@ -101,26 +113,44 @@ class EvalLog:
     """Writes the eval results arriving on a control subscriber (see the module docstring).
 
     Args:
-        control: the trainer's control-channel SUB socket (every message type; others are ignored).
-        metrics_path: the run's metrics.jsonl (read once for the results already written).
+        control: the trainer's control-channel SUB socket (every message type; others are
+            ignored). Once :meth:`start` ran, only the eval-log thread touches it.
+        metrics: the run's metrics.jsonl writer, shared with the trainer's step records (read
+            once here for the results already written).
+
+    Raises:
+        TypeError: ``metrics`` is not a :class:`MetricsFile`.
     """
 
-    def __init__(self, control: BusSocket, metrics_path: Path) -> None:
+    def __init__(self, control: BusSocket, metrics: MetricsFile) -> None:
+        if not isinstance(metrics, MetricsFile):
+            raise TypeError(f"EvalLog needs a MetricsFile for metrics.jsonl, got {type(metrics).__name__}")
         self.control = control
-        self.metrics_path = metrics_path
+        self.metrics = metrics
         self.written: set[tuple[int, str]] = set()
-        if metrics_path.is_file():
-            for line in metrics_path.read_text().splitlines():
+        """(round, task) pairs in metrics.jsonl; read and changed under :attr:`_changed`'s lock."""
+        self._changed = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        path = metrics.path
+        if path.is_file():
+            for line in path.read_text().splitlines():
                 if line.strip():
                     self.written |= record_evals(json.loads(line))
 
     def record(self, result: EvalResult) -> bool:
-        """Write ``result`` unless its (round, task) is already written; returns whether it was."""
+        """Write ``result`` unless its (round, task) is already written; returns whether it was.
+
+        Raises:
+            OSError: metrics.jsonl cannot be written (the pair then counts as not written).
+        """
         key = (result.round, result.task)
-        if key in self.written:
-            return False
-        self.written.add(key)
-        append_jsonl(self.metrics_path, eval_record(result))
+        with self._changed:
+            if key in self.written:
+                return False
+            self.metrics.append(eval_record(result))
+            self.written.add(key)
+            self._changed.notify_all()
         values = {**result.metrics, "round": result.round, "num_failed": result.num_failed}
         for name, gauge in EVAL_GAUGES.items():
             if name in values:
@@ -136,30 +166,84 @@ class EvalLog:
                  {k: round(v, 4) for k, v in result.metrics.items()}, result.num_samples, result.num_failed, rerun)
         return True
 
-    on_weights_wanted: Callable[[WeightsWanted], None] | None = None
-    """Called with every ``weights.wanted`` read here (the trainer re-publishes weights through the
-    filesystem for a late-joining producer); None: ignored."""
+    def poll(self, timeout_s: float = 0.0) -> int:
+        """Record every eval result waiting on the control socket (waits up to ``timeout_s`` for
+        the first message); returns how many messages were read. The thread's loop body; call it
+        directly only while the thread is not running.
 
-    def poll(self, timeout_s: float = 0.0) -> None:
-        """Record every eval result waiting on the control socket and hand ``weights.wanted`` to
-        :attr:`on_weights_wanted` (waits up to ``timeout_s`` for the first message)."""
+        Raises:
+            RuntimeError: the eval-log thread is running (it owns the socket).
+        """
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            raise RuntimeError("EvalLog.poll called from another thread while the eval-log thread owns the socket")
+        read = 0
         msg = self.control.recv(timeout_s=timeout_s)
         while msg is not None:
+            read += 1
             if isinstance(msg, EvalResult):
-                self.record(msg)
-            elif isinstance(msg, WeightsWanted) and self.on_weights_wanted is not None:
-                self.on_weights_wanted(msg)
+                try:
+                    self.record(msg)
+                except OSError:
+                    log.exception("could not write eval round %d of %s to %s", msg.round, msg.task, self.metrics.path)
             msg = self.control.recv(timeout_s=0)
+        return read
+
+    def start(self) -> None:
+        """Start the eval-log thread: from now on it alone reads the socket, until :meth:`close`.
+
+        Raises:
+            RuntimeError: already started.
+        """
+        if self._thread is not None:
+            raise RuntimeError("the eval-log thread is already running")
+        self._thread = threading.Thread(target=self._loop, name="eval-log", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll(timeout_s=RECV_SLICE_S)
+            except Exception:  # a thread boundary: log it and keep the subscriber drained
+                log.exception("eval-log thread: reading the control channel failed; going on")
+                time.sleep(RECV_SLICE_S)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the eval-log thread and wait up to ``timeout_s`` for it (before the socket closes)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("the eval-log thread did not stop within %.1f s", timeout_s)
 
     def wait_for_round(self, round_: int, tasks: list[str], timeout_s: float, stop: threading.Event) -> list[str]:
-        """Poll until every task of ``tasks`` has its result of ``round_`` written, ``timeout_s``
-        passed, or ``stop`` is set; returns the tasks still missing (logged as a warning)."""
+        """Wait until every task of ``tasks`` has its result of ``round_`` written, ``timeout_s``
+        passed, or ``stop`` is set; returns the tasks still missing (logged as a warning). Reads
+        the socket itself when the thread is not running."""
         deadline = time.monotonic() + timeout_s
-        missing = [t for t in tasks if (round_, t) not in self.written]
-        while missing and time.monotonic() < deadline and not stop.is_set():
-            self.poll(timeout_s=min(0.2, max(deadline - time.monotonic(), 0.0)))
-            missing = [t for t in tasks if (round_, t) not in self.written]
-        if missing:
+
+        def missing() -> list[str]:
+            with self._changed:
+                return [t for t in tasks if (round_, t) not in self.written]
+
+        while (left := missing()) and time.monotonic() < deadline and not stop.is_set():
+            wait_s = min(0.2, max(deadline - time.monotonic(), 0.0))
+            if self._thread is None:
+                self.poll(timeout_s=wait_s)
+            else:
+                with self._changed:
+                    self._changed.wait(wait_s)
+        left = missing()
+        if left:
             log.warning("no eval result of round %d for task(s) %s after %.1f s; ending the run without them",
-                        round_, ", ".join(missing), timeout_s)
-        return missing
+                        round_, ", ".join(left), timeout_s)
+        return left
+
+    def wait_for_final_round(self, cfg: RunConfig, step: int, stop: threading.Event) -> list[str]:
+        """After the last step, with ``eval.enabled``: wait up to ``eval.timeout_s`` for round
+        ``step``'s result of every eval task (``eval.tasks``, or the training task); returns the
+        missing ones (warned about), none when evaluation is off."""
+        e = cfg.eval
+        if not e.enabled:
+            return []
+        tasks = [t.name for t in e.tasks] or [cfg.task.name]
+        return self.wait_for_round(step, tasks, e.timeout_s, stop)

@@ -3,7 +3,7 @@
 Phases (seconds per step; their keys in a step's metrics are ``time/<phase>_s``):
 
 - ``wait_data``: from the end of the previous step's work to having all micro-batches of this
-  step (:meth:`trainer.proc.TrainerProc.receive_step`; eval records written while waiting count here);
+  step (:meth:`trainer.proc.TrainerProc.receive_step`; eval records are written by their own thread, not here);
 - ``forward``: the packed forward and the loss of every micro-batch (sum over micro-batches);
 - ``backward``: ``loss.backward()`` of every micro-batch (sum; under DDP the last one all-reduces);
 - ``optimizer``: gradient clipping, the stats all-gather of data parallelism, the AdamW step;
