@@ -3,18 +3,27 @@
 One figure per file, x axis = step (``metrics.jsonl``'s ``step``: optimizer steps done; eval:
 the round, which evaluates the policy of that version):
 
-- ``reward.png``: ``reward_mean`` per step, its moving average (:func:`busctl.report.moving_average`),
-  ``reward_mean +- reward_std`` as a band, and each ``reward/<fn>`` term;
+- ``reward.png``: ``reward_mean`` per step, its moving average (:func:`busctl.report.moving_average`;
+  only when the window is over one step: a 1-step average would be drawn exactly on the raw line),
+  ``reward_mean +- reward_std`` as a band, and each ``reward/<fn>`` term that differs from
+  ``reward_mean`` (a single reward function of weight 1 is ``reward_mean``: its legend entry says so
+  instead of a second line on the first);
 - ``eval_reward.png``: ``eval/<task>/reward_mean`` per task and round;
 - ``kl.png``: ``kl`` (and ``kl_penalty``, ``teacher_kl`` where present);
 - ``entropy.png``: ``entropy``;
 - ``lag.png``: ``policy_lag_mean`` and ``policy_lag_max``;
-- ``throughput.png``: the trainer's ``tokens_per_s`` per step and, from ``stages.jsonl``, each
-  stage's tokens/s; a second panel with each stage's busy fraction when recorded;
+- ``throughput.png``: completion tokens/s of every stage on one axis: the trainer's per step from
+  ``metrics.jsonl`` (``num_loss_tokens / step_time_s``; its ``tokens_per_s`` counts prompt +
+  completion tokens and would make the trainer, usually the bottleneck, look several times faster
+  than the stages, which count completion tokens) and, from ``stages.jsonl``, each stage's tokens/s;
+  a second panel with each stage's busy fraction when recorded. A run without ``num_loss_tokens``
+  falls back to ``tokens_per_s`` (labelled as prompt + completion) only when no stage is plotted beside it;
 - ``phases.png``: the trainer's seconds per step by phase (``time/<phase>_s``: wait for data,
   forward, backward, optimizer, weight send, bookkeeping), stacked: the top edge is the step time.
 
 A plot whose series are all missing is not written; :func:`plot_run` returns a note for it.
+Legends sit to the right of the axes, never over the data. :func:`build_figures` returns the
+figures without writing them (tests read the plotted data from their axes).
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from busctl.run_data import PHASE_LABELS, moving_average, phase_series, smoothin
 if TYPE_CHECKING:
     from busctl.run_data import RunData
 
-__all__ = ["plot_run"]
+__all__ = ["build_figures", "plot_run"]
 
 DPI = 110
 ROLE_ORDER = ("trainer", "producer", "rewards", "packer")
@@ -42,10 +51,14 @@ SIZE_IN = (8.0, 4.5)
 
 
 def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")  # "tight": the legends outside the axes are kept
     plt.close(fig)
     return path
+
+
+def _legend(ax) -> None:
+    """The legend to the right of the axes, outside them: it never covers data."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize="small")
 
 
 def _figure(title: str, ylabel: str):
@@ -58,7 +71,7 @@ def _figure(title: str, ylabel: str):
     return fig, ax
 
 
-def _lines(run: "RunData", out: Path, name: str, title: str, ylabel: str, keys: list[str], notes: list[str]) -> Path | None:
+def _lines(run: "RunData", name: str, title: str, ylabel: str, keys: list[str], notes: list[str]):
     """One line per training-record key that the run has; None (and a note) when it has none."""
     present = [k for k in keys if run.series(k)[0]]
     if not present:
@@ -68,31 +81,40 @@ def _lines(run: "RunData", out: Path, name: str, title: str, ylabel: str, keys: 
     for i, k in enumerate(present):
         x, y = run.series(k)  # later series dashed: equal series (lag mean = max) stay visible
         ax.plot(x, y, marker="." if len(x) < 30 else None, linestyle=("-", "--", ":")[i % 3], label=k)
-    ax.legend(loc="best", fontsize="small")
-    return _save(fig, out / name)
+    _legend(ax)
+    return fig
 
 
-def _reward(run: "RunData", out: Path, notes: list[str]) -> Path | None:
+def _same_series(a: tuple[list, list], b: tuple[list, list]) -> bool:
+    """Equal steps and values within 1e-9 (relative): the second line would hide under the first."""
+    return a[0] == b[0] and all(abs(u - v) <= 1e-9 * max(1.0, abs(u)) for u, v in zip(a[1], b[1]))
+
+
+def _reward(run: "RunData", notes: list[str]):
     x, y = run.series("reward_mean")
     terms = sorted(k for k in run.keys() if k.startswith("reward/"))
     if not x:
         notes.append("reward.png: not plotted, no reward_mean in metrics.jsonl")
         return None
     w = smoothing_window(len(y))
-    fig, ax = _figure(f"training reward ({w}-step moving average)", "reward")
+    fig, ax = _figure(f"training reward ({w}-step moving average)" if w > 1 else "training reward", "reward")
     sx, sd = run.series("reward_std")
     if sx == x:
         ax.fill_between(x, [m - d for m, d in zip(y, sd)], [m + d for m, d in zip(y, sd)], alpha=0.12, label="reward_mean ± reward_std")
-    ax.plot(x, y, alpha=0.35, marker="." if len(x) < 30 else None, label="reward_mean")
-    ax.plot(x, moving_average(y, w), linewidth=2, label=f"reward_mean, {w}-step mean")
+    same = [k for k in terms if _same_series(run.series(k), (x, y))]
+    ax.plot(x, y, alpha=0.35 if w > 1 else 1.0, marker="." if len(x) < 30 else None,
+            label="reward_mean" + (f" (= {', '.join(same)})" if same else ""))
+    if w > 1:
+        ax.plot(x, moving_average(y, w), linewidth=2, label=f"reward_mean, {w}-step mean")
     for k in terms:
-        tx, ty = run.series(k)
-        ax.plot(tx, moving_average(ty, w), linestyle="--", label=f"{k}, {w}-step mean")
-    ax.legend(loc="best", fontsize="small")
-    return _save(fig, out / "reward.png")
+        if k not in same:
+            tx, ty = run.series(k)
+            ax.plot(tx, moving_average(ty, w), linestyle="--", label=f"{k}, {w}-step mean" if w > 1 else k)
+    _legend(ax)
+    return fig
 
 
-def _eval(run: "RunData", out: Path, notes: list[str]) -> Path | None:
+def _eval(run: "RunData", notes: list[str]):
     tasks = {t: [(r, m["reward_mean"]) for r, m in rounds if isinstance(m.get("reward_mean"), (int, float))]
              for t, rounds in run.evals.items()}
     tasks = {t: pts for t, pts in tasks.items() if pts}
@@ -103,13 +125,31 @@ def _eval(run: "RunData", out: Path, notes: list[str]) -> Path | None:
     ax.set_xlabel("step (eval round = policy version)")
     for task, pts in tasks.items():
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=task)
-    ax.legend(loc="best", fontsize="small")
-    return _save(fig, out / "eval_reward.png")
+    _legend(ax)
+    return fig
 
 
-def _throughput(run: "RunData", out: Path, notes: list[str]) -> Path | None:
-    x, y = run.series("tokens_per_s")
+def trainer_completion_rate(run: "RunData") -> tuple[list[int], list[float]]:
+    """The trainer's completion (loss) tokens per second of step time, per step:
+    ``num_loss_tokens / step_time_s`` over the records that have both (a positive step time)."""
+    pts = [(r["step"], float(r["num_loss_tokens"]) / float(r["step_time_s"])) for r in run.steps
+           if isinstance(r.get("num_loss_tokens"), (int, float)) and isinstance(r.get("step_time_s"), (int, float))
+           and r["step_time_s"] > 0]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _throughput(run: "RunData", notes: list[str]):
     stages = stage_series(run.stages)
+    x, y = trainer_completion_rate(run)
+    label = "trainer (metrics.jsonl: loss tokens / step time)"
+    if not x:
+        tx, ty = run.series("tokens_per_s")
+        if tx and any("tokens_per_s" in s for s in stages.values()):
+            notes.append("throughput.png: the trainer's metrics.jsonl line not plotted: no num_loss_tokens (a run "
+                         "before it was recorded), and its tokens_per_s (prompt + completion) does not compare with "
+                         "the stages' completion tokens/s")
+        elif tx:
+            x, y, label = tx, ty, "trainer (metrics.jsonl tokens_per_s: prompt + completion tokens)"
     if not run.stages:
         notes.append("throughput.png: producer/rewards/packer throughput not plotted: no stages.jsonl in the run "
                       "directory (the trainer's tokens/s is)")
@@ -121,16 +161,15 @@ def _throughput(run: "RunData", out: Path, notes: list[str]) -> Path | None:
     fig, axes = plt.subplots(2 if busy else 1, 1, figsize=(SIZE_IN[0], SIZE_IN[1] * (1.6 if busy else 1)), sharex=True, squeeze=False)
     ax = axes[0][0]
     ax.set_title("throughput per stage")
-    ax.set_ylabel("tokens/s")
+    ax.set_ylabel("completion tokens/s")
     ax.grid(True, alpha=0.3)
     if x:
-        ax.plot(x, y, marker="." if len(x) < 30 else None, color=color["trainer"],
-                label="trainer (metrics.jsonl tokens_per_s: prompt + completion tokens)")
+        ax.plot(x, y, marker="." if len(x) < 30 else None, color=color["trainer"], label=label)
     for role, series in stages.items():
         if "tokens_per_s" in series:
             sx, sy = series["tokens_per_s"]
             ax.plot(sx, sy, marker=".", linestyle="--", color=color[role], label=f"{role} (stages.jsonl: completion tokens)")
-    ax.legend(loc="best", fontsize="small")
+    _legend(ax)
     if busy:
         bx = axes[1][0]
         bx.set_ylabel("busy fraction")
@@ -138,13 +177,13 @@ def _throughput(run: "RunData", out: Path, notes: list[str]) -> Path | None:
         bx.grid(True, alpha=0.3)
         for role, (sx, sy) in busy.items():
             bx.plot(sx, sy, marker=".", color=color[role], label=role)
-        bx.legend(loc="best", fontsize="small")
+        _legend(bx)
     axes[-1][0].set_xlabel("step")
     axes[-1][0].xaxis.set_major_locator(MaxNLocator(integer=True))
-    return _save(fig, out / "throughput.png")
+    return fig
 
 
-def _phases(run: "RunData", out: Path, notes: list[str]) -> Path | None:
+def _phases(run: "RunData", notes: list[str]):
     """Stacked seconds per step by trainer phase, over the steps that report every phase."""
     phases = phase_series(run)
     if not phases:
@@ -155,13 +194,33 @@ def _phases(run: "RunData", out: Path, notes: list[str]) -> Path | None:
     fig, ax = _figure("trainer time per step by phase (stacked)", "seconds per step")
     ax.stackplot([r["step"] for r in rows], [[float(r[k]) for r in rows] for k in keys],
                  labels=[f"{p} ({PHASE_LABELS.get(p, p)})" for p in phases], alpha=0.85)
-    ax.legend(loc="upper left", fontsize="small", ncol=3)
-    return _save(fig, out / "phases.png")
+    _legend(ax)
+    return fig
 
 
 def _colors(roles: list[str]) -> dict[str, str]:
     extra = sorted(r for r in roles if r not in ROLE_ORDER)
     return {r: f"C{i % 10}" for i, r in enumerate([*ROLE_ORDER, *extra])}
+
+
+def build_figures(run: "RunData") -> tuple[dict, list[str]]:
+    """Every figure of the module docstring that the run has data for, not written.
+
+    Returns:
+        ``({file name: matplotlib Figure}, notes)``: a note per plot or series skipped for missing
+        data. The caller closes the figures (``matplotlib.pyplot.close``).
+    """
+    notes: list[str] = []
+    made = {
+        "reward.png": _reward(run, notes),
+        "eval_reward.png": _eval(run, notes),
+        "kl.png": _lines(run, "kl.png", "KL(rollout policy || trained policy) estimate", "nats", ["kl", "kl_penalty", "teacher_kl"], notes),
+        "entropy.png": _lines(run, "entropy.png", "policy entropy on loss tokens", "nats", ["entropy"], notes),
+        "lag.png": _lines(run, "lag.png", "off-policy lag of trained samples", "steps", ["policy_lag_mean", "policy_lag_max"], notes),
+        "throughput.png": _throughput(run, notes),
+        "phases.png": _phases(run, notes),
+    }
+    return {name: fig for name, fig in made.items() if fig is not None}, notes
 
 
 def plot_run(run: "RunData", out: Path) -> tuple[list[Path], list[str]]:
@@ -170,14 +229,5 @@ def plot_run(run: "RunData", out: Path) -> tuple[list[Path], list[str]]:
     Returns:
         ``(paths written, notes)``: a note per plot or series skipped for missing data.
     """
-    notes: list[str] = []
-    made = [
-        _reward(run, out, notes),
-        _eval(run, out, notes),
-        _lines(run, out, "kl.png", "KL(rollout policy || trained policy) estimate", "nats", ["kl", "kl_penalty", "teacher_kl"], notes),
-        _lines(run, out, "entropy.png", "policy entropy on loss tokens", "nats", ["entropy"], notes),
-        _lines(run, out, "lag.png", "off-policy lag of trained samples", "steps", ["policy_lag_mean", "policy_lag_max"], notes),
-        _throughput(run, out, notes),
-        _phases(run, out, notes),
-    ]
-    return [p for p in made if p is not None], notes
+    figures, notes = build_figures(run)
+    return [_save(fig, out / name) for name, fig in figures.items()], notes
