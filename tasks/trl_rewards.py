@@ -14,7 +14,8 @@ completion_ids=..., **reward_kwargs)``):
 - ``prompts``: ``[G]`` the group's prompt, once per completion;
 - ``completions``: ``[G]`` the completions: strings (standard format), or one assistant message
   each, ``[{"role": "assistant", "content": text}]`` (conversational format);
-- ``completion_ids``: ``[G]`` lists of token ids (the model's sampled tokens);
+- ``completion_ids``: ``[G]`` lists of each completion's token ids (a multi-turn episode's include
+  the environment's turns, as its text does);
 - ``trainer_state``: a :class:`TrainerState` with ``global_step`` (the optimizer step the prompt
   was issued for) and ``max_steps`` (``trainer.max_steps``);
 - ``log_metric(name, value)`` and ``log_extra(column, values)``: TRL's logging hooks. Metrics are
@@ -121,11 +122,12 @@ def checked_rewards(out: Any, g: int, name: str) -> list[float | None]:
     """A TRL-style function's output as ``G`` floats or ``None``s (NaN stays NaN: the caller counts it).
 
     Raises:
-        TypeError: not a list/tuple, or an item that is not a real number or None.
+        TypeError: not a sequence (a list, tuple or 1-D array), or an item that is not a real number or None.
         ValueError: not exactly ``g`` items.
     """
-    if not isinstance(out, (list, tuple)):
+    if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__") or not hasattr(out, "__iter__"):
         raise TypeError(f"TRL-style reward {name} must return a list of {g} floats, got {type(out).__name__}")
+    out = list(out)
     if len(out) != g:
         raise ValueError(f"TRL-style reward {name} returned {len(out)} rewards for {g} completions")
     rewards: list[float | None] = []

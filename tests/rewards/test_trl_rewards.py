@@ -15,7 +15,7 @@ from configs.schema import load_config
 from rewards.worker import RewardWorker
 from tasks.registry import reward_spec
 from tasks.rewards import reward_name
-from tasks.trl_rewards import TrainerState, split_trl_ref, trl_batch, trl_kwargs
+from tasks.trl_rewards import TrainerState, checked_rewards, split_trl_ref, trl_batch, trl_kwargs
 
 
 def trl(fn: str, fmt: str = "trl") -> str:
@@ -115,3 +115,11 @@ def test_references_and_config():
         worker((trl("missing"), 1.0))
     cfg = load_config(None, [f"task.rewards=[{{name: '{trl('reward_len')}', weight: 0.5}}]"])
     assert reward_spec(cfg)["reverse_text"] == ((trl("reward_len"), 0.5),)
+
+
+def test_outputs_are_checked():
+    assert checked_rewards(np.array([1.0, 2.5]), 2, "f") == [1.0, 2.5]  # any sequence of numbers, as TRL's torch.tensor takes
+    assert checked_rewards([None, True], 2, "f") == [None, 1.0]
+    for bad, error in (("ab", TypeError), ({"a": 1.0, "b": 2.0}, TypeError), (3.0, TypeError), (["x", 1.0], TypeError), ([1.0], ValueError)):
+        with pytest.raises(error, match="TRL-style reward f"):
+            checked_rewards(bad, 2, "f")
