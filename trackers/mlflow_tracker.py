@@ -70,6 +70,7 @@ class MlflowTracker(Tracker):
         else:
             self.client.update_run(run_id, status="RUNNING")  # resumed: it was set FINISHED when the tracker process ended
         self.run_id = self.state["run_id"] = run_id
+        self.state["tracking_uri"] = uri  # for trackers.opening (busctl report)
 
     def log_config(self, hparams: dict[str, str | int | float | bool]) -> None:
         params = [self._param(metric_name(k), str(v)[:PARAM_CHARS]) for k, v in hparams.items()]

@@ -11,6 +11,7 @@ import pytest
 
 from tests.trackers.tracked_run import READERS, append, eval_record, make_run_dir, sample_records, stage_record, train_record
 from trackers.follower import TrackerFollower
+from trackers.opening import tracker_lines
 
 pytest.importorskip("tensorboard", reason="the trackers extra is not installed")
 
@@ -55,6 +56,11 @@ def test_tracker_logs_what_the_run_files_hold(tmp_path: Path, name: str, monkeyp
         assert got["status"] == "FINISHED"
     if name == "wandb":  # one W&B row per logged record: nothing twice
         assert sorted(r["step"] for r in got["history"] if "loss" in r) == [1, 2, 3, 4]
+    opening = {"tensorboard": f"tensorboard: tensorboard --logdir {run_dir / 'tensorboard'}",
+               "wandb": f"wandb (offline; uploads to your W&B account): wandb sync {run_dir / 'wandb'}/offline-run-",
+               "mlflow": f"mlflow: MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {run_dir / 'mlruns'}"}
+    lines = tracker_lines(run_dir)  # what busctl report prints
+    assert len(lines) == 1 and lines[0].startswith(opening[name]), lines
 
 
 def test_failing_trackers_warn_once_and_the_others_go_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
