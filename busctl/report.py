@@ -20,7 +20,9 @@ Reads (only ``metrics.jsonl`` is required):
 
 Writes ``OUT/*.png`` (:mod:`busctl.report_plots`, matplotlib's Agg backend) and ``OUT/summary.txt``
 (also printed); ``OUT`` defaults to ``RUN_DIR/report``. A series a run does not have (no entropy
-in old runs, no eval, no ``stages.jsonl``) is skipped and named in the summary's notes.
+in old runs, no eval, no ``stages.jsonl``) is skipped and named in the summary's notes. Last, for
+each experiment tracker the run used (``report.trackers``), the command that opens it
+(:func:`trackers.opening.tracker_lines`).
 
 The reward summary uses a trailing moving average over ``W = clamp(n // 4, 1, 10)`` steps
 (:func:`busctl.run_data.smoothing_window`): ``first`` is the mean of the first ``W`` steps, ``last`` of the last
@@ -37,6 +39,7 @@ import math
 from pathlib import Path
 
 from busctl.run_data import PHASE_LABELS, ReportError, RunData, load_run, moving_average, phase_table, smoothing_window, stage_series
+from trackers.opening import tracker_lines
 
 __all__ = ["cmd_report", "format_phases", "format_summary", "lag_token_shares", "summarize", "write_report"]
 
@@ -216,4 +219,6 @@ def cmd_report(ns: argparse.Namespace, console) -> int:
     print(text, end="")
     out = paths[0].parent if paths else Path(ns.out or Path(ns.run_dir) / "report")
     console.print(f"{len(paths)} plot(s) and summary.txt in {out}")
+    for line in tracker_lines(Path(ns.run_dir)):  # report.trackers: how to open each
+        console.print(line, markup=False, highlight=False)
     return 0
