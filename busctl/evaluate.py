@@ -171,7 +171,8 @@ def cmd_eval(ns: argparse.Namespace, console: Console) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     code = supervise(sup, console)
     if sup.results:
-        console.print(summary_table(cfg, sup.results))
+        wide = console if console.is_terminal else Console(highlight=False, soft_wrap=True, width=max(console.width, 140))
+        wide.print(summary_table(cfg, sup.results))
         for task in sorted(sup.results):
             print(json.dumps(eval_record(sup.results[task])), flush=True)
     return code
