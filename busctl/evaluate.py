@@ -10,7 +10,8 @@ nothing else:
   task's first ``num_examples`` held-out examples, ``rollouts_per_example`` samples each;
 - weights reach the producers by the filesystem method (``broadcast.method=filesystem``): there
   is no trainer to form a broadcast group with, and no weights are ever sent; the producers'
-  vLLM engines serve ``model.path`` as it is (policy version 0).
+  vLLM engines serve ``model.path`` as it is (policy version 0). The device plan keeps no GPU for
+  the trainer (``trainer.device=cpu``): the producers get every visible one.
 
 The producers sample the round, the reward workers score it, the packer summarises it into one
 ``eval.result`` per task (:mod:`packer.evaluation`), as in a training run. The trainer's part,
@@ -49,8 +50,11 @@ from configs.schema import ConfigError, RunConfig, load_config
 
 __all__ = ["EVAL_OVERRIDES", "EvalSupervisor", "add_command", "eval_config"]
 
-EVAL_OVERRIDES = ("eval.only=true", "eval.enabled=true", "broadcast.method=filesystem")
-"""Applied after the user's overrides: what makes a job an evaluation (module docstring)."""
+EVAL_OVERRIDES = ("eval.only=true", "eval.enabled=true", "broadcast.method=filesystem",
+                  "trainer.device=cpu", "trainer.gpus=[]", "trainer.data_parallel=1")
+"""Applied after the user's overrides: what makes a job an evaluation (module docstring). The
+``trainer.*`` ones make the device plan (:mod:`busctl.placement`) keep no GPU for the trainer that
+does not run: every visible GPU is the producers'."""
 
 SHOWN = ("reward_mean", "reward_std", "completion_len_mean")
 """Metrics of the summary table (besides every ``pass_at_*``)."""
