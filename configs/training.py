@@ -99,9 +99,21 @@ class LoraSection(Section):
 
 
 class OptimConfig(Section):
-    """AdamW with a constant learning rate."""
+    """AdamW and its learning-rate schedule (trainer/optim/lr_schedule.py)."""
 
-    lr: float = Field(1e-4, gt=0, le=1.0, description="Learning rate.")
+    lr: float = Field(1e-4, gt=0, le=1.0, description="Peak learning rate (the schedule multiplies it by a factor in [0, 1]).")
+    scheduler: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description="Learning-rate schedule over trainer.max_steps, after warmup_steps of linear warm-up: constant (lr), linear "
+        "or cosine decay from lr to min_lr_ratio * lr at the last step (transformers' cosine-with-min-lr schedule). Saved and "
+        "resumed with each checkpoint; every step record of metrics.jsonl has the step's `lr`.",
+    )
+    warmup_steps: int = Field(
+        0, ge=0, description="Steps of linear warm-up: step s < warmup_steps trains with lr * (s + 1) / warmup_steps (no zero-LR step). 0: none."
+    )
+    min_lr_ratio: float = Field(
+        0.0, ge=0, le=1, allow_inf_nan=False, description="linear and cosine: the learning rate at the last step, as a fraction of lr."
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient-norm clip.")
@@ -198,6 +210,11 @@ class TrainerConfig(Section):
 
     @model_validator(mode="after")
     def _placement(self) -> "TrainerConfig":
+        if self.optim.warmup_steps > self.max_steps:
+            raise ValueError(
+                f"trainer.optim.warmup_steps ({self.optim.warmup_steps}) exceeds trainer.max_steps ({self.max_steps}): "
+                "the warm-up would never reach trainer.optim.lr; lower warmup_steps"
+            )
         if self.parallel == "fsdp" and self.data_parallel > 1 and self.lora.enabled:
             raise ValueError("parallel: fsdp does not train LoRA adapters (the adapter and its AdamW state are small): use parallel: ddp")
         if self.gpus:

@@ -298,16 +298,16 @@ class TrainerProc(Component):
         the LR schedule, and ``released_steps`` (steps below it were released before this save).
         ``background``: copy the state now and write it on :attr:`saving`'s thread (released by
         :meth:`settle_saves`); else write it now."""
-        model, optimizer = self.model, self.trainer.optimizer
-        extra = {"policy_version": step, "weight_method": self.publisher.method, "lr_schedule": "constant",
+        model, optimizer, scheduler = self.model, self.trainer.optimizer, self.trainer.scheduler
+        extra = {"policy_version": step, "weight_method": self.publisher.method, "lr_schedule": self.cfg.trainer.optim.scheduler,
                  "released_steps": self.ledger.covered}
         sharded = checkpoint_writer(self.trainer)  # fsdp: every rank writes its shards, now (no thread: collectives)
         release_now, background = background and sharded is not None, background and sharded is None
-        state = snapshot_state(model, optimizer) if background else None
+        state = snapshot_state(model, optimizer, scheduler) if background else None
 
         def write() -> Path:
             return save_checkpoint(self.checkpoint_dir, step=step, model=model, optimizer=optimizer, extra=extra,
-                                   keep=self.cfg.trainer.checkpoint_keep, state=state, write_state=sharded)
+                                   keep=self.cfg.trainer.checkpoint_keep, scheduler=scheduler, state=state, write_state=sharded)
 
         if background:
             self.saving.start(step, write)

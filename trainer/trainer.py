@@ -4,8 +4,10 @@ Gradients are accumulated over the step's micro-batches; each micro-batch loss i
 normalized by step-wide totals (``MicroBatch.step_loss_tokens`` and ``step_samples``), so their
 sum is the step's loss under the configured aggregation whatever the split into micro-batches
 and data-parallel ranks (see :mod:`trainer.losses`; tested in float64 by
-``tests/trainer/test_invariance.py``). Then the gradient norm is clipped and AdamW steps with a
-constant learning rate. No sockets here (see :mod:`trainer.proc`).
+``tests/trainer/test_invariance.py``). Then the gradient norm is clipped and AdamW steps with the
+learning rate of ``trainer.optim``'s schedule (:mod:`trainer.optim.lr_schedule`; the scheduler steps
+after every step, skipped ones too, so step ``s`` always trains with the schedule's rate at ``s``).
+No sockets here (see :mod:`trainer.proc`).
 
 Precision (``trainer.dtype``, :mod:`trainer.forward.precision`): the policy's and the reference's forwards
 run under the policy's autocast context (bfloat16 matmuls with ``trainer.dtype: bfloat16``); the
@@ -45,6 +47,7 @@ from trainer.observability.lag_stats import lag_fractions, lag_token_counts
 from trainer.forward.packed import PackedLogprobs
 from trainer.forward.precision import PrecisionPolicy
 from trainer.forward.reference import ReferencePolicy
+from trainer.optim.lr_schedule import build_lr_scheduler, rebind_lr_scheduler
 from trainer.parallel.sharding import clip_grad_norm, enable_activation_checkpointing, shard_keeping_optimizer_state
 from trainer.observability.step_timing import device_clock, phase_key
 
@@ -101,6 +104,8 @@ class Trainer:
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(model)
         self.optimizer = build_optimizer(model, cfg)
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, cfg.max_steps)
+        """The learning-rate schedule (stepped once per :meth:`step`; checkpointed as ``scheduler.pt``)."""
         self.logprobs: torch.nn.Module = PackedLogprobs(
             model, share_prefixes=cfg.share_prefixes, head_dtype=cfg.lm_head_dtype
         )
@@ -216,9 +221,13 @@ class Trainer:
         """
         self.dp = dp
         if self.cfg.parallel == "fsdp":
+            def build() -> torch.optim.Optimizer:  # scheduled before the state load: its groups have initial_lr too
+                optimizer = build_optimizer(self.model, self.cfg)
+                self.scheduler = rebind_lr_scheduler(self.scheduler, optimizer, self.cfg.optim, self.cfg.max_steps)
+                return optimizer
+
             self.optimizer = shard_keeping_optimizer_state(
-                self.logprobs, self.optimizer, lambda: build_optimizer(self.model, self.cfg), dp.device, dp.world_size,
-                bfloat16=self.cfg.dtype == "bfloat16",
+                self.logprobs, self.optimizer, build, dp.device, dp.world_size, bfloat16=self.cfg.dtype == "bfloat16",
             )
         else:
             self.logprobs = dp.wrap(self.logprobs)
@@ -280,7 +289,8 @@ class Trainer:
             option is on ``kl_penalty`` (mean penalty estimator, nats), ``teacher_kl`` (mean
             train_logprobs - teacher_logprobs, nats), ``tis_clipfrac``; ``grad_norm`` (before clipping), ``num_tokens``,
             ``num_loss_tokens``, ``num_samples``, ``num_micro_batches``, ``reward_mean``,
-            ``reward_std``, ``reward/<name>`` (each reward function's mean score), ``onpolicy_tokens``, ``onpolicy_lp_diff_max`` (see :meth:`micro_step`),
+            ``reward_std``, ``reward/<name>`` (each reward function's mean score), ``lr`` (the learning
+            rate of this step's update), ``onpolicy_tokens``, ``onpolicy_lp_diff_max`` (see :meth:`micro_step`),
             ``lag_frac/<bucket>`` (fraction of loss tokens per off-policy lag, :mod:`trainer.observability.lag_stats`),
             ``train_time_s`` (this rank's), ``time/forward_s``, ``time/backward_s`` (sums over
             micro-batches) and ``time/optimizer_s`` (clip, stats all-gather, AdamW) of this rank,
@@ -334,7 +344,7 @@ class Trainer:
             for rank_totals in self.dp.all_gather_stats(totals):
                 merged = merge_stats(merged, rank_totals)
             totals = merged
-        reason = None
+        reason, lr = None, float(self.optimizer.param_groups[0]["lr"])
         if totals.get("non_finite_losses", 0.0):
             reason = "non_finite_loss"
         elif totals["non_finite_grad_max"]:
@@ -348,8 +358,10 @@ class Trainer:
                 "step %s: skipped the optimizer step (%s: loss %s, grad norm %s); weights unchanged",
                 real[0].step if real else "?", reason, totals.get("loss"), grad_norm,
             )
+        self.scheduler.step()  # skipped steps too: the rate is a function of the step (module docstring)
         self.phase_s["optimizer"] = device_clock(device) - optimizing
         metrics = step_metrics(totals, grad_norm, time.perf_counter() - started, skipped=reason is not None)
+        metrics["lr"] = lr
         metrics.update({phase_key(phase): seconds for phase, seconds in self.phase_s.items()})  # this rank's
         return metrics
 

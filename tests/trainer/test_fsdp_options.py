@@ -9,7 +9,7 @@ import torch
 
 from configs.schema import LoraSection, TrainerConfig
 from tests.trainer.test_data_parallel import make_micro_batches, trainable, trainer_cfg
-from trainer.state.checkpoint import load_checkpoint, save_checkpoint
+from trainer.state.checkpoint import load_checkpoint, save_checkpoint, snapshot_state
 from trainer.model import load_policy
 from trainer.forward.packed import PackedLogprobs
 from trainer.parallel.sharding import SHARDED_DIR, shard_policy
@@ -57,4 +57,11 @@ def test_a_checkpoint_loads_only_into_a_trainer_sharded_like_its_writer(model_di
     assert read == [sharded]
     with pytest.raises(ValueError, match="write_state"):  # a sharded save takes the live state, no snapshot
         save_checkpoint(tmp_path / "c", step=1, model=model, optimizer=trainer.optimizer, extra={},
-                        write_state=lambda tmp: None, scheduler=torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda s: 1.0))
+                        write_state=lambda tmp: None, state=snapshot_state(model, trainer.optimizer))
+    # the LR scheduler's state (the same on every rank) is saved beside the shards and restored
+    trainer.optimizer.step(), trainer.scheduler.step()  # no gradients: AdamW leaves the weights alone
+    with_scheduler = save_checkpoint(tmp_path / "d", step=1, model=model, optimizer=trainer.optimizer, extra={},
+                                     scheduler=trainer.scheduler, write_state=lambda tmp: None)
+    fresh = Trainer(model, trainer_cfg())
+    load_checkpoint(with_scheduler, model=model, optimizer=fresh.optimizer, scheduler=fresh.scheduler, read_state=lambda path: None)
+    assert fresh.scheduler.last_epoch == trainer.scheduler.last_epoch == 1

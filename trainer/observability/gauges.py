@@ -31,6 +31,7 @@ TRAINER_GAUGES = {
         "kl_penalty": "Mean KL-penalty estimator (trainer.loss.kl_estimator) of the last step, nats (when kl_tau > 0)",
         "teacher_kl": "Mean train_logprobs - teacher_logprobs over the last step's loss tokens, nats (with teacher logprobs)",
         "grad_norm": "Gradient norm before clipping",
+        "lr": "Learning rate of the last step's update (trainer.optim's schedule)",
         "policy_lag_mean": "Mean off-policy lag of the last step's samples, steps",
         "tokens_per_s": "Trained tokens per second of wall time",
     }.items()

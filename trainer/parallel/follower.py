@@ -25,7 +25,8 @@ import torch
 
 from bus.component import die_with_parent
 from configs.schema import RunConfig, load_config
-from trainer.state.checkpoint import load_checkpoint
+from trainer.optim.lr_schedule import advance_lr_scheduler
+from trainer.state.checkpoint import has_scheduler_state, load_checkpoint
 from trainer.parallel.distributed import GATHER, SAVE, STEP, DataParallel
 from trainer.model import load_policy
 from trainer.parallel.placement import trainer_device
@@ -51,12 +52,18 @@ def join_data_parallel(cfg: RunConfig) -> DataParallel | None:
 
 
 def load_trainer_checkpoint(path: Path, trainer: Trainer) -> dict:
-    """Restore ``trainer``'s model, optimizer and RNG states from checkpoint ``path`` (the same
-    call on every data-parallel rank, so all of them continue identically); returns its state.
-    A sharded (fsdp) trainer reads the checkpoint's ``sharded/`` files (a collective)."""
+    """Restore ``trainer``'s model, optimizer, LR scheduler and RNG states from checkpoint ``path``
+    (the same call on every data-parallel rank, so all of them continue identically); returns its
+    state. A sharded (fsdp) trainer reads the checkpoint's ``sharded/`` files (a collective). A
+    checkpoint without LR scheduler state (written before the trainer saved it) puts the
+    schedule at the checkpoint's step."""
     model, optimizer = trainer.model, trainer.optimizer
     read = (lambda p: load_sharded(model, optimizer, p / SHARDED_DIR)) if is_sharded(model) else None
-    return load_checkpoint(path, model=model, optimizer=optimizer, read_state=read)
+    saved = has_scheduler_state(path)
+    state = load_checkpoint(path, model=model, optimizer=optimizer, scheduler=trainer.scheduler if saved else None, read_state=read)
+    if not saved:
+        advance_lr_scheduler(trainer.scheduler, state["step"])
+    return state
 
 
 def checkpoint_writer(trainer: Trainer) -> Callable[[Path], None] | None:

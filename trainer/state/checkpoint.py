@@ -65,7 +65,7 @@ from safetensors.torch import load_file
 from bus.durable import fsync_dir
 from trainer.state.hf_files import write_model_files
 
-__all__ = ["CheckpointState", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint", "snapshot_state"]
+__all__ = ["CheckpointState", "has_scheduler_state", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint", "snapshot_state"]
 
 FORMAT = 1
 DONE = "DONE"
@@ -368,6 +368,19 @@ def load_checkpoint(
         scheduler.load_state_dict(torch.load(path / "scheduler.pt", map_location="cpu", weights_only=True))
     _set_rng_state(json.loads((path / "rng.json").read_text()))
     return {"step": int(meta["step"]), **meta["extra"]}
+
+
+def has_scheduler_state(path: str | os.PathLike[str]) -> bool:
+    """Whether checkpoint ``path`` holds an LR scheduler's state (``scheduler.pt``; checkpoints
+    written before the trainer saved its schedule have none).
+
+    Raises:
+        ValueError: ``path`` is not a complete checkpoint.
+    """
+    path = Path(path)
+    if not (path / DONE).is_file():
+        raise ValueError(f"{path} is not a complete checkpoint (no {DONE} marker); use latest_checkpoint()")
+    return bool(json.loads((path / "meta.json").read_text()).get("scheduler", False))
 
 
 def _load_full(path: Path, model: torch.nn.Module) -> None:
