@@ -1,5 +1,7 @@
 """RewardWorkerProc on a real bus (ZeroMQ over ipc://): a producer's rollouts in, scored groups out,
-with the run's overlong shaping and a TRL-style reward from the config. Producer and packer are real
+with the run's overlong shaping and a TRL-style reward from the config; then with a real
+PackerProc behind it, whose zero-variance filter (``packer.filter_equal_rewards``) drops and counts
+a group of equal shaped rewards. Producer, packer (first test) and ledger are real
 :class:`bus.courier.Courier` peers; the rewards are hand-computed."""
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ import zmq
 from test_worker import rollout
 
 from bus.courier import Courier
-from bus.messages import ScoredGroup
+from bus.messages import GroupsDropped, ScoredGroup
 from bus.topics import Endpoints
 from configs.schema import load_config
+from packer.proc import PackerProc
 from rewards.proc import RewardWorkerProc
 from tests import waiting
+from tests.outcomes_sink import OutcomesSink
 from tests.socket_dirs import remove_outside_socket_dir
 
 TIMINGS = dict(heartbeat_s=0.05, dead_after_s=0.6, ack_timeout_s=3.0)
@@ -30,10 +34,11 @@ def peers(tmp_path):
     """The run config, and a producer and a packer courier (one context each), closed at teardown."""
     overrides = [f"run_dir={tmp_path}", *(f"bus.{k}={v}" for k, v in TIMINGS.items()), "rewards.isolate=false",
                  "producers.max_replicas=1", "sampling.max_tokens=8", "rewards.overlong={buffer_tokens: 4, penalty: 0.5}",
+                 "producers.group_size=4", "trainer.batch_size=4", "packer.filter_equal_rewards=true",
                  f"task.rewards=[{{name: reverse_text}}, {{name: 'trl:{trl_reward_fns.__name__}:token_count', weight: 0.25}}]"]
     cfg = load_config(None, overrides)
     Endpoints("ipc", tmp_path).ensure_dirs()
-    couriers = [Courier(zmq.Context(), **TIMINGS) for _ in range(2)]
+    couriers = [Courier(zmq.Context(), **TIMINGS) for _ in range(3)]
     yield cfg, couriers
     for courier in couriers:
         courier.stop.set()
@@ -43,7 +48,7 @@ def peers(tmp_path):
 
 
 def test_a_group_is_shaped_scored_and_released(peers, metric):
-    cfg, (producer_courier, packer_courier) = peers
+    cfg, (producer_courier, packer_courier, _) = peers
     endpoints = Endpoints("ipc", cfg.run_dir)
     producer = producer_courier.sender("rollouts", endpoints.address("rollouts", 0), bind=True)
     packer = packer_courier.receiver("scored", endpoints.address("scored"), bind=True, accept=(ScoredGroup,))
@@ -72,3 +77,44 @@ def test_a_group_is_shaped_scored_and_released(peers, metric):
         proc.stop.set()
         thread.join(timeout=WAIT_S)
         proc.close()
+
+
+def start(proc_type: type, cfg, name: str) -> tuple[object, threading.Thread]:
+    proc = proc_type(cfg, name, 0)
+    proc.setup()
+    thread = threading.Thread(target=proc.run, daemon=True)
+    thread.start()
+    return proc, thread
+
+
+def test_the_packer_drops_and_counts_a_zero_variance_group(peers, metric):
+    cfg, (producer_courier, _, ledger_courier) = peers
+    endpoints = Endpoints("ipc", cfg.run_dir)
+    producer = producer_courier.sender("rollouts", endpoints.address("rollouts", 0), bind=True)
+    ledger = OutcomesSink(ledger_courier, endpoints.address("outcomes"))
+    outcome = {o: metric("rlbus_packer_groups_total", outcome=o) for o in ("accepted", "filtered: equal_rewards")}
+    procs = []
+    try:
+        procs.append(start(PackerProc, cfg, "packer"))
+        procs.append(start(RewardWorkerProc, cfg, "rewards-0"))
+        # "olleh" scores 1 (reverse_text) + 0.25 * tokens (token_count) + 0.5 * R (L_max 8, L_cache 4):
+        # lens [3, 3, 3, 3] -> 1.75 each: zero variance, dropped;
+        # lens [3, 3, 3, 9] -> [1.75, 1.75, 1.75, 1 + 2.25 - 0.5 = 2.75]: taken
+        for gid, lens in (("equal", [3, 3, 3, 3]), ("varied", [3, 3, 3, 9])):
+            n = sum(lens)
+            group = dataclasses.replace(rollout(["olleh"] * 4), id=gid, completion_lens=np.int32(lens),
+                                        completion_ids=np.arange(n, dtype=np.int32), sampler_logprobs=np.full(n, -0.5, np.float32))
+            assert producer.send(group, timeout_s=WAIT_S)
+        (drop,) = ledger.wait_for(lambda sink: sink.received(), "the drop of the zero-variance group")
+        assert (type(drop), drop.group_ids, drop.reason) == (GroupsDropped, ["equal"], "filtered: equal_rewards")
+        waiting.wait_until(lambda: metric("rlbus_packer_groups_total", outcome="accepted") - outcome["accepted"] == 1,
+                           "the varied group taken", WAIT_S)
+        assert metric("rlbus_packer_groups_total", outcome="filtered: equal_rewards") - outcome["filtered: equal_rewards"] == 1
+        # both rollouts released: the taken one at once, the dropped one once the ledger recorded its drop
+        waiting.wait_until(lambda: producer.unfinished() == 0, "both rollouts released", WAIT_S)
+    finally:
+        for proc, thread in reversed(procs):
+            proc.stop.set()
+            thread.join(timeout=WAIT_S)
+            proc.close()
+        ledger.close()
