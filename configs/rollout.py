@@ -16,7 +16,7 @@ from configs.base import Section
 class RewardTermConfig(Section):
     """One reward function of a task and its weight in the total reward."""
 
-    name: str = Field(..., min_length=1, description="A registered reward function (tasks/rewards.py) or an import path 'package.module:function' (runs the code it names: configs are trusted).")
+    name: str = Field(..., min_length=1, description="A registered reward function (tasks/rewards.py), an import path 'package.module:function' (runs the code it names: configs are trusted), or 'trl:package.module:function' / 'trl_conversational:...' for a function written for TRL's GRPOTrainer, used as it is (docs/rewards.md).")
     weight: float = Field(1.0, allow_inf_nan=False, description="Weight of this function's score in the reward: reward = sum of weight * score.")
 
 
