@@ -44,7 +44,7 @@ def test_the_recipe_carries_the_published_gsm8k_grpo_numbers():
     # max_prompt_length 512, constant LR (no warm-up); TRL GRPOConfig: learning_rate 1e-6, temperature 1.0
     assert (cfg.producers.group_size, cfg.trainer.optim.lr, cfg.sampling.max_tokens) == (5, 1e-6, 512)
     assert cfg.model.max_model_len == 512 + 512 and cfg.sampling.temperature == 1.0
-    assert getattr(cfg.trainer.optim, "warmup_steps", 0) == 0
+    assert (cfg.trainer.optim.scheduler, cfg.trainer.optim.warmup_steps) == ("constant", 0)
     assert (cfg.task.name, cfg.trainer.dtype, cfg.producers.dtype, cfg.trainer.device) == ("gsm8k", "bfloat16", "bfloat16", "cuda")
     assert cfg.producers.share_gpus_with_trainer and cfg.eval.enabled and cfg.eval.interval > 0
     assert cfg.producers.gpu_memory_utilization * cfg.producers.replicas <= MAX_VLLM_SHARE_BESIDE_TRAINER
