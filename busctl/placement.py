@@ -125,6 +125,8 @@ class Placement:
         shared: producers may use the trainer's devices (``producers.share_gpus_with_trainer``).
         replicas: ``producers.replicas`` (the producers ``busctl up`` starts; the rest are for
             ``busctl scale``). gpus_per_replica: ``producers.gpus_per_replica``.
+        gpu_memory_utilization: ``producers.gpu_memory_utilization`` (each producer's share of its
+            GPUs; checked beside a CUDA trainer, also when scaling).
     """
 
     visible: tuple[int, ...]
@@ -136,6 +138,7 @@ class Placement:
     shared: bool = False
     replicas: int = 1
     gpus_per_replica: int = 1
+    gpu_memory_utilization: float = 0.0
 
     @property
     def producers_on_gpu(self) -> bool:
@@ -179,10 +182,16 @@ class Placement:
 
         Raises:
             ConfigError: one of the first ``n`` indices has none (the message names the keys and
-                the devices seen).
+                the devices seen), or the ``n`` producers would take more than
+                :data:`MAX_VLLM_SHARE_BESIDE_TRAINER` of a CUDA trainer's GPU together.
         """
         if any(g is None for g in self.producer_gpus[:n]):
             raise ConfigError(f"producers={n} does not fit the GPUs: {self.refusal(n)}")
+        if self.trainer_device == "cuda":
+            try:
+                _check_memory_split(self.gpu_memory_utilization, self.trainer_gpus, list(self.producer_gpus[:n]))
+            except ConfigError as err:
+                raise ConfigError(f"producers={n} does not fit the GPUs' memory: {err}") from None
 
     def resolve(self, cfg: RunConfig) -> None:
         """Write the plan's concrete values into ``cfg`` (``trainer.device``, ``producers.dtype``,
@@ -299,7 +308,8 @@ def plan_placement(cfg: RunConfig, visible: list[int]) -> Placement:
                          for i in range(p.max_replicas)]
     dtype = resolve_producer_dtype(p.dtype, cuda_available=any(producer_gpus))
     plan = Placement(tuple(visible), trainer_device, trainer_gpus, dtype, "", tuple(producer_gpus),
-                     shared=p.share_gpus_with_trainer, replicas=p.replicas, gpus_per_replica=per)
+                     shared=p.share_gpus_with_trainer, replicas=p.replicas, gpus_per_replica=per,
+                     gpu_memory_utilization=p.gpu_memory_utilization)
     if any(g is None for g in producer_gpus[:p.replicas]):
         raise ConfigError(f"the GPU plan does not fit: {plan.refusal(p.replicas)}")
     plan = replace(plan, broadcast_backend=_broadcast_backend(cfg, trainer_gpus, producer_gpus))

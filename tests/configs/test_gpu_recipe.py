@@ -78,6 +78,11 @@ def test_the_memory_split_counts_every_producer_on_a_trainer_gpu():
         plan_placement(load_config(None, [*base, "producers.replicas=2", "producers.gpu_memory_utilization=0.4"]), [0])
     # two GPUs: the producer gets the free one first, so 0.9 there is the trainer's business only
     plan_placement(load_config(None, [*base, "producers.gpu_memory_utilization=0.9"]), [0, 1])
+    # busctl scale adds producers to the same GPU: checked the same way
+    scalable = plan_placement(load_config(None, [*base, "producers.max_replicas=3", "producers.gpu_memory_utilization=0.3"]), [0])
+    scalable.check_producers(2)  # 60%
+    with pytest.raises(ConfigError, match=r"producers=3 does not fit the GPUs' memory: .*0\.3 x 3 producer\(s\) on GPU 0"):
+        scalable.check_producers(3)
     # a CPU trainer keeps nothing on the GPU: any share is the producers'
     plan_placement(load_config(None, ["producers.share_gpus_with_trainer=true", "trainer.device=cpu"]), [0])
 
