@@ -21,7 +21,9 @@ Overlong shaping (``rewards.overlong``, :mod:`rewards.shaping`): a training grou
 ``penalty * R(|y|)``, DAPO's soft overlong punishment of each completion's length (the term
 ``overlong``, its score in [-1, 0]), before the filters and the advantages; the penalized samples
 are counted in ``rlbus_rewards_overlong_total{zone}`` (``soft``: inside the buffer, ``hard``: past
-``max_tokens``). Eval groups are not shaped.
+``max_tokens``). Eval groups are not shaped. Training groups whose final rewards are all equal (no
+learning signal, whatever the reward) are counted in ``rlbus_rewards_zero_variance_groups_total``;
+the packer drops them with ``packer.filter_equal_rewards``.
 
 Filters (:mod:`rewards.filters`) then flag degenerate samples (``flags``; ``masked`` when enforced,
 counted in ``rlbus_rewards_filtered_total{filter}``). Advantages are computed on the rewards of the
@@ -68,6 +70,11 @@ OVERLONG = Counter(
 )
 for _zone in OVERLONG_ZONES:
     OVERLONG.labels(_zone)
+ZERO_VARIANCE = Counter(
+    "rlbus_rewards_zero_variance_groups_total",
+    "Training groups whose rewards (shaping included) are all equal: zero advantage, no policy gradient "
+    "(TRL's frac_reward_zero_std); packer.filter_equal_rewards drops them",
+)
 TRL_METRIC = Gauge(
     "rlbus_rewards_trl_metric",
     "What a TRL-style reward function logged with log_metric, averaged over its last call (one group), by reward and metric name",
@@ -199,6 +206,8 @@ class RewardWorker:
         found = apply_filters(self.filters, ids, lps, lens)
         for filter_name, count in found.counts.items():
             FILTERED.labels(filter_name).inc(count)
+        if not group.is_eval and np.all(rewards == rewards[0]):
+            ZERO_VARIANCE.inc()
         advantages = compute_advantages(self.advantage, rewards, np.asarray(group.completion_lens, np.int64), self.eps)
         fields = {f.name: getattr(group, f.name) for f in dataclasses.fields(RolloutGroup)}
         return ScoredGroup(

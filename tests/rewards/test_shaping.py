@@ -91,10 +91,11 @@ def test_isolated_worker_shapes_like_in_process():
         isolated.close()
 
 
-def test_zero_variance_filter_sees_the_shaped_rewards():
+def test_zero_variance_filter_sees_the_shaped_rewards(metric):
     # All four answers are right (task reward 1), so unshaped this group has zero variance.
     # Lens [2, 5, 6, 8], L_max 8, L_cache 4, penalty 1: R = [0, -0.25, -0.5, -1] -> rewards [1, 0.75, 0.5, 0]: kept.
     # Lens [2, 3, 4, 4]: all within L_max - L_cache = 4 -> rewards [1, 1, 1, 1]: dropped as equal_rewards.
+    zero_variance = metric("rlbus_rewards_zero_variance_groups_total")
     worker = shaped_worker(penalty=1.0)
     varied = worker.score(dataclasses.replace(with_lens(["olleh"] * 4, [2, 5, 6, 8]), id="varied"))
     equal = worker.score(dataclasses.replace(with_lens(["olleh"] * 4, [2, 3, 4, 4]), id="equal"))
@@ -106,6 +107,7 @@ def test_zero_variance_filter_sees_the_shaped_rewards():
     # without shaping the varied group would have been dropped too
     plain = RewardWorker(REVERSE, advantage="drgrpo", name="w", isolate=False).score(dataclasses.replace(with_lens(["olleh"] * 4, [2, 5, 6, 8]), id="plain"))
     assert packer.add(plain) == (False, DropReason.FILTERED_EQUAL_REWARDS)
+    assert metric("rlbus_rewards_zero_variance_groups_total") - zero_variance == 2  # "equal" and "plain"
 
 
 def test_worker_refuses_a_reward_named_overlong_and_an_unresolved_section():
