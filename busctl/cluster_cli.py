@@ -8,11 +8,14 @@ config), like the others in :mod:`busctl.cli`.
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 from typing import Callable
 
 from rich.console import Console
 
+from busctl.run_dir import inspect_run_dir, refusal
+from busctl.stderr import print_error, print_warning
 from configs.schema import ConfigError, load_config
 
 
@@ -24,7 +27,7 @@ def cmd_keys(ns: argparse.Namespace, console: Console) -> int:
     try:
         created = create_keys(keys_dir, ns.clients)
     except ValueError as err:
-        console.print(f"[red]{err}[/red]")
+        print_error(str(err))
         return 1
     print(f"CurveZMQ keys in {keys_dir} (mode 0700; *.key_secret files are secret):")
     for path in created:
@@ -39,8 +42,10 @@ def cmd_keys(ns: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_sbatch(ns: argparse.Namespace, console: Console) -> int:
-    """``busctl sbatch [CONFIG] [key=value ...] [-o FILE]``: write the job's batch script
-    (:func:`busctl.launchers.sbatch.sbatch_script`) to FILE, or print it."""
+    """``busctl sbatch [CONFIG] [key=value ...] [-o FILE] [--overwrite]``: write the job's batch script
+    (:func:`busctl.launchers.sbatch.sbatch_script`) to FILE, or print it. An occupied ``run_dir`` is
+    refused here already (exit 2, :mod:`busctl.run_dir`) unless ``--overwrite``, which the job's
+    ``busctl up`` is given."""
     from bus.auth import check_keys  # zmq only
     from busctl.launchers.sbatch import sbatch_script
 
@@ -48,10 +53,19 @@ def cmd_sbatch(ns: argparse.Namespace, console: Console) -> int:
     try:
         cfg = load_config(config_path, overrides)
         check_keys(cfg.bus)  # a bus.curve_keys_dir given must hold keys (the config does not read them)
-        script = sbatch_script(cfg, str(Path(config_path).resolve()) if config_path else None, overrides)
+        script = sbatch_script(cfg, str(Path(config_path).resolve()) if config_path else None, overrides,
+                               overwrite=ns.overwrite)
+        occupant = inspect_run_dir(Path(cfg.run_dir))  # the job's busctl up checks again when it starts
     except (ConfigError, ValueError) as err:
-        console.print(f"[red]{err}[/red]")
+        print_error(str(err))
         return 2
+    if occupant is not None and not (ns.overwrite and occupant.is_run):
+        given = ["busctl", "sbatch", *ns.args, *(["-o", ns.output] if ns.output else [])]
+        elsewhere = [a for a in given if not a.startswith("run_dir=")] + [f"run_dir={cfg.run_dir}-2"]
+        print_error(refusal(occupant, shlex.join(given), shlex.join(elsewhere)))
+        return 2
+    if occupant is not None:
+        print_warning(f"the job's busctl up --overwrite will delete the previous run in {occupant.run_dir}: {occupant.what()}")
     if ns.output:
         Path(ns.output).write_text(script)
         console.print(f"wrote {ns.output}; submit it with: sbatch {ns.output}")
@@ -69,4 +83,7 @@ def add_commands(sub: argparse._SubParsersAction) -> dict[str, Callable[[argpars
     sb = sub.add_parser("sbatch", help="write a Slurm batch script that runs the job (busctl up --launcher slurm)")
     sb.add_argument("args", nargs="*", help="[CONFIG.yaml] [key.sub=value ...] (slurm.* shapes the job)")
     sb.add_argument("-o", "--output", default=None, help="write the script here (default: print it)")
+    sb.add_argument("--overwrite", action="store_true",
+                    help="the job runs busctl up --overwrite: a previous run in run_dir is deleted when the job starts "
+                    "(without it, busctl sbatch and the job refuse an occupied run_dir)")
     return {"keys": cmd_keys, "sbatch": cmd_sbatch}

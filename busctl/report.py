@@ -40,6 +40,7 @@ from pathlib import Path
 
 from busctl.run_data import PHASE_LABELS, ReportError, RunData, load_run, moving_average, phase_table, smoothing_window, stage_series
 from trackers.opening import tracker_lines
+from busctl.stderr import print_error
 
 __all__ = ["cmd_report", "format_phases", "format_summary", "lag_token_shares", "summarize", "write_report"]
 
@@ -214,7 +215,7 @@ def cmd_report(ns: argparse.Namespace, console) -> int:
     try:
         paths, text = write_report(Path(ns.run_dir), Path(ns.out) if ns.out else None)
     except ReportError as err:
-        console.print(f"[red]busctl report: {err}[/red]")
+        print_error(f"busctl report: {err}")
         return 2
     print(text, end="")
     out = paths[0].parent if paths else Path(ns.out or Path(ns.run_dir) / "report")

@@ -16,6 +16,7 @@ from pathlib import Path
 from rich.console import Console
 
 from busctl.run_status import RunState
+from busctl.stderr import print_error
 from configs.schema import ConfigError, load_config
 
 
@@ -114,7 +115,7 @@ def cmd_logs(ns: argparse.Namespace, console: Console) -> int:
     path = run_dir / "logs" / f"{ns.component}.log"
     if not path.is_file():
         known = sorted(p.stem for p in (run_dir / "logs").glob("*.log"))
-        console.print(f"[red]no log for {ns.component!r} in {run_dir}; known: {known}[/red]")
+        print_error(f"no log for {ns.component!r} in {run_dir}; known: {known}")
         return 1
     with path.open() as f:
         sys.stdout.write(f.read())
@@ -180,10 +181,10 @@ def cmd_scale(ns: argparse.Namespace, console: Console) -> int:
         cfg = load_config(run_dir / "config.yaml")
         scale_targets(cfg, request)
     except (ValueError, ConfigError) as err:  # ConfigError is a ValueError
-        console.print(f"[red]busctl scale: {err}[/red]")
+        print_error(f"busctl scale: {err}")
         return 2
     if not supervisor_alive(status) or status.get("state") not in (RunState.STARTING, RunState.RUNNING):
-        console.print(f"[red]busctl scale: no running busctl up in {run_dir}[/red]")
+        print_error(f"busctl scale: no running busctl up in {run_dir}")
         return 1
     rid = uuid.uuid4().hex
     write_text_atomic(run_dir / "scale.json", json.dumps({"id": rid, **request}))
@@ -195,11 +196,11 @@ def cmd_scale(ns: argparse.Namespace, console: Console) -> int:
         scale = status.get("scale") or {}
         rejected = scale.get("rejected") or {}
         if rejected.get("id") == rid:
-            console.print(f"[red]busctl scale: refused: {rejected.get('error')}[/red]")
+            print_error(f"busctl scale: refused: {rejected.get('error')}")
             return 1
         if scale.get("id") == rid:
             if scale.get("state") == ScaleState.FAILED:
-                console.print(f"[red]busctl scale: refused: {scale.get('error')}[/red]")
+                print_error(f"busctl scale: refused: {scale.get('error')}")
                 return 1
             if scale.get("state") == ScaleState.DONE:
                 console.print(f"scaled {run_dir}: started {scale.get('added') or 'none'}, stopped {scale.get('removed') or 'none'}")
@@ -209,10 +210,10 @@ def cmd_scale(ns: argparse.Namespace, console: Console) -> int:
                 announced = True
         if not supervisor_alive(status) or status.get("state") not in (RunState.STARTING, RunState.RUNNING):
             why = status.get("error") or status.get("outcome") or "no longer running"
-            console.print(f"[red]busctl scale: busctl up stopped before the request was done ({why})[/red]")
+            print_error(f"busctl scale: busctl up stopped before the request was done ({why})")
             return 1
         time.sleep(0.2)
-    console.print(f"[red]busctl scale: not done within {timeout_s:.0f} s; see `busctl status {run_dir}`[/red]")
+    print_error(f"busctl scale: not done within {timeout_s:.0f} s; see `busctl status {run_dir}`")
     return 1
 
 

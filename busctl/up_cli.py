@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import time
 from pathlib import Path
@@ -17,6 +18,8 @@ from rich.console import Console
 from busctl.launchers import LAUNCHERS, make_launcher
 from busctl.placement import apply_placement
 from busctl.run_cli import NoRun, read_status, split_config_args, supervisor_alive
+from busctl.run_dir import Occupant, inspect_run_dir, overwrite, refusal
+from busctl.stderr import print_error, print_warning
 from busctl.run_status import RunOutcome
 from configs.model_path import resolve_run_model_paths
 from configs.schema import ConfigError, RunConfig, dump_config, load_config
@@ -60,13 +63,60 @@ def resume_config(target: str | None, overrides: list[str]) -> RunConfig:
     return cfg
 
 
+def _up_commands(ns: argparse.Namespace, run_dir: Path) -> tuple[str, str]:
+    """The ``busctl up`` command line as given (config and overrides), and the same with
+    ``run_dir=`` set to a sibling of ``run_dir`` (``RUN_DIR-2``, or the first free ``-N``): the ways
+    on that an occupied run directory's refusal shows."""
+    given = ["busctl", "up", *(["--launcher", ns.launcher] if ns.launcher else []), *ns.args]
+    n = 2
+    while Path(f"{run_dir}-{n}").exists():
+        n += 1
+    elsewhere = [a for a in given if not a.startswith("run_dir=")] + [f"run_dir={run_dir}-{n}"]
+    return shlex.join(given), shlex.join(elsewhere)
+
+
+def _check_run_dir(cfg: RunConfig, ns: argparse.Namespace) -> tuple[int, str, Occupant | None]:
+    """Whether a fresh (not ``--resume``) run may start in ``cfg.run_dir`` (:mod:`busctl.run_dir`).
+
+    Returns:
+        ``(exit code, message, occupant)``: ``(0, "", None)`` missing or empty; ``(0, "", occupant)``
+        occupied by a run's outputs and ``--overwrite`` given; ``(1, why, None)`` its ``busctl up``
+        still runs; ``(2, refusal, occupant)`` occupied otherwise.
+    """
+    run_dir = Path(cfg.run_dir)
+    try:
+        previous = read_status(run_dir)
+    except (NoRun, ValueError):
+        previous = None
+    if previous is not None and supervisor_alive(previous):
+        return 1, (f"a run is already going in {run_dir} (busctl up pid {previous['supervisor_pid']}); "
+                   f"stop it first: busctl down {run_dir}"), None
+    if ns.resume:
+        return 0, "", None
+    try:
+        occupant = inspect_run_dir(run_dir)
+    except ValueError as err:
+        return 2, str(err), None
+    if occupant is None or (ns.overwrite and occupant.is_run):
+        return 0, "", occupant
+    return 2, refusal(occupant, *_up_commands(ns, run_dir)), occupant
+
+
 def cmd_up(ns: argparse.Namespace, console: Console) -> int:
-    """``busctl up [CONFIG] [overrides] [--dry-run] [--resume] [--launcher L]``: the exit code (see :mod:`busctl.cli`)."""
+    """``busctl up [CONFIG] [overrides] [--dry-run] [--resume | --overwrite] [--launcher L]``: the exit
+    code (see :mod:`busctl.cli`). Before anything is spawned or written: the config, the device plan,
+    the key files, the model paths, every task/reward/environment name (:mod:`busctl.preflight`) and
+    the run directory (:mod:`busctl.run_dir`); ``--dry-run`` runs the same checks (an occupied run
+    directory only warned about), prints the resolved config and the plan and stops."""
     from bus.auth import check_keys
     from busctl.cpu_bf16 import cpu_bf16_warning
+    from busctl.preflight import check_names
     from busctl.startup import process_started_at
     from busctl.supervisor import Supervisor  # zmq/rich only; torch stays out until needed
 
+    if ns.resume and ns.overwrite:
+        print_error("busctl up: --resume continues a run and --overwrite deletes one: give one of them")
+        return 2
     config_path, overrides = split_config_args(ns.args)
     try:
         cfg = resume_config(config_path, overrides) if ns.resume else load_config(config_path, overrides)
@@ -74,34 +124,33 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
         cfg.supervisor.ray_address = ns.address or cfg.supervisor.ray_address
         placement = apply_placement(cfg)  # trainer.device and producers.dtype resolved in cfg
         check_keys(cfg.bus)  # the CurveZMQ key files, read here at launch (the config imports no bus)
-    except ValueError as err:  # a ConfigError, or a key file missing or unreadable
-        console.print(f"[red]{err}[/red]")
+        checked = cfg.model_copy(deep=True) if ns.dry_run else cfg  # --dry-run prints the paths as given
+        resolve_run_model_paths(checked)  # a hub id becomes its HF-cache snapshot: every component loads the same files
+        check_names(cfg)
+    except (ValueError, FileNotFoundError) as err:  # a ConfigError, a key file, a model path, a name
+        print_error(str(err))
         return 2
+    code, why, occupant = _check_run_dir(cfg, ns)
     if ns.dry_run:
         print(dump_config(cfg) + placement.describe())
+        if code:
+            print_warning(f"busctl up would refuse this run: {why}")
+        elif occupant is not None:
+            print_warning(f"busctl up --overwrite would delete the previous run in {occupant.run_dir}: {occupant.what()}")
         return 0
+    if code:
+        print_error(why)
+        return code
     slow_bf16 = cpu_bf16_warning(cfg.trainer.dtype, cfg.trainer.device)  # measured only for a bf16 CPU trainer
     if slow_bf16:
-        console.print(f"[yellow]warning: {slow_bf16}[/yellow]", highlight=False)
+        print_warning(slow_bf16)
     try:
         launcher = make_launcher(cfg)  # slurm: the allocation's nodes; ray: connects (not needed by --dry-run)
     except ConfigError as err:
-        console.print(f"[red]{err}[/red]")
+        print_error(str(err))
         return 2
-    run_dir = Path(cfg.run_dir)
-    try:
-        previous = read_status(run_dir)
-    except (NoRun, ValueError):
-        previous = None
-    if previous is not None and supervisor_alive(previous):
-        console.print(f"[red]a run is already going in {run_dir} (busctl up pid {previous['supervisor_pid']}); "
-                      f"stop it first: busctl down {run_dir}[/red]")
-        return 1
-    try:  # a hub id becomes its local HF-cache snapshot directory: every component loads the same files
-        resolve_run_model_paths(cfg)
-    except (FileNotFoundError, ValueError) as err:
-        console.print(f"[red]{err}[/red]")
-        return 2
+    if occupant is not None:  # --overwrite of a run's directory: said entry by entry, then deleted
+        overwrite(occupant, lambda line: console.print(line, markup=False))
     if placement.visible:  # a GPU host: say which component got which devices
         console.print(placement.describe(), markup=False, highlight=False)
     launcher.configure(cfg)  # slurm, ray: tcp bound to each node's address, per-run CurveZMQ keys
@@ -174,7 +223,9 @@ def add_up(sub: argparse._SubParsersAction) -> dict:
                         description="Run a job: busctl up [CONFIG] [key.sub=value ...]. Continue a stopped one in its run "
                         "directory: busctl up --resume [RUN_DIR | CONFIG] [key.sub=value ...].")
     up.add_argument("args", nargs="*", help="[CONFIG.yaml] [key.sub=value ...]; with --resume: [RUN_DIR | CONFIG.yaml] [key.sub=value ...]")
-    up.add_argument("--dry-run", action="store_true", help="print the resolved config and the device plan, and exit")
+    up.add_argument("--dry-run", action="store_true",
+                    help="run every check busctl up runs before it starts anything (config, devices, keys, model paths, "
+                    "task/reward/environment names), print the resolved config and the device plan, and exit")
     up.add_argument("--launcher", choices=LAUNCHERS, default=None,
                     help="start components as local processes, as srun steps inside a Slurm allocation, or through Ray actors "
                     "on the nodes of a Ray cluster (default: supervisor.launcher)")
@@ -182,4 +233,7 @@ def add_up(sub: argparse._SubParsersAction) -> dict:
     up.add_argument("--resume", action="store_true",
                     help="continue the run in RUN_DIR (default: the default config's run_dir) from its config.yaml, "
                     "checkpoints, ledgers and packer spool; nothing is cleared, logs are appended")
+    up.add_argument("--overwrite", action="store_true",
+                    help="when run_dir holds a previous run, delete it (each entry is named first) and start over; "
+                    "without it busctl up refuses an occupied run_dir (exit 2)")
     return {"up": cmd_up}

@@ -30,14 +30,16 @@ def _component(nodes: int, gpus: int, partition: str) -> list[str]:
 
 
 def sbatch_script(cfg: RunConfig, config_path: str | None, overrides: list[str], python: str = sys.executable,
-                  workdir: str | Path | None = None) -> str:
+                  workdir: str | Path | None = None, overwrite: bool = False) -> str:
     """The batch script of ``cfg`` (see the module docstring).
 
     Args:
         cfg: the loaded config (its ``slurm`` section shapes the job).
         config_path / overrides: what ``busctl up`` is given in the job (None: the default config).
         python: the interpreter that runs busctl on the nodes. workdir: the job's working
-            directory (default: the current one; it must be visible on every node).
+            directory (default: the current one; it must be visible on every node). overwrite: the
+            job runs ``busctl up --overwrite`` (a previous run in ``run_dir`` is deleted; without it
+            the job's ``busctl up`` refuses an occupied ``run_dir``, :mod:`busctl.run_dir`).
 
     Raises:
         ValueError: only some of ``slurm.inference_nodes / trainer_nodes / cpu_nodes`` are > 0.
@@ -57,6 +59,7 @@ def sbatch_script(cfg: RunConfig, config_path: str | None, overrides: list[str],
     else:
         body = _component(s.nodes, s.gpus_per_node, s.partition)
         what = f"plain job: {s.nodes} node(s)"
-    args = [python, "-m", "busctl", "up", "--launcher", "slurm", *([config_path] if config_path else []), *overrides]
+    args = [python, "-m", "busctl", "up", "--launcher", "slurm", *(["--overwrite"] if overwrite else []),
+            *([config_path] if config_path else []), *overrides]
     return "\n".join([*head, *body, f"# written by busctl sbatch; {what}", "set -euo pipefail",
                       f"cd {shlex.quote(str(Path(workdir or Path.cwd()).resolve()))}", shlex.join(args), ""])

@@ -333,7 +333,7 @@ def test_busctl_keys_never_overwrites(tmp_path, capsys):
     before = {p.name: p.read_bytes() for p in (tmp_path / "keys").rglob("*") if p.is_file()}
     assert {"server.key", "server.key_secret", "components.key_secret", "client-1.key", "client-2.key_secret"} <= set(before)
     assert cli.main(["keys", str(tmp_path / "keys")]) == 1
-    assert "already holds" in capsys.readouterr().out
+    assert "already holds" in capsys.readouterr().err  # an error: on stderr
     assert {p.name: p.read_bytes() for p in (tmp_path / "keys").rglob("*") if p.is_file()} == before
     assert (tmp_path / "keys" / "server.key_secret").stat().st_mode & 0o077 == 0
 
@@ -363,8 +363,9 @@ def test_missing_key_dir_or_file_is_refused_at_launch(tmp_path, keys_dir, capsys
                 auth.check_keys(cfg.bus)
             for command in (["up", "--dry-run", f"run_dir={tmp_path / 'run'}"], ["sbatch", f"run_dir={tmp_path / 'run'}"]):
                 assert cli.main([*command, *args]) == 2, command
-                out = capsys.readouterr().out
-                assert f"bus.curve_keys_dir: {message}; create one with `busctl keys DIR`" in out, command
+                out = capsys.readouterr()
+                assert f"bus.curve_keys_dir: {message}; create one with `busctl keys DIR`" in out.err, command
+                assert not out.out, command  # errors go to stderr: stdout stays what the command makes
     assert not (tmp_path / "run").exists()  # refused before anything was written
     auth.check_keys(load_config(None, ["bus.transport=tcp", f"bus.curve_keys_dir={keys_dir}"]).bus)  # keys there: ok
     auth.check_keys(load_config(None, ["bus.transport=tcp"]).bus)  # no keys named: nothing to read

@@ -231,7 +231,7 @@ def test_supervisor_gives_each_component_its_devices(tmp_path, monkeypatch, caps
 
         capsys.readouterr()
         assert busctl.main(["scale", str(run.run_dir), "producers=2"]) == 2
-        out = capsys.readouterr().out
+        out = capsys.readouterr().err  # errors go to stderr
         assert "producers=2 does not fit the GPUs" in out and "2 visible: [0, 1]" in out
         assert sorted(run.components()) == ["hub", "producer-0", "rewards-0", "trainer"]
     finally:

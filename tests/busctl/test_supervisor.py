@@ -345,7 +345,7 @@ def test_busctl_scale_up_and_down_against_the_running_supervisor(tmp_path, super
 
     # refused without touching the run: past max_replicas, below one, malformed
     assert busctl.main(["scale", run_dir, "producers=3"]) == 2
-    assert "producers.max_replicas=2" in capsys.readouterr().out
+    assert "producers.max_replicas=2" in capsys.readouterr().err
     assert busctl.main(["scale", run_dir, "rewards=0"]) == 2
     assert busctl.main(["scale", run_dir, "trainers=2"]) == 2
     assert busctl.main(["scale", run_dir, "rewards=two"]) == 2
@@ -361,7 +361,7 @@ def test_busctl_scale_up_and_down_against_the_running_supervisor(tmp_path, super
     run.close()
     assert run.code == 130
     assert busctl.main(["scale", run_dir, "rewards=2"]) == 1  # nobody to talk to
-    assert "no running busctl up" in capsys.readouterr().out
+    assert "no running busctl up" in capsys.readouterr().err
 
 
 # -- resume and the CLI ----------------------------------------------------------------------------
@@ -382,7 +382,7 @@ def test_resume_keeps_the_run_directory_and_tells_every_component(tmp_path, supe
     (model / "config.json").write_text("{}")
     (model / "chat_template.jinja").write_text("{{ messages }}")
     assert busctl.main(["up", f"run_dir={run_dir}", f"model.path={model}"]) == 1
-    assert "already going" in capsys.readouterr().out
+    assert "already going" in capsys.readouterr().err
     run.close()
     assert run.code == 130
     (run_dir / "checkpoints" / "step_3").mkdir(parents=True)
@@ -411,21 +411,25 @@ def test_busctl_up_resume_cli(tmp_path, capsys):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     assert busctl.main(["up", "--resume", str(run_dir), "--dry-run"]) == 2
-    assert "nothing to resume" in capsys.readouterr().out
+    assert "nothing to resume" in capsys.readouterr().err
     assert busctl.main(["up", "--resume", str(tmp_path / "missing")]) == 2
     # a saved config (as a run writes it) from a run directory that has since been moved here
-    (run_dir / "config.yaml").write_text("run_dir: /somewhere/else\nmodel:\n  path: /models/p\nbroadcast:\n  port: 29511\n")
+    model = tmp_path / "model"  # --dry-run checks the model directory as busctl up does
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "chat_template.jinja").write_text("{{ messages }}")
+    (run_dir / "config.yaml").write_text(f"run_dir: /somewhere/else\nmodel:\n  path: {model}\nbroadcast:\n  port: 29511\n")
     capsys.readouterr()
     assert busctl.main(["up", "--resume", str(run_dir), "trainer.max_steps=7", "--dry-run"]) == 0
     resolved = capsys.readouterr().out
     assert "max_steps: 7" in resolved and "port: 0" in resolved and f"run_dir: {run_dir.resolve()}" in resolved
-    assert "path: /models/p" in resolved
+    assert f"path: {model}" in resolved
     assert busctl.main(["up", "--resume", str(run_dir), f"run_dir={tmp_path}", "--dry-run"]) == 2
-    assert "run_dir cannot be overridden" in capsys.readouterr().out
+    assert "run_dir cannot be overridden" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="trainer.max_stepz"):
         busctl.resume_config(str(run_dir), ["trainer.max_stepz=3"])
 
 
 def test_busctl_status_without_a_run(tmp_path, capsys):
     assert busctl.main(["status", str(tmp_path)]) == 1
-    assert "no run at" in capsys.readouterr().out
+    assert "no run at" in capsys.readouterr().err

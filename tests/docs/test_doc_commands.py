@@ -64,6 +64,15 @@ def _up_commands(text: str) -> list[list[str]]:
     return commands
 
 
+def _stand_in_model(tmp_path: Path) -> Path:
+    """A directory that passes busctl up's model checks (config.json, a tokenizer with a chat template)."""
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    (model / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
+    return model
+
+
 @pytest.mark.parametrize("path", HAND_WRITTEN, ids=lambda p: p.name)
 def test_busctl_up_commands_in_the_docs_resolve(path: Path, tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.chdir(ROOT)
@@ -74,6 +83,10 @@ def test_busctl_up_commands_in_the_docs_resolve(path: Path, tmp_path: Path, monk
                 assert busctl.main(["keys", str(keys)]) == 0
             args = [f"bus.curve_keys_dir={keys}" if a.startswith("bus.curve_keys_dir=") else a for a in args]
         args = [a for a in args if a != "--dry-run"]
+        # a model directory the docs name (/models/...) stands in as a real one: the command's config is checked,
+        # and --dry-run checks model paths like busctl up does
+        args = [f"{a.partition('=')[0]}={_stand_in_model(tmp_path)}" if a.startswith(("model.path=", "teacher.model_path=")) else a
+                for a in args]
         # a GPU recipe (trainer.device: cuda) is checked under a one-GPU plan: busctl's CUDA_VISIBLE_DEVICES=0, as
         # tests/busctl/test_placement.py simulates it (a dry run starts nothing, so no GPU is needed)
         gpu = bool(args) and args[0].endswith(".yaml") and load_config(ROOT / args[0]).trainer.device == "cuda"

@@ -155,7 +155,7 @@ def test_unusable_run_dirs_exit_2_naming_the_file(tmp_path: Path, capsys, case: 
     if case == "eval_only":
         write_jsonl(run / "metrics.jsonl", [{"step": 0, "eval/reverse_text/reward_mean": 0.1}])
     assert busctl(["report", str(run)]) == 2
-    err = " ".join(capsys.readouterr().out.split())  # rich may wrap
+    err = " ".join(capsys.readouterr().err.split())  # errors go to stderr; rich may wrap
     named = str(run) if case == "no_dir" else str(run / "metrics.jsonl")
     assert named in err, err
     assert not (run / "report").exists()

@@ -56,4 +56,4 @@ def test_logs_of_an_unknown_component_names_the_known_ones(tmp_path: Path):
     shown = subprocess.run([sys.executable, "-m", "busctl", "logs", str(tmp_path), "producer-9"], cwd=REPO_ROOT,
                            capture_output=True, text=True, timeout=TIMEOUT_S)
     assert shown.returncode == 1
-    assert "no log for 'producer-9'" in shown.stdout and "['trainer']" in shown.stdout
+    assert "no log for 'producer-9'" in shown.stderr and "['trainer']" in shown.stderr  # an error: on stderr

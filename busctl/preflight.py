@@ -1,0 +1,72 @@
+"""The checks ``busctl up`` runs before it spawns anything, shared with ``--dry-run``.
+
+A config that validates (:mod:`configs.schema`) can still name things that only a component would
+find missing, after the whole job has started: a ``model.path`` that is neither a directory nor in
+the local HF cache, a task (``task.name``, ``eval.tasks[].name``) that is not registered or whose
+import path does not resolve, a reward function (``task.rewards[].name``, or a task's own), an
+environment (a multi-turn task's ``Task.env``), an agent (``task.agent``) or an advantage
+estimator (``rewards.advantage``). :func:`check_names` resolves each of them here, in the
+``busctl up`` process, so both ``up`` and ``up --dry-run`` refuse such a config with exit 2 and one
+message naming the key. Import paths are imported (configs are trusted: the components import the
+same code); registered reward names are only looked up (the ``gsm8k`` verifier's math-verify is not
+imported here).
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from configs.schema import ConfigError, RunConfig
+
+
+def _nearest(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def check_names(cfg: RunConfig) -> None:
+    """Resolve every task, reward, environment, agent and advantage name of ``cfg``.
+
+    Raises:
+        ConfigError: the first name that does not resolve, naming its key, what is wrong and the
+            nearest registered name.
+    """
+    from tasks.agent import resolve_agent_fn
+    from tasks.env import env_refs, resolve_env_fn
+    from tasks.import_path import import_callable
+    from tasks.registry import KNOWN_TASKS, get_task, reward_spec, task_agent
+    from tasks.rewards import get_reward_fn, known_reward_names, reward_name
+
+    keyed = [("task.name", cfg.task.name)]
+    keyed += [(f"eval.tasks[{i}].name", t.name) for i, t in enumerate(cfg.eval.tasks) if cfg.eval.enabled]
+    tasks = {}
+    for key, name in keyed:
+        try:
+            tasks[name] = get_task(name, cfg.task)
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"{key}: {err}{_nearest(name, list(KNOWN_TASKS)) if ':' not in name else ''}") from None
+    for name, task in tasks.items():
+        key = "task.rewards" if cfg.task.rewards and name == cfg.task.name else f"the rewards of task {name!r}"
+        for ref, _weight in task.rewards:
+            try:
+                get_reward_fn(ref) if ":" in ref else reward_name(ref)
+            except ValueError as err:
+                raise ConfigError(f"{key}: {err}{_nearest(ref, known_reward_names()) if ':' not in ref else ''}") from None
+        if task.env is not None:
+            try:
+                for ref in env_refs(task.env):
+                    resolve_env_fn(ref)
+            except ValueError as err:
+                raise ConfigError(f"the environment of task {name!r}: {err}") from None
+    try:
+        reward_spec(cfg)  # a task with no reward function and no environment
+        agent = task_agent(cfg)
+        if agent:
+            resolve_agent_fn(agent)
+    except ValueError as err:
+        raise ConfigError(f"task: {err}") from None
+    if ":" in cfg.rewards.advantage:
+        try:
+            import_callable(cfg.rewards.advantage, "advantage")
+        except ValueError as err:
+            raise ConfigError(f"rewards.advantage: {err}") from None
