@@ -9,7 +9,7 @@ and takes every real component's ``ComponentReady`` (its metrics port) and heart
 
 While the run goes, every :data:`SAMPLE_S` seconds it samples each process's RSS and CPU time
 (``/proc/PID/status``, ``/proc/PID/stat``) and the real components' queue gauges
-(``rlbus_bus_queued{topic, kind}``, scraped from their ``/metrics``). Results go to
+(``rlbus_bus_queued_messages`` and ``rlbus_bus_queued_bytes{topic, queue}``, scraped from their ``/metrics``). Results go to
 :mod:`bench.scale_stats`.
 
 Invariant: every process started here is stopped here (SIGTERM, then SIGKILL after
@@ -46,7 +46,7 @@ STOP_GRACE_S = 10.0
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
-QUEUED = re.compile(r"^rlbus_bus_queued_messages\{(.*)\} (\S+)$")
+QUEUED = re.compile(r"^rlbus_bus_queued_(messages|bytes)\{(.*)\} (\S+)$")
 LABEL = re.compile(r'(\w+)="([^"]*)"')
 REAL = {"hub": "bus.hub", "prompt-source": "prompts.proc", "packer": "packer.proc"}
 
@@ -86,7 +86,8 @@ def _proc_sample(pid: int) -> tuple[int, float] | None:
 
 
 def _scrape_queues(port: int) -> dict[str, float]:
-    """``{"topic/kind": depth}`` from a component's ``/metrics`` (empty if unreachable)."""
+    """``{"topic/queue": messages}`` and ``{"topic/queue:bytes": bytes}`` from a component's
+    ``/metrics`` (empty if unreachable)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as r:
             text = r.read().decode()
@@ -96,8 +97,9 @@ def _scrape_queues(port: int) -> dict[str, float]:
     for line in text.splitlines():
         m = QUEUED.match(line)
         if m:
-            labels = dict(LABEL.findall(m.group(1)))
-            out[f"{labels.get('topic')}/{labels.get('kind')}"] = float(m.group(2))
+            labels = dict(LABEL.findall(m.group(2)))
+            unit = ":bytes" if m.group(1) == "bytes" else ""
+            out[f"{labels.get('topic')}/{labels.get('queue')}{unit}"] = float(m.group(3))
     return out
 
 
@@ -117,7 +119,8 @@ class PointRun:
         self.ports: dict[str, int] = {}
         self.memory: dict[str, list[int]] = {}
         self.cpu: dict[str, float] = {}
-        self.queues: dict[str, float] = {}
+        self.queues: dict[str, float] = {}  # most messages per queue
+        self.queue_bytes: dict[str, float] = {}  # most bytes per queue
         (run_dir / "logs").mkdir(exist_ok=True)
 
     def spawn(self, name: str, args: list[str]) -> None:
@@ -170,8 +173,9 @@ class PointRun:
                 self.cpu[name] = got[1]
         for name, port in self.ports.items():
             for key, depth in _scrape_queues(port).items():
-                k = f"{name}:{key}"
-                self.queues[k] = max(self.queues.get(k, 0.0), depth)
+                into = self.queue_bytes if key.endswith(":bytes") else self.queues
+                k = f"{name}:{key.removesuffix(':bytes')}"
+                into[k] = max(into.get(k, 0.0), depth)
 
     def wait(self, timeout_s: float) -> tuple[bool, float]:
         """Sample until the simulated trainer exits (the run is done) or ``timeout_s``; returns
@@ -207,7 +211,8 @@ def run_point(run_dir: Path, *, producers: int, rewards: int, spec: SimSpec, max
     """Run one sweep point in ``run_dir`` (simulated workers ``per_process`` to a process) and
     return its raw measurements: ``finished``,
     ``wall_s``, ``rss_max`` / ``rss_last`` (bytes per process), ``cpu_s`` (per process),
-    ``queues_max`` (``"component:topic/kind" -> messages``); the events stay in ``run_dir/sim``."""
+    ``queues_max`` (``"component:topic/queue" -> messages``), ``queue_bytes_max`` (the same keys
+    -> bytes); the events stay in ``run_dir/sim``."""
     write_run(run_dir, producers=producers, rewards=rewards, spec=spec, max_steps=max_steps, prompts_per_step=prompts_per_step)
     run = PointRun(run_dir)
     try:
@@ -226,4 +231,5 @@ def run_point(run_dir: Path, *, producers: int, rewards: int, spec: SimSpec, max
         "rss_last": {k: v[-1] for k, v in run.memory.items()},
         "cpu_s": {k: v - cpu0.get(k, 0.0) for k, v in run.cpu.items()},
         "queues_max": run.queues,
+        "queue_bytes_max": run.queue_bytes,
     }

@@ -39,6 +39,7 @@ import zmq
 
 from bus.control import ControlPublisher
 from bus.courier import Courier
+from configs.bus_limits import DEFAULT_MAX_INFLIGHT_BYTES
 from bus.messages import (
     GroupsTrained, MicroBatch, Prompt, RolloutGroup, RunDone, ScoredGroup, TrainerStep, WeightsApplied,
     WeightsReady, new_id,
@@ -149,14 +150,17 @@ class SimWorker:
         ctx: the process's zmq context (shared by the process's workers; one socket set each).
         endpoints: the run's endpoints. name: e.g. ``"producer-3"``. spec: the load.
         bus_timing: ``(heartbeat_s, dead_after_s, ack_timeout_s)`` of the run's ``bus`` config.
+        max_inflight_bytes: the run's ``bus.max_inflight_bytes`` (byte bound of the credit windows).
         stop: set by the process on exit; the worker also stops at ``run.done``.
     """
 
     def __init__(self, ctx: zmq.Context, endpoints: Endpoints, name: str, spec: SimSpec,
-                 bus_timing: tuple[float, float, float], stop: threading.Event, probe: ControlProbe) -> None:
+                 bus_timing: tuple[float, float, float], stop: threading.Event, probe: ControlProbe,
+                 max_inflight_bytes: int | dict[str, int] = DEFAULT_MAX_INFLIGHT_BYTES) -> None:
         self.name, self.spec, self.endpoints, self.stop = name, spec, endpoints, stop
         heartbeat_s, dead_after_s, ack_timeout_s = bus_timing
-        self.courier = Courier(ctx, heartbeat_s=heartbeat_s, dead_after_s=dead_after_s, ack_timeout_s=ack_timeout_s, stop=stop)
+        self.courier = Courier(ctx, heartbeat_s=heartbeat_s, dead_after_s=dead_after_s, ack_timeout_s=ack_timeout_s, stop=stop,
+                               max_inflight_bytes=max_inflight_bytes)
         self.control_out = ControlPublisher(ctx, endpoints.address("control_pub"), stop=stop)
         self.control_in = BusSocket(ctx, "control_sub", "recv", endpoints.address("control_sub"), bind=False, stop=stop)
         self._control_queue = probe.add(self.control_in)  # read by the process's probe thread

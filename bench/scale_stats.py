@@ -134,6 +134,7 @@ def summarize(run_dir: Path, raw: dict, *, spec: SimSpec, producers: int, reward
         "rss_max_mib_per_process": max(raw["rss_max"].values(), default=0) / 2**20,
         "cpu_per_s": cpu, "cpu_per_s_busiest_process": cpu_proc.get(max(cpu_proc, key=cpu_proc.get, default=""), 0.0),
         "queues_max": raw["queues_max"],
+        "queue_mib_max": {k: v / 2**20 for k, v in raw.get("queue_bytes_max", {}).items()},
         "accounting": {
             "issued": acc.get("issued", 0), "outcomes": outcomes, "unresolved": len(acc.get("unresolved", [])),
             "trained_groups_seen_by_trainer": trained_groups, "duplicates_trained": duplicates,

@@ -50,7 +50,7 @@ def build_workers(role: str, count: int, first: int, run_dir: Path, stop: thread
     ctx.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
     endpoints = Endpoints(cfg.bus.transport, run_dir, cfg.bus.host, cfg.bus.base_port)
     timing = (cfg.bus.heartbeat_s, cfg.bus.dead_after_s, cfg.bus.ack_timeout_s)
-    common = dict(spec=spec, bus_timing=timing, stop=stop, probe=probe)
+    common = dict(spec=spec, bus_timing=timing, stop=stop, probe=probe, max_inflight_bytes=cfg.bus.max_inflight_bytes)
     workers: list[SimWorker] = []
     for i in range(first, first + count):
         if role == "producers":

@@ -105,7 +105,8 @@ class Component:
         if self._courier is None:
             b = self.cfg.bus
             self._courier = Courier(
-                self.ctx, heartbeat_s=b.heartbeat_s, dead_after_s=b.dead_after_s, ack_timeout_s=b.ack_timeout_s, stop=self.stop
+                self.ctx, heartbeat_s=b.heartbeat_s, dead_after_s=b.dead_after_s, ack_timeout_s=b.ack_timeout_s, stop=self.stop,
+                max_inflight_bytes=b.max_inflight_bytes,
             )
         return self._courier
 

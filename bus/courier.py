@@ -3,8 +3,9 @@ I/O thread that runs the delivery protocol (design: ``docs/DELIVERY.md``).
 
 Components see two objects, both created here: :class:`bus.outbox.Outbox` (sending side:
 ``send`` keeps a message until the consumer downstream says it is *done* with it, and blocks while
-``capacity`` messages are not yet taken) and :class:`bus.inbox.Inbox` (receiving side: ``recv``
-returns each message id once, ``done`` releases custody). Those are state machines without
+``capacity`` messages, or ``bus.max_inflight_bytes`` bytes, are not yet taken) and
+:class:`bus.inbox.Inbox` (receiving side: ``recv`` returns each message id once, ``done`` releases
+custody; it grants each sender a window of messages and bytes). Those are state machines without
 sockets; the courier feeds them the frame sets it receives (parsed by
 :func:`bus.envelope.parse_envelope`) and timer ticks, and transmits the
 :class:`bus.envelope.Send` lists they return.
@@ -20,6 +21,21 @@ batch, so per-peer order holds); the side that binds is a ROUTER, the side that 
 per endpoint; a ROUTER peer that is unreachable is lost (``unreachable``); a peer silent for
 ``dead_after_s`` is lost (``silent``). Malformed frames are counted in
 ``rlbus_bus_rejected_total{topic, reason}`` and dropped.
+
+Error paths:
+- opening a box is all or nothing: a bind or connect that fails closes the sockets already made
+  for it, and the error goes to the caller;
+- a call into the I/O thread (:meth:`Courier.receiver`, :meth:`Courier.sender`) that gets no
+  answer within ``call_timeout_s`` raises ``TimeoutError`` and is withdrawn: it never runs later,
+  or, if it was already running, what it opened is closed when it ends;
+- :meth:`Courier.close` that cannot stop the I/O thread within ``close_timeout_s`` leaves the
+  thread's wake-up pipe open and the thread closes it when it ends (a descriptor closed under a
+  live poller could be reused by anything the process opens next);
+- an exception in the I/O loop is logged and counted in
+  ``rlbus_bus_courier_errors_total``, and the loop goes on after
+  :data:`LOOP_ERROR_PAUSE_S`; ``max_loop_errors`` in a row fail the courier: it says goodbye to
+  its senders, closes its sockets, and every blocking call of its boxes raises
+  :class:`bus.peers.CourierFailed`, which ends the component (exit 1) so its supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -31,34 +47,31 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 
 from bus.envelope import PeerKey, Send, parse_envelope
 from bus.inbox import Inbox
 from bus.messages import Message
-from bus.metrics import BUS_BYTES, BUS_MESSAGES
+from bus.metrics import BUS_BYTES, BUS_COURIER_ERRORS, BUS_MESSAGES
+from bus.links import Link, open_sockets
 from bus.outbox import Outbox
-from bus.sockets import configure_socket
+from bus.peers import CourierFailed
+from bus.thread_call import call_and_wait
 from bus.topics import TOPICS
 from bus.wire import WireError
+from configs.bus_limits import DEFAULT_MAX_INFLIGHT_BYTES, InflightBytes, check_inflight_bytes, inflight_bytes_for
 
 log = logging.getLogger(__name__)
 
-SOCKET_HWM = 10_000
-"""ZeroMQ HWM of the delivery sockets; credit keeps data far below it (envelopes are tiny)."""
+MAX_LOOP_ERRORS = 10
+"""Consecutive I/O-loop exceptions after which a courier fails (with :data:`LOOP_ERROR_PAUSE_S`
+between them: ~1 s of a persistent fault), so its component exits and is restarted."""
 
-
-@dataclass
-class _Link:
-    """One ZeroMQ socket of a box: a ROUTER (bound, many peers) or a DEALER (one endpoint)."""
-
-    number: int
-    sock: zmq.Socket
-    box: Inbox | Outbox
-    router: bool
+LOOP_ERROR_PAUSE_S = 0.1
+"""Pause after an I/O-loop exception before the next wake, seconds (no busy loop on a fault)."""
 
 
 class Courier:
@@ -71,9 +84,16 @@ class Courier:
         ack_timeout_s: a message whose receipt is not acknowledged within this is re-sent, seconds.
         stop: blocking calls of the boxes return early once it is set (the I/O thread keeps
             running until :meth:`close`).
+        max_inflight_bytes: byte bound of every data topic's credit windows and outbox capacity
+            (``bus.max_inflight_bytes``: one value, or ``{topic: bytes}``; see
+            :mod:`configs.bus_limits`); None: windows count messages only.
+        call_timeout_s: longest wait of :meth:`receiver` / :meth:`sender` for the I/O thread, seconds.
+        close_timeout_s: longest wait of :meth:`close` for the I/O thread to end, seconds.
+        max_loop_errors: consecutive I/O-loop exceptions that fail the courier.
 
     Raises:
-        ValueError: non-positive intervals, or ``dead_after_s <= 2 * heartbeat_s``.
+        ValueError: non-positive intervals or limits, ``dead_after_s <= 2 * heartbeat_s``, or a bad
+            ``max_inflight_bytes``.
     """
 
     def __init__(
@@ -84,23 +104,45 @@ class Courier:
         dead_after_s: float = 10.0,
         ack_timeout_s: float = 5.0,
         stop: threading.Event | None = None,
+        max_inflight_bytes: InflightBytes | None = DEFAULT_MAX_INFLIGHT_BYTES,
+        call_timeout_s: float = 30.0,
+        close_timeout_s: float = 10.0,
+        max_loop_errors: int = MAX_LOOP_ERRORS,
     ) -> None:
         if heartbeat_s <= 0 or ack_timeout_s <= 0 or dead_after_s <= 2 * heartbeat_s:
             raise ValueError("need heartbeat_s > 0, ack_timeout_s > 0 and dead_after_s > 2 * heartbeat_s")
+        if call_timeout_s <= 0 or close_timeout_s <= 0 or max_loop_errors < 1:
+            raise ValueError(f"need call_timeout_s > 0, close_timeout_s > 0 and max_loop_errors >= 1, got "
+                             f"{call_timeout_s}, {close_timeout_s}, {max_loop_errors}")
+        if max_inflight_bytes is not None:
+            check_inflight_bytes(max_inflight_bytes)
         self.ctx = ctx
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
         self.ack_timeout_s = ack_timeout_s
         self.stop = stop or threading.Event()
+        self.max_inflight_bytes = max_inflight_bytes
+        self.call_timeout_s = call_timeout_s
+        self.close_timeout_s = close_timeout_s
+        self.max_loop_errors = max_loop_errors
         self.session = uuid.uuid4().hex[:16]
         self.boxes: list[Inbox | Outbox] = []
-        self._links: list[_Link] = []
+        self.failure: BaseException | None = None  # why the I/O thread gave up (set once, by it)
+        self._links: list[Link] = []
+        self._poller = zmq.Poller()  # I/O thread only
+        self._registered: dict[zmq.Socket, Link] = {}  # I/O thread only: sockets in the poller
+        self._next_register = 0  # I/O thread only: links from here on are not in the poller yet
+        self._next_heartbeat = 0.0
         self._commands: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = collections.deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._pipe_lock = threading.Lock()  # guards the descriptors, _loop_ended and _thread_closes_pipe
+        self._loop_ended = False
+        self._thread_closes_pipe = False
         self._closing = False
-        self._thread = threading.Thread(target=self._loop, name="courier", daemon=True)
+        self._thread = threading.Thread(target=self._run_thread, name="courier", daemon=True)
         self._thread.start()
 
     # -- any thread -------------------------------------------------------------------------------
@@ -108,32 +150,39 @@ class Courier:
     def command(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the I/O thread (soon, in order)."""
         self._commands.append((fn, args))
-        try:
-            os.write(self._wake_w, b"\0")
-        except (BlockingIOError, OSError):
-            pass  # the pipe is full (the thread will wake anyway) or closed
-
-    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn(*args)`` on the I/O thread and return its result (or raise its exception)."""
-        done = threading.Event()
-        result: dict[str, Any] = {}
-
-        def run() -> None:
+        with self._pipe_lock:
             try:
-                result["value"] = fn(*args)
-            except BaseException as exc:  # handed back to the caller's thread
-                result["error"] = exc
-            done.set()
+                os.write(self._wake_w, b"\0")
+            except (BlockingIOError, OSError):
+                pass  # the pipe is full (the thread will wake anyway) or closed
 
-        self.command(run)
-        if not done.wait(30):
-            raise RuntimeError("the courier's I/O thread did not answer")
-        if "error" in result:
-            raise result["error"]
-        return result.get("value")
+    def _call(self, fn: Callable[..., Any], *args: Any, undo: Callable[[Any], None] | None = None) -> Any:
+        """Run ``fn(*args)`` on the I/O thread and return its result (or raise its exception); a
+        call not answered within ``call_timeout_s`` is withdrawn (:func:`bus.thread_call.call_and_wait`:
+        it never runs later, or ``undo`` closes what it opened).
+
+        Raises:
+            TimeoutError: no answer within ``call_timeout_s``.
+            bus.peers.CourierFailed: the I/O thread failed (before or while waiting).
+            RuntimeError: the courier is closed.
+        """
+        self._raise_if_unusable()
+        try:
+            return call_and_wait(self.command, fn, *args, timeout_s=self.call_timeout_s, undo=undo,
+                                 abort=lambda: self._loop_ended)
+        except TimeoutError:
+            self._raise_if_unusable()  # the thread ended meanwhile: say why
+            raise
+
+    def _raise_if_unusable(self) -> None:
+        if self.failure is not None:
+            raise CourierFailed(f"the courier's I/O thread failed: {type(self.failure).__name__}: {self.failure}") from self.failure
+        if self._closing or self._loop_ended:
+            raise RuntimeError("the courier is closed")
 
     def receiver(
-        self, topic: str, endpoints: str | list[str], *, bind: bool, accept: tuple[type[Message], ...], window: int | None = None
+        self, topic: str, endpoints: str | list[str], *, bind: bool, accept: tuple[type[Message], ...], window: int | None = None,
+        window_bytes: int | None = None,
     ) -> Inbox:
         """Open the receiving side of data topic ``topic``.
 
@@ -141,36 +190,70 @@ class Courier:
             endpoints: one endpoint to bind, or the endpoints of every sender to connect to.
             accept: message types taken; others are rejected (``unexpected_type``).
             window: credit per sender, messages (default: the topic's HWM).
+            window_bytes: credit per sender, bytes (default: the courier's ``max_inflight_bytes``
+                for ``topic``).
 
         Raises:
-            ValueError: not a data topic. zmq.ZMQError: an endpoint cannot be bound.
+            ValueError: not a data topic, or a bad window. zmq.ZMQError: an endpoint cannot be
+            bound or connected (no socket stays open). TimeoutError: see :meth:`_call`.
         """
-        box = Inbox(topic, accept, window or TOPICS[topic].hwm, session=self.session, post=self.command, stop=self.stop)
-        self._call(self._open, box, endpoints, bind, "recv")
+        window_bytes = window_bytes or self._inflight_bytes(topic)
+        box = Inbox(topic, accept, window or TOPICS[topic].hwm, window_bytes, session=self.session, post=self.command, stop=self.stop)
+        self._call(self._open, box, endpoints, bind, undo=self._discard)
         return box
 
-    def sender(self, topic: str, endpoints: str | list[str], *, bind: bool, capacity: int | None = None) -> Outbox:
+    def sender(
+        self, topic: str, endpoints: str | list[str], *, bind: bool, capacity: int | None = None, capacity_bytes: int | None = None
+    ) -> Outbox:
         """Open the sending side of data topic ``topic`` (see :meth:`receiver`).
 
         Args:
             capacity: most messages not yet taken by a consumer before ``send`` blocks
                 (default: the topic's HWM).
+            capacity_bytes: most bytes not yet taken before ``send`` blocks (default: the
+                courier's ``max_inflight_bytes`` for ``topic``).
         """
-        box = Outbox(topic, capacity or TOPICS[topic].hwm, session=self.session, post=self.command, stop=self.stop)
-        self._call(self._open, box, endpoints, bind, "send")
+        capacity_bytes = capacity_bytes or self._inflight_bytes(topic)
+        box = Outbox(topic, capacity or TOPICS[topic].hwm, capacity_bytes, session=self.session, post=self.command, stop=self.stop)
+        self._call(self._open, box, endpoints, bind, undo=self._discard)
         return box
 
-    def close(self) -> None:
+    def _inflight_bytes(self, topic: str) -> int | None:
+        if topic not in TOPICS or not TOPICS[topic].reliable:
+            return None  # the box refuses the topic with the list of data topics
+        return inflight_bytes_for(self.max_inflight_bytes, topic)
+
+    def close(self, timeout_s: float | None = None) -> bool:
         """Say goodbye to senders (they re-send what this process held), close every socket.
+
+        Args:
+            timeout_s: longest wait for the I/O thread, seconds (default ``close_timeout_s``).
+
+        Returns:
+            True once the I/O thread has ended; False if it is still busy after ``timeout_s``: it
+            then ends on its own after its current work (goodbyes, sockets and its wake-up pipe
+            closed by it), so ``ctx.term()`` waits for it.
 
         Idempotent: a second call closes nothing (its wake-up pipe's descriptors may be reused).
         """
         if self._thread.is_alive():
             self._closing = True
             self.command(lambda: None)
-            self._thread.join(timeout=10)
+            self._thread.join(self.close_timeout_s if timeout_s is None else timeout_s)
+        with self._pipe_lock:
+            if not self._loop_ended:
+                self._thread_closes_pipe = True
+                log.warning("courier: the I/O thread is still busy after %.1f s; it closes its sockets when it ends",
+                            self.close_timeout_s if timeout_s is None else timeout_s)
+                return False
+            self._close_pipe()
+        return True
+
+    def _close_pipe(self) -> None:
+        """Close the wake-up pipe once (hold ``_pipe_lock``): a descriptor number closed twice may
+        belong to someone else by then."""
         fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
-        for fd in fds:  # once only: a descriptor number closed twice may belong to someone else by then
+        for fd in fds:
             if fd >= 0:
                 try:
                     os.close(fd)
@@ -179,26 +262,30 @@ class Courier:
 
     # -- I/O thread -------------------------------------------------------------------------------
 
-    def _open(self, box: Inbox | Outbox, endpoints: str | list[str], bind: bool, direction: str) -> None:
-        spec = TOPICS[box.topic]
-        sock_type = spec.send_type if direction == "send" else spec.recv_type
-        eps = [endpoints] if isinstance(endpoints, str) else list(endpoints)
-        if (sock_type == zmq.ROUTER) != bind:
-            raise ValueError(f"the {direction} side of {box.topic} must {'bind' if sock_type == zmq.ROUTER else 'connect'}")
-        groups = [eps] if bind else [[ep] for ep in eps]  # one DEALER per remote endpoint
-        for group in groups:
-            sock = self.ctx.socket(sock_type)
-            configure_socket(sock, self.ctx, hwm=SOCKET_HWM, bind=bind)
-            if sock_type == zmq.ROUTER:
-                sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            for ep in group:
-                (sock.bind if bind else sock.connect)(ep)
-            box.heartbeat_skip_s = self.heartbeat_s / 2  # see bus.peers: heard from within 1.5 periods
-            link = _Link(len(self._links), sock, box, router=sock_type == zmq.ROUTER)
+    def _open(self, box: Inbox | Outbox, endpoints: str | list[str], bind: bool) -> list[Link]:
+        """Make the sockets of ``box`` (all or none: :func:`bus.links.open_sockets`) and start
+        serving it. Returns the new links."""
+        made = open_sockets(self.ctx, box, endpoints, bind)
+        box.heartbeat_skip_s = self.heartbeat_s / 2  # see bus.peers: heard from within 1.5 periods
+        links = []
+        for sock in made:
+            link = Link(len(self._links), sock, box, router=sock.type == zmq.ROUTER)
             self._links.append(link)
+            links.append(link)
             if not link.router:
                 box.dealer_links.append(link.number)
         self.boxes.append(box)
+        return links
+
+    def _discard(self, links: list[Link]) -> None:
+        """Undo an :meth:`_open` whose caller gave up: close its sockets, forget its box."""
+        for link in links:
+            link.closed = True
+            if self._registered.pop(link.sock, None) is not None:
+                self._poller.unregister(link.sock)
+            link.sock.close(linger=0)
+            if link.box in self.boxes:
+                self.boxes.remove(link.box)
 
     def transmit(self, box: Inbox | Outbox, sends: list[Send]) -> None:
         """Send what ``box`` returned, without blocking. A frame set that cannot go out now goes back
@@ -235,7 +322,7 @@ class Courier:
                 return "gone"
             raise
 
-    def _receive(self, link: _Link, now: float) -> None:
+    def _receive(self, link: Link, now: float) -> None:
         for _ in range(256):  # bounded batch per wake, so timers still run under load
             try:
                 parts = link.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
@@ -255,34 +342,67 @@ class Courier:
                 continue
             link.box.on_frames((link.number, routing), kind, session, payload, parts[1:], now)
 
+    def _run_thread(self) -> None:
+        """The I/O thread: the loop, then goodbyes and closed sockets; the wake-up pipe is closed
+        here when :meth:`close` gave up waiting."""
+        try:
+            self._loop()
+        finally:
+            with self._pipe_lock:
+                self._loop_ended = True
+                if self._thread_closes_pipe:
+                    self._close_pipe()
+
     def _loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._wake_r, zmq.POLLIN)
-        registered: dict[zmq.Socket, _Link] = {}
         self._next_heartbeat = 0.0
+        errors = 0
         while True:
             try:
-                self._iterate(poller, registered)
-            except Exception:  # a bug here must not silently stop delivery: log it and go on
-                log.exception("courier I/O loop error")
-                time.sleep(0.1)
+                self._iterate()
+                errors = 0
+            except Exception as exc:  # a bug here must not silently stop delivery: count, retry, then fail
+                errors += 1
+                BUS_COURIER_ERRORS.inc()
+                if errors >= self.max_loop_errors:
+                    self._fail(exc, errors)
+                    break
+                log.exception("courier I/O loop error %d in a row (the courier fails at %d)", errors, self.max_loop_errors)
+                time.sleep(LOOP_ERROR_PAUSE_S)
             if self._closing:
                 break
+        self._shutdown()
+
+    def _fail(self, exc: BaseException, errors: int) -> None:
+        """Give up after ``errors`` consecutive loop errors: every box's blocking calls raise
+        :class:`bus.peers.CourierFailed` from now on (the component exits and is restarted)."""
+        log.error("courier I/O loop failed %d times in a row; closing the data topics of this process so that it "
+                  "exits and is restarted", errors, exc_info=exc)
+        self.failure = exc
         for box in self.boxes:
-            if isinstance(box, Inbox):
-                self.transmit(box, box.flush(time.monotonic(), False))
-                self.transmit(box, box.goodbye())
+            box.failure = exc
+
+    def _shutdown(self) -> None:
+        """Goodbye to every sender (they re-send what this process held), then close every socket."""
+        try:
+            for box in self.boxes:
+                if isinstance(box, Inbox):
+                    self.transmit(box, box.flush(time.monotonic(), False))
+                    self.transmit(box, box.goodbye())
+        except Exception:  # a failed goodbye only makes the senders wait for dead_after_s
+            log.exception("courier: goodbye failed; senders notice the silence instead")
         for link in self._links:
             link.sock.close(linger=500)
 
-    def _iterate(self, poller: zmq.Poller, registered: dict[zmq.Socket, _Link]) -> None:
+    def _iterate(self) -> None:
         """One wake of the I/O thread. Its cost per wake grows with the sockets that have input
         and the peers that have acks due, not with every link or peer (links are only added, so
         the new ones are the tail of ``_links``)."""
-        for link in self._links[len(registered):]:
-            poller.register(link.sock, zmq.POLLIN)
-            registered[link.sock] = link
-        events = dict(poller.poll(timeout=int(self.heartbeat_s * 500)))
+        for link in self._links[self._next_register:]:
+            if not link.closed:
+                self._poller.register(link.sock, zmq.POLLIN)
+                self._registered[link.sock] = link
+        self._next_register = len(self._links)
+        events = dict(self._poller.poll(timeout=int(self.heartbeat_s * 500)))
         if self._wake_r in events:
             try:
                 while os.read(self._wake_r, 4096):
@@ -294,7 +414,7 @@ class Courier:
             fn(*args)
         now = time.monotonic()
         for sock in events:
-            link = registered.get(sock)
+            link = self._registered.get(sock)
             if link is not None:
                 self._receive(link, now)
         heartbeat_due = now >= self._next_heartbeat

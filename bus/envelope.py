@@ -7,14 +7,19 @@ Every frame set of the delivery protocol starts with a msgpack list
 | kind | from -> to | payload | frames after |
 |---|---|---|---|
 | ``D`` | sender -> receiver | message id (str) | the message (:mod:`bus.messages` frames) |
-| ``A`` | receiver -> sender | ``[free, taken_ids, done_ids]`` (also its heartbeat) | |
+| ``A`` | receiver -> sender | ``[free, taken_ids, done_ids]`` or ``[free, taken_ids, done_ids, free_bytes, empty]`` (also its heartbeat) | |
 | ``H`` | sender -> receiver | None (heartbeat) | |
 | ``B`` | receiver -> sender | None (leaving: re-send what I hold) | |
 
 ``session`` is a random id per :class:`bus.courier.Courier`: a peer whose session changes has
-restarted. Invariants: :func:`parse_envelope` only returns envelopes that satisfy this table (ids
-are non-empty strings of at most :data:`MAX_ID_CHARS`, at most :data:`MAX_IDS_PER_ACK` per list,
-credit in ``0..1_000_000``); anything else raises :class:`bus.wire.WireError`. Pure: no sockets.
+restarted. ``free`` is the receiver's credit in messages; the two optional fields are its byte
+credit (``bus.max_inflight_bytes`` less the bytes of the sender's messages waiting in its inbox)
+and whether none of them waits there (then one message of any size may come: a message larger
+than the byte window passes alone); a receiver without a byte bound sends the short form.
+Invariants: :func:`parse_envelope` only returns envelopes that satisfy this table (ids are
+non-empty strings of at most :data:`MAX_ID_CHARS`, at most :data:`MAX_IDS_PER_ACK` per list,
+credit in ``0..1_000_000`` messages and ``0..MAX_CREDIT_BYTES`` bytes, ``empty`` a bool); anything
+else raises :class:`bus.wire.WireError`. Pure: no sockets.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ PROTOCOL = 1
 MAX_ENVELOPE_BYTES = 1 << 20
 MAX_IDS_PER_ACK = 4096
 MAX_ID_CHARS = 256
+MAX_CREDIT_BYTES = 1 << 40
+"""Largest byte credit an ack may carry (``configs.bus_limits.MAX_INFLIGHT_BYTES_LIMIT``)."""
 
 _UNPACK_LIMITS = dict(
     raw=False,
@@ -73,6 +80,11 @@ def envelope(kind: str, session: str, payload: Any) -> bytes:
     return msgpack.packb([PROTOCOL, kind, session, payload])
 
 
+def _count_ok(value: Any, most: int) -> bool:
+    """``value`` is an int (not a bool) in ``0..most``."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= most
+
+
 def parse_envelope(raw: bytes) -> tuple[str, str, Any]:
     """Returns ``(kind, session, payload)`` of an envelope.
 
@@ -96,12 +108,11 @@ def parse_envelope(raw: bytes) -> tuple[str, str, Any]:
     if kind == "A":
         ok = (
             isinstance(payload, list)
-            and len(payload) == 3
-            and isinstance(payload[0], int)
-            and not isinstance(payload[0], bool)
-            and 0 <= payload[0] <= 1_000_000
-            and all(isinstance(ids, list) and all(isinstance(i, str) for i in ids) for ids in payload[1:])
+            and len(payload) in (3, 5)
+            and _count_ok(payload[0], 1_000_000)
+            and all(isinstance(ids, list) and all(isinstance(i, str) for i in ids) for ids in payload[1:3])
+            and (len(payload) == 3 or (_count_ok(payload[3], MAX_CREDIT_BYTES) and isinstance(payload[4], bool)))
         )
         if not ok:
-            raise WireError("envelope", "ack envelope must be [free, taken_ids, done_ids]")
+            raise WireError("envelope", "ack envelope must be [free, taken_ids, done_ids] or [free, taken_ids, done_ids, free_bytes, empty]")
     return kind, session, payload

@@ -11,7 +11,11 @@ Invariants:
   and not done) or remembered as done (the last :data:`DONE_MEMORY`) is acknowledged again and
   counted in ``rlbus_bus_duplicates_total``, never delivered twice;
 - each sender is granted ``window`` messages: ``free = window - queued`` where ``queued`` counts
-  its messages received but not yet taken by the component;
+  its messages received but not yet taken by the component; with ``window_bytes`` also that many
+  bytes: ``free_bytes = window_bytes - queued_bytes`` (message frames), and ``empty`` tells it
+  that nothing of its waits here, so one message larger than the byte window may still come.
+  What waits in the inbox is then at most ``senders x max(window_bytes, largest message)`` bytes
+  (re-sends after an ack timeout aside: the sender then no longer counts the message as sent);
 - a done id is acknowledged to every peer that sent it (the holders), so any of them may forget it.
 """
 
@@ -25,8 +29,9 @@ from typing import Any
 from bus.codec import decode
 from bus.envelope import MAX_IDS_PER_ACK, PeerKey, Send, envelope
 from bus.messages import Message
-from bus.metrics import BUS_BYTES, BUS_DUPLICATES, BUS_MESSAGES, BUS_QUEUED
+from bus.metrics import BUS_BYTES, BUS_DUPLICATES, BUS_MESSAGES, BUS_QUEUED, BUS_QUEUED_BYTES
 from bus.peers import Box, Peer
+from bus.sockets import frame_bytes
 from bus.wire import WireError
 
 DONE_MEMORY = 200_000
@@ -40,9 +45,11 @@ class Inbox(Box):
         topic, session, post, stop: see :class:`bus.peers.Box`.
         accept: message types taken; others are rejected (``unexpected_type``).
         window: credit per sender, messages.
+        window_bytes: credit per sender, bytes of message frames (None: no byte bound; the acks
+            then carry no byte credit).
 
     Raises:
-        ValueError: ``window < 1``, or not a data topic.
+        ValueError: ``window < 1`` or ``window_bytes < 1``, or not a data topic.
 
     Thread-safety: :meth:`recv` and :meth:`done` may be called from any thread; every other method
     runs on the box's thread.
@@ -50,13 +57,18 @@ class Inbox(Box):
 
     role = "inbox"
 
-    def __init__(self, topic: str, accept: tuple[type[Message], ...], window: int, **box: Any) -> None:
+    def __init__(self, topic: str, accept: tuple[type[Message], ...], window: int, window_bytes: int | None = None,
+                 **box: Any) -> None:
         super().__init__(topic, **box)
         if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
+            raise ValueError(f"{topic} inbox: window must be >= 1 message, got {window}")
+        if window_bytes is not None and window_bytes < 1:
+            raise ValueError(f"{topic} inbox: window_bytes must be >= 1 byte or None, got {window_bytes}")
         self.accept = accept
         self.window = window
-        self._queue: queue.Queue[tuple[PeerKey, Peer, Message]] = queue.Queue()
+        self.window_bytes = window_bytes
+        self.queued_bytes = 0  # box thread: bytes waiting in the queue, every sender (the gauge)
+        self._queue: queue.Queue[tuple[PeerKey, Peer, Message, int]] = queue.Queue()
         self.held: dict[str, set[PeerKey]] = {}  # ids taken and not done -> who sent them
         self.done_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._due: dict[PeerKey, None] = {}  # peers with acks or credit to send (flush visits only these)
@@ -67,31 +79,42 @@ class Inbox(Box):
         """The next new message; None on timeout (``0``: do not wait) or once ``stop`` is set.
 
         Duplicates (an id already received and not forgotten) never come out of here.
+
+        Raises:
+            bus.peers.CourierFailed: the courier's I/O thread failed (the process should exit).
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
+            self.raise_if_failed()
             remaining = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
             try:
-                key, peer, msg = self._queue.get(timeout=max(remaining, 0)) if remaining > 0 else self._queue.get_nowait()
+                key, peer, msg, nbytes = self._queue.get(timeout=max(remaining, 0)) if remaining > 0 else self._queue.get_nowait()
             except queue.Empty:
                 if self.stop.is_set() or (deadline is not None and time.monotonic() >= deadline):
                     return None
                 continue
-            self.post(self._consumed, key, peer)
+            self.post(self._consumed, key, peer, nbytes)
             return msg
 
     def done(self, *ids: str) -> None:
-        """Release custody of ``ids``: their senders may forget them. Unknown ids are ignored."""
+        """Release custody of ``ids``: their senders may forget them. Unknown ids are ignored.
+
+        Raises:
+            bus.peers.CourierFailed: the courier's I/O thread failed (nothing can be released).
+        """
+        self.raise_if_failed()
         if ids:
             self.post(self.release, ids)
 
     # -- box thread -------------------------------------------------------------------------------
 
-    def _consumed(self, key: PeerKey, peer: Peer) -> None:
+    def _consumed(self, key: PeerKey, peer: Peer, nbytes: int) -> None:
+        self.queued_bytes -= nbytes
         # only the peer that sent it gets the credit back: not a successor under the same key
         # (a restarted sender), whose credit would otherwise grow past the window for good
         if self.peers.get(key) is peer:
             peer.queued -= 1
+            peer.queued_bytes -= nbytes
             peer.dirty = True
             self._due[key] = None
 
@@ -124,8 +147,9 @@ class Inbox(Box):
             return
         msg_id: str = payload
         self._due[key] = None  # every path below acknowledges receipt
+        nbytes = frame_bytes(rest)  # the sender's Entry.nbytes: what its byte credit counted
         BUS_MESSAGES.labels(self.topic, "recv").inc()
-        BUS_BYTES.labels(self.topic, "recv").inc(sum(len(f) for f in rest))
+        BUS_BYTES.labels(self.topic, "recv").inc(nbytes)
         if msg_id in self.done_ids:
             BUS_DUPLICATES.labels(self.topic).inc()
             peer.acks_taken.append(msg_id)
@@ -152,8 +176,19 @@ class Inbox(Box):
             return
         self.held[msg_id] = {key}
         peer.queued += 1
+        peer.queued_bytes += nbytes
+        self.queued_bytes += nbytes
         peer.acks_taken.append(msg_id)
-        self._queue.put((key, peer, msg))
+        self._queue.put((key, peer, msg, nbytes))
+
+    def _credit(self, peer: Peer | None) -> list[Any]:
+        """The credit part of an ``A`` payload for ``peer`` (None: a sender not heard from yet):
+        ``[free]``, or ``[free, free_bytes, empty]`` with a byte window (see the module docstring)."""
+        queued, queued_bytes = (peer.queued, peer.queued_bytes) if peer is not None else (0, 0)
+        free = max(self.window - queued, 0)
+        if self.window_bytes is None:
+            return [free]
+        return [free, max(self.window_bytes - queued_bytes, 0), queued == 0]
 
     def flush(self, now: float, heartbeat_due: bool) -> list[Send]:
         """The pending acknowledgements and credit (and heartbeats when due, to the peers sent
@@ -168,13 +203,15 @@ class Inbox(Box):
             while peer.acks_taken or peer.acks_done or peer.dirty or beat:
                 taken, done = peer.acks_taken[:MAX_IDS_PER_ACK], peer.acks_done[:MAX_IDS_PER_ACK]
                 del peer.acks_taken[: len(taken)], peer.acks_done[: len(done)]
-                free = max(self.window - peer.queued, 0)
-                sends.append(Send(key, [envelope("A", self.session, [free, taken, done])], done=done))
+                free, *byte_credit = self._credit(peer)
+                sends.append(Send(key, [envelope("A", self.session, [free, taken, done, *byte_credit])], done=done))
                 peer.dirty = beat = False
         if heartbeat_due:
-            hello = envelope("A", self.session, [self.window, [], []])
+            free, *byte_credit = self._credit(None)
+            hello = envelope("A", self.session, [free, [], [], *byte_credit])
             sends.extend(Send(key, [hello]) for key in self.unknown_dealers())
         BUS_QUEUED.labels(self.topic, "inbox").set(self._queue.qsize())
+        BUS_QUEUED_BYTES.labels(self.topic, "inbox").set(self.queued_bytes)
         return sends
 
     def unsent(self, send: Send) -> None:

@@ -55,6 +55,15 @@ BUS_QUEUED = Gauge(
     "Data messages waiting: inbox (received, not yet taken by the component), outbox_not_taken, outbox_unfinished (not done downstream)",
     ["topic", "queue"],
 )
+BUS_QUEUED_BYTES = Gauge(
+    "rlbus_bus_queued_bytes",
+    "Bytes of the data messages counted in rlbus_bus_queued_messages (message frames), per topic and queue",
+    ["topic", "queue"],
+)
+BUS_COURIER_ERRORS = Counter(
+    "rlbus_bus_courier_errors_total",
+    "Exceptions in a courier's I/O loop (each logged with its traceback); bus.courier.MAX_LOOP_ERRORS in a row fail the courier and its component",
+)
 POLICY_VERSION = Gauge("rlbus_policy_version", "Policy version this component last saw or uses")
 
 REJECT_REASONS = (
@@ -89,6 +98,7 @@ def declare_topic(topic: str, direction: str, *, reliable: bool) -> None:
         return
     for queue in QUEUES[direction]:
         BUS_QUEUED.labels(topic, queue)
+        BUS_QUEUED_BYTES.labels(topic, queue)
     for reason in PEER_LOSS_REASONS:
         BUS_PEER_DEATHS.labels(topic, reason)
     if direction == "send":

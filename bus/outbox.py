@@ -15,11 +15,19 @@ Invariants:
   send order) when that peer is lost or its receipt is not acknowledged within ``ack_timeout_s``
   (counted in ``rlbus_bus_redelivered_total{topic, reason}``);
 - a peer is sent at most ``free - untaken`` messages (its last reported credit less the messages
-  whose receipt it has not acknowledged);
-- :meth:`Outbox.send` blocks while ``capacity`` messages are not yet taken by a consumer;
-- the next message goes to the peer with the most room (``free - untaken``, > 0); among equals, to
-  the one chosen (or joined) least recently. :class:`PeerRanking` finds it in O(log peers)
-  amortized, not by a scan of every peer per message.
+  whose receipt it has not acknowledged) and, when it grants byte credit, at most
+  ``free_bytes - untaken_bytes`` bytes, except that one message of any size goes to a peer that
+  holds none of ours (it reported ``empty`` and nothing is unacknowledged): a message larger than
+  the byte window passes alone;
+- :meth:`Outbox.send` blocks while ``capacity`` messages, or with ``capacity_bytes`` more than that
+  many bytes with this one, are not yet taken by a consumer (a message larger than
+  ``capacity_bytes`` waits until none is);
+- the next message goes to the peer with the most byte room, then the most message room (> 0
+  both; a peer without a byte bound, or one that holds none of ours, counts as unbounded in
+  bytes); among equals, to the one chosen (or joined) least recently. :class:`PeerRanking` finds
+  it in O(log peers) amortized, not by a scan of every peer per message. Messages leave in send
+  order: when the oldest pending one does not fit the best peer's byte room, it fits no peer, and
+  dispatch waits for credit.
 """
 
 from __future__ import annotations
@@ -32,13 +40,44 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from bus.codec import encode
-from bus.envelope import MAX_ID_CHARS, PeerKey, Send, envelope
+from bus.envelope import MAX_CREDIT_BYTES, MAX_ID_CHARS, PeerKey, Send, envelope
 from bus.messages import Message
-from bus.metrics import BUS_BLOCKED_SECONDS, BUS_QUEUED, BUS_REDELIVERED
+from bus.metrics import BUS_BLOCKED_SECONDS, BUS_QUEUED, BUS_QUEUED_BYTES, BUS_REDELIVERED
 from bus.peers import Box, Peer
+from bus.sockets import frame_bytes
 
 if TYPE_CHECKING:
     from bus.inbox import Inbox
+
+
+ROOM_SCALE = 1 << 20
+"""Rank of a peer = byte room x ROOM_SCALE + message room (message credit is at most 1,000,000)."""
+
+UNBOUNDED_BYTES = MAX_CREDIT_BYTES + 1
+"""Byte room of a peer without a byte bound, or holding none of this outbox's messages."""
+
+
+def fits(peer: Peer, nbytes: int) -> bool:
+    """Whether a message of ``nbytes`` may go to ``peer`` under its byte credit: it grants none, it
+    holds none of ours (a message larger than the window passes alone), or ``untaken_bytes +
+    nbytes <= free_bytes``. Message credit is checked by the ranking."""
+    if peer.free_bytes is None or (peer.empty and not peer.untaken):
+        return True
+    return peer.untaken_bytes + nbytes <= peer.free_bytes
+
+
+def room_rank(peer: Peer) -> int:
+    """The rank of ``peer`` for the next message: 0 if it has no message credit left or no byte
+    room, else ``byte_room * ROOM_SCALE + message_room`` (most byte room first, then most message
+    room; a peer that grants no byte bound or holds none of ours has :data:`UNBOUNDED_BYTES`)."""
+    messages = peer.free - len(peer.untaken)
+    if messages <= 0:
+        return 0
+    if peer.free_bytes is None or (peer.empty and not peer.untaken):
+        byte_room = UNBOUNDED_BYTES
+    else:
+        byte_room = min(peer.free_bytes - peer.untaken_bytes, MAX_CREDIT_BYTES)
+    return byte_room * ROOM_SCALE + messages if byte_room > 0 else 0
 
 
 @dataclass
@@ -75,8 +114,8 @@ class PeerRanking:
         self._touch = itertools.count()
 
     def update(self, key: PeerKey, room: int, *, touch: bool = False) -> None:
-        """Record ``room`` (messages the peer may still be sent) for ``key``; ``touch``: it joined
-        or was just chosen (it goes behind its equals)."""
+        """Record ``room`` (a rank, > 0 when the peer may be sent a message: :func:`room_rank`) for
+        ``key``; ``touch``: it joined or was just chosen (it goes behind its equals)."""
         current = self._rank.get(key)
         touched = next(self._touch) if touch or current is None else current[1]
         if current == (room, touched):
@@ -108,9 +147,12 @@ class Outbox(Box):
     Args:
         topic, session, post, stop: see :class:`bus.peers.Box`.
         capacity: most messages not yet taken by a consumer before :meth:`send` blocks.
+        capacity_bytes: most bytes (message frames) not yet taken by a consumer before
+            :meth:`send` blocks; a larger message waits until nothing else is untaken (None: no
+            byte bound).
 
     Raises:
-        ValueError: ``capacity < 1``, or not a data topic.
+        ValueError: ``capacity < 1`` or ``capacity_bytes < 1``, or not a data topic.
 
     Thread-safety: :meth:`send` may be called from any thread (one message at a time per caller);
     every other method but :meth:`unfinished` runs on the box's thread.
@@ -118,17 +160,22 @@ class Outbox(Box):
 
     role = "outbox"
 
-    def __init__(self, topic: str, capacity: int, **box: Any) -> None:
+    def __init__(self, topic: str, capacity: int, capacity_bytes: int | None = None, **box: Any) -> None:
         super().__init__(topic, **box)
         if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
+            raise ValueError(f"{topic} outbox: capacity must be >= 1 message, got {capacity}")
+        if capacity_bytes is not None and capacity_bytes < 1:
+            raise ValueError(f"{topic} outbox: capacity_bytes must be >= 1 byte or None, got {capacity_bytes}")
         self.capacity = capacity
+        self.capacity_bytes = capacity_bytes
         self.entries: dict[str, Entry] = {}
         self._pending: list[tuple[int, str]] = []  # heap of (seq, id): not with any peer
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._not_taken = 0  # guarded by _cond: queued by send() or in flight, not yet taken
         self._unfinished = 0  # guarded by _cond: sent and not done
+        self._not_taken_bytes = 0  # guarded by _cond: bytes of the not-taken messages
+        self._unfinished_bytes = 0  # guarded by _cond: bytes of the unfinished messages
         self._ranking = PeerRanking()
 
     # -- component side ---------------------------------------------------------------------------
@@ -148,25 +195,37 @@ class Outbox(Box):
         Raises:
             TypeError: ``msg`` is not a registered message type (see :func:`bus.codec.encode`).
             ValueError: ``msg.id`` is empty or longer than :data:`MAX_ID_CHARS` (no receiver would take it).
+            bus.peers.CourierFailed: the courier's I/O thread failed (the process should exit).
         """
         if not msg.id or len(msg.id) > MAX_ID_CHARS:
             raise ValueError(f"{msg.TYPE} id must be 1..{MAX_ID_CHARS} characters, got {len(msg.id)}")
+        self.raise_if_failed()
         frames = encode(msg)
+        nbytes = frame_bytes(frames)
         started = time.monotonic()
         deadline = None if timeout_s is None else started + timeout_s
         with self._cond:
-            while self._not_taken >= self.capacity:
+            while self._full(nbytes):
                 if self.stop.is_set() or (deadline is not None and time.monotonic() >= deadline):
                     BUS_BLOCKED_SECONDS.labels(self.topic).inc(time.monotonic() - started)
                     return False
                 self._cond.wait(0.1)
+                self.raise_if_failed()
             self._not_taken += 1
             self._unfinished += 1
+            self._not_taken_bytes += nbytes
+            self._unfinished_bytes += nbytes
         if (waited := time.monotonic() - started) > 0.01:  # backpressure: counted like BusSocket's waits
             BUS_BLOCKED_SECONDS.labels(self.topic).inc(waited)
-        nbytes = sum(f.nbytes if hasattr(f, "nbytes") else len(f) for f in frames)
         self.post(self._add, msg.id, frames, nbytes, upstream)
         return True
+
+    def _full(self, nbytes: int) -> bool:
+        """Whether a message of ``nbytes`` must wait (call with ``_cond`` held): ``capacity``
+        messages are not taken, or ``capacity_bytes`` would be passed by a message that is not alone."""
+        if self._not_taken >= self.capacity:
+            return True
+        return self.capacity_bytes is not None and self._not_taken > 0 and self._not_taken_bytes + nbytes > self.capacity_bytes
 
     def unfinished(self) -> int:
         """Messages sent and not yet done downstream."""
@@ -175,16 +234,19 @@ class Outbox(Box):
 
     # -- box thread -------------------------------------------------------------------------------
 
-    def _count(self, not_taken: int = 0, unfinished: int = 0) -> None:
+    def _count(self, nbytes: int, not_taken: int = 0, unfinished: int = 0) -> None:
+        """Add ``not_taken`` / ``unfinished`` messages of ``nbytes`` each to the counts ``send`` waits on."""
         with self._cond:
             self._not_taken += not_taken
             self._unfinished += unfinished
+            self._not_taken_bytes += not_taken * nbytes
+            self._unfinished_bytes += unfinished * nbytes
             self._cond.notify_all()
 
     def _add(self, msg_id: str, frames: list[Any], nbytes: int, upstream: tuple["Inbox", str] | None) -> None:
         upstreams = [upstream] if upstream is not None else []
         if msg_id in self.entries:  # the same message again: one copy travels, both inputs are released with it
-            self._count(not_taken=-1, unfinished=-1)
+            self._count(nbytes, not_taken=-1, unfinished=-1)
             self.entries[msg_id].upstreams.extend(upstreams)
             return
         entry = Entry(msg_id, next(self._seq), frames, nbytes, upstreams)
@@ -194,22 +256,28 @@ class Outbox(Box):
     def _rerank(self, key: PeerKey, *, touch: bool = False) -> None:
         """Tell the ranking the room of peer ``key`` changed (call after every change of its
         ``free`` or ``untaken``)."""
-        peer = self.peers[key]
-        self._ranking.update(key, peer.free - len(peer.untaken), touch=touch)
+        self._ranking.update(key, room_rank(self.peers[key]), touch=touch)
 
     def peer_joined(self, key: PeerKey, peer: Peer) -> None:
         self._ranking.remove(key)  # a successor under a known key starts a new turn
-        self._ranking.update(key, peer.free - len(peer.untaken), touch=True)
+        self._ranking.update(key, room_rank(peer), touch=True)
+
+    @staticmethod
+    def _acknowledged(peer: Peer, entry: Entry) -> None:
+        """``entry`` is no longer unacknowledged at ``peer`` (no-op if it was not)."""
+        if entry.msg_id in peer.untaken:
+            peer.untaken.discard(entry.msg_id)
+            peer.untaken_bytes -= entry.nbytes
 
     def _unassign(self, entry: Entry) -> None:
         """Take ``entry`` back from its peer into the pending queue."""
         peer = self.peers.get(entry.peer) if entry.peer is not None else None
         if peer is not None:
-            peer.untaken.discard(entry.msg_id)
+            self._acknowledged(peer, entry)
             peer.holding.discard(entry.msg_id)
             self._rerank(entry.peer)
         if entry.taken:
-            self._count(not_taken=1)
+            self._count(entry.nbytes, not_taken=1)
         entry.peer, entry.taken = None, False
         heapq.heappush(self._pending, (entry.seq, entry.msg_id))
 
@@ -239,14 +307,15 @@ class Outbox(Box):
                 self.peer_lost(key, "goodbye")
             return
         peer = self.peer_for(key, session, now)
-        free, taken, done = payload
+        free, taken, done = payload[:3]
         peer.free = free
+        peer.free_bytes, peer.empty = (payload[3], payload[4]) if len(payload) == 5 else (None, True)
         for msg_id in taken:
             entry = self.entries.get(msg_id)
             if entry is not None and entry.peer == key and not entry.taken:
                 entry.taken = True
-                peer.untaken.discard(msg_id)
-                self._count(not_taken=-1)
+                self._acknowledged(peer, entry)
+                self._count(entry.nbytes, not_taken=-1)
         self._rerank(key)
         foreign = False
         for msg_id in done:
@@ -264,16 +333,17 @@ class Outbox(Box):
             return
         if entry.peer is not None and entry.peer in self.peers:
             peer = self.peers[entry.peer]
-            peer.untaken.discard(msg_id)
+            self._acknowledged(peer, entry)
             peer.holding.discard(msg_id)
             self._rerank(entry.peer)
-        self._count(not_taken=0 if entry.taken else -1, unfinished=-1)
+        self._count(entry.nbytes, not_taken=0 if entry.taken else -1, unfinished=-1)
         for inbox, upstream_id in entry.upstreams:
             inbox.release([upstream_id])
 
     def dispatch(self, now: float) -> list[Send]:
-        """``D`` frame sets of pending messages for live peers with credit, oldest first (each
-        counted as with its peer from ``now``, seconds, until :meth:`unsent` says otherwise)."""
+        """``D`` frame sets of pending messages for live peers with credit (messages and bytes),
+        oldest first (each counted as with its peer from ``now``, seconds, until :meth:`unsent`
+        says otherwise)."""
         sends: list[Send] = []
         while self._pending:
             seq, msg_id = self._pending[0]
@@ -282,14 +352,15 @@ class Outbox(Box):
                 heapq.heappop(self._pending)  # done, or already re-dispatched
                 continue
             key = self._ranking.best()
-            if key is None:
-                break
+            if key is None or not fits(self.peers[key], entry.nbytes):
+                break  # the best peer has the most byte room: a message that does not fit it fits none
             heapq.heappop(self._pending)
             peer = self.peers[key]
             first = key not in entry.sent_to
             entry.peer, entry.sent_at = key, now
             entry.sent_to.add(key)
             peer.untaken.add(msg_id)
+            peer.untaken_bytes += entry.nbytes
             peer.holding.add(msg_id)
             self._rerank(key, touch=True)  # behind its equals, as the rotation of the old scan did
             frames = [envelope("D", self.session, msg_id), *entry.frames]
@@ -324,4 +395,6 @@ class Outbox(Box):
         with self._cond:
             BUS_QUEUED.labels(self.topic, "outbox_not_taken").set(self._not_taken)
             BUS_QUEUED.labels(self.topic, "outbox_unfinished").set(self._unfinished)
+            BUS_QUEUED_BYTES.labels(self.topic, "outbox_not_taken").set(self._not_taken_bytes)
+            BUS_QUEUED_BYTES.labels(self.topic, "outbox_unfinished").set(self._unfinished_bytes)
         return sends

@@ -42,14 +42,25 @@ class Peer:
 
     session: str
     last_seen: float
-    free: int = 0  # sender side: credit the receiver last reported
+    free: int = 0  # sender side: credit the receiver last reported, messages
+    free_bytes: int | None = None  # sender side: byte credit it last reported (None: it grants no byte bound)
+    empty: bool = True  # sender side: it last reported holding none of our messages (one of any size may go)
+    untaken_bytes: int = 0  # sender side: bytes of the messages in ``untaken``
     untaken: set[str] = field(default_factory=set)  # sender side: sent, receipt not yet acknowledged
     holding: set[str] = field(default_factory=set)  # sender side: sent and not done
     queued: int = 0  # receiver side: its messages waiting in the inbox
+    queued_bytes: int = 0  # receiver side: their bytes (message frames)
     acks_taken: list[str] = field(default_factory=list)  # receiver side: to acknowledge
     acks_done: list[str] = field(default_factory=list)
     dirty: bool = False  # receiver side: credit changed, tell the sender
     last_sent: float = -math.inf  # when a frame last went out to it (set by the courier), seconds
+
+
+class CourierFailed(RuntimeError):
+    """The I/O thread of this process's courier stopped after too many consecutive errors
+    (``rlbus_bus_courier_errors_total``): the process can no longer send or receive on its data
+    topics. Raised by the boxes' blocking calls; a component lets it end ``run()``, so the process
+    exits 1 and its supervisor restarts it (its peers re-send what it held)."""
 
 
 class Box:
@@ -85,7 +96,14 @@ class Box:
         self.peers: dict[PeerKey, Peer] = {}
         self.heartbeat_skip_s = 0.0  # no heartbeat to a peer sent a frame this recently (0: always beat)
         self._rejected_reasons: set[str] = set()
+        self.failure: BaseException | None = None  # set by the courier when its I/O thread fails
         declare_topic(topic, "recv" if self.role == "inbox" else "send", reliable=True)
+
+    def raise_if_failed(self) -> None:
+        """Raise :class:`CourierFailed` once the courier driving this box has failed (from any thread)."""
+        if self.failure is not None:
+            raise CourierFailed(f"the courier of this process failed ({type(self.failure).__name__}: {self.failure}); "
+                                f"{self.role} of {self.topic} is closed") from self.failure
 
     def reject(self, reason: str, detail: str) -> None:
         """Count a dropped frame set and log the first one of each reason."""

@@ -38,7 +38,9 @@ POLL_SLICE_S = 0.1
 """Blocking sends and receives wake this often to check for a stop request, seconds."""
 
 
-def _frame_bytes(frames: list[Any]) -> int:
+def frame_bytes(frames: list[Any]) -> int:
+    """Bytes of a frame list as it goes on the wire: ``nbytes`` of arrays and memoryviews, ``len``
+    of ``bytes`` and ``zmq.Frame`` (what credit windows and byte counters count)."""
     return sum(f.nbytes if hasattr(f, "nbytes") else len(f) for f in frames)
 
 
@@ -141,7 +143,7 @@ class BusSocket:
 
     def _count_sent(self, frames: list[Any]) -> None:
         BUS_MESSAGES.labels(self.topic, "send").inc()
-        BUS_BYTES.labels(self.topic, "send").inc(_frame_bytes(frames))
+        BUS_BYTES.labels(self.topic, "send").inc(frame_bytes(frames))
 
     # -- receiving -------------------------------------------------------------------------------
 

@@ -19,8 +19,8 @@ is a ROUTER, the side that connects one DEALER per endpoint; credit bounds what 
 outcome is lost while the prompt source restarts (they are also published on the control channel
 for observers). The bound is the credit a receiver grants each sender and the number of messages a sender's
 outbox holds before ``send`` blocks; small bounds on ``batches`` and ``scored`` make the trainer's
-pace propagate back to the prompt source (invariant 1: no unbounded queue). They count messages,
-not bytes. ``weights`` (:mod:`broadcaster.bus_method`) is request/reply, not custody: a worker asks
+pace propagate back to the prompt source (invariant 1: no unbounded queue). They count messages;
+``bus.max_inflight_bytes`` (:mod:`configs.bus_limits`) bounds the same windows in bytes. ``weights`` (:mod:`broadcaster.bus_method`) is request/reply, not custody: a worker asks
 for a window of buckets of a version and the trainer answers with its latest version's buckets,
 so nothing waits anywhere but what a receiver asked for. Reward workers connect to ``producers.max_replicas`` rollouts endpoints, so
 producers added by ``busctl scale`` are reached without a restart.
@@ -42,6 +42,7 @@ from pathlib import Path
 
 import zmq
 
+from configs.bus_limits import DATA_TOPIC_NAMES
 from configs.topic_names import TOPIC_NAMES
 
 IPC_PATH_MAX = 100
@@ -85,6 +86,7 @@ TOPICS: dict[str, TopicSpec] = {
     )
 }
 assert tuple(TOPICS) == TOPIC_NAMES, "configs.topic_names.TOPIC_NAMES must name every topic of TOPICS, in order"
+assert set(DATA_TOPIC_NAMES) == {t for t, s in TOPICS.items() if s.reliable}, "configs.bus_limits.DATA_TOPIC_NAMES must name every data topic"
 
 
 def socket_dir(run_dir: Path) -> Path:

@@ -21,6 +21,7 @@ from configs.base import Section
 from configs.cluster import SlurmConfig
 from configs.errors import ConfigError, describe_validation, parse_override, read_yaml_file
 from configs.rollout import EvalConfig, FiltersConfig, OverlongConfig, SamplingConfig, TaskConfig, TeacherConfig
+from configs.bus_limits import DEFAULT_MAX_INFLIGHT_BYTES, check_inflight_bytes
 from configs.topic_names import endpoint_key_ok
 from configs.training import LoraSection, LossConfig, OptimConfig, TrainerConfig
 
@@ -220,6 +221,13 @@ class BusConfig(Section):
         10.0, gt=0, le=3600, description="A peer silent this long is declared dead: the messages it held are re-sent to live peers (and busctl restarts a silent component), seconds."
     )
     ack_timeout_s: float = Field(5.0, gt=0, le=3600, description="A data message not acknowledged as received within this is re-sent, seconds.")
+    max_inflight_bytes: int | dict[str, int] = Field(
+        DEFAULT_MAX_INFLIGHT_BYTES,
+        description="Byte bound of every data topic's credit window, bytes: a receiver grants each sender at most this many "
+        "bytes waiting in its inbox, and an outbox holds at most this many bytes not yet taken before send blocks (as well "
+        "as the topic's message bound); a larger message still passes alone. One number for every data topic, or a map "
+        "{topic: bytes} over prompts, rollouts, scored, batches, outcomes (others keep the default, 32 MiB).",
+    )
     curve_keys_dir: str = Field(
         "",
         description="CurveZMQ key directory made by `busctl keys DIR` (relative to the working directory). Empty: no "
@@ -240,6 +248,7 @@ class BusConfig(Section):
 
     @model_validator(mode="after")
     def _hosts_known(self) -> "BusConfig":
+        check_inflight_bytes(self.max_inflight_bytes)
         # The key files of curve_keys_dir are read at launch (bus.auth.check_keys), not here: configs import no bus.
         bad = [k for k in self.hosts if not endpoint_key_ok(k)]
         if bad:
