@@ -12,6 +12,8 @@ Key directory (made by ``busctl keys DIR``, the standard ``zmq.auth`` certificat
     DIR/server.key, DIR/server.key_secret        one server keypair, shared by every binder
     DIR/clients/NAME.key                          allow-list: every public key here may connect
     DIR/clients/NAME.key_secret                   client keypair NAME (``bus.curve_client``)
+    DIR/tls/                                      the metrics endpoints' CA and TLS certificates
+                                                  (:mod:`bus.metrics_tls`; used with tcp)
 
 How settings reach the sockets: :func:`enable` attaches a :class:`CurveAuth` to a process's
 ``zmq.Context`` (``Component`` and ``Supervisor`` do it from the config), and the one socket
@@ -44,6 +46,8 @@ from typing import Protocol
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+
+from bus.metrics_tls import TLS_DIR, MetricsTls, create_tls
 
 log = logging.getLogger(__name__)
 
@@ -120,23 +124,27 @@ def _load_secret(path: Path, hint: str) -> tuple[bytes, bytes]:
 
 
 def create_keys(keys_dir: str | Path, num_clients: int = 1) -> list[Path]:
-    """Create a key directory: the server keypair and ``num_clients`` client keypairs.
+    """Create a key directory: the server keypair, ``num_clients`` client keypairs and the metrics
+    TLS files (:func:`bus.metrics_tls.create_tls`). A directory that holds CurveZMQ keys but no
+    ``tls/`` (made before the metrics TLS existed) gets the TLS files only.
 
     The first client keypair is :data:`DEFAULT_CLIENT`, the others ``client-1`` ...
     ``client-{num_clients-1}`` (one per host, so that one host can be revoked alone). Directories
     are made mode 0700 and secret files 0600.
 
     Returns:
-        The created files, in order (server first).
+        The created files, in order (server first, the TLS files last).
 
     Raises:
-        ValueError: ``num_clients < 1``, or ``keys_dir`` already holds keys (never overwritten).
+        ValueError: ``num_clients < 1``, or ``keys_dir`` already holds keys and TLS files (never overwritten).
     """
     if num_clients < 1:
         raise ValueError(f"need at least one client keypair, got {num_clients}")
     keys_dir = Path(keys_dir)
     if (keys_dir / f"{SERVER_NAME}.key").exists() or (keys_dir / CLIENTS_DIR).exists():
-        raise ValueError(f"{keys_dir} already holds CurveZMQ keys; remove it or choose another directory")
+        if (keys_dir / TLS_DIR).exists():
+            raise ValueError(f"{keys_dir} already holds CurveZMQ keys and metrics TLS files; remove it or choose another directory")
+        return create_tls(keys_dir)
     clients = keys_dir / CLIENTS_DIR
     clients.mkdir(parents=True, mode=0o700)
     os.chmod(keys_dir, 0o700)
@@ -146,12 +154,13 @@ def create_keys(keys_dir: str | Path, num_clients: int = 1) -> list[Path]:
     for path in created:
         if path.name.endswith(".key_secret"):
             os.chmod(path, 0o600)
-    return created
+    return created + create_tls(keys_dir)
 
 
 def check_keys(bus: CurveSettings) -> None:
     """The launch-time check of ``bus.curve_keys_dir``: when it is set, its key files must load
-    (:meth:`CurveKeys.load`), with transport tcp or ipc (unused with ipc, but a config naming keys
+    (:meth:`CurveKeys.load`; with tcp also the metrics TLS files, :meth:`bus.metrics_tls.MetricsTls.load`),
+    with transport tcp or ipc (unused with ipc, but a config naming keys
     that are not there fails before the run). ``busctl up`` (``--dry-run`` too) and ``busctl sbatch``
     call it; the config does not, since ``configs`` imports nothing of the bus.
 
@@ -162,6 +171,8 @@ def check_keys(bus: CurveSettings) -> None:
     if bus.curve_keys_dir:
         try:
             CurveKeys.load(bus.curve_keys_dir, bus.curve_client)
+            if bus.transport == "tcp":
+                MetricsTls.load(bus.curve_keys_dir)
         except ValueError as err:
             raise ValueError(f"bus.curve_keys_dir: {err}") from None
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
+import ssl
 import threading
 import time
 import weakref
@@ -65,6 +67,10 @@ BUS_COURIER_ERRORS = Counter(
     "Exceptions in a courier's I/O loop (each logged with its traceback); bus.courier.MAX_LOOP_ERRORS in a row fail the courier and its component",
 )
 POLICY_VERSION = Gauge("rlbus_policy_version", "Policy version this component last saw or uses")
+METRICS_TLS_REFUSED = Counter(
+    "rlbus_metrics_tls_refused_total",
+    "Connections to this process's TLS metrics endpoint dropped in the handshake (no or unknown client certificate, not TLS, timeout)",
+)
 
 REJECT_REASONS = (
     "header", "schema", "dtype", "shape", "size", "frames", "field", "unknown_type", "inconsistent",  # wire/messages
@@ -251,10 +257,40 @@ def _handler(registry, health: HealthFn | None) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+TLS_HANDSHAKE_TIMEOUT_S = 5.0
+"""Longest a client may take over the TLS handshake (and each read), seconds."""
+
+
+class _TlsServer(ThreadingHTTPServer):
+    """A :class:`ThreadingHTTPServer` that runs the TLS handshake in each request's own thread (a
+    client that stalls the handshake never blocks ``accept``), and drops, counts
+    (``rlbus_metrics_tls_refused_total``) and does not log a connection that fails it."""
+
+    tls: ssl.SSLContext
+
+    def finish_request(self, request, client_address) -> None:
+        request.settimeout(TLS_HANDSHAKE_TIMEOUT_S)
+        try:
+            conn = self.tls.wrap_socket(request, server_side=True)
+        except (ssl.SSLError, OSError):
+            METRICS_TLS_REFUSED.inc()
+            return
+        try:
+            super().finish_request(conn, client_address)
+        finally:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
+
+
 def start_metrics_server(port: int, host: str = "127.0.0.1", *, health: HealthFn | None = None,
-                         registry=REGISTRY) -> ThreadingHTTPServer:
+                         registry=REGISTRY, tls: ssl.SSLContext | None = None) -> ThreadingHTTPServer:
     """Serve ``/metrics`` (Prometheus text of ``registry``) and ``/health`` on ``host:port`` from a
     daemon thread; any other path is 404. Stop it with ``shutdown()`` + ``server_close()``.
+
+    With ``tls`` (a server context, :meth:`bus.metrics_tls.MetricsTls.server_context`: client
+    certificates required) both are served over HTTPS only: a client that does not complete the
+    handshake with a certificate of the run's CA is dropped before any byte of metrics.
 
     ``/health`` answers JSON ``{"status": "ok" | "unhealthy", "pid", "uptime_s", ...}`` with the
     fields of ``health()`` (a component adds its name, phase and policy version), HTTP 200 when
@@ -267,14 +303,20 @@ def start_metrics_server(port: int, host: str = "127.0.0.1", *, health: HealthFn
     Raises:
         OSError: the port is taken.
     """
-    server = ThreadingHTTPServer((host, port), _handler(registry, health))
+    if tls is None:
+        server = ThreadingHTTPServer((host, port), _handler(registry, health))
+    else:
+        server = _TlsServer((host, port), _handler(registry, health))
+        server.tls = tls
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server
 
 
-def serve_metrics(port: int, host: str = "127.0.0.1", *, health: HealthFn | None = None, registry=REGISTRY) -> int:
-    """:func:`start_metrics_server` for a process that serves until it exits.
+def serve_metrics(port: int, host: str = "127.0.0.1", *, health: HealthFn | None = None, registry=REGISTRY,
+                  tls: ssl.SSLContext | None = None) -> int:
+    """:func:`start_metrics_server` (``tls``: HTTPS with client certificates) for a process that
+    serves until it exits.
 
     Returns:
         The port actually bound.
@@ -282,4 +324,4 @@ def serve_metrics(port: int, host: str = "127.0.0.1", *, health: HealthFn | None
     Raises:
         OSError: the port is taken.
     """
-    return int(start_metrics_server(port, host, health=health, registry=registry).server_address[1])
+    return int(start_metrics_server(port, host, health=health, registry=registry, tls=tls).server_address[1])

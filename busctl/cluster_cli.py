@@ -20,7 +20,8 @@ from configs.schema import ConfigError, load_config
 
 
 def cmd_keys(ns: argparse.Namespace, console: Console) -> int:
-    """``busctl keys DIR [--clients N]``: create a CurveZMQ key directory and say how to use it."""
+    """``busctl keys DIR [--clients N]``: create a CurveZMQ key directory with the metrics TLS files
+    (:mod:`bus.metrics_tls`; only those when DIR holds keys without them) and say how to use it."""
     from bus.auth import CLIENTS_DIR, create_keys  # zmq only
 
     keys_dir = Path(ns.dir).resolve()
@@ -29,10 +30,13 @@ def cmd_keys(ns: argparse.Namespace, console: Console) -> int:
     except ValueError as err:
         print_error(str(err))
         return 1
-    print(f"CurveZMQ keys in {keys_dir} (mode 0700; *.key_secret files are secret):")
+    print(f"CurveZMQ keys and metrics TLS files in {keys_dir} (mode 0700; *.key_secret and tls/*.key are secret):")
     for path in created:
         print(f"  {path}")
     print(f"allow-list: {keys_dir / CLIENTS_DIR}/*.key (every public key there may connect)")
+    print(f"metrics:    with tcp, /metrics and /health are HTTPS and need the client certificate {keys_dir}/tls/client.crt")
+    print(f"            (+ client.key, CA tls/ca.crt), e.g. curl --cacert {keys_dir}/tls/ca.crt --cert {keys_dir}/tls/client.crt \\")
+    print(f"            --key {keys_dir}/tls/client.key --resolve rlbus-metrics:PORT:HOST https://rlbus-metrics:PORT/metrics")
     print(f"use:        busctl up CONFIG bus.transport=tcp bus.curve_keys_dir={keys_dir}")
     print("multi-host: copy the whole directory to the same path on every host, keeping it private, e.g.")
     print(f"            rsync -a {keys_dir}/ HOST:{keys_dir}/")
@@ -76,8 +80,9 @@ def cmd_sbatch(ns: argparse.Namespace, console: Console) -> int:
 
 def add_commands(sub: argparse._SubParsersAction) -> dict[str, Callable[[argparse.Namespace, Console], int]]:
     """Register ``keys`` and ``sbatch`` on ``sub``; returns ``{command: handler}``."""
-    ks = sub.add_parser("keys", help="create CurveZMQ keys (server + client keypairs, allow-list)")
-    ks.add_argument("dir", help="new key directory (must not hold keys yet)")
+    ks = sub.add_parser("keys", help="create CurveZMQ keys (server + client keypairs, allow-list) and the metrics TLS "
+                        "certificates (CA, server, client)")
+    ks.add_argument("dir", help="new key directory (must not hold keys yet; one with CurveZMQ keys but no tls/ gets the TLS files)")
     ks.add_argument("--clients", type=int, default=1,
                     help="client keypairs: 'components' (shared by every process), then client-1 ... (default 1)")
     sb = sub.add_parser("sbatch", help="write a Slurm batch script that runs the job (busctl up --launcher slurm)")

@@ -24,14 +24,16 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import ssl
 import time
-import urllib.request
 from collections import deque
 from enum import StrEnum
 from pathlib import Path
 
 import yaml
 from rich.text import Text
+
+from busctl.scrape import fetch_metrics
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +100,7 @@ def write_json_atomic(path: Path, obj: object) -> None:
     write_text_atomic(path, json.dumps(obj, indent=1))
 
 
-def scrape_config(run: str, targets: list[tuple[str, str, str, int]]) -> dict:
+def scrape_config(run: str, targets: list[tuple[str, str, str, int]], tls_config: dict | None = None) -> dict:
     """The Prometheus configuration of a run.
 
     Args:
@@ -106,6 +108,8 @@ def scrape_config(run: str, targets: list[tuple[str, str, str, int]]) -> dict:
         targets: ``(component, role, host, metrics_port)`` per process, the supervisor included
             (host: the address it serves metrics on, :mod:`busctl.metrics_targets`; a target
             with port 0 is left out).
+        tls_config: the metrics are served over TLS (:mod:`bus.metrics_tls`): the job scrapes
+            ``https`` with this ``tls_config`` (CA, client certificate and key, server name).
 
     Returns:
         ``{"scrape_configs": [{"job_name": "rlbus", "scrape_interval": "5s", "static_configs":
@@ -113,7 +117,10 @@ def scrape_config(run: str, targets: list[tuple[str, str, str, int]]) -> dict:
     """
     statics = [{"targets": [f"{host}:{port}"], "labels": {"run": run, "component": name, "role": role}}
                for name, role, host, port in targets if port]
-    return {"scrape_configs": [{"job_name": "rlbus", "scrape_interval": SCRAPE_INTERVAL, "static_configs": statics}]}
+    job = {"job_name": "rlbus", "scrape_interval": SCRAPE_INTERVAL}
+    if tls_config:
+        job |= {"scheme": "https", "tls_config": tls_config}
+    return {"scrape_configs": [{**job, "static_configs": statics}]}
 
 
 def append_stage_record(path: Path, step: int, stats: dict[str, dict], roles: dict[str, str]) -> None:
@@ -134,21 +141,21 @@ def append_stage_record(path: Path, step: int, stats: dict[str, dict], roles: di
         log.warning("could not append to %s: %s", path, err)
 
 
-def write_scrape_config(path: Path, run: str, targets: list[tuple[str, str, str, int]]) -> None:
+def write_scrape_config(path: Path, run: str, targets: list[tuple[str, str, str, int]], tls_config: dict | None = None) -> None:
     """Write :func:`scrape_config` as YAML to ``path`` atomically (:func:`write_text_atomic`)."""
-    write_text_atomic(path, yaml.safe_dump(scrape_config(run, targets), sort_keys=False))
+    write_text_atomic(path, yaml.safe_dump(scrape_config(run, targets, tls_config), sort_keys=False))
 
 
-def snapshot_metrics(out: Path, own: bytes, targets: list[tuple[str, str, int]], timeout_s: float = 2.0) -> None:
+def snapshot_metrics(out: Path, own: bytes, targets: list[tuple[str, str, int]], timeout_s: float = 2.0,
+                     tls: ssl.SSLContext | None = None) -> None:
     """Save each ``(name, host, port)``'s ``/metrics`` text to ``out/NAME.prom`` and ``own`` (the
     supervisor's exposition) to ``out/supervisor.prom``; a component that does not answer is logged
-    and skipped."""
+    and skipped. ``tls``: the client context when the metrics are served over TLS."""
     out.mkdir(exist_ok=True)
     (out / "supervisor.prom").write_bytes(own)
     for name, host, port in targets:
         try:
-            with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout_s) as resp:
-                (out / f"{name}.prom").write_bytes(resp.read())
+            (out / f"{name}.prom").write_bytes(fetch_metrics(port, host, timeout_s, tls))
         except OSError as exc:
             log.warning("could not scrape %s: %s", name, exc)
 

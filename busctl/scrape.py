@@ -14,6 +14,9 @@ The supervisor's :class:`MetricsPoller` scrapes every ready component's ``/metri
 - ``queue_depth``: the sum of ``rlbus_bus_queued_messages`` over its topics and queues, and
   ``queues``: each ``"topic/queue"`` on its own.
 
+With the run's metrics TLS (:mod:`bus.metrics_tls`: tcp:// with CurveZMQ keys) the poller reads
+``https://`` and presents the client certificate (``tls``: the client context).
+
 Rates follow Prometheus' ``rate()`` on counter resets: a counter lower than before (the component
 restarted) counts from zero. A value that cannot be computed yet (one scrape only, no such
 counter) is ``None``, never a made-up zero.
@@ -21,6 +24,7 @@ counter) is ``None``, never a made-up zero.
 
 from __future__ import annotations
 
+import ssl
 import threading
 from collections import deque
 import time
@@ -80,14 +84,32 @@ def parse_metrics(text: str, at: float) -> Scrape:
     return Scrape(at, samples)
 
 
-def scrape(port: int, host: str = "127.0.0.1", timeout_s: float = SCRAPE_TIMEOUT_S) -> Scrape:
-    """GET ``http://HOST:PORT/metrics`` and parse it.
+def metrics_url(port: int, host: str = "127.0.0.1", tls: ssl.SSLContext | None = None, path: str = "/metrics") -> str:
+    """``http://HOST:PORT/metrics``, or ``https://`` with ``tls``."""
+    return f"{'https' if tls is not None else 'http'}://{host}:{port}{path}"
+
+
+def fetch_metrics(port: int, host: str = "127.0.0.1", timeout_s: float = SCRAPE_TIMEOUT_S,
+                  tls: ssl.SSLContext | None = None) -> bytes:
+    """The body of ``/metrics`` at ``host:port`` (HTTPS with the client context ``tls``).
 
     Raises:
-        OSError: connection refused, timeout, HTTP error. ValueError: unparsable body.
+        OSError: connection refused, timeout, HTTP error, TLS handshake refused (``ssl.SSLError``
+            and ``urllib.error.URLError`` are OSErrors).
     """
-    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout_s) as resp:
-        body = resp.read().decode("utf-8")
+    with urllib.request.urlopen(metrics_url(port, host, tls), timeout=timeout_s, context=tls) as resp:
+        return resp.read()
+
+
+def scrape(port: int, host: str = "127.0.0.1", timeout_s: float = SCRAPE_TIMEOUT_S,
+           tls: ssl.SSLContext | None = None) -> Scrape:
+    """GET ``http://HOST:PORT/metrics`` (``https://`` presenting the client certificate of ``tls``,
+    :meth:`bus.metrics_tls.MetricsTls.client_context`) and parse it.
+
+    Raises:
+        OSError: connection refused, timeout, HTTP error, TLS refused. ValueError: unparsable body.
+    """
+    body = fetch_metrics(port, host, timeout_s, tls).decode("utf-8")
     return parse_metrics(body, time.monotonic())
 
 
@@ -153,6 +175,7 @@ class MetricsPoller:
             :mod:`busctl.metrics_targets`); it must only read (e.g. copy the component table).
         interval_s: seconds between rounds. timeout_s: per scrape.
         window_s: rates are over the scrapes of the last ``max(window_s, interval_s)`` seconds.
+        tls: the client TLS context when the run's metrics are served over TLS, else None.
 
     Attributes:
         stats: component name -> :func:`component_stats`; replaced whole after every round, so a
@@ -161,8 +184,10 @@ class MetricsPoller:
     """
 
     def __init__(self, targets: Callable[[], list[tuple[str, str, int]]], interval_s: float = POLL_INTERVAL_S,
-                 timeout_s: float = SCRAPE_TIMEOUT_S, window_s: float = RATE_WINDOW_S) -> None:
+                 timeout_s: float = SCRAPE_TIMEOUT_S, window_s: float = RATE_WINDOW_S,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.targets = targets
+        self.tls = tls
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self.stats: dict[str, dict] = {}
         self.failures: dict[str, str] = {}
@@ -179,7 +204,7 @@ class MetricsPoller:
         for name, host, port in self.targets():
             seen.add(name)
             try:
-                cur = scrape(port, host, self.timeout_s)
+                cur = scrape(port, host, self.timeout_s, self.tls)
             except (OSError, ValueError) as err:
                 failures[name] = str(err)
                 if name in self.stats:

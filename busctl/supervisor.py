@@ -69,6 +69,7 @@ from bus import auth
 from bus.launch_env import ENV_NAMES, LaunchEnv
 from bus.messages import ComponentHeartbeat, ComponentPhase, ComponentReady, RunDone, TrainerStep
 from bus.metrics import start_metrics_server
+from bus.metrics_tls import tls_from_config
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
 from busctl.component_table import LIVE_STATES, ComponentSpec, ComponentState, claim_broadcast_port, component_table, launch_prefix, process_start_ticks
@@ -138,6 +139,8 @@ class Supervisor:
         self.stop = threading.Event()
         self.ctx = zmq.Context()
         auth.enable(self.ctx, auth.keys_from_config(cfg.bus))
+        self.metrics_tls = tls_from_config(cfg.bus)  # HTTPS + client certificates with tcp + CurveZMQ
+        self._scrape_tls = self.metrics_tls.client_context() if self.metrics_tls else None
         self.launcher = launcher or LocalLauncher()
         self.endpoints = Endpoints(cfg.bus.transport, self.run_dir, cfg.bus.host, cfg.bus.base_port, dict(cfg.bus.hosts))
         self.last_step: TrainerStep | None = None
@@ -156,7 +159,7 @@ class Supervisor:
         self.events = EventLog()
         self.steps = StepClock()
         self.startup = StartupClock(self.run_dir, launched_at)
-        self.poller = MetricsPoller(lambda: live_targets(self.table))  # read on the poller's thread
+        self.poller = MetricsPoller(lambda: live_targets(self.table), tls=self._scrape_tls)  # read on the poller's thread
         self.scaling = Scaling(cfg, self.run_dir, self.table, spawn=self._spawn, say=self.say, status_changed=self.write_status,
                                targets_changed=self.write_scrape_config, placement=placement)
 
@@ -238,7 +241,8 @@ class Supervisor:
         self.state = RunState.STARTING
         self._inbox = BusSocket(self.ctx, "supervisor", "recv", self.endpoints.address("supervisor"), bind=True, stop=self.stop,
                                 accept=(ComponentReady, ComponentHeartbeat))
-        self._metrics_server = start_metrics_server(0, supervisor_metrics_host(self.cfg), health=self.health)
+        self._metrics_server = start_metrics_server(0, supervisor_metrics_host(self.cfg), health=self.health,
+                                                     tls=self.metrics_tls.server_context() if self.metrics_tls else None)
         self.metrics_port = int(self._metrics_server.server_address[1])
         self._control = self._subscribe_control()
         base = self.cfg.metrics.base_port
@@ -411,13 +415,16 @@ class Supervisor:
     def snapshot_metrics(self) -> None:
         """Save every component's ``/metrics`` text to ``metrics_final/NAME.prom`` (end of run),
         and the supervisor's own to ``metrics_final/supervisor.prom``."""
-        snapshot_metrics(self.run_dir / "metrics_final", generate_latest(REGISTRY), served_targets(self.table))
+        snapshot_metrics(self.run_dir / "metrics_final", generate_latest(REGISTRY), served_targets(self.table),
+                         tls=self._scrape_tls)
 
     def write_scrape_config(self) -> None:
         """Write ``prometheus.yml``: a target per component with a metrics port, at the address it
         reported, and the supervisor's."""
         supervisor = (supervisor_metrics_host(self.cfg), self.metrics_port)
-        write_scrape_config(self.run_dir / "prometheus.yml", self.cfg.name, prometheus_targets(self.table, supervisor))
+        tls_config = self.metrics_tls.prometheus_tls_config() if self.metrics_tls else None
+        write_scrape_config(self.run_dir / "prometheus.yml", self.cfg.name, prometheus_targets(self.table, supervisor),
+                            tls_config)
 
     # -- shutdown --------------------------------------------------------------------------------
 

@@ -40,7 +40,7 @@ def configure_multihost(cfg: RunConfig, alloc: Allocation, resolve: Callable[[st
         cfg.broadcast.port = cfg.bus.base_port + BROADCAST_PORT_OFFSET
     if not cfg.bus.curve_keys_dir:
         keys = (Path(cfg.run_dir) / "curve_keys").resolve()
-        if not (keys / "server.key_secret").exists():
+        if not (keys / "server.key_secret").exists() or not (keys / "tls").exists():  # tls/: a run from before metrics TLS
             keys.parent.mkdir(parents=True, exist_ok=True)
             create_keys(keys)
         cfg.bus.curve_keys_dir, cfg.bus.curve_client = str(keys), "components"
