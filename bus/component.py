@@ -39,6 +39,7 @@ from bus.inbox import Inbox
 from bus.launch_env import LaunchEnv
 from bus.messages import ComponentHeartbeat, ComponentPhase, ComponentReady, Message, new_id
 from bus.metrics import POLICY_VERSION, serve_metrics
+from bus.metrics_tls import server_context_for
 from bus.outbox import Outbox
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
@@ -264,7 +265,7 @@ def component_main(cls: type[Component], argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: _on_stop_signal(comp, parent_pid))
     try:
         host = comp.launch.metrics_host  # the node's address on several nodes (RLBUS_NODE_ADDRESS)
-        port = serve_metrics(args.metrics_port, host, health=comp.health)
+        port = serve_metrics(args.metrics_port, host, health=comp.health, tls=server_context_for(cfg.bus))  # TLS: tcp + CurveZMQ
         comp.setup()
         comp.phase = ComponentPhase.RUNNING
         comp.report_ready(port, host)
