@@ -189,7 +189,9 @@ class BroadcastConfig(Section):
     method: Literal["broadcast", "filesystem", "bus"] = Field(
         "broadcast", description="torch.distributed broadcast, a safetensors directory + READY marker, or bus: bucketed weights "
         "pulled by each producer as zero-copy frames from the trainer's `weights` endpoint (no shared filesystem, no "
-        "torch.distributed group; tcp:// + CurveZMQ across hosts).")
+        "torch.distributed group; tcp:// + CurveZMQ across hosts). Left unset with bus.transport: tcp it is bus (the "
+        "authenticated path); broadcast over tcp must be chosen, and its rendezvous (TCPStore) and gloo/NCCL accept any "
+        "peer that reaches broadcast.host:port (docs/operations.md).")
     fallback: Literal["filesystem", "bus"] = Field(
         "filesystem", description="With method broadcast: how weights reach producers outside the group (late joiners, re-form "
         "misses, a restarted trainer, a broadcast that failed for good): a safetensors directory (needs a filesystem the "
@@ -302,6 +304,16 @@ class ReportConfig(Section):
         return self
 
 
+def apply_weight_method_default(cfg: "RunConfig") -> None:
+    """Set ``broadcast.method`` to ``bus`` when ``bus.transport`` is tcp and the method was not
+    given (not in the section's ``model_fields_set``): across hosts weights then travel over the
+    CurveZMQ-authenticated ``weights`` endpoint, not an unauthenticated torch.distributed group.
+    An explicit ``broadcast.method`` (YAML or override) is kept. The config validator calls it,
+    and a launcher that switches a loaded config to tcp (``busctl.launchers.multihost``) again."""
+    if cfg.bus.transport == "tcp" and "method" not in cfg.broadcast.model_fields_set:
+        cfg.broadcast.method = "bus"
+
+
 class RunConfig(Section):
     """One rlbus run."""
 
@@ -327,6 +339,7 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
+        apply_weight_method_default(self)
         g = self.producers.group_size
         if self.trainer.batch_size % g:
             raise ValueError(

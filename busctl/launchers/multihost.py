@@ -3,7 +3,8 @@
 Shared by the Slurm and Ray launchers (:mod:`busctl.launchers.slurm`, :mod:`busctl.launchers.ray`):
 given the node plan (:class:`busctl.launchers.nodes.Allocation`) and how node names become
 addresses, :func:`configure_multihost` sets tcp transport, ``bus.hosts`` (the node that binds each
-endpoint), the weight broadcast's rendezvous at the trainer's node, and (unless
+endpoint), ``broadcast.method: bus`` unless a method was given (:func:`configs.schema.apply_weight_method_default`),
+the weight broadcast's rendezvous at the trainer's node (used when broadcast is chosen), and (unless
 ``bus.curve_keys_dir`` is given) a fresh CurveZMQ key directory ``RUN_DIR/curve_keys`` for this run
 (mode 0700, existing keys kept, so ``--resume`` reuses them).
 """
@@ -15,7 +16,7 @@ from typing import Callable
 
 from bus.auth import create_keys
 from busctl.launchers.nodes import Allocation, address_map, plan_nodes
-from configs.schema import RunConfig
+from configs.schema import RunConfig, apply_weight_method_default
 
 BROADCAST_PORT_OFFSET = 7
 """The weight broadcast's rendezvous port when the trainer is on another node: ``bus.base_port + 7``
@@ -33,6 +34,7 @@ def configure_multihost(cfg: RunConfig, alloc: Allocation, resolve: Callable[[st
             port ``bus.base_port + BROADCAST_PORT_OFFSET`` (busctl cannot probe a remote port).
     """
     cfg.bus.transport = "tcp"
+    apply_weight_method_default(cfg)  # broadcast.method unset: the bus method (CurveZMQ), not an open rendezvous
     cfg.bus.hosts = address_map(alloc, cfg.producers.max_replicas, supervisor_host, resolve)
     trainer_node = plan_nodes(alloc, "trainer").node
     cfg.broadcast.host = resolve(trainer_node)
