@@ -184,6 +184,14 @@ def test_pipeline_trains_every_sample_once(tmp_path: Path, policy: Path) -> None
     assert "step    4/4" in out
     assert (run_dir / "checkpoints" / f"step_{MAX_STEPS:06d}" / "DONE").is_file()  # the trained policy
 
+    # a second busctl up in the finished run's directory is refused (exit 2) and leaves every file as it was
+    before = {str(p): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+    again = subprocess.run([sys.executable, "-m", "busctl", "up", f"run_dir={run_dir}", f"model.path={policy}", "trainer.max_steps=2"],
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2, again.stdout + again.stderr
+    assert f"run_dir {run_dir} holds another run's outputs" in again.stderr and f"at step {MAX_STEPS}/{MAX_STEPS}" in again.stderr
+    assert {str(p): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()} == before
+
 
 def _cmdline(pid: int) -> str:
     """The command line of ``pid`` (for a failure message), or "" once it is gone."""
