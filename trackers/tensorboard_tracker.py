@@ -15,6 +15,7 @@ Resume appends a new event file to the same directory; TensorBoard merges them.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import yaml
@@ -26,13 +27,18 @@ __all__ = ["TensorBoardTracker", "markdown_table"]
 TEXT_CELL_CHARS = 2000
 """A table cell longer than this many characters is cut (TensorBoard's text view shows all of it, slowly)."""
 
+LINE_BREAKS = re.compile("\r\n|[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
+"""Every line boundary of :meth:`str.splitlines`."""
+
 
 def markdown_table(columns: tuple[str, ...], rows: list[list]) -> str:
-    """A Markdown table (TensorBoard renders its text summaries as Markdown); ``|`` and newlines
-    in cells are escaped, cells cut at :data:`TEXT_CELL_CHARS`."""
+    """A Markdown table (TensorBoard renders its text summaries as Markdown), one row per line:
+    ``|`` in cells is escaped, every line break (``\\n``, ``\\r\\n`` and the others
+    :meth:`str.splitlines` knows, which a completion may hold) becomes ``<br>``, cells are cut at
+    :data:`TEXT_CELL_CHARS`."""
     def cell(value: object) -> str:
         text = "" if value is None else (f"{value:.4g}" if isinstance(value, float) else str(value))
-        return text[:TEXT_CELL_CHARS].replace("|", "\\|").replace("\r", "").replace("\n", "<br>")
+        return LINE_BREAKS.sub("<br>", text[:TEXT_CELL_CHARS].replace("|", "\\|"))
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)

@@ -1,8 +1,9 @@
 """A tiny real run (``busctl up``: vLLM on CPU, reverse_text, 4 steps, examples of every step)
-and ``busctl report`` on its directory: the report's plots and numbers, the ``samples.jsonl``
+with ``report.trackers=[tensorboard]``, and ``busctl report`` on its directory: the report's plots and numbers, the ``samples.jsonl``
 examples against what the run trained, the packer's new metrics in its final snapshot
 against ``trained_samples.jsonl``, and the trainer's phase times (``metrics.jsonl``, the final
-``status.json`` that ``busctl status`` shows, the trainer's Prometheus snapshot, the report)."""
+``status.json`` that ``busctl status`` shows, the trainer's Prometheus snapshot, the report), and
+the TensorBoard events the tracker process wrote, read back with TensorBoard's event reader."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from busctl.live import phase_text
 from busctl.run_data import ReportError, load_run
 from tests.e2e.test_faults import supervised
 from tests.e2e.test_pipeline import BATCH_SIZE, GROUP_SIZE, busctl, policy, read_jsonl  # noqa: F401
+from tests.trackers.tracked_run import read_tensorboard
 
 pytestmark = pytest.mark.e2e
 
@@ -44,7 +46,7 @@ def prom_samples(path: Path) -> dict[str, float]:
 def test_report_and_samples_of_a_real_run(tmp_path: Path, policy: Path) -> None:  # noqa: F811
     run_dir = tmp_path / "run"
     proc = busctl(run_dir, policy, f"trainer.max_steps={MAX_STEPS}", "report.samples_interval=1",
-                  f"report.samples_per_step={PER_STEP}")
+                  f"report.samples_per_step={PER_STEP}", "report.trackers=[tensorboard]")
     with supervised(proc):
         out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
@@ -118,3 +120,12 @@ def test_report_and_samples_of_a_real_run(tmp_path: Path, policy: Path) -> None:
     assert all(re.search(rf"^  {p} .* s .*%$", summary, re.M) for p in PHASES), summary
     with pytest.raises(ReportError):
         load_run(tmp_path / "nothing")
+
+    # report.trackers=[tensorboard]: every step record, eval round and samples table, read back
+    tb = read_tensorboard(run_dir)
+    assert tb["loss"] == pytest.approx({m["step"]: m["loss"] for m in metrics}, rel=1e-6, abs=1e-7)
+    assert tb["reward"] == pytest.approx({m["step"]: m["reward_mean"] for m in metrics}, rel=1e-6, abs=1e-7)
+    assert tb["lr"] == pytest.approx({m["step"]: m["lr"] for m in metrics}, rel=1e-6)
+    assert tb["eval"] == pytest.approx({e["step"]: e["eval/reverse_text/reward_mean"] for e in evals}, rel=1e-6, abs=1e-7)
+    assert {s: len(rows) for s, rows in tb["tables"].items()} == {s: PER_STEP for s in range(MAX_STEPS)}
+    assert f"tensorboard: tensorboard --logdir {run_dir / 'tensorboard'}" in rep.stdout

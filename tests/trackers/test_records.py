@@ -86,3 +86,13 @@ def test_mlflow_metric_names_are_legal() -> None:
     assert metric_name("lag_frac/>=3") == "lag_frac/ge3"
     assert metric_name("eval/reverse_text/pass_at_4") == "eval/reverse_text/pass_at_4"
     assert metric_name("a{b}=c") == "a_b__c"
+
+
+def test_markdown_table_keeps_one_row_per_line() -> None:
+    """TensorBoard's samples text: a completion with ``|`` and any line break (the tiny policy's
+    byte tokenizer emits form feeds and U+2028 too) stays in its cell."""
+    from trackers.tensorboard_tracker import markdown_table
+
+    text = markdown_table(("completion", "reward"), [["x|y\nz\x0cw\r\nq\u2028", 1.23456], ["", None]])
+    assert text.split("\n") == ["| completion | reward |", "|---|---|", "| x\\|y<br>z<br>w<br>q<br> | 1.235 |", "|  |  |"]
+    assert len(text.splitlines()) == 4

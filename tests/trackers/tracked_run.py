@@ -70,7 +70,7 @@ def read_tensorboard(run_dir: Path) -> dict:
     tables = {}
     for event in acc.Tensors("samples/text_summary"):
         text = event.tensor_proto.string_val[0].decode()
-        tables[event.step] = [line.split(" | ")[5] for line in text.splitlines()[2:]]  # the completion column
+        tables[event.step] = [line.split(" | ")[5] for line in text.split("\n")[2:]]  # the completion column
     hp = plugin_data_pb2.HParamsPluginData.FromString(acc.PluginTagToContent("hparams")["_hparams_/session_start_info"])
     return {"loss": scalars("loss"), "reward": scalars("reward_mean"), "lr": scalars("lr"),
             "eval": scalars("eval/reverse_text/reward_mean"), "stage": scalars("stages/producer-0/samples_per_s"),
