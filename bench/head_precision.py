@@ -11,7 +11,7 @@ bfloat16/bfloat16, bfloat16/tf32 as `trainer.dtype`/`trainer.lm_head_dtype`; the
 vLLM's CPU default, float32) it runs, one after the other (and `--rounds` times over all settings,
 interleaved, so a slow spell of a shared host does not fall on one setting alone)::
 
-    python -m busctl up CONFIG run_dir=OUT/<setting>/round<r> trainer.max_steps=STEPS max_async_level=0
+    python -m busctl up --overwrite CONFIG run_dir=OUT/<setting>/round<r> trainer.max_steps=STEPS max_async_level=0
         eval.enabled=false trainer.dtype=... trainer.lm_head_dtype=...
 
 and reads the step records of the run's `metrics.jsonl`. With `max_async_level=0` every sample is
@@ -135,7 +135,7 @@ def markdown_table(rows: list[tuple[str, str, dict[str, float]]]) -> str:
 def busctl_command(config: str, run_dir: Path, steps: int, dtype: str, head: str, overrides: list[str]) -> list[str]:
     """The `busctl up` command line of one setting (see the module docstring)."""
     return [
-        sys.executable, "-m", "busctl", "up", config, f"run_dir={run_dir}", f"trainer.max_steps={steps}",
+        sys.executable, "-m", "busctl", "up", "--overwrite", config, f"run_dir={run_dir}", f"trainer.max_steps={steps}",
         "max_async_level=0", "eval.enabled=false", f"trainer.dtype={dtype}", f"trainer.lm_head_dtype={head}", *overrides,
     ]
 

@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--config", default="configs/reverse_text.yaml")
-    ap.add_argument("--run-dir", default="runs/soak")
+    ap.add_argument("--run-dir", default="runs/soak", help="the soak run's directory; a previous soak there is replaced (busctl up --overwrite)")
     ap.add_argument("--max-steps", type=int, default=0, help="0: max(60, one per 2 s of the soak)")
     ap.add_argument("--seed", type=int, default=16)
     ap.add_argument("--out", default="", help="JSON file (default: RUN_DIR/soak.json)")
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     run_dir = Path(args.run_dir).resolve()
     max_steps = args.max_steps or max(60, int(args.minutes * 30))
     rng = random.Random(args.seed)
-    cmd = [sys.executable, "-m", "busctl", "up", args.config, f"run_dir={run_dir}", f"trainer.max_steps={max_steps}",
+    cmd = [sys.executable, "-m", "busctl", "up", "--overwrite", args.config, f"run_dir={run_dir}", f"trainer.max_steps={max_steps}",
            *FAST_FAILURE_DETECTION, "supervisor.max_restarts=1000", *args.overrides]
     started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)

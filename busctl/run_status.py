@@ -71,7 +71,9 @@ RUN_OUTPUTS = ("metrics.jsonl", "stages.jsonl", "trained_samples.jsonl", "ledger
                "trackers", "tensorboard", "wandb", "mlruns")
 """Removed from the run directory by a fresh ``busctl up`` (files or directories): a fresh run
 starts from an empty run directory (the prompt source's ledger, the trainer's checkpoints, the
-experiment trackers' files and their follow offsets, :mod:`trackers`)."""
+experiment trackers' files and their follow offsets, :mod:`trackers`). ``busctl up`` never gets here
+with a previous run's outputs unless ``--overwrite`` deleted them first, after naming them
+(:mod:`busctl.run_dir`); a directory of only these names counts as a run's for ``--overwrite``."""
 
 TRANSIENT_OUTPUTS = ("metrics_final", "weights", "sock", "status.json", "scale.json", "prometheus.yml")
 """Removed by ``busctl up --resume`` too: nothing a resumed run continues from."""
@@ -79,7 +81,9 @@ TRANSIENT_OUTPUTS = ("metrics_final", "weights", "sock", "status.json", "scale.j
 
 def clear_run_dir(run_dir: Path, resume: bool) -> None:
     """Remove a previous run's outputs from ``run_dir``: :data:`RUN_OUTPUTS`, or with ``resume``
-    only :data:`TRANSIENT_OUTPUTS` (files or whole directories)."""
+    only :data:`TRANSIENT_OUTPUTS` (files or whole directories). Called by the supervisor while it
+    prepares; ``busctl up`` has already refused an occupied ``run_dir`` or, with ``--overwrite``,
+    emptied it after saying what it deletes (:mod:`busctl.run_dir`)."""
     for stale in TRANSIENT_OUTPUTS if resume else RUN_OUTPUTS:
         target = run_dir / stale
         if target.is_dir():

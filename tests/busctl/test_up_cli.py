@@ -77,6 +77,9 @@ def test_second_up_refuses_an_occupied_run_dir_and_keeps_every_file(finished_run
     assert busctl("up", "--resume", str(finished_run), "--overwrite").returncode == 2
     sbatch = busctl("sbatch", f"run_dir={finished_run}")
     assert sbatch.returncode == 2 and "holds another run's outputs" in sbatch.stderr and sbatch.stdout == ""
+    sbatch = busctl("sbatch", "--overwrite", f"run_dir={finished_run}")  # the job's busctl up will overwrite, said now
+    assert sbatch.returncode == 0 and " up --launcher slurm --overwrite " in sbatch.stdout, sbatch.stdout + sbatch.stderr
+    assert "the job's busctl up --overwrite will delete the previous run" in sbatch.stderr
     assert files(finished_run) == before
 
 
