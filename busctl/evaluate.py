@@ -24,8 +24,9 @@ records are printed as JSON lines on stdout, with a summary table.
 ``model.path`` is any model directory: the base model, an exported or full checkpoint
 (``RUN_DIR/checkpoints/step_N``, complete Hugging Face directories) or a cached hub id; a LoRA
 adapter directory is refused with the command that merges it (``busctl export --merge-lora``).
-The eval run directory defaults to the config's ``run_dir`` + ``-eval`` (cleared at start like any
-run directory), so a training run's outputs are never touched. ``eval.timeout_s`` bounds the wait
+The eval run directory defaults to the config's ``run_dir`` + ``-eval``; a previous eval there is
+replaced (its entries named first), any other occupied directory is refused with exit 2
+(:mod:`busctl.run_dir`), so a training run's outputs are never touched. ``eval.timeout_s`` bounds the wait
 for the results after start-up.
 
 Exit codes: 0 every eval task has its result; 1 a component failed or a result did not come in
@@ -45,6 +46,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from busctl.run_dir import holds_eval_run, inspect_run_dir, overwrite
+from busctl.stderr import print_error
 from busctl.supervisor import RunFailed, Supervisor
 from configs.schema import ConfigError, RunConfig, load_config
 
@@ -162,9 +165,17 @@ def cmd_eval(ns: argparse.Namespace, console: Console) -> int:
         check_keys(cfg.bus)
         launcher = make_launcher(cfg)
         resolve_run_model_paths(cfg)
+        occupant = inspect_run_dir(Path(cfg.run_dir))
     except (ValueError, FileNotFoundError) as err:  # ConfigError is a ValueError
-        console.print(f"[red]busctl eval: {err}[/red]")
+        print_error(f"busctl eval: {err}")
         return 2
+    if occupant is not None and not (occupant.is_run and holds_eval_run(occupant)):  # never a training run's directory
+        print_error(f"busctl eval: run directory {occupant.run_dir} holds something other than a previous eval: "
+                    f"{occupant.what()}.\nbusctl eval deletes nothing there: give another --run-dir (default: the "
+                    "config's run_dir + '-eval'), or empty that directory yourself")
+        return 2
+    if occupant is not None:  # a previous eval's outputs: named, then replaced
+        overwrite(occupant, lambda line: console.print(line, markup=False), why="busctl eval replaces its previous eval")
     launcher.configure(cfg)
     sup = EvalSupervisor(cfg, console, launched_at=process_started_at(os.getpid()), placement=placement, launcher=launcher)
 
@@ -189,5 +200,6 @@ def add_command(sub: argparse._SubParsersAction) -> dict[str, Callable[[argparse
                         "(eval.only: no trainer, eval round 0 only); print the eval records and append them to "
                         "RUN_DIR/metrics.jsonl. Evaluate a checkpoint: busctl eval CONFIG model.path=RUN_DIR/checkpoints/step_N.")
     ev.add_argument("args", nargs="*", help="[CONFIG.yaml] [key.sub=value ...], e.g. model.path=DIR")
-    ev.add_argument("--run-dir", default=None, help="the eval run directory (default: the config's run_dir + '-eval'); cleared at start")
+    ev.add_argument("--run-dir", default=None, help="the eval run directory (default: the config's run_dir + '-eval'); a previous eval there is replaced, "
+                    "anything else refused")
     return {"eval": cmd_eval}

@@ -11,6 +11,9 @@ run's state and step, its checkpoints, metrics lines and files) and the three wa
 (:data:`busctl.run_status.RUN_OUTPUTS`: what a start that failed early leaves). Any other non-empty
 directory (``run_dir=.`` by mistake, a home directory) is refused even with ``--overwrite``: the user
 empties it or picks another. The deletion is announced entry by entry before it happens.
+
+``busctl eval`` replaces a previous eval in its run directory (announced the same way) and refuses
+any other occupied one (:func:`holds_eval_run`): pointed at a training run, it deletes nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 from busctl.run_status import RUN_OUTPUTS
 
@@ -101,6 +106,16 @@ def inspect_run_dir(run_dir: Path) -> Occupant | None:
     return Occupant(run_dir, entries, is_run, tuple(_details(run_dir)))
 
 
+def holds_eval_run(occupant: Occupant) -> bool:
+    """Whether the occupied directory is a previous ``busctl eval``'s (its ``config.yaml`` has
+    ``eval.only: true``): ``busctl eval`` replaces its own previous result, never a training run."""
+    try:
+        saved = yaml.safe_load((occupant.run_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(saved, dict) and isinstance(saved.get("eval"), dict) and saved["eval"].get("only") is True
+
+
 def refusal(occupant: Occupant, command: str, elsewhere: str) -> str:
     """The message of ``busctl up`` refusing an occupied ``run_dir`` (exit 2).
 
@@ -121,19 +136,20 @@ def refusal(occupant: Occupant, command: str, elsewhere: str) -> str:
             f"  delete that run, start over: {command} --overwrite")
 
 
-def overwrite(occupant: Occupant, say) -> None:
+def overwrite(occupant: Occupant, say, why: str = "--overwrite") -> None:
     """Delete every entry of an occupied run directory, each announced with ``say`` first.
 
     Args:
         occupant: from :func:`inspect_run_dir`; must be a run's (``is_run``).
         say: prints one line (``console.print``).
+        why: what asked for the deletion, first in the line said.
 
     Raises:
         ValueError: ``occupant`` is not a run's directory (:func:`refusal` names why).
     """
     if not occupant.is_run:
         raise ValueError(refusal(occupant, "busctl up ...", "busctl up ... run_dir=OTHER"))
-    say(f"--overwrite: deleting the previous run in {occupant.run_dir}: {occupant.what()}")
+    say(f"{why}: deleting the previous run in {occupant.run_dir}: {occupant.what()}")
     for name in occupant.entries:
         target = occupant.run_dir / name.rstrip("/")
         if target.is_dir() and not target.is_symlink():

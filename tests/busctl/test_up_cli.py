@@ -113,6 +113,42 @@ def test_overwrite_says_what_it_deletes_then_starts_afresh(finished_run: Path, t
     assert f"path: {model}" in (finished_run / "config.yaml").read_text()  # the new run's config
 
 
+def test_busctl_eval_replaces_only_a_previous_eval(finished_run: Path, tmp_path: Path) -> None:
+    """``busctl eval --run-dir`` pointed at a training run deletes nothing (exit 2); a previous eval's
+    directory is named, then replaced (the new eval interrupted once prepared)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "chat_template.jinja").write_text("{{ messages }}")
+    before = files(finished_run)
+    refused = busctl("eval", f"model.path={model}", "--run-dir", str(finished_run))
+    assert refused.returncode == 2 and "holds something other than a previous eval" in refused.stderr, refused.stderr
+    assert "last run: done at step 300/300" in refused.stderr and refused.stdout == ""
+    assert files(finished_run) == before
+    previous = tmp_path / "previous-eval"
+    previous.mkdir()
+    dry = busctl("up", "--dry-run", f"run_dir={previous}", "eval.only=true")
+    (previous / "config.yaml").write_text(dry.stdout)  # what busctl eval saves: eval.only true
+    (previous / "metrics.jsonl").write_text('{"step": 0, "eval/reverse_text/reward_mean": 0.5}\n')
+    ev = subprocess.Popen([sys.executable, "-m", "busctl", "eval", f"model.path={model}", "--run-dir", str(previous)], cwd=REPO,
+                          env=dict(os.environ, NO_COLOR="1", COLUMNS="300"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, start_new_session=True)
+    out = []
+    try:
+        for line in ev.stdout:
+            out.append(line)
+            if line.startswith("run directory:"):
+                ev.send_signal(signal.SIGINT)
+        assert ev.wait(timeout=TIMEOUT_S) == 130, "".join(out)
+    finally:
+        if ev.poll() is None:
+            os.killpg(ev.pid, signal.SIGKILL)
+    assert out[0].startswith(f"busctl eval replaces its previous eval: deleting the previous run in {previous}: config.yaml, "
+                             "metrics.jsonl"), out
+    assert not (previous / "metrics.jsonl").exists()  # the old result is gone; the interrupted eval wrote none
+    assert f"path: {model}" in (previous / "config.yaml").read_text()  # the new eval's config
+
+
 def test_overwrite_refuses_a_directory_that_is_not_a_run(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("mine")
     (tmp_path / "data").mkdir()
