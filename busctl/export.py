@@ -31,6 +31,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+from busctl.stderr import print_error
+
 __all__ = ["ExportError", "add_command", "export_checkpoint", "find_checkpoint"]
 
 TRAINING_STATE = frozenset({"rng.json", "meta.json", "DONE"})
@@ -168,13 +170,13 @@ def cmd_export(ns: argparse.Namespace, console: Console) -> int:
     """``busctl export``: 0 written, 1 a run or checkpoint that cannot be exported, 2 bad usage."""
     run_dir = Path(ns.run_dir)
     if not run_dir.is_dir():
-        console.print(f"[red]busctl export: no run directory {run_dir}[/red]")
+        print_error(f"busctl export: no run directory {run_dir}")
         return 2
     try:
         checkpoint = find_checkpoint(run_dir, ns.step)
         out = export_checkpoint(checkpoint, Path(ns.out), merge_lora=ns.merge_lora, base_path=_run_model_path(run_dir))
     except ExportError as err:
-        console.print(f"[red]busctl export: {err}[/red]")
+        print_error(f"busctl export: {err}")
         return 1
     kind = json.loads((checkpoint / "meta.json").read_text()).get("kind")
     what = "merged model" if kind == "lora" and ns.merge_lora else ("LoRA adapter (PEFT format)" if kind == "lora" else "model")
