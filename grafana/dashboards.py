@@ -213,8 +213,6 @@ def learning() -> dict:
             Target(_by("rlbus_rewards_zero_variance_groups_total", "component", increase), "zero-variance groups {{component}}"),
         ], description="Training samples the overlong shaping (rewards.overlong) penalized, inside the buffer (soft) or past "
                        "max_tokens (hard), and training groups whose rewards are all equal (no policy gradient). " + WINDOW_NOTE),
-        timeseries("TRL-style reward metrics", [Target(_gauge("rlbus_rewards_trl_metric", "reward, metric"), "{{reward}} {{metric}}")],
-                   description="What TRL-style reward functions logged with log_metric, averaged over their last group."),
         timeseries("Advantage", quantile_targets("rlbus_rewards_advantage", (), dist, mean=False),
                    description="Distribution of the scored samples' advantages."),
         heatmap("Advantage distribution", "rlbus_rewards_advantage", description=WINDOW_NOTE),

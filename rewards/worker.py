@@ -14,8 +14,9 @@ not know scores 0 everywhere (error ``"unknown_task"``, one count per sample); w
 ``filters.skip_verification`` no function is called and every reward is 0. A multi-turn group's
 environment rewards (``env_rewards``, scored in the producer's isolated environment children) are
 added as the term ``env`` with weight 1. A TRL-style function (reference ``trl:...``, see
-:mod:`tasks.trl_rewards`) is called once per group with TRL's keyword arguments; the metrics it logs
-are the gauge ``rlbus_rewards_trl_metric{reward, metric}``.
+:mod:`tasks.trl_rewards`) is called once per group with TRL's keyword arguments; what it logs with
+``log_metric(name, value)`` becomes the term ``<function>/<name>`` (the group's mean for every sample,
+weight 0: logged as ``reward/<function>/<name>``, a step's mean over its groups as in TRL).
 
 Overlong shaping (``rewards.overlong``, :mod:`rewards.shaping`): a training group's rewards then get
 ``penalty * R(|y|)``, DAPO's soft overlong punishment of each completion's length (the term
@@ -37,7 +38,7 @@ import logging
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter
 
 from bus.messages import RolloutGroup, ScoredGroup
 from configs.rollout import OverlongConfig
@@ -74,11 +75,6 @@ ZERO_VARIANCE = Counter(
     "rlbus_rewards_zero_variance_groups_total",
     "Training groups whose rewards (shaping included) are all equal: zero advantage, no policy gradient "
     "(TRL's frac_reward_zero_std); packer.filter_equal_rewards drops them",
-)
-TRL_METRIC = Gauge(
-    "rlbus_rewards_trl_metric",
-    "What a TRL-style reward function logged with log_metric, averaged over its last call (one group), by reward and metric name",
-    ["reward", "metric"],
 )
 
 
@@ -185,9 +181,9 @@ class RewardWorker:
                 for error in result.errors:
                     if error is not None:
                         REWARD_ERRORS.labels(error).inc()
-                for metric, value in result.metrics.items():
-                    TRL_METRIC.labels(term.name, metric).set(value)
                 reward_terms[term.name] = result.rewards
+                for metric, value in result.metrics.items():  # TRL's log_metric: logged, not added to the reward
+                    reward_terms[f"{term.name}/{metric}"] = [value] * g
                 total += term.weight * np.asarray(result.rewards, np.float64)
         if len(group.env_rewards):  # a multi-turn episode's environment reward (producers.episodes)
             reward_terms["env"] = [float(r) for r in group.env_rewards]

@@ -19,8 +19,9 @@ completion_ids=..., **reward_kwargs)``):
 - ``trainer_state``: a :class:`TrainerState` with ``global_step`` (the optimizer step the prompt
   was issued for) and ``max_steps`` (``trainer.max_steps``);
 - ``log_metric(name, value)`` and ``log_extra(column, values)``: TRL's logging hooks. Metrics are
-  averaged per call and come back to the reward worker (``rlbus_rewards_trl_metric{reward, metric}``);
-  extra columns are accepted and dropped (rlbus's ``samples.jsonl`` has no free columns);
+  averaged per call and come back to the reward worker, which logs them as the reward term
+  ``<function>/<name>`` (weight 0, so ``reward/<function>/<name>`` in each step's record); extra
+  columns are accepted and dropped (rlbus's ``samples.jsonl`` has no free columns);
 - every key of the example's ``info`` (the task's dataset columns, e.g. ``ground_truth``), as a
   list of ``G`` copies (TRL passes every dataset column but ``prompt``). A column named like one
   of the arguments above is dropped: the argument wins.

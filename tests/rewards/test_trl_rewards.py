@@ -67,14 +67,14 @@ def test_none_is_zero_without_an_error_and_columns_come_from_info():
     assert sum(errors(e) for e in ("non_finite", "TypeError", "ValueError")) == before
 
 
-def test_trainer_state_log_metric_and_async_functions(metric):
+def test_trainer_state_log_metric_and_async_functions():
     # curriculum = global_step / max_steps = step 3 of 12 -> 0.25; logs_metric: chars [2, 4], logs mean 3
     w = worker((trl("curriculum"), 1.0), (trl("logs_metric"), 1.0), (trl("async_len"), 10.0), max_steps=12)
     scored = w.score(group(["ab", "abcd"], [1, 1], {}))
     assert scored.reward_terms["curriculum"] == [0.25, 0.25]
     assert scored.reward_terms["async_len"] == [2.0, 4.0]
-    assert scored.rewards.tolist() == [0.25 + 2 + 20, 0.25 + 4 + 40]
-    assert metric("rlbus_rewards_trl_metric", reward="logs_metric", metric="mean_chars") == 3.0
+    assert scored.rewards.tolist() == [0.25 + 2 + 20, 0.25 + 4 + 40]  # the logged metric is not added
+    assert scored.reward_terms["logs_metric/mean_chars"] == [3.0, 3.0]
 
 
 @pytest.mark.parametrize("isolate", [False, True])
