@@ -68,7 +68,7 @@ BUS_COURIER_ERRORS = Counter(
 )
 POLICY_VERSION = Gauge("rlbus_policy_version", "Policy version this component last saw or uses")
 METRICS_TLS_REFUSED = Counter(
-    "rlbus_metrics_tls_refused_total",
+    "rlbus_bus_metrics_tls_refused_total",
     "Connections to this process's TLS metrics endpoint dropped in the handshake (no or unknown client certificate, not TLS, timeout)",
 )
 
@@ -264,7 +264,7 @@ TLS_HANDSHAKE_TIMEOUT_S = 5.0
 class _TlsServer(ThreadingHTTPServer):
     """A :class:`ThreadingHTTPServer` that runs the TLS handshake in each request's own thread (a
     client that stalls the handshake never blocks ``accept``), and drops, counts
-    (``rlbus_metrics_tls_refused_total``) and does not log a connection that fails it."""
+    (``rlbus_bus_metrics_tls_refused_total``) and does not log a connection that fails it."""
 
     tls: ssl.SSLContext
 

@@ -264,6 +264,14 @@ reports host and port in its ready handshake and `prometheus.yml` lists it there
   (`phase` is `starting` during set-up, `failed` after an error).
 - anything else: 404.
 
+With `bus.transport: tcp` and `bus.curve_keys_dir` (the CurveZMQ-authenticated bus) both are
+HTTPS only, with client certificates required (`bus/metrics_tls.py`; `busctl keys` makes the CA,
+server and client certificates in `DIR/tls`): a client must present `DIR/tls/client.crt`
+(+ `client.key`) and can check the server against `DIR/tls/ca.crt` (server name
+`rlbus-metrics`). The supervisor's poller and `prometheus.yml` (`scheme: https`, `tls_config`) do;
+a connection without the certificate is dropped in the handshake and counted in
+`rlbus_bus_metrics_tls_refused_total`.
+
 `busctl up` serves its own registry (the `supervisor` target: restarts, and the bus counters
 of its handshake and control sockets) on a port of its own, `metrics_port` in `status.json`,
 with a `/health` of its own: `{"component": "supervisor", "state", "step", "components_live",
