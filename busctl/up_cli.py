@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.text import Text
 
 from busctl.launchers import LAUNCHERS, make_launcher
 from busctl.placement import apply_placement
@@ -193,7 +194,7 @@ def supervise(sup: "Supervisor", console: Console) -> int:
             sup.watch()
     except RunFailed as err:
         if not sup.stop.is_set():
-            console.print(f"[red]run failed: {err}[/red]")
+            console.print(Text(f"run failed: {err}", style="red"))  # the run's own output; a message is never markup
             sup.error, failed = str(err), True
     finally:
         if sup.run_done and not failed:
