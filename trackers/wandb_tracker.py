@@ -29,9 +29,9 @@ DEFAULT_PROJECT = "rlbus"
 DEFAULT_HOST = "https://api.wandb.ai"
 
 
-def _netrc_has(host: str) -> bool:
-    """Whether the user's netrc (``NETRC`` or ``~/.netrc``) holds a password for ``host``."""
-    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
+def _netrc_has(host: str, environ: dict[str, str]) -> bool:
+    """Whether the user's netrc (``environ["NETRC"]`` or ``~/.netrc``) holds a password for ``host``."""
+    path = environ.get("NETRC") or os.path.expanduser("~/.netrc")
     try:
         entry = netrc.netrc(path).authenticators(host)
     except (OSError, netrc.NetrcParseError):
@@ -47,7 +47,7 @@ def wandb_mode(environ: dict[str, str]) -> str | None:
     if environ.get("WANDB_API_KEY") or environ.get("WANDB_IDENTITY_TOKEN_FILE"):
         return None
     host = urlparse(environ.get("WANDB_BASE_URL") or DEFAULT_HOST).hostname or ""
-    return None if _netrc_has(host) else "offline"
+    return None if _netrc_has(host, environ) else "offline"
 
 
 class WandbTracker(Tracker):
