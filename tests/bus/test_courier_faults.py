@@ -8,14 +8,19 @@
   the thread closes it (and still says goodbye);
 - exceptions inside the I/O loop: counted in ``rlbus_bus_courier_errors_total``; fewer than
   ``max_loop_errors`` in a row and delivery goes on, that many and the courier fails: every
-  blocking box call raises :class:`bus.peers.CourierFailed` and the senders re-send what it held.
+  blocking box call raises :class:`bus.peers.CourierFailed` and the senders re-send what it held;
+  a real component process whose courier fails exits 1 (``faulty_component.py``), which is what
+  makes its supervisor restart it.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import zmq
@@ -24,6 +29,8 @@ from bus.courier import Courier
 from bus.inbox import Inbox
 from bus.messages import Prompt, ScoredGroup
 from bus.peers import CourierFailed
+from bus.topics import Endpoints
+from configs.schema import dump_config, load_config
 from reliable_peer import FAST, data_message
 from test_reliable import PEER_DEATHS, WAIT_S, free_tcp_endpoint, open_hop, receive
 
@@ -179,3 +186,19 @@ def test_loop_errors_are_counted_and_too_many_in_a_row_fail_the_courier(couriers
     assert receive(spare, 1) == ["p-1"]  # what the failed process held is re-sent
     wait_until(lambda outbox=outbox: outbox.unfinished() == 0, WAIT_S, "all done")
     assert faulty.close() is True
+
+
+def test_a_component_whose_courier_fails_exits_1(tmp_path: Path, sockets):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = load_config(None, [f"run_dir={run_dir}", "model.path=unused", "bus.heartbeat_s=0.1", "bus.dead_after_s=2"])
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    endpoints = Endpoints(cfg.bus.transport, run_dir)
+    endpoints.ensure_dirs()
+    supervisor = sockets.socket(zmq.PULL)  # takes the ready handshake and heartbeats, as busctl would
+    supervisor.bind(endpoints.address("supervisor"))
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "tests.bus.faulty_component", "--run-dir", str(run_dir), "--name", "faulty"],
+                          cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "CourierFailed" in proc.stderr and "injected fault" in proc.stderr, proc.stderr[-3000:]
