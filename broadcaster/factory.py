@@ -26,6 +26,8 @@ This module imports no torch at load time (the method modules are imported by th
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +35,8 @@ if TYPE_CHECKING:
     from broadcaster.base import WeightReceiver, WeightSender
     from broadcaster.bus_method import BusLink
     from broadcaster.regroup import GroupFormer
+
+log = logging.getLogger(__name__)
 
 METHODS = ("broadcast", "filesystem", "bus")
 """The values of `broadcast.method`."""
@@ -59,6 +63,31 @@ def _need_link(bus: BusLink | None, what: str) -> BusLink:
         raise ValueError(f"{what} uses the bus method (broadcast.method or broadcast.fallback: bus): pass bus=BusLink(...) "
                          "with the run's weights endpoint")
     return bus
+
+
+def open_rendezvous_warning(cfg: Any) -> str | None:
+    """What the broadcast method exposes when its rendezvous is reachable from other hosts, or None.
+
+    Under `broadcast.method: broadcast` with `cfg.host` not a loopback address (a run across
+    hosts), torch.distributed's TCPStore at `host:port` and the gloo/NCCL connections accept any
+    peer that reaches them: nothing authenticates a member. The trainer logs this at start
+    (`build_senders`); the bus method is the CurveZMQ-authenticated path.
+
+    Args:
+        cfg: a `configs.schema.BroadcastConfig`.
+    """
+    if cfg.method != "broadcast":
+        return None
+    try:
+        if ipaddress.ip_address(cfg.host).is_loopback:
+            return None
+    except ValueError:
+        if cfg.host == "localhost":
+            return None
+    return (f"broadcast.method: broadcast rendezvouses at {cfg.host}:{cfg.port or '(picked)'}: torch.distributed's TCPStore "
+            "and the gloo/NCCL connections accept any peer that reaches that address, which could join the group, disturb "
+            "it or read the weights; broadcast.method: bus sends them over the CurveZMQ-authenticated bus "
+            "(docs/operations.md)")
 
 
 def needs_rendezvous_port(cfg: Any) -> bool:
@@ -109,6 +138,8 @@ def build_senders(cfg: Any, *, world_size: int, out_dir: str | Path, restarted: 
     method = _method(cfg)
     if method != "broadcast":
         return make(method), None
+    if (warning := open_rendezvous_warning(cfg)) is not None:
+        log.warning("%s", warning)
     fallback = make(_fallback(cfg))
     if restarted:
         return fallback, fallback

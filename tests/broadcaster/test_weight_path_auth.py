@@ -90,3 +90,16 @@ def test_an_unknown_peer_cannot_join_the_weight_path(tmp_path):
         auth.disable(trainer_ctx)
         trainer_ctx.term()
         peer_ctx.term()
+
+
+def test_a_chosen_broadcast_reachable_from_other_hosts_is_warned_about(tmp_path, caplog):
+    from broadcaster.factory import build_senders, open_rendezvous_warning
+    from configs.schema import BroadcastConfig
+
+    open_group = BroadcastConfig(method="broadcast", backend="gloo", host="10.0.0.1", port=29500)
+    with caplog.at_level("WARNING", logger="broadcaster.factory"):
+        sender, _ = build_senders(open_group, world_size=2, out_dir=tmp_path)  # not opened: no rendezvous yet
+    assert sender.method == "broadcast"
+    assert "10.0.0.1:29500" in caplog.text and "accept any peer" in caplog.text
+    assert open_rendezvous_warning(BroadcastConfig(method="broadcast", host="127.0.0.1")) is None  # one host
+    assert open_rendezvous_warning(BroadcastConfig(method="bus", host="10.0.0.1")) is None  # authenticated
