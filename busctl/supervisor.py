@@ -140,7 +140,7 @@ class Supervisor:
         self.ctx = zmq.Context()
         auth.enable(self.ctx, auth.keys_from_config(cfg.bus))
         self.metrics_tls = tls_from_config(cfg.bus)  # HTTPS + client certificates with tcp + CurveZMQ
-        self._scrape_tls = self.metrics_tls.client_context() if self.metrics_tls else None
+        self._scrape_tls = self.metrics_tls and self.metrics_tls.client_context()
         self.launcher = launcher or LocalLauncher()
         self.endpoints = Endpoints(cfg.bus.transport, self.run_dir, cfg.bus.host, cfg.bus.base_port, dict(cfg.bus.hosts))
         self.last_step: TrainerStep | None = None
@@ -241,8 +241,7 @@ class Supervisor:
         self.state = RunState.STARTING
         self._inbox = BusSocket(self.ctx, "supervisor", "recv", self.endpoints.address("supervisor"), bind=True, stop=self.stop,
                                 accept=(ComponentReady, ComponentHeartbeat))
-        self._metrics_server = start_metrics_server(0, supervisor_metrics_host(self.cfg), health=self.health,
-                                                     tls=self.metrics_tls.server_context() if self.metrics_tls else None)
+        self._metrics_server = start_metrics_server(0, supervisor_metrics_host(self.cfg), health=self.health, tls=self.metrics_tls and self.metrics_tls.server_context())
         self.metrics_port = int(self._metrics_server.server_address[1])
         self._control = self._subscribe_control()
         base = self.cfg.metrics.base_port
@@ -415,16 +414,13 @@ class Supervisor:
     def snapshot_metrics(self) -> None:
         """Save every component's ``/metrics`` text to ``metrics_final/NAME.prom`` (end of run),
         and the supervisor's own to ``metrics_final/supervisor.prom``."""
-        snapshot_metrics(self.run_dir / "metrics_final", generate_latest(REGISTRY), served_targets(self.table),
-                         tls=self._scrape_tls)
+        snapshot_metrics(self.run_dir / "metrics_final", generate_latest(REGISTRY), served_targets(self.table), tls=self._scrape_tls)
 
     def write_scrape_config(self) -> None:
         """Write ``prometheus.yml``: a target per component with a metrics port, at the address it
         reported, and the supervisor's."""
         supervisor = (supervisor_metrics_host(self.cfg), self.metrics_port)
-        tls_config = self.metrics_tls.prometheus_tls_config() if self.metrics_tls else None
-        write_scrape_config(self.run_dir / "prometheus.yml", self.cfg.name, prometheus_targets(self.table, supervisor),
-                            tls_config)
+        write_scrape_config(self.run_dir / "prometheus.yml", self.cfg.name, prometheus_targets(self.table, supervisor), self.metrics_tls and self.metrics_tls.prometheus_tls_config())
 
     # -- shutdown --------------------------------------------------------------------------------
 
