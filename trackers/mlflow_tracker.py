@@ -10,7 +10,7 @@ being in the full ``mlflow`` package). Experiment: ``MLFLOW_EXPERIMENT_NAME`` or
 What is logged: the resolved config as params (values cut at :data:`PARAM_CHARS`); every
 record's scalars as metrics at their step (names made MLflow-legal by :func:`metric_name`);
 samples as a table artifact ``samples/step_<step>.json`` (``MlflowClient.log_table``, shown in
-the run's Artifacts and Evaluation views).
+the run's Artifacts and Evaluation views; without pandas the same JSON through ``log_dict``).
 """
 
 from __future__ import annotations
@@ -84,8 +84,14 @@ class MlflowTracker(Tracker):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
 
     def log_samples(self, step: int, columns: tuple[str, ...], rows: list[list]) -> None:
+        path = f"samples/step_{step:06d}.json"
+        try:
+            import pandas  # noqa: F401  (MlflowClient.log_table needs it; mlflow-skinny does not install it)
+        except ImportError:  # the same {"columns", "data"} JSON, without the Evaluation view's table tags
+            self.client.log_dict(self.run_id, {"columns": list(columns), "data": rows}, path)
+            return
         data = {col: [row[i] for row in rows] for i, col in enumerate(columns)}
-        self.client.log_table(self.run_id, data=data, artifact_file=f"samples/step_{step:06d}.json")
+        self.client.log_table(self.run_id, data=data, artifact_file=path)
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)

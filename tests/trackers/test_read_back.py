@@ -90,3 +90,23 @@ def test_failing_trackers_warn_once_and_the_others_go_on(tmp_path: Path, monkeyp
         assert sum(f"tracker {name} failed" in r.getMessage() for r in caplog.records) == 1, name
     assert follower.failed["wandb"].startswith("ModuleNotFoundError")
     assert follower.tails["metrics.jsonl"].offset == (run_dir / "metrics.jsonl").stat().st_size  # it kept reading
+
+
+def test_mlflow_samples_table_without_pandas(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """mlflow-skinny does not install pandas (``log_table`` needs it): the table is the same JSON
+    artifact, and the metrics are logged as ever."""
+    pytest.importorskip("mlflow")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    run_dir = tmp_path / "run"
+    config = make_run_dir(run_dir, ["mlflow"])
+    append(run_dir / "metrics.jsonl", train_record(1))
+    append(run_dir / "samples.jsonl", *sample_records(0))
+    monkeypatch.setitem(__import__("sys").modules, "pandas", None)  # import pandas -> ImportError
+    follower = TrackerFollower(run_dir, ["mlflow"], config)
+    follower.poll()
+    follower.close()
+    assert not follower.failed, follower.failed
+    monkeypatch.delitem(__import__("sys").modules, "pandas")
+    got = READERS["mlflow"](run_dir)
+    assert got["loss"] == {1: 1.0} and got["tables"] == {0: ["sihT-0-0", "sihT-0-1"]}
