@@ -87,6 +87,7 @@ class TrackerFollower:
                 continue
             self.trackers.append(tracker)
             saved[name] = tracker.state
+            self.failed.pop(name, None)  # it failed in an earlier tracker process (before a resume) and works again
         logged = set(self.state.setdefault("config_logged", []))
         hparams = flatten_config(config)
         for tracker in [t for t in self.trackers if t.name not in logged]:

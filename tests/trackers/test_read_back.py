@@ -91,6 +91,11 @@ def test_failing_trackers_warn_once_and_the_others_go_on(tmp_path: Path, monkeyp
     assert follower.failed["wandb"].startswith("ModuleNotFoundError")
     assert follower.tails["metrics.jsonl"].offset == (run_dir / "metrics.jsonl").stat().st_size  # it kept reading
 
+    (run_dir / "tensorboard").unlink()  # the disk fixed, a new tracker process (busctl up --resume): it works again
+    again = TrackerFollower(run_dir, ["tensorboard"], config)
+    assert [t.name for t in again.trackers] == ["tensorboard"] and "tensorboard" not in again.failed
+    again.close()
+
 
 def test_mlflow_samples_table_without_pandas(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """mlflow-skinny does not install pandas (``log_table`` needs it): the table is the same JSON
