@@ -228,14 +228,17 @@ def batches(tiny_policy) -> list[list[MicroBatch]]:
 
 
 def run_config(run_dir: Path, policy_dir: str, eval: dict | None = None, **trainer) -> RunConfig:
-    """A 4-step run; online eval off unless ``eval`` says otherwise (no producers here)."""
+    """A 4-step run with a cosine learning-rate schedule (a different rate every step, so a
+    resume that lost the schedule's place gives other weights); online eval off unless ``eval``
+    says otherwise (no producers here)."""
     run_dir.mkdir(exist_ok=True)  # busctl makes it (and writes config.yaml there)
     return RunConfig.model_validate({
         "run_dir": str(run_dir),
         "model": {"path": policy_dir},
         "eval": eval or {"enabled": False},
         "sampling": {"max_tokens": 4},
-        "trainer": {"max_steps": 4, "checkpoint_interval": 2, "num_threads": 1, **trainer},
+        "trainer": {"max_steps": 4, "checkpoint_interval": 2, "num_threads": 1,
+                    "optim": {"scheduler": "cosine", "warmup_steps": 1, "min_lr_ratio": 0.1}, **trainer},
         "packer": {"max_off_policy_steps": 8},
         "broadcast": {"method": "filesystem"},
         "bus": {"heartbeat_s": 0.1, "dead_after_s": 2.0, "ack_timeout_s": 2.0},
@@ -399,6 +402,8 @@ def assert_same_outcome(run_dir: Path, reference: Path) -> None:
     assert [r["step"] for r in read_jsonl(run_dir / "trained_samples.jsonl")] == [0, 1, 2, 3]
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in metrics] == [1, 2, 3, 4]
+    lrs = [r["lr"] for r in metrics]  # the schedule resumed at its place (scheduler.pt)
+    assert lrs == [r["lr"] for r in read_jsonl(reference / "metrics.jsonl")] and len(set(lrs)) == 4
     resumed, expected = final_weights(run_dir), final_weights(reference)
     assert resumed.keys() == expected.keys()
     for name in expected:
