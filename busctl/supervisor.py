@@ -64,6 +64,7 @@ from pathlib import Path
 import zmq
 from prometheus_client import REGISTRY, Counter, generate_latest
 from rich.console import Console
+from rich.markup import escape
 
 from bus import auth
 from bus.launch_env import ENV_NAMES, LaunchEnv
@@ -74,7 +75,7 @@ from bus.sockets import BusSocket
 from bus.topics import Endpoints
 from busctl.component_table import LIVE_STATES, ComponentSpec, ComponentState, claim_broadcast_port, component_table, launch_prefix, process_start_ticks
 from busctl.healing import ComponentFacts, Decision, FailRun, HealingRules, RestartNow, ScheduleRestart, decide
-from busctl.launchers import Launcher
+from busctl.launchers import Launcher, check_crash
 from busctl.launchers.local import LocalLauncher
 from busctl.live import progress_line
 from busctl.metrics_targets import live_targets, prometheus_targets, served_targets, supervisor_metrics_host
@@ -365,6 +366,9 @@ class Supervisor:
         kill_and_reap(spec)
         spec.last_error = decision.reason
         log.info("%s (pid %d) %s", spec.name, spec.pid, decision.reason)  # the console line follows
+        decision, moved = check_crash(self.launcher, spec, decision)  # slurm: a dead node fails the run, or moves it
+        if moved:
+            self.say(f"  [yellow]node down[/yellow] {escape(moved)}")
         if isinstance(decision, FailRun):
             spec.state = ComponentState.EXITED
             self.write_status()

@@ -24,10 +24,17 @@ from __future__ import annotations
 from typing import IO, Protocol
 
 from busctl.component_table import ComponentSpec
+from busctl.healing import Decision, FailRun
 from configs.schema import RunConfig
 
 LAUNCHERS = ("local", "slurm", "ray")
 """The launcher names (``supervisor.launcher``, ``busctl up --launcher``)."""
+
+
+class NodeLost(RuntimeError):
+    """A component's node is gone and the run cannot go on there (the message names the node and
+    why: the allocation ended, or no live node of the allocation is left for the component); the
+    supervisor fails the run with it."""
 
 
 class Launched(Protocol):
@@ -69,6 +76,22 @@ class Launcher(Protocol):
         """Choose the node of ``spec``'s next spawn and return its address (the supervisor calls
         it just before :meth:`spawn`; ``""``: not placed by address, as the local launcher, so no
         endpoint ever moves, :mod:`busctl.rebinding`). Optional: a launcher without it is ``""``."""
+
+    def check_crash(self, spec: ComponentSpec) -> str:
+        """Called when ``spec``'s process crashed, before it is restarted: whether its node still
+        lives. Returns ``""``, or a line for the console when its next spawn moves to another
+        node; raises :class:`NodeLost` when it cannot run anywhere. Optional (slurm has it)."""
+
+
+def check_crash(launcher: Launcher, spec: ComponentSpec, decision: Decision) -> tuple[Decision, str]:
+    """The supervisor's crash ``decision`` for ``spec`` after asking ``launcher.check_crash``
+    (launchers without it: unchanged): a :class:`NodeLost` turns it into a :class:`busctl.healing.FailRun`
+    whose message names the node; also returns the launcher's line about a move (``""``: none)."""
+    try:
+        return decision, getattr(launcher, "check_crash", lambda _spec: "")(spec)
+    except NodeLost as err:
+        reason = getattr(decision, "reason", "crashed")
+        return FailRun(spec.name, reason, f"{spec.name} {reason}: {err}"), ""
 
 
 def make_launcher(cfg: RunConfig) -> Launcher:

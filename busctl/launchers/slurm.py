@@ -12,7 +12,9 @@ Slurm clusters have).
 
 Each component is ``srun --nodes=1 --ntasks=1 --nodelist=NODE --overlap [--het-group=K]
 [--gpus=N] --kill-on-bad-exit=1 --job-name=rlbus-NAME-ID CMD``, started locally in its own
-session; GPU components get ``--gpus`` with as many devices as :mod:`busctl.placement` planned
+session with a parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGTERM)``): when ``busctl up``
+dies, SIGKILLed included, the kernel sends its ``srun`` SIGTERM, and ``srun`` answers it by
+cancelling its step ("forcing job termination"), so no step outlives busctl. GPU components get ``--gpus`` with as many devices as :mod:`busctl.placement` planned
 and Slurm sets their ``CUDA_VISIBLE_DEVICES``. The step's component sends ``RLBUS_SPAWN_ID=ID``
 instead of its pid (it runs elsewhere) and serves its metrics on its node's address
 (``RLBUS_NODE_ADDRESS``, the node resolved as for ``bus.hosts``), which ``prometheus.yml`` and
@@ -20,17 +22,25 @@ instead of its pid (it runs elsewhere) and serves its metrics on its node's addr
 end is its exit. Signals go to the step's task with ``scancel --signal=SIG`` (the step found by
 its name): SIGTERM is a graceful stop as on the local launcher (``srun`` itself would answer
 SIGTERM by cancelling the step, SIGKILL after ``KillWait``); SIGKILL also kills ``srun``, so a
-killed component leaves nothing running on its node.
+killed component leaves nothing running on its node. Slurm's answers go through
+:mod:`busctl.launchers.slurm_state`: a failing ``squeue`` is retried and then *unknown*, never
+"the step ended"; a failing ``scancel`` (exit code, stderr) is logged; in both cases the signal
+goes to the step's ``srun`` instead (SIGTERM to ``srun`` cancels the step).
 
-A component is always placed on the node of its first start (the allocation is fixed), so a
-binding component's address in ``bus.hosts`` stays right across restarts; a node that fails makes
-its components fail until ``supervisor.max_restarts`` ends the run.
-
-Not covered: busctl itself SIGKILLed leaves its steps running until the allocation ends.
+A component stays on the node of its first start while that node lives, so a binding component's
+address in ``bus.hosts`` stays right across restarts. When a component crashes the supervisor
+asks :meth:`SlurmLauncher.check_crash` first: if the job itself no longer runs (a node failure
+ends a Slurm job unless it was submitted with ``--no-kill``) the run fails at once, naming the
+job state and the node; if the component's node is dead (``DOWN``, ``NOT_RESPONDING``, ...) the
+component is re-planned over the allocation's live nodes (:func:`busctl.launchers.nodes.plan_nodes`
+without the dead ones: a spare node; a moved binder's endpoints follow, :mod:`busctl.rebinding`),
+and when its group has no live node left the run fails at once, naming the node. A Slurm that
+does not answer leaves the node as it was (the restart goes ahead).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import secrets
@@ -41,16 +51,15 @@ from typing import IO, Callable, Mapping
 
 from bus.launch_env import ENV_NODE_ADDRESS, ENV_SPAWN_ID
 from busctl.component_table import ComponentSpec, signal_group
+from busctl.launchers import NodeLost
 from busctl.launchers.local import LocalProcess
 from busctl.launchers.multihost import configure_multihost
-from busctl.launchers.nodes import HET_GROUPS, Allocation, plan_nodes
+from busctl.launchers.nodes import HET_GROUPS, Allocation, Slot, plan_nodes
+from busctl.launchers.slurm_state import SLURM_TIMEOUT_S, SlurmUnavailable, cancel_step, job_state, node_dead, node_state, step_ids
 from busctl.placement import ENV_CUDA_DEVICES
 from configs.schema import ConfigError, RunConfig
 
 log = logging.getLogger(__name__)
-
-SLURM_TIMEOUT_S = 30.0
-"""Longest wait for ``scontrol`` / ``squeue`` / ``scancel``, seconds."""
 
 def expand_nodelist(nodelist: str, run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> list[str]:
     """Host names of a Slurm node list (``"gpu[01-03],cpu1"``), by ``scontrol show hostnames``.
@@ -93,37 +102,64 @@ def srun_command(spec: ComponentSpec, cmd: list[str], node: str, het_group: int 
             *([f"--het-group={het_group}"] if het_group is not None else []), *([f"--gpus={gpus}"] if gpus else []), *cmd]
 
 
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the forked child must not dlopen
+
+
+def die_with_busctl(parent_pid: int) -> Callable[[], None]:
+    """A ``preexec_fn`` for ``srun``: SIGTERM to it when its parent dies (``prctl(PR_SET_PDEATHSIG)``,
+    Linux; kept across ``exec`` as ``srun`` is not set-uid). The parent is the *thread* that
+    spawned it (busctl's supervisor thread, which lives as long as the run). A parent already gone
+    before the ``prctl`` is caught by comparing ``getppid()`` with ``parent_pid``."""
+    def arm() -> None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent_pid:
+            os.kill(os.getpid(), signal.SIGTERM)
+    return arm
+
+
 class SlurmStep(LocalProcess):
     """:class:`busctl.launchers.Launched` of one ``srun`` step (see the module docstring): the local
-    ``srun`` process's exit is the step's; ``pid`` is the spawn id the component names itself by."""
+    ``srun`` process's exit is the step's; ``pid`` is the spawn id the component names itself by.
 
-    def __init__(self, popen: subprocess.Popen, spawn_id: int, node: str, step_name: str) -> None:
+    Args:
+        popen: the local ``srun``. spawn_id: ``RLBUS_SPAWN_ID``. node: the step's node.
+        step_name: its ``--job-name``. job: the Slurm job id (None: any job's step of that name).
+    """
+
+    def __init__(self, popen: subprocess.Popen, spawn_id: int, node: str, step_name: str, job: str | None = None) -> None:
         super().__init__(popen, node)
         self.pid = spawn_id
         self.step_name = step_name
+        self.job = job
 
     def step_ids(self) -> list[str]:
-        """The Slurm ids (``JOB.STEP``) of this component's step (none once it ended)."""
-        out = subprocess.run(["squeue", "--steps", "--noheader", "--format=%i %j"], capture_output=True, text=True,
-                             timeout=SLURM_TIMEOUT_S)
-        return [line.split()[0] for line in out.stdout.splitlines() if line.split()[1:] == [self.step_name]]
+        """The Slurm ids (``JOB.STEP``) of this component's step (empty once it ended).
+
+        Raises:
+            busctl.launchers.slurm_state.SlurmUnavailable: ``squeue`` failed every try (unknown).
+        """
+        return step_ids(self.step_name, self.job)
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the step's task with ``scancel --signal`` (not to ``srun``: ``srun``
         answers SIGTERM by cancelling the step, SIGKILL after Slurm's ``KillWait``, which would cut
-        a graceful stop short); after SIGKILL, or when the step is not found, ``srun`` too
-        (its whole process group). Gone: ignored."""
+        a graceful stop short). ``srun`` (its whole process group) gets ``sig`` too after SIGKILL,
+        when the step is not listed (not started yet, or ended), when ``squeue`` cannot say
+        (unknown after its retries) and when ``scancel`` fails: then ``srun`` cancels the step
+        itself. Gone: ignored."""
         if self.popen.poll() is not None:
             return
+        fallback = sig == signal.SIGKILL
         try:
             steps = self.step_ids()
+            fallback = fallback or not steps
             for step in steps:
-                subprocess.run(["scancel", f"--signal={signal.Signals(sig).name.removeprefix('SIG')}", step],
-                               capture_output=True, timeout=SLURM_TIMEOUT_S)
-        except (OSError, subprocess.TimeoutExpired) as err:
-            log.warning("scancel of %s failed (%s); signalling its srun", self.step_name, err)
-            steps = []
-        if sig == signal.SIGKILL or not steps:
+                cancel_step(step, signal.Signals(sig).name.removeprefix("SIG"))
+        except SlurmUnavailable as err:
+            log.warning("%s of %s: %s; signalling its srun (pid %d) instead", signal.Signals(sig).name, self.step_name,
+                        err, self.popen.pid)
+            fallback = True
+        if fallback:
             signal_group(self.popen.pid, sig)
 
 
@@ -132,13 +168,21 @@ class SlurmLauncher:
 
     Args:
         alloc: the job's nodes. resolve: node name -> address for ``bus.hosts``.
+        job: the Slurm job id (``SLURM_JOB_ID``; None: its state is not checked on a crash).
+
+    Attributes:
+        dead: nodes found dead (:meth:`check_crash`); nothing is placed on them again.
+        pinned: component name -> its :class:`Slot` (the node of its last spawn).
     """
 
     name = "slurm"
 
-    def __init__(self, alloc: Allocation, resolve: Callable[[str], str] = socket.gethostbyname) -> None:
+    def __init__(self, alloc: Allocation, resolve: Callable[[str], str] = socket.gethostbyname, job: str | None = None) -> None:
         self.alloc = alloc
         self.resolve = resolve
+        self.job = job
+        self.dead: set[str] = set()
+        self.pinned: dict[str, Slot] = {}
 
     @classmethod
     def from_environ(cls, cfg: RunConfig, environ: Mapping[str, str] | None = None) -> "SlurmLauncher":
@@ -148,7 +192,8 @@ class SlurmLauncher:
             ConfigError: see :func:`allocation_from_environ`.
         """
         try:
-            return cls(allocation_from_environ(os.environ if environ is None else environ))
+            environ = os.environ if environ is None else environ
+            return cls(allocation_from_environ(environ), job=environ.get("SLURM_JOB_ID"))
         except ValueError as err:
             raise ConfigError(str(err)) from None
 
@@ -163,13 +208,64 @@ class SlurmLauncher:
         return "\n".join([f"# slurm: nodes {[list(g) for g in self.alloc.groups]}"] +
                          [f"#   {r}{'-0' if r in ('producer', 'rewards') else ''}: {plan_nodes(self.alloc, r).node}" for r in roles])
 
+    def live_allocation(self) -> Allocation:
+        """:attr:`alloc` without the :attr:`dead` nodes.
+
+        Raises:
+            NodeLost: a group (the whole job, or a het component) has no live node left.
+        """
+        groups = tuple(tuple(n for n in g if n not in self.dead) for g in self.alloc.groups)
+        for k, (group, live) in enumerate(zip(self.alloc.groups, groups)):
+            if not live:
+                what = f"het group {k} ({HET_GROUPS[k]})" if self.alloc.heterogeneous else "the allocation"
+                raise NodeLost(f"node {', '.join(sorted(self.dead & set(group)))} of {what} is down and {what} has no "
+                               f"live node left to place its components on")
+        return Allocation(groups)
+
+    def slot(self, spec: ComponentSpec) -> Slot:
+        """Where ``spec`` runs next: its node of last time while it lives, else its plan over the
+        live nodes (:meth:`live_allocation`; raises :class:`NodeLost` when there are none)."""
+        slot = self.pinned.get(spec.name)
+        if slot is None or slot.node in self.dead:
+            slot = self.pinned[spec.name] = plan_nodes(self.live_allocation(), spec.role, spec.index)
+        return slot
+
     def place(self, spec: ComponentSpec) -> str:
-        """The address of ``spec``'s node: always the same node for a component (the allocation is fixed)."""
-        return self.resolve(plan_nodes(self.alloc, spec.role, spec.index).node)
+        """The address of ``spec``'s node (:meth:`slot`: the same node while it lives)."""
+        return self.resolve(self.slot(spec).node)
+
+    def check_crash(self, spec: ComponentSpec) -> str:
+        """``spec``'s step ended unasked: fail the run if the job no longer runs or the node is
+        dead with no spare (:class:`NodeLost`, naming the node); a dead node with a spare moves
+        ``spec`` there on its restart (returns the line saying so); else ``""``. Slurm not
+        answering (:class:`SlurmUnavailable`): logged, ``""`` (the restart goes ahead).
+
+        Raises:
+            NodeLost: see above.
+        """
+        node = self.pinned[spec.name].node if spec.name in self.pinned else self.slot(spec).node
+        try:
+            state = job_state(self.job) if self.job is not None else "RUNNING"
+            if state != "RUNNING":
+                try:
+                    node_says = "+".join(sorted(node_state(node, tries=1)))
+                except SlurmUnavailable:
+                    node_says = "state unknown"
+                raise NodeLost(f"Slurm job {self.job} is {state} (node {node} of {spec.name}: {node_says}): "
+                               "the allocation is gone, no component can be restarted")
+            states = node_state(node)
+        except SlurmUnavailable as err:
+            log.warning("cannot check node %s of %s: %s", node, spec.name, err)
+            return ""
+        if not node_dead(states):
+            return ""
+        self.dead.add(node)
+        moved = self.slot(spec)  # NodeLost when no live node is left
+        return f"node {node} of {spec.name} is {'+'.join(sorted(states))}: {spec.name} moves to {moved.node}"
 
     def spawn(self, spec: ComponentSpec, cmd: list[str], env: dict[str, str], log: IO[bytes]) -> SlurmStep:
         """Start ``cmd`` as an ``srun`` step on the component's node (module docstring)."""
-        slot = plan_nodes(self.alloc, spec.role, spec.index)
+        slot = self.slot(spec)
         spawn_id = secrets.randbelow(2**31 - 2) + 1
         env = {**env, ENV_SPAWN_ID: str(spawn_id), ENV_NODE_ADDRESS: self.resolve(slot.node)}
         devices = [d for d in env.get(ENV_CUDA_DEVICES, "").split(",") if d]
@@ -177,5 +273,5 @@ class SlurmLauncher:
             del env[ENV_CUDA_DEVICES]
         step = srun_command(spec, cmd, slot.node, slot.het_group, len(devices), spawn_id)
         popen = subprocess.Popen(step, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                 cwd=os.getcwd(), start_new_session=True)
-        return SlurmStep(popen, spawn_id, slot.node, f"rlbus-{spec.name}-{spawn_id}")
+                                 cwd=os.getcwd(), start_new_session=True, preexec_fn=die_with_busctl(os.getpid()))
+        return SlurmStep(popen, spawn_id, slot.node, f"rlbus-{spec.name}-{spawn_id}", self.job)
