@@ -62,7 +62,7 @@ def _refused() -> float:
 
 def test_the_client_certificate_reads_metrics_and_health(server, keys):
     client = MetricsTls.load(keys).client_context()
-    got = scrape(server, tls=client)
+    got = scrape(server, timeout_s=10, tls=client)
     assert got.total("h8_probe_total") == 3.0
     with urllib.request.urlopen(metrics_url(server, tls=client, path="/health"), timeout=5, context=client) as resp:
         body = json.loads(resp.read())

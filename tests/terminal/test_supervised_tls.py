@@ -52,7 +52,7 @@ def test_the_poller_prometheus_and_only_certificate_holders_read_metrics_over_tl
     bare = ssl.create_default_context(cafile=str(tls.path("ca.crt")))  # trusts the servers, holds no certificate
     bare.check_hostname = False
     for target in (port, run.sup.metrics_port):
-        assert scrape(target, tls=client).total("rlbus_bus_messages_total") is not None  # the holder reads both
+        assert scrape(target, timeout_s=10, tls=client).total("rlbus_bus_messages_total") is not None  # the holder reads both
         with pytest.raises(OSError):
             urllib.request.urlopen(f"http://127.0.0.1:{target}/metrics", timeout=5).read()  # plain HTTP: nothing
         with pytest.raises(OSError):
