@@ -1,7 +1,8 @@
 """Soak: the default job under a random SIGKILL every 20-40 s and garbage at every endpoint.
 
 Usage: ``python -m bench.soak [--minutes 30] [--config configs/reverse_text.yaml] [--run-dir DIR]
-[--max-steps N] [--seed S] [--out FILE.json] [override ...]`` (not in CI: minutes of real vLLM).
+[--max-steps N] [--seed S] [--transport ipc|tcp] [--base-port P] [--out FILE.json] [override ...]``
+(not in CI: minutes of real vLLM).
 
 What it does, on this host:
 
@@ -14,11 +15,18 @@ What it does, on this host:
   restarts it (``"packer"`` in ``RESTARTABLE_ROLES``; otherwise its kill would end the run, so it
   is left out and the JSON says so);
 - all along, sends bursts of hostile frames (``tests/bus/fuzz.py``, the generators of
-  ``tests/e2e/test_fuzz_run.py``) to every ROUTER the run binds on the data topics and to the hub;
+  ``tests/e2e/test_fuzz_run.py``) to every endpoint the run binds: the data topics' ROUTERs (every
+  producer's ``rollouts`` among them), the hub and the weights endpoint (:mod:`bench.soak_garbage`);
+  with ``--transport tcp`` (CurveZMQ keys and metrics TLS made by ``busctl keys``) from CURVE clients
+  holding the run's key and from plaintext sockets the handshake must refuse, and every
+  :data:`PROBE_S` s it asks each component's ``/metrics`` without the client certificate;
 - after ``--minutes`` (or 90% of the steps) stops killing and lets the run finish, then reads the
   run's own records.
 
-Figures (printed and written as JSON): kills per kind, restarts per component, prompts issued and
+Figures (printed and written as JSON): kills per kind, hostile frame sets sent (authenticated and
+plaintext), metrics probes without the client certificate and how many were answered (must be
+0), frames the components' last incarnations rejected (``metrics_final/``), the eval rounds
+written to ``metrics.jsonl``, restarts per component, prompts issued and
 their outcomes, samples trained, lost (issued prompts left without outcome, and ledger ``trained``
 groups missing from ``trained_samples.jsonl``), trained twice (sample ids in more than one step of
 the surviving lineage), and per kill kind the step-time cost of the restart: the gap between the
@@ -30,7 +38,6 @@ run recovered from the previous one are listed but not costed (see :func:`restar
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import random
@@ -42,10 +49,11 @@ import threading
 import time
 from pathlib import Path
 
-import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
-from bus.messages import GroupsDropped, GroupsTrained, Prompt, RolloutGroup, ScoredGroup
+from bench.soak_garbage import Garbage, probe_metrics
 from bus.topics import Endpoints
+from configs.schema import load_config
 from busctl.component_table import RESTARTABLE_ROLES
 from tests.e2e.test_faults import FAST_FAILURE_DETECTION, components, trained_steps
 
@@ -53,60 +61,29 @@ KINDS = ["hub", "prompt-source", "trainer", "producer", "rewards"] + (["packer"]
 """Component kinds (roles) the soak kills."""
 POLL_S = 0.25
 """How often the soak reads the trainer's progress, seconds."""
-BURST = 50
-"""Hostile frame sets sent to each endpoint per second."""
+PROBE_S = 30.0
+"""How often (tcp) the soak asks every component's metrics endpoint without a client certificate."""
 
 
-def load_fuzz():
-    """``tests/bus/fuzz.py`` as module ``fuzz`` (it is not a package module)."""
-    if "fuzz" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("fuzz", Path(__file__).resolve().parents[1] / "tests" / "bus" / "fuzz.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["fuzz"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["fuzz"]
+def read_records(path: Path) -> list[dict]:
+    """The JSON lines of ``path`` (a torn last line, written while the run was killed, skipped)."""
+    out = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
 
 
-class Garbage(threading.Thread):
-    """Sends :data:`BURST` hostile frame sets per second to each data ROUTER and to the hub, until
-    ``stop``; never blocks (NOBLOCK; what ZeroMQ cannot take now is skipped)."""
-
-    def __init__(self, run_dir: Path, stop: threading.Event) -> None:
-        super().__init__(daemon=True, name="garbage")
-        fuzz = load_fuzz()
-        endpoints = Endpoints("ipc", run_dir)
-        targets = [  # (topic, socket type, generator): each message invalid for its receiver
-            ("scored", zmq.DEALER, fuzz.HostileEnvelopes(101, "inbox", (ScoredGroup,))),
-            ("batches", zmq.DEALER, fuzz.HostileEnvelopes(103, "outbox", (ScoredGroup,))),
-            ("prompts", zmq.DEALER, fuzz.HostileEnvelopes(104, "outbox", (Prompt,))),
-            ("rollouts", zmq.DEALER, fuzz.HostileEnvelopes(105, "outbox", (RolloutGroup,))),
-            ("outcomes", zmq.DEALER, fuzz.HostileEnvelopes(106, "inbox", (GroupsDropped, GroupsTrained))),
-            ("control_pub", zmq.PUB, fuzz.HostileMessages(102, None)),
-        ]
-        self.ctx = zmq.Context()
-        self.targets = []
-        for topic, kind, gen in targets:
-            sock = self.ctx.socket(kind)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVHWM, 1)
-            sock.connect(endpoints.address(topic))
-            self.targets.append((topic, sock, gen.take(2000)))
-        self.stop, self.sent = stop, 0
-
-    def run(self) -> None:
-        i = 0
-        while not self.stop.wait(1.0):
-            for _, sock, frames in self.targets:
-                for k in range(BURST):
-                    try:
-                        sock.send_multipart(frames[(i + k) % len(frames)], flags=zmq.NOBLOCK)
-                        self.sent += 1
-                    except zmq.Again:
-                        break
-            i += BURST
-        for _, sock, _ in self.targets:
-            sock.close(linger=0)
-        self.ctx.term()
+def probe_all(run_dir: Path, probes: dict[str, int]) -> None:
+    """Ask every live component's metrics endpoint without the client certificate
+    (:func:`bench.soak_garbage.probe_metrics`); counts into ``probes`` ("asked", "answered")."""
+    for c in components(run_dir).values():
+        if c.get("metrics_port") and c.get("state") in ("ready", "running"):
+            for answered in probe_metrics(c.get("metrics_host") or "127.0.0.1", int(c["metrics_port"])).values():
+                probes["asked"] += 1
+                probes["answered"] += int(answered)
 
 
 def victim(run_dir: Path, kind: str, rng: random.Random) -> tuple[str, int] | None:
@@ -165,7 +142,12 @@ def run_figures(run_dir: Path) -> dict:
         if rec.get("outcome") == "trained":
             ledger_trained.update(rec.get("ids", [rec.get("id")]))
     ledger_trained.discard(None)
-    return {"prompts_issued": acc["issued"], "outcomes": acc["outcomes"], "steps_trained": len(trained),
+    rejected = 0.0  # every component's last metrics (metrics_final/), restarted ones since their restart
+    for prom in sorted((run_dir / "metrics_final").glob("*.prom")):
+        for family in text_string_to_metric_families(prom.read_text()):
+            rejected += sum(s.value for s in family.samples if s.name == "rlbus_bus_rejected_total")
+    eval_rounds = sorted({r["step"] for r in read_records(run_dir / "metrics.jsonl") if any(k.startswith("eval/") for k in r)})
+    return {"eval_rounds_reported": eval_rounds, "frames_rejected_final": int(rejected), "prompts_issued": acc["issued"], "outcomes": acc["outcomes"], "steps_trained": len(trained),
             "samples_trained": len(sample_ids), "samples_trained_twice": len(sample_ids) - len(set(sample_ids)),
             "prompts_lost": len(acc["unresolved"]) + len(ledger_trained - groups), "conflicts": len(acc["conflicts"])}
 
@@ -177,14 +159,24 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--run-dir", default="runs/soak", help="the soak run's directory; a previous soak there is replaced (busctl up --overwrite)")
     ap.add_argument("--max-steps", type=int, default=0, help="0: max(60, one per 2 s of the soak)")
     ap.add_argument("--seed", type=int, default=16)
+    ap.add_argument("--transport", choices=("ipc", "tcp"), default="ipc",
+                    help="tcp: bus.transport=tcp with CurveZMQ keys (and metrics TLS) made by busctl keys beside RUN_DIR")
+    ap.add_argument("--base-port", type=int, default=6550, help="bus.base_port with --transport tcp")
     ap.add_argument("--out", default="", help="JSON file (default: RUN_DIR/soak.json)")
     ap.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = ap.parse_args(argv)
     run_dir = Path(args.run_dir).resolve()
     max_steps = args.max_steps or max(60, int(args.minutes * 30))
     rng = random.Random(args.seed)
+    keys_dir = None
+    transport = []
+    if args.transport == "tcp":
+        keys_dir = run_dir.with_name(run_dir.name + "-keys")
+        if not (keys_dir / "tls").is_dir():
+            subprocess.run([sys.executable, "-m", "busctl", "keys", str(keys_dir)], check=True)
+        transport = ["bus.transport=tcp", f"bus.curve_keys_dir={keys_dir}", f"bus.base_port={args.base_port}"]
     cmd = [sys.executable, "-m", "busctl", "up", "--overwrite", args.config, f"run_dir={run_dir}", f"trainer.max_steps={max_steps}",
-           *FAST_FAILURE_DETECTION, "supervisor.max_restarts=1000", *args.overrides]
+           *FAST_FAILURE_DETECTION, "supervisor.max_restarts=1000", *transport, *args.overrides]
     started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     output: list[str] = []
@@ -192,13 +184,17 @@ def main(argv: list[str] | None = None) -> dict:
     stop = threading.Event()
     kills: list[dict] = []
     progress: list[tuple[float, int]] = []
+    probes = {"asked": 0, "answered": 0}
     try:
         while trained_steps(run_dir) < 1:
             if proc.poll() is not None:
                 raise SystemExit("the run ended before its first step:\n" + "".join(output[-50:]))
             time.sleep(POLL_S)
-        garbage = Garbage(run_dir, stop)
+        cfg = load_config(run_dir / "config.yaml")
+        endpoints = Endpoints(cfg.bus.transport, run_dir, cfg.bus.host, cfg.bus.base_port, dict(cfg.bus.hosts))
+        garbage = Garbage(endpoints, keys_dir, cfg.producers.max_replicas, stop)
         garbage.start()
+        next_probe = time.monotonic()
         deadline = time.monotonic() + args.minutes * 60
         next_kill = time.monotonic() + rng.uniform(20, 40)
         while time.monotonic() < deadline and proc.poll() is None:
@@ -206,6 +202,9 @@ def main(argv: list[str] | None = None) -> dict:
             progress.append((time.monotonic(), steps))
             if steps >= 0.9 * max_steps:
                 break
+            if keys_dir is not None and time.monotonic() >= next_probe:
+                probe_all(run_dir, probes)
+                next_probe = time.monotonic() + PROBE_S
             if time.monotonic() >= next_kill:
                 kind = rng.choice(KINDS)
                 picked = victim(run_dir, kind, rng)
@@ -229,7 +228,9 @@ def main(argv: list[str] | None = None) -> dict:
         "exit_code": proc.returncode, "kinds": KINDS, "packer_killed": "packer" in KINDS,
         "kills": {kind: sum(1 for k in kills if k["kind"] == kind) for kind in KINDS},
         "restarts": {name: c.get("restarts", 0) for name, c in status.items()},
-        "garbage_frames_sent": garbage.sent if "garbage" in locals() else 0,
+        "transport": args.transport, "curve": keys_dir is not None,
+        "garbage_frames_sent": garbage.sent if "garbage" in locals() else {},
+        "metrics_probes_without_certificate": probes,
         **restart_costs(kills, progress),
     }
     if proc.returncode == 0:
