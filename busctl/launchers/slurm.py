@@ -102,7 +102,7 @@ def srun_command(spec: ComponentSpec, cmd: list[str], node: str, het_group: int 
             *([f"--het-group={het_group}"] if het_group is not None else []), *([f"--gpus={gpus}"] if gpus else []), *cmd]
 
 
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the forked child must not dlopen
+_PRCTL = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # resolved here: the forked child must not dlopen
 
 
 def die_with_busctl(parent_pid: int) -> Callable[[], None]:
@@ -111,7 +111,8 @@ def die_with_busctl(parent_pid: int) -> Callable[[], None]:
     spawned it (busctl's supervisor thread, which lives as long as the run). A parent already gone
     before the ``prctl`` is caught by comparing ``getppid()`` with ``parent_pid``."""
     def arm() -> None:
-        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if _PRCTL is not None:  # Linux
+            _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
         if os.getppid() != parent_pid:
             os.kill(os.getpid(), signal.SIGTERM)
     return arm

@@ -80,7 +80,9 @@ class SlurmCluster:
 
     def stop(self) -> None:
         """Stop the daemons and what they started (each daemon's whole session: slurmctld's
-        slurmscriptd, slurmd's step daemons): SIGTERM, then SIGKILL after 10 s."""
+        slurmscriptd, slurmd's step daemons): SIGTERM, then SIGKILL after 10 s; then SIGKILL
+        every ``slurmstepd`` of this cluster left (they leave slurmd's session, and one still
+        retrying its step-completion message would wait for a slurmctld that is gone)."""
         for proc in reversed(self.procs):
             _signal_session(proc, signal.SIGTERM)
         for proc in reversed(self.procs):
@@ -91,6 +93,23 @@ class SlurmCluster:
             _signal_session(proc, signal.SIGKILL)
             proc.wait()
         self.procs.clear()
+        for pid in self.step_daemons():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def step_daemons(self) -> list[int]:
+        """Pids of the running ``slurmstepd`` processes of this cluster (``SLURM_CONF`` in their environment)."""
+        mine = f"SLURM_CONF={self.conf}".encode()
+        pids = []
+        for proc in Path("/proc").glob("[0-9]*"):
+            try:
+                if (proc / "comm").read_text().strip() == "slurmstepd" and mine in (proc / "environ").read_bytes().split(b"\0"):
+                    pids.append(int(proc.name))
+            except OSError:  # gone, or not ours to read
+                pass
+        return pids
 
 
 def _signal_session(proc: subprocess.Popen, sig: int) -> None:

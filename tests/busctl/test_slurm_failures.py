@@ -1,7 +1,8 @@
 """The Slurm launcher when things go wrong, against a real one-node Slurm
 (:mod:`tests.busctl.slurm_cluster`; skipped, with the reason, where its daemons cannot run):
 
-- a SIGKILLed launcher process leaves no step behind (its ``srun`` dies with it and cancels the step);
+- a SIGKILLed ``busctl up`` (its supervisor, in a process of its own) leaves no step behind: each
+  ``srun`` gets SIGTERM when busctl dies and cancels its step;
 - a failing ``scancel`` falls back to the step's ``srun``, which cancels the step;
 - a failing ``squeue`` is retried and is "unknown", not "the step ended": the graceful stop
   still reaches the component;
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -38,16 +40,23 @@ from tests.processes import running
 GONE_WITHIN_S = 15.0
 """A cancelled step must leave ``squeue`` within this, seconds (the cluster's KillWait is 5 s)."""
 
-PARENT = """
-import os, sys, time
-from busctl.component_table import ComponentSpec
-from busctl.launchers.nodes import Allocation
-from busctl.launchers.slurm import SlurmLauncher
-launcher = SlurmLauncher(Allocation(((sys.argv[1],),)), resolve=lambda n: "127.0.0.1", job=os.environ["SLURM_JOB_ID"])
-step = launcher.spawn(ComponentSpec("rewards-0", "sleep"), ["sleep", "1000"], dict(os.environ), open(sys.argv[2], "ab"))
-print(step.step_name, step.popen.pid, flush=True)
+SUPERVISOR = """
+import sys, time
+from pathlib import Path
+from rich.console import Console
+from busctl.launchers import make_launcher
+from busctl.supervisor import Supervisor
+from tests.busctl.test_supervisor import make_cfg, table
+cfg = make_cfg(Path(sys.argv[1]), f"bus.base_port={sys.argv[2]}", "supervisor.launcher=slurm")
+launcher = make_launcher(cfg)
+launcher.configure(cfg)
+sup = Supervisor(cfg, Console(file=sys.stderr), table=table("hub", "rewards-0"), launcher=launcher)
+sup.prepare()
+sup.start()
+print(" ".join(f"rlbus-{s.name}-{s.pid}" for s in sup.table), " ".join(str(s.proc.popen.pid) for s in sup.table), flush=True)
 time.sleep(1000)
 """
+"""busctl up's supervisor (the hub and a sleepy component as Slurm steps), started, then left running."""
 
 TASK = """
 import pathlib, signal, sys, time
@@ -64,6 +73,11 @@ def wait_until(what: str, predicate, timeout_s: float = GONE_WITHIN_S) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"not within {timeout_s:g} s: {what}")
         time.sleep(0.2)
+
+
+def slurm_lines(*args: str) -> list[str]:
+    """The output lines of a Slurm client (a failure is a test error)."""
+    return subprocess.run(args, capture_output=True, text=True, timeout=60, check=True).stdout.split("\n")[:-1]
 
 
 def failing_client(bin_dir: Path, name: str, fails: int) -> Path:
@@ -92,16 +106,22 @@ def start_task(launcher: SlurmLauncher, tmp_path: Path):
     return step, marker
 
 
-def test_a_sigkilled_launcher_leaves_no_step(allocation: str, slurm_cluster: SlurmCluster, tmp_path: Path) -> None:  # noqa: F811
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, slurm_cluster.node, str(tmp_path / "step.log")],
-                              stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+def test_a_sigkilled_supervisor_leaves_no_step(allocation: str, tmp_path: Path) -> None:  # noqa: F811
+    run_dir = tmp_path / "run"
+    parent = subprocess.Popen([sys.executable, "-c", SUPERVISOR, str(run_dir), str(random.randrange(20_000, 32_000, 100))],
+                              stdout=subprocess.PIPE, stderr=(tmp_path / "busctl.log").open("wb"), text=True, cwd=os.getcwd())
     try:
-        step_name, srun_pid = parent.stdout.readline().split()
-        wait_until("the step is listed", lambda: step_ids(step_name, allocation), 60)
+        line = parent.stdout.readline().split()
+        assert line, (tmp_path / "busctl.log").read_text()
+        names, sruns = line[:2], [int(pid) for pid in line[2:]]
+        assert all(step_ids(name, allocation) for name in names)
+        rewards_log = run_dir / "logs" / "rewards-0.log"  # its "ready" line may follow its handshake
+        wait_until("rewards-0 logged its pid", lambda: " ready (pid " in rewards_log.read_text())
+        tasks = [int(re.findall(r" ready \(pid (\d+)", rewards_log.read_text())[-1])]
         parent.kill()  # busctl up SIGKILLed: nothing of it runs its shutdown
         parent.wait()
-        wait_until(f"step {step_name} gone after its launcher's SIGKILL", lambda: not step_ids(step_name, allocation))
-        wait_until("its srun gone", lambda: not running(int(srun_pid)))
+        wait_until(f"steps {names} gone after busctl's SIGKILL", lambda: not any(step_ids(name, allocation) for name in names))
+        wait_until("their sruns and components gone", lambda: not any(running(pid) for pid in sruns + tasks))
     finally:
         parent.kill()
 
@@ -162,9 +182,9 @@ def test_a_dead_node_fails_the_run_naming_it(allocation: str, slurm_cluster: Slu
     try:
         subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=rlbus-test"], check=True, timeout=60)
         assert run.join() == 1
-    finally:  # ReturnToService=2 brings it back by itself; wait for it, for the modules after this one
-        wait_until("the node idle again", lambda: subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True,
-                                                                 timeout=60).stdout.strip() == "idle", 60)
+    finally:  # ReturnToService=2 brings the node back by itself; the job's steps complete once it is
+        wait_until("the job and its steps gone, the node idle again", lambda: not slurm_lines("squeue", "-h", f"--jobs={allocation}")
+                   and not slurm_lines("squeue", "-h", "--steps", f"--jobs={allocation}") and slurm_lines("sinfo", "-h", "-o", "%T") == ["idle"], 90)
     out = run.out.getvalue()
     assert f"Slurm job {allocation} is NODE_FAIL (node {node} of " in out, out
     assert "the allocation is gone" in out and "restart budget" not in out
