@@ -10,10 +10,12 @@ scaling and shutdown are the same whatever starts the processes:
 - ``ray`` (:mod:`busctl.launchers.ray`): one small Ray actor per component, pinned to its node of
   a running Ray cluster, starts the process there; a dead actor or node is a dead process.
 
-A component restarts on its node while that node lives (slurm: always; ray: pinned), so the
-addresses of ``bus.hosts`` stay right; a binder that must move to another address moves its
-endpoints and restarts its peers (:mod:`busctl.rebinding`). On several nodes a component serves
-its metrics on its node's address (``RLBUS_NODE_ADDRESS``, set by the slurm and ray launchers).
+A component restarts on its node while that node lives (slurm, ray: pinned; a dead node's
+components are re-planned over the live nodes, and slurm fails the run naming the node when
+none is left or the job ended: :func:`check_crash`), so the addresses of ``bus.hosts`` stay
+right; a binder that must move to another address moves its endpoints and restarts its peers
+(:mod:`busctl.rebinding`). On several nodes a component serves its metrics on its node's
+address (``RLBUS_NODE_ADDRESS``, set by the slurm and ray launchers).
 
 Invariant: ``Launched.pid`` is what the component sends in its ready handshake and heartbeats
 (its pid, or the launcher's ``RLBUS_SPAWN_ID``, :mod:`bus.launch_env`).

@@ -14,8 +14,9 @@ Each component is ``srun --nodes=1 --ntasks=1 --nodelist=NODE --overlap [--het-g
 [--gpus=N] --kill-on-bad-exit=1 --job-name=rlbus-NAME-ID CMD``, started locally in its own
 session with a parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGTERM)``): when ``busctl up``
 dies, SIGKILLed included, the kernel sends its ``srun`` SIGTERM, and ``srun`` answers it by
-cancelling its step ("forcing job termination"), so no step outlives busctl. GPU components get ``--gpus`` with as many devices as :mod:`busctl.placement` planned
-and Slurm sets their ``CUDA_VISIBLE_DEVICES``. The step's component sends ``RLBUS_SPAWN_ID=ID``
+cancelling its step ("forcing job termination"), so no step outlives busctl. GPU components get
+``--gpus`` with as many devices as :mod:`busctl.placement` planned and Slurm sets their
+``CUDA_VISIBLE_DEVICES``. The step's component sends ``RLBUS_SPAWN_ID=ID``
 instead of its pid (it runs elsewhere) and serves its metrics on its node's address
 (``RLBUS_NODE_ADDRESS``, the node resolved as for ``bus.hosts``), which ``prometheus.yml`` and
 ``busctl status`` read (:mod:`busctl.metrics_targets`). The supervisor watches the local ``srun``: the step's
