@@ -2,14 +2,13 @@
 
 Lifecycle of a run:
 
-1. ``prepare``: create the run directory (cleared of a previous run's outputs; with ``resume``
-   only of what is transient: sockets, status, weight hand-over files, the final metrics
-   snapshot), resolve what the config leaves open (the policy path: build or reuse the tiny
-   policy; a free rendezvous port for the weight broadcast), write the resolved ``config.yaml``
-   that every component reads.
+1. ``prepare``: create the run directory (``busctl up`` refused an occupied one unless told
+   ``--overwrite``, :mod:`busctl.run_dir`; ``resume`` clears only what is transient: sockets,
+   status, weight hand-over files, the final metrics snapshot), resolve what the config leaves
+   open (the tiny policy's path, a free broadcast rendezvous port), write the resolved ``config.yaml``.
 2. ``start``: spawn every component of the table (:mod:`busctl.component_table`) through the
-   launcher (:mod:`busctl.launchers`: a local process group, or a Slurm step; stdout/stderr appended to ``logs/NAME.log`` after a header line; the
-   producers first: vLLM's start is the longest, everything else overlaps it) and wait
+   launcher (:mod:`busctl.launchers`: a local process group or a Slurm step; output appended to
+   ``logs/NAME.log``; the producers first: vLLM's start is the longest) and wait
    for each one's :class:`bus.messages.ComponentReady` handshake on the ``supervisor`` socket,
    never a sleep; the control channel is read from the start, so the first step's
    :class:`bus.messages.TrainerStep` is seen even if it comes before the last handshake. A component that exits, or is not ready within ``bus.ready_timeout_s``, fails
