@@ -27,16 +27,11 @@ from typing import IO, Protocol
 
 from busctl.component_table import ComponentSpec
 from busctl.healing import Decision, FailRun
+from busctl.launchers.nodes import NodeLost
 from configs.schema import RunConfig
 
 LAUNCHERS = ("local", "slurm", "ray")
 """The launcher names (``supervisor.launcher``, ``busctl up --launcher``)."""
-
-
-class NodeLost(RuntimeError):
-    """A component's node is gone and the run cannot go on there (the message names the node and
-    why: the allocation ended, or no live node of the allocation is left for the component); the
-    supervisor fails the run with it."""
 
 
 class Launched(Protocol):

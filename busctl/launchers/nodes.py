@@ -31,6 +31,12 @@ BINDERS = {"control_pub": "hub", "control_sub": "hub", "prompts": "prompt-source
 """Endpoint -> the role that binds it (besides ``rollouts-I``: producer I; ``supervisor``: busctl)."""
 
 
+class NodeLost(RuntimeError):
+    """A component's node is gone and the run cannot go on there (the message names the node and
+    why: the allocation ended, or no live node of the allocation is left for the component); the
+    supervisor fails the run with it (raised by a launcher's ``check_crash``, e.g. slurm's)."""
+
+
 @dataclass(frozen=True)
 class Slot:
     """Where one component runs: ``node`` (host name), in het-job component ``het_group`` (None: plain job)."""

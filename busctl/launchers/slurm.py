@@ -52,10 +52,9 @@ from typing import IO, Callable, Mapping
 
 from bus.launch_env import ENV_NODE_ADDRESS, ENV_SPAWN_ID
 from busctl.component_table import ComponentSpec, signal_group
-from busctl.launchers import NodeLost
 from busctl.launchers.local import LocalProcess
 from busctl.launchers.multihost import configure_multihost
-from busctl.launchers.nodes import HET_GROUPS, Allocation, Slot, plan_nodes
+from busctl.launchers.nodes import HET_GROUPS, Allocation, NodeLost, Slot, plan_nodes
 from busctl.launchers.slurm_state import SLURM_TIMEOUT_S, SlurmUnavailable, cancel_step, job_state, node_dead, node_state, step_ids
 from busctl.placement import ENV_CUDA_DEVICES
 from configs.schema import ConfigError, RunConfig
