@@ -142,6 +142,13 @@ def overview() -> dict:
                    description="Received messages dropped as malformed or of an unexpected type. " + WINDOW_NOTE),
         timeseries("Duplicates dropped", [Target(_by("rlbus_bus_duplicates_total", "topic", increase), "{{topic}}")],
                    description=WINDOW_NOTE),
+        timeseries("Bytes held in credit windows", [Target(_gauge("rlbus_bus_queued_bytes", "topic, queue"), "{{topic}} {{queue}}")], "bytes",
+                   "Bytes of the data messages a component holds, per topic and queue (credit windows bounded by bus.max_inflight_bytes)."),
+        timeseries("Courier loop errors and refused metrics clients", [
+            Target(_by("rlbus_bus_courier_errors_total", "component", increase), "courier errors {{component}}"),
+            Target(_by("rlbus_bus_metrics_tls_refused_total", "component", increase), "metrics TLS refused {{component}}"),
+        ], description="I/O-loop exceptions (bus.courier.MAX_LOOP_ERRORS in a row fail the component; the supervisor restarts it) and "
+                       "metrics clients refused for lacking the client certificate. " + WINDOW_NOTE),
         timeseries("Peer deaths", [Target(_by("rlbus_bus_peer_deaths_total", "topic, reason", increase), "{{topic}} {{reason}}")],
                    description=WINDOW_NOTE),
         timeseries("Restarts per component", [
@@ -234,6 +241,8 @@ def learning() -> dict:
             Target(_gauge("rlbus_trainer_importance_ratio_max"), "max {{component}}"),
         ], description=trainer),
         timeseries("Gradient norm (before clipping)", [Target(_gauge("rlbus_trainer_grad_norm"), "{{component}}")], description=trainer),
+        timeseries("Learning rate", [Target(_gauge("rlbus_trainer_lr"), "{{component}}")],
+                   description="trainer.optim.scheduler's rate of the last step. " + trainer),
         timeseries("Loss tokens per step", [Target(_gauge("rlbus_trainer_num_loss_tokens"), "{{component}}")], description=trainer),
         row("Off-policy lag and drops"),
         timeseries("Policy lag (steps)", [
