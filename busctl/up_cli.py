@@ -128,6 +128,9 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
         checked = cfg.model_copy(deep=True) if ns.dry_run else cfg  # --dry-run prints the paths as given
         resolve_run_model_paths(checked)  # a hub id becomes its HF-cache snapshot: every component loads the same files
         check_names(cfg)
+        if cfg.eval.only:  # no trainer would start and the run would never end
+            raise ValueError("eval.only=true is busctl eval's mode, not a training run: "
+                             f"run `busctl eval {config_path or ''} [overrides]` instead".replace("  ", " "))
     except (ValueError, FileNotFoundError) as err:  # a ConfigError, a key file, a model path, a name
         print_error(str(err))
         return 2
@@ -190,7 +193,8 @@ def supervise(sup: "Supervisor", console: Console) -> int:
         trackers = TrackerProcess.start(sup.cfg.report.trackers, sup.run_dir, console)  # report.trackers; None: none
         with LiveDisplay(console, lambda: sup.snapshot) if console.is_terminal else nullcontext():
             sup.start()
-            console.print(f"all {len(sup.table)} components ready in {time.monotonic() - started:.1f} s; training")
+            doing = "evaluating" if sup.cfg.eval.only else "training"
+            console.print(f"all {len(sup.table)} components ready in {time.monotonic() - started:.1f} s; {doing}")
             sup.watch()
     except RunFailed as err:
         if not sup.stop.is_set():

@@ -178,6 +178,7 @@ def test_overwrite_refuses_a_directory_that_is_not_a_run(tmp_path: Path) -> None
                                               "reverse_text, or an import path 'package.module:function'; did you mean 'reverse_text'?"),
     (["model.path=nobody-org/no-such-model"], "model.path='nobody-org/no-such-model' is not available offline"),
     (["task.rewards=[{name: 'tasks.reverse_text:nothing_here'}]"], "has no attribute 'nothing_here'"),
+    (["eval.only=true"], "eval.only=true is busctl eval's mode, not a training run: run `busctl eval"),
 ])
 def test_config_errors_exit_2_on_stderr_for_up_and_dry_run(args: list[str], expected: str, tmp_path: Path) -> None:
     for dry in ([], ["--dry-run"]):
