@@ -8,13 +8,9 @@ import json
 import threading
 import time
 
-import pytest
-import zmq
 from prometheus_client import REGISTRY
 
 from bus.messages import EvalResult, TrainerStep, new_id
-from bus.sockets import BusSocket
-from bus.topics import Endpoints
 from configs.schema import load_config
 from trainer.observability.eval_log import EvalLog, declare_pass_at_k, eval_record, keep_metrics_record
 from trainer.observability.metrics_file import MetricsFile
@@ -23,26 +19,6 @@ from trainer.observability.metrics_file import MetricsFile
 def result(rnd: int, task: str, reward: float, **metrics: float) -> EvalResult:
     return EvalResult(id=new_id(), round=rnd, task=task, version_min=rnd, version_max=rnd + 1, num_samples=6, num_failed=1,
                       metrics={"reward_mean": reward, **metrics})
-
-
-@pytest.fixture
-def channel(tmp_path):
-    """(publisher, subscriber): an XPUB bound at the run's control_sub address and a SUB on it."""
-    endpoints = Endpoints("ipc", tmp_path)
-    endpoints.ensure_dirs()
-    ctx = zmq.Context()
-    pub = BusSocket(ctx, "control_sub", "send", endpoints.address("control_sub"), bind=True)
-    sub = BusSocket(ctx, "control_sub", "recv", endpoints.address("control_sub"), bind=False)
-    for _ in range(200):  # slow joiner: publish probes until the subscriber gets one
-        pub.send(TrainerStep(id="probe", step=0, version=0, metrics={}))
-        if sub.recv(timeout_s=0.02) is not None:
-            break
-    while sub.recv(timeout_s=0.05) is not None:
-        pass
-    yield pub, sub
-    pub.close()
-    sub.close()
-    ctx.destroy(linger=0)
 
 
 def test_eval_record_by_hand():

@@ -17,12 +17,10 @@ import threading
 import time
 
 import pytest
-import zmq
 
 from bus.launch_env import ENV_RESTARTS, ENV_RESUME
 from bus.messages import EvalResult, RunDone, TrainerStep, new_id
-from bus.sockets import BusSocket
-from bus.topics import TOPICS, Endpoints
+from bus.topics import TOPICS
 from tests.trainer.test_resume import WAIT_S, Packer, batches, read_jsonl, run_config, tiny_policy  # noqa: F401 - fixtures
 from trainer.observability.eval_log import EvalLog
 from trainer.observability.metrics_file import MetricsFile
@@ -49,26 +47,6 @@ class Alive:
 
     def check(self, what: str) -> None:
         assert not self.errors, f"the trainer failed while waiting for {what}: {self.errors!r}"
-
-
-@pytest.fixture
-def channel(tmp_path):
-    """(publisher, subscriber): an XPUB bound as the hub's and a SUB on it, joined."""
-    endpoints = Endpoints("ipc", tmp_path)
-    endpoints.ensure_dirs()
-    ctx = zmq.Context()
-    pub = BusSocket(ctx, "control_sub", "send", endpoints.address("control_sub"), bind=True)
-    sub = BusSocket(ctx, "control_sub", "recv", endpoints.address("control_sub"), bind=False)
-    for _ in range(200):  # slow joiner: publish probes until the subscriber gets one
-        pub.send(TrainerStep(id="probe", step=0, version=0, metrics={}))
-        if sub.recv(timeout_s=0.02) is not None:
-            break
-    while sub.recv(timeout_s=0.05) is not None:
-        pass
-    yield pub, sub
-    pub.close()
-    sub.close()
-    ctx.destroy(linger=0)
 
 
 def test_results_are_written_during_a_long_step_through_a_flood_beyond_the_high_water_mark(channel, tmp_path):
