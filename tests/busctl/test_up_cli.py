@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from busctl.evaluate import eval_config
 from busctl.run_dir import inspect_run_dir, overwrite
+from configs.schema import dump_config
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 120
@@ -127,8 +129,7 @@ def test_busctl_eval_replaces_only_a_previous_eval(finished_run: Path, tmp_path:
     assert files(finished_run) == before
     previous = tmp_path / "previous-eval"
     previous.mkdir()
-    dry = busctl("up", "--dry-run", f"run_dir={previous}", "eval.only=true")
-    (previous / "config.yaml").write_text(dry.stdout)  # what busctl eval saves: eval.only true
+    (previous / "config.yaml").write_text(dump_config(eval_config(None, [f"model.path={model}"], str(previous))))  # as busctl eval saves it
     (previous / "metrics.jsonl").write_text('{"step": 0, "eval/reverse_text/reward_mean": 0.5}\n')
     ev = subprocess.Popen([sys.executable, "-m", "busctl", "eval", f"model.path={model}", "--run-dir", str(previous)], cwd=REPO,
                           env=dict(os.environ, NO_COLOR="1", COLUMNS="300"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
