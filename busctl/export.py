@@ -143,12 +143,14 @@ def export_checkpoint(checkpoint: Path, out: Path, *, merge_lora: bool = False, 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
+        tokenizer_source = resolve_model_path(base) if base else ""
         if lora and merge_lora:
             _merge_lora(checkpoint, base, tmp)  # config.json, generation_config.json, the weights
-            _copy_tokenizer_files(checkpoint, tmp)
+            if (checkpoint / "tokenizer_config.json").is_file():
+                tokenizer_source = str(checkpoint)  # the checkpoint's own tokenizer and chat template
         else:
-            _copy_model_files(checkpoint, tmp)
-        _add_tokenizer(tmp, resolve_model_path(base) if base else "")
+            _copy_model_files(checkpoint, tmp)  # its tokenizer files among them
+        _add_tokenizer(tmp, tokenizer_source)
         if out.exists():
             out.rmdir()
         tmp.rename(out)
@@ -156,14 +158,6 @@ def export_checkpoint(checkpoint: Path, out: Path, *, merge_lora: bool = False, 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def _copy_tokenizer_files(checkpoint: Path, out: Path) -> None:
-    """Copy the tokenizer and chat template files the checkpoint holds (not weights, configs or state)."""
-    for item in checkpoint.iterdir():
-        if item.is_file() and (item.name.startswith(("tokenizer", "special_tokens", "chat_template", "added_tokens", "vocab",
-                                                     "merges"))):
-            shutil.copy2(item, out / item.name)
 
 
 def cmd_export(ns: argparse.Namespace, console: Console) -> int:
