@@ -30,6 +30,7 @@ from typing import Any
 import msgpack
 
 from bus.wire import WireError
+from configs.bus_limits import MAX_INFLIGHT_BYTES_LIMIT
 
 PROTOCOL = 1
 """Version of the delivery protocol (first element of every envelope)."""
@@ -37,8 +38,8 @@ PROTOCOL = 1
 MAX_ENVELOPE_BYTES = 1 << 20
 MAX_IDS_PER_ACK = 4096
 MAX_ID_CHARS = 256
-MAX_CREDIT_BYTES = 1 << 40
-"""Largest byte credit an ack may carry (``configs.bus_limits.MAX_INFLIGHT_BYTES_LIMIT``)."""
+MAX_CREDIT_BYTES = MAX_INFLIGHT_BYTES_LIMIT
+"""Largest byte credit an ack may carry: the largest ``bus.max_inflight_bytes`` a config accepts."""
 
 _UNPACK_LIMITS = dict(
     raw=False,

@@ -57,11 +57,17 @@ UNBOUNDED_BYTES = MAX_CREDIT_BYTES + 1
 """Byte room of a peer without a byte bound, or holding none of this outbox's messages."""
 
 
+def _bytes_unbounded(peer: Peer) -> bool:
+    """Whether ``peer`` sets no byte bound on the next message: it grants none, or holds none of
+    this outbox's messages (a message larger than the window passes alone)."""
+    return peer.free_bytes is None or (peer.empty and not peer.untaken)
+
+
 def fits(peer: Peer, nbytes: int) -> bool:
     """Whether a message of ``nbytes`` may go to ``peer`` under its byte credit: it grants none, it
     holds none of ours (a message larger than the window passes alone), or ``untaken_bytes +
     nbytes <= free_bytes``. Message credit is checked by the ranking."""
-    if peer.free_bytes is None or (peer.empty and not peer.untaken):
+    if _bytes_unbounded(peer):
         return True
     return peer.untaken_bytes + nbytes <= peer.free_bytes
 
@@ -73,7 +79,7 @@ def room_rank(peer: Peer) -> int:
     messages = peer.free - len(peer.untaken)
     if messages <= 0:
         return 0
-    if peer.free_bytes is None or (peer.empty and not peer.untaken):
+    if _bytes_unbounded(peer):
         byte_room = UNBOUNDED_BYTES
     else:
         byte_room = min(peer.free_bytes - peer.untaken_bytes, MAX_CREDIT_BYTES)
