@@ -214,8 +214,7 @@ class RewardWorker:
     def _trl_batch(self, group: RolloutGroup) -> dict:
         """The group as TRL's batch (:func:`tasks.trl_rewards.trl_batch`): prompt text, each sample's
         token ids, the step its prompt was issued for."""
-        offsets = np.concatenate([[0], np.cumsum(group.completion_lens, dtype=np.int64)])
-        ids = [group.completion_ids[offsets[j]:offsets[j + 1]].tolist() for j in range(group.group_size)]
+        ids = [group.completion(j)[0].tolist() for j in range(group.group_size)]
         return trl_batch(group.prompt_text, group.completion_texts, ids, global_step=group.step, max_steps=self.max_steps)
 
     def _overlong(self, lens: np.ndarray, reward_terms: dict[str, list[float]]) -> np.ndarray:
