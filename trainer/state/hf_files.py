@@ -51,7 +51,7 @@ def _tokenizer(source: str) -> PreTrainedTokenizerBase | None:
         return None
 
 
-def write_model_files(directory: Path, model: torch.nn.Module) -> list[str]:
+def write_model_files(directory: Path, model: torch.nn.Module) -> None:
     """Write the tokenizer (and, for LoRA, the base model's generation config) of ``model``'s
     source directory into ``directory``, beside the weights ``save_pretrained`` wrote.
 
@@ -59,14 +59,12 @@ def write_model_files(directory: Path, model: torch.nn.Module) -> list[str]:
         directory: the checkpoint directory being written (the save's temp directory).
         model: the training model, a transformers model or a peft model over one.
 
-    Returns:
-        The names of the files written (sorted); [] when the model has no source directory or the
-        source has no tokenizer (logged once per source).
+    Writes nothing when the model has no source directory, and no tokenizer when the source has
+    none (logged once per source).
     """
     source = model_source(model)
     if not source:
-        return []
-    before = {p.name for p in directory.iterdir()}
+        return
     tokenizer = _tokenizer(source)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
@@ -74,4 +72,3 @@ def write_model_files(directory: Path, model: torch.nn.Module) -> list[str]:
         generation = getattr(model.get_base_model(), "generation_config", None)
         if generation is not None:
             generation.save_pretrained(directory)
-    return sorted({p.name for p in directory.iterdir()} - before)
