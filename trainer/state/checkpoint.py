@@ -334,9 +334,7 @@ def load_checkpoint(
             exactly when ``read_state`` is None (a ``trainer.parallel`` other than the saving run's).
     """
     path = Path(path)
-    if not (path / DONE).is_file():
-        raise ValueError(f"{path} is not a complete checkpoint (no {DONE} marker); use latest_checkpoint()")
-    meta = json.loads((path / "meta.json").read_text())
+    meta = _read_meta(path)
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, this code reads {FORMAT}")
     if meta["kind"] != _kind(model):
@@ -377,10 +375,18 @@ def has_scheduler_state(path: str | os.PathLike[str]) -> bool:
     Raises:
         ValueError: ``path`` is not a complete checkpoint.
     """
-    path = Path(path)
+    return bool(_read_meta(Path(path)).get("scheduler", False))
+
+
+def _read_meta(path: Path) -> dict:
+    """``meta.json`` of the complete checkpoint ``path``.
+
+    Raises:
+        ValueError: ``path`` has no ``DONE`` marker.
+    """
     if not (path / DONE).is_file():
         raise ValueError(f"{path} is not a complete checkpoint (no {DONE} marker); use latest_checkpoint()")
-    return bool(json.loads((path / "meta.json").read_text()).get("scheduler", False))
+    return json.loads((path / "meta.json").read_text())
 
 
 def _load_full(path: Path, model: torch.nn.Module) -> None:
