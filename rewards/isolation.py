@@ -79,9 +79,14 @@ def _group_score(result: CallResult, g: int) -> GroupScore:
     return GroupScore([p[0] for p in pairs], [p[1] for p in pairs], metrics)
 
 
-def _check_batch(refs: Sequence[str], indices: Sequence[int], batch: dict[str, Any] | None) -> None:
-    """ValueError when a TRL-style function is asked for without its ``batch``."""
-    if batch is None and any(split_trl_ref(refs[k])[0] is not None for k in indices):
+def _trl_flags(refs: Sequence[str]) -> list[bool]:
+    """Per reward reference: whether it is TRL-style (called once per group with the batch)."""
+    return [split_trl_ref(ref)[0] is not None for ref in refs]
+
+
+def _check_batch(trl: Sequence[bool], indices: Sequence[int], batch: dict[str, Any] | None) -> None:
+    """ValueError when a TRL-style function (``trl[k]``) is asked for without its ``batch``."""
+    if batch is None and any(trl[k] for k in indices):
         raise ValueError("a TRL-style reward function needs the group's batch (tasks.trl_rewards.trl_batch)")
 
 
@@ -106,7 +111,7 @@ class InProcessScorer:
     def __init__(self, reward_fns: Sequence[str]) -> None:
         self.reward_fns = _check_refs(reward_fns)
         self._fns = [get_float_reward_fn(ref) for ref in self.reward_fns]
-        self._trl = [split_trl_ref(ref)[0] is not None for ref in self.reward_fns]
+        self._trl = _trl_flags(self.reward_fns)
 
     def score(self, completions: Sequence[str], info: dict[str, Any], fns: Sequence[int] | None = None,
               *, batch: dict[str, Any] | None = None) -> list[GroupScore]:
@@ -117,7 +122,7 @@ class InProcessScorer:
             ValueError: an index out of range, or a TRL-style function without ``batch``.
         """
         indices = _fn_indices(fns, len(self._fns))
-        _check_batch(self.reward_fns, indices, batch)
+        _check_batch(self._trl, indices, batch)
         out = []
         for k in indices:
             if self._trl[k]:
@@ -167,6 +172,7 @@ class IsolatedScorer:
 
     def __init__(self, reward_fns: Sequence[str], *, timeout_s: float = 5.0, num_procs: int = 2) -> None:
         self.reward_fns = _check_refs(reward_fns)
+        self._trl = _trl_flags(self.reward_fns)
         self._calls = IsolatedCalls(self.reward_fns, resolver="tasks.rewards:get_float_reward_fn",
                                     timeout_s=timeout_s, num_procs=num_procs, what="reward function")
         self.timeout_s = self._calls.timeout_s
@@ -191,9 +197,9 @@ class IsolatedScorer:
             ValueError: an index in ``fns`` is out of range, or a TRL-style function without ``batch``.
         """
         indices = _fn_indices(fns, len(self.reward_fns))
-        _check_batch(self.reward_fns, indices, batch)
+        _check_batch(self._trl, indices, batch)
         n = len(completions)
-        trl = [split_trl_ref(self.reward_fns[k])[0] is not None for k in indices]
+        trl = [self._trl[k] for k in indices]
         calls = []  # every function's calls, in order: one per sample, or one per group (TRL-style)
         for k, whole_group in zip(indices, trl):
             calls += [(k, [list(completions), info, batch])] if whole_group else [(k, [completions[i], info]) for i in range(n)]
