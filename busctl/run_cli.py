@@ -171,7 +171,7 @@ def _parse_scale(args: list[str]) -> tuple[str | None, dict[str, int]]:
 
 
 def cmd_scale(ns: argparse.Namespace, console: Console) -> int:
-    from busctl.run_status import write_text_atomic
+    from bus.durable import write_text_atomic
     from busctl.scaling import STOP_TIMEOUT_S, ScaleState, scale_targets
 
     try:

@@ -33,6 +33,7 @@ from pathlib import Path
 import yaml
 from rich.text import Text
 
+from bus.durable import write_json_atomic, write_text_atomic  # noqa: F401 - re-exported (supervisor, startup)
 from busctl.scrape import fetch_metrics
 
 log = logging.getLogger(__name__)
@@ -90,18 +91,6 @@ def clear_run_dir(run_dir: Path, resume: bool) -> None:
             shutil.rmtree(target)
         elif target.exists():
             target.unlink()
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through ``PATH.tmp`` + rename: readers never see half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
-def write_json_atomic(path: Path, obj: object) -> None:
-    """Write ``obj`` as indented JSON to ``path`` atomically (:func:`write_text_atomic`)."""
-    write_text_atomic(path, json.dumps(obj, indent=1))
 
 
 def scrape_config(run: str, targets: list[tuple[str, str, str, int]], tls_config: dict | None = None) -> dict:

@@ -28,6 +28,7 @@ import json
 import logging
 from pathlib import Path
 
+from bus.durable import write_json_atomic
 from trackers.base import Tracker
 from trackers.records import SAMPLE_COLUMNS, JsonlTail, flatten_config, sample_row, split_metrics_record, stage_scalars
 
@@ -116,9 +117,7 @@ class TrackerFollower:
         self.state["failed"] = self.failed
         try:
             self.state_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.state_path.with_name(self.state_path.name + ".tmp")
-            tmp.write_text(json.dumps(self.state, indent=1))
-            tmp.replace(self.state_path)
+            write_json_atomic(self.state_path, self.state)
         except OSError as err:
             log.warning("could not write %s: %s", self.state_path, err)
 
