@@ -129,3 +129,53 @@ def test_a_checkpoint_without_scheduler_state_resumes_at_its_steps_rate(model_di
     assert load_trainer_checkpoint(path, resumed) == {"step": 2}
     assert resumed.scheduler.last_epoch == 2
     assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(expected_lr(2), rel=1e-12)
+
+
+CHANGED = TrainerConfig(max_steps=6, optim=OptimConfig(lr=PEAK / 4, scheduler="linear", warmup_steps=1, min_lr_ratio=0.2))
+
+
+def changed_lr(step: int) -> float:
+    return PEAK / 4 * lr_factor(step, schedule="linear", warmup_steps=1, total_steps=6, min_lr_ratio=0.2)
+
+
+def test_resume_follows_the_configs_schedule_from_the_checkpoint_step(model_dir, tmp_path, caplog):
+    """``busctl up --resume`` with a changed ``trainer.optim`` (and ``max_steps``): the trainer
+    process's loader keeps the step and AdamW's moments but trains every later step with the new
+    config's rate, and says so in one warning; with the config unchanged the same loader resumes
+    bit for bit (weights and optimizer state) and warns nothing."""
+    k = 3
+    model = policy(model_dir, lora=False)
+    batches = step_batches(model, k + 2)
+    trainer = Trainer(model, SCHEDULED)
+    for mbs in batches[:k]:
+        trainer.step(mbs)
+    path = save_checkpoint(tmp_path, step=k, model=model, optimizer=trainer.optimizer, extra={"lr_schedule": "cosine"},
+                           scheduler=trainer.scheduler)
+    uninterrupted = [trainer.step(mbs)["lr"] for mbs in batches[k:]]
+    reference, reference_opt = weights(model), trainer.optimizer.state_dict()
+
+    # unchanged config: bit-identical, silent
+    same = Trainer(policy(model_dir, lora=False), SCHEDULED)
+    with caplog.at_level("WARNING", logger="trainer.parallel.follower"):
+        assert load_trainer_checkpoint(path, same) == {"step": k, "lr_schedule": "cosine"}
+    assert not caplog.records
+    assert [same.step(mbs)["lr"] for mbs in batches[k:]] == uninterrupted
+    after = weights(same.model)
+    assert all(torch.equal(after[n], reference[n]) for n in reference)
+    assert same.optimizer.state_dict()["param_groups"] == reference_opt["param_groups"]
+
+    # changed lr, scheduler, warm-up, min ratio and max_steps: the new schedule from step k on
+    changed = Trainer(policy(model_dir, lora=False), CHANGED)
+    with caplog.at_level("WARNING", logger="trainer.parallel.follower"):
+        load_trainer_checkpoint(path, changed)
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert f"step {k}: {expected_lr(k):.4g} -> {changed_lr(k):.4g}" in message
+    assert f"trainer.optim.lr {PEAK:.4g} -> {PEAK / 4:.4g}" in message and "scheduler cosine -> linear" in message
+    assert changed.scheduler.get_last_lr() == [changed_lr(k)] and changed.scheduler.base_lrs == [PEAK / 4]
+    lrs = [changed.step(mbs)["lr"] for mbs in batches[k:]]
+    assert lrs == pytest.approx([changed_lr(k), changed_lr(k + 1)], rel=1e-12)
+    assert lrs != pytest.approx(uninterrupted, rel=1e-3)  # the checkpoint's schedule would have given these
+    assert changed.optimizer.param_groups[0]["initial_lr"] == PEAK / 4
+    moved = weights(changed.model)
+    assert any(not torch.equal(moved[n], reference[n]) for n in reference)

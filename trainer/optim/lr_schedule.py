@@ -8,21 +8,30 @@ policy version: a resumed trainer (its scheduler state restored from ``scheduler
 :mod:`trainer.state.checkpoint`) trains step ``k`` with the learning rate the uninterrupted run
 used.
 
+On resume the run's config owns the schedule (:func:`set_lr_schedule_step`): ``scheduler.pt``
+gives only the step, and step ``k`` trains with ``cfg.lr * lr_factor(k)`` of the resumed run's
+``trainer.optim`` (and ``trainer.max_steps``), so a user who lowers ``trainer.optim.lr`` or changes
+the decay for ``busctl up --resume`` gets it from the first resumed step (AdamW's moments are
+kept). With an unchanged config this is the rate the uninterrupted run used, bit for bit. The
+same choice as prime-rl's fresh scheduler over a resumed step (PR #1095) and composer's
+``load_ignore_keys`` for the scheduler; transformers' Trainer and torchtitan restore the saved
+rates and need an unchanged config.
+
 Invariants: ``0 <= lr_factor(s) <= 1``; warm-up never trains with a zero learning rate; the last
 step (``s = total_steps - 1``) of a decaying schedule trains with exactly ``min_lr_ratio * lr``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import re
-import warnings
 
 import torch
 
 from configs.training import OptimConfig
 
-__all__ = ["SCHEDULES", "advance_lr_scheduler", "build_lr_scheduler", "lr_factor", "rebind_lr_scheduler"]
+__all__ = ["SCHEDULES", "ResumedRate", "build_lr_scheduler", "lr_factor", "rebind_lr_scheduler",
+           "set_lr_schedule_step"]
 
 SCHEDULES = ("constant", "linear", "cosine")
 
@@ -108,17 +117,57 @@ def rebind_lr_scheduler(
     return rebound
 
 
-def advance_lr_scheduler(scheduler: torch.optim.lr_scheduler.LambdaLR, steps_done: int) -> None:
-    """Put ``scheduler`` (and its optimizer's param groups) where it is after ``steps_done``
-    optimizer steps: for a checkpoint written without ``scheduler.pt`` (before rlbus saved the
-    schedule; those runs trained with a constant rate), whose step alone fixes the rate.
+@dataclasses.dataclass(frozen=True)
+class ResumedRate:
+    """The learning rate of a resumed trainer's next step, by the checkpoint and by the config.
+
+    Attributes:
+        step: 0-based optimizer step the resumed trainer trains next (= the checkpoint's step).
+        checkpoint_peak: the peak rate (``trainer.optim.lr``) of the run that wrote the checkpoint.
+        config_peak: the peak rate of the resumed run's config.
+        checkpoint_lr: the rate the checkpoint's schedule had set for ``step``.
+        config_lr: the rate ``step`` trains with now: ``config_peak * lr_factor(step)``.
+    """
+
+    step: int
+    checkpoint_peak: float
+    config_peak: float
+    checkpoint_lr: float
+    config_lr: float
+
+    @property
+    def changed(self) -> bool:
+        """Whether the config changes the peak or the rate of the next step."""
+        return self.checkpoint_peak != self.config_peak or self.checkpoint_lr != self.config_lr
+
+
+def set_lr_schedule_step(scheduler: torch.optim.lr_scheduler.LambdaLR, peak_lr: float, steps_done: int) -> list[float]:
+    """Put ``scheduler`` (from :func:`build_lr_scheduler`: its factor function is the config's)
+    and its optimizer's param groups at step ``steps_done`` of the config's schedule with peak
+    ``peak_lr``, whatever a loaded ``scheduler.pt`` or ``optimizer.pt`` held: every group's
+    ``lr`` becomes ``peak_lr * lr_factor(steps_done)`` (torch ``LambdaLR``'s own expression,
+    ``base_lr * lmbda(last_epoch)``, so an unchanged config gives the saved rate bit for bit),
+    ``initial_lr`` and the scheduler's ``base_lrs`` become ``peak_lr`` and ``last_epoch``
+    ``steps_done``; the next ``scheduler.step()`` continues the config's schedule.
+
+    Args:
+        scheduler: a ``LambdaLR`` over the trainer's optimizer.
+        peak_lr: ``trainer.optim.lr`` of the run, > 0.
+        steps_done: optimizer steps already taken (the checkpoint's step), >= 0.
+
+    Returns:
+        The learning rate of each param group for step ``steps_done``.
 
     Raises:
-        ValueError: ``steps_done`` < 0.
+        ValueError: ``steps_done`` < 0 or ``peak_lr`` <= 0.
     """
-    if steps_done < 0:
-        raise ValueError(f"steps_done must be >= 0, got {steps_done}")
-    scheduler.last_epoch = steps_done - 1
-    with warnings.catch_warnings():  # torch warns when no optimizer step came first: none is due here
-        warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
-        scheduler.step()  # computes and sets the rate of step ``steps_done``
+    if steps_done < 0 or not peak_lr > 0:
+        raise ValueError(f"need steps_done >= 0 and peak_lr > 0, got steps_done={steps_done}, peak_lr={peak_lr}")
+    groups = scheduler.optimizer.param_groups
+    scheduler.base_lrs = [peak_lr] * len(groups)
+    scheduler.last_epoch = steps_done
+    lrs = [base_lr * lmbda(steps_done) for lmbda, base_lr in zip(scheduler.lr_lambdas, scheduler.base_lrs, strict=True)]
+    for group, lr in zip(groups, lrs, strict=True):
+        group["initial_lr"], group["lr"] = peak_lr, lr
+    scheduler._last_lr = list(lrs)  # what get_last_lr() returns; torch sets it in step()
+    return lrs

@@ -25,7 +25,7 @@ import torch
 
 from bus.component import die_with_parent
 from configs.schema import RunConfig, load_config
-from trainer.optim.lr_schedule import advance_lr_scheduler
+from trainer.optim.lr_schedule import ResumedRate, set_lr_schedule_step
 from trainer.state.checkpoint import has_scheduler_state, load_checkpoint
 from trainer.parallel.distributed import GATHER, SAVE, STEP, DataParallel
 from trainer.model import load_policy
@@ -54,15 +54,29 @@ def join_data_parallel(cfg: RunConfig) -> DataParallel | None:
 def load_trainer_checkpoint(path: Path, trainer: Trainer) -> dict:
     """Restore ``trainer``'s model, optimizer, LR scheduler and RNG states from checkpoint ``path``
     (the same call on every data-parallel rank, so all of them continue identically); returns its
-    state. A sharded (fsdp) trainer reads the checkpoint's ``sharded/`` files (a collective). A
-    checkpoint without LR scheduler state (written before the trainer saved it) puts the
-    schedule at the checkpoint's step."""
+    state. A sharded (fsdp) trainer reads the checkpoint's ``sharded/`` files (a collective).
+
+    The learning rate follows the trainer's config from the checkpoint's step on
+    (:func:`trainer.optim.lr_schedule.set_lr_schedule_step`): a resumed run whose
+    ``trainer.optim`` (``lr``, ``scheduler``, ``warmup_steps``, ``min_lr_ratio``) or
+    ``trainer.max_steps`` differs from the saving run's trains with the new schedule, and one
+    warning names the old and new rates; an unchanged config resumes bit for bit. A checkpoint
+    without LR scheduler state (written before the trainer saved it; those runs trained with a
+    constant rate) is put at its step the same way."""
     model, optimizer = trainer.model, trainer.optimizer
     read = (lambda p: load_sharded(model, optimizer, p / SHARDED_DIR)) if is_sharded(model) else None
     saved = has_scheduler_state(path)
     state = load_checkpoint(path, model=model, optimizer=optimizer, scheduler=trainer.scheduler if saved else None, read_state=read)
-    if not saved:
-        advance_lr_scheduler(trainer.scheduler, state["step"])
+    step, optim = state["step"], trainer.cfg.optim
+    checkpoint_lr = float(optimizer.param_groups[0]["lr"])  # the saving run's rate for `step`
+    checkpoint_peak = float(trainer.scheduler.base_lrs[0]) if saved else checkpoint_lr
+    config_lr = set_lr_schedule_step(trainer.scheduler, optim.lr, step)[0]
+    rate = ResumedRate(step, checkpoint_peak, optim.lr, checkpoint_lr, config_lr)
+    old_schedule = state.get("lr_schedule", optim.scheduler)
+    if rate.changed or old_schedule != optim.scheduler:
+        log.warning("learning rate from the config on resume at step %d: %.4g -> %.4g (trainer.optim.lr %.4g -> %.4g, "
+                    "scheduler %s -> %s); the checkpoint's optimizer moments are kept",
+                    step, checkpoint_lr, config_lr, checkpoint_peak, optim.lr, old_schedule, optim.scheduler)
     return state
 
 
