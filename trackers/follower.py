@@ -16,7 +16,7 @@ Invariants:
 - ``RUN_DIR/trackers/state.json`` (written atomically after every poll that read something) keeps
   the byte offset reached in each file, each tracker's state (its run id) and whether the config
   was logged: a restarted tracker process, or ``busctl up --resume``, continues where it stopped
-  and the same tracker runs continue.
+  and the same tracker runs continue (:mod:`trackers.state` reads and writes it).
 - A samples table is logged once its step is complete: when a record of a later step arrives,
   when a poll finds ``samples.jsonl`` unchanged, or at :meth:`TrackerFollower.close`.
 """
@@ -24,13 +24,12 @@ Invariants:
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 from pathlib import Path
 
-from bus.durable import write_json_atomic
 from trackers.base import Tracker
 from trackers.records import SAMPLE_COLUMNS, JsonlTail, flatten_config, sample_row, split_metrics_record, stage_scalars
+from trackers.state import read_tracker_state, tracker_state_path, write_tracker_state
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +69,8 @@ class TrackerFollower:
 
     def __init__(self, run_dir: Path, names: list[str], config: dict) -> None:
         self.run_dir = Path(run_dir)
-        self.state_path = self.run_dir / "trackers" / "state.json"
-        self.state = self._load_state()
+        self.state_path = tracker_state_path(self.run_dir)
+        self.state = read_tracker_state(self.run_dir)
         self.failed: dict[str, str] = dict(self.state.get("failed", {}))
         offsets = self.state.get("offsets", {})
         self.tails = {src: JsonlTail(self.run_dir / src, int(offsets.get(src, 0))) for src in SOURCES}
@@ -102,22 +101,11 @@ class TrackerFollower:
         """Lines dropped so far: not a JSON object (any file) or without a usable step."""
         return sum(t.malformed for t in self.tails.values()) + self._unusable
 
-    def _load_state(self) -> dict:
-        try:
-            state = json.loads(self.state_path.read_text())
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as err:
-            log.warning("tracker state %s unreadable (%s); starting the files from the beginning", self.state_path, err)
-            return {}
-        return state if isinstance(state, dict) else {}
-
     def _save_state(self) -> None:
         self.state["offsets"] = {src: tail.offset for src, tail in self.tails.items()}
         self.state["failed"] = self.failed
         try:
-            self.state_path.parent.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(self.state_path, self.state)
+            write_tracker_state(self.run_dir, self.state)
         except OSError as err:
             log.warning("could not write %s: %s", self.state_path, err)
 

@@ -15,7 +15,6 @@ Imports nothing heavy (busctl imports it on every ``up``).
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import signal
 import subprocess
@@ -24,6 +23,8 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+
+from trackers.state import read_tracker_state
 
 __all__ = ["LIBRARIES", "STOP_TIMEOUT_S", "TrackerProcess", "missing_libraries"]
 
@@ -95,10 +96,6 @@ class TrackerProcess:
                 self.proc.kill()
                 self.proc.wait()
                 return None
-        try:
-            failed = json.loads((self.run_dir / "trackers" / "state.json").read_text()).get("failed", {})
-        except (OSError, ValueError, AttributeError):
-            failed = {}
-        for name, error in failed.items():
+        for name, error in read_tracker_state(self.run_dir).get("failed", {}).items():
             console.print(f"[yellow]tracker {name} failed during the run and was dropped: {error}[/yellow]")
         return self.proc.returncode

@@ -7,9 +7,10 @@ tracker library.
 
 from __future__ import annotations
 
-import json
 import shlex
 from pathlib import Path
+
+from trackers.state import read_tracker_state
 
 __all__ = ["tracker_lines"]
 
@@ -21,10 +22,7 @@ def tracker_lines(run_dir: Path) -> list[str]:
     files are; MLflow: ``mlflow ui`` on the run's file store, or the tracking URI and run id."""
     run_dir = Path(run_dir)
     q = shlex.quote
-    try:
-        state = json.loads((run_dir / "trackers" / "state.json").read_text()).get("trackers", {})
-    except (OSError, ValueError, AttributeError):
-        state = {}
+    state = read_tracker_state(run_dir).get("trackers", {})
     lines = []
     if (run_dir / "tensorboard").is_dir():
         lines.append(f"tensorboard: tensorboard --logdir {q(str(run_dir / 'tensorboard'))}")
