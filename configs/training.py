@@ -105,8 +105,8 @@ class OptimConfig(Section):
     scheduler: Literal["constant", "linear", "cosine"] = Field(
         "constant",
         description="Learning-rate schedule over trainer.max_steps, after warmup_steps of linear warm-up: constant (lr), linear "
-        "or cosine decay from lr to min_lr_ratio * lr at the last step (transformers' cosine-with-min-lr schedule). Saved and "
-        "resumed with each checkpoint; every step record of metrics.jsonl has the step's `lr`.",
+        "or cosine decay from lr to min_lr_ratio * lr at the last step (transformers' cosine-with-min-lr schedule). A checkpoint "
+        "saves its step; a resumed run trains on with this config's lr and schedule from that step; every step record of metrics.jsonl has the step's `lr`.",
     )
     warmup_steps: int = Field(
         0, ge=0, description="Steps of linear warm-up: step s < warmup_steps trains with lr * (s + 1) / warmup_steps (no zero-LR step). 0: none."
