@@ -5,7 +5,11 @@ What ``DIR`` holds:
 
 - full fine-tuning: the checkpoint's weights, ``config.json``, ``generation_config.json``, the
   tokenizer and chat template (:mod:`trainer.state.hf_files`); ``AutoModelForCausalLM``,
-  ``AutoTokenizer``, vLLM and a new run's ``model.path`` load it as it is;
+  ``AutoTokenizer``, vLLM and a new run's ``model.path`` load it as it is. A sharded checkpoint
+  (``trainer.parallel: fsdp``: torch.distributed.checkpoint files of every rank under ``sharded/``)
+  is read here, on one process with no process group, into the model its ``config.json`` names
+  (:func:`trainer.parallel.sharding.read_sharded_policy`) and written with ``save_pretrained``: the
+  same directory (its weights in the saved dtype, the trainer's float32 master weights);
 - LoRA: the adapter in PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``)
   with the tokenizer, loaded by ``PeftModel.from_pretrained(base, DIR)`` (the base is
   ``adapter_config.json``'s ``base_model_name_or_path``: the run's ``model.path``); with
@@ -15,8 +19,8 @@ What ``DIR`` holds:
 Left out: ``optimizer.pt``, ``scheduler.pt`` (any ``*.pt``), ``rng.json``, ``meta.json``, ``DONE``
 and subdirectories (resume state, of no use to a model loader). A checkpoint written before
 checkpoints held their tokenizer gets it from the run's ``model.path`` (``RUN_DIR/config.yaml``).
-A sharded checkpoint (``trainer.parallel: fsdp``) holds no ``save_pretrained`` weights and is
-refused. The export is written into a hidden directory beside ``DIR`` and renamed into place
+A sharded checkpoint written before sharded checkpoints held ``config.json`` is read
+into the run's ``model.path`` config. (fsdp trains no LoRA, so there are no sharded adapters.) The export is written into a hidden directory beside ``DIR`` and renamed into place
 when complete; an existing non-empty ``DIR`` is refused.
 """
 
@@ -89,6 +93,37 @@ def _merge_lora(checkpoint: Path, base_path: str, out: Path) -> None:
     merged.save_pretrained(out, safe_serialization=True)
 
 
+def _write_sharded(checkpoint: Path, out: Path, base_path: str) -> None:
+    """Write the weights of the sharded checkpoint ``checkpoint`` into ``out`` as ``save_pretrained``
+    files (``model.safetensors``, ``config.json``, ``generation_config.json``), read on this one
+    process. The model config is the checkpoint's ``config.json``, else (a checkpoint written
+    before sharded ones held it) the one at ``base_path``, the run's ``model.path``.
+
+    Raises:
+        ExportError: no config (neither in the checkpoint nor a known ``base_path``), or shards
+            that do not fit it.
+    """
+    from transformers import AutoConfig, GenerationConfig
+
+    from configs.model_path import resolve_model_path
+    from trainer.parallel.sharding import SHARDED_DIR, read_sharded_policy
+
+    if (checkpoint / "config.json").is_file():
+        source = str(checkpoint)
+    elif base_path:
+        source = resolve_model_path(base_path)
+    else:
+        raise ExportError(f"{checkpoint}: a sharded checkpoint without config.json and the run's model.path is unknown "
+                          "(no RUN_DIR/config.yaml): cannot tell which model its shards are")
+    try:
+        model = read_sharded_policy(checkpoint / SHARDED_DIR, AutoConfig.from_pretrained(source))
+    except ValueError as err:
+        raise ExportError(str(err)) from err
+    if (Path(source) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(source)
+    model.save_pretrained(out, safe_serialization=True)
+
+
 def _add_tokenizer(out: Path, source: str) -> None:
     """Save ``source``'s tokenizer into ``out`` unless ``out`` already holds one."""
     from transformers import AutoTokenizer
@@ -117,20 +152,22 @@ def export_checkpoint(checkpoint: Path, out: Path, *, merge_lora: bool = False, 
         ``out``, resolved.
 
     Raises:
-        ExportError: ``checkpoint`` is not complete, is sharded, or ``out`` holds files.
+        ExportError: ``checkpoint`` is not complete, is a sharded one whose model config is
+            unknown or whose shards do not fit it, or ``out`` holds files.
     """
     from configs.model_path import resolve_model_path
 
     if not (checkpoint / "DONE").is_file():
         raise ExportError(f"{checkpoint} is not a complete checkpoint (no DONE marker)")
     meta = json.loads((checkpoint / "meta.json").read_text())
-    if meta.get("sharded"):
-        raise ExportError(f"{checkpoint} is sharded (trainer.parallel: fsdp): its weights are torch.distributed.checkpoint "
-                          "shards, not a model directory; export a one-rank or ddp run's checkpoint")
     out = out.resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"--out {out} exists and is not an empty directory; pick a new one")
     lora = meta.get("kind") == "lora"
+    sharded = bool(meta.get("sharded"))
+    if sharded and lora:
+        raise ExportError(f"{checkpoint}: a sharded LoRA checkpoint, which no trainer writes (trainer.parallel fsdp "
+                          "refuses LoRA); it cannot be exported")
     base = base_path
     if lora:
         named = json.loads((checkpoint / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
@@ -150,6 +187,8 @@ def export_checkpoint(checkpoint: Path, out: Path, *, merge_lora: bool = False, 
                 tokenizer_source = str(checkpoint)  # the checkpoint's own tokenizer and chat template
         else:
             _copy_model_files(checkpoint, tmp)  # its tokenizer files among them
+            if sharded:
+                _write_sharded(checkpoint, tmp, base_path)
         _add_tokenizer(tmp, tokenizer_source)
         if out.exists():
             out.rmdir()

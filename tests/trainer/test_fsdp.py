@@ -1,6 +1,6 @@
 """FSDP2 trainer (trainer/parallel/sharding.py, ``trainer.parallel: fsdp``): 2 gloo ranks under a real
 torchrun give the one-rank update, publish the one-rank weights, and resume bit-identically
-from their sharded checkpoint.
+from their sharded checkpoint, which ``busctl export`` turns into a model directory on one process.
 
 The steps and micro-batches are those of tests/trainer/test_data_parallel.py (step 0 on one rank,
 checkpointed, so AdamW's moments are warm; then 4 steps with 2 micro-batches per rank, a padding
@@ -15,7 +15,11 @@ slot, a rank with padding only, and a step skipped for rank 1's inf loss). This 
   (every rank its DCP shards, :func:`trainer.parallel.follower.checkpoint_writer`);
 - run ``resume``: both ranks start fresh from that sharded checkpoint as trainer.proc and
   trainer.parallel.follower.follow do (shard, rank 0 names the checkpoint, every rank loads its shards) and
-  train steps 3-4.
+  train steps 3-4;
+- ``busctl export`` of that sharded checkpoint (in this process, no process group): a directory that
+  ``AutoModelForCausalLM`` and ``AutoTokenizer`` load, holding exactly the weights the ranks
+  gathered after step 2; an older sharded checkpoint without ``config.json`` takes the run's
+  ``model.path`` config.
 
 Tolerances: 2 ranks vs 1 rank sum the same float32 gradients in another order (reduce-scatter of
 two partial sums vs one accumulation), so losses and grad norms agree to ~1e-6 relative and
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -36,12 +41,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
 from broadcaster.filesystem import WEIGHTS_FILE
 from broadcaster.manifest import build_manifest
-from configs.schema import RunConfig, TrainerConfig, dump_config, load_config
+from busctl.cli import main as busctl_main
+from configs.schema import LoraSection, RunConfig, TrainerConfig, dump_config, load_config
+from policies.byte_tokenizer import build_tokenizer
 from tests.trainer.test_data_parallel import LR, STEPS, TEMPERATURE, make_micro_batches, skipped_total, trainer_cfg
 from trainer.state.checkpoint import save_checkpoint
 from trainer.parallel.distributed import decode_share, encode_share
+from trainer.parallel.sharding import SHARDED_DIR, read_sharded_policy
 from trainer.model import load_policy, policy_state_dict
 from trainer.trainer import Trainer
 
@@ -96,8 +106,61 @@ def one_rank_reference(model_dir: str, tmp_path: Path, dtype: str = "float32") -
     return reference, payloads, checkpoint
 
 
+def with_tokenizer(model_dir: str, tmp_path: Path) -> str:
+    """A copy of ``model_dir`` with the tiny policy's byte tokenizer and chat template (the
+    checkpoints of a run from it carry them)."""
+    policy = tmp_path / "policy"
+    shutil.copytree(model_dir, policy)
+    build_tokenizer().save_pretrained(policy)
+    return str(policy)
+
+
+@torch.no_grad()
+def logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    return model.eval()(torch.tensor([ids])).logits[0]
+
+
+def check_sharded_export(run_dir: Path, policy: str, step: int, trained: dict[str, torch.Tensor]) -> None:
+    """``busctl export`` of the sharded checkpoint of ``step`` in ``run_dir`` holds exactly
+    ``trained`` (the weights the ranks gathered at that step) and the policy's tokenizer; so
+    does that of a copy without its config and tokenizer files (a checkpoint written before
+    sharded ones held them: they come from the run's ``model.path``)."""
+    checkpoint = run_dir / "checkpoints" / f"step_{step:06d}"
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in checkpoint.iterdir()}  # rank 0 wrote them beside the shards
+    source = AutoTokenizer.from_pretrained(policy)
+    ids = source.apply_chat_template([{"role": "user", "content": "Reverse: abc"}], add_generation_prompt=True,
+                                     tokenize=True, return_dict=False)
+    reference = load_policy(policy, LoraSection())
+    reference.load_state_dict(trained)
+    old = run_dir / "old_run"
+    shutil.copytree(checkpoint, old / "checkpoints" / checkpoint.name,
+                    ignore=shutil.ignore_patterns("*.json", "*.jinja", "*.txt"))  # meta.json is written back below
+    shutil.copy(checkpoint / "meta.json", old / "checkpoints" / checkpoint.name / "meta.json")
+    shutil.copy(run_dir / "config.yaml", old / "config.yaml")
+    for run, out in ((run_dir, run_dir / "exported"), (old, old / "exported")):
+        assert busctl_main(["export", str(run), "--step", str(step), "--out", str(out)]) == 0
+        names = {p.name for p in out.iterdir()}
+        assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= names
+        assert SHARDED_DIR not in names and "meta.json" not in names and not any(n.endswith(".pt") for n in names)
+        tokenizer = AutoTokenizer.from_pretrained(out)
+        assert tokenizer.chat_template == source.chat_template
+        assert tokenizer.apply_chat_template([{"role": "user", "content": "Reverse: abc"}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False) == ids
+        exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        weights = exported.state_dict()
+        assert set(weights) == set(trained)
+        assert all(torch.equal(weights[n], trained[n]) for n in trained), run
+        torch.testing.assert_close(logits(exported, ids), logits(reference, ids), rtol=0, atol=0)
+    other = AutoConfig.from_pretrained(policy)
+    other.intermediate_size *= 2  # the MLP shards of the saved width do not fill a wider one
+    with pytest.raises(ValueError, match="do not fit"):
+        read_sharded_policy(checkpoint / SHARDED_DIR, other)
+
+
 def test_two_fsdp_ranks_give_the_one_rank_update_and_resume_identically(model_dir, tmp_path):
-    reference, payloads, checkpoint = one_rank_reference(model_dir, tmp_path)
+    policy = with_tokenizer(model_dir, tmp_path)
+    reference, payloads, checkpoint = one_rank_reference(policy, tmp_path)
 
     full = tmp_path / "full"
     torchrun(tmp_path, "full", checkpoint, full)
@@ -126,6 +189,7 @@ def test_two_fsdp_ranks_give_the_one_rank_update_and_resume_identically(model_di
     assert (sharded / "DONE").is_file() and (sharded / "sharded" / ".metadata").is_file()
     assert json.loads((sharded / "meta.json").read_text())["sharded"] is True
     assert not (sharded / "optimizer.pt").exists()
+    check_sharded_export(tmp_path, policy, SAVE_AFTER + 1, sent(full, SAVE_AFTER))
 
     resumed = tmp_path / "resume"
     torchrun(tmp_path, "resume", sharded, resumed)

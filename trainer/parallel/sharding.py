@@ -9,6 +9,11 @@ hook unshards the embeddings, final norm and LM head). Every parameter becomes a
 sharded on dim 0 over the data-parallel ranks (one 1-D device mesh over the default group); each
 rank holds 1/W of the weights, of the gradients after the reduce-scatter and of AdamW's moments.
 
+Sharded checkpoints (:func:`save_sharded`, :func:`load_sharded`): torch.distributed.checkpoint
+(DCP) files of ``{"model": ..., "optimizer": ...}`` under a checkpoint's ``sharded/``, written and
+read by every rank; :func:`read_sharded_policy` reads the model part on one process with no
+process group into a plain transformers model (``busctl export``).
+
 Invariants:
 - gradients are SUMMED over ranks (``set_gradient_divide_factor(1.0)`` with
   ``set_force_sum_reduction_for_comms(True)`` on every FSDP module: a plain SUM reduce-scatter, as
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -56,6 +62,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from transformers import PretrainedConfig, PreTrainedModel
 
 from trainer.model import base_model
 
@@ -69,6 +76,7 @@ __all__ = [
     "full_entry",
     "is_sharded",
     "load_sharded",
+    "read_sharded_policy",
     "save_sharded",
     "shard_keeping_optimizer_state",
     "shard_policy",
@@ -299,3 +307,52 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, direc
     state = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=str(directory))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def read_sharded_policy(directory: Path, config: PretrainedConfig) -> PreTrainedModel:
+    """The policy weights of :func:`save_sharded`'s ``directory`` as one plain (unsharded)
+    transformers model, read on ONE process with no process group (``busctl export``).
+
+    The model is built from ``config`` (``AutoModelForCausalLM.from_config``, weight init skipped:
+    every weight is read) in the dtype the shards were saved in (the float32 master weights of
+    the trainer), its tied weights tied again (``tie_weights``: init skipping leaves them apart),
+    then ``dcp.load(..., no_dist=True)`` fills each tensor of its ``state_dict()`` from the
+    checkpoint's ``model`` entries, reassembling the dim-0 shards of every saving rank (any world
+    size). The optimizer's entries are not read.
+
+    Args:
+        directory: a checkpoint's ``sharded/`` directory (``.metadata`` + ``*.distcp``).
+        config: the policy's transformers config (the checkpoint's ``config.json``).
+
+    Returns:
+        The model (eval mode, on CPU).
+
+    Raises:
+        ValueError: no DCP files, or a weight of the model is missing from them or has another
+            shape (``config`` is not the config of the run that saved them).
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    if not (directory / ".metadata").is_file():
+        raise ValueError(f"{directory}: no torch.distributed.checkpoint files (.metadata missing)")
+    saved = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    dtypes = {m.properties.dtype for k, m in saved.items()
+              if k.startswith("model.") and isinstance(m, TensorStorageMetadata) and m.properties.dtype.is_floating_point}
+    if len(dtypes) > 1:
+        raise ValueError(f"{directory}: weights of several dtypes {sorted(map(str, dtypes))}; expected one (the master weights)")
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtypes.pop() if dtypes else torch.float32)
+    model.tie_weights()
+    state = {"model": model.state_dict()}
+    try:
+        with warnings.catch_warnings():  # DCP warns that it loads in a single process: what we ask for
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(directory), no_dist=True)
+    except CheckpointException as err:  # a BaseException, holding each rank's error (one rank here)
+        why = "; ".join(str(exc) for exc, _trace in err.failures.values())
+        raise ValueError(f"{directory}: the shards do not fit a {type(model).__name__} of this config: {why}") from err
+    model.load_state_dict(state["model"])  # DCP loads into these tensors in place; this checks every name and shape
+    return model.eval()

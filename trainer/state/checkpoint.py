@@ -14,9 +14,13 @@ version of the saved weights; a resumed trainer trains step ``N`` next)::
                                  complete peft adapter directory (``busctl export --merge-lora``)
     optimizer.pt               ``torch.save(optimizer.state_dict())`` (AdamW moments, step counts,
                                  the learning rate of each param group)
-    sharded/                   instead of the two above with ``trainer.parallel: fsdp``: model and
-                                 optimizer shards of every rank, torch.distributed.checkpoint
-                                 (written by ``write_state``, :mod:`trainer.parallel.sharding`)
+    sharded/                   instead of the weights and ``optimizer.pt`` with ``trainer.parallel:
+                                 fsdp``: model and optimizer shards of every rank,
+                                 torch.distributed.checkpoint (written by ``write_state``,
+                                 :mod:`trainer.parallel.sharding`); rank 0 still writes
+                                 config.json, generation_config.json and the tokenizer beside it,
+                                 and ``busctl export`` reads the shards on one process into a
+                                 complete model directory (:mod:`busctl.export`)
     scheduler.pt               ``torch.save(scheduler.state_dict())``, when an LR scheduler is passed
                                  (the trainer always passes its ``trainer.optim`` schedule,
                                  :mod:`trainer.optim.lr_schedule`: steps taken and peak LRs; also
@@ -229,7 +233,8 @@ def save_checkpoint(
         write_state: writes the model and optimizer state into the directory it is given (the
             temp directory) instead of ``save_pretrained`` + ``optimizer.pt``: a sharded save
             every rank joins (:func:`trainer.parallel.sharding.save_sharded`, under ``sharded/``); then
-            ``state`` must be None (``scheduler``'s state, the same on every rank, is saved as it is now).
+            ``state`` must be None (``scheduler``'s state, the same on every rank, is saved as it is now)
+            and ``model``'s config, generation config and tokenizer are written beside the shards.
 
     Returns:
         The checkpoint directory. An existing checkpoint of the same step is replaced.
@@ -262,6 +267,7 @@ def save_checkpoint(
     tmp.mkdir()
     if write_state is not None:
         write_state(tmp)
+        write_model_files(tmp, model, with_config=True)  # config, generation config, tokenizer: what model it is
         rng = _rng_state()
         if scheduler is not None:
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")

@@ -14,6 +14,10 @@ to a local directory and transformers keeps as the model's ``name_or_path``):
   ``adapter_config.json``'s ``base_model_name_or_path`` names the base directory, from which
   ``AutoModelForCausalLM``/``PeftModel`` load the frozen weights and ``busctl export
   --merge-lora`` merges, :mod:`busctl.export`).
+- for a sharded checkpoint (``trainer.parallel: fsdp``: its weights are torch.distributed.checkpoint
+  shards, not ``save_pretrained``'s files), ``config.json`` and ``generation_config.json`` of the
+  model (``with_config=True``), so the directory still says what model it is and ``busctl export``
+  builds that model to read the shards into.
 
 A source without a tokenizer (a bare weights directory) is logged and skipped: training does not
 stop for it, the checkpoint is then not self-contained.
@@ -21,6 +25,7 @@ stop for it, the checkpoint is then not self-contained.
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 from pathlib import Path
@@ -31,7 +36,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
-__all__ = ["model_source", "write_model_files"]
+__all__ = ["model_source", "write_config", "write_model_files"]
 
 
 def model_source(model: torch.nn.Module) -> str:
@@ -51,17 +56,23 @@ def _tokenizer(source: str) -> PreTrainedTokenizerBase | None:
         return None
 
 
-def write_model_files(directory: Path, model: torch.nn.Module) -> None:
+def write_model_files(directory: Path, model: torch.nn.Module, *, with_config: bool = False) -> None:
     """Write the tokenizer (and, for LoRA, the base model's generation config) of ``model``'s
     source directory into ``directory``, beside the weights ``save_pretrained`` wrote.
 
     Args:
         directory: the checkpoint directory being written (the save's temp directory).
-        model: the training model, a transformers model or a peft model over one.
+        model: the training model, a transformers model or a peft model over one (its
+            parameters may be FSDP-sharded DTensors: only their dtype is read).
+        with_config: also write the model's ``config.json`` and ``generation_config.json``, as
+            ``save_pretrained`` would (:func:`write_config`): a sharded save writes no
+            ``save_pretrained`` files.
 
-    Writes nothing when the model has no source directory, and no tokenizer when the source has
-    none (logged once per source).
+    Writes no tokenizer when the model has no source directory or the source has none (logged
+    once per source).
     """
+    if with_config:
+        write_config(directory, model)
     source = model_source(model)
     if not source:
         return
@@ -72,3 +83,26 @@ def write_model_files(directory: Path, model: torch.nn.Module) -> None:
         generation = getattr(model.get_base_model(), "generation_config", None)
         if generation is not None:
             generation.save_pretrained(directory)
+
+
+def write_config(directory: Path, model: torch.nn.Module) -> None:
+    """Write ``config.json`` and ``generation_config.json`` of the transformers model under
+    ``model`` (peft unwrapped) into ``directory``, with the fields ``save_pretrained`` sets on the
+    way (transformers ``PreTrainedModel.save_pretrained``): ``dtype`` = the parameters' dtype
+    (e.g. float32 master weights of a model loaded in bfloat16) and ``architectures`` = the
+    model class. The model's own config object is not changed.
+
+    Args:
+        directory: an existing directory.
+        model: a transformers model or a peft model over one; its parameters may be DTensors.
+    """
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    config = copy.deepcopy(base.config)
+    dtype = next((p.dtype for p in base.parameters() if p.dtype.is_floating_point), None)
+    if dtype is not None:
+        config.dtype = str(dtype).removeprefix("torch.")
+    config.architectures = [type(base).__name__.removeprefix("FSDP")]  # FSDP2 renames the class FSDP<Name>
+    config.save_pretrained(directory)
+    generation = getattr(base, "generation_config", None)
+    if generation is not None and base.can_generate():
+        generation.save_pretrained(directory)
