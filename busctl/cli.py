@@ -70,8 +70,9 @@ import re
 
 from rich.console import Console
 
+# Each command module imports its heavy modules (configs, supervisor, run data, torch) inside its
+# command functions, so building this parser (and `busctl --help`) stays fast.
 from busctl import cluster_cli, evaluate, export, run_cli, up_cli
-from busctl.report import cmd_report
 from busctl.run_cli import NoRun
 from busctl.stderr import print_error
 from busctl.up_cli import resume_config, supervise
@@ -85,6 +86,14 @@ def _plain(text: str) -> str:
     return re.sub(r":[a-z]+:`([^`]*)`", r"\1", text).replace("``", "")
 
 
+def _cmd_report(ns: argparse.Namespace, console: Console) -> int:
+    """``busctl report``: :func:`busctl.report.cmd_report`, imported when the command runs (it reads
+    metrics with prometheus_client's parser)."""
+    from busctl.report import cmd_report
+
+    return cmd_report(ns, console)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the command, return its exit code."""
     parser = argparse.ArgumentParser(prog="busctl", description="Run and inspect rlbus pipelines.",
@@ -95,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     rp = sub.add_parser("report", help="plot a run's metrics (PNG) and print a short summary")
     rp.add_argument("run_dir", help="run directory (holds metrics.jsonl)")
     rp.add_argument("--out", default=None, help="where to write the plots and summary.txt (default: RUN_DIR/report)")
-    handlers["report"] = cmd_report
+    handlers["report"] = _cmd_report
     ns = parser.parse_args(argv)
     console = Console(highlight=False, soft_wrap=True)  # never break paths or messages mid-line
     try:

@@ -14,9 +14,9 @@ from typing import Callable
 
 from rich.console import Console
 
-from busctl.run_dir import inspect_run_dir, refusal
 from busctl.stderr import print_error, print_warning
-from configs.schema import ConfigError, load_config
+
+# the config and run-directory modules are imported by the commands: busctl --help imports this one
 
 
 def cmd_keys(ns: argparse.Namespace, console: Console) -> int:
@@ -52,6 +52,8 @@ def cmd_sbatch(ns: argparse.Namespace, console: Console) -> int:
     ``busctl up`` is given."""
     from bus.auth import check_keys  # zmq only
     from busctl.launchers.sbatch import sbatch_script
+    from busctl.run_dir import inspect_run_dir, refusal
+    from configs.schema import ConfigError, load_config
 
     config_path, overrides = (ns.args[0], ns.args[1:]) if ns.args and "=" not in ns.args[0] else (None, ns.args)
     try:

@@ -15,7 +15,7 @@ nothing else:
 
 The producers sample the round, the reward workers score it, the packer summarises it into one
 ``eval.result`` per task (:mod:`packer.evaluation`), as in a training run. The trainer's part,
-writing the results, is :class:`EvalSupervisor`'s: it reads them on the control channel, appends
+writing the results, is :class:`busctl.eval_supervisor.EvalSupervisor`'s: it reads them on the control channel, appends
 each as the record a training run writes (:func:`trainer.observability.eval_log.eval_record`,
 ``{"step": 0, "eval/<task>/reward_mean": ...}``) to ``RUN_DIR/metrics.jsonl``, and ends the run
 once every eval task has its result (``busctl report RUN_DIR`` reads it like any run's). The
@@ -39,19 +39,20 @@ import argparse
 import json
 import os
 import signal
-import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
-from rich.table import Table
 
-from busctl.run_dir import holds_eval_run, inspect_run_dir, overwrite
 from busctl.stderr import print_error
-from busctl.supervisor import RunFailed, Supervisor
-from configs.schema import ConfigError, RunConfig, load_config
 
-__all__ = ["EVAL_OVERRIDES", "EvalSupervisor", "add_command", "eval_config"]
+if TYPE_CHECKING:  # imported where used: every busctl command (--help too) imports this module
+    from rich.table import Table
+
+    from configs.schema import RunConfig
+
+__all__ = ["EVAL_OVERRIDES", "add_command", "eval_config"]
 
 EVAL_OVERRIDES = ("eval.only=true", "eval.enabled=true", "broadcast.method=filesystem",
                   "trainer.device=cpu", "trainer.gpus=[]", "trainer.data_parallel=1")
@@ -75,6 +76,8 @@ def eval_config(config_path: str | None, overrides: list[str], run_dir: str | No
     Raises:
         ConfigError: an invalid config or override, or ``model.path`` a LoRA adapter directory.
     """
+    from configs.schema import ConfigError, load_config
+
     cfg = load_config(config_path, [*overrides, *EVAL_OVERRIDES])
     if run_dir is not None:
         cfg.run_dir = run_dir
@@ -87,57 +90,10 @@ def eval_config(config_path: str | None, overrides: list[str], run_dir: str | No
     return cfg
 
 
-class EvalSupervisor(Supervisor):
-    """A :class:`busctl.supervisor.Supervisor` whose run ends when every eval task's round-0
-    result is in (written to ``metrics.jsonl`` here), instead of at the trainer's ``run.done``.
-
-    Attributes:
-        results: ``{task: EvalResult}`` received so far (round 0, first of each task).
-        tasks: the eval tasks waited for (:func:`tasks.registry.eval_tasks`).
-    """
-
-    def __init__(self, cfg: RunConfig, console: Console | None = None, **kwargs) -> None:
-        from tasks.registry import eval_tasks
-
-        if not cfg.eval.only:
-            raise ValueError("EvalSupervisor runs eval.only configs (busctl.evaluate.eval_config)")
-        super().__init__(cfg, console, **kwargs)
-        self.tasks = {t.name for t in eval_tasks(cfg)}
-        self.results: dict = {}
-        self._deadline: float | None = None
-
-    def watch(self) -> None:
-        """:meth:`Supervisor.watch`, bounded by ``eval.timeout_s`` from now (after start-up)."""
-        self._deadline = time.monotonic() + self.cfg.eval.timeout_s
-        super().watch()
-
-    def _turn(self) -> None:
-        super()._turn()
-        if self._deadline is not None and not self.run_done and time.monotonic() > self._deadline:
-            missing = sorted(self.tasks - set(self.results))
-            raise RunFailed(f"no eval result of task(s) {', '.join(missing)} within eval.timeout_s "
-                            f"({self.cfg.eval.timeout_s:.0f} s); see the packer's and producers' logs in {self.run_dir / 'logs'}")
-
-    def _handle(self, msg: object) -> None:
-        from bus.messages import EvalResult
-        from trainer.observability.eval_log import eval_record
-
-        if not isinstance(msg, EvalResult):
-            super()._handle(msg)
-            return
-        if msg.round != 0 or msg.task in self.results or msg.task not in self.tasks:
-            return  # a re-publication, or a stranger
-        self.results[msg.task] = msg
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(eval_record(msg)) + "\n")
-        self.say(f"  [green]eval[/green] {msg.task}: reward_mean {msg.metrics.get('reward_mean', float('nan')):.4f} "
-                 f"({msg.num_samples} samples, {msg.num_failed} failed groups)")
-        if self.tasks <= set(self.results):
-            self.run_done = True
-
-
 def summary_table(cfg: RunConfig, results: dict) -> Table:
     """One row per eval task: samples, failed groups and the :data:`SHOWN` / ``pass_at_*`` metrics."""
+    from rich.table import Table
+
     keys = list(SHOWN) + sorted({k for r in results.values() for k in r.metrics if k.startswith("pass_at_")})
     table = Table(title=f"eval of {cfg.model.path}")
     for col in ("task", "samples", "failed", *keys):
@@ -150,9 +106,11 @@ def summary_table(cfg: RunConfig, results: dict) -> Table:
 def cmd_eval(ns: argparse.Namespace, console: Console) -> int:
     """``busctl eval``: the exit code (module docstring)."""
     from bus.auth import check_keys
+    from busctl.eval_supervisor import EvalSupervisor
     from busctl.launchers import make_launcher
     from busctl.placement import apply_placement
     from busctl.run_cli import split_config_args
+    from busctl.run_dir import holds_eval_run, inspect_run_dir, overwrite
     from busctl.startup import process_started_at
     from busctl.up_cli import supervise
     from configs.model_path import resolve_run_model_paths

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from busctl.run_status import RunState
 from busctl.stderr import print_error
-from configs.schema import ConfigError, load_config
+
+# the config and status modules are imported where used: every busctl command (--help too) imports this one
 
 
 def split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -29,6 +29,8 @@ def split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
 
 def _run_dir(arg: str | None) -> Path:
     """The run directory a command names, or the default config's ``run_dir`` when it names none."""
+    from configs.schema import load_config
+
     return Path(arg) if arg else Path(load_config(None).run_dir)
 
 
@@ -172,7 +174,9 @@ def _parse_scale(args: list[str]) -> tuple[str | None, dict[str, int]]:
 
 def cmd_scale(ns: argparse.Namespace, console: Console) -> int:
     from bus.durable import write_text_atomic
+    from busctl.run_status import RunState
     from busctl.scaling import STOP_TIMEOUT_S, ScaleState, scale_targets
+    from configs.schema import ConfigError, load_config
 
     try:
         run_arg, request = _parse_scale(ns.args)

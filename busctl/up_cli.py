@@ -16,17 +16,14 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.text import Text
 
-from busctl.launchers import LAUNCHERS, make_launcher
-from busctl.placement import apply_placement
+from busctl.launchers import LAUNCHERS
 from busctl.run_cli import NoRun, read_status, split_config_args, supervisor_alive
-from busctl.run_dir import Occupant, inspect_run_dir, overwrite, refusal
 from busctl.stderr import print_error, print_warning
-from busctl.run_status import RunOutcome
-from configs.model_path import resolve_run_model_paths
-from configs.schema import ConfigError, RunConfig, dump_config, load_config
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the config, run-directory and supervisor modules are imported where used (busctl --help stays fast)
+    from busctl.run_dir import Occupant
     from busctl.supervisor import Supervisor
+    from configs.schema import RunConfig
 
 
 def resume_config(target: str | None, overrides: list[str]) -> RunConfig:
@@ -46,6 +43,8 @@ def resume_config(target: str | None, overrides: list[str]) -> RunConfig:
         ConfigError: no such directory or file, no ``config.yaml`` in the run directory, a
             ``run_dir`` override, or an invalid override.
     """
+    from configs.schema import ConfigError, load_config
+
     if target is None:
         run_dir = Path(load_config(None).run_dir)
     elif Path(target).is_dir():
@@ -84,6 +83,8 @@ def _check_run_dir(cfg: RunConfig, ns: argparse.Namespace) -> tuple[int, str, Oc
         occupied by a run's outputs and ``--overwrite`` given; ``(1, why, None)`` its ``busctl up``
         still runs; ``(2, refusal, occupant)`` occupied otherwise.
     """
+    from busctl.run_dir import inspect_run_dir, refusal
+
     run_dir = Path(cfg.run_dir)
     try:
         previous = read_status(run_dir)
@@ -111,9 +112,14 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
     directory only warned about), prints the resolved config and the plan and stops."""
     from bus.auth import check_keys
     from busctl.cpu_bf16 import cpu_bf16_warning
+    from busctl.launchers import make_launcher
+    from busctl.placement import apply_placement
     from busctl.preflight import check_names
+    from busctl.run_dir import overwrite
     from busctl.startup import process_started_at
     from busctl.supervisor import Supervisor  # zmq/rich only; torch stays out until needed
+    from configs.model_path import resolve_run_model_paths
+    from configs.schema import ConfigError, dump_config, load_config
 
     if ns.resume and ns.overwrite:
         print_error("busctl up: --resume continues a run and --overwrite deletes one: give one of them")
@@ -181,6 +187,7 @@ def supervise(sup: "Supervisor", console: Console) -> int:
     from contextlib import nullcontext
 
     from busctl.live import LiveDisplay
+    from busctl.run_status import RunOutcome
     from busctl.supervisor import RunFailed
     from trackers.launch import TrackerProcess
 

@@ -23,12 +23,14 @@ Invariant: ``Launched.pid`` is what the component sends in its ready handshake a
 
 from __future__ import annotations
 
-from typing import IO, Protocol
+from typing import IO, TYPE_CHECKING, Protocol
 
-from busctl.component_table import ComponentSpec
-from busctl.healing import Decision, FailRun
 from busctl.launchers.nodes import NodeLost
-from configs.schema import RunConfig
+
+if TYPE_CHECKING:  # not at run time: busctl --help reads LAUNCHERS and stays fast
+    from busctl.component_table import ComponentSpec
+    from busctl.healing import Decision
+    from configs.schema import RunConfig
 
 LAUNCHERS = ("local", "slurm", "ray")
 """The launcher names (``supervisor.launcher``, ``busctl up --launcher``)."""
@@ -84,6 +86,8 @@ def check_crash(launcher: Launcher, spec: ComponentSpec, decision: Decision) -> 
     """The supervisor's crash ``decision`` for ``spec`` after asking ``launcher.check_crash``
     (launchers without it: unchanged): a :class:`NodeLost` turns it into a :class:`busctl.healing.FailRun`
     whose message names the node; also returns the launcher's line about a move (``""``: none)."""
+    from busctl.healing import FailRun
+
     try:
         return decision, getattr(launcher, "check_crash", lambda _spec: "")(spec)
     except NodeLost as err:
