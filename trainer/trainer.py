@@ -9,6 +9,15 @@ learning rate of ``trainer.optim``'s schedule (:mod:`trainer.optim.lr_schedule`;
 after every step, skipped ones too, so step ``s`` always trains with the schedule's rate at ``s``).
 No sockets here (see :mod:`trainer.proc`).
 
+The host never waits for the device inside the micro-batch loop: each micro-batch's checks,
+indices and counts come from its host arrays (:mod:`trainer.forward.packed_row`,
+:func:`trainer.losses.check_loss_inputs`, :func:`trainer.observability.step_stats.host_micro_stats`),
+its arrays go over with queued copies (:mod:`trainer.forward.transfer`), its loss stats stay on the
+device until the step reads all of them back at once, and phase times are CUDA events
+(:class:`trainer.observability.step_timing.PhaseMarks`). So on a GPU the host queues micro-batch
+k + 1's kernels while the device runs micro-batch k's. A step reads the device back twice: the
+stats of every micro-batch and the gradient norm (tests/trainer/test_host_sync.py).
+
 Precision (``trainer.dtype``, :mod:`trainer.forward.precision`): the policy's and the reference's forwards
 run under the policy's autocast context (bfloat16 matmuls with ``trainer.dtype: bfloat16``); the
 parameters, gradients, AdamW state, logprobs and the loss stay float32.
@@ -41,15 +50,16 @@ from prometheus_client import Counter
 
 from bus.messages import MicroBatch
 from configs.schema import RunConfig, TrainerConfig
-from trainer.losses import LossBatch, LossSpec, StepNorm, policy_loss
+from trainer.losses import LossBatch, LossSpec, StepNorm, check_loss_inputs, policy_loss_terms
 from trainer.parallel.distributed import DataParallel
-from trainer.observability.lag_stats import lag_fractions, lag_token_counts
+from trainer.observability.step_stats import host_micro_stats, merge_stats, read_back, step_metrics
 from trainer.forward.packed import PackedLogprobs
+from trainer.forward.transfer import to_device
 from trainer.forward.precision import PrecisionPolicy
 from trainer.forward.reference import ReferencePolicy
 from trainer.optim.lr_schedule import build_lr_scheduler, rebind_lr_scheduler
 from trainer.parallel.sharding import clip_grad_norm, enable_activation_checkpointing, shard_keeping_optimizer_state
-from trainer.observability.step_timing import device_clock, phase_key
+from trainer.observability.step_timing import PhaseMarks, phase_key
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +142,7 @@ class Trainer:
     def micro_step(self, mb: MicroBatch) -> tuple[float, dict[str, float]]:
         """Forward + backward of one micro-batch; returns its loss contribution and loss stats.
 
-        The loss is :func:`trainer.loss.policy_loss` with the step-wide normalizers the packer
+        The loss is :func:`trainer.losses.policy_loss` with the step-wide normalizers the packer
         wrote into every micro-batch of the step (``step_loss_tokens``, ``step_samples``), so the
         step's gradient does not depend on how its samples were split into micro-batches or ranks.
         Inputs besides the policy's own logprobs: the sampler's (``sampler_logprobs``), the
@@ -145,48 +155,79 @@ class Trainer:
         the weights being trained (``token_versions == step``; a partial rollout's later tokens
         count, its earlier ones do not). Those must agree up to numerics; a large value means the
         producers do not run the trainer's weights. And ``lag_tokens/<bucket>``: loss tokens per
-        off-policy lag (:func:`trainer.observability.lag_stats.lag_token_counts`).
+        off-policy lag (:func:`trainer.observability.lag_stats.lag_token_counts`), and the rest of
+        :func:`trainer.observability.step_stats.host_micro_stats`.
+
+        Reads its results back from the device once; :meth:`step` runs the same work
+        (:meth:`_queue_micro_batch`) for every micro-batch and reads them all back at the end.
+
+        Raises:
+            ValueError: the micro-batch's lengths, step normalizers or inputs are bad
+                (:func:`trainer.losses.check_loss_inputs`, :class:`trainer.forward.packed_row.PackedRow`).
         """
-        device = next(self.model.parameters()).device
-        started = device_clock(device)
+        marks = PhaseMarks(self._device())
+        device_stats, host_stats = self._queue_micro_batch(mb, marks)
+        stats = {**host_stats, **read_back([device_stats])[0]}
+        self._add_phase_times(marks, 0)
+        return stats.pop("loss"), stats
 
-        def tensor(array: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
-            return torch.from_numpy(np.array(array)).to(device=device, dtype=dtype)
+    def _queue_micro_batch(self, mb: MicroBatch, marks: PhaseMarks) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """Queue one micro-batch's forward, loss and backward on the device without waiting for it.
 
-        input_ids = tensor(mb.input_ids, torch.int64)
-        seq_lens = tensor(mb.seq_lens, torch.int64)
-        loss_mask = tensor(mb.loss_mask)
+        Everything that needs the micro-batch's values on the host (checks, indices, counts) is
+        computed from its host arrays (:mod:`trainer.forward.packed_row`,
+        :func:`trainer.losses.check_loss_inputs`, :func:`trainer.observability.step_stats.host_micro_stats`)
+        and copied over with :func:`trainer.forward.transfer.to_device`; the loss and its stats stay
+        on the device. Marks three points on ``marks`` (start, forward done, backward done).
+
+        Returns:
+            (device stats ``{name: 0-dim tensor}`` with ``loss`` and ``onpolicy_lp_diff_max``,
+            host stats ``{name: float}``).
+        """
+        device = self._device()
+        marks.mark()
+        ids = np.asarray(mb.input_ids, dtype=np.int64)
+        lens = np.asarray(mb.seq_lens, dtype=np.int64)
+        mask = np.asarray(mb.loss_mask, dtype=bool)
+        teacher = mb.teacher_logprobs if len(mb.teacher_logprobs) else None
+        norm = StepNorm(loss_tokens=mb.step_loss_tokens, num_samples=mb.step_samples, max_tokens=self.max_tokens)
+        check_loss_inputs(mask, lens, norm, {"sampler_logprobs": mb.sampler_logprobs, "advantages": mb.advantages,
+                                             "teacher_logprobs": teacher})
+        host_stats = host_micro_stats(mb)
+        loss_mask = to_device(mask, device)
+        sampler_logprobs = to_device(mb.sampler_logprobs, device, torch.float32)
+        on_policy = to_device(mask & (np.asarray(mb.token_versions) == mb.step), device)
         self.set_temperature(mb.temperature)
         with self.precision.autocast(device):  # the forwards only; the loss below is float32
             # only the loss tokens: the loss, its statistics and the on-policy check read nothing else
-            train_logprobs, entropy = self.logprobs(input_ids, seq_lens, loss_mask)
-            ref_logprobs = self.reference.logprobs(input_ids, seq_lens, mb.temperature, loss_mask) if self.reference else None
-        sampler_logprobs = tensor(mb.sampler_logprobs, train_logprobs.dtype)
+            train_logprobs, entropy = self.logprobs(ids, lens, mask)
+            ref_logprobs = self.reference.logprobs(ids, lens, mb.temperature, mask) if self.reference else None
         spec = self.loss_spec
         batch = LossBatch(
             train_logprobs=train_logprobs,
             sampler_logprobs=sampler_logprobs,
-            advantages=tensor(mb.advantages, train_logprobs.dtype),
+            advantages=to_device(mb.advantages, device, torch.float32),
             loss_mask=loss_mask,
-            seq_lens=seq_lens,
+            seq_lens=to_device(lens, device),
             old_logprobs=train_logprobs.detach() if spec.use_tis else None,
             ref_logprobs=ref_logprobs.to(train_logprobs.dtype) if ref_logprobs is not None else None,
-            teacher_logprobs=tensor(mb.teacher_logprobs, train_logprobs.dtype) if len(mb.teacher_logprobs) else None,
+            teacher_logprobs=to_device(teacher, device, torch.float32) if teacher is not None else None,
             entropy=entropy.to(train_logprobs.dtype),
+            checked=True,
         )
-        norm = StepNorm(loss_tokens=mb.step_loss_tokens, num_samples=mb.step_samples, max_tokens=self.max_tokens)
-        loss, stats = policy_loss(batch, norm, spec)
-        forwarded = device_clock(device)
+        loss, device_stats = policy_loss_terms(batch, norm, spec)
+        marks.mark()
         loss.backward()
-        self._add_phase_times(started, forwarded, device_clock(device))
-        token_version = tensor(mb.token_versions, torch.int64)
-        on_policy = loss_mask & (token_version == mb.step)
-        diff = (train_logprobs.detach() - sampler_logprobs)[on_policy].abs()
-        stats["onpolicy_tokens"] = float(on_policy.sum())
-        stats["onpolicy_lp_diff_max"] = float(diff.max()) if len(diff) else 0.0
-        stats.update(lag_token_counts(token_version, loss_mask, mb.step))
-        stats["decoder_tokens"] = self._packed().stats["decoder_tokens"]
-        return float(loss.detach()), stats
+        marks.mark()
+        diff = (train_logprobs.detach() - sampler_logprobs).abs()
+        device_stats["loss"] = loss.detach()
+        device_stats["onpolicy_lp_diff_max"] = torch.where(on_policy, diff, 0.0).amax() if len(diff) else diff.new_zeros(())
+        host_stats["decoder_tokens"] = self._packed().stats["decoder_tokens"]
+        return device_stats, host_stats
+
+    def _device(self) -> torch.device:
+        """The policy's device."""
+        return next(self.model.parameters()).device
 
     def set_temperature(self, temperature: float) -> None:
         """Divide the logits of the next packed forwards by ``temperature`` (> 0).
@@ -247,29 +288,28 @@ class Trainer:
         self.dp = None
         gc.collect()  # the reducer goes now, not at some later collection
 
-    def padding_micro_step(self) -> None:
+    def padding_micro_step(self, marks: PhaseMarks | None = None) -> None:
         """Forward + backward with zero loss, for a padding slot of a data-parallel step.
 
         Every trainable parameter gets a zero gradient through the same DDP module, so this rank
         runs as many forwards and backwards as the others and joins the gradient all-reduce; its
         accumulated gradient is unchanged (``0 * logprobs``; a non-finite forward would still
-        poison it, and then the step is skipped on every rank anyway).
+        poison it, and then the step is skipped on every rank anyway). ``marks``: the step's
+        phase marks (three are added), or None.
         """
-        device = next(self.model.parameters()).device
-        started = device_clock(device)
-        input_ids = torch.zeros(2, dtype=torch.int64, device=device)
-        seq_lens = torch.tensor([2], dtype=torch.int64, device=device)
-        with self.precision.autocast(device):
-            lp, _entropy = self.logprobs(input_ids, seq_lens)
-        forwarded = device_clock(device)
+        marks = marks if marks is not None else PhaseMarks(self._device())
+        marks.mark()
+        with self.precision.autocast(self._device()):
+            lp, _entropy = self.logprobs(np.zeros(2, np.int64), np.array([2]))
+        marks.mark()
         (lp.sum() * 0.0).backward()
-        self._add_phase_times(started, forwarded, device_clock(device))
+        marks.mark()
 
-    def _add_phase_times(self, started: float, forwarded: float, backwarded: float) -> None:
-        """Charge one micro-batch's forward (``started`` -> ``forwarded``) and backward
-        (-> ``backwarded``), ``perf_counter`` seconds, to the step's phase times."""
-        self.phase_s["forward"] += forwarded - started
-        self.phase_s["backward"] += backwarded - forwarded
+    def _add_phase_times(self, marks: PhaseMarks, first: int) -> None:
+        """Charge the micro-batch whose three marks start at index ``first`` of ``marks`` to the
+        step's forward (first -> first + 1) and backward (-> first + 2) seconds."""
+        self.phase_s["forward"] += marks.seconds(first, first + 1)
+        self.phase_s["backward"] += marks.seconds(first + 1, first + 2)
 
     def step(self, micro_batches: Sequence[MicroBatch | None]) -> dict[str, float]:
         """One optimizer step over all micro-batches of a step (with data parallelism: this
@@ -312,32 +352,25 @@ class Trainer:
         started = time.perf_counter()
         self.phase_s = dict.fromkeys(self.phase_s, 0.0)
         self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, float] = {}
+        marks = PhaseMarks(self._device())
+        queued: list[tuple[dict[str, torch.Tensor], dict[str, float]]] = []  # (device stats, host stats) per micro-batch
         last = len(micro_batches) - 1
         for k, mb in enumerate(micro_batches):
             if self.before_micro_batch is not None:
                 self.before_micro_batch()
             with DataParallel.grad_sync(self.logprobs, sync=k == last):
                 if mb is None:
-                    self.padding_micro_step()
+                    self.padding_micro_step(marks)
                     continue
-                mb_loss, stats = self.micro_step(mb)
-            rewards = np.asarray(mb.rewards, dtype=np.float64)
-            stats.update(
-                loss=mb_loss,
-                non_finite_losses=float(not math.isfinite(mb_loss)),
-                num_tokens=float(len(mb.input_ids)),
-                num_micro_batches=1.0,
-                num_samples=float(len(rewards)),
-                reward_sum=float(rewards.sum()),
-                reward_sq_sum=float((rewards**2).sum()),
-                **reward_term_stats(mb.reward_terms),
-            )
-            totals = merge_stats(totals, stats)
+                queued.append(self._queue_micro_batch(mb, marks))
         params = [p for p in self.model.parameters() if p.requires_grad]
-        device = params[0].device if params else torch.device("cpu")
-        optimizing = device_clock(device)
+        optimizing = marks.mark()
         grad_norm = clip_grad_norm(params, self.cfg.optim.max_grad_norm)  # over the shards with fsdp
+        totals: dict[str, float] = {}
+        for (_queued, host_stats), device_stats in zip(queued, read_back([q[0] for q in queued])):
+            stats = {**host_stats, **device_stats}  # the step's one read-back of the micro-batches' stats
+            stats["non_finite_losses"] = float(not math.isfinite(stats["loss"]))
+            totals = merge_stats(totals, stats)
         totals["non_finite_grad_max"] = float(not math.isfinite(grad_norm))
         if self.dp is not None:  # the whole step's stats, merged in rank order: identical on every rank
             merged: dict[str, float] = {}
@@ -359,90 +392,10 @@ class Trainer:
                 real[0].step if real else "?", reason, totals.get("loss"), grad_norm,
             )
         self.scheduler.step()  # skipped steps too: the rate is a function of the step (module docstring)
-        self.phase_s["optimizer"] = device_clock(device) - optimizing
+        self.phase_s["optimizer"] = marks.seconds(optimizing, marks.mark())
+        for first in range(0, optimizing, 3):  # three marks per micro-batch or padding slot
+            self._add_phase_times(marks, first)
         metrics = step_metrics(totals, grad_norm, time.perf_counter() - started, skipped=reason is not None)
         metrics["lr"] = lr
         metrics.update({phase_key(phase): seconds for phase, seconds in self.phase_s.items()})  # this rank's
         return metrics
-
-
-REWARD_TERM_PREFIX = "reward_terms/"
-"""Stats keys ``reward_terms/<name>/sum`` and ``/count`` (not ending in ``_min``/``_max``, so
-:func:`merge_stats` sums them whatever the reward function's name)."""
-
-
-def reward_term_stats(reward_terms: dict[str, list[float]]) -> dict[str, float]:
-    """Per-function sums and counts of one micro-batch's ``reward_terms`` ({name: [S] scores})."""
-    stats = {}
-    for name, scores in reward_terms.items():
-        stats[f"{REWARD_TERM_PREFIX}{name}/sum"] = float(np.sum(np.asarray(scores, np.float64)))
-        stats[f"{REWARD_TERM_PREFIX}{name}/count"] = float(len(scores))
-    return stats
-
-
-def merge_stats(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-    """Merge two sets of micro-batch (or rank) stats: keys ending in ``_min`` take the minimum,
-    ``_max`` the maximum, every other key is a sum (the loss stats contract: sums, min, max per
-    micro-batch). A key missing on one side takes the other side's value. Returns a new dict."""
-    out = dict(a)
-    for key, value in b.items():
-        if key not in out:
-            out[key] = value
-        elif key.endswith("_min"):
-            out[key] = min(out[key], value)
-        elif key.endswith("_max"):
-            out[key] = max(out[key], value)
-        else:
-            out[key] = out[key] + value
-    return out
-
-
-def step_metrics(totals: dict[str, float], grad_norm: float, train_time_s: float, *, skipped: bool) -> dict[str, float]:
-    """The metrics of :meth:`Trainer.step` from the step's merged stats (see its docstring).
-
-    Per-token means divide by the step's loss tokens (at least 1). Rewards: ``mean = S1 / n``,
-    ``std = sqrt(max(S2 / n - mean**2, 0))`` from float64 sums over micro-batches and ranks (the
-    clamp absorbs rounding; for rewards of order 1 the one-pass error is ~1e-16, negligible for a
-    metric); NaN when the step has no samples. ``reward/<name>`` = the mean of reward function
-    ``name``'s own score over the step's samples that carry it (``MicroBatch.reward_terms``).
-    """
-    t = dict(totals)
-    n_loss = max(t.get("loss_tokens", 0.0), 1.0)
-    n = t.pop("num_samples", 0.0)
-    s1, s2 = t.pop("reward_sum", 0.0), t.pop("reward_sq_sum", 0.0)
-    reward_mean = s1 / n if n else math.nan
-    reward_std = math.sqrt(max(s2 / n - reward_mean**2, 0.0)) if n else math.nan
-    metrics = {
-        "loss": t.pop("loss", 0.0),
-        "kl": t.pop("kl_sum", 0.0) / n_loss,
-        "masked_frac": t.pop("masked_tokens", 0.0) / n_loss,
-        "importance_ratio_mean": t.pop("ratio_sum", 0.0) / n_loss,
-        "importance_ratio_min": t.pop("ratio_min", math.inf),
-        "importance_ratio_max": t.pop("ratio_max", -math.inf),
-        "clipfrac": t.pop("clipped_tokens", 0.0) / n_loss,
-        "entropy": t.pop("entropy_sum", 0.0) / n_loss,
-        "grad_norm": grad_norm,
-        "num_tokens": t.pop("num_tokens", 0.0),
-        "num_loss_tokens": t.pop("loss_tokens", 0.0),
-        "num_samples": n,
-        "num_micro_batches": t.pop("num_micro_batches", 0.0),
-        "reward_mean": reward_mean,
-        "reward_std": reward_std,
-        "onpolicy_tokens": t.pop("onpolicy_tokens", 0.0),
-        "onpolicy_lp_diff_max": t.pop("onpolicy_lp_diff_max", 0.0),
-        "train_time_s": train_time_s,
-        "skipped": 1.0 if skipped else 0.0,
-        **lag_fractions(t),
-    }
-    for key, total in (("kl_penalty", "kl_penalty_sum"), ("teacher_kl", "teacher_kl_sum"), ("tis_clipfrac", "tis_clipped_tokens")):
-        if total in t:  # reported only when the option is on
-            metrics[key] = t.pop(total) / n_loss
-    for key in sorted(k for k in t if k.startswith(REWARD_TERM_PREFIX) and k.endswith("/sum")):
-        name = key[len(REWARD_TERM_PREFIX) : -len("/sum")]
-        count = t.pop(f"{REWARD_TERM_PREFIX}{name}/count", 0.0)
-        metrics[f"reward/{name}"] = t.pop(key) / count if count else math.nan
-    t.pop("non_finite_losses", None)
-    t.pop("non_finite_grad_max", None)
-    for key, value in t.items():  # further loss stats, as step totals
-        metrics.setdefault(key, value)
-    return metrics

@@ -260,6 +260,7 @@ def linear_logprobs_and_entropy(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     backend: str = "auto",
     head_dtype: str = "float32",
+    checked_targets: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob of each target and entropy of the tempered distribution, without `[T, V]` logits.
 
@@ -272,6 +273,9 @@ def linear_logprobs_and_entropy(
         weight: `[V, H]` output embedding, same dtype and device as hidden.
         bias: `[V]` output bias or None.
         targets: `[T]` integer target ids in [0, V).
+        checked_targets: the caller has checked the ids are in [0, V) on the host
+            (`trainer.forward.packed_row`): skip the check here, which reads the device's
+            min/max back (a host sync).
         temperature: finite float > 0 (the sampler's temperature).
         chunk_size: rows per chunk, >= 1; peak extra memory ~ a few x chunk_size x V x 4 bytes.
         backend: "torch", "triton" (kernels of `trainer.kernels.triton_logprobs`; CUDA, or CPU under
@@ -289,7 +293,7 @@ def linear_logprobs_and_entropy(
         ValueError: bad shapes, dtypes, devices, target ids out of range, temperature not > 0,
             chunk_size < 1, or an unknown backend; "triton" when triton cannot be imported.
     """
-    _validate(hidden, weight, bias, targets, temperature, chunk_size, backend)
+    _validate(hidden, weight, bias, targets, temperature, chunk_size, backend, checked_targets)
     if head_dtype not in HEAD_DTYPES:
         raise ValueError(f"head_dtype must be one of {HEAD_DTYPES}, got {head_dtype!r}")
     resolved = _resolve_backend(backend, hidden.device)
@@ -298,7 +302,7 @@ def linear_logprobs_and_entropy(
     )
 
 
-def _validate(hidden, weight, bias, targets, temperature, chunk_size, backend) -> None:
+def _validate(hidden, weight, bias, targets, temperature, chunk_size, backend, checked_targets=False) -> None:
     if not (isinstance(hidden, torch.Tensor) and hidden.ndim == 2 and hidden.dtype.is_floating_point):
         raise ValueError("hidden must be a 2-D float tensor [num_tokens, hidden_size]")
     if not (isinstance(weight, torch.Tensor) and weight.ndim == 2 and weight.shape[1] == hidden.shape[1]):
@@ -315,7 +319,7 @@ def _validate(hidden, weight, bias, targets, temperature, chunk_size, backend) -
         raise ValueError(f"bias must be [vocab_size={weight.shape[0]}] of {weight.dtype}, got {tuple(bias.shape)}")
     if not isinstance(targets, torch.Tensor) or targets.shape != hidden.shape[:1] or targets.dtype.is_floating_point:
         raise ValueError(f"targets must be an integer tensor [num_tokens={hidden.shape[0]}]")
-    if targets.numel() and not (0 <= int(targets.min()) and int(targets.max()) < weight.shape[0]):
+    if not checked_targets and targets.numel() and not (0 <= int(targets.min()) and int(targets.max()) < weight.shape[0]):
         raise ValueError(
             f"targets must be token ids in [0, {weight.shape[0]}), got {int(targets.min())}..{int(targets.max())}"
         )

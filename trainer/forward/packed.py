@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from trainer.forward.logprobs import DEFAULT_CHUNK_SIZE, linear_logprobs_and_entropy
 from trainer.forward.packed_attention import MASK_PLACEHOLDER, packed_attention
-from trainer.forward.shared_prefix import plan_shared_prefixes
+from trainer.forward.packed_row import PackedRow
 
 __all__ = [
     "SHARE_MIN_TOKENS_CUDA",
@@ -107,14 +108,14 @@ def packed_position_ids(seq_lens: torch.Tensor) -> torch.Tensor:
 
 def packed_logprobs_and_entropy(
     model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    seq_lens: torch.Tensor,
+    input_ids: torch.Tensor | np.ndarray,
+    seq_lens: torch.Tensor | np.ndarray,
     *,
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     share_prefixes: bool | str = False,
     stats: dict[str, float] | None = None,
-    tokens: torch.Tensor | None = None,
+    tokens: torch.Tensor | np.ndarray | None = None,
     head_dtype: str = "float32",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob of each packed token and entropy of the tempered next-token distribution before it.
@@ -135,15 +136,17 @@ def packed_logprobs_and_entropy(
             decoder layers; not on lm_head), tied embeddings or not, whose
             `config._attn_implementation` is "sdpa" or "eager" and whose logits are exactly
             `lm_head(last hidden state)` (no soft-capping or logit scaling).
-        input_ids: `[T]` integer token ids of the packed samples, on the model's device.
-        seq_lens: `[S]` integer lengths >= 1 of the packed samples, summing to T.
+        input_ids: `[T]` integer token ids of the packed samples: a host numpy array or CPU tensor
+            (nothing waits for the device: `trainer.forward.packed_row`), or a tensor on the
+            model's device (read back once: a host sync).
+        seq_lens: `[S]` integer lengths >= 1 of the packed samples, summing to T (host or device, as input_ids).
         temperature: finite float > 0 dividing the logits.
         chunk_size: rows of logits computed at a time, >= 1 (memory ~ chunk_size x V floats).
         share_prefixes: run the tokens that neighbouring samples share at their start (a group's
             prompt) through the decoder once (`trainer.forward.shared_prefix`); the same values up to float
             rounding, fewer decoder tokens. True, False or "auto" (`sharing_applies`).
         stats: if given, gets `"decoder_tokens"`: tokens the decoder ran (T, or fewer when shared).
-        tokens: `[T]` bool, or None (every token): compute logprobs and entropy only at these
+        tokens: `[T]` bool (host or device, as input_ids), or None (every token): compute logprobs and entropy only at these
             tokens (the loss tokens; 0 elsewhere), so the LM head and the log-softmax skip the
             prompt rows the loss never reads.
         head_dtype: precision of the LM head's matmuls, "float32" | "tf32" | "bfloat16"
@@ -158,23 +161,19 @@ def packed_logprobs_and_entropy(
             implementation other than sdpa/eager (a 4-D mask is not honoured there), an LM head
             that is not a plain `nn.Linear`, or a config that rescales logits.
     """
-    lens = _validated_packed_inputs(model, input_ids, seq_lens, temperature)
+    _validate_call(model, input_ids, temperature)
     weight, bias = _output_projection(model)
+    shared = sharing_applies(share_prefixes, weight.device.type, len(input_ids))
+    row = PackedRow.build(input_ids, seq_lens, tokens, device=weight.device, vocab_size=weight.shape[0], shared=shared)
     # Under bfloat16 autocast (trainer.forward.precision) the body may return bfloat16 hidden states; the
     # head then runs with autocast off, its matmuls in head_dtype (trainer.forward.logprobs).
-    if tokens is not None and tokens.shape != input_ids.shape:
-        raise ValueError(f"tokens must be a [T] mask like input_ids {tuple(input_ids.shape)}, got {tuple(tokens.shape)}")
-    is_first = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
-    is_first[torch.cumsum(lens, 0) - lens] = True
-    wanted = ~is_first if tokens is None else tokens.to(device=input_ids.device, dtype=torch.bool) & ~is_first
-    at = torch.nonzero(wanted).flatten()  # tokens t, predicted from the hidden state at t - 1
-    hidden = _decoder_hidden_states(model, input_ids, lens, at - 1, share_prefixes, stats).to(weight.dtype)
+    hidden = _decoder_hidden_states(model, row, stats).to(weight.dtype)
     logprob, entropy = linear_logprobs_and_entropy(
-        hidden, weight, bias, input_ids[at].long(), temperature=temperature, chunk_size=chunk_size,
-        head_dtype=head_dtype,
+        hidden, weight, bias, row.targets, temperature=temperature, chunk_size=chunk_size,
+        head_dtype=head_dtype, checked_targets=True,
     )
-    zeros = torch.zeros(input_ids.shape, dtype=logprob.dtype, device=logprob.device)
-    return zeros.index_put((at,), logprob), zeros.index_put((at,), entropy)
+    zeros = torch.zeros(row.num_tokens, dtype=logprob.dtype, device=logprob.device)
+    return zeros.index_put((row.at,), logprob), zeros.index_put((row.at,), entropy)
 
 
 def packed_token_logprobs(
@@ -202,13 +201,10 @@ def packed_token_logprobs(
     return logprobs
 
 
-def _validated_packed_inputs(model, input_ids, seq_lens, temperature) -> torch.Tensor:
-    """seq_lens as int64 on input_ids' device, after checking ids, lengths, temperature, attention."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 1 or input_ids.dtype.is_floating_point:
+def _validate_call(model: torch.nn.Module, input_ids, temperature) -> None:
+    """Checks of the call besides the row's (`PackedRow.build`): input_ids' kind, temperature, attention."""
+    if not isinstance(input_ids, (torch.Tensor, np.ndarray)) or input_ids.ndim != 1:
         raise ValueError("input_ids must be a 1-D integer tensor [num_tokens] of packed token ids")
-    lens = validated_seq_lens(seq_lens).to(input_ids.device)
-    if int(lens.sum()) != input_ids.numel():
-        raise ValueError(f"seq_lens must sum to len(input_ids)={input_ids.numel()}, got {int(lens.sum())}")
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     impl = getattr(model.config, "_attn_implementation", None)
@@ -217,47 +213,32 @@ def _validated_packed_inputs(model, input_ids, seq_lens, temperature) -> torch.T
             f"attention implementation {impl!r} is not supported for packed forwards; load the model "
             f"with attn_implementation in {SUPPORTED_ATTN_IMPLEMENTATIONS}"
         )
-    return lens
 
 
-def _decoder_hidden_states(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    lens: torch.Tensor,
-    rows: torch.Tensor,
-    share_prefixes: bool | str = False,
-    stats: dict[str, float] | None = None,
-) -> torch.Tensor:
-    """`[R, H]` last hidden states (after the final norm) at positions `rows` `[R]` int64 of the
-    packed row, from one packed forward of the decoder body.
+def _decoder_hidden_states(model: torch.nn.Module, row: PackedRow, stats: dict[str, float] | None = None) -> torch.Tensor:
+    """`[R, H]` last hidden states (after the final norm) at `row.hidden_rows`, from one packed
+    forward of the decoder body over `row.decoder_ids`.
 
     `get_decoder()` is the transformers accessor of the body (Qwen2ForCausalLM -> `.model`); on a
     peft model the attribute lookup is forwarded to the wrapped transformers model, whose layers
-    already hold the LoRA modules, so the adapters apply. With `share_prefixes` and a row whose
-    neighbours share prefixes, the decoder runs on the compressed row of
-    `trainer.forward.shared_prefix.plan_shared_prefixes` and the rows are read through its `expand`.
+    already hold the LoRA modules, so the adapters apply. With a shared-prefix plan the decoder
+    runs on the compressed row of `trainer.forward.shared_prefix.plan_shared_prefixes` and
+    `row.hidden_rows` already go through its expansion (`trainer.forward.packed_row`).
     `stats`, if given, gets the decoder's token count as `"decoder_tokens"`.
     """
-    shared = sharing_applies(share_prefixes, input_ids.device.type, input_ids.numel())
-    plan = plan_shared_prefixes(input_ids, lens) if shared else None
-    if plan is not None:
-        plan = plan.to(input_ids.device)
-        row, positions, extra = plan.row_ids, plan.position_ids[None], {"rlbus_shared_plan": plan}
-    else:
-        row, positions, extra = input_ids.long(), packed_position_ids(lens), {"rlbus_seq_lens": lens.tolist()}
     if stats is not None:
-        stats["decoder_tokens"] = float(len(row))
+        stats["decoder_tokens"] = float(row.decoder_tokens)
     decoder = model.get_decoder()
     with packed_attention(model):
         out = decoder(
-            input_ids=row[None],
-            attention_mask=MASK_PLACEHOLDER.to(device=input_ids.device, dtype=_compute_dtype(model)),
-            position_ids=positions,
+            input_ids=row.decoder_ids,
+            attention_mask=MASK_PLACEHOLDER.to(device=row.decoder_ids.device, dtype=_compute_dtype(model)),
+            position_ids=row.position_ids,
             use_cache=False,
-            **extra,
+            **row.attention,
         )
     # index_select, not hidden[idx]: its backward is index_add_, not a sorting index_put_ (shared_prefix)
-    return out.last_hidden_state[0].index_select(0, rows if plan is None else plan.expand[rows])
+    return out.last_hidden_state[0].index_select(0, row.hidden_rows)
 
 
 SHARE_MIN_TOKENS_CUDA = 12288
@@ -334,7 +315,9 @@ class PackedLogprobs(torch.nn.Module):
 
     After each forward, `stats["decoder_tokens"]` is the number of tokens its decoder ran.
 
-    `forward(input_ids [T], seq_lens [S], tokens [T] bool or None)` returns `(logprobs [T] float32 with grad, entropy [T]
+    `forward(input_ids [T], seq_lens [S], tokens [T] bool or None)` (host numpy arrays: nothing
+    waits for the device, and a data-parallel wrapper, which moves tensor arguments only, leaves
+    them alone; or tensors) returns `(logprobs [T] float32 with grad, entropy [T]
     float32 detached)`: entropy of the tempered next-token distribution at each token's position
     (0 at sample starts), nats. See `packed_logprobs_and_entropy`.
 
@@ -363,7 +346,10 @@ class PackedLogprobs(torch.nn.Module):
         self.stats: dict[str, float] = {}
 
     def forward(
-        self, input_ids: torch.Tensor, seq_lens: torch.Tensor, tokens: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor | np.ndarray,
+        seq_lens: torch.Tensor | np.ndarray,
+        tokens: torch.Tensor | np.ndarray | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return packed_logprobs_and_entropy(
             self.model,

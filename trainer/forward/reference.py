@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 
+import numpy as np
 import torch
 from peft import PeftModel
 
@@ -54,15 +55,20 @@ class ReferencePolicy:
 
     @torch.no_grad()
     def logprobs(
-        self, input_ids: torch.Tensor, seq_lens: torch.Tensor, temperature: float, tokens: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor | np.ndarray,
+        seq_lens: torch.Tensor | np.ndarray,
+        temperature: float,
+        tokens: torch.Tensor | np.ndarray | None = None,
     ) -> torch.Tensor:
         """`[T]` float32 reference logprobs (nats, 0 at each sample's first token), no grad:
         `log softmax(logits / temperature)` at each token (`packed_logprobs_and_entropy`).
 
         Args:
-            input_ids: `[T]` integer packed token ids. seq_lens: `[S]` integer sample lengths.
+            input_ids: `[T]` integer packed token ids. seq_lens: `[S]` integer sample lengths
+                (host arrays: no host sync, `trainer.forward.packed_row`; or tensors).
             temperature: finite float > 0, the samples' sampling temperature.
-            tokens: `[T]` bool or None: only these tokens' logprobs are computed (0 elsewhere).
+            tokens: `[T]` bool (host or device) or None: only these tokens' logprobs are computed (0 elsewhere).
 
         Raises:
             ValueError: temperature is not a finite number > 0 (raised by the packed forward).

@@ -62,6 +62,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from trainer.forward.transfer import host_array, to_device
 from trainer.kernels.varlen_attention import varlen_attention, varlen_kernel_applies
 
 __all__ = [
@@ -112,7 +113,8 @@ class FlatSegments:
 
     def to(self, device: torch.device | str) -> FlatSegments:
         """The same layout with every tensor on ``device``."""
-        return FlatSegments(self.key_rows.to(device), self.cu_q.to(device), self.cu_k.to(device), self.max_q, self.max_k)
+        device = torch.device(device)
+        return FlatSegments(*(to_device(t, device) for t in (self.key_rows, self.cu_q, self.cu_k)), self.max_q, self.max_k)
 
 
 @dataclass(frozen=True)
@@ -163,9 +165,9 @@ class SharedPrefixPlan:
     def to(self, device: torch.device | str) -> SharedPrefixPlan:
         """The same plan with every tensor on ``device``."""
         return SharedPrefixPlan(
-            row_ids=self.row_ids.to(device),
-            position_ids=self.position_ids.to(device),
-            expand=self.expand.to(device),
+            row_ids=to_device(self.row_ids, torch.device(device)),
+            position_ids=to_device(self.position_ids, torch.device(device)),
+            expand=to_device(self.expand, torch.device(device)),
             segments=self.segments.to(device),
             saved_tokens=self.saved_tokens,
             table=self.table,
@@ -193,8 +195,8 @@ def plan_shared_prefixes(
     Raises:
         ValueError: lengths not >= 1, not summing to T, or max_run < 1.
     """
-    ids = _host_array(input_ids).astype(np.int64, copy=False)
-    lens = _host_array(seq_lens).astype(np.int64, copy=False)
+    ids = host_array(input_ids, "input_ids").astype(np.int64, copy=False)
+    lens = host_array(seq_lens, "seq_lens").astype(np.int64, copy=False)
     if max_run < 1:
         raise ValueError(f"max_run must be >= 1, got {max_run}")
     if lens.ndim != 1 or len(lens) == 0 or (lens < 1).any() or int(lens.sum()) != len(ids):
@@ -280,13 +282,6 @@ def padded_segment_attention(
         )
         outs.append(out.transpose(1, 2).reshape(n * lq, out.shape[1], out.shape[3]))  # [n * Lq, heads, d]
     return torch.cat(outs).index_select(0, padded.out_rows)[None]  # [1, T_c, heads, d]
-
-
-def _host_array(values: torch.Tensor | np.ndarray) -> np.ndarray:
-    """A 1-D host numpy view of a tensor or array."""
-    if isinstance(values, torch.Tensor):
-        return values.detach().cpu().numpy()
-    return np.asarray(values)
 
 
 def _neighbour_prefixes(samples: list[np.ndarray]) -> list[int]:
@@ -393,12 +388,12 @@ def _padded_segments(table: np.ndarray, device: torch.device) -> PaddedSegments:
         offset += len(part) * lq
         q_rows.append(rows_q)
         k_rows.append(rows_k)
-        masks.append(torch.from_numpy(mask).to(device))
+        masks.append(to_device(mask, device))
     return PaddedSegments(
-        q_rows=torch.from_numpy(np.concatenate(q_rows)).to(device),
-        k_rows=torch.from_numpy(np.concatenate(k_rows)).to(device),
+        q_rows=to_device(np.concatenate(q_rows), device),
+        k_rows=to_device(np.concatenate(k_rows), device),
         masks=tuple(masks),
-        out_rows=torch.from_numpy(out_rows).to(device),
+        out_rows=to_device(out_rows, device),
     )
 
 

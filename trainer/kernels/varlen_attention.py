@@ -29,7 +29,10 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from trainer.forward.transfer import to_device
 
 __all__ = [
     "VARLEN_DTYPES", "VarlenSignature", "autocast_compute_dtype", "cu_seqlens", "repeat_kv", "signature_of", "to_compute_dtype",
@@ -155,7 +158,8 @@ def cu_seqlens(lens: list[int], device: torch.device | str) -> torch.Tensor:
     """
     if not lens or min(lens) < 1:
         raise ValueError(f"lens must be a non-empty list of sample lengths >= 1, got {lens!r}")
-    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
+    offsets = np.array([0, *itertools.accumulate(lens)], dtype=np.int32)
+    return to_device(offsets, torch.device(device))  # queued, no host sync (trainer.forward.transfer)
 
 
 @functools.lru_cache(maxsize=4)

@@ -8,7 +8,9 @@ Modules, one concern each:
 - `masks`: token / geometric-mean / extreme-token sample masks and IcePop.
 - `objectives`: the per-token surrogate of each loss type.
 - `aggregation`: token_mean, seq_mean_token_mean, seq_mean_token_sum_norm weights.
-- `policy`: `policy_loss`, which puts them together and returns the loss stats.
+- `policy`: `policy_loss`, which puts them together and returns the loss stats (`policy_loss_terms`:
+  the same with the stats left on the device, for a loop that reads them back once per step);
+- `checks`: the value checks of a micro-batch's inputs on host arrays (`check_loss_inputs`).
 Its `__init__` exports the public names.
 """
 
@@ -34,7 +36,8 @@ from trainer.losses.objectives import (
     importance_sampling_token_loss,
     ppo_clip_token_loss,
 )
-from trainer.losses.policy import policy_loss
+from trainer.losses.checks import check_loss_inputs
+from trainer.losses.policy import policy_loss, policy_loss_terms, stats_to_floats
 from trainer.losses.spec import AGGREGATIONS, KL_ESTIMATORS, KL_REFERENCES, LOSS_TYPES, RATIO_TYPES, LossBatch, LossSpec, StepNorm
 
 __all__ = [
@@ -50,6 +53,7 @@ __all__ = [
     "aggregate_token_loss",
     "aggregation_weights",
     "aipo_token_loss",
+    "check_loss_inputs",
     "clipped_surrogate",
     "geo_mean_mask",
     "gspo_token_loss",
@@ -63,6 +67,7 @@ __all__ = [
     "loss_counts",
     "mismatch_kl",
     "policy_loss",
+    "policy_loss_terms",
     "ppo_clip_token_loss",
     "ratio_in_bounds",
     "sample_ids",
@@ -70,5 +75,6 @@ __all__ = [
     "sequence_extreme_mask",
     "sequence_mean_log_ratio",
     "sequence_sum_log_ratio",
+    "stats_to_floats",
     "tis_weight",
 ]

@@ -117,12 +117,14 @@ def mismatch_kl(log_ratio: torch.Tensor) -> torch.Tensor:
     return kl_k3(log_ratio)
 
 
-def sample_ids(seq_lens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def sample_ids(seq_lens: torch.Tensor, num_tokens: int, *, checked: bool = False) -> torch.Tensor:
     """Index of the packed sample each token belongs to.
 
     Args:
         seq_lens: `[S]` integer tensor, lengths >= 1 of the packed samples, in packing order.
         num_tokens: T, the packed length.
+        checked: the caller checked seq_lens on the host (`trainer.losses.checks.check_seq_lens`):
+            skip the checks here, which read the lengths back from the device (a host sync).
 
     Returns:
         `[T]` int64 on seq_lens' device, e.g. seq_lens [2, 3] -> [0, 0, 1, 1, 1].
@@ -130,10 +132,11 @@ def sample_ids(seq_lens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     Raises:
         ValueError: seq_lens is not a non-empty 1-D integer tensor of values >= 1 summing to T.
     """
-    lens = validated_seq_lens(seq_lens)
-    if int(lens.sum()) != num_tokens:
+    lens = seq_lens.long() if checked else validated_seq_lens(seq_lens)
+    if not checked and int(lens.sum()) != num_tokens:
         raise ValueError(f"seq_lens must sum to the packed length {num_tokens}, got sum {int(lens.sum())}")
-    return torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
+    # output_size: the result's length is known, so no device read to size it
+    return torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens, output_size=num_tokens)
 
 
 def segment_sum(values: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, num_samples: int) -> torch.Tensor:

@@ -22,8 +22,12 @@ Invariants:
   every input is replaced by a neutral value there (`where`) before any non-linear op.
 - Normalizers are step-wide (`StepNorm`), so summing micro-batch losses over micro-batches and
   ranks gives the step loss whatever the split.
-- Stats are python floats: SUMS (counts, sums) or min/max over this micro-batch's loss tokens, so
-  the trainer adds them over micro-batches and ranks and divides by step totals.
+- Stats are SUMS (counts, sums) or min/max over this micro-batch's loss tokens, so the trainer
+  adds them over micro-batches and ranks and divides by step totals: python floats from
+  `policy_loss` (one host sync), 0-dim float64 device tensors from `policy_loss_terms` (none).
+- `policy_loss_terms` reads no device value back to the host when `LossBatch.checked` (the
+  trainer checks the inputs on its host arrays first, `trainer.losses.checks`): no `.item()`,
+  no boolean-mask indexing, no `nonzero` (tests/trainer/test_host_sync.py).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import math
 import torch
 
 from trainer.losses.aggregation import aggregate_token_loss
+from trainer.losses.checks import check_loss_inputs
 from trainer.losses.estimators import (
     LOG_RATIO_BOUND,
     kl_penalty,
@@ -46,7 +51,7 @@ from trainer.losses.masks import keep_mask
 from trainer.losses.objectives import aipo_token_loss, gspo_token_loss, importance_sampling_token_loss, ppo_clip_token_loss
 from trainer.losses.spec import LossBatch, LossSpec, StepNorm
 
-__all__ = ["policy_loss"]
+__all__ = ["policy_loss", "policy_loss_terms", "stats_to_floats"]
 
 
 def policy_loss(batch: LossBatch, norm: StepNorm, spec: LossSpec) -> tuple[torch.Tensor, dict[str, float]]:
@@ -76,12 +81,24 @@ def policy_loss(batch: LossBatch, norm: StepNorm, spec: LossSpec) -> tuple[torch
             teacher_logprobs with teacher_tau > 0); or sampler_logprobs, advantages or a used optional input is
             not finite on a loss token (the message names the token index).
     """
-    seq_ids = sample_ids(batch.seq_lens, batch.num_tokens)
+    loss, stats = policy_loss_terms(batch, norm, spec)
+    return loss, stats_to_floats(stats)
+
+
+def policy_loss_terms(batch: LossBatch, norm: StepNorm, spec: LossSpec) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`policy_loss` with its stats left on the device: `{name: 0-dim float64 tensor}` (same keys
+    and values), for a caller that reads many micro-batches' stats back at once (`stats_to_floats`).
+
+    With `batch.checked` nothing here makes the host wait for the device; otherwise the inputs
+    are checked first on host copies (`trainer.losses.checks.check_loss_inputs`, a sync).
+
+    Raises:
+        ValueError: as `policy_loss`.
+    """
+    seq_ids = sample_ids(batch.seq_lens, batch.num_tokens, checked=batch.checked)
     num_samples = int(batch.seq_lens.numel())
     loss_mask = batch.loss_mask
-    _check_norm(norm, loss_mask, seq_ids, num_samples)
-    _check_inputs(batch, spec)
-
+    _check_inputs(batch, spec, norm)
     train_logprobs = batch.train_logprobs
     dtype, zero = train_logprobs.dtype, torch.zeros((), dtype=train_logprobs.dtype, device=train_logprobs.device)
     mismatch = train_logprobs.detach() - batch.sampler_logprobs.to(dtype)
@@ -119,9 +136,10 @@ def policy_loss(batch: LossBatch, norm: StepNorm, spec: LossSpec) -> tuple[torch
         token_loss = token_loss + spec.kl_tau * penalty
         extra["kl_penalty_sum"] = penalty.detach().double().sum()
     if batch.teacher_logprobs is not None:
-        extra["teacher_kl_sum"] = (train_logprobs.detach().double() - batch.teacher_logprobs.double())[loss_mask].sum()
+        teacher_kl = train_logprobs.detach().double() - batch.teacher_logprobs.double()
+        extra["teacher_kl_sum"] = torch.where(loss_mask, teacher_kl, 0.0).sum()
     if batch.entropy is not None:
-        extra["entropy_sum"] = batch.entropy.detach().double()[loss_mask].sum()
+        extra["entropy_sum"] = torch.where(loss_mask, batch.entropy.detach().double(), 0.0).sum()
 
     loss = aggregate_token_loss(token_loss, loss_mask, seq_ids, num_samples, norm, spec.aggregation)
     return loss, _stats(mismatch, loss_mask, keep, clipped, extra)
@@ -153,23 +171,9 @@ def _aipo(
     return aipo_token_loss(lp_kept, torch.where(keep, ratio, zero), adv), clipped
 
 
-def _check_norm(norm: StepNorm, loss_mask: torch.Tensor, seq_ids: torch.Tensor, num_samples: int) -> None:
-    """The step normalizers must cover this micro-batch (else the step loss is mis-scaled)."""
-    if not isinstance(norm, StepNorm):
-        raise ValueError(f"norm must be a StepNorm, got {type(norm).__name__}")
-    local_tokens = int(loss_mask.sum())
-    per_sample = torch.zeros(num_samples, dtype=torch.int64, device=seq_ids.device).index_add(0, seq_ids, loss_mask.long())
-    local_samples = int((per_sample > 0).sum())
-    if norm.loss_tokens < local_tokens or norm.num_samples < local_samples:
-        raise ValueError(
-            f"StepNorm(loss_tokens={norm.loss_tokens}, num_samples={norm.num_samples}) is below this micro-batch's "
-            f"{local_tokens} loss tokens / {local_samples} samples with loss tokens; pass the counts of the WHOLE "
-            "optimizer step (all micro-batches, all ranks)"
-        )
-
-
-def _check_inputs(batch: LossBatch, spec: LossSpec) -> None:
-    """Inputs the spec reads must be present and finite on loss tokens."""
+def _check_inputs(batch: LossBatch, spec: LossSpec, norm: StepNorm) -> None:
+    """Inputs the spec reads must be present; unless `batch.checked`, the norm must cover this
+    micro-batch and the inputs be finite on loss tokens (checked on host copies: a sync)."""
     needed = {"sampler_logprobs": batch.sampler_logprobs, "advantages": batch.advantages}
     requirements = (
         ("old_logprobs", spec.use_tis, "use_tis needs the old-policy logprobs (old_logprobs = train_logprobs.detach() for one step per batch)"),
@@ -184,32 +188,38 @@ def _check_inputs(batch: LossBatch, spec: LossSpec) -> None:
             raise ValueError(f"LossBatch.{name} is None: {why}")
         if tensor is not None and (required or name == "teacher_logprobs"):
             needed[name] = tensor
-    for name, tensor in needed.items():
-        bad = batch.loss_mask & ~torch.isfinite(tensor)
-        if bool(bad.any()):
-            index = int(bad.nonzero()[0, 0])
-            raise ValueError(
-                f"{name} must be finite on loss tokens, got {float(tensor[index])} at token {index}; "
-                "fix the producer/reward worker output or set loss_mask False there"
-            )
+    if batch.checked:
+        return
+
+    def host(t: torch.Tensor):
+        return t.detach().cpu().numpy()
+
+    check_loss_inputs(host(batch.loss_mask), host(batch.seq_lens), norm, {name: host(t) for name, t in needed.items()})
 
 
 def _stats(
     mismatch: torch.Tensor, loss_mask: torch.Tensor, keep: torch.Tensor, clipped: torch.Tensor, extra: dict[str, torch.Tensor]
-) -> dict[str, float]:
-    """Sums/min/max over loss tokens in float64, with one host sync; keys in `policy_loss`."""
-    lr = mismatch.double()[loss_mask]
+) -> dict[str, torch.Tensor]:
+    """Sums/min/max over loss tokens as 0-dim float64 tensors (keys in `policy_loss`); tokens
+    outside the loss mask enter as neutral values (`where`), so no boolean-mask indexing."""
+    lr = torch.where(loss_mask, mismatch.double(), 0.0)
     ratio = torch.exp(lr)
-    inf = torch.tensor(math.inf, dtype=torch.float64, device=lr.device)
     base = {
         "loss_tokens": loss_mask.sum(),
         "masked_tokens": (loss_mask & ~keep).sum(),
         "clipped_tokens": (clipped & keep).sum(),
-        "kl_sum": mismatch_kl(lr).sum(),
-        "ratio_sum": ratio.sum(),
-        "ratio_min": ratio.min() if lr.numel() else inf,
-        "ratio_max": ratio.max() if lr.numel() else -inf,
+        "kl_sum": torch.where(loss_mask, mismatch_kl(lr), 0.0).sum(),
+        "ratio_sum": torch.where(loss_mask, ratio, 0.0).sum(),
+        "ratio_min": torch.where(loss_mask, ratio, math.inf).amin() if lr.numel() else lr.new_tensor(math.inf),
+        "ratio_max": torch.where(loss_mask, ratio, -math.inf).amax() if lr.numel() else lr.new_tensor(-math.inf),
     }
     base.update(extra)
-    values = torch.stack([v.double().to(lr.device).reshape(()) for v in base.values()]).tolist()
-    return dict(zip(base.keys(), values))
+    return {name: value.double().reshape(()) for name, value in base.items()}
+
+
+def stats_to_floats(stats: dict[str, torch.Tensor]) -> dict[str, float]:
+    """`{name: 0-dim tensor}` -> `{name: float}` with one host sync (one stack, one `tolist`)."""
+    if not stats:
+        return {}
+    values = torch.stack([value.double().reshape(()) for value in stats.values()]).tolist()
+    return dict(zip(stats.keys(), values))

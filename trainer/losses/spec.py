@@ -234,6 +234,10 @@ class LossBatch:
             when teacher_tau > 0 (required then) and for the `teacher_kl_sum` stat; finite on loss tokens.
         entropy: `[T]` float or None, entropy of the trainer's next-token distribution (nats,
             detached), for the `entropy_sum` stat only.
+        checked: True when the caller has already checked on the host every value check that
+            would read the device (seq_lens, the step norm, finite inputs:
+            `trainer.losses.checks.check_loss_inputs`); then neither this class nor
+            `policy_loss_terms` reads a device value back (no host sync). Default False: checked here.
     All tensors, seq_lens included, must be on one device.
 
     Raises:
@@ -249,6 +253,7 @@ class LossBatch:
     ref_logprobs: torch.Tensor | None = None
     teacher_logprobs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+    checked: bool = False
 
     def __post_init__(self) -> None:
         lp = self.train_logprobs
@@ -273,6 +278,8 @@ class LossBatch:
             raise ValueError("seq_lens must be a non-empty 1-D tensor [num_samples] of sample lengths")
         if lens.dtype.is_floating_point or lens.dtype == torch.bool or lens.is_complex():
             raise ValueError(f"seq_lens must be an integer tensor, got {lens.dtype}; use .long()")
+        if self.checked:  # the values were checked on the host (trainer.losses.checks): no device read here
+            return
         if bool((lens < 1).any()):
             raise ValueError(f"seq_lens must all be >= 1, got {lens.tolist()}; drop empty samples before packing")
         if int(lens.sum()) != num_tokens:

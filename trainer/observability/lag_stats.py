@@ -15,7 +15,7 @@ as lag 0.
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 LAG_BUCKETS = 4
 """Buckets reported: lags 0, 1, 2 and >= 3."""
@@ -26,18 +26,20 @@ BUCKET_NAMES = [*(str(k) for k in range(LAG_BUCKETS - 1)), f">={LAG_BUCKETS - 1}
 COUNT_PREFIX, FRAC_PREFIX = "lag_tokens/", "lag_frac/"
 
 
-def lag_token_counts(token_versions: torch.Tensor, loss_mask: torch.Tensor, step: int) -> dict[str, float]:
-    """Loss tokens per lag bucket of one micro-batch.
+def lag_token_counts(token_versions: np.ndarray, loss_mask: np.ndarray, step: int) -> dict[str, float]:
+    """Loss tokens per lag bucket of one micro-batch, from its host arrays (no device involved).
 
     Args:
-        token_versions: ``[T] int64`` policy version of each token. loss_mask: ``[T] bool``.
+        token_versions: ``[T] int64`` policy version of each token. loss_mask: ``[T] bool``
+            (numpy arrays, or CPU tensors).
         step: the optimizer step being trained (= the trained weights' version).
 
     Returns:
         ``{"lag_tokens/<bucket>": count}`` for every bucket of :data:`BUCKET_NAMES`.
     """
-    lags = (step - token_versions[loss_mask]).clamp(0, LAG_BUCKETS - 1)
-    counts = torch.bincount(lags, minlength=LAG_BUCKETS).tolist()
+    versions = np.asarray(token_versions, dtype=np.int64)
+    lags = np.clip(step - versions[np.asarray(loss_mask, dtype=bool)], 0, LAG_BUCKETS - 1)
+    counts = np.bincount(lags, minlength=LAG_BUCKETS).tolist()
     return {COUNT_PREFIX + name: float(c) for name, c in zip(BUCKET_NAMES, counts)}
 
 

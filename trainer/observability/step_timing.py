@@ -15,8 +15,9 @@ Phases (seconds per step; their keys in a step's metrics are ``time/<phase>_s``)
 Invariant: the six phases partition the step's ``step_time_s`` (the time between two marks taken
 right after each step's weights were handed off): ``bookkeeping`` is the remainder, so a step's
 records and checkpoint are counted in the NEXT step's ``bookkeeping`` (they are written after the
-mark). Forward/backward/optimizer come from :meth:`trainer.trainer.Trainer.step`, which on CUDA
-synchronizes the device at each boundary so kernels are charged to the phase that launched them.
+mark). Forward/backward/optimizer come from :meth:`trainer.trainer.Trainer.step`, which marks each
+boundary with a CUDA timing event (:class:`PhaseMarks`) so kernels are charged to the phase that
+queued them without the host waiting for the device at every boundary.
 
 Prometheus: ``rlbus_trainer_phase_seconds_total{phase}``, a counter of seconds per phase, the
 standard shape for "time spent in X" (like ``node_cpu_seconds_total{mode}``): ``rate()`` of it is
@@ -64,12 +65,36 @@ def share_key(phase: str) -> str:
     return f"time_share/{phase}"
 
 
-def device_clock(device: torch.device) -> float:
-    """``time.perf_counter()`` (seconds) after the device's queued work is done: on CUDA it
-    synchronizes first, elsewhere the work is already done when the call returns."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
+class PhaseMarks:
+    """Phase boundaries of one trainer step, marked without making the host wait for the device.
+
+    On CUDA each :meth:`mark` records a timing event on the current stream (``torch.cuda.Event``):
+    the device stamps it when it reaches that point of the queued work, so the host goes on
+    queueing kernels; :meth:`seconds` reads the stamps after the step's work is done (it waits
+    for the last mark). Elsewhere a mark is ``time.perf_counter()`` (the work is done when the call
+    returns). A phase is then charged the device time of the kernels queued between its marks.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._marks: list = []
+
+    def mark(self) -> int:
+        """Mark the current point of the queued work; returns the mark's index."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append(event)
+        else:
+            self._marks.append(time.perf_counter())
+        return len(self._marks) - 1
+
+    def seconds(self, start: int, end: int) -> float:
+        """Seconds between marks ``start`` and ``end`` (on CUDA: waits until the device reached ``end``)."""
+        if not self.cuda:
+            return self._marks[end] - self._marks[start]
+        self._marks[end].synchronize()
+        return self._marks[start].elapsed_time(self._marks[end]) / 1000.0
 
 
 class StepPhases:

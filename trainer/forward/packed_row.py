@@ -1,0 +1,146 @@
+"""A packed row's structure, worked out on the host before its forward, so the forward never waits.
+
+Every index a packed forward needs follows from the sample lengths, the loss tokens and (for
+shared prefixes) the token ids, all of which the trainer receives as host arrays: where samples
+start, which tokens get a logprob, which decoder output row predicts each of them, their target
+ids, the position ids, the flash kernel's ``cu_seqlens``. Computing them with torch on the device
+(``nonzero``, ``int(lens.sum())``, ``lens.tolist()``) makes the host wait for the device at each
+such call, so it stops queueing kernels ahead of the device; on a GPU that idles the device for the
+host's launch time of every layer. :meth:`PackedRow.build` computes them with numpy and queues
+their copies with :func:`trainer.forward.transfer.to_device` (no sync). Only the decoder's and the
+LM head's kernels then run on the device.
+
+Inputs given as device tensors still work: they are read back once (a sync), as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from trainer.forward.shared_prefix import SharedPrefixPlan, plan_shared_prefixes
+from trainer.forward.transfer import host_array, to_device
+
+__all__ = ["PackedRow", "sample_starts"]
+
+
+def sample_starts(lens: np.ndarray) -> np.ndarray:
+    """``[S]`` int64 index of each packed sample's first token: ``[0, l0, l0 + l1, ...]``."""
+    return np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class PackedRow:
+    """One packed row, ready for the decoder and the LM head (see the module docstring).
+
+    Fields (T tokens, S samples, R = tokens whose logprob is computed, T_d = tokens the decoder
+    runs: T, or fewer with shared prefixes; tensors on the model's device):
+        num_tokens: T.
+        lens: ``[S]`` int64 host sample lengths.
+        at: ``[R]`` int64 tokens t that get a logprob (loss tokens, never a sample's first).
+        hidden_rows: ``[R]`` int64 decoder output row whose hidden state predicts token t (t - 1,
+            mapped through the shared-prefix plan's expansion when shared).
+        targets: ``[R]`` int64 token id at t.
+        decoder_ids, position_ids: ``[1, T_d]`` int64 the decoder's input row and positions
+            (restarting at 0 at each sample, Qwen2/Llama RoPE positions of an unpacked forward).
+        attention: the extra keyword the packed attention reads: ``{"rlbus_seq_lens": [S] ints}``
+            or ``{"rlbus_shared_plan": SharedPrefixPlan}`` (`trainer.forward.packed_attention`).
+    """
+
+    num_tokens: int
+    lens: np.ndarray
+    at: torch.Tensor
+    hidden_rows: torch.Tensor
+    targets: torch.Tensor
+    decoder_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention: dict
+
+    @property
+    def decoder_tokens(self) -> int:
+        """T_d, the tokens the decoder runs."""
+        return int(self.decoder_ids.shape[1])
+
+    @classmethod
+    def build(
+        cls,
+        input_ids: torch.Tensor | np.ndarray,
+        seq_lens: torch.Tensor | np.ndarray,
+        tokens: torch.Tensor | np.ndarray | None,
+        *,
+        device: torch.device,
+        vocab_size: int,
+        shared: bool,
+    ) -> PackedRow:
+        """The row of ``input_ids`` ``[T]`` (integer ids) split by ``seq_lens`` ``[S]``.
+
+        Args:
+            input_ids: ``[T]`` integer token ids, each in ``[0, vocab_size)``.
+            seq_lens: ``[S]`` integer lengths >= 1 summing to T.
+            tokens: ``[T]`` bool (or 0/1), the tokens to compute logprobs at, or None (all);
+                a sample's first token never gets one (no context).
+            device: the model's device.
+            vocab_size: rows of the LM head (the target ids' bound).
+            shared: run the prefixes that neighbouring samples share once
+                (`trainer.forward.shared_prefix.plan_shared_prefixes`; no effect when none do).
+
+        Raises:
+            ValueError: ids not a 1-D integer array or out of ``[0, vocab_size)``, lengths not >= 1
+                or not summing to T, or tokens not ``[T]``.
+        """
+        ids = host_array(input_ids, "input_ids")
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError("input_ids must be a 1-D integer tensor [num_tokens] of packed token ids")
+        ids = ids.astype(np.int64, copy=False)
+        lens = _valid_lens(host_array(seq_lens, "seq_lens"), len(ids))
+        if len(ids) and not (ids.min() >= 0 and ids.max() < vocab_size):
+            raise ValueError(f"input_ids must be token ids in [0, {vocab_size}), got {ids.min()}..{ids.max()}")
+        wanted = np.ones(len(ids), bool)
+        if tokens is not None:
+            mask = host_array(tokens, "tokens")
+            if mask.shape != ids.shape:
+                raise ValueError(f"tokens must be a [T] mask like input_ids {ids.shape}, got {mask.shape}")
+            wanted = mask.astype(bool)
+        wanted[sample_starts(lens)] = False
+        at = np.flatnonzero(wanted)
+        plan = plan_shared_prefixes(ids, lens) if shared else None
+        if plan is None:
+            positions = np.arange(len(ids)) - np.repeat(sample_starts(lens), lens)
+            decoder_ids, rows = to_device(ids, device), at - 1
+            attention: dict = {"rlbus_seq_lens": lens.tolist()}
+        else:
+            positions = plan.position_ids
+            rows = plan.expand.numpy()[at - 1]
+            plan = plan.to(device)
+            decoder_ids, attention = plan.row_ids, {"rlbus_shared_plan": plan}
+        return cls(
+            num_tokens=len(ids),
+            lens=lens,
+            at=to_device(at, device),
+            hidden_rows=to_device(rows, device),
+            targets=to_device(ids[at], device),
+            decoder_ids=decoder_ids[None],
+            position_ids=to_device(positions, device, torch.int64)[None],
+            attention=attention,
+        )
+
+    @property
+    def plan(self) -> SharedPrefixPlan | None:
+        """The shared-prefix plan the row runs under, or None."""
+        return self.attention.get("rlbus_shared_plan")
+
+
+def _valid_lens(lens: np.ndarray, num_tokens: int) -> np.ndarray:
+    """``lens`` as int64 after checking it is a non-empty 1-D integer array of values >= 1 summing to T."""
+    if lens.ndim != 1 or lens.size == 0:
+        raise ValueError("seq_lens must be a non-empty 1-D tensor [num_samples] of sample lengths")
+    if not np.issubdtype(lens.dtype, np.integer) or lens.dtype == np.bool_:
+        raise ValueError(f"seq_lens must be an integer tensor, got {lens.dtype}; use .long()")
+    lens = lens.astype(np.int64, copy=False)
+    if (lens < 1).any():
+        raise ValueError(f"seq_lens must all be >= 1, got {lens.tolist()}; drop empty samples before packing")
+    if int(lens.sum()) != num_tokens:
+        raise ValueError(f"seq_lens must sum to len(input_ids)={num_tokens}, got {int(lens.sum())}")
+    return lens
