@@ -7,6 +7,7 @@ they gain to each tracker, through each tracker's own library:
 
 - :mod:`trackers.records`: what is logged, pure functions over the records; the byte-offset tail.
 - :mod:`trackers.follower`: the follow loop, its resumable state, the warn-once-and-drop policy.
+- :mod:`trackers.state`: ``RUN_DIR/trackers/state.json``, its one reader (a torn file reads as empty) and writer.
 - :mod:`trackers.tensorboard_tracker`, :mod:`trackers.wandb_tracker`, :mod:`trackers.mlflow_tracker`:
   one module per tracker (:class:`trackers.base.Tracker`).
 
