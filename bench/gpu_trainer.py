@@ -26,7 +26,8 @@ steps (CUDA synchronized); the table gives the median step:
   except: ``share`` / ``no_share`` (``share_prefixes: true`` / ``false``), ``head_fp32`` /
   ``head_bf16`` (``lm_head_dtype``, shared prefixes on), ``*_no_share`` (and off), ``ckpt*``
   (``activation_checkpointing: true``: each decoder layer's activations recomputed in the backward,
-  for the memory target at 16384-token micro-batches).
+  for the memory target at 16384-token micro-batches), ``compile*`` (``trainer.compile: true``:
+  each decoder layer through torch.compile with Inductor; its compile time falls in the warm-up step).
 
 tokens/s counts every token (prompt + completion) of the batch per step; MFU = 6 N tokens/s / peak
 (N = all parameters, Kaplan et al. 2020, arXiv:2001.08361, sec. 2.1; attention's T^2 FLOPs not
@@ -62,6 +63,8 @@ VARIANTS = {
     "head_bf16_no_share": {"lm_head_dtype": "bfloat16", "share_prefixes": False},
     "ckpt": {"activation_checkpointing": True},
     "ckpt_head_bf16": {"activation_checkpointing": True, "lm_head_dtype": "bfloat16"},
+    "compile": {"compile": True},
+    "compile_head_bf16": {"compile": True, "lm_head_dtype": "bfloat16"},
 }
 """rlbus trainer variants: TrainerConfig fields over the defaults."""
 

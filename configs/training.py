@@ -204,6 +204,15 @@ class TrainerConfig(Section):
     activation_checkpointing: bool = Field(
         False, description="Recompute each decoder layer's activations in the backward instead of keeping them (less memory, ~1/3 more compute)."
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile each decoder layer (dynamic shapes, the packed attention left out; torchtitan's per-block "
+        "compile; trainer/forward/compiled.py): fused element-wise kernels, at a one-off compile cost at the first step. "
+        "Off by default until measured on a GPU (bench/gpu_session.sh).",
+    )
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = Field(
+        "inductor", description="The torch.compile backend of trainer.compile: inductor (generated fused kernels), aot_eager / eager (trace only: checks, no speed-up)."
+    )
     loss: LossConfig = Field(default_factory=LossConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     lora: LoraSection = Field(default_factory=LoraSection)

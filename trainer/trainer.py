@@ -53,6 +53,7 @@ from configs.schema import RunConfig, TrainerConfig
 from trainer.losses import LossBatch, LossSpec, StepNorm, check_loss_inputs, policy_loss_terms
 from trainer.parallel.distributed import DataParallel
 from trainer.observability.step_stats import host_micro_stats, merge_stats, read_back, step_metrics
+from trainer.forward.compiled import compile_decoder_layers
 from trainer.forward.packed import PackedLogprobs
 from trainer.forward.transfer import to_device
 from trainer.forward.precision import PrecisionPolicy
@@ -136,6 +137,8 @@ class Trainer:
         self.precision = PrecisionPolicy.from_name(cfg.dtype)
         """The compute dtype of the policy's and the reference's forwards (``trainer.dtype``,
         :mod:`trainer.forward.precision`): parameters, gradients and AdamW state stay float32."""
+        if cfg.compile:  # after the reference's copy: the frozen reference stays eager
+            compile_decoder_layers(model, cfg.compile_backend)
         self.phase_s = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
         """Seconds of the current (or last) :meth:`step` per phase (:mod:`trainer.observability.step_timing`)."""
 

@@ -95,7 +95,9 @@ def packed_sdpa_attention(
     return torch.cat(outs, 2).transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(PACKED_ATTENTION, packed_sdpa_attention)
+# outside any compiled graph (trainer.compile, trainer/forward/compiled.py): the lengths and the
+# shared-prefix plan change with every micro-batch
+AttentionInterface.register(PACKED_ATTENTION, torch.compiler.disable(packed_sdpa_attention))
 
 MASK_PLACEHOLDER = torch.zeros(1, 1, 1, 1)
 """A 4-D `attention_mask` that transformers passes through without building a `[T, T]` mask."""
