@@ -42,6 +42,7 @@ import gc
 import logging
 import math
 import time
+import warnings
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -394,7 +395,9 @@ class Trainer:
                 "step %s: skipped the optimizer step (%s: loss %s, grad norm %s); weights unchanged",
                 real[0].step if real else "?", reason, totals.get("loss"), grad_norm,
             )
-        self.scheduler.step()  # skipped steps too: the rate is a function of the step (module docstring)
+        with warnings.catch_warnings():  # a skipped FIRST step: torch warns that optimizer.step() never ran; by design here
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
+            self.scheduler.step()  # skipped steps too: the rate is a function of the step (module docstring)
         self.phase_s["optimizer"] = marks.seconds(optimizing, marks.mark())
         for first in range(0, optimizing, 3):  # three marks per micro-batch or padding slot
             self._add_phase_times(marks, first)
