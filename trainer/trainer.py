@@ -371,8 +371,9 @@ class Trainer:
         optimizing = marks.mark()
         grad_norm = clip_grad_norm(params, self.cfg.optim.max_grad_norm)  # over the shards with fsdp
         totals: dict[str, float] = {}
-        for (_queued, host_stats), device_stats in zip(queued, read_back([q[0] for q in queued])):
-            stats = {**host_stats, **device_stats}  # the step's one read-back of the micro-batches' stats
+        read = read_back([device_stats for device_stats, _host in queued])  # the step's one read-back of the micro-batches' stats
+        for (_device, host_stats), device_stats in zip(queued, read):
+            stats = {**host_stats, **device_stats}
             stats["non_finite_losses"] = float(not math.isfinite(stats["loss"]))
             totals = merge_stats(totals, stats)
         totals["non_finite_grad_max"] = float(not math.isfinite(grad_norm))
