@@ -6,8 +6,9 @@ policy version it was sampled under (``version_start``). :class:`Packer` drops e
 lag would exceed ``max_off_policy_steps`` (invariant 3) and reports it, so that the prompt source
 can issue a replacement and every prompt is accounted for. A step takes ``prompts_per_step``
 whole groups (``batch_size`` samples) in arrival order; its samples are packed into micro-batches
-of at most ``micro_batch_tokens`` tokens, with no padding, each group that fits kept whole
-(:func:`pack_step`).
+of at most ``micro_batch_tokens`` tokens, with no padding, each group that fits kept whole: planned
+from the samples' lengths, then filled straight from the groups' arrays (:mod:`packer.assemble`;
+:func:`pack_step` over :class:`PackedSample` copies gives the same micro-batches).
 
 Temperature bins: every sample records the temperature it was sampled at (``Prompt.temperature``,
 e.g. from a ``sampling.temp_scheduler``), and the trainer divides the logits of a whole
@@ -50,7 +51,21 @@ import numpy as np
 
 from bus.messages import MicroBatch, ScoredGroup
 from bus.sample_arrays import sample_token_versions
-from packer.packing import pack_micro_batches
+from packer.assemble import has_teacher_logprobs, pack_groups, plan_step
+
+__all__ = [
+    "DUPLICATE",
+    "DropReason",
+    "PackedSample",
+    "Packer",
+    "build_micro_batch",
+    "group_samples",
+    "has_teacher_logprobs",
+    "pack_step",
+    "padding_ratio",
+    "rewards_all_equal",
+    "rewards_all_zero_or_all_one",
+]
 
 class DropReason(StrEnum):
     """Every reason :meth:`Packer.add` or :meth:`Packer.pop_step` drops a group for (see the module
@@ -171,12 +186,6 @@ def group_samples(group: ScoredGroup, *, teacher: bool = False) -> list[PackedSa
             )
         )
     return samples
-
-
-def has_teacher_logprobs(group: ScoredGroup) -> bool:
-    """Whether ``group`` carries one teacher logprob per completion token (a group without
-    completion tokens trivially does)."""
-    return len(group.teacher_logprobs) == len(group.completion_ids)
 
 
 def build_micro_batch(
@@ -334,8 +343,10 @@ class Packer:
     def pack(self, groups: list[ScoredGroup], step: int) -> list[MicroBatch]:
         """The micro-batches of ``step`` made of ``groups`` (in this order): a pure function of
         its arguments and the packer's settings, so a restarted packer re-emits a planned step
-        identically (same ids and contents, :mod:`packer.spool`)."""
-        return pack_step([group_samples(g, teacher=self.teacher) for g in groups], step, self.micro_batch_tokens)
+        identically (same ids and contents, :mod:`packer.spool`). Each micro-batch is filled
+        straight from the groups' arrays (:func:`packer.assemble.pack_groups`): the same
+        micro-batches as :func:`pack_step` over :func:`group_samples`, without per-sample copies."""
+        return pack_groups(groups, step, self.micro_batch_tokens, teacher=self.teacher)
 
     def restore(self, *, next_step: int, seen: set[str], buffer: list[ScoredGroup]) -> None:
         """Take the state a restarted packer rebuilt from its spool: number steps from
@@ -367,18 +378,6 @@ def padding_ratio(micro_batches: list[MicroBatch], micro_batch_tokens: int) -> f
     return 1.0 - tokens / (len(micro_batches) * micro_batch_tokens)
 
 
-def _group_units(groups: list[list[PackedSample]], micro_batch_tokens: int) -> list[list[PackedSample]]:
-    """Packing units: a group's samples together when they fit ``micro_batch_tokens``, else one
-    unit per sample."""
-    units: list[list[PackedSample]] = []
-    for samples in groups:
-        if sum(len(s.input_ids) for s in samples) <= micro_batch_tokens:
-            units.append(samples)
-        else:
-            units += [[s] for s in samples]
-    return units
-
-
 def pack_step(groups: list[list[PackedSample]], step: int, micro_batch_tokens: int) -> list[MicroBatch]:
     """Pack one step's samples (``groups``: each group's samples, :func:`group_samples`) into
     micro-batches, one temperature per micro-batch.
@@ -388,7 +387,9 @@ def pack_step(groups: list[list[PackedSample]], step: int, micro_batch_tokens: i
     whole step. ``step_loss_tokens`` and ``step_samples`` count the whole step. A group's samples
     are packed as one unit (adjacent, in one micro-batch) whenever the group fits the budget, so the
     trainer runs their shared prompt once (:mod:`trainer.forward.shared_prefix`); a larger group is packed
-    sample by sample.
+    sample by sample (the plan is :func:`packer.assemble.plan_step`'s). For callers that hold
+    :class:`PackedSample` lists (tests, benchmarks); :meth:`Packer.pack` fills the same
+    micro-batches straight from the scored groups (:func:`packer.assemble.pack_groups`).
 
     Raises:
         ValueError: as :func:`packer.packing.pack_micro_batches` (a sample over the budget) or
@@ -397,12 +398,8 @@ def pack_step(groups: list[list[PackedSample]], step: int, micro_batch_tokens: i
     samples = [s for g in groups for s in g]
     loss_tokens = int(sum(s.loss_mask.sum() for s in samples))
     loss_samples = sum(1 for s in samples if s.loss_mask.any())
-    bins: list[list[PackedSample]] = []
-    for temperature in sorted({s.temperature for s in samples}):
-        same = [[s for s in g if s.temperature == temperature] for g in groups]
-        units = _group_units([g for g in same if g], micro_batch_tokens)
-        packed = pack_micro_batches([sum(len(s.input_ids) for s in unit) for unit in units], micro_batch_tokens)
-        bins += [[s for i in idx for s in units[i]] for idx in packed]
+    plan = plan_step([[len(s.input_ids) for s in g] for g in groups], [[s.temperature for s in g] for g in groups], micro_batch_tokens)
+    bins = [[groups[g][j] for g, j in refs] for refs in plan]
     return [
         build_micro_batch(
             b, step=step, micro_index=k, num_micro_batches=len(bins), step_loss_tokens=loss_tokens, step_samples=loss_samples

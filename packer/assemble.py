@@ -1,0 +1,261 @@
+"""Micro-batch assembly: plan a step's packing from sample lengths, then fill each micro-batch's
+arrays straight from the scored groups.
+
+The packer's step path (:meth:`packer.packer.Packer.pack`, :func:`pack_groups`) works in two
+passes:
+
+1. Plan (:func:`plan_step`): packing decisions need only each sample's length (``len(prompt_ids) +
+   completion_lens[j]`` tokens), its temperature and its group. The plan is a list of
+   micro-batches, each a list of ``(group index, sample index)`` references.
+2. Fill (:func:`fill_micro_batch`): each micro-batch's ``[T]`` arrays are allocated once and every
+   sample's prompt and completion slices (ids, sampler logprobs, loss mask, token versions, teacher
+   logprobs) are copied from its group's arrays into place by slice assignment.
+
+No per-sample ``prompt + completion`` copy (:class:`packer.packer.PackedSample`) is made on this
+path, so packing a step holds its groups, the micro-batches being built, and O(group size) small
+index arrays per group (bench/README.md, ``python -m bench.packer_memory``).
+
+Invariants:
+- the plan is the one :func:`packer.packer.pack_step` makes for the same samples (temperature bins
+  ascending, a group that fits the budget kept whole and adjacent, each bin packed with
+  :func:`packer.packing.pack_micro_batches`), and each micro-batch is byte-identical, field by
+  field, to :func:`packer.packer.build_micro_batch` over :func:`packer.packer.group_samples`
+  (tests/packer/test_assemble.py keeps that construction as the reference);
+- the result is a pure function of the groups, the step and the budget (a restarted packer
+  re-emits a planned step identically, :mod:`packer.spool`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from bus.messages import MicroBatch, ScoredGroup
+from packer.packing import pack_micro_batches
+
+__all__ = ["GroupLayout", "SampleRef", "fill_micro_batch", "has_teacher_logprobs", "pack_groups", "plan_step", "step_loss_counts"]
+
+SampleRef = tuple[int, int]
+"""``(g, j)``: sample ``j`` of the step's group ``g`` (indices into the step's group list)."""
+
+
+def has_teacher_logprobs(group: ScoredGroup) -> bool:
+    """Whether ``group`` carries one teacher logprob per completion token (a group without
+    completion tokens trivially does)."""
+    return len(group.teacher_logprobs) == len(group.completion_ids)
+
+
+def plan_step(
+    lengths: Sequence[Sequence[int]], temperatures: Sequence[Sequence[float]], micro_batch_tokens: int
+) -> list[list[SampleRef]]:
+    """Plan one step's micro-batches from per-sample lengths, one temperature per micro-batch.
+
+    Samples are binned by temperature (exact float equality; ascending). Within a bin, each group's
+    samples of that temperature form one packing unit (adjacent, in one micro-batch) when their
+    lengths sum to at most ``micro_batch_tokens``, so the trainer runs their shared prompt once
+    (:mod:`trainer.forward.shared_prefix`); a larger group gives one unit per sample. The units are
+    packed with :func:`packer.packing.pack_micro_batches` and the bins' micro-batches are
+    concatenated in temperature order.
+
+    Args:
+        lengths: ``lengths[g][j]`` tokens (int >= 1) of sample ``j`` of group ``g``.
+        temperatures: ``temperatures[g][j]`` its sampling temperature; same shape as ``lengths``.
+        micro_batch_tokens: token budget of one micro-batch (int >= 1).
+
+    Returns:
+        Micro-batches in emission order, each a non-empty list of ``(g, j)`` in packing order;
+        every sample appears exactly once.
+
+    Raises:
+        ValueError: ``lengths`` and ``temperatures`` differ in shape, or as
+            :func:`packer.packing.pack_micro_batches` (a sample longer than the budget).
+    """
+    if len(lengths) != len(temperatures) or any(len(n) != len(t) for n, t in zip(lengths, temperatures)):
+        raise ValueError("lengths and temperatures must have one entry per sample of each group (same shape)")
+    plan: list[list[SampleRef]] = []
+    for temperature in sorted({t for ts in temperatures for t in ts}):
+        units: list[list[SampleRef]] = []
+        for g, ts in enumerate(temperatures):
+            refs = [(g, j) for j, t in enumerate(ts) if t == temperature]
+            if not refs:
+                continue
+            if sum(lengths[g][j] for _, j in refs) <= micro_batch_tokens:
+                units.append(refs)
+            else:
+                units += [[ref] for ref in refs]
+        unit_tokens = [sum(int(lengths[g][j]) for g, j in unit) for unit in units]
+        plan += [[ref for u in idx for ref in units[u]] for idx in pack_micro_batches(unit_tokens, micro_batch_tokens)]
+    return plan
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Where sample ``j`` of a scored group lives in its arrays: completion tokens
+    ``offsets[j]:offsets[j + 1]`` (``[G + 1] int64``), version spans rows
+    ``span_first[j]:span_first[j + 1]`` (``[G + 1] int64``, None when the group carries no spans)."""
+
+    offsets: np.ndarray
+    span_first: np.ndarray | None
+
+    @classmethod
+    def of(cls, group: ScoredGroup) -> GroupLayout:
+        """The layout of ``group`` (two cumulative sums over ``[G]``)."""
+        counts = group.version_span_counts
+        return cls(
+            offsets=np.concatenate([[0], np.cumsum(group.completion_lens, dtype=np.int64)]),
+            span_first=np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]) if len(counts) else None,
+        )
+
+
+def _is_masked(group: ScoredGroup, j: int) -> bool:
+    """Whether sample ``j`` was masked by an enforced filter (``ScoredGroup.masked``)."""
+    return len(group.masked) > 0 and bool(group.masked[j])
+
+
+def _loss_tokens(group: ScoredGroup, layout: GroupLayout, j: int) -> int:
+    """Loss tokens of sample ``j``: its model-sampled completion tokens (``group.loss_mask``; all
+    of them without one), 0 when the sample is masked."""
+    if _is_masked(group, j):
+        return 0
+    if len(group.loss_mask) == 0:
+        return int(group.completion_lens[j])
+    return int(np.count_nonzero(group.loss_mask[layout.offsets[j] : layout.offsets[j + 1]]))
+
+
+def step_loss_counts(groups: Sequence[ScoredGroup], layouts: Sequence[GroupLayout] | None = None) -> tuple[int, int]:
+    """``(step_loss_tokens, step_samples)`` of a step made of ``groups``: loss tokens over all its
+    samples, and samples with at least one loss token (the trainer's normalizers,
+    :class:`bus.messages.MicroBatch`). ``layouts``: ``GroupLayout.of(groups[g])`` per group, if
+    already made."""
+    tokens = samples = 0
+    layouts = layouts if layouts is not None else [GroupLayout.of(g) for g in groups]
+    for group, layout in zip(groups, layouts):
+        for j in range(group.group_size):
+            n = _loss_tokens(group, layout, j)
+            tokens += n
+            samples += n > 0
+    return tokens, samples
+
+
+def fill_micro_batch(
+    groups: Sequence[ScoredGroup],
+    refs: Sequence[SampleRef],
+    *,
+    teacher: bool,
+    step: int,
+    micro_index: int,
+    num_micro_batches: int,
+    step_loss_tokens: int,
+    step_samples: int,
+    layouts: Sequence[GroupLayout] | None = None,
+) -> MicroBatch:
+    """One padding-free :class:`MicroBatch` of the samples ``refs``, filled from ``groups``.
+
+    Sample ``(g, j)`` occupies ``len(prompt_ids) + completion_lens[j]`` consecutive tokens: the
+    prompt (loss mask False, sampler and teacher logprobs 0, token version = the sample's oldest
+    version ``version_start[j]``), then its completion (ids, sampler logprobs, teacher logprobs,
+    per-token versions from the group's spans or ``version_start[j]``, loss mask = the group's
+    ``loss_mask`` there, all False when ``masked[j]``). Its advantage fills all its tokens.
+    ``reward_terms`` keeps the names every sample's group has (sorted).
+
+    Args:
+        groups: the step's groups. refs: ``(g, j)`` of the micro-batch's samples, in row order.
+        teacher: pack teacher logprobs (every referenced group must carry them); else
+            ``teacher_logprobs`` is ``[0]``.
+        step, micro_index, num_micro_batches, step_loss_tokens, step_samples: as in
+            :class:`MicroBatch` (the counts are the WHOLE step's, :func:`step_loss_counts`).
+        layouts: ``GroupLayout.of(groups[g])`` per group, to share across a step's micro-batches.
+
+    Raises:
+        ValueError: no samples, samples of different temperatures, or ``teacher`` and a group
+            without teacher logprobs.
+    """
+    if not refs:
+        raise ValueError("a micro-batch needs at least one sample")
+    used = sorted({g for g, _ in refs})
+    temperatures = {float(groups[g].temperature) for g in used}
+    if len(temperatures) > 1:
+        raise ValueError(f"samples of one micro-batch must share a temperature, got {sorted(temperatures)}; pack each temperature separately")
+    if teacher and (missing := [groups[g].id for g in used if not has_teacher_logprobs(groups[g])]):
+        raise ValueError(f"groups {missing} carry no teacher logprobs; drop them (reason 'no_teacher') before packing")
+    layouts = layouts if layouts is not None else [GroupLayout.of(g) for g in groups]
+    seq_lens = np.array([len(groups[g].prompt_ids) + int(groups[g].completion_lens[j]) for g, j in refs], dtype=np.int32)
+    total = int(seq_lens.sum(dtype=np.int64))
+    input_ids = np.empty(total, np.int32)
+    loss_mask = np.zeros(total, bool)
+    sampler_logprobs = np.zeros(total, np.float32)
+    advantages = np.empty(total, np.float32)
+    token_versions = np.empty(total, np.int64)
+    teacher_logprobs = np.zeros(total if teacher else 0, np.float32)
+    start = 0
+    for (g, j), length in zip(refs, seq_lens.tolist()):
+        group, layout = groups[g], layouts[g]
+        lo, hi = int(layout.offsets[j]), int(layout.offsets[j + 1])
+        mid, end = start + len(group.prompt_ids), start + length
+        oldest = int(group.version_start[j])
+        input_ids[start:mid] = group.prompt_ids
+        input_ids[mid:end] = group.completion_ids[lo:hi]
+        if not _is_masked(group, j):
+            loss_mask[mid:end] = group.loss_mask[lo:hi] if len(group.loss_mask) else True
+        sampler_logprobs[mid:end] = group.sampler_logprobs[lo:hi]
+        advantages[start:end] = float(group.advantages[j])
+        token_versions[start:mid] = oldest
+        if layout.span_first is None:
+            token_versions[mid:end] = oldest
+        else:
+            at = mid
+            for version, count in group.version_spans[layout.span_first[j] : layout.span_first[j + 1]].tolist():
+                token_versions[at : at + count] = version
+                at += count
+            assert at == end, "version spans must cover the sample's completion tokens (bus.sample_arrays)"
+        if teacher:
+            teacher_logprobs[mid:end] = group.teacher_logprobs[lo:hi]
+        start = end
+    names = set.intersection(*(set(groups[g].reward_terms) for g in used))
+    return MicroBatch(
+        id=f"{step}:{micro_index}",
+        step=step,
+        micro_index=micro_index,
+        num_micro_batches=num_micro_batches,
+        step_loss_tokens=step_loss_tokens,
+        step_samples=step_samples,
+        sample_ids=[f"{groups[g].id}/{j}" for g, j in refs],
+        input_ids=input_ids,
+        seq_lens=seq_lens,
+        loss_mask=loss_mask,
+        sampler_logprobs=sampler_logprobs,
+        advantages=advantages,
+        rewards=np.array([float(groups[g].rewards[j]) for g, j in refs], dtype=np.float32),
+        oldest_versions=np.array([int(groups[g].version_start[j]) for g, j in refs], dtype=np.int64),
+        token_versions=token_versions,
+        teacher_logprobs=teacher_logprobs,
+        temperature=temperatures.pop(),
+        reward_terms={name: [float(groups[g].reward_terms[name][j]) for g, j in refs] for name in sorted(names)},
+    )
+
+
+def pack_groups(groups: Sequence[ScoredGroup], step: int, micro_batch_tokens: int, *, teacher: bool = False) -> list[MicroBatch]:
+    """The micro-batches of ``step`` made of ``groups`` (in this order): :func:`plan_step` on the
+    samples' lengths, then :func:`fill_micro_batch` per micro-batch. Same micro-batches as
+    ``pack_step([group_samples(g, teacher=teacher) for g in groups], step, micro_batch_tokens)``
+    without the per-sample copies.
+
+    Raises:
+        ValueError: ``teacher`` and a group carries no teacher logprobs, or as :func:`plan_step`.
+    """
+    if teacher and (missing := [g.id for g in groups if not has_teacher_logprobs(g)]):
+        raise ValueError(f"groups {missing} carry no teacher logprobs; drop them (reason 'no_teacher') before packing")
+    lengths = [[len(g.prompt_ids) + n for n in g.completion_lens.tolist()] for g in groups]
+    temperatures = [[float(g.temperature)] * g.group_size for g in groups]
+    plan = plan_step(lengths, temperatures, micro_batch_tokens)
+    layouts = [GroupLayout.of(g) for g in groups]
+    loss_tokens, loss_samples = step_loss_counts(groups, layouts)
+    return [
+        fill_micro_batch(
+            groups, refs, teacher=teacher, step=step, micro_index=k, num_micro_batches=len(plan),
+            step_loss_tokens=loss_tokens, step_samples=loss_samples, layouts=layouts,
+        )
+        for k, refs in enumerate(plan)
+    ]
