@@ -16,22 +16,13 @@ import pytest
 import torch
 
 from configs.schema import OptimConfig, TrainerConfig
+from tests.gpu.test_gpu_trainer_bf16 import tiny_model
 from tests.trainer.test_host_sync import grpo_samples, step_batches
 from trainer.trainer import Trainer
 
 MAX_STEP_SYNCS = 4
 """The step's reads of the device: the micro-batches' stats, the gradient norm, and the phase
 timing events at the end (the last two may or may not count as syncs in torch's debug mode)."""
-
-
-def tiny_model():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=300, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=512, tie_word_embeddings=False,
-                      attn_implementation="sdpa")
-    return Qwen2ForCausalLM(cfg).cuda().train()
 
 
 def sync_warnings(step) -> list[str]:

@@ -23,7 +23,7 @@ import torch
 from trainer.forward.shared_prefix import SharedPrefixPlan, plan_shared_prefixes
 from trainer.forward.transfer import host_array, to_device
 
-__all__ = ["PackedRow", "sample_starts"]
+__all__ = ["PackedRow", "check_seq_lens", "sample_starts"]
 
 
 def sample_starts(lens: np.ndarray) -> np.ndarray:
@@ -94,7 +94,7 @@ class PackedRow:
         if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
             raise ValueError("input_ids must be a 1-D integer tensor [num_tokens] of packed token ids")
         ids = ids.astype(np.int64, copy=False)
-        lens = _valid_lens(host_array(seq_lens, "seq_lens"), len(ids))
+        lens = check_seq_lens(host_array(seq_lens, "seq_lens"), len(ids))
         if len(ids) and not (ids.min() >= 0 and ids.max() < vocab_size):
             raise ValueError(f"input_ids must be token ids in [0, {vocab_size}), got {ids.min()}..{ids.max()}")
         wanted = np.ones(len(ids), bool)
@@ -132,15 +132,20 @@ class PackedRow:
         return self.attention.get("rlbus_shared_plan")
 
 
-def _valid_lens(lens: np.ndarray, num_tokens: int) -> np.ndarray:
-    """``lens`` as int64 after checking it is a non-empty 1-D integer array of values >= 1 summing to T."""
+def check_seq_lens(seq_lens: np.ndarray, num_tokens: int) -> np.ndarray:
+    """``seq_lens`` as int64 after checking it is a non-empty 1-D integer array of lengths >= 1 summing to T.
+
+    Raises:
+        ValueError: not a non-empty 1-D integer array, a length < 1, or a sum other than ``num_tokens``.
+    """
+    lens = np.asarray(seq_lens)
     if lens.ndim != 1 or lens.size == 0:
         raise ValueError("seq_lens must be a non-empty 1-D tensor [num_samples] of sample lengths")
-    if not np.issubdtype(lens.dtype, np.integer) or lens.dtype == np.bool_:
+    if not np.issubdtype(lens.dtype, np.integer):
         raise ValueError(f"seq_lens must be an integer tensor, got {lens.dtype}; use .long()")
     lens = lens.astype(np.int64, copy=False)
     if (lens < 1).any():
         raise ValueError(f"seq_lens must all be >= 1, got {lens.tolist()}; drop empty samples before packing")
     if int(lens.sum()) != num_tokens:
-        raise ValueError(f"seq_lens must sum to len(input_ids)={num_tokens}, got {int(lens.sum())}")
+        raise ValueError(f"seq_lens must sum to len(input_ids)={num_tokens} (the packed length), got {int(lens.sum())}")
     return lens

@@ -15,28 +15,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from trainer.forward.packed_row import check_seq_lens, sample_starts
 from trainer.losses.spec import StepNorm
 
-__all__ = ["check_loss_inputs", "check_seq_lens"]
-
-
-def check_seq_lens(seq_lens: np.ndarray, num_tokens: int) -> np.ndarray:
-    """``seq_lens`` as int64 after checking it is a non-empty 1-D integer array of lengths >= 1 summing to T.
-
-    Raises:
-        ValueError: not a non-empty 1-D integer array, a length < 1, or a sum other than ``num_tokens``.
-    """
-    lens = np.asarray(seq_lens)
-    if lens.ndim != 1 or lens.size == 0:
-        raise ValueError("seq_lens must be a non-empty 1-D tensor [num_samples] of sample lengths")
-    if not np.issubdtype(lens.dtype, np.integer):
-        raise ValueError(f"seq_lens must be an integer tensor, got {lens.dtype}; use .long()")
-    lens = lens.astype(np.int64, copy=False)
-    if (lens < 1).any():
-        raise ValueError(f"seq_lens must all be >= 1, got {lens.tolist()}; drop empty samples before packing")
-    if int(lens.sum()) != num_tokens:
-        raise ValueError(f"seq_lens must sum to the packed length {num_tokens}, got sum {int(lens.sum())}")
-    return lens
+__all__ = ["check_loss_inputs"]
 
 
 def check_loss_inputs(
@@ -62,7 +44,7 @@ def check_loss_inputs(
     if not isinstance(norm, StepNorm):
         raise ValueError(f"norm must be a StepNorm, got {type(norm).__name__}")
     local_tokens = int(mask.sum())
-    per_sample = np.add.reduceat(mask.astype(np.int64), np.concatenate([[0], np.cumsum(lens)[:-1]])) if len(mask) else lens * 0
+    per_sample = np.add.reduceat(mask.astype(np.int64), sample_starts(lens))  # loss tokens per sample (lens >= 1)
     local_samples = int((per_sample > 0).sum())
     if norm.loss_tokens < local_tokens or norm.num_samples < local_samples:
         raise ValueError(

@@ -123,7 +123,7 @@ def sample_ids(seq_lens: torch.Tensor, num_tokens: int, *, checked: bool = False
     Args:
         seq_lens: `[S]` integer tensor, lengths >= 1 of the packed samples, in packing order.
         num_tokens: T, the packed length.
-        checked: the caller checked seq_lens on the host (`trainer.losses.checks.check_seq_lens`):
+        checked: the caller checked seq_lens on the host (`trainer.forward.packed_row.check_seq_lens`):
             skip the checks here, which read the lengths back from the device (a host sync).
 
     Returns:
