@@ -1,18 +1,21 @@
 """Memory of packing one optimizer step of large groups: ``python -m bench.packer_memory``.
 
-The scale sweep's 16 MiB point (bench/README.md, "Scale simulation") puts the packer at ~1.4 GiB
-peak RSS. Credit windows bound only what waits in its ``scored`` inbox (``bus.max_inflight_bytes``);
-this measures the rest, in-process and without the bus: the Python-heap bytes (``tracemalloc``)
-of a step's groups, the peak while :meth:`packer.packer.Packer.pop_step` packs them (the
-per-sample copies of :func:`packer.packer.group_samples` plus the micro-batches), and the
-micro-batches kept afterwards (what the ``batches`` outbox holds until the trainer releases the
-step). Groups are built as the size sweep builds them (:func:`bench.scale.size_spec`: equal
-completion lengths, G grown past 8 to keep a completion <= 64k tokens).
+The scale sweep's 16 MiB point (bench/README.md, "Scale simulation") put the packer at ~1.4 GiB
+peak RSS (~1.1 GiB since :mod:`packer.assemble`). Credit windows bound only what waits in its
+``scored`` inbox (``bus.max_inflight_bytes``); this measures the rest, in-process and without the bus: the Python-heap bytes (``tracemalloc``)
+of a step's groups, the peak while :meth:`packer.packer.Packer.pop_step` packs them (the new
+micro-batches, filled straight from the groups' arrays by :mod:`packer.assemble`; before that
+path, also a per-sample ``prompt + completion`` copy of every sample, :func:`packer.packer.group_samples`),
+the micro-batches kept afterwards (what the ``batches`` outbox holds until the trainer releases the
+step), and the wall time of packing the step without ``tracemalloc`` (best of 3). Groups are built
+as the size sweep builds them (:func:`bench.scale.size_spec`: equal completion lengths, G grown past
+8 to keep a completion <= 64k tokens).
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 import tracemalloc
 
 import numpy as np
@@ -37,7 +40,8 @@ def make_group(index: int, group_size: int, tokens: int, prompt_tokens: int) -> 
 
 
 def measure(group_bytes: int, groups_per_step: int) -> dict[str, float]:
-    """MiB of: the step's groups, the packing peak above them, the micro-batches kept."""
+    """MiB of: the step's groups, the packing peak above them, the micro-batches kept; and
+    ``pack_ms``, milliseconds to pack the step untraced (best of 3)."""
     spec = size_spec(group_bytes)
     tracemalloc.start()
     try:
@@ -51,9 +55,17 @@ def measure(group_bytes: int, groups_per_step: int) -> dict[str, float]:
         kept, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
+    count = len(micro_batches)
+    del micro_batches  # the timed packs below each build the step anew
+    seconds = []
+    for _ in range(3):
+        start = time.perf_counter()
+        packer.pack(groups, 0)
+        seconds.append(time.perf_counter() - start)
     mib = 1 << 20
-    return {"group_size": spec.group_size, "tokens_per_sample": spec.median_tokens, "micro_batches": len(micro_batches),
-            "groups_mib": held / mib, "packing_peak_above_groups_mib": (peak - held) / mib, "micro_batches_kept_mib": (kept - held) / mib}
+    return {"group_size": spec.group_size, "tokens_per_sample": spec.median_tokens, "micro_batches": count,
+            "groups_mib": held / mib, "packing_peak_above_groups_mib": (peak - held) / mib, "micro_batches_kept_mib": (kept - held) / mib,
+            "pack_ms": min(seconds) * 1e3}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     r = measure(parse_size(args.group_bytes), args.groups)
     print(f"{args.groups} groups of {args.group_bytes} (G={r['group_size']}, {r['tokens_per_sample']} tokens per sample): "
           f"groups {r['groups_mib']:.0f} MiB; packing peak {r['packing_peak_above_groups_mib']:.0f} MiB above them; "
-          f"{r['micro_batches']} micro-batches kept: {r['micro_batches_kept_mib']:.0f} MiB")
+          f"{r['micro_batches']} micro-batches kept: {r['micro_batches_kept_mib']:.0f} MiB; packing took {r['pack_ms']:.0f} ms")
     return 0
 
 
