@@ -8,7 +8,8 @@ class) started by ``busctl`` as ``python -m <module> --run-dir DIR --name NAME -
    ``logs/NAME.log``), die with the supervisor (``PR_SET_PDEATHSIG``), turn SIGTERM/SIGINT into a
    stop request; a component orphaned by a SIGKILLed supervisor does what the supervisor would
    have done: SIGKILL its own process group (vLLM's engine processes included) if the graceful
-   stop takes longer than :data:`ORPHAN_GRACE_S`;
+   stop takes longer than :data:`ORPHAN_GRACE_S` (noticed by the signal handler or, should the
+   main thread be stuck in C code, by a thread watching the parent pid: :func:`watch_parent`);
 2. serve Prometheus metrics; ``setup()``; send :class:`bus.messages.ComponentReady` to the
    supervisor (the startup handshake); start the heartbeat thread
    (:class:`bus.messages.ComponentHeartbeat` every ``bus.heartbeat_s``, state ``running``, then
@@ -28,6 +29,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import zmq
@@ -225,15 +227,48 @@ ORPHAN_GRACE_S = 20.0
 process group, seconds (the supervisor's own grace, ``busctl.scaling.STOP_TIMEOUT_S``)."""
 
 
+PARENT_POLL_S = 1.0
+"""How often the parent watch (:func:`watch_parent`) checks that the supervisor is alive, seconds."""
+
+_orphan_lock = threading.Lock()
+_orphan_timer: list[threading.Timer] = []  # at most one: armed once per process
+
+
 def _on_stop_signal(comp: Component, parent_pid: int) -> None:
     """SIGTERM/SIGINT: ask ``comp`` to stop; when the parent that started us is gone (the supervisor
     was SIGKILLed: nobody is left to SIGKILL our process group after its grace period), arm a
-    timer that does it (a hung vLLM shutdown must not outlive the run)."""
+    timer that does it (a hung vLLM shutdown must not outlive the run). Armed once, whether the
+    signal handler or the parent watch gets here first."""
     comp.stop.set()
     if os.getppid() != parent_pid and os.getpgrp() == os.getpid():  # orphaned, and leads its own group
-        timer = threading.Timer(ORPHAN_GRACE_S, os.killpg, args=(os.getpgrp(), signal.SIGKILL))
-        timer.daemon = True
-        timer.start()
+        with _orphan_lock:
+            if not _orphan_timer:
+                timer = threading.Timer(ORPHAN_GRACE_S, os.killpg, args=(os.getpgrp(), signal.SIGKILL))
+                timer.daemon = True
+                timer.start()
+                _orphan_timer.append(timer)
+
+
+def watch_parent(comp: Component, parent_pid: int) -> threading.Thread:
+    """Start a daemon thread that does what the SIGTERM of ``PR_SET_PDEATHSIG`` asks for once the
+    parent ``parent_pid`` is gone, without the main thread.
+
+    Python runs a signal handler on the main thread only, between bytecodes: a main thread
+    blocked in a C call that retries on EINTR never runs it, and then the orphaned component
+    neither stops nor arms its kill timer (seen once in CI: a packer alive 30 s after its
+    supervisor was SIGKILLed, while every other component had gone). This thread polls
+    ``os.getppid()`` every :data:`PARENT_POLL_S` and, when it changes, calls the same
+    :func:`_on_stop_signal`.
+    """
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        log.warning("the supervisor (pid %d) is gone: stopping, SIGKILL to this process group in %.0f s", parent_pid, ORPHAN_GRACE_S)
+        _on_stop_signal(comp, parent_pid)
+
+    thread = threading.Thread(target=watch, name="parent-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def die_with_parent() -> None:
@@ -263,6 +298,7 @@ def component_main(cls: type[Component], argv: list[str] | None = None) -> int:
     parent_pid = os.getppid()
     signal.signal(signal.SIGTERM, lambda *_: _on_stop_signal(comp, parent_pid))
     signal.signal(signal.SIGINT, lambda *_: _on_stop_signal(comp, parent_pid))
+    watch_parent(comp, parent_pid)
     try:
         host = comp.launch.metrics_host  # the node's address on several nodes (RLBUS_NODE_ADDRESS)
         port = serve_metrics(args.metrics_port, host, health=comp.health, tls=server_context_for(cfg.bus))  # TLS: tcp + CurveZMQ
