@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from bus.messages import MicroBatch, ScoredGroup
+from bus.sample_arrays import sample_token_versions
 from packer.packing import pack_micro_batches
 
 __all__ = ["GroupLayout", "SampleRef", "fill_micro_batch", "has_teacher_logprobs", "pack_groups", "plan_step", "step_loss_counts"]
@@ -93,20 +94,14 @@ def plan_step(
 @dataclass(frozen=True)
 class GroupLayout:
     """Where sample ``j`` of a scored group lives in its arrays: completion tokens
-    ``offsets[j]:offsets[j + 1]`` (``[G + 1] int64``), version spans rows
-    ``span_first[j]:span_first[j + 1]`` (``[G + 1] int64``, None when the group carries no spans)."""
+    ``offsets[j]:offsets[j + 1]`` (``[G + 1] int64``)."""
 
     offsets: np.ndarray
-    span_first: np.ndarray | None
 
     @classmethod
     def of(cls, group: ScoredGroup) -> GroupLayout:
-        """The layout of ``group`` (two cumulative sums over ``[G]``)."""
-        counts = group.version_span_counts
-        return cls(
-            offsets=np.concatenate([[0], np.cumsum(group.completion_lens, dtype=np.int64)]),
-            span_first=np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]) if len(counts) else None,
-        )
+        """The layout of ``group`` (a cumulative sum over ``[G]``)."""
+        return cls(offsets=np.concatenate([[0], np.cumsum(group.completion_lens, dtype=np.int64)]))
 
 
 def _is_masked(group: ScoredGroup, j: int) -> bool:
@@ -202,14 +197,7 @@ def fill_micro_batch(
         sampler_logprobs[mid:end] = group.sampler_logprobs[lo:hi]
         advantages[start:end] = float(group.advantages[j])
         token_versions[start:mid] = oldest
-        if layout.span_first is None:
-            token_versions[mid:end] = oldest
-        else:
-            at = mid
-            for version, count in group.version_spans[layout.span_first[j] : layout.span_first[j + 1]].tolist():
-                token_versions[at : at + count] = version
-                at += count
-            assert at == end, "version spans must cover the sample's completion tokens (bus.sample_arrays)"
+        token_versions[mid:end] = sample_token_versions(group, j)
         if teacher:
             teacher_logprobs[mid:end] = group.teacher_logprobs[lo:hi]
         start = end
