@@ -2,8 +2,9 @@
 # One prepared call for a lent GPU machine (the device tool's `run`): everything issue 28 measures,
 # in about 5 minutes (at most 9), results under $OUT (at most 8 files come back).
 #
-#   run(command="bash bench/gpu_session.sh", carry=[".whl"], timeout_s=600)
+#   run(command="bash bench/gpu_session.sh [PART ...]", carry=[".whl"], timeout_s=600)
 #
+# PARTS (default: all, in this order): tests 16k 32k 8k profile compile.
 # .whl holds the wheels the device image lacks (pyzmq, pydantic and its three dependencies,
 # typing_extensions); fetch them once on the CPU host with `make gpu-wheels`. Each part has its own
 # time limit so one hang cannot eat the call; a failing part is reported and the next one runs.
@@ -11,9 +12,10 @@
 #   device.txt          GPU, driver, torch / transformers / triton versions, git commit
 #   tests_gpu.log       pytest -m gpu tests/gpu (the vLLM tests skip: vLLM cannot travel)
 #   trainer_16k.json    bench.gpu_trainer, 16384-token micro-batches, variants below
+#   trainer_32k.json    the same at 32768 tokens (one micro-batch for the uniform batch)
 #   trainer_8k.json     the same at 8192 tokens
+#   profile.txt         the top kernels of one default step (16384) per batch, and the kernels' busy share
 #   trainer_compile.json  trainer.compile (Inductor) at 16384 tokens
-#   profile.txt         the top kernels of one default step (16384), torch.profiler
 #   session.log         everything printed
 set -u
 OUT=${OUT:-/tmp/gpu_session}
@@ -41,12 +43,18 @@ part() {  # part NAME SECONDS COMMAND...: run with a time limit, report its stat
     echo "== $name: exit $? in $((SECONDS - started)) s"
 }
 
-part tests_gpu 120 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/tests_gpu.log"
-part trainer_16k 150 python3 -m bench.gpu_trainer --steps 4 --micro-batch-tokens 16384 \
-    --variants default,no_share,head_bf16,ckpt,ckpt_head_bf16 --out "$OUT/trainer_16k.json"
-part trainer_8k 90 python3 -m bench.gpu_trainer --steps 4 --micro-batch-tokens 8192 \
-    --variants default,no_share,head_bf16 --batches grpo,uniform --out "$OUT/trainer_8k.json"
-part compile 150 python3 -m bench.gpu_trainer --steps 4 --micro-batch-tokens 16384 \
-    --variants compile,compile_head_bf16 --out "$OUT/trainer_compile.json"
-part profile 45 python3 -m bench.gpu_trainer --steps 1 --micro-batch-tokens 16384 --variants default --batches grpo \
+selected() { [ "$PARTS" = all ] || [[ " $PARTS " == *" $1 "* ]]; }
+PARTS=${*:-all}
+echo "parts: $PARTS"
+selected tests && part tests_gpu 120 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/tests_gpu.log"
+selected 16k && part trainer_16k 150 python3 -m bench.gpu_trainer --steps 4 --micro-batch-tokens 16384 \
+    --variants default,no_share,head_bf16,ckpt --out "$OUT/trainer_16k.json"
+selected 32k && part trainer_32k 90 python3 -m bench.gpu_trainer --steps 4 --micro-batch-tokens 32768 \
+    --variants default,head_bf16,ckpt --out "$OUT/trainer_32k.json"
+selected 8k && part trainer_8k 60 python3 -m bench.gpu_trainer --steps 4 --micro-batch-tokens 8192 \
+    --variants default,no_share --out "$OUT/trainer_8k.json"
+selected profile && part profile 60 python3 -m bench.gpu_trainer --steps 1 --micro-batch-tokens 16384 --variants default \
     --profile > "$OUT/profile.txt" 2>&1
+selected compile && part compile 150 python3 -m bench.gpu_trainer --steps 4 --micro-batch-tokens 16384 \
+    --variants compile,compile_head_bf16 --out "$OUT/trainer_compile.json"
+exit 0

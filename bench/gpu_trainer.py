@@ -149,9 +149,9 @@ def run_variant(name: str, groups, args, device, base_state) -> dict:
     from trainer.trainer import Trainer
 
     shape = SMOKE if args.cpu_smoke else QWEN25_05B
-    model = build_model(shape)
+    with device:  # random init where it runs (seconds on CPU at 494M parameters), then the shared weights
+        model = build_model(shape)
     model.load_state_dict(base_state)
-    model.to(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -192,10 +192,16 @@ def print_profile(label: str, step, device: torch.device, rows: int = 18) -> Non
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
         step()
         sync(device)
+        wall = time.perf_counter() - t0
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     print(f"--- profile: {label}")
+    if device.type == "cuda":  # kernels' time against the step's: what is left is the GPU idling on the host
+        kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.self_device_time_total for e in kernels) / 1e6
+        print(f"kernels busy {busy:.3f} s of a {wall:.3f} s profiled step ({100 * busy / wall:.0f}%)")
     print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60))
 
 
