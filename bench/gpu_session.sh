@@ -15,7 +15,7 @@
 #   trainer_32k.json    the same at 32768 tokens (one micro-batch for the uniform batch)
 #   trainer_8k.json     the same at 8192 tokens
 #   profile.txt         the top kernels of one default step (16384) per batch, and the kernels' busy share
-#   trainer_compile.json  trainer.compile (Inductor) at 16384 tokens
+#   trainer_compile.json  trainer.compile (Inductor) at 32768 tokens, against the defaults
 #   session.log         everything printed
 set -u
 OUT=${OUT:-/tmp/gpu_session}
@@ -55,6 +55,6 @@ selected 8k && part trainer_8k 60 python3 -m bench.gpu_trainer --steps 4 --micro
     --variants default,no_share --out "$OUT/trainer_8k.json"
 selected profile && part profile 60 python3 -m bench.gpu_trainer --steps 1 --micro-batch-tokens 16384 --variants default \
     --profile > "$OUT/profile.txt" 2>&1
-selected compile && part compile 150 python3 -m bench.gpu_trainer --steps 4 --micro-batch-tokens 16384 \
-    --variants compile,compile_head_bf16 --out "$OUT/trainer_compile.json"
+selected compile && part compile 240 python3 -m bench.gpu_trainer --steps 4 --micro-batch-tokens 32768 \
+    --variants default,compile,compile_head_bf16 --out "$OUT/trainer_compile.json"
 exit 0

@@ -20,9 +20,9 @@ from tests.gpu.test_gpu_trainer_bf16 import tiny_model
 from tests.trainer.test_host_sync import grpo_samples, step_batches
 from trainer.trainer import Trainer
 
-MAX_STEP_SYNCS = 4
-"""The step's reads of the device: the micro-batches' stats, the gradient norm, and the phase
-timing events at the end (the last two may or may not count as syncs in torch's debug mode)."""
+MAX_STEP_SYNCS = 3
+"""The step's reads of the device: the micro-batches' stats and the gradient norm (2 on an H200,
+torch 2.11), and one spare for a torch that also counts the phase timing events' read-back."""
 
 
 def sync_warnings(step) -> list[str]:
@@ -35,7 +35,7 @@ def sync_warnings(step) -> list[str]:
             step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    return [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
 
 
 @pytest.mark.parametrize("share_prefixes", [True, False])

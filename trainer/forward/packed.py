@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from trainer.forward.logprobs import DEFAULT_CHUNK_SIZE, linear_logprobs_and_entropy
-from trainer.forward.packed_attention import MASK_PLACEHOLDER, packed_attention
+from trainer.forward.packed_attention import mask_placeholder, packed_attention
 from trainer.forward.packed_row import PackedRow
 
 __all__ = [
@@ -232,7 +232,7 @@ def _decoder_hidden_states(model: torch.nn.Module, row: PackedRow, stats: dict[s
     with packed_attention(model):
         out = decoder(
             input_ids=row.decoder_ids,
-            attention_mask=MASK_PLACEHOLDER.to(device=row.decoder_ids.device, dtype=_compute_dtype(model)),
+            attention_mask=mask_placeholder(row.decoder_ids.device, _compute_dtype(model)),
             position_ids=row.position_ids,
             use_cache=False,
             **row.attention,

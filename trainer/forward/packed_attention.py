@@ -24,6 +24,7 @@ expects; called without `rlbus_seq_lens` (e.g. by `generate`) it is plain sdpa w
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -34,7 +35,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from trainer.forward.shared_prefix import segment_attention
 from trainer.kernels.varlen_attention import repeat_kv, to_compute_dtype, varlen_causal_attention, varlen_kernel_applies
 
-__all__ = ["PACKED_ATTENTION", "packed_attention", "packed_sdpa_attention", "MASK_PLACEHOLDER"]
+__all__ = ["PACKED_ATTENTION", "packed_attention", "packed_sdpa_attention", "mask_placeholder"]
 
 PACKED_ATTENTION = "rlbus_packed_sdpa"
 """The name the varlen function is registered under in transformers' `AttentionInterface`."""
@@ -99,8 +100,13 @@ def packed_sdpa_attention(
 # shared-prefix plan change with every micro-batch
 AttentionInterface.register(PACKED_ATTENTION, torch.compiler.disable(packed_sdpa_attention))
 
-MASK_PLACEHOLDER = torch.zeros(1, 1, 1, 1)
-"""A 4-D `attention_mask` that transformers passes through without building a `[T, T]` mask."""
+@functools.lru_cache(maxsize=8)
+def mask_placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A 4-D `attention_mask` (`[1, 1, 1, 1]` zeros of `dtype` on `device`) that transformers passes
+    through without building a `[T, T]` mask. Made on the device once per (device, dtype): a copy of a
+    host tensor per forward would be a blocking host-to-device copy, one host sync per micro-batch
+    (what tests/gpu/test_gpu_host_sync.py saw on an H200)."""
+    return torch.zeros(1, 1, 1, 1, device=device, dtype=dtype)
 
 
 @contextlib.contextmanager
