@@ -4,7 +4,7 @@ Real TorchDynamo tracing and AOTAutograd (the ``aot_eager`` backend: forward and
 traced, run without generated code, so the test takes seconds, not Inductor's minutes on this
 CPU) on a real tiny Qwen2 policy through `Trainer.step`: same loss, metrics and updated weights as
 the eager trainer, shared prefixes on and off, LoRA too; and one compile serves micro-batches of
-every length (dynamic shapes: no new graph when the packed length changes).
+every length (dynamic shapes: no new graph when the packed length or the number of samples changes).
 """
 
 from __future__ import annotations
@@ -49,21 +49,27 @@ def test_compiled_layers_train_like_eager_ones(model_dir, lora, share):
         torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-3, atol=1e-6, msg=name)
 
 
-def test_one_compile_serves_every_packed_length(model_dir):
+@pytest.mark.parametrize("share", [False, True])
+def test_one_compile_serves_every_packed_length_and_sample_count(model_dir, share):
     torch._dynamo.reset()
     model = load_policy(model_dir, LoraSection(enabled=False))
-    trainer = Trainer(model, TrainerConfig(compile=True, compile_backend="aot_eager"), max_tokens=16)
+    trainer = Trainer(model, TrainerConfig(compile=True, compile_backend="aot_eager", share_prefixes=share), max_tokens=16)
     vocab = model.config.vocab_size
     trainer.step(step_batches(grpo_samples(vocab, teacher=False, seed=0), 1))
-    trainer.step(step_batches(grpo_samples(vocab, teacher=False, seed=1), 2))  # a second length: dynamic from here on
+    # more lengths (dynamic from here on), and single-sample micro-batches: no prefix to share, so with
+    # share_prefixes the lengths path too (one more graph pair, once)
+    trainer.step(step_batches(grpo_samples(vocab, teacher=False, seed=1), 8))
     graphs = counters["stats"]["unique_graphs"]
-    lengths = set()
-    for seed in range(2, 6):
-        mbs = step_batches(grpo_samples(vocab, teacher=False, seed=seed), 2)
+    lengths, counts = set(), set()
+    for seed, parts in ((2, 2), (3, 3), (4, 5), (5, 8)):  # 4, 2-3, 1-2 and 1 samples per micro-batch
+        mbs = step_batches(grpo_samples(vocab, teacher=False, seed=seed), parts)
         lengths.update(len(mb.input_ids) for mb in mbs)
+        counts.update(len(mb.sample_ids) for mb in mbs)
         trainer.step(mbs)
-    assert len(lengths) >= 4
-    assert counters["stats"]["unique_graphs"] == graphs, "a new packed length recompiled the layers"
+    assert len(lengths) >= 4 and len(counts) >= 4
+    # the sample lengths reach the attention as an opaque SeqLens: a list would be guarded on its
+    # length, one recompile per sample count (what made trainer.compile gain nothing on GRPO batches)
+    assert counters["stats"]["unique_graphs"] == graphs, "a new packed length or sample count recompiled the layers"
 
 
 def test_a_model_without_decoder_layers_is_refused(model_dir):

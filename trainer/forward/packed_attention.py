@@ -13,7 +13,7 @@ float16/bfloat16 that kernel itself runs instead, one launch per layer for the w
 How it plugs in (transformers 5.19, `modeling_utils.AttentionInterface`): the function below is
 registered under `PACKED_ATTENTION`; `packed_attention(model)` switches the model to it for one
 forward (`set_attn_implementation`) and back. The decoder is called with the sample lengths as the
-extra keyword `rlbus_seq_lens`, which transformers forwards to every attention call, and with a 4-D
+extra keyword `rlbus_seq_lens` (a `SeqLens`), which transformers forwards to every attention call, and with a 4-D
 placeholder `attention_mask` so that no mask is built (a 4-D mask is passed through unchanged).
 
 Invariants: the output for a token depends only on the tokens of its own sample at positions <= its
@@ -35,10 +35,29 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from trainer.forward.shared_prefix import segment_attention
 from trainer.kernels.varlen_attention import repeat_kv, to_compute_dtype, varlen_causal_attention, varlen_kernel_applies
 
-__all__ = ["PACKED_ATTENTION", "packed_attention", "packed_sdpa_attention", "mask_placeholder"]
+__all__ = ["PACKED_ATTENTION", "packed_attention", "packed_sdpa_attention", "mask_placeholder", "SeqLens"]
 
 PACKED_ATTENTION = "rlbus_packed_sdpa"
 """The name the varlen function is registered under in transformers' `AttentionInterface`."""
+
+
+class SeqLens:
+    """The sample lengths of a packed row, as the decoder passes them to `packed_sdpa_attention`
+    (keyword `rlbus_seq_lens`).
+
+    An opaque holder, not a list: the keyword goes through each decoder layer, and a layer compiled
+    by ``trainer.compile`` guards on a list's length, so every new number of samples in a
+    micro-batch recompiled the layers (8 recompiles, then torch falls back to eager: no gain for
+    GRPO micro-batches on an H200). An object of this class is passed through unguarded.
+
+    Args:
+        lens: S ints >= 1 (the packed sample lengths, in packing order).
+    """
+
+    __slots__ = ("lens",)
+
+    def __init__(self, lens) -> None:
+        self.lens = [int(n) for n in lens]
 
 
 def packed_sdpa_attention(
@@ -60,7 +79,8 @@ def packed_sdpa_attention(
         attention_mask: ignored when `rlbus_seq_lens` is given (the slices ARE the block-diagonal
             structure); otherwise passed to plain sdpa.
         scaling: softmax scale (None: 1/sqrt(head_dim)). dropout: attention dropout probability.
-        kwargs: `rlbus_seq_lens`: list of ints >= 1 summing to T (the packed sample lengths); or
+        kwargs: `rlbus_seq_lens`: a `SeqLens` (or a list) of ints >= 1 summing to T (the packed
+            sample lengths); or
             `rlbus_shared_plan`: a `trainer.forward.shared_prefix.SharedPrefixPlan` of the compressed row
             (T = its compressed tokens), whose segments then replace the samples.
 
@@ -76,6 +96,8 @@ def packed_sdpa_attention(
         ValueError: the lengths do not sum to T.
     """
     lens = kwargs.pop("rlbus_seq_lens", None)
+    if isinstance(lens, SeqLens):
+        lens = lens.lens
     plan = kwargs.pop("rlbus_shared_plan", None)
     dropout_p = dropout if module.training else 0.0
     if lens is not None or plan is not None:

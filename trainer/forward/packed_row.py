@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from trainer.forward.packed_attention import SeqLens
 from trainer.forward.shared_prefix import SharedPrefixPlan, plan_shared_prefixes
 from trainer.forward.transfer import host_array, to_device
 
@@ -45,7 +46,7 @@ class PackedRow:
         targets: ``[R]`` int64 token id at t.
         decoder_ids, position_ids: ``[1, T_d]`` int64 the decoder's input row and positions
             (restarting at 0 at each sample, Qwen2/Llama RoPE positions of an unpacked forward).
-        attention: the extra keyword the packed attention reads: ``{"rlbus_seq_lens": [S] ints}``
+        attention: the extra keyword the packed attention reads: ``{"rlbus_seq_lens": SeqLens}``
             or ``{"rlbus_shared_plan": SharedPrefixPlan}`` (`trainer.forward.packed_attention`).
     """
 
@@ -109,7 +110,7 @@ class PackedRow:
         if plan is None:
             positions = np.arange(len(ids)) - np.repeat(sample_starts(lens), lens)
             decoder_ids, rows = to_device(ids, device), at - 1
-            attention: dict = {"rlbus_seq_lens": lens.tolist()}
+            attention: dict = {"rlbus_seq_lens": SeqLens(lens.tolist())}
         else:
             positions = plan.position_ids
             rows = plan.expand.numpy()[at - 1]
