@@ -47,8 +47,8 @@ class SeqLens:
 
     An opaque holder, not a list: the keyword goes through each decoder layer, and a layer compiled
     by ``trainer.compile`` guards on a list's length, so every new number of samples in a
-    micro-batch recompiled the layers (8 recompiles, then torch falls back to eager: no gain for
-    GRPO micro-batches on an H200). An object of this class is passed through unguarded.
+    micro-batch recompiled the layers (after 8, torch runs them eagerly). An object of this class
+    is passed through unguarded (tests/trainer/test_compile.py).
 
     Args:
         lens: S ints >= 1 (the packed sample lengths, in packing order).
