@@ -7,7 +7,9 @@ decoded arrays view the received buffers).
 Invariants: only registered types (:data:`bus.registry.MESSAGE_TYPES`) are encoded or decoded;
 ``decode`` validates every field (type, dtype, rank, size, then the type's cross-field
 ``check()``) and raises :class:`bus.wire.WireError` on anything else, so a decoded message is
-always well-formed.
+always well-formed. Every header field must be present, except those declared
+``optional_field(..., may_be_absent=True)``, which decode to their default when an older sender
+left them out.
 """
 
 from __future__ import annotations
@@ -21,7 +23,17 @@ import numpy as np
 
 from bus.messages import Message
 from bus.registry import MESSAGE_TYPES
-from bus.wire import SCHEMA_VERSION, WireError, array_descriptor, decode_arrays, pack_header, show, unpack_header
+from bus.wire import (
+    SCHEMA_VERSION,
+    ChatMessages,
+    WireError,
+    array_descriptor,
+    decode_arrays,
+    is_chat_messages,
+    pack_header,
+    show,
+    unpack_header,
+)
 
 _SCALAR_CHECKS: dict[Any, Any] = {
     int: lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -33,6 +45,7 @@ _SCALAR_CHECKS: dict[Any, Any] = {
     list[str]: lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
     dict[str, float]: lambda v: isinstance(v, dict)
     and all(isinstance(k, str) and isinstance(x, (int, float)) and not isinstance(x, bool) for k, x in v.items()),
+    ChatMessages: is_chat_messages,
 }
 
 
@@ -40,6 +53,12 @@ _SCALAR_CHECKS: dict[Any, Any] = {
 def _scalar_fields(cls: type[Message]) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls) if "array" not in f.metadata}
+
+
+@functools.cache
+def _may_be_absent(cls: type[Message]) -> frozenset[str]:
+    """Header fields of ``cls`` that an older sender may leave out (``optional_field(may_be_absent=True)``)."""
+    return frozenset(f.name for f in dataclasses.fields(cls) if f.metadata.get("may_be_absent"))
 
 
 def encode(msg: Message) -> list[Any]:
@@ -84,7 +103,10 @@ def decode(frames: list[Any]) -> Message:
     if cls is None:
         raise WireError("unknown_type", f"unknown message type {show(header['type'])}")
     values: dict[str, Any] = {}
+    absent_ok = _may_be_absent(cls)
     for name, hint in _scalar_fields(cls).items():
+        if name not in header and name in absent_ok:
+            continue  # an older sender's message: the field's default
         if name not in header or not _SCALAR_CHECKS[hint](header[name]):
             raise WireError("field", f"{cls.TYPE}.{name} missing or not {hint}")
         values[name] = header[name]

@@ -21,7 +21,7 @@ from typing import ClassVar
 import numpy as np
 
 from bus.sample_arrays import check_group, check_micro_batch
-from bus.wire import ArraySpec, WireError, array_field, check_terms, optional_field
+from bus.wire import ArraySpec, ChatMessages, WireError, array_field, check_terms, optional_field
 
 
 def new_id() -> str:
@@ -124,6 +124,12 @@ class RolloutGroup(Message):
         loss_mask: ``[N] bool`` multi-turn episodes: True on model-sampled tokens, False on the
             environment's (template-rendered; logprob 0); ``[0]``: every token is the model's.
         env_rewards: ``[G] float32`` each episode's environment reward (the term ``env``), or ``[0]``.
+        prompt_messages: the prompt's chat messages ``[{"role": str, "content": str}, ...]`` as the
+            :class:`Prompt` carried them (before the chat template; a multi-turn episode's or an
+            agent's *initial* messages, without the environment's turns), once per group, for TRL
+            conversational reward functions (:mod:`tasks.trl_rewards`); ``[]`` when the sender
+            has none. Exactly those two string keys per message, else the group is rejected
+            (``field``); absent from an older sender's header, it decodes as ``[]``.
     """
 
     TYPE: ClassVar[str] = "rollout"
@@ -150,6 +156,7 @@ class RolloutGroup(Message):
     version_span_counts: np.ndarray = array_field("int32", optional=True)
     loss_mask: np.ndarray = array_field("bool", optional=True)
     env_rewards: np.ndarray = array_field("float32", optional=True)
+    prompt_messages: ChatMessages = optional_field([], may_be_absent=True)
 
     @property
     def group_size(self) -> int:

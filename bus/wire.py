@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import reprlib
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, NewType, Sequence
 
 import msgpack
 import numpy as np
@@ -108,11 +108,32 @@ def array_field(dtype: str, ndim: int = 1, *, optional: bool = False) -> Any:
     return field(metadata=metadata, kw_only=True, default_factory=lambda: np.zeros((0,) * ndim, dtype=dtype))
 
 
-def optional_field(default: Any) -> Any:
-    """A keyword-only header field with a default (a copy of ``default`` for dicts and lists)."""
+def optional_field(default: Any, *, may_be_absent: bool = False) -> Any:
+    """A keyword-only header field with a default (a copy of ``default`` for dicts and lists).
+
+    ``may_be_absent``: a header without the field decodes to ``default`` (a field added after
+    senders that do not know it were deployed); otherwise every message must carry it.
+    """
+    metadata = {"may_be_absent": True} if may_be_absent else {}
     if isinstance(default, (dict, list)):
-        return field(kw_only=True, default_factory=lambda: type(default)(default))
-    return field(kw_only=True, default=default)
+        return field(kw_only=True, default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(kw_only=True, default=default, metadata=metadata)
+
+
+ChatMessages = NewType("ChatMessages", list)
+"""Type of a header field holding chat messages: a list of ``{"role": str, "content": str}`` maps,
+exactly those two keys (:func:`is_chat_messages`); the decoder rejects anything else (``field``)."""
+
+
+def is_chat_messages(value: Any) -> bool:
+    """Whether ``value`` is a list of ``{"role": str, "content": str}`` dicts with no other keys
+    (an empty list too). Used by the decoder for :data:`ChatMessages` fields, and by senders to
+    decide whether a message list can travel as one."""
+    return isinstance(value, list) and all(
+        isinstance(m, dict) and m.keys() == {"role", "content"} and isinstance(m["role"], str)
+        and isinstance(m["content"], str)
+        for m in value
+    )
 
 
 def check_terms(terms: dict, n: int) -> None:

@@ -80,6 +80,7 @@ from bus.messages import GroupsDropped, Prompt, RolloutGroup, RunDone, WeightsAp
 from bus.messages_weights import WeightGroup, WeightGroupAck
 from bus.metrics import POLICY_VERSION, StageMeter
 from bus.sample_arrays import pack_spans, run_lengths
+from bus.wire import is_chat_messages
 from producers.agents import AgentRunner
 from producers.endpoint import OpenAIEndpoint
 from producers.engine import RolloutEngine
@@ -122,7 +123,10 @@ def group_from_samples(
     and their decoded ``texts``; temperature, eval round and size come from ``prompt``;
     ``teacher_logprobs`` is ``[N] float32`` (N = completion tokens of the group) or None;
     ``prompt_text`` the rendered (chat-templated) prompt; multi-turn episodes
-    (:mod:`producers.episodes`) add each sample's model-token mask and its environment reward."""
+    (:mod:`producers.episodes`) add each sample's model-token mask and its environment reward.
+    ``prompt.messages`` travel as ``prompt_messages`` (for TRL conversational rewards) when they
+    are plain ``{"role", "content"}`` string messages (:func:`bus.wire.is_chat_messages`), else
+    ``[]`` (the reward side then falls back to the rendered text)."""
     spans, counts = pack_spans(run_lengths(s.token_versions or [s.version_start] * len(s.token_ids)) for s in samples)
     return RolloutGroup(
         id=prompt.id,
@@ -149,6 +153,7 @@ def group_from_samples(
         prompt_text=prompt_text,
         loss_mask=np.asarray([m for mask in model_masks or () for m in mask], dtype=bool),
         env_rewards=np.asarray(env_rewards or [], dtype=np.float32),
+        prompt_messages=list(prompt.messages) if is_chat_messages(prompt.messages) else [],
     )
 
 

@@ -212,10 +212,11 @@ class RewardWorker:
         )
 
     def _trl_batch(self, group: RolloutGroup) -> dict:
-        """The group as TRL's batch (:func:`tasks.trl_rewards.trl_batch`): prompt text, each sample's
-        token ids, the step its prompt was issued for."""
+        """The group as TRL's batch (:func:`tasks.trl_rewards.trl_batch`): prompt text and chat
+        messages, each sample's token ids, the step its prompt was issued for."""
         ids = [group.completion(j)[0].tolist() for j in range(group.group_size)]
-        return trl_batch(group.prompt_text, group.completion_texts, ids, global_step=group.step, max_steps=self.max_steps)
+        return trl_batch(group.prompt_text, group.completion_texts, ids, global_step=group.step, max_steps=self.max_steps,
+                         prompt_messages=group.prompt_messages)
 
     def _overlong(self, lens: np.ndarray, reward_terms: dict[str, list[float]]) -> np.ndarray:
         """``[G] float64`` penalty * R(|y|) to add to the rewards (:mod:`rewards.shaping`); records the

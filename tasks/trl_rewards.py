@@ -11,7 +11,15 @@ It is called once per group, with the whole group as TRL's batch, with TRL's key
 ``GRPOTrainer._calculate_rewards``, which calls ``reward_func(prompts=..., completions=...,
 completion_ids=..., **reward_kwargs)``):
 
-- ``prompts``: ``[G]`` the group's prompt, once per completion;
+- ``prompts``: ``[G]`` the group's prompt, once per completion: in conversational format the
+  prompt's chat messages, ``[{"role": ..., "content": ...}, ...]`` (``RolloutGroup.prompt_messages``,
+  before the chat template; a separate copy per completion), so ``prompts[i][-1]["content"]`` is
+  the user's message as in TRL; in standard format the rendered prompt text
+  (``RolloutGroup.prompt_text``, chat template applied: the text the completion continues). A
+  group without messages (a sender that does not fill ``prompt_messages``) gives conversational
+  functions ``[{"role": "user", "content": <rendered prompt text>}]``. A multi-turn episode's or
+  an agent's group gives its *initial* messages (TRL passes the dataset's prompt; the
+  environment's turns are in the completion's text and ids);
 - ``completions``: ``[G]`` the completions: strings (standard format), or one assistant message
   each, ``[{"role": "assistant", "content": text}]`` (conversational format);
 - ``completion_ids``: ``[G]`` lists of each completion's token ids (a multi-turn episode's include
@@ -32,9 +40,10 @@ non-number fails the whole group's term (``ValueError``/``TypeError``, counted l
 
 Where rlbus differs, and why:
 
-- **Prompts are the rendered prompt text** (the chat template applied, ``RolloutGroup.prompt_text``)
-  in both formats: a group carries that text, not the prompt's chat messages. A conversational
-  function that reads ``prompts[i][-1]["content"]`` does not work as it is.
+- **Standard-format ``prompts`` are the rendered text**: TRL passes a standard-format dataset's
+  prompt string, which its model continues as it is; every rlbus prompt is a chat that the
+  producer renders with the policy's chat template, so the text the completion continues is the
+  rendered one.
 - **``trainer_state`` is a small stand-in**, not ``transformers.TrainerState``: importing that
   imports torch (~5 s in every reward child on a CPU host). It has the two fields a curriculum
   reward reads (``global_step``, ``max_steps``).
@@ -83,16 +92,26 @@ def split_trl_ref(ref: str) -> tuple[str | None, str]:
 
 
 def trl_batch(prompt_text: str, completions: list[str], completion_ids: list[list[int]], *, global_step: int,
-              max_steps: int) -> dict[str, Any]:
+              max_steps: int, prompt_messages: list[dict[str, str]] | None = None) -> dict[str, Any]:
     """The JSON-able group data a TRL-style call needs beyond the completions and ``info`` (built by
-    the reward worker, sent to the child). ``completion_ids`` is ``[G]`` lists of ints.
+    the reward worker, sent to the child). ``completion_ids`` is ``[G]`` lists of ints;
+    ``prompt_messages`` the prompt's chat messages (``RolloutGroup.prompt_messages``; None or
+    ``[]``: none, conversational functions get the text as one user message).
 
     Raises:
         ValueError: ``completion_ids`` does not have one entry per completion.
     """
     if len(completion_ids) != len(completions):
         raise ValueError(f"completion_ids has {len(completion_ids)} entries for {len(completions)} completions")
-    return {"prompt": prompt_text, "completion_ids": completion_ids, "global_step": int(global_step), "max_steps": int(max_steps)}
+    return {"prompt": prompt_text, "prompt_messages": list(prompt_messages or []), "completion_ids": completion_ids,
+            "global_step": int(global_step), "max_steps": int(max_steps)}
+
+
+def conversational_prompt(batch: dict[str, Any]) -> list[dict[str, str]]:
+    """The prompt as TRL's conversational format has it: the group's chat messages, or, for a group
+    that carries none, ``[{"role": "user", "content": <rendered prompt text>}]``."""
+    messages = batch.get("prompt_messages") or [{"role": "user", "content": batch["prompt"]}]
+    return [dict(m) for m in messages]
 
 
 def trl_kwargs(fmt: str, completions: list[str], info: dict[str, Any], batch: dict[str, Any],
@@ -109,7 +128,7 @@ def trl_kwargs(fmt: str, completions: list[str], info: dict[str, Any], batch: di
 
     kwargs: dict[str, Any] = {key: [value] * g for key, value in info.items() if key not in RESERVED_KWARGS}
     kwargs.update(
-        prompts=[batch["prompt"]] * g,
+        prompts=[batch["prompt"]] * g if fmt == "standard" else [conversational_prompt(batch) for _ in range(g)],
         completions=list(completions) if fmt == "standard" else [[{"role": "assistant", "content": c}] for c in completions],
         completion_ids=[list(ids) for ids in batch["completion_ids"]],
         trainer_state=TrainerState(batch["global_step"], batch["max_steps"]),

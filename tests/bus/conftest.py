@@ -78,6 +78,7 @@ def _rollout_fields() -> dict[str, Any]:
         # sample 2 is a 2-turn episode: model token, one environment token, model token
         loss_mask=np.array([True, True, True, False, True]),
         env_rewards=np.array([0.5, 0.0, 1.0], dtype=np.float32),
+        prompt_messages=[{"role": "system", "content": "Reverse."}, {"role": "user", "content": "abc"}],
     )
 
 

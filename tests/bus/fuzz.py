@@ -92,6 +92,7 @@ def realistic_examples() -> dict[str, Message]:
         version_span_counts=np.array([2, 1, 1, 1], np.int32),
         loss_mask=np.arange(n) % 5 != 2,  # every fifth token an environment token
         env_rewards=np.array([0.25, 1.0, 0.0, 0.5], np.float32),
+        prompt_messages=[{"role": "system", "content": "Reverse the text."}, {"role": "user", "content": "hello"}],
     )
     seq = np.array([43, 32, 43, 36], np.int32)
     t = int(seq.sum())

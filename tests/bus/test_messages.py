@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgpack
 import numpy as np
 import pytest
 import zmq
@@ -38,6 +39,20 @@ def test_round_trip_every_type(type_name, example, pipe, recv_frames, assert_sam
     got, frames = transfer(pipe, recv_frames, msg)
     assert len(frames) == 1 + len(type(msg).array_specs())
     assert_same_message(got, msg)
+
+
+def test_an_older_senders_group_without_prompt_messages_decodes(example, pipe, recv_frames):
+    # RolloutGroup.prompt_messages came after other fields; a header without it still decodes (as []),
+    # while a header without any other field is rejected (test_rejects.py)
+    for type_name in ("rollout", "scored"):
+        msg = example(type_name)
+        assert msg.prompt_messages  # the examples carry messages
+        frames = [bytes(memoryview(f)) for f in encode(msg)]
+        header = msgpack.unpackb(frames[0])
+        del header["prompt_messages"]
+        pipe[0].send_multipart([msgpack.packb(header, use_bin_type=True), *frames[1:]])
+        got = decode(recv_frames(pipe[1]))
+        assert got.prompt_messages == [] and got.completion_texts == msg.completion_texts
 
 
 def test_non_contiguous_and_big_endian_arrays_round_trip(micro_batch, pipe, recv_frames, assert_same_message):

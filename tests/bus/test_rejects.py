@@ -109,6 +109,11 @@ CASES: dict[str, tuple[str, Callable[[Any], list[bytes]]]] = {
     "int_field_as_float": ("field", edit_header(setitem("step", 2.0))),
     "list_of_str_with_int": ("field", edit_header(setitem("completion_texts", ["a", 1, "c"]))),
     "dict_field_as_list": ("field", edit_header(setitem("info", []))),
+    # prompt_messages: a list of {"role": str, "content": str}, nothing else
+    "prompt_messages_as_str": ("field", edit_header(setitem("prompt_messages", "user: abc"))),
+    "prompt_message_without_content": ("field", edit_header(setitem("prompt_messages", [{"role": "user"}]))),
+    "prompt_message_content_not_str": ("field", edit_header(setitem("prompt_messages", [{"role": "user", "content": ["abc"]}]))),
+    "prompt_message_extra_key": ("field", edit_header(setitem("prompt_messages", [{"role": "user", "content": "a", "x": 1}]))),
     # cross-field consistency
     "completion_lens_not_summing": ("inconsistent", inconsistent(completion_lens=np.array([2, 1, 3], np.int32))),
     "negative_completion_len": ("inconsistent", inconsistent(completion_lens=np.array([3, -1, 3], np.int32))),

@@ -6,15 +6,21 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgpack
 import numpy as np
 import pytest
 import trl_reward_fns
+import zmq
 from test_worker import errors, rollout
 
+from bus.codec import decode, encode
+from bus.messages import Prompt, RolloutGroup
 from configs.schema import load_config
+from producers.rollout_sample import Sample
 from rewards.worker import RewardWorker
 from tasks.registry import reward_spec
 from tasks.rewards import reward_name
+from tasks.task import render_messages
 from tasks.trl_rewards import TrainerState, checked_rewards, split_trl_ref, trl_batch, trl_kwargs
 
 
@@ -58,6 +64,58 @@ def test_conversational_format_gets_assistant_messages():
     assert scored.rewards.tolist() == [0.0, 0.0] and errors("TypeError") - before == 2
 
 
+def wire_round_trip(group: RolloutGroup, drop: str | None = None) -> RolloutGroup:
+    """``group`` encoded, sent over a real ZeroMQ PUSH/PULL pair and decoded; ``drop``: a header field
+    left out, as an older sender that does not know it sends it."""
+    frames = [bytes(memoryview(f)) for f in encode(group)]
+    if drop is not None:
+        header = msgpack.unpackb(frames[0])
+        del header[drop]
+        frames[0] = msgpack.packb(header, use_bin_type=True)
+    ctx = zmq.Context()
+    try:
+        pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        for sock in (pull, push):
+            sock.linger = 0
+        pull.bind("inproc://rollouts")
+        push.connect("inproc://rollouts")
+        push.send_multipart(frames)
+        assert pull.poll(5000), "the group never arrived"
+        return decode(pull.recv_multipart(copy=False))
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_conversational_prompts_are_the_groups_chat_messages():
+    from producers.proc import group_from_samples  # imports torch: only here
+
+    # reverses_the_question: 1 if the completion is the user's message reversed, + 0.5 for a system turn
+    samples = [Sample([5, 6], [-0.5] * 2, "", "stop", 1, 1), Sample([7, 8, 9], [-0.5] * 3, "", "stop", 1, 1)]
+
+    def produced(messages: list, texts: list[str], prompt_text: str) -> RolloutGroup:
+        """The group a producer builds for a prompt of ``messages`` (a reverse_text prompt as the prompt source renders it)."""
+        prompt = Prompt(id="p-1", index=0, step=1, task="reverse_text", messages=messages, info={})
+        return group_from_samples(prompt, [1, 2, 3], samples, texts, producer="producer-0", gen_time_s=0.1, prompt_text=prompt_text)
+
+    messages = render_messages({"id": "e", "prompt": "hello", "info": {}}, "Reverse the text.")
+    chat = produced(messages, ["olleh", "hello"], "<|im_start|>system\nReverse the text.<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n")
+    # messages that cannot travel as chat messages (a content list): the rendered text becomes one user message
+    parts = produced([{"role": "user", "content": [{"type": "text", "text": "word"}]}], ["drow", "word"], "word")
+    w = worker((trl("reverses_the_question", "trl_conversational"), 1.0), isolate=True)  # JSON to a real child
+    try:
+        assert wire_round_trip(chat).prompt_messages == messages == [
+            {"role": "system", "content": "Reverse the text."}, {"role": "user", "content": "hello"}]
+        assert w.score(wire_round_trip(chat)).rewards.tolist() == [1.5, 0.5]
+        assert wire_round_trip(parts).prompt_messages == []
+        assert w.score(wire_round_trip(parts)).rewards.tolist() == [1.0, 0.0]
+        # a group from a sender that knows no prompt_messages: the same fallback (the whole rendered text is the user's)
+        old = dataclasses.replace(chat, completion_texts=["olleh", chat.prompt_text[::-1]])
+        assert wire_round_trip(old, drop="prompt_messages").prompt_messages == []
+        assert w.score(wire_round_trip(old, drop="prompt_messages")).rewards.tolist() == [0.0, 1.0]
+    finally:
+        w.close()
+
+
 def test_none_is_zero_without_an_error_and_columns_come_from_info():
     # math_reward_func: +1 if "4" in the completion else -1, for task "math"; None (not applicable) otherwise
     w = worker((trl("math_reward_func"), 1.0))
@@ -91,11 +149,15 @@ def test_a_wrong_number_of_rewards_fails_the_whole_group(isolate):
 
 
 def test_the_keyword_arguments_are_trls():
-    batch = trl_batch("<|im_start|>user\nhi", ["a", "bc"], [[5], [6, 7]], global_step=2, max_steps=9)
+    batch = trl_batch("<|im_start|>user\nhi", ["a", "bc"], [[5], [6, 7]], global_step=2, max_steps=9,
+                      prompt_messages=[{"role": "user", "content": "hi"}])
     metrics: dict[str, list[float]] = {}
     kwargs = trl_kwargs("conversational", ["a", "bc"], {"ground_truth": "x", "prompts": "shadowed"}, batch, metrics)
     assert set(kwargs) == {"prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra", "ground_truth"}
-    assert kwargs["prompts"] == ["<|im_start|>user\nhi"] * 2  # a dataset column named "prompts" loses to the argument
+    assert kwargs["prompts"] == [[{"role": "user", "content": "hi"}]] * 2  # a dataset column named "prompts" loses to the argument
+    kwargs["prompts"][0][0]["content"] = "edited"  # one copy per completion, as TRL's batch rows are
+    assert kwargs["prompts"][1] == [{"role": "user", "content": "hi"}] and batch["prompt_messages"][0]["content"] == "hi"
+    assert trl_kwargs("standard", ["a", "bc"], {}, batch, {})["prompts"] == ["<|im_start|>user\nhi"] * 2
     assert kwargs["completions"] == [[{"role": "assistant", "content": "a"}], [{"role": "assistant", "content": "bc"}]]
     assert kwargs["completion_ids"] == [[5], [6, 7]] and kwargs["ground_truth"] == ["x", "x"]
     assert kwargs["trainer_state"] == TrainerState(global_step=2, max_steps=9)

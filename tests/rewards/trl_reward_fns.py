@@ -67,3 +67,13 @@ def one_reward(completions, **kwargs):
 def overlong(completions, **kwargs):
     """A reward whose name collides with the overlong shaping's term."""
     return [0.0 for _ in completions]
+
+
+def reverses_the_question(prompts, completions, **kwargs):
+    """Conversational format, reading the prompt as TRL gives it (``prompts[i][-1]["content"]``: the
+    user's message): 1 for a completion that is the user's message reversed, plus 0.5 when the
+    prompt opens with a system message."""
+    return [
+        float(completion[0]["content"] == prompt[-1]["content"][::-1]) + 0.5 * (prompt[0]["role"] == "system")
+        for prompt, completion in zip(prompts, completions)
+    ]
