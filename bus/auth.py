@@ -47,7 +47,8 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from bus.metrics_tls import TLS_DIR, MetricsTls, create_tls
+from bus.metrics_certs import TLS_DIR, HostNames, create_tls
+from bus.metrics_tls import MetricsTls
 
 log = logging.getLogger(__name__)
 
@@ -123,10 +124,11 @@ def _load_secret(path: Path, hint: str) -> tuple[bytes, bytes]:
     return public, secret
 
 
-def create_keys(keys_dir: str | Path, num_clients: int = 1) -> list[Path]:
+def create_keys(keys_dir: str | Path, num_clients: int = 1, hosts: list[HostNames] | None = None) -> list[Path]:
     """Create a key directory: the server keypair, ``num_clients`` client keypairs and the metrics
-    TLS files (:func:`bus.metrics_tls.create_tls`). A directory that holds CurveZMQ keys but no
-    ``tls/`` (made before the metrics TLS existed) gets the TLS files only.
+    TLS files (:func:`bus.metrics_certs.create_tls`: one server certificate per host of ``hosts``,
+    default this machine). A directory that holds CurveZMQ keys but no ``tls/`` (made before the
+    metrics TLS existed) gets the TLS files only.
 
     The first client keypair is :data:`DEFAULT_CLIENT`, the others ``client-1`` ...
     ``client-{num_clients-1}`` (one per host, so that one host can be revoked alone). Directories
@@ -144,7 +146,7 @@ def create_keys(keys_dir: str | Path, num_clients: int = 1) -> list[Path]:
     if (keys_dir / f"{SERVER_NAME}.key").exists() or (keys_dir / CLIENTS_DIR).exists():
         if (keys_dir / TLS_DIR).exists():
             raise ValueError(f"{keys_dir} already holds CurveZMQ keys and metrics TLS files; remove it or choose another directory")
-        return create_tls(keys_dir)
+        return create_tls(keys_dir, hosts)
     clients = keys_dir / CLIENTS_DIR
     clients.mkdir(parents=True, mode=0o700)
     os.chmod(keys_dir, 0o700)
@@ -154,7 +156,7 @@ def create_keys(keys_dir: str | Path, num_clients: int = 1) -> list[Path]:
     for path in created:
         if path.name.endswith(".key_secret"):
             os.chmod(path, 0o600)
-    return created + create_tls(keys_dir)
+    return created + create_tls(keys_dir, hosts)
 
 
 def check_keys(bus: CurveSettings) -> None:

@@ -301,7 +301,7 @@ def component_main(cls: type[Component], argv: list[str] | None = None) -> int:
     watch_parent(comp, parent_pid)
     try:
         host = comp.launch.metrics_host  # the node's address on several nodes (RLBUS_NODE_ADDRESS)
-        port = serve_metrics(args.metrics_port, host, health=comp.health, tls=server_context_for(cfg.bus))  # TLS: tcp + CurveZMQ
+        port = serve_metrics(args.metrics_port, host, health=comp.health, tls=server_context_for(cfg.bus, host))  # TLS: tcp + CurveZMQ, this host's certificate
         comp.setup()
         comp.phase = ComponentPhase.RUNNING
         comp.report_ready(port, host)

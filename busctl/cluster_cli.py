@@ -20,13 +20,17 @@ from busctl.stderr import print_error, print_warning
 
 
 def cmd_keys(ns: argparse.Namespace, console: Console) -> int:
-    """``busctl keys DIR [--clients N]``: create a CurveZMQ key directory with the metrics TLS files
-    (:mod:`bus.metrics_tls`; only those when DIR holds keys without them) and say how to use it."""
+    """``busctl keys DIR [--clients N] [--hosts SPEC] [--no-resolve]``: create a CurveZMQ key directory
+    with the metrics TLS files, one server certificate per host (:mod:`bus.metrics_certs`; only those
+    when DIR holds keys without them), and say how to use it."""
     from bus.auth import CLIENTS_DIR, create_keys  # zmq only
+    from bus.metrics_certs import default_hosts, parse_hosts
 
     keys_dir = Path(ns.dir).resolve()
     try:
-        created = create_keys(keys_dir, ns.clients)
+        hosts = parse_hosts(ns.hosts) if ns.hosts is not None else default_hosts()
+        hosts = hosts if ns.no_resolve else [h.with_addresses() for h in hosts]
+        created = create_keys(keys_dir, ns.clients, hosts)
     except ValueError as err:
         print_error(str(err))
         return 1
@@ -36,10 +40,14 @@ def cmd_keys(ns: argparse.Namespace, console: Console) -> int:
     print(f"allow-list: {keys_dir / CLIENTS_DIR}/*.key (every public key there may connect)")
     print(f"metrics:    with tcp, /metrics and /health are HTTPS and need the client certificate {keys_dir}/tls/client.crt")
     print(f"            (+ client.key, CA tls/ca.crt), e.g. curl --cacert {keys_dir}/tls/ca.crt --cert {keys_dir}/tls/client.crt \\")
-    print(f"            --key {keys_dir}/tls/client.key --resolve rlbus-metrics:PORT:HOST https://rlbus-metrics:PORT/metrics")
+    print(f"            --key {keys_dir}/tls/client.key https://HOST:PORT/metrics")
+    print("server certificates (readers check that the one served names the host they connect to):")
+    for host in hosts:
+        print(f"            tls/hosts/{host.name}.crt: {', '.join(host.all)}")
     print(f"use:        busctl up CONFIG bus.transport=tcp bus.curve_keys_dir={keys_dir}")
-    print("multi-host: copy the whole directory to the same path on every host, keeping it private, e.g.")
-    print(f"            rsync -a {keys_dir}/ HOST:{keys_dir}/")
+    print("multi-host: copy the directory to the same path on every host, keeping it private, each host")
+    print(f"            with only its own tls/hosts/ key, e.g. rsync -a --exclude 'tls/hosts/*.key' {keys_dir}/ HOST:{keys_dir}/")
+    print(f"            then rsync {keys_dir}/tls/hosts/HOST.key HOST:{keys_dir}/tls/hosts/")
     print("            a host with its own client keypair sets bus.curve_client=NAME; to revoke one,")
     print(f"            delete {CLIENTS_DIR}/NAME.key on every host and restart the processes that bind")
     return 0
@@ -87,6 +95,14 @@ def add_commands(sub: argparse._SubParsersAction) -> dict[str, Callable[[argpars
     ks.add_argument("dir", help="new key directory (must not hold keys yet; one with CurveZMQ keys but no tls/ gets the TLS files)")
     ks.add_argument("--clients", type=int, default=1,
                     help="client keypairs: 'components' (shared by every process), then client-1 ... (default 1)")
+    ks.add_argument("--hosts", default=None, metavar="SPEC",
+                    help="metrics TLS: one server certificate per host, hosts separated by ',', each NAME or "
+                    "NAME=ALIAS+ALIAS (host names or IP addresses), e.g. node1=10.0.0.1,node2=10.0.0.2; name every "
+                    "address a component there serves metrics on (its node address under Slurm/Ray, 127.0.0.1 "
+                    "locally). Default: this machine (its host name, localhost, 127.0.0.1, ::1). Fixed once made: "
+                    "the CA's key is discarded, a new host needs a new directory")
+    ks.add_argument("--no-resolve", action="store_true",
+                    help="do not add the addresses each host name resolves to here (default: added)")
     sb = sub.add_parser("sbatch", help="write a Slurm batch script that runs the job (busctl up --launcher slurm)")
     sb.add_argument("args", nargs="*", help="[CONFIG.yaml] [key.sub=value ...] (slurm.* shapes the job)")
     sb.add_argument("-o", "--output", default=None, help="write the script here (default: print it)")

@@ -241,7 +241,7 @@ class Supervisor:
         self.state = RunState.STARTING
         self._inbox = BusSocket(self.ctx, "supervisor", "recv", self.endpoints.address("supervisor"), bind=True, stop=self.stop,
                                 accept=(ComponentReady, ComponentHeartbeat))
-        self._metrics_server = start_metrics_server(0, supervisor_metrics_host(self.cfg), health=self.health, tls=self.metrics_tls and self.metrics_tls.server_context())
+        self._metrics_server = start_metrics_server(0, host := supervisor_metrics_host(self.cfg), health=self.health, tls=self.metrics_tls and self.metrics_tls.server_context(host))
         self.metrics_port = int(self._metrics_server.server_address[1])
         self._control = self._subscribe_control()
         base = self.cfg.metrics.base_port

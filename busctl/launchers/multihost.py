@@ -6,7 +6,8 @@ addresses, :func:`configure_multihost` sets tcp transport, ``bus.hosts`` (the no
 endpoint), ``broadcast.method: bus`` unless a method was given (:func:`configs.schema.apply_weight_method_default`),
 the weight broadcast's rendezvous at the trainer's node (used when broadcast is chosen), and (unless
 ``bus.curve_keys_dir`` is given) a fresh CurveZMQ key directory ``RUN_DIR/curve_keys`` for this run
-(mode 0700, existing keys kept, so ``--resume`` reuses them).
+(mode 0700, existing keys kept, so ``--resume`` reuses them) with one metrics TLS server certificate
+per node of the allocation, naming the node's address (:func:`bus.metrics_certs.node_hosts`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from bus.auth import create_keys
+from bus.metrics_certs import node_hosts
 from busctl.launchers.nodes import Allocation, address_map, plan_nodes
 from configs.schema import RunConfig, apply_weight_method_default
 
@@ -44,5 +46,6 @@ def configure_multihost(cfg: RunConfig, alloc: Allocation, resolve: Callable[[st
         keys = (Path(cfg.run_dir) / "curve_keys").resolve()
         if not (keys / "server.key_secret").exists() or not (keys / "tls").exists():  # tls/: a run from before metrics TLS
             keys.parent.mkdir(parents=True, exist_ok=True)
-            create_keys(keys)
+            nodes = {n: resolve(n) for group in alloc.groups for n in group} | {supervisor_host: resolve(supervisor_host)}
+            create_keys(keys, hosts=node_hosts(nodes))  # one metrics server certificate per node, naming its address
         cfg.bus.curve_keys_dir, cfg.bus.curve_client = str(keys), "components"

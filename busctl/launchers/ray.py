@@ -295,11 +295,19 @@ class RayLauncher:
         node = self.homes[spec.name] = pinned_node(alloc, spec.role, spec.index, self.homes.get(spec.name))
         return addresses.get(node, node)
 
-    def files(self) -> dict[str, tuple[bytes, int]]:
-        """What each actor writes on its node: ``config.yaml`` and the CurveZMQ key files."""
+    def files(self, address: str | None = None) -> dict[str, tuple[bytes, int]]:
+        """What each actor writes on its node: ``config.yaml`` and the key files, of the metrics
+        server keys (``tls/hosts/*.key``, :mod:`bus.metrics_certs`) only that of the node at
+        ``address`` (None: all), so a node never holds another's."""
+        from bus.metrics_certs import HOSTS_DIR, certificate_names
+
         out = {str(self.run_dir / "config.yaml"): ((self.run_dir / "config.yaml").read_bytes(), 0o644)}
         if self.keys_dir:
             for p in Path(self.keys_dir).resolve().rglob("*"):
+                crt = p.with_suffix(".crt")
+                if p.parent.name == HOSTS_DIR and p.suffix == ".key" and address is not None \
+                        and not (crt.is_file() and address in certificate_names(crt)):
+                    continue
                 if p.is_file():
                     out[str(p)] = (p.read_bytes(), 0o600 if p.name.endswith("_secret") else 0o644)
         return out
@@ -316,5 +324,6 @@ class RayLauncher:
         actor = self.actor_class.options(
             name=f"rlbus-{spec.name}-{spawn_id}", num_gpus=gpus,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
-        started = actor.start.remote(cmd, env, os.getcwd(), str(Path(log.name).resolve()), self.files(), gpus)
+        files = self.files(self.nodes()[1].get(node, node))  # this node's metrics server key only
+        started = actor.start.remote(cmd, env, os.getcwd(), str(Path(log.name).resolve()), files, gpus)
         return RayComponent(actor, spawn_id, node, started, self.suspect)  # never waits: a failed start is an exit (poll)

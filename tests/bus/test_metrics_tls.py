@@ -10,6 +10,7 @@ scraper refuses a server of another CA; ``prometheus.yml`` carries the ``tls_con
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import ssl
 import time
@@ -23,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from bus import auth
 from bus.metrics import METRICS_TLS_REFUSED, start_metrics_server
-from bus.metrics_tls import SERVER_NAME, MetricsTls, tls_from_config
+from bus.metrics_tls import MetricsTls, tls_from_config
 from busctl.run_status import scrape_config
 from busctl.scrape import fetch_metrics, metrics_url, scrape
 from configs.schema import load_config
@@ -107,7 +108,7 @@ def test_tls_follows_the_authenticated_bus_and_prometheus_gets_its_tls_config(ke
     assert tls_from_config(load_config(None, ["bus.transport=tcp"]).bus) is None  # unauthenticated bus
     config = scrape_config("r", [("trainer", "trainer", "10.0.0.1", 9100)], MetricsTls(keys / "tls").prometheus_tls_config())
     (job,) = yaml.safe_load(yaml.safe_dump(config))["scrape_configs"]
-    assert job["scheme"] == "https" and job["tls_config"]["server_name"] == SERVER_NAME
+    assert job["scheme"] == "https" and "server_name" not in job["tls_config"]  # per-host certificates: the target's host
     for field, name in (("ca_file", "ca.crt"), ("cert_file", "client.crt"), ("key_file", "client.key")):
         assert Path(job["tls_config"][field]) == (keys / "tls" / name).resolve()
     assert "scheme" not in scrape_config("r", [("trainer", "trainer", "127.0.0.1", 9100)])["scrape_configs"][0]
@@ -116,18 +117,17 @@ def test_tls_follows_the_authenticated_bus_and_prometheus_gets_its_tls_config(ke
 def test_a_key_directory_without_tls_fails_the_launch_check_and_busctl_keys_adds_it(tmp_path):
     old = tmp_path / "old"
     auth.create_keys(old)
-    for path in sorted((old / "tls").iterdir()):
-        path.unlink()
-    (old / "tls").rmdir()  # a key directory from before the metrics TLS
+    shutil.rmtree(old / "tls")  # a key directory from before the metrics TLS
     bus = load_config(None, ["bus.transport=tcp", f"bus.curve_keys_dir={old}"]).bus
     with pytest.raises(ValueError, match=r"bus.curve_keys_dir: metrics TLS file.*ca\.crt.*busctl keys"):
         auth.check_keys(bus)
     auth.check_keys(load_config(None, [f"bus.curve_keys_dir={old}"]).bus)  # ipc uses no TLS
     public_before = (old / "server.key").read_bytes()
     added = auth.create_keys(old)
-    assert [p.name for p in added] == ["ca.crt", "server.crt", "server.key", "client.crt", "client.key"]
+    assert [p.relative_to(old / "tls").as_posix() for p in added] == [
+        "ca.crt", f"hosts/{added[1].stem}.crt", f"hosts/{added[1].stem}.key", "client.crt", "client.key"]  # this machine's
     assert (old / "server.key").read_bytes() == public_before  # CurveZMQ keys untouched
-    assert oct((old / "tls" / "server.key").stat().st_mode & 0o777) == "0o600"
+    assert oct((old / "tls" / "hosts" / f"{added[1].stem}.key").stat().st_mode & 0o777) == "0o600"
     auth.check_keys(bus)
     with pytest.raises(ValueError, match="already holds CurveZMQ keys and metrics TLS"):
         auth.create_keys(old)
