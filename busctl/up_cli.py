@@ -111,8 +111,10 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
     the run directory (:mod:`busctl.run_dir`); ``--dry-run`` runs the same checks (an occupied run
     directory only warned about), prints the resolved config and the plan and stops."""
     from bus.auth import check_keys
+    from bus.metrics_tls import tls_from_config
     from busctl.cpu_bf16 import cpu_bf16_warning
     from busctl.launchers import make_launcher
+    from busctl.metrics_targets import supervisor_metrics_host
     from busctl.placement import apply_placement
     from busctl.preflight import check_names
     from busctl.run_dir import overwrite
@@ -131,6 +133,8 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
         cfg.supervisor.ray_address = ns.address or cfg.supervisor.ray_address
         placement = apply_placement(cfg)  # trainer.device and producers.dtype resolved in cfg
         check_keys(cfg.bus)  # the CurveZMQ key files, read here at launch (the config imports no bus)
+        if cfg.supervisor.launcher == "local" and (tls := tls_from_config(cfg.bus)) is not None:
+            tls.server_files(supervisor_metrics_host(cfg))  # metrics TLS: a server certificate naming this host
         checked = cfg.model_copy(deep=True) if ns.dry_run else cfg  # --dry-run prints the paths as given
         resolve_run_model_paths(checked)  # a hub id becomes its HF-cache snapshot: every component loads the same files
         check_names(cfg)

@@ -184,3 +184,13 @@ def test_the_ray_launcher_sends_each_node_only_its_own_server_key(keys, tmp_path
     assert {"tls/hosts/beta.key", "tls/hosts/alpha.crt", "tls/hosts/beta.crt", "tls/client.key", "tls/ca.crt"} <= sent
     assert "tls/hosts/alpha.key" not in sent
     assert "tls/hosts/alpha.key" in {Path(p).relative_to(keys).as_posix() for p in launcher.files() if Path(p).is_relative_to(keys)}
+
+
+def test_busctl_up_refuses_keys_without_a_certificate_for_its_host(keys, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    auth.create_keys(elsewhere, hosts=[HostNames("far", ("10.9.9.9",))])
+    args = [sys.executable, "-m", "busctl", "up", "--dry-run", "bus.transport=tcp", f"run_dir={tmp_path / 'run'}"]
+    out = subprocess.run([*args, f"bus.curve_keys_dir={elsewhere}"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 2 and "no server certificate" in out.stderr and "far: far, 10.9.9.9" in out.stderr, out.stderr
+    out = subprocess.run([*args, f"bus.curve_keys_dir={keys}"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr  # alpha names 127.0.0.1, where a local run serves its metrics
