@@ -28,7 +28,7 @@ crash protection; exceptions and NaN still score 0): for tests and benchmarks (`
 
 **TRL-style functions** (references ``trl:...``/``trl_conversational:...``, :mod:`tasks.trl_rewards`)
 score the whole group in one call, with arguments ``(completions, info, batch)`` (``batch``: the
-prompt, token ids and step, :func:`tasks.trl_rewards.trl_batch`). A failed call (raised, timed out,
+prompt text and chat messages, token ids and step, :func:`tasks.trl_rewards.trl_batch`). A failed call (raised, timed out,
 crashed, wrong number of rewards) fails the term for every sample of the group with its label; a
 ``None`` reward scores 0 without an error (TRL: not applicable); NaN is ``non_finite`` as above. The
 metrics such a function logs with ``log_metric`` come back in :attr:`GroupScore.metrics`.
