@@ -266,9 +266,10 @@ reports host and port in its ready handshake and `prometheus.yml` lists it there
 
 With `bus.transport: tcp` and `bus.curve_keys_dir` (the CurveZMQ-authenticated bus) both are
 HTTPS only, with client certificates required (`bus/metrics_tls.py`; `busctl keys` makes the CA,
-server and client certificates in `DIR/tls`): a client must present `DIR/tls/client.crt`
-(+ `client.key`) and can check the server against `DIR/tls/ca.crt` (server name
-`rlbus-metrics`). The supervisor's poller and `prometheus.yml` (`scheme: https`, `tls_config`) do;
+one server certificate per host and the client certificate in `DIR/tls`): a client must present
+`DIR/tls/client.crt` (+ `client.key`) and can check the server against `DIR/tls/ca.crt` and the
+host it connects to (each host's certificate names its addresses). The supervisor's poller and
+`prometheus.yml` (`scheme: https`, `tls_config`) do;
 a connection without the certificate is dropped in the handshake and counted in
 `rlbus_bus_metrics_tls_refused_total`.
 
