@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from bus.metrics_tls import MetricsTls
 from busctl.launchers import make_launcher
 from busctl.launchers.nodes import Allocation, plan_nodes
 from busctl.launchers.ray import allocation_from_ray_nodes
+from busctl.scrape import scrape
 from tests.busctl.ray_cluster import NODE_ARGS, ray_cluster  # noqa: F401
 from tests.busctl.test_supervisor import log_text, make_cfg, supervisors, table  # noqa: F401
 
@@ -69,6 +71,8 @@ def test_components_of_a_removed_node_restart_on_a_live_one(ray_cluster, supervi
     targets = yaml.safe_load((run.run_dir / "prometheus.yml").read_text())["scrape_configs"][0]["static_configs"]
     assert {t["labels"]["component"]: t["targets"] for t in targets if t["labels"]["component"] != "supervisor"} == {
         name: [f"{address}:{first[name]['metrics_port']}"] for name in ("hub", "rewards-1")}
+    client = MetricsTls.load(cfg.bus.curve_keys_dir).client_context()  # the run's per-node certificates
+    assert client.check_hostname and scrape(first["rewards-1"]["metrics_port"], address, timeout_s=10, tls=client).samples
     real_pid = int(re.findall(r" ready \(pid (\d+)", log_text(run.run_dir, "rewards-1"))[-1])
     assert real_pid != first["rewards-1"]["pid"]  # busctl knows the component by its spawn id
     ray_cluster.remove_node(cpu_node, allow_graceful=False)  # the node dies: its actor, so its component
