@@ -101,14 +101,14 @@ def _is_address(name: str) -> bool:
 
 
 def default_hosts() -> list[HostNames]:
-    """This machine alone: its host name, with ``localhost``, ``127.0.0.1``, ``::1`` and its fully
-    qualified name (what a local run's readers connect to: 127.0.0.1)."""
+    """This machine alone: its host name (``socket.gethostname``; no DNS lookup), with ``localhost``,
+    ``127.0.0.1`` and ``::1`` (what a local run's readers connect to: 127.0.0.1)."""
     here = socket.gethostname()
     try:
         here = _check_name(here, "this machine's host name")
     except ValueError:
         here = "localhost"
-    return [HostNames(here, tuple(n for n in ("localhost", "127.0.0.1", "::1", socket.getfqdn().lower()) if n != here))]
+    return [HostNames(here, tuple(n for n in ("localhost", "127.0.0.1", "::1") if n != here))]
 
 
 def parse_hosts(spec: str) -> list[HostNames]:

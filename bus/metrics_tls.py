@@ -150,7 +150,7 @@ class MetricsTls:
                        "key directory with `busctl keys NEWDIR --hosts ...`", self.tls_dir)
             return self.path("server.crt"), self.path("server.key")
         certs = self.host_certificates()
-        for wanted in (_normal(host), _normal(socket.gethostname()), _normal(socket.getfqdn())):
+        for wanted in (_normal(h()) for h in (lambda: host, socket.gethostname, socket.getfqdn)):  # lazily: DNS last
             for stem, names in certs.items():
                 if wanted in names:
                     if wanted != _normal(host):
