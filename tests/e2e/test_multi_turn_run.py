@@ -4,7 +4,8 @@
   ``max_async_level=0`` the trainer's logprobs of the model tokens of every episode equal the
   producer's sampled ones after each weight sync (``onpolicy_lp_diff_max`` < 1e-3, every loss token
   on-policy), the environment tokens are no loss tokens, episodes really have two model turns,
-  and every issued prompt is accounted for;
+  every issued prompt is accounted for, and a TRL conversational reward gets each episode's
+  initial chat messages as its prompt;
 - a custom task whose environment hangs, crashes its child or raises on some model texts
   (``tests/tasks/misbehaving_envs.py``): all three failures happen in one run, each is counted, the
   episodes end with reward 0, and no prompt or sample is lost.
@@ -29,9 +30,13 @@ REPO = Path(__file__).resolve().parents[2]
 def test_reverse_turns_is_on_policy_token_exact_and_accounted(tmp_path: Path, policy: Path) -> None:  # noqa: F811
     run_dir = tmp_path / "run"
     max_steps = 3
+    # a TRL conversational reward (weight 0) reads the prompt as TRL gives it: the episode's initial messages
+    chat = "trl_conversational:tests.rewards.trl_reward_fns:prompt_is_the_first_word"
     proc = busctl(run_dir, policy, f"trainer.max_steps={max_steps}", "max_async_level=0", "sampling.max_tokens=12",
-                  "eval.tasks=[{name: reverse_turns, num_examples: 4}]", config=REPO / "configs" / "reverse_turns.yaml")
+                  "eval.tasks=[{name: reverse_turns, num_examples: 4}]", f"task.rewards=[{{name: '{chat}', weight: 0.0}}]",
+                  config=REPO / "configs" / "reverse_turns.yaml")
     steps = run_to_completion(proc, run_dir, max_steps)
+    assert all(m["reward/prompt_is_the_first_word"] == 1.0 for m in steps)
     assert all(m["onpolicy_tokens"] == m["num_loss_tokens"] > 0 for m in steps)
     assert max(m["onpolicy_lp_diff_max"] for m in steps) < 1e-3
     assert all(0.0 <= m["reward/env"] <= 1.0 for m in steps)

@@ -77,3 +77,9 @@ def reverses_the_question(prompts, completions, **kwargs):
         float(completion[0]["content"] == prompt[-1]["content"][::-1]) + 0.5 * (prompt[0]["role"] == "system")
         for prompt, completion in zip(prompts, completions)
     ]
+
+
+def prompt_is_the_first_word(prompts, completions, words, **kwargs):
+    """Conversational format, for a reverse_turns run (dataset column ``words``): 1 where the prompt
+    is the episode's initial chat, one user message holding the first word (no environment turn)."""
+    return [float(prompt == [{"role": "user", "content": w[0]}]) for prompt, w in zip(prompts, words)]
