@@ -80,13 +80,17 @@ class ControlRecorder:
         self.stop = threading.Event()
         self.sock = BusSocket(self.ctx, "control_sub", "recv", endpoint, bind=False, stop=self.stop)
         self.messages: list = []
+        """Each message heard, once: the hub's last-value cache re-sends its messages to every new
+        subscriber and publishers re-announce theirs after a reconnection, both with the same id."""
+        self._ids: set[str] = set()
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
         while not self.stop.is_set():
             msg = self.sock.recv(timeout_s=0.2)
-            if msg is not None:
+            if msg is not None and msg.id not in self._ids:
+                self._ids.add(msg.id)
                 self.messages.append(msg)
 
     def close(self) -> None:
