@@ -32,10 +32,10 @@ import msgpack
 import zmq
 
 from bus import auth
-from bus.codec import encode
 from bus.courier import Courier
 from bus.messages import GroupsDropped, GroupsTrained, Message, MicroBatch, Prompt, RolloutGroup, ScoredGroup
 from fuzz import envelope, realistic_examples
+from wire_frames import frames_of
 
 ACCEPT: dict[str, tuple[type[Message], ...]] = {
     "prompts": (Prompt,),  # producers
@@ -57,11 +57,6 @@ _examples = functools.cache(realistic_examples)
 def data_message(topic: str, msg_id: str) -> Message:
     """A realistic valid message of ``topic``'s type (:func:`fuzz.realistic_examples`) with ``msg_id``."""
     return dataclasses.replace(_examples()[ACCEPT[topic][0].TYPE], id=msg_id)
-
-
-def frames_of(msg: Message) -> list[bytes]:
-    """``msg`` encoded as plain ``bytes`` frames (:func:`bus.codec.encode`)."""
-    return [bytes(memoryview(f)) for f in encode(msg)]
 
 
 class RawPeer:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import msgpack
 import numpy as np
 import pytest
 import zmq
@@ -14,6 +13,7 @@ import zmq
 from bus.codec import decode, encode
 from bus.messages import Message
 from bus.registry import MESSAGE_TYPES
+from wire_frames import edited_frames
 
 
 @pytest.fixture
@@ -48,10 +48,7 @@ def test_an_older_senders_group_without_prompt_messages_decodes(example, pipe, r
     for type_name in ("rollout", "scored"):
         msg = example(type_name)
         assert msg.prompt_messages  # the examples carry messages
-        frames = [bytes(memoryview(f)) for f in encode(msg)]
-        header = msgpack.unpackb(frames[0])
-        del header["prompt_messages"]
-        pipe[0].send_multipart([msgpack.packb(header, use_bin_type=True), *frames[1:]])
+        pipe[0].send_multipart(edited_frames(msg, lambda header: header.pop("prompt_messages")))
         got = decode(recv_frames(pipe[1]))
         assert got.prompt_messages == [] and got.completion_texts == msg.completion_texts
 

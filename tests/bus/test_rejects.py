@@ -21,22 +21,20 @@ from bus.codec import decode, encode
 from bus.messages import GroupsDropped, RunDone, ScoredGroup
 from bus.wire import MAX_HEADER_BYTES, SCHEMA_VERSION
 from reliable_peer import RawPeer
+from wire_frames import edited_frames, frames_of
 
 REJECTED = "rlbus_bus_rejected_total"
 
 
 def valid_frames(example) -> list[bytes]:
-    return [bytes(memoryview(f)) for f in encode(example("scored"))]
+    return frames_of(example("scored"))
 
 
 def edit_header(edit: Callable[[dict[str, Any]], None], drop_frames: int = 0, extra: list[bytes] = ()):
     """A case that decodes the valid header, applies ``edit``, and re-packs it."""
 
     def build(example) -> list[bytes]:
-        frames = valid_frames(example)
-        header = msgpack.unpackb(frames[0])
-        edit(header)
-        out = [msgpack.packb(header, use_bin_type=True), *frames[1:]]
+        out = edited_frames(example("scored"), edit)
         return out[: len(out) - drop_frames] + list(extra)
 
     return build
@@ -54,7 +52,7 @@ def edit_array(array: str, **desc: Any):
 
 def inconsistent(**changes: Any):
     """A case that encodes a well-typed message whose fields disagree (encode does not check)."""
-    return lambda example: [bytes(memoryview(f)) for f in encode(dataclasses.replace(example("scored"), **changes))]
+    return lambda example: frames_of(dataclasses.replace(example("scored"), **changes))
 
 
 def setitem(key: str, value: Any):

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import msgpack
 import numpy as np
 import pytest
 import trl_reward_fns
 import zmq
 from test_worker import errors, rollout
 
-from bus.codec import decode, encode
+from bus.codec import decode
 from bus.messages import Prompt, RolloutGroup
 from configs.schema import load_config
 from producers.rollout_sample import Sample
@@ -22,6 +21,7 @@ from tasks.registry import reward_spec
 from tasks.rewards import reward_name
 from tasks.task import render_messages
 from tasks.trl_rewards import TrainerState, checked_rewards, split_trl_ref, trl_batch, trl_kwargs
+from tests.bus.wire_frames import edited_frames, frames_of
 
 
 def trl(fn: str, fmt: str = "trl") -> str:
@@ -67,11 +67,7 @@ def test_conversational_format_gets_assistant_messages():
 def wire_round_trip(group: RolloutGroup, drop: str | None = None) -> RolloutGroup:
     """``group`` encoded, sent over a real ZeroMQ PUSH/PULL pair and decoded; ``drop``: a header field
     left out, as an older sender that does not know it sends it."""
-    frames = [bytes(memoryview(f)) for f in encode(group)]
-    if drop is not None:
-        header = msgpack.unpackb(frames[0])
-        del header[drop]
-        frames[0] = msgpack.packb(header, use_bin_type=True)
+    frames = frames_of(group) if drop is None else edited_frames(group, lambda header: header.pop(drop))
     ctx = zmq.Context()
     try:
         pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
