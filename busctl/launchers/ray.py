@@ -316,7 +316,7 @@ class RayLauncher:
         """Start ``cmd`` through an actor on the component's node (module docstring); returns at once."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        self.place(spec)  # as the supervisor placed it just before (unless that node died since)
+        address = self.place(spec)  # as the supervisor placed it just before (unless that node died since)
         node = self.homes[spec.name]
         spawn_id = secrets.randbelow(2**31 - 2) + 1
         env = {**env, ENV_SPAWN_ID: str(spawn_id)}
@@ -324,6 +324,6 @@ class RayLauncher:
         actor = self.actor_class.options(
             name=f"rlbus-{spec.name}-{spawn_id}", num_gpus=gpus,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
-        files = self.files(self.nodes()[1].get(node, node))  # this node's metrics server key only
+        files = self.files(address)  # this node's metrics server key only
         started = actor.start.remote(cmd, env, os.getcwd(), str(Path(log.name).resolve()), files, gpus)
         return RayComponent(actor, spawn_id, node, started, self.suspect)  # never waits: a failed start is an exit (poll)
