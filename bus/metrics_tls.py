@@ -117,16 +117,19 @@ class MetricsTls:
         """
         tls = cls(Path(keys_dir) / TLS_DIR)
         hint = f"add them with `busctl keys {keys_dir}` (it adds the TLS files to an existing key directory)"
+        per_host = tls.per_host
         missing = [str(tls.path(n)) for n in COMMON_FILES if not tls.path(n).is_file()]
-        if not tls.per_host:
+        if not per_host:
             missing += [str(tls.path(n)) for n in SHARED_FILES if not tls.path(n).is_file()]
         if missing:
             raise ValueError(f"metrics TLS file(s) {', '.join(missing)} missing (and no server certificate in "
                              f"{tls.path(HOSTS_DIR)}); {hint}")
-        try:  # a host holds only its own server key (the others' certificates only)
-            for crt in sorted(tls.path(HOSTS_DIR).glob("*.crt")) if tls.per_host else [tls.path("server.crt")]:
-                if crt.with_suffix(".key").exists() or not tls.per_host:
-                    ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(crt, crt.with_suffix(".key"))
+        # a host holds only its own server key (the others' certificates only): the pairs here are checked
+        servers = ([crt for crt in sorted(tls.path(HOSTS_DIR).glob("*.crt")) if crt.with_suffix(".key").exists()]
+                   if per_host else [tls.path("server.crt")])
+        try:
+            for crt in servers:
+                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(crt, crt.with_suffix(".key"))
             tls._client_context()
         except (ssl.SSLError, OSError) as err:
             raise ValueError(f"metrics TLS files in {tls.tls_dir} do not load ({err}); {hint}") from None
