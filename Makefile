@@ -15,7 +15,7 @@ PIP_VERSION := 26.3
 UV_VERSION := 0.13.9
 LOCK_FLAGS ?= $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 
-.PHONY: setup run test lint bench clean slurm gpu-install gpu-wheels lock
+.PHONY: setup run test test-quick lint format bench clean slurm gpu-install gpu-wheels lock
 
 $(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
@@ -43,9 +43,14 @@ run: setup
 test: setup slurm lint
 	$(BIN)/python -m pytest -q
 
-# ruff, configured in pyproject.toml ([tool.ruff]); part of `make test`, so of `.ci/run`
+# ruff, configured in pyproject.toml ([tool.ruff]): the formatter's check and the linter; part of
+# `make test`, so of `.ci/run`. `make format` rewrites the tree in the one house style.
 lint: setup
+	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
+
+format: setup
+	$(BIN)/ruff format .
 
 # Slurm for tests/busctl/slurm_cluster.py (the Slurm tests skip without it): installed only as
 # root, with apt-get, when slurmctld is missing; never fails the build

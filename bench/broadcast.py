@@ -75,8 +75,15 @@ def build_model(name: str) -> torch.nn.Module:
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
         torch.manual_seed(0)
-        config = Qwen2Config(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                             num_attention_heads=12, num_key_value_heads=4, tie_word_embeddings=True)
+        config = Qwen2Config(
+            vocab_size=32000,
+            hidden_size=768,
+            intermediate_size=2048,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            tie_word_embeddings=True,
+        )
         return Qwen2ForCausalLM(config).eval()
     raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
 
@@ -88,8 +95,16 @@ def lora_model(model: torch.nn.Module) -> torch.nn.Module:
     from configs.schema import LoraSection
 
     section = LoraSection()
-    peft = get_peft_model(model, LoraConfig(r=section.rank, lora_alpha=section.alpha, lora_dropout=section.dropout,
-                                            target_modules=list(section.target_modules), task_type="CAUSAL_LM"))
+    peft = get_peft_model(
+        model,
+        LoraConfig(
+            r=section.rank,
+            lora_alpha=section.alpha,
+            lora_dropout=section.dropout,
+            target_modules=list(section.target_modules),
+            task_type="CAUSAL_LM",
+        ),
+    )
     with torch.no_grad():
         for name, p in peft.named_parameters():
             if "lora_B" in name:
@@ -103,15 +118,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def receiver(raw_port: int, weights_port: int, bus_port: int, plan: list[tuple[str, list, int]], runs: int,
-             bucket_bytes: int, bus_window: int) -> None:
+def receiver(
+    raw_port: int,
+    weights_port: int,
+    bus_port: int,
+    plan: list[tuple[str, list, int]],
+    runs: int,
+    bucket_bytes: int,
+    bus_window: int,
+) -> None:
     """Rank 1: mirror every measurement of rank 0 (see the module docstring)."""
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{raw_port}", rank=1, world_size=2, timeout=TIMEOUT)
-    group = stateless_init_torch_distributed_process_group("127.0.0.1", weights_port, 1, 2, backend="gloo",
-                                                           timeout=TIMEOUT)
+    group = stateless_init_torch_distributed_process_group(
+        "127.0.0.1", weights_port, 1, 2, backend="gloo", timeout=TIMEOUT
+    )
     fetcher = BusFetcher(f"tcp://127.0.0.1:{bus_port}", producer="bench", window=bus_window)
     for _, manifest, num_bytes in plan:
         buffers = BucketReceiver(manifest, bucket_bytes)
@@ -142,15 +165,18 @@ def measure(runs: int, models: list[str], bucket_bytes: int, bus_window: int = D
         payloads.append((name, "full", lambda m=model: policy_state_dict(m), num_params))
         adapted = lora_model(copy.deepcopy(model))
         payloads.append((name, "lora", lambda m=adapted: lora_adapter_state_dict(m), None))
-    plan = [(f"{m}/{kind}", build_manifest(build()), manifest_num_bytes(build_manifest(build())))
-            for m, kind, build, _ in payloads]
+    plan = [
+        (f"{m}/{kind}", build_manifest(build()), manifest_num_bytes(build_manifest(build())))
+        for m, kind, build, _ in payloads
+    ]
     raw_port, weights_port, bus_port = free_port(), free_port(), free_port()
     ctx = mp.get_context("spawn")
     peer = ctx.Process(target=receiver, args=(raw_port, weights_port, bus_port, plan, runs, bucket_bytes, bus_window))
     peer.start()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{raw_port}", rank=0, world_size=2, timeout=TIMEOUT)
-    sender = BroadcastSender("gloo", "127.0.0.1", weights_port, 2, bucket_bytes=bucket_bytes,
-                               timeout_s=TIMEOUT.total_seconds())
+    sender = BroadcastSender(
+        "gloo", "127.0.0.1", weights_port, 2, bucket_bytes=bucket_bytes, timeout_s=TIMEOUT.total_seconds()
+    )
     sender.init_group()
     zmq_ctx = zmq.Context()
     bus = BusSender(zmq_ctx, f"tcp://127.0.0.1:{bus_port}", bucket_bytes=bucket_bytes)
@@ -184,16 +210,26 @@ def measure(runs: int, models: list[str], bucket_bytes: int, bus_window: int = D
                     send.append(info["send_time_s"])
                     blocked.append(info["blocked_s"])
                     transfer.append(info["transfer_s"])
-            rows.append({
-                "model": model, "payload": kind, "num_params": num_params, "num_bytes": num_bytes,
-                "num_tensors": len(manifest), "num_buckets": len(BucketReceiver(manifest, bucket_bytes).buckets),
-                "raw_s": statistics.median(raw), "send_s": statistics.median(send),
-                "blocked_s": statistics.median(blocked), "transfer_s": statistics.median(transfer),
-                "payload_s": statistics.median(built),
-                "ratio": statistics.median(s / r for s, r in zip(send, raw)), "runs": runs,
-                "bus_s": statistics.median(bus_total), "bus_blocked_s": statistics.median(bus_blocked),
-                "bus_ratio": statistics.median(b / r for b, r in zip(bus_total, raw)),
-            })
+            rows.append(
+                {
+                    "model": model,
+                    "payload": kind,
+                    "num_params": num_params,
+                    "num_bytes": num_bytes,
+                    "num_tensors": len(manifest),
+                    "num_buckets": len(BucketReceiver(manifest, bucket_bytes).buckets),
+                    "raw_s": statistics.median(raw),
+                    "send_s": statistics.median(send),
+                    "blocked_s": statistics.median(blocked),
+                    "transfer_s": statistics.median(transfer),
+                    "payload_s": statistics.median(built),
+                    "ratio": statistics.median(s / r for s, r in zip(send, raw)),
+                    "runs": runs,
+                    "bus_s": statistics.median(bus_total),
+                    "bus_blocked_s": statistics.median(bus_blocked),
+                    "bus_ratio": statistics.median(b / r for b, r in zip(bus_total, raw)),
+                }
+            )
         dist.barrier()
     finally:
         sender.close()
@@ -207,19 +243,23 @@ def measure(runs: int, models: list[str], bucket_bytes: int, bus_window: int = D
 def table(rows: list[dict]) -> str:
     """The rows as the markdown table of bench/README.md."""
     full_bytes = {r["model"]: r["num_bytes"] for r in rows if r["payload"] == "full"}
-    out = ["| model | payload | bytes | tensors / buckets | raw gloo broadcast | BroadcastSender.send | ratio "
-           "| trainer thread: payload + start_send | background transfer | bus (pulled over tcp) | bus ratio "
-           "| bus: trainer thread |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| model | payload | bytes | tensors / buckets | raw gloo broadcast | BroadcastSender.send | ratio "
+        "| trainer thread: payload + start_send | background transfer | bus (pulled over tcp) | bus ratio "
+        "| bus: trainer thread |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         size = f"{r['num_bytes'] / 1e6:.2f} MB"
         if r["payload"] == "lora":
             size += f" ({100 * r['num_bytes'] / full_bytes[r['model']]:.1f}% of full)"
         name = r["model"] + (f" ({r['num_params'] / 1e6:.1f}M params)" if r["num_params"] else "")
-        out.append(f"| {name} | {r['payload']} | {size} | {r['num_tensors']} / {r['num_buckets']} | "
-                   f"{1e3 * r['raw_s']:.1f} ms | {1e3 * r['send_s']:.1f} ms | {r['ratio']:.2f}x | "
-                   f"{1e3 * r['payload_s']:.2f} + {1e3 * r['blocked_s']:.1f} ms | {1e3 * r['transfer_s']:.1f} ms | "
-                   f"{1e3 * r['bus_s']:.1f} ms | {r['bus_ratio']:.2f}x | {1e3 * r['bus_blocked_s']:.1f} ms |")
+        out.append(
+            f"| {name} | {r['payload']} | {size} | {r['num_tensors']} / {r['num_buckets']} | "
+            f"{1e3 * r['raw_s']:.1f} ms | {1e3 * r['send_s']:.1f} ms | {r['ratio']:.2f}x | "
+            f"{1e3 * r['payload_s']:.2f} + {1e3 * r['blocked_s']:.1f} ms | {1e3 * r['transfer_s']:.1f} ms | "
+            f"{1e3 * r['bus_s']:.1f} ms | {r['bus_ratio']:.2f}x | {1e3 * r['bus_blocked_s']:.1f} ms |"
+        )
     return "\n".join(out)
 
 
@@ -228,7 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=7, help="timed runs per payload (medians), >= 5 recommended")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {MODELS}")
     parser.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2**20, help="bucket size, MiB")
-    parser.add_argument("--bus-window", type=int, default=DEFAULT_WINDOW, help="buckets the bus receiver asks for at once")
+    parser.add_argument(
+        "--bus-window", type=int, default=DEFAULT_WINDOW, help="buckets the bus receiver asks for at once"
+    )
     parser.add_argument("--out", help="also write the rows as JSON here")
     args = parser.parse_args(argv)
     if args.runs < 1:

@@ -28,8 +28,14 @@ def _run(tree: Path, *flags: str) -> tuple[float, str]:
     """One ``python [flags] -m busctl --help`` in ``tree``: (wall seconds, stderr)."""
     env = {**os.environ, "PYTHONPATH": str(tree), "COLUMNS": "100"}
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, *flags, "-m", "busctl", "--help"], cwd=tree, env=env, capture_output=True,
-                          text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, *flags, "-m", "busctl", "--help"],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return time.perf_counter() - start, proc.stderr
 
 
@@ -58,10 +64,14 @@ def main(argv: list[str] | None = None) -> int:
         for name, tree in trees.items():
             times[name].append(_run(tree)[0])
     for name, values in times.items():
-        print(f"busctl --help, {name}: median {statistics.median(values):.3f} s of {args.runs} "
-              f"(min {min(values):.3f}, max {max(values):.3f})")
+        print(
+            f"busctl --help, {name}: median {statistics.median(values):.3f} s of {args.runs} "
+            f"(min {min(values):.3f}, max {max(values):.3f})"
+        )
     if args.before:
-        print(f"ratio before / this tree: {statistics.median(times['before']) / statistics.median(times['this tree']):.2f}x")
+        print(
+            f"ratio before / this tree: {statistics.median(times['before']) / statistics.median(times['this tree']):.2f}x"
+        )
     print("slowest imports (cumulative, one -X importtime run of this tree):")
     for micros, name in slowest_imports(_run(REPO_ROOT, "-X", "importtime")[1], args.top):
         print(f"  {micros / 1000:7.1f} ms {name}")

@@ -73,8 +73,18 @@ def publisher(address: str, results: int, interval_s: float, flood_per_s: float,
     for rnd in range(-50, results):  # rounds < 0: probes for the slow joiner, not measured
         if rnd >= 0:
             sent[rnd] = time.time()
-        pub.send(EvalResult(id=new_id(), round=rnd, task="bench", version_min=0, version_max=0, num_samples=1,
-                            num_failed=0, metrics={"reward_mean": 0.5}))
+        pub.send(
+            EvalResult(
+                id=new_id(),
+                round=rnd,
+                task="bench",
+                version_min=0,
+                version_max=0,
+                num_samples=1,
+                num_failed=0,
+                metrics={"reward_mean": 0.5},
+            )
+        )
         until = time.perf_counter() + interval_s
         while (now := time.perf_counter()) < until:
             while now >= next_flood:
@@ -95,7 +105,9 @@ def phase(args, *, eval_log: bool, publish: bool) -> tuple[list[float], list[flo
         address = endpoints.address("control_sub")
         mp = multiprocessing.get_context("spawn")
         ready, sent = mp.Event(), mp.Manager().dict()
-        proc = mp.Process(target=publisher, args=(address, args.results, args.interval_s, args.flood_per_s, ready, sent))
+        proc = mp.Process(
+            target=publisher, args=(address, args.results, args.interval_s, args.flood_per_s, ready, sent)
+        )
         if publish:
             proc.start()
         ctx = zmq.Context()
@@ -136,14 +148,18 @@ def main(argv: list[str] | None = None) -> None:
         drained += steps
         latencies += lat
     ms = sorted(x * 1000 for x in latencies)
-    p = lambda q: ms[min(len(ms) - 1, int(q * len(ms)))]  # noqa: E731
-    print(f"eval results written: {len(ms)} of {2 * args.results}; publication -> metrics.jsonl: p50 {p(0.5):.2f} ms, "
-          f"p99 {p(0.99):.2f} ms, max {ms[-1]:.2f} ms (other control traffic {args.flood_per_s:.0f} msgs/s; "
-          f"the trainer never waits)")
-    med = lambda xs: statistics.median(xs) * 1000  # noqa: E731
-    print(f"trainer step (4 matmuls {args.size}^2, {args.threads} torch thread(s)), median: {med(alone):.2f} ms alone, "
-          f"{med(traffic):.2f} ms with the publisher process and no eval-log thread, {med(drained):.2f} ms with the "
-          f"eval-log thread draining it ({len(alone)}/{len(traffic)}/{len(drained)} steps)")
+    p = lambda q: ms[min(len(ms) - 1, int(q * len(ms)))]
+    print(
+        f"eval results written: {len(ms)} of {2 * args.results}; publication -> metrics.jsonl: p50 {p(0.5):.2f} ms, "
+        f"p99 {p(0.99):.2f} ms, max {ms[-1]:.2f} ms (other control traffic {args.flood_per_s:.0f} msgs/s; "
+        f"the trainer never waits)"
+    )
+    med = lambda xs: statistics.median(xs) * 1000
+    print(
+        f"trainer step (4 matmuls {args.size}^2, {args.threads} torch thread(s)), median: {med(alone):.2f} ms alone, "
+        f"{med(traffic):.2f} ms with the publisher process and no eval-log thread, {med(drained):.2f} ms with the "
+        f"eval-log thread draining it ({len(alone)}/{len(traffic)}/{len(drained)} steps)"
+    )
 
 
 if __name__ == "__main__":

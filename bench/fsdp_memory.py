@@ -59,11 +59,17 @@ def random_micro_batches(step: int, rank: int, num: int, tokens: int, vocab: int
             ids = rng.integers(0, vocab, per).astype(np.int32)
             mask = np.arange(per) >= per // 4
             lp = np.where(mask, -rng.random(per), 0.0).astype(np.float32)
-            samples.append(PackedSample(f"g{step}-{rank}-{m}-{k}/0", ids, mask, lp, float(rng.normal()), 0.5, step, 1.0))
+            samples.append(
+                PackedSample(f"g{step}-{rank}-{m}-{k}/0", ids, mask, lp, float(rng.normal()), 0.5, step, 1.0)
+            )
         batches.append(samples)
     loss_tokens = sum(int(s.loss_mask.sum()) for ss in batches for s in ss)
-    return [build_micro_batch(ss, step=step, micro_index=m, num_micro_batches=num, step_loss_tokens=loss_tokens,
-                              step_samples=4 * num) for m, ss in enumerate(batches)]
+    return [
+        build_micro_batch(
+            ss, step=step, micro_index=m, num_micro_batches=num, step_loss_tokens=loss_tokens, step_samples=4 * num
+        )
+        for m, ss in enumerate(batches)
+    ]
 
 
 def model_state_bytes(trainer) -> int:
@@ -97,9 +103,17 @@ def worker(args: argparse.Namespace) -> None:
     cfg = TrainerConfig(data_parallel=world, parallel=args.parallel, dtype=args.dtype, optim=OptimConfig(lr=1e-5))
     before = status_kib("VmRSS")
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
-                         num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64, num_key_value_heads=4,
-                         head_dim=64, tie_word_embeddings=False, use_sliding_window=False)
+    config = Qwen3Config(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 8 // 3,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=4,
+        head_dim=64,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+    )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     model.train()
     params = sum(p.numel() for p in model.parameters())
@@ -110,10 +124,19 @@ def worker(args: argparse.Namespace) -> None:
         metrics = trainer.step(random_micro_batches(step, dp.rank, args.micro_batches, args.tokens, args.vocab))
     peak = status_kib("VmHWM")
     state_bytes = model_state_bytes(trainer)
-    result = {"rank": dp.rank, "world": world, "parallel": args.parallel, "dtype": args.dtype, "params": params,
-              "rss_before_mib": before / 1024, "peak_after_wrap_mib": built / 1024, "peak_mib": peak / 1024,
-              "bytes_per_param": (peak - before) * 1024 / params,
-              "state_bytes_per_param": state_bytes / params, "loss": metrics["loss"]}
+    result = {
+        "rank": dp.rank,
+        "world": world,
+        "parallel": args.parallel,
+        "dtype": args.dtype,
+        "params": params,
+        "rss_before_mib": before / 1024,
+        "peak_after_wrap_mib": built / 1024,
+        "peak_mib": peak / 1024,
+        "bytes_per_param": (peak - before) * 1024 / params,
+        "state_bytes_per_param": state_bytes / params,
+        "loss": metrics["loss"],
+    }
     Path(args.out).with_suffix(f".rank{dp.rank}.json").write_text(json.dumps(result))
     trainer.disable_data_parallel()
     if not dp.is_leader:
@@ -125,10 +148,35 @@ def run_config(spec: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
     """Run one ``parallel:dtype:ranks`` configuration under torchrun; its per-rank results."""
     parallel, dtype, ranks = spec.split(":")
     out = tmp / spec.replace(":", "_")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", ranks, "-m", "bench.fsdp_memory",
-           "--worker", "--parallel", parallel, "--dtype", dtype, "--out", str(out), "--steps", str(args.steps),
-           "--micro-batches", str(args.micro_batches), "--tokens", str(args.tokens), "--vocab", str(args.vocab),
-           "--hidden", str(args.hidden), "--layers", str(args.layers)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        ranks,
+        "-m",
+        "bench.fsdp_memory",
+        "--worker",
+        "--parallel",
+        parallel,
+        "--dtype",
+        dtype,
+        "--out",
+        str(out),
+        "--steps",
+        str(args.steps),
+        "--micro-batches",
+        str(args.micro_batches),
+        "--tokens",
+        str(args.tokens),
+        "--vocab",
+        str(args.vocab),
+        "--hidden",
+        str(args.hidden),
+        "--layers",
+        str(args.layers),
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     subprocess.run(cmd, env=env, cwd=REPO_ROOT, check=True)
     return [json.loads(p.read_text()) for p in sorted(tmp.glob(out.name + ".rank*.json"))]
@@ -155,14 +203,20 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for spec in args.configs.split(","):
             rows += run_config(spec, args, Path(tmp))
-    print(f"{rows[0]['params'] / 1e6:.1f}M parameters; {args.steps} steps x {args.micro_batches} micro-batches x "
-          f"{args.tokens} tokens per rank\n")
-    print("| parallel | trainer.dtype | ranks | rank | peak after build + wrap (MiB) | peak RSS - RSS before the model (MiB) "
-          "| peak RSS bytes/param | weights + grads + AdamW held, bytes/param |")
+    print(
+        f"{rows[0]['params'] / 1e6:.1f}M parameters; {args.steps} steps x {args.micro_batches} micro-batches x "
+        f"{args.tokens} tokens per rank\n"
+    )
+    print(
+        "| parallel | trainer.dtype | ranks | rank | peak after build + wrap (MiB) | peak RSS - RSS before the model (MiB) "
+        "| peak RSS bytes/param | weights + grads + AdamW held, bytes/param |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['parallel']} | {r['dtype']} | {r['world']} | {r['rank']} | {r['peak_after_wrap_mib'] - r['rss_before_mib']:.0f} | "
-              f"{r['peak_mib'] - r['rss_before_mib']:.0f} | {r['bytes_per_param']:.1f} | {r['state_bytes_per_param']:.1f} |")
+        print(
+            f"| {r['parallel']} | {r['dtype']} | {r['world']} | {r['rank']} | {r['peak_after_wrap_mib'] - r['rss_before_mib']:.0f} | "
+            f"{r['peak_mib'] - r['rss_before_mib']:.0f} | {r['bytes_per_param']:.1f} | {r['state_bytes_per_param']:.1f} |"
+        )
 
 
 if __name__ == "__main__":

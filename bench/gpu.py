@@ -49,13 +49,31 @@ PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 989
 """bf16 dense tensor-core peak TFLOP/s by device-name fragment, first match wins (NVIDIA data
 sheets: H100 SXM 989.4, PCIe 756, NVL 835; H200 989.4; A100 312)."""
 
-QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                  intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
-                  max_position_embeddings=32768, rope_theta=1_000_000.0)
-SMOKE = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             intermediate_size=256, vocab_size=512, tie_word_embeddings=True, max_position_embeddings=1024)
-NO_CUDA = ("bench/gpu.py needs a CUDA GPU (torch.cuda.is_available() is False); "
-           "`python -m bench.gpu --cpu-smoke` runs a tiny shape on CPU to check the script")
+QWEN25_05B = dict(
+    hidden_size=896,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=32768,
+    rope_theta=1_000_000.0,
+)
+SMOKE = dict(
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=256,
+    vocab_size=512,
+    tie_word_embeddings=True,
+    max_position_embeddings=1024,
+)
+NO_CUDA = (
+    "bench/gpu.py needs a CUDA GPU (torch.cuda.is_available() is False); "
+    "`python -m bench.gpu --cpu-smoke` runs a tiny shape on CPU to check the script"
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -100,14 +118,34 @@ def random_micro_batches(vocab: int, tokens: int, count: int, sample_len: int, r
 
     per_mb = max(1, tokens // sample_len)
     half = sample_len // 2
-    mbs = [[PackedSample(f"g{m}-{k}/0", rng.integers(0, vocab, sample_len).astype(np.int32),
-                         np.arange(sample_len) >= half,
-                         np.where(np.arange(sample_len) >= half, -np.log(vocab), 0.0).astype(np.float32),
-                         float(rng.choice([-1.0, 1.0])), 1.0, 0, 1.0)
-            for k in range(per_mb)] for m in range(count)]
+    mbs = [
+        [
+            PackedSample(
+                f"g{m}-{k}/0",
+                rng.integers(0, vocab, sample_len).astype(np.int32),
+                np.arange(sample_len) >= half,
+                np.where(np.arange(sample_len) >= half, -np.log(vocab), 0.0).astype(np.float32),
+                float(rng.choice([-1.0, 1.0])),
+                1.0,
+                0,
+                1.0,
+            )
+            for k in range(per_mb)
+        ]
+        for m in range(count)
+    ]
     loss_tokens = sum(int(s.loss_mask.sum()) for mb in mbs for s in mb)
-    return [build_micro_batch(mb, step=0, micro_index=m, num_micro_batches=count,
-                              step_loss_tokens=loss_tokens, step_samples=count * per_mb) for m, mb in enumerate(mbs)]
+    return [
+        build_micro_batch(
+            mb,
+            step=0,
+            micro_index=m,
+            num_micro_batches=count,
+            step_loss_tokens=loss_tokens,
+            step_samples=count * per_mb,
+        )
+        for m, mb in enumerate(mbs)
+    ]
 
 
 def sync(device: torch.device) -> None:
@@ -135,9 +173,15 @@ def bench_trainer(model: torch.nn.Module, args, device: torch.device, peak: floa
     seconds = time.perf_counter() - start
     tps = tokens * args.steps / seconds
     params = sum(p.numel() for p in model.parameters())
-    return {"params": params, "tokens_per_step": tokens, "step_s": seconds / args.steps, "tokens_per_s": tps,
-            "mfu": 6 * params * tps / (peak * 1e12) if peak else None, "last_loss": stats["loss"],
-            "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
+    return {
+        "params": params,
+        "tokens_per_step": tokens,
+        "step_s": seconds / args.steps,
+        "tokens_per_s": tps,
+        "mfu": 6 * params * tps / (peak * 1e12) if peak else None,
+        "last_loss": stats["loss"],
+        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+    }
 
 
 def start_engine(model_dir: Path, cpu: bool):
@@ -148,8 +192,16 @@ def start_engine(model_dir: Path, cpu: bool):
 
     _ensure_repo_on_pythonpath()
     memory = {"kv_cache_memory_bytes": 64 * 2**20} if cpu else {"gpu_memory_utilization": 0.35}
-    return LLM(model=str(model_dir), dtype="float32" if cpu else "bfloat16", skip_tokenizer_init=True,
-               worker_extension_cls=WORKER_EXTENSION_CLS, max_model_len=1024, enforce_eager=cpu, seed=0, **memory)
+    return LLM(
+        model=str(model_dir),
+        dtype="float32" if cpu else "bfloat16",
+        skip_tokenizer_init=True,
+        worker_extension_cls=WORKER_EXTENSION_CLS,
+        max_model_len=1024,
+        enforce_eager=cpu,
+        seed=0,
+        **memory,
+    )
 
 
 def bench_producer(llm, vocab: int, args) -> dict:
@@ -166,7 +218,12 @@ def bench_producer(llm, vocab: int, args) -> dict:
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"prompts": len(prompts), "generated_tokens": generated, "seconds": seconds, "tokens_per_s": generated / seconds}
+    return {
+        "prompts": len(prompts),
+        "generated_tokens": generated,
+        "seconds": seconds,
+        "tokens_per_s": generated / seconds,
+    }
 
 
 def bench_weight_sync(llm, model: torch.nn.Module, backend: str, dtype: torch.dtype, runs: int) -> dict:

@@ -77,12 +77,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=4, help="timed steps per variant (after one warm-up)")
     p.add_argument("--micro-batch-tokens", type=int, default=16384)
     p.add_argument("--peak-tflops", type=float, default=None)
-    p.add_argument("--variants", default="default,no_share,head_fp32,head_bf16", help=f"comma list of {sorted(VARIANTS)}")
+    p.add_argument(
+        "--variants", default="default,no_share,head_fp32,head_bf16", help=f"comma list of {sorted(VARIANTS)}"
+    )
     p.add_argument("--batches", default="uniform,grpo")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU")
     p.add_argument("--out", default=None, help="write the results as JSON here")
-    p.add_argument("--profile", action="store_true",
-                   help="after each rlbus variant's timed steps, one profiled step: the top kernels by device time")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="after each rlbus variant's timed steps, one profiled step: the top kernels by device time",
+    )
     return p.parse_args(argv)
 
 
@@ -93,7 +98,7 @@ def make_groups(kind: str, vocab: int, smoke: bool, rng: np.random.Generator) ->
     if kind == "uniform":
         prompt, lengths = (16, [16] * 16) if smoke else (256, [256] * 64)
         prompts = len(lengths) // GROUP
-        comps = [lengths[g * GROUP:(g + 1) * GROUP] for g in range(prompts)]
+        comps = [lengths[g * GROUP : (g + 1) * GROUP] for g in range(prompts)]
         shared = False
     elif kind == "grpo":
         prompt, prompts, lo, hi = (32, 2, 8, 64) if smoke else (256, 8, 32, 1024)
@@ -109,8 +114,9 @@ def make_groups(kind: str, vocab: int, smoke: bool, rng: np.random.Generator) ->
             ids = np.concatenate([head if shared else rng.integers(0, vocab, prompt), rng.integers(0, vocab, n)])
             mask = np.arange(len(ids)) >= prompt
             lps = np.where(mask, -np.log(vocab), 0.0).astype(np.float32)
-            group.append(PackedSample(f"g{g}/{j}", ids.astype(np.int32), mask, lps, float(rng.choice([-1.0, 1.0])),
-                                      1.0, 0, 1.0))
+            group.append(
+                PackedSample(f"g{g}/{j}", ids.astype(np.int32), mask, lps, float(rng.choice([-1.0, 1.0])), 1.0, 0, 1.0)
+            )
         groups.append(group)
     return groups
 
@@ -128,7 +134,11 @@ def hf_step(model, optimizer, groups, device, precision) -> float:
         adv = torch.tensor([s.advantage for s in group])
         for i, s in enumerate(group):
             n = len(s.input_ids)
-            ids[i, :n], attn[i, :n], mask[i, :n] = torch.from_numpy(s.input_ids.astype(np.int64)), 1, torch.from_numpy(s.loss_mask)
+            ids[i, :n], attn[i, :n], mask[i, :n] = (
+                torch.from_numpy(s.input_ids.astype(np.int64)),
+                1,
+                torch.from_numpy(s.loss_mask),
+            )
         ids, attn, mask, adv = ids.to(device), attn.to(device), mask.to(device), adv.to(device)
         with precision.autocast(device):
             logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
@@ -162,13 +172,15 @@ def run_variant(name: str, groups, args, device, base_state) -> dict:
         def step() -> float:
             return hf_step(model, optimizer, groups, device, precision)
     else:
-        cfg = TrainerConfig(device=device.type, dtype="bfloat16", optim=OptimConfig(lr=1e-6, max_grad_norm=1.0),
-                            **VARIANTS[name])
+        cfg = TrainerConfig(
+            device=device.type, dtype="bfloat16", optim=OptimConfig(lr=1e-6, max_grad_norm=1.0), **VARIANTS[name]
+        )
         trainer = Trainer(model, cfg)
         mbs = pack_step(groups, 0, args.micro_batch_tokens)
 
         def step() -> float:
             return trainer.step(mbs)["loss"]
+
     step()  # warm-up: allocator, Triton autotuning, cuDNN/flash plans
     times = []
     for _ in range(args.steps):
@@ -181,8 +193,14 @@ def run_variant(name: str, groups, args, device, base_state) -> dict:
         print_profile(f"{name}", step, device)
     tokens = sum(len(s.input_ids) for g in groups for s in g)
     step_s = statistics.median(times)
-    out = {"variant": name, "tokens": tokens, "step_s": step_s, "tokens_per_s": tokens / step_s, "loss": float(loss),
-           "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
+    out = {
+        "variant": name,
+        "tokens": tokens,
+        "step_s": step_s,
+        "tokens_per_s": tokens / step_s,
+        "loss": float(loss),
+        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+    }
     return out
 
 
@@ -233,8 +251,14 @@ def head_precision(base_state: dict, groups, device, smoke: bool) -> list[dict]:
             lp, _ = linear_logprobs_and_entropy(hidden, weight, None, targets, head_dtype=head_dtype)
             diff = lp.double() - ref
             k3 = (torch.exp(-diff) - 1 + diff).mean().item()  # k3 of pi_ref / pi (Schulman 2020)
-            rows.append({"head_dtype": head_dtype, "mean_abs_nats": diff.abs().mean().item(),
-                         "max_abs_nats": diff.abs().max().item(), "k3": k3})
+            rows.append(
+                {
+                    "head_dtype": head_dtype,
+                    "mean_abs_nats": diff.abs().mean().item(),
+                    "max_abs_nats": diff.abs().max().item(),
+                    "k3": k3,
+                }
+            )
     return rows
 
 
@@ -262,8 +286,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         groups = make_groups(batch, shape["vocab_size"], args.cpu_smoke, np.random.default_rng(0))
         results = {v: run_variant(v, groups, args, device, base_state) for v in ["hf", *names]}
         for v, r in results.items():
-            r.update(batch=batch, params=params, vs_hf=r["tokens_per_s"] / results["hf"]["tokens_per_s"],
-                     mfu=6 * params * r["tokens_per_s"] / (peak * 1e12) if peak else None)
+            r.update(
+                batch=batch,
+                params=params,
+                vs_hf=r["tokens_per_s"] / results["hf"]["tokens_per_s"],
+                mfu=6 * params * r["tokens_per_s"] / (peak * 1e12) if peak else None,
+            )
             rows.append(r)
     device_name = "cpu" if args.cpu_smoke else torch.cuda.get_device_name(device)
     print(f"device: {device_name}, torch {torch.__version__}, {params / 1e6:.1f}M parameters, peak {peak} TFLOP/s")
@@ -272,18 +300,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         mem = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
-        print(f"| {r['batch']} | {r['variant']} | {r['tokens']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
-              f"{r['vs_hf']:.2f}x | {mfu} | {mem} |")
-    head = head_precision(base_state, make_groups("grpo", shape["vocab_size"], args.cpu_smoke,
-                                                  np.random.default_rng(0)), device, args.cpu_smoke)
+        print(
+            f"| {r['batch']} | {r['variant']} | {r['tokens']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
+            f"{r['vs_hf']:.2f}x | {mfu} | {mem} |"
+        )
+    head = head_precision(
+        base_state,
+        make_groups("grpo", shape["vocab_size"], args.cpu_smoke, np.random.default_rng(0)),
+        device,
+        args.cpu_smoke,
+    )
     print("| lm_head_dtype | mean abs logprob error vs float64 (nats) | max | k3 KL |")
     print("|---|---|---|---|")
     for r in head:
         print(f"| {r['head_dtype']} | {r['mean_abs_nats']:.2e} | {r['max_abs_nats']:.2e} | {r['k3']:.2e} |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": device_name, "torch": torch.__version__, "rows": rows, "head_precision": head}, f,
-                      indent=1)
+            json.dump(
+                {"device": device_name, "torch": torch.__version__, "rows": rows, "head_precision": head}, f, indent=1
+            )
     return rows
 
 

@@ -103,7 +103,9 @@ def summarize(steps: list[dict[str, Any]]) -> dict[str, float]:
     kl_median = statistics.median(kl)
     return {
         "steps": float(len(steps)),
-        "onpolicy_share": sum(float(s.get("onpolicy_tokens", 0.0)) for s in steps) / loss_tokens if loss_tokens else math.nan,
+        "onpolicy_share": sum(float(s.get("onpolicy_tokens", 0.0)) for s in steps) / loss_tokens
+        if loss_tokens
+        else math.nan,
         "kl_median": kl_median,
         "kl_max": max(kl),
         "rms_lp_diff": math.sqrt(2.0 * max(kl_median, 0.0)),
@@ -135,8 +137,19 @@ def markdown_table(rows: list[tuple[str, str, dict[str, float]]]) -> str:
 def busctl_command(config: str, run_dir: Path, steps: int, dtype: str, head: str, overrides: list[str]) -> list[str]:
     """The `busctl up` command line of one setting (see the module docstring)."""
     return [
-        sys.executable, "-m", "busctl", "up", "--overwrite", config, f"run_dir={run_dir}", f"trainer.max_steps={steps}",
-        "max_async_level=0", "eval.enabled=false", f"trainer.dtype={dtype}", f"trainer.lm_head_dtype={head}", *overrides,
+        sys.executable,
+        "-m",
+        "busctl",
+        "up",
+        "--overwrite",
+        config,
+        f"run_dir={run_dir}",
+        f"trainer.max_steps={steps}",
+        "max_async_level=0",
+        "eval.enabled=false",
+        f"trainer.dtype={dtype}",
+        f"trainer.lm_head_dtype={head}",
+        *overrides,
     ]
 
 
@@ -173,7 +186,9 @@ def run_setting(cmd: list[str], log: Path, timeout_s: float) -> tuple[float, flo
     host0, own0 = host_busy_cpu_s(), children_cpu_s()
     started = time.monotonic()
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -192,9 +207,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default=str(REPO_ROOT / "configs" / "reverse_text.yaml"), help="the job's config")
     ap.add_argument("--steps", type=int, default=8, help="optimizer steps per run (trainer.max_steps)")
     ap.add_argument("--rounds", type=int, default=1, help="runs per setting, the settings interleaved")
-    ap.add_argument("--setting", action="append", default=None, metavar="DTYPE/HEAD",
-                    help=f"trainer.dtype/trainer.lm_head_dtype to run (repeatable; default: {' '.join(DEFAULT_SETTINGS)})")
-    ap.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="extra busctl override for every run")
+    ap.add_argument(
+        "--setting",
+        action="append",
+        default=None,
+        metavar="DTYPE/HEAD",
+        help=f"trainer.dtype/trainer.lm_head_dtype to run (repeatable; default: {' '.join(DEFAULT_SETTINGS)})",
+    )
+    ap.add_argument(
+        "--override", action="append", default=[], metavar="KEY=VALUE", help="extra busctl override for every run"
+    )
     ap.add_argument("--out-dir", default=None, help="run directories, logs and results.json (default: a new temp dir)")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="seconds before a run is killed")
     ns = ap.parse_args(argv)
@@ -219,20 +241,43 @@ def main(argv: list[str] | None = None) -> int:
             records = step_records(run_dir / "metrics.jsonl")
             steps[(dtype, head)].extend(records)
             summary = summarize(records)
-            print(f"[head_precision] round {r} {name}: {wall_s:.0f} s, other processes {other_cores:.2f} cores, "
-                  f"kl median {summary['kl_median']:.2e}, compute median {summary['compute_s_median']:.3f} s", flush=True)
-            runs.append({"round": r, "trainer_dtype": dtype, "lm_head_dtype": head, "wall_s": wall_s,
-                         "other_cpu_cores": other_cores, "command": cmd[1:], **summary})
+            print(
+                f"[head_precision] round {r} {name}: {wall_s:.0f} s, other processes {other_cores:.2f} cores, "
+                f"kl median {summary['kl_median']:.2e}, compute median {summary['compute_s_median']:.3f} s",
+                flush=True,
+            )
+            runs.append(
+                {
+                    "round": r,
+                    "trainer_dtype": dtype,
+                    "lm_head_dtype": head,
+                    "wall_s": wall_s,
+                    "other_cpu_cores": other_cores,
+                    "command": cmd[1:],
+                    **summary,
+                }
+            )
     rows = []
     for (dtype, head), records in steps.items():
-        other = [run["other_cpu_cores"] for run in runs if (run["trainer_dtype"], run["lm_head_dtype"]) == (dtype, head)]
+        other = [
+            run["other_cpu_cores"] for run in runs if (run["trainer_dtype"], run["lm_head_dtype"]) == (dtype, head)
+        ]
         rows.append((dtype, head, {**summarize(records), "other_cpu_cores_max": max(other)}))
 
-    (out_dir / "results.json").write_text(json.dumps(
-        {"host": platform.node(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"), "steps": ns.steps,
-         "rounds": ns.rounds, "settings": [{"trainer_dtype": d, "lm_head_dtype": h, **x} for d, h, x in rows], "runs": runs},
-        indent=2,
-    ))
+    (out_dir / "results.json").write_text(
+        json.dumps(
+            {
+                "host": platform.node(),
+                "cpus": os.cpu_count(),
+                "date": time.strftime("%Y-%m-%d"),
+                "steps": ns.steps,
+                "rounds": ns.rounds,
+                "settings": [{"trainer_dtype": d, "lm_head_dtype": h, **x} for d, h, x in rows],
+                "runs": runs,
+            },
+            indent=2,
+        )
+    )
     print(markdown_table(rows))
     print(f"\n[head_precision] runs, logs and results.json in {out_dir}")
     return 0

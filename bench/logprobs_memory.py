@@ -121,9 +121,23 @@ def cpu_bench(args, configs) -> list[dict]:
                 row[path] = None
                 continue
             cmd = [
-                sys.executable, "-m", "bench.logprobs_memory", "--worker", path, "--vocab", str(vocab),
-                "--tokens", str(tokens), "--hidden", str(args.hidden), "--chunk-size", str(args.chunk_size),
-                "--threads", str(args.threads), "--dtype", args.dtype,
+                sys.executable,
+                "-m",
+                "bench.logprobs_memory",
+                "--worker",
+                path,
+                "--vocab",
+                str(vocab),
+                "--tokens",
+                str(tokens),
+                "--hidden",
+                str(args.hidden),
+                "--chunk-size",
+                str(args.chunk_size),
+                "--threads",
+                str(args.threads),
+                "--dtype",
+                args.dtype,
             ]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True)
             row[path] = json.loads(out.stdout.strip().splitlines()[-1])

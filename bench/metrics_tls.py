@@ -45,9 +45,14 @@ def main() -> None:
         client = tls.client_context()
         time_scrapes(plain.server_address[1], None, 5)  # warm-up
         time_scrapes(secure.server_address[1], client, 5)
-        for name, port, ctx in (("http", plain.server_address[1], None), ("https+client cert", secure.server_address[1], client)):
+        for name, port, ctx in (
+            ("http", plain.server_address[1], None),
+            ("https+client cert", secure.server_address[1], client),
+        ):
             ms = sorted(time_scrapes(port, ctx, args.scrapes))
-            print(f"{name:18s} median {statistics.median(ms):6.2f} ms  p90 {ms[int(0.9 * len(ms))]:6.2f} ms  ({args.scrapes} scrapes)")
+            print(
+                f"{name:18s} median {statistics.median(ms):6.2f} ms  p90 {ms[int(0.9 * len(ms))]:6.2f} ms  ({args.scrapes} scrapes)"
+            )
         for server in (plain, secure):
             server.shutdown()
             server.server_close()

@@ -38,6 +38,7 @@ from packer.packing import plan_step_micro_batches
 from trainer.forward.logprobs import linear_logprobs_and_entropy
 from trainer.forward.packed import packed_token_logprobs
 
+
 def mixed_lengths(num_samples: int, rng: np.random.Generator, low: int = 16, high: int = 1024) -> list[int]:
     """`[num_samples]` long-tailed sample lengths: exp(N(log 128, 1)) rounded, clipped to [low, high]."""
     x = np.exp(rng.normal(np.log(128), 1.0, num_samples))
@@ -119,8 +120,9 @@ def timed(fn, *args) -> tuple[float, float]:
     return time.perf_counter() - started, value
 
 
-def attention_share(lengths: list[int], packed_rows: list[list[int]], padded_rows: list[list[int]], hidden: int,
-                    layers: int, vocab: int) -> tuple[float, float]:
+def attention_share(
+    lengths: list[int], packed_rows: list[list[int]], padded_rows: list[list[int]], hidden: int, layers: int, vocab: int
+) -> tuple[float, float]:
     """Estimated share of forward FLOPs spent in attention scores (QK^T and AV: 4 * T_q * T_k * hidden per layer),
     against the dense matmuls (per token: 2 * (4 hidden^2 + 3 hidden * 4 hidden) per layer + 2 * hidden * vocab),
     for the packed rows (varlen attention: T_q = T_k = each sample's length) and the padded rows (rows * longest^2)."""

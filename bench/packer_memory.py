@@ -31,11 +31,25 @@ def make_group(index: int, group_size: int, tokens: int, prompt_tokens: int) -> 
     n = int(lens.sum())
     versions = np.zeros(group_size, np.int64)
     return ScoredGroup(
-        id=f"g{index}", prompt_index=index, step=0, task="sim", info={}, producer="p", completion_texts=[""] * group_size,
-        finish_reasons=["stop"] * group_size, gen_time_s=0.0, prompt_ids=np.arange(prompt_tokens, dtype=np.int32),
-        completion_ids=np.zeros(n, np.int32), completion_lens=lens, sampler_logprobs=np.zeros(n, np.float32),
-        version_start=versions, version_end=versions, temperature=1.0, reward_worker="r",
-        rewards=np.zeros(group_size, np.float32), advantages=np.linspace(-1, 1, group_size).astype(np.float32),
+        id=f"g{index}",
+        prompt_index=index,
+        step=0,
+        task="sim",
+        info={},
+        producer="p",
+        completion_texts=[""] * group_size,
+        finish_reasons=["stop"] * group_size,
+        gen_time_s=0.0,
+        prompt_ids=np.arange(prompt_tokens, dtype=np.int32),
+        completion_ids=np.zeros(n, np.int32),
+        completion_lens=lens,
+        sampler_logprobs=np.zeros(n, np.float32),
+        version_start=versions,
+        version_end=versions,
+        temperature=1.0,
+        reward_worker="r",
+        rewards=np.zeros(group_size, np.float32),
+        advantages=np.linspace(-1, 1, group_size).astype(np.float32),
     )
 
 
@@ -45,7 +59,9 @@ def measure(group_bytes: int, groups_per_step: int) -> dict[str, float]:
     spec = size_spec(group_bytes)
     tracemalloc.start()
     try:
-        groups = [make_group(i, spec.group_size, spec.median_tokens, spec.prompt_tokens) for i in range(groups_per_step)]
+        groups = [
+            make_group(i, spec.group_size, spec.median_tokens, spec.prompt_tokens) for i in range(groups_per_step)
+        ]
         held = tracemalloc.get_traced_memory()[0]
         packer = Packer(groups_per_step, 1, max(spec.median_tokens + spec.prompt_tokens, 4096))
         for group in groups:
@@ -63,9 +79,15 @@ def measure(group_bytes: int, groups_per_step: int) -> dict[str, float]:
         packer.pack(groups, 0)
         seconds.append(time.perf_counter() - start)
     mib = 1 << 20
-    return {"group_size": spec.group_size, "tokens_per_sample": spec.median_tokens, "micro_batches": count,
-            "groups_mib": held / mib, "packing_peak_above_groups_mib": (peak - held) / mib, "micro_batches_kept_mib": (kept - held) / mib,
-            "pack_ms": min(seconds) * 1e3}
+    return {
+        "group_size": spec.group_size,
+        "tokens_per_sample": spec.median_tokens,
+        "micro_batches": count,
+        "groups_mib": held / mib,
+        "packing_peak_above_groups_mib": (peak - held) / mib,
+        "micro_batches_kept_mib": (kept - held) / mib,
+        "pack_ms": min(seconds) * 1e3,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,9 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups", type=int, default=8, help="groups per step (the 4x4 size point: 8)")
     args = parser.parse_args(argv)
     r = measure(parse_size(args.group_bytes), args.groups)
-    print(f"{args.groups} groups of {args.group_bytes} (G={r['group_size']}, {r['tokens_per_sample']} tokens per sample): "
-          f"groups {r['groups_mib']:.0f} MiB; packing peak {r['packing_peak_above_groups_mib']:.0f} MiB above them; "
-          f"{r['micro_batches']} micro-batches kept: {r['micro_batches_kept_mib']:.0f} MiB; packing took {r['pack_ms']:.0f} ms")
+    print(
+        f"{args.groups} groups of {args.group_bytes} (G={r['group_size']}, {r['tokens_per_sample']} tokens per sample): "
+        f"groups {r['groups_mib']:.0f} MiB; packing peak {r['packing_peak_above_groups_mib']:.0f} MiB above them; "
+        f"{r['micro_batches']} micro-batches kept: {r['micro_batches_kept_mib']:.0f} MiB; packing took {r['pack_ms']:.0f} ms"
+    )
     return 0
 
 

@@ -49,7 +49,9 @@ def length_mix(kind: str, num_samples: int, budget: int, rng: np.random.Generato
     elif kind == "lognormal":
         x = np.exp(rng.normal(np.log(budget / 16), 1.0, n))
     elif kind == "bimodal":
-        x = np.where(rng.random(n) < 0.5, rng.normal(budget / 5, budget / 40, n), rng.normal(budget / 40, budget / 80, n))
+        x = np.where(
+            rng.random(n) < 0.5, rng.normal(budget / 5, budget / 40, n), rng.normal(budget / 40, budget / 80, n)
+        )
     elif kind == "tiny":
         x = rng.integers(1, 33, n)
     elif kind == "capped":

@@ -44,7 +44,7 @@ def report(run_dir: Path) -> str:
     eval_keys = sorted({k for r in records for k in r if k.startswith("eval/") and k.endswith("/reward_mean")})
     steady = steps[1:] if len(steps) > 2 else steps
     wall_s = sum(r["step_time_s"] for r in steps)
-    med = lambda key: statistics.median(r[key] for r in steady)  # noqa: E731
+    med = lambda key: statistics.median(r[key] for r in steady)
     prod = stage_totals(run_dir, "producer")
     rew = stage_totals(run_dir, "rewards")
     gen_tokens = prod.get("rlbus_producer_completion_tokens_total", 0.0)
@@ -53,18 +53,35 @@ def report(run_dir: Path) -> str:
         ("wall time of the training steps", f"{wall_s:.1f} s"),
         ("step time (median)", f"{med('step_time_s'):.2f} s"),
         ("trainer: tokens/s over wall time (median)", f"{med('tokens_per_s'):,.0f}"),
-        ("trainer: tokens/s while computing (median)", f"{statistics.median(r['num_tokens'] / r['train_time_s'] for r in steady):,.0f}"),
+        (
+            "trainer: tokens/s while computing (median)",
+            f"{statistics.median(r['num_tokens'] / r['train_time_s'] for r in steady):,.0f}",
+        ),
         ("trainer: weight send per step (median)", f"{med('weight_sync_s') * 1000:.0f} ms"),
         ("producers: completion tokens/s (total / wall)", f"{gen_tokens / wall_s:,.0f}"),
-        ("producers: time per group (mean)", f"{prod.get('rlbus_producer_group_seconds_sum', 0) / max(prod.get('rlbus_producer_group_seconds_count', 0), 1):.2f} s"),
-        ("producers: weight update pause (mean)", f"{prod.get('rlbus_producer_weight_update_seconds_sum', 0) / max(prod.get('rlbus_producer_weight_update_seconds_count', 0), 1) * 1000:.0f} ms"),
+        (
+            "producers: time per group (mean)",
+            f"{prod.get('rlbus_producer_group_seconds_sum', 0) / max(prod.get('rlbus_producer_group_seconds_count', 0), 1):.2f} s",
+        ),
+        (
+            "producers: weight update pause (mean)",
+            f"{prod.get('rlbus_producer_weight_update_seconds_sum', 0) / max(prod.get('rlbus_producer_weight_update_seconds_count', 0), 1) * 1000:.0f} ms",
+        ),
         ("reward workers: groups/s (total / wall)", f"{rew.get('rlbus_rewards_groups_total', 0) / wall_s:.1f}"),
-        ("reward workers: time per group (mean)", f"{rew.get('rlbus_rewards_score_seconds_sum', 0) / max(rew.get('rlbus_rewards_score_seconds_count', 0), 1) * 1000:.1f} ms"),
-        ("policy lag mean / max", f"{statistics.mean(r['policy_lag_mean'] for r in steps):.2f} / {max(r['policy_lag_max'] for r in steps):.0f}"),
+        (
+            "reward workers: time per group (mean)",
+            f"{rew.get('rlbus_rewards_score_seconds_sum', 0) / max(rew.get('rlbus_rewards_score_seconds_count', 0), 1) * 1000:.1f} ms",
+        ),
+        (
+            "policy lag mean / max",
+            f"{statistics.mean(r['policy_lag_mean'] for r in steps):.2f} / {max(r['policy_lag_max'] for r in steps):.0f}",
+        ),
     ]
     for key in eval_keys:  # eval/<task>/reward_mean at each eval round (step = policy version)
         evals = [r for r in records if key in r]
-        rows.append((f"{key} step {evals[0]['step']} -> {evals[-1]['step']}", f"{evals[0][key]:.3f} -> {evals[-1][key]:.3f}"))
+        rows.append(
+            (f"{key} step {evals[0]['step']} -> {evals[-1]['step']}", f"{evals[0][key]:.3f} -> {evals[-1][key]:.3f}")
+        )
     return "| measure | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
 
 

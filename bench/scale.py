@@ -30,8 +30,16 @@ from bench.scale_point import run_point
 from bench.scale_sim import SimSpec
 from bench.scale_stats import markdown_table, summarize
 
-GRID_SPEC = SimSpec(group_size=8, median_tokens=512, sigma=0.5, max_tokens=2048, prompt_tokens=128,
-                    tokens_per_s=20_000.0, score_s=0.01, step_s=0.05)
+GRID_SPEC = SimSpec(
+    group_size=8,
+    median_tokens=512,
+    sigma=0.5,
+    max_tokens=2048,
+    prompt_tokens=128,
+    tokens_per_s=20_000.0,
+    score_s=0.01,
+    step_s=0.05,
+)
 """Load of a grid point: G=8, lognormal completions around 512 tokens (a group ~37 KiB on the wire),
 20k tokens/s per producer (~4 groups/s), 10 ms scoring, 50 ms trainer steps."""
 
@@ -51,7 +59,7 @@ def parse_size(text: str) -> int:
     units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "": 1}
     t = text.strip().lower()
     digits = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = t[len(digits):]
+    unit = t[len(digits) :]
     if unit not in units or not digits:
         raise ValueError(f"size {text!r}: give bytes with an optional KiB/MiB/GiB suffix, e.g. 16KiB")
     return int(float(digits) * units[unit])
@@ -84,8 +92,16 @@ def size_spec(message_bytes: int, group_size: int = 8) -> SimSpec:
     while message_bytes // (BYTES_PER_TOKEN * group_size) > MAX_SAMPLE_TOKENS:
         group_size *= 2
     tokens = max(1, message_bytes // (BYTES_PER_TOKEN * group_size))
-    return SimSpec(group_size=group_size, median_tokens=tokens, sigma=0.0, max_tokens=tokens, prompt_tokens=16,
-                   tokens_per_s=SIZE_GROUPS_PER_S * tokens * group_size, score_s=0.005, step_s=0.05)
+    return SimSpec(
+        group_size=group_size,
+        median_tokens=tokens,
+        sigma=0.0,
+        max_tokens=tokens,
+        prompt_tokens=16,
+        tokens_per_s=SIZE_GROUPS_PER_S * tokens * group_size,
+        score_s=0.005,
+        step_s=0.05,
+    )
 
 
 def sweep(points: list[dict], work_dir: Path, keep: bool, timeout_s: float, per_process: int = 16) -> list[dict]:
@@ -105,15 +121,18 @@ def sweep(points: list[dict], work_dir: Path, keep: bool, timeout_s: float, per_
         s["sweep"], s["spec"] = p["sweep"], dataclasses.asdict(p["spec"])
         out.append(s)
         r, lat = s["rate_groups_s"], s["latency"]
-        print(f"{p['producers']:>3}x{p['rewards']:<3} {p['message_bytes']:>9} B  done={s['finished']} "
-              f"trained {r['trained']:.1f} g/s (ideal {s['ideal_groups_s']:.1f}), rollouts p50/p99 "
-              f"{lat['rollouts']['p50_ms']:.1f}/{lat['rollouts']['p99_ms']:.1f} ms, fan-out p99 {s['fanout']['p99_ms']:.1f} ms, "
-              f"packer peak RSS {s['rss_max_mib'].get('packer', 0):.0f} MiB (queues: scored inbox "
-              f"{s['queue_mib_max'].get('packer:scored/inbox', 0):.0f} MiB, batches not taken / unfinished "
-              f"{s['queue_mib_max'].get('packer:batches/outbox_not_taken', 0):.0f} / "
-              f"{s['queue_mib_max'].get('packer:batches/outbox_unfinished', 0):.0f} MiB), "
-              f"accounting {'complete' if s['accounting']['complete'] else 'INCOMPLETE'}, {s['bottleneck']}, "
-              f"{time.monotonic() - started:.0f} s", flush=True)
+        print(
+            f"{p['producers']:>3}x{p['rewards']:<3} {p['message_bytes']:>9} B  done={s['finished']} "
+            f"trained {r['trained']:.1f} g/s (ideal {s['ideal_groups_s']:.1f}), rollouts p50/p99 "
+            f"{lat['rollouts']['p50_ms']:.1f}/{lat['rollouts']['p99_ms']:.1f} ms, fan-out p99 {s['fanout']['p99_ms']:.1f} ms, "
+            f"packer peak RSS {s['rss_max_mib'].get('packer', 0):.0f} MiB (queues: scored inbox "
+            f"{s['queue_mib_max'].get('packer:scored/inbox', 0):.0f} MiB, batches not taken / unfinished "
+            f"{s['queue_mib_max'].get('packer:batches/outbox_not_taken', 0):.0f} / "
+            f"{s['queue_mib_max'].get('packer:batches/outbox_unfinished', 0):.0f} MiB), "
+            f"accounting {'complete' if s['accounting']['complete'] else 'INCOMPLETE'}, {s['bottleneck']}, "
+            f"{time.monotonic() - started:.0f} s",
+            flush=True,
+        )
         if not keep:
             shutil.rmtree(run_dir, ignore_errors=True)
     return out
@@ -124,12 +143,30 @@ def plan(grid: list[tuple[int, int]], sizes: list[int], size_grid: tuple[int, in
     points = []
     group_bytes = int(GRID_SPEC.median_tokens * GRID_SPEC.group_size * BYTES_PER_TOKEN)
     for p, r in grid:
-        points.append(dict(sweep="grid", producers=p, rewards=r, spec=GRID_SPEC, prompts_per_step=max(8, 2 * p), max_steps=steps,
-                           message_bytes=group_bytes))
+        points.append(
+            dict(
+                sweep="grid",
+                producers=p,
+                rewards=r,
+                spec=GRID_SPEC,
+                prompts_per_step=max(8, 2 * p),
+                max_steps=steps,
+                message_bytes=group_bytes,
+            )
+        )
     for b in sizes:
         p, r = size_grid
-        points.append(dict(sweep="sizes", producers=p, rewards=r, spec=size_spec(b), prompts_per_step=max(4, 2 * p),
-                           max_steps=max(2, steps // 2) if b >= 4 << 20 else steps, message_bytes=b))
+        points.append(
+            dict(
+                sweep="sizes",
+                producers=p,
+                rewards=r,
+                spec=size_spec(b),
+                prompts_per_step=max(4, 2 * p),
+                max_steps=max(2, steps // 2) if b >= 4 << 20 else steps,
+                message_bytes=b,
+            )
+        )
     return points
 
 
@@ -137,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     """Command line (see the module docstring). Returns the exit code."""
     parser = argparse.ArgumentParser(description="rlbus scale simulation (bench/README.md, 'Scale simulation')")
     parser.add_argument("--grid", default="1x1,2x2,4x4,8x8,16x16,32x32,64x64", help="producers x reward workers points")
-    parser.add_argument("--sizes", default="1KiB,16KiB,256KiB,1MiB,4MiB,16MiB", help="RolloutGroup sizes (at --size-grid)")
+    parser.add_argument(
+        "--sizes", default="1KiB,16KiB,256KiB,1MiB,4MiB,16MiB", help="RolloutGroup sizes (at --size-grid)"
+    )
     parser.add_argument("--size-grid", default="4x4", help="producers x reward workers of the size sweep")
     parser.add_argument("--steps", type=int, default=6, help="trainer steps per point")
     parser.add_argument("--quick", action="store_true", help="a few seconds: grid 2x2,4x4, sizes 1KiB, 3 steps")
@@ -150,12 +189,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.grid, args.sizes, args.steps = "2x2,4x4", "1KiB", 3
-    grid, sizes, size_grid = parse_grid(args.grid), [parse_size(s) for s in args.sizes.split(",") if s], parse_grid(args.size_grid)[0]
+    grid, sizes, size_grid = (
+        parse_grid(args.grid),
+        [parse_size(s) for s in args.sizes.split(",") if s],
+        parse_grid(args.size_grid)[0],
+    )
     points = plan(grid, sizes, size_grid, args.steps)
     results = sweep(points, args.work_dir, args.keep, args.timeout, args.per_process)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": " ".join(["python -m bench.scale", *(argv if argv is not None else sys.argv[1:])]),
-                                    "points": results}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "command": " ".join(["python -m bench.scale", *(argv if argv is not None else sys.argv[1:])]),
+                "points": results,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {args.out}\n\n{markdown_table(results)}\n")
     if not args.no_plots:
         try:

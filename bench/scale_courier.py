@@ -135,8 +135,11 @@ def hub_us(num_producers: int, count: int = 10_000) -> float:
 
         def announce(first: int, n: int, version: int, timeout_s: float = 60.0) -> bool:
             for i in range(first, first + n):  # versions grow per message: the last one is unique
-                pub.send(WeightsApplied(id=f"a-{version}-{i}", producer=f"p-{i % num_producers}", version=version + i,
-                                        apply_time_s=0.1))
+                pub.send(
+                    WeightsApplied(
+                        id=f"a-{version}-{i}", producer=f"p-{i % num_producers}", version=version + i, apply_time_s=0.1
+                    )
+                )
             last = f"weights.applied/p-{(first + n - 1) % num_producers}"
             deadline = time.monotonic() + timeout_s
             while getattr(hub.last.get(last), "version", None) != version + first + n - 1:  # the hub took them all
@@ -167,8 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", default="1,16,64,256")
     parser.add_argument("--count", type=int, default=3000)
-    parser.add_argument("--only", choices=["all", "boxes", "hub"], default="all",
-                        help="boxes: the inbox and outbox state machines only; hub: the hub only")
+    parser.add_argument(
+        "--only",
+        choices=["all", "boxes", "hub"],
+        default="all",
+        help="boxes: the inbox and outbox state machines only; hub: the hub only",
+    )
     args = parser.parse_args(argv)
     for n in (int(x) for x in args.peers.split(",")):
         if args.only in ("all", "hub"):
@@ -180,8 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.only == "boxes":
             continue
         per_msg, idle = measure(n, args.count)
-        print(f"{n:>4} peers: {per_msg:7.1f} us of receiver I/O-thread CPU per message; idle (heartbeats): {idle:5.1f}% of a core",
-              flush=True)
+        print(
+            f"{n:>4} peers: {per_msg:7.1f} us of receiver I/O-thread CPU per message; idle (heartbeats): {idle:5.1f}% of a core",
+            flush=True,
+        )
     return 0
 
 

@@ -64,11 +64,24 @@ def plot_all(points: list[dict], stem: Path) -> list[Path]:
     out = []
     grid = [p for p in points if p.get("sweep") == "grid"]
     if len(grid) >= 2:
-        out.append(_panels(grid, [p["producers"] for p in grid], "producers (x reward workers)",
-                           "scale simulation: producers x reward workers", stem.with_name(stem.name + "_grid.png")))
+        out.append(
+            _panels(
+                grid,
+                [p["producers"] for p in grid],
+                "producers (x reward workers)",
+                "scale simulation: producers x reward workers",
+                stem.with_name(stem.name + "_grid.png"),
+            )
+        )
     sized = [p for p in points if p.get("sweep") == "sizes"]
     if len(sized) >= 2:
-        out.append(_panels(sized, [p["message_bytes"] for p in sized], "RolloutGroup bytes",
-                           f"scale simulation: message size at {sized[0]['producers']}x{sized[0]['rewards']}",
-                           stem.with_name(stem.name + "_sizes.png")))
+        out.append(
+            _panels(
+                sized,
+                [p["message_bytes"] for p in sized],
+                "RolloutGroup bytes",
+                f"scale simulation: message size at {sized[0]['producers']}x{sized[0]['rewards']}",
+                stem.with_name(stem.name + "_sizes.png"),
+            )
+        )
     return out

@@ -51,8 +51,16 @@ LABEL = re.compile(r'(\w+)="([^"]*)"')
 REAL = {"hub": "bus.hub", "prompt-source": "prompts.proc", "packer": "packer.proc"}
 
 
-def write_run(run_dir: Path, *, producers: int, rewards: int, spec: SimSpec, max_steps: int, prompts_per_step: int,
-              max_async_level: int = 1) -> None:
+def write_run(
+    run_dir: Path,
+    *,
+    producers: int,
+    rewards: int,
+    spec: SimSpec,
+    max_steps: int,
+    prompts_per_step: int,
+    max_async_level: int = 1,
+) -> None:
     """A fresh ``run_dir`` with ``config.yaml`` (the default job's config with the sweep point's
     sizes, eval off, ``trainer.checkpoint_interval`` 0) and ``sim_spec.json``.
 
@@ -63,16 +71,29 @@ def write_run(run_dir: Path, *, producers: int, rewards: int, spec: SimSpec, max
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     longest = spec.max_tokens + spec.prompt_tokens
-    cfg = load_config(None, [
-        f"run_dir={run_dir}", f"producers.replicas={producers}", f"producers.max_replicas={producers}",
-        f"producers.group_size={spec.group_size}", f"rewards.replicas={rewards}",
-        f"trainer.batch_size={prompts_per_step * spec.group_size}", f"trainer.max_steps={max_steps}",
-        f"max_async_level={max_async_level}", "eval.enabled=false", "trainer.checkpoint_interval=0",
-        f"packer.micro_batch_tokens={max(longest, 4096)}", f"model.max_model_len={longest}",
-        f"sampling.max_tokens={spec.max_tokens}", "model.path=sim",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"run_dir={run_dir}",
+            f"producers.replicas={producers}",
+            f"producers.max_replicas={producers}",
+            f"producers.group_size={spec.group_size}",
+            f"rewards.replicas={rewards}",
+            f"trainer.batch_size={prompts_per_step * spec.group_size}",
+            f"trainer.max_steps={max_steps}",
+            f"max_async_level={max_async_level}",
+            "eval.enabled=false",
+            "trainer.checkpoint_interval=0",
+            f"packer.micro_batch_tokens={max(longest, 4096)}",
+            f"model.max_model_len={longest}",
+            f"sampling.max_tokens={spec.max_tokens}",
+            "model.path=sim",
+        ],
+    )
     (run_dir / "config.yaml").write_text(dump_config(cfg))
-    (run_dir / "sim_spec.json").write_text(json.dumps({**asdict(spec), "max_steps": max_steps, "num_producers": producers}))
+    (run_dir / "sim_spec.json").write_text(
+        json.dumps({**asdict(spec), "max_steps": max_steps, "num_producers": producers})
+    )
 
 
 def _proc_sample(pid: int) -> tuple[int, float] | None:
@@ -127,7 +148,9 @@ class PointRun:
         """Start ``python -m args...`` as component ``name`` (log in ``logs/NAME.log``)."""
         log = open(self.run_dir / "logs" / f"{name}.log", "ab")
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT, env=env
+        )
         log.close()
 
     def start(self, producers: int, rewards: int, per_process: int = 16, ready_timeout_s: float = 120.0) -> None:
@@ -146,8 +169,20 @@ class PointRun:
         for role, total in (("rewards", rewards), ("producers", producers)):
             for k, first in enumerate(range(0, total, per_process)):
                 count = min(per_process, total - first)
-                self.spawn(f"sim-{role}-{k}", ["bench.scale_workers", "--run-dir", d, "--role", role,
-                                               "--first", str(first), "--count", str(count)])
+                self.spawn(
+                    f"sim-{role}-{k}",
+                    [
+                        "bench.scale_workers",
+                        "--run-dir",
+                        d,
+                        "--role",
+                        role,
+                        "--first",
+                        str(first),
+                        "--count",
+                        str(count),
+                    ],
+                )
 
     def _await_ready(self, name: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -206,14 +241,25 @@ class PointRun:
         self.ctx.term()
 
 
-def run_point(run_dir: Path, *, producers: int, rewards: int, spec: SimSpec, max_steps: int, prompts_per_step: int,
-              timeout_s: float = 300.0, per_process: int = 16) -> dict:
+def run_point(
+    run_dir: Path,
+    *,
+    producers: int,
+    rewards: int,
+    spec: SimSpec,
+    max_steps: int,
+    prompts_per_step: int,
+    timeout_s: float = 300.0,
+    per_process: int = 16,
+) -> dict:
     """Run one sweep point in ``run_dir`` (simulated workers ``per_process`` to a process) and
     return its raw measurements: ``finished``,
     ``wall_s``, ``rss_max`` / ``rss_last`` (bytes per process), ``cpu_s`` (per process),
     ``queues_max`` (``"component:topic/queue" -> messages``), ``queue_bytes_max`` (the same keys
     -> bytes); the events stay in ``run_dir/sim``."""
-    write_run(run_dir, producers=producers, rewards=rewards, spec=spec, max_steps=max_steps, prompts_per_step=prompts_per_step)
+    write_run(
+        run_dir, producers=producers, rewards=rewards, spec=spec, max_steps=max_steps, prompts_per_step=prompts_per_step
+    )
     run = PointRun(run_dir)
     try:
         run.start(producers, rewards, per_process)
@@ -226,7 +272,8 @@ def run_point(run_dir: Path, *, producers: int, rewards: int, spec: SimSpec, max
     finally:
         run.stop()
     return {
-        "finished": finished, "wall_s": wall,
+        "finished": finished,
+        "wall_s": wall,
         "rss_max": {k: max(v) for k, v in run.memory.items()},
         "rss_last": {k: v[-1] for k, v in run.memory.items()},
         "cpu_s": {k: v - cpu0.get(k, 0.0) for k, v in run.cpu.items()},

@@ -41,8 +41,16 @@ from bus.control import ControlPublisher
 from bus.courier import Courier
 from configs.bus_limits import DEFAULT_MAX_INFLIGHT_BYTES
 from bus.messages import (
-    GroupsTrained, MicroBatch, Prompt, RolloutGroup, RunDone, ScoredGroup, TrainerStep, WeightsApplied,
-    WeightsReady, new_id,
+    GroupsTrained,
+    MicroBatch,
+    Prompt,
+    RolloutGroup,
+    RunDone,
+    ScoredGroup,
+    TrainerStep,
+    WeightsApplied,
+    WeightsReady,
+    new_id,
 )
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
@@ -154,13 +162,27 @@ class SimWorker:
         stop: set by the process on exit; the worker also stops at ``run.done``.
     """
 
-    def __init__(self, ctx: zmq.Context, endpoints: Endpoints, name: str, spec: SimSpec,
-                 bus_timing: tuple[float, float, float], stop: threading.Event, probe: ControlProbe,
-                 max_inflight_bytes: int | dict[str, int] = DEFAULT_MAX_INFLIGHT_BYTES) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoints: Endpoints,
+        name: str,
+        spec: SimSpec,
+        bus_timing: tuple[float, float, float],
+        stop: threading.Event,
+        probe: ControlProbe,
+        max_inflight_bytes: int | dict[str, int] = DEFAULT_MAX_INFLIGHT_BYTES,
+    ) -> None:
         self.name, self.spec, self.endpoints, self.stop = name, spec, endpoints, stop
         heartbeat_s, dead_after_s, ack_timeout_s = bus_timing
-        self.courier = Courier(ctx, heartbeat_s=heartbeat_s, dead_after_s=dead_after_s, ack_timeout_s=ack_timeout_s, stop=stop,
-                               max_inflight_bytes=max_inflight_bytes)
+        self.courier = Courier(
+            ctx,
+            heartbeat_s=heartbeat_s,
+            dead_after_s=dead_after_s,
+            ack_timeout_s=ack_timeout_s,
+            stop=stop,
+            max_inflight_bytes=max_inflight_bytes,
+        )
         self.control_out = ControlPublisher(ctx, endpoints.address("control_pub"), stop=stop)
         self.control_in = BusSocket(ctx, "control_sub", "recv", endpoints.address("control_sub"), bind=False, stop=stop)
         self._control_queue = probe.add(self.control_in)  # read by the process's probe thread
@@ -228,23 +250,37 @@ class SimProducer(SimWorker):
             if self.spec.apply_s:
                 time.sleep(self.spec.apply_s)
             self.version = msg.version
-            self.control_out.send(WeightsApplied(id=new_id(), producer=self.name, version=self.version, apply_time_s=self.spec.apply_s))
+            self.control_out.send(
+                WeightsApplied(id=new_id(), producer=self.name, version=self.version, apply_time_s=self.spec.apply_s)
+            )
 
     def make_group(self, prompt: Prompt, gen_time_s: float) -> RolloutGroup:
         """A ``RolloutGroup`` for ``prompt`` with lognormal completion lengths, all at :attr:`version`."""
         s, g = self.spec, self.spec.group_size
-        lens = np.clip(np.rint(self.rng.lognormal(np.log(s.median_tokens), s.sigma, g)), 1, s.max_tokens).astype(np.int32)
+        lens = np.clip(np.rint(self.rng.lognormal(np.log(s.median_tokens), s.sigma, g)), 1, s.max_tokens).astype(
+            np.int32
+        )
         n = int(lens.sum())
         versions = np.full(g, self.version, np.int64)
         return RolloutGroup(
-            id=prompt.id, prompt_index=prompt.index, step=prompt.step, task=prompt.task, info=prompt.info,
-            producer=self.name, completion_texts=[""] * g, finish_reasons=["stop"] * g, gen_time_s=gen_time_s,
+            id=prompt.id,
+            prompt_index=prompt.index,
+            step=prompt.step,
+            task=prompt.task,
+            info=prompt.info,
+            producer=self.name,
+            completion_texts=[""] * g,
+            finish_reasons=["stop"] * g,
+            gen_time_s=gen_time_s,
             prompt_ids=np.arange(s.prompt_tokens, dtype=np.int32) % 1000,
             completion_ids=self.rng.integers(0, 32_000, n, dtype=np.int32),
             completion_lens=lens,
             sampler_logprobs=np.full(n, -1.0, np.float32),
-            version_start=versions, version_end=versions,
-            temperature=prompt.temperature, eval_round=prompt.eval_round, eval_size=prompt.eval_size,
+            version_start=versions,
+            version_end=versions,
+            temperature=prompt.temperature,
+            eval_round=prompt.eval_round,
+            eval_size=prompt.eval_size,
         )
 
     def loop(self) -> None:
@@ -304,7 +340,9 @@ class SimTrainer(SimWorker):
     def __init__(self, *args, max_steps: int, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.max_steps = max_steps
-        self.batches = self.courier.receiver("batches", self.endpoints.address("batches"), bind=False, accept=(MicroBatch,))
+        self.batches = self.courier.receiver(
+            "batches", self.endpoints.address("batches"), bind=False, accept=(MicroBatch,)
+        )
         self.outcomes = self.courier.sender("outcomes", self.endpoints.address("outcomes"), bind=False)
         self.buffer: dict[int, dict[str, MicroBatch]] = {}
         self.trained: set[str] = set()
@@ -341,13 +379,17 @@ class SimTrainer(SimWorker):
             time.sleep(self.spec.step_s)
             self.duplicates += sum(s in self.trained for s in samples)
             self.trained.update(samples)
-            self.control_out.send(WeightsReady(id=new_id(), version=step + 1, method="filesystem", manifest=[], path="", num_bytes=0))
+            self.control_out.send(
+                WeightsReady(id=new_id(), version=step + 1, method="filesystem", manifest=[], path="", num_bytes=0)
+            )
             msg = GroupsTrained(id=f"trained-step-{step}", step=step, group_ids=groups)
             self.outcomes.send(msg)
             self.control_out.send(msg)
             self.batches.done(*(mb.id for mb in mbs))
             self.events.hop("trained", str(step))
-            self.control_out.send(TrainerStep(id=new_id(), step=step + 1, version=step + 1, metrics={"sim_sent_at": time.time()}))
+            self.control_out.send(
+                TrainerStep(id=new_id(), step=step + 1, version=step + 1, metrics={"sim_sent_at": time.time()})
+            )
         deadline = time.monotonic() + 30
         while self.outcomes.unfinished() and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -84,8 +84,17 @@ def capacities(spec: SimSpec, producers: int, rewards: int, prompts_per_step: in
     }
 
 
-def summarize(run_dir: Path, raw: dict, *, spec: SimSpec, producers: int, rewards: int, prompts_per_step: int,
-              max_steps: int, message_bytes: int) -> dict:
+def summarize(
+    run_dir: Path,
+    raw: dict,
+    *,
+    spec: SimSpec,
+    producers: int,
+    rewards: int,
+    prompts_per_step: int,
+    max_steps: int,
+    message_bytes: int,
+) -> dict:
     """The point's summary (a JSON-able dict; the keys are the columns of bench/README.md's table)."""
     first, fanout, duplicates = _load_events(run_dir)
     acc_path = run_dir / "accounting.json"
@@ -99,8 +108,11 @@ def summarize(run_dir: Path, raw: dict, *, spec: SimSpec, producers: int, reward
         step_groups.setdefault(step, []).append(gid)
         if gid in scored:
             to_step.append(t - scored[gid])
-    packer = [first["batch_first"][s] - max(scored[g] for g in gids)
-              for s, gids in step_groups.items() if s in first.get("batch_first", {}) and all(g in scored for g in gids)]
+    packer = [
+        first["batch_first"][s] - max(scored[g] for g in gids)
+        for s, gids in step_groups.items()
+        if s in first.get("batch_first", {}) and all(g in scored for g in gids)
+    ]
     wall = raw["wall_s"]
     cpu_proc = {k: v / wall for k, v in raw["cpu_s"].items()}
     cpu = by_kind(cpu_proc)
@@ -116,29 +128,46 @@ def summarize(run_dir: Path, raw: dict, *, spec: SimSpec, producers: int, reward
     outcomes = acc.get("outcomes", {})
     resolved = sum(outcomes.values())
     return {
-        "producers": producers, "rewards": rewards, "message_bytes": message_bytes, "group_size": spec.group_size,
-        "median_tokens": spec.median_tokens, "prompts_per_step": prompts_per_step, "max_steps": max_steps,
-        "finished": raw["finished"], "wall_s": wall,
+        "producers": producers,
+        "rewards": rewards,
+        "message_bytes": message_bytes,
+        "group_size": spec.group_size,
+        "median_tokens": spec.median_tokens,
+        "prompts_per_step": prompts_per_step,
+        "max_steps": max_steps,
+        "finished": raw["finished"],
+        "wall_s": wall,
         "rate_groups_s": {
-            "prompts": _rate(first.get("prompt_recv", {})), "rollouts": _rate(recv), "scored": _rate(scored),
+            "prompts": _rate(first.get("prompt_recv", {})),
+            "rollouts": _rate(recv),
+            "scored": _rate(scored),
             "trained": trained_rate,
         },
-        "capacity_groups_s": caps, "ideal_groups_s": ideal,
+        "capacity_groups_s": caps,
+        "ideal_groups_s": ideal,
         "latency": {
             "rollouts": _pcts([recv[i] - sent[i] for i in recv if i in sent]),
             "scored_to_step": _pcts(to_step),
             "packer": _pcts(packer),
         },
-        "fanout": _pcts(fanout), "fanout_receipts": len(fanout),
+        "fanout": _pcts(fanout),
+        "fanout_receipts": len(fanout),
         "rss_max_mib": {k: v / 2**20 for k, v in by_kind(raw["rss_max"]).items()},
         "rss_max_mib_per_process": max(raw["rss_max"].values(), default=0) / 2**20,
-        "cpu_per_s": cpu, "cpu_per_s_busiest_process": cpu_proc.get(max(cpu_proc, key=cpu_proc.get, default=""), 0.0),
+        "cpu_per_s": cpu,
+        "cpu_per_s_busiest_process": cpu_proc.get(max(cpu_proc, key=cpu_proc.get, default=""), 0.0),
         "queues_max": raw["queues_max"],
         "queue_mib_max": {k: v / 2**20 for k, v in raw.get("queue_bytes_max", {}).items()},
         "accounting": {
-            "issued": acc.get("issued", 0), "outcomes": outcomes, "unresolved": len(acc.get("unresolved", [])),
-            "trained_groups_seen_by_trainer": trained_groups, "duplicates_trained": duplicates,
-            "complete": raw["finished"] and resolved == acc.get("issued", -1) and not acc.get("unresolved") and duplicates == 0,
+            "issued": acc.get("issued", 0),
+            "outcomes": outcomes,
+            "unresolved": len(acc.get("unresolved", [])),
+            "trained_groups_seen_by_trainer": trained_groups,
+            "duplicates_trained": duplicates,
+            "complete": raw["finished"]
+            and resolved == acc.get("issued", -1)
+            and not acc.get("unresolved")
+            and duplicates == 0,
         },
         "bottleneck": bottleneck,
     }
@@ -146,11 +175,13 @@ def summarize(run_dir: Path, raw: dict, *, spec: SimSpec, producers: int, reward
 
 def markdown_table(points: list[dict]) -> str:
     """The sweep table of bench/README.md: one row per point."""
-    rows = ["| P x R | group bytes | trained g/s (ideal) | prompts / rollouts / scored g/s | rollouts p50/p99 ms "
-            "| packer p50/p99 ms | fan-out p50/p99 ms | CPU cores: rewards / producers / packer / prompt-source / hub "
-            "| peak RSS MiB: packer / prompt-source / hub | max queue: prompts outbox / packer scored inbox / batches outbox "
-            "| accounting | first bottleneck |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| P x R | group bytes | trained g/s (ideal) | prompts / rollouts / scored g/s | rollouts p50/p99 ms "
+        "| packer p50/p99 ms | fan-out p50/p99 ms | CPU cores: rewards / producers / packer / prompt-source / hub "
+        "| peak RSS MiB: packer / prompt-source / hub | max queue: prompts outbox / packer scored inbox / batches outbox "
+        "| accounting | first bottleneck |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for p in points:
         r, lat, c, m, q = p["rate_groups_s"], p["latency"], p["cpu_per_s"], p["rss_max_mib"], p["queues_max"]
         acc = p["accounting"]

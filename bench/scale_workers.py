@@ -33,8 +33,9 @@ MAX_SOCKETS = 65_536
 """zmq sockets one process's context may hold (64 reward workers x 64 rollouts DEALERs and more)."""
 
 
-def build_workers(role: str, count: int, first: int, run_dir: Path, stop: threading.Event,
-                  probe: ControlProbe) -> list[SimWorker]:
+def build_workers(
+    role: str, count: int, first: int, run_dir: Path, stop: threading.Event, probe: ControlProbe
+) -> list[SimWorker]:
     """The ``count`` workers of ``role``, indexes ``first..first+count-1``, their control read by ``probe``.
 
     Raises:
@@ -70,7 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=1)
     parser.add_argument("--first", type=int, default=0)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format=f"%(asctime)s sim-{args.role} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING,
+        stream=sys.stderr,
+        format=f"%(asctime)s sim-{args.role} %(levelname)s %(name)s: %(message)s",
+    )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     probe = ControlProbe(stop)
@@ -84,8 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     for w in workers:
         w.thread.join(timeout=5)
     probe.join()
-    out = {"hops": [h for w in workers for h in w.events.hops], "fanout": probe.fanout,
-           "duplicates": sum(getattr(w, "duplicates", 0) for w in workers)}
+    out = {
+        "hops": [h for w in workers for h in w.events.hops],
+        "fanout": probe.fanout,
+        "duplicates": sum(getattr(w, "duplicates", 0) for w in workers),
+    }
     for w in workers:
         w.close()
     (args.run_dir / "sim").mkdir(exist_ok=True)

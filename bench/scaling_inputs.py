@@ -76,37 +76,71 @@ BUS_NOTES = "../shared/notes/bus-measurements.md"
 
 POLICIES = (
     Policy(
-        "7B", 7.6e9,
-        Cited(8088.35, LAMBDA_VLLM, "Llama 3.1 8B bf16, vLLM v0.6.0, 1x H100 SXM, tp=1, 256 seqs, max-seq-len 2048, "
-              "num-scheduler-steps 10: 8,088 output tokens/s"),
-        Cited(5605.0, TORCHTITAN, "Llama 3.1 8B, FSDP2 bf16 (no compile, no Float8), 128 H100, selective AC: 5,605 TPS/GPU"),
+        "7B",
+        7.6e9,
+        Cited(
+            8088.35,
+            LAMBDA_VLLM,
+            "Llama 3.1 8B bf16, vLLM v0.6.0, 1x H100 SXM, tp=1, 256 seqs, max-seq-len 2048, "
+            "num-scheduler-steps 10: 8,088 output tokens/s",
+        ),
+        Cited(
+            5605.0,
+            TORCHTITAN,
+            "Llama 3.1 8B, FSDP2 bf16 (no compile, no Float8), 128 H100, selective AC: 5,605 TPS/GPU",
+        ),
         tp=1,
     ),
     Policy(
-        "70B", 70.6e9,
-        Cited(3542.88 / 4, LAMBDA_VLLM, "Llama 3.1 70B bf16, vLLM v0.6.0, 4x H100 SXM, tp=4, 256 seqs, max-seq-len 2048, "
-              "num-scheduler-steps 10: 3,543 output tokens/s = 886 per GPU"),
-        Cited(829.0, TORCHTITAN, "Llama 3.1 70B, FSDP 32 x TP 8 + torch.compile + Float8, 256 H100, full AC: 829 TPS/GPU"),
+        "70B",
+        70.6e9,
+        Cited(
+            3542.88 / 4,
+            LAMBDA_VLLM,
+            "Llama 3.1 70B bf16, vLLM v0.6.0, 4x H100 SXM, tp=4, 256 seqs, max-seq-len 2048, "
+            "num-scheduler-steps 10: 3,543 output tokens/s = 886 per GPU",
+        ),
+        Cited(
+            829.0, TORCHTITAN, "Llama 3.1 70B, FSDP 32 x TP 8 + torch.compile + Float8, 256 H100, full AC: 829 TPS/GPU"
+        ),
         tp=4,
     ),
 )
 
 WORKLOADS = (
     # Reasoning RL: completions lognormal around 1-4k tokens (issue 19), G = 16.
-    Workload("reasoning", prompt_tokens=512, completion_tokens=2048, group_size=16, prompts_per_step=256,
-             micro_batch_tokens=16384),
+    Workload(
+        "reasoning",
+        prompt_tokens=512,
+        completion_tokens=2048,
+        group_size=16,
+        prompts_per_step=256,
+        micro_batch_tokens=16384,
+    ),
     # The message-rate worst case: short answers, small groups (8x the groups per token).
-    Workload("short", prompt_tokens=256, completion_tokens=256, group_size=8, prompts_per_step=1024,
-             micro_batch_tokens=16384, reward_s_per_group=0.05),
+    Workload(
+        "short",
+        prompt_tokens=256,
+        completion_tokens=256,
+        group_size=8,
+        prompts_per_step=1024,
+        micro_batch_tokens=16384,
+        reward_s_per_group=0.05,
+    ),
 )
 
 GPU_COUNTS = (64, 128, 256, 512, 1024)
 
-IB_PER_GPU = Cited(400e9 / 8, TORCHTITAN, "Grand Teton hosts: backend RDMA network with 400 Gb/s per GPU (= 50 GB/s line rate)")
+IB_PER_GPU = Cited(
+    400e9 / 8, TORCHTITAN, "Grand Teton hosts: backend RDMA network with 400 Gb/s per GPU (= 50 GB/s line rate)"
+)
 NCCL_EFFICIENCY = 0.8
 """Assumption (no source): achieved / line-rate bandwidth of a large NCCL broadcast or all-gather."""
-BROADCAST_FORMULA = Cited(1.0, NCCL_PERF, "broadcast: all data leaves the root, t = S / B whatever the rank count; "
-                          "all-gather: t = S (n-1) / (n B)")
+BROADCAST_FORMULA = Cited(
+    1.0,
+    NCCL_PERF,
+    "broadcast: all data leaves the root, t = S / B whatever the rank count; all-gather: t = S (n-1) / (n B)",
+)
 
 BUCKET_BYTES = 32 * 1024 * 1024
 """`broadcaster.manifest.DEFAULT_BUCKET_BYTES` (a test checks they agree; not imported: it needs torch)."""
@@ -123,12 +157,18 @@ HOP_POINTS = (
     (1 << 20, 4.5 * GB),
     (8 << 20, 3.2 * GB),
 )
-HOP_SOURCE = Cited(71e3, BUS_NOTES, "raw pyzmq, 2 processes on a 2-core host, no delivery protocol (credit, acks): "
-                   "an upper bound for one rlbus hop")
+HOP_SOURCE = Cited(
+    71e3,
+    BUS_NOTES,
+    "raw pyzmq, 2 processes on a 2-core host, no delivery protocol (credit, acks): an upper bound for one rlbus hop",
+)
 BUS_STREAM = Cited(3.2 * GB, BUS_NOTES, "one tcp stream, 8 MiB messages, msgpack header + raw frames, copy=False")
 
-FSYNC_S = Cited(0.54e-3, "measured for docs/scaling.md (one-off probe, see its 'Packer' section)",
-                "median append + fsync of 400 KB on this 2-core VM's ext4 disk (4 KB: 0.31 ms)")
+FSYNC_S = Cited(
+    0.54e-3,
+    "measured for docs/scaling.md (one-off probe, see its 'Packer' section)",
+    "median append + fsync of 400 KB on this 2-core VM's ext4 disk (4 KB: 0.31 ms)",
+)
 
 FS_WRITE = Cited(3.0 * GB, BUS_NOTES, "file write + rename + read, ext4 /tmp, 1 MiB messages: ~3 GB/s (one stream)")
 FS_AGGREGATE_READ = (20 * GB, 200 * GB)

@@ -25,10 +25,26 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bench.scaling_inputs import (BUCKET_BYTES, BUS_STREAM, FS_AGGREGATE_READ, FS_WRITE, FSYNC_S, GPU_COUNTS,
-                                  HEADROOM_MIN, HEARTBEAT_S, HOP_POINTS, HUB_CACHE_PRODUCERS, IB_PER_GPU,
-                                  NCCL_EFFICIENCY, POLICIES, REWARD_BUSY, WIRE_DTYPE_BYTES, WORKLOADS, Policy,
-                                  Workload)
+from bench.scaling_inputs import (
+    BUCKET_BYTES,
+    BUS_STREAM,
+    FS_AGGREGATE_READ,
+    FS_WRITE,
+    FSYNC_S,
+    GPU_COUNTS,
+    HEADROOM_MIN,
+    HEARTBEAT_S,
+    HOP_POINTS,
+    HUB_CACHE_PRODUCERS,
+    IB_PER_GPU,
+    NCCL_EFFICIENCY,
+    POLICIES,
+    REWARD_BUSY,
+    WIRE_DTYPE_BYTES,
+    WORKLOADS,
+    Policy,
+    Workload,
+)
 from bus.codec import encode
 from bus.envelope import envelope
 from bus.messages import MicroBatch, Prompt, RolloutGroup, ScoredGroup, WeightsApplied
@@ -52,32 +68,71 @@ def message_sizes(w: Workload) -> dict[str, int]:
     gid, g, p, n = "f" * 32, w.group_size, w.prompt_tokens, w.group_size * w.completion_tokens
     text = "x" * int(w.completion_tokens * w.chars_per_token)
     ptext = "x" * int(p * w.chars_per_token)
-    prompt = Prompt(id=gid, index=0, step=0, task="gsm8k", messages=[{"role": "user", "content": ptext}],
-                    info={"answer": "42"})
+    prompt = Prompt(
+        id=gid, index=0, step=0, task="gsm8k", messages=[{"role": "user", "content": ptext}], info={"answer": "42"}
+    )
     lens = np.full(g, w.completion_tokens, np.int32)
     versions = np.zeros(g, np.int64)
     spans = np.stack([versions, lens.astype(np.int64)], axis=1)
-    group = dict(id=gid, prompt_index=0, step=0, task="gsm8k", info={"answer": "42"}, producer="producer-0",
-                 completion_texts=[text] * g, finish_reasons=["stop"] * g, gen_time_s=1.0,
-                 prompt_ids=np.zeros(p, np.int32), completion_ids=np.zeros(n, np.int32), completion_lens=lens,
-                 sampler_logprobs=np.zeros(n, np.float32), version_start=versions, version_end=versions,
-                 prompt_text=ptext, version_spans=spans, version_span_counts=np.ones(g, np.int32))
+    group = dict(
+        id=gid,
+        prompt_index=0,
+        step=0,
+        task="gsm8k",
+        info={"answer": "42"},
+        producer="producer-0",
+        completion_texts=[text] * g,
+        finish_reasons=["stop"] * g,
+        gen_time_s=1.0,
+        prompt_ids=np.zeros(p, np.int32),
+        completion_ids=np.zeros(n, np.int32),
+        completion_lens=lens,
+        sampler_logprobs=np.zeros(n, np.float32),
+        version_start=versions,
+        version_end=versions,
+        prompt_text=ptext,
+        version_spans=spans,
+        version_span_counts=np.ones(g, np.int32),
+    )
     rollout = RolloutGroup(**group)
-    scored = ScoredGroup(**group, reward_worker="rewards-0", rewards=np.zeros(g, np.float32),
-                         advantages=np.zeros(g, np.float32), reward_terms={"correct": [0.0] * g})
+    scored = ScoredGroup(
+        **group,
+        reward_worker="rewards-0",
+        rewards=np.zeros(g, np.float32),
+        advantages=np.zeros(g, np.float32),
+        reward_terms={"correct": [0.0] * g},
+    )
     t = w.micro_batch_tokens
     s = max(1, t // (p + w.completion_tokens))
     seq = np.full(s, t // s, np.int32)
     seq[-1] += t - int(seq.sum())
-    mb = MicroBatch(id="0:0", step=0, micro_index=0, num_micro_batches=1, step_loss_tokens=t, step_samples=s,
-                    sample_ids=[f"{gid}/{j}" for j in range(s)], input_ids=np.zeros(t, np.int32), seq_lens=seq,
-                    loss_mask=np.ones(t, bool), sampler_logprobs=np.zeros(t, np.float32),
-                    advantages=np.zeros(t, np.float32), rewards=np.zeros(s, np.float32),
-                    oldest_versions=np.zeros(s, np.int64), teacher_logprobs=np.zeros(0, np.float32),
-                    token_versions=np.zeros(t, np.int64), reward_terms={"correct": [0.0] * s})
+    mb = MicroBatch(
+        id="0:0",
+        step=0,
+        micro_index=0,
+        num_micro_batches=1,
+        step_loss_tokens=t,
+        step_samples=s,
+        sample_ids=[f"{gid}/{j}" for j in range(s)],
+        input_ids=np.zeros(t, np.int32),
+        seq_lens=seq,
+        loss_mask=np.ones(t, bool),
+        sampler_logprobs=np.zeros(t, np.float32),
+        advantages=np.zeros(t, np.float32),
+        rewards=np.zeros(s, np.float32),
+        oldest_versions=np.zeros(s, np.int64),
+        teacher_logprobs=np.zeros(0, np.float32),
+        token_versions=np.zeros(t, np.int64),
+        reward_terms={"correct": [0.0] * s},
+    )
     applied = WeightsApplied(id=gid, producer="producer-1023", version=1000, apply_time_s=1.0)
-    return {"prompts": _nbytes(prompt), "rollouts": _nbytes(rollout), "scored": _nbytes(scored),
-            "batches": _nbytes(mb), "control": sum(memoryview(f).nbytes for f in encode(applied))}
+    return {
+        "prompts": _nbytes(prompt),
+        "rollouts": _nbytes(rollout),
+        "scored": _nbytes(scored),
+        "batches": _nbytes(mb),
+        "control": sum(memoryview(f).nbytes for f in encode(applied)),
+    }
 
 
 @dataclass(frozen=True)
@@ -124,8 +179,20 @@ def configure(policy: Policy, w: Workload, gpus: int) -> Config:
     tokens_s = groups_s * w.group_size * (w.prompt_tokens + w.completion_tokens)
     rewards = max(1, math.ceil(groups_s * w.reward_s_per_group / REWARD_BUSY))
     step_tokens = w.prompts_per_step * w.group_size * (w.prompt_tokens + w.completion_tokens)
-    return Config(policy, w, gpus, gen_gpus, train_gpus, replicas, rewards, completion_tok_s, groups_s,
-                  tokens_s / w.micro_batch_tokens, step_tokens / tokens_s, replicas + rewards + 4)
+    return Config(
+        policy,
+        w,
+        gpus,
+        gen_gpus,
+        train_gpus,
+        replicas,
+        rewards,
+        completion_tok_s,
+        groups_s,
+        tokens_s / w.micro_batch_tokens,
+        step_tokens / tokens_s,
+        replicas + rewards + 4,
+    )
 
 
 def topic_rates(c: Config, sizes: dict[str, int]) -> dict[str, tuple[float, float]]:
@@ -157,11 +224,13 @@ def headroom(c: Config, sizes: dict[str, int]) -> dict[str, float]:
     0 (receives every micro-batch), hub egress (control fan-out).
     """
     rates = topic_rates(c, sizes)
-    load = {"prompt source": (rates["prompts"][0], sizes["prompts"]),
-            "reward worker": (rates["rollouts"][0] / c.reward_workers, sizes["rollouts"]),
-            "packer": (rates["scored"][0], sizes["scored"]),
-            "trainer rank 0": (rates["batches"][0], sizes["batches"]),
-            "hub egress": (rates["control"][0], sizes["control"])}
+    load = {
+        "prompt source": (rates["prompts"][0], sizes["prompts"]),
+        "reward worker": (rates["rollouts"][0] / c.reward_workers, sizes["rollouts"]),
+        "packer": (rates["scored"][0], sizes["scored"]),
+        "trainer rank 0": (rates["batches"][0], sizes["batches"]),
+        "hub egress": (rates["control"][0], sizes["control"]),
+    }
     out = {k: hop_capacity(size) / msgs for k, (msgs, size) in load.items()}
     out["packer fsync"] = 1.0 / FSYNC_S.value / rates["scored"][0]
     return out
@@ -179,8 +248,13 @@ def weight_sync(c: Config) -> dict[str, float]:
     s = c.policy.params * WIRE_DTYPE_BYTES
     b = IB_PER_GPU.value
     n = c.train_gpus
-    out = {"payload_GB": s / 1e9, "buckets": math.ceil(s / BUCKET_BYTES), "nccl_bound": s / b,
-           "nccl": s / (NCCL_EFFICIENCY * b), "fsdp_gather": s * (n - 1) / n / (NCCL_EFFICIENCY * b) if n > 1 else 0.0}
+    out = {
+        "payload_GB": s / 1e9,
+        "buckets": math.ceil(s / BUCKET_BYTES),
+        "nccl_bound": s / b,
+        "nccl": s / (NCCL_EFFICIENCY * b),
+        "fsdp_gather": s * (n - 1) / n / (NCCL_EFFICIENCY * b) if n > 1 else 0.0,
+    }
     for r in FS_AGGREGATE_READ:
         out[f"fs_{r / 1e9:.0f}"] = s / FS_WRITE.value + max(s / FS_WRITE.value, c.replicas * s / r)
     out["bus_star"] = max(c.replicas * s / (NCCL_EFFICIENCY * b), s / BUS_STREAM.value)
@@ -217,11 +291,33 @@ def links_table(policy: Policy, w: Workload) -> str:
         c = configure(policy, w, gpus)
         links = c.replicas * c.reward_workers + 2 * c.replicas + c.reward_workers + 3
         cache = "" if c.replicas <= HUB_CACHE_PRODUCERS else "*"
-        rows.append([str(gpus), f"{c.gen_gpus} ({c.replicas}){cache}", str(c.train_gpus), str(c.reward_workers),
-                     _si(c.completion_tok_s), f"{c.groups_s:.3g}", f"{c.step_s:.3g}", _si(links),
-                     _si(2 * links / HEARTBEAT_S)])
-    return _table(["GPUs", "inference GPUs (producers)", "training GPUs", "reward workers", "completion tok/s",
-                   "groups/s", "step s", "data-topic links", "heartbeats/s"], rows)
+        rows.append(
+            [
+                str(gpus),
+                f"{c.gen_gpus} ({c.replicas}){cache}",
+                str(c.train_gpus),
+                str(c.reward_workers),
+                _si(c.completion_tok_s),
+                f"{c.groups_s:.3g}",
+                f"{c.step_s:.3g}",
+                _si(links),
+                _si(2 * links / HEARTBEAT_S),
+            ]
+        )
+    return _table(
+        [
+            "GPUs",
+            "inference GPUs (producers)",
+            "training GPUs",
+            "reward workers",
+            "completion tok/s",
+            "groups/s",
+            "step s",
+            "data-topic links",
+            "heartbeats/s",
+        ],
+        rows,
+    )
 
 
 def traffic_table(policy: Policy, w: Workload) -> str:
@@ -252,11 +348,35 @@ def sync_table(policy: Policy, w: Workload) -> str:
     for gpus in GPU_COUNTS:
         c = configure(policy, w, gpus)
         s = weight_sync(c)
-        rows.append([str(gpus), f"{s['payload_GB']:.3g}", str(s["buckets"]), f"{s['nccl_bound']:.3g}",
-                     f"{s['nccl']:.3g}", f"{s['fsdp_gather']:.3g}", *(f"{s[k]:.3g}" for k in fs_keys),
-                     f"{s['bus_star']:.3g}", f"{s['bus_tree']:.3g}", f"{c.step_s:.3g}"])
-    return _table(["GPUs", "payload GB", "32 MiB buckets", "NCCL S/B", "NCCL est.", "FSDP gather",
-                   *(f"filesystem ({k[3:]} GB/s)" for k in fs_keys), "bus star", "bus tree (x4)", "step s"], rows)
+        rows.append(
+            [
+                str(gpus),
+                f"{s['payload_GB']:.3g}",
+                str(s["buckets"]),
+                f"{s['nccl_bound']:.3g}",
+                f"{s['nccl']:.3g}",
+                f"{s['fsdp_gather']:.3g}",
+                *(f"{s[k]:.3g}" for k in fs_keys),
+                f"{s['bus_star']:.3g}",
+                f"{s['bus_tree']:.3g}",
+                f"{c.step_s:.3g}",
+            ]
+        )
+    return _table(
+        [
+            "GPUs",
+            "payload GB",
+            "32 MiB buckets",
+            "NCCL S/B",
+            "NCCL est.",
+            "FSDP gather",
+            *(f"filesystem ({k[3:]} GB/s)" for k in fs_keys),
+            "bus star",
+            "bus tree (x4)",
+            "step s",
+        ],
+        rows,
+    )
 
 
 def sizes_table() -> str:
@@ -265,10 +385,18 @@ def sizes_table() -> str:
     for w in WORKLOADS:
         s = message_sizes(w)
         per_tok = s["rollouts"] / (w.group_size * w.completion_tokens)
-        rows.append([w.name, f"P={w.prompt_tokens} L={w.completion_tokens} G={w.group_size}",
-                     *(_si(s[t]) for t in (*DATA_TOPICS, "control")), f"{per_tok:.3g}"])
-    return _table(["workload", "shape", *(f"{t} B" for t in DATA_TOPICS), "weights.applied B",
-                   "rollout B per completion token"], rows)
+        rows.append(
+            [
+                w.name,
+                f"P={w.prompt_tokens} L={w.completion_tokens} G={w.group_size}",
+                *(_si(s[t]) for t in (*DATA_TOPICS, "control")),
+                f"{per_tok:.3g}",
+            ]
+        )
+    return _table(
+        ["workload", "shape", *(f"{t} B" for t in DATA_TOPICS), "weights.applied B", "rollout B per completion token"],
+        rows,
+    )
 
 
 def main() -> None:

@@ -84,7 +84,9 @@ def step_batches(shape: Shape, vocab: int, seed: int = 0, device: str = "cpu") -
     template = rng.integers(0, vocab, TEMPLATE_TOKENS)
     groups = []
     for _ in range(shape.num_prompts):
-        prompt = np.concatenate([template, rng.integers(0, vocab, int(rng.integers(*shape.prompt_lens, endpoint=True)) - TEMPLATE_TOKENS)])
+        prompt = np.concatenate(
+            [template, rng.integers(0, vocab, int(rng.integers(*shape.prompt_lens, endpoint=True)) - TEMPLATE_TOKENS)]
+        )
         advantages = rng.standard_normal(shape.group_size)
         group = []
         for adv in advantages:
@@ -103,16 +105,20 @@ def step_batches(shape: Shape, vocab: int, seed: int = 0, device: str = "cpu") -
     out = []
     for idx in bins:
         samples = [s for i in idx for s in units[i]]
-        out.append(MicroBatch(
-            input_ids=torch.from_numpy(np.concatenate([s[0] for s in samples])).to(device),
-            seq_lens=torch.tensor([len(s[0]) for s in samples]).to(device),
-            tokens=torch.from_numpy(np.concatenate([s[1] for s in samples])).to(device),
-            advantages=torch.from_numpy(np.concatenate([s[2] for s in samples]).astype(np.float32)).to(device),
-        ))
+        out.append(
+            MicroBatch(
+                input_ids=torch.from_numpy(np.concatenate([s[0] for s in samples])).to(device),
+                seq_lens=torch.tensor([len(s[0]) for s in samples]).to(device),
+                tokens=torch.from_numpy(np.concatenate([s[1] for s in samples])).to(device),
+                advantages=torch.from_numpy(np.concatenate([s[2] for s in samples]).astype(np.float32)).to(device),
+            )
+        )
     return out
 
 
-def run_step(packed: PackedLogprobs, batches: list[MicroBatch], precision: PrecisionPolicy) -> tuple[float, float, float, int]:
+def run_step(
+    packed: PackedLogprobs, batches: list[MicroBatch], precision: PrecisionPolicy
+) -> tuple[float, float, float, int]:
     """(seconds, summed logprob, gradient norm, decoder tokens) of one step's forward + backward."""
     packed.model.zero_grad(set_to_none=True)
     loss_tokens = sum(int(mb.tokens.sum()) for mb in batches)
@@ -129,7 +135,9 @@ def run_step(packed: PackedLogprobs, batches: list[MicroBatch], precision: Preci
     _synchronize(device)
     seconds = time.perf_counter() - start
     total = float(sum(sums))
-    norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in packed.model.parameters() if p.grad is not None])))
+    norm = float(
+        torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in packed.model.parameters() if p.grad is not None]))
+    )
     return seconds, total, norm, decoder_tokens
 
 
@@ -159,7 +167,7 @@ def time_shape(model: torch.nn.Module, shape: Shape, repeats: int, precision: Pr
     times: dict[bool, list[float]] = {False: [], True: []}
     results = {}
     for rep in range(repeats + 1):
-        for share in ((True, False) if rep % 2 else (False, True)):
+        for share in (True, False) if rep % 2 else (False, True):
             seconds, total, norm, decoder_tokens = run_step(modules[share], batches, precision)
             results[share] = (total, norm, decoder_tokens)
             if rep:
@@ -242,22 +250,34 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the default job's trainer: 1)")
     parser.add_argument("--gathers", action="store_true", help="also time the fan-out formulations")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--model", default="tiny", choices=["tiny", "qwen2-0.5b"], help="the default tiny policy, or Qwen2.5-0.5B's shape (random)")
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        choices=["tiny", "qwen2-0.5b"],
+        help="the default tiny policy, or Qwen2.5-0.5B's shape (random)",
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="trainer.dtype")
-    parser.add_argument("--profile", action="store_true", help="also print the top ops of one step each way (torch.profiler)")
+    parser.add_argument(
+        "--profile", action="store_true", help="also print the top ops of one step each way (torch.profiler)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     precision = PrecisionPolicy.from_name(args.dtype)
     model = build_model(args.model, args.device)
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"{args.threads} thread(s)"
-    print(f"torch {torch.__version__}, {where}, {args.model} {sum(p.numel() for p in model.parameters()):,} params, {args.dtype}")
+    print(
+        f"torch {torch.__version__}, {where}, {args.model} {sum(p.numel() for p in model.parameters()):,} params, {args.dtype}"
+    )
     print()
     print("| shape | tokens | decoder tokens shared | micro-batches | off (s) | on (s) | off / on |")
     print("|---|---|---|---|---|---|---|")
     for name in args.shapes:
         r = time_shape(model, SHAPES[name], args.repeats, precision)
-        print(f"| {name} | {r['tokens']} | {r['decoder_tokens']} | {r['micro_batches']} | {r['off']:.3f} | {r['on']:.3f} "
-              f"| {r['off'] / r['on']:.2f} |", flush=True)
+        print(
+            f"| {name} | {r['tokens']} | {r['decoder_tokens']} | {r['micro_batches']} | {r['off']:.3f} | {r['on']:.3f} "
+            f"| {r['off'] / r['on']:.2f} |",
+            flush=True,
+        )
         print(f"<!-- {name}: off {[round(t, 3) for t in r['off_all']]} on {[round(t, 3) for t in r['on_all']]} -->")
         if args.profile:
             profile_step(model, SHAPES[name], precision)
@@ -277,16 +297,28 @@ def build_model(name: str, device: str) -> torch.nn.Module:
 
     if name == "qwen2-0.5b":
         torch.manual_seed(0)
-        config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                             num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-                             tie_word_embeddings=True, attn_implementation="sdpa")
+        config = Qwen2Config(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            tie_word_embeddings=True,
+            attn_implementation="sdpa",
+        )
         with torch.device(device):
             return Qwen2ForCausalLM(config).train()
     from policies.tiny_model import build_random_policy
 
     with tempfile.TemporaryDirectory() as tmp:
         path = build_random_policy(Path(tmp) / "policy")
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").to(device).train()
+        return (
+            AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+            .to(device)
+            .train()
+        )
 
 
 if __name__ == "__main__":

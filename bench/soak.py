@@ -57,7 +57,9 @@ from configs.schema import load_config
 from busctl.component_table import RESTARTABLE_ROLES
 from tests.e2e.test_faults import FAST_FAILURE_DETECTION, components, trained_steps
 
-KINDS = ["hub", "prompt-source", "trainer", "producer", "rewards"] + (["packer"] if "packer" in RESTARTABLE_ROLES else [])
+KINDS = ["hub", "prompt-source", "trainer", "producer", "rewards"] + (
+    ["packer"] if "packer" in RESTARTABLE_ROLES else []
+)
 """Component kinds (roles) the soak kills."""
 POLL_S = 0.25
 """How often the soak reads the trainer's progress, seconds."""
@@ -88,8 +90,11 @@ def probe_all(run_dir: Path, probes: dict[str, int]) -> None:
 
 def victim(run_dir: Path, kind: str, rng: random.Random) -> tuple[str, int] | None:
     """A live component of role ``kind`` (name, pid), drawn at random; None if none is up."""
-    live = [(n, c["pid"]) for n, c in components(run_dir).items()
-            if (n == kind or n.rsplit("-", 1)[0] == kind) and c.get("state") in ("ready", "running") and c.get("pid")]
+    live = [
+        (n, c["pid"])
+        for n, c in components(run_dir).items()
+        if (n == kind or n.rsplit("-", 1)[0] == kind) and c.get("state") in ("ready", "running") and c.get("pid")
+    ]
     return rng.choice(live) if live else None
 
 
@@ -125,9 +130,11 @@ def restart_costs(kills: list[dict], progress: list[tuple[float, int]]) -> dict:
                 costs.setdefault(k["kind"], []).append(k["cost_s"])
         else:
             recovered_at = float("inf")
-    return {"median_step_interval_s": median,
-            "cost_s": {kind: {"n": len(c), "median": statistics.median(c), "max": max(c)} for kind, c in costs.items()},
-            "kill_log": [{key: k[key] for key in ("kind", "name", "step", "cost_s", "overlapped")} for k in kills]}
+    return {
+        "median_step_interval_s": median,
+        "cost_s": {kind: {"n": len(c), "median": statistics.median(c), "max": max(c)} for kind, c in costs.items()},
+        "kill_log": [{key: k[key] for key in ("kind", "name", "step", "cost_s", "overlapped")} for k in kills],
+    }
 
 
 def run_figures(run_dir: Path) -> dict:
@@ -146,21 +153,39 @@ def run_figures(run_dir: Path) -> dict:
     for prom in sorted((run_dir / "metrics_final").glob("*.prom")):
         for family in text_string_to_metric_families(prom.read_text()):
             rejected += sum(s.value for s in family.samples if s.name == "rlbus_bus_rejected_total")
-    eval_rounds = sorted({r["step"] for r in read_records(run_dir / "metrics.jsonl") if any(k.startswith("eval/") for k in r)})
-    return {"eval_rounds_reported": eval_rounds, "frames_rejected_final": int(rejected), "prompts_issued": acc["issued"], "outcomes": acc["outcomes"], "steps_trained": len(trained),
-            "samples_trained": len(sample_ids), "samples_trained_twice": len(sample_ids) - len(set(sample_ids)),
-            "prompts_lost": len(acc["unresolved"]) + len(ledger_trained - groups), "conflicts": len(acc["conflicts"])}
+    eval_rounds = sorted(
+        {r["step"] for r in read_records(run_dir / "metrics.jsonl") if any(k.startswith("eval/") for k in r)}
+    )
+    return {
+        "eval_rounds_reported": eval_rounds,
+        "frames_rejected_final": int(rejected),
+        "prompts_issued": acc["issued"],
+        "outcomes": acc["outcomes"],
+        "steps_trained": len(trained),
+        "samples_trained": len(sample_ids),
+        "samples_trained_twice": len(sample_ids) - len(set(sample_ids)),
+        "prompts_lost": len(acc["unresolved"]) + len(ledger_trained - groups),
+        "conflicts": len(acc["conflicts"]),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--config", default="configs/reverse_text.yaml")
-    ap.add_argument("--run-dir", default="runs/soak", help="the soak run's directory; a previous soak there is replaced (busctl up --overwrite)")
+    ap.add_argument(
+        "--run-dir",
+        default="runs/soak",
+        help="the soak run's directory; a previous soak there is replaced (busctl up --overwrite)",
+    )
     ap.add_argument("--max-steps", type=int, default=0, help="0: max(60, one per 2 s of the soak)")
     ap.add_argument("--seed", type=int, default=16)
-    ap.add_argument("--transport", choices=("ipc", "tcp"), default="ipc",
-                    help="tcp: bus.transport=tcp with CurveZMQ keys (and metrics TLS) made by busctl keys beside RUN_DIR")
+    ap.add_argument(
+        "--transport",
+        choices=("ipc", "tcp"),
+        default="ipc",
+        help="tcp: bus.transport=tcp with CurveZMQ keys (and metrics TLS) made by busctl keys beside RUN_DIR",
+    )
     ap.add_argument("--base-port", type=int, default=6550, help="bus.base_port with --transport tcp")
     ap.add_argument("--out", default="", help="JSON file (default: RUN_DIR/soak.json)")
     ap.add_argument("overrides", nargs="*", help="config overrides, key=value")
@@ -175,8 +200,20 @@ def main(argv: list[str] | None = None) -> dict:
         if not (keys_dir / "tls").is_dir():
             subprocess.run([sys.executable, "-m", "busctl", "keys", str(keys_dir)], check=True)
         transport = ["bus.transport=tcp", f"bus.curve_keys_dir={keys_dir}", f"bus.base_port={args.base_port}"]
-    cmd = [sys.executable, "-m", "busctl", "up", "--overwrite", args.config, f"run_dir={run_dir}", f"trainer.max_steps={max_steps}",
-           *FAST_FAILURE_DETECTION, "supervisor.max_restarts=1000", *transport, *args.overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "busctl",
+        "up",
+        "--overwrite",
+        args.config,
+        f"run_dir={run_dir}",
+        f"trainer.max_steps={max_steps}",
+        *FAST_FAILURE_DETECTION,
+        "supervisor.max_restarts=1000",
+        *transport,
+        *args.overrides,
+    ]
     started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     output: list[str] = []
@@ -224,11 +261,16 @@ def main(argv: list[str] | None = None) -> dict:
             os.killpg(proc.pid, signal.SIGKILL)
     status = components(run_dir)
     result = {
-        "minutes_killing": args.minutes, "wall_s": round(time.monotonic() - started, 1), "max_steps": max_steps,
-        "exit_code": proc.returncode, "kinds": KINDS, "packer_killed": "packer" in KINDS,
+        "minutes_killing": args.minutes,
+        "wall_s": round(time.monotonic() - started, 1),
+        "max_steps": max_steps,
+        "exit_code": proc.returncode,
+        "kinds": KINDS,
+        "packer_killed": "packer" in KINDS,
         "kills": {kind: sum(1 for k in kills if k["kind"] == kind) for kind in KINDS},
         "restarts": {name: c.get("restarts", 0) for name, c in status.items()},
-        "transport": args.transport, "curve": keys_dir is not None,
+        "transport": args.transport,
+        "curve": keys_dir is not None,
         "garbage_frames_sent": garbage.sent if "garbage" in locals() else {},
         "metrics_probes_without_certificate": probes,
         **restart_costs(kills, progress),

@@ -38,7 +38,9 @@ BURST = 50
 def load_fuzz():
     """``tests/bus/fuzz.py`` as module ``fuzz`` (it is not a package module)."""
     if "fuzz" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("fuzz", Path(__file__).resolve().parents[1] / "tests" / "bus" / "fuzz.py")
+        spec = importlib.util.spec_from_file_location(
+            "fuzz", Path(__file__).resolve().parents[1] / "tests" / "bus" / "fuzz.py"
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules["fuzz"] = module
         spec.loader.exec_module(module)
@@ -57,7 +59,10 @@ def targets(num_producers: int) -> list[tuple[str, int, int, object]]:
         ("control_pub", 0, zmq.PUB, fuzz.HostileMessages(102, None)),
         ("weights", 0, zmq.DEALER, fuzz.HostileMessages(107, None)),
     ]
-    out += [("rollouts", i, zmq.DEALER, fuzz.HostileEnvelopes(105 + 10 * i, "outbox", (RolloutGroup,))) for i in range(num_producers)]
+    out += [
+        ("rollouts", i, zmq.DEALER, fuzz.HostileEnvelopes(105 + 10 * i, "outbox", (RolloutGroup,)))
+        for i in range(num_producers)
+    ]
     return out
 
 
@@ -84,7 +89,7 @@ class Garbage(threading.Thread):
         self.senders: list[tuple[str, zmq.Socket, list]] = []
         for topic, index, kind, gen in targets(num_producers):
             frames = gen.take(2000)
-            for label in (["authenticated", "plaintext"] if curve else ["plaintext"]):
+            for label in ["authenticated", "plaintext"] if curve else ["plaintext"]:
                 sock = self.ctx.socket(kind)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.RCVHWM, 1)
@@ -122,8 +127,10 @@ def probe_metrics(host: str, port: int, timeout_s: float = 3.0) -> dict[str, boo
     answered = {}
     no_verify = ssl.create_default_context()
     no_verify.check_hostname, no_verify.verify_mode = False, ssl.CERT_NONE
-    for name, make in (("https_no_cert", lambda: http.client.HTTPSConnection(host, port, timeout=timeout_s, context=no_verify)),
-                       ("http", lambda: http.client.HTTPConnection(host, port, timeout=timeout_s))):
+    for name, make in (
+        ("https_no_cert", lambda: http.client.HTTPSConnection(host, port, timeout=timeout_s, context=no_verify)),
+        ("http", lambda: http.client.HTTPConnection(host, port, timeout=timeout_s)),
+    ):
         conn = make()
         try:
             conn.request("GET", "/metrics")

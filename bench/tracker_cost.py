@@ -48,8 +48,12 @@ def measure(run_dir: Path, tracker: str, work: Path) -> dict:
     env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT)}
     env.pop("MLFLOW_TRACKING_URI", None)
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "trackers", "--run-dir", str(copy), "--poll-s", "0.2"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trackers", "--run-dir", str(copy), "--poll-s", "0.2"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     state_path = copy / "trackers" / "state.json"
     deadline = start + 600
     while time.monotonic() < deadline:  # until every file was read to its end
@@ -65,8 +69,14 @@ def measure(run_dir: Path, tracker: str, work: Path) -> dict:
     wall = time.monotonic() - start
     state = json.loads(state_path.read_text())
     steps = sum(1 for line in (copy / "metrics.jsonl").open() if '"eval/' not in line)
-    return {"tracker": tracker, "cpu_s": round(usage.ru_utime + usage.ru_stime, 2), "wall_s": round(wall, 2),
-            "step_records": steps, "failed": state.get("failed", {}), "exit": os.waitstatus_to_exitcode(status)}
+    return {
+        "tracker": tracker,
+        "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
+        "wall_s": round(wall, 2),
+        "step_records": steps,
+        "failed": state.get("failed", {}),
+        "exit": os.waitstatus_to_exitcode(status),
+    }
 
 
 def main() -> None:

@@ -75,8 +75,14 @@ print(json.dumps({"median_s": statistics.median(times), "micro_batches": len(mic
 def one_run(tree: Path, shape: str, steps: int) -> float:
     """The median step seconds of one fresh-interpreter run in ``tree``."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    proc = subprocess.run([sys.executable, "-c", _ONE_RUN, json.dumps(SHAPES[shape]), str(steps)], cwd=tree, env=env,
-                          capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _ONE_RUN, json.dumps(SHAPES[shape]), str(steps)],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(proc.stdout.strip().splitlines()[-1])["median_s"]
 
 
@@ -94,8 +100,10 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
             results[name].append(one_run(tree, args.shape, args.steps))
     print("| tree | shape | runs | median step s | run medians |\n|---|---|---|---|---|")
     for name, medians in results.items():
-        print(f"| {name} | {args.shape} | {len(medians)} | {statistics.median(medians):.3f} | "
-              f"{', '.join(f'{m:.3f}' for m in medians)} |")
+        print(
+            f"| {name} | {args.shape} | {len(medians)} | {statistics.median(medians):.3f} | "
+            f"{', '.join(f'{m:.3f}' for m in medians)} |"
+        )
     return results
 
 

@@ -78,8 +78,9 @@ def _trl_reward_fn(fn: Any, name: str, log: dict[str, int]) -> Any:
     lengths of the ``prompt_tokens`` column), read by the step callback.
     """
 
-    def reward(prompts: list, completions: list, completion_ids: list, info_json: list[str],
-               prompt_tokens: list[int], **_: Any) -> list[float]:
+    def reward(
+        prompts: list, completions: list, completion_ids: list, info_json: list[str], prompt_tokens: list[int], **_: Any
+    ) -> list[float]:
         log["completion_tokens"] = sum(len(ids) for ids in completion_ids)
         log["num_tokens"] = log["completion_tokens"] + sum(prompt_tokens)
         return [float(fn(c[-1]["content"], json.loads(i))) for c, i in zip(completions, info_json, strict=True)]
@@ -113,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     task = get_task(cfg.task.name, cfg.task)
 
     def prompt_len(messages: list[dict]) -> int:
-        return len(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"])
+        return len(
+            tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)[
+                "input_ids"
+            ]
+        )
 
     rows = []
     for ex in load_task_examples(task, "train", steps * batch // group, cfg.task.seed):
@@ -133,15 +138,41 @@ def main(argv: list[str] | None = None) -> int:
 
     opt = cfg.trainer.optim
     args = GRPOConfig(
-        output_dir=ns.out_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-        max_steps=steps, per_device_train_batch_size=batch, gradient_accumulation_steps=1, num_generations=group,
-        steps_per_generation=1, num_iterations=1, max_completion_length=cfg.sampling.max_tokens,
-        temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=0,
-        learning_rate=opt.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=opt.weight_decay,
-        adam_beta1=opt.betas[0], adam_beta2=opt.betas[1], max_grad_norm=opt.max_grad_norm, optim="adamw_torch",
-        beta=0.0, loss_type="dapo", scale_rewards="group", reward_weights=weights, shuffle_dataset=False,
-        seed=cfg.trainer.seed, logging_steps=10, report_to="none", save_strategy="no", disable_tqdm=True,
-        dataloader_num_workers=0, eval_strategy="no",
+        output_dir=ns.out_dir,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        max_steps=steps,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        num_generations=group,
+        steps_per_generation=1,
+        num_iterations=1,
+        max_completion_length=cfg.sampling.max_tokens,
+        temperature=cfg.sampling.temperature,
+        top_p=cfg.sampling.top_p,
+        top_k=0,
+        learning_rate=opt.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=opt.weight_decay,
+        adam_beta1=opt.betas[0],
+        adam_beta2=opt.betas[1],
+        max_grad_norm=opt.max_grad_norm,
+        optim="adamw_torch",
+        beta=0.0,
+        loss_type="dapo",
+        scale_rewards="group",
+        reward_weights=weights,
+        shuffle_dataset=False,
+        seed=cfg.trainer.seed,
+        logging_steps=10,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        eval_strategy="no",
     )
 
     class Probe(TrainerCallback):
@@ -155,14 +186,23 @@ def main(argv: list[str] | None = None) -> int:
             was_training = m.training
             m.eval()
             for name, examples, conversations, terms in eval_sets:
-                texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+                texts = [
+                    tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations
+                ]
                 enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
                 with torch.no_grad():
                     out = m.generate(**enc, generation_config=self.trainer.generation_config)
-                texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+                texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
                 rewards = [_combined_reward(terms, text, ex["info"]) for text, ex in zip(texts, examples, strict=True)]
-                events.write({"t": time.time(), "kind": "eval", "step": step, "task": name,
-                              "reward_mean": sum(rewards) / len(rewards)})
+                events.write(
+                    {
+                        "t": time.time(),
+                        "kind": "eval",
+                        "step": step,
+                        "task": name,
+                        "reward_mean": sum(rewards) / len(rewards),
+                    }
+                )
             m.train(was_training)
 
         def on_train_begin(self, args, state, control, **kw):
@@ -170,14 +210,27 @@ def main(argv: list[str] | None = None) -> int:
 
         def on_step_end(self, args, state, control, **kw):
             step = state.global_step
-            events.write({"t": time.time(), "kind": "step", "step": step, "num_tokens": token_log.get("num_tokens"),
-                          "completion_tokens": token_log.get("completion_tokens")})
+            events.write(
+                {
+                    "t": time.time(),
+                    "kind": "step",
+                    "step": step,
+                    "num_tokens": token_log.get("num_tokens"),
+                    "completion_tokens": token_log.get("completion_tokens"),
+                }
+            )
             if step == steps or (ns.eval_every and step % ns.eval_every == 0):
                 self.evaluate(step)
 
     probe = Probe()
-    trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[probe])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward_funcs,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[probe],
+    )
     probe.trainer = trainer
     trainer.train()
     return 0

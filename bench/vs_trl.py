@@ -46,14 +46,23 @@ POLL_S = 0.05
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.vs_trl", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default=str(REPO_ROOT / "configs" / "reverse_text.yaml"), help="rlbus config of the job")
+    ap.add_argument(
+        "--config", default=str(REPO_ROOT / "configs" / "reverse_text.yaml"), help="rlbus config of the job"
+    )
     ap.add_argument("--rounds", type=int, default=1, help="rounds of (TRL, rlbus); more rounds alternate the arms")
-    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per arm (default: the config's trainer.max_steps)")
+    ap.add_argument(
+        "--steps", type=int, default=None, help="optimizer steps per arm (default: the config's trainer.max_steps)"
+    )
     ap.add_argument("--eval-every", type=int, default=25, help="eval every this many steps in both arms")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the TRL arm and of the matmul measurement")
     ap.add_argument("--steady-skip", type=float, default=0.1, help="fraction of the first steps left out of samples/s")
-    ap.add_argument("--rlbus-override", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra busctl override for the rlbus arm only (repeatable); the TRL arm ignores it")
+    ap.add_argument(
+        "--rlbus-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra busctl override for the rlbus arm only (repeatable); the TRL arm ignores it",
+    )
     ap.add_argument("--arm-timeout", type=float, default=3600.0, help="seconds before an arm is stopped")
     ap.add_argument("--work-dir", default=None, help="run directories and logs (default runs/vs_trl/STAMP)")
     ap.add_argument("--out", default=None, help="JSON results (default bench/results/vs_trl-STAMP.json)")
@@ -72,7 +81,9 @@ def resolve_policy(cfg: Any) -> Path:
 
     m = cfg.model
     cache = Path(m.cache_dir) if Path(m.cache_dir).is_absolute() else REPO_ROOT / m.cache_dir
-    return Path(ensure_policy(cache, sft_steps=m.sft_steps, sft_target_loss=m.sft_target_loss, seed=cfg.trainer.seed)).resolve()
+    return Path(
+        ensure_policy(cache, sft_steps=m.sft_steps, sft_target_loss=m.sft_target_loss, seed=cfg.trainer.seed)
+    ).resolve()
 
 
 def _env(threads: int | None) -> dict[str, str]:
@@ -112,9 +123,25 @@ def run_trl(ns: argparse.Namespace, policy: Path, steps: int, work: Path) -> tup
     """One TRL arm; returns ``(launch epoch s, events)``."""
     work.mkdir(parents=True)
     events_path, log = work / "events.jsonl", work / "trl.log"
-    cmd = [sys.executable, "-m", "bench.trl_arm", "--config", ns.config, "--policy", str(policy), "--events",
-           str(events_path), "--out-dir", str(work / "trl_output"), "--steps", str(steps),
-           "--eval-every", str(ns.eval_every), "--threads", str(ns.threads)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.trl_arm",
+        "--config",
+        ns.config,
+        "--policy",
+        str(policy),
+        "--events",
+        str(events_path),
+        "--out-dir",
+        str(work / "trl_output"),
+        "--steps",
+        str(steps),
+        "--eval-every",
+        str(ns.eval_every),
+        "--threads",
+        str(ns.threads),
+    ]
     with open(log, "wb") as out:
         launch = time.time()
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=_env(ns.threads), stdout=out, stderr=subprocess.STDOUT)
@@ -151,8 +178,15 @@ def metrics_events(record: dict, t: float, eval_key: str) -> list[Event]:
     ``eval_key`` an eval; anything else none."""
     out: list[Event] = []
     if "loss" in record:
-        out.append({"t": t, "kind": "step", "step": int(record["step"]), "num_tokens": record.get("num_tokens"),
-                    "completion_tokens": record.get("num_loss_tokens")})
+        out.append(
+            {
+                "t": t,
+                "kind": "step",
+                "step": int(record["step"]),
+                "num_tokens": record.get("num_tokens"),
+                "completion_tokens": record.get("num_loss_tokens"),
+            }
+        )
     if eval_key in record:
         out.append({"t": t, "kind": "eval", "step": int(record["step"]), "reward_mean": float(record[eval_key])})
     return out
@@ -162,8 +196,17 @@ def run_rlbus(ns: argparse.Namespace, eval_task: str, steps: int, work: Path) ->
     """One rlbus arm (``busctl up`` with a fresh run_dir); returns ``(launch epoch s, events)``."""
     work.mkdir(parents=True)
     run_dir, log = work / "run", work / "busctl.log"
-    cmd = [sys.executable, "-m", "busctl", "up", ns.config, f"trainer.max_steps={steps}",
-           f"eval.interval={ns.eval_every}", f"run_dir={run_dir}", *ns.rlbus_override]
+    cmd = [
+        sys.executable,
+        "-m",
+        "busctl",
+        "up",
+        ns.config,
+        f"trainer.max_steps={steps}",
+        f"eval.interval={ns.eval_every}",
+        f"run_dir={run_dir}",
+        *ns.rlbus_override,
+    ]
     tail = MetricsTail(run_dir / "metrics.jsonl", eval_task)
     with open(log, "wb") as out:
         launch = time.time()
@@ -207,38 +250,77 @@ def main(argv: list[str] | None = None) -> int:
     mm = matmul_gflops(ns.threads)
     if batches["trl"] != batch:
         print(f"warning: --rlbus-override changes the batch ({batches['trl']} for TRL, {batch} for rlbus)", flush=True)
-    print(f"policy {policy} ({num_params:,} parameters); fp32 matmul {mm['gflops']:.1f} GFLOP/s at {ns.threads} threads; "
-          f"{steps} steps x {batch} samples, eval every {ns.eval_every}; work dir {work}", flush=True)
+    print(
+        f"policy {policy} ({num_params:,} parameters); fp32 matmul {mm['gflops']:.1f} GFLOP/s at {ns.threads} threads; "
+        f"{steps} steps x {batch} samples, eval every {ns.eval_every}; work dir {work}",
+        flush=True,
+    )
     rounds: list[dict[str, Any]] = []
     for r in range(ns.rounds):
-        for arm, runner in (("trl", lambda w: run_trl(ns, policy, steps, w)), ("rlbus", lambda w: run_rlbus(ns, eval_task, steps, w))):
+        for arm, runner in (
+            ("trl", lambda w: run_trl(ns, policy, steps, w)),
+            ("rlbus", lambda w: run_rlbus(ns, eval_task, steps, w)),
+        ):
             print(f"round {r + 1}/{ns.rounds}: {arm} ...", flush=True)
             launch, events = runner(work / f"round{r + 1}-{arm}")
             events = [e for e in events if e["kind"] == "step" or e.get("task", eval_task) == eval_task]
             summary = summarize_arm(events, launch, batches[arm], steady_skip=ns.steady_skip)
-            print(f"  {arm}: {summary['samples_per_s']:.1f} samples/s, first step {summary['first_step_s']}, "
-                  f"eval {summary['eval_step0']} -> {summary['eval_final']}", flush=True)
+            print(
+                f"  {arm}: {summary['samples_per_s']:.1f} samples/s, first step {summary['first_step_s']}, "
+                f"eval {summary['eval_step0']} -> {summary['eval_final']}",
+                flush=True,
+            )
             rounds.append({"round": r + 1, "arm": arm, "launch_t": launch, "summary": summary, "events": events})
     agg = {arm: aggregate([x["summary"] for x in rounds if x["arm"] == arm]) for arm in ("trl", "rlbus")}
     # generation runs the policy over every prompt token (prefill) and every completion token once
     t_train = t_gen = agg["rlbus"]["mean_tokens_per_step"]
     flops = step_flops(num_params, t_train, t_gen)
-    floor = {"gflops": mm["gflops"], "matmul": mm, "num_params": num_params, "train_tokens_per_step": t_train,
-             "gen_tokens_per_step": t_gen, "flops_per_step": flops, "samples_per_s": floor_samples_per_s(batch, flops, mm["gflops"])}
+    floor = {
+        "gflops": mm["gflops"],
+        "matmul": mm,
+        "num_params": num_params,
+        "train_tokens_per_step": t_train,
+        "gen_tokens_per_step": t_gen,
+        "flops_per_step": flops,
+        "samples_per_s": floor_samples_per_s(batch, flops, mm["gflops"]),
+    }
     table = markdown_table(agg["trl"], agg["rlbus"], floor)
-    ratios = {k: (agg["rlbus"][k] / agg["trl"][k] if agg["rlbus"][k] is not None and agg["trl"][k] else None)
-              for k in ("samples_per_s", "first_step_s", "eval_target_s", "eval_final")}
+    ratios = {
+        k: (agg["rlbus"][k] / agg["trl"][k] if agg["rlbus"][k] is not None and agg["trl"][k] else None)
+        for k in ("samples_per_s", "first_step_s", "eval_target_s", "eval_final")
+    }
     ratios["samples_per_s_over_floor"] = agg["rlbus"]["samples_per_s"] / floor["samples_per_s"]
     import trl
 
-    result = {"date": stamp, "argv": sys.argv, "config": ns.config, "steps": steps, "batch": batches, "eval_every": ns.eval_every,
-              "steady_skip": ns.steady_skip, "rlbus_overrides": ns.rlbus_override, "policy": str(policy),
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__, "trl": trl.__version__},
-              "floor": floor, "aggregate": agg, "ratios": ratios, "rounds": rounds, "table": table}
+    result = {
+        "date": stamp,
+        "argv": sys.argv,
+        "config": ns.config,
+        "steps": steps,
+        "batch": batches,
+        "eval_every": ns.eval_every,
+        "steady_skip": ns.steady_skip,
+        "rlbus_overrides": ns.rlbus_override,
+        "policy": str(policy),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "trl": trl.__version__,
+        },
+        "floor": floor,
+        "aggregate": agg,
+        "ratios": ratios,
+        "rounds": rounds,
+        "table": table,
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
-    print(f"\n{table}\n\nrlbus/TRL samples/s {ratios['samples_per_s']:.2f}, rlbus/floor {ratios['samples_per_s_over_floor']:.2f}; "
-          f"results in {out}", flush=True)
+    print(
+        f"\n{table}\n\nrlbus/TRL samples/s {ratios['samples_per_s']:.2f}, rlbus/floor {ratios['samples_per_s_over_floor']:.2f}; "
+        f"results in {out}",
+        flush=True,
+    )
     return 0
 
 

@@ -48,8 +48,9 @@ def _evals(events: list[Event]) -> list[Event]:
     return sorted((e for e in events if e["kind"] == "eval"), key=lambda e: e["step"])
 
 
-def summarize_arm(events: list[Event], launch_t: float, batch: int, *, steady_skip: float = 0.1,
-                  eval_delta: float = 0.15) -> dict[str, Any]:
+def summarize_arm(
+    events: list[Event], launch_t: float, batch: int, *, steady_skip: float = 0.1, eval_delta: float = 0.15
+) -> dict[str, Any]:
     """The measures of one arm's run (see the module docstring for each definition).
 
     Args:
@@ -77,7 +78,9 @@ def summarize_arm(events: list[Event], launch_t: float, batch: int, *, steady_sk
     s0 = max(1, math.ceil(steady_skip * last["step"]))
     start = next((e for e in steps if e["step"] >= s0), None)
     if start is None or start["step"] >= last["step"] or last["t"] <= start["t"]:
-        raise ValueError(f"need at least two steps from step {s0} on to measure a rate, have steps up to {last['step']}")
+        raise ValueError(
+            f"need at least two steps from step {s0} on to measure a rate, have steps up to {last['step']}"
+        )
     rate = batch * (last["step"] - start["step"]) / (last["t"] - start["t"])
     evals = _evals(events)
     base = next((e["reward_mean"] for e in evals if e["step"] == 0), None)

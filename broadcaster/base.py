@@ -66,8 +66,9 @@ class WeightSender(ABC):
         """Get ready to send (the broadcast method forms its group here; blocks). Default: nothing."""
 
     @abstractmethod
-    def start_send(self, state_dict: Mapping[str, torch.Tensor], version: int,
-                   manifest: list[list] | None = None) -> dict:
+    def start_send(
+        self, state_dict: Mapping[str, torch.Tensor], version: int, manifest: list[list] | None = None
+    ) -> dict:
         """Start sending `state_dict` as policy `version`; returns its info dict (the announcement's
         keys plus `bucket_bytes`, `blocked_s`). See the subclasses for what "start" means.
 
@@ -86,8 +87,13 @@ class WeightSender(ABC):
     def close(self) -> None:
         """Release what `open` and the transfers hold (idempotent). Default: nothing."""
 
-    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int, announce: Announce,
-                manifest: list[list] | None = None) -> dict:
+    def publish(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        version: int,
+        announce: Announce,
+        manifest: list[list] | None = None,
+    ) -> dict:
         """Send `state_dict` as `version` and `announce` it, in the order this method needs (the
         module docstring); returns `start_send`'s info. `manifest`: as for `start_send` (its
         dtypes are the wire dtypes; None: `self.manifest(state_dict)`). Raises as `start_send`."""

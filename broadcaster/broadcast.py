@@ -71,7 +71,7 @@ _POLL_S = 0.001
 
 
 def resolve_backend(backend: Backend) -> Literal["gloo", "nccl"]:
-    """"auto" -> nccl if CUDA is available else gloo."""
+    """ "auto" -> nccl if CUDA is available else gloo."""
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     if backend not in ("gloo", "nccl"):
@@ -132,9 +132,14 @@ class SendBuffers:
         buckets = plan_buckets(manifest, bucket_bytes)
         flats = [torch.empty(b.numel, dtype=b.dtype, device=device) for b in buckets]
         per_bucket = [bucket_views(b, f) for b, f in zip(buckets, flats, strict=True)]
-        return cls(manifest, flats, [[n for n, _ in entries] for entries in per_bucket],
-                   [[v for _, v in entries] for entries in per_bucket],
-                   {n: v for entries in per_bucket for n, v in entries}, manifest_num_bytes(manifest))
+        return cls(
+            manifest,
+            flats,
+            [[n for n, _ in entries] for entries in per_bucket],
+            [[v for _, v in entries] for entries in per_bucket],
+            {n: v for entries in per_bucket for n, v in entries},
+            manifest_num_bytes(manifest),
+        )
 
 
 class BroadcastSender(WeightSender):
@@ -205,11 +210,22 @@ class BroadcastSender(WeightSender):
         if self.backend == "gloo":
             pin_gloo_interface(self.host)  # the interface facing the producers, not the loopback
         self._group = stateless_init_torch_distributed_process_group(
-            self.host, self.port, 0, self.world_size, backend=self.backend, timeout=timeout,
+            self.host,
+            self.port,
+            0,
+            self.world_size,
+            backend=self.backend,
+            timeout=timeout,
             listen_socket=listen_socket,
         )
-        logger.info("weight group %s:%d up, world_size %d (%s), %.2f s", self.host, self.port,
-                    self.world_size, self.backend, time.perf_counter() - start)
+        logger.info(
+            "weight group %s:%d up, world_size %d (%s), %.2f s",
+            self.host,
+            self.port,
+            self.world_size,
+            self.backend,
+            time.perf_counter() - start,
+        )
 
     def close(self) -> None:
         """Wait for an in-flight transfer (its collectives time out after `timeout_s`), tear the
@@ -247,8 +263,9 @@ class BroadcastSender(WeightSender):
         return transfer is not None and all(w.is_completed() for w in transfer.works)
 
     @torch.no_grad()
-    def start_send(self, state_dict: Mapping[str, torch.Tensor], version: int,
-                   manifest: list[list] | None = None) -> dict:
+    def start_send(
+        self, state_dict: Mapping[str, torch.Tensor], version: int, manifest: list[list] | None = None
+    ) -> dict:
         """Start sending `state_dict` as policy `version`; returns what to announce.
 
         `manifest`: `self.manifest(state_dict)` if the caller already built it (to announce it),
@@ -267,8 +284,14 @@ class BroadcastSender(WeightSender):
         """
         start = time.perf_counter()
         manifest = self.manifest(state_dict) if manifest is None else manifest
-        info = {"method": self.method, "version": version, "manifest": manifest, "path": None,
-                "num_bytes": 0, "bucket_bytes": self.bucket_bytes}
+        info = {
+            "method": self.method,
+            "version": version,
+            "manifest": manifest,
+            "path": None,
+            "num_bytes": 0,
+            "bucket_bytes": self.bucket_bytes,
+        }
         if self._group is None:
             raise RuntimeError("send() before init_group()")
         self.wait()  # the previous transfer must be done before its buffers are refilled
@@ -306,20 +329,33 @@ class BroadcastSender(WeightSender):
         self.last_transfer = {**transfer.info, "transfer_s": transfer.done_at - transfer.issued_at}
         return self.last_transfer
 
-    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int, announce: Announce,
-                manifest: list[list] | None = None) -> dict:
+    def publish(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        version: int,
+        announce: Announce,
+        manifest: list[list] | None = None,
+    ) -> dict:
         """Announce `version` first (producers join the collective on the announcement), then
         `start_send` it; returns `start_send`'s info. Raises as `start_send`."""
         manifest = self.manifest(state_dict) if manifest is None else manifest
-        announce({"method": self.method, "version": version, "manifest": manifest, "path": None,
-                  "num_bytes": manifest_num_bytes(manifest)})
+        announce(
+            {
+                "method": self.method,
+                "version": version,
+                "manifest": manifest,
+                "path": None,
+                "num_bytes": manifest_num_bytes(manifest),
+            }
+        )
         return self.start_send(state_dict, version, manifest)
 
     def _buffers(self, manifest: list[list]) -> SendBuffers:
         """The send buffers of `manifest` (allocated and planned on its first send, then reused)."""
         if self._send_buffers is None or self._send_buffers.manifest != manifest:
-            device = torch.device("cuda", torch.cuda.current_device()) \
-                if self.backend == "nccl" else torch.device("cpu")
+            device = (
+                torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+            )
             self._send_buffers = SendBuffers.allocate(manifest, self.bucket_bytes, device)
         return self._send_buffers
 
@@ -342,9 +378,20 @@ class BroadcastReceiver(WeightReceiver):
 
     method: ClassVar[str] = "broadcast"
 
-    def __init__(self, engine: Any, *, host: str, port: int, rank: int, world_size: int,
-                 backend: Backend = "auto", timeout_s: float | None = None, in_group: bool = True,
-                 name: str = "", reform_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        backend: Backend = "auto",
+        timeout_s: float | None = None,
+        in_group: bool = True,
+        name: str = "",
+        reform_timeout_s: float | None = None,
+    ) -> None:
         self.engine = engine
         self.host, self.port, self.rank, self.world_size = host, port, rank, world_size
         self.backend = resolve_backend(backend)
@@ -362,8 +409,14 @@ class BroadcastReceiver(WeightReceiver):
     async def join(self) -> None:
         """Join the trainer's group (blocks until every rank is there); nothing if not `in_group`."""
         if self.in_group:
-            await self.engine.init_weight_group(self.host, self.port, rank=self.rank, world_size=self.world_size,
-                                                backend=self.backend, timeout_s=self.timeout_s)
+            await self.engine.init_weight_group(
+                self.host,
+                self.port,
+                rank=self.rank,
+                world_size=self.world_size,
+                backend=self.backend,
+                timeout_s=self.timeout_s,
+            )
 
     async def regroup(self, msg: Any, ack: Callable[[], None]) -> bool:
         """Move to the group `msg` (a `bus.messages_weights.WeightGroup`) announces: leave the old
@@ -386,16 +439,32 @@ class BroadcastReceiver(WeightReceiver):
         if rank is None:
             if self.name not in msg.filesystem:  # unknown to this trainer: ask like a newcomer
                 self.generation = None
-            logger.info("weight group %d re-formed without %s: filesystem announcements only%s", msg.generation,
-                        self.name, "" if self.generation is not None else " (not listed: asking to join)")
+            logger.info(
+                "weight group %d re-formed without %s: filesystem announcements only%s",
+                msg.generation,
+                self.name,
+                "" if self.generation is not None else " (not listed: asking to join)",
+            )
             return False
         ack()
         try:
-            await self.engine.init_weight_group(msg.host, msg.port, rank=rank, world_size=msg.world_size,
-                                                backend=self.backend, timeout_s=self.reform_timeout_s)
+            await self.engine.init_weight_group(
+                msg.host,
+                msg.port,
+                rank=rank,
+                world_size=msg.world_size,
+                backend=self.backend,
+                timeout_s=self.reform_timeout_s,
+            )
         except Exception as exc:
-            logger.error("could not join weight group %d at %s:%d (%s: %s); filesystem announcements only",
-                         msg.generation, msg.host, msg.port, type(exc).__name__, exc)
+            logger.error(
+                "could not join weight group %d at %s:%d (%s: %s); filesystem announcements only",
+                msg.generation,
+                msg.host,
+                msg.port,
+                type(exc).__name__,
+                exc,
+            )
             return False
         self.in_group, self.expects_resend = True, True
         logger.info("joined weight group %d as rank %d/%d", msg.generation, rank, msg.world_size)

@@ -34,14 +34,18 @@ class BucketReceiver:
         ValueError: a malformed manifest or bucket size (`plan_buckets`).
     """
 
-    def __init__(self, manifest: Sequence[Sequence], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, manifest: Sequence[Sequence], bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: torch.device | str = "cpu"
+    ) -> None:
         self.key = (repr(manifest), int(bucket_bytes))
         self.bucket_bytes = int(bucket_bytes)
         self.buckets = plan_buckets(manifest, bucket_bytes)
         self.flats = [torch.empty(b.numel, dtype=b.dtype, device=device) for b in self.buckets]
-        self._views = {name: view for bucket, flat in zip(self.buckets, self.flats, strict=True)
-                       for name, view in bucket_views(bucket, flat)}
+        self._views = {
+            name: view
+            for bucket, flat in zip(self.buckets, self.flats, strict=True)
+            for name, view in bucket_views(bucket, flat)
+        }
         self.num_bytes = sum(f.numel() * f.element_size() for f in self.flats)
 
     def matches(self, manifest: Sequence[Sequence], bucket_bytes: int) -> bool:

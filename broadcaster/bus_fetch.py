@@ -95,8 +95,16 @@ class BusFetcher:
         ValueError: a bad `window` or `retry_s`, or unusable keys (`bus.auth.CurveKeys.load`).
     """
 
-    def __init__(self, address: str, *, producer: str = "", keys_dir: str = "", client: str = "",
-                 window: int = DEFAULT_WINDOW, retry_s: float = DEFAULT_RETRY_S) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        producer: str = "",
+        keys_dir: str = "",
+        client: str = "",
+        window: int = DEFAULT_WINDOW,
+        retry_s: float = DEFAULT_RETRY_S,
+    ) -> None:
         if not 1 <= window <= 64:
             raise ValueError(f"window must be in 1..64 buckets, got {window}")
         if retry_s <= 0:
@@ -131,10 +139,14 @@ class BusFetcher:
         while missing:
             now = time.monotonic()
             if now > deadline:
-                raise TimeoutError(f"weights version {target} over the bus: {len(missing)} of {n} buckets missing after "
-                                   f"{timeout_s} s from {self.address} (rejected on the way: {dict(rejected)})")
+                raise TimeoutError(
+                    f"weights version {target} over the bus: {len(missing)} of {n} buckets missing after "
+                    f"{timeout_s} s from {self.address} (rejected on the way: {dict(rejected)})"
+                )
             in_flight = sum(1 for k in missing if now - asked.get(k, -np.inf) < self.retry_s)
-            wanted = [k for k in sorted(missing) if now - asked.get(k, -np.inf) >= self.retry_s][:max(self.window - in_flight, 0)]
+            wanted = [k for k in sorted(missing) if now - asked.get(k, -np.inf) >= self.retry_s][
+                : max(self.window - in_flight, 0)
+            ]
             if wanted and self._ask(target, wanted):
                 requests += 1
                 asked.update(dict.fromkeys(wanted, now))
@@ -181,8 +193,11 @@ class BusFetcher:
 
     def _ask(self, version: int, buckets: list[int]) -> bool:
         """Send one request; False if no trainer is connected yet (IMMEDIATE: nothing queues)."""
-        frames = encode(WeightsRequest(id=f"{self.producer}-{version}-{buckets[0]}", producer=self.producer,
-                                       version=version, buckets=buckets))
+        frames = encode(
+            WeightsRequest(
+                id=f"{self.producer}-{version}-{buckets[0]}", producer=self.producer, version=version, buckets=buckets
+            )
+        )
         try:
             self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.Again:

@@ -213,11 +213,21 @@ class WeightServer:
                     BUS_REJECTED.labels("weights", "inconsistent").inc()
                     continue
                 data = served.arrays[index]
-                header, payload = encode(WeightsBucket(
-                    id=f"{served.version}-{index}", version=served.version, index=index, num_buckets=len(served.arrays),
-                    bucket_bytes=served.bucket_bytes, crc32=served.checksum(index), data=data))
+                header, payload = encode(
+                    WeightsBucket(
+                        id=f"{served.version}-{index}",
+                        version=served.version,
+                        index=index,
+                        num_buckets=len(served.arrays),
+                        bucket_bytes=served.bucket_bytes,
+                        crc32=served.checksum(index),
+                        data=data,
+                    )
+                )
                 try:  # ROUTER never blocks: at the peer's HWM (or towards a lost peer) it drops, the peer re-asks
-                    tracker = self.sock.send_multipart([identity, header, payload], flags=zmq.NOBLOCK, copy=False, track=True)
+                    tracker = self.sock.send_multipart(
+                        [identity, header, payload], flags=zmq.NOBLOCK, copy=False, track=True
+                    )
                 except zmq.Again:
                     continue
                 served.trackers.append(tracker)
@@ -242,8 +252,9 @@ class BusSender(WeightSender):
     method: ClassVar[str] = "bus"
     carries_adapter: ClassVar[bool] = True
 
-    def __init__(self, ctx: zmq.Context, address: str, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 retire_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, ctx: zmq.Context, address: str, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, retire_timeout_s: float = 5.0
+    ) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
         if retire_timeout_s < 0:
@@ -268,8 +279,9 @@ class BusSender(WeightSender):
             logger.info("serving weights on %s", self.address)
 
     @torch.no_grad()
-    def start_send(self, state_dict: Mapping[str, torch.Tensor], version: int,
-                   manifest: list[list] | None = None) -> dict:
+    def start_send(
+        self, state_dict: Mapping[str, torch.Tensor], version: int, manifest: list[list] | None = None
+    ) -> dict:
         """Copy `state_dict` into the bucket buffers (cast to the manifest's dtypes) and serve it
         as `version` from now on; returns `{"method", "version", "manifest", "path": None,
         "num_bytes", "bucket_bytes", "blocked_s"}`. Nothing stays in flight: producers pull.
@@ -284,17 +296,27 @@ class BusSender(WeightSender):
         manifest = self.manifest(state_dict) if manifest is None else manifest
         released = self.server.retire(self.retire_timeout_s)
         if not released:
-            logger.warning("frames of the previous weights version still held by ZeroMQ after %.1f s (a peer lost "
-                           "mid-transfer): version %d goes into new buffers", self.retire_timeout_s, version)
+            logger.warning(
+                "frames of the previous weights version still held by ZeroMQ after %.1f s (a peer lost "
+                "mid-transfer): version %d goes into new buffers",
+                self.retire_timeout_s,
+                version,
+            )
         if self._buffers is None or self._buffers.manifest != manifest or not released:
             self._buffers = SendBuffers.allocate(manifest, self.bucket_bytes, torch.device("cpu"))
         buffers = self._buffers
         for views, names in zip(buffers.views, buffers.names, strict=True):
             torch._foreach_copy_(views, [state_dict[name].detach() for name in names])  # casts to the wire dtype
         self.server.serve(version, [flat.view(torch.uint8).numpy() for flat in buffers.flats], self.bucket_bytes)
-        return {"method": self.method, "version": version, "manifest": manifest, "path": None,
-                "num_bytes": buffers.num_bytes, "bucket_bytes": self.bucket_bytes,
-                "blocked_s": time.perf_counter() - start}
+        return {
+            "method": self.method,
+            "version": version,
+            "manifest": manifest,
+            "path": None,
+            "num_bytes": buffers.num_bytes,
+            "bucket_bytes": self.bucket_bytes,
+            "blocked_s": time.perf_counter() - start,
+        }
 
     def close(self) -> None:
         """Stop serving and release the buffers (idempotent)."""
@@ -328,8 +350,15 @@ class BusReceiver(WeightReceiver):
         extension's `receive_weights_bus`); returns the version loaded. Counts what the workers
         received and rejected on the `weights` topic (`rlbus_bus_*{topic="weights"}`)."""
         reports: list[dict] = []
-        kwargs = {"manifest": msg.manifest, "version": msg.version, "address": self.link.address, "producer": self.name,
-                  "keys_dir": self.link.keys_dir, "client": self.link.client, "timeout_s": self.timeout_s}
+        kwargs = {
+            "manifest": msg.manifest,
+            "version": msg.version,
+            "address": self.link.address,
+            "producer": self.name,
+            "keys_dir": self.link.keys_dir,
+            "client": self.link.client,
+            "timeout_s": self.timeout_s,
+        }
         await self.engine.apply_rpc(msg.version, "receive_weights_bus", kwargs, reports=reports)
         for report in reports:
             for reason, count in report["rejected"].items():

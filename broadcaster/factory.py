@@ -60,8 +60,10 @@ def _fallback(cfg: Any) -> str:
 
 def _need_link(bus: BusLink | None, what: str) -> BusLink:
     if bus is None:
-        raise ValueError(f"{what} uses the bus method (broadcast.method or broadcast.fallback: bus): pass bus=BusLink(...) "
-                         "with the run's weights endpoint")
+        raise ValueError(
+            f"{what} uses the bus method (broadcast.method or broadcast.fallback: bus): pass bus=BusLink(...) "
+            "with the run's weights endpoint"
+        )
     return bus
 
 
@@ -84,10 +86,12 @@ def open_rendezvous_warning(cfg: Any) -> str | None:
     except ValueError:
         if cfg.host == "localhost":
             return None
-    return (f"broadcast.method: broadcast rendezvouses at {cfg.host}:{cfg.port or '(picked)'}: torch.distributed's TCPStore "
-            "and the gloo/NCCL connections accept any peer that reaches that address, which could join the group, disturb "
-            "it or read the weights; broadcast.method: bus sends them over the CurveZMQ-authenticated bus "
-            "(docs/operations.md)")
+    return (
+        f"broadcast.method: broadcast rendezvouses at {cfg.host}:{cfg.port or '(picked)'}: torch.distributed's TCPStore "
+        "and the gloo/NCCL connections accept any peer that reaches that address, which could join the group, disturb "
+        "it or read the weights; broadcast.method: bus sends them over the CurveZMQ-authenticated bus "
+        "(docs/operations.md)"
+    )
 
 
 def needs_rendezvous_port(cfg: Any) -> bool:
@@ -103,8 +107,9 @@ def needs_rendezvous_port(cfg: Any) -> bool:
     return _method(cfg) == "broadcast" and cfg.port == 0
 
 
-def build_senders(cfg: Any, *, world_size: int, out_dir: str | Path, restarted: bool = False,
-                  bus: BusLink | None = None) -> tuple[WeightSender, WeightSender | None]:
+def build_senders(
+    cfg: Any, *, world_size: int, out_dir: str | Path, restarted: bool = False, bus: BusLink | None = None
+) -> tuple[WeightSender, WeightSender | None]:
     """The trainer's sender for `cfg.method` and the sender it falls back to (None: none).
 
     Args:
@@ -161,8 +166,9 @@ def build_group_former(cfg: Any) -> GroupFormer | None:
     return GroupFormer(cfg.backend, cfg.host, timeout_s=cfg.reform_timeout_s)
 
 
-def build_receiver(cfg: Any, engine: Any, *, rank: int, world_size: int, in_group: bool,
-                   name: str = "", bus: BusLink | None = None) -> WeightReceiver:
+def build_receiver(
+    cfg: Any, engine: Any, *, rank: int, world_size: int, in_group: bool, name: str = "", bus: BusLink | None = None
+) -> WeightReceiver:
     """The producer's receiver for `cfg.method` (not joined yet: `WeightReceiver.join`).
 
     Args:
@@ -192,7 +198,16 @@ def build_receiver(cfg: Any, engine: Any, *, rank: int, world_size: int, in_grou
     method = _method(cfg)
     if method != "broadcast":
         return make(method)
-    broadcast = BroadcastReceiver(engine, host=cfg.host, port=cfg.port, rank=rank, world_size=world_size,
-                                  backend=cfg.backend, timeout_s=cfg.timeout_s, in_group=in_group, name=name,
-                                  reform_timeout_s=cfg.reform_timeout_s)
+    broadcast = BroadcastReceiver(
+        engine,
+        host=cfg.host,
+        port=cfg.port,
+        rank=rank,
+        world_size=world_size,
+        backend=cfg.backend,
+        timeout_s=cfg.timeout_s,
+        in_group=in_group,
+        name=name,
+        reform_timeout_s=cfg.reform_timeout_s,
+    )
     return FallbackReceiver(broadcast, make(_fallback(cfg)))

@@ -61,8 +61,9 @@ def write_version(
     if is_ready(directory):
         raise ValueError(f"version {version} already written at {directory}; versions must increase")
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {name: state_dict[name].detach().to("cpu", parse_dtype(dtype)).contiguous()
-               for name, dtype, _ in manifest}
+    tensors = {
+        name: state_dict[name].detach().to("cpu", parse_dtype(dtype)).contiguous() for name, dtype, _ in manifest
+    }
     num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     tmp = directory / f".{WEIGHTS_FILE}.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt", "rlbus_version": str(version)})
@@ -78,8 +79,7 @@ def prune_versions(out_dir: Path, keep: int) -> list[Path]:
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     versions = sorted(
-        (int(p.name[1:]), p) for p in Path(out_dir).glob("v*")
-        if p.is_dir() and p.name[1:].isdigit() and is_ready(p)
+        (int(p.name[1:]), p) for p in Path(out_dir).glob("v*") if p.is_dir() and p.name[1:].isdigit() and is_ready(p)
     )
     removed = [p for _, p in versions[:-keep]]
     for p in removed:
@@ -111,8 +111,9 @@ class FilesystemSender(WeightSender):
     def __str__(self) -> str:
         return f"the filesystem method at {self.out_dir}"
 
-    def start_send(self, state_dict: Mapping[str, torch.Tensor], version: int,
-                   manifest: list[list] | None = None) -> dict:
+    def start_send(
+        self, state_dict: Mapping[str, torch.Tensor], version: int, manifest: list[list] | None = None
+    ) -> dict:
         """Write `state_dict` as `version` (synchronously, despite the name; nothing stays in flight).
 
         Returns `{"method", "version", "manifest", "path", "num_bytes", "bucket_bytes": None,
@@ -126,8 +127,15 @@ class FilesystemSender(WeightSender):
         directory, num_bytes = write_version(self.out_dir, version, state_dict, manifest)
         if self.keep_versions is not None:
             prune_versions(self.out_dir, self.keep_versions)
-        return {"method": self.method, "version": version, "manifest": manifest, "path": str(directory),
-                "num_bytes": num_bytes, "bucket_bytes": None, "blocked_s": time.perf_counter() - start}
+        return {
+            "method": self.method,
+            "version": version,
+            "manifest": manifest,
+            "path": str(directory),
+            "num_bytes": num_bytes,
+            "bucket_bytes": None,
+            "blocked_s": time.perf_counter() - start,
+        }
 
 
 class FilesystemReceiver(WeightReceiver):

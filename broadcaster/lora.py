@@ -49,8 +49,12 @@ def merge_lora_delta(
     Raises:
         ValueError: shapes do not chain (`[out, r] @ [r, in]` must equal `base`'s shape).
     """
-    if lora_a.dim() != 2 or lora_b.dim() != 2 or lora_b.shape[1] != lora_a.shape[0] \
-            or tuple(base.shape) != (lora_b.shape[0], lora_a.shape[1]):
+    if (
+        lora_a.dim() != 2
+        or lora_b.dim() != 2
+        or lora_b.shape[1] != lora_a.shape[0]
+        or tuple(base.shape) != (lora_b.shape[0], lora_a.shape[1])
+    ):
         raise ValueError(
             f"LoRA merge: base {list(base.shape)}, lora_A {list(lora_a.shape)}, lora_B {list(lora_b.shape)} "
             "do not chain; need base [out, in], lora_A [r, in], lora_B [out, r]"
@@ -90,8 +94,10 @@ def merged_weights(
     for name, m in adapted.items():  # shapes checked before anything is yielded
         a, b = payload[m + LORA_A_SUFFIX], payload[m + LORA_B_SUFFIX]
         if tuple(base[name].shape) != (b.shape[0], a.shape[1]):
-            raise ValueError(f"LoRA payload for {m!r} makes [{b.shape[0]}, {a.shape[1]}], base {name!r} is "
-                             f"{list(base[name].shape)}; the producer must serve the trainer's base checkpoint")
+            raise ValueError(
+                f"LoRA payload for {m!r} makes [{b.shape[0]}, {a.shape[1]}], base {name!r} is "
+                f"{list(base[name].shape)}; the producer must serve the trainer's base checkpoint"
+            )
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in base.items():
@@ -99,8 +105,12 @@ def merged_weights(
                 yield name, whole[name]
             elif name in adapted:
                 m = adapted[name]
-                yield name, merge_lora_delta(tensor, payload[m + LORA_A_SUFFIX], payload[m + LORA_B_SUFFIX],
-                                             payload[m + LORA_SCALING_SUFFIX])
+                yield (
+                    name,
+                    merge_lora_delta(
+                        tensor, payload[m + LORA_A_SUFFIX], payload[m + LORA_B_SUFFIX], payload[m + LORA_SCALING_SUFFIX]
+                    ),
+                )
             else:
                 yield name, tensor
 

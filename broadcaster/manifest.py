@@ -119,7 +119,7 @@ def build_manifest(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | 
 
 
 def payload_kind(manifest: Sequence[Sequence]) -> str:
-    """"lora" if the manifest carries adapter entries (see the module docstring), else "full"."""
+    """ "lora" if the manifest carries adapter entries (see the module docstring), else "full"."""
     return "lora" if any(is_lora_entry(str(item[0])) for item in manifest) else "full"
 
 
@@ -209,12 +209,9 @@ def plan_buckets(manifest: Sequence[Sequence], bucket_bytes: int = DEFAULT_BUCKE
 def bucket_views(bucket: Bucket, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """(name, view) for each entry of `bucket`, viewing into its flat buffer `flat`."""
     assert flat.numel() == bucket.numel and flat.dtype == bucket.dtype
-    return [(e.name, flat[e.offset:e.offset + e.numel].view(e.shape)) for e in bucket.entries]
+    return [(e.name, flat[e.offset : e.offset + e.numel].view(e.shape)) for e in bucket.entries]
 
 
 def manifest_num_bytes(manifest: Sequence[Sequence]) -> int:
     """Total payload size of the manifest in bytes."""
-    return sum(
-        prod(int(s) for s in shape) * parse_dtype(dtype).itemsize
-        for _, dtype, shape in manifest
-    )
+    return sum(prod(int(s) for s in shape) * parse_dtype(dtype).itemsize for _, dtype, shape in manifest)

@@ -47,7 +47,9 @@ def qerl_sigma_trend(sigma_start: float, sigma_end: float, num_stages: int) -> l
         ValueError: `num_stages < 2`, or a sigma that is not > 0 (the decay is geometric).
     """
     if num_stages < 2:
-        raise ValueError(f"num_stages must be >= 2 (a noise-free first stage + at least one noisy one), got {num_stages}")
+        raise ValueError(
+            f"num_stages must be >= 2 (a noise-free first stage + at least one noisy one), got {num_stages}"
+        )
     if not (sigma_start > 0 and sigma_end > 0):
         raise ValueError(f"sigma_start and sigma_end must be > 0 for a geometric decay, got {sigma_start}, {sigma_end}")
     noisy = num_stages - 1

@@ -60,8 +60,10 @@ class Membership:
     def __post_init__(self) -> None:
         names = [*self.members, *self.filesystem]
         if len(set(names)) != len(names):
-            raise ValueError(f"members {list(self.members)} and filesystem {list(self.filesystem)} must be "
-                             "disjoint, without duplicates")
+            raise ValueError(
+                f"members {list(self.members)} and filesystem {list(self.filesystem)} must be "
+                "disjoint, without duplicates"
+            )
 
     def next(self, *, add: Iterable[str] = (), drop: Iterable[str] = ()) -> "Membership":
         """The membership of the next generation: `add` joins the broadcast members (after the
@@ -113,15 +115,17 @@ class GroupFormer:
         ValueError: `timeout_s <= 0` or an unknown backend.
     """
 
-    def __init__(self, backend: Backend, host: str, *, timeout_s: float,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    def __init__(
+        self, backend: Backend, host: str, *, timeout_s: float, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"reform timeout must be > 0 seconds, got {timeout_s}")
         BroadcastSender(backend, host, 1, 2)  # validates the backend (nothing is opened)
         self.backend, self.host, self.timeout_s, self.bucket_bytes = backend, host, timeout_s, bucket_bytes
 
-    def form(self, membership: Membership, announce: Announce, acked: Acked
-             ) -> tuple[BroadcastSender | None, Membership, list[FormAttempt]]:
+    def form(
+        self, membership: Membership, announce: Announce, acked: Acked
+    ) -> tuple[BroadcastSender | None, Membership, list[FormAttempt]]:
         """Form the group of `membership` (a new generation), blaming and dropping members until
         one forms or none is left.
 
@@ -135,26 +139,47 @@ class GroupFormer:
             started = time.perf_counter()
             sock = listening_socket(self.host)
             port = sock.getsockname()[1]
-            sender = BroadcastSender(self.backend, self.host, port, 1 + len(membership.members),
-                                     bucket_bytes=self.bucket_bytes, timeout_s=self.timeout_s, listen_socket=sock)
+            sender = BroadcastSender(
+                self.backend,
+                self.host,
+                port,
+                1 + len(membership.members),
+                bucket_bytes=self.bucket_bytes,
+                timeout_s=self.timeout_s,
+                listen_socket=sock,
+            )
             try:
-                self._init_announcing(sender, lambda membership=membership, port=port: announce(membership, self.host, port))
+                self._init_announcing(
+                    sender, lambda membership=membership, port=port: announce(membership, self.host, port)
+                )
             except Exception as exc:
                 sender.close()
                 acks = acked(membership.generation)
                 blamed = tuple(m for m in membership.members if m not in acks) or membership.members
-                attempts.append(FormAttempt(membership, False, blamed, time.perf_counter() - started,
-                                            f"{type(exc).__name__}: {exc}"))
-                logger.error("weight group %d (%s) did not form after %.1f s (%s: %s); %s move(s) to the filesystem method",
-                             membership.generation, ", ".join(membership.members), attempts[-1].seconds,
-                             type(exc).__name__, exc, ", ".join(blamed))
+                attempts.append(
+                    FormAttempt(
+                        membership, False, blamed, time.perf_counter() - started, f"{type(exc).__name__}: {exc}"
+                    )
+                )
+                logger.error(
+                    "weight group %d (%s) did not form after %.1f s (%s: %s); %s move(s) to the filesystem method",
+                    membership.generation,
+                    ", ".join(membership.members),
+                    attempts[-1].seconds,
+                    type(exc).__name__,
+                    exc,
+                    ", ".join(blamed),
+                )
                 membership = membership.next(drop=blamed)
                 continue
             attempts.append(FormAttempt(membership, True, (), time.perf_counter() - started))
-            logger.info("weight group %d formed: %s by broadcast%s, %.2f s", membership.generation,
-                        ", ".join(membership.members),
-                        f", {', '.join(membership.filesystem)} by filesystem" if membership.filesystem else "",
-                        attempts[-1].seconds)
+            logger.info(
+                "weight group %d formed: %s by broadcast%s, %.2f s",
+                membership.generation,
+                ", ".join(membership.members),
+                f", {', '.join(membership.filesystem)} by filesystem" if membership.filesystem else "",
+                attempts[-1].seconds,
+            )
             return sender, membership, attempts
         sock = listening_socket(self.host)  # a valid rendezvous for the announcement; nobody joins it
         try:

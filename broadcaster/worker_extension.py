@@ -101,8 +101,7 @@ class WeightSyncExtension:
         # nccl receives straight into device memory; gloo works on host tensors.
         self._rlbus_device = self.device if backend == "nccl" else torch.device("cpu")
         self._rlbus_buffers = None
-        logger.info("joined weight group %s:%d as rank %d/%d (%s)", host, port, my_rank,
-                    world_size, backend)
+        logger.info("joined weight group %s:%d as rank %d/%d (%s)", host, port, my_rank, world_size, backend)
 
     def destroy_weight_group(self) -> None:
         """Leave the weight-broadcast group joined by `init_weight_group` (idempotent): the trainer
@@ -132,9 +131,17 @@ class WeightSyncExtension:
         received = receiver.receive(group)
         self._rlbus_apply(self._rlbus_full_weights(manifest, received))
 
-    def receive_weights_bus(self, manifest: list[list], version: int, address: str, producer: str = "",
-                            keys_dir: str = "", client: str = "", timeout_s: float = 300.0,
-                            bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
+    def receive_weights_bus(
+        self,
+        manifest: list[list],
+        version: int,
+        address: str,
+        producer: str = "",
+        keys_dir: str = "",
+        client: str = "",
+        timeout_s: float = 300.0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> dict:
         """Fetch `version` (or the trainer's newer latest) over the bus from `address` and apply it.
 
         Returns `{"version": loaded, "rejected": {reason: n}, "num_bytes", "num_buckets"}` (plain
@@ -153,8 +160,12 @@ class WeightSyncExtension:
             receiver = self._rlbus_buffers = BucketReceiver(manifest, bucket_bytes, device)
         result = fetcher.fetch(receiver, version, timeout_s)
         self._rlbus_apply(self._rlbus_full_weights(manifest, result.views))
-        return {"version": result.version, "rejected": result.rejected, "num_bytes": result.num_bytes,
-                "num_buckets": len(receiver.buckets)}
+        return {
+            "version": result.version,
+            "rejected": result.rejected,
+            "num_bytes": result.num_bytes,
+            "num_buckets": len(receiver.buckets),
+        }
 
     def load_weights_from_path(self, path: str) -> None:
         """Load a safetensors file, or all `*.safetensors` of a directory (full or LoRA payload)."""
@@ -185,8 +196,9 @@ class WeightSyncExtension:
 
         self._rlbus_apply(weights())
 
-    def _rlbus_full_weights(self, manifest: list[list], received: dict[str, torch.Tensor]
-                            ) -> Iterator[tuple[str, torch.Tensor]]:
+    def _rlbus_full_weights(
+        self, manifest: list[list], received: dict[str, torch.Tensor]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """The received payload as whole weights (a "lora" one merged into the base weights)."""
         if payload_kind(manifest) == "lora":
             return merged_weights(self._rlbus_base_weights(), received)
@@ -201,8 +213,10 @@ class WeightSyncExtension:
             root = Path(self.vllm_config.model_config.model)
             files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
             if not files:
-                raise ValueError(f"LoRA payload, but no *.safetensors base weights in {root}; the producer "
-                                 "must serve a local checkpoint directory (or send merged weights)")
+                raise ValueError(
+                    f"LoRA payload, but no *.safetensors base weights in {root}; the producer "
+                    "must serve a local checkpoint directory (or send merged weights)"
+                )
             base = {}
             for file in files:
                 base.update(load_file(str(file), device="cpu"))
@@ -220,8 +234,12 @@ class WeightSyncExtension:
         model = self.model_runner.get_model()
         hf_config = self.vllm_config.model_config.hf_text_config
         lm_head = getattr(model, "lm_head", None)
-        if (current_platform.is_cpu() and getattr(hf_config, "tie_word_embeddings", False)
-                and lm_head is not None and hasattr(lm_head, "weight")):
+        if (
+            current_platform.is_cpu()
+            and getattr(hf_config, "tie_word_embeddings", False)
+            and lm_head is not None
+            and hasattr(lm_head, "weight")
+        ):
             from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
             dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)

@@ -145,7 +145,9 @@ def create_keys(keys_dir: str | Path, num_clients: int = 1, hosts: list[HostName
     keys_dir = Path(keys_dir)
     if (keys_dir / f"{SERVER_NAME}.key").exists() or (keys_dir / CLIENTS_DIR).exists():
         if (keys_dir / TLS_DIR).exists():
-            raise ValueError(f"{keys_dir} already holds CurveZMQ keys and metrics TLS files; remove it or choose another directory")
+            raise ValueError(
+                f"{keys_dir} already holds CurveZMQ keys and metrics TLS files; remove it or choose another directory"
+            )
         return create_tls(keys_dir, hosts)
     clients = keys_dir / CLIENTS_DIR
     clients.mkdir(parents=True, mode=0o700)

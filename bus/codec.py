@@ -43,8 +43,10 @@ _SCALAR_CHECKS: dict[Any, Any] = {
     dict: lambda v: isinstance(v, dict),
     list: lambda v: isinstance(v, list),
     list[str]: lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
-    dict[str, float]: lambda v: isinstance(v, dict)
-    and all(isinstance(k, str) and isinstance(x, (int, float)) and not isinstance(x, bool) for k, x in v.items()),
+    dict[str, float]: lambda v: (
+        isinstance(v, dict)
+        and all(isinstance(k, str) and isinstance(x, (int, float)) and not isinstance(x, bool) for k, x in v.items())
+    ),
     ChatMessages: is_chat_messages,
 }
 
@@ -79,7 +81,9 @@ def encode(msg: Message) -> list[Any]:
         if not arr.dtype.isnative:  # dtype.name ignores byte order: '>i4' is also "int32"
             arr = arr.astype(arr.dtype.newbyteorder("="))
         if arr.dtype.name != spec.dtype or arr.ndim != spec.ndim:
-            raise TypeError(f"{cls.__name__}.{name} must be {spec.dtype} of rank {spec.ndim}, got {arr.dtype}{arr.shape}")
+            raise TypeError(
+                f"{cls.__name__}.{name} must be {spec.dtype} of rank {spec.ndim}, got {arr.dtype}{arr.shape}"
+            )
         descriptors.append(array_descriptor(name, arr))
         frames.append(arr.data)
     header["arrays"] = descriptors

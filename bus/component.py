@@ -77,7 +77,9 @@ class Component:
         self.ctx = zmq.Context()
         # CURVE (tcp:// with bus.curve_keys_dir) secures every socket made from self.ctx
         auth.enable(self.ctx, auth.keys_from_config(cfg.bus))
-        self.endpoints = Endpoints(cfg.bus.transport, self.run_dir, cfg.bus.host, cfg.bus.base_port, dict(cfg.bus.hosts))
+        self.endpoints = Endpoints(
+            cfg.bus.transport, self.run_dir, cfg.bus.host, cfg.bus.base_port, dict(cfg.bus.hosts)
+        )
         self._sockets: list[BusSocket] = []
         self._courier: Courier | None = None
         self._outcomes: Outbox | None = None
@@ -108,7 +110,11 @@ class Component:
         if self._courier is None:
             b = self.cfg.bus
             self._courier = Courier(
-                self.ctx, heartbeat_s=b.heartbeat_s, dead_after_s=b.dead_after_s, ack_timeout_s=b.ack_timeout_s, stop=self.stop,
+                self.ctx,
+                heartbeat_s=b.heartbeat_s,
+                dead_after_s=b.dead_after_s,
+                ack_timeout_s=b.ack_timeout_s,
+                stop=self.stop,
                 max_inflight_bytes=b.max_inflight_bytes,
             )
         return self._courier
@@ -180,15 +186,21 @@ class Component:
     def report_ready(self, metrics_port: int, metrics_host: str = "") -> None:
         """Send the startup handshake to the supervisor (best effort when run standalone), with
         where it serves metrics (``metrics_host`` ``""``: 127.0.0.1)."""
-        sock = BusSocket(self.ctx, "supervisor", "send", self.endpoints.address("supervisor"), bind=False, stop=self.stop)
+        sock = BusSocket(
+            self.ctx, "supervisor", "send", self.endpoints.address("supervisor"), bind=False, stop=self.stop
+        )
         try:
-            msg: Message = ComponentReady(id=new_id(), name=self.name, pid=self.handshake_pid(), metrics_port=metrics_port,
-                                         metrics_host=metrics_host)
+            msg: Message = ComponentReady(
+                id=new_id(),
+                name=self.name,
+                pid=self.handshake_pid(),
+                metrics_port=metrics_port,
+                metrics_host=metrics_host,
+            )
             if not sock.send(msg, timeout_s=READY_SEND_TIMEOUT_S):
                 log.warning("no supervisor took the ready handshake; running standalone")
         finally:
             sock.close()
-
 
     def start_heartbeat(self) -> None:
         """Send :class:`bus.messages.ComponentHeartbeat` to the supervisor every ``bus.heartbeat_s``
@@ -203,10 +215,20 @@ class Component:
         pid = self.handshake_pid()
 
         def beat() -> None:
-            sock = BusSocket(self.ctx, "supervisor", "send", self.endpoints.address("supervisor"), bind=False, stop=self._heartbeat_stop)
+            sock = BusSocket(
+                self.ctx,
+                "supervisor",
+                "send",
+                self.endpoints.address("supervisor"),
+                bind=False,
+                stop=self._heartbeat_stop,
+            )
             try:
                 while not self._heartbeat_stop.is_set():
-                    sock.send(ComponentHeartbeat(id=new_id(), name=self.name, pid=pid, state=self.heartbeat_state), timeout_s=period_s)
+                    sock.send(
+                        ComponentHeartbeat(id=new_id(), name=self.name, pid=pid, state=self.heartbeat_state),
+                        timeout_s=period_s,
+                    )
                     self._heartbeat_stop.wait(period_s)
             finally:
                 sock.close()
@@ -260,10 +282,15 @@ def watch_parent(comp: Component, parent_pid: int) -> threading.Thread:
     ``os.getppid()`` every :data:`PARENT_POLL_S` and, when it changes, calls the same
     :func:`_on_stop_signal`.
     """
+
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(PARENT_POLL_S)
-        log.warning("the supervisor (pid %d) is gone: stopping, SIGKILL to this process group in %.0f s", parent_pid, ORPHAN_GRACE_S)
+        log.warning(
+            "the supervisor (pid %d) is gone: stopping, SIGKILL to this process group in %.0f s",
+            parent_pid,
+            ORPHAN_GRACE_S,
+        )
         _on_stop_signal(comp, parent_pid)
 
     thread = threading.Thread(target=watch, name="parent-watch", daemon=True)
@@ -301,7 +328,9 @@ def component_main(cls: type[Component], argv: list[str] | None = None) -> int:
     watch_parent(comp, parent_pid)
     try:
         host = comp.launch.metrics_host  # the node's address on several nodes (RLBUS_NODE_ADDRESS)
-        port = serve_metrics(args.metrics_port, host, health=comp.health, tls=server_context_for(cfg.bus, host))  # TLS: tcp + CurveZMQ, this host's certificate
+        port = serve_metrics(
+            args.metrics_port, host, health=comp.health, tls=server_context_for(cfg.bus, host)
+        )  # TLS: tcp + CurveZMQ, this host's certificate
         comp.setup()
         comp.phase = ComponentPhase.RUNNING
         comp.report_ready(port, host)

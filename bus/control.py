@@ -94,8 +94,11 @@ class ControlPublisher(BusSocket):
                 elif event["event"] == zmq.EVENT_CONNECTED:
                     if connected_before or lost:
                         self.reconnects += 1
-                        log.info("control hub reconnected (%d): re-announcing %s", self.reconnects,
-                                 [m.TYPE for m in self.latest()])
+                        log.info(
+                            "control hub reconnected (%d): re-announcing %s",
+                            self.reconnects,
+                            [m.TYPE for m in self.latest()],
+                        )
                     connected_before, lost = True, False
                     now = time.monotonic()
                     due = [now + d for d in REANNOUNCE_DELAYS_S]

@@ -112,8 +112,10 @@ class Courier:
         if heartbeat_s <= 0 or ack_timeout_s <= 0 or dead_after_s <= 2 * heartbeat_s:
             raise ValueError("need heartbeat_s > 0, ack_timeout_s > 0 and dead_after_s > 2 * heartbeat_s")
         if call_timeout_s <= 0 or close_timeout_s <= 0 or max_loop_errors < 1:
-            raise ValueError(f"need call_timeout_s > 0, close_timeout_s > 0 and max_loop_errors >= 1, got "
-                             f"{call_timeout_s}, {close_timeout_s}, {max_loop_errors}")
+            raise ValueError(
+                f"need call_timeout_s > 0, close_timeout_s > 0 and max_loop_errors >= 1, got "
+                f"{call_timeout_s}, {close_timeout_s}, {max_loop_errors}"
+            )
         if max_inflight_bytes is not None:
             check_inflight_bytes(max_inflight_bytes)
         self.ctx = ctx
@@ -168,20 +170,29 @@ class Courier:
         """
         self._raise_if_unusable()
         try:
-            return call_and_wait(self.command, fn, *args, timeout_s=self.call_timeout_s, undo=undo,
-                                 abort=lambda: self._loop_ended)
+            return call_and_wait(
+                self.command, fn, *args, timeout_s=self.call_timeout_s, undo=undo, abort=lambda: self._loop_ended
+            )
         except TimeoutError:
             self._raise_if_unusable()  # the thread ended meanwhile: say why
             raise
 
     def _raise_if_unusable(self) -> None:
         if self.failure is not None:
-            raise CourierFailed(f"the courier's I/O thread failed: {type(self.failure).__name__}: {self.failure}") from self.failure
+            raise CourierFailed(
+                f"the courier's I/O thread failed: {type(self.failure).__name__}: {self.failure}"
+            ) from self.failure
         if self._closing or self._loop_ended:
             raise RuntimeError("the courier is closed")
 
     def receiver(
-        self, topic: str, endpoints: str | list[str], *, bind: bool, accept: tuple[type[Message], ...], window: int | None = None,
+        self,
+        topic: str,
+        endpoints: str | list[str],
+        *,
+        bind: bool,
+        accept: tuple[type[Message], ...],
+        window: int | None = None,
         window_bytes: int | None = None,
     ) -> Inbox:
         """Open the receiving side of data topic ``topic``.
@@ -198,12 +209,26 @@ class Courier:
             bound or connected (no socket stays open). TimeoutError: see :meth:`_call`.
         """
         window_bytes = window_bytes or self._inflight_bytes(topic)
-        box = Inbox(topic, accept, window or TOPICS[topic].hwm, window_bytes, session=self.session, post=self.command, stop=self.stop)
+        box = Inbox(
+            topic,
+            accept,
+            window or TOPICS[topic].hwm,
+            window_bytes,
+            session=self.session,
+            post=self.command,
+            stop=self.stop,
+        )
         self._call(self._open, box, endpoints, bind, undo=self._discard)
         return box
 
     def sender(
-        self, topic: str, endpoints: str | list[str], *, bind: bool, capacity: int | None = None, capacity_bytes: int | None = None
+        self,
+        topic: str,
+        endpoints: str | list[str],
+        *,
+        bind: bool,
+        capacity: int | None = None,
+        capacity_bytes: int | None = None,
     ) -> Outbox:
         """Open the sending side of data topic ``topic`` (see :meth:`receiver`).
 
@@ -214,7 +239,14 @@ class Courier:
                 courier's ``max_inflight_bytes`` for ``topic``).
         """
         capacity_bytes = capacity_bytes or self._inflight_bytes(topic)
-        box = Outbox(topic, capacity or TOPICS[topic].hwm, capacity_bytes, session=self.session, post=self.command, stop=self.stop)
+        box = Outbox(
+            topic,
+            capacity or TOPICS[topic].hwm,
+            capacity_bytes,
+            session=self.session,
+            post=self.command,
+            stop=self.stop,
+        )
         self._call(self._open, box, endpoints, bind, undo=self._discard)
         return box
 
@@ -243,8 +275,10 @@ class Courier:
         with self._pipe_lock:
             if not self._loop_ended:
                 self._thread_closes_pipe = True
-                log.warning("courier: the I/O thread is still busy after %.1f s; it closes its sockets when it ends",
-                            self.close_timeout_s if timeout_s is None else timeout_s)
+                log.warning(
+                    "courier: the I/O thread is still busy after %.1f s; it closes its sockets when it ends",
+                    self.close_timeout_s if timeout_s is None else timeout_s,
+                )
                 return False
             self._close_pipe()
         return True
@@ -366,7 +400,9 @@ class Courier:
                 if errors >= self.max_loop_errors:
                     self._fail(exc, errors)
                     break
-                log.exception("courier I/O loop error %d in a row (the courier fails at %d)", errors, self.max_loop_errors)
+                log.exception(
+                    "courier I/O loop error %d in a row (the courier fails at %d)", errors, self.max_loop_errors
+                )
                 time.sleep(LOOP_ERROR_PAUSE_S)
             if self._closing:
                 break
@@ -375,8 +411,12 @@ class Courier:
     def _fail(self, exc: BaseException, errors: int) -> None:
         """Give up after ``errors`` consecutive loop errors: every box's blocking calls raise
         :class:`bus.peers.CourierFailed` from now on (the component exits and is restarted)."""
-        log.error("courier I/O loop failed %d times in a row; closing the data topics of this process so that it "
-                  "exits and is restarted", errors, exc_info=exc)
+        log.error(
+            "courier I/O loop failed %d times in a row; closing the data topics of this process so that it "
+            "exits and is restarted",
+            errors,
+            exc_info=exc,
+        )
         self.failure = exc
         for box in self.boxes:
             box.failure = exc
@@ -397,7 +437,7 @@ class Courier:
         """One wake of the I/O thread. Its cost per wake grows with the sockets that have input
         and the peers that have acks due, not with every link or peer (links are only added, so
         the new ones are the tail of ``_links``)."""
-        for link in self._links[self._next_register:]:
+        for link in self._links[self._next_register :]:
             if not link.closed:
                 self._poller.register(link.sock, zmq.POLLIN)
                 self._registered[link.sock] = link

@@ -115,5 +115,8 @@ def parse_envelope(raw: bytes) -> tuple[str, str, Any]:
             and (len(payload) == 3 or (_count_ok(payload[3], MAX_CREDIT_BYTES) and isinstance(payload[4], bool)))
         )
         if not ok:
-            raise WireError("envelope", "ack envelope must be [free, taken_ids, done_ids] or [free, taken_ids, done_ids, free_bytes, empty]")
+            raise WireError(
+                "envelope",
+                "ack envelope must be [free, taken_ids, done_ids] or [free, taken_ids, done_ids, free_bytes, empty]",
+            )
     return kind, session, payload

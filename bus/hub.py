@@ -94,8 +94,15 @@ class ControlHub:
         ValueError: ``max_producers < 1``.
     """
 
-    def __init__(self, ctx: zmq.Context, pub_endpoint: str, sub_endpoint: str, stop: threading.Event,
-                 cache_path: Path | None = None, max_producers: int = MAX_CACHED_PRODUCERS) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        pub_endpoint: str,
+        sub_endpoint: str,
+        stop: threading.Event,
+        cache_path: Path | None = None,
+        max_producers: int = MAX_CACHED_PRODUCERS,
+    ) -> None:
         if max_producers < 1:
             raise ValueError(f"max_producers must be >= 1, got {max_producers}")
         self.stop = stop
@@ -144,9 +151,13 @@ class ControlHub:
             del self.last[old]
             self.evicted += 1
             if self.evicted == 1 or self.evicted % 1000 == 0:
-                log.warning("more than %d producers announced weights.applied: %d least recently announced "
-                            "dropped from the last-value cache so far (a late joiner does not learn their "
-                            "versions until they announce again)", self.max_producers, self.evicted)
+                log.warning(
+                    "more than %d producers announced weights.applied: %d least recently announced "
+                    "dropped from the last-value cache so far (a late joiner does not learn their "
+                    "versions until they announce again)",
+                    self.max_producers,
+                    self.evicted,
+                )
 
     def _persist(self) -> None:
         """Write the cache to ``cache_path`` atomically (tmp + rename) and mark it clean."""
@@ -217,11 +228,19 @@ class Hub(Component):
         self.endpoints.ensure_dirs()
         cache_path = self.run_dir / CACHE_NAME
         self.hub = ControlHub(
-            self.ctx, self.endpoints.address("control_pub"), self.endpoints.address("control_sub"), self.stop,
+            self.ctx,
+            self.endpoints.address("control_pub"),
+            self.endpoints.address("control_sub"),
+            self.stop,
             cache_path=cache_path,
         )
         if self.launch.restarts >= 1:
-            log.info("restarted (%d): %d last value(s) loaded from %s", self.launch.restarts, self.hub.load_cache(), cache_path)
+            log.info(
+                "restarted (%d): %d last value(s) loaded from %s",
+                self.launch.restarts,
+                self.hub.load_cache(),
+                cache_path,
+            )
         else:
             cache_path.unlink(missing_ok=True)
         self._sockets += [self.hub.inbound, self.hub.outbound]

@@ -57,8 +57,9 @@ class Inbox(Box):
 
     role = "inbox"
 
-    def __init__(self, topic: str, accept: tuple[type[Message], ...], window: int, window_bytes: int | None = None,
-                 **box: Any) -> None:
+    def __init__(
+        self, topic: str, accept: tuple[type[Message], ...], window: int, window_bytes: int | None = None, **box: Any
+    ) -> None:
         super().__init__(topic, **box)
         if window < 1:
             raise ValueError(f"{topic} inbox: window must be >= 1 message, got {window}")
@@ -88,7 +89,9 @@ class Inbox(Box):
             self.raise_if_failed()
             remaining = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
             try:
-                key, peer, msg, nbytes = self._queue.get(timeout=max(remaining, 0)) if remaining > 0 else self._queue.get_nowait()
+                key, peer, msg, nbytes = (
+                    self._queue.get(timeout=max(remaining, 0)) if remaining > 0 else self._queue.get_nowait()
+                )
             except queue.Empty:
                 if self.stop.is_set() or (deadline is not None and time.monotonic() >= deadline):
                     return None
@@ -198,7 +201,7 @@ class Inbox(Box):
         sends: list[Send] = []
         due, self._due = self._due, {}
         # only peers with something to say, unless heartbeats are due: O(busy peers) per wake, not O(peers)
-        for key, peer in (self.peers.items() if heartbeat_due else [(k, self.peers[k]) for k in due if k in self.peers]):
+        for key, peer in self.peers.items() if heartbeat_due else [(k, self.peers[k]) for k in due if k in self.peers]:
             beat = heartbeat_due and self.needs_heartbeat(peer, now)  # each idle peer gets its own
             while peer.acks_taken or peer.acks_done or peer.dirty or beat:
                 taken, done = peer.acks_taken[:MAX_IDS_PER_ACK], peer.acks_done[:MAX_IDS_PER_ACK]

@@ -90,7 +90,9 @@ class Prompt(Message):
         if not self.temperature > 0:
             raise WireError("inconsistent", "temperature must be > 0")
         if (self.eval_round >= 0) != (self.eval_size > 0):
-            raise WireError("inconsistent", "an eval prompt needs eval_round >= 0 and eval_size > 0, a training prompt neither")
+            raise WireError(
+                "inconsistent", "an eval prompt needs eval_round >= 0 and eval_size > 0, a training prompt neither"
+            )
 
 
 @dataclass(frozen=True, eq=False)

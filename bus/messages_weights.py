@@ -107,7 +107,8 @@ class WeightsRequest(Message):
         if self.version < 0:
             raise WireError("inconsistent", f"version must be >= 0, got {self.version}")
         if len(self.buckets) > MAX_REQUESTED_BUCKETS or not all(
-                isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in self.buckets):
+            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in self.buckets
+        ):
             raise WireError("inconsistent", f"buckets must be at most {MAX_REQUESTED_BUCKETS} indices >= 0")
 
 
@@ -138,8 +139,11 @@ class WeightsBucket(Message):
 
     def check(self) -> None:
         if self.version < 0 or not 0 <= self.index < self.num_buckets or self.bucket_bytes <= 0:
-            raise WireError("inconsistent", f"bucket {self.index} of {self.num_buckets} (version {self.version}, "
-                                            f"bucket_bytes {self.bucket_bytes}) is out of range")
+            raise WireError(
+                "inconsistent",
+                f"bucket {self.index} of {self.num_buckets} (version {self.version}, "
+                f"bucket_bytes {self.bucket_bytes}) is out of range",
+            )
         if not 0 <= self.crc32 < 2**32:
             raise WireError("inconsistent", f"crc32 must be a 32-bit unsigned value, got {self.crc32}")
 

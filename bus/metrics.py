@@ -48,9 +48,13 @@ BUS_REDELIVERED = Counter(
     "Data messages re-sent, per topic and reason (silent / unreachable / goodbye / restarted peer, ack_timeout)",
     ["topic", "reason"],
 )
-BUS_DUPLICATES = Counter("rlbus_bus_duplicates_total", "Data messages received again and dropped by id, per topic", ["topic"])
+BUS_DUPLICATES = Counter(
+    "rlbus_bus_duplicates_total", "Data messages received again and dropped by id, per topic", ["topic"]
+)
 BUS_PEER_DEATHS = Counter(
-    "rlbus_bus_peer_deaths_total", "Peers of a data topic declared dead or gone, per topic and reason", ["topic", "reason"]
+    "rlbus_bus_peer_deaths_total",
+    "Peers of a data topic declared dead or gone, per topic and reason",
+    ["topic", "reason"],
 )
 BUS_QUEUED = Gauge(
     "rlbus_bus_queued_messages",
@@ -73,8 +77,22 @@ METRICS_TLS_REFUSED = Counter(
 )
 
 REJECT_REASONS = (
-    "header", "schema", "dtype", "shape", "size", "frames", "field", "unknown_type", "inconsistent",  # wire/messages
-    "envelope", "too_large", "decode", "unexpected_type", "id_mismatch", "wrong_direction", "foreign_ack",  # sockets
+    "header",
+    "schema",
+    "dtype",
+    "shape",
+    "size",
+    "frames",
+    "field",
+    "unknown_type",
+    "inconsistent",  # wire/messages
+    "envelope",
+    "too_large",
+    "decode",
+    "unexpected_type",
+    "id_mismatch",
+    "wrong_direction",
+    "foreign_ack",  # sockets
     "checksum",  # a weights bucket whose crc32 does not match its bytes (broadcaster.bus_fetch)
 )
 """Every ``reason`` of ``rlbus_bus_rejected_total`` (a test checks that the code uses no other)."""
@@ -116,15 +134,18 @@ def declare_topic(topic: str, direction: str, *, reliable: bool) -> None:
 
 STAGES = ("producer", "rewards", "packer", "trainer")
 """The pipeline stages with :class:`StageMeter` accounting, in data-flow order."""
-STAGE_SAMPLES = Counter("rlbus_stage_samples_total", "Samples a stage finished (generated, scored, packed, trained)", ["stage"])
-STAGE_TOKENS = Counter("rlbus_stage_tokens_total", "Completion tokens of the samples a stage finished, tokens", ["stage"])
+STAGE_SAMPLES = Counter(
+    "rlbus_stage_samples_total", "Samples a stage finished (generated, scored, packed, trained)", ["stage"]
+)
+STAGE_TOKENS = Counter(
+    "rlbus_stage_tokens_total", "Completion tokens of the samples a stage finished, tokens", ["stage"]
+)
 STAGE_LATENCY = Histogram(
     "rlbus_stage_latency_seconds",
     "Time a stage spent on one item (producer, rewards, packer: a group; trainer: an optimizer step), seconds",
     ["stage"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
 )
-
 
 
 class StageMeter:
@@ -210,7 +231,9 @@ class _StageTimes(Collector):
             totals[meter.stage][0] += busy
             totals[meter.stage][1] += idle
         for k, (name, doc) in enumerate((("busy", "with at least one item in work"), ("idle", "waiting for work"))):
-            family = CounterMetricFamily(f"rlbus_stage_{name}_seconds", f"Seconds a stage spent {doc}", labels=["stage"])
+            family = CounterMetricFamily(
+                f"rlbus_stage_{name}_seconds", f"Seconds a stage spent {doc}", labels=["stage"]
+            )
             for stage, pair in sorted(totals.items()):
                 family.add_metric([stage], pair[k])
             yield family
@@ -238,8 +261,12 @@ def _handler(registry, health: HealthFn | None) -> type[BaseHTTPRequestHandler]:
                 self._reply(200, CONTENT_TYPE_LATEST, generate_latest(registry))
             elif path == "/health":
                 healthy, body = health() if health is not None else (True, {})
-                body = {"status": "ok" if healthy else "unhealthy", "pid": os.getpid(),
-                        "uptime_s": round(time.time() - started, 3), **body}
+                body = {
+                    "status": "ok" if healthy else "unhealthy",
+                    "pid": os.getpid(),
+                    "uptime_s": round(time.time() - started, 3),
+                    **body,
+                }
                 self._reply(200 if healthy else 503, "application/json", json.dumps(body).encode())
             else:
                 self._reply(404, "text/plain; charset=utf-8", b"not found: try /metrics or /health\n")
@@ -283,8 +310,14 @@ class _TlsServer(ThreadingHTTPServer):
             conn.close()
 
 
-def start_metrics_server(port: int, host: str = "127.0.0.1", *, health: HealthFn | None = None,
-                         registry=REGISTRY, tls: ssl.SSLContext | None = None) -> ThreadingHTTPServer:
+def start_metrics_server(
+    port: int,
+    host: str = "127.0.0.1",
+    *,
+    health: HealthFn | None = None,
+    registry=REGISTRY,
+    tls: ssl.SSLContext | None = None,
+) -> ThreadingHTTPServer:
     """Serve ``/metrics`` (Prometheus text of ``registry``) and ``/health`` on ``host:port`` from a
     daemon thread; any other path is 404. Stop it with ``shutdown()`` + ``server_close()``.
 
@@ -313,8 +346,14 @@ def start_metrics_server(port: int, host: str = "127.0.0.1", *, health: HealthFn
     return server
 
 
-def serve_metrics(port: int, host: str = "127.0.0.1", *, health: HealthFn | None = None, registry=REGISTRY,
-                  tls: ssl.SSLContext | None = None) -> int:
+def serve_metrics(
+    port: int,
+    host: str = "127.0.0.1",
+    *,
+    health: HealthFn | None = None,
+    registry=REGISTRY,
+    tls: ssl.SSLContext | None = None,
+) -> int:
     """:func:`start_metrics_server` (``tls``: HTTPS with client certificates) for a process that
     serves until it exits.
 

@@ -172,13 +172,20 @@ def create_tls(keys_dir: str | Path, hosts: list[HostNames] | None = None) -> li
     now = datetime.datetime.now(datetime.timezone.utc)
 
     def name(cn: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "rlbus"), x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+        return x509.Name(
+            [x509.NameAttribute(NameOID.ORGANIZATION_NAME, "rlbus"), x509.NameAttribute(NameOID.COMMON_NAME, cn)]
+        )
 
     def cert(subject: str, key, signer, extensions: list) -> x509.Certificate:
-        builder = (x509.CertificateBuilder().subject_name(name(subject)).issuer_name(name(CA_NAME))
-                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(minutes=5))
-                   .not_valid_after(now + datetime.timedelta(days=VALID_DAYS)))
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(name(subject))
+            .issuer_name(name(CA_NAME))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+        )
         for ext, critical in extensions:
             builder = builder.add_extension(ext, critical=critical)
         return builder.sign(signer, hashes.SHA256())
@@ -187,26 +194,63 @@ def create_tls(keys_dir: str | Path, hosts: list[HostNames] | None = None) -> li
         return x509.IPAddress(ipaddress.ip_address(n)) if _is_address(n) else x509.DNSName(n)
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = cert(CA_NAME, ca_key, ca_key, [
-        (x509.BasicConstraints(ca=True, path_length=0), True),
-        (x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                       key_encipherment=False, data_encipherment=False, key_agreement=False, encipher_only=False,
-                       decipher_only=False), True),
-        (x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), False),
-    ])
-    leaf_usage = x509.KeyUsage(digital_signature=True, key_cert_sign=False, crl_sign=False, content_commitment=False,
-                               key_encipherment=False, data_encipherment=False, key_agreement=True,
-                               encipher_only=False, decipher_only=False)
+    ca = cert(
+        CA_NAME,
+        ca_key,
+        ca_key,
+        [
+            (x509.BasicConstraints(ca=True, path_length=0), True),
+            (
+                x509.KeyUsage(
+                    digital_signature=True,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                True,
+            ),
+            (x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), False),
+        ],
+    )
+    leaf_usage = x509.KeyUsage(
+        digital_signature=True,
+        key_cert_sign=False,
+        crl_sign=False,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=True,
+        encipher_only=False,
+        decipher_only=False,
+    )
     aki = x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key())
     pem = serialization.Encoding.PEM
     created = [_write(tls_dir / "ca.crt", ca.public_bytes(pem), secret=False)]
-    leaves = [(f"{HOSTS_DIR}/{h.name}", h.name, ExtendedKeyUsageOID.SERVER_AUTH, [san(n) for n in h.all]) for h in hosts]
-    for stem, cn, eku, sans in [*leaves, ("client", CLIENT_NAME, ExtendedKeyUsageOID.CLIENT_AUTH, [x509.DNSName(CLIENT_NAME)])]:
+    leaves = [
+        (f"{HOSTS_DIR}/{h.name}", h.name, ExtendedKeyUsageOID.SERVER_AUTH, [san(n) for n in h.all]) for h in hosts
+    ]
+    for stem, cn, eku, sans in [
+        *leaves,
+        ("client", CLIENT_NAME, ExtendedKeyUsageOID.CLIENT_AUTH, [x509.DNSName(CLIENT_NAME)]),
+    ]:
         key = ec.generate_private_key(ec.SECP256R1())
-        leaf = cert(cn, key, ca_key, [
-            (x509.BasicConstraints(ca=False, path_length=None), True), (leaf_usage, True),
-            (x509.ExtendedKeyUsage([eku]), False), (x509.SubjectAlternativeName(sans), False), (aki, False),
-        ])
+        leaf = cert(
+            cn,
+            key,
+            ca_key,
+            [
+                (x509.BasicConstraints(ca=False, path_length=None), True),
+                (leaf_usage, True),
+                (x509.ExtendedKeyUsage([eku]), False),
+                (x509.SubjectAlternativeName(sans), False),
+                (aki, False),
+            ],
+        )
         created.append(_write(tls_dir / f"{stem}.crt", leaf.public_bytes(pem), secret=False))
         key_pem = key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
         created.append(_write(tls_dir / f"{stem}.key", key_pem, secret=True))
@@ -226,8 +270,10 @@ def certificate_names(path: str | Path) -> tuple[str, ...]:
         sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound:
         return ()
-    return (*(n.lower() for n in sans.get_values_for_type(x509.DNSName)),
-            *(str(a) for a in sans.get_values_for_type(x509.IPAddress)))
+    return (
+        *(n.lower() for n in sans.get_values_for_type(x509.DNSName)),
+        *(str(a) for a in sans.get_values_for_type(x509.IPAddress)),
+    )
 
 
 def node_hosts(nodes: dict[str, str]) -> list[HostNames]:

@@ -39,8 +39,16 @@ from typing import Protocol
 
 from bus.metrics_certs import CLIENT_NAME, HOSTS_DIR, TLS_DIR, VALID_DAYS, certificate_names, create_tls
 
-__all__ = ["CLIENT_NAME", "SERVER_NAME", "TLS_DIR", "VALID_DAYS", "MetricsTls", "create_tls", "server_context_for",
-           "tls_from_config"]
+__all__ = [
+    "CLIENT_NAME",
+    "SERVER_NAME",
+    "TLS_DIR",
+    "VALID_DAYS",
+    "MetricsTls",
+    "create_tls",
+    "server_context_for",
+    "tls_from_config",
+]
 
 log = logging.getLogger(__name__)
 
@@ -122,11 +130,16 @@ class MetricsTls:
         if not per_host:
             missing += [str(tls.path(n)) for n in SHARED_FILES if not tls.path(n).is_file()]
         if missing:
-            raise ValueError(f"metrics TLS file(s) {', '.join(missing)} missing (and no server certificate in "
-                             f"{tls.path(HOSTS_DIR)}); {hint}")
+            raise ValueError(
+                f"metrics TLS file(s) {', '.join(missing)} missing (and no server certificate in "
+                f"{tls.path(HOSTS_DIR)}); {hint}"
+            )
         # a host holds only its own server key (the others' certificates only): the pairs here are checked
-        servers = ([crt for crt in sorted(tls.path(HOSTS_DIR).glob("*.crt")) if crt.with_suffix(".key").exists()]
-                   if per_host else [tls.path("server.crt")])
+        servers = (
+            [crt for crt in sorted(tls.path(HOSTS_DIR).glob("*.crt")) if crt.with_suffix(".key").exists()]
+            if per_host
+            else [tls.path("server.crt")]
+        )
         try:
             for crt in servers:
                 ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(crt, crt.with_suffix(".key"))
@@ -148,27 +161,43 @@ class MetricsTls:
                 it without its key here (names the host, the certificates' names and the fix).
         """
         if not self.per_host:
-            _warn_once("shared", self.tls_dir, "metrics TLS: %s holds one server certificate shared by every host "
-                       "(made before per-host certificates): served, but readers cannot check host names; make a new "
-                       "key directory with `busctl keys NEWDIR --hosts ...`", self.tls_dir)
+            _warn_once(
+                "shared",
+                self.tls_dir,
+                "metrics TLS: %s holds one server certificate shared by every host "
+                "(made before per-host certificates): served, but readers cannot check host names; make a new "
+                "key directory with `busctl keys NEWDIR --hosts ...`",
+                self.tls_dir,
+            )
             return self.path("server.crt"), self.path("server.key")
         certs = self.host_certificates()
         for wanted in (_normal(h()) for h in (lambda: host, socket.gethostname, socket.getfqdn)):  # lazily: DNS last
             for stem, names in certs.items():
                 if wanted in names:
                     if wanted != _normal(host):
-                        _warn_once(f"host:{host}", self.tls_dir, "metrics TLS: no certificate in %s names %s; serving "
-                                   "this machine's (%s), which readers connecting at %s refuse", self.path(HOSTS_DIR),
-                                   host, stem, host)
+                        _warn_once(
+                            f"host:{host}",
+                            self.tls_dir,
+                            "metrics TLS: no certificate in %s names %s; serving "
+                            "this machine's (%s), which readers connecting at %s refuse",
+                            self.path(HOSTS_DIR),
+                            host,
+                            stem,
+                            host,
+                        )
                     crt = self.path(f"{HOSTS_DIR}/{stem}.crt")
                     if not crt.with_suffix(".key").is_file():
-                        raise ValueError(f"metrics TLS: {crt} names {wanted} but its key {crt.with_suffix('.key')} is "
-                                         "not on this host; copy it here from the key directory `busctl keys` made")
+                        raise ValueError(
+                            f"metrics TLS: {crt} names {wanted} but its key {crt.with_suffix('.key')} is "
+                            "not on this host; copy it here from the key directory `busctl keys` made"
+                        )
                     return crt, crt.with_suffix(".key")
-        raise ValueError(f"metrics TLS: no server certificate in {self.path(HOSTS_DIR)} names {host} (where this "
-                         f"metrics server binds) or this machine ({socket.gethostname()}); certificates: "
-                         + "; ".join(f"{s}: {', '.join(n)}" for s, n in certs.items())
-                         + f". Make a key directory naming it: `busctl keys NEWDIR --hosts NAME={host}`")
+        raise ValueError(
+            f"metrics TLS: no server certificate in {self.path(HOSTS_DIR)} names {host} (where this "
+            f"metrics server binds) or this machine ({socket.gethostname()}); certificates: "
+            + "; ".join(f"{s}: {', '.join(n)}" for s, n in certs.items())
+            + f". Make a key directory naming it: `busctl keys NEWDIR --hosts NAME={host}`"
+        )
 
     def server_context(self, host: str = "127.0.0.1") -> ssl.SSLContext:
         """The TLS context of a metrics server bound at ``host``: the certificate of
@@ -199,17 +228,24 @@ class MetricsTls:
             ssl.SSLError / OSError: a file does not load.
         """
         if not self.per_host:
-            _warn_once("reader", self.tls_dir, "metrics TLS: %s has one shared server certificate: readers check the "
-                       "CA but not host names; make a new key directory with `busctl keys NEWDIR --hosts ...`",
-                       self.tls_dir)
+            _warn_once(
+                "reader",
+                self.tls_dir,
+                "metrics TLS: %s has one shared server certificate: readers check the "
+                "CA but not host names; make a new key directory with `busctl keys NEWDIR --hosts ...`",
+                self.tls_dir,
+            )
         return self._client_context()
 
     def prometheus_tls_config(self) -> dict:
         """``tls_config`` of a Prometheus scrape job for these servers (absolute paths). With per-host
         certificates it has no ``server_name``: Prometheus checks each target's host against its
         certificate; the shared certificate of an older directory is checked as :data:`SERVER_NAME`."""
-        config = {"ca_file": str(self.path("ca.crt").resolve()), "cert_file": str(self.path("client.crt").resolve()),
-                  "key_file": str(self.path("client.key").resolve())}
+        config = {
+            "ca_file": str(self.path("ca.crt").resolve()),
+            "cert_file": str(self.path("client.crt").resolve()),
+            "key_file": str(self.path("client.key").resolve()),
+        }
         return config if self.per_host else {**config, "server_name": SERVER_NAME}
 
 

@@ -186,7 +186,9 @@ class Outbox(Box):
 
     # -- component side ---------------------------------------------------------------------------
 
-    def send(self, msg: Message, *, upstream: tuple["Inbox", str] | None = None, timeout_s: float | None = None) -> bool:
+    def send(
+        self, msg: Message, *, upstream: tuple["Inbox", str] | None = None, timeout_s: float | None = None
+    ) -> bool:
         """Keep ``msg`` until it is done downstream; block while the outbox is full (the wait is
         counted in ``rlbus_bus_blocked_seconds_total{topic}``).
 
@@ -231,7 +233,11 @@ class Outbox(Box):
         messages are not taken, or ``capacity_bytes`` would be passed by a message that is not alone."""
         if self._not_taken >= self.capacity:
             return True
-        return self.capacity_bytes is not None and self._not_taken > 0 and self._not_taken_bytes + nbytes > self.capacity_bytes
+        return (
+            self.capacity_bytes is not None
+            and self._not_taken > 0
+            and self._not_taken_bytes + nbytes > self.capacity_bytes
+        )
 
     def unfinished(self) -> int:
         """Messages sent and not yet done downstream."""

@@ -87,7 +87,9 @@ class Box:
         stop: threading.Event | None = None,
     ) -> None:
         if topic not in TOPICS or not TOPICS[topic].reliable:
-            raise ValueError(f"{topic!r} is not a data topic; data topics: {sorted(t for t, s in TOPICS.items() if s.reliable)}")
+            raise ValueError(
+                f"{topic!r} is not a data topic; data topics: {sorted(t for t, s in TOPICS.items() if s.reliable)}"
+            )
         self.topic = topic
         self.session = session
         self.post = post
@@ -102,8 +104,10 @@ class Box:
     def raise_if_failed(self) -> None:
         """Raise :class:`CourierFailed` once the courier driving this box has failed (from any thread)."""
         if self.failure is not None:
-            raise CourierFailed(f"the courier of this process failed ({type(self.failure).__name__}: {self.failure}); "
-                                f"{self.role} of {self.topic} is closed") from self.failure
+            raise CourierFailed(
+                f"the courier of this process failed ({type(self.failure).__name__}: {self.failure}); "
+                f"{self.role} of {self.topic} is closed"
+            ) from self.failure
 
     def reject(self, reason: str, detail: str) -> None:
         """Count a dropped frame set and log the first one of each reason."""

@@ -30,13 +30,32 @@ from bus.messages import (
 )
 from bus.messages_weights import WEIGHT_GROUP_TYPES, WEIGHT_TRANSFER_TYPES
 
-CONTROL_TYPES: tuple[type[Message], ...] = (WeightsReady, WeightsApplied, WeightsWanted, TrainerStep, GroupsDropped,
-                                             GroupsTrained, RunDone, EvalResult, *WEIGHT_GROUP_TYPES)
+CONTROL_TYPES: tuple[type[Message], ...] = (
+    WeightsReady,
+    WeightsApplied,
+    WeightsWanted,
+    TrainerStep,
+    GroupsDropped,
+    GroupsTrained,
+    RunDone,
+    EvalResult,
+    *WEIGHT_GROUP_TYPES,
+)
 """The message types the control channel carries (the hub forwards nothing else)."""
 
-MESSAGE_TYPES: dict[str, type[Message]] = {cls.TYPE: cls for cls in (*CONTROL_TYPES, Prompt, RolloutGroup, ScoredGroup,
-                                                                       MicroBatch, ComponentReady, ComponentHeartbeat,
-                                                                       *WEIGHT_TRANSFER_TYPES)}
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (
+        *CONTROL_TYPES,
+        Prompt,
+        RolloutGroup,
+        ScoredGroup,
+        MicroBatch,
+        ComponentReady,
+        ComponentHeartbeat,
+        *WEIGHT_TRANSFER_TYPES,
+    )
+}
 """Every message type by its ``TYPE`` string: what :mod:`bus.codec` encodes and decodes."""
 if len(MESSAGE_TYPES) != len(CONTROL_TYPES) + 6 + len(WEIGHT_TRANSFER_TYPES):
     raise RuntimeError("two message classes share a TYPE string")

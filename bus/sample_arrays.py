@@ -86,7 +86,9 @@ def _check_spans(group: RolloutGroup) -> None:
         first = np.concatenate([[0], np.cumsum(counts)[:-1]])[has]
         lo, hi = np.minimum.reduceat(spans[:, 0], first), np.maximum.reduceat(spans[:, 0], first)
         if not (np.array_equal(lo, group.version_start[has]) and np.array_equal(hi, group.version_end[has])):
-            raise WireError("inconsistent", "version_start / version_end must be the min / max of the sample's span versions")
+            raise WireError(
+                "inconsistent", "version_start / version_end must be the min / max of the sample's span versions"
+            )
 
 
 def check_group(group: RolloutGroup) -> None:
@@ -136,4 +138,6 @@ def check_micro_batch(mb: MicroBatch) -> None:
     starts = np.concatenate([[0], np.cumsum(mb.seq_lens)[:-1]]).astype(np.int64)
     lowest = np.minimum.reduceat(mb.token_versions, starts) if s else np.zeros(0, np.int64)
     if (mb.token_versions < 0).any() or not np.array_equal(lowest, mb.oldest_versions):
-        raise WireError("inconsistent", "token_versions must be >= 0 with each sample's minimum equal to its oldest_versions")
+        raise WireError(
+            "inconsistent", "token_versions must be >= 0 with each sample's minimum equal to its oldest_versions"
+        )

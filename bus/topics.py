@@ -86,7 +86,9 @@ TOPICS: dict[str, TopicSpec] = {
     )
 }
 assert tuple(TOPICS) == TOPIC_NAMES, "configs.topic_names.TOPIC_NAMES must name every topic of TOPICS, in order"
-assert set(DATA_TOPIC_NAMES) == {t for t, s in TOPICS.items() if s.reliable}, "configs.bus_limits.DATA_TOPIC_NAMES must name every data topic"
+assert set(DATA_TOPIC_NAMES) == {t for t, s in TOPICS.items() if s.reliable}, (
+    "configs.bus_limits.DATA_TOPIC_NAMES must name every data topic"
+)
 
 
 def socket_dir(run_dir: Path) -> Path:

@@ -130,7 +130,9 @@ def is_chat_messages(value: Any) -> bool:
     (an empty list too). Used by the decoder for :data:`ChatMessages` fields, and by senders to
     decide whether a message list can travel as one."""
     return isinstance(value, list) and all(
-        isinstance(m, dict) and m.keys() == {"role", "content"} and isinstance(m["role"], str)
+        isinstance(m, dict)
+        and m.keys() == {"role", "content"}
+        and isinstance(m["role"], str)
         and isinstance(m["content"], str)
         for m in value
     )
@@ -184,9 +186,7 @@ def array_descriptor(name: str, arr: np.ndarray) -> dict[str, Any]:
     return {"name": name, "dtype": arr.dtype.name, "shape": list(arr.shape)}
 
 
-def decode_arrays(
-    descriptors: Any, frames: Sequence[Any], specs: dict[str, ArraySpec]
-) -> dict[str, np.ndarray]:
+def decode_arrays(descriptors: Any, frames: Sequence[Any], specs: dict[str, ArraySpec]) -> dict[str, np.ndarray]:
     """Turn the array frames of a message into numpy arrays, validating every one.
 
     Args:

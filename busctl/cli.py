@@ -96,11 +96,20 @@ def _cmd_report(ns: argparse.Namespace, console: Console) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the command, return its exit code."""
-    parser = argparse.ArgumentParser(prog="busctl", description="Run and inspect rlbus pipelines.",
-                                     epilog=_plain(__doc__.split("\n\n", 1)[1]), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="busctl",
+        description="Run and inspect rlbus pipelines.",
+        epilog=_plain(__doc__.split("\n\n", 1)[1]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    handlers = {**up_cli.add_up(sub), **run_cli.add_commands(sub), **cluster_cli.add_commands(sub), **export.add_command(sub),
-                **evaluate.add_command(sub)}
+    handlers = {
+        **up_cli.add_up(sub),
+        **run_cli.add_commands(sub),
+        **cluster_cli.add_commands(sub),
+        **export.add_command(sub),
+        **evaluate.add_command(sub),
+    }
     rp = sub.add_parser("report", help="plot a run's metrics (PNG) and print a short summary")
     rp.add_argument("run_dir", help="run directory (holds metrics.jsonl)")
     rp.add_argument("--out", default=None, help="where to write the plots and summary.txt (default: RUN_DIR/report)")

@@ -24,6 +24,7 @@ RESTARTABLE_ROLES = frozenset({"hub", "trainer", "rewards", "producer", "prompt-
 """Roles the supervisor restarts: every role (the packer rebuilds its state from its spool,
 :mod:`packer.spool`)."""
 
+
 class ComponentState(StrEnum):
     """The state of a component in the supervisor's table (:mod:`busctl.supervisor`); its value is
     what ``status.json`` (``components[].state``), ``busctl status`` and the live display show."""
@@ -98,16 +99,31 @@ class ComponentSpec:
 
     def status_row(self) -> dict:
         """The JSON row of ``status.json``."""
-        return {"name": self.name, "module": self.module, "index": self.index, "pid": self.pid, "state": self.state,
-                "metrics_port": self.metrics_port, "metrics_host": self.metrics_host, "restarts": self.restarts, "consecutive_crashes": self.consecutive_crashes,
-                "last_heartbeat_at": self.last_beat_wall, "exit_code": self.exit_code, "last_error": self.last_error,
-                "late_join": self.late_join}
+        return {
+            "name": self.name,
+            "module": self.module,
+            "index": self.index,
+            "pid": self.pid,
+            "state": self.state,
+            "metrics_port": self.metrics_port,
+            "metrics_host": self.metrics_host,
+            "restarts": self.restarts,
+            "consecutive_crashes": self.consecutive_crashes,
+            "last_heartbeat_at": self.last_beat_wall,
+            "exit_code": self.exit_code,
+            "last_error": self.last_error,
+            "late_join": self.late_join,
+        }
 
 
 def component_table(cfg: RunConfig) -> list[ComponentSpec]:
     """Every process of a run, in start order (the hub first, the prompt source last); no trainer
     with ``eval.only`` (``busctl eval``)."""
-    table = [ComponentSpec("hub", "bus.hub"), ComponentSpec("trainer", "trainer.proc"), ComponentSpec("packer", "packer.proc")]
+    table = [
+        ComponentSpec("hub", "bus.hub"),
+        ComponentSpec("trainer", "trainer.proc"),
+        ComponentSpec("packer", "packer.proc"),
+    ]
     if cfg.eval.only:
         table = [spec for spec in table if spec.role != "trainer"]
     table += [ComponentSpec(f"rewards-{i}", "rewards.proc", i) for i in range(cfg.rewards.replicas)]
@@ -129,8 +145,16 @@ def launch_prefix(cfg: RunConfig, spec: ComponentSpec) -> list[str]:
     n = cfg.trainer.data_parallel
     if spec.role != "trainer" or n == 1:
         return [sys.executable, "-m", spec.module]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), "-m", spec.module]
-
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(n),
+        "-m",
+        spec.module,
+    ]
 
 
 def describe_exit(code: int) -> str:
@@ -141,7 +165,6 @@ def describe_exit(code: int) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
-
 
 
 def process_start_ticks(pid: int) -> int | None:
@@ -170,8 +193,6 @@ def claim_broadcast_port(cfg: RunConfig) -> None:
     changes ``cfg`` in place."""
     if needs_rendezvous_port(cfg.broadcast):
         cfg.broadcast.port = free_port(cfg.broadcast.host)
-
-
 
 
 def signal_group(pgid: int, sig: int) -> None:

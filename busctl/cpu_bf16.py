@@ -74,10 +74,12 @@ def warning_text(ratio: float, flags: set[str], threshold: float = WARN_RATIO) -
     have = sorted(flags & set(BF16_CPU_FLAGS))
     units = f"it reports {', '.join(have)}" if have else f"no {'/'.join(BF16_CPU_FLAGS)} flag in /proc/cpuinfo"
     rows, inner, cols = PROBE_SHAPE
-    return (f"trainer.dtype=bfloat16 on a CPU without fast bfloat16 matmuls ({units}): a {rows}x{inner} @ "
-            f"{inner}x{cols} matmul took {ratio:.1f}x as long in bfloat16 as in float32 here, so the trainer's "
-            "steps will be several times slower than in float32 (seen: 4.2 s against 0.65 s per step); "
-            "trainer.dtype=float32 is faster on this host")
+    return (
+        f"trainer.dtype=bfloat16 on a CPU without fast bfloat16 matmuls ({units}): a {rows}x{inner} @ "
+        f"{inner}x{cols} matmul took {ratio:.1f}x as long in bfloat16 as in float32 here, so the trainer's "
+        "steps will be several times slower than in float32 (seen: 4.2 s against 0.65 s per step); "
+        "trainer.dtype=float32 is faster on this host"
+    )
 
 
 def cpu_bf16_warning(trainer_dtype: str, trainer_device: str) -> str | None:

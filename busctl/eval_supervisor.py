@@ -50,8 +50,10 @@ class EvalSupervisor(Supervisor):
         super()._turn()
         if self._deadline is not None and not self.run_done and time.monotonic() > self._deadline:
             missing = sorted(self.tasks - set(self.results))
-            raise RunFailed(f"no eval result of task(s) {', '.join(missing)} within eval.timeout_s "
-                            f"({self.cfg.eval.timeout_s:.0f} s); see the packer's and producers' logs in {self.run_dir / 'logs'}")
+            raise RunFailed(
+                f"no eval result of task(s) {', '.join(missing)} within eval.timeout_s "
+                f"({self.cfg.eval.timeout_s:.0f} s); see the packer's and producers' logs in {self.run_dir / 'logs'}"
+            )
 
     def _handle(self, msg: object) -> None:
         from bus.messages import EvalResult
@@ -65,7 +67,9 @@ class EvalSupervisor(Supervisor):
         self.results[msg.task] = msg
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(eval_record(msg)) + "\n")
-        self.say(f"  [green]eval[/green] {msg.task}: reward_mean {msg.metrics.get('reward_mean', float('nan')):.4f} "
-                 f"({msg.num_samples} samples, {msg.num_failed} failed groups)")
+        self.say(
+            f"  [green]eval[/green] {msg.task}: reward_mean {msg.metrics.get('reward_mean', float('nan')):.4f} "
+            f"({msg.num_samples} samples, {msg.num_failed} failed groups)"
+        )
         if self.tasks <= set(self.results):
             self.run_done = True

@@ -54,8 +54,14 @@ if TYPE_CHECKING:  # imported where used: every busctl command (--help too) impo
 
 __all__ = ["EVAL_OVERRIDES", "add_command", "eval_config"]
 
-EVAL_OVERRIDES = ("eval.only=true", "eval.enabled=true", "broadcast.method=filesystem",
-                  "trainer.device=cpu", "trainer.gpus=[]", "trainer.data_parallel=1")
+EVAL_OVERRIDES = (
+    "eval.only=true",
+    "eval.enabled=true",
+    "broadcast.method=filesystem",
+    "trainer.device=cpu",
+    "trainer.gpus=[]",
+    "trainer.data_parallel=1",
+)
 """Applied after the user's overrides: what makes a job an evaluation (module docstring). The
 ``trainer.*`` ones make the device plan (:mod:`busctl.placement`) keep no GPU for the trainer that
 does not run: every visible GPU is the producers'."""
@@ -85,8 +91,10 @@ def eval_config(config_path: str | None, overrides: list[str], run_dir: str | No
         cfg.run_dir = f"{cfg.run_dir.rstrip('/')}-eval"
     path = Path(cfg.model.path) if cfg.model.path else None
     if path is not None and (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
-        raise ConfigError(f"model.path={path} is a LoRA adapter; vLLM serves whole models: merge it first with "
-                          f"`busctl export RUN_DIR --step N --out DIR --merge-lora` and evaluate model.path=DIR")
+        raise ConfigError(
+            f"model.path={path} is a LoRA adapter; vLLM serves whole models: merge it first with "
+            f"`busctl export RUN_DIR --step N --out DIR --merge-lora` and evaluate model.path=DIR"
+        )
     return cfg
 
 
@@ -99,7 +107,12 @@ def summary_table(cfg: RunConfig, results: dict) -> Table:
     for col in ("task", "samples", "failed", *keys):
         table.add_column(col, justify="left" if col == "task" else "right")
     for task, r in sorted(results.items()):
-        table.add_row(task, str(r.num_samples), str(r.num_failed), *(f"{r.metrics[k]:.4f}" if k in r.metrics else "-" for k in keys))
+        table.add_row(
+            task,
+            str(r.num_samples),
+            str(r.num_failed),
+            *(f"{r.metrics[k]:.4f}" if k in r.metrics else "-" for k in keys),
+        )
     return table
 
 
@@ -128,14 +141,20 @@ def cmd_eval(ns: argparse.Namespace, console: Console) -> int:
         print_error(f"busctl eval: {err}")
         return 2
     if occupant is not None and not (occupant.is_run and holds_eval_run(occupant)):  # never a training run's directory
-        print_error(f"busctl eval: run directory {occupant.run_dir} holds something other than a previous eval: "
-                    f"{occupant.what()}.\nbusctl eval deletes nothing there: give another --run-dir (default: the "
-                    "config's run_dir + '-eval'), or empty that directory yourself")
+        print_error(
+            f"busctl eval: run directory {occupant.run_dir} holds something other than a previous eval: "
+            f"{occupant.what()}.\nbusctl eval deletes nothing there: give another --run-dir (default: the "
+            "config's run_dir + '-eval'), or empty that directory yourself"
+        )
         return 2
     if occupant is not None:  # a previous eval's outputs: named, then replaced
-        overwrite(occupant, lambda line: console.print(line, markup=False), why="busctl eval replaces its previous eval")
+        overwrite(
+            occupant, lambda line: console.print(line, markup=False), why="busctl eval replaces its previous eval"
+        )
     launcher.configure(cfg)
-    sup = EvalSupervisor(cfg, console, launched_at=process_started_at(os.getpid()), placement=placement, launcher=launcher)
+    sup = EvalSupervisor(
+        cfg, console, launched_at=process_started_at(os.getpid()), placement=placement, launcher=launcher
+    )
 
     def on_signal(signum: int, _frame: object) -> None:
         sup.stop.set()
@@ -144,7 +163,9 @@ def cmd_eval(ns: argparse.Namespace, console: Console) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     code = supervise(sup, console)
     if sup.results:
-        wide = console if console.is_terminal else Console(highlight=False, soft_wrap=True, width=max(console.width, 140))
+        wide = (
+            console if console.is_terminal else Console(highlight=False, soft_wrap=True, width=max(console.width, 140))
+        )
         wide.print(summary_table(cfg, sup.results))
         for task in sorted(sup.results):
             print(json.dumps(eval_record(sup.results[task])), flush=True)
@@ -153,11 +174,18 @@ def cmd_eval(ns: argparse.Namespace, console: Console) -> int:
 
 def add_command(sub: argparse._SubParsersAction) -> dict[str, Callable[[argparse.Namespace, Console], int]]:
     """Register ``eval`` on the ``busctl`` subparsers ``sub``; returns ``{"eval": handler}``."""
-    ev = sub.add_parser("eval", help="evaluate a policy on the config's eval tasks without training",
-                        description="Run the config's eval tasks through the producers and reward workers on model.path "
-                        "(eval.only: no trainer, eval round 0 only); print the eval records and append them to "
-                        "RUN_DIR/metrics.jsonl. Evaluate a checkpoint: busctl eval CONFIG model.path=RUN_DIR/checkpoints/step_N.")
+    ev = sub.add_parser(
+        "eval",
+        help="evaluate a policy on the config's eval tasks without training",
+        description="Run the config's eval tasks through the producers and reward workers on model.path "
+        "(eval.only: no trainer, eval round 0 only); print the eval records and append them to "
+        "RUN_DIR/metrics.jsonl. Evaluate a checkpoint: busctl eval CONFIG model.path=RUN_DIR/checkpoints/step_N.",
+    )
     ev.add_argument("args", nargs="*", help="[CONFIG.yaml] [key.sub=value ...], e.g. model.path=DIR")
-    ev.add_argument("--run-dir", default=None, help="the eval run directory (default: the config's run_dir + '-eval'); a previous eval there is replaced, "
-                    "anything else refused")
+    ev.add_argument(
+        "--run-dir",
+        default=None,
+        help="the eval run directory (default: the config's run_dir + '-eval'); a previous eval there is replaced, "
+        "anything else refused",
+    )
     return {"eval": cmd_eval}

@@ -59,14 +59,18 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
     root = run_dir / "checkpoints"
     found = list_checkpoints(root)
     if not found:
-        raise ExportError(f"no complete checkpoint in {root} (a run writes one every trainer.checkpoint_interval steps)")
+        raise ExportError(
+            f"no complete checkpoint in {root} (a run writes one every trainer.checkpoint_interval steps)"
+        )
     if step is None:
         return found[-1]
     for path in found:
         if int(path.name.removeprefix("step_")) == step:
             return path
-    raise ExportError(f"no complete checkpoint of step {step} in {root}; there are steps "
-                      f"{[int(p.name.removeprefix('step_')) for p in found]}")
+    raise ExportError(
+        f"no complete checkpoint of step {step} in {root}; there are steps "
+        f"{[int(p.name.removeprefix('step_')) for p in found]}"
+    )
 
 
 def _run_model_path(run_dir: Path) -> str:
@@ -113,8 +117,10 @@ def _write_sharded(checkpoint: Path, out: Path, base_path: str) -> None:
     elif base_path:
         source = resolve_model_path(base_path)
     else:
-        raise ExportError(f"{checkpoint}: a sharded checkpoint without config.json and the run's model.path is unknown "
-                          "(no RUN_DIR/config.yaml): cannot tell which model its shards are")
+        raise ExportError(
+            f"{checkpoint}: a sharded checkpoint without config.json and the run's model.path is unknown "
+            "(no RUN_DIR/config.yaml): cannot tell which model its shards are"
+        )
     try:
         model = read_sharded_policy(checkpoint / SHARDED_DIR, AutoConfig.from_pretrained(source))
     except ValueError as err:
@@ -166,15 +172,19 @@ def export_checkpoint(checkpoint: Path, out: Path, *, merge_lora: bool = False, 
     lora = meta.get("kind") == "lora"
     sharded = bool(meta.get("sharded"))
     if sharded and lora:
-        raise ExportError(f"{checkpoint}: a sharded LoRA checkpoint, which no trainer writes (trainer.parallel fsdp "
-                          "refuses LoRA); it cannot be exported")
+        raise ExportError(
+            f"{checkpoint}: a sharded LoRA checkpoint, which no trainer writes (trainer.parallel fsdp "
+            "refuses LoRA); it cannot be exported"
+        )
     base = base_path
     if lora:
         named = json.loads((checkpoint / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
         base = named if named and Path(named).is_dir() else base_path
         if not base:
-            raise ExportError(f"{checkpoint}: a LoRA adapter whose base model is unknown (no base_model_name_or_path, "
-                              "no run config.yaml)")
+            raise ExportError(
+                f"{checkpoint}: a LoRA adapter whose base model is unknown (no base_model_name_or_path, "
+                "no run config.yaml)"
+            )
         base = resolve_model_path(base)
     tmp = out.parent / f".tmp_export_{out.name}.{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -212,7 +222,11 @@ def cmd_export(ns: argparse.Namespace, console: Console) -> int:
         print_error(f"busctl export: {err}")
         return 1
     kind = json.loads((checkpoint / "meta.json").read_text()).get("kind")
-    what = "merged model" if kind == "lora" and ns.merge_lora else ("LoRA adapter (PEFT format)" if kind == "lora" else "model")
+    what = (
+        "merged model"
+        if kind == "lora" and ns.merge_lora
+        else ("LoRA adapter (PEFT format)" if kind == "lora" else "model")
+    )
     console.print(f"exported {checkpoint.name} of {run_dir} as a {what} to {out}")
     if kind == "lora" and not ns.merge_lora:
         console.print("load it with PeftModel.from_pretrained(base, DIR); serve it with vLLM after --merge-lora")
@@ -223,13 +237,19 @@ def cmd_export(ns: argparse.Namespace, console: Console) -> int:
 
 def add_command(sub: argparse._SubParsersAction) -> dict[str, Callable[[argparse.Namespace, Console], int]]:
     """Register ``export`` on the ``busctl`` subparsers ``sub``; returns ``{"export": handler}``."""
-    ex = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory (no training state)",
-                        description="Write a checkpoint of RUN_DIR as a model directory that AutoModelForCausalLM, "
-                        "AutoTokenizer, vLLM and a new run's model.path load as it is (a LoRA run: its adapter in PEFT's "
-                        "format, or with --merge-lora the merged model).")
+    ex = sub.add_parser(
+        "export",
+        help="write a run's checkpoint as a Hugging Face model directory (no training state)",
+        description="Write a checkpoint of RUN_DIR as a model directory that AutoModelForCausalLM, "
+        "AutoTokenizer, vLLM and a new run's model.path load as it is (a LoRA run: its adapter in PEFT's "
+        "format, or with --merge-lora the merged model).",
+    )
     ex.add_argument("run_dir", metavar="RUN_DIR", help="run directory (holds checkpoints/)")
     ex.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the latest)")
     ex.add_argument("--out", required=True, help="new output directory (must not exist, or be empty)")
-    ex.add_argument("--merge-lora", action="store_true",
-                    help="LoRA run: merge the adapter into the base (peft merge_and_unload) and write the full model")
+    ex.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="LoRA run: merge the adapter into the base (peft merge_and_unload) and write the full model",
+    )
     return {"export": cmd_export}

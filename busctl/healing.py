@@ -66,8 +66,13 @@ class HealingRules:
     @classmethod
     def from_config(cls, cfg: RunConfig, *, healing: bool, run_dir: str) -> "HealingRules":
         """The rules of a run (``healing``: see the attribute)."""
-        return cls(healing=healing, supervisor=cfg.supervisor, ready_timeout_s=cfg.bus.ready_timeout_s,
-                   dead_after_s=cfg.bus.dead_after_s, run_dir=run_dir)
+        return cls(
+            healing=healing,
+            supervisor=cfg.supervisor,
+            ready_timeout_s=cfg.bus.ready_timeout_s,
+            dead_after_s=cfg.bus.dead_after_s,
+            run_dir=run_dir,
+        )
 
 
 @dataclass(frozen=True)
@@ -154,8 +159,12 @@ def on_crash(facts: ComponentFacts, reason: str, now: float, rules: HealingRules
     if facts.role not in RESTARTABLE_ROLES:
         return FailRun(facts.name, reason, f"{facts.name} {reason} and cannot be restarted")
     if facts.restarts >= sup.max_restarts:
-        return FailRun(facts.name, reason, f"{facts.name} {reason} after {facts.restarts} restarts: its restart budget "
-                       f"(supervisor.max_restarts={sup.max_restarts}) is spent")
+        return FailRun(
+            facts.name,
+            reason,
+            f"{facts.name} {reason} after {facts.restarts} restarts: its restart budget "
+            f"(supervisor.max_restarts={sup.max_restarts}) is spent",
+        )
     crashes = facts.consecutive_crashes
     if facts.ready_at is not None and now - facts.ready_at >= sup.backoff_reset_s:
         crashes = 0

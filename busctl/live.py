@@ -78,10 +78,13 @@ def phase_shares(m: dict) -> dict[str, float]:
     the recent window's ``time_share/<phase>`` when present, else the step's own
     ``time/<phase>_s`` over their sum. Phases in :data:`PHASE_LABELS` order; empty when ``m`` has
     neither (older trainers) or no time passed."""
-    shares = {k[len("time_share/"):]: float(v) for k, v in m.items() if k.startswith("time_share/")}
+    shares = {k[len("time_share/") :]: float(v) for k, v in m.items() if k.startswith("time_share/")}
     if not shares:
-        times = {k[len("time/"):-len("_s")]: float(v) for k, v in m.items()
-                 if k.startswith("time/") and k.endswith("_s") and isinstance(v, (int, float)) and v >= 0}
+        times = {
+            k[len("time/") : -len("_s")]: float(v)
+            for k, v in m.items()
+            if k.startswith("time/") and k.endswith("_s") and isinstance(v, (int, float)) and v >= 0
+        }
         total = sum(times.values())
         shares = {p: t / total for p, t in times.items()} if total > 0 else {}
     order = [p for p in PHASE_LABELS if p in shares] + sorted(p for p in shares if p not in PHASE_LABELS)
@@ -122,13 +125,27 @@ def header_text(snap: dict) -> str:
 def components_view(snap: dict) -> Table:
     """The per-component table of a snapshot."""
     table = Table()
-    for col, justify in (("component", "left"), ("state", "left"), ("samples/s", "right"), ("tokens/s", "right"),
-                         ("busy", "right"), ("queue", "right"), ("restarts", "right")):
+    for col, justify in (
+        ("component", "left"),
+        ("state", "left"),
+        ("samples/s", "right"),
+        ("tokens/s", "right"),
+        ("busy", "right"),
+        ("queue", "right"),
+        ("restarts", "right"),
+    ):
         table.add_column(col, justify=justify, no_wrap=True)
     for row in snap.get("components", []):
         tp = row.get("throughput") or {}
-        table.add_row(row["name"], row.get("state", "?"), format_rate(tp.get("samples_per_s")), format_rate(tp.get("tokens_per_s")),
-                      format_busy(row.get("busy")), format_queue(row), str(row.get("restarts", 0)))
+        table.add_row(
+            row["name"],
+            row.get("state", "?"),
+            format_rate(tp.get("samples_per_s")),
+            format_rate(tp.get("tokens_per_s")),
+            format_busy(row.get("busy")),
+            format_queue(row),
+            str(row.get("restarts", 0)),
+        )
     return table
 
 
@@ -158,8 +175,14 @@ class LiveDisplay:
     """
 
     def __init__(self, console: Console, snapshot: Callable[[], dict]) -> None:
-        self.live = Live(console=console, get_renderable=lambda: render(snapshot()), refresh_per_second=REFRESH_PER_S,
-                         transient=False, redirect_stdout=True, redirect_stderr=True)
+        self.live = Live(
+            console=console,
+            get_renderable=lambda: render(snapshot()),
+            refresh_per_second=REFRESH_PER_S,
+            transient=False,
+            redirect_stdout=True,
+            redirect_stderr=True,
+        )
 
     def __enter__(self) -> "LiveDisplay":
         self.live.start()

@@ -31,7 +31,9 @@ DOC_PATH = ROOT / "docs" / "metrics.md"
 PACKAGES = ("bus", "busctl", "prompts", "producers", "rewards", "packer", "trainer", "broadcaster")
 """Packages searched for modules that define metrics."""
 
-_DEFINES = re.compile(r"^from prometheus_client(\.core)? import .*\b(Counter|Gauge|Histogram|Summary|MetricFamily)", re.M)
+_DEFINES = re.compile(
+    r"^from prometheus_client(\.core)? import .*\b(Counter|Gauge|Histogram|Summary|MetricFamily)", re.M
+)
 
 SERVED_BY = (
     ("busctl.supervisor", "", "supervisor"),
@@ -49,14 +51,14 @@ processes (by their ``role`` scrape label) serve a family."""
 
 SECTIONS = {
     "bus": "Bus traffic, per topic and direction (`send`, `recv`), from every process's sockets "
-           "(`bus/sockets.py`, `bus/inbox.py`, `bus/outbox.py`). Queue depth and redeliveries exist on data topics only.",
+    "(`bus/sockets.py`, `bus/inbox.py`, `bus/outbox.py`). Queue depth and redeliveries exist on data topics only.",
     "stage": "Pipeline stages (`bus.metrics.StageMeter`): throughput, latency and where time goes. "
-             "Busy time runs while the stage has at least one item in work, idle time otherwise, so "
-             "`rate(rlbus_stage_busy_seconds_total[1m])` is a process's utilisation (summed over a stage's "
-             "replicas: its busy processes); the stage near full while the others idle is the bottleneck. Samples and tokens count finished samples and "
-             "their completion tokens; latency is per item (a group; for the trainer one optimizer step).",
+    "Busy time runs while the stage has at least one item in work, idle time otherwise, so "
+    "`rate(rlbus_stage_busy_seconds_total[1m])` is a process's utilisation (summed over a stage's "
+    "replicas: its busy processes); the stage near full while the others idle is the bottleneck. Samples and tokens count finished samples and "
+    "their completion tokens; latency is per item (a group; for the trainer one optimizer step).",
     "policy": "The policy version a process works with: the trainer's latest weights, the version a producer "
-              "applied, the prompt source's gate (the lowest version every producer applied); 0 elsewhere.",
+    "applied, the prompt source's gate (the lowest version every producer applied); 0 elsewhere.",
     "supervisor": "`busctl up` itself (component `supervisor`).",
     "prompt_source": "Prompt issue and gating (`prompts/proc.py`, `prompts/source.py`).",
     "accounting": "The prompt ledger: every issued prompt ends in one outcome (`docs/DELIVERY.md`).",
@@ -64,8 +66,8 @@ SECTIONS = {
     "rewards": "Reward workers (`rewards/proc.py`, `rewards/worker.py`): rewards, advantages, failures of reward functions, filters.",
     "packer": "The packer (`packer/proc.py`): staleness filter, policy lag, packing, samples log.",
     "trainer": "The trainer, rank 0 (`trainer/proc.py`, `trainer/observability/gauges.py`, `trainer/observability/step_timing.py`, "
-               "`trainer/parallel/threads.py`, `trainer/publish.py`): the last step's loss and statistics as gauges "
-               "(also in `metrics.jsonl`), step time by phase, CPU threads, weight transfer times.",
+    "`trainer/parallel/threads.py`, `trainer/publish.py`): the last step's loss and statistics as gauges "
+    "(also in `metrics.jsonl`), step time by phase, CPU threads, weight transfer times.",
     "eval": "Online evaluation (`trainer/observability/eval_log.py`): the last eval round per eval task.",
 }
 """Component prefix (``rlbus_<prefix>_...``) -> the introduction of its table, in document order."""
@@ -102,7 +104,9 @@ class Family:
         for prefix in sorted(SECTIONS, key=len, reverse=True):
             if self.name.startswith(f"rlbus_{prefix}_"):
                 return prefix
-        raise ValueError(f"{self.name} ({self.module}): no component prefix; add it to SECTIONS in busctl/metrics_reference.py")
+        raise ValueError(
+            f"{self.name} ({self.module}): no component prefix; add it to SECTIONS in busctl/metrics_reference.py"
+        )
 
     @property
     def unit(self) -> str:
@@ -169,7 +173,9 @@ def collect_families() -> list[Family]:
     modules = metric_modules()
     early = [m for m in modules if m in sys.modules]
     if early:
-        raise RuntimeError(f"{early} imported before collect_families(): run `python -m busctl.metrics_reference` in a fresh interpreter")
+        raise RuntimeError(
+            f"{early} imported before collect_families(): run `python -m busctl.metrics_reference` in a fresh interpreter"
+        )
     owner: dict[int, str] = {}
     register = REGISTRY.register
 
@@ -210,8 +216,20 @@ def _family(collector, metric, module: str) -> Family:
     if not labels:
         labels = tuple(sorted(values))
     name = metric.name + "_total" if metric.type == "counter" else metric.name
-    bounds = tuple(b for b in getattr(collector, "_upper_bounds", ()) if b != float("inf")) if metric.type == "histogram" else ()
-    return Family(name, metric.type, labels, {k: tuple(sorted(v)) for k, v in values.items()}, metric.documentation, module, bounds)
+    bounds = (
+        tuple(b for b in getattr(collector, "_upper_bounds", ()) if b != float("inf"))
+        if metric.type == "histogram"
+        else ()
+    )
+    return Family(
+        name,
+        metric.type,
+        labels,
+        {k: tuple(sorted(v)) for k, v in values.items()},
+        metric.documentation,
+        module,
+        bounds,
+    )
 
 
 def _cell(text: str) -> str:
@@ -224,8 +242,14 @@ def _bounds(buckets: tuple[float, ...]) -> str:
 
 def section_markdown(prefix: str, families: list[Family]) -> str:
     """One component's table, its histogram buckets and its pre-initialised label values."""
-    lines = [f"## `rlbus_{prefix}_*`", "", SECTIONS[prefix], "",
-             "| name | type | labels | unit | served by | help |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"## `rlbus_{prefix}_*`",
+        "",
+        SECTIONS[prefix],
+        "",
+        "| name | type | labels | unit | served by | help |",
+        "|---|---|---|---|---|---|",
+    ]
     for f in families:
         labels = ", ".join(f"`{label}`" for label in f.labels) or "-"
         lines.append(f"| `{f.name}` | {f.kind} | {labels} | {f.unit or '-'} | {f.served_by} | {_cell(f.help)} |")
@@ -320,9 +344,18 @@ def _scrape_example() -> str:
 
     from busctl.run_status import scrape_config
 
-    targets = [(name, role, "127.0.0.1", port) for name, role, port in [
-        ("hub", "hub", 40001), ("trainer", "trainer", 40002), ("packer", "packer", 40003), ("rewards-0", "rewards", 40004),
-        ("producer-0", "producer", 40005), ("prompt-source", "prompt-source", 40006), ("supervisor", "supervisor", 40000)]]
+    targets = [
+        (name, role, "127.0.0.1", port)
+        for name, role, port in [
+            ("hub", "hub", 40001),
+            ("trainer", "trainer", 40002),
+            ("packer", "packer", 40003),
+            ("rewards-0", "rewards", 40004),
+            ("producer-0", "producer", 40005),
+            ("prompt-source", "prompt-source", 40006),
+            ("supervisor", "supervisor", 40000),
+        ]
+    ]
     return yaml.safe_dump(scrape_config("reverse_text", targets), sort_keys=False)
 
 
@@ -342,8 +375,11 @@ def render(families: list[Family]) -> str:
     for f in families:
         f.served_by
         by_section.setdefault(f.section, []).append(f)
-    toc = ["## Components", ""] + [f"- [`rlbus_{p}_*`](#rlbus_{p}_): {len(by_section[p])} famil{'y' if len(by_section[p]) == 1 else 'ies'}"
-                                   for p in SECTIONS if p in by_section]
+    toc = ["## Components", ""] + [
+        f"- [`rlbus_{p}_*`](#rlbus_{p}_): {len(by_section[p])} famil{'y' if len(by_section[p]) == 1 else 'ies'}"
+        for p in SECTIONS
+        if p in by_section
+    ]
     parts = [header, "\n".join(toc) + "\n"] + [section_markdown(p, by_section[p]) for p in SECTIONS if p in by_section]
     return "\n".join(parts)
 
@@ -362,8 +398,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from configs.reference import write_or_check
 
-    return write_or_check(ns.out, render(families), check=ns.check, command="python -m busctl.metrics_reference",
-                          note=f" ({len(families)} metric families)")
+    return write_or_check(
+        ns.out,
+        render(families),
+        check=ns.check,
+        command="python -m busctl.metrics_reference",
+        note=f" ({len(families)} metric families)",
+    )
 
 
 if __name__ == "__main__":

@@ -94,8 +94,10 @@ def visible_devices(environ: Mapping[str, str] | None = None, nvidia_smi: str = 
         devices: list[int] = []
         for entry in (e.strip() for e in raw.split(",") if e.strip()):
             if not re.fullmatch(r"-?\d+", entry):
-                raise ConfigError(f"{ENV_CUDA_DEVICES}={raw!r}: busctl places components by device index; give indices "
-                                  f"(e.g. 0,1), not {entry!r}")
+                raise ConfigError(
+                    f"{ENV_CUDA_DEVICES}={raw!r}: busctl places components by device index; give indices "
+                    f"(e.g. 0,1), not {entry!r}"
+                )
             if int(entry) < 0:
                 break
             devices.append(int(entry))
@@ -171,11 +173,13 @@ class Placement:
     def refusal(self, producers: int) -> str:
         """Why ``producers`` replicas do not fit: what is needed, what is visible, the keys to change."""
         per = self.gpus_per_replica
-        return (f"{len(self.trainer_gpus) + producers * per} GPUs needed (trainer {len(self.trainer_gpus)} + producers "
-                f"{producers} x {per}), {len(self.visible)} visible: {list(self.visible)}; set "
-                "producers.share_gpus_with_trainer: true (with producers.gpu_memory_utilization ~0.35: vLLM's share of the "
-                f"GPU, at most {MAX_VLLM_SHARE_BESIDE_TRAINER} beside the trainer), or lower producers.replicas / producers.gpus_per_replica / "
-                "trainer.data_parallel, or put the producers on CPU with producers.gpus_per_replica: 0")
+        return (
+            f"{len(self.trainer_gpus) + producers * per} GPUs needed (trainer {len(self.trainer_gpus)} + producers "
+            f"{producers} x {per}), {len(self.visible)} visible: {list(self.visible)}; set "
+            "producers.share_gpus_with_trainer: true (with producers.gpu_memory_utilization ~0.35: vLLM's share of the "
+            f"GPU, at most {MAX_VLLM_SHARE_BESIDE_TRAINER} beside the trainer), or lower producers.replicas / producers.gpus_per_replica / "
+            "trainer.data_parallel, or put the producers on CPU with producers.gpus_per_replica: 0"
+        )
 
     def check_producers(self, n: int) -> None:
         """Check that ``n`` producer replicas (``busctl scale producers=n``) have devices.
@@ -202,19 +206,32 @@ class Placement:
 
     def describe(self) -> str:
         """The plan as lines for ``busctl up --dry-run`` and the console (``#``-prefixed: YAML comments)."""
-        def env(gpus: tuple[int, ...] | None) -> str:
-            return "no devices: busctl scale refuses it" if gpus is None else f"{ENV_CUDA_DEVICES}={','.join(map(str, gpus))!r}"
 
-        lines = [f"# placement: CUDA devices visible to busctl: {list(self.visible)}",
-                 f"#   trainer: {self.trainer_device}, {env(self.trainer_gpus)}; weights to the producers over "
-                 f"{self.broadcast_backend}"]
+        def env(gpus: tuple[int, ...] | None) -> str:
+            return (
+                "no devices: busctl scale refuses it"
+                if gpus is None
+                else f"{ENV_CUDA_DEVICES}={','.join(map(str, gpus))!r}"
+            )
+
+        lines = [
+            f"# placement: CUDA devices visible to busctl: {list(self.visible)}",
+            f"#   trainer: {self.trainer_device}, {env(self.trainer_gpus)}; weights to the producers over "
+            f"{self.broadcast_backend}",
+        ]
         i, n = 0, len(self.producer_gpus)
         while i < n:  # scaled indices with the same devices share a line
             gpus, last = self.producer_gpus[i], i
             while i >= self.replicas and last + 1 < n and self.producer_gpus[last + 1] == gpus:
                 last += 1
-            names = f"producer-{i}" + (f" .. producer-{last}" if last > i else "") + (" (busctl scale)" if i >= self.replicas else "")
-            lines.append(f"#   {names}: {'cuda' if gpus else 'cpu' if gpus is not None else '-'}, {self.producer_dtype}, {env(gpus)}")
+            names = (
+                f"producer-{i}"
+                + (f" .. producer-{last}" if last > i else "")
+                + (" (busctl scale)" if i >= self.replicas else "")
+            )
+            lines.append(
+                f"#   {names}: {'cuda' if gpus else 'cpu' if gpus is not None else '-'}, {self.producer_dtype}, {env(gpus)}"
+            )
             i = last + 1
         lines.append(f"#   hub, packer, rewards-*, prompt-source: {ENV_CUDA_DEVICES}=''")
         return "\n".join(lines)
@@ -230,30 +247,44 @@ def _trainer_gpus(cfg: RunConfig, visible: list[int]) -> tuple[str, tuple[int, .
     device = t.device if t.device != "auto" else ("cuda" if visible else "cpu")
     if device == "cpu":
         if t.data_parallel > 1 and t.dp_backend == "nccl":
-            raise ConfigError(f"trainer.dp_backend nccl needs the trainer on CUDA but trainer.device resolves to cpu "
-                              f"(CUDA devices visible: {visible}); use trainer.dp_backend: gloo (or auto)")
+            raise ConfigError(
+                f"trainer.dp_backend nccl needs the trainer on CUDA but trainer.device resolves to cpu "
+                f"(CUDA devices visible: {visible}); use trainer.dp_backend: gloo (or auto)"
+            )
         if t.gpus:
-            raise ConfigError(f"trainer.gpus {t.gpus} but no CUDA device is visible to busctl ({ENV_CUDA_DEVICES} or "
-                              "nvidia-smi); remove trainer.gpus to train on CPU")
+            raise ConfigError(
+                f"trainer.gpus {t.gpus} but no CUDA device is visible to busctl ({ENV_CUDA_DEVICES} or "
+                "nvidia-smi); remove trainer.gpus to train on CPU"
+            )
         return "cpu", ()
     if not visible:
-        raise ConfigError(f"trainer.device is cuda but no CUDA device is visible to busctl (its {ENV_CUDA_DEVICES}: "
-                          f"{os.environ.get(ENV_CUDA_DEVICES, 'unset')}, nvidia-smi: none); set trainer.device: cpu (or auto)")
+        raise ConfigError(
+            f"trainer.device is cuda but no CUDA device is visible to busctl (its {ENV_CUDA_DEVICES}: "
+            f"{os.environ.get(ENV_CUDA_DEVICES, 'unset')}, nvidia-smi: none); set trainer.device: cpu (or auto)"
+        )
     if t.data_parallel > 1 and t.dp_backend == "gloo":
-        raise ConfigError("trainer.dp_backend gloo keeps data-parallel ranks on the CPU but trainer.device resolves to "
-                          f"cuda (CUDA devices visible: {visible}); use trainer.dp_backend: auto (nccl) or trainer.device: cpu")
+        raise ConfigError(
+            "trainer.dp_backend gloo keeps data-parallel ranks on the CPU but trainer.device resolves to "
+            f"cuda (CUDA devices visible: {visible}); use trainer.dp_backend: auto (nccl) or trainer.device: cpu"
+        )
     if t.gpus:
         missing = [g for g in t.gpus if g not in visible]
         if missing:
-            raise ConfigError(f"trainer.gpus {t.gpus}: {missing} not among the CUDA devices visible to busctl: {visible}")
+            raise ConfigError(
+                f"trainer.gpus {t.gpus}: {missing} not among the CUDA devices visible to busctl: {visible}"
+            )
         return "cuda", tuple(t.gpus)
     if t.data_parallel > len(visible):
-        raise ConfigError(f"trainer.data_parallel={t.data_parallel} ranks need {t.data_parallel} GPUs (one each), "
-                          f"{len(visible)} visible: {visible}; lower trainer.data_parallel or set trainer.device: cpu")
-    return "cuda", tuple(visible[:t.data_parallel])
+        raise ConfigError(
+            f"trainer.data_parallel={t.data_parallel} ranks need {t.data_parallel} GPUs (one each), "
+            f"{len(visible)} visible: {visible}; lower trainer.data_parallel or set trainer.device: cpu"
+        )
+    return "cuda", tuple(visible[: t.data_parallel])
 
 
-def _broadcast_backend(cfg: RunConfig, trainer_gpus: tuple[int, ...], producer_gpus: list[tuple[int, ...] | None]) -> str:
+def _broadcast_backend(
+    cfg: RunConfig, trainer_gpus: tuple[int, ...], producer_gpus: list[tuple[int, ...] | None]
+) -> str:
     """The resolved ``broadcast.backend`` of a plan (rule: the module docstring).
 
     Raises:
@@ -263,16 +294,18 @@ def _broadcast_backend(cfg: RunConfig, trainer_gpus: tuple[int, ...], producer_g
     b = cfg.broadcast
     if b.method != "broadcast":
         return b.backend
-    group = [trainer_gpus[:1], *producer_gpus[:cfg.producers.replicas]]
+    group = [trainer_gpus[:1], *producer_gpus[: cfg.producers.replicas]]
     used = [d for gpus in group for d in gpus or ()]
     on_cuda, distinct = all(group), len(used) == len(set(used))
     if b.backend == "auto":
         return "nccl" if on_cuda and distinct else "gloo"
     if b.backend == "nccl" and not (on_cuda and distinct):
         why = "a member is not on CUDA" if not on_cuda else "NCCL cannot put two ranks on one GPU"
-        raise ConfigError(f"broadcast.backend nccl: the weight-broadcast group (trainer {list(trainer_gpus[:1])}, producers "
-                          f"{[list(g or ()) for g in group[1:]]}) cannot use NCCL: {why}; set broadcast.backend: gloo (or auto) "
-                          "or broadcast.method: filesystem")
+        raise ConfigError(
+            f"broadcast.backend nccl: the weight-broadcast group (trainer {list(trainer_gpus[:1])}, producers "
+            f"{[list(g or ()) for g in group[1:]]}) cannot use NCCL: {why}; set broadcast.backend: gloo (or auto) "
+            "or broadcast.method: filesystem"
+        )
     return b.backend
 
 
@@ -299,22 +332,34 @@ def plan_placement(cfg: RunConfig, visible: list[int]) -> Placement:
     elif p.share_gpus_with_trainer:
         pool = [d for d in visible if d not in trainer_gpus] + list(trainer_gpus)
         if per > len(pool):
-            raise ConfigError(f"producers.gpus_per_replica={per} (tensor_parallel_size) needs {per} distinct GPUs, "
-                              f"{len(pool)} visible: {list(visible)}; lower producers.tensor_parallel_size")
+            raise ConfigError(
+                f"producers.gpus_per_replica={per} (tensor_parallel_size) needs {per} distinct GPUs, "
+                f"{len(pool)} visible: {list(visible)}; lower producers.tensor_parallel_size"
+            )
         producer_gpus = [tuple(pool[(i * per + k) % len(pool)] for k in range(per)) for i in range(p.max_replicas)]
     else:
         free = [d for d in visible if d not in trainer_gpus]
-        producer_gpus = [tuple(free[i * per:(i + 1) * per]) if (i + 1) * per <= len(free) else None
-                         for i in range(p.max_replicas)]
+        producer_gpus = [
+            tuple(free[i * per : (i + 1) * per]) if (i + 1) * per <= len(free) else None for i in range(p.max_replicas)
+        ]
     dtype = resolve_producer_dtype(p.dtype, cuda_available=any(producer_gpus))
-    plan = Placement(tuple(visible), trainer_device, trainer_gpus, dtype, "", tuple(producer_gpus),
-                     shared=p.share_gpus_with_trainer, replicas=p.replicas, gpus_per_replica=per,
-                     gpu_memory_utilization=p.gpu_memory_utilization)
-    if any(g is None for g in producer_gpus[:p.replicas]):
+    plan = Placement(
+        tuple(visible),
+        trainer_device,
+        trainer_gpus,
+        dtype,
+        "",
+        tuple(producer_gpus),
+        shared=p.share_gpus_with_trainer,
+        replicas=p.replicas,
+        gpus_per_replica=per,
+        gpu_memory_utilization=p.gpu_memory_utilization,
+    )
+    if any(g is None for g in producer_gpus[: p.replicas]):
         raise ConfigError(f"the GPU plan does not fit: {plan.refusal(p.replicas)}")
     plan = replace(plan, broadcast_backend=_broadcast_backend(cfg, trainer_gpus, producer_gpus))
     if trainer_device == "cuda":
-        _check_memory_split(p.gpu_memory_utilization, trainer_gpus, producer_gpus[:p.replicas])
+        _check_memory_split(p.gpu_memory_utilization, trainer_gpus, producer_gpus[: p.replicas])
     return plan
 
 
@@ -335,7 +380,8 @@ def _check_memory_split(fraction: float, trainer_gpus: tuple[int, ...], producer
                 f"producers.gpu_memory_utilization {fraction} x {sharing} producer(s) on GPU {gpu}, which the trainer "
                 f"uses too: vLLM would take {taken:.0%} of it and leave the trainer {max(1 - taken, 0):.0%} for its weights, "
                 f"gradients, AdamW state and activations; set producers.gpu_memory_utilization <= {fits:.2f} "
-                f"(e.g. {min(0.35, fits):.2f}; at most {MAX_VLLM_SHARE_BESIDE_TRAINER:.0%} of a trainer GPU goes to vLLM)")
+                f"(e.g. {min(0.35, fits):.2f}; at most {MAX_VLLM_SHARE_BESIDE_TRAINER:.0%} of a trainer GPU goes to vLLM)"
+            )
 
 
 def apply_placement(cfg: RunConfig, visible: list[int] | None = None) -> Placement:

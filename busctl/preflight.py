@@ -51,7 +51,9 @@ def check_names(cfg: RunConfig) -> None:
             try:
                 get_reward_fn(ref) if ":" in ref else reward_name(ref)
             except ValueError as err:
-                raise ConfigError(f"{key}: {err}{_nearest(ref, known_reward_names()) if ':' not in ref else ''}") from None
+                raise ConfigError(
+                    f"{key}: {err}{_nearest(ref, known_reward_names()) if ':' not in ref else ''}"
+                ) from None
         if task.env is not None:
             try:
                 for ref in env_refs(task.env):

@@ -85,14 +85,15 @@ def connector_roles(key: str) -> frozenset[str]:
     Raises:
         ValueError: an unknown key.
     """
-    base = "rollouts" if key.startswith("rollouts-") and key[len("rollouts-"):].isdigit() else key
+    base = "rollouts" if key.startswith("rollouts-") and key[len("rollouts-") :].isdigit() else key
     if base not in CONNECTORS:
         raise ValueError(f"unknown endpoint key {key!r}; known: {sorted(CONNECTORS)} and rollouts-I")
     return CONNECTORS[base]
 
 
-def plan_move(hosts: Mapping[str, str], name: str, role: str, index: int, address: str,
-              table: Iterable[tuple[str, str]]) -> Move | None:
+def plan_move(
+    hosts: Mapping[str, str], name: str, role: str, index: int, address: str, table: Iterable[tuple[str, str]]
+) -> Move | None:
     """What changes when component ``name`` (``role``, replica ``index``) is about to start on a
     node at ``address``.
 
@@ -111,12 +112,20 @@ def plan_move(hosts: Mapping[str, str], name: str, role: str, index: int, addres
         return None
     roles = frozenset().union(*(connector_roles(k) for k in keys))
     restart = tuple(n for n, r in table if r in roles and n != name)
-    return Move(binder=name, address=address, keys=keys, hosts={**hosts, **{k: address for k in keys}},
-                broadcast_host=address if role == "trainer" else None, restart=restart,
-                control_moved=any(k.startswith("control") for k in keys))
+    return Move(
+        binder=name,
+        address=address,
+        keys=keys,
+        hosts={**hosts, **{k: address for k in keys}},
+        broadcast_host=address if role == "trainer" else None,
+        restart=restart,
+        control_moved=any(k.startswith("control") for k in keys),
+    )
 
 
-def rebind(cfg: RunConfig, run_dir: Path, spec: ComponentSpec, address: str, table: Iterable[ComponentSpec]) -> Move | None:
+def rebind(
+    cfg: RunConfig, run_dir: Path, spec: ComponentSpec, address: str, table: Iterable[ComponentSpec]
+) -> Move | None:
     """:func:`plan_move` for ``spec`` about to start at ``address`` among ``table``, and
     :func:`apply_move` of the result; None when nothing moves."""
     move = plan_move(cfg.bus.hosts, spec.name, spec.role, spec.index, address, [(s.name, s.role) for s in table])

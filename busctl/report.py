@@ -38,7 +38,16 @@ import argparse
 import math
 from pathlib import Path
 
-from busctl.run_data import PHASE_LABELS, ReportError, RunData, load_run, moving_average, phase_table, smoothing_window, stage_series
+from busctl.run_data import (
+    PHASE_LABELS,
+    ReportError,
+    RunData,
+    load_run,
+    moving_average,
+    phase_table,
+    smoothing_window,
+    stage_series,
+)
 from trackers.opening import tracker_lines
 from busctl.stderr import print_error
 
@@ -82,11 +91,13 @@ def summarize(run: RunData) -> dict:
         "reward_best": full[best_i] if best_i is not None else math.nan,
         "reward_best_step": steps[best_i + w - 1] if best_i is not None else None,
         "reward_terms_last": {
-            k[len("reward/"):]: _mean(run.series(k)[1][-w:]) for k in sorted(run.keys()) if k.startswith("reward/")
+            k[len("reward/") :]: _mean(run.series(k)[1][-w:]) for k in sorted(run.keys()) if k.startswith("reward/")
         },
         "evals": {
-            task: {"first": (rounds[0][0], rounds[0][1].get("reward_mean", math.nan)),
-                   "last": (rounds[-1][0], rounds[-1][1].get("reward_mean", math.nan))}
+            task: {
+                "first": (rounds[0][0], rounds[0][1].get("reward_mean", math.nan)),
+                "last": (rounds[-1][0], rounds[-1][1].get("reward_mean", math.nan)),
+            }
             for task, rounds in run.evals.items()
         },
         "kl_mean": _mean(run.series("kl")[1]),
@@ -94,10 +105,12 @@ def summarize(run: RunData) -> dict:
         "lag_mean": _mean(run.series("policy_lag_mean")[1]),
         "lag_max": max(lag_max) if lag_max else math.nan,
         "lag_tokens": lag_token_shares(run),
-        "tokens_per_s": sum(tokens) / sum(times) if tokens and len(tokens) == len(times) and sum(times) > 0
+        "tokens_per_s": sum(tokens) / sum(times)
+        if tokens and len(tokens) == len(times) and sum(times) > 0
         else _mean(run.series("tokens_per_s")[1]),
         "stages": {
-            role: {key: _mean(vals) for key, (_, vals) in series.items()} for role, series in stage_series(run.stages).items()
+            role: {key: _mean(vals) for key, (_, vals) in series.items()}
+            for role, series in stage_series(run.stages).items()
         },
         "packer_outcomes": dict(run.packer_outcomes),
         "accounting": run.accounting,
@@ -118,7 +131,9 @@ def lag_token_shares(run: RunData) -> dict[str, float]:
     (:mod:`trainer.observability.lag_stats`) weighted by the step's ``num_loss_tokens``, ``{bucket: share}`` in
     lag order (sums to 1); ``{}`` for a run without them (older runs)."""
     prefix = "lag_frac/"
-    buckets = sorted((k[len(prefix):] for k in run.keys() if k.startswith(prefix)), key=lambda b: (b.startswith(">="), len(b), b))
+    buckets = sorted(
+        (k[len(prefix) :] for k in run.keys() if k.startswith(prefix)), key=lambda b: (b.startswith(">="), len(b), b)
+    )
     totals = dict.fromkeys(buckets, 0.0)
     for r in run.steps:
         n = r.get("num_loss_tokens")
@@ -140,29 +155,41 @@ def format_summary(run: RunData, s: dict, notes: list[str]) -> str:
         f"launch to first optimizer step: {_f(s['first_step_s'], 3)} s",
     ]
     if s["reward_terms_last"]:
-        lines.append("reward terms (last window): " + ", ".join(f"{k} {_f(v)}" for k, v in s["reward_terms_last"].items()))
+        lines.append(
+            "reward terms (last window): " + ", ".join(f"{k} {_f(v)}" for k, v in s["reward_terms_last"].items())
+        )
     for task, e in s["evals"].items():
-        lines.append(f"eval {task} reward_mean: first {_f(e['first'][1])} (round {e['first'][0]}), "
-                     f"last {_f(e['last'][1])} (round {e['last'][0]})")
+        lines.append(
+            f"eval {task} reward_mean: first {_f(e['first'][1])} (round {e['first'][0]}), "
+            f"last {_f(e['last'][1])} (round {e['last'][0]})"
+        )
     if not s["evals"]:
         lines.append("eval: no eval records")
     lines.append(f"kl mean {_f(s['kl_mean'])}, entropy mean {_f(s['entropy_mean'])}")
     lines.append(f"policy lag: mean {_f(s['lag_mean'])}, max {_f(s['lag_max'])} steps")
     if s["lag_tokens"]:
-        lines.append("loss tokens by lag (steps): " + ", ".join(f"{b} {100 * v:.1f}%" for b, v in s["lag_tokens"].items()))
+        lines.append(
+            "loss tokens by lag (steps): " + ", ".join(f"{b} {100 * v:.1f}%" for b, v in s["lag_tokens"].items())
+        )
     lines.append(f"trainer throughput: {_f(s['tokens_per_s'])} tokens/s (all tokens / training time)")
     lines += format_phases(s["phases"])
     for role, v in s["stages"].items():
         busy = v.get("busy", math.nan)
-        lines.append(f"stage {role}: {_f(v.get('tokens_per_s', math.nan))} tokens/s, busy "
-                     f"{'n/a' if not math.isfinite(busy) else f'{100 * busy:.0f}%'} (mean over polls)")
-    seen = {k: v for k, v in sorted(s["packer_outcomes"].items()) if v or k == "accepted"}  # pre-initialised zeros left out
+        lines.append(
+            f"stage {role}: {_f(v.get('tokens_per_s', math.nan))} tokens/s, busy "
+            f"{'n/a' if not math.isfinite(busy) else f'{100 * busy:.0f}%'} (mean over polls)"
+        )
+    seen = {
+        k: v for k, v in sorted(s["packer_outcomes"].items()) if v or k == "accepted"
+    }  # pre-initialised zeros left out
     if seen:
         lines.append("packer groups by outcome: " + ", ".join(f"{k} {v:g}" for k, v in seen.items()))
     acc = s["accounting"]
     if acc:
         outcomes = ", ".join(f"{k} {v}" for k, v in (acc.get("outcomes") or {}).items())
-        lines.append(f"prompts: issued {acc.get('issued')}; outcomes {outcomes}; unresolved {len(acc.get('unresolved') or [])}")
+        lines.append(
+            f"prompts: issued {acc.get('issued')}; outcomes {outcomes}; unresolved {len(acc.get('unresolved') or [])}"
+        )
     lines.append(f"samples.jsonl: {s['samples']} examples from {s['sample_steps']} steps")
     for name, n in run.skipped_lines.items():
         notes.append(f"{name}: skipped {n} line(s) that are not JSON records")

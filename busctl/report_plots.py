@@ -100,10 +100,21 @@ def _reward(run: "RunData", notes: list[str]):
     fig, ax = _figure(f"training reward ({w}-step moving average)" if w > 1 else "training reward", "reward")
     sx, sd = run.series("reward_std")
     if sx == x:
-        ax.fill_between(x, [m - d for m, d in zip(y, sd)], [m + d for m, d in zip(y, sd)], alpha=0.12, label="reward_mean ± reward_std")
+        ax.fill_between(
+            x,
+            [m - d for m, d in zip(y, sd)],
+            [m + d for m, d in zip(y, sd)],
+            alpha=0.12,
+            label="reward_mean ± reward_std",
+        )
     same = [k for k in terms if _same_series(run.series(k), (x, y))]
-    ax.plot(x, y, alpha=0.35 if w > 1 else 1.0, marker="." if len(x) < 30 else None,
-            label="reward_mean" + (f" (= {', '.join(same)})" if same else ""))
+    ax.plot(
+        x,
+        y,
+        alpha=0.35 if w > 1 else 1.0,
+        marker="." if len(x) < 30 else None,
+        label="reward_mean" + (f" (= {', '.join(same)})" if same else ""),
+    )
     if w > 1:
         ax.plot(x, moving_average(y, w), linewidth=2, label=f"reward_mean, {w}-step mean")
     for k in terms:
@@ -115,8 +126,10 @@ def _reward(run: "RunData", notes: list[str]):
 
 
 def _eval(run: "RunData", notes: list[str]):
-    tasks = {t: [(r, m["reward_mean"]) for r, m in rounds if isinstance(m.get("reward_mean"), (int, float))]
-             for t, rounds in run.evals.items()}
+    tasks = {
+        t: [(r, m["reward_mean"]) for r, m in rounds if isinstance(m.get("reward_mean"), (int, float))]
+        for t, rounds in run.evals.items()
+    }
     tasks = {t: pts for t, pts in tasks.items() if pts}
     if not tasks:
         notes.append("eval_reward.png: not plotted, no eval records in metrics.jsonl")
@@ -132,9 +145,13 @@ def _eval(run: "RunData", notes: list[str]):
 def trainer_completion_rate(run: "RunData") -> tuple[list[int], list[float]]:
     """The trainer's completion (loss) tokens per second of step time, per step:
     ``num_loss_tokens / step_time_s`` over the records that have both (a positive step time)."""
-    pts = [(r["step"], float(r["num_loss_tokens"]) / float(r["step_time_s"])) for r in run.steps
-           if isinstance(r.get("num_loss_tokens"), (int, float)) and isinstance(r.get("step_time_s"), (int, float))
-           and r["step_time_s"] > 0]
+    pts = [
+        (r["step"], float(r["num_loss_tokens"]) / float(r["step_time_s"]))
+        for r in run.steps
+        if isinstance(r.get("num_loss_tokens"), (int, float))
+        and isinstance(r.get("step_time_s"), (int, float))
+        and r["step_time_s"] > 0
+    ]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
@@ -145,20 +162,26 @@ def _throughput(run: "RunData", notes: list[str]):
     if not x:
         tx, ty = run.series("tokens_per_s")
         if tx and any("tokens_per_s" in s for s in stages.values()):
-            notes.append("throughput.png: the trainer's metrics.jsonl line not plotted: no num_loss_tokens (a run "
-                         "before it was recorded), and its tokens_per_s (prompt + completion) does not compare with "
-                         "the stages' completion tokens/s")
+            notes.append(
+                "throughput.png: the trainer's metrics.jsonl line not plotted: no num_loss_tokens (a run "
+                "before it was recorded), and its tokens_per_s (prompt + completion) does not compare with "
+                "the stages' completion tokens/s"
+            )
         elif tx:
             x, y, label = tx, ty, "trainer (metrics.jsonl tokens_per_s: prompt + completion tokens)"
     if not run.stages:
-        notes.append("throughput.png: producer/rewards/packer throughput not plotted: no stages.jsonl in the run "
-                      "directory (the trainer's tokens/s is)")
+        notes.append(
+            "throughput.png: producer/rewards/packer throughput not plotted: no stages.jsonl in the run "
+            "directory (the trainer's tokens/s is)"
+        )
     if not x and not stages:
         notes.append("throughput.png: not plotted, no tokens_per_s in metrics.jsonl and no stages.jsonl")
         return None
     busy = {role: s["busy"] for role, s in stages.items() if "busy" in s}
     color = _colors(list(stages))
-    fig, axes = plt.subplots(2 if busy else 1, 1, figsize=(SIZE_IN[0], SIZE_IN[1] * (1.6 if busy else 1)), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(
+        2 if busy else 1, 1, figsize=(SIZE_IN[0], SIZE_IN[1] * (1.6 if busy else 1)), sharex=True, squeeze=False
+    )
     ax = axes[0][0]
     ax.set_title("throughput per stage")
     ax.set_ylabel("completion tokens/s")
@@ -168,7 +191,9 @@ def _throughput(run: "RunData", notes: list[str]):
     for role, series in stages.items():
         if "tokens_per_s" in series:
             sx, sy = series["tokens_per_s"]
-            ax.plot(sx, sy, marker=".", linestyle="--", color=color[role], label=f"{role} (stages.jsonl: completion tokens)")
+            ax.plot(
+                sx, sy, marker=".", linestyle="--", color=color[role], label=f"{role} (stages.jsonl: completion tokens)"
+            )
     _legend(ax)
     if busy:
         bx = axes[1][0]
@@ -192,8 +217,12 @@ def _phases(run: "RunData", notes: list[str]):
     keys = [f"time/{p}_s" for p in phases]
     rows = [r for r in run.steps if all(isinstance(r.get(k), (int, float)) for k in keys)]
     fig, ax = _figure("trainer time per step by phase (stacked)", "seconds per step")
-    ax.stackplot([r["step"] for r in rows], [[float(r[k]) for r in rows] for k in keys],
-                 labels=[f"{p} ({PHASE_LABELS.get(p, p)})" for p in phases], alpha=0.85)
+    ax.stackplot(
+        [r["step"] for r in rows],
+        [[float(r[k]) for r in rows] for k in keys],
+        labels=[f"{p} ({PHASE_LABELS.get(p, p)})" for p in phases],
+        alpha=0.85,
+    )
     _legend(ax)
     return fig
 
@@ -214,9 +243,18 @@ def build_figures(run: "RunData") -> tuple[dict, list[str]]:
     made = {
         "reward.png": _reward(run, notes),
         "eval_reward.png": _eval(run, notes),
-        "kl.png": _lines(run, "kl.png", "KL(rollout policy || trained policy) estimate", "nats", ["kl", "kl_penalty", "teacher_kl"], notes),
+        "kl.png": _lines(
+            run,
+            "kl.png",
+            "KL(rollout policy || trained policy) estimate",
+            "nats",
+            ["kl", "kl_penalty", "teacher_kl"],
+            notes,
+        ),
         "entropy.png": _lines(run, "entropy.png", "policy entropy on loss tokens", "nats", ["entropy"], notes),
-        "lag.png": _lines(run, "lag.png", "off-policy lag of trained samples", "steps", ["policy_lag_mean", "policy_lag_max"], notes),
+        "lag.png": _lines(
+            run, "lag.png", "off-policy lag of trained samples", "steps", ["policy_lag_mean", "policy_lag_max"], notes
+        ),
         "throughput.png": _throughput(run, notes),
         "phases.png": _phases(run, notes),
     }

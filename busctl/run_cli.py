@@ -83,19 +83,44 @@ def cmd_status(ns: argparse.Namespace, console: Console) -> int:
     sup_alive = supervisor_alive(status)
     state = status.get("state", "?") if sup_alive else "not running"
     outcome = f", outcome {status['outcome']}" if status.get("outcome") else ""
-    console.print(f"{status['run_dir']}: busctl up pid {status['supervisor_pid']} {state}{outcome}"
-                  + (f", supervisor metrics :{status['metrics_port']}" if status.get("metrics_port") else ""))
+    console.print(
+        f"{status['run_dir']}: busctl up pid {status['supervisor_pid']} {state}{outcome}"
+        + (f", supervisor metrics :{status['metrics_port']}" if status.get("metrics_port") else "")
+    )
     console.print(trainer_text(status))
     table = Table()
-    for col in ("component", "state", "pid", "alive", "restarts", "heartbeat", "samples/s", "tokens/s", "busy", "queue",
-                "metrics port"):
-        table.add_column(col, no_wrap=True, justify="right" if col in ("samples/s", "tokens/s", "busy", "queue") else "left")
+    for col in (
+        "component",
+        "state",
+        "pid",
+        "alive",
+        "restarts",
+        "heartbeat",
+        "samples/s",
+        "tokens/s",
+        "busy",
+        "queue",
+        "metrics port",
+    ):
+        table.add_column(
+            col, no_wrap=True, justify="right" if col in ("samples/s", "tokens/s", "busy", "queue") else "left"
+        )
     for row in status["components"]:
         tp = row.get("throughput") or {}
-        table.add_row(row["name"], row["state"], str(row["pid"]), "yes" if row["pid"] and _alive(row["pid"]) else "no",
-                      str(row.get("restarts", 0)), _age(row.get("last_heartbeat_at")), format_rate(tp.get("samples_per_s")),
-                      format_rate(tp.get("tokens_per_s")), format_busy(row.get("busy")), format_queue(row),
-                      (f"{row['metrics_host']}:" if row.get("metrics_host", "127.0.0.1") != "127.0.0.1" else "") + str(row["metrics_port"]))
+        table.add_row(
+            row["name"],
+            row["state"],
+            str(row["pid"]),
+            "yes" if row["pid"] and _alive(row["pid"]) else "no",
+            str(row.get("restarts", 0)),
+            _age(row.get("last_heartbeat_at")),
+            format_rate(tp.get("samples_per_s")),
+            format_rate(tp.get("tokens_per_s")),
+            format_busy(row.get("busy")),
+            format_queue(row),
+            (f"{row['metrics_host']}:" if row.get("metrics_host", "127.0.0.1") != "127.0.0.1" else "")
+            + str(row["metrics_port"]),
+        )
     if not console.is_terminal:  # a pipe or file gets whole rows, not rows cut to 80 columns
         console = Console(highlight=False, soft_wrap=True, width=max(console.width, 160))
     console.print(table)
@@ -104,7 +129,9 @@ def cmd_status(ns: argparse.Namespace, console: Console) -> int:
             console.print(f"{row['name']}: last crash: {row['last_error']}")
     scale = status.get("scale") or {}
     if scale:
-        console.print(f"last scale request: {scale.get('state')} {scale.get('targets', '')} {scale.get('error', '')}".rstrip())
+        console.print(
+            f"last scale request: {scale.get('state')} {scale.get('targets', '')} {scale.get('error', '')}".rstrip()
+        )
     if status.get("error"):
         console.print(f"[red]{status['error']}[/red]")
     return 0
@@ -207,10 +234,14 @@ def cmd_scale(ns: argparse.Namespace, console: Console) -> int:
                 print_error(f"busctl scale: refused: {scale.get('error')}")
                 return 1
             if scale.get("state") == ScaleState.DONE:
-                console.print(f"scaled {run_dir}: started {scale.get('added') or 'none'}, stopped {scale.get('removed') or 'none'}")
+                console.print(
+                    f"scaled {run_dir}: started {scale.get('added') or 'none'}, stopped {scale.get('removed') or 'none'}"
+                )
                 return 0
             if not announced:
-                console.print(f"applying: starting {scale.get('added') or 'none'}, stopping {scale.get('removed') or 'none'} ...")
+                console.print(
+                    f"applying: starting {scale.get('added') or 'none'}, stopping {scale.get('removed') or 'none'} ..."
+                )
                 announced = True
         if not supervisor_alive(status) or status.get("state") not in (RunState.STARTING, RunState.RUNNING):
             why = status.get("error") or status.get("outcome") or "no longer running"
@@ -223,7 +254,9 @@ def cmd_scale(ns: argparse.Namespace, console: Console) -> int:
 
 def add_commands(sub: argparse._SubParsersAction) -> dict:
     """Register ``status``, ``logs``, ``down`` and ``scale`` on ``sub``; returns ``{command: handler}``."""
-    st = sub.add_parser("status", help="show a run's step and components: state, pid, restarts, heartbeat, throughput, queue depth")
+    st = sub.add_parser(
+        "status", help="show a run's step and components: state, pid, restarts, heartbeat, throughput, queue depth"
+    )
     st.add_argument("run_dir", nargs="?", help="run directory (default: the default config's run_dir)")
     lg = sub.add_parser("logs", help="print a component's log")
     lg.add_argument("run_dir", nargs="?", help="run directory (default: the default config's run_dir)")
@@ -233,6 +266,10 @@ def add_commands(sub: argparse._SubParsersAction) -> dict:
     dn.add_argument("run_dir", nargs="?", help="run directory (default: the default config's run_dir)")
     sc = sub.add_parser("scale", help="change the number of reward workers / producers of a running job")
     sc.add_argument("args", nargs="+", metavar="ARG", help="[RUN_DIR] rewards=N and/or producers=N")
-    sc.add_argument("--timeout", type=float, default=None,
-                    help="seconds to wait for the new set to be ready (default: bus.ready_timeout_s + 30)")
+    sc.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for the new set to be ready (default: bus.ready_timeout_s + 30)",
+    )
     return {"status": cmd_status, "logs": cmd_logs, "down": cmd_down, "scale": cmd_scale}

@@ -17,15 +17,31 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["PHASE_LABELS", "ReportError", "RunData", "load_run", "moving_average", "packer_outcomes", "phase_series",
-           "phase_table", "smoothing_window", "stage_series"]
+__all__ = [
+    "PHASE_LABELS",
+    "ReportError",
+    "RunData",
+    "load_run",
+    "moving_average",
+    "packer_outcomes",
+    "phase_series",
+    "phase_table",
+    "smoothing_window",
+    "stage_series",
+]
 
 LEGACY_EVAL_TASK = "eval"
 """Task name shown for the ``eval_<metric>`` records of runs older than per-task eval."""
 
 
-PHASE_LABELS = {"wait_data": "wait", "forward": "fwd", "backward": "bwd", "optimizer": "opt", "weight_send": "send",
-                "bookkeeping": "other"}
+PHASE_LABELS = {
+    "wait_data": "wait",
+    "forward": "fwd",
+    "backward": "bwd",
+    "optimizer": "opt",
+    "weight_send": "send",
+    "bookkeeping": "other",
+}
 """The trainer's step phases (``time/<phase>_s`` in ``metrics.jsonl``, :mod:`trainer.observability.step_timing`)
 in display order, with their short names; a phase not listed is shown under its own name, after these."""
 
@@ -92,10 +108,10 @@ def _eval_entries(record: dict) -> dict[str, dict[str, float]]:
     tasks: dict[str, dict[str, float]] = {}
     for key, value in record.items():
         if key.startswith("eval/") and key.count("/") >= 2:
-            task, metric = key[len("eval/"):].split("/", 1)
+            task, metric = key[len("eval/") :].split("/", 1)
             tasks.setdefault(task, {})[metric] = value
         elif key.startswith("eval_"):
-            tasks.setdefault(LEGACY_EVAL_TASK, {})[key[len("eval_"):]] = value
+            tasks.setdefault(LEGACY_EVAL_TASK, {})[key[len("eval_") :]] = value
     return tasks
 
 
@@ -121,7 +137,9 @@ def load_run(run_dir: Path) -> RunData:
         raise ReportError(f"no run directory {run_dir}; give the run_dir of a run (e.g. runs/reverse_text)")
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        raise ReportError(f"{path} does not exist: the run has not trained a step yet (the trainer writes it after each step)")
+        raise ReportError(
+            f"{path} does not exist: the run has not trained a step yet (the trainer writes it after each step)"
+        )
     skipped: dict[str, int] = {}
     records = _read_jsonl(path, skipped)
     if not records:
@@ -139,7 +157,9 @@ def load_run(run_dir: Path) -> RunData:
         else:
             steps[r["step"]] = r  # a step written twice (resume): the last record wins
     if not steps:
-        raise ReportError(f"{path} holds no training step records ({len(records)} eval records only): nothing to report yet")
+        raise ReportError(
+            f"{path} holds no training step records ({len(records)} eval records only): nothing to report yet"
+        )
     run = RunData(
         run_dir=run_dir,
         steps=[steps[s] for s in sorted(steps)],
@@ -220,12 +240,10 @@ def stage_series(stages: list[dict]) -> dict[str, dict[str, tuple[list[int], lis
     }
 
 
-
-
 def phase_series(run: RunData) -> dict[str, tuple[list[int], list[float]]]:
     """``{phase: (steps, seconds)}`` of the trainer's ``time/<phase>_s`` keys (phases in
     :data:`PHASE_LABELS` order, then by name); empty for runs without them."""
-    names = {k[len("time/"):-len("_s")] for k in run.keys() if k.startswith("time/") and k.endswith("_s")}
+    names = {k[len("time/") : -len("_s")] for k in run.keys() if k.startswith("time/") and k.endswith("_s")}
     order = [p for p in PHASE_LABELS if p in names] + sorted(names - set(PHASE_LABELS))
     return {p: run.series(f"time/{p}_s") for p in order}
 
@@ -241,7 +259,10 @@ def phase_table(run: RunData) -> list[tuple[str, float, float]]:
     rows = [r for r in run.steps if all(isinstance(r.get(k), (int, float)) for k in keys)]
     if not rows:
         return []
-    wall = sum(float(r["step_time_s"]) if isinstance(r.get("step_time_s"), (int, float)) else sum(r[k] for k in keys) for r in rows)
+    wall = sum(
+        float(r["step_time_s"]) if isinstance(r.get("step_time_s"), (int, float)) else sum(r[k] for k in keys)
+        for r in rows
+    )
     out = []
     for phase, key in zip(phases, keys):
         values = [float(r[key]) for r in rows]

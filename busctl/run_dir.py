@@ -51,7 +51,9 @@ class Occupant:
 
     def what(self) -> str:
         """One paragraph: the entries and the details, for refusals and the overwrite notice."""
-        shown = ", ".join(self.entries[:12]) + (f", ... ({len(self.entries)} entries)" if len(self.entries) > 12 else "")
+        shown = ", ".join(self.entries[:12]) + (
+            f", ... ({len(self.entries)} entries)" if len(self.entries) > 12 else ""
+        )
         return "; ".join([shown, *self.details])
 
 
@@ -69,8 +71,10 @@ def _details(run_dir: Path) -> list[str]:
     try:
         status = json.loads((run_dir / "status.json").read_text())
         step, total = status.get("step"), status.get("max_steps")
-        out.append(f"last run: {status.get('outcome') or status.get('state') or '?'}"
-                   + (f" at step {step}/{total}" if step is not None else ""))
+        out.append(
+            f"last run: {status.get('outcome') or status.get('state') or '?'}"
+            + (f" at step {step}/{total}" if step is not None else "")
+        )
     except (OSError, ValueError, AttributeError):
         pass
     checkpoints = run_dir / "checkpoints"
@@ -126,14 +130,18 @@ def refusal(occupant: Occupant, command: str, elsewhere: str) -> str:
     """
     d = occupant.run_dir
     if not occupant.is_run:
-        return (f"run_dir {d} is not empty and holds no rlbus run (no config.yaml or status.json): {occupant.what()}.\n"
-                f"busctl up deletes nothing there, not even with --overwrite: give another run_dir=, e.g.\n"
-                f"  {elsewhere}\nor empty that directory yourself")
-    return (f"run_dir {d} holds another run's outputs: {occupant.what()}.\n"
-            f"busctl up does not delete a run it did not make; go on with one of:\n"
-            f"  continue that run:           busctl up --resume {d}\n"
-            f"  start this one elsewhere:    {elsewhere}\n"
-            f"  delete that run, start over: {command} --overwrite")
+        return (
+            f"run_dir {d} is not empty and holds no rlbus run (no config.yaml or status.json): {occupant.what()}.\n"
+            f"busctl up deletes nothing there, not even with --overwrite: give another run_dir=, e.g.\n"
+            f"  {elsewhere}\nor empty that directory yourself"
+        )
+    return (
+        f"run_dir {d} holds another run's outputs: {occupant.what()}.\n"
+        f"busctl up does not delete a run it did not make; go on with one of:\n"
+        f"  continue that run:           busctl up --resume {d}\n"
+        f"  start this one elsewhere:    {elsewhere}\n"
+        f"  delete that run, start over: {command} --overwrite"
+    )
 
 
 def overwrite(occupant: Occupant, say, why: str = "--overwrite") -> None:

@@ -67,9 +67,28 @@ class RunOutcome(StrEnum):
     INTERRUPTED = "interrupted"
 
 
-RUN_OUTPUTS = ("metrics.jsonl", "stages.jsonl", "trained_samples.jsonl", "ledger.jsonl", "accounting.json", "samples.jsonl", "report", "metrics_final",
-               "checkpoints", "packer", "logs", "weights", "sock", "status.json", "scale.json", "prometheus.yml",
-               "trackers", "tensorboard", "wandb", "mlruns")
+RUN_OUTPUTS = (
+    "metrics.jsonl",
+    "stages.jsonl",
+    "trained_samples.jsonl",
+    "ledger.jsonl",
+    "accounting.json",
+    "samples.jsonl",
+    "report",
+    "metrics_final",
+    "checkpoints",
+    "packer",
+    "logs",
+    "weights",
+    "sock",
+    "status.json",
+    "scale.json",
+    "prometheus.yml",
+    "trackers",
+    "tensorboard",
+    "wandb",
+    "mlruns",
+)
 """Removed from the run directory by a fresh ``busctl up`` (files or directories): a fresh run
 starts from an empty run directory (the prompt source's ledger, the trainer's checkpoints, the
 experiment trackers' files and their follow offsets, :mod:`trackers`). ``busctl up`` never gets here
@@ -108,8 +127,11 @@ def scrape_config(run: str, targets: list[tuple[str, str, str, int]], tls_config
         ``{"scrape_configs": [{"job_name": "rlbus", "scrape_interval": "5s", "static_configs":
         [{"targets": ["HOST:PORT"], "labels": {"run", "component", "role"}}, ...]}]}``.
     """
-    statics = [{"targets": [f"{host}:{port}"], "labels": {"run": run, "component": name, "role": role}}
-               for name, role, host, port in targets if port]
+    statics = [
+        {"targets": [f"{host}:{port}"], "labels": {"run": run, "component": name, "role": role}}
+        for name, role, host, port in targets
+        if port
+    ]
     job = {"job_name": "rlbus", "scrape_interval": SCRAPE_INTERVAL}
     if tls_config:
         job |= {"scheme": "https", "tls_config": tls_config}
@@ -134,13 +156,20 @@ def append_stage_record(path: Path, step: int, stats: dict[str, dict], roles: di
         log.warning("could not append to %s: %s", path, err)
 
 
-def write_scrape_config(path: Path, run: str, targets: list[tuple[str, str, str, int]], tls_config: dict | None = None) -> None:
+def write_scrape_config(
+    path: Path, run: str, targets: list[tuple[str, str, str, int]], tls_config: dict | None = None
+) -> None:
     """Write :func:`scrape_config` as YAML to ``path`` atomically (:func:`write_text_atomic`)."""
     write_text_atomic(path, yaml.safe_dump(scrape_config(run, targets, tls_config), sort_keys=False))
 
 
-def snapshot_metrics(out: Path, own: bytes, targets: list[tuple[str, str, int]], timeout_s: float = 2.0,
-                     tls: ssl.SSLContext | None = None) -> None:
+def snapshot_metrics(
+    out: Path,
+    own: bytes,
+    targets: list[tuple[str, str, int]],
+    timeout_s: float = 2.0,
+    tls: ssl.SSLContext | None = None,
+) -> None:
     """Save each ``(name, host, port)``'s ``/metrics`` text to ``out/NAME.prom`` and ``own`` (the
     supervisor's exposition) to ``out/supervisor.prom``; a component that does not answer is logged
     and skipped. ``tls``: the client context when the metrics are served over TLS."""

@@ -122,8 +122,10 @@ def scale_targets(cfg: RunConfig, request: dict, placement: Placement | None = N
         raise ValueError(f"nothing to scale: give {' and/or '.join(k + '=N' for k in SCALABLE)}")
     limit = cfg.producers.max_replicas
     if targets.get("producer", 0) > limit:
-        raise ValueError(f"producers={targets['producer']} exceeds producers.max_replicas={limit} (reward workers connect to "
-                         f"that many rollouts endpoints); start the run with a larger producers.max_replicas")
+        raise ValueError(
+            f"producers={targets['producer']} exceeds producers.max_replicas={limit} (reward workers connect to "
+            f"that many rollouts endpoints); start the run with a larger producers.max_replicas"
+        )
     if "producer" in targets:
         (placement or plan_placement(cfg, visible_devices())).check_producers(targets["producer"])
     return targets
@@ -150,9 +152,18 @@ class Scaling:
             "error"}`` (``{}`` before any request).
     """
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, table: list[ComponentSpec], *, spawn: Callable[[ComponentSpec], None],
-                 say: Callable[[str], None], status_changed: Callable[[], None], targets_changed: Callable[[], None],
-                 placement: Placement | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        table: list[ComponentSpec],
+        *,
+        spawn: Callable[[ComponentSpec], None],
+        say: Callable[[str], None],
+        status_changed: Callable[[], None],
+        targets_changed: Callable[[], None],
+        placement: Placement | None = None,
+    ) -> None:
         self.cfg = cfg
         self.placement = placement or apply_placement(cfg)
         self.run_dir = run_dir
@@ -182,7 +193,10 @@ class Scaling:
             return
         rid = request.get("id")
         if self.progress.get("state") == ScaleState.APPLYING:
-            self.progress = {**self.progress, "rejected": {"id": rid, "error": "the previous scale request is still being applied"}}
+            self.progress = {
+                **self.progress,
+                "rejected": {"id": rid, "error": "the previous scale request is still being applied"},
+            }
             return
         try:
             targets = scale_targets(self.cfg, request, self.placement)
@@ -200,19 +214,33 @@ class Scaling:
             a, r = self._scale_role(role, n)
             added += a
             removed += r
-        self.progress = {"id": rid, "state": ScaleState.APPLYING, "targets": targets, "added": added, "removed": removed, "error": ""}
+        self.progress = {
+            "id": rid,
+            "state": ScaleState.APPLYING,
+            "targets": targets,
+            "added": added,
+            "removed": removed,
+            "error": "",
+        }
         self._say(f"  [cyan]scale[/cyan] {targets}: starting {added or 'none'}, stopping {removed or 'none'}")
         self._status_changed()
 
     def _scale_role(self, role: str, n: int) -> tuple[list[str], list[str]]:
         """Start or stop replicas of ``role`` until ``n`` remain; returns (started, stopping) names."""
-        current = sorted((s for s in self.table if s.role == role and s.state != ComponentState.STOPPING), key=lambda s: s.index)
+        current = sorted(
+            (s for s in self.table if s.role == role and s.state != ComponentState.STOPPING), key=lambda s: s.index
+        )
         added, removed = [], []
         for index in range(len(current), n):
             template = current[-1]
             base = self.cfg.metrics.base_port
-            spec = ComponentSpec(f"{role}-{index}", template.module, index, late_join=(role == "producer"),
-                                 port_request=base + self._next_port_offset if base else 0)
+            spec = ComponentSpec(
+                f"{role}-{index}",
+                template.module,
+                index,
+                late_join=(role == "producer"),
+                port_request=base + self._next_port_offset if base else 0,
+            )
             self._next_port_offset += 1
             last = max(k for k, s in enumerate(self.table) if s.role == role)
             self.table.insert(last + 1, spec)

@@ -89,8 +89,9 @@ def metrics_url(port: int, host: str = "127.0.0.1", tls: ssl.SSLContext | None =
     return f"{'https' if tls is not None else 'http'}://{host}:{port}{path}"
 
 
-def fetch_metrics(port: int, host: str = "127.0.0.1", timeout_s: float = SCRAPE_TIMEOUT_S,
-                  tls: ssl.SSLContext | None = None) -> bytes:
+def fetch_metrics(
+    port: int, host: str = "127.0.0.1", timeout_s: float = SCRAPE_TIMEOUT_S, tls: ssl.SSLContext | None = None
+) -> bytes:
     """The body of ``/metrics`` at ``host:port`` (HTTPS with the client context ``tls``).
 
     Raises:
@@ -101,8 +102,9 @@ def fetch_metrics(port: int, host: str = "127.0.0.1", timeout_s: float = SCRAPE_
         return resp.read()
 
 
-def scrape(port: int, host: str = "127.0.0.1", timeout_s: float = SCRAPE_TIMEOUT_S,
-           tls: ssl.SSLContext | None = None) -> Scrape:
+def scrape(
+    port: int, host: str = "127.0.0.1", timeout_s: float = SCRAPE_TIMEOUT_S, tls: ssl.SSLContext | None = None
+) -> Scrape:
     """GET ``http://HOST:PORT/metrics`` (``https://`` presenting the client certificate of ``tls``,
     :meth:`bus.metrics_tls.MetricsTls.client_context`) and parse it.
 
@@ -158,8 +160,12 @@ def component_stats(prev: Scrape | None, cur: Scrape) -> dict:
         samples = counter_rate(prev, cur, STAGE_SAMPLES)
         tokens = counter_rate(prev, cur, STAGE_TOKENS)
         busy = busy_fraction(prev, cur)
-    stats = {"throughput": {"samples_per_s": samples, "tokens_per_s": tokens}, "busy": busy,
-             "queue_depth": sum(queues.values()) if queues else None, "queues": queues}
+    stats = {
+        "throughput": {"samples_per_s": samples, "tokens_per_s": tokens},
+        "busy": busy,
+        "queue_depth": sum(queues.values()) if queues else None,
+        "queues": queues,
+    }
     endpoint_port = cur.total(ENDPOINT_PORT)
     if endpoint_port:  # a producer serving the OpenAI-compatible endpoint (producers.endpoint)
         stats["endpoint_port"] = int(endpoint_port)
@@ -183,9 +189,14 @@ class MetricsPoller:
         failures: component name -> last scrape error of the latest round (text).
     """
 
-    def __init__(self, targets: Callable[[], list[tuple[str, str, int]]], interval_s: float = POLL_INTERVAL_S,
-                 timeout_s: float = SCRAPE_TIMEOUT_S, window_s: float = RATE_WINDOW_S,
-                 tls: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        targets: Callable[[], list[tuple[str, str, int]]],
+        interval_s: float = POLL_INTERVAL_S,
+        timeout_s: float = SCRAPE_TIMEOUT_S,
+        window_s: float = RATE_WINDOW_S,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.targets = targets
         self.tls = tls
         self.interval_s, self.timeout_s = interval_s, timeout_s

@@ -68,10 +68,19 @@ class StartupClock:
         """The first optimizer step (``step`` steps trained) is done now: write ``startup.json``
         with every component's spawn and ready times; returns the console line (rich markup)."""
         self.first_step_s = round(time.time() - self.launched_at, 3)
-        components = {s.name: {"spawned_s": self.since_launch(s.spawned_at or None), "ready_s": self.since_launch(s.ready_at)}
-                      for s in table}
-        write_json_atomic(self.run_dir / STARTUP_FILE, {"launched_at": self.launched_at, "first_step_s": self.first_step_s,
-                                                         "first_step": step, "components": components})
+        components = {
+            s.name: {"spawned_s": self.since_launch(s.spawned_at or None), "ready_s": self.since_launch(s.ready_at)}
+            for s in table
+        }
+        write_json_atomic(
+            self.run_dir / STARTUP_FILE,
+            {
+                "launched_at": self.launched_at,
+                "first_step_s": self.first_step_s,
+                "first_step": step,
+                "components": components,
+            },
+        )
         ready = [(v["ready_s"], name) for name, v in components.items() if v["ready_s"] is not None]
         last = f"; last ready: {max(ready)[1]} at {max(ready)[0]:.1f} s" if ready else ""
         return f"  first optimizer step {self.first_step_s:.1f} s after launch{last} ({self.run_dir / STARTUP_FILE})"

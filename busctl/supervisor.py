@@ -72,15 +72,32 @@ from bus.metrics import start_metrics_server
 from bus.metrics_tls import tls_from_config
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
-from busctl.component_table import LIVE_STATES, ComponentSpec, ComponentState, claim_broadcast_port, component_table, launch_prefix, process_start_ticks
+from busctl.component_table import (
+    LIVE_STATES,
+    ComponentSpec,
+    ComponentState,
+    claim_broadcast_port,
+    component_table,
+    launch_prefix,
+    process_start_ticks,
+)
 from busctl.healing import ComponentFacts, Decision, FailRun, HealingRules, RestartNow, ScheduleRestart, decide
 from busctl.launchers import Launcher, check_crash
 from busctl.launchers.local import LocalLauncher
 from busctl.live import progress_line
 from busctl.metrics_targets import live_targets, prometheus_targets, served_targets, supervisor_metrics_host
 from busctl.rebinding import rebind
-from busctl.run_status import (EventLog, RunOutcome, RunState, StepClock, append_stage_record, clear_run_dir, snapshot_metrics,
-                               write_json_atomic, write_scrape_config)
+from busctl.run_status import (
+    EventLog,
+    RunOutcome,
+    RunState,
+    StepClock,
+    append_stage_record,
+    clear_run_dir,
+    snapshot_metrics,
+    write_json_atomic,
+    write_scrape_config,
+)
 from busctl.scaling import Placement, Scaling, kill_and_reap, stop_all
 from busctl.scrape import MetricsPoller
 from busctl.startup import StartupClock
@@ -99,7 +116,9 @@ MAX_DRAIN = 1000
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-RESTARTS = Counter("rlbus_supervisor_restarts_total", "Components restarted by the supervisor, per component", ["component"])
+RESTARTS = Counter(
+    "rlbus_supervisor_restarts_total", "Components restarted by the supervisor, per component", ["component"]
+)
 
 
 class RunFailed(RuntimeError):
@@ -128,9 +147,17 @@ class Supervisor:
         scaling: applies ``busctl scale`` requests (:class:`busctl.scaling.Scaling`).
     """
 
-    def __init__(self, cfg: RunConfig, console: Console | None = None, *, table: list[ComponentSpec] | None = None,
-                 resume: bool = False, launched_at: float | None = None, placement: Placement | None = None,
-                 launcher: Launcher | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        console: Console | None = None,
+        *,
+        table: list[ComponentSpec] | None = None,
+        resume: bool = False,
+        launched_at: float | None = None,
+        placement: Placement | None = None,
+        launcher: Launcher | None = None,
+    ) -> None:
         self.cfg = cfg
         self.console = console or Console(soft_wrap=True)
         self.run_dir = Path(cfg.run_dir).resolve()
@@ -142,7 +169,9 @@ class Supervisor:
         self.metrics_tls = tls_from_config(cfg.bus)  # HTTPS + client certificates with tcp + CurveZMQ
         self._scrape_tls = self.metrics_tls and self.metrics_tls.client_context()
         self.launcher = launcher or LocalLauncher()
-        self.endpoints = Endpoints(cfg.bus.transport, self.run_dir, cfg.bus.host, cfg.bus.base_port, dict(cfg.bus.hosts))
+        self.endpoints = Endpoints(
+            cfg.bus.transport, self.run_dir, cfg.bus.host, cfg.bus.base_port, dict(cfg.bus.hosts)
+        )
         self.last_step: TrainerStep | None = None
         self.run_done = False
         self.state = RunState.PREPARING
@@ -159,9 +188,19 @@ class Supervisor:
         self.events = EventLog()
         self.steps = StepClock()
         self.startup = StartupClock(self.run_dir, launched_at)
-        self.poller = MetricsPoller(lambda: live_targets(self.table), tls=self._scrape_tls)  # read on the poller's thread
-        self.scaling = Scaling(cfg, self.run_dir, self.table, spawn=self._spawn, say=self.say, status_changed=self.write_status,
-                               targets_changed=self.write_scrape_config, placement=placement)
+        self.poller = MetricsPoller(
+            lambda: live_targets(self.table), tls=self._scrape_tls
+        )  # read on the poller's thread
+        self.scaling = Scaling(
+            cfg,
+            self.run_dir,
+            self.table,
+            spawn=self._spawn,
+            say=self.say,
+            status_changed=self.write_status,
+            targets_changed=self.write_scrape_config,
+            placement=placement,
+        )
 
     def say(self, markup: str) -> None:
         """Print an event line (rich markup) and keep it among the recent events."""
@@ -180,7 +219,9 @@ class Supervisor:
 
             self.say("building / loading the tiny reverse-text policy ...")
             m = self.cfg.model
-            path = ensure_policy(Path(m.cache_dir), sft_steps=m.sft_steps, sft_target_loss=m.sft_target_loss, seed=self.cfg.trainer.seed)
+            path = ensure_policy(
+                Path(m.cache_dir), sft_steps=m.sft_steps, sft_target_loss=m.sft_target_loss, seed=self.cfg.trainer.seed
+            )
             self.cfg.model.path = str(Path(path).resolve())
         claim_broadcast_port(self.cfg)
         self.cfg.run_dir = str(self.run_dir)
@@ -196,18 +237,39 @@ class Supervisor:
         env = {k: v for k, v in os.environ.items() if k not in ENV_NAMES}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         env.setdefault("PYTHONUNBUFFERED", "1")
-        env.update(LaunchEnv(restarts=spec.restarts, resume=self.resume, late_join=spec.late_join).to_environ(), **self.scaling.placement.environ(spec.role, spec.index))
-        cmd = [*launch_prefix(self.cfg, spec), "--run-dir", str(self.run_dir), "--name", spec.name,
-               "--index", str(spec.index), "--metrics-port", str(spec.port_request)]
+        env.update(
+            LaunchEnv(restarts=spec.restarts, resume=self.resume, late_join=spec.late_join).to_environ(),
+            **self.scaling.placement.environ(spec.role, spec.index),
+        )
+        cmd = [
+            *launch_prefix(self.cfg, spec),
+            "--run-dir",
+            str(self.run_dir),
+            "--name",
+            spec.name,
+            "--index",
+            str(spec.index),
+            "--metrics-port",
+            str(spec.port_request),
+        ]
         peers = self._rebind(spec)
         notes = [f"restart {spec.restarts}"] if spec.restarts else []
         notes += ["resume"] * self.resume + ["late join"] * spec.late_join
         with open(self.log_path(spec), "ab", buffering=0) as logfile:  # unbuffered: the header precedes the output
-            logfile.write(f"===== rlbus {time.strftime('%Y-%m-%d %H:%M:%S')}: starting {spec.name} {'(' + ', '.join(notes) + ')' if notes else ''} =====\n".encode())
+            logfile.write(
+                f"===== rlbus {time.strftime('%Y-%m-%d %H:%M:%S')}: starting {spec.name} {'(' + ', '.join(notes) + ')' if notes else ''} =====\n".encode()
+            )
             spec.proc = self.launcher.spawn(spec, cmd, env, logfile)
         RESTARTS.labels(spec.name)  # the series exists (0) from the first spawn
         now = spec.spawned_at = time.monotonic()
-        spec.pid, spec.state, spec.exit_code, spec.ready_at, spec.last_beat, spec.last_beat_wall = spec.proc.pid, ComponentState.STARTING, None, None, None, None
+        spec.pid, spec.state, spec.exit_code, spec.ready_at, spec.last_beat, spec.last_beat_wall = (
+            spec.proc.pid,
+            ComponentState.STARTING,
+            None,
+            None,
+            None,
+            None,
+        )
         spec.due = now + self.cfg.bus.ready_timeout_s
         for peer in peers:  # they hold the moved endpoints' old address
             kill_and_reap(peer)
@@ -224,12 +286,20 @@ class Supervisor:
         if move.control_moved and self._control is not None:
             self._control.close()
             self._control = self._subscribe_control()
-        self.say(f"  [yellow]moved[/yellow] {spec.name} to {move.address} ({', '.join(move.keys)}); restarting {', '.join(move.restart)}")
-        return [s for s in self.table if s.name in move.restart and s.proc is not None and s.state != ComponentState.STOPPING]
+        self.say(
+            f"  [yellow]moved[/yellow] {spec.name} to {move.address} ({', '.join(move.keys)}); restarting {', '.join(move.restart)}"
+        )
+        return [
+            s
+            for s in self.table
+            if s.name in move.restart and s.proc is not None and s.state != ComponentState.STOPPING
+        ]
 
     def _subscribe_control(self) -> BusSocket:
         """busctl's subscription to the control channel at the hub (``bus.hosts`` now)."""
-        return BusSocket(self.ctx, "control_sub", "recv", self.endpoints.address("control_sub"), bind=False, stop=self.stop)
+        return BusSocket(
+            self.ctx, "control_sub", "recv", self.endpoints.address("control_sub"), bind=False, stop=self.stop
+        )
 
     def start(self) -> None:
         """Spawn every component and wait for all ready handshakes.
@@ -239,9 +309,21 @@ class Supervisor:
                 ``stop`` was set.
         """
         self.state = RunState.STARTING
-        self._inbox = BusSocket(self.ctx, "supervisor", "recv", self.endpoints.address("supervisor"), bind=True, stop=self.stop,
-                                accept=(ComponentReady, ComponentHeartbeat))
-        self._metrics_server = start_metrics_server(0, host := supervisor_metrics_host(self.cfg), health=self.health, tls=self.metrics_tls and self.metrics_tls.server_context(host))
+        self._inbox = BusSocket(
+            self.ctx,
+            "supervisor",
+            "recv",
+            self.endpoints.address("supervisor"),
+            bind=True,
+            stop=self.stop,
+            accept=(ComponentReady, ComponentHeartbeat),
+        )
+        self._metrics_server = start_metrics_server(
+            0,
+            host := supervisor_metrics_host(self.cfg),
+            health=self.health,
+            tls=self.metrics_tls and self.metrics_tls.server_context(host),
+        )
         self.metrics_port = int(self._metrics_server.server_address[1])
         self._control = self._subscribe_control()
         base = self.cfg.metrics.base_port
@@ -318,7 +400,9 @@ class Supervisor:
                 self.say(self.startup.record(msg.step, self.table))
             self.last_step = msg
             self.steps.step(msg.step)
-            append_stage_record(self.run_dir / "stages.jsonl", msg.step, self.poller.stats, {s.name: s.role for s in self.table})
+            append_stage_record(
+                self.run_dir / "stages.jsonl", msg.step, self.poller.stats, {s.name: s.role for s in self.table}
+            )
             self.console.print(progress_line(msg.step, self.cfg.trainer.max_steps, msg.metrics))
             self.write_status()  # the live display and `busctl status` show the step at once
         elif isinstance(msg, RunDone):
@@ -349,9 +433,18 @@ class Supervisor:
         """What the healing policy needs of ``spec``; polls its process (an exit is recorded)."""
         if spec.proc is not None and spec.exit_code is None and spec.state in (ComponentState.STARTING, *LIVE_STATES):
             spec.exit_code = spec.proc.poll()
-        return ComponentFacts(name=spec.name, role=spec.role, state=spec.state, pid=spec.pid, exit_code=spec.exit_code,
-                              restarts=spec.restarts, consecutive_crashes=spec.consecutive_crashes, ready_at=spec.ready_at,
-                              last_beat=spec.last_beat, due=spec.due)
+        return ComponentFacts(
+            name=spec.name,
+            role=spec.role,
+            state=spec.state,
+            pid=spec.pid,
+            exit_code=spec.exit_code,
+            restarts=spec.restarts,
+            consecutive_crashes=spec.consecutive_crashes,
+            ready_at=spec.ready_at,
+            last_beat=spec.last_beat,
+            due=spec.due,
+        )
 
     def _carry_out(self, decision: Decision, spec: ComponentSpec) -> None:
         """Do what the healing policy decided for ``spec``.
@@ -375,8 +468,10 @@ class Supervisor:
         assert isinstance(decision, ScheduleRestart), decision
         spec.state, spec.due, spec.proc = ComponentState.RESTARTING, decision.at, None
         spec.consecutive_crashes = decision.consecutive_crashes
-        self.say(f"  [yellow]crashed[/yellow] {spec.name} (pid {spec.pid}) {decision.reason}; restart "
-                 f"{spec.restarts + 1}/{self.cfg.supervisor.max_restarts} in {decision.delay_s:g} s")
+        self.say(
+            f"  [yellow]crashed[/yellow] {spec.name} (pid {spec.pid}) {decision.reason}; restart "
+            f"{spec.restarts + 1}/{self.cfg.supervisor.max_restarts} in {decision.delay_s:g} s"
+        )
         self.write_status()
 
     def _restart(self, spec: ComponentSpec) -> None:
@@ -392,22 +487,44 @@ class Supervisor:
 
     def health(self) -> tuple[bool, dict]:
         """``/health`` of ``busctl up``: healthy unless the run failed; state, step, live components."""
-        return self.outcome != RunOutcome.FAILED, {"component": "supervisor", "state": self.state, "step": self.snapshot.get("step"),
-                                          "components_live": sum(s.state in LIVE_STATES for s in self.table), "components": len(self.table)}
+        return self.outcome != RunOutcome.FAILED, {
+            "component": "supervisor",
+            "state": self.state,
+            "step": self.snapshot.get("step"),
+            "components_live": sum(s.state in LIVE_STATES for s in self.table),
+            "components": len(self.table),
+        }
 
     def write_status(self) -> None:
         """Write ``status.json`` atomically and keep it as :attr:`snapshot` (fields: :mod:`busctl.run_status`)."""
         stats = self.poller.stats
-        empty = {"throughput": {"samples_per_s": None, "tokens_per_s": None}, "busy": None, "queue_depth": None, "queues": {}}
+        empty = {
+            "throughput": {"samples_per_s": None, "tokens_per_s": None},
+            "busy": None,
+            "queue_depth": None,
+            "queues": {},
+        }
         max_steps = self.cfg.trainer.max_steps
         steps_per_s, eta = self.steps.rate_and_eta(max_steps)
         status = {
-            "supervisor_pid": os.getpid(), "supervisor_start_ticks": self._start_ticks, "run_dir": str(self.run_dir),
-            "name": self.cfg.name, "state": self.state, "outcome": self.outcome, "error": self.error, "resume": self.resume,
-            "updated_at": time.time(), "metrics_port": self.metrics_port,
-            "step": self.last_step.step if self.last_step else None, "max_steps": max_steps,
+            "supervisor_pid": os.getpid(),
+            "supervisor_start_ticks": self._start_ticks,
+            "run_dir": str(self.run_dir),
+            "name": self.cfg.name,
+            "state": self.state,
+            "outcome": self.outcome,
+            "error": self.error,
+            "resume": self.resume,
+            "updated_at": time.time(),
+            "metrics_port": self.metrics_port,
+            "step": self.last_step.step if self.last_step else None,
+            "max_steps": max_steps,
             "trainer_metrics": dict(self.last_step.metrics) if self.last_step else {},
-            "steps_per_s": steps_per_s, "eta_s": eta, "first_step_s": self.startup.first_step_s, "scale": self.scaling.progress, "events": self.events.recent(),
+            "steps_per_s": steps_per_s,
+            "eta_s": eta,
+            "first_step_s": self.startup.first_step_s,
+            "scale": self.scaling.progress,
+            "events": self.events.recent(),
             "components": [{**s.status_row(), "role": s.role, **stats.get(s.name, empty)} for s in self.table],
         }
         write_json_atomic(self.run_dir / "status.json", status)
@@ -417,13 +534,20 @@ class Supervisor:
     def snapshot_metrics(self) -> None:
         """Save every component's ``/metrics`` text to ``metrics_final/NAME.prom`` (end of run),
         and the supervisor's own to ``metrics_final/supervisor.prom``."""
-        snapshot_metrics(self.run_dir / "metrics_final", generate_latest(REGISTRY), served_targets(self.table), tls=self._scrape_tls)
+        snapshot_metrics(
+            self.run_dir / "metrics_final", generate_latest(REGISTRY), served_targets(self.table), tls=self._scrape_tls
+        )
 
     def write_scrape_config(self) -> None:
         """Write ``prometheus.yml``: a target per component with a metrics port, at the address it
         reported, and the supervisor's."""
         supervisor = (supervisor_metrics_host(self.cfg), self.metrics_port)
-        write_scrape_config(self.run_dir / "prometheus.yml", self.cfg.name, prometheus_targets(self.table, supervisor), self.metrics_tls and self.metrics_tls.prometheus_tls_config())
+        write_scrape_config(
+            self.run_dir / "prometheus.yml",
+            self.cfg.name,
+            prometheus_targets(self.table, supervisor),
+            self.metrics_tls and self.metrics_tls.prometheus_tls_config(),
+        )
 
     # -- shutdown --------------------------------------------------------------------------------
 
@@ -447,4 +571,3 @@ class Supervisor:
             self.write_status()
         auth.disable(self.ctx)
         self.ctx.term()
-

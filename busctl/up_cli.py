@@ -55,7 +55,9 @@ def resume_config(target: str | None, overrides: list[str]) -> RunConfig:
         raise ConfigError(f"--resume {target}: no such run directory or config file")
     saved = run_dir / "config.yaml"
     if not saved.is_file():
-        raise ConfigError(f"nothing to resume in {run_dir}: no {saved} (a run writes it at start; start one with `busctl up`)")
+        raise ConfigError(
+            f"nothing to resume in {run_dir}: no {saved} (a run writes it at start; start one with `busctl up`)"
+        )
     if any(o.partition("=")[0].strip() == "run_dir" for o in overrides):
         raise ConfigError("run_dir cannot be overridden with --resume: the run continues in its own directory")
     cfg = load_config(saved, ["broadcast.port=0", *overrides])
@@ -91,8 +93,14 @@ def _check_run_dir(cfg: RunConfig, ns: argparse.Namespace) -> tuple[int, str, Oc
     except (NoRun, ValueError):
         previous = None
     if previous is not None and supervisor_alive(previous):
-        return 1, (f"a run is already going in {run_dir} (busctl up pid {previous['supervisor_pid']}); "
-                   f"stop it first: busctl down {run_dir}"), None
+        return (
+            1,
+            (
+                f"a run is already going in {run_dir} (busctl up pid {previous['supervisor_pid']}); "
+                f"stop it first: busctl down {run_dir}"
+            ),
+            None,
+        )
     if ns.resume:
         return 0, "", None
     try:
@@ -139,8 +147,10 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
         resolve_run_model_paths(checked)  # a hub id becomes its HF-cache snapshot: every component loads the same files
         check_names(cfg)
         if cfg.eval.only:  # no trainer would start and the run would never end
-            raise ValueError("eval.only=true is busctl eval's mode, not a training run: "
-                             f"run `busctl eval {config_path or ''} [overrides]` instead".replace("  ", " "))
+            raise ValueError(
+                "eval.only=true is busctl eval's mode, not a training run: "
+                f"run `busctl eval {config_path or ''} [overrides]` instead".replace("  ", " ")
+            )
     except (ValueError, FileNotFoundError) as err:  # a ConfigError, a key file, a model path, a name
         print_error(str(err))
         return 2
@@ -150,7 +160,9 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
         if code:
             print_warning(f"busctl up would refuse this run: {why}")
         elif occupant is not None:
-            print_warning(f"busctl up --overwrite would delete the previous run in {occupant.run_dir}: {occupant.what()}")
+            print_warning(
+                f"busctl up --overwrite would delete the previous run in {occupant.run_dir}: {occupant.what()}"
+            )
         return 0
     if code:
         print_error(why)
@@ -168,8 +180,14 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
     if placement.visible:  # a GPU host: say which component got which devices
         console.print(placement.describe(), markup=False, highlight=False)
     launcher.configure(cfg)  # slurm, ray: tcp bound to each node's address, per-run CurveZMQ keys
-    sup = Supervisor(cfg, console, resume=ns.resume, launched_at=process_started_at(os.getpid()), placement=placement,
-                     launcher=launcher)
+    sup = Supervisor(
+        cfg,
+        console,
+        resume=ns.resume,
+        launched_at=process_started_at(os.getpid()),
+        placement=placement,
+        launcher=launcher,
+    )
 
     def on_signal(signum: int, _frame: object) -> None:
         sup.stop.set()
@@ -228,28 +246,52 @@ def supervise(sup: "Supervisor", console: Console) -> int:
         console.print("interrupted; every component stopped")
         return 130
     restarts = sum(s.restarts for s in sup.table)
-    console.print(f"[green]done[/green] in {time.monotonic() - started:.0f} s ({restarts} restarts); "
-                  f"metrics in {sup.run_dir / 'metrics.jsonl'}")
+    console.print(
+        f"[green]done[/green] in {time.monotonic() - started:.0f} s ({restarts} restarts); "
+        f"metrics in {sup.run_dir / 'metrics.jsonl'}"
+    )
     return 0
 
 
 def add_up(sub: argparse._SubParsersAction) -> dict:
     """Register ``up`` on ``sub``; returns ``{"up": handler}``."""
-    up = sub.add_parser("up", help="run a job, or continue a stopped one (--resume)",
-                        description="Run a job: busctl up [CONFIG] [key.sub=value ...]. Continue a stopped one in its run "
-                        "directory: busctl up --resume [RUN_DIR | CONFIG] [key.sub=value ...].")
-    up.add_argument("args", nargs="*", help="[CONFIG.yaml] [key.sub=value ...]; with --resume: [RUN_DIR | CONFIG.yaml] [key.sub=value ...]")
-    up.add_argument("--dry-run", action="store_true",
-                    help="run every check busctl up runs before it starts anything (config, devices, keys, model paths, "
-                    "task/reward/environment names), print the resolved config and the device plan, and exit")
-    up.add_argument("--launcher", choices=LAUNCHERS, default=None,
-                    help="start components as local processes, as srun steps inside a Slurm allocation, or through Ray actors "
-                    "on the nodes of a Ray cluster (default: supervisor.launcher)")
-    up.add_argument("--address", default=None, help="with --launcher ray: the Ray cluster (default: supervisor.ray_address, auto)")
-    up.add_argument("--resume", action="store_true",
-                    help="continue the run in RUN_DIR (default: the default config's run_dir) from its config.yaml, "
-                    "checkpoints, ledgers and packer spool; nothing is cleared, logs are appended")
-    up.add_argument("--overwrite", action="store_true",
-                    help="when run_dir holds a previous run, delete it (each entry is named first) and start over; "
-                    "without it busctl up refuses an occupied run_dir (exit 2)")
+    up = sub.add_parser(
+        "up",
+        help="run a job, or continue a stopped one (--resume)",
+        description="Run a job: busctl up [CONFIG] [key.sub=value ...]. Continue a stopped one in its run "
+        "directory: busctl up --resume [RUN_DIR | CONFIG] [key.sub=value ...].",
+    )
+    up.add_argument(
+        "args",
+        nargs="*",
+        help="[CONFIG.yaml] [key.sub=value ...]; with --resume: [RUN_DIR | CONFIG.yaml] [key.sub=value ...]",
+    )
+    up.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run every check busctl up runs before it starts anything (config, devices, keys, model paths, "
+        "task/reward/environment names), print the resolved config and the device plan, and exit",
+    )
+    up.add_argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        default=None,
+        help="start components as local processes, as srun steps inside a Slurm allocation, or through Ray actors "
+        "on the nodes of a Ray cluster (default: supervisor.launcher)",
+    )
+    up.add_argument(
+        "--address", default=None, help="with --launcher ray: the Ray cluster (default: supervisor.ray_address, auto)"
+    )
+    up.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in RUN_DIR (default: the default config's run_dir) from its config.yaml, "
+        "checkpoints, ledgers and packer spool; nothing is cleared, logs are appended",
+    )
+    up.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="when run_dir holds a previous run, delete it (each entry is named first) and start over; "
+        "without it busctl up refuses an occupied run_dir (exit 2)",
+    )
     return {"up": cmd_up}

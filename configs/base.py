@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+
 class Section(BaseModel):
     """Base of every config section: forbids unknown keys, validates assignments."""
 

@@ -31,7 +31,9 @@ def _mark_text(err: yaml.YAMLError) -> tuple[str, str]:
     problem = getattr(err, "problem", None) or str(err).strip()
     if context:
         began = ""
-        if context_mark is not None and (mark is None or (context_mark.line, context_mark.column) != (mark.line, mark.column)):
+        if context_mark is not None and (
+            mark is None or (context_mark.line, context_mark.column) != (mark.line, mark.column)
+        ):
             began = f" that began at line {context_mark.line + 1}, column {context_mark.column + 1}"
         problem = f"{problem}, {context}{began}"
     mark = mark or context_mark
@@ -64,13 +66,17 @@ def read_yaml_file(path: Path) -> tuple[dict[str, Any], str]:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         where, problem = _mark_text(err)
-        raise ConfigError(f"config file {path}{', ' + where if where else ''}: not valid YAML ({problem}); "
-                          "fix the syntax there (check indentation, a missing ':' or an unclosed bracket or quote)") from None
+        raise ConfigError(
+            f"config file {path}{', ' + where if where else ''}: not valid YAML ({problem}); "
+            "fix the syntax there (check indentation, a missing ':' or an unclosed bracket or quote)"
+        ) from None
     if data is None:
         return {}, text
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a YAML mapping at the top level (key: value lines), "
-                          f"not a {type(data).__name__}")
+        raise ConfigError(
+            f"config file {path} must hold a YAML mapping at the top level (key: value lines), "
+            f"not a {type(data).__name__}"
+        )
     return data, text
 
 
@@ -85,8 +91,10 @@ def parse_override(override: str) -> tuple[list[str], Any]:
             override, the column within the value and the fix).
     """
     if "=" not in override:
-        raise ConfigError(f"override {override!r} must look like key.sub=value (no '=' in it); "
-                          f"write {override.strip()}=VALUE, or give a config file path that exists")
+        raise ConfigError(
+            f"override {override!r} must look like key.sub=value (no '=' in it); "
+            f"write {override.strip()}=VALUE, or give a config file path that exists"
+        )
     key, _, value = override.partition("=")
     parts = key.strip().split(".")
     if not all(parts):
@@ -97,9 +105,11 @@ def parse_override(override: str) -> tuple[list[str], Any]:
         where, problem = _mark_text(err)
         where = where.replace("line 1, ", "")  # a one-line value: the column is the useful part
         problem = problem.replace("line 1, ", "")
-        raise ConfigError(f"override {override!r}: the value {value!r} is not valid YAML"
-                          f"{' at ' + where if where else ''} ({problem}); fix it, or quote the value to pass "
-                          "it as a string (KEY='\"VALUE\"' in a shell)") from None
+        raise ConfigError(
+            f"override {override!r}: the value {value!r} is not valid YAML"
+            f"{' at ' + where if where else ''} ({problem}); fix it, or quote the value to pass "
+            "it as a string (KEY='\"VALUE\"' in a shell)"
+        ) from None
 
 
 def _section_model(annotation: Any) -> type[BaseModel] | None:
@@ -186,15 +196,20 @@ def _source(loc: tuple[Any, ...], path: Path, text: str, overrides: list[tuple[l
     config's check reads both)."""
     dotted = [str(p) for p in loc]
     for parts, override in reversed(overrides):
-        if dotted[:len(parts)] == parts:
+        if dotted[: len(parts)] == parts:
             return f"override {override!r}"
     line = key_line(text, loc) if loc else None
-    below = [repr(o) for parts, o in overrides if parts[:len(dotted)] == dotted]
-    return f"{path}" + (f" line {line}" if line else "") + (f" with override{'s' if len(below) > 1 else ''} {', '.join(below)}" if below else "")
+    below = [repr(o) for parts, o in overrides if parts[: len(dotted)] == dotted]
+    return (
+        f"{path}"
+        + (f" line {line}" if line else "")
+        + (f" with override{'s' if len(below) > 1 else ''} {', '.join(below)}" if below else "")
+    )
 
 
-def describe_validation(err: ValidationError, model: type[BaseModel], path: Path, text: str,
-                        overrides: list[tuple[list[str], str]]) -> str:
+def describe_validation(
+    err: ValidationError, model: type[BaseModel], path: Path, text: str, overrides: list[tuple[list[str], str]]
+) -> str:
     """The message of a config that parsed but does not validate: one line per error,
     ``  KEY: what is wrong (got VALUE); from SOURCE`` (SOURCE as :func:`_source`), an unknown key with
     the nearest known one.

@@ -62,7 +62,9 @@ def resolve_model_path(path: str | Path, *, key: str = "model.path") -> str:
     local = Path(text).expanduser()
     if local.is_dir():
         if not (local / "config.json").is_file():
-            raise FileNotFoundError(f"{key}={text!r}: the directory {local.resolve()} has no config.json (not a HF model directory)")
+            raise FileNotFoundError(
+                f"{key}={text!r}: the directory {local.resolve()} has no config.json (not a HF model directory)"
+            )
         return str(local.resolve())
     match = _HUB_ID.match(text)
     if match is None or text.startswith((".", "/", "~")):

@@ -231,7 +231,9 @@ def section_markdown(ref: SectionRef) -> str:
             kind, default = f"section [`{path}`](#{_slug(path)}) or null", default_text(field)
         else:
             kind, default = f"list of [`{path}[]`](#{_slug(path + '[]')}) items", default_text(field)
-        lines.append(f"| `{path}` | {_cell(kind)} | {_cell(default)} | {_cell(bounds_text(field))} | {_cell(description)} |")
+        lines.append(
+            f"| `{path}` | {_cell(kind)} | {_cell(default)} | {_cell(bounds_text(field))} | {_cell(description)} |"
+        )
     checks = validator_checks(ref.model)
     if checks:
         lines += ["", "Refused combinations (the error `busctl up` prints, `…` standing for the values):", ""]
@@ -268,8 +270,9 @@ across keys are listed under their section.
 def render() -> str:
     """The whole reference (markdown) for the current config models."""
     refs = sections()
-    toc = ["## Sections", ""] + [f"- [`{_heading(r.path)}`](#{_slug(_heading(r.path))}): "
-                                 f"{_summary(r.model)}" for r in refs]
+    toc = ["## Sections", ""] + [
+        f"- [`{_heading(r.path)}`](#{_slug(_heading(r.path))}): {_summary(r.model)}" for r in refs
+    ]
     parts = [HEADER, "\n".join(toc) + "\n"] + [section_markdown(r) for r in refs]
     return "\n".join(parts)
 

@@ -16,16 +16,31 @@ from configs.base import Section
 class RewardTermConfig(Section):
     """One reward function of a task and its weight in the total reward."""
 
-    name: str = Field(..., min_length=1, description="A registered reward function (tasks/rewards.py), an import path 'package.module:function' (runs the code it names: configs are trusted), or 'trl:package.module:function' / 'trl_conversational:...' for a function written for TRL's GRPOTrainer, used as it is (docs/rewards.md).")
-    weight: float = Field(1.0, allow_inf_nan=False, description="Weight of this function's score in the reward: reward = sum of weight * score.")
+    name: str = Field(
+        ...,
+        min_length=1,
+        description="A registered reward function (tasks/rewards.py), an import path 'package.module:function' (runs the code it names: configs are trusted), or 'trl:package.module:function' / 'trl_conversational:...' for a function written for TRL's GRPOTrainer, used as it is (docs/rewards.md).",
+    )
+    weight: float = Field(
+        1.0,
+        allow_inf_nan=False,
+        description="Weight of this function's score in the reward: reward = sum of weight * score.",
+    )
 
 
 class DatasetConfig(Section):
     """Where a task's examples come from: local files only, nothing is fetched from a hub."""
 
-    path: str = Field("", description="Training split: a local JSONL or Parquet file (relative to the working directory). Empty: the task's own data.")
-    eval_path: str = Field("", description="Held-out split for online evaluation, same format. Empty: the task's own eval data.")
-    format: Literal["auto", "jsonl", "parquet"] = Field("auto", description="File format; auto: by the file suffix (.jsonl/.json, .parquet).")
+    path: str = Field(
+        "",
+        description="Training split: a local JSONL or Parquet file (relative to the working directory). Empty: the task's own data.",
+    )
+    eval_path: str = Field(
+        "", description="Held-out split for online evaluation, same format. Empty: the task's own eval data."
+    )
+    format: Literal["auto", "jsonl", "parquet"] = Field(
+        "auto", description="File format; auto: by the file suffix (.jsonl/.json, .parquet)."
+    )
     fields: dict[str, str] = Field(
         default_factory=dict,
         description="Field mapping {the task's field: the dataset's column}, e.g. {question: problem, answer: solution} for gsm8k.",
@@ -35,16 +50,32 @@ class DatasetConfig(Section):
 class TaskConfig(Section):
     """The training task: dataset, prompt rendering and reward functions (tasks/, one module per task)."""
 
-    name: str = Field("reverse_text", description="A registered task (reverse_text, gsm8k, countdown, reverse_turns, gsm8k_calculator), an import path 'package.module:function' returning a tasks.Task, or 'verifiers:MODULE': the verifiers environment MODULE.load_environment(**task.verifiers_args) (docs/environments.md).")
-    system_prompt: str | None = Field(None, description="System message before every prompt; null: the task's default (none for reverse_text).")
+    name: str = Field(
+        "reverse_text",
+        description="A registered task (reverse_text, gsm8k, countdown, reverse_turns, gsm8k_calculator), an import path 'package.module:function' returning a tasks.Task, or 'verifiers:MODULE': the verifiers environment MODULE.load_environment(**task.verifiers_args) (docs/environments.md).",
+    )
+    system_prompt: str | None = Field(
+        None, description="System message before every prompt; null: the task's default (none for reverse_text)."
+    )
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
     rewards: list[RewardTermConfig] = Field(
-        default_factory=list, description="Reward functions and weights; each is logged as reward/<name>. Empty: the task's own."
+        default_factory=list,
+        description="Reward functions and weights; each is logged as reward/<name>. Empty: the task's own.",
     )
-    num_train_examples: int = Field(20_000, ge=1, description="Training prompts available, at most (cycled if exhausted; file datasets use at most their size).")
+    num_train_examples: int = Field(
+        20_000,
+        ge=1,
+        description="Training prompts available, at most (cycled if exhausted; file datasets use at most their size).",
+    )
     seed: int = Field(0, description="Seed of the training prompts (order, and synthetic tasks' draws).")
-    max_turns: int | None = Field(None, ge=1, description="Multi-turn tasks: most model turns per episode; null: the task's own.")
-    env_timeout_s: float = Field(10.0, gt=0.0, description="Multi-turn tasks: most seconds one environment call may take (the episode then ends with reward 0).")
+    max_turns: int | None = Field(
+        None, ge=1, description="Multi-turn tasks: most model turns per episode; null: the task's own."
+    )
+    env_timeout_s: float = Field(
+        10.0,
+        gt=0.0,
+        description="Multi-turn tasks: most seconds one environment call may take (the episode then ends with reward 0).",
+    )
     env_procs: int = Field(2, ge=1, description="Multi-turn tasks: environment child processes per producer.")
     agent: str | None = Field(
         None,
@@ -56,32 +87,52 @@ class TaskConfig(Section):
         default_factory=dict,
         description="verifiers tasks (task.name 'verifiers:MODULE'): keyword arguments of MODULE.load_environment (JSON values; they travel with every prompt).",
     )
-    agent_timeout_s: float = Field(300.0, gt=0.0, description="Agent tasks: most seconds one agent call (a whole episode) may take (the episode then gets reward 0). Agent calls run in task.env_procs children per producer.")
+    agent_timeout_s: float = Field(
+        300.0,
+        gt=0.0,
+        description="Agent tasks: most seconds one agent call (a whole episode) may take (the episode then gets reward 0). Agent calls run in task.env_procs children per producer.",
+    )
 
 
 class TempSchedulerConfig(Section):
     """Sampling temperature as a function of the optimizer step a prompt is issued for."""
 
-    type: Literal["linear", "cosine"] = Field("linear", description="linear or cosine (half period) interpolation over trainer.max_steps.")
+    type: Literal["linear", "cosine"] = Field(
+        "linear", description="linear or cosine (half period) interpolation over trainer.max_steps."
+    )
     start_temperature: float = Field(1.0, gt=0.0, le=10.0, description="Temperature of step 0.")
-    end_temperature: float = Field(0.7, gt=0.0, le=10.0, description="Temperature of the last step (trainer.max_steps - 1).")
+    end_temperature: float = Field(
+        0.7, gt=0.0, le=10.0, description="Temperature of the last step (trainer.max_steps - 1)."
+    )
 
 
 class SamplingConfig(Section):
     """vLLM sampling parameters of the rollout producers."""
 
-    temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature (when no temp_scheduler); the trainer scores with the same one.")
+    temperature: float = Field(
+        1.0,
+        gt=0.0,
+        le=10.0,
+        description="Sampling temperature (when no temp_scheduler); the trainer scores with the same one.",
+    )
     temp_scheduler: TempSchedulerConfig | None = Field(
-        None, description="Schedule of the temperature over the run (replaces temperature); each sample records its own, and the trainer divides by it."
+        None,
+        description="Schedule of the temperature over the run (replaces temperature); each sample records its own, and the trainer divides by it.",
     )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     max_tokens: int = Field(32, ge=1, le=65_536, description="Most completion tokens per sample.")
-    min_tokens: int = Field(0, ge=0, le=65_536, description="End-of-sequence is not sampled before this many completion tokens.")
+    min_tokens: int = Field(
+        0, ge=0, le=65_536, description="End-of-sequence is not sampled before this many completion tokens."
+    )
     repetition_penalty: float = Field(
-        1.0, gt=0.0, le=10.0, description="vLLM repetition penalty (1 = off). The sampler's logprobs include it, the trainer's do not: it adds to the mismatch ratio."
+        1.0,
+        gt=0.0,
+        le=10.0,
+        description="vLLM repetition penalty (1 = off). The sampler's logprobs include it, the trainer's do not: it adds to the mismatch ratio.",
     )
     seed: int | None = Field(
-        None, description="Per-request sampling seed: the group of prompt index i (n samples) is sampled with seed + i * n (vLLM seeds sample j with seed + j, so groups never share random numbers; reproducible whatever the batching). null: the engine's seed stream."
+        None,
+        description="Per-request sampling seed: the group of prompt index i (n samples) is sampled with seed + i * n (vLLM seeds sample j with seed + j, so groups never share random numbers; reproducible whatever the batching). null: the engine's seed stream.",
     )
 
     @model_validator(mode="after")
@@ -94,16 +145,27 @@ class SamplingConfig(Section):
 class TeacherConfig(Section):
     """An optional teacher model whose per-token logprobs of each completion feed the distillation term."""
 
-    model_path: str = Field("", description="HF model directory or hub id in the local HF cache of the teacher (same tokenizer as the policy). Empty: no teacher.")
-    kv_cache_gib: float = Field(0.5, gt=0, le=1024, description="vLLM KV-cache size of each producer's teacher engine, GiB.")
+    model_path: str = Field(
+        "",
+        description="HF model directory or hub id in the local HF cache of the teacher (same tokenizer as the policy). Empty: no teacher.",
+    )
+    kv_cache_gib: float = Field(
+        0.5, gt=0, le=1024, description="vLLM KV-cache size of each producer's teacher engine, GiB."
+    )
 
 
 class EvalTaskConfig(Section):
     """One eval task: its held-out set and how many rollouts per example."""
 
-    name: str = Field(..., min_length=1, description="A registered task or import path (as task.name); its eval split is used.")
-    num_examples: int = Field(128, ge=1, le=1_000_000, description="Held-out examples evaluated (the first N of the eval split).")
-    rollouts_per_example: int = Field(1, ge=1, le=1024, description="Completions sampled per example; reward_mean averages them all.")
+    name: str = Field(
+        ..., min_length=1, description="A registered task or import path (as task.name); its eval split is used."
+    )
+    num_examples: int = Field(
+        128, ge=1, le=1_000_000, description="Held-out examples evaluated (the first N of the eval split)."
+    )
+    rollouts_per_example: int = Field(
+        1, ge=1, le=1024, description="Completions sampled per example; reward_mean averages them all."
+    )
     seed: int = Field(1234, description="Seed of the held-out examples (fixed, so runs compare on the same set).")
 
 
@@ -111,15 +173,36 @@ class EvalConfig(Section):
     """Online evaluation through the producers and reward workers."""
 
     enabled: bool = Field(True, description="Evaluate at all.")
-    interval: int = Field(0, ge=0, description="Evaluate the policy every this many steps (versions interval, 2*interval, ...); 0: only at the end.")
-    eval_base_model: bool = Field(True, description="Also evaluate the unmodified base model once (policy version 0, before any update).")
-    tasks: list[EvalTaskConfig] = Field(default_factory=list, description="Eval tasks; empty: the training task with the defaults.")
-    temperature: float | None = Field(None, gt=0.0, le=10.0, description="Eval sampling temperature; null: sampling.temperature (or the scheduler's end_temperature).")
-    max_tokens: int | None = Field(None, ge=1, le=65_536, description="Eval completion tokens; null: sampling.max_tokens.")
-    timeout_s: float = Field(900.0, gt=0, description="After the last step the trainer waits this long for the final evaluation before run.done, seconds.")
+    interval: int = Field(
+        0,
+        ge=0,
+        description="Evaluate the policy every this many steps (versions interval, 2*interval, ...); 0: only at the end.",
+    )
+    eval_base_model: bool = Field(
+        True, description="Also evaluate the unmodified base model once (policy version 0, before any update)."
+    )
+    tasks: list[EvalTaskConfig] = Field(
+        default_factory=list, description="Eval tasks; empty: the training task with the defaults."
+    )
+    temperature: float | None = Field(
+        None,
+        gt=0.0,
+        le=10.0,
+        description="Eval sampling temperature; null: sampling.temperature (or the scheduler's end_temperature).",
+    )
+    max_tokens: int | None = Field(
+        None, ge=1, le=65_536, description="Eval completion tokens; null: sampling.max_tokens."
+    )
+    timeout_s: float = Field(
+        900.0,
+        gt=0,
+        description="After the last step the trainer waits this long for the final evaluation before run.done, seconds.",
+    )
     only: bool = Field(
-        False, description="Evaluation without training (what `busctl eval` runs): no trainer; the prompt source issues round 0 "
-        "alone (the policy at model.path) and no training prompt; the run ends when every eval task's round-0 result is in.")
+        False,
+        description="Evaluation without training (what `busctl eval` runs): no trainer; the prompt source issues round 0 "
+        "alone (the policy at model.path) and no training prompt; the run ends when every eval task's round-0 result is in.",
+    )
 
 
 class GibberishFilterConfig(Section):
@@ -127,7 +210,11 @@ class GibberishFilterConfig(Section):
 
     enabled: bool = Field(False, description="Run the filter.")
     enforce: bool = Field(False, description="Mask flagged samples from the loss; False: only count them.")
-    token_id_threshold: int = Field(100_000, ge=0, description="Only tokens with an id above this can be gibberish (BPE vocabularies put rare pieces last).")
+    token_id_threshold: int = Field(
+        100_000,
+        ge=0,
+        description="Only tokens with an id above this can be gibberish (BPE vocabularies put rare pieces last).",
+    )
     logprob_threshold: float = Field(-12.0, le=0, description="... and whose sampled logprob is below this, nats.")
 
 
@@ -137,24 +224,45 @@ class RepetitionFilterConfig(Section):
     enabled: bool = Field(False, description="Run the filter.")
     enforce: bool = Field(False, description="Mask flagged samples from the loss; False: only count them.")
     window: int = Field(256, ge=2, description="Length of the run of near-certain tokens, tokens.")
-    prob_threshold: float = Field(0.99, gt=0, lt=1, description="A token is near-certain when exp(logprob) exceeds this.")
+    prob_threshold: float = Field(
+        0.99, gt=0, lt=1, description="A token is near-certain when exp(logprob) exceeds this."
+    )
 
 
 class FiltersConfig(Section):
     """Sample and group filters (Surogate's names)."""
 
     online_difficulty_filtering: bool = Field(
-        False, description="Skip (outcome 'filtered') groups whose rewards are all 0 or all 1: no learning signal; a replacement prompt is issued."
+        False,
+        description="Skip (outcome 'filtered') groups whose rewards are all 0 or all 1: no learning signal; a replacement prompt is issued.",
     )
     gibberish: GibberishFilterConfig = Field(default_factory=GibberishFilterConfig)
     repetition: RepetitionFilterConfig = Field(default_factory=RepetitionFilterConfig)
-    skip_verification: bool = Field(False, description="Do not run the reward functions: every reward is 0 (e.g. pure distillation with a teacher).")
+    skip_verification: bool = Field(
+        False, description="Do not run the reward functions: every reward is 0 (e.g. pure distillation with a teacher)."
+    )
 
 
 class OverlongConfig(Section):
     """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, Sec. 3.4, eq. 13): a length
     penalty added to the reward of every training sample (rewards/shaping.py)."""
 
-    buffer_tokens: int = Field(..., ge=1, le=65_536, description="L_cache: the soft-punishment buffer, tokens. A completion longer than max_tokens - buffer_tokens loses penalty x (its excess / buffer_tokens).")
-    penalty: float = Field(1.0, gt=0.0, le=1000.0, allow_inf_nan=False, description="Penalty factor: the reward drops by up to this much (verl's overlong_buffer.penalty_factor).")
-    max_tokens: int | None = Field(None, ge=1, le=65_536, description="L_max: the expected longest completion, tokens; a longer one loses the whole penalty. null: sampling.max_tokens.")
+    buffer_tokens: int = Field(
+        ...,
+        ge=1,
+        le=65_536,
+        description="L_cache: the soft-punishment buffer, tokens. A completion longer than max_tokens - buffer_tokens loses penalty x (its excess / buffer_tokens).",
+    )
+    penalty: float = Field(
+        1.0,
+        gt=0.0,
+        le=1000.0,
+        allow_inf_nan=False,
+        description="Penalty factor: the reward drops by up to this much (verl's overlong_buffer.penalty_factor).",
+    )
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=65_536,
+        description="L_max: the expected longest completion, tokens; a longer one loses the whole penalty. null: sampling.max_tokens.",
+    )

@@ -26,8 +26,14 @@ from configs.topic_names import endpoint_key_ok
 from configs.training import LoraSection, LossConfig, OptimConfig, TrainerConfig
 
 __all__ = [
-    "ConfigError", "LoraSection", "LossConfig", "OptimConfig", "RunConfig", "TrainerConfig",
-    "dump_config", "load_config",
+    "ConfigError",
+    "LoraSection",
+    "LossConfig",
+    "OptimConfig",
+    "RunConfig",
+    "TrainerConfig",
+    "dump_config",
+    "load_config",
 ]
 
 CONFIG_DIR = Path(__file__).resolve().parent
@@ -37,10 +43,19 @@ DEFAULT_CONFIG = CONFIG_DIR / "reverse_text.yaml"
 class ModelConfig(Section):
     """The policy model."""
 
-    path: str = Field("", description="HF model directory, or a hub id (org/name[@revision]) from the local HF cache, offline (docs/models.md). Empty: build (or reuse from the cache) rlbus's tiny reverse-text policy.")
-    cache_dir: str = Field(".cache/rlbus", description="Where the tiny policy is built and cached (relative to the working directory).")
+    path: str = Field(
+        "",
+        description="HF model directory, or a hub id (org/name[@revision]) from the local HF cache, offline (docs/models.md). Empty: build (or reuse from the cache) rlbus's tiny reverse-text policy.",
+    )
+    cache_dir: str = Field(
+        ".cache/rlbus", description="Where the tiny policy is built and cached (relative to the working directory)."
+    )
     sft_steps: int = Field(300, ge=0, le=100_000, description="Most supervised warm-start steps of the tiny policy.")
-    sft_target_loss: float = Field(1.7, ge=0, description="The warm start stops once its training loss (nats/token) falls below this: deliberately partial, so that RL has room.")
+    sft_target_loss: float = Field(
+        1.7,
+        ge=0,
+        description="The warm start stops once its training loss (nats/token) falls below this: deliberately partial, so that RL has room.",
+    )
     max_model_len: int = Field(256, ge=16, le=131_072, description="Longest prompt + completion, tokens.")
 
 
@@ -69,7 +84,10 @@ class ProducersConfig(Section):
     kv_cache_gib: float = Field(1.0, gt=0, le=1024, description="vLLM KV-cache size per engine, GiB.")
     seed: int = Field(0, description="vLLM sampling seed (producer i uses seed + i).")
     max_replicas: int = Field(
-        8, ge=1, le=64, description="Most producers the run can have (`busctl scale producers=N` up to this): reward workers connect to this many rollouts endpoints."
+        8,
+        ge=1,
+        le=64,
+        description="Most producers the run can have (`busctl scale producers=N` up to this): reward workers connect to this many rollouts endpoints.",
     )
     dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto",
@@ -83,7 +101,9 @@ class ProducersConfig(Section):
         description="CUDA devices busctl gives each producer replica (CUDA_VISIBLE_DEVICES) when the run uses GPUs; equals "
         "tensor_parallel_size. 0: producers run vLLM on CPU even on a GPU host.",
     )
-    tensor_parallel_size: int = Field(1, ge=1, le=64, description="vLLM tensor-parallel size of each producer (its GPUs, gpus_per_replica).")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="vLLM tensor-parallel size of each producer (its GPUs, gpus_per_replica)."
+    )
     gpu_memory_utilization: float = Field(
         0.9,
         gt=0,
@@ -99,7 +119,10 @@ class ProducersConfig(Section):
         "port endpoint_port + i; 0: any free port (the URL is in the producer's log; the port in rlbus_producer_endpoint_port and status.json). "
         "null: no endpoint, unless task.agent is set (then any free port).",
     )
-    endpoint_host: str = Field("127.0.0.1", description="Address the producers' endpoints bind (0.0.0.0: reachable from other hosts; unauthenticated).")
+    endpoint_host: str = Field(
+        "127.0.0.1",
+        description="Address the producers' endpoints bind (0.0.0.0: reachable from other hosts; unauthenticated).",
+    )
     share_gpus_with_trainer: bool = Field(
         False,
         description="Allow producers on the trainer's GPUs (a one-GPU host): busctl otherwise refuses a plan where a producer "
@@ -135,13 +158,20 @@ class RewardsConfig(Section):
         "NaN scores that sample 0 (counted by error) and the worker goes on. False: call it in-process (tests, benchmarks).",
     )
     timeout_s: float = Field(
-        5.0, gt=0, le=3600, description="Most seconds one reward call may take (isolate only); past it the child is killed and replaced, the sample scores 0."
+        5.0,
+        gt=0,
+        le=3600,
+        description="Most seconds one reward call may take (isolate only); past it the child is killed and replaced, the sample scores 0.",
     )
     num_procs: int = Field(
-        2, ge=1, le=64, description="Child processes per reward worker (isolate only); the samples of a group are scored across them in parallel."
+        2,
+        ge=1,
+        le=64,
+        description="Child processes per reward worker (isolate only); the samples of a group are scored across them in parallel.",
     )
     overlong: OverlongConfig | None = Field(
-        None, description="DAPO soft overlong punishment of long training completions, e.g. {buffer_tokens: 64, penalty: 1.0}; its score is the reward term 'overlong'. null: off."
+        None,
+        description="DAPO soft overlong punishment of long training completions, e.g. {buffer_tokens: 64, penalty: 1.0}; its score is the reward term 'overlong'. null: off.",
     )
 
     @model_validator(mode="after")
@@ -160,26 +190,43 @@ class RewardsConfig(Section):
 class PackerConfig(Section):
     """Staleness filter and padding-free packing."""
 
-    max_off_policy_steps: int = Field(2, ge=0, le=1000, description="Drop groups whose lag (step - oldest policy version) exceeds this.")
+    max_off_policy_steps: int = Field(
+        2, ge=0, le=1000, description="Drop groups whose lag (step - oldest policy version) exceeds this."
+    )
     micro_batch_tokens: int = Field(4096, ge=16, le=1 << 22, description="Token budget of one packed micro-batch.")
     filter_equal_rewards: bool = Field(
-        False, description="Drop (outcome 'filtered') groups whose rewards are all equal: zero advantage, no policy gradient (DAPO dynamic sampling); a replacement is issued."
+        False,
+        description="Drop (outcome 'filtered') groups whose rewards are all equal: zero advantage, no policy gradient (DAPO dynamic sampling); a replacement is issued.",
     )
 
 
 class NoiseSchedulerConfig(Section):
     """QeRL adaptive noise on the RMSNorm weights sent to the producers (broadcaster/noise.py)."""
 
-    enabled: bool = Field(False, description="Add N(0, sigma^2) to the input/post-attention/final RMSNorm weights the producers receive; the trainer's stay clean.")
-    sigma_start: float = Field(5e-2, gt=0, le=1.0, description="Sigma of the first noisy stage (QeRL Sec. 4.1 uses 5e-2 to 5e-4).")
-    sigma_end: float = Field(5e-4, gt=0, le=1.0, description="Sigma of the last stage; geometric decay from sigma_start (QeRL eq. 8).")
-    num_stages: int = Field(10, ge=2, le=10_000, description="Equal stages over trainer.max_steps; the first has no noise, the other num_stages - 1 decay from sigma_start to sigma_end.")
+    enabled: bool = Field(
+        False,
+        description="Add N(0, sigma^2) to the input/post-attention/final RMSNorm weights the producers receive; the trainer's stay clean.",
+    )
+    sigma_start: float = Field(
+        5e-2, gt=0, le=1.0, description="Sigma of the first noisy stage (QeRL Sec. 4.1 uses 5e-2 to 5e-4)."
+    )
+    sigma_end: float = Field(
+        5e-4, gt=0, le=1.0, description="Sigma of the last stage; geometric decay from sigma_start (QeRL eq. 8)."
+    )
+    num_stages: int = Field(
+        10,
+        ge=2,
+        le=10_000,
+        description="Equal stages over trainer.max_steps; the first has no noise, the other num_stages - 1 decay from sigma_start to sigma_end.",
+    )
     seed: int = Field(0, ge=0, description="Noise seed; version v's noise is drawn from seed * 1000003 + v.")
 
     @model_validator(mode="after")
     def _decays(self) -> "NoiseSchedulerConfig":
         if self.sigma_end > self.sigma_start:
-            raise ValueError(f"noise_scheduler.sigma_end ({self.sigma_end}) > sigma_start ({self.sigma_start}); the noise decays: swap them")
+            raise ValueError(
+                f"noise_scheduler.sigma_end ({self.sigma_end}) > sigma_start ({self.sigma_start}); the noise decays: swap them"
+            )
         return self
 
 
@@ -187,22 +234,31 @@ class BroadcastConfig(Section):
     """How new weights reach the producers."""
 
     method: Literal["broadcast", "filesystem", "bus"] = Field(
-        "broadcast", description="torch.distributed broadcast, a safetensors directory + READY marker, or bus: bucketed weights "
+        "broadcast",
+        description="torch.distributed broadcast, a safetensors directory + READY marker, or bus: bucketed weights "
         "pulled by each producer as zero-copy frames from the trainer's `weights` endpoint (no shared filesystem, no "
         "torch.distributed group; tcp:// + CurveZMQ across hosts). Left unset with bus.transport: tcp it is bus (the "
         "authenticated path); broadcast over tcp must be chosen, and its rendezvous (TCPStore) and gloo/NCCL accept any "
-        "peer that reaches broadcast.host:port (docs/operations.md).")
+        "peer that reaches broadcast.host:port (docs/operations.md).",
+    )
     fallback: Literal["filesystem", "bus"] = Field(
-        "filesystem", description="With method broadcast: how weights reach producers outside the group (late joiners, re-form "
+        "filesystem",
+        description="With method broadcast: how weights reach producers outside the group (late joiners, re-form "
         "misses, a restarted trainer, a broadcast that failed for good): a safetensors directory (needs a filesystem the "
-        "producers share with the trainer), or the bus method.")
-    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend; auto: nccl with CUDA, else gloo.")
+        "producers share with the trainer), or the bus method.",
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed backend; auto: nccl with CUDA, else gloo."
+    )
     host: str = Field("127.0.0.1", description="Rendezvous host of the broadcast group (the trainer's address).")
     port: int = Field(0, ge=0, le=65535, description="Rendezvous port; 0 picks a free one at start-up.")
     timeout_s: float = Field(300.0, gt=0, description="Bound on the group rendezvous and on each broadcast, seconds.")
     reform_timeout_s: float = Field(
-        60.0, gt=0, description="Bound on re-forming the broadcast group when a producer joins or a member died (and on each "
-        "broadcast in a re-formed group), seconds; members that miss it take weights by the filesystem method.")
+        60.0,
+        gt=0,
+        description="Bound on re-forming the broadcast group when a producer joins or a member died (and on each "
+        "broadcast in a re-formed group), seconds; members that miss it take weights by the filesystem method.",
+    )
     lora_payload: Literal["adapter", "merged"] = Field(
         "adapter",
         description="With trainer.lora and method broadcast or bus: send only the adapter (producers merge it into the base weights they "
@@ -217,12 +273,24 @@ class BusConfig(Section):
     transport: Literal["ipc", "tcp"] = Field("ipc", description="ipc:// sockets under the run directory, or tcp://.")
     host: str = Field("127.0.0.1", description="tcp host to bind and connect.")
     base_port: int = Field(5550, ge=1024, le=65000, description="First tcp port (topics use fixed offsets).")
-    ready_timeout_s: float = Field(300.0, gt=0, description="How long busctl waits for a component's ready handshake, seconds.")
-    heartbeat_s: float = Field(0.5, gt=0, le=60, description="Every peer of a data topic, and every component towards busctl, sends a heartbeat this often, seconds.")
-    dead_after_s: float = Field(
-        10.0, gt=0, le=3600, description="A peer silent this long is declared dead: the messages it held are re-sent to live peers (and busctl restarts a silent component), seconds."
+    ready_timeout_s: float = Field(
+        300.0, gt=0, description="How long busctl waits for a component's ready handshake, seconds."
     )
-    ack_timeout_s: float = Field(5.0, gt=0, le=3600, description="A data message not acknowledged as received within this is re-sent, seconds.")
+    heartbeat_s: float = Field(
+        0.5,
+        gt=0,
+        le=60,
+        description="Every peer of a data topic, and every component towards busctl, sends a heartbeat this often, seconds.",
+    )
+    dead_after_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description="A peer silent this long is declared dead: the messages it held are re-sent to live peers (and busctl restarts a silent component), seconds.",
+    )
+    ack_timeout_s: float = Field(
+        5.0, gt=0, le=3600, description="A data message not acknowledged as received within this is re-sent, seconds."
+    )
     max_inflight_bytes: int | dict[str, int] = Field(
         DEFAULT_MAX_INFLIGHT_BYTES,
         description="Byte bound of every data topic's credit window, bytes: a receiver grants each sender at most this many "
@@ -261,33 +329,57 @@ class BusConfig(Section):
 class SupervisorConfig(Section):
     """How `busctl up` heals: restarts with exponential backoff and a restart budget."""
 
-    restart: bool = Field(True, description="Restart a component that exits or goes silent before the run is done; False: such an exit fails the run.")
-    max_restarts: int = Field(20, ge=0, le=10_000, description="Restart budget per component; one more crash fails the run.")
-    backoff_initial_s: float = Field(0.5, ge=0, le=600, description="Delay before the first restart of a component, seconds; doubles per consecutive crash.")
-    backoff_max_s: float = Field(30.0, ge=0, le=3600, description="Longest delay between restarts, seconds.")
-    backoff_reset_s: float = Field(60.0, gt=0, description="A component that stayed up this long gets its backoff reset, seconds.")
-    launcher: Literal["local", "slurm", "ray"] = Field(
-        "local", description="How components are started: local processes, one srun step each inside a Slurm allocation, or one "
-        "Ray actor each on a node of a running Ray cluster (busctl up --launcher)."
+    restart: bool = Field(
+        True,
+        description="Restart a component that exits or goes silent before the run is done; False: such an exit fails the run.",
     )
-    ray_address: str = Field("auto", min_length=1, description="The Ray cluster of launcher ray (ray.init(address=...)); auto: the one this host belongs to (busctl up --address).")
+    max_restarts: int = Field(
+        20, ge=0, le=10_000, description="Restart budget per component; one more crash fails the run."
+    )
+    backoff_initial_s: float = Field(
+        0.5,
+        ge=0,
+        le=600,
+        description="Delay before the first restart of a component, seconds; doubles per consecutive crash.",
+    )
+    backoff_max_s: float = Field(30.0, ge=0, le=3600, description="Longest delay between restarts, seconds.")
+    backoff_reset_s: float = Field(
+        60.0, gt=0, description="A component that stayed up this long gets its backoff reset, seconds."
+    )
+    launcher: Literal["local", "slurm", "ray"] = Field(
+        "local",
+        description="How components are started: local processes, one srun step each inside a Slurm allocation, or one "
+        "Ray actor each on a node of a running Ray cluster (busctl up --launcher).",
+    )
+    ray_address: str = Field(
+        "auto",
+        min_length=1,
+        description="The Ray cluster of launcher ray (ray.init(address=...)); auto: the one this host belongs to (busctl up --address).",
+    )
 
 
 class MetricsConfig(Section):
     """Prometheus endpoints."""
 
-    base_port: int = Field(0, ge=0, le=65000, description="First metrics port (component k uses base_port + k); 0: any free port.")
+    base_port: int = Field(
+        0, ge=0, le=65000, description="First metrics port (component k uses base_port + k); 0: any free port."
+    )
 
 
 class ReportConfig(Section):
     """Run reports: examples appended to ``RUN_DIR/samples.jsonl`` for ``busctl report``."""
 
     samples_interval: int = Field(
-        10, ge=0, le=1_000_000,
+        10,
+        ge=0,
+        le=1_000_000,
         description="Every this many optimizer steps (steps s with s % N == 0, from step 0) the packer appends examples of the step to RUN_DIR/samples.jsonl; 0: never.",
     )
     samples_per_step: int = Field(
-        4, ge=1, le=64, description="Examples (prompt, completion, reward, advantage) written per sampled step: the step's first samples, whole groups first."
+        4,
+        ge=1,
+        le=64,
+        description="Examples (prompt, completion, reward, advantage) written per sampled step: the step's first samples, whole groups first.",
     )
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=list,
@@ -319,7 +411,9 @@ class RunConfig(Section):
 
     name: str = Field("reverse_text", description="Run name.")
     run_dir: str = Field("runs/reverse_text", description="Directory for config, logs, sockets and metrics.jsonl.")
-    max_async_level: int = Field(1, ge=0, le=1000, description="Prompts for step s are issued only while trainer_version >= s - max_async_level.")
+    max_async_level: int = Field(
+        1, ge=0, le=1000, description="Prompts for step s are issued only while trainer_version >= s - max_async_level."
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
@@ -346,11 +440,21 @@ class RunConfig(Section):
                 f"trainer.batch_size ({self.trainer.batch_size}) must be a multiple of producers.group_size ({g})"
             )
         if self.bus.dead_after_s <= 2 * self.bus.heartbeat_s:
-            raise ValueError(f"bus.dead_after_s ({self.bus.dead_after_s}) must exceed 2 x bus.heartbeat_s ({self.bus.heartbeat_s})")
-        if self.trainer.parallel == "fsdp" and self.trainer.data_parallel > 1 and self.broadcast.noise_scheduler.enabled:
-            raise ValueError("broadcast.noise_scheduler does not work with trainer.parallel: fsdp (weights are gathered one tensor at a time); use ddp")
+            raise ValueError(
+                f"bus.dead_after_s ({self.bus.dead_after_s}) must exceed 2 x bus.heartbeat_s ({self.bus.heartbeat_s})"
+            )
+        if (
+            self.trainer.parallel == "fsdp"
+            and self.trainer.data_parallel > 1
+            and self.broadcast.noise_scheduler.enabled
+        ):
+            raise ValueError(
+                "broadcast.noise_scheduler does not work with trainer.parallel: fsdp (weights are gathered one tensor at a time); use ddp"
+            )
         if self.trainer.loss.teacher_tau > 0 and not self.teacher.model_path:
-            raise ValueError("trainer.loss.teacher_tau > 0 needs teacher logprobs: set teacher.model_path (or teacher_tau: 0)")
+            raise ValueError(
+                "trainer.loss.teacher_tau > 0 needs teacher logprobs: set teacher.model_path (or teacher_tau: 0)"
+            )
         overlong = self.rewards.overlong
         if overlong is not None and overlong.buffer_tokens > (overlong.max_tokens or self.sampling.max_tokens):
             raise ValueError(
@@ -382,8 +486,10 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     for depth, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"override {override!r}: {part!r} is not a section (it holds {child!r}); "
-                              f"set {'.'.join(parts[:depth + 1])}=VALUE instead")
+            raise ConfigError(
+                f"override {override!r}: {part!r} is not a section (it holds {child!r}); "
+                f"set {'.'.join(parts[: depth + 1])}=VALUE instead"
+            )
         node = child
     node[parts[-1]] = value
 

@@ -8,7 +8,15 @@ them and checks at import that its table names exactly these topics.
 from __future__ import annotations
 
 TOPIC_NAMES: tuple[str, ...] = (
-    "prompts", "scored", "batches", "outcomes", "control_pub", "control_sub", "supervisor", "weights", "rollouts",
+    "prompts",
+    "scored",
+    "batches",
+    "outcomes",
+    "control_pub",
+    "control_sub",
+    "supervisor",
+    "weights",
+    "rollouts",
 )
 """Every topic of :data:`bus.topics.TOPICS`, in its order."""
 

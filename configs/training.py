@@ -25,28 +25,75 @@ class LossConfig(Section):
     )
     adv_tau: float = Field(1.0, ge=0, allow_inf_nan=False, description="Weight of the advantage (every type).")
     ratio_type: Literal["token", "sequence"] = Field(
-        "token", description="aipo only: weight each token by its own ratio, or by its sample's product of ratios clipped at sequence_clip_high."
+        "token",
+        description="aipo only: weight each token by its own ratio, or by its sample's product of ratios clipped at sequence_clip_high.",
     )
-    token_mask_low: float = Field(0.125, ge=0, le=1, allow_inf_nan=False, description="aipo only: loss tokens with mismatch ratio below this get zero gradient.")
-    token_mask_high: float = Field(8.0, ge=1, allow_inf_nan=False, description="aipo only: loss tokens with mismatch ratio above this get zero gradient.")
-    geo_mask_low: float = Field(0.1, ge=0, le=1, allow_inf_nan=False, description="aipo only: samples whose geometric-mean mismatch ratio is below this get zero gradient.")
-    geo_mask_high: float = Field(10.0, ge=1, allow_inf_nan=False, description="aipo only: samples whose geometric-mean mismatch ratio is above this get zero gradient.")
+    token_mask_low: float = Field(
+        0.125,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="aipo only: loss tokens with mismatch ratio below this get zero gradient.",
+    )
+    token_mask_high: float = Field(
+        8.0,
+        ge=1,
+        allow_inf_nan=False,
+        description="aipo only: loss tokens with mismatch ratio above this get zero gradient.",
+    )
+    geo_mask_low: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="aipo only: samples whose geometric-mean mismatch ratio is below this get zero gradient.",
+    )
+    geo_mask_high: float = Field(
+        10.0,
+        ge=1,
+        allow_inf_nan=False,
+        description="aipo only: samples whose geometric-mean mismatch ratio is above this get zero gradient.",
+    )
     sequence_mask_low: float | None = Field(
-        None, ge=0, le=1, allow_inf_nan=False, description="aipo only, null = off: samples with any loss token's mismatch ratio below this get zero gradient."
+        None,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="aipo only, null = off: samples with any loss token's mismatch ratio below this get zero gradient.",
     )
     sequence_mask_high: float | None = Field(
-        None, ge=1, allow_inf_nan=False, description="aipo only, null = off: samples with any loss token's mismatch ratio above this get zero gradient."
+        None,
+        ge=1,
+        allow_inf_nan=False,
+        description="aipo only, null = off: samples with any loss token's mismatch ratio above this get zero gradient.",
     )
-    sequence_clip_high: float = Field(10.0, ge=1, allow_inf_nan=False, description="aipo with ratio_type sequence: upper clip of the sample's ratio.")
-    eps_clip: float = Field(0.2, gt=0, lt=1, allow_inf_nan=False, description="ppo_clip and gspo: lower clip 1 - eps_clip of the ratio (GSPO paper: 3e-4).")
+    sequence_clip_high: float = Field(
+        10.0, ge=1, allow_inf_nan=False, description="aipo with ratio_type sequence: upper clip of the sample's ratio."
+    )
+    eps_clip: float = Field(
+        0.2,
+        gt=0,
+        lt=1,
+        allow_inf_nan=False,
+        description="ppo_clip and gspo: lower clip 1 - eps_clip of the ratio (GSPO paper: 3e-4).",
+    )
     eps_clip_high: float | None = Field(
-        None, gt=0, allow_inf_nan=False, description="ppo_clip and gspo: upper clip 1 + eps_clip_high (DAPO clip-higher: 0.28; GSPO paper: 4e-4); null = eps_clip."
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="ppo_clip and gspo: upper clip 1 + eps_clip_high (DAPO clip-higher: 0.28; GSPO paper: 4e-4); null = eps_clip.",
     )
     eps_clip_c: float | None = Field(
-        None, gt=1, allow_inf_nan=False, description="ppo_clip only, null = off: dual clip, a negative-advantage token's loss is at most -A * eps_clip_c (verl default 3)."
+        None,
+        gt=1,
+        allow_inf_nan=False,
+        description="ppo_clip only, null = off: dual clip, a negative-advantage token's loss is at most -A * eps_clip_c (verl default 3).",
     )
     icepop_beta: float | None = Field(
-        None, gt=1, allow_inf_nan=False, description="Any type, null = off: IcePop, loss tokens whose mismatch ratio is outside [1/beta, beta] get zero gradient."
+        None,
+        gt=1,
+        allow_inf_nan=False,
+        description="Any type, null = off: IcePop, loss tokens whose mismatch ratio is outside [1/beta, beta] get zero gradient.",
     )
     use_tis: bool = Field(
         False,
@@ -54,16 +101,28 @@ class LossConfig(Section):
         "by clip(pi_old/pi_rollout, tis_clip_low, tis_clip_high).",
     )
     tis_clip_low: float = Field(0.0, ge=0, le=1, allow_inf_nan=False, description="Lower bound of the TIS weight.")
-    tis_clip_high: float = Field(2.0, ge=1, allow_inf_nan=False, description="Upper bound of the TIS weight (the TIS blog's C = 2).")
-    kl_tau: float = Field(0.0, ge=0, allow_inf_nan=False, description="Any type: weight of the per-token KL(pi_train || reference) penalty; 0 = off.")
+    tis_clip_high: float = Field(
+        2.0, ge=1, allow_inf_nan=False, description="Upper bound of the TIS weight (the TIS blog's C = 2)."
+    )
+    kl_tau: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Any type: weight of the per-token KL(pi_train || reference) penalty; 0 = off.",
+    )
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
-        "k3", description="KL penalty estimator (Schulman): k1 = log(pi/ref), k2 = log(pi/ref)^2 / 2, k3 = ref/pi - 1 - log(ref/pi)."
+        "k3",
+        description="KL penalty estimator (Schulman): k1 = log(pi/ref), k2 = log(pi/ref)^2 / 2, k3 = ref/pi - 1 - log(ref/pi).",
     )
     kl_reference: Literal["rollout", "reference"] = Field(
-        "rollout", description="KL penalty against the sampler's logprobs, or a frozen reference model's (samples must carry them)."
+        "rollout",
+        description="KL penalty against the sampler's logprobs, or a frozen reference model's (samples must carry them).",
     )
     teacher_tau: float = Field(
-        0.0, ge=0, allow_inf_nan=False, description="Any type: on-policy distillation, advantage += teacher_tau * (teacher_logprobs - train_logprobs); needs teacher logprobs."
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Any type: on-policy distillation, advantage += teacher_tau * (teacher_logprobs - train_logprobs); needs teacher logprobs.",
     )
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = Field(
         "token_mean",
@@ -79,7 +138,9 @@ class LossConfig(Section):
             aipo_only = [k for k in ("sequence_mask_low", "sequence_mask_high") if getattr(self, k) is not None]
             aipo_only += ["ratio_type"] if self.ratio_type != "token" else []
             if aipo_only:
-                raise ValueError(f"{', '.join(aipo_only)} only apply to type aipo (type is {self.type}): remove them or set type: aipo")
+                raise ValueError(
+                    f"{', '.join(aipo_only)} only apply to type aipo (type is {self.type}): remove them or set type: aipo"
+                )
         if self.type != "ppo_clip" and self.eps_clip_c is not None:
             raise ValueError(f"eps_clip_c (dual clip) only applies to type ppo_clip (type is {self.type}): remove it")
         return self
@@ -101,7 +162,9 @@ class LoraSection(Section):
 class OptimConfig(Section):
     """AdamW and its learning-rate schedule (trainer/optim/lr_schedule.py)."""
 
-    lr: float = Field(1e-4, gt=0, le=1.0, description="Peak learning rate (the schedule multiplies it by a factor in [0, 1]).")
+    lr: float = Field(
+        1e-4, gt=0, le=1.0, description="Peak learning rate (the schedule multiplies it by a factor in [0, 1])."
+    )
     scheduler: Literal["constant", "linear", "cosine"] = Field(
         "constant",
         description="Learning-rate schedule over trainer.max_steps, after warmup_steps of linear warm-up: constant (lr), linear "
@@ -109,10 +172,16 @@ class OptimConfig(Section):
         "saves its step; a resumed run trains on with this config's lr and schedule from that step; every step record of metrics.jsonl has the step's `lr`.",
     )
     warmup_steps: int = Field(
-        0, ge=0, description="Steps of linear warm-up: step s < warmup_steps trains with lr * (s + 1) / warmup_steps (no zero-LR step). 0: none."
+        0,
+        ge=0,
+        description="Steps of linear warm-up: step s < warmup_steps trains with lr * (s + 1) / warmup_steps (no zero-LR step). 0: none.",
     )
     min_lr_ratio: float = Field(
-        0.0, ge=0, le=1, allow_inf_nan=False, description="linear and cosine: the learning rate at the last step, as a fraction of lr."
+        0.0,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="linear and cosine: the learning rate at the last step, as a fraction of lr.",
     )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
@@ -125,7 +194,12 @@ class TrainerConfig(Section):
     max_steps: int = Field(60, ge=1, description="Optimizer steps of the run.")
     batch_size: int = Field(64, ge=1, description="Samples per optimizer step (a multiple of producers.group_size).")
     seed: int = Field(0, description="torch seed.")
-    num_threads: int = Field(0, ge=0, le=1024, description="torch CPU threads of the trainer; 0 keeps torch's default. On a small CPU host leave cores to vLLM.")
+    num_threads: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="torch CPU threads of the trainer; 0 keeps torch's default. On a small CPU host leave cores to vLLM.",
+    )
     idle_threads: int = Field(
         0,
         ge=0,
@@ -142,7 +216,9 @@ class TrainerConfig(Section):
         "checkpoint covers it, so the packer holds up to this many steps of micro-batches (one more while a checkpoint is written in the background). 0: no periodic checkpoints; steps are "
         "released right after training and a restarted trainer cannot resume (it refuses to start).",
     )
-    checkpoint_keep: int = Field(2, ge=1, le=1000, description="Complete checkpoints kept on disk; older ones are deleted after each save.")
+    checkpoint_keep: int = Field(
+        2, ge=1, le=1000, description="Complete checkpoints kept on disk; older ones are deleted after each save."
+    )
     data_parallel: int = Field(
         1,
         ge=1,
@@ -152,7 +228,8 @@ class TrainerConfig(Section):
         "and sends every other rank its share of each step's micro-batches; gradients are summed over ranks (DDP).",
     )
     dp_backend: Literal["auto", "gloo", "nccl"] = Field(
-        "auto", description="torch.distributed backend of the data-parallel gradients; auto: nccl with CUDA (rank r on cuda:r), else gloo."
+        "auto",
+        description="torch.distributed backend of the data-parallel gradients; auto: nccl with CUDA (rank r on cuda:r), else gloo.",
     )
     dp_timeout_s: float = Field(
         3600.0,
@@ -202,7 +279,8 @@ class TrainerConfig(Section):
         "launch-bound there and the gathers add launches; bench/README.md).",
     )
     activation_checkpointing: bool = Field(
-        False, description="Recompute each decoder layer's activations in the backward instead of keeping them (less memory, ~1/3 more compute)."
+        False,
+        description="Recompute each decoder layer's activations in the backward instead of keeping them (less memory, ~1/3 more compute).",
     )
     compile: bool = Field(
         False,
@@ -211,7 +289,8 @@ class TrainerConfig(Section):
         "Off by default until measured on a GPU (bench/gpu_session.sh).",
     )
     compile_backend: Literal["inductor", "aot_eager", "eager"] = Field(
-        "inductor", description="The torch.compile backend of trainer.compile: inductor (generated fused kernels), aot_eager / eager (trace only: checks, no speed-up)."
+        "inductor",
+        description="The torch.compile backend of trainer.compile: inductor (generated fused kernels), aot_eager / eager (trace only: checks, no speed-up).",
     )
     loss: LossConfig = Field(default_factory=LossConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
@@ -225,10 +304,14 @@ class TrainerConfig(Section):
                 "the warm-up would never reach trainer.optim.lr; lower warmup_steps"
             )
         if self.parallel == "fsdp" and self.data_parallel > 1 and self.lora.enabled:
-            raise ValueError("parallel: fsdp does not train LoRA adapters (the adapter and its AdamW state are small): use parallel: ddp")
+            raise ValueError(
+                "parallel: fsdp does not train LoRA adapters (the adapter and its AdamW state are small): use parallel: ddp"
+            )
         if self.gpus:
             if len(self.gpus) != self.data_parallel:
-                raise ValueError(f"gpus lists {len(self.gpus)} devices {self.gpus} for data_parallel={self.data_parallel} ranks: give one per rank, or none")
+                raise ValueError(
+                    f"gpus lists {len(self.gpus)} devices {self.gpus} for data_parallel={self.data_parallel} ranks: give one per rank, or none"
+                )
             if len(set(self.gpus)) != len(self.gpus) or min(self.gpus) < 0:
                 raise ValueError(f"gpus must be distinct device indices >= 0, got {self.gpus}")
             if self.device == "cpu":

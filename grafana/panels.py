@@ -84,8 +84,9 @@ class Target:
     heatmap: bool = False
 
 
-def quantile_targets(histogram: str, labels: tuple[str, ...] | str = (), qs: tuple[float, ...] = (0.5, 0.95),
-                     mean: bool = True) -> list[Target]:
+def quantile_targets(
+    histogram: str, labels: tuple[str, ...] | str = (), qs: tuple[float, ...] = (0.5, 0.95), mean: bool = True
+) -> list[Target]:
     """p50/p95 (``qs``) series of a histogram per ``labels``, plus its mean unless ``mean`` is
     False (prometheus-client exports no ``_sum`` for a histogram with negative buckets)."""
     targets = [Target(quantile(q, histogram, labels), legend(labels, f"p{round(q * 100)}")) for q in qs]
@@ -141,8 +142,14 @@ def row(title: str) -> Panel:
 
 
 def _target_json(target: Target, ref_id: str) -> dict:
-    out = {"datasource": dict(DATASOURCE), "refId": ref_id, "expr": target.expr, "legendFormat": target.legend,
-           "range": True, "instant": False}
+    out = {
+        "datasource": dict(DATASOURCE),
+        "refId": ref_id,
+        "expr": target.expr,
+        "legendFormat": target.legend,
+        "range": True,
+        "instant": False,
+    }
     if target.heatmap:
         out["format"] = "heatmap"
     return out
@@ -152,26 +159,45 @@ def _panel_json(panel: Panel, panel_id: int, grid: dict) -> dict:
     if panel.type == "row":
         return {"type": "row", "id": panel_id, "title": panel.title, "gridPos": grid, "collapsed": False, "panels": []}
     out: dict = {
-        "type": panel.type, "id": panel_id, "title": panel.title, "description": panel.description,
-        "datasource": dict(DATASOURCE), "gridPos": grid,
+        "type": panel.type,
+        "id": panel_id,
+        "title": panel.title,
+        "description": panel.description,
+        "datasource": dict(DATASOURCE),
+        "gridPos": grid,
         "targets": [_target_json(t, chr(ord("A") + i)) for i, t in enumerate(panel.targets)],
         "fieldConfig": {"defaults": {"unit": panel.unit}, "overrides": []},
     }
     if panel.type == "timeseries":
         out["fieldConfig"]["defaults"]["custom"] = {
-            "drawStyle": "line", "lineWidth": 1, "fillOpacity": 20 if panel.stack else 0, "showPoints": "never",
-            "spanNulls": True, "stacking": {"mode": "normal" if panel.stack else "none", "group": "A"},
+            "drawStyle": "line",
+            "lineWidth": 1,
+            "fillOpacity": 20 if panel.stack else 0,
+            "showPoints": "never",
+            "spanNulls": True,
+            "stacking": {"mode": "normal" if panel.stack else "none", "group": "A"},
         }
-        out["options"] = {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
-                          "tooltip": {"mode": "multi", "sort": "desc"}}
+        out["options"] = {
+            "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        }
     elif panel.type == "stat":
-        out["options"] = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                          "colorMode": "value", "graphMode": "area", "textMode": "auto"}
+        out["options"] = {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "colorMode": "value",
+            "graphMode": "area",
+            "textMode": "auto",
+        }
     elif panel.type == "heatmap":
-        out["options"] = {"calculate": False, "yAxis": {"axisPlacement": "left", "unit": panel.unit},
-                          "cellGap": 1, "color": {"mode": "scheme", "scheme": "Oranges", "steps": 64},
-                          "tooltip": {"show": True, "yHistogram": True}, "legend": {"show": True},
-                          "rowsFrame": {"layout": "auto"}}
+        out["options"] = {
+            "calculate": False,
+            "yAxis": {"axisPlacement": "left", "unit": panel.unit},
+            "cellGap": 1,
+            "color": {"mode": "scheme", "scheme": "Oranges", "steps": 64},
+            "tooltip": {"show": True, "yHistogram": True},
+            "legend": {"show": True},
+            "rowsFrame": {"layout": "auto"},
+        }
     return out
 
 
@@ -199,10 +225,20 @@ def run_variable() -> dict:
     """The ``run`` template variable: every value of the ``run`` target label (multi-select, All)."""
     query = "label_values(rlbus_policy_version, run)"
     return {
-        "name": "run", "label": "run", "type": "query", "datasource": dict(DATASOURCE),
+        "name": "run",
+        "label": "run",
+        "type": "query",
+        "datasource": dict(DATASOURCE),
         "definition": query,
-        "query": {"qryType": 1, "query": query, "refId": "PrometheusVariableQueryEditor-VariableQuery"}, "refresh": 2, "sort": 1,
-        "includeAll": True, "multi": True, "allValue": ".*", "current": {}, "hide": 0, "options": [],
+        "query": {"qryType": 1, "query": query, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+        "refresh": 2,
+        "sort": 1,
+        "includeAll": True,
+        "multi": True,
+        "allValue": ".*",
+        "current": {},
+        "hide": 0,
+        "options": [],
     }
 
 
@@ -216,10 +252,23 @@ def dashboard(uid: str, title: str, description: str, panels: list[Panel]) -> di
         panels: in reading order; see :func:`layout`.
     """
     return {
-        "uid": uid, "title": title, "description": description, "tags": ["rlbus"], "id": None,
-        "schemaVersion": 39, "version": 1, "editable": True, "graphTooltip": 1, "timezone": "browser",
-        "refresh": "10s", "time": {"from": "now-30m", "to": "now"}, "timepicker": {},
-        "annotations": {"list": []}, "links": [], "fiscalYearStartMonth": 0, "liveNow": False,
+        "uid": uid,
+        "title": title,
+        "description": description,
+        "tags": ["rlbus"],
+        "id": None,
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": True,
+        "graphTooltip": 1,
+        "timezone": "browser",
+        "refresh": "10s",
+        "time": {"from": "now-30m", "to": "now"},
+        "timepicker": {},
+        "annotations": {"list": []},
+        "links": [],
+        "fiscalYearStartMonth": 0,
+        "liveNow": False,
         "templating": {"list": [run_variable()]},
         "panels": layout(panels),
     }

@@ -36,7 +36,15 @@ from bus.messages import MicroBatch, ScoredGroup
 from bus.sample_arrays import sample_token_versions
 from packer.packing import pack_micro_batches
 
-__all__ = ["GroupLayout", "SampleRef", "fill_micro_batch", "has_teacher_logprobs", "pack_groups", "plan_step", "step_loss_counts"]
+__all__ = [
+    "GroupLayout",
+    "SampleRef",
+    "fill_micro_batch",
+    "has_teacher_logprobs",
+    "pack_groups",
+    "plan_step",
+    "step_loss_counts",
+]
 
 SampleRef = tuple[int, int]
 """``(g, j)``: sample ``j`` of the step's group ``g`` (indices into the step's group list)."""
@@ -172,11 +180,15 @@ def fill_micro_batch(
     used = sorted({g for g, _ in refs})
     temperatures = {float(groups[g].temperature) for g in used}
     if len(temperatures) > 1:
-        raise ValueError(f"samples of one micro-batch must share a temperature, got {sorted(temperatures)}; pack each temperature separately")
+        raise ValueError(
+            f"samples of one micro-batch must share a temperature, got {sorted(temperatures)}; pack each temperature separately"
+        )
     if teacher and (missing := [groups[g].id for g in used if not has_teacher_logprobs(groups[g])]):
         raise ValueError(f"groups {missing} carry no teacher logprobs; drop them (reason 'no_teacher') before packing")
     layouts = layouts if layouts is not None else [GroupLayout.of(g) for g in groups]
-    seq_lens = np.array([len(groups[g].prompt_ids) + int(groups[g].completion_lens[j]) for g, j in refs], dtype=np.int32)
+    seq_lens = np.array(
+        [len(groups[g].prompt_ids) + int(groups[g].completion_lens[j]) for g, j in refs], dtype=np.int32
+    )
     total = int(seq_lens.sum(dtype=np.int64))
     input_ids = np.empty(total, np.int32)
     loss_mask = np.zeros(total, bool)
@@ -224,7 +236,9 @@ def fill_micro_batch(
     )
 
 
-def pack_groups(groups: Sequence[ScoredGroup], step: int, micro_batch_tokens: int, *, teacher: bool = False) -> list[MicroBatch]:
+def pack_groups(
+    groups: Sequence[ScoredGroup], step: int, micro_batch_tokens: int, *, teacher: bool = False
+) -> list[MicroBatch]:
     """The micro-batches of ``step`` made of ``groups`` (in this order): :func:`plan_step` on the
     samples' lengths, then :func:`fill_micro_batch` per micro-batch. Same micro-batches as
     ``pack_step([group_samples(g, teacher=teacher) for g in groups], step, micro_batch_tokens)``
@@ -242,8 +256,15 @@ def pack_groups(groups: Sequence[ScoredGroup], step: int, micro_batch_tokens: in
     loss_tokens, loss_samples = step_loss_counts(groups, layouts)
     return [
         fill_micro_batch(
-            groups, refs, teacher=teacher, step=step, micro_index=k, num_micro_batches=len(plan),
-            step_loss_tokens=loss_tokens, step_samples=loss_samples, layouts=layouts,
+            groups,
+            refs,
+            teacher=teacher,
+            step=step,
+            micro_index=k,
+            num_micro_batches=len(plan),
+            step_loss_tokens=loss_tokens,
+            step_samples=loss_samples,
+            layouts=layouts,
         )
         for k, refs in enumerate(plan)
     ]

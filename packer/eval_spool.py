@@ -72,8 +72,21 @@ class EvalSpool:
         """Record a received eval group (fsynced: call before releasing it upstream). ``sync=False``
         only flushes it: call ``log.sync()`` before releasing it (one fsync for a burst of groups)."""
         s = summarize(group)
-        self._write("group", [group.eval_round, group.eval_size, group.id, group.task, s.rewards.tolist(),
-                              s.completion_lens.tolist(), s.reward_terms, s.version_min, s.version_max], sync=sync)
+        self._write(
+            "group",
+            [
+                group.eval_round,
+                group.eval_size,
+                group.id,
+                group.task,
+                s.rewards.tolist(),
+                s.completion_lens.tolist(),
+                s.reward_terms,
+                s.version_min,
+                s.version_max,
+            ],
+            sync=sync,
+        )
 
     def failed(self, group_ids: list[str]) -> list[str]:
         """Record the ids of ``group_ids`` that are new failures of open eval rounds (fsynced; nothing
@@ -110,8 +123,13 @@ class EvalSpool:
             r, size, gid, task, rewards, lens, terms, vmin, vmax = body
             if int(r) in agg.closed:
                 return
-            summary = EvalGroup(np.asarray(rewards, np.float64), np.asarray(lens, np.int64),
-                                {str(k): list(map(float, v)) for k, v in terms.items()}, int(vmin), int(vmax))
+            summary = EvalGroup(
+                np.asarray(rewards, np.float64),
+                np.asarray(lens, np.int64),
+                {str(k): list(map(float, v)) for k, v in terms.items()},
+                int(vmin),
+                int(vmax),
+            )
             done = agg.take(int(r), int(size), str(gid), str(task), summary)
             if done is not None:
                 self.closed_on_replay.append(done)

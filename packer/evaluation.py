@@ -31,6 +31,7 @@ from bus.messages import EvalResult, ScoredGroup, new_id
 
 __all__ = ["EvalAggregator", "EvalGroup", "RoundResult", "eval_metrics", "parse_eval_id", "summarize"]
 
+
 @dataclass(frozen=True)
 class EvalGroup:
     """What the metrics need of one scored eval group (``G`` completions).
@@ -143,13 +144,17 @@ class EvalAggregator:
             ValueError: not an eval group, or its ``eval_size`` disagrees with the round's.
         """
         if not group.is_eval or group.eval_size < 1:
-            raise ValueError(f"group {group.id} is not an eval group (eval_round {group.eval_round}, eval_size {group.eval_size})")
+            raise ValueError(
+                f"group {group.id} is not an eval group (eval_round {group.eval_round}, eval_size {group.eval_size})"
+            )
         r = group.eval_round
         if r in self.closed:
             return EvalDecision.LATE, None
         state = self.rounds.setdefault(r, _Round())
         if state.size and state.size != group.eval_size:
-            raise ValueError(f"eval group {group.id} says round {r} has {group.eval_size} groups, earlier ones said {state.size}")
+            raise ValueError(
+                f"eval group {group.id} says round {r} has {group.eval_size} groups, earlier ones said {state.size}"
+            )
         if group.id in state.received:
             return EvalDecision.DUPLICATE, None
         return EvalDecision.TAKEN, self.take(r, group.eval_size, group.id, group.task, summarize(group))
@@ -202,14 +207,16 @@ class EvalAggregator:
         results = []
         for task in tasks:
             groups = [g for t, g in state.received.values() if t == task]
-            results.append(EvalResult(
-                id=new_id(),
-                round=r,
-                task=task,
-                version_min=min((g.version_min for g in groups), default=r),
-                version_max=max((g.version_max for g in groups), default=r),
-                num_samples=int(sum(len(g.rewards) for g in groups)),
-                num_failed=sum(1 for t in state.failed.values() if t == task),
-                metrics=eval_metrics(groups),
-            ))
+            results.append(
+                EvalResult(
+                    id=new_id(),
+                    round=r,
+                    task=task,
+                    version_min=min((g.version_min for g in groups), default=r),
+                    version_max=max((g.version_max for g in groups), default=r),
+                    num_samples=int(sum(len(g.rewards) for g in groups)),
+                    num_failed=sum(1 for t in state.failed.values() if t == task),
+                    metrics=eval_metrics(groups),
+                )
+            )
         return RoundResult(round=r, results=results, group_ids=sorted(state.received))

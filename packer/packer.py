@@ -67,6 +67,7 @@ __all__ = [
     "rewards_all_zero_or_all_one",
 ]
 
+
 class DropReason(StrEnum):
     """Every reason :meth:`Packer.add` or :meth:`Packer.pop_step` drops a group for (see the module
     docstring). The value is the ``reason`` of the ``groups.dropped`` it is announced in (the prompt
@@ -160,7 +161,9 @@ def group_samples(group: ScoredGroup, *, teacher: bool = False) -> list[PackedSa
     offsets = np.concatenate([[0], np.cumsum(group.completion_lens)])
     no_prompt = np.zeros(len(prompt), np.float32)
     # multi-turn episodes: environment tokens are context, never loss tokens
-    model_tokens = np.asarray(group.loss_mask, bool) if len(group.loss_mask) else np.ones(len(group.completion_ids), bool)
+    model_tokens = (
+        np.asarray(group.loss_mask, bool) if len(group.loss_mask) else np.ones(len(group.completion_ids), bool)
+    )
     samples = []
     for j in range(group.group_size):
         ids, lps = group.completion(j)
@@ -171,7 +174,9 @@ def group_samples(group: ScoredGroup, *, teacher: bool = False) -> list[PackedSa
             PackedSample(
                 sample_id=f"{group.id}/{j}",
                 input_ids=np.concatenate([prompt, ids]).astype(np.int32),
-                loss_mask=np.concatenate([np.zeros(len(prompt), bool), model_tokens[offsets[j] : offsets[j + 1]] & (not masked)]),
+                loss_mask=np.concatenate(
+                    [np.zeros(len(prompt), bool), model_tokens[offsets[j] : offsets[j + 1]] & (not masked)]
+                ),
                 sampler_logprobs=np.concatenate([no_prompt, lps]).astype(np.float32),
                 advantage=float(group.advantages[j]),
                 reward=float(group.rewards[j]),
@@ -179,7 +184,8 @@ def group_samples(group: ScoredGroup, *, teacher: bool = False) -> list[PackedSa
                 temperature=float(group.temperature),
                 teacher_logprobs=(
                     np.concatenate([no_prompt, group.teacher_logprobs[offsets[j] : offsets[j + 1]]]).astype(np.float32)
-                    if teacher else None
+                    if teacher
+                    else None
                 ),
                 reward_terms={name: float(scores[j]) for name, scores in group.reward_terms.items()},
                 token_versions=np.concatenate([np.full(len(prompt), oldest, np.int64), versions]),
@@ -212,7 +218,9 @@ def build_micro_batch(
         raise ValueError("a micro-batch needs at least one sample")
     temperatures = {s.temperature for s in samples}
     if len(temperatures) > 1:
-        raise ValueError(f"samples of one micro-batch must share a temperature, got {sorted(temperatures)}; pack each temperature separately")
+        raise ValueError(
+            f"samples of one micro-batch must share a temperature, got {sorted(temperatures)}; pack each temperature separately"
+        )
     with_teacher = [s.teacher_logprobs is not None for s in samples]
     if any(with_teacher) and not all(with_teacher):
         raise ValueError("some samples carry teacher logprobs and some do not; drop the groups without them first")
@@ -234,7 +242,9 @@ def build_micro_batch(
         oldest_versions=np.array([s.version for s in samples], dtype=np.int64),
         token_versions=np.concatenate([s.versions() for s in samples]),
         teacher_logprobs=(
-            np.concatenate([s.teacher_logprobs for s in samples]) if all(with_teacher) else np.zeros(0, dtype=np.float32)
+            np.concatenate([s.teacher_logprobs for s in samples])
+            if all(with_teacher)
+            else np.zeros(0, dtype=np.float32)
         ),
         temperature=temperatures.pop(),
         reward_terms={name: [s.reward_terms[name] for s in samples] for name in sorted(names)},
@@ -303,7 +313,9 @@ class Packer:
             ValueError: an eval group (those go to :class:`packer.evaluation.EvalAggregator`).
         """
         if group.is_eval:
-            raise ValueError(f"group {group.id} is an eval group (eval_round {group.eval_round}); eval groups are never trained")
+            raise ValueError(
+                f"group {group.id} is an eval group (eval_round {group.eval_round}); eval groups are never trained"
+            )
         if group.id in self.seen:
             return False, DUPLICATE
         self.seen.add(group.id)
@@ -398,11 +410,20 @@ def pack_step(groups: list[list[PackedSample]], step: int, micro_batch_tokens: i
     samples = [s for g in groups for s in g]
     loss_tokens = int(sum(s.loss_mask.sum() for s in samples))
     loss_samples = sum(1 for s in samples if s.loss_mask.any())
-    plan = plan_step([[len(s.input_ids) for s in g] for g in groups], [[s.temperature for s in g] for g in groups], micro_batch_tokens)
+    plan = plan_step(
+        [[len(s.input_ids) for s in g] for g in groups],
+        [[s.temperature for s in g] for g in groups],
+        micro_batch_tokens,
+    )
     bins = [[groups[g][j] for g, j in refs] for refs in plan]
     return [
         build_micro_batch(
-            b, step=step, micro_index=k, num_micro_batches=len(bins), step_loss_tokens=loss_tokens, step_samples=loss_samples
+            b,
+            step=step,
+            micro_index=k,
+            num_micro_batches=len(bins),
+            step_loss_tokens=loss_tokens,
+            step_samples=loss_samples,
         )
         for k, b in enumerate(bins)
     ]

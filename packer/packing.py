@@ -186,9 +186,7 @@ def pack_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[i
     return bins
 
 
-def plan_step_micro_batches(
-    lengths: Sequence[int], token_budget: int, num_ranks: int = 1
-) -> list[list[list[int]]]:
+def plan_step_micro_batches(lengths: Sequence[int], token_budget: int, num_ranks: int = 1) -> list[list[list[int]]]:
     """Pack one optimizer step's samples and share the micro-batches among data-parallel ranks.
 
     Every rank must run the same number of forward/backward passes (collectives would hang

@@ -81,25 +81,42 @@ from packer.spool import SPOOL_DIR, Spool, checkpoint_step, trained_group_ids
 
 log = logging.getLogger(__name__)
 
-GROUPS_IN = Counter("rlbus_packer_groups_total", "Scored groups received, by decision (accepted, duplicate or drop reason)", ["outcome"])
+GROUPS_IN = Counter(
+    "rlbus_packer_groups_total", "Scored groups received, by decision (accepted, duplicate or drop reason)", ["outcome"]
+)
 STEPS_OUT = Counter("rlbus_packer_steps_total", "Optimizer steps emitted")
 MICRO_BATCHES = Histogram(
-    "rlbus_packer_micro_batches_per_step", "Micro-batches per emitted step",
+    "rlbus_packer_micro_batches_per_step",
+    "Micro-batches per emitted step",
     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256),
 )
 POLICY_LAG = Histogram(
-    "rlbus_packer_policy_lag_steps", "Off-policy lag of each emitted sample: step - oldest policy version, steps",
+    "rlbus_packer_policy_lag_steps",
+    "Off-policy lag of each emitted sample: step - oldest policy version, steps",
     buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32),
 )
-PADDING = Gauge("rlbus_packer_padding_ratio", "Unused share of the last emitted step's token budget: 1 - tokens / (micro-batches x micro_batch_tokens)")
+PADDING = Gauge(
+    "rlbus_packer_padding_ratio",
+    "Unused share of the last emitted step's token budget: 1 - tokens / (micro-batches x micro_batch_tokens)",
+)
 BUFFERED = Gauge("rlbus_packer_buffered_groups", "Groups waiting for the next step")
-EVAL_GROUPS = Counter("rlbus_packer_eval_groups_total", "Scored eval groups received, by decision (taken, duplicate, late, invalid)", ["outcome"])
+EVAL_GROUPS = Counter(
+    "rlbus_packer_eval_groups_total",
+    "Scored eval groups received, by decision (taken, duplicate, late, invalid)",
+    ["outcome"],
+)
 EVAL_RESULTS = Counter("rlbus_packer_eval_results_total", "EvalResults published (one per eval task per round)")
 TAKE_BURST = 256
 """Most received groups decided on before their spool records are fsynced together and released."""
-UNFINISHED = Gauge("rlbus_packer_unfinished_micro_batches", "Micro-batches sent and not yet done by the trainer (checkpoint)")
-SPOOL_TORN = Counter("rlbus_packer_spool_torn_records_total", "Damaged spool tails dropped on opening (a write cut short by a crash)")
-RESENT_STEPS = Counter("rlbus_packer_resent_steps_total", "Planned, unreleased steps sent again from the spool after a restart or resume")
+UNFINISHED = Gauge(
+    "rlbus_packer_unfinished_micro_batches", "Micro-batches sent and not yet done by the trainer (checkpoint)"
+)
+SPOOL_TORN = Counter(
+    "rlbus_packer_spool_torn_records_total", "Damaged spool tails dropped on opening (a write cut short by a crash)"
+)
+RESENT_STEPS = Counter(
+    "rlbus_packer_resent_steps_total", "Planned, unreleased steps sent again from the spool after a restart or resume"
+)
 GROUP_OUTCOMES = ("accepted", DUPLICATE, *DropReason)
 """Every ``outcome`` of ``rlbus_packer_groups_total``."""
 for _outcome in GROUP_OUTCOMES:
@@ -136,31 +153,50 @@ class PackerProc(Component):
         if first_step and not self.spool.existed:  # the lineage's trained groups are duplicates from now on
             trained = trained_group_ids(self.run_dir, first_step)
             self.spool.mark_seen(trained)
-            log.info("no spool to resume from: numbering steps from the checkpoint's step %d, %d group(s) trained "
-                     "below it marked seen", first_step, len(trained))
+            log.info(
+                "no spool to resume from: numbering steps from the checkpoint's step %d, %d group(s) trained "
+                "below it marked seen",
+                first_step,
+                len(trained),
+            )
         state = self.spool.state
-        self.packer.restore(next_step=state.next_step, seen=state.seen, buffer=[state.groups[g] for g in state.buffered])
+        self.packer.restore(
+            next_step=state.next_step, seen=state.seen, buffer=[state.groups[g] for g in state.buffered]
+        )
         self.planned = [(step, [state.groups[g] for g in ids]) for step, ids in state.steps.items()]
         if self.spool.existed or first_step:
-            log.info("resumed from the spool: next step %d, %d group(s) seen, %d buffered, %d planned step(s) to send again",
-                     state.next_step, len(state.seen), len(state.buffered), len(self.planned))
+            log.info(
+                "resumed from the spool: next step %d, %d group(s) seen, %d buffered, %d planned step(s) to send again",
+                state.next_step,
+                len(state.seen),
+                len(state.buffered),
+                len(self.planned),
+            )
         self.evaluation = EvalAggregator()
         self.eval_spool = EvalSpool(self.run_dir / SPOOL_DIR, self.evaluation)
         SPOOL_TORN.inc(self.eval_spool.torn_records)
         if self.launch.resume:  # rounds above the checkpoint evaluated the lost lineage: evaluated again
             self.eval_spool.reset_above(first_step)
         if self.eval_spool.results or self.evaluation.rounds:
-            log.info("eval state from the spool: %d closed round(s) %s to publish again, %d open round(s) %s",
-                     len(self.eval_spool.results), sorted(self.eval_spool.results), len(self.evaluation.rounds),
-                     {r: len(st.received) + len(st.failed) for r, st in sorted(self.evaluation.rounds.items())})
+            log.info(
+                "eval state from the spool: %d closed round(s) %s to publish again, %d open round(s) %s",
+                len(self.eval_spool.results),
+                sorted(self.eval_spool.results),
+                len(self.evaluation.rounds),
+                {r: len(st.received) + len(st.failed) for r, st in sorted(self.evaluation.rounds.items())},
+            )
         self._answered_late: set[int] = set()
         self._trainer_version = -1  # newest weights.ready version seen (a drop: the trainer restarted)
         self._hub_reconnects = 0
         self._republish_at: list[float] = []
         self._schedule_republish("the packer restarted")
         self.meter = StageMeter("packer")
-        self.samples_log = SamplesLog(self.run_dir / "samples.jsonl", cfg.report.samples_interval, cfg.report.samples_per_step)
-        self.scored = self.reliable_receiver("scored", self.endpoints.address("scored"), bind=True, accept=(ScoredGroup,))
+        self.samples_log = SamplesLog(
+            self.run_dir / "samples.jsonl", cfg.report.samples_interval, cfg.report.samples_per_step
+        )
+        self.scored = self.reliable_receiver(
+            "scored", self.endpoints.address("scored"), bind=True, accept=(ScoredGroup,)
+        )
         self.batches = self.reliable_sender("batches", self.endpoints.address("batches"), bind=True)
         self.control_out = self.control_publisher()
         self.control_in = self.control_subscriber()
@@ -184,8 +220,16 @@ class PackerProc(Component):
         for result in closed.results:
             self.control_out.send(result)
             EVAL_RESULTS.inc()
-            log.info("eval round %d, %s: %d samples, %d failed groups, %s (policy versions %d..%d)", result.round,
-                     result.task, result.num_samples, result.num_failed, result.metrics, result.version_min, result.version_max)
+            log.info(
+                "eval round %d, %s: %d samples, %d failed groups, %s (policy versions %d..%d)",
+                result.round,
+                result.task,
+                result.num_samples,
+                result.num_failed,
+                result.metrics,
+                result.version_min,
+                result.version_max,
+            )
 
     def _republish_eval(self) -> None:
         """Publish the results of the rounds closed before a restart again (at start and at
@@ -301,7 +345,9 @@ class PackerProc(Component):
             if not self.batches.send(mb):
                 return False
         STEPS_OUT.inc()
-        log.info("step %d: %d micro-batch(es), %d loss tokens", batches[0].step, len(batches), batches[0].step_loss_tokens)
+        log.info(
+            "step %d: %d micro-batch(es), %d loss tokens", batches[0].step, len(batches), batches[0].step_loss_tokens
+        )
         return True
 
     def close(self) -> None:

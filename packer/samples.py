@@ -71,26 +71,28 @@ def sample_records(step: int, groups: list[ScoredGroup], limit: int, now: float 
             if len(records) >= limit:
                 return records
             version = int(group.version_start[j])
-            records.append({
-                "step": int(step),
-                "time": round(float(now), 3),
-                "group_id": group.id,
-                "task": group.task,
-                "sample": j,
-                "group_size": group.group_size,
-                "prompt": group.prompt_text,
-                "completion": group.completion_texts[j],
-                "reward": float(group.rewards[j]),
-                "advantage": float(group.advantages[j]),
-                "reward_terms": {str(name): float(scores[j]) for name, scores in group.reward_terms.items()},
-                "policy_version": version,
-                "lag": int(step) - version,
-                "version_spans": run_lengths(sample_token_versions(group, j)).tolist(),
-                "finish_reason": group.finish_reasons[j],
-                "completion_tokens": int(group.completion_lens[j]),
-                "masked": bool(len(group.masked) and group.masked[j]),
-                "producer": group.producer,
-            })
+            records.append(
+                {
+                    "step": int(step),
+                    "time": round(float(now), 3),
+                    "group_id": group.id,
+                    "task": group.task,
+                    "sample": j,
+                    "group_size": group.group_size,
+                    "prompt": group.prompt_text,
+                    "completion": group.completion_texts[j],
+                    "reward": float(group.rewards[j]),
+                    "advantage": float(group.advantages[j]),
+                    "reward_terms": {str(name): float(scores[j]) for name, scores in group.reward_terms.items()},
+                    "policy_version": version,
+                    "lag": int(step) - version,
+                    "version_spans": run_lengths(sample_token_versions(group, j)).tolist(),
+                    "finish_reason": group.finish_reasons[j],
+                    "completion_tokens": int(group.completion_lens[j]),
+                    "masked": bool(len(group.masked) and group.masked[j]),
+                    "producer": group.producer,
+                }
+            )
     return records
 
 
@@ -108,7 +110,9 @@ class SamplesLog:
 
     def __init__(self, path: Path, interval: int, per_step: int) -> None:
         if interval < 0 or per_step < 1:
-            raise ValueError(f"need interval >= 0 and per_step >= 1, got {interval} and {per_step}; see report.* in the config")
+            raise ValueError(
+                f"need interval >= 0 and per_step >= 1, got {interval} and {per_step}; see report.* in the config"
+            )
         self.path = Path(path)
         self.interval = interval
         self.per_step = per_step

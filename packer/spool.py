@@ -134,7 +134,9 @@ class Spool:
         ValueError: ``first_step < 0``.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], first_step: int = 0, *, compact_min_bytes: int = COMPACT_MIN_BYTES) -> None:
+    def __init__(
+        self, directory: str | os.PathLike[str], first_step: int = 0, *, compact_min_bytes: int = COMPACT_MIN_BYTES
+    ) -> None:
         if first_step < 0:
             raise ValueError(f"first_step must be >= 0, got {first_step}")
         self.directory = Path(directory)
@@ -217,7 +219,9 @@ class Spool:
         good = self._replay()
         self.log = RecordLog(open_for_append(self.path, good))
         self.state.released_through = old.released_through
-        log.info("spool compacted: %d live group(s), %d step(s) not released, %d bytes", len(live), len(old.steps), good)
+        log.info(
+            "spool compacted: %d live group(s), %d step(s) not released, %d bytes", len(live), len(old.steps), good
+        )
 
     def close(self) -> None:
         """Flush and close the file."""
@@ -333,8 +337,13 @@ def replay_records(path: Path, apply: Callable[[str, Any, int], None], what: str
             break
         offset = end
     if offset < len(data):
-        log.warning("%s %s: dropped a damaged tail of %d bytes at byte %d (a write cut short by a crash)",
-                    what, path, len(data) - offset, offset)
+        log.warning(
+            "%s %s: dropped a damaged tail of %d bytes at byte %d (a write cut short by a crash)",
+            what,
+            path,
+            len(data) - offset,
+            offset,
+        )
         return offset, 1
     return offset, 0
 
@@ -357,4 +366,3 @@ def read_record(data: bytes, offset: int) -> tuple[tuple[str, Any], int] | None:
     except Exception:
         return None
     return (kind, body), end
-

@@ -37,6 +37,7 @@ CHAT_TEMPLATE = (
 # Longest sequence the tokenizer is declared for (the tiny policy's RoPE range).
 MODEL_MAX_LENGTH = 2048
 
+
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable unicode map, the one the ByteLevel pre-tokenizer uses.
 
@@ -44,9 +45,7 @@ def bytes_to_unicode() -> dict[int, str]:
     map to themselves; the rest map to code points from 256 upwards.
     """
     printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     )
     codes = printable[:]
     extra = 0
@@ -88,4 +87,3 @@ def build_tokenizer() -> Any:
         model_max_length=MODEL_MAX_LENGTH,
         clean_up_tokenization_spaces=False,
     )
-

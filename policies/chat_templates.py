@@ -29,12 +29,12 @@ QWEN2_5_TEMPLATE = (
     "    {%- else %}\n"
     "        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}\n"
     "    {%- endif %}\n"
-    "    {{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>\" }}\n"
+    '    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}\n'
     "    {%- for tool in tools %}\n"
-    "        {{- \"\\n\" }}\n"
+    '        {{- "\\n" }}\n'
     "        {{- tool | tojson }}\n"
     "    {%- endfor %}\n"
-    "    {{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\" }}\n"
+    '    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}\n'
     "{%- else %}\n"
     "    {%- if messages[0]['role'] == 'system' %}\n"
     "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n"
@@ -43,9 +43,9 @@ QWEN2_5_TEMPLATE = (
     "    {%- endif %}\n"
     "{%- endif %}\n"
     "{%- for message in messages %}\n"
-    "    {%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) or (message.role == \"assistant\" and not message.tool_calls) %}\n"
+    '    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}\n'
     "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n"
-    "    {%- elif message.role == \"assistant\" %}\n"
+    '    {%- elif message.role == "assistant" %}\n'
     "        {{- '<|im_start|>' + message.role }}\n"
     "        {%- if message.content %}\n"
     "            {{- '\\n' + message.content }}\n"
@@ -54,21 +54,21 @@ QWEN2_5_TEMPLATE = (
     "            {%- if tool_call.function is defined %}\n"
     "                {%- set tool_call = tool_call.function %}\n"
     "            {%- endif %}\n"
-    "            {{- '\\n<tool_call>\\n{\"name\": \"' }}\n"
+    '            {{- \'\\n<tool_call>\\n{"name": "\' }}\n'
     "            {{- tool_call.name }}\n"
-    "            {{- '\", \"arguments\": ' }}\n"
+    '            {{- \'", "arguments": \' }}\n'
     "            {{- tool_call.arguments | tojson }}\n"
     "            {{- '}\\n</tool_call>' }}\n"
     "        {%- endfor %}\n"
     "        {{- '<|im_end|>\\n' }}\n"
-    "    {%- elif message.role == \"tool\" %}\n"
-    "        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != \"tool\") %}\n"
+    '    {%- elif message.role == "tool" %}\n'
+    '        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}\n'
     "            {{- '<|im_start|>user' }}\n"
     "        {%- endif %}\n"
     "        {{- '\\n<tool_response>\\n' }}\n"
     "        {{- message.content }}\n"
     "        {{- '\\n</tool_response>' }}\n"
-    "        {%- if loop.last or (messages[loop.index0 + 1].role != \"tool\") %}\n"
+    '        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}\n'
     "            {{- '<|im_end|>\\n' }}\n"
     "        {%- endif %}\n"
     "    {%- endif %}\n"
@@ -84,12 +84,12 @@ QWEN3_TEMPLATE = (
     "    {%- if messages[0].role == 'system' %}\n"
     "        {{- messages[0].content + '\\n\\n' }}\n"
     "    {%- endif %}\n"
-    "    {{- \"# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>\" }}\n"
+    '    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}\n'
     "    {%- for tool in tools %}\n"
-    "        {{- \"\\n\" }}\n"
+    '        {{- "\\n" }}\n'
     "        {{- tool | tojson }}\n"
     "    {%- endfor %}\n"
-    "    {{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\" }}\n"
+    '    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}\n'
     "{%- else %}\n"
     "    {%- if messages[0].role == 'system' %}\n"
     "        {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}\n"
@@ -109,9 +109,9 @@ QWEN3_TEMPLATE = (
     "    {%- else %}\n"
     "        {%- set content = '' %}\n"
     "    {%- endif %}\n"
-    "    {%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) %}\n"
+    '    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}\n'
     "        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}\n"
-    "    {%- elif message.role == \"assistant\" %}\n"
+    '    {%- elif message.role == "assistant" %}\n'
     "        {%- set reasoning_content = '' %}\n"
     "        {%- if message.reasoning_content is string %}\n"
     "            {%- set reasoning_content = message.reasoning_content %}\n"
@@ -138,9 +138,9 @@ QWEN3_TEMPLATE = (
     "                {%- if tool_call.function %}\n"
     "                    {%- set tool_call = tool_call.function %}\n"
     "                {%- endif %}\n"
-    "                {{- '<tool_call>\\n{\"name\": \"' }}\n"
+    '                {{- \'<tool_call>\\n{"name": "\' }}\n'
     "                {{- tool_call.name }}\n"
-    "                {{- '\", \"arguments\": ' }}\n"
+    '                {{- \'", "arguments": \' }}\n'
     "                {%- if tool_call.arguments is string %}\n"
     "                    {{- tool_call.arguments }}\n"
     "                {%- else %}\n"
@@ -150,14 +150,14 @@ QWEN3_TEMPLATE = (
     "            {%- endfor %}\n"
     "        {%- endif %}\n"
     "        {{- '<|im_end|>\\n' }}\n"
-    "    {%- elif message.role == \"tool\" %}\n"
-    "        {%- if loop.first or (messages[loop.index0 - 1].role != \"tool\") %}\n"
+    '    {%- elif message.role == "tool" %}\n'
+    '        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}\n'
     "            {{- '<|im_start|>user' }}\n"
     "        {%- endif %}\n"
     "        {{- '\\n<tool_response>\\n' }}\n"
     "        {{- content }}\n"
     "        {{- '\\n</tool_response>' }}\n"
-    "        {%- if loop.last or (messages[loop.index0 + 1].role != \"tool\") %}\n"
+    '        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}\n'
     "            {{- '<|im_end|>\\n' }}\n"
     "        {%- endif %}\n"
     "    {%- endif %}\n"

@@ -79,17 +79,45 @@ class Family:
 
 _QWEN_SPECIALS = (("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True))
 FAMILIES: dict[str, Family] = {
-    "qwen2.5": Family("qwen2.5", "Qwen2ForCausalLM", _QWEN_SPECIALS, eos="<|im_end|>", pad="<|endoftext|>", bos=None,
-                      stop=("<|im_end|>", "<|endoftext|>"), chat_template=QWEN2_5_TEMPLATE, rope_theta=1_000_000.0),
-    "qwen3": Family("qwen3", "Qwen3ForCausalLM",
-                    _QWEN_SPECIALS + (("<think>", False), ("</think>", False), ("<tool_call>", False), ("</tool_call>", False)),
-                    eos="<|im_end|>", pad="<|endoftext|>", bos=None, stop=("<|im_end|>", "<|endoftext|>"),
-                    chat_template=QWEN3_TEMPLATE, rope_theta=1_000_000.0),
-    "llama3": Family("llama3", "LlamaForCausalLM",
-                     (("<|begin_of_text|>", True), ("<|end_of_text|>", True), ("<|start_header_id|>", True),
-                      ("<|end_header_id|>", True), ("<|eot_id|>", True)),
-                     eos="<|eot_id|>", pad="<|end_of_text|>", bos="<|begin_of_text|>", stop=("<|end_of_text|>", "<|eot_id|>"),
-                     chat_template=LLAMA3_TEMPLATE, rope_theta=500_000.0),
+    "qwen2.5": Family(
+        "qwen2.5",
+        "Qwen2ForCausalLM",
+        _QWEN_SPECIALS,
+        eos="<|im_end|>",
+        pad="<|endoftext|>",
+        bos=None,
+        stop=("<|im_end|>", "<|endoftext|>"),
+        chat_template=QWEN2_5_TEMPLATE,
+        rope_theta=1_000_000.0,
+    ),
+    "qwen3": Family(
+        "qwen3",
+        "Qwen3ForCausalLM",
+        _QWEN_SPECIALS + (("<think>", False), ("</think>", False), ("<tool_call>", False), ("</tool_call>", False)),
+        eos="<|im_end|>",
+        pad="<|endoftext|>",
+        bos=None,
+        stop=("<|im_end|>", "<|endoftext|>"),
+        chat_template=QWEN3_TEMPLATE,
+        rope_theta=1_000_000.0,
+    ),
+    "llama3": Family(
+        "llama3",
+        "LlamaForCausalLM",
+        (
+            ("<|begin_of_text|>", True),
+            ("<|end_of_text|>", True),
+            ("<|start_header_id|>", True),
+            ("<|end_header_id|>", True),
+            ("<|eot_id|>", True),
+        ),
+        eos="<|eot_id|>",
+        pad="<|end_of_text|>",
+        bos="<|begin_of_text|>",
+        stop=("<|end_of_text|>", "<|eot_id|>"),
+        chat_template=LLAMA3_TEMPLATE,
+        rope_theta=500_000.0,
+    ),
 }
 """The supported families by key."""
 
@@ -114,8 +142,15 @@ class Shape:
 
 TINY = Shape(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256)
 """The test size: 2 layers, 4 query heads of 32 (the smallest head vLLM's CPU attention takes), 2 KV heads."""
-QWEN2_5_0_5B = Shape(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
-                     head_dim=64, vocab_size=151_936)
+QWEN2_5_0_5B = Shape(
+    hidden_size=896,
+    num_layers=24,
+    num_heads=14,
+    num_kv_heads=2,
+    intermediate_size=4864,
+    head_dim=64,
+    vocab_size=151_936,
+)
 """Qwen2.5-0.5B's shape (494,032,768 parameters with ``tied=True``, as it ships): for benches."""
 
 
@@ -161,7 +196,9 @@ def family_config(name: str, *, tied: bool, shape: Shape = TINY) -> Any:
     fam = family(name)
     if shape.vocab_size is not None and shape.vocab_size < fam.vocab_size:
         raise ValueError(f"shape.vocab_size={shape.vocab_size} is below the {name} tokenizer's {fam.vocab_size} tokens")
-    model_type = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}[fam.architecture]
+    model_type = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}[
+        fam.architecture
+    ]
     extra = {} if model_type == "llama" else {"use_sliding_window": False}
     if model_type != "qwen2":  # qwen2 derives head_dim = hidden_size / heads
         extra["head_dim"] = shape.head_dim
@@ -213,7 +250,8 @@ def build_family_model(out_dir: str | Path, name: str, *, tied: bool, seed: int 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(
-        eos_token_id=fam.stop_ids, pad_token_id=fam.token_id(fam.pad),
+        eos_token_id=fam.stop_ids,
+        pad_token_id=fam.token_id(fam.pad),
         bos_token_id=fam.token_id(fam.bos) if fam.bos else None,
     )
     out = Path(out_dir)

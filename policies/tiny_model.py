@@ -92,9 +92,7 @@ def build_random_policy(
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
 
     if hidden_size <= 0 or hidden_size % HEAD_DIM:
-        raise ValueError(
-            f"hidden_size must be a positive multiple of {HEAD_DIM}, got {hidden_size}"
-        )
+        raise ValueError(f"hidden_size must be a positive multiple of {HEAD_DIM}, got {hidden_size}")
     if num_layers <= 0:
         raise ValueError(f"num_layers must be positive, got {num_layers}")
     out_dir = Path(out_dir)
@@ -130,6 +128,7 @@ def build_random_policy(
 def count_parameters(model: Any) -> int:
     """Number of scalar parameters of a torch module (int)."""
     return sum(p.numel() for p in model.parameters())
+
 
 def policy_cache_key(params: dict[str, Any]) -> str:
     """Stable 16-hex-digit key of the build parameters (JSON with sorted keys, sha256)."""
@@ -229,15 +228,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hidden-size", type=int, default=DEFAULT_HIDDEN_SIZE)
     parser.add_argument("--num-layers", type=int, default=DEFAULT_NUM_LAYERS)
-    parser.add_argument(
-        "--sft-target-loss", type=float, default=DEFAULT_SFT_TARGET_LOSS, help="<= 0: none"
-    )
+    parser.add_argument("--sft-target-loss", type=float, default=DEFAULT_SFT_TARGET_LOSS, help="<= 0: none")
     parser.add_argument("--random", action="store_true", help="save the random policy to --out")
     args = parser.parse_args(argv)
     if args.random:
-        path = build_random_policy(
-            args.out, hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed
-        )
+        path = build_random_policy(args.out, hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed)
     else:
         path = ensure_policy(
             args.out,

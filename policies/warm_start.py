@@ -29,9 +29,7 @@ SFT_NUM_THREADS = 1
 DEFAULT_SFT_TASK = "reverse_text"
 
 
-def sft_examples_to_batch(
-    tokenizer: Any, examples: list[dict], render: Any
-) -> tuple[Any, Any, Any]:
+def sft_examples_to_batch(tokenizer: Any, examples: list[dict], render: Any) -> tuple[Any, Any, Any]:
     """Tokenize chat examples for SFT with the loss on completion tokens only.
 
     Args:
@@ -48,9 +46,7 @@ def sft_examples_to_batch(
 
     rows = []
     for ex in examples:
-        prompt_text = tokenizer.apply_chat_template(
-            render(ex), tokenize=False, add_generation_prompt=True
-        )
+        prompt_text = tokenizer.apply_chat_template(render(ex), tokenize=False, add_generation_prompt=True)
         prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
         completion_ids = tokenizer.encode(ex["info"]["target"], add_special_tokens=False)
         rows.append((prompt_ids, completion_ids + [IM_END_TOKEN_ID]))
@@ -119,9 +115,7 @@ def run_sft(
             for group in opt.param_groups:
                 group["lr"] = lr * min(1.0, (step + 1) / SFT_WARMUP_STEPS)
             batch = examples[step * batch_size : (step + 1) * batch_size]
-            input_ids, attention_mask, labels = sft_examples_to_batch(
-                tokenizer, batch, render_messages
-            )
+            input_ids, attention_mask, labels = sft_examples_to_batch(tokenizer, batch, render_messages)
             out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
             opt.zero_grad(set_to_none=True)
             out.loss.backward()
@@ -144,5 +138,3 @@ def run_sft(
         "final_loss": sum(tail) / len(tail),
         "elapsed_s": time.perf_counter() - t0,
     }
-
-

@@ -70,12 +70,14 @@ class AgentRunner:
     def __init__(self, endpoint: OpenAIEndpoint, agents: list[str], *, timeout_s: float, num_procs: int) -> None:
         self.endpoint = endpoint
         self.agents = list(dict.fromkeys(agents))
-        self.calls = IsolatedCalls(self.agents, resolver="tasks.agent:resolve_agent_fn", timeout_s=timeout_s,
-                                   num_procs=num_procs, what="agent")
+        self.calls = IsolatedCalls(
+            self.agents, resolver="tasks.agent:resolve_agent_fn", timeout_s=timeout_s, num_procs=num_procs, what="agent"
+        )
         self._lock = asyncio.Lock()
 
-    async def run_group(self, agent: str, example: dict, prompt_ids: list[int], *, request_id: str,
-                        **kwargs: Any) -> tuple[list[int], list[Sample], list[list[bool]], list[float]]:
+    async def run_group(
+        self, agent: str, example: dict, prompt_ids: list[int], *, request_id: str, **kwargs: Any
+    ) -> tuple[list[int], list[Sample], list[list[bool]], list[float]]:
         """Run ``kwargs["n"]`` episodes of ``agent`` on ``example`` (``kwargs``:
         :func:`producers.sampling.request_kwargs`; ``prompt_ids``: the group's prompt when no
         episode made a request).
@@ -114,9 +116,13 @@ class AgentRunner:
             if calls:
                 EPISODE_TOOL_CALLS.observe(calls)
         for (first, ep, _), result in zip(assembled, results):
-            full = with_head(ep, first[len(prompt):], version)
-            ok = result.error is None and isinstance(result.value, (int, float)) and not isinstance(result.value, bool) \
+            full = with_head(ep, first[len(prompt) :], version)
+            ok = (
+                result.error is None
+                and isinstance(result.value, (int, float))
+                and not isinstance(result.value, bool)
                 and math.isfinite(result.value)
+            )
             if ok:
                 full.reward = float(result.value)
             else:

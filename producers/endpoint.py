@@ -41,19 +41,42 @@ from producers.endpoint_episodes import EPISODE_HEADER, EndpointEpisodes, Record
 log = logging.getLogger(__name__)
 
 ROUTES = ("chat", "completions")
-REQUESTS = Counter("rlbus_producer_endpoint_requests_total",
-                   "Requests to the producer's OpenAI-compatible endpoint, by route (chat, completions) and "
-                   "status (ok, bad_request, unknown_episode, error)", ["route", "status"])
+REQUESTS = Counter(
+    "rlbus_producer_endpoint_requests_total",
+    "Requests to the producer's OpenAI-compatible endpoint, by route (chat, completions) and "
+    "status (ok, bad_request, unknown_episode, error)",
+    ["route", "status"],
+)
 for _route in ROUTES:
     for _status in ("ok", "bad_request", "unknown_episode", "error"):
         REQUESTS.labels(_route, _status)
 
-PORT = Gauge("rlbus_producer_endpoint_port", "TCP port of the producer's OpenAI-compatible endpoint (0: not serving); "
-             "busctl records it per component in status.json")
+PORT = Gauge(
+    "rlbus_producer_endpoint_port",
+    "TCP port of the producer's OpenAI-compatible endpoint (0: not serving); "
+    "busctl records it per component in status.json",
+)
 
-_COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop", "seed", "logprobs",
-           "user", "stream", "top_logprobs", "metadata", "store"}
-FIELDS = {"chat": _COMMON | {"messages", "tools", "tool_choice", "parallel_tool_calls"}, "completions": _COMMON | {"prompt"}}
+_COMMON = {
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stop",
+    "seed",
+    "logprobs",
+    "user",
+    "stream",
+    "top_logprobs",
+    "metadata",
+    "store",
+}
+FIELDS = {
+    "chat": _COMMON | {"messages", "tools", "tool_choice", "parallel_tool_calls"},
+    "completions": _COMMON | {"prompt"},
+}
 DEFAULT_MAX_TOKENS = 256
 
 
@@ -107,8 +130,10 @@ def sampling_of(body: dict, route: str, sampling: dict[str, Any] | None) -> tupl
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise BadRequest("'stop' must be a string or a list of strings")
     if n < 1 or max_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
-        raise BadRequest(f"need n >= 1, max_tokens >= 1, temperature >= 0, 0 < top_p <= 1; got n={n}, "
-                         f"max_tokens={max_tokens}, temperature={temperature}, top_p={top_p}")
+        raise BadRequest(
+            f"need n >= 1, max_tokens >= 1, temperature >= 0, 0 < top_p <= 1; got n={n}, "
+            f"max_tokens={max_tokens}, temperature={temperature}, top_p={top_p}"
+        )
     kwargs = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed, stop=stop)
     if sampling is not None:
         if n != 1:
@@ -129,8 +154,16 @@ class OpenAIEndpoint:
         model_name: the name ``/v1/models`` lists and responses carry.
     """
 
-    def __init__(self, engine: Any, tokenizer: Any, *, max_model_len: int, host: str = "127.0.0.1", port: int = 0,
-                 model_name: str = "rlbus-policy") -> None:
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        *,
+        max_model_len: int,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        model_name: str = "rlbus-policy",
+    ) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be in 0..65535 (0 = any free), got {port}")
         self.engine, self.tokenizer, self.max_model_len = engine, tokenizer, max_model_len
@@ -170,7 +203,9 @@ class OpenAIEndpoint:
     async def _models(self, request: Any) -> Any:
         from aiohttp import web
 
-        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "rlbus"}]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "rlbus"}]}
+        )
 
     async def _chat(self, request: Any) -> Any:
         return await self._handle(request, "chat")
@@ -189,14 +224,18 @@ class OpenAIEndpoint:
         except BadRequest as exc:
             status = "unknown_episode" if exc.status == 404 else "bad_request"
             REQUESTS.labels(route, status).inc()
-            return web.json_response({"error": {"message": str(exc), "type": "invalid_request_error"}}, status=exc.status)
+            return web.json_response(
+                {"error": {"message": str(exc), "type": "invalid_request_error"}}, status=exc.status
+            )
         except ValueError as exc:  # the body is not JSON
             REQUESTS.labels(route, "bad_request").inc()
             return web.json_response({"error": {"message": str(exc), "type": "invalid_request_error"}}, status=400)
         except Exception as exc:
             REQUESTS.labels(route, "error").inc()
             log.exception("endpoint request failed")
-            return web.json_response({"error": {"message": f"{type(exc).__name__}: {exc}", "type": "server_error"}}, status=500)
+            return web.json_response(
+                {"error": {"message": f"{type(exc).__name__}: {exc}", "type": "server_error"}}, status=500
+            )
         REQUESTS.labels(route, "ok").inc()
         return web.json_response(out)
 
@@ -220,7 +259,11 @@ class OpenAIEndpoint:
             prompt_ids = chat_prompt_ids(self.tokenizer, messages, last, tools=body.get("tools"))
         else:
             prompt = body.get("prompt")
-            if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if (
+                isinstance(prompt, list)
+                and prompt
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+            ):
                 prompt_ids = list(prompt)
             elif isinstance(prompt, str) and prompt:
                 prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
@@ -234,29 +277,66 @@ class OpenAIEndpoint:
         request_id = f"oai-{next(self._ids)}"
         samples = await self.engine.generate_group(prompt_ids, n=n, request_id=request_id, **kwargs)
         texts = [s.text for s in samples]
-        replies = [reply_message(text, body.get("tools"), f"call_{request_id}_{i}") if route == "chat" else None
-                   for i, text in enumerate(texts)]
+        replies = [
+            reply_message(text, body.get("tools"), f"call_{request_id}_{i}") if route == "chat" else None
+            for i, text in enumerate(texts)
+        ]
         if episode_id:
-            self.episodes.record(episode_id, RecordedTurn(prompt_ids, samples[0], version, messages, texts[0], replies[0]))
+            self.episodes.record(
+                episode_id, RecordedTurn(prompt_ids, samples[0], version, messages, texts[0], replies[0])
+            )
         return self._response(route, request_id, samples, texts, replies, len(prompt_ids), bool(body.get("logprobs")))
 
-    def _response(self, route: str, request_id: str, samples: list, texts: list[str], replies: list[dict | None],
-                  num_prompt: int, logprobs: bool) -> dict:
+    def _response(
+        self,
+        route: str,
+        request_id: str,
+        samples: list,
+        texts: list[str],
+        replies: list[dict | None],
+        num_prompt: int,
+        logprobs: bool,
+    ) -> dict:
         choices = []
         for i, (s, text, reply) in enumerate(zip(samples, texts, replies)):
             finish = "length" if s.finish_reason == "length" else "stop"
             tokens = [self.tokenizer.decode([t]) for t in s.token_ids] if logprobs else []
             if route == "chat":
-                lp = {"content": [{"token": tok, "logprob": v, "bytes": list(tok.encode()), "top_logprobs": []}
-                                  for tok, v in zip(tokens, s.logprobs)]} if logprobs else None
-                choices.append({"index": i, "message": reply, "logprobs": lp,
-                                "finish_reason": "tool_calls" if reply.get("tool_calls") else finish})
+                lp = (
+                    {
+                        "content": [
+                            {"token": tok, "logprob": v, "bytes": list(tok.encode()), "top_logprobs": []}
+                            for tok, v in zip(tokens, s.logprobs)
+                        ]
+                    }
+                    if logprobs
+                    else None
+                )
+                choices.append(
+                    {
+                        "index": i,
+                        "message": reply,
+                        "logprobs": lp,
+                        "finish_reason": "tool_calls" if reply.get("tool_calls") else finish,
+                    }
+                )
             else:
-                lp = {"tokens": tokens, "token_logprobs": list(s.logprobs), "top_logprobs": None,
-                      "text_offset": []} if logprobs else None
+                lp = (
+                    {"tokens": tokens, "token_logprobs": list(s.logprobs), "top_logprobs": None, "text_offset": []}
+                    if logprobs
+                    else None
+                )
                 choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": finish})
         completion = sum(len(s.token_ids) for s in samples)
-        return {"id": request_id, "object": "chat.completion" if route == "chat" else "text_completion",
-                "created": int(time.time()), "model": self.model_name, "choices": choices,
-                "usage": {"prompt_tokens": num_prompt, "completion_tokens": completion,
-                          "total_tokens": num_prompt + completion}}
+        return {
+            "id": request_id,
+            "object": "chat.completion" if route == "chat" else "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": num_prompt,
+                "completion_tokens": completion,
+                "total_tokens": num_prompt + completion,
+            },
+        }

@@ -41,10 +41,12 @@ from tasks.tools import ToolCall, parse_tool_calls
 EPISODE_HEADER = "X-Rlbus-Episode"
 _CALL_BLOCKS = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
 
-ENDPOINT_EPISODES = Counter("rlbus_producer_endpoint_episodes_total",
-                            "Episodes recorded by the OpenAI-compatible endpoint, by outcome: complete, rebased "
-                            "(a turn did not extend the trajectory: the episode ends before it), empty (no request)",
-                            ["outcome"])
+ENDPOINT_EPISODES = Counter(
+    "rlbus_producer_endpoint_episodes_total",
+    "Episodes recorded by the OpenAI-compatible endpoint, by outcome: complete, rebased "
+    "(a turn did not extend the trajectory: the episode ends before it), empty (no request)",
+    ["outcome"],
+)
 for _outcome in ("complete", "rebased", "empty"):
     ENDPOINT_EPISODES.labels(_outcome)
 
@@ -132,10 +134,18 @@ def reply_message(text: str, tools: list | None, call_id: str) -> dict:
     if not calls or not all(isinstance(c, ToolCall) for c in calls):
         return {"role": "assistant", "content": text}
     rest = _CALL_BLOCKS.sub("", text).strip()
-    return {"role": "assistant", "content": rest or None,
-            "tool_calls": [{"id": f"{call_id}_{i}", "type": "function",
-                            "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
-                           for i, c in enumerate(calls)]}
+    return {
+        "role": "assistant",
+        "content": rest or None,
+        "tool_calls": [
+            {
+                "id": f"{call_id}_{i}",
+                "type": "function",
+                "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+            }
+            for i, c in enumerate(calls)
+        ],
+    }
 
 
 def _calls_of(message: dict) -> list[tuple] | None:
@@ -163,8 +173,9 @@ def same_reply(sent: dict, last: RecordedTurn) -> bool:
     return calls is not None and calls == _calls_of(reply)
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[dict], last: RecordedTurn | None, *,
-                    tools: list[dict] | None = None) -> list[int]:
+def chat_prompt_ids(
+    tokenizer: Any, messages: list[dict], last: RecordedTurn | None, *, tools: list[dict] | None = None
+) -> list[int]:
     """Prompt token ids of a chat request (module docstring): the trajectory of ``last`` extended by
     the template's rendering of the new messages when ``messages`` continue it (the assistant
     message sent back as text or as ``tool_calls``, :func:`same_reply`), else the whole
@@ -176,7 +187,7 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict], last: RecordedTurn | N
             eos = tokenizer.eos_token_id
             if eos is not None and (not ids or ids[-1] != eos):
                 ids.append(eos)  # a turn cut by max_tokens or a stop string: close it as the template would
-            return last.prompt_ids + ids + env_turn_ids(tokenizer, messages[k + 1:], tools=tools or None)
+            return last.prompt_ids + ids + env_turn_ids(tokenizer, messages[k + 1 :], tools=tools or None)
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, tools=tools or None)
     return tokenizer.encode(text, add_special_tokens=False)
 
@@ -200,10 +211,10 @@ def assemble_episode(turns: list[RecordedTurn]) -> tuple[list[int], Episode, boo
     for i, turn in enumerate(turns):
         if i:
             so_far = prompt + ep.token_ids
-            if turn.prompt_ids[:len(so_far)] != so_far:
+            if turn.prompt_ids[: len(so_far)] != so_far:
                 rebased = True
                 break
-            ep.add_env_turn(turn.prompt_ids[len(so_far):], ep.versions[-1] if ep.versions else turn.version)
+            ep.add_env_turn(turn.prompt_ids[len(so_far) :], ep.versions[-1] if ep.versions else turn.version)
         ep.add_model_turn(turn.sample, turn.version)
     ep.done = True
     ENDPOINT_EPISODES.labels("rebased" if rebased else "complete").inc()

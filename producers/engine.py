@@ -125,8 +125,12 @@ class RolloutEngine:
             seed=seed,
             max_num_seqs=max_num_seqs,
             disable_log_stats=True,
-            **device_engine_args(on_gpu=self._on_gpu, kv_cache_bytes=kv_cache_bytes, tensor_parallel_size=tensor_parallel_size,
-                                 gpu_memory_utilization=gpu_memory_utilization),
+            **device_engine_args(
+                on_gpu=self._on_gpu,
+                kv_cache_bytes=kv_cache_bytes,
+                tensor_parallel_size=tensor_parallel_size,
+                gpu_memory_utilization=gpu_memory_utilization,
+            ),
         )
         self._engine_kwargs.update(engine_kwargs or {})
         self._version = initial_version
@@ -156,8 +160,9 @@ class RolloutEngine:
         try:
             await self._llm.update_weight_version(str(self._version))
             if self._warmup:
-                await self.generate_group([0], n=1, temperature=1.0, top_p=1.0, max_tokens=2,
-                                          request_id="rlbus-warmup", detokenize=False)
+                await self.generate_group(
+                    [0], n=1, temperature=1.0, top_p=1.0, max_tokens=2, request_id="rlbus-warmup", detokenize=False
+                )
         except BaseException:
             await self.close()
             raise
@@ -180,7 +185,7 @@ class RolloutEngine:
 
     @property
     def update_mode(self) -> str:
-        """"keep" or "drain": how the next weight updates treat requests in flight (module docstring)."""
+        """ "keep" or "drain": how the next weight updates treat requests in flight (module docstring)."""
         return self._update_mode
 
     @update_mode.setter
@@ -213,7 +218,8 @@ class RolloutEngine:
         ignore_eos: bool = False,
         min_tokens: int = 0,
         repetition_penalty: float = 1.0,
-        seed: int | None = None, stop: list[str] | tuple[str, ...] = (),
+        seed: int | None = None,
+        stop: list[str] | tuple[str, ...] = (),
         detokenize: bool = True,
     ) -> list[Sample]:
         """Sample `n` completions of one prompt; returns them in sample-index order.
@@ -237,25 +243,30 @@ class RolloutEngine:
         from vllm.sampling_params import RequestOutputKind
 
         if n < 1 or max_tokens < 1 or not 0 <= min_tokens <= max_tokens:
-            raise ValueError(f"need n >= 1, max_tokens >= 1 and 0 <= min_tokens <= max_tokens, "
-                             f"got n={n}, max_tokens={max_tokens}, min_tokens={min_tokens}")
+            raise ValueError(
+                f"need n >= 1, max_tokens >= 1 and 0 <= min_tokens <= max_tokens, "
+                f"got n={n}, max_tokens={max_tokens}, min_tokens={min_tokens}"
+            )
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids is empty")
         llm = self._require()
         params = SamplingParams(
-            n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
             ignore_eos=ignore_eos,
             min_tokens=min_tokens,
             repetition_penalty=repetition_penalty,
-            seed=seed, stop=list(stop) or None,
+            seed=seed,
+            stop=list(stop) or None,
             logprobs=0,  # the sampled token's logprob only
             detokenize=detokenize or bool(stop),
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         version_issued = self._version
         final = None
-        async for output in llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)),
-                                         params, request_id):
+        async for output in llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, request_id):
             final = output
         if final is None or not final.finished:
             raise RuntimeError(f"request {request_id} ended without a final output")
@@ -264,18 +275,28 @@ class RolloutEngine:
         for completion in sorted(final.outputs, key=lambda c: c.index):
             token_ids = list(completion.token_ids)
             logprobs = [completion.logprobs[i][tok].logprob for i, tok in enumerate(token_ids)]
-            spans = tuple((int(span.version), span.start, span.end)
-                          for span in completion.weight_versions or ())
+            spans = tuple((int(span.version), span.start, span.end) for span in completion.weight_versions or ())
             per_token = token_versions(spans, len(token_ids), version_issued)
             # min/max, not first/last: after a rollback (a resumed trainer) later spans can be older
             versions = per_token.tolist() or [v for v, _, _ in spans] or [version_issued, version_done]
             start_v, end_v = min(versions), max(versions)
-            samples.append(Sample(token_ids, logprobs, completion.text, str(completion.finish_reason),
-                                  start_v, end_v, spans, tuple(per_token.tolist())))
+            samples.append(
+                Sample(
+                    token_ids,
+                    logprobs,
+                    completion.text,
+                    str(completion.finish_reason),
+                    start_v,
+                    end_v,
+                    spans,
+                    tuple(per_token.tolist()),
+                )
+            )
         return samples
 
-    async def score_completion(self, prompt_token_ids: list[int], completion_token_ids: list[int], *,
-                               request_id: str) -> list[float]:
+    async def score_completion(
+        self, prompt_token_ids: list[int], completion_token_ids: list[int], *, request_id: str
+    ) -> list[float]:
         """Logprob of each completion token under this engine's model, given the prompt.
 
         One request on `prompt_token_ids + completion_token_ids` with `max_tokens=1,
@@ -296,8 +317,9 @@ class RolloutEngine:
             return []
         llm = self._require()
         ids = [*prompt_token_ids, *completion_token_ids]
-        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False,
-                                output_kind=RequestOutputKind.FINAL_ONLY)
+        params = SamplingParams(
+            max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY
+        )
         final = None
         async for output in llm.generate(TokensPrompt(prompt_token_ids=ids), params, request_id):
             final = output
@@ -308,18 +330,22 @@ class RolloutEngine:
 
     # -- weights ---------------------------------------------------------------------------------
 
-    async def init_weight_group(self, host: str, port: int, rank: int, world_size: int,
-                                backend: str, timeout_s: float | None = None) -> None:
+    async def init_weight_group(
+        self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float | None = None
+    ) -> None:
         """Join the trainer's broadcast group as `rank` (>= 1); blocks until all ranks joined. Runs
         concurrently with the trainer's `BroadcastSender.init_group()` (either may start first)."""
-        await self._require().collective_rpc("init_weight_group", args=(host, port, rank, world_size, backend, timeout_s))
+        await self._require().collective_rpc(
+            "init_weight_group", args=(host, port, rank, world_size, backend, timeout_s)
+        )
 
     async def leave_weight_group(self) -> None:
         """Leave the broadcast group of `init_weight_group` (re-formed: `BroadcastReceiver.regroup`)."""
         await self._require().collective_rpc("destroy_weight_group")
 
-    async def update_weights(self, version: int, manifest: list[list],
-                             bucket_bytes: int | None = None, *, resend: bool = False) -> float:
+    async def update_weights(
+        self, version: int, manifest: list[list], bucket_bytes: int | None = None, *, resend: bool = False
+    ) -> float:
         """Receive a broadcast of `manifest` as policy `version`; returns seconds spent paused.
 
         Runs concurrently with the trainer's `BroadcastSender.start_send(state_dict, version)`;
@@ -343,8 +369,9 @@ class RolloutEngine:
         """
         return await self.apply_rpc(version, "load_weights_from_path", {"path": str(path)})
 
-    async def apply_rpc(self, version: int, rpc: str, kwargs: dict, *, resend: bool = False,
-                        reports: list | None = None) -> float:
+    async def apply_rpc(
+        self, version: int, rpc: str, kwargs: dict, *, resend: bool = False, reports: list | None = None
+    ) -> float:
         """Pause, run worker method `rpc(**kwargs)`, tag `version`, resume; returns seconds paused. `reports`
         (the bus method) gets each worker's `{"version": loaded, ...}`, and that version is tagged."""
         llm = self._require()
@@ -386,8 +413,9 @@ def vllm_on_gpu() -> bool:
     return current_platform.is_cuda_alike() and os.environ.get("CUDA_VISIBLE_DEVICES") != ""
 
 
-def device_engine_args(*, on_gpu: bool, kv_cache_bytes: int, tensor_parallel_size: int = 1,
-                       gpu_memory_utilization: float | None = None) -> dict[str, Any]:
+def device_engine_args(
+    *, on_gpu: bool, kv_cache_bytes: int, tensor_parallel_size: int = 1, gpu_memory_utilization: float | None = None
+) -> dict[str, Any]:
     """The `AsyncEngineArgs` fields that depend on where the engine runs.
 
     Args:

@@ -48,13 +48,19 @@ from producers.rollout_sample import Sample
 from producers.turn_metrics import BAD_STATS, EPISODE_TOOL_CALLS, count_tool_calls, preinit_tools, schema_names
 from tasks.env import ENV_ERRORS, EnvCalls
 
-EPISODE_TURNS = Histogram("rlbus_producer_episode_turns", "Model turns per multi-turn episode",
-                          buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32))
-ENV_SECONDS = Histogram("rlbus_producer_env_seconds",
-                        "Time of one round of environment calls (reset, step or reward of a group's episodes), seconds")
-ENV_ERRORS_TOTAL = Counter("rlbus_producer_env_errors_total",
-                           "Environment calls that failed (episode ended, reward 0), by error: timeout, crash, "
-                           "bad_result or the exception type", ["error"])
+EPISODE_TURNS = Histogram(
+    "rlbus_producer_episode_turns", "Model turns per multi-turn episode", buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32)
+)
+ENV_SECONDS = Histogram(
+    "rlbus_producer_env_seconds",
+    "Time of one round of environment calls (reset, step or reward of a group's episodes), seconds",
+)
+ENV_ERRORS_TOTAL = Counter(
+    "rlbus_producer_env_errors_total",
+    "Environment calls that failed (episode ended, reward 0), by error: timeout, crash, "
+    "bad_result or the exception type",
+    ["error"],
+)
 for _error in ENV_ERRORS:  # exception type names appear when raised
     ENV_ERRORS_TOTAL.labels(_error)
 
@@ -79,14 +85,18 @@ def env_turn_ids(tokenizer: Any, messages: list[dict[str, str]], tools: list[dic
     """
     base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MODEL_MARKER}]
     before = tokenizer.apply_chat_template(base, tools=tools, tokenize=False)
-    after = tokenizer.apply_chat_template(base + list(messages), tools=tools, tokenize=False, add_generation_prompt=True)
+    after = tokenizer.apply_chat_template(
+        base + list(messages), tools=tools, tokenize=False, add_generation_prompt=True
+    )
     cut = before.index(_MODEL_MARKER) + len(_MODEL_MARKER)
     eos = tokenizer.eos_token or ""
     if eos and before[cut:].startswith(eos):
         cut += len(eos)
     if after[:cut] != before[:cut]:
-        raise ValueError("the chat template renders earlier turns differently once environment turns follow; "
-                         "environment tokens cannot be appended token-exactly")
+        raise ValueError(
+            "the chat template renders earlier turns differently once environment turns follow; "
+            "environment tokens cannot be appended token-exactly"
+        )
     return tokenizer.encode(after[cut:], add_special_tokens=False)
 
 
@@ -135,8 +145,9 @@ class Episode:
 def episode_sample(ep: Episode, version: int) -> Sample:
     """The episode as one engine :class:`Sample` (``version``: for an episode without tokens)."""
     versions = ep.versions or [version]
-    return Sample(list(ep.token_ids), list(ep.logprobs), "", ep.finish, min(versions), max(versions), (),
-                  tuple(ep.versions))
+    return Sample(
+        list(ep.token_ids), list(ep.logprobs), "", ep.finish, min(versions), max(versions), (), tuple(ep.versions)
+    )
 
 
 class EpisodeRunner:
@@ -153,8 +164,9 @@ class EpisodeRunner:
             created at 0 now, :func:`producers.turn_metrics.preinit_tools`).
     """
 
-    def __init__(self, engine: Any, tokenizer: Any, envs: EnvCalls, *, max_model_len: int,
-                 tools: list[dict] | None = None) -> None:
+    def __init__(
+        self, engine: Any, tokenizer: Any, envs: EnvCalls, *, max_model_len: int, tools: list[dict] | None = None
+    ) -> None:
         self.engine, self.tokenizer, self.envs, self.max_model_len = engine, tokenizer, envs, max_model_len
         preinit_tools(schema_names(tools))
         self._lock = asyncio.Lock()
@@ -166,8 +178,17 @@ class EpisodeRunner:
         ENV_SECONDS.observe(time.perf_counter() - started)
         return out
 
-    async def run_group(self, env: str, max_turns: int, prompt_ids: list[int], info: dict, *, request_id: str,
-                        tools: list[dict] | None = None, **kwargs: Any) -> tuple[list[Sample], list[list[bool]], list[float]]:
+    async def run_group(
+        self,
+        env: str,
+        max_turns: int,
+        prompt_ids: list[int],
+        info: dict,
+        *,
+        request_id: str,
+        tools: list[dict] | None = None,
+        **kwargs: Any,
+    ) -> tuple[list[Sample], list[list[bool]], list[float]]:
         """Run ``kwargs["n"]`` episodes of ``env`` from ``prompt_ids``; ``kwargs`` are
         :func:`producers.sampling.request_kwargs` (``n``, ``seed``, ``max_tokens``, ...; each
         model turn of sample ``j`` is one request with ``n=1`` and seed ``seed + j``); ``tools``:
@@ -199,11 +220,20 @@ class EpisodeRunner:
             if not active:
                 break
             version = self.engine.version
-            outs = await asyncio.gather(*(
-                self.engine.generate_group(prompt_ids + ep.token_ids, n=1, max_tokens=room[j],
-                                           seed=None if seed is None else seed + j,
-                                           request_id=f"{request_id}-{j}-t{turn}", detokenize=False, **kwargs)
-                for j, ep in active))
+            outs = await asyncio.gather(
+                *(
+                    self.engine.generate_group(
+                        prompt_ids + ep.token_ids,
+                        n=1,
+                        max_tokens=room[j],
+                        seed=None if seed is None else seed + j,
+                        request_id=f"{request_id}-{j}-t{turn}",
+                        detokenize=False,
+                        **kwargs,
+                    )
+                    for j, ep in active
+                )
+            )
             texts = []
             for (j, ep), (sample,) in zip(active, outs):
                 ep.add_model_turn(sample, version)
@@ -239,4 +269,8 @@ class EpisodeRunner:
             if tools or ep.tool_calls:
                 EPISODE_TOOL_CALLS.observe(ep.tool_calls)
         version = self.engine.version
-        return [episode_sample(ep, version) for ep in episodes], [ep.model_mask for ep in episodes], [ep.reward for ep in episodes]
+        return (
+            [episode_sample(ep, version) for ep in episodes],
+            [ep.model_mask for ep in episodes],
+            [ep.reward for ep in episodes],
+        )

@@ -76,7 +76,16 @@ from broadcaster.bus_method import BusLink
 from broadcaster.factory import build_receiver
 from bus import auth
 from bus.component import Component, component_main
-from bus.messages import GroupsDropped, Prompt, RolloutGroup, RunDone, WeightsApplied, WeightsReady, WeightsWanted, new_id
+from bus.messages import (
+    GroupsDropped,
+    Prompt,
+    RolloutGroup,
+    RunDone,
+    WeightsApplied,
+    WeightsReady,
+    WeightsWanted,
+    new_id,
+)
 from bus.messages_weights import WeightGroup, WeightGroupAck
 from bus.metrics import POLICY_VERSION, StageMeter
 from bus.sample_arrays import pack_spans, run_lengths
@@ -94,7 +103,9 @@ from tasks.registry import env_tasks, task_agent
 log = logging.getLogger(__name__)
 
 GROUPS_OUT = Counter("rlbus_producer_groups_total", "Groups generated")
-GROUPS_FAILED = Counter("rlbus_producer_groups_failed_total", "Groups whose generation raised (replaced; the error is in the log)")
+GROUPS_FAILED = Counter(
+    "rlbus_producer_groups_failed_total", "Groups whose generation raised (replaced; the error is in the log)"
+)
 TOKENS_OUT = Counter("rlbus_producer_completion_tokens_total", "Completion tokens generated")
 GEN_SECONDS = Histogram("rlbus_producer_group_seconds", "Time to generate one group, seconds")
 UPDATE_SECONDS = Histogram("rlbus_producer_weight_update_seconds", "Pause + load + resume per weight update, seconds")
@@ -102,7 +113,9 @@ UPDATE_LAST_SECONDS = Gauge(
     "rlbus_producer_weight_update_last_seconds",
     "Pause + load + resume of the last weight update, seconds (its version: rlbus_policy_version)",
 )
-UPDATE_WAIT_SECONDS = Histogram("rlbus_producer_update_eval_wait_seconds", "Time a weight update waited for in-flight eval groups, seconds")
+UPDATE_WAIT_SECONDS = Histogram(
+    "rlbus_producer_update_eval_wait_seconds", "Time a weight update waited for in-flight eval groups, seconds"
+)
 TEACHER_SECONDS = Histogram("rlbus_producer_teacher_seconds", "Time to score one group under the teacher, seconds")
 
 
@@ -168,7 +181,8 @@ class ProducerProc(Component):
             max_model_len=cfg.model.max_model_len,
             kv_cache_bytes=int(cfg.producers.kv_cache_gib * 2**30),
             seed=cfg.producers.seed + self.index,
-            tensor_parallel_size=cfg.producers.tensor_parallel_size, gpu_memory_utilization=cfg.producers.gpu_memory_utilization,
+            tensor_parallel_size=cfg.producers.tensor_parallel_size,
+            gpu_memory_utilization=cfg.producers.gpu_memory_utilization,
             dtype=cfg.producers.dtype,
             update_mode=cfg.producers.weight_update,
             # post-temperature logprobs: the trainer scores with the same temperature
@@ -190,9 +204,16 @@ class ProducerProc(Component):
         """Multi-turn tasks by name; their episodes run in :attr:`episodes` (isolated environments)."""
         self.episodes: EpisodeRunner | None = None
         if self.env_tasks:
-            envs = EnvCalls([t.env for t in self.env_tasks.values()], timeout_s=cfg.task.env_timeout_s, num_procs=cfg.task.env_procs)
-            self.episodes = EpisodeRunner(self.engine, self.tokenizer, envs, max_model_len=cfg.model.max_model_len,
-                                          tools=[s for t in self.env_tasks.values() for s in t.tools or ()])
+            envs = EnvCalls(
+                [t.env for t in self.env_tasks.values()], timeout_s=cfg.task.env_timeout_s, num_procs=cfg.task.env_procs
+            )
+            self.episodes = EpisodeRunner(
+                self.engine,
+                self.tokenizer,
+                envs,
+                max_model_len=cfg.model.max_model_len,
+                tools=[s for t in self.env_tasks.values() for s in t.tools or ()],
+            )
         self.endpoint: OpenAIEndpoint | None = None
         """The OpenAI-compatible endpoint on :attr:`engine` (``producers.endpoint_port``, or an agent task)."""
         self.agents: AgentRunner | None = None
@@ -200,23 +221,37 @@ class ProducerProc(Component):
         self.agent = task_agent(cfg)
         """The training task's agent function (``task.agent``, or a verifiers task's); None: none."""
         if port is not None or self.agent:
-            self.endpoint = OpenAIEndpoint(self.engine, self.tokenizer, max_model_len=cfg.model.max_model_len,
-                                           host=cfg.producers.endpoint_host, port=port + self.index if port else 0)
+            self.endpoint = OpenAIEndpoint(
+                self.engine,
+                self.tokenizer,
+                max_model_len=cfg.model.max_model_len,
+                host=cfg.producers.endpoint_host,
+                port=port + self.index if port else 0,
+            )
             self.loop.run_until_complete(self.endpoint.start())
         if self.agent:
-            self.agents = AgentRunner(self.endpoint, [self.agent], timeout_s=cfg.task.agent_timeout_s, num_procs=cfg.task.env_procs)
+            self.agents = AgentRunner(
+                self.endpoint, [self.agent], timeout_s=cfg.task.agent_timeout_s, num_procs=cfg.task.env_procs
+            )
         self.gate = EvalUpdateGate()
         self.meter = StageMeter("producer")
-        self.prompts = self.reliable_receiver("prompts", self.endpoints.address("prompts"), bind=False, accept=(Prompt,))
+        self.prompts = self.reliable_receiver(
+            "prompts", self.endpoints.address("prompts"), bind=False, accept=(Prompt,)
+        )
         self.rollouts = self.reliable_sender("rollouts", self.endpoints.address("rollouts", self.index), bind=True)
         self.control_in = self.control_subscriber()
         self.control_out = self.control_publisher()
         self.outcomes
         self.late_joiner = self.launch.joins_late
-        self.receiver = build_receiver(cfg.broadcast, self.engine, rank=1 + self.index,
-                                       world_size=1 + cfg.producers.replicas, in_group=not self.late_joiner,
-                                       name=self.name, bus=BusLink.connecting(self.endpoints.address("weights"),
-                                                                              auth.keys_from_config(cfg.bus)))
+        self.receiver = build_receiver(
+            cfg.broadcast,
+            self.engine,
+            rank=1 + self.index,
+            world_size=1 + cfg.producers.replicas,
+            in_group=not self.late_joiner,
+            name=self.name,
+            bus=BusLink.connecting(self.endpoints.address("weights"), auth.keys_from_config(cfg.bus)),
+        )
         """How announced weights reach the engine (:mod:`broadcaster.factory`)."""
         self.loop.run_until_complete(self.receiver.join())
 
@@ -288,7 +323,9 @@ class ProducerProc(Component):
             raise
         except Exception as exc:
             GROUPS_FAILED.inc()
-            log.error("group %s failed: %s: %s; announcing it so a replacement is issued", prompt.id, type(exc).__name__, exc)
+            log.error(
+                "group %s failed: %s: %s; announcing it so a replacement is issued", prompt.id, type(exc).__name__, exc
+            )
             msg = GroupsDropped(id=new_id(), group_ids=[prompt.id], reason=f"failed: {type(exc).__name__}")
             self.control_out.send(msg)
             # custody of the prompt ends once the ledger has recorded its outcome
@@ -297,7 +334,9 @@ class ProducerProc(Component):
     async def _generate_group(self, prompt: Prompt) -> None:
         env_task, masks, env_rewards = self.env_tasks.get(prompt.task), None, None
         tools = list(env_task.tools) if env_task is not None and env_task.tools else None  # a tool-use task's schemas
-        text = self.tokenizer.apply_chat_template(prompt.messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(
+            prompt.messages, tools=tools, tokenize=False, add_generation_prompt=True
+        )
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
         request_id = f"{self.name}-{prompt.id}"
         started = time.perf_counter()
@@ -307,26 +346,46 @@ class ProducerProc(Component):
                 if self.agents is not None and prompt.task == self.cfg.task.name:
                     example = {"messages": list(prompt.messages), "info": prompt.info, "task": prompt.task}
                     prompt_ids, samples, masks, env_rewards = await self.agents.run_group(
-                        self.agent, example, prompt_ids, request_id=request_id, **request_kwargs(self.cfg, prompt))
+                        self.agent, example, prompt_ids, request_id=request_id, **request_kwargs(self.cfg, prompt)
+                    )
                     text = self.tokenizer.decode(prompt_ids)  # the agent rendered its own prompt
                 elif env_task is not None and self.episodes is not None:
                     samples, masks, env_rewards = await self.episodes.run_group(
-                        env_task.env, env_task.max_turns, prompt_ids, prompt.info, request_id=request_id, tools=tools,
-                        **request_kwargs(self.cfg, prompt))
+                        env_task.env,
+                        env_task.max_turns,
+                        prompt_ids,
+                        prompt.info,
+                        request_id=request_id,
+                        tools=tools,
+                        **request_kwargs(self.cfg, prompt),
+                    )
                 else:
-                    samples = await self.engine.generate_group(prompt_ids, request_id=request_id, detokenize=False,
-                                                               **request_kwargs(self.cfg, prompt))  # decoded below
+                    samples = await self.engine.generate_group(
+                        prompt_ids, request_id=request_id, detokenize=False, **request_kwargs(self.cfg, prompt)
+                    )  # decoded below
             elapsed = time.perf_counter() - started
             teacher_logprobs = None
             if self.teacher is not None and not prompt.is_eval:
                 teacher_started = time.perf_counter()
-                teacher_logprobs = await self.teacher.score_group(prompt_ids, [s.token_ids for s in samples], request_id=request_id)
+                teacher_logprobs = await self.teacher.score_group(
+                    prompt_ids, [s.token_ids for s in samples], request_id=request_id
+                )
                 TEACHER_SECONDS.observe(time.perf_counter() - teacher_started)
             # decode with the HF tokenizer (vLLM's own text drops invalid UTF-8 bytes)
             # (an episode keeps its turn markers: the text is the readable transcript)
             texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=masks is None) for s in samples]
-            group = group_from_samples(prompt, prompt_ids, samples, texts, producer=self.name, gen_time_s=elapsed,
-                                       teacher_logprobs=teacher_logprobs, prompt_text=text, model_masks=masks, env_rewards=env_rewards)
+            group = group_from_samples(
+                prompt,
+                prompt_ids,
+                samples,
+                texts,
+                producer=self.name,
+                gen_time_s=elapsed,
+                teacher_logprobs=teacher_logprobs,
+                prompt_text=text,
+                model_masks=masks,
+                env_rewards=env_rewards,
+            )
         GEN_SECONDS.observe(elapsed)
         GROUPS_OUT.inc()
         tokens = int(group.completion_lens.sum())
@@ -343,11 +402,14 @@ class ProducerProc(Component):
             if isinstance(msg, WeightGroup):
                 ack = WeightGroupAck(id=new_id(), producer=self.name, generation=msg.generation)
                 await self.receiver.regroup(msg, lambda ack=ack: self.control_out.send(ack))
-            elif isinstance(msg, WeightsReady) and (msg.version != self.engine.version
-                                                    or self.receiver.must_apply(msg, self.engine.version)):
+            elif isinstance(msg, WeightsReady) and (
+                msg.version != self.engine.version or self.receiver.must_apply(msg, self.engine.version)
+            ):
                 reason = self.receiver.skip_reason(msg, self.engine.version)
                 if reason is not None:
-                    log.info("skipping %s of version %d (%s); waiting for a filesystem one", msg.method, msg.version, reason)
+                    log.info(
+                        "skipping %s of version %d (%s); waiting for a filesystem one", msg.method, msg.version, reason
+                    )
                     self._ask_for_group(msg.version)
                     continue
                 await self._apply(msg)

@@ -39,8 +39,9 @@ class Teacher:
             bfloat16 rounding as the sampler's.
     """
 
-    def __init__(self, model_path: str | Path, *, max_model_len: int, kv_cache_bytes: int, seed: int = 0,
-                 dtype: str = "float32") -> None:
+    def __init__(
+        self, model_path: str | Path, *, max_model_len: int, kv_cache_bytes: int, seed: int = 0, dtype: str = "float32"
+    ) -> None:
         if not str(model_path):
             raise ValueError("teacher model_path is empty")
         self.engine = RolloutEngine(
@@ -73,9 +74,11 @@ class Teacher:
             ``[N] float32`` with ``N = sum(len(c) for c in completions)``: entry ``t`` of sample
             ``j``'s block is ``log p_teacher(c_j[t] | prompt, c_j[:t])``, nats.
         """
-        scored = await asyncio.gather(*(
-            self.engine.score_completion(prompt_ids, c, request_id=f"{request_id}-teacher-{j}")
-            for j, c in enumerate(completions)
-        ))
+        scored = await asyncio.gather(
+            *(
+                self.engine.score_completion(prompt_ids, c, request_id=f"{request_id}-teacher-{j}")
+                for j, c in enumerate(completions)
+            )
+        )
         flat = [lp for per_sample in scored for lp in per_sample]
         return np.asarray(flat, dtype=np.float32)

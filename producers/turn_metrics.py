@@ -35,16 +35,26 @@ from tasks.tools import ToolCallError, parse_tool_calls
 OTHER_TOOL = "other"
 """The ``tool`` label of calls not made to one of the task's declared tools."""
 
-TOOL_CALLS = Counter("rlbus_producer_tool_calls_total",
-                     "Tool calls made by model turns of multi-turn episodes, by tool (other: unreadable or undeclared)",
-                     ["tool"])
-TOOL_CALL_ERRORS = Counter("rlbus_producer_tool_errors_total",
-                           "Tool calls answered with an error, by tool and error kind (parse_error, unknown_tool, "
-                           "bad_arguments, tool_raised, too_many_calls, timeout)", ["tool", "error"])
-EPISODE_TOOL_CALLS = Histogram("rlbus_producer_episode_tool_calls", "Tool calls per episode of a tool-use task",
-                               buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32))
-BAD_STATS = Counter("rlbus_producer_env_bad_stats_total",
-                    "Environment step results whose statistics element was malformed (ignored; the step stands)")
+TOOL_CALLS = Counter(
+    "rlbus_producer_tool_calls_total",
+    "Tool calls made by model turns of multi-turn episodes, by tool (other: unreadable or undeclared)",
+    ["tool"],
+)
+TOOL_CALL_ERRORS = Counter(
+    "rlbus_producer_tool_errors_total",
+    "Tool calls answered with an error, by tool and error kind (parse_error, unknown_tool, "
+    "bad_arguments, tool_raised, too_many_calls, timeout)",
+    ["tool", "error"],
+)
+EPISODE_TOOL_CALLS = Histogram(
+    "rlbus_producer_episode_tool_calls",
+    "Tool calls per episode of a tool-use task",
+    buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32),
+)
+BAD_STATS = Counter(
+    "rlbus_producer_env_bad_stats_total",
+    "Environment step results whose statistics element was malformed (ignored; the step stands)",
+)
 
 
 def preinit_tools(names: Iterable[str]) -> None:

@@ -44,6 +44,7 @@ from typing import Any, TextIO
 
 log = logging.getLogger(__name__)
 
+
 class PromptOutcome(StrEnum):
     """The outcome a prompt ends in (the table above); the value is the text of the journal, of
     ``accounting.json`` and of the ``outcome`` label of ``rlbus_accounting_outcomes_total``."""
@@ -95,7 +96,9 @@ class Ledger:
         ValueError: the journal has a malformed line before its last one (names file and line).
     """
 
-    def __init__(self, run_dir: str | Path | None = None, *, max_listed: int = 1000, write_interval_s: float = 2.0) -> None:
+    def __init__(
+        self, run_dir: str | Path | None = None, *, max_listed: int = 1000, write_interval_s: float = 2.0
+    ) -> None:
         if max_listed < 0 or write_interval_s < 0:
             raise ValueError("max_listed and write_interval_s must be >= 0")
         self.max_listed = max_listed
@@ -303,7 +306,9 @@ class Ledger:
                 prompt_id = _field(event, "id", str, where)
                 index, step = _field(event, "index", int, where), _field(event, "step", int, where)
                 if prompt_id in self.issued or index != self.num_issued:
-                    raise ValueError(f"{where}: issue of {prompt_id!r} at index {index} out of order (expected {self.num_issued})")
+                    raise ValueError(
+                        f"{where}: issue of {prompt_id!r} at index {index} out of order (expected {self.num_issued})"
+                    )
                 self._apply_issue(prompt_id, index, step)
             elif kind == "outcome":
                 outcome = _field(event, "outcome", str, where)
@@ -314,7 +319,10 @@ class Ledger:
                 self.notes.append(event)
         log.info(
             "rebuilt the ledger from %s: %d issued, %d resolved, %d unresolved",
-            path, self.num_issued, self.num_issued - len(self.open), len(self.open),
+            path,
+            self.num_issued,
+            self.num_issued - len(self.open),
+            len(self.open),
         )
 
 

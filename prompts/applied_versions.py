@@ -86,7 +86,11 @@ def applied_since_start(notes: list[dict[str, Any]]) -> list[tuple[str, int]]:
     for note in notes:
         if note.get("event") == "start" and note.get("restarts") == 0:
             last.clear()
-        elif note.get("event") == "applied" and isinstance(note.get("producer"), str) and isinstance(note.get("version"), int):
+        elif (
+            note.get("event") == "applied"
+            and isinstance(note.get("producer"), str)
+            and isinstance(note.get("version"), int)
+        ):
             last.pop(note["producer"], None)  # re-insert: dict order = order of each producer's last note
             last[note["producer"]] = note["version"]
     return list(last.items())

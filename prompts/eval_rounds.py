@@ -52,6 +52,7 @@ from tasks.task import render_messages
 if TYPE_CHECKING:
     from configs.schema import EvalConfig, RunConfig
 
+
 def eval_round_versions(eval_cfg: "EvalConfig", max_steps: int) -> list[int]:
     """The policy versions evaluated in a run (module docstring), ascending; [] when disabled.
 
@@ -95,7 +96,9 @@ class EvalRounds:
         ValueError: rounds without eval prompts, or temperature <= 0.
     """
 
-    def __init__(self, rounds: list[int], sets: list[EvalSet], *, temperature: float, done: set[int] = frozenset()) -> None:
+    def __init__(
+        self, rounds: list[int], sets: list[EvalSet], *, temperature: float, done: set[int] = frozenset()
+    ) -> None:
         if rounds and not any(s.examples for s in sets):
             raise ValueError("eval rounds are configured but the eval tasks have no held-out examples")
         if not temperature > 0:
@@ -166,17 +169,19 @@ class EvalRounds:
         size, prompts = self.round_size, []
         for s in self.sets:
             for i, ex in enumerate(s.examples):
-                prompts.append(Prompt(
-                    id=eval_prompt_id(round_, s.task, i),
-                    index=len(prompts),
-                    step=round_,
-                    task=s.task,
-                    messages=render_messages(ex, s.system_prompt),
-                    info=dict(ex["info"]),
-                    temperature=self.temperature,
-                    eval_round=round_,
-                    eval_size=size,
-                ))
+                prompts.append(
+                    Prompt(
+                        id=eval_prompt_id(round_, s.task, i),
+                        index=len(prompts),
+                        step=round_,
+                        task=s.task,
+                        messages=render_messages(ex, s.system_prompt),
+                        info=dict(ex["info"]),
+                        temperature=self.temperature,
+                        eval_round=round_,
+                        eval_size=size,
+                    )
+                )
         return prompts
 
 

@@ -98,12 +98,18 @@ class PromptSourceProc(Component):
         if self.ledger.replayed:
             log.info(
                 "rebuilt from the journal (restarts=%d, resume=%s): %d issued, %d to re-issue, next step %d",
-                restarts, resume, self.ledger.num_issued, len(self.source.reissue), self.source.next_step,
+                restarts,
+                resume,
+                self.ledger.num_issued,
+                len(self.source.reissue),
+                self.source.next_step,
             )
             if restarts >= 1:
                 self.source.restore_applied(applied_since_start(self.ledger.notes))
         elif resume or restarts:
-            log.warning("%s/%s set but no ledger journal in %s: starting from scratch", ENV_RESTARTS, ENV_RESUME, self.run_dir)
+            log.warning(
+                "%s/%s set but no ledger journal in %s: starting from scratch", ENV_RESTARTS, ENV_RESUME, self.run_dir
+            )
         self.ledger.note("start", restarts=restarts, resume=resume, checkpoint_step=resume_step)
         self._synced = {"issued": 0, "reissued": 0, **dict.fromkeys(OUTCOMES, 0)}
         self._sync_metrics()
@@ -127,7 +133,9 @@ class PromptSourceProc(Component):
         self._failures_due = now + EVAL_FAILURES_EVERY_S
         ids = self.source.open_eval_failures()
         if ids:
-            self.control_out.send(GroupsDropped(id=new_id(), group_ids=ids, reason="failed: announced again by the prompt source"))
+            self.control_out.send(
+                GroupsDropped(id=new_id(), group_ids=ids, reason="failed: announced again by the prompt source")
+            )
 
     def _sync_metrics(self) -> None:
         """Bring the accounting metrics up to the ledger (counters by their increase since the last sync)."""
@@ -186,11 +194,16 @@ class PromptSourceProc(Component):
                     self.pending = None
                 self._handle_outcomes()
                 self._reannounce_eval_failures()
-                running = self._handle_control(timeout_s=0.2 if self.pending is None and not self.source.may_issue() else 0)
+                running = self._handle_control(
+                    timeout_s=0.2 if self.pending is None and not self.source.may_issue() else 0
+                )
                 self._sync_metrics()
                 self.ledger.maybe_write_accounting()
                 if not running:
-                    log.info("run done: accounting %s", {k: v for k, v in self.ledger.accounting().items() if k in ("issued", "outcomes")})
+                    log.info(
+                        "run done: accounting %s",
+                        {k: v for k, v in self.ledger.accounting().items() if k in ("issued", "outcomes")},
+                    )
                     return
         finally:
             self.ledger.write_accounting()

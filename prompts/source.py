@@ -121,7 +121,9 @@ class PromptSource:
         if not examples:
             raise ValueError("the task has no training examples")
         if prompts_per_step < 1 or max_steps < 1 or max_async_level < 0 or num_producers < 1 or prefetch_steps < 0:
-            raise ValueError("prompts_per_step, max_steps and num_producers must be >= 1, max_async_level and prefetch_steps >= 0")
+            raise ValueError(
+                "prompts_per_step, max_steps and num_producers must be >= 1, max_async_level and prefetch_steps >= 0"
+            )
         self.examples = examples
         self.task = task
         self.prompts_per_step = prompts_per_step
@@ -142,8 +144,10 @@ class PromptSource:
         if eval_rounds is not None:
             self.eval_reissue = set(eval_rounds.restore(self.ledger.notes, resume_step))
             if self.eval_reissue:
-                log.info("eval rounds %s were issued before the restart and have no result: issued again when due",
-                         sorted(self.eval_reissue))
+                log.info(
+                    "eval rounds %s were issued before the restart and have no result: issued again when due",
+                    sorted(self.eval_reissue),
+                )
         self.eval_queue: deque[Prompt] = deque()
 
     @property
@@ -183,7 +187,9 @@ class PromptSource:
             self.eval_queue.extend(prompts)
             EVAL_ROUNDS_ISSUED.inc()
             again = " again (issued before a restart, no result)" if r in self.eval_reissue else ""
-            log.info("eval round %d: %d prompts queued%s (policy version %d)", r, len(prompts), again, self.policy_version)
+            log.info(
+                "eval round %d: %d prompts queued%s (policy version %d)", r, len(prompts), again, self.policy_version
+            )
 
     def on_eval_result(self, round_: int, task: str) -> None:
         """The packer published ``(round_, task)``'s result; journal the round done once every eval

@@ -92,7 +92,9 @@ def repetition_flags(
         ValueError: ``window < 1`` or ``prob_threshold`` not in (0, 1).
     """
     if window < 1 or not 0 < prob_threshold < 1:
-        raise ValueError(f"repetition filter needs window >= 1 and 0 < prob_threshold < 1, got {window}, {prob_threshold}")
+        raise ValueError(
+            f"repetition filter needs window >= 1 and 0 < prob_threshold < 1, got {window}, {prob_threshold}"
+        )
     flagged = np.zeros(len(completion_lens), bool)
     n = len(logprobs)
     if n < window:
@@ -114,8 +116,11 @@ def apply_filters(
     enforced: list[str] = []
     if cfg.gibberish.enabled:
         found["gibberish"] = gibberish_flags(
-            completion_ids, logprobs, completion_lens,
-            token_id_threshold=cfg.gibberish.token_id_threshold, logprob_threshold=cfg.gibberish.logprob_threshold,
+            completion_ids,
+            logprobs,
+            completion_lens,
+            token_id_threshold=cfg.gibberish.token_id_threshold,
+            logprob_threshold=cfg.gibberish.logprob_threshold,
         )
         if cfg.gibberish.enforce:
             enforced.append("gibberish")

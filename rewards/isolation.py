@@ -48,6 +48,7 @@ from tasks.trl_rewards import split_trl_ref
 
 log = logging.getLogger(__name__)
 
+
 @dataclasses.dataclass(frozen=True)
 class GroupScore:
     """Scores of one reward function on one group: ``rewards[i]`` (0.0 where ``errors[i]`` is set) and
@@ -113,8 +114,14 @@ class InProcessScorer:
         self._fns = [get_float_reward_fn(ref) for ref in self.reward_fns]
         self._trl = _trl_flags(self.reward_fns)
 
-    def score(self, completions: Sequence[str], info: dict[str, Any], fns: Sequence[int] | None = None,
-              *, batch: dict[str, Any] | None = None) -> list[GroupScore]:
+    def score(
+        self,
+        completions: Sequence[str],
+        info: dict[str, Any],
+        fns: Sequence[int] | None = None,
+        *,
+        batch: dict[str, Any] | None = None,
+    ) -> list[GroupScore]:
         """One :class:`GroupScore` per index in ``fns`` (default: every function), in that order;
         ``batch`` is needed by TRL-style functions (:func:`tasks.trl_rewards.trl_batch`).
 
@@ -129,8 +136,12 @@ class InProcessScorer:
                 try:
                     result = CallResult(self._fns[k](list(completions), info, batch), None)
                 except Exception as exc:
-                    log.warning("TRL-style reward function %s raised: %s: %.300s; its rewards set to 0",
-                                self.reward_fns[k], type(exc).__name__, exc)
+                    log.warning(
+                        "TRL-style reward function %s raised: %s: %.300s; its rewards set to 0",
+                        self.reward_fns[k],
+                        type(exc).__name__,
+                        exc,
+                    )
                     result = CallResult(None, type(exc).__name__)
                 out.append(_group_score(result, len(completions)))
                 continue
@@ -140,8 +151,13 @@ class InProcessScorer:
                 try:
                     reward, error = _finite(self._fns[k](text, info))
                 except Exception as exc:
-                    log.warning("reward function %s raised on sample %d: %s: %.300s; reward set to 0",
-                                self.reward_fns[k], i, type(exc).__name__, exc)
+                    log.warning(
+                        "reward function %s raised on sample %d: %s: %.300s; reward set to 0",
+                        self.reward_fns[k],
+                        i,
+                        type(exc).__name__,
+                        exc,
+                    )
                     reward, error = 0.0, type(exc).__name__
                 rewards.append(reward)
                 errors.append(error)
@@ -173,8 +189,13 @@ class IsolatedScorer:
     def __init__(self, reward_fns: Sequence[str], *, timeout_s: float = 5.0, num_procs: int = 2) -> None:
         self.reward_fns = _check_refs(reward_fns)
         self._trl = _trl_flags(self.reward_fns)
-        self._calls = IsolatedCalls(self.reward_fns, resolver="tasks.rewards:get_float_reward_fn",
-                                    timeout_s=timeout_s, num_procs=num_procs, what="reward function")
+        self._calls = IsolatedCalls(
+            self.reward_fns,
+            resolver="tasks.rewards:get_float_reward_fn",
+            timeout_s=timeout_s,
+            num_procs=num_procs,
+            what="reward function",
+        )
         self.timeout_s = self._calls.timeout_s
 
     def __enter__(self) -> IsolatedScorer:
@@ -187,8 +208,14 @@ class IsolatedScorer:
         """Process ids of the live children (for tests and logs)."""
         return self._calls.pids()
 
-    def score(self, completions: Sequence[str], info: dict[str, Any], fns: Sequence[int] | None = None,
-              *, batch: dict[str, Any] | None = None) -> list[GroupScore]:
+    def score(
+        self,
+        completions: Sequence[str],
+        info: dict[str, Any],
+        fns: Sequence[int] | None = None,
+        *,
+        batch: dict[str, Any] | None = None,
+    ) -> list[GroupScore]:
         """Scores of one group: one :class:`GroupScore` per index in ``fns`` (default: every
         function), in that order. Never raises for a failing reward function (see the module
         docstring). ``batch`` is needed by TRL-style functions (:func:`tasks.trl_rewards.trl_batch`).
@@ -202,7 +229,11 @@ class IsolatedScorer:
         trl = [self._trl[k] for k in indices]
         calls = []  # every function's calls, in order: one per sample, or one per group (TRL-style)
         for k, whole_group in zip(indices, trl):
-            calls += [(k, [list(completions), info, batch])] if whole_group else [(k, [completions[i], info]) for i in range(n)]
+            calls += (
+                [(k, [list(completions), info, batch])]
+                if whole_group
+                else [(k, [completions[i], info]) for i in range(n)]
+            )
         results = self._calls.run(calls)
         out = []
         for whole_group in trl:

@@ -28,7 +28,8 @@ GROUPS_SCORED = Counter("rlbus_rewards_groups_total", "Groups scored")
 REWARD = Histogram("rlbus_rewards_reward", "Reward per sample", buckets=[i / 10 for i in range(11)])
 SCORE_SECONDS = Histogram("rlbus_rewards_score_seconds", "Time to score one group, seconds")
 ADVANTAGE = Histogram(
-    "rlbus_rewards_advantage", "Group-relative advantage per sample",
+    "rlbus_rewards_advantage",
+    "Group-relative advantage per sample",
     buckets=(-4, -3, -2, -1.5, -1, -0.5, -0.25, -0.1, 0, 0.1, 0.25, 0.5, 1, 1.5, 2, 3, 4),
 )
 

@@ -64,7 +64,9 @@ def soft_overlong_punishment(completion_lens: np.ndarray, max_tokens: int, buffe
     if lens.size and lens.min() < 0:
         raise ValueError(f"completion_lens must be >= 0, got {int(lens.min())}")
     if not 1 <= buffer_tokens <= max_tokens:
-        raise ValueError(f"overlong shaping needs 1 <= buffer_tokens <= max_tokens, got buffer_tokens={buffer_tokens}, max_tokens={max_tokens}")
+        raise ValueError(
+            f"overlong shaping needs 1 <= buffer_tokens <= max_tokens, got buffer_tokens={buffer_tokens}, max_tokens={max_tokens}"
+        )
     expected = max_tokens - buffer_tokens
     lens = lens.astype(np.int64)
     score = np.minimum(0.0, (expected - lens) / buffer_tokens)

@@ -60,7 +60,9 @@ REWARD_ERRORS = Counter(
 )
 for _error in ("timeout", "crash", "non_finite", "unknown_task"):  # exception type names appear when raised
     REWARD_ERRORS.labels(_error)
-FILTERED = Counter("rlbus_rewards_filtered_total", "Samples flagged by a filter (masked if it is enforced), by filter", ["filter"])
+FILTERED = Counter(
+    "rlbus_rewards_filtered_total", "Samples flagged by a filter (masked if it is enforced), by filter", ["filter"]
+)
 for _filter in FILTER_NAMES:  # every filter's series exists from the start (at 0 while it is off)
     FILTERED.labels(_filter)
 OVERLONG = Counter(
@@ -131,7 +133,9 @@ class RewardWorker:
         self.advantage = resolve_advantage_fn(advantage)  # before the scorer: fail fast, no children left
         self.filters = filters or FiltersConfig()
         if overlong is not None and overlong.max_tokens is None:
-            raise ValueError("overlong shaping needs max_tokens: pass the section with max_tokens set (sampling.max_tokens by default)")
+            raise ValueError(
+                "overlong shaping needs max_tokens: pass the section with max_tokens set (sampling.max_tokens by default)"
+            )
         self.overlong = overlong
         self.max_steps = max_steps
         refs: list[str] = []
@@ -143,13 +147,19 @@ class RewardWorker:
                     refs.append(ref)
                 term = _Term(refs.index(ref), reward_name(ref), float(weight), split_trl_ref(ref)[0] is not None)
                 if term.name in {t.name for t in self.tasks[task]}:
-                    raise ValueError(f"task {task!r}: two reward functions are named {term.name!r}; reward_terms needs distinct names")
+                    raise ValueError(
+                        f"task {task!r}: two reward functions are named {term.name!r}; reward_terms needs distinct names"
+                    )
                 if overlong is not None and term.name == OVERLONG_TERM:
-                    raise ValueError(f"task {task!r}: a reward function is named {OVERLONG_TERM!r}, the term of rewards.overlong; rename it")
+                    raise ValueError(
+                        f"task {task!r}: a reward function is named {OVERLONG_TERM!r}, the term of rewards.overlong; rename it"
+                    )
                 self.tasks[task].append(term)
         self.scorer: InProcessScorer | IsolatedScorer | None = None
         if refs and not self.filters.skip_verification:
-            self.scorer = IsolatedScorer(refs, timeout_s=timeout_s, num_procs=num_procs) if isolate else InProcessScorer(refs)
+            self.scorer = (
+                IsolatedScorer(refs, timeout_s=timeout_s, num_procs=num_procs) if isolate else InProcessScorer(refs)
+            )
         self.eps = eps
         self.name = name
 
@@ -171,13 +181,19 @@ class RewardWorker:
         if self.filters.skip_verification:
             pass
         elif terms is None:
-            log.warning("group %s has task %r, which this worker has no rewards for (known: %s); rewards set to 0",
-                        group.id, group.task, ", ".join(self.tasks))
+            log.warning(
+                "group %s has task %r, which this worker has no rewards for (known: %s); rewards set to 0",
+                group.id,
+                group.task,
+                ", ".join(self.tasks),
+            )
             REWARD_ERRORS.labels("unknown_task").inc(g)
         elif terms:
             assert self.scorer is not None
             batch = self._trl_batch(group) if any(t.trl for t in terms) else None
-            for term, result in zip(terms, self.scorer.score(group.completion_texts, group.info, [t.fn for t in terms], batch=batch)):
+            for term, result in zip(
+                terms, self.scorer.score(group.completion_texts, group.info, [t.fn for t in terms], batch=batch)
+            ):
                 for error in result.errors:
                     if error is not None:
                         REWARD_ERRORS.labels(error).inc()
@@ -189,9 +205,15 @@ class RewardWorker:
             reward_terms["env"] = [float(r) for r in group.env_rewards]
             total += np.asarray(group.env_rewards, np.float64)
         ids, lps, lens = group.completion_ids, group.sampler_logprobs, group.completion_lens
-        if len(group.loss_mask):  # filters and shaping judge the model's tokens only (environment tokens have logprob 0)
+        if len(
+            group.loss_mask
+        ):  # filters and shaping judge the model's tokens only (environment tokens have logprob 0)
             owner = np.repeat(np.arange(g), group.completion_lens)
-            ids, lps, lens = ids[group.loss_mask], lps[group.loss_mask], np.bincount(owner[group.loss_mask], minlength=g)
+            ids, lps, lens = (
+                ids[group.loss_mask],
+                lps[group.loss_mask],
+                np.bincount(owner[group.loss_mask], minlength=g),
+            )
         if self.overlong is not None and not group.is_eval:
             total += self._overlong(np.asarray(lens, np.int64), reward_terms)
         rewards = total.astype(np.float32)
@@ -207,16 +229,27 @@ class RewardWorker:
         advantages = compute_advantages(self.advantage, rewards, np.asarray(group.completion_lens, np.int64), self.eps)
         fields = {f.name: getattr(group, f.name) for f in dataclasses.fields(RolloutGroup)}
         return ScoredGroup(
-            **fields, reward_worker=self.name, rewards=rewards, advantages=advantages,
-            reward_terms=reward_terms, flags=found.flags, masked=found.masked,
+            **fields,
+            reward_worker=self.name,
+            rewards=rewards,
+            advantages=advantages,
+            reward_terms=reward_terms,
+            flags=found.flags,
+            masked=found.masked,
         )
 
     def _trl_batch(self, group: RolloutGroup) -> dict:
         """The group as TRL's batch (:func:`tasks.trl_rewards.trl_batch`): prompt text and chat
         messages, each sample's token ids, the step its prompt was issued for."""
         ids = [group.completion(j)[0].tolist() for j in range(group.group_size)]
-        return trl_batch(group.prompt_text, group.completion_texts, ids, global_step=group.step, max_steps=self.max_steps,
-                         prompt_messages=group.prompt_messages)
+        return trl_batch(
+            group.prompt_text,
+            group.completion_texts,
+            ids,
+            global_step=group.step,
+            max_steps=self.max_steps,
+            prompt_messages=group.prompt_messages,
+        )
 
     def _overlong(self, lens: np.ndarray, reward_terms: dict[str, list[float]]) -> np.ndarray:
         """``[G] float64`` penalty * R(|y|) to add to the rewards (:mod:`rewards.shaping`); records the

@@ -40,8 +40,13 @@ def resolve_agent_fn(ref: str) -> Callable[[str, str, dict], Any]:
     def call(base_url: str, episode_id: str, example: dict) -> Any:
         import openai
 
-        client = openai.OpenAI(base_url=base_url, api_key="rlbus", default_headers={EPISODE_HEADER: episode_id},
-                               max_retries=0, timeout=CLIENT_TIMEOUT_S)
+        client = openai.OpenAI(
+            base_url=base_url,
+            api_key="rlbus",
+            default_headers={EPISODE_HEADER: episode_id},
+            max_retries=0,
+            timeout=CLIENT_TIMEOUT_S,
+        )
         try:
             return fn(client, example)
         finally:

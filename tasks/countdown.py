@@ -138,9 +138,7 @@ def countdown_examples(split: str, num_examples: int, seed: int) -> list[Example
     return [
         {
             "id": f"countdown/{split}/{seed}/{i}",
-            "prompt": PROMPT_TEMPLATE.format(
-                numbers=", ".join(map(str, problem.numbers)), target=problem.target
-            ),
+            "prompt": PROMPT_TEMPLATE.format(numbers=", ".join(map(str, problem.numbers)), target=problem.target),
             "info": {"numbers": list(problem.numbers), "target": problem.target},
         }
         for i, problem in enumerate(countdown_problems(split, num_examples, seed))
@@ -185,7 +183,7 @@ def _tokenize(expression: str) -> list[str]:
     while position < len(expression):
         match = _TOKEN.match(expression, position)
         if match is None:
-            raise ExpressionError(f"unexpected {expression[position:position + 10]!r} at {position}")
+            raise ExpressionError(f"unexpected {expression[position : position + 10]!r} at {position}")
         tokens.append(match.group(1) or match.group(2))
         position = match.end()
     return tokens
@@ -274,11 +272,7 @@ def countdown_reward(completion: str, info: dict[str, Any]) -> float:
     """
     numbers = info.get("numbers") if isinstance(info, dict) else None
     target = info.get("target") if isinstance(info, dict) else None
-    if not (
-        isinstance(numbers, list)
-        and all(isinstance(n, int) for n in numbers)
-        and isinstance(target, int)
-    ):
+    if not (isinstance(numbers, list) and all(isinstance(n, int) for n in numbers) and isinstance(target, int)):
         raise TypeError(f"countdown needs info={{'numbers': [int], 'target': int}}, got {info!r}")
     if not isinstance(completion, str):
         raise TypeError(f"countdown needs the completion as str, got {type(completion).__name__}")

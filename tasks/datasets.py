@@ -89,7 +89,9 @@ def load_records(
             or a row lacks a field (naming the file, the line or row, the field and its column).
     """
     if "://" in str(path):  # before Path(), which folds "//" into "/"
-        raise ValueError(f"dataset path {str(path)!r} is a URL; only local files are read (nothing is fetched from a hub)")
+        raise ValueError(
+            f"dataset path {str(path)!r} is a URL; only local files are read (nothing is fetched from a hub)"
+        )
     path = Path(path)
     fields = dict(fields or {})
     unknown = sorted(set(fields) - set(required))
@@ -148,7 +150,9 @@ def _read_parquet(path: Path, columns: Mapping[str, str]) -> list[dict[str, Any]
         if missing:
             name, col = missing[0]
             via = "" if col == name else f" (mapped from column {col!r})"
-            raise ValueError(f"{path}: missing field {name!r}{via} in every row; columns: {', '.join(map(repr, present))}")
+            raise ValueError(
+                f"{path}: missing field {name!r}{via} in every row; columns: {', '.join(map(repr, present))}"
+            )
         rows = parquet.read(columns=sorted(set(columns.values()))).to_pylist()
     return [_pick(row, columns, f"{path}:row {i}") for i, row in enumerate(rows, start=1)]
 
@@ -230,7 +234,9 @@ def file_task(
         ValueError: ``dataset.fields`` is set without ``dataset.path`` or ``eval_path``.
     """
     if dataset is not None and dataset.fields and not (dataset.path or dataset.eval_path):
-        raise ValueError(f"task {name!r}: task.dataset.fields is set but neither task.dataset.path nor eval_path; the mapping applies to your files")
+        raise ValueError(
+            f"task {name!r}: task.dataset.fields is set but neither task.dataset.path nor eval_path; the mapping applies to your files"
+        )
     own = {"train": dataset.path, "eval": dataset.eval_path} if dataset is not None else {}
     mine = {"fields": dataset.fields or None, "format": dataset.format} if dataset is not None else {}
     files = {

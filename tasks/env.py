@@ -123,9 +123,17 @@ def _checked(fn: str, result: CallResult) -> EnvResult:
     v = result.value
     if fn == "reset" and isinstance(v, dict):
         return EnvResult(v)
-    if (fn == "step" and isinstance(v, list) and len(v) in (3, 4) and isinstance(v[1], bool) and isinstance(v[2], dict)
-            and isinstance(v[0], list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                               and isinstance(m.get("content"), str) for m in v[0])):
+    if (
+        fn == "step"
+        and isinstance(v, list)
+        and len(v) in (3, 4)
+        and isinstance(v[1], bool)
+        and isinstance(v[2], dict)
+        and isinstance(v[0], list)
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in v[0]
+        )
+    ):
         tool_calls = step_stats(v[3]) if len(v) == 4 else ()
         return EnvResult((v[0], v[1], v[2]), tool_calls=tool_calls or (), bad_stats=tool_calls is None)
     if fn == "reward" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
@@ -149,8 +157,9 @@ class EnvCalls:
     def __init__(self, envs: Sequence[str], *, timeout_s: float = 10.0, num_procs: int = 2) -> None:
         self.envs = list(dict.fromkeys(envs))
         refs = [ref for env in self.envs for ref in env_refs(env)]
-        self._calls = IsolatedCalls(refs, resolver="tasks.env:resolve_env_fn", timeout_s=timeout_s,
-                                    num_procs=num_procs, what="environment")
+        self._calls = IsolatedCalls(
+            refs, resolver="tasks.env:resolve_env_fn", timeout_s=timeout_s, num_procs=num_procs, what="environment"
+        )
 
     def call(self, env: str, fn: str, args: Sequence[list]) -> list[EnvResult]:
         """Call ``env``'s function ``fn`` (``"reset"``, ``"step"`` or ``"reward"``) once per

@@ -63,9 +63,7 @@ GSM8K_SYSTEM_PROMPT = (
 # Longest candidate answer handed to sympy; GSM8K final answers have at most 9 characters.
 MAX_ANSWER_CHARS = 100
 # LaTeX commands a candidate may contain; anything else (\binom, \sqrt, \sum, ...) scores 0.
-SAFE_LATEX_COMMANDS = frozenset(
-    {"frac", "dfrac", "tfrac", "cdot", "times", "div", "left", "right", "boxed"}
-)
+SAFE_LATEX_COMMANDS = frozenset({"frac", "dfrac", "tfrac", "cdot", "times", "div", "left", "right", "boxed"})
 # Characters that can ask sympy for a huge computation (power, factorial, subscripts).
 UNSAFE_CHARS = frozenset("^*!_")
 # How far after a \boxed{ the balancing scan looks (bounds the work on many unclosed boxes).
@@ -73,9 +71,7 @@ MAX_BOXED_SCAN_CHARS = 1000
 
 _NUM = r"[0-9]+(?:\.[0-9]+)?"
 _NUMBER = re.compile(rf"(?<![0-9.])-?{_NUM}(?:/[0-9]+)?")
-_FRACTION_OR_NUMBER = re.compile(
-    rf"-?\\[dt]?frac\{{\s*{_NUM}\s*\}}\{{\s*{_NUM}\s*\}}|{_NUMBER.pattern}"
-)
+_FRACTION_OR_NUMBER = re.compile(rf"-?\\[dt]?frac\{{\s*{_NUM}\s*\}}\{{\s*{_NUM}\s*\}}|{_NUMBER.pattern}")
 _THOUSANDS_SEPARATOR = re.compile(r"(?<=[0-9])(?:,|\{,\}|\\,)(?=[0-9]{3}(?![0-9]))")
 _ANSWER_IS = re.compile(r"the (?:final )?answer is\b", re.IGNORECASE)
 _TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf)\s*\{([^{}]*)\}")
@@ -218,5 +214,12 @@ def make_task(dataset: DatasetConfig | None = None) -> Task:
     Raises:
         ValueError: see :func:`tasks.datasets.file_task`.
     """
-    return file_task("gsm8k", dataset, DATA_DIR, ("question", "answer"), gsm8k_example,
-                     system_prompt=GSM8K_SYSTEM_PROMPT, rewards=(("gsm8k", 1.0),))
+    return file_task(
+        "gsm8k",
+        dataset,
+        DATA_DIR,
+        ("question", "answer"),
+        gsm8k_example,
+        system_prompt=GSM8K_SYSTEM_PROMPT,
+        rewards=(("gsm8k", 1.0),),
+    )

@@ -59,13 +59,24 @@ MAX_MAGNITUDE = 1e75
 
 _ANSWER_LINE = re.compile(r"^\s*####\s*-?\$?[0-9]", re.MULTILINE)
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
 def _checked(value: float | int) -> float | int:
-    if isinstance(value, complex) or (isinstance(value, float) and not math.isfinite(value)) or abs(value) > MAX_MAGNITUDE:
+    if (
+        isinstance(value, complex)
+        or (isinstance(value, float) and not math.isfinite(value))
+        or abs(value) > MAX_MAGNITUDE
+    ):
         raise ValueError("the result is too large or not a real number")
     return value
 
@@ -137,6 +148,15 @@ def make_task(dataset: DatasetConfig | None = None) -> Task:
     Raises:
         ValueError: as :func:`tasks.gsm8k.make_task`.
     """
-    return file_task("gsm8k_calculator", dataset, DATA_DIR, ("question", "answer"), gsm8k_example,
-                     system_prompt=CALCULATOR_SYSTEM_PROMPT, rewards=(), env="tasks.gsm8k_calculator:ENV",
-                     max_turns=CALCULATOR_MAX_TURNS, tools=ENV.schemas)
+    return file_task(
+        "gsm8k_calculator",
+        dataset,
+        DATA_DIR,
+        ("question", "answer"),
+        gsm8k_example,
+        system_prompt=CALCULATOR_SYSTEM_PROMPT,
+        rewards=(),
+        env="tasks.gsm8k_calculator:ENV",
+        max_turns=CALCULATOR_MAX_TURNS,
+        tools=ENV.schemas,
+    )

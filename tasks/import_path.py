@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable
 
+
 def import_callable(path: str, what: str) -> Callable[..., Any]:
     """Resolve ``"package.module:function"`` (dotted attributes allowed after the colon) with importlib.
 
@@ -28,7 +29,9 @@ def import_callable(path: str, what: str) -> Callable[..., Any]:
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"{what} import path={path!r}: cannot import {module_name!r} ({exc}); check the path and sys.path") from exc
+        raise ValueError(
+            f"{what} import path={path!r}: cannot import {module_name!r} ({exc}); check the path and sys.path"
+        ) from exc
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)

@@ -116,8 +116,9 @@ class IsolatedCalls:
         RuntimeError: a child did not start (or restart) within ``START_TIMEOUT_S``.
     """
 
-    def __init__(self, refs: Sequence[str], *, resolver: str, timeout_s: float = 5.0, num_procs: int = 2,
-                 what: str = "function") -> None:
+    def __init__(
+        self, refs: Sequence[str], *, resolver: str, timeout_s: float = 5.0, num_procs: int = 2, what: str = "function"
+    ) -> None:
         self.refs = check_refs(refs, what)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
@@ -163,8 +164,12 @@ class IsolatedCalls:
                 if slot in running or not pending:
                     continue
                 if self._children[slot].proc.poll() is not None:  # died while idle: no call to blame
-                    log.warning("%s child pid %d exited (rc %s) while idle; replacing it",
-                                self.what, self._children[slot].proc.pid, self._children[slot].proc.returncode)
+                    log.warning(
+                        "%s child pid %d exited (rc %s) while idle; replacing it",
+                        self.what,
+                        self._children[slot].proc.pid,
+                        self._children[slot].proc.returncode,
+                    )
                     self._replace(slot)
                 c = pending.popleft()
                 try:
@@ -190,7 +195,14 @@ class IsolatedCalls:
                     if reply[0] == "ok":
                         results[c] = CallResult(reply[1], None)
                     else:
-                        log.warning("%s %s raised on call %d: %s: %.300s", self.what, self.refs[calls[c][0]], c, reply[1], reply[2])
+                        log.warning(
+                            "%s %s raised on call %d: %s: %.300s",
+                            self.what,
+                            self.refs[calls[c][0]],
+                            c,
+                            reply[1],
+                            reply[2],
+                        )
                         results[c] = CallResult(None, reply[1])
                 elif now >= deadline:
                     del running[slot]
@@ -218,14 +230,27 @@ class IsolatedCalls:
         """Log a timeout or crash of function ``fn`` on call ``index``, replace the child in ``slot``."""
         proc = self._children[slot].proc
         if reason == "timeout":
-            log.warning("%s %s ran past timeout_s=%g on call %d; killing child pid %d",
-                        self.what, self.refs[fn], self.timeout_s, index, proc.pid)
+            log.warning(
+                "%s %s ran past timeout_s=%g on call %d; killing child pid %d",
+                self.what,
+                self.refs[fn],
+                self.timeout_s,
+                index,
+                proc.pid,
+            )
         else:
             try:  # EOF usually means it died: reap it for the exit code
                 proc.wait(timeout=1.0)
             except subprocess.TimeoutExpired:
                 pass  # alive but closed its socket: killed below all the same
-            log.warning("%s child pid %d died (rc %s) in %s on call %d", self.what, proc.pid, proc.returncode, self.refs[fn], index)
+            log.warning(
+                "%s child pid %d died (rc %s) in %s on call %d",
+                self.what,
+                proc.pid,
+                proc.returncode,
+                self.refs[fn],
+                index,
+            )
         self._replace(slot)
         return CallResult(None, reason)
 
@@ -242,8 +267,15 @@ class IsolatedCalls:
         parent_sock, child_sock = socket.socketpair()
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-c", _BOOTSTRAP, json.dumps(sys.path), str(child_sock.fileno()), self.resolver,
-                 json.dumps(self.refs)],
+                [
+                    sys.executable,
+                    "-c",
+                    _BOOTSTRAP,
+                    json.dumps(sys.path),
+                    str(child_sock.fileno()),
+                    self.resolver,
+                    json.dumps(self.refs),
+                ],
                 pass_fds=(child_sock.fileno(),),
                 stdin=subprocess.DEVNULL,  # stdout/stderr: the worker's, so prints and tracebacks land in its log
             )
@@ -256,7 +288,9 @@ class IsolatedCalls:
             try:
                 kind, detail = _recv(child.conn)
             except (EOFError, OSError):
-                raise RuntimeError(f"{self.what} child pid {proc.pid} exited during startup (rc {proc.wait()})") from None
+                raise RuntimeError(
+                    f"{self.what} child pid {proc.pid} exited during startup (rc {proc.wait()})"
+                ) from None
             if kind != "ready":
                 raise ValueError(f"{self.what} {detail}")
         except BaseException:

@@ -98,14 +98,18 @@ def get_task(name: str, task_cfg: TaskConfig | None = None) -> Task:
         task = make_task(dataset) if name in FILE_TASKS else make_task()
     elif name.startswith(VERIFIERS_PREFIX):
         if _has_dataset(dataset):
-            raise ValueError(f"task {name!r} is a verifiers environment: it loads its own data, so task.dataset does not apply")
+            raise ValueError(
+                f"task {name!r} is a verifiers environment: it loads its own data, so task.dataset does not apply"
+            )
         task = make_verifiers_task(name, cfg.verifiers_args if cfg is not None else {})
     elif ":" in name:
         task = _custom_task(name)
         if _has_dataset(dataset):
             raise ValueError(f"task {name!r} is a custom task: it loads its own data, so task.dataset does not apply")
     else:
-        raise ValueError(f"unknown task={name!r}; known tasks: {', '.join(KNOWN_TASKS)}, or an import path 'package.module:function'")
+        raise ValueError(
+            f"unknown task={name!r}; known tasks: {', '.join(KNOWN_TASKS)}, or an import path 'package.module:function'"
+        )
     rewards = task.rewards
     if cfg is not None and cfg.rewards:
         rewards = tuple((term.name, term.weight) for term in cfg.rewards)
@@ -113,7 +117,9 @@ def get_task(name: str, task_cfg: TaskConfig | None = None) -> Task:
     max_turns = cfg.max_turns if cfg is not None and cfg.max_turns is not None else task.max_turns
     if max_turns < 1:
         raise ValueError(f"task {name!r}: max_turns={max_turns} must be >= 1")
-    return dataclasses.replace(task, system_prompt=system_prompt, rewards=_checked_rewards(name, rewards), max_turns=max_turns)
+    return dataclasses.replace(
+        task, system_prompt=system_prompt, rewards=_checked_rewards(name, rewards), max_turns=max_turns
+    )
 
 
 def load_task_examples(task: str | Task, split: str, num_examples: int, seed: int) -> list[Example]:
@@ -138,9 +144,15 @@ def load_task_examples(task: str | Task, split: str, num_examples: int, seed: in
         task = get_task(task)
     examples = task.load(split, num_examples, seed)[:num_examples]
     for k, ex in enumerate(examples):
-        if not (isinstance(ex, dict) and isinstance(ex.get("id"), str) and isinstance(ex.get("prompt"), str)
-                and isinstance(ex.get("info"), dict)):
-            raise ValueError(f"task {task.name!r}: {split} example {k} must be {{'id': str, 'prompt': str, 'info': dict}}, got {ex!r:.200}")
+        if not (
+            isinstance(ex, dict)
+            and isinstance(ex.get("id"), str)
+            and isinstance(ex.get("prompt"), str)
+            and isinstance(ex.get("info"), dict)
+        ):
+            raise ValueError(
+                f"task {task.name!r}: {split} example {k} must be {{'id': str, 'prompt': str, 'info': dict}}, got {ex!r:.200}"
+            )
     return examples
 
 

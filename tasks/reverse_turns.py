@@ -48,13 +48,20 @@ def reverse_turns_examples(split: str, num_examples: int, seed: int) -> list[Exa
     seen: set[str] = set()
     examples: list[Example] = []
     while len(examples) < num_examples:
-        words = ["".join(rng.choice(REVERSE_TEXT_ALPHABET) for _ in range(rng.randint(REVERSE_TURNS_MIN_LEN, REVERSE_TURNS_MAX_LEN)))
-                 for _ in range(REVERSE_TURNS_WORDS)]
+        words = [
+            "".join(
+                rng.choice(REVERSE_TEXT_ALPHABET)
+                for _ in range(rng.randint(REVERSE_TURNS_MIN_LEN, REVERSE_TURNS_MAX_LEN))
+            )
+            for _ in range(REVERSE_TURNS_WORDS)
+        ]
         key = ",".join(words)
         if key in seen or hash_split(key) != split:
             continue
         seen.add(key)
-        examples.append({"id": f"reverse_turns/{split}/{seed}/{len(examples)}", "prompt": words[0], "info": {"words": words}})
+        examples.append(
+            {"id": f"reverse_turns/{split}/{seed}/{len(examples)}", "prompt": words[0], "info": {"words": words}}
+        )
     return examples
 
 
@@ -91,5 +98,11 @@ class ReverseTurnsEnv:
 
 def make_task() -> Task:
     """The registered ``reverse_turns`` task (environment :class:`ReverseTurnsEnv`, max 2 turns)."""
-    return Task("reverse_turns", reverse_turns_examples, None, (), env="tasks.reverse_turns:ReverseTurnsEnv",
-                max_turns=REVERSE_TURNS_WORDS)
+    return Task(
+        "reverse_turns",
+        reverse_turns_examples,
+        None,
+        (),
+        env="tasks.reverse_turns:ReverseTurnsEnv",
+        max_turns=REVERSE_TURNS_WORDS,
+    )

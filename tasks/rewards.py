@@ -39,8 +39,10 @@ def known_reward_names() -> list[str]:
 
 def _unknown_name(name: str) -> ValueError:
     """The error for a reference that is neither a registered name nor an import path."""
-    return ValueError(f"unknown reward name={name!r}; known: {', '.join(known_reward_names())}, "
-                      "or an import path 'package.module:function'")
+    return ValueError(
+        f"unknown reward name={name!r}; known: {', '.join(known_reward_names())}, "
+        "or an import path 'package.module:function'"
+    )
 
 
 def get_reward_fn(name: str) -> RewardFn:

@@ -80,7 +80,9 @@ class Task:
         if self.tools and self.env is None:
             raise ValueError(f"task {self.name!r}: tools need an environment (Task.env) to run the calls")
         if self.env is not None and self.agent is not None:
-            raise ValueError(f"task {self.name!r}: an environment (Task.env) and an agent (Task.agent) exclude each other")
+            raise ValueError(
+                f"task {self.name!r}: an environment (Task.env) and an agent (Task.agent) exclude each other"
+            )
 
 
 def check_request(split: str, num_examples: int) -> None:

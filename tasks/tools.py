@@ -37,7 +37,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 # JSON schema type of each supported parameter annotation.
-JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+JSON_TYPES: dict[Any, str] = {
+    str: "string",
+    int: "integer",
+    float: "number",
+    bool: "boolean",
+    list: "array",
+    dict: "object",
+}
 # Most tool calls answered per model turn; the rest get one error message.
 MAX_TOOL_CALLS_PER_TURN = 8
 # Longest tool result (characters) sent back; longer ones are cut with a note.
@@ -71,7 +78,9 @@ def _docstring_parts(fn: Callable[..., Any]) -> tuple[str, dict[str, str]]:
     return description, args
 
 
-def function_schema(fn: Callable[..., Any], *, name: str | None = None, description: str | None = None) -> dict[str, Any]:
+def function_schema(
+    fn: Callable[..., Any], *, name: str | None = None, description: str | None = None
+) -> dict[str, Any]:
     """The function-calling schema of ``fn``, derived from its signature and docstring.
 
     Each parameter must be annotated with one of ``JSON_TYPES`` (``str`` -> ``"string"``, ...);
@@ -95,16 +104,23 @@ def function_schema(fn: Callable[..., Any], *, name: str | None = None, descript
             raise TypeError(f"tool {fn.__name__!r}: *args/**kwargs cannot be described by a JSON schema")
         hint = hints.get(param.name)
         if hint not in JSON_TYPES:
-            raise TypeError(f"tool {fn.__name__!r}: parameter {param.name!r} must be annotated with one of "
-                            f"{', '.join(t.__name__ for t in JSON_TYPES)}, got {hint!r}")
+            raise TypeError(
+                f"tool {fn.__name__!r}: parameter {param.name!r} must be annotated with one of "
+                f"{', '.join(t.__name__ for t in JSON_TYPES)}, got {hint!r}"
+            )
         properties[param.name] = {"type": JSON_TYPES[hint]}
         if param.name in doc_args:
             properties[param.name]["description"] = doc_args[param.name]
         if param.default is param.empty:
             required.append(param.name)
-    return {"type": "function", "function": {
-        "name": name or fn.__name__, "description": description if description is not None else doc_description,
-        "parameters": {"type": "object", "properties": properties, "required": required}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name or fn.__name__,
+            "description": description if description is not None else doc_description,
+            "parameters": {"type": "object", "properties": properties, "required": required},
+        },
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +234,9 @@ def _result_text(value: Any) -> str:
     return text if len(text) <= MAX_RESULT_CHARS else text[:MAX_RESULT_CHARS] + " ... (cut)"
 
 
-def answer_tool_calls(tools: Sequence[Tool], calls: Sequence[ToolCall | ToolCallError]) -> tuple[list[dict[str, str]], list[dict[str, str | None]]]:
+def answer_tool_calls(
+    tools: Sequence[Tool], calls: Sequence[ToolCall | ToolCallError]
+) -> tuple[list[dict[str, str]], list[dict[str, str | None]]]:
     """Answer ``calls`` (from :func:`parse_tool_calls`) with ``role: tool`` messages, one per call
     in order (at most ``MAX_TOOL_CALLS_PER_TURN``, then one error for the rest), and say how each
     call went.
@@ -254,11 +272,18 @@ def answer_tool_calls(tools: Sequence[Tool], calls: Sequence[ToolCall | ToolCall
         out.append({"role": "tool", "name": call.name, "content": content})
         records.append({"name": call.name, "error": error})
     if len(calls) > MAX_TOOL_CALLS_PER_TURN:
-        out.append({"role": "tool", "name": "error",
-                    "content": f"{ERROR_PREFIX}at most {MAX_TOOL_CALLS_PER_TURN} tool calls per turn; "
-                               f"{len(calls) - MAX_TOOL_CALLS_PER_TURN} were not run"})
-        records += [{"name": c.name if isinstance(c, ToolCall) else None, "error": "too_many_calls"}
-                    for c in calls[MAX_TOOL_CALLS_PER_TURN:]]
+        out.append(
+            {
+                "role": "tool",
+                "name": "error",
+                "content": f"{ERROR_PREFIX}at most {MAX_TOOL_CALLS_PER_TURN} tool calls per turn; "
+                f"{len(calls) - MAX_TOOL_CALLS_PER_TURN} were not run",
+            }
+        )
+        records += [
+            {"name": c.name if isinstance(c, ToolCall) else None, "error": "too_many_calls"}
+            for c in calls[MAX_TOOL_CALLS_PER_TURN:]
+        ]
     return out, records
 
 
@@ -285,8 +310,14 @@ class ToolEnv:
     (the episode ran out of turns or tokens while calling tools).
     """
 
-    def __init__(self, tools: Sequence[Tool], answer_reward: Callable[[str, dict], float], *,
-                 format_weight: float = 0.0, answer_format: Callable[[str], bool] | None = None) -> None:
+    def __init__(
+        self,
+        tools: Sequence[Tool],
+        answer_reward: Callable[[str, dict], float],
+        *,
+        format_weight: float = 0.0,
+        answer_format: Callable[[str], bool] | None = None,
+    ) -> None:
         self.tools = list(tools)
         self.schemas = tool_schemas(self.tools)
         self.answer_reward, self.format_weight, self.answer_format = answer_reward, format_weight, answer_format
@@ -301,7 +332,9 @@ class ToolEnv:
             raise TypeError(f"a tool environment needs info as a dict, got {type(info).__name__}")
         return {"info": info, "answer": None, "tool_calls": 0, "tool_errors": 0}
 
-    def step(self, state: dict[str, Any], text: str) -> tuple[list[dict[str, str]], bool, dict[str, Any], dict[str, Any]]:
+    def step(
+        self, state: dict[str, Any], text: str
+    ) -> tuple[list[dict[str, str]], bool, dict[str, Any], dict[str, Any]]:
         """Run the tool calls in ``text`` (answered as tool messages, not done), or take ``text``
         as the final answer (no messages, done). The fourth element is the turn's statistics
         (:mod:`tasks.env`): ``{"tool_calls": records of answer_tool_calls}``."""
@@ -310,8 +343,12 @@ class ToolEnv:
             return [], True, {**state, "answer": text}, {"tool_calls": []}
         messages, records = answer_tool_calls(self.tools, calls)
         errors = sum(m["content"].startswith(ERROR_PREFIX) for m in messages)
-        return messages, False, {**state, "tool_calls": state["tool_calls"] + len(calls),
-                                 "tool_errors": state["tool_errors"] + errors}, {"tool_calls": records}
+        return (
+            messages,
+            False,
+            {**state, "tool_calls": state["tool_calls"] + len(calls), "tool_errors": state["tool_errors"] + errors},
+            {"tool_calls": records},
+        )
 
     def reward(self, state: dict[str, Any]) -> float:
         """``answer_reward`` of the final answer plus the format term (see the class doc)."""

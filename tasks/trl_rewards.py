@@ -87,12 +87,19 @@ def split_trl_ref(ref: str) -> tuple[str | None, str]:
     ``(None, ref)`` for any other reference (a registered name or a plain import path)."""
     for prefix, fmt in TRL_FORMATS.items():
         if ref.startswith(prefix):
-            return fmt, ref[len(prefix):]
+            return fmt, ref[len(prefix) :]
     return None, ref
 
 
-def trl_batch(prompt_text: str, completions: list[str], completion_ids: list[list[int]], *, global_step: int,
-              max_steps: int, prompt_messages: list[dict[str, str]] | None = None) -> dict[str, Any]:
+def trl_batch(
+    prompt_text: str,
+    completions: list[str],
+    completion_ids: list[list[int]],
+    *,
+    global_step: int,
+    max_steps: int,
+    prompt_messages: list[dict[str, str]] | None = None,
+) -> dict[str, Any]:
     """The JSON-able group data a TRL-style call needs beyond the completions and ``info`` (built by
     the reward worker, sent to the child). ``completion_ids`` is ``[G]`` lists of ints;
     ``prompt_messages`` the prompt's chat messages (``RolloutGroup.prompt_messages``; None or
@@ -103,8 +110,13 @@ def trl_batch(prompt_text: str, completions: list[str], completion_ids: list[lis
     """
     if len(completion_ids) != len(completions):
         raise ValueError(f"completion_ids has {len(completion_ids)} entries for {len(completions)} completions")
-    return {"prompt": prompt_text, "prompt_messages": list(prompt_messages or []), "completion_ids": completion_ids,
-            "global_step": int(global_step), "max_steps": int(max_steps)}
+    return {
+        "prompt": prompt_text,
+        "prompt_messages": list(prompt_messages or []),
+        "completion_ids": completion_ids,
+        "global_step": int(global_step),
+        "max_steps": int(max_steps),
+    }
 
 
 def conversational_prompt(batch: dict[str, Any]) -> list[dict[str, str]]:
@@ -114,8 +126,9 @@ def conversational_prompt(batch: dict[str, Any]) -> list[dict[str, str]]:
     return [dict(m) for m in messages]
 
 
-def trl_kwargs(fmt: str, completions: list[str], info: dict[str, Any], batch: dict[str, Any],
-               metrics: dict[str, list[float]]) -> dict[str, Any]:
+def trl_kwargs(
+    fmt: str, completions: list[str], info: dict[str, Any], batch: dict[str, Any], metrics: dict[str, list[float]]
+) -> dict[str, Any]:
     """The keyword arguments of one TRL-style call (see the module docstring); ``log_metric``
     appends to ``metrics[name]``."""
     g = len(completions)
@@ -129,7 +142,9 @@ def trl_kwargs(fmt: str, completions: list[str], info: dict[str, Any], batch: di
     kwargs: dict[str, Any] = {key: [value] * g for key, value in info.items() if key not in RESERVED_KWARGS}
     kwargs.update(
         prompts=[batch["prompt"]] * g if fmt == "standard" else [conversational_prompt(batch) for _ in range(g)],
-        completions=list(completions) if fmt == "standard" else [[{"role": "assistant", "content": c}] for c in completions],
+        completions=list(completions)
+        if fmt == "standard"
+        else [[{"role": "assistant", "content": c}] for c in completions],
         completion_ids=[list(ids) for ids in batch["completion_ids"]],
         trainer_state=TrainerState(batch["global_step"], batch["max_steps"]),
         log_metric=log_metric,
@@ -161,7 +176,9 @@ def checked_rewards(out: Any, g: int, name: str) -> list[float | None]:
     return rewards
 
 
-def trl_caller(fn: Callable[..., Any], fmt: str, name: str) -> Callable[[list[str], dict[str, Any], dict[str, Any]], dict[str, Any]]:
+def trl_caller(
+    fn: Callable[..., Any], fmt: str, name: str
+) -> Callable[[list[str], dict[str, Any], dict[str, Any]], dict[str, Any]]:
     """Wrap a TRL-style function as ``call(completions [G] str, info, batch) -> {"rewards": [G]
     float|None, "metrics": {name: mean of its logged values}}`` (JSON-able: Python's json carries
     NaN, which the scorer then counts as ``non_finite``). ``batch`` is :func:`trl_batch`'s dict.
@@ -189,4 +206,3 @@ def trl_caller(fn: Callable[..., Any], fmt: str, name: str) -> Callable[[list[st
 
 async def _awaited(awaitable: Any) -> Any:
     return await awaitable
-

@@ -54,10 +54,12 @@ def module_of(name: str) -> str:
     Raises:
         ValueError: ``name`` does not start with ``"verifiers:"`` or names no module.
     """
-    if not name.startswith(PREFIX) or not name[len(PREFIX):].strip():
-        raise ValueError(f"a verifiers task is named 'verifiers:MODULE' (MODULE: an importable module with "
-                         f"load_environment), got {name!r}")
-    return name[len(PREFIX):].strip()
+    if not name.startswith(PREFIX) or not name[len(PREFIX) :].strip():
+        raise ValueError(
+            f"a verifiers task is named 'verifiers:MODULE' (MODULE: an importable module with "
+            f"load_environment), got {name!r}"
+        )
+    return name[len(PREFIX) :].strip()
 
 
 @functools.lru_cache(maxsize=8)
@@ -71,8 +73,10 @@ def _load(module: str, args_json: str) -> Any:
     if not isinstance(env, vf.Environment):
         raise TypeError(f"{module}.load_environment returned a {type(env).__name__}, not a verifiers.Environment")
     if env.requires_group_rollouts:
-        raise ValueError(f"verifiers environment {module!r}: its rubric has group reward functions, which rlbus "
-                         "cannot score (each sample is an isolated rollout)")
+        raise ValueError(
+            f"verifiers environment {module!r}: its rubric has group reward functions, which rlbus "
+            "cannot score (each sample is an isolated rollout)"
+        )
     return env
 
 
@@ -116,8 +120,13 @@ def load_examples(module: str, args: dict[str, Any], split: str, num_examples: i
         row = _jsonable(dict(rows[k]))
         if not has_eval and hash_split(json.dumps(row.get("prompt"), sort_keys=True)) != split:
             continue
-        examples.append({"id": f"{split}-{row.get('example_id', k)}", "prompt": _prompt_text(row.get("prompt")),
-                         "info": {"verifiers": {"module": module, "args": args, "row": row}}})
+        examples.append(
+            {
+                "id": f"{split}-{row.get('example_id', k)}",
+                "prompt": _prompt_text(row.get("prompt")),
+                "info": {"verifiers": {"module": module, "args": args, "row": row}},
+            }
+        )
     if split == "train":
         random.Random(seed).shuffle(examples)
     return examples[:num_examples]
@@ -142,8 +151,13 @@ async def _run(env: Any, row: dict, base_url: str, episode_id: str) -> dict:
     import openai
     import verifiers as vf
 
-    native = openai.AsyncOpenAI(base_url=base_url, api_key="rlbus", default_headers={EPISODE_HEADER: episode_id},
-                                max_retries=0, timeout=CLIENT_TIMEOUT_S)
+    native = openai.AsyncOpenAI(
+        base_url=base_url,
+        api_key="rlbus",
+        default_headers={EPISODE_HEADER: episode_id},
+        max_retries=0,
+        timeout=CLIENT_TIMEOUT_S,
+    )
     try:
         return await env.run_rollout(row, vf.OpenAIChatCompletionsClient(native), MODEL_NAME, {})
     finally:

@@ -57,7 +57,9 @@ class HostSyncSpy(TorchDispatchMode):
         self.found: list[tuple[str, str]] = []
 
     def note(self, what: str) -> None:
-        frames = [f for f in traceback.extract_stack()[:-2] if "/torch/" not in f.filename and "host_sync" not in f.filename]
+        frames = [
+            f for f in traceback.extract_stack()[:-2] if "/torch/" not in f.filename and "host_sync" not in f.filename
+        ]
         where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
         self.found.append((what, where))
 
@@ -82,6 +84,7 @@ def host_syncs() -> Iterator[HostSyncSpy]:
         def method(self, *args, **kwargs):
             spy.note(f"Tensor.{name}")
             return originals[name](self, *args, **kwargs)
+
         return method
 
     for name in originals:

@@ -36,8 +36,9 @@ def tensors_from_bytes(payload: bytes) -> Any:
     return torch.load(io.BytesIO(payload))
 
 
-def _receive(port: int, manifest: Sequence[Sequence], bucket_bytes: int | None, versions: int,
-             go: Any) -> list[dict[str, torch.Tensor]]:
+def _receive(
+    port: int, manifest: Sequence[Sequence], bucket_bytes: int | None, versions: int, go: Any
+) -> list[dict[str, torch.Tensor]]:
     from vllm.distributed.utils import (
         stateless_destroy_torch_distributed_process_group,
         stateless_init_torch_distributed_process_group,
@@ -70,11 +71,19 @@ class WeightPeer:
     ``versions=0`` joins and leaves, as a producer that dies.
     """
 
-    def __init__(self, port: int, manifest: Sequence[Sequence], *, bucket_bytes: int | None = None,
-                 versions: int = 1, go: Any = None) -> None:
+    def __init__(
+        self,
+        port: int,
+        manifest: Sequence[Sequence],
+        *,
+        bucket_bytes: int | None = None,
+        versions: int = 1,
+        go: Any = None,
+    ) -> None:
         self._out = SPAWN.Queue()
-        self._proc = SPAWN.Process(target=_main, daemon=True,
-                                       args=(self._out, (port, list(manifest), bucket_bytes, versions, go)))
+        self._proc = SPAWN.Process(
+            target=_main, daemon=True, args=(self._out, (port, list(manifest), bucket_bytes, versions, go))
+        )
         self._proc.start()
 
     @classmethod

@@ -26,7 +26,9 @@ NICE = 10
 
 def main(argv: list[str] | None = None) -> int:
     """Run the tracker process (see the module docstring); returns its exit code (2: bad arguments or config)."""
-    parser = argparse.ArgumentParser(prog="python -m trackers", description="Feed report.trackers from a run directory.")
+    parser = argparse.ArgumentParser(
+        prog="python -m trackers", description="Feed report.trackers from a run directory."
+    )
     parser.add_argument("--run-dir", required=True, help="run directory holding config.yaml and the JSONL files")
     parser.add_argument("--poll-s", type=float, default=1.0, help="seconds between reads of the files (default 1)")
     args = parser.parse_args(argv)
@@ -65,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         logging.warning("last read of the run's files failed: %s", err)
     follower.close()
-    logging.info("trackers closed; %d malformed lines dropped; failed: %s", follower.malformed, follower.failed or "none")
+    logging.info(
+        "trackers closed; %d malformed lines dropped; failed: %s", follower.malformed, follower.failed or "none"
+    )
     return 0
 
 

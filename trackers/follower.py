@@ -35,8 +35,11 @@ log = logging.getLogger(__name__)
 
 __all__ = ["SOURCES", "TRACKERS", "TrackerFollower"]
 
-TRACKERS = {"tensorboard": "trackers.tensorboard_tracker:TensorBoardTracker", "wandb": "trackers.wandb_tracker:WandbTracker",
-            "mlflow": "trackers.mlflow_tracker:MlflowTracker"}
+TRACKERS = {
+    "tensorboard": "trackers.tensorboard_tracker:TensorBoardTracker",
+    "wandb": "trackers.wandb_tracker:WandbTracker",
+    "mlflow": "trackers.mlflow_tracker:MlflowTracker",
+}
 """``report.trackers`` name -> ``module:class`` of its :class:`trackers.base.Tracker` (imported when used)."""
 
 SOURCES = ("metrics.jsonl", "stages.jsonl", "samples.jsonl")

@@ -69,8 +69,10 @@ class TrackerProcess:
             return None
         missing = missing_libraries(names)
         for name, module in missing.items():
-            console.print(f"[yellow]report.trackers: {name} needs the Python module {module!r}, which is not installed "
-                          f"(pip install -e '.[trackers]'); the run goes on without it[/yellow]")
+            console.print(
+                f"[yellow]report.trackers: {name} needs the Python module {module!r}, which is not installed "
+                f"(pip install -e '.[trackers]'); the run goes on without it[/yellow]"
+            )
         if len(missing) == len(names):
             return None
         env = dict(os.environ)
@@ -78,10 +80,21 @@ class TrackerProcess:
         env.setdefault("PYTHONUNBUFFERED", "1")
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         with open(run_dir / "logs" / "trackers.log", "ab", buffering=0) as logfile:
-            logfile.write(f"===== rlbus {time.strftime('%Y-%m-%d %H:%M:%S')}: starting trackers {', '.join(names)} =====\n".encode())
-            proc = subprocess.Popen([sys.executable, "-m", "trackers", "--run-dir", str(run_dir)], stdin=subprocess.DEVNULL,
-                                    stdout=logfile, stderr=subprocess.STDOUT, env=env, cwd=str(run_dir), start_new_session=True)
-        console.print(f"trackers {', '.join(n for n in names if n not in missing)}: pid {proc.pid}, log {run_dir / 'logs' / 'trackers.log'}")
+            logfile.write(
+                f"===== rlbus {time.strftime('%Y-%m-%d %H:%M:%S')}: starting trackers {', '.join(names)} =====\n".encode()
+            )
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "trackers", "--run-dir", str(run_dir)],
+                stdin=subprocess.DEVNULL,
+                stdout=logfile,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=str(run_dir),
+                start_new_session=True,
+            )
+        console.print(
+            f"trackers {', '.join(n for n in names if n not in missing)}: pid {proc.pid}, log {run_dir / 'logs' / 'trackers.log'}"
+        )
         return cls(proc, run_dir)
 
     def stop(self, console: Console, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
@@ -92,7 +105,9 @@ class TrackerProcess:
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                console.print(f"[yellow]trackers did not close within {timeout_s:g} s; killed (see {self.run_dir / 'logs' / 'trackers.log'})[/yellow]")
+                console.print(
+                    f"[yellow]trackers did not close within {timeout_s:g} s; killed (see {self.run_dir / 'logs' / 'trackers.log'})[/yellow]"
+                )
                 self.proc.kill()
                 self.proc.wait()
                 return None

@@ -66,22 +66,26 @@ class MlflowTracker(Tracker):
             exp_name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or str(config.get("name") or "rlbus")
             exp = self.client.get_experiment_by_name(exp_name)
             exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(exp_name)
-            run_id = self.client.create_run(exp_id, run_name=run_dir.name, tags={"rlbus.run_dir": str(run_dir)}).info.run_id
+            run_id = self.client.create_run(
+                exp_id, run_name=run_dir.name, tags={"rlbus.run_dir": str(run_dir)}
+            ).info.run_id
         else:
-            self.client.update_run(run_id, status="RUNNING")  # resumed: it was set FINISHED when the tracker process ended
+            self.client.update_run(
+                run_id, status="RUNNING"
+            )  # resumed: it was set FINISHED when the tracker process ended
         self.run_id = self.state["run_id"] = run_id
         self.state["tracking_uri"] = uri  # for trackers.opening (busctl report)
 
     def log_config(self, hparams: dict[str, str | int | float | bool]) -> None:
         params = [self._param(metric_name(k), str(v)[:PARAM_CHARS]) for k, v in hparams.items()]
         for i in range(0, len(params), BATCH):
-            self.client.log_batch(self.run_id, params=params[i:i + BATCH])
+            self.client.log_batch(self.run_id, params=params[i : i + BATCH])
 
     def log_scalars(self, kind: str, step: int, scalars: dict[str, float]) -> None:
         now_ms = int(time.time() * 1000)
         metrics = [self._metric(metric_name(k), v, now_ms, step) for k, v in scalars.items()]
         for i in range(0, len(metrics), 1000):
-            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
 
     def log_samples(self, step: int, columns: tuple[str, ...], rows: list[list]) -> None:
         path = f"samples/step_{step:06d}.json"

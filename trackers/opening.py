@@ -31,11 +31,15 @@ def tracker_lines(run_dir: Path) -> list[str]:
         lines.append(f"wandb (offline; uploads to your W&B account): wandb sync {' '.join(q(str(p)) for p in offline)}")
     elif (run_dir / "wandb").is_dir():
         run_id = state.get("wandb", {}).get("run_id", "?")
-        lines.append(f"wandb: online run {run_id} (its URL is in {run_dir / 'logs' / 'trackers.log'}); files in {run_dir / 'wandb'}")
+        lines.append(
+            f"wandb: online run {run_id} (its URL is in {run_dir / 'logs' / 'trackers.log'}); files in {run_dir / 'wandb'}"
+        )
     mlflow = state.get("mlflow", {})
     uri = mlflow.get("tracking_uri", "")
     if (run_dir / "mlruns").is_dir() and (not uri or uri.startswith("file:")):
-        lines.append(f"mlflow: MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {q(str(run_dir / 'mlruns'))}  (pip install mlflow)")
+        lines.append(
+            f"mlflow: MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {q(str(run_dir / 'mlruns'))}  (pip install mlflow)"
+        )
     elif uri:
         lines.append(f"mlflow: run {mlflow.get('run_id', '?')} at {uri}")
     return lines

@@ -25,17 +25,41 @@ import json
 import math
 from pathlib import Path
 
-__all__ = ["EVAL_PREFIX", "SAMPLE_COLUMNS", "JsonlTail", "flatten_config", "sample_row", "split_metrics_record", "stage_scalars"]
+__all__ = [
+    "EVAL_PREFIX",
+    "SAMPLE_COLUMNS",
+    "JsonlTail",
+    "flatten_config",
+    "sample_row",
+    "split_metrics_record",
+    "stage_scalars",
+]
 
 EVAL_PREFIX = "eval/"
 """Keys of an eval record of metrics.jsonl start with this (:mod:`trainer.observability.eval_log`)."""
 
-SAMPLE_COLUMNS = ("step", "task", "group_id", "sample", "prompt", "completion", "reward", "advantage", "policy_version", "lag",
-                  "finish_reason", "completion_tokens")
+SAMPLE_COLUMNS = (
+    "step",
+    "task",
+    "group_id",
+    "sample",
+    "prompt",
+    "completion",
+    "reward",
+    "advantage",
+    "policy_version",
+    "lag",
+    "finish_reason",
+    "completion_tokens",
+)
 """The columns of a samples table, in order (fields of a ``samples.jsonl`` record)."""
 
-STAGE_FIELDS = {("throughput", "samples_per_s"): "samples_per_s", ("throughput", "tokens_per_s"): "tokens_per_s",
-                ("busy",): "busy", ("queue_depth",): "queue_depth"}
+STAGE_FIELDS = {
+    ("throughput", "samples_per_s"): "samples_per_s",
+    ("throughput", "tokens_per_s"): "tokens_per_s",
+    ("busy",): "busy",
+    ("queue_depth",): "queue_depth",
+}
 """Path in a component's ``stages.jsonl`` entry -> the last part of its scalar's name."""
 
 
@@ -178,7 +202,11 @@ def sample_row(rec: dict) -> tuple[int, list] | None:
     row = []
     for col in SAMPLE_COLUMNS:
         value = rec.get(col)
-        row.append(str(value) if col in ("task", "group_id", "prompt", "completion", "finish_reason") and value is not None else value)
+        row.append(
+            str(value)
+            if col in ("task", "group_id", "prompt", "completion", "finish_reason") and value is not None
+            else value
+        )
     return step, row
 
 

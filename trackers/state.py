@@ -65,7 +65,9 @@ def read_tracker_state(run_dir: str | Path) -> dict[str, Any]:
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as err:  # ValueError: not UTF-8 or not JSON (a torn or corrupt file)
-        log.warning("tracker state %s unreadable (%s); read as empty: the tracker files start from the beginning", path, err)
+        log.warning(
+            "tracker state %s unreadable (%s); read as empty: the tracker files start from the beginning", path, err
+        )
         return {}
     if not isinstance(state, dict):
         log.warning("tracker state %s holds a JSON %s, not an object; read as empty", path, type(state).__name__)
@@ -75,8 +77,13 @@ def read_tracker_state(run_dir: str | Path) -> dict[str, Any]:
             continue
         section = state[key]
         if not isinstance(section, kind):
-            log.warning("tracker state %s: %r is a JSON %s, not %s; left out", path, key, type(section).__name__,
-                        "an object" if kind is dict else "a list")
+            log.warning(
+                "tracker state %s: %r is a JSON %s, not %s; left out",
+                path,
+                key,
+                type(section).__name__,
+                "an object" if kind is dict else "a list",
+            )
             del state[key]
             continue
         entries = list(section.items()) if kind is dict else list(section)

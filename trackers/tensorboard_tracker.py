@@ -36,9 +36,11 @@ def markdown_table(columns: tuple[str, ...], rows: list[list]) -> str:
     ``|`` in cells is escaped, every line break (``\\n``, ``\\r\\n`` and the others
     :meth:`str.splitlines` knows, which a completion may hold) becomes ``<br>``, cells are cut at
     :data:`TEXT_CELL_CHARS`."""
+
     def cell(value: object) -> str:
         text = "" if value is None else (f"{value:.4g}" if isinstance(value, float) else str(value))
         return LINE_BREAKS.sub("<br>", text[:TEXT_CELL_CHARS].replace("|", "\\|"))
+
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)

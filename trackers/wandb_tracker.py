@@ -66,9 +66,14 @@ class WandbTracker(Tracker):
 
         self.wandb = wandb
         self.run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT, name=str(config.get("name") or run_dir.name),
-            dir=str(run_dir), id=state.get("run_id"), resume="allow", mode=wandb_mode(dict(os.environ)),
-            config=config, settings=wandb.Settings(console="off", x_disable_stats=True),
+            project=os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
+            name=str(config.get("name") or run_dir.name),
+            dir=str(run_dir),
+            id=state.get("run_id"),
+            resume="allow",
+            mode=wandb_mode(dict(os.environ)),
+            config=config,
+            settings=wandb.Settings(console="off", x_disable_stats=True),
         )
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")

@@ -99,7 +99,9 @@ def lora_adapter_state_dict(
             send :func:`policy_state_dict` (merged weights) instead.
     """
     if not isinstance(model, PeftModel):
-        raise ValueError("lora_adapter_state_dict needs a peft LoRA model; send policy_state_dict(model) for full weights")
+        raise ValueError(
+            "lora_adapter_state_dict needs a peft LoRA model; send policy_state_dict(model) for full weights"
+        )
     out: dict[str, torch.Tensor] = {}
     for module_name, module in base_model(model).named_modules():
         if not (hasattr(module, "base_layer") and hasattr(module, "get_delta_weight")):
@@ -121,7 +123,9 @@ def lora_adapter_state_dict(
         lora_b = module.lora_B[adapter].weight
         out[module_name + LORA_A_SUFFIX] = module.lora_A[adapter].weight.detach()
         out[module_name + LORA_B_SUFFIX] = lora_b.detach()
-        out[module_name + LORA_SCALING_SUFFIX] = torch.tensor(module.scaling[adapter], dtype=lora_b.dtype, device=lora_b.device)
+        out[module_name + LORA_SCALING_SUFFIX] = torch.tensor(
+            module.scaling[adapter], dtype=lora_b.dtype, device=lora_b.device
+        )
     if include is not None:
         for name, tensor in base_model(model).state_dict().items():
             if "lora_" not in name and ".base_layer." not in name and include(name):

@@ -128,6 +128,7 @@ for _why in ("checkpoint", "already_covered"):
 OUTCOMES_DRAIN_S = 60.0
 """How long the trainer waits at the end for the prompt source to record its outcomes, seconds."""
 
+
 def trained_message_id(step: int) -> str:
     """Message id of step ``step``'s ``groups.trained``: the same in every announcement of the
     step (also after a resume), so receivers can drop repeats by id."""
@@ -155,7 +156,9 @@ class TrainerProc(Component):
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
         threads = cfg.trainer.num_threads or torch.get_num_threads()
-        self.threads = ThreadPlan(threads, cfg.trainer.idle_threads or threads, cfg.max_async_level, cfg.trainer.max_steps)
+        self.threads = ThreadPlan(
+            threads, cfg.trainer.idle_threads or threads, cfg.max_async_level, cfg.trainer.max_steps
+        )
         """Thread count per micro-batch: more once the producers have nothing left to sample."""
         torch.manual_seed(cfg.trainer.seed)
         # open first: by the time anything is announced, the PUB has long joined the hub
@@ -194,13 +197,28 @@ class TrainerProc(Component):
             self.trainer.before_micro_batch = self.before_micro_batch
         self.saving = BackgroundSave()
         """The periodic checkpoint being written in the background (at most one)."""
-        self.batches = self.reliable_receiver("batches", self.endpoints.address("batches"), bind=False, accept=(MicroBatch,))
-        sender, fallback = build_senders(cfg.broadcast, world_size=1 + cfg.producers.replicas, out_dir=self.weights_dir,
-                                         restarted=self.resumed, bus=BusLink(self.endpoints.address("weights"), self.ctx))
+        self.batches = self.reliable_receiver(
+            "batches", self.endpoints.address("batches"), bind=False, accept=(MicroBatch,)
+        )
+        sender, fallback = build_senders(
+            cfg.broadcast,
+            world_size=1 + cfg.producers.replicas,
+            out_dir=self.weights_dir,
+            restarted=self.resumed,
+            bus=BusLink(self.endpoints.address("weights"), self.ctx),
+        )
         # weights.wanted / weights.group_ack reach the publisher on its own subscriber (trainer.publish)
-        self.publisher = WeightPublisher.for_run(cfg, self.model, sender, fallback, self.control.send, self.dp,
-                                                 former=build_group_former(cfg.broadcast), rejoin=self.resumed,
-                                                 inbox=self.control_subscriber().recv)
+        self.publisher = WeightPublisher.for_run(
+            cfg,
+            self.model,
+            sender,
+            fallback,
+            self.control.send,
+            self.dp,
+            former=build_group_former(cfg.broadcast),
+            rejoin=self.resumed,
+            inbox=self.control_subscriber().recv,
+        )
         sender.open()  # after: close() releases the sender even if the group never forms
 
     # -- resume -----------------------------------------------------------------------------------
@@ -228,8 +246,12 @@ class TrainerProc(Component):
                     "released after training and cannot be re-sent; set trainer.checkpoint_interval > 0 to make "
                     "the trainer restartable"
                 )
-            log.warning("restarted (restart %d, resume %s) with no checkpoint in %s: starting again at step 0",
-                        restarts, resume, self.checkpoint_dir)
+            log.warning(
+                "restarted (restart %d, resume %s) with no checkpoint in %s: starting again at step 0",
+                restarts,
+                resume,
+                self.checkpoint_dir,
+            )
         else:
             state = load_trainer_checkpoint(path, self.trainer)
             self.restored_from = path
@@ -239,15 +261,23 @@ class TrainerProc(Component):
             self.start_step = step
             # --resume: reports of earlier releases may have died in flight too (receivers dedupe by id)
             self.reannounce_from = 0 if resume else int(state.get("released_steps", 0))
-            log.info("resumed from %s at step %d (restart %d, resume %s; weights sent with %s before)",
-                     path, step, restarts, resume, state.get("weight_method", "?"))
+            log.info(
+                "resumed from %s at step %d (restart %d, resume %s; weights sent with %s before)",
+                path,
+                step,
+                restarts,
+                resume,
+                state.get("weight_method", "?"),
+            )
         self.resumed = True
         n = self.start_step
         # metrics: training records are {"step": s + 1}, evals {"step": round} (trainer.observability.eval_log)
         cut = keep_jsonl_records(self.metrics_path, lambda r: keep_metrics_record(r, n, resume=resume))
         cut += keep_jsonl_records(self.samples_path, lambda r: r["step"] < n)
         if cut:
-            log.info("dropped %d records of steps after the checkpoint from metrics.jsonl and trained_samples.jsonl", cut)
+            log.info(
+                "dropped %d records of steps after the checkpoint from metrics.jsonl and trained_samples.jsonl", cut
+            )
 
     def announce_resume(self) -> None:
         """Publish the restored weights as version ``start_step`` and re-announce the groups of
@@ -299,15 +329,28 @@ class TrainerProc(Component):
         ``background``: copy the state now and write it on :attr:`saving`'s thread (released by
         :meth:`settle_saves`); else write it now."""
         model, optimizer, scheduler = self.model, self.trainer.optimizer, self.trainer.scheduler
-        extra = {"policy_version": step, "weight_method": self.publisher.method, "lr_schedule": self.cfg.trainer.optim.scheduler,
-                 "released_steps": self.ledger.covered}
+        extra = {
+            "policy_version": step,
+            "weight_method": self.publisher.method,
+            "lr_schedule": self.cfg.trainer.optim.scheduler,
+            "released_steps": self.ledger.covered,
+        }
         sharded = checkpoint_writer(self.trainer)  # fsdp: every rank writes its shards, now (no thread: collectives)
         release_now, background = background and sharded is not None, background and sharded is None
         state = snapshot_state(model, optimizer, scheduler) if background else None
 
         def write() -> Path:
-            return save_checkpoint(self.checkpoint_dir, step=step, model=model, optimizer=optimizer, extra=extra,
-                                   keep=self.cfg.trainer.checkpoint_keep, scheduler=scheduler, state=state, write_state=sharded)
+            return save_checkpoint(
+                self.checkpoint_dir,
+                step=step,
+                model=model,
+                optimizer=optimizer,
+                extra=extra,
+                keep=self.cfg.trainer.checkpoint_keep,
+                scheduler=scheduler,
+                state=state,
+                write_state=sharded,
+            )
 
         if background:
             self.saving.start(step, write)
@@ -375,8 +418,9 @@ class TrainerProc(Component):
                 lags = step - versions
                 assert lags.max() <= self.cfg.packer.max_off_policy_steps, "the packer let a stale sample through"
                 metrics["weight_sync_s"] = self.publisher.publish(step + 1)
-            self.meter.finished(sum(len(mb.sample_ids) for mb in micro_batches),
-                                sum(int(mb.loss_mask.sum()) for mb in micro_batches))
+            self.meter.finished(
+                sum(len(mb.sample_ids) for mb in micro_batches), sum(int(mb.loss_mask.sum()) for mb in micro_batches)
+            )
             step_s, times = phases.finish(metrics, metrics["weight_sync_s"])
             metrics.update(
                 policy_lag_mean=float(lags.mean()),
@@ -388,14 +432,19 @@ class TrainerProc(Component):
             step += 1
             # records first, checkpoint second: a resume cuts records back to its checkpoint
             report_step(step, max_steps, metrics, self.metrics_file)  # Prometheus, metrics.jsonl, the log line
-            append_jsonl(self.samples_path, {
-                "step": step - 1,
-                "sample_ids": [i for mb in micro_batches for i in mb.sample_ids],
-                "versions": versions.tolist(),
-            })
+            append_jsonl(
+                self.samples_path,
+                {
+                    "step": step - 1,
+                    "sample_ids": [i for mb in micro_batches for i in mb.sample_ids],
+                    "versions": versions.tolist(),
+                },
+            )
             self.commit(step)
             # the message also carries the recent share of each phase, for busctl status
-            self.control.send(TrainerStep(id=new_id(), step=step, version=step, metrics={**metrics, **phases.recent_shares()}))
+            self.control.send(
+                TrainerStep(id=new_id(), step=step, version=step, metrics={**metrics, **phases.recent_shares()})
+            )
         if self.dp is not None:
             self.dp.send_stop()  # the other ranks are done; rank 0 goes on (eval, outcomes, run.done)
         self.publisher.settle()  # the last version reaches the producers before run.done
@@ -404,7 +453,9 @@ class TrainerProc(Component):
         while self.outcomes.unfinished() and time.monotonic() < deadline and not self.stop.is_set():
             time.sleep(0.05)  # run.done only once the ledger has every trained outcome
         if self.outcomes.unfinished():
-            log.warning("%d trained outcome(s) not yet recorded by the prompt source at the end", self.outcomes.unfinished())
+            log.warning(
+                "%d trained outcome(s) not yet recorded by the prompt source at the end", self.outcomes.unfinished()
+            )
         self.control.send(RunDone(id=new_id(), step=step, reason="max_steps"))
         log.info("done: %d steps", step)
 

@@ -70,7 +70,8 @@ BROADCAST_SECONDS = Histogram(
     "Time the trainer thread spends publishing new weights (a broadcast's bytes then move in the background), seconds",
 )
 TRANSFER_SECONDS = Histogram(
-    "rlbus_trainer_weight_transfer_seconds", "Duration of a background weight broadcast, start to every producer received, seconds"
+    "rlbus_trainer_weight_transfer_seconds",
+    "Duration of a background weight broadcast, start to every producer received, seconds",
 )
 BROADCAST_FALLBACKS = Counter(
     "rlbus_trainer_broadcast_fallbacks_total",
@@ -96,8 +97,9 @@ for _method in WEIGHT_METHODS:
     WEIGHT_MEMBERS.labels(method=_method)
 
 
-def weights_payload(model: torch.nn.Module, cfg, version: int, *, adapter: bool,
-                    dp: DataParallel | None = None) -> Mapping[str, torch.Tensor]:
+def weights_payload(
+    model: torch.nn.Module, cfg, version: int, *, adapter: bool, dp: DataParallel | None = None
+) -> Mapping[str, torch.Tensor]:
     """What the producers get as ``version``: the merged full weights of ``model``
     (:func:`trainer.model.policy_state_dict`), or with ``adapter`` only its LoRA adapter
     (:func:`trainer.model.lora_adapter_state_dict`; with the noise scheduler on, the RMSNorm
@@ -115,8 +117,10 @@ def weights_payload(model: torch.nn.Module, cfg, version: int, *, adapter: bool,
     noise = cfg.broadcast.noise_scheduler
     if is_sharded(model):
         if noise.enabled or dp is None:
-            raise ValueError("sharded (trainer.parallel: fsdp) weights are sent without broadcast.noise_scheduler, by rank 0 of "
-                             "the data-parallel group; disable the noise scheduler or use trainer.parallel: ddp")
+            raise ValueError(
+                "sharded (trainer.parallel: fsdp) weights are sent without broadcast.noise_scheduler, by rank 0 of "
+                "the data-parallel group; disable the noise scheduler or use trainer.parallel: ddp"
+            )
         return GatheredWeights(model, dp.send_gather)
     if adapter:
         state = lora_adapter_state_dict(model, include=is_rmsnorm_weight if noise.enabled else None)
@@ -124,8 +128,13 @@ def weights_payload(model: torch.nn.Module, cfg, version: int, *, adapter: bool,
         state = policy_state_dict(model)
     if not noise.enabled:
         return state
-    sigma = qerl_noise_sigma(version, cfg.trainer.max_steps, sigma_start=noise.sigma_start,
-                             sigma_end=noise.sigma_end, num_stages=noise.num_stages)
+    sigma = qerl_noise_sigma(
+        version,
+        cfg.trainer.max_steps,
+        sigma_start=noise.sigma_start,
+        sigma_end=noise.sigma_end,
+        num_stages=noise.num_stages,
+    )
     return with_rmsnorm_noise(state, sigma, seed=noise.seed, version=version)
 
 
@@ -159,11 +168,20 @@ class WeightPublisher:
             is taken into a new group once it shows it is alive (see the module docstring).
     """
 
-    def __init__(self, sender: WeightSender, fallback: WeightSender | None, announce: Callable[[Message], None],
-                 payload: Callable[..., Mapping[str, torch.Tensor]], *, adapter: bool,
-                 dtype: torch.dtype | None = None, former: GroupFormer | None = None,
-                 members: Sequence[str] = (), inbox: Callable[[float], Message | None] | None = None,
-                 rejoin: bool = False) -> None:
+    def __init__(
+        self,
+        sender: WeightSender,
+        fallback: WeightSender | None,
+        announce: Callable[[Message], None],
+        payload: Callable[..., Mapping[str, torch.Tensor]],
+        *,
+        adapter: bool,
+        dtype: torch.dtype | None = None,
+        former: GroupFormer | None = None,
+        members: Sequence[str] = (),
+        inbox: Callable[[float], Message | None] | None = None,
+        rejoin: bool = False,
+    ) -> None:
         self.sender, self.fallback = sender, fallback
         self.filesystem = fallback
         """The fallback sender (kept for the producers moved to it after a failed re-form)."""
@@ -194,20 +212,36 @@ class WeightPublisher:
         self._count_members()
 
     @classmethod
-    def for_run(cls, cfg, model: torch.nn.Module, sender: WeightSender, fallback: WeightSender | None,
-                announce: Callable[[Message], None], dp: DataParallel | None = None, *,
-                former: GroupFormer | None = None, inbox: Callable[[float], Message | None] | None = None,
-                rejoin: bool = False) -> "WeightPublisher":
+    def for_run(
+        cls,
+        cfg,
+        model: torch.nn.Module,
+        sender: WeightSender,
+        fallback: WeightSender | None,
+        announce: Callable[[Message], None],
+        dp: DataParallel | None = None,
+        *,
+        former: GroupFormer | None = None,
+        inbox: Callable[[float], Message | None] | None = None,
+        rejoin: bool = False,
+    ) -> "WeightPublisher":
         """The publisher of a run (``cfg``: its ``RunConfig``) whose payloads are ``model``'s weights
         (:func:`weights_payload`; gathered with the ranks of ``dp`` when sharded), adapters where
         ``trainer.lora.enabled`` and ``broadcast.lora_payload: adapter``, sent in the producers' dtype
         (:func:`weights_dtype`). ``former``/``inbox``/``rejoin``: as for the constructor; a sharded
         model gets no former (its payload is gathered with every rank, once per publication)."""
-        return cls(sender, fallback, announce,
-                   lambda version, adapter: weights_payload(model, cfg, version, adapter=adapter, dp=dp),
-                   adapter=cfg.trainer.lora.enabled and cfg.broadcast.lora_payload == "adapter",
-                   dtype=weights_dtype(cfg), former=None if is_sharded(model) else former,
-                   members=[f"producer-{i}" for i in range(cfg.producers.replicas)], inbox=inbox, rejoin=rejoin)
+        return cls(
+            sender,
+            fallback,
+            announce,
+            lambda version, adapter: weights_payload(model, cfg, version, adapter=adapter, dp=dp),
+            adapter=cfg.trainer.lora.enabled and cfg.broadcast.lora_payload == "adapter",
+            dtype=weights_dtype(cfg),
+            former=None if is_sharded(model) else former,
+            members=[f"producer-{i}" for i in range(cfg.producers.replicas)],
+            inbox=inbox,
+            rejoin=rejoin,
+        )
 
     @property
     def method(self) -> str:
@@ -328,8 +362,9 @@ class WeightPublisher:
             self._tried[producer] = self.last_version
         if self.sender is not self.filesystem:
             self.sender.close()  # the old group: every member leaves it for the new one
-        sender, self.membership, attempts = self.former.form(self.membership.next(add=joining),
-                                                             self._announce_group, self._acked)
+        sender, self.membership, attempts = self.former.form(
+            self.membership.next(add=joining), self._announce_group, self._acked
+        )
         for attempt in attempts:
             GROUP_REFORMS.labels(outcome="ok" if attempt.ok else "failed").inc()
         self._read_inbox()  # a member's request sent before it acknowledged this group is answered by it
@@ -346,16 +381,29 @@ class WeightPublisher:
         acknowledge and move to the filesystem method) and re-send it; without a group former,
         fall back for the rest of the run."""
         if self.former is not None and self.sender is not self.filesystem:
-            log.error("%s of weights version %d failed (%s: %s); re-forming the weight group", self.sender.method,
-                      version, type(exc).__name__, exc)
+            log.error(
+                "%s of weights version %d failed (%s: %s); re-forming the weight group",
+                self.sender.method,
+                version,
+                type(exc).__name__,
+                exc,
+            )
             self._regroup(version, payload)
             return
         self._fall_back(version, exc)
         self._publish(version, self._payload(version) if payload is None else payload)
 
     def _announce_group(self, membership: Membership, host: str, port: int) -> None:
-        self._send_message(WeightGroup(id=new_id(), generation=membership.generation, host=host, port=port,
-                                       members=list(membership.members), filesystem=list(membership.filesystem)))
+        self._send_message(
+            WeightGroup(
+                id=new_id(),
+                generation=membership.generation,
+                host=host,
+                port=port,
+                members=list(membership.members),
+                filesystem=list(membership.filesystem),
+            )
+        )
 
     def _count_members(self) -> None:
         counts = dict.fromkeys(WEIGHT_METHODS, 0)
@@ -393,16 +441,30 @@ class WeightPublisher:
         self._fs_last = self.filesystem.publish(state, version, self._announce, build_manifest(state, self.dtype))
 
     def _announce(self, info: dict) -> None:
-        self._send_message(WeightsReady(id=new_id(), version=info["version"], method=info["method"],
-                                        manifest=info["manifest"], path=info["path"] or "", num_bytes=info["num_bytes"]))
+        self._send_message(
+            WeightsReady(
+                id=new_id(),
+                version=info["version"],
+                method=info["method"],
+                manifest=info["manifest"],
+                path=info["path"] or "",
+                num_bytes=info["num_bytes"],
+            )
+        )
 
     def _fall_back(self, version: int, exc: BaseException) -> None:
         """Replace the failed sender by the fallback for the rest of the run (``version``: the
         version whose transfer failed, for the log)."""
         assert self.fallback is not None
         BROADCAST_FALLBACKS.inc()
-        log.error("%s of weights version %d failed (%s: %s); sending weights through %s from now on",
-                  self.sender.method, version, type(exc).__name__, exc, self.fallback)
+        log.error(
+            "%s of weights version %d failed (%s: %s); sending weights through %s from now on",
+            self.sender.method,
+            version,
+            type(exc).__name__,
+            exc,
+            self.fallback,
+        )
         broken, self.sender, self.fallback = self.sender, self.fallback, None
         broken.close()
         self._count_members()

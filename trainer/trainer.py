@@ -132,7 +132,8 @@ class Trainer:
         needs_reference = self.loss_spec.kl_tau > 0 and self.loss_spec.kl_reference == "reference"
         self.reference = (
             ReferencePolicy(model, share_prefixes=cfg.share_prefixes, head_dtype=cfg.lm_head_dtype)
-            if needs_reference else None
+            if needs_reference
+            else None
         )
         """The frozen start policy of the KL penalty, built before any step (None: not used)."""
         self.precision = PrecisionPolicy.from_name(cfg.dtype)
@@ -195,8 +196,12 @@ class Trainer:
         mask = np.asarray(mb.loss_mask, dtype=bool)
         teacher = mb.teacher_logprobs if len(mb.teacher_logprobs) else None
         norm = StepNorm(loss_tokens=mb.step_loss_tokens, num_samples=mb.step_samples, max_tokens=self.max_tokens)
-        check_loss_inputs(mask, lens, norm, {"sampler_logprobs": mb.sampler_logprobs, "advantages": mb.advantages,
-                                             "teacher_logprobs": teacher})
+        check_loss_inputs(
+            mask,
+            lens,
+            norm,
+            {"sampler_logprobs": mb.sampler_logprobs, "advantages": mb.advantages, "teacher_logprobs": teacher},
+        )
         host_stats = host_micro_stats(mb)
         loss_mask = to_device(mask, device)
         sampler_logprobs = to_device(mb.sampler_logprobs, device, torch.float32)
@@ -225,7 +230,9 @@ class Trainer:
         marks.mark()
         diff = (train_logprobs.detach() - sampler_logprobs).abs()
         device_stats["loss"] = loss.detach()
-        device_stats["onpolicy_lp_diff_max"] = torch.where(on_policy, diff, 0.0).amax() if len(diff) else diff.new_zeros(())
+        device_stats["onpolicy_lp_diff_max"] = (
+            torch.where(on_policy, diff, 0.0).amax() if len(diff) else diff.new_zeros(())
+        )
         host_stats["decoder_tokens"] = self._packed().stats["decoder_tokens"]
         return device_stats, host_stats
 
@@ -266,13 +273,19 @@ class Trainer:
         """
         self.dp = dp
         if self.cfg.parallel == "fsdp":
+
             def build() -> torch.optim.Optimizer:  # scheduled before the state load: its groups have initial_lr too
                 optimizer = build_optimizer(self.model, self.cfg)
                 self.scheduler = rebind_lr_scheduler(self.scheduler, optimizer, self.cfg.optim, self.cfg.max_steps)
                 return optimizer
 
             self.optimizer = shard_keeping_optimizer_state(
-                self.logprobs, self.optimizer, build, dp.device, dp.world_size, bfloat16=self.cfg.dtype == "bfloat16",
+                self.logprobs,
+                self.optimizer,
+                build,
+                dp.device,
+                dp.world_size,
+                bfloat16=self.cfg.dtype == "bfloat16",
             )
         else:
             self.logprobs = dp.wrap(self.logprobs)
@@ -357,7 +370,9 @@ class Trainer:
         self.phase_s = dict.fromkeys(self.phase_s, 0.0)
         self.optimizer.zero_grad(set_to_none=True)
         marks = PhaseMarks(self._device())
-        queued: list[tuple[dict[str, torch.Tensor], dict[str, float]]] = []  # (device stats, host stats) per micro-batch
+        queued: list[
+            tuple[dict[str, torch.Tensor], dict[str, float]]
+        ] = []  # (device stats, host stats) per micro-batch
         last = len(micro_batches) - 1
         for k, mb in enumerate(micro_batches):
             if self.before_micro_batch is not None:
@@ -371,7 +386,9 @@ class Trainer:
         optimizing = marks.mark()
         grad_norm = clip_grad_norm(params, self.cfg.optim.max_grad_norm)  # over the shards with fsdp
         totals: dict[str, float] = {}
-        read = read_back([device_stats for device_stats, _host in queued])  # the step's one read-back of the micro-batches' stats
+        read = read_back(
+            [device_stats for device_stats, _host in queued]
+        )  # the step's one read-back of the micro-batches' stats
         for (_device, host_stats), device_stats in zip(queued, read):
             stats = {**host_stats, **device_stats}
             stats["non_finite_losses"] = float(not math.isfinite(stats["loss"]))
@@ -394,10 +411,17 @@ class Trainer:
             SKIPPED_STEPS.labels(reason=reason).inc()
             log.warning(
                 "step %s: skipped the optimizer step (%s: loss %s, grad norm %s); weights unchanged",
-                real[0].step if real else "?", reason, totals.get("loss"), grad_norm,
+                real[0].step if real else "?",
+                reason,
+                totals.get("loss"),
+                grad_norm,
             )
-        with warnings.catch_warnings():  # a skipped FIRST step: torch warns that optimizer.step() never ran; by design here
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
+        with (
+            warnings.catch_warnings()
+        ):  # a skipped FIRST step: torch warns that optimizer.step() never ran; by design here
+            warnings.filterwarnings(
+                "ignore", message="Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`"
+            )
             self.scheduler.step()  # skipped steps too: the rate is a function of the step (module docstring)
         self.phase_s["optimizer"] = marks.seconds(optimizing, marks.mark())
         for first in range(0, optimizing, 3):  # three marks per micro-batch or padding slot

@@ -72,6 +72,13 @@ class LocalLauncher:
         env = {k: v for k, v in env.items() if k not in (ENV_SPAWN_ID, ENV_NODE_ADDRESS)}
         if self.node_address:
             env[ENV_NODE_ADDRESS] = self.node_address
-        popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                 cwd=os.getcwd(), start_new_session=True)
+        popen = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=os.getcwd(),
+            start_new_session=True,
+        )
         return LocalProcess(popen, socket.gethostname())

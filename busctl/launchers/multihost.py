@@ -25,8 +25,9 @@ BROADCAST_PORT_OFFSET = 7
 (an offset no topic uses, :mod:`bus.topics`)."""
 
 
-def configure_multihost(cfg: RunConfig, alloc: Allocation, resolve: Callable[[str], str], supervisor_host: str,
-                        here: str) -> None:
+def configure_multihost(
+    cfg: RunConfig, alloc: Allocation, resolve: Callable[[str], str], supervisor_host: str, here: str
+) -> None:
     """Write the multi-node settings (module docstring) into ``cfg``.
 
     Args:
@@ -44,8 +45,12 @@ def configure_multihost(cfg: RunConfig, alloc: Allocation, resolve: Callable[[st
         cfg.broadcast.port = cfg.bus.base_port + BROADCAST_PORT_OFFSET
     if not cfg.bus.curve_keys_dir:
         keys = (Path(cfg.run_dir) / "curve_keys").resolve()
-        if not (keys / "server.key_secret").exists() or not (keys / "tls").exists():  # tls/: a run from before metrics TLS
+        if (
+            not (keys / "server.key_secret").exists() or not (keys / "tls").exists()
+        ):  # tls/: a run from before metrics TLS
             keys.parent.mkdir(parents=True, exist_ok=True)
-            nodes = {n: resolve(n) for group in alloc.groups for n in group} | {supervisor_host: resolve(supervisor_host)}
+            nodes = {n: resolve(n) for group in alloc.groups for n in group} | {
+                supervisor_host: resolve(supervisor_host)
+            }
             create_keys(keys, hosts=node_hosts(nodes))  # one metrics server certificate per node, naming its address
         cfg.bus.curve_keys_dir, cfg.bus.curve_client = str(keys), "components"

@@ -26,8 +26,15 @@ from typing import Callable
 HET_GROUPS = ("inference", "trainer", "cpu")
 """The het-job components ``busctl sbatch`` writes, in order (het group 0, 1, 2)."""
 
-BINDERS = {"control_pub": "hub", "control_sub": "hub", "prompts": "prompt-source", "outcomes": "prompt-source",
-           "scored": "packer", "batches": "packer", "weights": "trainer"}
+BINDERS = {
+    "control_pub": "hub",
+    "control_sub": "hub",
+    "prompts": "prompt-source",
+    "outcomes": "prompt-source",
+    "scored": "packer",
+    "batches": "packer",
+    "weights": "trainer",
+}
 """Endpoint -> the role that binds it (besides ``rollouts-I``: producer I; ``supervisor``: busctl)."""
 
 
@@ -55,8 +62,10 @@ class Allocation:
         if not self.groups or any(not g for g in self.groups):
             raise ValueError(f"an allocation needs at least one node in every group, got {self.groups}")
         if len(self.groups) not in (1, len(HET_GROUPS)):
-            raise ValueError(f"a heterogeneous job needs {len(HET_GROUPS)} components ({', '.join(HET_GROUPS)}), "
-                             f"got {len(self.groups)}")
+            raise ValueError(
+                f"a heterogeneous job needs {len(HET_GROUPS)} components ({', '.join(HET_GROUPS)}), "
+                f"got {len(self.groups)}"
+            )
 
     @property
     def heterogeneous(self) -> bool:
@@ -91,8 +100,9 @@ def plan_nodes(alloc: Allocation, role: str, index: int = 0) -> Slot:
     return Slot(nodes[0])
 
 
-def address_map(alloc: Allocation, max_producers: int, supervisor_host: str,
-                resolve: Callable[[str], str] = lambda node: node) -> dict[str, str]:
+def address_map(
+    alloc: Allocation, max_producers: int, supervisor_host: str, resolve: Callable[[str], str] = lambda node: node
+) -> dict[str, str]:
     """``bus.hosts`` of a run on ``alloc``: endpoint key -> address of the node that binds it.
 
     Args:

@@ -73,7 +73,6 @@ SUSPECT_S = 60.0
 node that just died as alive, for up to its health-check timeout)."""
 
 
-
 def allocation_from_ray_nodes(nodes: list[dict[str, Any]], head: str) -> Allocation:
     """The :class:`Allocation` of the alive nodes of ``ray.nodes()`` (rules: the module docstring).
 
@@ -94,8 +93,11 @@ def allocation_from_ray_nodes(nodes: list[dict[str, Any]], head: str) -> Allocat
         return Allocation((tuple(n["NodeID"] for n in alive),))
     fallback = head if any(n["NodeID"] == head for n in alive) else alive[0]["NodeID"]
     offers = {n["NodeID"]: set(n.get("Resources", {})) for n in alive}
-    groups = [tuple(i for i, r in offers.items() if "producer" in r), tuple(i for i, r in offers.items() if "trainer" in r),
-              tuple(i for i, r in offers.items() if "rewards" in r or not r & {"producer", "trainer"})]
+    groups = [
+        tuple(i for i, r in offers.items() if "producer" in r),
+        tuple(i for i, r in offers.items() if "trainer" in r),
+        tuple(i for i, r in offers.items() if "rewards" in r or not r & {"producer", "trainer"}),
+    ]
     groups = [g or (fallback,) for g in groups]
     return Allocation(tuple(groups))
 
@@ -113,8 +115,15 @@ class ComponentActor:
     def __init__(self) -> None:
         self.popen: subprocess.Popen | None = None
 
-    def start(self, cmd: list[str], env: dict[str, str], cwd: str, log_path: str, files: dict[str, tuple[bytes, int]],
-              gpus: int) -> str:
+    def start(
+        self,
+        cmd: list[str],
+        env: dict[str, str],
+        cwd: str,
+        log_path: str,
+        files: dict[str, tuple[bytes, int]],
+        gpus: int,
+    ) -> str:
         """Write ``files`` (absolute path -> (content, mode); rewritten only when different,
         atomically), then start ``cmd`` in a new session with ``env`` (plus Ray's
         ``CUDA_VISIBLE_DEVICES`` when ``gpus``, and ``RLBUS_NODE_ADDRESS``: the node's address),
@@ -143,8 +152,15 @@ class ComponentActor:
         env = {**env, ENV_NODE_ADDRESS: address}  # metrics served where the head node reaches them
         with open(log_path, "ab", buffering=0) as log:
             log.write(f"===== ray node {ray.get_runtime_context().get_node_id()} ({address}) =====\n".encode())
-            self.popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                          cwd=cwd, start_new_session=True)
+            self.popen = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+            )
         return address
 
     def poll(self) -> int | None:
@@ -194,7 +210,9 @@ class RayComponent:
         try:
             answer = ray.get(ref)
         except ray.exceptions.RayError as err:  # the actor or its node died (or it never started): so did the component
-            log.warning("ray: the actor of spawn %d on node %s ended: %s", self.pid, self.node[:12], str(err).splitlines()[0])
+            log.warning(
+                "ray: the actor of spawn %d on node %s ended: %s", self.pid, self.node[:12], str(err).splitlines()[0]
+            )
             answer = ACTOR_DIED
             self.on_death(self.node)
         if not self._started and isinstance(answer, str):
@@ -256,8 +274,10 @@ class RayLauncher:
         try:
             return cls(address)
         except (ConnectionError, RuntimeError, ValueError) as err:
-            raise ConfigError(f"busctl up --launcher ray: cannot connect to the Ray cluster at {address!r} ({err}); "
-                              "start one with `ray start --head`") from None
+            raise ConfigError(
+                f"busctl up --launcher ray: cannot connect to the Ray cluster at {address!r} ({err}); "
+                "start one with `ray start --head`"
+            ) from None
 
     def nodes(self) -> tuple[Allocation, dict[str, str]]:
         """The allocation of the alive nodes now (less those where an actor died within
@@ -267,7 +287,9 @@ class RayLauncher:
         nodes = ray.nodes()
         now = time.monotonic()
         trusted = [n for n in nodes if now - self.suspects.get(n["NodeID"], -SUSPECT_S) >= SUSPECT_S and n.get("Alive")]
-        return allocation_from_ray_nodes(trusted or nodes, self.head), {n["NodeID"]: n["NodeManagerAddress"] for n in nodes}
+        return allocation_from_ray_nodes(trusted or nodes, self.head), {
+            n["NodeID"]: n["NodeManagerAddress"] for n in nodes
+        }
 
     def suspect(self, node: str) -> None:
         """An actor on ``node`` died: plan around the node for :data:`SUSPECT_S` seconds."""
@@ -284,9 +306,14 @@ class RayLauncher:
         """The node plan as ``#`` lines (for the console)."""
         alloc, addresses = self.nodes()
         roles = ["hub", "packer", "prompt-source", "trainer", "producer", "rewards"]
-        return "\n".join([f"# ray: {len(addresses)} node(s)"] + [
-            f"#   {r}{'-0' if r in ('producer', 'rewards') else ''}: node {plan_nodes(alloc, r).node[:12]} "
-            f"({addresses.get(plan_nodes(alloc, r).node)})" for r in roles])
+        return "\n".join(
+            [f"# ray: {len(addresses)} node(s)"]
+            + [
+                f"#   {r}{'-0' if r in ('producer', 'rewards') else ''}: node {plan_nodes(alloc, r).node[:12]} "
+                f"({addresses.get(plan_nodes(alloc, r).node)})"
+                for r in roles
+            ]
+        )
 
     def place(self, spec: ComponentSpec) -> str:
         """Choose the node of ``spec``'s next spawn (:func:`pinned_node` over the alive nodes now)
@@ -305,8 +332,12 @@ class RayLauncher:
         if self.keys_dir:
             for p in Path(self.keys_dir).resolve().rglob("*"):
                 crt = p.with_suffix(".crt")
-                if p.parent.name == HOSTS_DIR and p.suffix == ".key" and address is not None \
-                        and not (crt.is_file() and address in certificate_names(crt)):
+                if (
+                    p.parent.name == HOSTS_DIR
+                    and p.suffix == ".key"
+                    and address is not None
+                    and not (crt.is_file() and address in certificate_names(crt))
+                ):
                     continue
                 if p.is_file():
                     out[str(p)] = (p.read_bytes(), 0o600 if p.name.endswith("_secret") else 0o644)
@@ -322,8 +353,12 @@ class RayLauncher:
         env = {**env, ENV_SPAWN_ID: str(spawn_id)}
         gpus = len([d for d in env.pop(ENV_CUDA_DEVICES, "").split(",") if d])  # Ray hands out the node's GPUs
         actor = self.actor_class.options(
-            name=f"rlbus-{spec.name}-{spawn_id}", num_gpus=gpus,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+            name=f"rlbus-{spec.name}-{spawn_id}",
+            num_gpus=gpus,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+        ).remote()
         files = self.files(address)  # this node's metrics server key only
         started = actor.start.remote(cmd, env, os.getcwd(), str(Path(log.name).resolve()), files, gpus)
-        return RayComponent(actor, spawn_id, node, started, self.suspect)  # never waits: a failed start is an exit (poll)
+        return RayComponent(
+            actor, spawn_id, node, started, self.suspect
+        )  # never waits: a failed start is an exit (poll)

@@ -29,8 +29,14 @@ def _component(nodes: int, gpus: int, partition: str) -> list[str]:
     return lines
 
 
-def sbatch_script(cfg: RunConfig, config_path: str | None, overrides: list[str], python: str = sys.executable,
-                  workdir: str | Path | None = None, overwrite: bool = False) -> str:
+def sbatch_script(
+    cfg: RunConfig,
+    config_path: str | None,
+    overrides: list[str],
+    python: str = sys.executable,
+    workdir: str | Path | None = None,
+    overwrite: bool = False,
+) -> str:
     """The batch script of ``cfg`` (see the module docstring).
 
     Args:
@@ -47,10 +53,17 @@ def sbatch_script(cfg: RunConfig, config_path: str | None, overrides: list[str],
     s = cfg.slurm
     het = [s.inference_nodes, s.trainer_nodes, s.cpu_nodes]
     if any(het) and not all(het):
-        raise ValueError(f"slurm.inference_nodes, trainer_nodes and cpu_nodes: all three > 0 for a heterogeneous job, or "
-                         f"all 0 for a plain one; got {het}")
-    head = ["#!/bin/bash", f"#SBATCH --job-name=rlbus-{cfg.name}", f"#SBATCH --time={s.time}",
-            f"#SBATCH --output={Path(cfg.run_dir).resolve()}-slurm-%j.out", *(f"#SBATCH {a}" for a in s.sbatch_args)]
+        raise ValueError(
+            f"slurm.inference_nodes, trainer_nodes and cpu_nodes: all three > 0 for a heterogeneous job, or "
+            f"all 0 for a plain one; got {het}"
+        )
+    head = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name=rlbus-{cfg.name}",
+        f"#SBATCH --time={s.time}",
+        f"#SBATCH --output={Path(cfg.run_dir).resolve()}-slurm-%j.out",
+        *(f"#SBATCH {a}" for a in s.sbatch_args),
+    ]
     if all(het):
         gpus = [s.gpus_per_node, s.gpus_per_node, 0]
         parts = [_component(n, g, s.partition) for n, g in zip(het, gpus)]
@@ -59,7 +72,25 @@ def sbatch_script(cfg: RunConfig, config_path: str | None, overrides: list[str],
     else:
         body = _component(s.nodes, s.gpus_per_node, s.partition)
         what = f"plain job: {s.nodes} node(s)"
-    args = [python, "-m", "busctl", "up", "--launcher", "slurm", *(["--overwrite"] if overwrite else []),
-            *([config_path] if config_path else []), *overrides]
-    return "\n".join([*head, *body, f"# written by busctl sbatch; {what}", "set -euo pipefail",
-                      f"cd {shlex.quote(str(Path(workdir or Path.cwd()).resolve()))}", shlex.join(args), ""])
+    args = [
+        python,
+        "-m",
+        "busctl",
+        "up",
+        "--launcher",
+        "slurm",
+        *(["--overwrite"] if overwrite else []),
+        *([config_path] if config_path else []),
+        *overrides,
+    ]
+    return "\n".join(
+        [
+            *head,
+            *body,
+            f"# written by busctl sbatch; {what}",
+            "set -euo pipefail",
+            f"cd {shlex.quote(str(Path(workdir or Path.cwd()).resolve()))}",
+            shlex.join(args),
+            "",
+        ]
+    )

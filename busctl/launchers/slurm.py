@@ -55,11 +55,20 @@ from busctl.component_table import ComponentSpec, signal_group
 from busctl.launchers.local import LocalProcess
 from busctl.launchers.multihost import configure_multihost
 from busctl.launchers.nodes import HET_GROUPS, Allocation, NodeLost, Slot, plan_nodes
-from busctl.launchers.slurm_state import SLURM_TIMEOUT_S, SlurmUnavailable, cancel_step, job_state, node_dead, node_state, step_ids
+from busctl.launchers.slurm_state import (
+    SLURM_TIMEOUT_S,
+    SlurmUnavailable,
+    cancel_step,
+    job_state,
+    node_dead,
+    node_state,
+    step_ids,
+)
 from busctl.placement import ENV_CUDA_DEVICES
 from configs.schema import ConfigError, RunConfig
 
 log = logging.getLogger(__name__)
+
 
 def expand_nodelist(nodelist: str, run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> list[str]:
     """Host names of a Slurm node list (``"gpu[01-03],cpu1"``), by ``scontrol show hostnames``.
@@ -76,7 +85,9 @@ def expand_nodelist(nodelist: str, run: Callable[..., subprocess.CompletedProces
     return names
 
 
-def allocation_from_environ(environ: Mapping[str, str], expand: Callable[[str], list[str]] = expand_nodelist) -> Allocation:
+def allocation_from_environ(
+    environ: Mapping[str, str], expand: Callable[[str], list[str]] = expand_nodelist
+) -> Allocation:
     """The :class:`Allocation` of the job ``busctl`` runs in.
 
     Raises:
@@ -84,22 +95,41 @@ def allocation_from_environ(environ: Mapping[str, str], expand: Callable[[str], 
             heterogeneous job without exactly the three components ``busctl sbatch`` writes.
     """
     if "SLURM_JOB_ID" not in environ or "SLURM_JOB_NODELIST" not in environ:
-        raise ConfigError("busctl up --launcher slurm runs inside a Slurm allocation (salloc, or a batch script from "
-                          "`busctl sbatch CONFIG`): SLURM_JOB_ID / SLURM_JOB_NODELIST are not set")
+        raise ConfigError(
+            "busctl up --launcher slurm runs inside a Slurm allocation (salloc, or a batch script from "
+            "`busctl sbatch CONFIG`): SLURM_JOB_ID / SLURM_JOB_NODELIST are not set"
+        )
     het = sorted(k for k in environ if k.startswith("SLURM_JOB_NODELIST_HET_GROUP_"))
     if not het:
         return Allocation((tuple(expand(environ["SLURM_JOB_NODELIST"])),))
     if len(het) != len(HET_GROUPS):
-        raise ConfigError(f"a heterogeneous job for busctl has {len(HET_GROUPS)} components ({', '.join(HET_GROUPS)}); "
-                          f"this one has {len(het)} ({', '.join(het)}): write the script with `busctl sbatch`")
-    return Allocation(tuple(tuple(expand(environ[f"SLURM_JOB_NODELIST_HET_GROUP_{k}"])) for k in range(len(HET_GROUPS))))
+        raise ConfigError(
+            f"a heterogeneous job for busctl has {len(HET_GROUPS)} components ({', '.join(HET_GROUPS)}); "
+            f"this one has {len(het)} ({', '.join(het)}): write the script with `busctl sbatch`"
+        )
+    return Allocation(
+        tuple(tuple(expand(environ[f"SLURM_JOB_NODELIST_HET_GROUP_{k}"])) for k in range(len(HET_GROUPS)))
+    )
 
 
-def srun_command(spec: ComponentSpec, cmd: list[str], node: str, het_group: int | None, gpus: int, spawn_id: int) -> list[str]:
+def srun_command(
+    spec: ComponentSpec, cmd: list[str], node: str, het_group: int | None, gpus: int, spawn_id: int
+) -> list[str]:
     """The ``srun`` line that runs ``cmd`` as one step on ``node`` (see the module docstring)."""
-    return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--overlap", "--kill-on-bad-exit=1", "--export=ALL",
-            f"--job-name=rlbus-{spec.name}-{spawn_id}", f"--chdir={os.getcwd()}",
-            *([f"--het-group={het_group}"] if het_group is not None else []), *([f"--gpus={gpus}"] if gpus else []), *cmd]
+    return [
+        "srun",
+        "--nodes=1",
+        "--ntasks=1",
+        f"--nodelist={node}",
+        "--overlap",
+        "--kill-on-bad-exit=1",
+        "--export=ALL",
+        f"--job-name=rlbus-{spec.name}-{spawn_id}",
+        f"--chdir={os.getcwd()}",
+        *([f"--het-group={het_group}"] if het_group is not None else []),
+        *([f"--gpus={gpus}"] if gpus else []),
+        *cmd,
+    ]
 
 
 _PRCTL = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # resolved here: the forked child must not dlopen
@@ -110,11 +140,13 @@ def die_with_busctl(parent_pid: int) -> Callable[[], None]:
     Linux; kept across ``exec`` as ``srun`` is not set-uid). The parent is the *thread* that
     spawned it (busctl's supervisor thread, which lives as long as the run). A parent already gone
     before the ``prctl`` is caught by comparing ``getppid()`` with ``parent_pid``."""
+
     def arm() -> None:
         if _PRCTL is not None:  # Linux
             _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
         if os.getppid() != parent_pid:
             os.kill(os.getpid(), signal.SIGTERM)
+
     return arm
 
 
@@ -127,7 +159,9 @@ class SlurmStep(LocalProcess):
         step_name: its ``--job-name``. job: the Slurm job id (None: any job's step of that name).
     """
 
-    def __init__(self, popen: subprocess.Popen, spawn_id: int, node: str, step_name: str, job: str | None = None) -> None:
+    def __init__(
+        self, popen: subprocess.Popen, spawn_id: int, node: str, step_name: str, job: str | None = None
+    ) -> None:
         super().__init__(popen, node)
         self.pid = spawn_id
         self.step_name = step_name
@@ -157,8 +191,13 @@ class SlurmStep(LocalProcess):
             for step in steps:
                 cancel_step(step, signal.Signals(sig).name.removeprefix("SIG"))
         except SlurmUnavailable as err:
-            log.warning("%s of %s: %s; signalling its srun (pid %d) instead", signal.Signals(sig).name, self.step_name,
-                        err, self.popen.pid)
+            log.warning(
+                "%s of %s: %s; signalling its srun (pid %d) instead",
+                signal.Signals(sig).name,
+                self.step_name,
+                err,
+                self.popen.pid,
+            )
             fallback = True
         if fallback:
             signal_group(self.popen.pid, sig)
@@ -178,7 +217,9 @@ class SlurmLauncher:
 
     name = "slurm"
 
-    def __init__(self, alloc: Allocation, resolve: Callable[[str], str] = socket.gethostbyname, job: str | None = None) -> None:
+    def __init__(
+        self, alloc: Allocation, resolve: Callable[[str], str] = socket.gethostbyname, job: str | None = None
+    ) -> None:
         self.alloc = alloc
         self.resolve = resolve
         self.job = job
@@ -206,8 +247,13 @@ class SlurmLauncher:
     def describe(self) -> str:
         """The node plan as ``#`` lines (for the console and ``--dry-run``)."""
         roles = ["hub", "packer", "prompt-source", "trainer", "producer", "rewards"]
-        return "\n".join([f"# slurm: nodes {[list(g) for g in self.alloc.groups]}"] +
-                         [f"#   {r}{'-0' if r in ('producer', 'rewards') else ''}: {plan_nodes(self.alloc, r).node}" for r in roles])
+        return "\n".join(
+            [f"# slurm: nodes {[list(g) for g in self.alloc.groups]}"]
+            + [
+                f"#   {r}{'-0' if r in ('producer', 'rewards') else ''}: {plan_nodes(self.alloc, r).node}"
+                for r in roles
+            ]
+        )
 
     def live_allocation(self) -> Allocation:
         """:attr:`alloc` without the :attr:`dead` nodes.
@@ -219,8 +265,10 @@ class SlurmLauncher:
         for k, (group, live) in enumerate(zip(self.alloc.groups, groups)):
             if not live:
                 what = f"het group {k} ({HET_GROUPS[k]})" if self.alloc.heterogeneous else "the allocation"
-                raise NodeLost(f"node {', '.join(sorted(self.dead & set(group)))} of {what} is down and {what} has no "
-                               f"live node left to place its components on")
+                raise NodeLost(
+                    f"node {', '.join(sorted(self.dead & set(group)))} of {what} is down and {what} has no "
+                    f"live node left to place its components on"
+                )
         return Allocation(groups)
 
     def slot(self, spec: ComponentSpec) -> Slot:
@@ -252,8 +300,10 @@ class SlurmLauncher:
                     node_says = "+".join(sorted(node_state(node, tries=1)))
                 except SlurmUnavailable:
                     node_says = "state unknown"
-                raise NodeLost(f"Slurm job {self.job} is {state} (node {node} of {spec.name}: {node_says}): "
-                               "the allocation is gone, no component can be restarted")
+                raise NodeLost(
+                    f"Slurm job {self.job} is {state} (node {node} of {spec.name}: {node_says}): "
+                    "the allocation is gone, no component can be restarted"
+                )
             states = node_state(node)
         except SlurmUnavailable as err:
             log.warning("cannot check node %s of %s: %s", node, spec.name, err)
@@ -273,6 +323,14 @@ class SlurmLauncher:
         if devices:  # Slurm hands out (and numbers) the node's GPUs itself
             del env[ENV_CUDA_DEVICES]
         step = srun_command(spec, cmd, slot.node, slot.het_group, len(devices), spawn_id)
-        popen = subprocess.Popen(step, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                 cwd=os.getcwd(), start_new_session=True, preexec_fn=die_with_busctl(os.getpid()))
+        popen = subprocess.Popen(
+            step,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=os.getcwd(),
+            start_new_session=True,
+            preexec_fn=die_with_busctl(os.getpid()),
+        )
         return SlurmStep(popen, spawn_id, slot.node, f"rlbus-{spec.name}-{spawn_id}", self.job)

@@ -46,9 +46,14 @@ class SlurmUnavailable(RuntimeError):
     """A Slurm client failed every try: its answer is unknown (the message says which and why)."""
 
 
-def slurm_call(args: list[str], *, tries: int = QUERY_TRIES, retry_s: float = QUERY_RETRY_S,
-               accept: Callable[[subprocess.CompletedProcess], bool] = lambda out: out.returncode == 0,
-               run: Runner = subprocess.run) -> subprocess.CompletedProcess:
+def slurm_call(
+    args: list[str],
+    *,
+    tries: int = QUERY_TRIES,
+    retry_s: float = QUERY_RETRY_S,
+    accept: Callable[[subprocess.CompletedProcess], bool] = lambda out: out.returncode == 0,
+    run: Runner = subprocess.run,
+) -> subprocess.CompletedProcess:
     """Run the Slurm client ``args`` until ``accept`` takes its result (default: exit code 0).
 
     Returns:
@@ -74,7 +79,9 @@ def slurm_call(args: list[str], *, tries: int = QUERY_TRIES, retry_s: float = QU
     raise SlurmUnavailable(f"`{' '.join(args)}` failed {max(1, tries)} times ({why})")
 
 
-def step_ids(step_name: str, job: str | None = None, *, tries: int = QUERY_TRIES, run: Runner = subprocess.run) -> list[str]:
+def step_ids(
+    step_name: str, job: str | None = None, *, tries: int = QUERY_TRIES, run: Runner = subprocess.run
+) -> list[str]:
     """The ids (``JOB.STEP``) of the running steps named ``step_name`` (of ``job`` if given).
 
     Returns:
@@ -124,8 +131,12 @@ def job_state(job: str, *, tries: int = QUERY_TRIES, run: Runner = subprocess.ru
     Raises:
         SlurmUnavailable: scontrol failed every try for another reason, or printed no ``JobState=``.
     """
-    out = slurm_call(["scontrol", "show", "job", job, "-o"], tries=tries, run=run,
-                     accept=lambda o: o.returncode == 0 or "Invalid job id" in o.stderr)
+    out = slurm_call(
+        ["scontrol", "show", "job", job, "-o"],
+        tries=tries,
+        run=run,
+        accept=lambda o: o.returncode == 0 or "Invalid job id" in o.stderr,
+    )
     if out.returncode != 0:
         return JOB_PURGED
     found = re.search(r"\bJobState=([A-Z_]+)", out.stdout)

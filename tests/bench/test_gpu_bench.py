@@ -24,8 +24,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 def run_bench(*args: str, timeout: float) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "bench.gpu", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "bench.gpu", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_peak_table():

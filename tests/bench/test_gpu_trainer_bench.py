@@ -21,8 +21,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 def run_bench(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "bench.gpu_trainer", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "bench.gpu_trainer", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for hosts without CUDA")
@@ -49,7 +55,8 @@ def test_cpu_smoke(tmp_path: Path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert {(r["batch"], r["variant"]) for r in rows} == {
-        (b, v) for b in ("uniform", "grpo") for v in ("hf", "default", "no_share", "head_bf16")}
+        (b, v) for b in ("uniform", "grpo") for v in ("hf", "default", "no_share", "head_bf16")
+    }
     for r in rows:
         assert math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and r["vs_hf"] > 0
     assert "| grpo | default |" in proc.stdout

@@ -17,8 +17,16 @@ from bench.scale_sim import SimSpec
 from bench.scale_stats import summarize
 from tests.socket_dirs import remove_outside_socket_dir
 
-SPEC = SimSpec(group_size=8, median_tokens=32, sigma=0.5, max_tokens=128, prompt_tokens=16,
-               tokens_per_s=20_000.0, score_s=0.005, step_s=0.02)
+SPEC = SimSpec(
+    group_size=8,
+    median_tokens=32,
+    sigma=0.5,
+    max_tokens=128,
+    prompt_tokens=16,
+    tokens_per_s=20_000.0,
+    score_s=0.005,
+    step_s=0.02,
+)
 
 
 def test_four_by_four_point_accounts_for_every_prompt(tmp_path: Path) -> None:

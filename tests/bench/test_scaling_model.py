@@ -9,8 +9,7 @@ import math
 import pytest
 
 from bench import scaling_inputs as inputs
-from bench.scaling_model import (configure, headroom, hop_capacity, main, message_sizes, topic_rates,
-                                 weight_sync)
+from bench.scaling_model import configure, headroom, hop_capacity, main, message_sizes, topic_rates, weight_sync
 
 CASES = [(p, w) for p in inputs.POLICIES for w in inputs.WORKLOADS]
 
@@ -43,7 +42,9 @@ def test_split_balances_generation_and_training(policy, w) -> None:
         assert abs(produced - consumed) <= one
         assert c.completion_tok_s == pytest.approx(min(produced, consumed))
         step_tokens = w.prompts_per_step * w.group_size * (w.prompt_tokens + w.completion_tokens)
-        assert c.step_s * c.groups_s * w.group_size * (w.prompt_tokens + w.completion_tokens) == pytest.approx(step_tokens)
+        assert c.step_s * c.groups_s * w.group_size * (w.prompt_tokens + w.completion_tokens) == pytest.approx(
+            step_tokens
+        )
 
 
 @pytest.mark.parametrize("policy,w", CASES, ids=lambda x: x.name)

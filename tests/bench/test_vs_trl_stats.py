@@ -13,11 +13,16 @@ from bench.vs_trl_stats import floor_samples_per_s, markdown_table, step_flops, 
 def _events() -> list[dict]:
     # Launch at t=100; step s ends at 110 + s for s = 1..9, step 10 at 122 (a slow step in the window);
     # evals: 0.40 at step 0, 0.50 at step 5 (t=115.5), 0.56 at step 10 (t=122.5).
-    ev = [{"t": 110.0 + s, "kind": "step", "step": s, "num_tokens": 4800 + s, "completion_tokens": 1200} for s in range(1, 10)]
+    ev = [
+        {"t": 110.0 + s, "kind": "step", "step": s, "num_tokens": 4800 + s, "completion_tokens": 1200}
+        for s in range(1, 10)
+    ]
     ev.append({"t": 122.0, "kind": "step", "step": 10, "num_tokens": 4810, "completion_tokens": 1200})
-    ev += [{"t": 105.0, "kind": "eval", "step": 0, "reward_mean": 0.40},
-           {"t": 115.5, "kind": "eval", "step": 5, "reward_mean": 0.50},
-           {"t": 122.5, "kind": "eval", "step": 10, "reward_mean": 0.56}]
+    ev += [
+        {"t": 105.0, "kind": "eval", "step": 0, "reward_mean": 0.40},
+        {"t": 115.5, "kind": "eval", "step": 5, "reward_mean": 0.50},
+        {"t": 122.5, "kind": "eval", "step": 10, "reward_mean": 0.56},
+    ]
     return ev[::-1]  # any order
 
 
@@ -66,7 +71,9 @@ def test_metrics_events_reads_rlbus_records() -> None:
     train = {"step": 3, "loss": -0.1, "num_tokens": 4713.0, "num_loss_tokens": 1193.0, "reward_mean": 0.43}
     evl = {"step": 0, "eval/reverse_text/num_samples": 128, "eval/reverse_text/reward_mean": 0.40}
     key = "eval/reverse_text/reward_mean"
-    assert metrics_events(train, 5.0, key) == [{"t": 5.0, "kind": "step", "step": 3, "num_tokens": 4713.0, "completion_tokens": 1193.0}]
+    assert metrics_events(train, 5.0, key) == [
+        {"t": 5.0, "kind": "step", "step": 3, "num_tokens": 4713.0, "completion_tokens": 1193.0}
+    ]
     assert metrics_events(evl, 6.0, key) == [{"t": 6.0, "kind": "eval", "step": 0, "reward_mean": 0.40}]
     assert metrics_events(evl, 6.0, "eval/gsm8k/reward_mean") == []
 

@@ -69,12 +69,19 @@ class _Engine:
 DEAFEN = "deafen"  # inbox command: the producer is dead from here on, it never answers again
 
 
-async def _producer_loop(name: str, index: int, inbox, to_trainer, reports, in_group: bool, port: int,
-                         world_size: int) -> None:
+async def _producer_loop(
+    name: str, index: int, inbox, to_trainer, reports, in_group: bool, port: int, world_size: int
+) -> None:
     """One producer's weight path: the control-loop rules of `producers.proc`."""
     engine = _Engine(reports)
-    receiver = build_receiver(BroadcastConfig(backend="gloo", port=port, timeout_s=30, reform_timeout_s=REFORM_TIMEOUT_S),
-                              engine, rank=1 + index, world_size=world_size, in_group=in_group, name=name)
+    receiver = build_receiver(
+        BroadcastConfig(backend="gloo", port=port, timeout_s=30, reform_timeout_s=REFORM_TIMEOUT_S),
+        engine,
+        rank=1 + index,
+        world_size=world_size,
+        in_group=in_group,
+        name=name,
+    )
     listening = True
     await receiver.join()
     if receiver.wants_group:
@@ -91,15 +98,17 @@ async def _producer_loop(name: str, index: int, inbox, to_trainer, reports, in_g
         if isinstance(msg, WeightGroup):
             ack = WeightGroupAck(id=new_id(), producer=name, generation=msg.generation)
             await receiver.regroup(msg, lambda ack=ack: to_trainer.put(ack))
-        elif isinstance(msg, WeightsReady) and (msg.version != engine.version
-                                                or receiver.must_apply(msg, engine.version)):
+        elif isinstance(msg, WeightsReady) and (
+            msg.version != engine.version or receiver.must_apply(msg, engine.version)
+        ):
             if receiver.skip_reason(msg, engine.version) is None:
                 await receiver.apply(msg)
                 to_trainer.put(WeightsApplied(id=new_id(), producer=name, version=msg.version, apply_time_s=0.0))
 
 
-def _producer_main(name: str, index: int, inbox, to_trainer, reports, in_group: bool, port: int,
-                   world_size: int) -> None:
+def _producer_main(
+    name: str, index: int, inbox, to_trainer, reports, in_group: bool, port: int, world_size: int
+) -> None:
     try:
         asyncio.run(_producer_loop(name, index, inbox, to_trainer, reports, in_group, port, world_size))
     except BaseException:
@@ -119,8 +128,11 @@ class Producer:
         self.loaded: list[dict[str, torch.Tensor]] = []
         self.errors: list[str] = []
         self.stopped = False
-        self.proc = SPAWN.Process(target=_producer_main, daemon=True, args=(
-            name, index, self.inbox, to_trainer, self.reports, in_group, port, world_size))
+        self.proc = SPAWN.Process(
+            target=_producer_main,
+            daemon=True,
+            args=(name, index, self.inbox, to_trainer, self.reports, in_group, port, world_size),
+        )
         self.proc.start()
 
     @classmethod

@@ -53,8 +53,7 @@ def test_manifest_keeps_equal_but_distinct_tensors():
     assert [name for name, _, _ in build_manifest(sd)] == ["a", "b"]
 
 
-@pytest.mark.parametrize("name", ["base_model.model.model.norm.weight",
-                                  "model.layers.0.q_proj.lora_A.default.weight"])
+@pytest.mark.parametrize("name", ["base_model.model.model.norm.weight", "model.layers.0.q_proj.lora_A.default.weight"])
 def test_manifest_rejects_unmerged_peft_names(name):
     with pytest.raises(ValueError, match="merged"):
         build_manifest({name: torch.zeros(2)})
@@ -81,11 +80,17 @@ def test_plan_buckets_splits_on_dtype_and_size():
     manifest = build_manifest(_state_dict())
     one = plan_buckets(manifest)  # default: everything of one dtype run fits
     assert [(b.dtype, b.numel, len(b.entries)) for b in one] == [
-        (torch.float32, 72, 2), (torch.bfloat16, 4, 1), (torch.float32, 32, 1)]
+        (torch.float32, 72, 2),
+        (torch.bfloat16, 4, 1),
+        (torch.float32, 32, 1),
+    ]
     small = plan_buckets(manifest, bucket_bytes=100)  # 40 floats = 160 B > 100 B: alone
     assert [[e.name for e in b.entries] for b in small] == [
-        ["model.embed_tokens.weight"], ["model.layers.0.mlp.up_proj.weight"],
-        ["model.norm.weight"], ["model.layers.0.mlp.down_proj.weight"]]
+        ["model.embed_tokens.weight"],
+        ["model.layers.0.mlp.up_proj.weight"],
+        ["model.norm.weight"],
+        ["model.layers.0.mlp.down_proj.weight"],
+    ]
     for bucket in one:
         offsets = [e.offset for e in bucket.entries]
         sizes = [e.numel for e in bucket.entries]
@@ -145,8 +150,7 @@ def test_gloo_broadcast_to_a_producer_process():
     pytest.importorskip("vllm", reason="the stateless group helper comes from vLLM")
     port = _free_port()
     bucket_bytes = 150  # forces several buckets
-    sender = BroadcastSender("gloo", "127.0.0.1", port, 2,
-                             bucket_bytes=bucket_bytes, timeout_s=30)
+    sender = BroadcastSender("gloo", "127.0.0.1", port, 2, bucket_bytes=bucket_bytes, timeout_s=30)
     manifest = build_manifest(_state_dict())
     assert len(BucketReceiver(manifest, bucket_bytes).buckets) == 4
     peer = WeightPeer(port, manifest, bucket_bytes=bucket_bytes, versions=2)

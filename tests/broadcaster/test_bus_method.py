@@ -114,7 +114,7 @@ def test_a_receiver_that_asks_before_anything_is_served_gets_the_first_version(t
         sender.start_send(state, 0, manifest)
         fetching.join(timeout=60)
         assert not fetching.is_alive()
-        (result, _), = results
+        ((result, _),) = results
         _assert_received(result.views, state, manifest)
     finally:
         sender.close()
@@ -160,8 +160,17 @@ def test_a_damaged_or_truncated_frame_is_counted_dropped_and_asked_again(tmp_pat
             assert isinstance(request, WeightsRequest)
             for index in request.buckets:
                 data = arrays[index]
-                header, payload = encode(WeightsBucket(id=str(index), version=4, index=index, num_buckets=len(arrays),
-                                                       bucket_bytes=BUCKET_BYTES, crc32=bucket_checksum(data), data=data))
+                header, payload = encode(
+                    WeightsBucket(
+                        id=str(index),
+                        version=4,
+                        index=index,
+                        num_buckets=len(arrays),
+                        bucket_bytes=BUCKET_BYTES,
+                        crc32=bucket_checksum(data),
+                        data=data,
+                    )
+                )
                 payload = bytes(payload)
                 if index == 0 and 0 not in damaged:
                     payload = bytes([payload[0] ^ 0xFF]) + payload[1:]
@@ -187,14 +196,23 @@ def test_the_factory_builds_the_bus_method_and_the_bus_fallback(tmp_path, ctx):
     link = BusLink(f"ipc://{tmp_path}/weights", ctx)
     sender, fallback = build_senders(BroadcastConfig(method="bus"), world_size=2, out_dir=tmp_path, bus=link)
     assert isinstance(sender, BusSender) and fallback is None
-    sender, fallback = build_senders(BroadcastConfig(method="broadcast", fallback="bus"), world_size=2,
-                                     out_dir=tmp_path, bus=link)
+    sender, fallback = build_senders(
+        BroadcastConfig(method="broadcast", fallback="bus"), world_size=2, out_dir=tmp_path, bus=link
+    )
     assert sender.method == "broadcast" and isinstance(fallback, BusSender)
-    sender, fallback = build_senders(BroadcastConfig(fallback="bus"), world_size=2, out_dir=tmp_path, restarted=True,
-                                     bus=link)
+    sender, fallback = build_senders(
+        BroadcastConfig(fallback="bus"), world_size=2, out_dir=tmp_path, restarted=True, bus=link
+    )
     assert isinstance(sender, BusSender) and fallback is sender  # until a re-formed group replaces it
-    receiver = build_receiver(BroadcastConfig(fallback="bus"), object(), rank=1, world_size=2, in_group=False,
-                              name="producer-0", bus=BusLink.connecting(link.address, None))
+    receiver = build_receiver(
+        BroadcastConfig(fallback="bus"),
+        object(),
+        rank=1,
+        world_size=2,
+        in_group=False,
+        name="producer-0",
+        bus=BusLink.connecting(link.address, None),
+    )
     assert receiver.method == "broadcast" and receiver.fallback.method == "bus"
     with pytest.raises(ValueError, match="bus=BusLink"):
         build_senders(BroadcastConfig(method="bus"), world_size=2, out_dir=tmp_path)

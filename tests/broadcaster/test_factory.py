@@ -39,7 +39,9 @@ class RecordingEngine:
 
 def _ready(version: int, method: str) -> WeightsReady:
     path = {"filesystem": f"/w/v{version}"}.get(method, "")
-    return WeightsReady(id=new_id(), version=version, method=method, manifest=[["w", "float32", [1]]], path=path, num_bytes=4)
+    return WeightsReady(
+        id=new_id(), version=version, method=method, manifest=[["w", "float32", [1]]], path=path, num_bytes=4
+    )
 
 
 def test_senders_per_method(tmp_path):
@@ -50,7 +52,9 @@ def test_senders_per_method(tmp_path):
     assert isinstance(sender, FilesystemSender) and fallback is None
     sender, fallback = build_senders(BroadcastConfig(backend="gloo"), world_size=3, out_dir=tmp_path, restarted=True)
     assert isinstance(sender, FilesystemSender) and fallback is sender  # until a re-formed group replaces it
-    sender, fallback = build_senders(BroadcastConfig(method="filesystem"), world_size=3, out_dir=tmp_path, restarted=True)
+    sender, fallback = build_senders(
+        BroadcastConfig(method="filesystem"), world_size=3, out_dir=tmp_path, restarted=True
+    )
     assert isinstance(sender, FilesystemSender) and fallback is None
     assert BroadcastSender.carries_adapter and not FilesystemSender.carries_adapter
 
@@ -98,10 +102,13 @@ def test_a_late_producer_skips_broadcasts_and_a_filesystem_run_never_joins():
 
 def test_a_late_producer_asks_joins_a_re_formed_group_takes_the_resend_and_leaves_when_dropped():
     engine = RecordingEngine()
-    late = build_receiver(BroadcastConfig(backend="gloo"), engine, rank=2, world_size=2, in_group=False, name="producer-1")
+    late = build_receiver(
+        BroadcastConfig(backend="gloo"), engine, rank=2, world_size=2, in_group=False, name="producer-1"
+    )
     acks = []
-    group = WeightGroup(id=new_id(), generation=1, host="127.0.0.1", port=4321, members=["producer-0", "producer-1"],
-                        filesystem=[])
+    group = WeightGroup(
+        id=new_id(), generation=1, host="127.0.0.1", port=4321, members=["producer-0", "producer-1"], filesystem=[]
+    )
     assert late.wants_group
     assert asyncio.run(late.regroup(group, lambda: acks.append(1)))
     assert acks == [1] and not late.wants_group
@@ -113,14 +120,19 @@ def test_a_late_producer_asks_joins_a_re_formed_group_takes_the_resend_and_leave
     calls = list(engine.calls)
     assert asyncio.run(late.regroup(group, lambda: acks.append(2)))  # a repeat: still in, nothing happens
     assert engine.calls == calls
-    dropped = WeightGroup(id=new_id(), generation=2, host="127.0.0.1", port=4322, members=["producer-0"],
-                          filesystem=["producer-1"])
+    dropped = WeightGroup(
+        id=new_id(), generation=2, host="127.0.0.1", port=4322, members=["producer-0"], filesystem=["producer-1"]
+    )
     assert not asyncio.run(late.regroup(dropped, lambda: acks.append(3)))
     assert engine.calls[-1] == ("leave",) and acks == [1]
-    assert late.skip_reason(_ready(5, "broadcast"), current_version=4) and late.skip_reason(_ready(5, "filesystem"), 4) is None
+    assert (
+        late.skip_reason(_ready(5, "broadcast"), current_version=4)
+        and late.skip_reason(_ready(5, "filesystem"), 4) is None
+    )
     assert not late.wants_group  # told to take the filesystem method: it does not ask again
-    unknown = WeightGroup(id=new_id(), generation=1_700_000_000_000, host="127.0.0.1", port=4323,
-                          members=["producer-0"], filesystem=[])  # a restarted trainer that never heard of it
+    unknown = WeightGroup(
+        id=new_id(), generation=1_700_000_000_000, host="127.0.0.1", port=4323, members=["producer-0"], filesystem=[]
+    )  # a restarted trainer that never heard of it
     assert not asyncio.run(late.regroup(unknown, lambda: acks.append(4)))
     assert acks == [1] and late.wants_group  # listed nowhere: it asks to be taken in, as a newcomer does
 

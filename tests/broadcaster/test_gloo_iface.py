@@ -56,8 +56,14 @@ def test_a_pin_inherited_by_a_child_is_pinned_again(no_ifname: None) -> None:
     assert os.environ[ENV_PINNED] == os.environ[ENV_GLOO_IFNAME] == "lo"
     inherited = {**os.environ, ENV_GLOO_IFNAME: "eth-stale", ENV_PINNED: "eth-stale", "PYTHONPATH": str(ROOT)}
     users = {**inherited, ENV_PINNED: ""}
-    run = lambda env: subprocess.run([sys.executable, "-c", PIN_IN_CHILD], env=env, capture_output=True, text=True,  # noqa: E731
-                                     check=True, cwd=ROOT).stdout.strip()
+    run = lambda env: subprocess.run(
+        [sys.executable, "-c", PIN_IN_CHILD],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    ).stdout.strip()
     assert run(inherited) == "lo"  # rlbus's own pin, inherited: pinned again for this rendezvous
     assert run(users) == "eth-stale"  # the user's: kept
 
@@ -82,13 +88,23 @@ print("received", t.tolist(), flush=True)
 """
 
 
-def test_gloo_group_across_network_namespaces(netns_pair: NetnsPair) -> None:  # noqa: F811
+def test_gloo_group_across_network_namespaces(netns_pair: NetnsPair) -> None:
     pytest.importorskip("vllm", reason="the weight group is vLLM's stateless group")
     port = 29600
-    procs = [subprocess.Popen(netns_pair.exec(ns, sys.executable, "-c", RANK, str(rank), str(port), ADDR_A),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                              env={**{k: v for k, v in os.environ.items() if k not in (ENV_GLOO_IFNAME, ENV_PINNED)}, "PYTHONPATH": str(ROOT)})
-             for rank, ns in enumerate((netns_pair.a, netns_pair.b))]
+    procs = [
+        subprocess.Popen(
+            netns_pair.exec(ns, sys.executable, "-c", RANK, str(rank), str(port), ADDR_A),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env={
+                **{k: v for k, v in os.environ.items() if k not in (ENV_GLOO_IFNAME, ENV_PINNED)},
+                "PYTHONPATH": str(ROOT),
+            },
+        )
+        for rank, ns in enumerate((netns_pair.a, netns_pair.b))
+    ]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert f"interface {netns_pair.veth_a}" in outs[0] and f"interface {netns_pair.veth_b}" in outs[1], outs

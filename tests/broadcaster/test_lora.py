@@ -24,8 +24,8 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 def test_merge_lora_delta_by_hand():
     base = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
-    lora_a = torch.tensor([[1.0, -1.0]])          # [r=1, in=2]
-    lora_b = torch.tensor([[2.0], [0.5]])          # [out=2, r=1]
+    lora_a = torch.tensor([[1.0, -1.0]])  # [r=1, in=2]
+    lora_b = torch.tensor([[2.0], [0.5]])  # [out=2, r=1]
     # B @ A = [[2, -2], [0.5, -0.5]]; * 3 = [[6, -6], [1.5, -1.5]]; + base:
     expected = torch.tensor([[7.0, -4.0], [4.5, 2.5]])
     assert torch.equal(merge_lora_delta(base, lora_a, lora_b, torch.tensor(3.0)), expected)
@@ -39,8 +39,12 @@ def test_adapter_payload_names_shapes_and_kind(tiny_policy):
     manifest = build_manifest(payload)
     assert payload_kind(manifest) == "lora"
     modules = lora_modules(manifest)
-    assert sorted(modules) == sorted(f"model.layers.{i}.{part}.{t}" for i in range(2) for t in TARGETS
-                                     for part in (["self_attn"] if t.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else ["mlp"]))
+    assert sorted(modules) == sorted(
+        f"model.layers.{i}.{part}.{t}"
+        for i in range(2)
+        for t in TARGETS
+        for part in (["self_attn"] if t.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else ["mlp"])
+    )
     full = policy_state_dict(model)
     for module, (out_f, rank, in_f) in modules.items():
         assert rank == 3 and tuple(full[f"{module}.weight"].shape) == (out_f, in_f)

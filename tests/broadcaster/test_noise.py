@@ -45,8 +45,10 @@ def test_stages_split_training_evenly_and_the_first_is_clean():
     assert sigmas[2:] == pytest.approx([5e-2] * 2 + [5e-2 * ratio] * 2 + [5e-2 * ratio**2] * 2 + [5e-4] * 3, rel=1e-12)
 
 
-@pytest.mark.parametrize("kwargs", [dict(sigma_start=0.0, sigma_end=1e-3, num_stages=3),
-                                    dict(sigma_start=1e-2, sigma_end=1e-3, num_stages=1)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(sigma_start=0.0, sigma_end=1e-3, num_stages=3), dict(sigma_start=1e-2, sigma_end=1e-3, num_stages=1)],
+)
 def test_schedule_rejects_bad_settings(kwargs):
     with pytest.raises(ValueError):
         qerl_noise_sigma(1, 10, **kwargs)
@@ -59,16 +61,19 @@ def test_config_says_the_fix():
         NoiseSchedulerConfig(enabled=True, sigma_start=1e-4, sigma_end=1e-2)
 
 
-@pytest.mark.parametrize("name,noised", [
-    ("model.layers.0.input_layernorm.weight", True),
-    ("model.layers.11.post_attention_layernorm.weight", True),
-    ("model.norm.weight", True),
-    ("model.layers.0.self_attn.q_norm.weight", False),  # Qwen3 per-head norms: not in QeRL's scheme
-    ("model.layers.0.self_attn.k_norm.weight", False),
-    ("model.layers.0.mlp.up_proj.weight", False),
-    ("lm_head.weight", False),
-    ("model.norm.bias", False),
-])
+@pytest.mark.parametrize(
+    "name,noised",
+    [
+        ("model.layers.0.input_layernorm.weight", True),
+        ("model.layers.11.post_attention_layernorm.weight", True),
+        ("model.norm.weight", True),
+        ("model.layers.0.self_attn.q_norm.weight", False),  # Qwen3 per-head norms: not in QeRL's scheme
+        ("model.layers.0.self_attn.k_norm.weight", False),
+        ("model.layers.0.mlp.up_proj.weight", False),
+        ("lm_head.weight", False),
+        ("model.norm.bias", False),
+    ],
+)
 def test_rmsnorm_selection(name, noised):
     assert is_rmsnorm_weight(name) is noised
 
@@ -110,16 +115,17 @@ def test_the_trainer_sends_noisy_norms_and_keeps_clean_ones(tiny_policy, tmp_pat
 
     cfg = RunConfig(run_dir=str(tmp_path))
     cfg.trainer = cfg.trainer.model_copy(update={"max_steps": 10})
-    cfg.broadcast = cfg.broadcast.model_copy(update={"noise_scheduler": NoiseSchedulerConfig(
-        enabled=True, sigma_start=5e-2, sigma_end=5e-4, num_stages=5)})
+    cfg.broadcast = cfg.broadcast.model_copy(
+        update={"noise_scheduler": NoiseSchedulerConfig(enabled=True, sigma_start=5e-2, sigma_end=5e-4, num_stages=5)}
+    )
     proc = TrainerProc(cfg, "trainer", 0)
     try:
         proc.model = lora_policy(tiny_policy) if lora else load_policy(str(tiny_policy), LoraSection())
         clean = {n: t.clone() for n, t in proc.model.state_dict().items()}
         merged_clean = policy_state_dict(proc.model)
         norms = [n for n in merged_clean if is_rmsnorm_weight(n)]
-        stage0 = weights_payload(proc.model, cfg, 1, adapter=lora)       # stage 0 of 5 over 10 steps: clean
-        noisy = weights_payload(proc.model, cfg, 4, adapter=lora)        # stage 2: sigma = 5e-2 * (1e-2)^(1/3)
+        stage0 = weights_payload(proc.model, cfg, 1, adapter=lora)  # stage 0 of 5 over 10 steps: clean
+        noisy = weights_payload(proc.model, cfg, 4, adapter=lora)  # stage 2: sigma = 5e-2 * (1e-2)^(1/3)
         sigma = 5e-2 * (1e-2) ** (1 / 3)
         merged_noisy = weights_payload(proc.model, cfg, 4, adapter=False)
         for n in norms:

@@ -39,8 +39,11 @@ pytest.importorskip("vllm", reason="the stateless group helper comes from vLLM")
 
 def _payload(version: int, *, adapter: bool) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(version)
-    return {"model.embed_tokens.weight": torch.randn(16, 8, generator=gen),
-            "model.norm.weight": torch.randn(8, generator=gen), "lm_head.weight": torch.randn(16, 8, generator=gen)}
+    return {
+        "model.embed_tokens.weight": torch.randn(16, 8, generator=gen),
+        "model.norm.weight": torch.randn(8, generator=gen),
+        "lm_head.weight": torch.randn(16, 8, generator=gen),
+    }
 
 
 class _Run:
@@ -59,9 +62,15 @@ class _Run:
             self.producers.append(Producer(f"producer-{i}", i, self.to_trainer, in_group=True, port=port, world_size=3))
         sender.open()
         self.publisher = WeightPublisher(
-            sender, FilesystemSender(tmp_path / "weights"), self._fan_out, _payload, adapter=False,
+            sender,
+            FilesystemSender(tmp_path / "weights"),
+            self._fan_out,
+            _payload,
+            adapter=False,
             former=GroupFormer("gloo", "127.0.0.1", timeout_s=REFORM_TIMEOUT_S),
-            members=["producer-0", "producer-1"], inbox=self._recv)
+            members=["producer-0", "producer-1"],
+            inbox=self._recv,
+        )
 
     def _fan_out(self, msg) -> None:
         self.announced.append(msg)
@@ -90,9 +99,16 @@ class _Run:
         filesystem = FilesystemSender(tmp_path / "weights-restarted")
         filesystem.open()
         self.publisher = WeightPublisher(
-            filesystem, filesystem, self._fan_out, _payload, adapter=False,
+            filesystem,
+            filesystem,
+            self._fan_out,
+            _payload,
+            adapter=False,
             former=GroupFormer("gloo", "127.0.0.1", timeout_s=REFORM_TIMEOUT_S),
-            members=["producer-0", "producer-1"], inbox=self._recv, rejoin=True)
+            members=["producer-0", "producer-1"],
+            inbox=self._recv,
+            rejoin=True,
+        )
         return self.publisher
 
     def wait_for(self, producers, version: int, count: int) -> None:
@@ -118,8 +134,11 @@ class _Run:
 def _groups(announced: list) -> list[tuple]:
     """The groups announced, each once (a group being formed is announced again every
     `broadcaster.regroup.REANNOUNCE_S`; the repeats carry the same generation and port)."""
-    seen = {(m.generation, m.port): (m.generation, tuple(m.members), tuple(m.filesystem))
-            for m in announced if isinstance(m, WeightGroup)}
+    seen = {
+        (m.generation, m.port): (m.generation, tuple(m.members), tuple(m.filesystem))
+        for m in announced
+        if isinstance(m, WeightGroup)
+    }
     return list(seen.values())
 
 
@@ -177,8 +196,10 @@ def test_a_re_form_that_times_out_moves_only_the_silent_member_to_the_filesystem
     assert run.publisher.method == "broadcast"  # the others stay on broadcast
     assert WEIGHT_MEMBERS.labels(method="broadcast")._value.get() == 2
     assert WEIGHT_MEMBERS.labels(method="filesystem")._value.get() == 1
-    assert _groups(run.announced) == [(1, ("producer-0", "producer-1", "producer-2"), ()),
-                                      (2, ("producer-0", "producer-2"), ("producer-1",))]
+    assert _groups(run.announced) == [
+        (1, ("producer-0", "producer-1", "producer-2"), ()),
+        (2, ("producer-0", "producer-2"), ("producer-1",)),
+    ]
     # each version from then on goes out by broadcast, then by filesystem for producer-1
     ready = [(m.version, m.method) for m in run.announced if isinstance(m, WeightsReady)]
     assert ready == [(1, "broadcast"), (1, "broadcast"), (1, "filesystem"), (2, "broadcast"), (2, "filesystem")]

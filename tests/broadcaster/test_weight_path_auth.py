@@ -29,12 +29,15 @@ WAIT_MS = 1500  # a CURVE handshake and a bucket take milliseconds on loopback: 
 ANSWER_MS = 20_000  # the run's own key: bound on the first answer on a loaded CI host
 
 
-@pytest.mark.parametrize(("overrides", "method"), [
-    (["bus.transport=tcp"], "bus"),  # the shipped YAML leaves the method unset
-    (["bus.transport=tcp", "broadcast.method=broadcast"], "broadcast"),  # chosen: kept
-    (["bus.transport=tcp", "broadcast.method=filesystem"], "filesystem"),
-    ([], "broadcast"),  # ipc: one host, the torch.distributed broadcast
-])
+@pytest.mark.parametrize(
+    ("overrides", "method"),
+    [
+        (["bus.transport=tcp"], "bus"),  # the shipped YAML leaves the method unset
+        (["bus.transport=tcp", "broadcast.method=broadcast"], "broadcast"),  # chosen: kept
+        (["bus.transport=tcp", "broadcast.method=filesystem"], "filesystem"),
+        ([], "broadcast"),  # ipc: one host, the torch.distributed broadcast
+    ],
+)
 def test_tcp_defaults_to_the_bus_method_unless_one_is_chosen(overrides, method):
     assert load_config(None, overrides).broadcast.method == method
 
@@ -42,15 +45,26 @@ def test_tcp_defaults_to_the_bus_method_unless_one_is_chosen(overrides, method):
 @pytest.mark.parametrize(("overrides", "method"), [([], "bus"), (["broadcast.method=broadcast"], "broadcast")])
 def test_a_multihost_launcher_applies_the_default_too(tmp_path, overrides, method):
     cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", *overrides])  # loaded as ipc
-    configure_multihost(cfg, Allocation((("n1", "n2"),)), resolve={"n1": "10.0.0.1", "n2": "10.0.0.2"}.get,
-                        supervisor_host="n1", here="n1")
+    configure_multihost(
+        cfg,
+        Allocation((("n1", "n2"),)),
+        resolve={"n1": "10.0.0.1", "n2": "10.0.0.2"}.get,
+        supervisor_host="n1",
+        here="n1",
+    )
     assert cfg.bus.transport == "tcp" and cfg.broadcast.method == method
     assert (Path(cfg.bus.curve_keys_dir) / "tls" / "client.crt").is_file()  # the run's keys carry the metrics TLS
-    assert load_config(None, [f"{k}={v}" for k, v in (("bus.transport", "tcp"), ("broadcast.method", cfg.broadcast.method))]
-                       ).broadcast.method == method  # what config.yaml holds reloads the same
+    assert (
+        load_config(
+            None, [f"{k}={v}" for k, v in (("bus.transport", "tcp"), ("broadcast.method", cfg.broadcast.method))]
+        ).broadcast.method
+        == method
+    )  # what config.yaml holds reloads the same
 
 
-def _ask(ctx: zmq.Context, address: str, curve: tuple[bytes, bytes, bytes] | None, wait_ms: int = WAIT_MS) -> list[WeightsBucket]:
+def _ask(
+    ctx: zmq.Context, address: str, curve: tuple[bytes, bytes, bytes] | None, wait_ms: int = WAIT_MS
+) -> list[WeightsBucket]:
     """Send one WeightsRequest for bucket 0 from a fresh DEALER; what comes back: the first
     message within ``wait_ms``, then any other within WAIT_MS of the previous one."""
     dealer = ctx.socket(zmq.DEALER)
@@ -59,7 +73,9 @@ def _ask(ctx: zmq.Context, address: str, curve: tuple[bytes, bytes, bytes] | Non
         dealer.curve_serverkey, dealer.curve_publickey, dealer.curve_secretkey = curve
     dealer.connect(address)
     try:
-        dealer.send_multipart(encode(WeightsRequest(id="probe", producer="stranger", version=0, buckets=[0])), copy=False)
+        dealer.send_multipart(
+            encode(WeightsRequest(id="probe", producer="stranger", version=0, buckets=[0])), copy=False
+        )
         got = []
         while dealer.poll(WAIT_MS if got else wait_ms):
             got.append(decode(dealer.recv_multipart()))

@@ -43,17 +43,23 @@ def test_resolve_producer_dtype():
 
 
 def test_manifest_wire_dtype_keeps_lora_factors_and_integers():
-    state = {**_state(), "model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(2, 4),
-             "model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(4, 2),
-             "model.layers.0.self_attn.q_proj.lora_scaling": torch.tensor(2.0),
-             "model.counter": torch.arange(3)}
+    state = {
+        **_state(),
+        "model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(2, 4),
+        "model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(4, 2),
+        "model.layers.0.self_attn.q_proj.lora_scaling": torch.tensor(2.0),
+        "model.counter": torch.arange(3),
+    }
     manifest = build_manifest(state, torch.bfloat16)
     dtypes = {name: dtype for name, dtype, _ in manifest}
     assert dtypes == {
-        "model.embed_tokens.weight": "bfloat16", "model.layers.0.mlp.up_proj.weight": "bfloat16",
-        "model.norm.weight": "bfloat16", "model.layers.0.self_attn.q_proj.lora_A.weight": "float32",
+        "model.embed_tokens.weight": "bfloat16",
+        "model.layers.0.mlp.up_proj.weight": "bfloat16",
+        "model.norm.weight": "bfloat16",
+        "model.layers.0.self_attn.q_proj.lora_A.weight": "float32",
         "model.layers.0.self_attn.q_proj.lora_B.weight": "float32",
-        "model.layers.0.self_attn.q_proj.lora_scaling": "float32", "model.counter": "int64",
+        "model.layers.0.self_attn.q_proj.lora_scaling": "float32",
+        "model.counter": "int64",
     }
     full = {n: t for n, t in _state().items()}
     assert manifest_num_bytes(build_manifest(full, torch.bfloat16)) * 2 == manifest_num_bytes(build_manifest(full))
@@ -88,8 +94,9 @@ def test_publisher_sends_bfloat16_files_of_half_the_bytes(tmp_path):
         cfg = RunConfig.model_validate({"producers": {"dtype": dtype}})
         assert weights_dtype(cfg) == getattr(torch, dtype)
         announced = []
-        publisher = WeightPublisher.for_run(cfg, torch.nn.Linear(4, 8), FilesystemSender(tmp_path / dtype), None,
-                                            announced.append)
+        publisher = WeightPublisher.for_run(
+            cfg, torch.nn.Linear(4, 8), FilesystemSender(tmp_path / dtype), None, announced.append
+        )
         publisher.payload = lambda version, adapter: _state()
         publisher.publish(1)
         (msg,) = announced
@@ -114,11 +121,16 @@ def test_lora_payload_merges_in_float32(tiny_policy):
     full = policy_state_dict(model)
     name = "model.layers.0.self_attn.q_proj"
     base = model.get_base_model().state_dict()[f"{name}.base_layer.weight"]
-    merged = merge_lora_delta(base, adapter[f"{name}.lora_A.weight"], adapter[f"{name}.lora_B.weight"],
-                              adapter[f"{name}.lora_scaling"])
+    merged = merge_lora_delta(
+        base, adapter[f"{name}.lora_A.weight"], adapter[f"{name}.lora_B.weight"], adapter[f"{name}.lora_scaling"]
+    )
     assert merged.dtype == torch.float32
     assert torch.equal(merged.to(torch.bfloat16), full[f"{name}.weight"].to(torch.bfloat16))
-    low = merge_lora_delta(base.to(torch.bfloat16), adapter[f"{name}.lora_A.weight"].to(torch.bfloat16),
-                           adapter[f"{name}.lora_B.weight"].to(torch.bfloat16), adapter[f"{name}.lora_scaling"])
+    low = merge_lora_delta(
+        base.to(torch.bfloat16),
+        adapter[f"{name}.lora_A.weight"].to(torch.bfloat16),
+        adapter[f"{name}.lora_B.weight"].to(torch.bfloat16),
+        adapter[f"{name}.lora_scaling"],
+    )
     assert low.dtype == torch.float32  # bfloat16 inputs are widened before the product
     assert lora_adapter_state_dict(model)[f"{name}.lora_A.weight"].dtype == torch.float32

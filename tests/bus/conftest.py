@@ -140,21 +140,37 @@ EXAMPLES: dict[str, Callable[[], Message]] = {
     ),
     "weights.applied": lambda: WeightsApplied(id="a-3", producer="producer-1", version=3, apply_time_s=0.5),
     "weights.wanted": lambda: WeightsWanted(id="w-4", producer="producer-1", version=4),
-    "weights.group": lambda: WeightGroup(id="g-1", generation=1, host="127.0.0.1", port=29_556,
-                                         members=["producer-0", "producer-1"], filesystem=[]),
+    "weights.group": lambda: WeightGroup(
+        id="g-1", generation=1, host="127.0.0.1", port=29_556, members=["producer-0", "producer-1"], filesystem=[]
+    ),
     "weights.group_ack": lambda: WeightGroupAck(id="k-1", producer="producer-1", generation=1),
     "weights.request": lambda: WeightsRequest(id="q-1", producer="producer-1", version=3, buckets=[0, 1]),
-    "weights.bucket": lambda: WeightsBucket(id="b-1", version=3, index=1, num_buckets=2, bucket_bytes=1 << 20,
-                                            crc32=123_456, data=np.arange(256, dtype=np.uint8)),
+    "weights.bucket": lambda: WeightsBucket(
+        id="b-1",
+        version=3,
+        index=1,
+        num_buckets=2,
+        bucket_bytes=1 << 20,
+        crc32=123_456,
+        data=np.arange(256, dtype=np.uint8),
+    ),
     "trainer.step": lambda: TrainerStep(id="s-3", step=3, version=3, metrics={"loss": 0.25, "reward_mean": 0.5}),
     "groups.dropped": lambda: GroupsDropped(id="d-1", group_ids=["g-1", "g-2"], reason="stale"),
     "groups.trained": lambda: GroupsTrained(id="t-3", step=3, group_ids=["g-1", "g-2", "g-3"]),
     "run.done": lambda: RunDone(id="r-1", step=10, reason="max_steps"),
     "eval.result": lambda: EvalResult(
-        id="e-1", round=10, task="gsm8k", version_min=10, version_max=10, num_samples=64, num_failed=1,
+        id="e-1",
+        round=10,
+        task="gsm8k",
+        version_min=10,
+        version_max=10,
+        num_samples=64,
+        num_failed=1,
         metrics={"reward_mean": 0.25, "reward_std": 0.433, "completion_len_mean": 112.5},
     ),
-    "component.ready": lambda: ComponentReady(id="c-1", name="rewards-1", pid=1234, metrics_port=9100, metrics_host="10.0.0.2"),
+    "component.ready": lambda: ComponentReady(
+        id="c-1", name="rewards-1", pid=1234, metrics_port=9100, metrics_host="10.0.0.2"
+    ),
     "component.heartbeat": lambda: ComponentHeartbeat(id="h-1", name="rewards-1", pid=1234, state="running"),
 }
 

@@ -27,7 +27,9 @@ class Faulty(Component):
     """Opens ``prompts``, breaks its own courier, then receives until stopped."""
 
     def setup(self) -> None:
-        self.prompts = self.reliable_receiver("prompts", self.endpoints.address("prompts"), bind=False, accept=(Prompt,))
+        self.prompts = self.reliable_receiver(
+            "prompts", self.endpoints.address("prompts"), bind=False, accept=(Prompt,)
+        )
 
     def run(self) -> None:
         for _ in range(MAX_LOOP_ERRORS):

@@ -150,18 +150,39 @@ def realistic_examples() -> dict[str, Message]:
         ),
         WeightsApplied(id="a4", producer="producer-0", version=4, apply_time_s=0.031),
         WeightsWanted(id="w5", producer="producer-1", version=5),
-        WeightGroup(id="g2", generation=2, host="127.0.0.1", port=41_877, members=["producer-0", "producer-2"],
-                    filesystem=["producer-1"]),
+        WeightGroup(
+            id="g2",
+            generation=2,
+            host="127.0.0.1",
+            port=41_877,
+            members=["producer-0", "producer-2"],
+            filesystem=["producer-1"],
+        ),
         WeightGroupAck(id="k2", producer="producer-2", generation=2),
         WeightsRequest(id="q4", producer="producer-1", version=4, buckets=[2, 3]),
-        WeightsBucket(id="b4", version=4, index=2, num_buckets=5, bucket_bytes=1 << 25, crc32=2_850_119_823,
-                      data=rng.integers(0, 256, 4096, dtype=np.uint8)),
+        WeightsBucket(
+            id="b4",
+            version=4,
+            index=2,
+            num_buckets=5,
+            bucket_bytes=1 << 25,
+            crc32=2_850_119_823,
+            data=rng.integers(0, 256, 4096, dtype=np.uint8),
+        ),
         TrainerStep(id="s4", step=4, version=4, metrics={"loss": -0.012, "reward_mean": 0.44, "kl": 0.0003}),
         GroupsDropped(id="d1", group_ids=["5f0c2a", "77aa01"], reason="stale"),
         GroupsTrained(id="t4", step=4, group_ids=["5f0c2a", "9b1e44", "c03d7f"]),
         RunDone(id="r1", step=4, reason="max_steps"),
-        EvalResult(id="e1", round=4, task="gsm8k", version_min=4, version_max=5, num_samples=32, num_failed=0,
-                   metrics={"reward_mean": 0.125, "pass_at_1": 0.125}),
+        EvalResult(
+            id="e1",
+            round=4,
+            task="gsm8k",
+            version_min=4,
+            version_max=5,
+            num_samples=32,
+            num_failed=0,
+            metrics={"reward_mean": 0.125, "pass_at_1": 0.125},
+        ),
         ComponentReady(id="c1", name="rewards-1", pid=41_213, metrics_port=38_117, metrics_host="10.0.0.2"),
         ComponentHeartbeat(id="h1", name="rewards-1", pid=41_213, state="running"),
     ]
@@ -216,12 +237,47 @@ def _raw_map(items: list[tuple[bytes, bytes]]) -> bytes:
     return _map_prefix(len(items)) + b"".join(k + v for k, v in items)
 
 
-_INT_FIELDS = {"index", "step", "prompt_index", "micro_index", "num_micro_batches", "step_loss_tokens",
-               "version", "num_bytes", "pid", "metrics_port"}
+_INT_FIELDS = {
+    "index",
+    "step",
+    "prompt_index",
+    "micro_index",
+    "num_micro_batches",
+    "step_loss_tokens",
+    "version",
+    "num_bytes",
+    "pid",
+    "metrics_port",
+}
 
-_BAD_DTYPES = ["object", "O", "|O", "<i4", ">i4", "int16", "uint32", "float16", "bfloat16", "complex64",
-               "V8", "S4", "U1", "", "int", "float", "Int32", "int32\x00", "int32 ", "datetime64[ns]",
-               None, 3, True, ["int32"], {"kind": "i"}, b"int32"]
+_BAD_DTYPES = [
+    "object",
+    "O",
+    "|O",
+    "<i4",
+    ">i4",
+    "int16",
+    "uint32",
+    "float16",
+    "bfloat16",
+    "complex64",
+    "V8",
+    "S4",
+    "U1",
+    "",
+    "int",
+    "float",
+    "Int32",
+    "int32\x00",
+    "int32 ",
+    "datetime64[ns]",
+    None,
+    3,
+    True,
+    ["int32"],
+    {"kind": "i"},
+    b"int32",
+]
 _ALLOWED = ["bool", "uint8", "int32", "int64", "float32", "float64"]
 
 
@@ -234,10 +290,32 @@ def _deep(depth: int, leaf: Any = 0) -> Any:
 
 def _junk_values(rng: random.Random) -> list[Any]:
     return [
-        None, True, False, 0, -1, 2**63 - 1, -(2**63), 2**64 - 1, 1.5, -0.0, math.nan, math.inf, -math.inf,
-        "", "x" * rng.randint(1, 64), "\u202e\x00\ud7ff", rng.randbytes(rng.randint(0, 16)), [], [1, "a", None],
-        ["a", ["b"]], {}, {"k": [1, {"z": None}]}, {"loss": "nan"}, _deep(rng.randint(2, 60)),
-        [[]] * rng.randint(1, 8), msgpack.ExtType(rng.randint(0, 127), rng.randbytes(rng.randint(0, 4))),
+        None,
+        True,
+        False,
+        0,
+        -1,
+        2**63 - 1,
+        -(2**63),
+        2**64 - 1,
+        1.5,
+        -0.0,
+        math.nan,
+        math.inf,
+        -math.inf,
+        "",
+        "x" * rng.randint(1, 64),
+        "\u202e\x00\ud7ff",
+        rng.randbytes(rng.randint(0, 16)),
+        [],
+        [1, "a", None],
+        ["a", ["b"]],
+        {},
+        {"k": [1, {"z": None}]},
+        {"loss": "nan"},
+        _deep(rng.randint(2, 60)),
+        [[]] * rng.randint(1, 8),
+        msgpack.ExtType(rng.randint(0, 127), rng.randbytes(rng.randint(0, 4))),
     ]
 
 
@@ -293,7 +371,8 @@ class HostileMessages:
         self._oversized = _pack({"type": "run.done", "schema": SCHEMA_VERSION, "pad": "x" * MAX_HEADER_BYTES})
         # (name, weight, builder): builder(rng) -> frames, may return something valid (then retried)
         self.table: list[tuple[str, float, Callable[[random.Random], Frames]]] = [
-            (name, weight, getattr(self, "_" + name)) for name, weight in MUTATIONS.items()
+            (name, weight, getattr(self, "_" + name))
+            for name, weight in MUTATIONS.items()
             if name != "foreign_type" or self.foreign
         ]
         self._names = [n for n, _, _ in self.table]
@@ -440,8 +519,10 @@ class HostileMessages:
             d = base.header["arrays"][i]
             items = [(_pack(k), raw if k == rng.choice(list(d)) else _pack(v)) for k, v in d.items()]
             descs[i] = _raw_map(items)
-            arrays = (bytes([0x90 | len(descs)]) if len(descs) < 16 else b"\xdc" + struct.pack(">H", len(descs)))
-            items = [(_pack(k), arrays + b"".join(descs) if k == "arrays" else _pack(v)) for k, v in base.header.items()]
+            arrays = bytes([0x90 | len(descs)]) if len(descs) < 16 else b"\xdc" + struct.pack(">H", len(descs))
+            items = [
+                (_pack(k), arrays + b"".join(descs) if k == "arrays" else _pack(v)) for k, v in base.header.items()
+            ]
             return [_raw_map(items), *base.frames[1:]]
         return self._splice(rng, raw)
 
@@ -478,10 +559,22 @@ class HostileMessages:
 
     def _non_map_header(self, rng: random.Random) -> Frames:
         base = self._base(rng)
-        value = rng.choice([
-            list(base.header.values()), list(base.header.items()), [base.type_name, SCHEMA_VERSION],
-            base.type_name, None, 0, 1, 3.5, True, b"\x00" * 8, [], [base.header],
-        ])
+        value = rng.choice(
+            [
+                list(base.header.values()),
+                list(base.header.items()),
+                [base.type_name, SCHEMA_VERSION],
+                base.type_name,
+                None,
+                0,
+                1,
+                3.5,
+                True,
+                b"\x00" * 8,
+                [],
+                [base.header],
+            ]
+        )
         return [_pack(value), *base.frames[1:]]
 
     # -- semantic header edits (through msgpack) --------------------------------------------------
@@ -522,17 +615,33 @@ class HostileMessages:
         if isinstance(msg, MicroBatch):
             changes = _inconsistent_micro_batch(rng, msg)
         elif isinstance(msg, Prompt):
-            changes = rng.choice([{"temperature": rng.choice([0.0, -1.0])}, {"eval_round": 3, "eval_size": 0}, {"eval_size": 5}])
+            changes = rng.choice(
+                [{"temperature": rng.choice([0.0, -1.0])}, {"eval_round": 3, "eval_size": 0}, {"eval_size": 5}]
+            )
         elif isinstance(msg, WeightGroup):
-            changes = rng.choice([{"generation": -1}, {"port": rng.choice([0, 70_000])},
-                                  {"filesystem": [msg.members[0]]}, {"members": [msg.members[0]] * 2}])
+            changes = rng.choice(
+                [
+                    {"generation": -1},
+                    {"port": rng.choice([0, 70_000])},
+                    {"filesystem": [msg.members[0]]},
+                    {"members": [msg.members[0]] * 2},
+                ]
+            )
         elif isinstance(msg, WeightGroupAck):
             changes = {"generation": rng.randint(-5, -1)}
         elif isinstance(msg, WeightsRequest):
             changes = rng.choice([{"version": -1}, {"buckets": [-1]}, {"buckets": list(range(65))}])
         elif isinstance(msg, WeightsBucket):
-            changes = rng.choice([{"index": msg.num_buckets}, {"index": -1}, {"crc32": -1}, {"crc32": 2**32},
-                                  {"bucket_bytes": 0}, {"version": -2}])
+            changes = rng.choice(
+                [
+                    {"index": msg.num_buckets},
+                    {"index": -1},
+                    {"crc32": -1},
+                    {"crc32": 2**32},
+                    {"bucket_bytes": 0},
+                    {"version": -2},
+                ]
+            )
         else:
             changes = _inconsistent_group(rng, msg)
         return [bytes(memoryview(f)) for f in encode(dataclasses.replace(msg, **changes))]
@@ -552,8 +661,9 @@ def _edit_schema(g: HostileMessages, rng: random.Random, base: _Base, h: dict[st
     if rng.random() < 0.15:
         h.pop("schema", None)
     else:
-        h["schema"] = rng.choice([0, 2, -1, SCHEMA_VERSION + 1, 2**32, 2**64 - 1, "1", b"\x01", 1.0, True, None,
-                                  [1], {"v": 1}, math.nan])
+        h["schema"] = rng.choice(
+            [0, 2, -1, SCHEMA_VERSION + 1, 2**32, 2**64 - 1, "1", b"\x01", 1.0, True, None, [1], {"v": 1}, math.nan]
+        )
     return h
 
 
@@ -562,10 +672,25 @@ def _edit_type(g: HostileMessages, rng: random.Random, base: _Base, h: dict[str,
         h.pop("type", None)
     else:
         t = base.type_name
-        h["type"] = rng.choice([
-            t + ".v2", t.upper(), t + " ", "\x00" + t, "", "x" * rng.randint(1, 300), t.encode(), [t], {"t": t},
-            3, None, True, "rollout.v2", "weights.evil", "__import__('os')",
-        ])
+        h["type"] = rng.choice(
+            [
+                t + ".v2",
+                t.upper(),
+                t + " ",
+                "\x00" + t,
+                "",
+                "x" * rng.randint(1, 300),
+                t.encode(),
+                [t],
+                {"t": t},
+                3,
+                None,
+                True,
+                "rollout.v2",
+                "weights.evil",
+                "__import__('os')",
+            ]
+        )
     return h
 
 
@@ -635,19 +760,56 @@ def _edit_descriptor(g: HostileMessages, rng: random.Random, base: _Base, h: dic
     d = rng.choice(arrays)
     what = rng.randrange(6)
     if what == 0:  # name
-        d["name"] = rng.choice([
-            "bogus", "", d["name"].upper(), d["name"] + "\x00", 3, None, [d["name"]], b"x",
-            rng.choice([a["name"] for a in arrays]), "rewards", "input_ids", "step", "__class__",
-        ])
+        d["name"] = rng.choice(
+            [
+                "bogus",
+                "",
+                d["name"].upper(),
+                d["name"] + "\x00",
+                3,
+                None,
+                [d["name"]],
+                b"x",
+                rng.choice([a["name"] for a in arrays]),
+                "rewards",
+                "input_ids",
+                "step",
+                "__class__",
+            ]
+        )
     elif what == 1:  # dtype
         d["dtype"] = rng.choice(_BAD_DTYPES + [x for x in _ALLOWED if x != d["dtype"]])
     elif what == 2:  # shape
         n = d["shape"][0] if d["shape"] else 0
-        d["shape"] = rng.choice([
-            [2**40], [2**62], [2**63 - 1], [2**64 - 1], [-1], [-n], [-(2**63)], [n + 1], [max(n - 1, 0) + 2],
-            [n, 1], [1, n], [], [1, 1, 1, 1, 1], [2**32, 2**32], [n * 2**32], [float(n)], [True], [[n]], [str(n)],
-            [None], str(n), n, None, {"0": n}, (n,),
-        ])
+        d["shape"] = rng.choice(
+            [
+                [2**40],
+                [2**62],
+                [2**63 - 1],
+                [2**64 - 1],
+                [-1],
+                [-n],
+                [-(2**63)],
+                [n + 1],
+                [max(n - 1, 0) + 2],
+                [n, 1],
+                [1, n],
+                [],
+                [1, 1, 1, 1, 1],
+                [2**32, 2**32],
+                [n * 2**32],
+                [float(n)],
+                [True],
+                [[n]],
+                [str(n)],
+                [None],
+                str(n),
+                n,
+                None,
+                {"0": n},
+                (n,),
+            ]
+        )
     elif what == 3:  # dtype and shape that agree with the frame size but not with the type
         itemsize = {"bool": 1, "uint8": 1, "int32": 4, "int64": 8, "float32": 4, "float64": 8}
         nbytes = (d["shape"][0] if d["shape"] else 0) * itemsize[d["dtype"]]
@@ -690,16 +852,18 @@ def _inconsistent_group(rng: random.Random, msg: RolloutGroup) -> dict[str, Any]
     if what == 8:  # version spans: not covering the tokens, negative, empty, min/max off start/end, counts off
         spans, counts = np.array(msg.version_spans), np.array(msg.version_span_counts)
         k = rng.randrange(len(spans))
-        return rng.choice([
-            {"version_spans": np.concatenate([spans, [[3, 1]]]).astype(np.int64)},
-            {"version_spans": np.where(np.arange(len(spans))[:, None] == k, [[-1, 0]], 0) + spans},
-            {"version_spans": np.where(np.arange(len(spans))[:, None] == k, [[0, 1]], 0) + spans},
-            {"version_spans": np.where(np.arange(len(spans))[:, None] == k, [[1, 0]], 0) + spans},
-            {"version_spans": np.where(np.arange(len(spans))[:, None] == k, [[0, -spans[k, 1]]], 0) + spans},
-            {"version_span_counts": counts[:-1]},
-            {"version_span_counts": np.zeros(0, np.int32)},
-            {"version_spans": spans[:, :1].copy()},
-        ])
+        return rng.choice(
+            [
+                {"version_spans": np.concatenate([spans, [[3, 1]]]).astype(np.int64)},
+                {"version_spans": np.where(np.arange(len(spans))[:, None] == k, [[-1, 0]], 0) + spans},
+                {"version_spans": np.where(np.arange(len(spans))[:, None] == k, [[0, 1]], 0) + spans},
+                {"version_spans": np.where(np.arange(len(spans))[:, None] == k, [[1, 0]], 0) + spans},
+                {"version_spans": np.where(np.arange(len(spans))[:, None] == k, [[0, -spans[k, 1]]], 0) + spans},
+                {"version_span_counts": counts[:-1]},
+                {"version_span_counts": np.zeros(0, np.int32)},
+                {"version_spans": spans[:, :1].copy()},
+            ]
+        )
     if what == 0:  # lens that do not add up, or negative ones
         lens = np.array([rng.randint(-3, 20) for _ in range(g)], np.int32)
         return {"completion_lens": lens}
@@ -711,16 +875,24 @@ def _inconsistent_group(rng: random.Random, msg: RolloutGroup) -> dict[str, Any]
         return {key: ["stop"] * k}
     if what == 3:  # versions: wrong length, negative, end before start
         k = rng.choice([g - 1, g + 1])
-        return rng.choice([
-            {"version_start": np.zeros(k, np.int64)},
-            {"version_end": np.zeros(k, np.int64) + 5},
-            {"version_start": np.array([-1] * g, np.int64), "version_end": np.array([-1] * g, np.int64)},
-            {"version_start": msg.version_end + 1},
-        ])
+        return rng.choice(
+            [
+                {"version_start": np.zeros(k, np.int64)},
+                {"version_end": np.zeros(k, np.int64) + 5},
+                {"version_start": np.array([-1] * g, np.int64), "version_end": np.array([-1] * g, np.int64)},
+                {"version_start": msg.version_end + 1},
+            ]
+        )
     if what == 4:  # an empty group
-        empty = dict(completion_ids=np.zeros(0, np.int32), completion_lens=np.zeros(0, np.int32),
-                     sampler_logprobs=np.zeros(0, np.float32), version_start=np.zeros(0, np.int64),
-                     version_end=np.zeros(0, np.int64), completion_texts=[], finish_reasons=[])
+        empty = dict(
+            completion_ids=np.zeros(0, np.int32),
+            completion_lens=np.zeros(0, np.int32),
+            sampler_logprobs=np.zeros(0, np.float32),
+            version_start=np.zeros(0, np.int64),
+            version_end=np.zeros(0, np.int64),
+            completion_texts=[],
+            finish_reasons=[],
+        )
         if isinstance(msg, ScoredGroup):
             empty.update(rewards=np.zeros(0, np.float32), advantages=np.zeros(0, np.float32))
         return empty
@@ -740,13 +912,23 @@ def _inconsistent_micro_batch(rng: random.Random, msg: MicroBatch) -> dict[str, 
     if what == 6:  # token versions: wrong length, negative, a sample's minimum not its oldest version
         bad = np.array(msg.token_versions)
         bad[rng.randrange(t)] = rng.choice([-1, int(msg.oldest_versions.min()) - 1])
-        return rng.choice([{"token_versions": np.zeros(rng.choice([0, t - 1, t + 1]), np.int64)},
-                           {"token_versions": bad}, {"token_versions": np.array(msg.token_versions) + 1}])
+        return rng.choice(
+            [
+                {"token_versions": np.zeros(rng.choice([0, t - 1, t + 1]), np.int64)},
+                {"token_versions": bad},
+                {"token_versions": np.array(msg.token_versions) + 1},
+            ]
+        )
     if what == 0:
-        return rng.choice([
-            {"micro_index": msg.num_micro_batches}, {"micro_index": -1}, {"step": -1},
-            {"num_micro_batches": 0}, {"micro_index": 2**62},
-        ])
+        return rng.choice(
+            [
+                {"micro_index": msg.num_micro_batches},
+                {"micro_index": -1},
+                {"step": -1},
+                {"num_micro_batches": 0},
+                {"micro_index": 2**62},
+            ]
+        )
     if what == 1:  # seq_lens not adding up, zero or negative
         lens = np.array(msg.seq_lens)
         lens[rng.randrange(s)] = rng.choice([0, -5, lens[0] + 1])
@@ -793,7 +975,9 @@ MUTATIONS: dict[str, float] = {
 # -- the delivery layer (bus.envelope, bus.inbox, bus.outbox) -------------------------------------
 
 
-def classify_delivery(frames: Frames, role: str, accept: tuple[type[Message], ...], held: frozenset[str] = frozenset()) -> str | None:
+def classify_delivery(
+    frames: Frames, role: str, accept: tuple[type[Message], ...], held: frozenset[str] = frozenset()
+) -> str | None:
     """The reject reason a box (:mod:`bus.inbox`, :mod:`bus.outbox`) gives the frame set ``frames`` (as received,
     without a routing id), or None if it takes it.
 
@@ -858,8 +1042,9 @@ class HostileEnvelopes:
         yielded frame set.
     """
 
-    def __init__(self, seed: int, role: str, accept: tuple[type[Message], ...], held: list[str] = (),
-                 session: str = "fuzzer") -> None:
+    def __init__(
+        self, seed: int, role: str, accept: tuple[type[Message], ...], held: list[str] = (), session: str = "fuzzer"
+    ) -> None:
         if role not in ("inbox", "outbox"):
             raise ValueError(f"role must be 'inbox' or 'outbox', got {role!r}")
         self.rng = random.Random(seed)
@@ -960,12 +1145,32 @@ class HostileEnvelopes:
             bad_id = rng.choice([None, "", 7, ["id"], b"id", "i" * (MAX_ID_CHARS + 1), self._junk(rng)])
             return [envelope("D", self.session, bad_id), *self.valid]
         ids = [self._id(rng)]
-        payload = rng.choice([
-            [-1, [], []], [1_000_001, [], []], [2**63, [], []], [True, [], []], [1.5, [], []], ["1", [], []],
-            [None, [], []], [1, []], [1, [], [], []], [], None, "ack", [1, ids, "x"], [1, "x", ids], [1, [3], []],
-            [1, [], [None]], [1, [ids], []], [1, [b"id"], []], {"free": 1}, [0, ["i"] * (MAX_IDS_PER_ACK + 1), []],
-            [0, [], ["i" * (MAX_ID_CHARS + 1)]], [self._junk(rng), ids, ids],
-        ])
+        payload = rng.choice(
+            [
+                [-1, [], []],
+                [1_000_001, [], []],
+                [2**63, [], []],
+                [True, [], []],
+                [1.5, [], []],
+                ["1", [], []],
+                [None, [], []],
+                [1, []],
+                [1, [], [], []],
+                [],
+                None,
+                "ack",
+                [1, ids, "x"],
+                [1, "x", ids],
+                [1, [3], []],
+                [1, [], [None]],
+                [1, [ids], []],
+                [1, [b"id"], []],
+                {"free": 1},
+                [0, ["i"] * (MAX_IDS_PER_ACK + 1), []],
+                [0, [], ["i" * (MAX_ID_CHARS + 1)]],
+                [self._junk(rng), ids, ids],
+            ]
+        )
         return [envelope("A", self.session, payload)]
 
     def _huge_length_prefix(self, rng: random.Random) -> Frames:

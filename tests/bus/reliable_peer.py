@@ -190,7 +190,7 @@ class PeerProcess:
         while (left := deadline - time.monotonic()) > 0:
             line = self.next_line(left)
             if line is not None and line.startswith(prefix):
-                return line[len(prefix):].strip()
+                return line[len(prefix) :].strip()
         raise AssertionError(
             f"peer {self.args}: no {prefix!r} line within {timeout_s} s (exit code {self.proc.poll()}); "
             f"stderr:\n{self.log_path.read_text()[-3000:]}"

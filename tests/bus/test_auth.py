@@ -187,8 +187,9 @@ def test_allowed_client_through_control_hub(peers, keys, curve_hub, sync_control
     client = peers.context(keys)
     pub = peers.bus(client, "control_pub", "send", curve_hub.pub_endpoint, bind=False)
     sub = peers.bus(client, "control_sub", "recv", curve_hub.sub_endpoint, bind=False)
-    sync_control(lambda n: pub.send(GroupsDropped(id=f"sync-{n}", group_ids=[], reason="sync")),
-                 lambda: sub.recv(timeout_s=0.05))
+    sync_control(
+        lambda n: pub.send(GroupsDropped(id=f"sync-{n}", group_ids=[], reason="sync")), lambda: sub.recv(timeout_s=0.05)
+    )
     sent = [TrainerStep(id=new_id(), step=i, version=i, metrics={}) for i in range(5)]
     for msg in sent:
         assert pub.send(msg)
@@ -214,8 +215,9 @@ def test_intruder_push_never_arrives(peers, keys, intruder_ctx):
 def test_intruder_sender_gets_nothing_into_a_reliable_receiver(peers, keys, intruder_ctx, metric):
     ep = free_endpoint()
     inbox = peers.courier(peers.context(keys)).receiver("scored", ep, bind=True, accept=(ScoredGroup,))
-    rejected_before = sum(metric("rlbus_bus_rejected_total", topic="scored", reason=r)
-                          for r in ("envelope", "header", "wrong_direction"))
+    rejected_before = sum(
+        metric("rlbus_bus_rejected_total", topic="scored", reason=r) for r in ("envelope", "header", "wrong_direction")
+    )
     # a real outbox with the intruder's credentials, and a raw DEALER speaking the protocol by hand
     outbox = peers.courier(intruder_ctx).sender("scored", ep, bind=False)
     assert outbox.send(scored("intruder"), timeout_s=1)  # taken into its own outbox, never delivered
@@ -226,8 +228,13 @@ def test_intruder_sender_gets_nothing_into_a_reliable_receiver(peers, keys, intr
     assert inbox.recv(timeout_s=SILENCE_S) is None
     assert raw.recv(timeout_s=0.2) is None  # no credit, no ack: the receiver never heard of it
     assert outbox.unfinished() == 1
-    assert sum(metric("rlbus_bus_rejected_total", topic="scored", reason=r)
-               for r in ("envelope", "header", "wrong_direction")) == rejected_before  # nothing even reached it
+    assert (
+        sum(
+            metric("rlbus_bus_rejected_total", topic="scored", reason=r)
+            for r in ("envelope", "header", "wrong_direction")
+        )
+        == rejected_before
+    )  # nothing even reached it
     # Positive control: an allowed sender gets through, and only its message arrives.
     friend = peers.courier(peers.context(keys)).sender("scored", ep, bind=False)
     ok = scored("friend")
@@ -256,8 +263,9 @@ def test_intruder_gets_nothing_through_control_hub(peers, keys, curve_hub, intru
     client = peers.context(keys)
     pub = peers.bus(client, "control_pub", "send", curve_hub.pub_endpoint, bind=False)
     sub = peers.bus(client, "control_sub", "recv", curve_hub.sub_endpoint, bind=False)
-    sync_control(lambda n: pub.send(GroupsDropped(id=f"sync-{n}", group_ids=[], reason="sync")),
-                 lambda: sub.recv(timeout_s=0.05))
+    sync_control(
+        lambda n: pub.send(GroupsDropped(id=f"sync-{n}", group_ids=[], reason="sync")), lambda: sub.recv(timeout_s=0.05)
+    )
     bad_pub = peers.bus(intruder_ctx, "control_pub", "send", curve_hub.pub_endpoint, bind=False)
     bad_sub = peers.bus(intruder_ctx, "control_sub", "recv", curve_hub.sub_endpoint, bind=False)
     # The intruder publishes for a while: nothing of it is forwarded.
@@ -306,8 +314,9 @@ def test_busctl_keys_feed_the_config(tmp_path, capsys):
     handshake = None
     try:
         # Supervisor handshake: bound by the supervisor, sent by a component.
-        handshake = BusSocket(sup.ctx, "supervisor", "recv", sup.endpoints.address("supervisor"), bind=True,
-                              accept=(ComponentReady,))
+        handshake = BusSocket(
+            sup.ctx, "supervisor", "recv", sup.endpoints.address("supervisor"), bind=True, accept=(ComponentReady,)
+        )
         packer.report_ready(metrics_port=9100)
         ready = handshake.recv(timeout_s=5)
         assert isinstance(ready, ComponentReady) and ready.name == "packer"
@@ -331,7 +340,9 @@ def test_busctl_keys_feed_the_config(tmp_path, capsys):
 def test_busctl_keys_never_overwrites(tmp_path, capsys):
     assert cli.main(["keys", str(tmp_path / "keys"), "--clients", "3"]) == 0
     before = {p.name: p.read_bytes() for p in (tmp_path / "keys").rglob("*") if p.is_file()}
-    assert {"server.key", "server.key_secret", "components.key_secret", "client-1.key", "client-2.key_secret"} <= set(before)
+    assert {"server.key", "server.key_secret", "components.key_secret", "client-1.key", "client-2.key_secret"} <= set(
+        before
+    )
     assert cli.main(["keys", str(tmp_path / "keys")]) == 1
     assert "already holds" in capsys.readouterr().err  # an error: on stderr
     assert {p.name: p.read_bytes() for p in (tmp_path / "keys").rglob("*") if p.is_file()} == before
@@ -351,8 +362,10 @@ def test_missing_key_dir_or_file_is_refused_at_launch(tmp_path, keys_dir, capsys
     (partial / "server.key_secret").unlink()
     cases = [
         ([f"bus.curve_keys_dir={missing}"], f"CurveZMQ key directory {missing} does not exist"),
-        ([f"bus.curve_keys_dir={keys_dir}", "bus.curve_client=nobody"],
-         f"CurveZMQ key file {keys_dir / 'clients' / 'nobody.key_secret'} does not exist"),
+        (
+            [f"bus.curve_keys_dir={keys_dir}", "bus.curve_client=nobody"],
+            f"CurveZMQ key file {keys_dir / 'clients' / 'nobody.key_secret'} does not exist",
+        ),
         ([f"bus.curve_keys_dir={partial}"], f"CurveZMQ key file {partial / 'server.key_secret'} does not exist"),
     ]
     for overrides, message in cases:
@@ -361,7 +374,10 @@ def test_missing_key_dir_or_file_is_refused_at_launch(tmp_path, keys_dir, capsys
             cfg = load_config(None, args)  # valid as a config: nothing read yet
             with pytest.raises(ValueError, match=re.escape(f"bus.curve_keys_dir: {message}")):
                 auth.check_keys(cfg.bus)
-            for command in (["up", "--dry-run", f"run_dir={tmp_path / 'run'}"], ["sbatch", f"run_dir={tmp_path / 'run'}"]):
+            for command in (
+                ["up", "--dry-run", f"run_dir={tmp_path / 'run'}"],
+                ["sbatch", f"run_dir={tmp_path / 'run'}"],
+            ):
                 assert cli.main([*command, *args]) == 2, command
                 out = capsys.readouterr()
                 assert f"bus.curve_keys_dir: {message}; create one with `busctl keys DIR`" in out.err, command
@@ -378,7 +394,9 @@ def test_a_component_opening_sockets_reads_the_keys(tmp_path):
     auth.create_keys(keys)
     cfg = load_config(None, ["bus.transport=tcp", f"bus.curve_keys_dir={keys}", f"run_dir={tmp_path / 'run'}"])
     (keys / "clients" / "components.key_secret").unlink()
-    with pytest.raises(ValueError, match=re.escape(f"CurveZMQ key file {keys / 'clients' / 'components.key_secret'} does not exist")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"CurveZMQ key file {keys / 'clients' / 'components.key_secret'} does not exist")
+    ):
         Component(cfg, "packer", 0)
 
 

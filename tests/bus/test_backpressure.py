@@ -28,7 +28,9 @@ def test_credit_blocks_the_sender_and_drops_nothing(couriers, endpoint, micro_ba
     spec = TOPICS["batches"]
     assert spec.reliable and spec.hwm == 2
     packer = couriers().sender("batches", endpoint("batches"), bind=True)
-    trainer = couriers().receiver("batches", endpoint("batches"), bind=False, accept=(type(micro_batch()),))  # not reading
+    trainer = couriers().receiver(
+        "batches", endpoint("batches"), bind=False, accept=(type(micro_batch()),)
+    )  # not reading
     big = micro_batch(num_tokens=100_000)  # 13 bytes/token: ~1.3 MB of array frames
     blocked_before = metric(BLOCKED, topic="batches")
 
@@ -91,8 +93,10 @@ def test_backpressure_propagates_upstream_hop_by_hop(couriers, endpoint):
             handed += 1
             assert handed < 200, "the source was never stopped"
         bound = (_c_in.window + b_out.capacity) + 1 + (b_in.window + a_out.capacity)
-        print(f"A handed over {handed} = C's credit + B's outbox ({_c_in.window} + {b_out.capacity}) + 1 in B's hand "
-              f"+ B's credit + A's outbox ({b_in.window} + {a_out.capacity})")
+        print(
+            f"A handed over {handed} = C's credit + B's outbox ({_c_in.window} + {b_out.capacity}) + 1 in B's hand "
+            f"+ B's credit + A's outbox ({b_in.window} + {a_out.capacity})"
+        )
         assert handed == bound
         assert len(forwarded) == _c_in.window + b_out.capacity
         assert a_out.unfinished() == handed  # nothing was released: C holds custody of what it got

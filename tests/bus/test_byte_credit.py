@@ -120,12 +120,15 @@ def test_the_next_message_goes_to_the_peer_with_the_most_byte_room(micro_batch):
 
 
 @pytest.mark.parametrize("window_messages", [2.5, 0.5])
-def test_a_stalled_receiver_holds_at_most_its_byte_window(window_messages, couriers, endpoint, micro_batch, metric, wait_until):
+def test_a_stalled_receiver_holds_at_most_its_byte_window(
+    window_messages, couriers, endpoint, micro_batch, metric, wait_until
+):
     size = wire_bytes(big("b-0", micro_batch))  # ids of the same length: the same size
     limit = int(window_messages * size)
     ep = endpoint("batches")
-    outbox, inbox = open_hop(couriers(max_inflight_bytes=limit), couriers(max_inflight_bytes=limit), TOPIC, ep,
-                             window=8, capacity=8)
+    outbox, inbox = open_hop(
+        couriers(max_inflight_bytes=limit), couriers(max_inflight_bytes=limit), TOPIC, ep, window=8, capacity=8
+    )
     assert (inbox.window_bytes, outbox.capacity_bytes) == (limit, limit)
     handed = 0
     while outbox.send(big(f"b-{handed}", micro_batch), timeout_s=1.0):  # the receiver never recv()s
@@ -133,7 +136,9 @@ def test_a_stalled_receiver_holds_at_most_its_byte_window(window_messages, couri
         assert handed <= 16, "send() never blocked"
     per_side = max(int(window_messages), 1)  # what fits the window, or one message alone
     assert handed == 2 * per_side  # in the inbox, and not yet taken in the outbox
-    wait_until(lambda: metric(QUEUED, topic=TOPIC, queue="inbox") == per_side, WAIT_S, "the inbox holds its byte window")
+    wait_until(
+        lambda: metric(QUEUED, topic=TOPIC, queue="inbox") == per_side, WAIT_S, "the inbox holds its byte window"
+    )
     assert metric(QUEUED_BYTES, topic=TOPIC, queue="inbox") == per_side * size
     assert metric(QUEUED_BYTES, topic=TOPIC, queue="outbox_not_taken") == per_side * size
     assert receive(inbox, handed) == [f"b-{i}" for i in range(handed)]
@@ -147,8 +152,15 @@ def test_ack_envelopes_with_byte_credit_are_parsed_strictly():
 
     assert parse_envelope(ack([3, ["a"], [], 1024, False]))[2] == [3, ["a"], [], 1024, False]
     assert parse_envelope(ack([3, [], []]))[2] == [3, [], []]  # a receiver without a byte bound
-    for bad in ([3, [], [], 1024], [3, [], [], -1, True], [3, [], [], MAX_CREDIT_BYTES + 1, True],
-                [3, [], [], 1024, 1], [3, [], [], True, True], [3, [], [], 1.5, True], [3, [], [], 10, True, 0]):
+    for bad in (
+        [3, [], [], 1024],
+        [3, [], [], -1, True],
+        [3, [], [], MAX_CREDIT_BYTES + 1, True],
+        [3, [], [], 1024, 1],
+        [3, [], [], True, True],
+        [3, [], [], 1.5, True],
+        [3, [], [], 10, True, 0],
+    ):
         with pytest.raises(WireError, match="free_bytes"):
             parse_envelope(ack(bad))
 

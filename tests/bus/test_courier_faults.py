@@ -148,8 +148,11 @@ def test_close_while_the_thread_is_busy_leaves_its_pipe_to_the_thread(couriers, 
     release.set()
     wait_until(lambda: not busy_courier._thread.is_alive(), WAIT_S, "the I/O thread ends after its command")
     assert busy_courier._wake_r == busy_courier._wake_w == -1  # and it closed the pipe itself
-    wait_until(lambda: metric(PEER_DEATHS, topic="prompts", reason="goodbye") > goodbyes, WAIT_S,
-               "its goodbye reaches the sender")
+    wait_until(
+        lambda: metric(PEER_DEATHS, topic="prompts", reason="goodbye") > goodbyes,
+        WAIT_S,
+        "its goodbye reaches the sender",
+    )
     assert busy_courier.close() is True  # a second close: nothing left to do
 
 
@@ -180,8 +183,11 @@ def test_loop_errors_are_counted_and_too_many_in_a_row_fail_the_courier(couriers
         faulty.sender("outcomes", endpoint("outcomes"), bind=False)
     with pytest.raises(CourierFailed):
         inbox.done("p-1")
-    wait_until(lambda: metric(PEER_DEATHS, topic="prompts", reason="goodbye") > goodbyes, WAIT_S,
-               "the failed courier said goodbye")
+    wait_until(
+        lambda: metric(PEER_DEATHS, topic="prompts", reason="goodbye") > goodbyes,
+        WAIT_S,
+        "the failed courier said goodbye",
+    )
     spare = couriers().receiver("prompts", ep, bind=False, accept=(Prompt,))
     assert receive(spare, 1) == ["p-1"]  # what the failed process held is re-sent
     wait_until(lambda outbox=outbox: outbox.unfinished() == 0, WAIT_S, "all done")
@@ -198,7 +204,13 @@ def test_a_component_whose_courier_fails_exits_1(tmp_path: Path, sockets):
     supervisor = sockets.socket(zmq.PULL)  # takes the ready handshake and heartbeats, as busctl would
     supervisor.bind(endpoints.address("supervisor"))
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-m", "tests.bus.faulty_component", "--run-dir", str(run_dir), "--name", "faulty"],
-                          cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.bus.faulty_component", "--run-dir", str(run_dir), "--name", "faulty"],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "CourierFailed" in proc.stderr and "injected fault" in proc.stderr, proc.stderr[-3000:]

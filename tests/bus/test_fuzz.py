@@ -98,8 +98,18 @@ def test_generator_is_seeded_invalid_and_covers_every_mutation():
     reasons = Counter(classify(m, (ScoredGroup,)) for m in msgs)
     assert None not in reasons and reasons == a.reasons
     assert "decode" not in reasons  # the decoder only ever raises WireError
-    assert set(reasons) >= {"header", "schema", "unknown_type", "frames", "dtype", "shape", "size", "field",
-                            "inconsistent", "unexpected_type"}
+    assert set(reasons) >= {
+        "header",
+        "schema",
+        "unknown_type",
+        "frames",
+        "dtype",
+        "shape",
+        "size",
+        "field",
+        "inconsistent",
+        "unexpected_type",
+    }
     assert set(a.mutations) == set(MUTATIONS)
     examples = realistic_examples()  # the material: one valid message of every registered type
     assert set(examples) == set(MESSAGE_TYPES)
@@ -113,8 +123,7 @@ def test_generator_is_seeded_invalid_and_covers_every_mutation():
 def _raw_map(d: dict, key: str, raw_value: bytes) -> bytes:
     """msgpack of map ``d`` (< 65536 keys) with the value of ``key`` replaced by raw bytes."""
     prefix = bytes([0x80 | len(d)]) if len(d) < 16 else b"\xde" + len(d).to_bytes(2, "big")
-    return prefix + b"".join(
-        msgpack.packb(k) + (raw_value if k == key else msgpack.packb(v)) for k, v in d.items())
+    return prefix + b"".join(msgpack.packb(k) + (raw_value if k == key else msgpack.packb(v)) for k, v in d.items())
 
 
 def _scored_with_descriptor(key: str, raw_value: bytes) -> list[bytes]:
@@ -122,7 +131,9 @@ def _scored_with_descriptor(key: str, raw_value: bytes) -> list[bytes]:
     frames = [bytes(memoryview(f)) for f in encode(realistic_examples()["scored"])]
     header = msgpack.unpackb(frames[0])
     *others, last = header["arrays"]
-    arrays = bytes([0x90 | len(header["arrays"])]) + b"".join(map(msgpack.packb, others)) + _raw_map(last, key, raw_value)
+    arrays = (
+        bytes([0x90 | len(header["arrays"])]) + b"".join(map(msgpack.packb, others)) + _raw_map(last, key, raw_value)
+    )
     return [_raw_map(header, "arrays", arrays), *frames[1:]]
 
 
@@ -161,8 +172,17 @@ def test_envelope_generator_is_seeded_invalid_and_covers_every_mutation():
     assert msgs[:1000] != HostileEnvelopes(6, "inbox", accept).take(1000)
     reasons = Counter(classify_delivery(m, "inbox", accept) for m in msgs)
     assert None not in reasons and reasons == a.reasons and "decode" not in reasons
-    assert set(reasons) >= {"envelope", "too_large", "wrong_direction", "id_mismatch", "frames", "header",
-                            "unexpected_type", "field", "inconsistent"}
+    assert set(reasons) >= {
+        "envelope",
+        "too_large",
+        "wrong_direction",
+        "id_mismatch",
+        "frames",
+        "header",
+        "unexpected_type",
+        "field",
+        "inconsistent",
+    }
     assert set(a.mutations) == set(ENVELOPE_MUTATIONS) | set(INBOX_MUTATIONS)
 
     held = ["held-0", "held-1"]
@@ -316,8 +336,13 @@ def test_pull_receiver_rejects_fuzz(sockets, endpoint):
 # -- SUB: a subscriber fed by a hostile publisher (e.g. a rogue hub) ----------------------------------
 
 
-def paced_publish(pub: zmq.Socket, gen: HostileMessages, valid: Callable[[int], Message], counted: Callable[[], int],
-                  on_valid: Callable[[str], None] = lambda _id: None) -> int:
+def paced_publish(
+    pub: zmq.Socket,
+    gen: HostileMessages,
+    valid: Callable[[int], Message],
+    counted: Callable[[], int],
+    on_valid: Callable[[str], None] = lambda _id: None,
+) -> int:
     """Publish the stream in chunks, waiting after each until ``counted()`` (the receiver's
     reject count) has caught up, so that no PUB/XPUB HWM ever drops a hostile message."""
     sent = 0
@@ -340,8 +365,10 @@ def test_sub_receiver_rejects_fuzz(sockets, endpoint, sync_control):
     pub.setsockopt(zmq.SNDHWM, 0)
     pub.bind(endpoint("rogue_hub"))
     sub = sockets.bus("control_sub", "recv", endpoint("rogue_hub"), bind=False)
-    sync_control(lambda n: pub.send_multipart(encode(GroupsDropped(id=f"sync-{n}", group_ids=[], reason="s"))),
-                 lambda: sub.recv(timeout_s=0.05))
+    sync_control(
+        lambda n: pub.send_multipart(encode(GroupsDropped(id=f"sync-{n}", group_ids=[], reason="s"))),
+        lambda: sub.recv(timeout_s=0.05),
+    )
     gen = HostileMessages(11, None)
     before = rejected("control")
     got: list[str] = []
@@ -386,13 +413,14 @@ def test_hub_rejects_fuzz_and_forwards_only_valid(hub, sockets, sync_control):
             seen["live"] = got = True
         return True if got and all(seen.values()) else None
 
-    sync_control(lambda n: pub.send_multipart(encode(GroupsDropped(id=f"sync-{n}", group_ids=[], reason="s"))),
-                 probe_recv)
+    sync_control(
+        lambda n: pub.send_multipart(encode(GroupsDropped(id=f"sync-{n}", group_ids=[], reason="s"))), probe_recv
+    )
     gen = HostileMessages(12, None)
     before = rejected("control")
     want: list[str] = []
     valid = renamed(RunDone(id="", step=3, reason="marker"))
-    counted = lambda: sum(delta(rejected("control"), before).values())  # noqa: E731
+    counted = lambda: sum(delta(rejected("control"), before).values())
     assert paced_publish(pub, gen, valid, counted, want.append) == N_HOSTILE
 
     forwarded = []
@@ -415,8 +443,9 @@ def test_hub_survives_junk_from_subscribers(hub, sockets, sync_control):
     multipart messages and subscription floods leave it forwarding."""
     pub = sockets.bus("control_pub", "send", hub.pub_endpoint, bind=False)
     live = sockets.bus("control_sub", "recv", hub.sub_endpoint, bind=False)
-    sync_control(lambda n: pub.send(GroupsDropped(id=f"sync-{n}", group_ids=[], reason="s")),
-                 lambda: live.recv(timeout_s=0.05))
+    sync_control(
+        lambda n: pub.send(GroupsDropped(id=f"sync-{n}", group_ids=[], reason="s")), lambda: live.recv(timeout_s=0.05)
+    )
     rogue = sockets.socket(zmq.XSUB)
     rogue.setsockopt(zmq.SNDHWM, 0)
     rogue.connect(hub.sub_endpoint)

@@ -61,7 +61,9 @@ def test_late_subscriber_gets_last_values(hub, sockets, sync_control):
 def test_hub_forwards_control_types_only(hub, sockets, sync_control):
     """A well-formed data message published on the control channel is counted and dropped."""
     pub, live = connect(hub, sockets, sync_control)
-    before = REGISTRY.get_sample_value("rlbus_bus_rejected_total", {"topic": "control", "reason": "unexpected_type"}) or 0.0
+    before = (
+        REGISTRY.get_sample_value("rlbus_bus_rejected_total", {"topic": "control", "reason": "unexpected_type"}) or 0.0
+    )
     data = Prompt(id="p-1", index=0, step=0, task="reverse_text", messages=[], info={})
     assert pub.send(data)
     assert pub.send(TrainerStep(id="s-1", step=1, version=1, metrics={}))

@@ -50,8 +50,11 @@ class HubProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self, mode: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", HUB_CODE, self.pub, self.sub, str(self.cache), mode],
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", HUB_CODE, self.pub, self.sub, str(self.cache), mode],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert self.proc.stdout.readline().strip() == "up"
 
     def sigkill(self) -> None:
@@ -72,8 +75,9 @@ def hub_process(tmp_path):
 
 
 def weights(version: int) -> WeightsReady:
-    return WeightsReady(id=f"w-{version}", version=version, method="filesystem", manifest=[], path=f"/w/v{version}",
-                        num_bytes=10)
+    return WeightsReady(
+        id=f"w-{version}", version=version, method="filesystem", manifest=[], path=f"/w/v{version}", num_bytes=10
+    )
 
 
 def wait_persisted(cache: Path, ids: set[str], timeout_s: float = 5.0) -> None:
@@ -83,7 +87,9 @@ def wait_persisted(cache: Path, ids: set[str], timeout_s: float = 5.0) -> None:
         held = {decode(f).id for f in msgpack.unpackb(cache.read_bytes())} if cache.is_file() else set()
         if ids <= held:
             return
-        assert time.monotonic() < deadline, f"{sorted(ids - held)} not persisted within {timeout_s} s (file: {sorted(held)})"
+        assert time.monotonic() < deadline, (
+            f"{sorted(ids - held)} not persisted within {timeout_s} s (file: {sorted(held)})"
+        )
         time.sleep(PERSIST_INTERVAL_S / 4)
 
 
@@ -103,8 +109,10 @@ def test_restarted_hub_catches_late_joiners_up_from_its_persisted_cache(hub_proc
     hub_process.start("fresh")
     pub = sockets.bus("control_pub", "send", hub_process.pub, bind=False)
     live = sockets.bus("control_sub", "recv", hub_process.sub, bind=False)
-    sync_control(lambda n: pub.send(TrainerStep(id=f"sync-{n}", step=0, version=0, metrics={})),
-                 lambda: live.recv(timeout_s=0.05))
+    sync_control(
+        lambda n: pub.send(TrainerStep(id=f"sync-{n}", step=0, version=0, metrics={})),
+        lambda: live.recv(timeout_s=0.05),
+    )
     for msg in (weights(3), TrainerStep(id="s-3", step=3, version=3, metrics={})):
         assert pub.send(msg)
     receive_until(live, lambda got: [m.id for m in got][-2:] == ["w-3", "s-3"])
@@ -122,8 +130,10 @@ def test_publisher_reannounces_what_the_dead_hub_missed(hub_process, ctx, socket
     publisher = ControlPublisher(ctx, hub_process.pub)
     try:
         live = sockets.bus("control_sub", "recv", hub_process.sub, bind=False)
-        sync_control(lambda n: publisher.send(TrainerStep(id=f"sync-{n}", step=0, version=0, metrics={})),
-                     lambda: live.recv(timeout_s=0.05))
+        sync_control(
+            lambda n: publisher.send(TrainerStep(id=f"sync-{n}", step=0, version=0, metrics={})),
+            lambda: live.recv(timeout_s=0.05),
+        )
         assert publisher.send(weights(1))
         receive_until(live, lambda got: any(m.id == "w-1" for m in got))
 
@@ -137,6 +147,7 @@ def test_publisher_reannounces_what_the_dead_hub_missed(hub_process, ctx, socket
         def twice(got):
             ids = [m.id for m in got]
             return ids.count("w-2") >= 2 and ids.count("done") >= 2
+
         got = receive_until(live, twice)
         assert publisher.reconnects == 1
         # (the restarted hub's cache catches ``live`` up with w-1 first; the newest comes last)

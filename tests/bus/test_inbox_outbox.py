@@ -106,7 +106,12 @@ def connected(window: int = 4, capacity: int = 8) -> tuple[Outbox, Inbox]:
 
 def test_done_finishes_the_message_and_releases_its_upstream():
     upstream = make_inbox()
-    wire([Send(OUT_KEY, [msgpack.packb([1, "D", "prod", "u1"]), *frames_of(data_message(TOPIC, "u1"))])], upstream, (0, b"prod"), 0.0)
+    wire(
+        [Send(OUT_KEY, [msgpack.packb([1, "D", "prod", "u1"]), *frames_of(data_message(TOPIC, "u1"))])],
+        upstream,
+        (0, b"prod"),
+        0.0,
+    )
     assert drain(upstream) == ["u1"]
     upstream.flush(0.0, heartbeat_due=False)
     outbox, inbox = connected()

@@ -91,7 +91,10 @@ def test_reliable_round_trip_counts_traffic(topic, type_name, couriers, endpoint
     # the sender's courier thread counts a message after its socket send returns, so the receiver
     # can hold it a moment before the count moves (seen once under load): wait for it, bounded
     deadline = time.monotonic() + 10.0
-    while metric("rlbus_bus_messages_total", topic=topic, direction="send") != before["send"] + 1 and time.monotonic() < deadline:
+    while (
+        metric("rlbus_bus_messages_total", topic=topic, direction="send") != before["send"] + 1
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.01)
     for d in ("send", "recv"):
         assert metric("rlbus_bus_messages_total", topic=topic, direction=d) == before[d] + 1

@@ -32,8 +32,11 @@ def fetch(port: int, path: str) -> tuple[int, str, str]:
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:
     """``{(sample name, sorted labels): value}`` of a Prometheus text page."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_metrics_and_health_endpoints() -> None:
@@ -41,7 +44,9 @@ def test_metrics_and_health_endpoints() -> None:
     counter = Counter("rlbus_test_things_total", "things", registry=registry)
     counter.inc(3)
     state = {"healthy": False}
-    port = serve_metrics(0, health=lambda: (state["healthy"], {"component": "packer", "phase": "starting"}), registry=registry)
+    port = serve_metrics(
+        0, health=lambda: (state["healthy"], {"component": "packer", "phase": "starting"}), registry=registry
+    )
 
     code, ctype, text = fetch(port, "/metrics")
     assert code == 200 and ctype.startswith("text/plain")
@@ -136,5 +141,7 @@ def test_every_reason_in_the_code_is_declared() -> None:
     code = "\n".join(p.read_text() for p in (ROOT / "bus").glob("*.py"))
     rejects = set(re.findall(r'WireError\(\s*"(\w+)"', code)) | set(re.findall(r'reject\(\s*"(\w+)"', code))
     assert rejects and rejects <= set(REJECT_REASONS), rejects - set(REJECT_REASONS)
-    requeues = set(re.findall(r'_requeue\([^)]*,\s*"(\w+)"\)', code)) | set(re.findall(r'peer_lost\(\w+,\s*"(\w+)"\)', code))
+    requeues = set(re.findall(r'_requeue\([^)]*,\s*"(\w+)"\)', code)) | set(
+        re.findall(r'peer_lost\(\w+,\s*"(\w+)"\)', code)
+    )
     assert requeues and requeues <= set(REDELIVER_REASONS), requeues - set(REDELIVER_REASONS)

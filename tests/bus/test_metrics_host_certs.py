@@ -37,11 +37,27 @@ ROOT = Path(__file__).resolve().parents[2]
 def keys(tmp_path_factory) -> Path:
     """Two hosts: alpha at 127.0.0.1, beta at 127.0.0.2 (made by the real ``busctl keys``)."""
     path = tmp_path_factory.mktemp("keys") / "k"
-    out = subprocess.run([sys.executable, "-m", "busctl", "keys", str(path), "--no-resolve",
-                          "--hosts", "alpha=127.0.0.1,beta=127.0.0.2+beta.example"],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "busctl",
+            "keys",
+            str(path),
+            "--no-resolve",
+            "--hosts",
+            "alpha=127.0.0.1,beta=127.0.0.2+beta.example",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
-    assert "tls/hosts/alpha.crt: alpha, 127.0.0.1" in out.stdout and "tls/hosts/beta.crt: beta, 127.0.0.2, beta.example" in out.stdout
+    assert (
+        "tls/hosts/alpha.crt: alpha, 127.0.0.1" in out.stdout
+        and "tls/hosts/beta.crt: beta, 127.0.0.2, beta.example" in out.stdout
+    )
     return path
 
 
@@ -71,14 +87,24 @@ def _mismatch(err: pytest.ExceptionInfo) -> bool:
 
 def test_busctl_keys_writes_one_certificate_per_host_and_each_host_serves_its_own(keys):
     tls = MetricsTls.load(keys)
-    assert tls.per_host and tls.host_certificates() == {"alpha": ("alpha", "127.0.0.1"),
-                                                        "beta": ("beta", "beta.example", "127.0.0.2")}
-    assert sorted(p.name for p in (keys / "tls" / "hosts").iterdir()) == ["alpha.crt", "alpha.key", "beta.crt", "beta.key"]
+    assert tls.per_host and tls.host_certificates() == {
+        "alpha": ("alpha", "127.0.0.1"),
+        "beta": ("beta", "beta.example", "127.0.0.2"),
+    }
+    assert sorted(p.name for p in (keys / "tls" / "hosts").iterdir()) == [
+        "alpha.crt",
+        "alpha.key",
+        "beta.crt",
+        "beta.key",
+    ]
     assert oct((keys / "tls" / "hosts" / "beta.key").stat().st_mode & 0o777) == "0o600"
     assert tls.server_files("127.0.0.1")[0].name == "alpha.crt" and tls.server_files("127.0.0.2")[0].name == "beta.crt"
     assert tls.server_files("BETA.example")[0].name == "beta.crt"  # names compare case-insensitively
     assert "server_name" not in tls.prometheus_tls_config()  # Prometheus checks each target's own host
-    with pytest.raises(ValueError, match=r"no server certificate in .*hosts names 10\.9\.9\.9 .*alpha: alpha, 127\.0\.0\.1.*--hosts NAME=10\.9\.9\.9"):
+    with pytest.raises(
+        ValueError,
+        match=r"no server certificate in .*hosts names 10\.9\.9\.9 .*alpha: alpha, 127\.0\.0\.1.*--hosts NAME=10\.9\.9\.9",
+    ):
         tls.server_files("10.9.9.9")  # a host the directory was not made for (and not this machine)
 
 
@@ -143,20 +169,34 @@ def test_an_old_key_directory_with_one_shared_certificate_still_works(tmp_path, 
 
 def test_hosts_spec_and_node_hosts():
     assert parse_hosts("node1=10.0.0.1, node2=10.0.0.2+Node2.Example") == [
-        HostNames("node1", ("10.0.0.1",)), HostNames("node2", ("10.0.0.2", "node2.example"))]
-    for bad, why in (("a,,b", "item 2.*empty host"), ("a=10.0.0.300", "neither an IP address nor a host name"),
-                     ("a,a", "host a given twice"), ("under_score", "neither")):
+        HostNames("node1", ("10.0.0.1",)),
+        HostNames("node2", ("10.0.0.2", "node2.example")),
+    ]
+    for bad, why in (
+        ("a,,b", "item 2.*empty host"),
+        ("a=10.0.0.300", "neither an IP address nor a host name"),
+        ("a,a", "host a given twice"),
+        ("under_score", "neither"),
+    ):
         with pytest.raises(ValueError, match=why):
             parse_hosts(bad)
     assert node_hosts({"n1": "10.0.0.1", "n2": "10.0.0.2", "head": "10.0.0.1", "f" * 56: "10.0.0.3"}) == [
-        HostNames("n1", ("10.0.0.1",)), HostNames("n2", ("10.0.0.2",)), HostNames("f" * 56, ("10.0.0.3",))]
+        HostNames("n1", ("10.0.0.1",)),
+        HostNames("n2", ("10.0.0.2",)),
+        HostNames("f" * 56, ("10.0.0.3",)),
+    ]
     resolved = HostNames("localhost").with_addresses()
     assert "127.0.0.1" in resolved.all and resolved.name == "localhost"
 
 
 def test_busctl_keys_refuses_a_bad_hosts_spec(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "busctl", "keys", str(tmp_path / "k"), "--hosts", "a=not a host"],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "busctl", "keys", str(tmp_path / "k"), "--hosts", "a=not a host"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert out.returncode == 1 and "--hosts item 1" in out.stderr and not (tmp_path / "k").exists()
 
 
@@ -167,7 +207,9 @@ def test_a_multihost_launch_makes_one_certificate_per_node(tmp_path):
 
     cfg = load_config(None, [f"run_dir={tmp_path / 'run'}"])
     resolve = {"n1": "10.0.0.1", "n2": "10.0.0.2", socket.gethostname(): "10.0.0.1"}.get
-    configure_multihost(cfg, Allocation((("n1", "n2"),)), resolve=resolve, supervisor_host=socket.gethostname(), here="n1")
+    configure_multihost(
+        cfg, Allocation((("n1", "n2"),)), resolve=resolve, supervisor_host=socket.gethostname(), here="n1"
+    )
     tls = MetricsTls.load(cfg.bus.curve_keys_dir)
     assert tls.host_certificates() == {"n1": ("n1", "10.0.0.1"), "n2": ("n2", "10.0.0.2")}
     assert certificate_names(tls.server_files("10.0.0.2")[0]) == ("n2", "10.0.0.2")
@@ -183,14 +225,20 @@ def test_the_ray_launcher_sends_each_node_only_its_own_server_key(keys, tmp_path
     sent = {Path(p).relative_to(keys).as_posix() for p in launcher.files("127.0.0.2") if Path(p).is_relative_to(keys)}
     assert {"tls/hosts/beta.key", "tls/hosts/alpha.crt", "tls/hosts/beta.crt", "tls/client.key", "tls/ca.crt"} <= sent
     assert "tls/hosts/alpha.key" not in sent
-    assert "tls/hosts/alpha.key" in {Path(p).relative_to(keys).as_posix() for p in launcher.files() if Path(p).is_relative_to(keys)}
+    assert "tls/hosts/alpha.key" in {
+        Path(p).relative_to(keys).as_posix() for p in launcher.files() if Path(p).is_relative_to(keys)
+    }
 
 
 def test_busctl_up_refuses_keys_without_a_certificate_for_its_host(keys, tmp_path):
     elsewhere = tmp_path / "elsewhere"
     auth.create_keys(elsewhere, hosts=[HostNames("far", ("10.9.9.9",))])
     args = [sys.executable, "-m", "busctl", "up", "--dry-run", "bus.transport=tcp", f"run_dir={tmp_path / 'run'}"]
-    out = subprocess.run([*args, f"bus.curve_keys_dir={elsewhere}"], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert out.returncode == 2 and "no server certificate" in out.stderr and "far: far, 10.9.9.9" in out.stderr, out.stderr
+    out = subprocess.run(
+        [*args, f"bus.curve_keys_dir={elsewhere}"], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert out.returncode == 2 and "no server certificate" in out.stderr and "far: far, 10.9.9.9" in out.stderr, (
+        out.stderr
+    )
     out = subprocess.run([*args, f"bus.curve_keys_dir={keys}"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr  # alpha names 127.0.0.1, where a local run serves its metrics

@@ -50,8 +50,9 @@ def server(keys):
     """A TLS metrics server with a registry of its own; yields its port."""
     registry = CollectorRegistry()
     Counter("h8_probe_total", "a probe", registry=registry).inc(3)
-    srv = start_metrics_server(0, health=lambda: (True, {"component": "probe"}), registry=registry,
-                               tls=MetricsTls.load(keys).server_context())
+    srv = start_metrics_server(
+        0, health=lambda: (True, {"component": "probe"}), registry=registry, tls=MetricsTls.load(keys).server_context()
+    )
     yield int(srv.server_address[1])
     srv.shutdown()
     srv.server_close()
@@ -106,9 +107,13 @@ def test_tls_follows_the_authenticated_bus_and_prometheus_gets_its_tls_config(ke
     assert tls_from_config(tcp) == MetricsTls(keys / "tls")
     assert tls_from_config(load_config(None, [f"bus.curve_keys_dir={keys}"]).bus) is None  # ipc: loopback, plain
     assert tls_from_config(load_config(None, ["bus.transport=tcp"]).bus) is None  # unauthenticated bus
-    config = scrape_config("r", [("trainer", "trainer", "10.0.0.1", 9100)], MetricsTls(keys / "tls").prometheus_tls_config())
+    config = scrape_config(
+        "r", [("trainer", "trainer", "10.0.0.1", 9100)], MetricsTls(keys / "tls").prometheus_tls_config()
+    )
     (job,) = yaml.safe_load(yaml.safe_dump(config))["scrape_configs"]
-    assert job["scheme"] == "https" and "server_name" not in job["tls_config"]  # per-host certificates: the target's host
+    assert (
+        job["scheme"] == "https" and "server_name" not in job["tls_config"]
+    )  # per-host certificates: the target's host
     for field, name in (("ca_file", "ca.crt"), ("cert_file", "client.crt"), ("key_file", "client.key")):
         assert Path(job["tls_config"][field]) == (keys / "tls" / name).resolve()
     assert "scheme" not in scrape_config("r", [("trainer", "trainer", "127.0.0.1", 9100)])["scrape_configs"][0]
@@ -125,7 +130,12 @@ def test_a_key_directory_without_tls_fails_the_launch_check_and_busctl_keys_adds
     public_before = (old / "server.key").read_bytes()
     added = auth.create_keys(old)
     assert [p.relative_to(old / "tls").as_posix() for p in added] == [
-        "ca.crt", f"hosts/{added[1].stem}.crt", f"hosts/{added[1].stem}.key", "client.crt", "client.key"]  # this machine's
+        "ca.crt",
+        f"hosts/{added[1].stem}.crt",
+        f"hosts/{added[1].stem}.key",
+        "client.crt",
+        "client.key",
+    ]  # this machine's
     assert (old / "server.key").read_bytes() == public_before  # CurveZMQ keys untouched
     assert oct((old / "tls" / "hosts" / f"{added[1].stem}.key").stat().st_mode & 0o777) == "0o600"
     auth.check_keys(bus)

@@ -110,8 +110,14 @@ CASES: dict[str, tuple[str, Callable[[Any], list[bytes]]]] = {
     # prompt_messages: a list of {"role": str, "content": str}, nothing else
     "prompt_messages_as_str": ("field", edit_header(setitem("prompt_messages", "user: abc"))),
     "prompt_message_without_content": ("field", edit_header(setitem("prompt_messages", [{"role": "user"}]))),
-    "prompt_message_content_not_str": ("field", edit_header(setitem("prompt_messages", [{"role": "user", "content": ["abc"]}]))),
-    "prompt_message_extra_key": ("field", edit_header(setitem("prompt_messages", [{"role": "user", "content": "a", "x": 1}]))),
+    "prompt_message_content_not_str": (
+        "field",
+        edit_header(setitem("prompt_messages", [{"role": "user", "content": ["abc"]}])),
+    ),
+    "prompt_message_extra_key": (
+        "field",
+        edit_header(setitem("prompt_messages", [{"role": "user", "content": "a", "x": 1}])),
+    ),
     # cross-field consistency
     "completion_lens_not_summing": ("inconsistent", inconsistent(completion_lens=np.array([2, 1, 3], np.int32))),
     "negative_completion_len": ("inconsistent", inconsistent(completion_lens=np.array([3, -1, 3], np.int32))),
@@ -209,13 +215,17 @@ def test_hub_does_not_forward_malformed_control(hub, sockets, recv_frames, sync_
     def probe_recv():
         return sub.recv_multipart(copy=False) if sub.poll(50, zmq.POLLIN) else None
 
-    sync_control(lambda n: pub.send_multipart(encode(GroupsDropped(id=f"sync-{n}", group_ids=[], reason="sync"))), probe_recv)
+    sync_control(
+        lambda n: pub.send_multipart(encode(GroupsDropped(id=f"sync-{n}", group_ids=[], reason="sync"))), probe_recv
+    )
 
     bad = {
         "header": [b"\xc1not msgpack"],
         "unknown_type": edit_header(setitem("type", "weights.evil"))(example),
         "schema": [msgpack.packb({"type": "weights.ready", "schema": 99, "arrays": []})],
-        "field": [msgpack.packb({"type": "weights.ready", "schema": SCHEMA_VERSION, "id": "w", "version": "3", "arrays": []})],
+        "field": [
+            msgpack.packb({"type": "weights.ready", "schema": SCHEMA_VERSION, "id": "w", "version": "3", "arrays": []})
+        ],
     }
     before = {r: metric(REJECTED, topic="control", reason=r) for r in bad}
     for frames in bad.values():

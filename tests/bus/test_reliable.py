@@ -44,8 +44,9 @@ def receiver_binds(topic: str) -> bool:
     return TOPICS[topic].recv_type == zmq.ROUTER
 
 
-def open_hop(sender: Courier, receiver: Courier, topic: str, ep: str, *, window: int | None = None,
-             capacity: int | None = None) -> tuple[Outbox, Inbox]:
+def open_hop(
+    sender: Courier, receiver: Courier, topic: str, ep: str, *, window: int | None = None, capacity: int | None = None
+) -> tuple[Outbox, Inbox]:
     """One hop of ``topic`` between two couriers, bound and connected as the topic table says."""
     binds = receiver_binds(topic)
     inbox = receiver.receiver(topic, ep, bind=binds, accept=ACCEPT[topic], window=window)
@@ -97,7 +98,14 @@ def spawn(tmp_path: Path):
 
 @pytest.mark.parametrize(
     "topic, transport",
-    [("prompts", "ipc"), ("rollouts", "ipc"), ("scored", "ipc"), ("batches", "ipc"), ("prompts", "tcp"), ("scored", "tcp")],
+    [
+        ("prompts", "ipc"),
+        ("rollouts", "ipc"),
+        ("scored", "ipc"),
+        ("batches", "ipc"),
+        ("prompts", "tcp"),
+        ("scored", "tcp"),
+    ],
 )
 def test_delivers_in_order_and_finishes(topic, transport, couriers, endpoint, metric, wait_until):
     n = 300
@@ -107,7 +115,9 @@ def test_delivers_in_order_and_finishes(topic, transport, couriers, endpoint, me
     duplicates = metric(DUPLICATES, topic=topic)
     redelivered = total(metric, REDELIVERED, topic, (*DEATH_REASONS, "ack_timeout"))
     sent: list[bool] = []
-    sender = threading.Thread(target=lambda: sent.extend(outbox.send(data_message(topic, i), timeout_s=10) for i in ids))
+    sender = threading.Thread(
+        target=lambda: sent.extend(outbox.send(data_message(topic, i), timeout_s=10) for i in ids)
+    )
     sender.start()  # more than the outbox holds: send() blocks on credit while we receive
 
     got = receive(inbox, n)
@@ -165,7 +175,9 @@ def test_credit_routes_around_a_stalled_receiver(couriers, endpoint, wait_until)
     n, w = 24, stalled.window
     ids = [f"p-{i}" for i in range(n)]
     sent: list[bool] = []
-    sender = threading.Thread(target=lambda: sent.extend(outbox.send(data_message("prompts", i), timeout_s=10) for i in ids))
+    sender = threading.Thread(
+        target=lambda: sent.extend(outbox.send(data_message("prompts", i), timeout_s=10) for i in ids)
+    )
     sender.start()
     got_active = receive(active, n - w)
     sender.join(timeout=WAIT_S)
@@ -289,10 +301,16 @@ def test_unacknowledged_message_is_resent_after_ack_timeout(couriers, endpoint, 
     refused = metric(REJECTED, topic="prompts", reason="unexpected_type")
     assert outbox.send(data_message("prompts", "p-0"), timeout_s=WAIT_S)
 
-    wait_until(lambda: metric(REDELIVERED, topic="prompts", reason="ack_timeout") >= resent + 2, WAIT_S,
-               "re-sent after each ack timeout")
-    wait_until(lambda: metric(REJECTED, topic="prompts", reason="unexpected_type") >= refused + 3, WAIT_S,
-               "and it came each time")  # the re-send arrives just after its ack_timeout is counted
+    wait_until(
+        lambda: metric(REDELIVERED, topic="prompts", reason="ack_timeout") >= resent + 2,
+        WAIT_S,
+        "re-sent after each ack timeout",
+    )
+    wait_until(
+        lambda: metric(REJECTED, topic="prompts", reason="unexpected_type") >= refused + 3,
+        WAIT_S,
+        "and it came each time",
+    )  # the re-send arrives just after its ack_timeout is counted
     assert broken.recv(timeout_s=0) is None
     assert outbox.unfinished() == 1  # kept all along
     working = couriers().receiver("prompts", ep, bind=False, accept=(Prompt,))
@@ -416,7 +434,10 @@ INBOX_CASES: dict[str, tuple[str, list[bytes]]] = {
     "data_id_not_a_string": ("envelope", [envelope("D", "s", 7), *frames_of(data_message("scored", "x"))]),
     "data_without_message": ("frames", [envelope("D", "s", "x")]),
     "data_bad_header": ("header", [envelope("D", "s", "x"), b"\xc1"]),
-    "data_of_another_type": ("unexpected_type", [envelope("D", "s", "r"), *frames_of(RunDone(id="r", step=1, reason="x"))]),
+    "data_of_another_type": (
+        "unexpected_type",
+        [envelope("D", "s", "r"), *frames_of(RunDone(id="r", step=1, reason="x"))],
+    ),
     "data_id_mismatch": ("id_mismatch", [envelope("D", "s", "other"), *frames_of(data_message("scored", "x"))]),
 }
 """Envelopes a receiver must refuse (its socket gets ``D`` only, and the message must be good)."""
@@ -471,8 +492,14 @@ class BoxUnderAttack:
         extra = INBOX_CASES if self.inbound else OUTBOX_CASES
         if self.topic == "prompts" and self.inbound:  # it takes prompts: a scored group is another type there
             extra = {k: v for k, v in extra.items() if k != "data_id_mismatch"} | {
-                "data_id_mismatch": ("id_mismatch", [envelope("D", "s", "other"), *frames_of(data_message("prompts", "x"))]),
-                "data_of_another_type": ("unexpected_type", [envelope("D", "s", "g"), *frames_of(data_message("scored", "g"))]),
+                "data_id_mismatch": (
+                    "id_mismatch",
+                    [envelope("D", "s", "other"), *frames_of(data_message("prompts", "x"))],
+                ),
+                "data_of_another_type": (
+                    "unexpected_type",
+                    [envelope("D", "s", "g"), *frames_of(data_message("scored", "g"))],
+                ),
             }
         return {**ENVELOPE_CASES, **extra}
 
@@ -507,8 +534,13 @@ def test_hostile_frames_are_counted_and_the_box_keeps_working(kind, couriers, ct
         for name, (reason, frames) in attacked.cases().items():
             before = metric(REJECTED, topic=attacked.topic, reason=reason)
             attacked.raw.send(frames)
-            wait_until(lambda reason=reason, before=before: metric(REJECTED, topic=attacked.topic, reason=reason) == before + 1, WAIT_S,
-                       f"{name}: counted as {reason}")
+            wait_until(
+                lambda reason=reason, before=before: (
+                    metric(REJECTED, topic=attacked.topic, reason=reason) == before + 1
+                ),
+                WAIT_S,
+                f"{name}: counted as {reason}",
+            )
         attacked.still_works(wait_until)
     finally:
         attacked.raw.close()
@@ -535,7 +567,9 @@ def test_forged_acks_never_release_a_held_message(kind, couriers, ctx, endpoint,
         assert receive(holder, 1, done=False) == ["held"]
         before = metric(REJECTED, topic=topic, reason="foreign_ack")
         forger.send_ack(0, taken=["held"], done=["held"])
-        wait_until(lambda: metric(REJECTED, topic=topic, reason="foreign_ack") == before + 1, WAIT_S, "forged ack counted")
+        wait_until(
+            lambda: metric(REJECTED, topic=topic, reason="foreign_ack") == before + 1, WAIT_S, "forged ack counted"
+        )
         assert outbox.unfinished() == 1  # still held for the real holder
         holder.done("held")
         wait_until(lambda outbox=outbox: outbox.unfinished() == 0, WAIT_S, "released by its holder")

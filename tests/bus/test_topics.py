@@ -108,7 +108,9 @@ def test_topic_table_socket_types():
     for topic, sends in binder_sends.items():
         spec = TOPICS[topic]
         assert spec.reliable and spec.blocks, topic
-        assert (spec.send_type, spec.recv_type) == ((zmq.ROUTER, zmq.DEALER) if sends else (zmq.DEALER, zmq.ROUTER)), topic
+        assert (spec.send_type, spec.recv_type) == ((zmq.ROUTER, zmq.DEALER) if sends else (zmq.DEALER, zmq.ROUTER)), (
+            topic
+        )
     assert (TOPICS["supervisor"].send_type, TOPICS["supervisor"].recv_type) == (zmq.PUSH, zmq.PULL)
     assert TOPICS["supervisor"].blocks and not TOPICS["control_pub"].blocks
     assert (TOPICS["control_pub"].send_type, TOPICS["control_sub"].recv_type) == (zmq.PUB, zmq.SUB)

@@ -29,8 +29,9 @@ def test_spans_round_trip_and_expand_per_sample(example):
 
 
 def test_group_without_spans_counts_every_token_at_version_start(example):
-    group = dataclasses.replace(example("rollout"), version_spans=np.zeros((0, 2), np.int64),
-                                version_span_counts=np.zeros(0, np.int32))
+    group = dataclasses.replace(
+        example("rollout"), version_spans=np.zeros((0, 2), np.int64), version_span_counts=np.zeros(0, np.int32)
+    )
     group = decode(encode(group))
     assert [sample_token_versions(group, j).tolist() for j in range(3)] == [[1, 1], [], [2, 2, 2]]
 
@@ -41,18 +42,25 @@ def test_a_rolled_back_policy_may_make_later_tokens_older(example):
     assert sample_token_versions(decode(encode(group)), 2).tolist() == [3, 3, 2]
 
 
-@pytest.mark.parametrize("spans, counts", [
-    ([[1, 1], [2, 1], [2, 1], [3, 1]], [2, 0, 2]),  # sample 2 covers 2 of its 3 tokens
-    ([[1, 2], [2, 1], [3, 2]], [1, 0, 2]),  # sample 0's max (1) is not its version_end (2)
-    ([[1, 1], [2, 1], [2, 1], [3, 2], [3, 0]], [2, 0, 3]),  # an empty span
-    ([[1, 1], [2, 1], [-1, 1], [3, 2]], [2, 0, 2]),  # a negative version
-    ([[1, 1], [2, 1], [2, 1], [3, 2]], [2, 2]),  # one count per sample
-    ([[1, 1], [2, 1], [2, 1], [3, 2]], [2, 1, 2]),  # counts that do not sum to the spans
-    ([[1, 1], [2, 1], [2, 1], [3, 2]], []),  # spans without counts
-], ids=["uncovered", "max_not_end", "empty_span", "negative", "counts_len", "counts_sum", "no_counts"])
+@pytest.mark.parametrize(
+    "spans, counts",
+    [
+        ([[1, 1], [2, 1], [2, 1], [3, 1]], [2, 0, 2]),  # sample 2 covers 2 of its 3 tokens
+        ([[1, 2], [2, 1], [3, 2]], [1, 0, 2]),  # sample 0's max (1) is not its version_end (2)
+        ([[1, 1], [2, 1], [2, 1], [3, 2], [3, 0]], [2, 0, 3]),  # an empty span
+        ([[1, 1], [2, 1], [-1, 1], [3, 2]], [2, 0, 2]),  # a negative version
+        ([[1, 1], [2, 1], [2, 1], [3, 2]], [2, 2]),  # one count per sample
+        ([[1, 1], [2, 1], [2, 1], [3, 2]], [2, 1, 2]),  # counts that do not sum to the spans
+        ([[1, 1], [2, 1], [2, 1], [3, 2]], []),  # spans without counts
+    ],
+    ids=["uncovered", "max_not_end", "empty_span", "negative", "counts_len", "counts_sum", "no_counts"],
+)
 def test_inconsistent_spans_are_rejected(example, spans, counts):
-    bad = dataclasses.replace(example("rollout"), version_spans=np.array(spans, np.int64).reshape(-1, 2),
-                              version_span_counts=np.array(counts, np.int32))
+    bad = dataclasses.replace(
+        example("rollout"),
+        version_spans=np.array(spans, np.int64).reshape(-1, 2),
+        version_span_counts=np.array(counts, np.int32),
+    )
     with pytest.raises(WireError) as err:
         decode(encode(bad))
     assert err.value.reason == "inconsistent"

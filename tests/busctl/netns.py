@@ -67,8 +67,9 @@ class NetnsPair:
 
     def veth_bytes(self) -> int:
         """Bytes received plus sent on ``veth_a`` so far (its kernel counters)."""
-        out = subprocess.run([str(IP), "-n", self.a, "-j", "-s", "link", "show", self.veth_a], capture_output=True,
-                             text=True, check=True).stdout
+        out = subprocess.run(
+            [str(IP), "-n", self.a, "-j", "-s", "link", "show", self.veth_a], capture_output=True, text=True, check=True
+        ).stdout
         stats = json.loads(out)[0]["stats64"]
         return int(stats["rx"]["bytes"]) + int(stats["tx"]["bytes"])
 
@@ -132,10 +133,28 @@ def netns_ray(netns_pair: NetnsPair, tmp_path_factory: pytest.TempPathFactory) -
     common = ["--num-cpus=1", f"--object-store-memory={OBJECT_STORE_BYTES}", "--disable-usage-stats"]
     address = f"{ADDR_A}:{RAY_PORT}"
     with log.open("w") as out:
-        for cmd in (netns_pair.exec(netns_pair.a, ray_bin, "start", "--head", f"--node-ip-address={ADDR_A}",
-                                    f"--port={RAY_PORT}", "--include-dashboard=false", f"--temp-dir={temp_dir}", *common),
-                    netns_pair.exec(netns_pair.b, ray_bin, "start", f"--address={address}", f"--node-ip-address={ADDR_B}",
-                                    '--resources={"producer": 1}', *common)):
+        for cmd in (
+            netns_pair.exec(
+                netns_pair.a,
+                ray_bin,
+                "start",
+                "--head",
+                f"--node-ip-address={ADDR_A}",
+                f"--port={RAY_PORT}",
+                "--include-dashboard=false",
+                f"--temp-dir={temp_dir}",
+                *common,
+            ),
+            netns_pair.exec(
+                netns_pair.b,
+                ray_bin,
+                "start",
+                f"--address={address}",
+                f"--node-ip-address={ADDR_B}",
+                '--resources={"producer": 1}',
+                *common,
+            ),
+        ):
             started = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=300)
             if started.returncode != 0:
                 out.close()

@@ -21,6 +21,7 @@ from bus.launch_env import ENV_NAMES
 
 log = logging.getLogger(__name__)
 
+
 class Sleepy(Component):
     """Does nothing but live: ``run()`` returns only when stopped."""
 

@@ -76,7 +76,9 @@ class SlurmCluster:
 
     def logs(self) -> str:
         """The daemons' logs (for a failure message)."""
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(self.root.glob("*.log")))
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(self.root.glob("*.log"))
+        )
 
     def stop(self) -> None:
         """Stop the daemons and what they started (each daemon's whole session: slurmctld's
@@ -105,7 +107,9 @@ class SlurmCluster:
         pids = []
         for proc in Path("/proc").glob("[0-9]*"):
             try:
-                if (proc / "comm").read_text().strip() == "slurmstepd" and mine in (proc / "environ").read_bytes().split(b"\0"):
+                if (proc / "comm").read_text().strip() == "slurmstepd" and mine in (
+                    proc / "environ"
+                ).read_bytes().split(b"\0"):
                     pids.append(int(proc.name))
             except OSError:  # gone, or not ours to read
                 pass
@@ -122,22 +126,42 @@ def _signal_session(proc: subprocess.Popen, sig: int) -> None:
 
 def slurm_conf(root: Path, node: str, cpus: int, memory_mib: int, ctld_port: int, slurmd_port: int) -> str:
     """The ``slurm.conf`` text of a one-node cluster rooted at ``root`` (see the module docstring)."""
-    return "\n".join([
-        "ClusterName=rlbustest", f"SlurmctldHost={node}", "SlurmUser=root", "SlurmdUser=root",
-        f"SlurmctldPort={ctld_port}", f"SlurmdPort={slurmd_port}",
-        "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={root}/munge.socket",
-        f"StateSaveLocation={root}/state", f"SlurmdSpoolDir={root}/spool",
-        f"SlurmctldPidFile={root}/slurmctld.pid", f"SlurmdPidFile={root}/slurmd.pid",
-        f"SlurmctldLogFile={root}/slurmctld.log", f"SlurmdLogFile={root}/slurmd.log",
-        "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
-        "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
-        "SchedulerType=sched/backfill", "ReturnToService=2", "MpiDefault=none",
-        "AccountingStorageType=accounting_storage/none", "JobAcctGatherType=jobacct_gather/none",
-        "JobCompType=jobcomp/none", "SlurmctldTimeout=30", "SlurmdTimeout=60", "InactiveLimit=0", "KillWait=5",
-        f"NodeName={node} CPUs={cpus} RealMemory={memory_mib} State=UNKNOWN",
-        f"PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO",
-        "",
-    ])
+    return "\n".join(
+        [
+            "ClusterName=rlbustest",
+            f"SlurmctldHost={node}",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            f"SlurmctldPort={ctld_port}",
+            f"SlurmdPort={slurmd_port}",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            f"AuthInfo=socket={root}/munge.socket",
+            f"StateSaveLocation={root}/state",
+            f"SlurmdSpoolDir={root}/spool",
+            f"SlurmctldPidFile={root}/slurmctld.pid",
+            f"SlurmdPidFile={root}/slurmd.pid",
+            f"SlurmctldLogFile={root}/slurmctld.log",
+            f"SlurmdLogFile={root}/slurmd.log",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            "SchedulerType=sched/backfill",
+            "ReturnToService=2",
+            "MpiDefault=none",
+            "AccountingStorageType=accounting_storage/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "JobCompType=jobcomp/none",
+            "SlurmctldTimeout=30",
+            "SlurmdTimeout=60",
+            "InactiveLimit=0",
+            "KillWait=5",
+            f"NodeName={node} CPUs={cpus} RealMemory={memory_mib} State=UNKNOWN",
+            f"PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO",
+            "",
+        ]
+    )
 
 
 def start_cluster(root: Path) -> SlurmCluster:
@@ -159,15 +183,25 @@ def start_cluster(root: Path) -> SlurmCluster:
     cluster = SlurmCluster(root, conf, node, cpus)
     env = cluster.environ
     commands = [
-        [daemon("munged"), "--foreground", "--force", f"--socket={root}/munge.socket", f"--key-file={key}",
-         f"--pid-file={root}/munged.pid", f"--log-file={root}/munged.log", f"--seed-file={root}/munged.seed"],
+        [
+            daemon("munged"),
+            "--foreground",
+            "--force",
+            f"--socket={root}/munge.socket",
+            f"--key-file={key}",
+            f"--pid-file={root}/munged.pid",
+            f"--log-file={root}/munged.log",
+            f"--seed-file={root}/munged.seed",
+        ],
         [daemon("slurmctld"), "-D", "-i", "-f", str(conf)],
         [daemon("slurmd"), "-D", "-f", str(conf), "-N", node],
     ]
     try:
         for cmd in commands:
             with open(root / f"{Path(cmd[0]).name}.out", "ab") as out:
-                cluster.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+                cluster.procs.append(
+                    subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                )
             time.sleep(0.5)  # slurmctld needs munged's socket, slurmd needs slurmctld
         deadline = time.monotonic() + UP_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -190,8 +224,10 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory):
     """A running one-node Slurm cluster (:class:`SlurmCluster`); skips where there can be none."""
     missing = [d for d in (*DAEMONS, "srun", "salloc", "sbatch") if daemon(d) is None]
     if missing:
-        pytest.skip(f"Slurm is not installed ({', '.join(missing)} missing): as root, `make slurm` "
-                    "(apt-get install -y slurm-wlm munge)")
+        pytest.skip(
+            f"Slurm is not installed ({', '.join(missing)} missing): as root, `make slurm` "
+            "(apt-get install -y slurm-wlm munge)"
+        )
     if os.geteuid() != 0:
         pytest.skip("the test Slurm cluster runs its daemons as root (SlurmUser=root); not root here")
     root = tmp_path_factory.mktemp("slurm", numbered=True)

@@ -12,8 +12,21 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-HEAVY = ("configs.schema", "pydantic", "yaml", "numpy", "torch", "zmq", "prometheus_client", "busctl.supervisor",
-         "busctl.run_dir", "busctl.run_status", "busctl.run_data", "busctl.placement", "busctl.component_table")
+HEAVY = (
+    "configs.schema",
+    "pydantic",
+    "yaml",
+    "numpy",
+    "torch",
+    "zmq",
+    "prometheus_client",
+    "busctl.supervisor",
+    "busctl.run_dir",
+    "busctl.run_status",
+    "busctl.run_data",
+    "busctl.placement",
+    "busctl.component_table",
+)
 """Modules a command may need and ``--help`` must not load (what made it take ~0.7 s)."""
 
 PROBE = """
@@ -28,8 +41,14 @@ print(json.dumps({"code": code, "modules": sorted(sys.modules)}))
 
 
 def test_busctl_help_loads_no_heavy_module() -> None:
-    out = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO_ROOT, capture_output=True, text=True, check=True,
-                         env={"PATH": "", "COLUMNS": "100", "PYTHONPATH": str(REPO_ROOT)}).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PATH": "", "COLUMNS": "100", "PYTHONPATH": str(REPO_ROOT)},
+    ).stdout
     help_text, _, last = out.rstrip("\n").rpartition("\n")
     probe = json.loads(last)
     assert probe["code"] == 0
@@ -42,6 +61,7 @@ def test_busctl_help_loads_no_heavy_module() -> None:
 def test_the_commands_still_find_what_they_import(tmp_path: Path) -> None:
     """The lazy imports resolve: a command that loads a config (``up --dry-run``), one that reads
     a run directory (``status``) and ``eval`` with a missing config each reach their own error."""
+
     def busctl(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "busctl", *args], cwd=REPO_ROOT, capture_output=True, text=True)
 

@@ -44,19 +44,30 @@ def _eos_at_once(policy: Path, out: Path) -> Path:
         for layer in model.model.layers:  # ... and no layer writes to it
             layer.self_attn.o_proj.weight[0, :] = 0.0
             layer.mlp.down_proj.weight[0, :] = 0.0
-        model.lm_head.weight[IM_END_TOKEN_ID, 0] = 60.0 / model.config.hidden_size ** 0.5
+        model.lm_head.weight[IM_END_TOKEN_ID, 0] = 60.0 / model.config.hidden_size**0.5
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(policy).save_pretrained(out)
     return out
 
 
 def test_busctl_eval_scores_model_path_without_a_trainer(tmp_path):
-    policy = _eos_at_once(build_random_policy(tmp_path / "policy", hidden_size=32, num_layers=1, seed=0), tmp_path / "eos")
+    policy = _eos_at_once(
+        build_random_policy(tmp_path / "policy", hidden_size=32, num_layers=1, seed=0), tmp_path / "eos"
+    )
     run_dir = tmp_path / "eval_run"
-    overrides = [f"model.path={policy}", f"eval.tasks=[{{name: reverse_text, num_examples: {NUM_EXAMPLES}, "
-                 f"rollouts_per_example: {ROLLOUTS}}}]", "sampling.max_tokens=8", "rewards.replicas=1", "eval.timeout_s=300"]
-    done = subprocess.run([sys.executable, "-m", "busctl", "eval", "configs/reverse_text.yaml", *overrides,
-                           "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=600)
+    overrides = [
+        f"model.path={policy}",
+        f"eval.tasks=[{{name: reverse_text, num_examples: {NUM_EXAMPLES}, rollouts_per_example: {ROLLOUTS}}}]",
+        "sampling.max_tokens=8",
+        "rewards.replicas=1",
+        "eval.timeout_s=300",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "busctl", "eval", "configs/reverse_text.yaml", *overrides, "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -30,7 +30,12 @@ def test_eval_config_runs_beside_the_training_run_dir():
 
 
 def test_eval_plan_gives_the_producers_every_gpu():
-    overrides = ["trainer.data_parallel=2", "trainer.gpus=[0, 1]", "producers.replicas=2", "producers.gpus_per_replica=1"]
+    overrides = [
+        "trainer.data_parallel=2",
+        "trainer.gpus=[0, 1]",
+        "producers.replicas=2",
+        "producers.gpus_per_replica=1",
+    ]
     with pytest.raises(ConfigError, match="does not fit"):  # training: both GPUs are the trainer's
         plan_placement(load_config("configs/reverse_text.yaml", overrides), [0, 1])
     plan = plan_placement(eval_config("configs/reverse_text.yaml", overrides), [0, 1])
@@ -47,15 +52,28 @@ def test_a_lora_adapter_is_refused_with_the_merge_command(tmp_path):
 def test_prompt_source_without_training_issues_round_zero_alone():
     examples = load_task_examples("reverse_text", "train", 3, 0)
     sets = [EvalSet("reverse_text", None, load_task_examples("reverse_text", "eval", 4, 1))]
-    source = PromptSource(examples, task="reverse_text", prompts_per_step=2, max_async_level=1, max_steps=10,
-                          eval_rounds=EvalRounds([0], sets, temperature=1.0), train=False)
+    source = PromptSource(
+        examples,
+        task="reverse_text",
+        prompts_per_step=2,
+        max_async_level=1,
+        max_steps=10,
+        eval_rounds=EvalRounds([0], sets, temperature=1.0),
+        train=False,
+    )
     issued = []
     while source.may_issue():
         issued.append(source.issue())
     assert [p.eval_round for p in issued] == [0] * 4 and source.ledger.num_issued == 0
     source.on_weights_applied("producer-0", 5)
     assert not source.may_issue()
-    training = PromptSource(examples, task="reverse_text", prompts_per_step=2, max_async_level=1, max_steps=10,
-                            eval_rounds=EvalRounds([0], sets, temperature=1.0))
+    training = PromptSource(
+        examples,
+        task="reverse_text",
+        prompts_per_step=2,
+        max_async_level=1,
+        max_steps=10,
+        eval_rounds=EvalRounds([0], sets, temperature=1.0),
+    )
     first = training.issue()
     assert first.eval_round == -1  # a training job: round 0 waits for the first step's training prompts

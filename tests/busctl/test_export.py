@@ -57,15 +57,22 @@ def run(tmp_path_factory):
     policy = build_random_policy(tmp / "policy", hidden_size=32, num_layers=1, seed=0)
     full = _moved(load_policy(str(policy), LoraSection()), seed=1)
     for step in (3, 5):
-        save_checkpoint(tmp / "full_run" / "checkpoints", step=step, model=full, optimizer=build_optimizer(full, CFG),
-                        extra={"policy_version": step})
+        save_checkpoint(
+            tmp / "full_run" / "checkpoints",
+            step=step,
+            model=full,
+            optimizer=build_optimizer(full, CFG),
+            extra={"policy_version": step},
+        )
     torch.manual_seed(2)
     lora = load_policy(str(policy), LORA)
     with torch.no_grad():  # B starts at 0 (the adapter is a no-op): make it count
         for name, p in lora.named_parameters():
             if "lora_B" in name:
                 p.normal_(0.0, 0.2)
-    save_checkpoint(tmp / "lora_run" / "checkpoints", step=2, model=lora, optimizer=build_optimizer(lora, CFG), extra={})
+    save_checkpoint(
+        tmp / "lora_run" / "checkpoints", step=2, model=lora, optimizer=build_optimizer(lora, CFG), extra={}
+    )
     return {"tmp": tmp, "policy": policy, "full": full.eval(), "lora": lora.eval()}
 
 
@@ -88,7 +95,10 @@ def test_lora_checkpoint_holds_the_tokenizer_and_the_base_generation_config(run)
     ckpt = find_checkpoint(run["tmp"] / "lora_run", None)
     assert AutoTokenizer.from_pretrained(ckpt).chat_template
     assert json.loads((ckpt / "generation_config.json").read_text())["eos_token_id"] is not None
-    assert Path(json.loads((ckpt / "adapter_config.json").read_text())["base_model_name_or_path"]) == run["policy"].resolve()
+    assert (
+        Path(json.loads((ckpt / "adapter_config.json").read_text())["base_model_name_or_path"])
+        == run["policy"].resolve()
+    )
 
 
 def test_export_full_leaves_the_training_state_out_and_vllm_samples_it(run, tmp_path):
@@ -101,15 +111,19 @@ def test_export_full_leaves_the_training_state_out_and_vllm_samples_it(run, tmp_
     names = {p.name for p in out.iterdir()}
     assert not names & TRAINING_STATE and not any(n.endswith(".pt") for n in names)
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= names
-    ids = AutoTokenizer.from_pretrained(out).apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
-                                                                  return_dict=False)
+    ids = AutoTokenizer.from_pretrained(out).apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     loop = asyncio.new_event_loop()
     engine = RolloutEngine(out, max_model_len=128, kv_cache_bytes=16 * 1024**2)
     try:
         loop.run_until_complete(engine.start())
-        samples = loop.run_until_complete(engine.generate_group(ids, n=2, temperature=1.0, top_p=1.0, max_tokens=6,
-                                                                request_id="export", ignore_eos=True))
+        samples = loop.run_until_complete(
+            engine.generate_group(
+                ids, n=2, temperature=1.0, top_p=1.0, max_tokens=6, request_id="export", ignore_eos=True
+            )
+        )
     finally:
         loop.run_until_complete(engine.close())
         loop.close()
@@ -127,8 +141,9 @@ def test_export_lora_adapter_in_peft_format(run, tmp_path):
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= names
     assert "model.safetensors" not in names and not names & TRAINING_STATE
     base = AutoModelForCausalLM.from_pretrained(run["policy"], dtype=torch.float32)
-    ids = AutoTokenizer.from_pretrained(out).apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
-                                                                  return_dict=False)
+    ids = AutoTokenizer.from_pretrained(out).apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     base_logits = _logits(base, ids)
     peft = PeftModel.from_pretrained(base, out)
     torch.testing.assert_close(_logits(peft, ids), _logits(run["lora"], ids), rtol=0, atol=1e-6)
@@ -141,8 +156,9 @@ def test_export_lora_merged(run, tmp_path):
     names = {p.name for p in out.iterdir()}
     assert "adapter_config.json" not in names and {"model.safetensors", "config.json", "tokenizer.json"} <= names
     merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    ids = AutoTokenizer.from_pretrained(out).apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
-                                                                  return_dict=False)
+    ids = AutoTokenizer.from_pretrained(out).apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     torch.testing.assert_close(_logits(merged, ids), _logits(run["lora"], ids), rtol=1e-5, atol=1e-5)
 
 

@@ -21,8 +21,12 @@ def facts(name: str = "rewards-0", **kw) -> ComponentFacts:
 
 
 def test_healthy_components_get_no_decision():
-    table = [facts("hub"), facts("rewards-0", last_beat=1009.0), facts("trainer", state="starting", ready_at=None, due=1030.0),
-             facts("producer-0", state="done")]
+    table = [
+        facts("hub"),
+        facts("rewards-0", last_beat=1009.0),
+        facts("trainer", state="starting", ready_at=None, due=1030.0),
+        facts("producer-0", state="done"),
+    ]
     assert decide(table, 1010.0, rules()) == []
 
 

@@ -35,15 +35,19 @@ def tcp_cfg(run_dir: Path, hub_host: str):
     return cfg
 
 
-def test_metrics_are_served_and_read_at_the_nodes_address(supervisors, tmp_path: Path) -> None:  # noqa: F811
-    run = supervisors(tcp_cfg(tmp_path / "run", OTHER), table("hub", "rewards-0"), launcher=LocalLauncher(node_address=OTHER))
+def test_metrics_are_served_and_read_at_the_nodes_address(supervisors, tmp_path: Path) -> None:
+    run = supervisors(
+        tcp_cfg(tmp_path / "run", OTHER), table("hub", "rewards-0"), launcher=LocalLauncher(node_address=OTHER)
+    )
     comps = run.all_running()
     assert {c["metrics_host"] for c in comps.values()} == {OTHER}
     statics = yaml.safe_load((run.run_dir / "prometheus.yml").read_text())["scrape_configs"][0]["static_configs"]
     targets = {s["labels"]["component"]: s["targets"] for s in statics}
     assert targets["hub"] == [f"{OTHER}:{comps['hub']['metrics_port']}"]
     assert targets["rewards-0"] == [f"{OTHER}:{comps['rewards-0']['metrics_port']}"]
-    assert targets["supervisor"] == [f"127.0.0.1:{run.status()['metrics_port']}"]  # busctl's node: 127.0.0.1 in bus.hosts
+    assert targets["supervisor"] == [
+        f"127.0.0.1:{run.status()['metrics_port']}"
+    ]  # busctl's node: 127.0.0.1 in bus.hosts
     for name in ("hub", "rewards-0"):
         with urllib.request.urlopen(f"http://{OTHER}:{comps[name]['metrics_port']}/metrics", timeout=5) as resp:
             assert b"rlbus_" in resp.read()
@@ -51,8 +55,13 @@ def test_metrics_are_served_and_read_at_the_nodes_address(supervisors, tmp_path:
             urllib.request.urlopen(f"http://127.0.0.1:{comps[name]['metrics_port']}/metrics", timeout=5)
     run.wait_for("the poller read both", lambda c: set(run.sup.poller.stats) == {"hub", "rewards-0"})
     assert run.sup.poller.failures == {}
-    out = subprocess.run([sys.executable, "-m", "busctl", "status", str(run.run_dir)], capture_output=True, text=True,
-                         timeout=60, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    out = subprocess.run(
+        [sys.executable, "-m", "busctl", "status", str(run.run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
     assert out.returncode == 0, out.stderr
     assert f"{OTHER}:{comps['rewards-0']['metrics_port']}" in out.stdout, out.stdout
 
@@ -65,11 +74,16 @@ class MovingLauncher(LocalLauncher):
         return self.node_address
 
 
-def test_a_hub_restarted_at_another_address_is_found_by_everyone(supervisors, tmp_path: Path) -> None:  # noqa: F811
-    run = supervisors(tcp_cfg(tmp_path / "run", "127.0.0.1"), table("hub", "rewards-0", "producer-0"), launcher=MovingLauncher())
+def test_a_hub_restarted_at_another_address_is_found_by_everyone(supervisors, tmp_path: Path) -> None:
+    run = supervisors(
+        tcp_cfg(tmp_path / "run", "127.0.0.1"), table("hub", "rewards-0", "producer-0"), launcher=MovingLauncher()
+    )
     first = run.all_running()
     os.kill(first["hub"]["pid"], signal.SIGKILL)  # its node "died"
-    comps = run.wait_for("hub moved, its peers restarted", lambda c: all(r["restarts"] == 1 and r["state"] == "running" for r in c.values()))
+    comps = run.wait_for(
+        "hub moved, its peers restarted",
+        lambda c: all(r["restarts"] == 1 and r["state"] == "running" for r in c.values()),
+    )
     assert comps["hub"]["metrics_host"] == OTHER
     hosts = yaml.safe_load((run.run_dir / "config.yaml").read_text())["bus"]["hosts"]
     assert (hosts["control_pub"], hosts["control_sub"], hosts["supervisor"]) == (OTHER, OTHER, "127.0.0.1")

@@ -35,9 +35,25 @@ def test_orphan_with_a_hung_stop_kills_its_process_group(tmp_path: Path) -> None
     log_path = tmp_path / "rewards-0.log"
     with log_path.open("wb") as log_file:
         parent = subprocess.Popen(
-            [sys.executable, "-c", PARENT, sys.executable, "-m", "tests.busctl.sleepy", "--run-dir", str(run_dir),
-             "--name", "rewards-0", "--index", "0"],
-            stdout=subprocess.PIPE, stderr=log_file, text=True, cwd=os.getcwd())
+            [
+                sys.executable,
+                "-c",
+                PARENT,
+                sys.executable,
+                "-m",
+                "tests.busctl.sleepy",
+                "--run-dir",
+                str(run_dir),
+                "--name",
+                "rewards-0",
+                "--index",
+                "0",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=log_file,
+            text=True,
+            cwd=os.getcwd(),
+        )
     pids: list[int] = []
     try:
         pids.append(int(parent.stdout.readline()))

@@ -45,7 +45,14 @@ def test_no_visible_device_puts_everything_on_cpu():
     p = plan([], "producers.replicas=2")
     assert (p.trainer_device, p.trainer_gpus, p.producer_dtype) == ("cpu", (), "float32")
     assert p.producer_gpus == ((),) * 8 and not p.producers_on_gpu
-    for role, index in [("trainer", 0), ("producer", 1), ("producer", 7), ("hub", 0), ("rewards", 3), ("prompt-source", 0)]:
+    for role, index in [
+        ("trainer", 0),
+        ("producer", 1),
+        ("producer", 7),
+        ("hub", 0),
+        ("rewards", 3),
+        ("prompt-source", 0),
+    ]:
         assert p.environ(role, index) == {"CUDA_VISIBLE_DEVICES": ""}
     p.check_producers(8)  # busctl scale may use every index
     assert p.broadcast_backend == "gloo"
@@ -63,7 +70,9 @@ def test_one_gpu_is_refused_unless_shared():
     assert "2 GPUs needed (trainer 1 + producers 1 x 1), 1 visible: [0]" in msg
     assert "producers.share_gpus_with_trainer: true" in msg and "producers.gpus_per_replica: 0" in msg
 
-    shared = plan([0], "producers.share_gpus_with_trainer=true", "producers.replicas=2", "producers.gpu_memory_utilization=0.35")
+    shared = plan(
+        [0], "producers.share_gpus_with_trainer=true", "producers.replicas=2", "producers.gpu_memory_utilization=0.35"
+    )
     assert (shared.trainer_device, shared.trainer_gpus, shared.producer_dtype) == ("cuda", (0,), "bfloat16")
     assert shared.producer_gpus == ((0,),) * 8
     assert shared.environ("producer", 1) == shared.environ("trainer") == {"CUDA_VISIBLE_DEVICES": "0"}
@@ -72,13 +81,24 @@ def test_one_gpu_is_refused_unless_shared():
     msg = refused([0], "producers.share_gpus_with_trainer=true", "broadcast.backend=nccl")
     assert "broadcast.backend nccl" in msg and "NCCL cannot put two ranks on one GPU" in msg
     assert "broadcast.method: filesystem" in msg
-    assert plan([0], "producers.share_gpus_with_trainer=true", "broadcast.method=filesystem",
-                "producers.gpu_memory_utilization=0.3").broadcast_backend == "auto"
+    assert (
+        plan(
+            [0],
+            "producers.share_gpus_with_trainer=true",
+            "broadcast.method=filesystem",
+            "producers.gpu_memory_utilization=0.3",
+        ).broadcast_backend
+        == "auto"
+    )
 
 
 def test_one_gpu_for_the_trainer_with_producers_on_cpu_and_the_reverse():
     cpu_producers = plan([0], "producers.gpus_per_replica=0")
-    assert (cpu_producers.trainer_gpus, cpu_producers.producer_gpus[0], cpu_producers.producer_dtype) == ((0,), (), "float32")
+    assert (cpu_producers.trainer_gpus, cpu_producers.producer_gpus[0], cpu_producers.producer_dtype) == (
+        (0,),
+        (),
+        "float32",
+    )
     cpu_trainer = plan([0], "trainer.device=cpu")
     assert (cpu_trainer.trainer_device, cpu_trainer.trainer_gpus) == ("cpu", ())
     assert cpu_trainer.producer_gpus[0] == (0,) and cpu_trainer.producer_dtype == "bfloat16"
@@ -103,7 +123,9 @@ def test_two_gpus_one_trainer_one_producer_and_scaling_refused():
 
 
 def test_two_gpus_trainer_keys_that_do_not_fit():
-    assert "trainer.gpus [3]: [3] not among the CUDA devices visible to busctl: [0, 1]" in refused([0, 1], "trainer.gpus=[3]")
+    assert "trainer.gpus [3]: [3] not among the CUDA devices visible to busctl: [0, 1]" in refused(
+        [0, 1], "trainer.gpus=[3]"
+    )
     msg = refused([0, 1], "trainer.data_parallel=3")
     assert "trainer.data_parallel=3 ranks need 3 GPUs (one each), 2 visible: [0, 1]" in msg
     assert "trainer.dp_backend gloo" in refused([0, 1], "trainer.data_parallel=2", "trainer.dp_backend=gloo")
@@ -112,8 +134,14 @@ def test_two_gpus_trainer_keys_that_do_not_fit():
 
 
 def test_eight_gpus_tensor_parallel_producers_and_an_fsdp_trainer():
-    p = plan(list(range(8)), "producers.replicas=2", "producers.tensor_parallel_size=2", "producers.gpus_per_replica=2",
-             "trainer.data_parallel=4", "trainer.parallel=fsdp")
+    p = plan(
+        list(range(8)),
+        "producers.replicas=2",
+        "producers.tensor_parallel_size=2",
+        "producers.gpus_per_replica=2",
+        "trainer.data_parallel=4",
+        "trainer.parallel=fsdp",
+    )
     assert p.trainer_gpus == (0, 1, 2, 3) and p.environ("trainer") == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
     assert p.producer_gpus[:2] == ((4, 5), (6, 7)) and p.environ("producer", 1) == {"CUDA_VISIBLE_DEVICES": "6,7"}
     assert p.broadcast_backend == "nccl"
@@ -126,12 +154,22 @@ def test_eight_gpus_tensor_parallel_producers_and_an_fsdp_trainer():
     with pytest.raises(ConfigError, match="producers=8"):
         single.check_producers(8)
 
-    shared = plan(list(range(8)), "producers.tensor_parallel_size=2", "producers.gpus_per_replica=2",
-                  "producers.share_gpus_with_trainer=true", "producers.replicas=4", "producers.gpu_memory_utilization=0.5")
+    shared = plan(
+        list(range(8)),
+        "producers.tensor_parallel_size=2",
+        "producers.gpus_per_replica=2",
+        "producers.share_gpus_with_trainer=true",
+        "producers.replicas=4",
+        "producers.gpu_memory_utilization=0.5",
+    )
     # round-robin over every device, the trainer's last: a producer shares device 0 only when it must
     assert shared.producer_gpus[:5] == ((1, 2), (3, 4), (5, 6), (7, 0), (1, 2))
-    assert "needs 3 distinct GPUs, 2 visible" in refused([0, 1], "producers.tensor_parallel_size=3", "producers.gpus_per_replica=3",
-                                                          "producers.share_gpus_with_trainer=true")
+    assert "needs 3 distinct GPUs, 2 visible" in refused(
+        [0, 1],
+        "producers.tensor_parallel_size=3",
+        "producers.gpus_per_replica=3",
+        "producers.share_gpus_with_trainer=true",
+    )
 
 
 def test_resolved_values_are_written_into_the_config():
@@ -158,10 +196,12 @@ def test_visible_devices_honours_busctls_own_cuda_visible_devices():
 
 def test_visible_devices_from_nvidia_smi(tmp_path):
     smi = tmp_path / "nvidia-smi"
-    smi.write_text("#!/bin/sh\n[ \"$1\" = -L ] || exit 3\n"
-                   "echo 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-aa)'\n"
-                   "echo 'GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-bb)'\n"
-                   "echo '  MIG 3g.40gb     Device  0: (UUID: MIG-cc)'\n")
+    smi.write_text(
+        '#!/bin/sh\n[ "$1" = -L ] || exit 3\n'
+        "echo 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-aa)'\n"
+        "echo 'GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-bb)'\n"
+        "echo '  MIG 3g.40gb     Device  0: (UUID: MIG-cc)'\n"
+    )
     smi.chmod(0o755)
     assert visible_devices({}, nvidia_smi=str(smi)) == [0, 1]
     failing = tmp_path / "failing-smi"
@@ -176,8 +216,14 @@ def test_visible_devices_from_nvidia_smi(tmp_path):
 
 def dry_run(cuda_visible_devices: str, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=cuda_visible_devices, COLUMNS="200", NO_COLOR="1")
-    return subprocess.run([sys.executable, "-m", "busctl", "up", "--dry-run", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "busctl", "up", "--dry-run", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_dry_run_prints_the_resolved_config_and_the_plan():
@@ -220,8 +266,9 @@ def test_supervisor_gives_each_component_its_devices(tmp_path, monkeypatch, caps
     from test_supervisor import RunningSupervisor
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    run = RunningSupervisor(make_cfg(tmp_path / "run", "producers.max_replicas=2"),
-                            table("hub", "trainer", "rewards-0", "producer-0"))
+    run = RunningSupervisor(
+        make_cfg(tmp_path / "run", "producers.max_replicas=2"), table("hub", "trainer", "rewards-0", "producer-0")
+    )
     try:
         comps = run.all_running()
         seen = {name: environ_of(row["pid"]).get("CUDA_VISIBLE_DEVICES") for name, row in comps.items()}
@@ -253,16 +300,23 @@ def test_trainer_device_on_this_cpu_host():
         trainer_device(load_config(None, ["trainer.device=cuda"]), None)
     from trainer.parallel.distributed import DataParallel
 
-    rank = DataParallel(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"), backend="gloo")  # no group needed
+    rank = DataParallel(
+        rank=1, world_size=2, local_rank=1, device=torch.device("cpu"), backend="gloo"
+    )  # no group needed
     assert trainer_device(load_config(None, ["trainer.data_parallel=2"]), rank) == torch.device("cpu")
 
 
 def test_producer_engine_args_per_device():
-    assert device_engine_args(on_gpu=False, kv_cache_bytes=2**30, tensor_parallel_size=1, gpu_memory_utilization=0.4) == {
-        "kv_cache_memory_bytes": 2**30}
-    assert device_engine_args(on_gpu=True, kv_cache_bytes=2**30, tensor_parallel_size=2, gpu_memory_utilization=0.4) == {
-        "tensor_parallel_size": 2, "gpu_memory_utilization": 0.4}
-    assert device_engine_args(on_gpu=True, kv_cache_bytes=2**30) == {"tensor_parallel_size": 1, "kv_cache_memory_bytes": 2**30}
+    assert device_engine_args(
+        on_gpu=False, kv_cache_bytes=2**30, tensor_parallel_size=1, gpu_memory_utilization=0.4
+    ) == {"kv_cache_memory_bytes": 2**30}
+    assert device_engine_args(
+        on_gpu=True, kv_cache_bytes=2**30, tensor_parallel_size=2, gpu_memory_utilization=0.4
+    ) == {"tensor_parallel_size": 2, "gpu_memory_utilization": 0.4}
+    assert device_engine_args(on_gpu=True, kv_cache_bytes=2**30) == {
+        "tensor_parallel_size": 1,
+        "kv_cache_memory_bytes": 2**30,
+    }
     for bad in [{"tensor_parallel_size": 0}, {"gpu_memory_utilization": 1.5}]:
         with pytest.raises(ValueError):
             device_engine_args(on_gpu=True, kv_cache_bytes=1, **bad)

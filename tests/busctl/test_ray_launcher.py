@@ -27,7 +27,13 @@ def node(node_id: str, alive: bool = True, **resources: float) -> dict:
 
 
 def test_role_resources_make_the_heterogeneous_plan() -> None:
-    nodes = [node("w2", producer=1), node("head"), node("w1", trainer=1), node("w3", producer=1), node("dead", False, trainer=1)]
+    nodes = [
+        node("w2", producer=1),
+        node("head"),
+        node("w1", trainer=1),
+        node("w3", producer=1),
+        node("dead", False, trainer=1),
+    ]
     alloc = allocation_from_ray_nodes(nodes, head="head")
     assert alloc == Allocation((("w2", "w3"), ("w1",), ("head",)))
     assert [plan_nodes(alloc, "producer", i).node for i in range(3)] == ["w2", "w3", "w2"]
@@ -50,13 +56,17 @@ def test_no_alive_node_is_an_error() -> None:
         allocation_from_ray_nodes([node("head", False)], head="head")
 
 
-def test_components_of_a_removed_node_restart_on_a_live_one(ray_cluster, supervisors, tmp_path: Path) -> None:  # noqa: F811
+def test_components_of_a_removed_node_restart_on_a_live_one(ray_cluster, supervisors, tmp_path: Path) -> None:
     import ray
 
     cpu_node = ray_cluster.add_node(**NODE_ARGS, resources={"rewards": 1})  # CPU nodes: head, this one
     ray_cluster.wait_for_nodes()
-    cfg = make_cfg(tmp_path / "run", f"bus.base_port={random.randrange(20_000, 32_000, 100)}",
-                   "supervisor.launcher=ray", f"supervisor.ray_address={ray_cluster.address}")
+    cfg = make_cfg(
+        tmp_path / "run",
+        f"bus.base_port={random.randrange(20_000, 32_000, 100)}",
+        "supervisor.launcher=ray",
+        f"supervisor.ray_address={ray_cluster.address}",
+    )
     launcher = make_launcher(cfg)
     launcher.configure(cfg)
     assert cfg.bus.transport == "tcp" and Path(cfg.bus.curve_keys_dir, "server.key_secret").is_file()
@@ -70,12 +80,17 @@ def test_components_of_a_removed_node_restart_on_a_live_one(ray_cluster, supervi
     assert {first["hub"]["metrics_host"], first["rewards-1"]["metrics_host"]} == {address}
     targets = yaml.safe_load((run.run_dir / "prometheus.yml").read_text())["scrape_configs"][0]["static_configs"]
     assert {t["labels"]["component"]: t["targets"] for t in targets if t["labels"]["component"] != "supervisor"} == {
-        name: [f"{address}:{first[name]['metrics_port']}"] for name in ("hub", "rewards-1")}
+        name: [f"{address}:{first[name]['metrics_port']}"] for name in ("hub", "rewards-1")
+    }
     client = MetricsTls.load(cfg.bus.curve_keys_dir).client_context()  # the run's per-node certificates
-    assert client.check_hostname and scrape(first["rewards-1"]["metrics_port"], address, timeout_s=10, tls=client).samples
+    assert (
+        client.check_hostname and scrape(first["rewards-1"]["metrics_port"], address, timeout_s=10, tls=client).samples
+    )
     real_pid = int(re.findall(r" ready \(pid (\d+)", log_text(run.run_dir, "rewards-1"))[-1])
     assert real_pid != first["rewards-1"]["pid"]  # busctl knows the component by its spawn id
     ray_cluster.remove_node(cpu_node, allow_graceful=False)  # the node dies: its actor, so its component
-    run.wait_for("rewards-1 restarted", lambda c: c["rewards-1"]["restarts"] == 1 and c["rewards-1"]["state"] == "running")
+    run.wait_for(
+        "rewards-1 restarted", lambda c: c["rewards-1"]["restarts"] == 1 and c["rewards-1"]["state"] == "running"
+    )
     assert specs["rewards-1"].proc.node == head  # the only CPU node left
     assert run.components()["hub"]["restarts"] == 0

@@ -15,8 +15,16 @@ from busctl.rebinding import bound_keys, connector_roles, plan_move
 from busctl.run_status import scrape_config
 from configs.schema import load_config
 
-TABLE = [("hub", "hub"), ("trainer", "trainer"), ("packer", "packer"), ("rewards-0", "rewards"), ("rewards-1", "rewards"),
-         ("producer-0", "producer"), ("producer-1", "producer"), ("prompt-source", "prompt-source")]
+TABLE = [
+    ("hub", "hub"),
+    ("trainer", "trainer"),
+    ("packer", "packer"),
+    ("rewards-0", "rewards"),
+    ("rewards-1", "rewards"),
+    ("producer-0", "producer"),
+    ("producer-1", "producer"),
+    ("prompt-source", "prompt-source"),
+]
 
 ADDRESSES = {"head": "10.0.0.1", "gpu1": "10.0.0.2", "gpu2": "10.0.0.3"}
 
@@ -34,12 +42,21 @@ def test_the_hub_moving_restarts_everyone_and_busctls_subscription() -> None:
     assert move.hosts == {**hosts(), "control_pub": "10.0.0.9", "control_sub": "10.0.0.9"}
 
 
-@pytest.mark.parametrize(("name", "role", "index", "keys", "restart"), [
-    ("producer-1", "producer", 1, ("rollouts-1",), ("rewards-0", "rewards-1")),
-    ("packer", "packer", 0, ("scored", "batches"), ("trainer", "rewards-0", "rewards-1")),
-    ("prompt-source", "prompt-source", 0, ("prompts", "outcomes"), ("trainer", "packer", "producer-0", "producer-1")),
-    ("trainer", "trainer", 0, ("weights",), ("producer-0", "producer-1")),
-])
+@pytest.mark.parametrize(
+    ("name", "role", "index", "keys", "restart"),
+    [
+        ("producer-1", "producer", 1, ("rollouts-1",), ("rewards-0", "rewards-1")),
+        ("packer", "packer", 0, ("scored", "batches"), ("trainer", "rewards-0", "rewards-1")),
+        (
+            "prompt-source",
+            "prompt-source",
+            0,
+            ("prompts", "outcomes"),
+            ("trainer", "packer", "producer-0", "producer-1"),
+        ),
+        ("trainer", "trainer", 0, ("weights",), ("producer-0", "producer-1")),
+    ],
+)
 def test_each_binder_restarts_exactly_its_connectors(name, role, index, keys, restart) -> None:
     move = plan_move(hosts(), name, role, index, "10.0.0.9", TABLE)
     assert move is not None and (move.keys, move.restart) == (keys, restart) and not move.control_moved
@@ -58,7 +75,11 @@ def test_nothing_moves_at_the_same_address_for_a_connector_or_on_one_host() -> N
 def test_bound_keys_and_connectors_follow_the_topic_table() -> None:
     assert bound_keys("hub") == ("control_pub", "control_sub") and bound_keys("producer", 3) == ("rollouts-3",)
     assert bound_keys("rewards") == () and bound_keys("trainer") == ("weights",)
-    assert connector_roles("rollouts-7") == {"rewards"} and connector_roles("outcomes") == {"trainer", "packer", "producer"}
+    assert connector_roles("rollouts-7") == {"rewards"} and connector_roles("outcomes") == {
+        "trainer",
+        "packer",
+        "producer",
+    }
     with pytest.raises(ValueError, match="unknown endpoint key 'rollouts-x'"):
         connector_roles("rollouts-x")
 
@@ -80,14 +101,30 @@ def spec(name: str, host: str, port: int, state: str = "running") -> ComponentSp
 
 
 def test_metrics_targets_name_each_components_node() -> None:
-    table = [spec("hub", "10.0.0.1", 9001), spec("producer-0", "10.0.0.2", 9002), spec("producer-1", "10.0.0.3", 9003),
-             spec("rewards-0", "10.0.0.2", 9004, state="restarting"), spec("trainer", "10.0.0.1", 0, state="starting")]
-    assert live_targets(table) == [("hub", "10.0.0.1", 9001), ("producer-0", "10.0.0.2", 9002), ("producer-1", "10.0.0.3", 9003)]
+    table = [
+        spec("hub", "10.0.0.1", 9001),
+        spec("producer-0", "10.0.0.2", 9002),
+        spec("producer-1", "10.0.0.3", 9003),
+        spec("rewards-0", "10.0.0.2", 9004, state="restarting"),
+        spec("trainer", "10.0.0.1", 0, state="starting"),
+    ]
+    assert live_targets(table) == [
+        ("hub", "10.0.0.1", 9001),
+        ("producer-0", "10.0.0.2", 9002),
+        ("producer-1", "10.0.0.3", 9003),
+    ]
     config = scrape_config("r", prometheus_targets(table, ("10.0.0.1", 9000)))
-    statics = {s["labels"]["component"]: (s["targets"], s["labels"]["role"]) for s in config["scrape_configs"][0]["static_configs"]}
-    assert statics == {"hub": (["10.0.0.1:9001"], "hub"), "producer-0": (["10.0.0.2:9002"], "producer"),
-                       "producer-1": (["10.0.0.3:9003"], "producer"), "rewards-0": (["10.0.0.2:9004"], "rewards"),
-                       "supervisor": (["10.0.0.1:9000"], "supervisor")}  # the trainer has no port yet: left out
+    statics = {
+        s["labels"]["component"]: (s["targets"], s["labels"]["role"])
+        for s in config["scrape_configs"][0]["static_configs"]
+    }
+    assert statics == {
+        "hub": (["10.0.0.1:9001"], "hub"),
+        "producer-0": (["10.0.0.2:9002"], "producer"),
+        "producer-1": (["10.0.0.3:9003"], "producer"),
+        "rewards-0": (["10.0.0.2:9004"], "rewards"),
+        "supervisor": (["10.0.0.1:9000"], "supervisor"),
+    }  # the trainer has no port yet: left out
 
 
 def test_busctl_serves_its_metrics_on_its_node_only_on_several_nodes() -> None:

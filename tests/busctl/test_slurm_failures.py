@@ -100,16 +100,23 @@ def start_task(launcher: SlurmLauncher, tmp_path: Path):
     """Spawn :data:`TASK` as a step; returns (step, its marker file) once the task runs."""
     marker, log_path = tmp_path / "marker", tmp_path / "task.log"
     with log_path.open("ab") as log:
-        step = launcher.spawn(ComponentSpec("rewards-0", "task"), [sys.executable, "-c", TASK, str(marker)], dict(os.environ), log)
+        step = launcher.spawn(
+            ComponentSpec("rewards-0", "task"), [sys.executable, "-c", TASK, str(marker)], dict(os.environ), log
+        )
     wait_until("the task runs", lambda: "task up" in log_path.read_text(), 60)
     assert step.step_ids(), "the step is not listed"
     return step, marker
 
 
-def test_a_sigkilled_supervisor_leaves_no_step(allocation: str, tmp_path: Path) -> None:  # noqa: F811
+def test_a_sigkilled_supervisor_leaves_no_step(allocation: str, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    parent = subprocess.Popen([sys.executable, "-c", SUPERVISOR, str(run_dir), str(random.randrange(20_000, 32_000, 100))],
-                              stdout=subprocess.PIPE, stderr=(tmp_path / "busctl.log").open("wb"), text=True, cwd=os.getcwd())
+    parent = subprocess.Popen(
+        [sys.executable, "-c", SUPERVISOR, str(run_dir), str(random.randrange(20_000, 32_000, 100))],
+        stdout=subprocess.PIPE,
+        stderr=(tmp_path / "busctl.log").open("wb"),
+        text=True,
+        cwd=os.getcwd(),
+    )
     try:
         line = parent.stdout.readline().split()
         assert line, (tmp_path / "busctl.log").read_text()
@@ -120,13 +127,15 @@ def test_a_sigkilled_supervisor_leaves_no_step(allocation: str, tmp_path: Path) 
         tasks = [int(re.findall(r" ready \(pid (\d+)", rewards_log.read_text())[-1])]
         parent.kill()  # busctl up SIGKILLed: nothing of it runs its shutdown
         parent.wait()
-        wait_until(f"steps {names} gone after busctl's SIGKILL", lambda: not any(step_ids(name, allocation) for name in names))
+        wait_until(
+            f"steps {names} gone after busctl's SIGKILL", lambda: not any(step_ids(name, allocation) for name in names)
+        )
         wait_until("their sruns and components gone", lambda: not any(running(pid) for pid in sruns + tasks))
     finally:
         parent.kill()
 
 
-def test_a_failing_scancel_falls_back_to_srun(allocation: str, tmp_path: Path) -> None:  # noqa: F811
+def test_a_failing_scancel_falls_back_to_srun(allocation: str, tmp_path: Path) -> None:
     launcher = make_launcher(make_cfg(tmp_path / "run", "supervisor.launcher=slurm"))
     step, marker = start_task(launcher, tmp_path)
     calls = failing_client(tmp_path / "bin", "scancel", fails=1000)
@@ -138,7 +147,7 @@ def test_a_failing_scancel_falls_back_to_srun(allocation: str, tmp_path: Path) -
     wait_until("the step gone", lambda: not step.step_ids())
 
 
-def test_a_failing_squeue_is_unknown_and_retried(allocation: str, tmp_path: Path) -> None:  # noqa: F811
+def test_a_failing_squeue_is_unknown_and_retried(allocation: str, tmp_path: Path) -> None:
     launcher = make_launcher(make_cfg(tmp_path / "run", "supervisor.launcher=slurm"))
     step, marker = start_task(launcher, tmp_path)
     calls = failing_client(tmp_path / "bin", "squeue", fails=2)
@@ -161,7 +170,9 @@ def test_spare_node_placement() -> None:
     launcher.dead.add("b")
     assert launcher.place(producer) == "addr-a" and launcher.slot(rewards).node == "a"
     launcher.dead.add("a")
-    with pytest.raises(NodeLost, match=r"node a, b, c of the allocation is down and the allocation has no live node left"):
+    with pytest.raises(
+        NodeLost, match=r"node a, b, c of the allocation is down and the allocation has no live node left"
+    ):
         launcher.slot(producer)
     het = SlurmLauncher(Allocation((("g1", "g2"), ("t1",), ("c1",))), resolve=lambda n: n)
     het.dead.add("g1")
@@ -171,20 +182,35 @@ def test_spare_node_placement() -> None:
         het.slot(ComponentSpec("trainer", "trainer"))
 
 
-def test_a_dead_node_fails_the_run_naming_it(allocation: str, slurm_cluster: SlurmCluster, supervisors, tmp_path: Path) -> None:  # noqa: F811
-    cfg = make_cfg(tmp_path / "run", f"bus.base_port={random.randrange(20_000, 32_000, 100)}", "supervisor.launcher=slurm",
-                   "supervisor.max_restarts=20")
+def test_a_dead_node_fails_the_run_naming_it(
+    allocation: str, slurm_cluster: SlurmCluster, supervisors, tmp_path: Path
+) -> None:
+    cfg = make_cfg(
+        tmp_path / "run",
+        f"bus.base_port={random.randrange(20_000, 32_000, 100)}",
+        "supervisor.launcher=slurm",
+        "supervisor.max_restarts=20",
+    )
     launcher = make_launcher(cfg)
     launcher.configure(cfg)
     run = supervisors(cfg, table("hub", "rewards-0"), launcher=launcher)
     run.all_running()
     node = slurm_cluster.node
     try:
-        subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=rlbus-test"], check=True, timeout=60)
+        subprocess.run(
+            ["scontrol", "update", f"nodename={node}", "state=down", "reason=rlbus-test"], check=True, timeout=60
+        )
         assert run.join() == 1
     finally:  # ReturnToService=2 brings the node back by itself; the job's steps complete once it is
-        wait_until("the job and its steps gone, the node idle again", lambda: not slurm_lines("squeue", "-h", f"--jobs={allocation}")
-                   and not slurm_lines("squeue", "-h", "--steps", f"--jobs={allocation}") and slurm_lines("sinfo", "-h", "-o", "%T") == ["idle"], 90)
+        wait_until(
+            "the job and its steps gone, the node idle again",
+            lambda: (
+                not slurm_lines("squeue", "-h", f"--jobs={allocation}")
+                and not slurm_lines("squeue", "-h", "--steps", f"--jobs={allocation}")
+                and slurm_lines("sinfo", "-h", "-o", "%T") == ["idle"]
+            ),
+            90,
+        )
     out = run.out.getvalue()
     assert f"Slurm job {allocation} is NODE_FAIL (node {node} of " in out, out
     assert "the allocation is gone" in out and "restart budget" not in out

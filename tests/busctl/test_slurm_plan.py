@@ -18,7 +18,14 @@ def split(nodelist: str) -> list[str]:
 
 def test_one_node_holds_everything() -> None:
     alloc = Allocation((("n1",),))
-    for role, index in [("hub", 0), ("trainer", 0), ("packer", 0), ("prompt-source", 0), ("producer", 3), ("rewards", 5)]:
+    for role, index in [
+        ("hub", 0),
+        ("trainer", 0),
+        ("packer", 0),
+        ("prompt-source", 0),
+        ("producer", 3),
+        ("rewards", 5),
+    ]:
         assert plan_nodes(alloc, role, index) == Slot("n1")
 
 
@@ -50,9 +57,19 @@ def test_allocation_must_be_whole() -> None:
 def test_address_map_names_each_binder() -> None:
     alloc = Allocation((("a", "b", "c"),))
     hosts = address_map(alloc, 3, "login", resolve=lambda n: f"10.0.0.{ord(n[0]) - 96}" if len(n) == 1 else "10.9.9.9")
-    assert hosts == {"control_pub": "10.0.0.1", "control_sub": "10.0.0.1", "prompts": "10.0.0.1", "outcomes": "10.0.0.1",
-                     "scored": "10.0.0.1", "batches": "10.0.0.1", "weights": "10.0.0.1", "rollouts-0": "10.0.0.2", "rollouts-1": "10.0.0.3",
-                     "rollouts-2": "10.0.0.2", "supervisor": "10.9.9.9"}
+    assert hosts == {
+        "control_pub": "10.0.0.1",
+        "control_sub": "10.0.0.1",
+        "prompts": "10.0.0.1",
+        "outcomes": "10.0.0.1",
+        "scored": "10.0.0.1",
+        "batches": "10.0.0.1",
+        "weights": "10.0.0.1",
+        "rollouts-0": "10.0.0.2",
+        "rollouts-1": "10.0.0.3",
+        "rollouts-2": "10.0.0.2",
+        "supervisor": "10.9.9.9",
+    }
     cfg = load_config(None, ["bus.transport=tcp"])
     cfg.bus.hosts = hosts
     from bus.topics import Endpoints
@@ -74,8 +91,13 @@ def test_allocation_from_environ() -> None:
     with pytest.raises(ConfigError, match="inside a Slurm allocation"):
         allocation_from_environ({}, split)
     assert allocation_from_environ({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "a,b"}, split).groups == (("a", "b"),)
-    het = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "a,b,c", "SLURM_JOB_NODELIST_HET_GROUP_0": "a",
-           "SLURM_JOB_NODELIST_HET_GROUP_1": "b", "SLURM_JOB_NODELIST_HET_GROUP_2": "c"}
+    het = {
+        "SLURM_JOB_ID": "7",
+        "SLURM_JOB_NODELIST": "a,b,c",
+        "SLURM_JOB_NODELIST_HET_GROUP_0": "a",
+        "SLURM_JOB_NODELIST_HET_GROUP_1": "b",
+        "SLURM_JOB_NODELIST_HET_GROUP_2": "c",
+    }
     assert allocation_from_environ(het, split).groups == (("a",), ("b",), ("c",))
     del het["SLURM_JOB_NODELIST_HET_GROUP_2"]
     with pytest.raises(ConfigError, match="busctl sbatch"):
@@ -86,11 +108,27 @@ def test_sbatch_plain_and_heterogeneous() -> None:
     plain = sbatch_script(load_config(None, ["slurm.nodes=2"]), "my config.yaml", ["trainer.max_steps=3"], python="py")
     assert "#SBATCH --nodes=2" in plain and "hetjob" not in plain
     assert plain.rstrip().endswith("py -m busctl up --launcher slurm 'my config.yaml' trainer.max_steps=3")
-    het = sbatch_script(load_config(None, ["slurm.inference_nodes=2", "slurm.trainer_nodes=1", "slurm.cpu_nodes=1",
-                                           "slurm.gpus_per_node=8", "slurm.partition=gpu"]), None, [], python="py")
+    het = sbatch_script(
+        load_config(
+            None,
+            [
+                "slurm.inference_nodes=2",
+                "slurm.trainer_nodes=1",
+                "slurm.cpu_nodes=1",
+                "slurm.gpus_per_node=8",
+                "slurm.partition=gpu",
+            ],
+        ),
+        None,
+        [],
+        python="py",
+    )
     assert het.count("#SBATCH hetjob") == 2
     assert het.count("#SBATCH --gpus-per-node=8") == 2  # the CPU component asks for none
     assert [line for line in het.splitlines() if line.startswith("#SBATCH --nodes")] == [
-        "#SBATCH --nodes=2", "#SBATCH --nodes=1", "#SBATCH --nodes=1"]
+        "#SBATCH --nodes=2",
+        "#SBATCH --nodes=1",
+        "#SBATCH --nodes=1",
+    ]
     with pytest.raises(ValueError, match="all three"):
         sbatch_script(load_config(None, ["slurm.inference_nodes=2"]), None, [])

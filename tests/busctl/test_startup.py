@@ -55,7 +55,7 @@ def test_record_writes_every_components_spawn_and_ready_time_since_launch(tmp_pa
     assert f"first optimizer step {clock.first_step_s:.1f} s after launch; last ready: producer-0 at 8.0 s" in line
 
 
-def test_supervisor_records_the_first_step_and_spawns_producers_first(tmp_path, supervisors):  # noqa: F811 - the fixture
+def test_supervisor_records_the_first_step_and_spawns_producers_first(tmp_path, supervisors):
     run = supervisors(make_cfg(tmp_path / "run"), table("hub", "rewards-0", "producer-0"))
     run.all_running()
     ctx = zmq.Context()

@@ -43,12 +43,21 @@ SLEEPY = "tests.busctl.sleepy"
 
 def make_cfg(run_dir: Path, *overrides: str) -> RunConfig:
     """A run config for sleepy components: fast heartbeats and backoff, no policy, no broadcast port."""
-    return load_config(None, [
-        f"run_dir={run_dir}", "model.path=unused-by-sleepy", "broadcast.method=filesystem",
-        "bus.heartbeat_s=0.1", "bus.dead_after_s=2", "bus.ready_timeout_s=60",
-        "supervisor.backoff_initial_s=0.2", "supervisor.backoff_max_s=0.4", "supervisor.max_restarts=5",
-        *overrides,
-    ])
+    return load_config(
+        None,
+        [
+            f"run_dir={run_dir}",
+            "model.path=unused-by-sleepy",
+            "broadcast.method=filesystem",
+            "bus.heartbeat_s=0.1",
+            "bus.dead_after_s=2",
+            "bus.ready_timeout_s=60",
+            "supervisor.backoff_initial_s=0.2",
+            "supervisor.backoff_max_s=0.4",
+            "supervisor.max_restarts=5",
+            *overrides,
+        ],
+    )
 
 
 def table(*names: str) -> list[ComponentSpec]:
@@ -56,14 +65,18 @@ def table(*names: str) -> list[ComponentSpec]:
     specs = []
     for name in names:
         _, _, suffix = name.rpartition("-")
-        specs.append(ComponentSpec(name, "bus.hub" if name == "hub" else SLEEPY, int(suffix) if suffix.isdigit() else 0))
+        specs.append(
+            ComponentSpec(name, "bus.hub" if name == "hub" else SLEEPY, int(suffix) if suffix.isdigit() else 0)
+        )
     return specs
 
 
 class RunningSupervisor:
     """``busctl up``'s :func:`busctl.cli.supervise` in a thread; console output in ``self.out``."""
 
-    def __init__(self, cfg: RunConfig, specs: list[ComponentSpec], *, resume: bool = False, launcher: Launcher | None = None) -> None:
+    def __init__(
+        self, cfg: RunConfig, specs: list[ComponentSpec], *, resume: bool = False, launcher: Launcher | None = None
+    ) -> None:
         self.out = io.StringIO()
         console = Console(file=self.out, soft_wrap=True, highlight=False, width=200)
         self.sup = Supervisor(cfg, console, table=specs, resume=resume, launcher=launcher)
@@ -112,7 +125,9 @@ def supervisors():
     """``start(cfg, specs, resume=False)`` -> a :class:`RunningSupervisor`; all stopped at teardown."""
     running: list[RunningSupervisor] = []
 
-    def start(cfg: RunConfig, specs: list[ComponentSpec], resume: bool = False, launcher: Launcher | None = None) -> RunningSupervisor:
+    def start(
+        cfg: RunConfig, specs: list[ComponentSpec], resume: bool = False, launcher: Launcher | None = None
+    ) -> RunningSupervisor:
         running.append(RunningSupervisor(cfg, specs, resume=resume, launcher=launcher))
         return running[-1]
 
@@ -157,8 +172,13 @@ def test_describe_exit_names_signals_and_codes():
 def test_scale_targets_validates_against_the_config(tmp_path):
     cfg = make_cfg(tmp_path, "producers.max_replicas=3")
     assert scale_targets(cfg, {"id": "x", "rewards": 4, "producers": 3}) == {"rewards": 4, "producer": 3}
-    for bad, match in [({"producers": 4}, "max_replicas=3"), ({"rewards": 0}, ">= 1"), ({"rewards": True}, ">= 1"),
-                       ({"rewards": 1.5}, ">= 1"), ({}, "nothing to scale")]:
+    for bad, match in [
+        ({"producers": 4}, "max_replicas=3"),
+        ({"rewards": 0}, ">= 1"),
+        ({"rewards": True}, ">= 1"),
+        ({"rewards": 1.5}, ">= 1"),
+        ({}, "nothing to scale"),
+    ]:
         with pytest.raises(ValueError, match=match):
             scale_targets(cfg, bad)
 
@@ -178,7 +198,9 @@ def test_component_heartbeats_until_closed(tmp_path):
     comp = Idle(cfg, "rewards-3", 3)
     comp.endpoints.ensure_dirs()
     ctx = zmq.Context()
-    inbox = BusSocket(ctx, "supervisor", "recv", comp.endpoints.address("supervisor"), bind=True, accept=(ComponentHeartbeat,))
+    inbox = BusSocket(
+        ctx, "supervisor", "recv", comp.endpoints.address("supervisor"), bind=True, accept=(ComponentHeartbeat,)
+    )
     try:
         comp.start_heartbeat()
         beats = [inbox.recv(timeout_s=5) for _ in range(3)]
@@ -211,7 +233,9 @@ def test_killed_components_are_restarted_with_backoff_and_the_run_still_ends(tmp
     before = metric("rlbus_supervisor_restarts_total", component="rewards-0")
 
     os.kill(first["rewards-0"]["pid"], signal.SIGKILL)
-    comps = run.wait_for("rewards-0 restarted once", lambda c: c["rewards-0"]["restarts"] == 1 and c["rewards-0"]["state"] == "running")
+    comps = run.wait_for(
+        "rewards-0 restarted once", lambda c: c["rewards-0"]["restarts"] == 1 and c["rewards-0"]["state"] == "running"
+    )
     second_pid = comps["rewards-0"]["pid"]
     assert second_pid != first["rewards-0"]["pid"] and not exists(first["rewards-0"]["pid"])
     assert comps["rewards-0"]["consecutive_crashes"] == 1
@@ -222,7 +246,9 @@ def test_killed_components_are_restarted_with_backoff_and_the_run_still_ends(tmp
 
     # crashing again right away: the backoff doubles (0.4 s), capped at backoff_max_s afterwards
     os.kill(second_pid, signal.SIGKILL)
-    comps = run.wait_for("rewards-0 restarted twice", lambda c: c["rewards-0"]["restarts"] == 2 and c["rewards-0"]["state"] == "running")
+    comps = run.wait_for(
+        "rewards-0 restarted twice", lambda c: c["rewards-0"]["restarts"] == 2 and c["rewards-0"]["state"] == "running"
+    )
     assert comps["rewards-0"]["consecutive_crashes"] == 2
     assert "restart 2/5 in 0.4 s" in run.out.getvalue()
     assert metric("rlbus_supervisor_restarts_total", component="rewards-0") - before == 2
@@ -232,15 +258,32 @@ def test_killed_components_are_restarted_with_backoff_and_the_run_still_ends(tmp
     # the hub too; a restarted producer joins late (it cannot join a broadcast group formed at start)
     os.kill(comps["hub"]["pid"], signal.SIGKILL)
     os.kill(comps["producer-0"]["pid"], signal.SIGKILL)
-    comps = run.wait_for("hub and producer restarted",
-                         lambda c: all(c[n]["restarts"] == 1 and c[n]["state"] == "running" for n in ("hub", "producer-0")))
+    comps = run.wait_for(
+        "hub and producer restarted",
+        lambda c: all(c[n]["restarts"] == 1 and c[n]["state"] == "running" for n in ("hub", "producer-0")),
+    )
     assert "RLBUS_RESTARTS=1 RLBUS_RESUME= RLBUS_LATE_JOIN=1" in log_text(run.run_dir, "producer-0")
 
     assert busctl.main(["status", str(run.run_dir)]) == 0
     shown = capsys.readouterr().out
-    rows = {cells[0]: cells for line in shown.splitlines() if len(cells := [c.strip() for c in re.split("[│┃]", line)[1:-1]]) == 11}
-    assert rows["component"] == ["component", "state", "pid", "alive", "restarts", "heartbeat", "samples/s", "tokens/s", "busy",
-                                 "queue", "metrics port"]
+    rows = {
+        cells[0]: cells
+        for line in shown.splitlines()
+        if len(cells := [c.strip() for c in re.split("[│┃]", line)[1:-1]]) == 11
+    }
+    assert rows["component"] == [
+        "component",
+        "state",
+        "pid",
+        "alive",
+        "restarts",
+        "heartbeat",
+        "samples/s",
+        "tokens/s",
+        "busy",
+        "queue",
+        "metrics port",
+    ]
     assert rows["rewards-0"][:5] == ["rewards-0", "running", str(comps["rewards-0"]["pid"]), "yes", "2"]
     assert rows["rewards-0"][5].endswith(" s ago")
     assert rows["rewards-0"][10] == str(comps["rewards-0"]["metrics_port"])
@@ -259,7 +302,9 @@ def test_killed_components_are_restarted_with_backoff_and_the_run_still_ends(tmp
 def test_restart_budget_spent_fails_the_run_naming_component_and_log(tmp_path, supervisors):
     run = supervisors(make_cfg(tmp_path / "run", "supervisor.max_restarts=1"), table("hub", "rewards-0"))
     os.kill(run.all_running()["rewards-0"]["pid"], signal.SIGKILL)
-    comps = run.wait_for("one restart", lambda c: c["rewards-0"]["restarts"] == 1 and c["rewards-0"]["state"] == "running")
+    comps = run.wait_for(
+        "one restart", lambda c: c["rewards-0"]["restarts"] == 1 and c["rewards-0"]["state"] == "running"
+    )
     os.kill(comps["rewards-0"]["pid"], signal.SIGKILL)
     assert run.join() == 1
     out = run.out.getvalue()
@@ -276,7 +321,9 @@ def test_silent_component_is_declared_dead_and_restarted(tmp_path, supervisors):
     stopped = run.all_running()["producer-0"]["pid"]
     os.kill(stopped, signal.SIGSTOP)
     try:
-        comps = run.wait_for("producer-0 replaced", lambda c: c["producer-0"]["restarts"] == 1 and c["producer-0"]["state"] == "running")
+        comps = run.wait_for(
+            "producer-0 replaced", lambda c: c["producer-0"]["restarts"] == 1 and c["producer-0"]["state"] == "running"
+        )
     finally:
         if exists(stopped):
             os.kill(stopped, signal.SIGCONT)
@@ -294,7 +341,9 @@ def test_restarted_component_not_ready_in_time_counts_as_another_crash(tmp_path,
     marker = run.run_dir / "hang-setup-rewards-0"
     marker.touch()
     os.kill(first["rewards-0"]["pid"], signal.SIGKILL)
-    run.wait_for("replacement hanging", lambda c: c["rewards-0"]["restarts"] == 1 and c["rewards-0"]["state"] == "starting")
+    run.wait_for(
+        "replacement hanging", lambda c: c["rewards-0"]["restarts"] == 1 and c["rewards-0"]["state"] == "starting"
+    )
     stamps = set()
     while len(stamps) < 3:  # the loop keeps turning while the replacement is not ready
         status = run.status()
@@ -313,7 +362,9 @@ def test_a_killed_packer_is_restarted_like_any_component(tmp_path, supervisors):
     run = supervisors(make_cfg(tmp_path / "run"), table("hub", "packer", "rewards-0"))
     first = run.all_running()
     os.kill(first["packer"]["pid"], signal.SIGKILL)
-    comps = run.wait_for("packer restarted", lambda c: c["packer"]["restarts"] == 1 and c["packer"]["state"] == "running")
+    comps = run.wait_for(
+        "packer restarted", lambda c: c["packer"]["restarts"] == 1 and c["packer"]["state"] == "running"
+    )
     assert comps["packer"]["pid"] != first["packer"]["pid"] and comps["rewards-0"]["pid"] == first["rewards-0"]["pid"]
     assert "RLBUS_RESTARTS=1 " in log_text(run.run_dir, "packer")
 
@@ -393,7 +444,9 @@ def test_resume_keeps_the_run_directory_and_tells_every_component(tmp_path, supe
     (run_dir / "packer" / "spool.bin").write_bytes(b"spooled")
 
     cfg = busctl.resume_config(str(run_dir), ["trainer.max_steps=12"])
-    assert cfg.trainer.max_steps == 12 and cfg.run_dir == str(run_dir.resolve()) and cfg.model.path == "unused-by-sleepy"
+    assert (
+        cfg.trainer.max_steps == 12 and cfg.run_dir == str(run_dir.resolve()) and cfg.model.path == "unused-by-sleepy"
+    )
     resumed = supervisors(cfg, table("hub", "rewards-0"), resume=True)
     resumed.all_running()
     assert (run_dir / "checkpoints" / "step_3" / "state.pt").read_bytes() == b"weights"
@@ -418,7 +471,9 @@ def test_busctl_up_resume_cli(tmp_path, capsys):
     model.mkdir()
     (model / "config.json").write_text("{}")
     (model / "chat_template.jinja").write_text("{{ messages }}")
-    (run_dir / "config.yaml").write_text(f"run_dir: /somewhere/else\nmodel:\n  path: {model}\nbroadcast:\n  port: 29511\n")
+    (run_dir / "config.yaml").write_text(
+        f"run_dir: /somewhere/else\nmodel:\n  path: {model}\nbroadcast:\n  port: 29511\n"
+    )
     capsys.readouterr()
     assert busctl.main(["up", "--resume", str(run_dir), "trainer.max_steps=7", "--dry-run"]) == 0
     resolved = capsys.readouterr().out

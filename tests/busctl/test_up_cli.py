@@ -27,13 +27,18 @@ TIMEOUT_S = 120
 
 def busctl(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     env = dict(os.environ, NO_COLOR="1", COLUMNS="300")
-    return subprocess.run([sys.executable, "-m", "busctl", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
+    return subprocess.run(
+        [sys.executable, "-m", "busctl", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
 
 
 def files(root: Path) -> dict[str, str]:
     """Every file under ``root`` with the sha256 of its bytes."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture
@@ -44,7 +49,9 @@ def finished_run(tmp_path: Path) -> Path:
     dry = busctl("up", "--dry-run", f"run_dir={run_dir}", "trainer.max_steps=300")
     assert dry.returncode == 0, dry.stderr
     (run_dir / "config.yaml").write_text(dry.stdout)
-    (run_dir / "status.json").write_text(json.dumps({"state": "stopped", "outcome": "done", "step": 300, "max_steps": 300}))
+    (run_dir / "status.json").write_text(
+        json.dumps({"state": "stopped", "outcome": "done", "step": 300, "max_steps": 300})
+    )
     for step in (200, 300):
         ckpt = run_dir / "checkpoints" / f"step_{step:06d}"
         ckpt.mkdir(parents=True)
@@ -80,7 +87,9 @@ def test_second_up_refuses_an_occupied_run_dir_and_keeps_every_file(finished_run
     sbatch = busctl("sbatch", f"run_dir={finished_run}")
     assert sbatch.returncode == 2 and "holds another run's outputs" in sbatch.stderr and sbatch.stdout == ""
     sbatch = busctl("sbatch", "--overwrite", f"run_dir={finished_run}")  # the job's busctl up will overwrite, said now
-    assert sbatch.returncode == 0 and " up --launcher slurm --overwrite " in sbatch.stdout, sbatch.stdout + sbatch.stderr
+    assert sbatch.returncode == 0 and " up --launcher slurm --overwrite " in sbatch.stdout, (
+        sbatch.stdout + sbatch.stderr
+    )
     assert "the job's busctl up --overwrite will delete the previous run" in sbatch.stderr
     assert files(finished_run) == before
 
@@ -95,9 +104,15 @@ def test_overwrite_says_what_it_deletes_then_starts_afresh(finished_run: Path, t
     dry = busctl("up", "--dry-run", "--overwrite", f"run_dir={finished_run}", f"model.path={model}")
     assert dry.returncode == 0 and "busctl up --overwrite would delete the previous run" in dry.stderr
     assert (finished_run / "checkpoints" / "step_000300" / "DONE").is_file()  # --dry-run deletes nothing
-    up = subprocess.Popen([sys.executable, "-m", "busctl", "up", "--overwrite", f"run_dir={finished_run}", f"model.path={model}"],
-                          cwd=REPO, env=dict(os.environ, NO_COLOR="1", COLUMNS="300"), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    up = subprocess.Popen(
+        [sys.executable, "-m", "busctl", "up", "--overwrite", f"run_dir={finished_run}", f"model.path={model}"],
+        cwd=REPO,
+        env=dict(os.environ, NO_COLOR="1", COLUMNS="300"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     out = []
     try:
         for line in up.stdout:
@@ -109,8 +124,10 @@ def test_overwrite_says_what_it_deletes_then_starts_afresh(finished_run: Path, t
         if up.poll() is None:
             os.killpg(up.pid, signal.SIGKILL)
     said = "".join(out)
-    assert said.startswith(f"--overwrite: deleting the previous run in {finished_run}: checkpoints/, config.yaml, logs/, "
-                           "metrics.jsonl, status.json; last run: done at step 300/300"), said
+    assert said.startswith(
+        f"--overwrite: deleting the previous run in {finished_run}: checkpoints/, config.yaml, logs/, "
+        "metrics.jsonl, status.json; last run: done at step 300/300"
+    ), said
     assert not (finished_run / "checkpoints").exists() and not (finished_run / "metrics.jsonl").exists()
     assert f"path: {model}" in (finished_run / "config.yaml").read_text()  # the new run's config
 
@@ -129,11 +146,19 @@ def test_busctl_eval_replaces_only_a_previous_eval(finished_run: Path, tmp_path:
     assert files(finished_run) == before
     previous = tmp_path / "previous-eval"
     previous.mkdir()
-    (previous / "config.yaml").write_text(dump_config(eval_config(None, [f"model.path={model}"], str(previous))))  # as busctl eval saves it
+    (previous / "config.yaml").write_text(
+        dump_config(eval_config(None, [f"model.path={model}"], str(previous)))
+    )  # as busctl eval saves it
     (previous / "metrics.jsonl").write_text('{"step": 0, "eval/reverse_text/reward_mean": 0.5}\n')
-    ev = subprocess.Popen([sys.executable, "-m", "busctl", "eval", f"model.path={model}", "--run-dir", str(previous)], cwd=REPO,
-                          env=dict(os.environ, NO_COLOR="1", COLUMNS="300"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, start_new_session=True)
+    ev = subprocess.Popen(
+        [sys.executable, "-m", "busctl", "eval", f"model.path={model}", "--run-dir", str(previous)],
+        cwd=REPO,
+        env=dict(os.environ, NO_COLOR="1", COLUMNS="300"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     out = []
     try:
         for line in ev.stdout:
@@ -144,8 +169,9 @@ def test_busctl_eval_replaces_only_a_previous_eval(finished_run: Path, tmp_path:
     finally:
         if ev.poll() is None:
             os.killpg(ev.pid, signal.SIGKILL)
-    assert out[0].startswith(f"busctl eval replaces its previous eval: deleting the previous run in {previous}: config.yaml, "
-                             "metrics.jsonl"), out
+    assert out[0].startswith(
+        f"busctl eval replaces its previous eval: deleting the previous run in {previous}: config.yaml, metrics.jsonl"
+    ), out
     assert not (previous / "metrics.jsonl").exists()  # the old result is gone; the interrupted eval wrote none
     assert f"path: {model}" in (previous / "config.yaml").read_text()  # the new eval's config
 
@@ -169,18 +195,30 @@ def test_overwrite_refuses_a_directory_that_is_not_a_run(tmp_path: Path) -> None
     assert inspect_run_dir(tmp_path / "early").is_run
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["trainer.max_steps=[1"], "override 'trainer.max_steps=[1': the value '[1' is not valid YAML at column 3"),
-    (["trainer.max_step=3"], "trainer.max_step: unknown key (override 'trainer.max_step=3'); did you mean trainer.max_steps?"),
-    (["trainer.max_steps"], "write trainer.max_steps=VALUE"),
-    (["task.name=gsm9k"], "known tasks: reverse_text, gsm8k, countdown, reverse_turns, gsm8k_calculator, or an import path "
-                          "'package.module:function'; did you mean 'gsm8k'?"),
-    (["task.rewards=[{name: revrse_text}]"], "task.rewards: unknown reward name='revrse_text'; known: countdown, gsm8k, "
-                                              "reverse_text, or an import path 'package.module:function'; did you mean 'reverse_text'?"),
-    (["model.path=nobody-org/no-such-model"], "model.path='nobody-org/no-such-model' is not available offline"),
-    (["task.rewards=[{name: 'tasks.reverse_text:nothing_here'}]"], "has no attribute 'nothing_here'"),
-    (["eval.only=true"], "eval.only=true is busctl eval's mode, not a training run: run `busctl eval"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["trainer.max_steps=[1"], "override 'trainer.max_steps=[1': the value '[1' is not valid YAML at column 3"),
+        (
+            ["trainer.max_step=3"],
+            "trainer.max_step: unknown key (override 'trainer.max_step=3'); did you mean trainer.max_steps?",
+        ),
+        (["trainer.max_steps"], "write trainer.max_steps=VALUE"),
+        (
+            ["task.name=gsm9k"],
+            "known tasks: reverse_text, gsm8k, countdown, reverse_turns, gsm8k_calculator, or an import path "
+            "'package.module:function'; did you mean 'gsm8k'?",
+        ),
+        (
+            ["task.rewards=[{name: revrse_text}]"],
+            "task.rewards: unknown reward name='revrse_text'; known: countdown, gsm8k, "
+            "reverse_text, or an import path 'package.module:function'; did you mean 'reverse_text'?",
+        ),
+        (["model.path=nobody-org/no-such-model"], "model.path='nobody-org/no-such-model' is not available offline"),
+        (["task.rewards=[{name: 'tasks.reverse_text:nothing_here'}]"], "has no attribute 'nothing_here'"),
+        (["eval.only=true"], "eval.only=true is busctl eval's mode, not a training run: run `busctl eval"),
+    ],
+)
 def test_config_errors_exit_2_on_stderr_for_up_and_dry_run(args: list[str], expected: str, tmp_path: Path) -> None:
     for dry in ([], ["--dry-run"]):
         proc = busctl("up", *dry, f"run_dir={tmp_path / 'run'}", *args)

@@ -51,7 +51,9 @@ def test_bad_value_blamed_on_override_or_on_the_file_line(tmp_path):
     msg = _error(cfg, ["trainer.batch_size=0"])
     assert f"trainer.max_steps: Input should be greater than or equal to 1 (got -3; {cfg} line 3)" in msg, msg
     assert f"trainer.optim.lrr: unknown key ({cfg} line 5); did you mean trainer.optim.lr?" in msg
-    assert "trainer.batch_size: Input should be greater than or equal to 1 (got 0; override 'trainer.batch_size=0')" in msg
+    assert (
+        "trainer.batch_size: Input should be greater than or equal to 1 (got 0; override 'trainer.batch_size=0')" in msg
+    )
     # a check over several keys names the file and the overrides that took part
     msg = _error(None, ["trainer.batch_size=20", "producers.group_size=8"])
     assert "with overrides 'trainer.batch_size=20', 'producers.group_size=8'" in msg and "Value error" not in msg

@@ -35,7 +35,9 @@ def test_every_shipped_config_loads(path):
             for sub, sub_value in value.items():
                 if isinstance(sub_value, list) and sub_value and isinstance(sub_value[0], dict):
                     # a list of sections: every key given in the file holds its value
-                    assert [{k: item[k] for k in given} for item, given in zip(section[sub], sub_value)] == sub_value, f"{key}.{sub}"
+                    assert [{k: item[k] for k in given} for item, given in zip(section[sub], sub_value)] == sub_value, (
+                        f"{key}.{sub}"
+                    )
                 elif not isinstance(sub_value, dict):
                     assert section[sub] == sub_value, f"{key}.{sub}"
         else:
@@ -51,9 +53,17 @@ def test_default_path_is_reverse_text():
 
 
 def test_dotted_overrides_apply_and_are_typed():
-    cfg = load_config(None, ["trainer.max_steps=5", "trainer.optim.lr=0.003", "rewards.isolate=false",
-                             "trainer.lora.target_modules=[q_proj, v_proj]", "broadcast.method=filesystem",
-                             "name=other"])
+    cfg = load_config(
+        None,
+        [
+            "trainer.max_steps=5",
+            "trainer.optim.lr=0.003",
+            "rewards.isolate=false",
+            "trainer.lora.target_modules=[q_proj, v_proj]",
+            "broadcast.method=filesystem",
+            "name=other",
+        ],
+    )
     assert cfg.trainer.max_steps == 5 and type(cfg.trainer.max_steps) is int
     assert cfg.trainer.optim.lr == 0.003 and type(cfg.trainer.optim.lr) is float
     assert cfg.rewards.isolate is False
@@ -117,16 +127,33 @@ def test_async_level_above_off_policy_bound_errors():
         (["trainer.gpus=[0]", "trainer.data_parallel=2"], r"trainer:.*gpus lists 1 devices \[0\] for data_parallel=2"),
         (["trainer.gpus=[1,1]", "trainer.data_parallel=2"], r"trainer:.*distinct device indices"),
         (["trainer.gpus=[0]", "trainer.device=cpu"], r"trainer:.*device: cpu"),
-        (["producers.tensor_parallel_size=2"], r"producers:.*gpus_per_replica \(1\) must equal tensor_parallel_size \(2\)"),
-        (["trainer.parallel=fsdp", "trainer.data_parallel=2", "trainer.lora.enabled=true"], r"trainer:.*fsdp does not train LoRA"),
-        (["trainer.parallel=fsdp", "trainer.data_parallel=2", "broadcast.noise_scheduler.enabled=true"], r"noise_scheduler.*fsdp"),
+        (
+            ["producers.tensor_parallel_size=2"],
+            r"producers:.*gpus_per_replica \(1\) must equal tensor_parallel_size \(2\)",
+        ),
+        (
+            ["trainer.parallel=fsdp", "trainer.data_parallel=2", "trainer.lora.enabled=true"],
+            r"trainer:.*fsdp does not train LoRA",
+        ),
+        (
+            ["trainer.parallel=fsdp", "trainer.data_parallel=2", "broadcast.noise_scheduler.enabled=true"],
+            r"noise_scheduler.*fsdp",
+        ),
     ],
 )
 def test_placement_and_sharding_keys_are_checked(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
-    assert load_config(None, ["trainer.gpus=[2,3]", "trainer.data_parallel=2", "trainer.parallel=fsdp",
-                              "producers.tensor_parallel_size=2", "producers.gpus_per_replica=2"]).trainer.gpus == [2, 3]
+    assert load_config(
+        None,
+        [
+            "trainer.gpus=[2,3]",
+            "trainer.data_parallel=2",
+            "trainer.parallel=fsdp",
+            "producers.tensor_parallel_size=2",
+            "producers.gpus_per_replica=2",
+        ],
+    ).trainer.gpus == [2, 3]
 
 
 def test_malformed_overrides_and_files(tmp_path):

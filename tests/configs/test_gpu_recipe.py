@@ -34,8 +34,14 @@ def qwen_dir(tmp_path_factory) -> Path:
 
 def dry_run(cuda_visible_devices: str, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=cuda_visible_devices, COLUMNS="200", NO_COLOR="1")
-    return subprocess.run([sys.executable, "-m", "busctl", "up", "--dry-run", str(RECIPE), *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "busctl", "up", "--dry-run", str(RECIPE), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_the_recipe_carries_the_published_gsm8k_grpo_numbers():
@@ -45,7 +51,12 @@ def test_the_recipe_carries_the_published_gsm8k_grpo_numbers():
     assert (cfg.producers.group_size, cfg.trainer.optim.lr, cfg.sampling.max_tokens) == (5, 1e-6, 512)
     assert cfg.model.max_model_len == 512 + 512 and cfg.sampling.temperature == 1.0
     assert (cfg.trainer.optim.scheduler, cfg.trainer.optim.warmup_steps) == ("constant", 0)
-    assert (cfg.task.name, cfg.trainer.dtype, cfg.producers.dtype, cfg.trainer.device) == ("gsm8k", "bfloat16", "bfloat16", "cuda")
+    assert (cfg.task.name, cfg.trainer.dtype, cfg.producers.dtype, cfg.trainer.device) == (
+        "gsm8k",
+        "bfloat16",
+        "bfloat16",
+        "cuda",
+    )
     assert cfg.producers.share_gpus_with_trainer and cfg.eval.enabled and cfg.eval.interval > 0
     assert cfg.producers.gpu_memory_utilization * cfg.producers.replicas <= MAX_VLLM_SHARE_BESIDE_TRAINER
     assert cfg.packer.micro_batch_tokens >= cfg.model.max_model_len
@@ -58,7 +69,11 @@ def test_dry_run_accepts_the_recipe_on_one_gpu(qwen_dir):
     assert one.returncode == 0, one.stdout + one.stderr
     printed = yaml.safe_load(one.stdout)  # the plan is in comments: the output stays YAML
     assert printed["model"]["path"] == str(qwen_dir)
-    assert (printed["trainer"]["device"], printed["producers"]["dtype"], printed["broadcast"]["backend"]) == ("cuda", "bfloat16", "gloo")
+    assert (printed["trainer"]["device"], printed["producers"]["dtype"], printed["broadcast"]["backend"]) == (
+        "cuda",
+        "bfloat16",
+        "gloo",
+    )
     assert "#   trainer: cuda, CUDA_VISIBLE_DEVICES='0'; weights to the producers over gloo" in one.stdout
     assert "#   producer-0: cuda, bfloat16, CUDA_VISIBLE_DEVICES='0'" in one.stdout
 
@@ -79,9 +94,13 @@ def test_the_memory_split_counts_every_producer_on_a_trainer_gpu():
     # two GPUs: the producer gets the free one first, so 0.9 there is the trainer's business only
     plan_placement(load_config(None, [*base, "producers.gpu_memory_utilization=0.9"]), [0, 1])
     # busctl scale adds producers to the same GPU: checked the same way
-    scalable = plan_placement(load_config(None, [*base, "producers.max_replicas=3", "producers.gpu_memory_utilization=0.3"]), [0])
+    scalable = plan_placement(
+        load_config(None, [*base, "producers.max_replicas=3", "producers.gpu_memory_utilization=0.3"]), [0]
+    )
     scalable.check_producers(2)  # 60%
-    with pytest.raises(ConfigError, match=r"producers=3 does not fit the GPUs' memory: .*0\.3 x 3 producer\(s\) on GPU 0"):
+    with pytest.raises(
+        ConfigError, match=r"producers=3 does not fit the GPUs' memory: .*0\.3 x 3 producer\(s\) on GPU 0"
+    ):
         scalable.check_producers(3)
     # a CPU trainer keeps nothing on the GPU: any share is the producers'
     plan_placement(load_config(None, ["producers.share_gpus_with_trainer=true", "trainer.device=cpu"]), [0])

@@ -109,7 +109,10 @@ def test_run_config_paths_are_resolved_in_place(hf_home):
 def test_busctl_up_refuses_a_model_that_is_not_cached(tmp_path, hf_home):
     proc = subprocess.run(
         [sys.executable, "-m", "busctl", "up", f"run_dir={tmp_path / 'run'}", "model.path=Qwen/Qwen2.5-7B-Instruct"],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     out = " ".join((proc.stdout + proc.stderr).split())  # rich wraps long lines
@@ -149,7 +152,10 @@ def test_a_policy_without_a_chat_template_is_refused_before_start(tmp_path, hf_h
         resolve_run_model_paths(load_config(None, [f"model.path={model}"]))
     proc = subprocess.run(
         [sys.executable, "-m", "busctl", "up", f"run_dir={tmp_path / 'run'}", f"model.path={model}"],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "no chat template" in " ".join((proc.stdout + proc.stderr).split())

@@ -85,8 +85,12 @@ def test_busctl_up_commands_in_the_docs_resolve(path: Path, tmp_path: Path, monk
         args = [a for a in args if a != "--dry-run"]
         # a model directory the docs name (/models/...) stands in as a real one: the command's config is checked,
         # and --dry-run checks model paths like busctl up does
-        args = [f"{a.partition('=')[0]}={_stand_in_model(tmp_path)}" if a.startswith(("model.path=", "teacher.model_path=")) else a
-                for a in args]
+        args = [
+            f"{a.partition('=')[0]}={_stand_in_model(tmp_path)}"
+            if a.startswith(("model.path=", "teacher.model_path="))
+            else a
+            for a in args
+        ]
         # a GPU recipe (trainer.device: cuda) is checked under a one-GPU plan: busctl's CUDA_VISIBLE_DEVICES=0, as
         # tests/busctl/test_placement.py simulates it (a dry run starts nothing, so no GPU is needed)
         gpu = bool(args) and args[0].endswith(".yaml") and load_config(ROOT / args[0]).trainer.device == "cuda"

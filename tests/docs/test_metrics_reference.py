@@ -70,8 +70,10 @@ def test_every_family_of_every_process_is_listed(registry_families: list[str]) -
 
 def test_rows_have_type_labels_unit_and_server() -> None:
     text = (DOCS / "metrics.md").read_text()
-    rows = {m.group(1): [c.strip() for c in m.group(2).split(" | ")]
-            for m in re.finditer(r"^\| `(rlbus_[a-z_]+)` \| (.*) \|$", text, re.M)}
+    rows = {
+        m.group(1): [c.strip() for c in m.group(2).split(" | ")]
+        for m in re.finditer(r"^\| `(rlbus_[a-z_]+)` \| (.*) \|$", text, re.M)
+    }
     assert rows["rlbus_bus_messages_total"][:4] == ["counter", "`topic`, `direction`", "messages", "every process"]
     assert rows["rlbus_stage_latency_seconds"][0] == "histogram"
     assert rows["rlbus_stage_latency_seconds"][2] == "seconds"

@@ -22,11 +22,18 @@ from tests.e2e.test_pipeline import busctl, policy, read_jsonl  # noqa: F401
 pytestmark = pytest.mark.e2e
 
 
-def test_an_openai_client_agent_trains_on_policy_and_accounted(tmp_path: Path, policy: Path) -> None:  # noqa: F811
+def test_an_openai_client_agent_trains_on_policy_and_accounted(tmp_path: Path, policy: Path) -> None:
     run_dir = tmp_path / "run"
     max_steps = 3
-    proc = busctl(run_dir, policy, f"trainer.max_steps={max_steps}", "max_async_level=0", "eval.enabled=false",
-                  "task.agent=tests.producers.endpoint_agents:two_turn_agent", "task.agent_timeout_s=120")
+    proc = busctl(
+        run_dir,
+        policy,
+        f"trainer.max_steps={max_steps}",
+        "max_async_level=0",
+        "eval.enabled=false",
+        "task.agent=tests.producers.endpoint_agents:two_turn_agent",
+        "task.agent_timeout_s=120",
+    )
     steps = run_to_completion(proc, run_dir, max_steps)
     assert "OpenAI-compatible endpoint at http://127.0.0.1:" in (run_dir / "logs" / "producer-0.log").read_text()
     assert all(m["onpolicy_tokens"] == m["num_loss_tokens"] > 0 for m in steps)

@@ -30,10 +30,16 @@ MAX_STEPS = 6
 LP_DIFF_NATS = 0.3
 
 
-def test_bf16_run_tracks_the_trainer(tmp_path: Path, policy: Path) -> None:  # noqa: F811 - the fixture
+def test_bf16_run_tracks_the_trainer(tmp_path: Path, policy: Path) -> None:
     run_dir = tmp_path / "run"
-    _, messages = run_recorded(run_dir, policy, f"trainer.max_steps={MAX_STEPS}", "max_async_level=0",
-                               "trainer.dtype=bfloat16", "producers.dtype=bfloat16")
+    _, messages = run_recorded(
+        run_dir,
+        policy,
+        f"trainer.max_steps={MAX_STEPS}",
+        "max_async_level=0",
+        "trainer.dtype=bfloat16",
+        "producers.dtype=bfloat16",
+    )
 
     steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
     assert [m["step"] for m in steps] == list(range(1, MAX_STEPS + 1))

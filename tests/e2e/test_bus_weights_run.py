@@ -24,15 +24,23 @@ from tests.e2e.test_pipeline import ControlRecorder, busctl, policy, read_jsonl,
 pytestmark = pytest.mark.e2e
 
 
-def test_weights_over_the_bus_with_tcp_and_curve(tmp_path: Path, policy: Path) -> None:  # noqa: F811 - the imported fixture
+def test_weights_over_the_bus_with_tcp_and_curve(tmp_path: Path, policy: Path) -> None:
     keys = tmp_path / "keys"
     made = subprocess.run([sys.executable, "-m", "busctl", "keys", str(keys)], capture_output=True, text=True)
     assert made.returncode == 0, made.stdout + made.stderr
     run_dir, base_port = tmp_path / "run", tcp_base_port()
     recorder = ControlRecorder(run_dir, base_port, keys)
     try:
-        proc = busctl(run_dir, policy, "trainer.max_steps=3", "max_async_level=0", "broadcast.method=bus",
-                      "bus.transport=tcp", f"bus.base_port={base_port}", f"bus.curve_keys_dir={keys}")
+        proc = busctl(
+            run_dir,
+            policy,
+            "trainer.max_steps=3",
+            "max_async_level=0",
+            "broadcast.method=bus",
+            "bus.transport=tcp",
+            f"bus.base_port={base_port}",
+            f"bus.curve_keys_dir={keys}",
+        )
         out, _ = proc.communicate(timeout=900)
     finally:
         recorder.close()

@@ -152,13 +152,19 @@ def prom_total(run_dir: Path, metric: str) -> float:
     return total
 
 
-def test_sigkill_nemesis(tmp_path: Path, policy: Path) -> None:  # noqa: F811
+def test_sigkill_nemesis(tmp_path: Path, policy: Path) -> None:
     run_dir = tmp_path / "run"
     max_steps = 200
     rng = random.Random(int(os.environ.get("RLBUS_NEMESIS_SEED", "20261121")))
     proc = busctl(
-        run_dir, policy, f"trainer.max_steps={max_steps}", "rewards.replicas=3", "producers.replicas=1",
-        "broadcast.method=filesystem", "trainer.checkpoint_interval=5", "packer.filter_equal_rewards=true",
+        run_dir,
+        policy,
+        f"trainer.max_steps={max_steps}",
+        "rewards.replicas=3",
+        "producers.replicas=1",
+        "broadcast.method=filesystem",
+        "trainer.checkpoint_interval=5",
+        "packer.filter_equal_rewards=true",
         *FAST_FAILURE_DETECTION,
     )
     victims = ["producer-0", "rewards-0", "rewards-1", "rewards-2"]
@@ -198,7 +204,7 @@ def busctl_cmd(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "busctl", *args], capture_output=True, text=True, timeout=300)
 
 
-def test_scale_rewards_mid_run(tmp_path: Path, policy: Path) -> None:  # noqa: F811
+def test_scale_rewards_mid_run(tmp_path: Path, policy: Path) -> None:
     run_dir = tmp_path / "run"
     max_steps = 80  # room for two scale requests on a loaded machine (40 ran out once in CI)
     proc = busctl(run_dir, policy, f"trainer.max_steps={max_steps}", "rewards.replicas=1", *FAST_FAILURE_DETECTION)
@@ -226,7 +232,7 @@ def test_scale_rewards_mid_run(tmp_path: Path, policy: Path) -> None:  # noqa: F
     assert prom_total(run_dir, "rlbus_rewards_groups_total") < acc["issued"] + eval_groups
 
 
-def test_producer_killed_under_broadcast_weights(tmp_path: Path, policy: Path) -> None:  # noqa: F811
+def test_producer_killed_under_broadcast_weights(tmp_path: Path, policy: Path) -> None:
     """The default weight method (torch.distributed broadcast, gloo): a killed producer leaves the
     group, the trainer re-forms it (the restarted producer, a late joiner, asks with
     weights.wanted and joins the new group), the run stays on the broadcast method, and nothing
@@ -235,8 +241,14 @@ def test_producer_killed_under_broadcast_weights(tmp_path: Path, policy: Path) -
     run_dir = tmp_path / "run"
     max_steps = 30
     # the first group forms only once the producer's vLLM is up (80 s seen on a loaded CPU): 60 s was too short
-    proc = busctl(run_dir, policy, f"trainer.max_steps={max_steps}", "broadcast.timeout_s=240",
-                  "broadcast.reform_timeout_s=120", *FAST_FAILURE_DETECTION)
+    proc = busctl(
+        run_dir,
+        policy,
+        f"trainer.max_steps={max_steps}",
+        "broadcast.timeout_s=240",
+        "broadcast.reform_timeout_s=120",
+        *FAST_FAILURE_DETECTION,
+    )
     with supervised(proc):
         wait_for_steps(run_dir, proc, 3)
         pid = kill(run_dir, "producer-0")

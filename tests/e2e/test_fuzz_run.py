@@ -104,7 +104,9 @@ class Fuzzer(threading.Thread):
         try:
             text = scrape(self.port)
         except OSError as exc:
-            raise AssertionError(f"{self.topic}: /metrics of the receiver is gone (run ended or it died): {exc}") from exc
+            raise AssertionError(
+                f"{self.topic}: /metrics of the receiver is gone (run ended or it died): {exc}"
+            ) from exc
         return sum(rejected(text, self.topic).values()) - self.baseline
 
     def send(self, frames: list[bytes]) -> None:
@@ -147,11 +149,16 @@ class Fuzzer(threading.Thread):
 
 def control_rejects_here() -> float:
     """Control-topic rejects counted in this process (by the test's own subscriber)."""
-    return sum(s.value for m in REGISTRY.collect() if m.name == "rlbus_bus_rejected"
-               for s in m.samples if s.name == "rlbus_bus_rejected_total" and s.labels["topic"] == "control")
+    return sum(
+        s.value
+        for m in REGISTRY.collect()
+        if m.name == "rlbus_bus_rejected"
+        for s in m.samples
+        if s.name == "rlbus_bus_rejected_total" and s.labels["topic"] == "control"
+    )
 
 
-def test_fuzzed_run_trains_every_sample_once(tmp_path: Path, policy: Path) -> None:  # noqa: F811 - the imported fixture
+def test_fuzzed_run_trains_every_sample_once(tmp_path: Path, policy: Path) -> None:
     fuzz = _load_fuzz()
     run_dir = tmp_path / "run"
     proc = busctl(run_dir, policy, f"trainer.max_steps={MAX_STEPS}", "max_async_level=0")
@@ -181,7 +188,10 @@ def test_fuzzed_run_trains_every_sample_once(tmp_path: Path, policy: Path) -> No
             for (topic, index, name, _), msgs in zip(targets, data_msgs)
         ]
         fuzzers.append(
-            Fuzzer(ctx, zmq.PUB, endpoints.address("control_pub"), control_msgs, comps["hub"]["metrics_port"], "control"))
+            Fuzzer(
+                ctx, zmq.PUB, endpoints.address("control_pub"), control_msgs, comps["hub"]["metrics_port"], "control"
+            )
+        )
         started = time.monotonic()
         for f in fuzzers:
             f.start()
@@ -210,7 +220,10 @@ def test_fuzzed_run_trains_every_sample_once(tmp_path: Path, policy: Path) -> No
         assert f.sent == N_HOSTILE and f.delivered_min == f.counted == N_HOSTILE, f.topic
     # PUB: all but the few probes sent before the hub's subscription arrived surely got there
     assert control.sent == N_HOSTILE and N_HOSTILE - 100 <= control.delivered_min <= control.counted <= N_HOSTILE
-    finals = {name: (run_dir / "metrics_final" / f"{name}.prom").read_text() for name in ("packer", "prompt-source", "producer-0")}
+    finals = {
+        name: (run_dir / "metrics_final" / f"{name}.prom").read_text()
+        for name in ("packer", "prompt-source", "producer-0")
+    }
     expected_topics: dict[str, set[str]] = {}
     for topic, _index, name, gen in targets:
         final = rejected(finals[name], topic)

@@ -26,8 +26,11 @@ pytestmark = pytest.mark.e2e
 
 MAX_STEPS = 3
 TIED = {"qwen2.5": True, "qwen3": True, "llama3": False}
-PROMPT_START = {"qwen2.5": "<|im_start|>system\nYou are Qwen", "qwen3": "<|im_start|>",
-                "llama3": "<|begin_of_text|><|start_header_id|>"}
+PROMPT_START = {
+    "qwen2.5": "<|im_start|>system\nYou are Qwen",
+    "qwen3": "<|im_start|>",
+    "llama3": "<|begin_of_text|><|start_header_id|>",
+}
 
 
 @pytest.mark.parametrize("name", list(TIED))
@@ -35,9 +38,17 @@ def test_busctl_up_trains_each_family(tmp_path: Path, name: str) -> None:
     fam = family(name)
     policy = build_family_model(tmp_path / name, name, tied=TIED[name], seed=0)
     run_dir = tmp_path / "run"
-    proc = busctl(run_dir, policy, f"trainer.max_steps={MAX_STEPS}", "max_async_level=0", "model.max_model_len=512",
-                  "eval.eval_base_model=false", "eval.tasks=[{name: reverse_text, num_examples: 4}]",
-                  "report.samples_interval=1", "report.samples_per_step=16")
+    proc = busctl(
+        run_dir,
+        policy,
+        f"trainer.max_steps={MAX_STEPS}",
+        "max_async_level=0",
+        "model.max_model_len=512",
+        "eval.eval_base_model=false",
+        "eval.tasks=[{name: reverse_text, num_examples: 4}]",
+        "report.samples_interval=1",
+        "report.samples_per_step=16",
+    )
     with supervised(proc):
         out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out

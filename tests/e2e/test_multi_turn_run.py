@@ -27,20 +27,29 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_reverse_turns_is_on_policy_token_exact_and_accounted(tmp_path: Path, policy: Path) -> None:  # noqa: F811
+def test_reverse_turns_is_on_policy_token_exact_and_accounted(tmp_path: Path, policy: Path) -> None:
     run_dir = tmp_path / "run"
     max_steps = 3
     # a TRL conversational reward (weight 0) reads the prompt as TRL gives it: the episode's initial messages
     chat = "trl_conversational:tests.rewards.trl_reward_fns:prompt_is_the_first_word"
-    proc = busctl(run_dir, policy, f"trainer.max_steps={max_steps}", "max_async_level=0", "sampling.max_tokens=12",
-                  "eval.tasks=[{name: reverse_turns, num_examples: 4}]", f"task.rewards=[{{name: '{chat}', weight: 0.0}}]",
-                  config=REPO / "configs" / "reverse_turns.yaml")
+    proc = busctl(
+        run_dir,
+        policy,
+        f"trainer.max_steps={max_steps}",
+        "max_async_level=0",
+        "sampling.max_tokens=12",
+        "eval.tasks=[{name: reverse_turns, num_examples: 4}]",
+        f"task.rewards=[{{name: '{chat}', weight: 0.0}}]",
+        config=REPO / "configs" / "reverse_turns.yaml",
+    )
     steps = run_to_completion(proc, run_dir, max_steps)
     assert all(m["reward/prompt_is_the_first_word"] == 1.0 for m in steps)
     assert all(m["onpolicy_tokens"] == m["num_loss_tokens"] > 0 for m in steps)
     assert max(m["onpolicy_lp_diff_max"] for m in steps) < 1e-3
     assert all(0.0 <= m["reward/env"] <= 1.0 for m in steps)
-    turns = prom_total(run_dir, "rlbus_producer_episode_turns_sum") / prom_total(run_dir, "rlbus_producer_episode_turns_count")
+    turns = prom_total(run_dir, "rlbus_producer_episode_turns_sum") / prom_total(
+        run_dir, "rlbus_producer_episode_turns_count"
+    )
     assert turns > 1.0, f"episodes had {turns} model turns on average"
     assert prom_total(run_dir, "rlbus_producer_env_errors_total") == 0
     # the trained samples carry the environment's turns in their text, and fewer loss tokens than tokens
@@ -48,12 +57,19 @@ def test_reverse_turns_is_on_policy_token_exact_and_accounted(tmp_path: Path, po
     assert any("<|im_start|>user" in s["completion"] for s in samples)
 
 
-def test_an_environment_that_hangs_crashes_and_raises_loses_nothing(tmp_path: Path, policy: Path) -> None:  # noqa: F811
+def test_an_environment_that_hangs_crashes_and_raises_loses_nothing(tmp_path: Path, policy: Path) -> None:
     run_dir = tmp_path / "run"
     max_steps = 3
     task = "tests.tasks.misbehaving_envs:faulty_task"
-    proc = busctl(run_dir, policy, f"trainer.max_steps={max_steps}", f"task.name={task}", "task.env_timeout_s=1",
-                  "sampling.max_tokens=8", "eval.enabled=false")
+    proc = busctl(
+        run_dir,
+        policy,
+        f"trainer.max_steps={max_steps}",
+        f"task.name={task}",
+        "task.env_timeout_s=1",
+        "sampling.max_tokens=8",
+        "eval.enabled=false",
+    )
     run_to_completion(proc, run_dir, max_steps)
     for error in ("timeout", "crash", "ValueError"):
         assert prom_total(run_dir, f'rlbus_producer_env_errors_total{{error="{error}"}}') > 0, error

@@ -43,7 +43,8 @@ from tests.e2e.test_resume_run import assert_eval_rounds_reported_once
 pytestmark = pytest.mark.e2e
 
 VICTIMS = ["hub", "prompt-source", "producer-0", "rewards-0", "trainer"] + (
-    ["packer"] if "packer" in RESTARTABLE_ROLES else [])
+    ["packer"] if "packer" in RESTARTABLE_ROLES else []
+)
 """Component names the nemesis kills, one per kind."""
 KILLS_PER_KIND = 2
 MAX_STEPS = 150
@@ -52,14 +53,20 @@ EVAL_INTERVAL = 25
 """Online eval every this many steps (rounds 0, 25, ..., 150)."""
 
 
-def test_every_component_kind_killed_twice(tmp_path: Path, policy: Path) -> None:  # noqa: F811
+def test_every_component_kind_killed_twice(tmp_path: Path, policy: Path) -> None:
     run_dir = tmp_path / "run"
     rng = random.Random(int(os.environ.get("RLBUS_NEMESIS_SEED", "20261124")))
     plan = VICTIMS * KILLS_PER_KIND
     rng.shuffle(plan)
     proc = busctl(
-        run_dir, policy, f"trainer.max_steps={MAX_STEPS}", "rewards.replicas=2", "producers.replicas=1",
-        "broadcast.method=filesystem", "trainer.checkpoint_interval=5", "max_async_level=1",
+        run_dir,
+        policy,
+        f"trainer.max_steps={MAX_STEPS}",
+        "rewards.replicas=2",
+        "producers.replicas=1",
+        "broadcast.method=filesystem",
+        "trainer.checkpoint_interval=5",
+        "max_async_level=1",
         f"eval.interval={EVAL_INTERVAL}",
         *FAST_FAILURE_DETECTION,
     )
@@ -88,5 +95,7 @@ def test_every_component_kind_killed_twice(tmp_path: Path, policy: Path) -> None
     assert re.search(r"restarted \(\d+\): \d+ last value\(s\) loaded", (logs / "hub.log").read_text())
     assert "rebuilt from the journal" in (logs / "prompt-source.log").read_text()
     assert re.search(r"resumed from .* at step \d+", (logs / "trainer.log").read_text())
-    assert_eval_rounds_reported_once(run_dir, list(range(0, MAX_STEPS + 1, EVAL_INTERVAL)))  # each round once, across every kill
+    assert_eval_rounds_reported_once(
+        run_dir, list(range(0, MAX_STEPS + 1, EVAL_INTERVAL))
+    )  # each round once, across every kill
     print("accounting:", acc["outcomes"], "issued", acc["issued"])

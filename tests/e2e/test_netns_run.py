@@ -64,16 +64,34 @@ def producer_pids(pair: NetnsPair) -> set[int]:
 
 
 @pytest.mark.parametrize("method", ["broadcast", "bus"])
-def test_producer_in_another_network_namespace(method: str, netns_pair: NetnsPair, netns_ray: str,  # noqa: F811
-                                               policy: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_producer_in_another_network_namespace(
+    method: str, netns_pair: NetnsPair, netns_ray: str, policy: Path, tmp_path: Path
+) -> None:
     run_dir = tmp_path / "run"
     base_port = random.randrange(20_000, 32_000, 100)
     cmd = netns_pair.exec(
-        netns_pair.a, sys.executable, "-m", "busctl", "up", "--launcher", "ray", "--address", netns_ray,
-        f"run_dir={run_dir}", f"model.path={policy}", f"trainer.batch_size={BATCH_SIZE}", f"producers.group_size={GROUP_SIZE}",
-        "eval.tasks=[{name: reverse_text, num_examples: 16}]", "sampling.max_tokens=16", "rewards.replicas=2",
-        f"broadcast.method={method}", "broadcast.backend=gloo", f"trainer.max_steps={MAX_STEPS}", "max_async_level=0",
-        f"bus.base_port={base_port}")
+        netns_pair.a,
+        sys.executable,
+        "-m",
+        "busctl",
+        "up",
+        "--launcher",
+        "ray",
+        "--address",
+        netns_ray,
+        f"run_dir={run_dir}",
+        f"model.path={policy}",
+        f"trainer.batch_size={BATCH_SIZE}",
+        f"producers.group_size={GROUP_SIZE}",
+        "eval.tasks=[{name: reverse_text, num_examples: 16}]",
+        "sampling.max_tokens=16",
+        "rewards.replicas=2",
+        f"broadcast.method={method}",
+        "broadcast.backend=gloo",
+        f"trainer.max_steps={MAX_STEPS}",
+        "max_async_level=0",
+        f"bus.base_port={base_port}",
+    )
     veth_before = netns_pair.veth_bytes()
     seen_in_b: set[int] = set()
     started = time.monotonic()
@@ -106,11 +124,15 @@ def test_producer_in_another_network_namespace(method: str, netns_pair: NetnsPai
     rows = {r["name"]: r for r in final["components"]}  # metrics served and listed at each node's address
     statics = yaml.safe_load((run_dir / "prometheus.yml").read_text())["scrape_configs"][0]["static_configs"]
     targets = {t["labels"]["component"]: t["targets"] for t in statics}
-    assert rows["producer-0"]["metrics_host"] == ADDR_B and targets["producer-0"] == [f"{ADDR_B}:{rows['producer-0']['metrics_port']}"], rows
+    assert rows["producer-0"]["metrics_host"] == ADDR_B and targets["producer-0"] == [
+        f"{ADDR_B}:{rows['producer-0']['metrics_port']}"
+    ], rows
     assert all(targets[n] == [f"{ADDR_A}:{r['metrics_port']}"] for n, r in rows.items() if n != "producer-0"), targets
     applied = [int(v) for v in re.findall(rf"applied policy version (\d+) by {method}\b", logs["producer-0"])]
     assert applied == list(range(1, MAX_STEPS + 1)), (applied, logs["producer-0"][-3000:])
     assert veth_bytes >= len(applied) * weight_bytes(policy), (veth_bytes, weight_bytes(policy))
-    print(f"netns run ({method}): {wall_s:.0f} s wall, load {os.getloadavg()[0]:.2f}; issued {acc['issued']}, "
-          f"outcomes {acc['outcomes']}; versions applied {applied}; veth {veth_bytes} bytes "
-          f"(weights {weight_bytes(policy)} bytes/version)")
+    print(
+        f"netns run ({method}): {wall_s:.0f} s wall, load {os.getloadavg()[0]:.2f}; issued {acc['issued']}, "
+        f"outcomes {acc['outcomes']}; versions applied {applied}; veth {veth_bytes} bytes "
+        f"(weights {weight_bytes(policy)} bytes/version)"
+    )

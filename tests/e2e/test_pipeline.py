@@ -58,10 +58,21 @@ def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def busctl(run_dir: Path, policy: Path, *overrides: str, config: Path | None = None) -> subprocess.Popen:
     cmd = [
-        sys.executable, "-m", "busctl", "up", *([str(config)] if config else []),
-        f"run_dir={run_dir}", f"model.path={policy}", f"trainer.batch_size={BATCH_SIZE}",
-        f"producers.group_size={GROUP_SIZE}", "eval.tasks=[{name: reverse_text, num_examples: 16}]", "sampling.max_tokens=16",
-        "rewards.replicas=2", "broadcast.method=broadcast", "broadcast.backend=gloo", *overrides,
+        sys.executable,
+        "-m",
+        "busctl",
+        "up",
+        *([str(config)] if config else []),
+        f"run_dir={run_dir}",
+        f"model.path={policy}",
+        f"trainer.batch_size={BATCH_SIZE}",
+        f"producers.group_size={GROUP_SIZE}",
+        "eval.tasks=[{name: reverse_text, num_examples: 16}]",
+        "sampling.max_tokens=16",
+        "rewards.replicas=2",
+        "broadcast.method=broadcast",
+        "broadcast.backend=gloo",
+        *overrides,
     ]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
@@ -154,7 +165,9 @@ def test_pipeline_trains_every_sample_once(tmp_path: Path, policy: Path) -> None
     run_dir = tmp_path / "run"
     # async level 1: generation runs one step ahead, so steps mix tokens of the trained weights
     # (lag 0: they check that the broadcast weights reached the producer) and of the previous ones
-    out, messages = run_recorded(run_dir, policy, f"trainer.max_steps={MAX_STEPS}", "max_async_level=1", "packer.max_off_policy_steps=2")
+    out, messages = run_recorded(
+        run_dir, policy, f"trainer.max_steps={MAX_STEPS}", "max_async_level=1", "packer.max_off_policy_steps=2"
+    )
 
     assert_every_sample_trained_once(run_dir, MAX_STEPS, max_lag=2)
 
@@ -165,8 +178,17 @@ def test_pipeline_trains_every_sample_once(tmp_path: Path, policy: Path) -> None
     assert [e["step"] for e in evals] == [0, MAX_STEPS]  # the base model, and the trained policy
     assert all(e["eval/reverse_text/num_samples"] == 16 for e in evals)
     for m in steps:
-        for key in ("reward_mean", "loss", "kl", "masked_frac", "grad_norm", "num_tokens",
-                    "policy_lag_mean", "policy_lag_max", "step_time_s"):
+        for key in (
+            "reward_mean",
+            "loss",
+            "kl",
+            "masked_frac",
+            "grad_norm",
+            "num_tokens",
+            "policy_lag_mean",
+            "policy_lag_max",
+            "step_time_s",
+        ):
             assert key in m
     # per-token lags: every step reports every bucket, summing to 1; lag-0 tokens are exactly the
     # on-policy ones; step 0 is all lag 0 and the run has tokens at lag >= 1 (generation ran ahead)
@@ -175,7 +197,9 @@ def test_pipeline_trains_every_sample_once(tmp_path: Path, policy: Path) -> None
         assert sum(m[b] for b in buckets) == pytest.approx(1.0), m
         assert m["onpolicy_tokens"] == round(m["lag_frac/0"] * m["num_loss_tokens"]), m
     assert steps[0]["lag_frac/0"] == 1.0
-    assert sum((1 - m["lag_frac/0"]) * m["num_loss_tokens"] for m in steps) >= 1, [{b: m[b] for b in buckets} for m in steps]
+    assert sum((1 - m["lag_frac/0"]) * m["num_loss_tokens"] for m in steps) >= 1, [
+        {b: m[b] for b in buckets} for m in steps
+    ]
     assert all(m["lag_frac/>=3"] == 0.0 for m in steps)  # the lag bound (max_off_policy_steps=2) holds per token
     # producers' logprobs of tokens sampled under version v equal the trainer's at version v
     assert steps[0]["onpolicy_tokens"] == steps[0]["num_loss_tokens"] > 0
@@ -193,10 +217,17 @@ def test_pipeline_trains_every_sample_once(tmp_path: Path, policy: Path) -> None
 
     # a second busctl up in the finished run's directory is refused (exit 2) and leaves every file as it was
     before = {str(p): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
-    again = subprocess.run([sys.executable, "-m", "busctl", "up", f"run_dir={run_dir}", f"model.path={policy}", "trainer.max_steps=2"],
-                           capture_output=True, text=True, timeout=120)
+    again = subprocess.run(
+        [sys.executable, "-m", "busctl", "up", f"run_dir={run_dir}", f"model.path={policy}", "trainer.max_steps=2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert again.returncode == 2, again.stdout + again.stderr
-    assert f"run_dir {run_dir} holds another run's outputs" in again.stderr and f"at step {MAX_STEPS}/{MAX_STEPS}" in again.stderr
+    assert (
+        f"run_dir {run_dir} holds another run's outputs" in again.stderr
+        and f"at step {MAX_STEPS}/{MAX_STEPS}" in again.stderr
+    )
     assert {str(p): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()} == before
 
 
@@ -252,8 +283,16 @@ def test_lora_with_filesystem_weights(tmp_path: Path, policy: Path) -> None:
     """LoRA training, weights to the producer through safetensors directories + READY markers:
     the merged adapter reaches vLLM (on-policy logprobs match) and only the adapter trains."""
     run_dir = tmp_path / "run"
-    proc = busctl(run_dir, policy, "trainer.max_steps=3", "max_async_level=0", "trainer.lora.enabled=true",
-                  "trainer.lora.rank=4", "trainer.optim.lr=0.01", "broadcast.method=filesystem")
+    proc = busctl(
+        run_dir,
+        policy,
+        "trainer.max_steps=3",
+        "max_async_level=0",
+        "trainer.lora.enabled=true",
+        "trainer.lora.rank=4",
+        "trainer.optim.lr=0.01",
+        "broadcast.method=filesystem",
+    )
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
     steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
@@ -274,7 +313,9 @@ def test_failed_generations_are_replaced(tmp_path: Path, policy: Path) -> None:
     run_dir = tmp_path / "run"
     # the chat template adds 19 tokens to the 5-12 letters (24-31 tokens): with a 28-token model
     # length, prompts of 10+ letters cannot run at all, those of 5-7 letters always can
-    _, messages = run_recorded(run_dir, policy, "trainer.max_steps=2", "model.max_model_len=28", "sampling.max_tokens=2")
+    _, messages = run_recorded(
+        run_dir, policy, "trainer.max_steps=2", "model.max_model_len=28", "sampling.max_tokens=2"
+    )
     dropped = [m for m in messages if isinstance(m, GroupsDropped)]
     assert dropped and all(m.reason.startswith("failed: ") for m in dropped)
     failed_ids = {gid for m in dropped for gid in m.group_ids}
@@ -283,8 +324,12 @@ def test_failed_generations_are_replaced(tmp_path: Path, policy: Path) -> None:
     assert len(trained_groups) == 2 * BATCH_SIZE // GROUP_SIZE
     assert not failed_ids & trained_groups
     page = (run_dir / "metrics_final" / "producer-0.prom").read_text()
-    failed_total = next(s.value for f in text_string_to_metric_families(page) for s in f.samples
-                        if s.name == "rlbus_producer_groups_failed_total")
+    failed_total = next(
+        s.value
+        for f in text_string_to_metric_families(page)
+        for s in f.samples
+        if s.name == "rlbus_producer_groups_failed_total"
+    )
     assert failed_total >= len(failed_ids)  # a re-delivered prompt can fail again under its id
 
 
@@ -303,7 +348,9 @@ def test_components_die_with_the_supervisor(tmp_path: Path, policy: Path) -> Non
         assert len(pids) > 7
         for row in json.loads((run_dir / "status.json").read_text())["components"]:  # a CPU plan: no GPU for anyone
             environ = Path(f"/proc/{row['pid']}/environ").read_bytes().split(b"\0")
-            assert b"CUDA_VISIBLE_DEVICES=" in environ, f"{row['name']} was not given CUDA_VISIBLE_DEVICES='' (busctl.placement)"
+            assert b"CUDA_VISIBLE_DEVICES=" in environ, (
+                f"{row['name']} was not given CUDA_VISIBLE_DEVICES='' (busctl.placement)"
+            )
         proc.kill()
         proc.wait()
         deadline = time.monotonic() + ORPHAN_GRACE_S + 10
@@ -324,8 +371,14 @@ def test_tcp_transport_with_curve(tmp_path: Path, policy: Path) -> None:
     made = subprocess.run([sys.executable, "-m", "busctl", "keys", str(keys)], capture_output=True, text=True)
     assert made.returncode == 0, made.stdout + made.stderr
     base_port = tcp_base_port()
-    proc = busctl(tmp_path / "run", policy, "trainer.max_steps=2", "bus.transport=tcp",
-                  f"bus.base_port={base_port}", f"bus.curve_keys_dir={keys}")
+    proc = busctl(
+        tmp_path / "run",
+        policy,
+        "trainer.max_steps=2",
+        "bus.transport=tcp",
+        f"bus.base_port={base_port}",
+        f"bus.curve_keys_dir={keys}",
+    )
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
     assert "step    2/2" in out

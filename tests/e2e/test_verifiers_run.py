@@ -23,12 +23,19 @@ from tests.producers import vf_envs
 pytestmark = pytest.mark.e2e
 
 
-def test_a_verifiers_environment_trains_on_its_rubric(tmp_path: Path, policy: Path) -> None:  # noqa: F811
+def test_a_verifiers_environment_trains_on_its_rubric(tmp_path: Path, policy: Path) -> None:
     run_dir = tmp_path / "run"
     max_steps = 2
-    proc = busctl(run_dir, policy, f"trainer.max_steps={max_steps}", "max_async_level=0", "eval.enabled=false",
-                  "task.name=verifiers:tests.producers.vf_envs", "task.verifiers_args={kind: single}",
-                  "task.agent_timeout_s=120")
+    proc = busctl(
+        run_dir,
+        policy,
+        f"trainer.max_steps={max_steps}",
+        "max_async_level=0",
+        "eval.enabled=false",
+        "task.name=verifiers:tests.producers.vf_envs",
+        "task.verifiers_args={kind: single}",
+        "task.agent_timeout_s=120",
+    )
     steps = run_to_completion(proc, run_dir, max_steps)
     assert all(m["onpolicy_tokens"] == m["num_loss_tokens"] > 0 for m in steps)
     assert max(m["onpolicy_lp_diff_max"] for m in steps) < 1e-3

@@ -49,13 +49,21 @@ def prom_value(run_dir: Path, component: str, series: str) -> float | None:
     return None
 
 
-def test_scale_producers_under_broadcast_re_forms_the_group(tmp_path: Path, policy: Path) -> None:  # noqa: F811
+def test_scale_producers_under_broadcast_re_forms_the_group(tmp_path: Path, policy: Path) -> None:
     run_dir = tmp_path / "run"
     max_steps = 450  # ~0.8 s a step here; the new producer joined ~245 steps after the scale request (its vLLM start)
-    proc = busctl(run_dir, policy, f"trainer.max_steps={max_steps}", "producers.replicas=1",
-                  f"packer.max_off_policy_steps={MAX_OFF_POLICY_STEPS}", "max_async_level=1",
-                  "report.samples_interval=1", "report.samples_per_step=16", "broadcast.reform_timeout_s=60",
-                  *FAST_FAILURE_DETECTION)
+    proc = busctl(
+        run_dir,
+        policy,
+        f"trainer.max_steps={max_steps}",
+        "producers.replicas=1",
+        f"packer.max_off_policy_steps={MAX_OFF_POLICY_STEPS}",
+        "max_async_level=1",
+        "report.samples_interval=1",
+        "report.samples_per_step=16",
+        "broadcast.reform_timeout_s=60",
+        *FAST_FAILURE_DETECTION,
+    )
     with supervised(proc):
         wait_for_steps(run_dir, proc, 2)
         up = busctl_cmd("scale", str(run_dir), "producers=2")

@@ -35,4 +35,6 @@ def needs_gpus(count: int) -> None:
     """Skip the calling test unless at least ``count`` CUDA devices are visible."""
     visible = torch.cuda.device_count()
     if visible < count:
-        pytest.skip(f"needs {count} CUDA GPUs, {visible} visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})")
+        pytest.skip(
+            f"needs {count} CUDA GPUs, {visible} visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})"
+        )

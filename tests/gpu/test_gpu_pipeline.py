@@ -36,11 +36,20 @@ LOGPROB_ATOL = 0.1
 
 def busctl_up(run_dir: Path, *overrides: str, timeout_s: float = 900) -> list[dict]:
     """Run ``busctl up configs/gpu_smoke.yaml`` to completion; returns metrics.jsonl's records."""
-    cmd = [sys.executable, "-m", "busctl", "up", str(SMOKE), f"run_dir={run_dir}",
-           f"model.cache_dir={run_dir.parent / 'cache'}", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "busctl",
+        "up",
+        str(SMOKE),
+        f"run_dir={run_dir}",
+        f"model.cache_dir={run_dir.parent / 'cache'}",
+        *overrides,
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     finally:
@@ -71,6 +80,12 @@ def test_gpu_smoke_config_one_shared_gpu(tmp_path: Path) -> None:
 def test_fsdp_two_ranks_on_nccl(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
     needs_gpus(2)
-    metrics = busctl_up(tmp_path / "run", f"trainer.max_steps={MAX_STEPS}", "trainer.data_parallel=2",
-                        "trainer.parallel=fsdp", "trainer.dp_backend=nccl", "trainer.gpus=[0,1]")
+    metrics = busctl_up(
+        tmp_path / "run",
+        f"trainer.max_steps={MAX_STEPS}",
+        "trainer.data_parallel=2",
+        "trainer.parallel=fsdp",
+        "trainer.dp_backend=nccl",
+        "trainer.gpus=[0,1]",
+    )
     check_steps(metrics)

@@ -50,8 +50,6 @@ def grpo_row(seed: int = 0, num_prompts: int = 3, group: int = 5) -> tuple[torch
     return torch.tensor(sum(samples, [])), torch.tensor([len(s) for s in samples])
 
 
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_flat_segments_through_the_kernel_match_the_reference(dtype):
     plan = plan_shared_prefixes(*grpo_row()).to("cuda")
@@ -59,7 +57,12 @@ def test_flat_segments_through_the_kernel_match_the_reference(dtype):
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def rand(heads):  # [1, heads, T_c, d] as a transposed projection, as the model passes it
-        return torch.randn(1, t_c, heads, HEAD_DIM, device="cuda", generator=gen).to(dtype).transpose(1, 2).requires_grad_()
+        return (
+            torch.randn(1, t_c, heads, HEAD_DIM, device="cuda", generator=gen)
+            .to(dtype)
+            .transpose(1, 2)
+            .requires_grad_()
+        )
 
     q, k, v = rand(HEADS), rand(KV_HEADS), rand(KV_HEADS)
     assert varlen_kernel_applies(q, 0.0), f"varlen kernel not applicable on {torch.cuda.get_device_name()}"
@@ -81,9 +84,17 @@ def tiny_qwen2() -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=512, tie_word_embeddings=False,
-                      max_position_embeddings=512, attn_implementation="sdpa")
+    cfg = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+        attn_implementation="sdpa",
+    )
     return Qwen2ForCausalLM(cfg).cuda().train()
 
 

@@ -18,17 +18,28 @@ from configs.schema import OptimConfig, TrainerConfig
 from packer.packer import PackedSample, build_micro_batch
 from trainer.trainer import Trainer
 
-SAMPLES = [([1, 2, 3], [40, 41, 42, 43, 44], 1.0), ([4, 5], [60, 61, 62], -1.0),
-           ([6, 7, 8, 9], [70, 71, 72, 73, 74, 75, 76], 0.5), ([10], [80, 81], -0.5)]
+SAMPLES = [
+    ([1, 2, 3], [40, 41, 42, 43, 44], 1.0),
+    ([4, 5], [60, 61, 62], -1.0),
+    ([6, 7, 8, 9], [70, 71, 72, 73, 74, 75, 76], 0.5),
+    ([10], [80, 81], -0.5),
+]
 
 
 def tiny_model():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=300, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=512, tie_word_embeddings=False,
-                      attn_implementation="sdpa")
+    cfg = Qwen2Config(
+        vocab_size=300,
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
     return Qwen2ForCausalLM(cfg).cuda().train()
 
 
@@ -41,8 +52,9 @@ def micro_batch():
         lp = np.where(mask, -rng.uniform(4.0, 7.0, len(ids)), 0.0).astype(np.float32)  # ~log(1/300)
         samples.append(PackedSample(f"g{k}/0", ids, mask, lp, advantage, 1.0, 0, 1.0))
     loss_tokens = sum(int(s.loss_mask.sum()) for s in samples)
-    return build_micro_batch(samples, step=0, micro_index=0, num_micro_batches=1,
-                             step_loss_tokens=loss_tokens, step_samples=len(samples))
+    return build_micro_batch(
+        samples, step=0, micro_index=0, num_micro_batches=1, step_loss_tokens=loss_tokens, step_samples=len(samples)
+    )
 
 
 def run(dtype: str):

@@ -39,8 +39,9 @@ def test_triton_matches_torch_forward_and_backward(dtype):
 
     def run(backend):
         hidden, weight, bias = (t.clone().requires_grad_() for t in (hidden0, weight0, bias0))
-        lp, ent = linear_logprobs_and_entropy(hidden, weight, bias, targets, temperature=TEMPERATURE,
-                                              chunk_size=CHUNK, backend=backend)
+        lp, ent = linear_logprobs_and_entropy(
+            hidden, weight, bias, targets, temperature=TEMPERATURE, chunk_size=CHUNK, backend=backend
+        )
         (lp * grad_lp).sum().backward()
         return lp.detach(), ent, [t.grad.float() for t in (hidden, weight, bias)]
 

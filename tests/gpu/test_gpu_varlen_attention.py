@@ -31,8 +31,10 @@ def loop_reference(query, key, value, lens):
     """`[1, T, H, D]` per-sample causal sdpa (the CPU path), kv heads repeated for GQA."""
     repeats = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(repeats, 1), value.repeat_interleave(repeats, 1)
-    outs = [F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            for q, k, v in zip(query.split(lens, 2), key.split(lens, 2), value.split(lens, 2))]
+    outs = [
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        for q, k, v in zip(query.split(lens, 2), key.split(lens, 2), value.split(lens, 2))
+    ]
     return torch.cat(outs, 2).transpose(1, 2)
 
 
@@ -44,8 +46,6 @@ def inputs(dtype):
         return torch.randn(1, heads, total, HEAD_DIM, device="cuda", generator=gen).to(dtype).requires_grad_()
 
     return rand(HEADS), rand(KV_HEADS), rand(KV_HEADS)
-
-
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -88,8 +88,15 @@ def test_packed_model_forward_bf16_matches_unpacked(tmp_path):
     from trainer.forward.packed import packed_token_logprobs
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=300, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=512, attn_implementation="sdpa")
+    cfg = Qwen2Config(
+        vocab_size=300,
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        attn_implementation="sdpa",
+    )
     model = Qwen2ForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
     gen = torch.Generator().manual_seed(1)
     samples = [torch.randint(0, 300, (n,), generator=gen) for n in LENS]
@@ -100,7 +107,7 @@ def test_packed_model_forward_bf16_matches_unpacked(tmp_path):
         for start, sample in zip([0, *torch.tensor(LENS).cumsum(0).tolist()], samples):
             logits = model(sample[None].cuda()).logits[0].float()
             want = torch.log_softmax(logits[:-1], -1).gather(1, sample[1:, None].cuda())[:, 0]
-            got = packed[start + 1:start + len(sample)]
+            got = packed[start + 1 : start + len(sample)]
             assert packed[start].item() == 0.0
             if len(sample) > 1:
                 assert (got - want).abs().max().item() < 0.05

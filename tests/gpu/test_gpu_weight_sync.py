@@ -83,8 +83,12 @@ def test_broadcast_into_vllm_gpu_engine(backend, tmp_path):
     old = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()
     new, payload = perturbed_bf16(policy)
     loop = asyncio.new_event_loop()
-    engine = RolloutEngine(policy, max_model_len=512, kv_cache_bytes=256 * 1024**2,
-                           engine_kwargs={"dtype": "bfloat16", "gpu_memory_utilization": 0.3})
+    engine = RolloutEngine(
+        policy,
+        max_model_len=512,
+        kv_cache_bytes=256 * 1024**2,
+        engine_kwargs={"dtype": "bfloat16", "gpu_memory_utilization": 0.3},
+    )
     sender = BroadcastSender(backend, "127.0.0.1", free_port(), 2, timeout_s=120)
     try:
         loop.run_until_complete(engine.start())
@@ -97,11 +101,13 @@ def test_broadcast_into_vllm_gpu_engine(backend, tmp_path):
         async def send_and_receive():
             manifest = sender.manifest(payload)
             sent = asyncio.get_running_loop().run_in_executor(
-                None, on_sender_device, sender.start_send, payload, 1, manifest)
+                None, on_sender_device, sender.start_send, payload, 1, manifest
+            )
             await engine.update_weights(1, manifest)
             await sent
-            return await engine.generate_group(PROMPT, n=4, temperature=1.0, top_p=1.0, max_tokens=24,
-                                               request_id="after", ignore_eos=True)
+            return await engine.generate_group(
+                PROMPT, n=4, temperature=1.0, top_p=1.0, max_tokens=24, request_id="after", ignore_eos=True
+            )
 
         samples = loop.run_until_complete(send_and_receive())
         assert sender.wait()["version"] == 1
@@ -109,7 +115,9 @@ def test_broadcast_into_vllm_gpu_engine(backend, tmp_path):
         errs = [(hf_logprobs(new, s.token_ids) - torch.tensor(s.logprobs)).abs().max().item() for s in samples]
         changes = [(hf_logprobs(old, s.token_ids) - torch.tensor(s.logprobs)).abs().max().item() for s in samples]
         assert max(errs) < LOGPROB_ATOL, f"engine logprobs off the sent weights by {max(errs):.3f} nats ({backend})"
-        assert max(changes) > MIN_CHANGE_NATS, f"engine logprobs moved only {max(changes):.3f} nats from the old weights"
+        assert max(changes) > MIN_CHANGE_NATS, (
+            f"engine logprobs moved only {max(changes):.3f} nats from the old weights"
+        )
     finally:
         sender.close()
         loop.run_until_complete(engine.close())

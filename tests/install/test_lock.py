@@ -52,7 +52,9 @@ def test_the_lock_pins_every_requirement_at_an_allowed_version():
         name = canonicalize_name(req.name)
         if name not in pins or not req.specifier.contains(pins[name], prereleases=True):
             stale.append(f"{req} (lock: {pins.get(name)})")
-    assert not stale, f"pyproject.toml asks for what {LOCK.name} does not pin: {stale}; run `make lock`, then `make setup`"
+    assert not stale, (
+        f"pyproject.toml asks for what {LOCK.name} does not pin: {stale}; run `make lock`, then `make setup`"
+    )
 
 
 def test_this_environment_runs_the_locked_versions():

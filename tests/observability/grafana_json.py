@@ -25,8 +25,13 @@ METRIC_NAME = re.compile(r"\brlbus_[A-Za-z0-9_]+")
 PANEL_TYPES = {"row", "timeseries", "stat", "gauge", "bargauge", "heatmap", "table", "text", "piechart", "histogram"}
 GRID_WIDTH = 24
 SUFFIXES = {  # sample names Prometheus stores per family type (``_created`` left out: never charted)
-    "counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count"),
-    "summary": ("", "_sum", "_count"), "info": ("_info",), "stateset": ("",), "unknown": ("",),
+    "counter": ("_total",),
+    "gauge": ("",),
+    "histogram": ("_bucket", "_sum", "_count"),
+    "summary": ("", "_sum", "_count"),
+    "info": ("_info",),
+    "stateset": ("",),
+    "unknown": ("",),
 }
 
 
@@ -56,7 +61,9 @@ def metric_names(expr: str) -> set[str]:
 
 
 def _overlap(a: dict, b: dict) -> bool:
-    return a["x"] < b["x"] + b["w"] and b["x"] < a["x"] + a["w"] and a["y"] < b["y"] + b["h"] and b["y"] < a["y"] + a["h"]
+    return (
+        a["x"] < b["x"] + b["w"] and b["x"] < a["x"] + a["w"] and a["y"] < b["y"] + b["h"] and b["y"] < a["y"] + a["h"]
+    )
 
 
 def grafana_problems(dash: dict, datasource_uid: str) -> list[str]:
@@ -68,8 +75,15 @@ def grafana_problems(dash: dict, datasource_uid: str) -> list[str]:
     ``datasource_uid``; every non-row panel has targets with unique refIds and a non-empty expr.
     """
     problems = []
-    for key, kind in (("uid", str), ("title", str), ("schemaVersion", int), ("panels", list), ("time", dict),
-                      ("templating", dict), ("version", int)):
+    for key, kind in (
+        ("uid", str),
+        ("title", str),
+        ("schemaVersion", int),
+        ("panels", list),
+        ("time", dict),
+        ("templating", dict),
+        ("version", int),
+    ):
         if not isinstance(dash.get(key), kind):
             problems.append(f"field {key!r} missing or not {kind.__name__}")
     if problems:

@@ -37,8 +37,10 @@ def prometheus_binary() -> str:
     if found:
         return found
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        pytest.skip("prometheus is not on PATH and cannot be installed here (needs root and apt-get): "
-                    "install it, e.g. `apt-get install prometheus` on Debian/Ubuntu")
+        pytest.skip(
+            "prometheus is not on PATH and cannot be installed here (needs root and apt-get): "
+            "install it, e.g. `apt-get install prometheus` on Debian/Ubuntu"
+        )
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     cmd = "apt-get update && apt-get install -y --no-install-recommends prometheus"
     done = subprocess.run(["sh", "-c", cmd], env=env, capture_output=True, text=True, timeout=APT_TIMEOUT_S)
@@ -74,9 +76,16 @@ class PrometheusServer:
         self.log_path = self.workdir / "prometheus.log"
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            [binary, f"--config.file={self.config_path}", f"--storage.tsdb.path={self.workdir / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle", "--log.level=warn"],
-            stdout=self._log, stderr=subprocess.STDOUT,
+            [
+                binary,
+                f"--config.file={self.config_path}",
+                f"--storage.tsdb.path={self.workdir / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--web.enable-lifecycle",
+                "--log.level=warn",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 60
         while not self._ready():
@@ -159,7 +168,12 @@ def fast_scrape_config(run_config: dict, interval: str = "1s") -> dict:
 
 def static_targets(config: dict) -> set[str]:
     """Every ``host:port`` in the static_configs of ``config``'s scrape jobs."""
-    return {t for job in config.get("scrape_configs") or [] for sc in job.get("static_configs") or [] for t in sc.get("targets") or []}
+    return {
+        t
+        for job in config.get("scrape_configs") or []
+        for sc in job.get("static_configs") or []
+        for t in sc.get("targets") or []
+    }
 
 
 class ScrapeConfigFollower:

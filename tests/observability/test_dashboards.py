@@ -18,7 +18,13 @@ import yaml
 from grafana import dashboards as generator
 from grafana.panels import DATASOURCE_UID
 from tests.observability.grafana_json import (
-    GRAFANA, dashboards, exported_metrics, grafana_problems, metric_modules, metric_names, panel_targets,
+    GRAFANA,
+    dashboards,
+    exported_metrics,
+    grafana_problems,
+    metric_modules,
+    metric_names,
+    panel_targets,
 )
 
 EXPECTED = {"overview", "learning", "weights"}
@@ -41,8 +47,11 @@ def exported() -> dict[str, set[str]]:
 
 def all_exprs() -> dict[str, str]:
     """``"dashboard / panel title / refId"`` -> expr of every panel query."""
-    return {f"{name} / {panel['title']} / {target['refId']}": target["expr"]
-            for name, dash in dashboards().items() for panel, target in panel_targets(dash)}
+    return {
+        f"{name} / {panel['title']} / {target['refId']}": target["expr"]
+        for name, dash in dashboards().items()
+        for panel, target in panel_targets(dash)
+    }
 
 
 def test_generated_json_is_up_to_date() -> None:
@@ -89,13 +98,28 @@ def test_every_dashboard_uses_the_provisioned_datasource(datasource: dict) -> No
     assert datasource["uid"] == DATASOURCE_UID and datasource["type"] == "prometheus"
     for name, dash in dashboards().items():
         for panel, target in panel_targets(dash):
-            assert target["datasource"]["uid"] == panel["datasource"]["uid"] == datasource["uid"], (name, panel["title"])
+            assert target["datasource"]["uid"] == panel["datasource"]["uid"] == datasource["uid"], (
+                name,
+                panel["title"],
+            )
 
 
 def test_metric_modules_are_found() -> None:
     modules = set(metric_modules())
-    assert {"bus.metrics", "busctl.supervisor", "producers.proc", "prompts.proc", "prompts.source", "rewards.proc", "rewards.worker",
-            "packer.proc", "trainer.proc", "trainer.publish", "trainer.trainer", "trainer.observability.eval_log"} <= modules
+    assert {
+        "bus.metrics",
+        "busctl.supervisor",
+        "producers.proc",
+        "prompts.proc",
+        "prompts.source",
+        "rewards.proc",
+        "rewards.worker",
+        "packer.proc",
+        "trainer.proc",
+        "trainer.publish",
+        "trainer.trainer",
+        "trainer.observability.eval_log",
+    } <= modules
 
 
 def test_every_metric_appears_on_a_panel(exported: dict[str, set[str]]) -> None:

@@ -41,8 +41,11 @@ RUN_TIMEOUT_S = 400
 
 def panel_exprs(run: str = ".*") -> dict[str, str]:
     """``"dashboard / panel / refId"`` -> the expression with Grafana's variables made concrete."""
-    return {f"{name} / {panel['title']} / {target['refId']}": concrete(target["expr"], run, WINDOW)
-            for name, dash in dashboards().items() for panel, target in panel_targets(dash)}
+    return {
+        f"{name} / {panel['title']} / {target['refId']}": concrete(target["expr"], run, WINDOW)
+        for name, dash in dashboards().items()
+        for panel, target in panel_targets(dash)
+    }
 
 
 @pytest.fixture
@@ -71,11 +74,23 @@ def start_run(run_dir: Path, policy: Path, log_path: Path) -> subprocess.Popen:
     repetition filter on (counting only), gloo broadcast. ``max_steps`` is far away: the test
     stops the run (SIGINT) once Prometheus has watched it long enough."""
     cmd = [
-        sys.executable, "-m", "busctl", "up", str(REPO / "configs" / "reverse_text.yaml"),
-        f"run_dir={run_dir}", f"model.path={policy}", f"trainer.max_steps={MAX_STEPS}", "trainer.batch_size=16",
-        "producers.group_size=4", "sampling.max_tokens=16", "rewards.replicas=1", "eval.interval=10",
+        sys.executable,
+        "-m",
+        "busctl",
+        "up",
+        str(REPO / "configs" / "reverse_text.yaml"),
+        f"run_dir={run_dir}",
+        f"model.path={policy}",
+        f"trainer.max_steps={MAX_STEPS}",
+        "trainer.batch_size=16",
+        "producers.group_size=4",
+        "sampling.max_tokens=16",
+        "rewards.replicas=1",
+        "eval.interval=10",
         "eval.tasks=[{name: reverse_text, num_examples: 4, rollouts_per_example: 2}]",
-        "filters.repetition.enabled=true", "broadcast.method=broadcast", "broadcast.backend=gloo",
+        "filters.repetition.enabled=true",
+        "broadcast.method=broadcast",
+        "broadcast.backend=gloo",
     ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     with log_path.open("wb") as log:  # a file, not a pipe: nobody reads it while the run goes on
@@ -151,7 +166,9 @@ def test_every_panel_returns_data_from_a_real_run(prometheus: PrometheusServer, 
         remove_outside_socket_dir(run_dir)
     ended = time.time()
     out = log_path.read_text(errors="replace")
-    assert all_up_at is not None, f"Prometheus never had every component up: {prometheus.active_targets()}\n{out[-3000:]}"
+    assert all_up_at is not None, (
+        f"Prometheus never had every component up: {prometheus.active_targets()}\n{out[-3000:]}"
+    )
     assert proc.returncode in (0, 130), out[-5000:]  # 130: stopped by the test's SIGINT
 
     exprs = panel_exprs(RUN_NAME)
@@ -162,6 +179,8 @@ def test_every_panel_returns_data_from_a_real_run(prometheus: PrometheusServer, 
             empty.append(f"{where}: {expr}")
         elif all_nan(series):
             nan_only.append(where)
-    print(f"{len(exprs)} expressions over {ended - started:.0f} s, every target up from {all_up_at - started:.0f} s, "
-          f"{trained_steps(run_dir)} steps; only NaN (histograms without observations): {nan_only}")
+    print(
+        f"{len(exprs)} expressions over {ended - started:.0f} s, every target up from {all_up_at - started:.0f} s, "
+        f"{trained_steps(run_dir)} steps; only NaN (histograms without observations): {nan_only}"
+    )
     assert not empty, "panel expressions without data:\n" + "\n".join(empty)

@@ -33,8 +33,10 @@ def test_prometheus_scrapes_the_tls_endpoint_with_the_generated_tls_config(prome
     config = scrape_config("tlsrun", [("packer", "packer", "127.0.0.1", port)], tls.prometheus_tls_config())
     plain = scrape_config("plainrun", [("packer", "packer", "127.0.0.1", port)])["scrape_configs"][0]
     no_cert = {k: v for k, v in tls.prometheus_tls_config().items() if k in ("ca_file", "server_name")}
-    config["scrape_configs"] += [{**plain, "job_name": "plain-http"},
-                                 {**plain, "job_name": "no-certificate", "scheme": "https", "tls_config": no_cert}]
+    config["scrape_configs"] += [
+        {**plain, "job_name": "plain-http"},
+        {**plain, "job_name": "no-certificate", "scheme": "https", "tls_config": no_cert},
+    ]
     server = PrometheusServer(prometheus_bin, tmp_path / "prom", fast_scrape_config(config))
     try:
         deadline = time.monotonic() + WAIT_S

@@ -44,7 +44,14 @@ def reference_pack_step(groups: list[list[PackedSample]], step: int, budget: int
         packed = pack_micro_batches([sum(len(s.input_ids) for s in unit) for unit in units], budget)
         bins += [[s for i in idx for s in units[i]] for idx in packed]
     return [
-        build_micro_batch(b, step=step, micro_index=k, num_micro_batches=len(bins), step_loss_tokens=loss_tokens, step_samples=loss_samples)
+        build_micro_batch(
+            b,
+            step=step,
+            micro_index=k,
+            num_micro_batches=len(bins),
+            step_loss_tokens=loss_tokens,
+            step_samples=loss_samples,
+        )
         for k, b in enumerate(bins)
     ]
 
@@ -62,10 +69,16 @@ def random_group(rng: np.random.Generator, index: int, *, teacher: bool, spans: 
         per_sample = []
         for j in range(g):
             cut_count = min(int(rng.integers(0, 3)), max(int(lens[j]) - 1, 0))
-            cuts = np.sort(rng.choice(np.arange(1, int(lens[j])), cut_count, replace=False)) if cut_count else np.zeros(0, np.int64)
+            cuts = (
+                np.sort(rng.choice(np.arange(1, int(lens[j])), cut_count, replace=False))
+                if cut_count
+                else np.zeros(0, np.int64)
+            )
             runs = np.diff(np.concatenate([[0], cuts, [lens[j]]])).astype(np.int64)
             runs = runs[runs > 0]
-            per_sample.append(np.stack([rng.integers(0, 6, len(runs)), runs], axis=1) if len(runs) else np.zeros((0, 2), np.int64))
+            per_sample.append(
+                np.stack([rng.integers(0, 6, len(runs)), runs], axis=1) if len(runs) else np.zeros((0, 2), np.int64)
+            )
         fields["version_spans"] = np.concatenate(per_sample).astype(np.int64)
         fields["version_span_counts"] = np.array([len(s) for s in per_sample], np.int32)
         starts = np.array([s[:, 0].min() if len(s) else int(rng.integers(0, 5)) for s in per_sample], np.int64)
@@ -77,14 +90,33 @@ def random_group(rng: np.random.Generator, index: int, *, teacher: bool, spans: 
     if rng.random() < 0.5:
         fields["masked"] = rng.random(g) < 0.3
     names = ["lcs", "format"] if index % 3 else ["lcs"]
-    return decode(encode(ScoredGroup(
-        id=f"p{index:03d}", prompt_index=index, step=0, task="t", info={}, producer="p0", completion_texts=[""] * g,
-        finish_reasons=["stop"] * g, gen_time_s=0.0, prompt_ids=prompt, completion_ids=rng.integers(0, 50_000, n, dtype=np.int32),
-        completion_lens=lens, sampler_logprobs=-rng.random(n).astype(np.float32), version_start=np.asarray(starts, np.int64),
-        version_end=np.asarray(starts if ends is None else ends, np.int64), temperature=float(rng.choice([0.7, 1.0])),
-        reward_worker="r0", rewards=rng.random(g).astype(np.float32), advantages=rng.normal(size=g).astype(np.float32),
-        reward_terms={name: rng.random(g).tolist() for name in names}, **fields,
-    )))
+    return decode(
+        encode(
+            ScoredGroup(
+                id=f"p{index:03d}",
+                prompt_index=index,
+                step=0,
+                task="t",
+                info={},
+                producer="p0",
+                completion_texts=[""] * g,
+                finish_reasons=["stop"] * g,
+                gen_time_s=0.0,
+                prompt_ids=prompt,
+                completion_ids=rng.integers(0, 50_000, n, dtype=np.int32),
+                completion_lens=lens,
+                sampler_logprobs=-rng.random(n).astype(np.float32),
+                version_start=np.asarray(starts, np.int64),
+                version_end=np.asarray(starts if ends is None else ends, np.int64),
+                temperature=float(rng.choice([0.7, 1.0])),
+                reward_worker="r0",
+                rewards=rng.random(g).astype(np.float32),
+                advantages=rng.normal(size=g).astype(np.float32),
+                reward_terms={name: rng.random(g).tolist() for name in names},
+                **fields,
+            )
+        )
+    )
 
 
 def assert_identical(new: list[MicroBatch], ref: list[MicroBatch]) -> None:
@@ -129,12 +161,21 @@ def test_the_random_groups_cover_every_case():
 def test_teacher_packing_refuses_a_group_without_teacher_logprobs():
     rng = np.random.default_rng(1)
     groups = [random_group(rng, 0, teacher=True, spans=True), random_group(rng, 1, teacher=False, spans=True)]
-    groups[1] = dataclasses.replace(groups[1], completion_lens=np.array([3], np.int32), completion_ids=np.ones(3, np.int32),
-                                    sampler_logprobs=np.zeros(3, np.float32), version_start=np.zeros(1, np.int64),
-                                    version_end=np.zeros(1, np.int64), version_spans=np.zeros((0, 2), np.int64),
-                                    version_span_counts=np.zeros(0, np.int32), rewards=np.zeros(1, np.float32),
-                                    advantages=np.zeros(1, np.float32), reward_terms={}, masked=np.zeros(0, bool),
-                                    loss_mask=np.zeros(0, bool))
+    groups[1] = dataclasses.replace(
+        groups[1],
+        completion_lens=np.array([3], np.int32),
+        completion_ids=np.ones(3, np.int32),
+        sampler_logprobs=np.zeros(3, np.float32),
+        version_start=np.zeros(1, np.int64),
+        version_end=np.zeros(1, np.int64),
+        version_spans=np.zeros((0, 2), np.int64),
+        version_span_counts=np.zeros(0, np.int32),
+        rewards=np.zeros(1, np.float32),
+        advantages=np.zeros(1, np.float32),
+        reward_terms={},
+        masked=np.zeros(0, bool),
+        loss_mask=np.zeros(0, bool),
+    )
     with pytest.raises(ValueError, match=r"p001.*no_teacher"):
         pack_groups(groups, 0, 4096, teacher=True)
     assert len(pack_groups(groups, 0, 4096, teacher=False)[0].teacher_logprobs) == 0

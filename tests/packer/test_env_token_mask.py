@@ -14,12 +14,23 @@ from rewards.worker import RewardWorker
 def _group(loss_mask: list[bool], env_rewards: list[float]) -> RolloutGroup:
     # G = 2 samples of 4 and 2 completion tokens after a 3-token prompt
     return RolloutGroup(
-        id="g-mt", prompt_index=0, step=0, task="reverse_turns", info={"words": ["abcde", "fghij"]}, producer="producer-0",
-        completion_texts=["ab<|im_end|>\nx", "cd"], finish_reasons=["stop", "env_error: timeout"], gen_time_s=0.1,
-        prompt_ids=np.array([1, 2, 3], np.int32), completion_ids=np.array([10, 11, 12, 13, 14, 15], np.int32),
-        completion_lens=np.array([4, 2], np.int32), sampler_logprobs=np.array([-0.5, 0, 0, -0.25, -1, -2], np.float32),
-        version_start=np.zeros(2, np.int64), version_end=np.zeros(2, np.int64),
-        loss_mask=np.array(loss_mask, bool), env_rewards=np.array(env_rewards, np.float32),
+        id="g-mt",
+        prompt_index=0,
+        step=0,
+        task="reverse_turns",
+        info={"words": ["abcde", "fghij"]},
+        producer="producer-0",
+        completion_texts=["ab<|im_end|>\nx", "cd"],
+        finish_reasons=["stop", "env_error: timeout"],
+        gen_time_s=0.1,
+        prompt_ids=np.array([1, 2, 3], np.int32),
+        completion_ids=np.array([10, 11, 12, 13, 14, 15], np.int32),
+        completion_lens=np.array([4, 2], np.int32),
+        sampler_logprobs=np.array([-0.5, 0, 0, -0.25, -1, -2], np.float32),
+        version_start=np.zeros(2, np.int64),
+        version_end=np.zeros(2, np.int64),
+        loss_mask=np.array(loss_mask, bool),
+        env_rewards=np.array(env_rewards, np.float32),
     )
 
 
@@ -39,7 +50,9 @@ def test_single_turn_groups_keep_every_completion_token():
     scored = worker.score(_group([], []))
     assert scored.reward_terms == {} and scored.rewards.tolist() == [0.0, 0.0]
     first, second = group_samples(scored)
-    assert first.loss_mask.tolist() == [False] * 3 + [True] * 4 and second.loss_mask.tolist() == [False] * 3 + [True] * 2
+    assert (
+        first.loss_mask.tolist() == [False] * 3 + [True] * 4 and second.loss_mask.tolist() == [False] * 3 + [True] * 2
+    )
 
 
 def test_filters_judge_model_tokens_only():

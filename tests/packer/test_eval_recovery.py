@@ -19,8 +19,11 @@ from tests.packer.test_packer_proc import WAIT_S, eval_group, start_packer, stop
 
 pytest_plugins = ["tests.packer.test_packer_proc"]  # the ``live`` fixture
 
-GROUPS = [eval_group(2, "reverse_text", 0, [1, 0], 4), eval_group(2, "reverse_text", 1, [0, 0], 4),
-          eval_group(2, "countdown", 0, [1, 1], 4)]
+GROUPS = [
+    eval_group(2, "reverse_text", 0, [1, 0], 4),
+    eval_group(2, "reverse_text", 1, [0, 0], 4),
+    eval_group(2, "countdown", 0, [1, 1], 4),
+]
 FAILED = "e000002-countdown-00001"
 WEIGHTS = WeightsReady(id="w", version=0, method="filesystem", manifest=[], path="", num_bytes=0)
 
@@ -28,14 +31,26 @@ WEIGHTS = WeightsReady(id="w", version=0, method="filesystem", manifest=[], path
 def results_of(live, until: int) -> list[EvalResult]:
     """Eval results announced on the control channel until ``until`` arrived (or the wait ends)."""
     got: list[EvalResult] = []
-    wait_until(lambda: got.extend(m for m in live.announcements(quiet_s=0.1) if isinstance(m, EvalResult))
-               or len(got) >= until, f"{until} eval results")
+    wait_until(
+        lambda: (
+            got.extend(m for m in live.announcements(quiet_s=0.1) if isinstance(m, EvalResult)) or len(got) >= until
+        ),
+        f"{until} eval results",
+    )
     got.extend(m for m in live.announcements(quiet_s=0.5) if isinstance(m, EvalResult))  # and nothing more
     return got
 
 
 def key(r: EvalResult) -> tuple:
-    return (r.round, r.task, r.num_samples, r.num_failed, r.version_min, r.version_max, tuple(sorted(r.metrics.items())))
+    return (
+        r.round,
+        r.task,
+        r.num_samples,
+        r.num_failed,
+        r.version_min,
+        r.version_max,
+        tuple(sorted(r.metrics.items())),
+    )
 
 
 def test_a_round_cut_by_a_packer_restart_is_reported_once_and_as_without_it(live):
@@ -111,7 +126,9 @@ def test_results_are_published_again_after_a_control_hub_restart(live):
     live.hub.inbound.close()
     live.hub.outbound.close()
     live.stop = threading.Event()
-    live.hub = ControlHub(live.ctx, live.endpoints.address("control_pub"), live.endpoints.address("control_sub"), live.stop)
+    live.hub = ControlHub(
+        live.ctx, live.endpoints.address("control_pub"), live.endpoints.address("control_sub"), live.stop
+    )
     live.hub_thread = threading.Thread(target=live.hub.run, daemon=True)
     live.hub_thread.start()
     wait_until(lambda: proc.control_out.reconnects >= 1, "the packer reconnected to the new hub")

@@ -15,13 +15,29 @@ from packer.evaluation import EvalAggregator, EvalGroup, eval_metrics, parse_eva
 from tests.packer.test_packer import scored
 
 
-def eval_group(rnd: int, task: str, i: int, rewards: list[float], *, size: int, lens: list[int] | None = None,
-               terms: dict | None = None, version: tuple[int, int] | None = None):
+def eval_group(
+    rnd: int,
+    task: str,
+    i: int,
+    rewards: list[float],
+    *,
+    size: int,
+    lens: list[int] | None = None,
+    terms: dict | None = None,
+    version: tuple[int, int] | None = None,
+):
     """A scored eval group of ``len(rewards)`` completions (lengths ``lens``, default 1 token each)."""
     lens = lens or [1] * len(rewards)
     v0, v1 = version or (rnd, rnd)
-    g = scored(f"e{rnd:06d}-{task}-{i:05d}", [1, 2], [[7] * n for n in lens], rewards=rewards,
-               eval_round=rnd, eval_size=size, reward_terms=terms or {})
+    g = scored(
+        f"e{rnd:06d}-{task}-{i:05d}",
+        [1, 2],
+        [[7] * n for n in lens],
+        rewards=rewards,
+        eval_round=rnd,
+        eval_size=size,
+        reward_terms=terms or {},
+    )
     versions = dict(version_start=np.full(len(rewards), v0, np.int64), version_end=np.full(len(rewards), v1, np.int64))
     return dataclasses.replace(g, task=task, **versions)
 
@@ -41,12 +57,17 @@ def summary(rewards, lens=None, terms=None) -> EvalGroup:
 
 def test_eval_metrics_by_hand():
     # two examples x 2 rollouts: rewards [1, 0] and [0, 0]; lengths 2, 4, 6, 8
-    groups = [summary([1.0, 0.0], [2, 4], {"gsm8k": [1.0, 0.0]}), summary([0.0, 0.0], [6, 8], {"gsm8k": [0.0, 0.0], "format": [1.0, 1.0]})]
+    groups = [
+        summary([1.0, 0.0], [2, 4], {"gsm8k": [1.0, 0.0]}),
+        summary([0.0, 0.0], [6, 8], {"gsm8k": [0.0, 0.0], "format": [1.0, 1.0]}),
+    ]
     m = eval_metrics(groups)
     assert m["reward_mean"] == pytest.approx(0.25)
     assert m["reward_std"] == pytest.approx(math.sqrt((0.75**2 + 3 * 0.25**2) / 4))  # population std
     assert m["completion_len_mean"] == pytest.approx(5.0)
-    assert m["reward/gsm8k"] == pytest.approx(0.25) and m["reward/format"] == pytest.approx(1.0)  # over those that carry it
+    assert m["reward/gsm8k"] == pytest.approx(0.25) and m["reward/format"] == pytest.approx(
+        1.0
+    )  # over those that carry it
     assert m["pass_at_2"] == pytest.approx(0.5)  # one of two examples solved
     assert set(m) == {"reward_mean", "reward_std", "completion_len_mean", "reward/gsm8k", "reward/format", "pass_at_2"}
     single = eval_metrics([summary([1.0]), summary([0.0])])
@@ -92,7 +113,13 @@ def test_a_task_whose_groups_all_failed_gets_an_empty_result():
     assert agg.add(eval_group(0, "gsm8k", 0, [1.0], size=2)) == ("taken", None)
     (closed,) = agg.add_failed(["e000000-countdown-00000"])
     empty = next(r for r in closed.results if r.task == "countdown")
-    assert (empty.num_samples, empty.num_failed, empty.metrics, empty.version_min, empty.version_max) == (0, 1, {}, 0, 0)
+    assert (empty.num_samples, empty.num_failed, empty.metrics, empty.version_min, empty.version_max) == (
+        0,
+        1,
+        {},
+        0,
+        0,
+    )
 
 
 def test_bad_eval_groups_are_refused():

@@ -62,7 +62,9 @@ def scored(
 def simple(gid: str, version: int = 0, prompt_len: int = 2, comp_len: int = 2, g: int = 2) -> ScoredGroup:
     """A group that passes every check at step ``version`` (rewards differ: not filtered)."""
     rewards = [j / g for j in range(g)]
-    return scored(gid, list(range(1, prompt_len + 1)), [[50 + j] * comp_len for j in range(g)], version=version, rewards=rewards)
+    return scored(
+        gid, list(range(1, prompt_len + 1)), [[50 + j] * comp_len for j in range(g)], version=version, rewards=rewards
+    )
 
 
 def split_samples(mb: MicroBatch) -> dict[str, dict[str, np.ndarray]]:
@@ -127,7 +129,9 @@ def test_group_samples_zero_length_completion():
 
 
 def test_build_micro_batch_by_hand():
-    a = PackedSample("a/0", np.int32([1, 2, 3]), np.array([False, True, True]), np.float32([0, -0.5, -0.25]), 2.0, 1.0, 4)
+    a = PackedSample(
+        "a/0", np.int32([1, 2, 3]), np.array([False, True, True]), np.float32([0, -0.5, -0.25]), 2.0, 1.0, 4
+    )
     b = PackedSample("b/1", np.int32([9, 8]), np.array([False, True]), np.float32([0, -1.0]), -1.0, 0.0, 5)
     mb = build_micro_batch([a, b], step=6, micro_index=1, num_micro_batches=3, step_loss_tokens=10, step_samples=5)
     assert mb.id == "6:1" and mb.step == 6 and mb.micro_index == 1 and mb.num_micro_batches == 3
@@ -203,10 +207,22 @@ def test_packing_by_hand_and_token_alignment():
     for mb in batches:  # every message survives the wire and validates
         back = decode(encode(mb))
         assert isinstance(back, MicroBatch) and back.sample_ids == mb.sample_ids
-        for name in ("input_ids", "seq_lens", "loss_mask", "sampler_logprobs", "advantages", "rewards", "oldest_versions"):
+        for name in (
+            "input_ids",
+            "seq_lens",
+            "loss_mask",
+            "sampler_logprobs",
+            "advantages",
+            "rewards",
+            "oldest_versions",
+        ):
             np.testing.assert_array_equal(getattr(back, name), getattr(mb, name))
         assert (back.step, back.micro_index, back.num_micro_batches, back.step_loss_tokens) == (
-            mb.step, mb.micro_index, mb.num_micro_batches, mb.step_loss_tokens)
+            mb.step,
+            mb.micro_index,
+            mb.num_micro_batches,
+            mb.step_loss_tokens,
+        )
 
 
 def test_many_groups_every_sample_once_and_aligned():
@@ -353,7 +369,9 @@ def test_filter_equal_rewards_drops_with_its_reason_only_when_enabled():
 
 def test_content_verdicts_come_before_staleness():
     # a stale group that is also filtered / too long / empty gets the verdict that cannot change
-    p = Packer(prompts_per_step=1, max_off_policy_steps=0, micro_batch_tokens=8, first_step=5, filter_equal_rewards=True)
+    p = Packer(
+        prompts_per_step=1, max_off_policy_steps=0, micro_batch_tokens=8, first_step=5, filter_equal_rewards=True
+    )
     assert p.add(scored("eq", [1], [[5], [6]], version=0, rewards=[0.0, 0.0])) == (False, "filtered: equal_rewards")
     assert p.add(scored("long", [1], [[5] * 8, [6]], version=0, rewards=[0.0, 1.0])) == (False, "too_long")
     assert p.add(scored("empty", [], [[5], [6]], version=0, rewards=[0.0, 1.0])) == (False, "empty_prompt")
@@ -365,15 +383,19 @@ def test_every_group_id_gets_one_decision_for_the_whole_run():
     never train twice nor get a second verdict (the seen-id set is never trimmed)."""
     p = Packer(prompts_per_step=2, max_off_policy_steps=0, micro_batch_tokens=100, filter_equal_rewards=True)
     first = {
-        "t0": simple("t0"), "t1": simple("t1"),  # trained in step 0
+        "t0": simple("t0"),
+        "t1": simple("t1"),  # trained in step 0
         "eq": scored("eq", [1], [[5], [6]], rewards=[1.0, 1.0]),  # filtered
         "big": scored("big", [1], [[5] * 200, [6]], rewards=[0.0, 1.0]),  # too long
         "late": simple("late"),  # buffered, then stale at step 1
     }
     verdicts = {gid: p.add(g) for gid, g in first.items()}
     assert verdicts == {
-        "t0": (True, ""), "t1": (True, ""), "eq": (False, "filtered: equal_rewards"),
-        "big": (False, "too_long"), "late": (True, ""),
+        "t0": (True, ""),
+        "t1": (True, ""),
+        "eq": (False, "filtered: equal_rewards"),
+        "big": (False, "too_long"),
+        "late": (True, ""),
     }
     b0, _ = p.pop_step()
     assert {s.split("/")[0] for s in check_step(b0, 100, 0)} == {"t0", "t1"}
@@ -400,14 +422,20 @@ def test_temperatures_are_never_mixed_in_a_micro_batch():
     # 4 groups of 2 samples of 4 tokens at T = 1.0, 0.7, 1.0, 0.7 (a temp_scheduler straddling a
     # step); budget 16 holds 4 samples: one micro-batch per temperature, never 2 full mixed ones
     temps = [1.0, 0.7, 1.0, 0.7]
-    groups = [scored(f"g{i}", [1, 2], [[10 + i] * 2, [20 + i] * 2], rewards=[0.0, 1.0], temperature=t) for i, t in enumerate(temps)]
+    groups = [
+        scored(f"g{i}", [1, 2], [[10 + i] * 2, [20 + i] * 2], rewards=[0.0, 1.0], temperature=t)
+        for i, t in enumerate(temps)
+    ]
     p = Packer(prompts_per_step=4, max_off_policy_steps=0, micro_batch_tokens=16)
     for g in groups:
         assert p.add(g) == (True, "")
     batches, _ = p.pop_step()
     check_step(batches, 16, step=0)
     assert [mb.temperature for mb in batches] == [0.7, 1.0]  # ascending
-    assert [sorted(mb.sample_ids) for mb in batches] == [["g1/0", "g1/1", "g3/0", "g3/1"], ["g0/0", "g0/1", "g2/0", "g2/1"]]
+    assert [sorted(mb.sample_ids) for mb in batches] == [
+        ["g1/0", "g1/1", "g3/0", "g3/1"],
+        ["g0/0", "g0/1", "g2/0", "g2/1"],
+    ]
     assert all(mb.step_loss_tokens == 16 and mb.step_samples == 8 for mb in batches)  # the whole step
     assert [decode(encode(mb)).temperature for mb in batches] == [0.7, 1.0]
     # unbalanced bins: 3 samples at 0.7 and 1 at 1.0, budget 8 (2 samples): 0.7 needs 2 bins
@@ -426,8 +454,17 @@ def test_build_micro_batch_refuses_mixed_temperatures_or_teacher():
     kw = dict(step=0, micro_index=0, num_micro_batches=1, step_loss_tokens=2, step_samples=2)
     with pytest.raises(ValueError, match="share a temperature"):
         build_micro_batch([a, b], **kw)
-    t = PackedSample("t/0", np.int32([1, 2]), np.array([False, True]), np.float32([0, -0.5]), 1.0, 1.0, 0, 0.7,
-                     teacher_logprobs=np.float32([0, -0.1]))
+    t = PackedSample(
+        "t/0",
+        np.int32([1, 2]),
+        np.array([False, True]),
+        np.float32([0, -0.5]),
+        1.0,
+        1.0,
+        0,
+        0.7,
+        teacher_logprobs=np.float32([0, -0.1]),
+    )
     with pytest.raises(ValueError, match="teacher logprobs"):
         build_micro_batch([a, t], **kw)
     with pytest.raises(ValueError, match="at least one sample"):
@@ -473,8 +510,15 @@ def test_a_group_without_teacher_logprobs_is_dropped_when_the_run_has_a_teacher(
 
 
 def test_masked_samples_train_nothing_and_are_not_counted():
-    g = scored("m", [1, 2], [[10, 11, 12], [20, 21], [30]], rewards=[1.0, 0.0, 0.5], advantages=[1.0, -1.0, 0.0],
-               masked=np.array([False, True, False]), flags=["", "repetition", ""])
+    g = scored(
+        "m",
+        [1, 2],
+        [[10, 11, 12], [20, 21], [30]],
+        rewards=[1.0, 0.0, 0.5],
+        advantages=[1.0, -1.0, 0.0],
+        masked=np.array([False, True, False]),
+        flags=["", "repetition", ""],
+    )
     s0, s1, s2 = group_samples(g)
     assert s0.loss_mask.tolist() == [False, False, True, True, True]
     assert s1.loss_mask.tolist() == [False] * 4  # masked: still in the row, no loss token
@@ -488,20 +532,39 @@ def test_masked_samples_train_nothing_and_are_not_counted():
 
 
 def test_reward_terms_travel_per_sample():
-    g = scored("r", [1], [[10], [11], [12]], rewards=[1.5, 0.5, 0.0],
-               reward_terms={"gsm8k": [1.0, 0.0, 0.0], "format": [1.0, 1.0, 0.0]})
+    g = scored(
+        "r",
+        [1],
+        [[10], [11], [12]],
+        rewards=[1.5, 0.5, 0.0],
+        reward_terms={"gsm8k": [1.0, 0.0, 0.0], "format": [1.0, 1.0, 0.0]},
+    )
     s0, s1, s2 = group_samples(g)
     assert s1.reward_terms == {"gsm8k": 0.0, "format": 1.0}
     p = Packer(prompts_per_step=1, max_off_policy_steps=0, micro_batch_tokens=16)
     p.add(g)
     (mb,), _ = p.pop_step()
     by_sample = {sid: {k: v[i] for k, v in mb.reward_terms.items()} for i, sid in enumerate(mb.sample_ids)}
-    assert by_sample == {"r/0": {"format": 1.0, "gsm8k": 1.0}, "r/1": {"format": 1.0, "gsm8k": 0.0}, "r/2": {"format": 0.0, "gsm8k": 0.0}}
+    assert by_sample == {
+        "r/0": {"format": 1.0, "gsm8k": 1.0},
+        "r/1": {"format": 1.0, "gsm8k": 0.0},
+        "r/2": {"format": 0.0, "gsm8k": 0.0},
+    }
     assert decode(encode(mb)).reward_terms == mb.reward_terms
     # a micro-batch keeps only the names every one of its samples carries
-    other = PackedSample("o/0", np.int32([1, 2]), np.array([False, True]), np.float32([0, -0.5]), 0.0, 1.0, 0,
-                         reward_terms={"gsm8k": 1.0})
-    mixed = build_micro_batch([s0, other], step=0, micro_index=0, num_micro_batches=1, step_loss_tokens=2, step_samples=2)
+    other = PackedSample(
+        "o/0",
+        np.int32([1, 2]),
+        np.array([False, True]),
+        np.float32([0, -0.5]),
+        0.0,
+        1.0,
+        0,
+        reward_terms={"gsm8k": 1.0},
+    )
+    mixed = build_micro_batch(
+        [s0, other], step=0, micro_index=0, num_micro_batches=1, step_loss_tokens=2, step_samples=2
+    )
     assert mixed.reward_terms == {"gsm8k": [1.0, 1.0]}
 
 
@@ -532,8 +595,14 @@ def test_groups_that_fit_stay_whole_and_adjacent():
     # every group over the micro-batches; a group that fits the budget is one unit instead, and
     # the trainer can run its prompt once (trainer.forward.shared_prefix).
     groups = [
-        scored(g, [1, 2, 3], [[4] * n for n in (1, 6, 2, 5)], version=0, advantages=[0.1, -0.1, 0.2, -0.2],
-               rewards=[0.5] * 4)
+        scored(
+            g,
+            [1, 2, 3],
+            [[4] * n for n in (1, 6, 2, 5)],
+            version=0,
+            advantages=[0.1, -0.1, 0.2, -0.2],
+            rewards=[0.5] * 4,
+        )
         for g in ("G0", "G1", "G2")
     ]
     p = Packer(prompts_per_step=3, max_off_policy_steps=1, micro_batch_tokens=40)

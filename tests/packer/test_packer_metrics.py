@@ -35,27 +35,49 @@ def value(name: str, **labels: str) -> float:
 
 
 def lag_buckets() -> dict[str, float]:
-    return {s.labels["le"]: s.value for m in REGISTRY.collect() if m.name == "rlbus_packer_policy_lag_steps"
-            for s in m.samples if s.name.endswith("_bucket")}
+    return {
+        s.labels["le"]: s.value
+        for m in REGISTRY.collect()
+        if m.name == "rlbus_packer_policy_lag_steps"
+        for s in m.samples
+        if s.name.endswith("_bucket")
+    }
 
 
 @pytest.fixture
 def live(tmp_path):
     # 2 groups of 2 samples per step, 16-token micro-batches; every step sampled, 3 examples each
-    bus = LiveBus(tmp_path, ["trainer.batch_size=4", "producers.group_size=2", f"packer.micro_batch_tokens={BUDGET}",
-                             "packer.max_off_policy_steps=2", "max_async_level=1",
-                             "report.samples_interval=1", "report.samples_per_step=3"])
+    bus = LiveBus(
+        tmp_path,
+        [
+            "trainer.batch_size=4",
+            "producers.group_size=2",
+            f"packer.micro_batch_tokens={BUDGET}",
+            "packer.max_off_policy_steps=2",
+            "max_async_level=1",
+            "report.samples_interval=1",
+            "report.samples_per_step=3",
+        ],
+    )
     yield bus
     bus.close()
     remove_outside_socket_dir(tmp_path)
 
 
-GROUP_LABELS = ("accepted", "duplicate", "empty_prompt", "too_long", "no_teacher", "filtered: equal_rewards",
-                "filtered: online_difficulty", "stale")
+GROUP_LABELS = (
+    "accepted",
+    "duplicate",
+    "empty_prompt",
+    "too_long",
+    "no_teacher",
+    "filtered: equal_rewards",
+    "filtered: online_difficulty",
+    "stale",
+)
 EVAL_LABELS = ("taken", "duplicate", "late", "invalid")
 
 
-def test_every_known_outcome_exists_from_the_start(live, packer):  # noqa: F811 - the imported fixture
+def test_every_known_outcome_exists_from_the_start(live, packer):
     assert {*DropReason} | {"accepted", "duplicate"} == set(GROUP_LABELS)  # the enums' values are the label text
     assert {*EvalDecision} == set(EVAL_LABELS)
     for outcome in GROUP_LABELS:
@@ -67,7 +89,7 @@ def test_every_known_outcome_exists_from_the_start(live, packer):  # noqa: F811 
     assert REGISTRY.get_sample_value("rlbus_packer_micro_batches") is None  # replaced by the histogram
 
 
-def test_step_metrics_stage_meter_and_samples_log(live, packer):  # noqa: F811 - the imported fixture
+def test_step_metrics_stage_meter_and_samples_log(live, packer):
     packer, _thread = packer
     scored = live.courier().sender("scored", live.endpoints.address("scored"), bind=False)
     trainer = live.courier().receiver("batches", live.endpoints.address("batches"), bind=False, accept=(MicroBatch,))
@@ -85,8 +107,12 @@ def test_step_metrics_stage_meter_and_samples_log(live, packer):  # noqa: F811 -
     buckets_before = lag_buckets()
     # step 0: versions 0 (lag 0); step 1: one group sampled under version 0 (lag 1), one under 1
     sent = [
-        dataclasses.replace(group("a", [1.0, 0.0], version=0), prompt_text="<user>abc</user>",
-                            completion_texts=["cba", "abc"], reward_terms={"lcs": [1.0, 0.0]}),
+        dataclasses.replace(
+            group("a", [1.0, 0.0], version=0),
+            prompt_text="<user>abc</user>",
+            completion_texts=["cba", "abc"],
+            reward_terms={"lcs": [1.0, 0.0]},
+        ),
         group("b", [0.25, 0.75], version=0),
         group("c", [0.5, 0.0], version=0),
         group("d", [0.0, 1.0], version=1),
@@ -94,8 +120,14 @@ def test_step_metrics_stage_meter_and_samples_log(live, packer):  # noqa: F811 -
     for msg in sent:
         assert scored.send(msg, timeout_s=WAIT_S)
     steps = [receive_step(trainer, 0), receive_step(trainer, 1)]
-    wait_until(lambda: value("rlbus_packer_steps_total") >= 2 and packer.samples_log.path.is_file()
-               and len(packer.samples_log.path.read_text().splitlines()) == 6, "two steps emitted and logged")
+    wait_until(
+        lambda: (
+            value("rlbus_packer_steps_total") >= 2
+            and packer.samples_log.path.is_file()
+            and len(packer.samples_log.path.read_text().splitlines()) == 6
+        ),
+        "two steps emitted and logged",
+    )
 
     # micro-batches per step and padding of the last step, from what the trainer received
     counts = [len(s) for s in steps]
@@ -122,11 +154,19 @@ def test_step_metrics_stage_meter_and_samples_log(live, packer):  # noqa: F811 -
     records = [json.loads(line) for line in packer.samples_log.path.read_text().splitlines()]
     by_id = {g.id: g for g in sent}
     assert [(r["step"], r["group_id"], r["sample"]) for r in records] == [
-        (0, "a", 0), (0, "a", 1), (0, "b", 0), (1, "c", 0), (1, "c", 1), (1, "d", 0)]
+        (0, "a", 0),
+        (0, "a", 1),
+        (0, "b", 0),
+        (1, "c", 0),
+        (1, "c", 1),
+        (1, "d", 0),
+    ]
     for r in records:
         g = by_id[r["group_id"]]
         j = r["sample"]
-        assert r["reward"] == pytest.approx(float(g.rewards[j])) and r["advantage"] == pytest.approx(float(g.advantages[j]))
+        assert r["reward"] == pytest.approx(float(g.rewards[j])) and r["advantage"] == pytest.approx(
+            float(g.advantages[j])
+        )
         assert (r["completion"], r["prompt"], r["finish_reason"]) == (g.completion_texts[j], g.prompt_text, "stop")
         assert (r["policy_version"], r["lag"]) == (int(g.version_start[j]), r["step"] - int(g.version_start[j]))
         assert r["task"] == "reverse_text" and r["group_size"] == 2 and r["completion_tokens"] == 5

@@ -52,12 +52,24 @@ def group(gid: str, rewards: list[float], version: int = 0) -> ScoredGroup:
     """Two samples of 7 tokens (prompt [1, 2], completions [10..14] and [20..24]); rewards as given.
     With a 16-token budget a step of two groups packs into two micro-batches."""
     return ScoredGroup(
-        id=gid, prompt_index=0, step=0, task="reverse_text", info={"target": "x"}, producer="producer-0",
-        completion_texts=["a", "b"], finish_reasons=["stop", "stop"], gen_time_s=0.0,
-        prompt_ids=np.int32([1, 2]), completion_ids=np.int32([*range(10, 15), *range(20, 25)]),
-        completion_lens=np.int32([5, 5]), sampler_logprobs=np.full(10, -0.5, np.float32), version_start=np.int64([version] * 2),
-        version_end=np.int64([version] * 2), reward_worker="rewards-0",
-        rewards=np.float32(rewards), advantages=np.float32([r - np.mean(rewards) for r in rewards]),
+        id=gid,
+        prompt_index=0,
+        step=0,
+        task="reverse_text",
+        info={"target": "x"},
+        producer="producer-0",
+        completion_texts=["a", "b"],
+        finish_reasons=["stop", "stop"],
+        gen_time_s=0.0,
+        prompt_ids=np.int32([1, 2]),
+        completion_ids=np.int32([*range(10, 15), *range(20, 25)]),
+        completion_lens=np.int32([5, 5]),
+        sampler_logprobs=np.full(10, -0.5, np.float32),
+        version_start=np.int64([version] * 2),
+        version_end=np.int64([version] * 2),
+        reward_worker="rewards-0",
+        rewards=np.float32(rewards),
+        advantages=np.float32([r - np.mean(rewards) for r in rewards]),
     )
 
 
@@ -72,7 +84,9 @@ class LiveBus:
         self.endpoints.ensure_dirs()
         self.ctx = zmq.Context()
         self.stop = threading.Event()
-        self.hub = ControlHub(self.ctx, self.endpoints.address("control_pub"), self.endpoints.address("control_sub"), self.stop)
+        self.hub = ControlHub(
+            self.ctx, self.endpoints.address("control_pub"), self.endpoints.address("control_sub"), self.stop
+        )
         self.hub_thread = threading.Thread(target=self.hub.run, daemon=True)
         self.hub_thread.start()
         self.pub = BusSocket(self.ctx, "control_pub", "send", self.endpoints.address("control_pub"), bind=False)
@@ -124,8 +138,17 @@ class LiveBus:
 @pytest.fixture
 def live(tmp_path):
     # prompts_per_step = 4 / 2 = 2 groups; 16 tokens per micro-batch
-    bus = LiveBus(tmp_path, ["trainer.batch_size=4", "producers.group_size=2", "packer.micro_batch_tokens=16",
-                             "packer.max_off_policy_steps=1", "max_async_level=1", "packer.filter_equal_rewards=true"])
+    bus = LiveBus(
+        tmp_path,
+        [
+            "trainer.batch_size=4",
+            "producers.group_size=2",
+            "packer.micro_batch_tokens=16",
+            "packer.max_off_policy_steps=1",
+            "max_async_level=1",
+            "packer.filter_equal_rewards=true",
+        ],
+    )
     yield bus
     bus.close()
     remove_outside_socket_dir(tmp_path)
@@ -177,7 +200,9 @@ def test_custody_dedupe_filter_and_redelivery_to_a_restarted_trainer(live, packe
     monkeypatch.setattr(bus.inbox, "DONE_MEMORY", 1)
     proc, thread = packer
     addr_scored, addr_batches = live.endpoints.address("scored"), live.endpoints.address("batches")
-    ledger = OutcomesSink(live.courier(), live.endpoints.address("outcomes"), hold=True)  # records, does not release yet
+    ledger = OutcomesSink(
+        live.courier(), live.endpoints.address("outcomes"), hold=True
+    )  # records, does not release yet
     worker_a = live.courier().sender("scored", addr_scored, bind=False)
     worker_b = live.courier().sender("scored", addr_scored, bind=False)
     trainer_courier = live.courier()
@@ -232,8 +257,13 @@ def test_custody_dedupe_filter_and_redelivery_to_a_restarted_trainer(live, packe
 
 def eval_group(rnd: int, task: str, i: int, rewards: list[float], size: int) -> ScoredGroup:
     """Eval group ``i`` of ``task`` in round ``rnd`` (of ``size`` groups), ids as the prompt source makes them."""
-    return dataclasses.replace(group(f"e{rnd:06d}-{task}-{i:05d}", rewards), task=task, eval_round=rnd, eval_size=size,
-                               reward_terms={"reverse_text": list(rewards)})
+    return dataclasses.replace(
+        group(f"e{rnd:06d}-{task}-{i:05d}", rewards),
+        task=task,
+        eval_round=rnd,
+        eval_size=size,
+        reward_terms={"reverse_text": list(rewards)},
+    )
 
 
 def test_eval_groups_are_aggregated_published_and_then_released(live, packer, monkeypatch):
@@ -245,7 +275,9 @@ def test_eval_groups_are_aggregated_published_and_then_released(live, packer, mo
     # round 3: 2 reverse_text groups (equal rewards: an eval group is never filtered) + 1 countdown group
     for msg in (eval_group(3, "reverse_text", 0, [1, 1], 3), eval_group(3, "reverse_text", 1, [0, 1], 3)):
         assert worker.send(msg, timeout_s=WAIT_S)
-    wait_until(lambda: 3 in proc.evaluation.rounds and len(proc.evaluation.rounds[3].received) == 2, "both eval groups taken")
+    wait_until(
+        lambda: 3 in proc.evaluation.rounds and len(proc.evaluation.rounds[3].received) == 2, "both eval groups taken"
+    )
     wait_until(lambda: worker.unfinished() == 0, "the eval groups released once in the eval spool")
     assert live.announcements() == []  # the round is not complete
 
@@ -262,9 +294,18 @@ def test_eval_groups_are_aggregated_published_and_then_released(live, packer, mo
     assert sorted(by_task) == ["countdown", "reverse_text"] and len(results) == 2
     rt = by_task["reverse_text"]
     assert (rt.round, rt.num_samples, rt.num_failed, rt.version_min, rt.version_max) == (3, 4, 0, 0, 0)
-    assert rt.metrics == {"reward_mean": 0.75, "reward_std": pytest.approx(0.4330127), "completion_len_mean": 5.0,
-                          "reward/reverse_text": 0.75, "pass_at_2": 1.0}
-    assert (by_task["countdown"].num_samples, by_task["countdown"].num_failed, by_task["countdown"].metrics) == (0, 1, {})
+    assert rt.metrics == {
+        "reward_mean": 0.75,
+        "reward_std": pytest.approx(0.4330127),
+        "completion_len_mean": 5.0,
+        "reward/reverse_text": 0.75,
+        "pass_at_2": 1.0,
+    }
+    assert (by_task["countdown"].num_samples, by_task["countdown"].num_failed, by_task["countdown"].metrics) == (
+        0,
+        1,
+        {},
+    )
     # a late re-send is released at once and answered with the round's stored results (the same
     # messages: receivers keep one per (round, task)); eval groups never train nor get outcomes
     assert worker.send(eval_group(3, "reverse_text", 0, [1, 1], 3), timeout_s=WAIT_S)
@@ -296,7 +337,10 @@ def test_a_restarted_packer_sends_planned_steps_again_and_keeps_its_buffer(live,
     trainer = live.courier().receiver("batches", addr_batches, bind=False, accept=(MicroBatch,))
     again = receive_step(trainer, 0)
     assert [(mb.id, mb.sample_ids) for mb in again] == [(mb.id, mb.sample_ids) for mb in step0]
-    assert all(np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.advantages, b.advantages) for a, b in zip(again, step0))
+    assert all(
+        np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.advantages, b.advantages)
+        for a, b in zip(again, step0)
+    )
     trainer.done(*[mb.id for mb in again])
     wait_until(lambda: proc.batches.unfinished() == 0, "step 0 done to the new packer")
 

@@ -206,7 +206,9 @@ def random_mix(kind: str, seed: int) -> tuple[list[int], int]:
     elif kind == "lognormal":  # long-tailed: median budget/16, a few up to the whole budget
         x = np.exp(rng.normal(np.log(budget / 16), 1.0, n))
     elif kind == "bimodal":  # half short (~budget/40), half long (~budget/5)
-        x = np.where(rng.random(n) < 0.5, rng.normal(budget / 5, budget / 40, n), rng.normal(budget / 40, budget / 80, n))
+        x = np.where(
+            rng.random(n) < 0.5, rng.normal(budget / 5, budget / 40, n), rng.normal(budget / 40, budget / 80, n)
+        )
     elif kind == "tiny":  # many tiny samples
         x = rng.integers(1, 33, n)
     else:  # "capped": one prompt length p, 30% of completions truncated at the same max_tokens
@@ -259,4 +261,3 @@ def test_every_packer_is_deterministic_and_valid(pack):
     _check_invariants(lengths, budget, bins)
     assert pack(list(reversed(lengths))[::-1], budget) == bins
     assert pack(np.array(lengths, np.int32), np.int64(budget)) == bins
-

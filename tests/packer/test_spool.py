@@ -22,11 +22,24 @@ def group(gid: str, seed: int) -> ScoredGroup:
     n = int(lens.sum())
     rewards = rng.random(2).astype(np.float32)
     return ScoredGroup(
-        id=gid, prompt_index=seed, step=0, task="reverse_text", info={"target": gid}, producer="producer-0",
-        completion_texts=["a", "b"], finish_reasons=["stop", "stop"], gen_time_s=0.0,
-        prompt_ids=np.int32([1, 2, seed]), completion_ids=rng.integers(10, 100, n).astype(np.int32),
-        completion_lens=lens, sampler_logprobs=-rng.random(n).astype(np.float32), version_start=np.int64([0, 0]),
-        version_end=np.int64([0, 0]), reward_worker="rewards-0", rewards=rewards, advantages=rewards - rewards.mean(),
+        id=gid,
+        prompt_index=seed,
+        step=0,
+        task="reverse_text",
+        info={"target": gid},
+        producer="producer-0",
+        completion_texts=["a", "b"],
+        finish_reasons=["stop", "stop"],
+        gen_time_s=0.0,
+        prompt_ids=np.int32([1, 2, seed]),
+        completion_ids=rng.integers(10, 100, n).astype(np.int32),
+        completion_lens=lens,
+        sampler_logprobs=-rng.random(n).astype(np.float32),
+        version_start=np.int64([0, 0]),
+        version_end=np.int64([0, 0]),
+        reward_worker="rewards-0",
+        rewards=rewards,
+        advantages=rewards - rewards.mean(),
     )
 
 
@@ -151,7 +164,10 @@ def test_a_resumed_spool_without_its_file_treats_the_lineage_trained_groups_as_d
     assert trained_group_ids(run_dir, 4) == []  # no record yet
     run_dir.mkdir()
     for step in range(6):  # steps 4 and 5 trained after the checkpoint of step 4: the lost lineage
-        append_jsonl(run_dir / "trained_samples.jsonl", {"step": step, "sample_ids": [f"p{step}a/0", f"p{step}a/1", f"p{step}b/0", f"p{step}b/1"]})
+        append_jsonl(
+            run_dir / "trained_samples.jsonl",
+            {"step": step, "sample_ids": [f"p{step}a/0", f"p{step}a/1", f"p{step}b/0", f"p{step}b/1"]},
+        )
     with (run_dir / "trained_samples.jsonl").open("a") as f:
         f.write('{"step": 6, "sample_ids": ["p6a/')  # a line cut short by the crash
     trained = trained_group_ids(run_dir, 4)

@@ -31,14 +31,24 @@ def test_partial_rollout_versions_reach_the_micro_batch():
         Sample([21, 22], [-0.2] * 2, "b", "stop", 4, 4, ((4, 0, 2),), (4, 4)),
         Sample([31], [-0.3], "c", "stop", 2, 2),  # a sender that knows no per-token versions
     ]
-    group = decode(encode(group_from_samples(prompt, [1, 2, 3], samples, ["a", "", "b", "c"], producer="p", gen_time_s=0.1)))
+    group = decode(
+        encode(group_from_samples(prompt, [1, 2, 3], samples, ["a", "", "b", "c"], producer="p", gen_time_s=0.1))
+    )
     assert group.version_spans.tolist() == [[3, 1], [4, 3], [4, 2], [2, 1]]
     assert group.version_span_counts.tolist() == [2, 0, 1, 1]
     scored = decode(encode(RewardWorker({}, advantage="grpo", eps=1e-6, name="w", isolate=False).score(group)))
-    assert [r["version_spans"] for r in sample_records(5, [scored], limit=4)] == [[[3, 1], [4, 3]], [], [[4, 2]], [[2, 1]]]
+    assert [r["version_spans"] for r in sample_records(5, [scored], limit=4)] == [
+        [[3, 1], [4, 3]],
+        [],
+        [[4, 2]],
+        [[2, 1]],
+    ]
     packed = group_samples(scored)
-    mb = decode(encode(build_micro_batch(packed, step=5, micro_index=0, num_micro_batches=1,
-                                         step_loss_tokens=7, step_samples=3)))
+    mb = decode(
+        encode(
+            build_micro_batch(packed, step=5, micro_index=0, num_micro_batches=1, step_loss_tokens=7, step_samples=3)
+        )
+    )
     # prompt tokens (3 per sample) carry the sample's oldest version
     assert mb.token_versions.tolist() == [3, 3, 3, 3, 4, 4, 4] + [4] * 3 + [4] * 5 + [2] * 4
     assert mb.oldest_versions.tolist() == [3, 4, 4, 2]

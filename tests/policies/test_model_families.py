@@ -27,17 +27,21 @@ from trainer.forward.packed import packed_token_logprobs
 from trainer.trainer import Trainer
 
 VARIANTS = [(name, tied) for name in FAMILIES for tied in (True, False)]
-MESSAGES = [[{"role": "user", "content": "Reverse: abc"}],
-            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo"}],
-            [{"role": "user", "content": "x"}]]
+MESSAGES = [
+    [{"role": "user", "content": "Reverse: abc"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo"}],
+    [{"role": "user", "content": "x"}],
+]
 LOGPROB_ATOL = 1e-5  # float32 packed vs unpacked, measured max abs diff ~1e-6
 
 
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory) -> dict[tuple[str, bool], str]:
     root = tmp_path_factory.mktemp("families")
-    return {(name, tied): str(build_family_model(root / f"{name}-{'tied' if tied else 'untied'}", name, tied=tied, seed=3))
-            for name, tied in VARIANTS}
+    return {
+        (name, tied): str(build_family_model(root / f"{name}-{'tied' if tied else 'untied'}", name, tied=tied, seed=3))
+        for name, tied in VARIANTS
+    }
 
 
 def _ids(variant) -> str:
@@ -46,10 +50,10 @@ def _ids(variant) -> str:
 
 EXPECTED_PROMPT = {
     "qwen2.5": "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
-               "<|im_start|>user\nReverse: abc<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nReverse: abc<|im_end|>\n<|im_start|>assistant\n",
     "qwen3": "<|im_start|>user\nReverse: abc<|im_end|>\n<|im_start|>assistant\n",
     "llama3": "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nReverse: abc<|eot_id|>"
-              "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    "<|start_header_id|>assistant<|end_header_id|>\n\n",
 }
 
 
@@ -71,10 +75,14 @@ def test_tokenizer_renders_the_family_template_and_eos(family_dirs, name):
     reward_text = tok.decode(completion + [fam.token_id(fam.eos)], skip_special_tokens=True)
     assert reward_text == ("<think>\nhm\n</think>\n\ncba" if name == "qwen3" else "cba")
     if name == "qwen3":
-        no_think = tok.apply_chat_template(MESSAGES[0], tokenize=False, add_generation_prompt=True, enable_thinking=False)
+        no_think = tok.apply_chat_template(
+            MESSAGES[0], tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
         assert no_think == text + "<think>\n\n</think>\n\n"
-        history = MESSAGES[0] + [{"role": "assistant", "content": "<think>\nhm\n</think>\n\ncba"},
-                                 {"role": "user", "content": "again"}]
+        history = MESSAGES[0] + [
+            {"role": "assistant", "content": "<think>\nhm\n</think>\n\ncba"},
+            {"role": "user", "content": "again"},
+        ]
         assert "<think>" not in tok.apply_chat_template(history, tokenize=False)  # old reasoning is dropped
 
 
@@ -85,14 +93,19 @@ def _samples(path: str, model) -> list[PackedSample]:
     gen = np.random.default_rng(0)
     out = []
     for k, messages in enumerate(MESSAGES):
-        prompt = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+        prompt = tok.encode(
+            tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+        )
         completion = [int(t) for t in gen.integers(32, 127, size=3 + 2 * k)] + [eos]
         ids = prompt + completion
         mask = np.array([False] * len(prompt) + [True] * len(completion))
         with torch.no_grad():
             lp = packed_token_logprobs(model, torch.tensor(ids), torch.tensor([len(ids)])).numpy()
-        out.append(PackedSample(f"g{k}/0", np.int32(ids), mask, np.where(mask, lp, 0.0).astype(np.float32),
-                                1.0 - k, 0.5, 0, 1.0))
+        out.append(
+            PackedSample(
+                f"g{k}/0", np.int32(ids), mask, np.where(mask, lp, 0.0).astype(np.float32), 1.0 - k, 0.5, 0, 1.0
+            )
+        )
     return out
 
 
@@ -127,9 +140,17 @@ def test_a_train_step_runs_and_trains_each_eos_once(family_dirs, variant):
     samples = _samples(path, model)
     eos = AutoTokenizer.from_pretrained(path).eos_token_id
     n_loss = int(sum(s.loss_mask.sum() for s in samples))
-    mbs = [build_micro_batch([samples[i] for i in idx], step=0, micro_index=k, num_micro_batches=2,
-                             step_loss_tokens=n_loss, step_samples=len(samples))
-           for k, idx in enumerate([[0, 1], [2]])]
+    mbs = [
+        build_micro_batch(
+            [samples[i] for i in idx],
+            step=0,
+            micro_index=k,
+            num_micro_batches=2,
+            step_loss_tokens=n_loss,
+            step_samples=len(samples),
+        )
+        for k, idx in enumerate([[0, 1], [2]])
+    ]
     for s in samples:  # the loss covers the completion, closing eos included, once
         trained = s.input_ids[s.loss_mask]
         assert trained[-1] == eos and int((trained == eos).sum()) == 1

@@ -56,9 +56,7 @@ def test_byte_ids_and_special_tokens(tokenizer):
 def test_chat_template(tokenizer):
     messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "abc"}]
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert rendered == (
-        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nabc<|im_end|>\n<|im_start|>assistant\n"
-    )
+    assert rendered == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nabc<|im_end|>\n<|im_start|>assistant\n")
     no_gen = tokenizer.apply_chat_template(messages[1:], tokenize=False)
     assert no_gen == "<|im_start|>user\nabc<|im_end|>\n"
 
@@ -84,9 +82,7 @@ def test_random_policy_is_deterministic_in_seed(tmp_path):
 
 
 def test_ensure_policy_builds_once_and_caches(tmp_path):
-    kwargs = dict(
-        sft_steps=2, seed=0, hidden_size=32, num_layers=1, sft_batch_size=4, sft_target_loss=None
-    )
+    kwargs = dict(sft_steps=2, seed=0, hidden_size=32, num_layers=1, sft_batch_size=4, sft_target_loss=None)
     path = ensure_policy(tmp_path, **kwargs)
     marker = json.loads((path / DONE_MARKER).read_text())
     assert marker["sft"]["steps"] == 2

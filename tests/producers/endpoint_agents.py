@@ -9,8 +9,10 @@ def two_turn_agent(client, example: dict) -> float:
     follow-up; the reward is the number of characters of the second answer, capped at 1."""
     messages = list(example["messages"])
     first = client.chat.completions.create(model="policy", messages=messages, max_tokens=6, temperature=0.3)
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "user", "content": "again"}]
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "again"},
+    ]
     second = client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
     return min(1.0, float(len(second.choices[0].message.content or "")))
 

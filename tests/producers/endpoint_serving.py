@@ -23,10 +23,14 @@ def served_endpoint(model_dir: Path, max_model_len: int) -> Iterator[tuple[OpenA
     cache); ``run(coro)`` runs a coroutine on the endpoint's loop and returns its result (300 s)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
-    eng = RolloutEngine(model_dir, max_model_len=max_model_len, kv_cache_bytes=32 * 1024**2,
-                        engine_kwargs={"logprobs_mode": "processed_logprobs"})
+    eng = RolloutEngine(
+        model_dir,
+        max_model_len=max_model_len,
+        kv_cache_bytes=32 * 1024**2,
+        engine_kwargs={"logprobs_mode": "processed_logprobs"},
+    )
     thread.start()
-    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(300)  # noqa: E731
+    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(300)
     endpoint = None
     try:
         run(eng.start())

@@ -53,8 +53,10 @@ def test_two_chat_turns_assemble_token_exactly(served):
     client = _client(endpoint, "ep-1")
     messages = list(PROMPT)
     first = client.chat.completions.create(model="m", messages=messages, max_tokens=6, logprobs=True, temperature=0.2)
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "user", "content": "fghij"}]
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "fghij"},
+    ]
     second = client.chat.completions.create(model="m", messages=messages, max_tokens=6, logprobs=True)
     turns = endpoint.episodes.close("ep-1")
     assert len(turns) == 2
@@ -89,8 +91,10 @@ def test_rewritten_history_is_rebased_not_retokenized(served):
     client = _client(endpoint, "ep-2")
     first = client.chat.completions.create(model="m", messages=PROMPT)
     # the client sends back a different assistant text: the template's rendering cannot extend the trajectory
-    edited = PROMPT + [{"role": "assistant", "content": first.choices[0].message.content + "zz"},
-                       {"role": "user", "content": "more"}]
+    edited = PROMPT + [
+        {"role": "assistant", "content": first.choices[0].message.content + "zz"},
+        {"role": "user", "content": "more"},
+    ]
     client.chat.completions.create(model="m", messages=edited)
     turns = endpoint.episodes.close("ep-2")
     rebased_before = ENDPOINT_EPISODES.labels("rebased")._value.get()
@@ -117,13 +121,16 @@ def test_completions_route_and_bad_requests(served):
 def test_agent_functions_run_isolated_per_sample(served):
     endpoint, model, run = served
     tok = endpoint.tokenizer
-    prompt_ids = tok.encode(tok.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True),
-                            add_special_tokens=False)
+    prompt_ids = tok.encode(
+        tok.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    )
     agents = ["tests.producers.endpoint_agents:two_turn_agent", "tests.producers.endpoint_agents:raising_agent"]
     runner = AgentRunner(endpoint, agents, timeout_s=120.0, num_procs=2)
     example = {"messages": PROMPT, "info": {}, "task": "t"}
     try:
-        prompt, samples, masks, rewards = run(runner.run_group(agents[0], example, prompt_ids, request_id="g1", n=3, **SAMPLING))
+        prompt, samples, masks, rewards = run(
+            runner.run_group(agents[0], example, prompt_ids, request_id="g1", n=3, **SAMPLING)
+        )
         assert prompt == prompt_ids
         for s, mask, reward in zip(samples, masks, rewards):
             assert sum(mask) >= 2 and not all(mask)  # two model turns with environment tokens between
@@ -132,7 +139,9 @@ def test_agent_functions_run_isolated_per_sample(served):
             m = torch.tensor(mask)
             assert (ref - torch.tensor(s.logprobs))[m].abs().max().item() < 1e-4
         raised_before = ENV_ERRORS_TOTAL.labels("RuntimeError")._value.get()
-        _, samples, masks, rewards = run(runner.run_group(agents[1], example, prompt_ids, request_id="g2", n=2, **SAMPLING))
+        _, samples, masks, rewards = run(
+            runner.run_group(agents[1], example, prompt_ids, request_id="g2", n=2, **SAMPLING)
+        )
         assert rewards == [0.0, 0.0] and all(s.finish_reason == "env_error: RuntimeError" for s in samples)
         assert all(sum(m) >= 1 for m in masks)  # the recorded turn is kept
         assert ENV_ERRORS_TOTAL.labels("RuntimeError")._value.get() == raised_before + 2

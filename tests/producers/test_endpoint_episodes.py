@@ -30,7 +30,9 @@ def _sample(ids: list[int], version: int) -> Sample:
 
 
 def _prompt(tok, messages) -> list[int]:
-    return tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+    return tok.encode(
+        tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    )
 
 
 def test_a_continued_chat_extends_the_trajectory_with_the_sampled_ids(tok):
@@ -56,9 +58,11 @@ def test_assembly_interleaves_env_tokens_and_stops_at_a_rebased_turn(tok):
     p0 = _prompt(tok, PROMPT)
     s1, s2, s3 = [1, 2, IM_END_TOKEN_ID], [3, IM_END_TOKEN_ID], [4]
     env = [10, 11]
-    turns = [RecordedTurn(p0, _sample(s1, 5), 5, None, ""),
-             RecordedTurn(p0 + s1 + env, _sample(s2, 6), 6, None, ""),
-             RecordedTurn(p0 + [9], _sample(s3, 6), 6, None, "")]  # does not extend the trajectory
+    turns = [
+        RecordedTurn(p0, _sample(s1, 5), 5, None, ""),
+        RecordedTurn(p0 + s1 + env, _sample(s2, 6), 6, None, ""),
+        RecordedTurn(p0 + [9], _sample(s3, 6), 6, None, ""),
+    ]  # does not extend the trajectory
     prompt, ep, rebased = assemble_episode(turns[:2])
     assert not rebased and prompt == p0 and ep.turns == 2
     assert ep.token_ids == s1 + env + s2

@@ -49,4 +49,6 @@ def test_the_assistant_message_sent_back_must_be_the_reply():
     assert not same_reply({"role": "assistant", "content": None, "tool_calls": ["bad"]}, turn)
     assert not same_reply({"role": "user", "content": None, "tool_calls": [call]}, turn)
     plain = _turn("5")
-    assert same_reply({"role": "assistant", "content": "5"}, plain) and not same_reply({"role": "assistant", "content": "6"}, plain)
+    assert same_reply({"role": "assistant", "content": "5"}, plain) and not same_reply(
+        {"role": "assistant", "content": "6"}, plain
+    )

@@ -19,8 +19,7 @@ import torch
 pytest.importorskip("vllm")
 
 from producers.engine import RolloutEngine
-from tests.producers.test_weight_sync import (
-    LOGPROB_ATOL, PROMPT, _hf_logprobs, _load_hf, assert_no_leftover_processes)
+from tests.producers.test_weight_sync import LOGPROB_ATOL, PROMPT, _hf_logprobs, _load_hf, assert_no_leftover_processes
 from policies.tiny_model import IM_END_TOKEN_ID, build_random_policy
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -41,7 +40,7 @@ def _eos_prone(policy, out):
             layer.mlp.down_proj.weight[0, :] = 0.0
         model.lm_head.weight[IM_END_TOKEN_ID, :] = 0.0
         # the final RMSNorm maps a residual stream dominated by dimension 0 to ~sqrt(hidden) there
-        h0 = model.model.norm.weight[0].item() * model.config.hidden_size ** 0.5
+        h0 = model.model.norm.weight[0].item() * model.config.hidden_size**0.5
         model.lm_head.weight[IM_END_TOKEN_ID, 0] = EOS_LOGIT / h0
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(policy).save_pretrained(out)
@@ -54,8 +53,9 @@ def engine(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engine_sampling")
     model_dir = _eos_prone(build_random_policy(tmp / "policy", seed=0), tmp / "eos_prone")
     loop = asyncio.new_event_loop()
-    eng = RolloutEngine(model_dir, max_model_len=128, kv_cache_bytes=32 * 1024**2,
-                        engine_kwargs={"logprobs_mode": "processed_logprobs"})
+    eng = RolloutEngine(
+        model_dir, max_model_len=128, kv_cache_bytes=32 * 1024**2, engine_kwargs={"logprobs_mode": "processed_logprobs"}
+    )
     try:
         loop.run_until_complete(eng.start())
         yield eng, _load_hf(model_dir), loop
@@ -96,10 +96,17 @@ def test_seed_makes_a_group_reproducible(engine):
     eng, _, loop = engine
 
     async def seeded_beside_other_requests(seed: int, tag: str):
-        others = [asyncio.create_task(eng.generate_group(PROMPT[:k], n=2, temperature=1.0, top_p=1.0, max_tokens=8,
-                                                         request_id=f"{tag}-other{k}")) for k in (5, 9)]
-        group = await eng.generate_group(PROMPT, n=4, temperature=1.0, top_p=1.0, max_tokens=10,
-                                         request_id=f"{tag}-seeded", seed=seed, min_tokens=3)
+        others = [
+            asyncio.create_task(
+                eng.generate_group(
+                    PROMPT[:k], n=2, temperature=1.0, top_p=1.0, max_tokens=8, request_id=f"{tag}-other{k}"
+                )
+            )
+            for k in (5, 9)
+        ]
+        group = await eng.generate_group(
+            PROMPT, n=4, temperature=1.0, top_p=1.0, max_tokens=10, request_id=f"{tag}-seeded", seed=seed, min_tokens=3
+        )
         await asyncio.gather(*others)
         return [s.token_ids for s in group]
 
@@ -122,7 +129,9 @@ def test_without_detokenization_the_samples_are_the_same_and_carry_no_text(engin
     stop = [next(s.text[1:3] for s in with_text if len(s.text) >= 3)]
     asked = _generate(engine, "stop-detok", n=4, seed=99, stop=stop)
     forced = _generate(engine, "stop-no-detok", n=4, seed=99, stop=stop, detokenize=False)
-    assert [(s.token_ids, s.text, s.finish_reason) for s in forced] == [(s.token_ids, s.text, s.finish_reason) for s in asked]
+    assert [(s.token_ids, s.text, s.finish_reason) for s in forced] == [
+        (s.token_ids, s.text, s.finish_reason) for s in asked
+    ]
     assert any(s.finish_reason == "stop" and s.text for s in forced)
 
 
@@ -142,8 +151,9 @@ def test_repetition_penalty_changes_the_logprobs(engine):
     """A penalty lowers the logits of tokens already seen (vLLM's logprobs include it)."""
     _, model, _ = engine
     samples = _generate(engine, "rep", n=2, max_tokens=16, ignore_eos=True, repetition_penalty=1.5)
-    worst = max((torch.tensor(s.logprobs) - _hf_logprobs(model, PROMPT, s.token_ids)).abs().max().item()
-                for s in samples)
+    worst = max(
+        (torch.tensor(s.logprobs) - _hf_logprobs(model, PROMPT, s.token_ids)).abs().max().item() for s in samples
+    )
     assert worst > 0.05
 
 
@@ -167,7 +177,9 @@ def test_eval_groups_finish_under_one_version_while_training_groups_span_the_upd
 
     async def scenario():
         # the training group is twice as long: it is still running when the eval group ends
-        training = asyncio.create_task(eng.generate_group(PROMPT, n=2, max_tokens=100, request_id="gate-train", **kwargs))
+        training = asyncio.create_task(
+            eng.generate_group(PROMPT, n=2, max_tokens=100, request_id="gate-train", **kwargs)
+        )
         evaluation = asyncio.create_task(eval_group())
         await asyncio.sleep(0.01)
         assert not evaluation.done() and not training.done()
@@ -181,13 +193,17 @@ def test_eval_groups_finish_under_one_version_while_training_groups_span_the_upd
     for s in evaluation:
         assert (torch.tensor(s.logprobs) - _hf_logprobs(model, PROMPT, s.token_ids)).abs().max().item() < LOGPROB_ATOL
     # the training group started with the eval group and kept running across the update
-    assert any(s.version_end == version and s.version_start == version - 1 for s in training), \
-        [s.version_spans for s in training]
+    assert any(s.version_end == version and s.version_start == version - 1 for s in training), [
+        s.version_spans for s in training
+    ]
     # per-token versions: each token's logprob is that of the weights its version names (the
     # labels vLLM put on a partial rollout's tokens are exact at the update boundary)
     for s in training:
         versions = torch.tensor(s.token_versions)
-        assert len(versions) == len(s.token_ids) and (versions.min(), versions.max()) == (s.version_start, s.version_end)
+        assert len(versions) == len(s.token_ids) and (versions.min(), versions.max()) == (
+            s.version_start,
+            s.version_end,
+        )
         for v, weights in ((version - 1, model), (version, new)):
             err = (torch.tensor(s.logprobs) - _hf_logprobs(weights, PROMPT, s.token_ids))[versions == v].abs()
             assert len(err) == 0 or err.max().item() < LOGPROB_ATOL, (v, s.version_spans, err.max().item())

@@ -49,19 +49,34 @@ def model_turns(token_ids, mask) -> list[list[int]]:
 def test_episode_tokens_are_model_tokens_plus_template_rendered_env_turns(tmp_path):
     model_dir = _eos_prone(build_random_policy(tmp_path / "policy", seed=0), tmp_path / "eos_prone")
     loop = asyncio.new_event_loop()
-    eng = RolloutEngine(model_dir, max_model_len=256, kv_cache_bytes=32 * 1024**2,
-                        engine_kwargs={"logprobs_mode": "processed_logprobs"})
+    eng = RolloutEngine(
+        model_dir, max_model_len=256, kv_cache_bytes=32 * 1024**2, engine_kwargs={"logprobs_mode": "processed_logprobs"}
+    )
     envs = EnvCalls([ENV], timeout_s=10.0, num_procs=1)
     try:
         loop.run_until_complete(eng.start())
         tok = eng.tokenizer
         messages = [{"role": "user", "content": WORDS[0]}]
-        prompt_ids = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-                                add_special_tokens=False)
+        prompt_ids = tok.encode(
+            tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+        )
         runner = EpisodeRunner(eng, tok, envs, max_model_len=256)
-        samples, masks, rewards = loop.run_until_complete(runner.run_group(
-            ENV, 3, prompt_ids, {"words": WORDS}, request_id="mt", n=4, temperature=1.0, top_p=1.0,
-            max_tokens=6, min_tokens=0, repetition_penalty=1.0, seed=7))
+        samples, masks, rewards = loop.run_until_complete(
+            runner.run_group(
+                ENV,
+                3,
+                prompt_ids,
+                {"words": WORDS},
+                request_id="mt",
+                n=4,
+                temperature=1.0,
+                top_p=1.0,
+                max_tokens=6,
+                min_tokens=0,
+                repetition_penalty=1.0,
+                seed=7,
+            )
+        )
         model = _load_hf(model_dir)
         turns_seen = set()
         for s, mask in zip(samples, masks):
@@ -93,7 +108,7 @@ def test_episode_tokens_are_model_tokens_plus_template_rendered_env_turns(tmp_pa
                     expected += [IM_END_TOKEN_ID]
                     expected_mask += [True]
             assert prompt_ids + s.token_ids == expected
-            assert mask == expected_mask[len(prompt_ids):]
+            assert mask == expected_mask[len(prompt_ids) :]
             lps = torch.tensor(s.logprobs)
             m = torch.tensor(mask)
             assert (lps[~m] == 0).all()

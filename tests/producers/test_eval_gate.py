@@ -37,7 +37,14 @@ def test_update_waits_for_in_flight_evals_and_blocks_new_ones():
         await asyncio.gather(first, upd, second)
         return log
 
-    assert asyncio.run(scenario()) == ["eval1 start", "eval1 end", "update start", "update end", "eval2 start", "eval2 end"]
+    assert asyncio.run(scenario()) == [
+        "eval1 start",
+        "eval1 end",
+        "update start",
+        "update end",
+        "eval2 start",
+        "eval2 end",
+    ]
 
 
 def test_update_without_evals_does_not_wait_and_a_cancelled_update_releases_the_gate():

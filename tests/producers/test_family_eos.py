@@ -36,8 +36,9 @@ async def _generate(path: Path):
         tok = engine.tokenizer
         text = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
         prompt_ids = tok.encode(text, add_special_tokens=False)
-        samples = await engine.generate_group(prompt_ids, n=64, temperature=1.0, top_p=1.0, max_tokens=96,
-                                              request_id="eos")
+        samples = await engine.generate_group(
+            prompt_ids, n=64, temperature=1.0, top_p=1.0, max_tokens=96, request_id="eos"
+        )
         return tok, text, samples
     finally:
         await engine.close()

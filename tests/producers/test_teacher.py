@@ -20,7 +20,13 @@ pytest.importorskip("vllm")
 
 from producers.teacher import Teacher
 from tests.producers.test_weight_sync import (
-    LOGPROB_ATOL, PROMPT, _hf_logprobs, _load_hf, _perturbed, assert_no_leftover_processes)
+    LOGPROB_ATOL,
+    PROMPT,
+    _hf_logprobs,
+    _load_hf,
+    _perturbed,
+    assert_no_leftover_processes,
+)
 from policies.tiny_model import build_random_policy
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -58,10 +64,10 @@ def test_teacher_logprobs_match_hf_forward(teacher):
         if not c:
             continue
         ref = _hf_logprobs(model, PROMPT, c)
-        assert np.abs(got[offset:offset + len(c)] - ref.numpy()).max() < LOGPROB_ATOL
+        assert np.abs(got[offset : offset + len(c)] - ref.numpy()).max() < LOGPROB_ATOL
         # how many scored tokens are not the teacher's argmax at their position
         with torch.no_grad():
-            logits = model(torch.tensor([PROMPT + c])).logits[0, len(PROMPT) - 1:-1]
+            logits = model(torch.tensor([PROMPT + c])).logits[0, len(PROMPT) - 1 : -1]
         not_top1 += int((logits.argmax(-1) != torch.tensor(c)).sum())
         offset += len(c)
     assert not_top1 >= 20, "the check needs tokens that are not the teacher's top-1"

@@ -64,7 +64,7 @@ def _expected(tok, messages, tools, turns, replies):
         ids += turn
         mask += [True] * len(turn)
         if k + 1 < len(turns):
-            env_ids = tok.encode(pieces[k + 1], add_special_tokens=False)[1 if closed else 0:]
+            env_ids = tok.encode(pieces[k + 1], add_special_tokens=False)[1 if closed else 0 :]
             ids += env_ids
             mask += [False] * len(env_ids)
     return ids, mask
@@ -72,10 +72,19 @@ def _expected(tok, messages, tools, turns, replies):
 
 def _tool_metrics() -> dict[tuple, float]:
     """The producer's tool-call samples now: ``(sample name, label values...) -> value``."""
-    names = ("rlbus_producer_tool_calls", "rlbus_producer_tool_errors", "rlbus_producer_episode_tool_calls",
-             "rlbus_producer_env_bad_stats")
-    return {(s.name, *s.labels.values()): s.value for m in REGISTRY.collect() if m.name in names
-            for s in m.samples if not s.name.endswith("_created")}
+    names = (
+        "rlbus_producer_tool_calls",
+        "rlbus_producer_tool_errors",
+        "rlbus_producer_episode_tool_calls",
+        "rlbus_producer_env_bad_stats",
+    )
+    return {
+        (s.name, *s.labels.values()): s.value
+        for m in REGISTRY.collect()
+        if m.name in names
+        for s in m.samples
+        if not s.name.endswith("_created")
+    }
 
 
 def _delta(before: dict, after: dict) -> dict:
@@ -100,57 +109,102 @@ def test_tool_replies_are_the_templates_rendering_and_model_tokens_are_on_policy
         replies.append(messages)
     assert [m["content"][:6] for m in replies[0] + replies[1]] == ["9", "Error:", "Error:"]
     loop = asyncio.new_event_loop()
-    eng = RolloutEngine(model_dir, max_model_len=MAX_MODEL_LEN, kv_cache_bytes=64 * 1024**2, warmup=False,
-                        engine_kwargs={"logprobs_mode": "processed_logprobs"})
+    eng = RolloutEngine(
+        model_dir,
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_bytes=64 * 1024**2,
+        warmup=False,
+        engine_kwargs={"logprobs_mode": "processed_logprobs"},
+    )
     envs = EnvCalls([ENV, BAD_STATS_ENV], timeout_s=10.0, num_procs=1)
     try:
         loop.run_until_complete(eng.start())
         tok = eng.tokenizer
         messages = render_messages(ex, task.system_prompt)
-        prompt_ids = tok.encode(tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True),
-                                add_special_tokens=False)
+        prompt_ids = tok.encode(
+            tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        )
         sampling = dict(n=3, temperature=1.0, top_p=1.0, max_tokens=5, min_tokens=0, repetition_penalty=1.0, seed=None)
         runner = EpisodeRunner(eng, tok, envs, max_model_len=MAX_MODEL_LEN, tools=tools)
         before = _tool_metrics()
         assert ("rlbus_producer_tool_errors_total", "calculator", "tool_raised") in before  # pre-initialized
-        samples, masks, rewards = loop.run_until_complete(runner.run_group(
-            ENV, len(tool_envs.SCRIPT), prompt_ids, ex["info"], request_id=f"tools-{kind}", tools=tools, **dict(sampling)))
+        samples, masks, rewards = loop.run_until_complete(
+            runner.run_group(
+                ENV,
+                len(tool_envs.SCRIPT),
+                prompt_ids,
+                ex["info"],
+                request_id=f"tools-{kind}",
+                tools=tools,
+                **dict(sampling),
+            )
+        )
         # per episode: calculator twice (once raising), one unreadable call; 3 episodes
         assert _delta(before, _tool_metrics()) == {
-            ("rlbus_producer_tool_calls_total", "calculator"): 6.0, ("rlbus_producer_tool_calls_total", "other"): 3.0,
+            ("rlbus_producer_tool_calls_total", "calculator"): 6.0,
+            ("rlbus_producer_tool_calls_total", "other"): 3.0,
             ("rlbus_producer_tool_errors_total", "calculator", "tool_raised"): 3.0,
             ("rlbus_producer_tool_errors_total", "other", "parse_error"): 3.0,
-            ("rlbus_producer_episode_tool_calls_count",): 3.0, ("rlbus_producer_episode_tool_calls_sum",): 9.0,
-            **{("rlbus_producer_episode_tool_calls_bucket", le): 3.0 for le in ("3.0", "4.0", "6.0", "8.0", "12.0", "16.0", "32.0", "+Inf")}}
+            ("rlbus_producer_episode_tool_calls_count",): 3.0,
+            ("rlbus_producer_episode_tool_calls_sum",): 9.0,
+            **{
+                ("rlbus_producer_episode_tool_calls_bucket", le): 3.0
+                for le in ("3.0", "4.0", "6.0", "8.0", "12.0", "16.0", "32.0", "+Inf")
+            },
+        }
         model = _load_hf(model_dir)
         for s, mask in zip(samples, masks):
             turns = model_turns(s.token_ids, mask)
             assert len(turns) == len(tool_envs.SCRIPT)  # the script's three model turns, two tool replies
             ids, expected_mask = _expected(tok, messages, tools, turns, replies)
             assert prompt_ids + s.token_ids == ids
-            assert mask == expected_mask[len(prompt_ids):]
+            assert mask == expected_mask[len(prompt_ids) :]
             lps, m = torch.tensor(s.logprobs), torch.tensor(mask)
             assert (lps[~m] == 0).all()
             ref = _hf_logprobs(model, prompt_ids, s.token_ids)
             assert (ref - lps)[m].abs().max().item() < 1e-4
         if kind == "qwen2.5":
             text = tok.decode(samples[0].token_ids)
-            assert '<tool_response>\n9\n</tool_response>\n<tool_response>\nError: the tool call is not valid JSON' in text
+            assert (
+                "<tool_response>\n9\n</tool_response>\n<tool_response>\nError: the tool call is not valid JSON" in text
+            )
             assert "calculator" in tok.decode(prompt_ids)  # the schema is in the system turn
         assert rewards == [1.0] * 3  # "#### 18" is right; tool errors: no format term
         before = _tool_metrics()
-        _, _, bad_rewards = loop.run_until_complete(runner.run_group(
-            BAD_STATS_ENV, len(tool_envs.SCRIPT), prompt_ids, ex["info"], request_id=f"bad-{kind}", tools=tools,
-            **dict(sampling)))
+        _, _, bad_rewards = loop.run_until_complete(
+            runner.run_group(
+                BAD_STATS_ENV,
+                len(tool_envs.SCRIPT),
+                prompt_ids,
+                ex["info"],
+                request_id=f"bad-{kind}",
+                tools=tools,
+                **dict(sampling),
+            )
+        )
         assert bad_rewards == [1.0] * 3  # the episodes ran; three malformed statistics each, no call counted
         assert _delta(before, _tool_metrics()) == {
-            ("rlbus_producer_env_bad_stats_total",): 9.0, ("rlbus_producer_episode_tool_calls_count",): 3.0,
-            **{("rlbus_producer_episode_tool_calls_bucket", le): 3.0 for le in
-               ("0.0", "1.0", "2.0", "3.0", "4.0", "6.0", "8.0", "12.0", "16.0", "32.0", "+Inf")}}
+            ("rlbus_producer_env_bad_stats_total",): 9.0,
+            ("rlbus_producer_episode_tool_calls_count",): 3.0,
+            **{
+                ("rlbus_producer_episode_tool_calls_bucket", le): 3.0
+                for le in ("0.0", "1.0", "2.0", "3.0", "4.0", "6.0", "8.0", "12.0", "16.0", "32.0", "+Inf")
+            },
+        }
         # a reply that does not fit under max_model_len ends the episode ("length"), nothing appended
         short = EpisodeRunner(eng, tok, envs, max_model_len=len(prompt_ids) + 20)
-        samples, masks, rewards = loop.run_until_complete(short.run_group(
-            ENV, len(tool_envs.SCRIPT), prompt_ids, ex["info"], request_id=f"short-{kind}", tools=tools, **dict(sampling)))
+        samples, masks, rewards = loop.run_until_complete(
+            short.run_group(
+                ENV,
+                len(tool_envs.SCRIPT),
+                prompt_ids,
+                ex["info"],
+                request_id=f"short-{kind}",
+                tools=tools,
+                **dict(sampling),
+            )
+        )
         assert all(s.finish_reason == "length" and all(mk) for s, mk in zip(samples, masks))
         assert rewards == [0.0] * 3  # no final answer
     finally:

@@ -19,14 +19,25 @@ def _value(name: str, **labels: str) -> float:
 
 def test_calls_count_by_declared_tool_or_other_and_errors_by_kind():
     preinit_tools(["tm_calc"])
-    assert all(_value("rlbus_producer_tool_errors_total", tool=t, error=e) >= 0 for t in ("tm_calc", OTHER_TOOL)
-               for e in TOOL_ERRORS)
-    before = {(t, e): _value("rlbus_producer_tool_errors_total", tool=t, error=e)
-              for t in ("tm_calc", OTHER_TOOL) for e in TOOL_ERRORS}
+    assert all(
+        _value("rlbus_producer_tool_errors_total", tool=t, error=e) >= 0
+        for t in ("tm_calc", OTHER_TOOL)
+        for e in TOOL_ERRORS
+    )
+    before = {
+        (t, e): _value("rlbus_producer_tool_errors_total", tool=t, error=e)
+        for t in ("tm_calc", OTHER_TOOL)
+        for e in TOOL_ERRORS
+    }
     calls_before = {t: _value("rlbus_producer_tool_calls_total", tool=t) for t in ("tm_calc", OTHER_TOOL)}
     known = schema_names([{"type": "function", "function": {"name": "tm_calc"}}, {"bogus": 1}, "x"])
     assert known == {"tm_calc"}
-    records = [("tm_calc", None), ("tm_calc", "tool_raised"), ("made_up_by_the_model", "unknown_tool"), (None, "parse_error")]
+    records = [
+        ("tm_calc", None),
+        ("tm_calc", "tool_raised"),
+        ("made_up_by_the_model", "unknown_tool"),
+        (None, "parse_error"),
+    ]
     assert count_tool_calls(records, known) == 4
     assert REGISTRY.get_sample_value("rlbus_producer_tool_calls_total", {"tool": "made_up_by_the_model"}) is None
     assert _value("rlbus_producer_tool_calls_total", tool="tm_calc") - calls_before["tm_calc"] == 2
@@ -36,7 +47,9 @@ def test_calls_count_by_declared_tool_or_other_and_errors_by_kind():
 
 
 def test_an_agent_turns_tool_call_blocks_are_read_as_calls():
-    text = ('Let me compute.<tool_call>\n{"name": "calc", "arguments": {"x": 1}}\n</tool_call>'
-            "<tool_call>{nope}</tool_call> and <tool_call>unclosed")
+    text = (
+        'Let me compute.<tool_call>\n{"name": "calc", "arguments": {"x": 1}}\n</tool_call>'
+        "<tool_call>{nope}</tool_call> and <tool_call>unclosed"
+    )
     assert text_tool_calls(text) == [("calc", None), (None, "parse_error"), (None, "parse_error")]
     assert text_tool_calls("#### 18") == []

@@ -40,8 +40,20 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 SAMPLING = dict(temperature=1.0, top_p=1.0, max_tokens=8, min_tokens=0, repetition_penalty=1.0, seed=5)
 TASK = "verifiers:tests.producers.vf_envs"
-TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+]
 LOGIT = 25.0  # the two answers' logit (EOS's after them); every other token's is 0
 
 
@@ -67,11 +79,11 @@ def _scripted_policy(policy, out):
             layer.mlp.down_proj.weight.zero_()
         emb, head = model.model.embed_tokens.weight, model.lm_head.weight
         head.zero_()
-        scale = model.config.hidden_size ** 0.5  # RMSNorm maps a one-hot residual to sqrt(hidden) there
+        scale = model.config.hidden_size**0.5  # RMSNorm maps a one-hot residual to sqrt(hidden) there
         for dim, token in enumerate((newline[0], answer[0], tool_id), start=1):
             emb[token].zero_()
             emb[token, dim] = 1.0
-        unit = lambda dim: LOGIT / (scale * model.model.norm.weight[dim].item())  # noqa: E731
+        unit = lambda dim: LOGIT / (scale * model.model.norm.weight[dim].item())
         head[answer[0], 1] = head[tool_id, 1] = unit(1)
         head[IM_END_TOKEN_ID, 2] = unit(2)
         head[IM_END_TOKEN_ID, 3] = unit(3)
@@ -96,7 +108,9 @@ def test_tool_calls_come_back_as_openai_tool_calls_and_continue_token_exactly(se
     for attempt in range(12):
         episode = f"tc-{attempt}"
         endpoint.episodes.open(episode, {**SAMPLING, "seed": attempt})
-        client = openai.OpenAI(base_url=endpoint.url, api_key="x", default_headers={EPISODE_HEADER: episode}, max_retries=0)
+        client = openai.OpenAI(
+            base_url=endpoint.url, api_key="x", default_headers={EPISODE_HEADER: episode}, max_retries=0
+        )
         first = client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
         if first.choices[0].message.tool_calls:
             break
@@ -106,11 +120,19 @@ def test_tool_calls_come_back_as_openai_tool_calls_and_continue_token_exactly(se
         pytest.fail("no tool call in 12 first turns")
     choice = first.choices[0]
     call = choice.message.tool_calls[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None and len(choice.message.tool_calls) == 1
-    assert call.type == "function" and call.function.name == "add" and json.loads(call.function.arguments) == {"a": 2, "b": 3}
+    assert (
+        choice.finish_reason == "tool_calls" and choice.message.content is None and len(choice.message.tool_calls) == 1
+    )
+    assert (
+        call.type == "function"
+        and call.function.name == "add"
+        and json.loads(call.function.arguments) == {"a": 2, "b": 3}
+    )
     # the assistant turn goes back as tool_calls (no text), followed by the tool's result
-    history = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                          {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+    history = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "5"},
+    ]
     client.chat.completions.create(model="m", messages=history, tools=TOOLS)
     turns = endpoint.episodes.close(episode)
     assert turns[0].sample.token_ids == [tool_id, IM_END_TOKEN_ID]
@@ -120,11 +142,15 @@ def test_tool_calls_come_back_as_openai_tool_calls_and_continue_token_exactly(se
     assert not rebased and ep.turns == 2 and ep.model_mask.count(False) == len(env)
     # without tools in the request the same text is plain content
     plain = openai.OpenAI(base_url=endpoint.url, api_key="x", max_retries=0)
-    texts = {plain.chat.completions.create(model="m", messages=messages, seed=s).choices[0].message.content for s in range(8)}
+    texts = {
+        plain.chat.completions.create(model="m", messages=messages, seed=s).choices[0].message.content for s in range(8)
+    }
     assert texts == {vf_envs.ANSWER, vf_envs.TOOL_CALL}
 
 
-def _expected_reward(kind: str, token_ids: list[int], mask: list[bool], tool_id: int, answer_id: int, answer: str) -> float:
+def _expected_reward(
+    kind: str, token_ids: list[int], mask: list[bool], tool_id: int, answer_id: int, answer: str
+) -> float:
     """The rubric's score of an episode, from its sampled tokens: its model turns are the first
     tokens of each span of model tokens."""
     firsts = [t for k, t in enumerate(token_ids) if mask[k] and (k == 0 or not mask[k - 1])]
@@ -148,11 +174,14 @@ def test_verifiers_environment_groups_score_with_the_rubric_token_exactly(served
         for i, example in enumerate(examples):
             row = example["info"]["verifiers"]["row"]
             messages = [{"role": "user", "content": example["prompt"]}]
-            prompt_ids = endpoint.tokenizer.encode(endpoint.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+            prompt_ids = endpoint.tokenizer.encode(
+                endpoint.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                add_special_tokens=False,
+            )
             payload = {"messages": messages, "info": example["info"], "task": TASK}
-            prompt, samples, masks, rewards = run(runner.run_group(task.agent, payload, prompt_ids, request_id=f"{kind}-{i}",
-                                                                   n=4, **SAMPLING))
+            prompt, samples, masks, rewards = run(
+                runner.run_group(task.agent, payload, prompt_ids, request_id=f"{kind}-{i}", n=4, **SAMPLING)
+            )
             assert prompt == prompt_ids  # the environment's prompt is the row's, rendered by the chat template
             for s, mask, reward in zip(samples, masks, rewards):
                 assert not s.finish_reason.startswith("env_error"), s.finish_reason
@@ -162,11 +191,19 @@ def test_verifiers_environment_groups_score_with_the_rubric_token_exactly(served
                 ref = _hf_logprobs(model, prompt, s.token_ids)  # the sampled logprobs are the policy's
                 assert (ref - torch.tensor(s.logprobs))[torch.tensor(mask)].abs().max().item() < 1e-4
             group = group_from_samples(
-                Prompt(id=f"{kind}-{i}", index=i, step=0, task=TASK, messages=messages, info=example["info"]), prompt, samples,
-                [endpoint.tokenizer.decode(s.token_ids) for s in samples], producer="p0", gen_time_s=0.0,
-                model_masks=masks, env_rewards=rewards)
+                Prompt(id=f"{kind}-{i}", index=i, step=0, task=TASK, messages=messages, info=example["info"]),
+                prompt,
+                samples,
+                [endpoint.tokenizer.decode(s.token_ids) for s in samples],
+                producer="p0",
+                gen_time_s=0.0,
+                model_masks=masks,
+                env_rewards=rewards,
+            )
             group = decode(encode(group))  # a valid RolloutGroup on the wire, as the producer sends it
-            assert group.env_rewards.tolist() == rewards and group.loss_mask.tolist() == [m for mask in masks for m in mask]
+            assert group.env_rewards.tolist() == rewards and group.loss_mask.tolist() == [
+                m for mask in masks for m in mask
+            ]
             assert group.completion_ids.tolist() == [t for s in samples for t in s.token_ids]
     finally:
         runner.close()

@@ -31,8 +31,7 @@ import torch
 try:
     import vllm  # noqa: F401
 except ImportError as exc:  # pragma: no cover - environment without vLLM
-    pytest.skip(f"vllm is not importable ({exc}); weight-sync tests need a real engine",
-                allow_module_level=True)
+    pytest.skip(f"vllm is not importable ({exc}); weight-sync tests need a real engine", allow_module_level=True)
 
 from broadcaster.broadcast import BroadcastSender
 from broadcaster.filesystem import FilesystemSender
@@ -104,8 +103,7 @@ class Harness:
     def start(self) -> None:
         self.start_s = self.run(self.engine.start())
         port = _free_port()
-        self.broadcaster = BroadcastSender("gloo", "127.0.0.1", port, 2,
-                                             timeout_s=60)
+        self.broadcaster = BroadcastSender("gloo", "127.0.0.1", port, 2, timeout_s=60)
         # The rendezvous blocks both sides until both are there: trainer side on a thread.
         joined = threading.Thread(target=self.broadcaster.init_group)
         joined.start()
@@ -118,15 +116,15 @@ class Harness:
         returns seconds."""
         state_dict = model.state_dict() if isinstance(model, torch.nn.Module) else model
         manifest = self.broadcaster.manifest(state_dict)
-        sent = asyncio.get_running_loop().run_in_executor(
-            None, self.broadcaster.send, state_dict, version)
+        sent = asyncio.get_running_loop().run_in_executor(None, self.broadcaster.send, state_dict, version)
         paused_s = await self.engine.update_weights(version, manifest)
         await sent
         return paused_s
 
     async def generate(self, n: int = 4, max_tokens: int = 24, request_id: str = "g", ignore_eos: bool = False):
-        return await self.engine.generate_group(PROMPT, n=n, temperature=1.0, top_p=1.0, max_tokens=max_tokens,
-                                                request_id=request_id, ignore_eos=ignore_eos)
+        return await self.engine.generate_group(
+            PROMPT, n=n, temperature=1.0, top_p=1.0, max_tokens=max_tokens, request_id=request_id, ignore_eos=ignore_eos
+        )
 
     def close(self) -> None:
         try:
@@ -332,7 +330,9 @@ def _lora_case(harness, seed: int):
     with random adapters, its adapter + RMSNorm weights with QeRL noise (sigma 0.05)."""
     peft = lora_policy(harness.policy, rank=4, alpha=8.0, seed=seed, scale=0.05)
     version = harness.engine.version + 1
-    payload = with_rmsnorm_noise(lora_adapter_state_dict(peft, include=is_rmsnorm_weight), 0.05, seed=seed, version=version)
+    payload = with_rmsnorm_noise(
+        lora_adapter_state_dict(peft, include=is_rmsnorm_weight), 0.05, seed=seed, version=version
+    )
     merged = with_rmsnorm_noise(policy_state_dict(peft), 0.05, seed=seed, version=version)
     return version, payload, _with_weights(harness.policy, merged)
 

@@ -64,7 +64,7 @@ def trainer_logprobs(model, completion: list[int]) -> torch.Tensor:
     with PrecisionPolicy.from_name("bfloat16").autocast("cpu"):
         lp, _ = packed_logprobs_and_entropy(model, ids, torch.tensor([len(ids)]))
     assert lp.dtype == torch.float32
-    return lp[len(PROMPT):]
+    return lp[len(PROMPT) :]
 
 
 def max_err(model, token_ids: list[int], logprobs: list[float]) -> float:
@@ -82,7 +82,8 @@ def test_bf16_broadcast_matches_the_trainers_bf16_policy(harness):
 
     async def send() -> None:
         sent = asyncio.get_running_loop().run_in_executor(
-            None, lambda: (harness.broadcaster.start_send(state, version, manifest), harness.broadcaster.wait()))
+            None, lambda: (harness.broadcaster.start_send(state, version, manifest), harness.broadcaster.wait())
+        )
         await harness.engine.update_weights(version, manifest)
         await sent
 
@@ -104,7 +105,9 @@ def test_bf16_and_float32_files_load_the_same_weights(harness):
     scores, sizes = {}, {}
     for dtype in (torch.bfloat16, torch.float32):
         version = harness.engine.version + 1
-        info = FilesystemSender(harness.tmp / f"weights_{dtype}").start_send(state, version, build_manifest(state, dtype))
+        info = FilesystemSender(harness.tmp / f"weights_{dtype}").start_send(
+            state, version, build_manifest(state, dtype)
+        )
         harness.run(harness.engine.load_weights_from_path(version, info["path"]))
         scores[dtype] = harness.run(harness.engine.score_completion(PROMPT, completion, request_id=f"score{version}"))
         sizes[dtype] = info["num_bytes"]

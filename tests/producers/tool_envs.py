@@ -14,7 +14,7 @@ from tasks.gsm8k_calculator import ENV
 
 
 def _call(expression: str) -> str:
-    return f'<tool_call>\n{json.dumps({"name": "calculator", "arguments": {"expression": expression}})}\n</tool_call>'
+    return f"<tool_call>\n{json.dumps({'name': 'calculator', 'arguments': {'expression': expression}})}\n</tool_call>"
 
 
 SCRIPT = (

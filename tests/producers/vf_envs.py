@@ -22,8 +22,12 @@ from datasets import Dataset
 ANSWER = "5"
 TOOL_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 MAX_TURNS = 3
-ROWS = [{"question": "What is 2 + 3?", "answer": "5"}, {"question": "What is 1 + 4?", "answer": "5"},
-        {"question": "What is 3 + 4?", "answer": "7"}, {"question": "What is 0 + 5?", "answer": "5"}]
+ROWS = [
+    {"question": "What is 2 + 3?", "answer": "5"},
+    {"question": "What is 1 + 4?", "answer": "5"},
+    {"question": "What is 3 + 4?", "answer": "7"},
+    {"question": "What is 0 + 5?", "answer": "5"},
+]
 USED_TOOL_WEIGHT = 0.5
 
 
@@ -56,7 +60,9 @@ def load_environment(kind: str = "single") -> vf.Environment:
     dataset = Dataset.from_list([dict(r) for r in ROWS])
     parser = vf.Parser()
     if kind == "single":
-        return vf.SingleTurnEnv(dataset=dataset, parser=parser, rubric=vf.Rubric(funcs=[correct], weights=[1.0], parser=parser))
+        return vf.SingleTurnEnv(
+            dataset=dataset, parser=parser, rubric=vf.Rubric(funcs=[correct], weights=[1.0], parser=parser)
+        )
     if kind == "tool":
         rubric = vf.Rubric(funcs=[correct, used_tool], weights=[1.0, USED_TOOL_WEIGHT], parser=parser)
         return vf.ToolEnv(dataset=dataset, tools=[add], max_turns=MAX_TURNS, parser=parser, rubric=rubric)

@@ -46,8 +46,9 @@ def drain(src: PromptSource, limit: int = 1000) -> list[Prompt]:
     return out
 
 
-def make(examples, *, pps=2, level=1, max_steps=100, producers=1, dead_after_s=10.0, ledger=None, clock=None,
-         **kwargs) -> PromptSource:
+def make(
+    examples, *, pps=2, level=1, max_steps=100, producers=1, dead_after_s=10.0, ledger=None, clock=None, **kwargs
+) -> PromptSource:
     return PromptSource(
         examples,
         task="reverse_text",
@@ -171,7 +172,13 @@ def test_prompts_validate_on_the_wire(examples):
     back = decode(encode(p))
     assert isinstance(back, Prompt)
     assert (back.id, back.index, back.step, back.task, back.messages, back.info) == (
-        p.id, p.index, p.step, p.task, p.messages, p.info)
+        p.id,
+        p.index,
+        p.step,
+        p.task,
+        p.messages,
+        p.info,
+    )
 
 
 def test_bad_arguments(examples):
@@ -195,39 +202,64 @@ def test_gate_is_the_slowest_producer(examples):
 
 
 def test_prompts_carry_the_temperature_of_their_step(examples, tmp_path):
-    sampling = load_config(None, ["sampling.temp_scheduler={type: linear, start_temperature: 1.0, end_temperature: 0.5}"]).sampling
-    schedule = lambda step: temperature_at(sampling, step, 6)  # noqa: E731
-    src = make(examples, pps=2, level=10, max_steps=6, ledger=Ledger(tmp_path), temperature=schedule,
-               system_prompt="Reverse it.")
+    sampling = load_config(
+        None, ["sampling.temp_scheduler={type: linear, start_temperature: 1.0, end_temperature: 0.5}"]
+    ).sampling
+    schedule = lambda step: temperature_at(sampling, step, 6)
+    src = make(
+        examples,
+        pps=2,
+        level=10,
+        max_steps=6,
+        ledger=Ledger(tmp_path),
+        temperature=schedule,
+        system_prompt="Reverse it.",
+    )
     prompts = drain(src)
-    assert [p.temperature for p in prompts] == pytest.approx([1.0, 1.0, 0.9, 0.9, 0.8, 0.8, 0.7, 0.7, 0.6, 0.6, 0.5, 0.5])
+    assert [p.temperature for p in prompts] == pytest.approx(
+        [1.0, 1.0, 0.9, 0.9, 0.8, 0.8, 0.7, 0.7, 0.6, 0.6, 0.5, 0.5]
+    )
     assert all(p.messages[0] == {"role": "system", "content": "Reverse it."} for p in prompts)
     # a restarted source re-issues a prompt with its step's temperature, not the current one
     src.on_trained([p.id for p in prompts[:9]])
     again = make(examples, pps=2, level=10, max_steps=6, ledger=Ledger(tmp_path), temperature=schedule)
     assert [(p.id, p.temperature) for p in drain(again)] == [
-        ("p00000009", pytest.approx(0.6)), ("p00000010", pytest.approx(0.5)), ("p00000011", pytest.approx(0.5))]
+        ("p00000009", pytest.approx(0.6)),
+        ("p00000010", pytest.approx(0.5)),
+        ("p00000011", pytest.approx(0.5)),
+    ]
     assert make(examples).issue().temperature == 1.0  # the default
 
 
 def _eval_rounds(rounds) -> EvalRounds:
-    sets = [EvalSet("reverse_text", None, load_task_examples("reverse_text", "eval", 2, 1234)),
-            EvalSet("other", None, load_task_examples("reverse_text", "eval", 1, 5))]
+    sets = [
+        EvalSet("reverse_text", None, load_task_examples("reverse_text", "eval", 2, 1234)),
+        EvalSet("other", None, load_task_examples("reverse_text", "eval", 1, 5)),
+    ]
     return EvalRounds(rounds, sets, temperature=0.5)
 
 
 def test_eval_rounds_are_issued_at_their_version_once_and_outside_the_ledger(examples):
     src = make(examples, pps=1, level=0, max_steps=4, eval_rounds=_eval_rounds([0, 2, 4]))
     first = drain(src)  # version 0: the step-0 prompt (training starts first), then round 0 (3 prompts)
-    assert [p.id for p in first] == ["p00000000", "e000000-reverse_text-00000", "e000000-reverse_text-00001",
-                                     "e000000-other-00000"]
+    assert [p.id for p in first] == [
+        "p00000000",
+        "e000000-reverse_text-00000",
+        "e000000-reverse_text-00001",
+        "e000000-other-00000",
+    ]
     assert [(p.eval_round, p.eval_size, p.temperature) for p in first[1:]] == [(0, 3, 0.5)] * 3
     assert not first[0].is_eval and first[0].eval_size == 0
     src.on_weights_applied("producer-0", 1)
     assert [p.id for p in drain(src)] == ["p00000001"]
     src.on_weights_applied("producer-0", 3)  # jumps past round 2: it is issued late rather than lost
-    assert [p.id for p in drain(src)] == ["e000002-reverse_text-00000", "e000002-reverse_text-00001",
-                                          "e000002-other-00000", "p00000002", "p00000003"]
+    assert [p.id for p in drain(src)] == [
+        "e000002-reverse_text-00000",
+        "e000002-reverse_text-00001",
+        "e000002-other-00000",
+        "p00000002",
+        "p00000003",
+    ]
     src.on_weights_applied("producer-0", 4)  # the last step's prompts are out: only the final round
     final = drain(src)
     assert [p.eval_round for p in final] == [4, 4, 4] and all(is_eval_id(p.id) for p in final)
@@ -255,7 +287,11 @@ def test_restarted_source_reissues_eval_rounds_without_result_and_never_done_one
     again = make(examples, pps=1, level=0, max_steps=4, ledger=Ledger(tmp_path), eval_rounds=_eval_rounds([0, 2, 4]))
     again.restore_applied([("producer-0", 2)])
     reissued = [p for p in drain(again) if p.is_eval]  # round 2 had no result of "other": all its prompts again
-    assert [p.id for p in reissued] == ["e000002-reverse_text-00000", "e000002-reverse_text-00001", "e000002-other-00000"]
+    assert [p.id for p in reissued] == [
+        "e000002-reverse_text-00000",
+        "e000002-reverse_text-00001",
+        "e000002-other-00000",
+    ]
     again.on_weights_applied("producer-0", 4)
     assert [p.eval_round for p in drain(again) if p.is_eval] == [4, 4, 4]
 
@@ -268,8 +304,15 @@ def test_a_resumed_source_forgets_eval_rounds_above_the_checkpoint(examples, tmp
         for task in ("reverse_text", "other"):
             src.on_eval_result(r, task)
     src.ledger.note("start", restarts=0, resume=True, checkpoint_step=1)  # as the resumed proc journals it
-    again = make(examples, pps=1, level=0, max_steps=4, ledger=Ledger(tmp_path), eval_rounds=_eval_rounds([0, 2, 4]),
-                 resume_step=1)
+    again = make(
+        examples,
+        pps=1,
+        level=0,
+        max_steps=4,
+        ledger=Ledger(tmp_path),
+        eval_rounds=_eval_rounds([0, 2, 4]),
+        resume_step=1,
+    )
     again.on_weights_applied("producer-0", 1)
     assert not any(p.is_eval for p in drain(again))  # round 0 was done; round 2 waits for version 2
     again.on_weights_applied("producer-0", 2)
@@ -397,7 +440,13 @@ def test_restarted_source_reissues_unresolved_prompts_first_with_same_id_and_con
     assert [p.id for p in reissued] == ["p00000002", "p00000003", "p00000004"]
     for p in reissued:
         orig = by_id[p.id]
-        assert (p.index, p.step, p.task, p.messages, p.info) == (orig.index, orig.step, orig.task, orig.messages, orig.info)
+        assert (p.index, p.step, p.task, p.messages, p.info) == (
+            orig.index,
+            orig.step,
+            orig.task,
+            orig.messages,
+            orig.info,
+        )
     assert again.num_reissued == 3 and again.num_issued == 5  # re-issues are not new prompts
     again.on_weights_applied("producer-0", 1)
     new = drain(again)

@@ -109,8 +109,16 @@ def new_harness(tmp_path):
 @pytest.fixture
 def harness(new_harness):
     # 2 prompts per step, synchronous (async level 0, no prefetch: the source alone gates), 3 steps, no online evaluation
-    return new_harness(["trainer.batch_size=4", "producers.group_size=2", "max_async_level=0", "producers.prefetch_steps=0", "trainer.max_steps=3",
-                        "eval.enabled=false"])
+    return new_harness(
+        [
+            "trainer.batch_size=4",
+            "producers.group_size=2",
+            "max_async_level=0",
+            "producers.prefetch_steps=0",
+            "trainer.max_steps=3",
+            "eval.enabled=false",
+        ]
+    )
 
 
 def take(inbox, n: int) -> list[Prompt]:
@@ -149,7 +157,8 @@ def test_proc_issues_accounts_and_rebuilds_after_a_restart(harness, monkeypatch,
     producer2 = harness.producer()
     again = take(producer2, 2)
     assert [(p.id, p.index, p.step, p.messages, p.info) for p in again] == [
-        (p.id, p.index, p.step, p.messages, p.info) for p in second]
+        (p.id, p.index, p.step, p.messages, p.info) for p in second
+    ]
     # the applied version (1) was restored from the journal: a step-1 replacement may go out at once
     harness.report(GroupsDropped(id=new_id(), group_ids=["p00000003"], reason="failed: RuntimeError"))
     (repl,) = take(producer2, 1)
@@ -171,18 +180,34 @@ def test_proc_issues_eval_rounds_and_runs_until_run_done(new_harness, tmp_path, 
     monkeypatch.delenv("RLBUS_RESUME", raising=False)
     monkeypatch.delenv("RLBUS_RESTARTS", raising=False)
     monkeypatch.setattr(prompts.proc, "EVAL_FAILURES_EVERY_S", 0.2)
-    h = new_harness(["trainer.batch_size=2", "producers.group_size=2", "max_async_level=0", "producers.prefetch_steps=0", "trainer.max_steps=2",
-                     "eval.interval=1", "eval.temperature=0.4", "eval.tasks=[{name: reverse_text, num_examples: 2}]",
-                     "sampling.temp_scheduler={type: linear, start_temperature: 1.0, end_temperature: 0.6}"])
+    h = new_harness(
+        [
+            "trainer.batch_size=2",
+            "producers.group_size=2",
+            "max_async_level=0",
+            "producers.prefetch_steps=0",
+            "trainer.max_steps=2",
+            "eval.interval=1",
+            "eval.temperature=0.4",
+            "eval.tasks=[{name: reverse_text, num_examples: 2}]",
+            "sampling.temp_scheduler={type: linear, start_temperature: 1.0, end_temperature: 0.6}",
+        ]
+    )
     h.start()
     producer = h.producer()
     got = take(producer, 3)  # step 0 (training starts first), then the base-model round 0
     assert [(p.id, p.eval_round, p.eval_size, p.temperature) for p in got] == [
-        ("p00000000", -1, 0, 1.0), ("e000000-reverse_text-00000", 0, 2, 0.4), ("e000000-reverse_text-00001", 0, 2, 0.4)]
+        ("p00000000", -1, 0, 1.0),
+        ("e000000-reverse_text-00000", 0, 2, 0.4),
+        ("e000000-reverse_text-00001", 0, 2, 0.4),
+    ]
     h.publish(WeightsApplied(id=new_id(), producer="producer-0", version=1, apply_time_s=0.1))
     got = take(producer, 3)  # round 1, then step 1 (the last) at the end temperature
     assert [(p.id, p.temperature) for p in got] == [
-        ("e000001-reverse_text-00000", 0.4), ("e000001-reverse_text-00001", 0.4), ("p00000001", pytest.approx(0.6))]
+        ("e000001-reverse_text-00000", 0.4),
+        ("e000001-reverse_text-00001", 0.4),
+        ("p00000001", pytest.approx(0.6)),
+    ]
     # an eval group that failed is announced on outcomes: ignored by the ledger, released, and
     # announced again on the control channel (for a packer that missed it) until round 1 has a result
     hub_in = BusSocket(h.ctx, "control_pub", "recv", h.endpoints.address("control_pub"), bind=True)
@@ -193,8 +218,18 @@ def test_proc_issues_eval_rounds_and_runs_until_run_done(new_harness, tmp_path, 
         assert time.monotonic() < deadline, "the failed eval group was not announced again"
     assert msg.group_ids == ["e000001-reverse_text-00000"]
     source = h.procs[-1][0].source
-    h.publish(EvalResult(id=new_id(), round=1, task="reverse_text", version_min=1, version_max=1, num_samples=2,
-                         num_failed=1, metrics={}))
+    h.publish(
+        EvalResult(
+            id=new_id(),
+            round=1,
+            task="reverse_text",
+            version_min=1,
+            version_max=1,
+            num_samples=2,
+            num_failed=1,
+            metrics={},
+        )
+    )
     while source.open_eval_failures():  # the round has its result: nothing to announce any more
         assert time.monotonic() < deadline, "eval.result of round 1 not taken"
         time.sleep(0.01)
@@ -239,8 +274,16 @@ def test_a_resumed_source_re_issues_unresolved_prompts_step_by_step(new_harness,
     prompts, never the whole backlog; the rest follow as the producers' version advances."""
     monkeypatch.delenv("RLBUS_RESUME", raising=False)
     monkeypatch.delenv("RLBUS_RESTARTS", raising=False)
-    h = new_harness(["trainer.batch_size=4", "producers.group_size=2", "max_async_level=1", "producers.prefetch_steps=0", "trainer.max_steps=10",
-                     "eval.enabled=false"])
+    h = new_harness(
+        [
+            "trainer.batch_size=4",
+            "producers.group_size=2",
+            "max_async_level=1",
+            "producers.prefetch_steps=0",
+            "trainer.max_steps=10",
+            "eval.enabled=false",
+        ]
+    )
     source = h.start()
     producer = h.producer()
     for v in range(4):

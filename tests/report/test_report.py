@@ -27,14 +27,29 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
 
 def step_record(s: int) -> dict:
     """Training record of step ``s`` (1-based), deterministic and not monotone."""
-    return {"step": s, "loss": 0.1, "kl": 0.01 * (s % 5), "entropy": 2.0 - 0.02 * s, "reward_mean": 0.3 + 0.02 * s + 0.05 * math.sin(s),
-            "reward_std": 0.1, "reward/lcs": 0.25 + 0.01 * s, "policy_lag_mean": (s % 3) / 2, "policy_lag_max": float(s % 3),
-            "num_tokens": 1000.0 + 10 * s, "step_time_s": 0.5 + 0.01 * s, "tokens_per_s": (1000.0 + 10 * s) / (0.5 + 0.01 * s)}
+    return {
+        "step": s,
+        "loss": 0.1,
+        "kl": 0.01 * (s % 5),
+        "entropy": 2.0 - 0.02 * s,
+        "reward_mean": 0.3 + 0.02 * s + 0.05 * math.sin(s),
+        "reward_std": 0.1,
+        "reward/lcs": 0.25 + 0.01 * s,
+        "policy_lag_mean": (s % 3) / 2,
+        "policy_lag_max": float(s % 3),
+        "num_tokens": 1000.0 + 10 * s,
+        "step_time_s": 0.5 + 0.01 * s,
+        "tokens_per_s": (1000.0 + 10 * s) / (0.5 + 0.01 * s),
+    }
 
 
 def stages_record(step: int, t: float) -> dict:
     comp = {
-        "producer-0": {"role": "producer", "throughput": {"tokens_per_s": 100.0 + step, "samples_per_s": 3.0}, "busy": 0.9},
+        "producer-0": {
+            "role": "producer",
+            "throughput": {"tokens_per_s": 100.0 + step, "samples_per_s": 3.0},
+            "busy": 0.9,
+        },
         "producer-1": {"role": "producer", "throughput": {"tokens_per_s": 50.0, "samples_per_s": 1.0}, "busy": 0.7},
         "rewards-0": {"role": "rewards", "throughput": {"tokens_per_s": 140.0, "samples_per_s": 4.0}, "busy": 0.1},
         "packer": {"role": "packer", "throughput": {"tokens_per_s": None, "samples_per_s": None}, "busy": None},
@@ -47,8 +62,14 @@ def stages_record(step: int, t: float) -> dict:
 def run_dir(tmp_path: Path) -> Path:
     run = tmp_path / "run"
     run.mkdir()
-    records = [{"step": 0, "eval/reverse_text/reward_mean": 0.2, "eval/reverse_text/num_samples": 16,
-                "eval/countdown/reward_mean": 0.05}]
+    records = [
+        {
+            "step": 0,
+            "eval/reverse_text/reward_mean": 0.2,
+            "eval/reverse_text/num_samples": 16,
+            "eval/countdown/reward_mean": 0.05,
+        }
+    ]
     records += [step_record(s) for s in range(1, STEPS + 1)]
     records.insert(13, {"step": 12, "eval/reverse_text/reward_mean": 0.4, "eval/countdown/reward_mean": 0.1})
     records.append({"step": STEPS, "eval/reverse_text/reward_mean": 0.55, "eval/countdown/reward_mean": 0.15})
@@ -56,9 +77,19 @@ def run_dir(tmp_path: Path) -> Path:
     with (run / "metrics.jsonl").open("a") as f:
         f.write('{"step": 25, "loss": 0.1, "kl"')  # a trainer killed mid-line
     write_jsonl(run / "stages.jsonl", [stages_record(s, 1000.0 + s) for s in range(0, STEPS + 1, 2)])
-    write_jsonl(run / "samples.jsonl", [{"step": s, "sample": j, "reward": 0.5, "advantage": 0.0} for s in (0, 10, 20) for j in range(4)])
-    (run / "accounting.json").write_text(json.dumps({"issued": 110, "outcomes": {"trained": 96, "dropped_stale": 9, "filtered": 5,
-                                                                                 "failed": 0}, "unresolved": []}))
+    write_jsonl(
+        run / "samples.jsonl",
+        [{"step": s, "sample": j, "reward": 0.5, "advantage": 0.0} for s in (0, 10, 20) for j in range(4)],
+    )
+    (run / "accounting.json").write_text(
+        json.dumps(
+            {
+                "issued": 110,
+                "outcomes": {"trained": 96, "dropped_stale": 9, "filtered": 5, "failed": 0},
+                "unresolved": [],
+            }
+        )
+    )
     reg = CollectorRegistry()
     groups = Counter("rlbus_packer_groups_total", "groups by outcome", ["outcome"], registry=reg)
     groups.labels("accepted").inc(105)
@@ -86,7 +117,12 @@ def test_report_writes_every_plot_and_the_summary_numbers(run_dir: Path, capsys)
     for name in ("reward", "eval_reward", "kl", "entropy", "lag", "throughput"):
         path = report / f"{name}.png"
         width, height = png_size(path)
-        assert width >= 600 and height >= 300 and path.stat().st_size > 10_000, (name, width, height, path.stat().st_size)
+        assert width >= 600 and height >= 300 and path.stat().st_size > 10_000, (
+            name,
+            width,
+            height,
+            path.stat().st_size,
+        )
         pixels = matplotlib.image.imread(path)
         assert len(np.unique(pixels.reshape(-1, pixels.shape[-1]), axis=0)) > 50, f"{name}.png looks blank"
     summary = (report / "summary.txt").read_text()
@@ -99,13 +135,21 @@ def test_report_writes_every_plot_and_the_summary_numbers(run_dir: Path, capsys)
     assert smoothing_window(STEPS) == w
     windows = [float(np.mean(rewards[i - w + 1 : i + 1])) for i in range(w - 1, STEPS)]
     best = int(np.argmax(windows))
-    assert f"steps: {STEPS} (records step 1..{STEPS}), training time {g4(sum(r['step_time_s'] for r in recs))} s" in summary
-    assert (f"reward_mean ({w}-step mean): first {g4(np.mean(rewards[:w]))}, last {g4(np.mean(rewards[-w:]))}, "
-            f"best {g4(windows[best])} (window ending at step {best + w})") in summary
+    assert (
+        f"steps: {STEPS} (records step 1..{STEPS}), training time {g4(sum(r['step_time_s'] for r in recs))} s"
+        in summary
+    )
+    assert (
+        f"reward_mean ({w}-step mean): first {g4(np.mean(rewards[:w]))}, last {g4(np.mean(rewards[-w:]))}, "
+        f"best {g4(windows[best])} (window ending at step {best + w})"
+    ) in summary
     assert f"reward terms (last window): lcs {g4(np.mean([r['reward/lcs'] for r in recs][-w:]))}" in summary
     assert "eval countdown reward_mean: first 0.05 (round 0), last 0.15 (round 24)" in summary
     assert "eval reverse_text reward_mean: first 0.2 (round 0), last 0.55 (round 24)" in summary
-    assert f"kl mean {g4(np.mean([r['kl'] for r in recs]))}, entropy mean {g4(np.mean([r['entropy'] for r in recs]))}" in summary
+    assert (
+        f"kl mean {g4(np.mean([r['kl'] for r in recs]))}, entropy mean {g4(np.mean([r['entropy'] for r in recs]))}"
+        in summary
+    )
     assert f"policy lag: mean {g4(np.mean([r['policy_lag_mean'] for r in recs]))}, max 2 steps" in summary
     tokens_per_s = sum(r["num_tokens"] for r in recs) / sum(r["step_time_s"] for r in recs)
     assert f"trainer throughput: {g4(tokens_per_s)} tokens/s" in summary
@@ -135,7 +179,13 @@ def test_missing_series_are_skipped_with_a_note(tmp_path: Path, capsys) -> None:
     write_jsonl(run / "metrics.jsonl", recs)
     out_dir = tmp_path / "elsewhere"
     assert busctl(["report", str(run), "--out", str(out_dir)]) == 0
-    assert sorted(p.name for p in out_dir.glob("*.png")) == ["eval_reward.png", "kl.png", "lag.png", "reward.png", "throughput.png"]
+    assert sorted(p.name for p in out_dir.glob("*.png")) == [
+        "eval_reward.png",
+        "kl.png",
+        "lag.png",
+        "reward.png",
+        "throughput.png",
+    ]
     summary = (out_dir / "summary.txt").read_text()
     assert "note: entropy.png: not plotted, no entropy in metrics.jsonl" in summary
     assert "no stages.jsonl" in summary
@@ -174,4 +224,7 @@ def test_stages_accept_status_rows_as_a_list(tmp_path: Path) -> None:
     rows = [{"name": n, **c} for n, c in stages_record(2, 0.0)["components"].items()]
     as_list = stage_series([{"time": 0.0, "step": 2, "components": rows}])
     assert as_list == stage_series([stages_record(2, 0.0)])
-    assert as_list["producer"]["tokens_per_s"] == ([2], [152.0]) and as_list["producer"]["busy"] == ([2], [pytest.approx(0.8)])
+    assert as_list["producer"]["tokens_per_s"] == ([2], [152.0]) and as_list["producer"]["busy"] == (
+        [2],
+        [pytest.approx(0.8)],
+    )

@@ -14,10 +14,24 @@ from busctl.run_data import load_run
 
 def test_report_weights_lag_fractions_by_loss_tokens(tmp_path: Path) -> None:
     records = [
-        {"step": 1, "reward_mean": 0.1, "num_loss_tokens": 100.0,
-         "lag_frac/0": 1.0, "lag_frac/1": 0.0, "lag_frac/2": 0.0, "lag_frac/>=3": 0.0},
-        {"step": 2, "reward_mean": 0.2, "num_loss_tokens": 300.0,
-         "lag_frac/0": 0.5, "lag_frac/1": 0.25, "lag_frac/2": 0.0, "lag_frac/>=3": 0.25},
+        {
+            "step": 1,
+            "reward_mean": 0.1,
+            "num_loss_tokens": 100.0,
+            "lag_frac/0": 1.0,
+            "lag_frac/1": 0.0,
+            "lag_frac/2": 0.0,
+            "lag_frac/>=3": 0.0,
+        },
+        {
+            "step": 2,
+            "reward_mean": 0.2,
+            "num_loss_tokens": 300.0,
+            "lag_frac/0": 0.5,
+            "lag_frac/1": 0.25,
+            "lag_frac/2": 0.0,
+            "lag_frac/>=3": 0.25,
+        },
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     shares = lag_token_shares(load_run(tmp_path))

@@ -26,16 +26,27 @@ def write_run(run: Path, records: list[dict], stages: list[dict] | None = None) 
 def step(s: int, **extra: float) -> dict:
     """Training record of step ``s``: 600 prompt + 200 completion tokens in 0.5 + 0.1 * s seconds."""
     t = 0.5 + 0.1 * s
-    return {"step": s, "reward_mean": 0.1 * s + 0.05 * (s % 3), "reward_std": 0.1, "num_tokens": 800.0,
-            "num_loss_tokens": 200.0, "step_time_s": t, "tokens_per_s": 800.0 / t, **extra}
+    return {
+        "step": s,
+        "reward_mean": 0.1 * s + 0.05 * (s % 3),
+        "reward_std": 0.1,
+        "num_tokens": 800.0,
+        "num_loss_tokens": 200.0,
+        "step_time_s": t,
+        "tokens_per_s": 800.0 / t,
+        **extra,
+    }
 
 
 def stage(s: int) -> dict:
-    return {"step": s, "components": {
-        "producer-0": {"role": "producer", "throughput": {"tokens_per_s": 300.0}, "busy": 0.9},
-        "producer-1": {"role": "producer", "throughput": {"tokens_per_s": 100.0}, "busy": 0.5},
-        "trainer": {"role": "trainer", "throughput": {"tokens_per_s": 250.0}, "busy": 1.0},
-    }}
+    return {
+        "step": s,
+        "components": {
+            "producer-0": {"role": "producer", "throughput": {"tokens_per_s": 300.0}, "busy": 0.9},
+            "producer-1": {"role": "producer", "throughput": {"tokens_per_s": 100.0}, "busy": 0.5},
+            "trainer": {"role": "trainer", "throughput": {"tokens_per_s": 250.0}, "busy": 1.0},
+        },
+    }
 
 
 @pytest.fixture
@@ -83,11 +94,13 @@ def test_throughput_puts_completion_tokens_of_every_stage_on_one_axis(tmp_path, 
 def test_throughput_of_a_run_without_loss_token_counts(tmp_path, figures):
     old = [{k: v for k, v in step(s).items() if k != "num_loss_tokens"} for s in range(1, 5)]
     figs, notes = figures(write_run(tmp_path / "with_stages", old, [stage(s) for s in range(0, 5, 2)]))
-    assert set(lines(figs["throughput.png"].axes[0])) == {"producer (stages.jsonl: completion tokens)",
-                                                          "trainer (stages.jsonl: completion tokens)"}
+    assert set(lines(figs["throughput.png"].axes[0])) == {
+        "producer (stages.jsonl: completion tokens)",
+        "trainer (stages.jsonl: completion tokens)",
+    }
     assert any("no num_loss_tokens" in n for n in notes)
     figs, _ = figures(write_run(tmp_path / "alone", old))  # nothing to compare with: tokens_per_s, named as such
-    (label, (_, y)), = lines(figs["throughput.png"].axes[0]).items()
+    ((label, (_, y)),) = lines(figs["throughput.png"].axes[0]).items()
     assert "prompt + completion" in label and y == pytest.approx([r["tokens_per_s"] for r in old])
 
 
@@ -99,12 +112,20 @@ def test_reward_draws_no_line_on_another(tmp_path, figures):
     assert drawn["reward_mean (= reward/gsm8k)"][1] == pytest.approx([r["reward_mean"] for r in short])
     assert_legends_outside(figs["reward.png"])
 
-    long = [step(s, **{"reward/a": 0.5 * step(s)["reward_mean"], "reward/b": step(s)["reward_mean"] + 0.01}) for s in range(1, 25)]
+    long = [
+        step(s, **{"reward/a": 0.5 * step(s)["reward_mean"], "reward/b": step(s)["reward_mean"] + 0.01})
+        for s in range(1, 25)
+    ]
     figs, _ = figures(write_run(tmp_path / "long", long))
     w = smoothing_window(24)
     y = [r["reward_mean"] for r in long]
     drawn = lines(figs["reward.png"].axes[0])
-    assert w > 1 and list(drawn) == ["reward_mean", f"reward_mean, {w}-step mean", f"reward/a, {w}-step mean", f"reward/b, {w}-step mean"]
+    assert w > 1 and list(drawn) == [
+        "reward_mean",
+        f"reward_mean, {w}-step mean",
+        f"reward/a, {w}-step mean",
+        f"reward/b, {w}-step mean",
+    ]
     assert drawn[f"reward_mean, {w}-step mean"][1] == pytest.approx(moving_average(y, w))
     assert drawn[f"reward/a, {w}-step mean"][1] == pytest.approx(moving_average([0.5 * v for v in y], w))
     series = [tuple(v[1]) for v in drawn.values()]

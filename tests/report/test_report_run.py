@@ -43,10 +43,16 @@ def prom_samples(path: Path) -> dict[str, float]:
     return out
 
 
-def test_report_and_samples_of_a_real_run(tmp_path: Path, policy: Path) -> None:  # noqa: F811
+def test_report_and_samples_of_a_real_run(tmp_path: Path, policy: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = busctl(run_dir, policy, f"trainer.max_steps={MAX_STEPS}", "report.samples_interval=1",
-                  f"report.samples_per_step={PER_STEP}", "report.trackers=[tensorboard]")
+    proc = busctl(
+        run_dir,
+        policy,
+        f"trainer.max_steps={MAX_STEPS}",
+        "report.samples_interval=1",
+        f"report.samples_per_step={PER_STEP}",
+        "report.trackers=[tensorboard]",
+    )
     with supervised(proc):
         out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
@@ -94,13 +100,17 @@ def test_report_and_samples_of_a_real_run(tmp_path: Path, policy: Path) -> None:
     trainer_prom = prom_samples(run_dir / "metrics_final" / "trainer.prom")
     for p in PHASES:
         assert trainer_prom[f'rlbus_trainer_phase_seconds_total{{phase="{p}"}}'] == pytest.approx(
-            sum(m[f"time/{p}_s"] for m in metrics), rel=1e-6, abs=1e-9)
+            sum(m[f"time/{p}_s"] for m in metrics), rel=1e-6, abs=1e-9
+        )
     status = json.loads((run_dir / "status.json").read_text())
-    assert re.fullmatch(r"wait \d+% fwd \d+% bwd \d+% opt \d+% send \d+% other \d+%",
-                        phase_text(status["trainer_metrics"])), status["trainer_metrics"]
+    assert re.fullmatch(
+        r"wait \d+% fwd \d+% bwd \d+% opt \d+% send \d+% other \d+%", phase_text(status["trainer_metrics"])
+    ), status["trainer_metrics"]
 
     # the report of the run
-    rep = subprocess.run([sys.executable, "-m", "busctl", "report", str(run_dir)], capture_output=True, text=True, timeout=300)
+    rep = subprocess.run(
+        [sys.executable, "-m", "busctl", "report", str(run_dir)], capture_output=True, text=True, timeout=300
+    )
     assert rep.returncode == 0, rep.stdout + rep.stderr
     for name in PNGS:
         png = run_dir / "report" / f"{name}.png"
@@ -112,8 +122,10 @@ def test_report_and_samples_of_a_real_run(tmp_path: Path, policy: Path) -> None:
     assert f"first {rewards[0]:.4g}, last {rewards[-1]:.4g}, best {max(rewards):.4g}" in summary  # 1-step window
     evals = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "eval/reverse_text/reward_mean" in m]
     first, last = evals[0], evals[-1]
-    assert (f"eval reverse_text reward_mean: first {first['eval/reverse_text/reward_mean']:.4g} (round {first['step']}), "
-            f"last {last['eval/reverse_text/reward_mean']:.4g} (round {last['step']})") in summary
+    assert (
+        f"eval reverse_text reward_mean: first {first['eval/reverse_text/reward_mean']:.4g} (round {first['step']}), "
+        f"last {last['eval/reverse_text/reward_mean']:.4g} (round {last['step']})"
+    ) in summary
     assert f"samples.jsonl: {MAX_STEPS * PER_STEP} examples from {MAX_STEPS} steps" in summary
     assert "packer groups by outcome: accepted" in summary
     assert "trainer time per step by phase (median s/step, share of step time):" in summary
@@ -126,6 +138,8 @@ def test_report_and_samples_of_a_real_run(tmp_path: Path, policy: Path) -> None:
     assert tb["loss"] == pytest.approx({m["step"]: m["loss"] for m in metrics}, rel=1e-6, abs=1e-7)
     assert tb["reward"] == pytest.approx({m["step"]: m["reward_mean"] for m in metrics}, rel=1e-6, abs=1e-7)
     assert tb["lr"] == pytest.approx({m["step"]: m["lr"] for m in metrics}, rel=1e-6)
-    assert tb["eval"] == pytest.approx({e["step"]: e["eval/reverse_text/reward_mean"] for e in evals}, rel=1e-6, abs=1e-7)
+    assert tb["eval"] == pytest.approx(
+        {e["step"]: e["eval/reverse_text/reward_mean"] for e in evals}, rel=1e-6, abs=1e-7
+    )
     assert {s: len(rows) for s, rows in tb["tables"].items()} == {s: PER_STEP for s in range(MAX_STEPS)}
     assert f"tensorboard: tensorboard --logdir {run_dir / 'tensorboard'}" in rep.stdout

@@ -16,8 +16,13 @@ from tests.packer.test_packer_proc import group
 
 
 def groups():
-    a = dataclasses.replace(group("a", [1.0, 0.0], version=3), prompt_text="reverse: abc", completion_texts=["cba", "ab"],
-                            finish_reasons=["stop", "length"], masked=np.array([False, True]))
+    a = dataclasses.replace(
+        group("a", [1.0, 0.0], version=3),
+        prompt_text="reverse: abc",
+        completion_texts=["cba", "ab"],
+        finish_reasons=["stop", "length"],
+        masked=np.array([False, True]),
+    )
     return [a, group("b", [0.5, 0.25], version=4)]
 
 
@@ -40,24 +45,47 @@ def test_lines_are_the_first_samples_in_group_order(tmp_path):
     assert log.write(6, groups()[:1]) == 2  # fewer samples than per_step
     lines = log.path.read_text().splitlines()
     records = [json.loads(line) for line in lines]
-    assert [(r["step"], r["group_id"], r["sample"]) for r in records] == [(4, "a", 0), (4, "a", 1), (4, "b", 0), (6, "a", 0), (6, "a", 1)]
+    assert [(r["step"], r["group_id"], r["sample"]) for r in records] == [
+        (4, "a", 0),
+        (4, "a", 1),
+        (4, "b", 0),
+        (6, "a", 0),
+        (6, "a", 1),
+    ]
     first, second, third = records[:3]
     assert (first["prompt"], first["completion"], first["finish_reason"]) == ("reverse: abc", "cba", "stop")
     assert (second["completion"], second["finish_reason"], second["masked"]) == ("ab", "length", True)
     assert (first["reward"], first["advantage"], second["advantage"]) == (1.0, 0.5, -0.5)
     assert (first["policy_version"], first["lag"], third["policy_version"], third["lag"]) == (3, 1, 4, 0)
     assert third["prompt"] == "" and third["masked"] is False
-    expected = {"step", "time", "group_id", "task", "sample", "group_size", "prompt", "completion", "reward", "advantage",
-                "reward_terms", "policy_version", "lag", "version_spans", "finish_reason", "completion_tokens", "masked",
-                "producer"}
+    expected = {
+        "step",
+        "time",
+        "group_id",
+        "task",
+        "sample",
+        "group_size",
+        "prompt",
+        "completion",
+        "reward",
+        "advantage",
+        "reward_terms",
+        "policy_version",
+        "lag",
+        "version_spans",
+        "finish_reason",
+        "completion_tokens",
+        "masked",
+        "producer",
+    }
     assert all(set(r) == expected for r in records)
 
 
 def test_limit_zero_and_unicode_round_trip():
-    g = dataclasses.replace(group("u", [1.0, 1.0]), completion_texts=["é\n\"x\"", "日本"])
+    g = dataclasses.replace(group("u", [1.0, 1.0]), completion_texts=['é\n"x"', "日本"])
     assert sample_records(0, [g], 0) == []
     recs = sample_records(0, [g], 5, now=12.5)
-    assert [r["completion"] for r in recs] == ["é\n\"x\"", "日本"] and recs[0]["time"] == 12.5
+    assert [r["completion"] for r in recs] == ['é\n"x"', "日本"] and recs[0]["time"] == 12.5
 
 
 def test_an_io_error_is_counted_not_raised(tmp_path):
@@ -69,7 +97,9 @@ def test_an_io_error_is_counted_not_raised(tmp_path):
     assert log.errors == 2
 
 
-@pytest.mark.parametrize("override", ["report.samples_interval=-1", "report.samples_per_step=0", "report.samples_per_step=65"])
+@pytest.mark.parametrize(
+    "override", ["report.samples_interval=-1", "report.samples_per_step=0", "report.samples_per_step=65"]
+)
 def test_report_config_bounds(override):
     with pytest.raises(ConfigError):
         load_config(None, [override])

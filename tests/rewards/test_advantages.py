@@ -283,13 +283,25 @@ def scored_by(advantage: str, texts: list[str], lens: list[int]):
     """Score a reverse-text group (target 'olleh') whose completions have token counts `lens`."""
     g, n = len(texts), sum(lens)
     group = RolloutGroup(
-        id="grp-adv", prompt_index=0, step=0, task="reverse_text", info={"target": "olleh"}, producer="p0",
-        completion_texts=texts, finish_reasons=["stop"] * g, gen_time_s=0.1,
-        prompt_ids=np.arange(3, dtype=np.int32), completion_ids=np.arange(n, dtype=np.int32),
-        completion_lens=np.array(lens, np.int32), sampler_logprobs=np.zeros(n, np.float32),
-        version_start=np.zeros(g, np.int64), version_end=np.zeros(g, np.int64),
+        id="grp-adv",
+        prompt_index=0,
+        step=0,
+        task="reverse_text",
+        info={"target": "olleh"},
+        producer="p0",
+        completion_texts=texts,
+        finish_reasons=["stop"] * g,
+        gen_time_s=0.1,
+        prompt_ids=np.arange(3, dtype=np.int32),
+        completion_ids=np.arange(n, dtype=np.int32),
+        completion_lens=np.array(lens, np.int32),
+        sampler_logprobs=np.zeros(n, np.float32),
+        version_start=np.zeros(g, np.int64),
+        version_end=np.zeros(g, np.int64),
     )
-    return RewardWorker({"reverse_text": (("reverse_text", 1.0),)}, advantage=advantage, name="rw", isolate=False).score(group)
+    return RewardWorker(
+        {"reverse_text": (("reverse_text", 1.0),)}, advantage=advantage, name="rw", isolate=False
+    ).score(group)
 
 
 def test_worker_uses_completion_lengths_of_the_group():
@@ -300,7 +312,9 @@ def test_worker_uses_completion_lengths_of_the_group():
     assert scored.rewards.tolist() == [1.0, 0.75, 0.0]
     np.testing.assert_allclose(scored.advantages, [0.09375, -0.15625, -0.90625], atol=1e-7)
     # rloo on the same rewards: A_0 = 1 - 0.75/2 = 0.625, A_1 = 0.75 - 1/2 = 0.25, A_2 = 0 - 1.75/2 = -0.875
-    np.testing.assert_allclose(scored_by("rloo", ["olleh", "oll", ""], [5, 3, 0]).advantages, [0.625, 0.25, -0.875], atol=1e-7)
+    np.testing.assert_allclose(
+        scored_by("rloo", ["olleh", "oll", ""], [5, 3, 0]).advantages, [0.625, 0.25, -0.875], atol=1e-7
+    )
     # custom by import path: r * L = [5, 2.25, 0]
     custom = scored_by(f"{__name__}:reward_times_length", ["olleh", "oll", ""], [5, 3, 0])
     assert custom.advantages.dtype == np.float32 and custom.advantages.tolist() == [5.0, 2.25, 0.0]
@@ -308,4 +322,6 @@ def test_worker_uses_completion_lengths_of_the_group():
 
 def test_worker_rejects_a_bad_advantage_at_start():
     with pytest.raises(ValueError, match="cannot import 'no_such_module_xyz'"):
-        RewardWorker({"reverse_text": (("reverse_text", 1.0),)}, advantage="no_such_module_xyz:fn", name="rw", isolate=True)
+        RewardWorker(
+            {"reverse_text": (("reverse_text", 1.0),)}, advantage="no_such_module_xyz:fn", name="rw", isolate=True
+        )

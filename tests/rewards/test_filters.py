@@ -34,14 +34,16 @@ def test_gibberish_needs_a_token_both_rare_and_improbable():
 
 def test_repetition_runs_do_not_straddle_samples():
     s, u = SURE, UNSURE
-    logprobs, lens = flat([
-        [s, s, u, s, s],  # runs of 2 only
-        [s, u, s, s],  # its first token + the previous sample's last two would make 3: not one sample
-        [u, s, s, s],  # a run of 3
-        [s, s, s],  # exactly the window
-        [],
-        [s, s],  # shorter than the window
-    ])
+    logprobs, lens = flat(
+        [
+            [s, s, u, s, s],  # runs of 2 only
+            [s, u, s, s],  # its first token + the previous sample's last two would make 3: not one sample
+            [u, s, s, s],  # a run of 3
+            [s, s, s],  # exactly the window
+            [],
+            [s, s],  # shorter than the window
+        ]
+    )
     got = repetition_flags(logprobs, lens, window=3, prob_threshold=0.9)
     assert got.tolist() == [False, False, True, True, False, False]
 
@@ -89,10 +91,12 @@ def test_apply_filters_flags_masks_and_counts():
     s, u = SURE, UNSURE
     logprobs, lens = flat([[s, s, s], [u, -20.0], [s, s, -20.0], [u]])
     ids = np.array([1, 2, 3, 4, 500, 1, 2, 600, 9], np.int32)
-    cfg = FiltersConfig.model_validate({
-        "gibberish": {"enabled": True, "enforce": False, "token_id_threshold": 100, "logprob_threshold": -12.0},
-        "repetition": {"enabled": True, "enforce": True, "window": 3, "prob_threshold": 0.9},
-    })
+    cfg = FiltersConfig.model_validate(
+        {
+            "gibberish": {"enabled": True, "enforce": False, "token_id_threshold": 100, "logprob_threshold": -12.0},
+            "repetition": {"enabled": True, "enforce": True, "window": 3, "prob_threshold": 0.9},
+        }
+    )
     got = apply_filters(cfg, ids, logprobs, lens)
     assert got.flags == ["repetition", "gibberish", "gibberish", ""]
     assert got.masked.tolist() == [True, False, False, False]  # only the enforced filter masks

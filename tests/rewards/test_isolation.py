@@ -46,11 +46,21 @@ def errors(label: str) -> float:
 def group(texts: list[str]) -> RolloutGroup:
     n = len(texts)
     return RolloutGroup(
-        id="grp-iso", prompt_index=0, step=0, task="t", info={}, producer="p-0",
-        completion_texts=list(texts), finish_reasons=["stop"] * n, gen_time_s=0.0,
-        prompt_ids=np.arange(2, dtype=np.int32), completion_ids=np.arange(n, dtype=np.int32),
-        completion_lens=np.ones(n, np.int32), sampler_logprobs=np.zeros(n, np.float32),
-        version_start=np.zeros(n, np.int64), version_end=np.zeros(n, np.int64),
+        id="grp-iso",
+        prompt_index=0,
+        step=0,
+        task="t",
+        info={},
+        producer="p-0",
+        completion_texts=list(texts),
+        finish_reasons=["stop"] * n,
+        gen_time_s=0.0,
+        prompt_ids=np.arange(2, dtype=np.int32),
+        completion_ids=np.arange(n, dtype=np.int32),
+        completion_lens=np.ones(n, np.int32),
+        sampler_logprobs=np.zeros(n, np.float32),
+        version_start=np.zeros(n, np.int64),
+        version_end=np.zeros(n, np.int64),
     )
 
 
@@ -79,13 +89,16 @@ def test_registry_name_scores_like_in_process(make_scorer):
     assert got.errors == [None] * 4
 
 
-@pytest.mark.parametrize("text, label, replaced", [
-    ("raise", "ValueError", False),
-    ("nan", "non_finite", False),
-    ("exit", "crash", True),
-    ("segv", "crash", True),
-    ("sleep", "timeout", True),
-])
+@pytest.mark.parametrize(
+    "text, label, replaced",
+    [
+        ("raise", "ValueError", False),
+        ("nan", "non_finite", False),
+        ("exit", "crash", True),
+        ("segv", "crash", True),
+        ("sleep", "timeout", True),
+    ],
+)
 def test_failure_scores_zero_and_scorer_recovers(make_scorer, text, label, replaced):
     scorer = make_scorer()
     [pid] = scorer.pids()
@@ -121,7 +134,10 @@ def test_several_functions_in_one_child_named_by_index(make_scorer):
     texts = ["olleh", "sleep", "raise", "oll"]
     by_text, length = scorer.score(texts, {"target": "olleh"}, [0, 2])  # any subset, in the order asked
     assert (by_text.rewards, by_text.errors) == ([5.0, 0.0, 0.0, 3.0], [None, "timeout", "ValueError", None])
-    assert (length.rewards, length.errors) == ([5.0, 5.0, 5.0, 3.0], [None] * 4)  # the failing calls cost only their term
+    assert (length.rewards, length.errors) == (
+        [5.0, 5.0, 5.0, 3.0],
+        [None] * 4,
+    )  # the failing calls cost only their term
     [reverse] = scorer.score(texts, {"target": "olleh"}, [1])
     assert reverse.rewards[0] == 1.0 and reverse.errors == [None] * 4
     with pytest.raises(ValueError, match="out of range"):
@@ -140,12 +156,19 @@ def test_bare_string_is_not_a_list_of_functions():
 def test_worker_counts_every_failure_by_label_and_goes_on():
     labels = ["timeout", "ValueError", "crash", "non_finite"]
     before = {label: errors(label) for label in labels}
-    worker = RewardWorker({"t": ((ref("by_text"), 1.0),)}, advantage="drgrpo", eps=1e-6, name="rw", timeout_s=TIMEOUT_S, num_procs=2)
+    worker = RewardWorker(
+        {"t": ((ref("by_text"), 1.0),)}, advantage="drgrpo", eps=1e-6, name="rw", timeout_s=TIMEOUT_S, num_procs=2
+    )
     try:
         scored = worker.score(group(["ab", "sleep", "raise", "exit", "nan", "segv", "abcd", "abc"]))
         assert scored.rewards.tolist() == [2.0, 0, 0, 0, 0, 0, 4.0, 3.0]
         assert np.isfinite(scored.advantages).all()
-        assert {label: errors(label) - before[label] for label in labels} == {"timeout": 1, "ValueError": 1, "crash": 2, "non_finite": 1}
+        assert {label: errors(label) - before[label] for label in labels} == {
+            "timeout": 1,
+            "ValueError": 1,
+            "crash": 2,
+            "non_finite": 1,
+        }
         assert worker.score(group(["a", "bb"])).rewards.tolist() == [1.0, 2.0]
     finally:
         pids = worker.scorer.pids()
@@ -163,7 +186,9 @@ def test_child_killed_while_idle_is_replaced_without_blame(make_scorer):
     assert scorer.pids() != [pid]
 
 
-@pytest.mark.parametrize("reward_fn", ["no_such_reward", ref("no_such_fn"), "no_such_module_xyz:f", ":f", ref("BY_TEXT")])
+@pytest.mark.parametrize(
+    "reward_fn", ["no_such_reward", ref("no_such_fn"), "no_such_module_xyz:f", ":f", ref("BY_TEXT")]
+)
 def test_unresolvable_reference_fails_at_start_and_leaves_no_child(reward_fn):
     before = {p.pid for p in psutil.Process().children()}
     with pytest.raises(ValueError, match=f"reward.*{reward_fn}"):  # names the bad one, after a good one
@@ -190,7 +215,9 @@ def test_killed_worker_takes_its_hung_children_along():
         "s = IsolatedScorer([sys.argv[2]], timeout_s=60, num_procs=2); print(json.dumps(s.pids()), flush=True); "
         "s.score(['sleep', 'sleep'], {})"
     )
-    worker = subprocess.Popen([sys.executable, "-c", script, json.dumps(sys.path), ref("by_text")], stdout=subprocess.PIPE, text=True)
+    worker = subprocess.Popen(
+        [sys.executable, "-c", script, json.dumps(sys.path), ref("by_text")], stdout=subprocess.PIPE, text=True
+    )
     try:
         pids = json.loads(worker.stdout.readline())
         time.sleep(0.3)  # both samples handed out

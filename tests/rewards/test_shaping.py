@@ -30,12 +30,15 @@ def test_soft_overlong_punishment_by_hand():
     assert soft_overlong_punishment(np.array([1, 8]), 8, 8).tolist() == [-0.125, -1.0]
 
 
-@pytest.mark.parametrize("lens, max_tokens, buffer_tokens, match", [
-    (np.array([1.5]), 10, 4, "integer"),
-    (np.array([-1]), 10, 4, ">= 0"),
-    (np.array([3]), 10, 11, "buffer_tokens <= max_tokens"),
-    (np.array([3]), 10, 0, "1 <= buffer_tokens"),
-])
+@pytest.mark.parametrize(
+    "lens, max_tokens, buffer_tokens, match",
+    [
+        (np.array([1.5]), 10, 4, "integer"),
+        (np.array([-1]), 10, 4, ">= 0"),
+        (np.array([3]), 10, 11, "buffer_tokens <= max_tokens"),
+        (np.array([3]), 10, 0, "1 <= buffer_tokens"),
+    ],
+)
 def test_soft_overlong_punishment_rejects_bad_input(lens, max_tokens, buffer_tokens, match):
     with pytest.raises(ValueError, match=match):
         soft_overlong_punishment(lens, max_tokens, buffer_tokens)
@@ -50,15 +53,23 @@ def with_lens(texts: list[str], lens: list[int], **fields) -> object:
     """A reverse_text group (target "olleh") whose samples have ``lens`` tokens."""
     group = rollout(texts)
     n = sum(lens)
-    return dataclasses.replace(group, completion_lens=np.array(lens, np.int32), completion_ids=np.arange(n, dtype=np.int32),
-                               sampler_logprobs=np.full(n, -0.5, np.float32), **fields)
+    return dataclasses.replace(
+        group,
+        completion_lens=np.array(lens, np.int32),
+        completion_ids=np.arange(n, dtype=np.int32),
+        sampler_logprobs=np.full(n, -0.5, np.float32),
+        **fields,
+    )
 
 
 def test_worker_adds_the_penalty_and_counts_it(metric):
     # task rewards: "olleh" 1.0, "oll" 2*3/(3+5) = 0.75, "" 0.0, "olleh" 1.0
     # L_max 8, L_cache 4, lens [3, 5, 8, 12] -> R = [0, -0.25, -1, -1]; penalty 0.5
     # rewards = [1.0, 0.75 - 0.125, 0 - 0.5, 1.0 - 0.5] = [1.0, 0.625, -0.5, 0.5]
-    soft, hard = metric("rlbus_rewards_overlong_total", zone="soft"), metric("rlbus_rewards_overlong_total", zone="hard")
+    soft, hard = (
+        metric("rlbus_rewards_overlong_total", zone="soft"),
+        metric("rlbus_rewards_overlong_total", zone="hard"),
+    )
     scored = shaped_worker().score(with_lens(["olleh", "oll", "", "olleh"], [3, 5, 8, 12]))
     assert scored.reward_terms["overlong"] == [0.0, -0.25, -1.0, -1.0]
     assert scored.reward_terms["reverse_text"] == [1.0, 0.75, 0.0, 1.0]
@@ -100,12 +111,19 @@ def test_zero_variance_filter_sees_the_shaped_rewards(metric):
     varied = worker.score(dataclasses.replace(with_lens(["olleh"] * 4, [2, 5, 6, 8]), id="varied"))
     equal = worker.score(dataclasses.replace(with_lens(["olleh"] * 4, [2, 3, 4, 4]), id="equal"))
     assert varied.rewards.tolist() == [1.0, 0.75, 0.5, 0.0] and equal.rewards.tolist() == [1.0] * 4
-    packer = Packer(prompts_per_step=1, max_off_policy_steps=4, micro_batch_tokens=64,
-                    filter_equal_rewards=True, online_difficulty_filtering=True)
+    packer = Packer(
+        prompts_per_step=1,
+        max_off_policy_steps=4,
+        micro_batch_tokens=64,
+        filter_equal_rewards=True,
+        online_difficulty_filtering=True,
+    )
     assert packer.add(varied) == (True, "")
     assert packer.add(equal) == (False, DropReason.FILTERED_EQUAL_REWARDS)
     # without shaping the varied group would have been dropped too
-    plain = RewardWorker(REVERSE, advantage="drgrpo", name="w", isolate=False).score(dataclasses.replace(with_lens(["olleh"] * 4, [2, 5, 6, 8]), id="plain"))
+    plain = RewardWorker(REVERSE, advantage="drgrpo", name="w", isolate=False).score(
+        dataclasses.replace(with_lens(["olleh"] * 4, [2, 5, 6, 8]), id="plain")
+    )
     assert packer.add(plain) == (False, DropReason.FILTERED_EQUAL_REWARDS)
     assert metric("rlbus_rewards_zero_variance_groups_total") - zero_variance == 2  # "equal" and "plain"
 
@@ -123,7 +141,9 @@ def test_config_resolves_max_tokens_and_checks_the_buffer():
     section = overlong_section(cfg)
     assert (section.max_tokens, section.buffer_tokens, section.penalty) == (48, 16, 0.5)
     assert overlong_section(load_config(None, [])) is None
-    own = overlong_section(load_config(None, ["sampling.max_tokens=48", "rewards.overlong={buffer_tokens: 4, max_tokens: 20}"]))
+    own = overlong_section(
+        load_config(None, ["sampling.max_tokens=48", "rewards.overlong={buffer_tokens: 4, max_tokens: 20}"])
+    )
     assert own.max_tokens == 20
     with pytest.raises(ConfigError, match="buffer_tokens \\(64\\) exceeds its max_tokens \\(48\\)"):
         load_config(None, ["sampling.max_tokens=48", "rewards.overlong={buffer_tokens: 64}"])

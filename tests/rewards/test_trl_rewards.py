@@ -29,14 +29,21 @@ def trl(fn: str, fmt: str = "trl") -> str:
 
 
 def worker(*terms: tuple[str, float], isolate: bool = False, max_steps: int = 0) -> RewardWorker:
-    return RewardWorker({"reverse_text": tuple(terms)}, advantage="drgrpo", name="w", isolate=isolate, num_procs=1, max_steps=max_steps)
+    return RewardWorker(
+        {"reverse_text": tuple(terms)}, advantage="drgrpo", name="w", isolate=isolate, num_procs=1, max_steps=max_steps
+    )
 
 
 def group(texts: list[str], lens: list[int], info: dict, **fields) -> object:
     """A group of ``texts`` whose samples have ``lens`` tokens (ids 0, 1, 2, ...)."""
     n = sum(lens)
-    return dataclasses.replace(rollout(texts, info=info), completion_lens=np.array(lens, np.int32),
-                               completion_ids=np.arange(n, dtype=np.int32), sampler_logprobs=np.full(n, -0.5, np.float32), **fields)
+    return dataclasses.replace(
+        rollout(texts, info=info),
+        completion_lens=np.array(lens, np.int32),
+        completion_ids=np.arange(n, dtype=np.int32),
+        sampler_logprobs=np.full(n, -0.5, np.float32),
+        **fields,
+    )
 
 
 @pytest.mark.parametrize("isolate", [False, True])
@@ -49,7 +56,11 @@ def test_documented_standard_format_functions_score_by_hand(isolate):
         scored = w.score(group(["x" * 20, r"\boxed{2}", ""], [3, 2, 1], {"ground_truth": "2"}))
     finally:
         w.close()
-    assert scored.reward_terms == {"reward_len": [0.0, -11.0, -20.0], "token_count": [3.0, 2.0, 1.0], "reward_func": [0.0, 1.0, 0.0]}
+    assert scored.reward_terms == {
+        "reward_len": [0.0, -11.0, -20.0],
+        "token_count": [3.0, 2.0, 1.0],
+        "reward_func": [0.0, 1.0, 0.0],
+    }
     assert scored.rewards.tolist() == [1.5, -8.0, -19.5]
     np.testing.assert_allclose(scored.advantages, [61 / 6, 2 / 3, -65 / 6], atol=1e-5)  # mean = -26 / 3
 
@@ -91,16 +102,25 @@ def test_conversational_prompts_are_the_groups_chat_messages():
     def produced(messages: list, texts: list[str], prompt_text: str) -> RolloutGroup:
         """The group a producer builds for a prompt of ``messages`` (a reverse_text prompt as the prompt source renders it)."""
         prompt = Prompt(id="p-1", index=0, step=1, task="reverse_text", messages=messages, info={})
-        return group_from_samples(prompt, [1, 2, 3], samples, texts, producer="producer-0", gen_time_s=0.1, prompt_text=prompt_text)
+        return group_from_samples(
+            prompt, [1, 2, 3], samples, texts, producer="producer-0", gen_time_s=0.1, prompt_text=prompt_text
+        )
 
     messages = render_messages({"id": "e", "prompt": "hello", "info": {}}, "Reverse the text.")
-    chat = produced(messages, ["olleh", "hello"], "<|im_start|>system\nReverse the text.<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n")
+    chat = produced(
+        messages,
+        ["olleh", "hello"],
+        "<|im_start|>system\nReverse the text.<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n",
+    )
     # messages that cannot travel as chat messages (a content list): the rendered text becomes one user message
     parts = produced([{"role": "user", "content": [{"type": "text", "text": "word"}]}], ["drow", "word"], "word")
     w = worker((trl("reverses_the_question", "trl_conversational"), 1.0), isolate=True)  # JSON to a real child
     try:
-        assert wire_round_trip(chat).prompt_messages == messages == [
-            {"role": "system", "content": "Reverse the text."}, {"role": "user", "content": "hello"}]
+        assert (
+            wire_round_trip(chat).prompt_messages
+            == messages
+            == [{"role": "system", "content": "Reverse the text."}, {"role": "user", "content": "hello"}]
+        )
         assert w.score(wire_round_trip(chat)).rewards.tolist() == [1.5, 0.5]
         assert wire_round_trip(parts).prompt_messages == []
         assert w.score(wire_round_trip(parts)).rewards.tolist() == [1.0, 0.0]
@@ -145,14 +165,32 @@ def test_a_wrong_number_of_rewards_fails_the_whole_group(isolate):
 
 
 def test_the_keyword_arguments_are_trls():
-    batch = trl_batch("<|im_start|>user\nhi", ["a", "bc"], [[5], [6, 7]], global_step=2, max_steps=9,
-                      prompt_messages=[{"role": "user", "content": "hi"}])
+    batch = trl_batch(
+        "<|im_start|>user\nhi",
+        ["a", "bc"],
+        [[5], [6, 7]],
+        global_step=2,
+        max_steps=9,
+        prompt_messages=[{"role": "user", "content": "hi"}],
+    )
     metrics: dict[str, list[float]] = {}
     kwargs = trl_kwargs("conversational", ["a", "bc"], {"ground_truth": "x", "prompts": "shadowed"}, batch, metrics)
-    assert set(kwargs) == {"prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra", "ground_truth"}
-    assert kwargs["prompts"] == [[{"role": "user", "content": "hi"}]] * 2  # a dataset column named "prompts" loses to the argument
+    assert set(kwargs) == {
+        "prompts",
+        "completions",
+        "completion_ids",
+        "trainer_state",
+        "log_metric",
+        "log_extra",
+        "ground_truth",
+    }
+    assert (
+        kwargs["prompts"] == [[{"role": "user", "content": "hi"}]] * 2
+    )  # a dataset column named "prompts" loses to the argument
     kwargs["prompts"][0][0]["content"] = "edited"  # one copy per completion, as TRL's batch rows are
-    assert kwargs["prompts"][1] == [{"role": "user", "content": "hi"}] and batch["prompt_messages"][0]["content"] == "hi"
+    assert (
+        kwargs["prompts"][1] == [{"role": "user", "content": "hi"}] and batch["prompt_messages"][0]["content"] == "hi"
+    )
     assert trl_kwargs("standard", ["a", "bc"], {}, batch, {})["prompts"] == ["<|im_start|>user\nhi"] * 2
     assert kwargs["completions"] == [[{"role": "assistant", "content": "a"}], [{"role": "assistant", "content": "bc"}]]
     assert kwargs["completion_ids"] == [[5], [6, 7]] and kwargs["ground_truth"] == ["x", "x"]
@@ -176,8 +214,17 @@ def test_references_and_config():
 
 
 def test_outputs_are_checked():
-    assert checked_rewards(np.array([1.0, 2.5]), 2, "f") == [1.0, 2.5]  # any sequence of numbers, as TRL's torch.tensor takes
+    assert checked_rewards(np.array([1.0, 2.5]), 2, "f") == [
+        1.0,
+        2.5,
+    ]  # any sequence of numbers, as TRL's torch.tensor takes
     assert checked_rewards([None, True], 2, "f") == [None, 1.0]
-    for bad, error in (("ab", TypeError), ({"a": 1.0, "b": 2.0}, TypeError), (3.0, TypeError), (["x", 1.0], TypeError), ([1.0], ValueError)):
+    for bad, error in (
+        ("ab", TypeError),
+        ({"a": 1.0, "b": 2.0}, TypeError),
+        (3.0, TypeError),
+        (["x", 1.0], TypeError),
+        ([1.0], ValueError),
+    ):
         with pytest.raises(error, match="TRL-style reward f"):
             checked_rewards(bad, 2, "f")

@@ -33,7 +33,9 @@ def ref(fn: str) -> str:
     return f"{reward_fns.__name__}:{fn}"
 
 
-def rollout(texts: list[str], info: dict | None = None, task: str = "reverse_text", logprobs: np.ndarray | None = None) -> RolloutGroup:
+def rollout(
+    texts: list[str], info: dict | None = None, task: str = "reverse_text", logprobs: np.ndarray | None = None
+) -> RolloutGroup:
     g = len(texts)
     lens = [max(len(t), 1) for t in texts]  # token counts are irrelevant to scoring
     n = sum(lens)
@@ -88,7 +90,9 @@ def test_mean_centred_advantages_without_std():
 
 
 def test_equal_rewards_give_zero_advantages():
-    scored = RewardWorker(REVERSE, advantage="grpo", eps=1e-6, name="w", isolate=False).score(rollout(["olleh", "olleh<|endoftext|>"]))
+    scored = RewardWorker(REVERSE, advantage="grpo", eps=1e-6, name="w", isolate=False).score(
+        rollout(["olleh", "olleh<|endoftext|>"])
+    )
     assert scored.rewards.tolist() == [1.0, 1.0]
     assert scored.advantages.tolist() == [0.0, 0.0]
 
@@ -97,7 +101,17 @@ def test_scored_group_keeps_rollout_fields_and_validates():
     group = rollout(TEXTS)
     scored = RewardWorker(REVERSE, advantage="grpo", eps=1e-6, name="rw-3", isolate=False).score(group)
     assert isinstance(scored, ScoredGroup) and scored.reward_worker == "rw-3"
-    for name in ("id", "prompt_index", "step", "task", "info", "producer", "completion_texts", "finish_reasons", "gen_time_s"):
+    for name in (
+        "id",
+        "prompt_index",
+        "step",
+        "task",
+        "info",
+        "producer",
+        "completion_texts",
+        "finish_reasons",
+        "gen_time_s",
+    ):
         assert getattr(scored, name) == getattr(group, name)
     for name in ("prompt_ids", "completion_ids", "completion_lens", "sampler_logprobs", "version_start", "version_end"):
         np.testing.assert_array_equal(getattr(scored, name), getattr(group, name))
@@ -107,7 +121,9 @@ def test_scored_group_keeps_rollout_fields_and_validates():
     np.testing.assert_array_equal(back.advantages, scored.advantages)
     # a RolloutGroup on the wire also decodes to what the worker can score
     np.testing.assert_array_equal(
-        RewardWorker(REVERSE, advantage="grpo", eps=1e-6, name="w", isolate=False).score(decode(encode(group))).rewards, scored.rewards)
+        RewardWorker(REVERSE, advantage="grpo", eps=1e-6, name="w", isolate=False).score(decode(encode(group))).rewards,
+        scored.rewards,
+    )
 
 
 def test_raising_reward_function_scores_zero_and_is_counted():
@@ -124,7 +140,9 @@ def test_raising_reward_function_scores_zero_and_is_counted():
 @pytest.mark.parametrize("isolate", [False, True])
 def test_some_samples_raise_others_score(isolate):
     # reward_fns.by_text: raises on "raise", NaN on "nan", else the text's length
-    worker = RewardWorker({"reverse_text": ((ref("by_text"), 1.0),)}, advantage="drgrpo", eps=1e-6, name="w", isolate=isolate)
+    worker = RewardWorker(
+        {"reverse_text": ((ref("by_text"), 1.0),)}, advantage="drgrpo", eps=1e-6, name="w", isolate=isolate
+    )
     before = errors("ValueError"), errors("non_finite")
     try:
         scored = worker.score(rollout(["abcd", "raise", "nan", "ab"]))
@@ -185,8 +203,13 @@ def test_unknown_task_scores_zero_and_is_counted():
 def test_skip_verification_calls_no_reward_function():
     # by_text would raise on "raise" and hang on "sleep": with skip_verification nothing runs
     before = errors("ValueError"), errors("timeout")
-    worker = RewardWorker({"reverse_text": ((ref("by_text"), 1.0),)}, advantage="grpo", name="w",
-                          timeout_s=TIMEOUT_S, filters=FiltersConfig(skip_verification=True))
+    worker = RewardWorker(
+        {"reverse_text": ((ref("by_text"), 1.0),)},
+        advantage="grpo",
+        name="w",
+        timeout_s=TIMEOUT_S,
+        filters=FiltersConfig(skip_verification=True),
+    )
     try:
         assert worker.scorer is None  # no child process started at all
         scored = worker.score(rollout(["raise", "sleep", "ab"]))
@@ -202,10 +225,12 @@ def test_filters_flag_and_mask_without_moving_rewards():
     logprobs = np.array([sure] * 5 + [unsure, -30.0, unsure, unsure, unsure] + [unsure] * 5, np.float32)
     group = rollout(["olleh", "xxxxx", "oll.."], logprobs=logprobs)
     group = dataclasses.replace(group, completion_ids=np.array([1] * 6 + [258] + [1] * 8, np.int32))
-    cfg = FiltersConfig.model_validate({
-        "gibberish": {"enabled": True, "enforce": False, "token_id_threshold": 256, "logprob_threshold": -12.0},
-        "repetition": {"enabled": True, "enforce": True, "window": 4, "prob_threshold": 0.99},
-    })
+    cfg = FiltersConfig.model_validate(
+        {
+            "gibberish": {"enabled": True, "enforce": False, "token_id_threshold": 256, "logprob_threshold": -12.0},
+            "repetition": {"enabled": True, "enforce": True, "window": 4, "prob_threshold": 0.99},
+        }
+    )
     before = filtered("gibberish"), filtered("repetition")
     scored = RewardWorker(REVERSE, advantage="drgrpo", name="w", isolate=False, filters=cfg).score(group)
     unfiltered = RewardWorker(REVERSE, advantage="drgrpo", name="w", isolate=False).score(group)

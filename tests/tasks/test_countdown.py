@@ -68,10 +68,21 @@ def test_wrong_value_or_numbers_score_zero(completion, why):
 @pytest.mark.parametrize(
     "completion",
     [
-        "", "   \n\n", "<answer></answer>", "<answer>   </answer>", "<answer>(3*5+7</answer>",
-        "<answer>3*5+7)</answer>", "<answer>()</answer>", "<answer>3*/5+7</answer>",
-        "<answer>3 5 7</answer>", "<answer>+3*5+7</answer>", "<answer>3*5+7.0</answer>",
-        "<answer>3*5+7 = 22 = 22</answer>", "twenty two", "<answer>3*5+7", "<answer>3*5+7<answer>",
+        "",
+        "   \n\n",
+        "<answer></answer>",
+        "<answer>   </answer>",
+        "<answer>(3*5+7</answer>",
+        "<answer>3*5+7)</answer>",
+        "<answer>()</answer>",
+        "<answer>3*/5+7</answer>",
+        "<answer>3 5 7</answer>",
+        "<answer>+3*5+7</answer>",
+        "<answer>3*5+7.0</answer>",
+        "<answer>3*5+7 = 22 = 22</answer>",
+        "twenty two",
+        "<answer>3*5+7",
+        "<answer>3*5+7<answer>",
     ],
 )
 def test_malformed_scores_zero(completion):

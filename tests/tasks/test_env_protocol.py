@@ -47,13 +47,22 @@ def test_hang_crash_raise_and_bad_results_are_labelled_and_the_rest_survive(envs
 def test_step_statistics_are_validated_and_a_malformed_one_is_flagged_not_fatal(envs):
     state = envs.call(ENV, "reset", [[{"turns": 3}]])[0].value
     good = '{"tool_calls": [{"name": "calc", "error": null}, {"name": null, "error": "parse_error"}]}'
-    malformed = ['"x"', '{"tool_calls": "x"}', '{"tool_calls": [{"name": 3}]}', '{"tool_calls": [{"error": "oops"}]}',
-                 '{"tool_calls": [{"name": "a", "why": 1}]}', '{"tool_calls": [{"name": "%s"}]}' % ("a" * 200),
-                 '{"tool_calls": [%s]}' % ", ".join(['{"name": "a"}'] * (MAX_TOOL_RECORDS + 1))]
+    malformed = [
+        '"x"',
+        '{"tool_calls": "x"}',
+        '{"tool_calls": [{"name": 3}]}',
+        '{"tool_calls": [{"error": "oops"}]}',
+        '{"tool_calls": [{"name": "a", "why": 1}]}',
+        '{"tool_calls": [{"name": "%s"}]}' % ("a" * 200),
+        '{"tool_calls": [%s]}' % ", ".join(['{"name": "a"}'] * (MAX_TOOL_RECORDS + 1)),
+    ]
     texts = ["plain", "stats:" + good, "stats:{}", *("stats:" + m for m in malformed), "stats5:{}"]
     results = envs.call(ENV, "step", [[state, t] for t in texts])
     assert [(r.error, r.tool_calls, r.bad_stats) for r in results[:3]] == [
-        (None, (), False), (None, (("calc", None), (None, "parse_error")), False), (None, (), False)]
+        (None, (), False),
+        (None, (("calc", None), (None, "parse_error")), False),
+        (None, (), False),
+    ]
     for r in results[3:-1]:  # the step stands; its statistics are dropped and flagged
         assert (r.error, r.tool_calls, r.bad_stats) == (None, (), True) and r.value[2]["seen"] == 1
     assert results[-1].error == "bad_result"  # five elements: not a step result

@@ -92,8 +92,20 @@ def test_extraction_routes(text, expected):
 
 @pytest.mark.parametrize(
     "completion",
-    ["18", "18.0", "$18", "$18.00", r"\frac{36}{2}", r"\boxed{18}", r"\boxed{\dfrac{36}{2}}",
-     "#### 18", "The answer is 18 dollars.", r"The answer is $\$18$.", "18%", "#### 018"],
+    [
+        "18",
+        "18.0",
+        "$18",
+        "$18.00",
+        r"\frac{36}{2}",
+        r"\boxed{18}",
+        r"\boxed{\dfrac{36}{2}}",
+        "#### 18",
+        "The answer is 18 dollars.",
+        r"The answer is $\$18$.",
+        "18%",
+        "#### 018",
+    ],
 )
 def test_equivalent_forms_of_18_score_one(completion):
     assert gsm8k_reward(completion, {"answer": "18"}) == 1.0
@@ -121,13 +133,35 @@ def test_value_comparison(completion, answer, expected):
 @pytest.mark.parametrize(
     "completion",
     [
-        "", " ", "\n\n", "####", r"\boxed{}", r"\boxed{", "}}}{{{", "$", "$$", "1/0", "nan", "inf",
-        r"\frac{1}{0}", "\x00\x01\udcff", "١٨", "-" * 1000, "9" * 100_000,
+        "",
+        " ",
+        "\n\n",
+        "####",
+        r"\boxed{}",
+        r"\boxed{",
+        "}}}{{{",
+        "$",
+        "$$",
+        "1/0",
+        "nan",
+        "inf",
+        r"\frac{1}{0}",
+        "\x00\x01\udcff",
+        "١٨",
+        "-" * 1000,
+        "9" * 100_000,
         # sympy would evaluate these for ever or for long: never parsed (is_safe_candidate)
-        r"\boxed{9^{9^{9^{9}}}}", r"$9^{9^{9}}$ #### 9^9^9", "#### 9**9**9", r"\boxed{100000000!}",
-        r"\boxed{\binom{100000}{50000}}", r"\boxed{\sqrt{324}}",
+        r"\boxed{9^{9^{9^{9}}}}",
+        r"$9^{9^{9}}$ #### 9^9^9",
+        "#### 9**9**9",
+        r"\boxed{100000000!}",
+        r"\boxed{\binom{100000}{50000}}",
+        r"\boxed{\sqrt{324}}",
         # deep nesting and huge inputs
-        "{" * 10_000 + "x", "#### " + r"\frac{" * 5_000, r"\boxed{" * 10_000, "the answer is " * 10_000,
+        "{" * 10_000 + "x",
+        "#### " + r"\frac{" * 5_000,
+        r"\boxed{" * 10_000,
+        "the answer is " * 10_000,
     ],
 )
 def test_garbage_scores_zero_quickly_without_raising(completion):

@@ -54,7 +54,11 @@ def test_registry_and_unknown_name():
 def test_gsm8k_own_data_train_shuffled_by_seed_eval_in_file_order():
     first = json.loads(GSM8K_TEST.read_text().splitlines()[0])
     [ex] = load_task_examples("gsm8k", "eval", 1, seed=99)  # eval ignores the seed: the first N of test.jsonl
-    assert ex == {"id": "gsm8k/eval/0", "prompt": first["question"], "info": {"answer": first["answer"].rpartition("####")[2].strip()}}
+    assert ex == {
+        "id": "gsm8k/eval/0",
+        "prompt": first["question"],
+        "info": {"answer": first["answer"].rpartition("####")[2].strip()},
+    }
     train = load_task_examples("gsm8k", "train", 50, 0)
     assert train == load_task_examples("gsm8k", "train", 50, 0)
     assert train[:10] == load_task_examples("gsm8k", "train", 10, 0)  # a fixed permutation
@@ -74,7 +78,9 @@ def test_gsm8k_defaults_and_overrides():
     assert task.system_prompt == "Be brief." and task.rewards == (("gsm8k", 1.0), ("my_pkg.r:brevity", 0.1))
     ex = task.load("eval", 1, 0)[0]
     assert render_messages(ex, task.system_prompt) == [
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": ex["prompt"]}]
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": ex["prompt"]},
+    ]
     # the overrides belong to the task they name: another task keeps its own
     assert get_task("reverse_text", cfg).system_prompt is None
     assert get_task("reverse_text", cfg).rewards == (("reverse_text", 1.0),)
@@ -107,11 +113,15 @@ def test_user_train_file_keeps_the_tasks_own_eval(tmp_path):
 def test_missing_field_names_file_line_and_column(tmp_path):
     rows = [ROWS[0], ROWS[1], {"problem": "no solution here"}]
     path = write_jsonl(tmp_path / "bad.jsonl", rows)
-    with pytest.raises(ValueError, match=r"bad\.jsonl:line 3: missing field 'answer' \(mapped from column 'solution'\)"):
+    with pytest.raises(
+        ValueError, match=r"bad\.jsonl:line 3: missing field 'answer' \(mapped from column 'solution'\)"
+    ):
         get_task("gsm8k", gsm8k_cfg(dataset={"path": str(path), "fields": FIELDS})).load("train", 5, 0)
     table = pa.Table.from_pylist([{"problem": "q", "answer": "#### 1"}])
     pq.write_table(table, tmp_path / "bad.parquet")
-    with pytest.raises(ValueError, match=r"bad\.parquet: missing field 'answer' \(mapped from column 'solution'\).*'problem', 'answer'"):
+    with pytest.raises(
+        ValueError, match=r"bad\.parquet: missing field 'answer' \(mapped from column 'solution'\).*'problem', 'answer'"
+    ):
         load_records(tmp_path / "bad.parquet", ["question", "answer"], fields=FIELDS)
     null = pa.Table.from_pylist([{"question": "q", "answer": "#### 1"}, {"question": None, "answer": "#### 2"}])
     pq.write_table(null, tmp_path / "null.parquet")
@@ -119,11 +129,14 @@ def test_missing_field_names_file_line_and_column(tmp_path):
         load_records(tmp_path / "null.parquet", ["question", "answer"])
 
 
-@pytest.mark.parametrize("content, error", [
-    ('{"question": "q", "answer": "#### 1"}\nnot json\n', r"line 2: not valid JSON"),
-    ('["q", "#### 1"]\n', r"line 1: expected a JSON object, got list"),
-    ("\n\n", r"has no rows"),
-])
+@pytest.mark.parametrize(
+    "content, error",
+    [
+        ('{"question": "q", "answer": "#### 1"}\nnot json\n', r"line 2: not valid JSON"),
+        ('["q", "#### 1"]\n', r"line 1: expected a JSON object, got list"),
+        ("\n\n", r"has no rows"),
+    ],
+)
 def test_malformed_jsonl(tmp_path, content, error):
     (tmp_path / "d.jsonl").write_text(content)
     with pytest.raises(ValueError, match=error):
@@ -198,10 +211,13 @@ def test_countdown_task():
 def test_reward_spec_covers_training_and_eval_tasks():
     cfg = load_config(CONFIG_DIR / "gsm8k.yaml")
     assert reward_spec(cfg) == {"gsm8k": (("gsm8k", 1.0),)}
-    cfg = load_config(CONFIG_DIR / "gsm8k.yaml", [
-        "task.rewards=[{name: gsm8k}, {name: 'my_pkg.r:brevity', weight: 0.1}]",
-        "eval.tasks=[{name: gsm8k}, {name: countdown}, {name: reverse_text}]",
-    ])
+    cfg = load_config(
+        CONFIG_DIR / "gsm8k.yaml",
+        [
+            "task.rewards=[{name: gsm8k}, {name: 'my_pkg.r:brevity', weight: 0.1}]",
+            "eval.tasks=[{name: gsm8k}, {name: countdown}, {name: reverse_text}]",
+        ],
+    )
     assert reward_spec(cfg) == {
         "gsm8k": (("gsm8k", 1.0), ("my_pkg.r:brevity", 0.1)),  # the eval task of the training task shares its rewards
         "countdown": (("countdown", 1.0),),

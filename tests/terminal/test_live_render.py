@@ -10,35 +10,73 @@ import pytest
 from busctl.live import format_busy, format_duration, format_rate, header_text, progress_line, render_text
 from busctl.run_status import EventLog, StepClock, eta_s
 
-METRICS = {"reward_mean": 0.5123, "loss": 0.0123, "kl": 0.00123, "entropy": 1.8765, "tokens_per_s": 1234.4,
-           "policy_lag_mean": 0.5, "policy_lag_max": 1.0, "step_time_s": 2.312}
+METRICS = {
+    "reward_mean": 0.5123,
+    "loss": 0.0123,
+    "kl": 0.00123,
+    "entropy": 1.8765,
+    "tokens_per_s": 1234.4,
+    "policy_lag_mean": 0.5,
+    "policy_lag_max": 1.0,
+    "step_time_s": 2.312,
+}
 
 
 def snapshot() -> dict:
     """Step 12 of 60 at 0.4 steps/s; a producer, two reward workers (one restarting), the hub."""
-    empty = {"throughput": {"samples_per_s": None, "tokens_per_s": None}, "busy": None, "queue_depth": None, "queues": {}}
+    empty = {
+        "throughput": {"samples_per_s": None, "tokens_per_s": None},
+        "busy": None,
+        "queue_depth": None,
+        "queues": {},
+    }
     return {
-        "name": "reverse_text", "state": "running", "step": 12, "max_steps": 60, "trainer_metrics": METRICS,
-        "steps_per_s": 0.4, "eta_s": 120.0,
+        "name": "reverse_text",
+        "state": "running",
+        "step": 12,
+        "max_steps": 60,
+        "trainer_metrics": METRICS,
+        "steps_per_s": 0.4,
+        "eta_s": 120.0,
         "events": [[1_700_000_000.0 + k, f"event {k}"] for k in range(8)],
         "components": [
             {"name": "hub", "state": "running", "restarts": 0, **empty},
-            {"name": "producer-0", "state": "running", "restarts": 0, "throughput": {"samples_per_s": 41.6, "tokens_per_s": 1234.4},
-             "busy": 0.913, "queue_depth": 9.0, "queues": {"rollouts/outbox_unfinished": 8.0, "prompts/inbox": 1.0}},
-            {"name": "rewards-0", "state": "running", "restarts": 0, "throughput": {"samples_per_s": 41.0, "tokens_per_s": 0.5},
-             "busy": 0.02, "queue_depth": 0.0, "queues": {"rollouts/inbox": 0.0}},
+            {
+                "name": "producer-0",
+                "state": "running",
+                "restarts": 0,
+                "throughput": {"samples_per_s": 41.6, "tokens_per_s": 1234.4},
+                "busy": 0.913,
+                "queue_depth": 9.0,
+                "queues": {"rollouts/outbox_unfinished": 8.0, "prompts/inbox": 1.0},
+            },
+            {
+                "name": "rewards-0",
+                "state": "running",
+                "restarts": 0,
+                "throughput": {"samples_per_s": 41.0, "tokens_per_s": 0.5},
+                "busy": 0.02,
+                "queue_depth": 0.0,
+                "queues": {"rollouts/inbox": 0.0},
+            },
             {"name": "rewards-1", "state": "restarting", "restarts": 2, **empty},
         ],
     }
 
 
 def rows(text: str) -> dict[str, list[str]]:
-    return {cells[0]: cells for line in text.splitlines() if len(cells := [c.strip() for c in re.split("[│┃]", line)[1:-1]]) == 7}
+    return {
+        cells[0]: cells
+        for line in text.splitlines()
+        if len(cells := [c.strip() for c in re.split("[│┃]", line)[1:-1]]) == 7
+    }
 
 
 def test_header_holds_step_learning_values_lag_and_eta():
-    assert header_text(snapshot()) == ("reverse_text running | step 12/60 | reward 0.512 | KL 0.0012 | entropy 1.877"
-                                       " | lag 0.50/1 | 2.31 s/step | ETA 2m00s")
+    assert header_text(snapshot()) == (
+        "reverse_text running | step 12/60 | reward 0.512 | KL 0.0012 | entropy 1.877"
+        " | lag 0.50/1 | 2.31 s/step | ETA 2m00s"
+    )
     before = {**snapshot(), "step": None, "trainer_metrics": {}, "eta_s": None}
     assert header_text(before) == "reverse_text running | step -/60"
 
@@ -55,12 +93,20 @@ def test_render_shows_every_component_and_the_last_events():
 
 
 def test_progress_line_keeps_its_format():
-    assert progress_line(12, 60, METRICS) == ("step   12/60 | reward 0.512 | loss +0.0123 | kl 0.0012 | 1,234 tok/s"
-                                              " | lag 0.50/1 | 2.31 s")
+    assert progress_line(12, 60, METRICS) == (
+        "step   12/60 | reward 0.512 | loss +0.0123 | kl 0.0012 | 1,234 tok/s | lag 0.50/1 | 2.31 s"
+    )
 
 
 def test_formats():
-    assert [format_duration(s) for s in (None, 0, 59.4, 61, 3599, 3725)] == ["-", "0s", "59s", "1m01s", "59m59s", "1h02m"]
+    assert [format_duration(s) for s in (None, 0, 59.4, 61, 3599, 3725)] == [
+        "-",
+        "0s",
+        "59s",
+        "1m01s",
+        "59m59s",
+        "1h02m",
+    ]
     assert [format_rate(v) for v in (None, 0.0, 0.25, 12.5, 1234.4)] == ["-", "0.00", "0.25", "12.5", "1,234"]
     assert [format_busy(v) for v in (None, 0.0, 0.913, 1.0)] == ["-", "0%", "91%", "100%"]
 
@@ -82,4 +128,8 @@ def test_event_log_keeps_plain_text_of_the_last_events():
     for k in range(25):
         log.add(f"  [green]ready[/green] rewards-{k} (pid {k})", now=float(k))
     events = log.recent()
-    assert len(events) == 20 and events[0] == [5.0, "ready rewards-5 (pid 5)"] and events[-1][1] == "ready rewards-24 (pid 24)"
+    assert (
+        len(events) == 20
+        and events[0] == [5.0, "ready rewards-5 (pid 5)"]
+        and events[-1][1] == "ready rewards-24 (pid 24)"
+    )

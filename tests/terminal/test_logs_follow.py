@@ -33,8 +33,13 @@ def test_logs_follow_prints_appended_lines_until_interrupted(tmp_path: Path):
     log = run_dir / "logs" / "producer-0.log"
     log.write_text("===== rlbus: starting producer-0 =====\nfirst line\n")
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "busctl", "logs", "producer-0", "-f"], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "busctl", "logs", "producer-0", "-f"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         got = read_until(proc, "first line\n")
         with log.open("a") as f:
@@ -53,7 +58,12 @@ def test_logs_follow_prints_appended_lines_until_interrupted(tmp_path: Path):
 def test_logs_of_an_unknown_component_names_the_known_ones(tmp_path: Path):
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "trainer.log").write_text("x\n")
-    shown = subprocess.run([sys.executable, "-m", "busctl", "logs", str(tmp_path), "producer-9"], cwd=REPO_ROOT,
-                           capture_output=True, text=True, timeout=TIMEOUT_S)
+    shown = subprocess.run(
+        [sys.executable, "-m", "busctl", "logs", str(tmp_path), "producer-9"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     assert shown.returncode == 1
     assert "no log for 'producer-9'" in shown.stderr and "['trainer']" in shown.stderr  # an error: on stderr

@@ -96,7 +96,7 @@ def test_a_restarted_component_counts_from_zero(endpoints):
 
 def test_parse_rejects_garbage_and_scrape_of_a_closed_port_raises():
     with pytest.raises(ValueError):
-        parse_metrics("rlbus_x{stage=\"p\" 1\n", 0.0)
+        parse_metrics('rlbus_x{stage="p" 1\n', 0.0)
     with pytest.raises(OSError):
         scrape(free_port(), timeout_s=0.5)
 
@@ -104,7 +104,11 @@ def test_parse_rejects_garbage_and_scrape_of_a_closed_port_raises():
 def test_poller_tolerates_dead_targets_and_keeps_rates(endpoints):
     live = endpoints()
     dead_port = free_port()
-    poller = MetricsPoller(lambda: [("producer-0", "127.0.0.1", live.port), ("rewards-0", "127.0.0.1", dead_port)], interval_s=0.05, timeout_s=0.5)
+    poller = MetricsPoller(
+        lambda: [("producer-0", "127.0.0.1", live.port), ("rewards-0", "127.0.0.1", dead_port)],
+        interval_s=0.05,
+        timeout_s=0.5,
+    )
     first = poller.poll_once()
     assert set(first) == {"producer-0"} and "rewards-0" in poller.failures
     assert first["producer-0"]["throughput"]["samples_per_s"] is None  # one reading: no rate yet

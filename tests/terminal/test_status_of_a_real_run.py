@@ -28,12 +28,17 @@ TIMEOUT_S = 500.0
 
 
 def busctl(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "busctl", *args], cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=60, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "busctl", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, **kw
+    )
 
 
 def status_rows(text: str) -> dict[str, list[str]]:
-    return {cells[0]: cells for line in text.splitlines() if len(cells := [c.strip() for c in re.split("[│┃]", line)[1:-1]]) == 11}
+    return {
+        cells[0]: cells
+        for line in text.splitlines()
+        if len(cells := [c.strip() for c in re.split("[│┃]", line)[1:-1]]) == 11
+    }
 
 
 def number(cell: str) -> float | None:
@@ -45,10 +50,27 @@ def test_busctl_status_shows_throughput_and_queues_of_a_live_run(tmp_path: Path)
     run_dir = tmp_path / "run"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     up = subprocess.Popen(
-        [sys.executable, "-m", "busctl", "up", f"run_dir={run_dir}", f"model.path={policy}", "trainer.max_steps=50",
-         "trainer.batch_size=16", "producers.group_size=4", "sampling.max_tokens=16", "eval.eval_base_model=false",
-         "eval.tasks=[{name: reverse_text, num_examples: 8}]"],
-        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
+        [
+            sys.executable,
+            "-m",
+            "busctl",
+            "up",
+            f"run_dir={run_dir}",
+            f"model.path={policy}",
+            "trainer.max_steps=50",
+            "trainer.batch_size=16",
+            "producers.group_size=4",
+            "sampling.max_tokens=16",
+            "eval.eval_base_model=false",
+            "eval.tasks=[{name: reverse_text, num_examples: 8}]",
+        ],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env=env,
+    )
     seen, measured, queues = "", set(), set()
     stages = ("producer-0", "rewards-0", "trainer")
     try:
@@ -62,15 +84,23 @@ def test_busctl_status_shows_throughput_and_queues_of_a_live_run(tmp_path: Path)
                 rows = status_rows(seen)
                 assert rows["component"][6:10] == ["samples/s", "tokens/s", "busy", "queue"]
                 # stages finish work in bursts: each one's rate is seen > 0 at some poll
-                measured |= {n for n in stages if n in rows and (number(rows[n][6]) or 0) > 0 and (number(rows[n][7]) or 0) > 0
-                             and rows[n][8].endswith("%")}
+                measured |= {
+                    n
+                    for n in stages
+                    if n in rows
+                    and (number(rows[n][6]) or 0) > 0
+                    and (number(rows[n][7]) or 0) > 0
+                    and rows[n][8].endswith("%")
+                }
                 queues |= {n for n in stages if n in rows and number(rows[n][9]) is not None}
                 if measured == queues == set(stages) and re.search(r"step \d+/50 \| reward [-0-9.]+ \| KL ", seen):
                     break
             time.sleep(2.0)
         else:
-            pytest.fail(f"not within {TIMEOUT_S} s: a trained step, throughput of {set(stages) - measured} and queue depth "
-                        f"of {set(stages) - queues}; last status:\n{seen}")
+            pytest.fail(
+                f"not within {TIMEOUT_S} s: a trained step, throughput of {set(stages) - measured} and queue depth "
+                f"of {set(stages) - queues}; last status:\n{seen}"
+            )
         assert busctl("down", str(run_dir)).returncode == 0
         out, _ = up.communicate(timeout=120)
         assert up.returncode == 130, out

@@ -37,16 +37,27 @@ WAIT_S = 60.0
 
 def make_cfg(run_dir: Path) -> RunConfig:
     """Ticker components: fast heartbeats, no policy, no broadcast port."""
-    return load_config(None, [
-        f"run_dir={run_dir}", "name=ticks", "model.path=unused-by-ticker", "broadcast.method=filesystem",
-        "bus.heartbeat_s=0.1", "bus.dead_after_s=5", "bus.ready_timeout_s=60", "producers.max_replicas=2",
-    ])
+    return load_config(
+        None,
+        [
+            f"run_dir={run_dir}",
+            "name=ticks",
+            "model.path=unused-by-ticker",
+            "broadcast.method=filesystem",
+            "bus.heartbeat_s=0.1",
+            "bus.dead_after_s=5",
+            "bus.ready_timeout_s=60",
+            "producers.max_replicas=2",
+        ],
+    )
 
 
 def ticker_table(*names: str) -> list[ComponentSpec]:
     """The real hub for ``"hub"``, a ticker for every other name."""
-    return [ComponentSpec(n, "bus.hub" if n == "hub" else "tests.terminal.ticker", int(n[-1]) if n[-1].isdigit() else 0)
-            for n in names]
+    return [
+        ComponentSpec(n, "bus.hub" if n == "hub" else "tests.terminal.ticker", int(n[-1]) if n[-1].isdigit() else 0)
+        for n in names
+    ]
 
 
 class TerminalRun:
@@ -74,6 +85,7 @@ class TerminalRun:
         def check():
             assert self.thread.is_alive(), f"supervisor ended (code {self.code}) before: {what}\n{self.out.getvalue()}"
             return (self.run_dir / "status.json").exists() and predicate(rows := self.rows()) and rows
+
         return wait_until(check, what, WAIT_S)
 
     def close(self) -> int | None:
@@ -98,12 +110,18 @@ def terminal_run(tmp_path):
 
 def busctl_cli(*args: str) -> subprocess.CompletedProcess:
     """``busctl ARGS`` as its own process (another terminal)."""
-    return subprocess.run([sys.executable, "-m", "busctl", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=WAIT_S)
+    return subprocess.run(
+        [sys.executable, "-m", "busctl", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=WAIT_S
+    )
 
 
 def table_rows(text: str, columns: int) -> dict[str, list[str]]:
     """Rows of a rich table in ``text`` with ``columns`` cells, by first cell."""
-    return {cells[0]: cells for line in text.splitlines() if len(cells := [c.strip() for c in re.split("[│┃]", line)[1:-1]]) == columns}
+    return {
+        cells[0]: cells
+        for line in text.splitlines()
+        if len(cells := [c.strip() for c in re.split("[│┃]", line)[1:-1]]) == columns
+    }
 
 
 def measured(row: dict) -> bool:
@@ -126,16 +144,23 @@ def test_status_scrape_config_and_live_display_of_a_running_supervisor(terminal_
     assert rows["hub"]["throughput"] == {"samples_per_s": None, "tokens_per_s": None}  # no stage: unknown, not 0
     assert rows["hub"]["role"] == "hub" and rows["producer-0"]["role"] == "producer"
     assert status["max_steps"] == make_cfg(Path("x")).trainer.max_steps and status["step"] is None
-    assert [text for _, text in status["events"]].count("ready hub (pid {}, metrics :{})".format(
-        rows["hub"]["pid"], rows["hub"]["metrics_port"])) == 1
+    assert [text for _, text in status["events"]].count(
+        "ready hub (pid {}, metrics :{})".format(rows["hub"]["pid"], rows["hub"]["metrics_port"])
+    ) == 1
 
     # prometheus.yml: one static config per component and the supervisor, labelled
     prom = yaml.safe_load((run.run_dir / "prometheus.yml").read_text())
     (job,) = prom["scrape_configs"]
     assert (job["job_name"], job["scrape_interval"]) == ("rlbus", "5s")
     got = {c["labels"]["component"]: (c["labels"], c["targets"]) for c in job["static_configs"]}
-    want = {n: ({"run": "ticks", "component": n, "role": r["role"]}, [f"127.0.0.1:{r['metrics_port']}"]) for n, r in rows.items()}
-    want["supervisor"] = ({"run": "ticks", "component": "supervisor", "role": "supervisor"}, [f"127.0.0.1:{status['metrics_port']}"])
+    want = {
+        n: ({"run": "ticks", "component": n, "role": r["role"]}, [f"127.0.0.1:{r['metrics_port']}"])
+        for n, r in rows.items()
+    }
+    want["supervisor"] = (
+        {"run": "ticks", "component": "supervisor", "role": "supervisor"},
+        [f"127.0.0.1:{status['metrics_port']}"],
+    )
     assert got == want
 
     # the supervisor's own metrics: a restarts series per component from its spawn on (the value is

@@ -29,11 +29,21 @@ from tests.terminal.test_supervised_metrics import TerminalRun, measured, ticker
 def tls_run(tmp_path):
     keys = tmp_path / "keys"
     auth.create_keys(keys)
-    cfg = load_config(None, [
-        f"run_dir={tmp_path / 'run'}", "name=ticks", "model.path=unused-by-ticker", "broadcast.method=filesystem",
-        "bus.heartbeat_s=0.1", "bus.dead_after_s=5", "bus.ready_timeout_s=60", "bus.transport=tcp",
-        f"bus.base_port={random.randrange(20_000, 32_000, 100)}", f"bus.curve_keys_dir={keys}",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            "name=ticks",
+            "model.path=unused-by-ticker",
+            "broadcast.method=filesystem",
+            "bus.heartbeat_s=0.1",
+            "bus.dead_after_s=5",
+            "bus.ready_timeout_s=60",
+            "bus.transport=tcp",
+            f"bus.base_port={random.randrange(20_000, 32_000, 100)}",
+            f"bus.curve_keys_dir={keys}",
+        ],
+    )
     run = TerminalRun(cfg, ticker_table("hub", "packer"))
     yield run, MetricsTls.load(keys)
     run.close()
@@ -52,7 +62,9 @@ def test_the_poller_prometheus_and_only_certificate_holders_read_metrics_over_tl
     bare = ssl.create_default_context(cafile=str(tls.path("ca.crt")))  # trusts the servers, holds no certificate
     bare.check_hostname = False
     for target in (port, run.sup.metrics_port):
-        assert scrape(target, timeout_s=10, tls=client).total("rlbus_bus_messages_total") is not None  # the holder reads both
+        assert (
+            scrape(target, timeout_s=10, tls=client).total("rlbus_bus_messages_total") is not None
+        )  # the holder reads both
         with pytest.raises(OSError):
             urllib.request.urlopen(f"http://127.0.0.1:{target}/metrics", timeout=5).read()  # plain HTTP: nothing
         with pytest.raises(OSError):

@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.trackers.tracked_run import READERS, append, eval_record, make_run_dir, sample_records, stage_record, train_record
+from tests.trackers.tracked_run import (
+    READERS,
+    append,
+    eval_record,
+    make_run_dir,
+    sample_records,
+    stage_record,
+    train_record,
+)
 from trackers.follower import TrackerFollower
 from trackers.opening import tracker_lines
 
@@ -31,7 +39,9 @@ def test_tracker_logs_what_the_run_files_hold(tmp_path: Path, name: str, monkeyp
     follower = TrackerFollower(run_dir, [name], config)
     assert [t.name for t in follower.trackers] == [name] and not follower.failed
     assert follower.poll() == 3 + 3 + 2  # records read: metrics, stages, samples
-    append(run_dir / "metrics.jsonl", train_record(3), eval_record(2), "{not json\n", '{"step": 4, "loss"')  # the last line torn
+    append(
+        run_dir / "metrics.jsonl", train_record(3), eval_record(2), "{not json\n", '{"step": 4, "loss"'
+    )  # the last line torn
     append(run_dir / "samples.jsonl", *sample_records(2))
     follower.poll()
     assert follower.malformed == 1
@@ -47,7 +57,9 @@ def test_tracker_logs_what_the_run_files_hold(tmp_path: Path, name: str, monkeyp
     assert got["loss"] == pytest.approx({1: 1.0, 2: 0.5, 3: 1 / 3, 4: 0.25})
     assert got["reward"] == pytest.approx({1: 0.1, 2: 0.2, 3: 0.3, 4: 0.4})
     assert got["lr"] == pytest.approx({1: 1e-4, 2: 2e-4, 3: 3e-4, 4: 4e-4})
-    assert got["eval"] == pytest.approx({0: 0.30, 2: 0.32})  # eval rounds at their round, though they came between steps
+    assert got["eval"] == pytest.approx(
+        {0: 0.30, 2: 0.32}
+    )  # eval rounds at their round, though they came between steps
     assert got["stage"] == pytest.approx({1: 10.0, 2: 20.0})
     assert got["tables"] == {0: ["sihT-0-0", "sihT-0-1"], 2: ["sihT-2-0", "sihT-2-1"]}
     assert got["lr_param"] == pytest.approx(config["trainer"]["optim"]["lr"])
@@ -56,15 +68,18 @@ def test_tracker_logs_what_the_run_files_hold(tmp_path: Path, name: str, monkeyp
         assert got["status"] == "FINISHED"
     if name == "wandb":  # one W&B row per logged record: nothing twice
         assert sorted(r["step"] for r in got["history"] if "loss" in r) == [1, 2, 3, 4]
-    opening = {"tensorboard": f"tensorboard: tensorboard --logdir {run_dir / 'tensorboard'}",
-               "wandb": f"wandb (offline; uploads to your W&B account): wandb sync {run_dir / 'wandb'}/offline-run-",
-               "mlflow": f"mlflow: MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {run_dir / 'mlruns'}"}
+    opening = {
+        "tensorboard": f"tensorboard: tensorboard --logdir {run_dir / 'tensorboard'}",
+        "wandb": f"wandb (offline; uploads to your W&B account): wandb sync {run_dir / 'wandb'}/offline-run-",
+        "mlflow": f"mlflow: MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {run_dir / 'mlruns'}",
+    }
     lines = tracker_lines(run_dir)  # what busctl report prints
     assert len(lines) == 1 and lines[0].startswith(opening[name]), lines
 
 
-def test_failing_trackers_warn_once_and_the_others_go_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                         caplog: pytest.LogCaptureFixture) -> None:
+def test_failing_trackers_warn_once_and_the_others_go_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """TensorBoard cannot create its directory (a file is in the way: like a full or read-only disk)
     and MLflow's server does not answer (no network): each is named in one warning and dropped; W&B
     is not installed in this process's view (its module hidden). The follower never raises and

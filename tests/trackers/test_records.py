@@ -53,21 +53,65 @@ def test_tail_of_a_file_rewritten_by_resume_returns_only_the_new_records(tmp_pat
 
 
 def test_metrics_records_split_into_training_steps_and_eval_rounds() -> None:
-    train = {"step": 3, "loss": -0.1, "reward_mean": 0.4, "lag_frac/>=3": 0.0, "lr": 1e-4, "skipped": False, "note": "x",
-             "kl": float("nan")}
-    assert split_metrics_record(train) == ("train", 3, {"loss": -0.1, "reward_mean": 0.4, "lag_frac/>=3": 0.0, "lr": 1e-4})
+    train = {
+        "step": 3,
+        "loss": -0.1,
+        "reward_mean": 0.4,
+        "lag_frac/>=3": 0.0,
+        "lr": 1e-4,
+        "skipped": False,
+        "note": "x",
+        "kl": float("nan"),
+    }
+    assert split_metrics_record(train) == (
+        "train",
+        3,
+        {"loss": -0.1, "reward_mean": 0.4, "lag_frac/>=3": 0.0, "lr": 1e-4},
+    )
     evalrec = {"step": 2, "eval/reverse_text/reward_mean": 0.5, "eval/reverse_text/num_samples": 16}
-    assert split_metrics_record(evalrec) == ("eval", 2, {"eval/reverse_text/reward_mean": 0.5, "eval/reverse_text/num_samples": 16.0})
-    for bad in ({"loss": 1.0}, {"step": "3", "loss": 1.0}, {"step": -1, "loss": 1.0}, {"step": True, "loss": 1.0}, {"step": 1}):
+    assert split_metrics_record(evalrec) == (
+        "eval",
+        2,
+        {"eval/reverse_text/reward_mean": 0.5, "eval/reverse_text/num_samples": 16.0},
+    )
+    for bad in (
+        {"loss": 1.0},
+        {"step": "3", "loss": 1.0},
+        {"step": -1, "loss": 1.0},
+        {"step": True, "loss": 1.0},
+        {"step": 1},
+    ):
         assert split_metrics_record(bad) is None, bad
 
 
 def test_stage_records_become_per_component_scalars() -> None:
-    rec = {"time": 1.0, "step": 4, "components": {
-        "producer-0": {"role": "producer", "throughput": {"samples_per_s": 20.0, "tokens_per_s": 180.5}, "busy": 0.25, "queue_depth": 0.0},
-        "hub": {"role": "hub", "throughput": {"samples_per_s": None, "tokens_per_s": None}, "busy": None, "queue_depth": None}}}
-    assert stage_scalars(rec) == (4, {"stages/producer-0/samples_per_s": 20.0, "stages/producer-0/tokens_per_s": 180.5,
-                                      "stages/producer-0/busy": 0.25, "stages/producer-0/queue_depth": 0.0})
+    rec = {
+        "time": 1.0,
+        "step": 4,
+        "components": {
+            "producer-0": {
+                "role": "producer",
+                "throughput": {"samples_per_s": 20.0, "tokens_per_s": 180.5},
+                "busy": 0.25,
+                "queue_depth": 0.0,
+            },
+            "hub": {
+                "role": "hub",
+                "throughput": {"samples_per_s": None, "tokens_per_s": None},
+                "busy": None,
+                "queue_depth": None,
+            },
+        },
+    }
+    assert stage_scalars(rec) == (
+        4,
+        {
+            "stages/producer-0/samples_per_s": 20.0,
+            "stages/producer-0/tokens_per_s": 180.5,
+            "stages/producer-0/busy": 0.25,
+            "stages/producer-0/queue_depth": 0.0,
+        },
+    )
     assert stage_scalars({"step": 1, "components": {"hub": rec["components"]["hub"]}}) is None
     assert stage_scalars({"step": 1}) is None
 
@@ -75,10 +119,18 @@ def test_stage_records_become_per_component_scalars() -> None:
 def test_sample_rows_and_flat_hyperparameters() -> None:
     step, row = sample_row({"step": 10, "task": "t", "prompt": "p", "completion": "c", "reward": 0.5, "extra": 1})
     assert step == 10 and len(row) == len(SAMPLE_COLUMNS)
-    assert dict(zip(SAMPLE_COLUMNS, row)) == {**dict.fromkeys(SAMPLE_COLUMNS), "step": 10, "task": "t", "prompt": "p",
-                                                   "completion": "c", "reward": 0.5}
+    assert dict(zip(SAMPLE_COLUMNS, row)) == {
+        **dict.fromkeys(SAMPLE_COLUMNS),
+        "step": 10,
+        "task": "t",
+        "prompt": "p",
+        "completion": "c",
+        "reward": 0.5,
+    }
     assert sample_row({"task": "t"}) is None
-    flat = flatten_config({"name": "r", "trainer": {"optim": {"lr": 1e-4}, "lora": {"targets": ["q", "v"]}}, "x": None, "e": {}})
+    flat = flatten_config(
+        {"name": "r", "trainer": {"optim": {"lr": 1e-4}, "lora": {"targets": ["q", "v"]}}, "x": None, "e": {}}
+    )
     assert flat == {"name": "r", "trainer.optim.lr": 1e-4, "trainer.lora.targets": '["q", "v"]', "x": "null", "e": "{}"}
 
 
@@ -94,5 +146,10 @@ def test_markdown_table_keeps_one_row_per_line() -> None:
     from trackers.tensorboard_tracker import markdown_table
 
     text = markdown_table(("completion", "reward"), [["x|y\nz\x0cw\r\nq\u2028", 1.23456], ["", None]])
-    assert text.split("\n") == ["| completion | reward |", "|---|---|", "| x\\|y<br>z<br>w<br>q<br> | 1.235 |", "|  |  |"]
+    assert text.split("\n") == [
+        "| completion | reward |",
+        "|---|---|",
+        "| x\\|y<br>z<br>w<br>q<br> | 1.235 |",
+        "|  |  |",
+    ]
     assert len(text.splitlines()) == 4

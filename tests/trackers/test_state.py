@@ -20,9 +20,12 @@ from trackers.launch import TrackerProcess
 from trackers.opening import tracker_lines
 from trackers.state import read_tracker_state, tracker_state_path, write_tracker_state
 
-STATE = {"offsets": {"metrics.jsonl": 120, "stages.jsonl": 0, "samples.jsonl": 7},
-         "trackers": {"mlflow": {"run_id": "abc", "tracking_uri": "http://mlflow:5000"}},
-         "failed": {"wandb": "ImportError: no wandb"}, "config_logged": ["mlflow"]}
+STATE = {
+    "offsets": {"metrics.jsonl": 120, "stages.jsonl": 0, "samples.jsonl": 7},
+    "trackers": {"mlflow": {"run_id": "abc", "tracking_uri": "http://mlflow:5000"}},
+    "failed": {"wandb": "ImportError: no wandb"},
+    "config_logged": ["mlflow"],
+}
 
 
 def test_a_written_state_reads_back_whole(tmp_path: Path) -> None:
@@ -32,8 +35,11 @@ def test_a_written_state_reads_back_whole(tmp_path: Path) -> None:
     assert read_tracker_state(tmp_path) == STATE
 
 
-@pytest.mark.parametrize("text", [json.dumps(STATE)[:40], "", "\xff\xfe garbage", "[1, 2]", "null"],
-                         ids=["torn", "empty", "not-json", "list", "null"])
+@pytest.mark.parametrize(
+    "text",
+    [json.dumps(STATE)[:40], "", "\xff\xfe garbage", "[1, 2]", "null"],
+    ids=["torn", "empty", "not-json", "list", "null"],
+)
 def test_an_unusable_file_reads_as_empty_with_a_warning(tmp_path: Path, text: str, caplog) -> None:
     path = tracker_state_path(tmp_path)
     path.parent.mkdir()
@@ -45,14 +51,22 @@ def test_an_unusable_file_reads_as_empty_with_a_warning(tmp_path: Path, text: st
 
 
 def test_sections_of_the_wrong_shape_are_dropped_and_named(tmp_path: Path, caplog) -> None:
-    bad = {"offsets": {"metrics.jsonl": 5, "stages.jsonl": -1, "samples.jsonl": "12", "x": True},
-           "trackers": {"mlflow": {"run_id": "abc"}, "wandb": "oops"}, "failed": ["wandb"],
-           "config_logged": ["mlflow", 3], "extra": 1}
+    bad = {
+        "offsets": {"metrics.jsonl": 5, "stages.jsonl": -1, "samples.jsonl": "12", "x": True},
+        "trackers": {"mlflow": {"run_id": "abc"}, "wandb": "oops"},
+        "failed": ["wandb"],
+        "config_logged": ["mlflow", 3],
+        "extra": 1,
+    }
     write_tracker_state(tmp_path, bad)
     with caplog.at_level(logging.WARNING, logger="trackers.state"):
         state = read_tracker_state(tmp_path)
-    assert state == {"offsets": {"metrics.jsonl": 5}, "trackers": {"mlflow": {"run_id": "abc"}}, "config_logged": ["mlflow"],
-                     "extra": 1}
+    assert state == {
+        "offsets": {"metrics.jsonl": 5},
+        "trackers": {"mlflow": {"run_id": "abc"}},
+        "config_logged": ["mlflow"],
+        "extra": 1,
+    }
     messages = "\n".join(r.getMessage() for r in caplog.records)
     assert "3 malformed entries of 'offsets'" in messages and "'failed' is a JSON list" in messages
     assert "1 malformed entries of 'trackers'" in messages and "1 malformed entries of 'config_logged'" in messages
@@ -73,7 +87,9 @@ def test_the_three_readers_survive_a_torn_state_file(tmp_path: Path) -> None:
     follower.close()
     assert read_tracker_state(run_dir)["offsets"]["metrics.jsonl"] == (run_dir / "metrics.jsonl").stat().st_size
 
-    path.write_text('{"trackers": {"mlflow": {"run_id": "r1", "tracking_uri": "http://h:5000"}}, "failed": {"wandb": "boom"}')
+    path.write_text(
+        '{"trackers": {"mlflow": {"run_id": "r1", "tracking_uri": "http://h:5000"}}, "failed": {"wandb": "boom"}'
+    )
     assert tracker_lines(run_dir) == []  # torn: no run id to name, and no crash
     write_tracker_state(run_dir, STATE)
     assert tracker_lines(run_dir) == ["mlflow: run abc at http://mlflow:5000"]

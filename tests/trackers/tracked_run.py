@@ -32,8 +32,17 @@ def append(path: Path, *records: dict | str) -> None:
 
 def train_record(step: int) -> dict:
     """A metrics.jsonl step record whose values follow from ``step``."""
-    return {"step": step, "loss": 1.0 / step, "reward_mean": 0.1 * step, "kl": 0.001 * step, "entropy": 2.0 - 0.1 * step,
-            "policy_lag_mean": 0.5, "lr": 1e-4 * step, "time/forward_s": 0.25, "lag_frac/>=3": 0.0}
+    return {
+        "step": step,
+        "loss": 1.0 / step,
+        "reward_mean": 0.1 * step,
+        "kl": 0.001 * step,
+        "entropy": 2.0 - 0.1 * step,
+        "policy_lag_mean": 0.5,
+        "lr": 1e-4 * step,
+        "time/forward_s": 0.25,
+        "lag_frac/>=3": 0.0,
+    }
 
 
 def eval_record(round_: int) -> dict:
@@ -43,18 +52,45 @@ def eval_record(round_: int) -> dict:
 
 def stage_record(step: int) -> dict:
     """A stages.jsonl record: one producer's throughput at ``step``."""
-    return {"time": 1.0, "step": step, "components": {"producer-0": {"role": "producer", "throughput": {
-        "samples_per_s": 10.0 * step, "tokens_per_s": 90.0 * step}, "busy": 0.5, "queue_depth": 1.0}}}
+    return {
+        "time": 1.0,
+        "step": step,
+        "components": {
+            "producer-0": {
+                "role": "producer",
+                "throughput": {"samples_per_s": 10.0 * step, "tokens_per_s": 90.0 * step},
+                "busy": 0.5,
+                "queue_depth": 1.0,
+            }
+        },
+    }
 
 
 def sample_records(step: int, n: int = 2) -> list[dict]:
     """``n`` samples.jsonl examples of ``step`` (a ``|`` and a newline in the prompt on purpose)."""
-    return [{"step": step, "time": 1.0, "group_id": f"g{step}", "task": "reverse_text", "sample": i, "group_size": n,
-             "prompt": "reverse | this\nplease", "completion": f"sihT-{step}-{i}", "reward": 0.25 * i, "advantage": 0.5 - i,
-             "policy_version": step, "lag": 0, "finish_reason": "stop", "completion_tokens": 5} for i in range(n)]
+    return [
+        {
+            "step": step,
+            "time": 1.0,
+            "group_id": f"g{step}",
+            "task": "reverse_text",
+            "sample": i,
+            "group_size": n,
+            "prompt": "reverse | this\nplease",
+            "completion": f"sihT-{step}-{i}",
+            "reward": 0.25 * i,
+            "advantage": 0.5 - i,
+            "policy_version": step,
+            "lag": 0,
+            "finish_reason": "stop",
+            "completion_tokens": 5,
+        }
+        for i in range(n)
+    ]
 
 
 # -- readers, one per tracker: {"loss": {step: value}, "eval": {round: value}, "tables": {step: [completions]}, "lr_param": ...}
+
 
 def read_tensorboard(run_dir: Path) -> dict:
     """What RUN_DIR/tensorboard holds, read with TensorBoard's event reader."""
@@ -72,9 +108,15 @@ def read_tensorboard(run_dir: Path) -> dict:
         text = event.tensor_proto.string_val[0].decode()
         tables[event.step] = [line.split(" | ")[5] for line in text.split("\n")[2:]]  # the completion column
     hp = plugin_data_pb2.HParamsPluginData.FromString(acc.PluginTagToContent("hparams")["_hparams_/session_start_info"])
-    return {"loss": scalars("loss"), "reward": scalars("reward_mean"), "lr": scalars("lr"),
-            "eval": scalars("eval/reverse_text/reward_mean"), "stage": scalars("stages/producer-0/samples_per_s"),
-            "tables": tables, "lr_param": hp.session_start_info.hparams["trainer.optim.lr"].number_value}
+    return {
+        "loss": scalars("loss"),
+        "reward": scalars("reward_mean"),
+        "lr": scalars("lr"),
+        "eval": scalars("eval/reverse_text/reward_mean"),
+        "stage": scalars("stages/producer-0/samples_per_s"),
+        "tables": tables,
+        "lr_param": hp.session_start_info.hparams["trainer.optim.lr"].number_value,
+    }
 
 
 def read_wandb(run_dir: Path) -> dict:
@@ -91,9 +133,16 @@ def read_wandb(run_dir: Path) -> dict:
             col = table["columns"].index("completion")
             tables[r["step"]] = [row[col] for row in table["data"]]
     config = wandb_files.config(run_dir)
-    return {"loss": series("loss"), "reward": series("reward_mean"), "lr": series("lr"), "eval": series("eval/reverse_text/reward_mean"),
-            "stage": series("stages/producer-0/samples_per_s"), "tables": tables,
-            "lr_param": config["trainer"]["optim"]["lr"], "history": rows}
+    return {
+        "loss": series("loss"),
+        "reward": series("reward_mean"),
+        "lr": series("lr"),
+        "eval": series("eval/reverse_text/reward_mean"),
+        "stage": series("stages/producer-0/samples_per_s"),
+        "tables": tables,
+        "lr_param": config["trainer"]["optim"]["lr"],
+        "history": rows,
+    }
 
 
 def read_mlflow(run_dir: Path) -> dict:
@@ -119,10 +168,17 @@ def read_mlflow(run_dir: Path) -> dict:
         table = json.loads(Path(client.download_artifacts(run_id, art.path, str(run_dir / "downloaded"))).read_text())
         col = table["columns"].index("completion")
         tables[int(art.path.rsplit("_", 1)[1].split(".")[0])] = [row[col] for row in table["data"]]
-    return {"loss": series("loss"), "reward": series("reward_mean"), "lr": series("lr"), "eval": series("eval/reverse_text/reward_mean"),
-            "stage": series("stages/producer-0/samples_per_s"), "tables": tables,
-            "lr_param": float(runs[0].data.params["trainer.optim.lr"]), "lag_ge3": series("lag_frac/ge3"),
-            "status": client.get_run(run_id).info.status}
+    return {
+        "loss": series("loss"),
+        "reward": series("reward_mean"),
+        "lr": series("lr"),
+        "eval": series("eval/reverse_text/reward_mean"),
+        "stage": series("stages/producer-0/samples_per_s"),
+        "tables": tables,
+        "lr_param": float(runs[0].data.params["trainer.optim.lr"]),
+        "lag_ge3": series("lag_frac/ge3"),
+        "status": client.get_run(run_id).info.status,
+    }
 
 
 READERS = {"tensorboard": read_tensorboard, "wandb": read_wandb, "mlflow": read_mlflow}

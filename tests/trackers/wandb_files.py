@@ -36,11 +36,11 @@ def read_records(path: Path) -> list[wandb_internal_pb2.Record]:
         if left_in_block < HEADER:
             pos += left_in_block
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + HEADER])
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
         if length == 0 and kind == 0:  # zero padding at the end of the file or block
             pos += left_in_block
             continue
-        chunk = data[pos + HEADER:pos + HEADER + length]
+        chunk = data[pos + HEADER : pos + HEADER + length]
         if len(chunk) != length or kind not in (1, 2, 3, 4):
             raise ValueError(f"{path}: bad chunk at byte {pos} (type {kind}, length {length})")
         pos += HEADER + length
@@ -69,7 +69,9 @@ def history(run_dir: Path) -> list[dict]:
     for path in files:
         for rec in read_records(path):
             if rec.WhichOneof("record_type") == "history":
-                row = {(item.key or "/".join(item.nested_key)): json.loads(item.value_json) for item in rec.history.item}
+                row = {
+                    (item.key or "/".join(item.nested_key)): json.loads(item.value_json) for item in rec.history.item
+                }
                 rows.append({**row, "_files": path.parent / "files"})
     return rows
 

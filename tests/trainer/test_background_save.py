@@ -33,7 +33,9 @@ def test_a_background_save_writes_the_state_of_its_snapshot(model_dir, tmp_path,
 
     def write():
         release.wait(60)  # written only after the trainer changed weights, optimizer and RNG
-        return save_checkpoint(tmp_path / "later", step=1, model=model, optimizer=trainer.optimizer, extra={"k": 1}, state=state)
+        return save_checkpoint(
+            tmp_path / "later", step=1, model=model, optimizer=trainer.optimizer, extra={"k": 1}, state=state
+        )
 
     saving.start(1, write)
     assert saving.in_flight == 1 and saving.finished() is None
@@ -48,7 +50,9 @@ def test_a_background_save_writes_the_state_of_its_snapshot(model_dir, tmp_path,
     weights = "adapter_model.safetensors" if lora else "model.safetensors"
     a, b = load_file(now / weights), load_file(later / weights)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert_same_optimizer_state(torch.load(now / "optimizer.pt", weights_only=True), torch.load(later / "optimizer.pt", weights_only=True))
+    assert_same_optimizer_state(
+        torch.load(now / "optimizer.pt", weights_only=True), torch.load(later / "optimizer.pt", weights_only=True)
+    )
     assert (now / "rng.json").read_text() == (later / "rng.json").read_text()
     assert (now / "meta.json").read_text() == (later / "meta.json").read_text()
     # and it resumes like the checkpoint taken at that moment: the same next step

@@ -50,12 +50,24 @@ def step_batches(model: torch.nn.Module, num_steps: int):
     out = []
     for step in range(num_steps):
         sign = 1.0 if step % 2 == 0 else -0.5
-        ss = [PackedSample(s.sample_id, s.input_ids, s.loss_mask, s.sampler_logprobs, sign * s.advantage, s.reward, 0) for s in samples]
+        ss = [
+            PackedSample(s.sample_id, s.input_ids, s.loss_mask, s.sampler_logprobs, sign * s.advantage, s.reward, 0)
+            for s in samples
+        ]
         split = splits[step % len(splits)]
-        out.append([
-            build_micro_batch([ss[i] for i in idx], step=step, micro_index=m, num_micro_batches=len(split), step_loss_tokens=loss_tokens, step_samples=len(ss))
-            for m, idx in enumerate(split)
-        ])
+        out.append(
+            [
+                build_micro_batch(
+                    [ss[i] for i in idx],
+                    step=step,
+                    micro_index=m,
+                    num_micro_batches=len(split),
+                    step_loss_tokens=loss_tokens,
+                    step_samples=len(ss),
+                )
+                for m, idx in enumerate(split)
+            ]
+        )
     return out
 
 
@@ -86,6 +98,7 @@ def test_rng_states_are_restored(model_dir, tmp_path):
 
 def test_lr_scheduler_state_round_trips(model_dir, tmp_path):
     """rlbus trains with a constant LR (no scheduler); a trainer that adds one gets it checkpointed."""
+
     def build():
         optimizer = build_optimizer(model, CFG)
         return optimizer, torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=10)
@@ -164,8 +177,15 @@ def test_mismatches_and_bad_arguments_are_refused(model_dir, tmp_path):
 
 def test_tied_embeddings_round_trip(tmp_path):
     """save_pretrained leaves out lm_head when it is tied to embed_tokens; loading must accept that."""
-    cfg = Qwen2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, intermediate_size=64, tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     a = Qwen2ForCausalLM(cfg)
     with torch.no_grad():

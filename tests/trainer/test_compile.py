@@ -24,8 +24,12 @@ from trainer.trainer import Trainer
 def trained(model_dir: str, *, lora: bool, share: bool, compile: bool, steps: list) -> tuple[list[dict], dict]:
     torch.manual_seed(1)
     model = load_policy(model_dir, LoraSection(enabled=lora, rank=4, alpha=8.0))
-    cfg = TrainerConfig(optim=OptimConfig(lr=1e-3, max_grad_norm=1e9), share_prefixes=share,
-                        compile=compile, compile_backend="aot_eager")
+    cfg = TrainerConfig(
+        optim=OptimConfig(lr=1e-3, max_grad_norm=1e9),
+        share_prefixes=share,
+        compile=compile,
+        compile_backend="aot_eager",
+    )
     trainer = Trainer(model, cfg, max_tokens=16)
     metrics = [trainer.step(mbs) for mbs in steps]
     return metrics, {k: v.grad.clone() for k, v in model.named_parameters() if v.requires_grad}  # the last step's
@@ -35,7 +39,9 @@ def trained(model_dir: str, *, lora: bool, share: bool, compile: bool, steps: li
 def test_compiled_layers_train_like_eager_ones(model_dir, lora, share):
     torch._dynamo.reset()
     vocab = load_policy(model_dir, LoraSection(enabled=False)).config.vocab_size
-    steps = [step_batches(grpo_samples(vocab, teacher=False, seed=seed), parts) for seed, parts in ((0, 1), (1, 2), (2, 3))]
+    steps = [
+        step_batches(grpo_samples(vocab, teacher=False, seed=seed), parts) for seed, parts in ((0, 1), (1, 2), (2, 3))
+    ]
     eager_metrics, eager_grads = trained(model_dir, lora=lora, share=share, compile=False, steps=steps)
     counters.clear()
     compiled_metrics, compiled_grads = trained(model_dir, lora=lora, share=share, compile=True, steps=steps)
@@ -53,7 +59,9 @@ def test_compiled_layers_train_like_eager_ones(model_dir, lora, share):
 def test_one_compile_serves_every_packed_length_and_sample_count(model_dir, share):
     torch._dynamo.reset()
     model = load_policy(model_dir, LoraSection(enabled=False))
-    trainer = Trainer(model, TrainerConfig(compile=True, compile_backend="aot_eager", share_prefixes=share), max_tokens=16)
+    trainer = Trainer(
+        model, TrainerConfig(compile=True, compile_backend="aot_eager", share_prefixes=share), max_tokens=16
+    )
     vocab = model.config.vocab_size
     trainer.step(step_batches(grpo_samples(vocab, teacher=False, seed=0), 1))
     # more lengths (dynamic from here on), and single-sample micro-batches: no prefix to share, so with

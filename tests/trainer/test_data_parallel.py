@@ -73,7 +73,9 @@ STEPS = [
 
 
 def trainer_cfg(lora: bool = False) -> TrainerConfig:
-    return TrainerConfig(optim=OptimConfig(lr=LR, max_grad_norm=1.0), num_threads=1, lora=LoraSection(enabled=lora, rank=4, alpha=8.0))
+    return TrainerConfig(
+        optim=OptimConfig(lr=LR, max_grad_norm=1.0), num_threads=1, lora=LoraSection(enabled=lora, rank=4, alpha=8.0)
+    )
 
 
 def make_micro_batches(model: torch.nn.Module, step: int) -> list:
@@ -88,14 +90,25 @@ def make_micro_batches(model: torch.nn.Module, step: int) -> list:
             ids = prompt + completion
             mask = np.array([False] * len(prompt) + [True] * len(completion))
             with torch.no_grad():
-                lp = packed_token_logprobs(model, torch.tensor(ids), torch.tensor([len(ids)]), temperature=TEMPERATURE).numpy()
+                lp = packed_token_logprobs(
+                    model, torch.tensor(ids), torch.tensor([len(ids)]), temperature=TEMPERATURE
+                ).numpy()
             lp = np.where(mask, lp + rng.normal(0.0, 0.05, len(ids)), 0.0).astype(np.float32)
-            samples.append(PackedSample(f"s{step}-{m}-{k}/0", np.int32(ids), mask, lp, advantage, reward, step, TEMPERATURE))
+            samples.append(
+                PackedSample(f"s{step}-{m}-{k}/0", np.int32(ids), mask, lp, advantage, reward, step, TEMPERATURE)
+            )
         packed.append(samples)
     loss_tokens = sum(int(s.loss_mask.sum()) for ss in packed for s in ss)
     num_samples = sum(len(ss) for ss in packed)
     return [
-        build_micro_batch(ss, step=step, micro_index=m, num_micro_batches=len(packed), step_loss_tokens=loss_tokens, step_samples=num_samples)
+        build_micro_batch(
+            ss,
+            step=step,
+            micro_index=m,
+            num_micro_batches=len(packed),
+            step_loss_tokens=loss_tokens,
+            step_samples=num_samples,
+        )
         for m, ss in enumerate(packed)
     ]
 
@@ -145,7 +158,13 @@ def test_share_round_trips_micro_batches_through_the_wire_codec(model_dir):
 def test_merge_stats_sums_and_takes_min_and_max():
     a = {"loss_tokens": 3.0, "ratio_min": 0.5, "ratio_max": 1.5, "kl_sum": 0.25}
     b = {"loss_tokens": 4.0, "ratio_min": 0.25, "ratio_max": 1.25, "entropy_sum": 2.0}
-    assert merge_stats(a, b) == {"loss_tokens": 7.0, "ratio_min": 0.25, "ratio_max": 1.5, "kl_sum": 0.25, "entropy_sum": 2.0}
+    assert merge_stats(a, b) == {
+        "loss_tokens": 7.0,
+        "ratio_min": 0.25,
+        "ratio_max": 1.5,
+        "kl_sum": 0.25,
+        "entropy_sum": 2.0,
+    }
     assert merge_stats({}, a) == a and merge_stats(a, {}) == a
 
 
@@ -168,7 +187,14 @@ def test_data_parallel_outside_torchrun_is_a_config_error(monkeypatch):
 def test_busctl_launches_a_data_parallel_trainer_under_torchrun():
     cfg = RunConfig(trainer=TrainerConfig(data_parallel=3))
     assert launch_prefix(cfg, ComponentSpec("trainer", "trainer.proc")) == [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "-m", "trainer.proc"
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "3",
+        "-m",
+        "trainer.proc",
     ]
     assert launch_prefix(cfg, ComponentSpec("rewards-0", "rewards.proc")) == [sys.executable, "-m", "rewards.proc"]
     one = RunConfig()
@@ -200,7 +226,9 @@ def test_two_gloo_ranks_give_the_one_rank_update(model_dir, tmp_path, lora):
     # the same steps on 2 ranks, resumed from the checkpoint after step 0
     for s, mbs in enumerate(steps):
         (tmp_path / f"step{s}.bin").write_bytes(encode_share(mbs))
-    cfg = RunConfig(trainer=TrainerConfig(**{**tcfg.model_dump(), "data_parallel": 2, "dp_backend": "gloo", "dp_timeout_s": 120}))
+    cfg = RunConfig(
+        trainer=TrainerConfig(**{**tcfg.model_dump(), "data_parallel": 2, "dp_backend": "gloo", "dp_timeout_s": 120})
+    )
     cfg.model.path = model_dir
     cfg.sampling.temperature = TEMPERATURE
     cfg.run_dir = str(tmp_path)
@@ -208,8 +236,19 @@ def test_two_gloo_ranks_give_the_one_rank_update(model_dir, tmp_path, lora):
     out = tmp_path / "out"
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
-           str(tmp_path), str(checkpoint), str(len(STEPS)), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        __file__,
+        str(tmp_path),
+        str(checkpoint),
+        str(len(STEPS)),
+        str(out),
+    ]
     done = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
 

@@ -17,15 +17,28 @@ from trainer.observability.metrics_file import MetricsFile
 
 
 def result(rnd: int, task: str, reward: float, **metrics: float) -> EvalResult:
-    return EvalResult(id=new_id(), round=rnd, task=task, version_min=rnd, version_max=rnd + 1, num_samples=6, num_failed=1,
-                      metrics={"reward_mean": reward, **metrics})
+    return EvalResult(
+        id=new_id(),
+        round=rnd,
+        task=task,
+        version_min=rnd,
+        version_max=rnd + 1,
+        num_samples=6,
+        num_failed=1,
+        metrics={"reward_mean": reward, **metrics},
+    )
 
 
 def test_eval_record_by_hand():
     r = result(2, "gsm8k", 0.5, pass_at_4=0.75, **{"reward/gsm8k": 0.5})
     assert eval_record(r) == {
-        "step": 2, "eval/gsm8k/num_samples": 6, "eval/gsm8k/num_failed": 1, "eval/gsm8k/version_min": 2,
-        "eval/gsm8k/version_max": 3, "eval/gsm8k/reward_mean": 0.5, "eval/gsm8k/pass_at_4": 0.75,
+        "step": 2,
+        "eval/gsm8k/num_samples": 6,
+        "eval/gsm8k/num_failed": 1,
+        "eval/gsm8k/version_min": 2,
+        "eval/gsm8k/version_max": 3,
+        "eval/gsm8k/reward_mean": 0.5,
+        "eval/gsm8k/pass_at_4": 0.75,
         "eval/gsm8k/reward/gsm8k": 0.5,
     }
 
@@ -33,11 +46,18 @@ def test_eval_record_by_hand():
 def test_results_are_written_once_per_round_and_task(channel, tmp_path):
     pub, sub = channel
     path = tmp_path / "metrics.jsonl"
-    path.write_text(json.dumps({"step": 1, "loss": 0.5}) + "\n" + json.dumps(eval_record(result(0, "gsm8k", 0.1))) + "\n")
+    path.write_text(
+        json.dumps({"step": 1, "loss": 0.5}) + "\n" + json.dumps(eval_record(result(0, "gsm8k", 0.1))) + "\n"
+    )
     log = EvalLog(sub, MetricsFile(path))
     assert log.written == {(0, "gsm8k")}  # read back from metrics.jsonl (a resumed trainer)
-    for msg in (result(0, "gsm8k", 0.9), TrainerStep(id=new_id(), step=1, version=1, metrics={}), result(2, "gsm8k", 0.3),
-                result(2, "countdown", 0.4), result(2, "gsm8k", 0.8)):
+    for msg in (
+        result(0, "gsm8k", 0.9),
+        TrainerStep(id=new_id(), step=1, version=1, metrics={}),
+        result(2, "gsm8k", 0.3),
+        result(2, "countdown", 0.4),
+        result(2, "gsm8k", 0.8),
+    ):
         assert pub.send(msg)
     deadline = time.monotonic() + 10
     while len(log.written) < 3 and time.monotonic() < deadline:
@@ -45,7 +65,10 @@ def test_results_are_written_once_per_round_and_task(channel, tmp_path):
     log.poll(timeout_s=0.2)  # the repeat of (2, gsm8k) too
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert [(r["step"], r.get("eval/gsm8k/reward_mean"), r.get("eval/countdown/reward_mean")) for r in records] == [
-        (1, None, None), (0, 0.1, None), (2, 0.3, None), (2, None, 0.4)
+        (1, None, None),
+        (0, 0.1, None),
+        (2, 0.3, None),
+        (2, None, 0.4),
     ]
 
 

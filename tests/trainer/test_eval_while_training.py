@@ -28,15 +28,28 @@ from trainer.proc import TrainerProc
 
 
 def result(rnd: int, task: str, reward: float) -> EvalResult:
-    return EvalResult(id=new_id(), round=rnd, task=task, version_min=rnd, version_max=rnd, num_samples=4, num_failed=0,
-                      metrics={"reward_mean": reward})
+    return EvalResult(
+        id=new_id(),
+        round=rnd,
+        task=task,
+        version_min=rnd,
+        version_max=rnd,
+        num_samples=4,
+        num_failed=0,
+        metrics={"reward_mean": reward},
+    )
 
 
 def eval_keys(path) -> list[tuple[int, str]]:
     """(step, task) of every eval record of a metrics.jsonl, in file order (none if it does not
     exist yet; a line being appended right now is left out)."""
     lines = path.read_text().split("\n")[:-1] if path.is_file() else []  # complete lines only
-    return [(r["step"], k.split("/")[1]) for r in map(json.loads, lines) for k in r if k.endswith("/reward_mean") and k.startswith("eval/")]
+    return [
+        (r["step"], k.split("/")[1])
+        for r in map(json.loads, lines)
+        for k in r
+        if k.endswith("/reward_mean") and k.startswith("eval/")
+    ]
 
 
 class Alive:
@@ -82,15 +95,20 @@ def test_results_are_written_during_a_long_step_through_a_flood_beyond_the_high_
 
 
 def test_a_trainer_that_never_waits_for_data_writes_every_eval_result_and_logs_every_step(
-        tiny_policy, batches, tmp_path, monkeypatch, caplog):  # noqa: F811 - fixtures
+    tiny_policy, batches, tmp_path, monkeypatch, caplog
+):
     """Every step's micro-batches are in the trainer's ledger before ``run()`` starts, so its wait
     loop never runs; eval round 0 is written before the run starts, round 2 while it runs, the
     final round 4 before ``run.done``; each step logs one line with loss, reward, KL, time, lag."""
     monkeypatch.delenv(ENV_RESTARTS, raising=False)
     monkeypatch.delenv(ENV_RESUME, raising=False)
     tasks = [{"name": "reverse_text"}]
-    cfg = run_config(tmp_path, tiny_policy, eval={"enabled": True, "interval": 2, "tasks": tasks, "timeout_s": WAIT_S},
-                     checkpoint_interval=4)
+    cfg = run_config(
+        tmp_path,
+        tiny_policy,
+        eval={"enabled": True, "interval": 2, "tasks": tasks, "timeout_s": WAIT_S},
+        checkpoint_interval=4,
+    )
     metrics_path = tmp_path / "metrics.jsonl"
     packer = Packer(cfg)
     proc = TrainerProc(cfg, "trainer", 0)
@@ -144,8 +162,11 @@ def test_a_trainer_that_never_waits_for_data_writes_every_eval_result_and_logs_e
     lines = [r.getMessage() for r in caplog.records if r.name == "trainer.proc" and r.getMessage().startswith("step ")]
     assert len(lines) == 4, lines
     for n, (line, rec) in enumerate(zip(lines, steps), start=1):
-        assert re.fullmatch(rf"step {n}/4 loss \S+ reward \S+ \(std \S+\) kl \S+ entropy \S+ grad_norm \S+ "
-                            r"step \d+\.\d\d s \(wait \d+\.\d\d s\) lag \d\.\d\d \(max \d\) \S+ tok/s", line), line
+        assert re.fullmatch(
+            rf"step {n}/4 loss \S+ reward \S+ \(std \S+\) kl \S+ entropy \S+ grad_norm \S+ "
+            r"step \d+\.\d\d s \(wait \d+\.\d\d s\) lag \d\.\d\d \(max \d\) \S+ tok/s",
+            line,
+        ), line
         assert f"loss {rec['loss']:.4g}" in line and f"kl {rec['kl']:.3g}" in line
         assert f"step {rec['step_time_s']:.2f} s" in line and f"lag {rec['policy_lag_mean']:.2f}" in line
     json.dumps(records)  # strict JSON throughout

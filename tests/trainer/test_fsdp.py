@@ -72,8 +72,19 @@ def sent(out: Path, step: int) -> dict[str, torch.Tensor]:
 def torchrun(tmp_path: Path, mode: str, checkpoint: Path, out: Path) -> None:
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
-           mode, str(tmp_path), str(checkpoint), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        __file__,
+        mode,
+        str(tmp_path),
+        str(checkpoint),
+        str(out),
+    ]
     done = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
 
@@ -97,8 +108,18 @@ def one_rank_reference(model_dir: str, tmp_path: Path, dtype: str = "float32") -
 
     for s, mbs in enumerate(steps):
         (tmp_path / f"step{s}.bin").write_bytes(encode_share(mbs))
-    cfg = RunConfig(trainer=TrainerConfig(**{**tcfg.model_dump(), "data_parallel": 2, "dp_backend": "gloo",
-                                             "dp_timeout_s": 120, "parallel": "fsdp", "dtype": dtype}))
+    cfg = RunConfig(
+        trainer=TrainerConfig(
+            **{
+                **tcfg.model_dump(),
+                "data_parallel": 2,
+                "dp_backend": "gloo",
+                "dp_timeout_s": 120,
+                "parallel": "fsdp",
+                "dtype": dtype,
+            }
+        )
+    )
     cfg.model.path = model_dir
     cfg.sampling.temperature = TEMPERATURE
     cfg.run_dir = str(tmp_path)
@@ -127,15 +148,18 @@ def check_sharded_export(run_dir: Path, policy: str, step: int, trained: dict[st
     sharded ones held them: they come from the run's ``model.path``)."""
     checkpoint = run_dir / "checkpoints" / f"step_{step:06d}"
     assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= {
-        p.name for p in checkpoint.iterdir()}  # rank 0 wrote them beside the shards
+        p.name for p in checkpoint.iterdir()
+    }  # rank 0 wrote them beside the shards
     source = AutoTokenizer.from_pretrained(policy)
-    ids = source.apply_chat_template([{"role": "user", "content": "Reverse: abc"}], add_generation_prompt=True,
-                                     tokenize=True, return_dict=False)
+    ids = source.apply_chat_template(
+        [{"role": "user", "content": "Reverse: abc"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     reference = load_policy(policy, LoraSection())
     reference.load_state_dict(trained)
     old = run_dir / "old_run"
-    shutil.copytree(checkpoint, old / "checkpoints" / checkpoint.name,
-                    ignore=shutil.ignore_patterns("*.json", "*.jinja", "*.txt"))  # meta.json is written back below
+    shutil.copytree(
+        checkpoint, old / "checkpoints" / checkpoint.name, ignore=shutil.ignore_patterns("*.json", "*.jinja", "*.txt")
+    )  # meta.json is written back below
     shutil.copy(checkpoint / "meta.json", old / "checkpoints" / checkpoint.name / "meta.json")
     shutil.copy(run_dir / "config.yaml", old / "config.yaml")
     for run, out in ((run_dir, run_dir / "exported"), (old, old / "exported")):
@@ -145,8 +169,15 @@ def check_sharded_export(run_dir: Path, policy: str, step: int, trained: dict[st
         assert SHARDED_DIR not in names and "meta.json" not in names and not any(n.endswith(".pt") for n in names)
         tokenizer = AutoTokenizer.from_pretrained(out)
         assert tokenizer.chat_template == source.chat_template
-        assert tokenizer.apply_chat_template([{"role": "user", "content": "Reverse: abc"}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=False) == ids
+        assert (
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": "Reverse: abc"}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+            == ids
+        )
         exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
         weights = exported.state_dict()
         assert set(weights) == set(trained)
@@ -290,10 +321,17 @@ def rank_main(mode: str, run_dir: str, checkpoint: str, out: str) -> int:
                 if cfg.trainer.dtype == "bfloat16":  # and once more on a bfloat16 wire (producers.dtype bfloat16)
                     payload = weights_payload(trainer.model, cfg, s + 1, adapter=False, dp=dp)
                     FilesystemSender(out_dir / "weights_bf16", keep_versions=None).start_send(
-                        payload, s, manifest=build_manifest(payload, torch.bfloat16))
+                        payload, s, manifest=build_manifest(payload, torch.bfloat16)
+                    )
                 if mode == "full" and s == SAVE_AFTER:
-                    save_checkpoint(Path(run_dir) / "checkpoints", step=s + 1, model=trainer.model, optimizer=trainer.optimizer,
-                                    extra={}, write_state=checkpoint_writer(trainer))
+                    save_checkpoint(
+                        Path(run_dir) / "checkpoints",
+                        step=s + 1,
+                        model=trainer.model,
+                        optimizer=trainer.optimizer,
+                        extra={},
+                        write_state=checkpoint_writer(trainer),
+                    )
             dp.send_stop()
             trainer.disable_data_parallel()
             (out_dir / "metrics.json").write_text(json.dumps(metrics))

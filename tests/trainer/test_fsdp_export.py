@@ -32,8 +32,16 @@ def logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 
 def test_export_of_a_sharded_tied_policy_is_tied_and_gives_its_logits(tmp_path):
     policy = tmp_path / "policy"
-    config = Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
+    config = Qwen3Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(policy)
     build_tokenizer().save_pretrained(policy)
@@ -42,8 +50,9 @@ def test_export_of_a_sharded_tied_policy_is_tied_and_gives_its_logits(tmp_path):
     with torch.no_grad():  # move every weight (norms start at 1): a loader falling back to init would show
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    ids = AutoTokenizer.from_pretrained(policy).apply_chat_template(MESSAGES, add_generation_prompt=True,
-                                                                    tokenize=True, return_dict=False)
+    ids = AutoTokenizer.from_pretrained(policy).apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     saved = {n: t.clone() for n, t in model.state_dict().items()}
     expected = logits(model, ids)
 
@@ -51,8 +60,14 @@ def test_export_of_a_sharded_tied_policy_is_tied_and_gives_its_logits(tmp_path):
     try:
         shard_policy(PackedLogprobs(model.train()), torch.device("cpu"), 1, bfloat16=False)
         optimizer = torch.optim.AdamW(model.parameters())
-        checkpoint = save_checkpoint(tmp_path / "run" / "checkpoints", step=1, model=model, optimizer=optimizer,
-                                     extra={}, write_state=lambda d: save_sharded(model, optimizer, d / SHARDED_DIR))
+        checkpoint = save_checkpoint(
+            tmp_path / "run" / "checkpoints",
+            step=1,
+            model=model,
+            optimizer=optimizer,
+            extra={},
+            write_state=lambda d: save_sharded(model, optimizer, d / SHARDED_DIR),
+        )
     finally:
         dist.destroy_process_group()
     assert not dist.is_initialized()

@@ -47,8 +47,14 @@ def test_a_checkpoint_loads_only_into_a_trainer_sharded_like_its_writer(model_di
         load_checkpoint(one_file, model=model, optimizer=trainer.optimizer, read_state=lambda path: None)
 
     written = []
-    sharded = save_checkpoint(tmp_path / "b", step=1, model=model, optimizer=trainer.optimizer, extra={},
-                              write_state=lambda tmp: written.append((tmp / SHARDED_DIR).mkdir()))
+    sharded = save_checkpoint(
+        tmp_path / "b",
+        step=1,
+        model=model,
+        optimizer=trainer.optimizer,
+        extra={},
+        write_state=lambda tmp: written.append((tmp / SHARDED_DIR).mkdir()),
+    )
     assert written and (sharded / SHARDED_DIR).is_dir() and not (sharded / "optimizer.pt").exists()
     with pytest.raises(ValueError, match="trainer.parallel"):
         load_checkpoint(sharded, model=model, optimizer=trainer.optimizer)
@@ -56,12 +62,28 @@ def test_a_checkpoint_loads_only_into_a_trainer_sharded_like_its_writer(model_di
     assert load_checkpoint(sharded, model=model, optimizer=trainer.optimizer, read_state=read.append) == {"step": 1}
     assert read == [sharded]
     with pytest.raises(ValueError, match="write_state"):  # a sharded save takes the live state, no snapshot
-        save_checkpoint(tmp_path / "c", step=1, model=model, optimizer=trainer.optimizer, extra={},
-                        write_state=lambda tmp: None, state=snapshot_state(model, trainer.optimizer))
+        save_checkpoint(
+            tmp_path / "c",
+            step=1,
+            model=model,
+            optimizer=trainer.optimizer,
+            extra={},
+            write_state=lambda tmp: None,
+            state=snapshot_state(model, trainer.optimizer),
+        )
     # the LR scheduler's state (the same on every rank) is saved beside the shards and restored
     trainer.optimizer.step(), trainer.scheduler.step()  # no gradients: AdamW leaves the weights alone
-    with_scheduler = save_checkpoint(tmp_path / "d", step=1, model=model, optimizer=trainer.optimizer, extra={},
-                                     scheduler=trainer.scheduler, write_state=lambda tmp: None)
+    with_scheduler = save_checkpoint(
+        tmp_path / "d",
+        step=1,
+        model=model,
+        optimizer=trainer.optimizer,
+        extra={},
+        scheduler=trainer.scheduler,
+        write_state=lambda tmp: None,
+    )
     fresh = Trainer(model, trainer_cfg())
-    load_checkpoint(with_scheduler, model=model, optimizer=fresh.optimizer, scheduler=fresh.scheduler, read_state=lambda path: None)
+    load_checkpoint(
+        with_scheduler, model=model, optimizer=fresh.optimizer, scheduler=fresh.scheduler, read_state=lambda path: None
+    )
     assert fresh.scheduler.last_epoch == trainer.scheduler.last_epoch == 1

@@ -41,11 +41,20 @@ def grpo_samples(vocab: int, *, teacher: bool, seed: int = 0) -> list[PackedSamp
             mask = np.arange(len(ids)) >= len(prompt)
             lps = np.where(mask, rng.uniform(-6, -4, len(ids)), 0.0).astype(np.float32)
             versions = np.full(len(ids), 1 - (j % 2), np.int64)
-            out.append(PackedSample(
-                f"g{g}/{j}", ids, mask, lps, float(rng.choice([-1.0, 1.0])), 0.5, int(versions.min()), 1.0,
-                teacher_logprobs=np.where(mask, lps - 0.1, 0.0).astype(np.float32) if teacher else None,
-                token_versions=versions,
-            ))
+            out.append(
+                PackedSample(
+                    f"g{g}/{j}",
+                    ids,
+                    mask,
+                    lps,
+                    float(rng.choice([-1.0, 1.0])),
+                    0.5,
+                    int(versions.min()),
+                    1.0,
+                    teacher_logprobs=np.where(mask, lps - 0.1, 0.0).astype(np.float32) if teacher else None,
+                    token_versions=versions,
+                )
+            )
     return out
 
 
@@ -54,8 +63,14 @@ def step_batches(ss: list[PackedSample], parts: int):
     loss_tokens = int(sum(s.loss_mask.sum() for s in ss))
     split = np.array_split(np.arange(len(ss)), parts)
     return [
-        build_micro_batch([ss[i] for i in idx], step=1, micro_index=k, num_micro_batches=parts,
-                          step_loss_tokens=loss_tokens, step_samples=len(ss))
+        build_micro_batch(
+            [ss[i] for i in idx],
+            step=1,
+            micro_index=k,
+            num_micro_batches=parts,
+            step_loss_tokens=loss_tokens,
+            step_samples=len(ss),
+        )
         for k, idx in enumerate(split)
     ]
 
@@ -74,8 +89,9 @@ LOSSES = {
 def test_a_step_reads_the_device_back_a_fixed_number_of_times(model_dir, loss, share_prefixes):
     torch.manual_seed(0)
     model = load_policy(model_dir, LoraSection(enabled=False))
-    cfg = TrainerConfig(optim=OptimConfig(lr=1e-4, max_grad_norm=1.0), share_prefixes=share_prefixes,
-                        loss=LossConfig(**LOSSES[loss]))
+    cfg = TrainerConfig(
+        optim=OptimConfig(lr=1e-4, max_grad_norm=1.0), share_prefixes=share_prefixes, loss=LossConfig(**LOSSES[loss])
+    )
     trainer = Trainer(model, cfg, max_tokens=16)
     ss = grpo_samples(model.config.vocab_size, teacher="teacher" in loss)
     trainer.step(step_batches(ss, 1))  # warm-up: lazy initializations may read the device once
@@ -87,7 +103,9 @@ def test_a_step_reads_the_device_back_a_fixed_number_of_times(model_dir, loss, s
         assert metrics["num_micro_batches"] == parts and metrics["skipped"] == 0.0
         assert metrics["num_loss_tokens"] == sum(int(s.loss_mask.sum()) for s in ss)
         assert 0 < metrics["onpolicy_tokens"] < metrics["num_loss_tokens"]  # lags 0 and 1 both present
-    outside = [(what, where) for what, where in found[3] if not where.startswith(tuple(f"{_root()}/{a}" for a in ALLOWED))]
+    outside = [
+        (what, where) for what, where in found[3] if not where.startswith(tuple(f"{_root()}/{a}" for a in ALLOWED))
+    ]
     assert outside == [], f"host syncs in the micro-batch loop: {outside}"
     assert len(found[3]) == len(found[1]) == 2, found
 
@@ -116,8 +134,13 @@ def test_the_spy_sees_what_the_old_loop_did(model_dir):
         torch.repeat_interleave(torch.arange(2), torch.tensor([1, 2]))
         torch.repeat_interleave(torch.arange(2), torch.tensor([1, 2]), output_size=3)  # sized: no sync
     kinds = [what for what, _where in spy.found]
-    assert kinds == ["item/float/int/bool of a tensor", "aten.index.Tensor with a boolean mask", "nonzero",
-                     "Tensor.tolist", "repeat_interleave without output_size"], kinds
+    assert kinds == [
+        "item/float/int/bool of a tensor",
+        "aten.index.Tensor with a boolean mask",
+        "nonzero",
+        "Tensor.tolist",
+        "repeat_interleave without output_size",
+    ], kinds
 
 
 def test_bad_micro_batch_inputs_are_refused_before_the_forward(model_dir):

@@ -34,7 +34,12 @@ LOSSES = {
     "aipo_sequence_seq_mean_token_mean": dict(ratio_type="sequence", aggregation="seq_mean_token_mean"),
     "ppo_clip_dual_drgrpo": dict(type="ppo_clip", eps_clip=0.1, eps_clip_c=2.0, aggregation="seq_mean_token_sum_norm"),
     "importance_sampling_tis_icepop_kl_teacher": dict(
-        type="importance_sampling", use_tis=True, icepop_beta=1.5, kl_tau=0.1, kl_estimator="k3", teacher_tau=0.3,
+        type="importance_sampling",
+        use_tis=True,
+        icepop_beta=1.5,
+        kl_tau=0.1,
+        kl_estimator="k3",
+        teacher_tau=0.3,
         aggregation="seq_mean_token_mean",
     ),
     "gspo": dict(type="gspo", eps_clip=0.05, eps_clip_high=0.08),
@@ -74,8 +79,14 @@ def micro_batches(samples, teacher, bins):
     loss_samples = sum(1 for s in samples if s.loss_mask.any())
     out = []
     for k, idx in enumerate(bins):
-        mb = build_micro_batch([samples[i] for i in idx], step=0, micro_index=k, num_micro_batches=len(bins),
-                               step_loss_tokens=loss_tokens, step_samples=loss_samples)
+        mb = build_micro_batch(
+            [samples[i] for i in idx],
+            step=0,
+            micro_index=k,
+            num_micro_batches=len(bins),
+            step_loss_tokens=loss_tokens,
+            step_samples=loss_samples,
+        )
         out.append(dataclasses.replace(mb, teacher_logprobs=np.concatenate([teacher[i] for i in mb.sample_ids])))
     return out
 

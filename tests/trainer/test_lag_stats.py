@@ -21,7 +21,9 @@ STEP = 3
 def with_versions(s, completion_versions: list[int]):
     oldest = min(completion_versions)
     prompt_len = int((~s.loss_mask).sum())
-    return dataclasses.replace(s, version=oldest, token_versions=np.array([oldest] * prompt_len + completion_versions, np.int64))
+    return dataclasses.replace(
+        s, version=oldest, token_versions=np.array([oldest] * prompt_len + completion_versions, np.int64)
+    )
 
 
 def test_lag_fractions_of_a_step(model_dir):
@@ -30,11 +32,16 @@ def test_lag_fractions_of_a_step(model_dir):
     bucket '>=3'), sample 3 at version 2 (lag 1): lag 0: 5, lag 1: 6, lag 2: 1, >=3: 2 of 14."""
     model = policy(model_dir, lora=False)
     ss = samples(model)
-    ss = [with_versions(ss[0], [3] * 4), with_versions(ss[1], [1, 2, 3]), with_versions(ss[2], [0, 0]),
-          with_versions(ss[3], [2] * 5)]
+    ss = [
+        with_versions(ss[0], [3] * 4),
+        with_versions(ss[1], [1, 2, 3]),
+        with_versions(ss[2], [0, 0]),
+        with_versions(ss[3], [2] * 5),
+    ]
     m = Trainer(model, trainer_cfg()).step(micro_batches(ss, [[0, 1], [2, 3]], step=STEP))
     assert {k: v for k, v in m.items() if k.startswith("lag_")} == pytest.approx(
-        {"lag_frac/0": 5 / 14, "lag_frac/1": 6 / 14, "lag_frac/2": 1 / 14, "lag_frac/>=3": 2 / 14})
+        {"lag_frac/0": 5 / 14, "lag_frac/1": 6 / 14, "lag_frac/2": 1 / 14, "lag_frac/>=3": 2 / 14}
+    )
     # the sampler logprobs are the model's own: the 5 tokens of version 3 agree
     assert m["onpolicy_tokens"] == 5 and m["onpolicy_lp_diff_max"] < 1e-5
     export_step_metrics(STEP + 1, {**m, "step_time_s": 1.0})

@@ -265,7 +265,11 @@ def test_triton_kernels_in_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-c", TRITON_CHECK, json.dumps(cases)],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])

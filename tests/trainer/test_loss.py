@@ -56,7 +56,9 @@ def test_default_aipo_by_hand():
     assert loss.item() == pytest.approx(0.225, rel=1e-12)
     loss.backward()
     # d loss / d train_logprobs = -coeff * keep / 10
-    torch.testing.assert_close(batch.train_logprobs.grad, torch.tensor([0.0, -0.05, -0.1, 0.0, 0.0, 0.0, 0.0], dtype=F64))
+    torch.testing.assert_close(
+        batch.train_logprobs.grad, torch.tensor([0.0, -0.05, -0.1, 0.0, 0.0, 0.0, 0.0], dtype=F64)
+    )
     # k3 = r - 1 - ln r per loss token:
     #   t1: 0 ; t2: 1 - L = 0.3068528194 ; t3: 15 - 4L = 12.2274112778
     #   t5: -0.75 + 2L = 0.6362943611 ; t6: 1/256 - 1 + 8L = 4.5490836945  -> sum 17.7196421528
@@ -125,14 +127,21 @@ def test_sequence_ratio_type_by_hand():
     assert loss.item() == pytest.approx((13.75 - 2.25 / 1024) / 10, rel=1e-12)
     assert stats["clipped_tokens"] == 3  # sample 0's three loss tokens: its ratio hit the clip
     loss.backward()
-    torch.testing.assert_close(batch.train_logprobs.grad, torch.tensor([0, -0.5, -0.5, -0.5, 0, 1 / 10240, 1 / 10240], dtype=F64))
+    torch.testing.assert_close(
+        batch.train_logprobs.grad, torch.tensor([0, -0.5, -0.5, -0.5, 0, 1 / 10240, 1 / 10240], dtype=F64)
+    )
 
 
 def test_on_policy_reduces_to_token_mean_reinforce():
     # ratio = 1 everywhere: loss = -sum(A * lp * mask) / N
     train_logprobs = torch.tensor([0.0, -1.0, -2.0, 0.0, -4.0], dtype=F64, requires_grad=True)
-    batch = LossBatch(train_logprobs, train_logprobs.detach().clone(), torch.tensor([1.0, 1.0, 1.0, -0.5, -0.5], dtype=F64),
-                      torch.tensor([False, True, True, False, True]), torch.tensor([3, 2]))
+    batch = LossBatch(
+        train_logprobs,
+        train_logprobs.detach().clone(),
+        torch.tensor([1.0, 1.0, 1.0, -0.5, -0.5], dtype=F64),
+        torch.tensor([False, True, True, False, True]),
+        torch.tensor([3, 2]),
+    )
     loss, stats = policy_loss(batch, StepNorm(3, 2, 4), LossSpec())
     # -(1 * -1 + 1 * -2 + -0.5 * -4) / 3 = -(-1 - 2 + 2) / 3 = 1/3
     assert loss.item() == pytest.approx(1 / 3, rel=1e-12)
@@ -149,7 +158,13 @@ def test_micro_batch_losses_sum_to_step_loss():
     parts, grads = [], []
     for sl in (slice(0, 4), slice(4, 7)):
         lp = whole.train_logprobs.detach()[sl].clone().requires_grad_(True)
-        part = LossBatch(lp, whole.sampler_logprobs[sl], whole.advantages[sl], whole.loss_mask[sl], torch.tensor([sl.stop - sl.start]))
+        part = LossBatch(
+            lp,
+            whole.sampler_logprobs[sl],
+            whole.advantages[sl],
+            whole.loss_mask[sl],
+            torch.tensor([sl.stop - sl.start]),
+        )
         part_loss, stats = policy_loss(part, NORM, LossSpec())
         part_loss.backward()
         parts.append((part_loss.item(), stats))
@@ -174,7 +189,13 @@ def test_zero_length_completion_and_empty_micro_batch():
         # the one loss token: ratio 1, A 1 -> grad -1 / (N=1 | n_1 G = 1 | L G = 4)
         expected = -1.0 / 4 if aggregation == "seq_mean_token_sum_norm" else -1.0
         assert train_logprobs.grad.tolist() == [0.0, 0.0, 0.0, expected]
-    empty = LossBatch(train_logprobs, train_logprobs.detach(), torch.ones(4, dtype=F64), torch.zeros(4, dtype=torch.bool), torch.tensor([2, 2]))
+    empty = LossBatch(
+        train_logprobs,
+        train_logprobs.detach(),
+        torch.ones(4, dtype=F64),
+        torch.zeros(4, dtype=torch.bool),
+        torch.tensor([2, 2]),
+    )
     train_logprobs.grad = None
     loss, stats = policy_loss(empty, StepNorm(0, 0, 4), LossSpec())
     loss.backward()
@@ -209,9 +230,23 @@ def test_bad_inputs_raise_value_error():
     with pytest.raises(ValueError, match="loss_mask must be a bool"):
         LossBatch(b.train_logprobs, b.sampler_logprobs, b.advantages, b.loss_mask.int(), b.seq_lens)
     with pytest.raises(ValueError, match="must all be on one device"):
-        LossBatch(b.train_logprobs, b.sampler_logprobs, b.advantages, b.loss_mask, b.seq_lens, entropy=torch.zeros(7, device="meta"))
+        LossBatch(
+            b.train_logprobs,
+            b.sampler_logprobs,
+            b.advantages,
+            b.loss_mask,
+            b.seq_lens,
+            entropy=torch.zeros(7, device="meta"),
+        )
     with pytest.raises(ValueError, match="teacher_logprobs must be a float tensor"):
-        LossBatch(b.train_logprobs, b.sampler_logprobs, b.advantages, b.loss_mask, b.seq_lens, teacher_logprobs=torch.zeros(7, dtype=torch.long))
+        LossBatch(
+            b.train_logprobs,
+            b.sampler_logprobs,
+            b.advantages,
+            b.loss_mask,
+            b.seq_lens,
+            teacher_logprobs=torch.zeros(7, dtype=torch.long),
+        )
     with pytest.raises(ValueError, match=r"below this micro-batch's 5 loss tokens / 2 samples"):
         policy_loss(b, StepNorm(4, 2, 1), LossSpec())
     with pytest.raises(ValueError, match=r"below this micro-batch's 5 loss tokens / 2 samples"):

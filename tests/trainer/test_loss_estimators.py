@@ -111,7 +111,9 @@ def test_tis_weight_by_hand():
     # pi_old / pi_rollout = 0.25, 1, 4 -> clip to [0.5, 2] -> 0.5, 1, 2
     old_logprobs = torch.tensor([-2 * L2, -1.0, 2 * L2], dtype=F64)
     sampler_logprobs = torch.tensor([0.0, -1.0, 0.0], dtype=F64)
-    torch.testing.assert_close(tis_weight(old_logprobs, sampler_logprobs, 0.5, 2.0), torch.tensor([0.5, 1.0, 2.0], dtype=F64))
+    torch.testing.assert_close(
+        tis_weight(old_logprobs, sampler_logprobs, 0.5, 2.0), torch.tensor([0.5, 1.0, 2.0], dtype=F64)
+    )
 
 
 def test_sample_ids_and_loss_counts():
@@ -151,7 +153,13 @@ def test_keep_mask_combines_masks_per_type():
     assert keep_mask(log_r, mask, ids, 2, LossSpec()).tolist() == [False, True, False, False, False]
     # ppo_clip ignores the aipo masks; IcePop beta 4 drops tokens 2 and 4
     assert keep_mask(log_r, mask, ids, 2, LossSpec(type="ppo_clip")).tolist() == [False, True, True, True, True]
-    assert keep_mask(log_r, mask, ids, 2, LossSpec(type="ppo_clip", icepop_beta=4.0)).tolist() == [False, True, False, True, False]
+    assert keep_mask(log_r, mask, ids, 2, LossSpec(type="ppo_clip", icepop_beta=4.0)).tolist() == [
+        False,
+        True,
+        False,
+        True,
+        False,
+    ]
 
 
 def test_aggregation_weights_by_hand():

@@ -73,7 +73,9 @@ def test_tis_with_old_policy_equal_to_train():
     # ppo_clip with r = 1 is never clipped: l_t = w (-A): -1, -1.1, -1.5, +1.2, +4.0 -> 1.6 / 10
     # grad = -A w / 10
     old_logprobs = torch.tensor(LP, dtype=F64)
-    loss, grad, stats = _run(LossSpec(type="ppo_clip", use_tis=True, tis_clip_low=0.6, tis_clip_high=2.0), old_logprobs=old_logprobs)
+    loss, grad, stats = _run(
+        LossSpec(type="ppo_clip", use_tis=True, tis_clip_low=0.6, tis_clip_high=2.0), old_logprobs=old_logprobs
+    )
     assert loss == pytest.approx(0.16, rel=1e-12)
     torch.testing.assert_close(grad, _grad([0, -0.1, -0.11, -0.15, 0, 0.12, 0.4]))
     assert stats["tis_clipped_tokens"] == 2 and stats["clipped_tokens"] == 0
@@ -84,7 +86,9 @@ def test_tis_with_old_policy_behind_train():
     # w = clip(pi_old / pi_rollout = m / 1.25, 0.6, 2) = 0.8, 0.88, 1.2, 0.6 (0.4 truncated), 2 (3.2 truncated)
     # IS: l_t = w (-A r): -1.0, -1.1, -1.5, +1.5, +5.0 -> 2.9 / 10 ; grad = -A r w / 10
     old_logprobs = torch.tensor(LP, dtype=F64) - math.log(1.25)
-    loss, grad, stats = _run(LossSpec(type=IS, use_tis=True, tis_clip_low=0.6, tis_clip_high=2.0), old_logprobs=old_logprobs)
+    loss, grad, stats = _run(
+        LossSpec(type=IS, use_tis=True, tis_clip_low=0.6, tis_clip_high=2.0), old_logprobs=old_logprobs
+    )
     assert loss == pytest.approx(0.29, rel=1e-12)
     torch.testing.assert_close(grad, _grad([0, -0.1, -0.11, -0.15, 0, 0.15, 0.5]))
     assert stats["tis_clipped_tokens"] == 2
@@ -180,9 +184,14 @@ def test_one_sample_micro_batch_under_each_aggregation():
     #   token_mean with N = 3: -3 / 3 = -1 ; seq_mean_token_mean with G = 1: mean -1 ;
     #   seq_mean_token_sum_norm with L = 6, G = 1: -3 / 6 = -0.5
     lp = torch.tensor([-1.0, -0.5, -2.0, -0.25], dtype=F64, requires_grad=True)
-    batch = LossBatch(lp, lp.detach(), torch.ones(4, dtype=F64), torch.tensor([False, True, True, True]), torch.tensor([4]))
-    for aggregation, value, weight in (("token_mean", -1.0, 1 / 3), ("seq_mean_token_mean", -1.0, 1 / 3),
-                                       ("seq_mean_token_sum_norm", -0.5, 1 / 6)):
+    batch = LossBatch(
+        lp, lp.detach(), torch.ones(4, dtype=F64), torch.tensor([False, True, True, True]), torch.tensor([4])
+    )
+    for aggregation, value, weight in (
+        ("token_mean", -1.0, 1 / 3),
+        ("seq_mean_token_mean", -1.0, 1 / 3),
+        ("seq_mean_token_sum_norm", -0.5, 1 / 6),
+    ):
         lp.grad = None
         loss, _ = policy_loss(batch, StepNorm(3, 1, 6), LossSpec(type=IS, aggregation=aggregation))
         loss.backward()
@@ -241,7 +250,9 @@ def test_any_split_into_micro_batches_and_ranks_sums_to_the_step(spec, aggregati
     def run(lo, hi):  # samples [lo, hi)
         a, b = int(lens[:lo].sum()), int(lens[:hi].sum())
         leaf = lp[a:b].clone().requires_grad_(True)
-        batch = LossBatch(leaf, sampler_logprobs[a:b], adv[a:b], mask[a:b], lens[lo:hi], **{k: v[a:b] for k, v in extra.items()})
+        batch = LossBatch(
+            leaf, sampler_logprobs[a:b], adv[a:b], mask[a:b], lens[lo:hi], **{k: v[a:b] for k, v in extra.items()}
+        )
         loss, stats = policy_loss(batch, norm, spec)
         loss.backward()
         return loss.item(), leaf.grad, stats

@@ -17,9 +17,20 @@ def test_config_and_spec_have_the_same_fields_and_defaults():
 
 def test_from_config_carries_every_value():
     cfg = LossConfig(
-        type="ppo_clip", adv_tau=0.5, eps_clip=0.1, eps_clip_high=0.28, eps_clip_c=3.0, icepop_beta=2.0,
-        use_tis=True, tis_clip_low=0.5, tis_clip_high=4.0, kl_tau=0.01, kl_estimator="k2",
-        kl_reference="reference", teacher_tau=0.3, aggregation="seq_mean_token_sum_norm",
+        type="ppo_clip",
+        adv_tau=0.5,
+        eps_clip=0.1,
+        eps_clip_high=0.28,
+        eps_clip_c=3.0,
+        icepop_beta=2.0,
+        use_tis=True,
+        tis_clip_low=0.5,
+        tis_clip_high=4.0,
+        kl_tau=0.01,
+        kl_estimator="k2",
+        kl_reference="reference",
+        teacher_tau=0.3,
+        aggregation="seq_mean_token_sum_norm",
     )
     spec = LossSpec.from_config(cfg)
     assert dataclasses.asdict(spec) == cfg.model_dump()
@@ -27,8 +38,15 @@ def test_from_config_carries_every_value():
 
 
 def test_run_config_overrides_reach_the_spec():
-    cfg = load_config(None, ["trainer.loss.type=gspo", "trainer.loss.eps_clip=0.0003", "trainer.loss.eps_clip_high=0.0004",
-                             "trainer.loss.aggregation=seq_mean_token_mean"])
+    cfg = load_config(
+        None,
+        [
+            "trainer.loss.type=gspo",
+            "trainer.loss.eps_clip=0.0003",
+            "trainer.loss.eps_clip_high=0.0004",
+            "trainer.loss.aggregation=seq_mean_token_mean",
+        ],
+    )
     spec = LossSpec.from_config(cfg.trainer.loss)
     assert (spec.type, spec.eps_clip, spec.clip_high, spec.aggregation) == ("gspo", 3e-4, 4e-4, "seq_mean_token_mean")
 
@@ -72,7 +90,12 @@ def test_spec_and_config_reject_the_same_values(kwargs, field):
 
 
 def test_good_edge_values_are_accepted_by_both():
-    for kwargs in ({"token_mask_low": 0.0, "token_mask_high": 1.0}, {"sequence_mask_low": 0.0, "sequence_mask_high": 1.0},
-                   {"tis_clip_low": 1.0, "tis_clip_high": 1.5}, {"type": "ppo_clip", "eps_clip_c": 1.01},
-                   {"type": "gspo", "eps_clip": 3e-4, "eps_clip_high": 4e-4}, {"icepop_beta": 1.5, "use_tis": True}):
+    for kwargs in (
+        {"token_mask_low": 0.0, "token_mask_high": 1.0},
+        {"sequence_mask_low": 0.0, "sequence_mask_high": 1.0},
+        {"tis_clip_low": 1.0, "tis_clip_high": 1.5},
+        {"type": "ppo_clip", "eps_clip_c": 1.01},
+        {"type": "gspo", "eps_clip": 3e-4, "eps_clip_high": 4e-4},
+        {"icepop_beta": 1.5, "use_tis": True},
+    ):
         assert LossSpec.from_config(LossConfig(**kwargs)) == LossSpec(**kwargs)

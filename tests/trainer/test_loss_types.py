@@ -141,12 +141,16 @@ def test_gspo_with_per_sample_advantage_is_clipped_per_sample():
     batch = _example()
     adv = torch.tensor([1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0], dtype=F64)
     batch = LossBatch(batch.train_logprobs, batch.sampler_logprobs, adv, batch.loss_mask, batch.seq_lens)
-    loss, stats = policy_loss(batch, NORM, LossSpec(type="gspo", eps_clip=0.5, eps_clip_high=0.2, aggregation="seq_mean_token_mean"))
+    loss, stats = policy_loss(
+        batch, NORM, LossSpec(type="gspo", eps_clip=0.5, eps_clip_high=0.2, aggregation="seq_mean_token_mean")
+    )
     loss.backward()
     s0 = 1.65 ** (1 / 3)
     # loss = (mean over sample 0 + mean over sample 1) / G = (-s_0 - 2.4) / 4
     assert loss.item() == pytest.approx((-s0 - 2.4) / 4, rel=1e-12)
-    torch.testing.assert_close(batch.train_logprobs.grad, torch.tensor([0, -s0 / 12, -s0 / 12, -s0 / 12, 0, 0, 0], dtype=F64))
+    torch.testing.assert_close(
+        batch.train_logprobs.grad, torch.tensor([0, -s0 / 12, -s0 / 12, -s0 / 12, 0, 0, 0], dtype=F64)
+    )
     assert stats["clipped_tokens"] == 2
 
 
@@ -165,7 +169,9 @@ def test_random_gradients_match_closed_form(loss_type):
     mask[[0, 5, 8, 14]] = False  # prompt token of each sample
     batch = LossBatch(lp, lp.detach() - log_r, adv, mask, seq_lens)
     n = int(mask.sum())
-    loss, _ = policy_loss(batch, StepNorm(n, 4, 8), LossSpec(type=loss_type, eps_clip=0.2) if loss_type != "aipo" else LossSpec())
+    loss, _ = policy_loss(
+        batch, StepNorm(n, 4, 8), LossSpec(type=loss_type, eps_clip=0.2) if loss_type != "aipo" else LossSpec()
+    )
     loss.backward()
     r = torch.exp(log_r)
     if loss_type in ("aipo", "importance_sampling"):

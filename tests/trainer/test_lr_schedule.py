@@ -22,7 +22,10 @@ PEAK = 1e-3
 
 
 def factors(schedule: str, warmup: int, total: int, min_ratio: float) -> list[float]:
-    return [lr_factor(s, schedule=schedule, warmup_steps=warmup, total_steps=total, min_lr_ratio=min_ratio) for s in range(total)]
+    return [
+        lr_factor(s, schedule=schedule, warmup_steps=warmup, total_steps=total, min_lr_ratio=min_ratio)
+        for s in range(total)
+    ]
 
 
 def test_factors_match_hand_computed_values():
@@ -30,8 +33,12 @@ def test_factors_match_hand_computed_values():
     assert factors("constant", 2, 6, 0.1) == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]
     assert factors("linear", 2, 6, 0.1) == pytest.approx([0.5, 1.0, 0.775, 0.55, 0.325, 0.1], abs=1e-12)
     c = 0.5 * (1 + math.cos(math.pi / 4))  # p = 1/4: 0.853553...
-    assert factors("cosine", 2, 6, 0.1) == pytest.approx([0.5, 1.0, 0.1 + 0.9 * c, 0.55, 0.1 + 0.9 * (1 - c), 0.1], abs=1e-12)
-    assert factors("cosine", 0, 4, 0.0) == pytest.approx([0.5 * (1 + math.cos(math.pi * p)) for p in (0.25, 0.5, 0.75, 1.0)], abs=1e-12)
+    assert factors("cosine", 2, 6, 0.1) == pytest.approx(
+        [0.5, 1.0, 0.1 + 0.9 * c, 0.55, 0.1 + 0.9 * (1 - c), 0.1], abs=1e-12
+    )
+    assert factors("cosine", 0, 4, 0.0) == pytest.approx(
+        [0.5 * (1 + math.cos(math.pi * p)) for p in (0.25, 0.5, 0.75, 1.0)], abs=1e-12
+    )
     assert factors("constant", 0, 3, 0.5) == [1.0, 1.0, 1.0]
     assert factors("linear", 3, 3, 0.0) == pytest.approx([1 / 3, 2 / 3, 1.0])  # all warm-up
     # past the last step the rate stays at the minimum
@@ -44,7 +51,9 @@ def test_cosine_scheduler_follows_transformers(warmup, total, min_ratio):
     with a minimum rate (the formula's source) over the whole run."""
     ours = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=PEAK)
     theirs = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=PEAK)
-    sched = build_lr_scheduler(ours, OptimConfig(lr=PEAK, scheduler="cosine", warmup_steps=warmup, min_lr_ratio=min_ratio), total)
+    sched = build_lr_scheduler(
+        ours, OptimConfig(lr=PEAK, scheduler="cosine", warmup_steps=warmup, min_lr_ratio=min_ratio), total
+    )
     ref = get_cosine_with_min_lr_schedule_with_warmup_lr_rate(theirs, warmup, total, min_lr_rate=min_ratio)
     for _ in range(total):
         assert ours.param_groups[0]["lr"] == pytest.approx(theirs.param_groups[0]["lr"], rel=1e-12, abs=1e-18)
@@ -97,8 +106,9 @@ def test_resume_trains_the_next_step_with_the_uninterrupted_runs_rate(model_dir,
     lrs = [trainer.step(mbs)["lr"] for mbs in batches[:k]]
     assert lrs == pytest.approx([expected_lr(s) for s in range(k)], rel=1e-12)
     state = snapshot_state(model, trainer.optimizer, trainer.scheduler) if background else None
-    path = save_checkpoint(tmp_path, step=k, model=model, optimizer=trainer.optimizer, extra={},
-                           scheduler=trainer.scheduler, state=state)
+    path = save_checkpoint(
+        tmp_path, step=k, model=model, optimizer=trainer.optimizer, extra={}, scheduler=trainer.scheduler, state=state
+    )
     assert (path / "scheduler.pt").is_file()
     uninterrupted = trainer.step(batches[k])["lr"]
     reference = weights(model)
@@ -131,7 +141,9 @@ def test_a_checkpoint_without_scheduler_state_resumes_at_its_steps_rate(model_di
     assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(expected_lr(2), rel=1e-12)
 
 
-CHANGED = TrainerConfig(max_steps=6, optim=OptimConfig(lr=PEAK / 4, scheduler="linear", warmup_steps=1, min_lr_ratio=0.2))
+CHANGED = TrainerConfig(
+    max_steps=6, optim=OptimConfig(lr=PEAK / 4, scheduler="linear", warmup_steps=1, min_lr_ratio=0.2)
+)
 
 
 def changed_lr(step: int) -> float:
@@ -149,8 +161,14 @@ def test_resume_follows_the_configs_schedule_from_the_checkpoint_step(model_dir,
     trainer = Trainer(model, SCHEDULED)
     for mbs in batches[:k]:
         trainer.step(mbs)
-    path = save_checkpoint(tmp_path, step=k, model=model, optimizer=trainer.optimizer, extra={"lr_schedule": "cosine"},
-                           scheduler=trainer.scheduler)
+    path = save_checkpoint(
+        tmp_path,
+        step=k,
+        model=model,
+        optimizer=trainer.optimizer,
+        extra={"lr_schedule": "cosine"},
+        scheduler=trainer.scheduler,
+    )
     uninterrupted = [trainer.step(mbs)["lr"] for mbs in batches[k:]]
     reference, reference_opt = weights(model), trainer.optimizer.state_dict()
 

@@ -75,7 +75,9 @@ def test_lora_state_dict_names_shapes_and_merged_values(model_dir):
     q = base_model(model).model.layers[1].self_attn.q_proj
     by_hand = q.base_layer.weight + (ALPHA / RANK) * q.lora_B["default"].weight @ q.lora_A["default"].weight
     torch.testing.assert_close(sd["model.layers.1.self_attn.q_proj.weight"], by_hand, rtol=0, atol=1e-6)
-    assert (sd["model.layers.1.self_attn.q_proj.weight"] - ref["model.layers.1.self_attn.q_proj.weight"]).abs().max() > 1e-3
+    assert (
+        sd["model.layers.1.self_attn.q_proj.weight"] - ref["model.layers.1.self_attn.q_proj.weight"]
+    ).abs().max() > 1e-3
     # untouched parts are the base weights (q_proj has a bias in Qwen2: kept, unmodified)
     assert torch.equal(sd["model.layers.1.self_attn.q_proj.bias"], ref["model.layers.1.self_attn.q_proj.bias"])
     assert torch.equal(sd["lm_head.weight"], ref["lm_head.weight"])
@@ -111,7 +113,9 @@ def test_training_model_unchanged_no_inplace_merge(model_dir):
     assert not q.merged and "default" in q.lora_A
     assert sd["model.layers.0.self_attn.q_proj.weight"].data_ptr() != q.base_layer.weight.data_ptr()
     sd["model.layers.0.self_attn.q_proj.weight"].add_(1.0)  # writing to the result does not touch the model
-    assert torch.equal(q.base_layer.weight, before["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"])
+    assert torch.equal(
+        q.base_layer.weight, before["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"]
+    )
 
 
 def test_lora_subset_of_targets(model_dir):

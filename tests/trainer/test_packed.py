@@ -185,12 +185,17 @@ def test_logprobs_and_entropy_match_unpacked(attn_implementation, chunk_size):
 
 def _naive_packed(model, input_ids, seq_lens, temperature):
     """The full-logits packed path: model(...).logits [T, V] -> log_softmax -> gather, entropy, shift."""
-    logits = model(
-        input_ids=input_ids[None],
-        attention_mask=block_causal_mask(seq_lens, torch.float32),
-        position_ids=packed_position_ids(seq_lens),
-        use_cache=False,
-    ).logits[0].float() / temperature
+    logits = (
+        model(
+            input_ids=input_ids[None],
+            attention_mask=block_causal_mask(seq_lens, torch.float32),
+            position_ids=packed_position_ids(seq_lens),
+            use_cache=False,
+        )
+        .logits[0]
+        .float()
+        / temperature
+    )
     logp = torch.log_softmax(logits[:-1], dim=-1)
     lp = torch.cat([torch.zeros(1), logp.gather(1, input_ids[1:, None]).squeeze(1)])
     entropy = torch.cat([torch.zeros(1), -(logp.exp() * logp).sum(-1)])
@@ -330,11 +335,15 @@ def test_selected_tokens_only(share_prefixes):
     results = []
     for chosen in (None, tokens):
         model.zero_grad()
-        logprobs, entropy = packed_logprobs_and_entropy(model, input_ids, seq_lens, share_prefixes=share_prefixes, tokens=chosen)
+        logprobs, entropy = packed_logprobs_and_entropy(
+            model, input_ids, seq_lens, share_prefixes=share_prefixes, tokens=chosen
+        )
         (logprobs * tokens).sum().backward()
         results.append((logprobs.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}))
     (lp_all, ent_all, g_all), (lp, ent, g) = results
-    assert torch.equal(lp[~tokens], torch.zeros_like(lp[~tokens])) and torch.equal(ent[~tokens], torch.zeros_like(ent[~tokens]))
+    assert torch.equal(lp[~tokens], torch.zeros_like(lp[~tokens])) and torch.equal(
+        ent[~tokens], torch.zeros_like(ent[~tokens])
+    )
     assert float(lp[5]) == 0.0 and float(ent[5]) == 0.0
     torch.testing.assert_close(lp[tokens], lp_all[tokens], rtol=0, atol=1e-6)
     torch.testing.assert_close(ent[tokens], ent_all[tokens], rtol=0, atol=1e-6)

@@ -79,8 +79,11 @@ def test_bf16_step_keeps_float32_state_and_tracks_float32(model_dir, lora):
         trainer = Trainer(model, cfg(dtype))
         before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         grads = {}
-        hooks = [p.register_hook(lambda g, n=n, grads=grads: grads.__setitem__(n, g.dtype))
-                 for n, p in model.named_parameters() if p.requires_grad]
+        hooks = [
+            p.register_hook(lambda g, n=n, grads=grads: grads.__setitem__(n, g.dtype))
+            for n, p in model.named_parameters()
+            if p.requires_grad
+        ]
         metrics = trainer.step(micro_batches(ss, [[0, 1], [2, 3]]))
         for h in hooks:
             h.remove()
@@ -136,9 +139,14 @@ def test_chunked_logprobs_of_bfloat16_weights_are_float32(temperature):
     assert hidden.grad.dtype == weight.grad.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("head_dtype, matmul_dtype", [
-    ("float32", torch.float32), ("tf32", torch.float32), ("bfloat16", torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    "head_dtype, matmul_dtype",
+    [
+        ("float32", torch.float32),
+        ("tf32", torch.float32),
+        ("bfloat16", torch.bfloat16),
+    ],
+)
 def test_dtypes_that_reach_attention_and_the_lm_head(model_dir, monkeypatch, head_dtype, matmul_dtype):
     """A Trainer step under trainer.dtype=bfloat16 on CPU: every packed-attention call gets q/k/v in
     bfloat16 (cast from the float32 RoPE output, as on CUDA before the varlen kernel), and the LM
@@ -164,8 +172,15 @@ def test_dtypes_that_reach_attention_and_the_lm_head(model_dir, monkeypatch, hea
     ss = samples(model)
     attn_dtypes.clear()  # the sampler logprobs of samples() above ran unmixed
     head_dtypes.clear()
-    trainer = Trainer(model, TrainerConfig(dtype="bfloat16", lm_head_dtype=head_dtype, share_prefixes=False,
-                                           optim=OptimConfig(lr=1e-3, max_grad_norm=1e9)))
+    trainer = Trainer(
+        model,
+        TrainerConfig(
+            dtype="bfloat16",
+            lm_head_dtype=head_dtype,
+            share_prefixes=False,
+            optim=OptimConfig(lr=1e-3, max_grad_norm=1e9),
+        ),
+    )
     metrics = trainer.step(micro_batches(ss, [list(range(len(ss)))]))
     assert np.isfinite(metrics["loss"])
     assert attn_dtypes and set(attn_dtypes) == {(torch.bfloat16,) * 3}

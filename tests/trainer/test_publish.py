@@ -17,8 +17,9 @@ def _payload(version: int, *, adapter: bool) -> dict[str, torch.Tensor]:
 
 def test_a_failed_broadcast_swaps_in_the_filesystem_sender(tmp_path):
     announced = []
-    publisher = WeightPublisher(BroadcastSender(backend="gloo"), FilesystemSender(tmp_path), announced.append,
-                                _payload, adapter=True)
+    publisher = WeightPublisher(
+        BroadcastSender(backend="gloo"), FilesystemSender(tmp_path), announced.append, _payload, adapter=True
+    )
     try:
         publisher.publish(1)  # start_send raises (no group): announced, then re-published by filesystem
         publisher.publish(2)
@@ -48,8 +49,13 @@ def test_a_late_joiner_gets_the_last_version_through_the_fallback_once(tmp_path)
     """weights.wanted from a producer outside the group: the publisher switches to its fallback and
     re-publishes the last version there (a primary that worked stands in for a formed broadcast)."""
     announced = []
-    publisher = WeightPublisher(FilesystemSender(tmp_path / "primary"), FilesystemSender(tmp_path / "fallback"),
-                                announced.append, _payload, adapter=False)
+    publisher = WeightPublisher(
+        FilesystemSender(tmp_path / "primary"),
+        FilesystemSender(tmp_path / "fallback"),
+        announced.append,
+        _payload,
+        adapter=False,
+    )
     try:
         publisher.serve_late_joiner("producer-1", 0)  # nothing published yet: nothing to re-publish
         assert announced == [] and publisher.fallback is not None
@@ -78,8 +84,14 @@ def test_a_failed_broadcast_swaps_in_the_bus_fallback_which_serves_the_adapter(t
     ctx = zmq.Context()
     address = f"ipc://{tmp_path}/weights"
     announced = []
-    publisher = WeightPublisher(BroadcastSender(backend="gloo"), BusSender(ctx, address), announced.append, _payload,
-                                adapter=True, members=["producer-0"])
+    publisher = WeightPublisher(
+        BroadcastSender(backend="gloo"),
+        BusSender(ctx, address),
+        announced.append,
+        _payload,
+        adapter=True,
+        members=["producer-0"],
+    )
     fetcher = BusFetcher(address, producer="producer-0", retry_s=0.5)
     try:
         publisher.publish(1)

@@ -62,8 +62,13 @@ def test_resume_is_bit_identical_to_the_uninterrupted_run(model_dir, tmp_path, l
     torch.manual_seed(7)
     for mbs in batches[:SAVE_AT]:
         assert trainer.step(mbs)["skipped"] == 0.0
-    path = save_checkpoint(tmp_path, step=SAVE_AT, model=model, optimizer=trainer.optimizer,
-                           extra={"policy_version": SAVE_AT, "weight_method": "filesystem"})
+    path = save_checkpoint(
+        tmp_path,
+        step=SAVE_AT,
+        model=model,
+        optimizer=trainer.optimizer,
+        extra={"policy_version": SAVE_AT, "weight_method": "filesystem"},
+    )
     assert path == tmp_path / f"step_{SAVE_AT:06d}" and (path / "DONE").is_file()
     assert (path / ("adapter_model.safetensors" if lora else "model.safetensors")).is_file()
     saved = weights(model)
@@ -81,7 +86,7 @@ def test_resume_is_bit_identical_to_the_uninterrupted_run(model_dir, tmp_path, l
             assert torch.equal(t, saved[n]), n
         if reseed is not None:
             torch.manual_seed(reseed)
-        for mbs in batches[state["step"]:]:
+        for mbs in batches[state["step"] :]:
             resumed.step(mbs)
         return resumed
 
@@ -102,10 +107,19 @@ def test_resume_is_bit_identical_to_the_uninterrupted_run(model_dir, tmp_path, l
 def mb(step: int, index: int, count: int, groups: list[str]) -> MicroBatch:
     """A micro-batch with one 2-token sample per group: sample ids ``{group}/{index}``."""
     samples = [
-        PackedSample(f"{g}/{index}", np.array([1, 2], np.int32), np.array([False, True]), np.zeros(2, np.float32), 1.0, 1.0, step)
+        PackedSample(
+            f"{g}/{index}", np.array([1, 2], np.int32), np.array([False, True]), np.zeros(2, np.float32), 1.0, 1.0, step
+        )
         for g in groups
     ]
-    return build_micro_batch(samples, step=step, micro_index=index, num_micro_batches=count, step_loss_tokens=len(groups) * count, step_samples=len(groups) * count)
+    return build_micro_batch(
+        samples,
+        step=step,
+        micro_index=index,
+        num_micro_batches=count,
+        step_loss_tokens=len(groups) * count,
+        step_samples=len(groups) * count,
+    )
 
 
 def test_ledger_buffers_steps_and_releases_only_what_a_checkpoint_covers():
@@ -150,7 +164,9 @@ def test_ledger_covers_several_steps_at_once_and_counts_repeats_once():
     assert ledger.offer(mb(1, 0, 1, ["g1"])) == []  # re-sent after training, before the checkpoint
     covered = ledger.cover(3)
     assert [(c.step, c.message_ids, c.group_ids) for c in covered] == [
-        (0, ["0:0"], ["g0"]), (1, ["1:0"], ["g1"]), (2, ["2:0"], ["g2"])
+        (0, ["0:0"], ["g0"]),
+        (1, ["1:0"], ["g1"]),
+        (2, ["2:0"], ["g2"]),
     ]
 
 
@@ -232,17 +248,24 @@ def run_config(run_dir: Path, policy_dir: str, eval: dict | None = None, **train
     resume that lost the schedule's place gives other weights); online eval off unless ``eval``
     says otherwise (no producers here)."""
     run_dir.mkdir(exist_ok=True)  # busctl makes it (and writes config.yaml there)
-    return RunConfig.model_validate({
-        "run_dir": str(run_dir),
-        "model": {"path": policy_dir},
-        "eval": eval or {"enabled": False},
-        "sampling": {"max_tokens": 4},
-        "trainer": {"max_steps": 4, "checkpoint_interval": 2, "num_threads": 1,
-                    "optim": {"scheduler": "cosine", "warmup_steps": 1, "min_lr_ratio": 0.1}, **trainer},
-        "packer": {"max_off_policy_steps": 8},
-        "broadcast": {"method": "filesystem"},
-        "bus": {"heartbeat_s": 0.1, "dead_after_s": 2.0, "ack_timeout_s": 2.0},
-    })
+    return RunConfig.model_validate(
+        {
+            "run_dir": str(run_dir),
+            "model": {"path": policy_dir},
+            "eval": eval or {"enabled": False},
+            "sampling": {"max_tokens": 4},
+            "trainer": {
+                "max_steps": 4,
+                "checkpoint_interval": 2,
+                "num_threads": 1,
+                "optim": {"scheduler": "cosine", "warmup_steps": 1, "min_lr_ratio": 0.1},
+                **trainer,
+            },
+            "packer": {"max_off_policy_steps": 8},
+            "broadcast": {"method": "filesystem"},
+            "bus": {"heartbeat_s": 0.1, "dead_after_s": 2.0, "ack_timeout_s": 2.0},
+        }
+    )
 
 
 class Packer:
@@ -259,13 +282,31 @@ class Packer:
         self.ctx = zmq.Context()
         self.stop = threading.Event()
         b = cfg.bus
-        self.courier = Courier(self.ctx, heartbeat_s=b.heartbeat_s, dead_after_s=b.dead_after_s, ack_timeout_s=b.ack_timeout_s, stop=self.stop)
+        self.courier = Courier(
+            self.ctx,
+            heartbeat_s=b.heartbeat_s,
+            dead_after_s=b.dead_after_s,
+            ack_timeout_s=b.ack_timeout_s,
+            stop=self.stop,
+        )
         self.outbox = self.courier.sender("batches", endpoints.address("batches"), bind=True, capacity=64)
         self.ledger = OutcomesSink(self.courier, endpoints.address("outcomes"))
-        self.control = BusSocket(self.ctx, "control_pub", "recv", endpoints.address("control_pub"), bind=True, stop=self.stop, accept=CONTROL_TYPES)
+        self.control = BusSocket(
+            self.ctx,
+            "control_pub",
+            "recv",
+            endpoints.address("control_pub"),
+            bind=True,
+            stop=self.stop,
+            accept=CONTROL_TYPES,
+        )
         self.control.sock.send(b"\x01")  # XSUB: subscribe to everything, as the hub does
-        self.publish = BusSocket(self.ctx, "control_sub", "send", endpoints.address("control_sub"), bind=True, stop=self.stop)
-        self.supervisor = BusSocket(self.ctx, "supervisor", "recv", endpoints.address("supervisor"), bind=True, stop=self.stop)
+        self.publish = BusSocket(
+            self.ctx, "control_sub", "send", endpoints.address("control_sub"), bind=True, stop=self.stop
+        )
+        self.supervisor = BusSocket(
+            self.ctx, "supervisor", "recv", endpoints.address("supervisor"), bind=True, stop=self.stop
+        )
         self.seen: list = []
 
     def send(self, micro_batches: list[MicroBatch]) -> None:
@@ -278,7 +319,9 @@ class Packer:
         deadline = time.monotonic() + WAIT_S
         while not predicate(self):
             trainer.check(what)
-            assert time.monotonic() < deadline, f"waited {WAIT_S} s for {what}; control messages: {[type(m).__name__ for m in self.seen]}"
+            assert time.monotonic() < deadline, (
+                f"waited {WAIT_S} s for {what}; control messages: {[type(m).__name__ for m in self.seen]}"
+            )
             msg = self.control.recv(timeout_s=0.1)
             if msg is not None:
                 self.seen.append(msg)
@@ -343,13 +386,18 @@ class TrainerProcess:
         with log.open("ab") as err:
             self.popen = subprocess.Popen(
                 [sys.executable, "-m", "trainer.proc", "--run-dir", str(run_dir), "--name", "trainer"],
-                cwd=Path(__file__).resolve().parents[2], stdout=err, stderr=err, env={**os.environ, **env},
+                cwd=Path(__file__).resolve().parents[2],
+                stdout=err,
+                stderr=err,
+                env={**os.environ, **env},
             )
 
     def check(self, what: str) -> None:
         code = self.popen.poll()
         if code is not None:
-            raise AssertionError(f"the trainer exited ({code}) while waiting for {what}:\n{self.log.read_text()[-3000:]}")
+            raise AssertionError(
+                f"the trainer exited ({code}) while waiting for {what}:\n{self.log.read_text()[-3000:]}"
+            )
 
     def kill(self, sig: int) -> None:
         self.popen.send_signal(sig)
@@ -410,7 +458,9 @@ def assert_same_outcome(run_dir: Path, reference: Path) -> None:
         assert torch.equal(resumed[name], expected[name]), name
 
 
-def test_trainer_releases_at_checkpoints_and_resumes_after_a_restart(tiny_policy, batches, reference, tmp_path, monkeypatch):
+def test_trainer_releases_at_checkpoints_and_resumes_after_a_restart(
+    tiny_policy, batches, reference, tmp_path, monkeypatch
+):
     monkeypatch.delenv(RESTARTS_ENV, raising=False)
     monkeypatch.delenv(RESUME_ENV, raising=False)
     per_step = [len(mbs) for mbs in batches]
@@ -424,7 +474,8 @@ def test_trainer_releases_at_checkpoints_and_resumes_after_a_restart(tiny_policy
         packer.wait_for("trainer.step 3", lambda p: any(m.step == 3 for m in p.of_type(TrainerStep)), trainer)
         # steps 0 and 1 are covered by the checkpoint at 2 and released; step 2 is trained but held
         assert [(m.id, m.step, sorted(m.group_ids)) for m in packer.of_type(GroupsTrained)] == [
-            ("trained-step-0", 0, groups[0]), ("trained-step-1", 1, groups[1])
+            ("trained-step-0", 0, groups[0]),
+            ("trained-step-1", 1, groups[1]),
         ]
         # the same outcomes reach the prompt source's ledger on the reliable topic
         packer.ledger.wait_for(lambda s: len(s.received()) >= 2, "the outcomes of steps 0 and 1")
@@ -477,7 +528,9 @@ def test_trainer_releases_at_checkpoints_and_resumes_after_a_restart(tiny_policy
     assert_same_outcome(tmp_path, reference)
 
 
-def test_the_trainer_writes_eval_results_and_waits_for_the_final_round(tiny_policy, batches, tmp_path, monkeypatch, caplog):
+def test_the_trainer_writes_eval_results_and_waits_for_the_final_round(
+    tiny_policy, batches, tmp_path, monkeypatch, caplog
+):
     """Eval results published on the control channel (as the packer does) land in metrics.jsonl
     once per (round, task) and in the gauges; after its last step the trainer waits up to
     ``eval.timeout_s`` for round ``max_steps`` of every eval task, and warns about the missing one."""
@@ -487,14 +540,30 @@ def test_the_trainer_writes_eval_results_and_waits_for_the_final_round(tiny_poli
     monkeypatch.delenv(RESUME_ENV, raising=False)
     timeout_s = 3.0
     tasks = [{"name": "reverse_text"}, {"name": "countdown", "rollouts_per_example": 4}]
-    cfg = run_config(tmp_path, tiny_policy, eval={"enabled": True, "interval": 2, "tasks": tasks, "timeout_s": timeout_s})
+    cfg = run_config(
+        tmp_path, tiny_policy, eval={"enabled": True, "interval": 2, "tasks": tasks, "timeout_s": timeout_s}
+    )
 
     def result(rnd: int, task: str, reward: float) -> EvalResult:
-        return EvalResult(id=new_id(), round=rnd, task=task, version_min=rnd, version_max=rnd, num_samples=8, num_failed=0,
-                          metrics={"reward_mean": reward, "reward_std": 0.1, "completion_len_mean": 3.0, "reward/countdown": reward})
+        return EvalResult(
+            id=new_id(),
+            round=rnd,
+            task=task,
+            version_min=rnd,
+            version_max=rnd,
+            num_samples=8,
+            num_failed=0,
+            metrics={"reward_mean": reward, "reward_std": 0.1, "completion_len_mean": 3.0, "reward/countdown": reward},
+        )
 
     def evals(rnd: int) -> set[str]:
-        return {k for r in complete_records(tmp_path / "metrics.jsonl") if r["step"] == rnd for k in r if k.startswith("eval/")}
+        return {
+            k
+            for r in complete_records(tmp_path / "metrics.jsonl")
+            if r["step"] == rnd
+            for k in r
+            if k.startswith("eval/")
+        }
 
     packer = Packer(cfg)
     try:
@@ -506,6 +575,7 @@ def test_the_trainer_writes_eval_results_and_waits_for_the_final_round(tiny_poli
                     for r in results:  # repeated until the trainer's SUB has joined; written once
                         p.publish.send(r)
                     return len(evals(rnd)) >= keys
+
                 return check
 
             base = [result(0, "reverse_text", 0.25), result(0, "countdown", 0.5)]
@@ -526,12 +596,21 @@ def test_the_trainer_writes_eval_results_and_waits_for_the_final_round(tiny_poli
     records = read_jsonl(tmp_path / "metrics.jsonl")
     eval_records = [r for r in records if any(k.startswith("eval/") for k in r)]
     assert [(r["step"], next(k for k in r if k.startswith("eval/")).split("/")[1]) for r in eval_records] == [
-        (0, "reverse_text"), (0, "countdown"), (4, "reverse_text")
+        (0, "reverse_text"),
+        (0, "countdown"),
+        (4, "reverse_text"),
     ]  # each once, though published many times
-    assert eval_records[1] == {"step": 0, "eval/countdown/num_samples": 8, "eval/countdown/num_failed": 0,
-                               "eval/countdown/version_min": 0, "eval/countdown/version_max": 0,
-                               "eval/countdown/reward_mean": 0.5, "eval/countdown/reward_std": 0.1,
-                               "eval/countdown/completion_len_mean": 3.0, "eval/countdown/reward/countdown": 0.5}
+    assert eval_records[1] == {
+        "step": 0,
+        "eval/countdown/num_samples": 8,
+        "eval/countdown/num_failed": 0,
+        "eval/countdown/version_min": 0,
+        "eval/countdown/version_max": 0,
+        "eval/countdown/reward_mean": 0.5,
+        "eval/countdown/reward_std": 0.1,
+        "eval/countdown/completion_len_mean": 3.0,
+        "eval/countdown/reward/countdown": 0.5,
+    }
     assert sorted(r["step"] for r in records if r not in eval_records) == [1, 2, 3, 4]
     assert REGISTRY.get_sample_value("rlbus_eval_reward_mean", {"task": "reverse_text"}) == 0.75
     assert REGISTRY.get_sample_value("rlbus_eval_round", {"task": "reverse_text"}) == 4.0
@@ -571,7 +650,9 @@ def test_a_killed_trainer_process_resumes_from_its_checkpoint(tiny_policy, batch
 
 def test_a_trainer_that_released_steps_without_checkpoints_refuses_to_restart(tiny_policy, tmp_path, monkeypatch):
     cfg = run_config(tmp_path, tiny_policy, checkpoint_interval=0)
-    (tmp_path / "trained_samples.jsonl").write_text(json.dumps({"step": 0, "sample_ids": ["g/0"], "versions": [0]}) + "\n")
+    (tmp_path / "trained_samples.jsonl").write_text(
+        json.dumps({"step": 0, "sample_ids": ["g/0"], "versions": [0]}) + "\n"
+    )
     monkeypatch.setenv(RESTARTS_ENV, "1")
     proc = TrainerProc(cfg, "trainer", 0)
     try:
@@ -599,8 +680,9 @@ def test_a_failed_broadcast_switches_the_trainer_to_the_filesystem_method(tiny_p
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cfg = run_config(tmp_path, tiny_policy)
-    cfg.broadcast = cfg.broadcast.model_copy(update={"method": "broadcast", "backend": "gloo", "port": port, "timeout_s": 20.0,
-                                                          "reform_timeout_s": 5.0})
+    cfg.broadcast = cfg.broadcast.model_copy(
+        update={"method": "broadcast", "backend": "gloo", "port": port, "timeout_s": 20.0, "reform_timeout_s": 5.0}
+    )
     manifest = build_manifest(policy_state_dict(load_policy(tiny_policy, cfg.trainer.lora)))
 
     def failed_reforms() -> float:
@@ -623,7 +705,11 @@ def test_a_failed_broadcast_switches_the_trainer_to_the_filesystem_method(tiny_p
         producer.kill()
     # distinct announcements in order (bus.control.ControlPublisher may repeat the latest one)
     assert list(dict.fromkeys((m.version, m.method) for m in packer.of_type(WeightsReady))) == [
-        (1, "broadcast"), (2, "broadcast"), (2, "filesystem"), (3, "filesystem"), (4, "filesystem")
+        (1, "broadcast"),
+        (2, "broadcast"),
+        (2, "filesystem"),
+        (3, "filesystem"),
+        (4, "filesystem"),
     ]
     assert failed_reforms() == failed_before + 1  # the dead member never joined the new group
     assert REGISTRY.get_sample_value("rlbus_trainer_weight_members", {"method": "filesystem"}) == 1

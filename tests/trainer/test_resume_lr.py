@@ -19,7 +19,7 @@ from trainer.state.checkpoint import list_checkpoints
 OPTIM = {"scheduler": "cosine", "warmup_steps": 1, "min_lr_ratio": 0.1}  # run_config's schedule; its lr: the default
 
 
-def test_resume_with_a_lower_lr_trains_on_with_the_new_schedule(tiny_policy, batches, tmp_path, monkeypatch, caplog):  # noqa: F811
+def test_resume_with_a_lower_lr_trains_on_with_the_new_schedule(tiny_policy, batches, tmp_path, monkeypatch, caplog):
     monkeypatch.delenv(ENV_RESTARTS, raising=False)
     monkeypatch.delenv(ENV_RESUME, raising=False)
     cfg = run_config(tmp_path, tiny_policy)
@@ -49,10 +49,14 @@ def test_resume_with_a_lower_lr_trains_on_with_the_new_schedule(tiny_policy, bat
         return lr * lr_factor(step, schedule="cosine", warmup_steps=1, total_steps=4, min_lr_ratio=0.1)
 
     (warning,) = [r.getMessage() for r in caplog.records]
-    assert f"step 2: {rate(peak, 2):.4g} -> {rate(peak / 4, 2):.4g}" in warning and f"{peak:.4g} -> {peak / 4:.4g}" in warning
+    assert (
+        f"step 2: {rate(peak, 2):.4g} -> {rate(peak / 4, 2):.4g}" in warning
+        and f"{peak:.4g} -> {peak / 4:.4g}" in warning
+    )
     metrics = read_jsonl(Path(cfg.run_dir) / "metrics.jsonl")
     assert [r["step"] for r in metrics] == [1, 2, 3, 4]
     assert metrics[:2] == before[:2]  # the steps the checkpoint covers, as trained
-    assert [r["lr"] for r in metrics] == pytest.approx([rate(peak, 0), rate(peak, 1), rate(peak / 4, 2), rate(peak / 4, 3)],
-                                                       rel=1e-12)
+    assert [r["lr"] for r in metrics] == pytest.approx(
+        [rate(peak, 0), rate(peak, 1), rate(peak / 4, 2), rate(peak / 4, 3)], rel=1e-12
+    )
     assert before[2]["lr"] == pytest.approx(rate(peak, 2), rel=1e-12)  # the stopped run's step 2, at the old rate

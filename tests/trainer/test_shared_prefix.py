@@ -31,8 +31,15 @@ VOCAB = 300
 
 def _tiny(family: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     if family == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
     else:
@@ -48,11 +55,17 @@ def _groups_row(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     prompt_b[:3] = prompt_a[:3]  # two prompts sharing a template-like start
     comp = [rng.integers(0, VOCAB, n).tolist() for n in (5, 3, 7, 7)]
     samples = [
-        prompt_a + comp[0], prompt_a + comp[1],
-        prompt_b + comp[2], prompt_b + comp[2], prompt_b + comp[2][:3], prompt_b + comp[3],
+        prompt_a + comp[0],
+        prompt_a + comp[1],
+        prompt_b + comp[2],
+        prompt_b + comp[2],
+        prompt_b + comp[2][:3],
+        prompt_b + comp[3],
         rng.integers(0, VOCAB, 8).tolist(),
         [int(rng.integers(0, VOCAB))],
-        prompt_c + comp[0], prompt_c + comp[1], prompt_c + comp[3],
+        prompt_c + comp[0],
+        prompt_c + comp[1],
+        prompt_c + comp[3],
     ]
     return torch.tensor(sum(samples, [])), torch.tensor([len(s) for s in samples])
 
@@ -85,10 +98,12 @@ def _assert_segments_are_samples(plan) -> None:
     seg, t_c = plan.segments, len(plan.row_ids)
     assert seg.cu_q.dtype == seg.cu_k.dtype == torch.int32 and int(seg.cu_q[-1]) == t_c
     assert int(seg.cu_k[-1]) == len(seg.key_rows)
-    for q0, q1, k0, k1 in zip(seg.cu_q[:-1].tolist(), seg.cu_q[1:].tolist(), seg.cu_k[:-1].tolist(), seg.cu_k[1:].tolist()):
+    for q0, q1, k0, k1 in zip(
+        seg.cu_q[:-1].tolist(), seg.cu_q[1:].tolist(), seg.cu_k[:-1].tolist(), seg.cu_k[1:].tolist()
+    ):
         keys = seg.key_rows[k0:k1]
         assert torch.equal(plan.position_ids[keys], torch.arange(k1 - k0))
-        assert torch.equal(keys[k1 - k0 - (q1 - q0):], torch.arange(q0, q1))  # queries = the last keys
+        assert torch.equal(keys[k1 - k0 - (q1 - q0) :], torch.arange(q0, q1))  # queries = the last keys
         assert q1 - q0 <= seg.max_q and k1 - k0 <= seg.max_k
     padded = plan.padded
     assert torch.equal(padded.q_rows[padded.out_rows], torch.arange(t_c))
@@ -225,8 +240,15 @@ def _grpo_row(seed: int = 0, num_prompts: int = 3, group: int = 4) -> tuple[torc
 
 def _float32_tiny() -> torch.nn.Module:
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     return Qwen2ForCausalLM(config).train()
 
 
@@ -290,7 +312,11 @@ def test_flat_and_padded_attention_equal_per_sample_attention(layout, monkeypatc
         if run == "flat":
             out = flat_segment_attention(q, k, v, plan.segments, None, varlen_attention_reference)
         else:  # per-sample causal sdpa on the unshared row is the ground truth for "reference"
-            out = _per_sample(q, k, v, plan) if run == "reference" else padded_segment_attention(q, k, v, plan.padded, None, 0.0)
+            out = (
+                _per_sample(q, k, v, plan)
+                if run == "reference"
+                else padded_segment_attention(q, k, v, plan.padded, None, 0.0)
+            )
         (out * weight).sum().backward()
         results.append((out.detach(), [t.grad.clone() for t in (q, k, v)]))
         for t in (q, k, v):
@@ -343,13 +369,17 @@ def test_grpo_batch_shared_equals_unshared_logprobs_and_gradients(layout, dtype,
         return
     exact, exact_grads = _logprobs_and_grads(model, input_ids, seq_lens, False, torch.float32)
     on_err, off_err = float((on - exact).abs().max()), float((off - exact).abs().max())
-    print(f"logprobs off float32 by {off_err:.2e} (off) {on_err:.2e} (on), on vs off {float((on - off).abs().max()):.2e}")
+    print(
+        f"logprobs off float32 by {off_err:.2e} (off) {on_err:.2e} (on), on vs off {float((on - off).abs().max()):.2e}"
+    )
     assert float((on - off).abs().max()) <= off_err and on_err <= 2 * off_err
     flat = [torch.cat([g[n].flatten() for n in sorted(g)]).double() for g in (on_grads, off_grads, exact_grads)]
     on_vs_off, on_vs_exact, off_vs_exact = (
         float((flat[a] - flat[b]).norm() / flat[b].norm()) for a, b in ((0, 1), (0, 2), (1, 2))
     )
-    print(f"gradient relative L2 error: off vs float32 {off_vs_exact:.2e}, on vs float32 {on_vs_exact:.2e}, on vs off {on_vs_off:.2e}")
+    print(
+        f"gradient relative L2 error: off vs float32 {off_vs_exact:.2e}, on vs float32 {on_vs_exact:.2e}, on vs off {on_vs_off:.2e}"
+    )
     assert on_vs_off <= 2 * off_vs_exact and on_vs_exact <= 2 * off_vs_exact
 
 

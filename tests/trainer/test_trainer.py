@@ -68,8 +68,12 @@ def micro_batches(ss: list[PackedSample], split: list[list[int]], step: int = 0)
     loss_samples = sum(1 for s in ss if s.loss_mask.any())
     return [
         build_micro_batch(
-            [ss[i] for i in idx], step=step, micro_index=k, num_micro_batches=len(split),
-            step_loss_tokens=loss_tokens, step_samples=loss_samples,
+            [ss[i] for i in idx],
+            step=step,
+            micro_index=k,
+            num_micro_batches=len(split),
+            step_loss_tokens=loss_tokens,
+            step_samples=loss_samples,
         )
         for k, idx in enumerate(split)
     ]
@@ -105,7 +109,7 @@ def test_on_policy_step_metrics_and_update(model_dir, lora):
     assert m["num_loss_tokens"] == n_loss and m["num_tokens"] == 3 + 4 + 2 + 3 + 4 + 2 + 1 + 5
     assert m["num_samples"] == 4 and m["num_micro_batches"] == 2
     # rewards [1, 0, 0.75, 0.25]: mean 0.5, population std sqrt((0.25+0.25+0.0625+0.0625)/4) = sqrt(0.15625)
-    assert m["reward_mean"] == pytest.approx(0.5) and m["reward_std"] == pytest.approx(0.15625 ** 0.5)
+    assert m["reward_mean"] == pytest.approx(0.5) and m["reward_std"] == pytest.approx(0.15625**0.5)
     assert m["grad_norm"] > 0
     after = trainable(model)
     assert any(not torch.equal(before[n], after[n]) for n in before)
@@ -130,7 +134,7 @@ def test_step_moves_logprobs_in_the_advantage_direction(model_dir, lora):
     # both in one step: the A-weighted sum of completion logprobs (the objective) goes up
     model = copy.deepcopy(base)
     ss = samples(model, SPECS[:2])
-    objective = lambda: sum(s.advantage * completion_logprob(model, s) for s in ss)  # noqa: E731
+    objective = lambda: sum(s.advantage * completion_logprob(model, s) for s in ss)
     before = objective()
     Trainer(model, trainer_cfg(lr=1e-4)).step(micro_batches(ss, [[0, 1]]))
     assert objective() > before
@@ -163,7 +167,7 @@ def test_one_or_two_micro_batches_give_the_same_gradient(model_dir, lora):
     s2 = Trainer(copy.deepcopy(model), trainer_cfg()).step(micro_batches(ss, [[3, 0], [2, 1]]))
     assert s2["loss"] == pytest.approx(s1["loss"], rel=1e-5)
     assert s2["grad_norm"] == pytest.approx(s1["grad_norm"], rel=1e-5)
-    norm_by_hand = sum(float((g ** 2).sum()) for g in g1.values()) ** 0.5
+    norm_by_hand = sum(float((g**2).sum()) for g in g1.values()) ** 0.5
     assert s1["grad_norm"] == pytest.approx(norm_by_hand, rel=1e-5)
 
 
@@ -193,7 +197,10 @@ def test_each_micro_batch_uses_its_own_temperature(model_dir, with_reference):
     trainer = Trainer(model, cfg)
     assert (trainer.reference is not None) == with_reference
     for mb, temperature in zip(mbs, (0.5, 1.5)):
-        input_ids, seq_lens = torch.tensor(mb.input_ids, dtype=torch.int64), torch.tensor(mb.seq_lens, dtype=torch.int64)
+        input_ids, seq_lens = (
+            torch.tensor(mb.input_ids, dtype=torch.int64),
+            torch.tensor(mb.seq_lens, dtype=torch.int64),
+        )
         trainer.set_temperature(mb.temperature)
         lp = trainer.logprobs(input_ids, seq_lens)[0].detach()
         start = 0
@@ -215,7 +222,12 @@ def test_each_micro_batch_uses_its_own_temperature(model_dir, with_reference):
 
 def test_reward_terms_step_means(model_dir):
     model = policy(model_dir, lora=False)
-    terms = [{"gsm8k": 1.0, "format": 0.5}, {"gsm8k": 0.0, "format": 1.0}, {"gsm8k": 1.0, "format": 0.0}, {"gsm8k": 0.0}]
+    terms = [
+        {"gsm8k": 1.0, "format": 0.5},
+        {"gsm8k": 0.0, "format": 1.0},
+        {"gsm8k": 1.0, "format": 0.0},
+        {"gsm8k": 0.0},
+    ]
     ss = [dataclasses.replace(s, reward_terms=t) for s, t in zip(samples(model), terms)]
     mbs = micro_batches(ss, [[0, 1, 2], [3]])
     assert mbs[0].reward_terms == {"format": [0.5, 1.0, 0.0], "gsm8k": [1.0, 0.0, 1.0]}

@@ -57,20 +57,23 @@ def test_bf16_packed_attention_on_cpu_is_per_sample_causal_sdpa():
     start = 0
     for n in LENS:
         sl = slice(start, start + n)
-        want = F.scaled_dot_product_attention(q[:, :, sl], k[:, :, sl].repeat_interleave(2, 1),
-                                              v[:, :, sl].repeat_interleave(2, 1), is_causal=True)
+        want = F.scaled_dot_product_attention(
+            q[:, :, sl], k[:, :, sl].repeat_interleave(2, 1), v[:, :, sl].repeat_interleave(2, 1), is_causal=True
+        )
         assert torch.equal(out[0, sl], want[0].transpose(0, 1))
         start += n
 
 
 # --- the decision logic with the CUDA facts fed in (the kernel itself needs CUDA: tests/gpu) ---
 
+
 def _varlen_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, return_aux=None, scale=None):
     """The shape of torch 2.10's `varlen_attn` (an `is_causal` flag, no window, no GQA)."""
 
 
-def _varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                 window_size=(-1, -1)):
+def _varlen_2_11(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
+):
     """The shape of torch 2.11's `varlen_attn` (a causal window, no `enable_gqa`: seen on the H200)."""
 
 
@@ -88,24 +91,33 @@ def test_signature_detection_across_torch_versions():
     assert varlen_signature() == signature_of(varlen_attn)
 
 
-FACTS = dict(device_type="cuda", capability=(9, 0), dtype=torch.bfloat16, head_dim=64, dropout_p=0.0,
-             signature=VarlenSignature(causal_arg="window_size", gqa=False))
+FACTS = dict(
+    device_type="cuda",
+    capability=(9, 0),
+    dtype=torch.bfloat16,
+    head_dim=64,
+    dropout_p=0.0,
+    signature=VarlenSignature(causal_arg="window_size", gqa=False),
+)
 
 
-@pytest.mark.parametrize("change, applies", [
-    ({}, True),
-    ({"dtype": torch.float16}, True),
-    ({"capability": (8, 0)}, True),
-    ({"head_dim": 256}, True),
-    ({"signature": VarlenSignature(causal_arg="is_causal", gqa=False)}, True),
-    ({"device_type": "cpu", "capability": None}, False),
-    ({"capability": (7, 5)}, False),            # Turing: no flash-attention 2
-    ({"dtype": torch.float32}, False),          # no float32 flash path
-    ({"head_dim": 60}, False),                  # not a multiple of 8
-    ({"head_dim": 512}, False),                 # over the kernels' 256
-    ({"dropout_p": 0.1}, False),                # the kernel has no dropout
-    ({"signature": None}, False),               # torch without varlen_attn
-])
+@pytest.mark.parametrize(
+    "change, applies",
+    [
+        ({}, True),
+        ({"dtype": torch.float16}, True),
+        ({"capability": (8, 0)}, True),
+        ({"head_dim": 256}, True),
+        ({"signature": VarlenSignature(causal_arg="is_causal", gqa=False)}, True),
+        ({"device_type": "cpu", "capability": None}, False),
+        ({"capability": (7, 5)}, False),  # Turing: no flash-attention 2
+        ({"dtype": torch.float32}, False),  # no float32 flash path
+        ({"head_dim": 60}, False),  # not a multiple of 8
+        ({"head_dim": 512}, False),  # over the kernels' 256
+        ({"dropout_p": 0.1}, False),  # the kernel has no dropout
+        ({"signature": None}, False),  # torch without varlen_attn
+    ],
+)
 def test_kernel_decision_from_cuda_facts(change, applies):
     assert varlen_decision(**{**FACTS, **change}) is applies
 

@@ -57,8 +57,10 @@ def compile_decoder_layers(model: torch.nn.Module, backend: str = "inductor") ->
         raise ValueError(f"trainer.compile_backend must be one of {COMPILE_BACKENDS}, got {backend!r}")
     layers = getattr(base_model(model).get_decoder(), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
-        raise ValueError(f"{type(base_model(model)).__name__} has no decoder layers to compile (get_decoder().layers); "
-                         "set trainer.compile: false")
+        raise ValueError(
+            f"{type(base_model(model)).__name__} has no decoder layers to compile (get_decoder().layers); "
+            "set trainer.compile: false"
+        )
     for layer in layers:
         layer.compile(dynamic=True, backend=backend)
     return len(layers)

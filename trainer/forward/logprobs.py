@@ -319,7 +319,11 @@ def _validate(hidden, weight, bias, targets, temperature, chunk_size, backend, c
         raise ValueError(f"bias must be [vocab_size={weight.shape[0]}] of {weight.dtype}, got {tuple(bias.shape)}")
     if not isinstance(targets, torch.Tensor) or targets.shape != hidden.shape[:1] or targets.dtype.is_floating_point:
         raise ValueError(f"targets must be an integer tensor [num_tokens={hidden.shape[0]}]")
-    if not checked_targets and targets.numel() and not (0 <= int(targets.min()) and int(targets.max()) < weight.shape[0]):
+    if (
+        not checked_targets
+        and targets.numel()
+        and not (0 <= int(targets.min()) and int(targets.max()) < weight.shape[0])
+    ):
         raise ValueError(
             f"targets must be token ids in [0, {weight.shape[0]}), got {int(targets.min())}..{int(targets.max())}"
         )

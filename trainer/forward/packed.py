@@ -169,8 +169,14 @@ def packed_logprobs_and_entropy(
     # head then runs with autocast off, its matmuls in head_dtype (trainer.forward.logprobs).
     hidden = _decoder_hidden_states(model, row, stats).to(weight.dtype)
     logprob, entropy = linear_logprobs_and_entropy(
-        hidden, weight, bias, row.targets, temperature=temperature, chunk_size=chunk_size,
-        head_dtype=head_dtype, checked_targets=True,
+        hidden,
+        weight,
+        bias,
+        row.targets,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        head_dtype=head_dtype,
+        checked_targets=True,
     )
     zeros = torch.zeros(row.num_tokens, dtype=logprob.dtype, device=logprob.device)
     return zeros.index_put((row.at,), logprob), zeros.index_put((row.at,), entropy)
@@ -215,7 +221,9 @@ def _validate_call(model: torch.nn.Module, input_ids, temperature) -> None:
         )
 
 
-def _decoder_hidden_states(model: torch.nn.Module, row: PackedRow, stats: dict[str, float] | None = None) -> torch.Tensor:
+def _decoder_hidden_states(
+    model: torch.nn.Module, row: PackedRow, stats: dict[str, float] | None = None
+) -> torch.Tensor:
     """`[R, H]` last hidden states (after the final norm) at `row.hidden_rows`, from one packed
     forward of the decoder body over `row.decoder_ids`.
 

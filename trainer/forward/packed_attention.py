@@ -105,7 +105,9 @@ def packed_sdpa_attention(
     if plan is not None:  # grouped-query kv heads as they are: segment_attention gathers them first
         return segment_attention(query, key, value, plan, scaling, dropout_p), None
     if lens is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     if sum(lens) != query.shape[2]:
         raise ValueError(f"rlbus_seq_lens sum to {sum(lens)}, the packed row has {query.shape[2]} tokens")
     if varlen_kernel_applies(query, dropout_p):
@@ -121,6 +123,7 @@ def packed_sdpa_attention(
 # outside any compiled graph (trainer.compile, trainer/forward/compiled.py): the lengths and the
 # shared-prefix plan change with every micro-batch
 AttentionInterface.register(PACKED_ATTENTION, torch.compiler.disable(packed_sdpa_attention))
+
 
 @functools.lru_cache(maxsize=8)
 def mask_placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:

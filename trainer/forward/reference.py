@@ -42,7 +42,9 @@ class ReferencePolicy:
             the KL starts at 0.
     """
 
-    def __init__(self, policy: torch.nn.Module, *, share_prefixes: bool | str = False, head_dtype: str = "float32") -> None:
+    def __init__(
+        self, policy: torch.nn.Module, *, share_prefixes: bool | str = False, head_dtype: str = "float32"
+    ) -> None:
         self.share_prefixes = share_prefixes
         self.head_dtype = head_dtype
         if isinstance(policy, PeftModel):
@@ -76,7 +78,12 @@ class ReferencePolicy:
         context = self.model.disable_adapter() if self.shares_policy else contextlib.nullcontext()
         with context:
             logprobs, _entropy = packed_logprobs_and_entropy(
-                self.model, input_ids, seq_lens, temperature=temperature, share_prefixes=self.share_prefixes, tokens=tokens,
+                self.model,
+                input_ids,
+                seq_lens,
+                temperature=temperature,
+                share_prefixes=self.share_prefixes,
+                tokens=tokens,
                 head_dtype=self.head_dtype,
             )
         return logprobs.detach()

@@ -114,7 +114,9 @@ class FlatSegments:
     def to(self, device: torch.device | str) -> FlatSegments:
         """The same layout with every tensor on ``device``."""
         device = torch.device(device)
-        return FlatSegments(*(to_device(t, device) for t in (self.key_rows, self.cu_q, self.cu_k)), self.max_q, self.max_k)
+        return FlatSegments(
+            *(to_device(t, device) for t in (self.key_rows, self.cu_q, self.cu_k)), self.max_q, self.max_k
+        )
 
 
 @dataclass(frozen=True)

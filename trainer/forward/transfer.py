@@ -18,7 +18,9 @@ import torch
 __all__ = ["host_array", "to_device"]
 
 
-def to_device(array: np.ndarray | torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+def to_device(
+    array: np.ndarray | torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """``array`` as a tensor on ``device``, queued without a host sync (see the module docstring).
 
     Args:

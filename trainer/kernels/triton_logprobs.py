@@ -32,8 +32,14 @@ MAX_BLOCK_V = 4096
 
 @triton.jit
 def _logprob_entropy_kernel(
-    logits_ptr, targets_ptr, logprob_ptr, entropy_ptr, lse_ptr,
-    row_stride, vocab_size, temperature,
+    logits_ptr,
+    targets_ptr,
+    logprob_ptr,
+    entropy_ptr,
+    lse_ptr,
+    row_stride,
+    vocab_size,
+    temperature,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -61,8 +67,13 @@ def _logprob_entropy_kernel(
 
 @triton.jit
 def _grad_logits_kernel(
-    logits_ptr, targets_ptr, lse_ptr, grad_ptr,
-    row_stride, vocab_size, temperature,
+    logits_ptr,
+    targets_ptr,
+    lse_ptr,
+    grad_ptr,
+    row_stride,
+    vocab_size,
+    temperature,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -99,8 +110,14 @@ def chunk_logprob_entropy(
     lse = torch.empty_like(logprob)
     if num_rows:
         _logprob_entropy_kernel[(num_rows,)](
-            logits, targets.contiguous(), logprob, entropy, lse,
-            logits.stride(0), vocab_size, float(temperature),
+            logits,
+            targets.contiguous(),
+            logprob,
+            entropy,
+            lse,
+            logits.stride(0),
+            vocab_size,
+            float(temperature),
             BLOCK_V=_block_v(vocab_size),
         )
     return logprob, entropy, lse
@@ -129,8 +146,13 @@ def chunk_grad_logits(
     num_rows, vocab_size = logits.shape
     if num_rows:
         _grad_logits_kernel[(num_rows,)](
-            logits, targets.contiguous(), lse.contiguous(), grad_logprob.float().contiguous(),
-            logits.stride(0), vocab_size, float(temperature),
+            logits,
+            targets.contiguous(),
+            lse.contiguous(),
+            grad_logprob.float().contiguous(),
+            logits.stride(0),
+            vocab_size,
+            float(temperature),
             BLOCK_V=_block_v(vocab_size),
         )
     return logits

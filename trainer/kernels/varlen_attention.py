@@ -35,8 +35,18 @@ import torch
 from trainer.forward.transfer import to_device
 
 __all__ = [
-    "VARLEN_DTYPES", "VarlenSignature", "autocast_compute_dtype", "cu_seqlens", "repeat_kv", "signature_of", "to_compute_dtype",
-    "varlen_attention", "varlen_causal_attention", "varlen_decision", "varlen_kernel_applies", "varlen_signature",
+    "VARLEN_DTYPES",
+    "VarlenSignature",
+    "autocast_compute_dtype",
+    "cu_seqlens",
+    "repeat_kv",
+    "signature_of",
+    "to_compute_dtype",
+    "varlen_attention",
+    "varlen_causal_attention",
+    "varlen_decision",
+    "varlen_kernel_applies",
+    "varlen_signature",
 ]
 
 VARLEN_DTYPES = (torch.float16, torch.bfloat16)

@@ -38,7 +38,16 @@ from trainer.losses.objectives import (
 )
 from trainer.losses.checks import check_loss_inputs
 from trainer.losses.policy import policy_loss, policy_loss_terms, stats_to_floats
-from trainer.losses.spec import AGGREGATIONS, KL_ESTIMATORS, KL_REFERENCES, LOSS_TYPES, RATIO_TYPES, LossBatch, LossSpec, StepNorm
+from trainer.losses.spec import (
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    KL_REFERENCES,
+    LOSS_TYPES,
+    RATIO_TYPES,
+    LossBatch,
+    LossSpec,
+    StepNorm,
+)
 
 __all__ = [
     "AGGREGATIONS",

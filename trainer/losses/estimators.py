@@ -157,7 +157,9 @@ def segment_sum(values: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor,
     return torch.zeros(num_samples, dtype=values.dtype, device=values.device).index_add(0, seq_ids, selected)
 
 
-def sequence_sum_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, num_samples: int) -> torch.Tensor:
+def sequence_sum_log_ratio(
+    log_ratio: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, num_samples: int
+) -> torch.Tensor:
     """Log of a sample's product of token ratios: `sum_{t in i, mask} log r_t` (0 for a sample with no mask token).
 
     exp() of it is the sequence-level importance ratio pi(y_i) / pi_behaviour(y_i) of the whole
@@ -169,7 +171,9 @@ def sequence_sum_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, seq_ids:
     return segment_sum(log_ratio, mask, seq_ids, num_samples)
 
 
-def sequence_mean_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, num_samples: int) -> torch.Tensor:
+def sequence_mean_log_ratio(
+    log_ratio: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, num_samples: int
+) -> torch.Tensor:
     """Log of a sample's geometric-mean token ratio: `(1/|y_i|) sum_{t in i, mask} log r_t`, |y_i| = mask tokens of i.
 
     exp() of it is GSPO's sequence ratio s_i = (pi(y_i) / pi_old(y_i))^(1/|y_i|) (Zheng et al. 2025,

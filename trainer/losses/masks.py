@@ -85,7 +85,9 @@ def sequence_extreme_mask(
         return ok[seq_ids]
     # a token outside [low, high] (or NaN) marks its sample bad: count bad loss tokens per sample
     bad = loss_mask & ~ratio_in_bounds(log_ratio, 0.0 if low is None else low, math.inf if high is None else high)
-    bad_per_sample = torch.zeros(num_samples, dtype=torch.int64, device=log_ratio.device).index_add(0, seq_ids, bad.long())
+    bad_per_sample = torch.zeros(num_samples, dtype=torch.int64, device=log_ratio.device).index_add(
+        0, seq_ids, bad.long()
+    )
     return (bad_per_sample == 0)[seq_ids]
 
 

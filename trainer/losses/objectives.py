@@ -17,7 +17,13 @@ import torch
 
 from trainer.losses.estimators import LOG_RATIO_BOUND
 
-__all__ = ["aipo_token_loss", "clipped_surrogate", "gspo_token_loss", "importance_sampling_token_loss", "ppo_clip_token_loss"]
+__all__ = [
+    "aipo_token_loss",
+    "clipped_surrogate",
+    "gspo_token_loss",
+    "importance_sampling_token_loss",
+    "ppo_clip_token_loss",
+]
 
 
 def _ratio(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -98,7 +104,9 @@ def ppo_clip_token_loss(
     return loss, clipped
 
 
-def importance_sampling_token_loss(log_ratio: torch.Tensor, advantages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def importance_sampling_token_loss(
+    log_ratio: torch.Tensor, advantages: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain importance-sampled policy gradient, no clipping: `loss_t = -(r_t * A_t)`.
 
     d loss_t / d train_logprobs[t] = -A r (the gradient of the unclipped PPO surrogate; Schulman et al.

@@ -48,7 +48,12 @@ from trainer.losses.estimators import (
     tis_weight,
 )
 from trainer.losses.masks import keep_mask
-from trainer.losses.objectives import aipo_token_loss, gspo_token_loss, importance_sampling_token_loss, ppo_clip_token_loss
+from trainer.losses.objectives import (
+    aipo_token_loss,
+    gspo_token_loss,
+    importance_sampling_token_loss,
+    ppo_clip_token_loss,
+)
 from trainer.losses.spec import LossBatch, LossSpec, StepNorm
 
 __all__ = ["policy_loss", "policy_loss_terms", "stats_to_floats"]
@@ -121,14 +126,18 @@ def policy_loss_terms(batch: LossBatch, norm: StepNorm, spec: LossSpec) -> tuple
         token_loss, clipped = importance_sampling_token_loss(log_ratio, adv)
     else:  # gspo: the sample's geometric-mean ratio over its kept tokens
         seq_lr = sequence_mean_log_ratio(log_ratio.detach(), keep, seq_ids, num_samples)[seq_ids]
-        token_loss, clipped = gspo_token_loss(lp_kept, torch.where(keep, seq_lr, zero), adv, spec.eps_clip, spec.clip_high)
+        token_loss, clipped = gspo_token_loss(
+            lp_kept, torch.where(keep, seq_lr, zero), adv, spec.eps_clip, spec.clip_high
+        )
 
     extra: dict[str, torch.Tensor] = {}
     if spec.use_tis:
         weight = tis_weight(batch.old_logprobs.to(dtype), batch.sampler_logprobs, spec.tis_clip_low, spec.tis_clip_high)
         token_loss = torch.where(keep, weight, zero) * token_loss
         raw_weight = torch.exp(batch.old_logprobs.double() - batch.sampler_logprobs.double())
-        extra["tis_clipped_tokens"] = (keep & ((raw_weight < spec.tis_clip_low) | (raw_weight > spec.tis_clip_high))).sum()
+        extra["tis_clipped_tokens"] = (
+            keep & ((raw_weight < spec.tis_clip_low) | (raw_weight > spec.tis_clip_high))
+        ).sum()
     if spec.kl_tau > 0:
         ref_logprobs = batch.sampler_logprobs if spec.kl_reference == "rollout" else batch.ref_logprobs
         penalty = kl_penalty(lp_kept, torch.where(keep, ref_logprobs.to(dtype), zero), spec.kl_estimator)
@@ -176,11 +185,21 @@ def _check_inputs(batch: LossBatch, spec: LossSpec, norm: StepNorm) -> None:
     micro-batch and the inputs be finite on loss tokens (checked on host copies: a sync)."""
     needed = {"sampler_logprobs": batch.sampler_logprobs, "advantages": batch.advantages}
     requirements = (
-        ("old_logprobs", spec.use_tis, "use_tis needs the old-policy logprobs (old_logprobs = train_logprobs.detach() for one step per batch)"),
-        ("ref_logprobs", spec.kl_tau > 0 and spec.kl_reference == "reference",
-         "kl_reference='reference' needs the reference model's logprobs"),
-        ("teacher_logprobs", spec.teacher_tau > 0,
-         "teacher_tau > 0 needs the samples' teacher logprobs; set teacher_tau=0 or fetch them"),
+        (
+            "old_logprobs",
+            spec.use_tis,
+            "use_tis needs the old-policy logprobs (old_logprobs = train_logprobs.detach() for one step per batch)",
+        ),
+        (
+            "ref_logprobs",
+            spec.kl_tau > 0 and spec.kl_reference == "reference",
+            "kl_reference='reference' needs the reference model's logprobs",
+        ),
+        (
+            "teacher_logprobs",
+            spec.teacher_tau > 0,
+            "teacher_tau > 0 needs the samples' teacher logprobs; set teacher_tau=0 or fetch them",
+        ),
     )
     for name, required, why in requirements:
         tensor = getattr(batch, name)
@@ -198,7 +217,11 @@ def _check_inputs(batch: LossBatch, spec: LossSpec, norm: StepNorm) -> None:
 
 
 def _stats(
-    mismatch: torch.Tensor, loss_mask: torch.Tensor, keep: torch.Tensor, clipped: torch.Tensor, extra: dict[str, torch.Tensor]
+    mismatch: torch.Tensor,
+    loss_mask: torch.Tensor,
+    keep: torch.Tensor,
+    clipped: torch.Tensor,
+    extra: dict[str, torch.Tensor],
 ) -> dict[str, torch.Tensor]:
     """Sums/min/max over loss tokens as 0-dim float64 tensors (keys in `policy_loss`); tokens
     outside the loss mask enter as neutral values (`where`), so no boolean-mask indexing."""

@@ -16,7 +16,16 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["AGGREGATIONS", "KL_ESTIMATORS", "KL_REFERENCES", "LOSS_TYPES", "RATIO_TYPES", "LossBatch", "LossSpec", "StepNorm"]
+__all__ = [
+    "AGGREGATIONS",
+    "KL_ESTIMATORS",
+    "KL_REFERENCES",
+    "LOSS_TYPES",
+    "RATIO_TYPES",
+    "LossBatch",
+    "LossSpec",
+    "StepNorm",
+]
 
 LOSS_TYPES = ("aipo", "ppo_clip", "importance_sampling", "gspo")
 RATIO_TYPES = ("token", "sequence")
@@ -125,14 +134,22 @@ class LossSpec:
         if self.sequence_mask_low is not None and not 0 <= self.sequence_mask_low <= 1:
             raise ValueError(f"sequence_mask_low must be in [0, 1] or None (off), got {self.sequence_mask_low!r}")
         if self.sequence_mask_high is not None and not (1 <= self.sequence_mask_high < math.inf):
-            raise ValueError(f"sequence_mask_high must be a finite number >= 1 or None (off), got {self.sequence_mask_high!r}")
+            raise ValueError(
+                f"sequence_mask_high must be a finite number >= 1 or None (off), got {self.sequence_mask_high!r}"
+            )
         _finite_at_least("sequence_clip_high", self.sequence_clip_high, 1.0)
         if not 0 < self.eps_clip < 1:
-            raise ValueError(f"eps_clip must be in (0, 1) so the lower clip 1 - eps_clip is positive, got {self.eps_clip!r}")
+            raise ValueError(
+                f"eps_clip must be in (0, 1) so the lower clip 1 - eps_clip is positive, got {self.eps_clip!r}"
+            )
         if self.eps_clip_high is not None and not 0 < self.eps_clip_high < math.inf:
-            raise ValueError(f"eps_clip_high must be a finite number > 0 or None (= eps_clip), got {self.eps_clip_high!r}")
+            raise ValueError(
+                f"eps_clip_high must be a finite number > 0 or None (= eps_clip), got {self.eps_clip_high!r}"
+            )
         if self.eps_clip_c is not None and not 1 < self.eps_clip_c < math.inf:
-            raise ValueError(f"eps_clip_c (dual clip) must be a finite number > 1 or None (off), got {self.eps_clip_c!r}")
+            raise ValueError(
+                f"eps_clip_c (dual clip) must be a finite number > 1 or None (off), got {self.eps_clip_c!r}"
+            )
         if self.icepop_beta is not None and not 1 < self.icepop_beta < math.inf:
             raise ValueError(f"icepop_beta must be a finite number > 1 or None (off), got {self.icepop_beta!r}")
         if not isinstance(self.use_tis, bool):
@@ -154,9 +171,13 @@ class LossSpec:
                 )
             for name in ("sequence_mask_low", "sequence_mask_high"):
                 if getattr(self, name) is not None:
-                    raise ValueError(f"{name} is an aipo option; type={self.type!r} ignores it: leave it None (use icepop_beta)")
+                    raise ValueError(
+                        f"{name} is an aipo option; type={self.type!r} ignores it: leave it None (use icepop_beta)"
+                    )
         if self.type != "ppo_clip" and self.eps_clip_c is not None:
-            raise ValueError(f"eps_clip_c (dual clip) is a ppo_clip option; type={self.type!r} ignores it: leave it None")
+            raise ValueError(
+                f"eps_clip_c (dual clip) is a ppo_clip option; type={self.type!r} ignores it: leave it None"
+            )
 
     @property
     def clip_high(self) -> float:
@@ -173,7 +194,9 @@ class LossSpec:
         values = dict(cfg.model_dump())
         unknown = set(values) - {f.name for f in fields(cls)}
         if unknown:
-            raise ValueError(f"LossConfig fields {sorted(unknown)} have no LossSpec counterpart; update trainer/losses/spec.py")
+            raise ValueError(
+                f"LossConfig fields {sorted(unknown)} have no LossSpec counterpart; update trainer/losses/spec.py"
+            )
         return cls(**values)
 
 
@@ -261,7 +284,13 @@ class LossBatch:
             raise ValueError("train_logprobs must be a 1-D float tensor [num_tokens] (flat packed logprobs)")
         num_tokens = lp.shape[0]
         named = {"sampler_logprobs": self.sampler_logprobs, "advantages": self.advantages, "loss_mask": self.loss_mask}
-        named.update({k: getattr(self, k) for k in ("old_logprobs", "ref_logprobs", "teacher_logprobs", "entropy") if getattr(self, k) is not None})
+        named.update(
+            {
+                k: getattr(self, k)
+                for k in ("old_logprobs", "ref_logprobs", "teacher_logprobs", "entropy")
+                if getattr(self, k) is not None
+            }
+        )
         for name, tensor in named.items():
             if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != (num_tokens,):
                 shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
@@ -273,7 +302,9 @@ class LossBatch:
         lens = self.seq_lens
         devices = {str(t.device) for t in (*named.values(), lens) if isinstance(t, torch.Tensor)} | {str(lp.device)}
         if len(devices) > 1:
-            raise ValueError(f"LossBatch tensors must all be on one device, got {sorted(devices)}; move them with .to(device)")
+            raise ValueError(
+                f"LossBatch tensors must all be on one device, got {sorted(devices)}; move them with .to(device)"
+            )
         if not isinstance(lens, torch.Tensor) or lens.ndim != 1 or lens.numel() == 0:
             raise ValueError("seq_lens must be a non-empty 1-D tensor [num_samples] of sample lengths")
         if lens.dtype.is_floating_point or lens.dtype == torch.bool or lens.is_complex():

@@ -72,7 +72,9 @@ EVAL_GAUGES = {
     }.items()
 }
 EVAL_PASS_AT_K = Gauge("rlbus_eval_pass_at_k", "pass@k of the last eval round, per eval task", ["task", "k"])
-EVAL_REWARD_TERM = Gauge("rlbus_eval_reward_term_mean", "Mean score of one reward function in the last eval round", ["task", "reward"])
+EVAL_REWARD_TERM = Gauge(
+    "rlbus_eval_reward_term_mean", "Mean score of one reward function in the last eval round", ["task", "reward"]
+)
 
 
 def declare_pass_at_k(cfg: RunConfig) -> None:
@@ -99,7 +101,7 @@ def eval_record(result: EvalResult) -> dict:
 
 def record_evals(record: dict) -> set[tuple[int, str]]:
     """The (round, task) pairs an eval record of metrics.jsonl holds (none for a training record)."""
-    return {(record["step"], key[len(EVAL_PREFIX):].split("/", 1)[0]) for key in record if key.startswith(EVAL_PREFIX)}
+    return {(record["step"], key[len(EVAL_PREFIX) :].split("/", 1)[0]) for key in record if key.startswith(EVAL_PREFIX)}
 
 
 def keep_metrics_record(record: dict, start_step: int, *, resume: bool = True) -> bool:
@@ -157,13 +159,23 @@ class EvalLog:
                 gauge.labels(task=result.task).set(values[name])
         for key, value in result.metrics.items():
             if key.startswith("pass_at_"):
-                EVAL_PASS_AT_K.labels(task=result.task, k=key[len("pass_at_"):]).set(value)
+                EVAL_PASS_AT_K.labels(task=result.task, k=key[len("pass_at_") :]).set(value)
             elif key.startswith("reward/"):
-                EVAL_REWARD_TERM.labels(task=result.task, reward=key[len("reward/"):]).set(value)
-        rerun = (f"; sampled under policy versions {result.version_min}..{result.version_max}, not only {result.round}"
-                 if result.version_max > result.round else "")
-        log.info("eval round %d, %s: %s (%d samples, %d failed groups%s)", result.round, result.task,
-                 {k: round(v, 4) for k, v in result.metrics.items()}, result.num_samples, result.num_failed, rerun)
+                EVAL_REWARD_TERM.labels(task=result.task, reward=key[len("reward/") :]).set(value)
+        rerun = (
+            f"; sampled under policy versions {result.version_min}..{result.version_max}, not only {result.round}"
+            if result.version_max > result.round
+            else ""
+        )
+        log.info(
+            "eval round %d, %s: %s (%d samples, %d failed groups%s)",
+            result.round,
+            result.task,
+            {k: round(v, 4) for k, v in result.metrics.items()},
+            result.num_samples,
+            result.num_failed,
+            rerun,
+        )
         return True
 
     def poll(self, timeout_s: float = 0.0) -> int:
@@ -234,8 +246,12 @@ class EvalLog:
                     self._changed.wait(wait_s)
         left = missing()
         if left:
-            log.warning("no eval result of round %d for task(s) %s after %.1f s; ending the run without them",
-                        round_, ", ".join(left), timeout_s)
+            log.warning(
+                "no eval result of round %d for task(s) %s after %.1f s; ending the run without them",
+                round_,
+                ", ".join(left),
+                timeout_s,
+            )
         return left
 
     def wait_for_final_round(self, cfg: RunConfig, step: int, stop: threading.Event) -> list[str]:

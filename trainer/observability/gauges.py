@@ -36,9 +36,14 @@ TRAINER_GAUGES = {
         "tokens_per_s": "Trained tokens per second of wall time",
     }.items()
 }
-REWARD_TERMS = Gauge("rlbus_trainer_reward_term_mean", "Mean score of one reward function over the last step's samples", ["reward"])
-LAG_TOKEN_FRAC = Gauge("rlbus_trainer_lag_token_frac",
-                       "Fraction of the last step's loss tokens sampled at each off-policy lag (steps; '>=3' the rest)", ["lag"])
+REWARD_TERMS = Gauge(
+    "rlbus_trainer_reward_term_mean", "Mean score of one reward function over the last step's samples", ["reward"]
+)
+LAG_TOKEN_FRAC = Gauge(
+    "rlbus_trainer_lag_token_frac",
+    "Fraction of the last step's loss tokens sampled at each off-policy lag (steps; '>=3' the rest)",
+    ["lag"],
+)
 
 
 def export_step_metrics(version: int, metrics: dict[str, float]) -> None:
@@ -55,6 +60,6 @@ def export_step_metrics(version: int, metrics: dict[str, float]) -> None:
             gauge.set(metrics[key])
     for key, value in metrics.items():
         if key.startswith("reward/"):
-            REWARD_TERMS.labels(reward=key[len("reward/"):]).set(value)
+            REWARD_TERMS.labels(reward=key[len("reward/") :]).set(value)
         elif key.startswith("lag_frac/"):
-            LAG_TOKEN_FRAC.labels(lag=key[len("lag_frac/"):]).set(value)
+            LAG_TOKEN_FRAC.labels(lag=key[len("lag_frac/") :]).set(value)

@@ -64,12 +64,16 @@ def step_line(step: int, max_steps: int, metrics: dict[str, Any]) -> str:
             parts.append(f"{key} {_num(metrics[key], digits)}")
     if "step_time_s" in metrics:
         wait = metrics.get("time/wait_data_s")
-        parts.append(f"step {float(metrics['step_time_s']):.2f} s"
-                     + (f" (wait {float(wait):.2f} s)" if isinstance(wait, (int, float)) else ""))
+        parts.append(
+            f"step {float(metrics['step_time_s']):.2f} s"
+            + (f" (wait {float(wait):.2f} s)" if isinstance(wait, (int, float)) else "")
+        )
     if "policy_lag_mean" in metrics:
         lag_max = metrics.get("policy_lag_max")
-        parts.append(f"lag {float(metrics['policy_lag_mean']):.2f}"
-                     + (f" (max {int(lag_max)})" if isinstance(lag_max, (int, float)) and math.isfinite(lag_max) else ""))
+        parts.append(
+            f"lag {float(metrics['policy_lag_mean']):.2f}"
+            + (f" (max {int(lag_max)})" if isinstance(lag_max, (int, float)) and math.isfinite(lag_max) else "")
+        )
     if "tokens_per_s" in metrics:
         parts.append(f"{_num(metrics['tokens_per_s'], 4)} tok/s")
     return " ".join(parts)

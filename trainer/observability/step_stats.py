@@ -124,7 +124,11 @@ def step_metrics(totals: dict[str, float], grad_norm: float, train_time_s: float
         "skipped": 1.0 if skipped else 0.0,
         **lag_fractions(t),
     }
-    for key, total in (("kl_penalty", "kl_penalty_sum"), ("teacher_kl", "teacher_kl_sum"), ("tis_clipfrac", "tis_clipped_tokens")):
+    for key, total in (
+        ("kl_penalty", "kl_penalty_sum"),
+        ("teacher_kl", "teacher_kl_sum"),
+        ("tis_clipfrac", "tis_clipped_tokens"),
+    ):
         if total in t:  # reported only when the option is on
             metrics[key] = t.pop(total) / n_loss
     for key in sorted(k for k in t if k.startswith(REWARD_TERM_PREFIX) and k.endswith("/sum")):

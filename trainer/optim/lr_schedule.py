@@ -30,8 +30,7 @@ import torch
 
 from configs.training import OptimConfig
 
-__all__ = ["SCHEDULES", "ResumedRate", "build_lr_scheduler", "lr_factor", "rebind_lr_scheduler",
-           "set_lr_schedule_step"]
+__all__ = ["SCHEDULES", "ResumedRate", "build_lr_scheduler", "lr_factor", "rebind_lr_scheduler", "set_lr_schedule_step"]
 
 SCHEDULES = ("constant", "linear", "cosine")
 
@@ -81,7 +80,9 @@ def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int, 
     return min_lr_ratio + (1.0 - min_lr_ratio) * decay
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """``LambdaLR(optimizer, lr_factor)`` for ``trainer.optim`` over ``total_steps`` steps.
 
     Built right after the optimizer (each param group's ``lr`` is its peak learning rate then):
@@ -94,18 +95,28 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total
         ValueError: ``total_steps`` < 1 or ``cfg.warmup_steps`` > ``total_steps``.
     """
     if total_steps < 1 or cfg.warmup_steps > total_steps:
-        raise ValueError(f"need 1 <= total_steps and warmup_steps <= total_steps, got total_steps={total_steps}, "
-                         f"warmup_steps={cfg.warmup_steps} (trainer.max_steps, trainer.optim.warmup_steps)")
+        raise ValueError(
+            f"need 1 <= total_steps and warmup_steps <= total_steps, got total_steps={total_steps}, "
+            f"warmup_steps={cfg.warmup_steps} (trainer.max_steps, trainer.optim.warmup_steps)"
+        )
 
     def factor(step: int) -> float:
-        return lr_factor(step, schedule=cfg.scheduler, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
-                         min_lr_ratio=cfg.min_lr_ratio)
+        return lr_factor(
+            step,
+            schedule=cfg.scheduler,
+            warmup_steps=cfg.warmup_steps,
+            total_steps=total_steps,
+            min_lr_ratio=cfg.min_lr_ratio,
+        )
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def rebind_lr_scheduler(
-    scheduler: torch.optim.lr_scheduler.LambdaLR, optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    optimizer: torch.optim.Optimizer,
+    cfg: OptimConfig,
+    total_steps: int,
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """The same schedule, at the same step, over ``optimizer`` (a rebuilt optimizer, e.g. over
     FSDP-sharded parameters): the old scheduler's state is loaded into a new one and every param

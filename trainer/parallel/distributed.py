@@ -204,7 +204,9 @@ class DataParallel:
             )
         rank, size, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
         if world_size is not None and size != world_size:
-            raise ValueError(f"torchrun started {size} ranks but trainer.data_parallel is {world_size}; make them equal")
+            raise ValueError(
+                f"torchrun started {size} ranks but trainer.data_parallel is {world_size}; make them equal"
+            )
         resolved = resolve_backend(backend)
         if resolved == "nccl":
             if not torch.cuda.is_available():
@@ -359,7 +361,9 @@ class DataParallel:
             return kind, bytes(payload).decode()
         if kind == STOP:
             return kind, None
-        raise ValueError(f"rank {self.rank} expected a step, gather, save or stop from the leader, got message kind {kind}")
+        raise ValueError(
+            f"rank {self.rank} expected a step, gather, save or stop from the leader, got message kind {kind}"
+        )
 
     def _share(self, slots: int, payload: memoryview) -> list[MicroBatch | None]:
         share: list[MicroBatch | None] = list(decode_share(payload))

@@ -66,7 +66,9 @@ def load_trainer_checkpoint(path: Path, trainer: Trainer) -> dict:
     model, optimizer = trainer.model, trainer.optimizer
     read = (lambda p: load_sharded(model, optimizer, p / SHARDED_DIR)) if is_sharded(model) else None
     saved = has_scheduler_state(path)
-    state = load_checkpoint(path, model=model, optimizer=optimizer, scheduler=trainer.scheduler if saved else None, read_state=read)
+    state = load_checkpoint(
+        path, model=model, optimizer=optimizer, scheduler=trainer.scheduler if saved else None, read_state=read
+    )
     step, optim = state["step"], trainer.cfg.optim
     checkpoint_lr = float(optimizer.param_groups[0]["lr"])  # the saving run's rate for `step`
     checkpoint_peak = float(trainer.scheduler.base_lrs[0]) if saved else checkpoint_lr
@@ -74,9 +76,17 @@ def load_trainer_checkpoint(path: Path, trainer: Trainer) -> dict:
     rate = ResumedRate(step, checkpoint_peak, optim.lr, checkpoint_lr, config_lr)
     old_schedule = state.get("lr_schedule", optim.scheduler)
     if rate.changed or old_schedule != optim.scheduler:
-        log.warning("learning rate from the config on resume at step %d: %.4g -> %.4g (trainer.optim.lr %.4g -> %.4g, "
-                    "scheduler %s -> %s); the checkpoint's optimizer moments are kept",
-                    step, checkpoint_lr, config_lr, checkpoint_peak, optim.lr, old_schedule, optim.scheduler)
+        log.warning(
+            "learning rate from the config on resume at step %d: %.4g -> %.4g (trainer.optim.lr %.4g -> %.4g, "
+            "scheduler %s -> %s); the checkpoint's optimizer moments are kept",
+            step,
+            checkpoint_lr,
+            config_lr,
+            checkpoint_peak,
+            optim.lr,
+            old_schedule,
+            optim.scheduler,
+        )
     return state
 
 
@@ -155,8 +165,12 @@ def follower_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="trainer", help="component name")
     args, _ = parser.parse_known_args(argv)  # --index / --metrics-port are rank 0's
     rank = os.environ.get("RANK", "?")
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
-                        format=f"%(asctime)s {args.name}[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        force=True,
+        format=f"%(asctime)s {args.name}[rank {rank}] %(levelname)s %(name)s: %(message)s",
+    )
     die_with_parent()
     dp = None
     try:

@@ -37,12 +37,16 @@ def trainer_device(cfg: RunConfig, dp: DataParallel | None) -> torch.device:
     """
     asked = cfg.trainer.device
     if asked == "cuda" and not torch.cuda.is_available():
-        raise ValueError("trainer.device is cuda but torch sees no CUDA device (a CPU build of torch, no driver, or "
-                         "CUDA_VISIBLE_DEVICES empty); set trainer.device: cpu (or auto)")
+        raise ValueError(
+            "trainer.device is cuda but torch sees no CUDA device (a CPU build of torch, no driver, or "
+            "CUDA_VISIBLE_DEVICES empty); set trainer.device: cpu (or auto)"
+        )
     if dp is not None:
         if asked != "auto" and dp.device.type != asked:
-            raise ValueError(f"trainer.device is {asked} but the data-parallel ranks run on {dp.device.type} "
-                             f"(trainer.dp_backend {cfg.trainer.dp_backend} -> {dp.backend}); make them agree")
+            raise ValueError(
+                f"trainer.device is {asked} but the data-parallel ranks run on {dp.device.type} "
+                f"(trainer.dp_backend {cfg.trainer.dp_backend} -> {dp.backend}); make them agree"
+            )
         return dp.device
     if asked == "cuda" or (asked == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", 0)

@@ -108,7 +108,9 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     """
     hf = base_model(model)
     if not getattr(hf, "supports_gradient_checkpointing", False):
-        raise ValueError(f"{type(hf).__name__} does not support activation checkpointing; set trainer.activation_checkpointing: false")
+        raise ValueError(
+            f"{type(hf).__name__} does not support activation checkpointing; set trainer.activation_checkpointing: false"
+        )
 
     def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         # called at forward time: the recomputation in the backward runs under the attention
@@ -132,7 +134,9 @@ def _attention_implementation(model: torch.nn.Module, name: str) -> Iterator[Non
         model.set_attn_implementation(previous)
 
 
-def shard_policy(packed: torch.nn.Module, mesh_device: torch.device, world_size: int, *, bfloat16: bool) -> torch.nn.Module:
+def shard_policy(
+    packed: torch.nn.Module, mesh_device: torch.device, world_size: int, *, bfloat16: bool
+) -> torch.nn.Module:
     """Shard ``packed`` (a :class:`trainer.forward.packed.PackedLogprobs`) with FSDP2 in place; returns it.
 
     ``fully_shard`` on each decoder layer (``model.get_decoder().layers``), then on ``packed`` as
@@ -159,7 +163,11 @@ def shard_policy(packed: torch.nn.Module, mesh_device: torch.device, world_size:
     if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
         raise ValueError(f"{type(model).__name__}: no decoder layers (get_decoder().layers) to shard")
     mesh = init_device_mesh(mesh_device.type, (world_size,))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bfloat16 else MixedPrecisionPolicy()
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bfloat16
+        else MixedPrecisionPolicy()
+    )
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(packed, mesh=mesh, mp_policy=policy)
@@ -171,8 +179,13 @@ def shard_policy(packed: torch.nn.Module, mesh_device: torch.device, world_size:
 
 
 def shard_keeping_optimizer_state(
-    packed: torch.nn.Module, optimizer: torch.optim.Optimizer, build: Callable[[], torch.optim.Optimizer],
-    mesh_device: torch.device, world_size: int, *, bfloat16: bool,
+    packed: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    build: Callable[[], torch.optim.Optimizer],
+    mesh_device: torch.device,
+    world_size: int,
+    *,
+    bfloat16: bool,
 ) -> torch.optim.Optimizer:
     """:func:`shard_policy`, then a new optimizer (``build()``, over the sharded parameters) that
     carries ``optimizer``'s state, sharded: a trainer that loaded a one-rank (full) checkpoint
@@ -251,7 +264,9 @@ class GatheredWeights(Mapping):
             e.g. bfloat16: half the bytes); None: as trained (float32).
     """
 
-    def __init__(self, model: torch.nn.Module, announce: Callable[[int], None], dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, model: torch.nn.Module, announce: Callable[[int], None], dtype: torch.dtype | None = None
+    ) -> None:
         self._entries = weight_entries(model)
         self._index = {name: k for k, (name, _) in enumerate(self._entries)}
         self._announce = announce
@@ -339,10 +354,15 @@ def read_sharded_policy(directory: Path, config: PretrainedConfig) -> PreTrained
     if not (directory / ".metadata").is_file():
         raise ValueError(f"{directory}: no torch.distributed.checkpoint files (.metadata missing)")
     saved = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
-    dtypes = {m.properties.dtype for k, m in saved.items()
-              if k.startswith("model.") and isinstance(m, TensorStorageMetadata) and m.properties.dtype.is_floating_point}
+    dtypes = {
+        m.properties.dtype
+        for k, m in saved.items()
+        if k.startswith("model.") and isinstance(m, TensorStorageMetadata) and m.properties.dtype.is_floating_point
+    }
     if len(dtypes) > 1:
-        raise ValueError(f"{directory}: weights of several dtypes {sorted(map(str, dtypes))}; expected one (the master weights)")
+        raise ValueError(
+            f"{directory}: weights of several dtypes {sorted(map(str, dtypes))}; expected one (the master weights)"
+        )
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtypes.pop() if dtypes else torch.float32)
     model.tie_weights()

@@ -41,7 +41,9 @@ class BackgroundSave:
             ValueError: a save is still in flight (call :meth:`wait` first).
         """
         if self._step is not None:
-            raise ValueError(f"the checkpoint of step {self._step} is still in flight; wait() for it before saving step {step}")
+            raise ValueError(
+                f"the checkpoint of step {self._step} is still in flight; wait() for it before saving step {step}"
+            )
 
         def run() -> None:
             try:

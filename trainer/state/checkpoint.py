@@ -69,7 +69,15 @@ from safetensors.torch import load_file
 from bus.durable import fsync_dir
 from trainer.state.hf_files import write_model_files
 
-__all__ = ["CheckpointState", "has_scheduler_state", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint", "snapshot_state"]
+__all__ = [
+    "CheckpointState",
+    "has_scheduler_state",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "save_checkpoint",
+    "snapshot_state",
+]
 
 FORMAT = 1
 DONE = "DONE"
@@ -147,7 +155,6 @@ def _fsync_tree(path: Path) -> None:
             with open(os.path.join(root, name), "rb") as f:
                 os.fsync(f.fileno())
         fsync_dir(Path(root))
-
 
 
 def _rng_state() -> dict[str, Any]:
@@ -251,8 +258,14 @@ def save_checkpoint(
         raise ValueError("extra must not contain 'step': load_checkpoint returns the step under that key")
     if write_state is not None and state is not None:
         raise ValueError("write_state (a sharded save) takes the state as it is now: pass no snapshot")
-    meta = {"format": FORMAT, "step": step, "kind": _kind(model), "scheduler": scheduler is not None,
-            "sharded": write_state is not None, "extra": extra}
+    meta = {
+        "format": FORMAT,
+        "step": step,
+        "kind": _kind(model),
+        "scheduler": scheduler is not None,
+        "sharded": write_state is not None,
+        "extra": extra,
+    }
     try:
         meta_text = json.dumps(meta, indent=1, allow_nan=False)
     except (TypeError, ValueError) as e:

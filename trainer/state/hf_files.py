@@ -52,7 +52,9 @@ def _tokenizer(source: str) -> PreTrainedTokenizerBase | None:
     try:
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError, TypeError) as err:  # no tokenizer files, or none transformers can build
-        log.warning("no tokenizer at %s (%s): checkpoints hold no tokenizer and cannot be served as they are", source, err)
+        log.warning(
+            "no tokenizer at %s (%s): checkpoints hold no tokenizer and cannot be served as they are", source, err
+        )
         return None
 
 

@@ -143,9 +143,7 @@ class StepLedger:
                 current coverage.
         """
         if not self.covered <= num_steps <= self.next_step:
-            raise ValueError(
-                f"cannot cover {num_steps} steps: {self.covered} are covered and {self.next_step} trained"
-            )
+            raise ValueError(f"cannot cover {num_steps} steps: {self.covered} are covered and {self.next_step} trained")
         out = []
         for step in sorted(s for s in self._uncovered if s < num_steps):
             ids, groups = self._uncovered.pop(step)
