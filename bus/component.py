@@ -82,7 +82,6 @@ class Component:
         )
         self._sockets: list[BusSocket] = []
         self._courier: Courier | None = None
-        self._outcomes: Outbox | None = None
         self.heartbeat_state = ComponentPhase.RUNNING
         """What the next heartbeat reports: ``running``, or ``done`` once ``run()`` returned."""
         self.phase = ComponentPhase.STARTING
@@ -129,13 +128,10 @@ class Component:
         """The sending side of data topic ``topic`` (see :meth:`bus.courier.Courier.sender`)."""
         return self.courier.sender(topic, endpoint, bind=bind)
 
-    @property
-    def outcomes(self) -> Outbox:
-        """Reliable sender of outcome reports (``groups.trained`` / ``groups.dropped``) to the
-        prompt source's ledger; opened on first use (do that in :meth:`setup`: not thread-safe)."""
-        if self._outcomes is None:
-            self._outcomes = self.reliable_sender("outcomes", self.endpoints.address("outcomes"), bind=False)
-        return self._outcomes
+    def open_outcomes(self) -> Outbox:
+        """Open a reliable sender of outcome reports (``groups.trained`` / ``groups.dropped``) to the
+        prompt source's ledger; call once, in :meth:`setup` (not thread-safe)."""
+        return self.reliable_sender("outcomes", self.endpoints.address("outcomes"), bind=False)
 
     def control_publisher(self) -> ControlPublisher:
         """A PUB socket connected to the control hub that re-announces its latest state after the

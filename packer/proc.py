@@ -200,7 +200,7 @@ class PackerProc(Component):
         self.batches = self.reliable_sender("batches", self.endpoints.address("batches"), bind=True)
         self.control_out = self.control_publisher()
         self.control_in = self.control_subscriber()
-        self.outcomes
+        self.outcomes = self.open_outcomes()
 
     def _announce_dropped(self, groups: list[ScoredGroup], reason: DropReason, upstream: tuple | None = None) -> None:
         """Report a drop to the ledger (reliable; ``upstream`` is released once it is recorded)

@@ -241,7 +241,7 @@ class ProducerProc(Component):
         self.rollouts = self.reliable_sender("rollouts", self.endpoints.address("rollouts", self.index), bind=True)
         self.control_in = self.control_subscriber()
         self.control_out = self.control_publisher()
-        self.outcomes
+        self.outcomes = self.open_outcomes()
         self.late_joiner = self.launch.joins_late
         self.receiver = build_receiver(
             cfg.broadcast,

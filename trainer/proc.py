@@ -163,7 +163,7 @@ class TrainerProc(Component):
         torch.manual_seed(cfg.trainer.seed)
         # open first: by the time anything is announced, the PUB has long joined the hub
         self.control = self.control_publisher()
-        self.outcomes
+        self.outcomes = self.open_outcomes()
         self.dp = join_data_parallel(cfg)
         """This rank 0's data-parallel group (``trainer.data_parallel > 1``), else None."""
         self.model = load_policy(cfg.model.path, cfg.trainer.lora).to(trainer_device(cfg, self.dp))
