@@ -53,7 +53,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import zmq
 
-from broadcaster.broadcast import BroadcastSender
+from broadcaster.dist_broadcast import BroadcastSender
 from broadcaster.bus_fetch import DEFAULT_WINDOW, BusFetcher
 from broadcaster.bus_method import BusSender
 from broadcaster.manifest import DEFAULT_BUCKET_BYTES, build_manifest, manifest_num_bytes

@@ -24,7 +24,7 @@ cuda:1:
   2.1; attention's own T^2 FLOPs and the chunked LM head's recompute not counted, so MFU is a
   slight underestimate); peak = `--peak-tflops` or `PEAK_TFLOPS` for the device name (bf16 dense);
 - weight sync: the trainer's weights cast to the engine's dtype and broadcast into the engine
-  (`broadcaster.broadcast.BroadcastSender` -> the worker extension's `receive_weights`, loaded into
+  (`broadcaster.dist_broadcast.BroadcastSender` -> the worker extension's `receive_weights`, loaded into
   the model): NCCL with 2+ GPUs; gloo on one GPU (NCCL refuses two ranks on one device) and on
   CPU. Seconds from the payload cast to the engine's `receive_weights` returning; median of
   `--sync-runs`.
@@ -228,7 +228,7 @@ def bench_producer(llm, vocab: int, args) -> dict:
 
 def bench_weight_sync(llm, model: torch.nn.Module, backend: str, dtype: torch.dtype, runs: int) -> dict:
     """Median seconds to cast the trainer's weights to `dtype` and broadcast them into the engine."""
-    from broadcaster.broadcast import BroadcastSender
+    from broadcaster.dist_broadcast import BroadcastSender
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

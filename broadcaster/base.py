@@ -1,7 +1,7 @@
 """The two sides of one weight-transfer method: `WeightSender` (trainer) and `WeightReceiver`
 (producer process).
 
-Each method has one module holding both sides (`broadcaster.broadcast`: torch.distributed
+Each method has one module holding both sides (`broadcaster.dist_broadcast`: torch.distributed
 broadcast; `broadcaster.filesystem`: a safetensors directory + READY marker;
 `broadcaster.bus_method`: bucket frames pulled over the bus), and
 `broadcaster.factory` is the one place that picks them by `broadcast.method`. A LoRA adapter is

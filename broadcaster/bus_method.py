@@ -22,7 +22,7 @@ other hosts like every other topic.
 
 Invariants:
 - Bounded memory: the trainer keeps ONE version, the latest, in flat bucket buffers allocated
-  once (`broadcaster.broadcast.SendBuffers`, always in host memory). A request for an older
+  once (`broadcaster.dist_broadcast.SendBuffers`, always in host memory). A request for an older
   version is answered with the latest (the receiver starts over on it).
 - One copy on each side: the trainer copies (and casts) the payload into the bucket buffers and
   sends frames that alias them (`copy=False`); the receiver copies each frame once into its own
@@ -51,13 +51,13 @@ import torch
 import zmq
 
 from broadcaster.base import WeightReceiver, WeightSender
-from broadcaster.broadcast import SendBuffers
+from broadcaster.dist_broadcast import SendBuffers
 from broadcaster.bus_fetch import bucket_checksum
 from broadcaster.manifest import DEFAULT_BUCKET_BYTES
 from bus import auth
 from bus.codec import decode, encode
 from bus.messages_weights import WeightsBucket, WeightsRequest
-from bus.metrics import BUS_BYTES, BUS_MESSAGES, BUS_REJECTED, declare_topic
+from telemetry.metrics import BUS_BYTES, BUS_MESSAGES, BUS_REJECTED, declare_topic
 from bus.sockets import configure_socket
 from bus.topics import TOPICS
 from bus.wire import WireError

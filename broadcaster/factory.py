@@ -127,7 +127,7 @@ def build_senders(
         ValueError: an unknown `cfg.method` / `cfg.fallback`, a bad broadcast setting
             (`BroadcastSender`), or the bus method without `bus`.
     """
-    from broadcaster.broadcast import BroadcastSender
+    from broadcaster.dist_broadcast import BroadcastSender
 
     def make(method: str) -> WeightSender:
         if method == "bus":
@@ -184,7 +184,7 @@ def build_receiver(
         ValueError: an unknown `cfg.method` / `cfg.fallback`, or the bus method without `bus`.
     """
     from broadcaster.base import FallbackReceiver
-    from broadcaster.broadcast import BroadcastReceiver
+    from broadcaster.dist_broadcast import BroadcastReceiver
 
     def make(method: str) -> WeightReceiver:
         if method == "bus":

@@ -1,6 +1,6 @@
 """The weight manifest: what the trainer broadcasts, in which order, in which buckets.
 
-The manifest is the whole contract between the trainer's senders (`broadcaster.broadcast`,
+The manifest is the whole contract between the trainer's senders (`broadcaster.dist_broadcast`,
 `broadcaster.filesystem`) and the producers' vLLM workers
 (`broadcaster.worker_extension.WeightSyncExtension`). It is a plain list, so it travels in a msgpack header or a `collective_rpc` argument unchanged:
 

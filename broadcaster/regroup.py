@@ -1,4 +1,4 @@
-"""Trainer side of re-forming the torch.distributed weight group (`broadcaster.broadcast`).
+"""Trainer side of re-forming the torch.distributed weight group (`broadcaster.dist_broadcast`).
 
 A group has a fixed world size, so a producer that joins (restart, late join, `busctl scale`)
 cannot enter the one formed at start, and a member that died makes every later broadcast fail.
@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from broadcaster.broadcast import Backend, BroadcastSender
+from broadcaster.dist_broadcast import Backend, BroadcastSender
 from broadcaster.manifest import DEFAULT_BUCKET_BYTES
 
 logger = logging.getLogger(__name__)

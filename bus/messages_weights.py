@@ -1,7 +1,7 @@
 """Weight messages beside `bus.messages`: the torch.distributed weight group's membership (issue
 16: groups that re-form) and the `weights` topic of `broadcast.method: bus` (issue 17).
 
-The broadcast weight group (`broadcaster.broadcast`) has a fixed world size once formed. When a
+The broadcast weight group (`broadcaster.dist_broadcast`) has a fixed world size once formed. When a
 producer joins (restart, late join, `busctl scale`) or a member dies, the trainer re-forms it: it
 announces `WeightGroup` (a new rendezvous and the new membership) at a version boundary, every
 listed producer acknowledges with `WeightGroupAck`, leaves its old group and joins the new one.

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from broadcaster.base import SendFailed
-from broadcaster.broadcast import BroadcastSender, resolve_backend
+from broadcaster.dist_broadcast import BroadcastSender, resolve_backend
 from broadcaster.filesystem import FilesystemSender, is_ready, prune_versions, write_version
 from broadcaster.manifest import (
     build_manifest,

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from broadcaster.base import FallbackReceiver
-from broadcaster.broadcast import BroadcastReceiver, BroadcastSender
+from broadcaster.dist_broadcast import BroadcastReceiver, BroadcastSender
 from broadcaster.factory import build_receiver, build_senders, needs_rendezvous_port
 from broadcaster.filesystem import FilesystemReceiver, FilesystemSender
 from bus.messages import WeightsReady, new_id

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from broadcaster.broadcast import BroadcastSender
+from broadcaster.dist_broadcast import BroadcastSender
 from broadcaster.lora import merge_lora_delta, merged_weights
 from broadcaster.manifest import build_manifest, lora_modules, manifest_num_bytes, payload_kind
 from broadcaster.noise import is_rmsnorm_weight

@@ -27,7 +27,7 @@ import torch
 
 from broadcaster.filesystem import FilesystemSender, is_ready
 from broadcaster.regroup import GroupFormer, Membership, listening_socket
-from broadcaster.broadcast import BroadcastSender
+from broadcaster.dist_broadcast import BroadcastSender
 from bus.messages import WeightsApplied, WeightsReady, new_id
 from bus.messages_weights import WeightGroup
 from trainer.publish import GROUP_REFORMS, WEIGHT_MEMBERS, WeightPublisher

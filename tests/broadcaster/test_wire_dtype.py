@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from broadcaster.broadcast import BroadcastSender
+from broadcaster.dist_broadcast import BroadcastSender
 from broadcaster.dtypes import resolve_producer_dtype
 from broadcaster.filesystem import FilesystemSender
 from broadcaster.lora import merge_lora_delta

@@ -1,4 +1,4 @@
-"""Weight broadcast into a real vLLM engine on CUDA (broadcaster/broadcast.py ->
+"""Weight broadcast into a real vLLM engine on CUDA (broadcaster/dist_broadcast.py ->
 broadcaster/worker_extension.py), the GPU twin of tests/producers/test_weight_sync.py.
 
 The test process plays the trainer: it perturbs the tiny policy (every weight + N(0, 0.05)),
@@ -64,7 +64,7 @@ def test_broadcast_into_vllm_gpu_engine(backend, tmp_path):
     pytest.importorskip("vllm")
     from transformers import AutoModelForCausalLM
 
-    from broadcaster.broadcast import BroadcastSender
+    from broadcaster.dist_broadcast import BroadcastSender
     from producers.engine import RolloutEngine
     from policies.tiny_model import build_random_policy
 

@@ -33,7 +33,7 @@ try:
 except ImportError as exc:  # pragma: no cover - environment without vLLM
     pytest.skip(f"vllm is not importable ({exc}); weight-sync tests need a real engine", allow_module_level=True)
 
-from broadcaster.broadcast import BroadcastSender
+from broadcaster.dist_broadcast import BroadcastSender
 from broadcaster.filesystem import FilesystemSender
 from broadcaster.manifest import payload_kind
 from broadcaster.noise import is_rmsnorm_weight, with_rmsnorm_noise
@@ -213,7 +213,7 @@ def test_broadcast_update_matches_perturbed_model(harness):
 
 def test_a_re_formed_group_takes_a_resend_of_the_current_version(harness):
     """The engine leaves its group and joins a new one (new port: a re-formed group, as
-    `broadcaster.broadcast.BroadcastReceiver.regroup` does), then receives its current version
+    `broadcaster.dist_broadcast.BroadcastReceiver.regroup` does), then receives its current version
     again (`resend`). The resend carries other weights here so the test sees that they were
     really received and loaded; without `resend` the same version is refused, receiving nothing."""
     version = harness.engine.version + 1

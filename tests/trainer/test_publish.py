@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from broadcaster.broadcast import BroadcastSender
+from broadcaster.dist_broadcast import BroadcastSender
 from broadcaster.filesystem import FilesystemSender, is_ready
 from trainer.publish import WeightPublisher
 

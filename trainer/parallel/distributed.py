@@ -54,7 +54,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from broadcaster.broadcast import Backend, resolve_backend
+from broadcaster.dist_broadcast import Backend, resolve_backend
 from bus.codec import decode, encode
 from bus.messages import MicroBatch
 
