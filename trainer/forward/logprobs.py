@@ -1,32 +1,13 @@
-"""Memory-lean token logprobs and entropy from hidden states: the output projection chunk by chunk.
+"""Token logprobs and entropy from hidden states without a `[T, V]` logits tensor.
 
-The naive path computes `logits = hidden @ weight.T` for all T positions at once, a `[T, V]`
-float32 tensor (T = 8192, V = 151936: 5 GiB), and autograd keeps the log-softmax of it for the
-backward pass. Here the T rows are cut into chunks of `chunk_size` rows:
-- forward: per chunk, logits -> (logprob of the target, entropy, logsumexp); only the `[T]`
-  outputs and the `[T]` logsumexp are kept, the chunk's logits are freed;
-- backward: per chunk, the logits are recomputed, turned into the gradient of the logits
-  (`(onehot(target) - softmax) * grad / temperature`), and multiplied into `grad_hidden` (rows of
-  the chunk) and `grad_weight` (accumulated over chunks in float32).
-So the extra memory is O(chunk_size * V) in both passes instead of O(T * V). This is the chunked
-"fused linear cross-entropy" of Liger Kernel (Hsu et al. 2024, arXiv:2410.10989, section 3.2) and
-the recompute idea of Cut Cross-Entropy (Wijmans et al. 2024, arXiv:2411.09009), for logprobs
-(not a mean loss) and with the entropy alongside.
-
-The per-chunk step (`logits -> logprob, entropy, logsumexp` and `logits -> grad of logits`) has two
-backends: plain torch (`chunk_logprob_entropy`, `chunk_grad_logits`, any device) and the fused
-Triton kernels of `trainer.kernels.triton_logprobs` (one read of the logits per pass; used on CUDA when
-triton imports). Both give the naive result to float32 rounding (tests: 1e-5).
-
-Precision of the head (`head_dtype`, `trainer.lm_head_dtype`): the matmuls run in float32 by
-default, or in TF32 / bfloat16 when chosen; the log-softmax, the entropy and the outputs are
-float32 whatever the choice (bench/README.md has the measured speed and sampler mismatch of each).
-
-Invariants: outputs are float32 `[T]` (float64 for a float64 model: exact tests such as the
-micro-batch invariance run in float64); logits are computed in the head's dtype and cast to
-float32 (or kept in float64) BEFORE the division by the temperature (as the naive path `logits.float() / temperature`);
-the entropy output carries no gradient; no tensor of T * V elements is ever allocated when
-`chunk_size < T`.
+The LM head runs over chunks of `chunk_size` rows: the forward keeps only the `[T]` outputs and
+the `[T]` logsumexp; the backward recomputes each chunk's logits into the gradient
+`(onehot(target) - softmax) * grad / temperature`, so extra memory is O(chunk_size * V) in both
+passes. This is Liger Kernel's chunked fused linear cross-entropy (arXiv:2410.10989, section 3.2)
+with Cut Cross-Entropy's recompute (arXiv:2411.09009), for logprobs and entropy. The per-chunk step
+runs in torch (any device) or in the Triton kernels of `trainer.kernels.triton_logprobs` (CUDA).
+Outputs are float32 (float64 for a float64 model); logits are cast to float32 before the division
+by the temperature, as in the naive `logits.float() / temperature`.
 """
 
 from __future__ import annotations
@@ -53,38 +34,17 @@ BACKENDS = ("auto", "torch", "triton")
 
 
 def chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Raw logits of one chunk: `z = hidden @ weight.T + bias`, in the weight's dtype.
-
-    Args:
-        hidden: `[N, H]` hidden states (final-norm output of the decoder) of N positions.
-        weight: `[V, H]` output embedding (the LM head).
-        bias: `[V]` or None.
-
-    Returns:
-        `[N, V]` logits in weight.dtype (a fresh buffer the caller may overwrite in place).
-    """
+    """`[N, V]` logits `hidden [N, H] @ weight [V, H].T + bias` in the weight's dtype (a fresh buffer)."""
     return torch.nn.functional.linear(hidden, weight, bias)
 
 
 def chunk_logprob_entropy(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Log-softmax gathered at the targets, entropy and logsumexp of tempered logits (torch backend).
+    """`(logprob, entropy, lse)`, each `[N]` float32, of `z = logits / temperature` (torch backend).
 
-    With z = logits.float() / temperature (OVERWRITES `logits` in place when it is float32):
-        lse[n]      = log sum_v exp(z[n, v])
-        logprob[n]  = z[n, targets[n]] - lse[n]                       (log-softmax, gathered)
-        entropy[n]  = lse[n] - sum_v softmax(z[n])_v * z[n, v]       (= -sum_v p log p, nats)
-    The entropy form follows from log p_v = z_v - lse and sum_v p_v = 1 (Shannon entropy of the
-    tempered next-token distribution).
-
-    Args:
-        logits: `[N, V]` raw logits (any float dtype).
-        targets: `[N]` int64 target ids in [0, V).
-        temperature: finite float > 0.
-
-    Returns:
-        `(logprob, entropy, lse)`, each `[N]` float32.
+    `logits` `[N, V]` is overwritten when float32; `targets` `[N]` int64. `logprob = z[target] - lse`,
+    `entropy = lse - sum_v softmax(z)_v z_v` (nats).
     """
     z = _tempered_float32(logits, temperature)
     lse = torch.logsumexp(z, dim=-1)
@@ -101,21 +61,8 @@ def chunk_grad_logits(
     grad_logprob: torch.Tensor,
     temperature: float,
 ) -> torch.Tensor:
-    """Gradient of sum_n grad_logprob[n] * logprob[n] w.r.t. the RAW logits (torch backend).
-
-        d logprob[n] / d z[n, v] = onehot(targets[n])_v - softmax(z[n])_v      (log-softmax derivative)
-        d z / d logits = 1 / temperature
-    so grad_logits[n, v] = grad_logprob[n] * (onehot - exp(z[n, v] - lse[n])) / temperature.
-
-    Args:
-        logits: `[N, V]` raw logits (recomputed; OVERWRITTEN in place when float32).
-        targets: `[N]` int64 target ids.
-        lse: `[N]` float32 logsumexp of the tempered logits (from the forward).
-        grad_logprob: `[N]` float32 incoming gradient.
-        temperature: finite float > 0.
-
-    Returns:
-        `[N, V]` gradient in logits.dtype (ready for the matmuls with hidden and weight).
+    """`[N, V]` gradient of `sum_n grad_logprob[n] * logprob[n]` w.r.t. the raw logits (torch backend):
+    `grad_logprob * (onehot(target) - exp(z - lse)) / temperature` in `logits.dtype`; overwrites float32 `logits`.
     """
     z = _tempered_float32(logits, temperature)
     grad = z.sub_(lse[:, None]).exp_().mul_(-grad_logprob[:, None])  # -g * softmax
@@ -126,8 +73,7 @@ def chunk_grad_logits(
 
 
 def _tempered_float32(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logits / temperature in at least float32 (float64 stays float64), in place when logits is
-    already in that dtype (a buffer we own)."""
+    """`logits / temperature` in at least float32, in place when already that dtype."""
     z = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return z.div_(temperature) if temperature != 1.0 else z
 
@@ -135,13 +81,8 @@ def _tempered_float32(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 class ChunkedLinearLogprobs(torch.autograd.Function):
     """Autograd op `(hidden [T, H], weight [V, H], bias [V] | None, targets [T]) -> (logprob [T], entropy [T])`.
 
-    Forward and backward both loop over chunks of `chunk_size` rows (see the module docstring);
-    saved for backward: hidden, weight, bias, targets and the `[T]` float32 logsumexp. Autocast is
-    disabled inside (the matmuls run in the inputs' dtype, so the recomputed logits equal the
-    forward's). Gradients
-    flow to hidden, weight and bias (only those that require grad); `grad_weight` and `grad_bias`
-    are accumulated in float32 and cast to the parameter dtype at the end. Entropy is marked
-    non-differentiable. Call it through `linear_logprobs_and_entropy`, which validates inputs.
+    Autocast is off inside, so the backward's recomputed logits equal the forward's; the weight and
+    bias gradients accumulate in float32; entropy has no gradient. Call `linear_logprobs_and_entropy`.
     """
 
     @staticmethod
@@ -204,13 +145,7 @@ HEAD_DTYPES = ("float32", "tf32", "bfloat16")
 def head_operands(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, head_dtype: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(hidden, weight, bias) in the dtype the LM head's matmuls run in.
-
-    "bfloat16": float32 operands cast to bfloat16 once per pass (the logits come out bfloat16 and
-    are cast to float32 before the log-softmax); "float32"/"tf32": unchanged (tf32 is a matmul
-    mode, `head_matmul_precision`). Float64 (the exact tests) and already-narrow operands stay as
-    they are.
-    """
+    """(hidden, weight, bias) cast to bfloat16 for "bfloat16" when float32; otherwise unchanged."""
     if head_dtype != "bfloat16" or weight.dtype != torch.float32:
         return hidden, weight, bias
     narrow = torch.bfloat16
@@ -218,8 +153,7 @@ def head_operands(
 
 
 def head_matmul_precision(head_dtype: str, device: torch.device):
-    """Context: float32 matmuls on CUDA in TF32 (10-bit mantissa inputs, float32 accumulation) for
-    "tf32", restoring the previous setting after; a no-op otherwise and on CPU (no TF32 there)."""
+    """Context: float32 matmuls in TF32 on CUDA for "tf32"; a no-op otherwise."""
     if head_dtype != "tf32" or device.type != "cuda":
         return contextlib.nullcontext()
     return _allow_tf32()
@@ -236,14 +170,12 @@ def _allow_tf32():
 
 
 def _no_autocast(device: torch.device):
-    """Autocast off: the backward recomputes the logits, which must be bit-identical to the forward's,
-    and autocast state is not restored in backward; the matmuls run in the inputs' own dtype."""
+    """Autocast off, so the backward's recomputed logits are bit-identical to the forward's."""
     return torch.autocast(device_type=device.type, enabled=False)
 
 
 def _accumulate_float32(acc: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
-    """acc += left @ right, with acc float32 or float64 (in place, no temporary when the operands
-    have acc's dtype)."""
+    """`acc += left @ right` in acc's dtype (float32 or float64)."""
     if left.dtype == acc.dtype:
         acc.addmm_(left, right)
     else:
@@ -262,36 +194,21 @@ def linear_logprobs_and_entropy(
     head_dtype: str = "float32",
     checked_targets: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprob of each target and entropy of the tempered distribution, without `[T, V]` logits.
-
-        z[t]       = (hidden[t] @ weight.T + bias).float() / temperature
-        logprob[t] = log softmax(z[t])[targets[t]]
-        entropy[t] = -sum_v softmax(z[t])_v log softmax(z[t])_v
+    """`(logprob, entropy)`, each `[T]` float32 nats, of `softmax((hidden @ weight.T + bias) / temperature)`.
 
     Args:
-        hidden: `[T, H]` float hidden states (row t predicts targets[t]); T may be 0.
-        weight: `[V, H]` output embedding, same dtype and device as hidden.
-        bias: `[V]` output bias or None.
-        targets: `[T]` integer target ids in [0, V).
-        checked_targets: the caller has checked the ids are in [0, V) on the host
-            (`trainer.forward.packed_row`): skip the check here, which reads the device's
-            min/max back (a host sync).
-        temperature: finite float > 0 (the sampler's temperature).
-        chunk_size: rows per chunk, >= 1; peak extra memory ~ a few x chunk_size x V x 4 bytes.
-        backend: "torch", "triton" (kernels of `trainer.kernels.triton_logprobs`; CUDA, or CPU under
-            TRITON_INTERPRET=1), or "auto" (triton on CUDA when it imports, torch otherwise).
-        head_dtype: precision of the head's matmuls (`HEAD_DTYPES`, `trainer.lm_head_dtype`):
-            "float32", "tf32" (CUDA TF32 matmuls; float32 on CPU) or "bfloat16" (operands cast to
-            bfloat16, logits cast to float32 before the log-softmax, weight gradient accumulated
-            in float32). The log-softmax, entropy and outputs are float32 in every case.
+        hidden: `[T, H]` float (row t predicts `targets[t]`). weight: `[V, H]`, same dtype and device.
+        bias: `[V]` or None.
+        targets: `[T]` integer ids in [0, V); `checked_targets=True` skips the range check (a host sync).
+        temperature: finite, > 0. chunk_size: rows per chunk, >= 1.
+        backend: "torch", "triton" or "auto" (triton on CUDA when it imports).
+        head_dtype: the head's matmul precision, one of `HEAD_DTYPES` (`trainer.lm_head_dtype`).
 
-    Returns:
-        `(logprob, entropy)`: `[T]` float32; logprob (nats, <= 0) differentiable w.r.t. hidden,
-        weight and bias; entropy (nats, in [0, log V]) detached.
+    Only logprob is differentiable (w.r.t. hidden, weight and bias).
 
     Raises:
-        ValueError: bad shapes, dtypes, devices, target ids out of range, temperature not > 0,
-            chunk_size < 1, or an unknown backend; "triton" when triton cannot be imported.
+        ValueError: bad shapes, dtypes, devices, target ids, temperature, chunk_size, backend or
+            head_dtype; backend "triton" when triton does not import.
     """
     _validate(hidden, weight, bias, targets, temperature, chunk_size, backend, checked_targets)
     if head_dtype not in HEAD_DTYPES:
