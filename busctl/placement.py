@@ -1,46 +1,12 @@
 """The device plan of a run: which CUDA devices each component sees (``CUDA_VISIBLE_DEVICES``).
 
-``busctl up`` computes the plan once, before anything is spawned, from the config and the CUDA
-devices busctl itself can see (:func:`visible_devices`), and refuses a plan that does not fit with
-a :class:`configs.schema.ConfigError` that names the keys to change and the devices it saw.
-
-The rules (:func:`plan_placement`):
-
-- ``trainer.device``: ``cpu``; ``cuda``; ``auto`` = ``cuda`` when any device is visible, else
-  ``cpu``. ``cuda`` with no visible device is a config error.
-- The trainer (all ``trainer.data_parallel`` ranks, one torchrun component) gets ``trainer.gpus``
-  (which must be visible), or else the first ``data_parallel`` visible devices.
-- Producers get devices only when some are visible and ``producers.gpus_per_replica`` > 0 (0:
-  vLLM on CPU, which needs the CPU build of vLLM). Replica ``i`` gets ``gpus_per_replica``
-  devices. Without ``producers.share_gpus_with_trainer`` they come from the devices the trainer
-  does not use, in order (replica ``i``: the ``i``-th slice of ``gpus_per_replica``), and every
-  replica of ``producers.replicas`` must get its own: a plan that would put two processes on a
-  device is refused. With it, replica ``i`` takes the next ``gpus_per_replica`` devices
-  round-robin over all visible devices, the trainer's last (so a producer shares a GPU only
-  when it must; on a one-GPU host everything shares device 0: lower
-  ``producers.gpu_memory_utilization``). The memory split is checked: on a CUDA trainer's
-  device, the producers started with the run that share it may take together at most
-  :data:`MAX_VLLM_SHARE_BESIDE_TRAINER` (0.7) of it (``replicas x gpu_memory_utilization``), else the
-  plan is refused naming the value that fits (vLLM's default 0.9 would leave the trainer 10%).
-- ``producers.dtype: auto`` resolves to ``bfloat16`` when the producers get GPUs, else
-  ``float32``.
-- Producers added by ``busctl scale`` (indices ``replicas .. max_replicas - 1``) follow the same
-  rule. Without sharing, an index whose slice of the leftover devices is incomplete gets none:
-  scaling to it is refused (:meth:`Placement.check_producers`), never placed on a device in use.
-  A producer keeps its index, so a restarted or re-added one gets the same devices.
-- ``broadcast.backend: auto`` (method ``broadcast``) resolves to ``nccl`` only when the trainer and
-  every producer started with the run are on CUDA with no device shared within that group (NCCL
-  refuses two ranks on one GPU), else ``gloo``: every member of the group must use the same
-  backend, so a plan that mixes CPU and GPU members, or shares a GPU, sends weights over gloo
-  (staged through host memory). An explicit ``nccl`` such a plan cannot honour is refused.
-- The teacher (``teacher.model_path``) is a second vLLM engine inside each producer process: it
-  shares that producer's devices (its KV cache is ``teacher.kv_cache_gib``, fixed).
-- Every other component (hub, packer, reward workers, prompt source) and every component of a
-  CPU plan gets ``CUDA_VISIBLE_DEVICES=""``: no GPU, so none of them can take GPU memory.
-
-Device numbers are the ones busctl sees (``nvidia-smi`` numbering, or busctl's own
-``CUDA_VISIBLE_DEVICES`` entries); a component's ``CUDA_VISIBLE_DEVICES`` lists them, so inside a
-component its devices are ``cuda:0 ..``. This module imports no torch (busctl stays light).
+``busctl up`` plans once, before anything is spawned, from the config and the devices busctl sees
+(:func:`visible_devices`), and refuses a plan that does not fit with a :class:`configs.schema.ConfigError`
+naming the keys to change and the devices seen. The plan resolves ``trainer.device``, ``producers.dtype`` and
+``broadcast.backend`` (``auto`` -> concrete) into the run's ``config.yaml``. The rules (trainer devices,
+producer slices with or without sharing, the 0.7 memory split, nccl vs gloo, scaled indices) are in
+docs/operations.md, "GPUs". Device numbers are busctl's own; inside a component its devices are
+``cuda:0 ..``. No torch import (busctl stays light).
 """
 
 from __future__ import annotations
@@ -63,30 +29,18 @@ NVIDIA_SMI_TIMEOUT_S = 20.0
 _GPU_LINE = re.compile(r"^GPU (\d+):")
 
 MAX_VLLM_SHARE_BESIDE_TRAINER = 0.7
-"""The largest fraction of a CUDA trainer's GPU its sharing producers' vLLM engines may take
-together (``producers.gpu_memory_utilization`` each): the trainer keeps at least 30% for its
-weights, gradients, AdamW state (full fine-tuning: ~16 bytes per parameter in float32, 8 GB for a
-0.5B model) and activations."""
+"""The largest fraction of a CUDA trainer's GPU its sharing producers' vLLM engines may take together: the
+trainer keeps 30% for weights, gradients, AdamW state (~16 bytes per parameter in float32) and activations."""
 
 
 def visible_devices(environ: Mapping[str, str] | None = None, nvidia_smi: str = "nvidia-smi") -> list[int]:
-    """The CUDA device indices busctl may hand out, without importing torch.
+    """The CUDA device indices busctl may hand out (e.g. ``[0, 1]``; ``[]`` without CUDA), without torch.
 
-    busctl's own ``CUDA_VISIBLE_DEVICES``, when set, is honoured: its entries are the devices (as
-    CUDA reads it, an entry < 0 ends the list; empty: none). Otherwise ``nvidia-smi -L`` lists
-    the GPUs (``GPU 0: ...`` lines; MIG lines are not counted); no ``nvidia-smi``, or one that
-    fails, means no devices.
-
-    Args:
-        environ: the environment to read (default ``os.environ``).
-        nvidia_smi: the program to run when ``CUDA_VISIBLE_DEVICES`` is unset.
-
-    Returns:
-        Device indices in order, e.g. ``[0, 1]``; ``[]`` on a host without CUDA.
+    busctl's own ``CUDA_VISIBLE_DEVICES`` (``environ``, default ``os.environ``) when set (an entry < 0 ends the
+    list, as in CUDA), else the ``GPU N:`` lines of ``nvidia-smi -L`` (none if it is missing or fails).
 
     Raises:
-        ConfigError: ``CUDA_VISIBLE_DEVICES`` holds an entry that is not an index (a GPU UUID):
-            busctl places components by index.
+        ConfigError: ``CUDA_VISIBLE_DEVICES`` holds an entry that is not an index (a GPU UUID).
     """
     env = os.environ if environ is None else environ
     raw = env.get(ENV_CUDA_DEVICES)
@@ -113,22 +67,12 @@ def visible_devices(environ: Mapping[str, str] | None = None, nvidia_smi: str = 
 
 @dataclass(frozen=True)
 class Placement:
-    """The device plan of one run (built by :func:`plan_placement`).
+    """The device plan of one run (built by :func:`plan_placement`); the other fields are the resolved config.
 
     Attributes:
-        visible: the device indices busctl saw.
-        trainer_device: ``"cpu"`` or ``"cuda"`` (the resolved ``trainer.device``).
         trainer_gpus: the trainer's devices, one per data-parallel rank (empty on CPU).
-        producer_dtype: the resolved ``producers.dtype`` (``"bfloat16"`` or ``"float32"``).
-        broadcast_backend: the resolved ``broadcast.backend`` (``"gloo"`` or ``"nccl"``; as
-            configured when ``broadcast.method`` is ``filesystem``).
-        producer_gpus: per producer index ``0 .. max_replicas - 1``, its devices; ``()`` for
-            vLLM on CPU; ``None`` for an index that does not fit (scaling to it is refused).
-        shared: producers may use the trainer's devices (``producers.share_gpus_with_trainer``).
-        replicas: ``producers.replicas`` (the producers ``busctl up`` starts; the rest are for
-            ``busctl scale``). gpus_per_replica: ``producers.gpus_per_replica``.
-        gpu_memory_utilization: ``producers.gpu_memory_utilization`` (each producer's share of its
-            GPUs; checked beside a CUDA trainer, also when scaling).
+        producer_gpus: per producer index ``0 .. max_replicas - 1``, its devices; ``()`` for vLLM on CPU;
+            ``None`` for an index that does not fit (scaling to it is refused).
     """
 
     visible: tuple[int, ...]
@@ -177,16 +121,16 @@ class Placement:
             f"{len(self.trainer_gpus) + producers * per} GPUs needed (trainer {len(self.trainer_gpus)} + producers "
             f"{producers} x {per}), {len(self.visible)} visible: {list(self.visible)}; set "
             "producers.share_gpus_with_trainer: true (with producers.gpu_memory_utilization ~0.35: vLLM's share of the "
-            f"GPU, at most {MAX_VLLM_SHARE_BESIDE_TRAINER} beside the trainer), or lower producers.replicas / producers.gpus_per_replica / "
-            "trainer.data_parallel, or put the producers on CPU with producers.gpus_per_replica: 0"
+            f"GPU, at most {MAX_VLLM_SHARE_BESIDE_TRAINER} beside the trainer), or lower producers.replicas / "
+            "producers.gpus_per_replica / trainer.data_parallel, or put the producers on CPU with "
+            "producers.gpus_per_replica: 0"
         )
 
     def check_producers(self, n: int) -> None:
         """Check that ``n`` producer replicas (``busctl scale producers=n``) have devices.
 
         Raises:
-            ConfigError: one of the first ``n`` indices has none (the message names the keys and
-                the devices seen), or the ``n`` producers would take more than
+            ConfigError: one of the first ``n`` indices has none, or they would take more than
                 :data:`MAX_VLLM_SHARE_BESIDE_TRAINER` of a CUDA trainer's GPU together.
         """
         if any(g is None for g in self.producer_gpus[:n]):
@@ -198,8 +142,7 @@ class Placement:
                 raise ConfigError(f"producers={n} does not fit the GPUs' memory: {err}") from None
 
     def resolve(self, cfg: RunConfig) -> None:
-        """Write the plan's concrete values into ``cfg`` (``trainer.device``, ``producers.dtype``,
-        ``broadcast.backend``) so that every component reads the same ones from the run's ``config.yaml``."""
+        """Write the plan's concrete values into ``cfg``, so every component reads them from ``config.yaml``."""
         cfg.trainer.device = self.trainer_device
         cfg.producers.dtype = self.producer_dtype
         cfg.broadcast.backend = self.broadcast_backend
@@ -229,20 +172,15 @@ class Placement:
                 + (f" .. producer-{last}" if last > i else "")
                 + (" (busctl scale)" if i >= self.replicas else "")
             )
-            lines.append(
-                f"#   {names}: {'cuda' if gpus else 'cpu' if gpus is not None else '-'}, {self.producer_dtype}, {env(gpus)}"
-            )
+            kind = "cuda" if gpus else "cpu" if gpus is not None else "-"
+            lines.append(f"#   {names}: {kind}, {self.producer_dtype}, {env(gpus)}")
             i = last + 1
         lines.append(f"#   hub, packer, rewards-*, prompt-source: {ENV_CUDA_DEVICES}=''")
         return "\n".join(lines)
 
 
 def _trainer_gpus(cfg: RunConfig, visible: list[int]) -> tuple[str, tuple[int, ...]]:
-    """The resolved ``trainer.device`` and the trainer's devices.
-
-    Raises:
-        ConfigError: ``cuda`` (asked or resolved) that the visible devices cannot satisfy.
-    """
+    """The resolved ``trainer.device`` and the trainer's devices; ConfigError when CUDA cannot be satisfied."""
     t = cfg.trainer
     device = t.device if t.device != "auto" else ("cuda" if visible else "cpu")
     if device == "cpu":
@@ -285,12 +223,7 @@ def _trainer_gpus(cfg: RunConfig, visible: list[int]) -> tuple[str, tuple[int, .
 def _broadcast_backend(
     cfg: RunConfig, trainer_gpus: tuple[int, ...], producer_gpus: list[tuple[int, ...] | None]
 ) -> str:
-    """The resolved ``broadcast.backend`` of a plan (rule: the module docstring).
-
-    Raises:
-        ConfigError: ``broadcast.backend: nccl`` with a member of the broadcast group off CUDA,
-            or two members on one device.
-    """
+    """The resolved ``broadcast.backend``; ConfigError for ``nccl`` with a member off CUDA or two on one GPU."""
     b = cfg.broadcast
     if b.method != "broadcast":
         return b.backend
@@ -310,19 +243,11 @@ def _broadcast_backend(
 
 
 def plan_placement(cfg: RunConfig, visible: list[int]) -> Placement:
-    """The device plan of ``cfg`` on a host where busctl sees CUDA devices ``visible`` (pure).
-
-    Args:
-        cfg: the run config (read only; :meth:`Placement.resolve` writes the resolved values).
-        visible: device indices busctl may hand out (:func:`visible_devices`); ``[]``: no CUDA.
-
-    Returns:
-        The :class:`Placement` (rules: the module docstring).
+    """The device plan of ``cfg`` (read only) on a host where busctl sees CUDA devices ``visible`` (pure).
 
     Raises:
-        ConfigError: the plan does not fit the visible devices, ``trainer.device: cuda`` with
-            none visible, or ``broadcast.backend: nccl`` the plan cannot honour; the message
-            names the keys to change and the devices seen.
+        ConfigError: the plan does not fit, ``trainer.device: cuda`` with none visible, or ``broadcast.backend:
+            nccl`` the plan cannot honour; the message names the keys to change and the devices seen.
     """
     p = cfg.producers
     trainer_device, trainer_gpus = _trainer_gpus(cfg, list(visible))
@@ -364,13 +289,7 @@ def plan_placement(cfg: RunConfig, visible: list[int]) -> Placement:
 
 
 def _check_memory_split(fraction: float, trainer_gpus: tuple[int, ...], producer_gpus: list) -> None:
-    """Refuse a plan whose producers take more than :data:`MAX_VLLM_SHARE_BESIDE_TRAINER` of a
-    trainer GPU together (``fraction`` = ``producers.gpu_memory_utilization`` each).
-
-    Raises:
-        ConfigError: naming the GPU, how many producers share it, the share they would take and
-            the largest ``producers.gpu_memory_utilization`` that fits.
-    """
+    """ConfigError when the producers on a trainer GPU take more than :data:`MAX_VLLM_SHARE_BESIDE_TRAINER`."""
     for gpu in trainer_gpus:
         sharing = sum(1 for g in producer_gpus if g and gpu in g)
         taken = sharing * fraction
@@ -378,15 +297,15 @@ def _check_memory_split(fraction: float, trainer_gpus: tuple[int, ...], producer
             fits = MAX_VLLM_SHARE_BESIDE_TRAINER / sharing
             raise ConfigError(
                 f"producers.gpu_memory_utilization {fraction} x {sharing} producer(s) on GPU {gpu}, which the trainer "
-                f"uses too: vLLM would take {taken:.0%} of it and leave the trainer {max(1 - taken, 0):.0%} for its weights, "
-                f"gradients, AdamW state and activations; set producers.gpu_memory_utilization <= {fits:.2f} "
-                f"(e.g. {min(0.35, fits):.2f}; at most {MAX_VLLM_SHARE_BESIDE_TRAINER:.0%} of a trainer GPU goes to vLLM)"
+                f"uses too: vLLM would take {taken:.0%} of it and leave the trainer {max(1 - taken, 0):.0%} for its "
+                f"weights, gradients, AdamW state and activations; set producers.gpu_memory_utilization <= {fits:.2f} "
+                f"(e.g. {min(0.35, fits):.2f}; at most {MAX_VLLM_SHARE_BESIDE_TRAINER:.0%} of a trainer GPU goes to "
+                "vLLM)"
             )
 
 
 def apply_placement(cfg: RunConfig, visible: list[int] | None = None) -> Placement:
-    """Plan ``cfg`` on this host's devices (default :func:`visible_devices`) and write the resolved
-    values into it (:meth:`Placement.resolve`); what ``busctl up`` does before it spawns anything.
+    """Plan ``cfg`` on this host's devices (default :func:`visible_devices`) and resolve it into ``cfg``.
 
     Raises:
         ConfigError: as :func:`plan_placement` and :func:`visible_devices`.
