@@ -1,5 +1,3 @@
-"""The trainer's packed forward: ``packed`` (per-token logprobs of padding-free packed rows),
-``packed_attention`` (causal attention per packed sample, registered with transformers),
-``shared_prefix`` (a group's prompt through the decoder once), ``logprobs`` (chunked LM-head
-logprobs and entropy, no ``[T, V]`` logits), ``reference`` (the frozen KL reference policy) and
-``precision`` (``trainer.dtype``: the compute dtype)."""
+"""The trainer's packed forward: per-token logprobs of padding-free packed rows, shared prefixes, the
+chunked LM head, the frozen KL reference policy and the compute dtype.
+"""

@@ -1,19 +1,10 @@
 """The frozen reference policy of the KL penalty (`trainer.loss.kl_reference: reference`).
 
-The reference is the policy the run STARTED from (the model at `model.path`), never updated:
-- LoRA: the base model with the adapter switched off (peft's `disable_adapter()` context), so the
-  reference costs no memory at all;
-- full fine-tuning: a deep copy of the policy taken when the trainer is built, before any step
-  and before a resume loads trained weights (the trainer process builds its `Trainer` first and
-  restores the checkpoint afterwards), frozen (`requires_grad=False`, eval mode).
-
-Invariants: reference logprobs carry no gradient and are computed with the same packed forward
-(`trainer.forward.packed.packed_logprobs_and_entropy`) and the same sampling temperature as the policy's
-(the micro-batch's `MicroBatch.temperature`, given per call), and in the policy's compute dtype:
-the trainer calls `logprobs` inside the same autocast context as the policy's forward
-(`trainer.forward.precision`; bfloat16 matmuls with `trainer.dtype: bfloat16`, logprobs float32), so at
-step 0 the reference's logprobs equal the policy's exactly and the KL penalty starts at 0, not at
-the bfloat16-vs-float32 rounding gap. The copy's weights stay float32 (autocast casts them per op).
+It is the policy the run started from. LoRA: the base model with the adapter off (peft's
+`disable_adapter()`, no extra memory); full fine-tuning: a frozen deep copy taken when the trainer
+is built, before a resume loads trained weights. Its logprobs use the policy's packed forward,
+temperature and head dtype, inside the policy's autocast, so at step 0 they equal the policy's
+exactly and the KL penalty starts at 0.
 """
 
 from __future__ import annotations
@@ -34,12 +25,8 @@ class ReferencePolicy:
     """Per-token logprobs of packed samples under the frozen reference policy.
 
     Args:
-        policy: the policy being trained (HF causal LM, possibly a peft `PeftModel`), still at its
-            initial weights.
-        share_prefixes: run shared sample prefixes once (`trainer.forward.shared_prefix`), as the policy's
-            forward does (`trainer.share_prefixes`).
-        head_dtype: the LM head's matmul precision, as the policy's (`trainer.lm_head_dtype`), so
-            the KL starts at 0.
+        policy: the policy being trained (HF causal LM or peft `PeftModel`), still at its initial weights.
+        share_prefixes, head_dtype: as the policy's (`trainer.share_prefixes`, `trainer.lm_head_dtype`).
     """
 
     def __init__(
@@ -63,17 +50,15 @@ class ReferencePolicy:
         temperature: float,
         tokens: torch.Tensor | np.ndarray | None = None,
     ) -> torch.Tensor:
-        """`[T]` float32 reference logprobs (nats, 0 at each sample's first token), no grad:
-        `log softmax(logits / temperature)` at each token (`packed_logprobs_and_entropy`).
+        """`[T]` float32 reference logprobs (nats, 0 at each sample's first token), no grad.
 
         Args:
-            input_ids: `[T]` integer packed token ids. seq_lens: `[S]` integer sample lengths
-                (host arrays: no host sync, `trainer.forward.packed_row`; or tensors).
-            temperature: finite float > 0, the samples' sampling temperature.
-            tokens: `[T]` bool (host or device) or None: only these tokens' logprobs are computed (0 elsewhere).
+            input_ids: `[T]` integer packed token ids. seq_lens: `[S]` integer sample lengths.
+            temperature: the samples' sampling temperature.
+            tokens: `[T]` bool or None: only these tokens' logprobs are computed (0 elsewhere).
 
         Raises:
-            ValueError: temperature is not a finite number > 0 (raised by the packed forward).
+            ValueError: temperature is not a finite number > 0.
         """
         context = self.model.disable_adapter() if self.shares_policy else contextlib.nullcontext()
         with context:
