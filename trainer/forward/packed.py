@@ -1,33 +1,13 @@
 """Padding-free packed forward of a Hugging Face causal LM: per-token logprobs of packed samples.
 
-Several samples are concatenated into ONE row of T tokens (`input_ids [T]`, split by
-`seq_lens [S]`), and the forward must give every sample exactly what an unpacked forward of that
-sample alone would give. Two things make that true:
-- position ids restart at 0 at each sample (`packed_position_ids`), so RoPE sees local positions;
-- attention is block-diagonal and causal: a query attends only to keys of its own sample at
-  positions <= its own. `trainer.forward.packed_attention` runs causal sdpa on each sample's slice of the
-  row (varlen attention: O(sum L_i^2), no `[T, T]` mask), switched on for the forward through
-  transformers' `AttentionInterface`.
-
-`use_cache=False` matters: Qwen2's forward otherwise creates a `DynamicCache` even in train mode.
-`block_causal_mask` (the equivalent dense additive mask, O(T^2) memory) is kept as the reference
-the tests compare the varlen path against. Only "sdpa" and "eager" models are accepted (the
-implementation is switched for the packed forward and restored after).
-
-Full-vocabulary logits are never materialized: the decoder body gives the last hidden states
-`[T, H]`, and the LM head is applied chunk by chunk by `trainer.forward.logprobs` (forward AND backward),
-which also yields the entropy of each next-token distribution. This needs the model's logits to be
-exactly `lm_head(last hidden state)`: true for Qwen2/Llama-style models; configs that soft-cap or
-rescale logits (`LOGIT_RESCALING_FIELDS`) are refused.
-
-Precision: under a bfloat16 autocast context (`trainer.forward.precision`) the decoder body computes in
-bfloat16, but its last hidden states are cast to the LM head weight's dtype (the float32 master
-weight) and the head runs with autocast off, its matmuls in `head_dtype` (`trainer.lm_head_dtype`:
-float32, TF32 or bfloat16) and its log-softmax in float32, so logprobs and entropy are float32
-whatever the compute dtype.
-
-Invariants: outputs are float32 `[T]`; `out[t]` depends only on tokens of t's own sample at
-positions <= t; the first token of every sample gets logprob 0 and entropy 0 (it has no context).
+Samples are concatenated into one row (`input_ids [T]`, split by `seq_lens [S]`) and each gets
+exactly what its unpacked forward would: positions restart at 0 per sample, and attention is
+block-diagonal causal (`trainer.forward.packed_attention`: varlen, no `[T, T]` mask;
+`block_causal_mask` is the dense reference for tests). `use_cache=False`; "sdpa" and "eager"
+models only. The LM head runs chunk by chunk (`trainer.forward.logprobs`) on the last hidden states
+cast to its float32 weight, outside autocast, so logprobs and entropy are float32 whatever the
+compute dtype; configs that soft-cap or rescale logits are refused. The first token of every
+sample gets logprob 0 and entropy 0.
 """
 
 from __future__ import annotations
@@ -58,24 +38,13 @@ LOGIT_RESCALING_FIELDS = {"final_logit_softcapping": 0, "logit_scale": 1, "logit
 
 
 def block_causal_mask(seq_lens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive block-diagonal causal attention mask for one packed row.
+    """`[1, 1, T, T]` additive block-diagonal causal mask of `dtype` (the model's compute dtype) on seq_lens' device.
 
-    mask[0, 0, q, k] = 0                      if sample(q) == sample(k) and k <= q
-                     = torch.finfo(dtype).min  otherwise
-    (the finite minimum rather than -inf, as transformers uses, so no row can become NaN; every row
-    keeps at least its diagonal.)
-
-    Args:
-        seq_lens: `[S]` integer tensor of sample lengths >= 1; T = seq_lens.sum().
-        dtype: floating dtype of the mask; use the model's compute dtype (sdpa requires the mask
-            dtype to match the query dtype).
-
-    Returns:
-        `[1, 1, T, T]` tensor of `dtype` on seq_lens' device.
+    0 where key k is in query q's sample and k <= q, else `torch.finfo(dtype).min` (as transformers).
+    `seq_lens`: `[S]` integer sample lengths >= 1.
 
     Raises:
-        ValueError: seq_lens is not a non-empty 1-D integer tensor of values >= 1, or dtype is not
-            a floating dtype.
+        ValueError: seq_lens not a non-empty 1-D integer tensor of values >= 1, or dtype not floating.
     """
     lens = validated_seq_lens(seq_lens)
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -89,16 +58,10 @@ def block_causal_mask(seq_lens: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
 
 
 def packed_position_ids(seq_lens: torch.Tensor) -> torch.Tensor:
-    """Position ids that restart at 0 at each packed sample.
-
-    Args:
-        seq_lens: `[S]` integer tensor of sample lengths >= 1.
-
-    Returns:
-        `[1, T]` int64 on seq_lens' device, e.g. seq_lens [2, 1, 3] -> [[0, 1, 0, 0, 1, 2]].
+    """`[1, T]` int64 position ids restarting at each sample: seq_lens [2, 1, 3] -> [[0, 1, 0, 0, 1, 2]].
 
     Raises:
-        ValueError: seq_lens is not a non-empty 1-D integer tensor of values >= 1.
+        ValueError: seq_lens not a non-empty 1-D integer tensor of values >= 1.
     """
     lens = validated_seq_lens(seq_lens)
     starts = torch.cumsum(lens, 0) - lens
@@ -118,48 +81,27 @@ def packed_logprobs_and_entropy(
     tokens: torch.Tensor | np.ndarray | None = None,
     head_dtype: str = "float32",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprob of each packed token and entropy of the tempered next-token distribution before it.
+    """`(logprobs, entropy)`, each `[T]` float32 nats, of each packed token under its own sample's prefix.
 
-    With h = the decoder's last hidden states of ONE forward over the packed row
-    (`block_causal_mask`, `packed_position_ids`, `use_cache=False`) and z[t] = lm_head(h[t]).float()
-    / temperature, for t not a sample's first token:
-        logprobs[t] = log softmax(z[t-1])[input_ids[t]]
-        entropy[t]  = -sum_v softmax(z[t-1])_v log softmax(z[t-1])_v          (nats)
-    and logprobs[t] = entropy[t] = 0 at each sample's first token (no context). Dividing by the
-    sampling temperature gives the tempered sampling distribution the inference engine reports.
-    The LM head is applied `chunk_size` rows at a time (`trainer.forward.logprobs`), so no `[T, V]` logits
-    tensor exists in the forward or the backward pass; the result equals the full-logits one to
-    float32 rounding.
+    With `z[t] = lm_head(h[t]).float() / temperature` from one packed forward, `logprobs[t] =
+    log softmax(z[t-1])[input_ids[t]]` and `entropy[t]` is that distribution's entropy; both are 0 at
+    each sample's first token. Only logprobs is differentiable.
 
     Args:
-        model: a transformers causal LM (e.g. Qwen2ForCausalLM), possibly peft-wrapped (LoRA on the
-            decoder layers; not on lm_head), tied embeddings or not, whose
-            `config._attn_implementation` is "sdpa" or "eager" and whose logits are exactly
-            `lm_head(last hidden state)` (no soft-capping or logit scaling).
-        input_ids: `[T]` integer token ids of the packed samples: a host numpy array or CPU tensor
-            (nothing waits for the device: `trainer.forward.packed_row`), or a tensor on the
-            model's device (read back once: a host sync).
-        seq_lens: `[S]` integer lengths >= 1 of the packed samples, summing to T (host or device, as input_ids).
-        temperature: finite float > 0 dividing the logits.
-        chunk_size: rows of logits computed at a time, >= 1 (memory ~ chunk_size x V floats).
-        share_prefixes: run the tokens that neighbouring samples share at their start (a group's
-            prompt) through the decoder once (`trainer.forward.shared_prefix`); the same values up to float
-            rounding, fewer decoder tokens. True, False or "auto" (`sharing_applies`).
-        stats: if given, gets `"decoder_tokens"`: tokens the decoder ran (T, or fewer when shared).
-        tokens: `[T]` bool (host or device, as input_ids), or None (every token): compute logprobs and entropy only at these
-            tokens (the loss tokens; 0 elsewhere), so the LM head and the log-softmax skip the
-            prompt rows the loss never reads.
-        head_dtype: precision of the LM head's matmuls, "float32" | "tf32" | "bfloat16"
-            (`trainer.lm_head_dtype`, `trainer.forward.logprobs.linear_logprobs_and_entropy`).
-
-    Returns:
-        `(logprobs, entropy)`, each `[T]` float32: logprobs (nats, <= 0) differentiable w.r.t. the
-        model's parameters; entropy (nats, >= 0) detached.
+        model: a transformers causal LM, possibly peft-wrapped (LoRA not on lm_head), attention
+            "sdpa" or "eager", logits exactly `lm_head(last hidden state)`.
+        input_ids: `[T]` integer token ids (host array: no host sync, `trainer.forward.packed_row`;
+            or a tensor on the model's device). seq_lens: `[S]` integer lengths >= 1 summing to T.
+        temperature: finite, > 0. chunk_size: LM-head rows at a time, >= 1.
+        share_prefixes: True, False or "auto" (`sharing_applies`): run shared sample starts once
+            (`trainer.forward.shared_prefix`).
+        stats: if given, gets `"decoder_tokens"`, the tokens the decoder ran.
+        tokens: `[T]` bool or None: only these tokens' values are computed (0 elsewhere).
+        head_dtype: "float32" | "tf32" | "bfloat16" (`trainer.lm_head_dtype`).
 
     Raises:
-        ValueError: bad shapes/dtypes (tokens not `[T]` included), seq_lens not summing to T, temperature not > 0, an attention
-            implementation other than sdpa/eager (a 4-D mask is not honoured there), an LM head
-            that is not a plain `nn.Linear`, or a config that rescales logits.
+        ValueError: bad shapes or dtypes, seq_lens not summing to T, temperature not > 0, another
+            attention implementation, an LM head that is not a plain `nn.Linear`, or rescaled logits.
     """
     _validate_call(model, input_ids, temperature)
     weight, bias = _output_projection(model)
@@ -190,17 +132,7 @@ def packed_token_logprobs(
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> torch.Tensor:
-    """Logprob of each packed token given the earlier tokens of its own sample.
-
-    The logprobs of `packed_logprobs_and_entropy` (same arguments, same formula):
-    out[t] = log softmax(logits[t-1] / temperature)[input_ids[t]], and 0 at each sample's first token.
-
-    Returns:
-        `[T]` float32 logprobs (nats, <= 0), differentiable w.r.t. the model's parameters.
-
-    Raises:
-        ValueError: as `packed_logprobs_and_entropy`.
-    """
+    """`[T]` float32 logprobs of `packed_logprobs_and_entropy` (differentiable); raises as it does."""
     logprobs, _entropy = packed_logprobs_and_entropy(
         model, input_ids, seq_lens, temperature=temperature, chunk_size=chunk_size
     )
@@ -208,7 +140,7 @@ def packed_token_logprobs(
 
 
 def _validate_call(model: torch.nn.Module, input_ids, temperature) -> None:
-    """Checks of the call besides the row's (`PackedRow.build`): input_ids' kind, temperature, attention."""
+    """Checks besides the row's (`PackedRow.build`): input_ids' kind, temperature, attention."""
     if not isinstance(input_ids, (torch.Tensor, np.ndarray)) or input_ids.ndim != 1:
         raise ValueError("input_ids must be a 1-D integer tensor [num_tokens] of packed token ids")
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
@@ -224,16 +156,7 @@ def _validate_call(model: torch.nn.Module, input_ids, temperature) -> None:
 def _decoder_hidden_states(
     model: torch.nn.Module, row: PackedRow, stats: dict[str, float] | None = None
 ) -> torch.Tensor:
-    """`[R, H]` last hidden states (after the final norm) at `row.hidden_rows`, from one packed
-    forward of the decoder body over `row.decoder_ids`.
-
-    `get_decoder()` is the transformers accessor of the body (Qwen2ForCausalLM -> `.model`); on a
-    peft model the attribute lookup is forwarded to the wrapped transformers model, whose layers
-    already hold the LoRA modules, so the adapters apply. With a shared-prefix plan the decoder
-    runs on the compressed row of `trainer.forward.shared_prefix.plan_shared_prefixes` and
-    `row.hidden_rows` already go through its expansion (`trainer.forward.packed_row`).
-    `stats`, if given, gets the decoder's token count as `"decoder_tokens"`.
-    """
+    """`[R, H]` last hidden states at `row.hidden_rows` from one forward of the decoder body (LoRA applies)."""
     if stats is not None:
         stats["decoder_tokens"] = float(row.decoder_tokens)
     decoder = model.get_decoder()
@@ -254,15 +177,10 @@ SHARE_MIN_TOKENS_CUDA = 12288
 
 
 def sharing_applies(setting: bool | str, device_type: str, num_tokens: int) -> bool:
-    """Whether a packed row of `num_tokens` tokens on a `device_type` ("cpu", "cuda", ...) device
-    runs its shared prefixes once (`trainer.share_prefixes`).
+    """Whether a row of `num_tokens` on `device_type` runs its shared prefixes once (`trainer.share_prefixes`).
 
-    True / False: as given. "auto", the measured rule (bench/README.md, "Shared-prefix speed" and
-    the GPU trainer table): always on a CPU, where the decoder's FLOPs bound the step and sharing
-    made it 1.5-2.9x faster; on CUDA only when num_tokens >= `SHARE_MIN_TOKENS_CUDA`: an H200 (0.5B shape,
-    bf16, GRPO-shaped batch) took 1.14 s against 1.22 s unshared with 16384-token micro-batches and
-    1.23 s against 1.05 s with 8192, where kernel launches rather than FLOPs bound a micro-batch and
-    the shared path's gathers add launches.
+    "auto": always on a CPU, on CUDA only from `SHARE_MIN_TOKENS_CUDA` tokens, where it was measured
+    faster (bench/README.md, "Shared-prefix speed").
 
     Raises:
         ValueError: a setting other than True, False or "auto".
@@ -294,7 +212,7 @@ def _output_projection(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tens
 
 
 def _compute_dtype(model: torch.nn.Module) -> torch.dtype:
-    """The dtype the model computes attention scores in (that of its input embeddings)."""
+    """The dtype the model computes attention scores in (its input embeddings')."""
     embeddings = model.get_input_embeddings()
     return embeddings.weight.dtype
 
@@ -312,22 +230,10 @@ def validated_seq_lens(seq_lens: torch.Tensor) -> torch.Tensor:
 
 
 class PackedLogprobs(torch.nn.Module):
-    """`nn.Module` face of the packed forward, so a data-parallel wrapper (DDP) can own the call.
+    """`nn.Module` face of `packed_logprobs_and_entropy`, so a data-parallel wrapper (DDP) can own the call.
 
-    Args:
-        model: the policy (see `packed_logprobs_and_entropy`); registered as the submodule `model`.
-        temperature: finite float > 0, the sampler's temperature.
-        chunk_size: rows of logits computed at a time, >= 1.
-        share_prefixes: run shared sample prefixes once: True, False or "auto" (`sharing_applies`).
-        head_dtype: precision of the LM head's matmuls (`trainer.lm_head_dtype`).
-
-    After each forward, `stats["decoder_tokens"]` is the number of tokens its decoder ran.
-
-    `forward(input_ids [T], seq_lens [S], tokens [T] bool or None)` (host numpy arrays: nothing
-    waits for the device, and a data-parallel wrapper, which moves tensor arguments only, leaves
-    them alone; or tensors) returns `(logprobs [T] float32 with grad, entropy [T]
-    float32 detached)`: entropy of the tempered next-token distribution at each token's position
-    (0 at sample starts), nats. See `packed_logprobs_and_entropy`.
+    `forward(input_ids [T], seq_lens [S], tokens [T] bool or None)` returns `(logprobs, entropy)`;
+    host arrays pass through the wrapper unmoved. `stats["decoder_tokens"]` holds the last forward's count.
 
     Raises:
         ValueError: temperature not a finite number > 0 or chunk_size not an int >= 1.
