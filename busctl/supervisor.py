@@ -1,54 +1,13 @@
 """The supervisor behind ``busctl up``: one table of components, started, watched, healed, stopped.
 
-Lifecycle of a run:
-
-1. ``prepare``: create the run directory (``busctl up`` refused an occupied one unless told
-   ``--overwrite``, :mod:`busctl.run_dir`; ``resume`` clears only what is transient: sockets,
-   status, weight hand-over files, the final metrics snapshot), resolve what the config leaves
-   open (the tiny policy's path, a free broadcast rendezvous port), write the resolved ``config.yaml``.
-2. ``start``: spawn every component of the table (:mod:`busctl.component_table`) through the
-   launcher (:mod:`busctl.launchers`: a local process group or a Slurm step; output appended to
-   ``logs/NAME.log``; the producers first: vLLM's start is the longest) and wait
-   for each one's :class:`bus.messages.ComponentReady` handshake on the ``supervisor`` socket,
-   never a sleep; the control channel is read from the start, so the first step's
-   :class:`bus.messages.TrainerStep` is seen even if it comes before the last handshake. A component that exits, or is not ready within ``bus.ready_timeout_s``, fails
-   the start (its log is named): at start-up that is a configuration or code problem, not one to
-   retry. Then ``prometheus.yml`` lists every component at the address it reported (rewritten
-   whenever one becomes ready or is scaled away; :mod:`busctl.metrics_targets`), and a
-   :class:`busctl.scrape.MetricsPoller` thread starts reading their metrics there.
-3. ``watch``: print one progress line per ``trainer.step`` on the control channel (the first one
-   also the time from launch to the first optimizer step, :mod:`busctl.startup`); the run ends
-   when the trainer announces ``run.done`` after its last step and final eval. Components stop
-   working then but keep serving metrics, which are saved to ``metrics_final/`` (for
-   ``bench/``). Meanwhile the supervisor heals (below) and applies ``busctl scale`` requests
-   (:mod:`busctl.scaling`).
-4. ``shutdown`` (always, also on SIGINT/SIGTERM): SIGTERM to every process group in reverse
-   start order, SIGKILL to whatever is left after ``STOP_TIMEOUT_S`` (:func:`busctl.scaling.stop_all`);
-   no process is left behind.
-
-Healing (``watch``, before ``run.done``; the policy is the pure :func:`busctl.healing.decide`,
-the supervisor gathers its facts and carries out its decisions): every component sends
-:class:`bus.messages.ComponentHeartbeat` every ``bus.heartbeat_s``. A component that exits (any
-exit code), is silent for ``bus.dead_after_s`` after it was ready, or (after a restart) is not
-ready within ``bus.ready_timeout_s`` has crashed. With ``supervisor.restart`` and a restartable
-role (:data:`RESTARTABLE_ROLES`: every role, the packer included) its
-whole process group is killed (vLLM's engine processes live there), and after a backoff of
-``backoff_initial_s * 2**(k-1)`` seconds (``k`` consecutive crashes, capped at
-``backoff_max_s``; ``k`` restarts from 0 once the component stayed up ``backoff_reset_s``) it is
-spawned again with ``RLBUS_RESTARTS=<n>`` (:mod:`bus.launch_env`); the watch loop never blocks on it (other components
-keep running, progress lines keep printing). One crash past ``supervisor.max_restarts`` fails the
-run, naming the component and its log (a restarted packer continues from its spool,
-:mod:`packer.spool`). A binding component placed (launcher's ``place``) at another address than
-``bus.hosts`` names has its endpoints moved there first, and the running components that connect to
-them are restarted after its spawn (:mod:`busctl.rebinding`). Restarts are
-counted in ``rlbus_supervisor_restarts_total{component}`` (a series per component from its first
-spawn), served on the supervisor's own metrics port (in ``status.json`` and ``prometheus.yml``).
-
-Component states: :class:`busctl.component_table.ComponentState`; the supervisor's own:
-:class:`busctl.run_status.RunState`. ``status.json``: :mod:`busctl.run_status`. Progress and events go to the console (a line
-each; on a terminal above the live display of :mod:`busctl.live`, built from :attr:`Supervisor.snapshot`).
-Every component of a ``resume`` run gets ``RLBUS_RESUME=1``. Components also die with the
-supervisor (``PR_SET_PDEATHSIG``, see :mod:`bus.component`).
+A run goes ``prepare`` (run directory, resolved ``config.yaml``), ``start`` (spawn every component of
+:mod:`busctl.component_table` through the launcher, producers first, and wait for each ready handshake, never a
+sleep), ``watch`` (a progress line per ``trainer.step``, healing, ``busctl scale`` requests, until the trainer's
+``run.done``; then ``metrics_final/``) and ``shutdown`` (always: SIGTERM in reverse start order, SIGKILL after
+``STOP_TIMEOUT_S``). Healing is the pure :func:`busctl.healing.decide`; this class gathers its facts by polling
+the processes and carries out its decisions without blocking the loop. A binding component placed at another
+address has its endpoints moved first (:mod:`busctl.rebinding`). The story (heartbeats, backoff, what a restart
+of each role resumes from) is in docs/ARCHITECTURE.md, "Lifecycle and healing".
 """
 
 from __future__ import annotations
@@ -130,21 +89,16 @@ class Supervisor:
 
     Args:
         cfg: the run config (``model.path`` and ``broadcast.port`` may be left open).
-        console: where progress lines and events go.
         table: the components (default :func:`component_table` of ``cfg``); tests pass their own.
         resume: continue the run in its run directory (keep its outputs, ``RLBUS_RESUME=1``).
         launched_at: ``time.time()`` of the launch (default: now), for ``startup.json``.
-        placement: the device plan: each spawn gets its ``CUDA_VISIBLE_DEVICES`` (default: see :class:`Scaling`).
+        placement: the device plan (default: see :class:`Scaling`).
         launcher: starts the processes (default: local; its ``configure`` already ran on ``cfg``).
 
     Attributes:
         stop: set it (e.g. from a signal handler) to end ``start``/``watch`` early.
-        outcome, error: set by the caller before :meth:`shutdown` (a :class:`busctl.run_status.RunOutcome`;
-            ``""`` until then); recorded in ``status.json``.
-        snapshot: the last ``status.json`` content (a new dict each time: safe to read from
-            another thread, e.g. the live display's).
-        poller: reads the ready components' metrics (throughput, busy, queue depth) once started.
-        scaling: applies ``busctl scale`` requests (:class:`busctl.scaling.Scaling`).
+        outcome, error: set by the caller before :meth:`shutdown`; recorded in ``status.json``.
+        snapshot: the last ``status.json`` content (a new dict each time: safe to read from another thread).
     """
 
     def __init__(
@@ -210,7 +164,7 @@ class Supervisor:
     # -- prepare ---------------------------------------------------------------------------------
 
     def prepare(self) -> None:
-        """Resolve the config and write the run directory (see module docstring)."""
+        """Resolve the config (tiny policy path, broadcast port) and write the run directory."""
         clear_run_dir(self.run_dir, self.resume)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.endpoints.ensure_dirs()
@@ -255,10 +209,10 @@ class Supervisor:
         peers = self._rebind(spec)
         notes = [f"restart {spec.restarts}"] if spec.restarts else []
         notes += ["resume"] * self.resume + ["late join"] * spec.late_join
+        note = "(" + ", ".join(notes) + ")" if notes else ""
         with open(self.log_path(spec), "ab", buffering=0) as logfile:  # unbuffered: the header precedes the output
-            logfile.write(
-                f"===== rlbus {time.strftime('%Y-%m-%d %H:%M:%S')}: starting {spec.name} {'(' + ', '.join(notes) + ')' if notes else ''} =====\n".encode()
-            )
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            logfile.write(f"===== rlbus {stamp}: starting {spec.name} {note} =====\n".encode())
             spec.proc = self.launcher.spawn(spec, cmd, env, logfile)
         RESTARTS.labels(spec.name)  # the series exists (0) from the first spawn
         now = spec.spawned_at = time.monotonic()
@@ -276,9 +230,7 @@ class Supervisor:
             self._restart(peer)
 
     def _rebind(self, spec: ComponentSpec) -> list[ComponentSpec]:
-        """Before ``spec`` starts at the address its launcher places it (no ``place``: nothing
-        moves), move the endpoints it binds there (:mod:`busctl.rebinding`); returns the running
-        components that connect to them (restarted after the spawn)."""
+        """Move the endpoints ``spec`` binds to where its launcher places it; the peers to restart after."""
         move = rebind(self.cfg, self.run_dir, spec, getattr(self.launcher, "place", lambda _: "")(spec), self.table)
         if move is None:
             return []
@@ -287,7 +239,8 @@ class Supervisor:
             self._control.close()
             self._control = self._subscribe_control()
         self.say(
-            f"  [yellow]moved[/yellow] {spec.name} to {move.address} ({', '.join(move.keys)}); restarting {', '.join(move.restart)}"
+            f"  [yellow]moved[/yellow] {spec.name} to {move.address} ({', '.join(move.keys)}); "
+            f"restarting {', '.join(move.restart)}"
         )
         return [
             s
@@ -342,11 +295,10 @@ class Supervisor:
     # -- watch -----------------------------------------------------------------------------------
 
     def watch(self) -> None:
-        """Print progress, heal and scale until the trainer announces ``run.done``, then save
-        every component's metrics (they keep serving them until shutdown).
+        """Print progress, heal and scale until the trainer announces ``run.done``, then save the metrics.
 
         Raises:
-            RunFailed: a component died and cannot be restarted (see the module docstring).
+            RunFailed: a component died and cannot be restarted.
         """
         self.state, self._healing = RunState.RUNNING, True
         while not self.stop.is_set() and not self.run_done:
@@ -356,8 +308,7 @@ class Supervisor:
             self.snapshot_metrics()
 
     def _turn(self) -> None:
-        """One turn of the loop: wait up to :data:`POLL_S` for messages, handle every pending
-        one, then check the components (crashes, deadlines, restarts, scaling) and the status file."""
+        """Wait up to :data:`POLL_S` for messages, handle them, then check the components and the status file."""
         socks = [s for s in (self._inbox, self._control) if s is not None]
         poller = zmq.Poller()
         for s in socks:
@@ -411,8 +362,7 @@ class Supervisor:
     # -- healing ---------------------------------------------------------------------------------
 
     def _check(self, now: float) -> None:
-        """Judge every component (:func:`busctl.healing.decide`) and carry out the decisions;
-        apply and track scale requests.
+        """Carry out :func:`busctl.healing.decide` on every component and track scale requests.
 
         Raises:
             RunFailed: a :class:`busctl.healing.FailRun` decision.
@@ -447,11 +397,7 @@ class Supervisor:
         )
 
     def _carry_out(self, decision: Decision, spec: ComponentSpec) -> None:
-        """Do what the healing policy decided for ``spec``.
-
-        Raises:
-            RunFailed: ``decision`` is a :class:`busctl.healing.FailRun`.
-        """
+        """Do what the healing policy decided for ``spec``; RunFailed on a FailRun."""
         if isinstance(decision, RestartNow):
             self._restart(spec)
             return
