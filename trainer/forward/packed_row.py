@@ -1,16 +1,10 @@
 """A packed row's structure, worked out on the host before its forward, so the forward never waits.
 
-Every index a packed forward needs follows from the sample lengths, the loss tokens and (for
-shared prefixes) the token ids, all of which the trainer receives as host arrays: where samples
-start, which tokens get a logprob, which decoder output row predicts each of them, their target
-ids, the position ids, the flash kernel's ``cu_seqlens``. Computing them with torch on the device
-(``nonzero``, ``int(lens.sum())``, ``lens.tolist()``) makes the host wait for the device at each
-such call, so it stops queueing kernels ahead of the device; on a GPU that idles the device for the
-host's launch time of every layer. :meth:`PackedRow.build` computes them with numpy and queues
-their copies with :func:`trainer.forward.transfer.to_device` (no sync). Only the decoder's and the
-LM head's kernels then run on the device.
-
-Inputs given as device tensors still work: they are read back once (a sync), as before.
+Every index a packed forward needs (sample starts, the tokens that get a logprob, the decoder rows
+predicting them, targets, position ids, ``cu_seqlens``) follows from host arrays the trainer
+receives. Computing them on the device (``nonzero``, ``.tolist()``) would make the host wait each
+time; :meth:`PackedRow.build` computes them with numpy and queues their copies with
+:func:`trainer.forward.transfer.to_device`. Device tensors as inputs are read back once (a sync).
 """
 
 from __future__ import annotations
@@ -34,20 +28,12 @@ def sample_starts(lens: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class PackedRow:
-    """One packed row, ready for the decoder and the LM head (see the module docstring).
+    """One packed row, ready for the decoder and the LM head; tensors on the model's device.
 
-    Fields (T tokens, S samples, R = tokens whose logprob is computed, T_d = tokens the decoder
-    runs: T, or fewer with shared prefixes; tensors on the model's device):
-        num_tokens: T.
-        lens: ``[S]`` int64 host sample lengths.
-        at: ``[R]`` int64 tokens t that get a logprob (loss tokens, never a sample's first).
-        hidden_rows: ``[R]`` int64 decoder output row whose hidden state predicts token t (t - 1,
-            mapped through the shared-prefix plan's expansion when shared).
-        targets: ``[R]`` int64 token id at t.
-        decoder_ids, position_ids: ``[1, T_d]`` int64 the decoder's input row and positions
-            (restarting at 0 at each sample, Qwen2/Llama RoPE positions of an unpacked forward).
-        attention: the extra keyword the packed attention reads: ``{"rlbus_seq_lens": SeqLens}``
-            or ``{"rlbus_shared_plan": SharedPrefixPlan}`` (`trainer.forward.packed_attention`).
+    T tokens, S samples, R tokens that get a logprob (never a sample's first), T_d decoder tokens (< T when shared).
+    `lens` ``[S]`` int64 host; `at`, `hidden_rows` (the decoder row predicting each), `targets`: ``[R]`` int64;
+    `decoder_ids`, `position_ids`: ``[1, T_d]`` int64; `attention`: ``{"rlbus_seq_lens": SeqLens}`` or
+    ``{"rlbus_shared_plan": SharedPrefixPlan}``, the keyword of `trainer.forward.packed_attention`.
     """
 
     num_tokens: int
@@ -75,21 +61,16 @@ class PackedRow:
         vocab_size: int,
         shared: bool,
     ) -> PackedRow:
-        """The row of ``input_ids`` ``[T]`` (integer ids) split by ``seq_lens`` ``[S]``.
+        """The row of ``input_ids`` ``[T]`` split by ``seq_lens`` ``[S]``.
 
         Args:
-            input_ids: ``[T]`` integer token ids, each in ``[0, vocab_size)``.
-            seq_lens: ``[S]`` integer lengths >= 1 summing to T.
-            tokens: ``[T]`` bool (or 0/1), the tokens to compute logprobs at, or None (all);
-                a sample's first token never gets one (no context).
-            device: the model's device.
-            vocab_size: rows of the LM head (the target ids' bound).
-            shared: run the prefixes that neighbouring samples share once
-                (`trainer.forward.shared_prefix.plan_shared_prefixes`; no effect when none do).
+            input_ids: ``[T]`` integer ids in ``[0, vocab_size)``. seq_lens: ``[S]`` lengths >= 1 summing to T.
+            tokens: ``[T]`` bool (or 0/1), the tokens to compute logprobs at, or None (all).
+            device: the model's device. vocab_size: rows of the LM head.
+            shared: run shared sample prefixes once (`trainer.forward.shared_prefix.plan_shared_prefixes`).
 
         Raises:
-            ValueError: ids not a 1-D integer array or out of ``[0, vocab_size)``, lengths not >= 1
-                or not summing to T, or tokens not ``[T]``.
+            ValueError: ids not 1-D integer or out of range, lengths < 1 or not summing to T, tokens not ``[T]``.
         """
         ids = host_array(input_ids, "input_ids")
         if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
@@ -134,10 +115,8 @@ class PackedRow:
 
 
 def check_seq_lens(seq_lens: np.ndarray, num_tokens: int) -> np.ndarray:
-    """``seq_lens`` as int64 after checking it is a non-empty 1-D integer array of lengths >= 1 summing to T.
-
-    Raises:
-        ValueError: not a non-empty 1-D integer array, a length < 1, or a sum other than ``num_tokens``.
+    """``seq_lens`` as int64 after checking it is a non-empty 1-D integer array of lengths >= 1 summing to
+    ``num_tokens``; ValueError otherwise.
     """
     lens = np.asarray(seq_lens)
     if lens.ndim != 1 or lens.size == 0:
