@@ -31,7 +31,7 @@ from producers.endpoint_episodes import assemble_episode
 from producers.rollout_sample import Sample
 from producers.episodes import ENV_SECONDS, EPISODE_TURNS, Episode, episode_sample
 from producers.turn_metrics import EPISODE_TOOL_CALLS, count_tool_calls, text_tool_calls
-from tasks.isolation import IsolatedCalls
+from tasks.isolated_calls import IsolatedCalls
 
 
 def common_prefix(seqs: list[list[int]]) -> list[int]:

@@ -5,7 +5,7 @@ raises, hangs, runs past ``timeout_s``, crashes its interpreter (``os._exit``, a
 NaN must score that sample 0 with the reason counted, and the reward worker must live on.
 
 :class:`IsolatedScorer` runs the calls on a pool of child processes of its own,
-:class:`tasks.isolation.IsolatedCalls` (the same machinery runs the producers' environments; its
+:class:`tasks.isolated_calls.IsolatedCalls` (the same machinery runs the producers' environments; its
 docstring has the protocol, the per-call deadlines, the kill-and-replace of a stuck or dead child
 and the parent-death signal). Here: one call per (reward function, sample) with arguments
 ``(completion, info)``, resolved by :func:`tasks.rewards.get_float_reward_fn` (so a non-float
@@ -42,7 +42,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from tasks.isolation import CallResult, IsolatedCalls, check_refs
+from tasks.isolated_calls import CallResult, IsolatedCalls, check_refs
 from tasks.rewards import get_float_reward_fn
 from tasks.trl_rewards import split_trl_ref
 
@@ -170,7 +170,7 @@ class InProcessScorer:
 
 class IsolatedScorer:
     """Scores groups with reward functions that run in ``num_procs`` child processes
-    (:class:`tasks.isolation.IsolatedCalls`).
+    (:class:`tasks.isolated_calls.IsolatedCalls`).
 
     Args:
         reward_fns: registry names or ``"package.module:function"`` paths, every one resolved in

@@ -7,7 +7,7 @@ Rewards: a group is scored with the reward functions of its task (``group.task``
 reward spec :func:`tasks.registry.reward_spec`: the training task and every eval task). Each
 function's raw score goes to ``reward_terms[name]`` (``name`` from :func:`tasks.rewards.reward_name`)
 and the reward is ``sum_k weight_k * score_k``. The functions run in child processes by default
-(``rewards.isolate``, see :mod:`rewards.isolation`): a call that raises, hangs past
+(``rewards.isolate``, see :mod:`rewards.scorers`): a call that raises, hangs past
 ``rewards.timeout_s``, crashes or returns NaN scores 0 for that term only, counted in
 ``rlbus_rewards_errors_total{error=...}``, and the worker goes on. A group of a task the worker does
 not know scores 0 everywhere (error ``"unknown_task"``, one count per sample); with
@@ -45,7 +45,7 @@ from configs.rollout import OverlongConfig
 from configs.schema import FiltersConfig
 from rewards.advantages import compute_advantages, resolve_advantage_fn
 from rewards.filters import FILTER_NAMES, apply_filters
-from rewards.isolation import InProcessScorer, IsolatedScorer
+from rewards.scorers import InProcessScorer, IsolatedScorer
 from rewards.shaping import OVERLONG_TERM, OVERLONG_ZONES, overlong_zone_counts, soft_overlong_punishment
 from tasks.rewards import reward_name
 from tasks.trl_rewards import split_trl_ref, trl_batch
@@ -100,9 +100,9 @@ class RewardWorker:
             :func:`rewards.advantages.resolve_advantage_fn`).
         eps: added to the std by ``"grpo"``, see :func:`rewards.advantages.compute_advantages`.
         name: this worker's name, recorded in each scored group.
-        isolate: run the reward functions in child processes (:class:`rewards.isolation.IsolatedScorer`;
+        isolate: run the reward functions in child processes (:class:`rewards.scorers.IsolatedScorer`;
             call :meth:`close`); False: in this process, without timeout or crash protection.
-        timeout_s, num_procs: see :class:`rewards.isolation.IsolatedScorer` (``isolate`` only).
+        timeout_s, num_procs: see :class:`rewards.scorers.IsolatedScorer` (``isolate`` only).
         filters: the ``filters`` config section (default: all off).
         overlong: the ``rewards.overlong`` section with ``max_tokens`` resolved (the run's
             ``sampling.max_tokens`` when the config leaves it null, :func:`rewards.shaping.overlong_section`),

@@ -6,7 +6,7 @@ float``: it talks to the policy through ``client`` (``client.chat.completions.cr
 ``client.completions.create(...)``, as often as it likes) and returns the episode's reward (a
 finite float). ``example`` is ``{"messages": the prompt's messages, "info": the dataset row's
 info, "task": the task name}``. The producer (:mod:`producers.agents`) calls it once per sample
-in an isolated child (:class:`tasks.isolation.IsolatedCalls`: a call that raises, runs past its
+in an isolated child (:class:`tasks.isolated_calls.IsolatedCalls`: a call that raises, runs past its
 timeout or crashes its child ends that episode with reward 0, counted; the producer lives on),
 with the client's ``base_url`` at the endpoint and the header ``X-Rlbus-Episode`` preset
 (``default_headers``), so every request of the call is recorded into that sample's episode

@@ -26,7 +26,7 @@ to every call) so that each call is a plain function call any isolated child can
 is tied to a child, a killed child loses nothing but its call, and the same shape fits a remote
 or verifiers-style environment later (its state travels the same way).
 
-Isolation: :class:`EnvCalls` makes the calls in child processes (:class:`tasks.isolation.IsolatedCalls`,
+Isolation: :class:`EnvCalls` makes the calls in child processes (:class:`tasks.isolated_calls.IsolatedCalls`,
 the machinery of the reward functions): a call that raises, hangs past ``timeout_s``, crashes its
 child or returns a malformed result ends that episode with reward 0 and a reason (the error
 label: exception type name, ``"timeout"``, ``"crash"``, ``"bad_result"``); the producer lives on.
@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from typing import Any, Callable, Protocol
 
 from tasks.import_path import import_callable
-from tasks.isolation import CallResult, IsolatedCalls
+from tasks.isolated_calls import CallResult, IsolatedCalls
 
 FUNCTIONS = ("reset", "step", "reward")
 ENV_ERRORS = ("timeout", "crash", "bad_result")  # plus exception type names, as raised

@@ -32,7 +32,7 @@ Comparison (``gsm8k_reward``): both sides go through ``math_verify.parse`` and `
 ``18.0``, ``$18``, ``\\frac{36}{2}`` and ``\\boxed{18}`` all equal ``"18"``. Math-Verify's own
 timeouts use ``signal.alarm`` (main thread only), so they are off here (``parsing_timeout=None``,
 ``timeout_seconds=None``) and this function runs in any thread; the reward worker's per-call
-``timeout_s`` bounds it (``rewards.isolation``). Because sympy evaluates eagerly (``9^{9^{9}}``
+``timeout_s`` bounds it (``rewards.scorers``). Because sympy evaluates eagerly (``9^{9^{9}}``
 never returns), a candidate longer than ``MAX_ANSWER_CHARS``, with ``^``, ``*``, ``!``, ``_`` or
 a LaTeX command outside ``SAFE_LATEX_COMMANDS`` scores 0 without being parsed (so ``\\sqrt{324}``
 scores 0 against 18: GSM8K answers are plain numbers). Math-Verify logs one warning per process

@@ -4,7 +4,7 @@ call costs that call, never the calling worker.
 User code (a verifier, an environment's ``step``, a sandbox call) may raise, hang past
 ``timeout_s``, or crash its interpreter (``os._exit``, a segfault). :class:`IsolatedCalls` keeps a
 pool of ``num_procs`` children of its own; each call gets its result or an error label, and the
-caller lives on. Users: :class:`rewards.isolation.IsolatedScorer` (reward functions, in the reward
+caller lives on. Users: :class:`rewards.scorers.IsolatedScorer` (reward functions, in the reward
 workers) and :class:`tasks.env.EnvCalls` (environments, in the producers); it lives in this
 library so that both stages use one implementation.
 
@@ -67,7 +67,7 @@ MAX_MESSAGE_CHARS = 300  # of an exception message, as logged
 
 _BOOTSTRAP = (
     "import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
-    "from tasks.isolation import child_main; child_main(int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]))"
+    "from tasks.isolated_calls import child_main; child_main(int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]))"
 )
 
 Call = tuple[int, list]  # (function index, JSON arguments)

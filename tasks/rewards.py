@@ -1,7 +1,7 @@
 """Reward functions by name or by import path.
 
 A reward function maps ``(completion text, example info) -> float``; a reward worker calls it on
-every sample of a group (in child processes when ``rewards.isolate``, see :mod:`rewards.isolation`).
+every sample of a group (in child processes when ``rewards.isolate``, see :mod:`rewards.scorers`).
 Each built-in task's module holds its reward function (:mod:`tasks.reverse_text`,
 :mod:`tasks.gsm8k`, :mod:`tasks.countdown`).
 A reference is either a registered name (``reverse_text``, ``gsm8k``, ``countdown``) or an import
@@ -86,7 +86,7 @@ def reward_name(ref: str) -> str:
 
 def get_float_reward_fn(name: str) -> Callable[..., Any]:
     """:func:`get_reward_fn` with its result passed through ``float`` (the resolver of the reward
-    children, :class:`rewards.isolation.IsolatedScorer`: a non-number fails in the child as a
+    children, :class:`rewards.scorers.IsolatedScorer`: a non-number fails in the child as a
     ``TypeError``/``ValueError`` of that call). A TRL-style reference gives the group-wise
     ``call(completions, info, batch) -> {"rewards", "metrics"}`` of :func:`tasks.trl_rewards.trl_caller`.
 

@@ -1,4 +1,4 @@
-"""Tests for rewards.isolation: a reward function that raises, hangs, crashes or returns NaN costs
+"""Tests for rewards.scorers: a reward function that raises, hangs, crashes or returns NaN costs
 one call (reward 0 for that function on that sample, counted by label), never the scorer. Real child
 processes, no mocks; the misbehaving functions live in reward_fns.py and are referenced by import path."""
 
@@ -18,7 +18,7 @@ import reward_fns
 from prometheus_client import REGISTRY
 
 from bus.messages import RolloutGroup
-from rewards.isolation import InProcessScorer, IsolatedScorer
+from rewards.scorers import InProcessScorer, IsolatedScorer
 from rewards.worker import RewardWorker
 from tests.processes import running
 
@@ -211,7 +211,7 @@ def test_killed_worker_takes_its_hung_children_along():
     # A stand-in reward worker that is SIGKILLed while both its children hang in the reward function:
     # nothing runs its close(), so PR_SET_PDEATHSIG must end them.
     script = (
-        "import json, sys; sys.path[:] = json.loads(sys.argv[1]); from rewards.isolation import IsolatedScorer; "
+        "import json, sys; sys.path[:] = json.loads(sys.argv[1]); from rewards.scorers import IsolatedScorer; "
         "s = IsolatedScorer([sys.argv[2]], timeout_s=60, num_procs=2); print(json.dumps(s.pids()), flush=True); "
         "s.score(['sleep', 'sleep'], {})"
     )

@@ -1,4 +1,4 @@
-"""Tests for tasks.env and tasks.isolation: environment calls run in real child processes; one that
+"""Tests for tasks.env and tasks.isolated_calls: environment calls run in real child processes; one that
 hangs, crashes, raises or returns a malformed result costs that call (an error label), never the
 pool, and the other calls of the same round keep their results. Also the reverse_turns task's
 environment and splits."""
@@ -9,7 +9,7 @@ import misbehaving_envs
 import pytest
 
 from tasks.env import MAX_TOOL_RECORDS, EnvCalls, env_refs
-from tasks.isolation import IsolatedCalls
+from tasks.isolated_calls import IsolatedCalls
 from tasks.registry import get_task, load_task_examples
 from tasks.reverse_turns import ReverseTurnsEnv
 
