@@ -13,7 +13,7 @@ patched on ``torch.Tensor`` for the duration. The device check of the same rule 
 What it cannot see on a CPU: a device-to-host read through ``.cpu()`` / ``.numpy()`` or a blocking
 host-to-device copy (``.to("cuda")`` without ``non_blocking``), since a CPU has one device and
 host-side numpy views of host tensors are legitimate; the code routes its host-to-device copies
-through one helper (:func:`trainer.forward.transfer.to_device`) and tests/gpu checks the rest.
+through one helper (:func:`trainer.kernels.transfer.to_device`) and tests/gpu checks the rest.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ No sockets here (see :mod:`trainer.proc`).
 The host never waits for the device inside the micro-batch loop: each micro-batch's checks,
 indices and counts come from its host arrays (:mod:`trainer.forward.packed_row`,
 :func:`trainer.losses.check_loss_inputs`, :func:`trainer.observability.step_stats.host_micro_stats`),
-its arrays go over with queued copies (:mod:`trainer.forward.transfer`), its loss stats stay on the
+its arrays go over with queued copies (:mod:`trainer.kernels.transfer`), its loss stats stay on the
 device until the step reads all of them back at once, and phase times are CUDA events
 (:class:`trainer.observability.step_timing.PhaseMarks`). So on a GPU the host queues micro-batch
 k + 1's kernels while the device runs micro-batch k's. A step reads the device back twice: the
@@ -56,7 +56,7 @@ from trainer.parallel.distributed import DataParallel
 from trainer.observability.step_stats import host_micro_stats, merge_stats, read_back, step_metrics
 from trainer.forward.compiled import compile_decoder_layers
 from trainer.forward.packed import PackedLogprobs
-from trainer.forward.transfer import to_device
+from trainer.kernels.transfer import to_device
 from trainer.forward.precision import PrecisionPolicy
 from trainer.forward.reference import ReferencePolicy
 from trainer.optim.lr_schedule import build_lr_scheduler, rebind_lr_scheduler
@@ -182,7 +182,7 @@ class Trainer:
         Everything that needs the micro-batch's values on the host (checks, indices, counts) is
         computed from its host arrays (:mod:`trainer.forward.packed_row`,
         :func:`trainer.losses.check_loss_inputs`, :func:`trainer.observability.step_stats.host_micro_stats`)
-        and copied over with :func:`trainer.forward.transfer.to_device`; the loss and its stats stay
+        and copied over with :func:`trainer.kernels.transfer.to_device`; the loss and its stats stay
         on the device. Marks three points on ``marks`` (start, forward done, backward done).
 
         Returns:

@@ -4,7 +4,7 @@ Every index a packed forward needs (sample starts, the tokens that get a logprob
 predicting them, targets, position ids, ``cu_seqlens``) follows from host arrays the trainer
 receives. Computing them on the device (``nonzero``, ``.tolist()``) would make the host wait each
 time; :meth:`PackedRow.build` computes them with numpy and queues their copies with
-:func:`trainer.forward.transfer.to_device`. Device tensors as inputs are read back once (a sync).
+:func:`trainer.kernels.transfer.to_device`. Device tensors as inputs are read back once (a sync).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from trainer.forward.packed_attention import SeqLens
 from trainer.forward.shared_prefix import SharedPrefixPlan, plan_shared_prefixes
-from trainer.forward.transfer import host_array, to_device
+from trainer.kernels.transfer import host_array, to_device
 
 __all__ = ["PackedRow", "check_seq_lens", "sample_starts"]
 

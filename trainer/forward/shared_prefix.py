@@ -1,55 +1,15 @@
 """Shared-prefix packing: a group's prompt runs through the decoder once, not once per completion.
 
-A GRPO group is G completions of ONE prompt, so a packed micro-batch holds the same prompt tokens G
-times over. The decoder's hidden state at position t depends only on the tokens at positions <= t
-of its own sample (causal attention, positions restarting at 0 per sample: `trainer.forward.packed`), so
-samples whose first p tokens are identical have identical hidden states at positions < p. Running
-those positions once and copying their hidden states to every sample changes no number the loss
-sees (up to float rounding of a different matmul shape) and, on the default reverse-text job
-(prompts ~42 tokens, completions <= 16), cuts the decoder's tokens per step by ~60% and the
-trainer's step time by ~half (bench/README.md). This is the shared-prefix forward of Prefix Grouper
-(Liu et al. 2025, arXiv:2506.05433), applied to consecutive packed samples of any origin.
-
-The plan (`plan_shared_prefixes`, pure, from token ids and sample lengths):
-- a *run* is a maximal stretch of consecutive samples i..j-1 whose first p tokens are identical;
-  p is the longest common prefix of the run (the minimum of its neighbours' common prefixes). The
-  runs maximise the tokens saved, sum over runs of (size - 1) * p, by dynamic programming over at
-  most `max_run` samples per run (a run across two groups only shares the chat template's first
-  tokens, so the optimum keeps whole groups together even when the micro-batch starts mid-group);
-- the compressed row holds, per run, the prefix once and then each sample's tail (its tokens after
-  p); a run of one sample is the sample itself;
-- attention *segments*, in compressed-row order: a prefix (or lone sample) attends causally to
-  itself; a tail attends to the whole prefix and causally to itself: its queries are the LAST
-  rows of its key sequence prefix + tail, a causal mask aligned bottom-right. The segments'
-  queries, concatenated, are the compressed row itself, so one flat layout (`FlatSegments`: the
-  key rows of every segment back to back and the int32 offsets `cu_q`, `cu_k`) describes them all;
-- `expand` `[T]` maps every original token to its compressed row, so `hidden.index_select(0,
-  expand)` is the `[T, H]` hidden states of the unshared forward; its backward sums each shared
-  row's gradient over the samples that read it, which is exactly the unshared gradient.
-
-Attention (`segment_attention`), two ways over the same segments:
-- CUDA, float16/bfloat16, no dropout (`varlen_kernel_applies`): ONE flash-attention varlen call per
-  layer (`trainer.kernels.varlen_attention.varlen_attention`) on the compressed queries and the
-  gathered flat keys/values (`flat_segment_attention`); the CPU tests run the same layout through
-  a loop of sdpa calls in the kernel's place;
-- elsewhere (CPU, float32, dropout): a few padded `scaled_dot_product_attention` calls per
-  layer, each over a batch of segments padded to its longest, with a boolean mask built once per
-  micro-batch (`padded_segment_attention`; the `PaddedSegments` are built on first use). Prefixes
-  (and lone samples) and tails are batched apart, which keeps the short tail queries from being
-  padded to the long prefixes (2.6x less attention work on the default job), and long tails of
-  varied lengths are cut into batches of similar lengths where padding costs more than another
-  call (`BATCH_CALL_COST`; one tail batch on the default job).
-
-Every copy is ONE `index_select` per tensor (backward: `index_add_`, atomics on CUDA), never
-advanced indexing `x[idx]`, whose backward is `index_put_(accumulate=True)`: on CUDA that sorts
-the indices (pytorch/pytorch#41162) and took 1.10 of 2.33 s GPU time of a 0.5B bf16 GRPO step (H200:
-2.74 s per step's forward + backward shared, 1.24 s unshared; 1.15 s shared after); on one CPU
-thread `index_select` forward + backward is 2-3x faster too (bench/README.md, shared-prefix speed).
-
-Invariants: every original token maps to a compressed row holding the same token id at the same
-position id; a compressed row's keys are exactly the tokens of its sample at positions <= its own;
-`plan_shared_prefixes` returns None when no two neighbours share a token (the caller then runs the
-unshared path).
+With causal attention and positions restarting per sample, samples whose first p tokens are equal
+have equal hidden states there, so those positions run once and are copied to every sample: the
+shared-prefix forward of Prefix Grouper (Liu et al. 2025, arXiv:2506.05433), for any consecutive
+packed samples. `plan_shared_prefixes` picks runs of neighbours maximising the tokens saved (dynamic
+programming) and builds the compressed row, its position ids, the `expand` index back to the `[T]`
+tokens, and the attention segments: a prefix attends causally to itself, a tail to its prefix and
+causally to itself (mask aligned bottom-right). They run as one flash varlen call on CUDA
+(fp16/bf16), else as a few padded sdpa calls. Every gather is an `index_select`, whose backward
+avoids the sort of an accumulating `index_put_` (pytorch/pytorch#41162). The values equal the
+unshared forward's to float rounding.
 """
 
 from __future__ import annotations
@@ -62,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trainer.forward.transfer import host_array, to_device
+from trainer.kernels.transfer import host_array, to_device
 from trainer.kernels.varlen_attention import varlen_attention, varlen_kernel_applies
 
 __all__ = [
@@ -80,29 +40,19 @@ DEFAULT_MAX_RUN = 64
 """Most samples in one run: bounds the planner's O(S * max_run) dynamic program (GRPO groups are smaller)."""
 
 BATCH_CALL_COST = 3000
-"""The fixed cost of one more padded sdpa call (forward + backward), in attention scores (query-key
-pairs) of one batch: ~0.13 ms against ~45 ns per score on one CPU thread (4 heads of 32, the tiny
-policy). Splitting the tails by length cut the GRPO-shaped CPU step of bench/shared_prefix_speed.py
-by 13% (1.14 -> 1.00 s, two batches against 7-8; 10000: 1.01 s) and left the default job's alone
-(0.15 s); a larger value pads more, a smaller one calls more."""
+"""The cost of one more padded sdpa call, in attention scores (query-key pairs); measured in
+bench/README.md ("Shared-prefix speed")."""
 
 Attend = Callable[..., torch.Tensor]
-"""`varlen_attention`'s signature: (query [Tq,H,D], key [Tk,Hkv,D], value, cu_q, cu_k, max_q, max_k, scaling) -> [Tq,H,D]."""
+"""`varlen_attention`'s signature: (q [Tq,H,D], k [Tk,Hkv,D], v, cu_q, cu_k, max_q, max_k, scaling) -> [Tq,H,D]."""
 
 
 @dataclass(frozen=True)
 class FlatSegments:
-    """Every attention segment of a compressed row, back to back (flash-attention varlen layout).
+    """Every attention segment of a compressed row back to back (flash-attention varlen layout).
 
-    Segment i's queries are compressed rows `cu_q[i]:cu_q[i+1]` (the segments in row order, so the
-    queries are the row itself); its keys are rows `key_rows[cu_k[i]:cu_k[i+1]]`: the prefix
-    rows, then its own rows, its queries the last of them (bottom-right causal alignment).
-
-    Fields (N = segments, T_c = compressed tokens, T_k = sum of key lengths):
-        key_rows: `[T_k]` int64 compressed row of each flat key.
-        cu_q: `[N + 1]` int32 query offsets, `cu_q[-1] == T_c`.
-        cu_k: `[N + 1]` int32 key offsets, `cu_k[-1] == T_k`.
-        max_q, max_k: the longest segment's queries / keys (host ints).
+    Segment i's queries are rows `cu_q[i]:cu_q[i+1]`, its keys `key_rows[cu_k[i]:cu_k[i+1]]` (prefix, then
+    own rows). `key_rows` `[T_k]` int64; `cu_q`, `cu_k` `[N + 1]` int32; `max_q`, `max_k` host ints.
     """
 
     key_rows: torch.Tensor
@@ -121,18 +71,11 @@ class FlatSegments:
 
 @dataclass(frozen=True)
 class PaddedSegments:
-    """The segments as padded sdpa batches, each padded to its longest segment (see the module docstring).
+    """The segments as padded sdpa batches (batch b: n_b segments padded to Lq_b queries, Lk_b keys).
 
-    Fields (batch b: n_b segments, Lq_b / Lk_b = its longest segment's queries / keys):
-        q_rows: `[sum_b n_b * Lq_b]` int64 compressed rows of each batch's queries, batch after
-            batch, row-major (padding: the segment's first query row).
-        k_rows: `[sum_b n_b * Lk_b]` int64 compressed rows of each batch's keys: prefix rows, then
-            own rows (padding: row 0, masked out).
-        masks: per batch `[n_b, 1, Lq_b, Lk_b]` bool, True where a query may attend a key (padded
-            queries attend key 0 so that their softmax stays finite; their outputs are never read).
-        out_rows: `[T_c]` int64: compressed row r's output is row `out_rows[r]` of the batches'
-            `[n_b * Lq_b]` query outputs concatenated. Each compressed row is a real query of
-            exactly one batch.
+    `q_rows` `[sum n_b Lq_b]`, `k_rows` `[sum n_b Lk_b]` int64 compressed rows; `masks` per batch
+    `[n_b, 1, Lq_b, Lk_b]` bool (padded queries attend key 0); `out_rows` `[T_c]` int64: each compressed
+    row's place in the batches' concatenated outputs.
     """
 
     q_rows: torch.Tensor
@@ -143,18 +86,11 @@ class PaddedSegments:
 
 @dataclass(frozen=True)
 class SharedPrefixPlan:
-    """How one packed row is compressed for a shared-prefix forward (see the module docstring).
+    """How one packed row of T tokens is compressed to T_c for a shared-prefix forward.
 
-    Fields (T = original tokens, T_c = compressed tokens, all tensors on one device):
-        row_ids: `[T_c]` int64 token ids of the compressed row.
-        position_ids: `[T_c]` int64 position of each compressed token within its sample(s).
-        expand: `[T]` int64 compressed row index of each original token.
-        segments: the attention segments (`FlatSegments`).
-        saved_tokens: T - T_c, tokens the decoder no longer runs.
-        table: `[N, 4]` int64 host array (q_start, q_len, prefix_start, prefix_len) per segment.
-
-    `padded` (the `PaddedSegments`, on the plan's device) is built on first use and kept: the
-    varlen path never needs its masks.
+    `row_ids`, `position_ids` `[T_c]` int64; `expand` `[T]` int64 (compressed row of each token);
+    `segments`; `saved_tokens` = T - T_c; `table` `[N, 4]` int64 host (q_start, q_len, prefix_start,
+    prefix_len); `padded` is built on first use.
     """
 
     row_ids: torch.Tensor
@@ -177,22 +113,15 @@ class SharedPrefixPlan:
 
     @functools.cached_property
     def padded(self) -> PaddedSegments:
-        """The padded sdpa batches of `table`, on `row_ids`' device (built once per plan)."""
+        """The padded sdpa batches of `table` on `row_ids`' device (built once)."""
         return _padded_segments(self.table, self.row_ids.device)
 
 
 def plan_shared_prefixes(
     input_ids: torch.Tensor | np.ndarray, seq_lens: torch.Tensor | np.ndarray, *, max_run: int = DEFAULT_MAX_RUN
 ) -> SharedPrefixPlan | None:
-    """Plan the shared-prefix forward of one packed row; None when no neighbours share a prefix.
-
-    Args:
-        input_ids: `[T]` integer token ids of the packed samples (any device; read on the host).
-        seq_lens: `[S]` integer sample lengths >= 1 summing to T.
-        max_run: most samples in one run, >= 1.
-
-    Returns:
-        A CPU `SharedPrefixPlan`, or None when every run would be a single sample.
+    """A CPU `SharedPrefixPlan` of one packed row (`input_ids` `[T]`, `seq_lens` `[S]`), or None when no
+    two neighbours share a prefix.
 
     Raises:
         ValueError: lengths not >= 1, not summing to T, or max_run < 1.
@@ -219,20 +148,10 @@ def segment_attention(
     scaling: float | None,
     dropout_p: float,
 ) -> torch.Tensor:
-    """Attention of a compressed row: every segment attends to its own keys.
+    """`[1, T_c, heads, head_dim]` attention of a compressed row, each token over its segment's keys.
 
-    One flash-attention varlen call where `varlen_kernel_applies` (CUDA, float16/bfloat16, no
-    dropout): `flat_segment_attention`; else a few padded sdpa calls: `padded_segment_attention`.
-
-    Args:
-        query: `[1, heads, T_c, head_dim]`; key, value: `[1, kv_heads, T_c, head_dim]` (kv_heads
-            divides heads: grouped-query attention, NOT repeated).
-        plan: the row's `SharedPrefixPlan`, on the query's device.
-        scaling: softmax scale (None: 1/sqrt(head_dim)). dropout_p: attention dropout probability.
-
-    Returns:
-        `[1, T_c, heads, head_dim]` in the query's dtype: softmax(q k^T * scale + mask) v
-        (Vaswani et al. 2017, eq. 1) for each compressed token over the keys of its segment.
+    query `[1, heads, T_c, head_dim]`; key, value `[1, kv_heads, T_c, head_dim]` (not repeated). One
+    flash varlen call where `varlen_kernel_applies`, else padded sdpa calls.
     """
     if varlen_kernel_applies(query, dropout_p):
         return flat_segment_attention(query, key, value, plan.segments, scaling, varlen_attention)
@@ -247,10 +166,7 @@ def flat_segment_attention(
     scaling: float | None,
     attend: Attend,
 ) -> torch.Tensor:
-    """`segment_attention` (same query/key/value/scaling and result) in ONE `attend` call over
-    `segments` (the plan's `FlatSegments`, on the query's device). `attend`: `varlen_attention`
-    (the CUDA flash kernel), or a reference with its signature (the CPU tests' loop of sdpa calls,
-    tests/trainer/test_shared_prefix.py)."""
+    """`segment_attention` in one `attend` call (`varlen_attention`, or a reference with its signature)."""
     q = query[0].transpose(0, 1).contiguous()  # [T_c, H, D]; no copy when q is a transposed projection
     k = key[0].transpose(0, 1).index_select(0, segments.key_rows)  # [T_k, Hkv, D]
     v = value[0].transpose(0, 1).index_select(0, segments.key_rows)
@@ -265,8 +181,7 @@ def padded_segment_attention(
     scaling: float | None,
     dropout_p: float,
 ) -> torch.Tensor:
-    """`segment_attention` (same arguments but `padded`, the plan's `PaddedSegments` on the
-    query's device; same result) as one padded sdpa call per batch (CPU, float32, dropout)."""
+    """`segment_attention` as one padded sdpa call per batch of `padded`."""
     # one gather per tensor for all batches, then views: each index_select's backward allocates a
     # [T_c, heads, d] gradient, so one per batch would cost O(batches * T_c)
     q_all, k_all, v_all = (
@@ -297,11 +212,7 @@ def _neighbour_prefixes(samples: list[np.ndarray]) -> list[int]:
 
 
 def _best_runs(neighbours: list[int], max_run: int) -> list[tuple[int, int, int]]:
-    """(first, end, prefix) of the runs maximising sum (size - 1) * prefix (dynamic programming).
-
-    best[j] is the most tokens saved over samples 0..j-1; the last run i..j-1 shares
-    min(neighbours[i..j-2]) tokens. A pair sharing nothing ends every run through it.
-    """
+    """(first, end, prefix) of the runs maximising sum (size - 1) * prefix, by dynamic programming."""
     num = len(neighbours) + 1
     best = [0] * (num + 1)
     choice = [(0, 0)] * (num + 1)  # (start of the last run, its prefix)
@@ -362,7 +273,7 @@ def _build_plan(
 
 
 def _flat_segments(table: np.ndarray) -> FlatSegments:
-    """The `FlatSegments` of segments `[N, 4]` (q_start, q_len, prefix_start, prefix_len) in row order."""
+    """The `FlatSegments` of segments `[N, 4]` (q_start, q_len, prefix_start, prefix_len)."""
     q_start, q_len, p_start, p_len = table.T
     assert (q_start == np.concatenate([[0], np.cumsum(q_len)[:-1]])).all(), "segments must tile the row in order"
     key_rows = np.concatenate([np.r_[p0 : p0 + p, q0 : q0 + n] for q0, n, p0, p in table])
@@ -379,7 +290,7 @@ def _flat_segments(table: np.ndarray) -> FlatSegments:
 
 
 def _padded_segments(table: np.ndarray, device: torch.device) -> PaddedSegments:
-    """The `PaddedSegments` of segments `[N, 4]` (q_start, q_len, prefix_start, prefix_len), batched by `_batches`."""
+    """The `PaddedSegments` of segments `[N, 4]`, batched by `_batches`."""
     q_rows, k_rows, masks = [], [], []
     out_rows, offset = np.empty(int(table[:, 1].sum()), np.int64), 0
     for part in _batches(table):
@@ -400,9 +311,9 @@ def _padded_segments(table: np.ndarray, device: torch.device) -> PaddedSegments:
 
 
 def _batches(table: np.ndarray) -> list[np.ndarray]:
-    """Segments `[N, 4]` split into padded batches: the prefixes (and lone samples) apart from the
-    tails, each kind sorted by key length and cut greedily where padding the next segment into the
-    batch would cost more attention scores than `BATCH_CALL_COST` plus its own."""
+    """Segments split into padded batches: prefixes apart from tails, sorted by key length, cut where
+    padding the next one in costs more scores than `BATCH_CALL_COST`.
+    """
     out = []
     for part in (table[table[:, 3] == 0], table[table[:, 3] > 0]):
         current: list[int] = []
@@ -421,8 +332,7 @@ def _batches(table: np.ndarray) -> list[np.ndarray]:
 
 
 def _segment_batch(seg: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`[n * Lq]` query rows, `[n * Lk]` key rows and the `[n, 1, Lq, Lk]` mask of segments `[n, 4]`
-    (q_start, q_len, prefix_start, prefix_len), padded to the longest."""
+    """Query rows, key rows and the `[n, 1, Lq, Lk]` mask of segments `[n, 4]`, padded to the longest."""
     q_start, q_len, p_start, p_len = seg.T
     lq, lk = int(q_len.max()), int((p_len + q_len).max())
     i = np.arange(lq)[None, :]

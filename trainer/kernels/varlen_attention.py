@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trainer.forward.transfer import to_device
+from trainer.kernels.transfer import to_device
 
 __all__ = [
     "VARLEN_DTYPES",
@@ -169,7 +169,7 @@ def cu_seqlens(lens: list[int], device: torch.device | str) -> torch.Tensor:
     if not lens or min(lens) < 1:
         raise ValueError(f"lens must be a non-empty list of sample lengths >= 1, got {lens!r}")
     offsets = np.array([0, *itertools.accumulate(lens)], dtype=np.int32)
-    return to_device(offsets, torch.device(device))  # queued, no host sync (trainer.forward.transfer)
+    return to_device(offsets, torch.device(device))  # queued, no host sync (trainer.kernels.transfer)
 
 
 @functools.lru_cache(maxsize=4)
