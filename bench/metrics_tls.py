@@ -16,10 +16,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import bus.metrics  # noqa: F401  (registers the bus/stage families in the default registry)
+import telemetry.metrics  # noqa: F401  (registers the bus/stage families in the default registry)
 from bus import auth
-from bus.metrics import start_metrics_server
-from bus.metrics_tls import MetricsTls
+from telemetry.metrics import start_metrics_server
+from telemetry.tls import MetricsTls
 from busctl.scrape import scrape
 
 

@@ -12,7 +12,7 @@ sender reach every endpoint:
 
 The metrics probe asks every component's ``/metrics`` over HTTPS without a client certificate
 and over plain HTTP; an answer (an HTTP status line) is counted in ``metrics_answered`` and must
-stay 0 (:mod:`bus.metrics_tls`).
+stay 0 (:mod:`telemetry.tls`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Key directory (made by ``busctl keys DIR``, the standard ``zmq.auth`` certificat
     DIR/clients/NAME.key                          allow-list: every public key here may connect
     DIR/clients/NAME.key_secret                   client keypair NAME (``bus.curve_client``)
     DIR/tls/                                      the metrics endpoints' CA and TLS certificates
-                                                  (:mod:`bus.metrics_tls`; used with tcp)
+                                                  (:mod:`telemetry.tls`; used with tcp)
 
 How settings reach the sockets: :func:`enable` attaches a :class:`CurveAuth` to a process's
 ``zmq.Context`` (``Component`` and ``Supervisor`` do it from the config), and the one socket
@@ -47,8 +47,8 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from bus.metrics_certs import TLS_DIR, HostNames, create_tls
-from bus.metrics_tls import MetricsTls
+from telemetry.certs import TLS_DIR, HostNames, create_tls
+from telemetry.tls import MetricsTls
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def _load_secret(path: Path, hint: str) -> tuple[bytes, bytes]:
 
 def create_keys(keys_dir: str | Path, num_clients: int = 1, hosts: list[HostNames] | None = None) -> list[Path]:
     """Create a key directory: the server keypair, ``num_clients`` client keypairs and the metrics
-    TLS files (:func:`bus.metrics_certs.create_tls`: one server certificate per host of ``hosts``,
+    TLS files (:func:`telemetry.certs.create_tls`: one server certificate per host of ``hosts``,
     default this machine). A directory that holds CurveZMQ keys but no ``tls/`` (made before the
     metrics TLS existed) gets the TLS files only.
 
@@ -163,7 +163,7 @@ def create_keys(keys_dir: str | Path, num_clients: int = 1, hosts: list[HostName
 
 def check_keys(bus: CurveSettings) -> None:
     """The launch-time check of ``bus.curve_keys_dir``: when it is set, its key files must load
-    (:meth:`CurveKeys.load`; with tcp also the metrics TLS files, :meth:`bus.metrics_tls.MetricsTls.load`),
+    (:meth:`CurveKeys.load`; with tcp also the metrics TLS files, :meth:`telemetry.tls.MetricsTls.load`),
     with transport tcp or ipc (unused with ipc, but a config naming keys
     that are not there fails before the run). ``busctl up`` (``--dry-run`` too) and ``busctl sbatch``
     call it; the config does not, since ``configs`` imports nothing of the bus.

@@ -38,10 +38,10 @@ from bus import auth
 from bus.control import ControlPublisher
 from bus.courier import Courier
 from bus.inbox import Inbox
-from bus.launch_env import LaunchEnv
+from lifecycle.launch_env import LaunchEnv
 from bus.messages import ComponentHeartbeat, ComponentPhase, ComponentReady, Message, new_id
-from bus.metrics import POLICY_VERSION, serve_metrics
-from bus.metrics_tls import server_context_for
+from telemetry.metrics import POLICY_VERSION, serve_metrics
+from telemetry.tls import server_context_for
 from bus.outbox import Outbox
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
@@ -61,7 +61,7 @@ class Component:
 
     Attributes:
         launch: how this start differs from a fresh run's first start (restart count, resume,
-            late join), read once from the environment the supervisor set (:mod:`bus.launch_env`).
+            late join), read once from the environment the supervisor set (:mod:`lifecycle.launch_env`).
 
     Raises:
         ValueError: a launch variable holds a value it cannot take.
@@ -162,7 +162,7 @@ class Component:
         self.ctx.term()
 
     def health(self) -> tuple[bool, dict]:
-        """The ``/health`` answer (see :func:`bus.metrics.serve_metrics`): healthy while
+        """The ``/health`` answer (see :func:`telemetry.metrics.serve_metrics`): healthy while
         ``running`` or ``done``; the body names the component, its phase and policy version."""
         body = {"component": self.name, "phase": self.phase, "policy_version": int(POLICY_VERSION._value.get())}
         return self.phase in (ComponentPhase.RUNNING, ComponentPhase.DONE), body

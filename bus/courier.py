@@ -55,7 +55,7 @@ import zmq
 from bus.envelope import PeerKey, Send, parse_envelope
 from bus.inbox import Inbox
 from bus.messages import Message
-from bus.metrics import BUS_BYTES, BUS_COURIER_ERRORS, BUS_MESSAGES
+from telemetry.metrics import BUS_BYTES, BUS_COURIER_ERRORS, BUS_MESSAGES
 from bus.links import Link, open_sockets
 from bus.outbox import Outbox
 from bus.peers import CourierFailed

@@ -29,7 +29,7 @@ from typing import Any
 from bus.codec import decode
 from bus.envelope import MAX_IDS_PER_ACK, PeerKey, Send, envelope
 from bus.messages import Message
-from bus.metrics import BUS_BYTES, BUS_DUPLICATES, BUS_MESSAGES, BUS_QUEUED, BUS_QUEUED_BYTES
+from telemetry.metrics import BUS_BYTES, BUS_DUPLICATES, BUS_MESSAGES, BUS_QUEUED, BUS_QUEUED_BYTES
 from bus.peers import Box, Peer
 from bus.sockets import frame_bytes
 from bus.wire import WireError

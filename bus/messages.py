@@ -390,7 +390,7 @@ class ComponentReady(Message):
         name: component name (e.g. ``"rewards-1"``). pid: process id.
         metrics_port: TCP port of its Prometheus ``/metrics`` endpoint.
         metrics_host: the address it serves them on (``""``: 127.0.0.1; a node's address when
-            the run spans several nodes, :mod:`bus.launch_env`).
+            the run spans several nodes, :mod:`lifecycle.launch_env`).
     """
 
     TYPE: ClassVar[str] = "component.ready"

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from bus.codec import encode
 from bus.envelope import MAX_CREDIT_BYTES, MAX_ID_CHARS, PeerKey, Send, envelope
 from bus.messages import Message
-from bus.metrics import BUS_BLOCKED_SECONDS, BUS_QUEUED, BUS_QUEUED_BYTES, BUS_REDELIVERED
+from telemetry.metrics import BUS_BLOCKED_SECONDS, BUS_QUEUED, BUS_QUEUED_BYTES, BUS_REDELIVERED
 from bus.peers import Box, Peer
 from bus.sockets import frame_bytes
 

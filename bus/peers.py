@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from bus.envelope import PeerKey, Send
-from bus.metrics import BUS_PEER_DEATHS, BUS_REJECTED, declare_topic
+from telemetry.metrics import BUS_PEER_DEATHS, BUS_REJECTED, declare_topic
 from bus.topics import TOPICS
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ import zmq
 from bus import auth
 from bus.codec import decode, encode
 from bus.messages import Message
-from bus.metrics import BUS_BLOCKED_SECONDS, BUS_BYTES, BUS_MESSAGES, BUS_REJECTED, declare_topic
+from telemetry.metrics import BUS_BLOCKED_SECONDS, BUS_BYTES, BUS_MESSAGES, BUS_REJECTED, declare_topic
 from bus.topics import TOPICS
 from bus.wire import WireError
 

@@ -21,10 +21,10 @@ from busctl.stderr import print_error, print_warning
 
 def cmd_keys(ns: argparse.Namespace, console: Console) -> int:
     """``busctl keys DIR [--clients N] [--hosts SPEC] [--no-resolve]``: create a CurveZMQ key directory
-    with the metrics TLS files, one server certificate per host (:mod:`bus.metrics_certs`; only those
+    with the metrics TLS files, one server certificate per host (:mod:`telemetry.certs`; only those
     when DIR holds keys without them), and say how to use it."""
     from bus.auth import CLIENTS_DIR, create_keys  # zmq only
-    from bus.metrics_certs import default_hosts, parse_hosts
+    from telemetry.certs import default_hosts, parse_hosts
 
     keys_dir = Path(ns.dir).resolve()
     try:

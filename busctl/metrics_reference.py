@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC_PATH = ROOT / "docs" / "metrics.md"
 """Where ``python -m busctl.metrics_reference`` writes the reference."""
 
-PACKAGES = ("bus", "busctl", "prompts", "producers", "rewards", "packer", "trainer", "broadcaster")
+PACKAGES = ("telemetry", "bus", "busctl", "prompts", "producers", "rewards", "packer", "trainer", "broadcaster")
 """Packages searched for modules that define metrics."""
 
 _DEFINES = re.compile(
@@ -37,8 +37,8 @@ _DEFINES = re.compile(
 
 SERVED_BY = (
     ("busctl.supervisor", "", "supervisor"),
-    ("bus.", "rlbus_stage_", "producer, rewards, packer, trainer (label `stage`)"),
-    ("bus.", "", "every process"),
+    ("telemetry.", "rlbus_stage_", "producer, rewards, packer, trainer (label `stage`)"),
+    ("telemetry.", "", "every process"),
     ("prompts.", "", "prompt-source"),
     ("producers.", "", "producer"),
     ("rewards.", "", "rewards"),
@@ -52,7 +52,7 @@ processes (by their ``role`` scrape label) serve a family."""
 SECTIONS = {
     "bus": "Bus traffic, per topic and direction (`send`, `recv`), from every process's sockets "
     "(`bus/sockets.py`, `bus/inbox.py`, `bus/outbox.py`). Queue depth and redeliveries exist on data topics only.",
-    "stage": "Pipeline stages (`bus.metrics.StageMeter`): throughput, latency and where time goes. "
+    "stage": "Pipeline stages (`telemetry.metrics.StageMeter`): throughput, latency and where time goes. "
     "Busy time runs while the stage has at least one item in work, idle time otherwise, so "
     "`rate(rlbus_stage_busy_seconds_total[1m])` is a process's utilisation (summed over a stage's "
     "replicas: its busy processes); the stage near full while the others idle is the bottleneck. Samples and tokens count finished samples and "
@@ -139,7 +139,7 @@ def metric_modules() -> list[str]:
 
 
 def _stage_meters() -> None:
-    from bus.metrics import STAGES, StageMeter
+    from telemetry.metrics import STAGES, StageMeter
 
     _KEEP.extend(StageMeter(stage) for stage in STAGES)  # each stage's process makes one at set-up
 
@@ -149,7 +149,7 @@ _KEEP: list = []
 
 
 def _bus_topics() -> None:
-    from bus.metrics import declare_topic
+    from telemetry.metrics import declare_topic
     from bus.topics import TOPICS
 
     for spec in TOPICS.values():
@@ -157,7 +157,7 @@ def _bus_topics() -> None:
             declare_topic(spec.name, direction, reliable=spec.reliable)
 
 
-RUNTIME_COLLECTORS = {"bus.metrics.StageMeter": _stage_meters, "bus.metrics.declare_topic": _bus_topics}
+RUNTIME_COLLECTORS = {"telemetry.metrics.StageMeter": _stage_meters, "telemetry.metrics.declare_topic": _bus_topics}
 """What components create at run time (not at import), made here too: ``{the code: maker}``; a
 maker adds series (label values) to the default registry's collectors."""
 
@@ -278,7 +278,7 @@ label values, so their series exist (at 0) from the first scrape and `rate()` wo
 
 ## Endpoints
 
-Each component (`bus/component.py`, `bus.metrics.serve_metrics`) serves on `127.0.0.1:PORT` (on
+Each component (`bus/component.py`, `telemetry.metrics.serve_metrics`) serves on `127.0.0.1:PORT` (on
 several nodes, `busctl up --launcher slurm|ray`: on its node's address, `RLBUS_NODE_ADDRESS`; it
 reports host and port in its ready handshake and `prometheus.yml` lists it there):
 
@@ -289,7 +289,7 @@ reports host and port in its ready handshake and `prometheus.yml` lists it there
 - anything else: 404.
 
 With `bus.transport: tcp` and `bus.curve_keys_dir` (the CurveZMQ-authenticated bus) both are
-HTTPS only, with client certificates required (`bus/metrics_tls.py`; `busctl keys` makes the CA,
+HTTPS only, with client certificates required (`telemetry/tls.py`; `busctl keys` makes the CA,
 one server certificate per host and the client certificate in `DIR/tls`): a client must present
 `DIR/tls/client.crt` (+ `client.key`) and can check the server against `DIR/tls/ca.crt` and the
 host it connects to (each host's certificate names its addresses). The supervisor's poller and

@@ -1,7 +1,7 @@
 """Where busctl reads metrics: every component at the address it reported (pure functions).
 
 A component serves ``/metrics`` on 127.0.0.1 in a local run and on its node's address when a
-multi-node launcher (Slurm, Ray) started it (``RLBUS_NODE_ADDRESS``, :mod:`bus.launch_env`); its
+multi-node launcher (Slurm, Ray) started it (``RLBUS_NODE_ADDRESS``, :mod:`lifecycle.launch_env`); its
 ready handshake (:class:`bus.messages.ComponentReady`) says which, and the supervisor keeps it as
 ``ComponentSpec.metrics_host``. Every reader of metrics takes the address from there, never a
 fixed host: ``prometheus.yml`` (:func:`prometheus_targets`), the metrics poller behind

@@ -200,7 +200,7 @@ def _parse_scale(args: list[str]) -> tuple[str | None, dict[str, int]]:
 
 
 def cmd_scale(ns: argparse.Namespace, console: Console) -> int:
-    from bus.durable import write_text_atomic
+    from runfiles.durable import write_text_atomic
     from busctl.run_status import RunState
     from busctl.scaling import STOP_TIMEOUT_S, ScaleState, scale_targets
     from configs.schema import ConfigError, load_config

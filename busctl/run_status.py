@@ -33,7 +33,7 @@ from pathlib import Path
 import yaml
 from rich.text import Text
 
-from bus.durable import write_json_atomic, write_text_atomic  # noqa: F401 - re-exported (supervisor, startup)
+from runfiles.durable import write_json_atomic, write_text_atomic  # noqa: F401 - re-exported (supervisor, startup)
 from busctl.scrape import fetch_metrics
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ def scrape_config(run: str, targets: list[tuple[str, str, str, int]], tls_config
         targets: ``(component, role, host, metrics_port)`` per process, the supervisor included
             (host: the address it serves metrics on, :mod:`busctl.metrics_targets`; a target
             with port 0 is left out).
-        tls_config: the metrics are served over TLS (:mod:`bus.metrics_tls`): the job scrapes
+        tls_config: the metrics are served over TLS (:mod:`telemetry.tls`): the job scrapes
             ``https`` with this ``tls_config`` (CA, client certificate and key, server name).
 
     Returns:

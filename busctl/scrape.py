@@ -6,7 +6,7 @@ The supervisor's :class:`MetricsPoller` scrapes every ready component's ``/metri
 ``status.json``, ``busctl status`` and the live display show:
 
 - ``throughput``: ``samples_per_s`` and ``tokens_per_s``, rates of ``rlbus_stage_samples_total``
-  and ``rlbus_stage_tokens_total`` (summed over the ``stage`` label; :class:`bus.metrics.StageMeter`)
+  and ``rlbus_stage_tokens_total`` (summed over the ``stage`` label; :class:`telemetry.metrics.StageMeter`)
   over the last :data:`RATE_WINDOW_S` (like Prometheus' ``rate(x[20s])``: stages finish work in
   bursts, a trainer step every few seconds, so a rate between two scrapes 2 s apart would flicker);
 - ``busy``: fraction of that window with work in hand,
@@ -14,7 +14,7 @@ The supervisor's :class:`MetricsPoller` scrapes every ready component's ``/metri
 - ``queue_depth``: the sum of ``rlbus_bus_queued_messages`` over its topics and queues, and
   ``queues``: each ``"topic/queue"`` on its own.
 
-With the run's metrics TLS (:mod:`bus.metrics_tls`: tcp:// with CurveZMQ keys) the poller reads
+With the run's metrics TLS (:mod:`telemetry.tls`: tcp:// with CurveZMQ keys) the poller reads
 ``https://`` and presents the client certificate (``tls``: the client context).
 
 Rates follow Prometheus' ``rate()`` on counter resets: a counter lower than before (the component
@@ -106,7 +106,7 @@ def scrape(
     port: int, host: str = "127.0.0.1", timeout_s: float = SCRAPE_TIMEOUT_S, tls: ssl.SSLContext | None = None
 ) -> Scrape:
     """GET ``http://HOST:PORT/metrics`` (``https://`` presenting the client certificate of ``tls``,
-    :meth:`bus.metrics_tls.MetricsTls.client_context`) and parse it.
+    :meth:`telemetry.tls.MetricsTls.client_context`) and parse it.
 
     Raises:
         OSError: connection refused, timeout, HTTP error, TLS refused. ValueError: unparsable body.

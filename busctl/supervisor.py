@@ -25,10 +25,10 @@ from rich.console import Console
 from rich.markup import escape
 
 from bus import auth
-from bus.launch_env import ENV_NAMES, LaunchEnv
+from lifecycle.launch_env import ENV_NAMES, LaunchEnv
 from bus.messages import ComponentHeartbeat, ComponentPhase, ComponentReady, RunDone, TrainerStep
-from bus.metrics import start_metrics_server
-from bus.metrics_tls import tls_from_config
+from telemetry.metrics import start_metrics_server
+from telemetry.tls import tls_from_config
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
 from busctl.component_table import (

@@ -119,7 +119,7 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
     the run directory (:mod:`busctl.run_dir`); ``--dry-run`` runs the same checks (an occupied run
     directory only warned about), prints the resolved config and the plan and stops."""
     from bus.auth import check_keys
-    from bus.metrics_tls import tls_from_config
+    from telemetry.tls import tls_from_config
     from busctl.cpu_bf16 import cpu_bf16_warning
     from busctl.launchers import make_launcher
     from busctl.metrics_targets import supervisor_metrics_host

@@ -23,7 +23,7 @@ numbers and micro-batch ids: the trainer dedupes them and its custody rules hold
 step not yet released; the micro-batches a restarted trainer or a live one already holds are
 acknowledged again, those of steps its checkpoint covers are released untrained. A resumed run
 without a spool numbers steps from the trainer's latest checkpoint
-(:func:`bus.checkpoints.checkpoint_step`): every prompt of a later step, and every group the lost
+(:func:`runfiles.checkpoints.checkpoint_step`): every prompt of a later step, and every group the lost
 packer had buffered, has no outcome in the ledger and is re-issued by the prompt source; the
 groups the surviving lineage trained below that step are marked seen
 (:func:`packer.spool.trained_group_ids`), so a copy re-issued before the trainer's re-announced
@@ -53,7 +53,7 @@ Backpressure: ``batches.send`` blocks while the trainer has not taken the previo
 outboxes fill and they block in turn: the trainer's pace propagates upstream.
 
 Metrics: besides the counts below, the packer is the ``packer`` stage of
-:class:`bus.metrics.StageMeter` (busy while deciding on a received group; latency per group;
+:class:`telemetry.metrics.StageMeter` (busy while deciding on a received group; latency per group;
 samples and completion tokens of every accepted training group), and per emitted step it
 observes the policy lag of every sample (``step - version_start``, the lag the trainer will see),
 the number of micro-batches and the unused share of their token budget (padding ratio). Every
@@ -72,7 +72,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from bus.component import Component, component_main
 from bus.control import REANNOUNCE_DELAYS_S
 from bus.messages import GroupsDropped, GroupsTrained, MicroBatch, RunDone, ScoredGroup, WeightsReady, new_id
-from bus.metrics import StageMeter
+from telemetry.metrics import StageMeter
 from packer.eval_spool import EvalSpool
 from packer.evaluation import EvalAggregator, EvalDecision, RoundResult
 from packer.packer import DUPLICATE, DropReason, Packer, padding_ratio

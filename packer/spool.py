@@ -57,9 +57,9 @@ from typing import Any, BinaryIO, Callable
 
 import msgpack
 
-from bus.checkpoints import checkpoint_step  # noqa: F401 - re-exported: the packer numbers steps from it
+from runfiles.checkpoints import checkpoint_step  # noqa: F401 - re-exported: the packer numbers steps from it
 from bus.codec import decode, encode
-from bus.durable import fsync_dir
+from runfiles.durable import fsync_dir
 from bus.messages import ScoredGroup
 
 log = logging.getLogger(__name__)

@@ -87,7 +87,7 @@ from bus.messages import (
     new_id,
 )
 from bus.messages_weights import WeightGroup, WeightGroupAck
-from bus.metrics import POLICY_VERSION, StageMeter
+from telemetry.metrics import POLICY_VERSION, StageMeter
 from bus.sample_arrays import pack_spans, run_lengths
 from bus.wire import is_chat_messages
 from producers.agents import AgentRunner

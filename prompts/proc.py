@@ -32,11 +32,11 @@ import time
 
 from prometheus_client import Counter, Gauge
 
-from bus.checkpoints import checkpoint_step
+from runfiles.checkpoints import checkpoint_step
 from bus.component import Component, component_main
-from bus.launch_env import ENV_RESTARTS, ENV_RESUME
+from lifecycle.launch_env import ENV_RESTARTS, ENV_RESUME
 from bus.messages import EvalResult, GroupsDropped, GroupsTrained, Prompt, RunDone, WeightsApplied, new_id
-from bus.metrics import POLICY_VERSION
+from telemetry.metrics import POLICY_VERSION
 from prompts.accounting import OUTCOMES, Ledger
 from prompts.applied_versions import applied_since_start
 from prompts.eval_rounds import build_eval_rounds

@@ -19,7 +19,7 @@ from prometheus_client import Counter, Histogram
 
 from bus.component import Component, component_main
 from bus.messages import RolloutGroup, RunDone
-from bus.metrics import StageMeter
+from telemetry.metrics import StageMeter
 from rewards.shaping import overlong_section
 from rewards.worker import RewardWorker
 from tasks.registry import reward_spec

@@ -1,7 +1,7 @@
 """Making the metrics TLS certificates: the run's CA, one server certificate per host, the client's.
 
 ``busctl keys DIR [--hosts SPEC]`` calls :func:`create_tls` (through :func:`bus.auth.create_keys`);
-:mod:`bus.metrics_tls` loads what it writes and chooses among it. Layout::
+:mod:`telemetry.tls` loads what it writes and chooses among it. Layout::
 
     DIR/tls/ca.crt                       the run's CA (self-signed); its private key is discarded
     DIR/tls/hosts/NAME.crt, NAME.key     one server certificate per host, its subjectAltName the

@@ -321,7 +321,7 @@ def start_metrics_server(
     """Serve ``/metrics`` (Prometheus text of ``registry``) and ``/health`` on ``host:port`` from a
     daemon thread; any other path is 404. Stop it with ``shutdown()`` + ``server_close()``.
 
-    With ``tls`` (a server context, :meth:`bus.metrics_tls.MetricsTls.server_context`: client
+    With ``tls`` (a server context, :meth:`telemetry.tls.MetricsTls.server_context`: client
     certificates required) both are served over HTTPS only: a client that does not complete the
     handshake with a certificate of the run's CA is dropped before any byte of metrics.
 

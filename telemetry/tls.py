@@ -1,7 +1,7 @@
 """TLS with client certificates for the metrics endpoints (``/metrics``, ``/health``) of a tcp:// run.
 
 A component serves its metrics on its node's address when its run spans nodes
-(:mod:`bus.launch_env`); over plain HTTP anyone who reaches that address could read them. When
+(:mod:`lifecycle.launch_env`); over plain HTTP anyone who reaches that address could read them. When
 the bus is authenticated (``bus.transport: tcp`` with ``bus.curve_keys_dir``, :mod:`bus.auth`),
 every metrics server (each component's, busctl's own) is served over TLS and asks for a client
 certificate signed by the run's CA (``ssl.CERT_REQUIRED``): a client without one fails the
@@ -10,13 +10,13 @@ against the same CA and the name they connect to: the supervisor's metrics polle
 ``status.json`` / ``busctl status``, :mod:`busctl.scrape`), its end-of-run snapshot, and
 Prometheus (``tls_config`` in the generated ``prometheus.yml``, :meth:`MetricsTls.prometheus_tls_config`).
 
-Certificate files: made by ``busctl keys DIR [--hosts ...]`` (:mod:`bus.metrics_certs`, which
+Certificate files: made by ``busctl keys DIR [--hosts ...]`` (:mod:`telemetry.certs`, which
 describes the layout): ``DIR/tls/ca.crt``, one server certificate per host in
 ``DIR/tls/hosts/NAME.crt`` (+ ``.key``) and ``DIR/tls/client.crt`` (+ ``.key``).
 
 - Which server certificate (:meth:`MetricsTls.server_files`): the one whose subjectAltName holds
   the address the server binds (``127.0.0.1`` locally, the node's address from its launcher on
-  several nodes, :mod:`bus.launch_env`); else the one naming this machine's host name (logged:
+  several nodes, :mod:`lifecycle.launch_env`); else the one naming this machine's host name (logged:
   readers connecting at the address will refuse it); else, in a key directory from before
   per-host certificates, the shared ``DIR/tls/server.crt`` (logged once per process).
 - Host-name check (:meth:`MetricsTls.client_context`): with per-host certificates the readers
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from bus.metrics_certs import CLIENT_NAME, HOSTS_DIR, TLS_DIR, VALID_DAYS, certificate_names, create_tls
+from telemetry.certs import CLIENT_NAME, HOSTS_DIR, TLS_DIR, VALID_DAYS, certificate_names, create_tls
 
 __all__ = [
     "CLIENT_NAME",

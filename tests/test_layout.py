@@ -8,9 +8,12 @@ The rules (docs/ARCHITECTURE.md, "Layout"):
   ...): each package is one floor, so two packages whose files import each other, even with no cycle between
   the files, have no order;
 - no stage package (:data:`STAGES`) imports another: stages meet only on the bus;
-- the lower floors (:data:`LIBRARIES`: ``bus``, ``configs``, ``tasks``, ``broadcaster``, ``policies``) import nothing
-  from the stages or from the control plane (``busctl``); ``bus`` imports nothing from the other libraries but
-  ``configs``, and ``configs``, the lowest floor, imports no other package (it validates without the bus);
+- the lower floors (:data:`LIBRARIES`: ``bus``, ``configs``, ``tasks``, ``broadcaster``, ``policies``, ``runfiles``
+  and the :data:`BASE` packages) import nothing from the stages or from the control plane (``busctl``); ``bus``
+  imports nothing from the other libraries but the base packages (:data:`BASE`: ``configs``, ``telemetry``,
+  ``lifecycle``), which import no other package (``configs`` validates without the bus, the bus counts its
+  traffic in ``telemetry``); ``runfiles`` (what a run directory holds) sits above ``bus``, so ``bus`` never
+  imports it;
 - the stages import nothing from the control plane.
 
 Every import counts, module-level or local (a lazy import inside a function is still a dependency). The same walk
@@ -28,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 600
 STAGES = frozenset({"prompts", "producers", "rewards", "packer", "trainer"})
 CONTROL_PLANE = frozenset({"busctl"})
-LIBRARIES = frozenset({"bus", "configs", "tasks", "broadcaster", "policies"})
+BASE = frozenset({"configs", "telemetry", "lifecycle"})
+LIBRARIES = BASE | frozenset({"bus", "tasks", "broadcaster", "policies", "runfiles"})
 SKIPPED_DIRS = frozenset({"tests", "runs", "build", "dist", "node_modules"})
 
 
@@ -138,10 +142,10 @@ def forbidden_imports(graph: dict[str, set[str]]) -> list[str]:
                 bad.append(f"{mod} -> {dep} (only the control plane imports busctl)")
             elif a in LIBRARIES and b in STAGES:
                 bad.append(f"{mod} -> {dep} (a library imports a stage)")
-            elif a == "bus" and b in LIBRARIES - {"configs"}:
+            elif a == "bus" and b in LIBRARIES - BASE:
                 bad.append(f"{mod} -> {dep} (bus imports a higher library)")
-            elif a == "configs":
-                bad.append(f"{mod} -> {dep} (configs, the lowest floor, imports another package)")
+            elif a in BASE:
+                bad.append(f"{mod} -> {dep} ({a}, a base package, imports another package)")
     return bad
 
 
@@ -198,7 +202,9 @@ def test_the_checker_sees_each_kind_of_fault(tmp_path):
         "rewards/__init__.py": "",
         "rewards/b.py": "x = 1\n" * (MAX_LINES + 1),
         "bus/__init__.py": "",
-        "bus/w.py": "from tasks.t import T\nimport busctl.cli\n",
+        "bus/w.py": "from tasks.t import T\nimport busctl.cli\nimport runfiles.r\n",
+        "runfiles/__init__.py": "",
+        "runfiles/r.py": "",
         "tasks/__init__.py": "",
         "tasks/t.py": "from packer.p import P\n",
         "tasks/u.py": "import broadcaster.v\n",  # with broadcaster.x: two libraries that import each other,
@@ -207,6 +213,9 @@ def test_the_checker_sees_each_kind_of_fault(tmp_path):
         "broadcaster/x.py": "from tasks.t import T\n",
         "configs/__init__.py": "",
         "configs/s.py": "def check():\n    from bus import w\n",  # a lazy import is an import
+        "telemetry/__init__.py": "",
+        "telemetry/m.py": "import lifecycle\n",  # a base package imports nothing, even another base package
+        "lifecycle/__init__.py": "",
         "packer/__init__.py": "",
         "packer/p.py": "",
         "busctl/__init__.py": "",
@@ -223,12 +232,14 @@ def test_the_checker_sees_each_kind_of_fault(tmp_path):
     assert import_cycles(package_graph(graph)) == [["broadcaster", "tasks"]]  # producers -> producers is no cycle
     assert forbidden_imports(graph) == [
         "bus.w -> busctl.cli (only the control plane imports busctl)",
+        "bus.w -> runfiles.r (bus imports a higher library)",
         "bus.w -> tasks.t (bus imports a higher library)",
-        "configs.s -> bus (configs, the lowest floor, imports another package)",
-        "configs.s -> bus.w (configs, the lowest floor, imports another package)",
+        "configs.s -> bus (configs, a base package, imports another package)",
+        "configs.s -> bus.w (configs, a base package, imports another package)",
         "producers.a -> rewards (a stage imports another stage)",  # `from rewards import b` runs rewards/__init__
         "producers.a -> rewards.b (a stage imports another stage)",
         "tasks.t -> packer.p (a library imports a stage)",
+        "telemetry.m -> lifecycle (telemetry, a base package, imports another package)",
     ]
 
 

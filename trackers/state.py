@@ -24,7 +24,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from bus.durable import write_json_atomic
+from runfiles.durable import write_json_atomic
 
 log = logging.getLogger(__name__)
 

@@ -95,7 +95,7 @@ from broadcaster.bus_method import BusLink
 from broadcaster.factory import build_group_former, build_senders
 from bus.component import Component, component_main
 from bus.messages import GroupsTrained, MicroBatch, RunDone, TrainerStep, new_id
-from bus.metrics import POLICY_VERSION, StageMeter
+from telemetry.metrics import POLICY_VERSION, StageMeter
 from trainer.state.background_save import BackgroundSave
 from trainer.state.checkpoint import latest_checkpoint, save_checkpoint, snapshot_state
 from trainer.parallel.distributed import launcher_pid

@@ -18,7 +18,7 @@ right; a binder that must move to another address moves its endpoints and restar
 address (``RLBUS_NODE_ADDRESS``, set by the slurm and ray launchers).
 
 Invariant: ``Launched.pid`` is what the component sends in its ready handshake and heartbeats
-(its pid, or the launcher's ``RLBUS_SPAWN_ID``, :mod:`bus.launch_env`).
+(its pid, or the launcher's ``RLBUS_SPAWN_ID``, :mod:`lifecycle.launch_env`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import socket
 import subprocess
 from typing import IO
 
-from bus.launch_env import ENV_NODE_ADDRESS, ENV_SPAWN_ID
+from lifecycle.launch_env import ENV_NODE_ADDRESS, ENV_SPAWN_ID
 from busctl.component_table import ComponentSpec, signal_group
 from configs.schema import RunConfig
 

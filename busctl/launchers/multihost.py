@@ -7,7 +7,7 @@ endpoint), ``broadcast.method: bus`` unless a method was given (:func:`configs.s
 the weight broadcast's rendezvous at the trainer's node (used when broadcast is chosen), and (unless
 ``bus.curve_keys_dir`` is given) a fresh CurveZMQ key directory ``RUN_DIR/curve_keys`` for this run
 (mode 0700, existing keys kept, so ``--resume`` reuses them) with one metrics TLS server certificate
-per node of the allocation, naming the node's address (:func:`bus.metrics_certs.node_hosts`).
+per node of the allocation, naming the node's address (:func:`telemetry.certs.node_hosts`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from bus.auth import create_keys
-from bus.metrics_certs import node_hosts
+from telemetry.certs import node_hosts
 from busctl.launchers.nodes import Allocation, address_map, plan_nodes
 from configs.schema import RunConfig, apply_weight_method_default
 

@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 from typing import IO, Any, Callable
 
-from bus.launch_env import ENV_NODE_ADDRESS, ENV_SPAWN_ID
+from lifecycle.launch_env import ENV_NODE_ADDRESS, ENV_SPAWN_ID
 from busctl.component_table import ComponentSpec
 from busctl.launchers.multihost import configure_multihost
 from busctl.launchers.nodes import Allocation, plan_nodes
@@ -324,9 +324,9 @@ class RayLauncher:
 
     def files(self, address: str | None = None) -> dict[str, tuple[bytes, int]]:
         """What each actor writes on its node: ``config.yaml`` and the key files, of the metrics
-        server keys (``tls/hosts/*.key``, :mod:`bus.metrics_certs`) only that of the node at
+        server keys (``tls/hosts/*.key``, :mod:`telemetry.certs`) only that of the node at
         ``address`` (None: all), so a node never holds another's."""
-        from bus.metrics_certs import HOSTS_DIR, certificate_names
+        from telemetry.certs import HOSTS_DIR, certificate_names
 
         out = {str(self.run_dir / "config.yaml"): ((self.run_dir / "config.yaml").read_bytes(), 0o644)}
         if self.keys_dir:

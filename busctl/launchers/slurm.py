@@ -50,7 +50,7 @@ import socket
 import subprocess
 from typing import IO, Callable, Mapping
 
-from bus.launch_env import ENV_NODE_ADDRESS, ENV_SPAWN_ID
+from lifecycle.launch_env import ENV_NODE_ADDRESS, ENV_SPAWN_ID
 from busctl.component_table import ComponentSpec, signal_group
 from busctl.launchers.local import LocalProcess
 from busctl.launchers.multihost import configure_multihost

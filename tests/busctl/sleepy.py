@@ -17,7 +17,7 @@ import subprocess
 import time
 
 from bus.component import Component, component_main
-from bus.launch_env import ENV_NAMES
+from lifecycle.launch_env import ENV_NAMES
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bus.metrics_tls import MetricsTls
+from telemetry.tls import MetricsTls
 from busctl.launchers import make_launcher
 from busctl.launchers.nodes import Allocation, plan_nodes
 from busctl.launchers.ray import allocation_from_ray_nodes

@@ -28,7 +28,7 @@ from configs.schema import RunConfig
 import importlib
 for module in sorted({s.module for s in component_table(RunConfig())} | {"busctl.supervisor"}):
     importlib.import_module(module)
-from bus.metrics import StageMeter
+from telemetry.metrics import StageMeter
 StageMeter("producer")  # what each stage's process registers in its setup (busy/idle seconds)
 names = set()
 for metric in REGISTRY.collect():

@@ -107,7 +107,7 @@ def test_every_dashboard_uses_the_provisioned_datasource(datasource: dict) -> No
 def test_metric_modules_are_found() -> None:
     modules = set(metric_modules())
     assert {
-        "bus.metrics",
+        "telemetry.metrics",
         "busctl.supervisor",
         "producers.proc",
         "prompts.proc",

@@ -1,6 +1,6 @@
 """A real Prometheus scrapes a TLS metrics endpoint with the ``tls_config`` rlbus writes (issue 31.1).
 
-A metrics server with client certificates required (``bus.metrics`` + ``bus.metrics_tls``, files
+A metrics server with client certificates required (``telemetry.metrics`` + ``telemetry.tls``, files
 from ``busctl keys``), and the Debian ``prometheus`` binary given
 :func:`busctl.run_status.scrape_config` with that ``tls_config``: the target is up and its counter
 queryable. The same target scraped over plain HTTP, or over HTTPS without the client
@@ -14,8 +14,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter
 
 from bus import auth
-from bus.metrics import start_metrics_server
-from bus.metrics_tls import MetricsTls
+from telemetry.metrics import start_metrics_server
+from telemetry.tls import MetricsTls
 from busctl.run_status import scrape_config
 from tests.observability.prometheus_server import PrometheusServer, fast_scrape_config
 

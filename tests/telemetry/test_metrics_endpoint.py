@@ -16,7 +16,7 @@ import zmq
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
 
-from bus.metrics import REJECT_REASONS, REDELIVER_REASONS, StageMeter, serve_metrics
+from telemetry.metrics import REJECT_REASONS, REDELIVER_REASONS, StageMeter, serve_metrics
 from bus.sockets import BusSocket
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,6 +1,6 @@
-"""One metrics TLS server certificate per host, and readers that check the host name (bus.metrics_certs).
+"""One metrics TLS server certificate per host, and readers that check the host name (telemetry.certs).
 
-Real metrics servers (``bus.metrics.start_metrics_server``) on loopback addresses (127.0.0.1 and
+Real metrics servers (``telemetry.metrics.start_metrics_server``) on loopback addresses (127.0.0.1 and
 127.0.0.2 are two "hosts" of one machine), certificates from ``busctl keys`` (its real command
 line, ``cryptography``), real readers (``busctl.scrape`` over ``urllib`` + ``ssl``): a server with
 its own host's certificate is read by its address; a reader connecting to an address that the
@@ -25,9 +25,9 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from bus import auth
-from bus.metrics import start_metrics_server
-from bus.metrics_certs import HostNames, certificate_names, node_hosts, parse_hosts
-from bus.metrics_tls import SERVER_NAME, MetricsTls
+from telemetry.metrics import start_metrics_server
+from telemetry.certs import HostNames, certificate_names, node_hosts, parse_hosts
+from telemetry.tls import SERVER_NAME, MetricsTls
 from busctl.scrape import scrape
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,7 +153,7 @@ def _old_layout(path: Path) -> Path:
 def test_an_old_key_directory_with_one_shared_certificate_still_works(tmp_path, serve, caplog):
     tls = MetricsTls.load(_old_layout(tmp_path / "old"))
     assert not tls.per_host and tls.prometheus_tls_config()["server_name"] == SERVER_NAME
-    with caplog.at_level(logging.WARNING, logger="bus.metrics_tls"):
+    with caplog.at_level(logging.WARNING, logger="telemetry.tls"):
         client = tls.client_context()
         tls.client_context()
         ctx = tls.server_context("127.0.0.2")  # any host serves the shared certificate

@@ -1,6 +1,6 @@
-"""The metrics endpoints over TLS with client certificates (bus.metrics_tls, issue 31.1).
+"""The metrics endpoints over TLS with client certificates (telemetry.tls, issue 31.1).
 
-Real servers (``bus.metrics.serve_metrics`` with the server context made from ``busctl keys``
+Real servers (``telemetry.metrics.serve_metrics`` with the server context made from ``busctl keys``
 files) on 127.0.0.1, real clients (``busctl.scrape``, ``urllib``, ``ssl``): the holder of the
 run's client certificate reads ``/metrics`` and ``/health``; a client without a certificate, with
 a certificate of another run's CA, or speaking plain HTTP reads nothing and is counted; the
@@ -23,8 +23,8 @@ import yaml
 from prometheus_client import CollectorRegistry, Counter
 
 from bus import auth
-from bus.metrics import METRICS_TLS_REFUSED, start_metrics_server
-from bus.metrics_tls import MetricsTls, tls_from_config
+from telemetry.metrics import METRICS_TLS_REFUSED, start_metrics_server
+from telemetry.tls import MetricsTls, tls_from_config
 from busctl.run_status import scrape_config
 from busctl.scrape import fetch_metrics, metrics_url, scrape
 from configs.schema import load_config

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from bus import auth
-from bus.metrics_tls import MetricsTls
+from telemetry.tls import MetricsTls
 from busctl.scrape import fetch_metrics, scrape
 from configs.schema import load_config
 from tests.socket_dirs import remove_outside_socket_dir

@@ -3,7 +3,7 @@
 Run by the supervisor as ``python -m tests.terminal.ticker --run-dir DIR --name NAME ...`` through
 :func:`bus.component.component_main`, like every real component, without any model. A component
 named after a pipeline stage (``producer-0``, ``rewards-1``, ``packer``, ``trainer``) keeps a real
-:class:`bus.metrics.StageMeter` of that stage busy for :data:`WORK_S`, then finishes one sample
+:class:`telemetry.metrics.StageMeter` of that stage busy for :data:`WORK_S`, then finishes one sample
 of :data:`TOKENS_PER_SAMPLE` tokens and idles :data:`IDLE_S`, until stopped; it also reports
 :data:`QUEUED` messages waiting in ``rlbus_bus_queued_messages``. Other names only idle.
 """
@@ -11,7 +11,7 @@ of :data:`TOKENS_PER_SAMPLE` tokens and idles :data:`IDLE_S`, until stopped; it 
 from __future__ import annotations
 
 from bus.component import Component, component_main
-from bus.metrics import BUS_QUEUED, STAGES, StageMeter
+from telemetry.metrics import BUS_QUEUED, STAGES, StageMeter
 
 WORK_S, IDLE_S = 0.03, 0.01
 """Busy and idle time per sample, seconds: busy fraction WORK_S / (WORK_S + IDLE_S) = 0.75."""

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from bus.launch_env import ENV_RESTARTS, ENV_RESUME
+from lifecycle.launch_env import ENV_RESTARTS, ENV_RESUME
 from bus.messages import EvalResult, RunDone, TrainerStep, new_id
 from bus.topics import TOPICS
 from tests.trainer.test_resume import WAIT_S, Packer, batches, read_jsonl, run_config, tiny_policy  # noqa: F401 - fixtures

@@ -42,7 +42,7 @@ from tests.outcomes_sink import OutcomesSink
 from tests.weight_peer import WeightPeer
 from tests.trainer.test_checkpoint import CFG, assert_same_optimizer_state, policy, step_batches, weights
 from trainer.state.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
-from bus.launch_env import ENV_RESTARTS as RESTARTS_ENV, ENV_RESUME as RESUME_ENV
+from lifecycle.launch_env import ENV_RESTARTS as RESTARTS_ENV, ENV_RESUME as RESUME_ENV
 from trainer.proc import TrainerProc, drop_weight_versions
 from trainer.state.step_ledger import StepLedger, group_id, keep_jsonl_records
 from trainer.trainer import Trainer

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bus.launch_env import ENV_RESTARTS, ENV_RESUME
+from lifecycle.launch_env import ENV_RESTARTS, ENV_RESUME
 from bus.messages import RunDone, TrainerStep
 from tests.trainer.test_resume import Packer, RunningTrainer, batches, read_jsonl, run_config, tiny_policy  # noqa: F401 - fixtures
 from trainer.optim.lr_schedule import lr_factor

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import Gauge, Histogram
 
-from bus.metrics import POLICY_VERSION
+from telemetry.metrics import POLICY_VERSION
 
 __all__ = ["LAG_TOKEN_FRAC", "REWARD_TERMS", "STEP_SECONDS", "TRAINER_GAUGES", "export_step_metrics"]
 

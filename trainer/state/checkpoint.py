@@ -66,7 +66,7 @@ import torch
 from peft import PeftModel, set_peft_model_state_dict
 from safetensors.torch import load_file
 
-from bus.durable import fsync_dir
+from runfiles.durable import fsync_dir
 from trainer.state.hf_files import write_model_files
 
 __all__ = [
