@@ -15,7 +15,7 @@ Reads (only ``metrics.jsonl`` is required):
   "throughput": {"tokens_per_s": x, "samples_per_s": y}, "busy": f, ...}, ...}}``; per step and
   stage (role) the report sums tokens/s over the replicas and averages their busy fraction.
   ``components`` may also be ``status.json``'s list of rows (each with ``name``).
-- ``samples.jsonl`` (optional, :mod:`packer.samples`), ``accounting.json`` (prompt outcomes) and
+- ``samples.jsonl`` (optional, :mod:`packer.sample_log`), ``accounting.json`` (prompt outcomes) and
   ``metrics_final/packer.prom`` (the packer's groups by outcome) for the summary.
 
 Writes ``OUT/*.png`` (:mod:`busctl.report_plots`, matplotlib's Agg backend) and ``OUT/summary.txt``

@@ -11,7 +11,7 @@ Sources (each one JSON object per line, appended by its writer; :class:`JsonlTai
   depth (:func:`busctl.run_status.append_stage_record`); :func:`stage_scalars` names them
   ``stages/<component>/<field>``.
 - ``samples.jsonl`` (packer): examples of every ``report.samples_interval``-th step
-  (:mod:`packer.samples`); ``step`` there is the 0-based step index. :func:`sample_row` makes a
+  (:mod:`packer.sample_log`); ``step`` there is the 0-based step index. :func:`sample_row` makes a
   table row of :data:`SAMPLE_COLUMNS`.
 
 Every tracker puts a record at the record's own ``step``: training and stage records at steps

@@ -9,7 +9,7 @@ from __future__ import annotations
 from bus.codec import decode, encode
 from bus.messages import Prompt
 from packer.packer import build_micro_batch, group_samples
-from packer.samples import sample_records
+from packer.sample_log import sample_records
 from producers.rollout_sample import Sample, token_versions
 from producers.proc import group_from_samples
 from rewards.worker import RewardWorker

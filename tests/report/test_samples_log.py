@@ -1,4 +1,4 @@
-"""``packer.samples.SamplesLog``: which steps are sampled, what a line holds, and that an I/O
+"""``packer.sample_log.SamplesLog``: which steps are sampled, what a line holds, and that an I/O
 error is counted instead of raised (the packer must keep training). Also the ``report`` config
 section's bounds."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from configs.schema import ConfigError, load_config
-from packer.samples import SamplesLog, sample_records
+from packer.sample_log import SamplesLog, sample_records
 from tests.packer.test_packer_proc import group
 
 
