@@ -58,7 +58,7 @@ samples and completion tokens of every accepted training group), and per emitted
 observes the policy lag of every sample (``step - version_start``, the lag the trainer will see),
 the number of micro-batches and the unused share of their token budget (padding ratio). Every
 ``report.samples_interval`` steps it appends a few of the step's samples to
-``RUN_DIR/samples.jsonl`` (:mod:`packer.samples`).
+``RUN_DIR/samples.jsonl`` (:mod:`packer.sample_log`).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ from telemetry.metrics import StageMeter
 from packer.eval_spool import EvalSpool
 from packer.evaluation import EvalAggregator, EvalDecision, RoundResult
 from packer.packer import DUPLICATE, DropReason, Packer, padding_ratio
-from packer.samples import SamplesLog
+from packer.sample_log import SamplesLog
 from packer.spool import SPOOL_DIR, Spool, checkpoint_step, trained_group_ids
 
 log = logging.getLogger(__name__)
