@@ -1,21 +1,10 @@
-"""The two sides of one weight-transfer method: `WeightSender` (trainer) and `WeightReceiver`
-(producer process).
+"""The two sides of one weight-transfer method: `WeightSender` (trainer) and `WeightReceiver` (producer).
 
-Each method has one module holding both sides (`broadcaster.dist_broadcast`: torch.distributed
-broadcast; `broadcaster.filesystem`: a safetensors directory + READY marker;
-`broadcaster.bus_method`: bucket frames pulled over the bus), and
-`broadcaster.factory` is the one place that picks them by `broadcast.method`. A LoRA adapter is
-not a method: it is a payload kind (`broadcaster.manifest`) that either method carries and the
-vLLM worker extension (`broadcaster.worker_extension`) merges, so it has no sender of its own.
-
-Invariants:
-- A sender's `publish` announces and sends one version in the order its method needs: the
-  broadcast method announces first (producers join the collective on the announcement), the
-  filesystem method writes first (a producer acting on the announcement finds the directory
-  complete). The caller supplies the announcement as a callback, so a sender never touches the bus.
-- Every announcement is a dict `{"method", "version", "manifest", "path", "num_bytes"}`
-  (`path` None except for the filesystem method): what `bus.messages.WeightsReady` carries.
-- A receiver takes the announcements of its `method` (`WeightsReady.method`) only.
+One module per method holds both sides (`dist_broadcast`, `filesystem`, `bus_method`); `broadcaster.factory` picks
+them by `broadcast.method`. A sender's `publish` announces and sends in the order its method needs (broadcast:
+announce first, producers join the collective on it; filesystem: write first), through a callback, so a sender
+never touches the bus. An announcement is `{"method", "version", "manifest", "path", "num_bytes"}`, what
+`bus.messages.WeightsReady` carries (`path` only for the filesystem method). A receiver takes its method's only.
 """
 
 from __future__ import annotations
@@ -30,16 +19,13 @@ import torch
 from broadcaster.manifest import build_manifest
 
 Announce = Callable[[dict], None]
-"""Called by `WeightSender.publish` with the announcement of one version (see the module docstring)."""
+"""Called by `WeightSender.publish` with one version's announcement."""
 
 
 class SendFailed(RuntimeError):
     """A background weight transfer failed (a producer died, a gloo/nccl error or timeout).
 
-    Attributes:
-        version: the policy version whose transfer failed.
-        payload: `{name: tensor}` that version's payload (views of the send buffers, kept alive by
-            this exception), so it can be re-published another way.
+    `version` failed; `payload` `{name: tensor}` (views of the send buffers) lets it be re-published another way.
     """
 
     def __init__(self, version: int, payload: dict[str, torch.Tensor], cause: BaseException) -> None:
@@ -51,9 +37,7 @@ class SendFailed(RuntimeError):
 class WeightSender(ABC):
     """Trainer side of one method: hands a payload `{hf_name: tensor}` to the producers.
 
-    Subclasses set `method` (the `broadcast.method` value and `WeightsReady.method` they stand for)
-    and `carries_adapter` (whether `broadcast.lora_payload: adapter` applies to them, i.e. whether
-    the trainer may hand them a LoRA adapter payload instead of merged weights).
+    `method`: the `broadcast.method` value; `carries_adapter`: whether it may carry a LoRA adapter payload.
     """
 
     method: ClassVar[str]
@@ -69,19 +53,16 @@ class WeightSender(ABC):
     def start_send(
         self, state_dict: Mapping[str, torch.Tensor], version: int, manifest: list[list] | None = None
     ) -> dict:
-        """Start sending `state_dict` as policy `version`; returns its info dict (the announcement's
-        keys plus `bucket_bytes`, `blocked_s`). See the subclasses for what "start" means.
+        """Start sending `state_dict` as `version`; returns the announcement plus `bucket_bytes`, `blocked_s`.
 
-        `manifest` (None: `self.manifest(state_dict)`) names the entries to send and their wire
-        dtypes: each tensor is cast to its entry's dtype on the way (`broadcaster.manifest`)."""
+        `manifest` (None: built here) names the entries and their wire dtypes (tensors are cast on the way)."""
 
     def wait(self) -> dict | None:
-        """Wait for the transfer in flight; returns its info (with `transfer_s`) or None if there is
-        none. Raises `SendFailed` for a background transfer that failed. Default: nothing in flight."""
+        """Wait for the transfer in flight; its info (with `transfer_s`) or None. Raises `SendFailed`."""
         return None
 
     def transfer_finished(self) -> bool:
-        """True if a background transfer is in flight and done (`wait` returns at once). Default: False."""
+        """True if a background transfer is in flight and done (`wait` returns at once)."""
         return False
 
     def close(self) -> None:
@@ -94,19 +75,13 @@ class WeightSender(ABC):
         announce: Announce,
         manifest: list[list] | None = None,
     ) -> dict:
-        """Send `state_dict` as `version` and `announce` it, in the order this method needs (the
-        module docstring); returns `start_send`'s info. `manifest`: as for `start_send` (its
-        dtypes are the wire dtypes; None: `self.manifest(state_dict)`). Raises as `start_send`."""
+        """Send and `announce` `version` in the order this method needs; returns `start_send`'s info."""
         info = self.start_send(state_dict, version, manifest)
         announce(info)
         return info
 
     def send(self, state_dict: Mapping[str, torch.Tensor], version: int) -> dict:
-        """Send `state_dict` as policy `version` and wait until it is out (`start_send` + `wait`).
-
-        Returns `start_send`'s dict plus `send_time_s` (the whole call) and, for a background
-        transfer, `transfer_s`. Raises as `start_send`, and `SendFailed` for this version too.
-        """
+        """`start_send` + `wait`: `start_send`'s dict plus `send_time_s` (and `transfer_s` if backgrounded)."""
         start = time.perf_counter()
         info = self.start_send(state_dict, version)
         done = self.wait()
@@ -119,11 +94,7 @@ class WeightSender(ABC):
 
 
 class WeightReceiver(ABC):
-    """Producer side of one method: applies `weights.ready` announcements to a rollout engine.
-
-    `engine` is a `producers.engine.RolloutEngine` (anything with its `update_weights`,
-    `load_weights_from_path`, `init_weight_group` coroutines). Subclasses set `method`.
-    """
+    """Producer side of one method: applies `weights.ready` to a `producers.engine.RolloutEngine`."""
 
     method: ClassVar[str]
 
@@ -131,38 +102,31 @@ class WeightReceiver(ABC):
         """Get ready to receive (the broadcast method joins its group here; blocks). Default: nothing."""
 
     def skip_reason(self, msg: Any, current_version: int) -> str | None:
-        """Why announcement `msg` (a `bus.messages.WeightsReady` of this method) cannot be applied
-        by this receiver at `current_version`, or None if it can. Default: always applicable."""
+        """Why `msg` (a `WeightsReady` of this method) cannot be applied at `current_version`, or None."""
         return None
 
     def must_apply(self, msg: Any, current_version: int) -> bool:
-        """Whether `msg` must be applied even though the engine already has `msg.version` (the
-        first broadcast into a re-formed group). Default: False."""
+        """Whether `msg` must be applied though the engine has `msg.version` (a re-formed group's first send)."""
         return False
 
     @property
     def wants_group(self) -> bool:
-        """Whether this producer should ask the trainer (`bus.messages.WeightsWanted`) to re-form
-        the weight group with it: outside every group and never placed on the filesystem method
-        by one. Default (methods without a group): False."""
+        """Whether to ask the trainer (`WeightsWanted`) to re-form the weight group with this producer."""
         return False
 
     async def regroup(self, msg: Any, ack: Callable[[], None]) -> bool:
-        """Act on a re-formed group (`bus.messages_weights.WeightGroup`); `ack` acknowledges
-        membership. Returns whether this receiver is in it. Default (no group): False."""
+        """Act on a re-formed `WeightGroup` (`ack` acknowledges membership); whether this receiver is in it."""
         return False
 
     @abstractmethod
     async def apply(self, msg: Any) -> int | None:
-        """Load the weights `msg` announces into the engine; returns the version loaded when it is
-        not `msg.version` (the bus method serves its latest), else None."""
+        """Load `msg`'s weights; the version loaded when not `msg.version` (bus: the latest), else None."""
 
 
 class FallbackReceiver(WeightReceiver):
-    """A receiver of `primary`'s method that also takes the announcements of `fallback`'s (the
-    trainer falls back from the broadcast method to the filesystem one; see `trainer.publish`).
+    """`primary`'s receiver that also takes `fallback`'s announcements (`trainer.publish` falls back).
 
-    Raises (from `skip_reason` / `apply`) ValueError for a method neither takes.
+    `skip_reason` / `apply` raise ValueError for a method neither takes.
     """
 
     def __init__(self, primary: WeightReceiver, fallback: WeightReceiver) -> None:

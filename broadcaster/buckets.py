@@ -1,16 +1,9 @@
-"""Receive side of the weight broadcast: one manifest's buckets into flat buffers allocated once.
+"""Receive side of the weight transfer: one manifest's buckets into flat buffers allocated once.
 
-Used by every receiver, so they all decode the wire exactly alike: the producers' vLLM worker
-extension (`broadcaster.worker_extension`), the bus method's fetcher (`broadcaster.bus_fetch`),
-the broadcaster tests and `bench/broadcast.py`.
-
-Invariants:
-- The buffers are allocated once per (manifest, bucket_bytes) and reused for every version: a
-  new receiver is needed only if the manifest changes (it does not during a run).
-- `receive` posts every bucket's broadcast at once, in manifest order, then waits for all, as the
-  sender issues them (the backend matches collectives by issue order).
-- The returned views alias the buffers: they are valid until the next `receive`, so a caller
-  must consume (load / copy) them before receiving again.
+Every receiver uses it (the vLLM worker extension, `broadcaster.bus_fetch`, tests, `bench/broadcast.py`), so all
+decode the wire alike. Buffers are reused for every version of one (manifest, bucket_bytes). `receive` posts every
+bucket's broadcast in manifest order, then waits (collectives match by issue order). Returned views alias the
+buffers: valid until the next `receive`.
 """
 
 from __future__ import annotations
@@ -23,15 +16,9 @@ from broadcaster.manifest import DEFAULT_BUCKET_BYTES, bucket_views, plan_bucket
 
 
 class BucketReceiver:
-    """Flat receive buffers for one manifest (see the module docstring).
+    """Flat receive buffers for `manifest` (`[[name, dtype, shape], ...]`) at the sender's `bucket_bytes`.
 
-    Args:
-        manifest: `[[name, dtype, shape], ...]` as announced (`broadcaster.manifest`).
-        bucket_bytes: the sender's bucket size.
-        device: where to receive (CPU for gloo, the worker's GPU for nccl).
-
-    Raises:
-        ValueError: a malformed manifest or bucket size (`plan_buckets`).
+    `device`: CPU for gloo, the worker's GPU for nccl. Raises ValueError: a malformed manifest or bucket size.
     """
 
     def __init__(
@@ -57,11 +44,9 @@ class BucketReceiver:
         return dict(self._views)
 
     def receive(self, group, src: int = 0) -> dict[str, torch.Tensor]:
-        """Receive one version from rank `src` of `group` (a torch.distributed ProcessGroup);
-        returns `{name: view}` in manifest order (views alias the buffers, see the docstring).
+        """Receive one version from rank `src` of `group`; `{name: view}` aliasing the buffers.
 
-        Raises:
-            RuntimeError: the collective failed or timed out (torch.distributed errors).
+        Raises RuntimeError: the collective failed or timed out.
         """
         works = [group.broadcast(flat, src) for flat in self.flats]
         for work in works:

@@ -1,25 +1,11 @@
-"""Receive side of `broadcast.method: bus`: a DEALER that pulls one weight version's buckets from
-the trainer's `broadcaster.bus_method.WeightServer` into flat buffers allocated once.
+"""Receive side of `broadcast.method: bus`: a DEALER pulling one version's buckets from the trainer's
+`broadcaster.bus_method.WeightServer` into a `BucketReceiver`, inside each producer's vLLM worker.
 
-Used where the weights are loaded, i.e. inside each producer's vLLM worker
-(`broadcaster.worker_extension.WeightSyncExtension.receive_weights_bus`), and by the tests and
-`bench/broadcast.py`, so every receiver decodes the wire alike.
-
-Protocol (`bus.messages_weights`): the fetcher sends `WeightsRequest(version, buckets)` naming
-at most `window` buckets it lacks; the server answers each index with a `WeightsBucket` of its
-LATEST version. Pull-based, so the trainer holds nothing for a slow or late receiver, and a
-receiver that asked for an old version gets the newest one (it then starts over on that version:
-buckets of two versions are never mixed).
-
-Invariants:
-- One copy on this side: each bucket's frame is checked (size, `zlib.crc32`) in the received
-  buffer, then copied once into its flat buffer (`BucketReceiver`), from which the weights are
-  loaded; a bucket is written only once it passed both checks.
-- A damaged or malformed frame is counted (`FetchResult.rejected`, by `rlbus_bus_rejected_total`
-  reason: `size`, `checksum`, `inconsistent`, or a `bus.wire.WireError` reason) and its bucket asked
-  again; a bucket not answered within `retry_s` is asked again (the ROUTER drops at its HWM and
-  towards a peer it lost); `timeout_s` bounds the whole version (`TimeoutError`).
-- The returned views alias the buffers: valid until the next `fetch`.
+It asks (`WeightsRequest`) for at most `window` missing buckets; the server answers each with a `WeightsBucket` of
+its LATEST version, and a newer version restarts the fetch (versions never mix). Each frame is checked (size,
+`zlib.crc32`) and copied once into its buffer; a bad frame is counted by reason (`size`, `checksum`,
+`inconsistent`, a `WireError` reason) and asked again, as is a bucket unanswered after `retry_s` (the ROUTER drops
+at its HWM). Views alias the buffers until the next `fetch`. Protocol: docs/ARCHITECTURE.md, "Weights".
 """
 
 from __future__ import annotations
@@ -48,8 +34,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["BusFetcher", "FetchResult", "bucket_checksum"]
 
 DEFAULT_WINDOW = 2
-"""Buckets a receiver has asked for and not yet received (32 MiB buckets: 64 MiB in flight per
-receiver, enough to keep a tcp stream full while the previous bucket is copied)."""
+"""Buckets asked for and not yet received (64 MiB in flight: keeps a tcp stream full while one is copied)."""
 
 DEFAULT_RETRY_S = 2.0
 """A bucket asked for and not received within this long is asked again, seconds."""
@@ -62,15 +47,8 @@ def bucket_checksum(data: np.ndarray | memoryview) -> int:
 
 @dataclass
 class FetchResult:
-    """What one `BusFetcher.fetch` received.
-
-    Attributes:
-        version: the version now in the buffers (>= the one asked for).
-        views: `{name: tensor}` in manifest order, aliasing the buffers.
-        rejected: `{reason: count}` of frames dropped on the way (see the module docstring).
-        num_bytes: payload bytes accepted into the buffers (a restart on a newer version counts again).
-        requests: `WeightsRequest`s sent.
-    """
+    """One `fetch`: `version` now in the buffers (>= the one asked), `views` aliasing them, `rejected`
+    `{reason: count}`, `num_bytes` accepted (restarts count again), `requests` sent."""
 
     version: int
     views: dict[str, torch.Tensor]
@@ -80,19 +58,10 @@ class FetchResult:
 
 
 class BusFetcher:
-    """A DEALER connected to the trainer's `weights` endpoint (see the module docstring).
+    """A DEALER connected to the trainer's `weights` endpoint.
 
-    Args:
-        address: the `weights` endpoint (`bus.topics.Endpoints.address("weights")`).
-        producer: this receiver's name (in its requests, for the trainer's logs).
-        keys_dir, client: CurveZMQ key directory ("" for plaintext) and client keypair (`bus.auth`;
-            "": `bus.auth.DEFAULT_CLIENT`).
-        window: most buckets asked for at once (1 ..
-            `bus.messages_weights.MAX_REQUESTED_BUCKETS`).
-        retry_s: see `DEFAULT_RETRY_S`.
-
-    Raises:
-        ValueError: a bad `window` or `retry_s`, or unusable keys (`bus.auth.CurveKeys.load`).
+    `keys_dir` "" is plaintext; `client` "" is `bus.auth.DEFAULT_CLIENT`. `window`: 1..64 buckets asked at once.
+    Raises ValueError: a bad `window` or `retry_s`, or unusable keys.
     """
 
     def __init__(
@@ -117,18 +86,9 @@ class BusFetcher:
         self.sock.connect(address)
 
     def fetch(self, buffers: BucketReceiver, version: int, timeout_s: float = 300.0) -> FetchResult:
-        """Receive `version` (or a newer one the trainer has instead) into `buffers`.
+        """Receive `version` (or the newer one the trainer has instead) into `buffers`.
 
-        Args:
-            buffers: flat buffers planned for the announced manifest and the sender's bucket size.
-            version: the announced version.
-            timeout_s: bound on the whole version, seconds.
-
-        Returns: a `FetchResult` (its `views` alias `buffers`).
-
-        Raises:
-            TimeoutError: the version was not complete within `timeout_s` (trainer gone, or every
-                answer damaged); the log names what was missing.
+        Raises TimeoutError: not complete within `timeout_s` seconds (trainer gone, or every answer damaged).
         """
         n = len(buffers.buckets)
         flats_u8 = [flat.view(torch.uint8) for flat in buffers.flats]

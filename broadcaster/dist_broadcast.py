@@ -1,47 +1,13 @@
-"""The torch.distributed broadcast method: `BroadcastSender` (trainer, rank 0) and
-`BroadcastReceiver` (producer process; its vLLM workers receive, `broadcaster.worker_extension`).
+"""The torch.distributed broadcast method: `BroadcastSender` (trainer, rank 0) and `BroadcastReceiver`
+(producer; its vLLM workers receive in `broadcaster.worker_extension`).
 
-    trainer (rank 0)                                  producer engines (ranks 1..world_size-1)
-    BroadcastSender.open()         <--- rendezvous --->  BroadcastReceiver.join()
-                                                           -> RolloutEngine.init_weight_group(...)
-    announce weights.ready(v, manifest), then
-    BroadcastSender.start_send(sd, v) --- broadcast --->  BroadcastReceiver.apply(msg)
-      ... trainer trains while bytes move ...              -> RolloutEngine.update_weights(v, manifest)
-    BroadcastSender.wait()          (before the next start_send; raises SendFailed)
-
-A stateless group (vLLM's `stateless_init_torch_distributed_process_group`, so vLLM must be
-importable here too): gloo on CPU, nccl on CUDA ("auto" picks nccl iff CUDA is available), same
-code. Tensors go in buckets (`broadcaster.manifest.plan_buckets`) through flat send buffers
-allocated once and reused. A group has a fixed world size: when a producer joins (restart, late
-join, `busctl scale`) or a member dies, the trainer forms a NEW group with a new rendezvous
-(`broadcaster.regroup`, announced as `bus.messages_weights.WeightGroup`); `BroadcastReceiver.regroup`
-leaves the old group and joins the new one, then expects the trainer to re-send its last version
-into it (so a member already at that version receives it again, and a newcomer gets it at once).
-
-The trainer does not wait on producers longer than the transfer itself. `start_send` copies the
-payload into the send buffers on the caller's thread (bucket k is handed to the backend as soon as
-it is filled, so it is on the wire while bucket k+1 is copied), and returns: the backend's own
-threads move the bytes (gloo's worker threads; nccl's stream), a future callback records when the
-last bucket is out (`transfer_s`). The caller may change its weights right away (the buffers hold
-the copy). The next `start_send` (or `wait()`, `close()`) first waits for the previous transfer;
-a transfer that failed raises `SendFailed` there, carrying the failed version and its payload
-(views of the send buffers) so the caller can re-publish it by filesystem. `send` = `start_send`
-+ `wait` (blocking). The nccl path (host-side completion by polling the works' CUDA events) is
-written for GPUs but only the gloo path is exercised by the tests.
-
-What to pass as `state_dict` (see `broadcaster.manifest` for both payload kinds): a Hugging Face
-model's `state_dict()` with HF names ("full"), or a LoRA adapter payload
-(`trainer.model.lora_adapter_state_dict`, "lora"), which the producers merge into the base weights
-they keep. Raw PEFT names are rejected.
-
-Dtypes: the send buffers have the manifest's dtypes, which may be narrower than the payload's
-tensors (float32 master weights sent as bfloat16, `build_manifest(..., dtype=)`): the copy into the
-buffers casts, so the wire carries the narrow bytes and no cast copy of the payload is made.
-
-Ordering: `start_send` is a collective. `publish` announces `weights.ready(version, manifest)`
-first, then calls it; producers call `RolloutEngine.update_weights(version, manifest)` on the
-announcement. The manifest of one payload never changes during a run, so the buffers are
-allocated once.
+The group is vLLM's stateless process group (vLLM must be importable): gloo on CPU, nccl on CUDA. `publish`
+announces `weights.ready` first (producers join the collective on it), then `start_send` copies the payload (HF
+names, full or LoRA adapter, `broadcaster.manifest`) bucket by bucket into send buffers allocated once, casting to
+the manifest's wire dtype, and hands each bucket to the backend, whose threads move the bytes while the trainer goes
+on. The next `start_send`/`wait`/`close` waits for it; a failed transfer raises `SendFailed` there with the version
+and its payload, for a filesystem re-publish. A group has a fixed world size; re-forming it is `broadcaster.regroup`
+(docs/ARCHITECTURE.md, "Weights"). Only the gloo path runs in the tests; nccl polls CUDA events for completion.
 """
 
 from __future__ import annotations
@@ -67,7 +33,7 @@ __all__ = ["Backend", "BroadcastReceiver", "BroadcastSender", "SendBuffers", "Se
 Backend = Literal["auto", "gloo", "nccl"]
 
 _POLL_S = 0.001
-"""How often `wait` polls nccl work (whose wait() does not block the host), seconds."""
+"""How often `wait` polls nccl work (its wait() does not block the host), seconds."""
 
 
 def resolve_backend(backend: Backend) -> Literal["gloo", "nccl"]:
@@ -81,8 +47,7 @@ def resolve_backend(backend: Backend) -> Literal["gloo", "nccl"]:
 
 @dataclass
 class _Transfer:
-    """One in-flight broadcast: its works, its payload views, when its first bucket was handed to
-    the backend and (gloo: set by a future callback on the backend's thread) when all were done."""
+    """One in-flight broadcast: its works, payload views, first-bucket time and (gloo callback) done time."""
 
     version: int
     works: list
@@ -116,8 +81,7 @@ class _Transfer:
 
 @dataclass(frozen=True)
 class SendBuffers:
-    """The flat send buffers of one manifest, with per bucket its names and views into them
-    (shared with `broadcaster.bus_method`, which serves the same buffers as bus frames)."""
+    """One manifest's flat send buffers with per bucket its names and views (also served by `bus_method`)."""
 
     manifest: list[list]
     flats: list[torch.Tensor]
@@ -143,21 +107,12 @@ class SendBuffers:
 
 
 class BroadcastSender(WeightSender):
-    """Rank 0 of the weight group: sends each version by torch.distributed broadcast in the
-    background (see the module docstring).
+    """Rank 0 of the weight group: sends each version by broadcast in the background.
 
-    Args:
-        backend: "auto" | "gloo" | "nccl".
-        host, port: where rank 0 hosts the rendezvous store; producers connect there.
-        world_size: 1 (this trainer) + the number of producer workers.
-        bucket_bytes: bucket size; producers must use the same (the default on both sides).
-        timeout_s: bound on rendezvous and each collective (None: torch's default, 30 min gloo).
-        listen_socket: a socket already bound (and listening) at `host:port` that the rendezvous
-            store takes over (no race between picking a free port and binding it); None: bind
-            `port` at `init_group`.
-
-    Raises:
-        ValueError: `world_size < 2`, `bucket_bytes <= 0`, or an unknown backend.
+    `host:port` hosts the rendezvous store (`listen_socket`: one already bound there, taken over by the store);
+    `world_size` = 1 + producer workers; `bucket_bytes` must match the producers'; `timeout_s` bounds the rendezvous
+    and each collective (None: torch's, 30 min for gloo). Raises ValueError: `world_size < 2`, `bucket_bytes <= 0`,
+    an unknown backend.
     """
 
     method: ClassVar[str] = "broadcast"
@@ -187,7 +142,7 @@ class BroadcastSender(WeightSender):
         self._send_buffers: SendBuffers | None = None
         self._pending: _Transfer | None = None
         self.last_transfer: dict | None = None
-        """Info of the last completed transfer (`start_send`'s dict + `transfer_s`), or None."""
+        # the last completed transfer: start_send's dict + transfer_s
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -196,10 +151,7 @@ class BroadcastSender(WeightSender):
         self.init_group()
 
     def init_group(self) -> None:
-        """Create the group as rank 0; blocks until all `world_size - 1` producer workers joined
-        (idempotent). Producers call `RolloutEngine.init_weight_group` in any order relative to
-        this, as long as all of them do within `timeout_s`.
-        """
+        """Create the group as rank 0; blocks until all producer workers joined within `timeout_s` (idempotent)."""
         if self._group is not None:
             return
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
@@ -228,8 +180,7 @@ class BroadcastSender(WeightSender):
         )
 
     def close(self) -> None:
-        """Wait for an in-flight transfer (its collectives time out after `timeout_s`), tear the
-        group down and release the send buffers (idempotent; a failed transfer is logged)."""
+        """Wait for a transfer in flight (failure logged), tear the group down, free the buffers (idempotent)."""
         if self._pending is not None:
             try:
                 self.wait()
@@ -257,8 +208,7 @@ class BroadcastSender(WeightSender):
         return self._pending is not None
 
     def transfer_finished(self) -> bool:
-        """True if a transfer is in flight and the backend has finished it (successfully or not):
-        `wait` then returns (or raises `SendFailed`) at once. Does not block."""
+        """True if a transfer is in flight and finished, well or not (`wait` returns at once). Non-blocking."""
         transfer = self._pending
         return transfer is not None and all(w.is_completed() for w in transfer.works)
 
@@ -266,21 +216,11 @@ class BroadcastSender(WeightSender):
     def start_send(
         self, state_dict: Mapping[str, torch.Tensor], version: int, manifest: list[list] | None = None
     ) -> dict:
-        """Start sending `state_dict` as policy `version`; returns what to announce.
+        """Start the background send of `state_dict` as `version`; `state_dict` may change once this returns.
 
-        `manifest`: `self.manifest(state_dict)` if the caller already built it (to announce it),
-        else built here.
-
-        Returns `{"method", "version", "manifest", "path", "num_bytes", "bucket_bytes",
-        "blocked_s"}`: `path` is None; `blocked_s` the seconds this call took (waiting for the
-        previous transfer, copying into the send buffers, handing the buckets to the backend).
-        The transfer goes on in the background (see the module docstring); `state_dict` may
-        change once this returns.
-
-        Raises:
-            SendFailed: the PREVIOUS transfer failed (nothing of this version was sent).
-            RuntimeError: no group (`init_group` first), or the backend refused the collective.
-            ValueError: a bad payload (`build_manifest`).
+        Returns the announcement plus `bucket_bytes` and `blocked_s` (seconds this call held the caller). Raises
+        `SendFailed` (the PREVIOUS transfer failed; nothing of this one was sent), RuntimeError (no group, or the
+        backend refused), ValueError (a bad payload).
         """
         start = time.perf_counter()
         manifest = self.manifest(state_dict) if manifest is None else manifest
@@ -311,13 +251,7 @@ class BroadcastSender(WeightSender):
         return info
 
     def wait(self) -> dict | None:
-        """Wait for the in-flight transfer; returns its info plus `transfer_s` (first bucket
-        handed to the backend -> last bucket out), or None if there is none.
-
-        Raises:
-            SendFailed: the transfer failed or timed out (`timeout_s`); it is no longer in
-                flight afterwards.
-        """
+        """Its info plus `transfer_s` (first bucket handed over -> last out), or None; `SendFailed` on failure."""
         transfer, self._pending = self._pending, None
         if transfer is None:
             return None
@@ -336,8 +270,7 @@ class BroadcastSender(WeightSender):
         announce: Announce,
         manifest: list[list] | None = None,
     ) -> dict:
-        """Announce `version` first (producers join the collective on the announcement), then
-        `start_send` it; returns `start_send`'s info. Raises as `start_send`."""
+        """Announce `version` first (producers join the collective on it), then `start_send` it."""
         manifest = self.manifest(state_dict) if manifest is None else manifest
         announce(
             {
@@ -351,7 +284,7 @@ class BroadcastSender(WeightSender):
         return self.start_send(state_dict, version, manifest)
 
     def _buffers(self, manifest: list[list]) -> SendBuffers:
-        """The send buffers of `manifest` (allocated and planned on its first send, then reused)."""
+        """`manifest`'s send buffers (allocated on its first send, then reused)."""
         if self._send_buffers is None or self._send_buffers.manifest != manifest:
             device = (
                 torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
@@ -361,19 +294,11 @@ class BroadcastSender(WeightSender):
 
 
 class BroadcastReceiver(WeightReceiver):
-    """Producer side of the broadcast method: joins the group at start (unless the producer
-    cannot be in it), receives each announced version into the engine, and moves to each group
-    the trainer re-forms (`regroup`).
+    """Producer side: joins the first group, receives each announced version, follows re-formed groups.
 
-    Args:
-        engine: the producer's `producers.engine.RolloutEngine`.
-        host, port, world_size, timeout_s: the first group's rendezvous (`broadcast.*`).
-        rank: the rank of this engine's first worker in the first group (1 + the producer's index).
-        backend: "auto" | "gloo" | "nccl" (resolved here, as the trainer resolves it).
-        in_group: False for a producer restarted or added after the first group was formed: it
-            skips broadcasts (and takes filesystem announcements) until a re-formed group lists it.
-        name: this producer's name (`producer-i`), how `WeightGroup` lists members.
-        reform_timeout_s: bound on joining a re-formed group, seconds (None: `timeout_s`).
+    `rank`: this engine's first worker's rank (1 + producer index). `in_group=False` (restarted or added
+    later): skip broadcasts until a re-formed group lists `name`. `reform_timeout_s` (None: `timeout_s`) bounds
+    joining a re-formed group, seconds.
     """
 
     method: ClassVar[str] = "broadcast"
@@ -399,15 +324,13 @@ class BroadcastReceiver(WeightReceiver):
         self.reform_timeout_s = timeout_s if reform_timeout_s is None else reform_timeout_s
         self.in_group = in_group
         self.name = name
+        # generation of the group this engine is in (WeightGroup.generation); None: none
         self.generation: int | None = 0 if in_group else None
-        """The generation of the group this engine is in (`WeightGroup.generation`; None: none)."""
         self._joined_port: int | None = port if in_group else None
-        self.expects_resend = False
-        """Joined a re-formed group whose first broadcast (the trainer's last version again) is
-        still to come: it is received even when this engine already has that version."""
+        self.expects_resend = False  # joined a re-formed group; its first send (a resend) is still to come
 
     async def join(self) -> None:
-        """Join the trainer's group (blocks until every rank is there); nothing if not `in_group`."""
+        """Join the trainer's group (blocks until every rank is there) if `in_group`."""
         if self.in_group:
             await self.engine.init_weight_group(
                 self.host,
@@ -419,15 +342,10 @@ class BroadcastReceiver(WeightReceiver):
             )
 
     async def regroup(self, msg: Any, ack: Callable[[], None]) -> bool:
-        """Move to the group `msg` (a `bus.messages_weights.WeightGroup`) announces: leave the old
-        group, then if this producer is a member call `ack` and join the new one as
-        `msg.rank_of(name)` (blocks until every rank joined or `reform_timeout_s` passed).
+        """Leave the old group; if `msg` lists this producer, `ack` and join as `msg.rank_of(name)` (blocks).
 
-        Returns whether this engine is in the new group. A failed join is logged, not raised: the
-        trainer blames the members that never acknowledged, re-forms without them, and this
-        producer takes filesystem announcements until a group lists it again. A group that lists
-        this producer nowhere (a restarted trainer that has not heard of it yet) makes it ask to
-        be taken in (`wants_group`), as a newcomer does.
+        Returns whether it is in the new group. A failed join is logged, not raised (the trainer re-forms without
+        it; filesystem announcements meanwhile); a group listing it nowhere makes it ask like a newcomer.
         """
         if (msg.generation, msg.port) == (self.generation, self._joined_port):
             return self.in_group  # a repeat of the group this engine already acted on
@@ -472,18 +390,15 @@ class BroadcastReceiver(WeightReceiver):
 
     @property
     def wants_group(self) -> bool:
-        """Outside every group and never told which one to be in (a restarted, late or scaled-up
-        producer): it asks the trainer to re-form the group with it."""
+        """Outside every group and never told which to be in (restarted, late or scaled up)."""
         return not self.in_group and self.generation is None
 
     def must_apply(self, msg: Any, current_version: int) -> bool:
-        """Whether `msg` must be received although this engine has its version: the first
-        broadcast into a group just joined (every rank must take part in the collective)."""
+        """The first broadcast into a group just joined: every rank must take part."""
         return self.in_group and self.expects_resend and msg.method == self.method
 
     def skip_reason(self, msg: Any, current_version: int) -> str | None:
-        """Not in the group, or an older version outside a resend (a resumed trainer re-publishes
-        by filesystem; joining a collective nobody sends would block forever)."""
+        """Not in the group, or an older version outside a resend (a collective nobody sends would block)."""
         if not self.in_group:
             return "not in the weight group"
         if msg.version < current_version and not self.expects_resend:
@@ -491,6 +406,6 @@ class BroadcastReceiver(WeightReceiver):
         return None
 
     async def apply(self, msg: Any) -> None:
-        """Receive the broadcast of `msg.manifest` as `msg.version` (`RolloutEngine.update_weights`)."""
+        """Receive `msg.version` by broadcast (`RolloutEngine.update_weights`)."""
         await self.engine.update_weights(msg.version, msg.manifest, resend=self.expects_resend)
         self.expects_resend = False
