@@ -1,42 +1,13 @@
 """The Slurm launcher: inside an allocation, one ``srun`` step per component on its node.
 
-``busctl up --launcher slurm`` runs inside ``salloc`` or a batch script (``busctl sbatch``). The
-nodes come from ``SLURM_JOB_NODELIST`` (a heterogeneous job: ``SLURM_JOB_NODELIST_HET_GROUP_0..2``),
-expanded by ``scontrol show hostnames``; :func:`busctl.launchers.nodes.plan_nodes` puts each
-component on a node. :meth:`SlurmLauncher.configure` then makes the run multi-host: transport
-tcp with ``bus.hosts`` naming the node that binds each endpoint, the weight broadcast's
-rendezvous at the trainer's node, and (unless ``bus.curve_keys_dir`` is given) a fresh CurveZMQ
-key directory ``RUN_DIR/curve_keys`` made for this run (mode 0700; components read it, like
-``config.yaml``, from the run directory, which must be on a filesystem every node sees, as
-Slurm clusters have).
-
-Each component is ``srun --nodes=1 --ntasks=1 --nodelist=NODE --overlap [--het-group=K]
-[--gpus=N] --kill-on-bad-exit=1 --job-name=rlbus-NAME-ID CMD``, started locally in its own
-session with a parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGTERM)``): when ``busctl up``
-dies, SIGKILLed included, the kernel sends its ``srun`` SIGTERM, and ``srun`` answers it by
-cancelling its step ("forcing job termination"), so no step outlives busctl. GPU components get
-``--gpus`` with as many devices as :mod:`busctl.placement` planned and Slurm sets their
-``CUDA_VISIBLE_DEVICES``. The step's component sends ``RLBUS_SPAWN_ID=ID``
-instead of its pid (it runs elsewhere) and serves its metrics on its node's address
-(``RLBUS_NODE_ADDRESS``, the node resolved as for ``bus.hosts``), which ``prometheus.yml`` and
-``busctl status`` read (:mod:`busctl.metrics_targets`). The supervisor watches the local ``srun``: the step's
-end is its exit. Signals go to the step's task with ``scancel --signal=SIG`` (the step found by
-its name): SIGTERM is a graceful stop as on the local launcher (``srun`` itself would answer
-SIGTERM by cancelling the step, SIGKILL after ``KillWait``); SIGKILL also kills ``srun``, so a
-killed component leaves nothing running on its node. Slurm's answers go through
-:mod:`busctl.launchers.slurm_state`: a failing ``squeue`` is retried and then *unknown*, never
-"the step ended"; a failing ``scancel`` (exit code, stderr) is logged; in both cases the signal
-goes to the step's ``srun`` instead (SIGTERM to ``srun`` cancels the step).
-
-A component stays on the node of its first start while that node lives, so a binding component's
-address in ``bus.hosts`` stays right across restarts. When a component crashes the supervisor
-asks :meth:`SlurmLauncher.check_crash` first: if the job itself no longer runs (a node failure
-ends a Slurm job unless it was submitted with ``--no-kill``) the run fails at once, naming the
-job state and the node; if the component's node is dead (``DOWN``, ``NOT_RESPONDING``, ...) the
-component is re-planned over the allocation's live nodes (:func:`busctl.launchers.nodes.plan_nodes`
-without the dead ones: a spare node; a moved binder's endpoints follow, :mod:`busctl.rebinding`),
-and when its group has no live node left the run fails at once, naming the node. A Slurm that
-does not answer leaves the node as it was (the restart goes ahead).
+``busctl up --launcher slurm`` runs inside ``salloc`` or a ``busctl sbatch`` script; the nodes come from
+``SLURM_JOB_NODELIST`` (or the three het groups) and :func:`busctl.launchers.nodes.plan_nodes` places each
+component. :meth:`SlurmLauncher.configure` makes the run multi-host (tcp, ``bus.hosts``, per-run CurveZMQ keys
+in the run directory, which every node must see). Each step's ``srun`` runs locally with a parent-death
+SIGTERM, so no step outlives busctl; signals go to the step's task by ``scancel --signal``, falling back to
+``srun`` when Slurm cannot say (:mod:`busctl.launchers.slurm_state`). On a crash, a job that no longer runs
+fails the run; a dead node's components are re-planned over the live nodes. The story is in
+docs/ARCHITECTURE.md, "Lifecycle and healing"; running it in docs/operations.md, "Slurm".
 """
 
 from __future__ import annotations
@@ -115,7 +86,7 @@ def allocation_from_environ(
 def srun_command(
     spec: ComponentSpec, cmd: list[str], node: str, het_group: int | None, gpus: int, spawn_id: int
 ) -> list[str]:
-    """The ``srun`` line that runs ``cmd`` as one step on ``node`` (see the module docstring)."""
+    """The ``srun --overlap`` line that runs ``cmd`` as one step on ``node`` (``--gpus`` as planned)."""
     return [
         "srun",
         "--nodes=1",
@@ -136,10 +107,8 @@ _PRCTL = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # resolved h
 
 
 def die_with_busctl(parent_pid: int) -> Callable[[], None]:
-    """A ``preexec_fn`` for ``srun``: SIGTERM to it when its parent dies (``prctl(PR_SET_PDEATHSIG)``,
-    Linux; kept across ``exec`` as ``srun`` is not set-uid). The parent is the *thread* that
-    spawned it (busctl's supervisor thread, which lives as long as the run). A parent already gone
-    before the ``prctl`` is caught by comparing ``getppid()`` with ``parent_pid``."""
+    """A ``preexec_fn`` for ``srun``: SIGTERM when its parent thread dies (``prctl(PR_SET_PDEATHSIG)``, Linux);
+    a parent gone before the ``prctl`` is caught by comparing ``getppid()`` with ``parent_pid``."""
 
     def arm() -> None:
         if _PRCTL is not None:  # Linux
@@ -151,13 +120,8 @@ def die_with_busctl(parent_pid: int) -> Callable[[], None]:
 
 
 class SlurmStep(LocalProcess):
-    """:class:`busctl.launchers.Launched` of one ``srun`` step (see the module docstring): the local
-    ``srun`` process's exit is the step's; ``pid`` is the spawn id the component names itself by.
-
-    Args:
-        popen: the local ``srun``. spawn_id: ``RLBUS_SPAWN_ID``. node: the step's node.
-        step_name: its ``--job-name``. job: the Slurm job id (None: any job's step of that name).
-    """
+    """The :class:`busctl.launchers.Launched` of one ``srun`` step: the local ``srun``'s exit is the step's;
+    ``pid`` is the spawn id (``RLBUS_SPAWN_ID``) the component names itself by. ``job`` None: any job's step."""
 
     def __init__(
         self, popen: subprocess.Popen, spawn_id: int, node: str, step_name: str, job: str | None = None
@@ -176,12 +140,9 @@ class SlurmStep(LocalProcess):
         return step_ids(self.step_name, self.job)
 
     def signal(self, sig: int) -> None:
-        """Send ``sig`` to the step's task with ``scancel --signal`` (not to ``srun``: ``srun``
-        answers SIGTERM by cancelling the step, SIGKILL after Slurm's ``KillWait``, which would cut
-        a graceful stop short). ``srun`` (its whole process group) gets ``sig`` too after SIGKILL,
-        when the step is not listed (not started yet, or ended), when ``squeue`` cannot say
-        (unknown after its retries) and when ``scancel`` fails: then ``srun`` cancels the step
-        itself. Gone: ignored."""
+        """Send ``sig`` to the step's task with ``scancel --signal``: ``srun`` would answer SIGTERM by cancelling
+        the step and cut a graceful stop short. ``srun`` gets ``sig`` too on SIGKILL, when the step is not listed, or
+        when Slurm cannot say or ``scancel`` fails (``srun`` then cancels the step). Gone: ignored."""
         if self.popen.poll() is not None:
             return
         fallback = sig == signal.SIGKILL
@@ -207,7 +168,7 @@ class SlurmLauncher:
     """Starts each component as an ``srun`` step on its node of ``alloc``.
 
     Args:
-        alloc: the job's nodes. resolve: node name -> address for ``bus.hosts``.
+        resolve: node name -> address for ``bus.hosts``.
         job: the Slurm job id (``SLURM_JOB_ID``; None: its state is not checked on a crash).
 
     Attributes:
@@ -228,11 +189,7 @@ class SlurmLauncher:
 
     @classmethod
     def from_environ(cls, cfg: RunConfig, environ: Mapping[str, str] | None = None) -> "SlurmLauncher":
-        """The launcher of the allocation busctl runs in (``cfg``: unused, for symmetry).
-
-        Raises:
-            ConfigError: see :func:`allocation_from_environ`.
-        """
+        """The launcher of the allocation busctl runs in (``cfg`` unused); ConfigError outside one."""
         try:
             environ = os.environ if environ is None else environ
             return cls(allocation_from_environ(environ), job=environ.get("SLURM_JOB_ID"))
@@ -240,8 +197,7 @@ class SlurmLauncher:
             raise ConfigError(str(err)) from None
 
     def configure(self, cfg: RunConfig) -> None:
-        """tcp, ``bus.hosts``, the broadcast rendezvous at the trainer's node, per-run CurveZMQ keys
-        (:func:`busctl.launchers.multihost.configure_multihost`)."""
+        """Make the run multi-host (:func:`busctl.launchers.multihost.configure_multihost`)."""
         configure_multihost(cfg, self.alloc, self.resolve, socket.gethostname(), socket.gethostname().split(".")[0])
 
     def describe(self) -> str:
@@ -272,8 +228,7 @@ class SlurmLauncher:
         return Allocation(groups)
 
     def slot(self, spec: ComponentSpec) -> Slot:
-        """Where ``spec`` runs next: its node of last time while it lives, else its plan over the
-        live nodes (:meth:`live_allocation`; raises :class:`NodeLost` when there are none)."""
+        """Where ``spec`` runs next: its last node while it lives, else re-planned over the live nodes (NodeLost)."""
         slot = self.pinned.get(spec.name)
         if slot is None or slot.node in self.dead:
             slot = self.pinned[spec.name] = plan_nodes(self.live_allocation(), spec.role, spec.index)
@@ -284,13 +239,11 @@ class SlurmLauncher:
         return self.resolve(self.slot(spec).node)
 
     def check_crash(self, spec: ComponentSpec) -> str:
-        """``spec``'s step ended unasked: fail the run if the job no longer runs or the node is
-        dead with no spare (:class:`NodeLost`, naming the node); a dead node with a spare moves
-        ``spec`` there on its restart (returns the line saying so); else ``""``. Slurm not
-        answering (:class:`SlurmUnavailable`): logged, ``""`` (the restart goes ahead).
+        """After ``spec``'s step ended unasked: a dead node with a spare moves ``spec`` there (returns the line
+        saying so); else ``""``, also when Slurm does not answer (logged; the restart goes ahead).
 
         Raises:
-            NodeLost: see above.
+            NodeLost: the job no longer runs, or the node is dead with no live node left (naming the node).
         """
         node = self.pinned[spec.name].node if spec.name in self.pinned else self.slot(spec).node
         try:
@@ -315,7 +268,7 @@ class SlurmLauncher:
         return f"node {node} of {spec.name} is {'+'.join(sorted(states))}: {spec.name} moves to {moved.node}"
 
     def spawn(self, spec: ComponentSpec, cmd: list[str], env: dict[str, str], log: IO[bytes]) -> SlurmStep:
-        """Start ``cmd`` as an ``srun`` step on the component's node (module docstring)."""
+        """Start ``cmd`` as an ``srun`` step on the component's node; Slurm hands out its GPUs."""
         slot = self.slot(spec)
         spawn_id = secrets.randbelow(2**31 - 2) + 1
         env = {**env, ENV_SPAWN_ID: str(spawn_id), ENV_NODE_ADDRESS: self.resolve(slot.node)}
