@@ -1,40 +1,12 @@
-"""The bus method (`broadcast.method: bus`, or `broadcast.fallback: bus`): weights as zero-copy
-ZeroMQ frames over the bus, `BusSender` (trainer) and `BusReceiver` (producer process; its vLLM
-workers fetch, `broadcaster.bus_fetch`).
+"""The bus method (`broadcast.method: bus` or `broadcast.fallback: bus`): weights as zero-copy ZeroMQ frames,
+`BusSender` (trainer, a ROUTER served by `WeightServer`'s thread) and `BusReceiver` (producer; its vLLM workers
+pull with `broadcaster.bus_fetch`). Pull, not PUB: a slow or late producer loses nothing and the trainer queues
+at most what a peer asked for (docs/ARCHITECTURE.md, "Weights").
 
-    trainer                                             producer i's vLLM worker
-    BusSender.start_send(sd, v): copy into the bucket
-      buffers, serve them                               (DEALER, connected to the `weights` endpoint)
-    announce weights.ready(v, method "bus", manifest)
-                                   <-- weights.request(v, buckets [k, k+1]) --
-      WeightServer thread (ROUTER) -- weights.bucket(latest, k, crc32, frame) -->  check, copy once
-      ... until every bucket is in; loads through vLLM's reload_weights, as the broadcast receiver
-
-Why pull (ROUTER on the trainer, a DEALER per worker asking for a window of buckets) and not PUB:
-PUB sends every version to every subscriber at the pace of the slowest and drops at the HWM
-without telling anyone, so a slow or late producer would lose buckets and the trainer could not
-know; and a late joiner would have to wait for the next version. Pulling, each receiver takes its
-own pace, a late joiner (restarted, `busctl scale`, a re-form miss) fetches the current version
-the moment it asks, and the trainer never queues more per peer than that peer asked for
-(`bus.topics` "weights": the ROUTER drops at its HWM and towards a lost peer; the receiver asks
-again). It needs no shared filesystem and no torch.distributed group: tcp:// + CurveZMQ reaches
-other hosts like every other topic.
-
-Invariants:
-- Bounded memory: the trainer keeps ONE version, the latest, in flat bucket buffers allocated
-  once (`broadcaster.dist_broadcast.SendBuffers`, always in host memory). A request for an older
-  version is answered with the latest (the receiver starts over on it).
-- One copy on each side: the trainer copies (and casts) the payload into the bucket buffers and
-  sends frames that alias them (`copy=False`); the receiver copies each frame once into its own
-  flat buffer. So the buffers are never refilled while ZeroMQ may still read them: `start_send`
-  first stops serving the old version and waits for every frame sent from it to be released
-  (ZeroMQ message trackers); frames a dead peer's pipe still holds after `retire_timeout_s` are
-  left to ZeroMQ, and the next version goes into freshly allocated buffers instead.
-- Integrity: each bucket carries its size and `zlib.crc32` (computed by the server thread at the
-  bucket's first request, so not on the trainer thread); a bad frame is counted by the receiver
-  and asked again (`broadcaster.bus_fetch`).
-- Order: the version is served before it is announced (as the filesystem method writes first),
-  so a producer acting on `weights.ready` always finds it.
+The trainer keeps ONE version, the latest, in host `SendBuffers` allocated once, and serves it before announcing
+it. Frames alias the buffers (`copy=False`), so `start_send` first retires the old version and waits for ZeroMQ's
+message trackers; after `retire_timeout_s` (a dead peer's pipe) the new version goes into fresh buffers. Each
+bucket's `zlib.crc32` is computed on the server thread at its first request.
 """
 
 from __future__ import annotations
@@ -67,7 +39,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["BusLink", "BusReceiver", "BusSender", "WeightServer"]
 
 _POLL_MS = 50
-"""How often the server thread wakes to check for a stop or a version to serve, milliseconds."""
+"""How often the server thread checks for a stop or a version to serve, milliseconds."""
 
 _MAX_WAITING = 1024
 """Most requests kept while nothing is served (a few per producer worker in practice)."""
@@ -75,14 +47,8 @@ _MAX_WAITING = 1024
 
 @dataclass(frozen=True)
 class BusLink:
-    """Where the bus method's frames go: the `weights` endpoint and how to reach it.
-
-    Attributes:
-        address: the endpoint (`bus.topics.Endpoints.address("weights")`).
-        ctx: the trainer's `zmq.Context` (its CURVE settings secure the ROUTER); None on producers.
-        keys_dir, client: the producers' CurveZMQ key directory and client keypair (`bus.auth`;
-            "" = plaintext), handed to the vLLM workers, which open their own sockets.
-    """
+    """The `weights` endpoint and how to reach it: the trainer's `ctx` (its CURVE secures the ROUTER; None on
+    producers), or the producers' CurveZMQ `keys_dir`/`client` ("": plaintext) for their vLLM workers' sockets."""
 
     address: str
     ctx: zmq.Context | None = None
@@ -91,22 +57,18 @@ class BusLink:
 
     @classmethod
     def connecting(cls, address: str, keys: auth.CurveKeys | None) -> "BusLink":
-        """A producer's link: `address` and the keys its process uses (`bus.auth.keys_from_config`;
-        None: plaintext), handed on to its vLLM workers as plain strings."""
+        """A producer's link: `address` and its process's keys (None: plaintext), as strings for the workers."""
         return cls(address, keys_dir=str(keys.keys_dir) if keys else "", client=keys.client if keys else "")
 
 
 @dataclass
 class _Served:
-    """One version being served: its bucket byte arrays (aliasing the send buffers), checksums,
-    and the trackers of every frame sent from them."""
+    """One version being served: bucket byte arrays (aliasing the send buffers), checksums, frame trackers."""
 
     version: int
     arrays: list[np.ndarray]
     bucket_bytes: int
-    crc32: dict[int, int] = field(default_factory=dict)
-    """Checksums computed so far (on the server thread, at a bucket's first request: off the
-    trainer thread; zlib releases the GIL while it runs)."""
+    crc32: dict[int, int] = field(default_factory=dict)  # filled by the server thread (zlib releases the GIL)
     trackers: list[zmq.MessageTracker] = field(default_factory=list)
 
     def checksum(self, index: int) -> int:
@@ -117,14 +79,9 @@ class _Served:
 
 
 class WeightServer:
-    """The trainer's ROUTER on the `weights` endpoint and the thread that answers requests.
+    """The trainer's ROUTER on `address` (CURVE server when `ctx` has keys) and the thread answering requests.
 
-    Args:
-        ctx: the process's context (CURVE when it has it: the ROUTER is the server).
-        address: the endpoint to bind.
-
-    Raises:
-        zmq.ZMQError: the endpoint cannot be bound.
+    Raises zmq.ZMQError: the endpoint cannot be bound.
     """
 
     def __init__(self, ctx: zmq.Context, address: str) -> None:
@@ -136,9 +93,7 @@ class WeightServer:
         self.sock.bind(address)  # handed to the thread below, which alone uses it from here on
         self._lock = threading.Lock()
         self._served: _Served | None = None
-        self._waiting: list[tuple[bytes, WeightsRequest]] = []
-        """Requests that came while nothing was served (before the first version, during a swap),
-        at most `_MAX_WAITING` (a receiver asks again for what is dropped beyond)."""
+        self._waiting: list[tuple[bytes, WeightsRequest]] = []  # came while nothing was served
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="weight-server", daemon=True)
         self._thread.start()
@@ -150,8 +105,7 @@ class WeightServer:
             self._served = served
 
     def retire(self, timeout_s: float) -> bool:
-        """Stop serving the current version and wait up to `timeout_s` for ZeroMQ to release every
-        frame sent from it; returns whether it did (so its buffers may be refilled)."""
+        """Stop serving; whether ZeroMQ released every frame of it within `timeout_s` (buffers reusable)."""
         with self._lock:
             served, self._served = self._served, None
         if served is None:
@@ -200,8 +154,7 @@ class WeightServer:
         self._answer(frames[0].bytes, request)
 
     def _answer(self, identity: bytes, request: WeightsRequest) -> None:
-        """Send the requested buckets of the served version (zero-copy, tracked); with nothing
-        served, keep the request until something is."""
+        """Send the served version's requested buckets (zero-copy, tracked), or keep the request for later."""
         with self._lock:  # retire() cannot swap the version out while its frames are being queued
             served = self._served
             if served is None:
@@ -236,17 +189,10 @@ class WeightServer:
 
 
 class BusSender(WeightSender):
-    """Trainer side of the bus method (see the module docstring).
+    """Trainer side: binds `address` at `open` (or the first `start_send`).
 
-    Args:
-        ctx: the trainer's `zmq.Context`.
-        address: the `weights` endpoint to bind (at `open`, or the first `start_send`).
-        bucket_bytes: bucket size (the producers plan with the same default).
-        retire_timeout_s: how long `start_send` waits for ZeroMQ to release the previous version's
-            frames before it allocates new buffers instead of refilling, seconds.
-
-    Raises:
-        ValueError: `bucket_bytes <= 0` or `retire_timeout_s < 0`.
+    `retire_timeout_s`: wait for the previous version's frames before allocating new buffers, seconds. Raises
+    ValueError: `bucket_bytes <= 0` or `retire_timeout_s < 0`.
     """
 
     method: ClassVar[str] = "bus"
@@ -282,13 +228,9 @@ class BusSender(WeightSender):
     def start_send(
         self, state_dict: Mapping[str, torch.Tensor], version: int, manifest: list[list] | None = None
     ) -> dict:
-        """Copy `state_dict` into the bucket buffers (cast to the manifest's dtypes) and serve it
-        as `version` from now on; returns `{"method", "version", "manifest", "path": None,
-        "num_bytes", "bucket_bytes", "blocked_s"}`. Nothing stays in flight: producers pull.
+        """Copy `state_dict` into the buffers (cast to wire dtypes) and serve it as `version`; nothing in flight.
 
-        Raises:
-            ValueError: a bad payload (`build_manifest`).
-            zmq.ZMQError: the endpoint cannot be bound (first call without `open`).
+        Returns the announcement plus `bucket_bytes`, `blocked_s`. Raises ValueError (a bad payload), zmq.ZMQError.
         """
         start = time.perf_counter()
         self.open()
@@ -327,16 +269,9 @@ class BusSender(WeightSender):
 
 
 class BusReceiver(WeightReceiver):
-    """Producer side of the bus method: each announced version is fetched by the engine's vLLM
-    workers over their own DEALER (`broadcaster.bus_fetch`).
-    Any version is applicable (an older one too: a resumed trainer rolls the policy back);
-    the version applied may be newer than the announced one (the trainer serves its latest).
+    """Producer side: the engine's vLLM workers fetch each announced version (`timeout_s` each, seconds).
 
-    Args:
-        engine: the producer's `producers.engine.RolloutEngine`.
-        link: the `weights` endpoint and the CurveZMQ keys (`BusLink`).
-        name: this producer's name (in its requests).
-        timeout_s: bound on fetching one version, seconds.
+    Any version applies (an older one: a resumed trainer rolled back); the one loaded may be newer than announced.
     """
 
     method: ClassVar[str] = "bus"
@@ -346,9 +281,7 @@ class BusReceiver(WeightReceiver):
         declare_topic("weights", "recv", reliable=False)
 
     async def apply(self, msg: Any) -> int:
-        """Fetch and load the version `msg` announces (`RolloutEngine.apply_rpc` of the worker
-        extension's `receive_weights_bus`); returns the version loaded. Counts what the workers
-        received and rejected on the `weights` topic (`rlbus_bus_*{topic="weights"}`)."""
+        """Fetch and load `msg`'s version in the workers; the version loaded. Counts `rlbus_bus_*{topic="weights"}`."""
         reports: list[dict] = []
         kwargs = {
             "manifest": msg.manifest,
