@@ -89,25 +89,38 @@ def sample_records(step: int, n: int = 2) -> list[dict]:
     ]
 
 
-# -- readers, one per tracker: {"loss": {step: value}, "eval": {round: value}, "tables": {step: [completions]}, "lr_param": ...}
+# -- readers, one per tracker: {"loss": {step: value}, "eval": {round: value}, "tables": {step: [completions]},
+#    "lr_param": ...}
 
 
 def read_tensorboard(run_dir: Path) -> dict:
-    """What RUN_DIR/tensorboard holds, read with TensorBoard's event reader."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    """What RUN_DIR/tensorboard holds, read event by event from every event file (a resumed tracker
+    writes a new one) with TensorBoard's event file loader; fails if a tag was logged twice at a
+    step (``EventAccumulator`` would keep one of them, or purge the older ones)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
     from tensorboard.plugins.hparams import plugin_data_pb2
 
-    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
-    acc.Reload()
+    logged: dict[str, dict[int, list]] = {}  # tag -> step -> the summary values logged
+    for path in sorted((run_dir / "tensorboard").glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                logged.setdefault(value.tag, {}).setdefault(event.step, []).append(value)
+
+    def once(tag: str) -> dict:
+        by_step = logged.get(tag, {})
+        twice = {step: len(values) for step, values in by_step.items() if len(values) > 1}
+        assert not twice, f"{tag} logged more than once at a step ({{step: count}}): {twice}"
+        return {step: values[0] for step, values in by_step.items()}
 
     def scalars(tag: str) -> dict[int, float]:
-        return {e.step: e.value for e in acc.Scalars(tag)} if tag in acc.Tags()["scalars"] else {}
+        return {step: value.tensor.float_val[0] for step, value in once(tag).items()}
 
-    tables = {}
-    for event in acc.Tensors("samples/text_summary"):
-        text = event.tensor_proto.string_val[0].decode()
-        tables[event.step] = [line.split(" | ")[5] for line in text.split("\n")[2:]]  # the completion column
-    hp = plugin_data_pb2.HParamsPluginData.FromString(acc.PluginTagToContent("hparams")["_hparams_/session_start_info"])
+    tables = {
+        step: [line.split(" | ")[5] for line in value.tensor.string_val[0].decode().split("\n")[2:]]  # completions
+        for step, value in once("samples/text_summary").items()
+    }
+    (start,) = once("_hparams_/session_start_info").values()
+    hp = plugin_data_pb2.HParamsPluginData.FromString(start.metadata.plugin_data.content)
     return {
         "loss": scalars("loss"),
         "reward": scalars("reward_mean"),
