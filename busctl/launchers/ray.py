@@ -1,46 +1,14 @@
 """The Ray launcher: each component a process started by a small Ray actor on its node.
 
-``busctl up --launcher ray [--address ADDR]`` connects to a running Ray cluster
-(``ray.init(address=ADDR)``, default ``auto``: the cluster this host belongs to) and places every
-component on one of its alive nodes with :func:`busctl.launchers.nodes.plan_nodes`, over the
-:class:`~busctl.launchers.nodes.Allocation` that :func:`allocation_from_ray_nodes` builds from the
-nodes' resources (the ``placement`` of roles):
-
-- a node offering the custom resource ``producer`` is an inference node, ``trainer`` a trainer
-  node (``ray start --resources='{"producer": 1}'``), and one offering ``rewards`` or neither of
-  them a CPU node; when any node offers one of the three the plan is the heterogeneous one
-  (producer ``i`` on inference node ``i mod n``, the trainer on the first trainer node, hub, packer
-  and prompt source on the first CPU node, reward worker ``i`` on CPU node ``i mod n``; the head
-  node is first in its group, a group with no node falls back to the head node);
-- else the plain plan over all nodes, head node first (trainer, hub, packer and prompt source on
-  the head; producers on the others; reward workers round-robin).
-
-:meth:`RayLauncher.configure` then makes the run multi-host (:mod:`busctl.launchers.multihost`):
-tcp with ``bus.hosts`` naming the address of the node that binds each endpoint (a Ray node's
-``NodeManagerAddress``), the broadcast rendezvous at the trainer's node, and per-run CurveZMQ keys.
-
-Each component is one :class:`ComponentActor` (``num_cpus=0``, ``num_gpus`` as many devices as
-:mod:`busctl.placement` planned for it, pinned with
-``NodeAffinitySchedulingStrategy(node_id, soft=False)``). Its ``start`` writes the files the
-component needs on its node (the run's ``config.yaml`` and the CurveZMQ key files, sent in the
-call: no shared filesystem is needed for them) and starts ``python -m MODULE ...`` as a child in
-its own session, output appended to ``RUN_DIR/logs/NAME.log`` on that node. The component sends
-``RLBUS_SPAWN_ID`` instead of its pid. ``poll`` asks the actor without blocking (one call in flight
-at a time); ``signal`` goes through the actor to the child's process group. A dead actor or node
-is a component that exited (exit code :data:`ACTOR_DIED`): the supervisor's healing restarts it.
-A restart stays on the component's node while that node is alive and trusted (:func:`pinned_node`:
-its address, which ``bus.hosts`` names for a binder, stays right, whatever nodes came or went);
-only when the node died (or an actor died there within :data:`SUSPECT_S`) is it planned anew
-over the nodes alive at that moment. The supervisor asks for that node's address first
-(:meth:`RayLauncher.place`): a binder landing at another address moves its endpoints and its
-peers restart (:mod:`busctl.rebinding`). The component dies with its actor
-(``PR_SET_PDEATHSIG``, :mod:`bus.component`). It serves its metrics on its node's address
-(``RLBUS_NODE_ADDRESS``), where ``prometheus.yml`` and ``busctl status`` read them.
-
-What still needs a filesystem every node sees (or the same paths on every node): the policy
-(``model.path``), the Python environment at the same path, the run directory's outputs (logs,
-ledgers and packer spool, checkpoints: a trainer or packer restarted on another node resumes from
-them) and whatever busctl reads there (``status.json`` comes from busctl itself).
+``busctl up --launcher ray [--address ADDR]`` connects to a running cluster and places every component on an
+alive node with :func:`busctl.launchers.nodes.plan_nodes`, over the allocation the nodes' custom resources
+``producer`` / ``trainer`` / ``rewards`` make (:func:`allocation_from_ray_nodes`; none: the plain plan, head
+first). Each component is one :class:`ComponentActor` (``num_cpus=0``, ``num_gpus`` as planned, pinned with
+``NodeAffinitySchedulingStrategy(soft=False)``) that writes ``config.yaml`` and the key files on its node and
+starts the component in its own session. A dead actor or node is an exit (:data:`ACTOR_DIED`); a restart stays
+on its node while that node lives (:func:`pinned_node`), else is re-planned. The policy, the Python environment
+and the run's outputs still need the same paths on every node. The story is in docs/ARCHITECTURE.md, running it
+in docs/operations.md, "Ray".
 """
 
 from __future__ import annotations
@@ -74,14 +42,10 @@ node that just died as alive, for up to its health-check timeout)."""
 
 
 def allocation_from_ray_nodes(nodes: list[dict[str, Any]], head: str) -> Allocation:
-    """The :class:`Allocation` of the alive nodes of ``ray.nodes()`` (rules: the module docstring).
+    """The :class:`Allocation` of the alive nodes of ``ray.nodes()``; its node names are Ray node ids (hex).
 
-    Args:
-        nodes: ``ray.nodes()`` entries (``NodeID``, ``Alive``, ``Resources``).
-        head: the node id busctl runs on (first in the plain plan; fallback of an empty group).
-
-    Returns:
-        an allocation whose node names are Ray node ids (hex).
+    ``head`` (busctl's node) is first in the plain plan and the fallback of an empty group; the rules are in
+    docs/operations.md, "Ray".
 
     Raises:
         ValueError: no alive node.
@@ -103,8 +67,7 @@ def allocation_from_ray_nodes(nodes: list[dict[str, Any]], head: str) -> Allocat
 
 
 def pinned_node(alloc: Allocation, role: str, index: int, home: str | None) -> str:
-    """The node of a component's next spawn: ``home`` (the node of its last spawn) while it is in
-    ``alloc`` (alive and trusted), else :func:`busctl.launchers.nodes.plan_nodes` over ``alloc``."""
+    """The node of the next spawn: ``home`` while it is in ``alloc`` (alive and trusted), else planned anew."""
     alive = {n for group in alloc.groups for n in group}
     return home if home in alive else plan_nodes(alloc, role, index).node
 
@@ -124,15 +87,9 @@ class ComponentActor:
         files: dict[str, tuple[bytes, int]],
         gpus: int,
     ) -> str:
-        """Write ``files`` (absolute path -> (content, mode); rewritten only when different,
-        atomically), then start ``cmd`` in a new session with ``env`` (plus Ray's
-        ``CUDA_VISIBLE_DEVICES`` when ``gpus``, and ``RLBUS_NODE_ADDRESS``: the node's address),
-        output appended to ``log_path`` after a line
-        ``===== ray node NODE_ID (ADDRESS) =====``.
-
-        Returns:
-            the node's address (``ray.util.get_node_ip_address()``).
-        """
+        """Write ``files`` (path -> (content, mode); atomically, only when different), then start ``cmd`` in a new
+        session, output appended to ``log_path`` after a ``===== ray node NODE_ID (ADDRESS) =====`` line; returns the
+        node's address (also ``RLBUS_NODE_ADDRESS`` in its environment)."""
         import ray
 
         for path, (data, mode) in files.items():
@@ -177,11 +134,7 @@ class ComponentActor:
 
 
 class RayComponent:
-    """:class:`busctl.launchers.Launched` of one component run by a :class:`ComponentActor`.
-
-    Attributes:
-        pid: the spawn id (``RLBUS_SPAWN_ID``). node: the Ray node id. address: its address.
-    """
+    """The :class:`busctl.launchers.Launched` of one component; ``pid`` is its spawn id (``RLBUS_SPAWN_ID``)."""
 
     def __init__(self, actor: Any, spawn_id: int, node: str, started: Any, on_death: Callable[[str], None]) -> None:
         self.actor = actor
@@ -194,9 +147,8 @@ class RayComponent:
         self._started = False
 
     def poll(self) -> int | None:
-        """The exit code once the process, its actor or its node ended (or the actor could not
-        start it), else None. Never blocks: one call to the actor in flight (first ``start``, then
-        ``poll``), its answer read when it is there."""
+        """The exit code once the process, its actor or its node ended, else None; never blocks (one call to the
+        actor in flight, its answer read when it is there)."""
         import ray
 
         if self.returncode is not None:
@@ -239,11 +191,7 @@ class RayComponent:
 
 
 class RayLauncher:
-    """Starts each component through a :class:`ComponentActor` on its Ray node (module docstring).
-
-    Args:
-        address: the cluster (``ray.init(address=...)``; ``auto``: the one this host belongs to).
-    """
+    """Starts each component through a :class:`ComponentActor` on its Ray node of the cluster at ``address``."""
 
     name = "ray"
 
@@ -262,7 +210,7 @@ class RayLauncher:
 
     @classmethod
     def connect(cls, cfg: RunConfig, address: str = "auto") -> "RayLauncher":
-        """The launcher of the Ray cluster at ``address`` (``cfg``: unused, for symmetry).
+        """The launcher of the Ray cluster at ``address`` (``cfg`` unused).
 
         Raises:
             ConfigError: the ``ray`` package is missing, or no cluster answers at ``address``.
@@ -280,8 +228,8 @@ class RayLauncher:
             ) from None
 
     def nodes(self) -> tuple[Allocation, dict[str, str]]:
-        """The allocation of the alive nodes now (less those where an actor died within
-        :data:`SUSPECT_S`, unless that leaves none), and node id -> address."""
+        """The allocation of the alive nodes now (less those suspect for :data:`SUSPECT_S`, unless that leaves
+        none), and node id -> address."""
         import ray
 
         nodes = ray.nodes()
@@ -296,8 +244,7 @@ class RayLauncher:
         self.suspects[node] = time.monotonic()
 
     def configure(self, cfg: RunConfig) -> None:
-        """tcp, ``bus.hosts`` (node addresses), the broadcast rendezvous at the trainer's node,
-        per-run CurveZMQ keys (:func:`busctl.launchers.multihost.configure_multihost`)."""
+        """Make the run multi-host (:func:`busctl.launchers.multihost.configure_multihost`)."""
         alloc, addresses = self.nodes()
         configure_multihost(cfg, alloc, lambda node: addresses.get(node, node), self.head_address, self.head)
         self.run_dir, self.keys_dir = Path(cfg.run_dir).resolve(), cfg.bus.curve_keys_dir
@@ -316,16 +263,14 @@ class RayLauncher:
         )
 
     def place(self, spec: ComponentSpec) -> str:
-        """Choose the node of ``spec``'s next spawn (:func:`pinned_node` over the alive nodes now)
-        and return its address; :meth:`spawn` starts it there."""
+        """Choose the node of ``spec``'s next spawn (:func:`pinned_node`) and return its address."""
         alloc, addresses = self.nodes()
         node = self.homes[spec.name] = pinned_node(alloc, spec.role, spec.index, self.homes.get(spec.name))
         return addresses.get(node, node)
 
     def files(self, address: str | None = None) -> dict[str, tuple[bytes, int]]:
-        """What each actor writes on its node: ``config.yaml`` and the key files, of the metrics
-        server keys (``tls/hosts/*.key``, :mod:`telemetry.certs`) only that of the node at
-        ``address`` (None: all), so a node never holds another's."""
+        """What each actor writes on its node: ``config.yaml`` and the key files; of the metrics server keys
+        (``tls/hosts/*.key``) only that of the node at ``address`` (None: all)."""
         from telemetry.certs import HOSTS_DIR, certificate_names
 
         out = {str(self.run_dir / "config.yaml"): ((self.run_dir / "config.yaml").read_bytes(), 0o644)}
@@ -344,7 +289,7 @@ class RayLauncher:
         return out
 
     def spawn(self, spec: ComponentSpec, cmd: list[str], env: dict[str, str], log: IO[bytes]) -> RayComponent:
-        """Start ``cmd`` through an actor on the component's node (module docstring); returns at once."""
+        """Start ``cmd`` through an actor on the component's node; returns at once."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         address = self.place(spec)  # as the supervisor placed it just before (unless that node died since)
