@@ -1,25 +1,11 @@
-"""Read components' Prometheus metrics over HTTP and turn two readings into rates.
+"""Read components' Prometheus metrics over HTTP(S) and turn two readings into rates.
 
-The supervisor's :class:`MetricsPoller` scrapes every ready component's ``/metrics`` every
-:data:`POLL_INTERVAL_S` on a daemon thread of its own (a slow or dead component costs at most
-:data:`SCRAPE_TIMEOUT_S` there and never delays healing), and keeps per component what
-``status.json``, ``busctl status`` and the live display show:
-
-- ``throughput``: ``samples_per_s`` and ``tokens_per_s``, rates of ``rlbus_stage_samples_total``
-  and ``rlbus_stage_tokens_total`` (summed over the ``stage`` label; :class:`telemetry.metrics.StageMeter`)
-  over the last :data:`RATE_WINDOW_S` (like Prometheus' ``rate(x[20s])``: stages finish work in
-  bursts, a trainer step every few seconds, so a rate between two scrapes 2 s apart would flicker);
-- ``busy``: fraction of that window with work in hand,
-  ``d busy_seconds / (d busy_seconds + d idle_seconds)`` of ``rlbus_stage_{busy,idle}_seconds_total``;
-- ``queue_depth``: the sum of ``rlbus_bus_queued_messages`` over its topics and queues, and
-  ``queues``: each ``"topic/queue"`` on its own.
-
-With the run's metrics TLS (:mod:`telemetry.tls`: tcp:// with CurveZMQ keys) the poller reads
-``https://`` and presents the client certificate (``tls``: the client context).
-
-Rates follow Prometheus' ``rate()`` on counter resets: a counter lower than before (the component
-restarted) counts from zero. A value that cannot be computed yet (one scrape only, no such
-counter) is ``None``, never a made-up zero.
+The supervisor's :class:`MetricsPoller` scrapes every ready component's ``/metrics`` on its own daemon thread (a
+slow or dead component never delays healing) and keeps what ``status.json``, ``busctl status`` and the live
+display show: throughput (rates of ``rlbus_stage_{samples,tokens}_total`` over :data:`RATE_WINDOW_S`, like
+Prometheus' ``rate(x[20s])``: stages finish work in bursts, so a rate between two scrapes would flicker), the
+busy fraction and the queue depths. Counter resets (a restarted component) count from zero, as ``rate()`` does;
+a value that cannot be computed yet is ``None``, never a made-up zero.
 """
 
 from __future__ import annotations
@@ -51,20 +37,14 @@ ENDPOINT_PORT = "rlbus_producer_endpoint_port"
 
 @dataclass(frozen=True)
 class Scrape:
-    """One reading of a component's ``/metrics``.
-
-    Attributes:
-        at: ``time.monotonic()`` when it was taken, seconds.
-        samples: sample name (``"rlbus_bus_queued_messages"``, ``"x_total"``, ``"h_bucket"``) ->
-            list of (labels, value).
-    """
+    """One reading of a component's ``/metrics``: ``at`` (``time.monotonic()``, seconds) and sample name
+    (``"x_total"``, ``"h_bucket"``) -> list of (labels, value)."""
 
     at: float
     samples: dict[str, list[tuple[dict[str, str], float]]] = field(default_factory=dict)
 
     def total(self, name: str, **labels: str) -> float | None:
-        """Sum of every sample called ``name`` whose labels include ``labels``; None when the
-        component exposes no sample of that name at all."""
+        """Sum of the samples called ``name`` whose labels include ``labels``; None when there is no such sample."""
         rows = self.samples.get(name)
         if rows is None:
             return None
@@ -95,8 +75,7 @@ def fetch_metrics(
     """The body of ``/metrics`` at ``host:port`` (HTTPS with the client context ``tls``).
 
     Raises:
-        OSError: connection refused, timeout, HTTP error, TLS handshake refused (``ssl.SSLError``
-            and ``urllib.error.URLError`` are OSErrors).
+        OSError: connection refused, timeout, HTTP error, TLS refused (``ssl.SSLError``, ``URLError``).
     """
     with urllib.request.urlopen(metrics_url(port, host, tls), timeout=timeout_s, context=tls) as resp:
         return resp.read()
@@ -105,25 +84,23 @@ def fetch_metrics(
 def scrape(
     port: int, host: str = "127.0.0.1", timeout_s: float = SCRAPE_TIMEOUT_S, tls: ssl.SSLContext | None = None
 ) -> Scrape:
-    """GET ``http://HOST:PORT/metrics`` (``https://`` presenting the client certificate of ``tls``,
-    :meth:`telemetry.tls.MetricsTls.client_context`) and parse it.
+    """GET and parse ``/metrics`` at ``host:port`` (HTTPS presenting the client certificate of ``tls``).
 
     Raises:
-        OSError: connection refused, timeout, HTTP error, TLS refused. ValueError: unparsable body.
+        OSError: as :func:`fetch_metrics`. ValueError: unparsable body.
     """
     body = fetch_metrics(port, host, timeout_s, tls).decode("utf-8")
     return parse_metrics(body, time.monotonic())
 
 
 def counter_delta(prev: float, cur: float) -> float:
-    """Increase of a counter between two readings; a lower reading means it restarted from 0
-    (Prometheus ``rate()`` semantics), so the increase is the new reading itself."""
+    """Increase of a counter between two readings; a lower reading restarted from 0 (``rate()`` semantics)."""
     return cur if cur < prev else cur - prev
 
 
 def counter_rate(prev: Scrape, cur: Scrape, name: str) -> float | None:
-    """Per-second increase of counter ``name`` (all its series summed) from ``prev`` to ``cur``,
-    1/s; None if ``cur`` does not expose it or no time passed."""
+    """Per-second increase of counter ``name`` (its series summed) from ``prev`` to ``cur``, 1/s; None if ``cur``
+    does not expose it or no time passed."""
     now, dt = cur.total(name), cur.at - prev.at
     if now is None or dt <= 0:
         return None
@@ -131,8 +108,7 @@ def counter_rate(prev: Scrape, cur: Scrape, name: str) -> float | None:
 
 
 def busy_fraction(prev: Scrape, cur: Scrape) -> float | None:
-    """``d busy / (d busy + d idle)`` of the stage busy/idle seconds counters, in [0, 1]; None
-    without those counters or when neither grew."""
+    """``d busy / (d busy + d idle)`` of the stage seconds counters, in [0, 1]; None without counters or growth."""
     values = [(prev.total(n), cur.total(n)) for n in (STAGE_BUSY, STAGE_IDLE)]
     if any(c is None for _, c in values):
         return None
@@ -141,8 +117,7 @@ def busy_fraction(prev: Scrape, cur: Scrape) -> float | None:
 
 
 def queue_depths(cur: Scrape) -> dict[str, float]:
-    """``{"topic/queue": messages}`` of ``rlbus_bus_queued_messages`` (queues: inbox,
-    outbox_not_taken, outbox_unfinished)."""
+    """``{"topic/queue": messages}`` of ``rlbus_bus_queued_messages``."""
     return {f"{lab.get('topic', '?')}/{lab.get('queue', '?')}": v for lab, v in cur.samples.get(QUEUED, [])}
 
 
@@ -150,9 +125,9 @@ def component_stats(prev: Scrape | None, cur: Scrape) -> dict:
     """What ``status.json`` records of one component from its last two scrapes.
 
     Returns:
-        ``{"throughput": {"samples_per_s": x, "tokens_per_s": y}, "busy": f, "queue_depth": n,
-        "queues": {"topic/queue": n}}``, plus ``"endpoint_port"`` for a producer serving its
-        OpenAI-compatible endpoint; rates and ``busy`` are None without ``prev``.
+        ``{"throughput": {"samples_per_s": x, "tokens_per_s": y}, "busy": f, "queue_depth": n, "queues": {...}}``,
+        plus ``"endpoint_port"`` for a producer serving its OpenAI-compatible endpoint; rates and ``busy`` are None
+        without ``prev``.
     """
     queues = queue_depths(cur)
     samples = tokens = busy = None
@@ -176,16 +151,13 @@ class MetricsPoller:
     """Scrapes components' metrics on a daemon thread and keeps their latest stats.
 
     Args:
-        targets: called once per round (from the poller's thread): ``[(name, host, port), ...]``
-            of the components to scrape now (host: where each serves its metrics,
-            :mod:`busctl.metrics_targets`); it must only read (e.g. copy the component table).
-        interval_s: seconds between rounds. timeout_s: per scrape.
+        targets: called once per round from the poller's thread, read only: ``[(name, host, port), ...]``.
         window_s: rates are over the scrapes of the last ``max(window_s, interval_s)`` seconds.
         tls: the client TLS context when the run's metrics are served over TLS, else None.
 
     Attributes:
-        stats: component name -> :func:`component_stats`; replaced whole after every round, so a
-            reader on another thread always sees one consistent round.
+        stats: component name -> :func:`component_stats`; replaced whole after every round (one consistent round
+            for a reader on another thread).
         failures: component name -> last scrape error of the latest round (text).
     """
 
@@ -208,9 +180,8 @@ class MetricsPoller:
         self._thread: threading.Thread | None = None
 
     def poll_once(self) -> dict[str, dict]:
-        """Scrape every target once; update and return :attr:`stats`. A target that fails keeps
-        its previous stats (its readings stay the base of the next rate); one at a new address (a
-        restarted component: another port, or another node) starts a new history."""
+        """Scrape every target once; update and return :attr:`stats`. A failing target keeps its previous stats; one
+        at a new address (a restarted component) starts a new history."""
         stats, failures, seen = {}, {}, set()
         for name, host, port in self.targets():
             seen.add(name)
