@@ -1,20 +1,12 @@
-"""The filesystem method: one safetensors directory per policy version, written by
-`FilesystemSender` (trainer) and loaded by `FilesystemReceiver` (producer process; its vLLM workers
-read it, `broadcaster.worker_extension`). It is also what the broadcast method falls back to.
+"""The filesystem method: one safetensors directory per version, written by `FilesystemSender` (trainer) and
+loaded by `FilesystemReceiver` (producer; its vLLM workers read it). Also the broadcast method's default fallback.
 
-Layout written by `write_version(out_dir, version, state_dict)`:
+    out_dir/v{version}/model.safetensors   # merged HF weights, or a LoRA adapter payload re-published
+                                           # from a failed broadcast's send buffers
+    out_dir/v{version}/READY               # written last: the directory is complete
 
-    out_dir/v{version}/model.safetensors   # the payload's tensors: merged HF weights (aliases such
-                                           # as a tied lm_head dropped), or a LoRA adapter payload
-                                           # (`broadcaster.manifest`) when the trainer re-publishes a
-                                           # failed background broadcast from its send buffers
-    out_dir/v{version}/READY               # written last, atomically: the directory is complete
-
-Readers (`broadcaster.worker_extension.WeightSyncExtension.load_weights_from_path`) must only open a
-directory whose READY marker exists (`is_ready`); `FilesystemSender.publish` announces a version only
-after `write_version` returned, so a producer acting on the announcement always finds it complete.
-Every file is written to a temporary name and `os.replace`d, so a crash never leaves a
-half-written file under its final name.
+Readers open only a directory with READY; `publish` announces after the write. Every file goes to a temporary
+name and is `os.replace`d, so a crash never leaves a half-written file under its final name.
 """
 
 from __future__ import annotations
@@ -49,11 +41,9 @@ def is_ready(path: str | Path) -> bool:
 def write_version(
     out_dir: Path, version: int, state_dict: Mapping[str, torch.Tensor], manifest: list[list]
 ) -> tuple[Path, int]:
-    """Write the tensors named in `manifest` as `out_dir/v{version}/model.safetensors`, then READY.
+    """Write `manifest`'s tensors (in its dtypes) as `out_dir/v{version}/model.safetensors`, then READY.
 
-    Each tensor is written in its manifest entry's dtype (cast on the way when the manifest says
-    a narrower wire dtype, `broadcaster.manifest`). Returns (directory, payload bytes).
-    Overwrites an incomplete directory of the same version.
+    Returns (directory, payload bytes); overwrites an incomplete directory. ValueError: the version is complete.
     """
     from safetensors.torch import save_file
 
@@ -88,15 +78,9 @@ def prune_versions(out_dir: Path, keep: int) -> list[Path]:
 
 
 class FilesystemSender(WeightSender):
-    """Writes each version synchronously as `out_dir/v{version}/` (`write_version`), then it may be
-    announced; keeps the newest `keep_versions` complete directories.
+    """Writes each version synchronously, keeping the newest `keep_versions` (ValueError if < 1).
 
-    The trainer sends merged weights this way (`carries_adapter` False: `broadcast.lora_payload`
-    applies to the broadcast method only), except when it re-publishes a failed broadcast from its
-    send buffers, whose payload may be an adapter (producers load both kinds).
-
-    Raises:
-        ValueError: `keep_versions < 1`.
+    Merged weights, except a failed broadcast re-published from its send buffers (maybe an adapter).
     """
 
     method: ClassVar[str] = "filesystem"
@@ -114,13 +98,9 @@ class FilesystemSender(WeightSender):
     def start_send(
         self, state_dict: Mapping[str, torch.Tensor], version: int, manifest: list[list] | None = None
     ) -> dict:
-        """Write `state_dict` as `version` (synchronously, despite the name; nothing stays in flight).
+        """Write `state_dict` as `version` synchronously; the announcement with `path`, plus `blocked_s`.
 
-        Returns `{"method", "version", "manifest", "path", "num_bytes", "bucket_bytes": None,
-        "blocked_s"}` with `path` the version directory.
-
-        Raises:
-            ValueError: a bad payload (`build_manifest`), or `version` already written.
+        Raises ValueError: a bad payload, or `version` already written.
         """
         start = time.perf_counter()
         manifest = self.manifest(state_dict) if manifest is None else manifest
@@ -139,9 +119,7 @@ class FilesystemSender(WeightSender):
 
 
 class FilesystemReceiver(WeightReceiver):
-    """Producer side of the filesystem method: loads the announced version directory into the
-    engine (`RolloutEngine.load_weights_from_path`). Any version is applicable, an older one too
-    (a trainer resumed from its checkpoint rolls the policy back)."""
+    """Producer side: loads the announced directory; any version applies (a resumed trainer rolls back)."""
 
     method: ClassVar[str] = "filesystem"
 

@@ -1,22 +1,11 @@
 """The network interface a gloo weight group binds: the one that routes to the rendezvous host.
 
-Left to itself, gloo (torch's ``ProcessGroupGloo`` default device) binds the address this host's
-name resolves to, and advertises it to the other ranks through the rendezvous store. Where the
-host name maps to a loopback address (``127.0.0.1 vm`` / ``127.0.1.1 host`` in ``/etc/hosts``,
-common on Debian and in containers), every rank advertises ``127.0.0.1``: ranks on one host still
-connect, but ranks on two hosts do not (``connectFullMesh failed ... Connection refused,
-remote=[127.0.0.1]:PORT``). :func:`pin_gloo_interface` sets ``GLOO_SOCKET_IFNAME`` to the interface
-whose IPv4 address the kernel picks to reach the rendezvous host (a UDP ``connect``, no packet
-sent), before the group is made; every rank of a group uses the same rendezvous host, so each
-binds the interface facing it (the trainer, hosting the store, its own address's interface).
-
-Invariants: a ``GLOO_SOCKET_IFNAME`` the user set is never overridden; one this module set is
-replaced when a later group rendezvouses elsewhere, also in a child process that inherited it
-(the value is marked by ``RLBUS_GLOO_IFNAME_PINNED``, which child processes inherit with it: a
-process that pinned ``lo`` for a local group must not hand ``lo`` to a component it starts on
-another network); where the route or the interface cannot be
-found (IPv6-only host, unresolvable name, no Linux ``SIOCGIFADDR``) the environment is left as
-it is (gloo's default). Linux only (``fcntl.ioctl`` ``SIOCGIFADDR``).
+gloo binds the address the host name resolves to; where that is loopback (``127.0.1.1 host`` in ``/etc/hosts``,
+common in containers) ranks on two hosts fail (``connectFullMesh failed ... remote=[127.0.0.1]``).
+:func:`pin_gloo_interface` sets ``GLOO_SOCKET_IFNAME`` to the interface the kernel routes to the rendezvous host
+through (UDP ``connect``, nothing sent). A user's value is never overridden; one rlbus set (marked by
+``RLBUS_GLOO_IFNAME_PINNED``, inherited by children) is replaced for a group elsewhere. No route or interface: the
+environment is left as it is. Linux only (``SIOCGIFADDR``).
 """
 
 from __future__ import annotations
@@ -33,13 +22,11 @@ SIOCGIFADDR = 0x8915
 """Linux ioctl: the IPv4 address of an interface (``<linux/sockios.h>``)."""
 
 ENV_PINNED = "RLBUS_GLOO_IFNAME_PINNED"
-"""Set to the value this module wrote into ``GLOO_SOCKET_IFNAME``, to tell it from the user's (a
-``GLOO_SOCKET_IFNAME`` equal to it was pinned by rlbus, here or in a parent process)."""
+"""The value rlbus wrote into ``GLOO_SOCKET_IFNAME`` (here or in a parent), to tell it from the user's."""
 
 
 def local_address_towards(host: str, port: int = 9) -> str | None:
-    """The IPv4 address of this host that the kernel uses to reach ``host`` (a UDP socket's
-    ``connect``: routing only, nothing is sent), or None when ``host`` cannot be resolved or routed."""
+    """This host's IPv4 address the kernel routes to ``host`` through, or None (unresolvable or unroutable)."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect((host, port))
@@ -63,14 +50,9 @@ def interface_of(address: str) -> str | None:
 
 
 def pin_gloo_interface(host: str) -> str | None:
-    """Set ``GLOO_SOCKET_IFNAME`` to the interface facing ``host`` (module docstring).
+    """Set ``GLOO_SOCKET_IFNAME`` to the interface facing rendezvous ``host``; the interface gloo will bind.
 
-    Args:
-        host: the group's rendezvous host (``broadcast.host``: the trainer's address).
-
-    Returns:
-        the interface gloo will bind: the user's ``GLOO_SOCKET_IFNAME`` if set, else the one found
-        (written into ``os.environ``), else None (environment unchanged: gloo's default).
+    Returns the user's value if set, else the one found (written to ``os.environ``), else None (unchanged).
     """
     current = os.environ.get(ENV_GLOO_IFNAME)
     if current and current != os.environ.get(ENV_PINNED):
