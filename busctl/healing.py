@@ -1,26 +1,12 @@
 """The supervisor's healing policy, as a pure function: component facts and a clock in, decisions out.
 
-:func:`decide` judges every component of the table at time ``now`` (``time.monotonic()`` seconds)
-from plain data (:class:`ComponentFacts`: state, restart counts, exit code, ready and heartbeat
-times, deadline) and the rules (:class:`HealingRules`, from the run config), and returns what to do:
-
-- :class:`RestartNow`: a crashed component whose backoff has run out is spawned again.
-- :class:`ScheduleRestart`: a component just crashed (its process exited, it was not ready
-  within ``bus.ready_timeout_s``, or it was silent for ``bus.dead_after_s`` after it was ready);
-  kill what is left of it and spawn it again at ``at``.
-- :class:`FailRun`: a component crashed and may not be restarted: at start-up, with
-  ``supervisor.restart`` off, a role outside :data:`RESTARTABLE_ROLES` (none today), or its
-  restart budget ``supervisor.max_restarts`` is spent.
-- nothing, for a component that is fine (no decision).
-
-Backoff (:func:`backoff_s`): the ``k``-th crash in a row waits
-``min(backoff_max_s, backoff_initial_s * 2**(k-1))`` seconds; ``k`` starts again from 1 when the
-component had stayed up (since its ready handshake) for ``backoff_reset_s``.
-
-Invariants: nothing here reads the clock, touches a process, a socket or a file; the supervisor
-(:mod:`busctl.supervisor`) gathers the facts (it polls the processes) and carries out the
-decisions in the order given. Components in state ``stopping`` (being scaled away) are
-:mod:`busctl.scaling`'s and get no decision.
+:func:`decide` judges every component at ``now`` (``time.monotonic()`` seconds) from :class:`ComponentFacts` and
+:class:`HealingRules` (from the run config) and returns a :class:`RestartNow` (backoff ran out), a
+:class:`ScheduleRestart` (just crashed: exited, not ready within ``bus.ready_timeout_s`` or silent for
+``bus.dead_after_s``) or a :class:`FailRun` (at start-up, ``supervisor.restart`` off, or the restart budget
+spent) per component that needs one. Nothing here reads the clock or touches a process, socket or file: the
+supervisor gathers the facts and carries the decisions out in order. Components being scaled away
+(``stopping``) are :mod:`busctl.scaling`'s.
 """
 
 from __future__ import annotations
@@ -33,8 +19,9 @@ from configs.schema import RunConfig, SupervisorConfig
 
 
 def backoff_s(consecutive_crashes: int, sup: SupervisorConfig) -> float:
-    """Delay before restarting a component after its ``consecutive_crashes``-th crash in a row
-    (>= 1): ``min(backoff_max_s, backoff_initial_s * 2**(consecutive_crashes - 1))``, seconds.
+    """Delay before restarting after the ``consecutive_crashes``-th crash in a row, seconds:
+    ``min(backoff_max_s, backoff_initial_s * 2**(consecutive_crashes - 1))``; the count restarts from 1 once the
+    component stayed up ``backoff_reset_s``.
 
     Raises:
         ValueError: ``consecutive_crashes < 1``.
@@ -49,12 +36,9 @@ class HealingRules:
     """The rules :func:`decide` applies (all from the run config).
 
     Attributes:
-        healing: crashes may be healed (the watch phase); False at start-up, where any crash
-            fails the run (a configuration or code problem, not one to retry).
-        supervisor: the ``supervisor`` section (restart on/off, budget, backoff).
+        healing: crashes may be healed (the watch phase); False at start-up, where any crash fails the run.
         ready_timeout_s: a (re)started component must be ready within this, seconds.
         dead_after_s: a ready component silent this long has crashed, seconds.
-        run_dir: the run directory (kept for messages).
     """
 
     healing: bool
@@ -65,7 +49,7 @@ class HealingRules:
 
     @classmethod
     def from_config(cls, cfg: RunConfig, *, healing: bool, run_dir: str) -> "HealingRules":
-        """The rules of a run (``healing``: see the attribute)."""
+        """The rules of a run."""
         return cls(
             healing=healing,
             supervisor=cfg.supervisor,
@@ -80,10 +64,8 @@ class ComponentFacts:
     """What the policy knows of one component (times are ``time.monotonic()`` seconds).
 
     Attributes:
-        name, role, pid: e.g. ``"rewards-1"``, ``"rewards"``, its current (or last) process id.
-        state: see :class:`busctl.component_table.ComponentState`.
         exit_code: of its process if that has exited (negative: killed by a signal), else None.
-        restarts: restarts so far. consecutive_crashes: crashes in a row before this one.
+        consecutive_crashes: crashes in a row before this one.
         ready_at, last_beat: last ready handshake and heartbeat (None: not yet).
         due: ``starting``: ready deadline; ``restarting``: when to spawn it again.
     """
@@ -109,11 +91,7 @@ class RestartNow:
 
 @dataclass(frozen=True)
 class ScheduleRestart:
-    """``name`` crashed (``reason``): kill what is left of it and spawn it again at ``at``.
-
-    Attributes:
-        delay_s: ``at - now``, seconds. consecutive_crashes: its new count of crashes in a row.
-    """
+    """``name`` crashed (``reason``): kill what is left of it and spawn it again at ``at`` (``now + delay_s``)."""
 
     name: str
     reason: str
@@ -124,8 +102,8 @@ class ScheduleRestart:
 
 @dataclass(frozen=True)
 class FailRun:
-    """``name`` crashed (``reason``) and is not restarted: kill what is left of it, end the run
-    with ``message`` (names the component and why; the supervisor adds its log's path)."""
+    """``name`` crashed (``reason``) and is not restarted: kill what is left, end the run with ``message`` (the
+    supervisor adds its log's path)."""
 
     name: str
     reason: str
@@ -133,12 +111,10 @@ class FailRun:
 
 
 Decision = Union[RestartNow, ScheduleRestart, FailRun]
-"""What :func:`decide` returns per component that needs something done."""
 
 
 def crash_reason(facts: ComponentFacts, now: float, rules: HealingRules) -> str | None:
-    """Why ``facts``' component has crashed at ``now``, or None if it has not (or is not watched:
-    ``restarting``, ``stopping``, ``exited``, not started)."""
+    """Why the component has crashed at ``now``, or None (also when it is not watched: restarting, stopping)."""
     if facts.state != ComponentState.STARTING and facts.state not in LIVE_STATES:
         return None
     if facts.exit_code is not None:
@@ -152,7 +128,7 @@ def crash_reason(facts: ComponentFacts, now: float, rules: HealingRules) -> str 
 
 
 def on_crash(facts: ComponentFacts, reason: str, now: float, rules: HealingRules) -> ScheduleRestart | FailRun:
-    """What to do about a component that crashed at ``now`` for ``reason`` (see the module docstring)."""
+    """What to do about a component that crashed at ``now`` for ``reason``."""
     sup = rules.supervisor
     if not rules.healing or not sup.restart:
         return FailRun(facts.name, reason, f"{facts.name} {reason}")
@@ -174,14 +150,8 @@ def on_crash(facts: ComponentFacts, reason: str, now: float, rules: HealingRules
 
 
 def decide(components: Sequence[ComponentFacts], now: float, rules: HealingRules) -> list[Decision]:
-    """The healing decisions for every component at time ``now``, in table order (a
-    :class:`FailRun` ends the run: the supervisor carries out no decision after it).
-
-    Args:
-        components: the facts of every component, in table order.
-        now: the current ``time.monotonic()``, seconds.
-        rules: see :class:`HealingRules`.
-    """
+    """The healing decisions for ``components`` (in table order) at ``now``; a :class:`FailRun` ends the run,
+    no decision after it is carried out."""
     decisions: list[Decision] = []
     for facts in components:
         if facts.state == ComponentState.RESTARTING:
