@@ -1,22 +1,11 @@
-"""The files a running ``busctl up`` keeps for others: ``status.json``, ``prometheus.yml``,
-``metrics_final/``; which of a previous run's files a new one clears; and the step clock and
-event log behind its progress display.
+"""The files a running ``busctl up`` keeps for others, and what a new run clears of a previous one's.
 
-``status.json`` (rewritten atomically, tmp + rename, at least every
-:data:`busctl.supervisor.STATUS_EVERY_S` while running) holds: the supervisor's pid and process
-start time, its state and outcome, its metrics port, the last step and ``max_steps``, the last
-step's trainer metrics (``trainer_metrics``: reward_mean, kl, entropy, policy_lag_mean/max,
-step_time_s, ...), ``steps_per_s`` and ``eta_s`` from the recent step rate, the last scale
-request, the recent ``events`` (ready, crashed, restarted, scaled lines; ``[unix time, text]``),
-and per component: name, role, module, index, pid, state, restarts, consecutive crashes, last
-heartbeat (unix time), metrics port and host (``metrics_host``: 127.0.0.1, or its node's address
-on several nodes), exit code, last error, and from the metrics poller
-(:mod:`busctl.scrape`) ``throughput`` (samples/s, tokens/s), ``busy`` (fraction), ``queue_depth``
-(messages) and ``queues`` (per ``topic/queue``).
-
-``prometheus.yml``: job ``rlbus``, one static config per component with a metrics port (at the
-host it reported, :mod:`busctl.metrics_targets`) and one for the supervisor itself, each labelled ``run`` (``cfg.name``), ``component`` (``producer-0``)
-and ``role`` (``producer``; ``supervisor`` for the supervisor).
+``status.json`` (rewritten atomically while the run goes on; its fields are written by
+:meth:`busctl.supervisor.Supervisor.write_status`: the supervisor's pid, state, outcome, step, ETA, recent
+events, and per component its state, restarts, heartbeat, metrics address and the poller's throughput, busy
+fraction and queue depths), ``prometheus.yml`` (job ``rlbus``, one target per component and one for the
+supervisor, labelled ``run``, ``component``, ``role``), ``metrics_final/`` and ``stages.jsonl``; also the
+step clock and event log behind the progress display.
 """
 
 from __future__ import annotations
@@ -89,21 +78,16 @@ RUN_OUTPUTS = (
     "wandb",
     "mlruns",
 )
-"""Removed from the run directory by a fresh ``busctl up`` (files or directories): a fresh run
-starts from an empty run directory (the prompt source's ledger, the trainer's checkpoints, the
-experiment trackers' files and their follow offsets, :mod:`trackers`). ``busctl up`` never gets here
-with a previous run's outputs unless ``--overwrite`` deleted them first, after naming them
-(:mod:`busctl.run_dir`); a directory of only these names counts as a run's for ``--overwrite``."""
+"""Removed from the run directory by a fresh ``busctl up`` (files or directories); a directory of only these names
+counts as a run's for ``--overwrite`` (:mod:`busctl.run_dir`)."""
 
 TRANSIENT_OUTPUTS = ("metrics_final", "weights", "sock", "status.json", "scale.json", "prometheus.yml")
 """Removed by ``busctl up --resume`` too: nothing a resumed run continues from."""
 
 
 def clear_run_dir(run_dir: Path, resume: bool) -> None:
-    """Remove a previous run's outputs from ``run_dir``: :data:`RUN_OUTPUTS`, or with ``resume``
-    only :data:`TRANSIENT_OUTPUTS` (files or whole directories). Called by the supervisor while it
-    prepares; ``busctl up`` has already refused an occupied ``run_dir`` or, with ``--overwrite``,
-    emptied it after saying what it deletes (:mod:`busctl.run_dir`)."""
+    """Remove a previous run's outputs from ``run_dir``: :data:`RUN_OUTPUTS`, or with ``resume`` only
+    :data:`TRANSIENT_OUTPUTS`; ``busctl up`` has already refused an occupied ``run_dir`` unless ``--overwrite``."""
     for stale in TRANSIENT_OUTPUTS if resume else RUN_OUTPUTS:
         target = run_dir / stale
         if target.is_dir():
@@ -117,11 +101,8 @@ def scrape_config(run: str, targets: list[tuple[str, str, str, int]], tls_config
 
     Args:
         run: the run's name (``cfg.name``), label ``run`` of every target.
-        targets: ``(component, role, host, metrics_port)`` per process, the supervisor included
-            (host: the address it serves metrics on, :mod:`busctl.metrics_targets`; a target
-            with port 0 is left out).
-        tls_config: the metrics are served over TLS (:mod:`telemetry.tls`): the job scrapes
-            ``https`` with this ``tls_config`` (CA, client certificate and key, server name).
+        targets: ``(component, role, host, metrics_port)`` per process, the supervisor included; port 0: left out.
+        tls_config: the metrics are served over TLS: the job scrapes ``https`` with this ``tls_config``.
 
     Returns:
         ``{"scrape_configs": [{"job_name": "rlbus", "scrape_interval": "5s", "static_configs":
@@ -139,12 +120,8 @@ def scrape_config(run: str, targets: list[tuple[str, str, str, int]], tls_config
 
 
 def append_stage_record(path: Path, step: int, stats: dict[str, dict], roles: dict[str, str]) -> None:
-    """Append one line to ``stages.jsonl`` (read by ``busctl report``): ``{"time": unix s,
-    "step": steps done, "components": {name: {"role", "throughput": {"samples_per_s",
-    "tokens_per_s"}, "busy", "queue_depth"}}}`` from the metrics poller's latest round.
-
-    An I/O error is logged, never raised: the record is a convenience, the run goes on.
-    """
+    """Append one line to ``stages.jsonl`` (read by ``busctl report``): ``{"time": unix s, "step": steps done,
+    "components": {name: {"role", "throughput", "busy", "queue_depth"}}}``; an I/O error is logged, not raised."""
     components = {
         name: {"role": roles.get(name, name), **{k: stat.get(k) for k in ("throughput", "busy", "queue_depth")}}
         for name, stat in stats.items()
@@ -170,9 +147,8 @@ def snapshot_metrics(
     timeout_s: float = 2.0,
     tls: ssl.SSLContext | None = None,
 ) -> None:
-    """Save each ``(name, host, port)``'s ``/metrics`` text to ``out/NAME.prom`` and ``own`` (the
-    supervisor's exposition) to ``out/supervisor.prom``; a component that does not answer is logged
-    and skipped. ``tls``: the client context when the metrics are served over TLS."""
+    """Save each ``(name, host, port)``'s ``/metrics`` to ``out/NAME.prom`` and ``own`` (the supervisor's) to
+    ``out/supervisor.prom``; a component that does not answer is logged and skipped."""
     out.mkdir(exist_ok=True)
     (out / "supervisor.prom").write_bytes(own)
     for name, host, port in targets:
@@ -183,17 +159,8 @@ def snapshot_metrics(
 
 
 def eta_s(history: list[tuple[float, int]], max_steps: int) -> tuple[float | None, float | None]:
-    """Step rate and time left from recent steps.
-
-    Args:
-        history: ``(time_s, step)`` of recent steps, oldest first (any clock, seconds).
-        max_steps: the step the run ends at.
-
-    Returns:
-        ``(steps_per_s, eta_s)``: ``(last step - first step) / (last time - first time)`` and
-        ``(max_steps - last step) / steps_per_s``; ``(None, None)`` with fewer than two steps or
-        no time between them.
-    """
+    """``(steps_per_s, eta_s)`` from ``history`` (``(time_s, step)``, oldest first): the rate between the first and
+    last step and ``(max_steps - last step) / rate``; ``(None, None)`` with fewer than two steps or no time between."""
     if len(history) < 2:
         return None, None
     (t0, s0), (t1, s1) = history[0], history[-1]
