@@ -1,24 +1,11 @@
-"""Receiver side of a "lora" weight payload: rebuild full weights from base weights + adapter.
+"""Receiver side of a "lora" weight payload: full weights from the base weights loaded at start + the adapter.
 
-A LoRA policy trains only the low-rank factors, so the trainer sends only them (plus any whole
-tensors it chose to send, e.g. noisy RMSNorm weights; see `broadcaster.manifest`). A producer keeps
-the base weights it loaded at start (the same checkpoint the trainer's frozen base came from) and
-rebuilds each adapted weight as
+    W = W_base + (B @ A) * scaling      # Hu et al. 2021, "LoRA", eq. 3; peft's scaling = lora_alpha / r
 
-    W = W_base + (B @ A) * scaling                    # Hu et al. 2021, "LoRA", eq. 3 (h = W0 x + B A x),
-                                                     # with peft's scaling = lora_alpha / r
-
-computed exactly as peft's `LoraLayer.get_delta_weight` (+ `policy_state_dict`'s `W + delta`) does
-on the trainer, so both sides hold bit-identical float32 weights. The merge runs in (at least)
-float32 whatever the dtypes it gets (a bfloat16 checkpoint's base weights are widened exactly);
-the worker extension then casts the merged weight to the engine's dtype (`producers.dtype`), which
-is what the trainer's full payload of the same version would carry: `dtype(W + (B @ A) * scaling)`.
-
-Invariants:
-- The payload is absolute: it never depends on the previous version the producer applied.
-- `merged_weights` yields EVERY base tensor (replaced or rebuilt where the payload says so): vLLM's
-  layer-wise reload needs all shards of a fused layer (`qkv_proj`, `gate_up_proj`) in one reload,
-  otherwise the shards it did not get are left uninitialised.
+computed as peft's `LoraLayer.get_delta_weight` on the trainer, in at least float32, so both sides hold identical
+weights; the worker extension then casts to the engine's dtype, as a full payload would carry. The payload is
+absolute (never a diff). `merged_weights` yields EVERY base tensor: vLLM's layer-wise reload needs all shards of a
+fused layer (`qkv_proj`, `gate_up_proj`) at once.
 """
 
 from __future__ import annotations
@@ -33,21 +20,11 @@ from broadcaster.manifest import LORA_A_SUFFIX, LORA_B_SUFFIX, LORA_SCALING_SUFF
 def merge_lora_delta(
     base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor | float
 ) -> torch.Tensor:
-    """`W_base + (B @ A) * scaling`: one adapted weight (LoRA, Hu et al. 2021, eq. 3; peft's merge).
+    """`W_base + (B @ A) * scaling` (LoRA, Hu et al. 2021, eq. 3; peft's merge).
 
-    Args:
-        base: `[out, in]` base weight (any float dtype; widened to the merge dtype, as the
-            trainer loads its base in float32).
-        lora_a: `[r, in]` down projection A.
-        lora_b: `[out, r]` up projection B.
-        scaling: 0-dim tensor or float, peft's `scaling[adapter]` (lora_alpha / r, or
-            lora_alpha / sqrt(r) with rsLoRA).
-
-    Returns: `[out, in]` tensor of the merge dtype (`lora_b`'s dtype, at least float32: float64
-        factors stay float64), on `lora_b`'s device.
-
-    Raises:
-        ValueError: shapes do not chain (`[out, r] @ [r, in]` must equal `base`'s shape).
+    `base` `[out, in]`, `lora_a` `[r, in]`, `lora_b` `[out, r]`, `scaling` peft's (alpha / r; rsLoRA alpha / sqrt(r)).
+    Returns `[out, in]` in `lora_b`'s dtype promoted to at least float32, on its device. ValueError: shapes do not
+    chain.
     """
     if (
         lora_a.dim() != 2
@@ -70,16 +47,9 @@ def merge_lora_delta(
 def merged_weights(
     base: Mapping[str, torch.Tensor], payload: Mapping[str, torch.Tensor]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full weights from `base` (HF names) and a "lora" `payload` (`broadcaster.manifest` names).
+    """`(hf_name, tensor)` for every `base` entry in order: the payload's whole tensor, a merge, or the base one.
 
-    Returns an iterator of `(hf_name, tensor)` for every entry of `base`, in its order: the payload's whole tensor
-    where it sends one under that name, `merge_lora_delta` for `M.weight` of an adapted module
-    `M`, else the base tensor itself.
-
-    Raises (at once, before the iterator yields anything, so a bad payload never half-loads):
-        ValueError: the payload adapts a module whose `M.weight` is not in `base` or has another
-            shape, or sends a whole tensor `base` does not have (the producer's model is not the
-            trainer's base).
+    Raises ValueError before yielding anything (never half-loads): a payload name or shape the base lacks.
     """
     names = [[name, "float32", list(t.shape)] for name, t in payload.items()]
     modules = lora_modules(names)

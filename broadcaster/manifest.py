@@ -1,35 +1,14 @@
-"""The weight manifest: what the trainer broadcasts, in which order, in which buckets.
+"""The weight manifest, the contract between the trainer's senders and the producers' vLLM workers:
 
-The manifest is the whole contract between the trainer's senders (`broadcaster.dist_broadcast`,
-`broadcaster.filesystem`) and the producers' vLLM workers
-(`broadcaster.worker_extension.WeightSyncExtension`). It is a plain list, so it travels in a msgpack header or a `collective_rpc` argument unchanged:
+    manifest = [[hf_param_name: str, dtype: str, shape: list[int]], ...]   # send order; dtype e.g. "bfloat16"
 
-    manifest = [[hf_param_name: str, dtype: str, shape: list[int]], ...]   # broadcast order
-
-`dtype` is the torch dtype's name without the `torch.` prefix ("float32", "bfloat16", ...): the
-dtype the tensor travels in, which may be narrower than the sender's tensor (the trainer's
-float32 master weights travel in the producers' dtype, `build_manifest(..., dtype=)`); senders
-cast to it as they copy, receivers get tensors of exactly that dtype.
-
-Two kinds of payload (`payload_kind(manifest)` says which, from the names alone):
-- "full": every entry is a whole weight under its Hugging Face checkpoint name.
-- "lora": a LoRA adapter, per adapted linear module `M` (HF module name, e.g.
-  `model.layers.0.self_attn.q_proj`) three entries `M.lora_A.weight` `[r, in]`,
-  `M.lora_B.weight` `[out, r]` and `M.lora_scaling` `[]` (peft's `scaling`, alpha / r), from which
-  the receiver rebuilds `M.weight = W_base + (B @ A) * scaling` on top of the base weights it
-  loaded at start (`broadcaster.lora`); any other entry is a whole weight that replaces its base
-  tensor (e.g. noisy RMSNorm weights, `broadcaster.noise`). Always absolute, never a diff of the
-  previous version, so a missed version costs nothing.
-
-Invariants:
-- Names are Hugging Face checkpoint names (`model.layers.0.self_attn.q_proj.weight`), i.e. what
-  `save_pretrained` would write. vLLM's `load_weights` maps them to its own fused layout.
-- Aliased tensors (tied `lm_head.weight` == `model.embed_tokens.weight`) appear once, under the
-  first name in state-dict order, exactly as `save_pretrained` drops the tie.
-- Both sides derive the buckets from the manifest with `plan_buckets(manifest, bucket_bytes)`,
-  which is deterministic: one bucket = a run of consecutive same-dtype entries whose total size
-  stays within `bucket_bytes` (a bigger single tensor gets a bucket of its own). Each bucket is sent
-  as ONE flat 1-D tensor, so a 300-tensor model costs a handful of collectives, not 300.
+A plain list (travels in a msgpack header or a `collective_rpc` argument). `dtype` is the wire dtype, maybe
+narrower than the sender's tensor (cast on the way). Names are HF checkpoint names; a tied alias appears once, as
+`save_pretrained` writes it. Payload kinds (`payload_kind`): "full" (whole weights) or "lora": per adapted module
+`M`, `M.lora_A.weight` `[r, in]`, `M.lora_B.weight` `[out, r]`, `M.lora_scaling` `[]`, merged by `broadcaster.lora`;
+other entries replace their base tensor (noisy RMSNorm). Always absolute, never a diff. `plan_buckets` is
+deterministic on both sides: runs of consecutive same-dtype entries within `bucket_bytes` (a bigger tensor alone),
+each sent as ONE flat 1-D tensor.
 """
 
 from __future__ import annotations
@@ -41,10 +20,8 @@ from math import prod
 
 import torch
 
-#: Default bucket size; both sides must use the same value (it is not sent on the wire). 32 MiB:
-#: small enough that copying bucket k+1 into its buffer overlaps sending bucket k (a 400 MB model
-#: went from ~1.4x to ~1x a raw gloo broadcast of the same bytes going from 256 MiB to 32 MiB,
-#: bench/broadcast.py), large enough that the per-collective overhead stays negligible.
+#: Default bucket size, the same on both sides (not sent). 32 MiB: copying bucket k+1 overlaps sending bucket k
+#: (400 MB: ~1.4x -> ~1x a raw gloo broadcast vs 256 MiB, bench/broadcast.py), per-collective cost negligible.
 DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
 
 #: Suffixes of the three entries of one adapted module in a "lora" payload (see the docstring).
@@ -77,23 +54,11 @@ def is_lora_entry(name: str) -> bool:
 
 
 def build_manifest(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> list[list]:
-    """The manifest of an HF `state_dict()` or of a "lora" payload, in iteration order, aliases dropped.
+    """The manifest of an HF `state_dict()` or a "lora" payload, in iteration order, aliases dropped.
 
-    `dtype`: the wire dtype of the floating-point entries (the producers' dtype,
-    `broadcaster.dtypes`); None: each tensor's own. The senders cast as they copy or write
-    (`start_send` follows the manifest), so no cast copy of the whole payload is made. LoRA
-    factor entries (`M.lora_A.weight`, `M.lora_B.weight`, `M.lora_scaling`) keep their own dtype:
-    they are ~1% of the full weights' bytes, and merging the unrounded factors in float32 gives
-    the producer exactly the weights a full payload would carry, `dtype(W + (B @ A) * scaling)`
-    (`broadcaster.lora`). Non-floating entries keep theirs.
-
-    Raises:
-        ValueError: a raw PEFT name (`...lora_A.default.weight`, `base_model.model.`,
-            `.base_layer.`): pass the merged full weights with HF names
-            (`trainer.model.policy_state_dict`) or the adapter payload
-            (`trainer.model.lora_adapter_state_dict`); or a "lora" payload whose modules lack
-            one of their three entries (`lora_modules`).
-        TypeError: a value is not a Tensor.
+    `dtype`: wire dtype of floating entries (None: their own); LoRA factors keep theirs (~1% of the bytes, merged
+    unrounded so the result equals a full payload's). Raises ValueError: a raw PEFT name, or a "lora" module
+    lacking an entry; TypeError: a value that is not a Tensor.
     """
     manifest: list[list] = []
     seen: set[tuple[int, tuple[int, ...], torch.dtype]] = set()
@@ -102,7 +67,7 @@ def build_manifest(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | 
             raise ValueError(
                 f"state dict entry {name!r} looks like an unmerged PEFT/LoRA parameter; "
                 "pass the merged full weights with Hugging Face names, or the adapter payload of "
-                "trainer.model.lora_adapter_state_dict, instead"
+                "trainer.state.model.lora_adapter_state_dict, instead"
             )
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"state dict entry {name!r} is {type(tensor).__name__}, not a Tensor")
@@ -124,12 +89,7 @@ def payload_kind(manifest: Sequence[Sequence]) -> str:
 
 
 def lora_modules(manifest: Sequence[Sequence]) -> dict[str, tuple[int, int, int]]:
-    """`{hf_module_name: (out_features, rank, in_features)}` of every adapted module of a payload.
-
-    Raises:
-        ValueError: a module lacks one of `.lora_A.weight` `[r, in]`, `.lora_B.weight` `[out, r]`,
-            `.lora_scaling` `[]`, or their shapes disagree (naming the module and the fix).
-    """
+    """`{hf_module_name: (out_features, rank, in_features)}`; ValueError: a missing entry or disagreeing shapes."""
     shapes: dict[str, dict[str, tuple[int, ...]]] = {}
     for name, _, shape in manifest:
         for suffix in _LORA_SUFFIXES:
