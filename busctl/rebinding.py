@@ -1,30 +1,12 @@
 """A binding component restarted on a node with another address: new ``bus.hosts``, and who restarts.
 
-On several nodes every endpoint is ``tcp://ADDRESS:PORT`` with ADDRESS the node of the side that
-binds it (``bus.hosts``, :func:`busctl.launchers.nodes.address_map`). Launchers keep a restarted
-component on its node while that node lives (the Slurm allocation is fixed; the Ray launcher pins
-each component to its node, :meth:`busctl.launchers.ray.RayLauncher.place`), so its address never
-changes then. Only when the node died does a binder land on another node, whose address may differ;
-then its peers, which connected to the old address, would never find it. :func:`plan_move` says
-what must change, before the binder is spawned:
-
-- ``hosts``: ``bus.hosts`` with the binder's endpoints (:func:`bound_keys`) at the new address
-  (and ``broadcast.host`` when the trainer moves: the weight broadcast meets at its node);
-- ``restart``: every other component that connects to one of those endpoints
-  (:data:`CONNECTORS`, the connect side of the table in :mod:`bus.topics`): its sockets hold the
-  old address, so the supervisor restarts it after the binder's spawn, with the rewritten
-  ``config.yaml``;
-- ``control_moved``: the hub moved, so busctl's own control subscription reconnects too.
-
-Restarting a connector loses nothing: data topics are at-least-once with custody
-(:mod:`bus.courier`): what a sender had not yet seen acknowledged is resent by its successor from
-the durable state (prompt ledger, packer spool, trainer checkpoint), what a receiver held unacked
-is redelivered by the binder, and duplicates are dropped by id (the same path as any crash-restart
-of that role). Each such restart counts against ``supervisor.max_restarts`` of the restarted
-component.
-
-Invariant: ``plan_move`` is pure (no I/O): :func:`apply_move` writes the result into the config
-(:func:`rebind`: both, as the supervisor calls them before each spawn).
+Launchers keep a restarted component on its node while that node lives; only when it died may a binder land at
+another address, where its peers (connected to the old one) would never find it. Before the binder's spawn,
+:func:`plan_move` (pure) says what changes: ``bus.hosts`` (and ``broadcast.host`` for the trainer) at the new
+address, the components that connect to its endpoints (:data:`CONNECTORS`; restarted after the spawn) and
+whether busctl's control subscription must reconnect; :func:`apply_move` writes it into ``config.yaml``.
+Nothing is lost: each restart is a crash-restart of that role under custody (docs/ARCHITECTURE.md,
+"Lifecycle and healing"), counted against ``supervisor.max_restarts``.
 """
 
 from __future__ import annotations
@@ -52,10 +34,9 @@ CONNECTORS: dict[str, frozenset[str]] = {
 
 @dataclass(frozen=True)
 class Move:
-    """What follows from a binder's move (module docstring).
+    """What follows from a binder's move.
 
     Attributes:
-        binder: the component that moves. address: its new node's address.
         keys: the ``bus.hosts`` keys it binds. hosts: the new ``bus.hosts``.
         broadcast_host: the new ``broadcast.host`` (the trainer moved), else None.
         restart: names of the components to restart (table order). control_moved: the hub moved.
@@ -71,9 +52,8 @@ class Move:
 
 
 def bound_keys(role: str, index: int = 0) -> tuple[str, ...]:
-    """The ``bus.hosts`` keys a component of ``role`` (replica ``index``) binds
-    (:data:`busctl.launchers.nodes.BINDERS`, the trainer's ``weights`` among them, plus a
-    producer's ``rollouts-I``); () for a role that binds nothing (reward workers)."""
+    """The ``bus.hosts`` keys a component of ``role`` (replica ``index``) binds (:data:`BINDERS`, plus a producer's
+    ``rollouts-I``); () for reward workers."""
     if role == "producer":
         return (f"rollouts-{index}",)
     return tuple(key for key, binder in BINDERS.items() if binder == role)
@@ -94,18 +74,15 @@ def connector_roles(key: str) -> frozenset[str]:
 def plan_move(
     hosts: Mapping[str, str], name: str, role: str, index: int, address: str, table: Iterable[tuple[str, str]]
 ) -> Move | None:
-    """What changes when component ``name`` (``role``, replica ``index``) is about to start on a
-    node at ``address``.
+    """What changes when component ``name`` (``role``, replica ``index``) is about to start at ``address``.
 
     Args:
-        hosts: the run's ``bus.hosts`` now. address: the node's address (``""``: the launcher
-            does not place by address, e.g. local: nothing moves).
+        hosts: the run's ``bus.hosts`` now (a key missing: a single-host run, never a move).
+        address: the node's address (``""``: the launcher does not place by address, nothing moves).
         table: ``(name, role)`` of every component of the run, in table order.
 
     Returns:
-        None when nothing moves (no address, a role that binds nothing, or every endpoint it
-        binds already at ``address``; a key missing from ``hosts`` is a single-host run: never a
-        move), else the :class:`Move`.
+        The :class:`Move`, or None when nothing moves.
     """
     keys = tuple(k for k in bound_keys(role, index) if k in hosts)
     if not address or not keys or all(hosts[k] == address for k in keys):
@@ -126,8 +103,7 @@ def plan_move(
 def rebind(
     cfg: RunConfig, run_dir: Path, spec: ComponentSpec, address: str, table: Iterable[ComponentSpec]
 ) -> Move | None:
-    """:func:`plan_move` for ``spec`` about to start at ``address`` among ``table``, and
-    :func:`apply_move` of the result; None when nothing moves."""
+    """:func:`plan_move` for ``spec`` about to start at ``address``, then :func:`apply_move`; None: nothing moves."""
     move = plan_move(cfg.bus.hosts, spec.name, spec.role, spec.index, address, [(s.name, s.role) for s in table])
     if move is not None:
         apply_move(cfg, move, run_dir)
@@ -135,8 +111,7 @@ def rebind(
 
 
 def apply_move(cfg: RunConfig, move: Move, run_dir: Path) -> None:
-    """Write ``move`` into ``cfg`` (``bus.hosts``, ``broadcast.host``) and rewrite
-    ``RUN_DIR/config.yaml``, which every later spawn reads (the Ray launcher sends it to the node)."""
+    """Write ``move`` into ``cfg`` and ``RUN_DIR/config.yaml``, which every later spawn reads."""
     cfg.bus.hosts = dict(move.hosts)
     if move.broadcast_host is not None:
         cfg.broadcast.host = move.broadcast_host
