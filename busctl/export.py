@@ -1,27 +1,12 @@
-"""``busctl export RUN_DIR [--step N] --out DIR [--merge-lora]``: a run's checkpoint as a plain
-Hugging Face model directory, without the training state.
+"""``busctl export RUN_DIR [--step N] --out DIR [--merge-lora]``: a run's checkpoint as a plain Hugging Face
+model directory, without the training state (``*.pt``, ``rng.json``, ``meta.json``, ``DONE``, subdirectories).
 
-What ``DIR`` holds:
-
-- full fine-tuning: the checkpoint's weights, ``config.json``, ``generation_config.json``, the
-  tokenizer and chat template (:mod:`trainer.state.hf_files`); ``AutoModelForCausalLM``,
-  ``AutoTokenizer``, vLLM and a new run's ``model.path`` load it as it is. A sharded checkpoint
-  (``trainer.parallel: fsdp``: torch.distributed.checkpoint files of every rank under ``sharded/``)
-  is read here, on one process with no process group, into the model its ``config.json`` names
-  (:func:`trainer.parallel.sharding.read_sharded_policy`) and written with ``save_pretrained``: the
-  same directory (its weights in the saved dtype, the trainer's float32 master weights);
-- LoRA: the adapter in PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``)
-  with the tokenizer, loaded by ``PeftModel.from_pretrained(base, DIR)`` (the base is
-  ``adapter_config.json``'s ``base_model_name_or_path``: the run's ``model.path``); with
-  ``--merge-lora`` the merged model instead (peft's ``merge_and_unload``: ``W + (alpha / r) B A``,
-  Hu et al. 2021 eq. 3, in float32), a full directory like the above.
-
-Left out: ``optimizer.pt``, ``scheduler.pt`` (any ``*.pt``), ``rng.json``, ``meta.json``, ``DONE``
-and subdirectories (resume state, of no use to a model loader). A checkpoint written before
-checkpoints held their tokenizer gets it from the run's ``model.path`` (``RUN_DIR/config.yaml``).
-A sharded checkpoint written before sharded checkpoints held ``config.json`` is read
-into the run's ``model.path`` config. (fsdp trains no LoRA, so there are no sharded adapters.) The export is written into a hidden directory beside ``DIR`` and renamed into place
-when complete; an existing non-empty ``DIR`` is refused.
+Full fine-tuning gives the weights, configs, tokenizer and chat template (a sharded fsdp checkpoint is read on
+this one process, no process group, and written with ``save_pretrained``); LoRA gives the PEFT adapter, or with
+``--merge-lora`` the merged model (peft's ``merge_and_unload``: ``W + (alpha / r) B A``, Hu et al. 2021 eq. 3,
+float32). A checkpoint without a tokenizer or model config gets the run's ``model.path``'s. Written into a
+hidden directory beside ``DIR`` and renamed when complete; a non-empty ``DIR`` is refused. Usage:
+docs/operations.md, "Checkpoints".
 """
 
 from __future__ import annotations
@@ -51,8 +36,7 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
     """The complete checkpoint of ``run_dir`` at ``step`` (None: the latest).
 
     Raises:
-        ExportError: no checkpoints directory, no complete checkpoint, or none at ``step``
-            (the message lists the steps there are).
+        ExportError: no checkpoints directory, no complete checkpoint, or none at ``step`` (lists the steps).
     """
     from trainer.state.checkpoint import list_checkpoints
 
@@ -98,15 +82,9 @@ def _merge_lora(checkpoint: Path, base_path: str, out: Path) -> None:
 
 
 def _write_sharded(checkpoint: Path, out: Path, base_path: str) -> None:
-    """Write the weights of the sharded checkpoint ``checkpoint`` into ``out`` as ``save_pretrained``
-    files (``model.safetensors``, ``config.json``, ``generation_config.json``), read on this one
-    process. The model config is the checkpoint's ``config.json``, else (a checkpoint written
-    before sharded ones held it) the one at ``base_path``, the run's ``model.path``.
-
-    Raises:
-        ExportError: no config (neither in the checkpoint nor a known ``base_path``), or shards
-            that do not fit it.
-    """
+    """Write the sharded ``checkpoint`` into ``out`` as ``save_pretrained`` files, read on this process; the model
+    config is the checkpoint's ``config.json``, else ``base_path``'s. ExportError: no config, or shards that do not
+    fit it."""
     from transformers import AutoConfig, GenerationConfig
 
     from configs.model_path import resolve_model_path
@@ -142,24 +120,19 @@ def _add_tokenizer(out: Path, source: str) -> None:
 
 
 def export_checkpoint(checkpoint: Path, out: Path, *, merge_lora: bool = False, base_path: str = "") -> Path:
-    """Write ``checkpoint`` (a complete ``step_N`` directory) as a model directory ``out``
-    (module docstring).
+    """Write ``checkpoint`` (a complete ``step_N`` directory) as a model directory ``out`` (empty or missing).
 
     Args:
-        checkpoint: written by :func:`trainer.state.checkpoint.save_checkpoint`.
-        out: the new directory; must not exist or be empty.
-        merge_lora: a LoRA checkpoint: write the merged model, not the adapter (ignored for a
-            full checkpoint).
-        base_path: the run's ``model.path`` (a directory or cached hub id): the base of a LoRA
-            merge when ``adapter_config.json`` names none that exists, and the tokenizer of a
-            checkpoint without one.
+        merge_lora: a LoRA checkpoint: write the merged model, not the adapter (ignored for a full checkpoint).
+        base_path: the run's ``model.path``: the base of a LoRA merge when ``adapter_config.json`` names none that
+            exists, and the tokenizer of a checkpoint without one.
 
     Returns:
         ``out``, resolved.
 
     Raises:
-        ExportError: ``checkpoint`` is not complete, is a sharded one whose model config is
-            unknown or whose shards do not fit it, or ``out`` holds files.
+        ExportError: ``checkpoint`` is not complete, is sharded with an unknown model config or shards that do not
+            fit it, or ``out`` holds files.
     """
     from configs.model_path import resolve_model_path
 
