@@ -1,19 +1,16 @@
 """``trainer.compile``: each decoder layer of the policy compiled with ``torch.compile``, as torchtitan does.
 
-TorchDynamo + Inductor (Ansel et al. 2024, "PyTorch 2", ASPLOS) fuse a layer's element-wise chains
-(RMSNorm, RoPE, SiLU, residual adds, casts), which at 0.5B weigh as much as its matmuls on a GPU.
-As in torchtitan's ``apply_compile``, each layer is compiled on its own (``nn.Module.compile``:
-LoRA, FSDP2 and activation checkpointing work as without it) with dynamic shapes, one compile for
-all micro-batch lengths. The packed attention stays outside the graphs (``torch.compiler.disable``):
-its inputs change every micro-batch. Off by default: the first step pays the compile. Measured
-speed-ups: bench/README.md.
+Inductor (Ansel et al. 2024, "PyTorch 2", ASPLOS) fuses a layer's element-wise work, which at 0.5B
+weighs as much as its matmuls. Per layer (torchtitan's ``apply_compile``; LoRA, FSDP2, activation
+checkpointing unaffected), dynamic shapes; the packed attention stays outside the graphs. Off by
+default (the first step pays the compile); speed-ups: bench/README.md.
 """
 
 from __future__ import annotations
 
 import torch
 
-from trainer.model import base_model
+from trainer.state.model import base_model
 
 __all__ = ["COMPILE_BACKENDS", "compile_decoder_layers"]
 
@@ -24,11 +21,8 @@ compile); ``eager`` traces the forward only."""
 
 
 def compile_decoder_layers(model: torch.nn.Module, backend: str = "inductor") -> int:
-    """Compile each decoder layer (``get_decoder().layers``) of ``model``, peft-wrapped or not, in place with
-    ``backend``, one of :data:`COMPILE_BACKENDS`; returns the number of layers compiled.
-
-    Raises:
-        ValueError: an unknown backend, or a model without ``get_decoder().layers``.
+    """Compile ``model``'s ``get_decoder().layers`` in place with ``backend``; returns how many.
+    ValueError for an unknown backend or a model without them.
     """
     if backend not in COMPILE_BACKENDS:
         raise ValueError(f"trainer.compile_backend must be one of {COMPILE_BACKENDS}, got {backend!r}")

@@ -1,13 +1,10 @@
 """Token logprobs and entropy from hidden states without a `[T, V]` logits tensor.
 
-The LM head runs over chunks of `chunk_size` rows: the forward keeps only the `[T]` outputs and
-the `[T]` logsumexp; the backward recomputes each chunk's logits into the gradient
-`(onehot(target) - softmax) * grad / temperature`, so extra memory is O(chunk_size * V) in both
-passes. This is Liger Kernel's chunked fused linear cross-entropy (arXiv:2410.10989, section 3.2)
-with Cut Cross-Entropy's recompute (arXiv:2411.09009), for logprobs and entropy. The per-chunk step
-runs in torch (any device) or in the Triton kernels of `trainer.kernels.triton_logprobs` (CUDA).
-Outputs are float32 (float64 for a float64 model); logits are cast to float32 before the division
-by the temperature, as in the naive `logits.float() / temperature`.
+The LM head runs over chunks of `chunk_size` rows; the forward keeps the `[T]` outputs and
+logsumexp, the backward recomputes each chunk's logits: O(chunk_size * V) extra memory. This is
+Liger Kernel's chunked fused linear cross-entropy (arXiv:2410.10989, section 3.2) with Cut
+Cross-Entropy's recompute (arXiv:2411.09009). The per-chunk step runs in torch or in the Triton
+kernels of `trainer.kernels.triton_logprobs` (CUDA). Outputs are float32 (float64 for a float64 model).
 """
 
 from __future__ import annotations
@@ -41,10 +38,8 @@ def chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 def chunk_logprob_entropy(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(logprob, entropy, lse)`, each `[N]` float32, of `z = logits / temperature` (torch backend).
-
-    `logits` `[N, V]` is overwritten when float32; `targets` `[N]` int64. `logprob = z[target] - lse`,
-    `entropy = lse - sum_v softmax(z)_v z_v` (nats).
+    """`(logprob, entropy, lse)` `[N]` float32 of `z = logits [N, V] / temperature` at `targets` `[N]` (torch
+    backend; overwrites float32 `logits`): `logprob = z[target] - lse`, `entropy = lse - sum_v softmax(z)_v z_v`.
     """
     z = _tempered_float32(logits, temperature)
     lse = torch.logsumexp(z, dim=-1)
@@ -79,10 +74,8 @@ def _tempered_float32(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 class ChunkedLinearLogprobs(torch.autograd.Function):
-    """Autograd op `(hidden [T, H], weight [V, H], bias [V] | None, targets [T]) -> (logprob [T], entropy [T])`.
-
-    Autocast is off inside, so the backward's recomputed logits equal the forward's; the weight and
-    bias gradients accumulate in float32; entropy has no gradient. Call `linear_logprobs_and_entropy`.
+    """Autograd op `(hidden [T, H], weight [V, H], bias [V] | None, targets [T]) -> (logprob [T], entropy [T])`,
+    autocast off so the backward's recomputed logits equal the forward's; use `linear_logprobs_and_entropy`.
     """
 
     @staticmethod
@@ -196,19 +189,13 @@ def linear_logprobs_and_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(logprob, entropy)`, each `[T]` float32 nats, of `softmax((hidden @ weight.T + bias) / temperature)`.
 
-    Args:
-        hidden: `[T, H]` float (row t predicts `targets[t]`). weight: `[V, H]`, same dtype and device.
-        bias: `[V]` or None.
-        targets: `[T]` integer ids in [0, V); `checked_targets=True` skips the range check (a host sync).
-        temperature: finite, > 0. chunk_size: rows per chunk, >= 1.
-        backend: "torch", "triton" or "auto" (triton on CUDA when it imports).
-        head_dtype: the head's matmul precision, one of `HEAD_DTYPES` (`trainer.lm_head_dtype`).
-
-    Only logprob is differentiable (w.r.t. hidden, weight and bias).
+    hidden `[T, H]` (row t predicts `targets[t]`), weight `[V, H]` of the same dtype and device, bias
+    `[V]` or None, targets `[T]` integer ids in [0, V) (`checked_targets=True` skips the check, a host
+    sync). backend: "torch", "triton" or "auto"; head_dtype: one of `HEAD_DTYPES`. Only logprob has a gradient.
 
     Raises:
-        ValueError: bad shapes, dtypes, devices, target ids, temperature, chunk_size, backend or
-            head_dtype; backend "triton" when triton does not import.
+        ValueError: bad shapes, dtypes, devices, ids, temperature (not > 0), chunk_size (< 1), backend
+            or head_dtype; "triton" when triton does not import.
     """
     _validate(hidden, weight, bias, targets, temperature, chunk_size, backend, checked_targets)
     if head_dtype not in HEAD_DTYPES:

@@ -1,13 +1,10 @@
 """Padding-free packed forward of a Hugging Face causal LM: per-token logprobs of packed samples.
 
-Samples are concatenated into one row (`input_ids [T]`, split by `seq_lens [S]`) and each gets
-exactly what its unpacked forward would: positions restart at 0 per sample, and attention is
-block-diagonal causal (`trainer.forward.packed_attention`: varlen, no `[T, T]` mask;
-`block_causal_mask` is the dense reference for tests). `use_cache=False`; "sdpa" and "eager"
-models only. The LM head runs chunk by chunk (`trainer.forward.logprobs`) on the last hidden states
-cast to its float32 weight, outside autocast, so logprobs and entropy are float32 whatever the
-compute dtype; configs that soft-cap or rescale logits are refused. The first token of every
-sample gets logprob 0 and entropy 0.
+Samples share one row (`input_ids [T]`, `seq_lens [S]`) and each gets what its unpacked forward
+would: positions restart per sample and attention is block-diagonal causal
+(`trainer.forward.packed_attention`; `block_causal_mask` is the dense reference). The LM head runs
+chunked (`trainer.forward.logprobs`) on the last hidden states in float32, outside autocast; configs
+that rescale logits are refused. A sample's first token gets logprob 0 and entropy 0.
 """
 
 from __future__ import annotations
@@ -38,13 +35,8 @@ LOGIT_RESCALING_FIELDS = {"final_logit_softcapping": 0, "logit_scale": 1, "logit
 
 
 def block_causal_mask(seq_lens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`[1, 1, T, T]` additive block-diagonal causal mask of `dtype` (the model's compute dtype) on seq_lens' device.
-
-    0 where key k is in query q's sample and k <= q, else `torch.finfo(dtype).min` (as transformers).
-    `seq_lens`: `[S]` integer sample lengths >= 1.
-
-    Raises:
-        ValueError: seq_lens not a non-empty 1-D integer tensor of values >= 1, or dtype not floating.
+    """`[1, 1, T, T]` additive block-diagonal causal mask (0 or `finfo(dtype).min`) for `seq_lens` `[S]`;
+    ValueError for lengths < 1, a non-integer or empty seq_lens, or a non-float dtype.
     """
     lens = validated_seq_lens(seq_lens)
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -58,10 +50,8 @@ def block_causal_mask(seq_lens: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
 
 
 def packed_position_ids(seq_lens: torch.Tensor) -> torch.Tensor:
-    """`[1, T]` int64 position ids restarting at each sample: seq_lens [2, 1, 3] -> [[0, 1, 0, 0, 1, 2]].
-
-    Raises:
-        ValueError: seq_lens not a non-empty 1-D integer tensor of values >= 1.
+    """`[1, T]` int64 positions restarting per sample ([2, 1, 3] -> [[0, 1, 0, 0, 1, 2]]); ValueError as
+    `block_causal_mask`.
     """
     lens = validated_seq_lens(seq_lens)
     starts = torch.cumsum(lens, 0) - lens
@@ -81,27 +71,17 @@ def packed_logprobs_and_entropy(
     tokens: torch.Tensor | np.ndarray | None = None,
     head_dtype: str = "float32",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(logprobs, entropy)`, each `[T]` float32 nats, of each packed token under its own sample's prefix.
+    """`(logprobs, entropy)`, each `[T]` float32 nats: `log softmax(z[t-1])[input_ids[t]]` and its entropy,
+    `z = lm_head(h).float() / temperature` (0 at each sample's first token); only logprobs has a gradient.
 
-    With `z[t] = lm_head(h[t]).float() / temperature` from one packed forward, `logprobs[t] =
-    log softmax(z[t-1])[input_ids[t]]` and `entropy[t]` is that distribution's entropy; both are 0 at
-    each sample's first token. Only logprobs is differentiable.
-
-    Args:
-        model: a transformers causal LM, possibly peft-wrapped (LoRA not on lm_head), attention
-            "sdpa" or "eager", logits exactly `lm_head(last hidden state)`.
-        input_ids: `[T]` integer token ids (host array: no host sync, `trainer.forward.packed_row`;
-            or a tensor on the model's device). seq_lens: `[S]` integer lengths >= 1 summing to T.
-        temperature: finite, > 0. chunk_size: LM-head rows at a time, >= 1.
-        share_prefixes: True, False or "auto" (`sharing_applies`): run shared sample starts once
-            (`trainer.forward.shared_prefix`).
-        stats: if given, gets `"decoder_tokens"`, the tokens the decoder ran.
-        tokens: `[T]` bool or None: only these tokens' values are computed (0 elsewhere).
-        head_dtype: "float32" | "tf32" | "bfloat16" (`trainer.lm_head_dtype`).
+    model: transformers causal LM (peft allowed, not on lm_head), attention "sdpa" or "eager".
+    input_ids `[T]`, seq_lens `[S]` (>= 1, summing to T), tokens `[T]` bool or None (only these are
+    computed): host arrays (no host sync) or device tensors. share_prefixes: True, False or "auto"
+    (`sharing_applies`). stats gets `"decoder_tokens"`. head_dtype: `trainer.lm_head_dtype`.
 
     Raises:
         ValueError: bad shapes or dtypes, seq_lens not summing to T, temperature not > 0, another
-            attention implementation, an LM head that is not a plain `nn.Linear`, or rescaled logits.
+            attention implementation, an LM head not a plain `nn.Linear`, or rescaled logits.
     """
     _validate_call(model, input_ids, temperature)
     weight, bias = _output_projection(model)
@@ -177,13 +157,8 @@ SHARE_MIN_TOKENS_CUDA = 12288
 
 
 def sharing_applies(setting: bool | str, device_type: str, num_tokens: int) -> bool:
-    """Whether a row of `num_tokens` on `device_type` runs its shared prefixes once (`trainer.share_prefixes`).
-
-    "auto": always on a CPU, on CUDA only from `SHARE_MIN_TOKENS_CUDA` tokens, where it was measured
-    faster (bench/README.md, "Shared-prefix speed").
-
-    Raises:
-        ValueError: a setting other than True, False or "auto".
+    """Whether a row of `num_tokens` runs its shared prefixes once: "auto" is always on CPU, on CUDA from
+    `SHARE_MIN_TOKENS_CUDA` tokens (measured: bench/README.md, "Shared-prefix speed"); ValueError otherwise.
     """
     if setting is True or setting is False:
         return setting
@@ -230,13 +205,8 @@ def validated_seq_lens(seq_lens: torch.Tensor) -> torch.Tensor:
 
 
 class PackedLogprobs(torch.nn.Module):
-    """`nn.Module` face of `packed_logprobs_and_entropy`, so a data-parallel wrapper (DDP) can own the call.
-
-    `forward(input_ids [T], seq_lens [S], tokens [T] bool or None)` returns `(logprobs, entropy)`;
-    host arrays pass through the wrapper unmoved. `stats["decoder_tokens"]` holds the last forward's count.
-
-    Raises:
-        ValueError: temperature not a finite number > 0 or chunk_size not an int >= 1.
+    """`nn.Module` face of `packed_logprobs_and_entropy` for a data-parallel wrapper (DDP); `stats` holds the
+    last forward's. ValueError for a temperature not > 0 or a chunk_size < 1.
     """
 
     def __init__(

@@ -1,13 +1,10 @@
 """Varlen attention for packed rows: causal sdpa on each sample's slice, registered with transformers.
 
-Per-sample causal `scaled_dot_product_attention` costs O(sum_i L_i^2) and needs no `[T, T]` mask
-(whose cost bench/README.md measures under "Packed vs padded"): what flash-attention's varlen kernel
-(`cu_seqlens`) does, in plain torch. On CUDA in fp16/bf16 that kernel runs instead
-(`trainer.kernels.varlen_attention`); the loop is its tested reference and the path elsewhere.
-`packed_attention(model)` switches the model to the function registered under `PACKED_ATTENTION`
-(transformers' `AttentionInterface`) for one forward; the decoder gets the lengths as the keyword
-`rlbus_seq_lens` and a 4-D placeholder mask, so no mask is built. Without `rlbus_seq_lens` (e.g.
-`generate`) it is plain sdpa.
+Per-sample causal sdpa costs O(sum_i L_i^2) and needs no `[T, T]` mask: flash-attention's varlen
+(`cu_seqlens`) in plain torch, the tested reference of `trainer.kernels.varlen_attention`, which
+runs instead on CUDA in fp16/bf16. `packed_attention(model)` switches the model to `PACKED_ATTENTION`
+(transformers' `AttentionInterface`); the decoder passes the lengths as `rlbus_seq_lens` and a 4-D
+placeholder mask. Without `rlbus_seq_lens` it is plain sdpa.
 """
 
 from __future__ import annotations
@@ -31,11 +28,7 @@ PACKED_ATTENTION = "rlbus_packed_sdpa"
 
 
 class SeqLens:
-    """The sample lengths of a packed row (keyword `rlbus_seq_lens`): S ints >= 1 in packing order.
-
-    An opaque holder, not a list: ``trainer.compile`` guards on a list's length, recompiling the
-    layers for each new sample count (tests/trainer/test_compile.py).
-    """
+    """The S sample lengths (keyword `rlbus_seq_lens`), opaque: ``trainer.compile`` would guard on a list's length."""
 
     __slots__ = ("lens",)
 
@@ -53,21 +46,11 @@ def packed_sdpa_attention(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Causal attention within each packed sample (transformers' attention-function contract).
+    """(`[1, T, heads, head_dim]`, None): causal attention within each sample (Vaswani et al. 2017, eq. 1).
 
-    Args:
-        query: `[1, heads, T, head_dim]`; key, value: `[1, kv_heads, T, head_dim]` (grouped-query).
-        attention_mask: used only without `rlbus_seq_lens` (plain sdpa).
-        kwargs: `rlbus_seq_lens` (a `SeqLens` or list of lengths summing to T), or `rlbus_shared_plan`
-            (`trainer.forward.shared_prefix.SharedPrefixPlan`, T its compressed tokens).
-
-    Returns:
-        (`[1, T, heads, head_dim]` output, None): softmax(q k^T * scale + causal) v per sample (Vaswani
-        et al. 2017, eq. 1) in the autocast dtype; by the flash varlen kernel where
-        `varlen_kernel_applies`, else sdpa per slice, or `segment_attention` with a plan.
-
-    Raises:
-        ValueError: the lengths do not sum to T.
+    query `[1, heads, T, head_dim]`, key/value `[1, kv_heads, T, head_dim]`; kwargs `rlbus_seq_lens`
+    (lengths summing to T) or `rlbus_shared_plan` (`SharedPrefixPlan`). Flash varlen kernel where
+    `varlen_kernel_applies`, else sdpa per slice; ValueError when the lengths do not sum to T.
     """
     lens = kwargs.pop("rlbus_seq_lens", None)
     if isinstance(lens, SeqLens):
@@ -101,10 +84,7 @@ AttentionInterface.register(PACKED_ATTENTION, torch.compiler.disable(packed_sdpa
 
 @functools.lru_cache(maxsize=8)
 def mask_placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """`[1, 1, 1, 1]` zeros of `dtype` on `device`, a 4-D mask transformers passes through unbuilt.
-
-    Cached per (device, dtype): a host tensor copied per forward is a blocking copy (a host sync).
-    """
+    """`[1, 1, 1, 1]` zeros, a 4-D mask transformers passes through; cached, as a per-forward copy syncs the host."""
     return torch.zeros(1, 1, 1, 1, device=device, dtype=dtype)
 
 

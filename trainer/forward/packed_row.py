@@ -1,10 +1,8 @@
 """A packed row's structure, worked out on the host before its forward, so the forward never waits.
 
-Every index a packed forward needs (sample starts, the tokens that get a logprob, the decoder rows
-predicting them, targets, position ids, ``cu_seqlens``) follows from host arrays the trainer
-receives. Computing them on the device (``nonzero``, ``.tolist()``) would make the host wait each
-time; :meth:`PackedRow.build` computes them with numpy and queues their copies with
-:func:`trainer.kernels.transfer.to_device`. Device tensors as inputs are read back once (a sync).
+Every index a packed forward needs follows from host arrays; computing it on the device
+(``nonzero``, ``.tolist()``) would make the host wait. :meth:`PackedRow.build` uses numpy and
+queues the copies (:func:`trainer.kernels.transfer.to_device`).
 """
 
 from __future__ import annotations
@@ -28,12 +26,8 @@ def sample_starts(lens: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class PackedRow:
-    """One packed row, ready for the decoder and the LM head; tensors on the model's device.
-
-    T tokens, S samples, R tokens that get a logprob (never a sample's first), T_d decoder tokens (< T when shared).
-    `lens` ``[S]`` int64 host; `at`, `hidden_rows` (the decoder row predicting each), `targets`: ``[R]`` int64;
-    `decoder_ids`, `position_ids`: ``[1, T_d]`` int64; `attention`: ``{"rlbus_seq_lens": SeqLens}`` or
-    ``{"rlbus_shared_plan": SharedPrefixPlan}``, the keyword of `trainer.forward.packed_attention`.
+    """One packed row on the model's device: `lens` ``[S]`` host, `at`, `hidden_rows`, `targets` ``[R]``,
+    `decoder_ids`, `position_ids` ``[1, T_d]`` int64, and the `attention` keyword of the packed attention.
     """
 
     num_tokens: int
@@ -61,16 +55,8 @@ class PackedRow:
         vocab_size: int,
         shared: bool,
     ) -> PackedRow:
-        """The row of ``input_ids`` ``[T]`` split by ``seq_lens`` ``[S]``.
-
-        Args:
-            input_ids: ``[T]`` integer ids in ``[0, vocab_size)``. seq_lens: ``[S]`` lengths >= 1 summing to T.
-            tokens: ``[T]`` bool (or 0/1), the tokens to compute logprobs at, or None (all).
-            device: the model's device. vocab_size: rows of the LM head.
-            shared: run shared sample prefixes once (`trainer.forward.shared_prefix.plan_shared_prefixes`).
-
-        Raises:
-            ValueError: ids not 1-D integer or out of range, lengths < 1 or not summing to T, tokens not ``[T]``.
+        """The row of ``input_ids`` ``[T]`` split by ``seq_lens`` ``[S]``; ``tokens`` ``[T]`` bool or None (all).
+        ValueError for ids not 1-D integer or not < ``vocab_size``, bad lengths, or tokens not ``[T]``.
         """
         ids = host_array(input_ids, "input_ids")
         if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
@@ -115,9 +101,7 @@ class PackedRow:
 
 
 def check_seq_lens(seq_lens: np.ndarray, num_tokens: int) -> np.ndarray:
-    """``seq_lens`` as int64 after checking it is a non-empty 1-D integer array of lengths >= 1 summing to
-    ``num_tokens``; ValueError otherwise.
-    """
+    """``seq_lens`` as int64: non-empty, 1-D, integer, >= 1, summing to ``num_tokens`` (else ValueError)."""
     lens = np.asarray(seq_lens)
     if lens.ndim != 1 or lens.size == 0:
         raise ValueError("seq_lens must be a non-empty 1-D tensor [num_samples] of sample lengths")

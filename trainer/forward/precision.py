@@ -1,13 +1,9 @@
 """The trainer's precision policy (``trainer.dtype``): in which dtype the policy computes.
 
-``float32``: everything in float32. ``bfloat16``: mixed precision as in torchtitan (FSDP2's
-``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``) and Micikevicius et al. 2018
-(arXiv:1710.03740, section 3.1), bfloat16 needing no loss scaling: parameters, gradients, AdamW
-state and checkpoints stay float32 and the policy's forward runs under ``torch.autocast(bfloat16)``.
-Logprobs and the loss stay float32: the LM head runs outside autocast (:mod:`trainer.forward.logprobs`),
-as MiniMax-M1 (arXiv:2506.13585) fixed its training/inference mismatch with a float32 head. The
-frozen KL reference runs in the same dtype, so the KL starts at 0. Under ``float32``,
-:meth:`PrecisionPolicy.autocast` is a no-op.
+``bfloat16`` is mixed precision as in torchtitan (FSDP2 ``param_dtype=bfloat16, reduce_dtype=float32``)
+and Micikevicius et al. 2018 (arXiv:1710.03740, section 3.1), without loss scaling: parameters,
+gradients, AdamW state and checkpoints stay float32, the forward runs under ``torch.autocast``. The LM
+head and the loss stay float32, as MiniMax-M1 (arXiv:2506.13585) fixed its training/inference mismatch.
 """
 
 from __future__ import annotations
@@ -26,11 +22,7 @@ COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @dataclass(frozen=True)
 class PrecisionPolicy:
-    """The compute dtype of the trainer's forwards: torch.float32 (no autocast) or torch.bfloat16.
-
-    Raises:
-        ValueError: another dtype.
-    """
+    """The compute dtype of the trainer's forwards, torch.float32 or torch.bfloat16; ValueError otherwise."""
 
     compute_dtype: torch.dtype = torch.float32
 
@@ -51,10 +43,7 @@ class PrecisionPolicy:
         return self.compute_dtype != torch.float32
 
     def autocast(self, device: torch.device | str) -> ContextManager[None]:
-        """``torch.autocast(device.type, dtype=compute_dtype)`` when mixed, else a no-op context.
-
-        Wrap the forward only: autograd replays each op in its forward's dtype.
-        """
+        """``torch.autocast(device.type, compute_dtype)`` when mixed, else a no-op; wrap the forward only."""
         if not self.mixed:
             return contextlib.nullcontext()
         return torch.autocast(device_type=torch.device(device).type, dtype=self.compute_dtype)

@@ -1,10 +1,8 @@
 """The frozen reference policy of the KL penalty (`trainer.loss.kl_reference: reference`).
 
-It is the policy the run started from. LoRA: the base model with the adapter off (peft's
-`disable_adapter()`, no extra memory); full fine-tuning: a frozen deep copy taken when the trainer
-is built, before a resume loads trained weights. Its logprobs use the policy's packed forward,
-temperature and head dtype, inside the policy's autocast, so at step 0 they equal the policy's
-exactly and the KL penalty starts at 0.
+LoRA: the policy with its adapter off (no extra memory); full fine-tuning: a frozen copy taken before
+a resume loads trained weights. Same packed forward, head dtype and autocast as the policy, so at step
+0 the logprobs are equal and the KL starts at 0.
 """
 
 from __future__ import annotations
@@ -22,11 +20,8 @@ __all__ = ["ReferencePolicy"]
 
 
 class ReferencePolicy:
-    """Per-token logprobs of packed samples under the frozen reference policy.
-
-    Args:
-        policy: the policy being trained (HF causal LM or peft `PeftModel`), still at its initial weights.
-        share_prefixes, head_dtype: as the policy's (`trainer.share_prefixes`, `trainer.lm_head_dtype`).
+    """Reference logprobs of `policy` (HF causal LM or `PeftModel`, still at its initial weights);
+    `share_prefixes`, `head_dtype` as the policy's.
     """
 
     def __init__(
@@ -50,15 +45,8 @@ class ReferencePolicy:
         temperature: float,
         tokens: torch.Tensor | np.ndarray | None = None,
     ) -> torch.Tensor:
-        """`[T]` float32 reference logprobs (nats, 0 at each sample's first token), no grad.
-
-        Args:
-            input_ids: `[T]` integer packed token ids. seq_lens: `[S]` integer sample lengths.
-            temperature: the samples' sampling temperature.
-            tokens: `[T]` bool or None: only these tokens' logprobs are computed (0 elsewhere).
-
-        Raises:
-            ValueError: temperature is not a finite number > 0.
+        """`[T]` float32 logprobs (nats, 0 at sample starts), no grad, of `input_ids` `[T]` split by `seq_lens`
+        `[S]`; `tokens` `[T]` bool or None. ValueError for a temperature not a finite number > 0.
         """
         context = self.model.disable_adapter() if self.shares_policy else contextlib.nullcontext()
         with context:

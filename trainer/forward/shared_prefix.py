@@ -1,15 +1,12 @@
 """Shared-prefix packing: a group's prompt runs through the decoder once, not once per completion.
 
-With causal attention and positions restarting per sample, samples whose first p tokens are equal
-have equal hidden states there, so those positions run once and are copied to every sample: the
-shared-prefix forward of Prefix Grouper (Liu et al. 2025, arXiv:2506.05433), for any consecutive
-packed samples. `plan_shared_prefixes` picks runs of neighbours maximising the tokens saved (dynamic
-programming) and builds the compressed row, its position ids, the `expand` index back to the `[T]`
-tokens, and the attention segments: a prefix attends causally to itself, a tail to its prefix and
-causally to itself (mask aligned bottom-right). They run as one flash varlen call on CUDA
-(fp16/bf16), else as a few padded sdpa calls. Every gather is an `index_select`, whose backward
-avoids the sort of an accumulating `index_put_` (pytorch/pytorch#41162). The values equal the
-unshared forward's to float rounding.
+Samples whose first p tokens are equal have equal hidden states there (causal attention, positions
+per sample), so those positions run once: Prefix Grouper's shared-prefix forward (Liu et al. 2025,
+arXiv:2506.05433). `plan_shared_prefixes` picks runs of neighbours saving the most tokens (dynamic
+programming) and builds the compressed row, the `expand` index back to `[T]` and the attention
+segments (a prefix causal on itself; a tail on its prefix and causal on itself, bottom-right). They
+run as one flash varlen call on CUDA (fp16/bf16), else as padded sdpa calls. Gathers are
+`index_select`s, whose backward avoids `index_put_`'s sort (pytorch/pytorch#41162).
 """
 
 from __future__ import annotations
@@ -49,10 +46,8 @@ Attend = Callable[..., torch.Tensor]
 
 @dataclass(frozen=True)
 class FlatSegments:
-    """Every attention segment of a compressed row back to back (flash-attention varlen layout).
-
-    Segment i's queries are rows `cu_q[i]:cu_q[i+1]`, its keys `key_rows[cu_k[i]:cu_k[i+1]]` (prefix, then
-    own rows). `key_rows` `[T_k]` int64; `cu_q`, `cu_k` `[N + 1]` int32; `max_q`, `max_k` host ints.
+    """Segment i: queries `cu_q[i]:cu_q[i+1]` (int32), keys `key_rows[cu_k[i]:cu_k[i+1]]` (int64 rows, prefix
+    then own), the flash-attention varlen layout.
     """
 
     key_rows: torch.Tensor
@@ -71,11 +66,8 @@ class FlatSegments:
 
 @dataclass(frozen=True)
 class PaddedSegments:
-    """The segments as padded sdpa batches (batch b: n_b segments padded to Lq_b queries, Lk_b keys).
-
-    `q_rows` `[sum n_b Lq_b]`, `k_rows` `[sum n_b Lk_b]` int64 compressed rows; `masks` per batch
-    `[n_b, 1, Lq_b, Lk_b]` bool (padded queries attend key 0); `out_rows` `[T_c]` int64: each compressed
-    row's place in the batches' concatenated outputs.
+    """Padded sdpa batches: `q_rows`, `k_rows` int64 compressed rows, per batch a `[n, 1, Lq, Lk]` bool mask,
+    and `out_rows` `[T_c]`, each compressed row's place in the batches' concatenated outputs.
     """
 
     q_rows: torch.Tensor
@@ -86,11 +78,8 @@ class PaddedSegments:
 
 @dataclass(frozen=True)
 class SharedPrefixPlan:
-    """How one packed row of T tokens is compressed to T_c for a shared-prefix forward.
-
-    `row_ids`, `position_ids` `[T_c]` int64; `expand` `[T]` int64 (compressed row of each token);
-    `segments`; `saved_tokens` = T - T_c; `table` `[N, 4]` int64 host (q_start, q_len, prefix_start,
-    prefix_len); `padded` is built on first use.
+    """One packed row of T tokens compressed to T_c: `row_ids`, `position_ids` `[T_c]` int64, `expand` `[T]`
+    int64, `table` `[N, 4]` host (q_start, q_len, prefix_start, prefix_len); `padded` built on first use.
     """
 
     row_ids: torch.Tensor
@@ -120,11 +109,8 @@ class SharedPrefixPlan:
 def plan_shared_prefixes(
     input_ids: torch.Tensor | np.ndarray, seq_lens: torch.Tensor | np.ndarray, *, max_run: int = DEFAULT_MAX_RUN
 ) -> SharedPrefixPlan | None:
-    """A CPU `SharedPrefixPlan` of one packed row (`input_ids` `[T]`, `seq_lens` `[S]`), or None when no
-    two neighbours share a prefix.
-
-    Raises:
-        ValueError: lengths not >= 1, not summing to T, or max_run < 1.
+    """A CPU `SharedPrefixPlan` of `input_ids` `[T]` split by `seq_lens` `[S]`, or None when no neighbours
+    share a prefix; ValueError for lengths < 1 or not summing to T, or a max_run < 1.
     """
     ids = host_array(input_ids, "input_ids").astype(np.int64, copy=False)
     lens = host_array(seq_lens, "seq_lens").astype(np.int64, copy=False)
@@ -148,10 +134,8 @@ def segment_attention(
     scaling: float | None,
     dropout_p: float,
 ) -> torch.Tensor:
-    """`[1, T_c, heads, head_dim]` attention of a compressed row, each token over its segment's keys.
-
-    query `[1, heads, T_c, head_dim]`; key, value `[1, kv_heads, T_c, head_dim]` (not repeated). One
-    flash varlen call where `varlen_kernel_applies`, else padded sdpa calls.
+    """`[1, T_c, heads, head_dim]`: each token of query `[1, heads, T_c, head_dim]` over its segment's keys
+    (key/value `[1, kv_heads, T_c, head_dim]`); one flash varlen call where `varlen_kernel_applies`.
     """
     if varlen_kernel_applies(query, dropout_p):
         return flat_segment_attention(query, key, value, plan.segments, scaling, varlen_attention)
@@ -311,9 +295,7 @@ def _padded_segments(table: np.ndarray, device: torch.device) -> PaddedSegments:
 
 
 def _batches(table: np.ndarray) -> list[np.ndarray]:
-    """Segments split into padded batches: prefixes apart from tails, sorted by key length, cut where
-    padding the next one in costs more scores than `BATCH_CALL_COST`.
-    """
+    """Segments in padded batches: prefixes apart from tails, cut where padding costs over `BATCH_CALL_COST`."""
     out = []
     for part in (table[table[:, 3] == 0], table[table[:, 3] > 0]):
         current: list[int] = []
