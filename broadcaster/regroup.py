@@ -1,32 +1,10 @@
-"""Trainer side of re-forming the torch.distributed weight group (`broadcaster.dist_broadcast`).
+"""Trainer side of re-forming the torch.distributed weight group (the story: docs/ARCHITECTURE.md, "Weights").
 
-A group has a fixed world size, so a producer that joins (restart, late join, `busctl scale`)
-cannot enter the one formed at start, and a member that died makes every later broadcast fail.
-Instead of leaving the broadcast method, the trainer forms a NEW group at a version boundary:
-
-    trainer (rank 0)                                   producers
-    Membership.next(add=joining)                       (a newcomer asked with weights.wanted)
-    GroupFormer.form():
-      bind a fresh rendezvous socket (new port)
-      announce(membership, host, port) ------------>   WeightGroup(generation, host, port, members)
-        (again every REANNOUNCE_S until it formed:     (a producer restarting meanwhile hears it;
-         the rendezvous waits on a helper thread)        the others ignore the repeats)
-                                        <------------  WeightGroupAck (each member, before joining)
-      BroadcastSender(...).init_group()  <-- rendezvous --> BroadcastReceiver.regroup: leave the old
-                                                          group, join the new one as rank i + 1
-      timed out? blame the members that never acknowledged (all of them if every one did),
-      move them to the filesystem method and form again without them.
-
-The caller then re-sends its last version into the new group (`BroadcastReceiver.expects_resend`)
-and publishes by filesystem for the producers on that method. Each attempt is reported back
-(`FormAttempt`) for the caller's log and metrics; this module never touches the bus.
-
-Invariants:
-- generations only grow; each attempt (successful or not) takes the next one;
-- `Membership.members` and `Membership.filesystem` are disjoint; a producer is moved to the
-  filesystem method only by a failed attempt that blames it, and back only by `next(add=...)`;
-- every attempt has its own listening socket (bound before it is announced, so no other process
-  can take the port), handed to the rendezvous store or closed.
+A group has a fixed world size, so a joining producer or a dead member means a NEW group: `GroupFormer.form`
+binds a fresh rendezvous socket, announces the `Membership` (every `REANNOUNCE_S` while the rendezvous runs on a
+helper thread) and, if it times out, moves the members that never acknowledged (all, if every one did) to the
+filesystem method and tries again. It reports each `FormAttempt` and never touches the bus. Generations only grow,
+one per attempt; `members` and `filesystem` are disjoint; each attempt's socket is bound before it is announced.
 """
 
 from __future__ import annotations
@@ -44,14 +22,12 @@ from broadcaster.manifest import DEFAULT_BUCKET_BYTES
 logger = logging.getLogger(__name__)
 
 REANNOUNCE_S = 2.0
-"""How often a group being formed is announced again, seconds (the announcing thread owns the
-bus socket; the rendezvous runs on a helper thread)."""
+"""How often a group being formed is announced again, seconds."""
 
 
 @dataclass(frozen=True)
 class Membership:
-    """Who takes weights how: `members` (rank `i + 1` each) by broadcast, `filesystem` by the
-    filesystem method, in group `generation` (0: the group formed at start)."""
+    """`members` (rank `i + 1`) by broadcast, `filesystem` by files, in group `generation` (0: at start)."""
 
     generation: int
     members: tuple[str, ...]
@@ -66,8 +42,7 @@ class Membership:
             )
 
     def next(self, *, add: Iterable[str] = (), drop: Iterable[str] = ()) -> "Membership":
-        """The membership of the next generation: `add` joins the broadcast members (after the
-        current ones; leaving the filesystem list), `drop` moves to the filesystem method."""
+        """The next generation: `add` joins the broadcast members (last), `drop` moves to the filesystem method."""
         add, drop = [p for p in add if p not in self.members], set(drop)
         members = [m for m in (*self.members, *add) if m not in drop]
         filesystem = [p for p in self.filesystem if p not in add and p not in drop] + sorted(drop)
@@ -76,8 +51,7 @@ class Membership:
 
 @dataclass(frozen=True)
 class FormAttempt:
-    """One attempt of `GroupFormer.form`: its membership, whether the group formed, the members
-    it blamed (failed attempts), how long it took (seconds) and the error (failed attempts)."""
+    """One `GroupFormer.form` attempt: membership, formed or not, blamed members, seconds, error."""
 
     membership: Membership
     ok: bool
@@ -102,17 +76,10 @@ def listening_socket(host: str) -> socket.socket:
 
 
 class GroupFormer:
-    """Forms the trainer's weight groups after the first (see the module docstring).
+    """Forms the trainer's weight groups after the first at `host`.
 
-    Args:
-        backend: "auto" | "gloo" | "nccl" (the run's `broadcast.backend`).
-        host: the trainer's address for the rendezvous (`broadcast.host`).
-        timeout_s: bound on the rendezvous of one attempt and on each broadcast in the group it
-            forms (`broadcast.reform_timeout_s`), seconds.
-        bucket_bytes: the senders' bucket size (the default on both sides).
-
-    Raises:
-        ValueError: `timeout_s <= 0` or an unknown backend.
+    `timeout_s` bounds one attempt's rendezvous and each broadcast in its group, seconds. Raises ValueError:
+    `timeout_s <= 0` or an unknown backend.
     """
 
     def __init__(
@@ -126,13 +93,10 @@ class GroupFormer:
     def form(
         self, membership: Membership, announce: Announce, acked: Acked
     ) -> tuple[BroadcastSender | None, Membership, list[FormAttempt]]:
-        """Form the group of `membership` (a new generation), blaming and dropping members until
-        one forms or none is left.
+        """Form `membership`'s group, dropping blamed members until one forms or none is left.
 
-        Returns (the opened sender, or None when no member is left; the membership that formed,
-        or the last one with every member moved to the filesystem method; every attempt made).
-        When no member is left the last membership is announced too, so the blamed producers hear
-        that they are on the filesystem method.
+        Returns (opened sender or None, the membership formed or the last all-filesystem one (announced too),
+        every attempt).
         """
         attempts: list[FormAttempt] = []
         while membership.members:
@@ -190,9 +154,7 @@ class GroupFormer:
 
     @staticmethod
     def _init_announcing(sender: BroadcastSender, announce: Callable[[], None]) -> None:
-        """`sender.init_group()` on a helper thread while this thread announces the group every
-        `REANNOUNCE_S` (a producer that restarts meanwhile hears it too; members ignore repeats).
-        Raises what `init_group` raised."""
+        """`init_group()` on a helper thread, announcing every `REANNOUNCE_S`; raises what it raised."""
         failed: list[BaseException] = []
 
         def init() -> None:

