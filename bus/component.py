@@ -23,7 +23,6 @@ class) started by ``busctl`` as ``python -m <module> --run-dir DIR --name NAME -
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import signal
@@ -38,14 +37,15 @@ from bus import auth
 from bus.control import ControlPublisher
 from bus.courier import Courier
 from bus.inbox import Inbox
-from lifecycle.launch_env import LaunchEnv
 from bus.messages import ComponentHeartbeat, ComponentPhase, ComponentReady, Message, new_id
-from telemetry.metrics import POLICY_VERSION, serve_metrics
-from telemetry.tls import server_context_for
 from bus.outbox import Outbox
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
 from configs.schema import RunConfig, load_config
+from lifecycle.launch_env import LaunchEnv
+from lifecycle.parent_death import die_with_parent
+from telemetry.metrics import POLICY_VERSION, serve_metrics
+from telemetry.tls import server_context_for
 
 log = logging.getLogger(__name__)
 
@@ -294,13 +294,6 @@ def watch_parent(comp: Component, parent_pid: int) -> threading.Thread:
     return thread
 
 
-def die_with_parent() -> None:
-    """Ask Linux to send SIGTERM to this process when its parent (the supervisor) dies."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def component_main(cls: type[Component], argv: list[str] | None = None) -> int:
     """Run a component through its lifecycle; returns the process exit code."""
     parser = argparse.ArgumentParser(description=f"rlbus component {cls.__name__}")
@@ -315,7 +308,7 @@ def component_main(cls: type[Component], argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         force=True,
     )
-    die_with_parent()
+    die_with_parent(signal.SIGTERM)
     cfg = load_config(Path(args.run_dir) / "config.yaml")
     comp = cls(cfg, args.name, args.index)
     parent_pid = os.getppid()

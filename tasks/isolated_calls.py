@@ -57,6 +57,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from lifecycle.parent_death import die_with_parent
 from tasks.import_path import import_callable
 
 log = logging.getLogger(__name__)
@@ -301,15 +302,6 @@ class IsolatedCalls:
         return child
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when the thread that started it exits (a hung call
-    ignores anything gentler)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def _send(conn: Connection, obj: Any) -> None:
     """Send one JSON message (tuples arrive as lists)."""
     conn.send_bytes(json.dumps(obj).encode())
@@ -324,7 +316,7 @@ def child_main(fd: int, resolver: str, refs: list[str]) -> None:
     """A child's loop: resolve every one of ``refs`` with ``resolver``, handshake, then make one call
     per message ``(fn_index, args)`` until ``None`` or EOF. Runs in the child only (started by
     :meth:`IsolatedCalls._start_child`)."""
-    _die_with_parent()
+    die_with_parent(signal.SIGKILL)  # a hung call ignores anything gentler
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the worker decides
     conn = Connection(fd)
     fns = []

@@ -50,9 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         os.nice(NICE)
     except OSError:
         pass
-    from bus.component import die_with_parent
+    from lifecycle.parent_death import die_with_parent
 
-    die_with_parent()
+    die_with_parent(signal.SIGTERM)
     from trackers.follower import TrackerFollower
 
     follower = TrackerFollower(run_dir, names, config)

@@ -17,13 +17,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from bus.component import die_with_parent
+from lifecycle.parent_death import die_with_parent
 from configs.schema import RunConfig, load_config
 from trainer.optim.lr_schedule import ResumedRate, set_lr_schedule_step
 from trainer.state.checkpoint import has_scheduler_state, load_checkpoint
@@ -171,7 +172,7 @@ def follower_main(argv: list[str] | None = None) -> int:
         force=True,
         format=f"%(asctime)s {args.name}[rank {rank}] %(levelname)s %(name)s: %(message)s",
     )
-    die_with_parent()
+    die_with_parent(signal.SIGTERM)
     dp = None
     try:
         cfg = load_config(Path(args.run_dir) / "config.yaml")

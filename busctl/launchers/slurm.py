@@ -12,7 +12,6 @@ docs/ARCHITECTURE.md, "Lifecycle and healing"; running it in docs/operations.md,
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import secrets
@@ -37,6 +36,7 @@ from busctl.launchers.slurm_state import (
 )
 from busctl.placement import ENV_CUDA_DEVICES
 from configs.schema import ConfigError, RunConfig
+from lifecycle.parent_death import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -103,16 +103,12 @@ def srun_command(
     ]
 
 
-_PRCTL = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # resolved here: the forked child must not dlopen
-
-
 def die_with_busctl(parent_pid: int) -> Callable[[], None]:
     """A ``preexec_fn`` for ``srun``: SIGTERM when its parent thread dies (``prctl(PR_SET_PDEATHSIG)``, Linux);
     a parent gone before the ``prctl`` is caught by comparing ``getppid()`` with ``parent_pid``."""
 
     def arm() -> None:
-        if _PRCTL is not None:  # Linux
-            _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        die_with_parent(signal.SIGTERM)
         if os.getppid() != parent_pid:
             os.kill(os.getpid(), signal.SIGTERM)
 

@@ -283,10 +283,12 @@ def test_two_gloo_ranks_give_the_one_rank_update(model_dir, tmp_path, lora):
 
 def rank_main(run_dir: str, checkpoint: str, num_steps: int, out: str) -> int:
     """One rank of the 2-rank run (see the module docstring); writes into ``out``."""
-    from bus.component import die_with_parent
+    import signal
+
+    from lifecycle.parent_death import die_with_parent
     from trainer.parallel.follower import follow, join_data_parallel, load_trainer_checkpoint
 
-    die_with_parent()  # if the test kills torchrun, its ranks go too
+    die_with_parent(signal.SIGTERM)  # if the test kills torchrun, its ranks go too
     torch.set_num_threads(1)
     cfg = load_config(Path(run_dir) / "config.yaml")
     dp = join_data_parallel(cfg)

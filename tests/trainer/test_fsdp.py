@@ -281,12 +281,14 @@ def optimizer_shards(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 def rank_main(mode: str, run_dir: str, checkpoint: str, out: str) -> int:
     """One rank of run ``mode`` ("full" or "resume", see the module docstring); writes into ``out``."""
+    import signal
+
     from broadcaster.filesystem import FilesystemSender
-    from bus.component import die_with_parent
+    from lifecycle.parent_death import die_with_parent
     from trainer.parallel.follower import checkpoint_writer, follow, join_data_parallel, load_trainer_checkpoint, serve
     from trainer.publish import weights_payload
 
-    die_with_parent()
+    die_with_parent(signal.SIGTERM)
     torch.set_num_threads(1)
     cfg = load_config(Path(run_dir) / "config.yaml")
     dp = join_data_parallel(cfg)
