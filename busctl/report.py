@@ -1,35 +1,14 @@
 """``busctl report RUN_DIR``: plots and a short text summary of a run, from its files alone.
 
-Reads (only ``metrics.jsonl`` is required):
-
-- ``metrics.jsonl`` (:mod:`trainer.proc`, :mod:`trainer.observability.eval_log`): training records
-  ``{"step": s + 1, "reward_mean", "kl", "entropy", "policy_lag_mean", "policy_lag_max",
-  "tokens_per_s", "step_time_s", "num_tokens", "reward/<fn>", "lag_frac/<bucket>",
-  "num_loss_tokens", ...}`` and eval records
-  ``{"step": round, "eval/<task>/reward_mean", ...}`` (older runs: ``eval_reward_mean``, shown as
-  task ``eval``; ``time/<phase>_s``, the trainer's seconds per phase, :mod:`trainer.observability.step_timing`,
-  summarized as a table of median seconds per step and share of step time). A line that is not a JSON object (a trainer killed mid-write) is skipped and
-  counted; a step written twice keeps its last record.
-- ``stages.jsonl`` (optional; one line per metrics-poller round of the supervisor):
-  ``{"time": unix_s, "step": steps done, "components": {"producer-0": {"role": "producer",
-  "throughput": {"tokens_per_s": x, "samples_per_s": y}, "busy": f, ...}, ...}}``; per step and
-  stage (role) the report sums tokens/s over the replicas and averages their busy fraction.
-  ``components`` may also be ``status.json``'s list of rows (each with ``name``).
-- ``samples.jsonl`` (optional, :mod:`packer.sample_log`), ``accounting.json`` (prompt outcomes) and
-  ``metrics_final/packer.prom`` (the packer's groups by outcome) for the summary.
-
-Writes ``OUT/*.png`` (:mod:`busctl.report_plots`, matplotlib's Agg backend) and ``OUT/summary.txt``
-(also printed); ``OUT`` defaults to ``RUN_DIR/report``. A series a run does not have (no entropy
-in old runs, no eval, no ``stages.jsonl``) is skipped and named in the summary's notes. Last, for
-each experiment tracker the run used (``report.trackers``), the command that opens it
-(:func:`trackers.opening.tracker_lines`).
-
-The reward summary uses a trailing moving average over ``W = clamp(n // 4, 1, 10)`` steps
-(:func:`busctl.run_data.smoothing_window`): ``first`` is the mean of the first ``W`` steps, ``last`` of the last
-``W``, ``best`` the highest ``W``-step mean.
-
-Exit codes: 0 written; 2 no such run directory, or ``metrics.jsonl`` missing, empty or without
-training records (the message names the file).
+It reads ``metrics.jsonl`` (required: the trainer's step records and the eval records), ``stages.jsonl`` (one
+line per metrics-poller round: per component its role, throughput and busy fraction; per stage the report sums
+tokens/s over the replicas and averages busy), ``samples.jsonl``, ``accounting.json``, ``startup.json`` and
+``metrics_final/packer.prom`` (:mod:`busctl.run_data`). A line that is not a JSON object (a trainer killed
+mid-write) is skipped and counted; a step written twice keeps its last record; a series a run lacks is named in
+the notes. It writes ``OUT/*.png`` (:mod:`busctl.report_plots`) and ``OUT/summary.txt`` (also printed; ``OUT``
+defaults to ``RUN_DIR/report``), then the command that opens each experiment tracker of the run. The reward
+summary uses the trailing moving average of :func:`busctl.run_data.smoothing_window` steps. Exit codes: 0
+written; 2 no run directory, or ``metrics.jsonl`` missing, empty or without training records.
 """
 
 from __future__ import annotations
@@ -60,7 +39,7 @@ def _mean(values: list[float]) -> float:
 
 
 def summarize(run: RunData) -> dict:
-    """The summary's numbers (see the module docstring for the reward windows).
+    """The summary's numbers; ``reward_first`` / ``last`` / ``best`` are means over the moving-average window.
 
     Returns:
         ``{"steps", "first_step", "last_step", "train_time_s", "window", "reward_first",
@@ -127,9 +106,8 @@ def _f(v: float, digits: int = 4) -> str:
 
 
 def lag_token_shares(run: RunData) -> dict[str, float]:
-    """Share of the run's loss tokens sampled at each lag: the trainer's per-step ``lag_frac/<bucket>``
-    (:mod:`trainer.observability.lag_stats`) weighted by the step's ``num_loss_tokens``, ``{bucket: share}`` in
-    lag order (sums to 1); ``{}`` for a run without them (older runs)."""
+    """Share of the run's loss tokens sampled at each lag, ``{bucket: share}`` in lag order (sums to 1): the
+    per-step ``lag_frac/<bucket>`` weighted by ``num_loss_tokens``; ``{}`` for a run without them."""
     prefix = "lag_frac/"
     buckets = sorted(
         (k[len(prefix) :] for k in run.keys() if k.startswith(prefix)), key=lambda b: (b.startswith(">="), len(b), b)
@@ -215,10 +193,7 @@ def format_phases(rows: list[tuple[str, float, float]]) -> list[str]:
 
 
 def write_report(run_dir: Path, out_dir: Path | None = None) -> tuple[list[Path], str]:
-    """Write the plots and ``summary.txt`` of a run.
-
-    Args:
-        run_dir: the run directory. out_dir: where to write (default ``RUN_DIR/report``; created).
+    """Write the plots and ``summary.txt`` of ``run_dir`` into ``out_dir`` (default ``RUN_DIR/report``; created).
 
     Returns:
         ``(png_paths, summary_text)``.
