@@ -15,7 +15,7 @@ interleaved, after one warm-up each, `--runs` times (medians reported):
   split into `blocked` (what the trainer thread spends in `start_send`: copies + handing buckets
   to gloo) and `transfer` (first bucket handed over -> last bucket done, in the background);
   `payload` is the time the trainer takes to build the dict it sends, with its own functions
-  (`trainer.model.policy_state_dict`, `lora_adapter_state_dict`), also on the trainer thread;
+  (`trainer.state.model.policy_state_dict`, `lora_adapter_state_dict`), also on the trainer thread;
 - bus: `BusSender.start_send(state_dict, v)` (copy into the bucket buffers, served by its ROUTER
   on tcp://127.0.0.1, no CURVE; crc32 per bucket on its server thread) and rank 1's
   `BusFetcher.fetch` pulling every bucket into the same `BucketReceiver` buffers (`--bus-window`
@@ -155,7 +155,7 @@ def receiver(
 
 def measure(runs: int, models: list[str], bucket_bytes: int, bus_window: int = DEFAULT_WINDOW) -> list[dict]:
     """Rank 0: build the payloads, start the receiver, time everything; one dict per payload."""
-    from trainer.model import lora_adapter_state_dict, policy_state_dict
+    from trainer.state.model import lora_adapter_state_dict, policy_state_dict
 
     torch.set_num_threads(1)
     payloads = []

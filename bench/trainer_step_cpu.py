@@ -41,7 +41,7 @@ torch.set_num_threads(1)
 from configs.schema import LoraSection, OptimConfig, TrainerConfig
 from packer.packer import PackedSample, pack_step
 from policies.tiny_model import build_random_policy
-from trainer.model import load_policy
+from trainer.state.model import load_policy
 from trainer.trainer import Trainer
 prompts, group, (plo, phi), (clo, chi), budget = json.loads(sys.argv[1])
 steps = int(sys.argv[2])

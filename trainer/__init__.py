@@ -1,12 +1,11 @@
 """The trainer stage: GRPO optimizer steps on packed micro-batches from the ``batches`` topic, weights
 out to the producers after each step.
 
-At the top: ``proc`` (the process: sockets, custody, checkpoints, resume), ``trainer`` (the logic
-of one optimizer step, socket-free), ``publish`` (weight publication by the run's method),
-``model`` (loading the policy, full or LoRA). The sub-packages each hold one concern:
-``forward`` (the packed forward and its logprobs: packed and shared-prefix rows, varlen attention
-on CPU, memory-lean logprobs, the reference policy, precision), ``kernels`` (the CUDA/Triton
-kernels those call: flash varlen attention, fused logprob and entropy), ``losses`` (the policy-loss
-family, one pure function per formula), ``parallel`` (data parallelism, FSDP, device and threads),
-``state`` (checkpoints and custody) and ``observability`` (per-step metrics and eval records).
+At the top: ``proc`` (rank 0's process: sockets, custody, checkpoints, resume), ``dp_follower`` (the
+data-parallel ranks > 0, no bus), ``trainer`` (one optimizer step, socket-free) and ``publish``
+(weight publication by the run's method). Each sub-package holds one concern and imports nothing
+from this top level: ``forward`` (the packed forward and its logprobs), ``kernels`` (the CUDA/Triton
+kernels and host-to-device copies below it), ``losses`` (the policy-loss family), ``parallel`` (data
+parallelism, FSDP, device and threads), ``state`` (the policy's weights, checkpoints and custody),
+``optim`` (the learning-rate schedule) and ``observability`` (per-step metrics and eval records).
 """

@@ -29,8 +29,8 @@ from configs.schema import RunConfig, load_config
 from trainer.optim.lr_schedule import ResumedRate, set_lr_schedule_step
 from trainer.state.checkpoint import has_scheduler_state, load_checkpoint
 from trainer.parallel.distributed import GATHER, SAVE, STEP, DataParallel
-from trainer.model import load_policy
-from trainer.parallel.placement import trainer_device
+from trainer.state.model import load_policy
+from trainer.parallel.device import trainer_device
 from trainer.parallel.sharding import SHARDED_DIR, full_entry, is_sharded, load_sharded, save_sharded, weight_entries
 from trainer.trainer import Trainer, build_trainer
 

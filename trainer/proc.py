@@ -72,7 +72,7 @@ Data parallelism (``trainer.data_parallel`` N > 1): ``busctl up`` starts this mo
 torchrun with N ranks (:func:`main`). Rank 0 is this component and does all of the above; it
 names the checkpoint it resumed from (or none) to the other ranks, wraps the forward in DDP, and
 sends each rank its share of every step (:mod:`trainer.parallel.distributed`); ranks > 0 run
-:mod:`trainer.parallel.follower` (no bus). Rank 0's metrics cover the whole step. Its ready handshake and
+:mod:`trainer.dp_follower` (no bus). Rank 0's metrics cover the whole step. Its ready handshake and
 heartbeats carry the torchrun agent's pid, the process the supervisor watches. With
 ``trainer.parallel: fsdp`` (:mod:`trainer.parallel.sharding`) every rank shards before loading, checkpoints
 are written by every rank at once (not in the background), and the weights are gathered per tensor.
@@ -102,12 +102,12 @@ from trainer.parallel.distributed import launcher_pid
 from trainer.observability.eval_log import EvalLog, declare_pass_at_k, keep_metrics_record
 from trainer.observability.metrics_file import MetricsFile
 from trainer.observability.step_log import report_step
-from trainer.parallel.follower import checkpoint_writer, follower_main, join_data_parallel, load_trainer_checkpoint
+from trainer.dp_follower import checkpoint_writer, follower_main, join_data_parallel, load_trainer_checkpoint
 from trainer.state.step_ledger import StepLedger, append_jsonl, group_id, keep_jsonl_records
 from trainer.observability.step_timing import StepPhases
 from trainer.parallel.threads import ThreadPlan
-from trainer.model import load_policy
-from trainer.parallel.placement import trainer_device
+from trainer.state.model import load_policy
+from trainer.parallel.device import trainer_device
 from trainer.publish import WeightPublisher
 from trainer.trainer import build_trainer
 

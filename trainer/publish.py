@@ -60,7 +60,7 @@ from broadcaster.noise import is_rmsnorm_weight, qerl_noise_sigma, with_rmsnorm_
 from bus.messages import Message, WeightsApplied, WeightsReady, WeightsWanted, new_id
 from bus.messages_weights import WeightGroup, WeightGroupAck
 from trainer.parallel.distributed import DataParallel
-from trainer.model import lora_adapter_state_dict, policy_state_dict
+from trainer.state.model import lora_adapter_state_dict, policy_state_dict
 from trainer.parallel.sharding import GatheredWeights, is_sharded
 
 log = logging.getLogger(__name__)
@@ -101,8 +101,8 @@ def weights_payload(
     model: torch.nn.Module, cfg, version: int, *, adapter: bool, dp: DataParallel | None = None
 ) -> Mapping[str, torch.Tensor]:
     """What the producers get as ``version``: the merged full weights of ``model``
-    (:func:`trainer.model.policy_state_dict`), or with ``adapter`` only its LoRA adapter
-    (:func:`trainer.model.lora_adapter_state_dict`; with the noise scheduler on, the RMSNorm
+    (:func:`trainer.state.model.policy_state_dict`), or with ``adapter`` only its LoRA adapter
+    (:func:`trainer.state.model.lora_adapter_state_dict`; with the noise scheduler on, the RMSNorm
     weights travel whole alongside it). With ``cfg.broadcast.noise_scheduler.enabled`` (``cfg``: the
     ``RunConfig``) the RMSNorm weights in it are fresh noisy copies (QeRL, :mod:`broadcaster.noise`,
     stage of ``version`` over ``trainer.max_steps``); ``model``'s own weights stay clean.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from configs.schema import LoraSection
-from trainer.model import load_policy
+from trainer.state.model import load_policy
 
 
 def lora_policy(path, *, rank: int = 3, alpha: float = 16.0, seed: int = 0, scale: float = 0.1):

@@ -14,7 +14,7 @@ from broadcaster.lora import merge_lora_delta, merged_weights
 from broadcaster.manifest import build_manifest, lora_modules, manifest_num_bytes, payload_kind
 from broadcaster.noise import is_rmsnorm_weight
 from configs.schema import LoraSection
-from trainer.model import load_policy, lora_adapter_state_dict, policy_state_dict
+from trainer.state.model import load_policy, lora_adapter_state_dict, policy_state_dict
 
 from tests.broadcaster.lora_policies import lora_policy
 from tests.weight_peer import WeightPeer

@@ -16,7 +16,7 @@ from broadcaster.noise import (
     with_rmsnorm_noise,
 )
 from configs.schema import LoraSection, NoiseSchedulerConfig, RunConfig
-from trainer.model import load_policy, policy_state_dict
+from trainer.state.model import load_policy, policy_state_dict
 from tests.broadcaster.lora_policies import lora_policy
 
 

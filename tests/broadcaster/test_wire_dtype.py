@@ -18,7 +18,7 @@ from configs.schema import RunConfig
 from tests.broadcaster.lora_policies import lora_policy
 from tests.broadcaster.test_broadcaster import _free_port
 from tests.weight_peer import WeightPeer
-from trainer.model import lora_adapter_state_dict, policy_state_dict
+from trainer.state.model import lora_adapter_state_dict, policy_state_dict
 from trainer.publish import WeightPublisher, weights_dtype, weights_payload
 
 

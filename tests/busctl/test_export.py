@@ -24,7 +24,7 @@ from busctl.export import ExportError, export_checkpoint, find_checkpoint
 from configs.schema import LoraSection, TrainerConfig, OptimConfig
 from policies.tiny_model import build_random_policy
 from tests.torch_threads import one_torch_thread  # noqa: F401 - autouse fixture
-from trainer.model import load_policy
+from trainer.state.model import load_policy
 from trainer.state.checkpoint import save_checkpoint
 from trainer.trainer import build_optimizer
 

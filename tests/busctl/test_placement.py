@@ -6,7 +6,7 @@ overrides); ``busctl up --dry-run`` runs as a real subprocess with busctl's own
 dry run starts nothing). A real supervisor over real processes (``tests/busctl/sleepy.py``) in
 the roles of the trainer and a producer shows each process gets its ``CUDA_VISIBLE_DEVICES``
 (read from ``/proc/PID/environ``), and ``busctl scale`` refusing a producer with no device left.
-The trainer's side (:func:`trainer.parallel.placement.trainer_device`) is checked on this CPU host.
+The trainer's side (:func:`trainer.parallel.device.trainer_device`) is checked on this CPU host.
 """
 
 from __future__ import annotations
@@ -290,7 +290,7 @@ def test_supervisor_gives_each_component_its_devices(tmp_path, monkeypatch, caps
 
 def test_trainer_device_on_this_cpu_host():
     torch = pytest.importorskip("torch")
-    from trainer.parallel.placement import trainer_device
+    from trainer.parallel.device import trainer_device
 
     if torch.cuda.is_available():
         pytest.skip("checks the CPU host's answers; CUDA is visible here")

@@ -14,7 +14,7 @@ import torch
 
 from configs.model_path import hf_hub_cache, resolve_model_path, resolve_run_model_paths
 from configs.schema import LoraSection, load_config
-from trainer.model import load_policy
+from trainer.state.model import load_policy
 from policies.model_families import build_family_model
 
 REPO = Path(__file__).resolve().parents[2]

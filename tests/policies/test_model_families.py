@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from configs.schema import LoraSection, OptimConfig, TrainerConfig
 from packer.packer import PackedSample, build_micro_batch
-from trainer.model import load_policy
+from trainer.state.model import load_policy
 from policies.model_families import FAMILIES, build_family_model, family
 from trainer.forward.packed import packed_token_logprobs
 from trainer.trainer import Trainer

@@ -39,7 +39,7 @@ from broadcaster.manifest import payload_kind
 from broadcaster.noise import is_rmsnorm_weight, with_rmsnorm_noise
 from producers.engine import RolloutEngine
 from tests.broadcaster.lora_policies import lora_policy
-from trainer.model import lora_adapter_state_dict, policy_state_dict
+from trainer.state.model import lora_adapter_state_dict, policy_state_dict
 from policies.tiny_model import build_random_policy
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -15,7 +15,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from configs.schema import LoraSection, OptimConfig, TrainerConfig
 from packer.packer import PackedSample, build_micro_batch
 from trainer.state.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
-from trainer.model import load_policy
+from trainer.state.model import load_policy
 from trainer.forward.packed import packed_token_logprobs
 from trainer.trainer import build_optimizer
 

@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 from configs.schema import LoraSection, OptimConfig, TrainerConfig
 from tests.trainer.test_host_sync import grpo_samples, step_batches
 from trainer.forward.compiled import compile_decoder_layers
-from trainer.model import load_policy
+from trainer.state.model import load_policy
 from trainer.trainer import Trainer
 
 

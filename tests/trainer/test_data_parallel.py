@@ -1,10 +1,10 @@
-"""Data-parallel trainer (trainer/parallel/distributed.py, trainer/parallel/follower.py): 2 gloo ranks under a real
+"""Data-parallel trainer (trainer/parallel/distributed.py, trainer/dp_follower.py): 2 gloo ranks under a real
 torchrun give the same parameter update as 1 rank on the same step.
 
 The 2-rank run is this file executed by ``python -m torch.distributed.run --standalone
 --nproc-per-node 2`` (see ``rank_main`` at the bottom): rank 0 plays :class:`trainer.proc.TrainerProc`
 without the bus (it resumes from a checkpoint, names it to the other rank, shares each step with
-``DataParallel.send_step``); rank 1 runs the production follower, :func:`trainer.parallel.follower.follow`.
+``DataParallel.send_step``); rank 1 runs the production follower, :func:`trainer.dp_follower.follow`.
 The 1-rank reference runs in the test process on the same micro-batches.
 
 Steps (full fine-tuning of the tiny Qwen2 of conftest.py, AdamW):
@@ -42,7 +42,7 @@ from configs.schema import LoraSection, OptimConfig, RunConfig, TrainerConfig, d
 from packer.packer import PackedSample, build_micro_batch
 from trainer.state.checkpoint import save_checkpoint
 from trainer.parallel.distributed import DataParallel, decode_share, encode_share, share_micro_batches
-from trainer.model import load_policy
+from trainer.state.model import load_policy
 from trainer.forward.packed import packed_token_logprobs
 from trainer.trainer import Trainer, merge_stats
 
@@ -286,7 +286,7 @@ def rank_main(run_dir: str, checkpoint: str, num_steps: int, out: str) -> int:
     import signal
 
     from lifecycle.parent_death import die_with_parent
-    from trainer.parallel.follower import follow, join_data_parallel, load_trainer_checkpoint
+    from trainer.dp_follower import follow, join_data_parallel, load_trainer_checkpoint
 
     die_with_parent(signal.SIGTERM)  # if the test kills torchrun, its ranks go too
     torch.set_num_threads(1)

@@ -9,12 +9,12 @@ slot, a rank with padding only, and a step skipped for rank 1's inf loss). This 
 
 - run ``full``: both ranks load the one-rank checkpoint of step 0 (one file), shard (the
   optimizer keeps its AdamW state, :func:`trainer.parallel.sharding.shard_keeping_optimizer_state`), and
-  train steps 1-4; rank 1 runs the production follower loop (:func:`trainer.parallel.follower.serve`).
+  train steps 1-4; rank 1 runs the production follower loop (:func:`trainer.dp_follower.serve`).
   After every step rank 0 sends the producers' payload (:func:`trainer.publish.weights_payload`,
   gathered one tensor at a time with rank 1) through a real filesystem weight sender; after step 2 it writes a sharded checkpoint
-  (every rank its DCP shards, :func:`trainer.parallel.follower.checkpoint_writer`);
+  (every rank its DCP shards, :func:`trainer.dp_follower.checkpoint_writer`);
 - run ``resume``: both ranks start fresh from that sharded checkpoint as trainer.proc and
-  trainer.parallel.follower.follow do (shard, rank 0 names the checkpoint, every rank loads its shards) and
+  trainer.dp_follower.follow do (shard, rank 0 names the checkpoint, every rank loads its shards) and
   train steps 3-4;
 - ``busctl export`` of that sharded checkpoint (in this process, no process group): a directory that
   ``AutoModelForCausalLM`` and ``AutoTokenizer`` load, holding exactly the weights the ranks
@@ -52,7 +52,7 @@ from tests.trainer.test_data_parallel import LR, STEPS, TEMPERATURE, make_micro_
 from trainer.state.checkpoint import save_checkpoint
 from trainer.parallel.distributed import decode_share, encode_share
 from trainer.parallel.sharding import SHARDED_DIR, read_sharded_policy
-from trainer.model import load_policy, policy_state_dict
+from trainer.state.model import load_policy, policy_state_dict
 from trainer.trainer import Trainer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -285,7 +285,7 @@ def rank_main(mode: str, run_dir: str, checkpoint: str, out: str) -> int:
 
     from broadcaster.filesystem import FilesystemSender
     from lifecycle.parent_death import die_with_parent
-    from trainer.parallel.follower import checkpoint_writer, follow, join_data_parallel, load_trainer_checkpoint, serve
+    from trainer.dp_follower import checkpoint_writer, follow, join_data_parallel, load_trainer_checkpoint, serve
     from trainer.publish import weights_payload
 
     die_with_parent(signal.SIGTERM)

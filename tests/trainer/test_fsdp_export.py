@@ -18,7 +18,7 @@ from busctl.export import export_checkpoint, find_checkpoint
 from configs.schema import LoraSection
 from policies.byte_tokenizer import VOCAB_SIZE, build_tokenizer
 from trainer.forward.packed import PackedLogprobs
-from trainer.model import load_policy
+from trainer.state.model import load_policy
 from trainer.parallel.sharding import SHARDED_DIR, read_sharded_policy, save_sharded, shard_policy
 from trainer.state.checkpoint import save_checkpoint
 

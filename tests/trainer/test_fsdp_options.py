@@ -10,7 +10,7 @@ import torch
 from configs.schema import LoraSection, TrainerConfig
 from tests.trainer.test_data_parallel import make_micro_batches, trainable, trainer_cfg
 from trainer.state.checkpoint import load_checkpoint, save_checkpoint, snapshot_state
-from trainer.model import load_policy
+from trainer.state.model import load_policy
 from trainer.forward.packed import PackedLogprobs
 from trainer.parallel.sharding import SHARDED_DIR, shard_policy
 from trainer.trainer import Trainer

@@ -21,7 +21,7 @@ from configs.schema import LoraSection, OptimConfig, TrainerConfig
 from configs.training import LossConfig
 from packer.packer import PackedSample, build_micro_batch
 from tests.host_sync import host_syncs
-from trainer.model import load_policy
+from trainer.state.model import load_policy
 from trainer.trainer import Trainer
 
 ALLOWED = ("trainer/observability/step_stats.py", "trainer/parallel/sharding.py")

@@ -24,7 +24,7 @@ import torch
 from configs.schema import LoraSection, LossConfig, OptimConfig, TrainerConfig
 from packer.packer import PackedSample, build_micro_batch
 from packer.packing import plan_step_micro_batches
-from trainer.model import load_policy
+from trainer.state.model import load_policy
 from trainer.forward.packed import packed_token_logprobs
 from trainer.trainer import Trainer
 

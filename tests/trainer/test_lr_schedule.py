@@ -14,7 +14,7 @@ from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmu
 from configs.schema import OptimConfig, TrainerConfig
 from tests.trainer.test_checkpoint import policy, step_batches, weights
 from trainer.optim.lr_schedule import build_lr_scheduler, lr_factor, rebind_lr_scheduler
-from trainer.parallel.follower import load_trainer_checkpoint
+from trainer.dp_follower import load_trainer_checkpoint
 from trainer.state.checkpoint import load_checkpoint, save_checkpoint, snapshot_state
 from trainer.trainer import Trainer
 
@@ -174,7 +174,7 @@ def test_resume_follows_the_configs_schedule_from_the_checkpoint_step(model_dir,
 
     # unchanged config: bit-identical, silent
     same = Trainer(policy(model_dir, lora=False), SCHEDULED)
-    with caplog.at_level("WARNING", logger="trainer.parallel.follower"):
+    with caplog.at_level("WARNING", logger="trainer.dp_follower"):
         assert load_trainer_checkpoint(path, same) == {"step": k, "lr_schedule": "cosine"}
     assert not caplog.records
     assert [same.step(mbs)["lr"] for mbs in batches[k:]] == uninterrupted
@@ -184,7 +184,7 @@ def test_resume_follows_the_configs_schedule_from_the_checkpoint_step(model_dir,
 
     # changed lr, scheduler, warm-up, min ratio and max_steps: the new schedule from step k on
     changed = Trainer(policy(model_dir, lora=False), CHANGED)
-    with caplog.at_level("WARNING", logger="trainer.parallel.follower"):
+    with caplog.at_level("WARNING", logger="trainer.dp_follower"):
         load_trainer_checkpoint(path, changed)
     (record,) = caplog.records
     message = record.getMessage()

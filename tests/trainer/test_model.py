@@ -1,4 +1,4 @@
-"""Tests for trainer.model: loading the policy (full FT or peft LoRA) and ``policy_state_dict``,
+"""Tests for trainer.state.model: loading the policy (full FT or peft LoRA) and ``policy_state_dict``,
 the merged, HF-named weights the producers receive."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from configs.schema import LoraSection
-from trainer.model import base_model, load_policy, policy_state_dict
+from trainer.state.model import base_model, load_policy, policy_state_dict
 
 RANK, ALPHA = 4, 8.0  # LoRA scaling = alpha / r = 2
 

@@ -672,7 +672,7 @@ def test_a_failed_broadcast_switches_the_trainer_to_the_filesystem_method(tiny_p
     from prometheus_client import REGISTRY
 
     from broadcaster.manifest import build_manifest
-    from trainer.model import load_policy, policy_state_dict
+    from trainer.state.model import load_policy, policy_state_dict
 
     monkeypatch.delenv(RESTARTS_ENV, raising=False)
     monkeypatch.delenv(RESUME_ENV, raising=False)

@@ -36,7 +36,7 @@ def test_resume_with_a_lower_lr_trains_on_with_the_new_schedule(tiny_policy, bat
 
         monkeypatch.setenv(ENV_RESUME, "1")
         lowered = run_config(tmp_path, tiny_policy, optim={**OPTIM, "lr": peak / 4})
-        with caplog.at_level("WARNING", logger="trainer.parallel.follower"):
+        with caplog.at_level("WARNING", logger="trainer.dp_follower"):
             trainer = RunningTrainer(lowered)
         assert trainer.proc.start_step == 2
         packer.send(batches[3])  # step 2's micro-batches: re-sent by the packer's outbox (never released)

@@ -24,7 +24,7 @@ from prometheus_client import REGISTRY
 
 from configs.schema import LoraSection, OptimConfig, TrainerConfig
 from packer.packer import PackedSample, build_micro_batch
-from trainer.model import load_policy
+from trainer.state.model import load_policy
 from trainer.forward.packed import packed_token_logprobs
 from trainer.trainer import Trainer
 

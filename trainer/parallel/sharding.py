@@ -64,7 +64,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig, PreTrainedModel
 
-from trainer.model import base_model
+from trainer.state.model import base_model
 
 log = logging.getLogger(__name__)
 

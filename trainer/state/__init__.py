@@ -1,6 +1,6 @@
-"""What the trainer keeps so that a killed trainer resumes bit-identically: ``checkpoint`` (the
-layout of ``checkpoints/step_N/``: weights or LoRA adapter, optimizer and RNG states, the step
-ledger; written complete or not at all), ``background_save`` (one save at a time on a background
-thread, off the hot path) and ``step_ledger`` (custody: which micro-batches the trainer holds, has
-trained, and may release once a checkpoint covers their step).
+"""The trainer's state: ``model`` (the policy, loaded full or with a LoRA adapter, and the weights the
+producers receive), ``checkpoint`` (the layout of ``checkpoints/step_N/``, written complete or not
+at all; ``hf_files`` the HF files beside it), ``background_save`` (one save at a time off the hot
+path) and ``step_ledger`` (custody: which micro-batches the trainer holds, has trained, and may
+release once a checkpoint covers their step).
 """

@@ -4,7 +4,7 @@
 and the weights; peft's writes ``adapter_config.json`` and the adapter. Neither writes the
 tokenizer, so a checkpoint could not be a new run's ``model.path``, loaded with ``AutoTokenizer``,
 or served by vLLM. :func:`write_model_files` adds what is missing, taken from the directory the
-policy was loaded from (the run's ``model.path``, which :func:`trainer.model.load_policy` resolves
+policy was loaded from (the run's ``model.path``, which :func:`trainer.state.model.load_policy` resolves
 to a local directory and transformers keeps as the model's ``name_or_path``):
 
 - the tokenizer, through ``AutoTokenizer.from_pretrained(source).save_pretrained(dir)``
