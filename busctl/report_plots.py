@@ -1,29 +1,10 @@
 """The PNG plots of ``busctl report`` (matplotlib, Agg backend: no display needed).
 
-One figure per file, x axis = step (``metrics.jsonl``'s ``step``: optimizer steps done; eval:
-the round, which evaluates the policy of that version):
-
-- ``reward.png``: ``reward_mean`` per step, its moving average (:func:`busctl.report.moving_average`;
-  only when the window is over one step: a 1-step average would be drawn exactly on the raw line),
-  ``reward_mean +- reward_std`` as a band, and each ``reward/<fn>`` term that differs from
-  ``reward_mean`` (a single reward function of weight 1 is ``reward_mean``: its legend entry says so
-  instead of a second line on the first);
-- ``eval_reward.png``: ``eval/<task>/reward_mean`` per task and round;
-- ``kl.png``: ``kl`` (and ``kl_penalty``, ``teacher_kl`` where present);
-- ``entropy.png``: ``entropy``;
-- ``lag.png``: ``policy_lag_mean`` and ``policy_lag_max``;
-- ``throughput.png``: completion tokens/s of every stage on one axis: the trainer's per step from
-  ``metrics.jsonl`` (``num_loss_tokens / step_time_s``; its ``tokens_per_s`` counts prompt +
-  completion tokens and would make the trainer, usually the bottleneck, look several times faster
-  than the stages, which count completion tokens) and, from ``stages.jsonl``, each stage's tokens/s;
-  a second panel with each stage's busy fraction when recorded. A run without ``num_loss_tokens``
-  falls back to ``tokens_per_s`` (labelled as prompt + completion) only when no stage is plotted beside it;
-- ``phases.png``: the trainer's seconds per step by phase (``time/<phase>_s``: wait for data,
-  forward, backward, optimizer, weight send, bookkeeping), stacked: the top edge is the step time.
-
-A plot whose series are all missing is not written; :func:`plot_run` returns a note for it.
-Legends sit to the right of the axes, never over the data. :func:`build_figures` returns the
-figures without writing them (tests read the plotted data from their axes).
+One figure per file (:func:`build_figures`: reward with its moving average and terms, eval reward per task, KL,
+entropy, lag, throughput per stage with busy fractions, trainer phases stacked), x axis = step (eval: the
+round, which evaluates the policy of that version). A line equal to another is named in its legend, not drawn
+on it; legends sit right of the axes, never over the data. A plot whose series are all missing is not written
+and gets a note. :func:`build_figures` returns the figures unwritten (tests read the plotted data).
 """
 
 from __future__ import annotations
@@ -143,8 +124,8 @@ def _eval(run: "RunData", notes: list[str]):
 
 
 def trainer_completion_rate(run: "RunData") -> tuple[list[int], list[float]]:
-    """The trainer's completion (loss) tokens per second of step time, per step:
-    ``num_loss_tokens / step_time_s`` over the records that have both (a positive step time)."""
+    """The trainer's completion (loss) tokens per second of step time, per step: ``num_loss_tokens / step_time_s``
+    (its ``tokens_per_s`` counts prompt + completion tokens: not comparable with the stages' tokens/s)."""
     pts = [
         (r["step"], float(r["num_loss_tokens"]) / float(r["step_time_s"]))
         for r in run.steps
@@ -233,11 +214,11 @@ def _colors(roles: list[str]) -> dict[str, str]:
 
 
 def build_figures(run: "RunData") -> tuple[dict, list[str]]:
-    """Every figure of the module docstring that the run has data for, not written.
+    """Every figure the run has data for, not written.
 
     Returns:
-        ``({file name: matplotlib Figure}, notes)``: a note per plot or series skipped for missing
-        data. The caller closes the figures (``matplotlib.pyplot.close``).
+        ``({file name: matplotlib Figure}, notes)``: a note per plot or series skipped for missing data. The
+        caller closes the figures (``matplotlib.pyplot.close``).
     """
     notes: list[str] = []
     made = {
@@ -262,10 +243,6 @@ def build_figures(run: "RunData") -> tuple[dict, list[str]]:
 
 
 def plot_run(run: "RunData", out: Path) -> tuple[list[Path], list[str]]:
-    """Write every plot of the module docstring that the run has data for into ``out``.
-
-    Returns:
-        ``(paths written, notes)``: a note per plot or series skipped for missing data.
-    """
+    """Write every plot the run has data for into ``out``; ``(paths written, notes)``."""
     figures, notes = build_figures(run)
     return [_save(fig, out / name) for name, fig in figures.items()], notes
