@@ -1,36 +1,14 @@
 """``busctl eval [CONFIG] [key=value ...] [--run-dir DIR]``: evaluate a policy without training.
 
-Route: the run's own evaluation path, minus the trainer. ``busctl eval`` starts the job of CONFIG
-with ``eval.only: true`` (:class:`configs.rollout.EvalConfig`), which changes three things and
-nothing else:
-
-- the component table has no trainer (:func:`busctl.component_table.component_table`);
-- the prompt source issues eval round 0 alone, no training prompt
-  (:func:`prompts.eval_rounds.eval_round_versions`, ``PromptSource(train=False)``): every eval
-  task's first ``num_examples`` held-out examples, ``rollouts_per_example`` samples each;
-- weights reach the producers by the filesystem method (``broadcast.method=filesystem``): there
-  is no trainer to form a broadcast group with, and no weights are ever sent; the producers'
-  vLLM engines serve ``model.path`` as it is (policy version 0). The device plan keeps no GPU for
-  the trainer (``trainer.device=cpu``): the producers get every visible one.
-
-The producers sample the round, the reward workers score it, the packer summarises it into one
-``eval.result`` per task (:mod:`packer.evaluation`), as in a training run. The trainer's part,
-writing the results, is :class:`busctl.eval_supervisor.EvalSupervisor`'s: it reads them on the control channel, appends
-each as the record a training run writes (:func:`trainer.observability.eval_log.eval_record`,
-``{"step": 0, "eval/<task>/reward_mean": ...}``) to ``RUN_DIR/metrics.jsonl``, and ends the run
-once every eval task has its result (``busctl report RUN_DIR`` reads it like any run's). The
-records are printed as JSON lines on stdout, with a summary table.
-
-``model.path`` is any model directory: the base model, an exported or full checkpoint
-(``RUN_DIR/checkpoints/step_N``, complete Hugging Face directories) or a cached hub id; a LoRA
-adapter directory is refused with the command that merges it (``busctl export --merge-lora``).
-The eval run directory defaults to the config's ``run_dir`` + ``-eval``; a previous eval there is
-replaced (its entries named first), any other occupied directory is refused with exit 2
-(:mod:`busctl.run_dir`), so a training run's outputs are never touched. ``eval.timeout_s`` bounds the wait
-for the results after start-up.
-
-Exit codes: 0 every eval task has its result; 1 a component failed or a result did not come in
-time; 2 a bad config; 130 interrupted.
+The run's own evaluation path, minus the trainer: the job of CONFIG runs with :data:`EVAL_OVERRIDES`
+(``eval.only``: no trainer in the table, the prompt source issues eval round 0 alone, weights stay those of
+``model.path`` at policy version 0, every visible GPU is the producers'). Producers sample the round, reward
+workers score it, the packer summarises it per task as in a training run;
+:class:`busctl.eval_supervisor.EvalSupervisor` writes the records to ``RUN_DIR/metrics.jsonl`` and stdout and
+ends the run once every task has its result. A LoRA adapter is refused (merge it with ``busctl export --merge-lora``); the run directory
+defaults to ``run_dir`` + ``-eval`` and never touches a training run's (docs/operations.md, "Evaluating a
+model without training"). Exit codes: 0 every task has its result; 1 a component failed or a result did not
+come within ``eval.timeout_s``; 2 a bad config; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -62,22 +40,16 @@ EVAL_OVERRIDES = (
     "trainer.gpus=[]",
     "trainer.data_parallel=1",
 )
-"""Applied after the user's overrides: what makes a job an evaluation (module docstring). The
-``trainer.*`` ones make the device plan (:mod:`busctl.placement`) keep no GPU for the trainer that
-does not run: every visible GPU is the producers'."""
+"""Applied after the user's overrides: what makes a job an evaluation; the ``trainer.*`` ones keep the device plan
+from reserving a GPU for the trainer that does not run."""
 
 SHOWN = ("reward_mean", "reward_std", "completion_len_mean")
 """Metrics of the summary table (besides every ``pass_at_*``)."""
 
 
 def eval_config(config_path: str | None, overrides: list[str], run_dir: str | None = None) -> RunConfig:
-    """The config ``busctl eval`` runs: CONFIG with ``overrides``, then :data:`EVAL_OVERRIDES`.
-
-    Args:
-        config_path: a config file (None: the default config).
-        overrides: ``key.sub=value`` as for ``busctl up`` (e.g. ``model.path=DIR``).
-        run_dir: the eval run directory; None: a ``run_dir=`` override, else the config's
-            ``run_dir`` + ``-eval``.
+    """The config ``busctl eval`` runs: CONFIG (None: the default) with ``overrides``, then :data:`EVAL_OVERRIDES`;
+    ``run_dir`` None: a ``run_dir=`` override, else the config's ``run_dir`` + ``-eval``.
 
     Raises:
         ConfigError: an invalid config or override, or ``model.path`` a LoRA adapter directory.
@@ -117,7 +89,7 @@ def summary_table(cfg: RunConfig, results: dict) -> Table:
 
 
 def cmd_eval(ns: argparse.Namespace, console: Console) -> int:
-    """``busctl eval``: the exit code (module docstring)."""
+    """``busctl eval``: the exit code."""
     from bus.auth import check_keys
     from busctl.eval_supervisor import EvalSupervisor
     from busctl.launchers import make_launcher
