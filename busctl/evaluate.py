@@ -5,10 +5,10 @@ The run's own evaluation path, minus the trainer: the job of CONFIG runs with :d
 ``model.path`` at policy version 0, every visible GPU is the producers'). Producers sample the round, reward
 workers score it, the packer summarises it per task as in a training run;
 :class:`busctl.eval_supervisor.EvalSupervisor` writes the records to ``RUN_DIR/metrics.jsonl`` and stdout and
-ends the run once every task has its result. A LoRA adapter is refused (merge it with ``busctl export --merge-lora``); the run directory
-defaults to ``run_dir`` + ``-eval`` and never touches a training run's (docs/operations.md, "Evaluating a
-model without training"). Exit codes: 0 every task has its result; 1 a component failed or a result did not
-come within ``eval.timeout_s``; 2 a bad config; 130 interrupted.
+ends the run once every task has its result. A LoRA adapter is refused (merge it with ``busctl export
+--merge-lora``); the run directory defaults to ``run_dir`` + ``-eval`` and never touches a training run's
+(docs/operations.md, "Evaluating a model without training"). Exit codes: 0 every task has its result; 1 a
+component failed or a result did not come within ``eval.timeout_s``; 2 a bad config; 130 interrupted.
 """
 
 from __future__ import annotations
