@@ -1,24 +1,11 @@
 """Launchers: how ``busctl up`` starts a component's process, and where it runs.
 
-A launcher turns (component, command line, environment, log file) into a :class:`Launched`
-handle; the supervisor judges, signals and reaps components only through handles, so healing,
-scaling and shutdown are the same whatever starts the processes:
-
-- ``local`` (:mod:`busctl.launchers.local`): a child process in its own session on this host.
-- ``slurm`` (:mod:`busctl.launchers.slurm`): one ``srun`` step per component inside the
-  allocation ``busctl up`` runs in; a dead step is a dead process.
-- ``ray`` (:mod:`busctl.launchers.ray`): one small Ray actor per component, pinned to its node of
-  a running Ray cluster, starts the process there; a dead actor or node is a dead process.
-
-A component restarts on its node while that node lives (slurm, ray: pinned; a dead node's
-components are re-planned over the live nodes, and slurm fails the run naming the node when
-none is left or the job ended: :func:`check_crash`), so the addresses of ``bus.hosts`` stay
-right; a binder that must move to another address moves its endpoints and restarts its peers
-(:mod:`busctl.rebinding`). On several nodes a component serves its metrics on its node's
-address (``RLBUS_NODE_ADDRESS``, set by the slurm and ray launchers).
-
-Invariant: ``Launched.pid`` is what the component sends in its ready handshake and heartbeats
-(its pid, or the launcher's ``RLBUS_SPAWN_ID``, :mod:`lifecycle.launch_env`).
+A launcher turns (component, command line, environment, log file) into a :class:`Launched` handle; the
+supervisor judges, signals and reaps components only through handles, so healing, scaling and shutdown are the
+same whatever starts the processes: ``local`` (a child in its own session), ``slurm`` (an ``srun`` step per
+component) or ``ray`` (a pinned Ray actor per component). A component restarts on its node while that node
+lives, so ``bus.hosts`` stays right. Invariant: ``Launched.pid`` is what the component sends in its handshake
+and heartbeats (its pid, or the launcher's ``RLBUS_SPAWN_ID``).
 """
 
 from __future__ import annotations
@@ -60,32 +47,28 @@ class Launched(Protocol):
 
 
 class Launcher(Protocol):
-    """Starts components (see the module docstring)."""
+    """Starts components."""
 
     name: str
 
     def configure(self, cfg: RunConfig) -> None:
-        """Write what the launcher decides into ``cfg`` before the run's config.yaml is written
-        (slurm, ray: tcp transport, per-node addresses, CurveZMQ keys)."""
+        """Write what the launcher decides (slurm, ray: tcp, per-node addresses, keys) into ``cfg``."""
 
     def spawn(self, spec: ComponentSpec, cmd: list[str], env: dict[str, str], log: IO[bytes]) -> Launched:
         """Start ``cmd`` for ``spec`` with ``env``, stdout and stderr to ``log``."""
 
     def place(self, spec: ComponentSpec) -> str:
-        """Choose the node of ``spec``'s next spawn and return its address (the supervisor calls
-        it just before :meth:`spawn`; ``""``: not placed by address, as the local launcher, so no
-        endpoint ever moves, :mod:`busctl.rebinding`). Optional: a launcher without it is ``""``."""
+        """Choose the node of ``spec``'s next spawn and return its address, just before :meth:`spawn`. Optional: a
+        launcher without it (``""``, as local) never moves an endpoint."""
 
     def check_crash(self, spec: ComponentSpec) -> str:
-        """Called when ``spec``'s process crashed, before it is restarted: whether its node still
-        lives. Returns ``""``, or a line for the console when its next spawn moves to another
-        node; raises :class:`NodeLost` when it cannot run anywhere. Optional (slurm has it)."""
+        """After ``spec``'s process crashed, before its restart: ``""``, or a console line when its next spawn moves
+        to another node; :class:`NodeLost` when it cannot run anywhere. Optional (slurm has it)."""
 
 
 def check_crash(launcher: Launcher, spec: ComponentSpec, decision: Decision) -> tuple[Decision, str]:
-    """The supervisor's crash ``decision`` for ``spec`` after asking ``launcher.check_crash``
-    (launchers without it: unchanged): a :class:`NodeLost` turns it into a :class:`busctl.healing.FailRun`
-    whose message names the node; also returns the launcher's line about a move (``""``: none)."""
+    """The supervisor's crash ``decision`` for ``spec`` after ``launcher.check_crash``: a :class:`NodeLost` makes it
+    a :class:`busctl.healing.FailRun` naming the node; also the launcher's line about a move (``""``: none)."""
     from busctl.healing import FailRun
 
     try:
