@@ -1,17 +1,9 @@
 """What Slurm says about a run's steps, nodes and job: queries that tell "unknown" from "gone".
 
-Every query runs a Slurm client (``squeue``, ``scontrol``, ``scancel``) with a timeout of
-:data:`SLURM_TIMEOUT_S`. A client that fails (exit code != 0, killed by the timeout, not
-installed) is retried :data:`QUERY_TRIES` times :data:`QUERY_RETRY_S` apart and then raises
-:class:`SlurmUnavailable`, whose message names the command, its exit code and its stderr: the
-answer is *unknown*, never read as "the step ended" or "the node is fine". The callers
-(:mod:`busctl.launchers.slurm`) decide what unknown means: a signal falls back to the step's
-local ``srun``; a crash check leaves the node alone (the restart goes ahead as before).
-
-Node states are ``scontrol show node``'s ``State=BASE+FLAG+...``; a node is dead when one of
-:data:`DEAD_NODE_STATES` is among them (Slurm's names: ``DOWN``, ``FAIL``, ``NOT_RESPONDING``,
-...). A job is alive while ``scontrol show job``'s ``JobState`` is ``RUNNING``; one that Slurm
-no longer knows is :data:`JOB_PURGED`.
+Every query runs a Slurm client (``squeue``, ``scontrol``, ``scancel``) with a timeout; one that fails is
+retried and then raises :class:`SlurmUnavailable` naming the command, exit code and stderr: the answer is
+*unknown*, never "the step ended" or "the node is fine". The callers (:mod:`busctl.launchers.slurm`) decide what
+unknown means: a signal falls back to the step's ``srun``; a crash check leaves the node alone.
 """
 
 from __future__ import annotations
@@ -54,14 +46,11 @@ def slurm_call(
     accept: Callable[[subprocess.CompletedProcess], bool] = lambda out: out.returncode == 0,
     run: Runner = subprocess.run,
 ) -> subprocess.CompletedProcess:
-    """Run the Slurm client ``args`` until ``accept`` takes its result (default: exit code 0).
-
-    Returns:
-        The accepted ``CompletedProcess`` (text stdout and stderr).
+    """Run the Slurm client ``args`` until ``accept`` takes its result (default: exit code 0); the accepted
+    ``CompletedProcess`` (text stdout and stderr).
 
     Raises:
-        SlurmUnavailable: no try was accepted within ``tries`` (exit code, timeout, or the
-            client missing); the message holds the command and the last failure.
+        SlurmUnavailable: no try was accepted (exit code, timeout, or the client missing).
     """
     why = "not run"
     for attempt in range(max(1, tries)):
@@ -82,10 +71,8 @@ def slurm_call(
 def step_ids(
     step_name: str, job: str | None = None, *, tries: int = QUERY_TRIES, run: Runner = subprocess.run
 ) -> list[str]:
-    """The ids (``JOB.STEP``) of the running steps named ``step_name`` (of ``job`` if given).
-
-    Returns:
-        Empty when ``squeue`` answered and lists no such step (it ended, or never started).
+    """The ids (``JOB.STEP``) of the running steps named ``step_name`` (of ``job`` if given); empty when ``squeue``
+    lists none (it ended, or never started).
 
     Raises:
         SlurmUnavailable: ``squeue`` failed every try (unknown: not the same as ended).
@@ -96,18 +83,16 @@ def step_ids(
 
 
 def cancel_step(step: str, sig: str, *, run: Runner = subprocess.run) -> None:
-    """``scancel --signal=SIG STEP``: send signal ``sig`` (a name without ``SIG``, e.g. ``TERM``)
-    to the tasks of step ``step`` (``JOB.STEP``); one try (the caller falls back at once).
+    """``scancel --signal=SIG STEP`` (``sig`` without ``SIG``, e.g. ``TERM``; ``step``: ``JOB.STEP``), one try.
 
     Raises:
-        SlurmUnavailable: scancel failed (exit code, stderr) or is missing.
+        SlurmUnavailable: scancel failed or is missing.
     """
     slurm_call(["scancel", f"--signal={sig}", step], tries=1, run=run)
 
 
 def node_state(node: str, *, tries: int = QUERY_TRIES, run: Runner = subprocess.run) -> frozenset[str]:
-    """The state words of ``node`` (``scontrol show node NODE -o``: ``State=IDLE+DRAIN`` ->
-    ``{"IDLE", "DRAIN"}``).
+    """The state words of ``node`` (``scontrol show node``'s ``State=IDLE+DRAIN`` -> ``{"IDLE", "DRAIN"}``).
 
     Raises:
         SlurmUnavailable: scontrol failed every try, or printed no ``State=``.
@@ -125,8 +110,7 @@ def node_dead(states: frozenset[str]) -> bool:
 
 
 def job_state(job: str, *, tries: int = QUERY_TRIES, run: Runner = subprocess.run) -> str:
-    """``JobState`` of Slurm job ``job`` (``RUNNING``, ``NODE_FAIL``, ``CANCELLED``, ...), or
-    :data:`JOB_PURGED` when ``scontrol`` says the job id is invalid (ended long ago).
+    """``JobState`` of Slurm job ``job`` (``RUNNING``, ``NODE_FAIL``, ...), or :data:`JOB_PURGED` for an invalid id.
 
     Raises:
         SlurmUnavailable: scontrol failed every try for another reason, or printed no ``JobState=``.
