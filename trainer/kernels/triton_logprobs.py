@@ -1,21 +1,10 @@
-"""Triton kernels of the chunked logprob path: fused log-softmax + gather + entropy, and its backward.
+"""Triton kernels of the chunked logprob path (`trainer.forward.logprobs`), one program per logits row.
 
-`trainer.forward.logprobs` computes each chunk's raw logits `[N, V]` with one matmul and hands them here:
-- `chunk_logprob_entropy`: one program per row streams the V logits once in tiles of BLOCK_V,
-  keeping a running max m, s = sum exp(z - m) and w = sum exp(z - m) * z (the online softmax
-  normalizer of Milakov & Gimelshein 2018, arXiv:1805.02867, algorithm 3, extended with w), then
-      lse = m + log s,  logprob = z[target] - lse,  entropy = lse - w / s
-  (entropy = -sum p log p = lse - sum p z, since log p = z - lse and sum p = 1);
-- `chunk_grad_logits`: one program per row writes, IN PLACE over the logits,
-      grad_logits[v] = g * (onehot(target)_v - exp(z_v - lse)) / temperature
-  (derivative of the log-softmax; the same in-place trick as Liger Kernel's fused linear
-  cross-entropy, Hsu et al. 2024, arXiv:2410.10989), so the backward needs no second `[N, V]` buffer.
-Here z = float32(logits) / temperature, as in the torch backend and the naive path.
-
-Importing this module imports triton (ImportError without it). The kernels run on CUDA tensors,
-and on CPU tensors when TRITON_INTERPRET=1 is set before triton is first imported (tests).
-Invariants: outputs float32 `[N]`; logits rows must be contiguous (stride 1 along V); targets
-are already checked to lie in [0, V) by the caller.
+`chunk_logprob_entropy` streams the row once, keeping the running max m, `s = sum exp(z - m)` and
+`w = sum exp(z - m) z` (online softmax, Milakov & Gimelshein 2018, arXiv:1805.02867, algorithm 3,
+plus w): `lse = m + log s`, `entropy = lse - w / s`. `chunk_grad_logits` writes the gradient over the
+logits in place, as Liger Kernel does (arXiv:2410.10989). `z = float32(logits) / temperature`.
+Importing needs triton; the kernels take CPU tensors under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -93,15 +82,8 @@ def _grad_logits_kernel(
 def chunk_logprob_entropy(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton twin of `trainer.forward.logprobs.chunk_logprob_entropy` (same formulas, one pass over V).
-
-    Args:
-        logits: `[N, V]` raw logits, any float dtype, rows contiguous; not modified.
-        targets: `[N]` int64 target ids in [0, V).
-        temperature: finite float > 0.
-
-    Returns:
-        `(logprob, entropy, lse)`, each `[N]` float32 on logits' device.
+    """Triton twin of `trainer.forward.logprobs.chunk_logprob_entropy`: `(logprob, entropy, lse)` `[N]`
+    float32 of `logits` `[N, V]` (not modified) at `targets` `[N]` int64.
     """
     logits = _rows_contiguous(logits)
     num_rows, vocab_size = logits.shape
@@ -130,17 +112,8 @@ def chunk_grad_logits(
     grad_logprob: torch.Tensor,
     temperature: float,
 ) -> torch.Tensor:
-    """Triton twin of `trainer.forward.logprobs.chunk_grad_logits`: overwrites `logits` with their gradient.
-
-    Args:
-        logits: `[N, V]` raw logits (recomputed), rows contiguous; OVERWRITTEN.
-        targets: `[N]` int64 target ids.
-        lse: `[N]` float32 logsumexp of the tempered logits.
-        grad_logprob: `[N]` float32 incoming gradient.
-        temperature: finite float > 0.
-
-    Returns:
-        the `[N, V]` gradient of the raw logits, in logits.dtype (the same storage as `logits`).
+    """Triton twin of `trainer.forward.logprobs.chunk_grad_logits`: the `[N, V]` gradient of the raw logits,
+    written over `logits` (same storage and dtype).
     """
     logits = _rows_contiguous(logits)
     num_rows, vocab_size = logits.shape
