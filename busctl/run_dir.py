@@ -1,19 +1,10 @@
 """Run-directory safety: ``busctl up`` never deletes a run it did not make.
 
-A fresh ``busctl up`` (not ``--resume``) needs its ``run_dir`` missing or empty. A directory that
-holds anything is *occupied*; ``busctl up`` then refuses (exit 2), says what is there (the previous
-run's state and step, its checkpoints, metrics lines and files) and the three ways on:
-``busctl up --resume RUN_DIR`` (continue that run), another ``run_dir=`` (start beside it), or
-``--overwrite`` (delete it and start over).
-
-``--overwrite`` deletes only a directory that looks like a run's: one holding a ``config.yaml`` or
-``status.json`` (every run writes ``config.yaml`` while preparing), or nothing but run outputs
-(:data:`busctl.run_status.RUN_OUTPUTS`: what a start that failed early leaves). Any other non-empty
-directory (``run_dir=.`` by mistake, a home directory) is refused even with ``--overwrite``: the user
-empties it or picks another. The deletion is announced entry by entry before it happens.
-
-``busctl eval`` replaces a previous eval in its run directory (announced the same way) and refuses
-any other occupied one (:func:`holds_eval_run`): pointed at a training run, it deletes nothing.
+A fresh ``busctl up`` needs its ``run_dir`` missing or empty; an occupied one is refused (exit 2) with what it
+holds and the ways on: ``--resume``, another ``run_dir=``, or ``--overwrite``, which deletes only a directory
+that looks like a run's (a :data:`RUN_MARKERS` file, or nothing but run outputs), announcing each entry first.
+Any other non-empty directory (``run_dir=.`` by mistake) is refused even then. ``busctl eval`` replaces only a
+previous eval (:func:`holds_eval_run`). The rules for users: docs/operations.md, "Stopping and resuming".
 """
 
 from __future__ import annotations
@@ -36,12 +27,9 @@ class Occupant:
     """What a non-empty ``run_dir`` holds.
 
     Attributes:
-        run_dir: the directory.
         entries: its entries' names, sorted (directories with a trailing ``/``).
-        is_run: it holds a :data:`RUN_MARKERS` file or nothing but run outputs (``--overwrite``
-            may delete it).
-        details: human lines about the previous run: its outcome and step from ``status.json``,
-            its checkpoints, the lines of ``metrics.jsonl``.
+        is_run: it holds a :data:`RUN_MARKERS` file or nothing but run outputs (``--overwrite`` may delete it).
+        details: human lines about the previous run (outcome and step, checkpoints, metrics lines).
     """
 
     run_dir: Path
@@ -111,8 +99,8 @@ def inspect_run_dir(run_dir: Path) -> Occupant | None:
 
 
 def holds_eval_run(occupant: Occupant) -> bool:
-    """Whether the occupied directory is a previous ``busctl eval``'s (its ``config.yaml`` has
-    ``eval.only: true``): ``busctl eval`` replaces its own previous result, never a training run."""
+    """Whether the occupied directory is a previous ``busctl eval``'s (``eval.only: true`` in its
+    ``config.yaml``)."""
     try:
         saved = yaml.safe_load((occupant.run_dir / "config.yaml").read_text())
     except (OSError, yaml.YAMLError):
@@ -121,13 +109,8 @@ def holds_eval_run(occupant: Occupant) -> bool:
 
 
 def refusal(occupant: Occupant, command: str, elsewhere: str) -> str:
-    """The message of ``busctl up`` refusing an occupied ``run_dir`` (exit 2).
-
-    Args:
-        occupant: what :func:`inspect_run_dir` found.
-        command: the ``busctl up`` command line as given (``busctl up CONFIG k=v``), shown with
-            ``--overwrite``; ``elsewhere``: the same with another ``run_dir=``.
-    """
+    """The message of ``busctl up`` refusing an occupied ``run_dir`` (exit 2); ``command``: the command line as given
+    (shown with ``--overwrite``), ``elsewhere``: the same with another ``run_dir=``."""
     d = occupant.run_dir
     if not occupant.is_run:
         return (
@@ -145,12 +128,7 @@ def refusal(occupant: Occupant, command: str, elsewhere: str) -> str:
 
 
 def overwrite(occupant: Occupant, say, why: str = "--overwrite") -> None:
-    """Delete every entry of an occupied run directory, each announced with ``say`` first.
-
-    Args:
-        occupant: from :func:`inspect_run_dir`; must be a run's (``is_run``).
-        say: prints one line (``console.print``).
-        why: what asked for the deletion, first in the line said.
+    """Delete every entry of an occupied run directory, each announced with ``say`` first (``why`` leads the line).
 
     Raises:
         ValueError: ``occupant`` is not a run's directory (:func:`refusal` names why).
