@@ -1,45 +1,18 @@
-"""The ``countdown`` task: reach a target with some of the given numbers and + - * /.
+"""The ``countdown`` task (the numbers round of the TV game; TinyZero's "Countdown-Tasks-3to4"):
+reach a target with some of the given numbers, each at most once, and ``+ - * /``.
 
-Dataset (synthetic). A problem is 3 or 4 numbers (``NUM_NUMBERS``, the count drawn uniformly;
-4-number draws exceed ``MAX_TARGET`` more often, so ~36% of problems have 4), each uniform in
-``[MIN_NUMBER, MAX_NUMBER]``,
-and a target computed from a random expression over *all* of them: the numbers are combined pairwise
-in random order with random operators (``/`` only by a non-zero value, intermediate fractions
-allowed) until one value is left; draws whose value is not an integer in
-``[1, MAX_TARGET]`` are redrawn. So every target is reachable, and the generating expression is
-kept as ``CountdownProblem.solution`` (scored 1.0 by :func:`countdown_reward`).
+Problems are synthetic: 3 or 4 numbers combined in random order by random operators, redrawn until
+the value is an integer in ``[1, MAX_TARGET]`` (so reachable, :attr:`CountdownProblem.solution`);
+splits by :func:`tasks.task.hash_split` of the sorted numbers and target. No system prompt.
 
-Train and eval are disjoint *by construction*, whatever their seeds, like ``reverse_text``: a
-problem belongs to the eval split iff the first byte of ``sha256(canonical key)`` is below
-``tasks.task.EVAL_BUCKET_BYTES`` (1/16 of problems, :func:`tasks.task.hash_split`), where the key
-is the sorted numbers and the target (``"3,5,7->22"``), so a reordering of the same numbers cannot
-cross splits. Within a call the problems are distinct.
+The answer (last ``<answer>`` tag, else the last line; a trailing ``= <target>`` dropped) is never
+given to ``eval``: a recursive-descent parser accepts only
 
-Prompt: ``PROMPT_TEMPLATE`` states the numbers, the target, the rules and the answer format, so
-the task has no system prompt. ``info = {"numbers": [int], "target": int}``.
+    expr := term (("+" | "-") term)*;  term := factor (("*" | "/") factor)*;
+    factor := "-" factor | "(" expr ")" | INTEGER                      (ASCII digits; × ÷ read as * /)
 
-Reward (:func:`countdown_reward`). Countdown (the numbers round of the TV game; the RL task of
-TinyZero / "Countdown-Tasks-3to4"): given ``info = {"numbers": [int, ...], "target": int}``, write an arithmetic expression over some of the
-numbers with ``+ - * /`` and parentheses, each given number used at most once (a number given twice
-may be used twice; a subset is allowed), whose value is the target.
-
-Answer format: the expression inside the LAST ``<answer>...</answer>`` of the completion; with no
-such tag, the last non-empty line (after removing trailing end-of-turn tokens). A trailing
-``= <target>`` (the model restating the target) is removed; any other ``=`` makes it malformed.
-
-The expression is never handed to ``eval``/``compile``: a hand-written tokenizer and
-recursive-descent parser accept only
-
-    expr   := term (("+" | "-") term)*
-    term   := factor (("*" | "/") factor)*
-    factor := "-" factor | "(" expr ")" | INTEGER        (INTEGER: ASCII digits 0-9)
-
-(``×`` and ``÷`` are read as ``*`` and ``/``), evaluated exactly with ``fractions.Fraction``.
-Anything else scores 0.0: names, calls, attributes, ``**``, ``=`` elsewhere, unicode digits,
-decimals, an expression longer than ``MAX_EXPRESSION_CHARS`` or nested (parentheses and unary
-minus) deeper than ``MAX_DEPTH``, a literal that is not among the numbers (or used more often than
-given), division by zero. The bounds keep each call to O(``MAX_EXPRESSION_CHARS``) work, so a
-hostile completion (``9**9**9**9``, ``((((...`` 10^4 deep) costs microseconds and never raises.
+evaluated exactly with ``Fraction``, at most ``MAX_EXPRESSION_CHARS`` long and ``MAX_DEPTH`` deep, so
+a hostile completion costs microseconds. Anything else scores 0.
 """
 
 from __future__ import annotations
@@ -87,8 +60,7 @@ def split_of(problem: CountdownProblem) -> str:
 
 
 def sample_problem(rng: random.Random) -> CountdownProblem:
-    """Draw one problem from ``rng`` (see the module docstring); redraws until the target is an
-    integer in ``[1, MAX_TARGET]``."""
+    """Draw one problem from ``rng``."""
     while True:
         numbers = [rng.randint(MIN_NUMBER, MAX_NUMBER) for _ in range(rng.choice(NUM_NUMBERS))]
         items = [(Fraction(n), str(n)) for n in numbers]
@@ -102,12 +74,8 @@ def sample_problem(rng: random.Random) -> CountdownProblem:
 
 
 def countdown_problems(split: str, num_examples: int, seed: int) -> list[CountdownProblem]:
-    """``num_examples`` distinct problems of ``split``, deterministic in ``seed``; the first ``n``
-    do not depend on ``num_examples``.
-
-    Raises:
-        ValueError: naming ``split`` or ``num_examples`` when invalid.
-    """
+    """``num_examples`` distinct problems of ``split``, deterministic in ``seed`` (a prefix does not
+    depend on ``num_examples``). ValueError for an invalid ``split`` or ``num_examples``."""
     if not isinstance(num_examples, int):
         raise ValueError(f"num_examples must be an int >= 0, got {num_examples!r}")
     check_request(split, num_examples)
@@ -125,16 +93,7 @@ def countdown_problems(split: str, num_examples: int, seed: int) -> list[Countdo
 
 
 def countdown_examples(split: str, num_examples: int, seed: int) -> list[Example]:
-    """Task examples of ``countdown_problems(split, num_examples, seed)``.
-
-    Returns:
-        ``[{"id": "countdown/<split>/<seed>/<i>", "prompt": str, "info": {"numbers": [int],
-        "target": int}}]``; the prompt states the numbers, the target, the rules and the
-        ``<answer></answer>`` format that :func:`countdown_reward` reads.
-
-    Raises:
-        ValueError: naming ``split`` or ``num_examples`` when invalid.
-    """
+    """Examples ``{"id": "countdown/<split>/<seed>/<i>", "prompt", "info"}`` of :func:`countdown_problems`."""
     return [
         {
             "id": f"countdown/{split}/{seed}/{i}",
@@ -160,8 +119,7 @@ class ExpressionError(ValueError):
 
 
 def answer_expression(completion: str, target: int) -> str:
-    """The expression the completion submits: the last ``<answer>`` tag's content, else its last
-    non-empty line; a trailing ``= <target>`` is removed. ``""`` when there is none."""
+    """The submitted expression (``""`` when there is none)."""
     end = completion.rfind("</answer>")
     start = completion.rfind("<answer>", 0, end) if end >= 0 else -1
     if start >= 0:  # rfind, not a regex: linear even on "<answer>" * 10**5
@@ -244,11 +202,7 @@ class _Parser:
 
 
 def evaluate_expression(expression: str, numbers: list[int]) -> Fraction:
-    """Exact value of a countdown ``expression`` that uses each of ``numbers`` at most once.
-
-    Raises:
-        ExpressionError: (a ValueError) naming why the expression is not allowed (see module doc).
-    """
+    """Exact value of ``expression`` using each of ``numbers`` at most once; ExpressionError says why not."""
     if not expression:
         raise ExpressionError("empty expression")
     if len(expression) > MAX_EXPRESSION_CHARS:
@@ -264,12 +218,8 @@ def evaluate_expression(expression: str, numbers: list[int]) -> Fraction:
 
 
 def countdown_reward(completion: str, info: dict[str, Any]) -> float:
-    """1.0 iff the submitted expression (``answer_expression``) is valid and equals
-    ``info["target"]`` exactly, else 0.0; never raises for a str completion.
-
-    Raises:
-        TypeError: when ``info`` lacks ``"numbers"`` (list of int) or ``"target"`` (int).
-    """
+    """1.0 iff the submitted expression is valid and equals ``info["target"]``, else 0.0. TypeError
+    when ``info`` lacks ``numbers`` ([int]) or ``target`` (int), or ``completion`` is not a str."""
     numbers = info.get("numbers") if isinstance(info, dict) else None
     target = info.get("target") if isinstance(info, dict) else None
     if not (isinstance(numbers, list) and all(isinstance(n, int) for n in numbers) and isinstance(target, int)):
@@ -284,6 +234,5 @@ def countdown_reward(completion: str, info: dict[str, Any]) -> float:
 
 
 def make_task() -> Task:
-    """The registered ``countdown`` task: no system prompt (the user prompt already states the rules
-    and the ``<answer></answer>`` format), reward ``countdown`` weight 1."""
+    """The registered ``countdown`` task (no system prompt, reward ``countdown`` weight 1)."""
     return Task("countdown", countdown_examples, None, (("countdown", 1.0),))

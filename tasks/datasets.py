@@ -1,26 +1,11 @@
-"""Local dataset files: JSONL or Parquet rows into plain dicts, with a field mapping, and the
-loader of a file task (one file per split).
+"""Local dataset files (JSONL or Parquet) read into dicts with a field mapping, and file tasks.
 
-A file task (``gsm8k``, or a user's data given in ``task.dataset``) reads its examples from one
-local file per split. :func:`load_records` reads it and renames the dataset's columns to the
-task's field names, e.g. ``fields={"question": "problem"}`` reads column ``problem`` as the task's
-``question``. Only the fields the task asks for are kept.
-
-Invariants:
-
-* **Local files only.** A path with a URL scheme (``hf://``, ``s3://``, ``https://``) is refused,
-  and Parquet files are opened with :func:`open` before pyarrow sees them, so nothing is ever
-  fetched from a hub or a remote filesystem.
-* **Errors name the place.** A missing file, an unknown suffix, a line that is not a JSON object,
-  or a row without a required field raises ``ValueError`` with the file, the line (JSONL, 1-based)
-  or row (Parquet, 1-based), and the field and the column it maps to.
-* pyarrow is imported only when a Parquet file is read (~0.15 s).
-
-File tasks (:func:`file_task`, :func:`file_task_loader`): ``"train"`` is the file shuffled by
-``seed`` (a fixed permutation: the first ``n`` examples do not depend on ``num_examples``);
-``"eval"`` is the first ``num_examples`` of the eval file in file order (``seed`` unused).
-Example ids are ``"{task}/{split}/{k}"`` with ``k`` the row in the file, so an id names the same
-problem whatever the seed.
+Only local files: a path with a URL scheme is refused and Parquet files are opened with
+:func:`open` before pyarrow sees them, so nothing is fetched from a hub or remote filesystem.
+Errors name the file, the line (JSONL) or row (Parquet, 1-based), the field and its column.
+pyarrow is imported only to read Parquet. A file task's ``"train"`` split is its file shuffled by
+``seed`` (a fixed permutation), ``"eval"`` the eval file in order; ids ``"{task}/{split}/{row}"``
+name the same problem whatever the seed.
 """
 
 from __future__ import annotations
@@ -43,12 +28,8 @@ DEFAULT_FILES = {"train": "train.jsonl", "eval": "test.jsonl"}  # a file task's 
 
 
 def resolve_format(path: str | Path, format: str = "auto") -> str:
-    """``"jsonl"`` or ``"parquet"``: ``format`` itself, or for ``"auto"`` the one of the suffix
-    (``.jsonl``/``.json`` -> jsonl, ``.parquet`` -> parquet).
-
-    Raises:
-        ValueError: ``format`` is not one of ``FORMATS``, or ``"auto"`` meets another suffix.
-    """
+    """``"jsonl"`` or ``"parquet"``: ``format``, or for ``"auto"`` the suffix's (``SUFFIX_FORMATS``).
+    ValueError for an unknown format or suffix."""
     if format not in FORMATS:
         raise ValueError(f"dataset format={format!r} is unknown; use one of {', '.join(FORMATS)}")
     if format != "auto":
@@ -69,25 +50,9 @@ def load_records(
     fields: Mapping[str, str] | None = None,
     format: str = "auto",
 ) -> list[dict[str, Any]]:
-    """Read every row of a local JSONL or Parquet file, keeping the task's ``required`` fields.
-
-    Args:
-        path: a local file, relative to the working directory or absolute.
-        required: the task's field names each row must have (a value that is JSON ``null`` counts
-            as missing).
-        fields: ``{task field: dataset column}``; a field not in it is read from the column of the
-            same name. Keys that are not in ``required`` are an error (a typo would be silent).
-        format: ``"auto"`` (by suffix), ``"jsonl"`` (one JSON object per line, blank lines
-            skipped) or ``"parquet"``.
-
-    Returns:
-        One ``{field: value}`` dict per row, in file order, with exactly the ``required`` keys.
-
-    Raises:
-        ValueError: the path is a URL or does not exist, the format is unknown, ``fields`` names a
-            field the task does not use, the file has no rows, a JSONL line is not a JSON object,
-            or a row lacks a field (naming the file, the line or row, the field and its column).
-    """
+    """One ``{field: value}`` dict per row, in order, with exactly the ``required`` keys (null counts
+    as missing); ``fields``: ``{task field: column}``, default the same name. ValueError for a URL or
+    missing path, an unknown format or field, no rows, a non-object line, or a row without a field."""
     if "://" in str(path):  # before Path(), which folds "//" into "/"
         raise ValueError(
             f"dataset path {str(path)!r} is a URL; only local files are read (nothing is fetched from a hub)"
@@ -159,8 +124,7 @@ def _read_parquet(path: Path, columns: Mapping[str, str]) -> list[dict[str, Any]
 
 @dataclasses.dataclass(frozen=True)
 class DataFile:
-    """One split's local file: ``path`` (JSONL or Parquet), its ``fields`` mapping
-    ``{task field: column}`` (None: same names) and ``format`` (see :func:`load_records`)."""
+    """One split's local file, its ``fields`` mapping and ``format`` (:func:`load_records`)."""
 
     path: str | Path
     fields: Mapping[str, str] | None = None
@@ -174,22 +138,9 @@ def file_task_loader(
     required: Sequence[str],
     make_example: Callable[[dict[str, Any], str], Example],
 ) -> Loader:
-    """A task loader over local files, one per split (for built-in and custom file tasks).
-
-    Args:
-        task_name: prefix of the example ids ``"{task_name}/{split}/{row}"`` and of the shuffle seed.
-        files: ``{"train": DataFile, "eval": DataFile}`` (read on each call).
-        required: the task's fields each row must have (see :func:`load_records`).
-        make_example: ``(record {field: value}, example id) -> example``; a ``ValueError`` or
-            ``TypeError`` it raises is re-raised naming the file and record.
-
-    Returns:
-        ``load(split, num_examples, seed)``: train = the rows shuffled by ``seed``, eval = the
-        rows in file order; at most ``num_examples`` of them.
-
-    Raises:
-        ValueError: ``files`` lacks a split.
-    """
+    """``load(split, num_examples, seed)`` over ``files`` (one :class:`DataFile` per split, read on each
+    call); ``make_example(record, id) -> example``, its ValueError/TypeError re-raised naming the file
+    and record. Raises ValueError when ``files`` lacks a split."""
     missing = [split for split in KNOWN_SPLITS if split not in files]
     if missing:
         raise ValueError(f"task {task_name!r}: no file for split(s) {', '.join(missing)}")
@@ -220,22 +171,13 @@ def file_task(
     make_example: Callable[[dict[str, Any], str], Example],
     **task_fields: Any,
 ) -> Task:
-    """A file task over ``default_dir/{train,test}.jsonl``, or the user's ``dataset`` files where
-    given (``dataset.fields`` and ``format`` apply to the user's files only).
-
-    Args:
-        name: the task's name (ids, shuffle seed, messages).
-        dataset: the run's ``task.dataset`` section, or None for the default files.
-        default_dir: the folder of the shipped ``train.jsonl`` and ``test.jsonl``.
-        required, make_example: see :func:`file_task_loader`.
-        task_fields: the other :class:`tasks.task.Task` fields (``system_prompt``, ``rewards``).
-
-    Raises:
-        ValueError: ``dataset.fields`` is set without ``dataset.path`` or ``eval_path``.
-    """
+    """A file task over ``default_dir/{train,test}.jsonl``, or the user's ``dataset`` files where given
+    (its ``fields`` and ``format`` apply to those only); ``task_fields`` go to :class:`tasks.task.Task`.
+    Raises ValueError for ``dataset.fields`` without ``dataset.path`` or ``eval_path``."""
     if dataset is not None and dataset.fields and not (dataset.path or dataset.eval_path):
         raise ValueError(
-            f"task {name!r}: task.dataset.fields is set but neither task.dataset.path nor eval_path; the mapping applies to your files"
+            f"task {name!r}: task.dataset.fields is set but neither task.dataset.path nor eval_path; "
+            "the mapping applies to your files"
         )
     own = {"train": dataset.path, "eval": dataset.eval_path} if dataset is not None else {}
     mine = {"fields": dataset.fields or None, "format": dataset.format} if dataset is not None else {}

@@ -1,35 +1,17 @@
 """The environment protocol of multi-turn tasks, and :class:`EnvCalls`, which runs environments isolated.
 
-A multi-turn task (``Task.env`` set) names an environment by import path
-``"package.module:Object"``; ``Object`` has three functions (static methods of a class, or
-attributes of a module-level object), each called with JSON values only::
+``Task.env`` names ``"package.module:Object"`` whose three functions take and return JSON only::
 
     reset(info: dict) -> state: dict
-    step(state: dict, text: str) -> [env_messages: list[{"role", "content"}], done: bool, state: dict]
+    step(state: dict, text: str) -> [env_messages: [{"role", "content"}], done: bool, state: dict]
+                                     (+ optional 4th: {"tool_calls": [{"name": str | None, "error": str | None}]})
     reward(state: dict) -> float
 
-``step`` may return a fourth element, a dict of per-turn statistics the producer counts
-(:mod:`producers.turn_metrics`); today one key, the turn's tool calls in order::
-
-    [env_messages, done, state, {"tool_calls": [{"name": str | None, "error": str | None}, ...]}]
-
-``name``: the tool called (None: the call could not be read); ``error``: None for a call that
-returned, else one of :data:`TOOL_ERRORS`. A malformed statistics element (not a dict, a record
-of another shape, an unknown error kind, more than ``MAX_TOOL_RECORDS`` records) is ignored and
-flagged (:attr:`EnvResult.bad_stats`, counted by the producer); the step's other elements stand.
-
-The episode (:mod:`producers.episodes`) starts from the task's prompt messages (the prompt source
-renders them, as for a single-turn task: ``reset`` only builds the state), then per model turn
-calls ``step`` with the model's text until ``done`` or ``Task.max_turns`` model turns, then
-``reward``. Environments are state-passing (the state dict is the whole episode memory and goes
-to every call) so that each call is a plain function call any isolated child can make: no call
-is tied to a child, a killed child loses nothing but its call, and the same shape fits a remote
-or verifiers-style environment later (its state travels the same way).
-
-Isolation: :class:`EnvCalls` makes the calls in child processes (:class:`tasks.isolated_calls.IsolatedCalls`,
-the machinery of the reward functions): a call that raises, hangs past ``timeout_s``, crashes its
-child or returns a malformed result ends that episode with reward 0 and a reason (the error
-label: exception type name, ``"timeout"``, ``"crash"``, ``"bad_result"``); the producer lives on.
+The state is the whole episode memory, so no call is tied to a child. A tool-call ``error`` is None
+or one of :data:`TOOL_ERRORS`; a malformed statistics element is ignored and flagged
+(:attr:`EnvResult.bad_stats`). A failed call (error label: exception type name, ``"timeout"``,
+``"crash"``, ``"bad_result"``) ends its episode with reward 0. The episode loop is
+:mod:`producers.episodes`; the user guide docs/environments.md.
 """
 
 from __future__ import annotations
@@ -63,10 +45,9 @@ class Environment(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class EnvResult:
-    """One environment call's outcome: ``value`` (``state`` for reset; ``(messages, done, state)``
-    for step; a finite float for reward) or ``error`` (the label; ``value`` None). A step's
-    statistics: ``tool_calls`` (``(name, error)`` per tool call, module docstring) and
-    ``bad_stats`` (True: its statistics element was malformed and ignored)."""
+    """``value``: ``state`` (reset), ``(messages, done, state)`` (step) or a finite float (reward); or
+    ``error``, the label (``value`` None). A step's ``tool_calls`` are ``(name, error)`` records;
+    ``bad_stats``: its statistics element was malformed and ignored."""
 
     value: Any
     error: str | None = None
@@ -75,11 +56,7 @@ class EnvResult:
 
 
 def env_refs(env: str) -> list[str]:
-    """The three function refs of environment ``env``: ``[env.reset, env.step, env.reward]``.
-
-    Raises:
-        ValueError: ``env`` is not shaped like ``"package.module:Object"``.
-    """
+    """``[env.reset, env.step, env.reward]``; ValueError unless ``env`` is ``"package.module:Object"``."""
     module_name, _, attr = env.partition(":")
     if not module_name or not attr:
         raise ValueError(f"environment import path={env!r} must look like 'package.module:Object'")
@@ -87,17 +64,12 @@ def env_refs(env: str) -> list[str]:
 
 
 def resolve_env_fn(ref: str) -> Callable[..., Any]:
-    """The callable at ``ref`` (``"package.module:Object.step"``); the children's resolver.
-
-    Raises:
-        ValueError: as :func:`tasks.import_path.import_callable`.
-    """
+    """The callable at ``ref`` (the children's resolver); ValueError as :func:`~tasks.import_path.import_callable`."""
     return import_callable(ref, "environment")
 
 
 def step_stats(stats: Any) -> tuple[tuple[str | None, str | None], ...] | None:
-    """The ``(name, error)`` tool-call records of a step's statistics element (module
-    docstring), or None if it is malformed. Never raises."""
+    """The ``(name, error)`` records of a step's statistics element, or None if malformed."""
     if not isinstance(stats, dict):
         return None
     records = stats.get("tool_calls", [])
@@ -117,7 +89,7 @@ def step_stats(stats: Any) -> tuple[tuple[str | None, str | None], ...] | None:
 
 
 def _checked(fn: str, result: CallResult) -> EnvResult:
-    """Validate one call's JSON result for ``fn``; a malformed one becomes ``"bad_result"``."""
+    """One call's result checked for ``fn``; a malformed one is ``"bad_result"``."""
     if result.error is not None:
         return EnvResult(None, result.error)
     v = result.value
@@ -142,17 +114,9 @@ def _checked(fn: str, result: CallResult) -> EnvResult:
 
 
 class EnvCalls:
-    """Calls the functions of several environments in isolated child processes.
-
-    Args:
-        envs: environment import paths (each resolved in every child at start).
-        timeout_s: most seconds one call may take (``"timeout"`` past it; the child is replaced).
-        num_procs: child processes; the calls of one :meth:`call` run in parallel across them.
-
-    Raises:
-        ValueError: a malformed path, or one whose functions do not resolve (in the children).
-        RuntimeError: a child did not start.
-    """
+    """The functions of environments ``envs`` (import paths) in ``num_procs`` isolated children;
+    ``timeout_s`` bounds one call, seconds. ValueError for a path that does not resolve,
+    RuntimeError for a child that did not start."""
 
     def __init__(self, envs: Sequence[str], *, timeout_s: float = 10.0, num_procs: int = 2) -> None:
         self.envs = list(dict.fromkeys(envs))
@@ -162,19 +126,15 @@ class EnvCalls:
         )
 
     def call(self, env: str, fn: str, args: Sequence[list]) -> list[EnvResult]:
-        """Call ``env``'s function ``fn`` (``"reset"``, ``"step"`` or ``"reward"``) once per
-        argument list in ``args``; results in order, never raising for a failing environment.
-
-        Raises:
-            ValueError: ``env`` is not one of this pool's environments, or ``fn`` is unknown.
-        """
+        """``env``'s ``fn`` (reset, step or reward) once per argument list, results in order; never
+        raises for a failing environment. ValueError for an unknown ``env`` or ``fn``."""
         if env not in self.envs or fn not in FUNCTIONS:
             raise ValueError(f"unknown environment {env!r} or function {fn!r}; known: {self.envs}, {FUNCTIONS}")
         k = self.envs.index(env) * len(FUNCTIONS) + FUNCTIONS.index(fn)
         return [_checked(fn, r) for r in self._calls.run([(k, list(a)) for a in args])]
 
     def pids(self) -> list[int]:
-        """Process ids of the children (for tests)."""
+        """Process ids of the children."""
         return self._calls.pids()
 
     def close(self) -> None:

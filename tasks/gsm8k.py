@@ -1,42 +1,13 @@
 """The ``gsm8k`` task: grade-school math word problems, scored by their final answer's value.
 
-Dataset: GSM8K (Cobbe et al., 2021, arXiv:2110.14168) from ``tasks/data/gsm8k/`` (MIT licence in
-its ``LICENSE``; train: ``train.jsonl``, eval: ``test.jsonl``), or the user's local JSONL/Parquet
-files (``task.dataset``, :func:`tasks.datasets.file_task`: split order and ids). Prompt =
-``question`` after the system prompt ``GSM8K_SYSTEM_PROMPT``; ``info = {"answer": the text after
-"####" of the worked ``answer``}`` (:func:`gsm8k_example`; a user's ``answer`` may also be the bare
-final answer on one line).
+Data: GSM8K (Cobbe et al. 2021, arXiv:2110.14168; MIT licence in ``tasks/data/gsm8k/LICENSE``), its
+``train.jsonl``/``test.jsonl``, or the user's files (``task.dataset``). ``info = {"answer": str}``.
 
-Reward (:func:`gsm8k_reward`): 1.0 iff the completion's final answer equals the reference by
-value. GSM8K worked solutions end with a line ``#### <answer>``; the reference ``info["answer"]``
-is that text (``gsm8k_final_answer``), e.g. ``"18"`` or ``"1,000"``.
-
-Extraction (``extract_answer``) takes the first route that yields a candidate, in this order:
-
-1. the text after the last ``####``, up to the end of its line;
-2. the content of the last ``\\boxed{...}`` with balanced braces;
-3. the text after the last "the answer is" / "the final answer is" (any case), up to the end of
-   its line;
-4. the last number (or ``\\frac{a}{b}`` of two numbers) anywhere in the text.
-
-A span is then normalized: ``$``/``\\$`` (currency or inline math), ``\\( \\) \\[ \\]``, ``%``/``\\%``
-(GSM8K answers are the bare number: "50%" -> ``#### 50``), ``\\!``, ``\\,`` and thousands separators
-(``1,000``, ``1{,}000``, ``1\\,000``) are dropped and ``\\text{..}``-like wrappers unwrapped. A span
-with no ``\\``, ``^`` or ``{`` left becomes its first number (``[0-9]`` only; optional ``-``,
-decimals, ``a/b``): "18 dollars." -> ``"18"``, "**18**" -> ``"18"``; any other span (LaTeX such as
-``\\frac{36}{2}``, a power) is kept whole. A route whose span yields nothing (``#### `` followed
-by prose) passes to the next route.
-
-Comparison (``gsm8k_reward``): both sides go through ``math_verify.parse`` and ``math_verify.verify``
-(HuggingFace Math-Verify: sympy values, floats compared after rounding to 6 decimals), so ``18``,
-``18.0``, ``$18``, ``\\frac{36}{2}`` and ``\\boxed{18}`` all equal ``"18"``. Math-Verify's own
-timeouts use ``signal.alarm`` (main thread only), so they are off here (``parsing_timeout=None``,
-``timeout_seconds=None``) and this function runs in any thread; the reward worker's per-call
-``timeout_s`` bounds it (``rewards.scorers``). Because sympy evaluates eagerly (``9^{9^{9}}``
-never returns), a candidate longer than ``MAX_ANSWER_CHARS``, with ``^``, ``*``, ``!``, ``_`` or
-a LaTeX command outside ``SAFE_LATEX_COMMANDS`` scores 0 without being parsed (so ``\\sqrt{324}``
-scores 0 against 18: GSM8K answers are plain numbers). Math-Verify logs one warning per process
-that its timeout is disabled.
+Reward: the completion's answer (:func:`extract_answer`) against the reference, both parsed and
+compared by HuggingFace Math-Verify (sympy values, floats rounded to 6 decimals) with its
+``signal.alarm`` timeouts off, so it runs in any thread (the reward worker's ``timeout_s`` bounds a
+call). sympy evaluates eagerly (``9^{9^{9}}`` never returns), so a candidate that fails
+:func:`is_safe_candidate` scores 0 unparsed (``\\sqrt{324}`` scores 0 against 18).
 """
 
 from __future__ import annotations
@@ -80,12 +51,8 @@ _DROPPED = ("\\$", "$", "\\(", "\\)", "\\[", "\\]", "\\%", "%", "\\!", "\\,", "\
 
 
 def gsm8k_final_answer(solution: str) -> str:
-    """The final answer of a GSM8K worked solution: the text after its last ``####``, stripped,
-    commas removed (``"...\\n#### 1,000"`` -> ``"1000"``).
-
-    Raises:
-        ValueError: when ``solution`` has no ``####`` line (not a GSM8K solution).
-    """
+    """The text after the last ``####`` of a worked solution, commas removed (``"#### 1,000"`` -> ``"1000"``).
+    ValueError when there is no ``####``."""
     head, sep, tail = solution.rpartition("####")
     if not sep:
         raise ValueError(f"GSM8K solution has no '#### <answer>' line: {solution[-80:]!r}")
@@ -93,7 +60,7 @@ def gsm8k_final_answer(solution: str) -> str:
 
 
 def _boxed_content(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` whose braces balance (within ``MAX_BOXED_SCAN_CHARS``)."""
+    """Content of the last balanced ``\\boxed{...}``."""
     start = len(text)
     while (start := text.rfind("\\boxed{", 0, start)) >= 0:
         depth = 0
@@ -106,7 +73,7 @@ def _boxed_content(text: str) -> str | None:
 
 
 def _normalize(span: str) -> str | None:
-    """A route's span -> candidate answer (see the module docstring), or None when it has none."""
+    """A route's span -> candidate answer (:func:`extract_answer`), or None."""
     span = _THOUSANDS_SEPARATOR.sub("", span)  # before "\\," is dropped
     for token in _DROPPED:
         span = span.replace(token, "")
@@ -119,12 +86,13 @@ def _normalize(span: str) -> str | None:
 
 
 def extract_answer(text: str) -> str | None:
-    """The final answer written in ``text`` (a model completion), normalized, or None.
+    """The final answer in ``text``, normalized, or None; never raises for a str.
 
-    Routes, in order: ``#### x``, last ``\\boxed{x}``, "the answer is x", last number; see the
-    module docstring for the normalization. Examples: ``"so #### $1,000."`` -> ``"1000"``,
-    ``"\\boxed{\\frac{36}{2}}"`` -> ``"\\frac{36}{2}"``, ``"The answer is -3.5 kg"`` -> ``"-3.5"``,
-    ``"3 + 4 = 7 apples"`` -> ``"7"``, ``"no digits"`` -> None. Never raises for a str.
+    First route that yields a candidate: the last ``####`` line, the last balanced ``\\boxed{}``,
+    the last "the (final) answer is" line, the last number or ``\\frac{a}{b}``. ``$``, ``\\( \\)``,
+    ``%``, ``\\!``, ``\\,`` and thousands separators are dropped and ``\\text{}`` unwrapped; a span
+    without ``\\ ^ {`` becomes its first number (``"so #### $1,000."`` -> ``"1000"``), LaTeX is kept
+    whole (``"\\boxed{\\frac{36}{2}}"`` -> ``"\\frac{36}{2}"``).
     """
     _, sep, tail = text.rpartition("####")
     if sep and (candidate := _normalize(tail.split("\n", 1)[0])):
@@ -145,8 +113,7 @@ def extract_answer(text: str) -> str | None:
 
 
 def is_safe_candidate(candidate: str) -> bool:
-    """True when ``candidate`` may be handed to sympy: short, no power/factorial/subscript, and
-    only LaTeX commands from ``SAFE_LATEX_COMMANDS`` (bounds the cost of parsing; see module doc)."""
+    """At most ``MAX_ANSWER_CHARS``, none of ``UNSAFE_CHARS``, only ``SAFE_LATEX_COMMANDS``."""
     if len(candidate) > MAX_ANSWER_CHARS or UNSAFE_CHARS.intersection(candidate):
         return False
     return all(name in SAFE_LATEX_COMMANDS for name in _LATEX_COMMAND.findall(candidate))
@@ -166,16 +133,8 @@ def _parse_reference(answer: str) -> tuple[Any, ...]:
 
 
 def gsm8k_reward(completion: str, info: dict[str, Any]) -> float:
-    """1.0 iff the answer extracted from ``completion`` equals ``info["answer"]`` by value, else 0.0.
-
-    Args:
-        completion: the model's text; anything (empty, garbage, huge) scores 0.0 without raising.
-        info: ``{"answer": str}``, the reference final answer (``"18"``, ``"1,000"``, ``"-2.5"``).
-
-    Raises:
-        TypeError: when ``completion`` is not a str or ``info["answer"]`` is missing or not a str.
-        ValueError: when ``info["answer"]`` holds no number (a broken dataset row).
-    """
+    """1.0 iff the answer in ``completion`` equals ``info["answer"]`` (``"18"``) by value, else 0.0.
+    TypeError for a non-str ``completion`` or answer; ValueError when the answer holds no number."""
     answer = info.get("answer") if isinstance(info, dict) else None
     if not isinstance(answer, str):
         raise TypeError(f"gsm8k needs info['answer'] as str, got info={info!r}")
@@ -192,13 +151,8 @@ def gsm8k_reward(completion: str, info: dict[str, Any]) -> float:
 
 
 def gsm8k_example(record: dict[str, Any], example_id: str) -> Example:
-    """One example from a row: ``question`` is the prompt; ``answer`` is a worked solution ending in
-    ``#### <final answer>`` (GSM8K's own format) or, for a user's dataset, the final answer alone on
-    one line.
-
-    Raises:
-        ValueError: the final answer is empty.
-    """
+    """An example from a row: ``question`` the prompt; ``answer`` a worked solution ending in ``####
+    <answer>``, or the bare answer on one line. ValueError for an empty final answer."""
     answer = str(record["answer"]).strip()
     bare = "####" not in answer and "\n" not in answer
     final = gsm8k_final_answer(f"#### {answer}" if bare else answer)
@@ -208,12 +162,7 @@ def gsm8k_example(record: dict[str, Any], example_id: str) -> Example:
 
 
 def make_task(dataset: DatasetConfig | None = None) -> Task:
-    """The registered ``gsm8k`` task over ``DATA_DIR`` or the user's ``dataset`` files
-    (system prompt ``GSM8K_SYSTEM_PROMPT``, reward ``gsm8k`` weight 1).
-
-    Raises:
-        ValueError: see :func:`tasks.datasets.file_task`.
-    """
+    """The registered ``gsm8k`` task (reward ``gsm8k`` weight 1); ValueError as :func:`~tasks.datasets.file_task`."""
     return file_task(
         "gsm8k",
         dataset,

@@ -1,31 +1,12 @@
 """The ``gsm8k_calculator`` task: GSM8K problems solved over several turns with a calculator tool.
 
-Dataset, splits and the answer check are :mod:`tasks.gsm8k`'s (ids ``gsm8k_calculator/<split>/<row>``) (``task.dataset`` applies, as
-for ``gsm8k``). The prompt is rendered with the ``calculator`` tool's schema (``Task.tools``: the
-producer passes it as ``tools=`` to the chat template, which lists it in the system turn) after the
-system prompt ``CALCULATOR_SYSTEM_PROMPT``. Each model turn either calls the tool
-(``<tool_call>{"name": "calculator", "arguments": {"expression": "..."}}</tool_call>``, Qwen/Hermes
-format, :mod:`tasks.tools`) and gets its result as a ``role: tool`` message, or is the final
-answer, which ends the episode; at most ``CALCULATOR_MAX_TURNS`` (4) model turns.
-
-Reward (environment term ``env``): :func:`tasks.gsm8k.gsm8k_reward` of the final answer, plus
-``CALCULATOR_FORMAT_WEIGHT`` (0.1) when that answer has a ``#### <number>`` line
-(:func:`has_answer_line`) and no tool call was answered with an error; 0 when it never answered.
-In [0, 1.1].
-
-:func:`calculator` is safe arithmetic: the expression is parsed with :mod:`ast` (never ``eval``)
-and only numbers, ``+ - * / // %``, ``**`` with a bounded result, unary signs and parentheses are
-evaluated; anything else raises ``ValueError`` (answered to the model as a tool error).
-
-Templates: a Qwen2.5/Qwen3 (Hermes) template lists the tool schema in the system turn and renders
-the replies as a user turn of ``<tool_response>`` blocks. The tiny default policy's template
-(:data:`policies.tiny_model.CHAT_TEMPLATE`) ignores ``tools`` and renders a reply as a plain
-``<|im_start|>tool`` turn; the system prompt states the call format itself, so the task reads the
-same under either (and stays short for the tiny policy's 2048 positions).
-
-For real (instruct, tool-trained) models: the tiny byte-level default policy cannot do GSM8K
-or write tool calls; with it this task runs (``configs/gsm8k_calculator.yaml``) but the reward
-stays near 0.
+Data, splits and answer check are :mod:`tasks.gsm8k`'s (``task.dataset`` applies). Each model turn
+calls :func:`calculator` (Qwen/Hermes ``<tool_call>``, :mod:`tasks.tools`) or is the final answer;
+at most ``CALCULATOR_MAX_TURNS``. Reward (term ``env``, in [0, 1.1]): :func:`tasks.gsm8k.gsm8k_reward`
+of the answer, + ``CALCULATOR_FORMAT_WEIGHT`` for a ``#### <number>`` line with no tool error.
+The system prompt states the call format because the tiny default policy's template ignores
+``tools``; that policy cannot do GSM8K (reward ~0): the task is for tool-trained instruct models.
+:func:`calculator` evaluates an :mod:`ast` of numbers and bounded operators, never ``eval``.
 """
 
 from __future__ import annotations
@@ -131,7 +112,7 @@ def calculator(expression: str) -> str:
 
 
 def has_answer_line(text: str) -> bool:
-    """True when ``text`` has a line ``#### <number>`` (the form the system prompt asks for)."""
+    """True when ``text`` has a line ``#### <number>``."""
     return _ANSWER_LINE.search(text) is not None
 
 
@@ -141,13 +122,8 @@ ENV = ToolEnv([CALCULATOR], gsm8k_reward, format_weight=CALCULATOR_FORMAT_WEIGHT
 
 
 def make_task(dataset: DatasetConfig | None = None) -> Task:
-    """The registered ``gsm8k_calculator`` task: ``gsm8k``'s data (or the user's ``dataset``),
-    system prompt ``CALCULATOR_SYSTEM_PROMPT``, the calculator tool, environment :data:`ENV`, max
-    ``CALCULATOR_MAX_TURNS`` turns; no reward functions besides the environment's.
-
-    Raises:
-        ValueError: as :func:`tasks.gsm8k.make_task`.
-    """
+    """The registered ``gsm8k_calculator`` task (environment :data:`ENV`, no reward functions);
+    ValueError as :func:`tasks.gsm8k.make_task`."""
     return file_task(
         "gsm8k_calculator",
         dataset,

@@ -1,9 +1,6 @@
-"""Resolving an import path ``"package.module:function"`` from the run config to a callable.
-
-Used for custom tasks (``task.name``), custom reward functions (``task.rewards[].name``) and custom
-advantage estimators (``rewards.advantage``). An import path executes the code it names, so paths
-come only from the run config (trusted), never from the bus. Light on purpose: reward child
-processes import it.
+"""Resolving an import path ``"package.module:function"`` from the run config to a callable (custom
+tasks, reward functions, advantage estimators). It runs the code it names, so paths come only from
+the (trusted) run config, never from the bus. Light: reward children import it.
 """
 
 from __future__ import annotations
@@ -13,16 +10,8 @@ from typing import Any, Callable
 
 
 def import_callable(path: str, what: str) -> Callable[..., Any]:
-    """Resolve ``"package.module:function"`` (dotted attributes allowed after the colon) with importlib.
-
-    Args:
-        path: the import path from the config.
-        what: what it names, for the error message (e.g. ``"reward"``, ``"advantage"``).
-
-    Raises:
-        ValueError: the path is malformed, the module does not import, the attribute is missing,
-            or the object is not callable; the message names the path.
-    """
+    """The callable at ``path`` (dotted attributes allowed after the colon); ``what`` names it in errors.
+    ValueError for a malformed path, a failed import, a missing attribute or a non-callable."""
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
         raise ValueError(f"{what} import path={path!r} must look like 'package.module:function'")

@@ -1,44 +1,17 @@
-"""Isolated calls: run user functions (reward functions, environments) in child processes, so a bad
-call costs that call, never the calling worker.
+"""Isolated calls: user functions (reward functions, environments, agents) run in a pool of child
+processes, so a call that raises, hangs or crashes its interpreter costs that call, never the caller.
 
-User code (a verifier, an environment's ``step``, a sandbox call) may raise, hang past
-``timeout_s``, or crash its interpreter (``os._exit``, a segfault). :class:`IsolatedCalls` keeps a
-pool of ``num_procs`` children of its own; each call gets its result or an error label, and the
-caller lives on. Users: :class:`rewards.scorers.IsolatedScorer` (reward functions, in the reward
-workers) and :class:`tasks.env.EnvCalls` (environments, in the producers); it lives in this
-library so that both stages use one implementation.
+:class:`IsolatedCalls` is shared by :class:`rewards.scorers.IsolatedScorer` and
+:class:`tasks.env.EnvCalls`. Functions are named by references resolved in each child (never
+pickled); arguments and results are JSON. Why fork+exec and not ``multiprocessing``, the
+per-call deadlines and the kill-and-replace rules: docs/ARCHITECTURE.md, "Failure containment".
+Messages (one JSON document each, over a ``socketpair``)::
 
-Each child is ``python -c <bootstrap>`` started with :mod:`subprocess` (fork+exec, safe from a
-threaded parent), talks over one ``socketpair`` framed by
-:class:`multiprocessing.connection.Connection`, and imports only this module, the resolver and the
-functions it runs (~30 ms to start, ~15 MB plus what the functions import). Not
-``multiprocessing``'s "spawn" or "forkserver": those re-run the parent's ``__main__`` (zmq, numpy,
-prometheus, vLLM: seconds and hundreds of MB per child) and leave helper processes behind; not
-``ProcessPoolExecutor``: it cannot kill one stuck worker.
-
-Protocol (parent -> child, child -> parent), one JSON document per message (no pickle):
-
-    child start:  ("ready", pid) | ("error", "'ref': ValueError: ...")   # resolve handshake
+    child start:  ("ready", pid) | ("error", "'ref': ValueError: ...")
     per call:     (fn_index, [args...])  ->  ("ok", JSON value) | ("error", exc_type, message)
-    shutdown:     None  (or the parent's end closing: EOF)
+    shutdown:     None  (or EOF)
 
-Invariants:
-
-* **Functions are named, never pickled.** ``refs`` are strings resolved inside each child at start
-  by ``resolver`` (an import path ``"package.module:function"`` taking one ref and returning a
-  callable, e.g. :func:`tasks.rewards.get_float_reward_fn`); each call names a function by index.
-  Refs come from the run config (trusted), never from the bus. Arguments and results are JSON.
-* **Per-call deadlines.** :meth:`IsolatedCalls.run` hands one call at a time to each idle child
-  and waits on all of them together; a call's deadline starts when it is handed out, so only the
-  call that overran fails (``"timeout"``). N calls take at most ``ceil(N / num_procs) *
-  timeout_s`` even if every call hangs.
-* **A child that overruns is SIGKILLed and replaced** before the next call is handed out; one found
-  dead (EOF) fails its call as ``"crash"`` and is replaced; one found dead while idle is replaced
-  without failing any call.
-* **Error labels:** the exception type name (``"ValueError"``), ``"timeout"``, ``"crash"``.
-* Children ask Linux to SIGKILL them when the thread that started them exits
-  (``PR_SET_PDEATHSIG``), so a hung child cannot outlive a killed worker; a live parent ends them
-  with :meth:`IsolatedCalls.close`. A pool is used from one thread at a time.
+A pool is used from one thread at a time.
 """
 
 from __future__ import annotations
@@ -76,16 +49,14 @@ Call = tuple[int, list]  # (function index, JSON arguments)
 
 @dataclasses.dataclass(frozen=True)
 class CallResult:
-    """One call's outcome: ``value`` (the function's JSON result; None where ``error`` is set) and
-    ``error`` (None, or the label: exception type name, ``"timeout"``, ``"crash"``)."""
+    """``value``: the JSON result (None on error); ``error``: None or the error label."""
 
     value: Any
     error: str | None
 
 
 def check_refs(refs: Sequence[str], what: str) -> tuple[str, ...]:
-    """``refs`` as a tuple; ``TypeError`` for a bare string (it would be read as characters) or a
-    non-str item, ``ValueError`` for an empty list. ``what`` names them in messages."""
+    """``refs`` as a tuple. Raises TypeError for a bare string or a non-str item, ValueError if empty."""
     if isinstance(refs, str) or not all(isinstance(r, str) for r in refs):
         raise TypeError(f"{what} references must be a list of str, got {refs!r}")
     if not refs:
@@ -100,21 +71,10 @@ class _Child:
 
 
 class IsolatedCalls:
-    """A pool of ``num_procs`` children that run the functions named by ``refs``.
-
-    Args:
-        refs: function references, resolved in each child at its start by ``resolver``.
-        resolver: import path of ``(ref: str) -> callable`` (run in the children).
-        timeout_s: most seconds one call may take; past it the call fails (``"timeout"``) and its
-            child is killed and replaced.
-        num_procs: child processes; the calls given to :meth:`run` are made in parallel across them.
-        what: what the functions are, for logs and errors (``"reward function"``, ``"environment"``).
-
-    Raises:
-        TypeError: ``refs`` is a string, not a list.
-        ValueError: bad arguments, or the children cannot resolve one of ``refs`` (the child's
-            error is in the message).
-        RuntimeError: a child did not start (or restart) within ``START_TIMEOUT_S``.
+    """``num_procs`` children running the functions named by ``refs``, each resolved in every child by
+    ``resolver`` (import path of ``(ref) -> callable``); ``timeout_s`` bounds one call, seconds.
+    TypeError: ``refs`` is a string; ValueError: bad arguments or a ref that does not resolve;
+    RuntimeError: a child did not start within ``START_TIMEOUT_S``.
     """
 
     def __init__(
@@ -143,16 +103,12 @@ class IsolatedCalls:
         self.close()
 
     def pids(self) -> list[int]:
-        """Process ids of the live children (for tests and logs)."""
+        """Process ids of the live children."""
         return [c.proc.pid for c in self._children]
 
     def run(self, calls: Sequence[Call]) -> list[CallResult]:
-        """Make every call ``(fn_index, args)``; one :class:`CallResult` per call, in order. Never
-        raises for a failing function (see the module docstring).
-
-        Raises:
-            ValueError: a function index is out of range.
-        """
+        """One :class:`CallResult` per call ``(fn_index, args)``, in order; never raises for a failing
+        function. Raises ValueError for an index out of range."""
         assert self._children, "run() after close()"
         bad = [k for k, _ in calls if not 0 <= k < len(self.refs)]
         if bad:
@@ -211,7 +167,7 @@ class IsolatedCalls:
         return [r for r in results if r is not None]
 
     def close(self) -> None:
-        """Stop every child (asked first, then SIGKILL after ``STOP_TIMEOUT_S``); idempotent."""
+        """Stop every child (asked, then SIGKILL after ``STOP_TIMEOUT_S``); idempotent."""
         children, self._children = self._children, []
         for child in children:
             try:
@@ -228,7 +184,7 @@ class IsolatedCalls:
             child.conn.close()
 
     def _fail(self, slot: int, fn: int, index: int, reason: str) -> CallResult:
-        """Log a timeout or crash of function ``fn`` on call ``index``, replace the child in ``slot``."""
+        """Log a timeout or crash, replace the child in ``slot``."""
         proc = self._children[slot].proc
         if reason == "timeout":
             log.warning(
@@ -256,7 +212,7 @@ class IsolatedCalls:
         return CallResult(None, reason)
 
     def _replace(self, slot: int) -> None:
-        """SIGKILL the child in ``slot`` (if still alive) and start a fresh one in its place."""
+        """SIGKILL the child in ``slot`` and start a fresh one."""
         old = self._children[slot]
         old.proc.kill()  # no-op on an exited process
         old.proc.wait()
@@ -264,7 +220,7 @@ class IsolatedCalls:
         self._children[slot] = self._start_child()
 
     def _start_child(self) -> _Child:
-        """Start one child and wait for its handshake (it resolved every function)."""
+        """Start one child and wait for its handshake."""
         parent_sock, child_sock = socket.socketpair()
         try:
             proc = subprocess.Popen(
@@ -313,9 +269,7 @@ def _recv(conn: Connection) -> Any:
 
 
 def child_main(fd: int, resolver: str, refs: list[str]) -> None:
-    """A child's loop: resolve every one of ``refs`` with ``resolver``, handshake, then make one call
-    per message ``(fn_index, args)`` until ``None`` or EOF. Runs in the child only (started by
-    :meth:`IsolatedCalls._start_child`)."""
+    """The child's loop: resolve ``refs``, handshake, then one call per message until None or EOF."""
     die_with_parent(signal.SIGKILL)  # a hung call ignores anything gentler
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the worker decides
     conn = Connection(fd)

@@ -1,24 +1,11 @@
 """The task registry: task names, the custom-task hook, eval tasks and the reward spec.
 
-Registered tasks (``KNOWN_TASKS``), one module each (dataset, prompts, rewards, eval split):
-
-- ``reverse_text`` (the default job, :mod:`tasks.reverse_text`): reverse a random string;
-- ``gsm8k`` (:mod:`tasks.gsm8k`): grade-school math word problems from ``tasks/data/gsm8k/``;
-- ``countdown`` (:mod:`tasks.countdown`): reach a target with given numbers and + - * /;
-- ``reverse_turns`` (:mod:`tasks.reverse_turns`): multi-turn, reverse each string an environment gives;
-- ``gsm8k_calculator`` (:mod:`tasks.gsm8k_calculator`): multi-turn GSM8K with a calculator tool.
-
-A task named ``"verifiers:MODULE"`` is a verifiers environment (:mod:`tasks.verifiers_env`,
-``task.verifiers_args`` its ``load_environment`` arguments): an agent task whose reward is the
-environment's rubric. A task given as an import path ``"package.module:function"`` is any function returning a
-:class:`tasks.task.Task` (it runs the code it names: configs are trusted). Registered tasks are
-stored as import paths too and imported on first use, so a process that runs only
-``reverse_text`` never imports math-verify.
-
-Config (``task`` section, :class:`configs.schema.TaskConfig`): ``get_task(name, task_cfg)`` applies
-``task_cfg``'s ``system_prompt`` (if set), ``rewards`` (if any) and, for a file task, ``dataset``
-(own local JSONL/Parquet files with a field mapping, see :mod:`tasks.datasets`) whenever
-``task_cfg.name == name``, so the eval task of the training task gets them too.
+Registered tasks (``KNOWN_TASKS``) are stored as import paths of their ``make_task`` and imported
+on first use (a ``reverse_text`` run never imports math-verify). ``"verifiers:MODULE"`` is a
+verifiers environment (:mod:`tasks.verifiers_env`); any other ``"package.module:function"`` is a
+custom task returning a :class:`tasks.task.Task` (configs are trusted). ``get_task(name, task_cfg)``
+applies the ``task`` section's overrides whenever ``task_cfg.name == name``, so the eval task of
+the training task gets them too.
 """
 
 from __future__ import annotations
@@ -71,20 +58,13 @@ def _checked_rewards(name: str, rewards: Sequence[Sequence[Any]]) -> tuple[tuple
 
 
 def get_task(name: str, task_cfg: TaskConfig | None = None) -> Task:
-    """The task registered as ``name``, or the one an import path ``"package.module:function"`` returns.
-
-    Args:
-        name: a name of ``KNOWN_TASKS`` or an import path (the function is called with no
-            arguments and must return a :class:`Task`; its ``name`` becomes ``name``).
-        task_cfg: the run's ``task`` section; applied only when ``task_cfg.name == name``: its
-            ``system_prompt`` (when not None), ``rewards`` (when not empty) and ``max_turns`` (when
-            not None) replace the task's, and its ``dataset`` replaces a file task's files.
+    """The task ``name``: registered, ``"verifiers:MODULE"``, or an import path of a no-argument
+    function returning a :class:`Task` (renamed ``name``). When ``task_cfg.name == name``, its set
+    ``system_prompt``, ``rewards`` and ``max_turns`` replace the task's and ``dataset`` a file task's files.
 
     Raises:
-        ValueError: unknown name (listing the known ones), an import path that does not resolve,
-            ``task_cfg.dataset`` set for a task that reads no files, a malformed reward term, or
-            ``max_turns < 1``.
-        TypeError: an import path whose function does not return a :class:`Task`.
+        ValueError: unknown name, an unresolvable path, ``dataset`` for a task that reads no files,
+            a malformed reward term, ``max_turns < 1``. TypeError: a custom function returned no Task.
     """
     cfg = task_cfg if task_cfg is not None and task_cfg.name == name else None
     dataset = cfg.dataset if cfg is not None else None
@@ -123,22 +103,8 @@ def get_task(name: str, task_cfg: TaskConfig | None = None) -> Task:
 
 
 def load_task_examples(task: str | Task, split: str, num_examples: int, seed: int) -> list[Example]:
-    """Return ``num_examples`` (at most, for file tasks) examples of ``task``'s ``split``.
-
-    Args:
-        task: a :class:`Task`, or a name / import path for :func:`get_task` (without config).
-        split: ``"train"`` or ``"eval"``; the splits never share a prompt, whatever the seeds.
-        num_examples: how many (>= 0). The first ``n`` examples for a seed do not depend on
-            ``num_examples``.
-        seed: any int (train order, and synthetic tasks' draws).
-
-    Returns:
-        A list of ``{"id": str, "prompt": str, "info": dict}``.
-
-    Raises:
-        ValueError: naming ``task``, ``split`` or ``num_examples`` when it is invalid, a file that
-            cannot be read (see :mod:`tasks.datasets`), or a loader returning a malformed example.
-    """
+    """At most ``num_examples`` examples ``{"id": str, "prompt": str, "info": dict}`` of ``split`` (a
+    prefix independent of ``num_examples``). ValueError for a bad argument, file or example."""
     check_request(split, num_examples)
     if isinstance(task, str):
         task = get_task(task)
@@ -151,27 +117,22 @@ def load_task_examples(task: str | Task, split: str, num_examples: int, seed: in
             and isinstance(ex.get("info"), dict)
         ):
             raise ValueError(
-                f"task {task.name!r}: {split} example {k} must be {{'id': str, 'prompt': str, 'info': dict}}, got {ex!r:.200}"
+                f"task {task.name!r}: {split} example {k} must be {{'id': str, 'prompt': str, 'info': dict}}, "
+                f"got {ex!r:.200}"
             )
     return examples
 
 
 def eval_tasks(cfg: RunConfig) -> list[EvalTaskConfig]:
-    """The run's eval tasks: ``cfg.eval.tasks``, or the training task with the defaults when it is
-    empty; ``[]`` when ``cfg.eval.enabled`` is False."""
+    """``cfg.eval.tasks``, else the training task; ``[]`` when eval is disabled."""
     if not cfg.eval.enabled:
         return []
     return list(cfg.eval.tasks) or [EvalTaskConfig(name=cfg.task.name)]
 
 
 def reward_spec(cfg: RunConfig) -> dict[str, tuple[tuple[str, float], ...]]:
-    """What a reward worker must be able to score: ``{task name: ((reward ref, weight), ...)}`` for
-    the training task and every eval task (each via :func:`get_task` with ``cfg.task``).
-
-    Raises:
-        ValueError: a task is unknown, or has neither a reward function nor an environment while
-            ``filters.skip_verification`` is off.
-    """
+    """``{task name: ((reward ref, weight), ...)}`` for the training and every eval task. ValueError for
+    an unknown task, or one without reward, environment or agent (unless ``skip_verification``)."""
     spec: dict[str, tuple[tuple[str, float], ...]] = {}
     for name in [cfg.task.name, *(t.name for t in eval_tasks(cfg))]:
         if name in spec:
@@ -185,12 +146,7 @@ def reward_spec(cfg: RunConfig) -> dict[str, tuple[tuple[str, float], ...]]:
 
 
 def task_agent(cfg: RunConfig) -> str | None:
-    """The agent function of the run's training task: ``cfg.task.agent``, else the task's own
-    (:attr:`Task.agent`, a verifiers task's), else None.
-
-    Raises:
-        ValueError: ``cfg.task.agent`` is set for a task that has its own agent.
-    """
+    """``cfg.task.agent``, else the training task's own agent, else None; ValueError if both are set."""
     own = get_task(cfg.task.name, cfg.task).agent
     if cfg.task.agent and own:
         raise ValueError(f"task {cfg.task.name!r} runs its own agent ({own}): remove task.agent")
@@ -198,8 +154,7 @@ def task_agent(cfg: RunConfig) -> str | None:
 
 
 def env_tasks(cfg: RunConfig) -> dict[str, Task]:
-    """The multi-turn tasks of the run (training and eval tasks with ``Task.env``), by name: what
-    a producer runs environments for (:class:`tasks.env.EnvCalls`)."""
+    """The run's training and eval tasks that have ``Task.env``, by name."""
     names = [cfg.task.name, *(t.name for t in eval_tasks(cfg))]
     tasks = {name: get_task(name, cfg.task) for name in dict.fromkeys(names)}
     return {name: task for name, task in tasks.items() if task.env is not None}

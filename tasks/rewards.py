@@ -1,19 +1,9 @@
 """Reward functions by name or by import path.
 
-A reward function maps ``(completion text, example info) -> float``; a reward worker calls it on
-every sample of a group (in child processes when ``rewards.isolate``, see :mod:`rewards.scorers`).
-Each built-in task's module holds its reward function (:mod:`tasks.reverse_text`,
-:mod:`tasks.gsm8k`, :mod:`tasks.countdown`).
-A reference is either a registered name (``reverse_text``, ``gsm8k``, ``countdown``) or an import
-path ``"package.module:function"`` for a custom function. An import path executes the code it
-names, so references come only from the run config (trusted), never from the bus. An import path
-prefixed ``trl:`` or ``trl_conversational:`` names a reward function written for TRL's
-``GRPOTrainer`` (``fn(completions, **kwargs) -> list[float]``), called once per group with TRL's
-keyword arguments (:mod:`tasks.trl_rewards`).
-
-Registered functions are themselves stored as import paths and imported on first use: the
-``gsm8k`` verifier pulls in math-verify and sympy (``python -X importtime``: ~0.25 s of a ~0.3 s
-child start), which a worker scoring only ``reverse_text`` should not pay in every child.
+A reward function maps ``(completion, info) -> float`` (``info``: docs/rewards.md). A reference is a
+registered name (the built-in tasks') or an import path ``"package.module:function"``; with a
+``trl:``/``trl_conversational:`` prefix, a TRL-style function (:mod:`tasks.trl_rewards`). Registered
+functions are imported on first use: ``gsm8k``'s math-verify costs ~0.25 s per reward child.
 """
 
 from __future__ import annotations
@@ -46,13 +36,8 @@ def _unknown_name(name: str) -> ValueError:
 
 
 def get_reward_fn(name: str) -> RewardFn:
-    """The reward function registered as ``name``, or the one at import path ``"package.module:function"``
-    (imported here, so in the calling process; ``function`` may be dotted, ``Class.method``).
-
-    Raises:
-        ValueError: for an unknown name (listing the known ones), or an import path whose module or
-            attribute cannot be found or is not callable.
-    """
+    """The reward function registered as ``name`` or at its import path (imported in this process).
+    ValueError for an unknown name or an unresolvable path."""
     fmt, path = split_trl_ref(name)
     if fmt is not None:
         return import_callable(path, f"TRL-style ({fmt} format) reward")
@@ -64,15 +49,8 @@ def get_reward_fn(name: str) -> RewardFn:
 
 
 def reward_name(ref: str) -> str:
-    """The display name of a reward reference, used for ``reward_terms`` and ``reward/<name>`` logs:
-    a registered name is itself, an import path gives its function's name
-    (``"my_pkg.scoring:Judge.score"`` -> ``"score"``, ``"trl:my_pkg:reward_len"`` -> ``"reward_len"``).
-    Does not import anything.
-
-    Raises:
-        ValueError: ``ref`` is neither a registered name nor shaped like ``"package.module:function"``
-            (after an optional ``trl:``/``trl_conversational:`` prefix).
-    """
+    """The ``reward_terms`` name of a reference, without importing: a registered name, or the function's
+    name (``"my_pkg.scoring:Judge.score"`` -> ``"score"``). ValueError for a malformed reference."""
     fmt, ref = split_trl_ref(ref)
     if ":" not in ref and fmt is None:
         if ref not in _REWARD_FNS:
@@ -85,14 +63,8 @@ def reward_name(ref: str) -> str:
 
 
 def get_float_reward_fn(name: str) -> Callable[..., Any]:
-    """:func:`get_reward_fn` with its result passed through ``float`` (the resolver of the reward
-    children, :class:`rewards.scorers.IsolatedScorer`: a non-number fails in the child as a
-    ``TypeError``/``ValueError`` of that call). A TRL-style reference gives the group-wise
-    ``call(completions, info, batch) -> {"rewards", "metrics"}`` of :func:`tasks.trl_rewards.trl_caller`.
-
-    Raises:
-        ValueError: as :func:`get_reward_fn`.
-    """
+    """The reward children's resolver: :func:`get_reward_fn` with ``float`` applied to its result, or
+    for a TRL-style reference :func:`tasks.trl_rewards.trl_caller`. ValueError as :func:`get_reward_fn`."""
     fn = get_reward_fn(name)
     fmt, path = split_trl_ref(name)
     if fmt is not None:

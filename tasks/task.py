@@ -1,25 +1,10 @@
 """The :class:`Task` type and what every task shares: splits, prompt rendering, completion cleanup.
 
-A task (one module per built-in task: :mod:`tasks.reverse_text`, :mod:`tasks.gsm8k`,
-:mod:`tasks.countdown`) names a loader of examples (one split at a time), an optional system
-prompt and its weighted reward functions. A task example is a plain, JSON-able dict::
-
-    {"id": str, "prompt": str (the user message text), "info": dict}
-
-``info`` travels with the prompt through the bus to the reward workers, which call each of the
-task's reward functions ``fn(completion, info) -> float`` (see :mod:`tasks.rewards`) and add them
-up with their weights. :func:`render_messages` turns an example into chat messages for the
-policy's chat template (the producer applies the template).
-
-Invariants:
-
-* Splits are ``"train"`` and ``"eval"`` (``KNOWN_SPLITS``); they never share a prompt.
-* Synthetic tasks make the splits disjoint *by construction*, whatever their seeds: an item
-  belongs to the eval split iff the first byte of ``sha256(key)`` is below ``EVAL_BUCKET_BYTES``
-  (1/16 of all items) (:func:`hash_split`), and a split keeps only its own items.
-
-No heavy imports here: a reward worker's child process imports this module to score
-``reverse_text``.
+A task example is a JSON-able dict ``{"id": str, "prompt": str (the user message), "info": dict}``;
+``info`` travels with the prompt to the reward workers, which call each reward function
+``fn(completion, info) -> float`` and sum them with their weights. Splits are ``"train"`` and
+``"eval"`` and never share a prompt; synthetic tasks make them disjoint by :func:`hash_split`.
+No heavy imports: reward children import this module.
 """
 
 from __future__ import annotations
@@ -41,30 +26,11 @@ Loader = Callable[[str, int, int], list[Example]]
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """A task: its examples, prompt rendering and reward functions.
-
-    Fields:
-        name: the name prompts and groups carry (``Prompt.task``): the registered name, or the
-            import path for a custom task.
-        load: ``(split "train"|"eval", num_examples, seed) -> [example]``, deterministic in its
-            arguments (see :func:`tasks.registry.load_task_examples`).
-        system_prompt: the system message before every prompt, or None for none.
-        rewards: ``((reward ref, weight), ...)``: registered reward names or import paths
-            ``"package.module:function"``; reward = sum of weight * score.
-        env: for a multi-turn task, the import path ``"package.module:Object"`` of its environment
-            (:mod:`tasks.env`); its reward joins the group's rewards as the term ``env``. None: a
-            single-turn task.
-        max_turns: most model turns of an episode (``env`` tasks; >= 1).
-        tools: function-calling schemas (:func:`tasks.tools.tool_schemas`) the producer passes to
-            the chat template (``tools=``) when it renders the prompt and the environment's turns;
-            ``env`` tasks only (the environment runs the calls, :class:`tasks.tools.ToolEnv`).
-        agent: the import path of the task's own agent function (:mod:`tasks.agent`), run per
-            sample against the producer's OpenAI-compatible endpoint; its return value is the
-            reward term ``env`` (a verifiers task, :mod:`tasks.verifiers_env`). None: the run's
-            ``task.agent`` if set, else no agent.
-
-    Raises:
-        ValueError: ``tools`` without ``env``, or ``env`` and ``agent`` both set.
+    """A task. ``name``: what prompts and groups carry; ``load``: ``(split, num_examples, seed) ->
+    [example]``, deterministic; ``rewards``: ``((reward ref, weight), ...)``; ``env``: a multi-turn
+    task's environment path (:mod:`tasks.env`), its reward the term ``env``; ``tools``: schemas for
+    the chat template (``env`` tasks only); ``agent``: the task's own agent path (:mod:`tasks.agent`).
+    ValueError for ``tools`` without ``env``, or ``env`` with ``agent``.
     """
 
     name: str
@@ -86,11 +52,7 @@ class Task:
 
 
 def check_request(split: str, num_examples: int) -> None:
-    """Validate a loader request.
-
-    Raises:
-        ValueError: ``split`` is not one of ``KNOWN_SPLITS`` or ``num_examples < 0``.
-    """
+    """ValueError unless ``split`` is in ``KNOWN_SPLITS`` and ``num_examples >= 0``."""
     if split not in KNOWN_SPLITS:
         raise ValueError(f"unknown split={split!r}; known splits: {', '.join(KNOWN_SPLITS)}")
     if num_examples < 0:
@@ -98,26 +60,19 @@ def check_request(split: str, num_examples: int) -> None:
 
 
 def hash_split(key: str) -> str:
-    """The split (``"train"`` or ``"eval"``) that owns the item with canonical ``key``: ``"eval"``
-    iff the first byte of ``sha256(key)`` is below ``EVAL_BUCKET_BYTES``."""
+    """``"eval"`` iff the first byte of ``sha256(key)`` is below ``EVAL_BUCKET_BYTES`` (1/16), else ``"train"``."""
     return "eval" if hashlib.sha256(key.encode()).digest()[0] < EVAL_BUCKET_BYTES else "train"
 
 
 def render_messages(example: Example, system_prompt: str | None = None) -> list[dict[str, str]]:
-    """Chat messages for one example: an optional system turn (the task's ``system_prompt``), then
-    the user turn.
-
-    reverse_text uses no system prompt: the tiny policy learns the task from the data, and every
-    prompt token costs compute on 2 CPU cores.
-    """
+    """Chat messages of one example: the optional system turn, then the user turn."""
     messages = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
     messages.append({"role": "user", "content": example["prompt"]})
     return messages
 
 
 def strip_end_of_turn(completion: str) -> str:
-    """Remove surrounding whitespace and any trailing end-of-turn tokens (``END_OF_TURN_TOKENS``,
-    left when a producer keeps special tokens in the text) from ``completion``."""
+    """``completion`` without surrounding whitespace and trailing ``END_OF_TURN_TOKENS``."""
     text = completion.strip()
     stripped = True
     while stripped:

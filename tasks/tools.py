@@ -1,29 +1,12 @@
-"""Tool calling for multi-turn tasks: tools as Python functions with JSON schemas, the Qwen/Hermes
-``<tool_call>`` format, and an environment that answers a model turn's tool calls.
+"""Tool calling for multi-turn tasks: Python functions as tools with OpenAI/HF function schemas
+(``{"type": "function", "function": {"name", "description", "parameters"}}``), the Qwen/Hermes
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` format, and :class:`ToolEnv`, which
+answers each call with a ``{"role": "tool", "name", "content"}`` message.
 
-Format (Qwen2.5/Qwen3 chat templates, Hermes function calling): the tools' schemas go to the chat
-template (``apply_chat_template(..., tools=schemas)``; the template lists them in the system turn);
-the model calls a tool by writing, anywhere in its turn::
-
-    <tool_call>
-    {"name": "calculator", "arguments": {"expression": "2 + 3"}}
-    </tool_call>
-
-and the environment answers each call, in order, with one ``{"role": "tool", "name": ...,
-"content": ...}`` message (the template renders a run of them as one user turn of
-``<tool_response>`` blocks).
-
-Invariants:
-
-* Nothing here raises out of :meth:`ToolEnv.step` because of what the model wrote: malformed JSON,
-  an unclosed tag, an unknown tool, missing/unexpected/mistyped arguments and a tool that raises
-  are each answered as a tool message whose content starts with ``"Error: "``.
-* Everything the environment keeps is JSON (the :mod:`tasks.env` protocol passes state between
-  isolated children): :class:`ToolEnv` state holds the reset ``info``, the final answer text and
-  the tool-call and tool-error counts; each step also returns the turn's tool-call records (the
-  step statistics of :mod:`tasks.env`, counted per tool and error kind by the producer).
-* A schema is the OpenAI/Hugging Face function format ``{"type": "function", "function": {"name",
-  "description", "parameters": JSON schema object}}``, the form ``transformers`` passes to templates.
+What the model wrote never raises out of :meth:`ToolEnv.step`: a malformed call, an unknown tool,
+bad arguments or a raising tool is answered ``"Error: ..."``. Its state is JSON (the
+:mod:`tasks.env` protocol); each step also returns the turn's tool-call records. User guide:
+docs/environments.md, "Tools".
 """
 
 from __future__ import annotations
@@ -57,7 +40,7 @@ _ARG_LINE = re.compile(r"^\s+(\w+)(?:\s*\([^)]*\))?:\s*(.*)$")
 
 
 def _docstring_parts(fn: Callable[..., Any]) -> tuple[str, dict[str, str]]:
-    """(first paragraph, {argument: description from a Google-style ``Args:`` section})."""
+    """(first paragraph, {argument: description}) of a Google-style docstring."""
     doc = inspect.getdoc(fn) or ""
     description = doc.split("\n\n", 1)[0].replace("\n", " ").strip()
     args: dict[str, str] = {}
@@ -81,20 +64,9 @@ def _docstring_parts(fn: Callable[..., Any]) -> tuple[str, dict[str, str]]:
 def function_schema(
     fn: Callable[..., Any], *, name: str | None = None, description: str | None = None
 ) -> dict[str, Any]:
-    """The function-calling schema of ``fn``, derived from its signature and docstring.
-
-    Each parameter must be annotated with one of ``JSON_TYPES`` (``str`` -> ``"string"``, ...);
-    parameters without a default are ``required``; a parameter's description is its line in the
-    docstring's ``Args:`` section; the tool's description is the docstring's first paragraph.
-
-    Returns:
-        ``{"type": "function", "function": {"name", "description", "parameters": {"type":
-        "object", "properties": {...}, "required": [...]}}}``.
-
-    Raises:
-        TypeError: ``fn`` takes ``*args``/``**kwargs`` or a parameter's annotation is missing or
-            not one of ``JSON_TYPES``.
-    """
+    """The function schema of ``fn``: parameters typed by ``JSON_TYPES``, required when without a
+    default, described by the docstring's ``Args:`` lines; the description its first paragraph.
+    TypeError for ``*args``/``**kwargs`` or an annotation outside ``JSON_TYPES``."""
     hints = typing.get_type_hints(fn)
     doc_description, doc_args = _docstring_parts(fn)
     properties: dict[str, Any] = {}
@@ -125,35 +97,24 @@ def function_schema(
 
 @dataclasses.dataclass(frozen=True)
 class Tool:
-    """A tool: ``fn`` called with the keyword arguments of a call; ``schema`` as :func:`function_schema`.
-
-    Build with :meth:`from_function` (schema derived), or give ``schema`` explicitly.
-    """
+    """``fn``, called with a call's keyword arguments, and its ``schema`` (:func:`function_schema`)."""
 
     fn: Callable[..., Any]
     schema: dict[str, Any]
 
     @property
     def name(self) -> str:
-        """The name the model calls it by (``schema["function"]["name"]``)."""
+        """The name the model calls it by."""
         return self.schema["function"]["name"]
 
     @classmethod
     def from_function(cls, fn: Callable[..., Any], *, name: str | None = None, description: str | None = None) -> Tool:
-        """A tool over ``fn`` with its :func:`function_schema`.
-
-        Raises:
-            TypeError: as :func:`function_schema`.
-        """
+        """A tool over ``fn`` with its :func:`function_schema`; TypeError as that."""
         return cls(fn, function_schema(fn, name=name, description=description))
 
 
 def tool_schemas(tools: Sequence[Tool]) -> tuple[dict[str, Any], ...]:
-    """The schemas to pass as ``tools=`` to the chat template (``Task.tools``), in order.
-
-    Raises:
-        ValueError: two tools share a name.
-    """
+    """The schemas for ``Task.tools``, in order; ValueError when two tools share a name."""
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
         raise ValueError(f"tool names must be unique, got {names}")
@@ -162,7 +123,7 @@ def tool_schemas(tools: Sequence[Tool]) -> tuple[dict[str, Any], ...]:
 
 @dataclasses.dataclass(frozen=True)
 class ToolCall:
-    """One parsed call: the tool's ``name`` and its ``arguments`` (a JSON object)."""
+    """One parsed call."""
 
     name: str
     arguments: dict[str, Any]
@@ -170,7 +131,7 @@ class ToolCall:
 
 @dataclasses.dataclass(frozen=True)
 class ToolCallError:
-    """A ``<tool_call>`` block that could not be read; ``message`` says why (for the model)."""
+    """An unreadable ``<tool_call>`` block; ``message`` tells the model why."""
 
     message: str
 
@@ -194,15 +155,9 @@ def _parse_block(body: str) -> ToolCall | ToolCallError:
 
 
 def parse_tool_calls(text: str) -> list[ToolCall | ToolCallError]:
-    """The tool calls in a model turn, in order: one :class:`ToolCall` per well-formed
-    ``<tool_call>{json}</tool_call>`` block, a :class:`ToolCallError` per malformed one (bad JSON,
-    not an object with a string ``name``, ``arguments`` not an object) and one for a trailing
-    ``<tool_call>`` left unclosed (a turn cut by ``max_tokens``). ``[]``: no tool call (the turn is
-    an answer). Never raises for a str ``text``.
-
-    Raises:
-        TypeError: ``text`` is not a str.
-    """
+    """The calls of a model turn, in order: a :class:`ToolCall` per well-formed block, a
+    :class:`ToolCallError` per malformed or unclosed one; ``[]``: the turn is an answer.
+    TypeError when ``text`` is not a str."""
     if not isinstance(text, str):
         raise TypeError(f"parse_tool_calls needs the model's text as str, got {type(text).__name__}")
     out: list[ToolCall | ToolCallError] = [_parse_block(m.group(1).strip()) for m in _CALL_BLOCK.finditer(text)]
@@ -212,7 +167,7 @@ def parse_tool_calls(text: str) -> list[ToolCall | ToolCallError]:
 
 
 def _check_arguments(schema: dict[str, Any], args: dict[str, Any]) -> str | None:
-    """Why ``args`` do not fit the parameters ``schema`` (missing, unexpected, mistyped), or None."""
+    """Why ``args`` do not fit ``schema``, or None."""
     props = schema.get("properties", {})
     missing = [k for k in schema.get("required", []) if k not in args]
     unexpected = [k for k in args if k not in props]
@@ -237,20 +192,9 @@ def _result_text(value: Any) -> str:
 def answer_tool_calls(
     tools: Sequence[Tool], calls: Sequence[ToolCall | ToolCallError]
 ) -> tuple[list[dict[str, str]], list[dict[str, str | None]]]:
-    """Answer ``calls`` (from :func:`parse_tool_calls`) with ``role: tool`` messages, one per call
-    in order (at most ``MAX_TOOL_CALLS_PER_TURN``, then one error for the rest), and say how each
-    call went.
-
-    A result that is not a str is sent as JSON. A parse error, an unknown tool, arguments that do
-    not fit the schema and a tool that raises are answered ``"Error: ..."`` (the exception's type
-    and message); nothing raises.
-
-    Returns:
-        ``(messages, records)``: ``[{"role": "tool", "name": tool name (``"error"`` for an
-        unreadable call), "content": str}]``, and one ``{"name": tool name or None (unreadable),
-        "error": None or a :data:`tasks.env.TOOL_ERRORS` kind}`` per call of ``calls`` (those past
-        the limit: ``"too_many_calls"``): the step statistics of :mod:`tasks.env`.
-    """
+    """``(messages, records)``: one ``{"role": "tool", "name", "content"}`` per call (at most
+    ``MAX_TOOL_CALLS_PER_TURN``, then one error for the rest; non-str results as JSON; failures
+    ``"Error: ..."``), and one ``{"name", "error": None or a tasks.env.TOOL_ERRORS kind}`` per call."""
     by_name = {t.name: t for t in tools}
     out: list[dict[str, str]] = []
     records: list[dict[str, str | None]] = []
@@ -288,26 +232,15 @@ def answer_tool_calls(
 
 
 def run_tool_calls(tools: Sequence[Tool], calls: Sequence[ToolCall | ToolCallError]) -> list[dict[str, str]]:
-    """The messages of :func:`answer_tool_calls` (``[{"role": "tool", "name", "content"}]``)."""
+    """The messages of :func:`answer_tool_calls`."""
     return answer_tool_calls(tools, calls)[0]
 
 
 class ToolEnv:
-    """A :mod:`tasks.env` environment for tool-use tasks: a turn with tool calls is answered with
-    the tools' results (not done); a turn without any is the final answer (done).
-
-    Args:
-        tools: the tools the model may call (their schemas are the task's ``Task.tools``).
-        answer_reward: ``(final answer text, info) -> float``, e.g. :func:`tasks.gsm8k.gsm8k_reward`.
-        format_weight: added to the reward when the episode ended with an answer in the expected
-            form (``answer_format``) and none of its tool calls was answered with an error (0: no
-            format term).
-        answer_format: ``(final answer text) -> bool``, whether the answer has the task's form
-            (None: any answer).
-
-    State (JSON): ``{"info", "answer": str | None, "tool_calls": int, "tool_errors": int}``.
-    Reward: ``answer_reward(answer, info) + format_weight * clean``; 0 without a final answer
-    (the episode ran out of turns or tokens while calling tools).
+    """A :mod:`tasks.env` environment: a turn with tool calls gets their results, a turn without is
+    the final answer (done). Reward: ``answer_reward(answer, info)`` + ``format_weight`` when the
+    answer passes ``answer_format`` and no call erred; 0 without an answer. State (JSON):
+    ``{"info", "answer", "tool_calls", "tool_errors"}``.
     """
 
     def __init__(
@@ -323,11 +256,7 @@ class ToolEnv:
         self.answer_reward, self.format_weight, self.answer_format = answer_reward, format_weight, answer_format
 
     def reset(self, info: dict[str, Any]) -> dict[str, Any]:
-        """The initial state (keeps ``info`` for the reward).
-
-        Raises:
-            TypeError: ``info`` is not a dict.
-        """
+        """The initial state; TypeError when ``info`` is not a dict."""
         if not isinstance(info, dict):
             raise TypeError(f"a tool environment needs info as a dict, got {type(info).__name__}")
         return {"info": info, "answer": None, "tool_calls": 0, "tool_errors": 0}
@@ -335,9 +264,7 @@ class ToolEnv:
     def step(
         self, state: dict[str, Any], text: str
     ) -> tuple[list[dict[str, str]], bool, dict[str, Any], dict[str, Any]]:
-        """Run the tool calls in ``text`` (answered as tool messages, not done), or take ``text``
-        as the final answer (no messages, done). The fourth element is the turn's statistics
-        (:mod:`tasks.env`): ``{"tool_calls": records of answer_tool_calls}``."""
+        """Answer the calls in ``text``, or take it as the final answer; 4th element: the statistics."""
         calls = parse_tool_calls(text)
         if not calls:
             return [], True, {**state, "answer": text}, {"tool_calls": []}
@@ -351,7 +278,7 @@ class ToolEnv:
         )
 
     def reward(self, state: dict[str, Any]) -> float:
-        """``answer_reward`` of the final answer plus the format term (see the class doc)."""
+        """The episode's reward (class docstring)."""
         if state["answer"] is None:
             return 0.0
         clean = state["tool_errors"] == 0 and (self.answer_format is None or bool(self.answer_format(state["answer"])))

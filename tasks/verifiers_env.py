@@ -1,35 +1,12 @@
-"""verifiers environments as rlbus tasks: ``task.name: "verifiers:MODULE"`` trains on the
-``verifiers`` package's environment ``MODULE.load_environment(**task.verifiers_args)`` (loaded with
-``verifiers.load_environment``, so an installed environment package or any importable local module
-with a ``load_environment`` function), its rollouts run against the producer's OpenAI-compatible
-endpoint and its rubric's reward is the sample's reward.
+"""verifiers environments as rlbus tasks: ``task.name: "verifiers:MODULE"`` trains on
+``verifiers.load_environment(MODULE, **task.verifiers_args)``.
 
-How it maps (an agent task, :mod:`tasks.agent`, whose agent function is :func:`rollout`):
-
-- examples: the environment's dataset rows (``env.get_dataset()``; the eval split is
-  ``env.get_eval_dataset()`` when the environment has one, else the dataset's rows are split with
-  :func:`tasks.task.hash_split` of their prompt so the splits never share a prompt). An example's
-  ``prompt`` is the row's last user message text; its ``info`` carries the whole row (JSON) plus
-  the module and arguments under ``"verifiers"``, so any process can run it. ``task.dataset``
-  does not apply (the environment loads its own data); the train order is a seeded shuffle.
-- rollout: per sample, in an isolated agent child, ``env.run_rollout(row, client, model,
-  sampling_args={})`` with a ``verifiers.OpenAIChatCompletionsClient`` over an
-  ``openai.AsyncOpenAI`` pointed at the endpoint with the episode header: every model call of the
-  rollout is recorded into the sample's token-exact episode (:mod:`producers.endpoint_episodes`;
-  the endpoint returns the model's ``<tool_call>`` blocks as OpenAI ``tool_calls``, so
-  ``ToolEnv``/``MultiTurnEnv`` environments work). The run's sampling settings win over the
-  environment's ``sampling_args``.
-- reward: the rubric's ``state["reward"]`` (``Rubric.score_rollout``, weighted sum of its reward
-  functions) is returned by the agent and becomes the group's reward term ``env``; the task has
-  no other reward function.
-
-Not supported: rubrics with group reward functions (``env.requires_group_rollouts``; each sample is
-its own isolated call, so :func:`load_env` refuses them with ValueError),
-environments that must talk to a non-chat API (completions-only, responses API) and
-``EnvGroup`` of several environments with different datasets per task name.
-
-``verifiers`` is an optional extra (``pip install rlbus[verifiers]``); it is imported only where an
-environment is loaded (the prompt source and the agent children), never by this module's import.
+An agent task (:mod:`tasks.agent`) whose agent is :func:`rollout`: examples are the environment's
+dataset rows (eval: its eval dataset, else a :func:`tasks.task.hash_split` of the prompt), each
+carrying its row in ``info``; each sample runs ``env.run_rollout`` in an isolated child against the
+producer's endpoint, and the rubric's ``state["reward"]`` is the term ``env``. Rubrics with group
+reward functions are refused. ``verifiers`` is an optional extra, imported only where an
+environment is loaded. User guide: docs/environments.md.
 """
 
 from __future__ import annotations
@@ -49,11 +26,7 @@ MODEL_NAME = "rlbus-policy"
 
 
 def module_of(name: str) -> str:
-    """The environment module of task name ``"verifiers:MODULE"``.
-
-    Raises:
-        ValueError: ``name`` does not start with ``"verifiers:"`` or names no module.
-    """
+    """``MODULE`` of ``"verifiers:MODULE"``; ValueError for another shape."""
     if not name.startswith(PREFIX) or not name[len(PREFIX) :].strip():
         raise ValueError(
             f"a verifiers task is named 'verifiers:MODULE' (MODULE: an importable module with "
@@ -81,14 +54,8 @@ def _load(module: str, args_json: str) -> Any:
 
 
 def load_env(module: str, args: dict[str, Any]) -> Any:
-    """The ``verifiers.Environment`` of ``module`` with ``load_environment(**args)`` (cached per
-    process and arguments).
-
-    Raises:
-        ValueError: the module cannot be imported, its ``load_environment`` raised (the message
-            names the module and arguments), or its rubric has group rewards.
-        TypeError: ``load_environment`` returned no ``verifiers.Environment``.
-    """
+    """The ``verifiers.Environment`` of ``module`` with ``load_environment(**args)``, cached per process.
+    ValueError when it cannot be loaded or has group rewards; TypeError for a non-Environment."""
     return _load(module, json.dumps(args, sort_keys=True))
 
 
@@ -97,7 +64,7 @@ def _jsonable(row: dict) -> dict:
 
 
 def _prompt_text(messages: Any) -> str:
-    """The last user message's text of a row's prompt (a string prompt as it is)."""
+    """The last user message's text of a row's prompt."""
     if isinstance(messages, str):
         return messages
     for message in reversed(messages or []):
@@ -110,8 +77,7 @@ def _prompt_text(messages: Any) -> str:
 
 
 def load_examples(module: str, args: dict[str, Any], split: str, num_examples: int, seed: int) -> list[Example]:
-    """``split``'s examples of the environment (module docstring), at most ``num_examples``; the
-    train split in a ``seed``-shuffled order, the eval split in dataset order."""
+    """At most ``num_examples`` examples of ``split``: train shuffled by ``seed``, eval in order."""
     env = load_env(module, args)
     has_eval = env.eval_dataset is not None or env.eval_dataset_source is not None
     rows = env.get_eval_dataset() if split == "eval" and has_eval else env.get_dataset()
@@ -133,12 +99,8 @@ def load_examples(module: str, args: dict[str, Any], split: str, num_examples: i
 
 
 def make_task(name: str, args: dict[str, Any] | None = None) -> Task:
-    """The task ``"verifiers:MODULE"`` with ``load_environment`` arguments ``args`` (JSON values).
-    The environment is loaded on the first :attr:`Task.load` call, not here.
-
-    Raises:
-        ValueError: as :func:`module_of`, or ``args`` are not JSON.
-    """
+    """The task ``"verifiers:MODULE"`` (environment loaded on first use); ValueError for a bad name or
+    ``args`` that are not JSON."""
     module, args = module_of(name), dict(args or {})
     try:
         json.dumps(args)
@@ -165,12 +127,8 @@ async def _run(env: Any, row: dict, base_url: str, episode_id: str) -> dict:
 
 
 def rollout(client: Any, example: dict) -> float:
-    """The agent function of verifiers tasks (:mod:`tasks.agent`): one rollout of the example's
-    row against ``client``'s endpoint and episode; returns the rubric's reward.
-
-    Raises:
-        ValueError: ``example`` carries no verifiers row, or as :func:`load_env`.
-    """
+    """The agent of verifiers tasks: one rollout of the example's row; returns the rubric's reward.
+    ValueError when ``example`` carries no verifiers row, or as :func:`load_env`."""
     spec = (example.get("info") or {}).get("verifiers")
     if not isinstance(spec, dict) or not isinstance(spec.get("row"), dict):
         raise ValueError("a verifiers rollout needs example['info']['verifiers'] = {'module', 'args', 'row'}")
