@@ -1,19 +1,12 @@
 """``busctl scale``: how the supervisor resizes a running job.
 
-The client writes ``RUN_DIR/scale.json`` atomically (``{"id": ..., "rewards": N, "producers": M}``);
-the supervisor's watch loop reads it (no signal: a stale pid can never be hit), starts
-``rewards-i`` / ``producer-i`` with the next indices (new producers get ``RLBUS_LATE_JOIN=1``: outside
-the weight-broadcast group formed at start, they ask the trainer to re-form it with them,
-:mod:`broadcaster.regroup`, so a scaled-up run stays on the broadcast method; a removed producer
-is dropped from the next group the same way) or stops the highest indices (SIGTERM, so
-they hand back their work; SIGKILL after ``STOP_TIMEOUT_S``), and records the request's progress in
-``status.json`` (``applying`` -> ``done`` once the new set is ready and the removed ones are gone,
-or ``failed`` with the reason). Never fewer than one of each scaled role.
-
-Devices: producer ``i`` gets the devices the run's device plan gives index ``i``
-(:mod:`busctl.placement`: devices the trainer and producers ``0 .. i-1`` leave, or shared round-robin
-with ``producers.share_gpus_with_trainer``); scaling up to an index without devices is refused
-with the keys to change, so a scaled producer never lands on a device that is in use.
+The client writes ``RUN_DIR/scale.json`` atomically (``{"id": ..., "rewards": N, "producers": M}``); the
+supervisor's watch loop reads it (no signal: a stale pid can never be hit), starts replicas with the next
+indices (new producers join late and ask the trainer to re-form the weight group, :mod:`broadcaster.regroup`)
+or stops the highest ones (SIGTERM: they hand back their work), and records the request's progress in
+``status.json``. Never fewer than one of each role; producer ``i`` always gets the devices the device plan gives
+index ``i``, and an index without devices is refused. The user's view: docs/operations.md, "Scaling a running
+job".
 """
 
 from __future__ import annotations
@@ -41,8 +34,7 @@ KILL_WAIT_S = 5.0
 
 
 class ScaleState(StrEnum):
-    """Where the last ``busctl scale`` request stands: ``status.json``'s ``scale.state``, read by
-    the ``busctl scale`` client."""
+    """Where the last ``busctl scale`` request stands (``status.json``'s ``scale.state``)."""
 
     APPLYING = "applying"
     DONE = "done"
@@ -52,8 +44,8 @@ class ScaleState(StrEnum):
 
 
 def kill_and_reap(spec: ComponentSpec) -> None:
-    """SIGKILL the whole component (process group, Slurm step or Ray actor's process) and reap it
-    (at most :data:`KILL_WAIT_S`), recording its exit code; no process: nothing to do."""
+    """SIGKILL the whole component and reap it (at most :data:`KILL_WAIT_S`), recording its exit code; no process:
+    nothing to do."""
     if spec.proc is None:
         return
     spec.proc.signal(signal.SIGKILL)
@@ -66,10 +58,8 @@ def kill_and_reap(spec: ComponentSpec) -> None:
 
 
 def stop_all(specs: list[ComponentSpec], timeout_s: float = STOP_TIMEOUT_S) -> None:
-    """Stop the running ``specs`` (``busctl up``'s shutdown): SIGTERM to each in the given order,
-    wait for all up to ``timeout_s`` together, then SIGKILL what is left (and reap it: vLLM's
-    engine processes die with their group); every one ends ``exited``, one waiting for a restart
-    (no process) too."""
+    """Stop ``specs`` (``busctl up``'s shutdown): SIGTERM to each in order, wait up to ``timeout_s`` for all together,
+    then SIGKILL and reap what is left; every one ends ``exited``."""
     running = [s for s in specs if s.proc is not None]
     for spec in running:
         spec.proc.signal(signal.SIGTERM)
@@ -94,21 +84,13 @@ SCALABLE = {"rewards": "rewards", "producers": "producer"}
 
 
 def scale_targets(cfg: RunConfig, request: dict, placement: Placement | None = None) -> dict[str, int]:
-    """Validate a scale request against the run's config and device plan.
-
-    Args:
-        cfg: the run's config. request: ``{"rewards": N, "producers": M}`` (either or both;
-            other keys such as ``"id"`` are ignored).
-        placement: the run's device plan; None: planned from ``cfg`` on this host's devices.
-
-    Returns:
-        ``{role: replicas}``, e.g. ``{"rewards": 3, "producer": 2}``.
+    """Validate a scale request ``{"rewards": N, "producers": M}`` (either or both) against the run's config and
+    device plan (None: planned on this host); ``{role: replicas}``, e.g. ``{"rewards": 3, "producer": 2}``.
 
     Raises:
         ValueError: no known key, a count that is not an int >= 1, or more producers than
             ``producers.max_replicas`` (reward workers connect to that many rollouts endpoints).
-        ConfigError (a ValueError): more producers than the GPUs have room for
-            (:meth:`busctl.placement.Placement.check_producers`).
+        ConfigError (a ValueError): more producers than the GPUs have room for.
     """
     targets = {}
     for key, role in SCALABLE.items():
@@ -132,24 +114,16 @@ def scale_targets(cfg: RunConfig, request: dict, placement: Placement | None = N
 
 
 class Scaling:
-    """Applies ``busctl scale`` requests to a running supervisor's component table (a member of
-    :class:`busctl.supervisor.Supervisor`, called from its watch loop).
+    """Applies ``busctl scale`` requests to a running supervisor's component table (in place), from its watch loop.
 
     Args:
-        cfg: the run's config. run_dir: where ``scale.json`` is read.
-        table: the supervisor's component table; rows are inserted and removed here (in place).
         spawn: starts a new row's process. say: prints an event line.
-        status_changed: called after :attr:`progress` changed (rewrites ``status.json``).
-        targets_changed: called after a scaled-away component is gone (rewrites ``prometheus.yml``).
-        placement: the run's device plan; None: :func:`busctl.placement.apply_placement` of
-            ``cfg`` (which also writes its resolved values, e.g. ``trainer.device``, into it).
+        status_changed, targets_changed: rewrite ``status.json`` / ``prometheus.yml``.
+        placement: the run's device plan; None: :func:`busctl.placement.apply_placement` of ``cfg``.
 
     Attributes:
-        placement: the device plan (the supervisor spawns every component with its
-            ``CUDA_VISIBLE_DEVICES``).
-        progress: the last request's progress, as ``status.json`` shows it under ``scale``:
-            ``{"id", "state": ScaleState, "targets", "added", "removed",
-            "error"}`` (``{}`` before any request).
+        progress: the last request's progress, ``status.json``'s ``scale``: ``{"id", "state": ScaleState,
+            "targets", "added", "removed", "error"}`` (``{}`` before any request).
     """
 
     def __init__(
