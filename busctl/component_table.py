@@ -1,9 +1,7 @@
 """The component table of a run and the small process facts the supervisor judges it by.
 
-:func:`component_table` lists every process of a run in start order (the hub first, the prompt
-source last); a :class:`ComponentSpec` is one row with its runtime state. The pure helpers here
-(exit descriptions, process start times, free ports) carry no supervisor state, so
-``busctl`` and tests use them without starting anything.
+:func:`component_table` lists every process of a run in start order; a :class:`ComponentSpec` is one row with
+its runtime state. The helpers (exit descriptions, process start times, free ports) carry no supervisor state.
 """
 
 from __future__ import annotations
@@ -21,13 +19,12 @@ from broadcaster.factory import needs_rendezvous_port
 from configs.schema import RunConfig
 
 RESTARTABLE_ROLES = frozenset({"hub", "trainer", "rewards", "producer", "prompt-source", "packer"})
-"""Roles the supervisor restarts: every role (the packer rebuilds its state from its spool,
-:mod:`packer.spool`)."""
+"""Roles the supervisor restarts: every role (the packer rebuilds its state from its spool)."""
 
 
 class ComponentState(StrEnum):
-    """The state of a component in the supervisor's table (:mod:`busctl.supervisor`); its value is
-    what ``status.json`` (``components[].state``), ``busctl status`` and the live display show."""
+    """The state of a component in the supervisor's table, as ``status.json``, ``busctl status`` and the live
+    display show it."""
 
     NOT_STARTED = "not started"
     STARTING = "starting"
@@ -56,19 +53,13 @@ class ComponentSpec:
 
     Attributes:
         name: unique name (``"rewards-1"``); its role is the name without the ``-INDEX`` suffix.
-        module: ``python -m`` entry. index: replica index.
-        pid, state, metrics_port: runtime state (states: :class:`ComponentState`).
-        metrics_host: where it serves metrics, from its ready handshake (127.0.0.1, or its
-            node's address on several nodes: :mod:`busctl.metrics_targets`).
-        restarts: times the supervisor restarted it. consecutive_crashes: crashes since it last
-            stayed up ``backoff_reset_s``. exit_code: of its last process (negative: signal).
-        last_error: why it last crashed. late_join: spawned with ``RLBUS_LATE_JOIN=1``.
-        port_request: metrics port asked for at spawn (0: any free port). proc: its handle
-            (:class:`busctl.launchers.Launched`; None: not running).
-        spawned_at, ready_at, last_beat: ``time.monotonic()`` of the last spawn, ready handshake
-            and heartbeat (None: not yet). last_beat_wall: the heartbeat's ``time.time()``.
-        due: monotonic deadline of the current state (``starting``: ready timeout;
-            ``restarting``: respawn time; ``stopping``: SIGKILL time).
+        metrics_host: where it serves metrics, from its ready handshake (127.0.0.1, or its node's address).
+        consecutive_crashes: crashes since it last stayed up ``backoff_reset_s``.
+        port_request: metrics port asked for at spawn (0: any free port). proc: its
+            :class:`busctl.launchers.Launched` (None: not running).
+        spawned_at, ready_at, last_beat: ``time.monotonic()`` of the last spawn, handshake and heartbeat.
+        due: monotonic deadline of the current state (``starting``: ready timeout; ``restarting``: respawn
+            time; ``stopping``: SIGKILL time).
     """
 
     name: str
@@ -133,14 +124,11 @@ def component_table(cfg: RunConfig) -> list[ComponentSpec]:
 
 
 def launch_prefix(cfg: RunConfig, spec: ComponentSpec) -> list[str]:
-    """The start of a component's command line: ``python -m MODULE``; for the trainer with
-    ``trainer.data_parallel`` N > 1, ``python -m torch.distributed.run --standalone
-    --nproc-per-node N -m MODULE`` (torchrun: every rank runs MODULE with the same arguments).
+    """The start of a component's command line: ``python -m MODULE``, or for a trainer with ``data_parallel`` N > 1
+    ``python -m torch.distributed.run --standalone --nproc-per-node N -m MODULE``.
 
-    The whole torchrun group is one component: the supervisor watches (and kills, restarts) the
-    torchrun agent; its ranks run in their own sessions and die with it (``PR_SET_PDEATHSIG``),
-    and rank 0 sends the ready handshake and heartbeats in the agent's name
-    (:func:`trainer.parallel.distributed.launcher_pid`). ``--standalone`` picks a free local rendezvous port.
+    The torchrun group is one component: the supervisor watches, kills and restarts the agent; its ranks die with it
+    and rank 0 sends the handshake and heartbeats in the agent's name.
     """
     n = cfg.trainer.data_parallel
     if spec.role != "trainer" or n == 1:
