@@ -1,36 +1,7 @@
-"""CurveZMQ authentication of the tcp:// bus: keys, the allow-list authenticator, socket roles.
-
-With ``bus.transport: tcp`` and a non-empty ``bus.curve_keys_dir``, every rlbus socket runs the
-CURVE handshake: the side that binds is a CURVE *server*, the side that connects a CURVE
-*client*. A ZAP authenticator (``zmq.auth.thread.ThreadAuthenticator``) in every process that
-binds accepts only client public keys found in the allow-list directory, so a peer with an
-unknown key, or without CURVE at all, never completes a handshake: it can neither send nor
-receive a single message. Traffic of accepted peers is encrypted as well.
-
-Key directory (made by ``busctl keys DIR``, the standard ``zmq.auth`` certificate files)::
-
-    DIR/server.key, DIR/server.key_secret        one server keypair, shared by every binder
-    DIR/clients/NAME.key                          allow-list: every public key here may connect
-    DIR/clients/NAME.key_secret                   client keypair NAME (``bus.curve_client``)
-    DIR/tls/                                      the metrics endpoints' CA and TLS certificates
-                                                  (:mod:`telemetry.tls`; used with tcp)
-
-How settings reach the sockets: :func:`enable` attaches a :class:`CurveAuth` to a process's
-``zmq.Context`` (``Component`` and ``Supervisor`` do it from the config), and the one socket
-factory, :class:`bus.sockets.BusSocket`, asks :func:`for_context` for the settings of the
-context it creates a socket in. So every socket made from that context (data topics, the
-control hub's XSUB/XPUB, the supervisor handshake) is secured without any component passing
-keys around, much like zmq's own per-context default socket options.
-
-When the key files are read: ``busctl up`` checks them at launch (:func:`check_keys`: a missing
-file is a bad config, exit 2, before anything starts), and every process loads them again as it
-opens its context (:func:`keys_from_config`). The config itself never reads them (``configs``
-imports nothing of the bus).
-
-Not covered: ipc:// is never CURVE-secured (the socket directory's file permissions guard it;
-see :func:`keys_from_config`), the allow-list is read when a process first binds (a key added
-or removed takes effect at the next restart of each binding process), and key distribution
-is manual (copy the directory to every host).
+"""CurveZMQ authentication of the tcp:// bus: the key directory, the launch-time check, the allow-list
+authenticator, and the per-context settings that make every :class:`bus.sockets.BusSocket` of a context a
+CURVE server (binds) or client (connects). The design, key layout and what is not covered are in
+docs/ARCHITECTURE.md, "Authentication (tcp://)".
 """
 
 from __future__ import annotations
@@ -52,19 +23,13 @@ from telemetry.tls import MetricsTls
 
 log = logging.getLogger(__name__)
 
-SERVER_NAME = "server"
-"""Basename of the server keypair in the key directory."""
-
-CLIENTS_DIR = "clients"
-"""Subdirectory holding the allow-list (``*.key``) and the client keypairs."""
-
-DEFAULT_CLIENT = "components"
-"""The client keypair every component uses unless ``bus.curve_client`` names another."""
+SERVER_NAME = "server"  # DIR/server.key(_secret): one keypair shared by every binder
+CLIENTS_DIR = "clients"  # DIR/clients/*.key: the allow-list; *.key_secret: the client keypairs
+DEFAULT_CLIENT = "components"  # the client keypair unless bus.curve_client names another
 
 
 class CurveSettings(Protocol):
-    """The fields of the run's ``bus`` config section (``configs.schema.BusConfig``) that
-    :func:`keys_from_config` and :func:`check_keys` read (a protocol: any object with them will do)."""
+    """The fields of ``configs.schema.BusConfig`` read here."""
 
     transport: str
     curve_keys_dir: str
@@ -73,13 +38,7 @@ class CurveSettings(Protocol):
 
 @dataclass(frozen=True)
 class CurveKeys:
-    """The key material of one process: the server keypair (for binding) and its client keypair.
-
-    Attributes:
-        keys_dir: the key directory (see the module docstring).
-        client: name of the client keypair (``clients/CLIENT.key_secret``).
-        server_public / server_secret / client_public / client_secret: z85-encoded keys.
-    """
+    """One process's keys (z85): the server keypair (for binding) and client keypair ``client``."""
 
     keys_dir: Path
     client: str
@@ -90,7 +49,7 @@ class CurveKeys:
 
     @property
     def allow_dir(self) -> Path:
-        """Directory whose ``*.key`` public keys the authenticator accepts."""
+        """The allow-list directory (``*.key`` public keys)."""
         return self.keys_dir / CLIENTS_DIR
 
     @classmethod
@@ -98,8 +57,7 @@ class CurveKeys:
         """Load the server keypair and client keypair ``client`` from ``keys_dir``.
 
         Raises:
-            ValueError: the directory or a key file is missing or unreadable, or the allow-list
-                is empty (the message names the path and how to make one).
+            ValueError: a missing or unreadable directory or key file, or an empty allow-list (names the path).
         """
         keys_dir = Path(keys_dir)
         hint = "create one with `busctl keys DIR` (and copy it to every host)"
@@ -125,17 +83,10 @@ def _load_secret(path: Path, hint: str) -> tuple[bytes, bytes]:
 
 
 def create_keys(keys_dir: str | Path, num_clients: int = 1, hosts: list[HostNames] | None = None) -> list[Path]:
-    """Create a key directory: the server keypair, ``num_clients`` client keypairs and the metrics
-    TLS files (:func:`telemetry.certs.create_tls`: one server certificate per host of ``hosts``,
-    default this machine). A directory that holds CurveZMQ keys but no ``tls/`` (made before the
-    metrics TLS existed) gets the TLS files only.
-
-    The first client keypair is :data:`DEFAULT_CLIENT`, the others ``client-1`` ...
-    ``client-{num_clients-1}`` (one per host, so that one host can be revoked alone). Directories
-    are made mode 0700 and secret files 0600.
-
-    Returns:
-        The created files, in order (server first, the TLS files last).
+    """Create a key directory (``busctl keys``): the server keypair, client keypairs :data:`DEFAULT_CLIENT`,
+    ``client-1`` ... (``num_clients`` in all) and the metrics TLS files (:func:`telemetry.certs.create_tls`,
+    one server certificate per host of ``hosts``); a directory with keys but no ``tls/`` gets the TLS files
+    only. Directories 0700, secret files 0600. Returns the created files, server first, TLS last.
 
     Raises:
         ValueError: ``num_clients < 1``, or ``keys_dir`` already holds keys and TLS files (never overwritten).
@@ -162,15 +113,11 @@ def create_keys(keys_dir: str | Path, num_clients: int = 1, hosts: list[HostName
 
 
 def check_keys(bus: CurveSettings) -> None:
-    """The launch-time check of ``bus.curve_keys_dir``: when it is set, its key files must load
-    (:meth:`CurveKeys.load`; with tcp also the metrics TLS files, :meth:`telemetry.tls.MetricsTls.load`),
-    with transport tcp or ipc (unused with ipc, but a config naming keys
-    that are not there fails before the run). ``busctl up`` (``--dry-run`` too) and ``busctl sbatch``
-    call it; the config does not, since ``configs`` imports nothing of the bus.
+    """The launch-time check (``busctl up``, ``busctl sbatch``): a set ``bus.curve_keys_dir`` must load,
+    with the metrics TLS files on tcp (checked with ipc too, where the keys go unused).
 
     Raises:
-        ValueError: ``bus.curve_keys_dir: `` and the message of :meth:`CurveKeys.load` (names the
-            missing or unreadable path and how to make keys).
+        ValueError: ``bus.curve_keys_dir: `` and :meth:`CurveKeys.load`'s or :meth:`MetricsTls.load`'s message.
     """
     if bus.curve_keys_dir:
         try:
@@ -182,12 +129,7 @@ def check_keys(bus: CurveSettings) -> None:
 
 
 def keys_from_config(bus: CurveSettings) -> CurveKeys | None:
-    """The CURVE keys a process uses (``bus``: the run's ``bus`` section), or None when the bus
-    runs without authentication.
-
-    CURVE is used only with ``bus.transport == "tcp"`` and a non-empty ``bus.curve_keys_dir``. With ipc://
-    the keys are ignored (logged): only local processes reach an ipc socket, through the socket
-    directory's file permissions, and CURVE would cost 2.5-3.7x throughput for nothing.
+    """The CURVE keys a process uses, or None: no ``bus.curve_keys_dir``, or ipc:// (keys ignored, logged).
 
     Raises:
         ValueError: see :meth:`CurveKeys.load`.
@@ -201,15 +143,8 @@ def keys_from_config(bus: CurveSettings) -> CurveKeys | None:
 
 
 class CurveAuth:
-    """CURVE settings of one ``zmq.Context``: makes its sockets CURVE servers or clients.
-
-    The ZAP authenticator is started on the context by the first socket that binds (a process
-    that only connects needs none) and stopped by :meth:`close`, which must run before
-    ``ctx.term()`` (the authenticator's sockets would keep ``term`` waiting).
-
-    Args:
-        ctx: the process's context. keys: its key material.
-    """
+    """CURVE settings of one ``zmq.Context``. The first socket that binds starts the ZAP authenticator;
+    :meth:`close` stops it and must run before ``ctx.term()`` (its sockets would keep ``term`` waiting)."""
 
     def __init__(self, ctx: zmq.Context, keys: CurveKeys) -> None:
         self.ctx = ctx
@@ -218,10 +153,7 @@ class CurveAuth:
         self._lock = threading.Lock()
 
     def secure(self, sock: zmq.Socket, *, server: bool) -> None:
-        """Make ``sock`` a CURVE server (it will bind) or client (it will connect).
-
-        Call before ``bind``/``connect``: the mechanism is fixed when a connection starts.
-        """
+        """Make ``sock`` a CURVE server (will bind) or client (will connect); call before bind/connect."""
         if server:
             self._ensure_authenticator()
             sock.curve_server = True
@@ -259,8 +191,7 @@ _BY_CONTEXT: "weakref.WeakKeyDictionary[zmq.Context, CurveAuth]" = weakref.WeakK
 
 
 def enable(ctx: zmq.Context, keys: CurveKeys | None) -> CurveAuth | None:
-    """Attach CURVE settings to ``ctx``: every :class:`bus.sockets.BusSocket` made from it uses
-    them. ``keys=None`` (no authentication) attaches nothing and returns None."""
+    """Attach CURVE settings to ``ctx`` for its :class:`bus.sockets.BusSocket` s; ``keys=None`` attaches none."""
     if keys is None:
         return None
     assert ctx not in _BY_CONTEXT, "CURVE is already enabled on this context"

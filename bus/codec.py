@@ -1,15 +1,8 @@
-"""Encode a message (:mod:`bus.messages`) to the frames of :mod:`bus.wire` and decode them back.
-
-``encode(msg) -> frames`` and ``decode(frames) -> msg`` round-trip exactly. Scalar fields travel in
-the msgpack header, fields declared with :func:`bus.wire.array_field` as raw frames (zero-copy:
-decoded arrays view the received buffers).
-
-Invariants: only registered types (:data:`bus.registry.MESSAGE_TYPES`) are encoded or decoded;
-``decode`` validates every field (type, dtype, rank, size, then the type's cross-field
-``check()``) and raises :class:`bus.wire.WireError` on anything else, so a decoded message is
-always well-formed. Every header field must be present, except those declared
-``optional_field(..., may_be_absent=True)``, which decode to their default when an older sender
-left them out.
+"""Encode a message (:mod:`bus.messages`) to :mod:`bus.wire` frames and decode it back (exact round trip;
+decoded arrays view the received buffers). Only registered types (:data:`bus.registry.MESSAGE_TYPES`) pass;
+``decode`` validates every field and the type's ``check()`` and raises :class:`bus.wire.WireError` on
+anything else, so a decoded message is well-formed. A missing header field is an error unless declared
+``optional_field(..., may_be_absent=True)`` (then its default).
 """
 
 from __future__ import annotations

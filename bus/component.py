@@ -1,23 +1,8 @@
-"""Process lifecycle shared by every rlbus component: set up, report ready, run, close.
-
-A component is a subclass of :class:`Component` (its logic lives in a separate, socket-free
-class) started by ``busctl`` as ``python -m <module> --run-dir DIR --name NAME --index I``.
-:func:`component_main` gives every component the same fixed lifecycle:
-
-1. load the resolved ``config.yaml`` of the run, log to stderr (busctl sends it to
-   ``logs/NAME.log``), die with the supervisor (``PR_SET_PDEATHSIG``), turn SIGTERM/SIGINT into a
-   stop request; a component orphaned by a SIGKILLed supervisor does what the supervisor would
-   have done: SIGKILL its own process group (vLLM's engine processes included) if the graceful
-   stop takes longer than :data:`ORPHAN_GRACE_S` (noticed by the signal handler or, should the
-   main thread be stuck in C code, by a thread watching the parent pid: :func:`watch_parent`);
-2. serve Prometheus metrics; ``setup()``; send :class:`bus.messages.ComponentReady` to the
-   supervisor (the startup handshake); start the heartbeat thread
-   (:class:`bus.messages.ComponentHeartbeat` every ``bus.heartbeat_s``, state ``running``, then
-   ``done`` once ``run()`` returned), by which the supervisor tells a hung process from a live one;
-3. ``run()`` until done or stopped; a component whose work is done (``run.done``) then keeps
-   serving its metrics until the supervisor stops it, so the final metrics can be read from
-   every component; ``close()`` in a ``finally``; exit 0, or 1 after logging the exception (the
-   broad ``except`` lives only here, at the process boundary).
+"""The process lifecycle every component shares (:func:`component_main`): load ``config.yaml``, die with the
+supervisor, serve metrics, ``setup()``, ready handshake, heartbeats, ``run()``, keep serving metrics until
+stopped, ``close()`` in a ``finally``; exit 0, or 1 after logging the exception (the only broad ``except``).
+An orphaned component SIGKILLs its own process group after :data:`ORPHAN_GRACE_S`. The steps and reasons
+are in docs/ARCHITECTURE.md, "Lifecycle and healing".
 """
 
 from __future__ import annotations
@@ -49,19 +34,12 @@ from telemetry.tls import server_context_for
 
 log = logging.getLogger(__name__)
 
-READY_SEND_TIMEOUT_S = 10.0
-"""How long a component tries to deliver its ready handshake, seconds."""
+READY_SEND_TIMEOUT_S = 10.0  # seconds to deliver the ready handshake
 
 
 class Component:
-    """Base of a component process: owns the zmq context, its sockets and the stop event.
-
-    Args:
-        cfg: the run's resolved config. name: e.g. ``"rewards-1"``. index: replica index.
-
-    Attributes:
-        launch: how this start differs from a fresh run's first start (restart count, resume,
-            late join), read once from the environment the supervisor set (:mod:`lifecycle.launch_env`).
+    """Base of a component process: owns the zmq context, its sockets and the stop event. ``launch``
+    is the :class:`lifecycle.launch_env.LaunchEnv` read once from the environment.
 
     Raises:
         ValueError: a launch variable holds a value it cannot take.
@@ -82,10 +60,8 @@ class Component:
         )
         self._sockets: list[BusSocket] = []
         self._courier: Courier | None = None
-        self.heartbeat_state = ComponentPhase.RUNNING
-        """What the next heartbeat reports: ``running``, or ``done`` once ``run()`` returned."""
-        self.phase = ComponentPhase.STARTING
-        """Shown on ``/health``: ``starting`` (in ``setup``), ``running``, ``done`` or ``failed``."""
+        self.heartbeat_state = ComponentPhase.RUNNING  # what the next heartbeat reports
+        self.phase = ComponentPhase.STARTING  # shown on /health
         self._heartbeat_stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
 
@@ -129,13 +105,11 @@ class Component:
         return self.courier.sender(topic, endpoint, bind=bind)
 
     def open_outcomes(self) -> Outbox:
-        """Open a reliable sender of outcome reports (``groups.trained`` / ``groups.dropped``) to the
-        prompt source's ledger; call once, in :meth:`setup` (not thread-safe)."""
+        """A reliable sender of outcome reports to the prompt source's ledger; call once, in :meth:`setup`."""
         return self.reliable_sender("outcomes", self.endpoints.address("outcomes"), bind=False)
 
     def control_publisher(self) -> ControlPublisher:
-        """A PUB socket connected to the control hub that re-announces its latest state after the
-        hub restarts (:class:`bus.control.ControlPublisher`)."""
+        """A :class:`bus.control.ControlPublisher` connected to the control hub."""
         sock = ControlPublisher(self.ctx, self.endpoints.address("control_pub"), stop=self.stop)
         self._sockets.append(sock)
         return sock
@@ -162,26 +136,20 @@ class Component:
         self.ctx.term()
 
     def health(self) -> tuple[bool, dict]:
-        """The ``/health`` answer (see :func:`telemetry.metrics.serve_metrics`): healthy while
-        ``running`` or ``done``; the body names the component, its phase and policy version."""
+        """``/health``: healthy while running or done; the body names component, phase, policy version."""
         body = {"component": self.name, "phase": self.phase, "policy_version": int(POLICY_VERSION._value.get())}
         return self.phase in (ComponentPhase.RUNNING, ComponentPhase.DONE), body
 
     def supervised_pid(self) -> int:
-        """The pid the supervisor spawned for this component, sent in the handshake and every
-        heartbeat (it matches them against its process table): this process, unless a launcher
-        (torchrun) stands between them."""
+        """The pid the supervisor spawned: this process, unless a launcher (torchrun) stands between."""
         return os.getpid()
 
     def handshake_pid(self) -> int:
-        """The id sent in the handshake and heartbeats: the launcher's spawn id when it set one
-        (``RLBUS_SPAWN_ID``: under ``srun`` the supervisor never sees our pid), else
-        :meth:`supervised_pid`."""
+        """The id sent in the handshake and heartbeats: the launcher's spawn id, else :meth:`supervised_pid`."""
         return self.launch.spawn_id or self.supervised_pid()
 
     def report_ready(self, metrics_port: int, metrics_host: str = "") -> None:
-        """Send the startup handshake to the supervisor (best effort when run standalone), with
-        where it serves metrics (``metrics_host`` ``""``: 127.0.0.1)."""
+        """Send the startup handshake to the supervisor (best effort when run standalone)."""
         sock = BusSocket(
             self.ctx, "supervisor", "send", self.endpoints.address("supervisor"), bind=False, stop=self.stop
         )
@@ -199,12 +167,8 @@ class Component:
             sock.close()
 
     def start_heartbeat(self) -> None:
-        """Send :class:`bus.messages.ComponentHeartbeat` to the supervisor every ``bus.heartbeat_s``
-        seconds from a daemon thread, until :meth:`stop_heartbeat` (called by :meth:`close`).
-
-        The thread owns its own PUSH socket (zmq sockets are not thread-safe); a heartbeat that
-        cannot be delivered within one period (no supervisor, e.g. run standalone) is skipped.
-        """
+        """Heartbeat every ``bus.heartbeat_s`` from a daemon thread with its own socket, until
+        :meth:`stop_heartbeat`; one not delivered within a period is skipped."""
         if self._heartbeat_thread is not None:
             return
         period_s = self.cfg.bus.heartbeat_s
@@ -240,23 +204,15 @@ class Component:
             self._heartbeat_thread = None
 
 
-ORPHAN_GRACE_S = 20.0
-"""How long a component whose supervisor died lets its graceful stop run before it SIGKILLs its own
-process group, seconds (the supervisor's own grace, ``busctl.scaling.STOP_TIMEOUT_S``)."""
-
-
-PARENT_POLL_S = 1.0
-"""How often the parent watch (:func:`watch_parent`) checks that the supervisor is alive, seconds."""
+ORPHAN_GRACE_S = 20.0  # an orphan's graceful stop before it SIGKILLs its group (busctl.scaling.STOP_TIMEOUT_S)
+PARENT_POLL_S = 1.0  # how often watch_parent checks the supervisor, seconds
 
 _orphan_lock = threading.Lock()
 _orphan_timer: list[threading.Timer] = []  # at most one: armed once per process
 
 
 def _on_stop_signal(comp: Component, parent_pid: int) -> None:
-    """SIGTERM/SIGINT: ask ``comp`` to stop; when the parent that started us is gone (the supervisor
-    was SIGKILLed: nobody is left to SIGKILL our process group after its grace period), arm a
-    timer that does it (a hung vLLM shutdown must not outlive the run). Armed once, whether the
-    signal handler or the parent watch gets here first."""
+    """SIGTERM/SIGINT: stop ``comp``; if orphaned, arm (once) a timer that SIGKILLs our process group."""
     comp.stop.set()
     if os.getppid() != parent_pid and os.getpgrp() == os.getpid():  # orphaned, and leads its own group
         with _orphan_lock:
@@ -268,16 +224,8 @@ def _on_stop_signal(comp: Component, parent_pid: int) -> None:
 
 
 def watch_parent(comp: Component, parent_pid: int) -> threading.Thread:
-    """Start a daemon thread that does what the SIGTERM of ``PR_SET_PDEATHSIG`` asks for once the
-    parent ``parent_pid`` is gone, without the main thread.
-
-    Python runs a signal handler on the main thread only, between bytecodes: a main thread
-    blocked in a C call that retries on EINTR never runs it, and then the orphaned component
-    neither stops nor arms its kill timer (seen once in CI: a packer alive 30 s after its
-    supervisor was SIGKILLed, while every other component had gone). This thread polls
-    ``os.getppid()`` every :data:`PARENT_POLL_S` and, when it changes, calls the same
-    :func:`_on_stop_signal`.
-    """
+    """A daemon thread that calls :func:`_on_stop_signal` once ``parent_pid`` is gone: Python runs signal
+    handlers on the main thread only, which a C call retrying on EINTR can block."""
 
     def watch() -> None:
         while os.getppid() == parent_pid:

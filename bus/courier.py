@@ -1,41 +1,13 @@
-"""The courier: one per process, it owns the ZeroMQ sockets of the data topics, the poller and the
-I/O thread that runs the delivery protocol (design: ``docs/DELIVERY.md``).
+"""The courier: one per process, it owns the data topics' sockets (the binder a ROUTER, a connector one
+DEALER per endpoint), the poller and the I/O thread that runs the delivery protocol (docs/DELIVERY.md). It
+feeds the socket-free state machines :class:`bus.inbox.Inbox` and :class:`bus.outbox.Outbox` the frames it
+receives and timer ticks, and transmits the :class:`bus.envelope.Send` lists they return.
 
-Components see two objects, both created here: :class:`bus.outbox.Outbox` (sending side:
-``send`` keeps a message until the consumer downstream says it is *done* with it, and blocks while
-``capacity`` messages, or ``bus.max_inflight_bytes`` bytes, are not yet taken) and
-:class:`bus.inbox.Inbox` (receiving side: ``recv`` returns each message id once, ``done`` releases
-custody; it grants each sender a window of messages and bytes). Those are state machines without
-sockets; the courier feeds them the frame sets it receives (parsed by
-:func:`bus.envelope.parse_envelope`) and timer ticks, and transmits the
-:class:`bus.envelope.Send` lists they return.
-
-Custody passes hop by hop: ``outbox.send(result, upstream=(inbox, input_id))`` calls
-``inbox.done(input_id)`` once ``result`` is done downstream, so a message is always held by a
-process that can re-send it.
-
-Invariants: only the I/O thread touches the sockets and the boxes' protocol state (other threads
-reach it through :meth:`Courier.command`); every send is non-blocking (a frame set that cannot go
-out now is handed back to its box with ``unsent``, and nothing more goes to that peer in the same
-batch, so per-peer order holds); the side that binds is a ROUTER, the side that connects one DEALER
-per endpoint; a ROUTER peer that is unreachable is lost (``unreachable``); a peer silent for
-``dead_after_s`` is lost (``silent``). Malformed frames are counted in
-``rlbus_bus_rejected_total{topic, reason}`` and dropped.
-
-Error paths:
-- opening a box is all or nothing: a bind or connect that fails closes the sockets already made
-  for it, and the error goes to the caller;
-- a call into the I/O thread (:meth:`Courier.receiver`, :meth:`Courier.sender`) that gets no
-  answer within ``call_timeout_s`` raises ``TimeoutError`` and is withdrawn: it never runs later,
-  or, if it was already running, what it opened is closed when it ends;
-- :meth:`Courier.close` that cannot stop the I/O thread within ``close_timeout_s`` leaves the
-  thread's wake-up pipe open and the thread closes it when it ends (a descriptor closed under a
-  live poller could be reused by anything the process opens next);
-- an exception in the I/O loop is logged and counted in
-  ``rlbus_bus_courier_errors_total``, and the loop goes on after
-  :data:`LOOP_ERROR_PAUSE_S`; ``max_loop_errors`` in a row fail the courier: it says goodbye to
-  its senders, closes its sockets, and every blocking call of its boxes raises
-  :class:`bus.peers.CourierFailed`, which ends the component (exit 1) so its supervisor restarts it.
+Invariants: only the I/O thread touches the sockets and the boxes' protocol state (others go through
+:meth:`Courier.command`); every send is non-blocking, and a frame set that cannot go out now goes back to its
+box with the rest for that peer, so per-peer order holds. The error paths (all-or-nothing opens, withdrawn
+calls, a close that cannot stop the thread, failing after :data:`MAX_LOOP_ERRORS`) are in
+docs/ARCHITECTURE.md, "Processes and topics".
 """
 
 from __future__ import annotations
@@ -66,34 +38,23 @@ from configs.bus_limits import DEFAULT_MAX_INFLIGHT_BYTES, InflightBytes, check_
 
 log = logging.getLogger(__name__)
 
-MAX_LOOP_ERRORS = 10
-"""Consecutive I/O-loop exceptions after which a courier fails (with :data:`LOOP_ERROR_PAUSE_S`
-between them: ~1 s of a persistent fault), so its component exits and is restarted."""
-
-LOOP_ERROR_PAUSE_S = 0.1
-"""Pause after an I/O-loop exception before the next wake, seconds (no busy loop on a fault)."""
+MAX_LOOP_ERRORS = 10  # I/O-loop exceptions in a row that fail the courier (~1 s of a persistent fault)
+LOOP_ERROR_PAUSE_S = 0.1  # pause after an I/O-loop exception, seconds (no busy loop on a fault)
 
 
 class Courier:
     """Owns a process's data-topic sockets and the I/O thread that runs the delivery protocol.
 
-    Args:
-        ctx: the process's ``zmq.Context`` (its CURVE settings secure the sockets).
-        heartbeat_s: heartbeat interval towards every peer sent nothing within half of it, seconds.
-        dead_after_s: a peer silent this long is declared dead, seconds.
-        ack_timeout_s: a message whose receipt is not acknowledged within this is re-sent, seconds.
-        stop: blocking calls of the boxes return early once it is set (the I/O thread keeps
-            running until :meth:`close`).
-        max_inflight_bytes: byte bound of every data topic's credit windows and outbox capacity
-            (``bus.max_inflight_bytes``: one value, or ``{topic: bytes}``; see
-            :mod:`configs.bus_limits`); None: windows count messages only.
-        call_timeout_s: longest wait of :meth:`receiver` / :meth:`sender` for the I/O thread, seconds.
-        close_timeout_s: longest wait of :meth:`close` for the I/O thread to end, seconds.
-        max_loop_errors: consecutive I/O-loop exceptions that fail the courier.
+    Args (seconds for times):
+        heartbeat_s: heartbeat period. dead_after_s: a peer silent this long is dead.
+        ack_timeout_s: an unacknowledged message is re-sent after it.
+        stop: the boxes' blocking calls return early once set.
+        max_inflight_bytes: byte bound of the credit windows and outbox capacity (one value or
+            ``{topic: bytes}``, :mod:`configs.bus_limits`); None: messages only.
+        call_timeout_s, close_timeout_s: longest waits for the I/O thread.
 
     Raises:
-        ValueError: non-positive intervals or limits, ``dead_after_s <= 2 * heartbeat_s``, or a bad
-            ``max_inflight_bytes``.
+        ValueError: non-positive intervals or limits, ``dead_after_s <= 2 * heartbeat_s``, a bad byte bound.
     """
 
     def __init__(
@@ -159,9 +120,7 @@ class Courier:
                 pass  # the pipe is full (the thread will wake anyway) or closed
 
     def _call(self, fn: Callable[..., Any], *args: Any, undo: Callable[[Any], None] | None = None) -> Any:
-        """Run ``fn(*args)`` on the I/O thread and return its result (or raise its exception); a
-        call not answered within ``call_timeout_s`` is withdrawn (:func:`bus.thread_call.call_and_wait`:
-        it never runs later, or ``undo`` closes what it opened).
+        """Run ``fn(*args)`` on the I/O thread and return its result (:func:`bus.thread_call.call_and_wait`).
 
         Raises:
             TimeoutError: no answer within ``call_timeout_s``.
@@ -195,14 +154,9 @@ class Courier:
         window: int | None = None,
         window_bytes: int | None = None,
     ) -> Inbox:
-        """Open the receiving side of data topic ``topic``.
-
-        Args:
-            endpoints: one endpoint to bind, or the endpoints of every sender to connect to.
-            accept: message types taken; others are rejected (``unexpected_type``).
-            window: credit per sender, messages (default: the topic's HWM).
-            window_bytes: credit per sender, bytes (default: the courier's ``max_inflight_bytes``
-                for ``topic``).
+        """Open the receiving side of data topic ``topic``: bind one endpoint or connect to every sender's;
+        ``accept``: the types taken; ``window`` / ``window_bytes``: credit per sender (default: the topic's
+        HWM, the courier's byte bound).
 
         Raises:
             ValueError: not a data topic, or a bad window. zmq.ZMQError: an endpoint cannot be
@@ -230,14 +184,8 @@ class Courier:
         capacity: int | None = None,
         capacity_bytes: int | None = None,
     ) -> Outbox:
-        """Open the sending side of data topic ``topic`` (see :meth:`receiver`).
-
-        Args:
-            capacity: most messages not yet taken by a consumer before ``send`` blocks
-                (default: the topic's HWM).
-            capacity_bytes: most bytes not yet taken before ``send`` blocks (default: the
-                courier's ``max_inflight_bytes`` for ``topic``).
-        """
+        """Open the sending side of ``topic`` (as :meth:`receiver`); ``send`` blocks at ``capacity`` messages
+        or ``capacity_bytes`` not yet taken."""
         capacity_bytes = capacity_bytes or self._inflight_bytes(topic)
         box = Outbox(
             topic,
@@ -256,18 +204,9 @@ class Courier:
         return inflight_bytes_for(self.max_inflight_bytes, topic)
 
     def close(self, timeout_s: float | None = None) -> bool:
-        """Say goodbye to senders (they re-send what this process held), close every socket.
-
-        Args:
-            timeout_s: longest wait for the I/O thread, seconds (default ``close_timeout_s``).
-
-        Returns:
-            True once the I/O thread has ended; False if it is still busy after ``timeout_s``: it
-            then ends on its own after its current work (goodbyes, sockets and its wake-up pipe
-            closed by it), so ``ctx.term()`` waits for it.
-
-        Idempotent: a second call closes nothing (its wake-up pipe's descriptors may be reused).
-        """
+        """Say goodbye to senders (they re-send what this process held) and close every socket (idempotent).
+        Returns False if the I/O thread is still busy after ``timeout_s``: it then closes its sockets and
+        wake-up pipe itself when it ends."""
         if self._thread.is_alive():
             self._closing = True
             self.command(lambda: None)
@@ -284,8 +223,7 @@ class Courier:
         return True
 
     def _close_pipe(self) -> None:
-        """Close the wake-up pipe once (hold ``_pipe_lock``): a descriptor number closed twice may
-        belong to someone else by then."""
+        """Close the wake-up pipe once (hold ``_pipe_lock``): a number closed twice may be reused."""
         fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
         for fd in fds:
             if fd >= 0:
@@ -297,8 +235,7 @@ class Courier:
     # -- I/O thread -------------------------------------------------------------------------------
 
     def _open(self, box: Inbox | Outbox, endpoints: str | list[str], bind: bool) -> list[Link]:
-        """Make the sockets of ``box`` (all or none: :func:`bus.links.open_sockets`) and start
-        serving it. Returns the new links."""
+        """Make the sockets of ``box`` (all or none) and serve it; returns the new links."""
         made = open_sockets(self.ctx, box, endpoints, bind)
         box.heartbeat_skip_s = self.heartbeat_s / 2  # see bus.peers: heard from within 1.5 periods
         links = []
@@ -322,9 +259,8 @@ class Courier:
                 self.boxes.remove(link.box)
 
     def transmit(self, box: Inbox | Outbox, sends: list[Send]) -> None:
-        """Send what ``box`` returned, without blocking. A frame set that cannot go out now goes back
-        to the box (``unsent``), and so does everything after it for the same peer (order holds);
-        a ROUTER peer that is gone is lost (``unreachable``)."""
+        """Send what ``box`` returned, without blocking; what cannot go now goes back ``unsent`` with the rest
+        for that peer (order holds); a ROUTER peer that is gone is lost (``unreachable``)."""
         blocked: set[PeerKey] = set()
         now = time.monotonic() if sends else 0.0
         for send in sends:
@@ -377,8 +313,7 @@ class Courier:
             link.box.on_frames((link.number, routing), kind, session, payload, parts[1:], now)
 
     def _run_thread(self) -> None:
-        """The I/O thread: the loop, then goodbyes and closed sockets; the wake-up pipe is closed
-        here when :meth:`close` gave up waiting."""
+        """The I/O thread; closes the wake-up pipe when :meth:`close` gave up waiting."""
         try:
             self._loop()
         finally:
@@ -409,8 +344,7 @@ class Courier:
         self._shutdown()
 
     def _fail(self, exc: BaseException, errors: int) -> None:
-        """Give up after ``errors`` consecutive loop errors: every box's blocking calls raise
-        :class:`bus.peers.CourierFailed` from now on (the component exits and is restarted)."""
+        """Give up: every box's blocking calls raise :class:`bus.peers.CourierFailed` from now on."""
         log.error(
             "courier I/O loop failed %d times in a row; closing the data topics of this process so that it "
             "exits and is restarted",
@@ -434,9 +368,7 @@ class Courier:
             link.sock.close(linger=500)
 
     def _iterate(self) -> None:
-        """One wake of the I/O thread. Its cost per wake grows with the sockets that have input
-        and the peers that have acks due, not with every link or peer (links are only added, so
-        the new ones are the tail of ``_links``)."""
+        """One wake; its cost grows with the sockets that have input and the peers with acks due."""
         for link in self._links[self._next_register :]:
             if not link.closed:
                 self._poller.register(link.sock, zmq.POLLIN)

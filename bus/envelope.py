@@ -1,25 +1,10 @@
-"""The delivery envelope of the data topics (protocol: ``docs/DELIVERY.md``) and what a box hands
-its courier to transmit.
+"""The delivery envelope of the data topics (docs/DELIVERY.md) and :class:`Send`, what a box hands its courier.
 
-Every frame set of the delivery protocol starts with a msgpack list
-``[PROTOCOL, kind, session, payload]``:
-
-| kind | from -> to | payload | frames after |
-|---|---|---|---|
-| ``D`` | sender -> receiver | message id (str) | the message (:mod:`bus.messages` frames) |
-| ``A`` | receiver -> sender | ``[free, taken_ids, done_ids]`` or ``[free, taken_ids, done_ids, free_bytes, empty]`` (also its heartbeat) | |
-| ``H`` | sender -> receiver | None (heartbeat) | |
-| ``B`` | receiver -> sender | None (leaving: re-send what I hold) | |
-
-``session`` is a random id per :class:`bus.courier.Courier`: a peer whose session changes has
-restarted. ``free`` is the receiver's credit in messages; the two optional fields are its byte
-credit (``bus.max_inflight_bytes`` less the bytes of the sender's messages waiting in its inbox)
-and whether none of them waits there (then one message of any size may come: a message larger
-than the byte window passes alone); a receiver without a byte bound sends the short form.
-Invariants: :func:`parse_envelope` only returns envelopes that satisfy this table (ids are
-non-empty strings of at most :data:`MAX_ID_CHARS`, at most :data:`MAX_IDS_PER_ACK` per list,
-credit in ``0..1_000_000`` messages and ``0..MAX_CREDIT_BYTES`` bytes, ``empty`` a bool); anything
-else raises :class:`bus.wire.WireError`. Pure: no sockets.
+Every frame set starts with msgpack ``[PROTOCOL, kind, session, payload]``: ``D`` data (the message id, then
+the message frames), ``A`` a receiver's ack and heartbeat (``[free, taken_ids, done_ids]``, plus ``free_bytes,
+empty`` under a byte bound), ``H`` a sender's heartbeat, ``B`` a receiver's goodbye. ``session`` is random per
+courier: a new one means the peer restarted. :func:`parse_envelope` returns only that shape within the
+bounds below, else raises :class:`bus.wire.WireError`. Pure: no sockets.
 """
 
 from __future__ import annotations
@@ -32,14 +17,12 @@ import msgpack
 from bus.wire import WireError
 from configs.bus_limits import MAX_INFLIGHT_BYTES_LIMIT
 
-PROTOCOL = 1
-"""Version of the delivery protocol (first element of every envelope)."""
+PROTOCOL = 1  # version of the delivery protocol
 
 MAX_ENVELOPE_BYTES = 1 << 20
 MAX_IDS_PER_ACK = 4096
 MAX_ID_CHARS = 256
-MAX_CREDIT_BYTES = MAX_INFLIGHT_BYTES_LIMIT
-"""Largest byte credit an ack may carry: the largest ``bus.max_inflight_bytes`` a config accepts."""
+MAX_CREDIT_BYTES = MAX_INFLIGHT_BYTES_LIMIT  # the largest bus.max_inflight_bytes a config accepts
 
 _UNPACK_LIMITS = dict(
     raw=False,
@@ -50,23 +33,14 @@ _UNPACK_LIMITS = dict(
     max_ext_len=0,
 )
 
-PeerKey = tuple[int, bytes]
-"""(link number, ZeroMQ routing id); the routing id is ``b""`` on a DEALER link (one peer)."""
+PeerKey = tuple[int, bytes]  # (link number, ZeroMQ routing id; b"" on a DEALER link)
 
 
 @dataclass
 class Send:
-    """One frame set a box asks its courier to transmit to peer ``key``.
-
-    The box has already updated its state as if it went out; when it cannot go out now the courier
-    hands it back with ``unsent`` so the box can undo that.
-
-    Attributes:
-        key: the peer. frames: the envelope, then (``D`` only) the message frames.
-        msg_id: ``D`` only: the message carried. nbytes: ``D`` only: bytes of the message frames.
-        first: ``D`` only: the first time this message goes to this peer.
-        done: ``A`` only: the ids it releases (kept for the next ack if it cannot go out).
-    """
+    """One frame set for peer ``key``; the box already counts it sent and undoes that on ``unsent``.
+    ``D`` only: ``msg_id``, ``nbytes`` (message frames), ``first`` (first time to this peer); ``A`` only:
+    ``done``, the ids it releases (kept for the next ack if it cannot go out)."""
 
     key: PeerKey
     frames: list[Any]
@@ -77,7 +51,7 @@ class Send:
 
 
 def envelope(kind: str, session: str, payload: Any) -> bytes:
-    """The envelope ``[PROTOCOL, kind, session, payload]`` in msgpack (kinds: the table above)."""
+    """The envelope ``[PROTOCOL, kind, session, payload]`` in msgpack."""
     return msgpack.packb([PROTOCOL, kind, session, payload])
 
 
@@ -87,11 +61,10 @@ def _count_ok(value: Any, most: int) -> bool:
 
 
 def parse_envelope(raw: bytes) -> tuple[str, str, Any]:
-    """Returns ``(kind, session, payload)`` of an envelope.
+    """``(kind, session, payload)`` of an envelope.
 
     Raises:
-        WireError: ``too_large`` (over :data:`MAX_ENVELOPE_BYTES`) or ``envelope`` (undecodable,
-            or not what the table above says).
+        WireError: ``too_large`` (over :data:`MAX_ENVELOPE_BYTES`) or ``envelope`` (any other fault).
     """
     if len(raw) > MAX_ENVELOPE_BYTES:
         raise WireError("too_large", "delivery envelope too large")

@@ -1,34 +1,11 @@
-"""The control hub: an XSUB/XPUB forwarder with a last-value cache.
+"""The control hub: an XSUB/XPUB forwarder of control messages with a last-value cache, re-sent to every new
+subscription so a late or restarted component learns the current weights, step and each producer's applied
+version (receivers are idempotent). Malformed messages and non-control types are counted and dropped.
 
-Publishers connect PUB sockets to the hub's XSUB endpoint; subscribers connect SUB sockets to its
-XPUB endpoint. Every valid control message is forwarded to all subscribers. The hub remembers
-the latest message of each type in :data:`LAST_VALUE_TYPES` (``weights.applied``: the latest of
-each producer) and re-sends them whenever a new subscription arrives, so a component that joins
-late, or restarts, learns the current policy version, weights announcement and the version every
-producer applied (the "slow joiner" fix of the ZeroMQ guide; a prompt source restarted after a
-producer applied new weights would otherwise gate issuing on the old version forever). Receivers
-therefore must treat control messages idempotently (ignore versions they already have).
-
-Malformed control messages, and well-formed messages of a type that is not a control type
-(:data:`bus.registry.CONTROL_TYPES`), are counted and dropped here, never forwarded.
-
-Cost per message: O(1). A message updates one cache slot (a dict keyed by :func:`cache_key`; the
-``weights.applied`` slots also sit in an LRU order for the producer cap) and marks the cache dirty;
-the file is rewritten at most once per :data:`PERSIST_INTERVAL_S` (and when the hub stops), not
-once per message, so N producers announcing ``weights.applied`` each step cost N slot updates and a
-few writes, not N scans and N writes of an N-slot file.
-
-Restarts. The hub is restartable (the supervisor restarts it on the same endpoints; every PUB and
-SUB reconnects by itself). Its cache survives the restart: changes are written to
-``RUN_DIR/hub_last_values.bin`` (:data:`CACHE_NAME`; tmp + rename, so a SIGKILL leaves the old or
-the new file, never a torn one; no fsync: a power loss is not covered, as in ``docs/DELIVERY.md``)
-within :data:`PERSIST_INTERVAL_S` of the change, and a restarted hub (``RLBUS_RESTARTS >= 1``)
-loads it, so subscribers reconnecting to it are caught up again. A change made less than
-:data:`PERSIST_INTERVAL_S` before a SIGKILL may be missing from the file: its publisher's
-re-announcement (below) restores it, as it does for messages sent while the hub is down. A first start (fresh or ``--resume``d run) deletes the file: a resumed run must not
-re-announce the old run's ``run.done``. Messages published while the hub is down are lost by
-ZeroMQ; their publishers re-announce their latest state once reconnected
-(:class:`bus.control.ControlPublisher`).
+The cache costs O(1) per message and is written (tmp + rename, no fsync) to :data:`CACHE_NAME` at most every
+:data:`PERSIST_INTERVAL_S`; a restarted hub reloads it, a first start (fresh or ``--resume``) deletes it, so a
+resumed run never re-announces the old ``run.done``. What a SIGKILL or a down hub loses, the publishers'
+re-announcements restore (:mod:`bus.control`; docs/ARCHITECTURE.md, "Lifecycle and healing").
 """
 
 from __future__ import annotations
@@ -52,43 +29,22 @@ from bus.sockets import POLL_SLICE_S, BusSocket
 
 log = logging.getLogger(__name__)
 
-LAST_VALUE_TYPES = ("weights.ready", "trainer.step", "run.done", "weights.applied")
-"""Control message types whose latest value is re-announced to every new subscriber
-(``weights.applied``: per producer, see :func:`cache_key`)."""
-
-CACHE_NAME = "hub_last_values.bin"
-"""File in the run dir holding the hub's last-value cache (msgpack list of encoded messages)."""
-
-MAX_CACHED_PRODUCERS = 4096
-"""Default most producers whose ``weights.applied`` the cache keeps (the least recently announced
-one is dropped first, logged with the count of drops), so a peer inventing producer names cannot
-grow the cache without bound. 4096 covers a 1024-GPU run with one producer per GPU four times."""
-
-PERSIST_INTERVAL_S = 0.2
-"""Longest time a change of the cache waits before the cache file is rewritten, seconds (the file
-is rewritten at most this often, whatever the message rate)."""
-
-REANNOUNCE_INTERVAL_S = 0.05
-"""Shortest time between two re-announcements of the cache to new subscribers, seconds."""
+LAST_VALUE_TYPES = ("weights.ready", "trainer.step", "run.done", "weights.applied")  # re-sent to new subscribers
+CACHE_NAME = "hub_last_values.bin"  # in the run dir: a msgpack list of encoded messages
+MAX_CACHED_PRODUCERS = 4096  # LRU cap of weights.applied slots (a 1024-GPU run's producers four times)
+PERSIST_INTERVAL_S = 0.2  # the cache file is rewritten at most this often, seconds
+REANNOUNCE_INTERVAL_S = 0.05  # the cache is re-sent to new subscribers at most this often, seconds
 
 
 def cache_key(msg: Message) -> str:
-    """The last-value cache slot of ``msg``: its type, and for ``weights.applied`` also its
-    producer (``"weights.applied/producer-1"``): each producer's latest applied version is kept."""
+    """The cache slot of ``msg``: its type, for ``weights.applied`` with its producer (``weights.applied/p-1``)."""
     producer = getattr(msg, "producer", None) if msg.TYPE == "weights.applied" else None
     return msg.TYPE if producer is None else f"{msg.TYPE}/{producer}"
 
 
 class ControlHub:
-    """Forward control messages from ``pub_endpoint`` (XSUB, bound) to ``sub_endpoint`` (XPUB, bound).
-
-    Args:
-        ctx: zmq context. pub_endpoint / sub_endpoint: endpoints to bind.
-        stop: event that ends :meth:`run` (the cache is persisted once more on the way out).
-        cache_path: where the last-value cache is persisted, within :data:`PERSIST_INTERVAL_S` of
-            a change (None: memory only). An existing file there is loaded by :meth:`load_cache`,
-            not here.
-        max_producers: most ``weights.applied`` slots kept (see :data:`MAX_CACHED_PRODUCERS`).
+    """Forward control messages from ``pub_endpoint`` (XSUB) to ``sub_endpoint`` (XPUB), both bound, until
+    ``stop``; the cache persists to ``cache_path`` (None: memory only), read back by :meth:`load_cache`.
 
     Raises:
         ValueError: ``max_producers < 1``.
@@ -119,8 +75,7 @@ class ControlHub:
         self._persisted_at = -math.inf
 
     def load_cache(self) -> int:
-        """Load the last values persisted by a previous hub of this run into the cache (a missing
-        or unreadable file leaves it empty, with a warning for the latter). Returns how many."""
+        """Load a previous hub's persisted values (unreadable: empty, with a warning); returns how many."""
         if self.cache_path is None or not self.cache_path.is_file():
             return 0
         try:
@@ -136,8 +91,7 @@ class ControlHub:
         return len(self.last)
 
     def _remember(self, msg: Message) -> None:
-        """Put ``msg`` in its cache slot (most recent last), keeping at most ``max_producers``
-        ``weights.applied`` slots. O(1): one slot moved, at most one dropped."""
+        """Put ``msg`` in its slot (most recent last), evicting the oldest applied slot past the cap; O(1)."""
         key = cache_key(msg)
         self.last.pop(key, None)
         self.last[key] = msg
@@ -160,7 +114,7 @@ class ControlHub:
                 )
 
     def _persist(self) -> None:
-        """Write the cache to ``cache_path`` atomically (tmp + rename) and mark it clean."""
+        """Write the cache atomically (tmp + rename) and mark it clean."""
         self._dirty, self._persisted_at = False, time.monotonic()
         if self.cache_path is None:
             return
@@ -174,13 +128,8 @@ class ControlHub:
         return max(0.0, self._persisted_at + PERSIST_INTERVAL_S - now) if self._dirty else math.inf
 
     def run(self) -> None:
-        """Forward until ``stop`` is set.
-
-        New subscriptions are coalesced: the cache is re-sent at most once per
-        :data:`REANNOUNCE_INTERVAL_S`, so a peer flooding subscription messages cannot make the
-        hub flood every subscriber. A dirty cache is persisted at most once per
-        :data:`PERSIST_INTERVAL_S`, and once more when ``stop`` ends the loop.
-        """
+        """Forward until ``stop``; new subscriptions are coalesced (a subscription flood cannot become a
+        flood to every subscriber); a dirty cache is persisted on the way out."""
         try:
             self._forward()
         finally:
@@ -221,8 +170,7 @@ class ControlHub:
 
 
 class Hub(Component):
-    """The control hub as a component process (binds both control endpoints; the cache persisted
-    in the run dir, loaded again after a restart: see the module docstring)."""
+    """The control hub as a component process (a restart reloads the cache, a first start deletes it)."""
 
     def setup(self) -> None:
         self.endpoints.ensure_dirs()

@@ -1,22 +1,11 @@
-"""Receiving side of a data topic: credit windows, receipt and done acks, duplicates (protocol:
-``docs/DELIVERY.md``, envelope: :mod:`bus.envelope`, peers: :mod:`bus.peers`).
+"""Receiving side of a data topic (docs/DELIVERY.md): credit windows, receipt and done acks, duplicates.
+:class:`Inbox` is a state machine fed frames and clock ticks by its courier (or a test).
 
-:class:`Inbox` is a state machine: its courier (or a test) feeds it the frame sets received
-(:meth:`Inbox.on_frames`) and timer ticks (:meth:`Inbox.flush` with ``now``), and transmits the
-:class:`bus.envelope.Send` list that ``flush`` returns. The component side (:meth:`Inbox.recv`,
-:meth:`Inbox.done`) may be called from any thread; it reaches the state through ``post``.
-
-Invariants:
-- each message id comes out of :meth:`Inbox.recv` once; a re-send of an id that is held (taken
-  and not done) or remembered as done (the last :data:`DONE_MEMORY`) is acknowledged again and
-  counted in ``rlbus_bus_duplicates_total``, never delivered twice;
-- each sender is granted ``window`` messages: ``free = window - queued`` where ``queued`` counts
-  its messages received but not yet taken by the component; with ``window_bytes`` also that many
-  bytes: ``free_bytes = window_bytes - queued_bytes`` (message frames), and ``empty`` tells it
-  that nothing of its waits here, so one message larger than the byte window may still come.
-  What waits in the inbox is then at most ``senders x max(window_bytes, largest message)`` bytes
-  (re-sends after an ack timeout aside: the sender then no longer counts the message as sent);
-- a done id is acknowledged to every peer that sent it (the holders), so any of them may forget it.
+Invariants: each message id comes out of :meth:`Inbox.recv` once (a re-send of a held or recently done id
+is acked again and counted as a duplicate); each sender may have ``window`` messages and ``window_bytes``
+bytes waiting here (``free = window - queued``; ``empty`` lets one message larger than the byte window
+through), so the inbox holds at most ``senders x max(window_bytes, largest message)`` bytes; a done id is
+acknowledged to every peer that sent it.
 """
 
 from __future__ import annotations
@@ -34,25 +23,16 @@ from bus.peers import Box, Peer
 from bus.sockets import frame_bytes
 from bus.wire import WireError
 
-DONE_MEMORY = 200_000
-"""Ids an inbox remembers as done (older ones are forgotten: a re-send that old is re-delivered)."""
+DONE_MEMORY = 200_000  # ids remembered as done (a re-send older than that is re-delivered)
 
 
 class Inbox(Box):
-    """Receiving side of a data topic. A process creates it with :meth:`bus.courier.Courier.receiver`.
-
-    Args:
-        topic, session, post, stop: see :class:`bus.peers.Box`.
-        accept: message types taken; others are rejected (``unexpected_type``).
-        window: credit per sender, messages.
-        window_bytes: credit per sender, bytes of message frames (None: no byte bound; the acks
-            then carry no byte credit).
+    """Receiving side of a data topic (made by :meth:`bus.courier.Courier.receiver`): ``accept`` the types
+    taken, ``window`` / ``window_bytes`` the credit per sender (bytes None: no byte bound). :meth:`recv` and
+    :meth:`done` may be called from any thread, the rest runs on the box's thread.
 
     Raises:
         ValueError: ``window < 1`` or ``window_bytes < 1``, or not a data topic.
-
-    Thread-safety: :meth:`recv` and :meth:`done` may be called from any thread; every other method
-    runs on the box's thread.
     """
 
     role = "inbox"
@@ -77,9 +57,7 @@ class Inbox(Box):
     # -- component side ---------------------------------------------------------------------------
 
     def recv(self, timeout_s: float | None = None) -> Message | None:
-        """The next new message; None on timeout (``0``: do not wait) or once ``stop`` is set.
-
-        Duplicates (an id already received and not forgotten) never come out of here.
+        """The next new message (never a duplicate); None on timeout (``0``: no wait) or once ``stop`` is set.
 
         Raises:
             bus.peers.CourierFailed: the courier's I/O thread failed (the process should exit).
@@ -100,7 +78,7 @@ class Inbox(Box):
             return msg
 
     def done(self, *ids: str) -> None:
-        """Release custody of ``ids``: their senders may forget them. Unknown ids are ignored.
+        """Release custody of ``ids`` (unknown ids ignored): their senders may forget them.
 
         Raises:
             bus.peers.CourierFailed: the courier's I/O thread failed (nothing can be released).
@@ -140,8 +118,8 @@ class Inbox(Box):
             self.done_ids.popitem(last=False)
 
     def on_frames(self, key: PeerKey, kind: str, session: str, payload: Any, rest: list[Any], now: float) -> None:
-        """Take one parsed frame set from peer ``key`` at ``now`` (seconds): ``rest`` are the frames
-        after the envelope (bytes or ``zmq.Frame``). Rejects are counted, never raised."""
+        """Take one parsed frame set from peer ``key``; ``rest``: the frames after the envelope. Rejects are
+        counted, never raised."""
         if kind == "A" or kind == "B":
             self.reject("wrong_direction", f"{kind} envelope sent to a receiver")
             return
@@ -185,8 +163,7 @@ class Inbox(Box):
         self._queue.put((key, peer, msg, nbytes))
 
     def _credit(self, peer: Peer | None) -> list[Any]:
-        """The credit part of an ``A`` payload for ``peer`` (None: a sender not heard from yet):
-        ``[free]``, or ``[free, free_bytes, empty]`` with a byte window (see the module docstring)."""
+        """``[free]``, or ``[free, free_bytes, empty]`` with a byte window, for ``peer`` (None: not heard yet)."""
         queued, queued_bytes = (peer.queued, peer.queued_bytes) if peer is not None else (0, 0)
         free = max(self.window - queued, 0)
         if self.window_bytes is None:
@@ -194,10 +171,8 @@ class Inbox(Box):
         return [free, max(self.window_bytes - queued_bytes, 0), queued == 0]
 
     def flush(self, now: float, heartbeat_due: bool) -> list[Send]:
-        """The pending acknowledgements and credit (and heartbeats when due, to the peers sent
-        nothing within ``heartbeat_skip_s``: an ack carries the credit too), as ``A`` envelopes of
-        at most :data:`MAX_IDS_PER_ACK` ids per list; a hello with the full window to every DEALER
-        endpoint whose sender has not spoken yet (credit starts there)."""
+        """Pending acks and credit as ``A`` envelopes (heartbeats when due), and a hello with the full window
+        to every DEALER endpoint whose sender has not spoken yet."""
         sends: list[Send] = []
         due, self._due = self._due, {}
         # only peers with something to say, unless heartbeats are due: O(busy peers) per wake, not O(peers)
@@ -218,8 +193,7 @@ class Inbox(Box):
         return sends
 
     def unsent(self, send: Send) -> None:
-        """Keep the releases (and the credit update) of an ack that could not go out for the next
-        flush; a lost receipt ack only makes the sender re-send, which is acked again."""
+        """Keep an unsent ack's releases and credit for the next flush (a lost receipt ack costs a re-send)."""
         peer = self.peers.get(send.key)
         if peer is not None:
             peer.acks_done[:0] = send.done

@@ -1,13 +1,7 @@
-"""Every message type that travels on the rlbus bus, in one module.
-
-Each type is a frozen dataclass with a ``TYPE`` string; scalar fields travel in the msgpack
-header, fields declared with :func:`bus.wire.array_field` travel as raw frames (see
-:mod:`bus.wire`). :mod:`bus.codec` encodes and decodes them: ``decode`` validates every field and
-then calls the type's ``check()`` (cross-field consistency, raising
-``bus.wire.WireError("inconsistent")``). :data:`bus.registry.MESSAGE_TYPES` registers every type (others raise).
-
-Data topics carry one *group* per message on ``rollouts`` and ``scored`` so that any reward
-worker can compute a group's advantages alone.
+"""Every message type of the bus: frozen dataclasses with a ``TYPE``; scalar fields travel in the msgpack
+header, :func:`bus.wire.array_field` fields as raw frames. ``rollouts`` and ``scored`` carry one group per
+message, so any reward worker computes a group's advantages alone. Each class gives sender, receiver and
+every field's shape and dtype; ``check()`` is its cross-field validation (``WireError("inconsistent")``).
 """
 
 from __future__ import annotations
@@ -31,17 +25,13 @@ def new_id() -> str:
 
 @dataclass(frozen=True, eq=False)
 class Message:
-    """Base of all message types.
-
-    Fields:
-        id: unique id of this message (a group id on data topics; consumers dedupe by it).
-    """
+    """Base of all message types; ``id`` is unique (a group id on data topics; consumers dedupe by it)."""
 
     TYPE: ClassVar[str] = ""
     id: str
 
     def check(self) -> None:
-        """Cross-field consistency checks of a decoded message; raises ``WireError('inconsistent')``."""
+        """Cross-field checks of a decoded message; raises ``WireError('inconsistent')``."""
 
     @classmethod
     def array_specs(cls) -> dict[str, ArraySpec]:
@@ -55,21 +45,15 @@ class Message:
 
 @dataclass(frozen=True, eq=False)
 class Prompt(Message):
-    """One prompt, from the prompt source to a rollout producer (topic ``prompts``).
+    """One prompt, prompt source -> producer (topic ``prompts``).
 
     Fields:
-        index: position of the prompt in the issue order (0, 1, 2, ...).
-        step: the optimizer step this prompt was issued for (gating: issued only while
-            ``trainer_version >= step - max_async_level``).
-        task: task name, selects the reward function downstream.
-        messages: chat messages ``[{"role": str, "content": str}, ...]`` to render with the
-            policy's chat template.
-        info: task data for the verifier (e.g. ``{"target": "cba"}``); JSON-like values only.
-        temperature: sampling temperature for this prompt (``sampling.temperature`` or the
-            ``sampling.temp_scheduler`` value at ``step``; the eval temperature for eval prompts).
-        eval_round: ``-1`` for a training prompt; else the policy version whose online evaluation
-            this prompt belongs to (see :mod:`producers.evaluation`). Eval prompts never train.
-        eval_size: groups in the whole eval round (every eval task), ``0`` for a training prompt.
+        index: position in the issue order. step: the optimizer step it was issued for.
+        task: task name. info: task data for the verifier (JSON-like).
+        messages: chat messages ``[{"role": str, "content": str}, ...]``.
+        temperature: sampling temperature (> 0).
+        eval_round: ``-1`` for a training prompt, else the policy version its eval round evaluates.
+        eval_size: groups in the whole eval round, ``0`` for a training prompt.
     """
 
     TYPE: ClassVar[str] = "prompt"
@@ -97,41 +81,24 @@ class Prompt(Message):
 
 @dataclass(frozen=True, eq=False)
 class RolloutGroup(Message):
-    """The G completions of one prompt, from a producer to a reward worker (topic ``rollouts``).
-
-    ``id`` is the prompt id. Sample ``j`` owns ``completion_ids[offsets[j]:offsets[j+1]]`` where
-    ``offsets = [0, *cumsum(completion_lens)]``.
+    """The G completions of one prompt (``id``: the prompt id), producer -> reward worker (``rollouts``).
+    Sample ``j`` owns ``completion_ids[offsets[j]:offsets[j+1]]``, ``offsets = [0, *cumsum(completion_lens)]``.
 
     Fields:
-        prompt_index, step, task, info: copied from the :class:`Prompt`.
-        producer: name of the producer that sampled the group.
-        completion_texts: ``[G]`` decoded completions.
-        finish_reasons: ``[G]`` vLLM finish reasons (``"stop"``, ``"length"``, ...).
-        prompt_ids: ``[P] int32`` prompt token ids (chat template applied).
-        completion_ids: ``[N] int32`` all completions' token ids, concatenated (N = sum of lens).
-        completion_lens: ``[G] int32`` tokens per completion.
-        sampler_logprobs: ``[N] float32`` log-probability of each sampled token under the sampling policy
-            (nats, after temperature scaling if the sampler used one).
-        version_start: ``[G] int64`` oldest policy version that sampled a token of the sample.
-        version_end: ``[G] int64`` newest one (both the min / max of the sample's spans).
-        version_spans: ``[M, 2] int64`` ``(version, num_tokens)`` runs of each sample's tokens, in
-            order; version_span_counts: ``[G] int32`` runs per sample; both empty when the sender
-            knows no spans (checks and helpers: :mod:`bus.sample_arrays`).
-        gen_time_s: wall time the producer spent generating the group, seconds.
-        temperature, eval_round, eval_size: copied from the :class:`Prompt`.
-        teacher_logprobs: ``[N] float32`` logprob of each completion token under the teacher model
-            (nats, temperature 1), or ``[0]`` without a teacher.
-        prompt_text: the rendered prompt (chat template applied) the producer sampled from, for
-            the run's ``samples.jsonl``; ``""`` from senders that do not fill it.
-        loss_mask: ``[N] bool`` multi-turn episodes: True on model-sampled tokens, False on the
-            environment's (template-rendered; logprob 0); ``[0]``: every token is the model's.
-        env_rewards: ``[G] float32`` each episode's environment reward (the term ``env``), or ``[0]``.
-        prompt_messages: the prompt's chat messages ``[{"role": str, "content": str}, ...]`` as the
-            :class:`Prompt` carried them (before the chat template; a multi-turn episode's or an
-            agent's *initial* messages, without the environment's turns), once per group, for TRL
-            conversational reward functions (:mod:`tasks.trl_rewards`); ``[]`` when the sender
-            has none. Exactly those two string keys per message, else the group is rejected
-            (``field``); absent from an older sender's header, it decodes as ``[]``.
+        prompt_index, step, task, info, temperature, eval_round, eval_size: the :class:`Prompt`'s.
+        producer: its name. gen_time_s: generation wall time, seconds.
+        completion_texts, finish_reasons: ``[G]`` decoded completions, vLLM finish reasons.
+        prompt_ids: ``[P] int32`` (chat template applied). prompt_text: that prompt rendered, or ``""``.
+        completion_ids: ``[N] int32`` every completion's tokens, concatenated. completion_lens: ``[G] int32``.
+        sampler_logprobs: ``[N] float32`` each sampled token's logprob under the sampler (nats).
+        version_start, version_end: ``[G] int64`` oldest / newest policy version of a sample's tokens.
+        version_spans: ``[M, 2] int64`` ``(version, num_tokens)`` runs; version_span_counts: ``[G] int32``
+            runs per sample; both empty when unknown (:mod:`bus.sample_arrays`).
+        teacher_logprobs: ``[N] float32`` under the teacher (nats, temperature 1), or ``[0]``.
+        loss_mask: ``[N] bool`` False on environment tokens of a multi-turn episode, or ``[0]``.
+        env_rewards: ``[G] float32`` each episode's environment reward (term ``env``), or ``[0]``.
+        prompt_messages: the prompt's initial chat messages (string ``role`` and ``content`` only, else
+            rejected as ``field``) for TRL conversational rewards; ``[]`` when absent.
     """
 
     TYPE: ClassVar[str] = "rollout"
@@ -182,19 +149,13 @@ class RolloutGroup(Message):
 
 @dataclass(frozen=True, eq=False)
 class ScoredGroup(RolloutGroup):
-    """A :class:`RolloutGroup` with rewards and advantages, from a reward worker to the packer
-    (topic ``scored``).
+    """A :class:`RolloutGroup` scored, reward worker -> packer (topic ``scored``).
 
     Fields:
-        reward_worker: name of the worker that scored the group.
-        rewards: ``[G] float32`` reward of each completion (the weighted sum of the task's reward
-            functions).
-        advantages: ``[G] float32`` group-relative advantage of each completion.
-        reward_terms: ``{reward function name: [G] floats}`` each function's own (unweighted) score.
-        flags: ``[G]`` comma-separated names of the filters that flagged each sample (``""`` when
-            none), or ``[]`` when no filter ran.
-        masked: ``[G] bool`` True for a sample the loss must not use (flagged by an enforced
-            filter), or ``[0]`` for none.
+        reward_worker: its name. rewards: ``[G] float32`` (weighted sum of the reward functions).
+        advantages: ``[G] float32`` group-relative. reward_terms: ``{function: [G] floats}`` unweighted.
+        flags: ``[G]`` comma-separated filters that flagged each sample, or ``[]`` when none ran.
+        masked: ``[G] bool`` samples the loss must not use (an enforced filter), or ``[0]``.
     """
 
     TYPE: ClassVar[str] = "scored"
@@ -219,33 +180,18 @@ class ScoredGroup(RolloutGroup):
 
 @dataclass(frozen=True, eq=False)
 class MicroBatch(Message):
-    """One packed, padding-free micro-batch, from the packer to the trainer (topic ``batches``).
-
-    The ``S`` samples are concatenated into one row of ``T`` tokens; sample ``k`` is
-    ``prompt + completion`` and its positions restart at 0. ``id`` is ``"{step}:{micro_index}"``.
+    """One packed, padding-free micro-batch, packer -> trainer (topic ``batches``); ``id``
+    ``"{step}:{micro_index}"``. ``S`` samples (prompt + completion, positions from 0) in one row of ``T`` tokens.
 
     Fields:
-        step: optimizer step this micro-batch belongs to (0-based).
-        micro_index: index of this micro-batch within the step.
-        num_micro_batches: micro-batches in the step; the trainer steps after the last one.
-        step_loss_tokens: loss tokens in the whole step (normalizer of the token-mean loss).
-        step_samples: samples of the whole step with at least one loss token (normalizer of the
-            sequence-mean aggregations, see :mod:`trainer.losses`).
-        sample_ids: ``[S]`` ``"{group_id}/{j}"`` ids of the packed samples.
-        input_ids: ``[T] int32`` packed token ids.
-        seq_lens: ``[S] int32`` tokens per sample (sum = T).
-        loss_mask: ``[T] bool`` True on completion tokens that the loss uses.
-        sampler_logprobs: ``[T] float32`` sampler logprob of each completion token (0 elsewhere).
-        advantages: ``[T] float32`` the sample's advantage on each of its tokens.
-        rewards: ``[S] float32`` reward of each sample.
-        oldest_versions: ``[S] int64`` oldest policy version each sample was generated under.
-        token_versions: ``[T] int64`` policy version that sampled each completion token (prompt
-            tokens: the sample's oldest version); checks in :mod:`bus.sample_arrays`.
-        teacher_logprobs: ``[T] float32`` logprob of each completion token under a teacher model
-            (on-policy distillation), or ``[0]`` when the samples carry none.
-        temperature: the sampling temperature of every sample here (the packer never mixes two);
-            the trainer divides the logits by it.
-        reward_terms: ``{reward function name: [S] floats}`` each sample's per-function score.
+        step: 0-based optimizer step. micro_index, num_micro_batches: place in the step.
+        step_loss_tokens: loss tokens of the step. step_samples: samples of the step with a loss token.
+        sample_ids: ``[S]`` ``"{group_id}/{j}"``. seq_lens: ``[S] int32`` (sum T). input_ids: ``[T] int32``.
+        loss_mask: ``[T] bool``. sampler_logprobs, advantages: ``[T] float32`` (0 off completions).
+        rewards: ``[S] float32``. oldest_versions: ``[S] int64``.
+        token_versions: ``[T] int64`` the policy version of each token (prompt: the sample's oldest).
+        teacher_logprobs: ``[T] float32``, or ``[0]``. temperature: every sample's (one per micro-batch).
+        reward_terms: ``{function: [S] floats}``.
     """
 
     TYPE: ClassVar[str] = "micro_batch"
@@ -278,19 +224,13 @@ class MicroBatch(Message):
 
 @dataclass(frozen=True, eq=False)
 class WeightsReady(Message):
-    """Announces new policy weights (broadcaster -> producers, control channel).
+    """New policy weights, trainer -> producers (control channel).
 
     Fields:
-        version: the new policy version (= optimizer steps taken).
-        method: ``"broadcast"`` (torch.distributed, tensors follow in ``manifest`` order),
-            ``"filesystem"`` (a safetensors directory at ``path`` with a READY marker) or ``"bus"``
-            (producers pull the buckets from the ``weights`` endpoint, :mod:`broadcaster.bus_method`).
-        manifest: ``[[name, dtype, shape], ...]`` tensors in broadcast order (HF names): full
-            weights, or a LoRA adapter (``M.lora_A.weight``, ``M.lora_B.weight``,
-            ``M.lora_scaling`` per adapted module, plus whole RMSNorm weights when QeRL noise is
-            on) that the producer merges into its base weights; see :mod:`broadcaster.manifest`.
-        path: directory of the weights for ``filesystem``; ``""`` otherwise.
-        num_bytes: payload size, bytes.
+        version: the policy version (= optimizer steps taken). num_bytes: payload size.
+        method: ``"broadcast"``, ``"filesystem"`` (the directory ``path``, else ``""``) or ``"bus"``.
+        manifest: ``[[name, dtype, shape], ...]`` in send order: full weights or a LoRA adapter
+            (:mod:`broadcaster.manifest`).
     """
 
     TYPE: ClassVar[str] = "weights.ready"
@@ -303,12 +243,7 @@ class WeightsReady(Message):
 
 @dataclass(frozen=True, eq=False)
 class WeightsApplied(Message):
-    """A producer has loaded ``version`` and tags later tokens with it (control channel).
-
-    Fields:
-        producer: producer name. version: the version now in effect.
-        apply_time_s: pause + receive + load + resume, seconds.
-    """
+    """A producer has loaded ``version`` and tags later tokens with it; ``apply_time_s`` in seconds."""
 
     TYPE: ClassVar[str] = "weights.applied"
     producer: str
@@ -318,8 +253,7 @@ class WeightsApplied(Message):
 
 @dataclass(frozen=True, eq=False)
 class WeightsWanted(Message):
-    """A late-joining producer (outside the weight group) skipped broadcast ``version`` and waits
-    for filesystem weights (control channel): the trainer switches to the filesystem method."""
+    """A late producer outside the weight group waits for ``version`` by the filesystem method."""
 
     TYPE: ClassVar[str] = "weights.wanted"
     producer: str
@@ -328,11 +262,7 @@ class WeightsWanted(Message):
 
 @dataclass(frozen=True, eq=False)
 class TrainerStep(Message):
-    """The trainer finished optimizer step ``step`` and is now at policy ``version``.
-
-    Fields:
-        metrics: the step's flat metrics (``reward_mean``, ``loss``, ``kl``, ...; floats).
-    """
+    """The trainer finished ``step``, now at policy ``version``; ``metrics``: the step's flat floats."""
 
     TYPE: ClassVar[str] = "trainer.step"
     step: int
@@ -342,11 +272,7 @@ class TrainerStep(Message):
 
 @dataclass(frozen=True, eq=False)
 class GroupsDropped(Message):
-    """The packer dropped groups (never trained); the prompt source issues replacements.
-
-    Fields:
-        group_ids: ids of the dropped groups. reason: e.g. ``"stale"``.
-    """
+    """The packer dropped ``group_ids`` untrained for ``reason`` (e.g. ``"stale"``)."""
 
     TYPE: ClassVar[str] = "groups.dropped"
     group_ids: list[str]
@@ -355,14 +281,8 @@ class GroupsDropped(Message):
 
 @dataclass(frozen=True, eq=False)
 class GroupsTrained(Message):
-    """The trainer's checkpoint now covers step ``step``: its groups are durably trained
-    (outcome ``trained``). Announced when a checkpoint covers the step; a resumed trainer
-    announces the steps released with its checkpoint again, with the same id
-    ``trained-step-{step}``, so receivers treat repeats idempotently.
-
-    Fields:
-        step: the 0-based optimizer step. group_ids: ids of the groups trained in it.
-    """
+    """A checkpoint covers 0-based ``step``: its ``group_ids`` are durably trained. Id
+    ``trained-step-{step}``: a resumed trainer announces it again, so receivers are idempotent."""
 
     TYPE: ClassVar[str] = "groups.trained"
     step: int
@@ -371,11 +291,7 @@ class GroupsTrained(Message):
 
 @dataclass(frozen=True, eq=False)
 class RunDone(Message):
-    """The trainer reached ``max_steps`` (or stopped); components drain and exit.
-
-    Fields:
-        step: last step trained. reason: ``"max_steps"`` or a failure description.
-    """
+    """The trainer stopped after ``step`` (``reason``: ``"max_steps"`` or the failure)."""
 
     TYPE: ClassVar[str] = "run.done"
     step: int
@@ -384,14 +300,7 @@ class RunDone(Message):
 
 @dataclass(frozen=True, eq=False)
 class ComponentReady(Message):
-    """Startup handshake, component -> supervisor: set up and serving.
-
-    Fields:
-        name: component name (e.g. ``"rewards-1"``). pid: process id.
-        metrics_port: TCP port of its Prometheus ``/metrics`` endpoint.
-        metrics_host: the address it serves them on (``""``: 127.0.0.1; a node's address when
-            the run spans several nodes, :mod:`lifecycle.launch_env`).
-    """
+    """Startup handshake, component -> supervisor; ``metrics_host`` ``""`` means 127.0.0.1."""
 
     TYPE: ClassVar[str] = "component.ready"
     name: str
@@ -401,24 +310,17 @@ class ComponentReady(Message):
 
 
 class ComponentPhase(StrEnum):
-    """Where a component process is (:mod:`bus.component`): the ``phase`` of its ``/health`` body,
-    and, ``running`` or ``done``, the ``state`` of its :class:`ComponentHeartbeat`."""
+    """A component's ``/health`` phase; ``running`` or ``done`` is its heartbeat state."""
 
-    STARTING = "starting"
-    """In ``setup``, before its ready handshake."""
+    STARTING = "starting"  # in setup, before the ready handshake
     RUNNING = "running"
-    DONE = "done"
-    """``run()`` returned: its work for the run is done (it keeps serving metrics until stopped)."""
+    DONE = "done"  # run() returned; it serves metrics until stopped
     FAILED = "failed"
 
 
 @dataclass(frozen=True, eq=False)
 class ComponentHeartbeat(Message):
-    """Liveness, component -> supervisor, every ``bus.heartbeat_s``.
-
-    Fields:
-        name: component name. pid: process id. state: :class:`ComponentPhase` ``"running"`` or ``"done"``.
-    """
+    """Liveness, component -> supervisor, every ``bus.heartbeat_s``; ``state``: running or done."""
 
     TYPE: ClassVar[str] = "component.heartbeat"
     name: str
@@ -428,15 +330,12 @@ class ComponentHeartbeat(Message):
 
 @dataclass(frozen=True, eq=False)
 class EvalResult(Message):
-    """One eval task's result in one online-evaluation round, packer -> trainer (control channel).
+    """One eval task's result of eval ``round`` (the policy version evaluated), packer -> trainer.
 
     Fields:
-        round: the policy version the round evaluates (0: the base model).
-        task: eval task name.
-        version_min, version_max: oldest / newest policy version that actually produced a token of
-            the round's samples (equal to ``round`` unless the producers were already ahead).
-        num_samples: completions scored. num_failed: groups whose generation failed (no samples).
-        metrics: ``reward_mean``, ``reward_std``, ``completion_len_mean``, ``pass_at_1`` ... (floats).
+        version_min, version_max: the policy versions that really produced the round's tokens.
+        num_samples: completions scored. num_failed: groups whose generation failed.
+        metrics: ``reward_mean``, ``pass_at_1``, ... (floats).
     """
 
     TYPE: ClassVar[str] = "eval.result"

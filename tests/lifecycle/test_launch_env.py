@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from lifecycle.launch_env import ENV_LATE_JOIN, ENV_NAMES, ENV_NODE_ADDRESS, ENV_RESTARTS, ENV_RESUME, ENV_SPAWN_ID, LaunchEnv
+from lifecycle.launch_env import (
+    ENV_LATE_JOIN,
+    ENV_NAMES,
+    ENV_NODE_ADDRESS,
+    ENV_RESTARTS,
+    ENV_RESUME,
+    ENV_SPAWN_ID,
+    LaunchEnv,
+)
 
 
 def test_an_empty_environment_is_a_first_start():
