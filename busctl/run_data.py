@@ -1,10 +1,8 @@
 """What ``busctl report`` reads from a run directory, and the series helpers it and its plots share.
 
-:func:`load_run` turns ``metrics.jsonl``, ``stages.jsonl``, ``samples.jsonl``, ``accounting.json``
-and ``metrics_final/packer.prom`` into a :class:`RunData` (file formats: :mod:`busctl.report`).
-Invariant: this module reads files and computes series only; it draws nothing and writes nothing,
-so :mod:`busctl.report` (summary) and :mod:`busctl.report_plots` (plots) both build on it
-without importing each other.
+:func:`load_run` turns ``metrics.jsonl``, ``stages.jsonl``, ``samples.jsonl``, ``accounting.json``,
+``startup.json`` and ``metrics_final/packer.prom`` into a :class:`RunData`. It reads and computes only, so
+:mod:`busctl.report` and :mod:`busctl.report_plots` both build on it without importing each other.
 """
 
 from __future__ import annotations
@@ -52,17 +50,12 @@ class ReportError(ValueError):
 
 @dataclass
 class RunData:
-    """What a report reads from one run directory.
+    """What a report reads from one run directory (a missing optional file: empty, or None).
 
     Attributes:
-        run_dir: the run directory.
-        steps: training records of ``metrics.jsonl``, one per step, sorted by ``step``.
+        steps: training records of ``metrics.jsonl``, one per step (the last one written), sorted by ``step``.
         evals: task -> ``[(round, {metric: value})]`` sorted by round.
-        stages: records of ``stages.jsonl`` (empty without the file).
-        samples: records of ``samples.jsonl`` (empty without the file).
-        accounting: ``accounting.json`` or None. packer_outcomes: ``rlbus_packer_groups_total``
-            by outcome from ``metrics_final/packer.prom`` (empty without it).
-        startup: ``startup.json`` (launch to first optimizer step, :mod:`busctl.startup`) or None.
+        packer_outcomes: ``rlbus_packer_groups_total`` by outcome from ``metrics_final/packer.prom``.
         skipped_lines: unparsable lines per file name.
     """
 
@@ -126,11 +119,10 @@ def packer_outcomes(prom_text: str) -> dict[str, float]:
 
 
 def load_run(run_dir: Path) -> RunData:
-    """Read a run directory (see the module docstring).
+    """Read a run directory.
 
     Raises:
-        ReportError: no such directory; ``metrics.jsonl`` missing, empty, or without a training
-            record.
+        ReportError: no such directory; ``metrics.jsonl`` missing, empty, or without a training record.
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
