@@ -1,17 +1,5 @@
-"""The policy-loss family of rlbus (issue 4): AIPO (default), PPO-clip, plain importance sampling and
-GSPO, with IcePop masking, truncated importance sampling, a KL penalty, on-policy distillation and
-three aggregations, all normalized step-wide so micro-batches and ranks add up exactly.
-
-Modules, one concern each:
-- `spec`: `LossSpec` (the config's mirror), `StepNorm` (step-wide normalizers), `LossBatch` (inputs).
-- `estimators`: KL estimators k1/k2/k3, sequence ratios, TIS weight, token -> sample bookkeeping.
-- `masks`: token / geometric-mean / extreme-token sample masks and IcePop.
-- `objectives`: the per-token surrogate of each loss type.
-- `aggregation`: token_mean, seq_mean_token_mean, seq_mean_token_sum_norm weights.
-- `policy`: `policy_loss`, which puts them together and returns the loss stats (`policy_loss_terms`:
-  the same with the stats left on the device, for a loop that reads them back once per step);
-- `checks`: the value checks of a micro-batch's inputs on host arrays (`check_loss_inputs`).
-Its `__init__` exports the public names.
+"""The policy losses (AIPO, PPO-clip, importance sampling, GSPO) with IcePop, TIS, a KL penalty,
+on-policy distillation and three aggregations, normalized step-wide; the public names.
 """
 
 from trainer.losses.aggregation import aggregate_token_loss, aggregation_weights, loss_counts

@@ -1,12 +1,7 @@
-"""The loss's value checks, on host arrays: they never make the host wait for a device.
+"""The loss's value checks on host arrays, so they never make the host wait for a device.
 
-`policy_loss` must refuse a micro-batch whose sample lengths do not split it, whose step
-normalizers do not cover it, or whose sampler logprobs / advantages / teacher logprobs are not
-finite on a loss token (each would silently mis-scale or poison the step). Checking those values
-where they live on a GPU reads them back to the host, a sync per check. The trainer receives them
-as host arrays anyway (`bus.messages.MicroBatch`), so it calls :func:`check_loss_inputs` on those
-before the forward and builds its `LossBatch` with ``checked=True``; a `LossBatch` built without
-that flag is checked here on host copies of its tensors (`trainer.losses.policy.policy_loss_terms`).
+The trainer runs :func:`check_loss_inputs` on a micro-batch's host arrays before the forward and
+builds its `LossBatch` with ``checked=True``; an unchecked `LossBatch` is checked on host copies.
 """
 
 from __future__ import annotations
@@ -24,20 +19,8 @@ __all__ = ["check_loss_inputs"]
 def check_loss_inputs(
     loss_mask: np.ndarray, seq_lens: np.ndarray, norm: StepNorm, inputs: Mapping[str, np.ndarray | None]
 ) -> None:
-    """Check one micro-batch's loss inputs on the host (see the module docstring).
-
-    Args:
-        loss_mask: ``[T]`` bool, the loss tokens.
-        seq_lens: ``[S]`` integer sample lengths.
-        norm: the step's normalizers; they must cover this micro-batch's loss tokens and samples
-            with a loss token (else the step loss is mis-scaled).
-        inputs: ``{name: [T] float array or None}``, the inputs that must be finite on loss tokens
-            (None entries are skipped).
-
-    Raises:
-        ValueError: seq_lens do not split T (`check_seq_lens`), norm is not a `StepNorm` or is below
-            this micro-batch's counts, or an input is not ``[T]`` or not finite on a loss token (the
-            message names the input, the value and the token index).
+    """Check that ``seq_lens`` ``[S]`` splits ``loss_mask`` ``[T]``, ``norm`` covers its counts and each
+    ``inputs`` ``[T]`` array is finite on loss tokens; ValueError naming the input and token otherwise.
     """
     mask = np.asarray(loss_mask, dtype=bool)
     lens = check_seq_lens(seq_lens, len(mask))

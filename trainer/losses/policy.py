@@ -1,33 +1,13 @@
 """`policy_loss`: one packed micro-batch's share of the step's policy loss, and its loss statistics.
 
-Per token t of sample i (all ratios detached unless said otherwise):
-
-    m_t   = pi_train / pi_rollout                          mismatch ratio: masks and the ratio stats
-    keep  = loss_mask & masks(m)                           `trainer.losses.masks.keep_mask`
-    b     = old if spec.use_tis else rollout               behaviour policy of the policy ratio
-    r_t   = pi_train / pi_b                                policy ratio (grad flows, except in aipo)
-    A'_t  = adv_tau * A_t + teacher_tau * (teacher_logprobs - train_logprobs)           (on-policy distillation)
-    w_t   = clip(pi_old / pi_rollout, tis_clip_low, tis_clip_high) if use_tis else 1       (TIS)
-    l_t   = w_t * surrogate_type(r, A')_t + kl_tau * k(train_logprobs, ref_logprobs)_t   on kept tokens, else 0
-    loss  = sum_t weight_t * l_t                            `trainer.losses.aggregation`
-
-surrogate_type: aipo -sg(r A') train_logprobs (r: token ratio, or the sample's product of ratios clipped
-at sequence_clip_high); ppo_clip max(-A' r, -A' clip(r)) (+ dual clip); importance_sampling -(r A');
-gspo the clipped surrogate of s_i = exp(mean of log r over the sample's kept tokens), token form.
-The surrogates are in `trainer.losses.objectives`; the KL estimators k1/k2/k3 in
-`trainer.losses.estimators` (the penalty is not TIS-weighted, as in verl's KL loss).
-
-Invariants:
-- A token outside `keep` gets exactly zero gradient, even if its ratio or logprob is inf/NaN:
-  every input is replaced by a neutral value there (`where`) before any non-linear op.
-- Normalizers are step-wide (`StepNorm`), so summing micro-batch losses over micro-batches and
-  ranks gives the step loss whatever the split.
-- Stats are SUMS (counts, sums) or min/max over this micro-batch's loss tokens, so the trainer
-  adds them over micro-batches and ranks and divides by step totals: python floats from
-  `policy_loss` (one host sync), 0-dim float64 device tensors from `policy_loss_terms` (none).
-- `policy_loss_terms` reads no device value back to the host when `LossBatch.checked` (the
-  trainer checks the inputs on its host arrays first, `trainer.losses.checks`): no `.item()`,
-  no boolean-mask indexing, no `nonzero` (tests/trainer/test_host_sync.py).
+Per token (ratios detached unless said):
+    m_t  = pi_train / pi_rollout                          mismatch ratio: masks, stats
+    keep = loss_mask & masks(m)                           `trainer.losses.masks.keep_mask`
+    r_t  = pi_train / pi_b,  b = old if use_tis else rollout
+    A'_t = adv_tau A_t + teacher_tau (teacher_logprobs - train_logprobs)
+    l_t  = tis_weight_t surrogate(r, A')_t + kl_tau k(train, ref)_t on kept tokens, else 0
+    loss = sum_t weight_t l_t                             `trainer.losses.aggregation`
+A token outside `keep` gets exactly zero gradient, whatever its inputs.
 """
 
 from __future__ import annotations
@@ -60,45 +40,23 @@ __all__ = ["policy_loss", "policy_loss_terms", "stats_to_floats"]
 
 
 def policy_loss(batch: LossBatch, norm: StepNorm, spec: LossSpec) -> tuple[torch.Tensor, dict[str, float]]:
-    """This micro-batch's share of the step's policy loss (formula in the module docstring).
+    """(0-dim loss, differentiable w.r.t. `batch.train_logprobs`; stats as floats) of one micro-batch.
 
-    Args:
-        batch: the packed micro-batch (`[T]` tensors; train_logprobs requires grad).
-        norm: step-wide normalizers; must cover this micro-batch's counts.
-        spec: the loss choice.
-
-    Returns:
-        loss: 0-dim tensor, dtype of train_logprobs, differentiable w.r.t. train_logprobs.
-        stats: python floats over this micro-batch's loss tokens:
-            `loss_tokens` (count), `masked_tokens` (loss tokens given zero gradient by a mask),
-            `clipped_tokens` (kept loss tokens whose policy gradient a clip removed: PPO/GSPO clip,
-            dual clip, aipo's sequence_clip_high; clipfrac = clipped_tokens / loss_tokens),
-            `kl_sum` (k3 estimate of KL(pi_rollout || pi_train), nats), `ratio_sum`, `ratio_min`,
-            `ratio_max` (m = pi_train / pi_rollout; min/max are +inf/-inf with no loss token);
-            when kl_tau > 0: `kl_penalty_sum` (the penalty estimator over kept tokens, nats);
-            when use_tis: `tis_clipped_tokens` (kept tokens whose TIS weight was truncated);
-            when teacher_logprobs is given: `teacher_kl_sum` (sum of train_logprobs - teacher_logprobs, nats);
-            when entropy is given: `entropy_sum` (nats).
+    Stats are sums or min/max over loss tokens: `loss_tokens`, `masked_tokens`, `clipped_tokens`,
+    `kl_sum` (k3 of KL(rollout || train), nats), `ratio_sum/min/max` (of m); when their option is on,
+    `kl_penalty_sum`, `tis_clipped_tokens`, `teacher_kl_sum`, `entropy_sum`.
 
     Raises:
-        ValueError: seq_lens do not split T; norm is below this micro-batch's counts; an input the
-            spec needs is missing (old_logprobs with use_tis, ref_logprobs with kl_reference "reference",
-            teacher_logprobs with teacher_tau > 0); or sampler_logprobs, advantages or a used optional input is
-            not finite on a loss token (the message names the token index).
+        ValueError: seq_lens not splitting T, a norm below the micro-batch's counts, a missing input
+            the spec needs, or an input not finite on a loss token.
     """
     loss, stats = policy_loss_terms(batch, norm, spec)
     return loss, stats_to_floats(stats)
 
 
 def policy_loss_terms(batch: LossBatch, norm: StepNorm, spec: LossSpec) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """`policy_loss` with its stats left on the device: `{name: 0-dim float64 tensor}` (same keys
-    and values), for a caller that reads many micro-batches' stats back at once (`stats_to_floats`).
-
-    With `batch.checked` nothing here makes the host wait for the device; otherwise the inputs
-    are checked first on host copies (`trainer.losses.checks.check_loss_inputs`, a sync).
-
-    Raises:
-        ValueError: as `policy_loss`.
+    """`policy_loss` with the stats as 0-dim float64 device tensors (for `stats_to_floats`); no host sync
+    when `batch.checked`.
     """
     seq_ids = sample_ids(batch.seq_lens, batch.num_tokens, checked=batch.checked)
     num_samples = int(batch.seq_lens.numel())
@@ -164,10 +122,8 @@ def _aipo(
     seq_ids: torch.Tensor,
     num_samples: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """aipo's detached weight (token ratio, or the sample's product ratio clipped at sequence_clip_high), then its loss.
-
-    The sequence ratio sums log ratios over the sample's loss tokens (prime-rl: over loss_mask,
-    masked tokens included) and is clipped above: exp(min(sum, log sequence_clip_high)).
+    """aipo's loss, weighted by the token ratio or the sample's product ratio (over loss_mask, as prime-rl)
+    clipped at sequence_clip_high.
     """
     zero = torch.zeros((), dtype=lp_kept.dtype, device=lp_kept.device)
     if spec.ratio_type == "token":
@@ -181,8 +137,7 @@ def _aipo(
 
 
 def _check_inputs(batch: LossBatch, spec: LossSpec, norm: StepNorm) -> None:
-    """Inputs the spec reads must be present; unless `batch.checked`, the norm must cover this
-    micro-batch and the inputs be finite on loss tokens (checked on host copies: a sync)."""
+    """Inputs the spec reads must be present; unless `batch.checked`, checked on host copies (a sync)."""
     needed = {"sampler_logprobs": batch.sampler_logprobs, "advantages": batch.advantages}
     requirements = (
         (
@@ -223,8 +178,7 @@ def _stats(
     clipped: torch.Tensor,
     extra: dict[str, torch.Tensor],
 ) -> dict[str, torch.Tensor]:
-    """Sums/min/max over loss tokens as 0-dim float64 tensors (keys in `policy_loss`); tokens
-    outside the loss mask enter as neutral values (`where`), so no boolean-mask indexing."""
+    """Sums/min/max over loss tokens as 0-dim float64 tensors, via `where` (no boolean-mask indexing)."""
     lr = torch.where(loss_mask, mismatch.double(), 0.0)
     ratio = torch.exp(lr)
     base = {

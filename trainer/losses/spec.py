@@ -1,10 +1,5 @@
-"""What a policy loss is asked to compute: the loss choice (`LossSpec`), the step normalizers
-(`StepNorm`) and one micro-batch's packed inputs (`LossBatch`).
-
-All three validate themselves on construction, so `policy_loss` can trust them: a bad value raises
-`ValueError` naming the field, the value and the fix. `LossSpec` mirrors `configs.schema.LossConfig`
-field for field (same names, defaults and bounds), so `LossSpec.from_config(cfg)` is the whole
-integration. This module imports torch only for the tensor checks of `LossBatch`.
+"""What a policy loss computes: the choice (`LossSpec`), the step normalizers (`StepNorm`) and one
+micro-batch's inputs (`LossBatch`). Each validates itself (ValueError naming field, value and fix).
 """
 
 from __future__ import annotations
@@ -46,51 +41,12 @@ def _one_of(name: str, value: str, choices: tuple[str, ...]) -> None:
 
 @dataclass(frozen=True)
 class LossSpec:
-    """Which policy loss, with which options (all dimensionless). Mirrors `configs.schema.LossConfig`.
-
-    Ratios: `pi_x` is the probability of a sampled token under policy x; `rollout` is the
-    inference engine that sampled it, `train` the trainer's current weights, `old` the weights at
-    the start of the optimizer step (see `LossBatch.old_logprobs`).
-
-    Attributes:
-        type: "aipo" (default; prime-rl's masked importance-weighted policy gradient),
-            "ppo_clip" (PPO clipped surrogate, optional dual clip), "importance_sampling"
-            (-(r * A), no clipping) or "gspo" (sequence-level geometric-mean ratio, clipped).
-        adv_tau: weight of the advantage, >= 0 (every type).
-        ratio_type: aipo only: "token" weights token t by its own ratio; "sequence" weights every
-            token of a sample by the product of the sample's token ratios, clipped above at
-            sequence_clip_high (prime-rl).
-        token_mask_low, token_mask_high: aipo only: a loss token whose mismatch ratio
-            pi_train/pi_rollout lies outside [low, high] gets zero gradient; 0 <= low <= 1 <= high.
-        geo_mask_low, geo_mask_high: aipo only: a sample whose geometric-mean mismatch ratio lies
-            outside [low, high] gets zero gradient on all its tokens; 0 <= low <= 1 <= high.
-        sequence_mask_low, sequence_mask_high: aipo only, None = off: a sample whose smallest
-            token ratio is below low (largest above high) gets zero gradient; low in [0, 1],
-            high >= 1.
-        sequence_clip_high: aipo with ratio_type "sequence": upper clip of the sample ratio, >= 1.
-        eps_clip: ppo_clip and gspo: lower clip 1 - eps_clip of the ratio, 0 < eps_clip < 1.
-        eps_clip_high: ppo_clip and gspo: upper clip 1 + eps_clip_high, > 0; None = eps_clip.
-        eps_clip_c: ppo_clip only, None = off: dual clip, the loss of a token with negative
-            advantage is at most -A * eps_clip_c; must be > 1.
-        icepop_beta: any type, None = off: a loss token whose mismatch ratio lies outside
-            [1/beta, beta] gets zero gradient (IcePop); must be > 1.
-        use_tis: any type: truncated importance sampling. Needs `LossBatch.old_logprobs`; the policy
-            ratio becomes pi_train/pi_old and every token's loss is weighted by
-            clip(pi_old/pi_rollout, tis_clip_low, tis_clip_high) (detached).
-        tis_clip_low, tis_clip_high: the TIS weight bounds, 0 <= low <= 1 <= high, low < high.
-        kl_tau: any type: weight of the KL penalty added to each kept token's loss, >= 0 (0 = off).
-        kl_estimator: "k1" | "k2" | "k3" (Schulman), estimating KL(pi_train || pi_ref).
-        kl_reference: "rollout" (pi_ref = the sampler) or "reference" (a frozen reference model;
-            needs `LossBatch.ref_logprobs`).
-        teacher_tau: any type: on-policy distillation, the advantage of token t becomes
-            adv_tau * A_t + teacher_tau * (lp_teacher_t - lp_train_t) (detached); needs
-            `LossBatch.teacher_logprobs` when > 0.
-        aggregation: "token_mean" | "seq_mean_token_mean" | "seq_mean_token_sum_norm" (see
-            `trainer.losses.aggregation`).
+    """Which policy loss, with which options: field for field `configs.training.LossConfig`, whose field
+    descriptions give each meaning and bound.
 
     Raises:
-        ValueError: an unknown choice, a bound out of range, or an option that belongs to another
-            type (ratio_type "sequence", sequence_mask_* or eps_clip_c with a type that ignores it).
+        ValueError: an unknown choice, a bound out of range, or an option of another type (ratio_type
+            "sequence", sequence_mask_* or eps_clip_c with a type that ignores it).
     """
 
     type: Literal["aipo", "ppo_clip", "importance_sampling", "gspo"] = "aipo"
@@ -163,11 +119,12 @@ class LossSpec:
         self._check_type_specific()
 
     def _check_type_specific(self) -> None:
-        """Options that only one type reads must not be set with another (they would be ignored)."""
+        """Options only one type reads must not be set with another."""
         if self.type != "aipo":
             if self.ratio_type != "token":
                 raise ValueError(
-                    f"ratio_type='sequence' is an aipo option; type={self.type!r} ignores it: set type='aipo' or ratio_type='token'"
+                    f"ratio_type='sequence' is an aipo option; type={self.type!r} ignores it: "
+                    "set type='aipo' or ratio_type='token'"
                 )
             for name in ("sequence_mask_low", "sequence_mask_high"):
                 if getattr(self, name) is not None:
@@ -186,10 +143,8 @@ class LossSpec:
 
     @classmethod
     def from_config(cls, cfg: Any) -> "LossSpec":
-        """Build from `configs.schema.LossConfig` (or anything with `model_dump()` giving these fields).
-
-        Raises:
-            ValueError: the config has a field LossSpec lacks, or a value LossSpec rejects.
+        """From a `LossConfig` (anything whose `model_dump()` gives these fields); ValueError for a field
+        LossSpec lacks or a value it rejects.
         """
         values = dict(cfg.model_dump())
         unknown = set(values) - {f.name for f in fields(cls)}
@@ -211,21 +166,9 @@ def _count(name: str, value: Any, low: int) -> int:
 
 @dataclass(frozen=True)
 class StepNorm:
-    """Normalizers of the WHOLE optimizer step (every micro-batch on every rank), not of one micro-batch.
-
-    Dividing each micro-batch's loss by step-wide counts makes the sum of the micro-batch losses
-    (and the sum of their gradients over ranks) exactly the loss of the step computed at once,
-    however the step was split, as long as no sample is split across micro-batches.
-
-    Attributes:
-        loss_tokens: loss tokens of the step (loss_mask True), >= 0; masked tokens count too.
-        num_samples: samples of the step with >= 1 loss token, >= 0.
-        max_tokens: Dr. GRPO's constant length normalizer (the sampler's max completion tokens), >= 1.
-
-    numpy integers are accepted and stored as int.
-
-    Raises:
-        ValueError: a count is not an int or is out of range.
+    """Normalizers of the whole optimizer step (every micro-batch and rank), so micro-batch losses sum to
+    the step's however it is split (no sample split): `loss_tokens` (masked included) and `num_samples`
+    (with a loss token) >= 0, `max_tokens` (Dr. GRPO's constant) >= 1; ValueError otherwise.
     """
 
     loss_tokens: int
@@ -240,31 +183,13 @@ class StepNorm:
 
 @dataclass(frozen=True)
 class LossBatch:
-    """One packed micro-batch as the loss sees it: flat `[T]` tensors split into samples by `seq_lens`.
+    """One packed micro-batch as the loss sees it: `[T]` tensors on one device, split by `seq_lens` `[S]`.
 
-    Attributes:
-        train_logprobs: `[T]` float, log pi_train(y_t | y_<t) from the trainer's forward, requires grad; nats.
-        sampler_logprobs: `[T]` float, the sampler's logprob of each token; nats; finite on loss tokens.
-        advantages: `[T]` float, the sample's advantage on each of its tokens; finite on loss tokens.
-        loss_mask: `[T]` bool, True on the tokens that carry loss (completion tokens).
-        seq_lens: `[S]` int, sample lengths >= 1 summing to T, in packing order.
-        old_logprobs: `[T]` float or None, log pi_old: the trainer's logprobs under the weights the step
-            started from (rlbus takes one optimizer step per batch, so `train_logprobs.detach()`); read
-            only when `LossSpec.use_tis`; finite on loss tokens.
-        ref_logprobs: `[T]` float or None, a frozen reference model's logprobs; read only when kl_tau > 0
-            and kl_reference == "reference"; finite on loss tokens.
-        teacher_logprobs: `[T]` float or None, a teacher model's logprobs (on-policy distillation); read
-            when teacher_tau > 0 (required then) and for the `teacher_kl_sum` stat; finite on loss tokens.
-        entropy: `[T]` float or None, entropy of the trainer's next-token distribution (nats,
-            detached), for the `entropy_sum` stat only.
-        checked: True when the caller has already checked on the host every value check that
-            would read the device (seq_lens, the step norm, finite inputs:
-            `trainer.losses.checks.check_loss_inputs`); then neither this class nor
-            `policy_loss_terms` reads a device value back (no host sync). Default False: checked here.
-    All tensors, seq_lens included, must be on one device.
-
-    Raises:
-        ValueError: a tensor has the wrong shape/kind/device, or seq_lens do not split T.
+    `train_logprobs` (requires grad), `sampler_logprobs`, `advantages`: float, nats; `loss_mask`: bool.
+    Optional: `old_logprobs` (pi_old = `train_logprobs.detach()`, one step per batch; for use_tis),
+    `ref_logprobs`, `teacher_logprobs`, `entropy`. Inputs read must be finite on loss tokens.
+    `checked`: `trainer.losses.checks.check_loss_inputs` already ran on the host (no device reads here).
+    ValueError for a tensor of the wrong shape, kind or device, or seq_lens not splitting T.
     """
 
     train_logprobs: torch.Tensor
