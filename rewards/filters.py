@@ -1,23 +1,9 @@
 """Sample filters on sampled tokens: flag degenerate completions (gibberish, repetition loops).
 
-A reward worker runs the enabled filters on every group (``filters`` in the run config). A flagged
-sample is counted in ``rlbus_rewards_filtered_total{filter}``; when the filter is ``enforce``-d it is
-also *masked*: the packer clears its loss mask, so it trains nothing. Its reward is kept, so the
-group's baseline (the advantage's mean) does not move (prime-rl's and Surogate's choice).
-
-Both filters read the sampler's own record of each token: ``completion_ids`` and ``logprobs``, the
-group's flat ``[N]`` arrays with ``completion_lens`` ``[G]`` splitting them (see
-:class:`bus.messages.RolloutGroup`). The logprobs are those of the sampling distribution (after
-temperature), so the thresholds apply to what was actually sampled. Both are vectorized over the
-whole group with numpy: no Python loop over tokens.
-
-- **gibberish** (Kimi K2's / prime-rl's gibberish filter, arXiv:2510.02387 Sec. 5.2): a sample is
-  flagged when one of its tokens is both rare (``id > token_id_threshold``: BPE vocabularies put
-  rare merges last) and improbable (``logprob < logprob_threshold``): rare pieces drawn at high
-  entropy, the signature of a collapsing generation.
-- **repetition** (prime-rl's repetition filter, arXiv:2506.13585 Sec. 3.2): a sample is flagged
-  when it has a run of ``window`` consecutive tokens, each sampled with probability
-  ``exp(logprob) > prob_threshold``: a model locked in a loop emits it with near certainty.
+Both read the group's flat ``completion_ids`` and ``logprobs`` ``[N]`` (the sampling distribution's,
+after temperature) split by ``completion_lens`` ``[G]``, vectorized with numpy. A flagged sample of
+an ``enforce``-d filter is masked (trains nothing); its reward is kept, so the group's baseline does
+not move (prime-rl's choice).
 """
 
 from __future__ import annotations
@@ -34,15 +20,8 @@ FILTER_NAMES = ("gibberish", "repetition")
 
 @dataclasses.dataclass(frozen=True)
 class FilterResult:
-    """What the filters found in one group of G samples.
-
-    Fields:
-        flags: ``[G]`` comma-joined names of the filters that flagged each sample (``""``: none),
-            or ``[]`` when no filter is enabled.
-        masked: ``[G] bool``, True where an enforced filter flagged the sample, or ``[0]`` when
-            no enabled filter is enforced.
-        counts: ``{filter name: samples it flagged}`` for each enabled filter.
-    """
+    """``flags``: ``[G]`` comma-joined filter names (``[]``: no filter on); ``masked``: ``[G] bool``
+    flagged by an enforced filter (``[0]``: none enforced); ``counts``: samples flagged per filter."""
 
     flags: list[str]
     masked: np.ndarray
@@ -50,7 +29,7 @@ class FilterResult:
 
 
 def _sample_index(completion_lens: np.ndarray) -> np.ndarray:
-    """``[N] int64``: the sample each token belongs to (``N = sum(completion_lens)``)."""
+    """``[N] int64``: each token's sample."""
     lens = np.asarray(completion_lens, np.int64)
     return np.repeat(np.arange(len(lens)), lens)
 
@@ -63,9 +42,8 @@ def gibberish_flags(
     token_id_threshold: int,
     logprob_threshold: float,
 ) -> np.ndarray:
-    """``[G] bool``: sample ``j`` has a token with ``id > token_id_threshold`` and
-    ``logprob < logprob_threshold`` (nats). Inputs: ``[N] int``, ``[N] float``, ``[G] int``.
-    Source: arXiv:2510.02387 Sec. 5.2 (as in prime-rl's ``GibberishFilter``)."""
+    """``[G] bool``: a token with ``id > token_id_threshold`` and ``logprob < logprob_threshold`` (nats),
+    rare and improbable. Source: Kimi K2 (arXiv:2510.02387), Sec. 5.2, as prime-rl's ``GibberishFilter``."""
     flagged = np.zeros(len(completion_lens), bool)
     bad = (np.asarray(completion_ids) > token_id_threshold) & (np.asarray(logprobs) < logprob_threshold)
     flagged[_sample_index(completion_lens)[bad]] = True
@@ -79,18 +57,9 @@ def repetition_flags(
     window: int,
     prob_threshold: float,
 ) -> np.ndarray:
-    """``[G] bool``: sample ``j`` has ``window`` consecutive tokens, each with
-    ``exp(logprob) > prob_threshold`` (equivalently ``logprob > log(prob_threshold)``).
-    Inputs: ``[N] float``, ``[G] int``. Source: arXiv:2506.13585 Sec. 3.2 (as in prime-rl's
-    ``RepetitionFilter``).
-
-    Every window of ``window`` tokens is tested at once: with ``c`` the cumulative count of
-    confident tokens, window ``[s, s + window)`` is all confident iff ``c[s + window] - c[s] == window``,
-    and it must not straddle two samples.
-
-    Raises:
-        ValueError: ``window < 1`` or ``prob_threshold`` not in (0, 1).
-    """
+    """``[G] bool``: ``window`` consecutive tokens of one sample each with ``exp(logprob) > prob_threshold``.
+    Source: arXiv:2506.13585, Sec. 3.2, as prime-rl's ``RepetitionFilter``. ValueError for
+    ``window < 1`` or ``prob_threshold`` outside (0, 1)."""
     if window < 1 or not 0 < prob_threshold < 1:
         raise ValueError(
             f"repetition filter needs window >= 1 and 0 < prob_threshold < 1, got {window}, {prob_threshold}"
@@ -111,7 +80,7 @@ def repetition_flags(
 def apply_filters(
     cfg: FiltersConfig, completion_ids: np.ndarray, logprobs: np.ndarray, completion_lens: np.ndarray
 ) -> FilterResult:
-    """Run the filters enabled in ``cfg`` on one group (arrays as in :func:`gibberish_flags`)."""
+    """The filters enabled in ``cfg`` on one group."""
     found: dict[str, np.ndarray] = {}
     enforced: list[str] = []
     if cfg.gibberish.enabled:

@@ -1,14 +1,7 @@
-"""The reward worker process: :class:`RewardWorkerProc` wraps :class:`rewards.worker.RewardWorker`.
-
-It receives from every producer's ``rollouts`` endpoint (all ``producers.max_replicas`` of them, so
-producers added later are reached) and sends to the packer's ``scored`` endpoint, so any number of
-workers can run side by side; one message is one whole group, so a worker needs no state shared
-with the others. Custody (:mod:`bus.courier`): a rollout is released to its producer only once the
-packer is done with its scored group; a worker killed at any moment loses nothing.
-
-Run as ``python -m rewards.proc --run-dir RUN_DIR --name rewards-0 --index 0`` (the supervisor
-does, see ``bus/component_table.py``). The reward functions of the run are those of
-:func:`tasks.registry.reward_spec`.
+"""The reward worker process (``python -m rewards.proc``): :class:`rewards.worker.RewardWorker` between
+every producer's ``rollouts`` (all ``producers.max_replicas``) and the packer's ``scored``. A group
+is one message, so workers share no state; custody (:mod:`bus.courier`) releases a rollout only
+once the packer is done with its scored group.
 """
 
 from __future__ import annotations
@@ -35,7 +28,7 @@ ADVANTAGE = Histogram(
 
 
 class RewardWorkerProc(Component):
-    """Process wrapper of :class:`RewardWorker` (``rollouts`` in, ``scored`` out)."""
+    """Process wrapper of :class:`RewardWorker`."""
 
     def setup(self) -> None:
         cfg = self.cfg

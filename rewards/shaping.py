@@ -1,23 +1,7 @@
-"""Reward shaping by completion length: DAPO's soft overlong punishment.
-
-A reward worker with ``rewards.overlong`` set adds :func:`soft_overlong_punishment` times the penalty
-factor to the reward of every training sample, as the reward term ``overlong`` (its unscaled score,
-in [-1, 0]). Truncated completions carry a noisy signal (a correct line of reasoning cut off scores
-as wrong); DAPO (Yu et al. 2025, arXiv:2503.14476, Sec. 3.4) first masks them, then instead
-punishes length softly inside a buffer before the hard limit, so the policy learns to stay short of
-it. The same rule is verl's ``reward_model.overlong_buffer`` (``penalty_factor``), TRL's
-``get_soft_overlong_punishment`` and AReaL's/OpenRLHF's overlong penalty.
-
-Choices:
-
-- **Length = the model's own tokens** (``completion_lens``, minus environment tokens in a
-  multi-turn episode, whose ``loss_mask`` is False): what the sampler spent its budget on.
-- **Training groups only**: an eval group keeps its task reward, so ``eval/<task>/reward_mean``
-  stays comparable across runs with and without shaping.
-- The shaping acts on the reward, before the advantages, so every advantage estimator and the
-  packer's group filters (``packer.filter_equal_rewards``, ``filters.online_difficulty_filtering``)
-  see the shaped reward: a group of equally correct answers of different lengths is no longer a
-  zero-variance group.
+"""DAPO's soft overlong punishment (``rewards.overlong``): a training sample's reward gets
+``penalty * R(|y|)``, |y| its model tokens, as the term ``overlong`` (R in [-1, 0]), before the
+advantages and the packer's group filters. Eval groups are not shaped. The same rule is verl's
+``overlong_buffer``, TRL's ``get_soft_overlong_punishment`` and AReaL's/OpenRLHF's overlong penalty.
 """
 
 from __future__ import annotations
@@ -36,28 +20,10 @@ OVERLONG_ZONES = ("soft", "hard")
 
 
 def soft_overlong_punishment(completion_lens: np.ndarray, max_tokens: int, buffer_tokens: int) -> np.ndarray:
-    """DAPO's length-aware penalty of each completion, before the penalty factor.
-
-        R(y) = 0                                   if |y| <= L_max - L_cache
-             = ((L_max - L_cache) - |y|) / L_cache  if L_max - L_cache < |y| <= L_max
-             = -1                                  if |y| > L_max
-
-    with ``L_max = max_tokens`` and ``L_cache = buffer_tokens``. Source: Yu et al. 2025, "DAPO: An
-    Open-Source LLM Reinforcement Learning System at Scale" (arXiv:2503.14476), Sec. 3.4, eq. 13.
-    R is continuous: -1 at exactly ``|y| = L_max`` (a completion cut off by the sampler's
-    ``max_tokens`` = ``L_max`` gets the whole penalty).
-
-    Args:
-        completion_lens: ``[G]`` ints >= 0, tokens per completion.
-        max_tokens: ``L_max`` >= 1, tokens.
-        buffer_tokens: ``L_cache``, 1 <= ``buffer_tokens`` <= ``max_tokens``, tokens.
-
-    Returns:
-        ``[G] float64`` scores in [-1, 0].
-
-    Raises:
-        ValueError: a length is negative or not an integer, or the bounds above do not hold.
-    """
+    """``[G] float64`` R in [-1, 0] of ``[G]`` int lengths (tokens): 0 up to ``L_max - L_cache``, then
+    ``((L_max - L_cache) - |y|) / L_cache``, -1 past ``L_max`` (``L_max = max_tokens``, ``L_cache =
+    buffer_tokens``). Source: DAPO (arXiv:2503.14476), Sec. 3.4, eq. 13. ValueError for a negative
+    or non-integer length, or unless ``1 <= buffer_tokens <= max_tokens``."""
     lens = np.asarray(completion_lens)
     if lens.dtype.kind not in "iu" or lens.ndim != 1:
         raise ValueError(f"completion_lens must be a 1-D integer array [G], got dtype {lens.dtype} shape {lens.shape}")
@@ -65,7 +31,8 @@ def soft_overlong_punishment(completion_lens: np.ndarray, max_tokens: int, buffe
         raise ValueError(f"completion_lens must be >= 0, got {int(lens.min())}")
     if not 1 <= buffer_tokens <= max_tokens:
         raise ValueError(
-            f"overlong shaping needs 1 <= buffer_tokens <= max_tokens, got buffer_tokens={buffer_tokens}, max_tokens={max_tokens}"
+            "overlong shaping needs 1 <= buffer_tokens <= max_tokens, "
+            f"got buffer_tokens={buffer_tokens}, max_tokens={max_tokens}"
         )
     expected = max_tokens - buffer_tokens
     lens = lens.astype(np.int64)
@@ -75,16 +42,14 @@ def soft_overlong_punishment(completion_lens: np.ndarray, max_tokens: int, buffe
 
 
 def overlong_zone_counts(completion_lens: np.ndarray, max_tokens: int, buffer_tokens: int) -> dict[str, int]:
-    """``{"soft": samples inside the buffer (L_max - L_cache < |y| <= L_max), "hard": samples past
-    L_max}`` for ``[G]`` integer lengths (what ``rlbus_rewards_overlong_total{zone}`` counts)."""
+    """``{"soft": samples inside the buffer, "hard": samples past L_max}``."""
     lens = np.asarray(completion_lens, np.int64)
     hard = int((lens > max_tokens).sum())
     return {"soft": int((lens > max_tokens - buffer_tokens).sum()) - hard, "hard": hard}
 
 
 def overlong_section(cfg: RunConfig) -> OverlongConfig | None:
-    """The run's ``rewards.overlong`` with ``max_tokens`` resolved (``sampling.max_tokens`` when
-    null), or None when the shaping is off."""
+    """``rewards.overlong`` with ``max_tokens`` resolved (default ``sampling.max_tokens``), or None."""
     section = cfg.rewards.overlong
     if section is None:
         return None

@@ -1,34 +1,10 @@
-"""Reward/advantage workers: score a whole group, compute its group-relative advantages.
-
-:class:`RewardWorker` is the socket-free logic (one :class:`bus.messages.RolloutGroup` in, one
-:class:`bus.messages.ScoredGroup` out); its process is :class:`rewards.proc.RewardWorkerProc`.
-
-Rewards: a group is scored with the reward functions of its task (``group.task``, looked up in the
-reward spec :func:`tasks.registry.reward_spec`: the training task and every eval task). Each
-function's raw score goes to ``reward_terms[name]`` (``name`` from :func:`tasks.rewards.reward_name`)
-and the reward is ``sum_k weight_k * score_k``. The functions run in child processes by default
-(``rewards.isolate``, see :mod:`rewards.scorers`): a call that raises, hangs past
-``rewards.timeout_s``, crashes or returns NaN scores 0 for that term only, counted in
-``rlbus_rewards_errors_total{error=...}``, and the worker goes on. A group of a task the worker does
-not know scores 0 everywhere (error ``"unknown_task"``, one count per sample); with
-``filters.skip_verification`` no function is called and every reward is 0. A multi-turn group's
-environment rewards (``env_rewards``, scored in the producer's isolated environment children) are
-added as the term ``env`` with weight 1. A TRL-style function (reference ``trl:...``, see
-:mod:`tasks.trl_rewards`) is called once per group with TRL's keyword arguments; what it logs with
-``log_metric(name, value)`` becomes the term ``<function>/<name>`` (the group's mean for every sample,
-weight 0: logged as ``reward/<function>/<name>``, a step's mean over its groups as in TRL).
-
-Overlong shaping (``rewards.overlong``, :mod:`rewards.shaping`): a training group's rewards then get
-``penalty * R(|y|)``, DAPO's soft overlong punishment of each completion's length (the term
-``overlong``, its score in [-1, 0]), before the filters and the advantages; the penalized samples
-are counted in ``rlbus_rewards_overlong_total{zone}`` (``soft``: inside the buffer, ``hard``: past
-``max_tokens``). Eval groups are not shaped. Training groups whose final rewards are all equal (no
-learning signal, whatever the reward) are counted in ``rlbus_rewards_zero_variance_groups_total``;
-the packer drops them with ``packer.filter_equal_rewards``.
-
-Filters (:mod:`rewards.filters`) then flag degenerate samples (``flags``; ``masked`` when enforced,
-counted in ``rlbus_rewards_filtered_total{filter}``). Advantages are computed on the rewards of the
-whole group, flagged samples included (their reward is kept for the baseline).
+"""Reward workers: :class:`RewardWorker` scores a whole group with its task's weighted reward
+functions, applies the overlong shaping and the filters, and computes the group's advantages (one
+:class:`bus.messages.RolloutGroup` in, one :class:`bus.messages.ScoredGroup` out; the process is
+:mod:`rewards.proc`). Each function's score is ``reward_terms[name]``; a multi-turn group's
+``env_rewards`` join as the term ``env``; a TRL-style function's logged metrics as weight-0 terms
+``<function>/<name>``. A failed call or an unknown task scores 0, counted in
+``rlbus_rewards_errors_total{error}``. The rules: docs/ARCHITECTURE.md, "Tasks, reward terms and filters".
 """
 
 from __future__ import annotations
@@ -89,31 +65,14 @@ class _Term:
 
 
 class RewardWorker:
-    """Scores groups with their task's weighted reward functions, runs the filters, computes advantages.
-
-    Args:
-        rewards: the reward spec ``{task name: ((reward ref, weight), ...)}`` (see
-            :func:`tasks.registry.reward_spec`); refs are registry names or import paths, see
-            :func:`tasks.rewards.get_reward_fn`. Every distinct ref is resolved at start.
-        advantage: the advantage estimator, a built-in name or an import path
-            ``"package.module:function"``, resolved once here (see
-            :func:`rewards.advantages.resolve_advantage_fn`).
-        eps: added to the std by ``"grpo"``, see :func:`rewards.advantages.compute_advantages`.
-        name: this worker's name, recorded in each scored group.
-        isolate: run the reward functions in child processes (:class:`rewards.scorers.IsolatedScorer`;
-            call :meth:`close`); False: in this process, without timeout or crash protection.
-        timeout_s, num_procs: see :class:`rewards.scorers.IsolatedScorer` (``isolate`` only).
-        filters: the ``filters`` config section (default: all off).
-        overlong: the ``rewards.overlong`` section with ``max_tokens`` resolved (the run's
-            ``sampling.max_tokens`` when the config leaves it null, :func:`rewards.shaping.overlong_section`),
-            or None: no shaping.
-        max_steps: ``trainer.max_steps``, the ``trainer_state.max_steps`` of TRL-style functions.
+    """``rewards``: the reward spec (:func:`tasks.registry.reward_spec`), every distinct ref resolved at
+    start; ``advantage``, ``eps``: :func:`rewards.advantages.compute_advantages`; ``isolate``,
+    ``timeout_s``, ``num_procs``: :class:`rewards.scorers.IsolatedScorer` (call :meth:`close`);
+    ``overlong``: :func:`rewards.shaping.overlong_section`, None for no shaping; ``max_steps``: TRL's.
 
     Raises:
-        ValueError: unknown reward function or advantage estimator, an import path that does
-            not import or is not callable, two reward functions of one task with the same name
-            (their ``reward_terms`` would collide), a reward function named ``overlong`` while the
-            shaping is on, or ``overlong`` without ``max_tokens``.
+        ValueError: an unknown reward or estimator, two functions of one task with the same name, one
+            named ``overlong`` while shaping, or ``overlong`` without ``max_tokens``.
     """
 
     def __init__(
@@ -134,7 +93,8 @@ class RewardWorker:
         self.filters = filters or FiltersConfig()
         if overlong is not None and overlong.max_tokens is None:
             raise ValueError(
-                "overlong shaping needs max_tokens: pass the section with max_tokens set (sampling.max_tokens by default)"
+                "overlong shaping needs max_tokens: pass the section with max_tokens set "
+                "(sampling.max_tokens by default)"
             )
         self.overlong = overlong
         self.max_steps = max_steps
@@ -148,11 +108,13 @@ class RewardWorker:
                 term = _Term(refs.index(ref), reward_name(ref), float(weight), split_trl_ref(ref)[0] is not None)
                 if term.name in {t.name for t in self.tasks[task]}:
                     raise ValueError(
-                        f"task {task!r}: two reward functions are named {term.name!r}; reward_terms needs distinct names"
+                        f"task {task!r}: two reward functions are named {term.name!r}; "
+                        "reward_terms needs distinct names"
                     )
                 if overlong is not None and term.name == OVERLONG_TERM:
                     raise ValueError(
-                        f"task {task!r}: a reward function is named {OVERLONG_TERM!r}, the term of rewards.overlong; rename it"
+                        f"task {task!r}: a reward function is named {OVERLONG_TERM!r}, "
+                        "the term of rewards.overlong; rename it"
                     )
                 self.tasks[task].append(term)
         self.scorer: InProcessScorer | IsolatedScorer | None = None
@@ -164,16 +126,9 @@ class RewardWorker:
         self.name = name
 
     def score(self, group: RolloutGroup) -> ScoredGroup:
-        """Rewards ``[G] float32`` (weighted sum of the task's reward functions), ``reward_terms``
-        (each function's ``[G]`` scores), filter ``flags``/``masked`` and advantages ``[G] float32``.
-
-        A failed reward call scores 0 for its term and is counted by error label; a group of an
-        unknown task scores 0; never raises for either.
-
-        Raises:
-            ValueError: a custom advantage function returned a wrong shape or non-finite values (a
-                bug in that function, not in the data: the process boundary reports it).
-        """
+        """The scored group: rewards ``[G] float32``, ``reward_terms``, ``flags``/``masked``, advantages
+        ``[G] float32``. Never raises for a failing reward call or an unknown task; ValueError for a
+        custom advantage function's bad output."""
         g = group.group_size
         total = np.zeros(g, np.float64)
         reward_terms: dict[str, list[float]] = {}
@@ -205,9 +160,8 @@ class RewardWorker:
             reward_terms["env"] = [float(r) for r in group.env_rewards]
             total += np.asarray(group.env_rewards, np.float64)
         ids, lps, lens = group.completion_ids, group.sampler_logprobs, group.completion_lens
-        if len(
-            group.loss_mask
-        ):  # filters and shaping judge the model's tokens only (environment tokens have logprob 0)
+        # filters and shaping judge the model's tokens only (environment tokens have logprob 0)
+        if len(group.loss_mask):
             owner = np.repeat(np.arange(g), group.completion_lens)
             ids, lps, lens = (
                 ids[group.loss_mask],
@@ -239,8 +193,7 @@ class RewardWorker:
         )
 
     def _trl_batch(self, group: RolloutGroup) -> dict:
-        """The group as TRL's batch (:func:`tasks.trl_rewards.trl_batch`): prompt text and chat
-        messages, each sample's token ids, the step its prompt was issued for."""
+        """The group as :func:`tasks.trl_rewards.trl_batch`."""
         ids = [group.completion(j)[0].tolist() for j in range(group.group_size)]
         return trl_batch(
             group.prompt_text,
@@ -252,8 +205,7 @@ class RewardWorker:
         )
 
     def _overlong(self, lens: np.ndarray, reward_terms: dict[str, list[float]]) -> np.ndarray:
-        """``[G] float64`` penalty * R(|y|) to add to the rewards (:mod:`rewards.shaping`); records the
-        term ``overlong`` (R itself) and counts the penalized samples by zone."""
+        """``[G] float64`` penalty * R(|y|); records the term ``overlong`` and counts the zones."""
         assert self.overlong is not None and self.overlong.max_tokens is not None
         max_tokens, buffer_tokens = self.overlong.max_tokens, self.overlong.buffer_tokens
         score = soft_overlong_punishment(lens, max_tokens, buffer_tokens)
@@ -263,6 +215,6 @@ class RewardWorker:
         return self.overlong.penalty * score
 
     def close(self) -> None:
-        """Stop the reward functions' child processes (if isolated); idempotent."""
+        """Stop the scorer's children; idempotent."""
         if self.scorer is not None:
             self.scorer.close()
