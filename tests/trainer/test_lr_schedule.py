@@ -191,6 +191,12 @@ def test_resume_follows_the_configs_schedule_from_the_checkpoint_step(model_dir,
     assert f"step {k}: {expected_lr(k):.4g} -> {changed_lr(k):.4g}" in message
     assert f"trainer.optim.lr {PEAK:.4g} -> {PEAK / 4:.4g}" in message and "scheduler cosine -> linear" in message
     assert changed.scheduler.get_last_lr() == [changed_lr(k)] and changed.scheduler.base_lrs == [PEAK / 4]
+    saved = torch.load(path / "optimizer.pt", weights_only=True)["state"]  # AdamW's step counts and moments
+    loaded = changed.optimizer.state_dict()["state"]
+    assert loaded.keys() == saved.keys() and saved, "the loader did not keep the checkpoint's optimizer state"
+    for index, moments in saved.items():
+        for name, value in moments.items():
+            assert torch.equal(torch.as_tensor(loaded[index][name]), torch.as_tensor(value)), (index, name)
     lrs = [changed.step(mbs)["lr"] for mbs in batches[k:]]
     assert lrs == pytest.approx([changed_lr(k), changed_lr(k + 1)], rel=1e-12)
     assert lrs != pytest.approx(uninterrupted, rel=1e-3)  # the checkpoint's schedule would have given these
