@@ -1,34 +1,15 @@
-"""The accounting ledger: every prompt the prompt source issues ends in exactly one outcome.
+"""The accounting ledger: every issued prompt ends in exactly one :class:`PromptOutcome` (docs/DELIVERY.md).
 
-Outcomes (invariant 2 of the design, ``docs/DELIVERY.md``):
-
-| outcome         | announced as                                   | by                          |
-|-----------------|------------------------------------------------|-----------------------------|
-| ``trained``     | :class:`bus.messages.GroupsTrained`            | trainer, at each checkpoint |
-| ``dropped_stale``| ``GroupsDropped`` reason ``"stale"``          | packer                      |
-| ``filtered``    | ``GroupsDropped`` reason ``"filtered..."``     | packer                      |
-| ``failed``      | ``GroupsDropped``, any other reason (kept)     | producer, packer, others    |
-
-The first outcome recorded for an id wins. The same outcome again is a harmless repeat
-(at-least-once delivery re-announces); a *different* outcome later is a **conflict**: counted and
-listed, the first one kept. An outcome for an id that was never issued is **unknown**: counted and
-listed. Lists of conflicts and unknown ids hold at most ``max_listed`` entries (the counts are
-exact); everything else is O(issued prompts).
-
-Journal (``RUN_DIR/ledger.jsonl``): one compact JSON object per line, appended and flushed per
-write (a killed process loses at most the line being written; a power loss is not covered, as in
-``docs/DELIVERY.md``)::
+The first outcome of an id wins; the same one again is a repeat, a different one a conflict (counted,
+listed up to ``max_listed``, the first kept); an outcome of an id never issued is unknown (likewise).
+Journal ``RUN_DIR/ledger.jsonl``, one JSON object per line, flushed per write; an issue is journaled
+before its prompt is sent, and a reopened ledger replays it (dropping a torn last line)::
 
     {"event":"issue","id":"p00000003","index":3,"step":1}
     {"event":"outcome","id":"p00000003","outcome":"failed","reason":"failed: RuntimeError"}
-    {"event":"<other>", ...}       # notes of the owner (see :meth:`Ledger.note`)
+    {"event":"<other>", ...}       # the owner's notes (Ledger.note)
 
-An issue is journaled *before* the prompt is sent, so an id is never sent unrecorded (a restart
-would otherwise reuse its index). A :class:`Ledger` opened on an existing journal replays it
-through the same code path (same state, conflicts and unknowns included), drops a truncated last
-line, and appends after it. ``accounting.json`` is a snapshot written atomically (tmp + rename).
-
-No sockets here: :mod:`prompts.source` feeds it from the control channel.
+``accounting.json`` is a snapshot written atomically (tmp + rename).
 """
 
 from __future__ import annotations
@@ -46,8 +27,7 @@ log = logging.getLogger(__name__)
 
 
 class PromptOutcome(StrEnum):
-    """The outcome a prompt ends in (the table above); the value is the text of the journal, of
-    ``accounting.json`` and of the ``outcome`` label of ``rlbus_accounting_outcomes_total``."""
+    """A prompt's outcome; the value is the journal's, ``accounting.json``'s and the metric label's text."""
 
     TRAINED = "trained"
     DROPPED_STALE = "dropped_stale"
@@ -63,10 +43,8 @@ ACCOUNTING_NAME = "accounting.json"
 
 
 def outcome_of_drop(reason: str) -> PromptOutcome:
-    """The outcome of a ``GroupsDropped`` reason: ``"stale"`` -> ``dropped_stale``, ``"filtered..."``
-    -> ``filtered``, anything else (``"failed: RuntimeError"``, ``"too_long"``, ...) -> ``failed``.
-    (The packer's reasons are :class:`packer.packer.DropReason`; a stage does not import another,
-    so they are matched here by their wire text.)"""
+    """``"stale"`` -> dropped_stale, ``"filtered..."`` -> filtered, any other reason -> failed (matched by
+    wire text: a stage does not import the packer's ``DropReason``)."""
     if reason == "stale":
         return PromptOutcome.DROPPED_STALE
     if reason.startswith("filtered"):
@@ -76,25 +54,16 @@ def outcome_of_drop(reason: str) -> PromptOutcome:
 
 @dataclass(frozen=True)
 class IssuedPrompt:
-    """Where an issued prompt came from: ``index`` (issue order; content is ``examples[index %
-    len]``) and ``step`` (the step it was issued for)."""
+    """``index``: issue order (content ``examples[index % len]``); ``step``: the step issued for."""
 
     index: int
     step: int
 
 
 class Ledger:
-    """The prompt source's record of issued prompts and their outcomes, journaled to disk.
-
-    Args:
-        run_dir: directory of ``ledger.jsonl`` and ``accounting.json``; ``None`` keeps everything
-            in memory (tests, standalone use). An existing journal is replayed (``self.replayed``).
-        max_listed: most conflicts and most unknown ids listed (counts stay exact).
-        write_interval_s: :meth:`maybe_write_accounting` writes at most this often, seconds.
-
-    Raises:
-        ValueError: the journal has a malformed line before its last one (names file and line).
-    """
+    """Issued prompts and their outcomes, journaled in ``run_dir`` (None: in memory; an existing journal
+    is replayed, ``self.replayed``). ``write_interval_s``: seconds between snapshots. ValueError for a
+    malformed journal line before the last."""
 
     def __init__(
         self, run_dir: str | Path | None = None, *, max_listed: int = 1000, write_interval_s: float = 2.0
@@ -130,12 +99,12 @@ class Ledger:
 
     @property
     def num_issued(self) -> int:
-        """Distinct prompts issued so far (= the next issue index)."""
+        """Distinct prompts issued (= the next index)."""
         return len(self.issued)
 
     @property
     def num_not_trained(self) -> int:
-        """Issued prompts whose outcome is not ``trained`` (each got, or gets, one replacement)."""
+        """Issued prompts with an outcome other than ``trained``."""
         return self.num_issued - len(self.open) - self.counts[PromptOutcome.TRAINED]
 
     def unresolved(self) -> list[str]:
@@ -145,12 +114,8 @@ class Ledger:
     # -------------------------------------------------------------------------------- recording
 
     def issue(self, prompt_id: str, index: int, step: int) -> None:
-        """Record (and journal) a newly issued prompt; call *before* sending it.
-
-        Raises:
-            ValueError: ``prompt_id`` was issued already, or ``index`` is not the next index
-                (``num_issued``): content is a function of the index, so indices must not skip.
-        """
+        """Record and journal a new prompt, before sending it. ValueError for an id issued already or an
+        ``index`` other than ``num_issued`` (content is a function of the index)."""
         if prompt_id in self.issued:
             raise ValueError(f"prompt {prompt_id!r} was issued already (index {self.issued[prompt_id].index})")
         if index != self.num_issued:
@@ -159,42 +124,25 @@ class Ledger:
         self._append({"event": "issue", "id": prompt_id, "index": index, "step": step})
 
     def record(self, prompt_id: str, outcome: str, reason: str = "") -> str:
-        """Record (and journal) one announced outcome.
-
-        Args:
-            prompt_id: the group / prompt id. outcome: one of :data:`OUTCOMES`.
-            reason: the drop reason (kept for ``failed``).
-
-        Returns:
-            ``"new"`` (first outcome of an issued id), ``"repeat"`` (same outcome again),
-            ``"conflict"`` (a different outcome after the first; the first is kept) or
-            ``"unknown"`` (never issued).
-
-        Raises:
-            ValueError: ``outcome`` is not one of :data:`OUTCOMES`.
-        """
+        """Record and journal one outcome; returns ``"new"``, ``"repeat"``, ``"conflict"`` or ``"unknown"``.
+        ValueError for an outcome not in :data:`OUTCOMES`."""
         if outcome not in OUTCOMES:
             raise ValueError(f"unknown outcome {outcome!r}; expected one of {OUTCOMES}")
         self._append({"event": "outcome", "id": prompt_id, "outcome": outcome, "reason": reason})
         return self._apply_outcome(prompt_id, outcome, reason)
 
     def on_trained(self, group_ids: list[str]) -> list[str]:
-        """Record ``trained`` for ``group_ids``; returns the ids newly resolved."""
+        """Record ``trained``; returns the ids newly resolved."""
         return [gid for gid in group_ids if self.record(gid, PromptOutcome.TRAINED) == "new"]
 
     def on_dropped(self, group_ids: list[str], reason: str) -> list[str]:
-        """Record the outcome of a ``GroupsDropped(reason)``; returns the ids newly resolved."""
+        """Record a drop's outcome; returns the ids newly resolved."""
         outcome = outcome_of_drop(reason)
         return [gid for gid in group_ids if self.record(gid, outcome, reason) == "new"]
 
     def note(self, kind: str, **fields: Any) -> None:
-        """Journal an event of the owner (e.g. a producer's applied version); a later replay lists
-        it, in order, in ``self.notes`` as ``{"event": kind, **fields}``.
-
-        Raises:
-            ValueError: ``kind`` is one of the ledger's own (``issue``, ``outcome``), or a field
-                is named ``event``.
-        """
+        """Journal an owner's event; a replay lists it in ``self.notes``. ValueError for ``kind`` issue or
+        outcome, or a field named ``event``."""
         if kind in ("issue", "outcome") or "event" in fields:
             raise ValueError(f"note kind {kind!r} (or a field named 'event') is reserved for the ledger itself")
         self._append({"event": kind, **fields})
@@ -202,13 +150,7 @@ class Ledger:
     # -------------------------------------------------------------------------------- snapshot
 
     def accounting(self) -> dict[str, Any]:
-        """The ``accounting.json`` snapshot.
-
-        Returns:
-            ``{"issued": n, "outcomes": {outcome: count}, "unresolved": [ids], "failed": {id:
-            reason}, "conflicts": [{"id", "first", "second"}], "unknown": [ids], "num_conflicts",
-            "num_unknown", "num_repeats"}``; ``issued == sum(outcomes) + len(unresolved)``.
-        """
+        """The ``accounting.json`` snapshot; ``issued == sum(outcomes) + len(unresolved)``."""
         return {
             "issued": self.num_issued,
             "outcomes": dict(self.counts),
@@ -222,7 +164,7 @@ class Ledger:
         }
 
     def write_accounting(self) -> None:
-        """Write ``accounting.json`` atomically (tmp file + rename); no-op without a run dir."""
+        """Write ``accounting.json`` atomically; no-op without a run dir."""
         if self.accounting_path is None:
             return
         tmp = self.accounting_path.with_name(self.accounting_path.name + ".tmp")
@@ -232,8 +174,7 @@ class Ledger:
         self._last_write = time.monotonic()
 
     def maybe_write_accounting(self, now: float | None = None) -> bool:
-        """Write ``accounting.json`` if something changed and ``write_interval_s`` has passed since
-        the last write (``now``: ``time.monotonic()`` seconds). Returns True if it wrote."""
+        """Write the snapshot if changed and ``write_interval_s`` passed; True if it wrote."""
         now = time.monotonic() if now is None else now
         if not self._dirty or now - self._last_write < self.write_interval_s:
             return False
@@ -241,7 +182,7 @@ class Ledger:
         return True
 
     def close(self) -> None:
-        """Write the final ``accounting.json`` and close the journal (idempotent)."""
+        """Write the final snapshot and close the journal; idempotent."""
         if self._journal is not None:
             self.write_accounting()
             self._journal.close()
@@ -285,7 +226,7 @@ class Ledger:
             self._journal.flush()
 
     def _replay(self, path: Path) -> None:
-        """Rebuild the state from the journal at ``path`` (see the module docstring)."""
+        """Rebuild the state from the journal at ``path``."""
         with open(path, "rb") as f:
             data = f.read()
         complete = data.rfind(b"\n") + 1  # a killed writer may leave a partial last line
@@ -327,12 +268,12 @@ class Ledger:
 
 
 def _describe(outcome: str, reason: str) -> str:
-    """``"failed (too_long)"`` for an outcome with a reason other than its own name."""
+    """``"failed (too_long)"``."""
     return f"{outcome} ({reason})" if reason and reason != outcome else outcome
 
 
 def _field(event: dict[str, Any], name: str, kind: type, where: str) -> Any:
-    """``event[name]`` checked to be a ``kind`` (bools are not ints); ValueError naming ``where``."""
+    """``event[name]`` if a ``kind`` (bools are not ints), else ValueError."""
     value = event.get(name)
     if not isinstance(value, kind) or isinstance(value, bool):
         raise ValueError(f"{where}: field {name!r} must be {kind.__name__}, got {value!r}")

@@ -1,18 +1,5 @@
-"""The producers' applied policy versions as the prompt source's gate sees them.
-
-The gate's ``policy_version`` is the version every live producer runs: the minimum over the
-producers' ``weights.applied`` announcements. Producers come and go (restarts, ``busctl scale``),
-so the gate (:class:`AppliedVersions`) follows these rules:
-
-- the newest announcement of a producer wins, also when it is *lower* (a trainer that resumed
-  from its checkpoint announces an older version; the gate follows it down);
-- until the ``num_producers`` initial producers have each announced once the version is 0, unless
-  ``dead_after_s`` has passed since the first announcement (an initial producer that died before
-  announcing must not hold the gate forever);
-- a producer is *departed*, and ignored, once another producer announced a version different from
-  its own more than ``dead_after_s`` ago and it has not caught up since: a live producer applies a
-  broadcast within seconds of the others, a dead or removed one never does. It counts again as
-  soon as it announces (a restarted producer with the same name, which re-applies the weights).
+"""The producers' applied policy versions as the prompt source's gate sees them: its
+``policy_version`` is the minimum over the live producers' ``weights.applied`` announcements.
 """
 
 from __future__ import annotations
@@ -21,14 +8,10 @@ from typing import Any
 
 
 class AppliedVersions:
-    """The producers' applied policy versions, and the version the gate may rely on.
-
-    Args:
-        num_producers: producers started with the run (the gate waits for each once).
-        dead_after_s: how long a producer may stay behind an announcement before it is ignored,
-            seconds (``bus.dead_after_s``).
-
-    Times are ``clock()`` seconds (monotonic) passed by the caller. Rules: module docstring.
+    """A producer's newest announcement wins, also a lower one (a resumed trainer rolls back). The
+    version is 0 until the ``num_producers`` initial producers each announced, or ``dead_after_s``
+    passed since the first announcement. A producer behind another's announcement for over
+    ``dead_after_s`` (dead or removed) is ignored until it announces again. Times: monotonic seconds.
     """
 
     def __init__(self, num_producers: int, dead_after_s: float) -> None:
@@ -41,7 +24,7 @@ class AppliedVersions:
         self.first_announcement: float | None = None
 
     def announce(self, producer: str, version: int, now: float) -> None:
-        """``producer`` now runs ``version`` (its newest announcement wins, lower or not)."""
+        """``producer`` now runs ``version``."""
         if self.first_announcement is None:
             self.first_announcement = now
         self.version[producer] = version
@@ -53,12 +36,11 @@ class AppliedVersions:
                 self.behind_since.setdefault(other, now)
 
     def departed(self, now: float) -> list[str]:
-        """Producers ignored at ``now``: behind an announcement for more than ``dead_after_s``."""
+        """Producers ignored at ``now``."""
         return sorted(p for p, t in self.behind_since.items() if now - t > self.dead_after_s)
 
     def policy_version(self, now: float) -> int:
-        """The version every live producer runs: min over non-departed producers (0 while the
-        initial producers have not all announced and ``dead_after_s`` has not passed)."""
+        """The version every live producer runs (class docstring)."""
         if not self.version:
             return 0
         assert self.first_announcement is not None
@@ -71,17 +53,8 @@ class AppliedVersions:
 
 
 def applied_since_start(notes: list[dict[str, Any]]) -> list[tuple[str, int]]:
-    """The producers' last applied announcements journaled since the run last started fresh or resumed.
-
-    Args:
-        notes: the ledger's replayed notes: ``{"event": "start", "restarts": n, ...}`` at every
-            start of the prompt source, ``{"event": "applied", "producer": name, "version": v}``
-            per announcement.
-
-    Returns:
-        ``[(producer, version)]``: each producer's last ``applied`` note after the last ``start``
-        with ``restarts == 0`` (a new producer set began there), ordered by when it was made.
-    """
+    """``[(producer, version)]``: each producer's last ``applied`` note after the last ``start`` note with
+    ``restarts == 0`` (where the producer set began), in note order."""
     last: dict[str, int] = {}
     for note in notes:
         if note.get("event") == "start" and note.get("restarts") == 0:

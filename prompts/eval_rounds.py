@@ -1,41 +1,11 @@
-"""Online evaluation rounds: which policy versions are evaluated, on what, and when each round is
-issued by the prompt source.
+"""Online evaluation rounds: which policy versions are evaluated, their prompts, and their journal.
 
-Rounds. With ``eval.enabled`` the evaluated policy versions are
-``{0 if eval.eval_base_model} + {k * eval.interval : 0 < k * interval < max_steps} + {max_steps}``
-(``interval == 0``: only the end). Round ``r`` is the policy after ``r`` optimizer steps; round 0
-is the unmodified base model. With ``eval.only`` (``busctl eval``, no training) round 0 alone.
-
-Issue. Round ``r`` is issued once the gate's ``policy_version`` (the version every live producer
-runs, :class:`prompts.applied_versions.AppliedVersions`) is ``>= r``, all its prompts at once: for
-every eval task (``tasks.registry.eval_tasks``) its first ``num_examples`` held-out examples
-(``get_task(name, cfg.task).load("eval", num_examples, seed)``, rendered with that task's system
-prompt), ids ``e{r:06d}-{task}-{i:05d}`` (:mod:`bus.eval_ids`), ``eval_round = r``,
-``eval_size`` = prompts in the whole round, ``step = r``, ``index`` = position in the round (so a
-sampling seed gives every round the same random numbers: rounds compare with less noise). Eval
-prompts are not ledger prompts: they count towards no step, and their outcomes (``groups.dropped``
-of an eval id) are not the ledger's (the packer counts them towards the round,
-:mod:`packer.evaluation`).
-
-Journal and recovery. A queued round is journaled in the prompt source's ledger as a note
-``{"event": "eval_round", "round": r}``; once the packer's ``eval.result`` of every eval task of
-round ``r`` has been seen, ``{"event": "eval_done", "round": r}``. A restarted source (supervisor)
-skips the rounds journaled done and issues again, all prompts with the same ids, every round
-journaled issued but not done: its prompts may have died with the old source's outbox, and the
-packer counts each id once (a copy of a received group is a duplicate; a round it already closed
-answers with its stored result). A resumed run (``busctl up --resume``, trainer checkpoint at step
-``c``) also forgets every round ``> c``, done or not: the trainer drops their records (they
-evaluated the lost lineage) and they are issued again when the producers reach version ``r``.
-
-Which policy a re-issued round scores: the version the producers run when its prompts are sampled
-again, ``>= r`` (after a resume: the checkpoint's ``c >= r``); groups received before the restart
-keep the version they were sampled under. The round is still reported as round ``r``; its
-``eval.result`` ``version_min``/``version_max`` (metrics.jsonl ``eval/<task>/version_min|max``)
-give the versions actually sampled, and the packer logs them.
-
-That a round is sampled under exactly the version ``r`` (when the producers are not already past
-it) is the producers' side: a weight update waits for in-flight eval requests
-(:class:`producers.eval_gate.EvalUpdateGate`).
+Round ``r`` (the policy after ``r`` steps; 0 the base model) is issued once the gate's
+``policy_version >= r``: every eval task's first ``num_examples`` held-out examples, ids from
+:func:`bus.eval_ids.eval_prompt_id`. Eval prompts are not ledger prompts. Rounds are journaled as
+ledger notes ``eval_round`` and, once every task's ``eval.result`` was seen, ``eval_done``; a
+restarted source issues again the rounds without ``eval_done``, and a resume at checkpoint ``c``
+forgets rounds ``> c``. The story: docs/ARCHITECTURE.md, "Producer side".
 """
 
 from __future__ import annotations
@@ -54,11 +24,8 @@ if TYPE_CHECKING:
 
 
 def eval_round_versions(eval_cfg: "EvalConfig", max_steps: int) -> list[int]:
-    """The policy versions evaluated in a run (module docstring), ascending; [] when disabled.
-
-    Raises:
-        ValueError: ``max_steps < 1``.
-    """
+    """``{0 if eval_base_model} + {k * interval < max_steps} + {max_steps}`` ascending (``[0]`` for
+    ``eval.only``, ``[]`` when disabled). ValueError for ``max_steps < 1``."""
     if max_steps < 1:
         raise ValueError(f"max_steps must be >= 1, got {max_steps}")
     if not eval_cfg.enabled:
@@ -75,7 +42,7 @@ def eval_round_versions(eval_cfg: "EvalConfig", max_steps: int) -> list[int]:
 
 @dataclass(frozen=True)
 class EvalSet:
-    """One eval task's held-out prompts: name, system prompt, examples ``{"id", "prompt", "info"}``."""
+    """One eval task's held-out examples and system prompt."""
 
     task: str
     system_prompt: str | None
@@ -83,18 +50,8 @@ class EvalSet:
 
 
 class EvalRounds:
-    """Which eval rounds are due and their prompts.
-
-    Args:
-        rounds: policy versions to evaluate (:func:`eval_round_versions`).
-        sets: the eval tasks' held-out prompts; every round uses all of them.
-        temperature: sampling temperature of eval prompts (> 0).
-        done: rounds whose results were seen (from the journal): never issued again. Every other
-            round is issued when due, also one issued before a restart (module docstring).
-
-    Raises:
-        ValueError: rounds without eval prompts, or temperature <= 0.
-    """
+    """Which of ``rounds`` are due, and their prompts (all of ``sets``); ``done`` rounds are never issued.
+    ValueError for rounds without eval prompts or ``temperature <= 0``."""
 
     def __init__(
         self, rounds: list[int], sets: list[EvalSet], *, temperature: float, done: set[int] = frozenset()
@@ -112,12 +69,11 @@ class EvalRounds:
 
     @property
     def tasks(self) -> set[str]:
-        """The eval tasks that report a result every round (those with held-out examples)."""
+        """The eval tasks with held-out examples (each reports every round)."""
         return {s.task for s in self.sets if s.examples}
 
     def on_result(self, round_: int, task: str) -> bool:
-        """Note the packer's ``eval.result`` of ``(round_, task)``; True if it completes the round
-        (every task of :attr:`tasks` seen) for the first time: journal it done."""
+        """Note ``(round_, task)``'s result; True when it completes the round for the first time."""
         if round_ in self.done or round_ not in self.rounds:
             return False
         seen = self.results.setdefault(round_, set())
@@ -130,12 +86,8 @@ class EvalRounds:
         return True
 
     def restore(self, notes: list[dict[str, Any]], resume_step: int | None = None) -> list[int]:
-        """Rebuild from the ledger's journal notes (oldest first): rounds journaled done are never
-        issued again; returns the rounds journaled issued but not done (issued again when due).
-
-        A ``start`` note with ``resume`` and ``checkpoint_step: c`` (a past resume), and
-        ``resume_step`` (this one), forget the rounds ``> c`` noted before them (module docstring).
-        """
+        """Restore from the journal's notes; returns the rounds issued but not done. A resume at ``c`` (a
+        ``start`` note's ``checkpoint_step``, or ``resume_step``) forgets the rounds ``> c`` before it."""
         issued: set[int] = set()
         done: set[int] = set()
         for n in [*notes, {"event": "start", "resume": True, "checkpoint_step": resume_step}]:
@@ -153,15 +105,16 @@ class EvalRounds:
 
     @property
     def round_size(self) -> int:
-        """Prompts (groups) in one round, all eval tasks."""
+        """Prompts in one round."""
         return sum(len(s.examples) for s in self.sets)
 
     def due(self, policy_version: int) -> list[int]:
-        """Rounds not issued yet with ``round <= policy_version``, ascending."""
+        """Rounds not issued with ``round <= policy_version``, ascending."""
         return [r for r in self.rounds if r <= policy_version and r not in self.issued]
 
     def issue(self, round_: int) -> list[Prompt]:
-        """Mark ``round_`` issued and return its prompts (raises ValueError if not a pending round)."""
+        """Mark ``round_`` issued and return its prompts (``index``: position in the round, so a sampling
+        seed gives every round the same random numbers). ValueError unless the round is pending."""
         if round_ not in self.rounds or round_ in self.issued:
             raise ValueError(f"eval round {round_} is not pending (rounds {self.rounds}, issued {sorted(self.issued)})")
         self.issued.add(round_)
@@ -186,8 +139,7 @@ class EvalRounds:
 
 
 def build_eval_rounds(cfg: "RunConfig", done: set[int] = frozenset()) -> EvalRounds:
-    """The run's :class:`EvalRounds`: rounds from ``cfg.eval`` and ``trainer.max_steps``, each eval
-    task's held-out examples (its ``eval`` split) and :func:`prompts.temperature.eval_temperature`."""
+    """The run's :class:`EvalRounds` (each eval task's ``eval`` split)."""
 
     rounds = eval_round_versions(cfg.eval, cfg.trainer.max_steps)
     sets = []

@@ -1,28 +1,8 @@
-"""The prompt source process: :class:`PromptSourceProc` wraps :class:`prompts.source.PromptSource`.
-
-Sockets: a reliable sender ``prompts`` (bound; producers pull), a reliable receiver ``outcomes``
-(bound; ``groups.trained`` from the trainer, ``groups.dropped`` from the packer and producers),
-the control SUB (``weights.applied``, ``eval.result``, ``run.done``), a control PUB (failed eval
-groups of rounds without a result, announced again every :data:`EVAL_FAILURES_EVERY_S`).
-
-Accounting. Every issue and every outcome (``groups.trained`` from the trainer, ``groups.dropped``
-from the packer and producers) goes through the :class:`prompts.accounting.Ledger`, journaled to
-``RUN_DIR/ledger.jsonl``. A restarted prompt source (``RLBUS_RESTARTS >= 1``) or a resumed run
-(``RLBUS_RESUME=1``, or simply an existing journal: a fresh run starts in an empty run dir)
-rebuilds the ledger, re-issues the prompts still without outcome first (same id and content: a
-prompt is a pure function of its issue index; downstream dedupe by id makes a copy harmless;
-paced like new prompts: a re-issue of step ``s`` waits for ``policy_version >= s -
-max_async_level`` and for room in the ``prompts`` outbox), then goes on issuing. Eval rounds
-issued before the restart without an ``eval.result`` of every task are issued again
-(:mod:`prompts.eval_rounds`); a resumed run journals its checkpoint step in its ``start`` note. A restarted source also restores the producers' applied versions journaled since
-the run (re)started, and then hears every producer's latest ``weights.applied`` from the hub's
-catch-up (:mod:`bus.hub` caches it per producer), which covers announcements made while the source
-was down; a repeat of a version already known is ignored. A resumed run does not restore (its
-producers are new and announce again). ``accounting.json`` is written at most every
-``Ledger.write_interval_s`` while running, on ``run.done`` and on close.
-
-Run as ``python -m prompts.proc --run-dir RUN_DIR --name prompt-source`` (the supervisor does, see
-``bus/component_table.py``).
+"""The prompt source process (``python -m prompts.proc``): :class:`prompts.source.PromptSource` with a
+reliable sender ``prompts`` (bound), a reliable receiver ``outcomes`` (bound), the control SUB and
+PUB. A restarted or resumed source rebuilds from ``ledger.jsonl`` and re-issues what has no outcome;
+a restarted one also restores the producers' applied versions journaled since the run started,
+then hears their latest from the hub's catch-up (docs/ARCHITECTURE.md, "Lifecycle and healing").
 """
 
 from __future__ import annotations
@@ -64,12 +44,7 @@ EVAL_FAILURES_EVERY_S = 5.0
 
 
 class PromptSourceProc(Component):
-    """Process wrapper of :class:`PromptSource`: reliable sender ``prompts`` (bound), control SUB.
-
-    ``prompts`` is at-least-once (:mod:`bus.courier`): ``send`` blocks while the outbox holds its
-    bound of prompts not yet taken by a producer; a prompt held by a producer that dies is re-sent
-    to another one by the courier.
-    """
+    """Process wrapper of :class:`PromptSource`."""
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -123,10 +98,7 @@ class PromptSourceProc(Component):
         self._failures_due = time.monotonic() + EVAL_FAILURES_EVERY_S
 
     def _reannounce_eval_failures(self) -> None:
-        """Every :data:`EVAL_FAILURES_EVERY_S`: publish the failed eval groups of rounds without a
-        result again (one ``groups.dropped``): the packer counts failures from the control channel,
-        a packer restarted after the producer's announcement missed it, and the round could never
-        complete. The packer counts an id once; the ledger never sees these (control only)."""
+        """Publish the failed eval groups of open rounds again: a restarted packer missed them."""
         now = time.monotonic()
         if now < self._failures_due:
             return
@@ -138,7 +110,7 @@ class PromptSourceProc(Component):
             )
 
     def _sync_metrics(self) -> None:
-        """Bring the accounting metrics up to the ledger (counters by their increase since the last sync)."""
+        """Bring the accounting metrics up to the ledger."""
         now = {"issued": self.ledger.num_issued, "reissued": self.source.num_reissued, **self.ledger.counts}
         counters = {"issued": ACCOUNTING_ISSUED, "reissued": PROMPTS_REISSUED}
         for key, value in now.items():
@@ -166,14 +138,11 @@ class PromptSourceProc(Component):
         return True
 
     def _known_applied(self, msg: WeightsApplied) -> bool:
-        """``msg`` repeats the version its producer is already known to run: the hub's catch-up
-        re-sends every producer's latest ``weights.applied`` whenever a component (re)subscribes.
-        Such a repeat is no news (and must not make a departed producer count again)."""
+        """A repeat of the hub's catch-up: no news (a departed producer must not count again)."""
         return self.source.applied.version.get(msg.producer) == msg.version
 
     def _handle_outcomes(self, quiet_s: float = 0.0) -> None:
-        """Record every outcome report waiting on ``outcomes`` (journal first, then release it),
-        until none has arrived for ``quiet_s`` seconds."""
+        """Record (journal, then release) outcome reports until none arrived for ``quiet_s``."""
         msg = self.outcomes_in.recv(timeout_s=quiet_s)
         while msg is not None:
             if isinstance(msg, GroupsTrained):

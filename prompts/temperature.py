@@ -1,18 +1,6 @@
-"""The sampling temperature each prompt carries, stamped by the prompt source.
-
-Without ``sampling.temp_scheduler`` every training prompt is sampled at ``sampling.temperature``.
-With one, the temperature of a prompt issued for optimizer step ``s`` interpolates from
-``start_temperature`` (step 0) to ``end_temperature`` (step ``max_steps - 1``) with
-``t = s / (max_steps - 1)`` (``t = 0`` when ``max_steps == 1``):
-
-- linear: ``T(t) = start + (end - start) * t``;
-- cosine (half period, as in cosine learning-rate decay, Loshchilov & Hutter 2017, SGDR eq. 5):
-  ``T(t) = end + (start - end) * (1 + cos(pi * t)) / 2``.
-
-A pure function of the step, so a re-issued prompt keeps its temperature. The producer samples
-with the value on the prompt, the group records it and the trainer divides its logits by it
-(vLLM's processed logprobs are post-temperature). Eval prompts use ``eval.temperature``, else the
-temperature of the last step.
+"""The sampling temperature each prompt carries: ``sampling.temperature``, or the
+``sampling.temp_scheduler`` schedule over the steps, a pure function of the step (a re-issued
+prompt keeps its temperature). The trainer divides its logits by the group's temperature.
 """
 
 from __future__ import annotations
@@ -25,19 +13,9 @@ if TYPE_CHECKING:
 
 
 def temperature_at(sampling: "SamplingConfig", step: int, max_steps: int) -> float:
-    """Sampling temperature of a prompt issued for optimizer ``step`` (formulas: module docstring).
-
-    Args:
-        sampling: the ``sampling`` config section.
-        step: optimizer step, ``0 <= step``; steps past ``max_steps - 1`` get the end temperature.
-        max_steps: steps of the run (``trainer.max_steps``), >= 1.
-
-    Returns:
-        The temperature (> 0, unitless).
-
-    Raises:
-        ValueError: ``step < 0`` or ``max_steps < 1``.
-    """
+    """The temperature of a prompt of ``step``. With ``t = min(step / (max_steps - 1), 1)`` (0 when
+    ``max_steps == 1``): linear ``start + (end - start) t``, cosine ``end + (start - end) (1 + cos(pi t))
+    / 2`` (half period, SGDR eq. 5, Loshchilov & Hutter 2017). ValueError for ``step < 0``, ``max_steps < 1``."""
     if step < 0 or max_steps < 1:
         raise ValueError(f"need step >= 0 and max_steps >= 1, got step={step}, max_steps={max_steps}")
     sched = sampling.temp_scheduler
@@ -53,7 +31,7 @@ def temperature_at(sampling: "SamplingConfig", step: int, max_steps: int) -> flo
 
 
 def eval_temperature(cfg: "RunConfig") -> float:
-    """Temperature of eval prompts: ``eval.temperature``, else the temperature of the last step."""
+    """``eval.temperature``, else the last step's temperature."""
     if cfg.eval.temperature is not None:
         return float(cfg.eval.temperature)
     return temperature_at(cfg.sampling, cfg.trainer.max_steps - 1, cfg.trainer.max_steps)
