@@ -1,16 +1,10 @@
 """The metrics reference, generated from the Prometheus registry: ``python -m busctl.metrics_reference``.
 
-Imports every rlbus module that defines Prometheus metrics (found by reading the sources of the
-packages in :data:`PACKAGES`), records which module registers each collector, adds the
-collectors that components create at run time (:data:`RUNTIME_COLLECTORS`), and renders
-``docs/metrics.md``: the endpoints and the scrape configuration, then one table per component
-prefix (``rlbus_<component>_...``) with each family's exported name (counters with ``_total``),
-type, labels, unit (from the name's suffix), help text and the role of the processes that serve
-it, and the label values known before anything happens (series pre-initialised at 0).
-
-Run it in a fresh interpreter (it hooks the default registry before the metric modules are
-imported): ``tests/docs/test_metrics_reference.py`` runs ``--check``, which fails when the
-committed file differs from a fresh rendering.
+Imports every rlbus module that defines Prometheus metrics (:data:`PACKAGES`), adds the collectors components
+create at run time (:data:`RUNTIME_COLLECTORS`), and renders ``docs/metrics.md``: one table per component
+prefix with each family's name, type, labels, unit, help and serving roles. Run it in a fresh interpreter (it
+hooks the default registry before the metric modules are imported); ``--check`` fails when the committed file
+is stale (``tests/docs/test_metrics_reference.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import REGISTRY
+
+from trainer.observability.step_keys import STEP_KEYS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_PATH = ROOT / "docs" / "metrics.md"
@@ -55,7 +51,8 @@ SECTIONS = {
     "stage": "Pipeline stages (`telemetry.metrics.StageMeter`): throughput, latency and where time goes. "
     "Busy time runs while the stage has at least one item in work, idle time otherwise, so "
     "`rate(rlbus_stage_busy_seconds_total[1m])` is a process's utilisation (summed over a stage's "
-    "replicas: its busy processes); the stage near full while the others idle is the bottleneck. Samples and tokens count finished samples and "
+    "replicas: its busy processes); the stage near full while the others idle is the bottleneck. "
+    "Samples and tokens count finished samples and "
     "their completion tokens; latency is per item (a group; for the trainer one optimizer step).",
     "policy": "The policy version a process works with: the trainer's latest weights, the version a producer "
     "applied, the prompt source's gate (the lowest version every producer applied); 0 elsewhere.",
@@ -63,9 +60,11 @@ SECTIONS = {
     "prompt_source": "Prompt issue and gating (`prompts/proc.py`, `prompts/source.py`).",
     "accounting": "The prompt ledger: every issued prompt ends in one outcome (`docs/DELIVERY.md`).",
     "producer": "Rollout producers (`producers/proc.py`): generation and weight updates.",
-    "rewards": "Reward workers (`rewards/proc.py`, `rewards/worker.py`): rewards, advantages, failures of reward functions, filters.",
+    "rewards": "Reward workers (`rewards/proc.py`, `rewards/worker.py`): rewards, advantages, "
+    "failures of reward functions, filters.",
     "packer": "The packer (`packer/proc.py`): staleness filter, policy lag, packing, samples log.",
-    "trainer": "The trainer, rank 0 (`trainer/proc.py`, `trainer/observability/gauges.py`, `trainer/observability/step_timing.py`, "
+    "trainer": "The trainer, rank 0 (`trainer/proc.py`, `trainer/observability/gauges.py`, "
+    "`trainer/observability/step_timing.py`, "
     "`trainer/parallel/threads.py`, `trainer/publish.py`): the last step's loss and statistics as gauges "
     "(also in `metrics.jsonl`), step time by phase, CPU threads, weight transfer times.",
     "eval": "Online evaluation (`trainer/observability/eval_log.py`): the last eval round per eval task.",
@@ -174,7 +173,8 @@ def collect_families() -> list[Family]:
     early = [m for m in modules if m in sys.modules]
     if early:
         raise RuntimeError(
-            f"{early} imported before collect_families(): run `python -m busctl.metrics_reference` in a fresh interpreter"
+            f"{early} imported before collect_families(): "
+            "run `python -m busctl.metrics_reference` in a fresh interpreter"
         )
     owner: dict[int, str] = {}
     register = REGISTRY.register
@@ -339,6 +339,23 @@ histogram_quantile(0.9, sum by (le) (rate(rlbus_packer_policy_lag_steps_bucket[5
 """
 
 
+STEP_KEYS_INTRO = """\
+Every key of a trainer step's metrics: the `metrics.jsonl` record of each step (`{"step": ..., **metrics}`,
+rank 0), the `trainer.step` message's `metrics`, and the `rlbus_trainer_<key>` gauge where the gauge column
+names one. From `trainer/observability/step_keys.py`; `<name>` marks a family of keys. A key an option turns off
+is absent."""
+
+
+def step_keys_markdown() -> str:
+    """The table of a trainer step's metrics keys (:data:`trainer.observability.step_keys.STEP_KEYS`)."""
+    lines = ["## Trainer step records (`metrics.jsonl`)", "", STEP_KEYS_INTRO, "", "| key | gauge | meaning |"]
+    lines.append("|---|---|---|")
+    for key, row in STEP_KEYS.items():
+        gauge = f"`rlbus_trainer_{key}`" if row.gauge else "-"
+        lines.append(f"| `{key}` | {gauge} | {_cell(row.help)} |")
+    return "\n".join(lines) + "\n"
+
+
 def _scrape_example() -> str:
     import yaml
 
@@ -380,8 +397,9 @@ def render(families: list[Family]) -> str:
         for p in SECTIONS
         if p in by_section
     ]
-    parts = [header, "\n".join(toc) + "\n"] + [section_markdown(p, by_section[p]) for p in SECTIONS if p in by_section]
-    return "\n".join(parts)
+    toc.append("- [Trainer step records (`metrics.jsonl`)](#trainer-step-records-metricsjsonl)")
+    sections = [section_markdown(p, by_section[p]) for p in SECTIONS if p in by_section]
+    return "\n".join([header, "\n".join(toc) + "\n", *sections, step_keys_markdown()])
 
 
 def main(argv: list[str] | None = None) -> int:
