@@ -108,7 +108,8 @@ def new_harness(tmp_path):
 
 @pytest.fixture
 def harness(new_harness):
-    # 2 prompts per step, synchronous (async level 0, no prefetch: the source alone gates), 3 steps, no online evaluation
+    # 2 prompts per step, synchronous (async level 0, no prefetch: the source alone gates), 3 steps,
+    # no online evaluation
     return new_harness(
         [
             "trainer.batch_size=4",

@@ -1,5 +1,5 @@
 """Reward functions that misbehave on purpose, referenced by import path from the reward tests
-(``f"{reward_fns.__name__}:raises"``), so they resolve in the isolation children too."""
+(``f"{reward_fns.__name__}:raises"``), so they resolve in the isolated children too."""
 
 from __future__ import annotations
 

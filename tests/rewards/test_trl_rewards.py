@@ -100,7 +100,7 @@ def test_conversational_prompts_are_the_groups_chat_messages():
     samples = [Sample([5, 6], [-0.5] * 2, "", "stop", 1, 1), Sample([7, 8, 9], [-0.5] * 3, "", "stop", 1, 1)]
 
     def produced(messages: list, texts: list[str], prompt_text: str) -> RolloutGroup:
-        """The group a producer builds for a prompt of ``messages`` (a reverse_text prompt as the prompt source renders it)."""
+        """The group a producer builds for a prompt of ``messages`` (a reverse_text prompt as rendered)."""
         prompt = Prompt(id="p-1", index=0, step=1, task="reverse_text", messages=messages, info={})
         return group_from_samples(
             prompt, [1, 2, 3], samples, texts, producer="producer-0", gen_time_s=0.1, prompt_text=prompt_text

@@ -1,10 +1,11 @@
 """Environments for the multi-turn tests, referenced by import path (``f"{misbehaving_envs.__name__}:ByText"``)
-so they resolve in the isolation children too. ``ByText.step`` misbehaves on demand: the model's text
+so they resolve in the isolated children too. ``ByText.step`` misbehaves on demand: the model's text
 ``hang`` sleeps past every timeout, ``crash`` ends the child's interpreter, ``raise`` raises,
 ``bad`` returns a malformed result, ``stats:<json>`` answers as usual with the step statistics
-``<json>`` as a fourth element (``stats5:<json>``: and a fifth, malformed); any other text is answered with a user turn ``"more <k>"``
-until ``info["turns"]`` model turns are done. The reward is the number of model turns seen. :func:`faulty_task` is a whole task whose
-environment hangs, crashes or raises on some model texts (for end-to-end runs)."""
+``<json>`` as a fourth element (``stats5:<json>``: and a fifth, malformed); any other text is answered
+with a user turn ``"more <k>"`` until ``info["turns"]`` model turns are done. The reward is the number
+of model turns seen. :func:`faulty_task` is a whole task whose environment hangs, crashes or raises on
+some model texts (for end-to-end runs)."""
 
 from __future__ import annotations
 

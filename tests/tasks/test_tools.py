@@ -244,7 +244,8 @@ def test_gsm8k_calculator_episode_through_isolated_children_renders_as_the_templ
     assert [[m["content"] for m in ms] for ms in replies[:3]] == [
         [
             "9",
-            "Error: the tool call is not valid JSON (Expecting property name enclosed in double quotes at character 37)",
+            "Error: the tool call is not valid JSON "
+            "(Expecting property name enclosed in double quotes at character 37)",
         ],
         ["Error: calculator: ValueError: the power is too large"],
         ["18"],
