@@ -1,5 +1,4 @@
 """The two sides of one weight-transfer method: `WeightSender` (trainer) and `WeightReceiver` (producer).
-
 One module per method holds both sides (`dist_broadcast`, `filesystem`, `bus_method`); `broadcaster.factory` picks
 them by `broadcast.method`. A sender's `publish` announces and sends in the order its method needs (broadcast:
 announce first, producers join the collective on it; filesystem: write first), through a callback, so a sender
@@ -24,9 +23,7 @@ Announce = Callable[[dict], None]
 
 class SendFailed(RuntimeError):
     """A background weight transfer failed (a producer died, a gloo/nccl error or timeout).
-
-    `version` failed; `payload` `{name: tensor}` (views of the send buffers) lets it be re-published another way.
-    """
+    `version` failed; `payload` `{name: tensor}` (views of the send buffers) lets it be re-published another way."""
 
     def __init__(self, version: int, payload: dict[str, torch.Tensor], cause: BaseException) -> None:
         super().__init__(f"broadcast of weights version {version} failed: {type(cause).__name__}: {cause}")
@@ -36,9 +33,7 @@ class SendFailed(RuntimeError):
 
 class WeightSender(ABC):
     """Trainer side of one method: hands a payload `{hf_name: tensor}` to the producers.
-
-    `method`: the `broadcast.method` value; `carries_adapter`: whether it may carry a LoRA adapter payload.
-    """
+    `method`: the `broadcast.method` value; `carries_adapter`: whether it may carry a LoRA adapter payload."""
 
     method: ClassVar[str]
     carries_adapter: ClassVar[bool] = False
@@ -125,9 +120,7 @@ class WeightReceiver(ABC):
 
 class FallbackReceiver(WeightReceiver):
     """`primary`'s receiver that also takes `fallback`'s announcements (`trainer.publish` falls back).
-
-    `skip_reason` / `apply` raise ValueError for a method neither takes.
-    """
+    `skip_reason` / `apply` raise ValueError for a method neither takes."""
 
     def __init__(self, primary: WeightReceiver, fallback: WeightReceiver) -> None:
         self.method = primary.method

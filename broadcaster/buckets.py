@@ -1,5 +1,4 @@
 """Receive side of the weight transfer: one manifest's buckets into flat buffers allocated once.
-
 Every receiver uses it (the vLLM worker extension, `broadcaster.bus_fetch`, tests, `bench/broadcast.py`), so all
 decode the wire alike. Buffers are reused for every version of one (manifest, bucket_bytes). `receive` posts every
 bucket's broadcast in manifest order, then waits (collectives match by issue order). Returned views alias the
@@ -17,9 +16,7 @@ from broadcaster.manifest import DEFAULT_BUCKET_BYTES, bucket_views, plan_bucket
 
 class BucketReceiver:
     """Flat receive buffers for `manifest` (`[[name, dtype, shape], ...]`) at the sender's `bucket_bytes`.
-
-    `device`: CPU for gloo, the worker's GPU for nccl. Raises ValueError: a malformed manifest or bucket size.
-    """
+    `device`: CPU for gloo, the worker's GPU for nccl. Raises ValueError: a malformed manifest or bucket size."""
 
     def __init__(
         self, manifest: Sequence[Sequence], bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: torch.device | str = "cpu"
@@ -45,9 +42,7 @@ class BucketReceiver:
 
     def receive(self, group, src: int = 0) -> dict[str, torch.Tensor]:
         """Receive one version from rank `src` of `group`; `{name: view}` aliasing the buffers.
-
-        Raises RuntimeError: the collective failed or timed out.
-        """
+        Raises RuntimeError: the collective failed or timed out."""
         works = [group.broadcast(flat, src) for flat in self.flats]
         for work in works:
             work.wait()

@@ -59,10 +59,8 @@ class FetchResult:
 
 class BusFetcher:
     """A DEALER connected to the trainer's `weights` endpoint.
-
     `keys_dir` "" is plaintext; `client` "" is `bus.auth.DEFAULT_CLIENT`. `window`: 1..64 buckets asked at once.
-    Raises ValueError: a bad `window` or `retry_s`, or unusable keys.
-    """
+    Raises ValueError: a bad `window` or `retry_s`, or unusable keys."""
 
     def __init__(
         self,
@@ -87,9 +85,7 @@ class BusFetcher:
 
     def fetch(self, buffers: BucketReceiver, version: int, timeout_s: float = 300.0) -> FetchResult:
         """Receive `version` (or the newer one the trainer has instead) into `buffers`.
-
-        Raises TimeoutError: not complete within `timeout_s` seconds (trainer gone, or every answer damaged).
-        """
+        Raises TimeoutError: not complete within `timeout_s` seconds (trainer gone, or every answer damaged)."""
         n = len(buffers.buckets)
         flats_u8 = [flat.view(torch.uint8) for flat in buffers.flats]
         target, missing, asked = version, set(range(n)), {}

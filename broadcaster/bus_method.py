@@ -80,9 +80,7 @@ class _Served:
 
 class WeightServer:
     """The trainer's ROUTER on `address` (CURVE server when `ctx` has keys) and the thread answering requests.
-
-    Raises zmq.ZMQError: the endpoint cannot be bound.
-    """
+    Raises zmq.ZMQError: the endpoint cannot be bound."""
 
     def __init__(self, ctx: zmq.Context, address: str) -> None:
         declare_topic("weights", "send", reliable=False)
@@ -190,10 +188,8 @@ class WeightServer:
 
 class BusSender(WeightSender):
     """Trainer side: binds `address` at `open` (or the first `start_send`).
-
     `retire_timeout_s`: wait for the previous version's frames before allocating new buffers, seconds. Raises
-    ValueError: `bucket_bytes <= 0` or `retire_timeout_s < 0`.
-    """
+    ValueError: `bucket_bytes <= 0` or `retire_timeout_s < 0`."""
 
     method: ClassVar[str] = "bus"
     carries_adapter: ClassVar[bool] = True
@@ -229,9 +225,7 @@ class BusSender(WeightSender):
         self, state_dict: Mapping[str, torch.Tensor], version: int, manifest: list[list] | None = None
     ) -> dict:
         """Copy `state_dict` into the buffers (cast to wire dtypes) and serve it as `version`; nothing in flight.
-
-        Returns the announcement plus `bucket_bytes`, `blocked_s`. Raises ValueError (a bad payload), zmq.ZMQError.
-        """
+        Returns the announcement plus `bucket_bytes`, `blocked_s`. Raises ValueError (a bad payload), zmq.ZMQError."""
         start = time.perf_counter()
         self.open()
         assert self.server is not None
@@ -270,9 +264,7 @@ class BusSender(WeightSender):
 
 class BusReceiver(WeightReceiver):
     """Producer side: the engine's vLLM workers fetch each announced version (`timeout_s` each, seconds).
-
-    Any version applies (an older one: a resumed trainer rolled back); the one loaded may be newer than announced.
-    """
+    Any version applies (an older one: a resumed trainer rolled back); the one loaded may be newer than announced."""
 
     method: ClassVar[str] = "bus"
 

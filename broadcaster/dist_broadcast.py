@@ -108,12 +108,10 @@ class SendBuffers:
 
 class BroadcastSender(WeightSender):
     """Rank 0 of the weight group: sends each version by broadcast in the background.
-
     `host:port` hosts the rendezvous store (`listen_socket`: one already bound there, taken over by the store);
     `world_size` = 1 + producer workers; `bucket_bytes` must match the producers'; `timeout_s` bounds the rendezvous
     and each collective (None: torch's, 30 min for gloo). Raises ValueError: `world_size < 2`, `bucket_bytes <= 0`,
-    an unknown backend.
-    """
+    an unknown backend."""
 
     method: ClassVar[str] = "broadcast"
     carries_adapter: ClassVar[bool] = True
@@ -217,11 +215,9 @@ class BroadcastSender(WeightSender):
         self, state_dict: Mapping[str, torch.Tensor], version: int, manifest: list[list] | None = None
     ) -> dict:
         """Start the background send of `state_dict` as `version`; `state_dict` may change once this returns.
-
         Returns the announcement plus `bucket_bytes` and `blocked_s` (seconds this call held the caller). Raises
         `SendFailed` (the PREVIOUS transfer failed; nothing of this one was sent), RuntimeError (no group, or the
-        backend refused), ValueError (a bad payload).
-        """
+        backend refused), ValueError (a bad payload)."""
         start = time.perf_counter()
         manifest = self.manifest(state_dict) if manifest is None else manifest
         info = {
@@ -295,11 +291,9 @@ class BroadcastSender(WeightSender):
 
 class BroadcastReceiver(WeightReceiver):
     """Producer side: joins the first group, receives each announced version, follows re-formed groups.
-
     `rank`: this engine's first worker's rank (1 + producer index). `in_group=False` (restarted or added
     later): skip broadcasts until a re-formed group lists `name`. `reform_timeout_s` (None: `timeout_s`) bounds
-    joining a re-formed group, seconds.
-    """
+    joining a re-formed group, seconds."""
 
     method: ClassVar[str] = "broadcast"
 
@@ -343,10 +337,8 @@ class BroadcastReceiver(WeightReceiver):
 
     async def regroup(self, msg: Any, ack: Callable[[], None]) -> bool:
         """Leave the old group; if `msg` lists this producer, `ack` and join as `msg.rank_of(name)` (blocks).
-
         Returns whether it is in the new group. A failed join is logged, not raised (the trainer re-forms without
-        it; filesystem announcements meanwhile); a group listing it nowhere makes it ask like a newcomer.
-        """
+        it; filesystem announcements meanwhile); a group listing it nowhere makes it ask like a newcomer."""
         if (msg.generation, msg.port) == (self.generation, self._joined_port):
             return self.in_group  # a repeat of the group this engine already acted on
         rank = msg.rank_of(self.name)

@@ -1,5 +1,4 @@
 """The producers' dtype (`producers.dtype`): what vLLM computes in and what the weights travel in.
-
 One value decides both, so a producer loads exactly the tensors its engine holds and no receiver converts.
 "auto" = bfloat16 with CUDA (vLLM's default for a bfloat16 checkpoint), float32 on CPU (agrees exactly with the
 float32 trainer); `busctl up` resolves it into the saved run config. No torch import: configs and busctl use it.

@@ -82,11 +82,9 @@ def build_senders(
     cfg: Any, *, world_size: int, out_dir: str | Path, restarted: bool = False, bus: BusLink | None = None
 ) -> tuple[WeightSender, WeightSender | None]:
     """(sender, fallback or None) for the trainer; the sender is not opened yet.
-
     `world_size`: 1 + producer workers; `out_dir`: `RUN_DIR/weights`; `restarted`: the fallback sender is both
     until a re-formed group replaces it; `bus`: needed by the bus method. Raises ValueError: an unknown method or
-    fallback, a bad broadcast setting, the bus method without `bus`.
-    """
+    fallback, a bad broadcast setting, the bus method without `bus`."""
     from broadcaster.dist_broadcast import BroadcastSender
 
     def make(method: str) -> WeightSender:
@@ -114,9 +112,7 @@ def build_senders(
 
 def build_group_former(cfg: Any) -> GroupFormer | None:
     """The trainer's `GroupFormer` under the broadcast method, else None.
-
-    Raises ValueError: an unknown method or backend, or `cfg.reform_timeout_s <= 0`.
-    """
+    Raises ValueError: an unknown method or backend, or `cfg.reform_timeout_s <= 0`."""
     if _method(cfg) != "broadcast":
         return None
     from broadcaster.regroup import GroupFormer
@@ -128,9 +124,7 @@ def build_receiver(
     cfg: Any, engine: Any, *, rank: int, world_size: int, in_group: bool, name: str = "", bus: BusLink | None = None
 ) -> WeightReceiver:
     """The producer's receiver (not joined yet); arguments as `BroadcastReceiver`'s, `bus` for the bus method.
-
-    Raises ValueError: an unknown method or fallback, or the bus method without `bus`.
-    """
+    Raises ValueError: an unknown method or fallback, or the bus method without `bus`."""
     from broadcaster.base import FallbackReceiver
     from broadcaster.dist_broadcast import BroadcastReceiver
 

@@ -42,9 +42,7 @@ def write_version(
     out_dir: Path, version: int, state_dict: Mapping[str, torch.Tensor], manifest: list[list]
 ) -> tuple[Path, int]:
     """Write `manifest`'s tensors (in its dtypes) as `out_dir/v{version}/model.safetensors`, then READY.
-
-    Returns (directory, payload bytes); overwrites an incomplete directory. ValueError: the version is complete.
-    """
+    Returns (directory, payload bytes); overwrites an incomplete directory. ValueError: the version is complete."""
     from safetensors.torch import save_file
 
     directory = version_dir(out_dir, version)
@@ -79,9 +77,7 @@ def prune_versions(out_dir: Path, keep: int) -> list[Path]:
 
 class FilesystemSender(WeightSender):
     """Writes each version synchronously, keeping the newest `keep_versions` (ValueError if < 1).
-
-    Merged weights, except a failed broadcast re-published from its send buffers (maybe an adapter).
-    """
+    Merged weights, except a failed broadcast re-published from its send buffers (maybe an adapter)."""
 
     method: ClassVar[str] = "filesystem"
     carries_adapter: ClassVar[bool] = False
@@ -99,9 +95,7 @@ class FilesystemSender(WeightSender):
         self, state_dict: Mapping[str, torch.Tensor], version: int, manifest: list[list] | None = None
     ) -> dict:
         """Write `state_dict` as `version` synchronously; the announcement with `path`, plus `blocked_s`.
-
-        Raises ValueError: a bad payload, or `version` already written.
-        """
+        Raises ValueError: a bad payload, or `version` already written."""
         start = time.perf_counter()
         manifest = self.manifest(state_dict) if manifest is None else manifest
         directory, num_bytes = write_version(self.out_dir, version, state_dict, manifest)

@@ -1,5 +1,4 @@
 """The network interface a gloo weight group binds: the one that routes to the rendezvous host.
-
 gloo binds the address the host name resolves to; where that is loopback (``127.0.1.1 host`` in ``/etc/hosts``,
 common in containers) ranks on two hosts fail (``connectFullMesh failed ... remote=[127.0.0.1]``).
 :func:`pin_gloo_interface` sets ``GLOO_SOCKET_IFNAME`` to the interface the kernel routes to the rendezvous host
@@ -51,9 +50,7 @@ def interface_of(address: str) -> str | None:
 
 def pin_gloo_interface(host: str) -> str | None:
     """Set ``GLOO_SOCKET_IFNAME`` to the interface facing rendezvous ``host``; the interface gloo will bind.
-
-    Returns the user's value if set, else the one found (written to ``os.environ``), else None (unchanged).
-    """
+    Returns the user's value if set, else the one found (written to ``os.environ``), else None (unchanged)."""
     current = os.environ.get(ENV_GLOO_IFNAME)
     if current and current != os.environ.get(ENV_PINNED):
         return current

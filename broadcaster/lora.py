@@ -21,11 +21,9 @@ def merge_lora_delta(
     base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor | float
 ) -> torch.Tensor:
     """`W_base + (B @ A) * scaling` (LoRA, Hu et al. 2021, eq. 3; peft's merge).
-
     `base` `[out, in]`, `lora_a` `[r, in]`, `lora_b` `[out, r]`, `scaling` peft's (alpha / r; rsLoRA alpha / sqrt(r)).
     Returns `[out, in]` in `lora_b`'s dtype promoted to at least float32, on its device. ValueError: shapes do not
-    chain.
-    """
+    chain."""
     if (
         lora_a.dim() != 2
         or lora_b.dim() != 2
@@ -48,9 +46,7 @@ def merged_weights(
     base: Mapping[str, torch.Tensor], payload: Mapping[str, torch.Tensor]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """`(hf_name, tensor)` for every `base` entry in order: the payload's whole tensor, a merge, or the base one.
-
-    Raises ValueError before yielding anything (never half-loads): a payload name or shape the base lacks.
-    """
+    Raises ValueError before yielding anything (never half-loads): a payload name or shape the base lacks."""
     names = [[name, "float32", list(t.shape)] for name, t in payload.items()]
     modules = lora_modules(names)
     whole = {name: t for name, t in payload.items() if not is_lora_entry(name)}

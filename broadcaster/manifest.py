@@ -55,11 +55,9 @@ def is_lora_entry(name: str) -> bool:
 
 def build_manifest(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> list[list]:
     """The manifest of an HF `state_dict()` or a "lora" payload, in iteration order, aliases dropped.
-
     `dtype`: wire dtype of floating entries (None: their own); LoRA factors keep theirs (~1% of the bytes, merged
     unrounded so the result equals a full payload's). Raises ValueError: a raw PEFT name, or a "lora" module
-    lacking an entry; TypeError: a value that is not a Tensor.
-    """
+    lacking an entry; TypeError: a value that is not a Tensor."""
     manifest: list[list] = []
     seen: set[tuple[int, tuple[int, ...], torch.dtype]] = set()
     for name, tensor in state_dict.items():

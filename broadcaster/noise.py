@@ -64,10 +64,8 @@ def with_rmsnorm_noise(
     state_dict: Mapping[str, torch.Tensor], sigma: float, *, seed: int, version: int
 ) -> dict[str, torch.Tensor]:
     """A shallow copy of `state_dict` whose RMSNorm weights are NEW tensors `w + N(0, sigma^2)` (QeRL eq. 10).
-
     The input is never modified. Noise: float32 on CPU in mapping order, cast back to each weight's dtype and
-    device. ValueError: `sigma` negative or not finite.
-    """
+    device. ValueError: `sigma` negative or not finite."""
     if not (sigma >= 0 and sigma != float("inf")):
         raise ValueError(f"sigma must be finite and >= 0, got {sigma}")
     out = dict(state_dict)

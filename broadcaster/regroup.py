@@ -1,5 +1,4 @@
 """Trainer side of re-forming the torch.distributed weight group (the story: docs/ARCHITECTURE.md, "Weights").
-
 A group has a fixed world size, so a joining producer or a dead member means a NEW group: `GroupFormer.form`
 binds a fresh rendezvous socket, announces the `Membership` (every `REANNOUNCE_S` while the rendezvous runs on a
 helper thread) and, if it times out, moves the members that never acknowledged (all, if every one did) to the
@@ -77,10 +76,8 @@ def listening_socket(host: str) -> socket.socket:
 
 class GroupFormer:
     """Forms the trainer's weight groups after the first at `host`.
-
     `timeout_s` bounds one attempt's rendezvous and each broadcast in its group, seconds. Raises ValueError:
-    `timeout_s <= 0` or an unknown backend.
-    """
+    `timeout_s <= 0` or an unknown backend."""
 
     def __init__(
         self, backend: Backend, host: str, *, timeout_s: float, bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -94,10 +91,8 @@ class GroupFormer:
         self, membership: Membership, announce: Announce, acked: Acked
     ) -> tuple[BroadcastSender | None, Membership, list[FormAttempt]]:
         """Form `membership`'s group, dropping blamed members until one forms or none is left.
-
         Returns (opened sender or None, the membership formed or the last all-filesystem one (announced too),
-        every attempt).
-        """
+        every attempt)."""
         attempts: list[FormAttempt] = []
         while membership.members:
             started = time.perf_counter()

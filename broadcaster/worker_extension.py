@@ -1,5 +1,4 @@
 """vLLM worker extension (`worker_extension_cls`) that receives policy weights inside each vLLM worker.
-
 Reached by `collective_rpc` (plain values only; the repo must be importable in vLLM's children). Three ways in:
 `init_weight_group` + `receive_weights` (broadcast; `destroy_weight_group` on a re-form), `receive_weights_bus`
 (`broadcaster.bus_fetch`) and `load_weights_from_path` (filesystem); the first two share one `BucketReceiver`. A
@@ -41,9 +40,7 @@ class WeightSyncExtension:
         timeout_s: float | None = None,
     ) -> None:
         """Join the trainer's group as `rank + i` (worker `i`; `world_size` counts every worker + 1); blocks.
-
-        `timeout_s` bounds the wait (None: torch's default). ValueError: a bad backend or rank.
-        """
+        `timeout_s` bounds the wait (None: torch's default). ValueError: a bad backend or rank."""
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
         if backend not in ("gloo", "nccl"):
@@ -98,9 +95,7 @@ class WeightSyncExtension:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> dict:
         """Fetch `version` (or the newer latest) from `address` and apply it; TimeoutError after `timeout_s`.
-
-        Returns `{"version": loaded, "rejected": {reason: n}, "num_bytes", "num_buckets"}`.
-        """
+        Returns `{"version": loaded, "rejected": {reason: n}, "num_bytes", "num_buckets"}`."""
         from broadcaster.bus_fetch import BusFetcher
 
         fetcher = getattr(self, "_rlbus_fetcher", None)
