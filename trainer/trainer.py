@@ -329,33 +329,15 @@ class Trainer:
         self.phase_s["backward"] += marks.seconds(first + 1, first + 2)
 
     def step(self, micro_batches: Sequence[MicroBatch | None]) -> dict[str, float]:
-        """One optimizer step over all micro-batches of a step (with data parallelism: this
-        rank's share of them, padded with ``None`` slots; see :mod:`trainer.parallel.distributed`).
+        """One optimizer step over a step's micro-batches (with data parallelism: this rank's share,
+        padded with ``None`` slots; :mod:`trainer.parallel.distributed`).
 
-        Gradients of the micro-batches accumulate (under DDP ``no_sync`` but for the last slot,
-        whose backward all-reduces them). The micro-batch stats are merged with
-        :func:`merge_stats` over micro-batches and then over ranks, so every rank's metrics cover
-        the whole step. The gradient norm is clipped on the synchronized gradient (the same on
-        every rank), and whether the non-finite guard skips the step is decided on the merged
-        stats, so every rank skips or steps alike.
+        Gradients accumulate over the micro-batches (DDP all-reduces in the last backward); the
+        stats merge over micro-batches, then ranks, so every rank reports the whole step and skips
+        (non-finite loss or gradient) or steps alike.
 
         Returns:
-            Step metrics: ``loss``, ``kl`` (mean k3 estimate, nats), ``masked_frac``,
-            ``importance_ratio_mean/min/max``, ``clipfrac`` (loss tokens whose gradient a clip
-            removed), ``entropy`` (mean entropy of the tempered policy, nats), and when their
-            option is on ``kl_penalty`` (mean penalty estimator, nats), ``teacher_kl`` (mean
-            train_logprobs - teacher_logprobs, nats), ``tis_clipfrac``; ``grad_norm`` (before clipping), ``num_tokens``,
-            ``num_loss_tokens``, ``num_samples``, ``num_micro_batches``, ``reward_mean``,
-            ``reward_std``, ``reward/<name>`` (each reward function's mean score), ``lr`` (the learning
-            rate of this step's update), ``onpolicy_tokens``, ``onpolicy_lp_diff_max`` (see :meth:`micro_step`),
-            ``lag_frac/<bucket>`` (fraction of loss tokens per off-policy lag, :mod:`trainer.observability.lag_stats`),
-            ``train_time_s`` (this rank's), ``time/forward_s``, ``time/backward_s`` (sums over
-            micro-batches) and ``time/optimizer_s`` (clip, stats all-gather, AdamW) of this rank,
-            seconds (:mod:`trainer.observability.step_timing`), ``skipped`` (1.0 if the non-finite guard skipped the
-            optimizer step, else 0.0; see the module docstring), ``decoder_tokens`` (tokens the
-            decoder ran: ``num_tokens`` less the shared prefixes, :mod:`trainer.forward.shared_prefix`), and
-            every other micro-batch stat as its step total (sum, or min/max for ``*_min``/``*_max``). On a skipped step
-            ``loss`` and ``grad_norm`` may be NaN/inf.
+            The step's metrics; their keys are the rows of :data:`trainer.observability.step_keys.STEP_KEYS`.
 
         Raises:
             ValueError: no slots, micro-batches of several steps, padding slots without data

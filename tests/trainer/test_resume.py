@@ -44,6 +44,7 @@ from tests.trainer.test_checkpoint import CFG, assert_same_optimizer_state, poli
 from trainer.state.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from lifecycle.launch_env import ENV_RESTARTS as RESTARTS_ENV, ENV_RESUME as RESUME_ENV
 from trainer.proc import TrainerProc, drop_weight_versions
+from trainer.observability.step_keys import undocumented
 from trainer.state.step_ledger import StepLedger, group_id, keep_jsonl_records
 from trainer.trainer import Trainer
 
@@ -450,6 +451,7 @@ def assert_same_outcome(run_dir: Path, reference: Path) -> None:
     assert [r["step"] for r in read_jsonl(run_dir / "trained_samples.jsonl")] == [0, 1, 2, 3]
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in metrics] == [1, 2, 3, 4]
+    assert [undocumented(r) for r in metrics] == [[]] * 4  # the process's keys have rows too (STEP_KEYS)
     lrs = [r["lr"] for r in metrics]  # the schedule resumed at its place (scheduler.pt)
     assert lrs == [r["lr"] for r in read_jsonl(reference / "metrics.jsonl")] and len(set(lrs)) == 4
     resumed, expected = final_weights(run_dir), final_weights(reference)

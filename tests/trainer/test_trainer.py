@@ -26,6 +26,7 @@ from configs.schema import LoraSection, OptimConfig, TrainerConfig
 from packer.packer import PackedSample, build_micro_batch
 from trainer.state.model import load_policy
 from trainer.forward.packed import packed_token_logprobs
+from trainer.observability.step_keys import undocumented
 from trainer.trainer import Trainer
 
 # (prompt tokens, completion tokens, advantage, reward)
@@ -100,6 +101,7 @@ def test_on_policy_step_metrics_and_update(model_dir, lora):
     loss_by_hand = -sum(s.advantage * float(s.sampler_logprobs[s.loss_mask].sum()) for s in ss) / n_loss
     m = trainer.step(mbs)
     assert m["loss"] == pytest.approx(loss_by_hand, rel=1e-5)
+    assert undocumented(m) == []  # every key has its row in trainer.observability.step_keys.STEP_KEYS
     assert abs(m["kl"]) < 1e-9
     assert m["masked_frac"] == 0.0
     assert m["importance_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
@@ -215,6 +217,7 @@ def test_each_micro_batch_uses_its_own_temperature(model_dir, with_reference):
             ref = trainer.reference.logprobs(input_ids, seq_lens, mb.temperature)
             torch.testing.assert_close(ref, lp, rtol=1e-5, atol=1e-6)
     m = trainer.step(mbs)  # a whole step: every micro-batch matches its sampler's logprobs
+    assert undocumented(m) == []  # kl_penalty too, with the reference
     assert m["onpolicy_lp_diff_max"] < 1e-5 and abs(m["kl"]) < 1e-9
     if with_reference:
         assert abs(m["kl_penalty"]) < 1e-9  # the reference (= the start policy) at the same T

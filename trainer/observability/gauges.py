@@ -1,9 +1,7 @@
-"""The trainer's per-step Prometheus series: step time, the last step's loss statistics, rewards.
+"""The trainer's per-step Prometheus series, set from each step's metrics (:func:`export_step_metrics`).
 
-One place for the gauges :mod:`trainer.proc` sets after every optimizer step from the step's
-metrics dict (:meth:`trainer.trainer.Trainer.step` plus the process's own keys), so the metric
-names and help texts live apart from the step loop. Invariant: a gauge whose key is missing from a
-step's metrics keeps its last value (options that are off never export a misleading 0).
+Names and help texts come from :data:`trainer.observability.step_keys.STEP_KEYS`. A gauge whose key
+is missing from a step's metrics keeps its last value (an option that is off exports no false 0).
 """
 
 from __future__ import annotations
@@ -11,31 +9,13 @@ from __future__ import annotations
 from prometheus_client import Gauge, Histogram
 
 from telemetry.metrics import POLICY_VERSION
+from trainer.observability.step_keys import STEP_KEYS
 
 __all__ = ["LAG_TOKEN_FRAC", "REWARD_TERMS", "STEP_SECONDS", "TRAINER_GAUGES", "export_step_metrics"]
 
 STEP_SECONDS = Histogram("rlbus_trainer_step_seconds", "Wall time per optimizer step incl. waiting for data, seconds")
-TRAINER_GAUGES = {
-    key: Gauge(f"rlbus_trainer_{key}", doc)
-    for key, doc in {
-        "reward_mean": "Mean reward of the last step's samples",
-        "loss": "Loss of the last step",
-        "kl": "Mean k3 KL(infer || train) estimate of the last step, nats",
-        "masked_frac": "Fraction of the last step's loss tokens given zero gradient by a mask (token, sequence, IcePop)",
-        "clipfrac": "Fraction of the last step's loss tokens whose gradient a clip removed (PPO/GSPO clip, dual clip)",
-        "entropy": "Mean entropy of the tempered policy over the last step's loss tokens, nats",
-        "importance_ratio_mean": "Mean importance ratio pi_train / pi_rollout over the last step's loss tokens",
-        "importance_ratio_min": "Smallest importance ratio pi_train / pi_rollout of the last step",
-        "importance_ratio_max": "Largest importance ratio pi_train / pi_rollout of the last step",
-        "num_loss_tokens": "Loss tokens of the last step, tokens",
-        "kl_penalty": "Mean KL-penalty estimator (trainer.loss.kl_estimator) of the last step, nats (when kl_tau > 0)",
-        "teacher_kl": "Mean train_logprobs - teacher_logprobs over the last step's loss tokens, nats (with teacher logprobs)",
-        "grad_norm": "Gradient norm before clipping",
-        "lr": "Learning rate of the last step's update (trainer.optim's schedule)",
-        "policy_lag_mean": "Mean off-policy lag of the last step's samples, steps",
-        "tokens_per_s": "Trained tokens per second of wall time",
-    }.items()
-}
+TRAINER_GAUGES = {key: Gauge(f"rlbus_trainer_{key}", k.help) for key, k in STEP_KEYS.items() if k.gauge}
+"""``rlbus_trainer_<key>`` for every step key marked ``gauge`` (:data:`trainer.observability.step_keys.STEP_KEYS`)."""
 REWARD_TERMS = Gauge(
     "rlbus_trainer_reward_term_mean", "Mean score of one reward function over the last step's samples", ["reward"]
 )
