@@ -1,65 +1,14 @@
-"""The rollout producer process: prompts in, one :class:`bus.messages.RolloutGroup` per prompt out.
+"""The rollout producer process: prompts in, one :class:`bus.messages.RolloutGroup` per prompt out, on one vLLM engine.
 
-Each producer owns one vLLM engine (:class:`producers.engine.RolloutEngine`) and runs three kinds
-of asyncio tasks on one event loop:
-
-- the prompt loop takes ``prompts`` while fewer than ``max_concurrent_groups`` training groups'
-  worth of samples (``max_concurrent_groups * group_size``) are in flight (so an idle producer
-  takes work and a busy one pushes back). A training prompt of step ``s`` is generated only once
-  the engine runs a policy version ``>= s - max_async_level``: the prompt source issues up to
-  ``producers.prefetch_steps`` steps ahead of that gate, and such a prompt is held (outside the
-  in-flight budget, so a held prompt never blocks the prompts that admit it) until the weights
-  that admit it are applied, when it starts at once; an eval group counts its own size (one sample per
-  example by default), so an eval round runs as a few large vLLM batches instead of
-  ``max_concurrent_groups`` single samples at a time (the base-model round at start-up comes right
-  after the first step's prompts: it must not hold the second step's back for seconds);
-- one generation task per prompt samples ``group_size`` completions (an eval prompt: its eval
-  task's ``rollouts_per_example``) with per-token logprobs at the prompt's temperature and the
-  ``sampling`` parameters (:func:`producers.sampling.request_kwargs`), scores them under the
-  teacher when ``teacher.model_path`` is set (a second vLLM engine, :mod:`producers.teacher`;
-  training groups only: eval groups are never trained), and sends the group on this producer's
-  own ``rollouts`` endpoint (blocking while its outbox is full). Custody (:mod:`bus.courier`): the prompt is released upstream only once a reward
-  worker is done with the group, so a producer killed at any moment loses nothing: the prompt
-  source re-sends what it held. A generation that raises (e.g. a prompt longer than
-  ``max_model_len``) is counted and announced as ``groups.dropped`` (outcome ``failed``) so the
-  prompt source issues a replacement instead of the step stalling;
-- with ``producers.endpoint_port`` set or an agent task (``task.agent``, or a verifiers task
-  ``task.name: verifiers:MODULE``, :mod:`tasks.verifiers_env`), an aiohttp server on the
-  same loop serves the OpenAI-compatible endpoint on the engine (:mod:`producers.endpoint`); an
-  agent task's group is ``n`` isolated agent calls against it, recorded into token-exact episodes
-  (:mod:`producers.agents`);
-- the control loop applies ``weights.ready`` announcements in version order: the engine pauses
-  with in-flight requests kept, receives the weights (torch.distributed broadcast or a
-  safetensors directory, or bucket frames pulled over the bus: possibly a newer version than
-  announced, which is then the one applied), resumes, tags later tokens with the new version, and the producer
-  announces ``weights.applied``; the producer's ``receiver`` (:mod:`broadcaster.factory`) decides
-  which announcements it can apply and how. A version lower than the current one (a trainer resumed from
-  its checkpoint) is applied too. A producer that was restarted or added later
-  (``RLBUS_RESTARTS`` / ``RLBUS_LATE_JOIN`` / ``RLBUS_RESUME``) is outside the torch.distributed
-  group formed at start: it asks the trainer to re-form it (``weights.wanted``, at start and on
-  every broadcast it has to skip) and takes filesystem announcements meanwhile; on
-  ``weights.group`` it acknowledges (``weights.group_ack``), leaves its old group and joins the new
-  one (:mod:`broadcaster.regroup`). A failed broadcast receive breaks the engine and the process
-  exits, so the supervisor restarts it as such a late joiner.
-
-Multi-turn tasks (``Task.env``, :mod:`tasks.env`): a prompt of such a task runs as ``n`` episodes
-(:class:`producers.episodes.EpisodeRunner`): model turns sampled from token ids, environment turns
-rendered by the chat template and appended as tokens, the environment's calls in isolated child
-processes (``task.env_timeout_s``, ``task.env_procs``); the group carries each sample's model-token
-mask (``loss_mask``) and environment reward (``env_rewards``). A tool-use task's function schemas
-(``Task.tools``, :mod:`tasks.tools`) go to the chat template as ``tools=`` for the prompt and the
-environment turns.
-
-Eval groups are exact: an update waits until the eval groups being generated are done, and no
-eval generation starts while an update is pending (:class:`producers.eval_gate.EvalUpdateGate`),
-so every sample of an eval group comes from one policy version. Training generations do not wait
-with ``producers.weight_update: keep``: they are paused with their requests kept and resumed under
-the new weights (partial rollouts; each sample records its version spans, :mod:`producers.engine`,
-which travel as the group's run-length ``version_spans``, :mod:`bus.sample_arrays`); with
-``drain`` the update waits until they finish under the old weights.
-
-Blocking bus calls run in worker threads (``asyncio.to_thread``); the control sockets are only
-ever used by one task at a time.
+:class:`ProducerProc` runs asyncio tasks on one event loop. The prompt loop takes prompts while fewer than
+``max_concurrent_groups * group_size`` samples are in flight (an eval group counts its own size); a prefetched
+training prompt is held until the applied policy version admits it. One generation task per prompt samples the group
+(plain, as multi-turn episodes, :mod:`producers.episodes`, or as agent calls against the OpenAI-compatible endpoint,
+:mod:`producers.endpoint`), scores it under the teacher if any and sends it on ``rollouts/i``; a group that raises
+is announced as ``groups.dropped`` so a replacement is issued. The control loop applies ``weights.ready`` through the
+receiver of :mod:`broadcaster.factory` and announces ``weights.applied``, or moves to a re-formed weight group. Eval
+groups are sampled under one version (:class:`producers.eval_gate.EvalUpdateGate`). The stories: docs/ARCHITECTURE.md
+("Pace, staleness and accounting", "Weights", "Producer side", "Multi-turn episodes").
 """
 
 from __future__ import annotations
@@ -132,14 +81,10 @@ def group_from_samples(
     model_masks: list[list[bool]] | None = None,
     env_rewards: list[float] | None = None,
 ) -> RolloutGroup:
-    """Assemble a :class:`RolloutGroup` from the engine's samples (see :class:`producers.engine.Sample`)
-    and their decoded ``texts``; temperature, eval round and size come from ``prompt``;
-    ``teacher_logprobs`` is ``[N] float32`` (N = completion tokens of the group) or None;
-    ``prompt_text`` the rendered (chat-templated) prompt; multi-turn episodes
-    (:mod:`producers.episodes`) add each sample's model-token mask and its environment reward.
-    ``prompt.messages`` travel as ``prompt_messages`` (for TRL conversational rewards) when they
-    are plain ``{"role", "content"}`` string messages (:func:`bus.wire.is_chat_messages`), else
-    ``[]`` (the reward side then falls back to the rendered text)."""
+    """A :class:`RolloutGroup` of the engine's samples and their decoded ``texts`` for ``prompt``.
+
+    ``teacher_logprobs``: ``[N] float32`` (N = the group's completion tokens) or None; episodes add per-sample
+    model-token masks and env rewards. ``prompt.messages`` travel only if plain string chat messages, else ``[]``."""
     spans, counts = pack_spans(run_lengths(s.token_versions or [s.version_start] * len(s.token_ids)) for s in samples)
     return RolloutGroup(
         id=prompt.id,
@@ -171,7 +116,7 @@ def group_from_samples(
 
 
 class ProducerProc(Component):
-    """A rollout producer process (PULL ``prompts``, PUSH ``rollouts/i``, control SUB + PUB)."""
+    """A rollout producer process (reliable ``prompts`` in, ``rollouts/i`` out; control SUB + PUB)."""
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -200,8 +145,7 @@ class ProducerProc(Component):
                 dtype=cfg.producers.dtype,
             )
             self.loop.run_until_complete(self.teacher.start())
-        self.env_tasks = env_tasks(cfg)
-        """Multi-turn tasks by name; their episodes run in :attr:`episodes` (isolated environments)."""
+        self.env_tasks = env_tasks(cfg)  # multi-turn tasks by name; their episodes run in self.episodes
         self.episodes: EpisodeRunner | None = None
         if self.env_tasks:
             envs = EnvCalls(
@@ -214,12 +158,10 @@ class ProducerProc(Component):
                 max_model_len=cfg.model.max_model_len,
                 tools=[s for t in self.env_tasks.values() for s in t.tools or ()],
             )
-        self.endpoint: OpenAIEndpoint | None = None
-        """The OpenAI-compatible endpoint on :attr:`engine` (``producers.endpoint_port``, or an agent task)."""
+        self.endpoint: OpenAIEndpoint | None = None  # producers.endpoint_port, or an agent task
         self.agents: AgentRunner | None = None
         port = cfg.producers.endpoint_port
-        self.agent = task_agent(cfg)
-        """The training task's agent function (``task.agent``, or a verifiers task's); None: none."""
+        self.agent = task_agent(cfg)  # task.agent or a verifiers task's; None: none
         if port is not None or self.agent:
             self.endpoint = OpenAIEndpoint(
                 self.engine,
@@ -252,17 +194,14 @@ class ProducerProc(Component):
             name=self.name,
             bus=BusLink.connecting(self.endpoints.address("weights"), auth.keys_from_config(cfg.bus)),
         )
-        """How announced weights reach the engine (:mod:`broadcaster.factory`)."""
         self.loop.run_until_complete(self.receiver.join())
 
     def run(self) -> None:
         self.loop.run_until_complete(self._run())
 
     async def _run(self) -> None:
-        self.inflight: dict[asyncio.Task, int] = {}
-        """Generation tasks in flight -> their group's sample count (the prompt loop's budget)."""
-        self.held: set[asyncio.Task] = set()
-        """Prefetched training prompts waiting for a policy version that admits them."""
+        self.inflight: dict[asyncio.Task, int] = {}  # generation task -> its group's samples (the budget)
+        self.held: set[asyncio.Task] = set()  # prefetched training prompts waiting for their version
         self.version_applied = asyncio.Condition()
         tasks = [asyncio.create_task(self._control_loop()), asyncio.create_task(self._prompt_loop())]
         finished, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -288,10 +227,8 @@ class ProducerProc(Component):
                     self._start(prompt)
 
     def _take_prompts(self, room: int) -> list[Prompt]:
-        """(A worker thread.) The next prompt (waiting up to 0.2 s), then every prompt already
-        received while ``room`` samples are left: a burst (an eval round, a step's groups) reaches
-        vLLM in one event-loop turn, as one batch, not one prompt per turn spread over many engine
-        steps. The last prompt taken may exceed ``room`` (as one prompt always could)."""
+        """(Worker thread.) The next prompt (up to 0.2 s), then every one already received while ``room`` samples
+        are left, so a burst reaches vLLM as one batch; the last may exceed ``room``."""
         taken: list[Prompt] = []
         prompt = self.prompts.recv(0.2)
         while prompt is not None:
@@ -415,8 +352,7 @@ class ProducerProc(Component):
                 await self._apply(msg)
 
     def _ask_for_group(self, version: int | None = None) -> None:
-        """Ask the trainer to re-form the weight group with this producer (``weights.wanted`` of
-        ``version``, None: the engine's), if the receiver wants a group (outside every group)."""
+        """Send ``weights.wanted`` (``version``, None: the engine's) if the receiver is outside every group."""
         if self.receiver.wants_group:
             version = self.engine.version if version is None else version
             self.control_out.send(WeightsWanted(id=new_id(), producer=self.name, version=version))
