@@ -1,45 +1,14 @@
 """RolloutEngine: the only place in a producer process that touches vLLM.
 
-It wraps one `vllm.v1.engine.async_llm.AsyncLLM` (a spawned EngineCore process, whose Worker runs
-inside it on CPU: `producers.vllm_procs`) whose workers carry `broadcaster.worker_extension.WeightSyncExtension`, and offers three
-things: generate a group of samples for one prompt, apply new policy weights, report the version.
-
-Policy versions and spans:
-- The engine holds one integer policy `version` (`initial_version` at start). vLLM labels every
-  engine step's output with its current weight version (`AsyncLLM.update_weight_version`), and a
-  finished completion reports `weight_versions`: contiguous `[start, end)` token spans per
-  version. `Sample.token_versions` expands them to one version per token (a token no span
-  covers gets the version when the request was issued); `Sample.version_start` / `version_end`
-  are the min / max of those. Only for a sample without output tokens do they fall back to the
-  engine's version when the request was issued and when it finished.
-- `update_weights` pauses the scheduler with `mode="keep", clear_cache=True`: in-flight requests
-  are frozen, not aborted; the KV and prefix caches are dropped, so on resume those requests are
-  recomputed (prefill of prompt + tokens so far) under the NEW weights and continue from there.
-  Tokens sampled before the pause keep their old-version logprobs; later tokens carry the new
-  version. So a sample with `version_start != version_end` is a partial rollout (off-policy for
-  its early tokens). Requests submitted during the update wait and start under the new version.
-- With `update_mode="drain"` an update instead waits for the in-flight requests to finish under
-  the old weights (vLLM's `mode="wait"`; requests submitted meanwhile queue and start under the new
-  version): no recompute and no partial rollout, at the price of the update waiting for the longest
-  request in flight (right for short completions; `producers.weight_update`).
-- Updates are serialized (one at a time); a failed update leaves the engine paused and marked
-  broken (tokens from half-loaded weights must never be tagged with a version); `close()` it.
-
-Tokenizer: none is rendered here; callers pass token ids. `tokenizer` exposes vLLM's (Hugging
-Face) tokenizer of the model for decoding/EOS ids; `AutoTokenizer.from_pretrained(model_path)` gives
-the same one.
-
-Devices: the engine runs where vLLM's platform is (the CPU build of vLLM: CPU; the CUDA build: the
-devices of the process's `CUDA_VISIBLE_DEVICES`, which `busctl up` sets per producer). On CUDA it
-takes `tensor_parallel_size` GPUs and, when `gpu_memory_utilization` is given, that fraction of
-each GPU's memory with the KV cache sized by vLLM from what is left; without it (the teacher, a
-second engine in the same process) the KV cache is `kv_cache_bytes`, as on CPU, where vLLM takes
-neither argument (`device_engine_args`).
-
-Logprobs are vLLM's "raw_logprobs" by default: log-softmax of the unmodified logits (before
-temperature and top-p), i.e. `log_softmax(model(ids).logits)` on the trainer side. Pass
-`engine_kwargs={"logprobs_mode": "processed_logprobs"}` for post-temperature/top-p values; the
-trainer must then compute the same quantity.
+It wraps one `AsyncLLM` (EngineCore spawned, `producers.vllm_procs`; workers carry
+`broadcaster.worker_extension.WeightSyncExtension`): generate a group for one prompt (token ids in), apply new
+weights, report the policy `version`. vLLM tags each output token with the weight version in effect
+(`weight_versions` spans, expanded per token into `Sample.token_versions`). An update pauses the scheduler with
+`clear_cache=True`, mode "keep" (in-flight requests are recomputed and continue under the new weights: partial
+rollouts) or "drain" (vLLM's "wait": they finish under the old ones); updates are serialized, and a failed one marks
+the engine broken (no token of half-loaded weights is ever tagged). Logprobs are "raw_logprobs" unless
+`engine_kwargs` says "processed_logprobs" (the trainer must compute the same). Where the engine runs and its KV
+cache: `device_engine_args`. The version-span story: docs/ARCHITECTURE.md, "Pace, staleness and accounting".
 """
 
 from __future__ import annotations
@@ -67,28 +36,11 @@ WORKER_EXTENSION_CLS = "broadcaster.worker_extension.WeightSyncExtension"
 class RolloutEngine:
     """Async wrapper of vLLM's AsyncLLM for GRPO rollouts with in-place weight updates.
 
-    Args:
-        model_path: HF model directory (config, safetensors, tokenizer), or a hub id in the local HF
-            cache (`configs.model_path.resolve_model_path`; FileNotFoundError if neither).
-        max_model_len: prompt + completion limit in tokens.
-        seed: engine sampling seed.
-        kv_cache_bytes: KV cache size (vLLM otherwise reserves most of RAM on CPU).
-        initial_version: policy version of the weights at `model_path`.
-        max_num_seqs: most sequences in one engine step.
-        warmup: send one short request in `start()` so the first real batch does not pay
-            the eager-mode first-batch cost (~3 s on CPU).
-        dtype: weights and compute dtype of the engine (`producers.dtype`): "bfloat16",
-            "float32", or "auto" (bfloat16 with CUDA, float32 without;
-            `broadcaster.dtypes.resolve_producer_dtype`). The trainer sends weights in it.
-        busy_loop_s: the most seconds vLLM's inter-process queue readers busy-poll after a read
-            (`producers.vllm_idle`; vLLM's own default is 1 s, which keeps a CPU core spinning
-            while the producer waits); None keeps vLLM's default.
-        tensor_parallel_size: GPUs the engine shards the model over (CUDA only; `producers.tensor_parallel_size`).
-        gpu_memory_utilization: fraction (0, 1] of each GPU's memory the engine may take, KV cache
-            included (CUDA only; `producers.gpu_memory_utilization`); None: a fixed `kv_cache_bytes`.
-        engine_kwargs: extra `AsyncEngineArgs` fields (override the defaults above).
-        update_mode: "keep" (in-flight requests are recomputed and continue under new weights) or
-            "drain" (an update waits for them); see the module docstring.
+    `model_path`: HF directory or a hub id in the local cache (FileNotFoundError if neither). `kv_cache_bytes`: KV
+    cache size in bytes. `warmup`: one short request in `start()` (the eager first batch costs ~3 s on CPU).
+    `dtype`: `producers.dtype` ("auto" resolved by `broadcaster.dtypes`). `busy_loop_s`: cap on vLLM's queue
+    readers' busy-poll (`producers.vllm_idle`; None: vLLM's 1 s). `engine_kwargs` override `AsyncEngineArgs`.
+    ValueError: `max_model_len < 2`, a negative `busy_loop_s`, an unknown `update_mode`.
     """
 
     def __init__(
@@ -185,7 +137,7 @@ class RolloutEngine:
 
     @property
     def update_mode(self) -> str:
-        """ "keep" or "drain": how the next weight updates treat requests in flight (module docstring)."""
+        """ "keep" or "drain": how the next weight updates treat requests in flight."""
         return self._update_mode
 
     @update_mode.setter
@@ -222,21 +174,11 @@ class RolloutEngine:
         stop: list[str] | tuple[str, ...] = (),
         detokenize: bool = True,
     ) -> list[Sample]:
-        """Sample `n` completions of one prompt; returns them in sample-index order.
+        """Sample `n` completions of one prompt (FINAL_ONLY output), in sample-index order.
 
-        `request_id` must be unique among in-flight requests. Only the final output is streamed
-        back (FINAL_ONLY), which is markedly faster than per-token deltas. `ignore_eos` keeps
-        sampling past the end-of-sequence token up to `max_tokens` (benchmarks, tests).
-        `min_tokens`: EOS and stop tokens are masked until a sample has this many tokens. `repetition_penalty`: vLLM's (CTRL, arXiv:1909.05858: logits of tokens already in the
-        prompt or completion divided by it if > 0, else multiplied; 1 = off).
-        `seed`: sample `j` draws from a generator seeded with `seed + j`, so the group is
-        reproducible whatever else is batched with it; None: the engine's seed stream. `stop`: strings
-        ending a sample (text excludes them; token ids keep every sampled token). `detokenize=False`:
-        vLLM decodes nothing (no incremental detokenizer, no per-token strings in the logprobs) and
-        each Sample's `text` is "" (for callers that decode the token ids themselves; ~0.04 CPU-s
-        less in the calling process per 16 x 8 x 16-token batch on the 2-core CPU host,
-        bench/README.md); stop strings need the text, so with `stop` it is always on. Raises
-        ValueError for n, max_tokens < 1, min_tokens > max_tokens or an empty prompt.
+        `request_id`: unique among requests in flight. `repetition_penalty`: vLLM's (CTRL, arXiv:1909.05858; 1 =
+        off). `seed`: sample `j` uses `seed + j` (None: the engine's stream). `detokenize=False` leaves `text` ""
+        (always on with `stop`). ValueError: `n` or `max_tokens` < 1, `min_tokens` out of range, an empty prompt.
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -297,15 +239,10 @@ class RolloutEngine:
     async def score_completion(
         self, prompt_token_ids: list[int], completion_token_ids: list[int], *, request_id: str
     ) -> list[float]:
-        """Logprob of each completion token under this engine's model, given the prompt.
+        """`[len(completion)]` logprobs (nats) of the completion tokens given the prompt; `[]` for none.
 
-        One request on `prompt_token_ids + completion_token_ids` with `max_tokens=1,
-        prompt_logprobs=0`: vLLM then returns, for every position p >= 1 of the sequence, the
-        logprob of the token actually there given the tokens before it (plus its top-0 = none
-        others; position 0 has no context and is None). Returns `[len(completion)]` floats (nats)
-        in the engine's logprobs_mode (raw: `log_softmax(logits)`, temperature 1); `[]` for an
-        empty completion (no request is made). The one sampled token is discarded.
-        Raises ValueError for an empty prompt, RuntimeError if vLLM returns no prompt logprobs.
+        One request on prompt + completion with `max_tokens=1, prompt_logprobs=0` (the actual token's logprob per
+        position, temperature 1). ValueError: an empty prompt; RuntimeError: no prompt logprobs returned.
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -333,27 +270,22 @@ class RolloutEngine:
     async def init_weight_group(
         self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float | None = None
     ) -> None:
-        """Join the trainer's broadcast group as `rank` (>= 1); blocks until all ranks joined. Runs
-        concurrently with the trainer's `BroadcastSender.init_group()` (either may start first)."""
+        """Join the trainer's broadcast group as `rank` (>= 1); blocks until all ranks joined."""
         await self._require().collective_rpc(
             "init_weight_group", args=(host, port, rank, world_size, backend, timeout_s)
         )
 
     async def leave_weight_group(self) -> None:
-        """Leave the broadcast group of `init_weight_group` (re-formed: `BroadcastReceiver.regroup`)."""
+        """Leave the broadcast group (the trainer re-formed it)."""
         await self._require().collective_rpc("destroy_weight_group")
 
     async def update_weights(
         self, version: int, manifest: list[list], bucket_bytes: int | None = None, *, resend: bool = False
     ) -> float:
-        """Receive a broadcast of `manifest` as policy `version`; returns seconds spent paused.
+        """Receive a broadcast of `manifest` as `version`; seconds paused. `bucket_bytes`: the sender's.
 
-        Runs concurrently with the trainer's `BroadcastSender.start_send(state_dict, version)`;
-        `bucket_bytes` must match the broadcaster's (None: the shared default). A "lora" manifest
-        (an adapter, `broadcaster.manifest`) is merged into the base weights in the worker.
-        Raises ValueError, receiving nothing, if `version <= self.version`: a re-announced version
-        is not sent again, so joining the collective would block forever. With `resend` (the first
-        broadcast into a re-formed group) `version == self.version` is received too.
+        ValueError (nothing received) if `version <= self.version`, unless `resend` (a re-formed group's first
+        broadcast) and equal: joining a collective nobody sends would block forever.
         """
         kwargs = {"manifest": manifest}
         if bucket_bytes is not None:
@@ -361,11 +293,9 @@ class RolloutEngine:
         return await self.apply_rpc(version, "receive_weights", kwargs, resend=resend)
 
     async def load_weights_from_path(self, version: int, path: str | Path) -> float:
-        """Load a safetensors directory/file (merged weights, or a LoRA adapter payload) as policy
-        `version`; returns seconds spent paused.
+        """Load a safetensors directory/file (full or LoRA payload) as `version`; seconds paused.
 
-        `version` may be lower than the current one (a trainer resumed from a checkpoint rolls the
-        policy back); raises ValueError if it equals the current version.
+        A lower version is loaded too (a resumed trainer rolled back); ValueError if equal to the current one.
         """
         return await self.apply_rpc(version, "load_weights_from_path", {"path": str(path)})
 
@@ -406,8 +336,7 @@ class RolloutEngine:
 
 
 def vllm_on_gpu() -> bool:
-    """Whether vLLM runs on a GPU in this process: its platform is CUDA (or ROCm) and
-    `CUDA_VISIBLE_DEVICES` is not empty (busctl's "no GPU" for a producer)."""
+    """Whether vLLM runs on a GPU here: a CUDA/ROCm platform and a non-empty `CUDA_VISIBLE_DEVICES`."""
     from vllm.platforms import current_platform
 
     return current_platform.is_cuda_alike() and os.environ.get("CUDA_VISIBLE_DEVICES") != ""
@@ -418,20 +347,9 @@ def device_engine_args(
 ) -> dict[str, Any]:
     """The `AsyncEngineArgs` fields that depend on where the engine runs.
 
-    Args:
-        on_gpu: the engine runs on CUDA (`vllm_on_gpu`).
-        kv_cache_bytes: KV-cache size, bytes (always used on CPU; on CUDA only without
-            `gpu_memory_utilization`: vLLM's `kv_cache_memory_bytes` overrides the fraction).
-        tensor_parallel_size: GPUs per engine (>= 1; not passed on CPU, where a producer is one
-            engine process: a run whose producers got no GPU ignores `producers.tensor_parallel_size`).
-        gpu_memory_utilization: fraction in (0, 1] of each GPU's memory, or None.
-
-    Returns:
-        On CPU `{"kv_cache_memory_bytes"}`; on CUDA `{"tensor_parallel_size"}` plus
-        `{"gpu_memory_utilization"}` or `{"kv_cache_memory_bytes"}`.
-
-    Raises:
-        ValueError: `tensor_parallel_size` < 1; `gpu_memory_utilization` outside (0, 1].
+    CPU: `{"kv_cache_memory_bytes"}` (tensor parallelism ignored). CUDA: `{"tensor_parallel_size"}` plus
+    `gpu_memory_utilization` (fraction of each GPU, KV cache included) or, without it, `kv_cache_memory_bytes`.
+    ValueError: `tensor_parallel_size < 1`, `gpu_memory_utilization` outside (0, 1].
     """
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
@@ -455,8 +373,7 @@ def _ensure_repo_on_pythonpath() -> None:
 
 
 def _resolved_dtype(name: str) -> str:
-    """`producers.dtype` as vLLM's `dtype` argument ("auto" resolved here, not by vLLM, whose
-    "auto" means the checkpoint's dtype). Raises ValueError for an unknown name."""
+    """`producers.dtype` as vLLM's `dtype` ("auto" resolved here: vLLM's means the checkpoint's); ValueError."""
     from broadcaster.dtypes import resolve_producer_dtype
 
     if name == "auto":
