@@ -1,6 +1,6 @@
 """``busctl up``: load and check the config (or a stopped run's, ``--resume``), plan the devices,
 and run the job under a :class:`busctl.supervisor.Supervisor` until it is done, fails or is
-interrupted (exit codes in :mod:`busctl.cli`).
+interrupted (exit codes: :data:`busctl.cli.HELP`).
 """
 
 from __future__ import annotations
@@ -27,21 +27,13 @@ if TYPE_CHECKING:  # the config, run-directory and supervisor modules are import
 
 
 def resume_config(target: str | None, overrides: list[str]) -> RunConfig:
-    """The config of ``busctl up --resume [TARGET] [overrides]``.
-
-    Args:
-        target: a run directory, or a config file whose ``run_dir`` is the run; None: the
-            default config's run directory.
-        overrides: dotted overrides applied on top of the run's saved ``config.yaml``
-            (``run_dir`` may not be one: the run continues where it is).
-
-    Returns:
-        ``RUN_DIR/config.yaml`` with the overrides, a fresh broadcast port (0: picked at start),
-        and ``run_dir`` set to the directory found.
+    """The config of ``busctl up --resume [TARGET] [overrides]``: ``RUN_DIR/config.yaml`` with the overrides, a fresh
+    broadcast port and ``run_dir`` resolved. ``target``: a run directory, or a config file whose ``run_dir`` is the
+    run; None: the default config's.
 
     Raises:
-        ConfigError: no such directory or file, no ``config.yaml`` in the run directory, a
-            ``run_dir`` override, or an invalid override.
+        ConfigError: no such directory or file, no ``config.yaml`` in it, a ``run_dir`` override, or an invalid
+            override.
     """
     from configs.schema import ConfigError, load_config
 
@@ -66,9 +58,8 @@ def resume_config(target: str | None, overrides: list[str]) -> RunConfig:
 
 
 def _up_commands(ns: argparse.Namespace, run_dir: Path) -> tuple[str, str]:
-    """The ``busctl up`` command line as given (config and overrides), and the same with
-    ``run_dir=`` set to a sibling of ``run_dir`` (``RUN_DIR-2``, or the first free ``-N``): the ways
-    on that an occupied run directory's refusal shows."""
+    """The ``busctl up`` command line as given, and the same with ``run_dir=`` a free sibling (``RUN_DIR-2``, ...):
+    the ways on an occupied run directory's refusal shows."""
     given = ["busctl", "up", *(["--launcher", ns.launcher] if ns.launcher else []), *ns.args]
     n = 2
     while Path(f"{run_dir}-{n}").exists():
@@ -113,11 +104,9 @@ def _check_run_dir(cfg: RunConfig, ns: argparse.Namespace) -> tuple[int, str, Oc
 
 
 def cmd_up(ns: argparse.Namespace, console: Console) -> int:
-    """``busctl up [CONFIG] [overrides] [--dry-run] [--resume | --overwrite] [--launcher L]``: the exit
-    code (see :mod:`busctl.cli`). Before anything is spawned or written: the config, the device plan,
-    the key files, the model paths, every task/reward/environment name (:mod:`busctl.preflight`) and
-    the run directory (:mod:`busctl.run_dir`); ``--dry-run`` runs the same checks (an occupied run
-    directory only warned about), prints the resolved config and the plan and stops."""
+    """``busctl up``: the exit code (:data:`busctl.cli.HELP`). The config, device plan, key files, model paths,
+    names (:mod:`busctl.preflight`) and run directory are checked before anything is spawned or written;
+    ``--dry-run`` runs the same checks, prints the resolved config and plan and stops."""
     from bus.auth import check_keys
     from telemetry.tls import tls_from_config
     from busctl.cpu_bf16 import cpu_bf16_warning
@@ -198,10 +187,8 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
 
 
 def supervise(sup: "Supervisor", console: Console) -> int:
-    """Run ``sup`` through prepare, start, watch and (always) shutdown, printing to ``console``
-    (on a terminal, below the lines, a live display of :mod:`busctl.live` during start and watch);
-    ``sup.stop`` set (by a signal handler, or a test) means interrupted. Records the outcome
-    (``done``, ``failed``, ``interrupted``) and error in ``sup`` for ``status.json``.
+    """Run ``sup`` through prepare, start, watch and (always) shutdown, printing to ``console`` (a live display on a
+    terminal); ``sup.stop`` set means interrupted. Records the outcome and error in ``sup`` for ``status.json``.
 
     Returns:
         The exit code of ``busctl up``: 0 done, 1 failed, 130 interrupted.
