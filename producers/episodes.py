@@ -1,38 +1,13 @@
-"""Multi-turn episodes in a producer: model turns sampled by vLLM, environment turns rendered by the
-chat template, one token-exact trajectory per sample.
+"""Multi-turn episodes in a producer: model turns sampled by vLLM, environment turns rendered by the chat
+template, one token-exact trajectory per sample (docs/ARCHITECTURE.md, "Multi-turn episodes").
 
-For a prompt of a task with an environment (``Task.env``, protocol in :mod:`tasks.env`), each of
-the ``n`` samples of the group is an episode:
-
-1. ``reset(info)`` builds the episode's state (isolated, :class:`tasks.env.EnvCalls`);
-2. a model turn: vLLM samples from the token ids so far (prompt + every earlier turn, passed as
-   token ids, never re-tokenized text) with ``n=1`` and the sample's own seed; its token ids,
-   sampled logprobs and per-token policy versions are appended as they are (loss mask True);
-3. ``step(state, text)`` with the turn's decoded text returns the environment's messages and
-   ``done``; unless done (or ``max_turns`` model turns, or no room left under ``max_model_len``
-   for the environment's turn and one more model token: finish reason ``"length"``),
-   ONLY those messages are rendered with the chat template as a token suffix
-   (:func:`env_turn_ids`) and appended with logprob 0, loss mask False and the version of the turn's
-   last model token; back to 2;
-4. ``reward(state)`` gives the episode's reward (``RolloutGroup.env_rewards``).
-
-Token-exactness: the model's tokens are the ones vLLM sampled; the environment's tokens are the
-template's rendering of its turn, cut after the end of the previous assistant turn, so the whole
-trajectory is what the template would give for the conversation except that the model turns keep
-their sampled ids (a model turn cut by ``max_tokens`` gets the end-of-turn token prepended to the
-environment suffix, as an environment token).
-
-Failures: an environment call that raises, times out, crashes its child or returns a malformed
-result ends that episode with reward 0 and finish reason ``"env_error: <label>"``, counted in
-``rlbus_producer_env_errors_total{error}``; the other episodes and the producer go on.
-
-Tool calls: a step's statistics (:mod:`tasks.env`; :class:`tasks.tools.ToolEnv` returns them)
-are counted per tool and error kind and per episode (:mod:`producers.turn_metrics`).
-
-Design hook for other generation paths (an OpenAI-compatible endpoint, verifiers): everything an
-episode needs from a model turn is an engine ``Sample`` (token ids, logprobs, token versions);
-:class:`Episode` accumulates turns from any source with :meth:`Episode.add_model_turn` and
-:meth:`Episode.add_env_turn`, and :func:`episode_sample` turns it into the group's sample.
+Each of a group's ``n`` samples is an episode: ``reset(info)``, then model turns (``n=1``, seed ``seed + j``, from
+the token ids so far, never re-tokenized; loss mask True) alternating with ``step(state, text)`` whose messages are
+rendered as a token suffix (:func:`env_turn_ids`; logprob 0, mask False, the last model token's version) until
+``done``, ``max_turns`` or ``max_model_len`` (``"length"``); then ``reward(state)``. A model turn cut by
+``max_tokens`` gets the end-of-turn token prepended to the environment suffix. A failing environment call ends
+only its episode (reward 0, ``"env_error: <label>"``, counted). :class:`Episode` takes turns from any source
+(the OpenAI endpoint too) and :func:`episode_sample` makes it the group's sample.
 """
 
 from __future__ import annotations
@@ -68,21 +43,10 @@ _MODEL_MARKER = "rlbus-model-turn-marker"
 
 
 def env_turn_ids(tokenizer: Any, messages: list[dict[str, str]], tools: list[dict] | None = None) -> list[int]:
-    """Token ids of the environment's turn ``messages`` as the chat template renders them after an
-    assistant turn, up to and including the next assistant generation prompt.
-
-    Renders ``[user, assistant(MARKER)]`` and the same plus ``messages`` with the generation
-    prompt, checks the first is a prefix of the second up to the end of the assistant turn (the
-    marker and the template's end-of-turn token text right after it), and tokenizes the rest:
-    the newline after the end-of-turn token, the new turns' markers and contents, and the next
-    ``<|im_start|>assistant\\n`` (for a ChatML template). ``tools``: the task's function schemas
-    (:attr:`tasks.task.Task.tools`), rendered as the prompt was (``role: tool`` messages render
-    as the template's tool turn, e.g. Qwen's ``<tool_response>`` blocks in a user turn).
-
-    Raises:
-        ValueError: the template renders the earlier turns differently once ``messages`` follow
-            (the suffix would not be token-exact).
-    """
+    """Token ids of environment ``messages`` as the chat template renders them after an assistant turn, through
+    the next generation prompt: the rendering with them minus the one without, cut after the assistant's end of
+    turn. ``tools``: the task's schemas, as the prompt was rendered. ValueError: the template renders the earlier
+    turns differently once ``messages`` follow (not token-exact)."""
     base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MODEL_MARKER}]
     before = tokenizer.apply_chat_template(base, tools=tools, tokenize=False)
     after = tokenizer.apply_chat_template(
@@ -102,10 +66,8 @@ def env_turn_ids(tokenizer: Any, messages: list[dict[str, str]], tools: list[dic
 
 @dataclasses.dataclass
 class Episode:
-    """One sample's trajectory so far: ``token_ids``, ``logprobs``, ``versions`` and ``model_mask``
-    (True on model tokens), one entry per completion token; the env ``state``; ``turns`` (model
-    turns); ``tool_calls`` (as the environment's step statistics reported them); ``finish`` (the
-    last model turn's finish reason, or ``"env_error: <label>"``)."""
+    """One sample's trajectory so far: per completion token ``token_ids``, ``logprobs``, ``versions`` and
+    ``model_mask``; the env ``state``; ``finish``: the last model turn's reason or ``"env_error: <label>"``."""
 
     state: dict | None = None
     token_ids: list[int] = dataclasses.field(default_factory=list)
@@ -119,8 +81,7 @@ class Episode:
     reward: float = 0.0
 
     def add_model_turn(self, sample: Sample, default_version: int) -> None:
-        """Append one model turn's sampled tokens (``sample.token_versions``, or ``default_version``
-        for every token when it has none)."""
+        """Append one model turn (versions: ``sample.token_versions``, else ``default_version``)."""
         versions = list(sample.token_versions) or [default_version] * len(sample.token_ids)
         self.token_ids += sample.token_ids
         self.logprobs += sample.logprobs
@@ -151,18 +112,8 @@ def episode_sample(ep: Episode, version: int) -> Sample:
 
 
 class EpisodeRunner:
-    """Runs multi-turn groups: a producer's engine, tokenizer and isolated environments.
-
-    Args:
-        engine: the producer's :class:`producers.engine.RolloutEngine` (or anything with its
-            ``generate_group`` and ``version``).
-        tokenizer: the policy's Hugging Face tokenizer (chat template, eos).
-        envs: the environment pool (:class:`tasks.env.EnvCalls`); called from one thread at a time
-            (a lock here serializes the groups' calls).
-        max_model_len: prompt + completion limit, tokens: an episode ends when no token is left.
-        tools: the function schemas of the run's tool-use tasks (their names' metric labels are
-            created at 0 now, :func:`producers.turn_metrics.preinit_tools`).
-    """
+    """Runs multi-turn groups on a producer's engine, tokenizer and isolated environments (``envs``, one call
+    at a time). ``tools``: the run's tool schemas, whose metric labels are created at 0 now."""
 
     def __init__(
         self, engine: Any, tokenizer: Any, envs: EnvCalls, *, max_model_len: int, tools: list[dict] | None = None
@@ -189,18 +140,11 @@ class EpisodeRunner:
         tools: list[dict] | None = None,
         **kwargs: Any,
     ) -> tuple[list[Sample], list[list[bool]], list[float]]:
-        """Run ``kwargs["n"]`` episodes of ``env`` from ``prompt_ids``; ``kwargs`` are
-        :func:`producers.sampling.request_kwargs` (``n``, ``seed``, ``max_tokens``, ...; each
-        model turn of sample ``j`` is one request with ``n=1`` and seed ``seed + j``); ``tools``:
-        the task's function schemas, as the prompt was rendered with (:func:`env_turn_ids`).
+        """Run ``kwargs["n"]`` episodes of ``env``; ``kwargs``: :func:`producers.sampling.request_kwargs`.
 
-        Returns:
-            ``(samples, model_masks, rewards)``: one :class:`Sample` per episode (completion =
-            model and environment tokens interleaved), its ``[L_j]`` model-token mask, its reward.
-
-        Raises:
-            RuntimeError, ValueError: from the engine (e.g. a prompt longer than ``max_model_len``)
-                or from :func:`env_turn_ids`; environment failures never raise.
+        Returns ``(samples, model_masks, rewards)``: per episode a :class:`Sample` (model and env tokens
+        interleaved), its ``[L_j]`` model-token mask and reward. Raises the engine's or :func:`env_turn_ids`'s
+        RuntimeError/ValueError; environment failures never raise.
         """
         n, seed, max_tokens = kwargs.pop("n"), kwargs.pop("seed"), kwargs.pop("max_tokens")
         known = schema_names(tools)
