@@ -1,18 +1,9 @@
 """What ``busctl up`` shows on a terminal, and the formatting ``busctl status`` shares with it.
 
-The live display is rendered from a ``status.json`` snapshot (:attr:`busctl.supervisor.Supervisor.snapshot`,
-fields in :mod:`busctl.run_status`), never from the supervisor's live objects, so rendering on rich's
-refresh thread cannot race the watch loop, and :func:`render_text` shows exactly what a snapshot
-would look like (tests render real snapshots to text). Three parts:
-
-- a header: run, state, step/max_steps, reward, KL, entropy, policy lag mean/max, step time, the
-  ETA from the recent step rate, and the trainer's share of wall time per phase
-  (:func:`phase_text`: ``wait 3% fwd 31% bwd 52% opt 2% send 4% other 8%``);
-- a table with a row per component: state, samples/s, tokens/s, busy %, queue depth, restarts;
-- the last :data:`EVENTS_SHOWN` events (ready, crashed, scale lines).
-
-Progress and event lines keep printing as before; while the display is live rich prints them
-above it. Without a terminal (logs, CI) ``busctl up`` prints only those lines.
+The live display (a header with the trainer's values, ETA and phase shares; a row per component; the recent
+events) is rendered from a ``status.json`` snapshot, never from the supervisor's live objects, so rich's refresh
+thread cannot race the watch loop and :func:`render_text` shows exactly what a snapshot looks like. Progress and
+event lines print above it; without a terminal ``busctl up`` prints only those lines.
 """
 
 from __future__ import annotations
@@ -74,10 +65,9 @@ def format_queue(row: dict) -> str:
 
 
 def phase_shares(m: dict) -> dict[str, float]:
-    """The trainer's share of wall time per phase from a ``trainer.step`` message's metrics ``m``:
-    the recent window's ``time_share/<phase>`` when present, else the step's own
-    ``time/<phase>_s`` over their sum. Phases in :data:`PHASE_LABELS` order; empty when ``m`` has
-    neither (older trainers) or no time passed."""
+    """The trainer's share of wall time per phase from a ``trainer.step``'s metrics ``m``: the recent window's
+    ``time_share/<phase>``, else the step's ``time/<phase>_s`` over their sum; in :data:`PHASE_LABELS` order, empty
+    without either."""
     shares = {k[len("time_share/") :]: float(v) for k, v in m.items() if k.startswith("time_share/")}
     if not shares:
         times = {
@@ -98,8 +88,7 @@ def phase_text(m: dict) -> str:
 
 def trainer_text(snap: dict) -> str:
     """``step 12/60 | reward .. | KL .. | entropy .. | lag m/M | 2.31 s/step | ETA .. | wait 3% fwd ..``
-    (the trainer's values once it reported a step; ``step -/60`` before; the phase shares of
-    :func:`phase_text` when the trainer reports them)."""
+    (``step -/60`` before the first step)."""
     step, max_steps = snap.get("step"), snap.get("max_steps")
     parts = [f"step {'-' if step is None else step}/{max_steps if max_steps is not None else '?'}"]
     m = snap.get("trainer_metrics") or {}
@@ -165,14 +154,9 @@ def render_text(snap: dict, width: int = 120) -> str:
 
 
 class LiveDisplay:
-    """A rich ``Live`` region at the bottom of ``console`` showing ``snapshot()``, refreshed
-    :data:`REFRESH_PER_S` times a second; a context manager. Lines printed on ``console`` meanwhile
-    appear above it; the last state stays on screen after exit.
-
-    Args:
-        console: a terminal console. snapshot: returns the latest snapshot (called on rich's
-            refresh thread: it must only read, e.g. return an attribute holding an immutable dict).
-    """
+    """A rich ``Live`` region at the bottom of ``console`` showing ``snapshot()``; a context manager. Lines printed
+    meanwhile appear above it; the last state stays on screen after exit. ``snapshot`` is called on rich's refresh
+    thread: it must only read."""
 
     def __init__(self, console: Console, snapshot: Callable[[], dict]) -> None:
         self.live = Live(
