@@ -1,21 +1,9 @@
 """Which node each component runs on, and the bus addresses that follow (pure functions).
 
-An :class:`Allocation` is the nodes of a Slurm job: one group for a plain job, or the three
-components of the heterogeneous job ``busctl sbatch`` writes (0: inference nodes, 1: trainer
-nodes, 2: CPU nodes). :func:`plan_nodes` places every role:
-
-- heterogeneous: producer ``i`` on inference node ``i mod n``; the trainer on the first trainer
-  node; hub, packer and prompt source on the first CPU node; reward worker ``i`` on CPU node
-  ``i mod n``.
-- plain, one node: everything on it.
-- plain, ``N >= 2`` nodes: trainer, hub, packer and prompt source on the first node; producer
-  ``i`` on node ``1 + i mod (N - 1)``; reward worker ``i`` on node ``i mod N``.
-
-GPU roles (trainer, producers) get on their node the devices :mod:`busctl.placement` plans per
-host. :func:`address_map` then names, for ``bus.hosts``, the host of the side that binds each
-endpoint (:mod:`bus.topics`): the hub binds control, the prompt source prompts and outcomes, the
-packer scored and batches, the trainer weights (``broadcast.method: bus``), producer ``i``
-``rollouts-i``, busctl the supervisor socket.
+An :class:`Allocation` is the nodes of a job: one group, or the three of a heterogeneous ``busctl sbatch`` job
+(inference, trainer, CPU). :func:`plan_nodes` places every role; :func:`address_map` names, for ``bus.hosts``,
+the node of the side that binds each endpoint (:data:`BINDERS`). GPU roles get on their node the devices
+:mod:`busctl.placement` plans per host.
 """
 
 from __future__ import annotations
@@ -39,9 +27,8 @@ BINDERS = {
 
 
 class NodeLost(RuntimeError):
-    """A component's node is gone and the run cannot go on there (the message names the node and
-    why: the allocation ended, or no live node of the allocation is left for the component); the
-    supervisor fails the run with it (raised by a launcher's ``check_crash``, e.g. slurm's)."""
+    """A component's node is gone and the run cannot go on (the allocation ended, or no live node is left for it);
+    the message names the node. Raised by a launcher's ``check_crash``; the supervisor fails the run with it."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +61,12 @@ class Allocation:
 
 
 def plan_nodes(alloc: Allocation, role: str, index: int = 0) -> Slot:
-    """The :class:`Slot` of component ``role`` replica ``index`` (rules: the module docstring).
+    """The :class:`Slot` of component ``role`` replica ``index``.
+
+    Heterogeneous: producer ``i`` on inference node ``i mod n``, the trainer on the first trainer node, hub, packer
+    and prompt source on the first CPU node, reward worker ``i`` on CPU node ``i mod n``. Plain: one node holds
+    everything; with ``N >= 2``, trainer, hub, packer and prompt source on the first, producer ``i`` on node
+    ``1 + i mod (N - 1)``, reward worker ``i`` on node ``i mod N``.
 
     Raises:
         ValueError: a negative index.
@@ -103,13 +95,8 @@ def plan_nodes(alloc: Allocation, role: str, index: int = 0) -> Slot:
 def address_map(
     alloc: Allocation, max_producers: int, supervisor_host: str, resolve: Callable[[str], str] = lambda node: node
 ) -> dict[str, str]:
-    """``bus.hosts`` of a run on ``alloc``: endpoint key -> address of the node that binds it.
-
-    Args:
-        alloc: the job's nodes. max_producers: ``producers.max_replicas`` (every index that
-            ``busctl scale`` may add gets its ``rollouts-I``). supervisor_host: where busctl runs.
-        resolve: node name -> address (e.g. ``socket.gethostbyname``).
-    """
+    """``bus.hosts`` of a run on ``alloc``: endpoint key -> address (``resolve(node)``) of the node that binds it,
+    with a ``rollouts-I`` for every producer index up to ``max_producers`` and busctl's ``supervisor``."""
     hosts = {key: resolve(plan_nodes(alloc, role).node) for key, role in BINDERS.items()}
     hosts.update({f"rollouts-{i}": resolve(plan_nodes(alloc, "producer", i).node) for i in range(max_producers)})
     hosts["supervisor"] = resolve(supervisor_host)
