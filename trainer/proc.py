@@ -1,81 +1,12 @@
-"""The trainer process: ``batches`` -> optimizer step -> weights to the producers; checkpoints,
-custody of the micro-batches, and resume after a restart.
+"""The trainer process (rank 0): ``batches`` -> optimizer step -> weights to the producers, with
+checkpoints, custody of the micro-batches and resume after a restart.
 
-Per step ``s`` (0-based; the weights in use have policy version ``s``):
-
-1. collect the step's ``num_micro_batches`` micro-batches from the reliable ``batches`` inbox
-   (:class:`trainer.state.step_ledger.StepLedger` buffers them by step: they may come in any order and
-   ahead of the step being trained);
-2. clip and step AdamW (:class:`trainer.trainer.Trainer`); the policy is now version ``s + 1``;
-3. announce ``weights.ready(s + 1)`` and send the weights (broadcast: wait for the previous
-   version's transfer, announce, copy the weights into the send buffers and let the backend move
-   them while the trainer goes on with the next step; with LoRA only the adapter travels and the
-   producers merge it; filesystem: write, then announce);
-4. append one line to ``metrics.jsonl`` (with the step's phase times ``time/<phase>_s``,
-   :mod:`trainer.observability.step_timing`), log one line (:mod:`trainer.observability.step_log`),
-   and append the step's sample ids and versions to ``trained_samples.jsonl`` (the record that
-   every sample trained exactly once);
-5. checkpoint to ``checkpoints/step_N`` every ``checkpoint_interval`` steps and after the last
-   step, then release custody: ``batches.done`` for the micro-batches of every step the
-   checkpoint newly covers and one ``groups.trained(step, group_ids)`` per such step (outcome
-   ``trained``); then publish ``trainer.step``. Periodic checkpoints are written while the next
-   step trains (:mod:`trainer.state.background_save`) and released once complete, at the latest before
-   the next step's ``trainer.step``; the last step's is written before its ``trainer.step``.
-
-Custody. The packer keeps every micro-batch until the trainer calls ``done`` on it, and re-sends
-the unreleased ones, in their original order, to a restarted trainer. So the trainer releases a
-step only once a checkpoint covers it; in between it keeps only the step's ids (the payloads wait
-in the packer's outbox: up to ``checkpoint_interval`` steps of micro-batches). With
-``checkpoint_interval: 0`` every step is released right after it trained and only the last one is
-checkpointed: a restarted trainer then cannot resume (it refuses to start, see below).
-
-Resume. At start, if ``RUN_DIR/checkpoints`` holds a complete checkpoint (``busctl up`` clears
-the run directory of a fresh run, so one exists only after a restart by the supervisor,
-``RLBUS_RESTARTS >= 1``, or with ``busctl up --resume``, ``RLBUS_RESUME=1``), the trainer loads
-it (weights or adapter, AdamW state, RNG states: training continues bit-identically) and goes on
-at step ``N`` = the checkpoint's step:
-
-- ``metrics.jsonl`` and ``trained_samples.jsonl`` are cut back to the steps the checkpoint
-  covers (the surviving lineage; the records are appended before each checkpoint, so nothing
-  covered is missing), eval records (``--resume`` only) to the rounds ``<=`` its step (:mod:`trainer.observability.eval_log`);
-- the checkpoint's weights are published as version ``N`` before training, and weight
-  directories of versions ``>= N`` (the lost lineage) are deleted: producers drop the lost
-  lineage's newer weights;
-- ``groups.trained`` of the steps released with the checkpoint (with ``busctl up --resume``: of
-  every step it covers, as reports of earlier releases may have died in flight with the run) is
-  announced again, with the same message ids (``trained-step-{s}``), since the trainer may have
-  died between the save and those announcements; receivers dedupe by id;
-- micro-batches the packer re-sends for steps below ``N`` are released without training.
-
-A restart with no checkpoint starts again at step 0 (the packer still holds every step when
-``checkpoint_interval > 0``); with ``checkpoint_interval: 0`` and steps already trained it raises
-instead, since those steps were released and cannot come back.
-
-Weights after a restart. The broadcast group (``broadcast.method: broadcast``) re-forms when a
-producer joins or a member dies (:mod:`trainer.publish`, :mod:`broadcaster.regroup`); members that
-miss a re-form take the filesystem method. A restarted or resumed trainer publishes by the
-filesystem method until each live producer shows up (its ``weights.applied`` or
-``weights.wanted``), then re-forms the group with it (``WeightPublisher(rejoin=True)``). One with
-sharded weights whose broadcast raises sends weights with the filesystem method for the rest of
-the run: it logs the error, counts ``rlbus_trainer_broadcast_fallbacks_total``, and re-publishes
-that version through the filesystem.
-
-Online evaluation runs in the producers and reward workers; the packer publishes one
-``eval.result`` per task and round on the control channel, and :class:`trainer.observability.eval_log.EvalLog`
-writes them to ``metrics.jsonl`` and Prometheus from a thread of its own, as they arrive, whether or
-not the trainer ever waits for micro-batches. After
-the last step (with ``eval.enabled``) the trainer waits up to ``eval.timeout_s`` for the final
-round's result of every eval task, then for the outcomes, then publishes ``run.done``, which ends
-the run.
-
-Data parallelism (``trainer.data_parallel`` N > 1): ``busctl up`` starts this module under
-torchrun with N ranks (:func:`main`). Rank 0 is this component and does all of the above; it
-names the checkpoint it resumed from (or none) to the other ranks, wraps the forward in DDP, and
-sends each rank its share of every step (:mod:`trainer.parallel.distributed`); ranks > 0 run
-:mod:`trainer.dp_follower` (no bus). Rank 0's metrics cover the whole step. Its ready handshake and
-heartbeats carry the torchrun agent's pid, the process the supervisor watches. With
-``trainer.parallel: fsdp`` (:mod:`trainer.parallel.sharding`) every rank shards before loading, checkpoints
-are written by every rank at once (not in the background), and the weights are gathered per tensor.
+Per step: collect the step's micro-batches (:class:`trainer.state.step_ledger.StepLedger`), one
+optimizer step (:class:`trainer.trainer.Trainer`), publish the weights
+(:class:`trainer.publish.WeightPublisher`), append the step's records, checkpoint when due and
+release what a checkpoint covers, then announce ``trainer.step``. The loop's order, custody and
+resume: docs/ARCHITECTURE.md, "The trainer process". Under torchrun (``trainer.data_parallel > 1``)
+this is rank 0; ranks > 0 run :mod:`trainer.dp_follower`.
 """
 
 from __future__ import annotations
@@ -118,7 +49,8 @@ RECV_SLICE_S = 0.5
 
 RELEASED_MICRO_BATCHES = Counter(
     "rlbus_trainer_released_micro_batches_total",
-    "Micro-batches released to the packer (done), by why: covered by a checkpoint after training, or re-sent for a covered step",
+    "Micro-batches released to the packer (done), by why: covered by a checkpoint after training, "
+    "or re-sent for a covered step",
     ["why"],
 )
 for _why in ("checkpoint", "already_covered"):
@@ -147,9 +79,8 @@ def drop_weight_versions(out_dir: Path, first: int) -> list[Path]:
 
 
 class TrainerProc(Component):
-    """Process wrapper of :class:`Trainer` with the weight publisher, checkpoints and custody of
-    the micro-batches (see the module docstring); its ``run.done`` after the last step is what
-    ends the run."""
+    """The trainer component: :class:`Trainer` with the weight publisher, checkpoints and custody;
+    its ``run.done`` after the last step ends the run."""
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -224,9 +155,8 @@ class TrainerProc(Component):
     # -- resume -----------------------------------------------------------------------------------
 
     def restore(self) -> None:
-        """Load the latest complete checkpoint, if any, and cut the run's records back to it.
-
-        Sets ``start_step``, ``reannounce_from`` and ``resumed`` (see the module docstring).
+        """Load the latest complete checkpoint, if any, and cut the run's records back to it; sets
+        ``start_step``, ``reannounce_from`` and ``resumed``.
 
         Raises:
             ValueError: the checkpoint does not match the config (full vs LoRA, beyond
@@ -281,7 +211,7 @@ class TrainerProc(Component):
 
     def announce_resume(self) -> None:
         """Publish the restored weights as version ``start_step`` and re-announce the groups of
-        the steps released with the checkpoint (see the module docstring)."""
+        the steps released with the checkpoint."""
         step = self.start_step
         gone = drop_weight_versions(self.weights_dir, step)
         if gone:
@@ -323,11 +253,9 @@ class TrainerProc(Component):
         self.threads.apply(self.ledger.next_step - 1, self.ledger.is_complete)
 
     def save(self, step: int, *, background: bool = False) -> None:
-        """Checkpoint after ``step`` optimizer steps (weights or adapter, optimizer, RNG) with
-        what a resumed trainer needs (``extra``): the policy version, the weight method in use,
-        the LR schedule, and ``released_steps`` (steps below it were released before this save).
-        ``background``: copy the state now and write it on :attr:`saving`'s thread (released by
-        :meth:`settle_saves`); else write it now."""
+        """Checkpoint after ``step`` optimizer steps, with the policy version, weight method, LR
+        schedule and ``released_steps`` a resumed trainer needs; ``background``: copy the state now,
+        write it on :attr:`saving`'s thread (released by :meth:`settle_saves`)."""
         model, optimizer, scheduler = self.model, self.trainer.optimizer, self.trainer.scheduler
         extra = {
             "policy_version": step,
@@ -360,8 +288,8 @@ class TrainerProc(Component):
                 self.release(step)
 
     def settle_saves(self, *, wait: bool) -> None:
-        """Release the steps of the background checkpoint once it is complete (``wait``: block
-        until it is; else only if it already is). Re-raises a failed save's exception."""
+        """Release the background checkpoint's steps once it is complete (``wait``: block until it
+        is). Re-raises a failed save's exception."""
         done = self.saving.wait() if wait else self.saving.finished()
         if done is not None:
             step, path = done
@@ -377,16 +305,15 @@ class TrainerProc(Component):
             self.announce_trained(covered.step, covered.group_ids)
 
     def announce_trained(self, step: int, group_ids: list[str]) -> None:
-        """Outcome ``trained`` for ``group_ids``: to the prompt source's ledger (reliable, blocks
-        while its outbox is full) and on the control channel for observers."""
+        """Outcome ``trained`` for ``group_ids``: to the prompt source's ledger (reliable; blocks
+        while its outbox is full) and on the control channel."""
         msg = GroupsTrained(id=trained_message_id(step), step=step, group_ids=group_ids)
         self.outcomes.send(msg)
         self.control.send(msg)
 
     def commit(self, step: int) -> None:
         """After ``step`` optimizer steps: release what the previous checkpoint made durable,
-        checkpoint if due (periodic ones in the background, the last one now), and release
-        what is durable now."""
+        checkpoint if due (the last one now, periodic ones in the background), release."""
         self.settle_saves(wait=True)  # normally written long ago, during this step
         interval = self.cfg.trainer.checkpoint_interval
         if step == self.cfg.trainer.max_steps:
@@ -481,8 +408,7 @@ class TrainerProc(Component):
     # -- the supervisor knows torchrun's agent, not rank 0 -----------------------------------------
 
     def supervised_pid(self) -> int:
-        """:func:`launcher_pid`: under torchrun the supervisor spawned (and matches handshakes and
-        heartbeats against) the agent, whose child this rank 0 is."""
+        """:func:`launcher_pid`: under torchrun the supervisor watches the agent, our parent."""
         return launcher_pid()
 
 
