@@ -1,30 +1,13 @@
-"""An OpenAI-compatible HTTP endpoint on a producer's own vLLM engine: ``POST /v1/chat/completions``
-and ``POST /v1/completions`` (non-streaming JSON), ``GET /v1/models``, recording every response of
-an open episode (:mod:`producers.endpoint_episodes`) so that agent code written against the official
-``openai`` client produces trainable, token-exact rollouts.
+"""An OpenAI-compatible HTTP endpoint on a producer's own vLLM engine (aiohttp on the producer's event loop):
+``POST /v1/chat/completions``, ``POST /v1/completions`` (non-streaming), ``GET /v1/models``. Responses of an open
+episode are recorded (:mod:`producers.endpoint_episodes`), so agents written against the ``openai`` client produce
+token-exact rollouts.
 
-The server is aiohttp, run on the producer's event loop (:meth:`OpenAIEndpoint.start`), and
-generates with the same :class:`producers.engine.RolloutEngine` the producer uses (so the engine's
-weight updates, versions and logprobs apply to it). Request fields:
-
-- used: ``model`` (any name; the producer serves its one policy), ``messages`` (chat; string or
-  text-part contents) / ``prompt`` (completions; a string or a list of token ids), ``max_tokens``
-  (``max_completion_tokens``), ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``,
-  ``logprobs`` (chat: bool; completions: an int, only the sampled token's logprob is returned),
-  ``tools`` (chat: passed to the chat template; the model's Qwen/Hermes ``<tool_call>{json}</tool_call>``
-  blocks come back as OpenAI ``tool_calls`` with ``finish_reason: "tool_calls"``,
-  :func:`producers.endpoint_episodes.reply_message`; an assistant message sent back with those
-  ``tool_calls`` and the ``role: tool`` results continue the episode without re-tokenizing);
-- ignored: ``user`` (an episode id when no header names one), ``stream`` when false,
-  ``top_logprobs`` 0, ``metadata``, ``store``, ``tool_choice``, ``parallel_tool_calls``;
-- anything else: HTTP 400 naming the fields.
-
-Episodes: a request naming an episode (header ``X-Rlbus-Episode``, else the ``user`` field) that is
-open samples with the episode's settings (the run's temperature, top-p and ``max_tokens``; the
-client's sampling fields are ignored so the logprobs are the ones the trainer recomputes) and
-``n`` must be 1; one naming an unknown episode gets HTTP 404. Requests without an episode id are
-served and not recorded. Prompts longer than the engine's ``max_model_len`` get HTTP 400.
-Metrics: ``rlbus_producer_endpoint_requests_total{route,status}``, ``rlbus_producer_endpoint_port``.
+Fields taken: :data:`FIELDS` (``prompt`` may be token ids; ``logprobs`` gives the sampled token's only; ``tools``
+go to the chat template and Qwen/Hermes ``<tool_call>`` blocks come back as ``tool_calls``); ``user``,
+``metadata``, ``store``, ``tool_choice``, ``parallel_tool_calls`` are ignored; others are HTTP 400. A request
+naming an open episode (header ``X-Rlbus-Episode``, else ``user``) samples with the run's settings, not the
+client's, and needs ``n=1``; an unknown episode is 404; a prompt over ``max_model_len`` is 400.
 """
 
 from __future__ import annotations
@@ -106,11 +89,9 @@ def _messages(body: dict) -> list[dict]:
 
 
 def sampling_of(body: dict, route: str, sampling: dict[str, Any] | None) -> tuple[int, dict[str, Any]]:
-    """``(n, generate_group keyword arguments)`` of a request; ``sampling`` (an open episode's) wins
-    over the client's temperature, top-p and max_tokens (the client's max_tokens may only lower it).
+    """``(n, generate_group kwargs)``; an episode's ``sampling`` wins (the client's max_tokens may only lower it).
 
-    Raises:
-        BadRequest: unknown fields, ``stream`` true, bad numbers, or n != 1 in an episode.
+    Raises BadRequest: unknown fields, ``stream`` true, bad numbers, or n != 1 in an episode.
     """
     unknown = sorted(set(body) - FIELDS[route])
     if unknown:
@@ -143,16 +124,7 @@ def sampling_of(body: dict, route: str, sampling: dict[str, Any] | None) -> tupl
 
 
 class OpenAIEndpoint:
-    """The HTTP server of one producer.
-
-    Args:
-        engine: the producer's started :class:`producers.engine.RolloutEngine`.
-        tokenizer: its Hugging Face tokenizer (chat template, decoding).
-        max_model_len: the engine's prompt + completion limit, tokens.
-        host: address to bind ("127.0.0.1"; "0.0.0.0" for agents on other hosts).
-        port: TCP port; 0 = any free one (see :attr:`url` after :meth:`start`).
-        model_name: the name ``/v1/models`` lists and responses carry.
-    """
+    """The HTTP server of one producer on its started engine; ``port`` 0: any free one (see :attr:`url`)."""
 
     def __init__(
         self,
@@ -168,10 +140,8 @@ class OpenAIEndpoint:
             raise ValueError(f"port must be in 0..65535 (0 = any free), got {port}")
         self.engine, self.tokenizer, self.max_model_len = engine, tokenizer, max_model_len
         self.host, self.port, self.model_name = host, port, model_name
-        self.episodes = EndpointEpisodes()
-        """The open episodes (open one before the agent runs, close it after)."""
-        self.url: str | None = None
-        """``http://host:port/v1`` once started (the ``base_url`` for ``openai.OpenAI``)."""
+        self.episodes = EndpointEpisodes()  # open one before the agent runs, close it after
+        self.url: str | None = None  # http://host:port/v1 once started: openai.OpenAI's base_url
         self._runner = None
         self._ids = itertools.count()
 
@@ -240,11 +210,9 @@ class OpenAIEndpoint:
         return web.json_response(out)
 
     async def complete(self, body: dict, route: str, episode_id: str | None = None) -> dict:
-        """Serve one request body on ``route`` ("chat" or "completions"); returns the response JSON
-        (recorded when ``episode_id`` names an open episode).
+        """The response JSON to one request on ``route`` ("chat" or "completions"), recorded in an open episode.
 
-        Raises:
-            BadRequest: a malformed request (status 400) or an unknown episode (404).
+        Raises BadRequest: a malformed request (400) or an unknown episode (404).
         """
         sampling = None
         if episode_id:

@@ -1,27 +1,12 @@
-"""Episodes recorded by a producer's OpenAI-compatible endpoint, and their assembly into one
-token-exact trajectory (pure logic: no sockets, no vLLM; :mod:`producers.endpoint` serves).
+"""Episodes recorded by a producer's OpenAI-compatible endpoint and their assembly into one token-exact trajectory
+(pure logic, no sockets or vLLM; :mod:`producers.endpoint` serves).
 
-A client names its episode on every request (header ``X-Rlbus-Episode``, or the request's ``user``
-field); the producer opens the episode first (:meth:`EndpointEpisodes.open`, with the run's
-sampling settings) and closes it after the agent returns (:meth:`EndpointEpisodes.close`). Each
-response of an open episode is recorded as a :class:`RecordedTurn`: the prompt token ids, the
-sampled token ids with their logprobs and per-token policy versions.
-
-Chat prompts of an open episode are built so that they extend the trajectory: when the request's
-messages are the previous turn's messages plus the assistant message returned for it (its text, or
-its ``tool_calls`` as :func:`reply_message` parsed them from the text, :func:`same_reply`), plus new
-messages (user turns, ``role: tool`` results), the prompt is the previous prompt + the sampled ids
-(never re-tokenized) + the chat template's rendering of the new messages only
-(:func:`producers.episodes.env_turn_ids`, with the end-of-turn token first if the sampled turn did
-not end with it). Any other request is rendered by the template from scratch.
-
-Assembly (:func:`assemble_episode`): the first turn's prompt is the episode's prompt; each later
-turn's prompt must start with the trajectory so far (previous prompt + sampled ids); the tokens
-after it are environment tokens (loss mask False, logprob 0, the version of the last model
-token). A turn whose prompt does not extend the trajectory (the client rewrote the history, or
-sent text the template renders differently) is never re-tokenized into the episode: the episode
-ends before it and the episode counts as rebased
-(``rlbus_producer_endpoint_rebased_episodes_total``).
+The producer opens an episode with the run's sampling settings and closes it after the agent returns; each
+response is a :class:`RecordedTurn`. A chat request that continues the previous turn exactly (its messages, the
+assistant reply as returned, :func:`same_reply`, then new messages) is prompted with the previous prompt + the
+sampled ids + the template's rendering of the new messages only, never re-tokenized. :func:`assemble_episode`
+makes the tokens between turns environment tokens; a turn whose prompt does not extend the trajectory ends the
+episode before it (``rlbus_producer_endpoint_episodes_total{outcome="rebased"}``).
 """
 
 from __future__ import annotations
@@ -53,11 +38,8 @@ for _outcome in ("complete", "rebased", "empty"):
 
 @dataclasses.dataclass(frozen=True)
 class RecordedTurn:
-    """One response of an episode: ``prompt_ids`` ``[P] int``, the engine's ``sample`` (sampled
-    ids, logprobs, token versions), ``version`` (the engine's when the request was issued),
-    ``messages`` (the chat request's messages; None for ``/v1/completions``), ``text`` (the
-    sampled text) and ``reply`` (the assistant message returned, :func:`reply_message`; None for
-    ``/v1/completions``)."""
+    """One response: ``prompt_ids`` ``[P] int``, the engine's ``sample``, the engine ``version`` at issue, and
+    for chat the request's ``messages`` and the ``reply`` returned (None for ``/v1/completions``)."""
 
     prompt_ids: list[int]
     sample: Sample
@@ -81,12 +63,9 @@ class EndpointEpisodes:
         self._lock = threading.Lock()
 
     def open(self, episode_id: str, sampling: dict[str, Any]) -> None:
-        """Start recording ``episode_id``; its requests sample with ``sampling`` (keyword arguments
-        of :meth:`producers.engine.RolloutEngine.generate_group` other than the prompt, ``n`` and
-        ``request_id``), whatever the client asks for.
+        """Record ``episode_id``, sampling with ``sampling`` (``generate_group`` kwargs) whatever the client asks.
 
-        Raises:
-            ValueError: ``episode_id`` is empty or already open.
+        Raises ValueError: ``episode_id`` is empty or already open.
         """
         with self._lock:
             if not episode_id or episode_id in self._open:
@@ -121,15 +100,9 @@ class EndpointEpisodes:
 
 
 def reply_message(text: str, tools: list | None, call_id: str) -> dict:
-    """The assistant message of a chat response for the sampled ``text``.
-
-    With ``tools`` in the request and at least one ``<tool_call>{json}</tool_call>`` block in
-    ``text`` (Qwen/Hermes format, :func:`tasks.tools.parse_tool_calls`), all of them well-formed:
-    ``{"role": "assistant", "content": the text outside the blocks (None if only whitespace),
-    "tool_calls": [{"id": f"{call_id}_{i}", "type": "function", "function": {"name", "arguments":
-    JSON string}}]}``. Otherwise (no tools, no block, or a malformed block) the text as
-    ``content``, as the model wrote it (the client sees the malformed call and may answer it).
-    """
+    """The assistant message for the sampled ``text``: with ``tools`` and only well-formed Qwen/Hermes
+    ``<tool_call>`` blocks, OpenAI ``tool_calls`` (ids ``f"{call_id}_{i}"``, arguments as JSON) and the text
+    outside them as ``content`` (None if blank); otherwise the text as the model wrote it."""
     calls = parse_tool_calls(text) if tools else []
     if not calls or not all(isinstance(c, ToolCall) for c in calls):
         return {"role": "assistant", "content": text}
@@ -164,8 +137,7 @@ def _calls_of(message: dict) -> list[tuple] | None:
 
 
 def same_reply(sent: dict, last: RecordedTurn) -> bool:
-    """Whether the assistant message ``sent`` back by a client is the one returned for ``last``:
-    the same content (None and "" alike) and the same tool calls (ids, names, arguments as JSON)."""
+    """Whether ``sent`` is the assistant message returned for ``last`` (content, tool call ids/names/args)."""
     reply = last.reply if last.reply is not None else {"role": "assistant", "content": last.text}
     if sent.get("role") != "assistant" or (sent.get("content") or "") != (reply.get("content") or ""):
         return False
@@ -176,10 +148,8 @@ def same_reply(sent: dict, last: RecordedTurn) -> bool:
 def chat_prompt_ids(
     tokenizer: Any, messages: list[dict], last: RecordedTurn | None, *, tools: list[dict] | None = None
 ) -> list[int]:
-    """Prompt token ids of a chat request (module docstring): the trajectory of ``last`` extended by
-    the template's rendering of the new messages when ``messages`` continue it (the assistant
-    message sent back as text or as ``tool_calls``, :func:`same_reply`), else the whole
-    conversation rendered by the template with the generation prompt."""
+    """A chat request's prompt ids: ``last``'s trajectory + the new messages' rendering when ``messages``
+    continue it, else the whole conversation rendered with the generation prompt."""
     if last is not None and last.messages is not None:
         k = len(last.messages)
         if len(messages) > k + 1 and messages[:k] == last.messages and same_reply(messages[k], last):
@@ -193,15 +163,8 @@ def chat_prompt_ids(
 
 
 def assemble_episode(turns: list[RecordedTurn]) -> tuple[list[int], Episode, bool]:
-    """One trajectory from an episode's turns (module docstring).
-
-    Returns:
-        ``(prompt_ids, episode, rebased)``: the first turn's prompt ``[P] int`` (``[]`` without
-        turns), the :class:`producers.episodes.Episode` (model turns with the engine's logprobs and
-        versions, environment tokens in between; ``finish`` the last kept turn's), and whether a
-        turn was left out because its prompt did not extend the trajectory (the episode ends
-        before it). Counted in ``rlbus_producer_endpoint_episodes_total{outcome}``.
-    """
+    """``(prompt_ids, episode, rebased)``: the first prompt ``[P] int`` (``[]`` without turns), the
+    :class:`Episode` (environment tokens between model turns) and whether it ended early at a rebase (counted)."""
     ep = Episode()
     if not turns:
         ENDPOINT_EPISODES.labels("empty").inc()
