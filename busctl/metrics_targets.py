@@ -1,17 +1,8 @@
 """Where busctl reads metrics: every component at the address it reported (pure functions).
 
-A component serves ``/metrics`` on 127.0.0.1 in a local run and on its node's address when a
-multi-node launcher (Slurm, Ray) started it (``RLBUS_NODE_ADDRESS``, :mod:`lifecycle.launch_env`); its
-ready handshake (:class:`bus.messages.ComponentReady`) says which, and the supervisor keeps it as
-``ComponentSpec.metrics_host``. Every reader of metrics takes the address from there, never a
-fixed host: ``prometheus.yml`` (:func:`prometheus_targets`), the metrics poller behind
-``status.json`` / ``busctl status`` (:func:`live_targets`) and the end-of-run snapshot
-(:func:`served_targets`). busctl's own metrics (the supervisor) are served by
-:func:`supervisor_metrics_host`: its node's address in ``bus.hosts`` on several nodes, else
-127.0.0.1.
-
-Invariant: a target of a component on another node is never 127.0.0.1 (the component reported
-its node's address); a local run's targets are all 127.0.0.1.
+A component serves ``/metrics`` on 127.0.0.1 in a local run and on its node's address under Slurm or Ray; its
+ready handshake says which (``ComponentSpec.metrics_host``). Every reader takes the address from there, never a
+fixed host: ``prometheus.yml``, the metrics poller and the end-of-run snapshot.
 """
 
 from __future__ import annotations
@@ -26,8 +17,7 @@ LOOPBACK = "127.0.0.1"
 
 
 def supervisor_metrics_host(cfg: RunConfig) -> str:
-    """The address busctl serves its own metrics on: ``bus.hosts["supervisor"]`` (busctl's node,
-    set by a multi-node launcher) when the transport is tcp, else :data:`LOOPBACK`."""
+    """The address busctl serves its own metrics on: ``bus.hosts["supervisor"]`` on tcp, else :data:`LOOPBACK`."""
     host = cfg.bus.hosts.get("supervisor", "") if cfg.bus.transport == "tcp" else ""
     return host or LOOPBACK
 
@@ -43,8 +33,7 @@ def live_targets(table: Iterable[ComponentSpec]) -> list[tuple[str, str, int]]:
 
 
 def prometheus_targets(table: Iterable[ComponentSpec], supervisor: tuple[str, int]) -> list[tuple[str, str, str, int]]:
-    """``(component, role, host, port)`` per component with a metrics port, then busctl's own
-    (``supervisor``: its ``(host, port)``): the targets of ``prometheus.yml``
-    (:func:`busctl.run_status.scrape_config`)."""
+    """``(component, role, host, port)`` per component with a metrics port, then busctl's own: the targets of
+    ``prometheus.yml``."""
     rows = [(s.name, s.role, s.metrics_host or LOOPBACK, s.metrics_port) for s in list(table) if s.metrics_port]
     return [*rows, ("supervisor", "supervisor", *supervisor)]

@@ -1,17 +1,9 @@
 """Launch to first optimizer step: the start-up timeline of a ``busctl up``, in ``startup.json``.
 
-"Launch" is the start of the ``busctl up`` process (:func:`process_started_at`; the supervisor's
-construction time where that is unknown), so interpreter start-up, imports and the policy cache
-check are counted. The supervisor calls :meth:`StartupClock.record` on the first
-:class:`bus.messages.TrainerStep` it sees (the first optimizer step of this launch: step 1 of a
-fresh run, ``N + 1`` of a resumed one); that writes ``RUN_DIR/startup.json``::
-
-    {"launched_at": 1795545967.8,      # time.time() of the launch
-     "first_step_s": 18.4,             # launch -> first optimizer step done, seconds
-     "first_step": 1,                  # the trainer's step count in that TrainerStep
-     "components": {"producer-0": {"spawned_s": 0.31, "ready_s": 17.2}, ...}}   # since launch
-
-and gives the console line. ``busctl report`` prints ``first_step_s`` (:mod:`busctl.run_data`).
+"Launch" is the start of the ``busctl up`` process (:func:`process_started_at`), so interpreter start-up and
+imports count. On the first :class:`bus.messages.TrainerStep` of this launch the supervisor calls
+:meth:`StartupClock.record`, which writes ``RUN_DIR/startup.json``: ``launched_at`` (``time.time()``),
+``first_step_s`` (seconds), ``first_step`` and per component ``spawned_s`` / ``ready_s`` since launch.
 """
 
 from __future__ import annotations
@@ -32,9 +24,8 @@ STARTUP_FILE = "startup.json"
 
 
 def process_started_at(pid: int) -> float | None:
-    """``time.time()`` at which process ``pid`` started: now minus its age, the age being
-    ``/proc/uptime`` less its ``/proc/PID/stat`` start ticks (both since boot; resolution one
-    clock tick, 10 ms); None if unknown."""
+    """``time.time()`` at which process ``pid`` started (``/proc/uptime`` less its start ticks; 10 ms resolution);
+    None if unknown."""
     ticks = process_start_ticks(pid)
     try:
         uptime = float(Path("/proc/uptime").read_text().split()[0])
@@ -44,11 +35,7 @@ def process_started_at(pid: int) -> float | None:
 
 
 class StartupClock:
-    """Times one launch to its first optimizer step (see the module docstring).
-
-    Args:
-        run_dir: where ``startup.json`` goes.
-        launched_at: ``time.time()`` of the launch; None: now.
+    """Times one launch (``launched_at``: ``time.time()``; None: now) to its first optimizer step.
 
     Attributes:
         first_step_s: seconds from launch to the first optimizer step; None until recorded.
@@ -65,8 +52,8 @@ class StartupClock:
         return None if monotonic is None else round(monotonic - self._mono_at_launch, 3)
 
     def record(self, step: int, table: list[ComponentSpec]) -> str:
-        """The first optimizer step (``step`` steps trained) is done now: write ``startup.json``
-        with every component's spawn and ready times; returns the console line (rich markup)."""
+        """The first optimizer step (``step`` steps trained) is done now: write ``startup.json``; returns the console
+        line (rich markup)."""
         self.first_step_s = round(time.time() - self.launched_at, 3)
         components = {
             s.name: {"spawned_s": self.since_launch(s.spawned_at or None), "ready_s": self.since_launch(s.ready_at)}
