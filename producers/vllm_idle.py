@@ -1,32 +1,12 @@
-"""Keep vLLM's engine processes from spinning a core while the producer is idle.
+"""Keep vLLM's engine processes from spinning a core while the producer is idle (docs/ARCHITECTURE.md, "vLLM on
+a CPU host").
 
-vLLM passes requests and results between its EngineCore and Worker processes through a
-shared-memory ring buffer (`vllm.distributed.device_communicators.shm_broadcast.MessageQueue`).
-Its reader waits in `SpinCondition.wait`: for `busy_loop_s` seconds after every read (1 s, fixed)
-it busy-polls the buffer with `sched_yield()`, and only then sleeps on a ZeroMQ notification that
-the writer sends after every write. On a GPU host that second of spinning costs nothing that
-matters; on the 2-core CPU host of the default job the producer submits work more often than once
-a second, so the Worker never sleeps and burns 60-80% of a core the trainer needs (measured with
-`ps`, shared/notes/vllm-cpu.md).
-
-`register()` is a vLLM *general plugin* (entry point group `vllm.general_plugins` in
-pyproject.toml): vLLM calls it in every process it starts (front end, EngineCore, Worker) before
-the queues are read. When the environment variable `RLBUS_VLLM_BUSY_LOOP_S` is set (the producer
-sets it before starting its engine, `producers.engine.RolloutEngine`), every reader's busy-poll
-window is capped at that many seconds; 0 means a reader that finds the buffer empty sleeps on the
-notification at once. Without the variable the plugin changes nothing, so other vLLM users in the
-same environment are unaffected.
-
-Lost wake-ups: the writer notifies after every write, but its PUB socket has a high-water mark of
-1, so a notification can be dropped while the reader's previous one is unread; vLLM's idle reader
-then sleeps until its 5 s recheck (`SHM_READER_RECHECK_INTERVAL_MS`). With the 1 s busy loop that
-is rare; with a short one it is not (measured: 16 groups x 8 x 16 tokens took 5.3 s instead of
-0.26 s in 3 of 6 batches with a cap of 0). So an idle reader here sleeps at most
-`IDLE_RECHECK_MS` per wait and looks at the buffer again: a message waits at most that long, and
-an idle reader costs one poll per `IDLE_RECHECK_MS` (~1% of a core) instead of a spinning core.
-
-Invariants: no message is lost; one is delayed by at most `IDLE_RECHECK_MS` beyond the cap.
-Patching is idempotent and affects queues created before it (the cap is applied at each wait).
+vLLM's shared-memory queue readers (`shm_broadcast.SpinCondition.wait`) busy-poll for 1 s after every read; a
+producer submitting more often than that kept 60-80% of a core busy on the 2-core host. `register()`, a vLLM
+general plugin run in every vLLM process, caps that window at `RLBUS_VLLM_BUSY_LOOP_S` seconds (unset: nothing
+changes). Since the writer's wake-up PUB drops at a high-water mark of 1 (an idle reader then slept its 5 s
+recheck: 5.3 s batches instead of 0.26 s), an idle reader here re-checks every `IDLE_RECHECK_MS`: no message is
+lost, none waits longer than that beyond the cap, and an idle reader costs ~1% of a core. Idempotent.
 """
 
 from __future__ import annotations
@@ -44,11 +24,7 @@ IDLE_RECHECK_MS = 2
 
 
 def busy_loop_cap(environ: dict[str, str] | None = None) -> float | None:
-    """The busy-poll cap from `RLBUS_VLLM_BUSY_LOOP_S`, seconds, or None when it is unset/empty.
-
-    Raises:
-        ValueError: the variable is set to something other than a finite number >= 0.
-    """
+    """The cap from `RLBUS_VLLM_BUSY_LOOP_S`, seconds, or None if unset; ValueError: not a finite number >= 0."""
     raw = (os.environ if environ is None else environ).get(BUSY_LOOP_ENV, "").strip()
     if not raw:
         return None
@@ -62,13 +38,9 @@ def busy_loop_cap(environ: dict[str, str] | None = None) -> float | None:
 
 
 def register() -> None:
-    """vLLM general-plugin hook: cap `SpinCondition`'s busy-poll window (module docstring).
+    """vLLM general-plugin hook: cap `SpinCondition`'s busy-poll window, if the variable is set and vLLM has it.
 
-    Does nothing when `RLBUS_VLLM_BUSY_LOOP_S` is unset or vLLM has no `SpinCondition` (another
-    vLLM version: the default behaviour is kept and the spinning stays).
-
-    Raises:
-        ValueError: `RLBUS_VLLM_BUSY_LOOP_S` is malformed (see `busy_loop_cap`).
+    Raises ValueError: a malformed `RLBUS_VLLM_BUSY_LOOP_S`.
     """
     cap = busy_loop_cap()
     if cap is None:
