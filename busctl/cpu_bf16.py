@@ -1,12 +1,9 @@
 """A warning at launch when ``trainer.dtype: bfloat16`` is chosen on a CPU without bfloat16 matmul units.
 
-Mixed precision pays on CPUs with bfloat16 dot-product instructions (x86 ``avx512_bf16`` or
-``amx_bf16``, Arm ``bf16``); without them torch emulates bfloat16 matmuls and they get much slower
-than float32. Seen on an AMD EPYC without avx512_bf16 (issue 28): a 4096x64 @ 64x192 matmul took
-96 ms in bfloat16 and 6 ms in float32, and the default job's trainer step 4.2 s against 0.65 s.
-``busctl up`` measures that same matmul both ways (a fraction of a second) when the trainer runs
-on the CPU in bfloat16, and warns, naming the measured ratio, when bfloat16 is more than
-:data:`WARN_RATIO` times slower.
+Without bfloat16 dot-product instructions (x86 ``avx512_bf16`` / ``amx_bf16``, Arm ``bf16``) torch emulates
+bfloat16 matmuls: on an AMD EPYC (issue 28) a 4096x64 @ 64x192 matmul took 96 ms in bfloat16 and 6 ms in
+float32, the default job's trainer step 4.2 s against 0.65 s. ``busctl up`` times that matmul both ways when the
+trainer runs bfloat16 on the CPU and warns when bfloat16 is over :data:`WARN_RATIO` times slower.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """The checks ``busctl up`` runs before it spawns anything, shared with ``--dry-run``.
 
-A config that validates (:mod:`configs.schema`) can still name things that only a component would
-find missing, after the whole job has started: a ``model.path`` that is neither a directory nor in
-the local HF cache, a task (``task.name``, ``eval.tasks[].name``) that is not registered or whose
-import path does not resolve, a reward function (``task.rewards[].name``, or a task's own), an
-environment (a multi-turn task's ``Task.env``), an agent (``task.agent``) or an advantage
-estimator (``rewards.advantage``). :func:`check_names` resolves each of them here, in the
-``busctl up`` process, so both ``up`` and ``up --dry-run`` refuse such a config with exit 2 and one
-message naming the key. Import paths are imported (configs are trusted: the components import the
-same code); registered reward names are only looked up (the ``gsm8k`` verifier's math-verify is not
-imported here).
+A config that validates can still name things a component would find missing only after the job started:
+tasks, reward functions, environments, agents, advantage estimators. :func:`check_names` resolves each here, so
+``up`` and ``up --dry-run`` refuse such a config with exit 2 and one message naming the key. Import paths are
+imported (configs are trusted); registered reward names are only looked up.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
-"""The settings a run on several nodes needs, written into its config by a multi-node launcher.
+"""The settings a run on several nodes needs, written into its config by the Slurm and Ray launchers.
 
-Shared by the Slurm and Ray launchers (:mod:`busctl.launchers.slurm`, :mod:`busctl.launchers.ray`):
-given the node plan (:class:`busctl.launchers.nodes.Allocation`) and how node names become
-addresses, :func:`configure_multihost` sets tcp transport, ``bus.hosts`` (the node that binds each
-endpoint), ``broadcast.method: bus`` unless a method was given (:func:`configs.schema.apply_weight_method_default`),
-the weight broadcast's rendezvous at the trainer's node (used when broadcast is chosen), and (unless
-``bus.curve_keys_dir`` is given) a fresh CurveZMQ key directory ``RUN_DIR/curve_keys`` for this run
-(mode 0700, existing keys kept, so ``--resume`` reuses them) with one metrics TLS server certificate
-per node of the allocation, naming the node's address (:func:`telemetry.certs.node_hosts`).
+:func:`configure_multihost` sets tcp transport, ``bus.hosts`` (the node that binds each endpoint),
+``broadcast.method: bus`` unless one was given, the weight broadcast's rendezvous at the trainer's node, and
+(unless ``bus.curve_keys_dir`` is given) a CurveZMQ key directory ``RUN_DIR/curve_keys`` for this run (mode
+0700, kept across ``--resume``) with a metrics TLS server certificate per node.
 """
 
 from __future__ import annotations
@@ -28,14 +24,9 @@ BROADCAST_PORT_OFFSET = 7
 def configure_multihost(
     cfg: RunConfig, alloc: Allocation, resolve: Callable[[str], str], supervisor_host: str, here: str
 ) -> None:
-    """Write the multi-node settings (module docstring) into ``cfg``.
-
-    Args:
-        cfg: the run config, changed in place. alloc: the nodes. resolve: node name -> address.
-        supervisor_host: busctl's host, as ``resolve`` takes it (the ``supervisor`` endpoint).
-        here: busctl's node as named in ``alloc``: a trainer elsewhere gets the fixed broadcast
-            port ``bus.base_port + BROADCAST_PORT_OFFSET`` (busctl cannot probe a remote port).
-    """
+    """Write the multi-node settings into ``cfg`` (in place); ``resolve``: node name -> address;
+    ``supervisor_host``: busctl's host; ``here``: busctl's node in ``alloc`` (a trainer elsewhere gets the fixed
+    broadcast port ``bus.base_port + BROADCAST_PORT_OFFSET``: busctl cannot probe a remote port)."""
     cfg.bus.transport = "tcp"
     apply_weight_method_default(cfg)  # broadcast.method unset: the bus method (CurveZMQ), not an open rendezvous
     cfg.bus.hosts = address_map(alloc, cfg.producers.max_replicas, supervisor_host, resolve)

@@ -1,16 +1,9 @@
 """``busctl sbatch``: the batch script that runs a config's job under Slurm (a pure function).
 
-The script asks for the nodes ``slurm.*`` describes and runs ``busctl up --launcher slurm CONFIG``
-on the job's first node (:mod:`busctl.launchers.slurm` starts each component as a step):
-
-- a plain job: ``#SBATCH --nodes=slurm.nodes`` (``--gpus-per-node`` when ``slurm.gpus_per_node``);
-- a heterogeneous job, when ``slurm.inference_nodes``, ``trainer_nodes`` and ``cpu_nodes`` are all
-  > 0: three components separated by ``#SBATCH hetjob``, in the order of
-  :data:`busctl.launchers.nodes.HET_GROUPS` (inference and trainer with GPUs, CPU without).
-
-Every component gets ``--exclusive`` and ``--ntasks-per-node=1`` (steps overlap, ``srun
---overlap``), ``--partition`` when given, and the first one ``--job-name``, ``--time``,
-``--output`` and ``slurm.sbatch_args``. The config path and overrides are quoted for the shell.
+The script asks for the nodes ``slurm.*`` describes (a plain job, or a heterogeneous one of inference, trainer
+and CPU components separated by ``#SBATCH hetjob`` when all three counts are > 0; every component
+``--exclusive``) and runs ``busctl up --launcher slurm CONFIG`` on the job's first node, with the config path
+and overrides quoted for the shell.
 """
 
 from __future__ import annotations
@@ -37,15 +30,9 @@ def sbatch_script(
     workdir: str | Path | None = None,
     overwrite: bool = False,
 ) -> str:
-    """The batch script of ``cfg`` (see the module docstring).
-
-    Args:
-        cfg: the loaded config (its ``slurm`` section shapes the job).
-        config_path / overrides: what ``busctl up`` is given in the job (None: the default config).
-        python: the interpreter that runs busctl on the nodes. workdir: the job's working
-            directory (default: the current one; it must be visible on every node). overwrite: the
-            job runs ``busctl up --overwrite`` (a previous run in ``run_dir`` is deleted; without it
-            the job's ``busctl up`` refuses an occupied ``run_dir``, :mod:`busctl.run_dir`).
+    """The batch script of ``cfg``; ``config_path`` / ``overrides``: what ``busctl up`` is given (None: the default
+    config); ``workdir``: default the current one, visible on every node; ``overwrite``: the job runs
+    ``busctl up --overwrite``.
 
     Raises:
         ValueError: only some of ``slurm.inference_nodes / trainer_nodes / cpu_nodes`` are > 0.
