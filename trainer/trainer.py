@@ -1,39 +1,11 @@
-"""The trainer's logic: one optimizer step from a list of packed micro-batches.
+"""The trainer's logic, socket-free: one optimizer step (AdamW, clipped gradient norm, the LR schedule
+of ``trainer.optim``) over a step's packed micro-batches, their gradients accumulated.
 
-Gradients are accumulated over the step's micro-batches; each micro-batch loss is already
-normalized by step-wide totals (``MicroBatch.step_loss_tokens`` and ``step_samples``), so their
-sum is the step's loss under the configured aggregation whatever the split into micro-batches
-and data-parallel ranks (see :mod:`trainer.losses`; tested in float64 by
-``tests/trainer/test_invariance.py``). Then the gradient norm is clipped and AdamW steps with the
-learning rate of ``trainer.optim``'s schedule (:mod:`trainer.optim.lr_schedule`; the scheduler steps
-after every step, skipped ones too, so step ``s`` always trains with the schedule's rate at ``s``).
-No sockets here (see :mod:`trainer.proc`).
-
-The host never waits for the device inside the micro-batch loop: each micro-batch's checks,
-indices and counts come from its host arrays (:mod:`trainer.forward.packed_row`,
-:func:`trainer.losses.check_loss_inputs`, :func:`trainer.observability.step_stats.host_micro_stats`),
-its arrays go over with queued copies (:mod:`trainer.kernels.transfer`), its loss stats stay on the
-device until the step reads all of them back at once, and phase times are CUDA events
-(:class:`trainer.observability.step_timing.PhaseMarks`). So on a GPU the host queues micro-batch
-k + 1's kernels while the device runs micro-batch k's. A step reads the device back twice: the
-stats of every micro-batch and the gradient norm (tests/trainer/test_host_sync.py).
-
-Precision (``trainer.dtype``, :mod:`trainer.forward.precision`): the policy's and the reference's forwards
-run under the policy's autocast context (bfloat16 matmuls with ``trainer.dtype: bfloat16``); the
-parameters, gradients, AdamW state, logprobs and the loss stay float32.
-
-Temperature: each micro-batch carries the temperature its samples were sampled at
-(``MicroBatch.temperature``; the packer never mixes two), and the policy's and the reference's
-logprobs of that micro-batch divide the logits by it, so they are the quantity the sampler
-reported (vLLM ``processed_logprobs``), whatever the temperature schedule.
-
-Non-finite guard: if any micro-batch loss or the gradient norm is NaN/inf, the optimizer step is
-skipped: gradients are dropped, weights and AdamW state (moments, step count) stay bit-identical,
-``rlbus_trainer_skipped_steps_total{reason}`` grows, and the metrics say ``skipped: 1.0``. The
-caller still advances the policy version and broadcasts the (unchanged) weights: every step of
-the pipeline then means one version, so the prompt source's gating, the packer's staleness check
-and the producers stay in lockstep with no "step without a version" case to handle anywhere.
-The micro-batches of a skipped step count as trained (they were consumed, not lost).
+The step's gradient does not depend on its split into micro-batches or ranks, the host never waits
+for the device inside the micro-batch loop, each micro-batch's logits are divided by its own
+temperature, and a non-finite loss or gradient norm skips the optimizer step (weights and AdamW
+state unchanged; the version still advances): docs/ARCHITECTURE.md, "Trainer math" and "Failure
+containment". The process around it: :mod:`trainer.proc`.
 """
 
 from __future__ import annotations
@@ -76,12 +48,9 @@ for _reason in SKIP_REASONS:  # export both series from the start, at 0
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters (all weights, or the LoRA adapter).
-
-    torch's fused kernel (one pass over all parameters) when every parameter is a plain float
-    tensor: the same update as the per-tensor loop, ~10x faster on CPU (0.7 vs 7.6 ms per step
-    for the default policy, 1 thread). FSDP2's sharded DTensor parameters keep the default loop.
-    """
+    """AdamW over the trainable parameters (all weights, or the LoRA adapter): torch's fused
+    kernel when every parameter is a plain float tensor (~10x faster on CPU, bench/README.md), the
+    per-tensor loop for FSDP2's DTensors."""
     params = [p for p in model.parameters() if p.requires_grad]
     o = cfg.optim
     plain = all(type(p) is torch.nn.Parameter and p.dtype.is_floating_point for p in params)
@@ -89,8 +58,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig) -> torch.optim.O
 
 
 def build_trainer(model: torch.nn.Module, cfg: RunConfig) -> "Trainer":
-    """The run's :class:`Trainer`: the trainer section and the sampler's ``max_tokens`` (Dr.
-    GRPO's normalizer); the temperature comes with each micro-batch."""
+    """The run's :class:`Trainer` (the sampler's ``max_tokens`` is Dr. GRPO's normalizer)."""
     return Trainer(model, cfg.trainer, max_tokens=cfg.sampling.max_tokens)
 
 
@@ -99,12 +67,8 @@ class Trainer:
 
     Args:
         model: HF causal LM (possibly peft-wrapped), float32, in train mode.
-        cfg: the trainer section of the run config (``cfg.dtype``: the forwards' compute dtype,
-            :class:`trainer.forward.precision.PrecisionPolicy`).
-        max_tokens: the sampler's ``max_tokens`` (needed by ``seq_mean_token_sum_norm`` only).
-
-    Each micro-batch's logits are divided by its ``MicroBatch.temperature`` before log-softmax
-    (see the module docstring).
+        cfg: the trainer section of the run config.
+        max_tokens: the sampler's ``max_tokens`` (only ``seq_mean_token_sum_norm`` needs it).
 
     Raises:
         ValueError: aggregation ``seq_mean_token_sum_norm`` without ``max_tokens``.
@@ -145,30 +109,13 @@ class Trainer:
         """Seconds of the current (or last) :meth:`step` per phase (:mod:`trainer.observability.step_timing`)."""
 
     def micro_step(self, mb: MicroBatch) -> tuple[float, dict[str, float]]:
-        """Forward + backward of one micro-batch; returns its loss contribution and loss stats.
-
-        The loss is :func:`trainer.losses.policy_loss` with the step-wide normalizers the packer
-        wrote into every micro-batch of the step (``step_loss_tokens``, ``step_samples``), so the
-        step's gradient does not depend on how its samples were split into micro-batches or ranks.
-        Inputs besides the policy's own logprobs: the sampler's (``sampler_logprobs``), the
-        old policy's when ``use_tis`` (rlbus takes ONE optimizer step per batch, so the old policy
-        is the weights at the start of this step: ``train_logprobs.detach()`` exactly), the frozen
-        reference's when ``kl_reference: reference``, and the teacher's when the samples carry them.
-
-        Besides the loss stats, reports ``onpolicy_tokens`` and ``onpolicy_lp_diff_max``: the
-        largest ``|train_logprobs - sampler_logprobs|`` over loss tokens generated under exactly
-        the weights being trained (``token_versions == step``; a partial rollout's later tokens
-        count, its earlier ones do not). Those must agree up to numerics; a large value means the
-        producers do not run the trainer's weights. And ``lag_tokens/<bucket>``: loss tokens per
-        off-policy lag (:func:`trainer.observability.lag_stats.lag_token_counts`), and the rest of
-        :func:`trainer.observability.step_stats.host_micro_stats`.
-
-        Reads its results back from the device once; :meth:`step` runs the same work
-        (:meth:`_queue_micro_batch`) for every micro-batch and reads them all back at the end.
+        """Forward + backward of one micro-batch, its results read back at once; returns its loss
+        contribution and stats: :func:`trainer.observability.step_stats.host_micro_stats`, the loss
+        terms, and ``onpolicy_lp_diff_max`` (the largest ``|train - sampler logprob|`` over loss
+        tokens sampled by exactly these weights: ~0 when the producers run them).
 
         Raises:
-            ValueError: the micro-batch's lengths, step normalizers or inputs are bad
-                (:func:`trainer.losses.check_loss_inputs`, :class:`trainer.forward.packed_row.PackedRow`).
+            ValueError: bad lengths, step normalizers or inputs (:func:`trainer.losses.check_loss_inputs`).
         """
         marks = PhaseMarks(self._device())
         device_stats, host_stats = self._queue_micro_batch(mb, marks)
@@ -177,18 +124,8 @@ class Trainer:
         return stats.pop("loss"), stats
 
     def _queue_micro_batch(self, mb: MicroBatch, marks: PhaseMarks) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """Queue one micro-batch's forward, loss and backward on the device without waiting for it.
-
-        Everything that needs the micro-batch's values on the host (checks, indices, counts) is
-        computed from its host arrays (:mod:`trainer.forward.packed_row`,
-        :func:`trainer.losses.check_loss_inputs`, :func:`trainer.observability.step_stats.host_micro_stats`)
-        and copied over with :func:`trainer.kernels.transfer.to_device`; the loss and its stats stay
-        on the device. Marks three points on ``marks`` (start, forward done, backward done).
-
-        Returns:
-            (device stats ``{name: 0-dim tensor}`` with ``loss`` and ``onpolicy_lp_diff_max``,
-            host stats ``{name: float}``).
-        """
+        """Queue one micro-batch's forward, loss and backward without a host sync; returns (device
+        stats, host stats) and adds three marks (start, forward done, backward done)."""
         device = self._device()
         marks.mark()
         ids = np.asarray(mb.input_ids, dtype=np.int64)
@@ -263,14 +200,9 @@ class Trainer:
     """This rank's data-parallel group, set by :meth:`enable_data_parallel` (None: one rank)."""
 
     def enable_data_parallel(self, dp: DataParallel) -> None:
-        """Train as one rank of ``dp``: the packed forward runs in DDP (gradients summed over
-        ranks, see :mod:`trainer.parallel.distributed`), or with ``parallel: fsdp`` is sharded by FSDP2
-        (:mod:`trainer.parallel.sharding`; the optimizer is rebuilt over the sharded parameters and keeps
-        its state), and :meth:`step` reduces its stats over ranks.
-
-        A collective: call it on every rank, each with the same weights and optimizer state (DDP's
-        constructor also broadcasts rank 0's parameters).
-        """
+        """Train as one rank of ``dp`` (a collective: every rank, with the same weights and
+        optimizer state): DDP around the packed forward, or with ``parallel: fsdp`` FSDP2 shards (the
+        optimizer rebuilt over them, its state kept); :meth:`step` then reduces stats over ranks."""
         self.dp = dp
         if self.cfg.parallel == "fsdp":
 
@@ -291,13 +223,9 @@ class Trainer:
             self.logprobs = dp.wrap(self.logprobs)
 
     def disable_data_parallel(self) -> None:
-        """Back to one rank: unwrap the DDP module and free its reducer (idempotent). An FSDP2
-        model stays sharded (its weights are DTensors over the group): train no more with it.
-
-        Call it before ``DataParallel.close``: a reducer that outlives the group frees the group's
-        last reference from C++ with the GIL held, and gloo's destructor then waits for worker
-        threads that need the GIL (a deadlock at exit, pytorch/pytorch#56297).
-        """
+        """Back to one rank: unwrap DDP and free its reducer (idempotent; an FSDP2 model stays
+        sharded). Call it before ``DataParallel.close``: a reducer outliving the group deadlocks
+        gloo's destructor at exit (pytorch/pytorch#56297)."""
         if self.dp is None:
             return
         if isinstance(self.logprobs, torch.nn.parallel.DistributedDataParallel):
@@ -306,14 +234,8 @@ class Trainer:
         gc.collect()  # the reducer goes now, not at some later collection
 
     def padding_micro_step(self, marks: PhaseMarks | None = None) -> None:
-        """Forward + backward with zero loss, for a padding slot of a data-parallel step.
-
-        Every trainable parameter gets a zero gradient through the same DDP module, so this rank
-        runs as many forwards and backwards as the others and joins the gradient all-reduce; its
-        accumulated gradient is unchanged (``0 * logprobs``; a non-finite forward would still
-        poison it, and then the step is skipped on every rank anyway). ``marks``: the step's
-        phase marks (three are added), or None.
-        """
+        """Zero-loss forward + backward for a padding slot of a data-parallel step: this rank joins
+        the gradient all-reduce, its gradient unchanged; adds three marks to ``marks``."""
         marks = marks if marks is not None else PhaseMarks(self._device())
         marks.mark()
         with self.precision.autocast(self._device()):
@@ -323,21 +245,16 @@ class Trainer:
         marks.mark()
 
     def _add_phase_times(self, marks: PhaseMarks, first: int) -> None:
-        """Charge the micro-batch whose three marks start at index ``first`` of ``marks`` to the
-        step's forward (first -> first + 1) and backward (-> first + 2) seconds."""
+        """Add the micro-batch whose marks start at ``first`` to the forward and backward seconds."""
         self.phase_s["forward"] += marks.seconds(first, first + 1)
         self.phase_s["backward"] += marks.seconds(first + 1, first + 2)
 
     def step(self, micro_batches: Sequence[MicroBatch | None]) -> dict[str, float]:
         """One optimizer step over a step's micro-batches (with data parallelism: this rank's share,
-        padded with ``None`` slots; :mod:`trainer.parallel.distributed`).
-
-        Gradients accumulate over the micro-batches (DDP all-reduces in the last backward); the
-        stats merge over micro-batches, then ranks, so every rank reports the whole step and skips
-        (non-finite loss or gradient) or steps alike.
+        ``None`` for padding slots); every rank reports the whole step and skips or steps alike.
 
         Returns:
-            The step's metrics; their keys are the rows of :data:`trainer.observability.step_keys.STEP_KEYS`.
+            The step's metrics, keyed as :data:`trainer.observability.step_keys.STEP_KEYS`.
 
         Raises:
             ValueError: no slots, micro-batches of several steps, padding slots without data
