@@ -58,6 +58,7 @@ def test_compiled_layers_train_like_eager_ones(model_dir, lora, share):
 @pytest.mark.parametrize("share", [False, True])
 def test_one_compile_serves_every_packed_length_and_sample_count(model_dir, share):
     torch._dynamo.reset()
+    counters.clear()  # reset() keeps them: the graphs of an earlier test would count
     model = load_policy(model_dir, LoraSection(enabled=False))
     trainer = Trainer(
         model, TrainerConfig(compile=True, compile_backend="aot_eager", share_prefixes=share), max_tokens=16
@@ -68,6 +69,7 @@ def test_one_compile_serves_every_packed_length_and_sample_count(model_dir, shar
     # share_prefixes the lengths path too (one more graph pair, once)
     trainer.step(step_batches(grpo_samples(vocab, teacher=False, seed=1), 8))
     graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0, "nothing was compiled"
     lengths, counts = set(), set()
     for seed, parts in ((2, 2), (3, 3), (4, 5), (5, 8)):  # 4, 2-3, 1-2 and 1 samples per micro-batch
         mbs = step_batches(grpo_samples(vocab, teacher=False, seed=seed), parts)
