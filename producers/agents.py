@@ -1,22 +1,11 @@
-"""Agent groups in a producer: each of a group's ``n`` samples is one call of the task's agent
-function (:mod:`tasks.agent`) against this producer's OpenAI-compatible endpoint
-(:mod:`producers.endpoint`), recorded and assembled into a token-exact episode
-(:mod:`producers.endpoint_episodes`).
+"""Agent groups in a producer: each of a group's ``n`` samples is one call of the task's agent function
+(:mod:`tasks.agent`, in isolated children) against this producer's OpenAI-compatible endpoint, recorded as a
+token-exact episode (:mod:`producers.endpoint_episodes`; episodes ``<request_id>-<j>``, seed ``seed + j``).
 
-Per group: open ``n`` episodes ``<request_id>-<j>`` on the endpoint with the run's sampling
-settings (seed ``seed + j``), call the agent function for each in the isolated children (at most
-``num_procs`` at a time; groups take turns), close the episodes and assemble them. The group's
-prompt is the longest common prefix of the episodes' first prompts (the agent renders its own
-first messages; usually they are the task's prompt); the rest of an episode's first prompt leads
-its completion as environment tokens. An episode whose agent call failed (raised, timed out,
-crashed, returned no finite float) keeps its recorded tokens with reward 0 and finish reason
-``env_error: <label>`` (``rlbus_producer_env_errors_total{error}``); a rebased one keeps the turns
-up to the one that did not extend the trajectory.
-
-Tool calls: the agent runs its own tools, so only the ``<tool_call>`` blocks of the assistant
-texts the endpoint returned are counted (:func:`producers.turn_metrics.text_tool_calls`), under
-``tool="other"`` (an agent task declares no tool schemas) and, unreadable ones, ``parse_error``;
-``rlbus_producer_episode_tool_calls`` observes only episodes with at least one call.
+The group's prompt is the longest common prefix of the episodes' first prompts; the rest of each leads its
+completion as environment tokens. A failed agent call (raised, timed out, crashed, no finite float) keeps its
+tokens with reward 0 and ``env_error: <label>``. Tool calls are only seen as the ``<tool_call>`` blocks of the
+returned texts, counted under ``tool="other"``.
 """
 
 from __future__ import annotations
@@ -46,8 +35,7 @@ def common_prefix(seqs: list[list[int]]) -> list[int]:
 
 
 def with_head(ep: Episode, head: list[int], version: int) -> Episode:
-    """``ep`` with environment tokens ``head`` before its first token (version: ``ep``'s first
-    token's, else ``version``)."""
+    """``ep`` with environment tokens ``head`` first (at ``ep``'s first version, else ``version``)."""
     out = Episode(turns=ep.turns, finish=ep.finish, done=True)
     out.add_env_turn(head, ep.versions[0] if ep.versions else version)
     out.token_ids += ep.token_ids
@@ -58,14 +46,8 @@ def with_head(ep: Episode, head: list[int], version: int) -> Episode:
 
 
 class AgentRunner:
-    """Runs agent groups: the producer's endpoint and a pool of isolated children.
-
-    Args:
-        endpoint: the producer's started :class:`producers.endpoint.OpenAIEndpoint`.
-        agents: agent function import paths (``task.agent`` of the run's tasks).
-        timeout_s: most seconds one agent call (a whole episode) may take.
-        num_procs: child processes; episodes run this many at a time.
-    """
+    """Runs agent groups (import paths ``agents``) on the producer's started endpoint in ``num_procs`` isolated
+    children, ``timeout_s`` seconds per agent call (a whole episode)."""
 
     def __init__(self, endpoint: OpenAIEndpoint, agents: list[str], *, timeout_s: float, num_procs: int) -> None:
         self.endpoint = endpoint
@@ -78,17 +60,10 @@ class AgentRunner:
     async def run_group(
         self, agent: str, example: dict, prompt_ids: list[int], *, request_id: str, **kwargs: Any
     ) -> tuple[list[int], list[Sample], list[list[bool]], list[float]]:
-        """Run ``kwargs["n"]`` episodes of ``agent`` on ``example`` (``kwargs``:
-        :func:`producers.sampling.request_kwargs`; ``prompt_ids``: the group's prompt when no
-        episode made a request).
+        """Run ``kwargs["n"]`` episodes of ``agent`` on ``example`` (``prompt_ids``: used if none made a request).
 
-        Returns:
-            ``(prompt_ids, samples, model_masks, rewards)``: the group's prompt, one sample per
-            episode (completion = environment and model tokens), its ``[L_j]`` model mask, its reward.
-
-        Raises:
-            ValueError: ``agent`` is not one of this runner's, or the episodes' first prompts share
-                no token.
+        Returns ``(prompt_ids, samples, model_masks, rewards)`` (masks ``[L_j]``). ValueError: an unknown agent, or
+        first prompts sharing no token.
         """
         if agent not in self.agents:
             raise ValueError(f"unknown agent {agent!r}; known: {self.agents}")

@@ -1,9 +1,4 @@
-"""The producers' eval gate: every eval group is sampled under one policy version.
-
-The prompt source issues eval round ``r`` once every producer runs version ``>= r``
-(:mod:`prompts.eval_rounds`); that the round is then sampled under exactly one version is the
-producers' side, this gate: a weight update waits for the in-flight eval requests.
-"""
+"""The producers' eval gate: every eval group is sampled under one policy version (docs/ARCHITECTURE.md)."""
 
 from __future__ import annotations
 
@@ -13,13 +8,9 @@ from typing import AsyncIterator
 
 
 class EvalUpdateGate:
-    """Producer side: every eval group is sampled under one policy version.
+    """An update waits for the eval requests in flight; no eval request starts while one is pending.
 
-    A weight update (:meth:`update`) waits until the in-flight eval requests (:meth:`eval_request`)
-    are finished, and no eval request starts while an update is pending or running; training
-    requests do not go through the gate (they keep running across an update, as partial
-    rollouts). No deadlock: an eval request in flight never waits for an update, and an update
-    waits only for eval requests already in flight. Use from one event loop.
+    No deadlock: an eval request in flight never waits for an update. Training requests bypass it. One event loop.
     """
 
     def __init__(self) -> None:

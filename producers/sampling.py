@@ -1,16 +1,9 @@
-"""Sampling parameters of the rollout producers: the per-prompt vLLM request parameters.
+"""The per-prompt vLLM request parameters of the rollout producers.
 
-Temperature: the prompt source stamps it on each :class:`bus.messages.Prompt`
-(:mod:`prompts.temperature`); the producer samples with it, the group records it and the trainer
-divides its logits by it (vLLM's processed logprobs are post-temperature).
-
-Request parameters (:func:`request_kwargs`): ``top_p``, ``min_tokens``, ``repetition_penalty``
-from ``sampling``; ``seed = sampling.seed + prompt.index * n`` when ``sampling.seed`` is set: vLLM
-seeds sample ``j`` of a request with ``seed + j`` (``vllm/v1/engine/parallel_sampling.py``), so
-a group is reproducible whatever the batching, and the stride ``n`` keeps the ``n`` seeds of
-one group apart from every other group's (``seed + index`` would give sample ``j`` of prompt ``i``
-the random stream of sample ``j - 1`` of prompt ``i + 1``); eval prompts sample ``rollouts_per_example`` completions of at most
-``eval.max_tokens or sampling.max_tokens`` tokens.
+The temperature is the prompt's (stamped by :mod:`prompts.temperature`; vLLM's processed logprobs are
+post-temperature, as the trainer computes them). ``seed = sampling.seed + prompt.index * n``: vLLM seeds sample
+``j`` with ``seed + j`` (``vllm/v1/engine/parallel_sampling.py``), and the stride ``n`` keeps groups' streams
+apart (``seed + index`` would give sample ``j`` of prompt ``i`` the stream of sample ``j - 1`` of prompt ``i + 1``).
 """
 
 from __future__ import annotations
@@ -25,14 +18,8 @@ if TYPE_CHECKING:
 def request_kwargs(cfg: "RunConfig", prompt: "Prompt") -> dict[str, Any]:
     """Keyword arguments of :meth:`producers.engine.RolloutEngine.generate_group` for ``prompt``.
 
-    Returns:
-        ``{"n", "temperature", "top_p", "max_tokens", "min_tokens", "repetition_penalty",
-        "seed"}``: ``n`` is ``producers.group_size`` for a training prompt and the eval task's
-        ``rollouts_per_example`` for an eval prompt (``tasks.registry.eval_tasks``; 1 for a task
-        not among them);
-        ``temperature`` is ``prompt.temperature``; ``seed`` is ``None`` or
-        ``sampling.seed + prompt.index * n``. ``min_tokens`` is capped at ``max_tokens`` (an eval
-        ``max_tokens`` may be shorter).
+    ``n``: ``producers.group_size``, or an eval task's ``rollouts_per_example`` (1 for an unknown task) with
+    ``eval.max_tokens or sampling.max_tokens``; ``min_tokens`` capped at ``max_tokens``.
     """
     sampling = cfg.sampling
     if prompt.is_eval:

@@ -1,17 +1,10 @@
-"""Teacher logprobs for on-policy distillation: a second vLLM engine in the producer scores every
-completion under a fixed teacher model.
+"""Teacher logprobs for on-policy distillation: a second vLLM engine in the producer scores every completion.
 
-For a prompt ``x`` and a completion ``y_1..y_L`` the teacher's per-token logprob is
-``log p_teacher(y_t | x, y_<t)`` at temperature 1 (raw logits, no top-p), computed in one forward
-pass as vLLM *prompt logprobs* of the sequence ``x + y`` (``SamplingParams(max_tokens=1,
-prompt_logprobs=0)``; see :meth:`producers.engine.RolloutEngine.score_completion`). The trainer's
-distillation term uses them as ``teacher_tau * (teacher_logprobs - train_logprobs)`` (on-policy distillation,
-Agarwal et al. 2024, arXiv:2306.13649; the reverse-KL form of Gu et al. 2024, MiniLLM).
-
-The teacher never changes: its engine takes no weight updates (its version stays 0) and has its
-own KV cache (``teacher.kv_cache_gib``). It must share the policy's tokenizer, since it scores the
-policy's token ids. Its ``max_model_len`` is the policy's + 1: a completion that filled the
-policy's context is still scored (the scoring request samples one discarded token).
+``log p_teacher(y_t | x, y_<t)`` at temperature 1, as vLLM prompt logprobs of ``x + y`` in one forward
+(:meth:`producers.engine.RolloutEngine.score_completion`); the trainer uses ``teacher_tau * (teacher_logprobs -
+train_logprobs)`` (Agarwal et al. 2024, arXiv:2306.13649; reverse KL as in Gu et al. 2024, MiniLLM). The teacher
+takes no weight updates, shares the policy's tokenizer, and has ``max_model_len`` + 1 so a full-context completion
+is still scored.
 """
 
 from __future__ import annotations
@@ -26,17 +19,9 @@ from producers.engine import RolloutEngine
 
 
 class Teacher:
-    """A teacher model on its own vLLM engine, scoring completions token by token.
+    """A teacher model on its own vLLM engine in the producers' ``dtype``, scoring completions token by token.
 
-    Args:
-        model_path: HF model directory of the teacher (same tokenizer as the policy), or a hub id in
-            the local HF cache (FileNotFoundError naming ``teacher.model_path`` if neither).
-        max_model_len: the policy's ``max_model_len`` (tokens); the teacher's is one more.
-        kv_cache_bytes: KV-cache size of the teacher engine, bytes.
-        seed: engine seed (only the discarded scoring token is sampled).
-        dtype: the engine's dtype, the producers' (``producers.dtype``; see
-            :class:`producers.engine.RolloutEngine`): teacher logprobs then carry the same
-            bfloat16 rounding as the sampler's.
+    ``max_model_len``: the policy's. ValueError: an empty ``model_path``; FileNotFoundError: not found.
     """
 
     def __init__(
@@ -63,16 +48,9 @@ class Teacher:
         await self.engine.close()
 
     async def score_group(self, prompt_ids: list[int], completions: list[list[int]], *, request_id: str) -> np.ndarray:
-        """Teacher logprobs of every completion of a group, concatenated.
+        """``[N] float32`` teacher logprobs (nats) of the ``G`` completions concatenated, N = their total length.
 
-        Args:
-            prompt_ids: ``[P]`` prompt token ids (chat template applied).
-            completions: ``G`` lists of completion token ids (may be empty).
-            request_id: prefix of the scoring requests' ids (unique among in-flight requests).
-
-        Returns:
-            ``[N] float32`` with ``N = sum(len(c) for c in completions)``: entry ``t`` of sample
-            ``j``'s block is ``log p_teacher(c_j[t] | prompt, c_j[:t])``, nats.
+        Entry ``t`` of sample ``j``'s block is ``log p_teacher(c_j[t] | prompt, c_j[:t])``.
         """
         scored = await asyncio.gather(
             *(

@@ -1,26 +1,9 @@
 """Tool-call metrics of multi-turn episodes: calls and failed calls per tool, calls per episode.
 
-Where the numbers come from:
-
-* Environment episodes (:mod:`producers.episodes`): a ``step`` may return statistics with the
-  turn's tool calls, ``(name, error)`` per call (protocol and validation in :mod:`tasks.env`;
-  :class:`tasks.tools.ToolEnv` always does). A malformed statistics element is ignored and counted
-  in ``rlbus_producer_env_bad_stats_total``; the episode goes on.
-* Agent episodes (:mod:`producers.agents`): the agent runs its tools itself, so only the calls
-  are visible: the ``<tool_call>`` blocks of the assistant texts the endpoint returned
-  (:func:`tasks.tools.parse_tool_calls`); a block that cannot be read counts as a
-  ``parse_error``, the other failures are the agent's to see.
-
-Invariants:
-
-* Label values are bounded: ``tool`` is one of the task's tool names (``Task.tools``) or
-  :data:`OTHER_TOOL` (a call that could not be read, a tool the task does not declare, a task
-  without schemas), never a name taken from the model's text; ``error`` is one of
-  :data:`tasks.env.TOOL_ERRORS`.
-* Every call counts once in ``rlbus_producer_tool_calls_total{tool}``; a failed one also once in
-  ``rlbus_producer_tool_errors_total{tool, error}``.
-* Labels are pre-initialized (:func:`preinit_tools`, at producer start for the run's tool tasks,
-  and ``other`` at import) so that Grafana shows 0 rather than no data.
+Environment episodes report ``(name, error)`` per call in their step statistics (:mod:`tasks.env`); agent
+episodes only show the ``<tool_call>`` blocks the endpoint returned (unreadable: ``parse_error``). Labels stay
+bounded: ``tool`` is a declared tool name or :data:`OTHER_TOOL`, never text from the model; ``error`` one of
+:data:`tasks.env.TOOL_ERRORS`. Label sets are created at 0 (:func:`preinit_tools`) so Grafana shows 0, not no data.
 """
 
 from __future__ import annotations
@@ -69,8 +52,7 @@ preinit_tools(())
 
 
 def schema_names(schemas: Iterable[dict] | None) -> frozenset[str]:
-    """The tool names of function schemas (``Task.tools``; ``{"function": {"name": ...}}``);
-    schemas of another shape are skipped."""
+    """The tool names of ``{"function": {"name": ...}}`` schemas; other shapes are skipped."""
     names = set()
     for s in schemas or ():
         fn = s.get("function") if isinstance(s, dict) else None
@@ -80,8 +62,7 @@ def schema_names(schemas: Iterable[dict] | None) -> frozenset[str]:
 
 
 def count_tool_calls(records: Sequence[tuple[str | None, str | None]], known: frozenset[str]) -> int:
-    """Count one turn's tool calls ``records`` (``(name, error)``, :attr:`tasks.env.EnvResult.tool_calls`);
-    ``known``: the task's tool names (others are :data:`OTHER_TOOL`). Returns how many calls."""
+    """Count one turn's ``(name, error)`` records (names outside ``known``: :data:`OTHER_TOOL`); how many."""
     for name, error in records:
         tool = name if name in known else OTHER_TOOL
         TOOL_CALLS.labels(tool).inc()
@@ -91,7 +72,5 @@ def count_tool_calls(records: Sequence[tuple[str | None, str | None]], known: fr
 
 
 def text_tool_calls(text: str) -> list[tuple[str | None, str | None]]:
-    """The ``(name, error)`` records of the ``<tool_call>`` blocks in a model turn's ``text``, as
-    seen without running them: ``(name, None)`` per readable call, ``(None, "parse_error")`` per
-    unreadable one."""
+    """``(name, None)`` per readable ``<tool_call>`` block of ``text``, ``(None, "parse_error")`` per other."""
     return [(None, "parse_error") if isinstance(c, ToolCallError) else (c.name, None) for c in parse_tool_calls(text)]
