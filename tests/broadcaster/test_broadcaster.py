@@ -1,7 +1,7 @@
-"""The two senders (`BroadcastSender`, `FilesystemSender`) and the manifest: pure planning, the filesystem layout, and real gloo
-broadcasts to a producer process that decodes buckets with the vLLM worker extension's own
-`BucketReceiver`: bytes arrive intact, the trainer thread is not held by a slow producer, and a
-failed background transfer comes back as `SendFailed` with its payload."""
+"""The two senders (`BroadcastSender`, `FilesystemSender`) and the manifest: pure planning, the filesystem layout,
+and real gloo broadcasts to a producer process that decodes buckets with the vLLM worker extension's own
+`BucketReceiver`: bytes arrive intact, the trainer thread is not held by a slow producer, and a failed background
+transfer comes back as `SendFailed` with its payload."""
 
 from __future__ import annotations
 

@@ -211,8 +211,9 @@ def test_eval_groups_finish_under_one_version_while_training_groups_span_the_upd
 
 def test_idle_engine_processes_sleep_instead_of_spinning(engine):
     """After a group, vLLM's processes (on CPU the EngineCore, Worker inside; on GPU with tensor
-    parallelism also Worker processes) must not busy-poll their queues (producers/vllm_idle.py caps vLLM's 1 s busy loop at the engine's busy_loop_s, 5 ms): over 2 s of
-    idleness right after a read they use well under the ~2 CPU-seconds that spinning costs."""
+    parallelism also Worker processes) must not busy-poll their queues (producers/vllm_idle.py caps vLLM's 1 s busy
+    loop at the engine's busy_loop_s, 5 ms): over 2 s of idleness right after a read they use well under the ~2
+    CPU-seconds that spinning costs."""
     import time
 
     import psutil

