@@ -84,13 +84,10 @@ def encode(msg: Message) -> list[Any]:
 
 
 def decode(frames: list[Any]) -> Message:
-    """Decode and validate frames into a message.
-
-    Args:
-        frames: ``[header, *array frames]`` as ``zmq.Frame``, ``bytes`` or ``memoryview``.
+    """Decode and validate ``[header, *array frames]`` (``zmq.Frame``, bytes or memoryview) into a message.
 
     Raises:
-        WireError: the message is malformed; ``reason`` says how (see :class:`bus.wire.WireError`).
+        WireError: the message is malformed; ``reason`` says how.
     """
     if not frames:
         raise WireError("frames", "empty message")

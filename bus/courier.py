@@ -47,10 +47,8 @@ class Courier:
 
     Args (seconds for times):
         heartbeat_s: heartbeat period. dead_after_s: a peer silent this long is dead.
-        ack_timeout_s: an unacknowledged message is re-sent after it.
-        stop: the boxes' blocking calls return early once set.
-        max_inflight_bytes: byte bound of the credit windows and outbox capacity (one value or
-            ``{topic: bytes}``, :mod:`configs.bus_limits`); None: messages only.
+        ack_timeout_s: an unacknowledged message is re-sent after it. stop: ends blocking calls early.
+        max_inflight_bytes: byte bound of credit and outbox (:mod:`configs.bus_limits`); None: messages only.
         call_timeout_s, close_timeout_s: longest waits for the I/O thread.
 
     Raises:

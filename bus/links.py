@@ -1,9 +1,6 @@
-"""The ZeroMQ sockets of a courier's boxes (:mod:`bus.courier`): one ROUTER per bound box, one
-DEALER per endpoint a box connects to, each a numbered :class:`Link`.
-
-:func:`open_sockets` is all or nothing: if any bind or connect fails, the sockets already made
-for the box are closed (``linger=0``) before the error goes on, so a failed open holds no
-endpoint and leaves nothing for ``ctx.term()`` to wait on. Called on the courier's I/O thread only.
+"""The ZeroMQ sockets of a courier's boxes, each a numbered :class:`Link`. :func:`open_sockets` is all or
+nothing: a failed bind or connect closes the sockets already made (``linger=0``), so a failed open holds no
+endpoint. Called on the courier's I/O thread only.
 """
 
 from __future__ import annotations
@@ -17,18 +14,13 @@ from bus.outbox import Outbox
 from bus.sockets import configure_socket
 from bus.topics import TOPICS
 
-SOCKET_HWM = 10_000
-"""ZeroMQ HWM of the delivery sockets; credit keeps data far below it (envelopes are tiny)."""
+SOCKET_HWM = 10_000  # credit keeps data far below it (envelopes are tiny)
 
 
 @dataclass
 class Link:
-    """One ZeroMQ socket of a box: a ROUTER (bound, many peers) or a DEALER (one endpoint).
-
-    Attributes:
-        number: its index in the courier's links (the first element of a :data:`bus.envelope.PeerKey`).
-        closed: its box's opening was abandoned; the socket is closed and the number unused.
-    """
+    """One socket of a box, a ROUTER (bound) or a DEALER (one endpoint); ``number``: its index in the
+    courier's links (a :data:`bus.envelope.PeerKey`'s first element); ``closed``: its opening was abandoned."""
 
     number: int
     sock: zmq.Socket
@@ -38,11 +30,7 @@ class Link:
 
 
 def socket_type(box: Inbox | Outbox, bind: bool) -> int:
-    """The ZeroMQ socket type of ``box``'s side of its topic.
-
-    Raises:
-        ValueError: ``bind`` does not match the side (the side that binds is the ROUTER).
-    """
+    """The socket type of ``box``'s side; ValueError if ``bind`` does not match it (the ROUTER binds)."""
     spec = TOPICS[box.topic]
     direction = "recv" if isinstance(box, Inbox) else "send"
     sock_type = spec.recv_type if direction == "recv" else spec.send_type
@@ -52,11 +40,10 @@ def socket_type(box: Inbox | Outbox, bind: bool) -> int:
 
 
 def open_sockets(ctx: zmq.Context, box: Inbox | Outbox, endpoints: str | list[str], bind: bool) -> list[zmq.Socket]:
-    """The sockets of ``box``: one ROUTER bound to every endpoint, or one DEALER connected to each.
+    """One ROUTER bound to every endpoint, or one DEALER connected to each, for ``box``.
 
     Raises:
-        ValueError: see :func:`socket_type`. zmq.ZMQError: a bind or connect failed (every socket
-            made here is closed first).
+        ValueError: see :func:`socket_type`. zmq.ZMQError: a bind or connect failed (sockets made here closed).
     """
     sock_type = socket_type(box, bind)
     eps = [endpoints] if isinstance(endpoints, str) else list(endpoints)

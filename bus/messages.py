@@ -48,12 +48,9 @@ class Prompt(Message):
     """One prompt, prompt source -> producer (topic ``prompts``).
 
     Fields:
-        index: position in the issue order. step: the optimizer step it was issued for.
-        task: task name. info: task data for the verifier (JSON-like).
-        messages: chat messages ``[{"role": str, "content": str}, ...]``.
-        temperature: sampling temperature (> 0).
-        eval_round: ``-1`` for a training prompt, else the policy version its eval round evaluates.
-        eval_size: groups in the whole eval round, ``0`` for a training prompt.
+        index: position in the issue order. step: the optimizer step it was issued for. task, info: the
+            task and its data for the verifier (JSON-like). messages: ``[{"role": str, "content": str}, ...]``.
+        eval_round: ``-1`` (training), else the policy version evaluated; eval_size: groups in the round.
     """
 
     TYPE: ClassVar[str] = "prompt"
@@ -224,14 +221,9 @@ class MicroBatch(Message):
 
 @dataclass(frozen=True, eq=False)
 class WeightsReady(Message):
-    """New policy weights, trainer -> producers (control channel).
-
-    Fields:
-        version: the policy version (= optimizer steps taken). num_bytes: payload size.
-        method: ``"broadcast"``, ``"filesystem"`` (the directory ``path``, else ``""``) or ``"bus"``.
-        manifest: ``[[name, dtype, shape], ...]`` in send order: full weights or a LoRA adapter
-            (:mod:`broadcaster.manifest`).
-    """
+    """New weights of policy ``version`` (= steps taken), trainer -> producers: ``method`` ``broadcast``,
+    ``filesystem`` (directory ``path``, else ``""``) or ``bus``; ``manifest`` ``[[name, dtype, shape], ...]``
+    in send order, full weights or a LoRA adapter (:mod:`broadcaster.manifest`); ``num_bytes`` the payload."""
 
     TYPE: ClassVar[str] = "weights.ready"
     version: int
@@ -332,11 +324,8 @@ class ComponentHeartbeat(Message):
 class EvalResult(Message):
     """One eval task's result of eval ``round`` (the policy version evaluated), packer -> trainer.
 
-    Fields:
-        version_min, version_max: the policy versions that really produced the round's tokens.
-        num_samples: completions scored. num_failed: groups whose generation failed.
-        metrics: ``reward_mean``, ``pass_at_1``, ... (floats).
-    """
+    ``version_min``/``version_max``: the versions that produced the round's tokens; ``num_samples`` scored,
+    ``num_failed`` groups failed; ``metrics``: ``reward_mean``, ``pass_at_1``, ... (floats)."""
 
     TYPE: ClassVar[str] = "eval.result"
     round: int

@@ -1,17 +1,8 @@
-"""Weight messages beside `bus.messages`: the torch.distributed weight group's membership (issue
-16: groups that re-form) and the `weights` topic of `broadcast.method: bus` (issue 17).
-
-The broadcast weight group (`broadcaster.dist_broadcast`) has a fixed world size once formed. When a
-producer joins (restart, late join, `busctl scale`) or a member dies, the trainer re-forms it: it
-announces `WeightGroup` (a new rendezvous and the new membership) at a version boundary, every
-listed producer acknowledges with `WeightGroupAck`, leaves its old group and joins the new one.
-The trainer learns who joined late from `bus.messages.WeightsWanted` (a producer outside the group).
-
-Invariants (checked by `check`, raising `WireError("inconsistent")`):
-- a generation numbers re-formations of one trainer process: 0 is the group formed at start,
-  each re-formation takes the next one;
-- `members` and `filesystem` are disjoint and hold no duplicates; member `i` is rank `i + 1`
-  (the trainer is rank 0), so the world size is `1 + len(members)`.
+"""Weight messages: the torch.distributed weight group's re-formation (:class:`WeightGroup`, its ack) and
+the ``weights`` topic of ``broadcast.method: bus`` (:class:`WeightsRequest`, :class:`WeightsBucket`). When a
+producer joins late or a member dies the trainer re-forms the group at a version boundary (docs/ARCHITECTURE.md,
+"Weights"). ``check`` invariants: a generation numbers one trainer process's re-formations (0: the group formed
+at start); ``members`` and ``filesystem`` are disjoint, without duplicates; world size ``1 + len(members)``.
 """
 
 from __future__ import annotations
@@ -27,15 +18,9 @@ from bus.wire import WireError, array_field
 
 @dataclass(frozen=True, eq=False)
 class WeightGroup(Message):
-    """The trainer re-forms the weight-broadcast group (trainer -> producers, control channel).
-
-    Fields:
-        generation: the group's number (> 0 for a re-formed group; see the module docstring).
-        host, port: the new rendezvous (the trainer hosts the store there as rank 0).
-        members: producer names in rank order: `members[i]` joins as rank `i + 1`.
-        filesystem: producers that take weights by the filesystem method from now on (a re-form
-            that timed out without them); they leave any old group.
-    """
+    """The trainer re-forms the weight-broadcast group (control channel): rendezvous ``host:port`` (the
+    trainer's store, rank 0); ``members[i]`` joins as rank ``i + 1``; ``filesystem``: producers left out of
+    a timed-out re-form, on the filesystem method from now on."""
 
     TYPE: ClassVar[str] = "weights.group"
     generation: int
@@ -46,7 +31,7 @@ class WeightGroup(Message):
 
     @property
     def world_size(self) -> int:
-        """1 (the trainer) + the number of members."""
+        """1 (the trainer) + members."""
         return 1 + len(self.members)
 
     def rank_of(self, producer: str) -> int | None:
@@ -65,8 +50,7 @@ class WeightGroup(Message):
 
 @dataclass(frozen=True, eq=False)
 class WeightGroupAck(Message):
-    """Producer `producer` got `WeightGroup` `generation` and is joining it (producer -> trainer,
-    control channel). A member that never acknowledges is the one a timed-out re-form blames."""
+    """``producer`` is joining ``WeightGroup`` ``generation`` (a member that never acks is blamed)."""
 
     TYPE: ClassVar[str] = "weights.group_ack"
     producer: str
@@ -77,26 +61,15 @@ class WeightGroupAck(Message):
             raise WireError("inconsistent", f"generation must be >= 0, got {self.generation}")
 
 
-WEIGHT_GROUP_TYPES: tuple[type[Message], ...] = (WeightGroup, WeightGroupAck)
-"""The control-channel message types of this module (see `bus.registry`)."""
-
-MAX_REQUESTED_BUCKETS = 64
-"""Most bucket indices one `WeightsRequest` may name (the receivers ask for a small window)."""
+WEIGHT_GROUP_TYPES: tuple[type[Message], ...] = (WeightGroup, WeightGroupAck)  # control channel
+MAX_REQUESTED_BUCKETS = 64  # most bucket indices one WeightsRequest may name
 
 
 @dataclass(frozen=True, eq=False)
 class WeightsRequest(Message):
-    """A producer's vLLM worker asks for buckets of a weight version (producer -> trainer, `weights`
-    topic, DEALER -> ROUTER; `broadcaster.bus_method`). Pull-based: the trainer answers each
-    request with one `WeightsBucket` per index, of its LATEST version (which may be newer than
-    `version`), so it never queues more than a receiver asked for.
-
-    Fields:
-        producer: the asking producer's name (logs only).
-        version: the version the receiver is assembling (the announcement's, or a newer one it
-            was given instead).
-        buckets: `[k]` bucket indices wanted (0 <= index, at most `MAX_REQUESTED_BUCKETS`).
-    """
+    """A producer's worker asks for ``buckets`` (``[k]`` indices >= 0) of the ``version`` it assembles
+    (``weights`` topic, DEALER -> ROUTER); the answer is one :class:`WeightsBucket` per index of the
+    trainer's latest version, so it never queues more than asked (:mod:`broadcaster.bus_method`)."""
 
     TYPE: ClassVar[str] = "weights.request"
     producer: str
@@ -114,20 +87,9 @@ class WeightsRequest(Message):
 
 @dataclass(frozen=True, eq=False)
 class WeightsBucket(Message):
-    """One bucket of one weight version (trainer -> one producer's worker, `weights` topic, the
-    answer to a `WeightsRequest`; `broadcaster.bus_method`).
-
-    Fields:
-        version: the policy version this bucket belongs to (the trainer's latest).
-        index: the bucket's position in the plan (`broadcaster.manifest.plan_buckets` of the
-            announced manifest and `bucket_bytes`), `0 <= index < num_buckets`.
-        num_buckets: how many buckets the version has.
-        bucket_bytes: the bucket size the plan was made with, bytes.
-        crc32: `zlib.crc32` of `data`: a frame damaged on the way is dropped and asked again.
-        data: `[nbytes] uint8` the bucket's flat buffer, raw bytes in its wire dtype (bfloat16
-            travels as bytes: the bus carries no bfloat16 arrays), sent zero-copy from the
-            trainer's send buffer.
-    """
+    """Bucket ``index`` of ``num_buckets`` of policy ``version`` (trainer -> worker, ``weights`` topic), in the
+    plan of :func:`broadcaster.manifest.plan_buckets` with ``bucket_bytes``. ``data``: ``[nbytes] uint8``, the
+    flat buffer in its wire dtype (bfloat16 as bytes); ``crc32``: ``zlib.crc32`` of it (damaged: asked again)."""
 
     TYPE: ClassVar[str] = "weights.bucket"
     version: int
@@ -148,5 +110,4 @@ class WeightsBucket(Message):
             raise WireError("inconsistent", f"crc32 must be a 32-bit unsigned value, got {self.crc32}")
 
 
-WEIGHT_TRANSFER_TYPES: tuple[type[Message], ...] = (WeightsRequest, WeightsBucket)
-"""The `weights` topic's message types (never on the control channel; see `bus.registry`)."""
+WEIGHT_TRANSFER_TYPES: tuple[type[Message], ...] = (WeightsRequest, WeightsBucket)  # the weights topic only

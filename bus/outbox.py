@@ -1,33 +1,13 @@
-"""Sending side of a data topic: capacity, dispatch to peers with credit, ack deadlines, re-sends
-(protocol: ``docs/DELIVERY.md``, envelope: :mod:`bus.envelope`, peers: :mod:`bus.peers`).
+"""Sending side of a data topic (docs/DELIVERY.md): capacity, dispatch to peers with credit, ack deadlines,
+re-sends. :class:`Outbox` is a state machine fed frames and clock ticks by its courier (or a test).
 
-:class:`Outbox` is a state machine: its courier (or a test) feeds it the frame sets received
-(:meth:`Outbox.on_frames`) and timer ticks (:meth:`Outbox.check_deadlines`,
-:meth:`Outbox.dispatch`, :meth:`Outbox.flush`, each with ``now``), and transmits the
-:class:`bus.envelope.Send` list they return, handing back with :meth:`Outbox.unsent` what could
-not go out. The component side (:meth:`Outbox.send`, :meth:`Outbox.unfinished`) may be called from
-any thread; it reaches the state through ``post``.
-
-Invariants:
-- a message is kept until a peer it was sent to says it is done (only those peers may release it:
-  a ``done`` from any other is a ``foreign_ack`` reject);
-- a message is with at most one peer at a time; it goes back to the pending queue (oldest first by
-  send order) when that peer is lost or its receipt is not acknowledged within ``ack_timeout_s``
-  (counted in ``rlbus_bus_redelivered_total{topic, reason}``);
-- a peer is sent at most ``free - untaken`` messages (its last reported credit less the messages
-  whose receipt it has not acknowledged) and, when it grants byte credit, at most
-  ``free_bytes - untaken_bytes`` bytes, except that one message of any size goes to a peer that
-  holds none of ours (it reported ``empty`` and nothing is unacknowledged): a message larger than
-  the byte window passes alone;
-- :meth:`Outbox.send` blocks while ``capacity`` messages, or with ``capacity_bytes`` more than that
-  many bytes with this one, are not yet taken by a consumer (a message larger than
-  ``capacity_bytes`` waits until none is);
-- the next message goes to the peer with the most byte room, then the most message room (> 0
-  both; a peer without a byte bound, or one that holds none of ours, counts as unbounded in
-  bytes); among equals, to the one chosen (or joined) least recently. :class:`PeerRanking` finds
-  it in O(log peers) amortized, not by a scan of every peer per message. Messages leave in send
-  order: when the oldest pending one does not fit the best peer's byte room, it fits no peer, and
-  dispatch waits for credit.
+Invariants: a message is kept until a peer it went to says done (a ``done`` from another is a
+``foreign_ack`` reject); it is with at most one peer at a time and goes back to the pending queue, oldest
+first, when that peer is lost or does not ack within ``ack_timeout_s``; a peer gets at most its message
+credit and byte credit less what it has not acknowledged, except that one message of any size goes to a
+peer holding none of ours; :meth:`Outbox.send` blocks while ``capacity`` messages or ``capacity_bytes`` are
+not taken; the next message goes to the peer with the most byte room, then message room (least recently
+chosen among equals, :class:`PeerRanking`), in send order.
 """
 
 from __future__ import annotations
@@ -50,32 +30,24 @@ if TYPE_CHECKING:
     from bus.inbox import Inbox
 
 
-ROOM_SCALE = 1 << 20
-"""Rank of a peer = byte room x ROOM_SCALE + message room (message credit is at most 1,000,000)."""
-
-UNBOUNDED_BYTES = MAX_CREDIT_BYTES + 1
-"""Byte room of a peer without a byte bound, or holding none of this outbox's messages."""
+ROOM_SCALE = 1 << 20  # rank = byte room x ROOM_SCALE + message room (message credit <= 1,000,000)
+UNBOUNDED_BYTES = MAX_CREDIT_BYTES + 1  # byte room of a peer without a byte bound or holding none of ours
 
 
 def _bytes_unbounded(peer: Peer) -> bool:
-    """Whether ``peer`` sets no byte bound on the next message: it grants none, or holds none of
-    this outbox's messages (a message larger than the window passes alone)."""
+    """``peer`` grants no byte credit, or holds none of our messages (so any size may go)."""
     return peer.free_bytes is None or (peer.empty and not peer.untaken)
 
 
 def fits(peer: Peer, nbytes: int) -> bool:
-    """Whether a message of ``nbytes`` may go to ``peer`` under its byte credit: it grants none, it
-    holds none of ours (a message larger than the window passes alone), or ``untaken_bytes +
-    nbytes <= free_bytes``. Message credit is checked by the ranking."""
+    """Whether ``nbytes`` fit ``peer``'s byte credit (message credit is the ranking's)."""
     if _bytes_unbounded(peer):
         return True
     return peer.untaken_bytes + nbytes <= peer.free_bytes
 
 
 def room_rank(peer: Peer) -> int:
-    """The rank of ``peer`` for the next message: 0 if it has no message credit left or no byte
-    room, else ``byte_room * ROOM_SCALE + message_room`` (most byte room first, then most message
-    room; a peer that grants no byte bound or holds none of ours has :data:`UNBOUNDED_BYTES`)."""
+    """0 without message credit or byte room, else ``byte_room * ROOM_SCALE + message_room``."""
     messages = peer.free - len(peer.untaken)
     if messages <= 0:
         return 0
@@ -102,15 +74,9 @@ class Entry:
 
 
 class PeerRanking:
-    """The peers of an outbox ordered by room, for an O(log N) choice of the next peer.
-
-    A heap of ``(-room, touched, key)`` with lazy deletion: every change of a peer's room or of its
-    turn pushes a fresh entry and makes the peer's older ones stale (:meth:`update`); stale entries
-    are skipped when they reach the top, and the heap is rebuilt once it holds more than
-    :data:`COMPACT_FACTOR` entries per live peer, so its size stays O(peers). ``touched`` is a
-    counter bumped when a peer joins or is chosen: among peers with equal room the least recently
-    touched wins (the rotation of the scan this replaces).
-    """
+    """The peers ordered by room for an O(log N) choice: a heap of ``(-room, touched, key)`` with lazy
+    deletion (stale entries skipped at the top, rebuilt past :data:`COMPACT_FACTOR` entries per peer).
+    ``touched`` counts joins and choices: among equal room the least recently touched wins."""
 
     COMPACT_FACTOR = 4
 
@@ -120,8 +86,7 @@ class PeerRanking:
         self._touch = itertools.count()
 
     def update(self, key: PeerKey, room: int, *, touch: bool = False) -> None:
-        """Record ``room`` (a rank, > 0 when the peer may be sent a message: :func:`room_rank`) for
-        ``key``; ``touch``: it joined or was just chosen (it goes behind its equals)."""
+        """Record ``key``'s :func:`room_rank`; ``touch``: it joined or was chosen (behind its equals)."""
         current = self._rank.get(key)
         touched = next(self._touch) if touch or current is None else current[1]
         if current == (room, touched):
@@ -137,8 +102,7 @@ class PeerRanking:
         self._rank.pop(key, None)
 
     def best(self) -> PeerKey | None:
-        """The key with the most room (> 0), least recently touched among equals; None if no peer
-        has room. Does not change the ranking (the caller updates the chosen peer)."""
+        """The key with the most room (> 0), least recently touched among equals; None if none has room."""
         while self._heap:
             neg_room, touched, key = self._heap[0]
             if self._rank.get(key) == (-neg_room, touched):
@@ -148,20 +112,11 @@ class PeerRanking:
 
 
 class Outbox(Box):
-    """Sending side of a data topic. A process creates it with :meth:`bus.courier.Courier.sender`.
-
-    Args:
-        topic, session, post, stop: see :class:`bus.peers.Box`.
-        capacity: most messages not yet taken by a consumer before :meth:`send` blocks.
-        capacity_bytes: most bytes (message frames) not yet taken by a consumer before
-            :meth:`send` blocks; a larger message waits until nothing else is untaken (None: no
-            byte bound).
+    """Sending side of a data topic (made by :meth:`bus.courier.Courier.sender`). :meth:`send` and
+    :meth:`unfinished` may be called from any thread, the rest runs on the box's thread.
 
     Raises:
         ValueError: ``capacity < 1`` or ``capacity_bytes < 1``, or not a data topic.
-
-    Thread-safety: :meth:`send` may be called from any thread (one message at a time per caller);
-    every other method but :meth:`unfinished` runs on the box's thread.
     """
 
     role = "outbox"
@@ -189,16 +144,8 @@ class Outbox(Box):
     def send(
         self, msg: Message, *, upstream: tuple["Inbox", str] | None = None, timeout_s: float | None = None
     ) -> bool:
-        """Keep ``msg`` until it is done downstream; block while the outbox is full (the wait is
-        counted in ``rlbus_bus_blocked_seconds_total{topic}``).
-
-        Args:
-            msg: a data message (its ``id`` identifies it end to end).
-            upstream: ``(inbox, id)``: call ``inbox.done(id)`` once ``msg`` is done downstream.
-            timeout_s: give up after this many seconds (None: until sent or stopped).
-
-        Returns:
-            True once the outbox holds the message; False on timeout or stop (not sent).
+        """Keep ``msg`` until it is done downstream, blocking while the outbox is full; ``upstream``
+        ``(inbox, id)`` is released then. Returns False on timeout (seconds) or stop (not sent).
 
         Raises:
             TypeError: ``msg`` is not a registered message type (see :func:`bus.codec.encode`).
@@ -229,8 +176,7 @@ class Outbox(Box):
         return True
 
     def _full(self, nbytes: int) -> bool:
-        """Whether a message of ``nbytes`` must wait (call with ``_cond`` held): ``capacity``
-        messages are not taken, or ``capacity_bytes`` would be passed by a message that is not alone."""
+        """Whether a message of ``nbytes`` must wait (hold ``_cond``)."""
         if self._not_taken >= self.capacity:
             return True
         return (
@@ -247,7 +193,7 @@ class Outbox(Box):
     # -- box thread -------------------------------------------------------------------------------
 
     def _count(self, nbytes: int, not_taken: int = 0, unfinished: int = 0) -> None:
-        """Add ``not_taken`` / ``unfinished`` messages of ``nbytes`` each to the counts ``send`` waits on."""
+        """Add to the counts ``send`` waits on."""
         with self._cond:
             self._not_taken += not_taken
             self._unfinished += unfinished
@@ -266,8 +212,7 @@ class Outbox(Box):
         heapq.heappush(self._pending, (entry.seq, msg_id))
 
     def _rerank(self, key: PeerKey, *, touch: bool = False) -> None:
-        """Tell the ranking the room of peer ``key`` changed (call after every change of its
-        ``free`` or ``untaken``)."""
+        """Re-rank ``key`` (after every change of its ``free`` or ``untaken``)."""
         self._ranking.update(key, room_rank(self.peers[key]), touch=touch)
 
     def peer_joined(self, key: PeerKey, peer: Peer) -> None:
@@ -309,8 +254,7 @@ class Outbox(Box):
                 self._requeue(entry, reason)
 
     def on_frames(self, key: PeerKey, kind: str, session: str, payload: Any, rest: list[Any], now: float) -> None:
-        """Take one parsed frame set from peer ``key`` at ``now`` (seconds): credit and receipt /
-        done acks (``A``) or a goodbye (``B``). Rejects are counted, never raised."""
+        """Take an ack (``A``) or goodbye (``B``) from peer ``key``; rejects are counted, never raised."""
         if kind == "D" or kind == "H":
             self.reject("wrong_direction", f"{kind} envelope sent to a sender")
             return
@@ -353,9 +297,7 @@ class Outbox(Box):
             inbox.release([upstream_id])
 
     def dispatch(self, now: float) -> list[Send]:
-        """``D`` frame sets of pending messages for live peers with credit (messages and bytes),
-        oldest first (each counted as with its peer from ``now``, seconds, until :meth:`unsent`
-        says otherwise)."""
+        """``D`` frame sets of pending messages, oldest first, for the peers with credit."""
         sends: list[Send] = []
         while self._pending:
             seq, msg_id = self._pending[0]
@@ -389,16 +331,14 @@ class Outbox(Box):
         self._unassign(entry)
 
     def check_deadlines(self, now: float, ack_timeout_s: float) -> None:
-        """Take back messages whose receipt was not acknowledged within ``ack_timeout_s`` seconds
-        at ``now``; the next :meth:`dispatch` re-sends them."""
+        """Take back messages not acknowledged within ``ack_timeout_s``; :meth:`dispatch` re-sends them."""
         for peer in list(self.peers.values()):
             late = [i for i in peer.untaken if now - self.entries[i].sent_at > ack_timeout_s] if peer.untaken else []
             for msg_id in sorted(late, key=lambda i: self.entries[i].seq):
                 self._requeue(self.entries[msg_id], "ack_timeout")
 
     def flush(self, now: float, heartbeat_due: bool) -> list[Send]:
-        """Heartbeats (``H``) when due to every peer sent nothing within ``heartbeat_skip_s`` and
-        to every DEALER endpoint whose peer has not spoken; updates the queue gauges."""
+        """Heartbeats when due (idle peers, silent DEALER endpoints); updates the queue gauges."""
         sends: list[Send] = []
         if heartbeat_due:
             hb = envelope("H", self.session, None)

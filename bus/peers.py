@@ -1,19 +1,10 @@
-"""Per-peer bookkeeping that the inbox and the outbox of a data topic share (protocol:
-``docs/DELIVERY.md``, envelope: :mod:`bus.envelope`).
+"""Per-peer bookkeeping shared by a data topic's inbox and outbox (docs/DELIVERY.md). A peer is known by its
+:data:`bus.envelope.PeerKey` and session; it is lost when silent for ``dead_after_s``, saying goodbye,
+restarted (new session) or unreachable, each counted by reason. Any frame proves its sender alive, so no
+heartbeat goes to a peer sent a frame within ``heartbeat_skip_s`` (half a heartbeat period).
 
-A box knows each peer by its :data:`bus.envelope.PeerKey` and the peer's session; a new session
-under a known key means the peer restarted, so its predecessor is lost first. A peer is lost when it
-is silent for ``dead_after_s``, says goodbye, restarts or becomes unreachable; each loss is counted
-in ``rlbus_bus_peer_deaths_total{topic, reason}``. Any frame proves its sender alive, so a box
-sends no heartbeat to a peer it sent a frame to within ``heartbeat_skip_s`` (its courier sets it to
-half of ``bus.heartbeat_s``, so a peer still hears from it at least every 1.5 heartbeat periods,
-well within ``dead_after_s > 2 * heartbeat_s``); heartbeats cost frames only on idle links, not per
-peer per period where traffic flows. Malformed frame sets are counted in
-``rlbus_bus_rejected_total{topic, reason}`` and dropped.
-
-Invariants: a box is driven by one thread (its courier's I/O thread, or a test); it holds no
-socket and starts no thread. ``post`` runs a function on that thread: the courier queues it, a
-test (the default) runs it at once.
+Invariants: one thread drives a box (its courier's I/O thread, or a test); a box holds no socket and starts
+no thread; ``post`` runs a function on that thread (the default, :func:`call_now`, at once).
 """
 
 from __future__ import annotations
@@ -38,7 +29,7 @@ def call_now(fn: Callable[..., Any], *args: Any) -> None:
 
 @dataclass
 class Peer:
-    """What a box knows of one peer. Sender-side and receiver-side fields are used by one box each."""
+    """What a box knows of one peer (sender-side fields for an outbox, receiver-side for an inbox)."""
 
     session: str
     last_seen: float
@@ -57,20 +48,13 @@ class Peer:
 
 
 class CourierFailed(RuntimeError):
-    """The I/O thread of this process's courier stopped after too many consecutive errors
-    (``rlbus_bus_courier_errors_total``): the process can no longer send or receive on its data
-    topics. Raised by the boxes' blocking calls; a component lets it end ``run()``, so the process
-    exits 1 and its supervisor restarts it (its peers re-send what it held)."""
+    """The courier's I/O thread gave up after too many errors in a row: raised by the boxes' blocking calls,
+    it ends the component (exit 1) so the supervisor restarts it and its peers re-send what it held."""
 
 
 class Box:
-    """What an inbox and an outbox share: topic, session, peers, DEALER links, reject counting.
-
-    Args:
-        topic: a data topic of :data:`bus.topics.TOPICS`.
-        session: this process's session id (second element of every envelope it sends).
-        post: runs a function on the box's thread (see the module docstring).
-        stop: blocking component calls return early once it is set.
+    """What an inbox and an outbox share: topic, session (this courier's), peers, DEALER links, rejects;
+    ``post`` runs a function on the box's thread; ``stop`` ends blocking component calls early.
 
     Raises:
         ValueError: ``topic`` is not a data topic.
@@ -102,7 +86,7 @@ class Box:
         declare_topic(topic, "recv" if self.role == "inbox" else "send", reliable=True)
 
     def raise_if_failed(self) -> None:
-        """Raise :class:`CourierFailed` once the courier driving this box has failed (from any thread)."""
+        """Raise :class:`CourierFailed` once the courier has failed (any thread)."""
         if self.failure is not None:
             raise CourierFailed(
                 f"the courier of this process failed ({type(self.failure).__name__}: {self.failure}); "
@@ -117,8 +101,7 @@ class Box:
             log.warning("rejected a message on %s (%s); further ones are only counted", self.topic, detail)
 
     def peer_for(self, key: PeerKey, session: str, now: float) -> Peer:
-        """The peer of ``key`` (seen at ``now``, seconds); a new session on a known key means the
-        old peer restarted."""
+        """The peer of ``key``, seen at ``now``; a new session on a known key means it restarted."""
         peer = self.peers.get(key)
         if peer is not None and peer.session != session:
             self.peer_lost(key, "restarted")
@@ -130,16 +113,15 @@ class Box:
         return peer
 
     def needs_heartbeat(self, peer: Peer, now: float) -> bool:
-        """Whether ``peer`` should get a heartbeat at ``now`` (seconds): nothing was sent to it
-        within ``heartbeat_skip_s``."""
+        """Nothing was sent to ``peer`` within ``heartbeat_skip_s``."""
         return now - peer.last_sent >= self.heartbeat_skip_s
 
     def unknown_dealers(self) -> list[PeerKey]:
-        """Keys of DEALER links whose peer has not spoken yet (greeted on every heartbeat)."""
+        """DEALER links whose peer has not spoken yet (greeted on every heartbeat)."""
         return [(n, b"") for n in self.dealer_links if (n, b"") not in self.peers]
 
     def expire(self, now: float, dead_after_s: float) -> None:
-        """Lose every peer silent for more than ``dead_after_s`` seconds at ``now``."""
+        """Lose every peer silent for more than ``dead_after_s``."""
         for key, peer in list(self.peers.items()):
             if now - peer.last_seen > dead_after_s:
                 self.peer_lost(key, "silent")

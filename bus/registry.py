@@ -1,12 +1,6 @@
-"""The registries of message types: which types the codec encodes and decodes
-(:data:`MESSAGE_TYPES`) and which the control hub forwards (:data:`CONTROL_TYPES`).
-
-They live apart from :mod:`bus.messages` so that message modules beside it
-(:mod:`bus.messages_weights`, ...) can add types without an import cycle: every message module
-imports :class:`bus.messages.Message`, this module imports them all.
-
-Invariants: every ``TYPE`` string names exactly one class; a type is registered here or it raises
-in :mod:`bus.codec`.
+"""The registries of message types: :data:`MESSAGE_TYPES` (by ``TYPE``, what :mod:`bus.codec` takes) and
+:data:`CONTROL_TYPES` (what the hub forwards). Apart from :mod:`bus.messages` so that message modules beside
+it can add types without an import cycle. Every ``TYPE`` names exactly one class.
 """
 
 from __future__ import annotations
@@ -41,7 +35,7 @@ CONTROL_TYPES: tuple[type[Message], ...] = (
     EvalResult,
     *WEIGHT_GROUP_TYPES,
 )
-"""The message types the control channel carries (the hub forwards nothing else)."""
+
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
@@ -56,6 +50,5 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         *WEIGHT_TRANSFER_TYPES,
     )
 }
-"""Every message type by its ``TYPE`` string: what :mod:`bus.codec` encodes and decodes."""
 if len(MESSAGE_TYPES) != len(CONTROL_TYPES) + 6 + len(WEIGHT_TRANSFER_TYPES):
     raise RuntimeError("two message classes share a TYPE string")

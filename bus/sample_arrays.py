@@ -1,24 +1,11 @@
 """Per-sample array checks of the data messages, and per-token policy versions as run-length spans.
 
-A completion can be sampled under several policy versions (a weight update during a partial
-rollout). Its *version spans* say which: ``[num_spans, 2] int64`` rows ``(version, num_tokens)``
-in token order. A group concatenates its samples' spans into ``version_spans`` ``[M, 2]`` and
-says how many rows each sample owns in ``version_span_counts`` ``[G] int32`` (sample ``j`` owns
-rows ``cumsum(counts)[j-1]:cumsum(counts)[j]``); a micro-batch carries the expanded per-token
-versions ``token_versions`` ``[T] int64``.
-
-Invariants checked on decode (:func:`check_group`, :func:`check_micro_batch`, raising
-``WireError("inconsistent")``):
-- a group's spans are either absent (both arrays empty: a sender that knows no spans; every token
-  then counts as ``version_start``, the conservative oldest version) or complete: one count per
-  sample, every span ``num_tokens > 0`` and ``version >= 0``, a sample's spans cover exactly its
-  completion tokens, and ``version_start`` / ``version_end`` of a sample with tokens are the min /
-  max of its span versions. Versions need not be non-decreasing: after a trainer resumed from a
-  checkpoint rolls the policy back, later tokens of an in-flight sample are older.
-- a group's ``teacher_logprobs`` and ``loss_mask`` are empty or one per completion token, its
-  ``env_rewards`` empty or one finite value per sample.
-- a micro-batch's ``token_versions`` has one entry per token, all ``>= 0``, and the smallest over a
-  sample's tokens is its ``oldest_versions`` entry (prompt tokens carry the sample's oldest version).
+A completion sampled under several policy versions carries spans ``(version, num_tokens)`` in token order:
+a group concatenates them into ``version_spans [M, 2] int64`` with ``version_span_counts [G] int32`` rows per
+sample; a micro-batch carries them expanded, ``token_versions [T] int64``. A group's spans are absent (both
+empty: every token counts as ``version_start``, the oldest) or complete: they cover each sample's completion
+tokens exactly and their min / max are ``version_start`` / ``version_end``. Versions need not rise: a
+resumed trainer rolls the policy back (docs/ARCHITECTURE.md, "Pace, staleness and accounting").
 """
 
 from __future__ import annotations
@@ -35,8 +22,7 @@ RolloutGroup = MicroBatch = Any
 
 
 def run_lengths(versions: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Run-length encode per-token versions ``[L] int`` into spans ``[num_spans, 2] int64`` of
-    ``(version, num_tokens)`` (adjacent equal versions merged; ``[0, 2]`` for ``L = 0``)."""
+    """Run-length encode per-token versions ``[L] int`` into spans ``[num_spans, 2] int64``."""
     v = np.asarray(versions, dtype=np.int64)
     if len(v) == 0:
         return np.zeros((0, 2), np.int64)
@@ -46,16 +32,14 @@ def run_lengths(versions: Sequence[int] | np.ndarray) -> np.ndarray:
 
 
 def pack_spans(per_sample: Iterable[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenate each sample's spans (``[n_j, 2] int64``, see :func:`run_lengths`) into a group's
-    ``(version_spans [M, 2] int64, version_span_counts [G] int32)``."""
+    """Each sample's spans ``[n_j, 2]`` -> ``(version_spans [M, 2] int64, version_span_counts [G] int32)``."""
     spans = [np.asarray(s, np.int64).reshape(-1, 2) for s in per_sample]
     counts = np.array([len(s) for s in spans], dtype=np.int32)
     return (np.concatenate(spans) if spans else np.zeros((0, 2), np.int64)), counts
 
 
 def sample_token_versions(group: RolloutGroup, j: int) -> np.ndarray:
-    """Version of each completion token of sample ``j``: ``[L_j] int64``; every token at
-    ``version_start[j]`` when the group carries no spans."""
+    """``[L_j] int64`` version of each completion token of sample ``j`` (no spans: ``version_start[j]``)."""
     n = int(group.completion_lens[j])
     counts = group.version_span_counts
     if len(counts) == 0:
@@ -92,7 +76,7 @@ def _check_spans(group: RolloutGroup) -> None:
 
 
 def check_group(group: RolloutGroup) -> None:
-    """Cross-field checks of a :class:`bus.messages.RolloutGroup` (see the module docstring)."""
+    """Cross-field checks of a :class:`bus.messages.RolloutGroup`; raises ``WireError("inconsistent")``."""
     g = len(group.completion_lens)
     if g == 0:
         raise WireError("inconsistent", "a group needs at least one completion")
@@ -116,7 +100,7 @@ def check_group(group: RolloutGroup) -> None:
 
 
 def check_micro_batch(mb: MicroBatch) -> None:
-    """Cross-field checks of a :class:`bus.messages.MicroBatch` (see the module docstring)."""
+    """Cross-field checks of a :class:`bus.messages.MicroBatch`; raises ``WireError("inconsistent")``."""
     t, s = len(mb.input_ids), len(mb.seq_lens)
     if not mb.temperature > 0:
         raise WireError("inconsistent", "temperature must be > 0")

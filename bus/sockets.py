@@ -1,16 +1,8 @@
-"""The one socket factory of rlbus and the typed socket wrapper every component uses.
-
-:func:`open_socket` creates every data and control socket with the topic's high-water mark
-(:mod:`bus.topics`), a bounded linger and ``IMMEDIATE`` on senders (no queueing towards peers
-that have not connected yet). :class:`BusSocket` sends and receives typed messages
-(:mod:`bus.messages`), counts messages and bytes per topic and direction, and turns malformed
-input into a counted, logged-once reject instead of an exception. When CURVE is enabled on the
-context (:func:`bus.auth.enable`), a binding socket is a CURVE server and a connecting one a
-CURVE client, so no unauthenticated peer reaches any rlbus socket.
-
-Backpressure: a blocking topic's ``send`` waits at the HWM (polling so that a stop request is
-honoured) and accounts the wait in ``rlbus_bus_blocked_seconds_total``; PUB never blocks and
-drops at the HWM.
+"""The one socket factory of rlbus (:func:`configure_socket`) and :class:`BusSocket`, the typed socket of the
+non-data topics (control, supervisor): the topic's HWM, bounded linger, ``IMMEDIATE`` on senders, CURVE when
+the context has it; messages and bytes counted per topic and direction; malformed input a counted,
+logged-once reject, never an exception. A blocking topic's ``send`` waits at the HWM (counted in
+``rlbus_bus_blocked_seconds_total``); PUB never blocks and drops at the HWM.
 """
 
 from __future__ import annotations
@@ -31,23 +23,17 @@ from bus.wire import WireError
 
 log = logging.getLogger(__name__)
 
-LINGER_MS = 500
-"""How long close() may wait to flush unsent messages, milliseconds (never forever)."""
-
-POLL_SLICE_S = 0.1
-"""Blocking sends and receives wake this often to check for a stop request, seconds."""
+LINGER_MS = 500  # close() flushes unsent messages at most this long
+POLL_SLICE_S = 0.1  # blocking sends and receives check for a stop request this often, seconds
 
 
 def frame_bytes(frames: list[Any]) -> int:
-    """Bytes of a frame list as it goes on the wire: ``nbytes`` of arrays and memoryviews, ``len``
-    of ``bytes`` and ``zmq.Frame`` (what credit windows and byte counters count)."""
+    """Bytes of a frame list on the wire (what credit windows and byte counters count)."""
     return sum(f.nbytes if hasattr(f, "nbytes") else len(f) for f in frames)
 
 
 def configure_socket(sock: zmq.Socket, ctx: zmq.Context, *, hwm: int, bind: bool) -> None:
-    """Apply rlbus's socket options: HWM both ways, bounded linger, ``IMMEDIATE`` on PUSH and
-    DEALER (nothing queues towards a peer that has not connected), CURVE when the context has it
-    (a binding socket is the server)."""
+    """HWM both ways, bounded linger, ``IMMEDIATE`` on PUSH and DEALER, CURVE when the context has it."""
     sock.setsockopt(zmq.LINGER, LINGER_MS)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
@@ -59,17 +45,8 @@ def configure_socket(sock: zmq.Socket, ctx: zmq.Context, *, hwm: int, bind: bool
 
 
 class BusSocket:
-    """A ZeroMQ socket bound to one topic and direction, speaking :mod:`bus.messages`.
-
-    Args:
-        ctx: the process's ``zmq.Context``; its CURVE settings, if any, secure the socket.
-        topic: a key of :data:`bus.topics.TOPICS`.
-        direction: ``"send"`` or ``"recv"``: which side of the topic this socket is.
-        endpoint: ZeroMQ endpoint string.
-        bind: bind (True) or connect (False).
-        stop: optional event; blocking calls return early once it is set.
-        accept: message types this socket takes; any other decoded type is rejected
-            (reason ``unexpected_type``). None accepts every registered type.
+    """A ZeroMQ socket of one topic (:data:`bus.topics.TOPICS`) and direction (``send``/``recv``), speaking
+    :mod:`bus.messages`; ``stop`` ends blocking calls early; ``accept`` (None: all) the types taken.
 
     Raises:
         ValueError: unknown topic or direction.
@@ -111,15 +88,7 @@ class BusSocket:
     # -- sending ---------------------------------------------------------------------------------
 
     def send(self, msg: Message, timeout_s: float | None = None) -> bool:
-        """Send ``msg``; on a blocking topic wait at the HWM until there is room.
-
-        Args:
-            msg: the message. timeout_s: give up after this many seconds (None: wait until sent
-                or stopped).
-
-        Returns:
-            True if the message was queued; False on timeout or stop (nothing was sent).
-        """
+        """Send ``msg``, on a blocking topic waiting at the HWM; False on timeout (seconds) or stop."""
         frames = encode(msg)
         if not self.blocks:
             try:
@@ -148,17 +117,7 @@ class BusSocket:
     # -- receiving -------------------------------------------------------------------------------
 
     def recv(self, timeout_s: float | None = None) -> Message | None:
-        """Receive the next valid message.
-
-        Malformed messages are counted in ``rlbus_bus_rejected_total{topic, reason}``, logged
-        once per reason, and skipped.
-
-        Args:
-            timeout_s: wait at most this long, seconds (0: do not wait; None: until stopped).
-
-        Returns:
-            The message, or None on timeout or stop.
-        """
+        """The next valid message (malformed ones counted and skipped); None on timeout (0: no wait) or stop."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             remaining = POLL_SLICE_S if deadline is None else min(POLL_SLICE_S, deadline - time.monotonic())

@@ -1,12 +1,7 @@
-"""A call into another thread's work queue that the caller may give up on without leaving it behind.
-
-The courier's I/O thread owns the sockets; other threads ask it to open one through a queue of
-commands (:meth:`bus.courier.Courier.command`). A caller that stops waiting must not leave its
-command to run later (a socket opened after the caller was told it failed would leak, bound to
-its endpoint). :func:`call_and_wait` settles the race between the caller giving up and the thread
-starting the command under one lock: a command still queued is withdrawn (it will return at once
-when its turn comes), one already running is abandoned (when it returns, ``undo`` is applied to
-its result on the thread that ran it).
+"""A call into another thread's work queue that the caller may give up on without leaving it behind (a
+socket opened after its caller was told it failed would leak). :func:`call_and_wait` settles, under one lock,
+the race between the caller giving up and the thread starting the call: a queued call is withdrawn, a
+running one is abandoned and ``undo`` applied to its result on the thread that ran it.
 """
 
 from __future__ import annotations
@@ -16,8 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-POLL_S = 0.05
-"""How often a waiting caller checks ``abort``, seconds."""
+POLL_S = 0.05  # how often a waiting caller checks abort, seconds
 
 
 def call_and_wait(
@@ -28,21 +22,11 @@ def call_and_wait(
     undo: Callable[[Any], None] | None = None,
     abort: Callable[[], bool] = lambda: False,
 ) -> Any:
-    """Run ``fn(*args)`` on the thread that ``post`` feeds and return its result.
-
-    Args:
-        post: queues a function for the other thread (``post(run)``).
-        timeout_s: longest wait, seconds.
-        undo: applied to ``fn``'s result, on the other thread, if ``fn`` was already running when
-            the caller gave up (not called if ``fn`` raised).
-        abort: checked every :data:`POLL_S`; True gives up at once (e.g. the thread has ended).
-
-    Returns:
-        What ``fn`` returned.
+    """Run ``fn(*args)`` on the thread that ``post`` feeds and return its result; ``undo`` is applied to the
+    result of a call that was running when the caller gave up; ``abort`` (checked every :data:`POLL_S`) gives up.
 
     Raises:
-        TimeoutError: no answer within ``timeout_s``, or ``abort()`` became true; ``fn`` will not
-            run, or its result is undone.
+        TimeoutError: no answer within ``timeout_s`` seconds, or ``abort()`` (the call is withdrawn).
         BaseException: what ``fn`` raised, re-raised in the caller's thread.
     """
     lock, done = threading.Lock(), threading.Event()

@@ -1,24 +1,8 @@
-"""The rlbus wire format: one msgpack header frame followed by raw array frames.
-
-A message on any rlbus socket is a ZeroMQ multipart message::
-
-    frame 0     msgpack map {"type": str, "schema": int, "id": str, ...fields,
-                             "arrays": [{"name": str, "dtype": str, "shape": [int, ...]}, ...]}
-    frame 1..n  the raw bytes of each array named in "arrays", in that order (C order)
-
-Array frames are sent with ``copy=False`` and received as ``zmq.Frame`` buffers that numpy views
-without copying (pyzmq's zero-copy threshold is 64 KiB; below it copying is cheaper anyway).
-
-Invariants:
-- No pickle and no code execution: the header is plain msgpack (no ext types), arrays are raw
-  numeric buffers of an allowed dtype.
-- Every received frame is validated against hard limits before anything is allocated from it;
-  a bad message raises :class:`WireError` whose ``reason`` is a short label used as the
-  ``reason`` of the ``rlbus_bus_rejected_total`` counter.
-
-Message types (:mod:`bus.messages`) declare their array fields with :func:`array_field` (and
-defaulted header fields with :func:`optional_field`); :mod:`bus.codec` turns a message into these
-frames and back.
+"""The wire format: frame 0 a msgpack map ``{"type", "schema", "id", ...fields, "arrays": [{"name", "dtype",
+"shape"}, ...]}``, frames 1..n the raw C-order bytes of each array, sent with ``copy=False`` and received as
+buffers numpy views without copying. No pickle, no msgpack ext types, only :data:`ALLOWED_DTYPES`; every
+frame is checked against the limits below before anything is allocated from it, and a bad message raises
+:class:`WireError`. Message types declare fields with :func:`array_field` and :func:`optional_field`.
 """
 
 from __future__ import annotations
@@ -31,23 +15,12 @@ from typing import Any, NewType, Sequence
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 1
-"""Wire schema version; a receiver rejects any other value (reason ``schema``)."""
-
-ALLOWED_DTYPES = ("bool", "uint8", "int32", "int64", "float32", "float64")
-"""The only array dtypes accepted on the bus (numpy names, little-endian native)."""
-
+SCHEMA_VERSION = 1  # a receiver rejects any other value (reason "schema")
+ALLOWED_DTYPES = ("bool", "uint8", "int32", "int64", "float32", "float64")  # little-endian native
 MAX_HEADER_BYTES = 4 << 20
-"""Largest accepted header frame, bytes."""
-
-MAX_ARRAYS = 64
-"""Largest number of array frames in one message."""
-
+MAX_ARRAYS = 64  # array frames per message
 MAX_ARRAY_BYTES = 1 << 30
-"""Largest accepted array frame, bytes (1 GiB)."""
-
 MAX_NDIM = 4
-"""Largest accepted number of array dimensions."""
 
 # Bounds handed to the msgpack unpacker so a hostile header cannot make it allocate much.
 _UNPACK_LIMITS = dict(
@@ -69,19 +42,12 @@ _REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
 
 
 def show(value: Any) -> str:
-    """A short repr of an untrusted value for error messages (bounded depth and length, so a
-    deeply nested or huge value cannot raise ``RecursionError`` or flood the log)."""
+    """A repr of an untrusted value bounded in depth and length, for error messages."""
     return _REPR.repr(value)
 
 
 class WireError(ValueError):
-    """A received message violates the wire format.
-
-    Attributes:
-        reason: a short, bounded label (``"header"``, ``"schema"``, ``"unknown_type"``,
-            ``"frames"``, ``"dtype"``, ``"shape"``, ``"size"``, ``"field"``, ``"inconsistent"``)
-            used as the Prometheus label of the reject counter.
-    """
+    """A received message violates the wire format; ``reason``, a short label, is the reject counter's."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
@@ -90,18 +56,15 @@ class WireError(ValueError):
 
 @dataclass(frozen=True)
 class ArraySpec:
-    """Declared dtype and number of dimensions of one array field of a message type."""
+    """Declared dtype and rank of one array field."""
 
     dtype: str
     ndim: int
 
 
 def array_field(dtype: str, ndim: int = 1, *, optional: bool = False) -> Any:
-    """Declare a dataclass field that travels as a raw array frame of ``dtype`` and rank ``ndim``.
-
-    ``optional``: a keyword-only field that defaults to an empty array (shape ``[0] * ndim``), for
-    data that only some runs carry (e.g. teacher logprobs); it still travels on every message.
-    """
+    """A field that travels as a raw array frame of ``dtype`` and rank ``ndim``; ``optional``: keyword-only,
+    default an empty array (it still travels on every message)."""
     metadata = {"array": ArraySpec(dtype, ndim)}
     if not optional:
         return field(metadata=metadata)
@@ -109,26 +72,19 @@ def array_field(dtype: str, ndim: int = 1, *, optional: bool = False) -> Any:
 
 
 def optional_field(default: Any, *, may_be_absent: bool = False) -> Any:
-    """A keyword-only header field with a default (a copy of ``default`` for dicts and lists).
-
-    ``may_be_absent``: a header without the field decodes to ``default`` (a field added after
-    senders that do not know it were deployed); otherwise every message must carry it.
-    """
+    """A keyword-only header field with a default; ``may_be_absent``: a header without it decodes to the
+    default (a field newer than some senders), else every message must carry it."""
     metadata = {"may_be_absent": True} if may_be_absent else {}
     if isinstance(default, (dict, list)):
         return field(kw_only=True, default_factory=lambda: type(default)(default), metadata=metadata)
     return field(kw_only=True, default=default, metadata=metadata)
 
 
-ChatMessages = NewType("ChatMessages", list)
-"""Type of a header field holding chat messages: a list of ``{"role": str, "content": str}`` maps,
-exactly those two keys (:func:`is_chat_messages`); the decoder rejects anything else (``field``)."""
+ChatMessages = NewType("ChatMessages", list)  # a header field checked by is_chat_messages
 
 
 def is_chat_messages(value: Any) -> bool:
-    """Whether ``value`` is a list of ``{"role": str, "content": str}`` dicts with no other keys
-    (an empty list too). Used by the decoder for :data:`ChatMessages` fields, and by senders to
-    decide whether a message list can travel as one."""
+    """Whether ``value`` is a list of ``{"role": str, "content": str}`` dicts with no other keys."""
     return isinstance(value, list) and all(
         isinstance(m, dict)
         and m.keys() == {"role", "content"}
@@ -139,11 +95,7 @@ def is_chat_messages(value: Any) -> bool:
 
 
 def check_terms(terms: dict, n: int) -> None:
-    """Validate a ``reward_terms`` mapping: str keys, each a list of ``n`` finite numbers.
-
-    Raises:
-        WireError: ``"inconsistent"``, naming the bad key.
-    """
+    """Check ``reward_terms``: str keys, each a list of ``n`` finite numbers; else ``WireError("inconsistent")``."""
     for key, values in terms.items():
         if not isinstance(key, str) or not isinstance(values, list) or len(values) != n:
             raise WireError("inconsistent", f"reward_terms[{show(key)}] must be a list of {n} numbers")
@@ -152,11 +104,7 @@ def check_terms(terms: dict, n: int) -> None:
 
 
 def pack_header(header: dict[str, Any]) -> bytes:
-    """Serialize a header map with msgpack (``use_bin_type=True``; no ext types).
-
-    Raises:
-        TypeError: a value is not msgpack-serializable (e.g. a numpy scalar or an object).
-    """
+    """The header map in msgpack; raises TypeError for a value msgpack cannot take (a numpy scalar)."""
     return msgpack.packb(header, use_bin_type=True)
 
 
@@ -164,8 +112,7 @@ def unpack_header(buf: bytes | memoryview) -> dict[str, Any]:
     """Parse and bound-check a header frame.
 
     Raises:
-        WireError: ``header`` when the frame is too large, not msgpack, or not a map with a
-            string ``type``; ``schema`` when ``schema`` differs from :data:`SCHEMA_VERSION`.
+        WireError: ``header`` (too large, not a msgpack map with a string ``type``) or ``schema``.
     """
     if len(buf) > MAX_HEADER_BYTES:
         raise WireError("header", f"header frame of {len(buf)} bytes exceeds {MAX_HEADER_BYTES}")
@@ -187,20 +134,10 @@ def array_descriptor(name: str, arr: np.ndarray) -> dict[str, Any]:
 
 
 def decode_arrays(descriptors: Any, frames: Sequence[Any], specs: dict[str, ArraySpec]) -> dict[str, np.ndarray]:
-    """Turn the array frames of a message into numpy arrays, validating every one.
-
-    Args:
-        descriptors: the header's ``arrays`` list.
-        frames: frames 1..n of the message (``zmq.Frame``, ``bytes`` or ``memoryview``).
-        specs: the message type's declared arrays, by field name.
-
-    Returns:
-        One read-only array per declared field; arrays view the frame buffers (zero-copy).
+    """One read-only array per declared field (``specs``), viewing frames 1..n, per the header's ``arrays``.
 
     Raises:
-        WireError: ``frames`` (count or names differ from the declaration), ``dtype``,
-            ``shape`` (bad rank, negative or non-integer dims), ``size`` (frame bytes differ
-            from dtype x shape, or exceed :data:`MAX_ARRAY_BYTES`).
+        WireError: ``frames`` (count or names differ), ``dtype``, ``shape`` or ``size``.
     """
     if not isinstance(descriptors, list) or len(descriptors) > MAX_ARRAYS:
         raise WireError("frames", "'arrays' must be a list of at most %d entries" % MAX_ARRAYS)
