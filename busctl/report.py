@@ -39,18 +39,9 @@ def _mean(values: list[float]) -> float:
 
 
 def summarize(run: RunData) -> dict:
-    """The summary's numbers; ``reward_first`` / ``last`` / ``best`` are means over the moving-average window.
-
-    Returns:
-        ``{"steps", "first_step", "last_step", "train_time_s", "window", "reward_first",
-        "reward_last", "reward_best", "reward_best_step", "reward_terms_last": {fn: v},
-        "evals": {task: {"first": (round, v), "last": (round, v)}}, "kl_mean", "entropy_mean",
-        "lag_mean", "lag_max", "lag_tokens": {bucket: share of all loss tokens}, "tokens_per_s",
-        "stages": {role: {"tokens_per_s", "busy"}},
-        "packer_outcomes", "accounting", "samples", "sample_steps", "phases": [(phase, median s/step,
-        share of step time)], "first_step_s"}``; NaN where a run lacks the key (``phases`` empty;
-        ``first_step_s``: launch to first optimizer step, ``startup.json``).
-    """
+    """The summary's numbers: ``{"steps", "reward_first", "reward_last", "reward_best", "evals": {task: {"first",
+    "last"}}, "kl_mean", "lag_tokens", "stages", "phases", "first_step_s", ...}`` (the dict built below); NaN where
+    a run lacks a key. ``reward_first`` / ``last`` / ``best`` are means over the moving-average window."""
     steps, rewards = run.series("reward_mean")
     w = smoothing_window(len(rewards))
     ma = moving_average(rewards, w)

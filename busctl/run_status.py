@@ -97,17 +97,9 @@ def clear_run_dir(run_dir: Path, resume: bool) -> None:
 
 
 def scrape_config(run: str, targets: list[tuple[str, str, str, int]], tls_config: dict | None = None) -> dict:
-    """The Prometheus configuration of a run.
-
-    Args:
-        run: the run's name (``cfg.name``), label ``run`` of every target.
-        targets: ``(component, role, host, metrics_port)`` per process, the supervisor included; port 0: left out.
-        tls_config: the metrics are served over TLS: the job scrapes ``https`` with this ``tls_config``.
-
-    Returns:
-        ``{"scrape_configs": [{"job_name": "rlbus", "scrape_interval": "5s", "static_configs":
-        [{"targets": ["HOST:PORT"], "labels": {"run", "component", "role"}}, ...]}]}``.
-    """
+    """The Prometheus configuration of a run: job ``rlbus`` (``https`` with ``tls_config`` when given), one static
+    config per ``(component, role, host, metrics_port)`` of ``targets`` with a port, labelled ``run``,
+    ``component`` and ``role``."""
     statics = [
         {"targets": [f"{host}:{port}"], "labels": {"run": run, "component": name, "role": role}}
         for name, role, host, port in targets

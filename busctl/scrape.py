@@ -153,12 +153,10 @@ class MetricsPoller:
     Args:
         targets: called once per round from the poller's thread, read only: ``[(name, host, port), ...]``.
         window_s: rates are over the scrapes of the last ``max(window_s, interval_s)`` seconds.
-        tls: the client TLS context when the run's metrics are served over TLS, else None.
 
     Attributes:
-        stats: component name -> :func:`component_stats`; replaced whole after every round (one consistent round
-            for a reader on another thread).
-        failures: component name -> last scrape error of the latest round (text).
+        stats: component name -> :func:`component_stats`, replaced whole after every round (one consistent round
+            for a reader on another thread). failures: component name -> the latest scrape error.
     """
 
     def __init__(

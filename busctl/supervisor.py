@@ -91,8 +91,6 @@ class Supervisor:
         cfg: the run config (``model.path`` and ``broadcast.port`` may be left open).
         table: the components (default :func:`component_table` of ``cfg``); tests pass their own.
         resume: continue the run in its run directory (keep its outputs, ``RLBUS_RESUME=1``).
-        launched_at: ``time.time()`` of the launch (default: now), for ``startup.json``.
-        placement: the device plan (default: see :class:`Scaling`).
         launcher: starts the processes (default: local; its ``configure`` already ran on ``cfg``).
 
     Attributes:

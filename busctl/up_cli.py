@@ -69,13 +69,8 @@ def _up_commands(ns: argparse.Namespace, run_dir: Path) -> tuple[str, str]:
 
 
 def _check_run_dir(cfg: RunConfig, ns: argparse.Namespace) -> tuple[int, str, Occupant | None]:
-    """Whether a fresh (not ``--resume``) run may start in ``cfg.run_dir`` (:mod:`busctl.run_dir`).
-
-    Returns:
-        ``(exit code, message, occupant)``: ``(0, "", None)`` missing or empty; ``(0, "", occupant)``
-        occupied by a run's outputs and ``--overwrite`` given; ``(1, why, None)`` its ``busctl up``
-        still runs; ``(2, refusal, occupant)`` occupied otherwise.
-    """
+    """Whether a fresh run may start in ``cfg.run_dir``: ``(exit code, message, occupant)``, 0 when missing, empty
+    or ``--overwrite`` of a run's outputs; 1 when its ``busctl up`` still runs; 2 (the refusal) otherwise."""
     from busctl.run_dir import inspect_run_dir, refusal
 
     run_dir = Path(cfg.run_dir)

@@ -44,13 +44,9 @@ class LocalProcess:
 
 
 class LocalLauncher:
-    """Starts components as local processes (the default ``supervisor.launcher``).
-
-    Args:
-        node_address: this host's address as other hosts reach it (``""``, the default: a
-            single-host run, metrics on 127.0.0.1); when given, components serve their metrics
-            there (``RLBUS_NODE_ADDRESS``) and :meth:`place` returns it.
-    """
+    """Starts components as local processes (the default ``supervisor.launcher``). ``node_address``: this host's
+    address as other hosts reach it; given, components serve metrics there and :meth:`place` returns it (``""``:
+    a single-host run, metrics on 127.0.0.1)."""
 
     name = "local"
 
