@@ -23,7 +23,7 @@ from bus.messages_weights import WeightsBucket, WeightsRequest
 from busctl.component_table import free_port
 from busctl.launchers.multihost import configure_multihost
 from busctl.launchers.nodes import Allocation
-from configs.schema import load_config
+from configs.schema import dump_config, load_config
 
 WAIT_MS = 1500  # a CURVE handshake and a bucket take milliseconds on loopback: a stranger is given this long
 ANSWER_MS = 20_000  # the run's own key: bound on the first answer on a loaded CI host
@@ -54,12 +54,11 @@ def test_a_multihost_launcher_applies_the_default_too(tmp_path, overrides, metho
     )
     assert cfg.bus.transport == "tcp" and cfg.broadcast.method == method
     assert (Path(cfg.bus.curve_keys_dir) / "tls" / "client.crt").is_file()  # the run's keys carry the metrics TLS
-    assert (
-        load_config(
-            None, [f"{k}={v}" for k, v in (("bus.transport", "tcp"), ("broadcast.method", cfg.broadcast.method))]
-        ).broadcast.method
-        == method
-    )  # what config.yaml holds reloads the same
+    saved = tmp_path / "config.yaml"  # what the supervisor writes into the run directory, and a resume reads
+    saved.write_text(dump_config(cfg))
+    reloaded = load_config(saved)
+    assert reloaded.bus.transport == "tcp" and reloaded.broadcast.method == method
+    assert reloaded.bus.curve_keys_dir == cfg.bus.curve_keys_dir
 
 
 def _ask(
