@@ -1,44 +1,12 @@
-"""Data-parallel training over torch.distributed ranks (launched by torchrun): the group, each
-rank's share of a step's micro-batches, and gradient and step-stat reduction.
+"""Data-parallel training over torch.distributed ranks under torchrun: the group, each rank's share of
+a step's micro-batches, and the reduction of gradients (summed) and step stats (gathered, merged in
+rank order). Roles and invariants: docs/ARCHITECTURE.md, "Data parallelism".
 
-Roles. Rank 0 (the *leader*) is the trainer component: it alone talks to the bus, writes
-checkpoints and sends weights to the producers. Every other rank (a *follower*) opens no bus
-socket; it loops: receive its share of a step -> ``Trainer.step`` -> ... until the leader sends
-``stop``. Every rank starts from the same weights and optimizer state (the same checkpoint, or
-none; DDP's constructor also broadcasts rank 0's parameters).
-
-Leader -> followers protocol (over a gloo group on CPU: the default group with the gloo backend,
-a second gloo group beside NCCL otherwise):
-
-    1. header  int64 [2 + W], broadcast from rank 0: [kind, slots, size_0, ..., size_{W-1}]
-               kind: STEP (a step's shares), TEXT (one text for every rank), STOP, and with
-               ``trainer.parallel: fsdp`` GATHER (all-gather weight entry ``slots`` now, see
-               :class:`trainer.parallel.sharding.GatheredWeights`) and SAVE (write your shards of a
-               checkpoint into the directory in the payload, :func:`trainer.parallel.sharding.save_sharded`);
-               slots: micro-batch slots every rank runs this step (STEP), the entry (GATHER);
-    2. payload uint8 [max(size_r)], scattered from rank 0 (rank r reads its first size_r bytes;
-               skipped when every size is 0).
-
-A share is a msgpack list of encoded :class:`bus.messages.MicroBatch` messages (each a list of
-the frames of :func:`bus.codec.encode`), decoded and validated by :func:`bus.codec.decode`:
-no pickle, the same checks as on the bus.
-
-Invariants:
-- every rank runs the same number of micro-batch slots per step (``slots``); a rank short of
-  micro-batches gets padding slots (``None``) that run a zero-loss dummy forward and backward, so
-  every rank joins DDP's gradient all-reduce (on the last slot) the same number of times;
-- micro-batches are shared by tokens with the LPT rule (see :func:`share_micro_batches`); rank
-  0 always gets the largest one, so it never runs padding only;
-- gradients are SUMMED over ranks (:func:`sum_gradients_hook`), not averaged as DDP does by
-  default: each micro-batch loss is already divided by step-wide totals over all ranks
-  (``MicroBatch.step_loss_tokens``), so the sum over ranks is the one-rank gradient. (Scaling the
-  loss by W under DDP's mean would give the same in exact arithmetic, but rounds differently
-  for W not a power of 2 and scales the reported loss.)
-- step stats are gathered from every rank and merged in rank order
-  (:meth:`DataParallel.all_gather_stats`), so every rank holds bit-identical step totals and
-  takes the same decision to step or skip (non-finite guard);
-- teardown: unwrap DDP (``Trainer.disable_data_parallel``) before :meth:`DataParallel.close`; a
-  DDP reducer that outlives the group can deadlock the process at exit (pytorch/pytorch#56297).
+Leader (rank 0) -> followers protocol, on a gloo group: a header ``int64 [2 + W]`` broadcast from
+rank 0, ``[kind, slots, size_0, ..., size_{W-1}]`` (kind: STEP, TEXT, STOP, GATHER, SAVE; slots: the
+step's micro-batch slots, or the entry to gather), then a ``uint8 [max(size_r)]`` payload scattered
+from rank 0 unless every size is 0. A share is a msgpack list of encoded
+:class:`bus.messages.MicroBatch` frames, validated by :func:`bus.codec.decode` (no pickle).
 """
 
 from __future__ import annotations
@@ -83,22 +51,16 @@ STOP_WAIT_S = 10.0
 
 
 def share_micro_batches(num_tokens: Sequence[int], num_ranks: int) -> list[list[int]]:
-    """Share a step's micro-batches among data-parallel ranks, balancing tokens.
-
-    LPT rule (Graham 1969, "Bounds on multiprocessing timing anomalies"): visit micro-batches by
-    decreasing tokens (ties: lower index first) and give each to the rank with the fewest tokens
-    so far among ranks with fewer than ``slots = ceil(len(num_tokens) / num_ranks)`` micro-batches
-    (ties: lower rank). Capping at ``slots`` keeps the number of forward passes per rank equal up
-    to padding (the same rule as :func:`packer.packing.plan_step_micro_batches`, applied to
-    micro-batches the packer already packed).
+    """Share a step's micro-batches among ranks by the LPT rule (Graham 1969): by decreasing
+    tokens, each to the least-loaded rank with fewer than ``ceil(n / num_ranks)`` (ties: lower
+    index, lower rank), so every rank runs the same slot count up to padding.
 
     Args:
         num_tokens: ``[num_micro_batches]`` ints >= 1, tokens per micro-batch.
         num_ranks: int >= 1, data-parallel world size.
 
     Returns:
-        ``share[rank]`` = indices into ``num_tokens``, largest first; every share has at most
-        ``slots`` entries and rank 0's holds the largest micro-batch.
+        ``share[rank]`` = indices into ``num_tokens``, largest first; rank 0's holds the largest.
 
     Raises:
         ValueError: ``num_ranks < 1``, no micro-batches, or a token count < 1.
@@ -123,11 +85,10 @@ def encode_share(micro_batches: Sequence[MicroBatch]) -> bytes:
 
 
 def decode_share(payload: bytes | memoryview) -> list[MicroBatch]:
-    """Inverse of :func:`encode_share`; every micro-batch is validated by :func:`bus.codec.decode`.
+    """Inverse of :func:`encode_share`.
 
     Raises:
-        ValueError: the payload is not a list of frame lists, or holds a message that is not a
-            valid :class:`MicroBatch` (``bus.wire.WireError`` is a ValueError).
+        ValueError: not a list of frame lists, or a message that is not a valid :class:`MicroBatch`.
     """
     items = msgpack.unpackb(payload, raw=False, strict_map_key=True)
     if not isinstance(items, list) or not all(isinstance(frames, list) for frames in items):
@@ -140,37 +101,25 @@ def decode_share(payload: bytes | memoryview) -> list[MicroBatch]:
 
 
 def sum_gradients_hook(group, bucket):  # no annotations: DDP checks them, and they are strings here
-    """DDP communication hook: all-reduce each gradient bucket with SUM (DDP's default averages).
-
-    ``grad = sum_r grad_r``: the gradient of the step loss whose micro-batch terms are divided by
-    step-wide totals (see the module docstring). Register with
-    ``ddp.register_comm_hook(group, sum_gradients_hook)``.
-
-    Args:
-        group: ``dist.ProcessGroup`` or None (the default group).
-        bucket: ``dist.GradBucket``; its flat buffer is reduced in place (shape, dtype kept).
-
-    Returns:
-        ``torch.futures.Future[torch.Tensor]`` of the summed buffer.
-    """
+    """DDP communication hook: all-reduce each gradient bucket with SUM, not DDP's mean (the
+    micro-batch losses are already divided by step-wide totals); a ``Future`` of the summed buffer."""
     work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def launcher_pid() -> int:
-    """The pid the supervisor spawned for this process: under torchrun the elastic agent (this
-    worker's parent), otherwise this process."""
+    """The pid the supervisor spawned: under torchrun the elastic agent (our parent), else ours."""
     return os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
 
 
 @dataclass
 class DataParallel:
-    """This process's place in the data-parallel trainer group (see the module docstring).
+    """This process's place in the data-parallel trainer group.
 
     Attributes:
-        rank, world_size, local_rank: from torchrun. device: ``cuda:LOCAL_RANK`` with NCCL,
-            else CPU. backend: "gloo" or "nccl" (gradients). control_group: the gloo group of the
-            leader -> follower messages and step stats (None: the default group).
+        rank, world_size, local_rank: from torchrun. device: ``cuda:LOCAL_RANK`` with NCCL, else
+            CPU. backend: "gloo" or "nccl" (gradients). control_group: the gloo group of the
+            leader's messages and the step stats (None: the default group).
     """
 
     rank: int
@@ -187,13 +136,12 @@ class DataParallel:
 
         Args:
             backend: "auto" (nccl with CUDA, else gloo), "gloo" or "nccl".
-            timeout_s: bound on every collective, seconds; followers wait up to this long for
-                the leader's next step.
+            timeout_s: bound on every collective, seconds.
             world_size: the expected number of ranks (``trainer.data_parallel``); None: any.
 
         Raises:
-            ValueError: not launched by torchrun (a variable of :data:`TORCHRUN_ENV` is missing),
-                a world size other than ``world_size``, or nccl without CUDA.
+            ValueError: not under torchrun (:data:`TORCHRUN_ENV` unset), another world size, or
+                nccl without CUDA.
         """
         missing = [k for k in TORCHRUN_ENV if k not in os.environ]
         if missing:
@@ -233,13 +181,8 @@ class DataParallel:
     # -- gradients and stats ----------------------------------------------------------------------
 
     def wrap(self, module: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel:
-        """``module`` in DDP with summed gradients (:func:`sum_gradients_hook`).
-
-        Buffers are not re-broadcast before each forward (``forward_sync_buffers=False``): the
-        policy's buffers (rotary frequencies) are constants, and a broadcast per forward would be
-        one more collective every rank must match. The constructor broadcasts rank 0's parameters
-        and buffers (a collective: call on every rank).
-        """
+        """``module`` in DDP with summed gradients, buffers not re-broadcast per forward (rotary
+        frequencies are constants). A collective: the constructor broadcasts rank 0's parameters."""
         ddp = torch.nn.parallel.DistributedDataParallel(
             module,
             device_ids=[self.local_rank] if self.device.type == "cuda" else None,
@@ -250,20 +193,15 @@ class DataParallel:
 
     @staticmethod
     def grad_sync(module: torch.nn.Module, sync: bool) -> AbstractContextManager:
-        """Context of one micro-batch's backward: DDP's ``no_sync()`` (accumulate locally) unless
-        ``sync`` (the step's last micro-batch: all-reduce the accumulated gradients). An FSDP2
-        module reduce-scatters in every backward (see :mod:`trainer.parallel.sharding`): nothing to do."""
+        """Context of one micro-batch's backward: DDP's ``no_sync()`` but for the step's last
+        (``sync``); nothing for FSDP2, which reduce-scatters in every backward."""
         if sync or not isinstance(module, torch.nn.parallel.DistributedDataParallel):  # FSDP2: every backward
             return nullcontext()
         return module.no_sync()
 
     def all_gather_stats(self, stats: dict[str, float]) -> list[dict[str, float]]:
-        """Every rank's ``stats`` (str -> float), in rank order, on every rank.
-
-        Gathered rather than all-reduced because ranks may hold different keys (a rank with
-        padding slots only has no loss stats); the caller merges them in rank order, so every
-        rank computes bit-identical step totals. Sent as msgpack (float64), not pickle.
-        """
+        """Every rank's ``stats``, in rank order, on every rank (gathered, not all-reduced: a rank
+        with padding slots only lacks the loss keys; msgpack float64)."""
         data = msgpack.packb({str(k): float(v) for k, v in stats.items()}, use_bin_type=True)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
         dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.control_group)
@@ -277,8 +215,8 @@ class DataParallel:
     # -- leader -> followers ----------------------------------------------------------------------
 
     def send_step(self, micro_batches: Sequence[MicroBatch]) -> list[MicroBatch | None]:
-        """Leader: send every follower its share of a step; returns the leader's own share with
-        its padding slots (``None``) at the end.
+        """Leader: send every follower its share of a step; returns the leader's own share, padded
+        with ``None`` slots.
 
         Raises:
             ValueError: not the leader, or no micro-batches.
@@ -298,12 +236,11 @@ class DataParallel:
         self._send(TEXT, 0, [b""] + [data] * (self.world_size - 1))
 
     def send_gather(self, index: int) -> None:
-        """Leader: tell the followers to all-gather weight entry ``index`` now (the leader then
-        gathers it too; :class:`trainer.parallel.sharding.GatheredWeights`).
+        """Leader: tell the followers to all-gather weight entry ``index`` now
+        (:class:`trainer.parallel.sharding.GatheredWeights`).
 
         Raises:
-            ValueError: not the leader, or the followers were already stopped (they would never
-                join the gather).
+            ValueError: not the leader, or the followers were already stopped.
         """
         self._check_leader("send_gather")
         if self.stopped:
@@ -311,15 +248,13 @@ class DataParallel:
         self._send(GATHER, index, [b""] * self.world_size)
 
     def send_save(self, directory: str) -> None:
-        """Leader: tell the followers to write their checkpoint shards into ``directory`` (the
-        leader then writes its own; :func:`trainer.parallel.sharding.save_sharded`)."""
+        """Leader: tell the followers to write their checkpoint shards into ``directory``."""
         self._check_leader("send_save")
         data = directory.encode()
         self._send(SAVE, 0, [b""] + [data] * (self.world_size - 1))
 
     def send_stop(self) -> None:
-        """Leader: tell the followers to return (idempotent; waits at most :data:`STOP_WAIT_S`,
-        since at shutdown they may be gone)."""
+        """Leader: tell the followers to return (idempotent; waits at most :data:`STOP_WAIT_S`)."""
         self._check_leader("send_stop")
         if self.stopped:
             return
@@ -332,8 +267,7 @@ class DataParallel:
             log.warning("followers did not take stop (%s: %s)", type(exc).__name__, exc)
 
     def recv_step(self) -> list[MicroBatch | None] | None:
-        """Follower: this rank's share of the next step, padded with ``None`` to the step's slot
-        count; None once the leader sent ``stop``.
+        """Follower: this rank's share of the next step, padded with ``None``; None after ``stop``.
 
         Raises:
             ValueError: the leader sent something else than a step or stop.
@@ -346,11 +280,11 @@ class DataParallel:
         return self._share(slots, payload)
 
     def recv_command(self) -> tuple[int, object]:
-        """Follower: the leader's next message as ``(kind, value)``: ``(STEP, share)`` (as
-        :meth:`recv_step`), ``(GATHER, entry index)``, ``(SAVE, directory)``, ``(STOP, None)``.
+        """Follower: the leader's next message: ``(STEP, share)``, ``(GATHER, entry index)``,
+        ``(SAVE, directory)`` or ``(STOP, None)``.
 
         Raises:
-            ValueError: another kind (a TEXT out of turn, or garbage).
+            ValueError: another kind.
         """
         kind, slots, payload = self._recv()
         if kind == STEP:
@@ -383,8 +317,8 @@ class DataParallel:
         return bytes(payload).decode()
 
     def close(self) -> None:
-        """Leader: send ``stop``; every rank: leave the group (idempotent). Unwrap every DDP
-        module first (``Trainer.disable_data_parallel``), or the process may hang at exit."""
+        """Leader: send ``stop``; every rank: leave the group (idempotent). Unwrap DDP first
+        (``Trainer.disable_data_parallel``)."""
         if not dist.is_initialized():
             return
         if self.is_leader:

@@ -1,45 +1,12 @@
-"""FSDP2 sharding of the trainer (``trainer.parallel: fsdp``), activation checkpointing, gradient
-clipping over sharded gradients, sharded checkpoints, and gathering the weights one tensor at a
-time for the producers.
+"""FSDP2 for the trainer (``trainer.parallel: fsdp``): sharding the packed forward, activation
+checkpointing, clipping over sharded gradients, sharded (DCP) checkpoints, and the weights gathered
+one tensor at a time for the producers.
 
-Sharding (:func:`shard_policy`): torch's FSDP2 ``fully_shard`` on each decoder layer, then on the
-packed forward (:class:`trainer.forward.packed.PackedLogprobs`, the module the trainer calls: its
-forward reads the LM head's weight directly, so the root must be this module, whose pre-forward
-hook unshards the embeddings, final norm and LM head). Every parameter becomes a ``DTensor``
-sharded on dim 0 over the data-parallel ranks (one 1-D device mesh over the default group); each
-rank holds 1/W of the weights, of the gradients after the reduce-scatter and of AdamW's moments.
-
-Sharded checkpoints (:func:`save_sharded`, :func:`load_sharded`): torch.distributed.checkpoint
-(DCP) files of ``{"model": ..., "optimizer": ...}`` under a checkpoint's ``sharded/``, written and
-read by every rank; :func:`read_sharded_policy` reads the model part on one process with no
-process group into a plain transformers model (``busctl export``).
-
-Invariants:
-- gradients are SUMMED over ranks (``set_gradient_divide_factor(1.0)`` with
-  ``set_force_sum_reduction_for_comms(True)`` on every FSDP module: a plain SUM reduce-scatter, as
-  :func:`trainer.parallel.distributed.sum_gradients_hook` does for DDP: each micro-batch loss is already
-  divided by step-wide totals, so the sum over ranks is the one-rank gradient);
-- gradients are reduce-scattered after EVERY micro-batch's backward and accumulate in the
-  float32 sharded gradients (FSDP2's default; torchtitan does the same). Deferring the sync to
-  the step's last micro-batch (``set_requires_gradient_sync(False)`` before) saves
-  communication but keeps an unsharded float32 gradient of the whole model on every rank
-  between micro-batches: measured +3 to +5 bytes/param at 2 ranks on a 100M model
-  (bench/README.md), more than the sharded weights, grads and AdamW state of 8 ranks together;
-  sharding exists to save memory, so the sync is per micro-batch. Every rank runs the same
-  number of micro-batch slots (padding), so every rank joins every reduce-scatter;
-- ``trainer.dtype: bfloat16``: ``MixedPrecisionPolicy(param_dtype=bfloat16,
-  reduce_dtype=float32)`` (torchtitan's default policy): the all-gathered weights compute in
-  bfloat16, gradients are reduced in float32, the sharded master weights and AdamW's state stay
-  float32;
-- every collective here (the all-gathers of forward/backward, :class:`GatheredWeights`'s
-  ``full_tensor``, DCP save/load) runs on every rank in the same order: the leader announces
-  the out-of-step ones through :mod:`trainer.parallel.distributed` (GATHER, SAVE, TEXT messages).
-
-Not supported with fsdp (refused at start with a ValueError): LoRA (the adapter is a few MB, its
-AdamW state too: DDP's full replica of the frozen base costs what FSDP would save only on the
-base weights, and peft's merge and adapter payloads would need DTensor-aware code), and the QeRL
-noise scheduler (its noisy copies are drawn from whole RMSNorm weights while the payload is
-gathered one tensor at a time; not done).
+Gradients are summed over ranks (divide factor 1, as DDP's
+:func:`trainer.parallel.distributed.sum_gradients_hook`) and reduce-scattered after every
+micro-batch; every collective here runs on every rank in the same order, the out-of-step ones
+announced by the leader (GATHER, SAVE). Why, and what fsdp refuses: docs/ARCHITECTURE.md, "Data
+parallelism".
 """
 
 from __future__ import annotations
@@ -93,15 +60,9 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:
-    """Recompute each decoder layer's activations in the backward (``trainer.activation_checkpointing``).
-
-    Uses transformers' per-layer checkpointing (``GradientCheckpointingLayer``: each decoder
-    layer's call goes through ``torch.utils.checkpoint.checkpoint`` in train mode) in its
-    non-reentrant form (``use_reentrant=False``: works with FSDP2 and with frozen inputs, no
-    ``enable_input_require_grads`` needed). The recomputation runs under the attention
-    implementation of the forward (``context_fn``): the packed forward switches to its varlen
-    attention for the forward only (:func:`trainer.forward.packed_attention.packed_attention`). Gradients are unchanged up to float rounding of the
-    recomputation (bit-identical on CPU: the same kernels run again).
+    """Recompute each decoder layer's activations in the backward (``trainer.activation_checkpointing``):
+    transformers' non-reentrant per-layer checkpointing, recomputed under the forward's attention
+    implementation (the packed varlen one is switched on for the forward only).
 
     Raises:
         ValueError: the model does not support gradient checkpointing.
@@ -109,7 +70,8 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     hf = base_model(model)
     if not getattr(hf, "supports_gradient_checkpointing", False):
         raise ValueError(
-            f"{type(hf).__name__} does not support activation checkpointing; set trainer.activation_checkpointing: false"
+            f"{type(hf).__name__} does not support activation checkpointing; "
+            "set trainer.activation_checkpointing: false"
         )
 
     def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
@@ -137,18 +99,15 @@ def _attention_implementation(model: torch.nn.Module, name: str) -> Iterator[Non
 def shard_policy(
     packed: torch.nn.Module, mesh_device: torch.device, world_size: int, *, bfloat16: bool
 ) -> torch.nn.Module:
-    """Shard ``packed`` (a :class:`trainer.forward.packed.PackedLogprobs`) with FSDP2 in place; returns it.
-
-    ``fully_shard`` on each decoder layer (``model.get_decoder().layers``), then on ``packed`` as
-    the root; gradient divide factor 1 (summed gradients, see the module docstring). A collective
-    only through the mesh's creation; call on every rank with the same (identical) weights: each
-    rank keeps its own dim-0 chunk of every parameter.
+    """Shard ``packed`` (a :class:`trainer.forward.packed.PackedLogprobs`) with FSDP2 in place and
+    return it: ``fully_shard`` on each decoder layer, then on ``packed`` as the root, gradients
+    summed. Call on every rank with identical weights (creating the mesh is a collective).
 
     Args:
         packed: the packed forward; ``packed.model`` is the policy (not peft-wrapped).
-        mesh_device: the ranks' device (``DataParallel.device``): CPU with gloo, ``cuda:r`` with nccl.
-        world_size: data-parallel ranks (the mesh size, the default group's).
-        bfloat16: compute in bfloat16 (``trainer.dtype``), see the module docstring.
+        mesh_device: ``DataParallel.device`` (CPU with gloo, ``cuda:r`` with nccl).
+        world_size: data-parallel ranks.
+        bfloat16: ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` (``trainer.dtype``).
 
     Raises:
         ValueError: a peft (LoRA) model, or a decoder without ``layers``.
@@ -187,10 +146,8 @@ def shard_keeping_optimizer_state(
     *,
     bfloat16: bool,
 ) -> torch.optim.Optimizer:
-    """:func:`shard_policy`, then a new optimizer (``build()``, over the sharded parameters) that
-    carries ``optimizer``'s state, sharded: a trainer that loaded a one-rank (full) checkpoint
-    continues with its AdamW moments. Returns the new optimizer (the old one holds the replaced
-    unsharded parameters: drop it)."""
+    """:func:`shard_policy`, then ``build()``'s optimizer over the sharded parameters, carrying
+    ``optimizer``'s state (a loaded one-rank checkpoint's AdamW moments); returns it (drop the old)."""
     model = packed.model
     full = StateDictOptions(full_state_dict=True)
     state = get_optimizer_state_dict(model, optimizer, options=full) if optimizer.state else None
@@ -202,13 +159,9 @@ def shard_keeping_optimizer_state(
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
-    """Clip the gradients of ``params`` to total L2 norm ``max_norm``; returns the norm before clipping.
-
-    Plain tensors: ``torch.nn.utils.clip_grad_norm_`` (unchanged). DTensor (FSDP-sharded)
-    gradients: the norm of the local shards is reduced over the mesh (``full_tensor``) so every
-    rank scales by the same factor ``min(1, max_norm / (norm + 1e-6))`` (torch's formula), as
-    torchtitan's ``clip_grad_norm_`` does. NaN/inf norms are returned, not raised.
-    """
+    """Clip the gradients of ``params`` to total L2 norm ``max_norm``; returns the norm before
+    clipping (NaN/inf returned, not raised). DTensor gradients: the norm is reduced over the mesh,
+    so every rank scales alike (torchtitan's ``clip_grad_norm_``)."""
     if not any(isinstance(p, DTensor) for p in params):
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
     grads = [p.grad for p in params if p.grad is not None]
@@ -223,9 +176,8 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
 
 
 def weight_entries(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``(hf_name, tensor)`` of ``model.state_dict()`` in its order, tied aliases dropped (the
-    first name of a shared tensor stays, as ``broadcaster.manifest.build_manifest`` keeps it).
-    The same list on every rank: index ``k`` names one tensor everywhere."""
+    """``(hf_name, tensor)`` of ``model.state_dict()`` in order, tied aliases dropped (the first
+    name stays, as in ``build_manifest``): the same list on every rank."""
     seen: set[int] = set()
     out = []
     for name, tensor in model.state_dict().items():
@@ -244,24 +196,14 @@ def full_entry(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class GatheredWeights(Mapping):
-    """The policy's weights for the producers, each gathered only when it is read.
-
-    ``self[name]`` calls ``announce(k)`` (the leader tells the followers to gather entry ``k`` of
-    :func:`weight_entries` too) and returns that entry's :func:`full_entry`, a new full tensor
-    the caller drops after copying it: the broadcast sender copies a bucket at a time, so rank 0
-    holds one bucket of full tensors beyond its send buffers (the filesystem sender keeps the
-    whole model in CPU memory while writing its one file).
-
-    ``items()`` and ``values()`` do NOT gather: they yield stand-ins with the right shape and
-    dtype (one element of storage each, distinct per tensor; ``expand``-ed), enough for
-    ``broadcaster.manifest.build_manifest``, which reads only shape, dtype and ``data_ptr``.
-    Iterating keys gives the names without aliases (``len`` counts them).
+    """The policy's weights for the producers, each gathered only when read: ``self[name]`` calls
+    ``announce(k)`` (the followers gather entry ``k`` too) and returns a new full tensor; ``items()``
+    and ``values()`` give shape and dtype stand-ins without gathering (for ``build_manifest``).
 
     Args:
         model: the sharded policy (its ``state_dict()`` holds DTensors).
         announce: called with the entry index before each gather (``DataParallel.send_gather``).
-        dtype: the dtype the producers load (floating entries are cast to it after the gather,
-            e.g. bfloat16: half the bytes); None: as trained (float32).
+        dtype: the producers' dtype, floating entries cast to it after the gather; None: float32.
     """
 
     def __init__(
@@ -301,17 +243,15 @@ class GatheredWeights(Mapping):
 
 
 def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
-    """Write this rank's shards of the model and optimizer state into ``directory`` (DCP format:
-    one ``.distcp`` file per rank plus rank 0's ``.metadata``). A collective: every rank calls
-    it with the same ``directory`` (on a filesystem all of them see)."""
+    """Write this rank's model and optimizer shards into ``directory`` (DCP: one ``.distcp`` per
+    rank, rank 0's ``.metadata``). A collective, on a filesystem every rank sees."""
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(directory))
 
 
 def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
     """Load :func:`save_sharded`'s ``directory`` into the sharded ``model`` and ``optimizer`` in
-    place (DCP reads each rank's part; the world size may differ from the saving run's). A
-    collective, as :func:`save_sharded`.
+    place (any world size). A collective.
 
     Raises:
         ValueError: ``directory`` holds no DCP checkpoint.
@@ -325,15 +265,10 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, direc
 
 
 def read_sharded_policy(directory: Path, config: PretrainedConfig) -> PreTrainedModel:
-    """The policy weights of :func:`save_sharded`'s ``directory`` as one plain (unsharded)
-    transformers model, read on ONE process with no process group (``busctl export``).
-
-    The model is built from ``config`` (``AutoModelForCausalLM.from_config``, weight init skipped:
-    every weight is read) in the dtype the shards were saved in (the float32 master weights of
-    the trainer), its tied weights tied again (``tie_weights``: init skipping leaves them apart),
-    then ``dcp.load(..., no_dist=True)`` fills each tensor of its ``state_dict()`` from the
-    checkpoint's ``model`` entries, reassembling the dim-0 shards of every saving rank (any world
-    size). The optimizer's entries are not read.
+    """The policy of :func:`save_sharded`'s ``directory`` as one plain transformers model, read on
+    ONE process with no process group (``busctl export``): built from ``config`` in the shards'
+    dtype (init skipped, tied weights re-tied) and filled by ``dcp.load(no_dist=True)`` from every
+    saving rank's shards; the optimizer's entries are not read.
 
     Args:
         directory: a checkpoint's ``sharded/`` directory (``.metadata`` + ``*.distcp``).
@@ -343,8 +278,7 @@ def read_sharded_policy(directory: Path, config: PretrainedConfig) -> PreTrained
         The model (eval mode, on CPU).
 
     Raises:
-        ValueError: no DCP files, or a weight of the model is missing from them or has another
-            shape (``config`` is not the config of the run that saved them).
+        ValueError: no DCP files, weights of several dtypes, or a weight missing or of another shape.
     """
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
