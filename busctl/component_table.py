@@ -54,12 +54,9 @@ class ComponentSpec:
     Attributes:
         name: unique name (``"rewards-1"``); its role is the name without the ``-INDEX`` suffix.
         metrics_host: where it serves metrics, from its ready handshake (127.0.0.1, or its node's address).
-        consecutive_crashes: crashes since it last stayed up ``backoff_reset_s``.
-        port_request: metrics port asked for at spawn (0: any free port). proc: its
-            :class:`busctl.launchers.Launched` (None: not running).
+        port_request: metrics port asked for at spawn (0: any). proc: its :class:`busctl.launchers.Launched`.
         spawned_at, ready_at, last_beat: ``time.monotonic()`` of the last spawn, handshake and heartbeat.
-        due: monotonic deadline of the current state (``starting``: ready timeout; ``restarting``: respawn
-            time; ``stopping``: SIGKILL time).
+        due: monotonic deadline of the current state (ready timeout, respawn time or SIGKILL time).
     """
 
     name: str

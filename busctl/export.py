@@ -120,15 +120,10 @@ def _add_tokenizer(out: Path, source: str) -> None:
 
 
 def export_checkpoint(checkpoint: Path, out: Path, *, merge_lora: bool = False, base_path: str = "") -> Path:
-    """Write ``checkpoint`` (a complete ``step_N`` directory) as a model directory ``out`` (empty or missing).
-
-    Args:
-        merge_lora: a LoRA checkpoint: write the merged model, not the adapter (ignored for a full checkpoint).
-        base_path: the run's ``model.path``: the base of a LoRA merge when ``adapter_config.json`` names none that
-            exists, and the tokenizer of a checkpoint without one.
-
-    Returns:
-        ``out``, resolved.
+    """Write ``checkpoint`` (a complete ``step_N`` directory) as a model directory ``out`` (empty or missing);
+    returns ``out`` resolved. ``merge_lora``: write a LoRA checkpoint's merged model, not the adapter;
+    ``base_path``: the run's ``model.path``, the base of a merge when ``adapter_config.json`` names none that
+    exists, and the tokenizer of a checkpoint without one.
 
     Raises:
         ExportError: ``checkpoint`` is not complete, is sharded with an unknown model config or shards that do not

@@ -33,13 +33,8 @@ def backoff_s(consecutive_crashes: int, sup: SupervisorConfig) -> float:
 
 @dataclass(frozen=True)
 class HealingRules:
-    """The rules :func:`decide` applies (all from the run config).
-
-    Attributes:
-        healing: crashes may be healed (the watch phase); False at start-up, where any crash fails the run.
-        ready_timeout_s: a (re)started component must be ready within this, seconds.
-        dead_after_s: a ready component silent this long has crashed, seconds.
-    """
+    """The rules :func:`decide` applies (from the run config); ``healing`` False at start-up, where any crash fails
+    the run; ``ready_timeout_s`` / ``dead_after_s``: seconds to the ready handshake, and of silence after it."""
 
     healing: bool
     supervisor: SupervisorConfig

@@ -77,13 +77,8 @@ UNITS = ("seconds", "bytes", "ratio", "steps", "tokens", "samples", "messages", 
 
 @dataclass(frozen=True)
 class Family:
-    """One metric family as documented.
-
-    Attributes:
-        name: exported name (counters with ``_total``). kind: counter, gauge, histogram, ...
-        labels: label names. values: label name -> values pre-initialised before any event.
-        help: help text. module: the module that registers it. buckets: histogram upper bounds.
-    """
+    """One metric family as documented: ``name`` as exported (counters with ``_total``), ``values``: label name ->
+    values pre-initialised before any event, ``module``: the module that registers it."""
 
     name: str
     kind: str

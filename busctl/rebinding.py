@@ -74,16 +74,9 @@ def connector_roles(key: str) -> frozenset[str]:
 def plan_move(
     hosts: Mapping[str, str], name: str, role: str, index: int, address: str, table: Iterable[tuple[str, str]]
 ) -> Move | None:
-    """What changes when component ``name`` (``role``, replica ``index``) is about to start at ``address``.
-
-    Args:
-        hosts: the run's ``bus.hosts`` now (a key missing: a single-host run, never a move).
-        address: the node's address (``""``: the launcher does not place by address, nothing moves).
-        table: ``(name, role)`` of every component of the run, in table order.
-
-    Returns:
-        The :class:`Move`, or None when nothing moves.
-    """
+    """What changes when component ``name`` (``role``, replica ``index``) is about to start at ``address`` (``""``:
+    not placed by address), given ``bus.hosts`` now and ``table``'s ``(name, role)`` rows in order; None when
+    nothing moves (a key missing from ``hosts`` is a single-host run)."""
     keys = tuple(k for k in bound_keys(role, index) if k in hosts)
     if not address or not keys or all(hosts[k] == address for k in keys):
         return None

@@ -114,12 +114,9 @@ def scale_targets(cfg: RunConfig, request: dict, placement: Placement | None = N
 
 
 class Scaling:
-    """Applies ``busctl scale`` requests to a running supervisor's component table (in place), from its watch loop.
-
-    Args:
-        spawn: starts a new row's process. say: prints an event line.
-        status_changed, targets_changed: rewrite ``status.json`` / ``prometheus.yml``.
-        placement: the run's device plan; None: :func:`busctl.placement.apply_placement` of ``cfg``.
+    """Applies ``busctl scale`` requests to a running supervisor's component table (in place), from its watch loop;
+    ``status_changed`` / ``targets_changed`` rewrite ``status.json`` / ``prometheus.yml``; ``placement`` None:
+    :func:`busctl.placement.apply_placement` of ``cfg``.
 
     Attributes:
         progress: the last request's progress, ``status.json``'s ``scale``: ``{"id", "state": ScaleState,

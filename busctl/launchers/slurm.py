@@ -161,11 +161,8 @@ class SlurmStep(LocalProcess):
 
 
 class SlurmLauncher:
-    """Starts each component as an ``srun`` step on its node of ``alloc``.
-
-    Args:
-        resolve: node name -> address for ``bus.hosts``.
-        job: the Slurm job id (``SLURM_JOB_ID``; None: its state is not checked on a crash).
+    """Starts each component as an ``srun`` step on its node of ``alloc``; ``resolve``: node name -> address,
+    ``job``: ``SLURM_JOB_ID`` (None: its state is not checked on a crash).
 
     Attributes:
         dead: nodes found dead (:meth:`check_crash`); nothing is placed on them again.
