@@ -1,46 +1,9 @@
-"""Weight publication of the trainer process: what the producers receive after each step, and how.
-
-:class:`WeightPublisher` is a member of :class:`trainer.proc.TrainerProc` (``self.publisher``). It
-holds the weight sender of the run's method (:func:`broadcaster.factory.build_senders`) and the
-one it falls back to. Per version: wait for the previous transfer (``settle``), then
-``sender.publish``, which announces ``weights.ready`` and sends in the order its method needs (the
-broadcast method's bytes then move in the background).
-
-Under the broadcast method the group RE-FORMS (:mod:`broadcaster.regroup`, with a ``GroupFormer``):
-a producer outside the group asks with ``weights.wanted`` (read from the publisher's own control
-subscriber, ``inbox``), and at the next version boundary (``publish``, or ``poll`` while the
-trainer waits for data, which a producer without weights may be holding up) the trainer announces
-``weights.group`` with the new membership and rendezvous, forms the group, and re-sends its last
-version into it. A broadcast that fails (a member died) re-forms the group the same way and
-re-sends the failed version. Members that miss a re-form (no ``weights.group_ack``) take weights
-by the fallback method (``broadcast.fallback``: filesystem, or bus) from then on, the others stay
-on broadcast: each version then goes out both ways (broadcast first). Names below say
-"filesystem" for the fallback sender whichever method it is.
-``rlbus_trainer_weight_group_reforms_total{outcome}`` counts the attempts,
-``rlbus_trainer_weight_members{method}`` the producers per method. A restarted or resumed trainer
-(``rejoin``) starts on the fallback sender, with every producer of the run on the fallback method:
-the producers are in the dead trainer's group (or, after ``--resume``, in none). The first sign of
-life of each producer it has not tried yet (its ``weights.applied``: the hub's catch-up of its
-latest, or the one after it loaded this trainer's first fallback version; or its
-``weights.wanted``) makes the next version boundary re-form the group with it, once per producer
-(one that never acknowledges stays on the fallback method), and the run goes on by broadcast.
-Waiting for a sign of life, rather than forming at once, keeps a rendezvous from timing out on
-producers still starting (``--resume`` starts them all anew). Its generations start at its start
-time in milliseconds, so a producer never mistakes its group for one of the dead trainer's.
-Without a group former (the filesystem method, sharded weights) a failed broadcast swaps the
-sender for the fallback (filesystem or bus) for the rest of the run (``_fall_back``). Under
-``broadcast.method: bus`` there is neither group nor fallback: producers pull each version
-(:mod:`broadcaster.bus_method`), so a late or restarted producer needs nothing from here. The
-payload (:func:`weights_payload`) is the merged full weights or, for LoRA with
-``broadcast.lora_payload: adapter`` and a sender that carries adapters, only the adapter; with
-``broadcast.noise_scheduler.enabled`` the RMSNorm weights sent carry QeRL noise while the trainer's
-own weights stay clean.
-
-Dtype: the payload holds the trainer's float32 master weights; they travel in the producers' dtype
-(``producers.dtype`` resolved by :func:`broadcaster.dtypes.resolve_producer_dtype`; bfloat16: half
-the bytes). The publisher writes that dtype into the manifest (:func:`broadcaster.manifest.build_manifest`)
-and the sender casts while it copies into its send buffers or writes the file, so no cast copy of
-the whole model is ever held. LoRA factors stay float32 (see ``build_manifest``).
+"""Weight publication after each optimizer step: :class:`WeightPublisher` holds the sender of the
+run's method and its fallback, re-forms the broadcast group as producers join or die, and falls
+back when it cannot (the protocol: docs/ARCHITECTURE.md, "Weights"). :func:`weights_payload` is
+what the producers get: the merged full weights or a LoRA adapter, with QeRL noise on the RMSNorm
+weights when enabled, gathered tensor by tensor when sharded. They travel in the producers' dtype
+(:func:`weights_dtype`): the sender casts while it copies, so no cast copy of the model is held.
 """
 
 from __future__ import annotations
@@ -75,8 +38,8 @@ TRANSFER_SECONDS = Histogram(
 )
 BROADCAST_FALLBACKS = Counter(
     "rlbus_trainer_broadcast_fallbacks_total",
-    "Weight broadcasts that raised (a producer died, a gloo/nccl error) with no group to re-form; the trainer then uses the "
-    "fallback method (broadcast.fallback: filesystem or bus)",
+    "Weight broadcasts that raised (a producer died, a gloo/nccl error) with no group to re-form; the trainer "
+    "then uses the fallback method (broadcast.fallback: filesystem or bus)",
 )
 GROUP_REFORMS = Counter(
     "rlbus_trainer_weight_group_reforms_total",
@@ -100,19 +63,14 @@ for _method in WEIGHT_METHODS:
 def weights_payload(
     model: torch.nn.Module, cfg, version: int, *, adapter: bool, dp: DataParallel | None = None
 ) -> Mapping[str, torch.Tensor]:
-    """What the producers get as ``version``: the merged full weights of ``model``
-    (:func:`trainer.state.model.policy_state_dict`), or with ``adapter`` only its LoRA adapter
-    (:func:`trainer.state.model.lora_adapter_state_dict`; with the noise scheduler on, the RMSNorm
-    weights travel whole alongside it). With ``cfg.broadcast.noise_scheduler.enabled`` (``cfg``: the
-    ``RunConfig``) the RMSNorm weights in it are fresh noisy copies (QeRL, :mod:`broadcaster.noise`,
-    stage of ``version`` over ``trainer.max_steps``); ``model``'s own weights stay clean.
-
-    A sharded model (``trainer.parallel: fsdp``, rank 0 of ``dp``) gives a
-    :class:`trainer.parallel.sharding.GatheredWeights`: each tensor is gathered (with every rank, which
-    ``dp`` tells) only when the sender reads it, so no rank holds the whole model at once.
+    """What the producers get as ``version`` (``cfg``: the ``RunConfig``): the merged full weights
+    (:func:`trainer.state.model.policy_state_dict`), or with ``adapter`` the LoRA adapter (plus the
+    whole RMSNorm weights under the noise scheduler). With ``broadcast.noise_scheduler.enabled`` the
+    RMSNorm weights sent are noisy copies (QeRL, :mod:`broadcaster.noise`); ``model``'s stay clean.
+    A sharded model gives :class:`trainer.parallel.sharding.GatheredWeights` (rank 0 of ``dp``).
 
     Raises:
-        ValueError: a sharded model with the noise scheduler or without ``dp`` (see :mod:`trainer.parallel.sharding`).
+        ValueError: a sharded model with the noise scheduler or without ``dp``.
     """
     noise = cfg.broadcast.noise_scheduler
     if is_sharded(model):
@@ -139,33 +97,29 @@ def weights_payload(
 
 
 def weights_dtype(cfg) -> torch.dtype:
-    """The dtype the run's weights travel in: ``cfg.producers.dtype`` (``cfg``: the ``RunConfig``),
-    "auto" resolved as the producers resolve it (bfloat16 with CUDA, float32 without;
-    :func:`broadcaster.dtypes.resolve_producer_dtype`)."""
+    """The dtype the weights travel in: ``cfg.producers.dtype``, ``auto`` resolved as the producers
+    do (:func:`broadcaster.dtypes.resolve_producer_dtype`)."""
     return parse_dtype(resolve_producer_dtype(cfg.producers.dtype, cuda_available=torch.cuda.is_available()))
 
 
 class WeightPublisher:
-    """Publishes each new policy version to the producers through a swappable sender, re-forming
-    the broadcast group when producers join or die (see the module docstring).
+    """Publishes each policy version to the producers through a swappable sender, re-forming the
+    broadcast group when producers join or die.
 
     Args:
         sender: the run's sender, opened (:func:`broadcaster.factory.build_senders`).
-        fallback: the fallback sender, filesystem or bus (None: failures raise, and no producer can be moved to it).
-        announce: sends one message on the control channel (``weights.ready``, ``weights.group``).
+        fallback: the fallback sender, filesystem or bus (None: failures raise).
+        announce: sends one control-channel message (``weights.ready``, ``weights.group``).
         payload: ``payload(version, adapter=...) -> {hf_name: tensor}`` (:func:`weights_payload`).
-        adapter: whether the run sends LoRA adapters where the sender carries them
-            (``trainer.lora.enabled`` and ``broadcast.lora_payload: adapter``).
-        dtype: the wire dtype of the floating-point weights (:func:`weights_dtype`); None: the
-            payload tensors' own.
-        former: forms re-formed groups (:func:`broadcaster.factory.build_group_former`); None:
-            the group never re-forms (a failed broadcast falls back for the whole run).
+        adapter: send LoRA adapters where the sender carries them.
+        dtype: the wire dtype of floating weights (:func:`weights_dtype`); None: the payload's own.
+        former: forms re-formed groups (:func:`broadcaster.factory.build_group_former`); None: a
+            failed broadcast falls back for the whole run.
         members: the producers in ``sender``'s group, in rank order (``producer-0`` is rank 1).
-        inbox: ``recv(timeout_s) -> Message | None`` of a control subscriber of the publisher's
-            own, where ``weights.wanted`` and ``weights.group_ack`` arrive (None: none read).
-        rejoin: the trainer was restarted or resumed (``sender`` is then the filesystem sender,
-            ``fallback`` too): with a former, every producer starts on the filesystem method and
-            is taken into a new group once it shows it is alive (see the module docstring).
+        inbox: ``recv(timeout_s) -> Message | None`` of the publisher's own control subscriber
+            (``weights.wanted``, ``weights.group_ack``); None: none read.
+        rejoin: a restarted or resumed trainer: every producer starts on the fallback method and
+            joins a new group once it shows it is alive.
     """
 
     def __init__(
@@ -225,11 +179,8 @@ class WeightPublisher:
         inbox: Callable[[float], Message | None] | None = None,
         rejoin: bool = False,
     ) -> "WeightPublisher":
-        """The publisher of a run (``cfg``: its ``RunConfig``) whose payloads are ``model``'s weights
-        (:func:`weights_payload`; gathered with the ranks of ``dp`` when sharded), adapters where
-        ``trainer.lora.enabled`` and ``broadcast.lora_payload: adapter``, sent in the producers' dtype
-        (:func:`weights_dtype`). ``former``/``inbox``/``rejoin``: as for the constructor; a sharded
-        model gets no former (its payload is gathered with every rank, once per publication)."""
+        """The publisher of a run (``cfg``: its ``RunConfig``) sending ``model``'s weights
+        (:func:`weights_payload`); a sharded model gets no former."""
         return cls(
             sender,
             fallback,
@@ -250,12 +201,8 @@ class WeightPublisher:
 
     def publish(self, version: int) -> float:
         """Announce and send the weights of ``version``; returns the seconds the trainer thread
-        spent here (a broadcast's bytes move in the background).
-
-        Waits for the previous version's transfer first (normally done long ago), then re-forms
-        the group if producers asked to join. A send that fails at once re-forms the group (or
-        falls back) and re-publishes ``version`` from the current weights.
-        """
+        spent here. Settles the previous transfer and serves join requests first; a send that fails
+        at once re-forms the group (or falls back) and re-publishes ``version``."""
         started = time.perf_counter()
         self.settle()
         self._read_inbox()
@@ -273,10 +220,8 @@ class WeightPublisher:
         return elapsed
 
     def settle(self) -> None:
-        """Wait for the transfer in flight (if any) to reach every producer; if it failed, re-form
-        the group (or fall back) and re-publish its version from its send buffers (so in the
-        payload it was sent in, an adapter with LoRA: producers load both kinds). Records the
-        transfer's duration (``rlbus_trainer_weight_transfer_seconds``)."""
+        """Wait for the transfer in flight to reach every producer; a failed one re-forms the group
+        (or falls back) and re-publishes its version from its send buffers."""
         try:
             done = self.sender.wait()
         except SendFailed as exc:
@@ -288,16 +233,10 @@ class WeightPublisher:
             TRANSFER_SECONDS.observe(done["transfer_s"])
 
     def serve_late_joiner(self, producer: str, version: int) -> None:
-        """A producer outside the weight group wants weights (``weights.wanted`` of ``version``).
-
-        With a group former: re-form the group with it now (a version boundary: the transfer in
-        flight is settled first) and re-send the last published version into the new group, once
-        per producer and published version. Without one, while still broadcasting: switch to the
-        fallback (filesystem) now and re-publish the last published version there; nothing once
-        already switched (its next filesystem publication serves it) or without a fallback or
-        publication. Either way a producer without weights never waits for a publication that a
-        trainer waiting for its data would never make.
-        """
+        """A producer outside the group wants weights (``weights.wanted`` of ``version``): with a
+        former, re-form the group with it now and re-send the last version; without one, fall back
+        now and re-publish it there. A producer without weights never waits for a publication that
+        a trainer waiting for data would never make."""
         if self.former is not None:
             self._joining.setdefault(producer, version)
             self.settle()
@@ -314,9 +253,8 @@ class WeightPublisher:
         self._publish(version_now, self._payload(version_now))
 
     def poll(self) -> None:
-        """Does not block: ``settle`` if a background transfer has finished (a failed one
-        re-forms or falls back now, as a restarted producer waits for it), and serve the
-        producers that asked to join since (:meth:`serve_late_joiner`)."""
+        """Without blocking: settle a finished transfer (a failed one recovers now) and serve the
+        producers that asked to join since."""
         if self.sender.transfer_finished():
             self.settle()
         for producer, version in self._read_inbox().items():
@@ -332,10 +270,9 @@ class WeightPublisher:
     # -- re-forming the group ----------------------------------------------------------------------
 
     def _read_inbox(self) -> dict[str, int]:
-        """Take every message waiting in the inbox; returns the join requests taken now (also kept
-        in ``_joining`` until a re-form takes them in). Requests from a producer a re-form already
-        took in at the last published version are ignored (one attempt per version). With
-        ``rejoin``, a ``weights.applied`` of a producer never tried is a request too."""
+        """Take every waiting message; returns the join requests taken now (kept in ``_joining``
+        until a re-form; one attempt per producer and version; with ``rejoin`` a first
+        ``weights.applied`` counts as a request)."""
         asked: dict[str, int] = {}
         while self._inbox is not None and (msg := self._inbox(0.0)) is not None:
             if isinstance(msg, WeightGroupAck):
@@ -353,9 +290,8 @@ class WeightPublisher:
         return self._acks.get(generation, set())
 
     def _regroup(self, resend: int | None, payload: Mapping[str, torch.Tensor] | None = None) -> None:
-        """Form the next group with the current members and the producers asking to join, then
-        re-send version ``resend`` (None: nothing) into it, from ``payload`` (None: the current
-        weights), by filesystem too for the producers on that method."""
+        """Form the next group with the members and the joiners, then re-send ``resend`` into it
+        (from ``payload``, or the current weights), by filesystem too for producers on that method."""
         assert self.former is not None and self.membership is not None and self.filesystem is not None
         joining, self._joining = list(self._joining), {}
         for producer in joining:
@@ -377,9 +313,8 @@ class WeightPublisher:
             self._publish(resend, self._payload(resend) if payload is None else payload)
 
     def _recover(self, version: int, exc: BaseException, payload: Mapping[str, torch.Tensor] | None) -> None:
-        """A send of ``version`` failed: re-form the group (the members that are gone never
-        acknowledge and move to the filesystem method) and re-send it; without a group former,
-        fall back for the rest of the run."""
+        """A send of ``version`` failed: re-form the group and re-send it; without a former, fall
+        back for the rest of the run."""
         if self.former is not None and self.sender is not self.filesystem:
             log.error(
                 "%s of weights version %d failed (%s: %s); re-forming the weight group",
@@ -423,8 +358,8 @@ class WeightPublisher:
         return self.payload(version, adapter=self.adapter and self.sender.carries_adapter)
 
     def _publish(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
-        """Send ``state`` as ``version`` by the method in use, then by filesystem too when some
-        producers take that method while the others stay in the group."""
+        """Send ``state`` as ``version`` by the method in use, and by filesystem for the producers
+        on it."""
         if self.sender is not self.filesystem:
             self.sender.publish(state, version, self._announce, build_manifest(state, self.dtype))
             if self.membership is None or not self.membership.filesystem:
@@ -432,8 +367,7 @@ class WeightPublisher:
         self._publish_filesystem(version, state)
 
     def _publish_filesystem(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
-        """Write and announce ``version`` by the filesystem sender; a version it already wrote
-        last is announced again, not rewritten (re-sends after a re-form)."""
+        """Write and announce ``version`` by filesystem; a version it wrote last is re-announced."""
         assert self.filesystem is not None
         if self._fs_last is not None and self._fs_last["version"] == version:
             self._announce(self._fs_last)
@@ -453,8 +387,7 @@ class WeightPublisher:
         )
 
     def _fall_back(self, version: int, exc: BaseException) -> None:
-        """Replace the failed sender by the fallback for the rest of the run (``version``: the
-        version whose transfer failed, for the log)."""
+        """Replace the failed sender by the fallback for the rest of the run."""
         assert self.fallback is not None
         BROADCAST_FALLBACKS.inc()
         log.error(
