@@ -1,13 +1,7 @@
-"""The interface every experiment tracker implements, and how a run names its trackers.
+"""The interface every experiment tracker implements.
 
-A tracker is built once per tracker process (:mod:`trackers.follower`) with the run directory
-and the resolved config; the follower then hands it what the run's JSONL files gained
-(:mod:`trackers.records`). Every method may raise anything (the library is missing, the disk is
-full, the server is unreachable): the follower catches it, warns once and drops the tracker.
-
-``state`` is a small JSON-able dict the follower saves in ``RUN_DIR/trackers/state.json`` and
-gives back to the tracker after a restart or ``busctl up --resume`` (e.g. the W&B or MLflow run
-id, so the same tracker run continues).
+Every method may raise anything (a missing library, a full disk, an unreachable server): the follower catches
+it, warns once and drops the tracker.
 """
 
 from __future__ import annotations
@@ -18,13 +12,9 @@ __all__ = ["Tracker"]
 
 
 class Tracker:
-    """One experiment tracker (TensorBoard, W&B, MLflow) fed by the tracker process.
-
-    Args:
-        run_dir: the run directory (absolute).
-        config: the resolved config (``RUN_DIR/config.yaml`` as a dict).
-        state: what :attr:`state` held when this run's tracker process last saved it (``{}`` at first).
-    """
+    """One experiment tracker fed by the tracker process, built once with the run directory (absolute), the resolved
+    config as a dict, and ``state``: a small JSON-able dict the follower saves in ``RUN_DIR/trackers/state.json`` and
+    hands back after a restart or ``--resume`` (e.g. the W&B or MLflow run id, so the same run continues)."""
 
     name = "tracker"
 
@@ -34,14 +24,12 @@ class Tracker:
         self.state = dict(state)
 
     def log_config(self, hparams: dict[str, str | int | float | bool]) -> None:
-        """Record the resolved config as hyperparameters (``{"trainer.optim.lr": 1e-4, ...}``),
-        once per tracker run (the follower does not call it again after a resume)."""
+        """Record the resolved config as hyperparameters (``{"trainer.optim.lr": 1e-4, ...}``), once per tracker run."""
         raise NotImplementedError
 
     def log_scalars(self, kind: str, step: int, scalars: dict[str, float]) -> None:
-        """Record ``scalars`` at ``step``; ``kind`` is ``"train"`` (a step record of metrics.jsonl),
-        ``"eval"`` (an eval round: ``eval/<task>/<metric>``, ``step`` = round) or ``"stages"``
-        (per-stage throughput of stages.jsonl)."""
+        """Record ``scalars`` at ``step``; ``kind``: ``"train"`` (a step record), ``"eval"`` (``eval/<task>/<metric>``,
+        ``step`` = round) or ``"stages"``."""
         raise NotImplementedError
 
     def log_samples(self, step: int, columns: tuple[str, ...], rows: list[list]) -> None:

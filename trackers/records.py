@@ -1,22 +1,10 @@
 """What the trackers log, read from the run's JSONL files: pure functions over their records.
 
-Sources (each one JSON object per line, appended by its writer; :class:`JsonlTail` reads them):
-
-- ``metrics.jsonl`` (trainer): a training record ``{"step": s + 1, "loss": ..., "reward_mean": ...,
-  "kl": ..., "entropy": ..., "policy_lag_mean": ..., "lr": ..., "time/forward_s": ..., ...}`` per
-  optimizer step (``step`` = steps done = the policy version it produced), and an eval record
-  ``{"step": round, "eval/<task>/<metric>": value, ...}`` per eval task and round
-  (:mod:`trainer.observability.eval_log`); :func:`split_metrics_record` tells them apart.
-- ``stages.jsonl`` (supervisor): per step, each component's throughput, busy fraction and queue
-  depth (:func:`busctl.run_status.append_stage_record`); :func:`stage_scalars` names them
-  ``stages/<component>/<field>``.
-- ``samples.jsonl`` (packer): examples of every ``report.samples_interval``-th step
-  (:mod:`packer.sample_log`); ``step`` there is the 0-based step index. :func:`sample_row` makes a
-  table row of :data:`SAMPLE_COLUMNS`.
-
-Every tracker puts a record at the record's own ``step``: training and stage records at steps
-done, eval records at their round (the policy version evaluated), sample tables at the sampled
-step's index (the policy version the step started from; step 0 = the base policy).
+``metrics.jsonl`` (the trainer's step records, and eval records ``{"step": round, "eval/<task>/<metric>": ...}``:
+:func:`split_metrics_record`), ``stages.jsonl`` (per step, each component's throughput, busy fraction and queue
+depth: :func:`stage_scalars`) and ``samples.jsonl`` (the packer's examples: :func:`sample_row`), each read by
+:class:`JsonlTail`. Every record goes at its own ``step``: training and stage records at steps done, eval
+records at their round, sample tables at the sampled step's 0-based index (the policy version it started from).
 """
 
 from __future__ import annotations
@@ -64,20 +52,12 @@ STAGE_FIELDS = {
 
 
 class JsonlTail:
-    """Reads the whole lines appended to a JSONL file since the last read, from a byte offset.
+    """Reads the whole lines appended to a JSONL file since the last read, from a byte ``offset``.
 
-    A line still being written (no newline yet) waits for the next read; a line that is not a
-    JSON object is counted in :attr:`malformed` and dropped.
-
-    A file replaced by a rewrite (another inode, or shorter than the offset: the trainer's
-    ``busctl up --resume`` keeps only the records of the steps its checkpoint covers,
-    :func:`trainer.state.step_ledger.keep_jsonl_records`) is read again from byte 0, skipping the
-    lines this tail already returned (byte-identical lines: the records kept by the rewrite), so
-    only what is new reaches the trackers. The lines before ``offset`` count as returned.
-
-    Args:
-        path: the file (need not exist yet).
-        offset: byte offset to continue from (a previous tail's :attr:`offset`; 0: the beginning).
+    A line still being written waits for the next read; a line that is not a JSON object is counted in
+    :attr:`malformed` and dropped. A file replaced by a rewrite (another inode, or shorter than the offset: a
+    ``--resume`` keeps only the records its checkpoint covers) is read again from byte 0, skipping the lines already
+    returned (those before ``offset`` count as returned), so only what is new reaches the trackers.
 
     Raises:
         ValueError: ``offset`` is negative.
@@ -100,11 +80,8 @@ class JsonlTail:
             pass
 
     def read(self) -> list[dict]:
-        """The records of the whole lines added since the last read (``[]``: none, or no file).
-
-        Raises:
-            OSError: the file exists but cannot be read.
-        """
+        """The records of the whole lines added since the last read (``[]``: none, or no file); OSError when the file
+        exists but cannot be read."""
         try:
             st = self.path.stat()
         except FileNotFoundError:
@@ -146,14 +123,9 @@ def _number(value: object) -> float | None:
 
 
 def split_metrics_record(rec: dict) -> tuple[str, int, dict[str, float]] | None:
-    """``(kind, step, scalars)`` of one ``metrics.jsonl`` record, or None when it has no integer
-    ``step >= 0`` or no numeric value.
-
-    ``kind`` is ``"eval"`` when a key starts with :data:`EVAL_PREFIX` (then only those keys are
-    scalars: ``eval/<task>/<metric>``; ``num_samples``, ``num_failed`` and the versions become
-    ``eval/<task>/...`` too only if the writer named them so), else ``"train"`` (every numeric
-    key but ``step``). Non-finite values are left out (trackers reject or mis-plot them).
-    """
+    """``(kind, step, scalars)`` of one ``metrics.jsonl`` record, or None without an integer ``step >= 0`` or a
+    numeric value. ``kind`` is ``"eval"`` when a key starts with :data:`EVAL_PREFIX` (only those keys are scalars),
+    else ``"train"``; non-finite values are left out (trackers reject or mis-plot them)."""
     step = rec.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         return None
@@ -171,10 +143,8 @@ def split_metrics_record(rec: dict) -> tuple[str, int, dict[str, float]] | None:
 
 
 def stage_scalars(rec: dict) -> tuple[int, dict[str, float]] | None:
-    """``(step, {"stages/<component>/<field>": value})`` of one ``stages.jsonl`` record (fields:
-    ``samples_per_s``, ``tokens_per_s``: throughput, per second; ``busy``: fraction of wall time in
-    [0, 1]; ``queue_depth``: items waiting); None without an integer ``step`` or numeric value.
-    A component's field that is null (not measured yet) is left out."""
+    """``(step, {"stages/<component>/<field>": value})`` of one ``stages.jsonl`` record (throughput per second, busy
+    fraction in [0, 1], queue depth in items; a null field is left out); None without an integer ``step`` or value."""
     step = rec.get("step")
     components = rec.get("components")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0 or not isinstance(components, dict):
@@ -211,11 +181,8 @@ def sample_row(rec: dict) -> tuple[int, list] | None:
 
 
 def flatten_config(cfg: dict, prefix: str = "") -> dict[str, str | int | float | bool]:
-    """The resolved config as flat hyperparameters: ``{"trainer.optim.lr": 0.0001, ...}``.
-
-    Nested sections join with ``.``; scalars (str, int, float, bool) stay as they are; None, lists
-    and other values become their JSON text (trackers take scalars only).
-    """
+    """The resolved config as flat hyperparameters (``{"trainer.optim.lr": 0.0001, ...}``); values other than
+    str, int, float and bool become their JSON text (trackers take scalars only)."""
     out: dict[str, str | int | float | bool] = {}
     for key, value in cfg.items():
         name = f"{prefix}{key}"
