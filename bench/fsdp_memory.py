@@ -48,28 +48,27 @@ def random_micro_batches(step: int, rank: int, num: int, tokens: int, vocab: int
     """``num`` micro-batches of ``tokens`` tokens (4 samples each: prompt 1/4, completion 3/4)."""
     import numpy as np
 
-    from packer.packer import PackedSample, build_micro_batch
+    from tests.scored_groups import packed_step, scored
 
     rng = np.random.default_rng(1000 * step + rank)
     per = tokens // 4
-    batches = []
+    head = per // 4
+    groups = []
     for m in range(num):
-        samples = []
         for k in range(4):
             ids = rng.integers(0, vocab, per).astype(np.int32)
-            mask = np.arange(per) >= per // 4
-            lp = np.where(mask, -rng.random(per), 0.0).astype(np.float32)
-            samples.append(
-                PackedSample(f"g{step}-{rank}-{m}-{k}/0", ids, mask, lp, float(rng.normal()), 0.5, step, 1.0)
+            lp = -rng.random(per)[head:]
+            groups.append(
+                scored(
+                    f"g{step}-{rank}-{m}-{k}",
+                    ids[:head],
+                    [ids[head:]],
+                    version=step,
+                    advantages=[float(rng.normal())],
+                    logprobs=[lp],
+                )
             )
-        batches.append(samples)
-    loss_tokens = sum(int(s.loss_mask.sum()) for ss in batches for s in ss)
-    return [
-        build_micro_batch(
-            ss, step=step, micro_index=m, num_micro_batches=num, step_loss_tokens=loss_tokens, step_samples=4 * num
-        )
-        for m, ss in enumerate(batches)
-    ]
+    return packed_step(groups, [range(4 * m, 4 * m + 4) for m in range(num)], step=step)
 
 
 def model_state_bytes(trainer) -> int:
@@ -208,14 +207,15 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.tokens} tokens per rank\n"
     )
     print(
-        "| parallel | trainer.dtype | ranks | rank | peak after build + wrap (MiB) | peak RSS - RSS before the model (MiB) "
-        "| peak RSS bytes/param | weights + grads + AdamW held, bytes/param |"
+        "| parallel | trainer.dtype | ranks | rank | peak after build + wrap (MiB) "
+        "| peak RSS - RSS before the model (MiB) | peak RSS bytes/param | weights + grads + AdamW held, bytes/param |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['parallel']} | {r['dtype']} | {r['world']} | {r['rank']} | {r['peak_after_wrap_mib'] - r['rss_before_mib']:.0f} | "
-            f"{r['peak_mib'] - r['rss_before_mib']:.0f} | {r['bytes_per_param']:.1f} | {r['state_bytes_per_param']:.1f} |"
+            f"| {r['parallel']} | {r['dtype']} | {r['world']} | {r['rank']} "
+            f"| {r['peak_after_wrap_mib'] - r['rss_before_mib']:.0f} | {r['peak_mib'] - r['rss_before_mib']:.0f} "
+            f"| {r['bytes_per_param']:.1f} | {r['state_bytes_per_param']:.1f} |"
         )
 
 

@@ -114,38 +114,25 @@ def build_model(shape: dict, seed: int = 0) -> torch.nn.Module:
 
 def random_micro_batches(vocab: int, tokens: int, count: int, sample_len: int, rng: np.random.Generator) -> list:
     """`count` packed micro-batches of `tokens // sample_len` random samples each (half prompt)."""
-    from packer.packer import PackedSample, build_micro_batch
+    from tests.scored_groups import packed_step, scored
 
     per_mb = max(1, tokens // sample_len)
     half = sample_len // 2
-    mbs = [
-        [
-            PackedSample(
-                f"g{m}-{k}/0",
-                rng.integers(0, vocab, sample_len).astype(np.int32),
-                np.arange(sample_len) >= half,
-                np.where(np.arange(sample_len) >= half, -np.log(vocab), 0.0).astype(np.float32),
-                float(rng.choice([-1.0, 1.0])),
-                1.0,
-                0,
-                1.0,
+    groups = []
+    for m in range(count):
+        for k in range(per_mb):
+            ids = rng.integers(0, vocab, sample_len).astype(np.int32)
+            groups.append(
+                scored(
+                    f"g{m}-{k}",
+                    ids[:half],
+                    [ids[half:]],
+                    advantages=[float(rng.choice([-1.0, 1.0]))],
+                    rewards=[1.0],
+                    logprobs=[np.full(sample_len - half, -np.log(vocab), np.float32)],
+                )
             )
-            for k in range(per_mb)
-        ]
-        for m in range(count)
-    ]
-    loss_tokens = sum(int(s.loss_mask.sum()) for mb in mbs for s in mb)
-    return [
-        build_micro_batch(
-            mb,
-            step=0,
-            micro_index=m,
-            num_micro_batches=count,
-            step_loss_tokens=loss_tokens,
-            step_samples=count * per_mb,
-        )
-        for m, mb in enumerate(mbs)
-    ]
+    return packed_step(groups, [range(m * per_mb, (m + 1) * per_mb) for m in range(count)])
 
 
 def sync(device: torch.device) -> None:

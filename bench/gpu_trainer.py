@@ -21,7 +21,7 @@ steps (CUDA synchronized); the table gives the median step:
   bfloat16 autocast), float32 log-softmax, gather, policy-gradient loss -(A * logp) averaged over
   completion tokens, backward; one AdamW step per batch;
 - rlbus variants: ``trainer.trainer.Trainer.step`` on the packer's micro-batches
-  (``packer.packer.pack_step``, ``--micro-batch-tokens`` per micro-batch) with the default loss
+  (``packer.assemble.pack_groups``, ``--micro-batch-tokens`` per micro-batch) with the default loss
   (AIPO) and the trainer config's defaults (``share_prefixes: auto``, ``lm_head_dtype: tf32``)
   except: ``share`` / ``no_share`` (``share_prefixes: true`` / ``false``), ``head_fp32`` /
   ``head_bf16`` (``lm_head_dtype``, shared prefixes on), ``*_no_share`` (and off), ``ckpt*``
@@ -91,9 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def make_groups(kind: str, vocab: int, smoke: bool, rng: np.random.Generator) -> list[list]:
-    """The batch as groups of `PackedSample` (GROUP samples each; random ids, advantages +-1)."""
-    from packer.packer import PackedSample
+def make_groups(kind: str, vocab: int, smoke: bool, rng: np.random.Generator) -> list:
+    """The batch as scored groups (random ids, advantages +-1): grpo, GROUP completions of one
+    prompt per group; uniform, one sample per group (distinct prompts)."""
+    from tests.scored_groups import scored
 
     if kind == "uniform":
         prompt, lengths = (16, [16] * 16) if smoke else (256, [256] * 64)
@@ -109,35 +110,51 @@ def make_groups(kind: str, vocab: int, smoke: bool, rng: np.random.Generator) ->
     groups = []
     for g, lens in enumerate(comps):
         head = rng.integers(0, vocab, prompt)
-        group = []
-        for j, n in enumerate(lens):
+        samples = []
+        for n in lens:
             ids = np.concatenate([head if shared else rng.integers(0, vocab, prompt), rng.integers(0, vocab, n)])
-            mask = np.arange(len(ids)) >= prompt
-            lps = np.where(mask, -np.log(vocab), 0.0).astype(np.float32)
-            group.append(
-                PackedSample(f"g{g}/{j}", ids.astype(np.int32), mask, lps, float(rng.choice([-1.0, 1.0])), 1.0, 0, 1.0)
+            samples.append((ids[:prompt], ids[prompt:], float(rng.choice([-1.0, 1.0]))))
+        units = [samples] if shared else [[s] for s in samples]
+        for k, unit in enumerate(units):
+            groups.append(
+                scored(
+                    f"g{g}" if shared else f"g{g}-{k}",
+                    unit[0][0],
+                    [c for _, c, _ in unit],
+                    advantages=[a for _, _, a in unit],
+                    rewards=[1.0] * len(unit),
+                    logprobs=[np.full(len(c), -np.log(vocab), np.float32) for _, c, _ in unit],
+                )
             )
-        groups.append(group)
     return groups
+
+
+def samples_of(groups) -> list[tuple[np.ndarray, np.ndarray, float]]:
+    """``(prompt + completion ids, loss mask, advantage)`` of every sample, in group order."""
+    from tests.scored_groups import sample_tokens
+
+    return [(*sample_tokens(g, j), float(g.advantages[j])) for g in groups for j in range(g.group_size)]
 
 
 def hf_step(model, optimizer, groups, device, precision) -> float:
     """One plain HF policy-gradient step (see the module docstring); returns the loss."""
     optimizer.zero_grad(set_to_none=True)
-    loss_tokens = sum(int(s.loss_mask.sum()) for g in groups for s in g)
+    samples = samples_of(groups)
+    loss_tokens = sum(int(mask.sum()) for _, mask, _ in samples)
     total = 0.0
-    for group in groups:
-        width = max(len(s.input_ids) for s in group)
+    for start in range(0, len(samples), GROUP):
+        group = samples[start : start + GROUP]
+        width = max(len(ids) for ids, _, _ in group)
         ids = torch.zeros(len(group), width, dtype=torch.long)
         attn = torch.zeros(len(group), width, dtype=torch.long)
         mask = torch.zeros(len(group), width, dtype=torch.bool)
-        adv = torch.tensor([s.advantage for s in group])
-        for i, s in enumerate(group):
-            n = len(s.input_ids)
+        adv = torch.tensor([a for _, _, a in group])
+        for i, (sample_ids, loss_mask, _) in enumerate(group):
+            n = len(sample_ids)
             ids[i, :n], attn[i, :n], mask[i, :n] = (
-                torch.from_numpy(s.input_ids.astype(np.int64)),
+                torch.from_numpy(sample_ids.astype(np.int64)),
                 1,
-                torch.from_numpy(s.loss_mask),
+                torch.from_numpy(loss_mask),
             )
         ids, attn, mask, adv = ids.to(device), attn.to(device), mask.to(device), adv.to(device)
         with precision.autocast(device):
@@ -154,7 +171,7 @@ def hf_step(model, optimizer, groups, device, precision) -> float:
 def run_variant(name: str, groups, args, device, base_state) -> dict:
     """Median step time, tokens/s and peak memory of one variant on `groups` (fresh weights)."""
     from configs.schema import OptimConfig, TrainerConfig
-    from packer.packer import pack_step
+    from packer.assemble import pack_groups
     from trainer.forward.precision import PrecisionPolicy
     from trainer.trainer import Trainer
 
@@ -176,7 +193,7 @@ def run_variant(name: str, groups, args, device, base_state) -> dict:
             device=device.type, dtype="bfloat16", optim=OptimConfig(lr=1e-6, max_grad_norm=1.0), **VARIANTS[name]
         )
         trainer = Trainer(model, cfg)
-        mbs = pack_step(groups, 0, args.micro_batch_tokens)
+        mbs = pack_groups(groups, 0, args.micro_batch_tokens)
 
         def step() -> float:
             return trainer.step(mbs)["loss"]
@@ -191,7 +208,7 @@ def run_variant(name: str, groups, args, device, base_state) -> dict:
         times.append(time.perf_counter() - t0)
     if args.profile and name != "hf":
         print_profile(f"{name}", step, device)
-    tokens = sum(len(s.input_ids) for g in groups for s in g)
+    tokens = sum(len(ids) for ids, _, _ in samples_of(groups))
     step_s = statistics.median(times)
     out = {
         "variant": name,
@@ -227,18 +244,18 @@ def head_precision(base_state: dict, groups, device, smoke: bool) -> list[dict]:
     """Logprob error of each `trainer.lm_head_dtype` against a float64 LM head, same hidden states.
 
     The hidden states are the final-norm output of a bf16-autocast forward of one sample (the
-    first sample of the first group, every position but the last); the LM head weight is scaled so the logits have a standard
-    deviation of 4 (random init gives ~0.6, a near-uniform distribution where no precision shows;
-    trained LMs' logits spread over several units). Returns one row per head dtype: mean and max
-    |logprob - float64 logprob| (nats) over the positions, and the mean k3 KL estimate."""
+    first sample of the first group, every position but the last); the LM head weight is scaled
+    so the logits have a standard deviation of 4 (random init gives ~0.6, a near-uniform
+    distribution where no precision shows; trained LMs' logits spread over several units).
+    Returns one row per head dtype: mean and max |logprob - float64 logprob| (nats) over the
+    positions, and the mean k3 KL estimate."""
     from trainer.forward.logprobs import HEAD_DTYPES, linear_logprobs_and_entropy
     from trainer.forward.precision import PrecisionPolicy
 
     model = build_model(SMOKE if smoke else QWEN25_05B)
     model.load_state_dict(base_state)
     model.to(device).eval()
-    sample = groups[0][0]
-    ids = torch.from_numpy(sample.input_ids.astype(np.int64))[None].to(device)
+    ids = torch.from_numpy(samples_of(groups[:1])[0][0].astype(np.int64))[None].to(device)
     with torch.no_grad(), PrecisionPolicy.from_name("bfloat16").autocast(device):
         hidden = model.model(input_ids=ids).last_hidden_state[0, :-1].float()
     targets = ids[0, 1:]

@@ -2,14 +2,14 @@
 
 The scale sweep's 16 MiB point (bench/README.md, "Scale simulation") put the packer at ~1.4 GiB
 peak RSS (~1.1 GiB since :mod:`packer.assemble`). Credit windows bound only what waits in its
-``scored`` inbox (``bus.max_inflight_bytes``); this measures the rest, in-process and without the bus: the Python-heap bytes (``tracemalloc``)
-of a step's groups, the peak while :meth:`packer.packer.Packer.pop_step` packs them (the new
-micro-batches, filled straight from the groups' arrays by :mod:`packer.assemble`; before that
-path, also a per-sample ``prompt + completion`` copy of every sample, :func:`packer.packer.group_samples`),
-the micro-batches kept afterwards (what the ``batches`` outbox holds until the trainer releases the
-step), and the wall time of packing the step without ``tracemalloc`` (best of 3). Groups are built
-as the size sweep builds them (:func:`bench.scale.size_spec`: equal completion lengths, G grown past
-8 to keep a completion <= 64k tokens).
+``scored`` inbox (``bus.max_inflight_bytes``); this measures the rest, in-process and without the
+bus: the Python-heap bytes (``tracemalloc``) of a step's groups, the peak while
+:meth:`packer.packer.Packer.pop_step` packs them (the new micro-batches, filled straight from the
+groups' arrays by :mod:`packer.assemble`), the micro-batches kept afterwards (what the ``batches``
+outbox holds until the trainer releases the step), and the wall time of packing the step without
+``tracemalloc`` (best of 3). Groups are built as the size sweep builds them
+(:func:`bench.scale.size_spec`: equal completion lengths, G grown past 8 to keep a completion <= 64k
+tokens).
 """
 
 from __future__ import annotations
@@ -98,9 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     r = measure(parse_size(args.group_bytes), args.groups)
     print(
-        f"{args.groups} groups of {args.group_bytes} (G={r['group_size']}, {r['tokens_per_sample']} tokens per sample): "
-        f"groups {r['groups_mib']:.0f} MiB; packing peak {r['packing_peak_above_groups_mib']:.0f} MiB above them; "
-        f"{r['micro_batches']} micro-batches kept: {r['micro_batches_kept_mib']:.0f} MiB; packing took {r['pack_ms']:.0f} ms"
+        f"{args.groups} groups of {args.group_bytes} (G={r['group_size']}, "
+        f"{r['tokens_per_sample']} tokens per sample): groups {r['groups_mib']:.0f} MiB; "
+        f"packing peak {r['packing_peak_above_groups_mib']:.0f} MiB above them; {r['micro_batches']} micro-batches "
+        f"kept: {r['micro_batches_kept_mib']:.0f} MiB; packing took {r['pack_ms']:.0f} ms"
     )
     return 0
 

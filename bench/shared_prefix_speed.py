@@ -2,9 +2,9 @@
 
 Run: `python -m bench.shared_prefix_speed` (options: `--help`). For each batch shape it builds one
 optimizer step's GRPO groups (G completions of one prompt, every prompt opening with the same
-chat-template-like tokens), packs them as the packer does (`packer.packer.pack_step`: a group that
+chat-template-like tokens), packs them with the packer's `packer.assemble.pack_groups` (a group that
 fits the budget is one packing unit, so its samples are adjacent in one micro-batch; a larger group
-is packed sample by sample, so micro-batches may start mid-group; `packer.packing.pack_micro_batches`),
+is packed sample by sample, so micro-batches may start mid-group),
 and times one step's forward + backward through the trainer's own module
 (`trainer.forward.packed.PackedLogprobs`, the loss tokens = completion tokens passed as `tokens`, as
 `trainer.trainer.Trainer` does), with the loss sum(advantage * logprob) / loss tokens. No optimizer
@@ -41,7 +41,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from packer.packing import pack_micro_batches
 from trainer.forward.packed import PackedLogprobs
 from trainer.forward.precision import PrecisionPolicy
 from trainer.forward.shared_prefix import plan_shared_prefixes
@@ -79,41 +78,30 @@ class MicroBatch:
 
 
 def step_batches(shape: Shape, vocab: int, seed: int = 0, device: str = "cpu") -> list[MicroBatch]:
-    """One step's micro-batches of `shape`, packed as `packer.packer.pack_step` packs groups."""
+    """One step's micro-batches of `shape`, packed by the packer (`packer.assemble.pack_groups`)."""
+    from packer.assemble import pack_groups
+    from tests.scored_groups import scored
+
     rng = np.random.default_rng(seed)
     template = rng.integers(0, vocab, TEMPLATE_TOKENS)
     groups = []
-    for _ in range(shape.num_prompts):
+    for g in range(shape.num_prompts):
         prompt = np.concatenate(
             [template, rng.integers(0, vocab, int(rng.integers(*shape.prompt_lens, endpoint=True)) - TEMPLATE_TOKENS)]
         )
         advantages = rng.standard_normal(shape.group_size)
-        group = []
-        for adv in advantages:
-            completion = rng.integers(0, vocab, int(rng.integers(*shape.completion_lens, endpoint=True)))
-            ids = np.concatenate([prompt, completion])
-            loss = np.arange(len(ids)) >= len(prompt)
-            group.append((ids, loss, np.where(loss, adv, 0.0)))
-        groups.append(group)
-    units = []
-    for group in groups:
-        if sum(len(s[0]) for s in group) <= shape.budget:
-            units.append(group)
-        else:
-            units += [[s] for s in group]
-    bins = pack_micro_batches([sum(len(s[0]) for s in unit) for unit in units], shape.budget)
-    out = []
-    for idx in bins:
-        samples = [s for i in idx for s in units[i]]
-        out.append(
-            MicroBatch(
-                input_ids=torch.from_numpy(np.concatenate([s[0] for s in samples])).to(device),
-                seq_lens=torch.tensor([len(s[0]) for s in samples]).to(device),
-                tokens=torch.from_numpy(np.concatenate([s[1] for s in samples])).to(device),
-                advantages=torch.from_numpy(np.concatenate([s[2] for s in samples]).astype(np.float32)).to(device),
-            )
+        comps = [rng.integers(0, vocab, int(rng.integers(*shape.completion_lens, endpoint=True))) for _ in advantages]
+        groups.append(scored(f"g{g}", prompt, comps, advantages=advantages))
+    tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)
+    return [
+        MicroBatch(
+            input_ids=tensor(mb.input_ids.astype(np.int64)),
+            seq_lens=tensor(mb.seq_lens.astype(np.int64)),
+            tokens=tensor(mb.loss_mask),
+            advantages=tensor(np.where(mb.loss_mask, mb.advantages, 0.0).astype(np.float32)),
         )
-    return out
+        for mb in pack_groups(groups, 0, shape.budget)
+    ]
 
 
 def run_step(
@@ -266,7 +254,8 @@ def main() -> None:
     model = build_model(args.model, args.device)
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"{args.threads} thread(s)"
     print(
-        f"torch {torch.__version__}, {where}, {args.model} {sum(p.numel() for p in model.parameters()):,} params, {args.dtype}"
+        f"torch {torch.__version__}, {where}, {args.model} "
+        f"{sum(p.numel() for p in model.parameters()):,} params, {args.dtype}"
     )
     print()
     print("| shape | tokens | decoder tokens shared | micro-batches | off (s) | on (s) | off / on |")

@@ -2,8 +2,8 @@
 
 One run (a fresh interpreter, 1 torch thread, float32, the trainer config's defaults) builds the
 default tiny policy (`policies.tiny_model.build_random_policy`), packs one step of GRPO groups with
-the packer (`packer.packer.pack_step`), takes one warm-up step and then ``--steps`` timed steps,
-and prints their median. Shapes:
+the packer (`packer.packer.Packer`: add the groups, pop the step), takes one warm-up step and then
+``--steps`` timed steps, and prints their median. Shapes:
 
 - ``default``: the default job's (configs/reverse_text.yaml): 8 prompts of 40-47 tokens x 8
   completions of 1-16 tokens, 2048-token micro-batches;
@@ -39,7 +39,8 @@ from pathlib import Path
 import numpy as np, torch
 torch.set_num_threads(1)
 from configs.schema import LoraSection, OptimConfig, TrainerConfig
-from packer.packer import PackedSample, pack_step
+from bus.messages import ScoredGroup
+from packer.packer import Packer
 from policies.tiny_model import build_random_policy
 from trainer.state.model import load_policy
 from trainer.trainer import Trainer
@@ -50,17 +51,21 @@ build_random_policy(directory)
 torch.manual_seed(0)
 model = load_policy(str(directory), LoraSection(enabled=False))
 rng = np.random.default_rng(0)
-groups = []
+packer = Packer(prompts, 0, budget)
 for g in range(prompts):
     prompt = rng.integers(0, model.config.vocab_size, int(rng.integers(plo, phi + 1)))
-    samples = []
+    comps, advantages = [], []
     for j in range(group):
-        ids = np.concatenate([prompt, rng.integers(0, model.config.vocab_size, int(rng.integers(clo, chi + 1)))]).astype(np.int32)
-        mask = np.arange(len(ids)) >= len(prompt)
-        samples.append(PackedSample(f"g{g}/{j}", ids, mask, np.where(mask, -5.0, 0.0).astype(np.float32),
-                                    float(rng.choice([-1.0, 1.0])), 0.5, 0, 1.0))
-    groups.append(samples)
-micro_batches = pack_step(groups, 0, budget)
+        comps.append(rng.integers(0, model.config.vocab_size, int(rng.integers(clo, chi + 1))).astype(np.int32))
+        advantages.append(float(rng.choice([-1.0, 1.0])))
+    lens, zeros = np.array([len(c) for c in comps], np.int32), np.zeros(group, np.int64)
+    packer.add(ScoredGroup(
+        id=f"g{g}", prompt_index=g, step=0, task="t", info={}, producer="p", completion_texts=[""] * group,
+        finish_reasons=["stop"] * group, gen_time_s=0.0, prompt_ids=prompt.astype(np.int32),
+        completion_ids=np.concatenate(comps), completion_lens=lens,
+        sampler_logprobs=np.full(int(lens.sum()), -5.0, np.float32), version_start=zeros, version_end=zeros,
+        reward_worker="r", rewards=np.full(group, 0.5, np.float32), advantages=np.array(advantages, np.float32)))
+micro_batches, _ = packer.pop_step()
 trainer = Trainer(model, TrainerConfig(optim=OptimConfig(lr=1e-6)))
 trainer.step(micro_batches)
 times = []

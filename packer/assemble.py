@@ -1,28 +1,8 @@
-"""Micro-batch assembly: plan a step's packing from sample lengths, then fill each micro-batch's
-arrays straight from the scored groups.
-
-The packer's step path (:meth:`packer.packer.Packer.pack`, :func:`pack_groups`) works in two
-passes:
-
-1. Plan (:func:`plan_step`): packing decisions need only each sample's length (``len(prompt_ids) +
-   completion_lens[j]`` tokens), its temperature and its group. The plan is a list of
-   micro-batches, each a list of ``(group index, sample index)`` references.
-2. Fill (:func:`fill_micro_batch`): each micro-batch's ``[T]`` arrays are allocated once and every
-   sample's prompt and completion slices (ids, sampler logprobs, loss mask, token versions, teacher
-   logprobs) are copied from its group's arrays into place by slice assignment.
-
-No per-sample ``prompt + completion`` copy (:class:`packer.packer.PackedSample`) is made on this
-path, so packing a step holds its groups, the micro-batches being built, and O(group size) small
-index arrays per group (bench/README.md, ``python -m bench.packer_memory``).
-
-Invariants:
-- the plan is the one :func:`packer.packer.pack_step` makes for the same samples (temperature bins
-  ascending, a group that fits the budget kept whole and adjacent, each bin packed with
-  :func:`packer.packing.pack_micro_batches`), and each micro-batch is byte-identical, field by
-  field, to :func:`packer.packer.build_micro_batch` over :func:`packer.packer.group_samples`
-  (tests/packer/test_assemble.py keeps that construction as the reference);
-- the result is a pure function of the groups, the step and the budget (a restarted packer
-  re-emits a planned step identically, :mod:`packer.spool`).
+"""Micro-batch assembly, the packer's one path from scored groups to :class:`MicroBatch` es: plan a
+step from the samples' lengths (:func:`plan_step`), then fill each micro-batch's arrays straight
+from the groups' arrays by slice assignment (:func:`fill_step`), with no per-sample copy. The result
+is a pure function of the groups, the step and the budget, so a restarted packer re-emits a planned
+step identically (:mod:`packer.spool`). Memory: docs/ARCHITECTURE.md ("Packing").
 """
 
 from __future__ import annotations
@@ -40,6 +20,7 @@ __all__ = [
     "GroupLayout",
     "SampleRef",
     "fill_micro_batch",
+    "fill_step",
     "has_teacher_logprobs",
     "pack_groups",
     "plan_step",
@@ -240,18 +221,27 @@ def pack_groups(
     groups: Sequence[ScoredGroup], step: int, micro_batch_tokens: int, *, teacher: bool = False
 ) -> list[MicroBatch]:
     """The micro-batches of ``step`` made of ``groups`` (in this order): :func:`plan_step` on the
-    samples' lengths, then :func:`fill_micro_batch` per micro-batch. Same micro-batches as
-    ``pack_step([group_samples(g, teacher=teacher) for g in groups], step, micro_batch_tokens)``
-    without the per-sample copies.
+    samples' lengths, then :func:`fill_step`.
 
     Raises:
         ValueError: ``teacher`` and a group carries no teacher logprobs, or as :func:`plan_step`.
     """
-    if teacher and (missing := [g.id for g in groups if not has_teacher_logprobs(g)]):
-        raise ValueError(f"groups {missing} carry no teacher logprobs; drop them (reason 'no_teacher') before packing")
     lengths = [[len(g.prompt_ids) + n for n in g.completion_lens.tolist()] for g in groups]
     temperatures = [[float(g.temperature)] * g.group_size for g in groups]
-    plan = plan_step(lengths, temperatures, micro_batch_tokens)
+    return fill_step(groups, plan_step(lengths, temperatures, micro_batch_tokens), step, teacher=teacher)
+
+
+def fill_step(
+    groups: Sequence[ScoredGroup], plan: Sequence[Sequence[SampleRef]], step: int, *, teacher: bool = False
+) -> list[MicroBatch]:
+    """One micro-batch per entry of ``plan`` (the ``(g, j)`` of its samples, in row order), numbered
+    in plan order; ``step_loss_tokens`` and ``step_samples`` count every sample of ``groups``.
+
+    Raises:
+        ValueError: ``teacher`` and a group carries no teacher logprobs, or as :func:`fill_micro_batch`.
+    """
+    if teacher and (missing := [g.id for g in groups if not has_teacher_logprobs(g)]):
+        raise ValueError(f"groups {missing} carry no teacher logprobs; drop them (reason 'no_teacher') before packing")
     layouts = [GroupLayout.of(g) for g in groups]
     loss_tokens, loss_samples = step_loss_counts(groups, layouts)
     return [

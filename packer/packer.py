@@ -7,8 +7,7 @@ lag would exceed ``max_off_policy_steps`` (invariant 3) and reports it, so that 
 can issue a replacement and every prompt is accounted for. A step takes ``prompts_per_step``
 whole groups (``batch_size`` samples) in arrival order; its samples are packed into micro-batches
 of at most ``micro_batch_tokens`` tokens, with no padding, each group that fits kept whole: planned
-from the samples' lengths, then filled straight from the groups' arrays (:mod:`packer.assemble`;
-:func:`pack_step` over :class:`PackedSample` copies gives the same micro-batches).
+from the samples' lengths, then filled straight from the groups' arrays (:mod:`packer.assemble`).
 
 Temperature bins: every sample records the temperature it was sampled at (``Prompt.temperature``,
 e.g. from a ``sampling.temp_scheduler``), and the trainer divides the logits of a whole
@@ -43,25 +42,19 @@ No sockets here: :mod:`packer.proc` moves the messages.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal
 
 import numpy as np
 
 from bus.messages import MicroBatch, ScoredGroup
-from bus.sample_arrays import sample_token_versions
-from packer.assemble import has_teacher_logprobs, pack_groups, plan_step
+from packer.assemble import has_teacher_logprobs, pack_groups
 
 __all__ = [
     "DUPLICATE",
     "DropReason",
-    "PackedSample",
     "Packer",
-    "build_micro_batch",
-    "group_samples",
     "has_teacher_logprobs",
-    "pack_step",
     "padding_ratio",
     "rewards_all_equal",
     "rewards_all_zero_or_all_one",
@@ -102,153 +95,6 @@ def rewards_all_zero_or_all_one(rewards: np.ndarray) -> bool:
     ``online_difficulty_filtering``; the same idea as DAPO's dynamic sampling, Yu et al. 2025,
     arXiv:2503.14476). An empty group counts as such."""
     return bool(np.all(rewards == 0.0) or np.all(rewards == 1.0))
-
-
-@dataclass(frozen=True)
-class PackedSample:
-    """One training sample: ``prompt + completion`` with per-token training fields.
-
-    Attributes:
-        sample_id: ``"{group_id}/{j}"``.
-        input_ids: ``[L] int32``. loss_mask: ``[L] bool`` (completion tokens).
-        sampler_logprobs: ``[L] float32`` (0 on prompt tokens).
-        advantage, reward: the sample's scalars. version: oldest policy version (lag source).
-        token_versions: ``[L] int64`` policy version of each token (completion tokens: from the
-            group's version spans, :func:`bus.sample_arrays.sample_token_versions`; prompt tokens:
-            ``version``), or None: every token at ``version``.
-        temperature: the sampling temperature (> 0).
-        teacher_logprobs: ``[L] float32`` teacher logprob of each completion token (0 on prompt
-            tokens), or None without a teacher.
-        reward_terms: ``{reward function name: score}`` of this sample.
-    """
-
-    sample_id: str
-    input_ids: np.ndarray
-    loss_mask: np.ndarray
-    sampler_logprobs: np.ndarray
-    advantage: float
-    reward: float
-    version: int
-    temperature: float = 1.0
-    teacher_logprobs: np.ndarray | None = None
-    reward_terms: dict[str, float] = field(default_factory=dict)
-    token_versions: np.ndarray | None = None
-
-    def versions(self) -> np.ndarray:
-        """``[L] int64`` version of each token (see ``token_versions``)."""
-        if self.token_versions is None:
-            return np.full(len(self.input_ids), self.version, np.int64)
-        return self.token_versions
-
-
-def group_samples(group: ScoredGroup, *, teacher: bool = False) -> list[PackedSample]:
-    """Split a scored group into its ``G`` training samples.
-
-    Args:
-        group: the scored group. teacher: copy its teacher logprobs (which it must carry: one
-            per completion token) into the samples.
-
-    Sample ``j`` with ``group.masked[j]`` True gets ``loss_mask`` False on every token; the
-    environment tokens of a multi-turn episode (``group.loss_mask`` False) never get it.
-
-    Raises:
-        ValueError: ``teacher`` and the group carries no teacher logprobs (the packer drops such
-            groups first, see :meth:`Packer.add`).
-    """
-    prompt = np.asarray(group.prompt_ids, dtype=np.int32)
-    if teacher and not has_teacher_logprobs(group):
-        raise ValueError(f"group {group.id} carries no teacher logprobs; drop it (reason 'no_teacher') before packing")
-    offsets = np.concatenate([[0], np.cumsum(group.completion_lens)])
-    no_prompt = np.zeros(len(prompt), np.float32)
-    # multi-turn episodes: environment tokens are context, never loss tokens
-    model_tokens = (
-        np.asarray(group.loss_mask, bool) if len(group.loss_mask) else np.ones(len(group.completion_ids), bool)
-    )
-    samples = []
-    for j in range(group.group_size):
-        ids, lps = group.completion(j)
-        versions = sample_token_versions(group, j)
-        oldest = int(group.version_start[j])  # = versions.min() for a sample with tokens (bus.sample_arrays)
-        masked = len(group.masked) > 0 and bool(group.masked[j])
-        samples.append(
-            PackedSample(
-                sample_id=f"{group.id}/{j}",
-                input_ids=np.concatenate([prompt, ids]).astype(np.int32),
-                loss_mask=np.concatenate(
-                    [np.zeros(len(prompt), bool), model_tokens[offsets[j] : offsets[j + 1]] & (not masked)]
-                ),
-                sampler_logprobs=np.concatenate([no_prompt, lps]).astype(np.float32),
-                advantage=float(group.advantages[j]),
-                reward=float(group.rewards[j]),
-                version=oldest,
-                temperature=float(group.temperature),
-                teacher_logprobs=(
-                    np.concatenate([no_prompt, group.teacher_logprobs[offsets[j] : offsets[j + 1]]]).astype(np.float32)
-                    if teacher
-                    else None
-                ),
-                reward_terms={name: float(scores[j]) for name, scores in group.reward_terms.items()},
-                token_versions=np.concatenate([np.full(len(prompt), oldest, np.int64), versions]),
-            )
-        )
-    return samples
-
-
-def build_micro_batch(
-    samples: list[PackedSample],
-    *,
-    step: int,
-    micro_index: int,
-    num_micro_batches: int,
-    step_loss_tokens: int,
-    step_samples: int,
-) -> MicroBatch:
-    """Concatenate ``samples`` into one padding-free :class:`MicroBatch` row.
-
-    ``step_loss_tokens`` and ``step_samples`` (samples with >= 1 loss token) count the WHOLE step,
-    so the trainer's loss normalizers do not depend on how the step was split (micro-batch
-    invariance, see :mod:`trainer.losses`). ``teacher_logprobs`` is ``[T]`` when every sample
-    carries them, ``[0]`` when none does; ``reward_terms`` holds the names every sample has.
-
-    Raises:
-        ValueError: no samples, samples of different temperatures, or some with and some without
-            teacher logprobs.
-    """
-    if not samples:
-        raise ValueError("a micro-batch needs at least one sample")
-    temperatures = {s.temperature for s in samples}
-    if len(temperatures) > 1:
-        raise ValueError(
-            f"samples of one micro-batch must share a temperature, got {sorted(temperatures)}; pack each temperature separately"
-        )
-    with_teacher = [s.teacher_logprobs is not None for s in samples]
-    if any(with_teacher) and not all(with_teacher):
-        raise ValueError("some samples carry teacher logprobs and some do not; drop the groups without them first")
-    names = set.intersection(*(set(s.reward_terms) for s in samples))
-    return MicroBatch(
-        id=f"{step}:{micro_index}",
-        step=step,
-        micro_index=micro_index,
-        num_micro_batches=num_micro_batches,
-        step_loss_tokens=step_loss_tokens,
-        step_samples=step_samples,
-        sample_ids=[s.sample_id for s in samples],
-        input_ids=np.concatenate([s.input_ids for s in samples]),
-        seq_lens=np.array([len(s.input_ids) for s in samples], dtype=np.int32),
-        loss_mask=np.concatenate([s.loss_mask for s in samples]),
-        sampler_logprobs=np.concatenate([s.sampler_logprobs for s in samples]),
-        advantages=np.concatenate([np.full(len(s.input_ids), s.advantage, np.float32) for s in samples]),
-        rewards=np.array([s.reward for s in samples], dtype=np.float32),
-        oldest_versions=np.array([s.version for s in samples], dtype=np.int64),
-        token_versions=np.concatenate([s.versions() for s in samples]),
-        teacher_logprobs=(
-            np.concatenate([s.teacher_logprobs for s in samples])
-            if all(with_teacher)
-            else np.zeros(0, dtype=np.float32)
-        ),
-        temperature=temperatures.pop(),
-        reward_terms={name: [s.reward_terms[name] for s in samples] for name in sorted(names)},
-    )
 
 
 class Packer:
@@ -356,8 +202,7 @@ class Packer:
         """The micro-batches of ``step`` made of ``groups`` (in this order): a pure function of
         its arguments and the packer's settings, so a restarted packer re-emits a planned step
         identically (same ids and contents, :mod:`packer.spool`). Each micro-batch is filled
-        straight from the groups' arrays (:func:`packer.assemble.pack_groups`): the same
-        micro-batches as :func:`pack_step` over :func:`group_samples`, without per-sample copies."""
+        straight from the groups' arrays (:func:`packer.assemble.pack_groups`)."""
         return pack_groups(groups, step, self.micro_batch_tokens, teacher=self.teacher)
 
     def restore(self, *, next_step: int, seen: set[str], buffer: list[ScoredGroup]) -> None:
@@ -388,42 +233,3 @@ def padding_ratio(micro_batches: list[MicroBatch], micro_batch_tokens: int) -> f
         return 0.0
     tokens = sum(len(mb.input_ids) for mb in micro_batches)
     return 1.0 - tokens / (len(micro_batches) * micro_batch_tokens)
-
-
-def pack_step(groups: list[list[PackedSample]], step: int, micro_batch_tokens: int) -> list[MicroBatch]:
-    """Pack one step's samples (``groups``: each group's samples, :func:`group_samples`) into
-    micro-batches, one temperature per micro-batch.
-
-    The samples are binned by temperature (exact float equality; ascending), each bin is packed
-    with :func:`packer.packing.pack_micro_batches`, and the micro-batches are numbered across the
-    whole step. ``step_loss_tokens`` and ``step_samples`` count the whole step. A group's samples
-    are packed as one unit (adjacent, in one micro-batch) whenever the group fits the budget, so the
-    trainer runs their shared prompt once (:mod:`trainer.forward.shared_prefix`); a larger group is packed
-    sample by sample (the plan is :func:`packer.assemble.plan_step`'s). For callers that hold
-    :class:`PackedSample` lists (tests, benchmarks); :meth:`Packer.pack` fills the same
-    micro-batches straight from the scored groups (:func:`packer.assemble.pack_groups`).
-
-    Raises:
-        ValueError: as :func:`packer.packing.pack_micro_batches` (a sample over the budget) or
-            :func:`build_micro_batch`.
-    """
-    samples = [s for g in groups for s in g]
-    loss_tokens = int(sum(s.loss_mask.sum() for s in samples))
-    loss_samples = sum(1 for s in samples if s.loss_mask.any())
-    plan = plan_step(
-        [[len(s.input_ids) for s in g] for g in groups],
-        [[s.temperature for s in g] for g in groups],
-        micro_batch_tokens,
-    )
-    bins = [[groups[g][j] for g, j in refs] for refs in plan]
-    return [
-        build_micro_batch(
-            b,
-            step=step,
-            micro_index=k,
-            num_micro_batches=len(bins),
-            step_loss_tokens=loss_tokens,
-            step_samples=loss_samples,
-        )
-        for k, b in enumerate(bins)
-    ]

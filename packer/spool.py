@@ -16,7 +16,7 @@ Fsync policy (why): a ``group`` record is fsynced before the packer releases cus
 group upstream (``scored.done``), since after that no reward worker holds it; a ``step`` record
 is fsynced before the step's micro-batches leave, since the trainer may train them and a
 restarted packer must emit that step again with the same groups (same micro-batch ids and
-contents, :func:`packer.packer.pack_step` is deterministic) and never put those groups into
+contents, :func:`packer.assemble.pack_groups` is deterministic) and never put those groups into
 another step. Group commit: :meth:`Spool.accepted` with ``sync=False`` only flushes, and the packer
 fsyncs once (:meth:`RecordLog.sync`) after deciding on every group it has already received, before
 releasing any of them (``packer.proc.PackerProc._take_received``). A ``released`` record is only flushed: losing it makes a restarted packer re-send

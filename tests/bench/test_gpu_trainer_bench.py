@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.gpu_trainer import make_groups
+from bench.gpu_trainer import make_groups, samples_of
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,12 +41,15 @@ def test_grpo_batch_is_groups_of_one_prompt():
     import numpy as np
 
     groups = make_groups("grpo", 512, smoke=False, rng=np.random.default_rng(0))
-    assert len(groups) == 8 and all(len(g) == 8 for g in groups)
-    for g in groups:
-        assert all(np.array_equal(s.input_ids[:256], g[0].input_ids[:256]) for s in g)
-        assert all(32 <= int(s.loss_mask.sum()) <= 1024 for s in g)
-    uniform = make_groups("uniform", 512, smoke=False, rng=np.random.default_rng(0))
-    assert sum(len(g) for g in uniform) == 64 and {len(s.input_ids) for g in uniform for s in g} == {512}
+    assert len(groups) == 8 and all(g.group_size == 8 for g in groups)
+    for g in groups:  # one prompt per group: the packer lays it before each completion
+        assert len(g.prompt_ids) == 256
+        assert all(32 <= int(n) <= 1024 for n in g.completion_lens)
+    samples = samples_of(groups)
+    assert all(np.array_equal(ids[:256], samples[8 * (i // 8)][0][:256]) for i, (ids, _, _) in enumerate(samples))
+    assert all(32 <= int(mask.sum()) <= 1024 for _, mask, _ in samples)
+    uniform = samples_of(make_groups("uniform", 512, smoke=False, rng=np.random.default_rng(0)))
+    assert len(uniform) == 64 and {len(ids) for ids, _, _ in uniform} == {512}
 
 
 def test_cpu_smoke(tmp_path: Path):

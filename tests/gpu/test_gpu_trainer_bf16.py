@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from configs.schema import OptimConfig, TrainerConfig
-from packer.packer import PackedSample, build_micro_batch
+from tests.scored_groups import packed_step, scored
 from trainer.trainer import Trainer
 
 SAMPLES = [
@@ -45,16 +45,12 @@ def tiny_model():
 
 def micro_batch():
     rng = np.random.default_rng(0)
-    samples = []
+    groups = []
     for k, (prompt, completion, advantage) in enumerate(SAMPLES):
-        ids = np.int32(prompt + completion)
-        mask = np.array([False] * len(prompt) + [True] * len(completion))
-        lp = np.where(mask, -rng.uniform(4.0, 7.0, len(ids)), 0.0).astype(np.float32)  # ~log(1/300)
-        samples.append(PackedSample(f"g{k}/0", ids, mask, lp, advantage, 1.0, 0, 1.0))
-    loss_tokens = sum(int(s.loss_mask.sum()) for s in samples)
-    return build_micro_batch(
-        samples, step=0, micro_index=0, num_micro_batches=1, step_loss_tokens=loss_tokens, step_samples=len(samples)
-    )
+        lp = -rng.uniform(4.0, 7.0, len(prompt) + len(completion))[len(prompt) :]  # ~log(1/300)
+        groups.append(scored(f"g{k}", prompt, [completion], advantages=[advantage], rewards=[1.0], logprobs=[lp]))
+    (mb,) = packed_step(groups)
+    return mb
 
 
 def run(dtype: str):

@@ -1,7 +1,7 @@
 """The packer's step path (packer.assemble: plan from lengths, fill micro-batch arrays straight from
-the scored groups) against the per-sample construction it replaced (group_samples copies, then
-build_micro_batch), kept here as the reference: every field of every micro-batch must be
-byte-identical.
+the scored groups) against an independent per-sample construction (each sample's ``prompt +
+completion`` arrays copied out, then concatenated; the packer's construction before
+packer.assemble, kept here as the oracle): every field of every micro-batch must be byte-identical.
 
 The groups are random but realistic and pass the wire's checks (they go through the real codec):
 mixed prompt and completion lengths (empty completions included), two temperatures, multi-turn
@@ -13,47 +13,95 @@ whose names differ between groups.
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from bus.codec import decode, encode
 from bus.messages import MicroBatch, ScoredGroup
-from packer.assemble import pack_groups, plan_step
-from packer.packer import PackedSample, Packer, build_micro_batch, group_samples, pack_step
+from bus.sample_arrays import sample_token_versions
+from packer.assemble import fill_step, pack_groups, plan_step
+from packer.packer import Packer
 from packer.packing import pack_micro_batches
 
 
-def reference_pack_step(groups: list[list[PackedSample]], step: int, budget: int) -> list[MicroBatch]:
-    """``packer.packer.pack_step`` as it was before packer.assemble (commit 9b5c977), verbatim in
-    substance: the reference construction."""
-    samples = [s for g in groups for s in g]
+def reference_samples(group: ScoredGroup, teacher: bool) -> list[SimpleNamespace]:
+    """Each sample of ``group`` as its own ``prompt + completion`` arrays (the oracle's first half)."""
+    prompt = np.asarray(group.prompt_ids, np.int32)
+    offsets = np.concatenate([[0], np.cumsum(group.completion_lens)])
+    zeros = np.zeros(len(prompt), np.float32)
+    model = np.asarray(group.loss_mask, bool) if len(group.loss_mask) else np.ones(len(group.completion_ids), bool)
+    out = []
+    for j in range(group.group_size):
+        ids, lps = group.completion(j)
+        lo, hi = offsets[j], offsets[j + 1]
+        oldest = int(group.version_start[j])
+        masked = len(group.masked) > 0 and bool(group.masked[j])
+        out.append(
+            SimpleNamespace(
+                sample_id=f"{group.id}/{j}",
+                input_ids=np.concatenate([prompt, ids]).astype(np.int32),
+                loss_mask=np.concatenate([np.zeros(len(prompt), bool), model[lo:hi] & (not masked)]),
+                sampler_logprobs=np.concatenate([zeros, lps]).astype(np.float32),
+                advantage=float(group.advantages[j]),
+                reward=float(group.rewards[j]),
+                version=oldest,
+                temperature=float(group.temperature),
+                teacher_logprobs=np.concatenate([zeros, group.teacher_logprobs[lo:hi]]).astype(np.float32)
+                if teacher
+                else None,
+                reward_terms={name: float(scores[j]) for name, scores in group.reward_terms.items()},
+                token_versions=np.concatenate(
+                    [np.full(len(prompt), oldest, np.int64), sample_token_versions(group, j)]
+                ),
+            )
+        )
+    return out
+
+
+def reference_micro_batch(samples: list[SimpleNamespace], **ids) -> MicroBatch:
+    """The samples concatenated into one micro-batch (the oracle's second half)."""
+    names = set.intersection(*(set(s.reward_terms) for s in samples))
+    return MicroBatch(
+        id=f"{ids['step']}:{ids['micro_index']}",
+        **ids,
+        sample_ids=[s.sample_id for s in samples],
+        input_ids=np.concatenate([s.input_ids for s in samples]),
+        seq_lens=np.array([len(s.input_ids) for s in samples], dtype=np.int32),
+        loss_mask=np.concatenate([s.loss_mask for s in samples]),
+        sampler_logprobs=np.concatenate([s.sampler_logprobs for s in samples]),
+        advantages=np.concatenate([np.full(len(s.input_ids), s.advantage, np.float32) for s in samples]),
+        rewards=np.array([s.reward for s in samples], dtype=np.float32),
+        oldest_versions=np.array([s.version for s in samples], dtype=np.int64),
+        token_versions=np.concatenate([s.token_versions for s in samples]),
+        teacher_logprobs=np.concatenate([s.teacher_logprobs for s in samples])
+        if samples[0].teacher_logprobs is not None
+        else np.zeros(0, dtype=np.float32),
+        temperature=samples[0].temperature,
+        reward_terms={name: [s.reward_terms[name] for s in samples] for name in sorted(names)},
+    )
+
+
+def reference_pack_step(groups: list[ScoredGroup], step: int, budget: int, teacher: bool) -> list[MicroBatch]:
+    """The packer's step as it was built before packer.assemble (commit 9b5c977): per-sample copies,
+    binned by temperature, a group that fits kept whole, each bin best-fit packed."""
+    per_group = [reference_samples(g, teacher) for g in groups]
+    samples = [s for g in per_group for s in g]
     loss_tokens = int(sum(s.loss_mask.sum() for s in samples))
     loss_samples = sum(1 for s in samples if s.loss_mask.any())
-    bins: list[list[PackedSample]] = []
+    bins: list[list[SimpleNamespace]] = []
     for temperature in sorted({s.temperature for s in samples}):
-        same = [[s for s in g if s.temperature == temperature] for g in groups]
-        units: list[list[PackedSample]] = []
-        for g in same:
-            if not g:
-                continue
-            if sum(len(s.input_ids) for s in g) <= budget:
+        units: list[list[SimpleNamespace]] = []
+        for g in [[s for s in g if s.temperature == temperature] for g in per_group]:
+            if g and sum(len(s.input_ids) for s in g) <= budget:
                 units.append(g)
             else:
                 units += [[s] for s in g]
         packed = pack_micro_batches([sum(len(s.input_ids) for s in unit) for unit in units], budget)
         bins += [[s for i in idx for s in units[i]] for idx in packed]
-    return [
-        build_micro_batch(
-            b,
-            step=step,
-            micro_index=k,
-            num_micro_batches=len(bins),
-            step_loss_tokens=loss_tokens,
-            step_samples=loss_samples,
-        )
-        for k, b in enumerate(bins)
-    ]
+    counts = dict(num_micro_batches=len(bins), step_loss_tokens=loss_tokens, step_samples=loss_samples)
+    return [reference_micro_batch(b, step=step, micro_index=k, **counts) for k, b in enumerate(bins)]
 
 
 def random_group(rng: np.random.Generator, index: int, *, teacher: bool, spans: bool) -> ScoredGroup:
@@ -139,12 +187,14 @@ def test_filled_micro_batches_equal_the_per_sample_construction(teacher: bool, b
     for seed in range(4):
         rng = np.random.default_rng([seed, budget, int(teacher)])
         groups = [random_group(rng, i, teacher=teacher, spans=i % 4 != 3) for i in range(12)]
-        ref = reference_pack_step([group_samples(g, teacher=teacher) for g in groups], 7, budget)
+        ref = reference_pack_step(groups, 7, budget, teacher)
         assert any(len(mb.sample_ids) > 1 for mb in ref)
         packer = Packer(len(groups), 8, budget, teacher=teacher)
         assert_identical(packer.pack(groups, 7), ref)
-        # pack_step (PackedSample callers) now plans with plan_step: still the same micro-batches
-        assert_identical(pack_step([group_samples(g, teacher=teacher) for g in groups], 7, budget), ref)
+        # the same plan through fill_step (the tests' and benches' way to a chosen split): the same micro-batches
+        lengths = [[len(g.prompt_ids) + n for n in g.completion_lens.tolist()] for g in groups]
+        plan = plan_step(lengths, [[g.temperature] * g.group_size for g in groups], budget)
+        assert_identical(fill_step(groups, plan, 7, teacher=teacher), ref)
 
 
 def test_the_random_groups_cover_every_case():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from bus.messages import RolloutGroup
-from packer.packer import group_samples
+from packer.assemble import pack_groups
 from rewards.worker import RewardWorker
 
 
@@ -39,20 +39,20 @@ def test_env_reward_is_the_env_term_and_env_tokens_are_not_loss_tokens():
     scored = worker.score(_group([True, False, False, True, True, True], [0.75, 0.0]))
     assert scored.reward_terms == {"env": [0.75, 0.0]}
     assert scored.rewards.tolist() == [0.75, 0.0] and scored.advantages[0] > 0 > scored.advantages[1]
-    first, second = group_samples(scored)
-    assert first.loss_mask.tolist() == [False] * 3 + [True, False, False, True]
-    assert second.loss_mask.tolist() == [False] * 3 + [True, True]
-    assert first.sampler_logprobs[4:6].tolist() == [0.0, 0.0]  # the env tokens' logprobs are 0
+    (mb,) = pack_groups([scored], 0, 64)
+    assert mb.sample_ids == ["g-mt/0", "g-mt/1"] and mb.seq_lens.tolist() == [7, 5]
+    assert mb.loss_mask[:7].tolist() == [False] * 3 + [True, False, False, True]
+    assert mb.loss_mask[7:].tolist() == [False] * 3 + [True, True]
+    assert mb.sampler_logprobs[4:6].tolist() == [0.0, 0.0]  # the env tokens' logprobs are 0
 
 
 def test_single_turn_groups_keep_every_completion_token():
     worker = RewardWorker({"reverse_turns": ()}, name="rewards-0", isolate=False)
     scored = worker.score(_group([], []))
     assert scored.reward_terms == {} and scored.rewards.tolist() == [0.0, 0.0]
-    first, second = group_samples(scored)
-    assert (
-        first.loss_mask.tolist() == [False] * 3 + [True] * 4 and second.loss_mask.tolist() == [False] * 3 + [True] * 2
-    )
+    (mb,) = pack_groups([scored], 0, 64)
+    assert mb.sample_ids == ["g-mt/0", "g-mt/1"] and mb.seq_lens.tolist() == [7, 5]
+    assert mb.loss_mask.tolist() == [False] * 3 + [True] * 4 + [False] * 3 + [True] * 2
 
 
 def test_filters_judge_model_tokens_only():

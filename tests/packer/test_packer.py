@@ -11,52 +11,9 @@ import pytest
 
 from bus.codec import decode, encode
 from bus.messages import MicroBatch, ScoredGroup
-from packer.packer import (
-    PackedSample,
-    Packer,
-    build_micro_batch,
-    group_samples,
-    rewards_all_equal,
-    rewards_all_zero_or_all_one,
-)
-
-
-def scored(
-    gid: str,
-    prompt_ids: list[int],
-    completions: list[list[int]],
-    *,
-    version: int | list[int] = 0,
-    advantages: list[float] | None = None,
-    rewards: list[float] | None = None,
-    **fields,
-) -> ScoredGroup:
-    """A ScoredGroup whose token j of any completion has logprob ``-token_id / 1000``; ``fields``
-    sets the optional ones (temperature, teacher_logprobs, masked, reward_terms, ...)."""
-    g = len(completions)
-    versions = [version] * g if isinstance(version, int) else list(version)
-    flat = [t for c in completions for t in c]
-    return ScoredGroup(
-        id=gid,
-        prompt_index=0,
-        step=0,
-        task="reverse_text",
-        info={"target": "x"},
-        producer="p0",
-        completion_texts=["c"] * g,
-        finish_reasons=["stop"] * g,
-        gen_time_s=0.0,
-        prompt_ids=np.array(prompt_ids, np.int32),
-        completion_ids=np.array(flat, np.int32),
-        completion_lens=np.array([len(c) for c in completions], np.int32),
-        sampler_logprobs=np.array([-t / 1000 for t in flat], np.float32),
-        version_start=np.array(versions, np.int64),
-        version_end=np.array(versions, np.int64),
-        reward_worker="r0",
-        rewards=np.array(rewards if rewards is not None else [0.5] * g, np.float32),
-        advantages=np.array(advantages if advantages is not None else [0.0] * g, np.float32),
-        **fields,
-    )
+from packer.assemble import fill_micro_batch, pack_groups
+from packer.packer import Packer, rewards_all_equal, rewards_all_zero_or_all_one
+from tests.scored_groups import packed_step, scored
 
 
 def simple(gid: str, version: int = 0, prompt_len: int = 2, comp_len: int = 2, g: int = 2) -> ScoredGroup:
@@ -102,38 +59,39 @@ def check_step(batches: list[MicroBatch], budget: int, step: int) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------
-# group_samples / build_micro_batch
+# one micro-batch by hand (packer.assemble.fill_step)
 # ------------------------------------------------------------------------------------------------
 
 
-def test_group_samples_by_hand():
+def test_a_groups_samples_by_hand():
     g = scored("g", [7, 8], [[10, 11, 12], [20]], version=[3, 2], advantages=[1.5, -1.5], rewards=[1.0, 0.0])
-    s0, s1 = group_samples(g)
-    assert s0.sample_id == "g/0" and s1.sample_id == "g/1"
-    assert s0.input_ids.tolist() == [7, 8, 10, 11, 12] and s0.input_ids.dtype == np.int32
-    assert s0.loss_mask.tolist() == [False, False, True, True, True]
-    np.testing.assert_array_equal(s0.sampler_logprobs, np.float32([0, 0, -0.010, -0.011, -0.012]))
-    assert s1.input_ids.tolist() == [7, 8, 20]
-    assert s1.loss_mask.tolist() == [False, False, True]
-    np.testing.assert_array_equal(s1.sampler_logprobs, np.float32([0, 0, -0.020]))
-    assert (s0.advantage, s0.reward, s0.version) == (1.5, 1.0, 3)
-    assert (s1.advantage, s1.reward, s1.version) == (-1.5, 0.0, 2)
+    (mb,) = packed_step([g])
+    s0, s1 = split_samples(mb)["g/0"], split_samples(mb)["g/1"]
+    assert mb.sample_ids == ["g/0", "g/1"] and mb.input_ids.dtype == np.int32
+    assert s0["input_ids"].tolist() == [7, 8, 10, 11, 12]
+    assert s0["loss_mask"].tolist() == [False, False, True, True, True]
+    np.testing.assert_array_equal(s0["sampler_logprobs"], np.float32([0, 0, -0.010, -0.011, -0.012]))
+    assert s1["input_ids"].tolist() == [7, 8, 20]
+    assert s1["loss_mask"].tolist() == [False, False, True]
+    np.testing.assert_array_equal(s1["sampler_logprobs"], np.float32([0, 0, -0.020]))
+    assert s0["advantages"].tolist() == [1.5] * 5 and s1["advantages"].tolist() == [-1.5] * 3
+    assert mb.rewards.tolist() == [1.0, 0.0] and mb.oldest_versions.tolist() == [3, 2]
 
 
-def test_group_samples_zero_length_completion():
+def test_a_zero_length_completion():
     g = scored("g", [7, 8], [[], [30, 31]])
-    s0, s1 = group_samples(g)
-    assert s0.input_ids.tolist() == [7, 8] and s0.loss_mask.tolist() == [False, False]
-    assert s0.sampler_logprobs.tolist() == [0.0, 0.0] and s0.sampler_logprobs.dtype == np.float32
-    assert s1.input_ids.tolist() == [7, 8, 30, 31]
+    (mb,) = packed_step([g])
+    s0, s1 = split_samples(mb)["g/0"], split_samples(mb)["g/1"]
+    assert s0["input_ids"].tolist() == [7, 8] and s0["loss_mask"].tolist() == [False, False]
+    assert s0["sampler_logprobs"].tolist() == [0.0, 0.0] and mb.sampler_logprobs.dtype == np.float32
+    assert s1["input_ids"].tolist() == [7, 8, 30, 31]
 
 
-def test_build_micro_batch_by_hand():
-    a = PackedSample(
-        "a/0", np.int32([1, 2, 3]), np.array([False, True, True]), np.float32([0, -0.5, -0.25]), 2.0, 1.0, 4
-    )
-    b = PackedSample("b/1", np.int32([9, 8]), np.array([False, True]), np.float32([0, -1.0]), -1.0, 0.0, 5)
-    mb = build_micro_batch([a, b], step=6, micro_index=1, num_micro_batches=3, step_loss_tokens=10, step_samples=5)
+def test_a_micro_batch_by_hand():
+    a = scored("a", [1], [[2, 3]], logprobs=[[-0.5, -0.25]], advantages=[2.0], rewards=[1.0], version=4)
+    b = scored("b", [9], [[7], [8]], logprobs=[[-2.0], [-1.0]], advantages=[0.0, -1.0], rewards=[0.5, 0.0], version=5)
+    kw = dict(micro_index=1, num_micro_batches=3, step_loss_tokens=10, step_samples=5)
+    mb = fill_micro_batch([a, b], [(0, 0), (1, 1)], teacher=False, step=6, **kw)
     assert mb.id == "6:1" and mb.step == 6 and mb.micro_index == 1 and mb.num_micro_batches == 3
     assert mb.step_loss_tokens == 10 and mb.step_samples == 5 and mb.sample_ids == ["a/0", "b/1"]
     assert mb.teacher_logprobs.shape == (0,)  # no teacher
@@ -448,27 +406,17 @@ def test_temperatures_are_never_mixed_in_a_micro_batch():
     assert all(mb.num_micro_batches == 3 for mb in batches)
 
 
-def test_build_micro_batch_refuses_mixed_temperatures_or_teacher():
-    a = PackedSample("a/0", np.int32([1, 2]), np.array([False, True]), np.float32([0, -0.5]), 1.0, 1.0, 0, 0.7)
-    b = PackedSample("b/0", np.int32([1, 2]), np.array([False, True]), np.float32([0, -0.5]), 1.0, 1.0, 0, 1.0)
+def test_a_micro_batch_refuses_mixed_temperatures_or_a_missing_teacher():
+    a = scored("a", [1], [[2]], logprobs=[[-0.5]], rewards=[1.0], temperature=0.7)
+    b = scored("b", [1], [[2]], logprobs=[[-0.5]], rewards=[1.0], temperature=1.0)
+    t = scored("t", [1], [[2]], logprobs=[[-0.5]], rewards=[1.0], temperature=0.7, teacher_logprobs=np.float32([-0.1]))
     kw = dict(step=0, micro_index=0, num_micro_batches=1, step_loss_tokens=2, step_samples=2)
     with pytest.raises(ValueError, match="share a temperature"):
-        build_micro_batch([a, b], **kw)
-    t = PackedSample(
-        "t/0",
-        np.int32([1, 2]),
-        np.array([False, True]),
-        np.float32([0, -0.5]),
-        1.0,
-        1.0,
-        0,
-        0.7,
-        teacher_logprobs=np.float32([0, -0.1]),
-    )
+        fill_micro_batch([a, b], [(0, 0), (1, 0)], teacher=False, **kw)
     with pytest.raises(ValueError, match="teacher logprobs"):
-        build_micro_batch([a, t], **kw)
+        fill_micro_batch([t, a], [(0, 0), (1, 0)], teacher=True, **kw)
     with pytest.raises(ValueError, match="at least one sample"):
-        build_micro_batch([], **kw)
+        fill_micro_batch([a], [], teacher=False, **kw)
 
 
 def teacher_lps(completions: list[list[int]]) -> np.ndarray:
@@ -500,7 +448,7 @@ def test_a_group_without_teacher_logprobs_is_dropped_when_the_run_has_a_teacher(
     assert p.add(without) == (False, "no_teacher")
     assert p.add(with_) == (True, "")
     with pytest.raises(ValueError, match="no teacher logprobs"):
-        group_samples(without, teacher=True)
+        pack_groups([without], 0, 8, teacher=True)
     # no teacher in the run: teacher logprobs a group happens to carry are not packed
     q = Packer(prompts_per_step=2, max_off_policy_steps=0, micro_batch_tokens=8)
     assert q.add(scored("w2", [1], comps, rewards=[1.0, 0.0], teacher_logprobs=teacher_lps(comps))) == (True, "")
@@ -519,10 +467,10 @@ def test_masked_samples_train_nothing_and_are_not_counted():
         masked=np.array([False, True, False]),
         flags=["", "repetition", ""],
     )
-    s0, s1, s2 = group_samples(g)
-    assert s0.loss_mask.tolist() == [False, False, True, True, True]
-    assert s1.loss_mask.tolist() == [False] * 4  # masked: still in the row, no loss token
-    assert s2.loss_mask.tolist() == [False, False, True]
+    by_id = split_samples(packed_step([g])[0])
+    assert by_id["m/0"]["loss_mask"].tolist() == [False, False, True, True, True]
+    assert by_id["m/1"]["loss_mask"].tolist() == [False] * 4  # masked: still in the row, no loss token
+    assert by_id["m/2"]["loss_mask"].tolist() == [False, False, True]
     p = Packer(prompts_per_step=1, max_off_policy_steps=0, micro_batch_tokens=16)
     assert p.add(g) == (True, "")
     batches, _ = p.pop_step()
@@ -539,8 +487,6 @@ def test_reward_terms_travel_per_sample():
         rewards=[1.5, 0.5, 0.0],
         reward_terms={"gsm8k": [1.0, 0.0, 0.0], "format": [1.0, 1.0, 0.0]},
     )
-    s0, s1, s2 = group_samples(g)
-    assert s1.reward_terms == {"gsm8k": 0.0, "format": 1.0}
     p = Packer(prompts_per_step=1, max_off_policy_steps=0, micro_batch_tokens=16)
     p.add(g)
     (mb,), _ = p.pop_step()
@@ -552,19 +498,8 @@ def test_reward_terms_travel_per_sample():
     }
     assert decode(encode(mb)).reward_terms == mb.reward_terms
     # a micro-batch keeps only the names every one of its samples carries
-    other = PackedSample(
-        "o/0",
-        np.int32([1, 2]),
-        np.array([False, True]),
-        np.float32([0, -0.5]),
-        0.0,
-        1.0,
-        0,
-        reward_terms={"gsm8k": 1.0},
-    )
-    mixed = build_micro_batch(
-        [s0, other], step=0, micro_index=0, num_micro_batches=1, step_loss_tokens=2, step_samples=2
-    )
+    other = scored("o", [1], [[2]], rewards=[1.0], reward_terms={"gsm8k": [1.0]})
+    (mixed,) = packed_step([g, other], [[0, 3]])
     assert mixed.reward_terms == {"gsm8k": [1.0, 1.0]}
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from bus.codec import decode, encode
 from bus.messages import Prompt
-from packer.packer import build_micro_batch, group_samples
+from packer.assemble import pack_groups
 from packer.sample_log import sample_records
 from producers.rollout_sample import Sample, token_versions
 from producers.proc import group_from_samples
@@ -43,12 +43,10 @@ def test_partial_rollout_versions_reach_the_micro_batch():
         [[4, 2]],
         [[2, 1]],
     ]
-    packed = group_samples(scored)
-    mb = decode(
-        encode(
-            build_micro_batch(packed, step=5, micro_index=0, num_micro_batches=1, step_loss_tokens=7, step_samples=3)
-        )
-    )
+    (mb,) = pack_groups([scored], 5, 64)
+    mb = decode(encode(mb))
+    assert mb.sample_ids == ["p1/0", "p1/1", "p1/2", "p1/3"]  # one group that fits: whole, in sample order
+    assert (mb.step_loss_tokens, mb.step_samples) == (7, 3)
     # prompt tokens (3 per sample) carry the sample's oldest version
     assert mb.token_versions.tolist() == [3, 3, 3, 3, 4, 4, 4] + [4] * 3 + [4] * 5 + [2] * 4
     assert mb.oldest_versions.tolist() == [3, 4, 4, 2]

@@ -19,12 +19,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from bus.messages import ScoredGroup
 from configs.schema import LoraSection, OptimConfig, TrainerConfig
-from packer.packer import PackedSample, build_micro_batch
 from trainer.state.model import load_policy
 from policies.model_families import FAMILIES, build_family_model, family
 from trainer.forward.packed import packed_token_logprobs
 from trainer.trainer import Trainer
+from tests.scored_groups import packed_step, sample_tokens, scored
 
 VARIANTS = [(name, tied) for name in FAMILIES for tied in (True, False)]
 MESSAGES = [
@@ -86,7 +87,7 @@ def test_tokenizer_renders_the_family_template_and_eos(family_dirs, name):
         assert "<think>" not in tok.apply_chat_template(history, tokenize=False)  # old reasoning is dropped
 
 
-def _samples(path: str, model) -> list[PackedSample]:
+def _samples(path: str, model) -> list[ScoredGroup]:
     """Chat-templated prompts + random completions closed by the family's eos, own logprobs."""
     tok = AutoTokenizer.from_pretrained(path)
     eos = tok.eos_token_id
@@ -98,14 +99,9 @@ def _samples(path: str, model) -> list[PackedSample]:
         )
         completion = [int(t) for t in gen.integers(32, 127, size=3 + 2 * k)] + [eos]
         ids = prompt + completion
-        mask = np.array([False] * len(prompt) + [True] * len(completion))
         with torch.no_grad():
             lp = packed_token_logprobs(model, torch.tensor(ids), torch.tensor([len(ids)])).numpy()
-        out.append(
-            PackedSample(
-                f"g{k}/0", np.int32(ids), mask, np.where(mask, lp, 0.0).astype(np.float32), 1.0 - k, 0.5, 0, 1.0
-            )
-        )
+        out.append(scored(f"g{k}", prompt, [completion], advantages=[1.0 - k], logprobs=[lp[len(prompt) :]]))
     return out
 
 
@@ -117,14 +113,15 @@ def test_packed_logprobs_equal_an_unpacked_hf_forward(family_dirs, variant):
     assert model.config.tie_word_embeddings is variant[1]
     assert (model.lm_head.weight is model.model.embed_tokens.weight) is variant[1]
     samples = _samples(path, model)
-    input_ids = torch.tensor(np.concatenate([s.input_ids for s in samples]))
-    lens = torch.tensor([len(s.input_ids) for s in samples])
+    tokens = [sample_tokens(s)[0] for s in samples]
+    input_ids = torch.tensor(np.concatenate(tokens))
+    lens = torch.tensor([len(t) for t in tokens])
     with torch.no_grad():
         packed = packed_token_logprobs(model, input_ids, lens)
         reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
         pieces = []
-        for s in samples:
-            ids = torch.tensor(s.input_ids, dtype=torch.long)
+        for t in tokens:
+            ids = torch.tensor(t, dtype=torch.long)
             logp = torch.log_softmax(reference(input_ids=ids[None]).logits[0].float(), dim=-1)
             pieces.append(torch.cat([torch.zeros(1), logp[:-1].gather(1, ids[1:, None])[:, 0]]))
     expected = torch.cat(pieces)
@@ -139,21 +136,13 @@ def test_a_train_step_runs_and_trains_each_eos_once(family_dirs, variant):
     model = load_policy(path, LoraSection())
     samples = _samples(path, model)
     eos = AutoTokenizer.from_pretrained(path).eos_token_id
-    n_loss = int(sum(s.loss_mask.sum() for s in samples))
-    mbs = [
-        build_micro_batch(
-            [samples[i] for i in idx],
-            step=0,
-            micro_index=k,
-            num_micro_batches=2,
-            step_loss_tokens=n_loss,
-            step_samples=len(samples),
-        )
-        for k, idx in enumerate([[0, 1], [2]])
-    ]
-    for s in samples:  # the loss covers the completion, closing eos included, once
-        trained = s.input_ids[s.loss_mask]
-        assert trained[-1] == eos and int((trained == eos).sum()) == 1
+    n_loss = int(sum(s.completion_lens.sum() for s in samples))
+    mbs = packed_step(samples, [[0, 1], [2]])
+    for mb in mbs:  # the loss covers each sample's completion, closing eos included, once
+        ends = np.cumsum(mb.seq_lens)
+        for start, end in zip(ends - mb.seq_lens, ends):
+            trained = mb.input_ids[start:end][mb.loss_mask[start:end]]
+            assert trained[-1] == eos and int((trained == eos).sum()) == 1
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     m = Trainer(model, TrainerConfig(optim=OptimConfig(lr=1e-3, max_grad_norm=1e9))).step(mbs)
     assert math.isfinite(m["loss"]) and m["grad_norm"] > 0

@@ -5,6 +5,7 @@ fine-tuning and LoRA) is in test_resume.py, with the helpers here (``policy``, `
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -13,7 +14,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from configs.schema import LoraSection, OptimConfig, TrainerConfig
-from packer.packer import PackedSample, build_micro_batch
+from tests.scored_groups import packed_step, scored
 from trainer.state.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from trainer.state.model import load_policy
 from trainer.forward.packed import packed_token_logprobs
@@ -37,37 +38,20 @@ def policy(model_dir: str, lora: bool) -> torch.nn.Module:
 def step_batches(model: torch.nn.Module, num_steps: int):
     """Micro-batches of ``num_steps`` steps (a different split and sign per step), with the
     initial model's logprobs as sampler logprobs."""
-    samples = []
+    groups = []
     with torch.no_grad():
         for k, (prompt, comp, adv, rew) in enumerate(SPECS):
             ids = prompt + comp
-            mask = np.array([False] * len(prompt) + [True] * len(comp))
             lp = packed_token_logprobs(model, torch.tensor(ids), torch.tensor([len(ids)]), temperature=1.0)
-            lps = np.where(mask, lp.numpy(), 0.0).astype(np.float32)
-            samples.append(PackedSample(f"g{k}/0", np.int32(ids), mask, lps, adv, rew, 0))
-    loss_tokens = int(sum(s.loss_mask.sum() for s in samples))
+            groups.append(
+                scored(f"g{k}", prompt, [comp], advantages=[adv], rewards=[rew], logprobs=[lp.numpy()[len(prompt) :]])
+            )
     splits = [[[0, 1], [2, 3]], [[3], [0, 2, 1]], [[1, 2, 3, 0]], [[2], [1], [0, 3]], [[0, 3], [1, 2]]]
     out = []
     for step in range(num_steps):
         sign = 1.0 if step % 2 == 0 else -0.5
-        ss = [
-            PackedSample(s.sample_id, s.input_ids, s.loss_mask, s.sampler_logprobs, sign * s.advantage, s.reward, 0)
-            for s in samples
-        ]
-        split = splits[step % len(splits)]
-        out.append(
-            [
-                build_micro_batch(
-                    [ss[i] for i in idx],
-                    step=step,
-                    micro_index=m,
-                    num_micro_batches=len(split),
-                    step_loss_tokens=loss_tokens,
-                    step_samples=len(ss),
-                )
-                for m, idx in enumerate(split)
-            ]
-        )
+        signed = [dataclasses.replace(g, advantages=sign * g.advantages) for g in groups]
+        out.append(packed_step(signed, splits[step % len(splits)], step=step))
     return out
 
 

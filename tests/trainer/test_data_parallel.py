@@ -39,7 +39,7 @@ from bus.codec import encode
 from bus.messages import RunDone
 from busctl.component_table import ComponentSpec, free_port, launch_prefix
 from configs.schema import LoraSection, OptimConfig, RunConfig, TrainerConfig, dump_config, load_config
-from packer.packer import PackedSample, build_micro_batch
+from tests.scored_groups import packed_step, scored
 from trainer.state.checkpoint import save_checkpoint
 from trainer.parallel.distributed import DataParallel, decode_share, encode_share, share_micro_batches
 from trainer.state.model import load_policy
@@ -83,34 +83,29 @@ def make_micro_batches(model: torch.nn.Module, step: int) -> list:
     importance ratios (and their min/max, the KL) are not trivially 1."""
     groups = STEPS[step]
     rng = np.random.default_rng(step)
-    packed = []
+    samples, split = [], []
     for m, specs in enumerate(groups):
-        samples = []
+        split.append(list(range(len(samples), len(samples) + len(specs))))
         for k, (prompt, completion, advantage, reward) in enumerate(specs):
             ids = prompt + completion
-            mask = np.array([False] * len(prompt) + [True] * len(completion))
             with torch.no_grad():
                 lp = packed_token_logprobs(
                     model, torch.tensor(ids), torch.tensor([len(ids)]), temperature=TEMPERATURE
                 ).numpy()
-            lp = np.where(mask, lp + rng.normal(0.0, 0.05, len(ids)), 0.0).astype(np.float32)
+            lp = (lp + rng.normal(0.0, 0.05, len(ids)))[len(prompt) :]
             samples.append(
-                PackedSample(f"s{step}-{m}-{k}/0", np.int32(ids), mask, lp, advantage, reward, step, TEMPERATURE)
+                scored(
+                    f"s{step}-{m}-{k}",
+                    prompt,
+                    [completion],
+                    version=step,
+                    advantages=[advantage],
+                    rewards=[reward],
+                    logprobs=[lp],
+                    temperature=TEMPERATURE,
+                )
             )
-        packed.append(samples)
-    loss_tokens = sum(int(s.loss_mask.sum()) for ss in packed for s in ss)
-    num_samples = sum(len(ss) for ss in packed)
-    return [
-        build_micro_batch(
-            ss,
-            step=step,
-            micro_index=m,
-            num_micro_batches=len(packed),
-            step_loss_tokens=loss_tokens,
-            step_samples=num_samples,
-        )
-        for m, ss in enumerate(packed)
-    ]
+    return packed_step(samples, split, step=step)
 
 
 def trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:

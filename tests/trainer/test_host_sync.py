@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 import torch
 
+from bus.messages import ScoredGroup
 from configs.schema import LoraSection, OptimConfig, TrainerConfig
 from configs.training import LossConfig
-from packer.packer import PackedSample, build_micro_batch
 from tests.host_sync import host_syncs
+from tests.scored_groups import packed_step, scored
 from trainer.state.model import load_policy
 from trainer.trainer import Trainer
 
@@ -29,50 +30,33 @@ ALLOWED = ("trainer/observability/step_stats.py", "trainer/parallel/sharding.py"
 gradient norm (the non-finite guard decides on both)."""
 
 
-def grpo_samples(vocab: int, *, teacher: bool, seed: int = 0) -> list[PackedSample]:
+def grpo_samples(vocab: int, *, teacher: bool, seed: int = 0) -> list[ScoredGroup]:
     """Two groups of 4 completions sharing their group's prompt (so shared prefixes apply), with
     mixed policy versions (lags 0 and 1) and per-token sampler logprobs."""
     rng = np.random.default_rng(seed)
     out = []
     for g in range(2):
-        prompt = rng.integers(0, vocab, 6)
-        for j in range(4):
-            ids = np.concatenate([prompt, rng.integers(0, vocab, int(rng.integers(2, 7)))]).astype(np.int32)
-            mask = np.arange(len(ids)) >= len(prompt)
-            lps = np.where(mask, rng.uniform(-6, -4, len(ids)), 0.0).astype(np.float32)
-            versions = np.full(len(ids), 1 - (j % 2), np.int64)
-            out.append(
-                PackedSample(
-                    f"g{g}/{j}",
-                    ids,
-                    mask,
-                    lps,
-                    float(rng.choice([-1.0, 1.0])),
-                    0.5,
-                    int(versions.min()),
-                    1.0,
-                    teacher_logprobs=np.where(mask, lps - 0.1, 0.0).astype(np.float32) if teacher else None,
-                    token_versions=versions,
-                )
+        prompt = rng.integers(0, vocab, 6).tolist()
+        comps = [rng.integers(0, vocab, int(rng.integers(2, 7))).tolist() for _ in range(4)]
+        lps = [rng.uniform(-6, -4, len(c)).astype(np.float32) for c in comps]
+        out.append(
+            scored(
+                f"g{g}",
+                prompt,
+                comps,
+                version=[1 - (j % 2) for j in range(4)],
+                advantages=rng.choice([-1.0, 1.0], 4).tolist(),
+                logprobs=lps,
+                **({"teacher_logprobs": np.concatenate(lps) - np.float32(0.1)} if teacher else {}),
             )
+        )
     return out
 
 
-def step_batches(ss: list[PackedSample], parts: int):
-    """The samples as one step of ``parts`` micro-batches (step 1)."""
-    loss_tokens = int(sum(s.loss_mask.sum() for s in ss))
-    split = np.array_split(np.arange(len(ss)), parts)
-    return [
-        build_micro_batch(
-            [ss[i] for i in idx],
-            step=1,
-            micro_index=k,
-            num_micro_batches=parts,
-            step_loss_tokens=loss_tokens,
-            step_samples=len(ss),
-        )
-        for k, idx in enumerate(split)
-    ]
+def step_batches(groups: list[ScoredGroup], parts: int):
+    """The groups' samples as one step of ``parts`` micro-batches (step 1)."""
+    n = sum(g.group_size for g in groups)
+    return packed_step(groups, np.array_split(np.arange(n), parts), step=1, teacher=groups[0].teacher_logprobs.size > 0)
 
 
 LOSSES = {
@@ -101,7 +85,7 @@ def test_a_step_reads_the_device_back_a_fixed_number_of_times(model_dir, loss, s
             metrics = trainer.step(step_batches(ss, parts))
         found[parts] = spy.found
         assert metrics["num_micro_batches"] == parts and metrics["skipped"] == 0.0
-        assert metrics["num_loss_tokens"] == sum(int(s.loss_mask.sum()) for s in ss)
+        assert metrics["num_loss_tokens"] == sum(int(g.completion_lens.sum()) for g in ss)
         assert 0 < metrics["onpolicy_tokens"] < metrics["num_loss_tokens"]  # lags 0 and 1 both present
     outside = [
         (what, where) for what, where in found[3] if not where.startswith(tuple(f"{_root()}/{a}" for a in ALLOWED))

@@ -1,7 +1,7 @@
 """Micro-batch invariance: one optimizer step's gradient does not depend on how its samples are
 split into micro-batches (issue 4, item 4), for every loss type and aggregation.
 
-Real pieces: the tiny Qwen2 of `conftest.py` in float64, the packer's `build_micro_batch`, the
+Real pieces: the tiny Qwen2 of `conftest.py` in float64, the packer's `fill_step`, the
 trainer's `Trainer.step` (packed chunked forward, `policy_loss`, gradient accumulation). The
 sampler's logprobs are the model's own plus noise, so importance ratios spread around 1 and the
 masks and clips actually fire (the test checks that they do, else it would prove little).
@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from configs.schema import LoraSection, LossConfig, OptimConfig, TrainerConfig
-from packer.packer import PackedSample, build_micro_batch
 from packer.packing import plan_step_micro_batches
+from tests.scored_groups import packed_step, scored
 from trainer.state.model import load_policy
 from trainer.forward.packed import packed_token_logprobs
 from trainer.trainer import Trainer
@@ -68,33 +68,24 @@ def step_samples(model64):
         assert own_t.dtype == torch.float64  # the whole path runs in float64
         own = own_t.numpy()
         noisy = np.where(mask, own + rng.normal(0.0, 0.3, len(ids)), 0.0)
-        sid = f"g{k // 4}/{k % 4}"
-        samples.append(PackedSample(sid, np.int32(ids), mask, noisy.astype(np.float32), float(rng.normal()), 0.5, 0))
-        teacher[sid] = np.where(mask, own + rng.normal(0.0, 0.5, len(ids)), 0.0).astype(np.float32)
+        gid = f"g{k}"
+        comp = ids[len(prompt) :]
+        samples.append(scored(gid, prompt, [comp], advantages=[rng.normal()], logprobs=[noisy[mask]]))
+        teacher[f"{gid}/0"] = np.where(mask, own + rng.normal(0.0, 0.5, len(ids)), 0.0).astype(np.float32)
     return samples, teacher
 
 
 def micro_batches(samples, teacher, bins):
-    loss_tokens = int(sum(s.loss_mask.sum() for s in samples))
-    loss_samples = sum(1 for s in samples if s.loss_mask.any())
-    out = []
-    for k, idx in enumerate(bins):
-        mb = build_micro_batch(
-            [samples[i] for i in idx],
-            step=0,
-            micro_index=k,
-            num_micro_batches=len(bins),
-            step_loss_tokens=loss_tokens,
-            step_samples=loss_samples,
-        )
-        out.append(dataclasses.replace(mb, teacher_logprobs=np.concatenate([teacher[i] for i in mb.sample_ids])))
-    return out
+    return [
+        dataclasses.replace(mb, teacher_logprobs=np.concatenate([teacher[i] for i in mb.sample_ids]))
+        for mb in packed_step(samples, bins)
+    ]
 
 
 def splits(samples) -> dict[str, list[list[int]]]:
     """The same step as one micro-batch, as best-fit packed bins, and as a shuffled 5-way split."""
     n = len(samples)
-    lengths = [len(s.input_ids) for s in samples]
+    lengths = [len(g.prompt_ids) + int(g.completion_lens.sum()) for g in samples]
     packed = [b for b in plan_step_micro_batches(lengths, 24, 1)[0] if b]
     order = np.random.default_rng(3).permutation(n).tolist()
     return {"one": [list(range(n))], "packed": packed, "shuffled": [order[i::5] for i in range(5)]}

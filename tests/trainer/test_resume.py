@@ -24,7 +24,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import zmq
@@ -37,8 +36,9 @@ from bus.courier import Courier
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
 from configs.schema import RunConfig, dump_config
-from packer.packer import PackedSample, build_micro_batch
+from packer.assemble import fill_micro_batch
 from tests.outcomes_sink import OutcomesSink
+from tests.scored_groups import scored
 from tests.weight_peer import WeightPeer
 from tests.trainer.test_checkpoint import CFG, assert_same_optimizer_state, policy, step_batches, weights
 from trainer.state.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
@@ -107,14 +107,10 @@ def test_resume_is_bit_identical_to_the_uninterrupted_run(model_dir, tmp_path, l
 
 def mb(step: int, index: int, count: int, groups: list[str]) -> MicroBatch:
     """A micro-batch with one 2-token sample per group: sample ids ``{group}/{index}``."""
-    samples = [
-        PackedSample(
-            f"{g}/{index}", np.array([1, 2], np.int32), np.array([False, True]), np.zeros(2, np.float32), 1.0, 1.0, step
-        )
-        for g in groups
-    ]
-    return build_micro_batch(
-        samples,
+    return fill_micro_batch(
+        [scored(g, [1], [[2]] * (index + 1), version=step) for g in groups],
+        [(k, index) for k in range(len(groups))],
+        teacher=False,
         step=step,
         micro_index=index,
         num_micro_batches=count,

@@ -22,12 +22,13 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
+from bus.messages import ScoredGroup
 from configs.schema import LoraSection, OptimConfig, TrainerConfig
-from packer.packer import PackedSample, build_micro_batch
 from trainer.state.model import load_policy
 from trainer.forward.packed import packed_token_logprobs
 from trainer.observability.step_keys import undocumented
 from trainer.trainer import Trainer
+from tests.scored_groups import packed_step, sample_tokens, scored
 
 # (prompt tokens, completion tokens, advantage, reward)
 SPECS = [
@@ -54,34 +55,37 @@ def own_logprobs(model: torch.nn.Module, ids: list[int], temperature: float = 1.
     return lp.numpy().astype(np.float32)
 
 
-def samples(model, specs=SPECS, version: int = 0, temperature: float = 1.0) -> list[PackedSample]:
+def samples(model, specs=SPECS, version: int = 0, temperature: float = 1.0) -> list[ScoredGroup]:
+    """One single-sample group per spec, with the model's own logprobs as sampler logprobs."""
     out = []
     for k, (prompt, comp, adv, rew) in enumerate(specs):
-        ids = prompt + comp
-        mask = np.array([False] * len(prompt) + [True] * len(comp))
-        lps = np.where(mask, own_logprobs(model, ids, temperature), 0.0).astype(np.float32)
-        out.append(PackedSample(f"g{k}/0", np.int32(ids), mask, lps, adv, rew, version, temperature))
+        lps = own_logprobs(model, prompt + comp, temperature)[len(prompt) :]
+        out.append(
+            scored(
+                f"g{k}",
+                prompt,
+                [comp],
+                version=version,
+                advantages=[adv],
+                rewards=[rew],
+                logprobs=[lps],
+                temperature=temperature,
+            )
+        )
     return out
 
 
-def micro_batches(ss: list[PackedSample], split: list[list[int]], step: int = 0):
-    loss_tokens = int(sum(s.loss_mask.sum() for s in ss))
-    loss_samples = sum(1 for s in ss if s.loss_mask.any())
-    return [
-        build_micro_batch(
-            [ss[i] for i in idx],
-            step=step,
-            micro_index=k,
-            num_micro_batches=len(split),
-            step_loss_tokens=loss_tokens,
-            step_samples=loss_samples,
-        )
-        for k, idx in enumerate(split)
-    ]
+def micro_batches(ss: list[ScoredGroup], split: list[list[int]], step: int = 0):
+    return packed_step(ss, split, step=step)
 
 
-def completion_logprob(model, s: PackedSample) -> float:
-    return float(own_logprobs(model, s.input_ids.tolist())[s.loss_mask].sum())
+def completion_logprob(model, s: ScoredGroup) -> float:
+    ids, mask = sample_tokens(s)
+    return float(own_logprobs(model, ids.tolist())[mask].sum())
+
+
+def advantage(s: ScoredGroup) -> float:
+    return float(s.advantages[0])
 
 
 def trainable(model) -> dict[str, torch.Tensor]:
@@ -98,7 +102,7 @@ def test_on_policy_step_metrics_and_update(model_dir, lora):
     before = trainable(model)
     # by hand: ratio 1 -> loss = -sum_samples A_k * sum_completion lp / N, N = 4 + 3 + 2 + 5 = 14
     n_loss = 14
-    loss_by_hand = -sum(s.advantage * float(s.sampler_logprobs[s.loss_mask].sum()) for s in ss) / n_loss
+    loss_by_hand = -sum(advantage(s) * float(s.sampler_logprobs.sum()) for s in ss) / n_loss
     m = trainer.step(mbs)
     assert m["loss"] == pytest.approx(loss_by_hand, rel=1e-5)
     assert undocumented(m) == []  # every key has its row in trainer.observability.step_keys.STEP_KEYS
@@ -136,7 +140,7 @@ def test_step_moves_logprobs_in_the_advantage_direction(model_dir, lora):
     # both in one step: the A-weighted sum of completion logprobs (the objective) goes up
     model = copy.deepcopy(base)
     ss = samples(model, SPECS[:2])
-    objective = lambda: sum(s.advantage * completion_logprob(model, s) for s in ss)
+    objective = lambda: sum(advantage(s) * completion_logprob(model, s) for s in ss)
     before = objective()
     Trainer(model, trainer_cfg(lr=1e-4)).step(micro_batches(ss, [[0, 1]]))
     assert objective() > before
@@ -231,7 +235,7 @@ def test_reward_terms_step_means(model_dir):
         {"gsm8k": 1.0, "format": 0.0},
         {"gsm8k": 0.0},
     ]
-    ss = [dataclasses.replace(s, reward_terms=t) for s, t in zip(samples(model), terms)]
+    ss = [dataclasses.replace(s, reward_terms={k: [v] for k, v in t.items()}) for s, t in zip(samples(model), terms)]
     mbs = micro_batches(ss, [[0, 1, 2], [3]])
     assert mbs[0].reward_terms == {"format": [0.5, 1.0, 0.0], "gsm8k": [1.0, 0.0, 1.0]}
     assert mbs[1].reward_terms == {"gsm8k": [0.0]}
@@ -250,11 +254,9 @@ def test_off_policy_samples_are_not_counted_as_on_policy(model_dir):
 
 def test_zero_length_completion_contributes_nothing(model_dir):
     model = policy(model_dir, lora=False)
-    ss = samples(model, SPECS[:1]) + [
-        PackedSample("empty/0", np.int32([5, 6, 7]), np.zeros(3, bool), np.zeros(3, np.float32), 3.0, 0.0, 0)
-    ]
+    ss = samples(model, SPECS[:1]) + [scored("empty", [5, 6, 7], [[]], advantages=[3.0], rewards=[0.0])]
     m = Trainer(model, trainer_cfg()).step(micro_batches(ss, [[0, 1]]))
-    lp = float(ss[0].sampler_logprobs[ss[0].loss_mask].sum())
+    lp = float(ss[0].sampler_logprobs.sum())
     assert m["loss"] == pytest.approx(-1.0 * lp / 4, rel=1e-5)  # only sample 0's 4 tokens count
     assert m["num_loss_tokens"] == 4 and m["num_samples"] == 2
 
@@ -289,7 +291,7 @@ def test_huge_sampler_logprobs_are_masked_not_skipped(model_dir):
     finite and taken (the guard is for what the masks cannot catch)."""
     model = policy(model_dir, lora=False)
     ss = samples(model)
-    ss[1] = dataclasses.replace(ss[1], sampler_logprobs=np.where(ss[1].loss_mask, 1e30, 0.0).astype(np.float32))
+    ss[1] = dataclasses.replace(ss[1], sampler_logprobs=np.full_like(ss[1].sampler_logprobs, 1e30))
     before = skipped_count("non_finite_loss") + skipped_count("non_finite_grad")
     m = Trainer(model, trainer_cfg()).step(micro_batches(ss, [[0, 1], [2, 3]]))
     assert m["skipped"] == 0.0 and m["masked_frac"] > 0
@@ -302,7 +304,7 @@ def test_non_finite_loss_skips_the_step(model_dir, lora, caplog):
     model = policy(model_dir, lora)
     ss = samples(model)
     # a finite but huge advantage (valid on the wire) overflows coeff * train_logprobs to inf in float32
-    bad = ss[:1] + [dataclasses.replace(ss[1], advantage=3e38)] + ss[2:]
+    bad = ss[:1] + [dataclasses.replace(ss[1], advantages=np.float32([3e38]))] + ss[2:]
     trainer = Trainer(model, trainer_cfg())
     weights, before = all_weights(model), skipped_count("non_finite_loss")
     with caplog.at_level(logging.WARNING, logger="trainer.trainer"), warnings.catch_warnings():
