@@ -8,7 +8,27 @@ import math
 import re
 from pathlib import Path
 
-from busctl.cpu_bf16 import bf16_matmul_ratio, cpu_bf16_warning, cpu_flags, warning_text
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from busctl.cpu_bf16 import PROBE_SHAPE, bf16_matmul_ratio, cpu_bf16_warning, cpu_flags, warning_text
+
+ROWS, INNER, COLS = PROBE_SHAPE
+
+
+class MatmulLog(TorchDispatchMode):
+    """Records ``(dtype, operand shapes)`` of every ``aten.mm`` run inside it (the probe's matmuls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[torch.dtype, tuple]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.mm.default:
+            a, b = args[0], args[1]
+            assert a.dtype == b.dtype, (a.dtype, b.dtype)
+            self.calls.append((a.dtype, (tuple(a.shape), tuple(b.shape))))
+        return func(*args, **(kwargs or {}))
 
 
 def test_flags_are_read_from_cpuinfo(tmp_path: Path):
@@ -28,16 +48,24 @@ def test_warning_names_the_ratio_and_the_missing_units():
 
 
 def test_probe_measures_a_real_ratio():
-    ratio = bf16_matmul_ratio(repeats=3)
+    with MatmulLog() as log:
+        ratio = bf16_matmul_ratio(repeats=3)
     assert math.isfinite(ratio) and ratio > 0
+    probe = ((ROWS, INNER), (INNER, COLS))
+    # a warm-up and 3 timed matmuls in float32, then the same in bfloat16
+    assert log.calls == [(torch.float32, probe)] * 4 + [(torch.bfloat16, probe)] * 4, log.calls
 
 
 def test_only_a_bf16_cpu_trainer_is_probed(monkeypatch):
-    assert cpu_bf16_warning("float32", "cpu") is None
-    assert cpu_bf16_warning("bfloat16", "cuda") is None
     monkeypatch.setenv("RLBUS_CPU_BF16_WARN_RATIO", "0")  # any measured ratio is over 0: the warning shows
-    text = cpu_bf16_warning("bfloat16", "cpu")
+    with MatmulLog() as log:
+        assert cpu_bf16_warning("float32", "cpu") is None
+        assert cpu_bf16_warning("bfloat16", "cuda") is None
+    assert log.calls == []  # no probe ran
+    with MatmulLog() as log:
+        text = cpu_bf16_warning("bfloat16", "cpu")
     assert text is not None
+    assert [dtype for dtype, _ in log.calls].count(torch.bfloat16) > 1  # the probe ran, in bfloat16 too
     assert float(re.search(r"took ([0-9.]+)x as long", text).group(1)) > 0
     monkeypatch.setenv("RLBUS_CPU_BF16_WARN_RATIO", "1e9")
     assert cpu_bf16_warning("bfloat16", "cpu") is None
