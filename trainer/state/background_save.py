@@ -1,16 +1,8 @@
 """One checkpoint save at a time on a background thread, so file writes and fsyncs leave the
-trainer's hot path.
-
-The trainer copies the state first (:func:`trainer.state.checkpoint.snapshot_state`, on its own thread:
-the next step changes the weights), then :meth:`BackgroundSave.start` writes the copies while the
-next step trains. The queue is bounded at one save: :meth:`start` refuses while one is in flight,
-and the caller waits (:meth:`wait`) for the previous save before starting the next.
-
-Invariants: :meth:`finished` and :meth:`wait` hand each completed save back exactly once, on the
-caller's thread, and re-raise the save's exception there (a failed save crashes the trainer as a
-save on the trainer thread would). The caller releases a step's custody only once its save came
-back, so a crash during a background save loses nothing: that checkpoint is incomplete (ignored
-by :func:`trainer.state.checkpoint.latest_checkpoint`) and its steps were never released.
+trainer's hot path: the trainer snapshots the state on its own thread
+(:func:`trainer.state.checkpoint.snapshot_state`), then :meth:`BackgroundSave.start` writes it while
+the next step trains. Each completed save is handed back once, on the caller's thread, with its
+exception re-raised there; the caller releases a step only once its save came back.
 """
 
 from __future__ import annotations

@@ -1,51 +1,11 @@
 """Trainer checkpoints: everything needed to resume training bit-identically after a kill.
 
-Layout of one checkpoint, ``DIR/step_{N:06d}/`` (``N`` = optimizer steps completed = the policy
-version of the saved weights; a resumed trainer trains step ``N`` next)::
-
-    model.safetensors ...      full fine-tuning: the model's ``save_pretrained`` (safetensors,
-    config.json                  config.json, generation_config.json)
-    adapter_model.safetensors  LoRA: the peft adapter only (``save_pretrained``); the frozen base
-    adapter_config.json          comes from ``model.path`` again on resume
-    tokenizer.json ...         the tokenizer and chat template of the model's source directory
-                                 (:mod:`trainer.state.hf_files`): a full checkpoint is a complete
-                                 Hugging Face model directory (``AutoModelForCausalLM``,
-                                 ``AutoTokenizer``, vLLM, a new run's ``model.path``), a LoRA one a
-                                 complete peft adapter directory (``busctl export --merge-lora``)
-    optimizer.pt               ``torch.save(optimizer.state_dict())`` (AdamW moments, step counts,
-                                 the learning rate of each param group)
-    sharded/                   instead of the weights and ``optimizer.pt`` with ``trainer.parallel:
-                                 fsdp``: model and optimizer shards of every rank,
-                                 torch.distributed.checkpoint (written by ``write_state``,
-                                 :mod:`trainer.parallel.sharding`); rank 0 still writes
-                                 config.json, generation_config.json and the tokenizer beside it,
-                                 and ``busctl export`` reads the shards on one process into a
-                                 complete model directory (:mod:`busctl.export`)
-    scheduler.pt               ``torch.save(scheduler.state_dict())``, when an LR scheduler is passed
-                                 (the trainer always passes its ``trainer.optim`` schedule,
-                                 :mod:`trainer.optim.lr_schedule`: steps taken and peak LRs; also
-                                 beside ``sharded/``, written by rank 0: it is the same on every rank)
-    rng.json                   torch (CPU + every CUDA device), numpy and python RNG states
-    meta.json                  {"format", "step", "kind": "full"|"lora", "scheduler": bool,
-                                  "sharded": bool, "extra": {...}} (``extra``: the caller's resume state, e.g. the
-                                  trainer's policy version and weight method)
-    DONE                       written last: the checkpoint is complete
-
-Invariants:
-- Atomic: a checkpoint is written into a hidden temp directory next to it and renamed into place
-  only after ``DONE`` and every file are fsynced, so a kill at any moment leaves either the whole
-  checkpoint or nothing under a ``step_*`` name. :func:`latest_checkpoint` also ignores any
-  ``step_*`` directory without ``DONE``.
-- ``optimizer.pt`` and ``scheduler.pt`` are the only pickle-based files. They are our own files,
-  written by this trainer into its own run directory and never received from the bus; they are
-  still loaded with ``weights_only=True`` (tensors and plain containers only, no code).
-  Everything else is safetensors or JSON.
-- The last ``keep`` complete checkpoints are kept; older ones and leftovers of interrupted saves
-  are deleted after each save.
-- A save may run while training goes on: :func:`snapshot_state` copies, on the training thread,
-  what changes as training goes on (trainable weights, optimizer and scheduler state, RNG states), and
-  ``save_checkpoint(..., state=snapshot)`` writes those copies, e.g. on a background thread
-  (:mod:`trainer.state.background_save`); frozen weights (LoRA's base) are not copied, nothing changes them.
+``DIR/step_{N:06d}/`` (``N``: optimizer steps done, the saved weights' version) holds the weights
+(``save_pretrained``; LoRA: the adapter only) with the tokenizer (:mod:`trainer.state.hf_files`),
+``optimizer.pt``, ``scheduler.pt``, ``rng.json``, ``meta.json`` (step, kind, the caller's ``extra``)
+and ``DONE``, written last; with fsdp ``sharded/`` replaces the weights and ``optimizer.pt``. A save
+goes to a hidden temp directory renamed into place once fsynced, so a kill leaves all or nothing;
+the last ``keep`` stay. The ``.pt`` files are our own, still loaded with ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -122,9 +82,9 @@ def snapshot_state(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
 ) -> CheckpointState:
-    """Copy what the next optimizer steps would change, so :func:`save_checkpoint` can write it
-    later (on another thread) exactly as it is now. Costs one copy of the trainable weights and
-    of the optimizer state (on the model's device)."""
+    """Copy what the next optimizer steps would change (trainable weights, optimizer and scheduler
+    state, RNG), so :func:`save_checkpoint` can write it later on another thread; frozen weights are
+    kept by reference."""
     now = _current_state(model, optimizer, scheduler)
     trainable = {p.data_ptr() for p in model.parameters() if p.requires_grad}
     clones: dict[int, torch.Tensor] = {}
@@ -203,10 +163,7 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> list[Path]:
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
-    """The complete checkpoint with the highest step under ``directory``, or None.
-
-    Directories without ``DONE`` (a save killed before completing) are ignored.
-    """
+    """The complete checkpoint (with ``DONE``) of the highest step under ``directory``, or None."""
     found = list_checkpoints(directory)
     return found[-1] if found else None
 
@@ -223,32 +180,23 @@ def save_checkpoint(
     state: CheckpointState | None = None,
     write_state: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Write ``directory/step_{step:06d}/`` atomically and prune to the last ``keep`` checkpoints.
+    """Write ``directory/step_{step:06d}/`` atomically (replacing one of the same step) and prune
+    to the last ``keep`` checkpoints; returns its path.
 
     Args:
         directory: checkpoint root (created if missing); one trainer writes into it.
         step: optimizer steps completed (the policy version of ``model``'s weights), >= 0.
         model: the training model; a peft model saves its adapter only.
-        optimizer: its ``state_dict()`` is saved.
-        extra: JSON-able caller state (data position, policy version, ...), returned by
-            :func:`load_checkpoint`; must not use the key ``"step"``.
+        optimizer, scheduler: their ``state_dict()`` is saved (``scheduler``: None without one).
+        extra: JSON-able caller state, returned by :func:`load_checkpoint`; no key ``"step"``.
         keep: complete checkpoints to keep, >= 1 (this one included).
-        scheduler: the LR scheduler, if the trainer uses one; its ``state_dict()`` is saved.
-        state: a :func:`snapshot_state` of ``model``, ``optimizer`` and ``scheduler`` to write
-            instead of their current state (then only ``model``'s config and kind are read
-            here, so training may go on meanwhile); None: their state now.
-        write_state: writes the model and optimizer state into the directory it is given (the
-            temp directory) instead of ``save_pretrained`` + ``optimizer.pt``: a sharded save
-            every rank joins (:func:`trainer.parallel.sharding.save_sharded`, under ``sharded/``); then
-            ``state`` must be None (``scheduler``'s state, the same on every rank, is saved as it is now)
-            and ``model``'s config, generation config and tokenizer are written beside the shards.
-
-    Returns:
-        The checkpoint directory. An existing checkpoint of the same step is replaced.
+        state: a :func:`snapshot_state` to write instead of the state now (training may go on).
+        write_state: writes model and optimizer state into the directory it gets, instead of
+            ``save_pretrained`` and ``optimizer.pt`` (a sharded save every rank joins); no ``state``.
 
     Raises:
         ValueError: ``step`` < 0, ``keep`` < 1, ``extra`` has ``"step"`` or is not JSON-able, or
-            both ``write_state`` and ``state`` are given.
+            both ``write_state`` and ``state``.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
@@ -329,28 +277,21 @@ def load_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     read_state: Callable[[Path], None] | None = None,
 ) -> dict[str, Any]:
-    """Restore weights, optimizer (and LR scheduler) state and RNG states from a checkpoint saved
-    by :func:`save_checkpoint`.
+    """Restore weights, optimizer (and LR scheduler) and RNG states from :func:`save_checkpoint`'s
+    ``path``; returns ``{"step": N, **extra}``.
 
     Args:
-        path: a complete checkpoint directory (e.g. from :func:`latest_checkpoint`).
-        model: a freshly built model of the same architecture and kind (for LoRA: the base model
-            from ``model.path`` wrapped with the same adapter config); weights are copied in place.
-        optimizer: built over ``model``'s trainable parameters in the same order
-            (:func:`trainer.trainer.build_optimizer`); its state is replaced.
+        path: a complete checkpoint directory.
+        model: a fresh model of the same architecture and kind (LoRA: the base with the same
+            adapter config); weights are copied in place.
+        optimizer: over ``model``'s trainable parameters in the same order; its state is replaced.
         scheduler: the LR scheduler over ``optimizer``, exactly when the checkpoint has one.
-        read_state: loads the model and optimizer state from the checkpoint directory it is given,
-            exactly when the checkpoint is sharded (``write_state`` of :func:`save_checkpoint`;
-            :func:`trainer.parallel.sharding.load_sharded`, a collective).
-
-    Returns:
-        ``{"step": N, **extra}``.
+        read_state: loads a sharded checkpoint's state (:func:`trainer.parallel.sharding.load_sharded`),
+            exactly when the checkpoint is sharded.
 
     Raises:
-        ValueError: ``path`` is not a complete checkpoint, was written by another format, or
-            does not match ``model`` (full vs LoRA, missing or unexpected weights) or
-            ``scheduler`` (one passed but none saved, or the other way round), or is sharded
-            exactly when ``read_state`` is None (a ``trainer.parallel`` other than the saving run's).
+        ValueError: not a complete checkpoint, another format, or a mismatch with ``model`` (full vs
+            LoRA, weights), ``scheduler`` or ``read_state``.
     """
     path = Path(path)
     meta = _read_meta(path)
@@ -365,13 +306,15 @@ def load_checkpoint(
     if saved_scheduler != (scheduler is not None):
         raise ValueError(
             f"{path} {'has' if saved_scheduler else 'has no'} LR scheduler state but "
-            f"{'none' if scheduler is None else 'a scheduler'} was passed; build the trainer as in the run that wrote it"
+            f"{'none' if scheduler is None else 'a scheduler'} was passed; "
+            "build the trainer as in the run that wrote it"
         )
     sharded = bool(meta.get("sharded", False))
     if sharded != (read_state is not None):
         raise ValueError(
-            f"{path} holds a {'sharded (fsdp)' if sharded else 'one-file (one rank or ddp)'} checkpoint but the trainer "
-            f"is {'sharded' if read_state is not None else 'not sharded'}; set trainer.parallel as in the run that wrote it"
+            f"{path} holds a {'sharded (fsdp)' if sharded else 'one-file (one rank or ddp)'} checkpoint but the "
+            f"trainer is {'sharded' if read_state is not None else 'not sharded'}; "
+            "set trainer.parallel as in the run that wrote it"
         )
     if read_state is not None:
         read_state(path)
@@ -388,8 +331,7 @@ def load_checkpoint(
 
 
 def has_scheduler_state(path: str | os.PathLike[str]) -> bool:
-    """Whether checkpoint ``path`` holds an LR scheduler's state (``scheduler.pt``; checkpoints
-    written before the trainer saved its schedule have none).
+    """Whether checkpoint ``path`` holds an LR scheduler's state (older checkpoints have none).
 
     Raises:
         ValueError: ``path`` is not a complete checkpoint.

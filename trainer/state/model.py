@@ -1,12 +1,7 @@
-"""Policy loading for the trainer: full fine-tuning or a peft LoRA adapter, and the weights that
-the producers receive.
-
-Producers always run plain (merged) weights with Hugging Face parameter names, whatever the
-trainer trains: with LoRA, :func:`policy_state_dict` merges the adapter into a copy of each
-adapted weight (``W + scale * B @ A``, Hu et al. 2021, eq. 3) without touching the training model.
-Or the trainer sends only the adapter, :func:`lora_adapter_state_dict` (the "lora" payload of
-``broadcaster.manifest``), and the producers do the same merge on their side
-(``broadcaster.lora``).
+"""Policy loading for the trainer (full fine-tuning or a peft LoRA adapter) and the weights the
+producers receive: always plain Hugging Face weights, a LoRA adapter merged in
+(:func:`policy_state_dict`), or the adapter alone (:func:`lora_adapter_state_dict`), which the
+producers merge on their side (:mod:`broadcaster.lora`).
 """
 
 from __future__ import annotations
@@ -23,9 +18,8 @@ from configs.schema import LoraSection
 
 
 def load_policy(path: str, lora: LoraSection, *, attn_implementation: str = "sdpa") -> torch.nn.Module:
-    """Load the HF causal LM at ``path`` in float32, wrapped with a LoRA adapter if enabled.
-
-    ``path``: a model directory or a hub id in the local HF cache (:func:`configs.model_path.resolve_model_path`).
+    """Load the HF causal LM at ``path`` (a directory, or a hub id in the local HF cache) in
+    float32, in train mode, wrapped with a LoRA adapter if enabled.
 
     Raises:
         FileNotFoundError: ``path`` is neither a model directory nor in the local HF cache.
@@ -56,12 +50,9 @@ def base_model(model: torch.nn.Module) -> PreTrainedModel:
 
 @torch.no_grad()
 def policy_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Full policy weights with HF names, LoRA deltas merged in: ``{name: tensor}``, float32.
-
-    For a plain model this is its ``state_dict()`` (tensors shared, not copied). For a peft
-    model each adapted layer's weight is ``W + scaling * B @ A`` (computed by peft's
-    ``get_delta_weight``); adapter tensors themselves are left out.
-    """
+    """Full policy weights with HF names, float32: a plain model's ``state_dict()`` (shared, not
+    copied); for a peft model each adapted weight is ``W + scaling * B @ A`` (Hu et al. 2021, eq. 3;
+    peft's ``get_delta_weight``), the adapter tensors left out."""
     if not isinstance(model, PeftModel):
         return dict(model.state_dict())
     out: dict[str, torch.Tensor] = {}
@@ -84,19 +75,15 @@ def policy_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def lora_adapter_state_dict(
     model: torch.nn.Module, *, include: Callable[[str], bool] | None = None
 ) -> dict[str, torch.Tensor]:
-    """The "lora" weight payload of a peft model (``broadcaster.manifest``): per adapted linear
-    module ``M`` (HF module name) ``M.lora_A.weight`` ``[r, in]``, ``M.lora_B.weight`` ``[out, r]``
-    (the live adapter tensors, not copies) and ``M.lora_scaling`` ``[]`` (peft's ``scaling``,
-    lora_alpha / r, in B's dtype), so that ``W = W_base + (B @ A) * scaling`` (Hu et al. 2021,
-    eq. 3; peft's ``get_delta_weight``) rebuilds :func:`policy_state_dict`'s merged weight.
-
-    ``include``: base-model weights (HF names, e.g. ``broadcaster.noise.is_rmsnorm_weight``) to
-    send whole alongside the adapter; they follow the adapter entries, in state-dict order.
+    """The "lora" payload of a peft model (:mod:`broadcaster.manifest`): per adapted Linear ``M``,
+    ``M.lora_A.weight`` ``[r, in]``, ``M.lora_B.weight`` ``[out, r]`` (live tensors) and
+    ``M.lora_scaling`` ``[]`` (alpha / r, in B's dtype), so ``W = W_base + (B @ A) * scaling`` (Hu et
+    al. 2021, eq. 3) rebuilds :func:`policy_state_dict`'s weight. ``include``: base weights (HF
+    names) sent whole after the adapter entries.
 
     Raises:
-        ValueError: not a peft model, or an adapted layer this payload cannot express (several
-            active adapters, DoRA, a LoRA bias, ``fan_in_fan_out``, a non-Linear base layer):
-            send :func:`policy_state_dict` (merged weights) instead.
+        ValueError: not a peft model, or a layer this payload cannot express (several active
+            adapters, DoRA, a LoRA bias, ``fan_in_fan_out``, a non-Linear base).
     """
     if not isinstance(model, PeftModel):
         raise ValueError(

@@ -1,26 +1,11 @@
-"""The trainer's custody bookkeeping: which micro-batches it holds, trained, and may release.
+"""The trainer's custody bookkeeping, without sockets: which micro-batches it holds, trained, and may
+release (the rule: docs/ARCHITECTURE.md, "The trainer process").
 
-Custody rule (``docs/DELIVERY.md``): the trainer releases a micro-batch (``Inbox.done``) only once
-a checkpoint covers its step, so the packer keeps every step a restarted trainer might have to
-train again. :class:`StepLedger` is that rule without sockets; :mod:`trainer.proc` feeds it what
-``batches`` delivers and acts on what it returns.
-
-Steps (0-based) fall into three ranges, with ``covered <= next_step``::
-
-    [0, covered)          covered by the last checkpoint: a micro-batch of these steps that
-                          arrives again (the packer re-sends what was never released) is
-                          released at once and not trained;
-    [covered, next_step)  trained, not yet covered: only their message ids and group ids are
-                          kept (no tensors) until :meth:`StepLedger.cover`;
-    [next_step, ...)      buffered until complete; a step's micro-batches may arrive in any
-                          order and ahead of the step being trained.
-
-Memory: at most ``checkpoint_interval`` steps of ids wait in the middle range here; their
-payloads wait in the packer's outbox (``Outbox.unfinished``), so the packer holds up to
-``checkpoint_interval`` steps of micro-batches plus those not yet trained.
-
-Duplicates by message id are dropped by ``bus.inbox.Inbox`` already; the ledger still takes
-a repeated id without double counting (its ids are sets), so it does not depend on that.
+Steps fall into three ranges, ``covered <= next_step``: ``[0, covered)`` is covered by the last
+checkpoint (a re-sent micro-batch of these is released at once, untrained); ``[covered,
+next_step)`` is trained, its message and group ids kept until :meth:`StepLedger.cover`;
+``[next_step, ...)`` is buffered until complete (micro-batches come in any order, ahead of the step
+trained). A repeated message id counts once.
 """
 
 from __future__ import annotations
@@ -51,12 +36,8 @@ def _group_ids(sample_ids: list[str]) -> list[str]:
 
 @dataclass
 class CoveredStep:
-    """A trained step that a checkpoint now covers: release ``message_ids``, announce ``group_ids``.
-
-    Fields:
-        step: 0-based optimizer step. message_ids: ids of its micro-batches (``"{step}:{i}"``),
-        every id received for it. group_ids: distinct group ids of its samples, first-seen order.
-    """
+    """A trained step a checkpoint now covers: release ``message_ids``, announce ``group_ids``
+    (distinct, first-seen order)."""
 
     step: int
     message_ids: list[str]
@@ -92,12 +73,11 @@ class StepLedger:
         self._uncovered: dict[int, tuple[set[str], list[str]]] = {}
 
     def offer(self, mb: MicroBatch) -> list[str]:
-        """Take one received micro-batch; returns the message ids to release now (``[mb.id]``
-        for a step already covered by a checkpoint, else ``[]``).
+        """Take one received micro-batch; returns the ids to release now (``[mb.id]`` for a covered
+        step, else ``[]``).
 
         Raises:
-            ValueError: ``mb`` says its step has a different number of micro-batches than an
-                earlier micro-batch of the same step did (the packer re-packed a step).
+            ValueError: ``mb`` gives its step another micro-batch count than an earlier one did.
         """
         if mb.step < self.covered:
             return [mb.id]
@@ -115,10 +95,8 @@ class StepLedger:
         return []
 
     def take(self, step: int) -> list[MicroBatch] | None:
-        """Step ``step``'s micro-batches in ``micro_index`` order once all arrived, else None.
-
-        Taking a step means training it: its payloads leave the ledger, its ids and group ids
-        wait for :meth:`cover`, and ``next_step`` becomes ``step + 1``.
+        """Step ``step``'s micro-batches in ``micro_index`` order once all arrived (the step then
+        counts as trained), else None.
 
         Raises:
             ValueError: ``step`` is not ``next_step`` (steps train in order).
@@ -135,12 +113,11 @@ class StepLedger:
         return parts
 
     def cover(self, num_steps: int) -> list[CoveredStep]:
-        """A checkpoint now covers steps ``< num_steps``: returns the trained steps it newly
-        covers, oldest first (release their ids, announce their groups).
+        """A checkpoint now covers steps ``< num_steps``: returns the trained steps it newly covers,
+        oldest first.
 
         Raises:
-            ValueError: ``num_steps`` is beyond the trained steps (> ``next_step``) or below the
-                current coverage.
+            ValueError: ``num_steps`` is beyond the trained steps or below the current coverage.
         """
         if not self.covered <= num_steps <= self.next_step:
             raise ValueError(f"cannot cover {num_steps} steps: {self.covered} are covered and {self.next_step} trained")
@@ -170,11 +147,8 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
 
 
 def keep_jsonl_records(path: Path, keep: Callable[[dict[str, Any]], bool]) -> int:
-    """Rewrite the JSON-lines file ``path`` keeping only the records for which ``keep`` is true;
-    returns how many were dropped (0 if ``path`` does not exist).
-
-    The file is replaced atomically (temp file + ``os.replace``), so a kill leaves either the old
-    or the new content. A torn last line (a kill in the middle of an append) is dropped too.
+    """Rewrite the JSON-lines file ``path`` atomically, keeping the records for which ``keep`` is
+    true (a torn last line goes too); returns how many were dropped (0 without the file).
 
     Raises:
         ValueError: a line other than the last is not a JSON object.
