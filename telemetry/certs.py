@@ -1,18 +1,7 @@
-"""Making the metrics TLS certificates: the run's CA, one server certificate per host, the client's.
-
-``busctl keys DIR [--hosts SPEC]`` calls :func:`create_tls` (through :func:`bus.auth.create_keys`);
-:mod:`telemetry.tls` loads what it writes and chooses among it. Layout::
-
-    DIR/tls/ca.crt                       the run's CA (self-signed); its private key is discarded
-    DIR/tls/hosts/NAME.crt, NAME.key     one server certificate per host, its subjectAltName the
-                                         host's names and addresses (:class:`HostNames`)
-    DIR/tls/client.crt, client.key       the scrapers' client certificate (CN ``rlbus-scraper``)
-
-Invariant: every server certificate names exactly one host, so a host's stolen key serves as that
-host only; readers check the name they connect to against it (``ssl`` ``check_hostname``).
-Because the CA's private key is discarded, the set of hosts is fixed when the directory is made: a
-new host needs a new directory. Keys are ECDSA P-256 (``cryptography``), certificates valid
-:data:`VALID_DAYS` days.
+"""Making the metrics TLS files (``busctl keys DIR [--hosts SPEC]``, :func:`create_tls`): ``DIR/tls/ca.crt``
+(the CA; its private key is discarded, so the hosts are fixed when the directory is made),
+``hosts/NAME.crt`` + ``.key`` per host and ``client.crt`` + ``.key``. Every server certificate names
+exactly one host, so a stolen key serves as that host only. ECDSA P-256 keys (``cryptography``).
 """
 
 from __future__ import annotations
@@ -25,31 +14,17 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-TLS_DIR = "tls"
-"""Subdirectory of the key directory holding the certificates."""
-
-HOSTS_DIR = "hosts"
-"""Subdirectory of :data:`TLS_DIR` holding one server certificate per host."""
-
-CLIENT_NAME = "rlbus-scraper"
-"""Common name of the scrapers' client certificate."""
-
+TLS_DIR = "tls"  # under the key directory
+HOSTS_DIR = "hosts"  # under TLS_DIR: one server certificate per host
+CLIENT_NAME = "rlbus-scraper"  # CN of the scrapers' client certificate
 CA_NAME = "rlbus metrics CA"
-"""Common name of the run's CA."""
+VALID_DAYS = 825  # of every certificate: the longest browsers accept for a server
 
-VALID_DAYS = 825
-"""Validity of the CA, server and client certificates, days (825: the longest browsers accept for a server)."""
-
-_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
-"""A DNS host name (letters, digits, ``-``, ``.``; RFC 1123), checked when it is not an address."""
+_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")  # a DNS host name (RFC 1123)
 
 
 def _check_name(name: str, where: str) -> str:
-    """``name`` if it is an IP address or a DNS host name.
-
-    Raises:
-        ValueError: anything else (names ``where`` it was given).
-    """
+    """``name`` if it is an IP address or a DNS host name, else ValueError naming ``where``."""
     try:
         return str(ipaddress.ip_address(name))
     except ValueError:
@@ -61,12 +36,8 @@ def _check_name(name: str, where: str) -> str:
 
 @dataclass(frozen=True)
 class HostNames:
-    """The names one host's metrics server is reached by: its certificate's subjectAltName.
-
-    Attributes:
-        name: the host's name, also the certificate's file stem (``hosts/NAME.crt``) and CN.
-        aliases: more names and IP addresses of the same host (the first of all is ``name``).
-    """
+    """The names one host's metrics server is reached by (its certificate's subjectAltName): ``name`` (also
+    the file stem and CN) and ``aliases``, more names and IP addresses."""
 
     name: str
     aliases: tuple[str, ...] = ()
@@ -77,10 +48,8 @@ class HostNames:
         return tuple(dict.fromkeys((self.name, *self.aliases)))
 
     def with_addresses(self) -> "HostNames":
-        """These names plus the addresses each DNS name resolves to here (``socket.getaddrinfo``):
-        readers connect to a component at the address its launcher gave it (Slurm resolves node
-        names, Ray reports node IPs), so the certificate must name that address. A name that does
-        not resolve is kept alone."""
+        """These names plus the addresses each resolves to here: readers connect at the address a launcher
+        gave (Slurm resolves node names, Ray reports IPs)."""
         found: list[str] = []
         for n in self.all:
             if _is_address(n):
@@ -101,8 +70,7 @@ def _is_address(name: str) -> bool:
 
 
 def default_hosts() -> list[HostNames]:
-    """This machine alone: its host name (``socket.gethostname``; no DNS lookup), with ``localhost``,
-    ``127.0.0.1`` and ``::1`` (what a local run's readers connect to: 127.0.0.1)."""
+    """This machine: its host name (no DNS lookup), ``localhost``, ``127.0.0.1``, ``::1``."""
     here = socket.gethostname()
     try:
         here = _check_name(here, "this machine's host name")
@@ -112,13 +80,11 @@ def default_hosts() -> list[HostNames]:
 
 
 def parse_hosts(spec: str) -> list[HostNames]:
-    """The hosts of ``busctl keys --hosts SPEC``: comma-separated hosts, each ``NAME`` or
-    ``NAME=ALIAS+ALIAS...`` (aliases: more names or IP addresses of the same host), e.g.
-    ``node1=10.0.0.1,node2=10.0.0.2+node2.example``.
+    """The hosts of ``busctl keys --hosts SPEC``: ``NAME`` or ``NAME=ALIAS+ALIAS...``, comma-separated (e.g.
+    ``node1=10.0.0.1,node2=10.0.0.2+node2.example``).
 
     Raises:
-        ValueError: an empty list or host, a name that is neither a host name nor an IP address,
-            or a host given twice (the message names it).
+        ValueError: an empty list or host, a bad name or address, a host given twice (names it).
     """
     hosts: list[HostNames] = []
     for i, item in enumerate(spec.split(",")):
@@ -144,14 +110,8 @@ def _write(path: Path, data: bytes, secret: bool) -> Path:
 
 
 def create_tls(keys_dir: str | Path, hosts: list[HostNames] | None = None) -> list[Path]:
-    """Create ``keys_dir/tls`` (mode 0700): a CA, one server certificate per host of ``hosts``
-    (default :func:`default_hosts`; each host's subjectAltName holds its names and addresses,
-    DNS names and IP addresses as such, RFC 5280 4.2.1.6) and the client certificate. Private keys
-    are written 0600 and the CA's private key is discarded.
-
-    Returns:
-        The created files: ``ca.crt``, then ``hosts/NAME.crt``, ``hosts/NAME.key`` per host, then
-        ``client.crt``, ``client.key``.
+    """Create ``keys_dir/tls`` (0700, keys 0600): the CA, one server certificate per host (default
+    :func:`default_hosts`; subjectAltName per RFC 5280 4.2.1.6) and the client's; returns the files made.
 
     Raises:
         ValueError: ``keys_dir/tls`` already exists (never overwritten), or two hosts share a name.
@@ -258,7 +218,7 @@ def create_tls(keys_dir: str | Path, hosts: list[HostNames] | None = None) -> li
 
 
 def certificate_names(path: str | Path) -> tuple[str, ...]:
-    """The DNS names and IP addresses (as text) of the subjectAltName of the PEM certificate at ``path``.
+    """The subjectAltName DNS names and IP addresses of the PEM certificate at ``path``.
 
     Raises:
         OSError: the file does not read. ValueError: it is not a PEM certificate.
@@ -277,9 +237,8 @@ def certificate_names(path: str | Path) -> tuple[str, ...]:
 
 
 def node_hosts(nodes: dict[str, str]) -> list[HostNames]:
-    """One host per node of a multi-node launch (``nodes``: node name -> the address its launcher
-    gives its components): named after the node when that is a host name (else its address), the
-    address always in the subjectAltName. Nodes sharing one address become one host.
+    """One host per address of ``nodes`` (node name -> its launcher's address), named after the node when
+    that is a host name, the address in its subjectAltName.
 
     Raises:
         ValueError: an address that is not an IP address or host name (names it).

@@ -1,17 +1,7 @@
-"""Prometheus metrics shared by every component: bus traffic, stage accounting, the HTTP endpoint.
-
-Each component process has one registry (prometheus-client's default ``REGISTRY``: one per
-process) and serves it on its own port: ``/metrics`` (Prometheus text format) and ``/health``
-(JSON, see :func:`serve_metrics`). Names follow Prometheus conventions: ``rlbus_`` prefix, then
-the component (``bus`` and ``stage`` for the metrics every component shares), base units
-(seconds, bytes), ``_total`` for counters. Every labelled counter is created with its known
-label values so that its series exist (at 0) from the first scrape.
-
-Stage accounting (:class:`StageMeter`): each pipeline stage (``producer``, ``rewards``,
-``packer``, ``trainer``) counts the samples and completion tokens it finished, the latency of
-each item (a group; for the trainer a step) and its busy and idle seconds (busy: at least one
-item in work). ``rate(rlbus_stage_busy_seconds_total[1m])`` is the stage's utilisation; the
-stage with utilisation near 1 while the others idle is the bottleneck.
+"""Prometheus metrics shared by every component (bus traffic, stage accounting) and the HTTP endpoint that
+serves a process's registry: ``/metrics`` and ``/health``. Names: ``rlbus_`` prefix, component, base units,
+``_total`` for counters; labelled series are created at 0 so they exist from the first scrape.
+:class:`StageMeter`: ``rate(rlbus_stage_busy_seconds_total[1m])`` is a stage's utilisation (docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -58,7 +48,8 @@ BUS_PEER_DEATHS = Counter(
 )
 BUS_QUEUED = Gauge(
     "rlbus_bus_queued_messages",
-    "Data messages waiting: inbox (received, not yet taken by the component), outbox_not_taken, outbox_unfinished (not done downstream)",
+    "Data messages waiting: inbox (received, not yet taken by the component), outbox_not_taken, "
+    "outbox_unfinished (not done downstream)",
     ["topic", "queue"],
 )
 BUS_QUEUED_BYTES = Gauge(
@@ -68,14 +59,17 @@ BUS_QUEUED_BYTES = Gauge(
 )
 BUS_COURIER_ERRORS = Counter(
     "rlbus_bus_courier_errors_total",
-    "Exceptions in a courier's I/O loop (each logged with its traceback); bus.courier.MAX_LOOP_ERRORS in a row fail the courier and its component",
+    "Exceptions in a courier's I/O loop (each logged with its traceback); "
+    "bus.courier.MAX_LOOP_ERRORS in a row fail the courier and its component",
 )
 POLICY_VERSION = Gauge("rlbus_policy_version", "Policy version this component last saw or uses")
 METRICS_TLS_REFUSED = Counter(
     "rlbus_bus_metrics_tls_refused_total",
-    "Connections to this process's TLS metrics endpoint dropped in the handshake (no or unknown client certificate, not TLS, timeout)",
+    "Connections to this process's TLS metrics endpoint dropped in the handshake "
+    "(no or unknown client certificate, not TLS, timeout)",
 )
 
+# every reason label of the reject, peer-death and redelivery counters (a test checks the code uses no other)
 REJECT_REASONS = (
     "header",
     "schema",
@@ -95,23 +89,14 @@ REJECT_REASONS = (
     "foreign_ack",  # sockets
     "checksum",  # a weights bucket whose crc32 does not match its bytes (broadcaster.bus_fetch)
 )
-"""Every ``reason`` of ``rlbus_bus_rejected_total`` (a test checks that the code uses no other)."""
 PEER_LOSS_REASONS = ("silent", "unreachable", "goodbye", "restarted")
-"""Every ``reason`` of ``rlbus_bus_peer_deaths_total``."""
 REDELIVER_REASONS = (*PEER_LOSS_REASONS, "ack_timeout")
-"""Every ``reason`` of ``rlbus_bus_redelivered_total``."""
-QUEUES = {"recv": ("inbox",), "send": ("outbox_not_taken", "outbox_unfinished")}
-"""The ``queue`` values of ``rlbus_bus_queued_messages`` per side of a data topic."""
+QUEUES = {"recv": ("inbox",), "send": ("outbox_not_taken", "outbox_unfinished")}  # queue labels per side
 
 
 def declare_topic(topic: str, direction: str, *, reliable: bool) -> None:
-    """Create (at 0) every bus series one side of ``topic`` can update, so dashboards and rates
-    see the topic from the first scrape, not from its first event.
-
-    Args:
-        topic: the topic label. direction: ``"send"`` or ``"recv"``.
-        reliable: a data topic (at-least-once: queues, redeliveries, duplicates, peer deaths).
-    """
+    """Create at 0 every series one side (``direction``) of ``topic`` can update, so rates see it from the
+    first scrape; ``reliable``: a data topic (queues, redeliveries, duplicates, peer deaths too)."""
     BUS_MESSAGES.labels(topic, direction)
     BUS_BYTES.labels(topic, direction)
     for reason in REJECT_REASONS:
@@ -132,8 +117,7 @@ def declare_topic(topic: str, direction: str, *, reliable: bool) -> None:
         BUS_DUPLICATES.labels(topic)
 
 
-STAGES = ("producer", "rewards", "packer", "trainer")
-"""The pipeline stages with :class:`StageMeter` accounting, in data-flow order."""
+STAGES = ("producer", "rewards", "packer", "trainer")  # in data-flow order
 STAGE_SAMPLES = Counter(
     "rlbus_stage_samples_total", "Samples a stage finished (generated, scored, packed, trained)", ["stage"]
 )
@@ -149,16 +133,8 @@ STAGE_LATENCY = Histogram(
 
 
 class StageMeter:
-    """Busy/idle time, throughput and latency of one pipeline stage in this process.
-
-    Busy time runs while at least one item is in :meth:`work` (items may overlap, as a
-    producer's concurrent groups do); idle time runs otherwise, from the meter's creation.
-    Both are exported at scrape time (``rlbus_stage_busy_seconds_total{stage}``,
-    ``rlbus_stage_idle_seconds_total{stage}``, summed over the process's meters of a stage), so
-    a long item shows as busy while it runs.
-
-    Args:
-        stage: one of :data:`STAGES`.
+    """Busy/idle seconds, throughput and latency of one stage in this process: busy while at least one
+    item is in :meth:`work` (items may overlap), exported at scrape time, so a long item shows while it runs.
 
     Raises:
         ValueError: ``stage`` is not a known stage.
@@ -247,8 +223,7 @@ _STAGE_TIMES = _StageTimes()
 REGISTRY.register(_STAGE_TIMES)
 
 
-HealthFn = Callable[[], tuple[bool, dict]]
-"""Returns ``(healthy, body)``: HTTP 200 with ``body`` as JSON when healthy, else 503."""
+HealthFn = Callable[[], tuple[bool, dict]]  # (healthy, body): 200 with body as JSON, else 503
 
 
 def _handler(registry, health: HealthFn | None) -> type[BaseHTTPRequestHandler]:
@@ -284,14 +259,12 @@ def _handler(registry, health: HealthFn | None) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-TLS_HANDSHAKE_TIMEOUT_S = 5.0
-"""Longest a client may take over the TLS handshake (and each read), seconds."""
+TLS_HANDSHAKE_TIMEOUT_S = 5.0  # longest TLS handshake (and each read) of a client, seconds
 
 
 class _TlsServer(ThreadingHTTPServer):
-    """A :class:`ThreadingHTTPServer` that runs the TLS handshake in each request's own thread (a
-    client that stalls the handshake never blocks ``accept``), and drops, counts
-    (``rlbus_bus_metrics_tls_refused_total``) and does not log a connection that fails it."""
+    """Runs the TLS handshake in each request's thread (a stalled client never blocks ``accept``); a
+    failed handshake is dropped and counted, not logged."""
 
     tls: ssl.SSLContext
 
@@ -318,20 +291,9 @@ def start_metrics_server(
     registry=REGISTRY,
     tls: ssl.SSLContext | None = None,
 ) -> ThreadingHTTPServer:
-    """Serve ``/metrics`` (Prometheus text of ``registry``) and ``/health`` on ``host:port`` from a
-    daemon thread; any other path is 404. Stop it with ``shutdown()`` + ``server_close()``.
-
-    With ``tls`` (a server context, :meth:`telemetry.tls.MetricsTls.server_context`: client
-    certificates required) both are served over HTTPS only: a client that does not complete the
-    handshake with a certificate of the run's CA is dropped before any byte of metrics.
-
-    ``/health`` answers JSON ``{"status": "ok" | "unhealthy", "pid", "uptime_s", ...}`` with the
-    fields of ``health()`` (a component adds its name, phase and policy version), HTTP 200 when
-    healthy, else 503.
-
-    Args:
-        port: TCP port; 0 picks a free one (``server.server_address[1]`` tells which).
-        health: called per ``/health`` request; None: always healthy.
+    """Serve ``/metrics`` and ``/health`` (JSON ``status``, ``pid``, ``uptime_s`` and ``health()``'s fields;
+    503 unless healthy) on ``host:port`` (0: a free port) from a daemon thread; with ``tls`` HTTPS only.
+    Stop it with ``shutdown()`` + ``server_close()``.
 
     Raises:
         OSError: the port is taken.
@@ -354,11 +316,7 @@ def serve_metrics(
     registry=REGISTRY,
     tls: ssl.SSLContext | None = None,
 ) -> int:
-    """:func:`start_metrics_server` (``tls``: HTTPS with client certificates) for a process that
-    serves until it exits.
-
-    Returns:
-        The port actually bound.
+    """:func:`start_metrics_server` for a process that serves until it exits; returns the port bound.
 
     Raises:
         OSError: the port is taken.

@@ -1,30 +1,8 @@
-"""TLS with client certificates for the metrics endpoints (``/metrics``, ``/health``) of a tcp:// run.
-
-A component serves its metrics on its node's address when its run spans nodes
-(:mod:`lifecycle.launch_env`); over plain HTTP anyone who reaches that address could read them. When
-the bus is authenticated (``bus.transport: tcp`` with ``bus.curve_keys_dir``, :mod:`bus.auth`),
-every metrics server (each component's, busctl's own) is served over TLS and asks for a client
-certificate signed by the run's CA (``ssl.CERT_REQUIRED``): a client without one fails the
-handshake and reads nothing. The readers present the client certificate and check the server's
-against the same CA and the name they connect to: the supervisor's metrics poller (behind
-``status.json`` / ``busctl status``, :mod:`busctl.scrape`), its end-of-run snapshot, and
-Prometheus (``tls_config`` in the generated ``prometheus.yml``, :meth:`MetricsTls.prometheus_tls_config`).
-
-Certificate files: made by ``busctl keys DIR [--hosts ...]`` (:mod:`telemetry.certs`, which
-describes the layout): ``DIR/tls/ca.crt``, one server certificate per host in
-``DIR/tls/hosts/NAME.crt`` (+ ``.key``) and ``DIR/tls/client.crt`` (+ ``.key``).
-
-- Which server certificate (:meth:`MetricsTls.server_files`): the one whose subjectAltName holds
-  the address the server binds (``127.0.0.1`` locally, the node's address from its launcher on
-  several nodes, :mod:`lifecycle.launch_env`); else the one naming this machine's host name (logged:
-  readers connecting at the address will refuse it); else, in a key directory from before
-  per-host certificates, the shared ``DIR/tls/server.crt`` (logged once per process).
-- Host-name check (:meth:`MetricsTls.client_context`): with per-host certificates the readers
-  verify the chain and that the certificate names the host they connect to
-  (``check_hostname=True``; IP addresses match IP entries, RFC 6125). A key directory from before
-  (``DIR/tls/server.crt`` shared by every host, DNS name :data:`SERVER_NAME`, no ``hosts/``) keeps
-  working as it did, with the chain verified but no host-name check (logged once per process):
-  one stolen key there impersonates every host, so make a new directory with ``--hosts``.
+"""TLS with client certificates for the metrics endpoints of an authenticated tcp:// run: every metrics server
+asks for a client certificate of the run's CA, and the readers (busctl's poller and end-of-run snapshot,
+Prometheus) check the server's certificate against the CA and the host they connect to. The files are made
+by :mod:`telemetry.certs`; which certificate a server serves, the host-name check, and the old shared-
+certificate layout (chain checked, no host name, logged) are in docs/ARCHITECTURE.md, "Authentication".
 """
 
 from __future__ import annotations
@@ -52,18 +30,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SERVER_NAME = "rlbus-metrics"
-"""DNS name of the shared server certificate of a key directory from before per-host certificates
-(Prometheus' ``tls_config.server_name`` there)."""
+SERVER_NAME = "rlbus-metrics"  # DNS name of an old directory's shared server certificate
+COMMON_FILES = ("ca.crt", "client.crt", "client.key")  # in DIR/tls of every layout
+SHARED_FILES = ("server.crt", "server.key")  # an old directory's shared server certificate
 
-COMMON_FILES = ("ca.crt", "client.crt", "client.key")
-"""The files of ``DIR/tls`` every layout has."""
-
-SHARED_FILES = ("server.crt", "server.key")
-"""The shared server certificate of a key directory from before per-host certificates."""
-
-_warned: set[tuple[str, str]] = set()
-"""(warning, tls_dir) already logged by this process."""
+_warned: set[tuple[str, str]] = set()  # (warning, tls_dir) already logged by this process
 
 
 def _warn_once(kind: str, tls_dir: Path, message: str, *args) -> None:
@@ -73,7 +44,7 @@ def _warn_once(kind: str, tls_dir: Path, message: str, *args) -> None:
 
 
 def _normal(host: str) -> str:
-    """``host`` as certificate names are compared: an IP address in canonical form, a name in lower case."""
+    """``host`` as names are compared: an IP address canonical, a name in lower case."""
     try:
         return str(ipaddress.ip_address(host.strip("[]")))
     except ValueError:
@@ -81,7 +52,7 @@ def _normal(host: str) -> str:
 
 
 class TlsSettings(Protocol):
-    """The ``bus`` config fields (``configs.schema.BusConfig``) that :func:`tls_from_config` reads."""
+    """The fields of ``configs.schema.BusConfig`` read here."""
 
     transport: str
     curve_keys_dir: str
@@ -89,39 +60,29 @@ class TlsSettings(Protocol):
 
 @dataclass(frozen=True)
 class MetricsTls:
-    """Where one run's certificate files are.
-
-    Attributes:
-        tls_dir: ``DIR/tls`` of the key directory.
-    """
+    """One run's certificate files, in ``tls_dir`` (``DIR/tls`` of the key directory)."""
 
     tls_dir: Path
 
     def path(self, name: str) -> Path:
-        """``tls_dir / name`` (``name``: ``ca.crt``, ``client.key``, ``hosts/NAME.crt`` ...)."""
+        """``tls_dir / name``."""
         return self.tls_dir / name
 
     @property
     def per_host(self) -> bool:
-        """Whether the directory holds per-host server certificates (``hosts/*.crt``), so readers
-        check host names; False for a key directory from before them (one shared certificate)."""
+        """Per-host server certificates (``hosts/*.crt``, host names checked), not an old shared one."""
         return any((self.tls_dir / HOSTS_DIR).glob("*.crt"))
 
     def host_certificates(self) -> dict[str, tuple[str, ...]]:
-        """``{host name: names and addresses of its certificate}`` of ``hosts/*.crt`` (sorted by name).
-
-        Raises:
-            OSError / ValueError: a certificate does not read.
-        """
+        """``{host: its certificate's names and addresses}`` of ``hosts/*.crt``; OSError/ValueError if unreadable."""
         return {p.stem: certificate_names(p) for p in sorted((self.tls_dir / HOSTS_DIR).glob("*.crt"))}
 
     @classmethod
     def load(cls, keys_dir: str | Path) -> "MetricsTls":
-        """The certificate files of ``keys_dir`` (checked to exist and to load).
+        """The certificate files of ``keys_dir``, checked to exist and to load.
 
         Raises:
-            ValueError: a file is missing or does not load as a certificate/key pair (names the path
-                and how to make it).
+            ValueError: a file is missing or does not load (names the path and the fix).
         """
         tls = cls(Path(keys_dir) / TLS_DIR)
         hint = f"add them with `busctl keys {keys_dir}` (it adds the TLS files to an existing key directory)"
@@ -149,16 +110,11 @@ class MetricsTls:
         return tls
 
     def server_files(self, host: str) -> tuple[Path, Path]:
-        """The certificate and key a metrics server bound at ``host`` serves (module docstring:
-        the one naming ``host``, else the one naming this machine, else the shared one).
-
-        Args:
-            host: the address (or name) the server binds and readers connect to, e.g. ``127.0.0.1``
-                or a node's address.
+        """The certificate and key of a server bound at ``host``: the one naming ``host``, else the one naming
+        this machine (logged: readers refuse it), else an old directory's shared one (logged once).
 
         Raises:
-            ValueError: per-host certificates, none naming ``host`` or this machine, or the one naming
-                it without its key here (names the host, the certificates' names and the fix).
+            ValueError: none names ``host`` or this machine, or its key is not here (names them and the fix).
         """
         if not self.per_host:
             _warn_once(
@@ -200,9 +156,7 @@ class MetricsTls:
         )
 
     def server_context(self, host: str = "127.0.0.1") -> ssl.SSLContext:
-        """The TLS context of a metrics server bound at ``host``: the certificate of
-        :meth:`server_files`, client certificates required and verified against the CA (TLS >= 1.2,
-        ``ssl.create_default_context`` settings).
+        """A server context: :meth:`server_files`' certificate, client certificates of the CA required.
 
         Raises:
             ValueError: see :meth:`server_files`. ssl.SSLError / OSError: a file does not load.
@@ -220,9 +174,8 @@ class MetricsTls:
         return ctx
 
     def client_context(self) -> ssl.SSLContext:
-        """The TLS context of a scraper: presents the client certificate, accepts only a server
-        certificate of the CA and, with per-host certificates, only one naming the host connected
-        to (``check_hostname``; a key directory from before them: no host-name check, logged once).
+        """A scraper's context: the client certificate; a server of the CA naming the host connected to
+        (``check_hostname``; an old shared certificate: the CA only, logged once).
 
         Raises:
             ssl.SSLError / OSError: a file does not load.
@@ -238,9 +191,7 @@ class MetricsTls:
         return self._client_context()
 
     def prometheus_tls_config(self) -> dict:
-        """``tls_config`` of a Prometheus scrape job for these servers (absolute paths). With per-host
-        certificates it has no ``server_name``: Prometheus checks each target's host against its
-        certificate; the shared certificate of an older directory is checked as :data:`SERVER_NAME`."""
+        """A Prometheus job's ``tls_config`` (absolute paths); ``server_name`` only for an old shared certificate."""
         config = {
             "ca_file": str(self.path("ca.crt").resolve()),
             "cert_file": str(self.path("client.crt").resolve()),
@@ -250,9 +201,7 @@ class MetricsTls:
 
 
 def tls_from_config(bus: TlsSettings) -> MetricsTls | None:
-    """The metrics TLS of a run (``bus``: its ``bus`` section): on exactly when the bus is
-    CurveZMQ-authenticated (``transport`` tcp and ``curve_keys_dir`` set, :func:`bus.auth.keys_from_config`),
-    else None (plain HTTP: on ipc:// runs the metrics listen on 127.0.0.1 only).
+    """The run's metrics TLS exactly when the bus is CurveZMQ-authenticated (tcp + ``curve_keys_dir``), else None.
 
     Raises:
         ValueError: see :meth:`MetricsTls.load`.
@@ -263,8 +212,7 @@ def tls_from_config(bus: TlsSettings) -> MetricsTls | None:
 
 
 def server_context_for(bus: TlsSettings, host: str = "127.0.0.1") -> ssl.SSLContext | None:
-    """The TLS context of a metrics server of a run bound at ``host`` (:func:`tls_from_config`,
-    :meth:`MetricsTls.server_context`), None for plain HTTP.
+    """The server context of the run's metrics server bound at ``host``; None for plain HTTP.
 
     Raises:
         ValueError: see :meth:`MetricsTls.load` and :meth:`MetricsTls.server_files`.
