@@ -1,11 +1,8 @@
 """The tracker process: ``python -m trackers --run-dir RUN_DIR`` (started by ``busctl up``, :mod:`trackers.launch`).
 
-Reads ``RUN_DIR/config.yaml`` (its ``report.trackers``), then polls the run's JSONL files every
-``--poll-s`` seconds (:class:`trackers.follower.TrackerFollower`) until SIGTERM or SIGINT, reads
-them one last time and closes every tracker (W&B finishes its run, TensorBoard flushes). It runs
-at a lower CPU priority (``nice`` +10) so it never takes CPU from the pipeline's processes, and
-dies with its parent (``PR_SET_PDEATHSIG``: a SIGTERM, so it still drains). Exit code 0, also
-when every tracker failed (the failures are in its log and in ``RUN_DIR/trackers/state.json``).
+Polls the run's JSONL files every ``--poll-s`` seconds for ``report.trackers`` until SIGTERM or SIGINT, reads
+them a last time and closes every tracker. It runs at ``nice`` +10 (never taking CPU from the pipeline), dies
+with its parent (a SIGTERM: it still drains) and exits 0 even when every tracker failed.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ NICE = 10
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the tracker process (see the module docstring); returns its exit code (2: bad arguments or config)."""
+    """Run the tracker process; returns its exit code (2: bad arguments or config)."""
     parser = argparse.ArgumentParser(
         prog="python -m trackers", description="Feed report.trackers from a run directory."
     )

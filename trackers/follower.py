@@ -1,24 +1,11 @@
 """The tracker follower: tails the run's JSONL files and hands what they gain to each tracker.
 
-Runs in the tracker process (:mod:`trackers.__main__`), never in a pipeline component: the
-trainer only appends to ``metrics.jsonl`` as it always does, and a slow or failing tracker costs
-it nothing. Each :meth:`TrackerFollower.poll` reads the whole lines added to ``metrics.jsonl``,
-``stages.jsonl`` and ``samples.jsonl`` since the last one (:class:`trackers.records.JsonlTail`)
-and logs them (:mod:`trackers.records` says what becomes what).
-
-Invariants:
-
-- A tracker that raises (library missing, disk full, no network) is warned about once (the
-  warning names it and the error, also kept in ``state.json`` under ``failed``) and dropped; the
-  others and the run go on.
-- Malformed lines (not JSON objects, or without a step) are counted (:attr:`TrackerFollower.malformed`)
-  and dropped.
-- ``RUN_DIR/trackers/state.json`` (written atomically after every poll that read something) keeps
-  the byte offset reached in each file, each tracker's state (its run id) and whether the config
-  was logged: a restarted tracker process, or ``busctl up --resume``, continues where it stopped
-  and the same tracker runs continue (:mod:`trackers.state` reads and writes it).
-- A samples table is logged once its step is complete: when a record of a later step arrives,
-  when a poll finds ``samples.jsonl`` unchanged, or at :meth:`TrackerFollower.close`.
+It runs in the tracker process, never in a pipeline component, so a slow or failing tracker costs the trainer
+nothing. A tracker that raises is warned about once (also under ``failed`` in ``state.json``) and dropped; the
+others go on. Malformed lines are counted and dropped. ``RUN_DIR/trackers/state.json`` keeps the byte offsets,
+each tracker's state and whether the config was logged, so a restart or ``--resume`` continues the same tracker
+runs. A samples table is logged once its step is complete (a later step's record, an unchanged file, or
+:meth:`TrackerFollower.close`).
 """
 
 from __future__ import annotations
@@ -47,12 +34,7 @@ SOURCES = ("metrics.jsonl", "stages.jsonl", "samples.jsonl")
 
 
 def _tracker_class(name: str) -> type[Tracker]:
-    """The tracker class of ``name``.
-
-    Raises:
-        ValueError: ``name`` is not one of :data:`TRACKERS`.
-        ImportError: its module cannot be imported.
-    """
+    """The tracker class of ``name``; ValueError for an unknown name, ImportError when its module fails."""
     if name not in TRACKERS:
         raise ValueError(f"unknown tracker {name!r} in report.trackers; known: {', '.join(TRACKERS)}")
     module, cls = TRACKERS[name].split(":")
@@ -60,15 +42,8 @@ def _tracker_class(name: str) -> type[Tracker]:
 
 
 class TrackerFollower:
-    """Feeds the trackers ``names`` from the JSONL files of ``run_dir`` (see the module docstring).
-
-    Args:
-        run_dir: the run directory.
-        names: tracker names (``report.trackers``), each at most once.
-        config: the resolved config (``RUN_DIR/config.yaml`` as a dict).
-
-    A tracker whose construction fails is warned about and left out (:attr:`failed`).
-    """
+    """Feeds the trackers ``names`` (``report.trackers``) from the JSONL files of ``run_dir``; ``config``: the
+    resolved config as a dict. A tracker whose construction fails is warned about and left out (:attr:`failed`)."""
 
     def __init__(self, run_dir: Path, names: list[str], config: dict) -> None:
         self.run_dir = Path(run_dir)
@@ -122,7 +97,7 @@ class TrackerFollower:
             return False
         try:
             getattr(tracker, method)(*args)
-        except Exception as err:  # a tracker must never stop the follower (see module docstring)
+        except Exception as err:  # a tracker must never stop the follower
             self.trackers.remove(tracker)
             self._fail(tracker.name, err)
             return False
@@ -138,11 +113,7 @@ class TrackerFollower:
         self._pending_step, self._pending_rows = None, []
 
     def poll(self) -> int:
-        """Log every record added to the run's files since the last poll; returns how many were read.
-
-        Raises:
-            OSError: a file exists but cannot be read (the caller retries next poll).
-        """
+        """Log every record added since the last poll; returns how many were read (OSError: retried next poll)."""
         read = 0
         for rec in self.tails["metrics.jsonl"].read():
             read += 1

@@ -1,15 +1,9 @@
 """Start and stop the tracker process from ``busctl up`` (:func:`busctl.up_cli.supervise`).
 
-:meth:`TrackerProcess.start` runs right after the supervisor prepared the run directory (the
-resolved ``config.yaml`` is written) when ``report.trackers`` names any tracker: it warns at once
-about a tracker whose library is not installed (the run goes on without it), then spawns
-``python -m trackers`` in a session of its own (a Ctrl-C on the terminal reaches busctl only),
-output appended to ``RUN_DIR/logs/trackers.log``. :meth:`TrackerProcess.stop` runs after every
-component stopped, so the files are complete: SIGTERM, the process reads them one last time and
-closes its trackers, up to :data:`STOP_TIMEOUT_S`, then SIGKILL; a tracker that failed during
-the run is named on the console then.
-
-Imports nothing heavy (busctl imports it on every ``up``).
+:meth:`TrackerProcess.start` runs once ``config.yaml`` is written: it warns about a tracker whose library is
+missing, then spawns ``python -m trackers`` in its own session (a Ctrl-C reaches busctl only), output to
+``RUN_DIR/logs/trackers.log``. :meth:`TrackerProcess.stop` runs after every component stopped, so the files are
+complete. Imports nothing heavy (busctl imports it on every ``up``).
 """
 
 from __future__ import annotations
@@ -50,12 +44,7 @@ def missing_libraries(names: list[str]) -> dict[str, str]:
 
 
 class TrackerProcess:
-    """The tracker process of one run (see the module docstring).
-
-    Args:
-        proc: the running ``python -m trackers``.
-        run_dir: its run directory.
-    """
+    """The tracker process of one run: ``proc`` (the running ``python -m trackers``) on ``run_dir``."""
 
     def __init__(self, proc: subprocess.Popen, run_dir: Path) -> None:
         self.proc = proc
@@ -63,8 +52,8 @@ class TrackerProcess:
 
     @classmethod
     def start(cls, names: list[str], run_dir: Path, console: Console) -> TrackerProcess | None:
-        """Spawn the tracker process for ``names`` (``report.trackers``) on ``run_dir``; None when
-        no tracker is named or none of them is installed (each missing one is warned about)."""
+        """Spawn the tracker process for ``names`` on ``run_dir``; None when none is named or installed (each missing
+        one is warned about)."""
         if not names:
             return None
         missing = missing_libraries(names)
@@ -80,9 +69,8 @@ class TrackerProcess:
         env.setdefault("PYTHONUNBUFFERED", "1")
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         with open(run_dir / "logs" / "trackers.log", "ab", buffering=0) as logfile:
-            logfile.write(
-                f"===== rlbus {time.strftime('%Y-%m-%d %H:%M:%S')}: starting trackers {', '.join(names)} =====\n".encode()
-            )
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            logfile.write(f"===== rlbus {stamp}: starting trackers {', '.join(names)} =====\n".encode())
             proc = subprocess.Popen(
                 [sys.executable, "-m", "trackers", "--run-dir", str(run_dir)],
                 stdin=subprocess.DEVNULL,
@@ -92,9 +80,8 @@ class TrackerProcess:
                 cwd=str(run_dir),
                 start_new_session=True,
             )
-        console.print(
-            f"trackers {', '.join(n for n in names if n not in missing)}: pid {proc.pid}, log {run_dir / 'logs' / 'trackers.log'}"
-        )
+        running = ", ".join(n for n in names if n not in missing)
+        console.print(f"trackers {running}: pid {proc.pid}, log {run_dir / 'logs' / 'trackers.log'}")
         return cls(proc, run_dir)
 
     def stop(self, console: Console, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
@@ -106,7 +93,8 @@ class TrackerProcess:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 console.print(
-                    f"[yellow]trackers did not close within {timeout_s:g} s; killed (see {self.run_dir / 'logs' / 'trackers.log'})[/yellow]"
+                    f"[yellow]trackers did not close within {timeout_s:g} s; killed "
+                    f"(see {self.run_dir / 'logs' / 'trackers.log'})[/yellow]"
                 )
                 self.proc.kill()
                 self.proc.wait()

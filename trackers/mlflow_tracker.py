@@ -1,16 +1,9 @@
 """MLflow: one MLflow run per rlbus run, through :class:`mlflow.tracking.MlflowClient`.
 
-Tracking store: ``MLFLOW_TRACKING_URI`` when set (a server, a database, ``databricks``...);
-otherwise a local file store at ``RUN_DIR/mlruns/`` (MLflow 3 keeps that backend in maintenance
-mode behind ``MLFLOW_ALLOW_FILE_STORE=true``, which the tracker sets for its own process; open it
-with ``MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri RUN_DIR/mlruns``, the server
-being in the full ``mlflow`` package). Experiment: ``MLFLOW_EXPERIMENT_NAME`` or the config's
-``name``; the run id is kept in the tracker state, so ``busctl up --resume`` continues the run.
-
-What is logged: the resolved config as params (values cut at :data:`PARAM_CHARS`); every
-record's scalars as metrics at their step (names made MLflow-legal by :func:`metric_name`);
-samples as a table artifact ``samples/step_<step>.json`` (``MlflowClient.log_table``, shown in
-the run's Artifacts and Evaluation views; without pandas the same JSON through ``log_dict``).
+Store: ``MLFLOW_TRACKING_URI`` when set, else a file store at ``RUN_DIR/mlruns/`` (MLflow 3 keeps it behind
+``MLFLOW_ALLOW_FILE_STORE=true``, which the tracker sets for its own process). Experiment:
+``MLFLOW_EXPERIMENT_NAME`` or the config's ``name``; the run id is kept in the tracker state for ``--resume``.
+Params cut at :data:`PARAM_CHARS`; metric names made legal by :func:`metric_name`; samples as a table artifact.
 """
 
 from __future__ import annotations
@@ -34,18 +27,14 @@ _ILLEGAL = re.compile(r"[^\w\-./ :]")
 
 
 def metric_name(key: str) -> str:
-    """``key`` with the characters MLflow refuses in names replaced: ``>=`` -> ``ge``, ``<=`` ->
-    ``le``, anything else outside ``[A-Za-z0-9_-./ :]`` -> ``_`` (``lag_frac/>=3`` -> ``lag_frac/ge3``)."""
+    """``key`` with the characters MLflow refuses replaced: ``>=`` -> ``ge``, ``<=`` -> ``le``, others -> ``_``
+    (``lag_frac/>=3`` -> ``lag_frac/ge3``)."""
     return _ILLEGAL.sub("_", key.replace(">=", "ge").replace("<=", "le"))
 
 
 class MlflowTracker(Tracker):
-    """Logs the run's records to an MLflow run (see the module docstring).
-
-    Raises:
-        ImportError: mlflow (or mlflow-skinny) is not installed.
-        mlflow.exceptions.MlflowException: the store refuses the experiment or run.
-    """
+    """Logs the run's records to an MLflow run; ImportError without mlflow, ``MlflowException`` when the store
+    refuses the experiment or run."""
 
     name = "mlflow"
 

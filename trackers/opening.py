@@ -16,10 +16,8 @@ __all__ = ["tracker_lines"]
 
 
 def tracker_lines(run_dir: Path) -> list[str]:
-    """``["tensorboard: tensorboard --logdir RUN_DIR/tensorboard", ...]``: a line per tracker the
-    run used (none when it used none). W&B: ``wandb sync`` for offline runs (after a resume there
-    are several offline-run directories of one run id; sync them all), else where the online run's
-    files are; MLflow: ``mlflow ui`` on the run's file store, or the tracking URI and run id."""
+    """A line per tracker the run used, with the command that opens it (``tensorboard --logdir ...``, ``wandb
+    sync`` for every offline run directory, ``mlflow ui`` or the tracking URI and run id)."""
     run_dir = Path(run_dir)
     q = shlex.quote
     state = read_tracker_state(run_dir).get("trackers", {})
@@ -32,13 +30,15 @@ def tracker_lines(run_dir: Path) -> list[str]:
     elif (run_dir / "wandb").is_dir():
         run_id = state.get("wandb", {}).get("run_id", "?")
         lines.append(
-            f"wandb: online run {run_id} (its URL is in {run_dir / 'logs' / 'trackers.log'}); files in {run_dir / 'wandb'}"
+            f"wandb: online run {run_id} (its URL is in {run_dir / 'logs' / 'trackers.log'}); "
+            f"files in {run_dir / 'wandb'}"
         )
     mlflow = state.get("mlflow", {})
     uri = mlflow.get("tracking_uri", "")
     if (run_dir / "mlruns").is_dir() and (not uri or uri.startswith("file:")):
         lines.append(
-            f"mlflow: MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {q(str(run_dir / 'mlruns'))}  (pip install mlflow)"
+            "mlflow: MLFLOW_ALLOW_FILE_STORE=true mlflow ui "
+            f"--backend-store-uri {q(str(run_dir / 'mlruns'))}  (pip install mlflow)"
         )
     elif uri:
         lines.append(f"mlflow: run {mlflow.get('run_id', '?')} at {uri}")

@@ -1,20 +1,12 @@
 """The tracker process's state file, ``RUN_DIR/trackers/state.json``: its one reader and writer.
 
-Written by the tracker process (:class:`trackers.follower.TrackerFollower`) atomically after every
-poll that read something; read by it on start (a restarted tracker process, ``busctl up
---resume``), by ``busctl up`` when the process stopped (:mod:`trackers.launch`, the trackers that
-failed) and by ``busctl report`` (:mod:`trackers.opening`, each tracker's run id). Format::
+Written atomically by the follower after every poll that read something; read by it on start, by ``busctl up``
+(the trackers that failed) and by ``busctl report`` (each tracker's run id). Format::
 
-    {"offsets": {"metrics.jsonl": <bytes read>, ...},   # where the follower got to in each file
-     "trackers": {"<name>": {<that tracker's state, e.g. "run_id">}, ...},
-     "failed": {"<name>": "<error>", ...},                # trackers dropped during the run
-     "config_logged": ["<name>", ...]}                    # trackers that logged the config
+    {"offsets": {"metrics.jsonl": <bytes read>, ...}, "trackers": {"<name>": {<its state>}, ...},
+     "failed": {"<name>": "<error>", ...}, "config_logged": ["<name>", ...]}
 
-Invariant: :func:`read_tracker_state` never raises on what it finds: a missing file is a fresh
-run; an unreadable, corrupt or partial file (not JSON, not an object) or a section of the wrong
-shape is warned about (naming the file and the section) and read as empty, so a follower starts
-that file from the beginning instead of dying, and busctl prints what it can. Imports nothing
-heavy (busctl imports it).
+Imports nothing heavy (busctl imports it).
 """
 
 from __future__ import annotations
@@ -50,15 +42,8 @@ _SECTIONS: dict[str, tuple[type, Any]] = {
 
 
 def read_tracker_state(run_dir: str | Path) -> dict[str, Any]:
-    """The tracker state of ``run_dir`` (format: module docstring), checked section by section.
-
-    Returns:
-        A dict holding only well-formed sections and entries: ``{}`` when the file is missing,
-        unreadable, not JSON (e.g. cut off) or not a JSON object; a section of the wrong type is
-        left out and an entry of the wrong shape (a negative or non-integer offset, a tracker
-        state that is not an object, ...) dropped, each with a warning naming the file. Keys
-        outside the format are kept as they are.
-    """
+    """The tracker state of ``run_dir``: only its well-formed sections and entries (``{}`` when the file is missing,
+    unreadable, torn or not an object; a malformed section or entry is dropped with a warning). Never raises."""
     path = tracker_state_path(run_dir)
     try:
         state = json.loads(path.read_text())
@@ -95,13 +80,8 @@ def read_tracker_state(run_dir: str | Path) -> dict[str, Any]:
 
 
 def write_tracker_state(run_dir: str | Path, state: dict[str, Any]) -> None:
-    """Write ``state`` to ``RUN_DIR/trackers/state.json`` atomically (a reader sees the old file
-    or the new one, never a part), creating ``trackers/``.
-
-    Raises:
-        OSError: the directory or file cannot be written.
-        TypeError: ``state`` is not JSON-serializable.
-    """
+    """Write ``state`` to ``RUN_DIR/trackers/state.json`` atomically (creating ``trackers/``); OSError when it cannot
+    be written, TypeError when ``state`` is not JSON-serializable."""
     path = tracker_state_path(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, state)

@@ -1,16 +1,8 @@
-"""TensorBoard: event files under ``RUN_DIR/tensorboard/`` (``tensorboard --logdir RUN_DIR/tensorboard``).
+"""TensorBoard: event files under ``RUN_DIR/tensorboard/``, through PyTorch's ``SummaryWriter``.
 
-Written with PyTorch's :class:`torch.utils.tensorboard.SummaryWriter` (needs the ``tensorboard``
-package: the ``trackers`` extra). What lands where:
-
-- scalars: every numeric key of a step record under its own name (``loss``, ``reward_mean``,
-  ``kl``, ``entropy``, ``policy_lag_mean``, ``lr``, ``time/forward_s``...), eval rounds as
-  ``eval/<task>/<metric>`` at the round, per-stage throughput as ``stages/<component>/<field>``;
-- the resolved config in the HPARAMS tab (one hparams summary in the run's own event file, not a
-  sub-run) and as YAML text under ``config``;
-- samples tables as Markdown text under ``samples`` at the sampled step (TEXT tab).
-
-Resume appends a new event file to the same directory; TensorBoard merges them.
+Scalars under their record's names (eval as ``eval/<task>/<metric>`` at the round), the config in the HPARAMS
+tab and as YAML text, samples as Markdown tables in the TEXT tab. A resume appends a new event file to the same
+directory; TensorBoard merges them.
 """
 
 from __future__ import annotations
@@ -32,10 +24,8 @@ LINE_BREAKS = re.compile("\r\n|[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
 
 
 def markdown_table(columns: tuple[str, ...], rows: list[list]) -> str:
-    """A Markdown table (TensorBoard renders its text summaries as Markdown), one row per line:
-    ``|`` in cells is escaped, every line break (``\\n``, ``\\r\\n`` and the others
-    :meth:`str.splitlines` knows, which a completion may hold) becomes ``<br>``, cells are cut at
-    :data:`TEXT_CELL_CHARS`."""
+    """A Markdown table (TensorBoard renders text summaries as Markdown), one row per line: ``|`` escaped, every
+    line break :meth:`str.splitlines` knows made ``<br>``, cells cut at :data:`TEXT_CELL_CHARS`."""
 
     def cell(value: object) -> str:
         text = "" if value is None else (f"{value:.4g}" if isinstance(value, float) else str(value))
@@ -47,11 +37,7 @@ def markdown_table(columns: tuple[str, ...], rows: list[list]) -> str:
 
 
 class TensorBoardTracker(Tracker):
-    """Writes the run's records as TensorBoard events under ``RUN_DIR/tensorboard/``.
-
-    Raises:
-        ImportError: tensorboard (or torch) is not installed.
-    """
+    """Writes the run's records as TensorBoard events under ``RUN_DIR/tensorboard/``; ImportError without it."""
 
     name = "tensorboard"
 

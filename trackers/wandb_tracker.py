@@ -1,17 +1,9 @@
 """Weights & Biases: one W&B run per rlbus run, files under ``RUN_DIR/wandb/``.
 
-Mode: ``WANDB_MODE`` when set (``offline``, ``online``, ``disabled``; W&B reads it itself);
-otherwise ``online`` when an API key is set (``WANDB_API_KEY``, ``WANDB_IDENTITY_TOKEN_FILE`` or
-a ``~/.netrc`` entry for the W&B host, as ``wandb login`` writes) and ``offline`` when none is:
-an offline run is written to ``RUN_DIR/wandb/offline-run-*`` and uploaded later with
-``wandb sync RUN_DIR/wandb/offline-run-*``. Project: ``WANDB_PROJECT`` or ``rlbus``; run name:
-the config's ``name``; the run id is kept in the tracker state, so ``busctl up --resume`` (or a
-restarted tracker process) continues the same W&B run (``resume="allow"``).
-
-What is logged: the resolved config as the run config; every record with its step under the key
-``step``, which every metric uses as its x-axis (``define_metric("*", step_metric="step")``: eval
-rounds arrive after later training steps, and W&B's own step must only grow); samples as a
-``wandb.Table`` under ``samples``.
+Mode: ``WANDB_MODE`` when set, else online with an API key and offline without (:func:`wandb_mode`; upload later
+with ``wandb sync``). The run id is kept in the tracker state, so a ``--resume`` continues the same W&B run. Every
+metric's x-axis is the logged ``step`` (``define_metric("*", step_metric="step")``): eval rounds arrive after
+later training steps, and W&B's own step must only grow.
 """
 
 from __future__ import annotations
@@ -40,8 +32,8 @@ def _netrc_has(host: str, environ: dict[str, str]) -> bool:
 
 
 def wandb_mode(environ: dict[str, str]) -> str | None:
-    """The ``mode`` to pass to ``wandb.init``: None when ``WANDB_MODE`` is set (W&B honours it),
-    ``"offline"`` when no API key is configured (see the module docstring), else None (online)."""
+    """The ``mode`` to pass to ``wandb.init``: ``"offline"`` when neither ``WANDB_MODE`` nor an API key
+    (``WANDB_API_KEY``, ``WANDB_IDENTITY_TOKEN_FILE`` or a netrc entry for the W&B host) is set, else None."""
     if environ.get("WANDB_MODE"):
         return None
     if environ.get("WANDB_API_KEY") or environ.get("WANDB_IDENTITY_TOKEN_FILE"):
@@ -51,12 +43,8 @@ def wandb_mode(environ: dict[str, str]) -> str | None:
 
 
 class WandbTracker(Tracker):
-    """Logs the run's records to a W&B run (see the module docstring).
-
-    Raises:
-        ImportError: wandb is not installed.
-        wandb.Error: the run cannot start (e.g. online with a bad key).
-    """
+    """Logs the run's records to a W&B run; ImportError without wandb, ``wandb.Error`` when the run cannot start
+    (e.g. online with a bad key)."""
 
     name = "wandb"
 
