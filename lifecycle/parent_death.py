@@ -1,7 +1,5 @@
-"""Dying with the parent: ``prctl(PR_SET_PDEATHSIG)`` asks Linux to signal this process when the thread that
-started it exits, so a component, a data-parallel rank, an ``srun`` step or an isolated call never outlives a
-killed parent. A no-op on other systems.
-"""
+"""Dying with the parent: ``prctl(PR_SET_PDEATHSIG)`` so a component, rank, ``srun`` step or isolated call never
+outlives a killed parent (Linux; a no-op elsewhere). libc's ``prctl`` is resolved at import: ``preexec_fn``-safe."""
 
 from __future__ import annotations
 
@@ -16,14 +14,7 @@ _PRCTL = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None) if sys.platfo
 
 
 def die_with_parent(sig: int) -> None:
-    """Ask Linux to send signal ``sig`` to this process when its parent thread exits (no-op off Linux).
-
-    Safe in a ``preexec_fn`` (libc's ``prctl`` is resolved at import). A parent gone before the call is not
-    caught: compare ``os.getppid()`` with the parent's pid after it.
-
-    Raises:
-        OSError: ``prctl`` refused (``sig`` is no valid signal number).
-    """
+    """Have Linux send ``sig`` when the parent thread exits (one gone already is not caught); OSError if refused."""
     if _PRCTL is not None and _PRCTL(PR_SET_PDEATHSIG, int(sig)) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
