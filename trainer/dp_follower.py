@@ -1,15 +1,11 @@
-"""The ranks > 0 of a data-parallel trainer (``trainer.data_parallel > 1``, under torchrun).
+"""The data-parallel ranks > 0 (``trainer.data_parallel > 1``, under torchrun), and the checkpoint
+and group helpers they share with rank 0 (:mod:`trainer.proc`).
 
-A follower opens no bus socket, writes no checkpoint and sends no weights: it builds the policy
-and :class:`trainer.trainer.Trainer` exactly like rank 0 (:class:`trainer.proc.TrainerProc`),
-loads the checkpoint rank 0 names (so weights, optimizer and RNG states are identical on every
-rank), then trains the share of each step that rank 0 sends until rank 0 sends ``stop`` (protocol:
-:mod:`trainer.parallel.distributed`). With ``trainer.parallel: fsdp`` it shards the policy BEFORE loading
-(a sharded checkpoint loads into the shards, a collective with rank 0), and between steps it
-also joins the collectives rank 0 announces: the gather of each weight tensor rank 0 publishes
-(GATHER) and the writing of its checkpoint shards (SAVE). It dies with the torchrun agent
-(``PR_SET_PDEATHSIG``) and keeps the default SIGTERM action: it holds nothing that needs a clean
-shutdown.
+A follower opens no bus socket, writes no checkpoint and sends no weights: it builds the policy and
+:class:`trainer.trainer.Trainer` like rank 0, loads the checkpoint rank 0 names, then trains the
+share of each step rank 0 sends and joins the weight gathers and sharded saves it announces, until
+``stop`` (:mod:`trainer.parallel.distributed`). It dies with the torchrun agent
+(``PR_SET_PDEATHSIG``) and holds nothing that needs a clean shutdown.
 """
 
 from __future__ import annotations
@@ -40,11 +36,10 @@ __all__ = ["checkpoint_writer", "follow", "follower_main", "join_data_parallel",
 
 
 def join_data_parallel(cfg: RunConfig) -> DataParallel | None:
-    """Join the trainer's data-parallel group when ``trainer.data_parallel > 1`` (under torchrun,
-    backend ``trainer.dp_backend``, timeout ``trainer.dp_timeout_s``); None with one rank.
+    """Join the trainer's data-parallel group when ``trainer.data_parallel > 1``; None with one rank.
 
     Raises:
-        ValueError: see :meth:`DataParallel.from_env` (not under torchrun, wrong world size).
+        ValueError: see :meth:`DataParallel.from_env`.
     """
     t = cfg.trainer
     if t.data_parallel == 1:
@@ -53,17 +48,10 @@ def join_data_parallel(cfg: RunConfig) -> DataParallel | None:
 
 
 def load_trainer_checkpoint(path: Path, trainer: Trainer) -> dict:
-    """Restore ``trainer``'s model, optimizer, LR scheduler and RNG states from checkpoint ``path``
-    (the same call on every data-parallel rank, so all of them continue identically); returns its
-    state. A sharded (fsdp) trainer reads the checkpoint's ``sharded/`` files (a collective).
-
-    The learning rate follows the trainer's config from the checkpoint's step on
-    (:func:`trainer.optim.lr_schedule.set_lr_schedule_step`): a resumed run whose
-    ``trainer.optim`` (``lr``, ``scheduler``, ``warmup_steps``, ``min_lr_ratio``) or
-    ``trainer.max_steps`` differs from the saving run's trains with the new schedule, and one
-    warning names the old and new rates; an unchanged config resumes bit for bit. A checkpoint
-    without LR scheduler state (written before the trainer saved it; those runs trained with a
-    constant rate) is put at its step the same way."""
+    """Restore ``trainer``'s model, optimizer, LR schedule and RNG from checkpoint ``path`` (every
+    rank alike; a sharded trainer reads ``sharded/``, a collective); returns its state. The learning
+    rate follows the config from the checkpoint's step on (:func:`set_lr_schedule_step`), with one
+    warning when it differs from the saving run's."""
     model, optimizer = trainer.model, trainer.optimizer
     read = (lambda p: load_sharded(model, optimizer, p / SHARDED_DIR)) if is_sharded(model) else None
     saved = has_scheduler_state(path)
@@ -92,9 +80,8 @@ def load_trainer_checkpoint(path: Path, trainer: Trainer) -> dict:
 
 
 def checkpoint_writer(trainer: Trainer) -> Callable[[Path], None] | None:
-    """Rank 0's ``write_state`` of :func:`trainer.state.checkpoint.save_checkpoint` for a sharded
-    (fsdp) trainer: tell the followers to write their shards into ``DIR/sharded`` (SAVE), then
-    write rank 0's; None for one rank or DDP (rank 0 writes the whole state alone)."""
+    """Rank 0's ``write_state`` for a sharded (fsdp) trainer: tell the followers to write their
+    shards (SAVE), then write its own; None for one rank or DDP."""
     dp, model = trainer.dp, trainer.model
     if dp is None or not is_sharded(model):
         return None
@@ -107,12 +94,8 @@ def checkpoint_writer(trainer: Trainer) -> Callable[[Path], None] | None:
 
 
 def follow(cfg: RunConfig, dp: DataParallel) -> Trainer:
-    """A rank > 0 of the data-parallel trainer: no bus, no checkpoints, no weights out.
-
-    Builds the policy and :class:`Trainer` like rank 0, loads the checkpoint rank 0 names (or
-    none), wraps the forward in DDP, then trains each share rank 0 sends until it sends ``stop``
-    (see :mod:`trainer.parallel.distributed`). Returns the trainer (its weights equal rank 0's).
-    """
+    """A rank > 0: build the policy and :class:`Trainer` like rank 0, load the checkpoint rank 0
+    names (or none), join the group and :func:`serve` until ``stop``; returns the trainer."""
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
     torch.manual_seed(cfg.trainer.seed)
@@ -132,12 +115,12 @@ def follow(cfg: RunConfig, dp: DataParallel) -> Trainer:
 
 
 def serve(trainer: Trainer, dp: DataParallel) -> int:
-    """A follower's loop, once ``trainer`` is in ``dp`` (:meth:`Trainer.enable_data_parallel`):
-    train each share rank 0 sends, join the gathers (GATHER) and sharded saves (SAVE) it
-    announces, until ``stop``; then leave data parallelism. Returns the steps trained.
+    """A follower's loop once ``trainer`` is in ``dp``: train each share rank 0 sends, join its
+    gathers (GATHER) and sharded saves (SAVE), until ``stop``; then leave data parallelism. Returns
+    the steps trained.
 
     Raises:
-        ValueError: a message out of protocol (see :meth:`DataParallel.recv_command`).
+        ValueError: a message out of protocol.
     """
     entries = weight_entries(trainer.model) if is_sharded(trainer.model) else []
     steps = 0
@@ -158,9 +141,9 @@ def serve(trainer: Trainer, dp: DataParallel) -> int:
 
 
 def follower_main(argv: list[str] | None = None) -> int:
-    """Entry of a rank > 0 (``RANK`` set by torchrun): log, die with the torchrun agent, join
-    the group and :func:`follow`; returns 0 once rank 0 sent ``stop``. On an exception it logs
-    it and ends the process at once with exit code 1 (see below)."""
+    """Entry of a rank > 0 (``RANK`` set by torchrun); returns 0 once rank 0 sent ``stop``. On an
+    exception it logs it and exits at once with code 1 (no finalizers: a hung rank would keep rank 0
+    waiting ``trainer.dp_timeout_s``)."""
     parser = argparse.ArgumentParser(description="rlbus trainer, data-parallel rank > 0")
     parser.add_argument("--run-dir", required=True, help="run directory holding config.yaml")
     parser.add_argument("--name", default="trainer", help="component name")

@@ -1,16 +1,7 @@
-"""The trainer rank's device: where :func:`trainer_device` says the policy (and so every tensor the
-trainer builds from it) lives.
-
-``busctl up`` resolves ``trainer.device`` (``auto`` -> ``cuda`` or ``cpu``, :mod:`busctl.placement`)
-and starts the trainer with ``CUDA_VISIBLE_DEVICES`` listing its devices, so inside the process
-``cuda`` is ``cuda:0`` for a single rank and ``cuda:LOCAL_RANK`` for data-parallel rank
-``LOCAL_RANK`` (:class:`trainer.parallel.distributed.DataParallel` picks that one from its backend). A
-config that was not resolved by busctl (tests, a hand-started trainer) resolves ``auto`` here
-the same way, from what torch sees.
-
-Invariant: the model is moved to this device once, right after loading; the micro-batch arrays,
-the reference policy (a copy of the moved model) and teacher logprobs follow the model's device
-(:meth:`trainer.trainer.Trainer.micro_step`).
+"""The trainer rank's device (:func:`trainer_device`): the policy is moved there once after loading,
+and every tensor the trainer builds follows it. ``busctl up`` resolves ``trainer.device`` and sets
+``CUDA_VISIBLE_DEVICES``, so ``cuda`` is ``cuda:0`` for one rank and ``cuda:LOCAL_RANK`` for a
+data-parallel rank; a config busctl did not resolve (tests) resolves ``auto`` here the same way.
 """
 
 from __future__ import annotations
@@ -22,18 +13,12 @@ from trainer.parallel.distributed import DataParallel
 
 
 def trainer_device(cfg: RunConfig, dp: DataParallel | None) -> torch.device:
-    """The device of this trainer rank.
-
-    Args:
-        cfg: the run config (``trainer.device``: ``auto``, ``cpu`` or ``cuda``).
-        dp: this rank's data-parallel group (``trainer.data_parallel > 1``), or None.
-
-    Returns:
-        ``dp.device`` for a data-parallel rank; else ``cuda`` (the first visible device) or ``cpu``.
+    """The device of this trainer rank: ``dp.device`` for a data-parallel rank, else ``cuda:0`` or
+    CPU by ``cfg.trainer.device`` (``auto``, ``cpu`` or ``cuda``).
 
     Raises:
-        ValueError: ``trainer.device`` is ``cuda`` but torch sees no CUDA device, or it disagrees
-            with the data-parallel group's device (set by ``trainer.dp_backend``).
+        ValueError: ``cuda`` but torch sees no CUDA device, or it disagrees with the data-parallel
+            group's device (``trainer.dp_backend``).
     """
     asked = cfg.trainer.device
     if asked == "cuda" and not torch.cuda.is_available():

@@ -1,21 +1,9 @@
 """The trainer's CPU threads follow the producers: few while they sample, all while they wait.
 
-On a CPU host the trainer and the vLLM producers share the cores. A producer samples the groups of
-step ``s`` only once the policy version reaches ``s - max_async_level`` (the prompt source's
-gate, :mod:`prompts.source`), so while the trainer trains step ``v`` (version ``v``) the producers
-can be sampling steps ``v + 1 .. v + max_async_level`` and nothing later. Once every one of those
-steps is complete in the trainer's ledger, the producers have no training work left until this
-step's weights go out: their cores are idle, and the trainer takes them.
-
-:class:`ThreadPlan` decides, before each micro-batch, between ``sampling`` threads (some step the
-producers may sample is still incomplete) and ``idle`` threads (all are buffered), and sets
-``torch.set_num_threads`` when the choice changes. Eval requests and re-issued prompts are not
-foreseen (they run at ``idle`` threads' contention; they are a few percent of the sampling).
-With producers on other hosts set ``trainer.num_threads`` to the host's cores and leave
-``trainer.idle_threads`` at 0 (always ``num_threads``).
-
-Invariants: the choice never changes the result beyond float rounding (the same ops, another
-split across threads); with ``idle == sampling`` (or 0) nothing is ever changed.
+:class:`ThreadPlan` picks, before each micro-batch, ``idle`` threads once every step the producers
+may still sample (``step + 1 .. step + max_async_level``) is complete in the trainer's ledger, else
+``sampling`` threads (docs/ARCHITECTURE.md, "Trainer math"); the count changes float rounding only.
+With the producers on other hosts, leave ``trainer.idle_threads`` at 0.
 """
 
 from __future__ import annotations
