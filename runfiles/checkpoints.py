@@ -1,9 +1,5 @@
-"""Where the trainer's checkpoints are in a run directory, read by the components that resume from
-them (the packer numbers steps from the latest, the prompt source forgets eval rounds above it).
-
-Layout (written by :mod:`trainer.state.checkpoint`): ``RUN_DIR/checkpoints/step_N/``, complete once it
-holds a ``DONE`` file. Only files are read here: no trainer code, no sockets.
-"""
+"""Where the trainer's checkpoints are (written by :mod:`trainer.state.checkpoint`): ``RUN_DIR/checkpoints/
+step_N/``, complete once it holds ``DONE``; read without trainer code by the packer and the prompt source."""
 
 from __future__ import annotations
 
@@ -11,12 +7,10 @@ import os
 from pathlib import Path
 
 CHECKPOINTS_DIR = "checkpoints"
-"""The trainer's checkpoint root under the run directory (``step_NNNNNN/`` with a ``DONE`` file)."""
 
 
 def checkpoint_step(run_dir: str | os.PathLike[str]) -> int:
-    """The step of the trainer's latest complete checkpoint in ``run_dir`` (``checkpoints/step_N``
-    holding a ``DONE`` file), or 0 if there is none: the step a resumed run continues from."""
+    """The step of the latest complete checkpoint in ``run_dir`` (0: none), where a resumed run continues."""
     root = Path(run_dir) / CHECKPOINTS_DIR
     steps = [0]
     if root.is_dir():
