@@ -1,16 +1,9 @@
 """Per-token off-policy lag of a step's loss tokens: counts per micro-batch, fractions per step.
 
-The lag of a token trained at step ``s`` is ``s - v``, where ``v`` is the policy version that
-sampled it (``MicroBatch.token_versions``, from the producer's run-length version spans; a partial
-rollout mixes versions within one sample). :func:`lag_token_counts` buckets a micro-batch's loss
-tokens into lags ``0, 1, ..., LAG_BUCKETS - 2`` and ``>= LAG_BUCKETS - 1``, as stats keys
-``lag_tokens/<bucket>`` that :func:`trainer.trainer.merge_stats` sums over micro-batches and
-ranks; :func:`lag_fractions` turns the step's totals into ``lag_frac/<bucket>`` metrics.
-
-Invariants: every bucket is reported (zeros included), so a step's fractions sum to 1 whenever it
-has loss tokens (none are reported for a step without any); a negative lag (a token sampled by a
-policy newer than the step, possible only after a resumed trainer rolled the policy back) counts
-as lag 0.
+A token sampled by policy version ``v`` and trained at step ``s`` has lag ``s - v`` (a partial
+rollout mixes versions within a sample). Buckets ``0, 1, ..., LAG_BUCKETS - 2`` and ``>=
+LAG_BUCKETS - 1`` are all reported, zeros included, so a step's fractions sum to 1; a negative lag
+(after a resume rolled the policy back) counts as 0.
 """
 
 from __future__ import annotations
@@ -27,12 +20,11 @@ COUNT_PREFIX, FRAC_PREFIX = "lag_tokens/", "lag_frac/"
 
 
 def lag_token_counts(token_versions: np.ndarray, loss_mask: np.ndarray, step: int) -> dict[str, float]:
-    """Loss tokens per lag bucket of one micro-batch, from its host arrays (no device involved).
+    """Loss tokens per lag bucket of one micro-batch, from its host arrays.
 
     Args:
-        token_versions: ``[T] int64`` policy version of each token. loss_mask: ``[T] bool``
-            (numpy arrays, or CPU tensors).
-        step: the optimizer step being trained (= the trained weights' version).
+        token_versions: ``[T] int64`` policy version of each token. loss_mask: ``[T] bool``.
+        step: the optimizer step being trained.
 
     Returns:
         ``{"lag_tokens/<bucket>": count}`` for every bucket of :data:`BUCKET_NAMES`.

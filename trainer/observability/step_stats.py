@@ -1,13 +1,7 @@
-"""A trainer step's statistics: what each micro-batch contributes, and the step's metrics from their totals.
-
-Each micro-batch contributes SUMS (counts, sums of per-token values) and MIN/MAX values (keys ending
-in ``_min``/``_max``), so they add over micro-batches and data-parallel ranks (:func:`merge_stats`)
-and the step's per-token means divide by step totals (:func:`step_metrics`). A micro-batch's stats
-come from two places: the host arrays it arrived with (:func:`host_micro_stats`: token, sample and
-reward counts, off-policy lag buckets, on-policy tokens), and the device (the loss and its
-statistics, `trainer.losses.policy_loss_terms`), which stay there as 0-dim tensors until the step
-reads every micro-batch's back at once (:func:`read_back`): one host sync per step, not per
-micro-batch.
+"""A trainer step's statistics: what each micro-batch contributes, and the step's metrics from their
+totals. A micro-batch contributes sums and ``_min``/``_max`` values, so they merge over micro-batches
+and ranks (:func:`merge_stats`); its counts come from its host arrays (:func:`host_micro_stats`),
+its loss statistics stay on the device until the step reads them all back at once (:func:`read_back`).
 """
 
 from __future__ import annotations
@@ -24,15 +18,9 @@ __all__ = ["REWARD_TERM_PREFIX", "host_micro_stats", "merge_stats", "read_back",
 
 
 def host_micro_stats(mb: MicroBatch) -> dict[str, float]:
-    """The stats of one micro-batch that its host arrays give (no device involved).
-
-    Returns:
-        ``num_tokens``, ``num_micro_batches`` (1), ``num_samples``, ``reward_sum``,
-        ``reward_sq_sum`` (float64 sums of the samples' rewards), ``reward_terms/<name>/sum`` and
-        ``/count`` (:func:`reward_term_stats`), ``onpolicy_tokens`` (loss tokens generated under
-        exactly the weights being trained: ``token_versions == step``) and ``lag_tokens/<bucket>``
-        (:func:`trainer.observability.lag_stats.lag_token_counts`).
-    """
+    """The stats of one micro-batch that its host arrays give: token, sample and micro-batch counts,
+    float64 reward sums and squares, ``reward_terms/<name>/sum`` and ``/count``, ``onpolicy_tokens``
+    (loss tokens with ``token_versions == step``) and ``lag_tokens/<bucket>``."""
     rewards = np.asarray(mb.rewards, dtype=np.float64)
     mask = np.asarray(mb.loss_mask, dtype=bool)
     versions = np.asarray(mb.token_versions, dtype=np.int64)
@@ -71,9 +59,8 @@ def reward_term_stats(reward_terms: dict[str, list[float]]) -> dict[str, float]:
 
 
 def merge_stats(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-    """Merge two sets of micro-batch (or rank) stats: keys ending in ``_min`` take the minimum,
-    ``_max`` the maximum, every other key is a sum (the loss stats contract: sums, min, max per
-    micro-batch). A key missing on one side takes the other side's value. Returns a new dict."""
+    """Merge two micro-batch (or rank) stats: ``_min`` keys take the minimum, ``_max`` the
+    maximum, the rest add; a key on one side only is kept. Returns a new dict."""
     out = dict(a)
     for key, value in b.items():
         if key not in out:
@@ -88,14 +75,10 @@ def merge_stats(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
 
 
 def step_metrics(totals: dict[str, float], grad_norm: float, train_time_s: float, *, skipped: bool) -> dict[str, float]:
-    """The metrics of :meth:`Trainer.step` from the step's merged stats (see its docstring).
-
-    Per-token means divide by the step's loss tokens (at least 1). Rewards: ``mean = S1 / n``,
-    ``std = sqrt(max(S2 / n - mean**2, 0))`` from float64 sums over micro-batches and ranks (the
-    clamp absorbs rounding; for rewards of order 1 the one-pass error is ~1e-16, negligible for a
-    metric); NaN when the step has no samples. ``reward/<name>`` = the mean of reward function
-    ``name``'s own score over the step's samples that carry it (``MicroBatch.reward_terms``).
-    """
+    """The metrics of :meth:`Trainer.step` (keys: :data:`trainer.observability.step_keys.STEP_KEYS`)
+    from the step's merged stats. Per-token means divide by the loss tokens (at least 1); rewards
+    ``mean = S1 / n``, ``std = sqrt(max(S2 / n - mean**2, 0))`` from float64 sums (NaN without
+    samples); ``reward/<name>`` averages over the samples that carry that function's score."""
     t = dict(totals)
     n_loss = max(t.get("loss_tokens", 0.0), 1.0)
     n = t.pop("num_samples", 0.0)

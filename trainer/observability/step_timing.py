@@ -1,34 +1,12 @@
-"""Where each trainer step's wall time goes: phase times per step, in ``metrics.jsonl`` and Prometheus.
+"""Where each trainer step's wall time goes: ``time/<phase>_s`` per step in ``metrics.jsonl``, and the
+counter ``rlbus_trainer_phase_seconds_total{phase}`` (``rate()`` of it: the share of wall time).
 
-Phases (seconds per step; their keys in a step's metrics are ``time/<phase>_s``):
-
-- ``wait_data``: from the end of the previous step's work to having all micro-batches of this
-  step (:meth:`trainer.proc.TrainerProc.receive_step`; eval records are written by their own thread, not here);
-- ``forward``: the packed forward and the loss of every micro-batch (sum over micro-batches);
-- ``backward``: ``loss.backward()`` of every micro-batch (sum; under DDP the last one all-reduces);
-- ``optimizer``: gradient clipping, the stats all-gather of data parallelism, the AdamW step;
-- ``weight_send``: the trainer thread's part of publishing the new weights
-  (:meth:`trainer.publish.WeightPublisher.publish`; a broadcast's bytes move in the background);
-- ``bookkeeping``: the rest of the loop: step stats, the ``metrics.jsonl`` and
-  ``trained_samples.jsonl`` appends, checkpoints, custody releases, Prometheus and control messages.
-
-Invariant: the six phases partition the step's ``step_time_s`` (the time between two marks taken
-right after each step's weights were handed off): ``bookkeeping`` is the remainder, so a step's
-records and checkpoint are counted in the NEXT step's ``bookkeeping`` (they are written after the
-mark). Forward/backward/optimizer come from :meth:`trainer.trainer.Trainer.step`, which marks each
-boundary with a CUDA timing event (:class:`PhaseMarks`) so kernels are charged to the phase that
-queued them without the host waiting for the device at every boundary.
-
-Prometheus: ``rlbus_trainer_phase_seconds_total{phase}``, a counter of seconds per phase, the
-standard shape for "time spent in X" (like ``node_cpu_seconds_total{mode}``): ``rate()`` of it is
-the fraction of wall time per phase and a stacked panel of the six sums to ~1, with no bucket
-series; per-step distributions are in ``metrics.jsonl``.
-
-What bookkeeping does where: the per-step items stay on the trainer thread, each well under a
-millisecond on the default job (the ``metrics.jsonl`` and ``trained_samples.jsonl`` appends, the
-step ledger, the gauges); a periodic checkpoint copies the state here and writes and fsyncs it
-on a background thread (:mod:`trainer.state.background_save`), since its files and fsyncs take tens
-to hundreds of milliseconds on a busy disk. ``time/bookkeeping_s`` shows what it costs in a run.
+Phases (:data:`PHASES`): ``wait_data`` (for the step's micro-batches), ``forward`` and ``backward``
+(sums over micro-batches), ``optimizer`` (clip, stats all-gather, AdamW), ``weight_send`` (the
+trainer thread's part of publishing) and ``bookkeeping``, the remainder: the six partition
+``step_time_s``, so a step's records and checkpoint count in the next step's bookkeeping. On a GPU
+forward, backward and optimizer are marked with CUDA events (:class:`PhaseMarks`), so the host does
+not wait for the device at a phase boundary.
 """
 
 from __future__ import annotations
@@ -66,13 +44,9 @@ def share_key(phase: str) -> str:
 
 
 class PhaseMarks:
-    """Phase boundaries of one trainer step, marked without making the host wait for the device.
-
-    On CUDA each :meth:`mark` records a timing event on the current stream (``torch.cuda.Event``):
-    the device stamps it when it reaches that point of the queued work, so the host goes on
-    queueing kernels; :meth:`seconds` reads the stamps after the step's work is done (it waits
-    for the last mark). Elsewhere a mark is ``time.perf_counter()`` (the work is done when the call
-    returns). A phase is then charged the device time of the kernels queued between its marks.
+    """Phase boundaries of one trainer step, marked without making the host wait for the device:
+    on CUDA a mark is a timing event the device stamps when it reaches it (read by :meth:`seconds`
+    after the work), elsewhere ``time.perf_counter()``.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -98,11 +72,9 @@ class PhaseMarks:
 
 
 class StepPhases:
-    """Splits the trainer loop's wall time into :data:`PHASES` (see the module docstring).
-
-    Per step: :meth:`wait_started` and :meth:`wait_ended` around collecting the micro-batches, then
-    :meth:`finish` once the weights are handed off. Not thread-safe (the trainer's thread only).
-    """
+    """Splits the trainer loop's wall time into :data:`PHASES`: :meth:`wait_started` and
+    :meth:`wait_ended` around collecting a step's micro-batches, :meth:`finish` once its weights are
+    handed off. The trainer's thread only."""
 
     def __init__(self) -> None:
         self.mark = time.perf_counter()
@@ -121,18 +93,9 @@ class StepPhases:
         self._wait_s = time.perf_counter() - self._wait_from
 
     def finish(self, step_metrics: dict[str, float], weight_send_s: float) -> tuple[float, dict[str, float]]:
-        """Close the step: its wall time since the previous mark and its phase seconds.
-
-        Args:
-            step_metrics: :meth:`trainer.trainer.Trainer.step`'s metrics (``time/forward_s``,
-                ``time/backward_s``, ``time/optimizer_s``; a missing one counts as 0).
-            weight_send_s: seconds the trainer thread spent publishing the weights.
-
-        Returns:
-            ``(step_time_s, {"time/<phase>_s": seconds})`` for all six phases; ``bookkeeping`` is
-            the remainder (clamped at 0), so the phases sum to ``step_time_s``. Also adds them to
-            ``rlbus_trainer_phase_seconds_total`` and to the recent window.
-        """
+        """Close the step: returns ``(step_time_s, {"time/<phase>_s": seconds})`` for the six
+        phases (forward, backward and optimizer from ``step_metrics``, a missing one 0; bookkeeping
+        the remainder, at least 0), and adds them to the counter and the recent window."""
         now = time.perf_counter()
         step_s, self.mark = now - self.mark, now
         times = {"wait_data": self._wait_s, "weight_send": weight_send_s}
