@@ -103,7 +103,8 @@ def test_busctl_keys_writes_one_certificate_per_host_and_each_host_serves_its_ow
     assert "server_name" not in tls.prometheus_tls_config()  # Prometheus checks each target's own host
     with pytest.raises(
         ValueError,
-        match=r"no server certificate in .*hosts names 10\.9\.9\.9 .*alpha: alpha, 127\.0\.0\.1.*--hosts NAME=10\.9\.9\.9",
+        match=r"no server certificate in .*hosts names 10\.9\.9\.9 .*alpha: alpha, 127\.0\.0\.1"
+        r".*--hosts NAME=10\.9\.9\.9",
     ):
         tls.server_files("10.9.9.9")  # a host the directory was not made for (and not this machine)
 
