@@ -1,11 +1,6 @@
 """The trainer process (rank 0): ``batches`` -> optimizer step -> weights to the producers, with
-checkpoints, custody of the micro-batches and resume after a restart.
-
-Per step: collect the step's micro-batches (:class:`trainer.state.step_ledger.StepLedger`), one
-optimizer step (:class:`trainer.trainer.Trainer`), publish the weights
-(:class:`trainer.publish.WeightPublisher`), append the step's records, checkpoint when due and
-release what a checkpoint covers, then announce ``trainer.step``. The loop's order, custody and
-resume: docs/ARCHITECTURE.md, "The trainer process". Under torchrun (``trainer.data_parallel > 1``)
+checkpoints, custody of the micro-batches and resume after a restart (order, custody and resume
+rules: docs/ARCHITECTURE.md, "The trainer process"). Under torchrun (``trainer.data_parallel > 1``)
 this is rank 0; ranks > 0 run :mod:`trainer.dp_follower`.
 """
 
@@ -155,14 +150,9 @@ class TrainerProc(Component):
     # -- resume -----------------------------------------------------------------------------------
 
     def restore(self) -> None:
-        """Load the latest complete checkpoint, if any, and cut the run's records back to it; sets
-        ``start_step``, ``reannounce_from`` and ``resumed``.
-
-        Raises:
-            ValueError: the checkpoint does not match the config (full vs LoRA, beyond
-                ``max_steps``), or the trainer restarted without a checkpoint after steps were
-                released (``checkpoint_interval: 0``).
-        """
+        """Load the latest complete checkpoint, if any, cut the records back to it and set
+        ``start_step``, ``reannounce_from`` and ``resumed``. ValueError for a checkpoint that does not
+        fit the config, or a restart without one after released steps (``checkpoint_interval: 0``)."""
         restarts, resume = self.launch.restarts, self.launch.resume
         path = latest_checkpoint(self.checkpoint_dir)
         if path is None:

@@ -1,9 +1,7 @@
 """Weight publication after each optimizer step: :class:`WeightPublisher` holds the sender of the
 run's method and its fallback, re-forms the broadcast group as producers join or die, and falls
-back when it cannot (the protocol: docs/ARCHITECTURE.md, "Weights"). :func:`weights_payload` is
-what the producers get: the merged full weights or a LoRA adapter, with QeRL noise on the RMSNorm
-weights when enabled, gathered tensor by tensor when sharded. They travel in the producers' dtype
-(:func:`weights_dtype`): the sender casts while it copies, so no cast copy of the model is held.
+back when it cannot (docs/ARCHITECTURE.md, "Weights"); :func:`weights_payload` is what the producers
+get. Weights travel in the producers' dtype (:func:`weights_dtype`), cast by the sender as it copies.
 """
 
 from __future__ import annotations
@@ -63,15 +61,11 @@ for _method in WEIGHT_METHODS:
 def weights_payload(
     model: torch.nn.Module, cfg, version: int, *, adapter: bool, dp: DataParallel | None = None
 ) -> Mapping[str, torch.Tensor]:
-    """What the producers get as ``version`` (``cfg``: the ``RunConfig``): the merged full weights
-    (:func:`trainer.state.model.policy_state_dict`), or with ``adapter`` the LoRA adapter (plus the
-    whole RMSNorm weights under the noise scheduler). With ``broadcast.noise_scheduler.enabled`` the
-    RMSNorm weights sent are noisy copies (QeRL, :mod:`broadcaster.noise`); ``model``'s stay clean.
-    A sharded model gives :class:`trainer.parallel.sharding.GatheredWeights` (rank 0 of ``dp``).
-
-    Raises:
-        ValueError: a sharded model with the noise scheduler or without ``dp``.
-    """
+    """What the producers get as ``version`` (``cfg``: the ``RunConfig``): the merged full weights, or
+    with ``adapter`` the LoRA adapter (plus whole RMSNorm weights under the noise scheduler, which
+    makes them noisy copies: QeRL, :mod:`broadcaster.noise`; ``model``'s stay clean); a sharded model
+    gives :class:`trainer.parallel.sharding.GatheredWeights` (rank 0 of ``dp``). Raises ValueError for
+    a sharded model with the noise scheduler or without ``dp``."""
     noise = cfg.broadcast.noise_scheduler
     if is_sharded(model):
         if noise.enabled or dp is None:
@@ -103,24 +97,13 @@ def weights_dtype(cfg) -> torch.dtype:
 
 
 class WeightPublisher:
-    """Publishes each policy version to the producers through a swappable sender, re-forming the
-    broadcast group when producers join or die.
-
-    Args:
-        sender: the run's sender, opened (:func:`broadcaster.factory.build_senders`).
-        fallback: the fallback sender, filesystem or bus (None: failures raise).
-        announce: sends one control-channel message (``weights.ready``, ``weights.group``).
-        payload: ``payload(version, adapter=...) -> {hf_name: tensor}`` (:func:`weights_payload`).
-        adapter: send LoRA adapters where the sender carries them.
-        dtype: the wire dtype of floating weights (:func:`weights_dtype`); None: the payload's own.
-        former: forms re-formed groups (:func:`broadcaster.factory.build_group_former`); None: a
-            failed broadcast falls back for the whole run.
-        members: the producers in ``sender``'s group, in rank order (``producer-0`` is rank 1).
-        inbox: ``recv(timeout_s) -> Message | None`` of the publisher's own control subscriber
-            (``weights.wanted``, ``weights.group_ack``); None: none read.
-        rejoin: a restarted or resumed trainer: every producer starts on the fallback method and
-            joins a new group once it shows it is alive.
-    """
+    """Publishes each policy version to the producers through a swappable sender: ``sender`` (opened,
+    :func:`broadcaster.factory.build_senders`) and ``fallback`` (filesystem or bus; None: failures
+    raise); ``announce`` sends a control message; ``payload(version, adapter=...)`` gives the weights
+    (``adapter``: LoRA adapters where the sender carries them) sent in ``dtype``; ``former`` re-forms
+    the group of ``members`` (rank order; None: a failed broadcast falls back for the run); ``inbox``
+    reads the publisher's own control subscriber; ``rejoin``: a restarted trainer, every producer on
+    the fallback until it shows it is alive."""
 
     def __init__(
         self,
@@ -200,9 +183,8 @@ class WeightPublisher:
         return self.sender.method
 
     def publish(self, version: int) -> float:
-        """Announce and send the weights of ``version``; returns the seconds the trainer thread
-        spent here. Settles the previous transfer and serves join requests first; a send that fails
-        at once re-forms the group (or falls back) and re-publishes ``version``."""
+        """Announce and send ``version`` (settling the previous transfer and serving joiners first;
+        a failed send recovers and re-publishes); returns the seconds the trainer thread spent."""
         started = time.perf_counter()
         self.settle()
         self._read_inbox()
@@ -233,10 +215,8 @@ class WeightPublisher:
             TRANSFER_SECONDS.observe(done["transfer_s"])
 
     def serve_late_joiner(self, producer: str, version: int) -> None:
-        """A producer outside the group wants weights (``weights.wanted`` of ``version``): with a
-        former, re-form the group with it now and re-send the last version; without one, fall back
-        now and re-publish it there. A producer without weights never waits for a publication that
-        a trainer waiting for data would never make."""
+        """A producer outside the group wants ``version``: re-form the group with it and re-send the
+        last version, or without a former fall back and re-publish it there (never leave it waiting)."""
         if self.former is not None:
             self._joining.setdefault(producer, version)
             self.settle()
@@ -270,9 +250,7 @@ class WeightPublisher:
     # -- re-forming the group ----------------------------------------------------------------------
 
     def _read_inbox(self) -> dict[str, int]:
-        """Take every waiting message; returns the join requests taken now (kept in ``_joining``
-        until a re-form; one attempt per producer and version; with ``rejoin`` a first
-        ``weights.applied`` counts as a request)."""
+        """Take the waiting messages; returns the join requests taken now (one per producer and version)."""
         asked: dict[str, int] = {}
         while self._inbox is not None and (msg := self._inbox(0.0)) is not None:
             if isinstance(msg, WeightGroupAck):

@@ -1,11 +1,7 @@
 """The trainer's logic, socket-free: one optimizer step (AdamW, clipped gradient norm, the LR schedule
-of ``trainer.optim``) over a step's packed micro-batches, their gradients accumulated.
-
-The step's gradient does not depend on its split into micro-batches or ranks, the host never waits
-for the device inside the micro-batch loop, each micro-batch's logits are divided by its own
-temperature, and a non-finite loss or gradient norm skips the optimizer step (weights and AdamW
-state unchanged; the version still advances): docs/ARCHITECTURE.md, "Trainer math" and "Failure
-containment". The process around it: :mod:`trainer.proc`.
+of ``trainer.optim``) over a step's packed micro-batches. Split invariance, no host sync in the
+micro-batch loop, per-micro-batch temperature and the non-finite guard: docs/ARCHITECTURE.md,
+"Trainer math" and "Failure containment".
 """
 
 from __future__ import annotations
@@ -63,16 +59,9 @@ def build_trainer(model: torch.nn.Module, cfg: RunConfig) -> "Trainer":
 
 
 class Trainer:
-    """Takes optimizer steps on the policy.
-
-    Args:
-        model: HF causal LM (possibly peft-wrapped), float32, in train mode.
-        cfg: the trainer section of the run config.
-        max_tokens: the sampler's ``max_tokens`` (only ``seq_mean_token_sum_norm`` needs it).
-
-    Raises:
-        ValueError: aggregation ``seq_mean_token_sum_norm`` without ``max_tokens``.
-    """
+    """Takes optimizer steps on ``model`` (an HF causal LM, possibly peft-wrapped, float32, train
+    mode) with the trainer section ``cfg``; ``max_tokens``: the sampler's, needed by
+    ``seq_mean_token_sum_norm`` only (ValueError without it)."""
 
     def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, *, max_tokens: int | None = None) -> None:
         self.model = model
@@ -109,14 +98,9 @@ class Trainer:
         """Seconds of the current (or last) :meth:`step` per phase (:mod:`trainer.observability.step_timing`)."""
 
     def micro_step(self, mb: MicroBatch) -> tuple[float, dict[str, float]]:
-        """Forward + backward of one micro-batch, its results read back at once; returns its loss
-        contribution and stats: :func:`trainer.observability.step_stats.host_micro_stats`, the loss
-        terms, and ``onpolicy_lp_diff_max`` (the largest ``|train - sampler logprob|`` over loss
-        tokens sampled by exactly these weights: ~0 when the producers run them).
-
-        Raises:
-            ValueError: bad lengths, step normalizers or inputs (:func:`trainer.losses.check_loss_inputs`).
-        """
+        """Forward + backward of one micro-batch, read back at once; returns its loss contribution
+        and stats (host counts, loss terms, ``onpolicy_lp_diff_max``: the largest ``|train - sampler
+        logprob|`` over tokens sampled by these very weights). ValueError for bad inputs."""
         marks = PhaseMarks(self._device())
         device_stats, host_stats = self._queue_micro_batch(mb, marks)
         stats = {**host_stats, **read_back([device_stats])[0]}
@@ -178,11 +162,7 @@ class Trainer:
         return next(self.model.parameters()).device
 
     def set_temperature(self, temperature: float) -> None:
-        """Divide the logits of the next packed forwards by ``temperature`` (> 0).
-
-        Raises:
-            ValueError: temperature is not a finite number > 0.
-        """
+        """Divide the next packed forwards' logits by ``temperature`` (ValueError unless finite > 0)."""
         if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
             raise ValueError(f"micro-batch temperature must be a finite number > 0, got {temperature!r}")
         self._packed().temperature = float(temperature)
@@ -250,16 +230,10 @@ class Trainer:
         self.phase_s["backward"] += marks.seconds(first + 1, first + 2)
 
     def step(self, micro_batches: Sequence[MicroBatch | None]) -> dict[str, float]:
-        """One optimizer step over a step's micro-batches (with data parallelism: this rank's share,
-        ``None`` for padding slots); every rank reports the whole step and skips or steps alike.
-
-        Returns:
-            The step's metrics, keyed as :data:`trainer.observability.step_keys.STEP_KEYS`.
-
-        Raises:
-            ValueError: no slots, micro-batches of several steps, padding slots without data
-                parallelism, or (one rank) no micro-batch at all.
-        """
+        """One optimizer step over a step's micro-batches (data-parallel: this rank's share, ``None``
+        for padding slots); returns the whole step's metrics (keys:
+        :data:`trainer.observability.step_keys.STEP_KEYS`). ValueError for no slots, several steps,
+        padding without data parallelism, or no micro-batch on one rank."""
         real = [mb for mb in micro_batches if mb is not None]
         if not micro_batches or len({mb.step for mb in real}) > 1 or (self.dp is None and not real):
             raise ValueError("a step needs its micro-batches, all of one step")

@@ -1,12 +1,9 @@
-"""Data-parallel training over torch.distributed ranks under torchrun: the group, each rank's share of
-a step's micro-batches, and the reduction of gradients (summed) and step stats (gathered, merged in
-rank order). Roles and invariants: docs/ARCHITECTURE.md, "Data parallelism".
-
-Leader (rank 0) -> followers protocol, on a gloo group: a header ``int64 [2 + W]`` broadcast from
-rank 0, ``[kind, slots, size_0, ..., size_{W-1}]`` (kind: STEP, TEXT, STOP, GATHER, SAVE; slots: the
-step's micro-batch slots, or the entry to gather), then a ``uint8 [max(size_r)]`` payload scattered
-from rank 0 unless every size is 0. A share is a msgpack list of encoded
-:class:`bus.messages.MicroBatch` frames, validated by :func:`bus.codec.decode` (no pickle).
+"""Data-parallel training under torchrun: the group, each rank's share of a step's micro-batches, and
+the reduction of gradients (summed) and step stats (gathered, merged in rank order); roles and
+invariants: docs/ARCHITECTURE.md, "Data parallelism". Leader -> followers protocol, on a gloo group:
+an ``int64 [2 + W]`` header ``[kind, slots, size_0, ..., size_{W-1}]`` broadcast from rank 0, then a
+``uint8 [max(size_r)]`` payload scattered from it unless every size is 0; a share is a msgpack list
+of encoded :class:`bus.messages.MicroBatch` frames, checked by :func:`bus.codec.decode` (no pickle).
 """
 
 from __future__ import annotations
@@ -51,20 +48,10 @@ STOP_WAIT_S = 10.0
 
 
 def share_micro_batches(num_tokens: Sequence[int], num_ranks: int) -> list[list[int]]:
-    """Share a step's micro-batches among ranks by the LPT rule (Graham 1969): by decreasing
-    tokens, each to the least-loaded rank with fewer than ``ceil(n / num_ranks)`` (ties: lower
-    index, lower rank), so every rank runs the same slot count up to padding.
-
-    Args:
-        num_tokens: ``[num_micro_batches]`` ints >= 1, tokens per micro-batch.
-        num_ranks: int >= 1, data-parallel world size.
-
-    Returns:
-        ``share[rank]`` = indices into ``num_tokens``, largest first; rank 0's holds the largest.
-
-    Raises:
-        ValueError: ``num_ranks < 1``, no micro-batches, or a token count < 1.
-    """
+    """Share micro-batches of ``num_tokens`` (``[n]`` ints >= 1) among ``num_ranks`` by the LPT rule
+    (Graham 1969): by decreasing tokens, each to the least-loaded rank with fewer than
+    ``ceil(n / num_ranks)`` (ties: lower index, lower rank); ``share[rank]`` = indices, largest first,
+    rank 0's holding the largest. Raises ValueError for ``num_ranks < 1``, no or empty micro-batches."""
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
     if not num_tokens or min(num_tokens) < 1:
@@ -85,11 +72,7 @@ def encode_share(micro_batches: Sequence[MicroBatch]) -> bytes:
 
 
 def decode_share(payload: bytes | memoryview) -> list[MicroBatch]:
-    """Inverse of :func:`encode_share`.
-
-    Raises:
-        ValueError: not a list of frame lists, or a message that is not a valid :class:`MicroBatch`.
-    """
+    """Inverse of :func:`encode_share`; ValueError for anything but a list of valid MicroBatch frames."""
     items = msgpack.unpackb(payload, raw=False, strict_map_key=True)
     if not isinstance(items, list) or not all(isinstance(frames, list) for frames in items):
         raise ValueError("a data-parallel share must be a msgpack list of frame lists")
@@ -114,13 +97,9 @@ def launcher_pid() -> int:
 
 @dataclass
 class DataParallel:
-    """This process's place in the data-parallel trainer group.
-
-    Attributes:
-        rank, world_size, local_rank: from torchrun. device: ``cuda:LOCAL_RANK`` with NCCL, else
-            CPU. backend: "gloo" or "nccl" (gradients). control_group: the gloo group of the
-            leader's messages and the step stats (None: the default group).
-    """
+    """This process's place in the trainer group: ``rank``, ``world_size``, ``local_rank`` from
+    torchrun; ``device`` (``cuda:LOCAL_RANK`` with NCCL, else CPU); ``backend`` of the gradients;
+    ``control_group``, the gloo group of the leader's messages and stats (None: the default)."""
 
     rank: int
     world_size: int
@@ -132,17 +111,10 @@ class DataParallel:
 
     @classmethod
     def from_env(cls, backend: Backend, timeout_s: float, world_size: int | None = None) -> "DataParallel":
-        """Join the group torchrun describes in the environment (``init_method="env://"``).
-
-        Args:
-            backend: "auto" (nccl with CUDA, else gloo), "gloo" or "nccl".
-            timeout_s: bound on every collective, seconds.
-            world_size: the expected number of ranks (``trainer.data_parallel``); None: any.
-
-        Raises:
-            ValueError: not under torchrun (:data:`TORCHRUN_ENV` unset), another world size, or
-                nccl without CUDA.
-        """
+        """Join the group torchrun describes (``env://``); ``backend`` "auto" (nccl with CUDA, else
+        gloo), "gloo" or "nccl"; ``timeout_s`` bounds every collective; ``world_size``: the expected
+        rank count (None: any). Raises ValueError outside torchrun, for another world size, or nccl
+        without CUDA."""
         missing = [k for k in TORCHRUN_ENV if k not in os.environ]
         if missing:
             raise ValueError(
@@ -215,12 +187,8 @@ class DataParallel:
     # -- leader -> followers ----------------------------------------------------------------------
 
     def send_step(self, micro_batches: Sequence[MicroBatch]) -> list[MicroBatch | None]:
-        """Leader: send every follower its share of a step; returns the leader's own share, padded
-        with ``None`` slots.
-
-        Raises:
-            ValueError: not the leader, or no micro-batches.
-        """
+        """Leader: send every follower its share of a step; returns its own, padded with ``None``.
+        Raises ValueError if not the leader or without micro-batches."""
         self._check_leader("send_step")
         shares = share_micro_batches([len(mb.input_ids) for mb in micro_batches], self.world_size)
         slots = max(len(share) for share in shares)
@@ -236,12 +204,8 @@ class DataParallel:
         self._send(TEXT, 0, [b""] + [data] * (self.world_size - 1))
 
     def send_gather(self, index: int) -> None:
-        """Leader: tell the followers to all-gather weight entry ``index`` now
-        (:class:`trainer.parallel.sharding.GatheredWeights`).
-
-        Raises:
-            ValueError: not the leader, or the followers were already stopped.
-        """
+        """Leader: tell the followers to all-gather weight entry ``index`` now; ValueError if not the
+        leader or the followers were stopped."""
         self._check_leader("send_gather")
         if self.stopped:
             raise ValueError("the data-parallel followers were stopped: sharded weights can no longer be gathered")
@@ -267,11 +231,8 @@ class DataParallel:
             log.warning("followers did not take stop (%s: %s)", type(exc).__name__, exc)
 
     def recv_step(self) -> list[MicroBatch | None] | None:
-        """Follower: this rank's share of the next step, padded with ``None``; None after ``stop``.
-
-        Raises:
-            ValueError: the leader sent something else than a step or stop.
-        """
+        """Follower: this rank's share of the next step, padded with ``None``; None after ``stop``
+        (ValueError for another kind)."""
         kind, slots, payload = self._recv()
         if kind == STOP:
             return None
@@ -280,12 +241,8 @@ class DataParallel:
         return self._share(slots, payload)
 
     def recv_command(self) -> tuple[int, object]:
-        """Follower: the leader's next message: ``(STEP, share)``, ``(GATHER, entry index)``,
-        ``(SAVE, directory)`` or ``(STOP, None)``.
-
-        Raises:
-            ValueError: another kind.
-        """
+        """Follower: ``(STEP, share)``, ``(GATHER, entry)``, ``(SAVE, directory)`` or ``(STOP, None)``
+        (ValueError for another kind)."""
         kind, slots, payload = self._recv()
         if kind == STEP:
             return kind, self._share(slots, payload)
@@ -306,11 +263,7 @@ class DataParallel:
         return share + [None] * (slots - len(share))
 
     def recv_text(self) -> str:
-        """Follower: the text of the leader's :meth:`send_text`.
-
-        Raises:
-            ValueError: the leader sent something else.
-        """
+        """Follower: the leader's :meth:`send_text` (ValueError for another kind)."""
         kind, _, payload = self._recv()
         if kind != TEXT:
             raise ValueError(f"rank {self.rank} expected a text from the leader, got message kind {kind}")

@@ -1,12 +1,8 @@
 """FSDP2 for the trainer (``trainer.parallel: fsdp``): sharding the packed forward, activation
 checkpointing, clipping over sharded gradients, sharded (DCP) checkpoints, and the weights gathered
-one tensor at a time for the producers.
-
-Gradients are summed over ranks (divide factor 1, as DDP's
-:func:`trainer.parallel.distributed.sum_gradients_hook`) and reduce-scattered after every
-micro-batch; every collective here runs on every rank in the same order, the out-of-step ones
-announced by the leader (GATHER, SAVE). Why, and what fsdp refuses: docs/ARCHITECTURE.md, "Data
-parallelism".
+one tensor at a time for the producers. Gradients are summed over ranks and reduce-scattered after
+every micro-batch; every collective runs on every rank in the same order, the out-of-step ones
+announced by the leader (GATHER, SAVE). Why: docs/ARCHITECTURE.md, "Data parallelism".
 """
 
 from __future__ import annotations
@@ -60,13 +56,9 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:
-    """Recompute each decoder layer's activations in the backward (``trainer.activation_checkpointing``):
-    transformers' non-reentrant per-layer checkpointing, recomputed under the forward's attention
-    implementation (the packed varlen one is switched on for the forward only).
-
-    Raises:
-        ValueError: the model does not support gradient checkpointing.
-    """
+    """Recompute each decoder layer in the backward (``trainer.activation_checkpointing``):
+    transformers' non-reentrant checkpointing, under the forward's attention implementation.
+    Raises ValueError if the model does not support it."""
     hf = base_model(model)
     if not getattr(hf, "supports_gradient_checkpointing", False):
         raise ValueError(
@@ -99,19 +91,11 @@ def _attention_implementation(model: torch.nn.Module, name: str) -> Iterator[Non
 def shard_policy(
     packed: torch.nn.Module, mesh_device: torch.device, world_size: int, *, bfloat16: bool
 ) -> torch.nn.Module:
-    """Shard ``packed`` (a :class:`trainer.forward.packed.PackedLogprobs`) with FSDP2 in place and
-    return it: ``fully_shard`` on each decoder layer, then on ``packed`` as the root, gradients
-    summed. Call on every rank with identical weights (creating the mesh is a collective).
-
-    Args:
-        packed: the packed forward; ``packed.model`` is the policy (not peft-wrapped).
-        mesh_device: ``DataParallel.device`` (CPU with gloo, ``cuda:r`` with nccl).
-        world_size: data-parallel ranks.
-        bfloat16: ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` (``trainer.dtype``).
-
-    Raises:
-        ValueError: a peft (LoRA) model, or a decoder without ``layers``.
-    """
+    """Shard ``packed`` (a :class:`trainer.forward.packed.PackedLogprobs` over a policy without
+    peft) with FSDP2 in place and return it: ``fully_shard`` per decoder layer, then ``packed`` as the
+    root, gradients summed, ``bfloat16``: ``MixedPrecisionPolicy(bfloat16, reduce float32)``. A
+    collective over ``world_size`` ranks on ``mesh_device``, with identical weights. Raises
+    ValueError for a peft (LoRA) model or a decoder without ``layers``."""
     model = packed.model
     if base_model(model) is not model:
         raise ValueError(
@@ -196,15 +180,10 @@ def full_entry(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class GatheredWeights(Mapping):
-    """The policy's weights for the producers, each gathered only when read: ``self[name]`` calls
-    ``announce(k)`` (the followers gather entry ``k`` too) and returns a new full tensor; ``items()``
-    and ``values()`` give shape and dtype stand-ins without gathering (for ``build_manifest``).
-
-    Args:
-        model: the sharded policy (its ``state_dict()`` holds DTensors).
-        announce: called with the entry index before each gather (``DataParallel.send_gather``).
-        dtype: the producers' dtype, floating entries cast to it after the gather; None: float32.
-    """
+    """The sharded ``model``'s weights for the producers, each gathered when read: ``self[name]``
+    calls ``announce(k)`` (``DataParallel.send_gather``) and returns a new full tensor, floating
+    ones cast to ``dtype`` (None: float32); ``items()`` and ``values()`` give shape and dtype
+    stand-ins without gathering (all ``build_manifest`` reads)."""
 
     def __init__(
         self, model: torch.nn.Module, announce: Callable[[int], None], dtype: torch.dtype | None = None
@@ -251,11 +230,7 @@ def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, direc
 
 def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
     """Load :func:`save_sharded`'s ``directory`` into the sharded ``model`` and ``optimizer`` in
-    place (any world size). A collective.
-
-    Raises:
-        ValueError: ``directory`` holds no DCP checkpoint.
-    """
+    place (any world size; a collective). Raises ValueError if it holds no DCP checkpoint."""
     if not (directory / ".metadata").is_file():
         raise ValueError(f"{directory}: no torch.distributed.checkpoint files (.metadata missing)")
     model_state, optim_state = get_state_dict(model, optimizer)
@@ -265,21 +240,11 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, direc
 
 
 def read_sharded_policy(directory: Path, config: PretrainedConfig) -> PreTrainedModel:
-    """The policy of :func:`save_sharded`'s ``directory`` as one plain transformers model, read on
-    ONE process with no process group (``busctl export``): built from ``config`` in the shards'
-    dtype (init skipped, tied weights re-tied) and filled by ``dcp.load(no_dist=True)`` from every
-    saving rank's shards; the optimizer's entries are not read.
-
-    Args:
-        directory: a checkpoint's ``sharded/`` directory (``.metadata`` + ``*.distcp``).
-        config: the policy's transformers config (the checkpoint's ``config.json``).
-
-    Returns:
-        The model (eval mode, on CPU).
-
-    Raises:
-        ValueError: no DCP files, weights of several dtypes, or a weight missing or of another shape.
-    """
+    """The policy of :func:`save_sharded`'s ``directory`` (``.metadata`` + ``*.distcp``) as one plain
+    transformers model in eval mode on CPU, read on ONE process with no process group (``busctl
+    export``): built from ``config`` in the shards' dtype (init skipped, tied weights re-tied), filled
+    by ``dcp.load(no_dist=True)``. Raises ValueError for no DCP files, several weight dtypes, or a
+    weight missing or of another shape."""
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from transformers import AutoModelForCausalLM

@@ -47,15 +47,9 @@ _TMP_PREFIX = ".tmp_step_"
 
 @dataclass(frozen=True)
 class CheckpointState:
-    """What a checkpoint saves, copied at one moment by :func:`snapshot_state`.
-
-    Attributes:
-        model_state: the model's ``state_dict()`` with every trainable tensor cloned (tensors
-            that shared storage still do: tied weights stay tied); frozen ones by reference.
-        optimizer_state: a deep copy of ``optimizer.state_dict()``.
-        scheduler_state: a deep copy of the LR scheduler's ``state_dict()``, or None without one.
-        rng: the RNG states (``rng.json``'s content).
-    """
+    """What a checkpoint saves, copied at one moment by :func:`snapshot_state`: ``model_state``
+    (trainable tensors cloned, tied ones still tied, frozen ones by reference), deep copies of the
+    optimizer and LR scheduler ``state_dict()`` (None without one), and the ``rng`` states."""
 
     model_state: dict[str, torch.Tensor]
     optimizer_state: dict[str, Any]
@@ -180,24 +174,14 @@ def save_checkpoint(
     state: CheckpointState | None = None,
     write_state: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Write ``directory/step_{step:06d}/`` atomically (replacing one of the same step) and prune
-    to the last ``keep`` checkpoints; returns its path.
-
-    Args:
-        directory: checkpoint root (created if missing); one trainer writes into it.
-        step: optimizer steps completed (the policy version of ``model``'s weights), >= 0.
-        model: the training model; a peft model saves its adapter only.
-        optimizer, scheduler: their ``state_dict()`` is saved (``scheduler``: None without one).
-        extra: JSON-able caller state, returned by :func:`load_checkpoint`; no key ``"step"``.
-        keep: complete checkpoints to keep, >= 1 (this one included).
-        state: a :func:`snapshot_state` to write instead of the state now (training may go on).
-        write_state: writes model and optimizer state into the directory it gets, instead of
-            ``save_pretrained`` and ``optimizer.pt`` (a sharded save every rank joins); no ``state``.
-
-    Raises:
-        ValueError: ``step`` < 0, ``keep`` < 1, ``extra`` has ``"step"`` or is not JSON-able, or
-            both ``write_state`` and ``state``.
-    """
+    """Write ``directory/step_{step:06d}/`` atomically (replacing one of the same step), prune to
+    the last ``keep`` (>= 1) and return its path. ``step``: optimizer steps done (the weights'
+    version); a peft ``model`` saves its adapter only; ``extra``: JSON-able state for
+    :func:`load_checkpoint`; ``state``: a :func:`snapshot_state` to write instead of the state now;
+    ``write_state``: writes model and optimizer state into the directory it gets instead of
+    ``save_pretrained`` and ``optimizer.pt`` (a sharded save every rank joins). Raises ValueError for
+    ``step`` < 0, ``keep`` < 1, an ``extra`` with ``"step"`` or not JSON-able, or both ``state`` and
+    ``write_state``."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
     if keep < 1:
@@ -277,22 +261,11 @@ def load_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     read_state: Callable[[Path], None] | None = None,
 ) -> dict[str, Any]:
-    """Restore weights, optimizer (and LR scheduler) and RNG states from :func:`save_checkpoint`'s
-    ``path``; returns ``{"step": N, **extra}``.
-
-    Args:
-        path: a complete checkpoint directory.
-        model: a fresh model of the same architecture and kind (LoRA: the base with the same
-            adapter config); weights are copied in place.
-        optimizer: over ``model``'s trainable parameters in the same order; its state is replaced.
-        scheduler: the LR scheduler over ``optimizer``, exactly when the checkpoint has one.
-        read_state: loads a sharded checkpoint's state (:func:`trainer.parallel.sharding.load_sharded`),
-            exactly when the checkpoint is sharded.
-
-    Raises:
-        ValueError: not a complete checkpoint, another format, or a mismatch with ``model`` (full vs
-            LoRA, weights), ``scheduler`` or ``read_state``.
-    """
+    """Restore weights, optimizer, LR scheduler and RNG states from :func:`save_checkpoint`'s
+    ``path`` into a fresh ``model`` of the same kind (LoRA: base + the same adapter config) and an
+    ``optimizer`` over its trainable parameters in the same order; ``scheduler`` and ``read_state``
+    (a sharded checkpoint's loader) exactly when it has them. Returns ``{"step": N, **extra}``.
+    Raises ValueError for an incomplete checkpoint, another format or any mismatch."""
     path = Path(path)
     meta = _read_meta(path)
     if meta.get("format") != FORMAT:
@@ -331,20 +304,13 @@ def load_checkpoint(
 
 
 def has_scheduler_state(path: str | os.PathLike[str]) -> bool:
-    """Whether checkpoint ``path`` holds an LR scheduler's state (older checkpoints have none).
-
-    Raises:
-        ValueError: ``path`` is not a complete checkpoint.
-    """
+    """Whether checkpoint ``path`` holds an LR scheduler's state (older ones have none); ValueError
+    if it is not complete."""
     return bool(_read_meta(Path(path)).get("scheduler", False))
 
 
 def _read_meta(path: Path) -> dict:
-    """``meta.json`` of the complete checkpoint ``path``.
-
-    Raises:
-        ValueError: ``path`` has no ``DONE`` marker.
-    """
+    """``meta.json`` of the complete checkpoint ``path`` (ValueError without ``DONE``)."""
     if not (path / DONE).is_file():
         raise ValueError(f"{path} is not a complete checkpoint (no {DONE} marker); use latest_checkpoint()")
     return json.loads((path / "meta.json").read_text())
