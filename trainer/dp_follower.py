@@ -1,11 +1,8 @@
 """The data-parallel ranks > 0 (``trainer.data_parallel > 1``, under torchrun), and the checkpoint
-and group helpers they share with rank 0 (:mod:`trainer.proc`).
-
-A follower opens no bus socket, writes no checkpoint and sends no weights: it builds the policy and
-:class:`trainer.trainer.Trainer` like rank 0, loads the checkpoint rank 0 names, then trains the
-share of each step rank 0 sends and joins the weight gathers and sharded saves it announces, until
-``stop`` (:mod:`trainer.parallel.distributed`). It dies with the torchrun agent
-(``PR_SET_PDEATHSIG``) and holds nothing that needs a clean shutdown.
+and group helpers rank 0 shares. A follower opens no bus socket, writes no checkpoint and sends no
+weights: it builds the trainer like rank 0, loads the checkpoint rank 0 names, then trains each
+share rank 0 sends and joins the gathers and sharded saves it announces until ``stop``
+(:mod:`trainer.parallel.distributed`). It dies with the torchrun agent (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -36,11 +33,8 @@ __all__ = ["checkpoint_writer", "follow", "follower_main", "join_data_parallel",
 
 
 def join_data_parallel(cfg: RunConfig) -> DataParallel | None:
-    """Join the trainer's data-parallel group when ``trainer.data_parallel > 1``; None with one rank.
-
-    Raises:
-        ValueError: see :meth:`DataParallel.from_env`.
-    """
+    """Join the trainer's group when ``trainer.data_parallel > 1`` (errors: :meth:`DataParallel.from_env`);
+    None with one rank."""
     t = cfg.trainer
     if t.data_parallel == 1:
         return None
@@ -115,13 +109,8 @@ def follow(cfg: RunConfig, dp: DataParallel) -> Trainer:
 
 
 def serve(trainer: Trainer, dp: DataParallel) -> int:
-    """A follower's loop once ``trainer`` is in ``dp``: train each share rank 0 sends, join its
-    gathers (GATHER) and sharded saves (SAVE), until ``stop``; then leave data parallelism. Returns
-    the steps trained.
-
-    Raises:
-        ValueError: a message out of protocol.
-    """
+    """A follower's loop once ``trainer`` is in ``dp``: train each share, join the gathers and
+    sharded saves, until ``stop``; returns the steps trained (ValueError out of protocol)."""
     entries = weight_entries(trainer.model) if is_sharded(trainer.model) else []
     steps = 0
     while True:

@@ -19,21 +19,15 @@ SCHEDULES = ("constant", "linear", "cosine")
 
 
 def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """The factor of the peak learning rate at 0-based optimizer step ``step``, in [0, 1].
+    """The factor in [0, 1] of the peak learning rate at 0-based step ``step`` of ``total_steps``.
 
     Warm-up, ``step < warmup_steps``: ``(step + 1) / warmup_steps`` (never 0). After it, with
     ``p = min(1, (step - warmup_steps + 1) / max(1, total_steps - warmup_steps))`` and
-    ``m = min_lr_ratio``: constant ``1``; linear ``m + (1 - m) * (1 - p)``; cosine
+    ``m = min_lr_ratio`` in [0, 1]: constant ``1``; linear ``m + (1 - m) * (1 - p)``; cosine
     ``m + (1 - m) * 0.5 * (1 + cos(pi * p))``, so the last step trains with exactly ``m``. Source:
     transformers' ``get_cosine_with_min_lr_schedule_with_warmup_lr_rate`` (the ``+ 1`` convention)
-    and torchtitan's ``linear_warmup_stable_decay``.
-
-    Args:
-        step: >= 0. schedule: one of :data:`SCHEDULES`. warmup_steps: in [0, total_steps].
-        total_steps: ``trainer.max_steps``, >= 1. min_lr_ratio: in [0, 1].
-
-    Raises:
-        ValueError: an unknown ``schedule`` or an argument out of range.
+    and torchtitan's ``linear_warmup_stable_decay``. ValueError for another ``schedule`` than
+    :data:`SCHEDULES` or an argument out of range.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -55,12 +49,8 @@ def build_lr_scheduler(
     optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """``LambdaLR(optimizer, lr_factor)`` for ``trainer.optim`` over ``total_steps``, built right
-    after the optimizer (its groups' ``lr`` are the peaks); ``.step()`` once after each optimizer
-    step. Its ``state_dict()`` is a checkpoint's ``scheduler.pt``; the factor comes from the config.
-
-    Raises:
-        ValueError: ``total_steps`` < 1 or ``cfg.warmup_steps`` > ``total_steps``.
-    """
+    after the optimizer; ``.step()`` after each optimizer step; its ``state_dict()`` is
+    ``scheduler.pt``. ValueError if ``total_steps`` < 1 or ``warmup_steps`` > ``total_steps``."""
     if total_steps < 1 or cfg.warmup_steps > total_steps:
         raise ValueError(
             f"need 1 <= total_steps and warmup_steps <= total_steps, got total_steps={total_steps}, "
@@ -96,13 +86,8 @@ def rebind_lr_scheduler(
 
 @dataclasses.dataclass(frozen=True)
 class ResumedRate:
-    """The learning rate of a resumed trainer's next step, by the checkpoint and by the config.
-
-    Attributes:
-        step: the step trained next (the checkpoint's). checkpoint_peak, config_peak: the peak
-            ``trainer.optim.lr`` of the saving run and of this one. checkpoint_lr: the saved
-            schedule's rate for ``step``. config_lr: ``config_peak * lr_factor(step)``.
-    """
+    """The rate of a resumed trainer's next ``step``: the peaks of the saving run and of this
+    config, the saved schedule's rate for ``step`` and this config's (``config_peak * lr_factor``)."""
 
     step: int
     checkpoint_peak: float
@@ -117,14 +102,10 @@ class ResumedRate:
 
 
 def set_lr_schedule_step(scheduler: torch.optim.lr_scheduler.LambdaLR, peak_lr: float, steps_done: int) -> list[float]:
-    """Put ``scheduler`` (from :func:`build_lr_scheduler`) and its optimizer's groups at step
-    ``steps_done`` of the config's schedule with peak ``peak_lr``, whatever ``scheduler.pt`` or
-    ``optimizer.pt`` held: each ``lr`` becomes ``peak_lr * lr_factor(steps_done)`` by LambdaLR's
-    own expression (an unchanged config gives the saved rate bit for bit); returns those rates.
-
-    Raises:
-        ValueError: ``steps_done`` < 0 or ``peak_lr`` <= 0.
-    """
+    """Put ``scheduler`` and its optimizer's groups at step ``steps_done`` of the config's schedule
+    with peak ``peak_lr``, whatever ``scheduler.pt`` or ``optimizer.pt`` held, by LambdaLR's own
+    expression (an unchanged config gives the saved rate bit for bit); returns the groups' rates.
+    ValueError if ``steps_done`` < 0 or ``peak_lr`` <= 0."""
     if steps_done < 0 or not peak_lr > 0:
         raise ValueError(f"need steps_done >= 0 and peak_lr > 0, got steps_done={steps_done}, peak_lr={peak_lr}")
     groups = scheduler.optimizer.param_groups

@@ -14,12 +14,8 @@ from trainer.parallel.distributed import DataParallel
 
 def trainer_device(cfg: RunConfig, dp: DataParallel | None) -> torch.device:
     """The device of this trainer rank: ``dp.device`` for a data-parallel rank, else ``cuda:0`` or
-    CPU by ``cfg.trainer.device`` (``auto``, ``cpu`` or ``cuda``).
-
-    Raises:
-        ValueError: ``cuda`` but torch sees no CUDA device, or it disagrees with the data-parallel
-            group's device (``trainer.dp_backend``).
-    """
+    CPU by ``trainer.device``. ValueError for ``cuda`` without a CUDA device, or one that disagrees
+    with the data-parallel group's (``trainer.dp_backend``)."""
     asked = cfg.trainer.device
     if asked == "cuda" and not torch.cuda.is_available():
         raise ValueError(

@@ -1,9 +1,6 @@
-"""The trainer's CPU threads follow the producers: few while they sample, all while they wait.
-
-:class:`ThreadPlan` picks, before each micro-batch, ``idle`` threads once every step the producers
-may still sample (``step + 1 .. step + max_async_level``) is complete in the trainer's ledger, else
-``sampling`` threads (docs/ARCHITECTURE.md, "Trainer math"); the count changes float rounding only.
-With the producers on other hosts, leave ``trainer.idle_threads`` at 0.
+"""The trainer's CPU threads follow the producers: few while they sample, all while they wait
+(docs/ARCHITECTURE.md, "Trainer math"); the count changes float rounding only. With the producers
+on other hosts, leave ``trainer.idle_threads`` at 0.
 """
 
 from __future__ import annotations
@@ -23,18 +20,10 @@ IDLE_MICRO_BATCHES = Counter(
 
 
 class ThreadPlan:
-    """Chooses the trainer's torch intra-op thread count before each micro-batch.
-
-    Args:
-        sampling: threads while some step the producers may sample is incomplete (>= 1).
-        idle: threads once every such step is buffered (>= 1; equal to ``sampling``: fixed).
-        lookahead: ``max_async_level``, how many steps past the one being trained the producers
-            may sample (>= 0).
-        max_steps: the run's last step + 1 (steps from here on are never sampled).
-
-    Raises:
-        ValueError: a count < 1, ``lookahead`` < 0 or ``max_steps`` < 1.
-    """
+    """Picks the torch thread count before each micro-batch: ``idle`` once every step the producers
+    may sample (the ``lookahead`` = ``max_async_level`` steps past the one trained, below
+    ``max_steps``) is buffered, else ``sampling``. ValueError for a count < 1, ``lookahead`` < 0 or
+    ``max_steps`` < 1."""
 
     def __init__(self, sampling: int, idle: int, lookahead: int, max_steps: int) -> None:
         if sampling < 1 or idle < 1 or lookahead < 0 or max_steps < 1:

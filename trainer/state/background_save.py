@@ -1,8 +1,7 @@
-"""One checkpoint save at a time on a background thread, so file writes and fsyncs leave the
-trainer's hot path: the trainer snapshots the state on its own thread
-(:func:`trainer.state.checkpoint.snapshot_state`), then :meth:`BackgroundSave.start` writes it while
-the next step trains. Each completed save is handed back once, on the caller's thread, with its
-exception re-raised there; the caller releases a step only once its save came back.
+"""One checkpoint save at a time on a background thread, off the trainer's hot path: the trainer
+snapshots the state (:func:`trainer.state.checkpoint.snapshot_state`), :meth:`BackgroundSave.start`
+writes it while the next step trains, and each save comes back once on the caller's thread, its
+exception re-raised there (a step is released only once its save came back).
 """
 
 from __future__ import annotations
@@ -27,11 +26,7 @@ class BackgroundSave:
         return self._step
 
     def start(self, step: int, save: Callable[[], Path]) -> None:
-        """Run ``save`` on a new thread for checkpoint ``step``.
-
-        Raises:
-            ValueError: a save is still in flight (call :meth:`wait` first).
-        """
+        """Run ``save`` on a new thread for checkpoint ``step``; ValueError while one is in flight."""
         if self._step is not None:
             raise ValueError(
                 f"the checkpoint of step {self._step} is still in flight; wait() for it before saving step {step}"
@@ -48,21 +43,15 @@ class BackgroundSave:
         self._thread.start()
 
     def finished(self) -> tuple[int, Path] | None:
-        """``(step, path)`` of the save in flight if it has completed (once), else None; never blocks.
-
-        Raises:
-            Exception: the save's own exception, if it failed.
-        """
+        """``(step, path)`` of the save in flight once it completed (once), else None; never blocks.
+        Re-raises the save's exception."""
         if self._thread is None or self._thread.is_alive():
             return None
         return self._hand_back()
 
     def wait(self) -> tuple[int, Path] | None:
-        """Block until the save in flight completes; ``(step, path)`` (once), or None if none was in flight.
-
-        Raises:
-            Exception: the save's own exception, if it failed.
-        """
+        """Block until the save in flight completes: ``(step, path)`` (once), or None if none was in
+        flight. Re-raises the save's exception."""
         if self._thread is None:
             return None
         self._thread.join()

@@ -1,10 +1,6 @@
-"""The files that make a checkpoint a complete Hugging Face model directory besides its weights:
-``save_pretrained`` writes no tokenizer, and peft's no generation config of the base.
-
-:func:`write_model_files` copies them from the directory the policy was loaded from (its
-``name_or_path``): the tokenizer and chat template, a LoRA base's ``generation_config.json``, and
-for a sharded checkpoint the model's ``config.json``, from which ``busctl export`` builds the model.
-A source without a tokenizer is logged and skipped: the checkpoint is then not self-contained.
+"""The files that make a checkpoint a complete Hugging Face model directory besides its weights
+(``save_pretrained`` writes no tokenizer, and peft's no base generation config), copied from the
+directory the policy was loaded from; a source without a tokenizer is logged and skipped.
 """
 
 from __future__ import annotations
@@ -42,15 +38,9 @@ def _tokenizer(source: str) -> PreTrainedTokenizerBase | None:
 
 
 def write_model_files(directory: Path, model: torch.nn.Module, *, with_config: bool = False) -> None:
-    """Write the tokenizer (and, for LoRA, the base's generation config) of ``model``'s source
-    into ``directory``; none when there is no source or it has no tokenizer (logged once).
-
-    Args:
-        directory: the checkpoint directory being written.
-        model: a transformers model or a peft model over one (parameters may be DTensors).
-        with_config: also write ``config.json`` and ``generation_config.json`` (:func:`write_config`;
-            a sharded save has no ``save_pretrained`` files).
-    """
+    """Write the tokenizer and chat template (and for LoRA the base's generation config) of
+    ``model``'s source into ``directory`` (none without a source or tokenizer; logged once);
+    ``with_config``: also :func:`write_config`, for a sharded save."""
     if with_config:
         write_config(directory, model)
     source = model_source(model)

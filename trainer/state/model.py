@@ -19,12 +19,8 @@ from configs.schema import LoraSection
 
 def load_policy(path: str, lora: LoraSection, *, attn_implementation: str = "sdpa") -> torch.nn.Module:
     """Load the HF causal LM at ``path`` (a directory, or a hub id in the local HF cache) in
-    float32, in train mode, wrapped with a LoRA adapter if enabled.
-
-    Raises:
-        FileNotFoundError: ``path`` is neither a model directory nor in the local HF cache.
-        OSError: the directory's files do not load.
-    """
+    float32, train mode, with a LoRA adapter if enabled. FileNotFoundError if it is neither; OSError
+    if its files do not load."""
     model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
         resolve_model_path(path), dtype=torch.float32, attn_implementation=attn_implementation
     )
@@ -78,13 +74,9 @@ def lora_adapter_state_dict(
     """The "lora" payload of a peft model (:mod:`broadcaster.manifest`): per adapted Linear ``M``,
     ``M.lora_A.weight`` ``[r, in]``, ``M.lora_B.weight`` ``[out, r]`` (live tensors) and
     ``M.lora_scaling`` ``[]`` (alpha / r, in B's dtype), so ``W = W_base + (B @ A) * scaling`` (Hu et
-    al. 2021, eq. 3) rebuilds :func:`policy_state_dict`'s weight. ``include``: base weights (HF
-    names) sent whole after the adapter entries.
-
-    Raises:
-        ValueError: not a peft model, or a layer this payload cannot express (several active
-            adapters, DoRA, a LoRA bias, ``fan_in_fan_out``, a non-Linear base).
-    """
+    al. 2021, eq. 3); ``include``: base weights (HF names) sent whole after them. ValueError for a
+    model without peft or a layer it cannot express (several adapters, DoRA, a LoRA bias,
+    ``fan_in_fan_out``, a non-Linear base)."""
     if not isinstance(model, PeftModel):
         raise ValueError(
             "lora_adapter_state_dict needs a peft LoRA model; send policy_state_dict(model) for full weights"

@@ -1,11 +1,8 @@
-"""The trainer's custody bookkeeping, without sockets: which micro-batches it holds, trained, and may
-release (the rule: docs/ARCHITECTURE.md, "The trainer process").
-
-Steps fall into three ranges, ``covered <= next_step``: ``[0, covered)`` is covered by the last
-checkpoint (a re-sent micro-batch of these is released at once, untrained); ``[covered,
-next_step)`` is trained, its message and group ids kept until :meth:`StepLedger.cover`;
-``[next_step, ...)`` is buffered until complete (micro-batches come in any order, ahead of the step
-trained). A repeated message id counts once.
+"""The trainer's custody bookkeeping, without sockets (the rule: docs/ARCHITECTURE.md, "The trainer
+process"). Steps ``[0, covered)`` are covered by the last checkpoint (a re-sent micro-batch of them
+is released at once, untrained); ``[covered, next_step)`` are trained, their message and group ids
+kept until :meth:`StepLedger.cover`; ``[next_step, ...)`` are buffered until complete (in any order,
+ahead of the step trained). A repeated message id counts once.
 """
 
 from __future__ import annotations
@@ -52,15 +49,8 @@ class _Pending:
 
 
 class StepLedger:
-    """Buffers micro-batches by step and says when their custody may be released.
-
-    Args:
-        start_step: the step a (resumed) trainer trains next; steps below it are covered by its
-            checkpoint (0 for a fresh run).
-
-    Raises:
-        ValueError: ``start_step`` < 0.
-    """
+    """Buffers micro-batches by step and says when their custody may be released; ``start_step``
+    (>= 0, else ValueError): the step a (resumed) trainer trains next, those below it covered."""
 
     def __init__(self, start_step: int = 0) -> None:
         if start_step < 0:
@@ -74,11 +64,7 @@ class StepLedger:
 
     def offer(self, mb: MicroBatch) -> list[str]:
         """Take one received micro-batch; returns the ids to release now (``[mb.id]`` for a covered
-        step, else ``[]``).
-
-        Raises:
-            ValueError: ``mb`` gives its step another micro-batch count than an earlier one did.
-        """
+        step). ValueError if it gives its step another micro-batch count than an earlier one."""
         if mb.step < self.covered:
             return [mb.id]
         if mb.step < self.next_step:  # trained, not covered: release with its step
@@ -95,12 +81,8 @@ class StepLedger:
         return []
 
     def take(self, step: int) -> list[MicroBatch] | None:
-        """Step ``step``'s micro-batches in ``micro_index`` order once all arrived (the step then
-        counts as trained), else None.
-
-        Raises:
-            ValueError: ``step`` is not ``next_step`` (steps train in order).
-        """
+        """Step ``step``'s micro-batches in ``micro_index`` order once all arrived (it then counts as
+        trained), else None. ValueError unless ``step`` is ``next_step``."""
         if step != self.next_step:
             raise ValueError(f"steps train in order: asked for step {step}, the next one is {self.next_step}")
         pending = self._pending.get(step)
@@ -114,11 +96,7 @@ class StepLedger:
 
     def cover(self, num_steps: int) -> list[CoveredStep]:
         """A checkpoint now covers steps ``< num_steps``: returns the trained steps it newly covers,
-        oldest first.
-
-        Raises:
-            ValueError: ``num_steps`` is beyond the trained steps or below the current coverage.
-        """
+        oldest first. ValueError beyond the trained steps or below the current coverage."""
         if not self.covered <= num_steps <= self.next_step:
             raise ValueError(f"cannot cover {num_steps} steps: {self.covered} are covered and {self.next_step} trained")
         out = []
@@ -147,12 +125,8 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
 
 
 def keep_jsonl_records(path: Path, keep: Callable[[dict[str, Any]], bool]) -> int:
-    """Rewrite the JSON-lines file ``path`` atomically, keeping the records for which ``keep`` is
-    true (a torn last line goes too); returns how many were dropped (0 without the file).
-
-    Raises:
-        ValueError: a line other than the last is not a JSON object.
-    """
+    """Rewrite the JSON-lines file ``path`` atomically, keeping the records ``keep`` accepts (a torn
+    last line goes too); returns how many went. ValueError if an earlier line is not a JSON object."""
     if not path.is_file():
         return 0
     lines = path.read_text().splitlines()
