@@ -32,7 +32,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture
 def channel(tmp_path):
-    """(publisher, subscriber): an XPUB bound at the run's control_sub address (as the hub's) and a SUB on it, joined."""
+    """(publisher, subscriber): an XPUB bound at the run's control_sub address (as the hub's) and a SUB on
+    it, joined."""
     endpoints = Endpoints("ipc", tmp_path)
     endpoints.ensure_dirs()
     ctx = zmq.Context()

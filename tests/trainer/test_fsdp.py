@@ -11,8 +11,8 @@ slot, a rank with padding only, and a step skipped for rank 1's inf loss). This 
   optimizer keeps its AdamW state, :func:`trainer.parallel.sharding.shard_keeping_optimizer_state`), and
   train steps 1-4; rank 1 runs the production follower loop (:func:`trainer.dp_follower.serve`).
   After every step rank 0 sends the producers' payload (:func:`trainer.publish.weights_payload`,
-  gathered one tensor at a time with rank 1) through a real filesystem weight sender; after step 2 it writes a sharded checkpoint
-  (every rank its DCP shards, :func:`trainer.dp_follower.checkpoint_writer`);
+  gathered one tensor at a time with rank 1) through a real filesystem weight sender; after step 2 it writes a
+  sharded checkpoint (every rank its DCP shards, :func:`trainer.dp_follower.checkpoint_writer`);
 - run ``resume``: both ranks start fresh from that sharded checkpoint as trainer.proc and
   trainer.dp_follower.follow do (shard, rank 0 names the checkpoint, every rank loads its shards) and
   train steps 3-4;

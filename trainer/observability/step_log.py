@@ -1,16 +1,11 @@
-"""What the trainer reports after each optimizer step: Prometheus, ``metrics.jsonl`` and one log line.
+"""What the trainer reports after each optimizer step: :func:`report_step` sets the gauges, appends
+the ``{"step": s + 1, **metrics}`` record to ``metrics.jsonl`` and logs one INFO line
+(:func:`step_line`), so ``busctl logs RUN_DIR trainer`` shows the run step by step (one line)::
 
-:func:`report_step` is the one call :mod:`trainer.proc` makes per step; it sets the gauges
-(:func:`trainer.observability.gauges.export_step_metrics`), appends the step's training record
-``{"step": s + 1, **metrics}`` to ``metrics.jsonl`` (through the
-:class:`trainer.observability.metrics_file.MetricsFile` shared with the eval-log thread), and logs
-one INFO line (:func:`step_line`), so ``busctl logs RUN_DIR trainer`` shows the run's progress step
-by step::
+    step 12/200 loss 0.0123 reward 0.512 (std 0.21) kl 0.00120 entropy 0.84 grad_norm 0.33
+    step 3.21 s (wait 0.10 s) lag 0.40 (max 1) 1234 tok/s
 
-    step 12/200 loss 0.0123 reward 0.512 (std 0.21) kl 0.00120 entropy 0.84 grad_norm 0.33 step 3.21 s (wait 0.10 s) lag 0.40 (max 1) 1234 tok/s
-
-Missing keys are left out of the line (a metric an option turns off), a skipped (non-finite) step
-says so; non-finite values print as ``nan``/``inf``.
+A key an option turns off is left out, a skipped step says so, non-finite values print as ``nan``.
 """
 
 from __future__ import annotations
