@@ -1,24 +1,11 @@
 """The chat templates of the model families rlbus supports, as their tokenizers ship them.
 
-Written from the public ``tokenizer_config.json`` of each family's instruct checkpoints, as published
-(transcribed, not downloaded; the prompts they render are pinned in ``tests/trainer/test_model_families.py``).
-Real checkpoints bring their own template in their tokenizer files; these are for the tiny test
-models of :mod:`policies.model_families`:
-
-- :data:`QWEN2_5_TEMPLATE`: Qwen2.5-*-Instruct. Without a system message it inserts Qwen's default
-  one; every turn is ``<|im_start|>{role}\\n{content}<|im_end|>\\n``; tool calls in
-  ``<tool_call>`` tags; the generation prompt is ``<|im_start|>assistant\\n``.
-- :data:`QWEN3_TEMPLATE`: Qwen3 (hybrid thinking). No default system message; earlier assistant
-  turns lose their ``<think>`` block; ``enable_thinking=False`` appends an empty
-  ``<think>\\n\\n</think>\\n\\n`` to the generation prompt.
-- :data:`LLAMA3_TEMPLATE`: Meta-Llama-3-*-Instruct: ``<|begin_of_text|>`` (the template writes the
-  BOS itself, so prompts are encoded with ``add_special_tokens=False``), turns
-  ``<|start_header_id|>{role}<|end_header_id|>\\n\\n{content | trim}<|eot_id|>``, generation prompt
-  ``<|start_header_id|>assistant<|end_header_id|>\\n\\n``. (Llama-3.1 and later add tool calls and a
-  "Cutting Knowledge Date" system header; the turn format and ``<|eot_id|>`` are the same.)
-
-The end-of-turn token each template closes a turn with (``<|im_end|>``, ``<|eot_id|>``) is the
-token the model emits to stop: it is the tokenizer's eos and in ``generation_config.eos_token_id``.
+Transcribed (not downloaded) from each family's instruct ``tokenizer_config.json``, for the tiny test models of
+:mod:`policies.model_families`; real checkpoints bring their own, and the prompts these render are pinned in
+``tests/policies/test_model_families.py``. Qwen2.5 inserts a default system message; Qwen3 drops earlier
+``<think>`` blocks and with ``enable_thinking=False`` appends an empty one to the generation prompt; Llama-3
+writes the BOS itself (so prompts are encoded with ``add_special_tokens=False``). Each template's end-of-turn
+token (``<|im_end|>``, ``<|eot_id|>``) is the tokenizer's eos and in ``generation_config.eos_token_id``.
 """
 
 QWEN2_5_TEMPLATE = (
@@ -29,21 +16,26 @@ QWEN2_5_TEMPLATE = (
     "    {%- else %}\n"
     "        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}\n"
     "    {%- endif %}\n"
-    '    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}\n'
+    '    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are '
+    'provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}\n'
     "    {%- for tool in tools %}\n"
     '        {{- "\\n" }}\n'
     "        {{- tool | tojson }}\n"
     "    {%- endfor %}\n"
-    '    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}\n'
+    '    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within '
+    '<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": '
+    '<args-json-object>}\\n</tool_call><|im_end|>\\n" }}\n'
     "{%- else %}\n"
     "    {%- if messages[0]['role'] == 'system' %}\n"
     "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n"
     "    {%- else %}\n"
-    "        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}\n"
+    "        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+    "assistant.<|im_end|>\\n' }}\n"
     "    {%- endif %}\n"
     "{%- endif %}\n"
     "{%- for message in messages %}\n"
-    '    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}\n'
+    '    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == '
+    '"assistant" and not message.tool_calls) %}\n'
     "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n"
     '    {%- elif message.role == "assistant" %}\n'
     "        {{- '<|im_start|>' + message.role }}\n"
@@ -84,12 +76,15 @@ QWEN3_TEMPLATE = (
     "    {%- if messages[0].role == 'system' %}\n"
     "        {{- messages[0].content + '\\n\\n' }}\n"
     "    {%- endif %}\n"
-    '    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}\n'
+    '    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided '
+    'with function signatures within <tools></tools> XML tags:\\n<tools>" }}\n'
     "    {%- for tool in tools %}\n"
     '        {{- "\\n" }}\n'
     "        {{- tool | tojson }}\n"
     "    {%- endfor %}\n"
-    '    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}\n'
+    '    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within '
+    '<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": '
+    '<args-json-object>}\\n</tool_call><|im_end|>\\n" }}\n'
     "{%- else %}\n"
     "    {%- if messages[0].role == 'system' %}\n"
     "        {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}\n"
@@ -98,7 +93,8 @@ QWEN3_TEMPLATE = (
     "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}\n"
     "{%- for message in messages[::-1] %}\n"
     "    {%- set index = (messages|length - 1) - loop.index0 %}\n"
-    "    {%- if ns.multi_step_tool and message.role == \"user\" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}\n"
+    '    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and '
+    "not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}\n"
     "        {%- set ns.multi_step_tool = false %}\n"
     "        {%- set ns.last_query_index = index %}\n"
     "    {%- endif %}\n"
@@ -117,13 +113,15 @@ QWEN3_TEMPLATE = (
     "            {%- set reasoning_content = message.reasoning_content %}\n"
     "        {%- else %}\n"
     "            {%- if '</think>' in content %}\n"
-    "                {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}\n"
+    "                {%- set reasoning_content = "
+    "content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}\n"
     "                {%- set content = content.split('</think>')[-1].lstrip('\\n') %}\n"
     "            {%- endif %}\n"
     "        {%- endif %}\n"
     "        {%- if loop.index0 > ns.last_query_index %}\n"
     "            {%- if loop.last or (not loop.last and reasoning_content) %}\n"
-    "                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}\n"
+    "                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + "
+    "'\\n</think>\\n\\n' + content.lstrip('\\n') }}\n"
     "            {%- else %}\n"
     "                {{- '<|im_start|>' + message.role + '\\n' + content }}\n"
     "            {%- endif %}\n"
@@ -172,7 +170,8 @@ QWEN3_TEMPLATE = (
 
 LLAMA3_TEMPLATE = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}"
-    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + "
+    "'<|eot_id|>' %}"
     "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )

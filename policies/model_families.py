@@ -1,30 +1,10 @@
 """Tiny random models of the real families rlbus trains (Qwen2.5, Qwen3, Llama-3), for tests and benches.
 
-Each is the family's architecture (``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``LlamaForCausalLM``)
-at toy size with random weights, saved as a HF model directory with a tokenizer that carries the
-family's real chat template (:mod:`policies.chat_templates`) and special tokens, and the family's
-EOS setup:
-
-==========  ===============================  ============  ==========================================
-family      special tokens (ids 256..)       tokenizer eos generation_config.eos_token_id
-==========  ===============================  ============  ==========================================
-qwen2.5     <|endoftext|> (pad) <|im_start|> <|im_end|>    [<|im_end|>, <|endoftext|>]
-            <|im_end|>
-qwen3       the same, then <think> </think>  <|im_end|>    [<|im_end|>, <|endoftext|>]
-            <tool_call> </tool_call> (not
-            special: they survive decoding)
-llama3      <|begin_of_text|> (bos)          <|eot_id|>    [<|end_of_text|>, <|eot_id|>]
-            <|end_of_text|> (pad here)
-            <|start_header_id|>
-            <|end_header_id|> <|eot_id|>
-==========  ===============================  ============  ==========================================
-
-The vocabulary is byte-level like :mod:`policies.tiny_model`'s (ids 0..255 are the bytes, no merges),
-so ``decode(encode(s)) == s``. Sizes (:class:`Shape`): :data:`TINY` for tests (2 layers, hidden 128,
-4 query heads of 32, the smallest head the vLLM CPU attention backend takes, 2 KV heads: GQA, MLP
-256); :data:`QWEN2_5_0_5B` (Qwen2.5-0.5B's shape, padded vocabulary) for benches. ``tied=True`` ties
-``lm_head`` to the input embeddings (as Qwen2.5 <= 3B and Qwen3 <= 4B ship), ``False`` gives an own
-``lm_head`` (Llama-3 8B, 70B).
+Each is the family's architecture at toy size with random weights, saved as a HF model directory whose byte-level
+tokenizer (ids 0..255 the bytes, no merges: ``decode(encode(s)) == s``) carries the family's real chat template,
+special tokens and EOS setup (:data:`FAMILIES`; docs/models.md). Sizes: :data:`TINY` for tests (4 query heads of
+32: the smallest head vLLM's CPU attention takes; 2 KV heads: GQA) and :data:`QWEN2_5_0_5B` for benches.
+``tied=True`` ties ``lm_head`` to the embeddings (Qwen2.5 <= 3B, Qwen3 <= 4B), ``False`` does not (Llama-3 8B).
 """
 
 from __future__ import annotations
@@ -40,14 +20,9 @@ from policies.tiny_model import HEAD_DIM
 
 @dataclass(frozen=True)
 class Family:
-    """One model family's tokenizer and config conventions.
-
-    name: the family's key (``FAMILIES``). architecture: the transformers model class name.
-    specials: ``(token, special)`` after the 256 bytes, in id order; ``special=False`` tokens are
-    kept by ``decode(..., skip_special_tokens=True)``. eos / pad / bos: the tokenizer's (bos None:
-    none). stop: ``generation_config.eos_token_id``, tokens in order. chat_template: Jinja.
-    rope_theta: the family's RoPE base.
-    """
+    """One model family's tokenizer and config conventions: ``specials`` are ``(token, special)`` after the 256 bytes
+    in id order (``special=False`` tokens survive ``skip_special_tokens``, as Qwen3's ``<think>``); ``stop`` is
+    ``generation_config.eos_token_id`` in order; ``bos`` None: none."""
 
     name: str
     architecture: str
@@ -126,10 +101,8 @@ MAX_POSITION_EMBEDDINGS = 2048
 
 @dataclass(frozen=True)
 class Shape:
-    """Model size: ``hidden_size``, ``num_layers``, ``num_heads`` query heads of ``head_dim``,
-    ``num_kv_heads`` (GQA when fewer), MLP width ``intermediate_size``; ``vocab_size`` None: the
-    tokenizer's (bytes + specials); larger pads the embedding like real checkpoints (Qwen2.5:
-    151,936 rows for 151,665 tokens), ids past the tokenizer never sampled by a trained model."""
+    """Model size (GQA when ``num_kv_heads < num_heads``); ``vocab_size`` None: the tokenizer's, larger pads the
+    embedding like real checkpoints (Qwen2.5: 151,936 rows for 151,665 tokens)."""
 
     hidden_size: int
     num_layers: int
@@ -162,11 +135,8 @@ def family(name: str) -> Family:
 
 
 def build_family_tokenizer(name: str) -> Any:
-    """The byte-level tokenizer of family ``name`` (a transformers ``PreTrainedTokenizerFast``).
-
-    Ids 0..255 are the bytes, then ``Family.specials`` in order; ``chat_template`` is the family's;
-    ``encode`` adds no special tokens (the Llama-3 template writes ``<|begin_of_text|>`` itself).
-    """
+    """The byte-level tokenizer of family ``name`` (a ``PreTrainedTokenizerFast``): the bytes, then
+    ``Family.specials``; ``encode`` adds no special tokens (the Llama-3 template writes ``<|begin_of_text|>``)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -226,18 +196,8 @@ def family_config(name: str, *, tied: bool, shape: Shape = TINY) -> Any:
 
 
 def build_family_model(out_dir: str | Path, name: str, *, tied: bool, seed: int = 0, shape: Shape = TINY) -> Path:
-    """Save a random model of family ``name`` with its tokenizer to ``out_dir``.
-
-    Args:
-        out_dir: directory to write (created).
-        name: a key of :data:`FAMILIES`.
-        tied: tie ``lm_head`` to ``embed_tokens``.
-        seed: torch seed of the random init.
-        shape: the size (:data:`TINY` for tests, :data:`QWEN2_5_0_5B` for benches).
-
-    Returns:
-        ``out_dir`` with ``config.json`` (the family's ``model_type``), ``generation_config.json``
-        (``eos_token_id`` = ``Family.stop_ids``), float32 ``model.safetensors`` and the tokenizer.
+    """Save a random float32 model of family ``name`` (``seed``: torch's) with its tokenizer to ``out_dir``
+    (created; ``generation_config.json`` has ``eos_token_id`` = ``Family.stop_ids``) and return it.
 
     Raises:
         ValueError: as :func:`family_config`.

@@ -1,29 +1,14 @@
-"""The tiny default policy of rlbus: a byte-level tokenizer and a small Qwen3 model.
+"""The tiny default policy of rlbus: a byte-level tokenizer and a small Qwen3 model (1.1M parameters).
 
-The default rlbus job (``reverse_text``) must learn under GRPO within minutes on a 2-core CPU
-machine, so the policy is tiny (1.1M parameters by default) and its tokenizer works on bytes:
+The default ``reverse_text`` job must learn under GRPO within minutes on a 2-core CPU. The tokenizer is a BPE
+over the 256 bytes with no merges (id ``b`` is byte ``b``; decoding gives back exactly what was generated) plus
+``<|endoftext|>`` (256, pad), ``<|im_start|>`` and ``<|im_end|>`` (258, eos), with a Qwen-style chat template.
+The model is a random ``Qwen3ForCausalLM``, float32, untied (a tied lm_head keeps a stale packed copy after a
+weight reload on vLLM CPU). Qwen3, not Qwen2: for ``qwen2`` transformers 5 loads ``Qwen2Tokenizer`` with an NFC
+normalizer, so combining characters would not round-trip. :func:`ensure_policy` adds a deliberately partial SFT
+so GRPO starts mid-way in [0, 1], cached on disk under a key of every build parameter.
 
-- **Tokenizer.** A ``tokenizers`` BPE over the 256 byte-level symbols with *no merges*, a
-  ByteLevel pre-tokenizer and decoder, so token id ``b`` (0..255) is the byte ``b`` and decoding
-  gives back exactly the characters generated. Three special tokens follow the bytes:
-  ``<|endoftext|>`` (256, pad), ``<|im_start|>`` (257) and ``<|im_end|>`` (258, eos). It is wrapped
-  as a transformers ``PreTrainedTokenizerFast`` with a Qwen-style chat template, loads with
-  ``AutoTokenizer.from_pretrained`` and inside vLLM.
-- **Model.** A ``Qwen3ForCausalLM`` with random init (``build_random_policy``), saved as float32
-  safetensors. ``tie_word_embeddings=False``: on vLLM CPU a tied lm_head keeps a stale packed copy
-  after a weight reload (see the vLLM CPU notes), so the default policy avoids the trap. Qwen3,
-  not Qwen2: for ``model_type == "qwen2"`` transformers 5 ignores the saved tokenizer class and
-  loads ``Qwen2Tokenizer``, which swaps in an NFC normalizer and a split regex (so combining
-  characters would not round-trip); for ``qwen3`` it honours the saved ``tokenizer.json``.
-- **Warm start.** ``ensure_policy`` adds a short, deliberately *partial* supervised run on the
-  reverse_text train split (loss on completion tokens only), so that GRPO starts with an eval
-  reward in the middle of [0, 1] and has room to improve. The result is cached on disk under a key
-  made of every build parameter; it is written to a temporary directory, marked ``DONE`` and
-  renamed atomically, so concurrent callers never see a half-written policy.
-
-CLI: ``python -m policies.tiny_model --out DIR [--sft-steps N] [--seed S]`` builds (or finds) the
-warm-started policy under the cache directory ``DIR`` and prints its path (``--random``: save
-the random policy itself to ``DIR``).
+CLI: ``python -m policies.tiny_model --out DIR [--sft-steps N] [--seed S] [--random]`` prints the policy's path.
 """
 
 from __future__ import annotations
@@ -74,19 +59,10 @@ def build_random_policy(
     num_layers: int = DEFAULT_NUM_LAYERS,
     seed: int = 0,
 ) -> Path:
-    """Save a randomly initialised tiny Qwen3 policy and its tokenizer to ``out_dir``.
+    """Save a randomly initialised tiny Qwen3 policy and its tokenizer to ``out_dir`` (created) and return it.
 
-    Args:
-        out_dir: directory to write (created; existing files with the same names are replaced).
-        hidden_size: model width; a multiple of ``HEAD_DIM`` (32). Heads = hidden_size / 32,
-            MLP width = 4 * hidden_size.
-        num_layers: number of decoder layers.
-        seed: torch seed for the random init (same seed -> same weights).
-
-    Returns:
-        ``out_dir``, holding ``config.json``, ``generation_config.json``, ``model.safetensors``
-        (float32, untied ``lm_head``) and the tokenizer files. The default size (128 wide, 4
-        layers) has 1,116,288 parameters (4.5 MB in float32).
+    ``hidden_size``: a multiple of ``HEAD_DIM`` (32); heads = hidden_size / 32, MLP width 4 x hidden_size. The
+    default (128 wide, 4 layers) has 1,116,288 parameters (4.5 MB in float32). Same ``seed``, same weights.
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
@@ -148,22 +124,17 @@ def ensure_policy(
     sft_target_loss: float | None = DEFAULT_SFT_TARGET_LOSS,
     task: str = DEFAULT_SFT_TASK,
 ) -> Path:
-    """Return the directory of the warm-started tiny policy, building it if not cached.
+    """The directory of the warm-started tiny policy, built if not cached.
 
-    The policy is ``build_random_policy(hidden_size, num_layers, seed)`` followed by
-    ``run_sft`` on ``task``'s train split: at most ``sft_steps`` steps of ``sft_batch_size``
-    examples at ``sft_lr``, stopping early once the windowed loss reaches ``sft_target_loss``
-    (``None``: always run ``sft_steps``; ``sft_steps=0``: the random policy). With the defaults
-    the SFT stops at loss 1.7 nats/token (72-205 steps for seeds 0-11; 7-50 s on 2 shared
-    cores) and the policy scores an eval reward of 0.33-0.40 at temperature 1.0. It lives at
-    ``cache_dir / f"{task}-{key}"`` where ``key`` hashes all these parameters; a directory counts
-    as built only with its ``DONE`` marker (JSON: parameters and SFT stats). Building writes to a
-    temporary sibling and renames it, so concurrent callers are safe (the loser of a race discards
-    its copy).
+    ``build_random_policy`` then ``run_sft`` on ``task``'s train split: at most ``sft_steps`` steps, stopping once
+    the windowed loss reaches ``sft_target_loss`` (None: never; ``sft_steps=0``: the random policy). With the
+    defaults the SFT stops at 1.7 nats/token (72-205 steps for seeds 0-11; 7-50 s on 2 shared cores) and the policy
+    scores an eval reward of 0.33-0.40 at temperature 1.0. It lives at ``cache_dir / f"{task}-{key}"`` (``key``
+    hashes every parameter), counts as built only with its ``DONE`` marker, and is built in a temporary sibling
+    and renamed, so concurrent callers are safe.
 
     Raises:
-        ValueError: on a negative ``sft_steps`` or a non-positive ``sft_batch_size``,
-            ``sft_lr`` or ``sft_target_loss``.
+        ValueError: a negative ``sft_steps`` or a non-positive ``sft_batch_size``, ``sft_lr`` or ``sft_target_loss``.
     """
     if sft_steps < 0:
         raise ValueError(f"sft_steps must be >= 0, got {sft_steps}")

@@ -30,17 +30,12 @@ DEFAULT_SFT_TASK = "reverse_text"
 
 
 def sft_examples_to_batch(tokenizer: Any, examples: list[dict], render: Any) -> tuple[Any, Any, Any]:
-    """Tokenize chat examples for SFT with the loss on completion tokens only.
-
-    Args:
-        tokenizer: the tiny tokenizer.
-        examples: task examples ``{"id", "prompt", "info": {"target"}}``.
-        render: ``example -> list of chat messages`` (the user turn; the target is appended as
-            the assistant turn, ending with ``<|im_end|>``).
+    """Tokenize chat ``examples`` (``{"id", "prompt", "info": {"target"}}``; ``render``: example -> the user turn's
+    messages; the target is appended as the assistant turn with ``<|im_end|>``) for SFT.
 
     Returns:
-        ``(input_ids, attention_mask, labels)``, each ``[batch, max_len] int64``, right-padded
-        with the pad id; ``labels`` is -100 on prompt and pad positions.
+        ``(input_ids, attention_mask, labels)``, each ``[batch, max_len] int64``, right-padded with the pad id;
+        ``labels`` is -100 on prompt and pad positions.
     """
     import torch
 
