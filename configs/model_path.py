@@ -133,6 +133,8 @@ def require_chat_template(model_dir: str | Path, *, key: str = "model.path") -> 
     """
     if not has_chat_template(model_dir):
         raise ValueError(
-            f"{key}={str(model_dir)!r}: the tokenizer has no chat template (no chat_template.jinja, no 'chat_template' in "
-            "tokenizer_config.json): rlbus renders every prompt with it; use a chat/instruct checkpoint or add a template"
+            f"{key}={str(model_dir)!r}: the tokenizer has no chat template (no chat_template.jinja, no 'chat_template' "
+            f"in "
+            "tokenizer_config.json): rlbus renders every prompt with it; use a chat/instruct checkpoint or add a "
+            "template"
         )

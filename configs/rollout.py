@@ -19,7 +19,11 @@ class RewardTermConfig(Section):
     name: str = Field(
         ...,
         min_length=1,
-        description="A registered reward function (tasks/rewards.py), an import path 'package.module:function' (runs the code it names: configs are trusted), or 'trl:package.module:function' / 'trl_conversational:...' for a function written for TRL's GRPOTrainer, used as it is (docs/rewards.md).",
+        description=(
+            "A registered reward function (tasks/rewards.py), an import path 'package.module:function' (runs the code "
+            "it names: configs are trusted), or 'trl:package.module:function' / 'trl_conversational:...' for a "
+            "function written for TRL's GRPOTrainer, used as it is (docs/rewards.md)."
+        ),
     )
     weight: float = Field(
         1.0,
@@ -33,7 +37,10 @@ class DatasetConfig(Section):
 
     path: str = Field(
         "",
-        description="Training split: a local JSONL or Parquet file (relative to the working directory). Empty: the task's own data.",
+        description=(
+            "Training split: a local JSONL or Parquet file (relative to the working directory). Empty: the task's own "
+            "data."
+        ),
     )
     eval_path: str = Field(
         "", description="Held-out split for online evaluation, same format. Empty: the task's own eval data."
@@ -43,7 +50,10 @@ class DatasetConfig(Section):
     )
     fields: dict[str, str] = Field(
         default_factory=dict,
-        description="Field mapping {the task's field: the dataset's column}, e.g. {question: problem, answer: solution} for gsm8k.",
+        description=(
+            "Field mapping {the task's field: the dataset's column}, e.g. {question: problem, answer: solution} for "
+            "gsm8k."
+        ),
     )
 
 
@@ -52,7 +62,11 @@ class TaskConfig(Section):
 
     name: str = Field(
         "reverse_text",
-        description="A registered task (reverse_text, gsm8k, countdown, reverse_turns, gsm8k_calculator), an import path 'package.module:function' returning a tasks.Task, or 'verifiers:MODULE': the verifiers environment MODULE.load_environment(**task.verifiers_args) (docs/environments.md).",
+        description=(
+            "A registered task (reverse_text, gsm8k, countdown, reverse_turns, gsm8k_calculator), an import path "
+            "'package.module:function' returning a tasks.Task, or 'verifiers:MODULE': the verifiers environment "
+            "MODULE.load_environment(**task.verifiers_args) (docs/environments.md)."
+        ),
     )
     system_prompt: str | None = Field(
         None, description="System message before every prompt; null: the task's default (none for reverse_text)."
@@ -74,23 +88,33 @@ class TaskConfig(Section):
     env_timeout_s: float = Field(
         10.0,
         gt=0.0,
-        description="Multi-turn tasks: most seconds one environment call may take (the episode then ends with reward 0).",
+        description=(
+            "Multi-turn tasks: most seconds one environment call may take (the episode then ends with reward 0)."
+        ),
     )
     env_procs: int = Field(2, ge=1, description="Multi-turn tasks: environment child processes per producer.")
     agent: str | None = Field(
         None,
-        description="Agent task: import path 'package.module:function' of fn(client: openai.OpenAI, example: dict) -> float, run "
-        "isolated once per sample with a client pointed at the producer's OpenAI-compatible endpoint; the recorded responses "
+        description="Agent task: import path 'package.module:function' of fn(client: openai.OpenAI, example: dict) -> "
+        "float, run "
+        "isolated once per sample with a client pointed at the producer's OpenAI-compatible endpoint; the recorded "
+        "responses "
         "become the sample (docs/environments.md). Applies to the prompts of task.name. null: no agent.",
     )
     verifiers_args: dict[str, Any] = Field(
         default_factory=dict,
-        description="verifiers tasks (task.name 'verifiers:MODULE'): keyword arguments of MODULE.load_environment (JSON values; they travel with every prompt).",
+        description=(
+            "verifiers tasks (task.name 'verifiers:MODULE'): keyword arguments of MODULE.load_environment (JSON "
+            "values; they travel with every prompt)."
+        ),
     )
     agent_timeout_s: float = Field(
         300.0,
         gt=0.0,
-        description="Agent tasks: most seconds one agent call (a whole episode) may take (the episode then gets reward 0). Agent calls run in task.env_procs children per producer.",
+        description=(
+            "Agent tasks: most seconds one agent call (a whole episode) may take (the episode then gets reward 0). "
+            "Agent calls run in task.env_procs children per producer."
+        ),
     )
 
 
@@ -117,7 +141,10 @@ class SamplingConfig(Section):
     )
     temp_scheduler: TempSchedulerConfig | None = Field(
         None,
-        description="Schedule of the temperature over the run (replaces temperature); each sample records its own, and the trainer divides by it.",
+        description=(
+            "Schedule of the temperature over the run (replaces temperature); each sample records its own, and the "
+            "trainer divides by it."
+        ),
     )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     max_tokens: int = Field(32, ge=1, le=65_536, description="Most completion tokens per sample.")
@@ -128,11 +155,18 @@ class SamplingConfig(Section):
         1.0,
         gt=0.0,
         le=10.0,
-        description="vLLM repetition penalty (1 = off). The sampler's logprobs include it, the trainer's do not: it adds to the mismatch ratio.",
+        description=(
+            "vLLM repetition penalty (1 = off). The sampler's logprobs include it, the trainer's do not: it adds to "
+            "the mismatch ratio."
+        ),
     )
     seed: int | None = Field(
         None,
-        description="Per-request sampling seed: the group of prompt index i (n samples) is sampled with seed + i * n (vLLM seeds sample j with seed + j, so groups never share random numbers; reproducible whatever the batching). null: the engine's seed stream.",
+        description=(
+            "Per-request sampling seed: the group of prompt index i (n samples) is sampled with seed + i * n (vLLM "
+            "seeds sample j with seed + j, so groups never share random numbers; reproducible whatever the batching). "
+            "null: the engine's seed stream."
+        ),
     )
 
     @model_validator(mode="after")
@@ -147,7 +181,10 @@ class TeacherConfig(Section):
 
     model_path: str = Field(
         "",
-        description="HF model directory or hub id in the local HF cache of the teacher (same tokenizer as the policy). Empty: no teacher.",
+        description=(
+            "HF model directory or hub id in the local HF cache of the teacher (same tokenizer as the policy). Empty: "
+            "no teacher."
+        ),
     )
     kv_cache_gib: float = Field(
         0.5, gt=0, le=1024, description="vLLM KV-cache size of each producer's teacher engine, GiB."
@@ -176,7 +213,9 @@ class EvalConfig(Section):
     interval: int = Field(
         0,
         ge=0,
-        description="Evaluate the policy every this many steps (versions interval, 2*interval, ...); 0: only at the end.",
+        description=(
+            "Evaluate the policy every this many steps (versions interval, 2*interval, ...); 0: only at the end."
+        ),
     )
     eval_base_model: bool = Field(
         True, description="Also evaluate the unmodified base model once (policy version 0, before any update)."
@@ -196,12 +235,16 @@ class EvalConfig(Section):
     timeout_s: float = Field(
         900.0,
         gt=0,
-        description="After the last step the trainer waits this long for the final evaluation before run.done, seconds.",
+        description=(
+            "After the last step the trainer waits this long for the final evaluation before run.done, seconds."
+        ),
     )
     only: bool = Field(
         False,
-        description="Evaluation without training (what `busctl eval` runs): no trainer; the prompt source issues round 0 "
-        "alone (the policy at model.path) and no training prompt; the run ends when every eval task's round-0 result is in.",
+        description="Evaluation without training (what `busctl eval` runs): no trainer; the prompt source issues round "
+        "0 "
+        "alone (the policy at model.path) and no training prompt; the run ends when every eval task's round-0 result "
+        "is in.",
     )
 
 
@@ -219,7 +262,8 @@ class GibberishFilterConfig(Section):
 
 
 class RepetitionFilterConfig(Section):
-    """Flags samples stuck in a loop: a run of `window` consecutive tokens each sampled with probability above `prob_threshold`."""
+    """Flags samples stuck in a loop: a run of `window` consecutive tokens each sampled with probability above
+    `prob_threshold`."""
 
     enabled: bool = Field(False, description="Run the filter.")
     enforce: bool = Field(False, description="Mask flagged samples from the loss; False: only count them.")
@@ -234,7 +278,10 @@ class FiltersConfig(Section):
 
     online_difficulty_filtering: bool = Field(
         False,
-        description="Skip (outcome 'filtered') groups whose rewards are all 0 or all 1: no learning signal; a replacement prompt is issued.",
+        description=(
+            "Skip (outcome 'filtered') groups whose rewards are all 0 or all 1: no learning signal; a replacement "
+            "prompt is issued."
+        ),
     )
     gibberish: GibberishFilterConfig = Field(default_factory=GibberishFilterConfig)
     repetition: RepetitionFilterConfig = Field(default_factory=RepetitionFilterConfig)
@@ -251,7 +298,10 @@ class OverlongConfig(Section):
         ...,
         ge=1,
         le=65_536,
-        description="L_cache: the soft-punishment buffer, tokens. A completion longer than max_tokens - buffer_tokens loses penalty x (its excess / buffer_tokens).",
+        description=(
+            "L_cache: the soft-punishment buffer, tokens. A completion longer than max_tokens - buffer_tokens loses "
+            "penalty x (its excess / buffer_tokens)."
+        ),
     )
     penalty: float = Field(
         1.0,
@@ -264,5 +314,8 @@ class OverlongConfig(Section):
         None,
         ge=1,
         le=65_536,
-        description="L_max: the expected longest completion, tokens; a longer one loses the whole penalty. null: sampling.max_tokens.",
+        description=(
+            "L_max: the expected longest completion, tokens; a longer one loses the whole penalty. null: "
+            "sampling.max_tokens."
+        ),
     )

@@ -45,7 +45,10 @@ class ModelConfig(Section):
 
     path: str = Field(
         "",
-        description="HF model directory, or a hub id (org/name[@revision]) from the local HF cache, offline (docs/models.md). Empty: build (or reuse from the cache) rlbus's tiny reverse-text policy.",
+        description=(
+            "HF model directory, or a hub id (org/name[@revision]) from the local HF cache, offline (docs/models.md). "
+            "Empty: build (or reuse from the cache) rlbus's tiny reverse-text policy."
+        ),
     )
     cache_dir: str = Field(
         ".cache/rlbus", description="Where the tiny policy is built and cached (relative to the working directory)."
@@ -54,7 +57,10 @@ class ModelConfig(Section):
     sft_target_loss: float = Field(
         1.7,
         ge=0,
-        description="The warm start stops once its training loss (nats/token) falls below this: deliberately partial, so that RL has room.",
+        description=(
+            "The warm start stops once its training loss (nats/token) falls below this: deliberately partial, so that "
+            "RL has room."
+        ),
     )
     max_model_len: int = Field(256, ge=16, le=131_072, description="Longest prompt + completion, tokens.")
 
@@ -68,15 +74,19 @@ class ProducersConfig(Section):
     weight_update: Literal["keep", "drain"] = Field(
         "keep",
         description="How a producer's engine takes new weights while it generates. keep: in-flight requests pause, are "
-        "recomputed under the new weights and continue (partial rollouts: later tokens are newer). drain: the update waits "
-        "until the requests in flight finish under the old weights (new ones queue), so no prefill is recomputed; every "
-        "sample then has one policy version. Both keep the max_async_level bound; drain suits short completions, keep long ones.",
+        "recomputed under the new weights and continue (partial rollouts: later tokens are newer). drain: the update "
+        "waits "
+        "until the requests in flight finish under the old weights (new ones queue), so no prefill is recomputed; "
+        "every "
+        "sample then has one policy version. Both keep the max_async_level bound; drain suits short completions, keep "
+        "long ones.",
     )
     prefetch_steps: int = Field(
         1,
         ge=0,
         le=64,
-        description="Steps of training prompts the prompt source issues beyond the async gate (max_async_level). A producer holds "
+        description="Steps of training prompts the prompt source issues beyond the async gate (max_async_level). A "
+        "producer holds "
         "such a prompt, outside max_concurrent_groups, until its engine runs a policy version >= the prompt's step - "
         "max_async_level, and starts it the moment the weights are applied (no round trip through the prompt source on "
         "the critical path). The async bound is unchanged. 0: the prompt source alone gates.",
@@ -87,18 +97,23 @@ class ProducersConfig(Section):
         8,
         ge=1,
         le=64,
-        description="Most producers the run can have (`busctl scale producers=N` up to this): reward workers connect to this many rollouts endpoints.",
+        description=(
+            "Most producers the run can have (`busctl scale producers=N` up to this): reward workers connect to this "
+            "many rollouts endpoints."
+        ),
     )
     dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto",
-        description="vLLM weights and compute dtype; the trainer sends weights in this dtype (bfloat16: half the bytes). "
+        description="vLLM weights and compute dtype; the trainer sends weights in this dtype (bfloat16: half the "
+        "bytes). "
         "auto: bfloat16 on a GPU, float32 on CPU.",
     )
     gpus_per_replica: int = Field(
         1,
         ge=0,
         le=64,
-        description="CUDA devices busctl gives each producer replica (CUDA_VISIBLE_DEVICES) when the run uses GPUs; equals "
+        description="CUDA devices busctl gives each producer replica (CUDA_VISIBLE_DEVICES) when the run uses GPUs; "
+        "equals "
         "tensor_parallel_size. 0: producers run vLLM on CPU even on a GPU host.",
     )
     tensor_parallel_size: int = Field(
@@ -108,15 +123,18 @@ class ProducersConfig(Section):
         0.9,
         gt=0,
         le=1,
-        description="Fraction of each of its GPUs' memory a producer's vLLM engine may take (weights, activations, KV cache). "
+        description="Fraction of each of its GPUs' memory a producer's vLLM engine may take (weights, activations, KV "
+        "cache). "
         "Lower it when a producer shares a GPU with the trainer (share_gpus_with_trainer).",
     )
     endpoint_port: int | None = Field(
         None,
         ge=0,
         le=65535,
-        description="OpenAI-compatible endpoint of each producer (/v1/chat/completions, /v1/completions): producer i serves on "
-        "port endpoint_port + i; 0: any free port (the URL is in the producer's log; the port in rlbus_producer_endpoint_port and status.json). "
+        description="OpenAI-compatible endpoint of each producer (/v1/chat/completions, /v1/completions): producer i "
+        "serves on "
+        "port endpoint_port + i; 0: any free port (the URL is in the producer's log; the port in "
+        "rlbus_producer_endpoint_port and status.json). "
         "null: no endpoint, unless task.agent is set (then any free port).",
     )
     endpoint_host: str = Field(
@@ -125,7 +143,8 @@ class ProducersConfig(Section):
     )
     share_gpus_with_trainer: bool = Field(
         False,
-        description="Allow producers on the trainer's GPUs (a one-GPU host): busctl otherwise refuses a plan where a producer "
+        description="Allow producers on the trainer's GPUs (a one-GPU host): busctl otherwise refuses a plan where a "
+        "producer "
         "and the trainer would use the same device.",
     )
 
@@ -135,7 +154,8 @@ class ProducersConfig(Section):
             raise ValueError(f"replicas ({self.replicas}) > max_replicas ({self.max_replicas}); raise max_replicas")
         if self.gpus_per_replica and self.gpus_per_replica != self.tensor_parallel_size:
             raise ValueError(
-                f"gpus_per_replica ({self.gpus_per_replica}) must equal tensor_parallel_size ({self.tensor_parallel_size}) "
+                f"gpus_per_replica ({self.gpus_per_replica}) must equal tensor_parallel_size "
+                f"({self.tensor_parallel_size}) "
                 "(or be 0: vLLM on CPU)"
             )
         return self
@@ -147,31 +167,44 @@ class RewardsConfig(Section):
     replicas: int = Field(2, ge=1, le=256, description="Number of reward worker processes.")
     advantage: str = Field(
         "grpo",
-        description="Group advantage estimator (rewards/advantages.py): 'grpo' (r - mean) / (std + eps); 'drgrpo' r - mean; "
+        description="Group advantage estimator (rewards/advantages.py): 'grpo' (r - mean) / (std + eps); 'drgrpo' r - "
+        "mean; "
         "'rloo' r_i - mean of the others; 'length_weighted' r - token-weighted mean reward; or an import path "
-        "'package.module:function' to fn(rewards [G] float64, completion_lengths [G] int64) -> [G] (imported at worker start).",
+        "'package.module:function' to fn(rewards [G] float64, completion_lengths [G] int64) -> [G] (imported at worker "
+        "start).",
     )
     eps: float = Field(1e-6, gt=0, description="Added to the std in the 'grpo' advantage denominator.")
     isolate: bool = Field(
         True,
-        description="Run the reward function in child processes: one that raises, hangs past timeout_s, crashes or returns "
-        "NaN scores that sample 0 (counted by error) and the worker goes on. False: call it in-process (tests, benchmarks).",
+        description="Run the reward function in child processes: one that raises, hangs past timeout_s, crashes or "
+        "returns "
+        "NaN scores that sample 0 (counted by error) and the worker goes on. False: call it in-process (tests, "
+        "benchmarks).",
     )
     timeout_s: float = Field(
         5.0,
         gt=0,
         le=3600,
-        description="Most seconds one reward call may take (isolate only); past it the child is killed and replaced, the sample scores 0.",
+        description=(
+            "Most seconds one reward call may take (isolate only); past it the child is killed and replaced, the "
+            "sample scores 0."
+        ),
     )
     num_procs: int = Field(
         2,
         ge=1,
         le=64,
-        description="Child processes per reward worker (isolate only); the samples of a group are scored across them in parallel.",
+        description=(
+            "Child processes per reward worker (isolate only); the samples of a group are scored across them in "
+            "parallel."
+        ),
     )
     overlong: OverlongConfig | None = Field(
         None,
-        description="DAPO soft overlong punishment of long training completions, e.g. {buffer_tokens: 64, penalty: 1.0}; its score is the reward term 'overlong'. null: off.",
+        description=(
+            "DAPO soft overlong punishment of long training completions, e.g. {buffer_tokens: 64, penalty: 1.0}; its "
+            "score is the reward term 'overlong'. null: off."
+        ),
     )
 
     @model_validator(mode="after")
@@ -196,7 +229,10 @@ class PackerConfig(Section):
     micro_batch_tokens: int = Field(4096, ge=16, le=1 << 22, description="Token budget of one packed micro-batch.")
     filter_equal_rewards: bool = Field(
         False,
-        description="Drop (outcome 'filtered') groups whose rewards are all equal: zero advantage, no policy gradient (DAPO dynamic sampling); a replacement is issued.",
+        description=(
+            "Drop (outcome 'filtered') groups whose rewards are all equal: zero advantage, no policy gradient (DAPO "
+            "dynamic sampling); a replacement is issued."
+        ),
     )
 
 
@@ -205,7 +241,10 @@ class NoiseSchedulerConfig(Section):
 
     enabled: bool = Field(
         False,
-        description="Add N(0, sigma^2) to the input/post-attention/final RMSNorm weights the producers receive; the trainer's stay clean.",
+        description=(
+            "Add N(0, sigma^2) to the input/post-attention/final RMSNorm weights the producers receive; the trainer's "
+            "stay clean."
+        ),
     )
     sigma_start: float = Field(
         5e-2, gt=0, le=1.0, description="Sigma of the first noisy stage (QeRL Sec. 4.1 uses 5e-2 to 5e-4)."
@@ -217,7 +256,10 @@ class NoiseSchedulerConfig(Section):
         10,
         ge=2,
         le=10_000,
-        description="Equal stages over trainer.max_steps; the first has no noise, the other num_stages - 1 decay from sigma_start to sigma_end.",
+        description=(
+            "Equal stages over trainer.max_steps; the first has no noise, the other num_stages - 1 decay from "
+            "sigma_start to sigma_end."
+        ),
     )
     seed: int = Field(0, ge=0, description="Noise seed; version v's noise is drawn from seed * 1000003 + v.")
 
@@ -225,7 +267,8 @@ class NoiseSchedulerConfig(Section):
     def _decays(self) -> "NoiseSchedulerConfig":
         if self.sigma_end > self.sigma_start:
             raise ValueError(
-                f"noise_scheduler.sigma_end ({self.sigma_end}) > sigma_start ({self.sigma_start}); the noise decays: swap them"
+                f"noise_scheduler.sigma_end ({self.sigma_end}) > sigma_start ({self.sigma_start}); the noise decays: "
+                f"swap them"
             )
         return self
 
@@ -238,13 +281,15 @@ class BroadcastConfig(Section):
         description="torch.distributed broadcast, a safetensors directory + READY marker, or bus: bucketed weights "
         "pulled by each producer as zero-copy frames from the trainer's `weights` endpoint (no shared filesystem, no "
         "torch.distributed group; tcp:// + CurveZMQ across hosts). Left unset with bus.transport: tcp it is bus (the "
-        "authenticated path); broadcast over tcp must be chosen, and its rendezvous (TCPStore) and gloo/NCCL accept any "
+        "authenticated path); broadcast over tcp must be chosen, and its rendezvous (TCPStore) and gloo/NCCL accept "
+        "any "
         "peer that reaches broadcast.host:port (docs/operations.md).",
     )
     fallback: Literal["filesystem", "bus"] = Field(
         "filesystem",
         description="With method broadcast: how weights reach producers outside the group (late joiners, re-form "
-        "misses, a restarted trainer, a broadcast that failed for good): a safetensors directory (needs a filesystem the "
+        "misses, a restarted trainer, a broadcast that failed for good): a safetensors directory (needs a filesystem "
+        "the "
         "producers share with the trainer), or the bus method.",
     )
     backend: Literal["auto", "gloo", "nccl"] = Field(
@@ -261,7 +306,8 @@ class BroadcastConfig(Section):
     )
     lora_payload: Literal["adapter", "merged"] = Field(
         "adapter",
-        description="With trainer.lora and method broadcast or bus: send only the adapter (producers merge it into the base weights they "
+        description="With trainer.lora and method broadcast or bus: send only the adapter (producers merge it into the "
+        "base weights they "
         "keep), or the merged full weights. The filesystem method always writes merged weights.",
     )
     noise_scheduler: NoiseSchedulerConfig = Field(default_factory=NoiseSchedulerConfig)
@@ -280,21 +326,28 @@ class BusConfig(Section):
         0.5,
         gt=0,
         le=60,
-        description="Every peer of a data topic, and every component towards busctl, sends a heartbeat this often, seconds.",
+        description=(
+            "Every peer of a data topic, and every component towards busctl, sends a heartbeat this often, seconds."
+        ),
     )
     dead_after_s: float = Field(
         10.0,
         gt=0,
         le=3600,
-        description="A peer silent this long is declared dead: the messages it held are re-sent to live peers (and busctl restarts a silent component), seconds.",
+        description=(
+            "A peer silent this long is declared dead: the messages it held are re-sent to live peers (and busctl "
+            "restarts a silent component), seconds."
+        ),
     )
     ack_timeout_s: float = Field(
         5.0, gt=0, le=3600, description="A data message not acknowledged as received within this is re-sent, seconds."
     )
     max_inflight_bytes: int | dict[str, int] = Field(
         DEFAULT_MAX_INFLIGHT_BYTES,
-        description="Byte bound of every data topic's credit window, bytes: a receiver grants each sender at most this many "
-        "bytes waiting in its inbox, and an outbox holds at most this many bytes not yet taken before send blocks (as well "
+        description="Byte bound of every data topic's credit window, bytes: a receiver grants each sender at most this "
+        "many "
+        "bytes waiting in its inbox, and an outbox holds at most this many bytes not yet taken before send blocks (as "
+        "well "
         "as the topic's message bound); a larger message still passes alone. One number for every data topic, or a map "
         "{topic: bytes} over prompts, rollouts, scored, batches, outcomes (others keep the default, 32 MiB).",
     )
@@ -311,8 +364,10 @@ class BusConfig(Section):
     )
     hosts: dict[str, str] = Field(
         default_factory=dict,
-        description="tcp host (address) of the side that binds each endpoint, when components run on several hosts: keys are "
-        "topic names (prompts, scored, batches, outcomes, control_pub, control_sub, supervisor) or rollouts-I (producer I); "
+        description="tcp host (address) of the side that binds each endpoint, when components run on several hosts: "
+        "keys are "
+        "topic names (prompts, scored, batches, outcomes, control_pub, control_sub, supervisor) or rollouts-I "
+        "(producer I); "
         "a key not given uses bus.host. `busctl up --launcher slurm` writes it into the run's config.yaml.",
     )
 
@@ -331,7 +386,9 @@ class SupervisorConfig(Section):
 
     restart: bool = Field(
         True,
-        description="Restart a component that exits or goes silent before the run is done; False: such an exit fails the run.",
+        description=(
+            "Restart a component that exits or goes silent before the run is done; False: such an exit fails the run."
+        ),
     )
     max_restarts: int = Field(
         20, ge=0, le=10_000, description="Restart budget per component; one more crash fails the run."
@@ -354,7 +411,10 @@ class SupervisorConfig(Section):
     ray_address: str = Field(
         "auto",
         min_length=1,
-        description="The Ray cluster of launcher ray (ray.init(address=...)); auto: the one this host belongs to (busctl up --address).",
+        description=(
+            "The Ray cluster of launcher ray (ray.init(address=...)); auto: the one this host belongs to (busctl up "
+            "--address)."
+        ),
     )
 
 
@@ -373,18 +433,26 @@ class ReportConfig(Section):
         10,
         ge=0,
         le=1_000_000,
-        description="Every this many optimizer steps (steps s with s % N == 0, from step 0) the packer appends examples of the step to RUN_DIR/samples.jsonl; 0: never.",
+        description=(
+            "Every this many optimizer steps (steps s with s % N == 0, from step 0) the packer appends examples of the "
+            "step to RUN_DIR/samples.jsonl; 0: never."
+        ),
     )
     samples_per_step: int = Field(
         4,
         ge=1,
         le=64,
-        description="Examples (prompt, completion, reward, advantage) written per sampled step: the step's first samples, whole groups first.",
+        description=(
+            "Examples (prompt, completion, reward, advantage) written per sampled step: the step's first samples, "
+            "whole groups first."
+        ),
     )
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=list,
-        description="Experiment trackers fed from the run's metrics.jsonl, stages.jsonl and samples.jsonl by a process of their own "
-        "(trackers/; never on the trainer's path): tensorboard (RUN_DIR/tensorboard/), wandb (offline under RUN_DIR/wandb/ when "
+        description="Experiment trackers fed from the run's metrics.jsonl, stages.jsonl and samples.jsonl by a process "
+        "of their own "
+        "(trackers/; never on the trainer's path): tensorboard (RUN_DIR/tensorboard/), wandb (offline under "
+        "RUN_DIR/wandb/ when "
         "no API key is set or WANDB_MODE=offline), mlflow (MLFLOW_TRACKING_URI, else a file store at RUN_DIR/mlruns/). "
         "Needs the trackers extra (pip install -e '.[trackers]'); a tracker that fails warns once and is dropped.",
     )
@@ -449,7 +517,8 @@ class RunConfig(Section):
             and self.broadcast.noise_scheduler.enabled
         ):
             raise ValueError(
-                "broadcast.noise_scheduler does not work with trainer.parallel: fsdp (weights are gathered one tensor at a time); use ddp"
+                "broadcast.noise_scheduler does not work with trainer.parallel: fsdp (weights are gathered one tensor "
+                "at a time); use ddp"
             )
         if self.trainer.loss.teacher_tau > 0 and not self.teacher.model_path:
             raise ValueError(
