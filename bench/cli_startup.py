@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.before:
         print(
-            f"ratio before / this tree: {statistics.median(times['before']) / statistics.median(times['this tree']):.2f}x"
+            f"ratio before / this tree: "
+            f"{statistics.median(times['before']) / statistics.median(times['this tree']):.2f}x"
         )
     print("slowest imports (cumulative, one -X importtime run of this tree):")
     for micros, name in slowest_imports(_run(REPO_ROOT, "-X", "importtime")[1], args.top):

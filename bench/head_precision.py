@@ -121,7 +121,8 @@ def markdown_table(rows: list[tuple[str, str, dict[str, float]]]) -> str:
     `other_cpu_cores_max`: the most cores other processes took during one of the setting's runs)."""
     lines = [
         "| trainer.dtype | lm_head_dtype | kl median (nats/token) | kl max | sqrt(2 kl) (~RMS dlogprob, nats) "
-        "| max abs dlogprob median / max (nats) | on-policy tokens | trainer compute median (s/step) | step time median (s) "
+        "| max abs dlogprob median / max (nats) | on-policy tokens | trainer compute median (s/step) | step time "
+        "median (s) "
         "| other processes (cores, max over runs) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -129,7 +130,8 @@ def markdown_table(rows: list[tuple[str, str, dict[str, float]]]) -> str:
         lines.append(
             f"| {dtype} | {head} | {s['kl_median']:.2e} | {s['kl_max']:.2e} | {s['rms_lp_diff']:.2e} "
             f"| {s['lp_diff_max_median']:.2e} / {s['lp_diff_max']:.2e} | {s['onpolicy_share']:.0%} "
-            f"| {s['compute_s_median']:.3f} | {s['step_time_s_median']:.3f} | {s.get('other_cpu_cores_max', math.nan):.2f} |"
+            f"| {s['compute_s_median']:.3f} | {s['step_time_s_median']:.3f} | "
+            f"{s.get('other_cpu_cores_max', math.nan):.2f} |"
         )
     return "\n".join(lines)
 

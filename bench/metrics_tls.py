@@ -51,7 +51,8 @@ def main() -> None:
         ):
             ms = sorted(time_scrapes(port, ctx, args.scrapes))
             print(
-                f"{name:18s} median {statistics.median(ms):6.2f} ms  p90 {ms[int(0.9 * len(ms))]:6.2f} ms  ({args.scrapes} scrapes)"
+                f"{name:18s} median {statistics.median(ms):6.2f} ms  p90 {ms[int(0.9 * len(ms))]:6.2f} ms  "
+                f"({args.scrapes} scrapes)"
             )
         for server in (plain, secure):
             server.shutdown()

@@ -158,11 +158,13 @@ def main() -> None:
     print(
         f"batch: {len(lengths)} samples, {total} tokens, lengths min/median/max {min(lengths)}/"
         f"{int(np.median(lengths))}/{max(lengths)}; model: Qwen2 hidden {args.hidden}, {args.layers} layers, "
-        f"vocab {args.vocab}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params; torch threads {args.threads}, "
+        f"vocab {args.vocab}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params; torch threads "
+        f"{args.threads}, "
         f"{args.repeats} repeats"
     )
     header = (
-        "| budget | variant | micro-batches | padded tokens | pad share | tokens/s (median) | packed speed-up over this (median) "
+        "| budget | variant | micro-batches | padded tokens | pad share | tokens/s (median) | packed speed-up over "
+        "this (median) "
         "| est. attention share of FLOPs |"
     )
     lines = [header, "|---|---|---|---|---|---|---|---|"]

@@ -83,7 +83,8 @@ def median_ms(fn, *args, repeats: int = 5) -> float:
 def detail_table(seed: int) -> list[str]:
     """Table 1 (module docstring) as markdown lines."""
     lines = [
-        "| mix | budget | samples | total tokens | lower bound | bins FFD | bins BFD | bins packer | padding ratio (packed) "
+        "| mix | budget | samples | total tokens | lower bound | bins FFD | bins BFD | bins packer | padding ratio "
+        "(packed) "
         "| padding ratio if padded | fill ratio | ms FFD | ms BFD | ms packer |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -110,7 +111,8 @@ def detail_table(seed: int) -> list[str]:
 def summary_table(num_seeds: int) -> list[str]:
     """Table 2 (module docstring) as markdown lines."""
     lines = [
-        "| mix | draws | BFD > bound + 1 | packer > bound + 1 | max excess BFD | max excess packer | slowest packer (ms) |",
+        "| mix | draws | BFD > bound + 1 | packer > bound + 1 | max excess BFD | max excess packer | slowest packer "
+        "(ms) |",
         "|---|---|---|---|---|---|---|",
     ]
     for kind in MIXES:

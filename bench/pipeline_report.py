@@ -37,6 +37,11 @@ def stage_totals(run_dir: Path, prefix: str) -> dict[str, float]:
     return totals
 
 
+def mean_of(totals: dict[str, float], histogram: str) -> float:
+    """The mean of a Prometheus histogram from its ``_sum`` and ``_count`` totals (0 without observations)."""
+    return totals.get(f"{histogram}_sum", 0) / max(totals.get(f"{histogram}_count", 0), 1)
+
+
 def report(run_dir: Path) -> str:
     """The markdown table of one run."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -61,20 +66,21 @@ def report(run_dir: Path) -> str:
         ("producers: completion tokens/s (total / wall)", f"{gen_tokens / wall_s:,.0f}"),
         (
             "producers: time per group (mean)",
-            f"{prod.get('rlbus_producer_group_seconds_sum', 0) / max(prod.get('rlbus_producer_group_seconds_count', 0), 1):.2f} s",
+            f"{mean_of(prod, 'rlbus_producer_group_seconds'):.2f} s",
         ),
         (
             "producers: weight update pause (mean)",
-            f"{prod.get('rlbus_producer_weight_update_seconds_sum', 0) / max(prod.get('rlbus_producer_weight_update_seconds_count', 0), 1) * 1000:.0f} ms",
+            f"{mean_of(prod, 'rlbus_producer_weight_update_seconds') * 1000:.0f} ms",
         ),
         ("reward workers: groups/s (total / wall)", f"{rew.get('rlbus_rewards_groups_total', 0) / wall_s:.1f}"),
         (
             "reward workers: time per group (mean)",
-            f"{rew.get('rlbus_rewards_score_seconds_sum', 0) / max(rew.get('rlbus_rewards_score_seconds_count', 0), 1) * 1000:.1f} ms",
+            f"{mean_of(rew, 'rlbus_rewards_score_seconds') * 1000:.1f} ms",
         ),
         (
             "policy lag mean / max",
-            f"{statistics.mean(r['policy_lag_mean'] for r in steps):.2f} / {max(r['policy_lag_max'] for r in steps):.0f}",
+            f"{statistics.mean(r['policy_lag_mean'] for r in steps):.2f} / "
+            f"{max(r['policy_lag_max'] for r in steps):.0f}",
         ),
     ]
     for key in eval_keys:  # eval/<task>/reward_mean at each eval round (step = policy version)

@@ -124,7 +124,8 @@ def sweep(points: list[dict], work_dir: Path, keep: bool, timeout_s: float, per_
         print(
             f"{p['producers']:>3}x{p['rewards']:<3} {p['message_bytes']:>9} B  done={s['finished']} "
             f"trained {r['trained']:.1f} g/s (ideal {s['ideal_groups_s']:.1f}), rollouts p50/p99 "
-            f"{lat['rollouts']['p50_ms']:.1f}/{lat['rollouts']['p99_ms']:.1f} ms, fan-out p99 {s['fanout']['p99_ms']:.1f} ms, "
+            f"{lat['rollouts']['p50_ms']:.1f}/{lat['rollouts']['p99_ms']:.1f} ms, fan-out p99 "
+            f"{s['fanout']['p99_ms']:.1f} ms, "
             f"packer peak RSS {s['rss_max_mib'].get('packer', 0):.0f} MiB (queues: scored inbox "
             f"{s['queue_mib_max'].get('packer:scored/inbox', 0):.0f} MiB, batches not taken / unfinished "
             f"{s['queue_mib_max'].get('packer:batches/outbox_not_taken', 0):.0f} / "

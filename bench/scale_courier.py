@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         per_msg, idle = measure(n, args.count)
         print(
-            f"{n:>4} peers: {per_msg:7.1f} us of receiver I/O-thread CPU per message; idle (heartbeats): {idle:5.1f}% of a core",
+            f"{n:>4} peers: {per_msg:7.1f} us of receiver I/O-thread CPU per message; idle (heartbeats): {idle:5.1f}% "
+            f"of a core",
             flush=True,
         )
     return 0

@@ -9,8 +9,8 @@ and takes every real component's ``ComponentReady`` (its metrics port) and heart
 
 While the run goes, every :data:`SAMPLE_S` seconds it samples each process's RSS and CPU time
 (``/proc/PID/status``, ``/proc/PID/stat``) and the real components' queue gauges
-(``rlbus_bus_queued_messages`` and ``rlbus_bus_queued_bytes{topic, queue}``, scraped from their ``/metrics``). Results go to
-:mod:`bench.scale_stats`.
+(``rlbus_bus_queued_messages`` and ``rlbus_bus_queued_bytes{topic, queue}``, scraped from their ``/metrics``).
+Results go to :mod:`bench.scale_stats`.
 
 Invariant: every process started here is stopped here (SIGTERM, then SIGKILL after
 :data:`STOP_GRACE_S`), also when the point fails or times out.

@@ -178,7 +178,8 @@ def markdown_table(points: list[dict]) -> str:
     rows = [
         "| P x R | group bytes | trained g/s (ideal) | prompts / rollouts / scored g/s | rollouts p50/p99 ms "
         "| packer p50/p99 ms | fan-out p50/p99 ms | CPU cores: rewards / producers / packer / prompt-source / hub "
-        "| peak RSS MiB: packer / prompt-source / hub | max queue: prompts outbox / packer scored inbox / batches outbox "
+        "| peak RSS MiB: packer / prompt-source / hub | max queue: prompts outbox / packer scored inbox / batches "
+        "outbox "
         "| accounting | first bottleneck |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -190,11 +191,14 @@ def markdown_table(points: list[dict]) -> str:
             return f"{max((v for k, v in q.items() if k.startswith(prefix)), default=0):.0f}"
 
         rows.append(
-            f"| {p['producers']}x{p['rewards']} | {p['message_bytes']:,} | {r['trained']:.1f} ({p['ideal_groups_s']:.1f}) "
+            f"| {p['producers']}x{p['rewards']} | {p['message_bytes']:,} | {r['trained']:.1f} "
+            f"({p['ideal_groups_s']:.1f}) "
             f"| {r['prompts']:.1f} / {r['rollouts']:.1f} / {r['scored']:.1f} "
-            f"| {lat['rollouts']['p50_ms']:.1f} / {lat['rollouts']['p99_ms']:.0f} | {lat['packer']['p50_ms']:.0f} / {lat['packer']['p99_ms']:.0f} "
+            f"| {lat['rollouts']['p50_ms']:.1f} / {lat['rollouts']['p99_ms']:.0f} | {lat['packer']['p50_ms']:.0f} / "
+            f"{lat['packer']['p99_ms']:.0f} "
             f"| {p['fanout']['p50_ms']:.1f} / {p['fanout']['p99_ms']:.0f} "
-            f"| {c.get('sim-rewards', 0):.2f} / {c.get('sim-producers', 0):.2f} / {c.get('packer', 0):.2f} / {c.get('prompt-source', 0):.2f} / {c.get('hub', 0):.2f} "
+            f"| {c.get('sim-rewards', 0):.2f} / {c.get('sim-producers', 0):.2f} / {c.get('packer', 0):.2f} / "
+            f"{c.get('prompt-source', 0):.2f} / {c.get('hub', 0):.2f} "
             f"| {m.get('packer', 0):.0f} / {m.get('prompt-source', 0):.0f} / {m.get('hub', 0):.0f} "
             f"| {qmax('prompt-source:prompts/')} / {qmax('packer:scored/')} / {qmax('packer:batches/')} "
             f"| {acc['issued']} issued, {acc['outcomes'].get('trained', 0)} trained, {acc['unresolved']} open, "

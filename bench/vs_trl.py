@@ -317,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(
-        f"\n{table}\n\nrlbus/TRL samples/s {ratios['samples_per_s']:.2f}, rlbus/floor {ratios['samples_per_s_over_floor']:.2f}; "
+        f"\n{table}\n\nrlbus/TRL samples/s {ratios['samples_per_s']:.2f}, rlbus/floor "
+        f"{ratios['samples_per_s_over_floor']:.2f}; "
         f"results in {out}",
         flush=True,
     )

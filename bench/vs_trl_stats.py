@@ -193,7 +193,8 @@ def markdown_table(trl: dict[str, Any], rlbus: dict[str, Any], floor: dict[str, 
     for name, a, b, digits, with_ratio in rows:
         lines.append(f"| {name} | {_fmt(a, digits)} | {_fmt(b, digits)} | {_ratio(b, a) if with_ratio else ''} |")
     lines.append(
-        f"| machine floor samples/s ({_fmt(floor['gflops'])} GFLOP/s, {_fmt(floor['flops_per_step'] / 1e9, 2)} GFLOP/step) "
+        f"| machine floor samples/s ({_fmt(floor['gflops'])} GFLOP/s, {_fmt(floor['flops_per_step'] / 1e9, 2)} "
+        f"GFLOP/step) "
         f"| | {_fmt(floor['samples_per_s'])} | rlbus/floor: {_ratio(rlbus['samples_per_s'], floor['samples_per_s'])} |"
     )
     return "\n".join(lines)

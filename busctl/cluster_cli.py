@@ -39,10 +39,12 @@ def cmd_keys(ns: argparse.Namespace, console: Console) -> int:
         print(f"  {path}")
     print(f"allow-list: {keys_dir / CLIENTS_DIR}/*.key (every public key there may connect)")
     print(
-        f"metrics:    with tcp, /metrics and /health are HTTPS and need the client certificate {keys_dir}/tls/client.crt"
+        f"metrics:    with tcp, /metrics and /health are HTTPS and need the client certificate "
+        f"{keys_dir}/tls/client.crt"
     )
     print(
-        f"            (+ client.key, CA tls/ca.crt), e.g. curl --cacert {keys_dir}/tls/ca.crt --cert {keys_dir}/tls/client.crt \\"
+        f"            (+ client.key, CA tls/ca.crt), e.g. curl --cacert {keys_dir}/tls/ca.crt --cert "
+        f"{keys_dir}/tls/client.crt \\"
     )
     print(f"            --key {keys_dir}/tls/client.key https://HOST:PORT/metrics")
     print("server certificates (readers check that the one served names the host they connect to):")
@@ -51,7 +53,8 @@ def cmd_keys(ns: argparse.Namespace, console: Console) -> int:
     print(f"use:        busctl up CONFIG bus.transport=tcp bus.curve_keys_dir={keys_dir}")
     print("multi-host: copy the directory to the same path on every host, keeping it private, each host")
     print(
-        f"            with only its own tls/hosts/ key, e.g. rsync -a --exclude 'tls/hosts/*.key' {keys_dir}/ HOST:{keys_dir}/"
+        f"            with only its own tls/hosts/ key, e.g. rsync -a --exclude 'tls/hosts/*.key' {keys_dir}/ "
+        f"HOST:{keys_dir}/"
     )
     print(f"            then rsync {keys_dir}/tls/hosts/HOST.key HOST:{keys_dir}/tls/hosts/")
     print("            a host with its own client keypair sets bus.curve_client=NAME; to revoke one,")

@@ -235,7 +235,8 @@ def cmd_scale(ns: argparse.Namespace, console: Console) -> int:
                 return 1
             if scale.get("state") == ScaleState.DONE:
                 console.print(
-                    f"scaled {run_dir}: started {scale.get('added') or 'none'}, stopped {scale.get('removed') or 'none'}"
+                    f"scaled {run_dir}: started {scale.get('added') or 'none'}, stopped "
+                    f"{scale.get('removed') or 'none'}"
                 )
                 return 0
             if not announced:
