@@ -1,14 +1,12 @@
 """Grafana dashboard JSON, built from Python: PromQL helpers, panel builders and a grid layout.
 
-The dashboards in :mod:`grafana.dashboards` are written with these helpers so that every panel
-has the same shape: a Prometheus datasource referenced by uid (:data:`DATASOURCE`, the uid that
-``grafana/provisioning/datasources/rlbus.yml`` provisions) on the panel and on each target,
-``refId`` A, B, ... per panel, and a ``gridPos`` on the 24-column grid. Every selector carries
-``run=~"$run"`` (the dashboards' ``run`` variable, one value per ``busctl up`` run) and every
-window is Grafana's ``$__rate_interval``; the Prometheus tests substitute both.
-
-Only plain JSON types come out of here (dicts, lists, str, int, float), so ``json.dumps`` of a
-dashboard is deterministic.
+The dashboards (:mod:`grafana.overview`, :mod:`grafana.learning`, :mod:`grafana.weights`) are written with these
+helpers so that every panel has the same shape: a Prometheus datasource referenced by uid (:data:`DATASOURCE`,
+the uid that ``grafana/provisioning/datasources/rlbus.yml`` provisions) on the panel and on each target,
+``refId`` A, B, ... per panel, and a ``gridPos`` on the 24-column grid. Every selector carries ``run=~"$run"``
+(the dashboards' ``run`` variable, one value per ``busctl up`` run) and every window is Grafana's
+``$__rate_interval``; the Prometheus tests substitute both. Only plain JSON types come out of here, so
+``json.dumps`` of a dashboard is deterministic.
 """
 
 from __future__ import annotations
@@ -23,6 +21,8 @@ RUN_MATCHER = 'run=~"$run"'
 """Label matcher on every selector: the ``run`` label the scrape config puts on each target."""
 RATE_INTERVAL = "$__rate_interval"
 """Window of every ``rate``/``increase``: Grafana's at-least-four-scrapes interval."""
+WINDOW_NOTE = "Over Grafana's $__rate_interval window."
+"""Panel description of a rate over :data:`RATE_INTERVAL`."""
 GRID_WIDTH = 24
 """Columns of Grafana's dashboard grid."""
 
@@ -55,6 +55,16 @@ def legend(labels: tuple[str, ...] | str, prefix: str = "") -> str:
     """Grafana legend ``prefix {{a}} {{b}}`` for the labels a series is grouped by."""
     labels = (labels,) if isinstance(labels, str) else labels
     return " ".join([prefix] * bool(prefix) + ["{{" + label + "}}" for label in labels]) or prefix
+
+
+def agg_by(metric: str, labels: str, fn=rate, agg: str = "sum", *matchers: str) -> str:
+    """``agg by (labels) (fn(metric{...}))``."""
+    return f"{agg} by ({labels}) ({fn(metric, *matchers)})"
+
+
+def gauge_by(metric: str, labels: str = "component", agg: str = "max") -> str:
+    """A gauge per ``labels`` (``max``: one series per component even if scraped twice)."""
+    return f"{agg} by ({labels}) ({sel(metric)})"
 
 
 def quantile(q: float, histogram: str, labels: tuple[str, ...] | str = ()) -> str:
