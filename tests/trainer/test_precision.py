@@ -22,6 +22,7 @@ import torch
 
 from configs.schema import LossConfig, OptimConfig, TrainerConfig
 from tests.trainer.test_trainer import micro_batches, policy, samples
+from trainer.forward.logprobs import HEAD_DTYPES, head_matmul_precision
 from trainer.forward.packed import packed_logprobs_and_entropy
 from trainer.forward.precision import PrecisionPolicy
 from trainer.trainer import Trainer
@@ -29,6 +30,16 @@ from trainer.trainer import Trainer
 LOGPROB_ATOL = 0.03
 """Nats per token between a bfloat16-autocast and a float32 forward (see the module docstring)."""
 LOSS_RTOL = 0.02
+
+
+@pytest.fixture
+def tf32_off():
+    """CUDA TF32 matmuls off for the test, the setting restored after it."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_tf32
+    matmul.allow_tf32 = False
+    yield matmul
+    matmul.allow_tf32 = before
 
 
 def cfg(dtype: str, **loss) -> TrainerConfig:
@@ -147,15 +158,16 @@ def test_chunked_logprobs_of_bfloat16_weights_are_float32(temperature):
         ("bfloat16", torch.bfloat16),
     ],
 )
-def test_dtypes_that_reach_attention_and_the_lm_head(model_dir, monkeypatch, head_dtype, matmul_dtype):
+def test_dtypes_that_reach_attention_and_the_lm_head(model_dir, monkeypatch, tf32_off, head_dtype, matmul_dtype):
     """A Trainer step under trainer.dtype=bfloat16 on CPU: every packed-attention call gets q/k/v in
     bfloat16 (cast from the float32 RoPE output, as on CUDA before the varlen kernel), and the LM
     head's matmuls run in trainer.lm_head_dtype's dtype, forward and backward; logprobs, loss and
-    every gradient stay float32."""
+    every gradient stay float32. tf32 is a CUDA matmul mode: on CPU the head runs plain float32 and
+    the CUDA TF32 switch stays off (tests/gpu/test_gpu_tf32_head.py checks it on inside a CUDA head)."""
     import trainer.forward.logprobs as head
     import trainer.forward.packed_attention as attention
 
-    attn_dtypes, head_dtypes = [], []
+    attn_dtypes, head_dtypes, head_tf32 = [], [], []
     real_sdpa, real_logits = attention.F.scaled_dot_product_attention, head.chunk_logits
 
     def sdpa_spy(q, k, v, **kw):
@@ -164,6 +176,7 @@ def test_dtypes_that_reach_attention_and_the_lm_head(model_dir, monkeypatch, hea
 
     def logits_spy(hidden, weight, bias):
         head_dtypes.append((hidden.dtype, weight.dtype))
+        head_tf32.append(torch.backends.cuda.matmul.allow_tf32)
         return real_logits(hidden, weight, bias)
 
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", sdpa_spy)
@@ -185,7 +198,28 @@ def test_dtypes_that_reach_attention_and_the_lm_head(model_dir, monkeypatch, hea
     assert np.isfinite(metrics["loss"])
     assert attn_dtypes and set(attn_dtypes) == {(torch.bfloat16,) * 3}
     assert head_dtypes and set(head_dtypes) == {(matmul_dtype, matmul_dtype)}
+    assert set(head_tf32) == {False} and not tf32_off.allow_tf32  # no TF32 on CPU
     assert all(p.grad is None or p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.parametrize("head_dtype", HEAD_DTYPES)
+def test_tf32_is_switched_on_only_for_a_tf32_head_on_cuda(tf32_off, head_dtype):
+    """The switch the LM head's forward and backward run under (``head_matmul_precision``; it needs no
+    GPU to flip): CUDA TF32 matmuls on inside it for "tf32" on a CUDA device, off again after it,
+    also after an error; untouched for the other dtypes and on CPU; a TF32 setting made outside it
+    is kept. The same inside a real CUDA step: tests/gpu/test_gpu_tf32_head.py."""
+    for device in ("cuda", "cpu"):
+        with head_matmul_precision(head_dtype, torch.device(device)):
+            inside = tf32_off.allow_tf32
+        assert inside == (head_dtype == "tf32" and device == "cuda"), device
+        assert not tf32_off.allow_tf32, f"left on after the head ({device})"
+    with pytest.raises(RuntimeError, match="in the head"), head_matmul_precision(head_dtype, torch.device("cuda")):
+        raise RuntimeError("in the head")
+    assert not tf32_off.allow_tf32, "left on after an error in the head"
+    tf32_off.allow_tf32 = True
+    with head_matmul_precision(head_dtype, torch.device("cuda")):
+        assert tf32_off.allow_tf32
+    assert tf32_off.allow_tf32
 
 
 def test_bf16_lm_head_logprobs_close_to_float32(model_dir):
