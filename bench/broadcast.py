@@ -3,37 +3,14 @@
 Usage: ``python -m bench.broadcast [--runs 7] [--models default,qwen2-100m] [--bucket-mb 32]
 [--bus-window 2] [--out FILE.json]``
 
-Two processes on this host, gloo over 127.0.0.1. Rank 0 plays the trainer, rank 1 a producer that
-receives exactly as the producers' vLLM worker extension does (`broadcaster.buckets.BucketReceiver`
-on the same manifest and bucket plan; no vLLM engine: nothing is loaded into a model). Per model,
-interleaved, after one warm-up each, `--runs` times (medians reported):
-
-- raw: `torch.distributed.broadcast` of ONE flat float32 tensor with the payload's byte count over
-  a default process group (`init_process_group("gloo")`): the floor for these bytes;
-- ours: `BroadcastSender.send(state_dict, v)` (the state dict's tensors copied into the flat
-  send buffers allocated once, bucket by bucket, each bucket broadcast as soon as it is filled);
-  split into `blocked` (what the trainer thread spends in `start_send`: copies + handing buckets
-  to gloo) and `transfer` (first bucket handed over -> last bucket done, in the background);
-  `payload` is the time the trainer takes to build the dict it sends, with its own functions
-  (`trainer.state.model.policy_state_dict`, `lora_adapter_state_dict`), also on the trainer thread;
-- bus: `BusSender.start_send(state_dict, v)` (copy into the bucket buffers, served by its ROUTER
-  on tcp://127.0.0.1, no CURVE; crc32 per bucket on its server thread) and rank 1's
-  `BusFetcher.fetch` pulling every bucket into the same `BucketReceiver` buffers (`--bus-window`
-  buckets asked at once, crc32 checked): timed on
-  rank 0 from `start_send` to a barrier the receiver enters once its fetch returned (so it
-  includes one barrier after the fetch and one between serving and fetching); `bus blocked` is the
-  trainer thread's part (`start_send`), the rest is the producer pulling while the trainer trains;
-- lora: the same for the LoRA adapter payload of the default LoRA config (`LoraSection()`: rank
-  8, alpha 16, q/k/v/o/gate/up/down), plus its byte count against the full weights.
-
-Each measurement starts right after a barrier on the default group (so the receiver has posted
-or is about to post its receive) and ends when rank 0's collective is complete. The ratio is the
-median over runs of `send / raw` (and `bus / raw`) of the same run (paired: the host is shared and
-its load drifts between runs).
-
-Models: "default" is the default job's policy architecture (`policies.tiny_model`, Qwen3 128 wide,
-4 layers, 1.1M parameters); "qwen2-100m" a random Qwen2 (hidden 768, 12 layers, MLP 2048, 12
-heads / 4 KV heads, vocab 32000, tied embeddings): 100.3M parameters, 401 MB in float32.
+Two processes on this host, gloo over 127.0.0.1: rank 0 plays the trainer, rank 1 a producer that receives as
+the vLLM worker extension does (`BucketReceiver`, no engine). Per model, interleaved, after one warm-up, `--runs`
+times: a raw `torch.distributed.broadcast` of one flat tensor of the payload's bytes (the floor), the trainer's
+`BroadcastSender.send` (split into the trainer thread's `blocked` part and the background `transfer`), the bus
+method (`BusSender` served to a `BusFetcher`) and the LoRA adapter payload. Each ratio is the median over runs
+of the paired `send / raw` (the shared host's load drifts). Models: "default" (the tiny policy, 1.1M
+parameters) and "qwen2-100m" (random Qwen2, 100.3M parameters). Method and results: bench/README.md, "Weight
+broadcast".
 """
 
 from __future__ import annotations

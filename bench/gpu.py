@@ -3,31 +3,13 @@ tokens/s, weight sync time.
 
 Usage: ``python -m bench.gpu [--peak-tflops F] [--steps 5] [--micro-batch-tokens 8192]
 [--micro-batches 4] [--prompts 256] [--gen-tokens 256] [--sync-runs 3] [--out FILE.json]``
-(``--cpu-smoke``: a tiny shape end to end on CPU, to check the script; its numbers mean nothing).
-On a host without CUDA it refuses (exit status 2) unless given ``--cpu-smoke``.
+(``--cpu-smoke``: a tiny shape end to end on CPU, numbers meaningless); without CUDA it exits 2.
 
-The model: Qwen2.5-0.5B's shape (Qwen2, hidden 896, 24 layers, 14 heads / 2 KV heads, MLP 4864,
-vocab 151936, tied embeddings: 494M parameters), random weights from a config (no download).
-In one process, on one GPU (cuda:0), or with 2+ GPUs the producer on cuda:0 and the trainer on
-cuda:1:
-
-- producer: a vLLM engine (`producers.engine`'s engine arguments: the rlbus worker extension,
-  bfloat16, `gpu_memory_utilization` 0.35, no tokenizer: token-id prompts) generates
-  `--gen-tokens` tokens (ignore_eos) for each of `--prompts` random 128-token prompts in one
-  `generate` call; tokens/s = generated tokens / wall time (after a warm-up call);
-- trainer: `trainer.trainer.Trainer` with `trainer.dtype: bfloat16` (float32 master weights and
-  AdamW state) takes `--steps` optimizer steps (after one warm-up step) of `--micro-batches`
-  packed micro-batches of `--micro-batch-tokens` tokens (random 512-token samples, half prompt,
-  half completion); tokens/s = tokens / wall time (synchronized); MFU = 6 * N * tokens/s / peak,
-  N = all parameters (tied embedding counted once: its lm_head matmul is the compute it stands
-  for), the 6N FLOPs/token of a forward + backward (Kaplan et al. 2020, arXiv:2001.08361, sec.
-  2.1; attention's own T^2 FLOPs and the chunked LM head's recompute not counted, so MFU is a
-  slight underestimate); peak = `--peak-tflops` or `PEAK_TFLOPS` for the device name (bf16 dense);
-- weight sync: the trainer's weights cast to the engine's dtype and broadcast into the engine
-  (`broadcaster.dist_broadcast.BroadcastSender` -> the worker extension's `receive_weights`, loaded into
-  the model): NCCL with 2+ GPUs; gloo on one GPU (NCCL refuses two ranks on one device) and on
-  CPU. Seconds from the payload cast to the engine's `receive_weights` returning; median of
-  `--sync-runs`.
+Qwen2.5-0.5B's shape (494M parameters) with random weights, on cuda:0 (with 2+ GPUs the trainer on cuda:1): a
+vLLM engine generating for random prompts (tokens/s after a warm-up); the bf16 `Trainer` on packed micro-batches
+(MFU = 6 N tokens/s / peak: Kaplan et al. 2020, arXiv:2001.08361, sec. 2.1, attention's T^2 FLOPs not counted,
+so slightly under); and the weight sync into the engine (NCCL with 2+ GPUs, else gloo), median of
+`--sync-runs`. Results: bench/README.md, "GPU".
 """
 
 from __future__ import annotations

@@ -2,40 +2,16 @@
 process: tokens/s, MFU and peak memory on a uniform and a GRPO-shaped batch. Needs no vLLM.
 
 Usage: ``python -m bench.gpu_trainer [--steps 4] [--micro-batch-tokens 16384] [--peak-tflops F]
-[--variants default,no_share,head_bf16] [--out FILE.json]``; ``--cpu-smoke``: tiny shapes on CPU
-(the script checked end to end, and the CPU table of bench/README.md). Without CUDA and without
-``--cpu-smoke`` it exits with status 2.
+[--variants default,no_share,head_bf16] [--out FILE.json]``; ``--cpu-smoke``: tiny shapes on CPU. Without
+CUDA and without ``--cpu-smoke`` it exits with status 2.
 
-The model: a random Qwen2ForCausalLM of Qwen2.5-0.5B's shape (494M parameters, tied embeddings;
-:data:`bench.gpu.QWEN25_05B`), float32 master weights, AdamW (lr 1e-6), bfloat16 compute
-(``trainer.dtype: bfloat16``: autocast), one device. Batches (random token ids, seeded):
-
-- uniform: 64 samples x 512 tokens (256 prompt, 256 completion), groups of 8 distinct prompts;
-- grpo: 8 prompts of 256 tokens x 8 completions each of 32-1024 tokens (uniform draw): a GRPO step.
-
-Each variant starts from the same fresh weights and takes one warm-up step then ``--steps`` timed
-steps (CUDA synchronized); the table gives the median step:
-
-- ``hf``: the plain step TRL's GRPOTrainer computes: per group of 8 samples, right-padded to the
-  group's longest, ``model(input_ids, attention_mask).logits`` (sdpa attention, under the same
-  bfloat16 autocast), float32 log-softmax, gather, policy-gradient loss -(A * logp) averaged over
-  completion tokens, backward; one AdamW step per batch;
-- rlbus variants: ``trainer.trainer.Trainer.step`` on the packer's micro-batches
-  (``packer.assemble.pack_groups``, ``--micro-batch-tokens`` per micro-batch) with the default loss
-  (AIPO) and the trainer config's defaults (``share_prefixes: auto``, ``lm_head_dtype: tf32``)
-  except: ``share`` / ``no_share`` (``share_prefixes: true`` / ``false``), ``head_fp32`` /
-  ``head_bf16`` (``lm_head_dtype``, shared prefixes on), ``*_no_share`` (and off), ``ckpt*``
-  (``activation_checkpointing: true``: each decoder layer's activations recomputed in the backward,
-  for the memory target at 16384-token micro-batches), ``compile*`` (``trainer.compile: true``:
-  each decoder layer through torch.compile with Inductor; its compile time falls in the warm-up step).
-
-tokens/s counts every token (prompt + completion) of the batch per step; MFU = 6 N tokens/s / peak
-(N = all parameters, Kaplan et al. 2020, arXiv:2001.08361, sec. 2.1; attention's T^2 FLOPs not
-counted, and a shared prefix's tokens counted once per sample as if recomputed); peak = bf16 dense
-FLOP/s of the device (``bench.gpu.PEAK_TFLOPS``, 989 TFLOP/s for H100 SXM / H200).
-
-Then the LM head's precision (`head_precision`): each ``lm_head_dtype``'s logprob error against a
-float64 head on the same hidden states.
+A random Qwen2 of Qwen2.5-0.5B's shape, float32 master weights, AdamW, bf16 autocast. ``hf`` is the step TRL's
+GRPOTrainer computes (per group of 8, right-padded, full logits, float32 log-softmax); the rlbus variants run
+``Trainer.step`` on the packer's micro-batches with the defaults or one setting changed (shared prefixes, head
+dtype, activation checkpointing, ``trainer.compile``). Each variant: same fresh weights, one warm-up step, then
+``--steps`` timed; the median step. MFU = 6 N tokens/s / peak (Kaplan et al. 2020, sec. 2.1). Then each
+``lm_head_dtype``'s logprob error against a float64 head. Method and results: bench/README.md, "GPU trainer
+against a plain HF step".
 """
 
 from __future__ import annotations

@@ -1,27 +1,15 @@
 """Peak memory and time of token logprobs + entropy: naive full logits vs the chunked path.
 
-Both paths compute, for hidden states `[T, H]` and an LM head `[V, H]`, the logprob of each target
-token (with its backward: grad of hidden and of the LM head weight) and the entropy of each
-next-token distribution:
-- naive: `logits = hidden @ weight.T` as one `[T, V]` float32 tensor, log_softmax, gather (what
-  `trainer.forward.packed` did before the chunked path); entropy under no_grad;
-- chunked: `trainer.forward.logprobs.linear_logprobs_and_entropy` (chunk_size rows at a time, forward and
-  backward), backend "torch" on CPU, "torch" and "triton" on CUDA.
+For hidden states `[T, H]` and an LM head `[V, H]`, both paths compute each target token's logprob (with the
+backward) and each position's entropy: naive as one `[T, V]` float32 logits tensor, chunked through
+`trainer.forward.logprobs.linear_logprobs_and_entropy` ("torch" backend; also "triton" on CUDA).
 
-CPU (default): every (config, path) runs in a FRESH subprocess, which allocates its inputs, resets
-the kernel's peak-RSS mark (`echo 5 > /proc/self/clear_refs`, Linux), runs forward + backward once
-and reports peak RSS (`VmHWM`) minus the RSS before the run (`VmRSS`): the extra memory of that
-path, gradients included (after a tiny warm-up run, so library code pages and thread pools are not
-counted). Where clear_refs cannot be written, the rise of `resource.getrusage().ru_maxrss` is used.
     .venv/bin/python -m bench.logprobs_memory                       # the table in bench/README.md
-    .venv/bin/python -m bench.logprobs_memory --configs 32768x8192 --threads 2
-CUDA: `--device cuda` measures in-process with `torch.cuda.max_memory_allocated` (after a warm-up)
-and CUDA-event times (median of --repeats), for naive, chunked-torch and chunked-triton, and
-checks each chunked result against the naive one when the naive path ran.
-    python -m bench.logprobs_memory --device cuda --dtype bfloat16 --configs 32768x8192,151936x8192,151936x16384
+    python -m bench.logprobs_memory --device cuda --dtype bfloat16 --configs 32768x8192,151936x8192
 
-A naive run whose estimated peak (4 x T x V float32, measured: 3.9x on CPU) exceeds --max-naive-gib
-is skipped and shown as "not run", so the bench cannot push a shared machine out of memory.
+CPU: each (config, path) in a fresh subprocess, peak RSS above the pre-run RSS (`/proc/self/clear_refs` and
+`VmHWM`; else `ru_maxrss`). CUDA: in-process `max_memory_allocated` and event times, chunked results checked
+against naive. A naive run whose estimated peak (4 x T x V float32) exceeds `--max-naive-gib` is not run.
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
 """Training throughput: the trainer's packed forward against a right-padded batch.
 
-Run: `python -m bench.packed_vs_padded` (options: `--help`). Prints a markdown table of training
-tokens/s (forward + backward, REAL tokens only, pad tokens do not count) for one mixed-length batch:
-
-- packed: the packer's micro-batches (`packer.packing.plan_step_micro_batches`, padding-free rows
-  of at most `--budget` tokens), each one `trainer.forward.packed.packed_token_logprobs` forward (varlen
-  attention: causal sdpa per sample, positions restarting per sample) and a backward of the summed
-  logprobs;
-- padded (arrival order): consecutive samples, right-padded to the longest sample of their
-  micro-batch, as many as fit `rows * longest <= --budget` PADDED tokens, Hugging Face 2-D
-  `attention_mask` (sdpa); the per-token logprobs of EVERY position (pads included, as a padded
-  trainer pays for them) with the trainer's own LM-head code (`trainer.forward.logprobs.
-  linear_logprobs_and_entropy`, the one `packed_token_logprobs` uses), pads masked out, backward;
-- padded (sorted by length): the same after sorting the samples longest first, so similar lengths
-  share a micro-batch: the strongest padded baseline, reported for honesty;
-The model is a Qwen2ForCausalLM built from a config with random weights (no download), in train mode.
-Each repeat runs the three variants back to back (same order), so the ratios are taken within one
-repeat on the same machine state; the table reports medians over repeats. As a check that all
-variants compute the same thing, the summed logprob of the batch must agree (rtol 1e-3).
-
-The packed path's attention costs O(sum_i L_i^2) (per sample, `trainer.forward.packed_attention`), against
-O(rows * L_max^2) for a padded micro-batch; the last column estimates the share of forward FLOPs in
-attention scores (see bench/README.md).
+Run: `python -m bench.packed_vs_padded` (options: `--help`). Prints a markdown table of training tokens/s
+(forward + backward, real tokens only) for one mixed-length batch on a random Qwen2: the packer's padding-free
+micro-batches through `packed_token_logprobs`; padded micro-batches in arrival order (Hugging Face 2-D
+`attention_mask`, the trainer's own LM-head code, pads masked out); and padded after sorting by length (the
+strongest padded baseline). Each repeat runs the three back to back; medians over repeats; the summed logprob
+must agree (rtol 1e-3). Packed attention costs O(sum_i L_i^2) against O(rows * L_max^2) padded; the last column
+estimates the share of forward FLOPs in attention scores. Results: bench/README.md, "Packed vs padded
+training throughput".
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """Packing quality: micro-batch count against the lower bound, padding and fill, time to pack.
 
-Run: `python -m bench.packing` (add `--seeds N` for the summary table; default 300). Prints two
-markdown tables:
-
-1. One row per (length mix, token budget, number of samples): total tokens, the lower bound
-   L1 = ceil(total / budget), the micro-batch counts of first-fit decreasing (FFD), best-fit
-   decreasing (BFD) and the packer's choice (`pack_micro_batches`: BFD, or MBS' when BFD needs
-   more than L1 + 1), the padding ratio of the packed rows (pad tokens / row tokens: 0 by
-   construction, rows hold whole samples back to back), the padding ratio the same micro-batches
-   WOULD have if right-padded to their longest sample (what a padded trainer pays), the fill
-   ratio total / (micro-batches * budget), and the median time to pack.
-2. Over `--seeds` random draws per mix (budget 4096 or 8192, 64..1024 samples): how often BFD and
-   the packer exceed L1 + 1, their largest excess over L1, and the slowest packing.
-
-Length mixes (tokens per sample = prompt + completion; B = token budget), all clipped to [1, B]:
-- uniform:   uniform integers in [16, B/2];
-- lognormal: long-tailed, exp(N(log(B/16), 1)) (median B/16; ~0.3% of samples reach B/2);
-- bimodal:   half short ~N(B/40, B/80), half long ~N(B/5, B/40);
-- tiny:      uniform integers in [1, 32];
-- capped:    one prompt length p in [20, B/8) for the whole batch, completions uniform in
-             [1, B/4 - p] except 30% truncated at exactly B/4 - p (max_tokens): the hard case for
-             BFD (every gap it leaves is shorter than the shortest sample).
+Run: `python -m bench.packing [--seeds N]` (default 300). Prints two markdown tables: one row per (length mix,
+token budget, samples) with the lower bound L1 = ceil(total / budget), the micro-batch counts of first-fit and
+best-fit decreasing and the packer's choice (`pack_micro_batches`), the padding the same micro-batches would
+carry if right-padded, the fill ratio and the time to pack; and, over `--seeds` random draws per mix, how often
+BFD and the packer exceed L1 + 1. The mixes are :func:`length_mix`'s. Results: bench/README.md, "Packing
+quality".
 """
 
 from __future__ import annotations
@@ -42,7 +27,9 @@ MIXES = ("uniform", "lognormal", "bimodal", "tiny", "capped")
 
 
 def length_mix(kind: str, num_samples: int, budget: int, rng: np.random.Generator) -> list[int]:
-    """`[num_samples]` sample lengths (ints in [1, budget]) drawn from mix `kind` (module docstring)."""
+    """`[num_samples]` sample lengths (ints in [1, budget], B = budget) of mix `kind`: uniform [16, B/2]; lognormal
+    exp(N(log(B/16), 1)); bimodal half ~N(B/40, B/80), half ~N(B/5, B/40); tiny [1, 32]; capped: one prompt length
+    p in [20, B/8), completions uniform in [1, B/4 - p] with 30% at exactly B/4 - p (the hard case for BFD)."""
     n = num_samples
     if kind == "uniform":
         x = rng.integers(16, budget // 2 + 1, n)

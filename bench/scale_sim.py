@@ -1,29 +1,14 @@
 """Simulated producers, reward workers and trainer for the scale simulation (:mod:`bench.scale`).
 
-Each simulated worker speaks the real protocol on the real bus: its own
-:class:`bus.courier.Courier` (its own session, its own ROUTER/DEALER sockets, so the bus sees one
-peer per worker), its own control PUB (:class:`bus.control.ControlPublisher`) and SUB, and the
-real message types, so the real prompt source, packer and hub cannot tell them from the real
-components:
-
-- :class:`SimProducer` takes ``Prompt`` from ``prompts`` (custody kept until its group is done
-  downstream), waits ``tokens / tokens_per_s`` seconds, sends a ``RolloutGroup`` of G completions
-  whose lengths are lognormal around a median (``[N] int32`` ids, ``[N] float32`` logprobs), tagged
-  with the policy version it runs, on its own ``rollouts/i`` endpoint; it applies each
-  ``weights.ready`` after ``apply_s`` seconds and answers ``weights.applied``.
-- :class:`SimReward` takes groups from every ``rollouts/j``, waits ``score_s`` seconds, and sends a
-  ``ScoredGroup`` with 0/1 rewards and group-relative advantages
-  (:func:`rewards.advantages.compute_advantages`, ``grpo``) to the packer's ``scored``.
-- :class:`SimTrainer` takes the packer's micro-batches per step, waits ``step_s`` seconds per
-  step, publishes ``weights.ready`` (version ``step + 1``) and ``trainer.step``, releases the step
-  at once (``checkpoint_interval`` 0: ``groups.trained`` on ``outcomes`` and on the control
-  channel, then ``batches.done``), and ends the run with ``run.done`` after ``max_steps``.
-
-Every worker records timestamped events (:class:`Events`; wall-clock ``time.time()`` seconds, one
-host) for per-hop latency; a :class:`ControlProbe` per process records the receipt time of every
-``trainer.step`` at every worker for the hub's fan-out time (the trainer stamps
-``metrics["sim_sent_at"]``). Invariant: a simulated worker never keeps a
-message past its custody rules, so the accounting of a simulated run is as strict as a real one's.
+Each simulated worker speaks the real protocol on the real bus (its own :class:`bus.courier.Courier`, control
+PUB and SUB, the real message types), so the real prompt source, packer and hub cannot tell it from a real
+component: :class:`SimProducer` turns prompts into rollout groups after ``tokens / tokens_per_s`` seconds
+(lognormal lengths) and applies weights after ``apply_s``; :class:`SimReward` scores them 0/1 with GRPO
+advantages after ``score_s``; :class:`SimTrainer` takes each step's micro-batches, waits ``step_s``, publishes
+the next version and releases the step at once. Every worker records timestamped events for per-hop latency
+(wall-clock, one host); a :class:`ControlProbe` per process times the hub's ``trainer.step`` fan-out.
+Invariant: a simulated worker keeps the custody rules, so a simulated run's accounting is as strict as a real
+one's.
 """
 
 from __future__ import annotations

@@ -1,32 +1,13 @@
 """Shared-prefix forward on CPU: the trainer's packed forward + backward with `share_prefixes` on vs off.
 
-Run: `python -m bench.shared_prefix_speed` (options: `--help`). For each batch shape it builds one
-optimizer step's GRPO groups (G completions of one prompt, every prompt opening with the same
-chat-template-like tokens), packs them with the packer's `packer.assemble.pack_groups` (a group that
-fits the budget is one packing unit, so its samples are adjacent in one micro-batch; a larger group
-is packed sample by sample, so micro-batches may start mid-group),
-and times one step's forward + backward through the trainer's own module
-(`trainer.forward.packed.PackedLogprobs`, the loss tokens = completion tokens passed as `tokens`, as
-`trainer.trainer.Trainer` does), with the loss sum(advantage * logprob) / loss tokens. No optimizer
-step (AdamW is ~1 ms on the default policy, the same both ways). Runs alternate (on, off, off, on,
-...) so both see the same machine state; the table gives medians over `--repeats` after one warm-up
-run each. Both settings must give the same summed logprob (rtol 1e-4) and gradient norm (rtol 1e-3).
-
-Shapes:
-- `default`: the default job (configs/reverse_text.yaml) on its tiny policy
-  (`policies.tiny_model.build_random_policy`: Qwen3, 128 wide, 4 layers, float32), 8 prompts of
-  40-47 tokens x 8 completions of 1-16 tokens (64 samples), budget 2048 tokens;
-- `grpo`: a GRPO batch scaled down for CPU, the same policy, 4 prompts of 128 tokens x 8
-  completions of 16-256 tokens, budget 4096 tokens;
-- `grpo_gpu` (with `--device cuda --model qwen2-0.5b --dtype bfloat16`): the GPU shape of issue 28,
-  8 prompts of 256 tokens x 8 completions of 32-1024 tokens, budget 16384 tokens, on a randomly
-  initialised model of Qwen2.5-0.5B's shape (24 layers, 896 wide, 14 heads / 2 kv heads of 64,
-  vocabulary 151,936), float32 master weights under bfloat16 autocast (`trainer.dtype: bfloat16`).
-
-`--gathers` also times, on each shape's first micro-batch plan, the ways to fan the compressed
-hidden states out to every token (`[T_c, H]` -> `[R, H]`, forward + backward): advanced indexing
-`x[idx]` (backward: `index_put_` with accumulate), `x.index_select(0, idx)` (backward:
-`index_add_`), and split + cat of contiguous slices (backward: slices of the gradient summed).
+Run: `python -m bench.shared_prefix_speed` (options: `--help`). Per batch shape it builds one step's GRPO groups
+(G completions of one prompt), packs them with `packer.assemble.pack_groups` and times one forward + backward
+through `trainer.forward.packed.PackedLogprobs` (loss sum(advantage * logprob) / loss tokens; no optimizer
+step). Runs alternate on/off/off/on; medians over `--repeats` after a warm-up; both settings must give the same
+summed logprob (rtol 1e-4) and gradient norm (rtol 1e-3). Shapes: `default` (the default job on its tiny
+policy), `grpo` (4 x 8 completions of 16-256 tokens) and `grpo_gpu` (issue 28's GPU shape on Qwen2.5-0.5B's,
+with `--device cuda --model qwen2-0.5b --dtype bfloat16`). `--gathers` also times indexing, `index_select` and
+split + cat for the fan-out `[T_c, H]` -> `[R, H]`. Results: bench/README.md, "Shared-prefix speed".
 """
 
 from __future__ import annotations

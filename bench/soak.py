@@ -4,35 +4,12 @@ Usage: ``python -m bench.soak [--minutes 30] [--config configs/reverse_text.yaml
 [--max-steps N] [--seed S] [--transport ipc|tcp] [--base-port P] [--out FILE.json] [override ...]``
 (not in CI: minutes of real vLLM).
 
-What it does, on this host:
-
-- starts ``busctl up CONFIG`` (fast failure detection: heartbeats 0.2 s, dead after 3 s, restart
-  backoff 0.2-2 s, a restart budget that the soak cannot spend) with ``trainer.max_steps`` large
-  meant to outlast ``--minutes`` (default: one step per 2 s of the soak, at least 60; killing stops
-  early at 90% of them, so raise ``--max-steps`` on a fast host);
-- every 20-40 s (uniform) SIGKILLs one component of a kind drawn uniformly from :data:`KINDS`:
-  hub, prompt source, trainer, producer, reward worker, and the packer when the supervisor
-  restarts it (``"packer"`` in ``RESTARTABLE_ROLES``; otherwise its kill would end the run, so it
-  is left out and the JSON says so);
-- all along, sends bursts of hostile frames (``tests/bus/fuzz.py``, the generators of
-  ``tests/e2e/test_fuzz_run.py``) to every endpoint the run binds: the data topics' ROUTERs (every
-  producer's ``rollouts`` among them), the hub and the weights endpoint (:mod:`bench.soak_garbage`);
-  with ``--transport tcp`` (CurveZMQ keys and metrics TLS made by ``busctl keys``) from CURVE clients
-  holding the run's key and from plaintext sockets the handshake must refuse, and every
-  :data:`PROBE_S` s it asks each component's ``/metrics`` without the client certificate;
-- after ``--minutes`` (or 90% of the steps) stops killing and lets the run finish, then reads the
-  run's own records.
-
-Figures (printed and written as JSON): kills per kind, hostile frame sets sent (authenticated and
-plaintext), metrics probes without the client certificate and how many were answered (must be
-0), frames the components' last incarnations rejected (``metrics_final/``), the eval rounds
-written to ``metrics.jsonl``, restarts per component, prompts issued and
-their outcomes, samples trained, lost (issued prompts left without outcome, and ledger ``trained``
-groups missing from ``trained_samples.jsonl``), trained twice (sample ids in more than one step of
-the surviving lineage), and per kill kind the step-time cost of the restart: the gap between the
-last trainer step before the kill and the first step beyond every step reached before it, minus
-the median step interval (polled every :data:`POLL_S` s, so +-0.25 s); kills that come before the
-run recovered from the previous one are listed but not costed (see :func:`restart_costs`).
+It runs ``busctl up`` with fast failure detection, SIGKILLs one component of a kind drawn from :data:`KINDS`
+every 20-40 s, sends hostile frames to every endpoint (:mod:`bench.soak_garbage`; with ``--transport tcp``
+also from plaintext sockets the handshake must refuse, and certificate-less ``/metrics`` probes that must go
+unanswered), then stops killing and lets the run finish. It reports kills, frames, probes, rejects, restarts,
+prompt outcomes, samples lost or trained twice, and per kill kind the step-time cost of the restart
+(:func:`restart_costs`). Results: bench/README.md, "Every component kind killed: the nemesis and the soak".
 """
 
 from __future__ import annotations
@@ -154,7 +131,7 @@ def run_figures(run_dir: Path) -> dict:
         for family in text_string_to_metric_families(prom.read_text()):
             rejected += sum(s.value for s in family.samples if s.name == "rlbus_bus_rejected_total")
     eval_rounds = sorted(
-        {r["step"] for r in read_records(run_dir / "metrics.jsonl") if any(k.startswith("eval/") for k in r)}
+        {r["step"] for r in read_records(run_dir / "eval.jsonl") if any(k.startswith("eval/") for k in r)}
     )
     return {
         "eval_rounds_reported": eval_rounds,

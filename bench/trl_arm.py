@@ -5,32 +5,12 @@ Usage (``bench.vs_trl`` starts it; needs the ``bench`` extra, ``trl==1.16.0``)::
     python -m bench.trl_arm --policy DIR --events FILE --out-dir DIR [--config YAML] [--steps N]
         [--eval-every K] [--threads 2]
 
-The job is read from the rlbus config (default ``configs/reverse_text.yaml``), so both arms share it:
-
-- policy: ``--policy`` (the directory rlbus's ``ensure_policy`` built), float32;
-- prompts: the config task's train split (``task.seed``), in order (no shuffle), each rendered as
-  rlbus's producers do (:func:`tasks.task.render_messages`, then the policy's chat template with a
-  generation prompt: TRL applies it to the conversational prompt);
-- reward: the task's reward functions (``tasks.rewards.get_reward_fn``) with their weights as
-  TRL ``reward_funcs`` / ``reward_weights`` (TRL sums ``weight * reward``, as rlbus's workers do);
-- batch ``trainer.batch_size`` completions per optimizer step, ``producers.group_size`` per prompt,
-  one optimizer step per generation batch (``num_iterations=1``, ``steps_per_generation=1``);
-  ``sampling.max_tokens`` / ``temperature`` / ``top_p``, no top-k; ``trainer.optim`` lr (constant),
-  betas, weight decay and gradient clip; no KL (``beta=0``); float32, no gradient checkpointing;
-- loss: TRL's ``dapo`` (token-level clipped ratio, summed over every completion token of the step
-  and divided by their count). With one optimizer step per batch the ratio is exactly 1 in TRL, so
-  its gradient is ``-A * grad log pi`` averaged over the step's tokens: rlbus's default ``aipo`` with
-  ``token_mean`` aggregation, whose weight ``pi_train / pi_vllm`` is ~1 (masked outside [0.125, 8]).
-  Advantages: TRL ``scale_rewards="group"``, ``(r - mean) / (std + 1e-4)`` with the sample std;
-  rlbus ``grpo`` divides by the population std (+1e-6): TRL's advantages are smaller by
-  ``sqrt((G-1)/G)`` (0.935 for G = 8).
-
-Eval (a callback): before the first step, every ``--eval-every`` steps and after the last step, the
-config's eval tasks (their eval split, ``num_examples``, ``seed``, ``rollouts_per_example``) are
-sampled with TRL's own generation config (the training sampling) and scored with the same reward.
-
-Output: ``--events`` gets one JSON line per step and per eval (format: :mod:`bench.vs_trl_stats`),
-flushed as they happen; times are ``time.time()``.
+The job comes from the rlbus config, so both arms share it: the policy rlbus built, the task's train split in
+order rendered as rlbus's producers render it, the task's weighted reward functions, the batch, group size,
+sampling and optimizer settings, no KL. TRL's ``dapo`` loss with one optimizer step per batch has ratio 1, so its
+gradient is rlbus's default ``aipo`` with ``token_mean``; TRL's advantages divide by the sample std, rlbus's by
+the population std (smaller by ``sqrt((G-1)/G)``). Eval runs as a callback on the config's eval tasks. Output:
+one JSON event per step and eval in ``--events`` (format: :mod:`bench.vs_trl_stats`).
 """
 
 from __future__ import annotations

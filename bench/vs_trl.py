@@ -5,24 +5,12 @@ Usage (from the repository root; needs the ``bench`` extra: ``pip install -e '.[
     python -m bench.vs_trl [--rounds 1] [--steps 300] [--eval-every 25] [--config configs/reverse_text.yaml]
         [--out bench/results/vs_trl-DATE.json] [--rlbus-override key=value ...]
 
-What it does, in one invocation:
-
-1. resolves the policy as ``busctl up`` does (``model.path`` empty: ``policies.tiny_model.ensure_policy``
-   with the config's ``model`` parameters, building it into ``model.cache_dir`` if it is missing),
-   so both arms load the same, cached directory;
-2. measures the fp32 matmul throughput at ``--threads`` torch threads
-   (:func:`bench.vs_trl_stats.matmul_gflops`);
-3. runs the arms alternately, ``--rounds`` times: TRL (:mod:`bench.trl_arm` in a subprocess, so its
-   threads and memory are its own), then rlbus (``python -m busctl up CONFIG trainer.max_steps=N
-   eval.interval=K run_dir=FRESH``); each arm's clock starts just before its process is launched;
-4. prints a markdown table (:func:`bench.vs_trl_stats.markdown_table`) and writes every number,
-   and each round's events, as JSON to ``--out``.
-
-Times: TRL's step and eval events are written by its callback; rlbus's are the moments this process
-first sees the step's (or eval round's) record in the run's ``metrics.jsonl`` (polled every 50 ms),
-so they include the trainer's write of that record. With several rounds each measure is the median
-over the rounds. The machine floor uses rlbus's own mean tokens per step and the policy's parameter
-count (all parameters, embeddings included, as issue 14 counts them).
+It resolves the policy as ``busctl up`` does (both arms load the same cached directory), measures the fp32
+matmul throughput for the machine floor, runs the arms alternately ``--rounds`` times (TRL in a subprocess,
+:mod:`bench.trl_arm`; rlbus as ``busctl up``), each arm's clock starting just before its launch, and prints the
+table (:func:`bench.vs_trl_stats.markdown_table`) with every number in ``--out``. rlbus's event times are when
+this process first sees the record in ``metrics.jsonl`` or ``eval.jsonl`` (polled every 50 ms); with several
+rounds each measure is the median. Results: bench/README.md, "rlbus vs TRL on the same job".
 """
 
 from __future__ import annotations
@@ -150,7 +138,7 @@ def run_trl(ns: argparse.Namespace, policy: Path, steps: int, work: Path) -> tup
 
 
 class MetricsTail:
-    """Turns new lines of an rlbus run's ``metrics.jsonl`` into events, stamped when first seen."""
+    """Turns new lines of an rlbus run's ``metrics.jsonl`` or ``eval.jsonl`` into events, stamped when first seen."""
 
     def __init__(self, path: Path, eval_task: str) -> None:
         self.path, self.key, self.offset = path, f"eval/{eval_task}/reward_mean", 0
@@ -173,7 +161,7 @@ class MetricsTail:
 
 
 def metrics_events(record: dict, t: float, eval_key: str) -> list[Event]:
-    """The events of one ``metrics.jsonl`` record seen at ``t``: a training record (``loss`` present)
+    """The events of one ``metrics.jsonl`` / ``eval.jsonl`` record seen at ``t``: a training record (``loss`` present)
     is a step with ``num_tokens`` and ``num_loss_tokens`` (completion tokens); a record with
     ``eval_key`` an eval; anything else none."""
     out: list[Event] = []
@@ -207,12 +195,12 @@ def run_rlbus(ns: argparse.Namespace, eval_task: str, steps: int, work: Path) ->
         f"run_dir={run_dir}",
         *ns.rlbus_override,
     ]
-    tail = MetricsTail(run_dir / "metrics.jsonl", eval_task)
+    tails = [MetricsTail(run_dir / name, eval_task) for name in ("metrics.jsonl", "eval.jsonl")]
     with open(log, "wb") as out:
         launch = time.time()
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=_env(None), stdout=out, stderr=subprocess.STDOUT)
-        _wait(proc, ns.arm_timeout, "rlbus", log, tail.poll)
-    return launch, tail.events
+        _wait(proc, ns.arm_timeout, "rlbus", log, lambda: [tail.poll() for tail in tails])
+    return launch, sorted((e for tail in tails for e in tail.events), key=lambda e: e["t"])
 
 
 def _median(values: list[Any]) -> Any:

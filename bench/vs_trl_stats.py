@@ -1,31 +1,12 @@
 """Numbers of the rlbus-vs-TRL benchmark (:mod:`bench.vs_trl`): one arm's summary, the machine floor.
 
-Both arms are reduced to the same *event list* (epoch seconds, one clock: the benchmark's host):
-
-- ``{"t": float, "kind": "step", "step": int, "num_tokens": int | None, "completion_tokens": int | None}``:
-  optimizer step ``step`` (1-based) had finished by time ``t``; the token counts are the step's
-  prompt + completion tokens and completion tokens (real tokens, no padding), when known;
-- ``{"t": float, "kind": "eval", "step": int, "reward_mean": float}``: the eval of the policy after
-  ``step`` optimizer steps (0: the base policy) was known by time ``t``.
-
-:func:`summarize_arm` turns one run's events and its launch time into the measures of the table:
-
-- **steady-state samples/s** = ``batch * (last - s0) / (t(last) - t(s0))`` where ``last`` is the
-  last step and ``s0 = max(1, ceil(steady_skip * last))`` (default ``steady_skip = 0.1``: the first
-  10% of the steps, warm-up included, are left out). Eval rounds inside the window count: both arms
-  run the same eval schedule;
-- **launch to first step** = ``t(step 1) - launch``;
-- **launch to eval +delta** = ``t`` of the first eval whose ``reward_mean >= eval(step 0) + delta``
-  minus launch (None if never reached);
-- **final eval** = ``reward_mean`` of the eval with the largest step.
-
-Floor (issue 14, goal 1): a step costs ``6 * N * T_train + 2 * N * T_gen`` FLOPs (N parameters,
-T_train prompt + completion tokens trained, T_gen tokens the sampler runs the policy over: prompt
-(prefill) + completion, so T_gen = T_train as the issue counts it; the usual 2 FLOPs per
-parameter per token forward, 4 backward, Kaplan et al. 2020 sec. 2.1), so at matmul throughput
-``G`` FLOP/s the fastest possible step takes ``flops / G`` s and the floor rate is
-``batch * G / flops`` samples/s. :func:`matmul_gflops` measures ``G`` as large square fp32
-``torch.mm`` products (``2 n^3`` FLOPs each).
+Both arms are reduced to one event list (epoch seconds, one clock): ``{"t", "kind": "step", "step",
+"num_tokens", "completion_tokens"}`` (optimizer step ``step``, 1-based, done by ``t``) and ``{"t", "kind":
+"eval", "step", "reward_mean"}`` (the eval after ``step`` steps). :func:`summarize_arm` gives steady-state
+samples/s ``batch * (last - s0) / (t(last) - t(s0))`` with ``s0 = max(1, ceil(steady_skip * last))``, launch
+to first step, launch to eval +delta, and the final eval. Floor (issue 14): a step costs ``6 N T_train + 2 N
+T_gen`` FLOPs (Kaplan et al. 2020 sec. 2.1), so at matmul throughput ``G`` (:func:`matmul_gflops`: square fp32
+``torch.mm``, ``2 n^3`` FLOPs each) the floor rate is ``batch * G / flops`` samples/s.
 """
 
 from __future__ import annotations
