@@ -45,6 +45,9 @@ def test_bf16_step_syncs_do_not_grow_with_micro_batches(share_prefixes):
     trainer = Trainer(model, cfg, max_tokens=16)
     ss = grpo_samples(model.config.vocab_size, teacher=False)
     trainer.step(step_batches(ss, 2))  # warm-up: kernels compiled, plans and handles made
+    control = sync_warnings(lambda: torch.ones(1, device="cuda").item())
+    assert control, "a plain .item() gave no sync warning: the warnings are not captured"
     one = sync_warnings(lambda: trainer.step(step_batches(ss, 1)))
     four = sync_warnings(lambda: trainer.step(step_batches(ss, 4)))
+    assert one, "a step made no sync warning, yet it reads its stats and the gradient norm"
     assert len(four) == len(one) <= MAX_STEP_SYNCS, (one, four)
