@@ -2,7 +2,7 @@
 
 Usage: ``python -m bench.pipeline_report RUN_DIR``
 
-Reads ``metrics.jsonl`` (trainer steps and evals) and ``metrics_final/*.prom`` (every
+Reads ``metrics.jsonl`` (trainer steps), ``eval.jsonl`` (eval rounds) and ``metrics_final/*.prom`` (every
 component's Prometheus metrics, saved by ``busctl up`` at the end of the run). Step times are medians
 over the run's steps (the first step, which includes warm-up, is left out when there are more
 than two); rates of the producers and reward workers are totals over the wall time of the
@@ -42,10 +42,14 @@ def mean_of(totals: dict[str, float], histogram: str) -> float:
     return totals.get(f"{histogram}_sum", 0) / max(totals.get(f"{histogram}_count", 0), 1)
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def report(run_dir: Path) -> str:
     """The markdown table of one run."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "loss" in r]
+    steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+    records = read_jsonl(run_dir / "eval.jsonl") if (run_dir / "eval.jsonl").is_file() else []
     eval_keys = sorted({k for r in records for k in r if k.startswith("eval/") and k.endswith("/reward_mean")})
     steady = steps[1:] if len(steps) > 2 else steps
     wall_s = sum(r["step_time_s"] for r in steps)

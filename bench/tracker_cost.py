@@ -3,7 +3,7 @@ run's files, per tracker (``report.trackers``), on a copy of the run directory.
 
     python bench/tracker_cost.py RUN_DIR [--trackers tensorboard wandb mlflow]
 
-For each tracker: copy ``config.yaml``, ``metrics.jsonl``, ``stages.jsonl`` and ``samples.jsonl``
+For each tracker: copy ``config.yaml``, ``metrics.jsonl``, ``eval.jsonl``, ``stages.jsonl`` and ``samples.jsonl``
 of RUN_DIR to a temporary directory, run ``python -m trackers --run-dir COPY`` (the process
 ``busctl up`` starts), stop it with SIGTERM once it read every file, and report its user + system
 CPU seconds (``os.wait4``'s rusage, the process and its reaped children; W&B's service process is
@@ -29,7 +29,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-FILES = ("metrics.jsonl", "stages.jsonl", "samples.jsonl")
+FILES = ("metrics.jsonl", "eval.jsonl", "stages.jsonl", "samples.jsonl")
 
 
 def measure(run_dir: Path, tracker: str, work: Path) -> dict:
@@ -68,7 +68,7 @@ def measure(run_dir: Path, tracker: str, work: Path) -> dict:
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.monotonic() - start
     state = json.loads(state_path.read_text())
-    steps = sum(1 for line in (copy / "metrics.jsonl").open() if '"eval/' not in line)
+    steps = sum(1 for line in (copy / "metrics.jsonl").open() if line.strip())
     return {
         "tracker": tracker,
         "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),

@@ -1,6 +1,6 @@
 """The supervisor of ``busctl eval`` (:mod:`busctl.evaluate`): a :class:`busctl.supervisor.Supervisor`
-that takes the trainer's part for the eval records and ends the run once every eval task's
-round-0 result is in.
+that ends the run once every eval task's round-0 result is in (the packer writes them to
+``eval.jsonl``), instead of at the trainer's ``run.done``.
 
 Its own module so that ``busctl.evaluate`` (imported by every ``busctl`` command, ``--help``
 included) does not import the supervisor (zmq, the wire messages, numpy) until ``busctl eval`` runs.
@@ -8,7 +8,6 @@ included) does not import the supervisor (zmq, the wire messages, numpy) until `
 
 from __future__ import annotations
 
-import json
 import time
 from typing import TYPE_CHECKING
 
@@ -24,7 +23,7 @@ __all__ = ["EvalSupervisor"]
 
 class EvalSupervisor(Supervisor):
     """A :class:`busctl.supervisor.Supervisor` whose run ends when every eval task's round-0
-    result is in (written to ``metrics.jsonl`` here), instead of at the trainer's ``run.done``.
+    result is in.
 
     Attributes:
         results: ``{task: EvalResult}`` received so far (round 0, first of each task).
@@ -57,7 +56,6 @@ class EvalSupervisor(Supervisor):
 
     def _handle(self, msg: object) -> None:
         from bus.messages import EvalResult
-        from trainer.observability.eval_log import eval_record
 
         if not isinstance(msg, EvalResult):
             super()._handle(msg)
@@ -65,8 +63,6 @@ class EvalSupervisor(Supervisor):
         if msg.round != 0 or msg.task in self.results or msg.task not in self.tasks:
             return  # a re-publication, or a stranger
         self.results[msg.task] = msg
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(eval_record(msg)) + "\n")
         self.say(
             f"  [green]eval[/green] {msg.task}: reward_mean {msg.metrics.get('reward_mean', float('nan')):.4f} "
             f"({msg.num_samples} samples, {msg.num_failed} failed groups)"

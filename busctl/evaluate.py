@@ -3,9 +3,9 @@
 The run's own evaluation path, minus the trainer: the job of CONFIG runs with :data:`EVAL_OVERRIDES`
 (``eval.only``: no trainer in the table, the prompt source issues eval round 0 alone, weights stay those of
 ``model.path`` at policy version 0, every visible GPU is the producers'). Producers sample the round, reward
-workers score it, the packer summarises it per task as in a training run;
-:class:`busctl.eval_supervisor.EvalSupervisor` writes the records to ``RUN_DIR/metrics.jsonl`` and stdout and
-ends the run once every task has its result. A LoRA adapter is refused (merge it with ``busctl export
+workers score it, the packer summarises it per task and writes the records to ``RUN_DIR/eval.jsonl`` as in a
+training run; :class:`busctl.eval_supervisor.EvalSupervisor` ends the run once every task has its result, and the
+records are printed on stdout. A LoRA adapter is refused (merge it with ``busctl export
 --merge-lora``); the run directory defaults to ``run_dir`` + ``-eval`` and never touches a training run's
 (docs/operations.md, "Evaluating a model without training"). Exit codes: 0 every task has its result; 1 a
 component failed or a result did not come within ``eval.timeout_s``; 2 a bad config; 130 interrupted.
@@ -99,7 +99,7 @@ def cmd_eval(ns: argparse.Namespace, console: Console) -> int:
     from busctl.startup import process_started_at
     from busctl.up_cli import supervise
     from configs.model_path import resolve_run_model_paths
-    from trainer.observability.eval_log import eval_record
+    from runfiles.eval_records import eval_record
 
     config_path, overrides = split_config_args(ns.args)
     try:
@@ -150,8 +150,8 @@ def add_command(sub: argparse._SubParsersAction) -> dict[str, Callable[[argparse
         "eval",
         help="evaluate a policy on the config's eval tasks without training",
         description="Run the config's eval tasks through the producers and reward workers on model.path "
-        "(eval.only: no trainer, eval round 0 only); print the eval records and append them to "
-        "RUN_DIR/metrics.jsonl. Evaluate a checkpoint: busctl eval CONFIG model.path=RUN_DIR/checkpoints/step_N.",
+        "(eval.only: no trainer, eval round 0 only); print the eval records (the packer writes them to "
+        "RUN_DIR/eval.jsonl). Evaluate a checkpoint: busctl eval CONFIG model.path=RUN_DIR/checkpoints/step_N.",
     )
     ev.add_argument("args", nargs="*", help="[CONFIG.yaml] [key.sub=value ...], e.g. model.path=DIR")
     ev.add_argument(

@@ -67,7 +67,7 @@ SECTIONS = {
     "`trainer/observability/step_timing.py`, "
     "`trainer/parallel/threads.py`, `trainer/publish.py`): the last step's loss and statistics as gauges "
     "(also in `metrics.jsonl`), step time by phase, CPU threads, weight transfer times.",
-    "eval": "Online evaluation (`trainer/observability/eval_log.py`): the last eval round per eval task.",
+    "eval": "Online evaluation (`packer/eval_log.py`): the last eval round per eval task.",
 }
 """Component prefix (``rlbus_<prefix>_...``) -> the introduction of its table, in document order."""
 

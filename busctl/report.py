@@ -1,12 +1,12 @@
 """``busctl report RUN_DIR``: plots and a short text summary of a run, from its files alone.
 
-It reads ``metrics.jsonl`` (required: the trainer's step records and the eval records), ``stages.jsonl`` (one
-line per metrics-poller round: per component its role, throughput and busy fraction; per stage the report sums
-tokens/s over the replicas and averages busy), ``samples.jsonl``, ``accounting.json``, ``startup.json`` and
-``metrics_final/packer.prom`` (:mod:`busctl.run_data`). A line that is not a JSON object (a trainer killed
-mid-write) is skipped and counted; a step written twice keeps its last record; a series a run lacks is named in
-the notes. It writes ``OUT/*.png`` (:mod:`busctl.report_plots`) and ``OUT/summary.txt`` (also printed; ``OUT``
-defaults to ``RUN_DIR/report``), then the command that opens each experiment tracker of the run. The reward
+It reads ``metrics.jsonl`` (required: the trainer's step records), ``eval.jsonl`` (the packer's eval records),
+``stages.jsonl`` (one line per metrics-poller round: per component its role, throughput and busy fraction; per
+stage the report sums tokens/s over the replicas and averages busy), ``samples.jsonl``, ``accounting.json``,
+``startup.json`` and ``metrics_final/packer.prom`` (:mod:`busctl.run_data`). A line that is not a JSON object (a
+trainer killed mid-write) is skipped and counted; a step written twice keeps its last record; a series a run lacks
+is named in the notes. It writes ``OUT/*.png`` (:mod:`busctl.report_plots`) and ``OUT/summary.txt`` (also printed;
+``OUT`` defaults to ``RUN_DIR/report``), then the command that opens each experiment tracker of the run. The reward
 summary uses the trailing moving average of :func:`busctl.run_data.smoothing_window` steps. Exit codes: 0
 written; 2 no run directory, or ``metrics.jsonl`` missing, empty or without training records.
 """

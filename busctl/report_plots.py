@@ -113,7 +113,7 @@ def _eval(run: "RunData", notes: list[str]):
     }
     tasks = {t: pts for t, pts in tasks.items() if pts}
     if not tasks:
-        notes.append("eval_reward.png: not plotted, no eval records in metrics.jsonl")
+        notes.append("eval_reward.png: not plotted, no eval records in eval.jsonl")
         return None
     fig, ax = _figure("eval reward per task", "eval reward_mean")
     ax.set_xlabel("step (eval round = policy version)")

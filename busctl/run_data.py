@@ -1,6 +1,6 @@
 """What ``busctl report`` reads from a run directory, and the series helpers it and its plots share.
 
-:func:`load_run` turns ``metrics.jsonl``, ``stages.jsonl``, ``samples.jsonl``, ``accounting.json``,
+:func:`load_run` turns ``metrics.jsonl``, ``eval.jsonl``, ``stages.jsonl``, ``samples.jsonl``, ``accounting.json``,
 ``startup.json`` and ``metrics_final/packer.prom`` into a :class:`RunData`. It reads and computes only, so
 :mod:`busctl.report` and :mod:`busctl.report_plots` both build on it without importing each other.
 """
@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from runfiles.eval_records import EVAL_FILE
 
 __all__ = [
     "PHASE_LABELS",
@@ -138,20 +140,20 @@ def load_run(run_dir: Path) -> RunData:
         raise ReportError(f"{path} is empty: the run has not trained a step yet")
     steps: dict[int, dict] = {}
     evals: dict[str, dict[int, dict[str, float]]] = {}
-    for r in records:
+    eval_path = run_dir / EVAL_FILE
+    eval_records = _read_jsonl(eval_path, skipped) if eval_path.is_file() else []
+    for source, r in [*((path.name, r) for r in records), *((EVAL_FILE, r) for r in eval_records)]:
         if not isinstance(r.get("step"), int):
-            skipped[path.name] = skipped.get(path.name, 0) + 1
+            skipped[source] = skipped.get(source, 0) + 1
             continue
-        entries = _eval_entries(r)
+        entries = _eval_entries(r)  # eval.jsonl's; in metrics.jsonl only before the packer kept its own file
         if entries:
             for task, metrics in entries.items():
                 evals.setdefault(task, {})[r["step"]] = metrics
         else:
             steps[r["step"]] = r  # a step written twice (resume): the last record wins
     if not steps:
-        raise ReportError(
-            f"{path} holds no training step records ({len(records)} eval records only): nothing to report yet"
-        )
+        raise ReportError(f"{path} holds no training step records: nothing to report yet")
     run = RunData(
         run_dir=run_dir,
         steps=[steps[s] for s in sorted(steps)],

@@ -71,13 +71,24 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from bus.component import Component, component_main
 from bus.control import REANNOUNCE_DELAYS_S
-from bus.messages import GroupsDropped, GroupsTrained, MicroBatch, RunDone, ScoredGroup, WeightsReady, new_id
+from bus.messages import (
+    EvalResult,
+    GroupsDropped,
+    GroupsTrained,
+    MicroBatch,
+    RunDone,
+    ScoredGroup,
+    WeightsReady,
+    new_id,
+)
 from telemetry.metrics import StageMeter
+from packer.eval_log import EvalLog, declare_pass_at_k
 from packer.eval_spool import EvalSpool
 from packer.evaluation import EvalAggregator, EvalDecision, RoundResult
 from packer.packer import DUPLICATE, DropReason, Packer, padding_ratio
 from packer.sample_log import SamplesLog
 from packer.spool import SPOOL_DIR, Spool, checkpoint_step, trained_group_ids
+from runfiles.eval_records import EVAL_FILE
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +188,11 @@ class PackerProc(Component):
         SPOOL_TORN.inc(self.eval_spool.torn_records)
         if self.launch.resume:  # rounds above the checkpoint evaluated the lost lineage: evaluated again
             self.eval_spool.reset_above(first_step)
+        self.eval_log = EvalLog(self.run_dir / EVAL_FILE, keep_through=first_step if self.launch.resume else None)
+        for results in self.eval_spool.results.values():  # closed before a crash, maybe not yet in eval.jsonl
+            for result in results:
+                self._record_eval(result)
+        declare_pass_at_k(cfg)
         if self.eval_spool.results or self.evaluation.rounds:
             log.info(
                 "eval state from the spool: %d closed round(s) %s to publish again, %d open round(s) %s",
@@ -218,6 +234,7 @@ class PackerProc(Component):
             return
         self.eval_spool.closed(closed)  # durable before published: a restart publishes the same again
         for result in closed.results:
+            self._record_eval(result)
             self.control_out.send(result)
             EVAL_RESULTS.inc()
             log.info(
@@ -230,6 +247,14 @@ class PackerProc(Component):
                 result.version_min,
                 result.version_max,
             )
+
+    def _record_eval(self, result: EvalResult) -> None:
+        """Append ``result`` to eval.jsonl (once per round and task); a write error is logged, and
+        the result written again from the eval spool when the packer next starts."""
+        try:
+            self.eval_log.write(result)
+        except OSError:
+            log.exception("could not write eval round %d of %s to %s", result.round, result.task, self.eval_log.path)
 
     def _republish_eval(self) -> None:
         """Publish the results of the rounds closed before a restart again (at start and at

@@ -14,6 +14,7 @@ import importlib
 import logging
 from pathlib import Path
 
+from runfiles.eval_records import EVAL_FILE
 from trackers.base import Tracker
 from trackers.records import SAMPLE_COLUMNS, JsonlTail, flatten_config, sample_row, split_metrics_record, stage_scalars
 from trackers.state import read_tracker_state, tracker_state_path, write_tracker_state
@@ -29,7 +30,7 @@ TRACKERS = {
 }
 """``report.trackers`` name -> ``module:class`` of its :class:`trackers.base.Tracker` (imported when used)."""
 
-SOURCES = ("metrics.jsonl", "stages.jsonl", "samples.jsonl")
+SOURCES = ("metrics.jsonl", EVAL_FILE, "stages.jsonl", "samples.jsonl")
 """The run-directory files the follower tails."""
 
 
@@ -115,7 +116,7 @@ class TrackerFollower:
     def poll(self) -> int:
         """Log every record added since the last poll; returns how many were read (OSError: retried next poll)."""
         read = 0
-        for rec in self.tails["metrics.jsonl"].read():
+        for rec in [*self.tails["metrics.jsonl"].read(), *self.tails[EVAL_FILE].read()]:
             read += 1
             parsed = split_metrics_record(rec)
             if parsed is None:

@@ -1,7 +1,8 @@
 """What the trackers log, read from the run's JSONL files: pure functions over their records.
 
-``metrics.jsonl`` (the trainer's step records, and eval records ``{"step": round, "eval/<task>/<metric>": ...}``:
-:func:`split_metrics_record`), ``stages.jsonl`` (per step, each component's throughput, busy fraction and queue
+``metrics.jsonl`` (the trainer's step records) and ``eval.jsonl`` (the packer's eval records
+``{"step": round, "eval/<task>/<metric>": ...}``, :mod:`runfiles.eval_records`): :func:`split_metrics_record`;
+``stages.jsonl`` (per step, each component's throughput, busy fraction and queue
 depth: :func:`stage_scalars`) and ``samples.jsonl`` (the packer's examples: :func:`sample_row`), each read by
 :class:`JsonlTail`. Every record goes at its own ``step``: training and stage records at steps done, eval
 records at their round, sample tables at the sampled step's 0-based index (the policy version it started from).
@@ -13,6 +14,8 @@ import json
 import math
 from pathlib import Path
 
+from runfiles.eval_records import EVAL_PREFIX
+
 __all__ = [
     "EVAL_PREFIX",
     "SAMPLE_COLUMNS",
@@ -23,8 +26,6 @@ __all__ = [
     "stage_scalars",
 ]
 
-EVAL_PREFIX = "eval/"
-"""Keys of an eval record of metrics.jsonl start with this (:mod:`trainer.observability.eval_log`)."""
 
 SAMPLE_COLUMNS = (
     "step",
@@ -123,9 +124,9 @@ def _number(value: object) -> float | None:
 
 
 def split_metrics_record(rec: dict) -> tuple[str, int, dict[str, float]] | None:
-    """``(kind, step, scalars)`` of one ``metrics.jsonl`` record, or None without an integer ``step >= 0`` or a
-    numeric value. ``kind`` is ``"eval"`` when a key starts with :data:`EVAL_PREFIX` (only those keys are scalars),
-    else ``"train"``; non-finite values are left out (trackers reject or mis-plot them)."""
+    """``(kind, step, scalars)`` of one ``metrics.jsonl`` or ``eval.jsonl`` record, or None without an integer
+    ``step >= 0`` or a numeric value. ``kind`` is ``"eval"`` when a key starts with :data:`EVAL_PREFIX` (only those
+    keys are scalars), else ``"train"``; non-finite values are left out (trackers reject or mis-plot them)."""
     step = rec.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         return None

@@ -20,14 +20,14 @@ from prometheus_client import Counter
 from broadcaster.bus_method import BusLink
 from broadcaster.factory import build_group_former, build_senders
 from bus.component import Component, component_main
+from bus.sockets import BusSocket
 from bus.messages import GroupsTrained, MicroBatch, RunDone, TrainerStep, new_id
 from telemetry.metrics import POLICY_VERSION, StageMeter
 from trainer.state.background_save import BackgroundSave
 from trainer.state.checkpoint import latest_checkpoint, save_checkpoint, snapshot_state
 from trainer.parallel.distributed import launcher_pid
-from trainer.observability.eval_log import EvalLog, declare_pass_at_k, keep_metrics_record
-from trainer.observability.metrics_file import MetricsFile
 from trainer.observability.step_log import report_step
+from trainer.final_eval import final_round_tasks, wait_for_round
 from trainer.dp_follower import checkpoint_writer, follower_main, join_data_parallel, load_trainer_checkpoint
 from trainer.state.step_ledger import StepLedger, append_jsonl, group_id, keep_jsonl_records
 from trainer.observability.step_timing import StepPhases
@@ -111,10 +111,8 @@ class TrainerProc(Component):
             self.trainer.enable_data_parallel(self.dp)
             self.dp.send_text(str(latest_checkpoint(self.checkpoint_dir) or ""))
         self.restore()
-        self.metrics_file = MetricsFile(self.metrics_path)  # step records here, eval records from EvalLog's thread
-        self.eval_log = EvalLog(self.control_subscriber(), self.metrics_file)
-        self.eval_log.start()
-        declare_pass_at_k(self.cfg)  # every pass@k panel has its series from the start
+        self.final_eval: BusSocket | None = None
+        """The control subscriber of the wait for the final eval round (trainer.final_eval)."""
         if self.dp is not None and not fsdp:  # every rank from the same checkpoint, then DDP
             self.dp.send_text(str(self.restored_from or ""))
             self.trainer.enable_data_parallel(self.dp)
@@ -191,8 +189,8 @@ class TrainerProc(Component):
             )
         self.resumed = True
         n = self.start_step
-        # metrics: training records are {"step": s + 1}, evals {"step": round} (trainer.observability.eval_log)
-        cut = keep_jsonl_records(self.metrics_path, lambda r: keep_metrics_record(r, n, resume=resume))
+        # training records are {"step": s + 1}; the packer keeps the eval records (eval.jsonl)
+        cut = keep_jsonl_records(self.metrics_path, lambda r: r["step"] <= n)
         cut += keep_jsonl_records(self.samples_path, lambda r: r["step"] < n)
         if cut:
             log.info(
@@ -321,6 +319,8 @@ class TrainerProc(Component):
             self.announce_resume()
         phases = StepPhases()  # where each step's wall time goes (trainer.observability.step_timing)
         while step < max_steps:
+            if step == max_steps - 1:
+                self.open_final_eval()
             phases.wait_started()
             micro_batches = self.receive_step(step)
             phases.wait_ended()
@@ -348,7 +348,7 @@ class TrainerProc(Component):
             )
             step += 1
             # records first, checkpoint second: a resume cuts records back to its checkpoint
-            report_step(step, max_steps, metrics, self.metrics_file)  # Prometheus, metrics.jsonl, the log line
+            report_step(step, max_steps, metrics, self.metrics_path)  # Prometheus, metrics.jsonl, the log line
             append_jsonl(
                 self.samples_path,
                 {
@@ -365,7 +365,9 @@ class TrainerProc(Component):
         if self.dp is not None:
             self.dp.send_stop()  # the other ranks are done; rank 0 goes on (eval, outcomes, run.done)
         self.publisher.settle()  # the last version reaches the producers before run.done
-        self.eval_log.wait_for_final_round(self.cfg, step, self.stop)
+        self.open_final_eval()
+        if tasks := final_round_tasks(self.cfg):  # the final round's result before run.done ends the run
+            wait_for_round(self.final_eval, step, tasks, self.cfg.eval.timeout_s, self.stop)
         deadline = time.monotonic() + OUTCOMES_DRAIN_S
         while self.outcomes.unfinished() and time.monotonic() < deadline and not self.stop.is_set():
             time.sleep(0.05)  # run.done only once the ledger has every trained outcome
@@ -376,9 +378,13 @@ class TrainerProc(Component):
         self.control.send(RunDone(id=new_id(), step=step, reason="max_steps"))
         log.info("done: %d steps", step)
 
+    def open_final_eval(self) -> None:
+        """Subscribe to the control channel for the final eval round's results (once), before the
+        last step's weights go out: that round is sampled only after the producers applied them."""
+        if self.final_eval is None and final_round_tasks(self.cfg):
+            self.final_eval = self.control_subscriber()
+
     def close(self) -> None:
-        if getattr(self, "eval_log", None) is not None:
-            self.eval_log.close()  # its thread stops before super().close() closes its socket
         saving = getattr(self, "saving", None)
         if saving is not None:  # finish writing it (complete on disk; its steps stay unreleased)
             try:

@@ -67,7 +67,7 @@ def test_floor_arithmetic() -> None:
 
 
 def test_metrics_events_reads_rlbus_records() -> None:
-    # the two record kinds of an rlbus run's metrics.jsonl (trainer.observability.eval_log, trainer step records)
+    # a record of an rlbus run's metrics.jsonl (the trainer's steps) and one of its eval.jsonl (the packer's)
     train = {"step": 3, "loss": -0.1, "num_tokens": 4713.0, "num_loss_tokens": 1193.0, "reward_mean": 0.43}
     evl = {"step": 0, "eval/reverse_text/num_samples": 128, "eval/reverse_text/reward_mean": 0.40}
     key = "eval/reverse_text/reward_mean"

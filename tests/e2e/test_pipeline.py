@@ -174,7 +174,7 @@ def test_pipeline_trains_every_sample_once(tmp_path: Path, policy: Path) -> None
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     steps = [m for m in metrics if "loss" in m]
     assert [m["step"] for m in steps] == list(range(1, MAX_STEPS + 1))
-    evals = [m for m in metrics if "eval/reverse_text/reward_mean" in m]
+    evals = [m for m in read_jsonl(run_dir / "eval.jsonl") if "eval/reverse_text/reward_mean" in m]
     assert [e["step"] for e in evals] == [0, MAX_STEPS]  # the base model, and the trained policy
     assert all(e["eval/reverse_text/num_samples"] == 16 for e in evals)
     for m in steps:

@@ -16,7 +16,7 @@ every issued prompt has exactly one outcome, the trained groups are exactly the 
 
 Both runs evaluate online (the eval spool, :mod:`packer.eval_spool`, and the prompt source's eval
 journal, :mod:`prompts.eval_rounds`): every eval round of the run is reported exactly once in
-metrics.jsonl, also across the kills (the packer run also evaluates every 7 steps, so rounds are
+eval.jsonl, also across the kills (the packer run also evaluates every 7 steps, so rounds are
 issued around its second kill; a kill in the middle of a round is tested on the component level,
 ``tests/packer/test_eval_recovery.py``).
 """
@@ -72,10 +72,10 @@ def kill_everything(run_dir: Path, proc: subprocess.Popen) -> list[int]:
 
 
 def assert_eval_rounds_reported_once(run_dir: Path, rounds: list[int], task: str = "reverse_text") -> None:
-    """metrics.jsonl holds one record of each eval round in ``rounds`` for ``task``, and no other."""
+    """eval.jsonl holds one record of each eval round in ``rounds`` for ``task``, and no other."""
     reported = [
         r["step"]
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        for line in (run_dir / "eval.jsonl").read_text().splitlines()
         if line.strip() and f"eval/{task}/reward_mean" in (r := json.loads(line))
     ]
     assert sorted(reported) == sorted(rounds), reported

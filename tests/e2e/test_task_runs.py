@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def evals_of(run_dir: Path, task: str) -> list[dict]:
-    return [m for m in read_jsonl(run_dir / "metrics.jsonl") if f"eval/{task}/reward_mean" in m]
+    return [m for m in read_jsonl(run_dir / "eval.jsonl") if f"eval/{task}/reward_mean" in m]
 
 
 def test_gsm8k_config_runs_end_to_end(tmp_path: Path, policy: Path) -> None:

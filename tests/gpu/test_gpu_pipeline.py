@@ -35,7 +35,8 @@ LOGPROB_ATOL = 0.1
 
 
 def busctl_up(run_dir: Path, *overrides: str, timeout_s: float = 900) -> list[dict]:
-    """Run ``busctl up configs/gpu_smoke.yaml`` to completion; returns metrics.jsonl's records."""
+    """Run ``busctl up configs/gpu_smoke.yaml`` to completion; returns the records of metrics.jsonl (the
+    trainer's steps), then of eval.jsonl (the packer's eval rounds)."""
     cmd = [
         sys.executable,
         "-m",
@@ -57,7 +58,11 @@ def busctl_up(run_dir: Path, *overrides: str, timeout_s: float = 900) -> list[di
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 0, out[-6000:]
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [
+        json.loads(line)
+        for name in ("metrics.jsonl", "eval.jsonl")
+        for line in (run_dir / name).read_text().splitlines()
+    ]
 
 
 def check_steps(metrics: list[dict]) -> None:

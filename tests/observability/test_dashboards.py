@@ -118,7 +118,7 @@ def test_metric_modules_are_found() -> None:
         "trainer.proc",
         "trainer.publish",
         "trainer.trainer",
-        "trainer.observability.eval_log",
+        "packer.eval_log",
     } <= modules
 
 

@@ -3,11 +3,14 @@ control hub and real couriers; the restart rebuilds from ``RUN_DIR/packer/eval.b
 result is published once from the new packer and equals what the same groups give without a
 restart; a restart after the round closed, a late group of the round, a trainer whose version goes
 back and a control hub restart each make it publish the stored result again (the same messages),
-and a resumed packer forgets rounds above the checkpoint step."""
+and a resumed packer forgets rounds above the checkpoint step. Its eval.jsonl holds each (round,
+task) once through all of it, the records of a round closed before a crash that cut the file short
+included, and a resume cuts it back to the checkpoint's rounds."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 from pathlib import Path
 
@@ -15,6 +18,7 @@ from pathlib import Path
 from bus.hub import ControlHub
 from bus.messages import EvalResult, GroupsDropped, WeightsReady, new_id
 from packer.evaluation import EvalAggregator
+from runfiles.eval_records import EVAL_FILE, eval_record
 from tests.packer.test_packer_proc import WAIT_S, eval_group, start_packer, stop_packer, wait_until
 
 pytest_plugins = ["tests.packer.test_packer_proc"]  # the ``live`` fixture
@@ -39,6 +43,12 @@ def results_of(live, until: int) -> list[EvalResult]:
     )
     got.extend(m for m in live.announcements(quiet_s=0.5) if isinstance(m, EvalResult))  # and nothing more
     return got
+
+
+def eval_lines(live) -> list[dict]:
+    """The packer's eval.jsonl records, in file order."""
+    path = Path(live.cfg.run_dir) / EVAL_FILE
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
 def key(r: EvalResult) -> tuple:
@@ -79,7 +89,11 @@ def test_a_round_cut_by_a_packer_restart_is_reported_once_and_as_without_it(live
     assert worker.send(GROUPS[2], timeout_s=WAIT_S)
     got = results_of(live, 2)
     assert sorted(map(key, got)) == sorted(map(key, no_restart.results)) and len(got) == 2
+    records = sorted((eval_record(r) for r in no_restart.results), key=lambda r: sorted(r))
+    assert sorted(eval_lines(live), key=lambda r: sorted(r)) == records  # written before published
     stop_packer(proc, thread)
+    path = Path(live.cfg.run_dir) / EVAL_FILE  # as if the packer died writing the round's second line
+    path.write_text(path.read_text().split("\n")[0] + "\n" + path.read_text().split("\n")[1][:25])
 
     proc, thread = start_packer(live)  # closed before this restart: the same results published again
     assert 2 in proc.evaluation.closed and proc.evaluation.rounds == {}
@@ -97,14 +111,17 @@ def test_a_round_cut_by_a_packer_restart_is_reported_once_and_as_without_it(live
     wait_until(lambda: proc._trainer_version == 3, "both weights.ready seen")
     assert {key(r): r.id for r in results_of(live, 2)} == {key(r): r.id for r in got}
     stop_packer(proc, thread)
+    assert sorted(eval_lines(live), key=lambda r: sorted(r)) == records  # each once: written again from the spool
 
 
 def test_a_resumed_packer_forgets_rounds_above_the_checkpoint(live, monkeypatch):
     worker = live.courier().sender("scored", live.endpoints.address("scored"), bind=False)
     proc, thread = start_packer(live)
-    for g in [eval_group(1, "reverse_text", 0, [1, 1], 1), eval_group(3, "reverse_text", 0, [0, 1], 2)]:
-        assert worker.send(g, timeout_s=WAIT_S)
-    assert len(results_of(live, 1)) == 1  # round 1 closed, round 3 open
+    rounds = [(1, 0, 1), (3, 0, 2), (4, 0, 1)]  # (round, group, groups in the round)
+    for rnd, i, size in rounds:
+        assert worker.send(eval_group(rnd, "reverse_text", i, [0, 1], size), timeout_s=WAIT_S)
+    assert len(results_of(live, 2)) == 2  # rounds 1 and 4 closed, round 3 open
+    assert sorted(r["step"] for r in eval_lines(live)) == [1, 4]
     stop_packer(proc, thread)
     done = Path(live.cfg.run_dir) / "checkpoints" / "step_000002" / "DONE"
     done.parent.mkdir(parents=True)
@@ -113,6 +130,7 @@ def test_a_resumed_packer_forgets_rounds_above_the_checkpoint(live, monkeypatch)
     proc, thread = start_packer(live)
     assert (proc.evaluation.closed, proc.evaluation.rounds) == ({1}, {})
     assert {r.round for r in results_of(live, 1)} == {1}
+    assert [r["step"] for r in eval_lines(live)] == [1]  # round 4 evaluated the lost lineage
     stop_packer(proc, thread)
 
 

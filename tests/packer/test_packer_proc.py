@@ -17,6 +17,7 @@ steps it had planned again, identically, keeps its buffer and its seen ids (from
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
 from pathlib import Path
@@ -35,6 +36,7 @@ from bus.sockets import BusSocket
 from bus.topics import Endpoints
 from configs.schema import load_config
 from packer.proc import PackerProc
+from runfiles.eval_records import EVAL_FILE, eval_record
 from tests import waiting
 from tests.outcomes_sink import OutcomesSink
 from tests.socket_dirs import remove_outside_socket_dir
@@ -291,6 +293,8 @@ def test_eval_groups_are_aggregated_published_and_then_released(live, packer, mo
 
     wait_until(published, "the round's eval results")
     by_task = {r.task: r for r in results}
+    written = (Path(live.cfg.run_dir) / EVAL_FILE).read_text().splitlines()  # before they were published
+    assert sorted(map(json.loads, written), key=str) == sorted((eval_record(r) for r in results), key=str)
     assert sorted(by_task) == ["countdown", "reverse_text"] and len(results) == 2
     rt = by_task["reverse_text"]
     assert (rt.round, rt.num_samples, rt.num_failed, rt.version_min, rt.version_max) == (3, 4, 0, 0, 0)
@@ -312,6 +316,7 @@ def test_eval_groups_are_aggregated_published_and_then_released(live, packer, mo
     wait_until(lambda: worker.unfinished() == 0, "the late eval group released")
     again = [m for m in live.announcements() if isinstance(m, EvalResult)]
     assert sorted(m.id for m in again) == sorted(r.id for r in results)
+    assert (Path(live.cfg.run_dir) / EVAL_FILE).read_text().splitlines() == written  # written once
     assert trainer.recv(timeout_s=0.3) is None and ledger.ids() == []
     assert proc.packer.seen == set() and not proc.packer.buffer
     ledger.close()

@@ -62,18 +62,18 @@ def stages_record(step: int, t: float) -> dict:
 def run_dir(tmp_path: Path) -> Path:
     run = tmp_path / "run"
     run.mkdir()
-    records = [
+    evals = [
         {
             "step": 0,
             "eval/reverse_text/reward_mean": 0.2,
             "eval/reverse_text/num_samples": 16,
             "eval/countdown/reward_mean": 0.05,
-        }
+        },
+        {"step": 12, "eval/reverse_text/reward_mean": 0.4, "eval/countdown/reward_mean": 0.1},
+        {"step": STEPS, "eval/reverse_text/reward_mean": 0.55, "eval/countdown/reward_mean": 0.15},
     ]
-    records += [step_record(s) for s in range(1, STEPS + 1)]
-    records.insert(13, {"step": 12, "eval/reverse_text/reward_mean": 0.4, "eval/countdown/reward_mean": 0.1})
-    records.append({"step": STEPS, "eval/reverse_text/reward_mean": 0.55, "eval/countdown/reward_mean": 0.15})
-    write_jsonl(run / "metrics.jsonl", records)
+    write_jsonl(run / "eval.jsonl", evals)  # the packer's
+    write_jsonl(run / "metrics.jsonl", [step_record(s) for s in range(1, STEPS + 1)])  # the trainer's
     with (run / "metrics.jsonl").open("a") as f:
         f.write('{"step": 25, "loss": 0.1, "kl"')  # a trainer killed mid-line
     write_jsonl(run / "stages.jsonl", [stages_record(s, 1000.0 + s) for s in range(0, STEPS + 1, 2)])
@@ -202,8 +202,8 @@ def test_unusable_run_dirs_exit_2_naming_the_file(tmp_path: Path, capsys, case: 
         run.mkdir()
     if case == "empty":
         (run / "metrics.jsonl").write_text("\n")
-    if case == "eval_only":
-        write_jsonl(run / "metrics.jsonl", [{"step": 0, "eval/reverse_text/reward_mean": 0.1}])
+    if case == "eval_only":  # a busctl eval run: eval records, no training record
+        write_jsonl(run / "eval.jsonl", [{"step": 0, "eval/reverse_text/reward_mean": 0.1}])
     assert busctl(["report", str(run)]) == 2
     err = " ".join(capsys.readouterr().err.split())  # errors go to stderr; rich may wrap
     named = str(run) if case == "no_dir" else str(run / "metrics.jsonl")

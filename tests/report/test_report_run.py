@@ -1,6 +1,6 @@
 """A tiny real run (``busctl up``: vLLM on CPU, reverse_text, 4 steps, examples of every step)
-with ``report.trackers=[tensorboard]``, and ``busctl report`` on its directory: the report's plots and numbers, the ``samples.jsonl``
-examples against what the run trained, the packer's new metrics in its final snapshot
+with ``report.trackers=[tensorboard]``, and ``busctl report`` on its directory: the report's plots and numbers,
+the ``samples.jsonl`` examples against what the run trained, the packer's new metrics in its final snapshot
 against ``trained_samples.jsonl``, and the trainer's phase times (``metrics.jsonl``, the final
 ``status.json`` that ``busctl status`` shows, the trainer's Prometheus snapshot, the report), and
 the TensorBoard events the tracker process wrote, read back with TensorBoard's event reader."""
@@ -120,7 +120,7 @@ def test_report_and_samples_of_a_real_run(tmp_path: Path, policy: Path) -> None:
     rewards = [m["reward_mean"] for m in metrics]
     assert f"steps: {MAX_STEPS} (records step 1..{MAX_STEPS})" in summary
     assert f"first {rewards[0]:.4g}, last {rewards[-1]:.4g}, best {max(rewards):.4g}" in summary  # 1-step window
-    evals = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "eval/reverse_text/reward_mean" in m]
+    evals = [m for m in read_jsonl(run_dir / "eval.jsonl") if "eval/reverse_text/reward_mean" in m]
     first, last = evals[0], evals[-1]
     assert (
         f"eval reverse_text reward_mean: first {first['eval/reverse_text/reward_mean']:.4g} (round {first['step']}), "

@@ -32,16 +32,16 @@ def test_tracker_logs_what_the_run_files_hold(tmp_path: Path, name: str, monkeyp
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))  # no W&B key anywhere: offline by default
     run_dir = tmp_path / "run"
     config = make_run_dir(run_dir, [name])
-    append(run_dir / "metrics.jsonl", eval_record(0), train_record(1), train_record(2))
+    append(run_dir / "metrics.jsonl", train_record(1), train_record(2))
+    append(run_dir / "eval.jsonl", eval_record(0))
     append(run_dir / "stages.jsonl", {"time": 1.0, "step": 0, "components": {}}, stage_record(1), stage_record(2))
     append(run_dir / "samples.jsonl", *sample_records(0))
 
     follower = TrackerFollower(run_dir, [name], config)
     assert [t.name for t in follower.trackers] == [name] and not follower.failed
-    assert follower.poll() == 3 + 3 + 2  # records read: metrics, stages, samples
-    append(
-        run_dir / "metrics.jsonl", train_record(3), eval_record(2), "{not json\n", '{"step": 4, "loss"'
-    )  # the last line torn
+    assert follower.poll() == 2 + 1 + 3 + 2  # records read: metrics, eval, stages, samples
+    append(run_dir / "metrics.jsonl", train_record(3), "{not json\n", '{"step": 4, "loss"')  # the last line torn
+    append(run_dir / "eval.jsonl", eval_record(2))
     append(run_dir / "samples.jsonl", *sample_records(2))
     follower.poll()
     assert follower.malformed == 1
@@ -57,9 +57,7 @@ def test_tracker_logs_what_the_run_files_hold(tmp_path: Path, name: str, monkeyp
     assert got["loss"] == pytest.approx({1: 1.0, 2: 0.5, 3: 1 / 3, 4: 0.25})
     assert got["reward"] == pytest.approx({1: 0.1, 2: 0.2, 3: 0.3, 4: 0.4})
     assert got["lr"] == pytest.approx({1: 1e-4, 2: 2e-4, 3: 3e-4, 4: 4e-4})
-    assert got["eval"] == pytest.approx(
-        {0: 0.30, 2: 0.32}
-    )  # eval rounds at their round, though they came between steps
+    assert got["eval"] == pytest.approx({0: 0.30, 2: 0.32})  # eval rounds at their round, from eval.jsonl
     assert got["stage"] == pytest.approx({1: 10.0, 2: 20.0})
     assert got["tables"] == {0: ["sihT-0-0", "sihT-0-1"], 2: ["sihT-2-0", "sihT-2-1"]}
     assert got["lr_param"] == pytest.approx(config["trainer"]["optim"]["lr"])

@@ -46,7 +46,7 @@ def train_record(step: int) -> dict:
 
 
 def eval_record(round_: int) -> dict:
-    """A metrics.jsonl eval record of task reverse_text at ``round_``."""
+    """An eval.jsonl record of task reverse_text at ``round_``."""
     return {"step": round_, "eval/reverse_text/reward_mean": 0.3 + 0.01 * round_, "eval/reverse_text/num_samples": 16}
 
 

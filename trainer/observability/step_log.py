@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
 from trainer.observability.gauges import export_step_metrics
-from trainer.observability.metrics_file import MetricsFile
+from trainer.state.step_ledger import append_jsonl
 
 log = logging.getLogger("trainer.proc")
 """The trainer process's logger: the step lines sit with the rest of ``logs/trainer.log``."""
@@ -74,7 +75,7 @@ def step_line(step: int, max_steps: int, metrics: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-def report_step(step: int, max_steps: int, metrics: dict[str, Any], metrics_file: MetricsFile) -> None:
+def report_step(step: int, max_steps: int, metrics: dict[str, Any], metrics_path: Path) -> None:
     """Gauges, the ``metrics.jsonl`` record ``{"step": step, **metrics}`` and the log line of
     one step (see the module docstring).
 
@@ -85,5 +86,5 @@ def report_step(step: int, max_steps: int, metrics: dict[str, Any], metrics_file
     """
     line = step_line(step, max_steps, metrics)
     export_step_metrics(step, metrics)
-    metrics_file.append({"step": step, **metrics})
+    append_jsonl(metrics_path, {"step": step, **metrics})
     log.info("%s", line)

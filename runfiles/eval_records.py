@@ -1,0 +1,63 @@
+"""The run's eval records, ``RUN_DIR/eval.jsonl``: one JSON line per eval task and round,
+``{"step": round, "eval/<task>/<metric>": value, ...}``, appended by the packer (which closes the
+rounds) and read by ``busctl report``, ``busctl eval`` and the trackers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from runfiles.durable import write_text_atomic
+
+if TYPE_CHECKING:
+    from bus.messages import EvalResult
+
+__all__ = ["EVAL_FILE", "EVAL_PREFIX", "eval_record", "keep_eval_records", "read_evals", "record_evals"]
+
+EVAL_FILE = "eval.jsonl"
+"""The eval records' file name in the run directory."""
+
+EVAL_PREFIX = "eval/"
+"""Every metric key of an eval record starts with this."""
+
+
+def eval_record(result: EvalResult) -> dict:
+    """The record of one result: ``{"step": round, "eval/<task>/<key>": value}`` with ``num_samples``,
+    ``num_failed``, ``version_min``, ``version_max`` (ints) and every metric (float)."""
+    prefix = f"{EVAL_PREFIX}{result.task}/"
+    record: dict = {"step": result.round}
+    for key in ("num_samples", "num_failed", "version_min", "version_max"):
+        record[prefix + key] = getattr(result, key)
+    record.update({prefix + key: float(value) for key, value in result.metrics.items()})
+    return record
+
+
+def record_evals(record: dict) -> set[tuple[int, str]]:
+    """The ``(round, task)`` pairs an eval record holds (none for any other record)."""
+    return {(record["step"], key[len(EVAL_PREFIX) :].split("/", 1)[0]) for key in record if key.startswith(EVAL_PREFIX)}
+
+
+def read_evals(path: Path) -> set[tuple[int, str]]:
+    """The ``(round, task)`` pairs of every whole line of the eval file ``path`` (none if missing)."""
+    if not path.is_file():
+        return set()
+    lines = path.read_text().split("\n")[:-1]  # a last line without its newline was cut short
+    return {pair for line in lines if line.strip() for pair in record_evals(json.loads(line))}
+
+
+def keep_eval_records(path: Path, last_round: int | None = None) -> int:
+    """Rewrite ``path`` (atomically) without the records of rounds ``> last_round`` (None: keep
+    every round) and without a last line cut short; returns how many lines went (0: the file is
+    left alone)."""
+    if not path.is_file():
+        return 0
+    lines = path.read_text().split("\n")
+    kept = [
+        line for line in lines[:-1] if line.strip() and (last_round is None or json.loads(line)["step"] <= last_round)
+    ]
+    gone = len([line for line in lines if line.strip()]) - len(kept)
+    if gone:
+        write_text_atomic(path, "".join(line + "\n" for line in kept))
+    return gone
