@@ -2,8 +2,8 @@
 evaluate ``model.path`` without a trainer, and the eval record lands in ``metrics.jsonl`` and on
 stdout.
 
-The policy is the tiny random policy edited so that the byte token ``s`` is certain at every
-position: every completion is ``sampling.max_tokens`` of it, ``ssssssss``. So the record's numbers
+The policy is the tiny random policy edited so that the byte token ``i`` is certain at every
+position: every completion is ``sampling.max_tokens`` of it, ``iiiiiiii``. So the record's numbers
 are known in advance from the task itself (completion length 8, reward = the mean reverse_text
 reward of that text, not 0 on these examples, so a scorer giving 0 fails), and they could come
 from no other policy than the one named by ``model.path`` (the unedited policy writes other tokens).
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.e2e
 NUM_EXAMPLES = 6
 ROLLOUTS = 2
 MAX_TOKENS = 8
-TOKEN = "s"  # byte token ord("s") of the tiny policy's byte-level tokenizer
+TOKEN = "i"  # byte token ord("i") of the tiny policy's byte-level tokenizer
 
 
 def _one_token_always(policy: Path, out: Path) -> Path:
@@ -54,7 +54,7 @@ def _one_token_always(policy: Path, out: Path) -> Path:
 
 def test_busctl_eval_scores_model_path_without_a_trainer(tmp_path):
     policy = _one_token_always(
-        build_random_policy(tmp_path / "policy", hidden_size=32, num_layers=1, seed=0), tmp_path / "sss"
+        build_random_policy(tmp_path / "policy", hidden_size=32, num_layers=1, seed=0), tmp_path / "iii"
     )
     run_dir = tmp_path / "eval_run"
     overrides = [
@@ -78,9 +78,10 @@ def test_busctl_eval_scores_model_path_without_a_trainer(tmp_path):
     assert record["num_samples"] == NUM_EXAMPLES * ROLLOUTS and record["num_failed"] == 0
     assert record["version_min"] == record["version_max"] == 0
     assert record["completion_len_mean"] == MAX_TOKENS
-    cfg = load_config("configs/reverse_text.yaml")
+    cfg = load_config("configs/reverse_text.yaml", overrides)
+    (eval_task,) = cfg.eval.tasks
     task = get_task("reverse_text", cfg.task)
-    examples = load_task_examples(task, "eval", NUM_EXAMPLES, cfg.task.seed)
+    examples = load_task_examples(task, "eval", eval_task.num_examples, eval_task.seed)  # the set busctl eval drew
     assert task.rewards == (("reverse_text", 1.0),)
     expected = sum(reverse_text_reward(TOKEN * MAX_TOKENS, ex["info"]) for ex in examples) / NUM_EXAMPLES
     assert expected > 0.01, expected  # a scorer that gives 0 cannot pass
