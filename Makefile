@@ -1,6 +1,7 @@
 # Two entry points that work from a fresh clone on a CPU machine:
 #   make run    set everything up, then run the default job (configs/reverse_text.yaml)
-#   make test   set everything up, then run the whole test suite
+#   make test   set everything up, then run the whole test suite (two pytest-xdist workers)
+#   make test-quick   the inner loop: no vLLM, no pipeline runs, no clusters (tests/conftest.py --quick)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -40,8 +41,13 @@ setup: $(STAMP)
 run: setup
 	$(BIN)/busctl up
 
+# Two xdist workers on a 2-core machine: one runs the pipeline/cluster tests one at a time (their xdist group,
+# tests/conftest.py), the other the remaining files, each file whole; the 25 slowest tests are printed
 test: setup slurm lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25
+
+test-quick: setup
+	$(BIN)/python -m pytest -q --quick -n 2 --dist loadgroup --durations=10
 
 # ruff, configured in pyproject.toml ([tool.ruff]): the formatter's check and the linter; part of
 # `make test`, so of `.ci/run`. `make format` rewrites the tree in the one house style.

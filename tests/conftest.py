@@ -1,15 +1,61 @@
-"""Fixtures shared by every test package (``tests/bus``, ``tests/busctl``, ...).
+"""Fixtures shared by every test package; ``--quick``; the grouping of test files for pytest-xdist.
 
-``metric(name, **labels)`` reads the current value of a sample from this test process's default
-Prometheus registry (0 if never set).
+``metric(name, **labels)`` reads a sample of this test process's default Prometheus registry (0 if never set).
+A heavy test file starts vLLM, whole pipeline runs or a cluster (Slurm, Ray, network namespaces):
+:data:`HEAVY_USES` names what such a file's source contains. ``--quick`` (``make test-quick``) leaves heavy
+files out without importing them. Under ``pytest -n 2 --dist loadgroup`` (``make test``) every test of a
+file that starts pipelines or clusters (:data:`PIPELINE_USES`) is in one xdist group, so at most one such
+run goes at a time, while the other worker takes the other files, each whole (module fixtures set up once).
 """
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
 from typing import Callable
 
 import pytest
 from prometheus_client import REGISTRY
+
+PIPELINE_USES = (
+    "pytest.mark.e2e",  # a whole `busctl up` pipeline run with vLLM (the marker's meaning)
+    "slurm_cluster",
+    "ray_cluster",
+    "netns_pair",
+    "torchrun",  # several trainer processes
+)
+HEAVY_USES = (
+    *PIPELINE_USES,
+    '"busctl", "up"',  # a `busctl up` subprocess (a dry run takes seconds)
+    'importorskip("vllm"',  # a vLLM engine (every test file that starts one asks for it this way)
+    "pytest.mark.slow",  # a test file that says it is slow
+)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--quick", action="store_true", help="skip test files that start vLLM, pipelines or clusters")
+
+
+@functools.cache
+def uses(path: Path, kinds: tuple[str, ...]) -> bool:
+    """Whether the source of the test file at ``path`` contains anything of ``kinds``."""
+    return any(use in path.read_text() for use in kinds)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """With ``--quick``, ignore a heavy ``test_*.py`` file."""
+    if not config.getoption("--quick") or not collection_path.name.startswith("test_"):
+        return None
+    if collection_path.suffix != ".py":
+        return None
+    return True if uses(collection_path, HEAVY_USES) else None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """One xdist group for every pipeline test (one pipeline at a time), one group per other file."""
+    for item in items:
+        path = Path(str(item.fspath))
+        item.add_marker(pytest.mark.xdist_group("pipelines" if uses(path, PIPELINE_USES) else str(path)))
 
 
 def sample(name: str, **labels: str) -> float:

@@ -45,6 +45,7 @@ def test_weights_over_the_bus_with_tcp_and_curve(tmp_path: Path, policy: Path) -
     finally:
         recorder.close()
     assert proc.returncode == 0, out
+    assert "step    3/3" in out  # every socket of the run over tcp:// with CurveZMQ, keys from `busctl keys`
     steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
     assert [m["step"] for m in steps] == [1, 2, 3]
     assert all(m["onpolicy_tokens"] == m["num_loss_tokens"] > 0 for m in steps)
