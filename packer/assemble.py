@@ -1,8 +1,8 @@
-"""Micro-batch assembly, the packer's one path from scored groups to :class:`MicroBatch` es: plan a
-step from the samples' lengths (:func:`plan_step`), then fill each micro-batch's arrays straight
-from the groups' arrays by slice assignment (:func:`fill_step`), with no per-sample copy. The result
-is a pure function of the groups, the step and the budget, so a restarted packer re-emits a planned
-step identically (:mod:`packer.spool`). Memory: docs/ARCHITECTURE.md ("Packing").
+"""Micro-batch assembly, the one path from scored groups to micro-batches: :func:`plan_step` plans a
+step from the samples' lengths, :func:`fill_step` fills each :class:`bus.messages.MicroBatch`'s
+arrays straight from the groups' arrays by slice assignment (no per-sample copy). The result is a
+pure function of the groups, the step and the budget, so a restarted packer re-emits a planned step
+identically. Docs: docs/ARCHITECTURE.md ("Trainer math", Packing).
 """
 
 from __future__ import annotations
@@ -32,36 +32,18 @@ SampleRef = tuple[int, int]
 
 
 def has_teacher_logprobs(group: ScoredGroup) -> bool:
-    """Whether ``group`` carries one teacher logprob per completion token (a group without
-    completion tokens trivially does)."""
+    """Whether ``group`` carries one teacher logprob per completion token."""
     return len(group.teacher_logprobs) == len(group.completion_ids)
 
 
 def plan_step(
     lengths: Sequence[Sequence[int]], temperatures: Sequence[Sequence[float]], micro_batch_tokens: int
 ) -> list[list[SampleRef]]:
-    """Plan one step's micro-batches from per-sample lengths, one temperature per micro-batch.
-
-    Samples are binned by temperature (exact float equality; ascending). Within a bin, each group's
-    samples of that temperature form one packing unit (adjacent, in one micro-batch) when their
-    lengths sum to at most ``micro_batch_tokens``, so the trainer runs their shared prompt once
-    (:mod:`trainer.forward.shared_prefix`); a larger group gives one unit per sample. The units are
-    packed with :func:`packer.packing.pack_micro_batches` and the bins' micro-batches are
-    concatenated in temperature order.
-
-    Args:
-        lengths: ``lengths[g][j]`` tokens (int >= 1) of sample ``j`` of group ``g``.
-        temperatures: ``temperatures[g][j]`` its sampling temperature; same shape as ``lengths``.
-        micro_batch_tokens: token budget of one micro-batch (int >= 1).
-
-    Returns:
-        Micro-batches in emission order, each a non-empty list of ``(g, j)`` in packing order;
-        every sample appears exactly once.
-
-    Raises:
-        ValueError: ``lengths`` and ``temperatures`` differ in shape, or as
-            :func:`packer.packing.pack_micro_batches` (a sample longer than the budget).
-    """
+    """A step's micro-batches as lists of ``(g, j)`` (every sample once), one temperature each, from
+    ``lengths[g][j]`` (ints >= 1) and ``temperatures[g][j]``: binned by temperature (ascending), a
+    group's samples one unit (adjacent, so the trainer runs their prompt once) when they fit
+    ``micro_batch_tokens``, else one unit each, packed by :func:`packer.packing.pack_micro_batches`.
+    ValueError if the shapes differ, or as that function."""
     if len(lengths) != len(temperatures) or any(len(n) != len(t) for n, t in zip(lengths, temperatures)):
         raise ValueError("lengths and temperatures must have one entry per sample of each group (same shape)")
     plan: list[list[SampleRef]] = []
@@ -82,25 +64,23 @@ def plan_step(
 
 @dataclass(frozen=True)
 class GroupLayout:
-    """Where sample ``j`` of a scored group lives in its arrays: completion tokens
-    ``offsets[j]:offsets[j + 1]`` (``[G + 1] int64``)."""
+    """Sample ``j``'s completion tokens are ``offsets[j]:offsets[j + 1]`` (``[G + 1] int64``)."""
 
     offsets: np.ndarray
 
     @classmethod
     def of(cls, group: ScoredGroup) -> GroupLayout:
-        """The layout of ``group`` (a cumulative sum over ``[G]``)."""
+        """The layout of ``group``."""
         return cls(offsets=np.concatenate([[0], np.cumsum(group.completion_lens, dtype=np.int64)]))
 
 
 def _is_masked(group: ScoredGroup, j: int) -> bool:
-    """Whether sample ``j`` was masked by an enforced filter (``ScoredGroup.masked``)."""
+    """Whether sample ``j`` was masked by an enforced filter."""
     return len(group.masked) > 0 and bool(group.masked[j])
 
 
 def _loss_tokens(group: ScoredGroup, layout: GroupLayout, j: int) -> int:
-    """Loss tokens of sample ``j``: its model-sampled completion tokens (``group.loss_mask``; all
-    of them without one), 0 when the sample is masked."""
+    """Loss tokens of sample ``j``: its model-sampled completion tokens, 0 when masked."""
     if _is_masked(group, j):
         return 0
     if len(group.loss_mask) == 0:
@@ -109,10 +89,8 @@ def _loss_tokens(group: ScoredGroup, layout: GroupLayout, j: int) -> int:
 
 
 def step_loss_counts(groups: Sequence[ScoredGroup], layouts: Sequence[GroupLayout] | None = None) -> tuple[int, int]:
-    """``(step_loss_tokens, step_samples)`` of a step made of ``groups``: loss tokens over all its
-    samples, and samples with at least one loss token (the trainer's normalizers,
-    :class:`bus.messages.MicroBatch`). ``layouts``: ``GroupLayout.of(groups[g])`` per group, if
-    already made."""
+    """``(step_loss_tokens, step_samples)``: the loss tokens of all of ``groups``' samples, and the
+    samples with one or more (the trainer's normalizers); ``layouts``: the groups' layouts, if made."""
     tokens = samples = 0
     layouts = layouts if layouts is not None else [GroupLayout.of(g) for g in groups]
     for group, layout in zip(groups, layouts):
@@ -135,26 +113,16 @@ def fill_micro_batch(
     step_samples: int,
     layouts: Sequence[GroupLayout] | None = None,
 ) -> MicroBatch:
-    """One padding-free :class:`MicroBatch` of the samples ``refs``, filled from ``groups``.
+    """One padding-free :class:`MicroBatch` of the samples ``refs`` (``(g, j)`` in row order) of ``groups``.
 
-    Sample ``(g, j)`` occupies ``len(prompt_ids) + completion_lens[j]`` consecutive tokens: the
-    prompt (loss mask False, sampler and teacher logprobs 0, token version = the sample's oldest
-    version ``version_start[j]``), then its completion (ids, sampler logprobs, teacher logprobs,
-    per-token versions from the group's spans or ``version_start[j]``, loss mask = the group's
-    ``loss_mask`` there, all False when ``masked[j]``). Its advantage fills all its tokens.
-    ``reward_terms`` keeps the names every sample's group has (sorted).
-
-    Args:
-        groups: the step's groups. refs: ``(g, j)`` of the micro-batch's samples, in row order.
-        teacher: pack teacher logprobs (every referenced group must carry them); else
-            ``teacher_logprobs`` is ``[0]``.
-        step, micro_index, num_micro_batches, step_loss_tokens, step_samples: as in
-            :class:`MicroBatch` (the counts are the WHOLE step's, :func:`step_loss_counts`).
-        layouts: ``GroupLayout.of(groups[g])`` per group, to share across a step's micro-batches.
+    Sample ``(g, j)`` is its prompt (no loss, logprobs 0, version ``version_start[j]``) then its
+    completion (ids, sampler and teacher logprobs, per-token versions, loss mask: the group's
+    ``loss_mask`` there, all False when ``masked[j]``), its advantage on every token;
+    ``reward_terms`` keeps the names every sample's group has. ``teacher``: pack teacher logprobs
+    (else ``[0]``); the counts are the whole step's (:func:`step_loss_counts`).
 
     Raises:
-        ValueError: no samples, samples of different temperatures, or ``teacher`` and a group
-            without teacher logprobs.
+        ValueError: no samples, two temperatures, or ``teacher`` and a group without teacher logprobs.
     """
     if not refs:
         raise ValueError("a micro-batch needs at least one sample")
@@ -162,7 +130,8 @@ def fill_micro_batch(
     temperatures = {float(groups[g].temperature) for g in used}
     if len(temperatures) > 1:
         raise ValueError(
-            f"samples of one micro-batch must share a temperature, got {sorted(temperatures)}; pack each temperature separately"
+            f"samples of one micro-batch must share a temperature, got {sorted(temperatures)}; "
+            "pack each temperature separately"
         )
     if teacher and (missing := [groups[g].id for g in used if not has_teacher_logprobs(groups[g])]):
         raise ValueError(f"groups {missing} carry no teacher logprobs; drop them (reason 'no_teacher') before packing")

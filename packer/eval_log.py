@@ -40,38 +40,27 @@ EVAL_REWARD_TERM = Gauge(
 
 
 def declare_pass_at_k(cfg: RunConfig) -> None:
-    """Create (at 0) one ``rlbus_eval_pass_at_k{task, k}`` series per eval task of ``cfg``
-    (:func:`tasks.registry.eval_tasks`; ``k = rollouts_per_example``), so dashboards have them
-    before the first round; none when evaluation is off."""
+    """Create (at 0) the ``rlbus_eval_pass_at_k{task, k}`` series of ``cfg``'s eval tasks
+    (``k = rollouts_per_example``), so dashboards have them before the first round."""
     for task in eval_tasks(cfg):
         EVAL_PASS_AT_K.labels(task=task.name, k=str(task.rollouts_per_example))
 
 
 class EvalLog:
-    """Appends eval results to ``path`` (``eval.jsonl``), each (round, task) once.
-
-    Args:
-        path: the file (created on the first write).
-        keep_through: after ``busctl up --resume`` from checkpoint step ``n``: drop the records
-            of rounds ``> n`` first (they evaluated the lost lineage); None (a fresh start or a
-            supervisor restart): keep every record. A last line cut short is dropped either way.
-    """
+    """Appends eval results to ``path`` (``eval.jsonl``), each (round, task) once; ``keep_through``: after
+    ``busctl up --resume`` from checkpoint step ``n``, the records of rounds ``> n`` go first (None:
+    all kept). A last line cut short goes either way."""
 
     def __init__(self, path: Path, keep_through: int | None = None) -> None:
         self.path = Path(path)
         gone = keep_eval_records(self.path, keep_through)
         if gone:
             log.info("dropped %d eval record(s) of rounds after the checkpoint (or cut short) from %s", gone, path)
-        self.written = read_evals(self.path)
-        """(round, task) pairs in the file."""
+        self.written = read_evals(self.path)  # (round, task) pairs in the file
 
     def write(self, result: EvalResult) -> bool:
-        """Append ``result`` and set the gauges, unless its (round, task) is already written;
-        returns whether it was.
-
-        Raises:
-            OSError: the file cannot be written (the pair then counts as not written).
-        """
+        """Append ``result`` and set the gauges unless its (round, task) is written; whether it was.
+        OSError if the file cannot be written (the pair then counts as not written)."""
         key = (result.round, result.task)
         if key in self.written:
             return False

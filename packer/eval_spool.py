@@ -1,29 +1,11 @@
-"""The packer's durable record of online evaluation: ``RUN_DIR/packer/eval.bin``, from which a
-restarted or resumed packer rebuilds its :class:`packer.evaluation.EvalAggregator` and the results
-of the rounds it already closed.
-
-File: the record framing of :mod:`packer.spool` (``[u32 length][u32 crc32][msgpack [kind, body]]``)
-in its own file (eval state is small and never compacted: one summary per eval group of the run):
-
-| kind       | body                                                              | written                                  | fsync |
-|------------|-------------------------------------------------------------------|------------------------------------------|-------|
-| ``group``  | ``[round, size, id, task, rewards, lens, terms, vmin, vmax]``     | a received eval group, before its release| yes   |
-| ``failed`` | ``[group ids]``                                                   | failed eval groups (``groups.dropped``)   | yes   |
-| ``closed`` | ``[round, [EvalResult frames, ...]]``                             | a round closed, before its publication   | yes   |
-| ``reset``  | ``round``                                                         | a resume at checkpoint ``round``         | yes   |
-
-A ``group`` record may share its fsync with the other groups of the packer's burst
-(:meth:`EvalSpool.taken` with ``sync=False``, then ``log.sync()``, before any is released).
-
-Invariants: a received eval group is recorded (summary only: rewards ``[G] float64``, completion
-lengths ``[G] int64``, reward terms, version range) before the packer releases its custody
-upstream, so after that no component but this file holds it; a round's results are recorded
-before they are published, so a restarted packer publishes exactly the same results again
-(never recomputed from a different set of groups), and a round that was complete but not yet
-recorded as closed when the packer died is closed on replay from the same groups. Replay applies
-records in order through the aggregator's own methods; a damaged tail (a write cut short) ends it
-and is truncated, counted in :attr:`EvalSpool.torn_records`. ``reset c`` forgets every round
-``> c`` (open or closed, results included): a resumed run evaluates those policy versions again.
+"""The packer's durable record of online evaluation, ``RUN_DIR/packer/eval.bin`` (the record framing of
+:mod:`packer.spool`, never compacted), from which a restarted or resumed packer rebuilds its
+:class:`packer.evaluation.EvalAggregator` and its closed rounds' results. Kinds, all fsynced:
+``group`` (``[round, size, id, task, rewards, lens, terms, vmin, vmax]``: a received group's summary,
+before its release; one fsync per burst), ``failed`` (new failed ids), ``closed`` (``[round, [EvalResult
+frames]]``, before publication, so a restart publishes the same results, never recomputed), ``reset``
+(a resume at checkpoint ``round``: later rounds forgotten). Replay goes through the aggregator's own
+methods; a round complete but not yet ``closed`` is closed on replay; a damaged tail ends the replay.
 """
 
 from __future__ import annotations
@@ -51,9 +33,8 @@ class EvalSpool:
     """The eval spool in ``directory`` (created if missing), replayed into ``aggregator`` on open.
 
     Attributes:
-        results: the closed rounds' results, by round (what a restarted packer publishes again).
-        closed_on_replay: rounds the replay completed that had no ``closed`` record (the packer
-            died between the last group and the publication): record and publish them.
+        results: the closed rounds' results, by round (published again after a restart).
+        closed_on_replay: rounds complete on replay without a ``closed`` record: close and publish them.
         torn_records: damaged tails dropped on opening (0 or 1).
     """
 
@@ -69,8 +50,7 @@ class EvalSpool:
         self.log = RecordLog(open_for_append(self.path, good))
 
     def taken(self, group: ScoredGroup, *, sync: bool = True) -> None:
-        """Record a received eval group (fsynced: call before releasing it upstream). ``sync=False``
-        only flushes it: call ``log.sync()`` before releasing it (one fsync for a burst of groups)."""
+        """Record a received eval group, fsynced (``sync=False``: flushed; ``log.sync()`` before releasing it)."""
         s = summarize(group)
         self._write(
             "group",
@@ -89,15 +69,14 @@ class EvalSpool:
         )
 
     def failed(self, group_ids: list[str]) -> list[str]:
-        """Record the ids of ``group_ids`` that are new failures of open eval rounds (fsynced; nothing
-        written if none). Returns them (pass them on to :meth:`EvalAggregator.add_failed`)."""
+        """Record (fsynced) and return the ids of ``group_ids`` that are new failures of open rounds."""
         new = [g for g in dict.fromkeys(group_ids) if self.aggregator.is_new_failure(g)]
         if new:
             self._write("failed", new)
         return new
 
     def closed(self, result: RoundResult) -> None:
-        """Record a closed round's results (fsynced: call before publishing them)."""
+        """Record a closed round's results (fsynced: before publishing them)."""
         self._write("closed", [result.round, [[bytes(f) for f in encode(r)] for r in result.results]])
         self.results[result.round] = list(result.results)
 
@@ -112,12 +91,11 @@ class EvalSpool:
         self.log.close()
 
     def _write(self, kind: str, body: Any, *, sync: bool = True) -> None:
-        """Append one record (fsynced unless ``sync=False``); the caller applies it to the live
-        aggregator itself."""
+        """Append one record; the caller applies it to the live aggregator itself."""
         self.log.append(kind, body, sync=sync)
 
     def _apply(self, kind: str, body: Any) -> None:
-        """Apply one record read back (replay) to the aggregator and :attr:`results`."""
+        """Apply one record read back to the aggregator and :attr:`results`."""
         agg = self.aggregator
         if kind == "group":
             r, size, gid, task, rewards, lens, terms, vmin, vmax = body

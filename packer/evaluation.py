@@ -1,22 +1,10 @@
-"""Online evaluation results: aggregate scored eval groups per (round, task) into EvalResults.
-
-Eval groups (``ScoredGroup.is_eval``: ``eval_round >= 0``) are sampled by the producers and scored
-by the reward workers like training groups, but never trained. Round ``r`` evaluates policy
-version ``r``; it holds ``eval_size`` groups over all eval tasks (one group per held-out example,
-``rollouts_per_example`` completions each). A group either arrives scored or its generation
-failed, which is announced in a ``groups.dropped`` on the control channel with its id (eval ids
-read ``e{round:06d}-{task}-{i:05d}``, :func:`bus.eval_ids.parse_eval_id`). Once the received plus
-failed groups of a round reach ``eval_size``, :class:`EvalAggregator` closes the round: one
-:class:`bus.messages.EvalResult` per task with :func:`eval_metrics`, and the ids of the received
-groups. The packer records every received group and failure, and each closed round, in its eval
-spool (:mod:`packer.eval_spool`), which replays them through :meth:`EvalAggregator.take` and
-:meth:`EvalAggregator.add_failed` after a restart.
-
-Invariants: a round is closed at most once; a group counts once (by id), also when it is
-re-delivered or announced failed as well as received (received wins); a group of a closed round
-is reported ``"late"`` (release it at once, it changes nothing). A round whose groups all failed
-never learns its ``eval_size`` and is never closed (the trainer's wait for it times out).
-No sockets here.
+"""Online evaluation results, socket-free: scored eval groups (``ScoredGroup.is_eval``, never trained)
+and failed ones (announced in ``groups.dropped``, ids :func:`bus.eval_ids.parse_eval_id`) are counted
+per round; once received + failed reach the round's ``eval_size``, :class:`EvalAggregator` closes it
+with one :class:`bus.messages.EvalResult` per task (:func:`eval_metrics`). A round closes at most
+once, a group counts once (received wins over failed), and a group of a closed round is ``late``; a
+round whose groups all failed never learns its size and never closes. Durable state:
+:mod:`packer.eval_spool`.
 """
 
 from __future__ import annotations
@@ -34,13 +22,9 @@ __all__ = ["EvalAggregator", "EvalGroup", "RoundResult", "eval_metrics", "parse_
 
 @dataclass(frozen=True)
 class EvalGroup:
-    """What the metrics need of one scored eval group (``G`` completions).
-
-    Attributes:
-        rewards: ``[G] float64`` total rewards. completion_lens: ``[G] int64`` tokens.
-        reward_terms: ``{reward function name: G scores}``.
-        version_min, version_max: oldest first-token / newest last-token policy version.
-    """
+    """What the metrics need of one scored eval group of ``G`` completions: rewards ``[G] float64``,
+    completion lengths ``[G] int64``, each reward function's ``G`` scores, and the oldest first-token
+    and newest last-token policy versions."""
 
     rewards: np.ndarray
     completion_lens: np.ndarray
@@ -50,20 +34,11 @@ class EvalGroup:
 
 
 def eval_metrics(groups: list[EvalGroup]) -> dict[str, float]:
-    """The metrics of one task in one round, over its ``n`` scored completions (float64).
-
-    - ``reward_mean`` = sum_i r_i / n; ``reward_std`` = sqrt(sum_i (r_i - mean)^2 / n) (population);
-    - ``completion_len_mean`` = mean completion length, tokens;
-    - ``reward/<name>`` = mean of reward function ``name``'s own score over the completions that
-      carry it;
-    - ``pass_at_<k>`` for every group size ``k`` (pass@1 included: one completion per example):
-      the fraction of examples (groups of that size) with at least one completion of reward >= 1.
-      With ``n = k`` samples per example this is the unbiased pass@k estimator
-      ``1 - C(n - c, k) / C(n, k)`` of Chen et al. 2021 (arXiv:2107.03374), which is 1 if
-      ``c > 0`` correct samples else 0.
-
-    Returns ``{}`` for no completions.
-    """
+    """The metrics of one task in one round over its ``n`` completions (float64; ``{}`` for none):
+    ``reward_mean``, ``reward_std`` (population), ``completion_len_mean`` (tokens), ``reward/<name>``
+    (mean of that function's scores where present), and ``pass_at_<k>`` per group size ``k``: the
+    share of examples with a completion of reward >= 1, which for ``n = k`` samples is the unbiased
+    pass@k estimator ``1 - C(n - c, k) / C(n, k)`` of Chen et al. 2021 (arXiv:2107.03374)."""
     rewards = np.concatenate([g.rewards for g in groups]) if groups else np.zeros(0)
     if not len(rewards):
         return {}
@@ -82,7 +57,7 @@ def eval_metrics(groups: list[EvalGroup]) -> dict[str, float]:
 
 
 def summarize(group: ScoredGroup) -> EvalGroup:
-    """What the metrics need of a scored eval group (:class:`EvalGroup`, float64/int64 copies)."""
+    """The :class:`EvalGroup` of a scored eval group (float64/int64 copies)."""
     return EvalGroup(
         rewards=np.asarray(group.rewards, np.float64),
         completion_lens=np.asarray(group.completion_lens, np.int64),
@@ -132,17 +107,8 @@ class EvalAggregator:
         self.closed: set[int] = set()
 
     def add(self, group: ScoredGroup) -> tuple[EvalDecision, RoundResult | None]:
-        """Take one scored eval group.
-
-        Returns:
-            ``(decision, closed)``: decision ``TAKEN`` (hold its custody until the round
-            closes), ``DUPLICATE`` (its id is already held: the round's release covers it) or
-            ``LATE`` (its round is closed: release it now); ``closed`` is the round this group
-            completed, else None.
-
-        Raises:
-            ValueError: not an eval group, or its ``eval_size`` disagrees with the round's.
-        """
+        """Take a scored eval group: ``(decision, closed)``, the round it completed or None. ValueError if it is
+        not an eval group or its ``eval_size`` disagrees with the round's."""
         if not group.is_eval or group.eval_size < 1:
             raise ValueError(
                 f"group {group.id} is not an eval group (eval_round {group.eval_round}, eval_size {group.eval_size})"
@@ -160,8 +126,7 @@ class EvalAggregator:
         return EvalDecision.TAKEN, self.take(r, group.eval_size, group.id, group.task, summarize(group))
 
     def take(self, round_: int, size: int, group_id: str, task: str, summary: EvalGroup) -> RoundResult | None:
-        """Count a received group of an open round (:meth:`add` after its checks, or a replay of
-        :mod:`packer.eval_spool`); returns the round if this completed it."""
+        """Count a received group of an open round (after :meth:`add`'s checks, or replayed); the round if closed."""
         state = self.rounds.setdefault(round_, _Round())
         state.size = size
         state.failed.pop(group_id, None)
@@ -169,7 +134,7 @@ class EvalAggregator:
         return self._close_if_complete(round_)
 
     def is_new_failure(self, group_id: str) -> bool:
-        """True if ``group_id`` is an eval id of an open round not yet counted (received or failed)."""
+        """Whether ``group_id`` is an eval id of an open round not counted yet."""
         parsed = parse_eval_id(group_id)
         if parsed is None or parsed[0] in self.closed:
             return False
@@ -177,14 +142,12 @@ class EvalAggregator:
         return state is None or (group_id not in state.received and group_id not in state.failed)
 
     def forget_above(self, round_: int) -> None:
-        """Forget every round ``> round_``, open or closed (a resume at checkpoint ``round_``: those
-        rounds evaluated the lost lineage and are evaluated again)."""
+        """Forget every round ``> round_``, open or closed (a resume at checkpoint ``round_``)."""
         self.rounds = {r: s for r, s in self.rounds.items() if r <= round_}
         self.closed = {r for r in self.closed if r <= round_}
 
     def add_failed(self, group_ids: list[str]) -> list[RoundResult]:
-        """Count the eval groups among ``group_ids`` (a ``groups.dropped``) as failed; other ids
-        are ignored. Returns the rounds this completed."""
+        """Count the eval ids among ``group_ids`` as failed (others ignored); returns the rounds closed."""
         touched = set()
         for gid in group_ids:
             parsed = parse_eval_id(gid)

@@ -1,42 +1,10 @@
-"""The packer's logic: staleness filter, whole-step accounting and padding-free packing.
-
-The trainer takes optimizer step ``s`` with weights of policy version ``s`` (one version per
-step), so a sample packed into step ``s`` has off-policy lag ``s - v`` where ``v`` is the oldest
-policy version it was sampled under (``version_start``). :class:`Packer` drops every group whose
-lag would exceed ``max_off_policy_steps`` (invariant 3) and reports it, so that the prompt source
-can issue a replacement and every prompt is accounted for. A step takes ``prompts_per_step``
-whole groups (``batch_size`` samples) in arrival order; its samples are packed into micro-batches
-of at most ``micro_batch_tokens`` tokens, with no padding, each group that fits kept whole: planned
-from the samples' lengths, then filled straight from the groups' arrays (:mod:`packer.assemble`).
-
-Temperature bins: every sample records the temperature it was sampled at (``Prompt.temperature``,
-e.g. from a ``sampling.temp_scheduler``), and the trainer divides the logits of a whole
-micro-batch by ONE temperature (``MicroBatch.temperature``). So a step's samples are grouped by
-temperature and each bin is packed separately; the step's micro-batches are the union (lowest
-temperature first), and ``step_loss_tokens`` / ``step_samples`` still count the whole step.
-
-Per-sample fields carried to the trainer: teacher logprobs (``RolloutGroup.teacher_logprobs``, on
-the completion tokens, 0 elsewhere), the reward function scores (``ScoredGroup.reward_terms``),
-and the loss mask: a sample with ``ScoredGroup.masked[j]`` (flagged by an enforced filter) keeps
-its tokens in the row but gets ``loss_mask`` False everywhere, so it trains nothing and counts in
-neither ``step_loss_tokens`` nor ``step_samples``.
-
-Teacher logprobs are all or nothing within a micro-batch (a loss term cannot be half defined).
-With ``teacher=True`` (``teacher.model_path`` set) a group that arrives without them (a producer
-whose teacher failed, or one started without a teacher) is dropped with reason ``"no_teacher"``,
-like any other drop: the prompt source issues a replacement, so the step still trains the
-distillation term on every sample. With ``teacher=False`` teacher logprobs are never packed.
-
-Every group id gets at most one decision for the whole run: taken into the buffer (and later
-emitted or dropped stale), or dropped at once with a reason (``"empty_prompt"``, ``"too_long"``,
-``"no_teacher"``, ``"filtered: equal_rewards"``, ``"filtered: online_difficulty"``, ``"stale"``).
-Eval groups (``is_eval``) never come here: :mod:`packer.evaluation` aggregates them. Delivery is at-least-once, so the same group can
-arrive again at any later time (re-sent by a reward worker, or scored twice by two workers); the
-seen-id set therefore covers the whole run, never trimmed, so no group trains twice and no group
-gets two outcomes. Its size is bounded by the run's prompt count (one short string per issued
-prompt: ~100 bytes each, ~100 MB per million prompts).
-
-No sockets here: :mod:`packer.proc` moves the messages.
+"""The packer's logic, socket-free (:mod:`packer.proc` moves the messages): the staleness filter
+(a sample packed into step ``s`` has lag ``s - version_start``; a group over
+``max_off_policy_steps`` is dropped and reported, so the prompt source replaces it), the content
+filters, and whole steps of ``prompts_per_step`` groups in arrival order, packed without padding by
+:mod:`packer.assemble` (one temperature per micro-batch; teacher logprobs all or nothing). Every
+group id gets at most one decision in the run (docs/ARCHITECTURE.md, "Pace, staleness and
+accounting"; temperature bins, teacher and masked samples: "Packer and trainer side").
 """
 
 from __future__ import annotations
@@ -62,10 +30,8 @@ __all__ = [
 
 
 class DropReason(StrEnum):
-    """Every reason :meth:`Packer.add` or :meth:`Packer.pop_step` drops a group for (see the module
-    docstring). The value is the ``reason`` of the ``groups.dropped`` it is announced in (the prompt
-    source's ledger counts ``filtered: ...`` as filtered, :func:`prompts.accounting.outcome_of_drop`)
-    and an ``outcome`` label of ``rlbus_packer_groups_total``."""
+    """Why :class:`Packer` drops a group: the ``reason`` of its ``groups.dropped`` (``filtered: ...``
+    counts as filtered in the ledger) and an ``outcome`` label of ``rlbus_packer_groups_total``."""
 
     EMPTY_PROMPT = "empty_prompt"
     TOO_LONG = "too_long"
@@ -79,21 +45,17 @@ class DropReason(StrEnum):
 
 
 DUPLICATE = "duplicate"
-"""What :meth:`Packer.add` answers for a group id it has seen before: not a drop (the group already
-has its decision, so it gets no second outcome and no ``groups.dropped``)."""
+""":meth:`Packer.add`'s answer for an id seen before: not a drop (no second outcome)."""
 
 
 def rewards_all_equal(rewards: np.ndarray) -> bool:
-    """True if every reward of a group (``[G] float32``) equals the first (exactly; G=1 counts as
-    equal): the group-relative advantage ``r - mean(r)`` is then 0 for every sample."""
+    """True if every reward of ``[G] float32`` equals the first (G <= 1 too): every advantage is then 0."""
     return bool(np.all(rewards == rewards[0])) if len(rewards) else True
 
 
 def rewards_all_zero_or_all_one(rewards: np.ndarray) -> bool:
-    """True if a group's rewards (``[G] float32``) are all exactly 0 or all exactly 1: the task
-    is too hard or too easy for the policy and the group carries no learning signal (Surogate's
-    ``online_difficulty_filtering``; the same idea as DAPO's dynamic sampling, Yu et al. 2025,
-    arXiv:2503.14476). An empty group counts as such."""
+    """True if the rewards ``[G] float32`` are all exactly 0 or all 1 (or none): no learning signal
+    (Surogate's ``online_difficulty_filtering``; DAPO's dynamic sampling, Yu et al. 2025, arXiv:2503.14476)."""
     return bool(np.all(rewards == 0.0) or np.all(rewards == 1.0))
 
 
@@ -105,13 +67,9 @@ class Packer:
         max_off_policy_steps: largest lag a trained sample may have.
         micro_batch_tokens: token budget of one micro-batch.
         first_step: step index of the first step to emit (for resumed runs).
-        filter_equal_rewards: drop groups whose rewards are all equal (reason
-            ``"filtered: equal_rewards"``): their advantages are all zero, so they carry no policy
-            gradient (DAPO's dynamic sampling, Yu et al. 2025, arXiv:2503.14476).
-        online_difficulty_filtering: drop groups whose rewards are all 0 or all 1 (reason
-            ``"filtered: online_difficulty"``, see :func:`rewards_all_zero_or_all_one`).
-        teacher: the run has a teacher (``teacher.model_path``): pack teacher logprobs and drop
-            groups without them (reason ``"no_teacher"``, see the module docstring).
+        filter_equal_rewards: drop groups with all rewards equal (:func:`rewards_all_equal`).
+        online_difficulty_filtering: drop groups with rewards all 0 or all 1.
+        teacher: pack teacher logprobs and drop groups without them (``teacher.model_path`` set).
 
     Raises:
         ValueError: a bound is not positive.
@@ -138,7 +96,7 @@ class Packer:
         self.teacher = teacher
         self.next_step = first_step
         self.buffer: deque[ScoredGroup] = deque()
-        self.seen: set[str] = set()  # every group id ever decided on (whole run; see module docstring)
+        self.seen: set[str] = set()  # every group id ever decided on (the whole run)
         self.last_groups: list[ScoredGroup] = []
         """The groups of the step :meth:`pop_step` last emitted, in packing order."""
 
@@ -147,17 +105,8 @@ class Packer:
         return step - int(np.min(group.version_start))
 
     def add(self, group: ScoredGroup) -> tuple[bool, DropReason | Literal["", "duplicate"]]:
-        """Take a scored group.
-
-        Checks run in this order: content first (the verdict cannot change), timing last.
-
-        Returns:
-            ``(accepted, reason)``; reason is ``""`` (accepted), :data:`DUPLICATE` (id seen before
-            in this run: drop silently, it already has its decision), or a :class:`DropReason`.
-
-        Raises:
-            ValueError: an eval group (those go to :class:`packer.evaluation.EvalAggregator`).
-        """
+        """Take a scored group: ``(accepted, reason)``, reason ``""``, :data:`DUPLICATE` or a
+        :class:`DropReason` (content checks first, staleness last). ValueError for an eval group."""
         if group.is_eval:
             raise ValueError(
                 f"group {group.id} is an eval group (eval_round {group.eval_round}); eval groups are never trained"
@@ -181,12 +130,8 @@ class Packer:
         return True, ""
 
     def pop_step(self) -> tuple[list[MicroBatch], list[ScoredGroup]]:
-        """Emit the next step if enough fresh groups are buffered.
-
-        Returns:
-            ``(micro_batches, dropped)``: the step's micro-batches (empty if not ready yet) and
-            the buffered groups dropped as stale while assembling it.
-        """
+        """``(micro_batches, dropped)``: the next step's micro-batches if enough fresh groups are
+        buffered (else ``[]``), and the buffered groups dropped as stale."""
         dropped = [g for g in self.buffer if self.lag(g, self.next_step) > self.max_off_policy_steps]
         if dropped:
             self.buffer = deque(g for g in self.buffer if g not in dropped)
@@ -199,19 +144,12 @@ class Packer:
         return self.pack(groups, step), dropped
 
     def pack(self, groups: list[ScoredGroup], step: int) -> list[MicroBatch]:
-        """The micro-batches of ``step`` made of ``groups`` (in this order): a pure function of
-        its arguments and the packer's settings, so a restarted packer re-emits a planned step
-        identically (same ids and contents, :mod:`packer.spool`). Each micro-batch is filled
-        straight from the groups' arrays (:func:`packer.assemble.pack_groups`)."""
+        """The micro-batches of ``step`` made of ``groups``, a pure function of them and the settings
+        (:func:`packer.assemble.pack_groups`), so a restarted packer re-emits a step identically."""
         return pack_groups(groups, step, self.micro_batch_tokens, teacher=self.teacher)
 
     def restore(self, *, next_step: int, seen: set[str], buffer: list[ScoredGroup]) -> None:
-        """Take the state a restarted packer rebuilt from its spool: number steps from
-        ``next_step``, treat ``seen`` ids as decided, and buffer ``buffer`` (in order).
-
-        Raises:
-            ValueError: ``next_step < 0``.
-        """
+        """Take the state rebuilt from the spool (:mod:`packer.spool`). ValueError for ``next_step < 0``."""
         if next_step < 0:
             raise ValueError(f"next_step must be >= 0, got {next_step}")
         self.next_step = next_step
@@ -220,13 +158,8 @@ class Packer:
 
 
 def padding_ratio(micro_batches: list[MicroBatch], micro_batch_tokens: int) -> float:
-    """Unused share of a step's token budget: ``1 - T / (M * micro_batch_tokens)``, where ``T``
-    is the tokens of the ``M`` micro-batches (each a padding-free row of at most
-    ``micro_batch_tokens``). 0 for a perfect packing; 0.0 for no micro-batches.
-
-    Raises:
-        ValueError: ``micro_batch_tokens < 1``.
-    """
+    """Unused share of a step's token budget, ``1 - T / (M * micro_batch_tokens)`` for ``T`` tokens in
+    ``M`` micro-batches (0.0 for none). ValueError for ``micro_batch_tokens < 1``."""
     if micro_batch_tokens < 1:
         raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
     if not micro_batches:

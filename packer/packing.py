@@ -1,30 +1,10 @@
-"""Padding-free packing of samples into micro-batches under a token budget (bin packing).
-
-A micro-batch is one packed row of at most `token_budget` tokens holding whole samples (a sample
-is never split), so no row carries padding tokens. The number of micro-batches is bounded below by
-`ceil(sum(lengths) / token_budget)` (`lower_bound_bins`). Three packers:
-
-- `pack_first_fit_decreasing` (FFD): each sample, longest first, into the first open bin with room.
-  FFD(I) <= 11/9 OPT(I) + 6/9 (Dosa 2007, "The Tight Bound of First Fit Decreasing Bin-Packing
-  Algorithm Is FFD(I) <= 11/9 OPT(I) + 6/9"). Kept for comparison (bench/packing.py).
-- `pack_best_fit_decreasing` (BFD): the same order, into the open bin with the LEAST room that still
-  fits; same worst-case bound as FFD (Johnson 1973), leaves fewer half-empty bins in practice.
-- `pack_minimum_bin_slack` (MBS'): fills one bin at a time: the longest remaining sample plus the
-  subset of the others that leaves the least room (a bounded depth-first search). Gupta & Ho 1999,
-  "A new heuristic algorithm for the one-dimensional bin-packing problem" (Production Planning &
-  Control 10(6)); the variant that fixes the longest item first is Fleszar & Hindi 2002, "New
-  heuristics for one-dimensional bin-packing" (Computers & Operations Research 29(7)).
-
-`pack_micro_batches` is what the packer uses: BFD, and MBS' only when BFD needs more than
-`lower_bound_bins + 1` bins (measured: BFD misses that on mixes whose shortest sample is long,
-e.g. a long shared prompt with many completions truncated at the same max_tokens, where every bin
-keeps a gap smaller than any sample; MBS' closes those gaps; see bench/README.md).
-
-Invariants (of every function here):
-- every sample index appears in exactly one bin; no bin's total length exceeds the budget; no bin is
-  empty;
-- the result depends only on the inputs (ties broken by sample index, then bin creation order, and
-  the MBS' search is bounded by a count of dead ends, never by time), never on hash order or timing.
+"""Padding-free packing of samples into micro-batches (bin packing): a micro-batch is one row of at
+most ``token_budget`` tokens of whole samples. The packer uses :func:`pack_micro_batches`: best-fit
+decreasing (BFD, Johnson 1973), and minimum bin slack (MBS': Gupta & Ho 1999, Production Planning &
+Control 10(6); Fleszar & Hindi 2002, Computers & Operations Research 29(7)) where BFD needs more than
+``lower_bound_bins + 1`` bins (bench/README.md). First-fit decreasing (FFD(I) <= 11/9 OPT(I) + 6/9,
+Dosa 2007) is kept for comparison. Every function puts each sample into exactly one non-empty bin
+within the budget and depends on its inputs only (ties by index; MBS' bounded by dead ends, not time).
 """
 
 from __future__ import annotations
@@ -48,44 +28,17 @@ MBS_MAX_BACKTRACKS_PER_BIN = 2000
 
 
 def lower_bound_bins(lengths: Sequence[int], token_budget: int) -> int:
-    """The trivial lower bound on the number of bins: L1 = ceil(sum_i lengths_i / token_budget).
-
-    Source: Martello & Toth 1990, "Knapsack Problems", Sec. 8.3 (bound L1). No packing can use
-    fewer bins, since a bin holds at most `token_budget` tokens.
-
-    Args:
-        lengths: `[num_samples]` ints >= 1, tokens per sample. token_budget: int >= 1.
-
-    Returns:
-        The bound, an int >= 0 (0 for no samples).
-
-    Raises:
-        ValueError: as `pack_first_fit_decreasing`.
-    """
+    """``ceil(sum(lengths) / token_budget)``, bound L1 of Martello & Toth 1990 ("Knapsack Problems",
+    sec. 8.3): no packing uses fewer bins. ValueError as :func:`pack_first_fit_decreasing`."""
     budget = _validated_budget(token_budget)
     return math.ceil(sum(_validated_lengths(lengths, budget)) / budget)
 
 
 def pack_first_fit_decreasing(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
-    """Pack samples into as few bins of `token_budget` tokens as FFD finds.
-
-    Algorithm: visit samples by decreasing length (equal lengths by increasing index) and put each
-    into the first open bin (in creation order) with room for it, else open a new bin.
-    Source: Johnson 1973 (FFD); bound in the module docstring.
-
-    Args:
-        lengths: `[num_samples]` ints >= 1, tokens per sample.
-        token_budget: int >= 1, the most tokens one bin (packed row) may hold.
-
-    Returns:
-        Bins in creation order; each bin lists sample indices (into `lengths`) in the order they
-        were placed (non-increasing length). `sum(lengths[i] for i in bin) <= token_budget`.
-        An empty `lengths` gives `[]`.
-
-    Raises:
-        ValueError: `token_budget` is not an int >= 1; a length is not an int >= 1; or a sample is
-            longer than `token_budget` (the message names its index; truncate it or raise the budget).
-    """
+    """First-fit decreasing: samples (``lengths``, ints >= 1) by decreasing length (ties by index), each
+    into the first open bin of ``token_budget`` with room, else a new bin. Returns the bins in creation
+    order as sample indices (``[]`` for none). ValueError for a budget or length not an int >= 1, or a
+    sample over the budget (named by index)."""
     budget = _validated_budget(token_budget)
     sizes = _validated_lengths(lengths, budget)
     bins: list[list[int]] = []
@@ -103,15 +56,8 @@ def pack_first_fit_decreasing(lengths: Sequence[int], token_budget: int) -> list
 
 
 def pack_best_fit_decreasing(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
-    """Pack samples with Best-Fit Decreasing.
-
-    Algorithm: visit samples by decreasing length (equal lengths by increasing index) and put each
-    into the open bin with the least room that still fits it (equal room: the bin created first),
-    else open a new bin. Open bins are kept sorted by `(room, creation index)`, so each placement
-    is one binary search: O(n log n) comparisons. Source: Johnson 1973 (BFD), see module docstring.
-
-    Args, Returns, Raises: as `pack_first_fit_decreasing`.
-    """
+    """Best-fit decreasing: as :func:`pack_first_fit_decreasing`, into the open bin with the least room
+    that fits (ties: the oldest bin); one binary search per sample."""
     budget = _validated_budget(token_budget)
     sizes = _validated_lengths(lengths, budget)
     bins: list[list[int]] = []
@@ -133,27 +79,10 @@ def pack_best_fit_decreasing(lengths: Sequence[int], token_budget: int) -> list[
 def pack_minimum_bin_slack(
     lengths: Sequence[int], token_budget: int, max_backtracks_per_bin: int = MBS_MAX_BACKTRACKS_PER_BIN
 ) -> list[list[int]]:
-    """Pack samples with Minimum Bin Slack (MBS', one bin at a time).
-
-    Algorithm: while samples remain, open a bin with the longest remaining one, then search the
-    other remaining samples (longest first, depth-first, one branch per distinct length at each
-    level) for the subset that leaves the least room ("slack") in the bin; stop at slack 0 or after
-    `max_backtracks_per_bin` dead ends, and close the bin with the best subset found. The first
-    descent is the greedy fill and always completes, so a bin is never worse than first-fit
-    decreasing over the remaining samples. Source: Gupta & Ho 1999 (MBS), Fleszar & Hindi 2002
-    (MBS'), see the module docstring.
-
-    Args:
-        lengths, token_budget: as `pack_first_fit_decreasing`.
-        max_backtracks_per_bin: int >= 1, most dead ends per bin (bounds time; deterministic).
-
-    Returns:
-        Bins in creation order; each bin lists the longest sample first, then the chosen subset in
-        non-increasing length.
-
-    Raises:
-        ValueError: as `pack_first_fit_decreasing`, or `max_backtracks_per_bin` is not an int >= 1.
-    """
+    """Minimum bin slack, one bin at a time: the longest remaining sample plus the subset of the others
+    that leaves the least room (depth-first, longest first, one branch per distinct length; its first
+    descent is the greedy fill), searched until slack 0 or ``max_backtracks_per_bin`` dead ends.
+    ValueError as :func:`pack_first_fit_decreasing`, or for ``max_backtracks_per_bin < 1``."""
     budget = _validated_budget(token_budget)
     sizes = _validated_lengths(lengths, budget)
     max_backtracks = _as_int("max_backtracks_per_bin", max_backtracks_per_bin)
@@ -171,13 +100,8 @@ def pack_minimum_bin_slack(
 
 
 def pack_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
-    """The packer's packing: BFD, or MBS' where BFD needs more than `lower_bound_bins + 1` bins.
-
-    MBS' replaces BFD only if it uses fewer bins (ties keep BFD). It is tried only in that case
-    because it is ~100x slower than BFD (about 1 ms per bin in CPython against ~1 us per sample).
-
-    Args, Returns, Raises: as `pack_first_fit_decreasing`.
-    """
+    """The packer's packing: BFD, or MBS' when BFD needs more than ``lower_bound_bins + 1`` bins and
+    MBS' uses fewer (it is ~100x slower: ~1 ms per bin). Args and errors as :func:`pack_first_fit_decreasing`."""
     bins = pack_best_fit_decreasing(lengths, token_budget)
     if len(bins) > lower_bound_bins(lengths, token_budget) + 1:
         alternative = pack_minimum_bin_slack(lengths, token_budget)
@@ -187,27 +111,11 @@ def pack_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[i
 
 
 def plan_step_micro_batches(lengths: Sequence[int], token_budget: int, num_ranks: int = 1) -> list[list[list[int]]]:
-    """Pack one optimizer step's samples and share the micro-batches among data-parallel ranks.
-
-    Every rank must run the same number of forward/backward passes (collectives would hang
-    otherwise), so each rank gets exactly `ceil(num_bins / num_ranks)` micro-batches; a rank short
-    of real ones gets empty micro-batches `[]` at the end, which the trainer runs as a dummy
-    forward with zero loss. Bins are handed out largest-first (by tokens), each to the rank with
-    the fewest tokens so far among ranks with a free slot (ties: lowest rank), which balances
-    tokens per rank (Graham's LPT rule, 1969).
-
-    Args:
-        lengths: `[num_samples]` ints >= 1, tokens per sample.
-        token_budget: int >= 1, tokens per micro-batch.
-        num_ranks: int >= 1, data-parallel world size.
-
-    Returns:
-        `plan[rank][micro_batch]` = list of sample indices (a bin of `pack_micro_batches`,
-        or `[]` for padding); all ranks have the same number of micro-batches, padding last.
-
-    Raises:
-        ValueError: as `pack_first_fit_decreasing`, or `num_ranks` is not an int >= 1.
-    """
+    """``plan[rank][micro_batch]``: a step's :func:`pack_micro_batches` bins shared among ``num_ranks``
+    data-parallel ranks, each getting ``ceil(bins / num_ranks)`` micro-batches (collectives need the
+    same count; a short rank's last ones are empty ``[]``, run as a zero-loss dummy), largest bin
+    first to the rank with the fewest tokens (Graham's LPT rule, 1969). ValueError as
+    :func:`pack_first_fit_decreasing`, or for ``num_ranks < 1``."""
     ranks = _as_int("num_ranks", num_ranks)
     if ranks < 1:
         raise ValueError(f"num_ranks must be >= 1, got {ranks}")
@@ -263,14 +171,8 @@ def _decreasing_order(sizes: list[int]) -> list[int]:
 
 
 def _min_slack_subset(sizes: list[int], room: int, max_backtracks: int) -> list[int]:
-    """Positions of a subset of `sizes` (non-increasing) with the least `room - sum` >= 0 found.
-
-    Iterative depth-first search (no recursion limit for thousands of tiny samples): at each depth
-    try the fitting sizes longest first, one branch per distinct size (a later equal size would
-    only repeat the subtree), and keep the best subset seen; stop at slack 0 or after
-    `max_backtracks` dead ends (so the first, greedy descent always completes; the work is at most
-    `max_backtracks` + its depth pushes).
-    """
+    """Positions of the subset of ``sizes`` (non-increasing) with the least ``room - sum >= 0`` found
+    (iterative search, see :func:`pack_minimum_bin_slack`)."""
     neg = [-size for size in sizes]  # non-decreasing, for bisect
     n = len(sizes)
     next_distinct = [n] * n

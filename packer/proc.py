@@ -1,64 +1,13 @@
-"""The packer process: reliable ``scored`` (receiver, bound) -> :class:`packer.packer.Packer` ->
-reliable ``batches`` (sender, bound).
+"""The packer process: reliable ``scored`` in (bound) -> :class:`packer.packer.Packer` -> reliable
+``batches`` out (bound). Drops go to the prompt source's ledger on ``outcomes`` (the scored group is
+released once recorded) and to the control channel; eval groups go to
+:class:`packer.evaluation.EvalAggregator`, whose closed rounds are written to ``eval.jsonl``
+(:mod:`packer.eval_log`) and published as ``eval.result``.
 
-Custody (:mod:`bus.courier`): the packer calls ``scored.done(group_id)`` once it has decided on a
-group: taken into its buffer (or a duplicate), or dropped. A drop
-(:class:`bus.messages.GroupsDropped`) is reported on the reliable ``outcomes`` topic with
-``upstream=(scored, group.id)``, so the scored group is released only once the prompt source's
-ledger has recorded the drop (and is re-sent if the packer dies first); it is also published on
-the control channel for observers. The inbox already drops re-sent ids it
-remembers as done (``bus.inbox.DONE_MEMORY`` of them); :class:`Packer`'s seen-id set is the
-run-wide guard behind it. Micro-batches stay in the ``batches`` outbox until the trainer marks
-them done, which it does only once a checkpoint covers their step: up to
-``trainer.checkpoint_interval`` steps of micro-batches wait there (the outbox's capacity bounds
-only micro-batches not yet *taken* by the trainer), and the courier re-sends them to a restarted
-trainer.
-
-Durability (:mod:`packer.spool`, ``RUN_DIR/packer/spool.bin``): an accepted group is appended to
-the spool and fsynced before ``scored.done`` releases it upstream, and a step's plan (its group
-ids) before its first micro-batch is sent. A restarted packer (the supervisor restarts it like
-any component) or a resumed one (``busctl up --resume``) rebuilds its seen-id set, its buffer and
-its step counter from the spool, and first sends again, in order and identically (same step
-numbers and micro-batch ids: the trainer dedupes them and its custody rules hold), every planned
-step not yet released; the micro-batches a restarted trainer or a live one already holds are
-acknowledged again, those of steps its checkpoint covers are released untrained. A resumed run
-without a spool numbers steps from the trainer's latest checkpoint
-(:func:`runfiles.checkpoints.checkpoint_step`): every prompt of a later step, and every group the lost
-packer had buffered, has no outcome in the ledger and is re-issued by the prompt source; the
-groups the surviving lineage trained below that step are marked seen
-(:func:`packer.spool.trained_group_ids`), so a copy re-issued before the trainer's re-announced
-``groups.trained`` reached the ledger is dropped as a duplicate instead of trained twice. The
-``groups.trained`` announcements seen on the control channel mark steps released in the spool,
-which is compacted once its released part outweighs the live part (and the outcome reports the
-packer sent are all delivered: a stale drop is re-announced by a restarted packer only while its
-group is still in the spool).
-
-Eval groups (``is_eval``) never reach :class:`Packer`: :class:`packer.evaluation.EvalAggregator`
-collects them per round, counting the failed ones announced (by any component) in a
-``groups.dropped`` on the control channel. Eval state is durable like training groups
-(:mod:`packer.eval_spool`, ``RUN_DIR/packer/eval.bin``): a received eval group's summary and
-every new failure are fsynced before the group is released upstream, and a closed round's
-results before the packer publishes them (one ``eval.result`` per task). A restarted packer
-rebuilds its open rounds from it, closes (and publishes) a round that was complete but
-unpublished, and publishes the stored results of closed rounds again (at start and at
-``bus.control.REANNOUNCE_DELAYS_S``; receivers keep one per (round, task)), as it does when a
-``weights.ready`` goes back to a lower version (the trainer restarted from a checkpoint and may
-have missed some); a group of a closed round is released at once and answered with its round's
-stored results (once per packer run: a restarted prompt source issued the round again), and
-after a control hub restart (``ControlPublisher.reconnects`` grew). A resumed packer forgets the rounds above the checkpoint step (they
-are evaluated again). Eval groups get no outcome: they are not in the ledger.
-
-Backpressure: ``batches.send`` blocks while the trainer has not taken the previous micro-batches
-(the topic's bound); meanwhile this loop takes no more ``scored`` groups, so the reward workers'
-outboxes fill and they block in turn: the trainer's pace propagates upstream.
-
-Metrics: besides the counts below, the packer is the ``packer`` stage of
-:class:`telemetry.metrics.StageMeter` (busy while deciding on a received group; latency per group;
-samples and completion tokens of every accepted training group), and per emitted step it
-observes the policy lag of every sample (``step - version_start``, the lag the trainer will see),
-the number of micro-batches and the unused share of their token budget (padding ratio). Every
-``report.samples_interval`` steps it appends a few of the step's samples to
-``RUN_DIR/samples.jsonl`` (:mod:`packer.sample_log`).
+A group is released upstream only once its decision is durable (:mod:`packer.spool`,
+:mod:`packer.eval_spool`) and a step's plan is spooled before it is sent, so a restarted or resumed
+packer rebuilds its state and sends unreleased steps again, identically. Custody, durability, resume
+and eval re-publication: docs/ARCHITECTURE.md ("Lifecycle and healing", "Packer and trainer side").
 """
 
 from __future__ import annotations
@@ -219,8 +168,7 @@ class PackerProc(Component):
         self.outcomes = self.open_outcomes()
 
     def _announce_dropped(self, groups: list[ScoredGroup], reason: DropReason, upstream: tuple | None = None) -> None:
-        """Report a drop to the ledger (reliable; ``upstream`` is released once it is recorded)
-        and publish it on the control channel for observers."""
+        """Report a drop to the ledger (``upstream`` released once recorded) and on the control channel."""
         if groups:
             GROUPS_IN.labels(reason).inc(len(groups))
             log.info("dropped %d group(s) as %s", len(groups), reason)
@@ -229,7 +177,7 @@ class PackerProc(Component):
             self.control_out.send(msg)
 
     def _publish_eval(self, closed: RoundResult | None) -> None:
-        """Record a closed eval round's results in the eval spool, then publish them."""
+        """Spool a closed round's results (durable first), write them to eval.jsonl, publish them."""
         if closed is None:
             return
         self.eval_spool.closed(closed)  # durable before published: a restart publishes the same again
@@ -249,18 +197,14 @@ class PackerProc(Component):
             )
 
     def _record_eval(self, result: EvalResult) -> None:
-        """Append ``result`` to eval.jsonl (once per round and task); a write error is logged, and
-        the result written again from the eval spool when the packer next starts."""
+        """Append ``result`` to eval.jsonl; an I/O error is logged (the next start writes it from the spool)."""
         try:
             self.eval_log.write(result)
         except OSError:
             log.exception("could not write eval round %d of %s to %s", result.round, result.task, self.eval_log.path)
 
     def _republish_eval(self) -> None:
-        """Publish the results of the rounds closed before a restart again (at start and at
-        ``bus.control.REANNOUNCE_DELAYS_S`` after it: a PUB drops until its hub link is up); the
-        trainer and the prompt source ignore a (round, task) they already have. Also scheduled
-        after the control hub restarted (a result published while it was down is lost)."""
+        """Publish the stored results again when due (after a restart of the packer, the trainer or the hub)."""
         if self.control_out.reconnects > self._hub_reconnects:
             self._hub_reconnects = self.control_out.reconnects
             self._schedule_republish("the control hub restarted")
@@ -271,9 +215,7 @@ class PackerProc(Component):
                     self.control_out.send(result)
 
     def _watch_trainer(self, version: int) -> None:
-        """A ``weights.ready`` of a lower version than one seen before: the trainer restarted from
-        a checkpoint and may have missed results published while it was down; publish the stored
-        results again (on the same schedule as after the packer's own restart)."""
+        """A ``weights.ready`` version lower than seen before (a restarted trainer): publish the results again."""
         if version < self._trainer_version:
             self._schedule_republish(f"the trainer went back to version {version} (from {self._trainer_version})")
         self._trainer_version = version
@@ -286,19 +228,15 @@ class PackerProc(Component):
             self._republish_at = [now + d for d in (0.0, *REANNOUNCE_DELAYS_S)]
 
     def _answer_late(self, round_: int) -> None:
-        """A group of closed round ``round_`` arrived (the round was issued again by a restarted
-        prompt source): publish the round's stored results once more, once per packer run, so the
-        source (and a trainer that missed them) learn the round is done."""
+        """A group of closed round ``round_`` (re-issued by a restarted prompt source): publish its results, once."""
         if round_ not in self._answered_late:
             self._answered_late.add(round_)
             for result in self.eval_spool.results.get(round_, []):
                 self.control_out.send(result)
 
     def _take_received(self, group: ScoredGroup) -> None:
-        """Decide on ``group`` and on every group already received after it (at most
-        :data:`TAKE_BURST` in all), then release custody of the kept ones upstream: their spool
-        records share one fsync (group commit: an eval round's 128 single-sample groups cost one
-        fsync, ~3 ms on the CPU host, not 128), and none is released before it is durable."""
+        """Decide on ``group`` and the groups received after it (<= :data:`TAKE_BURST`), fsync their spool
+        records once (group commit), then release the kept ones upstream."""
         release: list[str] = []
         with contextlib.ExitStack() as items:  # each group is one stage item, until it is released
             for n in range(TAKE_BURST):
@@ -315,8 +253,7 @@ class PackerProc(Component):
             self.scored.done(*release)
 
     def _take(self, group: ScoredGroup) -> bool:
-        """Decide on one received group and announce a drop. Returns True if the caller releases
-        custody upstream once the spools are synced (a drop is released once the ledger recorded it)."""
+        """Decide on one group; True if the caller releases it once the spools are synced (not a drop)."""
         if group.is_eval:
             try:
                 decision, closed = self.evaluation.add(group)
@@ -357,8 +294,8 @@ class PackerProc(Component):
         return False
 
     def _released(self, step: int) -> None:
-        """The trainer released every step ``<= step``: mark it in the spool; compact the spool
-        when due and no outcome report is still in flight (see the module docstring)."""
+        """Steps ``<= step`` released: mark them in the spool; compact it when due and no outcome report is in
+        flight (a stale drop is announced again after a restart only while its group is in the spool)."""
         self.spool.released(step)
         if self.spool.should_compact() and self.outcomes.unfinished() == 0:
             self.spool.compact(buffered=[g.id for g in self.packer.buffer])

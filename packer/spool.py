@@ -1,47 +1,16 @@
-"""The packer's durable spool: an append-only file of accepted groups and of the step plan, from
-which a restarted packer (supervisor restart or ``busctl up --resume``) rebuilds its state.
+"""The packer's durable spool, ``RUN_DIR/packer/spool.bin``: append-only records
+``[u32 length][u32 crc32][msgpack [kind, body]]`` (little-endian) from which a restarted or resumed
+packer rebuilds its seen ids, buffer, step counter and unreleased steps. Kinds (fsynced unless said):
+``start`` (next step; on creation and compaction), ``group`` (an accepted group's codec frames, before
+``scored.done``; one fsync per burst), ``step`` (``[step, [group ids]]``, before the step is sent),
+``released`` (a ``groups.trained(step)`` seen; flushed only: losing it re-sends a step the trainer
+skips), ``seen`` (released groups' ids, by compaction). Drops are not recorded: a re-sent group is
+decided again the same way, and a stale group comes back to the buffer and is reported again.
 
-File: ``RUN_DIR/packer/spool.bin``, a sequence of records ``[u32 length][u32 crc32][payload]``
-(little-endian; ``payload`` = msgpack ``[kind, body]``):
-
-| kind        | body                               | written                                      | fsync |
-|-------------|------------------------------------|----------------------------------------------|-------|
-| ``start``   | ``next_step``                      | creating the file (and by compaction)        | yes   |
-| ``group``   | the :func:`bus.codec.encode` frames of an accepted :class:`ScoredGroup` | before ``scored.done`` | yes |
-| ``step``    | ``[step, [group ids]]``            | before the step's first micro-batch is sent  | yes   |
-| ``released``| ``step``                           | a ``groups.trained(step)`` was seen          | no    |
-| ``seen``    | ``[group ids]``                    | by compaction: ids of released groups        | yes   |
-
-Fsync policy (why): a ``group`` record is fsynced before the packer releases custody of the
-group upstream (``scored.done``), since after that no reward worker holds it; a ``step`` record
-is fsynced before the step's micro-batches leave, since the trainer may train them and a
-restarted packer must emit that step again with the same groups (same micro-batch ids and
-contents, :func:`packer.assemble.pack_groups` is deterministic) and never put those groups into
-another step. Group commit: :meth:`Spool.accepted` with ``sync=False`` only flushes, and the packer
-fsyncs once (:meth:`RecordLog.sync`) after deciding on every group it has already received, before
-releasing any of them (``packer.proc.PackerProc._take_received``). A ``released`` record is only flushed: losing it makes a restarted packer re-send
-steps the trainer's checkpoint already covers, which the trainer releases without training.
-
-Replay: records are applied in order by the same code as live writes (:meth:`Spool._apply`).
-A damaged tail (a record cut short by a crash mid-write, or a checksum mismatch) ends the replay:
-it and everything after it are dropped (counted in :attr:`Spool.torn_records`, logged) and the
-file is truncated there before appending. Only the unfsynced tail can be damaged, so no record
-whose write was acknowledged is lost.
-
-Compaction (bounded size): once the bytes of ``group`` records of released steps (dead bytes)
-exceed both :data:`COMPACT_MIN_BYTES` and the bytes of live ones (groups buffered or in
-unreleased steps), :meth:`Spool.compact` rewrites the file with only the live state (``start``,
-``seen``, live ``group`` and ``step`` records) into ``spool.bin.tmp``, fsyncs it, renames it over
-the spool and fsyncs the directory. The file therefore stays below about twice the live bytes
-plus :data:`COMPACT_MIN_BYTES`, and each byte is rewritten O(1) times on average. The seen-id set
-(every accepted id of the run) is kept: it is the packer's run-wide duplicate guard.
-
-Drops are not recorded: a group dropped on arrival (filtered, too long, ...) that is re-sent to a
-restarted packer is decided again, the same way, and its repeated drop report is a harmless repeat
-for the ledger (no second replacement). Groups dropped from the buffer as stale are not recorded
-either: a restarted packer gets them back in
-its buffer and drops them again at its next step (the ledger treats the repeated outcome as a
-harmless repeat), so a drop whose report died with the packer is still reported.
+Replay applies the records in order through the live writes' code; a damaged tail (cut short, or a
+checksum mismatch: only the unfsynced tail can be) ends it and is cut off and counted. Compaction
+rewrites the live state (tmp, fsync, rename, fsync dir) once dead bytes exceed both
+:data:`COMPACT_MIN_BYTES` and the live bytes. The story: docs/DELIVERY.md, "The stateful stages".
 """
 
 from __future__ import annotations
@@ -72,19 +41,13 @@ COMPACT_MIN_BYTES = 64 * 2**20
 _HEADER = struct.Struct("<II")
 _MAX_RECORD = 2**31
 TRAINED_SAMPLES = "trained_samples.jsonl"
-"""The trainer's record of trained samples under the run directory (one JSON line per step,
-``{"step": s, "sample_ids": ["{group_id}/{j}", ...], ...}``; :mod:`trainer.proc`)."""
+"""The trainer's record of each step's sample ids ``"{group_id}/{j}"`` in the run directory."""
 
 
 def trained_group_ids(run_dir: str | os.PathLike[str], below_step: int) -> list[str]:
-    """The ids of the groups the trainer trained in steps ``< below_step``, from ``run_dir``'s
-    ``trained_samples.jsonl`` (missing file: none; a torn last line is ignored), in first-seen order.
-
-    A resumed run without a spool seeds its seen-id set with them (:meth:`Spool.mark_seen`): those
-    groups are trained in the surviving lineage (the checkpoint covers their steps), but their
-    ``groups.trained`` may not have reached the ledger before the crash, so the prompt source
-    re-issues them; their copies must then be dropped as duplicates, not trained a second time.
-    A sample id ``"{group_id}/{j}"`` belongs to the group before its last ``/``."""
+    """The ids of the groups trained in steps ``< below_step`` (``trained_samples.jsonl``; a torn last
+    line ignored), first seen first: a resumed packer without a spool marks them seen, so copies the
+    prompt source re-issues before their ``groups.trained`` reaches the ledger are not trained twice."""
     path = Path(run_dir) / TRAINED_SAMPLES
     if not path.is_file():
         return []
@@ -101,15 +64,12 @@ def trained_group_ids(run_dir: str | os.PathLike[str], below_step: int) -> list[
 
 @dataclass
 class SpoolState:
-    """What the spool holds (after replay, and kept current by every write).
+    """What the spool holds (after replay, kept current by every write).
 
     Attributes:
-        next_step: the step the packer numbers next.
-        seen: every group id ever accepted (the run-wide duplicate guard).
-        groups: accepted groups not yet in a released step, by id.
-        buffered: ids of accepted groups not yet planned, in acceptance order.
-        steps: planned, unreleased steps: step -> group ids in packing order (ascending steps).
-        released_through: the highest released step (-1: none).
+        next_step: the step the packer numbers next. seen: every group id ever accepted.
+        groups: accepted groups not yet in a released step, by id. buffered: ids not yet planned.
+        steps: planned, unreleased steps -> group ids in packing order. released_through: -1 for none.
     """
 
     next_step: int = 0
@@ -121,14 +81,11 @@ class SpoolState:
 
 
 class Spool:
-    """The packer's spool in ``directory`` (created if missing), replayed on open.
+    """The packer's spool in ``directory`` (``RUN_DIR/packer``, created if missing), replayed on open.
 
     Args:
-        directory: ``RUN_DIR/packer``.
-        first_step: the step to number from when the spool is new (a resumed run without spool:
-            the trainer's checkpoint step); an existing spool continues from its own state (or
-            from ``first_step`` if that is higher).
-        compact_min_bytes: see :data:`COMPACT_MIN_BYTES`.
+        first_step: where a new spool numbers steps from (a resume without spool: the checkpoint's
+            step); an existing one continues from its own, or from ``first_step`` if higher.
 
     Raises:
         ValueError: ``first_step < 0``.
@@ -156,16 +113,12 @@ class Spool:
     # -- writes ----------------------------------------------------------------------------------
 
     def accepted(self, group: ScoredGroup, *, sync: bool = True) -> None:
-        """Record an accepted group (fsynced: call before releasing it upstream). ``sync=False``
-        only flushes it: call ``log.sync()`` before releasing it (one fsync for a burst of groups)."""
+        """Record an accepted group, fsynced (``sync=False``: flushed; ``log.sync()`` before releasing it)."""
         self._write("group", [bytes(f) for f in encode(group)], sync=sync, group=group)
 
     def planned(self, step: int, group_ids: list[str]) -> None:
-        """Record that ``step`` takes ``group_ids`` (fsynced: call before sending the step).
-
-        Raises:
-            ValueError: ``step`` is not the next step, or an id is not buffered.
-        """
+        """Record that ``step`` takes ``group_ids`` (fsynced: before sending the step). ValueError if
+        ``step`` is not the next step or an id is not buffered."""
         if step != self.state.next_step:
             raise ValueError(f"step {step} planned but the spool's next step is {self.state.next_step}")
         missing = [g for g in group_ids if g not in self.state.buffered]
@@ -174,28 +127,22 @@ class Spool:
         self._write("step", [step, list(group_ids)], sync=True)
 
     def mark_seen(self, group_ids: list[str]) -> None:
-        """Record ``group_ids`` as decided on (a ``seen`` record, fsynced; nothing if empty): a
-        group with one of these ids is a duplicate from now on, also after a restart."""
+        """Record ``group_ids`` as decided on (duplicates from now on, also after a restart); fsynced."""
         if group_ids:
             self._write("seen", sorted(set(group_ids)), sync=True)
 
     def released(self, step: int) -> None:
-        """Record that the trainer released every step ``<= step`` (flushed, not fsynced); a no-op
-        if no planned step is newly released."""
+        """Record that every step ``<= step`` is released (flushed only; nothing if none is new)."""
         if step > self.state.released_through and any(s <= step for s in self.state.steps):
             self._write("released", step, sync=False)
 
     def should_compact(self) -> bool:
-        """Dead bytes exceed both the minimum and the live bytes (see the module docstring)."""
+        """Dead bytes exceed both the minimum and the live bytes."""
         return self.dead_bytes > max(self.compact_min_bytes, sum(self.sizes.values()))
 
     def compact(self, buffered: list[str] | None = None) -> None:
-        """Rewrite the spool with only its live state (atomically: tmp, fsync, rename, fsync dir).
-
-        Args:
-            buffered: the packer's current buffer (ids, in order) if groups were dropped from it
-                since they were recorded (stale); None: keep the spool's buffer.
-        """
+        """Rewrite the spool with its live state only, atomically; ``buffered``: the packer's buffer (ids in
+        order) when stale groups left it since they were recorded (None: the spool's)."""
         old = self.state
         keep = list(old.buffered) if buffered is None else [g for g in buffered if g in old.buffered]
         live = [g for ids in old.steps.values() for g in ids] + keep
@@ -269,8 +216,7 @@ class Spool:
 
 
 def open_for_append(path: Path, good: int) -> BinaryIO:
-    """``path`` opened for appending records after its first ``good`` bytes (the intact records
-    :func:`replay_records` read; the damaged tail after them is cut off), created if missing."""
+    """``path`` (created if missing) opened for appending after its first ``good`` bytes (the rest cut off)."""
     f = open(path, "r+b" if path.is_file() else "wb")
     f.truncate(good)
     f.seek(good)
@@ -278,14 +224,8 @@ def open_for_append(path: Path, good: int) -> BinaryIO:
 
 
 class RecordLog:
-    """An append-only file of :func:`frame_record` records with group commit: a record appended
-    with ``sync=False`` is only flushed until :meth:`sync` fsyncs it with every other one since
-    the last fsync.
-
-    Attributes:
-        unsynced: records were appended (flushed) since the last fsync.
-        fsyncs: fsyncs of appended records through this log (tests, logs).
-    """
+    """An append-only file of :func:`frame_record` records with group commit: records appended with
+    ``sync=False`` are flushed, and fsynced together by :meth:`sync`. ``fsyncs`` counts them."""
 
     def __init__(self, file: BinaryIO) -> None:
         self.file, self.unsynced, self.fsyncs = file, False, 0
@@ -314,15 +254,9 @@ class RecordLog:
 
 
 def replay_records(path: Path, apply: Callable[[str, Any, int], None], what: str) -> tuple[int, int]:
-    """Read the records of ``path`` in order and ``apply(kind, body, size_bytes)`` each intact one.
-
-    Reading stops at the first record that is torn (a write cut short by a crash: short or crc
-    mismatch, :func:`read_record`) or whose ``apply`` raises (damaged like a torn one: logged as
-    an error naming ``what`` and the byte offset); what follows is the damaged tail.
-
-    Returns:
-        (offset after the last applied record, 1 if a damaged tail was dropped else 0).
-    """
+    """``apply(kind, body, size_bytes)`` each intact record of ``path`` in order, stopping at the first torn
+    one or one ``apply`` raises on (logged naming ``what``); returns (offset after the last applied
+    record, 1 if a damaged tail was left else 0)."""
     data = path.read_bytes()
     offset = 0
     while offset < len(data):
@@ -354,7 +288,7 @@ def frame_record(kind: str, body: Any) -> bytes:
 
 
 def read_record(data: bytes, offset: int) -> tuple[tuple[str, Any], int] | None:
-    """The record at ``offset`` and the offset after it, or None if it is cut short or damaged."""
+    """The record at ``offset`` and the offset after it; None if cut short or damaged."""
     if offset + _HEADER.size > len(data):
         return None
     length, crc = _HEADER.unpack_from(data, offset)

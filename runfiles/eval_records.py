@@ -1,7 +1,5 @@
-"""The run's eval records, ``RUN_DIR/eval.jsonl``: one JSON line per eval task and round,
-``{"step": round, "eval/<task>/<metric>": value, ...}``, appended by the packer (which closes the
-rounds) and read by ``busctl report``, ``busctl eval`` and the trackers.
-"""
+"""``RUN_DIR/eval.jsonl``: one line per eval task and round, ``{"step": round, "eval/<task>/<metric>": ...}``,
+appended by the packer and read by ``busctl report``, ``busctl eval`` and the trackers."""
 
 from __future__ import annotations
 
@@ -24,8 +22,7 @@ EVAL_PREFIX = "eval/"
 
 
 def eval_record(result: EvalResult) -> dict:
-    """The record of one result: ``{"step": round, "eval/<task>/<key>": value}`` with ``num_samples``,
-    ``num_failed``, ``version_min``, ``version_max`` (ints) and every metric (float)."""
+    """The record of one result (with ``num_samples``, ``num_failed``, ``version_min/max``)."""
     prefix = f"{EVAL_PREFIX}{result.task}/"
     record: dict = {"step": result.round}
     for key in ("num_samples", "num_failed", "version_min", "version_max"):
@@ -48,9 +45,7 @@ def read_evals(path: Path) -> set[tuple[int, str]]:
 
 
 def keep_eval_records(path: Path, last_round: int | None = None) -> int:
-    """Rewrite ``path`` (atomically) without the records of rounds ``> last_round`` (None: keep
-    every round) and without a last line cut short; returns how many lines went (0: the file is
-    left alone)."""
+    """Atomically drop the records of rounds ``> last_round`` (None: none) and a last line cut short; how many went."""
     if not path.is_file():
         return 0
     lines = path.read_text().split("\n")
