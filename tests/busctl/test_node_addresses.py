@@ -29,7 +29,8 @@ OTHER = "127.0.0.2"
 
 
 def tcp_cfg(run_dir: Path, hub_host: str):
-    """A tcp run with the hub's endpoints at ``hub_host`` and busctl at 127.0.0.1 (as a multi-node launcher writes ``bus.hosts``)."""
+    """A tcp run with the hub's endpoints at ``hub_host`` and busctl at 127.0.0.1 (as a multi-node launcher
+    writes ``bus.hosts``)."""
     cfg = make_cfg(run_dir, "bus.transport=tcp", f"bus.base_port={random.randrange(20_000, 32_000, 100)}")
     cfg.bus.hosts = {"control_pub": hub_host, "control_sub": hub_host, "supervisor": "127.0.0.1"}
     return cfg

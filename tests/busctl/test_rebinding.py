@@ -30,7 +30,8 @@ ADDRESSES = {"head": "10.0.0.1", "gpu1": "10.0.0.2", "gpu2": "10.0.0.3"}
 
 
 def hosts() -> dict[str, str]:
-    """``bus.hosts`` of a plain 3-node job: hub, packer, prompt source, trainer on head; producer i on gpu(1 + i mod 2)."""
+    """``bus.hosts`` of a plain 3-node job: hub, packer, prompt source, trainer on head; producer i on
+    gpu(1 + i mod 2)."""
     return address_map(Allocation((("head", "gpu1", "gpu2"),)), 2, "head", ADDRESSES.__getitem__)
 
 

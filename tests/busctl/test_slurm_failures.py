@@ -53,7 +53,8 @@ launcher.configure(cfg)
 sup = Supervisor(cfg, Console(file=sys.stderr), table=table("hub", "rewards-0"), launcher=launcher)
 sup.prepare()
 sup.start()
-print(" ".join(f"rlbus-{s.name}-{s.pid}" for s in sup.table), " ".join(str(s.proc.popen.pid) for s in sup.table), flush=True)
+names = " ".join(f"rlbus-{s.name}-{s.pid}" for s in sup.table)
+print(names, " ".join(str(s.proc.popen.pid) for s in sup.table), flush=True)
 time.sleep(1000)
 """
 """busctl up's supervisor (the hub and a sleepy component as Slurm steps), started, then left running."""
@@ -89,7 +90,9 @@ def failing_client(bin_dir: Path, name: str, fails: int) -> Path:
     script = bin_dir / name
     script.write_text(f"""#!/bin/sh
 n=$(cat {calls} 2>/dev/null || echo 0); echo $((n + 1)) > {calls}
-if [ "$n" -lt {fails} ]; then echo "{name}: error: slurm_load_jobs error: Socket timed out on send/recv operation" >&2; exit 1; fi
+if [ "$n" -lt {fails} ]; then
+  echo "{name}: error: slurm_load_jobs error: Socket timed out on send/recv operation" >&2; exit 1
+fi
 exec {real} "$@"
 """)
     script.chmod(0o755)

@@ -47,7 +47,8 @@ def _rows(text: str) -> dict[str, list[str]]:
 def test_committed_reference_is_fresh() -> None:
     committed = reference.DOC_PATH.read_text() if reference.DOC_PATH.is_file() else ""
     assert committed == reference.render(), (
-        "docs/configuration.md is stale (a config model changed): run `python -m configs.reference` and commit the result"
+        "docs/configuration.md is stale (a config model changed): "
+        "run `python -m configs.reference` and commit the result"
     )
 
 

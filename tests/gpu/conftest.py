@@ -36,5 +36,6 @@ def needs_gpus(count: int) -> None:
     visible = torch.cuda.device_count()
     if visible < count:
         pytest.skip(
-            f"needs {count} CUDA GPUs, {visible} visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})"
+            f"needs {count} CUDA GPUs, {visible} visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})"
         )

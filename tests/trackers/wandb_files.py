@@ -77,7 +77,8 @@ def history(run_dir: Path) -> list[dict]:
 
 
 def config(run_dir: Path) -> dict:
-    """The run config as recorded in the ``.wandb`` file (``{key: value}``, values JSON-decoded; the last write wins)."""
+    """The run config as recorded in the ``.wandb`` file (``{key: value}``, values JSON-decoded; the last write
+    wins)."""
     out = {}
     for rec in read_records(run_files(run_dir)[0]):
         kind = rec.WhichOneof("record_type")

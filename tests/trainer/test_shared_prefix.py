@@ -348,8 +348,9 @@ def _per_sample(q, k, v, plan):
 def test_grpo_batch_shared_equals_unshared_logprobs_and_gradients(layout, dtype, monkeypatch):
     """Float32 model on a GRPO-shaped micro-batch starting mid-group: shared prefixes on and off
     give the same logprobs and parameter gradients: to float32 rounding (float32: 5e-6 nats on
-    logprobs of ~-5.7, 5e-6 of each gradient's largest entry; measured 5e-7 and 7e-7), or under bfloat16 autocast (both sides round
-    every matmul input to 8 mantissa bits, in a different order) no further apart than the unshared
+    logprobs of ~-5.7, 5e-6 of each gradient's largest entry; measured 5e-7 and 7e-7), or under bfloat16
+    autocast (both sides round every matmul input to 8 mantissa bits, in a different order) no further apart
+    than the unshared
     bfloat16 forward is from float32 (max logprob error; relative L2 error of the whole gradient),
     and the shared one no more than twice as far from float32 as the unshared one."""
     calls = _use_flat_reference(monkeypatch) if layout == "flat" else []
@@ -378,7 +379,8 @@ def test_grpo_batch_shared_equals_unshared_logprobs_and_gradients(layout, dtype,
         float((flat[a] - flat[b]).norm() / flat[b].norm()) for a, b in ((0, 1), (0, 2), (1, 2))
     )
     print(
-        f"gradient relative L2 error: off vs float32 {off_vs_exact:.2e}, on vs float32 {on_vs_exact:.2e}, on vs off {on_vs_off:.2e}"
+        f"gradient relative L2 error: off vs float32 {off_vs_exact:.2e}, on vs float32 {on_vs_exact:.2e}, "
+        f"on vs off {on_vs_off:.2e}"
     )
     assert on_vs_off <= 2 * off_vs_exact and on_vs_exact <= 2 * off_vs_exact
 
