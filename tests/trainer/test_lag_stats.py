@@ -5,6 +5,7 @@ covers exactly the tokens of the trained version, and the Prometheus gauge follo
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -18,11 +19,16 @@ from trainer.trainer import Trainer
 STEP = 3
 
 
-def with_versions(s, completion_versions: list[int]):
-    oldest = min(completion_versions)
-    prompt_len = int((~s.loss_mask).sum())
+def with_versions(g, completion_versions: list[int]):
+    """The single-sample group ``g`` with its completion tokens sampled at ``completion_versions``
+    (run-length version spans, as a partial rollout's; the prompt carries the oldest)."""
+    spans = [[v, len(list(run))] for v, run in itertools.groupby(completion_versions)]
     return dataclasses.replace(
-        s, version=oldest, token_versions=np.array([oldest] * prompt_len + completion_versions, np.int64)
+        g,
+        version_start=np.array([min(completion_versions)], np.int64),
+        version_end=np.array([max(completion_versions)], np.int64),
+        version_spans=np.array(spans, np.int64),
+        version_span_counts=np.array([len(spans)], np.int32),
     )
 
 
