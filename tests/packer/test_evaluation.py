@@ -12,7 +12,7 @@ import pytest
 from bus.codec import decode, encode
 from bus.messages import EvalResult
 from packer.evaluation import EvalAggregator, EvalGroup, eval_metrics, parse_eval_id
-from tests.packer.test_packer import scored
+from tests.scored_groups import scored
 
 
 def eval_group(
