@@ -363,22 +363,3 @@ def test_components_die_with_the_supervisor(tmp_path: Path, policy: Path) -> Non
             if running(pid):
                 os.kill(pid, signal.SIGKILL)
     assert not survivors, f"still running {ORPHAN_GRACE_S + 10:.0f} s after busctl was SIGKILLed: {survivors}"
-
-
-def test_tcp_transport_with_curve(tmp_path: Path, policy: Path) -> None:
-    """Every socket of a real run over tcp:// with CurveZMQ: keys from `busctl keys`, run completes."""
-    keys = tmp_path / "keys"
-    made = subprocess.run([sys.executable, "-m", "busctl", "keys", str(keys)], capture_output=True, text=True)
-    assert made.returncode == 0, made.stdout + made.stderr
-    base_port = tcp_base_port()
-    proc = busctl(
-        tmp_path / "run",
-        policy,
-        "trainer.max_steps=2",
-        "bus.transport=tcp",
-        f"bus.base_port={base_port}",
-        f"bus.curve_keys_dir={keys}",
-    )
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out
-    assert "step    2/2" in out
