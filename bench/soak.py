@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.soak_garbage import Garbage, probe_metrics
 from bus.topics import Endpoints
 from configs.schema import load_config
-from busctl.component_table import RESTARTABLE_ROLES
+from busctl.components.table import RESTARTABLE_ROLES
 from tests.e2e.test_faults import FAST_FAILURE_DETECTION, components, trained_steps
 
 KINDS = ["hub", "prompt-source", "trainer", "producer", "rewards"] + (

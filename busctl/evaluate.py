@@ -93,7 +93,7 @@ def cmd_eval(ns: argparse.Namespace, console: Console) -> int:
     from bus.auth import check_keys
     from busctl.eval_supervisor import EvalSupervisor
     from busctl.launchers import make_launcher
-    from busctl.placement import apply_placement
+    from busctl.components.placement import apply_placement
     from busctl.run_cli import split_config_args
     from busctl.run_dir import holds_eval_run, inspect_run_dir, overwrite
     from busctl.startup import process_started_at

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from busctl.component_table import LIVE_STATES, ComponentSpec
+from busctl.components.table import LIVE_STATES, ComponentSpec
 from configs.schema import RunConfig
 
 LOOPBACK = "127.0.0.1"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from busctl.component_table import ComponentSpec
+from busctl.components.table import ComponentSpec
 from busctl.launchers.nodes import BINDERS
 from configs.schema import RunConfig, dump_config
 

@@ -60,7 +60,7 @@ def _alive(pid: int) -> bool:
 
 def supervisor_alive(status: dict) -> bool:
     """Is the ``busctl up`` that wrote ``status`` still running (same pid, same process start time)?"""
-    from busctl.component_table import process_start_ticks
+    from busctl.components.table import process_start_ticks
 
     pid = status.get("supervisor_pid") or 0
     if not pid or not _alive(pid):

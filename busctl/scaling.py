@@ -20,8 +20,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Callable
 
-from busctl.component_table import LIVE_STATES, ComponentSpec, ComponentState, describe_exit
-from busctl.placement import Placement, apply_placement, plan_placement, visible_devices
+from busctl.components.table import LIVE_STATES, ComponentSpec, ComponentState, describe_exit
+from busctl.components.placement import Placement, apply_placement, plan_placement, visible_devices
 from configs.schema import RunConfig
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ def scale_targets(cfg: RunConfig, request: dict, placement: Placement | None = N
 class Scaling:
     """Applies ``busctl scale`` requests to a running supervisor's component table (in place), from its watch loop;
     ``status_changed`` / ``targets_changed`` rewrite ``status.json`` / ``prometheus.yml``; ``placement`` None:
-    :func:`busctl.placement.apply_placement` of ``cfg``.
+    :func:`busctl.components.placement.apply_placement` of ``cfg``.
 
     Attributes:
         progress: the last request's progress, ``status.json``'s ``scale``: ``{"id", "state": ScaleState,

@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from busctl.component_table import process_start_ticks
+from busctl.components.table import process_start_ticks
 from busctl.run_status import write_json_atomic
 
 if TYPE_CHECKING:
-    from busctl.component_table import ComponentSpec
+    from busctl.components.table import ComponentSpec
 
 STARTUP_FILE = "startup.json"
 """Name of the start-up timeline file in the run directory."""

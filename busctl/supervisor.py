@@ -1,11 +1,11 @@
 """The supervisor behind ``busctl up``: one table of components, started, watched, healed, stopped.
 
 A run goes ``prepare`` (run directory, resolved ``config.yaml``), ``start`` (spawn every component of
-:mod:`busctl.component_table` through the launcher, producers first, and wait for each ready handshake, never a
+:mod:`busctl.components.table` through the launcher, producers first, and wait for each ready handshake, never a
 sleep), ``watch`` (a progress line per ``trainer.step``, healing, ``busctl scale`` requests, until the trainer's
 ``run.done``; then ``metrics_final/``) and ``shutdown`` (always: SIGTERM in reverse start order, SIGKILL after
-``STOP_TIMEOUT_S``). Healing is the pure :func:`busctl.healing.decide`; this class gathers its facts by polling
-the processes and carries out its decisions without blocking the loop. A binding component placed at another
+``STOP_TIMEOUT_S``). Healing is the pure :func:`busctl.components.healing.decide`; this class gathers its facts by
+polling the processes and carries out its decisions without blocking the loop. A binding component placed at another
 address has its endpoints moved first (:mod:`busctl.rebinding`). The story (heartbeats, backoff, what a restart
 of each role resumes from) is in docs/ARCHITECTURE.md, "Lifecycle and healing".
 """
@@ -31,7 +31,7 @@ from telemetry.metrics import start_metrics_server
 from telemetry.tls import tls_from_config
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
-from busctl.component_table import (
+from busctl.components.table import (
     LIVE_STATES,
     ComponentSpec,
     ComponentState,
@@ -40,7 +40,15 @@ from busctl.component_table import (
     launch_prefix,
     process_start_ticks,
 )
-from busctl.healing import ComponentFacts, Decision, FailRun, HealingRules, RestartNow, ScheduleRestart, decide
+from busctl.components.healing import (
+    ComponentFacts,
+    Decision,
+    FailRun,
+    HealingRules,
+    RestartNow,
+    ScheduleRestart,
+    decide,
+)
 from busctl.launchers import Launcher, check_crash
 from busctl.launchers.local import LocalLauncher
 from busctl.live import progress_line
@@ -360,10 +368,10 @@ class Supervisor:
     # -- healing ---------------------------------------------------------------------------------
 
     def _check(self, now: float) -> None:
-        """Carry out :func:`busctl.healing.decide` on every component and track scale requests.
+        """Carry out :func:`busctl.components.healing.decide` on every component and track scale requests.
 
         Raises:
-            RunFailed: a :class:`busctl.healing.FailRun` decision.
+            RunFailed: a :class:`busctl.components.healing.FailRun` decision.
         """
         if self._healing:
             self.scaling.poll_request()

@@ -107,7 +107,7 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
     from busctl.cpu_bf16 import cpu_bf16_warning
     from busctl.launchers import make_launcher
     from busctl.metrics_targets import supervisor_metrics_host
-    from busctl.placement import apply_placement
+    from busctl.components.placement import apply_placement
     from busctl.preflight import check_names
     from busctl.run_dir import overwrite
     from busctl.startup import process_started_at

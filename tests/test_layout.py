@@ -230,24 +230,9 @@ def test_no_import_crosses_a_floor(project):
     assert not forbidden_imports(graph)
 
 
-@pytest.mark.parametrize(
-    "package",
-    [
-        pytest.param(
-            "busctl",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="issue 37: busctl.launchers imports busctl.component_table, busctl.placement and "
-                "busctl.healing; drop this mark once they moved",
-            ),
-        ),
-        "others",
-    ],
-)
-def test_no_sub_package_imports_back_up(project, package):
+def test_no_sub_package_imports_back_up(project):
     mods, graph = project
-    bad = upward_imports(mods, graph)
-    assert not [b for b in bad if (b.split(".")[0] == "busctl") == (package == "busctl")]
+    assert not upward_imports(mods, graph)
 
 
 def test_no_import_cycle_between_sub_packages(project):

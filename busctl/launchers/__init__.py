@@ -15,8 +15,8 @@ from typing import IO, TYPE_CHECKING, Protocol
 from busctl.launchers.nodes import NodeLost
 
 if TYPE_CHECKING:  # not at run time: busctl --help reads LAUNCHERS and stays fast
-    from busctl.component_table import ComponentSpec
-    from busctl.healing import Decision
+    from busctl.components.table import ComponentSpec
+    from busctl.components.healing import Decision
     from configs.schema import RunConfig
 
 LAUNCHERS = ("local", "slurm", "ray")
@@ -68,8 +68,9 @@ class Launcher(Protocol):
 
 def check_crash(launcher: Launcher, spec: ComponentSpec, decision: Decision) -> tuple[Decision, str]:
     """The supervisor's crash ``decision`` for ``spec`` after ``launcher.check_crash``: a :class:`NodeLost` makes it
-    a :class:`busctl.healing.FailRun` naming the node; also the launcher's line about a move (``""``: none)."""
-    from busctl.healing import FailRun
+    a :class:`busctl.components.healing.FailRun` naming the node; also the launcher's line about a move
+    (``""``: none)."""
+    from busctl.components.healing import FailRun
 
     try:
         return decision, getattr(launcher, "check_crash", lambda _spec: "")(spec)

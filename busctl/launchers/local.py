@@ -13,7 +13,7 @@ import subprocess
 from typing import IO
 
 from lifecycle.launch_env import ENV_NODE_ADDRESS, ENV_SPAWN_ID
-from busctl.component_table import ComponentSpec, signal_group
+from busctl.components.table import ComponentSpec, signal_group
 from configs.schema import RunConfig
 
 

@@ -3,7 +3,7 @@
 An :class:`Allocation` is the nodes of a job: one group, or the three of a heterogeneous ``busctl sbatch`` job
 (inference, trainer, CPU). :func:`plan_nodes` places every role; :func:`address_map` names, for ``bus.hosts``,
 the node of the side that binds each endpoint (:data:`BINDERS`). GPU roles get on their node the devices
-:mod:`busctl.placement` plans per host.
+:mod:`busctl.components.placement` plans per host.
 """
 
 from __future__ import annotations

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import IO, Any, Callable
 
 from lifecycle.launch_env import ENV_NODE_ADDRESS, ENV_SPAWN_ID
-from busctl.component_table import ComponentSpec
+from busctl.components.table import ComponentSpec
 from busctl.launchers.multihost import configure_multihost
 from busctl.launchers.nodes import Allocation, plan_nodes
-from busctl.placement import ENV_CUDA_DEVICES
+from busctl.components.placement import ENV_CUDA_DEVICES
 from configs.schema import ConfigError, RunConfig
 
 log = logging.getLogger(__name__)

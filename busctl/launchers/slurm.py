@@ -21,7 +21,7 @@ import subprocess
 from typing import IO, Callable, Mapping
 
 from lifecycle.launch_env import ENV_NODE_ADDRESS, ENV_SPAWN_ID
-from busctl.component_table import ComponentSpec, signal_group
+from busctl.components.table import ComponentSpec, signal_group
 from busctl.launchers.local import LocalProcess
 from busctl.launchers.multihost import configure_multihost
 from busctl.launchers.nodes import HET_GROUPS, Allocation, NodeLost, Slot, plan_nodes
@@ -34,7 +34,7 @@ from busctl.launchers.slurm_state import (
     node_state,
     step_ids,
 )
-from busctl.placement import ENV_CUDA_DEVICES
+from busctl.components.placement import ENV_CUDA_DEVICES
 from configs.schema import ConfigError, RunConfig
 from lifecycle.parent_death import die_with_parent
 

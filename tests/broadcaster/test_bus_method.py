@@ -23,7 +23,7 @@ from broadcaster.manifest import build_manifest, plan_buckets
 from bus import auth
 from bus.codec import decode, encode
 from bus.messages_weights import WeightsBucket, WeightsRequest
-from busctl.component_table import free_port
+from busctl.components.table import free_port
 from configs.schema import BroadcastConfig
 
 BUCKET_BYTES = 256 * 1024  # several buckets of > 64 KiB: pyzmq sends them zero-copy

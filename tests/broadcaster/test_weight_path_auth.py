@@ -20,7 +20,7 @@ from broadcaster.manifest import build_manifest
 from bus import auth
 from bus.codec import decode, encode
 from bus.messages_weights import WeightsBucket, WeightsRequest
-from busctl.component_table import free_port
+from busctl.components.table import free_port
 from busctl.launchers.multihost import configure_multihost
 from busctl.launchers.nodes import Allocation
 from configs.schema import dump_config, load_config

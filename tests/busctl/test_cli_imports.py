@@ -24,8 +24,8 @@ HEAVY = (
     "busctl.run_dir",
     "busctl.run_status",
     "busctl.run_data",
-    "busctl.placement",
-    "busctl.component_table",
+    "busctl.components.placement",
+    "busctl.components.table",
 )
 """Modules a command may need and ``--help`` must not load (what made it take ~0.7 s)."""
 

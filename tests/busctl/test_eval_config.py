@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from busctl.component_table import component_table
+from busctl.components.table import component_table
 from busctl.evaluate import eval_config
-from busctl.placement import plan_placement
+from busctl.components.placement import plan_placement
 from configs.schema import ConfigError, load_config
 from prompts.eval_rounds import EvalRounds, EvalSet, eval_round_versions
 from prompts.source import PromptSource

@@ -1,10 +1,18 @@
-"""``busctl.healing``: the supervisor's healing policy on plain data (no processes, no clock)."""
+"""``busctl.components.healing``: the supervisor's healing policy on plain data (no processes, no clock)."""
 
 from __future__ import annotations
 
 import pytest
 
-from busctl.healing import ComponentFacts, FailRun, HealingRules, RestartNow, ScheduleRestart, backoff_s, decide
+from busctl.components.healing import (
+    ComponentFacts,
+    FailRun,
+    HealingRules,
+    RestartNow,
+    ScheduleRestart,
+    backoff_s,
+    decide,
+)
 from configs.schema import SupervisorConfig
 
 SUP = SupervisorConfig(restart=True, max_restarts=3, backoff_initial_s=0.5, backoff_max_s=4.0, backoff_reset_s=60.0)

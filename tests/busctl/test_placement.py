@@ -1,4 +1,4 @@
-"""The device plan of a run (:mod:`busctl.placement`), its refusals, and its use by ``busctl up``.
+"""The device plan of a run (:mod:`busctl.components.placement`), its refusals, and its use by ``busctl up``.
 
 The plans are computed for 0, 1, 2 and 8 visible devices from real configs (``load_config`` with
 overrides); ``busctl up --dry-run`` runs as a real subprocess with busctl's own
@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from busctl import cli as busctl
-from busctl.placement import Placement, apply_placement, plan_placement, visible_devices
+from busctl.components.placement import Placement, apply_placement, plan_placement, visible_devices
 from configs.schema import ConfigError, load_config
 from producers.engine import device_engine_args
 from test_supervisor import make_cfg, table

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from busctl.component_table import ComponentSpec
+from busctl.components.table import ComponentSpec
 from busctl.launchers.nodes import Allocation, address_map
 from busctl.launchers.ray import pinned_node
 from busctl.metrics_targets import live_targets, prometheus_targets, supervisor_metrics_host

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from busctl.component_table import ComponentSpec
+from busctl.components.table import ComponentSpec
 from busctl.launchers import NodeLost, make_launcher
 from busctl.launchers.nodes import Allocation
 from busctl.launchers.slurm import SlurmLauncher

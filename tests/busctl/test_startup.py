@@ -17,7 +17,7 @@ import zmq
 
 from bus.messages import TrainerStep, new_id
 from bus.sockets import BusSocket
-from busctl.component_table import ComponentSpec
+from busctl.components.table import ComponentSpec
 from busctl.report import format_summary, summarize
 from busctl.run_data import load_run
 from busctl.startup import STARTUP_FILE, StartupClock, process_started_at

@@ -27,8 +27,8 @@ from busctl import cli as busctl
 from bus.component import Component
 from bus.messages import ComponentHeartbeat, RunDone, new_id
 from bus.sockets import BusSocket
-from busctl.component_table import ComponentSpec, describe_exit
-from busctl.healing import backoff_s
+from busctl.components.table import ComponentSpec, describe_exit
+from busctl.components.healing import backoff_s
 from busctl.scaling import scale_targets
 from busctl.launchers import Launcher
 from busctl.supervisor import Supervisor

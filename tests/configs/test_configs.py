@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from busctl.placement import apply_placement
+from busctl.components.placement import apply_placement
 from configs.schema import CONFIG_DIR, ConfigError, RunConfig, dump_config, load_config
 
 REPO = Path(__file__).resolve().parents[2]

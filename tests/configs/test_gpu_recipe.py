@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from busctl.placement import MAX_VLLM_SHARE_BESIDE_TRAINER, plan_placement
+from busctl.components.placement import MAX_VLLM_SHARE_BESIDE_TRAINER, plan_placement
 from configs.schema import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[2]

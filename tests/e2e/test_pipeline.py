@@ -349,7 +349,7 @@ def test_components_die_with_the_supervisor(tmp_path: Path, policy: Path) -> Non
         for row in json.loads((run_dir / "status.json").read_text())["components"]:  # a CPU plan: no GPU for anyone
             environ = Path(f"/proc/{row['pid']}/environ").read_bytes().split(b"\0")
             assert b"CUDA_VISIBLE_DEVICES=" in environ, (
-                f"{row['name']} was not given CUDA_VISIBLE_DEVICES='' (busctl.placement)"
+                f"{row['name']} was not given CUDA_VISIBLE_DEVICES='' (busctl.components.placement)"
             )
         proc.kill()
         proc.wait()

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from busctl.component_table import free_port
+from busctl.components.table import free_port
 
 APT_TIMEOUT_S = 600
 """Longest wait for ``apt-get update && apt-get install prometheus``, seconds."""

@@ -8,7 +8,7 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from busctl.component_table import free_port
+from busctl.components.table import free_port
 from busctl.scrape import MetricsPoller, component_stats, counter_delta, parse_metrics, scrape
 from tests.waiting import wait_until
 

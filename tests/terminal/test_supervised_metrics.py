@@ -22,7 +22,7 @@ import yaml
 from rich.console import Console
 
 from busctl import cli as busctl
-from busctl.component_table import ComponentSpec
+from busctl.components.table import ComponentSpec
 from busctl.live import render_text
 from busctl.scrape import scrape
 from busctl.supervisor import REPO_ROOT, Supervisor

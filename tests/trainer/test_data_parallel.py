@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from bus.codec import encode
 from bus.messages import RunDone
-from busctl.component_table import ComponentSpec, free_port, launch_prefix
+from busctl.components.table import ComponentSpec, free_port, launch_prefix
 from configs.schema import LoraSection, OptimConfig, RunConfig, TrainerConfig, dump_config, load_config
 from tests.scored_groups import packed_step, scored
 from trainer.state.checkpoint import save_checkpoint

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence, Union
 
-from busctl.component_table import LIVE_STATES, RESTARTABLE_ROLES, ComponentState, describe_exit
+from busctl.components.table import LIVE_STATES, RESTARTABLE_ROLES, ComponentState, describe_exit
 from configs.schema import RunConfig, SupervisorConfig
 
 

@@ -1,0 +1,1 @@
+"""What busctl starts and how it keeps it alive: the component table, placement on hosts and devices, healing."""
