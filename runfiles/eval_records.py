@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runfiles.durable import write_text_atomic
+from runfiles.jsonl import keep_jsonl_records
 
 if TYPE_CHECKING:
     from bus.messages import EvalResult
@@ -46,13 +46,4 @@ def read_evals(path: Path) -> set[tuple[int, str]]:
 
 def keep_eval_records(path: Path, last_round: int | None = None) -> int:
     """Atomically drop the records of rounds ``> last_round`` (None: none) and a last line cut short; how many went."""
-    if not path.is_file():
-        return 0
-    lines = path.read_text().split("\n")
-    kept = [
-        line for line in lines[:-1] if line.strip() and (last_round is None or json.loads(line)["step"] <= last_round)
-    ]
-    gone = len([line for line in lines if line.strip()]) - len(kept)
-    if gone:
-        write_text_atomic(path, "".join(line + "\n" for line in kept))
-    return gone
+    return keep_jsonl_records(path, lambda record: last_round is None or record["step"] <= last_round)

@@ -20,21 +20,22 @@ from prometheus_client import Counter
 from broadcaster.bus_method import BusLink
 from broadcaster.factory import build_group_former, build_senders
 from bus.component import Component, component_main
-from bus.sockets import BusSocket
 from bus.messages import GroupsTrained, MicroBatch, RunDone, TrainerStep, new_id
+from bus.sockets import BusSocket
+from runfiles.jsonl import append_jsonl, keep_jsonl_records
 from telemetry.metrics import POLICY_VERSION, StageMeter
+from trainer.dp_follower import checkpoint_writer, follower_main, join_data_parallel, load_trainer_checkpoint
+from trainer.final_eval import final_round_tasks, wait_for_round
+from trainer.observability.step_log import report_step
+from trainer.observability.step_timing import StepPhases
+from trainer.parallel.device import trainer_device
+from trainer.parallel.distributed import launcher_pid
+from trainer.parallel.threads import ThreadPlan
+from trainer.publish import WeightPublisher
 from trainer.state.background_save import BackgroundSave
 from trainer.state.checkpoint import latest_checkpoint, save_checkpoint, snapshot_state
-from trainer.parallel.distributed import launcher_pid
-from trainer.observability.step_log import report_step
-from trainer.final_eval import final_round_tasks, wait_for_round
-from trainer.dp_follower import checkpoint_writer, follower_main, join_data_parallel, load_trainer_checkpoint
-from trainer.state.step_ledger import StepLedger, append_jsonl, group_id, keep_jsonl_records
-from trainer.observability.step_timing import StepPhases
-from trainer.parallel.threads import ThreadPlan
 from trainer.state.model import load_policy
-from trainer.parallel.device import trainer_device
-from trainer.publish import WeightPublisher
+from trainer.state.step_ledger import StepLedger, group_id
 from trainer.trainer import build_trainer
 
 log = logging.getLogger(__name__)

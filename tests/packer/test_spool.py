@@ -11,8 +11,8 @@ from bus.codec import encode
 from bus.messages import MicroBatch, ScoredGroup
 from packer.packer import Packer
 from packer.spool import SPOOL_NAME, Spool, checkpoint_step, trained_group_ids
+from runfiles.jsonl import append_jsonl
 from trainer.state.checkpoint import DONE, latest_checkpoint
-from trainer.state.step_ledger import append_jsonl
 
 
 def group(gid: str, seed: int) -> ScoredGroup:

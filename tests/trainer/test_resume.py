@@ -30,22 +30,24 @@ import zmq
 from safetensors.torch import load_file
 
 from broadcaster.filesystem import FilesystemSender
-from bus.registry import CONTROL_TYPES
-from bus.messages import EvalResult, GroupsTrained, MicroBatch, RunDone, TrainerStep, WeightsReady, new_id
 from bus.courier import Courier
+from bus.messages import EvalResult, GroupsTrained, MicroBatch, RunDone, TrainerStep, WeightsReady, new_id
+from bus.registry import CONTROL_TYPES
 from bus.sockets import BusSocket
 from bus.topics import Endpoints
 from configs.schema import RunConfig, dump_config
+from lifecycle.launch_env import ENV_RESTARTS as RESTARTS_ENV
+from lifecycle.launch_env import ENV_RESUME as RESUME_ENV
 from packer.assemble import fill_micro_batch
+from runfiles.jsonl import keep_jsonl_records
 from tests.outcomes_sink import OutcomesSink
 from tests.scored_groups import scored
-from tests.weight_peer import WeightPeer
 from tests.trainer.test_checkpoint import CFG, assert_same_optimizer_state, policy, step_batches, weights
-from trainer.state.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
-from lifecycle.launch_env import ENV_RESTARTS as RESTARTS_ENV, ENV_RESUME as RESUME_ENV
-from trainer.proc import TrainerProc, drop_weight_versions
+from tests.weight_peer import WeightPeer
 from trainer.observability.step_keys import undocumented
-from trainer.state.step_ledger import StepLedger, group_id, keep_jsonl_records
+from trainer.proc import TrainerProc, drop_weight_versions
+from trainer.state.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from trainer.state.step_ledger import StepLedger, group_id
 from trainer.trainer import Trainer
 
 SAVE_AT = 2  # checkpoint after this many steps, then 2 more

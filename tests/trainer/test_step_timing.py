@@ -22,11 +22,11 @@ from prometheus_client import REGISTRY
 from busctl.cli import main as busctl
 from busctl.live import phase_shares, phase_text, trainer_text
 from configs.schema import LoraSection
-from tests.trainer.test_trainer import micro_batches, samples, trainer_cfg
-from trainer.state.model import load_policy
-from trainer.state.step_ledger import append_jsonl
-from trainer.observability.step_timing import PHASES, SHARE_WINDOW, StepPhases, phase_key, share_key
 from policies.tiny_model import build_random_policy
+from runfiles.jsonl import append_jsonl
+from tests.trainer.test_trainer import micro_batches, samples, trainer_cfg
+from trainer.observability.step_timing import PHASES, SHARE_WINDOW, StepPhases, phase_key, share_key
+from trainer.state.model import load_policy
 from trainer.trainer import Trainer
 
 STEPS = 3

@@ -15,8 +15,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from runfiles.jsonl import append_jsonl
 from trainer.observability.gauges import export_step_metrics
-from trainer.state.step_ledger import append_jsonl
 
 log = logging.getLogger("trainer.proc")
 """The trainer process's logger: the step lines sit with the rest of ``logs/trainer.log``."""

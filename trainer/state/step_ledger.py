@@ -7,17 +7,11 @@ ahead of the step trained). A repeated message id counts once.
 
 from __future__ import annotations
 
-import json
-import math
-import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 from bus.messages import MicroBatch
 
-__all__ = ["CoveredStep", "StepLedger", "append_jsonl", "group_id", "keep_jsonl_records"]
+__all__ = ["CoveredStep", "StepLedger", "group_id"]
 
 
 def group_id(sample_id: str) -> str:
@@ -114,39 +108,3 @@ class StepLedger:
     def buffered_steps(self) -> list[int]:
         """Steps with micro-batches waiting to be trained (complete or not), ascending."""
         return sorted(self._pending)
-
-
-def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    """Append one JSON object as a line to ``path``; non-finite floats (a skipped step's loss)
-    become ``null`` so the file stays strict JSON."""
-    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-    with path.open("a") as f:
-        f.write(json.dumps(clean, allow_nan=False) + "\n")
-
-
-def keep_jsonl_records(path: Path, keep: Callable[[dict[str, Any]], bool]) -> int:
-    """Rewrite the JSON-lines file ``path`` atomically, keeping the records ``keep`` accepts (a torn
-    last line goes too); returns how many went. ValueError if an earlier line is not a JSON object."""
-    if not path.is_file():
-        return 0
-    lines = path.read_text().splitlines()
-    kept, dropped = [], 0
-    for n, line in enumerate(lines):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if n == len(lines) - 1:
-                dropped += 1
-                continue
-            raise ValueError(f"{path}:{n + 1} is not JSON: {line[:80]!r}") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{path}:{n + 1} is not a JSON object")
-        if keep(record):
-            kept.append(line)
-        else:
-            dropped += 1
-    if dropped:
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(f"{line}\n" for line in kept))
-        os.replace(tmp, path)
-    return dropped
