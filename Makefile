@@ -41,7 +41,7 @@ setup: $(STAMP)
 run: setup
 	$(BIN)/busctl up
 
-# Two xdist workers on a 2-core machine: one runs the pipeline/cluster tests one at a time (their xdist group,
+# Two xdist workers on a 2-core machine: one runs the pipeline/cluster tests one at a time (one work unit,
 # tests/conftest.py), the other the remaining files, each file whole; the 25 slowest tests are printed
 test: setup slurm lint
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25

@@ -4,8 +4,8 @@
 A heavy test file starts vLLM, whole pipeline runs or a cluster (Slurm, Ray, network namespaces):
 :data:`HEAVY_USES` names what such a file's source contains. ``--quick`` (``make test-quick``) leaves heavy
 files out without importing them. Under ``pytest -n 2 --dist loadgroup`` (``make test``) every test of a
-file that starts pipelines or clusters (:data:`PIPELINE_USES`) is in one xdist group, so at most one such
-run goes at a time, while the other worker takes the other files, each whole (module fixtures set up once).
+file that starts pipelines or clusters (:data:`PIPELINE_USES`) is in one work unit, so at most one such run
+goes at a time, while the other worker takes the other files, each whole (module fixtures set up once).
 """
 
 from __future__ import annotations
@@ -51,11 +51,22 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return True if uses(collection_path, HEAVY_USES) else None
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """One xdist group for every pipeline test (one pipeline at a time), one group per other file."""
-    for item in items:
-        path = Path(str(item.fspath))
-        item.add_marker(pytest.mark.xdist_group("pipelines" if uses(path, PIPELINE_USES) else str(path)))
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under ``--dist loadgroup``: every test of a file that starts pipelines or clusters in one work unit (one
+    such run at a time), every other file one unit. (xdist's own ``xdist_group`` marks do not reach the node ids
+    under pytest 9.2, which keeps them in ``Node._id``; a scheduler is xdist's documented hook for this.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    root = config.rootpath
+
+    class PipelinesApart(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "pipelines" if uses(root / path, PIPELINE_USES) else path
+
+    return PipelinesApart(config, log)
 
 
 def sample(name: str, **labels: str) -> float:
