@@ -41,7 +41,7 @@ setup: $(STAMP)
 run: setup
 	$(BIN)/busctl up
 
-# One test process (two xdist workers on these 2 cores gave no gain: the suite is CPU-bound, see docs); the
+# One test process (two xdist workers on these 2 cores gave no gain: the suite is CPU-bound); the
 # 25 slowest tests are printed. `make test-parallel` runs it on two xdist workers (tests/conftest.py's scheduler).
 test: setup slurm lint
 	$(BIN)/python -m pytest -q --durations=25

@@ -3,9 +3,9 @@
 ``metric(name, **labels)`` reads a sample of this test process's default Prometheus registry (0 if never set).
 A heavy test file starts vLLM, whole pipeline runs or a cluster (Slurm, Ray, network namespaces):
 :data:`HEAVY_USES` names what such a file's source contains. ``--quick`` (``make test-quick``) leaves heavy
-files out without importing them. Under ``pytest -n 2 --dist loadgroup`` (``make test``) every test of a
-file that starts pipelines or clusters (:data:`PIPELINE_USES`) is in one work unit, so at most one such run
-goes at a time, while the other worker takes the other files, each whole (module fixtures set up once).
+files out without importing them. Under ``pytest -n 2 --dist loadgroup`` (``make test``) each file runs
+whole on one worker (module fixtures set up once); one worker takes the files that start pipelines or
+clusters (:data:`PIPELINE_USES`) first, the other the light files, until its kind runs out.
 """
 
 from __future__ import annotations
@@ -52,21 +52,28 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """Under ``--dist loadgroup``: every test of a file that starts pipelines or clusters in one work unit (one
-    such run at a time), every other file one unit. (xdist's own ``xdist_group`` marks do not reach the node ids
-    under pytest 9.2, which keeps them in ``Node._id``; a scheduler is xdist's documented hook for this.)"""
+    """Under ``--dist loadgroup``: each file is one work unit; worker gw0 takes the files that start pipelines or
+    clusters (:data:`PIPELINE_USES`) first, the others the remaining files first, and a worker whose kind has run
+    out takes the other kind. So pipelines mostly run one at a time beside the light files, and no worker idles.
+    (A scheduler is xdist's hook for this; its ``xdist_group`` marks do not reach the node ids under pytest 9.2.)"""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     root = config.rootpath
 
-    class PipelinesApart(LoadScopeScheduling):
+    class PipelinesOnGw0(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return "pipelines" if uses(root / path, PIPELINE_USES) else path
+            return nodeid.split("::", 1)[0]
 
-    return PipelinesApart(config, log)
+        def _assign_work_unit(self, node) -> None:
+            wants_pipelines = node.gateway.id == "gw0"
+            scope = next((s for s in self.workqueue if uses(root / s, PIPELINE_USES) == wants_pipelines), None)
+            if scope is not None:
+                self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
+
+    return PipelinesOnGw0(config, log)
 
 
 def sample(name: str, **labels: str) -> float:
