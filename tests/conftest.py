@@ -3,7 +3,7 @@
 ``metric(name, **labels)`` reads a sample of this test process's default Prometheus registry (0 if never set).
 A heavy test file starts vLLM, whole pipeline runs or a cluster (Slurm, Ray, network namespaces):
 :data:`HEAVY_USES` names what such a file's source contains. ``--quick`` (``make test-quick``) leaves heavy
-files out without importing them. Under ``pytest -n 2 --dist loadgroup`` (``make test``) each file runs
+files out without importing them. Under ``pytest -n 2 --dist loadgroup`` (``make test-parallel``) each file runs
 whole on one worker (module fixtures set up once); one worker takes the files that start pipelines or
 clusters (:data:`PIPELINE_USES`) first, the other the light files, until its kind runs out.
 """
