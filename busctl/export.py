@@ -119,6 +119,16 @@ def _add_tokenizer(out: Path, source: str) -> None:
     AutoTokenizer.from_pretrained(source).save_pretrained(out)
 
 
+def _public_modes(directory: Path) -> None:
+    """Give every file in ``directory`` the umask's default mode (0644 under umask 022): ``save_pretrained``
+    writes its weights through a private temp file (0600), and copies keep the checkpoint's modes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for item in directory.rglob("*"):
+        if item.is_file():
+            item.chmod(0o666 & ~umask)
+
+
 def export_checkpoint(checkpoint: Path, out: Path, *, merge_lora: bool = False, base_path: str = "") -> Path:
     """Write ``checkpoint`` (a complete ``step_N`` directory) as a model directory ``out`` (empty or missing);
     returns ``out`` resolved. ``merge_lora``: write a LoRA checkpoint's merged model, not the adapter;
@@ -168,6 +178,7 @@ def export_checkpoint(checkpoint: Path, out: Path, *, merge_lora: bool = False, 
             if sharded:
                 _write_sharded(checkpoint, tmp, base_path)
         _add_tokenizer(tmp, tokenizer_source)
+        _public_modes(tmp)
         if out.exists():
             out.rmdir()
         tmp.rename(out)

@@ -38,7 +38,8 @@ def check_names(cfg: RunConfig) -> None:
         try:
             tasks[name] = get_task(name, cfg.task)
         except (ValueError, TypeError) as err:
-            raise ConfigError(f"{key}: {err}{_nearest(name, list(KNOWN_TASKS)) if ':' not in name else ''}") from None
+            near = _nearest(name, list(KNOWN_TASKS)) if ":" not in name and name not in KNOWN_TASKS else ""
+            raise ConfigError(f"{key}: {err}{near}") from None
     for name, task in tasks.items():
         key = "task.rewards" if cfg.task.rewards and name == cfg.task.name else f"the rewards of task {name!r}"
         for ref, _weight in task.rewards:

@@ -155,6 +155,9 @@ def test_export_lora_merged(run, tmp_path):
     assert main(["export", str(run["tmp"] / "lora_run"), "--out", str(out), "--merge-lora"]) == 0
     names = {p.name for p in out.iterdir()}
     assert "adapter_config.json" not in names and {"model.safetensors", "config.json", "tokenizer.json"} <= names
+    umask = os.umask(0)
+    os.umask(umask)  # save_pretrained writes model.safetensors 0600; the export gives every file the default mode
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == dict.fromkeys(names, oct(0o666 & ~umask))
     merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     ids = AutoTokenizer.from_pretrained(out).apply_chat_template(
         MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False
