@@ -195,7 +195,8 @@ class Supervisor:
 
     def _spawn(self, spec: ComponentSpec) -> None:
         env = {k: v for k, v in os.environ.items() if k not in ENV_NAMES}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        paths = [str(REPO_ROOT), *self.cfg.task.code_paths, env.get("PYTHONPATH")]  # every launcher passes env on
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.update(
             LaunchEnv(restarts=spec.restarts, resume=self.resume, late_join=spec.late_join).to_environ(),

@@ -63,7 +63,8 @@ class TaskConfig(Section):
     name: str = Field(
         "reverse_text",
         description=(
-            "A registered task (reverse_text, gsm8k, countdown, reverse_turns, gsm8k_calculator), an import path "
+            "A registered task (reverse_text, gsm8k, countdown, reverse_turns, gsm8k_calculator, prompt_file: your "
+            "file of prompts, docs/rewards.md), an import path "
             "'package.module:function' returning a tasks.Task, or 'verifiers:MODULE': the verifiers environment "
             "MODULE.load_environment(**task.verifiers_args) (docs/environments.md)."
         ),
@@ -72,6 +73,15 @@ class TaskConfig(Section):
         None, description="System message before every prompt; null: the task's default (none for reverse_text)."
     )
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
+    code_paths: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Folders on the import path of busctl and every component (PYTHONPATH; with every launcher), so the "
+            "import paths in task.name, task.rewards, task.agent and rewards.advantage find your modules. Relative "
+            "to the config file's folder (set by an override: to the working directory); saved absolute in the run's "
+            "config.yaml. Each must exist (on every node) and hold no module an installed package provides."
+        ),
+    )
     rewards: list[RewardTermConfig] = Field(
         default_factory=list,
         description="Reward functions and weights; each is logged as reward/<name>. Empty: the task's own.",

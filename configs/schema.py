@@ -19,6 +19,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from configs.base import Section
 from configs.cluster import SlurmConfig
+from configs.code_paths import resolve_code_paths
 from configs.errors import ConfigError, describe_validation, parse_override, read_yaml_file
 from configs.rollout import EvalConfig, FiltersConfig, OverlongConfig, SamplingConfig, TaskConfig, TeacherConfig
 from configs.bus_limits import DEFAULT_MAX_INFLIGHT_BYTES, check_inflight_bytes
@@ -577,10 +578,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for override in overrides:
         apply_override(data, override)
     try:
-        return RunConfig.model_validate(data)
+        cfg = RunConfig.model_validate(data)
     except ValidationError as err:
         applied = [(parse_override(o)[0], o) for o in overrides]
         raise ConfigError(describe_validation(err, RunConfig, path, text, applied)) from None
+    overridden = any(parse_override(o)[0][:2] in (["task"], ["task", "code_paths"]) for o in overrides)
+    cfg.task.code_paths = resolve_code_paths(cfg.task.code_paths, Path.cwd() if overridden else path.parent)
+    return cfg
 
 
 def dump_config(cfg: RunConfig) -> str:

@@ -3,9 +3,10 @@
 Only local files: a path with a URL scheme is refused and Parquet files are opened with
 :func:`open` before pyarrow sees them, so nothing is fetched from a hub or remote filesystem.
 Errors name the file, the line (JSONL) or row (Parquet, 1-based), the field and its column.
-pyarrow is imported only to read Parquet. A file task's ``"train"`` split is its file shuffled by
-``seed`` (a fixed permutation), ``"eval"`` the eval file in order; ids ``"{task}/{split}/{row}"``
-name the same problem whatever the seed.
+pyarrow is imported only to read Parquet. Every column a task does not read goes into each
+example's ``info`` as it is, so reward functions get all columns as TRL passes them. A file
+task's ``"train"`` split is its file shuffled by ``seed`` (a fixed permutation), ``"eval"`` the
+eval file in order; ids ``"{task}/{split}/{row}"`` name the same problem whatever the seed.
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ def load_records(
     fields: Mapping[str, str] | None = None,
     format: str = "auto",
 ) -> list[dict[str, Any]]:
-    """One ``{field: value}`` dict per row, in order, with exactly the ``required`` keys (null counts
-    as missing); ``fields``: ``{task field: column}``, default the same name. ValueError for a URL or
-    missing path, an unknown format or field, no rows, a non-object line, or a row without a field."""
+    """One ``{field: value}`` dict per row, in order: the ``required`` keys (null counts as missing),
+    each read from its column (``fields``: ``{task field: column}``, default the same name), then every
+    other column under its own name. ValueError for a URL or missing path, an unknown format or field,
+    no rows, a non-object line, or a row without a field."""
     if "://" in str(path):  # before Path(), which folds "//" into "/"
         raise ValueError(
             f"dataset path {str(path)!r} is a URL; only local files are read (nothing is fetched from a hub)"
@@ -78,8 +80,9 @@ def load_records(
 
 
 def _pick(row: Mapping[str, Any], columns: Mapping[str, str], where: str) -> dict[str, Any]:
-    """The task's fields of one row; ``where`` (``"file:line 3"``) names it in the error."""
-    out = {}
+    """The task's fields of one row, then its other columns; ``where`` (``"file:line 3"``) names it in errors."""
+    mapped = set(columns.values())
+    out = {column: value for column, value in row.items() if column not in mapped and column not in columns}
     for name, column in columns.items():
         value = row.get(column)
         if value is None:
@@ -118,8 +121,16 @@ def _read_parquet(path: Path, columns: Mapping[str, str]) -> list[dict[str, Any]
             raise ValueError(
                 f"{path}: missing field {name!r}{via} in every row; columns: {', '.join(map(repr, present))}"
             )
-        rows = parquet.read(columns=sorted(set(columns.values()))).to_pylist()
+        rows = parquet.read().to_pylist()
     return [_pick(row, columns, f"{path}:row {i}") for i, row in enumerate(rows, start=1)]
+
+
+def _is_json(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +151,9 @@ def file_task_loader(
 ) -> Loader:
     """``load(split, num_examples, seed)`` over ``files`` (one :class:`DataFile` per split, read on each
     call); ``make_example(record, id) -> example``, its ValueError/TypeError re-raised naming the file
-    and record. Raises ValueError when ``files`` lacks a split."""
+    and record. The record's columns beyond ``required`` join the example's ``info`` (the example's own
+    keys win; a value JSON cannot carry, e.g. a Parquet timestamp, is left out). Raises ValueError when
+    ``files`` lacks a split."""
     missing = [split for split in KNOWN_SPLITS if split not in files]
     if missing:
         raise ValueError(f"task {task_name!r}: no file for split(s) {', '.join(missing)}")
@@ -155,9 +168,13 @@ def file_task_loader(
         examples = []
         for k in order[:num_examples]:
             try:
-                examples.append(make_example(records[k], f"{task_name}/{split}/{k}"))
+                example = make_example(records[k], f"{task_name}/{split}/{k}")
             except (ValueError, TypeError) as exc:
                 raise ValueError(f"{file.path}: record {k + 1}: {exc}") from exc
+            other = {c: v for c, v in records[k].items() if c not in required and _is_json(v)}
+            if other:
+                example["info"] = {**other, **example["info"]}
+            examples.append(example)
         return examples
 
     return load

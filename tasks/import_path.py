@@ -6,7 +6,16 @@ the (trusted) run config, never from the bus. Light: reward children import it.
 from __future__ import annotations
 
 import importlib
+import sys
+from collections.abc import Iterable
 from typing import Any, Callable
+
+
+def add_import_paths(folders: Iterable[str]) -> None:
+    """Append each of ``folders`` (``task.code_paths``, absolute) to ``sys.path`` unless it is there."""
+    for folder in folders:
+        if folder not in sys.path:
+            sys.path.append(folder)
 
 
 def import_callable(path: str, what: str) -> Callable[..., Any]:

@@ -17,7 +17,7 @@ from typing import Any
 
 from configs.rollout import DatasetConfig, EvalTaskConfig, TaskConfig
 from configs.schema import RunConfig
-from tasks.import_path import import_callable
+from tasks.import_path import add_import_paths, import_callable
 from tasks.task import Example, Task, check_request
 from tasks.verifiers_env import PREFIX as VERIFIERS_PREFIX
 from tasks.verifiers_env import make_task as make_verifiers_task
@@ -31,9 +31,14 @@ _TASKS: dict[str, str] = {
     "countdown": "tasks.countdown:make_task",
     "reverse_turns": "tasks.reverse_turns:make_task",
     "gsm8k_calculator": "tasks.gsm8k_calculator:make_task",
+    "prompt_file": "tasks.prompt_file:make_task",
 }
 KNOWN_TASKS = tuple(_TASKS)
-FILE_TASKS = ("gsm8k", "gsm8k_calculator")  # the tasks whose examples come from files (task.dataset applies)
+FILE_TASKS = (
+    "gsm8k",
+    "gsm8k_calculator",
+    "prompt_file",
+)  # the tasks whose examples come from files (task.dataset applies)
 
 
 def _has_dataset(dataset: DatasetConfig | None) -> bool:
@@ -59,13 +64,16 @@ def _checked_rewards(name: str, rewards: Sequence[Sequence[Any]]) -> tuple[tuple
 
 def get_task(name: str, task_cfg: TaskConfig | None = None) -> Task:
     """The task ``name``: registered, ``"verifiers:MODULE"``, or an import path of a no-argument
-    function returning a :class:`Task` (renamed ``name``). When ``task_cfg.name == name``, its set
-    ``system_prompt``, ``rewards`` and ``max_turns`` replace the task's and ``dataset`` a file task's files.
+    function returning a :class:`Task` (renamed ``name``); ``task_cfg.code_paths`` join ``sys.path``
+    first. When ``task_cfg.name == name``, its set ``system_prompt``, ``rewards`` and ``max_turns``
+    replace the task's and ``dataset`` a file task's files.
 
     Raises:
         ValueError: unknown name, an unresolvable path, ``dataset`` for a task that reads no files,
             a malformed reward term, ``max_turns < 1``. TypeError: a custom function returned no Task.
     """
+    if task_cfg is not None:
+        add_import_paths(task_cfg.code_paths)  # busctl's own process; components have them on PYTHONPATH
     cfg = task_cfg if task_cfg is not None and task_cfg.name == name else None
     dataset = cfg.dataset if cfg is not None else None
     if name in _TASKS:

@@ -206,8 +206,8 @@ def test_overwrite_refuses_a_directory_that_is_not_a_run(tmp_path: Path) -> None
         (["trainer.max_steps"], "write trainer.max_steps=VALUE"),
         (
             ["task.name=gsm9k"],
-            "known tasks: reverse_text, gsm8k, countdown, reverse_turns, gsm8k_calculator, or an import path "
-            "'package.module:function'; did you mean 'gsm8k'?",
+            "known tasks: reverse_text, gsm8k, countdown, reverse_turns, gsm8k_calculator, prompt_file, or an "
+            "import path 'package.module:function'; did you mean 'gsm8k'?",
         ),
         (
             ["task.rewards=[{name: revrse_text}]"],

@@ -46,7 +46,9 @@ def not_a_task() -> dict:
 
 
 def test_registry_and_unknown_name():
-    assert set(KNOWN_TASKS) == {"reverse_text", "gsm8k", "countdown", "reverse_turns", "gsm8k_calculator"}
+    assert set(KNOWN_TASKS) == {
+        *("reverse_text", "gsm8k", "countdown", "reverse_turns", "gsm8k_calculator", "prompt_file")
+    }
     with pytest.raises(ValueError, match="known tasks: reverse_text, gsm8k, countdown, reverse_turns"):
         get_task("nope")
 
@@ -95,10 +97,10 @@ def test_user_dataset_with_field_mapping(tmp_path, suffix):
         pq.write_table(pa.Table.from_pylist(ROWS), path)
     task = get_task("gsm8k", gsm8k_cfg(dataset={"path": str(path), "eval_path": str(path), "fields": FIELDS}))
     got = task.load("eval", 10, 0)
-    assert got == [
-        {"id": "gsm8k/eval/0", "prompt": "What is 2 + 2?", "info": {"answer": "4"}},
-        {"id": "gsm8k/eval/1", "prompt": "What is 10 * 100?", "info": {"answer": "1000"}},
-        {"id": "gsm8k/eval/2", "prompt": "Half of 9?", "info": {"answer": "4.5"}},
+    assert got == [  # the unmapped column "source" reaches the reward functions, as TRL passes it
+        {"id": "gsm8k/eval/0", "prompt": "What is 2 + 2?", "info": {"answer": "4", "source": "x"}},
+        {"id": "gsm8k/eval/1", "prompt": "What is 10 * 100?", "info": {"answer": "1000", "source": "y"}},
+        {"id": "gsm8k/eval/2", "prompt": "Half of 9?", "info": {"answer": "4.5", "source": "z"}},
     ]
     assert sorted(e["id"] for e in task.load("train", 10, 0)) == [e["id"].replace("eval", "train") for e in got]
 
