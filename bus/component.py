@@ -29,6 +29,7 @@ from bus.topics import Endpoints
 from configs.schema import RunConfig, load_config
 from lifecycle.launch_env import LaunchEnv
 from lifecycle.parent_death import die_with_parent
+from telemetry.failure_window import FailureWindows
 from telemetry.metrics import POLICY_VERSION, serve_metrics
 from telemetry.tls import server_context_for
 
@@ -61,6 +62,7 @@ class Component:
         self._sockets: list[BusSocket] = []
         self._courier: Courier | None = None
         self.heartbeat_state = ComponentPhase.RUNNING  # what the next heartbeat reports
+        self.failures: FailureWindows | None = None  # user-function failure shares, carried by the heartbeats
         self.phase = ComponentPhase.STARTING  # shown on /health
         self._heartbeat_stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
@@ -185,8 +187,11 @@ class Component:
             )
             try:
                 while not self._heartbeat_stop.is_set():
+                    failures = self.failures.report() if self.failures is not None else {}
                     sock.send(
-                        ComponentHeartbeat(id=new_id(), name=self.name, pid=pid, state=self.heartbeat_state),
+                        ComponentHeartbeat(
+                            id=new_id(), name=self.name, pid=pid, state=self.heartbeat_state, failures=failures
+                        ),
                         timeout_s=period_s,
                     )
                     self._heartbeat_stop.wait(period_s)

@@ -312,12 +312,35 @@ class ComponentPhase(StrEnum):
 
 @dataclass(frozen=True, eq=False)
 class ComponentHeartbeat(Message):
-    """Liveness, component -> supervisor, every ``bus.heartbeat_s``; ``state``: running or done."""
+    """Liveness, component -> supervisor, every ``bus.heartbeat_s``; ``state``: running or done; ``failures``:
+    :meth:`telemetry.failure_window.FailureWindows.report` (``{function: {kind, calls, errors, share, window,
+    error, message, level}}``), ``{}`` without failures."""
 
     TYPE: ClassVar[str] = "component.heartbeat"
     name: str
     pid: int
     state: str
+    failures: dict = optional_field({}, may_be_absent=True)
+
+    def check(self) -> None:
+        for key, rec in self.failures.items():
+            if not (isinstance(key, str) and isinstance(rec, dict) and _FAILURE_FIELDS.keys() <= rec.keys()):
+                raise WireError("inconsistent", "component.heartbeat.failures: malformed record")
+            for field_name, types in _FAILURE_FIELDS.items():
+                if not isinstance(rec[field_name], types) or isinstance(rec[field_name], bool):
+                    raise WireError("inconsistent", f"component.heartbeat.failures: {field_name} not {types}")
+
+
+_FAILURE_FIELDS = {
+    "kind": str,
+    "calls": int,
+    "errors": int,
+    "share": (int, float),
+    "window": int,
+    "error": str,
+    "message": str,
+    "level": str,
+}
 
 
 @dataclass(frozen=True, eq=False)

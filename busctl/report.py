@@ -17,6 +17,7 @@ import argparse
 import math
 from pathlib import Path
 
+from busctl.failures import failure_lines, read_failures
 from busctl.run_data import (
     PHASE_LABELS,
     ReportError,
@@ -88,6 +89,7 @@ def summarize(run: RunData) -> dict:
         "sample_steps": len({r.get("step") for r in run.samples}),
         "phases": phase_table(run),
         "first_step_s": float((run.startup or {}).get("first_step_s") or math.nan),
+        "failures": read_failures(run.run_dir),  # reward functions, environments, agents that failed
     }
     return s
 
@@ -160,6 +162,7 @@ def format_summary(run: RunData, s: dict, notes: list[str]) -> str:
             f"prompts: issued {acc.get('issued')}; outcomes {outcomes}; unresolved {len(acc.get('unresolved') or [])}"
         )
     lines.append(f"samples.jsonl: {s['samples']} examples from {s['sample_steps']} steps")
+    lines += [f"failures: {line}" for line in failure_lines(s.get("failures") or {})]
     for name, n in run.skipped_lines.items():
         notes.append(f"{name}: skipped {n} line(s) that are not JSON records")
     lines += [f"note: {n}" for n in notes]

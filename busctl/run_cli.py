@@ -126,7 +126,11 @@ def cmd_status(ns: argparse.Namespace, console: Console) -> int:
     console.print(table)
     for row in status["components"]:
         if row.get("last_error"):
-            console.print(f"{row['name']}: last crash: {row['last_error']}")
+            console.print(f"{row['name']}: last crash: {row['last_error']}", markup=False)
+    from busctl.failures import failure_lines
+
+    for line in failure_lines(status.get("failures") or {}):  # reward functions, environments, agents
+        console.print(f"failures: {line}", markup=False, highlight=False)
     scale = status.get("scale") or {}
     if scale:
         console.print(

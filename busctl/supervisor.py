@@ -49,6 +49,7 @@ from busctl.components.healing import (
     ScheduleRestart,
     decide,
 )
+from busctl.failures import FailureBoard, last_exception
 from busctl.launchers import Launcher, check_crash
 from busctl.launchers.local import LocalLauncher
 from busctl.live import progress_line
@@ -148,6 +149,7 @@ class Supervisor:
         self.events = EventLog()
         self.steps = StepClock()
         self.startup = StartupClock(self.run_dir, launched_at)
+        self.failures = FailureBoard(cfg.rewards.max_error_fraction)  # user functions' failure shares
         self.poller = MetricsPoller(
             lambda: live_targets(self.table), tls=self._scrape_tls
         )  # read on the poller's thread
@@ -353,6 +355,12 @@ class Supervisor:
             spec.last_beat, spec.last_beat_wall = time.monotonic(), time.time()
             if spec.state in LIVE_STATES:
                 spec.state = ComponentState.DONE if msg.state == ComponentPhase.DONE else ComponentState.RUNNING
+            lines, stop = self.failures.update(msg.name, msg.pid, msg.failures)
+            for line in lines:
+                self.say(line)
+            if stop is not None:
+                self.write_status()
+                raise RunFailed(f"{stop}; see {self.log_path(spec)}")
         elif isinstance(msg, TrainerStep) and (self.last_step is None or msg.step > self.last_step.step):
             if self.last_step is None:
                 self.say(self.startup.record(msg.step, self.table))
@@ -414,15 +422,18 @@ class Supervisor:
         decision, moved = check_crash(self.launcher, spec, decision)  # slurm: a dead node fails the run, or moves it
         if moved:
             self.say(f"  [yellow]node down[/yellow] {escape(moved)}")
+        cause = last_exception(self.log_path(spec))  # the console names the cause, not only the log
+        if cause:
+            spec.last_error = f"{decision.reason}: {cause}"
         if isinstance(decision, FailRun):
             spec.state = ComponentState.EXITED
             self.write_status()
-            raise RunFailed(f"{decision.message}; see {self.log_path(spec)}")
+            raise RunFailed(f"{decision.message}{': ' + cause if cause else ''}; see {self.log_path(spec)}")
         assert isinstance(decision, ScheduleRestart), decision
         spec.state, spec.due, spec.proc = ComponentState.RESTARTING, decision.at, None
         spec.consecutive_crashes = decision.consecutive_crashes
         self.say(
-            f"  [yellow]crashed[/yellow] {spec.name} (pid {spec.pid}) {decision.reason}; restart "
+            f"  [yellow]crashed[/yellow] {spec.name} (pid {spec.pid}) {escape(spec.last_error)}; restart "
             f"{spec.restarts + 1}/{self.cfg.supervisor.max_restarts} in {decision.delay_s:g} s"
         )
         self.write_status()
@@ -478,6 +489,7 @@ class Supervisor:
             "first_step_s": self.startup.first_step_s,
             "scale": self.scaling.progress,
             "events": self.events.recent(),
+            "failures": self.failures.summary(),
             "components": [{**s.status_row(), "role": s.role, **stats.get(s.name, empty)} for s in self.table],
         }
         write_json_atomic(self.run_dir / "status.json", status)

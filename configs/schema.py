@@ -21,7 +21,8 @@ from configs.base import Section
 from configs.cluster import SlurmConfig
 from configs.code_paths import resolve_code_paths
 from configs.errors import ConfigError, describe_validation, parse_override, read_yaml_file
-from configs.rollout import EvalConfig, FiltersConfig, OverlongConfig, SamplingConfig, TaskConfig, TeacherConfig
+from configs.rewards import RewardsConfig
+from configs.rollout import EvalConfig, FiltersConfig, SamplingConfig, TaskConfig, TeacherConfig
 from configs.bus_limits import DEFAULT_MAX_INFLIGHT_BYTES, check_inflight_bytes
 from configs.topic_names import endpoint_key_ok
 from configs.training import LoraSection, LossConfig, OptimConfig, TrainerConfig
@@ -31,6 +32,7 @@ __all__ = [
     "LoraSection",
     "LossConfig",
     "OptimConfig",
+    "RewardsConfig",
     "RunConfig",
     "TrainerConfig",
     "dump_config",
@@ -158,65 +160,6 @@ class ProducersConfig(Section):
                 f"gpus_per_replica ({self.gpus_per_replica}) must equal tensor_parallel_size "
                 f"({self.tensor_parallel_size}) "
                 "(or be 0: vLLM on CPU)"
-            )
-        return self
-
-
-class RewardsConfig(Section):
-    """Reward/advantage workers."""
-
-    replicas: int = Field(2, ge=1, le=256, description="Number of reward worker processes.")
-    advantage: str = Field(
-        "grpo",
-        description="Group advantage estimator (rewards/advantages.py): 'grpo' (r - mean) / (std + eps); 'drgrpo' r - "
-        "mean; "
-        "'rloo' r_i - mean of the others; 'length_weighted' r - token-weighted mean reward; or an import path "
-        "'package.module:function' to fn(rewards [G] float64, completion_lengths [G] int64) -> [G] (imported at worker "
-        "start).",
-    )
-    eps: float = Field(1e-6, gt=0, description="Added to the std in the 'grpo' advantage denominator.")
-    isolate: bool = Field(
-        True,
-        description="Run the reward function in child processes: one that raises, hangs past timeout_s, crashes or "
-        "returns "
-        "NaN scores that sample 0 (counted by error) and the worker goes on. False: call it in-process (tests, "
-        "benchmarks).",
-    )
-    timeout_s: float = Field(
-        5.0,
-        gt=0,
-        le=3600,
-        description=(
-            "Most seconds one reward call may take (isolate only); past it the child is killed and replaced, the "
-            "sample scores 0."
-        ),
-    )
-    num_procs: int = Field(
-        2,
-        ge=1,
-        le=64,
-        description=(
-            "Child processes per reward worker (isolate only); the samples of a group are scored across them in "
-            "parallel."
-        ),
-    )
-    overlong: OverlongConfig | None = Field(
-        None,
-        description=(
-            "DAPO soft overlong punishment of long training completions, e.g. {buffer_tokens: 64, penalty: 1.0}; its "
-            "score is the reward term 'overlong'. null: off."
-        ),
-    )
-
-    @model_validator(mode="after")
-    def _advantage_known(self) -> "RewardsConfig":
-        # The names of rewards.advantages.ADVANTAGE_NAMES (not imported: this module stays numpy-free).
-        names = ("grpo", "drgrpo", "rloo", "length_weighted")
-        module, _, attr = self.advantage.partition(":")
-        if self.advantage not in names and not (module and attr):
-            raise ValueError(
-                f"rewards.advantage={self.advantage!r} is unknown; use one of {', '.join(names)} "
-                "or an import path 'package.module:function'"
             )
         return self
 

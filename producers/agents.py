@@ -21,6 +21,7 @@ from producers.rollout_sample import Sample
 from producers.episodes import ENV_SECONDS, EPISODE_TURNS, Episode, episode_sample
 from producers.turn_metrics import EPISODE_TOOL_CALLS, count_tool_calls, text_tool_calls
 from tasks.isolated_calls import IsolatedCalls
+from telemetry.failure_window import FailureWindows
 
 
 def common_prefix(seqs: list[list[int]]) -> list[int]:
@@ -49,8 +50,17 @@ class AgentRunner:
     """Runs agent groups (import paths ``agents``) on the producer's started endpoint in ``num_procs`` isolated
     children, ``timeout_s`` seconds per agent call (a whole episode)."""
 
-    def __init__(self, endpoint: OpenAIEndpoint, agents: list[str], *, timeout_s: float, num_procs: int) -> None:
+    def __init__(
+        self,
+        endpoint: OpenAIEndpoint,
+        agents: list[str],
+        *,
+        timeout_s: float,
+        num_procs: int,
+        failures: FailureWindows | None = None,
+    ) -> None:
         self.endpoint = endpoint
+        self.failures = failures  # each episode's outcome, per agent
         self.agents = list(dict.fromkeys(agents))
         self.calls = IsolatedCalls(
             self.agents, resolver="tasks.agent:resolve_agent_fn", timeout_s=timeout_s, num_procs=num_procs, what="agent"
@@ -85,7 +95,7 @@ class AgentRunner:
         if not prompt:
             raise ValueError("the agent's episodes start from prompts with no common first token")
         version = self.endpoint.engine.version
-        samples, masks, rewards = [], [], []
+        samples, masks, rewards, fulls = [], [], [], []
         for turns in recorded:
             calls = sum(count_tool_calls(text_tool_calls(t.text), frozenset()) for t in turns)
             if calls:
@@ -100,12 +110,17 @@ class AgentRunner:
             )
             if ok:
                 full.reward = float(result.value)
+            elif result.error is not None:
+                full.fail(result.error, result.message)
             else:
-                full.fail(result.error or "bad_result")
+                full.fail("bad_result", f"returned {str(result.value)[:100]}, not a finite number")
             EPISODE_TURNS.observe(full.turns)
+            fulls.append(full)
             samples.append(episode_sample(full, version))
             masks.append(full.model_mask)
             rewards.append(full.reward)
+        if self.failures is not None:
+            self.failures.record("agent", agent, [s.error for s in fulls])
         return prompt, samples, masks, rewards
 
     def close(self) -> None:

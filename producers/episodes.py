@@ -22,6 +22,7 @@ from prometheus_client import Counter, Histogram
 from producers.rollout_sample import Sample
 from producers.turn_metrics import BAD_STATS, EPISODE_TOOL_CALLS, count_tool_calls, preinit_tools, schema_names
 from tasks.env import ENV_ERRORS, EnvCalls
+from telemetry.failure_window import FailureWindows
 
 EPISODE_TURNS = Histogram(
     "rlbus_producer_episode_turns", "Model turns per multi-turn episode", buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32)
@@ -79,6 +80,7 @@ class Episode:
     finish: str = "stop"
     done: bool = False
     reward: float = 0.0
+    error: tuple[str, str] | None = None  # (label, message) of the call that ended it
 
     def add_model_turn(self, sample: Sample, default_version: int) -> None:
         """Append one model turn (versions: ``sample.token_versions``, else ``default_version``)."""
@@ -97,10 +99,11 @@ class Episode:
         self.versions += [version] * len(ids)
         self.model_mask += [False] * len(ids)
 
-    def fail(self, error: str) -> None:
+    def fail(self, error: str, message: str = "") -> None:
         """End the episode with reward 0 and reason ``env_error: <error>`` (counted)."""
         ENV_ERRORS_TOTAL.labels(error).inc()
         self.done, self.state, self.reward, self.finish = True, None, 0.0, f"env_error: {error}"
+        self.error = (error, message or error)
 
 
 def episode_sample(ep: Episode, version: int) -> Sample:
@@ -116,9 +119,17 @@ class EpisodeRunner:
     at a time). ``tools``: the run's tool schemas, whose metric labels are created at 0 now."""
 
     def __init__(
-        self, engine: Any, tokenizer: Any, envs: EnvCalls, *, max_model_len: int, tools: list[dict] | None = None
+        self,
+        engine: Any,
+        tokenizer: Any,
+        envs: EnvCalls,
+        *,
+        max_model_len: int,
+        tools: list[dict] | None = None,
+        failures: FailureWindows | None = None,
     ) -> None:
         self.engine, self.tokenizer, self.envs, self.max_model_len = engine, tokenizer, envs, max_model_len
+        self.failures = failures  # each episode's outcome, per environment
         preinit_tools(schema_names(tools))
         self._lock = asyncio.Lock()
 
@@ -151,7 +162,7 @@ class EpisodeRunner:
         episodes = [Episode() for _ in range(n)]
         for ep, result in zip(episodes, await self._env(env, "reset", [[info]] * n)):
             if result.error is not None:
-                ep.fail(result.error)
+                ep.fail(result.error, result.message)
             else:
                 ep.state = result.value
         for turn in range(max_turns):
@@ -185,7 +196,7 @@ class EpisodeRunner:
             results = await self._env(env, "step", [[ep.state, text] for (_, ep), text in zip(active, texts)])
             for (j, ep), result in zip(active, results):
                 if result.error is not None:
-                    ep.fail(result.error)
+                    ep.fail(result.error, result.message)
                     continue
                 if result.bad_stats:
                     BAD_STATS.inc()
@@ -205,9 +216,11 @@ class EpisodeRunner:
         scored = [ep for ep in episodes if ep.state is not None]
         for ep, result in zip(scored, await self._env(env, "reward", [[ep.state] for ep in scored]) if scored else []):
             if result.error is not None:
-                ep.fail(result.error)
+                ep.fail(result.error, result.message)
             else:
                 ep.reward = result.value
+        if self.failures is not None:
+            self.failures.record("env", env, [ep.error for ep in episodes])
         for ep in episodes:
             EPISODE_TURNS.observe(ep.turns)
             if tools or ep.tool_calls:

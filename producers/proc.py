@@ -36,6 +36,7 @@ from bus.messages import (
     new_id,
 )
 from bus.messages_weights import WeightGroup, WeightGroupAck
+from telemetry.failure_window import FailureWindows
 from telemetry.metrics import POLICY_VERSION, StageMeter
 from bus.sample_arrays import pack_spans, run_lengths
 from bus.wire import is_chat_messages
@@ -145,6 +146,10 @@ class ProducerProc(Component):
                 dtype=cfg.producers.dtype,
             )
             self.loop.run_until_complete(self.teacher.start())
+        r = cfg.rewards
+        self.failures = FailureWindows(  # environment and agent episodes: busctl up warns and stops the run
+            window=r.error_window, warn_fraction=r.warn_error_fraction, max_fraction=r.max_error_fraction
+        )
         self.env_tasks = env_tasks(cfg)  # multi-turn tasks by name; their episodes run in self.episodes
         self.episodes: EpisodeRunner | None = None
         if self.env_tasks:
@@ -157,6 +162,7 @@ class ProducerProc(Component):
                 envs,
                 max_model_len=cfg.model.max_model_len,
                 tools=[s for t in self.env_tasks.values() for s in t.tools or ()],
+                failures=self.failures,
             )
         self.endpoint: OpenAIEndpoint | None = None  # producers.endpoint_port, or an agent task
         self.agents: AgentRunner | None = None
@@ -173,7 +179,11 @@ class ProducerProc(Component):
             self.loop.run_until_complete(self.endpoint.start())
         if self.agent:
             self.agents = AgentRunner(
-                self.endpoint, [self.agent], timeout_s=cfg.task.agent_timeout_s, num_procs=cfg.task.env_procs
+                self.endpoint,
+                [self.agent],
+                timeout_s=cfg.task.agent_timeout_s,
+                num_procs=cfg.task.env_procs,
+                failures=self.failures,
             )
         self.gate = EvalUpdateGate()
         self.meter = StageMeter("producer")

@@ -16,6 +16,7 @@ from telemetry.metrics import StageMeter
 from rewards.shaping import overlong_section
 from rewards.worker import RewardWorker
 from tasks.registry import reward_spec
+from telemetry.failure_window import FailureWindows
 
 GROUPS_SCORED = Counter("rlbus_rewards_groups_total", "Groups scored")
 REWARD = Histogram("rlbus_rewards_reward", "Reward per sample", buckets=[i / 10 for i in range(11)])
@@ -32,6 +33,10 @@ class RewardWorkerProc(Component):
 
     def setup(self) -> None:
         cfg = self.cfg
+        r = cfg.rewards
+        self.failures = FailureWindows(
+            window=r.error_window, warn_fraction=r.warn_error_fraction, max_fraction=r.max_error_fraction
+        )  # reported in heartbeats: busctl up warns and stops the run
         self.worker = RewardWorker(
             reward_spec(cfg),
             advantage=cfg.rewards.advantage,
@@ -43,6 +48,7 @@ class RewardWorkerProc(Component):
             filters=cfg.filters,
             overlong=overlong_section(cfg),
             max_steps=cfg.trainer.max_steps,
+            failures=self.failures,
         )
         producers = [self.endpoints.address("rollouts", i) for i in range(cfg.producers.max_replicas)]
         self.rollouts = self.reliable_receiver("rollouts", producers, bind=False, accept=(RolloutGroup,))

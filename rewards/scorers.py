@@ -22,17 +22,29 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class GroupScore:
-    """One function on one group: ``rewards`` ``[G]`` (0.0 where ``errors[i]``, the label, is set) and
-    ``metrics``, what a TRL-style function logged (``{name: mean}``)."""
+    """One function on one group: ``rewards`` ``[G]`` (0.0 where ``errors[i]``, the label, is set),
+    ``metrics``, what a TRL-style function logged (``{name: mean}``), and ``message``, the first failure's."""
 
     rewards: list[float]
     errors: list[str | None]
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    message: str = ""
+
+
+NON_FINITE_MESSAGE = "returned a non-finite reward (NaN or inf)"
 
 
 def _finite(value: float) -> tuple[float, str | None]:
     """``(value, None)``, or ``(0.0, "non_finite")`` for NaN or inf."""
     return (value, None) if math.isfinite(value) else (0.0, "non_finite")
+
+
+def _first_message(errors: Sequence[str | None], messages: Sequence[str]) -> str:
+    """The message of the first failed call (:data:`NON_FINITE_MESSAGE` for a non-finite value)."""
+    for error, message in zip(errors, messages):
+        if error is not None:
+            return message or (NON_FINITE_MESSAGE if error == "non_finite" else error)
+    return ""
 
 
 def _check_refs(reward_fns: Sequence[str]) -> tuple[str, ...]:
@@ -43,10 +55,11 @@ def _check_refs(reward_fns: Sequence[str]) -> tuple[str, ...]:
 def _group_score(result: CallResult, g: int) -> GroupScore:
     """The :class:`GroupScore` of one TRL-style call on ``g`` samples."""
     if result.error is not None:
-        return GroupScore([0.0] * g, [result.error] * g)
+        return GroupScore([0.0] * g, [result.error] * g, message=result.message)
     pairs = [(0.0, None) if r is None else _finite(float(r)) for r in result.value["rewards"]]
     metrics = {str(k): float(v) for k, v in result.value.get("metrics", {}).items()}
-    return GroupScore([p[0] for p in pairs], [p[1] for p in pairs], metrics)
+    errors = [p[1] for p in pairs]
+    return GroupScore([p[0] for p in pairs], errors, metrics, _first_message(errors, [""] * g))
 
 
 def _trl_flags(refs: Sequence[str]) -> list[bool]:
@@ -101,11 +114,12 @@ class InProcessScorer:
                         type(exc).__name__,
                         exc,
                     )
-                    result = CallResult(None, type(exc).__name__)
+                    result = CallResult(None, type(exc).__name__, str(exc))
                 out.append(_group_score(result, len(completions)))
                 continue
             rewards: list[float] = []
             errors: list[str | None] = []
+            messages: list[str] = []
             for i, text in enumerate(completions):
                 try:
                     reward, error = _finite(self._fns[k](text, info))
@@ -118,9 +132,12 @@ class InProcessScorer:
                         exc,
                     )
                     reward, error = 0.0, type(exc).__name__
+                    messages.append(str(exc))
+                else:
+                    messages.append("")
                 rewards.append(reward)
                 errors.append(error)
-            out.append(GroupScore(rewards, errors))
+            out.append(GroupScore(rewards, errors, message=_first_message(errors, messages)))
         return out
 
     def close(self) -> None:
@@ -183,8 +200,10 @@ class IsolatedScorer:
                 out.append(_group_score(results.pop(0), n))
                 continue
             pairs = [(0.0, r.error) if r.error is not None else _finite(r.value) for r in results[:n]]
+            errors = [p[1] for p in pairs]
+            message = _first_message(errors, [r.message for r in results[:n]])
             del results[:n]
-            out.append(GroupScore([p[0] for p in pairs], [p[1] for p in pairs]))
+            out.append(GroupScore([p[0] for p in pairs], errors, message=message))
         return out
 
     def close(self) -> None:

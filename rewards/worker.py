@@ -4,7 +4,9 @@ functions, applies the overlong shaping and the filters, and computes the group'
 :mod:`rewards.proc`). Each function's score is ``reward_terms[name]``; a multi-turn group's
 ``env_rewards`` join as the term ``env``; a TRL-style function's logged metrics as weight-0 terms
 ``<function>/<name>``. A failed call or an unknown task scores 0, counted in
-``rlbus_rewards_errors_total{error}``. The rules: docs/ARCHITECTURE.md, "Tasks, reward terms and filters".
+``rlbus_rewards_errors_total{error}`` and, per function, in the worker's
+:class:`telemetry.failure_window.FailureWindows` (the console warning, the stop). The rules:
+docs/ARCHITECTURE.md, "Tasks, reward terms and filters".
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from rewards.scorers import InProcessScorer, IsolatedScorer
 from rewards.shaping import OVERLONG_TERM, OVERLONG_ZONES, overlong_zone_counts, soft_overlong_punishment
 from tasks.rewards import reward_name
 from tasks.trl_rewards import split_trl_ref, trl_batch
+from telemetry.failure_window import FailureWindows, outcomes
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +71,8 @@ class RewardWorker:
     """``rewards``: the reward spec (:func:`tasks.registry.reward_spec`), every distinct ref resolved at
     start; ``advantage``, ``eps``: :func:`rewards.advantages.compute_advantages`; ``isolate``,
     ``timeout_s``, ``num_procs``: :class:`rewards.scorers.IsolatedScorer` (call :meth:`close`);
-    ``overlong``: :func:`rewards.shaping.overlong_section`, None for no shaping; ``max_steps``: TRL's.
+    ``overlong``: :func:`rewards.shaping.overlong_section`, None for no shaping; ``max_steps``: TRL's;
+    ``failures``: where each function's call outcomes are recorded (None: nowhere).
 
     Raises:
         ValueError: an unknown reward or estimator, two functions of one task with the same name, one
@@ -88,6 +92,7 @@ class RewardWorker:
         filters: FiltersConfig | None = None,
         overlong: OverlongConfig | None = None,
         max_steps: int = 0,
+        failures: FailureWindows | None = None,
     ) -> None:
         self.advantage = resolve_advantage_fn(advantage)  # before the scorer: fail fast, no children left
         self.filters = filters or FiltersConfig()
@@ -124,6 +129,7 @@ class RewardWorker:
             )
         self.eps = eps
         self.name = name
+        self.failures = failures
 
     def score(self, group: RolloutGroup) -> ScoredGroup:
         """The scored group: rewards ``[G] float32``, ``reward_terms``, ``flags``/``masked``, advantages
@@ -152,6 +158,8 @@ class RewardWorker:
                 for error in result.errors:
                     if error is not None:
                         REWARD_ERRORS.labels(error).inc()
+                if self.failures is not None:
+                    self.failures.record("reward", term.name, outcomes(result.errors, result.message))
                 reward_terms[term.name] = result.rewards
                 for metric, value in result.metrics.items():  # TRL's log_metric: logged, not added to the reward
                     reward_terms[f"{term.name}/{metric}"] = [value] * g

@@ -46,11 +46,12 @@ class Environment(Protocol):
 @dataclasses.dataclass(frozen=True)
 class EnvResult:
     """``value``: ``state`` (reset), ``(messages, done, state)`` (step) or a finite float (reward); or
-    ``error``, the label (``value`` None). A step's ``tool_calls`` are ``(name, error)`` records;
-    ``bad_stats``: its statistics element was malformed and ignored."""
+    ``error``, the label (``value`` None), and ``message``, what failed. A step's ``tool_calls`` are
+    ``(name, error)`` records; ``bad_stats``: its statistics element was malformed and ignored."""
 
     value: Any
     error: str | None = None
+    message: str = ""
     tool_calls: tuple[tuple[str | None, str | None], ...] = ()
     bad_stats: bool = False
 
@@ -91,7 +92,7 @@ def step_stats(stats: Any) -> tuple[tuple[str | None, str | None], ...] | None:
 def _checked(fn: str, result: CallResult) -> EnvResult:
     """One call's result checked for ``fn``; a malformed one is ``"bad_result"``."""
     if result.error is not None:
-        return EnvResult(None, result.error)
+        return EnvResult(None, result.error, result.message)
     v = result.value
     if fn == "reset" and isinstance(v, dict):
         return EnvResult(v)
@@ -110,7 +111,7 @@ def _checked(fn: str, result: CallResult) -> EnvResult:
         return EnvResult((v[0], v[1], v[2]), tool_calls=tool_calls or (), bad_stats=tool_calls is None)
     if fn == "reward" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
         return EnvResult(float(v))
-    return EnvResult(None, "bad_result")
+    return EnvResult(None, "bad_result", f"{fn} returned a malformed result: {str(v)[:100]}")
 
 
 class EnvCalls:

@@ -49,10 +49,12 @@ Call = tuple[int, list]  # (function index, JSON arguments)
 
 @dataclasses.dataclass(frozen=True)
 class CallResult:
-    """``value``: the JSON result (None on error); ``error``: None or the error label."""
+    """``value``: the JSON result (None on error); ``error``: None or the error label; ``message``: what failed
+    (the exception's message, at most ``MAX_MESSAGE_CHARS``), ``""`` on success."""
 
     value: Any
     error: str | None
+    message: str = ""
 
 
 def check_refs(refs: Sequence[str], what: str) -> tuple[str, ...]:
@@ -160,7 +162,7 @@ class IsolatedCalls:
                             reply[1],
                             reply[2],
                         )
-                        results[c] = CallResult(None, reply[1])
+                        results[c] = CallResult(None, reply[1], reply[2] or reply[1])
                 elif now >= deadline:
                     del running[slot]
                     results[c] = self._fail(slot, calls[c][0], c, "timeout")
@@ -209,7 +211,9 @@ class IsolatedCalls:
                 index,
             )
         self._replace(slot)
-        return CallResult(None, reason)
+        if reason == "timeout":
+            return CallResult(None, reason, f"ran past timeout_s={self.timeout_s:g} s (child killed)")
+        return CallResult(None, reason, f"its child process died (exit code {proc.returncode})")
 
     def _replace(self, slot: int) -> None:
         """SIGKILL the child in ``slot`` and start a fresh one."""

@@ -171,7 +171,24 @@ EXAMPLES: dict[str, Callable[[], Message]] = {
     "component.ready": lambda: ComponentReady(
         id="c-1", name="rewards-1", pid=1234, metrics_port=9100, metrics_host="10.0.0.2"
     ),
-    "component.heartbeat": lambda: ComponentHeartbeat(id="h-1", name="rewards-1", pid=1234, state="running"),
+    "component.heartbeat": lambda: ComponentHeartbeat(
+        id="h-1",
+        name="rewards-1",
+        pid=1234,
+        state="running",
+        failures={
+            "judge": {
+                "kind": "reward",
+                "calls": 64,
+                "errors": 40,
+                "share": 0.625,
+                "window": 64,
+                "error": "TypeError",
+                "message": "unsupported operand",
+                "level": "stop",
+            }
+        },
+    ),
 }
 
 
