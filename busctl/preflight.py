@@ -67,3 +67,33 @@ def check_names(cfg: RunConfig) -> None:
             import_callable(cfg.rewards.advantage, "advantage")
         except ValueError as err:
             raise ConfigError(f"rewards.advantage: {err}") from None
+
+
+def check_data(cfg: RunConfig) -> list[str]:
+    """Check the rows of every dataset file the run reads (:mod:`tasks.data_check`): the training task's
+    train split, each eval task's eval split, within :data:`tasks.data_check.BUDGET_S` for all of them.
+
+    Returns:
+        Notes for the console: where the check stopped at its budget (none when every row was checked).
+
+    Raises:
+        ConfigError: the first bad row, naming its file, line (or row) and field.
+    """
+    import time
+
+    from tasks.data_check import BUDGET_S, check_task_data
+    from tasks.registry import eval_tasks, get_task
+
+    splits: dict[str, list[str]] = {} if cfg.eval.only else {cfg.task.name: ["train"]}
+    for t in eval_tasks(cfg):
+        splits.setdefault(t.name, []).append("eval")
+    deadline = time.monotonic() + BUDGET_S
+    notes = []
+    for name, task_splits in splits.items():
+        try:
+            _, note = check_task_data(get_task(name, cfg.task), task_splits, deadline)
+        except ValueError as err:
+            raise ConfigError(f"task {name!r} data: {err}") from None
+        if note:
+            notes.append(f"task {name!r}: {note}")
+    return notes

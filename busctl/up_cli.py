@@ -108,7 +108,7 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
     from busctl.launchers import make_launcher
     from busctl.metrics_targets import supervisor_metrics_host
     from busctl.components.placement import apply_placement
-    from busctl.preflight import check_names
+    from busctl.preflight import check_data, check_names
     from busctl.run_dir import overwrite
     from busctl.startup import process_started_at
     from busctl.supervisor import Supervisor  # zmq/rich only; torch stays out until needed
@@ -130,6 +130,7 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
         checked = cfg.model_copy(deep=True) if ns.dry_run else cfg  # --dry-run prints the paths as given
         resolve_run_model_paths(checked)  # a hub id becomes its HF-cache snapshot: every component loads the same files
         check_names(cfg)
+        data_notes = check_data(cfg)  # every row of the dataset files, within a time budget
         if cfg.eval.only:  # no trainer would start and the run would never end
             raise ValueError(
                 "eval.only=true is busctl eval's mode, not a training run: "
@@ -138,6 +139,8 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
     except (ValueError, FileNotFoundError) as err:  # a ConfigError, a key file, a model path, a name
         print_error(str(err))
         return 2
+    for note in data_notes:
+        print_warning(note)
     code, why, occupant = _check_run_dir(cfg, ns)
     if ns.dry_run:
         print(dump_config(cfg) + placement.describe())

@@ -133,6 +133,20 @@ def _is_json(value: Any) -> bool:
     return True
 
 
+Fields = Sequence[str] | Mapping[str, tuple[type, ...]]  # a task's fields, with the types it takes where mapped
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSource:
+    """What :mod:`tasks.data_check` checks of a file task before the run: its ``files`` per split, the
+    ``required`` fields (with their types where a mapping gives them) and its ``make_example``."""
+
+    task_name: str
+    files: Mapping[str, DataFile]
+    required: Fields
+    make_example: Callable[[dict[str, Any], str], Example]
+
+
 @dataclasses.dataclass(frozen=True)
 class DataFile:
     """One split's local file, its ``fields`` mapping and ``format`` (:func:`load_records`)."""
@@ -146,7 +160,7 @@ def file_task_loader(
     task_name: str,
     files: Mapping[str, DataFile],
     *,
-    required: Sequence[str],
+    required: Fields,
     make_example: Callable[[dict[str, Any], str], Example],
 ) -> Loader:
     """``load(split, num_examples, seed)`` over ``files`` (one :class:`DataFile` per split, read on each
@@ -177,6 +191,7 @@ def file_task_loader(
             examples.append(example)
         return examples
 
+    load.data_source = DataSource(task_name, dict(files), required, make_example)  # type: ignore[attr-defined]
     return load
 
 
@@ -184,7 +199,7 @@ def file_task(
     name: str,
     dataset: DatasetConfig | None,
     default_dir: Path,
-    required: Sequence[str],
+    required: Fields,
     make_example: Callable[[dict[str, Any], str], Example],
     **task_fields: Any,
 ) -> Task:

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from configs.rollout import DatasetConfig
 
 DATA_DIR = Path(__file__).resolve().parent / "data" / "gsm8k"
+GSM8K_FIELDS = {"question": (str,), "answer": (str, int, float)}  # a bare numeric answer is taken as it is
 GSM8K_SYSTEM_PROMPT = (
     "Solve the math problem. Reason step by step, then give the final answer as a number "
     "on the last line in the form: #### <number>"
@@ -167,7 +168,7 @@ def make_task(dataset: DatasetConfig | None = None) -> Task:
         "gsm8k",
         dataset,
         DATA_DIR,
-        ("question", "answer"),
+        GSM8K_FIELDS,
         gsm8k_example,
         system_prompt=GSM8K_SYSTEM_PROMPT,
         rewards=(("gsm8k", 1.0),),

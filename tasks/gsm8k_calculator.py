@@ -18,7 +18,7 @@ import re
 from typing import TYPE_CHECKING
 
 from tasks.datasets import file_task
-from tasks.gsm8k import DATA_DIR, gsm8k_example, gsm8k_reward
+from tasks.gsm8k import DATA_DIR, GSM8K_FIELDS, gsm8k_example, gsm8k_reward
 from tasks.task import Task
 from tasks.tools import Tool, ToolEnv
 
@@ -128,7 +128,7 @@ def make_task(dataset: DatasetConfig | None = None) -> Task:
         "gsm8k_calculator",
         dataset,
         DATA_DIR,
-        ("question", "answer"),
+        GSM8K_FIELDS,
         gsm8k_example,
         system_prompt=CALCULATOR_SYSTEM_PROMPT,
         rewards=(),

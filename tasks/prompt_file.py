@@ -9,6 +9,7 @@ to ``info`` as it is, so a reward function reads it (a TRL-style one as a keywor
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 from tasks.datasets import DataFile, file_task_loader
@@ -50,6 +51,7 @@ def make_task(dataset: DatasetConfig | None = None) -> Task:
     if dataset.eval_path:
         return Task(NAME, load)
 
+    @functools.wraps(load)  # keeps load.data_source (tasks.data_check)
     def train_only(split: str, num_examples: int, seed: int) -> list[Example]:
         check_request(split, num_examples)
         return (load if split == "train" else _no_eval_file)(split, num_examples, seed)
