@@ -171,7 +171,7 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
         cfg,
         console,
         resume=ns.resume,
-        launched_at=process_started_at(os.getpid()),
+        launched_at=getattr(ns, "launched_at", None) or process_started_at(os.getpid()),  # rlbus.run: its call
         placement=placement,
         launcher=launcher,
     )

@@ -33,7 +33,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 600
 STAGES = frozenset({"prompts", "producers", "rewards", "packer", "trainer"})
-CONTROL_PLANE = frozenset({"busctl"})
+CONTROL_PLANE = frozenset({"busctl", "rlbus"})  # rlbus: the Python entry point (rlbus.run) over busctl up
 BASE = frozenset({"configs", "telemetry", "lifecycle"})
 LIBRARIES = BASE | frozenset({"bus", "tasks", "broadcaster", "policies", "runfiles"})
 SKIPPED_DIRS = frozenset({"tests", "runs", "build", "dist", "node_modules"})
