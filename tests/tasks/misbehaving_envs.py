@@ -86,3 +86,8 @@ def faulty_task() -> Task:
     """A custom multi-turn task (``task.name: tests.tasks.misbehaving_envs:faulty_task``) with the
     :class:`Faulty` environment and reverse_text's prompts."""
     return Task("faulty", reverse_text_examples, None, (), env="tests.tasks.misbehaving_envs:Faulty", max_turns=2)
+
+
+def agent_raises(client: object, example: dict) -> float:
+    """An agent (``task.agent``) that fails before it calls the model."""
+    raise ConnectionError(f"no route to the tool server for {example['info'].get('id', '?')}")
