@@ -24,6 +24,7 @@ from configs.errors import ConfigError, describe_validation, parse_override, rea
 from configs.rewards import RewardsConfig
 from configs.rollout import EvalConfig, FiltersConfig, SamplingConfig, TaskConfig, TeacherConfig
 from configs.bus_limits import DEFAULT_MAX_INFLIGHT_BYTES, check_inflight_bytes
+from configs.servers import EngineFields, check_server_engine
 from configs.topic_names import endpoint_key_ok
 from configs.training import LoraSection, LossConfig, OptimConfig, TrainerConfig
 
@@ -68,8 +69,8 @@ class ModelConfig(Section):
     max_model_len: int = Field(256, ge=16, le=131_072, description="Longest prompt + completion, tokens.")
 
 
-class ProducersConfig(Section):
-    """Rollout producers (one vLLM AsyncLLM engine each)."""
+class ProducersConfig(EngineFields):
+    """Rollout producers (one vLLM AsyncLLM engine each, or inference servers: `configs.servers`)."""
 
     replicas: int = Field(1, ge=1, le=64, description="Number of producer processes.")
     group_size: int = Field(8, ge=1, le=1024, description="Completions per prompt (G).")
@@ -446,6 +447,7 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
         apply_weight_method_default(self)
+        check_server_engine(self)
         g = self.producers.group_size
         if self.trainer.batch_size % g:
             raise ValueError(

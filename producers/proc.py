@@ -42,7 +42,7 @@ from bus.sample_arrays import pack_spans, run_lengths
 from bus.wire import is_chat_messages
 from producers.agents import AgentRunner
 from producers.endpoint import OpenAIEndpoint
-from producers.engine import RolloutEngine
+from producers.engines import build_engine
 from producers.episodes import EpisodeRunner
 from producers.eval_gate import EvalUpdateGate
 from producers.sampling import request_kwargs
@@ -122,18 +122,7 @@ class ProducerProc(Component):
     def setup(self) -> None:
         cfg = self.cfg
         self.loop = asyncio.new_event_loop()
-        self.engine = RolloutEngine(
-            cfg.model.path,
-            max_model_len=cfg.model.max_model_len,
-            kv_cache_bytes=int(cfg.producers.kv_cache_gib * 2**30),
-            seed=cfg.producers.seed + self.index,
-            tensor_parallel_size=cfg.producers.tensor_parallel_size,
-            gpu_memory_utilization=cfg.producers.gpu_memory_utilization,
-            dtype=cfg.producers.dtype,
-            update_mode=cfg.producers.weight_update,
-            # post-temperature logprobs: the trainer scores with the same temperature
-            engine_kwargs={"logprobs_mode": "processed_logprobs"},
-        )
+        self.engine = build_engine(cfg, self.index, self.name)  # in-process vLLM or servers (producers.engine)
         self.loop.run_until_complete(self.engine.start())
         self.tokenizer = self.engine.tokenizer
         self.teacher: Teacher | None = None

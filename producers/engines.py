@@ -1,0 +1,96 @@
+"""The one place that turns `producers.engine` into a producer's rollout engine.
+
+`vllm`: `producers.engine.RolloutEngine` in the producer's process. `server`: `producers.server_engine.ServerEngine`
+on `producers.servers`, or on `servers_per_replica` vLLM servers the producer starts (`producers.server_launch`),
+logged to `RUN_DIR/logs/<producer>-server-<k>.log`. Only the in-process engine imports vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from producers.vllm_idle import BUSY_LOOP_ENV
+from producers.vllm_procs import MULTIPROCESSING_ENV, engine_core_threads
+
+if TYPE_CHECKING:
+    from configs.schema import RunConfig
+
+__all__ = ["build_engine", "managed_server_env"]
+
+
+def managed_server_env(on_gpu: bool) -> dict[str, str]:
+    """Environment of a managed vLLM server: dev mode (weights), rlbus importable (its worker extension), and on
+    CPU the in-process engine's settings (`producers.vllm_procs`, `producers.vllm_idle`)."""
+    root = str(Path(__file__).resolve().parents[1])
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": os.pathsep.join([root, *[p for p in path if p != root]])}
+    if not on_gpu:
+        env |= {MULTIPROCESSING_ENV: "0", BUSY_LOOP_ENV: "0.005"}
+        env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS") or str(engine_core_threads()))
+        env.setdefault("TORCH_COMPILE_DISABLE", os.environ.get("TORCH_COMPILE_DISABLE") or "1")
+    return env
+
+
+def build_engine(cfg: "RunConfig", index: int, name: str) -> Any:
+    """Producer `index`'s (named `name`) engine, not started."""
+    p = cfg.producers
+    kv_cache_bytes = int(p.kv_cache_gib * 2**30)
+    if p.engine == "vllm":
+        from producers.engine import RolloutEngine
+
+        return RolloutEngine(
+            cfg.model.path,
+            max_model_len=cfg.model.max_model_len,
+            kv_cache_bytes=kv_cache_bytes,
+            seed=p.seed + index,
+            tensor_parallel_size=p.tensor_parallel_size,
+            gpu_memory_utilization=p.gpu_memory_utilization,
+            dtype=p.dtype,
+            update_mode=p.weight_update,
+            # post-temperature logprobs: the trainer scores with the same temperature
+            engine_kwargs={"logprobs_mode": "processed_logprobs"},
+        )
+    from producers.server_engine import ServerEngine
+
+    launchers = []
+    if not p.servers:
+        launchers = _launchers(cfg, index, name, kv_cache_bytes)
+    return ServerEngine(
+        cfg.model.path,
+        urls=list(p.servers),
+        launchers=launchers,
+        kind=p.server_kind if p.servers else "vllm",
+        update_mode="drain",
+        start_timeout_s=p.server_start_timeout_s,
+        request_timeout_s=p.server_request_timeout_s,
+    )
+
+
+def _launchers(cfg: "RunConfig", index: int, name: str, kv_cache_bytes: int) -> list:
+    from broadcaster.dtypes import resolve_producer_dtype
+    from configs.model_path import resolve_model_path
+    from producers.server_launch import ServerLauncher, server_command
+
+    p = cfg.producers
+    on_gpu = bool(p.gpus_per_replica) and os.environ.get("CUDA_VISIBLE_DEVICES", "") not in ("", "-1")
+    dtype = resolve_producer_dtype(p.dtype, cuda_available=on_gpu)
+    launchers = []
+    for k in range(p.servers_per_replica):
+        port = ServerLauncher.pick_port()
+        command = server_command(
+            resolve_model_path(cfg.model.path),
+            port,
+            max_model_len=cfg.model.max_model_len,
+            dtype=dtype,
+            seed=p.seed + index,
+            kv_cache_bytes=kv_cache_bytes,
+            on_gpu=on_gpu,
+            tensor_parallel_size=p.tensor_parallel_size,
+            gpu_memory_utilization=p.gpu_memory_utilization if on_gpu else None,
+            extra_args=list(p.server_args),
+        )
+        log_path = Path(cfg.run_dir) / "logs" / f"{name}-server-{k}.log"
+        launchers.append(ServerLauncher(command, port, env=managed_server_env(on_gpu), log_path=log_path))
+    return launchers
