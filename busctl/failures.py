@@ -84,7 +84,7 @@ class FailureBoard:
                     f"{what} fails on {share}, above rewards.max_error_fraction={self.max_fraction:g}; "
                     f"first error: {cause}"
                 )
-            elif rec["level"] == "warn" and name not in self._warned:
+            if rec["level"] in ("warn", "stop") and name not in self._warned:  # a stop is warned of too
                 self._warned.add(name)
                 lines.append(
                     f"  [yellow]warning[/yellow] {escape(what)} fails on {escape(share)}: {escape(cause)} "

@@ -255,7 +255,8 @@ def add_up(sub: argparse._SubParsersAction) -> dict:
         "--dry-run",
         action="store_true",
         help="run every check busctl up runs before it starts anything (config, devices, keys, model paths, "
-        "task/reward/environment names), print the resolved config and the device plan, and exit",
+        "task/reward/environment names, the rows of the dataset files), print the resolved config and the device "
+        "plan, and exit",
     )
     up.add_argument(
         "--launcher",

@@ -80,7 +80,7 @@ class RewardsConfig(Section):
         le=100_000,
         description=(
             "Recent calls per function (and per reward worker or producer) the two shares are taken over; a "
-            "function is judged once it has made this many calls."
+            "function may warn after a quarter of this many calls and stop the run after all of them."
         ),
     )
 

@@ -2,9 +2,9 @@
 
 A component records each call's outcome per function; :meth:`FailureWindows.report` is what its heartbeats
 carry to ``busctl up`` (:class:`bus.messages.ComponentHeartbeat` ``failures``), which prints the warning and
-stops the run (docs/ARCHITECTURE.md, "Failure containment"). A function is judged only once its window is full,
-so a few early failures never stop a run; the level goes back to ``ok`` once the share falls to half the warning
-share, so a term that keeps crossing the line warns again only after a real recovery.
+stops the run (docs/ARCHITECTURE.md, "Failure containment"). A function may warn once a quarter of its window is
+filled, and stop the run only once the window is full, so a few early failures never stop a run; the level goes
+back to ``ok`` once the share falls to half the warning share, so a term warns again only after a real recovery.
 """
 
 from __future__ import annotations
@@ -84,10 +84,10 @@ class FailureWindows:
 
     def _level(self, w: _Window) -> str:
         """``stop`` is final; ``warn`` holds until the share falls to half the warning share."""
-        if len(w.recent) < self.window or w.level == "stop":
+        if len(w.recent) < max(1, self.window // 4) or w.level == "stop":
             return w.level
         share = _share(w)
-        if share > self.max_fraction:
+        if share > self.max_fraction and len(w.recent) == self.window:
             return "stop"
         if share > self.warn_fraction:
             return "warn"

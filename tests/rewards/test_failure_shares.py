@@ -14,9 +14,11 @@ from telemetry.failure_window import FailureWindows
 FAIL = ("TypeError", "unsupported operand")
 
 
-def test_a_function_is_judged_once_its_window_is_full_and_stop_is_final():
+def test_a_function_warns_from_a_quarter_window_stops_once_it_is_full_and_stop_is_final():
     w = FailureWindows(window=10, warn_fraction=0.1, max_fraction=0.5)
-    assert w.record("reward", "f", [FAIL] * 9) == "ok"  # 9 calls: not judged yet
+    assert w.record("reward", "f", [FAIL]) == "ok"  # 1 call: not judged yet
+    assert w.record("reward", "f", [FAIL]) == "warn"  # 2 of 2 (a quarter window): a warning, never a stop
+    assert w.record("reward", "f", [FAIL] * 7) == "warn"  # 9 of 9: still no stop before the window is full
     assert w.record("reward", "f", [FAIL]) == "stop"  # 10 of 10 > 0.5
     assert w.record("reward", "f", [None] * 10) == "stop"  # a stopped function stays stopped
     rep = w.report()["f"]
