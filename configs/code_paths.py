@@ -1,11 +1,10 @@
 """``task.code_paths``: the user's folders on the import path of busctl and of every component.
 
 A relative entry starts at the config file's folder (one set by an override, at the working directory)
-and is saved absolute, so ``RUN_DIR/config.yaml`` and ``--resume`` name the same folders. The folders
-follow rlbus and the installed packages on the import path, so a module in them that one of those
-already provides (``rewards.py``: rlbus's ``rewards`` package) would never be imported: refused here.
-The supervisor puts the folders on each component's ``PYTHONPATH`` (every launcher); task resolution
-(:func:`tasks.registry.get_task`) on ``sys.path`` in busctl's own process.
+and is saved absolute, so ``RUN_DIR/config.yaml`` and ``--resume`` name the same folders. A module in
+them that rlbus or an installed package already provides (``rewards.py``: rlbus's ``rewards`` package)
+would not import as the user's everywhere: refused here. Where the folders go on the import path:
+docs/ARCHITECTURE.md, "Tasks, reward terms and filters".
 """
 
 from __future__ import annotations
