@@ -263,3 +263,39 @@ def test_producer_killed_under_broadcast_weights(tmp_path: Path, policy: Path) -
     final = (run_dir / "metrics_final" / "trainer.prom").read_text()
     assert 'rlbus_trainer_weight_group_reforms_total{outcome="ok"}' in final
     assert 'rlbus_trainer_weight_members{method="broadcast"} 1.0' in final
+
+
+def test_a_failing_reward_function_warns_on_the_console_and_stops_the_run(tmp_path: Path, policy: Path) -> None:
+    """A reward term that raises on every call (the issue-39 case: a run that trained on reward 0 in silence):
+    busctl up prints a warning naming the function, its error, first message and share, then stops the run with
+    exit 1 once its share of the last rewards.error_window calls is past rewards.max_error_fraction; the count and
+    first message are in status.json, busctl status and busctl report."""
+    run_dir = tmp_path / "run"
+    proc = busctl(
+        run_dir,
+        policy,
+        "trainer.max_steps=8",  # the stop comes first
+        "rewards.error_window=32",  # per reward worker: about 4 steps of samples, so steps are trained before it
+        "eval.enabled=false",
+        "task.rewards=[{name: reverse_text}, {name: 'tests.rewards.reward_fns:raises', weight: 0.5}]",
+    )
+    with supervised(proc):
+        out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 1, out
+    warning = re.search(r"warning reward function 'raises' fails on 100% of its last \d+ calls in rewards-\d", out)
+    assert warning and "ValueError: cannot score " in out[warning.start() :].splitlines()[0], out
+    stop = re.search(
+        r"run failed: reward function 'raises' fails on 100% of its last 32 calls in rewards-\d \((\d+) of \1 failed "
+        r"so far\), above rewards.max_error_fraction=0.5; first error: ValueError: cannot score ",
+        out,
+    )
+    assert stop and warning.start() < stop.start(), out
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["outcome"] == "failed" and status["failures"]["raises"]["level"] == "stop"
+    assert set(status["failures"]) == {"raises"}  # reverse_text never failed
+    assert status["failures"]["raises"]["errors"] == status["failures"]["raises"]["calls"] >= 32
+    shown = busctl_cmd("status", str(run_dir)).stdout
+    assert re.search(r"failures: reward function raises: (\d+) of \1 calls failed \(100% of recent calls\)", shown)
+    report = busctl_cmd("report", str(run_dir))  # steps were trained before the stop (max_async_level bounds it)
+    assert report.returncode == 0, report.stderr
+    assert "failures: reward function raises: " in report.stdout and "first: ValueError: cannot score " in report.stdout
