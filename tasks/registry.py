@@ -34,11 +34,8 @@ _TASKS: dict[str, str] = {
     "prompt_file": "tasks.prompt_file:make_task",
 }
 KNOWN_TASKS = tuple(_TASKS)
-FILE_TASKS = (
-    "gsm8k",
-    "gsm8k_calculator",
-    "prompt_file",
-)  # the tasks whose examples come from files (task.dataset applies)
+# the tasks whose examples come from files (task.dataset applies)
+FILE_TASKS = ("gsm8k", "gsm8k_calculator", "prompt_file")
 
 
 def _has_dataset(dataset: DatasetConfig | None) -> bool:

@@ -85,6 +85,16 @@ def test_prompt_file_task_reads_a_prompt_column_and_passes_the_rest(tmp_path: Pa
     ]
     with pytest.raises(ValueError, match="the eval split needs task.dataset.eval_path"):
         load_task_examples(task, "eval", 1, 0)
+    # Parquet: every column read, a value JSON cannot carry (a timestamp) left out
+    import datetime
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    row = {"prompt": "abc", "tags": ["x", "y"], "at": datetime.datetime(2026, 1, 1)}
+    pq.write_table(pa.Table.from_pylist([row]), tmp_path / "d.parquet")
+    cfg = load_config(None, ["task.name=prompt_file", f"task.dataset.path={tmp_path / 'd.parquet'}"])
+    assert load_task_examples(get_task("prompt_file", cfg.task), "train", 1, 0)[0]["info"] == {"tags": ["x", "y"]}
     with pytest.raises(ValueError, match="set task.dataset.path"):
         get_task("prompt_file", load_config(None, ["task.name=prompt_file"]).task)
 
