@@ -54,6 +54,9 @@ class _Tee(io.TextIOBase):
     def isatty(self) -> bool:
         return self.stream.isatty()
 
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
 
 def _last(path: Path, key: str | None = None) -> dict[str, Any]:
     """The last JSON line of ``path`` (having ``key``), ``{}`` when there is none."""
