@@ -8,11 +8,13 @@
   initial chat messages as its prompt;
 - a custom task whose environment hangs, crashes its child or raises on some model texts
   (``tests/tasks/misbehaving_envs.py``): all three failures happen in one run, each is counted, the
-  episodes end with reward 0, and no prompt or sample is lost.
+  episodes end with reward 0, busctl up warns of the environment's failure share, and no prompt or sample
+  is lost.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -69,10 +71,16 @@ def test_an_environment_that_hangs_crashes_and_raises_loses_nothing(tmp_path: Pa
         "task.env_timeout_s=1",
         "sampling.max_tokens=8",
         "eval.enabled=false",
+        "rewards.max_error_fraction=1",  # contained, so the run goes on; warned of on the console
     )
     run_to_completion(proc, run_dir, max_steps)
     for error in ("timeout", "crash", "ValueError"):
         assert prom_total(run_dir, f'rlbus_producer_env_errors_total{{error="{error}"}}') > 0, error
+    status = json.loads((run_dir / "status.json").read_text())
+    env = status["failures"]["tests.tasks.misbehaving_envs:Faulty"]
+    assert env["kind"] == "env" and 0 < env["errors"] < env["calls"], env
+    warned = "warning environment 'tests.tasks.misbehaving_envs:Faulty' fails on "
+    assert any(text.startswith(warned) for _, text in status["events"]), status["events"]
     samples = read_jsonl(run_dir / "samples.jsonl")
     failed = [s for s in samples if s.get("finish_reason", "").startswith("env_error")]
     assert not failed or all(s["reward"] == 0.0 for s in failed)
