@@ -27,11 +27,11 @@ REFRESH_PER_S = 2.0
 
 
 def progress_line(step: int, max_steps: int, m: dict) -> str:
-    """``step   12/60 | reward 0.512 | loss +0.0123 | kl 0.0010 | 1,234 tok/s | lag 0.50/1 | 2.31 s``
+    """``step   12/60 | reward 0.512 | loss +0.0123 | kl 0.0010 | 1,234 all tok/s | lag 0.50/1 | 2.31 s``
     from a ``trainer.step`` message's metrics ``m`` (a missing key shows as 0)."""
     return (
         f"step {step:>4}/{max_steps} | reward {m.get('reward_mean', 0):.3f}"
-        f" | loss {m.get('loss', 0):+.4f} | kl {m.get('kl', 0):.4f} | {m.get('tokens_per_s', 0):,.0f} tok/s"
+        f" | loss {m.get('loss', 0):+.4f} | kl {m.get('kl', 0):.4f} | {m.get('tokens_per_s', 0):,.0f} all tok/s"
         f" | lag {m.get('policy_lag_mean', 0):.2f}/{m.get('policy_lag_max', 0):.0f} | {m.get('step_time_s', 0):.2f} s"
     )
 
@@ -86,9 +86,9 @@ def phase_text(m: dict) -> str:
     return " ".join(f"{PHASE_LABELS.get(p, p)} {100 * v:.0f}%" for p, v in phase_shares(m).items())
 
 
-def trainer_text(snap: dict) -> str:
+def trainer_text(snap: dict, eta: bool = True) -> str:
     """``step 12/60 | reward .. | KL .. | entropy .. | lag m/M | 2.31 s/step | ETA .. | wait 3% fwd ..``
-    (``step -/60`` before the first step)."""
+    (``step -/60`` before the first step; no ETA with ``eta=False``: a run that has stopped)."""
     step, max_steps = snap.get("step"), snap.get("max_steps")
     parts = [f"step {'-' if step is None else step}/{max_steps if max_steps is not None else '?'}"]
     m = snap.get("trainer_metrics") or {}
@@ -99,7 +99,7 @@ def trainer_text(snap: dict) -> str:
         parts.append(f"lag {m['policy_lag_mean']:.2f}/{m.get('policy_lag_max', 0):.0f}")
     if "step_time_s" in m:
         parts.append(f"{m['step_time_s']:.2f} s/step")
-    if step is not None:
+    if step is not None and eta:
         parts.append(f"ETA {format_duration(snap.get('eta_s'))}")
     if phases := phase_text(m):
         parts.append(phases)

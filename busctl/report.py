@@ -30,6 +30,7 @@ from busctl.run_data import (
 )
 from trackers.opening import tracker_lines
 from busctl.stderr import print_error
+from busctl.throughput import LOSS_TOKENS, throughput_text, trainer_throughput
 
 __all__ = ["cmd_report", "format_phases", "format_summary", "lag_token_shares", "summarize", "write_report"]
 
@@ -49,7 +50,6 @@ def summarize(run: RunData) -> dict:
     full = ma[w - 1 :]
     best_i = max(range(len(full)), key=lambda i: full[i] if math.isfinite(full[i]) else -math.inf) if full else None
     times = run.series("step_time_s")[1]
-    tokens = run.series("num_tokens")[1]
     _, lag_max = run.series("policy_lag_max")
     s = {
         "steps": len(run.steps),
@@ -76,9 +76,7 @@ def summarize(run: RunData) -> dict:
         "lag_mean": _mean(run.series("policy_lag_mean")[1]),
         "lag_max": max(lag_max) if lag_max else math.nan,
         "lag_tokens": lag_token_shares(run),
-        "tokens_per_s": sum(tokens) / sum(times)
-        if tokens and len(tokens) == len(times) and sum(times) > 0
-        else _mean(run.series("tokens_per_s")[1]),
+        "throughput": trainer_throughput(run.steps),
         "stages": {
             role: {key: _mean(vals) for key, (_, vals) in series.items()}
             for role, series in stage_series(run.stages).items()
@@ -142,14 +140,16 @@ def format_summary(run: RunData, s: dict, notes: list[str]) -> str:
         lines.append(
             "loss tokens by lag (steps): " + ", ".join(f"{b} {100 * v:.1f}%" for b, v in s["lag_tokens"].items())
         )
-    lines.append(f"trainer throughput: {_f(s['tokens_per_s'])} tokens/s (all tokens / training time)")
+    lines.append(throughput_text(run.steps))
     lines += format_phases(s["phases"])
     for role, v in s["stages"].items():
         busy = v.get("busy", math.nan)
-        lines.append(
-            f"stage {role}: {_f(v.get('tokens_per_s', math.nan))} tokens/s, busy "
-            f"{'n/a' if not math.isfinite(busy) else f'{100 * busy:.0f}%'} (mean over polls)"
-        )
+        if role == "trainer" and LOSS_TOKENS in s["throughput"]:  # the figure above, not a second one
+            rate = f"{_f(s['throughput'][LOSS_TOKENS])} {LOSS_TOKENS} of step time (metrics.jsonl)"
+        else:
+            rate = f"{_f(v.get('tokens_per_s', math.nan))} completion tokens/s of wall time"
+        busy_text = "n/a" if not math.isfinite(busy) else f"{100 * busy:.0f}%"
+        lines.append(f"stage {role}: {rate}, busy {busy_text} (mean over polls)")
     seen = {
         k: v for k, v in sorted(s["packer_outcomes"].items()) if v or k == "accepted"
     }  # pre-initialised zeros left out
@@ -169,20 +169,21 @@ def format_summary(run: RunData, s: dict, notes: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def format_phases(rows: list[tuple[str, float, float]]) -> list[str]:
+def format_phases(rows: list[tuple[str, float, float, float]]) -> list[str]:
     """The summary's table of where the trainer's step time went (:func:`busctl.run_data.phase_table`)::
 
-        trainer time per step by phase (median s/step, share of step time):
-          wait_data    (wait )  0.0123 s   3.1%
+        trainer time per step by phase (mean s/step and its share of the mean step time, which add up; median):
+          wait_data    (wait )  0.0123 s   3.1%  median   0.0032 s
           ...
 
     No lines for a run without phase times."""
     if not rows:
         return []
-    lines = ["trainer time per step by phase (median s/step, share of step time):"]
-    for phase, median, share in rows:
+    lines = ["trainer time per step by phase (mean s/step and its share of the mean step time, which add up; median):"]
+    for phase, mean, share, median in rows:
         pct = "n/a" if not math.isfinite(share) else f"{100 * share:5.1f}%"
-        lines.append(f"  {phase:<12} ({PHASE_LABELS.get(phase, phase):<5}) {median:8.4f} s  {pct:>6}")
+        label = PHASE_LABELS.get(phase, phase)
+        lines.append(f"  {phase:<12} ({label:<5}) {mean:8.4f} s  {pct:>6}  median {median:8.4f} s")
     return lines
 
 

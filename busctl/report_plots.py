@@ -19,6 +19,7 @@ import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator
 
 from busctl.run_data import PHASE_LABELS, moving_average, phase_series, smoothing_window, stage_series
+from busctl.throughput import LOSS_TOKENS, step_rates, trainer_throughput
 
 if TYPE_CHECKING:
     from busctl.run_data import RunData
@@ -123,23 +124,11 @@ def _eval(run: "RunData", notes: list[str]):
     return fig
 
 
-def trainer_completion_rate(run: "RunData") -> tuple[list[int], list[float]]:
-    """The trainer's completion (loss) tokens per second of step time, per step: ``num_loss_tokens / step_time_s``
-    (its ``tokens_per_s`` counts prompt + completion tokens: not comparable with the stages' tokens/s)."""
-    pts = [
-        (r["step"], float(r["num_loss_tokens"]) / float(r["step_time_s"]))
-        for r in run.steps
-        if isinstance(r.get("num_loss_tokens"), (int, float))
-        and isinstance(r.get("step_time_s"), (int, float))
-        and r["step_time_s"] > 0
-    ]
-    return [p[0] for p in pts], [p[1] for p in pts]
-
-
 def _throughput(run: "RunData", notes: list[str]):
     stages = stage_series(run.stages)
-    x, y = trainer_completion_rate(run)
-    label = "trainer (metrics.jsonl: loss tokens / step time)"
+    x, y = step_rates(run.steps, LOSS_TOKENS)  # the figure busctl status and the summary print, per step
+    run_rate = trainer_throughput(run.steps).get(LOSS_TOKENS)
+    label = f"trainer ({LOSS_TOKENS} of step time; run: {run_rate:,.0f})" if x else ""
     if not x:
         tx, ty = run.series("tokens_per_s")
         if tx and any("tokens_per_s" in s for s in stages.values()):

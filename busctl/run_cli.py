@@ -87,7 +87,10 @@ def cmd_status(ns: argparse.Namespace, console: Console) -> int:
         f"{status['run_dir']}: busctl up pid {status['supervisor_pid']} {state}{outcome}"
         + (f", supervisor metrics :{status['metrics_port']}" if status.get("metrics_port") else "")
     )
-    console.print(trainer_text(status))
+    from busctl.throughput import run_throughput_text
+
+    console.print(trainer_text(status, eta=sup_alive and status.get("state") not in ("stopping", "stopped")))
+    console.print(run_throughput_text(run_dir), markup=False, highlight=False)  # the figures busctl report prints
     table = Table()
     for col in (
         "component",

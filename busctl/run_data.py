@@ -242,10 +242,10 @@ def phase_series(run: RunData) -> dict[str, tuple[list[int], list[float]]]:
     return {p: run.series(f"time/{p}_s") for p in order}
 
 
-def phase_table(run: RunData) -> list[tuple[str, float, float]]:
-    """Per phase: ``(phase, median seconds per step, share of step time)`` over the steps that
-    report every phase; share = the phase's total seconds / the steps' total ``step_time_s``
-    (or, without it, the phases' total). Empty for runs without phase times."""
+def phase_table(run: RunData) -> list[tuple[str, float, float, float]]:
+    """Per phase: ``(phase, mean seconds per step, share, median seconds per step)`` over the steps that report
+    every phase; share = the phase's total seconds / the steps' total ``step_time_s`` (or, without it, the phases'
+    total), so the means add up to the mean step time and the shares to 1. Empty for runs without phase times."""
     phases = phase_series(run)
     if not phases:
         return []
@@ -260,5 +260,6 @@ def phase_table(run: RunData) -> list[tuple[str, float, float]]:
     out = []
     for phase, key in zip(phases, keys):
         values = [float(r[key]) for r in rows]
-        out.append((phase, statistics.median(values), sum(values) / wall if wall > 0 else math.nan))
+        share = sum(values) / wall if wall > 0 else math.nan
+        out.append((phase, sum(values) / len(values), share, statistics.median(values)))
     return out

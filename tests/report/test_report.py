@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from busctl.cli import main as busctl
 from busctl.run_data import load_run, moving_average, smoothing_window
+from busctl.throughput import run_throughput_text
 
 STEPS = 24
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -152,10 +153,12 @@ def test_report_writes_every_plot_and_the_summary_numbers(run_dir: Path, capsys)
     )
     assert f"policy lag: mean {g4(np.mean([r['policy_lag_mean'] for r in recs]))}, max 2 steps" in summary
     tokens_per_s = sum(r["num_tokens"] for r in recs) / sum(r["step_time_s"] for r in recs)
-    assert f"trainer throughput: {g4(tokens_per_s)} tokens/s" in summary
+    line = f"trainer throughput over {STEPS} steps: {tokens_per_s:,.0f} all tokens/s (per second of step time)"
+    assert line in summary.splitlines()
+    assert run_throughput_text(run_dir) == line  # busctl status prints the same line
     producer = np.mean([100.0 + s + 50.0 for s in range(0, STEPS + 1, 2)])  # two replicas summed, averaged over polls
-    assert f"stage producer: {g4(producer)} tokens/s, busy 80%" in summary
-    assert "stage rewards: 140 tokens/s, busy 10%" in summary
+    assert f"stage producer: {g4(producer)} completion tokens/s of wall time, busy 80%" in summary
+    assert "stage rewards: 140 completion tokens/s of wall time, busy 10%" in summary
     assert "stage packer" not in summary and "stage hub" not in summary  # nothing recorded for them
     assert "packer groups by outcome: accepted 105, filtered: equal_rewards 5, stale 9" in summary
     assert "prompts: issued 110; outcomes trained 96, dropped_stale 9, filtered 5, failed 0; unresolved 0" in summary

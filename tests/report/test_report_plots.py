@@ -13,6 +13,7 @@ import pytest
 
 from busctl.report_plots import build_figures
 from busctl.run_data import load_run, moving_average, smoothing_window
+from busctl.throughput import LOSS_TOKENS, trainer_throughput
 
 
 def write_run(run: Path, records: list[dict], stages: list[dict] | None = None) -> Path:
@@ -81,7 +82,9 @@ def test_throughput_puts_completion_tokens_of_every_stage_on_one_axis(tmp_path, 
     ax = figs["throughput.png"].axes[0]
     assert ax.get_ylabel() == "completion tokens/s"
     drawn = lines(ax)
-    trainer = drawn["trainer (metrics.jsonl: loss tokens / step time)"]
+    run_rate = 200.0 * len(records) / sum(r["step_time_s"] for r in records)  # the figure status and summary print
+    trainer = drawn[f"trainer (loss tokens/s of step time; run: {run_rate:,.0f})"]
+    assert trainer_throughput(records)[LOSS_TOKENS] == pytest.approx(run_rate)
     assert trainer[0] == list(range(1, 9))
     assert trainer[1] == pytest.approx([200.0 / r["step_time_s"] for r in records])
     assert all(v < r["tokens_per_s"] / 3 for v, r in zip(trainer[1], records))  # not the prompt + completion rate

@@ -94,7 +94,7 @@ def test_render_shows_every_component_and_the_last_events():
 
 def test_progress_line_keeps_its_format():
     assert progress_line(12, 60, METRICS) == (
-        "step   12/60 | reward 0.512 | loss +0.0123 | kl 0.0012 | 1,234 tok/s | lag 0.50/1 | 2.31 s"
+        "step   12/60 | reward 0.512 | loss +0.0123 | kl 0.0012 | 1,234 all tok/s | lag 0.50/1 | 2.31 s"
     )
 
 

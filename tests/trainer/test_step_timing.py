@@ -123,6 +123,7 @@ def test_status_shows_the_share_of_each_phase(trained) -> None:
     assert own["backward"] == pytest.approx(records[0][phase_key("backward")] / records[0]["step_time_s"])
     assert phase_text({"reward_mean": 0.5}) == ""  # a trainer without phase times: nothing shown
     assert " | ETA" in trainer_text({**snap, "trainer_metrics": {"reward_mean": 0.5}})
+    assert "ETA" not in trainer_text(snap, eta=False)  # busctl status of a run that has stopped
 
 
 def test_report_prints_the_phase_table_and_plots_the_phases(trained, tmp_path: Path, capsys) -> None:
@@ -130,13 +131,17 @@ def test_report_prints_the_phase_table_and_plots_the_phases(trained, tmp_path: P
     out = tmp_path / "report"
     assert busctl(["report", str(run_dir), "--out", str(out)]) == 0
     summary = (out / "summary.txt").read_text()
-    assert "trainer time per step by phase (median s/step, share of step time):" in summary
+    assert "trainer time per step by phase (mean s/step and its share of the mean step time, which add up" in summary
     wall = sum(r["step_time_s"] for r in records)
+    means = []
     for p in PHASES:
         values = [r[phase_key(p)] for r in records]
         line = next(line for line in summary.splitlines() if line.strip().startswith(p + " "))
-        assert f"{statistics.median(values):8.4f} s" in line, line
-        assert f"{100 * sum(values) / wall:5.1f}%" in line, line
+        means.append(statistics.mean(values))
+        assert f"{means[-1]:8.4f} s" in line, line
+        assert f"{100 * sum(values) / wall:5.1f}%" in line, line  # = the mean's share of the mean step time
+        assert f"median {statistics.median(values):8.4f} s" in line, line
+    assert sum(means) == pytest.approx(wall / len(records), rel=1e-6)  # the means add up to the mean step time
     png = out / "phases.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     pixels = matplotlib.image.imread(png)
