@@ -19,7 +19,7 @@ from bus.sockets import POLL_SLICE_S, BusSocket
 
 log = logging.getLogger(__name__)
 
-REANNOUNCED_TYPES = ("weights.ready", "trainer.step", "run.done", "weights.applied")  # idempotent state
+REANNOUNCED_TYPES = ("weights.ready", "trainer.step", "run.done", "weights.applied", "run.final_step")  # idempotent
 REANNOUNCE_DELAYS_S = (0.3, 1.0, 3.0)  # after each (re)connection: a fresh XSUB subscribes a moment late
 
 

@@ -29,7 +29,13 @@ from bus.sockets import POLL_SLICE_S, BusSocket
 
 log = logging.getLogger(__name__)
 
-LAST_VALUE_TYPES = ("weights.ready", "trainer.step", "run.done", "weights.applied")  # re-sent to new subscribers
+LAST_VALUE_TYPES = (
+    "weights.ready",
+    "trainer.step",
+    "run.done",
+    "weights.applied",
+    "run.final_step",
+)  # to new subscribers
 CACHE_NAME = "hub_last_values.bin"  # in the run dir: a msgpack list of encoded messages
 MAX_CACHED_PRODUCERS = 4096  # LRU cap of weights.applied slots (a 1024-GPU run's producers four times)
 PERSIST_INTERVAL_S = 0.2  # the cache file is rewritten at most this often, seconds

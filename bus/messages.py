@@ -291,6 +291,21 @@ class RunDone(Message):
 
 
 @dataclass(frozen=True, eq=False)
+class RunFinish(Message):
+    """``busctl down --finish`` -> prompt source: end the run after the steps whose prompts are issued."""
+
+    TYPE: ClassVar[str] = "run.finish"
+
+
+@dataclass(frozen=True, eq=False)
+class RunFinalStep(Message):
+    """Prompt source -> all: the run now ends after ``step`` optimizer steps (was ``trainer.max_steps``)."""
+
+    TYPE: ClassVar[str] = "run.final_step"
+    step: int
+
+
+@dataclass(frozen=True, eq=False)
 class ComponentReady(Message):
     """Startup handshake, component -> supervisor; ``metrics_host`` ``""`` means 127.0.0.1."""
 

@@ -16,6 +16,8 @@ from bus.messages import (
     Prompt,
     RolloutGroup,
     RunDone,
+    RunFinalStep,
+    RunFinish,
     ScoredGroup,
     TrainerStep,
     WeightsApplied,
@@ -32,6 +34,8 @@ CONTROL_TYPES: tuple[type[Message], ...] = (
     GroupsDropped,
     GroupsTrained,
     RunDone,
+    RunFinish,
+    RunFinalStep,
     EvalResult,
     *WEIGHT_GROUP_TYPES,
 )

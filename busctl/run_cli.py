@@ -175,6 +175,15 @@ def cmd_down(ns: argparse.Namespace, console: Console) -> int:
     if not supervisor_alive(status):
         console.print("run is not running")
         return 0
+    if ns.finish:
+        from busctl.finish import request_finish
+
+        final = request_finish(_run_dir(ns.run_dir), read_status, supervisor_alive, ns.timeout)
+        if isinstance(final, str):
+            print_error(f"busctl down --finish: {final}")
+            return 1
+        console.print(f"finishing: the run ends after step {final} (checkpoint, final eval, exit 0)")
+        return 0
     os.kill(pid, signal.SIGTERM)
     console.print(f"sent SIGTERM to busctl up (pid {pid}); it stops every component")
     return 0
@@ -272,6 +281,13 @@ def add_commands(sub: argparse._SubParsersAction) -> dict:
     lg.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
     dn = sub.add_parser("down", help="stop a running job")
     dn.add_argument("run_dir", nargs="?", help="run directory (default: the default config's run_dir)")
+    dn.add_argument(
+        "--finish",
+        action="store_true",
+        help="end cleanly as if trainer.max_steps were the next step not yet issued: train the steps issued, "
+        "then the final checkpoint, eval round and exit 0",
+    )
+    dn.add_argument("--timeout", type=float, default=60.0, help="--finish: seconds to wait for the answer")
     sc = sub.add_parser("scale", help="change the number of reward workers / producers of a running job")
     sc.add_argument("args", nargs="+", metavar="ARG", help="[RUN_DIR] rewards=N and/or producers=N")
     sc.add_argument(

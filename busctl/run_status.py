@@ -72,6 +72,7 @@ RUN_OUTPUTS = (
     "sock",
     "status.json",
     "scale.json",
+    "finish.json",
     "prometheus.yml",
     "trackers",
     "tensorboard",
@@ -81,7 +82,7 @@ RUN_OUTPUTS = (
 """Removed from the run directory by a fresh ``busctl up`` (files or directories); a directory of only these names
 counts as a run's for ``--overwrite`` (:mod:`busctl.run_dir`)."""
 
-TRANSIENT_OUTPUTS = ("metrics_final", "weights", "sock", "status.json", "scale.json", "prometheus.yml")
+TRANSIENT_OUTPUTS = ("metrics_final", "weights", "sock", "status.json", "scale.json", "finish.json", "prometheus.yml")
 """Removed by ``busctl up --resume`` too: nothing a resumed run continues from."""
 
 

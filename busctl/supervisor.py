@@ -26,7 +26,8 @@ from rich.markup import escape
 
 from bus import auth
 from lifecycle.launch_env import ENV_NAMES, LaunchEnv
-from bus.messages import ComponentHeartbeat, ComponentPhase, ComponentReady, RunDone, TrainerStep
+from bus.control import ControlPublisher
+from bus.messages import ComponentHeartbeat, ComponentPhase, ComponentReady, RunDone, RunFinalStep, TrainerStep
 from telemetry.metrics import start_metrics_server
 from telemetry.tls import tls_from_config
 from bus.sockets import BusSocket
@@ -50,6 +51,7 @@ from busctl.components.healing import (
     decide,
 )
 from busctl.failures import FailureBoard, last_exception
+from busctl.finish import FinishRequests
 from busctl.launchers import Launcher, check_crash
 from busctl.launchers.local import LocalLauncher
 from busctl.live import progress_line
@@ -163,6 +165,16 @@ class Supervisor:
             targets_changed=self.write_scrape_config,
             placement=placement,
         )
+        self.finish = FinishRequests(self.run_dir, self._publish_control)  # busctl down --finish
+
+    def _publish_control(self) -> ControlPublisher:
+        """A publisher on the control channel at the hub (``bus.hosts`` now)."""
+        return ControlPublisher(self.ctx, self.endpoints.address("control_pub"), stop=self.stop)
+
+    @property
+    def final_step(self) -> int:
+        """The step the run ends after: ``trainer.max_steps``, or lower after ``busctl down --finish``."""
+        return self.cfg.trainer.max_steps if self.finish.final_step is None else self.finish.final_step
 
     def say(self, markup: str) -> None:
         """Print an event line (rich markup) and keep it among the recent events."""
@@ -247,6 +259,7 @@ class Supervisor:
         if move.control_moved and self._control is not None:
             self._control.close()
             self._control = self._subscribe_control()
+            self.finish.close()  # reopened at the hub's new address when needed
         self.say(
             f"  [yellow]moved[/yellow] {spec.name} to {move.address} ({', '.join(move.keys)}); "
             f"restarting {', '.join(move.restart)}"
@@ -369,10 +382,14 @@ class Supervisor:
             append_stage_record(
                 self.run_dir / "stages.jsonl", msg.step, self.poller.stats, {s.name: s.role for s in self.table}
             )
-            self.console.print(progress_line(msg.step, self.cfg.trainer.max_steps, msg.metrics))
+            self.console.print(progress_line(msg.step, self.final_step, msg.metrics))
             self.write_status()  # the live display and `busctl status` show the step at once
         elif isinstance(msg, RunDone):
             self.run_done = True
+        elif isinstance(msg, RunFinalStep) and msg.step != self.finish.final_step:
+            self.finish.final_step = msg.step
+            self.say(f"finishing early: the run ends after step {msg.step} (busctl down --finish)")
+            self.write_status()
 
     # -- healing ---------------------------------------------------------------------------------
 
@@ -384,6 +401,7 @@ class Supervisor:
         """
         if self._healing:
             self.scaling.poll_request()
+            self.finish.poll(now)
         for spec in [s for s in self.table if s.state == ComponentState.STOPPING]:
             self.scaling.check_stopping(spec, now)
         rules = HealingRules.from_config(self.cfg, healing=self._healing, run_dir=str(self.run_dir))
@@ -468,7 +486,7 @@ class Supervisor:
             "queue_depth": None,
             "queues": {},
         }
-        max_steps = self.cfg.trainer.max_steps
+        max_steps = self.final_step
         steps_per_s, eta = self.steps.rate_and_eta(max_steps)
         status = {
             "supervisor_pid": os.getpid(),
@@ -483,6 +501,7 @@ class Supervisor:
             "metrics_port": self.metrics_port,
             "step": self.last_step.step if self.last_step else None,
             "max_steps": max_steps,
+            "final_step": self.finish.final_step,
             "trainer_metrics": dict(self.last_step.metrics) if self.last_step else {},
             "steps_per_s": steps_per_s,
             "eta_s": eta,
@@ -527,6 +546,7 @@ class Supervisor:
             if sock is not None:
                 sock.close()
         self._inbox = self._control = None
+        self.finish.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()

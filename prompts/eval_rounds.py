@@ -103,6 +103,12 @@ class EvalRounds:
         self.issued |= done
         return sorted(issued - done)
 
+    def finish_at(self, step: int) -> None:
+        """The run now ends after ``step``: rounds past it go, ``step`` becomes the final round (when there
+        are rounds at all)."""
+        if self.rounds:
+            self.rounds = sorted({r for r in self.rounds if r < step} | {step})
+
     @property
     def round_size(self) -> int:
         """Prompts in one round."""

@@ -15,7 +15,17 @@ from prometheus_client import Counter, Gauge
 from runfiles.checkpoints import checkpoint_step
 from bus.component import Component, component_main
 from lifecycle.launch_env import ENV_RESTARTS, ENV_RESUME
-from bus.messages import EvalResult, GroupsDropped, GroupsTrained, Prompt, RunDone, WeightsApplied, new_id
+from bus.messages import (
+    EvalResult,
+    GroupsDropped,
+    GroupsTrained,
+    Prompt,
+    RunDone,
+    RunFinalStep,
+    RunFinish,
+    WeightsApplied,
+    new_id,
+)
 from telemetry.metrics import POLICY_VERSION
 from prompts.accounting import OUTCOMES, Ledger
 from prompts.applied_versions import applied_since_start
@@ -129,6 +139,10 @@ class PromptSourceProc(Component):
                 self.source.on_weights_applied(msg.producer, msg.version)
             elif isinstance(msg, EvalResult):
                 self.source.on_eval_result(msg.round, msg.task)
+            elif isinstance(msg, RunFinish):  # busctl down --finish (repeated until our answer is heard)
+                step = self.source.finish()
+                log.info("finishing early: the run ends after step %d", step)
+                self.control_out.send(RunFinalStep(id=new_id(), step=step))
             elif isinstance(msg, RunDone):
                 # the trainer sent run.done once its own outcomes were recorded; wait briefly for
                 # reports of the other senders still on their way

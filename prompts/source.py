@@ -92,6 +92,10 @@ class PromptSource:
                     sorted(self.eval_reissue),
                 )
         self.eval_queue: deque[Prompt] = deque()
+        self.finished = False  # busctl down --finish: the final step is set
+        if resume_step is None:  # a restart keeps an earlier busctl down --finish; a resume goes on
+            for final in [n["step"] for n in self.ledger.notes if n.get("event") == "final_step"][-1:]:
+                self.set_final_step(int(final))
 
     @property
     def policy_version(self) -> int:
@@ -107,6 +111,28 @@ class PromptSource:
     def next_step(self) -> int:
         """``(issued - not trained) // prompts_per_step``."""
         return (self.ledger.num_issued - self.ledger.num_not_trained) // self.prompts_per_step
+
+    def finish(self) -> int:
+        """``busctl down --finish``: the run ends after the steps whose prompts are issued, i.e.
+        ``ceil((issued - not trained) / prompts_per_step)`` (at least 1, at most ``max_steps``); journaled.
+        Returns that final step; a repeated request gets the same answer."""
+        if self.finished or not self.train:
+            return self.max_steps
+        live = self.ledger.num_issued - self.ledger.num_not_trained
+        step = max(1, min(self.max_steps, -(-live // self.prompts_per_step)))
+        if step < self.max_steps:
+            self.ledger.note("final_step", step=step)
+        self.set_final_step(step)
+        return step
+
+    def set_final_step(self, step: int) -> None:
+        """End the run after ``step`` (only ever lowers ``max_steps``): prompts of later steps are not
+        issued, the final eval round moves to ``step``."""
+        self.finished = True
+        if step < self.max_steps:
+            self.max_steps = step
+            if self.eval_rounds is not None:
+                self.eval_rounds.finish_at(step)
 
     def _pending_reissue(self) -> str | None:
         """The next id to re-issue, skipping resolved ones."""

@@ -20,7 +20,7 @@ from prometheus_client import Counter
 from broadcaster.bus_method import BusLink
 from broadcaster.factory import build_group_former, build_senders
 from bus.component import Component, component_main
-from bus.messages import GroupsTrained, MicroBatch, RunDone, TrainerStep, new_id
+from bus.messages import GroupsTrained, MicroBatch, RunDone, RunFinalStep, TrainerStep, new_id
 from bus.sockets import BusSocket
 from runfiles.jsonl import append_jsonl, keep_jsonl_records
 from telemetry.metrics import POLICY_VERSION, StageMeter
@@ -90,6 +90,9 @@ class TrainerProc(Component):
         torch.manual_seed(cfg.trainer.seed)
         # open first: by the time anything is announced, the PUB has long joined the hub
         self.control = self.control_publisher()
+        self.final_step = cfg.trainer.max_steps
+        """The step the run ends after: ``trainer.max_steps``, lower after ``busctl down --finish``."""
+        self.finish_in = self.control_subscriber()  # run.final_step (a restart gets it from the hub's cache)
         self.outcomes = self.open_outcomes()
         self.dp = join_data_parallel(cfg)
         """This rank 0's data-parallel group (``trainer.data_parallel > 1``), else None."""
@@ -217,14 +220,25 @@ class TrainerProc(Component):
 
     def receive_step(self, step: int) -> list[MicroBatch] | None:
         """Collect step ``step``'s micro-batches (buffering other steps' in the ledger, releasing
-        re-sent ones of covered steps); None if stopped first."""
+        re-sent ones of covered steps); None if stopped first, [] once the run ends before ``step``."""
         while (micro_batches := self.ledger.take(step)) is None:
             if self.stop.is_set():
                 return None
+            self.poll_final_step()
+            if step >= self.final_step:
+                return []
             self.publisher.poll()  # a failed background send falls back NOW: a restarted producer waits for it
             self.settle_saves(wait=False)  # a background checkpoint done: release its steps now
             self.take_in(self.batches.recv(timeout_s=RECV_SLICE_S))
         return micro_batches
+
+    def poll_final_step(self) -> None:
+        """Take in the prompt source's ``run.final_step`` (``busctl down --finish``)."""
+        while (msg := self.finish_in.recv(timeout_s=0)) is not None:
+            if isinstance(msg, RunFinalStep) and msg.step < self.final_step:
+                self.final_step = msg.step
+                log.info("finishing early: the run ends after step %d", msg.step)
+                self.open_final_eval()  # before round final_step's weights go out, if not yet
 
     def take_in(self, mb: MicroBatch | None) -> None:
         """Offer a received micro-batch (None: nothing) to the ledger; release a re-sent one of a
@@ -305,7 +319,7 @@ class TrainerProc(Component):
         checkpoint if due (the last one now, periodic ones in the background), release."""
         self.settle_saves(wait=True)  # normally written long ago, during this step
         interval = self.cfg.trainer.checkpoint_interval
-        if step == self.cfg.trainer.max_steps:
+        if step == self.final_step:
             self.save(step)
             self.release(step)
         elif interval and step % interval == 0:
@@ -314,13 +328,13 @@ class TrainerProc(Component):
             self.release(step)
 
     def run(self) -> None:
-        max_steps = self.cfg.trainer.max_steps
         step = self.start_step
         if self.resumed:
             self.announce_resume()
         phases = StepPhases()  # where each step's wall time goes (trainer.observability.step_timing)
-        while step < max_steps:
-            if step == max_steps - 1:
+        self.poll_final_step()
+        while step < self.final_step:
+            if step == self.final_step - 1:
                 self.open_final_eval()
             phases.wait_started()
             micro_batches = self.receive_step(step)
@@ -328,6 +342,8 @@ class TrainerProc(Component):
             if micro_batches is None:
                 log.info("stopped before step %d", step)
                 return
+            if not micro_batches:  # busctl down --finish: the run ends before this step
+                break
             with self.meter.work():  # busy: forward, backward, optimizer step, weight hand-off
                 share = self.dp.send_step(micro_batches) if self.dp is not None else micro_batches
                 metrics = self.trainer.step(share)
@@ -349,7 +365,7 @@ class TrainerProc(Component):
             )
             step += 1
             # records first, checkpoint second: a resume cuts records back to its checkpoint
-            report_step(step, max_steps, metrics, self.metrics_path)  # Prometheus, metrics.jsonl, the log line
+            report_step(step, self.final_step, metrics, self.metrics_path)  # Prometheus, metrics.jsonl, the log line
             append_jsonl(
                 self.samples_path,
                 {
@@ -363,6 +379,7 @@ class TrainerProc(Component):
             self.control.send(
                 TrainerStep(id=new_id(), step=step, version=step, metrics={**metrics, **phases.recent_shares()})
             )
+            self.poll_final_step()
         if self.dp is not None:
             self.dp.send_stop()  # the other ranks are done; rank 0 goes on (eval, outcomes, run.done)
         self.publisher.settle()  # the last version reaches the producers before run.done
@@ -376,7 +393,8 @@ class TrainerProc(Component):
             log.warning(
                 "%d trained outcome(s) not yet recorded by the prompt source at the end", self.outcomes.unfinished()
             )
-        self.control.send(RunDone(id=new_id(), step=step, reason="max_steps"))
+        reason = "max_steps" if step == self.cfg.trainer.max_steps else "finished early (busctl down --finish)"
+        self.control.send(RunDone(id=new_id(), step=step, reason=reason))
         log.info("done: %d steps", step)
 
     def open_final_eval(self) -> None:

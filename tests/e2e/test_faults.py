@@ -3,7 +3,8 @@ while a nemesis SIGKILLs randomly chosen producers and reward workers at random 
 trainer once; then a checker reads the run's own records.
 
 The checker's claims (the delivery promise of docs/DELIVERY.md):
-- the run reaches ``max_steps`` and exits 0;
+- the run reaches its final step and exits 0 (``busctl down --finish`` right after the faults moves that
+  step from ``max_steps`` to the next one not yet issued: a long tail would add only time);
 - every prompt the prompt source issued has exactly one outcome in ``accounting.json``
   (nothing unresolved, no conflicting outcomes), and the outcome counts add up to the prompts
   issued;
@@ -186,11 +187,13 @@ def test_sigkill_nemesis(tmp_path: Path, policy: Path) -> None:
             else:
                 wait_ready(run_dir, name, pid, proc)
         assert trained_steps(run_dir) < max_steps, "the run ended before the nemesis was done: raise max_steps"
+        final = finish_now(run_dir, max_steps)
         out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
-    print("kills:", kills, "trainer killed at step", trainer_killed_at)
+    print("kills:", kills, "trainer killed at step", trainer_killed_at, "finished after step", final)
+    assert_finished_at(run_dir, out, final)
 
-    acc = check_accounting(run_dir, max_steps)
+    acc = check_accounting(run_dir, final)
     status = components(run_dir)
     for name in set(n for n, _, _ in kills) | {"trainer"}:
         assert status[name]["restarts"] >= sum(1 for n, _, _ in kills if n == name)
@@ -202,6 +205,25 @@ def test_sigkill_nemesis(tmp_path: Path, policy: Path) -> None:
 
 def busctl_cmd(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "busctl", *args], capture_output=True, text=True, timeout=300)
+
+
+def finish_now(run_dir: Path, max_steps: int) -> int:
+    """``busctl down RUN_DIR --finish``; returns the step the run now ends after (checked to be between the
+    steps trained and ``max_steps``)."""
+    trained = trained_steps(run_dir)
+    done = busctl_cmd("down", str(run_dir), "--finish")
+    assert done.returncode == 0, done.stdout + done.stderr
+    final = int(re.search(r"the run ends after step (\d+)", done.stdout).group(1))
+    assert trained <= final < max_steps, (trained, final, max_steps)
+    return final
+
+
+def assert_finished_at(run_dir: Path, out: str, final: int) -> None:
+    """The run ended after step ``final`` as ``busctl down --finish`` said: console, trainer log, checkpoint."""
+    assert f"finishing early: the run ends after step {final}" in out, out[-3000:]
+    assert f"step {final:>4}/{final}" in out, out[-3000:]
+    assert f"done: {final} steps" in (run_dir / "logs" / "trainer.log").read_text()
+    assert (run_dir / "checkpoints" / f"step_{final:06d}" / "DONE").is_file()
 
 
 def test_scale_rewards_mid_run(tmp_path: Path, policy: Path) -> None:
@@ -217,9 +239,11 @@ def test_scale_rewards_mid_run(tmp_path: Path, policy: Path) -> None:
         down = busctl_cmd("scale", str(run_dir), "rewards=1")
         assert down.returncode == 0, down.stdout + down.stderr
         assert trained_steps(run_dir) < max_steps, "the run ended before scaling down: raise max_steps"
+        final = finish_now(run_dir, max_steps)
         out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
-    acc = check_accounting(run_dir, max_steps)
+    assert_finished_at(run_dir, out, final)
+    acc = check_accounting(run_dir, final)
     # rewards-1 and rewards-2 came and went (their logs remain); the one left scored only part of
     # the run's groups, so the others took part: work moved between workers and none was lost
     assert set(components(run_dir)) & {"rewards-1", "rewards-2"} == set()
@@ -254,9 +278,12 @@ def test_producer_killed_under_broadcast_weights(tmp_path: Path, policy: Path) -
         pid = kill(run_dir, "producer-0")
         wait_ready(run_dir, "producer-0", pid, proc)
         assert trained_steps(run_dir) < max_steps, "the run ended before the producer came back: raise max_steps"
+        wait_for_steps(run_dir, proc, trained_steps(run_dir) + 2)  # steps with the re-joined producer
+        final = finish_now(run_dir, max_steps)
         out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
-    check_accounting(run_dir, max_steps)
+    assert_finished_at(run_dir, out, final)
+    check_accounting(run_dir, final)
     producer_log = (run_dir / "logs" / "producer-0.log").read_text()
     assert "late join" in producer_log and "joined weight group" in producer_log
     assert prom_total(run_dir, "rlbus_trainer_broadcast_fallbacks_total") == 0

