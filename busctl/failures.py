@@ -86,9 +86,13 @@ class FailureBoard:
                 )
             if rec["level"] in ("warn", "stop") and name not in self._warned:  # a stop is warned of too
                 self._warned.add(name)
+                then = (
+                    f"the run stops past rewards.max_error_fraction={self.max_fraction:g}"
+                    if self.max_fraction < 1
+                    else "rewards.max_error_fraction=1: the run goes on"
+                )
                 lines.append(
-                    f"  [yellow]warning[/yellow] {escape(what)} fails on {escape(share)}: {escape(cause)} "
-                    f"(the run stops past rewards.max_error_fraction={self.max_fraction:g})"
+                    f"  [yellow]warning[/yellow] {escape(what)} fails on {escape(share)}: {escape(cause)} ({then})"
                 )
         for name in list(self._warned):
             if all(r.get(name, {}).get("level", "ok") == "ok" for r in self._reports.values()):
