@@ -11,6 +11,7 @@ against a server here (docs/operations.md, "Inference servers").
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,10 +42,14 @@ class Completion:
 
 async def _call(http: httpx.AsyncClient, method: str, url: str, **kwargs: Any) -> Any:
     """The JSON answer (None if empty); ServerUnavailable or RuntimeError (with the server's message)."""
-    try:
-        response = await http.request(method, url, **kwargs)
-    except UNAVAILABLE as exc:
-        raise ServerUnavailable(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
+    for attempt in (0, 1):  # once more: a kept-alive connection the server closed meanwhile fails at once
+        try:
+            response = await http.request(method, url, **kwargs)
+            break
+        except UNAVAILABLE as exc:
+            if attempt or isinstance(exc, httpx.TimeoutException):
+                raise ServerUnavailable(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
+            await asyncio.sleep(0.2)
     if response.status_code in (502, 503, 504):
         raise ServerUnavailable(f"{method} {url}: HTTP {response.status_code}")
     if response.status_code >= 400:

@@ -88,7 +88,9 @@ class ServerEngine:
         from transformers import AutoTokenizer
 
         started = time.perf_counter()
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(self._request_timeout_s, connect=5.0))
+        self._http = httpx.AsyncClient(  # idle connections dropped before uvicorn's 5 s keep-alive closes them
+            timeout=httpx.Timeout(self._request_timeout_s, connect=5.0), limits=httpx.Limits(keepalive_expiry=2.0)
+        )
         self._changed, self._update_lock = asyncio.Condition(), asyncio.Lock()
         self._tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.model_path)
         for slot in self._slots:
@@ -259,6 +261,9 @@ class ServerEngine:
             loaded = []
             for slot, result in zip(targets, results):
                 if isinstance(result, ServerUnavailable):
+                    log.warning(
+                        "%s lost during the update to version %d (%s); it re-syncs when back", slot.url, version, result
+                    )
                     self._lose(slot)
                 elif isinstance(result, BaseException):
                     self._broken = f"weight update to version {version} failed on {slot.url}: {result!r}"
@@ -267,9 +272,10 @@ class ServerEngine:
                     raise result
                 else:
                     loaded.append(result)
-            if reports is not None:
+            if reports is not None:  # none: every server lost; each replays this update when back
                 reports.extend(sorted(loaded, key=lambda r: r["version"]))
-                version = reports[0]["version"] if reports else version
+                reports += [] if loaded else [{"version": version, "rejected": {}, "num_bytes": 0, "num_buckets": 0}]
+                version = reports[0]["version"]
             self._version = version
             return time.perf_counter() - started
 
