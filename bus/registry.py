@@ -24,6 +24,7 @@ from bus.messages import (
     WeightsReady,
     WeightsWanted,
 )
+from bus.messages_api import API_TYPES
 from bus.messages_weights import WEIGHT_GROUP_TYPES, WEIGHT_TRANSFER_TYPES
 
 CONTROL_TYPES: tuple[type[Message], ...] = (
@@ -52,7 +53,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         ComponentReady,
         ComponentHeartbeat,
         *WEIGHT_TRANSFER_TYPES,
+        *API_TYPES,
     )
 }
-if len(MESSAGE_TYPES) != len(CONTROL_TYPES) + 6 + len(WEIGHT_TRANSFER_TYPES):
+if len(MESSAGE_TYPES) != len(CONTROL_TYPES) + 6 + len(WEIGHT_TRANSFER_TYPES) + len(API_TYPES):
     raise RuntimeError("two message classes share a TYPE string")

@@ -13,7 +13,7 @@ from rich.console import Console
 
 # Each command module imports its heavy modules (configs, supervisor, run data, torch) inside its
 # command functions, so building this parser (and `busctl --help`) stays fast.
-from busctl import cluster_cli, evaluate, export, run_cli, up_cli
+from busctl import cluster_cli, evaluate, export, run_cli, serve_cli, up_cli
 from busctl.run_cli import NoRun
 from busctl.stderr import print_error
 from busctl.up_cli import resume_config, supervise
@@ -28,6 +28,7 @@ HELP = """\
     busctl logs [RUN_DIR] COMPONENT [-f]                 a component's log (-f: follow)
     busctl scale [RUN_DIR] rewards=N producers=M         resize a running job (either or both)
     busctl down [RUN_DIR]                                stop a running busctl up (SIGTERM; it drains)
+    busctl serve [CONFIG] [key.sub=value ...]            serve the Tinker API over the bus (docs/service.md)
     busctl keys DIR [--clients N]                        make CurveZMQ keys for an authenticated tcp:// bus
     busctl sbatch [CONFIG] [key=value ...] [-o FILE]     a Slurm batch script running the job (up --launcher slurm)
     busctl report RUN_DIR [--out DIR]                    plots (PNG) and a text summary of a run
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         **cluster_cli.add_commands(sub),
         **export.add_command(sub),
         **evaluate.add_command(sub),
+        **serve_cli.add_command(sub),
     }
     rp = sub.add_parser("report", help="plot a run's metrics (PNG) and print a short summary")
     rp.add_argument("run_dir", help="run directory (holds metrics.jsonl)")

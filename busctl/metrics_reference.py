@@ -24,7 +24,18 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC_PATH = ROOT / "docs" / "metrics.md"
 """Where ``python -m busctl.metrics_reference`` writes the reference."""
 
-PACKAGES = ("telemetry", "bus", "busctl", "prompts", "producers", "rewards", "packer", "trainer", "broadcaster")
+PACKAGES = (
+    "telemetry",
+    "bus",
+    "busctl",
+    "prompts",
+    "producers",
+    "rewards",
+    "packer",
+    "trainer",
+    "broadcaster",
+    "service",
+)
 """Packages searched for modules that define metrics."""
 
 _DEFINES = re.compile(
@@ -41,6 +52,7 @@ SERVED_BY = (
     ("packer.", "", "packer"),
     ("trainer.", "", "trainer"),
     ("broadcaster.", "", "trainer"),
+    ("service.", "", "serve"),
 )
 """``(module prefix, metric name prefix, roles)``: the first row whose prefixes match says which
 processes (by their ``role`` scrape label) serve a family."""
@@ -57,6 +69,7 @@ SECTIONS = {
     "policy": "The policy version a process works with: the trainer's latest weights, the version a producer "
     "applied, the prompt source's gate (the lowest version every producer applied); 0 elsewhere.",
     "supervisor": "`busctl up` itself (component `supervisor`).",
+    "serve": "The HTTP API of `busctl serve` (`service/`, docs/service.md): requests, latency, queue depth per model.",
     "prompt_source": "Prompt issue and gating (`prompts/proc.py`, `prompts/source.py`).",
     "accounting": "The prompt ledger: every issued prompt ends in one outcome (`docs/DELIVERY.md`).",
     "producer": "Rollout producers (`producers/proc.py`): generation and weight updates.",

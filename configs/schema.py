@@ -19,6 +19,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from configs.base import Section
 from configs.cluster import SlurmConfig
+from configs.serve import ServeConfig
 from configs.code_paths import resolve_code_paths
 from configs.errors import ConfigError, describe_validation, parse_override, read_yaml_file
 from configs.rewards import RewardsConfig
@@ -443,6 +444,7 @@ class RunConfig(Section):
     supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
     report: ReportConfig = Field(default_factory=ReportConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":

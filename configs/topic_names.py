@@ -17,6 +17,7 @@ TOPIC_NAMES: tuple[str, ...] = (
     "supervisor",
     "weights",
     "rollouts",
+    "api",
 )
 """Every topic of :data:`bus.topics.TOPICS`, in its order."""
 

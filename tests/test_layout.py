@@ -32,7 +32,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 600
-STAGES = frozenset({"prompts", "producers", "rewards", "packer", "trainer"})
+STAGES = frozenset({"prompts", "producers", "rewards", "packer", "trainer", "service"})
+# service: busctl serve's HTTP API, a component that reaches the trainer and producers only over the bus
 CONTROL_PLANE = frozenset({"busctl", "rlbus"})  # rlbus: the Python entry point (rlbus.run) over busctl up
 BASE = frozenset({"configs", "telemetry", "lifecycle"})
 LIBRARIES = BASE | frozenset({"bus", "tasks", "broadcaster", "policies", "runfiles"})

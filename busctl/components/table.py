@@ -18,7 +18,7 @@ from typing import Any
 from broadcaster.factory import needs_rendezvous_port
 from configs.schema import RunConfig
 
-RESTARTABLE_ROLES = frozenset({"hub", "trainer", "rewards", "producer", "prompt-source", "packer"})
+RESTARTABLE_ROLES = frozenset({"hub", "trainer", "rewards", "producer", "prompt-source", "packer", "serve"})
 """Roles the supervisor restarts: every role (the packer rebuilds its state from its spool)."""
 
 
@@ -106,7 +106,14 @@ class ComponentSpec:
 
 def component_table(cfg: RunConfig) -> list[ComponentSpec]:
     """Every process of a run, in start order (the hub first, the prompt source last); no trainer
-    with ``eval.only`` (``busctl eval``)."""
+    with ``eval.only`` (``busctl eval``); with ``serve.only`` (``busctl serve``) the hub, the API trainer and the
+    API process."""
+    if cfg.serve.only:
+        return [
+            ComponentSpec("hub", "bus.hub"),
+            ComponentSpec("trainer", "trainer.api.proc"),
+            ComponentSpec("serve", "service.proc"),
+        ]
     table = [
         ComponentSpec("hub", "bus.hub"),
         ComponentSpec("trainer", "trainer.proc"),

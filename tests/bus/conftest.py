@@ -20,6 +20,7 @@ import pytest
 import zmq
 
 from bus.hub import ControlHub
+from bus.messages_api import ApiCall, ApiReply
 from bus.messages_weights import WeightGroup, WeightGroupAck, WeightsBucket, WeightsRequest
 from bus.messages import (
     ComponentHeartbeat,
@@ -153,6 +154,24 @@ EXAMPLES: dict[str, Callable[[], Message]] = {
         bucket_bytes=1 << 20,
         crc32=123_456,
         data=np.arange(256, dtype=np.uint8),
+    ),
+    "api.call": lambda: ApiCall(
+        id="c-1",
+        op="forward_backward",
+        model_id="s-1:train:0",
+        body={"loss_fn": "cross_entropy", "loss_inputs": ["target_tokens"]},
+        token_ids=np.array([5, 6, 7], dtype=np.int64),
+        datum_lens=np.array([2, 1], dtype=np.int64),
+        loss_inputs=np.array([[6.0, 7.0, 8.0]]),
+    ),
+    "api.reply": lambda: ApiReply(
+        id="a-1",
+        call_id="c-1",
+        ok=True,
+        error="",
+        category="",
+        body={"outputs": ["logprobs"]},
+        outputs=np.zeros((1, 3)),
     ),
     "trainer.step": lambda: TrainerStep(id="s-3", step=3, version=3, metrics={"loss": 0.25, "reward_mean": 0.5}),
     "groups.dropped": lambda: GroupsDropped(id="d-1", group_ids=["g-1", "g-2"], reason="stale"),

@@ -42,6 +42,7 @@ import numpy as np
 from bus.codec import decode, encode
 from bus.envelope import MAX_ENVELOPE_BYTES, MAX_ID_CHARS, MAX_IDS_PER_ACK, parse_envelope
 from bus.registry import MESSAGE_TYPES
+from bus.messages_api import ApiCall, ApiReply
 from bus.messages_weights import WeightGroup, WeightGroupAck, WeightsBucket, WeightsRequest
 from bus.messages import (
     ComponentHeartbeat,
@@ -168,6 +169,23 @@ def realistic_examples() -> dict[str, Message]:
             bucket_bytes=1 << 25,
             crc32=2_850_119_823,
             data=rng.integers(0, 256, 4096, dtype=np.uint8),
+        ),
+        ApiCall(
+            id="c4",
+            op="forward_backward",
+            model_id="s-9f2:train:0",
+            body={"loss_fn": "importance_sampling", "loss_inputs": ["advantages", "logprobs", "target_tokens"]},
+            token_ids=rng.integers(0, 258, 12).astype(np.int64),
+            datum_lens=np.array([5, 7], dtype=np.int64),
+            loss_inputs=rng.normal(size=(3, 12)),
+        ),
+        ApiReply(
+            id="y4",
+            call_id="c4",
+            ok=False,
+            error="loss_fn 'dpo' is not served",
+            category="user",
+            body={},
         ),
         TrainerStep(id="s4", step=4, version=4, metrics={"loss": -0.012, "reward_mean": 0.44, "kl": 0.0003}),
         GroupsDropped(id="d1", group_ids=["5f0c2a", "77aa01"], reason="stale"),
@@ -631,6 +649,10 @@ class HostileMessages:
             changes = {"generation": rng.randint(-5, -1)}
         elif isinstance(msg, WeightsRequest):
             changes = rng.choice([{"version": -1}, {"buckets": [-1]}, {"buckets": list(range(65))}])
+        elif isinstance(msg, ApiCall):
+            changes = rng.choice([{"datum_lens": np.array([5, 8], dtype=np.int64)}, {"loss_inputs": np.zeros((3, 11))}])
+        elif isinstance(msg, ApiReply):
+            changes = rng.choice([{"category": ""}, {"ok": True}, {"category": "bogus"}])
         elif isinstance(msg, WeightsBucket):
             changes = rng.choice(
                 [

@@ -26,7 +26,8 @@ from prometheus_client import REGISTRY
 from busctl.components.table import component_table
 from configs.schema import RunConfig
 import importlib
-for module in sorted({s.module for s in component_table(RunConfig())} | {"busctl.supervisor"}):
+serve = RunConfig(serve={"only": True})  # busctl serve's table: its trainer and API process
+for module in sorted({s.module for c in (RunConfig(), serve) for s in component_table(c)} | {"busctl.supervisor"}):
     importlib.import_module(module)
 from telemetry.metrics import StageMeter
 StageMeter("producer")  # what each stage's process registers in its setup (busy/idle seconds)

@@ -1,0 +1,74 @@
+"""The ``serve`` component of ``busctl serve``: the FastAPI app (:mod:`service.app`) under uvicorn on
+``serve.host:serve.port``, with the trainer link on the ``api`` topic. Its address goes to
+``RUN_DIR/serve.json`` (``{"url": ...}``) once it listens; a restarted trainer's lost calls fail there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+
+import uvicorn
+
+from bus.component import Component, component_main
+from service.app import build_app
+from service.futures import Futures
+from service.keys import load_keys
+from service.state import ServiceState
+from service.trainer_link import TrainerLink
+
+log = logging.getLogger(__name__)
+
+
+class ServeProc(Component):
+    """The API process: uvicorn on its own thread (signals stay the component's), the link on another."""
+
+    def setup(self) -> None:
+        s = self.cfg.serve
+        keys = load_keys(s.api_keys_file)
+        self.state = ServiceState(self.cfg, keys, Futures(self._send))
+        self.link = TrainerLink(self.ctx, self.endpoints.address("api"), self._on_reply)
+        self.sock = socket.socket(socket.AF_INET6 if ":" in s.host else socket.AF_INET)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((s.host, s.port))
+        host, port = self.sock.getsockname()[:2]
+        self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+        config = uvicorn.Config(build_app(self.state), log_level="warning", access_log=False, lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not self.server.started:
+            raise RuntimeError(f"the API server did not start on {self.url}")
+        (self.run_dir / "serve.json").write_text(json.dumps({"url": self.url}))
+        log.info("API listening on %s (%d key(s))", self.url, len(keys))
+
+    def _send(self, call) -> None:
+        self.link.send(call)
+
+    def _on_reply(self, reply) -> None:
+        loop = self.state.loop
+        if loop is not None:
+            loop.call_soon_threadsafe(self.state.futures.resolve, reply)
+
+    def run(self) -> None:
+        while not self.stop.wait(0.5):
+            if not self.thread.is_alive():
+                raise RuntimeError("the API server stopped")
+
+    def close(self) -> None:
+        if getattr(self, "server", None) is not None:
+            self.server.should_exit = True
+            self.thread.join(timeout=10)
+        if getattr(self, "link", None) is not None:
+            self.link.close()
+        super().close()
+
+
+if __name__ == "__main__":
+    raise SystemExit(component_main(ServeProc))
