@@ -3,7 +3,8 @@
 A config that validates can still name things a component would find missing only after the job started:
 tasks, reward functions, environments, agents, advantage estimators. :func:`check_names` resolves each here, so
 ``up`` and ``up --dry-run`` refuse such a config with exit 2 and one message naming the key. Import paths are
-imported (configs are trusted); registered reward names are only looked up.
+imported (configs are trusted); registered reward names are only looked up. :func:`check_data` reads the rows of
+the dataset files the same way (:mod:`tasks.data_check`), so a bad row is refused before the start too.
 """
 
 from __future__ import annotations

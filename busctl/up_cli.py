@@ -100,7 +100,8 @@ def _check_run_dir(cfg: RunConfig, ns: argparse.Namespace) -> tuple[int, str, Oc
 
 def cmd_up(ns: argparse.Namespace, console: Console) -> int:
     """``busctl up``: the exit code (:data:`busctl.cli.HELP`). The config, device plan, key files, model paths,
-    names (:mod:`busctl.preflight`) and run directory are checked before anything is spawned or written;
+    names and dataset rows (:mod:`busctl.preflight`) and run directory are checked before anything is spawned or
+    written;
     ``--dry-run`` runs the same checks, prints the resolved config and plan and stops."""
     from bus.auth import check_keys
     from telemetry.tls import tls_from_config
