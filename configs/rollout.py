@@ -257,6 +257,22 @@ class EvalConfig(Section):
         "is in.",
     )
 
+    def round_versions(self, max_steps: int) -> list[int]:
+        """The policy versions evaluated: ``{0 if eval_base_model} + {k * interval < max_steps} + {max_steps}``
+        ascending (``[0]`` for ``only``, ``[]`` when disabled). ValueError for ``max_steps < 1``."""
+        if max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+        if not self.enabled:
+            return []
+        if self.only:  # busctl eval: the policy at model.path, no training
+            return [0]
+        rounds = {max_steps}
+        if self.eval_base_model:
+            rounds.add(0)
+        if self.interval > 0:
+            rounds.update(range(self.interval, max_steps, self.interval))
+        return sorted(rounds)
+
 
 class GibberishFilterConfig(Section):
     """Flags samples with a sampled token that is both rare (high id) and improbable (prime-rl's gibberish filter)."""

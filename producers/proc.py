@@ -26,6 +26,7 @@ from broadcaster.factory import build_receiver
 from bus import auth
 from bus.component import Component, component_main
 from bus.messages import (
+    EvalResult,
     GroupsDropped,
     Prompt,
     RolloutGroup,
@@ -44,11 +45,11 @@ from producers.agents import AgentRunner
 from producers.endpoint import OpenAIEndpoint
 from producers.engines import build_engine
 from producers.episodes import EpisodeRunner
-from producers.eval_gate import EvalUpdateGate
+from producers.eval_gate import EvalRoundHold, EvalUpdateGate
 from producers.sampling import request_kwargs
 from producers.teacher import Teacher
 from tasks.env import EnvCalls
-from tasks.registry import env_tasks, task_agent
+from tasks.registry import env_tasks, eval_tasks, task_agent
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +176,12 @@ class ProducerProc(Component):
                 failures=self.failures,
             )
         self.gate = EvalUpdateGate()
+        hold_s = min(cfg.eval.timeout_s, cfg.broadcast.timeout_s / 2)  # a held broadcast must not time out
+        rounds = cfg.eval.round_versions(cfg.trainer.max_steps) if not cfg.eval.only else []
+        self.round_hold = EvalRoundHold(rounds, {t.name for t in eval_tasks(cfg)} if rounds else set(), hold_s)
+        launch = self.launch  # a restarted or resumed producer: its first version's round may be a re-run
+        self._forget_first_round = bool(launch.restarts or launch.resume or launch.joins_late)
+        self._deferred: list[object] = []  # control messages read while an update was held
         self.meter = StageMeter("producer")
         self.prompts = self.reliable_receiver(
             "prompts", self.endpoints.address("prompts"), bind=False, accept=(Prompt,)
@@ -332,9 +339,11 @@ class ProducerProc(Component):
     async def _control_loop(self) -> None:
         self._ask_for_group()
         while not self.stop.is_set():
-            msg = await asyncio.to_thread(self.control_in.recv, 0.2)
+            msg = self._deferred.pop(0) if self._deferred else await asyncio.to_thread(self.control_in.recv, 0.2)
             if isinstance(msg, RunDone):
                 return
+            if isinstance(msg, EvalResult):
+                self.round_hold.on_result(msg.round, msg.task)
             if isinstance(msg, WeightGroup):
                 ack = WeightGroupAck(id=new_id(), producer=self.name, generation=msg.generation)
                 await self.receiver.regroup(msg, lambda ack=ack: self.control_out.send(ack))
@@ -356,7 +365,33 @@ class ProducerProc(Component):
             version = self.engine.version if version is None else version
             self.control_out.send(WeightsWanted(id=new_id(), producer=self.name, version=version))
 
+    async def _hold_for_eval_round(self, new_version: int) -> None:
+        """Keep the engine's version until its eval round's results are in (:class:`EvalRoundHold`), reading the
+        control channel meanwhile: eval results noted, every other message kept for the control loop."""
+        hold, version = self.round_hold, self.engine.version
+        if self._forget_first_round:
+            self._forget_first_round = False
+            hold.forget_through(version)
+        if not hold.holds(version, new_version):
+            return
+        started = time.perf_counter()
+        while hold.holds(version, new_version) and time.perf_counter() - started < hold.timeout_s:
+            msg = await asyncio.to_thread(self.control_in.recv, 0.2)
+            if isinstance(msg, EvalResult):
+                hold.on_result(msg.round, msg.task)
+            elif msg is not None:
+                self._deferred.append(msg)
+            if self.stop.is_set():
+                return
+        waited = time.perf_counter() - started
+        if hold.holds(version, new_version):
+            log.warning("eval round %d not closed after %.0f s; applying version %d", version, waited, new_version)
+            hold.forget_through(version)
+        else:
+            log.info("held version %d for %.3f s until eval round %d closed", new_version, waited, version)
+
     async def _apply(self, msg: WeightsReady) -> None:
+        await self._hold_for_eval_round(msg.version)
         waited = time.perf_counter()
         async with self.gate.update():  # in-flight eval groups finish under the old version first
             started = time.perf_counter()

@@ -24,20 +24,8 @@ if TYPE_CHECKING:
 
 
 def eval_round_versions(eval_cfg: "EvalConfig", max_steps: int) -> list[int]:
-    """``{0 if eval_base_model} + {k * interval < max_steps} + {max_steps}`` ascending (``[0]`` for
-    ``eval.only``, ``[]`` when disabled). ValueError for ``max_steps < 1``."""
-    if max_steps < 1:
-        raise ValueError(f"max_steps must be >= 1, got {max_steps}")
-    if not eval_cfg.enabled:
-        return []
-    if eval_cfg.only:  # busctl eval: the policy at model.path, no training
-        return [0]
-    rounds = {max_steps}
-    if eval_cfg.eval_base_model:
-        rounds.add(0)
-    if eval_cfg.interval > 0:
-        rounds.update(range(eval_cfg.interval, max_steps, eval_cfg.interval))
-    return sorted(rounds)
+    """:meth:`configs.rollout.EvalConfig.round_versions` (the producers hold weight updates by the same list)."""
+    return eval_cfg.round_versions(max_steps)
 
 
 @dataclass(frozen=True)

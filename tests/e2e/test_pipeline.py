@@ -177,6 +177,8 @@ def test_pipeline_trains_every_sample_once(tmp_path: Path, policy: Path) -> None
     evals = [m for m in read_jsonl(run_dir / "eval.jsonl") if "eval/reverse_text/reward_mean" in m]
     assert [e["step"] for e in evals] == [0, MAX_STEPS]  # the base model, and the trained policy
     assert all(e["eval/reverse_text/num_samples"] == 16 for e in evals)
+    # every sample of round r under version r: the producer held version 1 until round 0 (4 credit windows) closed
+    assert all(e["eval/reverse_text/version_min"] == e["eval/reverse_text/version_max"] == e["step"] for e in evals)
     for m in steps:
         for key in (
             "reward_mean",

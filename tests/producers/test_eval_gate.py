@@ -77,3 +77,22 @@ def test_update_without_evals_does_not_wait_and_a_cancelled_update_releases_the_
         return gate.evals_in_flight, gate.updates_pending
 
     assert asyncio.run(scenario()) == (0, 0)
+
+
+def test_round_hold_keeps_a_round_on_its_version_until_every_task_reported():
+    from configs.schema import load_config
+    from producers.eval_gate import EvalRoundHold
+
+    cfg = load_config(None, ["trainer.max_steps=60", "eval.interval=25"])
+    rounds = cfg.eval.round_versions(cfg.trainer.max_steps)
+    assert rounds == [0, 25, 50, 60]
+    hold = EvalRoundHold(rounds, {"a", "b"}, timeout_s=5.0)
+    assert hold.holds(0, 1) and hold.holds(25, 26) and hold.holds(25, 27)  # the round's version stays
+    assert not hold.holds(1, 2) and not hold.holds(24, 25) and not hold.holds(25, 25)  # not a round: no wait
+    hold.on_result(25, "a")
+    assert hold.holds(25, 26)  # one task of two
+    hold.on_result(25, "b")
+    assert not hold.holds(25, 26) and hold.holds(50, 51)
+    hold.on_result(7, "a")  # a result of no round: noted, nothing opens or closes
+    hold.forget_through(50)  # a restarted producer at version 50: round 50 may be a re-run
+    assert not hold.holds(0, 1) and not hold.holds(50, 51) and hold.holds(60, 61)
