@@ -3,10 +3,14 @@ broadcast), checked with the fault tests' checker (:func:`tests.e2e.test_faults.
 every issued prompt has exactly one outcome, the trained groups are exactly the ledger's
 ``trained`` ids, each whole and once, steps ``0..max_steps-1`` each once in the surviving lineage).
 
-- ``busctl up`` and every component it started (each a process group: vLLM's engine processes
-  included) are SIGKILLed at once at a random step; ``busctl up --resume RUN_DIR`` then finishes
-  the run: the trainer from its last checkpoint, the packer from its spool (re-sending the steps
-  it had planned) or, with the spool deleted, numbering steps from that checkpoint, the prompt
+- a run stopped at a random step, in one of two ways: Ctrl-C (SIGINT) on ``busctl up``, which exits
+  130 within 30 s with every process gone (vLLM's engine processes included); or a SIGKILL of
+  ``busctl up`` alone, after which every component and vLLM engine process still exits (each asked
+  the kernel for SIGTERM when its parent dies, and SIGKILLs its own process group past
+  ``ORPHAN_GRACE_S``), each having run with ``CUDA_VISIBLE_DEVICES=''`` (a CPU plan); then (the
+  SIGKILL case with the packer's spool deleted) ``busctl up --resume RUN_DIR`` finishes the run:
+  the trainer from its last checkpoint, the packer from its spool (re-sending the steps it had
+  planned) or, with the spool deleted, numbering steps from that checkpoint, the prompt
   source re-issuing the prompts without outcome (with the spool lost, the groups the surviving
   lineage trained are marked seen, so their re-issued copies are not trained twice). The resumed
   trainer re-forms the weight broadcast group with the new producer: after the resume it applies
@@ -48,27 +52,44 @@ from tests.e2e.test_faults import (
     wait_for_steps,
     wait_ready,
 )
+from bus.component import ORPHAN_GRACE_S
 from tests.e2e.test_pipeline import busctl, policy  # noqa: F401
-from tests.processes import running
+from tests.processes import cmdline, descendants, running
 
 pytestmark = pytest.mark.e2e
 
 
-def kill_everything(run_dir: Path, proc: subprocess.Popen) -> list[int]:
-    """SIGKILL ``busctl up`` and every component's process group at once; wait until all are gone.
-    Returns the component pids killed."""
-    pids = [row["pid"] for row in components(run_dir).values() if row.get("pid")]
-    for pgid in [proc.pid, *pids]:
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+def interrupt(run_dir: Path, proc: subprocess.Popen) -> None:
+    """Ctrl-C on ``busctl up``: exit 130 within 30 s, and every process below it gone."""
+    own = {row["pid"] for row in components(run_dir).values()}
+    pids = own | descendants(proc.pid)
+    assert all(running(p) for p in own)
+    assert len(pids) > len(own)  # vLLM's engine processes are in there too
+    started = time.monotonic()
+    proc.send_signal(signal.SIGINT)
     proc.wait(timeout=30)
-    deadline = time.monotonic() + 30
-    while any(running(pid) for pid in pids):
-        assert time.monotonic() < deadline, f"components still alive after SIGKILL: {[p for p in pids if running(p)]}"
-        time.sleep(0.1)
-    return pids
+    assert time.monotonic() - started < 30
+    assert proc.returncode == 130
+    assert not [p for p in pids if running(p)]
+
+
+def sigkill_supervisor(run_dir: Path, proc: subprocess.Popen) -> None:
+    """SIGKILL ``busctl up`` alone (no chance to clean up): every component, and vLLM's engine processes,
+    still exit within ``ORPHAN_GRACE_S`` + 10 s; each ran with ``CUDA_VISIBLE_DEVICES=''`` (a CPU plan)."""
+    pids = descendants(proc.pid)
+    assert len(pids) > 7  # the components and vLLM's engine processes
+    for row in components(run_dir).values():
+        environ = Path(f"/proc/{row['pid']}/environ").read_bytes().split(b"\0")
+        assert b"CUDA_VISIBLE_DEVICES=" in environ, f"{row['name']} was not given CUDA_VISIBLE_DEVICES=''"
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + ORPHAN_GRACE_S + 10
+    while [p for p in pids if running(p)] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    survivors = {p: cmdline(p) for p in pids if running(p)}
+    for pid in survivors:
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, f"still running {ORPHAN_GRACE_S + 10:.0f} s after busctl was SIGKILLed: {survivors}"
 
 
 def assert_eval_rounds_reported_once(run_dir: Path, rounds: list[int], task: str = "reverse_text") -> None:
@@ -86,8 +107,8 @@ def resumed_part(log: Path) -> str:
     return log.read_text().rsplit("(resume) =====", 1)[1]
 
 
-@pytest.mark.parametrize("spool", ["kept", "lost"])
-def test_sigkill_everything_then_resume(tmp_path: Path, policy: Path, spool: str) -> None:
+@pytest.mark.parametrize("stop, spool", [("sigint", "kept"), ("sigkill_supervisor", "lost")])
+def test_a_stopped_run_resumes(tmp_path: Path, policy: Path, stop: str, spool: str) -> None:
     run_dir = tmp_path / "run"
     max_steps = 10
     rng = random.Random(int(os.environ.get("RLBUS_NEMESIS_SEED", "20261124")))
@@ -97,8 +118,8 @@ def test_sigkill_everything_then_resume(tmp_path: Path, policy: Path, spool: str
     )
     with supervised(proc):
         wait_for_steps(run_dir, proc, kill_at)
-        killed = kill_everything(run_dir, proc)
-    print(f"killed busctl up and {len(killed)} components at step {trained_steps(run_dir)} (aimed at {kill_at})")
+        interrupt(run_dir, proc) if stop == "sigint" else sigkill_supervisor(run_dir, proc)
+    print(f"stopped by {stop} at step {trained_steps(run_dir)} (aimed at {kill_at})")
     assert (run_dir / "packer" / "spool.bin").is_file()
     if spool == "lost":  # the packer then numbers steps from the trainer's checkpoint
         shutil.rmtree(run_dir / "packer")
