@@ -48,6 +48,7 @@ TOPICS: dict[str, TopicSpec] = {
         TopicSpec("weights", zmq.ROUTER, zmq.DEALER, hwm=8, blocks=False, port_offset=9),
         TopicSpec("rollouts", zmq.ROUTER, zmq.DEALER, hwm=8, blocks=True, port_offset=10, reliable=True),
         TopicSpec("api", zmq.ROUTER, zmq.DEALER, hwm=10_000, blocks=False, port_offset=8),
+        TopicSpec("samplers", zmq.ROUTER, zmq.DEALER, hwm=10_000, blocks=False, port_offset=80),
     )
 }
 assert tuple(TOPICS) == TOPIC_NAMES, "configs.topic_names.TOPIC_NAMES must name every topic of TOPICS, in order"

@@ -27,4 +27,7 @@ class ServeConfig(Section):
     long_poll_s: float = Field(
         20.0, gt=0, le=40, description="How long retrieve_future waits for a result before answering try_again."
     )
+    samplers: int = Field(
+        1, ge=0, le=8, description="Sampler processes (one vLLM engine each, producers/api_proc.py); 0: no sampling."
+    )
     only: bool = Field(False, description="Set by busctl serve: the run is the service (hub, trainer, serve).")

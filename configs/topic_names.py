@@ -18,6 +18,7 @@ TOPIC_NAMES: tuple[str, ...] = (
     "weights",
     "rollouts",
     "api",
+    "samplers",
 )
 """Every topic of :data:`bus.topics.TOPICS`, in its order."""
 

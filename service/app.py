@@ -15,6 +15,7 @@ from prometheus_client import Counter, Histogram
 
 from service.keys import key_ok, request_key
 from service.state import ServiceState
+from service.sampling_routes import add_sampling_routes
 from service.training_routes import add_training_routes
 
 REQUESTS = Counter(
@@ -110,4 +111,5 @@ def build_app(state: ServiceState) -> FastAPI:
         return {"status": "accepted"}
 
     add_training_routes(app, state)
+    add_sampling_routes(app, state)
     return app

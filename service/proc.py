@@ -31,6 +31,9 @@ class ServeProc(Component):
         keys = load_keys(s.api_keys_file)
         self.state = ServiceState(self.cfg, keys, Futures(self._send))
         self.link = TrainerLink(self.ctx, self.endpoints.address("api"), self._on_reply)
+        self.sampler_link = (
+            TrainerLink(self.ctx, self.endpoints.address("samplers"), self._on_reply) if s.samplers else None
+        )
         self.sock = socket.socket(socket.AF_INET6 if ":" in s.host else socket.AF_INET)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((s.host, s.port))
@@ -49,7 +52,8 @@ class ServeProc(Component):
         log.info("API listening on %s (%d key(s))", self.url, len(keys))
 
     def _send(self, call) -> None:
-        self.link.send(call)
+        link = self.sampler_link if call.op == "sample" and self.sampler_link is not None else self.link
+        link.send(call)
 
     def _on_reply(self, reply) -> None:
         loop = self.state.loop
@@ -65,8 +69,9 @@ class ServeProc(Component):
         if getattr(self, "server", None) is not None:
             self.server.should_exit = True
             self.thread.join(timeout=10)
-        if getattr(self, "link", None) is not None:
-            self.link.close()
+        for link in (getattr(self, "link", None), getattr(self, "sampler_link", None)):
+            if link is not None:
+                link.close()
         super().close()
 
 

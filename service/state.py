@@ -22,6 +22,7 @@ class ServiceState:
     keys: frozenset[str]
     futures: Futures
     sessions: set[str] = field(default_factory=set)
+    sampling_sessions: dict[str, dict] = field(default_factory=dict)
     loop: asyncio.AbstractEventLoop | None = None
 
     @property

@@ -6,6 +6,7 @@ ForwardBackwardOutput when asked), ``{"error", "category"}``, or 410 for a reque
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from service.futures import Request as ApiRequest
+from service.sampling_routes import render_sample, sampler_session
 from service.state import ServiceState, training_model_id
 from service.tinker_wire import (
     ForwardBackwardCall,
@@ -80,9 +82,14 @@ def render(req: ApiRequest, accept: str) -> Response:
         return JSONResponse({"metrics": body.get("metrics", {})})
     if req.op == "create_model":
         return JSONResponse({"model_id": body["model_id"], "type": "create_model"})
+    if req.op == "save_weights" and req.extra.get("sampler"):
+        return JSONResponse(
+            {"path": body["path"], "sampling_session_id": req.extra.get("session"), "type": "save_weights_for_sampler"}
+        )
     if req.op == "save_weights":
-        kind = "save_weights_for_sampler" if req.extra.get("sampler") else "save_weights"
-        return JSONResponse({"path": body["path"], "type": kind})
+        return JSONResponse({"path": body["path"], "type": "save_weights"})
+    if req.op == "sample":
+        return render_sample(req, accept)
     if req.op == "load_weights":
         return JSONResponse({"path": body.get("path"), "model_id": body.get("model_id"), "type": "load_weights"})
     return JSONResponse({k: v for k, v in body.items() if k != "elapsed_s"})
@@ -172,9 +179,14 @@ def add_training_routes(app: FastAPI, state: ServiceState) -> None:
     @app.post("/api/v1/save_weights_for_sampler")
     async def save_for_sampler(request: Request) -> Response:
         b = await request.json()
-        body = {"name": b.get("path"), "kind": "sampler"}
-        msg = _call("save_weights", b["model_id"], body)
-        rid = state.futures.submit(msg, b.get("seq_id"), sampler=True)
+        name, session = b.get("path"), None
+        if not name:  # save_weights_and_get_sampling_client: a sampling session on the saved weights
+            name = f"sampler-{uuid.uuid4().hex[:8]}"
+            session = f"{b['model_id'].split(':')[0]}:sample:{b.get('sampling_session_seq_id', 0)}"
+            path = f"tinker://{b['model_id']}/sampler_weights/{name}"
+            state.sampling_sessions[session] = sampler_session(state, None, path)
+        msg = _call("save_weights", b["model_id"], {"name": name, "kind": "sampler"})
+        rid = state.futures.submit(msg, b.get("seq_id"), sampler=True, session=session)
         return JSONResponse(_future(rid, b["model_id"]))
 
     @app.post("/api/v1/load_weights")

@@ -106,12 +106,14 @@ class ComponentSpec:
 
 def component_table(cfg: RunConfig) -> list[ComponentSpec]:
     """Every process of a run, in start order (the hub first, the prompt source last); no trainer
-    with ``eval.only`` (``busctl eval``); with ``serve.only`` (``busctl serve``) the hub, the API trainer and the
-    API process."""
+    with ``eval.only`` (``busctl eval``); with ``serve.only`` (``busctl serve``) the hub, the API trainer, its
+    samplers and the API process."""
     if cfg.serve.only:
+        samplers = [ComponentSpec(f"producer-{i}", "producers.api_proc", i) for i in range(cfg.serve.samplers)]
         return [
             ComponentSpec("hub", "bus.hub"),
             ComponentSpec("trainer", "trainer.api.proc"),
+            *samplers,
             ComponentSpec("serve", "service.proc"),
         ]
     table = [

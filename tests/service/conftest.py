@@ -1,4 +1,5 @@
-"""One ``busctl serve`` per test module (CI time: its trainer takes ~10-40 s to start), on a tiny random policy."""
+"""One ``busctl serve`` per test module (CI time: its trainer takes ~10-40 s to start, a sampler's vLLM more), on
+a tiny random policy."""
 
 from __future__ import annotations
 
@@ -58,11 +59,12 @@ def stop_serve(served: Served) -> None:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """The module's ``busctl serve``, with the module's ``SERVE_OVERRIDES`` (default: no sampler, no vLLM)."""
     from policies.tiny_model import build_random_policy
 
     tmp = tmp_path_factory.mktemp("serve")
     policy = build_random_policy(tmp / "tiny", seed=0)
-    s = start_serve(tmp, policy)
+    s = start_serve(tmp, policy, *getattr(request.module, "SERVE_OVERRIDES", ("serve.samplers=0",)))
     yield s
     stop_serve(s)

