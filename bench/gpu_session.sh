@@ -44,11 +44,11 @@ if ls .whl/*.whl >/dev/null 2>&1; then
         || { echo "wheel install failed"; exit 1; }
 fi
 need=()
-for w in .whl/bench/*.whl; do  # the bench wheels whose module the image lacks
+for w in .whl/bench/*.whl; do  # the bench wheels whose module the image lacks (find_spec: nothing imported)
     [ -e "$w" ] || continue
     dist=$(basename "$w" | cut -d- -f1)
     case $dist in python_dateutil) mod=dateutil ;; *) mod=$dist ;; esac
-    python3 -c "import $mod" 2>/dev/null || need+=("$w")
+    python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('$mod') is None)" 2>/dev/null || need+=("$w")
 done
 if [ ${#need[@]} -gt 0 ]; then
     echo "installing ${#need[@]} bench wheels: ${need[*]##*/}"
