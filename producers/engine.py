@@ -1,6 +1,6 @@
 """RolloutEngine: the only place in a producer process that touches vLLM.
 
-It wraps one `AsyncLLM` (EngineCore spawned, `producers.vllm_procs`; workers carry
+It wraps one `AsyncLLM` (EngineCore spawned or forked, `producers.vllm_procs`; workers carry
 `broadcaster.worker_extension.WeightSyncExtension`): generate a group for one prompt (token ids in), apply new
 weights, report the policy `version`. vLLM tags each output token with the weight version in effect
 (`weight_versions` spans, expanded per token into `Sample.token_versions`). An update pauses the scheduler with
@@ -22,7 +22,7 @@ from typing import Any
 from configs.model_path import resolve_model_path
 from producers.rollout_sample import Sample, token_versions
 from producers.vllm_idle import BUSY_LOOP_ENV
-from producers.vllm_procs import engine_core_env
+from producers.vllm_procs import build_async_llm
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +38,10 @@ class RolloutEngine:
 
     `model_path`: HF directory or a hub id in the local cache (FileNotFoundError if neither). `kv_cache_bytes`: KV
     cache size in bytes. `warmup`: one short request in `start()` (the eager first batch costs ~3 s on CPU).
-    `dtype`: `producers.dtype` ("auto" resolved by `broadcaster.dtypes`). `busy_loop_s`: cap on vLLM's queue
-    readers' busy-poll (`producers.vllm_idle`; None: vLLM's 1 s). `engine_kwargs` override `AsyncEngineArgs`.
+    `fork_engine_core`: on CPU fork the EngineCore (`producers.vllm_procs.build_async_llm`; only in a process that
+    has run no OpenMP work). `dtype`: `producers.dtype` ("auto" resolved by `broadcaster.dtypes`). `busy_loop_s`:
+    cap on vLLM's queue readers' busy-poll (`producers.vllm_idle`; None: vLLM's 1 s). `engine_kwargs` override
+    `AsyncEngineArgs`.
     ValueError: `max_model_len < 2`, a negative `busy_loop_s`, an unknown `update_mode`.
     """
 
@@ -59,6 +61,7 @@ class RolloutEngine:
         gpu_memory_utilization: float | None = None,
         engine_kwargs: dict[str, Any] | None = None,
         update_mode: str = "keep",
+        fork_engine_core: bool = False,
     ) -> None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
@@ -87,6 +90,7 @@ class RolloutEngine:
         self._engine_kwargs.update(engine_kwargs or {})
         self._version = initial_version
         self._warmup = warmup
+        self._fork_engine_core = fork_engine_core
         self._llm = None
         self._update_lock = None
         self._broken: str | None = None
@@ -98,7 +102,6 @@ class RolloutEngine:
         import asyncio
 
         from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         if self._llm is not None:
             raise RuntimeError("RolloutEngine already started")
@@ -107,8 +110,8 @@ class RolloutEngine:
         if self._busy_loop_s is not None:  # read by producers.vllm_idle in every vLLM process
             os.environ[BUSY_LOOP_ENV] = repr(float(self._busy_loop_s))
         self._update_lock = asyncio.Lock()
-        with engine_core_env(on_gpu=self._on_gpu, eager=bool(self._engine_kwargs.get("enforce_eager"))):
-            self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_kwargs))
+        args = AsyncEngineArgs(**self._engine_kwargs)
+        self._llm = build_async_llm(args, on_gpu=self._on_gpu, fork=self._fork_engine_core)
         try:
             await self._llm.update_weight_version(str(self._version))
             if self._warmup:

@@ -51,12 +51,12 @@ def build_engine(cfg: "RunConfig", index: int, name: str) -> Any:
             update_mode=p.weight_update,
             # post-temperature logprobs: the trainer scores with the same temperature
             engine_kwargs={"logprobs_mode": "processed_logprobs"},
+            fork_engine_core=True,  # a producer has run no OpenMP work before its engine starts
         )
     from producers.server_engine import ServerEngine
 
-    launchers = []
-    if not p.servers:
-        launchers = _launchers(cfg, index, name, kv_cache_bytes)
+    new_launcher = None if p.servers else functools.partial(_launcher, cfg, index, name, kv_cache_bytes)
+    launchers = [new_launcher(k) for k in range(p.servers_per_replica)] if new_launcher else []
     return ServerEngine(
         cfg.model.path,
         urls=list(p.servers),

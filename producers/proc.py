@@ -391,8 +391,8 @@ class ProducerProc(Component):
             log.info("held version %d for %.3f s until eval round %d closed", new_version, waited, version)
 
     async def _apply(self, msg: WeightsReady) -> None:
+        waited = time.perf_counter()  # the wait counted includes the hold for the version's eval round
         await self._hold_for_eval_round(msg.version)
-        waited = time.perf_counter()
         async with self.gate.update():  # in-flight eval groups finish under the old version first
             started = time.perf_counter()
             UPDATE_WAIT_SECONDS.observe(started - waited)

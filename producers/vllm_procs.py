@@ -1,12 +1,14 @@
 """How many processes a producer's vLLM engine starts: on CPU, the Worker runs inside the EngineCore.
 
-`AsyncLLM` always spawns its EngineCore; on CPU, `VLLM_ENABLE_V1_MULTIPROCESSING=0` while it is built keeps vLLM's
-single-process executor, so the Worker (and `broadcaster.worker_extension`) lives in the EngineCore: one vLLM import
-(~6 s on the 2-core host) less and no shared-memory queue to busy-poll. The EngineCore then gets `OMP_NUM_THREADS` =
-usable CPUs - 1, as the multiprocess executor gave its Worker (OpenMP's default ran batches 10-15x slower), and an
-eager engine `TORCH_COMPILE_DISABLE=1` (vLLM's inductor-compiled sampler helper cost ~1.8 s at warm-up, nothing
-after). Only the spawned EngineCore sees these; the caller's environment is restored. On a GPU nothing changes.
-See docs/ARCHITECTURE.md, "vLLM on a CPU host".
+`AsyncLLM` always runs its EngineCore in a child; on CPU, `VLLM_ENABLE_V1_MULTIPROCESSING=0` while it is built
+keeps vLLM's single-process executor, so the Worker (and `broadcaster.worker_extension`) lives in the EngineCore:
+one vLLM import (~6 s on the 2-core host) less and no shared-memory queue to busy-poll. The EngineCore then gets
+`OMP_NUM_THREADS` = usable CPUs - 1, as the multiprocess executor gave its Worker (OpenMP's default ran batches
+10-15x slower), and an eager engine `TORCH_COMPILE_DISABLE=1` (vLLM's inductor-compiled sampler helper cost ~1.8 s
+at warm-up, nothing after). Only the EngineCore sees these; the caller's environment is restored.
+`build_async_llm(fork=True)` forks the EngineCore from the caller once vLLM is imported there (a spawned one imports
+torch and vLLM again, ~7 s of CPU on the 2-core host), for a process that has run no OpenMP work yet (a producer at
+start; not a test process). On a GPU nothing changes. See docs/ARCHITECTURE.md, "vLLM on a CPU host".
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
-__all__ = ["MULTIPROCESSING_ENV", "engine_core_env", "engine_core_threads"]
+__all__ = ["MULTIPROCESSING_ENV", "build_async_llm", "engine_core_env", "engine_core_threads"]
 
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 """vLLM's switch; "0" while the engine is built keeps the CPU Worker inside the EngineCore."""
@@ -48,3 +51,47 @@ def engine_core_env(*, on_gpu: bool, eager: bool = True) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+_forking = False  # True while build_async_llm forks: read by the child's at-fork hook
+
+
+def _forked_engine_core() -> None:
+    """(In a child forked while `_forking`.) OpenMP read its thread count when the parent loaded torch: set it."""
+    if _forking:
+        import torch
+
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or engine_core_threads()))
+
+
+os.register_at_fork(after_in_child=_forked_engine_core)
+
+
+def build_async_llm(engine_args: Any, *, on_gpu: bool, fork: bool = False) -> Any:
+    """`AsyncLLM.from_engine_args(engine_args)`, inside `engine_core_env`; with ``fork`` on CPU the EngineCore is a
+    fork of this process (vLLM's CPU platform sets "spawn" while it builds the config; "fork" is put back after)."""
+    global _forking
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    with engine_core_env(on_gpu=on_gpu, eager=bool(engine_args.enforce_eager)):
+        if on_gpu or not fork:
+            return AsyncLLM.from_engine_args(engine_args)
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.executor import Executor
+
+        vllm_config = engine_args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+        saved, os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"), "fork"
+        _forking = True
+        try:
+            return AsyncLLM(
+                vllm_config=vllm_config,
+                executor_class=Executor.get_class(vllm_config),
+                log_requests=engine_args.enable_log_requests,
+                log_stats=not engine_args.disable_log_stats,
+            )
+        finally:
+            _forking = False
+            if saved is None:
+                os.environ.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
+            else:
+                os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = saved
