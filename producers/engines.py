@@ -55,8 +55,9 @@ def build_engine(cfg: "RunConfig", index: int, name: str) -> Any:
         )
     from producers.server_engine import ServerEngine
 
-    new_launcher = None if p.servers else functools.partial(_launcher, cfg, index, name, kv_cache_bytes)
-    launchers = [new_launcher(k) for k in range(p.servers_per_replica)] if new_launcher else []
+    launchers = []
+    if not p.servers:
+        launchers = _launchers(cfg, index, name, kv_cache_bytes)
     return ServerEngine(
         cfg.model.path,
         urls=list(p.servers),
