@@ -35,6 +35,7 @@ LAST_VALUE_TYPES = (
     "run.done",
     "weights.applied",
     "run.final_step",
+    "servers.wanted",
 )  # to new subscribers
 CACHE_NAME = "hub_last_values.bin"  # in the run dir: a msgpack list of encoded messages
 MAX_CACHED_PRODUCERS = 4096  # LRU cap of weights.applied slots (a 1024-GPU run's producers four times)

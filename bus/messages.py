@@ -306,6 +306,27 @@ class RunFinalStep(Message):
 
 
 @dataclass(frozen=True, eq=False)
+class ServersWanted(Message):
+    """``busctl scale servers=N`` -> producers on inference servers they start: run ``servers`` each. ``id`` is the
+    request's (resent until answered; the hub keeps the last for restarted producers)."""
+
+    TYPE: ClassVar[str] = "servers.wanted"
+    servers: int
+
+
+@dataclass(frozen=True, eq=False)
+class ServersScaled(Message):
+    """Producer -> supervisor: ``producer`` runs ``servers`` servers in sync for request ``request``, or failed
+    (``error`` non-empty)."""
+
+    TYPE: ClassVar[str] = "servers.scaled"
+    producer: str
+    request: str
+    servers: int
+    error: str = optional_field("")
+
+
+@dataclass(frozen=True, eq=False)
 class ComponentReady(Message):
     """Startup handshake, component -> supervisor; ``metrics_host`` ``""`` means 127.0.0.1."""
 

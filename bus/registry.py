@@ -19,6 +19,8 @@ from bus.messages import (
     RunFinalStep,
     RunFinish,
     ScoredGroup,
+    ServersScaled,
+    ServersWanted,
     TrainerStep,
     WeightsApplied,
     WeightsReady,
@@ -38,6 +40,8 @@ CONTROL_TYPES: tuple[type[Message], ...] = (
     RunFinish,
     RunFinalStep,
     EvalResult,
+    ServersWanted,
+    ServersScaled,
     *WEIGHT_GROUP_TYPES,
 )
 

@@ -26,7 +26,7 @@ HELP = """\
     busctl up --resume [RUN_DIR | CONFIG] [key=value ...] continue a stopped run in its run directory
     busctl status [RUN_DIR]                              components: state, pid, restarts, heartbeat, throughput, queues
     busctl logs [RUN_DIR] COMPONENT [-f]                 a component's log (-f: follow)
-    busctl scale [RUN_DIR] rewards=N producers=M         resize a running job (either or both)
+    busctl scale [RUN_DIR] rewards=N producers=M servers=S  resize a running job (servers: per producer)
     busctl down [RUN_DIR]                                stop a running busctl up (SIGTERM; it drains)
     busctl serve [CONFIG] [key.sub=value ...]            serve the Tinker API over the bus (docs/service.md)
     busctl keys DIR [--clients N]                        make CurveZMQ keys for an authenticated tcp:// bus

@@ -190,13 +190,13 @@ def cmd_down(ns: argparse.Namespace, console: Console) -> int:
 
 
 def _parse_scale(args: list[str]) -> tuple[str | None, dict[str, int]]:
-    """``[RUN_DIR] rewards=N producers=M`` -> (RUN_DIR or None, request).
+    """``[RUN_DIR] rewards=N producers=M servers=S`` -> (RUN_DIR or None, request).
 
     Raises:
-        ValueError: an argument that is not ``rewards=N`` / ``producers=N`` with an integer N,
+        ValueError: an argument that is not ``rewards=N`` / ``producers=N`` / ``servers=N`` with an integer N,
             a key given twice, or none at all.
     """
-    from busctl.scaling import SCALABLE
+    from busctl.scaling import SCALE_KEYS as SCALABLE
 
     run_dir, args = split_config_args(args)
     request: dict[str, int] = {}
@@ -236,6 +236,8 @@ def cmd_scale(ns: argparse.Namespace, console: Console) -> int:
     rid = uuid.uuid4().hex
     write_text_atomic(run_dir / "scale.json", json.dumps({"id": rid, **request}))
     timeout_s = ns.timeout if ns.timeout is not None else cfg.bus.ready_timeout_s + STOP_TIMEOUT_S + 10
+    if ns.timeout is None and "servers" in request:  # a new server loads the model and syncs its weights
+        timeout_s += cfg.producers.server_start_timeout_s
     deadline = time.monotonic() + timeout_s
     announced = False
     while time.monotonic() < deadline:
@@ -288,8 +290,10 @@ def add_commands(sub: argparse._SubParsersAction) -> dict:
         "then the final checkpoint, eval round and exit 0",
     )
     dn.add_argument("--timeout", type=float, default=60.0, help="--finish: seconds to wait for the answer")
-    sc = sub.add_parser("scale", help="change the number of reward workers / producers of a running job")
-    sc.add_argument("args", nargs="+", metavar="ARG", help="[RUN_DIR] rewards=N and/or producers=N")
+    sc = sub.add_parser(
+        "scale", help="change the number of reward workers / producers / each producer's servers of a running job"
+    )
+    sc.add_argument("args", nargs="+", metavar="ARG", help="[RUN_DIR] rewards=N, producers=N and/or servers=N")
     sc.add_argument(
         "--timeout",
         type=float,

@@ -5,8 +5,8 @@ supervisor's watch loop reads it (no signal: a stale pid can never be hit), star
 indices (new producers join late and ask the trainer to re-form the weight group, :mod:`broadcaster.regroup`)
 or stops the highest ones (SIGTERM: they hand back their work), and records the request's progress in
 ``status.json``. Never fewer than one of each role; producer ``i`` always gets the devices the device plan gives
-index ``i``, and an index without devices is refused. The user's view: docs/operations.md, "Scaling a running
-job".
+index ``i``, and an index without devices is refused. ``servers=N`` resizes each producer's inference servers
+instead (:mod:`busctl.server_scaling`). The user's view: docs/operations.md, "Scaling a running job".
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Callable
 
 from busctl.components.table import LIVE_STATES, ComponentSpec, ComponentState, describe_exit
 from busctl.components.placement import Placement, apply_placement, plan_placement, visible_devices
+from busctl.server_scaling import ServerRequests, check_servers_request
 from configs.schema import RunConfig
 
 log = logging.getLogger(__name__)
@@ -82,14 +83,22 @@ def stop_all(specs: list[ComponentSpec], timeout_s: float = STOP_TIMEOUT_S) -> N
 SCALABLE = {"rewards": "rewards", "producers": "producer"}
 """``busctl scale`` keys and the role each one scales."""
 
+SERVERS = "servers"
+"""The ``busctl scale`` key of the inference servers per producer (not a role: :mod:`busctl.server_scaling`)."""
+
+SCALE_KEYS = (*SCALABLE, SERVERS)
+"""Every ``busctl scale`` key."""
+
 
 def scale_targets(cfg: RunConfig, request: dict, placement: Placement | None = None) -> dict[str, int]:
-    """Validate a scale request ``{"rewards": N, "producers": M}`` (either or both) against the run's config and
-    device plan (None: planned on this host); ``{role: replicas}``, e.g. ``{"rewards": 3, "producer": 2}``.
+    """Validate a scale request ``{"rewards": N, "producers": M, "servers": S}`` (any of them) against the run's
+    config and device plan (None: planned on this host); ``{role: replicas}`` plus ``"servers"`` if asked, e.g.
+    ``{"rewards": 3, "producer": 2}``.
 
     Raises:
-        ValueError: no known key, a count that is not an int >= 1, or more producers than
-            ``producers.max_replicas`` (reward workers connect to that many rollouts endpoints).
+        ValueError: no known key, a count that is not an int >= 1, more producers than
+            ``producers.max_replicas`` (reward workers connect to that many rollouts endpoints), or
+            :func:`busctl.server_scaling.check_servers_request`'s refusals.
         ConfigError (a ValueError): more producers than the GPUs have room for.
     """
     targets = {}
@@ -100,8 +109,10 @@ def scale_targets(cfg: RunConfig, request: dict, placement: Placement | None = N
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"{key}={n!r}: need a whole number >= 1 (a run never goes below one {role})")
         targets[role] = n
+    if SERVERS in request:
+        targets[SERVERS] = check_servers_request(cfg, request[SERVERS])
     if not targets:
-        raise ValueError(f"nothing to scale: give {' and/or '.join(k + '=N' for k in SCALABLE)}")
+        raise ValueError(f"nothing to scale: give {' and/or '.join(k + '=N' for k in SCALE_KEYS)}")
     limit = cfg.producers.max_replicas
     if targets.get("producer", 0) > limit:
         raise ValueError(
@@ -116,7 +127,8 @@ def scale_targets(cfg: RunConfig, request: dict, placement: Placement | None = N
 class Scaling:
     """Applies ``busctl scale`` requests to a running supervisor's component table (in place), from its watch loop;
     ``status_changed`` / ``targets_changed`` rewrite ``status.json`` / ``prometheus.yml``; ``placement`` None:
-    :func:`busctl.components.placement.apply_placement` of ``cfg``.
+    :func:`busctl.components.placement.apply_placement` of ``cfg``; ``publisher`` opens a control-channel
+    publisher (``servers=N`` requests; None: refused).
 
     Attributes:
         progress: the last request's progress, ``status.json``'s ``scale``: ``{"id", "state": ScaleState,
@@ -134,6 +146,7 @@ class Scaling:
         status_changed: Callable[[], None],
         targets_changed: Callable[[], None],
         placement: Placement | None = None,
+        publisher: Callable | None = None,
     ) -> None:
         self.cfg = cfg
         self.placement = placement or apply_placement(cfg)
@@ -144,6 +157,7 @@ class Scaling:
         self._status_changed, self._targets_changed = status_changed, targets_changed
         self._seen: tuple[int, int] | None = None
         self._next_port_offset = len(table)
+        self.servers = ServerRequests(publisher) if publisher is not None else None
 
     def poll_request(self) -> None:
         """Apply ``RUN_DIR/scale.json`` when it holds a new request id."""
@@ -172,16 +186,22 @@ class Scaling:
         try:
             targets = scale_targets(self.cfg, request, self.placement)
             present = {s.role for s in self.table}
-            missing = [r for r in targets if r not in present]
+            missing = [r for r in targets if r not in present and r != SERVERS]
             if missing:
                 raise ValueError(f"this run has no {missing[0]} components to scale")
+            if SERVERS in targets and self.servers is None:
+                raise ValueError("this supervisor cannot reach the producers' control channel")
         except ValueError as err:
             self.progress = {"id": rid, "state": ScaleState.FAILED, "error": str(err)}
             self._say(f"  [red]scale request refused[/red]: {err}")
             self._status_changed()
             return
         added, removed = [], []
+        if SERVERS in targets:
+            self.servers.start(rid, targets[SERVERS])
         for role, n in targets.items():
+            if role == SERVERS:
+                continue
             a, r = self._scale_role(role, n)
             added += a
             removed += r
@@ -239,11 +259,23 @@ class Scaling:
             spec.proc.signal(signal.SIGKILL)
 
     def track(self) -> None:
-        """Mark the request ``done`` once the added components are ready and the removed ones gone."""
+        """Mark the request ``done`` once the added components are ready, the removed ones gone and (``servers``)
+        every producer answered; ``failed`` if a producer could not resize its servers."""
         if self.progress.get("state") != ScaleState.APPLYING:
             return
         by_name = {s.name: s for s in self.table}
         ready = all(by_name.get(n) is not None and by_name[n].state in LIVE_STATES for n in self.progress["added"])
+        if SERVERS in self.progress["targets"]:
+            producers = [s.name for s in self.table if s.role == "producer" and s.state != ComponentState.STOPPING]
+            self.servers.poll(time.monotonic(), producers)
+            answered, error = self.servers.outcome(producers)
+            self.progress["servers_in_sync"] = sorted(p for p, a in self.servers.answers.items() if not a.error)
+            if error:
+                self.progress.update(state=ScaleState.FAILED, error=error)
+                self._say(f"  [red]scale request failed[/red]: {error}")
+                self._status_changed()
+                return
+            ready = ready and answered
         if ready and not any(n in by_name for n in self.progress["removed"]):
             self.progress["state"] = ScaleState.DONE
             self._say(f"  [cyan]scaled[/cyan] to {self.progress['targets']}")

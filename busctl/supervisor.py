@@ -27,7 +27,15 @@ from rich.markup import escape
 from bus import auth
 from lifecycle.launch_env import ENV_NAMES, LaunchEnv
 from bus.control import ControlPublisher
-from bus.messages import ComponentHeartbeat, ComponentPhase, ComponentReady, RunDone, RunFinalStep, TrainerStep
+from bus.messages import (
+    ComponentHeartbeat,
+    ComponentPhase,
+    ComponentReady,
+    RunDone,
+    RunFinalStep,
+    ServersScaled,
+    TrainerStep,
+)
 from telemetry.metrics import start_metrics_server
 from telemetry.tls import tls_from_config
 from bus.sockets import BusSocket
@@ -164,6 +172,7 @@ class Supervisor:
             status_changed=self.write_status,
             targets_changed=self.write_scrape_config,
             placement=placement,
+            publisher=self._publish_control,  # busctl scale servers=N
         )
         self.finish = FinishRequests(self.run_dir, self._publish_control)  # busctl down --finish
 
@@ -260,6 +269,7 @@ class Supervisor:
             self._control.close()
             self._control = self._subscribe_control()
             self.finish.close()  # reopened at the hub's new address when needed
+            self.scaling.servers.close()
         self.say(
             f"  [yellow]moved[/yellow] {spec.name} to {move.address} ({', '.join(move.keys)}); "
             f"restarting {', '.join(move.restart)}"
@@ -390,6 +400,8 @@ class Supervisor:
             self.finish.final_step = msg.step
             self.say(f"finishing early: the run ends after step {msg.step} (busctl down --finish)")
             self.write_status()
+        elif isinstance(msg, ServersScaled):
+            self.scaling.servers.on_answer(msg)
 
     # -- healing ---------------------------------------------------------------------------------
 
@@ -547,6 +559,7 @@ class Supervisor:
                 sock.close()
         self._inbox = self._control = None
         self.finish.close()
+        self.scaling.servers.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()

@@ -7,6 +7,7 @@ logged to `RUN_DIR/logs/<producer>-server-<k>.log`. Only the in-process engine i
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,9 +56,8 @@ def build_engine(cfg: "RunConfig", index: int, name: str) -> Any:
         )
     from producers.server_engine import ServerEngine
 
-    launchers = []
-    if not p.servers:
-        launchers = _launchers(cfg, index, name, kv_cache_bytes)
+    new_launcher = None if p.servers else functools.partial(_launcher, cfg, index, name, kv_cache_bytes)
+    launchers = [new_launcher(k) for k in range(p.servers_per_replica)] if new_launcher else []
     return ServerEngine(
         cfg.model.path,
         urls=list(p.servers),
@@ -66,10 +66,12 @@ def build_engine(cfg: "RunConfig", index: int, name: str) -> Any:
         update_mode="drain",
         start_timeout_s=p.server_start_timeout_s,
         request_timeout_s=p.server_request_timeout_s,
+        new_launcher=new_launcher,  # busctl scale servers=N
     )
 
 
-def _launchers(cfg: "RunConfig", index: int, name: str, kv_cache_bytes: int) -> list:
+def _launcher(cfg: "RunConfig", index: int, name: str, kv_cache_bytes: int, k: int) -> Any:
+    """The launcher of producer `index`'s k-th managed server (a fresh port each call)."""
     from broadcaster.dtypes import resolve_producer_dtype
     from configs.model_path import resolve_model_path
     from producers.server_launch import ServerLauncher, server_command
@@ -77,21 +79,18 @@ def _launchers(cfg: "RunConfig", index: int, name: str, kv_cache_bytes: int) -> 
     p = cfg.producers
     on_gpu = bool(p.gpus_per_replica) and os.environ.get("CUDA_VISIBLE_DEVICES", "") not in ("", "-1")
     dtype = resolve_producer_dtype(p.dtype, cuda_available=on_gpu)
-    launchers = []
-    for k in range(p.servers_per_replica):
-        port = ServerLauncher.pick_port()
-        command = server_command(
-            resolve_model_path(cfg.model.path),
-            port,
-            max_model_len=cfg.model.max_model_len,
-            dtype=dtype,
-            seed=p.seed + index,
-            kv_cache_bytes=kv_cache_bytes,
-            on_gpu=on_gpu,
-            tensor_parallel_size=p.tensor_parallel_size,
-            gpu_memory_utilization=p.gpu_memory_utilization if on_gpu else None,
-            extra_args=list(p.server_args),
-        )
-        log_path = Path(cfg.run_dir) / "logs" / f"{name}-server-{k}.log"
-        launchers.append(ServerLauncher(command, port, env=managed_server_env(on_gpu), log_path=log_path))
-    return launchers
+    port = ServerLauncher.pick_port()
+    command = server_command(
+        resolve_model_path(cfg.model.path),
+        port,
+        max_model_len=cfg.model.max_model_len,
+        dtype=dtype,
+        seed=p.seed + index,
+        kv_cache_bytes=kv_cache_bytes,
+        on_gpu=on_gpu,
+        tensor_parallel_size=p.tensor_parallel_size,
+        gpu_memory_utilization=p.gpu_memory_utilization if on_gpu else None,
+        extra_args=list(p.server_args),
+    )
+    log_path = Path(cfg.run_dir) / "logs" / f"{name}-server-{k}.log"
+    return ServerLauncher(command, port, env=managed_server_env(on_gpu), log_path=log_path)

@@ -31,6 +31,8 @@ from bus.messages import (
     Prompt,
     RolloutGroup,
     RunDone,
+    ServersScaled,
+    ServersWanted,
     WeightsApplied,
     WeightsReady,
     WeightsWanted,
@@ -209,11 +211,13 @@ class ProducerProc(Component):
         self.inflight: dict[asyncio.Task, int] = {}  # generation task -> its group's samples (the budget)
         self.held: set[asyncio.Task] = set()  # prefetched training prompts waiting for their version
         self.version_applied = asyncio.Condition()
+        self.resizing: tuple[str, asyncio.Task] | None = None  # (request id, task) of busctl scale servers=N
         tasks = [asyncio.create_task(self._control_loop()), asyncio.create_task(self._prompt_loop())]
         finished, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for task in [*tasks, *self.inflight, *self.held]:
+        resizing = [self.resizing[1]] if self.resizing is not None else []
+        for task in [*tasks, *self.inflight, *self.held, *resizing]:
             task.cancel()
-        await asyncio.gather(*tasks, *self.inflight, *self.held, return_exceptions=True)
+        await asyncio.gather(*tasks, *self.inflight, *self.held, *resizing, return_exceptions=True)
         for task in finished:
             if not task.cancelled() and task.exception() is not None:
                 raise task.exception()  # e.g. a broken engine: exit, the supervisor restarts us
@@ -344,7 +348,9 @@ class ProducerProc(Component):
                 return
             if isinstance(msg, EvalResult):
                 self.round_hold.on_result(msg.round, msg.task)
-            if isinstance(msg, WeightGroup):
+            if isinstance(msg, ServersWanted):
+                self._resize_servers(msg)
+            elif isinstance(msg, WeightGroup):
                 ack = WeightGroupAck(id=new_id(), producer=self.name, generation=msg.generation)
                 await self.receiver.regroup(msg, lambda ack=ack: self.control_out.send(ack))
             elif isinstance(msg, WeightsReady) and (
@@ -358,6 +364,29 @@ class ProducerProc(Component):
                     self._ask_for_group(msg.version)
                     continue
                 await self._apply(msg)
+
+    def _resize_servers(self, msg: ServersWanted) -> None:
+        """Resize the engine's servers in the background (after the previous request's resize), then answer."""
+        previous = self.resizing
+        if previous is not None and previous[0] == msg.id:
+            return  # resent, or replayed by the hub
+
+        async def resize() -> None:
+            if previous is not None:
+                await asyncio.gather(previous[1], return_exceptions=True)
+            error = ""
+            try:
+                if not hasattr(self.engine, "resize"):
+                    raise ValueError("this producer's engine runs in its process (producers.engine: vllm)")
+                await self.engine.resize(msg.servers)
+                log.info("running %d inference server(s) (busctl scale servers=%d)", msg.servers, msg.servers)
+            except Exception as exc:  # answered to busctl scale; the producer keeps its servers
+                log.error("resizing to %d server(s) failed: %r", msg.servers, exc)
+                error = repr(exc)
+            answer = ServersScaled(id=new_id(), producer=self.name, request=msg.id, servers=msg.servers, error=error)
+            self.control_out.send(answer)
+
+        self.resizing = (msg.id, asyncio.create_task(resize()))
 
     def _ask_for_group(self, version: int | None = None) -> None:
         """Send ``weights.wanted`` (``version``, None: the engine's) if the receiver is outside every group."""

@@ -8,7 +8,8 @@ versions are exact per sample: an update closes every server to new requests, wa
 labelled with its server's version when sent. A server that stops answering, or whose `/weight_info` no longer
 shows the version it was given (restarted), is closed; its requests are re-issued on another server, and once it
 answers again (a managed one is restarted, `producers.server_launch`) the last update is replayed on it before it
-samples again. The story: docs/ARCHITECTURE.md, "Producers on inference servers".
+samples again; a server added mid-run (`busctl scale servers=N`) joins the same way, a removed one is drained first.
+The story: docs/ARCHITECTURE.md, "Producers on inference servers".
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from configs.model_path import resolve_model_path
 from producers.rollout_sample import Sample
@@ -51,7 +52,8 @@ class ServerEngine:
     """Rollouts on the servers at `urls` (or started by `launchers`, `producers.server_launch.ServerLauncher`).
 
     `kind`: "auto" (asked from each server), "vllm" or "sglang". `start_timeout_s`: most seconds a server takes to
-    answer at start or after a restart; `request_timeout_s`: one request's limit. ValueError: no server.
+    answer at start or after a restart; `request_timeout_s`: one request's limit. `new_launcher(k)`: the launcher of
+    the k-th managed server (0-based), for `resize`. ValueError: no server.
     """
 
     def __init__(
@@ -65,12 +67,14 @@ class ServerEngine:
         update_mode: str = "drain",
         start_timeout_s: float = 600.0,
         request_timeout_s: float = 600.0,
+        new_launcher: Callable[[int], Any] | None = None,
     ) -> None:
         if not urls and not launchers:
             raise ValueError("ServerEngine needs server URLs or launchers")
         self.model_path = resolve_model_path(model_path)
         self._slots = [_Slot(url) for url in urls] + [_Slot(launcher.url, launcher=launcher) for launcher in launchers]
         self._kind, self._version, self.update_mode = kind, initial_version, update_mode
+        self._new_launcher = new_launcher
         self._start_timeout_s, self._request_timeout_s = start_timeout_s, request_timeout_s
         self._last_update: tuple[str, dict, int] | None = None  # (worker method, kwargs, version): replayed
         self._tokenizer = None
@@ -159,6 +163,62 @@ class ServerEngine:
     def restarts(self) -> int:
         """Servers lost and healed so far (restarted, or found without their version)."""
         return sum(slot.restarts for slot in self._slots)
+
+    # -- servers added and removed mid-run (busctl scale servers=N) ----------------------------------
+
+    async def add_server(self, url: str | None = None) -> str:
+        """Add the server at `url` (None: a managed one, `new_launcher`), return its URL once it holds the current
+        weights and takes requests. ValueError: no `url` and no `new_launcher`."""
+        self._require()
+        if url is None:
+            if self._new_launcher is None:
+                raise ValueError("no url given and no new_launcher to start a server with")
+            launcher = self._new_launcher(sum(s.launcher is not None for s in self._slots))
+            slot = _Slot(launcher.url, launcher=launcher)
+            launcher.start()
+        else:
+            slot = _Slot(url.rstrip("/"))
+        self._slots.append(slot)
+        slot.healing = asyncio.create_task(self._heal(slot))  # connect and replay the last update
+        await asyncio.shield(slot.healing)
+        if not slot.open:
+            raise RuntimeError(f"{slot.url} was added but could not be brought to version {self._version}")
+        log.info("server %s added (%d in all)", slot.url, len(self._slots))
+        return slot.url
+
+    async def remove_server(self, url: str | None = None) -> str:
+        """Close the server at `url` (None: the last one), wait for its requests in flight, drop it and stop it if
+        managed; its URL. ValueError: an unknown `url`, or the last server."""
+        self._require()
+        matches = [s for s in self._slots if url is None or s.url == url.rstrip("/")]
+        if not matches:
+            raise ValueError(f"no server {url!r} (servers: {self.urls})")
+        if len(self._slots) == 1:
+            raise ValueError("cannot remove the last server")
+        slot = matches[-1]
+        async with self._update_lock:  # no update starts on it meanwhile
+            if slot.healing is not None:
+                slot.healing.cancel()
+                await asyncio.gather(slot.healing, return_exceptions=True)
+            async with self._changed:
+                slot.open = False
+                await self._changed.wait_for(lambda: slot.inflight == 0)
+                self._slots.remove(slot)
+                self._changed.notify_all()
+        if slot.launcher is not None:
+            await asyncio.to_thread(slot.launcher.stop)
+        log.info("server %s removed (%d left)", slot.url, len(self._slots))
+        return slot.url
+
+    async def resize(self, n: int) -> None:
+        """Add managed servers or remove the last ones until `n` remain; returns when the added ones are in sync.
+        ValueError: `n` < 1, or adding without `new_launcher`."""
+        if n < 1:
+            raise ValueError(f"need at least one server, got {n}")
+        while len(self._slots) > n:
+            await self.remove_server()
+        if len(self._slots) < n:
+            await asyncio.gather(*(self.add_server() for _ in range(n - len(self._slots))))
 
     # -- generation ------------------------------------------------------------------------------
 

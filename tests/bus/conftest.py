@@ -34,6 +34,8 @@ from bus.messages import (
     RunDone,
     EvalResult,
     ScoredGroup,
+    ServersScaled,
+    ServersWanted,
     TrainerStep,
     WeightsApplied,
     WeightsWanted,
@@ -177,6 +179,8 @@ EXAMPLES: dict[str, Callable[[], Message]] = {
     "groups.dropped": lambda: GroupsDropped(id="d-1", group_ids=["g-1", "g-2"], reason="stale"),
     "groups.trained": lambda: GroupsTrained(id="t-3", step=3, group_ids=["g-1", "g-2", "g-3"]),
     "run.done": lambda: RunDone(id="r-1", step=10, reason="max_steps"),
+    "servers.wanted": lambda: ServersWanted(id="v-1", servers=3),
+    "servers.scaled": lambda: ServersScaled(id="v-2", producer="producer-0", request="v-1", servers=3, error=""),
     "eval.result": lambda: EvalResult(
         id="e-1",
         round=10,

@@ -56,6 +56,8 @@ from bus.messages import (
     RunDone,
     EvalResult,
     ScoredGroup,
+    ServersScaled,
+    ServersWanted,
     TrainerStep,
     WeightsApplied,
     WeightsWanted,
@@ -191,6 +193,8 @@ def realistic_examples() -> dict[str, Message]:
         GroupsDropped(id="d1", group_ids=["5f0c2a", "77aa01"], reason="stale"),
         GroupsTrained(id="t4", step=4, group_ids=["5f0c2a", "9b1e44", "c03d7f"]),
         RunDone(id="r1", step=4, reason="max_steps"),
+        ServersWanted(id="v1", servers=3),
+        ServersScaled(id="v2", producer="producer-1", request="v1", servers=3, error=""),
         EvalResult(
             id="e1",
             round=4,

@@ -4,7 +4,8 @@ launcher (`producers.server_launch`) once for the module.
 Token ids in and out with the sampled token's post-temperature logprob (equal to a HF forward's), seeded groups,
 groups spread over two server entries, weights by the filesystem method through the server's dev endpoints (the
 samples then carry the new version and the new weights' logprobs), a server found without its version re-synced,
-and the producer's engine path in a Python that cannot import vllm (an install without the vllm extra).
+a server entry added (synced to the last update first) and removed (drained) mid-run, and the producer's engine
+path in a Python that cannot import vllm (an install without the vllm extra).
 """
 
 from __future__ import annotations
@@ -149,6 +150,44 @@ def test_weights_by_filesystem_reach_the_server_and_a_lost_version_is_resynced(s
             return await engine.generate_group(PROMPT, n=2, temperature=1.0, top_p=1.0, max_tokens=8, request_id="c")
 
     assert max(_max_err(base, PROMPT, s, 1.0) for s in _run(fresh())) < LOGPROB_ATOL
+
+
+def test_servers_added_and_removed_mid_run(server):
+    """`busctl scale servers=N`'s engine side: an added server replays the last update before it samples and takes
+    groups; a removed one is drained (its request in flight finishes) and dropped; never below one server."""
+    from producers.server_engine import ServerEngine
+
+    url, policy, _, _ = server
+    kwargs = dict(temperature=1.0, top_p=1.0, max_tokens=8)
+
+    async def go():
+        async with ServerEngine(policy, urls=[url], start_timeout_s=300) as engine:
+            await engine.load_weights_from_path(1, policy)  # the replayed update: the checkpoint as version 1
+            assert await engine.add_server(url) == url  # the same server again: a second entry
+            assert [(s.version, s.open) for s in engine._slots] == [(1, True), (1, True)]
+            groups = await asyncio.gather(
+                *(engine.generate_group(PROMPT, n=2, request_id=f"g{i}", **kwargs) for i in range(4))
+            )
+            assert all(slot.served >= 1 for slot in engine._slots), "the added server must take groups"
+            long = dict(kwargs, max_tokens=48, ignore_eos=True)
+            first = asyncio.create_task(engine.generate_group(PROMPT, n=2, request_id="l0", **long))
+            second = asyncio.create_task(engine.generate_group(PROMPT, n=2, request_id="l1", **long))
+            await asyncio.sleep(0.1)
+            assert [s.inflight for s in engine._slots] == [2, 2]
+            assert await engine.remove_server() == url
+            assert len(engine._slots) == 1 and engine._slots[0].inflight in (0, 2)
+            drained = await asyncio.wait_for(second, 60)  # the removed server's request was not cut
+            assert engine.restarts() == 0
+            with pytest.raises(ValueError, match="last server"):
+                await engine.remove_server()
+            with pytest.raises(ValueError, match="new_launcher"):
+                await engine.resize(2)
+            await engine.resize(1)  # already there: nothing to do
+            return groups, [*drained, *await first]
+
+    groups, longs = _run(go())
+    assert all((s.version_start, s.version_end) == (1, 1) for g in groups for s in g)
+    assert [len(s.token_ids) for s in longs] == [48] * 4 and all(s.version_start == 1 for s in longs)
 
 
 NO_VLLM_SCRIPT = r"""
