@@ -344,6 +344,34 @@ def overview() -> dict:
             "their turns) and error kind, mean calls per episode, and environment step results whose statistics "
             "were malformed (ignored). " + WINDOW_NOTE,
         ),
+        row("Service (busctl serve)"),
+        timeseries(
+            "API requests",
+            [Target(agg_by("rlbus_serve_requests_total", "route, code"), "{{route}} {{code}}")],
+            "reqps",
+            "HTTP requests of the Tinker API per second by route and status (401: refused keys; "
+            "retrieve_future counts each long poll). " + WINDOW_NOTE,
+        ),
+        timeseries(
+            "API latency and queue depth",
+            [
+                *quantile_targets("rlbus_serve_request_seconds", "route", qs=(0.95,), mean=False),
+                Target(gauge_by("rlbus_serve_queue_depth", "model"), "queued {{model}}"),
+            ],
+            "short",
+            "p95 seconds to answer a request per route (a long poll waits up to serve.long_poll_s), and the calls "
+            "of each model not answered yet (held for their seq_id or running).",
+        ),
+        timeseries(
+            "Trainer API calls",
+            [
+                Target(agg_by("rlbus_trainer_api_calls_total", "op, outcome"), "{{op}} {{outcome}}"),
+                *quantile_targets("rlbus_trainer_api_call_seconds", "op", qs=(0.5,), mean=False),
+            ],
+            "short",
+            "Calls the trainer of busctl serve ran per second by op and outcome (ok, user, server), and the median "
+            "seconds of each op. " + WINDOW_NOTE,
+        ),
     ]
     return dashboard(
         "rlbus-overview",

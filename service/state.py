@@ -24,6 +24,7 @@ class ServiceState:
     sessions: set[str] = field(default_factory=set)
     sampling_sessions: dict[str, dict] = field(default_factory=dict)
     loop: asyncio.AbstractEventLoop | None = None
+    last_model: str = ""
 
     @property
     def served_models(self) -> list[str]:

@@ -6,7 +6,9 @@ ForwardBackwardOutput when asked), ``{"error", "category"}``, or 410 for a reque
 
 from __future__ import annotations
 
+import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,10 +41,11 @@ def _bad(why: str) -> JSONResponse:
 
 def parse_forward_backward_json(body: dict) -> ForwardBackwardCall:
     """The JSON form of a forward_backward request (xorl-client, older SDKs)."""
-    fb = body.get("forward_backward_input") or body
+    fb = body.get("forward_backward_input") or body.get("forward_input") or body
     datums = []
     for i, d in enumerate(fb.get("data", [])):
-        chunks = d.get("model_input", {}).get("chunks", [])
+        model_input = d.get("model_input", {})
+        chunks = model_input.get("chunks", [{"tokens": model_input.get("input_ids", [])}])  # xorl: input_ids
         if any(c.get("type", "encoded_text") != "encoded_text" for c in chunks):
             raise WireInputError(f"datum {i}: only encoded_text model input is served")
         toks = np.asarray([t for c in chunks for t in c.get("tokens", [])], dtype=np.int64)
@@ -55,7 +58,7 @@ def parse_forward_backward_json(body: dict) -> ForwardBackwardCall:
         model_id=body.get("model_id", ""),
         seq_id=body.get("seq_id"),
         loss_fn=fb.get("loss_fn", "cross_entropy"),
-        loss_fn_config={k: float(v) for k, v in (fb.get("loss_fn_config") or {}).items()},
+        loss_fn_config=dict(fb.get("loss_fn_config") or fb.get("loss_fn_params") or {}),
         forward_only=bool(body.get("forward_only", False)),
         batch=flatten(datums),
     )
@@ -101,11 +104,15 @@ def add_training_routes(app: FastAPI, state: ServiceState) -> None:
     @app.post("/api/v1/create_model")
     async def create_model(request: Request) -> Response:
         b = await request.json()
-        if b.get("session_id") not in state.sessions:
+        if "model_id" in b and "session_id" not in b:  # xorl-client: the client names its model
+            model_id = str(b["model_id"])
+        elif b.get("session_id") not in state.sessions:
             return _bad(f"unknown session {b.get('session_id')!r}")
-        model_id = training_model_id(b["session_id"], int(b.get("model_seq_id", 0)))
+        else:
+            model_id = training_model_id(b["session_id"], int(b.get("model_seq_id", 0)))
         lora = b.get("lora_config")
         state.futures.sequencer.start(model_id)
+        state.last_model = model_id
         rid = state.call("create_model", model_id, {"base_model": b.get("base_model", ""), "lora": lora})
         return JSONResponse(_future(rid, model_id))
 
@@ -199,6 +206,32 @@ def add_training_routes(app: FastAPI, state: ServiceState) -> None:
         body = {"path": b.get("path", ""), "optimizer": bool(b.get("optimizer", False))}
         rid = state.call("load_weights", model_id, body, b.get("seq_id") or None)
         return JSONResponse(_future(rid, model_id))
+
+    @app.post("/sync_inference_weights")
+    async def sync_inference_weights(request: Request) -> Response:
+        """xorl-client's weight sync: the model's weights saved for the samplers (no NCCL group: the samplers
+        load them from the run directory); the sampling session ``MODEL:synced`` samples them."""
+        b = await request.json()
+        model_id = b.get("model_id") or state.last_model
+        started = time.monotonic()
+        name = f"sync-{uuid.uuid4().hex[:8]}"
+        path = f"tinker://{model_id}/sampler_weights/{name}"
+        rid = state.futures.submit(_call("save_weights", model_id, {"name": name, "kind": "sampler"}), None)
+        req = await state.futures.wait(rid, 600)
+        if req is None or req.reply is None or not req.reply.ok:
+            why = req.reply.error if req is not None and req.reply is not None else "the trainer did not answer"
+            return JSONResponse({"success": False, "message": why})
+        state.sampling_sessions[f"{model_id}:synced"] = sampler_session(state, None, path)
+        size = sum(f.stat().st_size for f in Path(req.reply.body["weights_dir"]).glob("*.safetensors"))
+        return JSONResponse(
+            {
+                "success": True,
+                "message": f"saved {path} for the samplers (sampling session {model_id}:synced)",
+                "transfer_time": time.monotonic() - started,
+                "total_bytes": size,
+                "num_buckets": 1,
+            }
+        )
 
     @app.post("/api/v1/unload_model")
     async def unload_model(request: Request) -> Response:

@@ -28,7 +28,7 @@ class Served:
     proc: subprocess.Popen
 
 
-def start_serve(tmp: Path, policy: Path, *overrides: str, timeout_s: float = 180.0) -> Served:
+def start_serve(tmp: Path, policy: Path, *overrides: str, timeout_s: float = 420.0) -> Served:
     """Start ``busctl serve`` in ``tmp/run`` and wait until every component is ready."""
     run_dir = tmp / "run"
     env = {**os.environ, "RLBUS_SERVE_API_KEYS": f"{API_KEY},tml-second-key"}

@@ -192,3 +192,59 @@ def test_sampled_logprobs_equal_the_trainers_and_params_are_honoured(client, ser
     base = client.create_sampling_client(base_model=str(served.policy)).result()
     base_res = base.sample(types.ModelInput.from_ints(prompt), num_samples=1, sampling_params=params).result()
     assert len(base_res.sequences[0].tokens) >= 1
+
+
+def test_xorl_client_drives_policy_loss_forward_and_weight_sync(served):
+    """xorl-client 0.1.0's JSON routes: a client-named model, ``policy_loss`` with icepop_beta and use_tis (the
+    loss equals rlbus's policy_loss_terms on the logprobs the server returns, tests/service/test_losses.py checks
+    the mapping itself), xorl's metrics, ``/api/v1/forward`` and ``sync_inference_weights``."""
+    xorl_client = pytest.importorskip("xorl_client", reason="xorl-client is in the test extra")
+    import torch
+
+    from trainer.api.tinker_losses import token_loss
+
+    xc = xorl_client.ServiceClient(base_url=served.url, api_key=API_KEY)
+    tc = xc.create_lora_training_client(base_model=str(served.policy), rank=4, model_id="xorl-a")
+    tc = tc.result() if hasattr(tc, "result") else tc  # 0.1.0 returns the client itself
+    toks = list(b"policy loss over the bus")
+    n = len(toks) - 1
+    rng = np.random.default_rng(0)
+    labels = np.array(toks[1:], dtype=np.int64)
+    labels[:3] = -100  # the prompt: masked
+    datum = {
+        "model_input": {"input_ids": toks[:-1]},
+        "loss_fn_inputs": {
+            "labels": {"data": labels.tolist(), "dtype": "int64", "shape": [n]},
+            "logprobs": {"data": (-5.5 + 0.1 * rng.standard_normal(n)).tolist(), "dtype": "float32", "shape": [n]},
+            "rollout_logprobs": {
+                "data": (-5.5 + 0.1 * rng.standard_normal(n)).tolist(),
+                "dtype": "float32",
+                "shape": [n],
+            },
+            "advantages": {"data": rng.standard_normal(n).tolist(), "dtype": "float32", "shape": [n]},
+        },
+    }
+    params = {
+        "eps_clip": 0.2,
+        "eps_clip_high": 0.28,
+        "icepop_beta": 2.0,
+        "use_tis": True,
+        "tis_clip_low": 0.5,
+        "tis_clip_high": 1.5,
+    }
+    fwd = tc.forward([datum], "policy_loss", loss_fn_params=params).result()
+    out = tc.forward_backward([datum], "policy_loss", loss_fn_params=params).result()
+    for key in ("pg_clipfrac:mean", "icepop_maskfrac:mean", "ratio_mean:mean", "kl_sample_train_k3:mean"):
+        assert key in out.metrics, out.metrics
+    lp = torch.tensor(np.asarray(out.loss_fn_outputs[0]["logprobs"].data, dtype=np.float32))
+    np.testing.assert_array_equal(lp.numpy(), np.asarray(fwd.loss_fn_outputs[0]["logprobs"].data, dtype=np.float32))
+    inputs = {
+        k: torch.tensor(datum["loss_fn_inputs"][k]["data"], dtype=torch.float32)
+        for k in ("logprobs", "rollout_logprobs", "advantages")
+    }
+    inputs["labels_mask"] = torch.tensor(labels >= 0)
+    want, _ = token_loss("policy_loss", lp, inputs, params, torch.tensor([n]))
+    assert out.metrics["loss:sum"] == pytest.approx(float(want.sum()), rel=1e-4, abs=1e-5)
+    assert tc.optim_step({"learning_rate": 1e-2}).result() is not None
+    synced = tc.sync_inference_weights().result()
+    assert synced.success and synced.total_bytes > 0, synced.message

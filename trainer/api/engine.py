@@ -144,34 +144,39 @@ class ApiEngine:
         if len(names) != len(call.loss_inputs):
             raise UserError("loss_inputs names and rows differ")
         rows = dict(zip(names, call.loss_inputs))
-        if "target_tokens" not in rows:
-            raise UserError("loss_fn_inputs needs target_tokens")
+        target_name = "target_tokens" if "target_tokens" in rows else "labels"
+        if target_name not in rows:
+            raise UserError("loss_fn_inputs needs target_tokens (or labels)")
         forward_only = bool(body.get("forward_only", False))
-        config = {k: float(v) for k, v in (body.get("loss_fn_config") or {}).items()}
+        config = dict(body.get("loss_fn_config") or {})
         ids, lens = np.asarray(call.token_ids), np.asarray(call.datum_lens)
         logprobs_out = np.zeros(len(ids))
         loss_out = np.zeros(len(ids))
-        total = 0.0
+        metrics: dict[str, float] = {"loss:sum": 0.0}
         starts = np.concatenate([[0], np.cumsum(lens)])
         for first, last in _packs(lens):
             lo, hi = int(starts[first]), int(starts[last])
-            targets = rows["target_tokens"][lo:hi]
+            labels = rows[target_name][lo:hi]
+            targets = np.where(labels < 0, 0, labels)  # xorl's ignore index (-100): masked below
             with torch.set_grad_enabled(not forward_only):
                 lp = self._target_logprobs(sm.model, ids[lo:hi], lens[first:last], targets)
                 inputs = {
                     k: torch.as_tensor(v[lo:hi], dtype=torch.float32, device=lp.device)
                     for k, v in rows.items()
-                    if k != "target_tokens"
+                    if k != target_name
                 }
-                per_token = token_loss(body["loss_fn"], lp, inputs, config)
+                inputs["labels_mask"] = torch.as_tensor(labels >= 0, device=lp.device)
+                seq_lens = torch.as_tensor(lens[first:last], device=lp.device)
+                per_token, pack_metrics = token_loss(body["loss_fn"], lp, inputs, config, seq_lens)
                 loss = per_token.sum()
             if not forward_only and per_token.numel():
                 loss.backward()
             logprobs_out[lo:hi] = lp.detach().cpu().double().numpy()
             loss_out[lo:hi] = per_token.detach().cpu().double().numpy()
-            total += float(loss.detach())
+            metrics["loss:sum"] += float(loss.detach())
+            _merge_metrics(metrics, pack_metrics, weight=(hi - lo) / max(len(ids), 1))
         outputs = np.stack([logprobs_out, loss_out]) if len(ids) else np.zeros((2, 0))
-        return {"outputs": ["logprobs", "elementwise_loss"], "metrics": {"loss:sum": total}}, outputs
+        return {"outputs": ["logprobs", "elementwise_loss"], "metrics": metrics}, outputs
 
     def _target_logprobs(
         self, model: torch.nn.Module, ids: np.ndarray, lens: np.ndarray, targets: np.ndarray
@@ -280,6 +285,22 @@ def _checkpoint_dir(run_dir: Path, tinker_path: str) -> Path:
         return checkpoint_dir(run_dir, tinker_path)
     except ValueError as err:
         raise UserError(str(err)) from err
+
+
+def _merge_metrics(into: dict[str, float], pack: dict[str, float], weight: float) -> None:
+    """Fold one pack's ``name:reduction`` metrics into the call's (means weighted by the pack's tokens)."""
+    for key, value in pack.items():
+        kind = key.rpartition(":")[2]
+        if key not in into:
+            into[key] = value * weight if kind == "mean" else value
+        elif kind == "mean":
+            into[key] += value * weight
+        elif kind == "min":
+            into[key] = min(into[key], value)
+        elif kind == "max":
+            into[key] = max(into[key], value)
+        else:
+            into[key] += value
 
 
 def _packs(lens: np.ndarray) -> list[tuple[int, int]]:
