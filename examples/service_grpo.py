@@ -3,8 +3,8 @@ a group of completions per prompt from the client's current weights (``save_weig
 scores them with reverse_text's reward, and trains with ``importance_sampling`` on group-centred advantages; the
 eval reward (greedy, held-out prompts) is printed before and after. Its learning run is in bench/README.md.
 
-    RLBUS_SERVE_API_KEYS=tml-mykey busctl serve model.path=PATH serve.port=8000
-    TINKER_BASE_URL=http://127.0.0.1:8000 TINKER_API_KEY=tml-mykey python examples/service_grpo.py --model PATH
+    RLBUS_SERVE_API_KEYS=tml-mykey busctl serve serve.port=8000    # model.path unset: the tiny reverse_text policy
+    TINKER_BASE_URL=http://127.0.0.1:8000 TINKER_API_KEY=tml-mykey python examples/service_grpo.py
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def evaluate(sampler, tokenizer, examples, max_tokens: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="the base model busctl serve serves (its model.path)")
+    parser.add_argument("--model", default="", help="the base model (default: the server's first)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
     parser.add_argument("--group", type=int, default=8, help="completions per prompt")
@@ -48,7 +48,8 @@ def main() -> None:
     parser.add_argument("--eval", type=int, default=32, help="held-out prompts evaluated")
     args = parser.parse_args()
     client = tinker.ServiceClient()  # TINKER_BASE_URL, TINKER_API_KEY
-    tc = client.create_lora_training_client(base_model=args.model, rank=16, seed=0).result()
+    model = args.model or tinker.RestClient().get_server_capabilities().result().supported_models[0].model_name
+    tc = client.create_lora_training_client(base_model=model, rank=16, seed=0).result()
     tokenizer = tc.get_tokenizer()
     train = reverse_text_examples("train", args.steps * args.prompts, seed=0)
     held_out = reverse_text_examples("eval", args.eval, seed=0)
