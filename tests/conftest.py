@@ -28,7 +28,7 @@ HEAVY_USES = (
     *PIPELINE_USES,
     '"busctl", "up"',  # a `busctl up` subprocess (a dry run takes seconds)
     'importorskip("vllm"',  # a vLLM engine (every test file that starts one asks for it this way)
-    "pytest.mark.slow",  # a test file that says it is slow
+    'find_spec("vllm")',  # a `vllm serve` server (tests/producers/test_server_engine.py)
 )
 
 
