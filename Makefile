@@ -18,10 +18,11 @@ LOCK_FLAGS ?= $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 
 .PHONY: setup run test test-parallel test-quick lint format bench clean slurm gpu-install gpu-wheels lock
 
-$(STAMP): pyproject.toml $(LOCK)
+$(STAMP): pyproject.toml $(LOCK) requirements/no-deps.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q pip==$(PIP_VERSION)
 	$(BIN)/python -m pip install -q --no-deps -r $(LOCK)
+	$(BIN)/python -m pip install -q --no-deps -r requirements/no-deps.txt
 	# the flat layout gets setuptools' "Editable installation" note (a screen of text, no action needed)
 	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
