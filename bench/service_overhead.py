@@ -58,8 +58,9 @@ def in_process(run_dir: Path, policy: str, seqs: list[list[int]], steps: int) ->
     from configs.schema import load_config
     from trainer.api.engine import ApiEngine
 
-    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "0")) or torch.get_num_threads())
     cfg = load_config(None, [f"model.path={policy}", f"run_dir={run_dir}"])
+    if cfg.trainer.num_threads:  # as the serve trainer does (trainer/api/proc.py)
+        torch.set_num_threads(cfg.trainer.num_threads)
     engine = ApiEngine(cfg, run_dir)
     call = lambda op, body, **arrays: engine.handle(
         ApiCall(

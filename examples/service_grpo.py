@@ -20,8 +20,10 @@ from tasks.reverse_text import reverse_text_examples, reverse_text_reward
 
 
 def prompt_ids(tokenizer, text: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer.encode(rendered, add_special_tokens=False)
 
 
 def evaluate(sampler, tokenizer, examples, max_tokens: int) -> float:

@@ -18,8 +18,9 @@ from tasks.reverse_text import reverse_text_examples
 
 def sft_datum(tokenizer, prompt: str, answer: str) -> types.Datum:
     """One chat-formatted example: weights 1 on the answer's tokens (and its end of turn), 0 on the prompt's."""
-    prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    prompt_ids = list(prompt_ids["input_ids"] if isinstance(prompt_ids, dict) else prompt_ids)
+    messages = [{"role": "user", "content": prompt}]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer.encode(rendered, add_special_tokens=False)
     answer_ids = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
     tokens = prompt_ids + answer_ids
     weights = np.array([0.0] * (len(prompt_ids) - 1) + [1.0] * len(answer_ids), dtype=np.float32)

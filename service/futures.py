@@ -1,8 +1,9 @@
 """The API's promises: every call gets a request id at once and its result later (``retrieve_future``).
 :class:`Futures` lives on the web server's event loop: it orders each model's calls (:mod:`service.sequencer`),
 hands the due ones to the trainer link, and completes a request when its :class:`bus.messages_api.ApiReply`
-comes back. A call unanswered for :data:`CALL_TIMEOUT_S` (a trainer that died with it) fails with a clear
-error; results are kept :data:`KEEP_S` after they are done, then retrieving them answers 410 (gone).
+comes back. Calls held by a trainer that restarted fail with a clear error as soon as the new trainer answers
+(a ping every :data:`PING_S` makes sure it does); one unanswered for :data:`CALL_TIMEOUT_S` fails too; results
+are kept :data:`KEEP_S` after they are done, then retrieving them answers 410 (gone).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from bus.messages_api import ApiCall, ApiReply
 from service.sequencer import Sequencer
 
 CALL_TIMEOUT_S = 900.0
+PING_S = 5.0
 KEEP_S = 3600.0
 
 QUEUE_DEPTH = Gauge("rlbus_serve_queue_depth", "Calls of a model not yet answered (held or running)", ["model"])
@@ -47,6 +49,8 @@ class Futures:
         self.sequencer = Sequencer(gap_timeout_s)
         self.requests: dict[str, Request] = {}
         self._calls: dict[str, ApiCall] = {}
+        self.engine: str | None = None
+        self._pinged = 0.0
 
     def submit(self, call: ApiCall, seq_id: int | None = None, **extra: Any) -> str:
         """Register ``call`` (its id is the request id) and send it when due; a retry of a call already
@@ -59,18 +63,21 @@ class Futures:
         self._calls[call.id] = call
         for due in self.sequencer.offer(call.model_id, seq_id, call.id, call.id, now):
             self._send(due)
-        self._gauge(call.model_id)
+        if call.model_id:
+            self._gauge(call.model_id)
         return call.id
 
     def resolve(self, reply: ApiReply) -> None:
         """Complete the request ``reply`` answers (a reply for nothing known is dropped)."""
+        self.note_engine(reply)
         req = self.requests.get(reply.call_id)
         if req is None or req.reply is not None:
             return
         req.reply = reply
         req.done.set()
         self._calls.pop(reply.call_id, None)
-        self._gauge(req.model_id)
+        if req.model_id:
+            self._gauge(req.model_id)
 
     def fail(self, request_id: str, error: str, category: str = "server") -> None:
         """Complete ``request_id`` with an error."""
@@ -88,8 +95,12 @@ class Futures:
         return req
 
     def tick(self) -> None:
-        """Close sequence gaps, fail calls the trainer never answered, forget old results (call each second)."""
+        """Close sequence gaps, fail calls the trainer never answered, forget old results, ping the trainer
+        every :data:`PING_S` (call each second)."""
         now = time.monotonic()
+        if now - self._pinged >= PING_S:
+            self._pinged = now
+            self.submit(ApiCall(id=new_id(), op="ping", model_id="", body={}))
         for due in self.sequencer.expire(now):
             self._send(due)
         for req in list(self.requests.values()):
@@ -102,11 +113,18 @@ class Futures:
         """Calls of ``model_id`` not answered yet."""
         return sum(1 for r in self.requests.values() if r.model_id == model_id and r.reply is None)
 
-    def fail_in_flight(self, why: str) -> None:
-        """Fail every call sent and not answered (the trainer restarted: they are lost)."""
-        for req in list(self.requests.values()):
-            if req.reply is None and req.sent is not None:
-                self.fail(req.request_id, why)
+    def note_engine(self, reply: ApiReply) -> None:
+        """Fail the trainer calls sent before ``reply``'s call when ``reply`` comes from another trainer process
+        than the last reply did (it restarted: the calls it held are lost; later ones run on the new one)."""
+        engine, req = reply.body.get("engine"), self.requests.get(reply.call_id)
+        if not engine or req is None or req.op == "sample":
+            return
+        previous, self.engine = self.engine, engine
+        if previous in (None, engine) or req.sent is None:
+            return
+        for lost in list(self.requests.values()):
+            if lost.reply is None and lost.op != "sample" and lost.sent is not None and lost.sent < req.sent:
+                self.fail(lost.request_id, "the trainer restarted while running this call; send it again")
 
     def _send(self, request_id: str) -> None:
         call = self._calls.get(request_id)

@@ -62,6 +62,8 @@ class ApiEngine:
         self.precision = PrecisionPolicy.from_name(cfg.trainer.dtype)
         self.models: dict[str, ServedModel] = {}
         self.served = {m: m for m in [cfg.model.path, *cfg.serve.models] if m}
+        self.engine_id = new_id()
+        """Names this process in every reply: a new one tells the API process the calls in flight were lost."""
 
     def handle(self, call: ApiCall) -> ApiReply:
         """Run ``call``; errors become a failed reply (``user`` for bad calls, ``server`` otherwise)."""
@@ -71,16 +73,21 @@ class ApiEngine:
             if op is None:
                 raise UserError(f"unknown call {call.op!r}")
             body, outputs = op(call)
-        except (UserError, KeyError, TypeError) as err:
-            return ApiReply(id=new_id(), call_id=call.id, ok=False, error=str(err), category="user", body={})
-        except ValueError as err:  # rlbus's own checks of inputs (shapes, ids, losses)
-            return ApiReply(id=new_id(), call_id=call.id, ok=False, error=str(err), category="user", body={})
+        except (UserError, KeyError, TypeError, ValueError) as err:  # ValueError: rlbus's own input checks
+            return self._failed(call, str(err), "user")
         except Exception as err:
             log.exception("api call %s on %s failed", call.op, call.model_id)
-            msg = f"{type(err).__name__}: {err}"
-            return ApiReply(id=new_id(), call_id=call.id, ok=False, error=msg, category="server", body={})
+            return self._failed(call, f"{type(err).__name__}: {err}", "server")
         body["elapsed_s"] = time.perf_counter() - started
+        body["engine"] = self.engine_id
         return ApiReply(id=new_id(), call_id=call.id, ok=True, error="", category="", body=body, outputs=outputs)
+
+    def _failed(self, call: ApiCall, error: str, category: str) -> ApiReply:
+        body = {"engine": self.engine_id}
+        return ApiReply(id=new_id(), call_id=call.id, ok=False, error=error, category=category, body=body)
+
+    def _op_ping(self, call: ApiCall) -> tuple[dict, np.ndarray]:
+        return {}, _NONE
 
     # -- models ----------------------------------------------------------------------------------
 
