@@ -4,8 +4,9 @@ launcher (`producers.server_launch`) once for the module.
 Token ids in and out with the sampled token's post-temperature logprob (equal to a HF forward's), seeded groups,
 groups spread over two server entries, weights by the filesystem method through the server's dev endpoints (the
 samples then carry the new version and the new weights' logprobs), a server found without its version re-synced,
-a server entry added (synced to the last update first) and removed (drained) mid-run, and the producer's engine
-path in a Python that cannot import vllm (an install without the vllm extra).
+a LoRA run's adapter payload merged on the server, a server entry added (synced to the last update first) and
+removed (drained) mid-run, and the producer's engine path in a Python that cannot import vllm (an install without
+the vllm extra).
 """
 
 from __future__ import annotations
@@ -150,6 +151,41 @@ def test_weights_by_filesystem_reach_the_server_and_a_lost_version_is_resynced(s
             return await engine.generate_group(PROMPT, n=2, temperature=1.0, top_p=1.0, max_tokens=8, request_id="c")
 
     assert max(_max_err(base, PROMPT, s, 1.0) for s in _run(fresh())) < LOGPROB_ATOL
+
+
+def test_lora_adapter_payload_reaches_the_server_merged(server):
+    """A LoRA run's weights (adapter + RMSNorm payload, as the trainer sends them) written as a version directory:
+    the server's worker extension merges them into its copy of the checkpoint, and the sampled logprobs are the
+    trainer's merged model's (tests/producers/test_weight_sync.py's in-process case, through the server)."""
+    from broadcaster.filesystem import FilesystemSender
+    from broadcaster.manifest import build_manifest, payload_kind
+    from broadcaster.noise import is_rmsnorm_weight, with_rmsnorm_noise
+    from producers.server_engine import ServerEngine
+    from tests.broadcaster.lora_policies import lora_policy
+    from trainer.state.model import lora_adapter_state_dict, policy_state_dict
+
+    url, policy, tmp, _ = server
+    peft = lora_policy(policy, rank=4, alpha=8.0, seed=66, scale=0.05)
+    version = 7
+    payload = with_rmsnorm_noise(lora_adapter_state_dict(peft, include=is_rmsnorm_weight), 0.05, seed=66, version=7)
+    assert payload_kind(build_manifest(payload)) == "lora"
+    merged = with_rmsnorm_noise(policy_state_dict(peft), 0.05, seed=66, version=7)
+    expected = _hf(policy)
+    expected.load_state_dict(merged, strict=True)
+    info = FilesystemSender(tmp / "lora_weights").send(payload, version)
+
+    async def go():
+        async with ServerEngine(policy, urls=[url], start_timeout_s=300) as engine:
+            await engine.load_weights_from_path(version, info["path"])
+            assert engine.server_versions() == {url: version}
+            return await engine.generate_group(PROMPT, n=4, temperature=1.0, top_p=1.0, max_tokens=16, request_id="l")
+
+    samples = _run(go())
+    base = _hf(policy)
+    for s in samples:
+        assert (s.version_start, s.version_end) == (version, version)
+        assert _max_err(expected, PROMPT, s, 1.0) < LOGPROB_ATOL
+    assert max(_max_err(base, PROMPT, s, 1.0) for s in samples) > 0.1  # the adapters changed the policy
 
 
 def test_servers_added_and_removed_mid_run(server):
