@@ -23,6 +23,8 @@ $(STAMP): pyproject.toml $(LOCK) requirements/no-deps.txt
 	$(BIN)/python -m pip install -q pip==$(PIP_VERSION)
 	$(BIN)/python -m pip install -q --no-deps -r $(LOCK)
 	$(BIN)/python -m pip install -q --no-deps -r requirements/no-deps.txt
+	# xorl-client 0.1.0's wheel also installs a top-level `tests` package, which would hide this repo's tests/
+	rm -rf $(VENV)/lib/python*/site-packages/tests
 	# the flat layout gets setuptools' "Editable installation" note (a screen of text, no action needed)
 	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
