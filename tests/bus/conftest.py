@@ -32,6 +32,8 @@ from bus.messages import (
     Prompt,
     RolloutGroup,
     RunDone,
+    RunFinalStep,
+    RunFinish,
     EvalResult,
     ScoredGroup,
     ServersScaled,
@@ -179,6 +181,8 @@ EXAMPLES: dict[str, Callable[[], Message]] = {
     "groups.dropped": lambda: GroupsDropped(id="d-1", group_ids=["g-1", "g-2"], reason="stale"),
     "groups.trained": lambda: GroupsTrained(id="t-3", step=3, group_ids=["g-1", "g-2", "g-3"]),
     "run.done": lambda: RunDone(id="r-1", step=10, reason="max_steps"),
+    "run.finish": lambda: RunFinish(id="f-1"),
+    "run.final_step": lambda: RunFinalStep(id="f-2", step=7),
     "servers.wanted": lambda: ServersWanted(id="v-1", servers=3),
     "servers.scaled": lambda: ServersScaled(id="v-2", producer="producer-0", request="v-1", servers=3, error=""),
     "eval.result": lambda: EvalResult(

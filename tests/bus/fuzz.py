@@ -54,6 +54,8 @@ from bus.messages import (
     Prompt,
     RolloutGroup,
     RunDone,
+    RunFinalStep,
+    RunFinish,
     EvalResult,
     ScoredGroup,
     ServersScaled,
@@ -193,6 +195,8 @@ def realistic_examples() -> dict[str, Message]:
         GroupsDropped(id="d1", group_ids=["5f0c2a", "77aa01"], reason="stale"),
         GroupsTrained(id="t4", step=4, group_ids=["5f0c2a", "9b1e44", "c03d7f"]),
         RunDone(id="r1", step=4, reason="max_steps"),
+        RunFinish(id="f1"),
+        RunFinalStep(id="f2", step=41),
         ServersWanted(id="v1", servers=3),
         ServersScaled(id="v2", producer="producer-1", request="v1", servers=3, error=""),
         EvalResult(
@@ -668,6 +672,15 @@ class HostileMessages:
                     {"version": -2},
                 ]
             )
+        elif isinstance(msg, ComponentHeartbeat):  # a failure record malformed or of the wrong field types
+            changes = rng.choice(
+                [
+                    {"failures": {"reward/f": "TypeError"}},
+                    {"failures": {"reward/f": {"kind": "reward", "calls": 64}}},
+                    {"failures": {"reward/f": {**_FAILURE_RECORD, "errors": "3"}}},
+                    {"failures": {"reward/f": {**_FAILURE_RECORD, "calls": True}}},
+                ]
+            )
         else:
             changes = _inconsistent_group(rng, msg)
         return [bytes(memoryview(f)) for f in encode(dataclasses.replace(msg, **changes))]
@@ -855,6 +868,18 @@ def _edit_descriptor(g: HostileMessages, rng: random.Random, base: _Base, h: dic
     h["arrays"] = arrays
     return h
 
+
+_FAILURE_RECORD = {
+    "kind": "reward",
+    "calls": 64,
+    "errors": 3,
+    "share": 0.05,
+    "window": 64,
+    "error": "TypeError",
+    "message": "m",
+    "level": "ok",
+}
+"""A well-formed ``component.heartbeat`` failure record (bus.messages._FAILURE_FIELDS)."""
 
 _HEADER_EDITS = [
     _edit_schema,
