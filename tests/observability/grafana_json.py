@@ -48,6 +48,23 @@ def panel_targets(dash: dict) -> Iterator[tuple[dict, dict]]:
                 yield inner, target
 
 
+SERVICE_ROW = "Service (busctl serve)"
+"""The overview's row of ``busctl serve`` panels: their data comes from a service, not from a ``busctl up`` run."""
+
+
+def row_of(dash: dict, panel: dict) -> str | None:
+    """Title of the row ``panel`` sits under (a collapsed row's nested panel or the last row above it)."""
+    current = None
+    for top in dash.get("panels", []):
+        if top.get("type") == "row":
+            current = top["title"]
+            if panel in top.get("panels", []):
+                return current
+        if top is panel:
+            return current
+    return current if panel in dash.get("panels", []) else None
+
+
 def concrete(expr: str, run: str = ".*", window: str = "30s") -> str:
     """``expr`` with Grafana's ``$run`` and ``$__rate_interval``/``$__interval`` replaced."""
     for var in ("$__rate_interval", "${__rate_interval}", "$__interval", "${__interval}"):

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.observability.conftest import prometheus_bin  # noqa: F401  (a fixture: the Prometheus binary)
+
 API_KEY = "tml-rlbus-test-key"
 
 

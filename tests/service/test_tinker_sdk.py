@@ -3,12 +3,15 @@ a LoRA training client's SFT loss falls over a few steps (forward_backward + opt
 SDK); forward_only leaves the weights alone; a wrong or missing key gets 401; a bad call fails with the SDK's
 ``user`` category; a retried ``(model_id, seq_id)`` gets the first copy's request id and calls sent out of order
 run in seq_id order; two tenants are isolated; save/load round-trips bit for bit (AdamW state too); a client
-samples from its own weights and the sampled tokens' logprobs equal the trainer's forward (within 1e-4 nats).
+samples from its own weights and the sampled tokens' logprobs equal the trainer's forward (within 1e-4 nats);
+a real Prometheus that follows the service's ``prometheus.yml`` gets data for every panel of the overview's
+service row.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import time
 
 import httpx
 import numpy as np
@@ -38,6 +41,7 @@ def sft_datum(text: bytes):
 def client(served):
     sc = tinker.ServiceClient(base_url=served.url, api_key=API_KEY)
     yield sc
+    sc.close("success").result(timeout=60)  # ends the session and its heartbeat (else it calls a stopped service)
 
 
 def test_sft_loss_falls_and_forward_only_trains_nothing(client, served):
@@ -248,3 +252,46 @@ def test_xorl_client_drives_policy_loss_forward_and_weight_sync(served):
     assert tc.optim_step({"learning_rate": 1e-2}).result() is not None
     synced = tc.sync_inference_weights().result()
     assert synced.success and synced.total_bytes > 0, synced.message
+
+
+def test_the_service_panels_return_data_from_a_real_prometheus(client, served, prometheus_bin, tmp_path):
+    """Every expression of the overview's ``busctl serve`` row, queried over a window in which the SDK made
+    calls while Prometheus scraped each component every second, has data."""
+    from tinker import types
+
+    from tests.observability.grafana_json import SERVICE_ROW, concrete, dashboards, panel_targets, row_of
+    from tests.observability.prometheus_server import PrometheusServer, ScrapeConfigFollower, static_targets
+
+    server = PrometheusServer(prometheus_bin, tmp_path / "prometheus")
+    follower = ScrapeConfigFollower(server, served.run_dir / "prometheus.yml")
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            up = {t["labels"].get("instance") for t in server.active_targets() if t["health"] == "up"}
+            if follower.applied and static_targets(follower.applied) <= up:
+                break
+            assert time.monotonic() < deadline, (server.active_targets(), server.log_tail())
+            time.sleep(0.5)
+        started = time.time()
+        tc = client.create_lora_training_client(base_model=str(served.policy), rank=2).result()
+        for _ in range(4):  # calls spread over > 2 scrapes: every rate() window sees an increase
+            tc.forward_backward([sft_datum(b"panels")], "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+            time.sleep(1.0)
+        time.sleep(2.5)
+        dash = dashboards()["overview"]
+        exprs = {
+            f"{panel['title']} / {target['refId']}": concrete(target["expr"])
+            for panel, target in panel_targets(dash)
+            if row_of(dash, panel) == SERVICE_ROW
+        }
+        assert len(exprs) >= 5, exprs
+        empty = [
+            f"{k}: {e}"
+            for k, e in exprs.items()
+            if not any(s.get("values") for s in server.query_range(e, started, time.time()))
+        ]
+        assert not empty, "service panel expressions without data:\n" + "\n".join(empty)
+    finally:
+        follower.close()
+        server.stop()
