@@ -3,6 +3,7 @@ each :data:`REANNOUNCED_TYPES` and re-sends them after every (re)connection to t
 whose connections a ZeroMQ monitor thread watches), so state published while the hub was down is not lost
 (docs/ARCHITECTURE.md, "Lifecycle and healing"). Receivers ignore values they already have. A re-send can
 overtake a newer message of the main socket (two sockets, no order): the next re-send carries the newest.
+:class:`Resender` repeats one request every second until it is answered (the supervisor's control requests).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -94,3 +96,36 @@ class ControlPublisher(BusSocket):
         self._monitor.close(linger=0)
         self._repeater.close()
         super().close()
+
+
+class Resender:
+    """Publishes one pending request on the control channel every ``period_s`` until it is answered, through a
+    :class:`ControlPublisher` opened on the first send (PUB/SUB may drop any one copy; receivers answer each
+    request id once). Used by ``busctl down --finish`` and ``busctl scale servers=N``.
+
+    ``open_publisher``: zero-argument callable returning a :class:`ControlPublisher` at the hub's address now.
+    """
+
+    def __init__(self, open_publisher: Callable[[], ControlPublisher], period_s: float = 1.0) -> None:
+        self._open, self.period_s = open_publisher, period_s
+        self._pub: ControlPublisher | None = None
+        self._next_send = 0.0
+
+    def restart(self) -> None:
+        """Send at the next :meth:`poll` (a new request)."""
+        self._next_send = 0.0
+
+    def poll(self, now: float, msg: Callable[[], Message]) -> None:
+        """Publish ``msg()`` if ``period_s`` passed since the last send (``now``: ``time.monotonic()``)."""
+        if now < self._next_send:
+            return
+        if self._pub is None:
+            self._pub = self._open()
+        self._pub.send(msg())
+        self._next_send = now + self.period_s
+
+    def close(self) -> None:
+        """Close the publisher (idempotent); the next send reopens it, at the hub's address then."""
+        if self._pub is not None:
+            self._pub.close()
+            self._pub = None

@@ -12,45 +12,35 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
-from bus.control import ControlPublisher
+from bus.control import ControlPublisher, Resender
 from bus.messages import RunFinish, new_id
 from runfiles.durable import write_text_atomic
 
 __all__ = ["FINISH_FILE", "FinishRequests", "request_finish"]
 
 FINISH_FILE = "finish.json"
-RESEND_S = 1.0
-"""Period of :class:`RunFinish` while no :class:`RunFinalStep` was heard (PUB/SUB may drop one), seconds."""
 
 
 class FinishRequests:
-    """``busctl up``'s side: publishes :class:`RunFinish` while a request has no answer.
+    """``busctl up``'s side: publishes :class:`RunFinish` every second (``resender``) while ``finish.json``
+    exists and the prompt source has not answered with :class:`RunFinalStep`."""
 
-    ``publisher``: a zero-argument callable returning a :class:`ControlPublisher` (opened on the first
-    request)."""
-
-    def __init__(self, run_dir: Path, publisher) -> None:
+    def __init__(self, run_dir: Path, open_publisher: Callable[[], ControlPublisher]) -> None:
         self.path = run_dir / FINISH_FILE
-        self._open = publisher
-        self._pub: ControlPublisher | None = None
-        self._next_send = 0.0
+        self.resender = Resender(open_publisher)
         self.final_step: int | None = None  # from the prompt source's RunFinalStep
 
     def poll(self, now: float) -> None:
-        """Publish :class:`RunFinish` every :data:`RESEND_S` while ``finish.json`` exists and no final step is known."""
-        if self.final_step is not None or now < self._next_send or not self.path.exists():
-            return
-        if self._pub is None:
-            self._pub = self._open()
-        self._pub.send(RunFinish(id=new_id()))
-        self._next_send = now + RESEND_S
+        """Publish :class:`RunFinish` if due (``now``: ``time.monotonic()``)."""
+        if self.final_step is None and self.path.exists():
+            self.resender.poll(now, lambda: RunFinish(id=new_id()))
 
     def close(self) -> None:
-        if self._pub is not None:
-            self._pub.close()
-            self._pub = None
+        """Close the publisher (reopened at the hub's address on the next send)."""
+        self.resender.close()
 
 
 def request_finish(run_dir: Path, read_status, alive, timeout_s: float) -> int | str:

@@ -11,16 +11,13 @@ from __future__ import annotations
 
 from typing import Callable
 
-from bus.control import ControlPublisher
+from bus.control import ControlPublisher, Resender
 from bus.messages import ServersScaled, ServersWanted
 
-__all__ = ["MAX_SERVERS", "RESEND_S", "ServerRequests", "check_servers_request"]
+__all__ = ["MAX_SERVERS", "ServerRequests", "check_servers_request"]
 
 MAX_SERVERS = 64
 """Most servers one producer may start (``producers.servers_per_replica``'s bound)."""
-
-RESEND_S = 1.0
-"""Period of :class:`ServersWanted` while a producer has not answered (PUB/SUB may drop one), seconds."""
 
 
 def check_servers_request(cfg, n: object) -> int:
@@ -36,19 +33,18 @@ def check_servers_request(cfg, n: object) -> int:
 
 
 class ServerRequests:
-    """The supervisor's side of one ``servers=N`` request at a time. ``publisher``: a zero-argument callable
-    returning a :class:`ControlPublisher` (opened on the first send)."""
+    """The supervisor's side of one ``servers=N`` request at a time, published every second (``resender``) while
+    a producer has not answered. ``open_publisher``: returns a :class:`ControlPublisher` (opened on the first send)."""
 
-    def __init__(self, publisher: Callable[[], ControlPublisher]) -> None:
-        self._open = publisher
-        self._pub: ControlPublisher | None = None
-        self._next_send = 0.0
+    def __init__(self, open_publisher: Callable[[], ControlPublisher]) -> None:
+        self.resender = Resender(open_publisher)
         self.request: tuple[str, int] | None = None  # (id, servers)
         self.answers: dict[str, ServersScaled] = {}  # producer -> its answer to the request
 
     def start(self, rid: str, servers: int) -> None:
         """A new request: forget the previous one's answers, send at the next :meth:`poll`."""
-        self.request, self.answers, self._next_send = (rid, servers), {}, 0.0
+        self.request, self.answers = (rid, servers), {}
+        self.resender.restart()
 
     def on_answer(self, msg: ServersScaled) -> None:
         """Keep a producer's answer to the current request."""
@@ -61,17 +57,11 @@ class ServerRequests:
         return all(p in self.answers for p in producers), (errors[0] if errors else "")
 
     def poll(self, now: float, producers: list[str]) -> None:
-        """Publish the request every :data:`RESEND_S` while one of ``producers`` has not answered it."""
-        if self.request is None or now < self._next_send or all(p in self.answers for p in producers):
-            return
-        if self._pub is None:
-            self._pub = self._open()
-        rid, servers = self.request
-        self._pub.send(ServersWanted(id=rid, servers=servers))
-        self._next_send = now + RESEND_S
+        """Publish the request if due while one of ``producers`` has not answered it."""
+        if self.request is not None and not all(p in self.answers for p in producers):
+            rid, servers = self.request
+            self.resender.poll(now, lambda: ServersWanted(id=rid, servers=servers))
 
     def close(self) -> None:
         """Close the publisher (reopened at the hub's address on the next send)."""
-        if self._pub is not None:
-            self._pub.close()
-            self._pub = None
+        self.resender.close()
