@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import zmq
 
@@ -289,3 +290,16 @@ def component_main(cls: type[Component], argv: list[str] | None = None) -> int:
         return 1
     finally:
         comp.close()
+
+
+def exit_now(code: int) -> NoReturn:
+    """End this process with ``code`` at once (``os._exit``), after flushing logging and stdio, skipping the
+    interpreter's teardown. For a component whose ``close()`` has run and whose at-exit work is only slow: the
+    producer's (torch.library unregistering vLLM's custom ops, 3-4 s on the 2-core host)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass  # a closed or broken stream: nothing more to save
+    os._exit(code)

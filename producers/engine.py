@@ -22,7 +22,7 @@ from typing import Any
 from configs.model_path import resolve_model_path
 from producers.rollout_sample import Sample, token_versions
 from producers.vllm_idle import BUSY_LOOP_ENV
-from producers.vllm_procs import build_async_llm
+from producers.vllm_procs import build_async_llm, kill_engine_cores
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +129,8 @@ class RolloutEngine:
         """Shut the engine down and wait for its processes to exit (idempotent)."""
         llm, self._llm = self._llm, None
         if llm is not None:
+            if self._fork_engine_core and not self._on_gpu:
+                kill_engine_cores(llm)  # a fork of this process: nothing to tear down but seconds of gc
             llm.shutdown()
 
     async def __aenter__(self) -> RolloutEngine:

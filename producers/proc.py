@@ -24,7 +24,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from broadcaster.bus_method import BusLink
 from broadcaster.factory import build_receiver
 from bus import auth
-from bus.component import Component, component_main
+from bus.component import Component, component_main, exit_now
 from bus.messages import (
     EvalResult,
     GroupsDropped,
@@ -450,4 +450,4 @@ class ProducerProc(Component):
 
 
 if __name__ == "__main__":
-    raise SystemExit(component_main(ProducerProc))
+    exit_now(component_main(ProducerProc))  # no interpreter teardown: seconds of torch.library unregistration

@@ -8,17 +8,19 @@ one vLLM import (~6 s on the 2-core host) less and no shared-memory queue to bus
 at warm-up, nothing after). Only the EngineCore sees these; the caller's environment is restored.
 `build_async_llm(fork=True)` forks the EngineCore from the caller once vLLM is imported there (a spawned one imports
 torch and vLLM again, ~7 s of CPU on the 2-core host), for a process that has run no OpenMP work yet (a producer at
-start; not a test process). On a GPU nothing changes. See docs/ARCHITECTURE.md, "vLLM on a CPU host".
+start; not a test process), and `kill_engine_cores` ends it at close without vLLM's slow teardown. On a GPU nothing
+changes. See docs/ARCHITECTURE.md, "vLLM on a CPU host".
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["MULTIPROCESSING_ENV", "build_async_llm", "engine_core_env", "engine_core_threads"]
+__all__ = ["MULTIPROCESSING_ENV", "build_async_llm", "engine_core_env", "engine_core_threads", "kill_engine_cores"]
 
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 """vLLM's switch; "0" while the engine is built keeps the CPU Worker inside the EngineCore."""
@@ -57,11 +59,15 @@ _forking = False  # True while build_async_llm forks: read by the child's at-for
 
 
 def _forked_engine_core() -> None:
-    """(In a child forked while `_forking`.) OpenMP read its thread count when the parent loaded torch: set it."""
+    """(In a child forked while `_forking`.) OpenMP read its thread count, and dynamo `TORCH_COMPILE_DISABLE`, when
+    the parent imported torch: set both from the EngineCore's environment."""
     if _forking:
         import torch
 
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or engine_core_threads()))
+        dynamo_config = sys.modules.get("torch._dynamo.config")
+        if dynamo_config is not None and os.environ.get("TORCH_COMPILE_DISABLE") == "1":
+            dynamo_config.disable = True
 
 
 os.register_at_fork(after_in_child=_forked_engine_core)
@@ -95,3 +101,16 @@ def build_async_llm(engine_args: Any, *, on_gpu: bool, fork: bool = False) -> An
                 os.environ.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
             else:
                 os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = saved
+
+
+def kill_engine_cores(llm: Any) -> int:
+    """SIGKILL the local EngineCore processes of ``llm`` (an `AsyncLLM`) and reap them; returns how many. For a
+    forked EngineCore before `llm.shutdown()`: it holds nothing durable, and its own teardown (vLLM's
+    ``cleanup_dist_env_and_memory``: a ``gc.collect`` over the heap it shares with the producer) took 2-3 s."""
+    manager = getattr(getattr(getattr(llm, "engine_core", None), "resources", None), "engine_manager", None)
+    procs = [p for p in getattr(manager, "processes", []) if p.is_alive()]
+    for proc in procs:
+        proc.kill()
+    for proc in procs:
+        proc.join(timeout=10)
+    return len(procs)
