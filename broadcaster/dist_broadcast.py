@@ -390,7 +390,10 @@ class BroadcastReceiver(WeightReceiver):
         return self.in_group and self.expects_resend and msg.method == self.method
 
     def skip_reason(self, msg: Any, current_version: int) -> str | None:
-        """Not in the group, or an older version outside a resend (a collective nobody sends would block)."""
+        """Not in the group, or an older version outside a resend (a collective nobody sends would block). An
+        engine whose server left the group (`ServerEngine.in_weight_group`: restarted) asks for one like a newcomer."""
+        if self.in_group and not getattr(self.engine, "in_weight_group", True):
+            self.in_group, self.generation, self.expects_resend = False, None, False
         if not self.in_group:
             return "not in the weight group"
         if msg.version < current_version and not self.expects_resend:

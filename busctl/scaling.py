@@ -22,7 +22,7 @@ from typing import Callable
 
 from busctl.components.table import LIVE_STATES, ComponentSpec, ComponentState, describe_exit
 from busctl.components.placement import Placement, apply_placement, plan_placement, visible_devices
-from busctl.server_scaling import ServerRequests, check_servers_request
+from busctl.server_scaling import ServerRequests, check_attached_producers, check_servers_request
 from configs.schema import RunConfig
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ def scale_targets(cfg: RunConfig, request: dict, placement: Placement | None = N
     Raises:
         ValueError: no known key, a count that is not an int >= 1, more producers than
             ``producers.max_replicas`` (reward workers connect to that many rollouts endpoints), or
-            :func:`busctl.server_scaling.check_servers_request`'s refusals.
+            :func:`busctl.server_scaling.check_servers_request`'s and ``check_attached_producers``' refusals.
         ConfigError (a ValueError): more producers than the GPUs have room for.
     """
     targets = {}
@@ -120,6 +120,7 @@ def scale_targets(cfg: RunConfig, request: dict, placement: Placement | None = N
             f"that many rollouts endpoints); start the run with a larger producers.max_replicas"
         )
     if "producer" in targets:
+        check_attached_producers(cfg, targets["producer"])
         (placement or plan_placement(cfg, visible_devices())).check_producers(targets["producer"])
     return targets
 

@@ -14,7 +14,7 @@ from typing import Callable
 from bus.control import ControlPublisher, Resender
 from bus.messages import ServersScaled, ServersWanted
 
-__all__ = ["MAX_SERVERS", "ServerRequests", "check_servers_request"]
+__all__ = ["MAX_SERVERS", "ServerRequests", "check_attached_producers", "check_servers_request"]
 
 MAX_SERVERS = 64
 """Most servers one producer may start (``producers.servers_per_replica``'s bound)."""
@@ -22,14 +22,26 @@ MAX_SERVERS = 64
 
 def check_servers_request(cfg, n: object) -> int:
     """``n`` for ``servers=N`` on the run ``cfg``. ValueError: not an int in 1..:data:`MAX_SERVERS`, producers not on
-    servers they start."""
+    servers they start, the broadcast method (one server per producer)."""
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SERVERS:
         raise ValueError(f"servers={n!r}: need a whole number from 1 to {MAX_SERVERS} (servers per producer)")
     if cfg.producers.engine != "server":
         raise ValueError("servers=N needs producers.engine: server (this run's producers embed vLLM)")
     if cfg.producers.servers:
         raise ValueError("servers=N resizes the servers producers start; this run's are attached by producers.servers")
+    if cfg.broadcast.method == "broadcast" and n != 1:
+        raise ValueError("servers=N: broadcast.method broadcast takes one server per producer (one rank each)")
     return n
+
+
+def check_attached_producers(cfg, n: int) -> None:
+    """ValueError for ``producers=N`` above ``producers.replicas`` when servers are attached: each producer drives
+    its own share of ``producers.servers`` (``producers.engines.attached_servers``), fixed at start."""
+    if cfg.producers.engine == "server" and cfg.producers.servers and n > cfg.producers.replicas:
+        raise ValueError(
+            f"producers={n}: the {len(cfg.producers.servers)} producers.servers are split among the run's "
+            f"producers.replicas={cfg.producers.replicas} producers; restart the run with more replicas to add some"
+        )
 
 
 class ServerRequests:

@@ -1,7 +1,8 @@
 """The producers' engine choice: vLLM in the producer's process, or inference servers driven over HTTP.
 
 :class:`EngineFields` is the part of ``producers`` (:class:`configs.schema.ProducersConfig` inherits it) that says
-where generation runs; :func:`check_server_engine` is the run-wide rule it needs (the weight methods a server takes).
+where generation runs; :func:`check_server_engine` holds the run-wide rules it needs (the weight methods a server
+takes, one server per producer for the broadcast method, attached servers split among the producers).
 How servers are attached, started and kept in sync: docs/operations.md, "Inference servers". Imports no torch.
 """
 
@@ -14,8 +15,8 @@ from pydantic import Field, field_validator
 
 from configs.base import Section
 
-SERVER_WEIGHT_METHODS = ("filesystem", "bus")
-"""The `broadcast.method` values a producer on servers takes (the torch.distributed group is in-process only)."""
+SERVER_WEIGHT_METHODS = ("filesystem", "bus", "broadcast")
+"""The `broadcast.method` values a producer on vLLM servers takes (SGLang servers: filesystem only)."""
 
 
 class EngineFields(Section):
@@ -29,8 +30,10 @@ class EngineFields(Section):
     )
     servers: list[str] = Field(
         default_factory=list,
-        description="engine server: URLs (http://host:port) of running servers, shared by every producer (each "
-        "spreads its groups over them by outstanding requests). vLLM servers need VLLM_SERVER_DEV_MODE=1, "
+        description="engine server: URLs (http://host:port) of running servers, split among the producers "
+        "(producer i of producers.replicas drives servers[i::replicas] and spreads its groups over them by "
+        "outstanding requests; a server's weights and pauses are its producer's alone). vLLM servers need "
+        "VLLM_SERVER_DEV_MODE=1, "
         "--worker-extension-cls broadcaster.worker_extension.WeightSyncExtension and --logprobs-mode "
         "processed_logprobs. Empty: each producer starts servers_per_replica vLLM servers.",
     )
@@ -63,16 +66,29 @@ class EngineFields(Section):
 
 def check_server_engine(cfg: Any) -> None:
     """For a `RunConfig` with ``producers.engine: server``: an unset ``broadcast.method`` becomes ``bus`` (no
-    shared filesystem needed); ValueError for ``broadcast`` (a server's workers cannot join the trainer's
-    torch.distributed group) or a teacher (scored in-process)."""
-    if cfg.producers.engine != "server":
+    shared filesystem needed). ValueError: fewer ``producers.servers`` than ``producers.replicas`` (each server is
+    one producer's), ``broadcast`` with more than one server per producer (a producer is one rank of the trainer's
+    group), a method other than ``filesystem`` with ``server_kind: sglang``, or a teacher (scored in-process)."""
+    p = cfg.producers
+    if p.engine != "server":
         return
     if "method" not in cfg.broadcast.model_fields_set:
         cfg.broadcast.method = "bus"
-    if cfg.broadcast.method not in SERVER_WEIGHT_METHODS:
+    method = cfg.broadcast.method
+    if method not in SERVER_WEIGHT_METHODS:
+        raise ValueError(f"producers.engine: server takes broadcast.method {SERVER_WEIGHT_METHODS}, not {method!r}")
+    if p.servers and len(p.servers) < p.replicas:
         raise ValueError(
-            f"producers.engine: server takes weights by broadcast.method {' or '.join(SERVER_WEIGHT_METHODS)}, "
-            f"not {cfg.broadcast.method!r}"
+            f"producers.servers lists {len(p.servers)} server(s) for {p.replicas} producers: each producer drives "
+            "its own (servers[i::replicas]); list at least one per producer or lower producers.replicas"
         )
+    per_producer_not_one = len(p.servers) != p.replicas if p.servers else p.servers_per_replica != 1
+    if method == "broadcast" and per_producer_not_one:
+        raise ValueError(
+            "broadcast.method: broadcast takes one server per producer (its worker is the producer's rank in the "
+            "trainer's group): producers.servers_per_replica: 1, or as many producers.servers as producers.replicas"
+        )
+    if p.server_kind == "sglang" and method != "filesystem":
+        raise ValueError(f"SGLang servers take weights by broadcast.method: filesystem only, not {method!r}")
     if cfg.teacher.model_path:
         raise ValueError("producers.engine: server does not run a teacher; unset teacher.model_path")

@@ -1,7 +1,8 @@
 """The one place that turns `producers.engine` into a producer's rollout engine.
 
 `vllm`: `producers.engine.RolloutEngine` in the producer's process. `server`: `producers.server_engine.ServerEngine`
-on `producers.servers`, or on `servers_per_replica` vLLM servers the producer starts (`producers.server_launch`),
+on producer i's share of `producers.servers` (`servers[i::replicas]`: no server has two producers, whose updates and
+pauses would cross), or on `servers_per_replica` vLLM servers the producer starts (`producers.server_launch`),
 logged to `RUN_DIR/logs/<producer>-server-<k>.log`. Only the in-process engine imports vLLM.
 """
 
@@ -18,7 +19,7 @@ from producers.vllm_procs import MULTIPROCESSING_ENV, engine_core_threads
 if TYPE_CHECKING:
     from configs.schema import RunConfig
 
-__all__ = ["build_engine", "managed_server_env"]
+__all__ = ["attached_servers", "build_engine", "managed_server_env"]
 
 
 def managed_server_env(on_gpu: bool) -> dict[str, str]:
@@ -32,6 +33,15 @@ def managed_server_env(on_gpu: bool) -> dict[str, str]:
         env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS") or str(engine_core_threads()))
         env.setdefault("TORCH_COMPILE_DISABLE", os.environ.get("TORCH_COMPILE_DISABLE") or "1")
     return env
+
+
+def attached_servers(cfg: "RunConfig", index: int) -> list[str]:
+    """Producer `index`'s share of `producers.servers`: every `replicas`-th from `index`. ValueError: `index` beyond
+    `producers.replicas` (a producer added by `busctl scale` would share another's servers)."""
+    p = cfg.producers
+    if not 0 <= index < p.replicas:
+        raise ValueError(f"producer {index}: producers.servers are split among producers.replicas={p.replicas}")
+    return list(p.servers[index :: p.replicas])
 
 
 def build_engine(cfg: "RunConfig", index: int, name: str) -> Any:
@@ -60,7 +70,7 @@ def build_engine(cfg: "RunConfig", index: int, name: str) -> Any:
     launchers = [new_launcher(k) for k in range(p.servers_per_replica)] if new_launcher else []
     return ServerEngine(
         cfg.model.path,
-        urls=list(p.servers),
+        urls=attached_servers(cfg, index) if p.servers else [],
         launchers=launchers,
         kind=p.server_kind if p.servers else "vllm",
         update_mode="drain",

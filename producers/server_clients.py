@@ -150,15 +150,17 @@ class VLLMClient:
         worker, tag `version` (None: the first worker's `{"version"}` result), resume; the workers' results."""
         await _call(self.http, "POST", self.url + "/pause", params={"mode": "wait", "clear_cache": "true"})
         try:
-            out = await _call(
-                self.http, "POST", self.url + "/collective_rpc", json={"method": method, "kwargs": kwargs}
-            )
-            results = (out or {}).get("results", [])
+            results = await self.call(method, kwargs)
             tag = version if version is not None else results[0]["version"]
             await self.set_version(int(tag))
         finally:
             await _call(self.http, "POST", self.url + "/resume")
         return results
+
+    async def call(self, method: str, kwargs: dict) -> list:
+        """Run worker `method(**kwargs)` in every worker by `/collective_rpc`, without pausing; their results."""
+        out = await _call(self.http, "POST", self.url + "/collective_rpc", json={"method": method, "kwargs": kwargs})
+        return (out or {}).get("results", [])
 
     async def set_version(self, version: int) -> None:
         """Tag the server's weights as `version` (what `/weight_info` then answers)."""
@@ -241,6 +243,10 @@ class SGLangClient:
             raise RuntimeError(f"{self.url}: update_weights_from_disk failed: {out.get('message')}")
         await self.set_version(int(version))
         return [out]
+
+    async def call(self, method: str, kwargs: dict) -> list:
+        """Refused: rlbus's worker extension is vLLM's (SGLang's own /init_weights_update_group is not driven)."""
+        raise RuntimeError(f"SGLang servers take weights by the filesystem method only, not {method!r}")
 
     async def set_version(self, version: int) -> None:
         self._version = str(version)

@@ -1,15 +1,16 @@
 """ServerEngine: a producer's rollout engine on inference servers over HTTP, in place of `RolloutEngine`.
 
-Same interface as `producers.engine.RolloutEngine` for what the producer, episodes, endpoint and the filesystem and
-bus weight receivers use (`version`, `tokenizer`, `generate_group`, `load_weights_from_path`, `apply_rpc`), so the
-group logic runs unchanged on either. Each group goes to the open server with the fewest samples in flight. Policy
-versions are exact per sample: an update closes every server to new requests, waits for its requests in flight
-(drain: `producers.weight_update: keep` acts as drain here), loads, tags the version and reopens it; a request is
-labelled with its server's version when sent. A server that stops answering, or whose `/weight_info` no longer
-shows the version it was given (restarted), is closed; its requests are re-issued on another server, and once it
-answers again (a managed one is restarted, `producers.server_launch`) the last update is replayed on it before it
-samples again; a server added mid-run (`busctl scale servers=N`) joins the same way, a removed one is drained first.
-The story: docs/ARCHITECTURE.md, "Producers on inference servers".
+Same interface as `producers.engine.RolloutEngine` for what the producer, episodes, endpoint and the three weight
+receivers use (`version`, `tokenizer`, `generate_group`, `load_weights_from_path`, `apply_rpc`; the broadcast
+method's `init_weight_group`, `leave_weight_group`, `update_weights`), so the group logic runs unchanged on either.
+Each group goes to the open server with the fewest samples in flight. Policy versions are exact per sample: an
+update closes every server to new requests, waits for its requests in flight (drain: `producers.weight_update: keep`
+acts as drain here), loads, tags the version and reopens it; a request is labelled with its server's version when
+sent. A server that stops answering, or whose `/weight_info` no longer shows the version it was given (restarted),
+is closed; its requests are re-issued on another server, and once it answers again (a managed one is restarted,
+`producers.server_launch`) the last update is replayed on it before it samples again (a broadcast cannot be: it
+waits for a re-formed group); a server added mid-run (`busctl scale servers=N`) joins the same way, a removed one
+is drained first. The story: docs/ARCHITECTURE.md, "Producers on inference servers".
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from producers.server_clients import DEFAULT_VERSION_TAG, ServerUnavailable, det
 
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+
+BROADCAST_RPC = "receive_weights"
+"""The worker method of the broadcast method: its send cannot be replayed on a server that missed it."""
 
 MONITOR_INTERVAL_S = 0.5
 """How often each server's `/weight_info` is checked (a restart shows as a lost version tag), seconds."""
@@ -46,6 +50,7 @@ class _Slot:
     healing: asyncio.Task | None = None
     restarts: int = 0
     served: int = 0
+    in_group: bool = False  # its worker joined the trainer's broadcast group (broadcast method)
 
 
 class ServerEngine:
@@ -77,6 +82,7 @@ class ServerEngine:
         self._new_launcher = new_launcher
         self._start_timeout_s, self._request_timeout_s = start_timeout_s, request_timeout_s
         self._last_update: tuple[str, dict, int] | None = None  # (worker method, kwargs, version): replayed
+        self._group: dict | None = None  # init_weight_group's kwargs while in the trainer's broadcast group
         self._tokenizer = None
         self._http = None
         self._changed: asyncio.Condition | None = None
@@ -170,6 +176,8 @@ class ServerEngine:
         """Add the server at `url` (None: a managed one, `new_launcher`), return its URL once it holds the current
         weights and takes requests. ValueError: no `url` and no `new_launcher`."""
         self._require()
+        if self._group is not None:
+            raise ValueError("a producer in the broadcast weight group drives one server (it is one rank)")
         if url is None:
             if self._new_launcher is None:
                 raise ValueError("no url given and no new_launcher to start a server with")
@@ -309,11 +317,13 @@ class ServerEngine:
         server is tagged with what it loaded. A server lost meanwhile gets this update when it is back."""
         self._require()
         async with self._update_lock:
-            if version == self._version and not resend:
+            if (version == self._version and not resend) or (rpc == BROADCAST_RPC and version < self._version):
                 raise ValueError(f"version {version} cannot replace current {self._version} by {rpc}")
+            targets = [s for s in self._slots if s.healing is None and (rpc != BROADCAST_RPC or s.in_group)]
+            if rpc == BROADCAST_RPC and not targets:
+                raise RuntimeError(f"no server in the weight group to receive version {version}")
             started = time.perf_counter()
             self._last_update = (rpc, dict(kwargs), version)
-            targets = [s for s in self._slots if s.healing is None]
             results = await asyncio.gather(
                 *(self._apply_one(s, rpc, kwargs, None if reports is not None else version) for s in targets),
                 return_exceptions=True,
@@ -338,6 +348,53 @@ class ServerEngine:
                 version = reports[0]["version"]
             self._version = version
             return time.perf_counter() - started
+
+    # -- the broadcast method: the server's worker in the trainer's torch.distributed group ---------------
+
+    @property
+    def in_weight_group(self) -> bool:
+        """False once the server that joined the trainer's broadcast group was lost (restarted, or its version
+        tag gone): only a re-formed group takes it back (`BroadcastReceiver.skip_reason` asks for one)."""
+        return self._group is None or all(slot.in_group for slot in self._slots)
+
+    async def init_weight_group(
+        self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float | None = None
+    ) -> None:
+        """Join the trainer's broadcast group as `rank` (`RolloutEngine.init_weight_group`): the server's worker
+        leaves any stale group and joins through `/collective_rpc`; blocks until every rank joined. A server being
+        restarted is waited for first. ValueError: more than one server (a producer is one rank)."""
+        self._require()
+        if len(self._slots) != 1:
+            raise ValueError(f"the broadcast method takes one server per producer, this one has {len(self._slots)}")
+        slot = self._slots[0]
+        if slot.healing is not None:
+            await asyncio.shield(slot.healing)
+        group = dict(host=host, port=port, rank=rank, world_size=world_size, backend=backend, timeout_s=timeout_s)
+        async with self._update_lock:
+            await slot.client.call("destroy_weight_group", {})
+            await slot.client.call("init_weight_group", group)
+            slot.in_group, self._group = True, group
+        log.info("%s joined the weight group %s:%d as rank %d/%d", slot.url, host, port, rank, world_size)
+
+    async def leave_weight_group(self) -> None:
+        """Leave the broadcast group (the trainer re-forms it) on every server that answers."""
+        async with self._update_lock:
+            for slot in self._slots:
+                if slot.in_group and slot.healing is None:
+                    try:
+                        await slot.client.call("destroy_weight_group", {})
+                    except ServerUnavailable as exc:
+                        log.warning("%s did not leave the weight group (%s)", slot.url, exc)
+                slot.in_group = False
+            self._group = None
+
+    async def update_weights(
+        self, version: int, manifest: list[list], bucket_bytes: int | None = None, *, resend: bool = False
+    ) -> float:
+        """Receive a broadcast of `manifest` as `version` on the server in the group; seconds (drain included).
+        ValueError as `RolloutEngine.update_weights`; RuntimeError: no server in the group."""
+        kwargs = {"manifest": manifest} | ({} if bucket_bytes is None else {"bucket_bytes": bucket_bytes})
+        return await self.apply_rpc(version, BROADCAST_RPC, kwargs, resend=resend)
 
     async def _apply_one(self, slot: _Slot, rpc: str, kwargs: dict, version: int | None) -> Any:
         """Close `slot`, wait for its requests in flight, apply, reopen at the version loaded; its first result."""
@@ -376,6 +433,9 @@ class ServerEngine:
         """Bring a reachable server to the current weights: replay the last update, or (none yet) reload the
         checkpoint if the server holds another run's weights; tag and open it."""
         async with self._update_lock:
+            if self._last_update is not None and self._last_update[0] == BROADCAST_RPC:
+                log.warning("%s is back outside the weight group: closed until a re-formed group's send", slot.url)
+                return  # a broadcast cannot be replayed: the receiver asks the trainer to re-form the group
             if self._last_update is not None:
                 rpc, kwargs, version = self._last_update
                 results = await slot.client.apply(rpc, kwargs, version if rpc != "receive_weights_bus" else None)
@@ -395,7 +455,7 @@ class ServerEngine:
 
     def _lose(self, slot: _Slot) -> None:
         """Close `slot` and heal it in the background (once)."""
-        slot.open, slot.version = False, None
+        slot.open, slot.version, slot.in_group = False, None, False
         if slot.healing is None and self._monitor is not None:
             slot.restarts += 1
             slot.healing = asyncio.create_task(self._heal(slot))
