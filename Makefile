@@ -44,10 +44,12 @@ setup: $(STAMP)
 run: setup
 	$(BIN)/busctl up
 
-# One test process (two xdist workers on these 2 cores gave no gain: the suite is CPU-bound); the
-# 25 slowest tests are printed. `make test-parallel` runs it on two xdist workers (tests/conftest.py's scheduler).
+# Two parts: the light files on two xdist workers (many wait on sockets, timers and child processes), then the
+# files that start vLLM, pipelines or clusters in one process (CPU-bound: two workers there only split the
+# cores); each prints its slowest tests. `make test-parallel` runs everything on two workers.
 test: setup slurm lint
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q --quick -n 2 --dist loadgroup --durations=10
+	$(BIN)/python -m pytest -q --heavy --durations=25
 
 test-parallel: setup slurm lint
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25

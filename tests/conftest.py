@@ -3,8 +3,8 @@
 ``metric(name, **labels)`` reads a sample of this test process's default Prometheus registry (0 if never set).
 A heavy test file starts vLLM, whole pipeline runs or a cluster (Slurm, Ray, network namespaces):
 :data:`HEAVY_USES` names what such a file's source contains. ``--quick`` (``make test-quick``) leaves heavy
-files out without importing them. Under ``pytest -n 2 --dist loadgroup`` (``make test-parallel``) each file runs
-whole on one worker (module fixtures set up once); one worker takes the files that start pipelines or
+files out without importing them; ``--heavy`` runs only those. Under ``pytest -n 2 --dist loadgroup`` each file
+runs whole on one worker (module fixtures set up once); one worker takes the files that start pipelines or
 clusters (:data:`PIPELINE_USES`) first, the other the light files, until its kind runs out.
 """
 
@@ -34,6 +34,7 @@ HEAVY_USES = (
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--quick", action="store_true", help="skip test files that start vLLM, pipelines or clusters")
+    parser.addoption("--heavy", action="store_true", help="only the test files --quick skips (make test runs both)")
 
 
 @functools.cache
@@ -43,12 +44,13 @@ def uses(path: Path, kinds: tuple[str, ...]) -> bool:
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    """With ``--quick``, ignore a heavy ``test_*.py`` file."""
-    if not config.getoption("--quick") or not collection_path.name.startswith("test_"):
+    """With ``--quick``, ignore a heavy ``test_*.py`` file; with ``--heavy``, every other one."""
+    quick, heavy = config.getoption("--quick"), config.getoption("--heavy")
+    if quick and heavy:
+        raise pytest.UsageError("--quick and --heavy exclude each other")
+    if not (quick or heavy) or not collection_path.name.startswith("test_") or collection_path.suffix != ".py":
         return None
-    if collection_path.suffix != ".py":
-        return None
-    return True if uses(collection_path, HEAVY_USES) else None
+    return True if uses(collection_path, HEAVY_USES) == quick else None
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
