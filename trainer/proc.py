@@ -19,7 +19,7 @@ from prometheus_client import Counter
 
 from broadcaster.bus_method import BusLink
 from broadcaster.factory import build_group_former, build_senders
-from bus.component import Component, component_main
+from bus.component import Component, component_main, exit_now
 from bus.messages import GroupsTrained, MicroBatch, RunDone, RunFinalStep, TrainerStep, new_id
 from bus.sockets import BusSocket
 from runfiles.jsonl import append_jsonl, keep_jsonl_records
@@ -436,4 +436,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_now(main())  # no interpreter teardown (seconds); close() has saved what the trainer keeps
