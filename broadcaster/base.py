@@ -113,6 +113,11 @@ class WeightReceiver(ABC):
         """Act on a re-formed `WeightGroup` (`ack` acknowledges membership); whether this receiver is in it."""
         return False
 
+    def lost_group(self) -> bool:
+        """Whether the engine just left the weight group on its own (an inference server restarted); the receiver
+        then wants one (`wants_group`). Polled by the producer. Default: never."""
+        return False
+
     @abstractmethod
     async def apply(self, msg: Any) -> int | None:
         """Load `msg`'s weights; the version loaded when not `msg.version` (bus: the latest), else None."""
@@ -148,6 +153,9 @@ class FallbackReceiver(WeightReceiver):
 
     async def regroup(self, msg: Any, ack: Callable[[], None]) -> bool:
         return await self.primary.regroup(msg, ack)
+
+    def lost_group(self) -> bool:
+        return self.primary.lost_group()
 
     async def apply(self, msg: Any) -> int | None:
         return await self._for(msg).apply(msg)

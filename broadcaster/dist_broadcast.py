@@ -389,11 +389,20 @@ class BroadcastReceiver(WeightReceiver):
         """The first broadcast into a group just joined: every rank must take part."""
         return self.in_group and self.expects_resend and msg.method == self.method
 
-    def skip_reason(self, msg: Any, current_version: int) -> str | None:
-        """Not in the group, or an older version outside a resend (a collective nobody sends would block). An
-        engine whose server left the group (`ServerEngine.in_weight_group`: restarted) asks for one like a newcomer."""
-        if self.in_group and not getattr(self.engine, "in_weight_group", True):
+    def lost_group(self) -> bool:
+        """An engine on inference servers whose server is back outside the group (`ServerEngine.weight_group`
+        "out": restarted) leaves it here too, and asks to join like a newcomer (once)."""
+        if self.in_group and getattr(self.engine, "weight_group", "in") == "out":
             self.in_group, self.generation, self.expects_resend = False, None, False
+            return True
+        return False
+
+    def skip_reason(self, msg: Any, current_version: int) -> str | None:
+        """Not in the group, or an older version outside a resend (a collective nobody sends would block), or the
+        engine's server restarting outside the group (`lost_group`)."""
+        self.lost_group()
+        if self.in_group and getattr(self.engine, "weight_group", "in") != "in":
+            return "its inference server is restarting outside the weight group"
         if not self.in_group:
             return "not in the weight group"
         if msg.version < current_version and not self.expects_resend:

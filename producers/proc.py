@@ -343,6 +343,8 @@ class ProducerProc(Component):
     async def _control_loop(self) -> None:
         self._ask_for_group()
         while not self.stop.is_set():
+            if self.receiver.lost_group():  # its inference server came back outside the weight group
+                self._ask_for_group()
             msg = self._deferred.pop(0) if self._deferred else await asyncio.to_thread(self.control_in.recv, 0.2)
             if isinstance(msg, RunDone):
                 return

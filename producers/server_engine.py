@@ -25,12 +25,10 @@ from typing import Any, Callable
 from configs.model_path import resolve_model_path
 from producers.rollout_sample import Sample
 from producers.server_clients import DEFAULT_VERSION_TAG, ServerUnavailable, detect_kind, make_client
+from producers.server_group import BROADCAST_RPC, WeightGroupMixin
 
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
-
-BROADCAST_RPC = "receive_weights"
-"""The worker method of the broadcast method: its send cannot be replayed on a server that missed it."""
 
 MONITOR_INTERVAL_S = 0.5
 """How often each server's `/weight_info` is checked (a restart shows as a lost version tag), seconds."""
@@ -53,7 +51,7 @@ class _Slot:
     in_group: bool = False  # its worker joined the trainer's broadcast group (broadcast method)
 
 
-class ServerEngine:
+class ServerEngine(WeightGroupMixin):
     """Rollouts on the servers at `urls` (or started by `launchers`, `producers.server_launch.ServerLauncher`).
 
     `kind`: "auto" (asked from each server), "vllm" or "sglang". `start_timeout_s`: most seconds a server takes to
@@ -348,53 +346,6 @@ class ServerEngine:
                 version = reports[0]["version"]
             self._version = version
             return time.perf_counter() - started
-
-    # -- the broadcast method: the server's worker in the trainer's torch.distributed group ---------------
-
-    @property
-    def in_weight_group(self) -> bool:
-        """False once the server that joined the trainer's broadcast group was lost (restarted, or its version
-        tag gone): only a re-formed group takes it back (`BroadcastReceiver.skip_reason` asks for one)."""
-        return self._group is None or all(slot.in_group for slot in self._slots)
-
-    async def init_weight_group(
-        self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float | None = None
-    ) -> None:
-        """Join the trainer's broadcast group as `rank` (`RolloutEngine.init_weight_group`): the server's worker
-        leaves any stale group and joins through `/collective_rpc`; blocks until every rank joined. A server being
-        restarted is waited for first. ValueError: more than one server (a producer is one rank)."""
-        self._require()
-        if len(self._slots) != 1:
-            raise ValueError(f"the broadcast method takes one server per producer, this one has {len(self._slots)}")
-        slot = self._slots[0]
-        if slot.healing is not None:
-            await asyncio.shield(slot.healing)
-        group = dict(host=host, port=port, rank=rank, world_size=world_size, backend=backend, timeout_s=timeout_s)
-        async with self._update_lock:
-            await slot.client.call("destroy_weight_group", {})
-            await slot.client.call("init_weight_group", group)
-            slot.in_group, self._group = True, group
-        log.info("%s joined the weight group %s:%d as rank %d/%d", slot.url, host, port, rank, world_size)
-
-    async def leave_weight_group(self) -> None:
-        """Leave the broadcast group (the trainer re-forms it) on every server that answers."""
-        async with self._update_lock:
-            for slot in self._slots:
-                if slot.in_group and slot.healing is None:
-                    try:
-                        await slot.client.call("destroy_weight_group", {})
-                    except ServerUnavailable as exc:
-                        log.warning("%s did not leave the weight group (%s)", slot.url, exc)
-                slot.in_group = False
-            self._group = None
-
-    async def update_weights(
-        self, version: int, manifest: list[list], bucket_bytes: int | None = None, *, resend: bool = False
-    ) -> float:
-        """Receive a broadcast of `manifest` as `version` on the server in the group; seconds (drain included).
-        ValueError as `RolloutEngine.update_weights`; RuntimeError: no server in the group."""
-        kwargs = {"manifest": manifest} | ({} if bucket_bytes is None else {"bucket_bytes": bucket_bytes})
-        return await self.apply_rpc(version, BROADCAST_RPC, kwargs, resend=resend)
 
     async def _apply_one(self, slot: _Slot, rpc: str, kwargs: dict, version: int | None) -> Any:
         """Close `slot`, wait for its requests in flight, apply, reopen at the version loaded; its first result."""
