@@ -14,6 +14,8 @@ before its prompt is sent, and a reopened ledger replays it (dropping a torn las
 
 from __future__ import annotations
 
+from collections import Counter
+
 import json
 import logging
 import os
@@ -77,6 +79,7 @@ class Ledger:
         self.counts: dict[str, int] = dict.fromkeys(PromptOutcome, 0)
         self.failed: dict[str, str] = {}  # id -> reason, for outcome "failed"
         self.open: dict[str, None] = {}  # issued ids without an outcome, in issue order (dict: ordered set)
+        self.live_per_step: Counter[int] = Counter()  # step -> its issued prompts without an outcome or trained
         self.conflicts: list[dict[str, str]] = []
         self.num_conflicts = 0
         self.unknown: list[str] = []
@@ -194,6 +197,8 @@ class Ledger:
         self.issued[prompt_id] = IssuedPrompt(index, step)
         if prompt_id not in self.outcomes:
             self.open[prompt_id] = None
+        if self.outcomes.get(prompt_id, (PromptOutcome.TRAINED,))[0] == PromptOutcome.TRAINED:
+            self.live_per_step[step] += 1
         self._dirty = True
 
     def _apply_outcome(self, prompt_id: str, outcome: str, reason: str) -> str:
@@ -209,6 +214,8 @@ class Ledger:
             self.counts[outcome] += 1
             if outcome == PromptOutcome.FAILED:
                 self.failed[prompt_id] = reason
+            if outcome != PromptOutcome.TRAINED:
+                self.live_per_step[self.issued[prompt_id].step] -= 1
             del self.open[prompt_id]
             return "new"
         if first[0] == outcome:

@@ -78,6 +78,7 @@ class PromptSource:
         self.applied = AppliedVersions(num_producers, dead_after_s)
         self.ledger = ledger if ledger is not None else Ledger()
         self.reissue: deque[str] = deque(self.ledger.unresolved())
+        self._fill_from = 0  # no step below it is short of live prompts (next_step scans up from it)
         self.num_reissued = 0
         self.system_prompt = system_prompt
         self.temperature = temperature or (lambda step: 1.0)
@@ -109,8 +110,14 @@ class PromptSource:
 
     @property
     def next_step(self) -> int:
-        """``(issued - not trained) // prompts_per_step``."""
-        return (self.ledger.num_issued - self.ledger.num_not_trained) // self.prompts_per_step
+        """The step of the next new prompt: the lowest step with fewer than ``prompts_per_step`` live prompts
+        (issued, not failed, filtered or dropped). A drop's replacement goes to the step it left short, which an
+        on-policy run (``max_async_level=0``) waits for while it holds prefetched later steps."""
+        step, live = self._fill_from, self.ledger.live_per_step
+        while live[step] >= self.prompts_per_step:
+            step += 1
+        self._fill_from = step
+        return step
 
     def finish(self) -> int:
         """``busctl down --finish``: the run ends after the steps whose prompts are issued, i.e.
@@ -230,7 +237,10 @@ class PromptSource:
                 parsed = parse_eval_id(gid)
                 if parsed is not None and parsed[0] not in self.eval_rounds.done:
                     self.eval_failed.setdefault(parsed[0], set()).add(gid)
-        return len(self.ledger.on_dropped([g for g in group_ids if not is_eval_id(g)], reason))
+        resolved = self.ledger.on_dropped([g for g in group_ids if not is_eval_id(g)], reason)
+        for gid in resolved:  # their steps are short again
+            self._fill_from = min(self._fill_from, self.ledger.issued[gid].step)
+        return len(resolved)
 
     def open_eval_failures(self) -> list[str]:
         """Failed eval groups of rounds without a result, sorted (announced again by :mod:`prompts.proc`)."""

@@ -101,11 +101,21 @@ def test_dropped_groups_are_replaced_for_the_same_step(examples):
     repl = drain(src)
     assert [p.step for p in repl] == [1]
     assert repl[0].index == 4 and repl[0].id == "p00000004"
-    # counted = 5 - 4 = 1: step 0 needs one more, step 1 two
+    # both of step 0's prompts and step 1's replacement go: step 0 needs two, step 1 one (each drop's own step)
     assert src.on_dropped([first[0].id], "filtered: equal_rewards") == 1
     assert src.on_dropped([first[1].id, repl[0].id], "failed: RuntimeError") == 2
-    assert [p.step for p in drain(src)] == [0, 1, 1]
+    assert [p.step for p in drain(src)] == [0, 0, 1]
     assert not src.may_issue()
+
+
+def test_an_on_policy_run_replaces_a_drop_in_its_own_step_after_prefetching(examples):
+    """max_async_level=0 with a prefetched step: a step-0 prompt that fails after step 1 was issued is replaced
+    for step 0 (a step-1 tag would be held until version 1, which needs step 0: a deadlock, seen in a run)."""
+    src = make(examples, pps=2, level=0, prefetch_steps=1)
+    first = drain(src)
+    assert [p.step for p in first] == [0, 0, 1, 1]
+    assert src.on_dropped([first[1].id], "failed: VLLMValidationError") == 1
+    assert [p.step for p in drain(src)] == [0]
 
 
 def test_repeats_conflicts_and_unknown_ids_owe_no_replacement(examples):
@@ -430,8 +440,8 @@ def test_restarted_source_reissues_unresolved_prompts_first_with_same_id_and_con
     first = drain(src)  # p0..p3, steps 0, 0, 1, 1
     src.on_trained([first[0].id])
     src.on_dropped([first[1].id], "stale")
-    repl = drain(src)  # one replacement: p4, step 1 (counted prompts 0, 2, 3, 4)
-    assert [(p.id, p.step) for p in repl] == [("p00000004", 1)]
+    repl = drain(src)  # one replacement: p4, for step 0 (live prompts 0, 4 | 2, 3)
+    assert [(p.id, p.step) for p in repl] == [("p00000004", 0)]
     # killed here (no close); a new process rebuilds from the journal
     again = make(examples, pps=2, level=1, ledger=Ledger(tmp_path))
     assert again.next_step == src.next_step == 2 and again.num_issued == 5
