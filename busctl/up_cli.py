@@ -104,6 +104,7 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
     written;
     ``--dry-run`` runs the same checks, prints the resolved config and plan and stops."""
     from bus.auth import check_keys
+    from configs.api_keys import check_endpoint_keys
     from telemetry.tls import tls_from_config
     from busctl.cpu_bf16 import cpu_bf16_warning
     from busctl.launchers import make_launcher
@@ -126,6 +127,7 @@ def cmd_up(ns: argparse.Namespace, console: Console) -> int:
         cfg.supervisor.ray_address = ns.address or cfg.supervisor.ray_address
         placement = apply_placement(cfg)  # trainer.device and producers.dtype resolved in cfg
         check_keys(cfg.bus)  # the CurveZMQ key files, read here at launch (the config imports no bus)
+        check_endpoint_keys(cfg.producers.endpoint_host, cfg.producers.endpoint_api_keys_file)  # beyond loopback
         if cfg.supervisor.launcher == "local" and (tls := tls_from_config(cfg.bus)) is not None:
             tls.server_files(supervisor_metrics_host(cfg))  # metrics TLS: a server certificate naming this host
         checked = cfg.model_copy(deep=True) if ns.dry_run else cfg  # --dry-run prints the paths as given

@@ -144,7 +144,15 @@ class ProducersConfig(EngineFields):
     )
     endpoint_host: str = Field(
         "127.0.0.1",
-        description="Address the producers' endpoints bind (0.0.0.0: reachable from other hosts; unauthenticated).",
+        description="Address the producers' endpoints bind (0.0.0.0: reachable from other hosts). Beyond loopback "
+        "every request needs an API key (X-API-Key or Authorization: Bearer): RLBUS_SERVE_API_KEYS, "
+        "endpoint_api_keys_file, or the key each producer makes for its own agents; busctl up refuses such a run "
+        "with no key for outside clients.",
+    )
+    endpoint_api_keys_file: str = Field(
+        "",
+        description="A file of API keys (one per line) the producers' endpoints accept when endpoint_host is not "
+        "loopback; RLBUS_SERVE_API_KEYS (comma-separated) adds keys.",
     )
     share_gpus_with_trainer: bool = Field(
         False,

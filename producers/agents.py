@@ -1,6 +1,7 @@
 """Agent groups in a producer: each of a group's ``n`` samples is one call of the task's agent function
-(:mod:`tasks.agent`, in isolated children) against this producer's OpenAI-compatible endpoint, recorded as a
-token-exact episode (:mod:`producers.endpoint_episodes`; episodes ``<request_id>-<j>``, seed ``seed + j``).
+(:mod:`tasks.agent`, in isolated children) against this producer's OpenAI-compatible endpoint (presenting its
+``api_key``), recorded as a token-exact episode (:mod:`producers.endpoint_episodes`; episodes
+``<request_id>-<j>``, seed ``seed + j``).
 
 The group's prompt is the longest common prefix of the episodes' first prompts; the rest of each leads its
 completion as environment tokens. A failed agent call (raised, timed out, crashed, no finite float) keeps its
@@ -85,7 +86,8 @@ class AgentRunner:
         try:
             async with self._lock:
                 started = time.perf_counter()
-                results = await asyncio.to_thread(self.calls.run, [(k, [self.endpoint.url, i, example]) for i in ids])
+                calls = [(k, [self.endpoint.url, i, example, self.endpoint.api_key]) for i in ids]
+                results = await asyncio.to_thread(self.calls.run, calls)
             ENV_SECONDS.observe(time.perf_counter() - started)
         finally:
             recorded = [self.endpoint.episodes.close(i) for i in ids]

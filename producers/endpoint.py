@@ -7,18 +7,23 @@ Fields taken: :data:`FIELDS` (``prompt`` may be token ids; ``logprobs`` gives th
 go to the chat template and Qwen/Hermes ``<tool_call>`` blocks come back as ``tool_calls``); ``user``,
 ``metadata``, ``store``, ``tool_choice``, ``parallel_tool_calls`` are ignored; others are HTTP 400. A request
 naming an open episode (header ``X-Rlbus-Episode``, else ``user``) samples with the run's settings, not the
-client's, and needs ``n=1``; an unknown episode is 404; a prompt over ``max_model_len`` is 400.
+client's, and needs ``n=1``; an unknown episode is 404; a prompt over ``max_model_len`` is 400. Bound beyond
+loopback, every request needs an API key (:mod:`configs.api_keys`: those of ``RLBUS_SERVE_API_KEYS`` and
+``keys_file``, plus :attr:`OpenAIEndpoint.api_key`, made here for the producer's own agents); a missing or wrong
+one gets 401 and nothing else.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import time
 from typing import Any
 
 from prometheus_client import Counter, Gauge
 
+from configs.api_keys import is_loopback, key_ok, read_keys, request_key
 from producers.endpoint_episodes import EPISODE_HEADER, EndpointEpisodes, RecordedTurn, chat_prompt_ids, reply_message
 
 log = logging.getLogger(__name__)
@@ -27,11 +32,11 @@ ROUTES = ("chat", "completions")
 REQUESTS = Counter(
     "rlbus_producer_endpoint_requests_total",
     "Requests to the producer's OpenAI-compatible endpoint, by route (chat, completions) and "
-    "status (ok, bad_request, unknown_episode, error)",
+    "status (ok, bad_request, unknown_episode, error, unauthorized: no or a wrong API key)",
     ["route", "status"],
 )
 for _route in ROUTES:
-    for _status in ("ok", "bad_request", "unknown_episode", "error"):
+    for _status in ("ok", "bad_request", "unknown_episode", "error", "unauthorized"):
         REQUESTS.labels(_route, _status)
 
 PORT = Gauge(
@@ -61,6 +66,10 @@ FIELDS = {
     "completions": _COMMON | {"prompt"},
 }
 DEFAULT_MAX_TOKENS = 256
+PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+UNAUTHORIZED = {
+    "error": {"message": "invalid or missing API key", "type": "invalid_request_error", "code": "invalid_api_key"}
+}
 
 
 class BadRequest(ValueError):
@@ -124,7 +133,9 @@ def sampling_of(body: dict, route: str, sampling: dict[str, Any] | None) -> tupl
 
 
 class OpenAIEndpoint:
-    """The HTTP server of one producer on its started engine; ``port`` 0: any free one (see :attr:`url`)."""
+    """The HTTP server of one producer on its started engine; ``port`` 0: any free one (see :attr:`url`).
+    ``keys_file``: the API keys accepted beyond loopback besides ``RLBUS_SERVE_API_KEYS``'s and :attr:`api_key`.
+    ValueError: an unreadable ``keys_file``."""
 
     def __init__(
         self,
@@ -135,6 +146,7 @@ class OpenAIEndpoint:
         host: str = "127.0.0.1",
         port: int = 0,
         model_name: str = "rlbus-policy",
+        keys_file: str = "",
     ) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be in 0..65535 (0 = any free), got {port}")
@@ -142,6 +154,14 @@ class OpenAIEndpoint:
         self.host, self.port, self.model_name = host, port, model_name
         self.episodes = EndpointEpisodes()  # open one before the agent runs, close it after
         self.url: str | None = None  # http://host:port/v1 once started: openai.OpenAI's base_url
+        self.api_key = "rlbus"  # the key this producer's agents present (unchecked on loopback)
+        self.keys: frozenset[str] | None = None  # accepted keys; None: loopback, no check
+        if not is_loopback(host):
+            self.api_key = f"rlbus-run-{secrets.token_urlsafe(24)}"
+            outside = read_keys(keys_file, what="producers.endpoint_api_keys_file")
+            if not outside:
+                log.warning("endpoint on %s: no RLBUS_SERVE_API_KEYS or keys file; only this producer's agents", host)
+            self.keys = outside | {self.api_key}
         self._runner = None
         self._ids = itertools.count()
 
@@ -149,7 +169,15 @@ class OpenAIEndpoint:
         """Bind and serve on the running event loop; returns :attr:`url`."""
         from aiohttp import web
 
-        app = web.Application(client_max_size=64 * 2**20)
+        @web.middleware
+        async def guard(request: Any, handler: Any) -> Any:
+            if self.keys is not None and not key_ok(request_key(request.headers), self.keys):
+                if request.path in PATHS:
+                    REQUESTS.labels(PATHS[request.path], "unauthorized").inc()
+                return web.json_response(UNAUTHORIZED, status=401)
+            return await handler(request)
+
+        app = web.Application(client_max_size=64 * 2**20, middlewares=[guard])
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
@@ -158,7 +186,8 @@ class OpenAIEndpoint:
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
         port = self._runner.addresses[0][1]
-        self.url = f"http://{self.host if self.host != '0.0.0.0' else '127.0.0.1'}:{port}/v1"
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        self.url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
         PORT.set(port)
         log.info("OpenAI-compatible endpoint at %s", self.url)
         return self.url

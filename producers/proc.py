@@ -167,6 +167,7 @@ class ProducerProc(Component):
                 max_model_len=cfg.model.max_model_len,
                 host=cfg.producers.endpoint_host,
                 port=port + self.index if port else 0,
+                keys_file=cfg.producers.endpoint_api_keys_file,
             )
             self.loop.run_until_complete(self.endpoint.start())
         if self.agent:

@@ -17,18 +17,18 @@ EPISODE_HEADER = "X-Rlbus-Episode"
 CLIENT_TIMEOUT_S = 600.0  # per HTTP request; the call's own timeout (task.agent_timeout_s) bounds the episode
 
 
-def resolve_agent_fn(ref: str) -> Callable[[str, str, dict], Any]:
-    """The children's resolver: the agent at ``ref`` as ``(base_url, episode_id, example) -> reward``,
-    called with an ``openai.OpenAI`` client for that endpoint and episode. ValueError as
-    :func:`tasks.import_path.import_callable`."""
+def resolve_agent_fn(ref: str) -> Callable[..., Any]:
+    """The children's resolver: the agent at ``ref`` as ``(base_url, episode_id, example, api_key) -> reward``,
+    called with an ``openai.OpenAI`` client for that endpoint, episode and key (the producer's, needed beyond
+    loopback). ValueError as :func:`tasks.import_path.import_callable`."""
     fn = import_callable(ref, "agent")
 
-    def call(base_url: str, episode_id: str, example: dict) -> Any:
+    def call(base_url: str, episode_id: str, example: dict, api_key: str = "rlbus") -> Any:
         import openai
 
         client = openai.OpenAI(
             base_url=base_url,
-            api_key="rlbus",
+            api_key=api_key,
             default_headers={EPISODE_HEADER: episode_id},
             max_retries=0,
             timeout=CLIENT_TIMEOUT_S,

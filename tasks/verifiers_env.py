@@ -109,13 +109,13 @@ def make_task(name: str, args: dict[str, Any] | None = None) -> Task:
     return Task(name=name, load=functools.partial(load_examples, module, args), agent=AGENT)
 
 
-async def _run(env: Any, row: dict, base_url: str, episode_id: str) -> dict:
+async def _run(env: Any, row: dict, base_url: str, episode_id: str, api_key: str) -> dict:
     import openai
     import verifiers as vf
 
     native = openai.AsyncOpenAI(
         base_url=base_url,
-        api_key="rlbus",
+        api_key=api_key,
         default_headers={EPISODE_HEADER: episode_id},
         max_retries=0,
         timeout=CLIENT_TIMEOUT_S,
@@ -133,5 +133,6 @@ def rollout(client: Any, example: dict) -> float:
     if not isinstance(spec, dict) or not isinstance(spec.get("row"), dict):
         raise ValueError("a verifiers rollout needs example['info']['verifiers'] = {'module', 'args', 'row'}")
     env = load_env(spec["module"], spec.get("args") or {})
-    out = asyncio.run(_run(env, spec["row"], str(client.base_url), client.default_headers[EPISODE_HEADER]))
+    episode_id = client.default_headers[EPISODE_HEADER]
+    out = asyncio.run(_run(env, spec["row"], str(client.base_url), episode_id, client.api_key))
     return float(out["reward"])
