@@ -31,6 +31,7 @@ def cmd_serve(ns: argparse.Namespace, console: Console) -> int:
     from configs.model_path import resolve_run_model_paths
     from configs.schema import load_config
     from service.keys import load_keys
+    from service.proc import tls_files
 
     config_path, overrides = split_config_args(ns.args)
     try:
@@ -39,6 +40,7 @@ def cmd_serve(ns: argparse.Namespace, console: Console) -> int:
         check_keys(cfg.bus)
         resolve_run_model_paths(cfg)
         load_keys(cfg.serve.api_keys_file)
+        tls_files(cfg.bus, cfg.serve.host)  # a run with keys serves HTTPS: a certificate for serve.host
         occupant = inspect_run_dir(Path(cfg.run_dir))
     except (ValueError, FileNotFoundError) as err:
         print_error(str(err))

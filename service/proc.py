@@ -1,6 +1,9 @@
 """The ``serve`` component of ``busctl serve``: the FastAPI app (:mod:`service.app`) under uvicorn on
 ``serve.host:serve.port``, with the trainer link on the ``api`` topic. Its address goes to
-``RUN_DIR/serve.json`` (``{"url": ...}``) once it listens; a restarted trainer's lost calls fail there.
+``RUN_DIR/serve.json`` (``{"url": ...}``) once it listens; a restarted trainer's lost calls fail there. A run
+with keys (tcp + ``bus.curve_keys_dir``, ``busctl keys``) serves HTTPS with the server certificate the metrics
+servers would serve at ``serve.host`` (:meth:`telemetry.tls.MetricsTls.server_files`; no client certificate
+asked: the API key authenticates), and the URL is ``https://``.
 """
 
 from __future__ import annotations
@@ -19,8 +22,22 @@ from service.futures import Futures
 from service.keys import load_keys
 from service.state import ServiceState
 from service.trainer_link import TrainerLink
+from telemetry.tls import TlsSettings, tls_from_config
 
 log = logging.getLogger(__name__)
+
+
+def tls_files(bus: TlsSettings, host: str) -> tuple[str, str] | None:
+    """``(certificate, key)`` of the API bound at ``host`` on a run with keys, else None (plain HTTP).
+    ValueError: as :func:`telemetry.tls.tls_from_config` and :meth:`telemetry.tls.MetricsTls.server_files`."""
+    tls = tls_from_config(bus)
+    return None if tls is None else tuple(str(p) for p in tls.server_files(host))  # type: ignore[return-value]
+
+
+def api_server(app: object, certs: tuple[str, str] | None) -> uvicorn.Server:
+    """uvicorn serving ``app``, over TLS with ``certs`` (from :func:`tls_files`) when given."""
+    tls = {"ssl_certfile": certs[0], "ssl_keyfile": certs[1]} if certs else {}
+    return uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", **tls))
 
 
 class ServeProc(Component):
@@ -38,9 +55,9 @@ class ServeProc(Component):
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((s.host, s.port))
         host, port = self.sock.getsockname()[:2]
-        self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
-        config = uvicorn.Config(build_app(self.state), log_level="warning", access_log=False, lifespan="on")
-        self.server = uvicorn.Server(config)
+        certs = tls_files(self.cfg.bus, s.host)
+        self.url = f"{'https' if certs else 'http'}://{host if ':' not in host else f'[{host}]'}:{port}"
+        self.server = api_server(build_app(self.state), certs)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
