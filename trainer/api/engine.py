@@ -116,6 +116,9 @@ class ApiEngine:
             if lora.get("seed") is not None:
                 torch.manual_seed(int(lora["seed"]))
         model = load_policy(path, section).to(self.device)
+        head = _untied_head(model) if lora is not None and lora.get("train_unembed", True) else None
+        if head is not None:  # train_unembed (the SDK's default): the LM head trains in full beside the adapter
+            head[1].weight.requires_grad_(True)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
         return ServedModel(model_id, base_model, path, lora, model, optimizer)
@@ -252,6 +255,8 @@ class ApiEngine:
         out.mkdir(parents=True, exist_ok=True)
         if kind == "weights":
             sm.model.save_pretrained(out)
+            if sm.lora is not None:
+                _save_trained_head(sm.model, out)
             torch.save(sm.optimizer.state_dict(), out / "optimizer.pt")
         else:  # what the sampler loads: the whole policy, a LoRA adapter merged in
             from safetensors.torch import save_file
@@ -330,7 +335,14 @@ def _load_weights(model: torch.nn.Module, src: Path, *, lora: bool) -> None:
     from safetensors.torch import load_file
 
     if lora:
-        set_peft_model_state_dict(model, load_file(src / "adapter_model.safetensors"))
+        state = load_file(src / "adapter_model.safetensors")
+        name, head = _untied_head(model) or ("", None)
+        saved = state.pop(f"{PEFT_PREFIX}{name}.weight", None) if head is not None else None
+        if (saved is not None) != (head is not None and head.weight.requires_grad):
+            raise UserError("the checkpoint and the model differ in train_unembed (a trained LM head)")
+        set_peft_model_state_dict(model, state)
+        if saved is not None:
+            head.weight.copy_(saved)
         return
     state: dict[str, Any] = {}
     for f in sorted(src.glob("*.safetensors")):
@@ -338,3 +350,33 @@ def _load_weights(model: torch.nn.Module, src: Path, *, lora: bool) -> None:
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [m for m in missing if "lm_head" not in m]:
         raise UserError(f"checkpoint does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+
+
+PEFT_PREFIX = "base_model.model."
+"""peft's prefix of a module's tensors in ``adapter_model.safetensors`` (a ``modules_to_save`` head included)."""
+
+
+def _untied_head(model: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
+    """``(module name, module)`` of the LM head, None when it shares its weight with the input embeddings."""
+    head = model.get_output_embeddings()
+    if head is None or head.weight is model.get_input_embeddings().weight:
+        return None
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return next(n for n, m in inner.named_modules() if m is head), head
+
+
+@torch.no_grad()
+def _save_trained_head(model: torch.nn.Module, out: Path) -> None:
+    """Add a LoRA client's trained LM head to its peft files as peft writes a ``modules_to_save`` head, so
+    ``PeftModel.from_pretrained`` reads it."""
+    from safetensors.torch import load_file, save_file
+
+    name, head = _untied_head(model) or ("", None)
+    if head is None or not head.weight.requires_grad:
+        return
+    state = load_file(out / "adapter_model.safetensors")
+    state[f"{PEFT_PREFIX}{name}.weight"] = head.weight.detach().to("cpu").clone()
+    save_file(state, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "adapter_config.json").read_text())
+    config["modules_to_save"] = sorted({*(config.get("modules_to_save") or []), name})
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
