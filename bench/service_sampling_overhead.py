@@ -1,5 +1,5 @@
 """What sampling through ``busctl serve`` costs over the producer's engine used directly: the same work (N
-reverse_text prompts x G completions of at most T tokens, temperature 1, a fixed seed per prompt) through the
+reverse_text prompts x G completions of at most T tokens, temperature 1, optionally a fixed seed per prompt) through the
 official Tinker SDK (``create_sampling_client`` + ``sample``, all futures issued before the first result is read,
 as a client does) against ``asyncio.gather`` of the same requests on a :class:`producers.engine.RolloutEngine`
 built by ``producers.engines.build_engine`` from the same config in a process of its own (the sampler component's
@@ -53,7 +53,7 @@ async def one_rep(engine, job: dict) -> list:
                 temperature=1.0,
                 top_p=1.0,
                 max_tokens=job["tokens"],
-                seed=job["seed"] + i,
+                seed=None if job["seed"] is None else job["seed"] + i,
                 request_id=f"r{job['rep']}-{i}",
                 detokenize=False,
             )
@@ -92,7 +92,9 @@ def through_api(sampler, job: dict) -> dict:
         sampler.sample(
             types.ModelInput.from_ints(p),
             job["samples"],
-            types.SamplingParams(max_tokens=job["tokens"], temperature=1.0, seed=job["seed"] + i),
+            types.SamplingParams(
+                max_tokens=job["tokens"], temperature=1.0, seed=None if job["seed"] is None else job["seed"] + i
+            ),
         )
         for i, p in enumerate(job["prompts"])
     ]
@@ -122,6 +124,13 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--samples", type=int, default=8, help="completions per prompt (num_samples)")
     parser.add_argument("--tokens", type=int, default=32, help="max_tokens")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="prompt i samples with seed + i (identical work in both arms); vLLM 0.32 on CPU kills the engine when a "
+        "seeded request's prefill is chunked (> 2048 tokens in a step: 'CPU Generator does not use offset')",
+    )
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "RUN_DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -159,7 +168,7 @@ def main() -> None:
         ps = prompts(model, args.prompts)
         rows: dict[str, list[dict]] = {"api": [], "direct": []}
         for rep in range(args.reps + 1):  # rep 0 warms both up; the arm that goes first alternates
-            job = {"prompts": ps, "samples": args.samples, "tokens": args.tokens, "seed": 1000, "rep": rep}
+            job = {"prompts": ps, "samples": args.samples, "tokens": args.tokens, "seed": args.seed, "rep": rep}
             order = ["api", "direct"] if rep % 2 == 0 else ["direct", "api"]
             for arm in order:
                 r = through_api(sampler, job) if arm == "api" else direct(eng, job)
