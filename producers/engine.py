@@ -352,9 +352,11 @@ def device_engine_args(
 ) -> dict[str, Any]:
     """The `AsyncEngineArgs` fields that depend on where the engine runs.
 
-    CPU: `{"kv_cache_memory_bytes"}` (tensor parallelism ignored). CUDA: `{"tensor_parallel_size"}` plus
-    `gpu_memory_utilization` (fraction of each GPU, KV cache included) or, without it, `kv_cache_memory_bytes`.
-    ValueError: `tensor_parallel_size < 1`, `gpu_memory_utilization` outside (0, 1].
+    CPU: `{"kv_cache_memory_bytes", "enable_chunked_prefill": False}` (tensor parallelism ignored; a seeded request
+    whose prompt a chunked prefill splits kills vLLM 0.32's CPU engine: "CPU Generator does not use offset").
+    CUDA: `{"tensor_parallel_size"}` plus `gpu_memory_utilization` (fraction of each GPU, KV cache included) or,
+    without it, `kv_cache_memory_bytes`. ValueError: `tensor_parallel_size < 1`, `gpu_memory_utilization` outside
+    (0, 1].
     """
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
@@ -363,7 +365,7 @@ def device_engine_args(
     if not on_gpu:
         if tensor_parallel_size != 1:
             logger.warning("tensor_parallel_size=%d ignored: vLLM runs on CPU here", tensor_parallel_size)
-        return {"kv_cache_memory_bytes": kv_cache_bytes}
+        return {"kv_cache_memory_bytes": kv_cache_bytes, "enable_chunked_prefill": False}
     if gpu_memory_utilization is None:
         return {"tensor_parallel_size": tensor_parallel_size, "kv_cache_memory_bytes": kv_cache_bytes}
     return {"tensor_parallel_size": tensor_parallel_size, "gpu_memory_utilization": gpu_memory_utilization}

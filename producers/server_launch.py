@@ -74,8 +74,8 @@ def server_command(
             cmd += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
         else:
             cmd += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
-    else:
-        cmd += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
+    else:  # chunked prefill off: a split seeded prompt kills vLLM 0.32's CPU engine (engine.device_engine_args)
+        cmd += ["--kv-cache-memory-bytes", str(kv_cache_bytes), "--no-enable-chunked-prefill"]
     return cmd + list(extra_args)
 
 

@@ -309,7 +309,7 @@ def test_trainer_device_on_this_cpu_host():
 def test_producer_engine_args_per_device():
     assert device_engine_args(
         on_gpu=False, kv_cache_bytes=2**30, tensor_parallel_size=1, gpu_memory_utilization=0.4
-    ) == {"kv_cache_memory_bytes": 2**30}
+    ) == {"kv_cache_memory_bytes": 2**30, "enable_chunked_prefill": False}
     assert device_engine_args(
         on_gpu=True, kv_cache_bytes=2**30, tensor_parallel_size=2, gpu_memory_utilization=0.4
     ) == {"tensor_parallel_size": 2, "gpu_memory_utilization": 0.4}

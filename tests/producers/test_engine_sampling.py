@@ -118,6 +118,25 @@ def test_seed_makes_a_group_reproducible(engine):
     assert other_seed != batched
 
 
+def test_seeded_groups_whose_prompts_exceed_one_step_all_complete(engine):
+    """32 seeded groups of 8 x 100 prompt tokens (25,600 > the 2,048 tokens of a step): with chunked prefill a
+    seeded prompt split across steps killed the CPU engine ("CPU Generator does not use offset")."""
+    eng, _, loop = engine
+
+    async def many():
+        return await asyncio.gather(
+            *[
+                eng.generate_group(
+                    list(range(65, 165)), n=8, temperature=1.0, top_p=1.0, max_tokens=4, request_id=f"s{i}", seed=i
+                )
+                for i in range(32)
+            ]
+        )
+
+    groups = loop.run_until_complete(many())
+    assert [len(g) for g in groups] == [8] * 32
+
+
 def test_without_detokenization_the_samples_are_the_same_and_carry_no_text(engine):
     with_text = _generate(engine, "detok", n=4, seed=99)
     without = _generate(engine, "no-detok", n=4, seed=99, detokenize=False)
