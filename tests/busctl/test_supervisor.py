@@ -98,10 +98,12 @@ class RunningSupervisor:
         """Poll ``status.json`` until ``predicate(components by name)``; fail naming ``what``."""
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
-            if (self.run_dir / "status.json").exists():
+            try:
                 comps = self.components()
-                if predicate(comps):
-                    return comps
+            except FileNotFoundError:  # not written yet, or the previous run's, removed by a resume meanwhile
+                comps = None
+            if comps is not None and predicate(comps):
+                return comps
             if not self.thread.is_alive():
                 pytest.fail(f"supervisor ended (code {self.code}) before: {what}\n{self.out.getvalue()}")
             time.sleep(0.05)
