@@ -22,7 +22,7 @@ from typing import Any
 from configs.model_path import resolve_model_path
 from producers.rollout_sample import Sample, token_versions
 from producers.vllm_idle import BUSY_LOOP_ENV
-from producers.vllm_procs import build_async_llm, kill_engine_cores
+from producers.vllm_procs import build_async_llm, forks_safely, kill_engine_cores
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +39,9 @@ class RolloutEngine:
     `model_path`: HF directory or a hub id in the local cache (FileNotFoundError if neither). `kv_cache_bytes`: KV
     cache size in bytes. `warmup`: one short request in `start()` (the eager first batch costs ~3 s on CPU).
     `fork_engine_core`: on CPU fork the EngineCore (`producers.vllm_procs.build_async_llm`; only in a process that
-    has run no OpenMP work). `dtype`: `producers.dtype` ("auto" resolved by `broadcaster.dtypes`). `busy_loop_s`:
-    cap on vLLM's queue readers' busy-poll (`producers.vllm_idle`; None: vLLM's 1 s). `engine_kwargs` override
-    `AsyncEngineArgs`.
+    has run no OpenMP work; None: if this process called `producers.vllm_procs.pin_torch_to_one_thread`).
+    `dtype`: `producers.dtype` ("auto" resolved by `broadcaster.dtypes`). `busy_loop_s`: cap on vLLM's queue
+    readers' busy-poll (`producers.vllm_idle`; None: vLLM's 1 s). `engine_kwargs` override `AsyncEngineArgs`.
     ValueError: `max_model_len < 2`, a negative `busy_loop_s`, an unknown `update_mode`.
     """
 
@@ -61,7 +61,7 @@ class RolloutEngine:
         gpu_memory_utilization: float | None = None,
         engine_kwargs: dict[str, Any] | None = None,
         update_mode: str = "keep",
-        fork_engine_core: bool = False,
+        fork_engine_core: bool | None = None,
     ) -> None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
@@ -90,7 +90,7 @@ class RolloutEngine:
         self._engine_kwargs.update(engine_kwargs or {})
         self._version = initial_version
         self._warmup = warmup
-        self._fork_engine_core = fork_engine_core
+        self._fork_engine_core = forks_safely() if fork_engine_core is None else fork_engine_core
         self._llm = None
         self._update_lock = None
         self._broken: str | None = None

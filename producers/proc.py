@@ -136,6 +136,7 @@ class ProducerProc(Component):
                 kv_cache_bytes=int(cfg.teacher.kv_cache_gib * 2**30),
                 seed=cfg.producers.seed + self.index,
                 dtype=cfg.producers.dtype,
+                fork_engine_core=True,  # set up before any torch work here, as the policy's engine (producers.engines)
             )
             self.loop.run_until_complete(self.teacher.start())
         r = cfg.rewards

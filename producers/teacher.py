@@ -21,11 +21,19 @@ from producers.engine import RolloutEngine
 class Teacher:
     """A teacher model on its own vLLM engine in the producers' ``dtype``, scoring completions token by token.
 
-    ``max_model_len``: the policy's. ValueError: an empty ``model_path``; FileNotFoundError: not found.
+    ``max_model_len``: the policy's. ``fork_engine_core``: as :class:`producers.engine.RolloutEngine`'s.
+    ValueError: an empty ``model_path``; FileNotFoundError: not found.
     """
 
     def __init__(
-        self, model_path: str | Path, *, max_model_len: int, kv_cache_bytes: int, seed: int = 0, dtype: str = "float32"
+        self,
+        model_path: str | Path,
+        *,
+        max_model_len: int,
+        kv_cache_bytes: int,
+        seed: int = 0,
+        dtype: str = "float32",
+        fork_engine_core: bool | None = None,
     ) -> None:
         if not str(model_path):
             raise ValueError("teacher model_path is empty")
@@ -37,6 +45,7 @@ class Teacher:
             warmup=False,
             dtype=dtype,
             engine_kwargs={"logprobs_mode": "raw_logprobs"},
+            fork_engine_core=fork_engine_core,
         )
 
     async def start(self) -> float:

@@ -7,9 +7,9 @@ one vLLM import (~6 s on the 2-core host) less and no shared-memory queue to bus
 10-15x slower), and an eager engine `TORCH_COMPILE_DISABLE=1` (vLLM's inductor-compiled sampler helper cost ~1.8 s
 at warm-up, nothing after). Only the EngineCore sees these; the caller's environment is restored.
 `build_async_llm(fork=True)` forks the EngineCore from the caller once vLLM is imported there (a spawned one imports
-torch and vLLM again, ~7 s of CPU on the 2-core host), for a process that has run no OpenMP work yet (a producer at
-start; not a test process), and `kill_engine_cores` ends it at close without vLLM's slow teardown. On a GPU nothing
-changes. See docs/ARCHITECTURE.md, "vLLM on a CPU host".
+torch and vLLM again, ~7 s of CPU on the 2-core host, 14 s of wall), for a process whose OpenMP pool never started (a
+producer at start, or one that called `pin_torch_to_one_thread` first: a test process), and `kill_engine_cores` ends
+it at close without vLLM's slow teardown. On a GPU nothing changes. See docs/ARCHITECTURE.md, "vLLM on a CPU host".
 """
 
 from __future__ import annotations
@@ -23,7 +23,15 @@ from typing import Any
 
 from lifecycle.parent_death import die_with_parent
 
-__all__ = ["MULTIPROCESSING_ENV", "build_async_llm", "engine_core_env", "engine_core_threads", "kill_engine_cores"]
+__all__ = [
+    "MULTIPROCESSING_ENV",
+    "build_async_llm",
+    "engine_core_env",
+    "engine_core_threads",
+    "forks_safely",
+    "kill_engine_cores",
+    "pin_torch_to_one_thread",
+]
 
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 """vLLM's switch; "0" while the engine is built keeps the CPU Worker inside the EngineCore."""
@@ -56,6 +64,26 @@ def engine_core_env(*, on_gpu: bool, eager: bool = True) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+_pinned = False  # pin_torch_to_one_thread was called
+
+
+def pin_torch_to_one_thread() -> None:
+    """Run this process's torch on one thread, so that an EngineCore forked from it is safe at any later time. Call
+    it before any torch work: a child forked after a GNU OpenMP pool started hangs in its first parallel region (a
+    pinned process never starts the pool; the fork sets its own thread count). For a process that runs torch work
+    and then builds engines: a test process."""
+    global _pinned
+    import torch
+
+    torch.set_num_threads(1)
+    _pinned = True
+
+
+def forks_safely() -> bool:
+    """Whether `pin_torch_to_one_thread` was called in this process (an engine's default for forking)."""
+    return _pinned
 
 
 _forking = False  # True while build_async_llm forks: read by the child's at-fork hook

@@ -6,6 +6,8 @@ A heavy test file starts vLLM, whole pipeline runs or a cluster (Slurm, Ray, net
 files out without importing them; ``--heavy`` runs only those. Under ``pytest -n 2 --dist loadgroup`` each file
 runs whole on one worker (module fixtures set up once); one worker takes the files that start pipelines or
 clusters (:data:`PIPELINE_USES`) first, the other the light files, until its kind runs out.
+This process runs torch on one thread (:func:`producers.vllm_procs.pin_torch_to_one_thread`), so the vLLM engines
+the tests build fork their EngineCore instead of spawning one that imports torch and vLLM again (~14 s each).
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ from typing import Callable
 
 import pytest
 from prometheus_client import REGISTRY
+
+from producers.vllm_procs import pin_torch_to_one_thread
+
+pin_torch_to_one_thread()  # before any test's torch work
 
 PIPELINE_USES = (
     "pytest.mark.e2e",  # a whole `busctl up` pipeline run with vLLM (the marker's meaning)
