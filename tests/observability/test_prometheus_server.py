@@ -7,6 +7,9 @@
   a few steps, the test stops the run; then every panel expression of every dashboard is queried
   with ``query_range`` over the run's window (Prometheus keeps the samples after the targets are
   gone) and must return data. The ``busctl serve`` row is left to tests/service/test_tinker_sdk.py.
+  The same run is watched with ``busctl status`` from a second process: the components' throughput and
+  queue depth columns fill in from their live metrics, the header shows the trainer's step, reward and KL,
+  and ``busctl down`` stops the run (exit 130, progress lines and no live display: not a terminal).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -75,7 +79,7 @@ def start_run(run_dir: Path, policy: Path, log_path: Path) -> subprocess.Popen:
     """``busctl up`` of configs/reverse_text.yaml, tiny: steps of 16 samples of 16 tokens, online
     eval of 4 prompts x 2 rollouts (so pass@2 exists) on the base model and every 10 steps, the
     repetition filter on (counting only), gloo broadcast. ``max_steps`` is far away: the test
-    stops the run (SIGINT) once Prometheus has watched it long enough."""
+    stops the run (``busctl down``) once Prometheus and ``busctl status`` have watched it long enough."""
     cmd = [
         sys.executable,
         "-m",
@@ -127,6 +131,60 @@ def targets_up(prometheus: PrometheusServer) -> set[str]:
     return {t["labels"].get("instance", "") for t in prometheus.active_targets() if t["health"] == "up"}
 
 
+def busctl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "busctl", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+def status_rows(text: str) -> dict[str, list[str]]:
+    """``busctl status``'s component table: first cell -> the row's 11 cells."""
+    return {
+        cells[0]: cells
+        for line in text.splitlines()
+        if len(cells := [c.strip() for c in re.split("[│┃]", line)[1:-1]]) == 11
+    }
+
+
+def number(cell: str) -> float | None:
+    return None if cell == "-" else float(cell.rstrip("%").replace(",", ""))
+
+
+class StatusWatch:
+    """Polls ``busctl status RUN_DIR`` until each stage showed throughput (samples/s, tokens/s and a busy share, at
+    some poll: stages finish work in bursts) and a queue depth, and the header a trained step, reward and KL."""
+
+    STAGES = ("producer-0", "rewards-0", "trainer")
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir, self.seen, self.measured, self.queues = run_dir, "", set(), set()
+
+    def poll(self) -> bool:
+        """One ``busctl status``; whether everything was seen."""
+        shown = busctl("status", str(self.run_dir))
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        self.seen, rows = shown.stdout, status_rows(shown.stdout)
+        assert rows["component"][6:10] == ["samples/s", "tokens/s", "busy", "queue"]
+        self.measured |= {
+            n
+            for n in self.STAGES
+            if n in rows
+            and (number(rows[n][6]) or 0) > 0
+            and (number(rows[n][7]) or 0) > 0
+            and rows[n][8].endswith("%")
+        }
+        self.queues |= {n for n in self.STAGES if n in rows and number(rows[n][9]) is not None}
+        return self.done()
+
+    def done(self) -> bool:
+        header = re.search(rf"step \d+/{MAX_STEPS} \| reward [-0-9.]+ \| KL ", self.seen)
+        return self.measured == self.queues == set(self.STAGES) and header is not None
+
+    def missing(self) -> str:
+        return (
+            f"throughput of {set(self.STAGES) - self.measured}, queue depth of {set(self.STAGES) - self.queues}; "
+            f"last status:\n{self.seen}"
+        )
+
+
 def has_data(series: list[dict]) -> bool:
     """Some series has a sample (NaN included: a quantile of a histogram that saw nothing in the
     window is a real series without a value)."""
@@ -147,20 +205,27 @@ def test_every_panel_returns_data_from_a_real_run(prometheus: PrometheusServer, 
     follower = ScrapeConfigFollower(prometheus, run_dir / "prometheus.yml")
     started = time.time()
     proc = start_run(run_dir, policy, log_path)
-    all_up_at = None
+    all_up_at, status, next_status = None, StatusWatch(run_dir), 0.0
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
         # Prometheus applies a rewritten config within ~5 s (its discovery manager batches
-        # updates); watch the run until every target was up for WATCH_S and it trained
-        # MIN_STEPS, then stop it: its length depends on the machine, not on a step count
+        # updates); watch the run until every target was up for WATCH_S, it trained MIN_STEPS
+        # and `busctl status` showed everything, then stop it: its length depends on the machine
         while proc.poll() is None:
-            assert time.monotonic() < deadline, f"not watched long enough within {RUN_TIMEOUT_S} s"
+            assert time.monotonic() < deadline, (
+                f"not watched long enough within {RUN_TIMEOUT_S} s (all targets up at {all_up_at}; status: "
+                f"{status.missing()})"
+            )
             expected = run_targets(run_dir)
             if all_up_at is None and expected and expected <= targets_up(prometheus):
                 all_up_at = time.time()
-            if all_up_at and time.time() - all_up_at > WATCH_S and trained_steps(run_dir) >= MIN_STEPS:
-                proc.send_signal(signal.SIGINT)
-                proc.wait(timeout=60)
+            if expected and not status.done() and time.monotonic() > next_status:
+                status.poll()
+                next_status = time.monotonic() + 2.0
+            watched = all_up_at and time.time() - all_up_at > WATCH_S and trained_steps(run_dir) >= MIN_STEPS
+            if watched and status.done():
+                assert busctl("down", str(run_dir)).returncode == 0
+                proc.wait(timeout=120)
             time.sleep(0.5)
     finally:
         if proc.poll() is None:
@@ -172,7 +237,8 @@ def test_every_panel_returns_data_from_a_real_run(prometheus: PrometheusServer, 
     assert all_up_at is not None, (
         f"Prometheus never had every component up: {prometheus.active_targets()}\n{out[-3000:]}"
     )
-    assert proc.returncode in (0, 130), out[-5000:]  # 130: stopped by the test's SIGINT
+    assert proc.returncode == 130, out[-5000:]  # stopped by `busctl down`
+    assert "step " in out and "samples/s" not in out  # not a terminal: progress lines, no live display
 
     exprs = panel_exprs(RUN_NAME, rows=lambda row: row != SERVICE_ROW)  # tests/service/test_tinker_sdk.py
     empty, nan_only = [], []
