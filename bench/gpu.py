@@ -158,19 +158,21 @@ def start_engine(model_dir: Path, cpu: bool):
     from vllm import LLM
 
     from producers.engine import WORKER_EXTENSION_CLS, _ensure_repo_on_pythonpath
+    from producers.vllm_procs import engine_core_env
 
     _ensure_repo_on_pythonpath()
     memory = {"kv_cache_memory_bytes": 64 * 2**20} if cpu else {"gpu_memory_utilization": 0.35}
-    return LLM(
-        model=str(model_dir),
-        dtype="float32" if cpu else "bfloat16",
-        skip_tokenizer_init=True,
-        worker_extension_cls=WORKER_EXTENSION_CLS,
-        max_model_len=1024,
-        enforce_eager=cpu,
-        seed=0,
-        **memory,
-    )
+    with engine_core_env(on_gpu=not cpu):  # CPU: the engine and its worker in this process, nothing spawned
+        return LLM(
+            model=str(model_dir),
+            dtype="float32" if cpu else "bfloat16",
+            skip_tokenizer_init=True,
+            worker_extension_cls=WORKER_EXTENSION_CLS,
+            max_model_len=1024,
+            enforce_eager=cpu,
+            seed=0,
+            **memory,
+        )
 
 
 def bench_producer(llm, vocab: int, args) -> dict:
