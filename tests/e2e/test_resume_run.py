@@ -3,12 +3,12 @@ broadcast), checked with the fault tests' checker (:func:`tests.e2e.test_faults.
 every issued prompt has exactly one outcome, the trained groups are exactly the ledger's
 ``trained`` ids, each whole and once, steps ``0..max_steps-1`` each once in the surviving lineage).
 
-- a run stopped at a random step, in one of two ways: Ctrl-C (SIGINT) on ``busctl up``, which exits
-  130 within 30 s with every process gone (vLLM's engine processes included); or a SIGKILL of
-  ``busctl up`` alone, after which every component and vLLM engine process still exits (each asked
-  the kernel for SIGTERM when its parent dies, and SIGKILLs its own process group past
-  ``ORPHAN_GRACE_S``), each having run with ``CUDA_VISIBLE_DEVICES=''`` (a CPU plan); then (the
-  SIGKILL case with the packer's spool deleted) ``busctl up --resume RUN_DIR`` finishes the run:
+- one run stopped twice, in two ways: Ctrl-C (SIGINT) on ``busctl up``, which exits 130 within 30 s with
+  every process gone (vLLM's engine processes included); and, after a resume, a SIGKILL of ``busctl up``
+  alone, after which every component and vLLM engine process still exits (each asked the kernel for
+  SIGTERM when its parent dies, and SIGKILLs its own process group past ``ORPHAN_GRACE_S``), each having run
+  with ``CUDA_VISIBLE_DEVICES=''`` (a CPU plan); after each stop (the second with the packer's spool
+  deleted) ``busctl up --resume RUN_DIR`` goes on:
   the trainer from its last checkpoint, the packer from its spool (re-sending the steps it had
   planned) or, with the spool deleted, numbering steps from that checkpoint, the prompt
   source re-issuing the prompts without outcome (with the spool lost, the groups the surviving
@@ -16,9 +16,9 @@ every issued prompt has exactly one outcome, the trained groups are exactly the 
   trainer re-forms the weight broadcast group with the new producer: after the resume it applies
   the trainer's versions by broadcast, not through the filesystem.
 
-The runs evaluate online (the eval spool, :mod:`packer.eval_spool`, and the prompt source's eval
+The run evaluates online (the eval spool, :mod:`packer.eval_spool`, and the prompt source's eval
 journal, :mod:`prompts.eval_rounds`): every eval round of the run is reported exactly once in
-eval.jsonl, also across the stop (a kill in the middle of a round is tested on the component level,
+eval.jsonl, also across the stops (a kill in the middle of a round is tested on the component level,
 ``tests/packer/test_eval_recovery.py``). The packer SIGKILLed mid-run and continuing from its spool is
 part of tests/e2e/test_nemesis.py.
 """
@@ -103,22 +103,29 @@ def resumed_part(log: Path) -> str:
     return log.read_text().rsplit("(resume) =====", 1)[1]
 
 
-@pytest.mark.parametrize("stop, spool", [("sigint", "kept"), ("sigkill_supervisor", "lost")])
-def test_a_stopped_run_resumes(tmp_path: Path, policy: Path, stop: str, spool: str) -> None:
+def test_a_run_stopped_twice_resumes_each_time(tmp_path: Path, policy: Path) -> None:
+    """Ctrl-C at a random step, ``--resume`` with the packer's spool kept; then a SIGKILL of ``busctl up`` alone a
+    few steps later, the spool deleted, and ``--resume`` to the run's end."""
     run_dir = tmp_path / "run"
-    max_steps = 10
+    max_steps = 14
     rng = random.Random(int(os.environ.get("RLBUS_NEMESIS_SEED", "20261124")))
-    kill_at = rng.randint(3, 7)
     proc = busctl(
         run_dir, policy, f"trainer.max_steps={max_steps}", "trainer.checkpoint_interval=2", *FAST_FAILURE_DETECTION
     )
     with supervised(proc):
-        wait_for_steps(run_dir, proc, kill_at)
-        interrupt(run_dir, proc) if stop == "sigint" else sigkill_supervisor(run_dir, proc)
-    print(f"stopped by {stop} at step {trained_steps(run_dir)} (aimed at {kill_at})")
+        wait_for_steps(run_dir, proc, rng.randint(3, 5))
+        interrupt(run_dir, proc)
+    print(f"stopped by sigint at step {trained_steps(run_dir)}")
     assert (run_dir / "packer" / "spool.bin").is_file()
-    if spool == "lost":  # the packer then numbers steps from the trainer's checkpoint
-        shutil.rmtree(run_dir / "packer")
+
+    resumed = busctl_resume(run_dir)
+    with supervised(resumed):  # past the steps of the first lineage: this lineage's weights were broadcast
+        wait_for_steps(run_dir, resumed, trained_steps(run_dir) + rng.randint(3, 4))
+        sigkill_supervisor(run_dir, resumed)
+    print(f"stopped by a SIGKILL of busctl up at step {trained_steps(run_dir)}")
+    assert_resumed(run_dir, spool="kept")
+    assert (run_dir / "packer" / "spool.bin").is_file()
+    shutil.rmtree(run_dir / "packer")  # the packer then numbers steps from the trainer's checkpoint
 
     resumed = busctl_resume(run_dir)
     with supervised(resumed):
@@ -127,6 +134,15 @@ def test_a_stopped_run_resumes(tmp_path: Path, policy: Path, stop: str, spool: s
     acc = check_accounting(run_dir, max_steps)
     assert_eval_rounds_reported_once(run_dir, [0, max_steps])
     print("accounting:", acc["outcomes"], "issued", acc["issued"])
+    assert_resumed(run_dir, spool="lost")
+    final = (run_dir / "metrics_final" / "trainer.prom").read_text()
+    assert 'rlbus_trainer_weight_members{method="broadcast"} 1.0' in final
+
+
+def assert_resumed(run_dir: Path, spool: str) -> None:
+    """What the components of the last ``--resume`` logged: the trainer resumed from a checkpoint and re-formed the
+    weight group, whose new producer applied versions by broadcast; the packer resumed from its spool (``spool``
+    "kept") or numbered steps from the checkpoint and marked the groups trained below it seen ("lost")."""
     logs = run_dir / "logs"
     trainer_log = resumed_part(logs / "trainer.log")
     assert "resumed from" in trainer_log
@@ -137,13 +153,10 @@ def test_a_stopped_run_resumes(tmp_path: Path, policy: Path, stop: str, spool: s
         checkpoint = int(re.search(r"resumed from \S+step_(\d+) at step", trainer_log).group(1))
         assert int(re.search(r"step (\d+): \d+ micro-batch", packer_log).group(1)) == checkpoint
         assert re.search(r"\d+ group\(s\) trained below it marked seen", packer_log), packer_log[-3000:]
-    # the resumed trainer re-formed the weight group: the new producer applies its versions by broadcast
     assert re.search(r"weight group \d+ formed: producer-0 by broadcast", trainer_log), trainer_log[-3000:]
     producer_log = resumed_part(logs / "producer-0.log")
     assert "joined weight group" in producer_log
     assert re.search(r"applied policy version \d+ by broadcast", producer_log), producer_log[-3000:]
-    final = (run_dir / "metrics_final" / "trainer.prom").read_text()
-    assert 'rlbus_trainer_weight_members{method="broadcast"} 1.0' in final
 
 
 def busctl_resume(run_dir: Path) -> subprocess.Popen:
