@@ -74,7 +74,8 @@ def test_run_on_a_managed_vllm_server_survives_its_sigkill(tmp_path: Path, polic
     applied = [m.version for m in recorder.messages if isinstance(m, WeightsApplied) and m.producer == "producer-0"]
     assert applied == sorted(applied) and set(applied) >= set(range(1, MAX_STEPS))
     log = (run_dir / "logs" / "producer-0.log").read_text()
-    assert "exited; restarting it" in log
+    # the producer saw the loss: its monitor found the process gone, or the kill landed in a weight update
+    assert "exited; restarting it" in log or "lost during the update to version" in log, log[-3000:]
     assert f"applied policy version {MAX_STEPS - 1} by bus" in log
     synced = [line for line in log.splitlines() if "in sync at version" in line]
     assert len(synced) >= 2 and not synced[-1].endswith("in sync at version 0"), synced  # re-synced after the kill
