@@ -157,8 +157,8 @@ class StatusWatch:
     def __init__(self, run_dir: Path) -> None:
         self.run_dir, self.seen, self.measured, self.queues = run_dir, "", set(), set()
 
-    def poll(self) -> bool:
-        """One ``busctl status``; whether everything was seen."""
+    def poll(self) -> None:
+        """One ``busctl status``: what it shows is added to what was seen (:meth:`done` tells whether all was)."""
         shown = busctl("status", str(self.run_dir))
         assert shown.returncode == 0, shown.stdout + shown.stderr
         self.seen, rows = shown.stdout, status_rows(shown.stdout)
@@ -172,7 +172,6 @@ class StatusWatch:
             and rows[n][8].endswith("%")
         }
         self.queues |= {n for n in self.STAGES if n in rows and number(rows[n][9]) is not None}
-        return self.done()
 
     def done(self) -> bool:
         header = re.search(rf"step \d+/{MAX_STEPS} \| reward [-0-9.]+ \| KL ", self.seen)
